@@ -1,0 +1,224 @@
+"""Field specs, the stored config, and comparing a stored config with a requested one.
+
+A field spec is what users pass to ``ReplayBuffer(fields=...)``: ``'float'``, ``('int', 2)``,
+``('float', (3, 16, 16), 0.)`` or, as an extension, a dict with ``dtype``, ``shape``,
+``default``, ``chunks`` (time steps per chunk) and ``compressor`` (``'zstd:5'``, ``'none'``).
+The whole config serialises to plain JSON: a buffer never stores pickles.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+FORMAT_NAME = "replaybuf"
+FORMAT_VERSION = 1
+
+# the seed's short names, kept exactly: 'int' is int32, 'float' float32
+SHORT_DTYPES = {"int": "int32", "float": "float32", "bool": "bool", "uint8": "uint8"}
+
+RESERVED_META_FIELDS = ("episode_lens", "_generation")
+
+
+def parse_dtype(name: str, spec: Any) -> np.dtype:
+    """The numpy dtype for a dtype string of a field spec, or a TypeError naming the field."""
+    if not isinstance(spec, str):
+        raise TypeError(f"field {name!r}: dtype must be a string such as 'float' or 'uint8', got {spec!r}")
+    resolved = SHORT_DTYPES.get(spec, spec)
+    try:
+        dtype = np.dtype(resolved)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biuf" or dtype.names is not None:
+        raise TypeError(
+            f"field {name!r}: unknown dtype {spec!r}; expected one of {tuple(SHORT_DTYPES)} "
+            "or a numeric numpy dtype name such as 'float16' or 'int64'"
+        )
+    return dtype
+
+
+def _parse_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (int(shape),)
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape
+    ):
+        raise TypeError(f"field {name!r}: shape must be a positive int or a tuple of positive ints, got {shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One stored field: per timestep (``data/<name>``) or per episode (``meta/<name>``)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...] = ()
+    default: Any = None
+    chunks: int | None = None
+    compressor: str | None = None
+    spec: Any = field(default=None, compare=False)
+
+    @property
+    def fill(self) -> Any:
+        """The value stored where the user gave none: the declared default, else zero."""
+        return 0 if self.default is None else self.default
+
+    @property
+    def step_nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_json(self) -> dict:
+        out = {"dtype": self.dtype.name, "shape": list(self.shape), "default": self.default}
+        if self.chunks is not None:
+            out["chunks"] = self.chunks
+        if self.compressor is not None:
+            out["compressor"] = self.compressor
+        return out
+
+    @classmethod
+    def from_json(cls, name: str, data: dict) -> Field:
+        return parse_field(name, data)
+
+
+def parse_field(name: str, spec: Any) -> Field:
+    """Turn one user field spec into a Field, raising TypeError/ValueError that name the field."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"field name {name!r} is not a valid identifier")
+    chunks = compressor = None
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"dtype", "shape", "default", "chunks", "compressor"}
+        if unknown:
+            raise ValueError(
+                f"field {name!r}: unknown spec keys {sorted(unknown)}; "
+                "expected dtype, shape, default, chunks, compressor"
+            )
+        if "dtype" not in spec:
+            raise ValueError(f"field {name!r}: a dict spec needs a 'dtype' key")
+        dtype_spec, shape, default = spec["dtype"], spec.get("shape", ()), spec.get("default")
+        chunks, compressor = spec.get("chunks"), spec.get("compressor")
+    elif isinstance(spec, str):
+        dtype_spec, shape, default = spec, (), None
+    elif isinstance(spec, (tuple, list)) and len(spec) in (2, 3):
+        dtype_spec, shape = spec[0], spec[1]
+        default = spec[2] if len(spec) == 3 else None
+    else:
+        raise TypeError(
+            f"field {name!r}: spec must be 'dtype', (dtype, shape) or (dtype, shape, default), got {spec!r}"
+        )
+    dtype = parse_dtype(name, dtype_spec)
+    shape = _parse_shape(name, shape)
+    if default is not None:
+        if isinstance(default, (bool, int, float, np.generic)):
+            default = default.item() if isinstance(default, np.generic) else default
+        else:
+            raise TypeError(f"field {name!r}: default must be a number or bool, got {default!r}")
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"field {name!r}: chunks must be a positive number of timesteps, got {chunks!r}")
+    if compressor is not None:
+        parse_compressor(compressor, name)
+    return Field(name, dtype, shape, default, chunks, compressor, spec)
+
+
+def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
+    """``'zstd:5'`` -> ('zstd', 5); ``'none'`` -> ('none', None)."""
+    where = f"field {name!r}: " if name else ""
+    if not isinstance(text, str):
+        raise TypeError(f"{where}compressor must be a string such as 'zstd:3' or 'none', got {text!r}")
+    kind, _, level = text.partition(":")
+    if kind not in ("zstd", "none") or (level and not level.lstrip("-").isdigit()) or (kind == "none" and level):
+        raise ValueError(f"{where}unknown compressor {text!r}; expected 'zstd', 'zstd:LEVEL' or 'none'")
+    return kind, int(level) if level else None
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Everything that defines a buffer's layout; stored as JSON in the buffer."""
+
+    fields: dict[str, Field]
+    meta_fields: dict[str, Field]
+    max_episodes: int
+    max_timesteps: int
+    circular: bool = False
+
+    @classmethod
+    def build(cls, fields: dict, meta_fields: dict | None, max_episodes: int, max_timesteps: int,
+              circular: bool = False) -> Schema:
+        """Validate user arguments into a Schema."""
+        for arg, value in (("max_episodes", max_episodes), ("max_timesteps", max_timesteps)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if not isinstance(fields, dict) or not fields:
+            raise ValueError(f"fields must be a non-empty dict of name -> spec, got {fields!r}")
+        meta_fields = {} if meta_fields is None else meta_fields
+        if not isinstance(meta_fields, dict):
+            raise TypeError(f"meta_fields must be a dict of name -> spec, got {meta_fields!r}")
+        shared = sorted(set(fields) & set(meta_fields))
+        if shared:
+            raise ValueError(f"fields and meta_fields must not share names; both define {shared}")
+        reserved = sorted((set(fields) | set(meta_fields)) & set(RESERVED_META_FIELDS))
+        if reserved:
+            raise ValueError(f"field names {reserved} are reserved for the buffer's own bookkeeping")
+        return cls(
+            {n: parse_field(n, s) for n, s in fields.items()},
+            {n: parse_field(n, s) for n, s in meta_fields.items()},
+            int(max_episodes), int(max_timesteps), bool(circular),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "max_episodes": self.max_episodes,
+            "max_timesteps": self.max_timesteps,
+            "circular": self.circular,
+            "fields": {n: f.to_json() for n, f in self.fields.items()},
+            "meta_fields": {n: f.to_json() for n, f in self.meta_fields.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Schema:
+        return cls(
+            {n: Field.from_json(n, f) for n, f in data["fields"].items()},
+            {n: Field.from_json(n, f) for n, f in data["meta_fields"].items()},
+            int(data["max_episodes"]), int(data["max_timesteps"]), bool(data["circular"]),
+        )
+
+    def differences(self, passed: Schema) -> list[str]:
+        """One line per config key where ``self`` (stored) and ``passed`` differ."""
+        stored, wanted = self.to_json(), passed.to_json()
+        lines = []
+        for key in ("max_episodes", "max_timesteps", "circular"):
+            if stored[key] != wanted[key]:
+                lines.append(f"  {key}: stored {stored[key]!r} vs passed {wanted[key]!r}")
+        for group in ("fields", "meta_fields"):
+            for name in sorted(set(stored[group]) | set(wanted[group])):
+                a, b = stored[group].get(name), wanted[group].get(name)
+                if a != b:
+                    lines.append(f"  {group}.{name}: stored {_describe(a)} vs passed {_describe(b)}")
+        return lines
+
+    def check_matches(self, passed: Schema, location: str) -> None:
+        """Raise ValueError listing every differing key if the stored config is not ``passed``."""
+        lines = self.differences(passed)
+        if lines:
+            raise ValueError(
+                f"buffer at {location!r} was created with a different config:\n" + "\n".join(lines)
+                + "\nOpen it with ReplayBuffer.from_folder(...) to use the stored config, "
+                "or pass overwrite=True to recreate it (erasing its episodes)."
+            )
+
+    def field(self, name: str) -> Field:
+        """The Field called ``name``, data or meta."""
+        if name in self.fields:
+            return self.fields[name]
+        if name in self.meta_fields:
+            return self.meta_fields[name]
+        raise ValueError(
+            f"unknown field {name!r}; fields are {sorted(self.fields)}, meta fields are {sorted(self.meta_fields)}"
+        )
+
+
+def _describe(spec: dict | None) -> str:
+    return "(absent)" if spec is None else json.dumps(spec, sort_keys=True)
