@@ -691,6 +691,20 @@ class ReplayBuffer:
             out = {k: v.to(device) for k, v in out.items()}
         return out
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled buffer (e.g. sent to a DataLoader worker) is a read-only view of what was
+        committed; it carries no open handle and reopens its store lazily in the new process."""
+        state = dict(self.__dict__)
+        state.update(_group=None, _log_pending=[], _log_written=False, read_only=True)
+        del state["memory_namedtuple"], state["meta_data"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.storage.read_only = True
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+
     def close(self) -> None:
         """Flush and release the storage handles."""
         self.flush()

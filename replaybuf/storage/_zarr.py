@@ -10,9 +10,9 @@ any indexing the direct path does not cover.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from typing import Any
 
 import numpy as np
 
@@ -179,7 +179,7 @@ class ZarrStorage(Storage):
         dtype = np.dtype(doc["data_type"])
         return ChunkedArray(
             self.kv, path, tuple(doc["shape"]), tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]),
-            dtype, ChunkCodec(dtype, level), grid_axes, zarr_array=lambda: self._open_zarr_array(path),
+            dtype, ChunkCodec(dtype, level), grid_axes, zarr_array=functools.partial(self._open_zarr_array, path),
         )
 
     def _open_zarr_array(self, path: str):
@@ -253,9 +253,6 @@ class ZarrStorage(Storage):
                 "compressor": "none" if array.codec.level is None else f"zstd:{array.codec.level}",
             }
         return {**super().describe(), "arrays": fields}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _open_zarr_store(location: str, storage_options: dict, read_only: bool):
