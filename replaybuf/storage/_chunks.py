@@ -11,6 +11,10 @@ dask read; any other array goes through zarr-python.
 from __future__ import annotations
 
 import itertools
+import os
+import threading
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +24,96 @@ import numpy as np
 from ._kv import KeyValue, thread_pool
 
 _PARALLEL_DECODE_BYTES = 1 << 20
+DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
+DEFAULT_RESIDENT_BYTES = 64 << 20
+
+
+class ChunkCache:
+    """A per-process LRU of decoded chunks, bounded in bytes, for readers that pass versions.
+
+    An entry is keyed by (array, chunk key) and remembers the version (the generation of the
+    episode's slot) it was read under; a lookup under another version misses, so a slot that
+    a writer in another process reused is never served from an old read. Writes made in this
+    process replace what they touch. ``resident_bytes`` bounds the arrays (small vectors and
+    scalars) that are instead held whole in RAM per process, row by row as episodes are read.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CHUNK_CACHE_BYTES, resident_bytes: int = DEFAULT_RESIDENT_BYTES):
+        self.max_bytes = int(max_bytes)
+        self.resident_bytes = int(resident_bytes)
+        self.nbytes = 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[tuple[str, str], tuple[int, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_many(self, namespace: str, keys: Sequence[str], versions: Sequence[int]) -> list[np.ndarray | None]:
+        found: list[np.ndarray | None] = []
+        with self._lock:
+            for key, version in zip(keys, versions):
+                entry = self._entries.get((namespace, key))
+                if entry is not None and entry[0] == version:
+                    self._entries.move_to_end((namespace, key))
+                    found.append(entry[1])
+                else:
+                    found.append(None)
+            hits = sum(f is not None for f in found)
+            self.hits += hits
+            self.misses += len(found) - hits
+        return found
+
+    def put_many(self, namespace: str, items: Sequence[tuple[str, int, np.ndarray]]) -> None:
+        if self.max_bytes <= 0:
+            return
+        with self._lock:
+            for key, version, chunk in items:
+                if chunk.nbytes > self.max_bytes:
+                    continue
+                chunk.flags.writeable = False
+                old = self._entries.pop((namespace, key), None)
+                if old is not None:
+                    self.nbytes -= old[1].nbytes
+                self._entries[namespace, key] = (version, chunk)
+                self.nbytes += chunk.nbytes
+            self._evict()
+
+    def discard(self, namespace: str, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                old = self._entries.pop((namespace, key), None)
+                if old is not None:
+                    self.nbytes -= old[1].nbytes
+
+    def resize(self, max_bytes: int | None = None, resident_bytes: int | None = None) -> None:
+        """Change the bounds; shrinking drops the least recently used chunks."""
+        with self._lock:
+            if max_bytes is not None:
+                self.max_bytes = int(max_bytes)
+            if resident_bytes is not None:
+                self.resident_bytes = int(resident_bytes)
+            self._evict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+            self.hits = self.misses = 0
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes and self._entries:
+            _, (_, chunk) = self._entries.popitem(last=False)
+            self.nbytes -= chunk.nbytes
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+
+_cache = ChunkCache()
+os.register_at_fork(after_in_child=_cache._after_fork)
+
+
+def chunk_cache() -> ChunkCache:
+    """This process's cache of decoded chunks (``resize`` it to change its bounds)."""
+    return _cache
 
 
 class ChunkCodec:
@@ -38,6 +132,13 @@ class ChunkCodec:
         raw = data if self._zstd is None else self._zstd.decode(data)
         return np.frombuffer(raw, dtype=self.dtype).reshape(shape)
 
+    def decode_into(self, data: bytes, out: np.ndarray, shape: tuple[int, ...]) -> None:
+        """Decode a chunk of ``shape`` into the contiguous array ``out`` (same number of bytes)."""
+        if self._zstd is None:
+            out[...] = np.frombuffer(data, dtype=self.dtype).reshape(out.shape)
+        else:
+            self._zstd.decode(data, out=out)
+
     def zarr_codecs(self) -> list[dict]:
         endian = [] if self.dtype.itemsize == 1 else [{"name": "bytes", "configuration": {"endian": "little"}}]
         codecs = endian or [{"name": "bytes"}]
@@ -55,6 +156,8 @@ class ChunkedArray:
     all zeros is deleted, as zarr does with ``write_empty_chunks=False``.
     """
 
+    supports_versions = True  # gather/read_rows take ``versions`` (chunk cache, resident copy)
+
     def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
                  dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None):
         self.kv = kv
@@ -65,6 +168,9 @@ class ChunkedArray:
         self.codec = codec
         self._zarr_array = zarr_array
         self.grid_axes = grid_axes
+        self._namespace = uuid.uuid4().hex
+        self._resident: np.ndarray | None = None
+        self._resident_versions: np.ndarray | None = None
 
     @property
     def ndim(self) -> int:
@@ -132,25 +238,144 @@ class ChunkedArray:
             results.append(out)
         return results
 
-    def read_rows(self, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        boxes = [((int(e), int(e) + 1), (t0, t1)) for e in episodes]
-        parts = self.read_boxes(boxes)
-        if not parts:
-            return np.zeros((0, t1 - t0, *self.shape[2:]), dtype=self.dtype)
-        return np.concatenate(parts)
+    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray | None = None) -> np.ndarray:
+        """One element per (episode, timestep) pair; each chunk fetched and decoded once.
 
-    def gather(self, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
-        """One element per (episode, timestep) pair; each chunk fetched and decoded once."""
-        episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
+        ``versions`` (one per pair: the generation of the episode's slot, as the reader knows
+        it) lets the read use the resident copy and the chunk cache; without it every chunk
+        is read from the store.
+        """
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
+        out = np.empty((len(episodes), *self.shape[2:]), dtype=self.dtype)
+        if len(episodes) == 0:
+            return out
+        if versions is not None and self.grid_axes == 2 and self._resident_enabled():
+            versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), episodes.shape)
+            return self._gather_resident(episodes, timesteps, versions, out)
         ce, ct = self.chunks[0], self.chunks[1]
-        keys = list(zip((episodes // ce).tolist(), (timesteps // ct).tolist()))
-        chunks = self.fetch_chunks(keys)
-        out = np.zeros((len(episodes), *self.shape[2:]), dtype=self.dtype)
-        for n, (key, e, t) in enumerate(zip(keys, episodes.tolist(), timesteps.tolist())):
-            chunk = chunks[key]
-            if chunk is not None:
-                out[n] = chunk[e % ce, t % ct]
+        per_row = -(-self.shape[1] // ct)
+        ids = (episodes // ce) * per_row + timesteps // ct
+        unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        grid = [(int(i // per_row), int(i % per_row)) for i in unique]
+        cached_versions = None
+        if versions is not None and ce == 1 and _cache.max_bytes > 0:
+            cached_versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), episodes.shape)[first].tolist()
+        if ce == 1 and ct == 1:
+            self._gather_whole(grid, first, cached_versions, out)
+            duplicate = first[inverse] != np.arange(len(episodes))
+            if duplicate.any():
+                out[duplicate] = out[first[inverse[duplicate]]]
+            return out
+        chunks = self._chunks_cached(grid, cached_versions)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(unique) + 1))
+        local_e, local_t = episodes % ce, timesteps % ct
+        for u, chunk in enumerate(chunks):
+            rows = order[bounds[u]:bounds[u + 1]]
+            if chunk is None:
+                out[rows] = 0
+            else:
+                out[rows] = chunk[local_e[rows], local_t[rows]]
         return out
+
+    def read_rows(self, episodes: np.ndarray, t0: int, t1: int, versions: np.ndarray | None = None) -> np.ndarray:
+        """``[episodes, t0:t1]`` as (len(episodes), t1 - t0, *shape); ``versions`` as in ``gather``."""
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        length = max(t1 - t0, 0)
+        if versions is not None:
+            versions = np.repeat(np.asarray(versions, dtype=np.int64), length)
+        flat = self.gather(np.repeat(episodes, length), np.tile(np.arange(t0, t0 + length), len(episodes)), versions)
+        return flat.reshape(len(episodes), length, *self.shape[2:])
+
+    # ---- the chunk cache and the resident copy -----------------------------------------------
+
+    def _chunks_cached(self, grid: list[tuple[int, int]], versions: list | None) -> list[np.ndarray | None]:
+        """Decoded chunks at grid positions, served from the cache where the version matches."""
+        keys = [self.chunk_key(g) for g in grid]
+        found: list = [None] * len(keys) if versions is None else _cache.get_many(self._namespace, keys, versions)
+        missing = [i for i, chunk in enumerate(found) if chunk is None]
+        if not missing:
+            return found
+        decoded = self.fetch_chunks([grid[i] for i in missing])
+        for i in missing:
+            found[i] = decoded[grid[i]]
+        if versions is not None:
+            _cache.put_many(self._namespace, [(keys[i], versions[i], found[i]) for i in missing if found[i] is not None])
+        return found
+
+    def _gather_whole(self, grid: list[tuple[int, int]], first: np.ndarray, versions: list | None,
+                      out: np.ndarray) -> None:
+        """Chunks of one element: decode each straight into its row of ``out``."""
+        keys = [self.chunk_key(g) for g in grid]
+        rows = first.tolist()
+        if versions is not None:
+            for i, chunk in enumerate(_cache.get_many(self._namespace, keys, versions)):
+                if chunk is not None:
+                    out[rows[i]] = chunk[0, 0]
+                    keys[i] = None
+        todo = [i for i, key in enumerate(keys) if key is not None]
+        if not todo:
+            return
+        shape = self.chunks
+
+        def decode(j: int, data: bytes | None) -> None:
+            row = out[rows[todo[j]]]
+            if data is None:
+                row[...] = 0
+            else:
+                self.codec.decode_into(data, row, shape)
+
+        self.kv.get_each([keys[i] for i in todo], decode)
+        if versions is not None:
+            _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].reshape(shape).copy()) for i in todo])
+
+    def _resident_enabled(self) -> bool:
+        if self._resident is None:
+            nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+            if nbytes > _cache.resident_bytes:
+                return False
+            self._resident = np.zeros(self.shape, dtype=self.dtype)
+            self._resident_versions = np.full(self.shape[0], -1, dtype=np.int64)
+        return True
+
+    def _gather_resident(self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray,
+                         out: np.ndarray) -> np.ndarray:
+        """Small arrays are held whole in RAM, row by row as episodes are first read."""
+        stale = self._resident_versions[episodes] != versions
+        if stale.any():
+            rows, index = np.unique(episodes[stale], return_index=True)
+            self._load_resident(rows, versions[stale][index])
+        out[...] = self._resident[episodes, timesteps]
+        return out
+
+    def _load_resident(self, rows: np.ndarray, versions: np.ndarray) -> None:
+        time = self.shape[1]
+        values = self.read_boxes([((int(e), int(e) + 1), (0, time)) for e in rows])
+        for e, value, version in zip(rows.tolist(), values, versions.tolist()):
+            self._resident[e] = value[0]
+            self._resident_versions[e] = version
+
+    def _forget(self, keys: list[str], box: Sequence[tuple[int, int]], chunks: dict[tuple, np.ndarray | None]) -> None:
+        """Keep the cache and the resident copy true to a write of ``box`` in this process."""
+        _cache.discard(self._namespace, keys)
+        if self._resident is None or self.grid_axes != 2:
+            return
+        for index, chunk in chunks.items():
+            lo = [i * c for i, c in zip(index, self.chunks)]
+            hi = [min((i + 1) * c, n) for i, c, n in zip(index, self.chunks, self.shape)]
+            target = tuple(slice(a, b) for a, b in zip(lo, hi))
+            valid = self._resident_versions[lo[0]:hi[0]] >= 0
+            if not valid.any():
+                continue
+            if chunk is None:
+                self._resident[target] = 0
+            else:
+                self._resident[target] = chunk[tuple(slice(0, b - a) for a, b in zip(lo, hi))]
+
+    def __getstate__(self) -> dict:
+        # The resident copy stays in the process that read it; a worker reads its own.
+        return {**self.__dict__, "_resident": None, "_resident_versions": None}
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -160,8 +385,9 @@ class ChunkedArray:
         indices = list(self._boxes_chunks(box))
         partial = [i for i in indices if not self._covers(box, i)]
         existing = self.fetch_chunks(partial) if partial else {}
-        encoded: dict[str, bytes] = {}
+        encoded: dict[str, np.ndarray] = {}
         empty: list[str] = []
+        written: dict[tuple, np.ndarray | None] = {}
         for index in indices:
             chunk_box = [(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunks, self.shape)]
             src = tuple(slice(max(lo, a) - lo, min(hi, b) - lo) for (lo, hi), (a, b) in zip(box, chunk_box))
@@ -178,9 +404,10 @@ class ChunkedArray:
                     chunk = padded
             key = self.chunk_key(index)
             if chunk.any():
-                encoded[key] = chunk
+                encoded[key] = written[index] = chunk
             else:
                 empty.append(key)
+                written[index] = None
         if len(encoded) > 1 and sum(v.nbytes for v in encoded.values()) > _PARALLEL_DECODE_BYTES:
             blobs = dict(zip(encoded, thread_pool().map(self.codec.encode, encoded.values())))
         else:
@@ -189,6 +416,7 @@ class ChunkedArray:
             self.kv.set_many(blobs)
         if empty:
             self.kv.delete_many(empty)
+        self._forget([*encoded, *empty], box, written)
 
     def _covers(self, box, index) -> bool:
         for (lo, hi), i, c, n in zip(box, index, self.chunks, self.shape):

@@ -31,6 +31,24 @@ def thread_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+def _in_pool(count: int, task: Callable[[int], None]) -> None:
+    """Run ``task(i)`` for i < count in a few strided batches on the pool (one future per
+    batch, not per item: a future costs more than a small read)."""
+    if count <= 2:
+        for i in range(count):
+            task(i)
+        return
+    pool = thread_pool()
+    batches = min(count, pool._max_workers, max(2, count // 8))
+
+    def run(start: int) -> None:
+        for i in range(start, count, batches):
+            task(i)
+
+    for future in [pool.submit(run, b) for b in range(batches)]:
+        future.result()
+
+
 class KeyValue(ABC):
     """Object access by key: the primitives the chunk path and the side objects need."""
 
@@ -52,6 +70,12 @@ class KeyValue(ABC):
 
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
+
+    def get_each(self, keys: Sequence[str], consume: Callable[[int, bytes | None], None]) -> None:
+        """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
+        decoding in ``consume`` runs in parallel; codecs release the GIL)."""
+        values = self.get_many(keys)
+        _in_pool(len(values), lambda i: consume(i, values[i]))
 
     def set(self, key: str, data: bytes) -> None:
         self.set_many({key: data})
@@ -86,6 +110,10 @@ class LocalKV(KeyValue):
         if len(keys) <= 4:
             return [self._read(k) for k in keys]
         return list(thread_pool().map(self._read, keys))
+
+    def get_each(self, keys: Sequence[str], consume: Callable[[int, bytes | None], None]) -> None:
+        # Read and consume in the same pool task: file reads and decoding overlap.
+        _in_pool(len(keys), lambda i: consume(i, self._read(keys[i])))
 
     def _write(self, item: tuple[str, bytes]) -> None:
         key, data = item

@@ -1,0 +1,19 @@
+"""Reading a buffer back: datasets, DataLoaders and prioritized sampling."""
+
+from ..storage._chunks import chunk_cache
+from .collate import CollatedSamples, Collator
+from .datasets import (
+    ReplayDataset,
+    ReplayDatasetNStep,
+    ReplayDatasetTimestep,
+    ReplayDatasetTimeWindow,
+    ReplayDatasetTrajectory,
+)
+from .loader import make_dataloader, make_dataset
+from .prioritized import PrioritizedBatchSampler, update_priorities
+
+__all__ = [
+    "ReplayDataset", "ReplayDatasetTrajectory", "ReplayDatasetTimestep", "ReplayDatasetNStep",
+    "ReplayDatasetTimeWindow", "make_dataset", "make_dataloader", "update_priorities", "PrioritizedBatchSampler",
+    "Collator", "CollatedSamples", "chunk_cache",
+]

@@ -1,0 +1,404 @@
+"""Map-style datasets over a snapshot of a ReplayBuffer: trajectories, timesteps, n-step
+transitions and time windows, with the seed's (memmap-replay-buffer) semantics.
+
+Each dataset fixes, at creation, the slots it uses with their lengths and generations: it sees
+the episodes committed up to then and never a half-written one. ``__getitems__`` (what torch's
+DataLoader calls with a whole batch) reads every field once for the batch; after reading, the
+slots' committed generations are checked again and samples whose slot a writer reused in the
+meantime are replaced by fresh draws (or dropped when nothing is left).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .collate import CollatedSamples
+from .fetch import Fetcher, committed_generations
+
+_MAX_REDRAWS = 3
+
+
+def as_buffer(replay_buffer: Any):
+    """A ReplayBuffer from a buffer, a path or a URL (opened read-only)."""
+    if isinstance(replay_buffer, (str, os.PathLike)):
+        from ..buffer import ReplayBuffer
+
+        return ReplayBuffer.from_folder(replay_buffer, read_only=True)
+    if not hasattr(replay_buffer, "storage") or not hasattr(replay_buffer, "schema"):
+        raise TypeError(f"replay_buffer must be a ReplayBuffer, a path or a URL, got {type(replay_buffer).__name__}")
+    return replay_buffer
+
+
+def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: str) -> tuple[str, ...] | None:
+    """``names`` as a tuple, or a ValueError naming the unknown ones and the valid choices."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise TypeError(f"{argument} must be a sequence of field names, got the string {names!r}")
+    names = tuple(names)
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"{argument}: invalid field names {unknown} - must be among {sorted(allowed)}")
+    return names
+
+
+def take_snapshot(buffer) -> tuple[np.ndarray, np.ndarray]:
+    """(lens, generations) of every slot, committed and mutually consistent.
+
+    A read-only buffer is refreshed first. Generations are read before and after the lengths;
+    a slot whose generation moved in between (a writer reusing it) is left out.
+    """
+    if buffer.read_only:
+        before = np.asarray(buffer.storage.read_meta("_generation"), dtype=np.int64)
+        buffer.refresh()
+    else:
+        buffer.flush()
+        before = np.asarray(buffer._meta["_generation"], dtype=np.int64)
+    lens = np.asarray(buffer._meta["episode_lens"], dtype=np.int64).copy()
+    generations = np.asarray(buffer._meta["_generation"], dtype=np.int64).copy()
+    unstable = (generations != before) | (generations <= 0)
+    lens[unstable] = 0
+    return lens, generations
+
+
+def episode_filter(buffer, lens: np.ndarray, filter_meta: dict | None, min_episode_len: int) -> np.ndarray:
+    """Slots (ascending, as the seed) with at least ``min_episode_len`` steps matching ``filter_meta``."""
+    if len(buffer) == 0 or not (lens > 0).any():
+        raise ValueError("replay buffer is empty")
+    keep = lens >= min_episode_len
+    if not keep.any():
+        raise ValueError(f"no episode has at least {min_episode_len} timesteps (longest: {int(lens.max())})")
+    if filter_meta is not None:
+        if not isinstance(filter_meta, dict):
+            raise TypeError(f"filter_meta must be a dict of meta field -> value, got {type(filter_meta).__name__}")
+        check_names(filter_meta, buffer.meta_fieldnames, "filter_meta")
+        for name, value in filter_meta.items():
+            data = lens if name == "episode_lens" else np.asarray(buffer.meta_data[name][:])
+            if isinstance(value, bool):
+                data = data.astype(bool)
+            if torch.is_tensor(value):
+                value = value.cpu().numpy()
+            match = np.asarray(data == value)
+            keep &= match.reshape(len(keep), -1).all(axis=1)
+        if not keep.any():
+            raise ValueError(f"filter_meta {filter_meta!r} matches no episode with at least {min_episode_len} "
+                             f"timesteps (of {int((lens > 0).sum())} stored)")
+    return np.flatnonzero(keep)
+
+
+class _SnapshotDataset(Dataset):
+    """What all replaybuf datasets share: the snapshot, names, meta per sample, batched reads."""
+
+    time_keys: frozenset[str] = frozenset()
+
+    def __init__(self, replay_buffer: Any, fields: Sequence[str] | None = None,
+                 fieldname_map: dict[str, str] | None = None, include_metadata: bool = True,
+                 filter_meta: dict | None = None, return_indices: bool = False, cache: str | None = None,
+                 min_episode_len: int = 1):
+        buffer = as_buffer(replay_buffer)
+        self.replay_buffer = buffer
+        self.fields = check_names(fields, buffer.fieldnames, "fields") or tuple(buffer.schema.fields)
+        if fieldname_map is not None and not isinstance(fieldname_map, dict):
+            raise TypeError(f"fieldname_map must be a dict of name -> new name, got {type(fieldname_map).__name__}")
+        self.fieldname_map = dict(fieldname_map or {})
+        self.meta_names = tuple(buffer.schema.meta_fields) if include_metadata else ()
+        self.return_indices = bool(return_indices)
+        self._lens, self._generations = take_snapshot(buffer)
+        self._slots = episode_filter(buffer, self._lens, filter_meta, min_episode_len)
+        self.indices = torch.from_numpy(self._slots.copy())
+        self._cache_mode = cache
+        self._rng: tuple[int, np.random.Generator] | None = None
+
+    def _make_fetcher(self, fields: Iterable[str]) -> None:
+        self.fetcher = Fetcher(self.replay_buffer, fields, self._slots, self._lens, self._generations, self._cache_mode)
+
+    def out_name(self, name: str) -> str:
+        return self.fieldname_map.get(name, name)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    # ---- per-sample and per-batch access ------------------------------------------------------
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if isinstance(index, torch.Tensor):
+            index = int(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)}")
+        return self.__getitems__([index % len(self)])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> CollatedSamples:
+        """The whole batch ``indices``, read with one grouped read per field."""
+        positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
+        weights = getattr(indices, "weights", None)
+        for attempt in range(_MAX_REDRAWS + 1):
+            slots = self._slots_of(positions)
+            columns, lens = self._read(positions)
+            stale = committed_generations(self.replay_buffer)[slots] != self._generations[slots]
+            if not stale.any():
+                break
+            if attempt == _MAX_REDRAWS:
+                keep = ~stale
+                columns = {k: v[keep] for k, v in columns.items()}
+                lens = None if lens is None else lens[keep]
+                weights = None if weights is None else np.asarray(weights)[keep]
+                break
+            positions = self._redraw(positions, stale)
+        if weights is not None:
+            columns["_weights"] = np.asarray(weights, dtype=np.float32)
+        batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in columns.items()}
+        return CollatedSamples(batch, lens, self.time_keys)
+
+    def _redraw(self, positions: np.ndarray, stale: np.ndarray) -> np.ndarray:
+        """Forget slots reused by a writer and draw other samples for the stale ones."""
+        gone = np.unique(self._slots_of(positions)[stale])
+        self._generations[gone] = -1
+        alive = np.flatnonzero(self._generations[self._slots_of(np.arange(len(self)))] >= 0)
+        if len(alive) == 0:
+            return positions
+        positions = positions.copy()
+        positions[stale] = alive[self.rng().integers(0, len(alive), int(stale.sum()))]
+        return positions
+
+    def rng(self) -> np.random.Generator:
+        """A generator per process, seeded from torch (so DataLoader workers differ and
+        ``torch.manual_seed`` makes random windows reproducible)."""
+        seed = (torch.initial_seed(), os.getpid())
+        if self._rng is None or self._rng[0] != seed:
+            self._rng = (seed, np.random.default_rng(seed[0] % 2**63))
+        return self._rng[1]
+
+    def _meta_columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        return {self.out_name(n): np.asarray(self.replay_buffer.meta_data[n][slots]) for n in self.meta_names}
+
+    # ---- to implement ------------------------------------------------------------------------
+
+    def _slots_of(self, positions: np.ndarray) -> np.ndarray:
+        return self._slots[positions]
+
+    def _read(self, positions: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """Columns of the batch (name -> stacked array) and, for padded batches, sample lengths."""
+        raise NotImplementedError
+
+    def output_keys(self) -> list[str]:
+        """The keys of every batch (for checking ``to_named_tuple`` before iterating)."""
+        raise NotImplementedError
+
+
+class ReplayDatasetTrajectory(_SnapshotDataset):
+    """Whole episodes, sliced to their length; batches are zero-padded to the longest, with
+    ``_lens`` (and ``_index``, the slot, with ``return_indices``)."""
+
+    def __init__(self, replay_buffer: Any, fields: Sequence[str] | None = None,
+                 fieldname_map: dict[str, str] | None = None, include_metadata: bool = True,
+                 filter_meta: dict | None = None, filter_fields: dict | None = None, return_indices: bool = False,
+                 slice_by_episode_len: bool = True, return_episode_lens: bool = True, cache: str | None = None):
+        if filter_fields is not None:
+            raise ValueError("filter_fields is only supported for timestep-level and n-step datasets")
+        if not slice_by_episode_len and not return_episode_lens:
+            raise ValueError("cannot turn off return_episode_lens if slice_by_episode_len is also turned off")
+        super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
+        self.slice_by_episode_len = slice_by_episode_len
+        self.return_episode_lens = return_episode_lens
+        self.time_keys = frozenset(self.out_name(f) for f in self.fields) if slice_by_episode_len else frozenset()
+        self._make_fetcher(self.fields)
+
+    def _read(self, positions):
+        slots = self._slots[positions]
+        lens = self._lens[slots]
+        width = (int(lens.max()) if len(lens) else 0) if self.slice_by_episode_len else self.replay_buffer.max_timesteps
+        starts = np.zeros(len(slots), np.int64)
+        columns = {self.out_name(f): self.fetcher.windows(f, slots, starts, lens, width) for f in self.fields}
+        columns.update(self._meta_columns(slots))
+        if self.return_episode_lens:
+            columns["_lens"] = lens
+        if self.return_indices:
+            columns["_index"] = slots
+        return columns, (lens if self.slice_by_episode_len else None)
+
+    def output_keys(self):
+        keys = [self.out_name(f) for f in (*self.fields, *self.meta_names)]
+        return keys + ["_lens"] * self.return_episode_lens + ["_index"] * self.return_indices
+
+
+ReplayDataset = ReplayDatasetTrajectory
+
+
+class ReplayDatasetTimeWindow(_SnapshotDataset):
+    """One random window of ``window_length`` steps per episode (shorter episodes give their
+    whole length), zero-padded, with ``_lens`` and ``_reaches_episode_end`` (and ``_index``,
+    ``_start`` with ``return_indices``)."""
+
+    def __init__(self, replay_buffer: Any, window_length: int, fields: Sequence[str] | None = None,
+                 fieldname_map: dict[str, str] | None = None, include_metadata: bool = True,
+                 filter_meta: dict | None = None, return_indices: bool = False, cache: str | None = None):
+        if isinstance(window_length, bool) or not isinstance(window_length, (int, np.integer)) or window_length < 1:
+            raise ValueError(f"window_length must be an int >= 1, got {window_length!r}")
+        super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
+        self.window_length = int(window_length)
+        self._make_fetcher(self.fields)
+
+    def _read(self, positions):
+        slots = self._slots[positions]
+        lens = self._lens[slots]
+        actual = np.minimum(self.window_length, lens)
+        starts = self.rng().integers(0, lens - actual + 1)
+        columns = {self.out_name(f): self.fetcher.windows(f, slots, starts, actual, self.window_length)
+                   for f in self.fields}
+        columns.update(self._meta_columns(slots))
+        columns["_lens"] = actual
+        columns["_reaches_episode_end"] = starts + actual >= lens
+        if self.return_indices:
+            columns["_index"] = slots
+            columns["_start"] = starts
+        return columns, None
+
+    def output_keys(self):
+        keys = [self.out_name(f) for f in (*self.fields, *self.meta_names)] + ["_lens", "_reaches_episode_end"]
+        return keys + ["_index", "_start"] * self.return_indices
+
+
+class _TimepointDataset(_SnapshotDataset):
+    """Datasets indexed by (episode, timestep) pairs, in episode-major order as the seed."""
+
+    horizon = 1
+
+    def _set_timepoints(self, filter_fields: dict | None) -> None:
+        lens = self._lens[self._slots]
+        counts = np.maximum(lens - self.horizon + 1, 0)
+        episodes = np.repeat(self._slots, counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        timesteps = np.arange(len(episodes), dtype=np.int64) - starts
+        if filter_fields is not None:
+            keep = self._filter_fields_mask(filter_fields, episodes, timesteps)
+            episodes, timesteps = episodes[keep], timesteps[keep]
+            if len(episodes) == 0:
+                raise ValueError(f"filter_fields {filter_fields!r} matches no timestep")
+        self._episodes, self._timesteps = episodes, timesteps
+        self.timepoints = torch.from_numpy(np.stack([episodes, timesteps], axis=1))
+
+    def _filter_fields_mask(self, filter_fields: dict, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        if not isinstance(filter_fields, dict):
+            raise TypeError(f"filter_fields must be a dict of field -> value, got {type(filter_fields).__name__}")
+        check_names(filter_fields, self.replay_buffer.fieldnames, "filter_fields")
+        keep = np.ones(len(episodes), dtype=bool)
+        for name, value in filter_fields.items():
+            shape = self.replay_buffer.schema.fields[name].shape
+            if shape not in ((), (1,)):
+                raise ValueError(f"filter_fields only supports scalar fields, got shape {shape} for {name!r}")
+            data = self.fetcher.gather(name, episodes, timesteps).reshape(len(episodes))
+            if isinstance(value, bool):
+                data = data.astype(bool)
+            if torch.is_tensor(value):
+                value = value.cpu().numpy()
+            keep &= np.asarray(data == value)
+        return keep
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    def _slots_of(self, positions):
+        return self._episodes[positions]
+
+    def _redraw(self, positions, stale):
+        gone = np.unique(self._episodes[positions][stale])
+        self._generations[gone] = -1
+        alive = np.flatnonzero(self._generations[self._episodes] >= 0)
+        if len(alive) == 0:
+            return positions
+        positions = positions.copy()
+        positions[stale] = alive[self.rng().integers(0, len(alive), int(stale.sum()))]
+        return positions
+
+    def _indices_column(self, episodes: np.ndarray, timesteps: np.ndarray) -> dict[str, np.ndarray]:
+        return {"_indices": np.stack([episodes, timesteps], axis=1)} if self.return_indices else {}
+
+
+class ReplayDatasetTimestep(_TimepointDataset):
+    """Every valid (episode, timestep) of the buffer, one sample each (``_indices`` = [episode,
+    timestep] with ``return_indices``)."""
+
+    def __init__(self, replay_buffer: Any, fields: Sequence[str] | None = None,
+                 fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
+                 include_metadata: bool = True, filter_meta: dict | None = None, filter_fields: dict | None = None,
+                 cache: str | None = None):
+        super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
+        self._make_fetcher(self.fields)
+        self._set_timepoints(filter_fields)
+
+    def _read(self, positions):
+        episodes, timesteps = self._episodes[positions], self._timesteps[positions]
+        columns = {self.out_name(f): self.fetcher.gather(f, episodes, timesteps) for f in self.fields}
+        columns.update(self._meta_columns(episodes))
+        columns.update(self._indices_column(episodes, timesteps))
+        return columns, None
+
+    def output_keys(self):
+        return [self.out_name(f) for f in (*self.fields, *self.meta_names)] + ["_indices"] * self.return_indices
+
+
+class ReplayDatasetNStep(_TimepointDataset):
+    """n-step transitions from every (episode, t) with t + 1 < len: ``current_fields`` at t,
+    ``next_<field>`` at t + min(n, len - t - 1), ``seq_<field>`` the steps t .. t + actual n
+    zero-padded to n, and ``n_step_lens``. Episodes shorter than 2 steps are left out."""
+
+    horizon = 2
+
+    def __init__(self, replay_buffer: Any, n_steps: int, current_fields: Sequence[str] | None = None,
+                 next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
+                 fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
+                 include_metadata: bool = True, filter_meta: dict | None = None, filter_fields: dict | None = None,
+                 cache: str | None = None, fields: Sequence[str] | None = None):
+        if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
+            raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+        buffer = as_buffer(replay_buffer)
+        allowed = buffer.fieldnames
+        current = check_names(current_fields, allowed, "current_fields")
+        following = check_names(next_fields, allowed, "next_fields")
+        sequence = check_names(sequence_fields, allowed, "sequence_fields")
+        super().__init__(buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache,
+                         min_episode_len=2)
+        every = tuple(buffer.schema.fields)
+        self.n_steps = int(n_steps)
+        self.current_fields = every if current is None else current
+        self.next_fields = every if following is None else following
+        self.sequence_fields = () if sequence is None else sequence
+        self._make_fetcher((*self.current_fields, *self.next_fields, *self.sequence_fields))
+        self._set_timepoints(filter_fields)
+
+    def _read(self, positions):
+        episodes, timesteps = self._episodes[positions], self._timesteps[positions]
+        actual = np.minimum(self.n_steps, self._lens[episodes] - timesteps - 1)
+        later = timesteps + actual
+        columns = {}
+        both = [f for f in self.current_fields if f in self.next_fields]
+        for f in both:
+            pair = self.fetcher.gather(f, np.concatenate([episodes, episodes]), np.concatenate([timesteps, later]))
+            columns[self.out_name(f)], columns[self.out_name(f"next_{f}")] = pair[:len(episodes)], pair[len(episodes):]
+        for f in self.current_fields:
+            if f not in both:
+                columns[self.out_name(f)] = self.fetcher.gather(f, episodes, timesteps)
+        for f in self.next_fields:
+            if f not in both:
+                columns[self.out_name(f"next_{f}")] = self.fetcher.gather(f, episodes, later)
+        columns = {k: columns[k] for k in [self.out_name(f) for f in self.current_fields]
+                   + [self.out_name(f"next_{f}") for f in self.next_fields]}
+        for f in self.sequence_fields:
+            columns[self.out_name(f"seq_{f}")] = self.fetcher.windows(f, episodes, timesteps, actual, self.n_steps)
+        columns[self.out_name("n_step_lens")] = actual
+        columns.update(self._meta_columns(episodes))
+        columns.update(self._indices_column(episodes, timesteps))
+        return columns, None
+
+    def output_keys(self):
+        keys = [self.out_name(f) for f in self.current_fields]
+        keys += [self.out_name(f"next_{f}") for f in self.next_fields]
+        keys += [self.out_name(f"seq_{f}") for f in self.sequence_fields]
+        keys += [self.out_name("n_step_lens")] + [self.out_name(n) for n in self.meta_names]
+        return keys + ["_indices"] * self.return_indices

@@ -1,0 +1,114 @@
+"""Batched reads of a buffer snapshot: one grouped read per field per batch.
+
+A ``Fetcher`` knows the slots, lengths and generations a dataset saw at creation. It reads
+(episode, timestep) pairs and time windows through the storage's batched ``gather``; arrays
+that accept ``versions`` (the zarr backend's) then serve repeated reads from their chunk cache
+and resident copies, keyed by the slot generation so a reused slot is never served stale.
+``cache='ram'`` instead decodes the snapshot's fields once into RAM at creation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+CACHE_MODES = (None, "ram")
+_RAM_BATCH_EPISODES = 16
+
+
+def committed_generations(buffer) -> np.ndarray:
+    """The generation of every slot as committed now: the writer's own mirror, or the store."""
+    if not buffer.read_only:
+        return buffer._meta["_generation"]
+    return np.asarray(buffer.storage.read_meta("_generation"))
+
+
+class Fetcher:
+    """Reads fields of the slots of one snapshot.
+
+    Parameters
+    ----------
+    buffer
+        The ReplayBuffer read from.
+    fields
+        The data fields this fetcher reads (those ``cache='ram'`` loads).
+    slots, lens, generations
+        The snapshot: slots used, and per slot (whole ``max_episodes`` arrays) their length and
+        generation at creation.
+    cache
+        None: read through the storage; ``'ram'``: decode the fields of ``slots`` into RAM once.
+    """
+
+    def __init__(self, buffer, fields: Iterable[str], slots: np.ndarray, lens: np.ndarray, generations: np.ndarray,
+                 cache: str | None = None):
+        if cache not in CACHE_MODES:
+            raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
+        self.storage = buffer.storage
+        self.fields = tuple(dict.fromkeys(fields))
+        self.slots = np.asarray(slots, dtype=np.int64)
+        self.lens = np.asarray(lens, dtype=np.int64)
+        self.generations = np.asarray(generations, dtype=np.int64)
+        self.cache = cache
+        self._ram: dict[str, np.ndarray] | None = None
+        if cache == "ram":
+            self._load_ram()
+
+    def __getstate__(self) -> dict:
+        # A worker started by spawn decodes its own RAM copy instead of receiving it pickled.
+        return {**self.__dict__, "_ram": None}
+
+    def _load_ram(self) -> None:
+        longest = int(self.lens[self.slots].max()) if len(self.slots) else 0
+        self._row = np.full(len(self.lens), -1, dtype=np.int64)
+        self._row[self.slots] = np.arange(len(self.slots))
+        ram = {}
+        for name in self.fields:
+            array = self.storage.array(name)
+            dense = np.zeros((len(self.slots), longest, *array.shape[2:]), dtype=array.dtype)
+            for lo in range(0, len(self.slots), _RAM_BATCH_EPISODES):
+                part = self.slots[lo:lo + _RAM_BATCH_EPISODES]
+                dense[lo:lo + len(part)] = self._windows_from_storage(
+                    name, part, np.zeros(len(part), np.int64), self.lens[part], longest)
+            ram[name] = dense
+        self._ram = ram
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape)."""
+        if self.cache == "ram" and name in self.fields:
+            if self._ram is None:
+                self._load_ram()
+            return self._ram[name][self._row[episodes], timesteps]
+        return self._gather_storage(name, episodes, timesteps)
+
+    def _gather_storage(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        array = self.storage.array(name)
+        if getattr(array, "supports_versions", False):
+            return array.gather(episodes, timesteps, self.generations[episodes])
+        return self.storage.gather(name, episodes, timesteps)
+
+    def windows(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                width: int) -> np.ndarray:
+        """(N, width, *shape): row i holds steps ``starts[i] .. starts[i] + lengths[i]`` of
+        ``episodes[i]``, zero beyond ``lengths[i]``."""
+        if self.cache == "ram" and name in self.fields:
+            return self._windows(self.gather, name, episodes, starts, lengths, width)
+        return self._windows_from_storage(name, episodes, starts, lengths, width)
+
+    def _windows_from_storage(self, name, episodes, starts, lengths, width):
+        return self._windows(self._gather_storage, name, episodes, starts, lengths, width)
+
+    def _windows(self, gather, name, episodes, starts, lengths, width):
+        episodes = np.asarray(episodes, dtype=np.int64)
+        lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
+        steps = np.arange(width, dtype=np.int64)
+        if len(episodes) and (lengths == width).all():
+            flat = gather(name, np.repeat(episodes, width), (np.asarray(starts)[:, None] + steps[None]).reshape(-1))
+            return flat.reshape(len(episodes), width, *flat.shape[1:])
+        mask = steps[None] < lengths[:, None]
+        flat = gather(name, np.repeat(episodes, lengths), (np.asarray(starts)[:, None] + steps[None])[mask])
+        out = np.zeros((len(episodes), width, *flat.shape[1:]), dtype=flat.dtype)
+        out[mask] = flat
+        return out

@@ -1,0 +1,121 @@
+"""``make_dataset`` / ``make_dataloader``: what ``ReplayBuffer.dataset`` and
+``ReplayBuffer.dataloader`` do, with the seed's signatures and checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .collate import Collator, named_tuple_fields
+from .datasets import (
+    ReplayDatasetNStep,
+    ReplayDatasetTimestep,
+    ReplayDatasetTrajectory,
+    check_names,
+)
+from .prioritized import PrioritizedBatchSampler
+
+SAMPLERS = ("uniform", "prioritized")
+
+
+def make_dataset(buffer, n_steps: int | None = None, fields: Sequence[str] | None = None,
+                 current_fields: Sequence[str] | None = None, next_fields: Sequence[str] | None = None,
+                 sequence_fields: Sequence[str] | None = None, timestep_level: bool = False,
+                 filter_meta: dict | None = None, filter_fields: dict | None = None,
+                 fieldname_map: dict[str, str] | None = None, slice_by_episode_len: bool = True,
+                 return_episode_lens: bool = True, **kwargs: Any) -> Dataset:
+    """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of ``buffer``.
+
+    Other keywords go to the dataset class (``return_indices``, ``include_metadata``,
+    ``cache='ram'``).
+    """
+    if len(buffer) == 0 and buffer.read_only:
+        buffer.refresh()
+    if len(buffer) == 0:
+        raise ValueError("replay buffer is empty")
+    if n_steps is not None and timestep_level:
+        raise ValueError("cannot specify both n_steps and timestep_level")
+    if n_steps is not None:
+        check_names(fields, buffer.fieldnames, "fields")
+        return ReplayDatasetNStep(buffer, n_steps=n_steps, current_fields=current_fields, next_fields=next_fields,
+                                  sequence_fields=sequence_fields, filter_meta=filter_meta,
+                                  filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
+    for name, value in (("current_fields", current_fields), ("next_fields", next_fields),
+                        ("sequence_fields", sequence_fields)):
+        check_names(value, buffer.fieldnames, name)
+    if timestep_level:
+        return ReplayDatasetTimestep(buffer, fields=fields, filter_meta=filter_meta, filter_fields=filter_fields,
+                                     fieldname_map=fieldname_map, **kwargs)
+    return ReplayDatasetTrajectory(buffer, fields=fields, filter_meta=filter_meta, filter_fields=filter_fields,
+                                   fieldname_map=fieldname_map, slice_by_episode_len=slice_by_episode_len,
+                                   return_episode_lens=return_episode_lens, **kwargs)
+
+
+def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset: Dataset | None = None,
+                    fields: Sequence[str] | None = None, current_fields: Sequence[str] | None = None,
+                    next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
+                    filter_meta: dict | None = None, filter_fields: dict | None = None,
+                    fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
+                    return_mask: bool = False, timestep_level: bool = False,
+                    to_named_tuple: Sequence[str] | None = None, shuffle: bool = False,
+                    device: torch.device | str | None = None, dataset_kwargs: dict | None = None,
+                    sampler: Any = None, priority_field: str = "priority", alpha: float = 0.6, beta: float = 0.4,
+                    **kwargs: Any) -> DataLoader:
+    """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
+
+    ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
+    (``alpha``, ``beta``) and adds ``_indices`` and ``_weights``; any other ``sampler`` and
+    every other keyword go to torch's DataLoader.
+    """
+    dataset_kwargs = dict(dataset_kwargs or {})
+    for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
+        if name in kwargs:
+            dataset_kwargs[name] = kwargs.pop(name)
+    if len(buffer) == 0 and buffer.read_only:
+        buffer.refresh()
+    if len(buffer) == 0:
+        raise ValueError("replay buffer is empty")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if to_named_tuple is not None and fields is not None:
+        raise ValueError("cannot specify both fields and to_named_tuple")
+    if to_named_tuple is not None and isinstance(to_named_tuple, str):
+        raise TypeError(f"to_named_tuple must be a sequence of names, got the string {to_named_tuple!r}")
+    if return_mask and (timestep_level or n_steps is not None):
+        raise ValueError("return_mask is only supported for trajectory-level data")
+    if n_steps is not None and timestep_level:
+        raise ValueError("cannot specify both n_steps and timestep_level")
+    prioritized = isinstance(sampler, str)
+    if prioritized and sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {list(SAMPLERS)} or a torch Sampler, got {sampler!r}")
+    prioritized = sampler == "prioritized"
+    if prioritized and shuffle:
+        raise ValueError("shuffle cannot be combined with sampler='prioritized' (it draws its own order)")
+    if dataset is None:
+        dataset = make_dataset(buffer, n_steps=n_steps, fields=fields, current_fields=current_fields,
+                               next_fields=next_fields, sequence_fields=sequence_fields,
+                               timestep_level=timestep_level, return_indices=return_indices or prioritized,
+                               filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map,
+                               **dataset_kwargs)
+    trajectories = n_steps is None and not timestep_level and not hasattr(dataset, "timepoints")
+    time_keys = {(fieldname_map or {}).get(f, f) for f in buffer.fieldnames} if trajectories else None
+    if to_named_tuple is not None:
+        to_named_tuple = tuple(to_named_tuple)
+        named_tuple_fields(to_named_tuple)
+        if hasattr(dataset, "output_keys"):
+            available = dataset.output_keys() + ["_mask"] * return_mask + ["_weights"] * prioritized
+            check_names(to_named_tuple, available, "to_named_tuple")
+    collate = Collator(time_keys, return_mask, to_named_tuple, device)
+    if prioritized:
+        for name in ("batch_sampler", "drop_last"):
+            if name in kwargs:
+                raise ValueError(f"{name} cannot be combined with sampler='prioritized'")
+        batches = PrioritizedBatchSampler(dataset, batch_size, priority_field, alpha, beta,
+                                          num_batches=kwargs.pop("num_batches", None))
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
+    if sampler not in (None, "uniform"):
+        kwargs["sampler"] = sampler
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, shuffle=shuffle, **kwargs)

@@ -1,0 +1,159 @@
+"""Prioritized sampling over a stored per-timestep priority field.
+
+``PrioritizedBatchSampler`` draws batches of timesteps (or n-step starts) with probability
+proportional to ``priority ** alpha`` by inverse-CDF sampling (numpy cumulative sums and
+``searchsorted``: O(N) to rebuild after updates, O(B log N) per batch) and attaches importance
+weights ``(N * P(i)) ** -beta / max_j (N * P(j)) ** -beta``. ``update_priorities`` writes new
+priorities into the buffer and into every live sampler over it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+_samplers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class WeightedIndices(list):
+    """A batch of dataset positions with their importance weights (what ``__getitems__`` gets)."""
+
+    def __init__(self, positions: list[int], weights: np.ndarray):
+        super().__init__(positions)
+        self.weights = weights
+
+    def __reduce__(self):
+        return WeightedIndices, (list(self), self.weights)
+
+
+def check_priority_field(buffer, priority_field: str) -> None:
+    if priority_field not in buffer.fieldnames:
+        raise ValueError(f"priority_field {priority_field!r} is not a field of the buffer - must be one of "
+                         f"{sorted(buffer.fieldnames)} (add e.g. fields={{'{priority_field}': 'float'}})")
+    shape = buffer.schema.fields[priority_field].shape
+    if shape not in ((), (1,)):
+        raise ValueError(f"priority_field {priority_field!r} must hold one value per timestep, has shape {shape}")
+
+
+class PrioritizedBatchSampler(Sampler):
+    """Batches of positions of a timestep or n-step dataset, drawn by priority.
+
+    Parameters
+    ----------
+    dataset
+        A ``ReplayDatasetTimestep`` or ``ReplayDatasetNStep``.
+    batch_size
+        Samples per batch.
+    priority_field
+        A scalar per-timestep field holding priorities (>= 0).
+    alpha, beta
+        Priority exponent and importance-weight exponent.
+    num_batches
+        Batches per iteration (default: as many as one pass over the dataset).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, priority_field: str = "priority", alpha: float = 0.6,
+                 beta: float = 0.4, num_batches: int | None = None):
+        if not hasattr(dataset, "timepoints"):
+            raise ValueError("sampler='prioritized' draws timesteps: use timestep_level=True or n_steps")
+        check_priority_field(dataset.replay_buffer, priority_field)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        for name, value in (("alpha", alpha), ("beta", beta)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.priority_field = priority_field
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self.num_batches = max(1, len(dataset) // batch_size) if num_batches is None else int(num_batches)
+        max_t = dataset.replay_buffer.max_timesteps
+        self._keys = dataset._episodes * max_t + dataset._timesteps
+        self._scaled: np.ndarray | None = None
+        self._cumulative: np.ndarray | None = None
+        self._generator = np.random.default_rng(torch.randint(0, 2**62, ()).item())
+        _samplers.setdefault(dataset.replay_buffer, weakref.WeakSet()).add(self)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def load(self) -> None:
+        """Read the priorities of every sample from the buffer."""
+        raw = self.dataset.fetcher.gather(self.priority_field, self.dataset._episodes, self.dataset._timesteps)
+        self._set(np.arange(len(self._keys)), raw.reshape(-1).astype(np.float64))
+
+    def _set(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        if self._scaled is None:
+            self._scaled = np.zeros(len(self._keys), dtype=np.float64)
+        self._scaled[positions] = np.power(np.maximum(priorities, 0.0), self.alpha)
+        self._cumulative = None
+
+    def update(self, episodes: np.ndarray, timesteps: np.ndarray, priorities: np.ndarray) -> None:
+        """New priorities for (episode, timestep) pairs; pairs outside this sampler are ignored."""
+        if self._scaled is None:
+            return
+        keys = episodes * self.dataset.replay_buffer.max_timesteps + timesteps
+        positions = np.searchsorted(self._keys, keys)
+        found = (positions < len(self._keys)) & (self._keys[np.minimum(positions, len(self._keys) - 1)] == keys)
+        self._set(positions[found], priorities[found])
+
+    def probabilities(self) -> np.ndarray:
+        """P(i) of every sample under the current priorities."""
+        if self._scaled is None:
+            self.load()
+        return self._scaled / self._scaled.sum()
+
+    def __iter__(self) -> Iterator[WeightedIndices]:
+        self.load()
+        for _ in range(self.num_batches):
+            yield self._draw()
+
+    def _draw(self) -> WeightedIndices:
+        if self._cumulative is None:
+            self._cumulative = np.cumsum(self._scaled)
+            positive = self._scaled[self._scaled > 0]
+            if len(positive) == 0:
+                raise ValueError(f"every priority in {self.priority_field!r} is 0: nothing can be drawn")
+            self._max_weight = (len(self._scaled) * positive.min() / self._cumulative[-1]) ** -self.beta
+        total = self._cumulative[-1]
+        draws = self._generator.random(self.batch_size) * total
+        positions = np.minimum(np.searchsorted(self._cumulative, draws, side="right"), len(self._scaled) - 1)
+        probability = self._scaled[positions] / total
+        weights = (len(self._scaled) * probability) ** -self.beta / self._max_weight
+        return WeightedIndices(positions.tolist(), weights.astype(np.float32))
+
+
+def update_priorities(buffer, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
+    """Write ``priorities`` for the (episode, timestep) pairs ``indices`` (a batch's ``_indices``,
+    shape (B, 2)) into ``priority_field`` of ``buffer`` and into its live prioritized samplers."""
+    check_priority_field(buffer, priority_field)
+    pairs = indices.detach().cpu().numpy() if torch.is_tensor(indices) else np.asarray(indices)
+    values = priorities.detach().cpu().numpy() if torch.is_tensor(priorities) else np.asarray(priorities)
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu":
+        raise ValueError(f"indices must be (episode, timestep) int pairs of shape (B, 2) as in `_indices`, "
+                         f"got {pairs.dtype} array of shape {pairs.shape}")
+    values = values.astype(np.float64).reshape(-1)
+    if len(values) != len(pairs):
+        raise ValueError(f"priorities has {len(values)} values for {len(pairs)} indices")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError("priorities must be finite and >= 0")
+    episodes, timesteps = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+    lens = buffer.episode_lens
+    if ((episodes < 0) | (episodes >= buffer.max_episodes)).any() or (timesteps < 0).any() \
+            or (timesteps >= lens[np.clip(episodes, 0, buffer.max_episodes - 1)]).any():
+        raise ValueError("indices name timesteps outside the committed episodes")
+    buffer._check_writable("update_priorities")
+    slots, inverse = np.unique(episodes, return_inverse=True)
+    longest = int(lens[slots].max())
+    rows = buffer.storage.read_rows(priority_field, slots, 0, longest)
+    rows = rows.reshape(len(slots), longest).copy()
+    rows[inverse, timesteps] = values
+    buffer.update(slots, **{priority_field: rows[..., None] if buffer.schema.fields[priority_field].shape else rows})
+    for sampler in list(_samplers.get(buffer, ())):
+        sampler.update(episodes, timesteps, values)
