@@ -113,7 +113,6 @@ class _SnapshotDataset(Dataset):
         self._slots = episode_filter(buffer, self._lens, filter_meta, min_episode_len)
         self.indices = torch.from_numpy(self._slots.copy())
         self._cache_mode = cache
-        self._rng: tuple[int, np.random.Generator] | None = None
 
     def _make_fetcher(self, fields: Iterable[str]) -> None:
         self.fetcher = Fetcher(self.replay_buffer, fields, self._slots, self._lens, self._generations, self._cache_mode)
@@ -167,12 +166,9 @@ class _SnapshotDataset(Dataset):
         return positions
 
     def rng(self) -> np.random.Generator:
-        """A generator per process, seeded from torch (so DataLoader workers differ and
-        ``torch.manual_seed`` makes random windows reproducible)."""
-        seed = (torch.initial_seed(), os.getpid())
-        if self._rng is None or self._rng[0] != seed:
-            self._rng = (seed, np.random.default_rng(seed[0] % 2**63))
-        return self._rng[1]
+        """A generator seeded from torch's: DataLoader workers differ, and ``torch.manual_seed``
+        makes random windows and redraws reproducible."""
+        return np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
 
     def _meta_columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         return {self.out_name(n): np.asarray(self.replay_buffer.meta_data[n][slots]) for n in self.meta_names}

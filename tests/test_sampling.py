@@ -1,0 +1,299 @@
+"""The read path: datasets and loaders match memmap-replay-buffer batch for batch, workers,
+freshness under a concurrent writer, the chunk cache, and bad input."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import memmap_replay_buffer as seed
+import numpy as np
+import pytest
+import torch
+
+from replaybuf import ReplayBuffer
+from replaybuf.sampling import (
+    ReplayDataset,
+    ReplayDatasetNStep,
+    ReplayDatasetTimestep,
+    ReplayDatasetTimeWindow,
+    ReplayDatasetTrajectory,
+    chunk_cache,
+    make_dataloader,
+    make_dataset,
+)
+from tests._sampling_data import FIELDS, LENGTHS, META_FIELDS, episode, fill, location, storage_backend
+
+BACKENDS = ["zarr", "memory"]
+MAX_EPISODES, MAX_TIMESTEPS = 8, 10
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def make_buffer(backend, tmp_path, lengths=LENGTHS, **kwargs):
+    options = dict(max_episodes=MAX_EPISODES, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META_FIELDS)
+    options.update(kwargs)
+    buffer = ReplayBuffer(location(backend, tmp_path), backend=storage_backend(backend), **options)
+    fill(buffer, lengths)
+    return buffer
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def shared_buffer(request, tmp_path_factory):
+    """A buffer the read-only tests share (one per backend)."""
+    return make_buffer(request.param, tmp_path_factory.mktemp("shared"))
+
+
+@pytest.fixture
+def buffer(backend, tmp_path):
+    return make_buffer(backend, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def seed_buffer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("seed") / "buffer"
+    reference = seed.ReplayBuffer(folder, max_episodes=MAX_EPISODES, max_timesteps=MAX_TIMESTEPS, fields=FIELDS,
+                                  meta_fields=META_FIELDS)
+    fill(reference)
+    return reference
+
+
+def assert_same(ours, theirs, where):
+    if isinstance(theirs, dict):
+        assert list(ours) == [k for k in ours if k in theirs] and set(ours) == set(theirs), where
+        items = [(k, ours[k], theirs[k]) for k in theirs]
+    else:
+        assert type(ours).__name__ == type(theirs).__name__ and ours._fields == theirs._fields, where
+        items = list(zip(theirs._fields, ours, theirs))
+    for key, a, b in items:
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, key, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b), (where, key)
+
+
+LOADER_CASES = [
+    {},
+    {"return_mask": True, "return_indices": True},
+    {"fields": ("state", "ident"), "filter_meta": {"task": 1}},
+    {"filter_meta": {"success": True}, "fieldname_map": {"state": "obs", "task": "goal"}},
+    {"dataset_kwargs": {"slice_by_episode_len": False}},
+    {"to_named_tuple": ("image", "_lens", "task")},
+    {"timestep_level": True},
+    {"timestep_level": True, "return_indices": True, "fields": ("ident", "reward")},
+    {"timestep_level": True, "filter_fields": {"done": True}},
+    {"timestep_level": True, "filter_fields": {"ident": 4003}, "filter_meta": {"task": 1}},
+    {"n_steps": 1},
+    {"n_steps": 3, "return_indices": True},
+    {"n_steps": 4, "current_fields": ("state",), "next_fields": ("state", "done"), "sequence_fields": ("reward", "image")},
+    {"n_steps": 2, "fieldname_map": {"next_state": "next_obs", "n_step_lens": "k"}, "filter_meta": {"success": False}},
+    {"n_steps": 2, "to_named_tuple": ("ident", "next_ident", "_indices"), "return_indices": True},
+]
+
+
+@pytest.mark.parametrize("case", LOADER_CASES, ids=lambda c: ",".join(c) or "trajectory")
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_loader_matches_seed(shared_buffer, seed_buffer, case, batch_size):
+    ours = list(make_dataloader(shared_buffer, batch_size, **case))
+    theirs = list(seed_buffer.dataloader(batch_size, **case))
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        assert_same(a, b, case)
+
+
+@pytest.mark.parametrize("kind", [{}, {"timestep_level": True}, {"n_steps": 3, "sequence_fields": ("state",)}])
+def test_dataset_items_match_seed(shared_buffer, seed_buffer, kind):
+    ours, theirs = make_dataset(shared_buffer, **kind), seed_buffer.dataset(**kind)
+    assert len(ours) == len(theirs)
+    for i in (0, len(ours) // 2, len(ours) - 1, -1):
+        assert_same(ours[i], theirs[i], (kind, i))
+    with pytest.raises(IndexError):
+        ours[len(ours)]
+
+
+def test_getitems_reads_each_field_once_per_batch(buffer, monkeypatch):
+    dataset = make_dataset(buffer, timestep_level=True)
+    calls = []
+    original = dataset.fetcher.gather
+    monkeypatch.setattr(dataset.fetcher, "gather", lambda name, e, t: calls.append(name) or original(name, e, t))
+    batch = dataset.__getitems__(list(range(len(dataset))))
+    assert sorted(calls) == sorted(FIELDS)
+    assert batch.batch["ident"].tolist() == [1000 * e + t for e, n in enumerate(LENGTHS) for t in range(n)]
+
+
+def test_dataset_classes_from_a_path(tmp_path):
+    buffer = make_buffer("zarr", tmp_path)
+    folder = str(buffer.folder)
+    assert ReplayDataset is ReplayDatasetTrajectory
+    assert len(ReplayDatasetTrajectory(folder)) == len(LENGTHS)
+    assert len(ReplayDatasetTimestep(folder)) == sum(LENGTHS)
+    assert len(ReplayDatasetNStep(folder, n_steps=2)) == sum(n - 1 for n in LENGTHS if n >= 2)
+
+
+def test_time_windows(buffer):
+    dataset = ReplayDatasetTimeWindow(buffer, window_length=4, return_indices=True)
+    torch.manual_seed(3)
+    first = dataset.__getitems__(list(range(len(dataset)))).batch
+    torch.manual_seed(3)
+    again = dataset.__getitems__(list(range(len(dataset)))).batch
+    assert torch.equal(first["_start"], again["_start"])
+    for i, length in enumerate(LENGTHS):
+        start, actual = int(first["_start"][i]), int(first["_lens"][i])
+        assert actual == min(4, length) and 0 <= start <= length - actual
+        assert bool(first["_reaches_episode_end"][i]) == (start + actual >= length)
+        expected = episode(i, length)["ident"][start:start + actual]
+        assert first["ident"][i, :actual].tolist() == expected.tolist()
+        assert (first["ident"][i, actual:] == 0).all() and first["image"].shape[1:] == (4, 6, 5, 3)
+    assert first["_lens"].dtype == torch.long and first["_reaches_episode_end"].dtype == torch.bool
+    batches = list(make_dataloader(buffer, 4, dataset=dataset, return_mask=True))
+    assert batches[0]["_mask"].shape == (4, 4)
+
+
+def test_cache_ram_gives_the_same_batches(buffer):
+    for case in ({}, {"timestep_level": True}, {"n_steps": 3, "sequence_fields": ("image",)}):
+        plain = list(make_dataloader(buffer, 4, **case))
+        ram = list(make_dataloader(buffer, 4, dataset_kwargs={"cache": "ram"}, **case))
+        for a, b in zip(plain, ram):
+            assert_same(b, a, case)
+
+
+def test_device_and_loader_kwargs(buffer):
+    batches = list(make_dataloader(buffer, 4, timestep_level=True, device="cpu", drop_last=True))
+    assert len(batches) == sum(LENGTHS) // 4
+    assert all(b["state"].device.type == "cpu" for b in batches)
+    shuffled = list(make_dataloader(buffer, 100, timestep_level=True, shuffle=True))
+    assert sorted(shuffled[0]["ident"].tolist()) == sorted(make_dataloader(buffer, 100, timestep_level=True)
+                                                            .dataset.__getitems__(range(sum(LENGTHS))).batch["ident"]
+                                                            .tolist())
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers(backend, tmp_path, start_method):
+    if backend == "memory" and start_method == "spawn":
+        pytest.skip("a memory:// store lives in one process; spawned workers cannot see it")
+    buffer = make_buffer(backend, tmp_path)
+    context = multiprocessing.get_context(start_method)
+    cases = [{"to_named_tuple": ("state", "_lens", "_mask"), "return_mask": True},
+             {"n_steps": 2, "return_indices": True}]
+    for case in cases[:1] if start_method == "spawn" else cases:
+        expected = list(make_dataloader(buffer, 2, **case))
+        got = list(make_dataloader(buffer, 2, num_workers=2, multiprocessing_context=context,
+                                   persistent_workers=True, **case))
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert_same(a, b, (start_method, case))
+
+
+# ---- freshness ---------------------------------------------------------------------------------
+
+
+def check_origin(batch, slots_to_episode):
+    """Every sample's data comes from the episode its slot held when the loader was made."""
+    for (slot, t), ident in zip(batch["_indices"].tolist(), batch["ident"].tolist()):
+        assert ident == 1000 * slots_to_episode[slot] + t
+
+
+@pytest.mark.parametrize("reader", ["same", "read_only"])
+def test_loader_never_mixes_a_reused_slot(backend, tmp_path, reader):
+    writer = make_buffer(backend, tmp_path, lengths=(6,) * MAX_EPISODES, circular=True)
+    source = writer if reader == "same" else ReplayBuffer.from_folder(writer.storage.location, read_only=True,
+                                                                      backend=storage_backend(backend))
+    loader = make_dataloader(source, 16, timestep_level=True, return_indices=True)
+    origin = {slot: slot for slot in range(MAX_EPISODES)}
+    first = next(iter(loader))
+    check_origin(first, origin)
+    fill(writer, lengths=(6, 6, 6), start=MAX_EPISODES)  # reuses slots 0, 1, 2
+    seen = set()
+    for batch in loader:
+        check_origin(batch, origin)
+        seen.update(s for s, _ in batch["_indices"].tolist())
+    assert seen and not seen & {0, 1, 2}
+    fresh = make_dataloader(source, 64, timestep_level=True, return_indices=True)
+    origin.update({0: MAX_EPISODES, 1: MAX_EPISODES + 1, 2: MAX_EPISODES + 2})
+    for batch in fresh:
+        check_origin(batch, origin)
+    assert len(fresh.dataset) == 6 * MAX_EPISODES
+
+
+def test_episode_in_progress_is_not_visible(backend, tmp_path):
+    writer = make_buffer(backend, tmp_path)
+    for t in range(3):
+        writer.store(**{k: v[t] for k, v in episode(99, 3).items()})
+    writer.flush()
+    reader = ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=storage_backend(backend))
+    assert len(make_dataset(reader, timestep_level=True)) == sum(LENGTHS)
+    assert len(make_dataset(writer, timestep_level=True)) == sum(LENGTHS)
+    writer.advance_episode()
+    assert len(make_dataset(reader, timestep_level=True)) == sum(LENGTHS) + 3
+
+
+# ---- the chunk cache -------------------------------------------------------------------------------
+
+
+def test_chunk_cache_hits_and_sees_writes_of_this_process(tmp_path):
+    buffer = make_buffer("zarr", tmp_path, fields={**FIELDS, "image": ("uint8", (40, 40, 3))})
+    cache = chunk_cache()
+    cache.clear()
+    loader = make_dataloader(buffer, 8, timestep_level=True)
+    first = [b["image"] for b in loader]
+    misses = cache.misses
+    again = [b["image"] for b in loader]
+    assert cache.misses == misses and cache.hits >= misses
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    buffer.update(1, image=np.full((4, 40, 40, 3), 7, np.uint8), state=np.full((4, 4), 2.5, np.float32))
+    batch = make_dataloader(buffer, 64, timestep_level=True).dataset.__getitems__([1, 2]).batch
+    assert (batch["image"] == 7).all() and (batch["state"] == 2.5).all()
+    batch = loader.dataset.__getitems__([1, 2]).batch
+    assert (batch["image"] == 7).all() and (batch["state"] == 2.5).all()
+    cache.resize(max_bytes=0)
+    try:
+        assert cache.nbytes == 0
+        assert torch.equal(next(iter(loader))["image"], next(iter(make_dataloader(buffer, 8, timestep_level=True)))["image"])
+    finally:
+        cache.resize(max_bytes=128 << 20)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, message", [
+    ({"fields": ("nope",)}, "fields: invalid field names \\['nope'\\]"),
+    ({"n_steps": 2, "current_fields": ("state", "nope")}, "current_fields"),
+    ({"n_steps": 2, "next_fields": ("x",)}, "next_fields"),
+    ({"n_steps": 2, "sequence_fields": ("x",)}, "sequence_fields"),
+    ({"to_named_tuple": ("state", "_nope")}, "to_named_tuple: invalid field names \\['_nope'\\]"),
+    ({"to_named_tuple": ("state",), "fields": ("state",)}, "both fields and to_named_tuple"),
+    ({"n_steps": 0}, "n_steps must be an int >= 1"),
+    ({"n_steps": 2, "timestep_level": True}, "both n_steps and timestep_level"),
+    ({"timestep_level": True, "return_mask": True}, "return_mask is only supported"),
+    ({"n_steps": 2, "return_mask": True}, "return_mask is only supported"),
+    ({"filter_meta": {"nope": 1}}, "filter_meta: invalid field names"),
+    ({"filter_meta": {"task": 17}}, "matches no episode"),
+    ({"timestep_level": True, "filter_fields": {"image": 0}}, "only supports scalar fields"),
+    ({"timestep_level": True, "filter_fields": {"ident": -5}}, "matches no timestep"),
+    ({"filter_fields": {"done": True}}, "only supported for timestep-level"),
+    ({"sampler": "lifo"}, "sampler must be one of"),
+    ({"sampler": "prioritized"}, "use timestep_level=True or n_steps"),
+    ({"sampler": "prioritized", "timestep_level": True}, "priority_field 'priority' is not a field"),
+    ({"dataset_kwargs": {"cache": "gpu"}}, "cache must be one of"),
+])
+def test_bad_input(shared_buffer, case, message):
+    with pytest.raises(ValueError, match=message):
+        make_dataloader(shared_buffer, 2, **case)
+
+
+def test_bad_input_outside_the_loader(buffer, tmp_path):
+    with pytest.raises(ValueError, match="window_length must be an int >= 1"):
+        ReplayDatasetTimeWindow(buffer, window_length=0)
+    with pytest.raises(ValueError, match="cannot turn off return_episode_lens"):
+        make_dataset(buffer, slice_by_episode_len=False, return_episode_lens=False)
+    empty = ReplayBuffer(location("zarr", tmp_path / "empty"), max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    with pytest.raises(ValueError, match="replay buffer is empty"):
+        make_dataloader(empty, 2)
+    with pytest.raises(ValueError, match="replay buffer is empty"):
+        ReplayDatasetTimestep(empty)
+    short = make_buffer("zarr", tmp_path / "short", lengths=(1, 1))
+    with pytest.raises(ValueError, match="no episode has at least 2 timesteps"):
+        make_dataset(short, n_steps=3)
+    with pytest.raises(TypeError, match="must be a ReplayBuffer"):
+        ReplayDatasetTimestep(42)
