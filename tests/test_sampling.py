@@ -230,15 +230,17 @@ def test_episode_in_progress_is_not_visible(backend, tmp_path):
 # ---- the chunk cache -------------------------------------------------------------------------------
 
 
-def test_chunk_cache_hits_and_sees_writes_of_this_process(tmp_path):
-    buffer = make_buffer("zarr", tmp_path, fields={**FIELDS, "image": ("uint8", (40, 40, 3))})
+@pytest.mark.parametrize("resident_bytes", [0, 64 << 20], ids=["lru", "resident"])
+def test_chunk_cache_hits_and_sees_writes_of_this_process(tmp_path, resident_bytes, monkeypatch):
     cache = chunk_cache()
+    monkeypatch.setattr(cache, "resident_bytes", resident_bytes)
+    buffer = make_buffer("zarr", tmp_path, fields={**FIELDS, "image": ("uint8", (40, 40, 3))})
     cache.clear()
     loader = make_dataloader(buffer, 8, timestep_level=True)
     first = [b["image"] for b in loader]
     misses = cache.misses
     again = [b["image"] for b in loader]
-    assert cache.misses == misses and cache.hits >= misses
+    assert cache.misses == misses and cache.hits >= misses * (resident_bytes == 0)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     buffer.update(1, image=np.full((4, 40, 40, 3), 7, np.uint8), state=np.full((4, 4), 2.5, np.float32))
     batch = make_dataloader(buffer, 64, timestep_level=True).dataset.__getitems__([1, 2]).batch

@@ -68,7 +68,8 @@ class ChunkCache:
             for key, version, chunk in items:
                 if chunk.nbytes > self.max_bytes:
                     continue
-                chunk.flags.writeable = False
+                if chunk.flags.writeable:
+                    chunk.flags.writeable = False
                 old = self._entries.pop((namespace, key), None)
                 if old is not None:
                     self.nbytes -= old[1].nbytes
@@ -108,6 +109,7 @@ class ChunkCache:
 
 
 _cache = ChunkCache()
+ABSENT = np.zeros(0, np.uint8)  # cached for a chunk that was never written (reads as zeros)
 os.register_at_fork(after_in_child=_cache._after_fork)
 
 
@@ -116,35 +118,78 @@ def chunk_cache() -> ChunkCache:
     return _cache
 
 
-class ChunkCodec:
-    """``bytes`` (little-endian) followed by an optional zstd compressor."""
 
-    def __init__(self, dtype: np.dtype, level: int | None):
+
+_BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+
+
+class ChunkCodec:
+    """``bytes`` (little-endian) followed by at most one compressor (zstd, blosc or gzip)."""
+
+    def __init__(self, dtype: np.dtype, compressor: dict | None):
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.level = level
-        self._zstd = None if level is None else numcodecs.Zstd(level=level)
+        self.compressor = compressor
+        self._codec = None if compressor is None else _numcodec(compressor)
+
+    @property
+    def compressed(self) -> bool:
+        return self._codec is not None
+
+    @property
+    def label(self) -> str:
+        """Short form for ``replaybuf info``: 'zstd:3', 'blosc-lz4:5', 'none'."""
+        if self.compressor is None:
+            return "none"
+        name, config = self.compressor["name"], self.compressor.get("configuration", {})
+        if name == "blosc":
+            return f"blosc-{config.get('cname', 'lz4')}:{config.get('clevel', 5)}"
+        return f"{name}:{config.get('level', '')}".rstrip(":")
 
     def encode(self, chunk: np.ndarray) -> bytes:
         raw = np.ascontiguousarray(chunk, dtype=self.dtype)
-        return raw.tobytes() if self._zstd is None else self._zstd.encode(raw)
+        return raw.tobytes() if self._codec is None else self._codec.encode(raw)
 
     def decode(self, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
-        raw = data if self._zstd is None else self._zstd.decode(data)
+        raw = data if self._codec is None else self._codec.decode(data)
         return np.frombuffer(raw, dtype=self.dtype).reshape(shape)
 
-    def decode_into(self, data: bytes, out: np.ndarray, shape: tuple[int, ...]) -> None:
-        """Decode a chunk of ``shape`` into the contiguous array ``out`` (same number of bytes)."""
-        if self._zstd is None:
+    def decode_into(self, data: bytes, out: np.ndarray) -> None:
+        """Decode a chunk into the contiguous array ``out`` of the same number of bytes."""
+        if self._codec is None:
             out[...] = np.frombuffer(data, dtype=self.dtype).reshape(out.shape)
         else:
-            self._zstd.decode(data, out=out)
+            self._codec.decode(data, out=out)
 
-    def zarr_codecs(self) -> list[dict]:
-        endian = [] if self.dtype.itemsize == 1 else [{"name": "bytes", "configuration": {"endian": "little"}}]
-        codecs = endian or [{"name": "bytes"}]
-        if self.level is not None:
-            codecs.append({"name": "zstd", "configuration": {"level": self.level, "checksum": False}})
-        return codecs
+
+def _numcodec(compressor: dict):
+    name, config = compressor["name"], compressor.get("configuration", {})
+    if name == "zstd":
+        return numcodecs.Zstd(level=config.get("level", 0))
+    if name == "gzip":
+        return numcodecs.GZip(level=config.get("level", 5))
+    if name == "blosc":
+        shuffle = config.get("shuffle", "noshuffle")
+        return numcodecs.Blosc(cname=config.get("cname", "lz4"), clevel=config.get("clevel", 5),
+                               shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle), blocksize=config.get("blocksize", 0))
+    raise ValueError(f"compressor {name!r} is not one replaybuf writes")
+
+
+def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
+    """The zarr codec object for a compressor spec such as 'zstd:3' (None for 'none')."""
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    from ..schema import parse_compressor
+
+    kind, level = parse_compressor(spec)
+    if kind == "none":
+        return None
+    if kind == "zstd":
+        return ZstdCodec(level=default_level if level is None else level)
+    if kind == "gzip":
+        return GzipCodec(level=5 if level is None else level)
+    shuffle = "noshuffle" if np.dtype(dtype).itemsize == 1 else "shuffle"
+    return BloscCodec(cname=kind.split("-")[1], clevel=5 if level is None else level, shuffle=shuffle,
+                      typesize=np.dtype(dtype).itemsize)
 
 
 class ChunkedArray:
@@ -159,7 +204,8 @@ class ChunkedArray:
     supports_versions = True  # gather/read_rows take ``versions`` (chunk cache, resident copy)
 
     def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
-                 dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None):
+                 dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None,
+                 separator: str = "/"):
         self.kv = kv
         self.path = path
         self.shape = tuple(shape)
@@ -168,6 +214,7 @@ class ChunkedArray:
         self.codec = codec
         self._zarr_array = zarr_array
         self.grid_axes = grid_axes
+        self.separator = separator
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
         self._resident_versions: np.ndarray | None = None
@@ -190,7 +237,8 @@ class ChunkedArray:
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         full = tuple(index) + (0,) * (self.ndim - len(index))
-        return f"{self.path}/c/" + "/".join(str(i) for i in full)
+        sep = self.separator
+        return f"{self.path}/c{sep}" + sep.join(str(i) for i in full)
 
     def _boxes_chunks(self, box: Sequence[tuple[int, int]]):
         """Chunk indices intersecting a box of [start, stop) over the grid axes."""
@@ -295,40 +343,47 @@ class ChunkedArray:
         keys = [self.chunk_key(g) for g in grid]
         found: list = [None] * len(keys) if versions is None else _cache.get_many(self._namespace, keys, versions)
         missing = [i for i, chunk in enumerate(found) if chunk is None]
-        if not missing:
-            return found
-        decoded = self.fetch_chunks([grid[i] for i in missing])
-        for i in missing:
-            found[i] = decoded[grid[i]]
-        if versions is not None:
-            _cache.put_many(self._namespace, [(keys[i], versions[i], found[i]) for i in missing if found[i] is not None])
-        return found
+        if missing:
+            decoded = self.fetch_chunks([grid[i] for i in missing])
+            for i in missing:
+                found[i] = decoded[grid[i]]
+            if versions is not None:
+                _cache.put_many(self._namespace, [(keys[i], versions[i], ABSENT if found[i] is None else found[i])
+                                                  for i in missing])
+        return [None if chunk is ABSENT else chunk for chunk in found]
 
     def _gather_whole(self, grid: list[tuple[int, int]], first: np.ndarray, versions: list | None,
                       out: np.ndarray) -> None:
         """Chunks of one element: decode each straight into its row of ``out``."""
         keys = [self.chunk_key(g) for g in grid]
         rows = first.tolist()
+        todo = list(range(len(grid)))
         if versions is not None:
+            todo = []
             for i, chunk in enumerate(_cache.get_many(self._namespace, keys, versions)):
-                if chunk is not None:
-                    out[rows[i]] = chunk[0, 0]
-                    keys[i] = None
-        todo = [i for i, key in enumerate(keys) if key is not None]
+                if chunk is None:
+                    todo.append(i)
+                else:
+                    out[rows[i]] = chunk.reshape(out.shape[1:])
         if not todo:
             return
-        shape = self.chunks
-
-        def decode(j: int, data: bytes | None) -> None:
-            row = out[rows[todo[j]]]
-            if data is None:
-                row[...] = 0
-            else:
-                self.codec.decode_into(data, row, shape)
-
-        self.kv.get_each([keys[i] for i in todo], decode)
+        self._read_whole_into([grid[i] for i in todo], [rows[i] for i in todo], out,
+                              None if versions is None else [versions[i] for i in todo])
         if versions is not None:
-            _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].reshape(shape).copy()) for i in todo])
+            _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].copy()) for i in todo])
+
+    def _read_whole_into(self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray,
+                         versions: list | None) -> None:
+        """Fetch the one-element chunks at ``grid`` and decode chunk i into ``out[rows[i]]``."""
+        del versions
+
+        def decode(i: int, data: bytes | None) -> None:
+            if data is None:
+                out[rows[i]] = 0
+            else:
+                self.codec.decode_into(data, out[rows[i]])
+
+        self.kv.get_each([self.chunk_key(g) for g in grid], decode)
 
     def _resident_enabled(self) -> bool:
         if self._resident is None:
@@ -356,7 +411,7 @@ class ChunkedArray:
             self._resident[e] = value[0]
             self._resident_versions[e] = version
 
-    def _forget(self, keys: list[str], box: Sequence[tuple[int, int]], chunks: dict[tuple, np.ndarray | None]) -> None:
+    def _forget(self, keys: list[str], chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to a write of ``box`` in this process."""
         _cache.discard(self._namespace, keys)
         if self._resident is None or self.grid_axes != 2:
@@ -379,8 +434,31 @@ class ChunkedArray:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def write_box(self, start: Sequence[int], values: np.ndarray) -> None:
-        """Write ``values`` at ``start`` (per grid axis), rewriting partly covered chunks."""
+    def _write_rows_in_place(self, first: int, values: np.ndarray) -> bool:
+        """Overwrite whole rows of an uncompressed, episode-chunked array with in-place writes
+        (each a single small pwrite, as a memmap would do); False when that is not possible."""
+        if self.codec.compressed or self.grid_axes != 1:
+            return False
+        rows = np.ascontiguousarray(values, dtype=self.codec.dtype)
+        row_nbytes = rows[0].nbytes if len(rows) else 0
+        per_chunk = self.chunks[0]
+        done = 0
+        while done < len(rows):
+            episode = first + done
+            chunk, offset = divmod(episode, per_chunk)
+            count = min(len(rows) - done, per_chunk - offset)
+            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes, rows[done:done + count].tobytes()):
+                return False
+            done += count
+        return True
+
+    def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
+        """Write ``values`` at ``start`` (per grid axis), rewriting partly covered chunks.
+
+        ``atomic=False`` allows writing objects in place: only for slots no reader trusts yet.
+        """
+        if self._write_rows_in_place(int(start[0]), values):
+            return
         box = [(s, s + n) for s, n in zip(start, values.shape)]
         indices = list(self._boxes_chunks(box))
         partial = [i for i in indices if not self._covers(box, i)]
@@ -413,10 +491,10 @@ class ChunkedArray:
         else:
             blobs = {k: self.codec.encode(v) for k, v in encoded.items()}
         if blobs:
-            self.kv.set_many(blobs)
+            self.kv.set_many(blobs, atomic=atomic)
         if empty:
             self.kv.delete_many(empty)
-        self._forget([*encoded, *empty], box, written)
+        self._forget([*encoded, *empty], written)
 
     def _covers(self, box, index) -> bool:
         for (lo, hi), i, c, n in zip(box, index, self.chunks, self.shape):
@@ -480,6 +558,17 @@ class ChunkedArray:
         index = (0 if squeeze else slice(None),) + ((0 if squeeze_t else slice(None),) if time else ())
         return out[index + tuple(rest)]
 
+    def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
+        """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
+        consecutive episodes."""
+        episodes = np.asarray(episodes)
+        order = np.argsort(episodes, kind="stable")
+        episodes, values = episodes[order], values[order]
+        runs = np.flatnonzero(np.diff(episodes) != 1) + 1
+        for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(episodes)]):
+            start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
+            self.write_box(start, values[lo:hi], atomic=atomic)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         parsed = self._normalize(key)
         if parsed is None or parsed[4]:
@@ -490,14 +579,8 @@ class ChunkedArray:
         drops = (squeeze,) + ((squeeze_t,) if time else ()) + (False,) * (self.ndim - self.grid_axes)
         view = tuple(n for n, drop in zip(full, drops) if not drop)
         values = np.broadcast_to(np.asarray(value, dtype=self.dtype), view).reshape(full)
-        if len(episodes) == 0:
-            return
-        order = np.argsort(episodes, kind="stable")
-        episodes, values = episodes[order], values[order]
-        runs = np.flatnonzero(np.diff(episodes) != 1) + 1
-        for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(episodes)]):
-            start = (int(episodes[lo]),) + ((time[0],) if time else ())
-            self.write_box(start, values[lo:hi])
+        if len(episodes):
+            self.write_rows(episodes, time[0] if time else 0, values)
 
     def _zarr(self):
         if self._zarr_array is None:
