@@ -31,7 +31,7 @@ DEFAULT_RESIDENT_BYTES = 64 << 20
 class ChunkCache:
     """A per-process LRU of decoded chunks, bounded in bytes, for readers that pass versions.
 
-    An entry is keyed by (array, chunk key) and remembers the version (the generation of the
+    An entry is keyed by (array, chunk grid index) and remembers the version (the generation of the
     episode's slot) it was read under; a lookup under another version misses, so a slot that
     a writer in another process reused is never served from an old read. Writes made in this
     process replace what they touch. ``resident_bytes`` bounds the arrays (small vectors and
@@ -43,10 +43,10 @@ class ChunkCache:
         self.resident_bytes = int(resident_bytes)
         self.nbytes = 0
         self.hits = self.misses = 0
-        self._entries: OrderedDict[tuple[str, str], tuple[int, np.ndarray]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, Any], tuple[int, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get_many(self, namespace: str, keys: Sequence[str], versions: Sequence[int]) -> list[np.ndarray | None]:
+    def get_many(self, namespace: str, keys: Sequence[Any], versions: Sequence[int]) -> list[np.ndarray | None]:
         found: list[np.ndarray | None] = []
         with self._lock:
             for key, version in zip(keys, versions):
@@ -61,7 +61,7 @@ class ChunkCache:
             self.misses += len(found) - hits
         return found
 
-    def put_many(self, namespace: str, items: Sequence[tuple[str, int, np.ndarray]]) -> None:
+    def put_many(self, namespace: str, items: Sequence[tuple[Any, int, np.ndarray]]) -> None:
         if self.max_bytes <= 0:
             return
         with self._lock:
@@ -77,7 +77,12 @@ class ChunkCache:
                 self.nbytes += chunk.nbytes
             self._evict()
 
-    def discard(self, namespace: str, keys: Sequence[str]) -> None:
+    def admits(self, nbytes: int) -> bool:
+        """Whether one read of ``nbytes`` new chunk bytes is cached: a read larger than a quarter
+        of the cache (a trajectory scan) would only flush it."""
+        return 0 < nbytes * 4 <= self.max_bytes
+
+    def discard(self, namespace: str, keys: Sequence[Any]) -> None:
         with self._lock:
             for key in keys:
                 old = self._entries.pop((namespace, key), None)
@@ -121,6 +126,11 @@ def chunk_cache() -> ChunkCache:
 
 
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+
+
+def _per_pair(versions, count: int) -> np.ndarray:
+    versions = np.asarray(versions, dtype=np.int64)
+    return versions if versions.shape == (count,) else np.broadcast_to(versions, (count,))
 
 
 class ChunkCodec:
@@ -299,7 +309,7 @@ class ChunkedArray:
         if len(episodes) == 0:
             return out
         if versions is not None and self.grid_axes == 2 and self._resident_enabled():
-            versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), episodes.shape)
+            versions = _per_pair(versions, len(episodes))
             return self._gather_resident(episodes, timesteps, versions, out)
         ce, ct = self.chunks[0], self.chunks[1]
         per_row = -(-self.shape[1] // ct)
@@ -308,7 +318,7 @@ class ChunkedArray:
         grid = [(int(i // per_row), int(i % per_row)) for i in unique]
         cached_versions = None
         if versions is not None and ce == 1 and _cache.max_bytes > 0:
-            cached_versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), episodes.shape)[first].tolist()
+            cached_versions = _per_pair(versions, len(episodes))[first].tolist()
         if ce == 1 and ct == 1:
             self._gather_whole(grid, first, cached_versions, out)
             duplicate = first[inverse] != np.arange(len(episodes))
@@ -340,7 +350,7 @@ class ChunkedArray:
 
     def _chunks_cached(self, grid: list[tuple[int, int]], versions: list | None) -> list[np.ndarray | None]:
         """Decoded chunks at grid positions, served from the cache where the version matches."""
-        keys = [self.chunk_key(g) for g in grid]
+        keys = grid
         found: list = [None] * len(keys) if versions is None else _cache.get_many(self._namespace, keys, versions)
         missing = [i for i, chunk in enumerate(found) if chunk is None]
         if missing:
@@ -355,7 +365,7 @@ class ChunkedArray:
     def _gather_whole(self, grid: list[tuple[int, int]], first: np.ndarray, versions: list | None,
                       out: np.ndarray) -> None:
         """Chunks of one element: decode each straight into its row of ``out``."""
-        keys = [self.chunk_key(g) for g in grid]
+        keys = grid
         rows = first.tolist()
         todo = list(range(len(grid)))
         if versions is not None:
@@ -369,7 +379,7 @@ class ChunkedArray:
             return
         self._read_whole_into([grid[i] for i in todo], [rows[i] for i in todo], out,
                               None if versions is None else [versions[i] for i in todo])
-        if versions is not None:
+        if versions is not None and _cache.admits(len(todo) * out[0].nbytes):
             _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].copy()) for i in todo])
 
     def _read_whole_into(self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray,
@@ -411,9 +421,9 @@ class ChunkedArray:
             self._resident[e] = value[0]
             self._resident_versions[e] = version
 
-    def _forget(self, keys: list[str], chunks: dict[tuple, np.ndarray | None]) -> None:
-        """Keep the cache and the resident copy true to a write of ``box`` in this process."""
-        _cache.discard(self._namespace, keys)
+    def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
+        """Keep the cache and the resident copy true to chunks written in this process."""
+        _cache.discard(self._namespace, list(chunks))
         if self._resident is None or self.grid_axes != 2:
             return
         for index, chunk in chunks.items():
@@ -494,7 +504,7 @@ class ChunkedArray:
             self.kv.set_many(blobs, atomic=atomic)
         if empty:
             self.kv.delete_many(empty)
-        self._forget([*encoded, *empty], written)
+        self._forget(written)
 
     def _covers(self, box, index) -> bool:
         for (lo, hi), i, c, n in zip(box, index, self.chunks, self.shape):
@@ -551,7 +561,10 @@ class ChunkedArray:
         if parsed is None:
             return np.asarray(self._zarr()[key])
         episodes, squeeze, time, squeeze_t, rest = parsed
-        boxes = [((int(e), int(e) + 1),) + ((time,) if time is not None else ()) for e in episodes]
+        if len(episodes) > 1 and episodes[-1] - episodes[0] == len(episodes) - 1 and (np.diff(episodes) == 1).all():
+            boxes = [((int(episodes[0]), int(episodes[-1]) + 1),) + ((time,) if time is not None else ())]
+        else:
+            boxes = [((int(e), int(e) + 1),) + ((time,) if time is not None else ()) for e in episodes]
         full = (len(episodes),) + ((time[1] - time[0],) if time else ()) + self.shape[self.grid_axes:]
         parts = self.read_boxes(boxes)
         out = np.concatenate(parts) if parts else np.zeros(full, self.dtype)

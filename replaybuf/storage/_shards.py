@@ -99,8 +99,9 @@ class ShardedArray(ChunkedArray):
                                              for i, e in enumerate(episodes) if e in missing])
         return {e: None if index is ABSENT else index for e, index in found.items()}
 
-    def index_cache_key(self, episode: int) -> str:
-        return f"{self.shard_key(episode)}#index"
+    @staticmethod
+    def index_cache_key(episode: int) -> tuple:
+        return ("index", episode)
 
     def _read_whole_into(self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray,
                          versions: list | None) -> None:
@@ -119,16 +120,17 @@ class ShardedArray(ChunkedArray):
                 spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row))
         requests, runs = [], []
         for e, items in spans.items():
+            key = self.shard_key(e)
             items.sort()
             run = [items[0]]
             for item in items[1:]:
                 if item[0] == run[-1][0] + run[-1][1]:
                     run.append(item)
                 else:
-                    requests.append((self.shard_key(e), run[0][0], run[-1][0] + run[-1][1]))
+                    requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
                     runs.append(run)
                     run = [item]
-            requests.append((self.shard_key(e), run[0][0], run[-1][0] + run[-1][1]))
+            requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
             runs.append(run)
 
         def decode(i: int, data: bytes | None) -> None:
@@ -197,7 +199,7 @@ class ShardedArray(ChunkedArray):
         keys = []
         for e in episodes:
             keys.append(self.index_cache_key(e))
-            keys.extend(self.chunk_key((e, t)) for t in range(self.inner_per_shard))
+            keys.extend((e, t) for t in range(self.inner_per_shard))
         chunk_cache().discard(self._namespace, keys)
         if self._resident_versions is not None:
             self._resident_versions[list(episodes)] = -1
