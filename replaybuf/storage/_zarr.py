@@ -239,6 +239,10 @@ class ZarrStorage(Storage):
         if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
             super().append_log(name, data)
 
+    def close(self) -> None:
+        # docstring inherited
+        self.kv.close()
+
     # ---- batched I/O -------------------------------------------------------------------------
 
     def time_chunk(self, name: str) -> int:
