@@ -79,7 +79,7 @@ class ZarrStorage(Storage):
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
         if not _is_url(location):
             return LocalKV(_local_root(location), fsync=fsync)
-        return StoreKV(lambda: _open_zarr_store(location, storage_options, read_only), location)
+        return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
     def _zarr_store(self, read_only: bool):
         if not _is_url(self.location):
