@@ -12,6 +12,7 @@ import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.collector import EpisodeCollector, UnknownFieldError
+from tests._compare import assert_same
 
 G = 3  # parallel environments
 FIELDS = dict(state=("float", (2, 3)), action=("int", 2), reward="float", done="bool", returns="float")
@@ -32,30 +33,6 @@ def make_pair(tmp_path, **overrides):
 def collectors(tmp_path, num_groups=G, **kwargs):
     theirs, ours = make_pair(tmp_path)
     return seed.EpisodeCollector(theirs, num_groups, **kwargs), EpisodeCollector(ours, num_groups, **kwargs)
-
-
-def assert_same(ours, theirs):
-    """Same container type, dtype, shape and values."""
-    if isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor), f"expected a tensor, got {type(ours)}"
-        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
-        assert torch.equal(ours, theirs)
-    elif isinstance(theirs, np.ndarray):
-        assert isinstance(ours, np.ndarray), f"expected an ndarray, got {type(ours)}"
-        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
-        np.testing.assert_array_equal(ours, theirs)
-    elif isinstance(theirs, dict):
-        assert list(ours) == list(theirs)
-        for name in theirs:
-            assert_same(ours[name], theirs[name])
-    elif isinstance(theirs, (list, tuple)):
-        assert type(ours).__name__ == type(theirs).__name__ and len(ours) == len(theirs)
-        if hasattr(theirs, "_fields"):
-            assert ours._fields == theirs._fields
-        for a, b in zip(ours, theirs, strict=True):
-            assert_same(a, b)
-    else:
-        assert ours == theirs
 
 
 def rollout_steps(kind: str, steps: int = 4, seed_value: int = 0):
