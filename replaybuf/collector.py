@@ -74,6 +74,12 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape) if _is_array(value) else np.shape(value)
 
 
+def _check_numeric(name: str, value: ArrayLike) -> None:
+    """Reject strings and objects before they reach the rollout (torch tensors are always numeric)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "biuf":
+        raise TypeError(f"field {name!r}: got values of dtype {value.dtype}; expected numbers or bools")
+
+
 def _cast_singleton(value: Any, target: tuple[int, ...], leading: int) -> Any:
     """Treat a feature shape () and (1,) as the same, as the buffer's ``store_episode`` does."""
     feature = _shape(value)[leading:]
@@ -91,8 +97,10 @@ def _to_device(batch: Any, device: torch.device | str | None) -> Any:
         return batch.to(device)
     if isinstance(batch, dict):
         return {name: _to_device(value, device) for name, value in batch.items()}
-    if isinstance(batch, tuple):
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_to_device(value, device) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(value, device) for value in batch)
     return batch
 
 
@@ -194,6 +202,7 @@ class EpisodeCollector:
         """A meta value as ``(num_groups, *shape)``: one value for all groups, or one per group."""
         shape = self.meta_shapes[name]
         value = value if _is_array(value) else np.asarray(value)
+        _check_numeric(name, value)
         shared = _cast_singleton(value, shape, 0)
         if _shape(shared) == shape:
             return _stack([shared] * self.num_groups)
@@ -222,6 +231,7 @@ class EpisodeCollector:
                 raise ValueError(f"field {name!r}: per-group values do not stack ({error}); {expected}") from None
         elif not _is_array(value):
             raise TypeError(f"field {name!r}: got {type(value).__name__} {value!r}; {expected}")
+        _check_numeric(name, value)
         if value.ndim == 0 or value.shape[0] != self.num_groups:
             raise ValueError(f"field {name!r}: got shape {_shape(value)}; {expected}")
         rest = _shape(value)[1:]
@@ -278,6 +288,7 @@ class EpisodeCollector:
                 )
             if _shape(value)[2:] != shape:
                 raise ValueError(f"field {name!r}: feature shape {_shape(value)[2:]} does not match {shape}")
+            _check_numeric(name, value)
             if kind == "data":
                 blocks[name] = _copy(value)
             else:

@@ -299,6 +299,9 @@ def test_create_collector_returns_an_episode_collector(tmp_path):
         (dict(reward=[1.0, 2.0]), ValueError, r"'reward'.*length 2"),
         (dict(state=[np.zeros((2, 3)), np.zeros((3, 2)), np.zeros((2, 3))]), ValueError, r"'state'.*do not stack"),
         (dict(task=torch.zeros(2)), ValueError, r"meta field 'task'.*\(2,\)"),
+        (dict(task="pick"), TypeError, r"'task'.*dtype <U4"),
+        (dict(state=np.full((G, 2, 3), "x")), TypeError, r"'state'.*dtype <U1"),
+        (dict(reward=[None] * G), TypeError, r"'reward'.*dtype object"),
         (dict(reward=torch.zeros(G), bogus=torch.zeros(G)), UnknownFieldError, r"'bogus'"),
         (dict(reward=torch.zeros(G), state=torch.zeros(G)), ValueError, r"'state'"),
     ],
@@ -334,6 +337,7 @@ def test_unknown_fields_are_value_and_key_errors(tmp_path):
         (dict(returns=torch.zeros(3, G)), ValueError, r"'returns'.*time dim 3 does not match the 2"),
         (dict(state=torch.zeros(2, G, 3)), ValueError, r"'state'.*feature shape \(3,\) does not match \(2, 3\)"),
         (dict(returns=torch.zeros(2, G), goal=torch.zeros(2, G)), ValueError, r"'goal'"),
+        (dict(returns=np.zeros((2, G), dtype=object)), TypeError, r"'returns'.*dtype object"),
     ],
 )
 def test_bad_extend_raises_and_changes_nothing(tmp_path, values, error, message):
