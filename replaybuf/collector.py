@@ -239,7 +239,7 @@ class EpisodeCollector:
             value = value[:, 0]
         elif rest != shape:
             raise ValueError(f"field {name!r}: per-group shape {rest} should be {shape} or {(1, *shape)}")
-        return _copy(value[None])
+        return _copy(value)[None]
 
     # adding data
 
