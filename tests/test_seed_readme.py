@@ -351,7 +351,6 @@ def reopen(run: ReadmeRun, out: dict) -> None:
     buffer = ns["buffer"]
     assert buffer.num_episodes == 9
     out["read_only_data"] = buffer.get_all_data()
-    sum(1 for _ in buffer.dataloader(batch_size=4))
     for write in (lambda: buffer.store_episode(reward=torch.ones(3)), buffer.clear):
         with pytest.raises(ValueError):
             write()
@@ -392,11 +391,13 @@ def concat(run: ReadmeRun, out: dict) -> None:
         part.flush()
         del part
     gc.collect()
+    before = {folder: files_under(Path(folder)) for folder in lengths}
     run.exec("concat")
     concat_buffer, dataloader = run.namespace["concat"], run.namespace["dataloader"]
     assert concat_buffer.num_episodes == len(concat_buffer) == 5
     assert concat_buffer.max_timesteps == 30
     batches = list(dataloader)
+    assert {folder: files_under(Path(folder)) for folder in lengths} == before, "reading read-only buffers wrote files"
     assert [batch["_lens"].tolist() for batch in batches] == [[10, 12], [7, 15], [5]]
     assert [tuple(batch["_mask"].shape) for batch in batches] == [(2, 12), (2, 15), (1, 5)]
     assert all(torch.equal(batch["_mask"].sum(-1), batch["_lens"]) for batch in batches)
