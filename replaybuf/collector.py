@@ -284,7 +284,7 @@ class EpisodeCollector:
                 num_steps = value.shape[0]
             elif value.shape[0] != num_steps:
                 raise ValueError(
-                    f"field {name!r}: time dim {value.shape[0]} does not match the {num_steps} collected steps"
+                    f"field {name!r}: time dim {value.shape[0]} does not match the rollout's {num_steps} steps"
                 )
             if _shape(value)[2:] != shape:
                 raise ValueError(f"field {name!r}: feature shape {_shape(value)[2:]} does not match {shape}")

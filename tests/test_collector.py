@@ -346,7 +346,7 @@ def test_unknown_fields_are_value_and_key_errors(tmp_path):
         (dict(returns=torch.zeros(2, G + 1)), ValueError, r"'returns'.*\(2, 4\)"),
         (dict(returns=torch.zeros(2)), ValueError, r"'returns'.*\(2,\)"),
         (dict(returns=torch.zeros(0, G)), ValueError, r"'returns'.*time >= 1"),
-        (dict(returns=torch.zeros(3, G)), ValueError, r"'returns'.*time dim 3 does not match the 2"),
+        (dict(returns=torch.zeros(3, G)), ValueError, r"'returns'.*time dim 3 does not match the rollout's 2 steps"),
         (dict(state=torch.zeros(2, G, 3)), ValueError, r"'state'.*feature shape \(3,\) does not match \(2, 3\)"),
         (dict(returns=torch.zeros(2, G), goal=torch.zeros(2, G)), ValueError, r"'goal'"),
         (dict(returns=np.zeros((2, G), dtype=object)), TypeError, r"'returns'.*dtype object"),
@@ -363,7 +363,7 @@ def test_bad_extend_raises_and_changes_nothing(tmp_path, values, error, message)
 
 def test_extend_checks_every_field_against_the_first(tmp_path):
     _, ours = collectors(tmp_path)
-    with pytest.raises(ValueError, match=r"'reward'.*time dim 2 does not match the 3"):
+    with pytest.raises(ValueError, match=r"'reward'.*time dim 2 does not match the rollout's 3 steps"):
         ours.extend(returns=torch.zeros(3, G), reward=torch.zeros(2, G))
     assert len(ours) == 0
 

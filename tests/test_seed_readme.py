@@ -34,6 +34,8 @@ import torch
 
 from tests._compare import assert_same
 
+pytestmark = pytest.mark.slow  # the seed msyncs on every store(), and the CLI starts two interpreters
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = Path(__file__).parent / "data" / "memmap-replay-buffer-README.txt"  # the seed's PyPI page, verbatim
 
