@@ -20,13 +20,14 @@ META = dict(task="int", goal=("float", 2))
 CONFIG = dict(max_episodes=8, max_timesteps=12, fields=FIELDS, meta_fields=META)
 
 
-def make_pair(tmp_path, **overrides):
-    """The seed's buffer and ours, configured alike."""
+def make_pair(tmp_path, location: tuple[str, dict] | None = None, **overrides):
+    """The seed's buffer and ours (at ``location``: a path or URL and backend kwargs), configured alike."""
     config = {**CONFIG, **overrides}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = seed.ReplayBuffer(str(tmp_path / "seed"), **config)
-    ours = ReplayBuffer(str(tmp_path / "ours"), **config)
+    folder, backend_kwargs = location or (str(tmp_path / "ours"), {})
+    ours = ReplayBuffer(folder, **config, **backend_kwargs)
     return theirs, ours
 
 
@@ -166,8 +167,9 @@ def test_per_group_meta_in_append_is_split_across_groups(tmp_path):
     assert ours.replay_buffer.get_all_data()["task"].tolist() == [5, 6, 7]
 
 
-def test_repeated_stores_wrap_a_circular_buffer_like_the_seed(tmp_path):
-    theirs_buffer, ours_buffer = make_pair(tmp_path, max_episodes=5, circular=True)
+def test_repeated_stores_wrap_a_circular_buffer_like_the_seed(tmp_path, make_location):
+    location = make_location()
+    theirs_buffer, ours_buffer = make_pair(tmp_path, location, max_episodes=5, circular=True)
     theirs, ours = seed.EpisodeCollector(theirs_buffer, G), EpisodeCollector(ours_buffer, G)
     for round_index, steps in enumerate((4, 2, 7)):
         for step in rollout_steps("numpy", steps=steps, seed_value=round_index):
@@ -177,6 +179,8 @@ def test_repeated_stores_wrap_a_circular_buffer_like_the_seed(tmp_path):
         ours.store(task=round_index)
         assert_same_buffers(ours_buffer, theirs_buffer)
     assert slots(ours_buffer)["task"].tolist() == [1, 2, 2, 2, 1]  # slots 0-2, then 3, 4, 0, then 1-3
+    folder, backend_kwargs = location
+    assert_same_buffers(ReplayBuffer.from_folder(folder, read_only=True, **backend_kwargs), theirs_buffer)
 
 
 def test_a_single_group_stores_one_episode(tmp_path):
