@@ -215,7 +215,7 @@ class ChunkedArray:
 
     def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
                  dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None,
-                 separator: str = "/"):
+                 separator: str = "/", check_writable: Any = None):
         self.kv = kv
         self.path = path
         self.shape = tuple(shape)
@@ -225,6 +225,7 @@ class ChunkedArray:
         self._zarr_array = zarr_array
         self.grid_axes = grid_axes
         self.separator = separator
+        self.check_writable = check_writable
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
         self._resident_versions: np.ndarray | None = None
@@ -467,6 +468,8 @@ class ChunkedArray:
 
         ``atomic=False`` allows writing objects in place: only for slots no reader trusts yet.
         """
+        if self.check_writable is not None:
+            self.check_writable()
         if self._write_rows_in_place(int(start[0]), values):
             return
         box = [(s, s + n) for s, n in zip(start, values.shape)]

@@ -79,7 +79,7 @@ class ZarrStorage(Storage):
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
         if not _is_url(location):
             return LocalKV(_local_root(location), fsync=fsync)
-        return StoreKV(lambda: _open_zarr_store(location, storage_options, read_only), location)
+        return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
     def _zarr_store(self, read_only: bool):
         if not _is_url(self.location):
@@ -194,7 +194,7 @@ class ZarrStorage(Storage):
         dtype = np.dtype(doc["data_type"])
         codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
         args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
-        options = dict(zarr_array=functools.partial(self._open_zarr_array, path),
+        options = dict(zarr_array=functools.partial(self._open_zarr_array, path), check_writable=self._check_writable,
                        separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
         if sharding is None:
             return ChunkedArray(*args, **options)
@@ -238,6 +238,10 @@ class ZarrStorage(Storage):
         self._check_writable()
         if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
             super().append_log(name, data)
+
+    def close(self) -> None:
+        # docstring inherited
+        self.kv.close()
 
     # ---- batched I/O -------------------------------------------------------------------------
 
