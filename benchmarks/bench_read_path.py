@@ -6,7 +6,7 @@ by later runs). Measured with a warm OS cache, shuffled (random) sampling:
 
 - timestep batches of 256, n-step (n=5) batches of 256, trajectory batches of 8;
 - replaybuf on zarr (the default: compressed, sharded frames) through its direct chunk path,
-  and with ``cache='ram'``; ``num_workers=2`` for timestep batches.
+  and with ``cache='ram'`` / ``cache='memmap'``; ``num_workers=2`` for timestep batches.
 
 Prints samples/s and the ratio to the seed measured in the same run.
 
@@ -121,6 +121,7 @@ def main() -> None:
         variants = [("zarr", {})]
         if "ram" not in skip:
             variants.append(("zarr cache='ram'", {"dataset_kwargs": {"cache": "ram"}}))
+            variants.append(("zarr cache='memmap'", {"dataset_kwargs": {"cache": "memmap"}}))
         for name, extra in variants:
             wall, cpu = rate(make_dataloader(ours, batch, shuffle=True, **options, **extra), args.seconds)
             print(f"{label:18s} {name:20s} {wall:10.0f} {seed_wall:8.0f} {wall / seed_wall:5.2f}x | "

@@ -3,7 +3,9 @@ freshness under a concurrent writer, the chunk cache, and bad input."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+from pathlib import Path
 
 import memmap_replay_buffer as seed
 import numpy as np
@@ -149,12 +151,28 @@ def test_time_windows(buffer):
     assert batches[0]["_mask"].shape == (4, 4)
 
 
-def test_cache_ram_gives_the_same_batches(buffer):
+@pytest.mark.parametrize("cache", ["ram", "memmap"])
+def test_decoded_caches_give_the_same_batches(buffer, cache):
     for case in ({}, {"timestep_level": True}, {"n_steps": 3, "sequence_fields": ("image",)}):
         plain = list(make_dataloader(buffer, 4, **case))
-        ram = list(make_dataloader(buffer, 4, dataset_kwargs={"cache": "ram"}, **case))
-        for a, b in zip(plain, ram):
+        cached = list(make_dataloader(buffer, 4, dataset_kwargs={"cache": cache}, **case))
+        for a, b in zip(plain, cached):
             assert_same(b, a, case)
+
+
+def test_memmap_cache_is_shared_with_spawned_workers_and_removed(tmp_path):
+    buffer = make_buffer("zarr", tmp_path)
+    context = multiprocessing.get_context("spawn")
+    loader = make_dataloader(buffer, 4, timestep_level=True, cache="memmap", num_workers=1,
+                             multiprocessing_context=context)
+    folder = loader.dataset.fetcher._folder
+    assert sorted(p.name for p in Path(folder).iterdir()) == [f"{i}.npy" for i in range(len(FIELDS))]
+    for a, b in zip(loader, make_dataloader(buffer, 4, timestep_level=True)):
+        assert_same(a, b, "memmap cache in a spawned worker")
+    assert Path(folder).is_dir()
+    del loader
+    gc.collect()
+    assert not Path(folder).exists()
 
 
 def test_device_and_loader_kwargs(buffer):
@@ -175,7 +193,7 @@ def test_workers(backend, tmp_path, start_method):
     context = multiprocessing.get_context(start_method)
     cases = [{"to_named_tuple": ("state", "_lens", "_mask"), "return_mask": True},
              {"n_steps": 2, "return_indices": True}]
-    for case in cases[:1] if start_method == "spawn" else cases:
+    for case in cases:
         expected = list(make_dataloader(buffer, 2, **case))
         got = list(make_dataloader(buffer, 2, num_workers=2, multiprocessing_context=context,
                                    persistent_workers=True, **case))

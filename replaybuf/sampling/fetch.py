@@ -4,16 +4,22 @@ A ``Fetcher`` knows the slots, lengths and generations a dataset saw at creation
 (episode, timestep) pairs and time windows through the storage's batched ``gather``; arrays
 that accept ``versions`` (the zarr backend's) then serve repeated reads from their chunk cache
 and resident copies, keyed by the slot generation so a reused slot is never served stale.
-``cache='ram'`` instead decodes the snapshot's fields once into RAM at creation.
+``cache='ram'`` instead decodes the snapshot's fields once into RAM at creation (DataLoader
+workers started by fork share it; spawned workers decode their own), ``cache='memmap'`` into
+temporary ``.npy`` files that every worker maps (fork or spawn), removed with the dataset.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
 
-CACHE_MODES = (None, "ram")
+CACHE_MODES = (None, "ram", "memmap")
 _RAM_BATCH_EPISODES = 16
 
 
@@ -22,6 +28,12 @@ def committed_generations(buffer) -> np.ndarray:
     if not buffer.read_only:
         return buffer._meta["_generation"]
     return np.asarray(buffer.storage.read_meta("_generation"))
+
+
+def _remove_folder(folder: str, owner: int) -> None:
+    """Delete the cache files, from the process that made them only (not a forked worker)."""
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Fetcher:
@@ -37,11 +49,13 @@ class Fetcher:
         The snapshot: slots used, and per slot (whole ``max_episodes`` arrays) their length and
         generation at creation.
     cache
-        None: read through the storage; ``'ram'``: decode the fields of ``slots`` into RAM once.
+        None: read through the storage; ``'ram'``: decode the fields of ``slots`` into RAM once;
+        ``'memmap'``: decode them once into temporary files under ``cache_dir`` (default: the
+        system temp folder, i.e. ``$TMPDIR``) that worker processes map instead of copying.
     """
 
     def __init__(self, buffer, fields: Iterable[str], slots: np.ndarray, lens: np.ndarray, generations: np.ndarray,
-                 cache: str | None = None):
+                 cache: str | None = None, cache_dir: str | os.PathLike | None = None):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         self.storage = buffer.storage
@@ -51,25 +65,43 @@ class Fetcher:
         self.generations = np.asarray(generations, dtype=np.int64)
         self.cache = cache
         self._ram: dict[str, np.ndarray] | None = None
-        if cache == "ram":
+        self._folder: str | None = None
+        if cache is not None:
+            if cache == "memmap":
+                self._folder = tempfile.mkdtemp(prefix="replaybuf-cache-", dir=cache_dir)
+                weakref.finalize(self, _remove_folder, self._folder, os.getpid())
             self._load_ram()
 
     def __getstate__(self) -> dict:
-        # A worker started by spawn decodes its own RAM copy instead of receiving it pickled.
+        # A spawned worker maps the memmap files, or decodes its own RAM copy, instead of
+        # receiving the arrays pickled.
         return {**self.__dict__, "_ram": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._folder is not None:
+            self._ram = {n: np.load(os.path.join(self._folder, f"{i}.npy"), mmap_mode="r")
+                         for i, n in enumerate(self.fields)}
 
     def _load_ram(self) -> None:
         longest = int(self.lens[self.slots].max()) if len(self.slots) else 0
         self._row = np.full(len(self.lens), -1, dtype=np.int64)
         self._row[self.slots] = np.arange(len(self.slots))
         ram = {}
-        for name in self.fields:
+        for i, name in enumerate(self.fields):
             array = self.storage.array(name)
-            dense = np.zeros((len(self.slots), longest, *array.shape[2:]), dtype=array.dtype)
+            shape = (len(self.slots), longest, *array.shape[2:])
+            if self._folder is None:
+                dense = np.zeros(shape, dtype=array.dtype)
+            else:
+                dense = np.lib.format.open_memmap(os.path.join(self._folder, f"{i}.npy"), mode="w+",
+                                                  dtype=array.dtype, shape=shape)
             for lo in range(0, len(self.slots), _RAM_BATCH_EPISODES):
                 part = self.slots[lo:lo + _RAM_BATCH_EPISODES]
                 dense[lo:lo + len(part)] = self._windows_from_storage(
                     name, part, np.zeros(len(part), np.int64), self.lens[part], longest)
+            if self._folder is not None:
+                dense.flush()
             ram[name] = dense
         self._ram = ram
 
@@ -77,7 +109,7 @@ class Fetcher:
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape)."""
-        if self.cache == "ram" and name in self.fields:
+        if self.cache is not None and name in self.fields:
             if self._ram is None:
                 self._load_ram()
             return self._ram[name][self._row[episodes], timesteps]
@@ -93,7 +125,7 @@ class Fetcher:
                 width: int) -> np.ndarray:
         """(N, width, *shape): row i holds steps ``starts[i] .. starts[i] + lengths[i]`` of
         ``episodes[i]``, zero beyond ``lengths[i]``."""
-        if self.cache == "ram" and name in self.fields:
+        if self.cache is not None and name in self.fields:
             return self._windows(self.gather, name, episodes, starts, lengths, width)
         return self._windows_from_storage(name, episodes, starts, lengths, width)
 
