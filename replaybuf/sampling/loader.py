@@ -29,8 +29,11 @@ def make_dataset(buffer, n_steps: int | None = None, fields: Sequence[str] | Non
                  return_episode_lens: bool = True, **kwargs: Any) -> Dataset:
     """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of ``buffer``.
 
-    Other keywords go to the dataset class (``return_indices``, ``include_metadata``,
-    ``cache='ram'``).
+    The dataset holds the episodes committed now (a read-only buffer is refreshed first). Other
+    keywords go to the dataset class: ``return_indices``, ``include_metadata``, and ``cache``
+    (``'ram'``: decode the fields read once into RAM; ``'memmap'``: once into temporary files
+    that DataLoader workers map; default: read through the storage, whose decoded-chunk cache
+    ``replaybuf.sampling.chunk_cache()`` can be resized).
     """
     if len(buffer) == 0 and buffer.read_only:
         buffer.refresh()
@@ -67,8 +70,10 @@ def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
-    (``alpha``, ``beta``) and adds ``_indices`` and ``_weights``; any other ``sampler`` and
-    every other keyword go to torch's DataLoader.
+    (``alpha``, ``beta``; ``num_batches`` per pass, default one dataset's worth) and adds
+    ``_indices`` and ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and
+    ``cache`` go to the dataset; any other ``sampler`` and every other keyword go to torch's
+    DataLoader (``num_workers``, ``drop_last``, ``pin_memory``, ...).
     """
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
