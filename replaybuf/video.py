@@ -104,7 +104,9 @@ def _pad_to_even(frames: np.ndarray) -> np.ndarray:
 def _check_video_path(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix not in VIDEO_SUFFIXES:
-        raise ValueError(f"path: unsupported video suffix {suffix or '(none)'!r} in {str(path)!r}, expected one of {VIDEO_SUFFIXES}")
+        raise ValueError(
+            f"path: unsupported video suffix {suffix or '(none)'!r} in {str(path)!r}, expected one of {VIDEO_SUFFIXES}"
+        )
     return suffix
 
 
@@ -197,7 +199,9 @@ def default_image_field(buffer: Any) -> str:
         return candidates[0]
     if not candidates:
         shapes = {name: tuple(buffer.shapes[name]) for name in _data_fields(buffer)}
-        raise ValueError(f"field: no image-like field in this buffer (fields and shapes: {shapes}); pass field= explicitly")
+        raise ValueError(
+            f"field: no image-like field in this buffer (fields and shapes: {shapes}); pass field= explicitly"
+        )
     raise ValueError(f"field: several image-like fields {candidates}; pass field= one of them")
 
 
@@ -222,7 +226,9 @@ def _episode_list(buffer: Any, episode_index: int | Sequence[int]) -> list[int]:
         if not 0 <= index < num_episodes:
             raise ValueError(
                 f"episode_index: episode {index} is out of range, the buffer has {num_episodes} episodes "
-                f"(valid: 0..{num_episodes - 1})" if num_episodes else f"episode_index: episode {index} is out of range, the buffer is empty"
+                f"(valid: 0..{num_episodes - 1})"
+                if num_episodes
+                else f"episode_index: episode {index} is out of range, the buffer is empty"
             )
     return [int(index) for index in indices]
 
