@@ -27,6 +27,7 @@ __all__ = ["FileResponse", "JsonResponse", "NotFound", "ViewerApp", "ViewerServe
 HOST = "127.0.0.1"
 STATIC_DIR = Path(__file__).parent / "static"
 COPY_CHUNK = 1 << 20
+POLL_INTERVAL = 0.05  # seconds between shutdown checks of a background server
 CONTENT_TYPES = {
     ".js": "text/javascript",
     ".css": "text/css",
@@ -236,7 +237,12 @@ class ViewerServer:
     def start(self) -> ViewerServer:
         """Serve in a daemon thread and return at once."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._httpd.serve_forever, name="replaybuf-viewer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": POLL_INTERVAL},
+                name="replaybuf-viewer",
+                daemon=True,
+            )
             self._thread.start()
         return self
 
