@@ -145,9 +145,8 @@ class Schema:
     circular: bool = False
 
     @classmethod
-    def build(
-        cls, fields: dict, meta_fields: dict | None, max_episodes: int, max_timesteps: int, circular: bool = False
-    ) -> Schema:
+    def build(cls, fields: dict, meta_fields: dict | None, max_episodes: int, max_timesteps: int,
+              circular: bool = False) -> Schema:
         """Validate user arguments into a Schema."""
         for arg, value in (("max_episodes", max_episodes), ("max_timesteps", max_timesteps)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -166,9 +165,7 @@ class Schema:
         return cls(
             {n: parse_field(n, s) for n, s in fields.items()},
             {n: parse_field(n, s) for n, s in meta_fields.items()},
-            int(max_episodes),
-            int(max_timesteps),
-            bool(circular),
+            int(max_episodes), int(max_timesteps), bool(circular),
         )
 
     def to_json(self) -> dict:
@@ -185,9 +182,7 @@ class Schema:
         return cls(
             {n: Field.from_json(n, f) for n, f in data["fields"].items()},
             {n: Field.from_json(n, f) for n, f in data["meta_fields"].items()},
-            int(data["max_episodes"]),
-            int(data["max_timesteps"]),
-            bool(data["circular"]),
+            int(data["max_episodes"]), int(data["max_timesteps"]), bool(data["circular"]),
         )
 
     def differences(self, passed: Schema) -> list[str]:
@@ -209,8 +204,7 @@ class Schema:
         lines = self.differences(passed)
         if lines:
             raise ValueError(
-                f"buffer at {location!r} was created with a different config:\n"
-                + "\n".join(lines)
+                f"buffer at {location!r} was created with a different config:\n" + "\n".join(lines)
                 + "\nOpen it with ReplayBuffer.from_folder(...) to use the stored config, "
                 "or pass overwrite=True to recreate it (erasing its episodes)."
             )
