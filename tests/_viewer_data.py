@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from memmap_replay_buffer import ReplayBuffer  # switch to replaybuf.ReplayBuffer once the core lands
+
+from replaybuf import ReplayBuffer
 
 SIZE = 32
 STEPS = (20, 19, 18)

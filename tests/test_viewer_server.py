@@ -133,7 +133,7 @@ def test_episode_series_and_video_links(browse_server):
 
 
 def test_non_finite_values_become_null(tmp_path):
-    from memmap_replay_buffer import ReplayBuffer
+    from replaybuf import ReplayBuffer
 
     buffer = ReplayBuffer(tmp_path / "nan", max_episodes=1, max_timesteps=3, fields={"reward": "float"}, overwrite=True)
     buffer.store_episode(reward=np.array([1.0, np.nan, np.inf], np.float32))
