@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -60,11 +61,11 @@ def register_command(command: Command, clobber: bool = False) -> Command:
     return command
 
 
-def open_buffer(location: str) -> Any:
+def open_buffer(location: str, storage_options: dict[str, Any] | None = None) -> Any:
     """Open a buffer folder or URL read-only, whichever backend stored it."""
     from replaybuf import ReplayBuffer
 
-    return ReplayBuffer.from_folder(location, read_only=True)
+    return ReplayBuffer.from_folder(location, read_only=True, storage_options=storage_options)
 
 
 def _location_name(location: str) -> str:
@@ -134,6 +135,29 @@ def port_number(value: str) -> int:
     return port
 
 
+def json_object(value: str) -> dict[str, Any]:
+    """A JSON object, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {error.msg}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}', got {value!r}")
+    return parsed
+
+
+def add_location_arguments(parser: argparse.ArgumentParser) -> None:
+    """The buffer to open: a folder or URL, and options for its store."""
+    parser.add_argument("location", metavar="FOLDER_OR_URL", help="buffer folder or URL (s3://..., gs://...)")
+    parser.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help='options for a remote store as a JSON object, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+
+
 def _suffixed(path: Path, field: str, several: bool) -> Path:
     """With several fields, insert the field before the suffix: ``replay.mp4`` -> ``replay.front.mp4``."""
     return path.with_name(f"{path.stem}.{field}{path.suffix}") if several else path
@@ -143,7 +167,7 @@ def _suffixed(path: Path, field: str, several: bool) -> Path:
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("location", metavar="FOLDER_OR_URL", help="buffer folder or URL (s3://..., gs://...)")
+    add_location_arguments(parser)
     parser.add_argument(
         "-e",
         "--episode",
@@ -213,7 +237,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from replaybuf.viewer import ReplayApp, ViewerServer
 
     _check_inspect_outputs(args)
-    buffer = open_buffer(args.location)
+    buffer = open_buffer(args.location, args.storage_options)
     fields = args.field or image_fields(buffer)
     if not fields:
         raise ValueError("--field: this buffer has no image-like field; pass --field explicitly")
@@ -279,7 +303,7 @@ INSPECT = register_command(
 
 
 def add_view_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("location", metavar="FOLDER_OR_URL", help="buffer folder or URL (s3://..., gs://...)")
+    add_location_arguments(parser)
     parser.add_argument(
         "--port", type=port_number, default=8000, help="port on 127.0.0.1 (default 8000; 0 picks a free port)"
     )
@@ -296,7 +320,7 @@ def run_view(args: argparse.Namespace) -> int:
     """Browse a buffer in a local page: episode list, synced videos and plots."""
     from replaybuf.viewer import BufferApp, ViewerServer
 
-    buffer = open_buffer(args.location)
+    buffer = open_buffer(args.location, args.storage_options)
     app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale)
     ViewerServer(app, port=args.port).serve_forever(open_browser=not args.no_browser)
     return 0

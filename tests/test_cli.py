@@ -17,6 +17,7 @@ import pytest
 
 from replaybuf.cli import Command, commands, inspect_main, main, register_command
 from tests._viewer_data import STEPS, gray_level, make_image_buffer
+from tests._viewer_s3 import moto_s3
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,3 +259,34 @@ def test_view_serves_the_buffer_until_interrupted_then_drops_its_cache(buffer_fo
     finally:
         stop_cli(process)
     assert list(temp_dir.iterdir()) == []
+
+
+# remote buffers
+
+
+@pytest.fixture(scope="module")
+def s3_options():
+    with moto_s3() as options:
+        yield options
+
+
+def test_inspect_and_view_read_a_buffer_on_s3(s3_options, workdir, capsys):
+    from replaybuf.viewer import BufferApp, ViewerServer
+
+    url = "s3://demos/run-1"
+    make_image_buffer(url, storage_options=s3_options).close()
+    options = json.dumps(s3_options)
+    assert inspect_main([url, "--storage-options", options, "-f", "front", "-e", "2"]) == 0
+    assert iio.imread(workdir / "run-1-episode-2.mp4").shape == (STEPS[2], 32, 32, 3)
+
+    from replaybuf.cli import open_buffer
+
+    with ViewerServer(BufferApp(open_buffer(url, s3_options), location=url)) as server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        connection.request("GET", "/api/episodes")
+        assert json.loads(connection.getresponse().read())["lengths"] == list(STEPS)
+        connection.request("GET", "/video/episodes/1/wrist.mp4", headers={"Range": "bytes=0-9"})
+        response = connection.getresponse()
+        assert (response.status, len(response.read())) == (206, 10)
+        connection.close()
+    assert "invalid JSON" in usage_error(capsys, main, ["view", url, "--storage-options", "{endpoint"])

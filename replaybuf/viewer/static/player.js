@@ -148,7 +148,14 @@ export class Player {
     stepBack.addEventListener('click', (event) => this.step(event.shiftKey ? -10 : -1));
     stepForward.addEventListener('click', (event) => this.step(event.shiftKey ? 10 : 1));
     timeline.addEventListener('input', () => this.seek(Number(timeline.value)));
-    speed.addEventListener('change', () => this.setRate(Number(speed.value)));
+    speed.addEventListener('change', () => {
+      this.setRate(Number(speed.value));
+      speed.blur(); // give the arrow keys back to frame stepping
+    });
+    // clicked buttons keep no focus, so that space always means play / pause
+    for (const button of [playPause, stepBack, stepForward]) {
+      button.addEventListener('mousedown', (event) => event.preventDefault());
+    }
     videos.addEventListener('wheel', (event) => this.onWheel(event), { passive: false });
     window.addEventListener('keydown', (event) => this.onKey(event));
   }

@@ -31,6 +31,8 @@ export class SeriesPlot {
     this.name = name;
     this.columns = columnsOf(values).map((column) => column.map(asNumber));
     this.raw = columnsOf(values);
+    // booleans (done, success) hold their value until the next step: draw them as steps
+    this.stepped = this.raw.map((column) => column.some((value) => typeof value === 'boolean'));
     this.length = values.length;
     this.cursor = 0;
     this.onSeek = onSeek;
@@ -133,11 +135,14 @@ export class SeriesPlot {
       context.lineWidth = 1.25;
       context.beginPath();
       let drawing = false;
+      let previousY = 0;
       column.forEach((value, frame) => {
         if (value === null || !Number.isFinite(value)) { drawing = false; return; }
         const x = this.x(frame, width);
         const y = this.y(value, height);
+        if (drawing && this.stepped[dim]) context.lineTo(x, previousY);
         if (drawing) context.lineTo(x, y); else context.moveTo(x, y);
+        previousY = y;
         drawing = true;
       });
       if (this.length === 1 && column[0] !== null) context.arc(this.x(0, width), this.y(column[0], height), 2, 0, 2 * Math.PI);
