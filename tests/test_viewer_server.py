@@ -132,6 +132,16 @@ def test_episode_series_and_video_links(browse_server):
     assert get_json(browse_server, "/api/episodes/3")[0] == 404
 
 
+def test_an_empty_buffer_lists_no_episodes(tmp_path):
+    from replaybuf import ReplayBuffer
+
+    ReplayBuffer(tmp_path / "empty", max_episodes=2, max_timesteps=3, fields={"cam": ("uint8", (8, 8))}).close()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "empty", read_only=True))) as server:
+        assert get_json(server, "/api/episodes")[1] == {"num_episodes": 0, "columns": [], "lengths": [], "meta": {}}
+        assert get_json(server, "/api/info")[1]["image_fields"] == ["cam"]
+        assert get_json(server, "/api/episodes/0")[0] == 404
+
+
 def test_non_finite_values_become_null(tmp_path):
     from replaybuf import ReplayBuffer
 

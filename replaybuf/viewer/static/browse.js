@@ -156,7 +156,8 @@ class Browser {
     header.dataset.episode = String(episode.index);
 
     this.plots.forEach((plot) => plot.remove());
-    this.plots = Object.entries(episode.series).map(([name, values]) =>
+    const series = episode.length ? Object.entries(episode.series) : [];
+    this.plots = series.map(([name, values]) =>
       new SeriesPlot($('plots'), name, values, { onSeek: (frame) => this.player.seek(frame) }));
     const sources = Object.entries(episode.videos).map(([name, src]) => ({ name, src }));
     this.player.load(sources, episode.length);
