@@ -25,9 +25,7 @@ def reward_value(episode: int, timestep: int) -> float:
     return float(np.sin(timestep / 3.0) + episode)
 
 
-def make_image_buffer(
-    folder: Path | str, steps: tuple[int, ...] = STEPS, storage_options: dict | None = None
-) -> ReplayBuffer:
+def make_image_buffer(folder: Path | str, steps: tuple[int, ...] = STEPS, **buffer_kwargs) -> ReplayBuffer:
     """Episodes with a channel-last uint8 field, a channel-first float field, a grayscale field and plots."""
     buffer = ReplayBuffer(
         folder,
@@ -43,7 +41,7 @@ def make_image_buffer(
         },
         meta_fields={"task_id": "int", "success": "bool"},
         overwrite=True,
-        storage_options=storage_options,
+        **buffer_kwargs,
     )
     rng = np.random.default_rng(0)
     for episode, length in enumerate(steps):

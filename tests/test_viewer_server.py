@@ -132,6 +132,19 @@ def test_episode_series_and_video_links(browse_server):
     assert get_json(browse_server, "/api/episodes/3")[0] == 404
 
 
+def test_every_backend_serves_episodes_series_and_videos(make_location):
+    location, kwargs = make_location("viewer")
+    make_image_buffer(location, steps=(4, 3), **kwargs).close()
+    from replaybuf import ReplayBuffer
+
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(location, read_only=True, **kwargs))) as server:
+        assert get_json(server, "/api/episodes")[1]["lengths"] == [4, 3]
+        episode = get_json(server, "/api/episodes/1")[1]
+        assert np.allclose(episode["series"]["reward"], [reward_value(1, t) for t in range(3)], atol=1e-6)
+        status, headers, _ = request(server, "/video/episodes/1/depth.mp4", headers={"Range": "bytes=0-3"})
+        assert (status, headers["Content-Type"]) == (206, "video/mp4")
+
+
 def test_an_empty_buffer_lists_no_episodes(tmp_path):
     from replaybuf import ReplayBuffer
 
