@@ -187,3 +187,16 @@ def test_save_video_checks_the_suffix_before_reading(buffer, tmp_path):
     with pytest.raises(ValueError, match="suffix"):
         save_video(buffer, tmp_path / "episode.txt", field="front")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("replaybuf").ReplayBuffer, "save_video"),
+    reason="ReplayBuffer.image_fields/episode_frames/save_video not added to buffer.py yet (they delegate to replaybuf.video)",
+)
+def test_buffer_methods_match_the_seed_api(buffer, tmp_path):
+    assert buffer.image_fields() == ["front", "wrist", "depth"]
+    assert np.array_equal(buffer.episode_frames([1, 0], field="front"), episode_frames(buffer, [1, 0], "front"))
+    path = buffer.save_video(tmp_path / "episodes.gif", episode_index=[0, 1], field="depth", fps=10)
+    assert iio.imread(path).shape[0] == STEPS[0] + STEPS[1]
+    with pytest.raises(ValueError, match="several image-like fields"):
+        buffer.save_video(tmp_path / "episode.mp4")
