@@ -34,8 +34,8 @@ CHANNEL_COUNTS = (1, 3, 4)
 FFMPEG_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif")
 
-# frames sampled to build the single palette of a gif
-GIF_PALETTE_FRAMES = 16
+# pixels (from all frames) that a gif's single palette is built from
+GIF_PALETTE_PIXELS = 1 << 18
 # renders of at least this many frames show a tqdm progress bar unless told otherwise
 PROGRESS_MIN_FRAMES = 300
 
@@ -115,15 +115,17 @@ def _check_video_path(path: Path) -> str:
 def _write_gif(frames: np.ndarray, path: Path, fps: float, progress: bool, kwargs: dict[str, Any]) -> None:
     """Write an animated gif with Pillow, using one palette for the whole clip.
 
-    The palette comes from up to 16 evenly spaced frames (fast octree), and every frame is
-    mapped onto it without dithering: no colour flicker between frames, and ~100x faster
-    than quantizing each frame with Pillow's default median cut (measured: 60 frames of
-    128x128 in 0.03 s against 12.5 s).
+    The palette comes from pixels of every frame (subsampled to at most ~262k pixels,
+    median cut, ~0.2 s) and each frame is mapped onto it without dithering: no colour
+    flicker between frames, and far faster than quantizing every frame on its own
+    (measured: 500 frames of 128x128 noise, ~3 s against 148 s through imageio). Consecutive
+    frames that come out identical are merged by Pillow into one longer frame.
     """
     from PIL import Image
 
-    sample = frames[np.linspace(0, len(frames) - 1, min(len(frames), GIF_PALETTE_FRAMES)).round().astype(int)]
-    palette = Image.fromarray(np.concatenate(sample, axis=0)).quantize(256, method=Image.Quantize.FASTOCTREE)
+    step = max(1, int(np.ceil(np.sqrt(frames[..., 0].size / GIF_PALETTE_PIXELS))))
+    mosaic = frames[:, ::step, ::step].reshape(-1, frames[:, ::step, ::step].shape[2], 3)
+    palette = Image.fromarray(np.ascontiguousarray(mosaic)).quantize(256, method=Image.Quantize.MEDIANCUT)
     images = [
         Image.fromarray(frame).quantize(palette=palette, dither=Image.Dither.NONE)
         for frame in tqdm(frames, desc=f"rendering {path.name}", unit="frame", disable=not progress, leave=False)

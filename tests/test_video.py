@@ -94,6 +94,12 @@ def test_odd_sizes_are_padded_for_ffmpeg_but_not_for_gif(tmp_path):
     assert iio.imread(trajectory_to_video(frames, tmp_path / "odd.gif")).shape[1:3] == (15, 17)
 
 
+def test_gif_palette_covers_every_frame(tmp_path):
+    levels = list(range(0, 240, 6))  # 40 grays, each in one frame only
+    decoded = iio.imread(trajectory_to_video(gray_frames(levels, 8, 8), tmp_path / "ramp.gif"))
+    assert decoded[:, 0, 0, 0].tolist() == levels
+
+
 def test_gif_frame_duration_follows_fps(tmp_path):
     path = trajectory_to_video(gray_frames([0, 100, 200]), tmp_path / "slow.gif", fps=4)
     assert iio.immeta(path, index=0)["duration"] == 250
