@@ -40,10 +40,13 @@ export class Player {
         video.playbackRate = this.rate;
         if (!this.playing) video.currentTime = this.timeOf(this.frame);
       });
-      video.addEventListener('error', () => figure.classList.add('failed'));
-      video.src = src;
       const caption = document.createElement('figcaption');
       caption.textContent = name;
+      video.addEventListener('error', () => {
+        figure.classList.add('failed');
+        caption.textContent = `${name}: the video could not be loaded (see the server's output)`;
+      });
+      video.src = src;
       figure.append(video, caption);
       this.el.videos.append(figure);
       return video;
