@@ -163,6 +163,22 @@ def test_view_reports_a_busy_port(buffer_folder, capsys):
     assert f"cannot listen on 127.0.0.1:{busy.port}" in error
 
 
+@pytest.mark.parametrize(
+    ("entry", "argv", "expected"),
+    [
+        (main, ["--help"], "view"),
+        (main, ["inspect", "--help"], "--sheet"),
+        (main, ["view", "--help"], "--port"),
+        (inspect_main, ["--help"], "--serve [PORT]"),
+    ],
+)
+def test_help_lists_the_options(capsys, entry, argv, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        entry(argv)
+    assert exit_info.value.code == 0
+    assert expected in capsys.readouterr().out
+
+
 def test_commands_register_once_unless_clobbered():
     assert {"inspect", "view"} <= set(commands)
     with pytest.raises(ValueError, match="'view' is already registered"):
