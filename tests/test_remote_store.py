@@ -17,6 +17,7 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, ObjectStore
 
 from replaybuf.storage._remote import ProcessLocalStore, RemoteStoreError, open_store, store_key
+from tests._remote_rows import RemoteRows
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server, gcs_server, s3_outage
 
@@ -154,26 +155,11 @@ def test_pickled_store_reopens_in_the_new_process_state(s3_server):
     assert copy.with_read_only(False).read_only is False
 
 
-class _RemoteRows(torch.utils.data.Dataset):
-    """Rows of a zarr array on S3; records which process and client served each."""
-
-    def __init__(self, url: str, storage_options: dict):
-        self.array = zarr.open_array(ProcessLocalStore(url, storage_options, read_only=True), path="data/obs",
-                                     mode="r")
-
-    def __len__(self) -> int:
-        return self.array.shape[0]
-
-    def __getitem__(self, index: int):
-        store = self.array.store_path.store
-        return torch.from_numpy(self.array[index]), os.getpid(), store.backend
-
-
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_open_their_own_store(s3_server, context):
     url = s3_server.url(_unique("loader"))
     written = _write_group(open_store(url, s3_server.storage_options))
-    dataset = _RemoteRows(url, s3_server.storage_options)
+    dataset = RemoteRows(url, s3_server.storage_options)
     dataset[0]
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context,
