@@ -100,14 +100,16 @@ class S3TestServer(ThreadedMotoServer):
 
     moto keeps its state in module-level backends, so stopping the HTTP server and starting a
     new one on the same port (`stop` / `start`) loses nothing: a model of a server outage.
+    ``latency`` (seconds) delays every request, a stand-in for a network round trip in benchmarks.
     """
 
     access_key = "testing-key"
     secret_key = "testing-secret"
 
-    def __init__(self, bucket: str = "replaybuf-test") -> None:
+    def __init__(self, bucket: str = "replaybuf-test", latency: float = 0.0) -> None:
         super().__init__(ip_address="127.0.0.1", port=free_port(), verbose=False)
         self.bucket = bucket
+        self.latency = latency
         self.endpoint_url = f"http://127.0.0.1:{self._port}"
         self._recorder = _Recorder()
 
@@ -132,6 +134,8 @@ class S3TestServer(ThreadedMotoServer):
 
         def app(environ: dict[str, Any], start_response: Any) -> Any:
             self._recorder.add(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""))
+            if self.latency:
+                time.sleep(self.latency)
             return dispatcher(environ, start_response)
 
         self._server = make_server(self._ip_address, self._port, app, threaded=True, request_handler=_QuietHandler)

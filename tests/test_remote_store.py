@@ -53,7 +53,7 @@ def test_group_round_trips_with_arrays_and_attrs(request, server_name):
     assert group.attrs["version"] == 1
     for name, values in written.items():
         np.testing.assert_array_equal(group[name][:], values)
-    assert isinstance(reader, ObjectStore if server_name == "s3_server" else FsspecStore)
+    assert isinstance(reader._store, ObjectStore if server_name == "s3_server" else FsspecStore)
 
 
 @pytest.mark.parametrize("server_name", SERVERS)
@@ -100,23 +100,22 @@ def test_concurrent_gets_return_each_object_once(request, server_name):
 
 def test_options_translate_to_obstore(s3_server):
     store = open_store(s3_server.url("x"), {**s3_server.storage_options, "anon": False, "requester_pays": True})
-    assert isinstance(store, ObjectStore)
-    config = store.store.config
+    obstore_store = store._store.store
+    config = obstore_store.config
     assert config["endpoint"] == s3_server.endpoint_url
     assert config["access_key_id"] == s3_server.access_key
     assert config["region"] == "us-east-1"
     assert str(config["request_payer"]).lower() == "true"
-    assert str(store.store.client_options["allow_http"]).lower() == "true"
-    assert store.store.retry_config["max_retries"] == 4
-    assert store.store.prefix == "x"
+    assert str(obstore_store.client_options["allow_http"]).lower() == "true"
+    assert obstore_store.retry_config["max_retries"] == 4
+    assert obstore_store.prefix == "x"
 
 
 def test_untranslatable_option_falls_back_to_s3fs_without_logging_secrets(s3_server, caplog):
     options = {**s3_server.storage_options, "config_kwargs": {"connect_timeout": 5}}
     with caplog.at_level(logging.DEBUG):
         store = open_store(s3_server.url(_unique("fallback")), options)
-    assert isinstance(store, FsspecStore)
-    assert type(store.fs).__name__ == "S3FileSystem"
+    assert type(store._store.fs).__name__ == "S3FileSystem"
     assert "config_kwargs" in caplog.text
     assert s3_server.secret_key not in caplog.text
     written = _write_group(store)
@@ -134,7 +133,7 @@ def test_repr_and_store_key_hide_secrets(s3_server):
 
 def test_memory_and_local_urls(tmp_path):
     memory = open_store(f"memory://{_unique('mem')}")
-    assert isinstance(memory, FsspecStore)
+    assert isinstance(memory._store, FsspecStore)
     written = _write_group(memory)
     local = open_store(tmp_path / "buf")
     assert isinstance(local, LocalStore)
@@ -182,6 +181,7 @@ def test_stopped_server_raises_clear_error_then_recovers(s3_server, s3_outage):
     s3_outage.stop()
     with pytest.raises(RemoteStoreError, match=r"GET 'data/obs/c/0/0/0' on s3://") as failure:
         obs[0]
+    assert isinstance(failure.value, OSError)
     assert s3_server.secret_key not in str(failure.value)
     with pytest.raises(RemoteStoreError, match=r"PUT 'meta/episode_lens/c/1' on s3://"):
         lens[1] = 7

@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_RETRY_CONFIG",
+    "NamedErrorStore",
     "ProcessLocalStore",
     "RemoteStoreError",
     "open_store",
@@ -138,6 +139,9 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
                read_only: bool = False) -> Store:
     """Open the zarr store at ``url`` in this process (see the module docstring for the mapping).
 
+    Remote stores come wrapped in `NamedErrorStore` (``._store`` is the store from the table), so
+    a failed request raises `RemoteStoreError`, an ``OSError``.
+
     Parameters
     ----------
     url
@@ -160,14 +164,16 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     scheme = _scheme(url)
     if scheme in _LOCAL_SCHEMES:
         path = url[len("file://"):] if scheme == "file" else url
-        return LocalStore(Path(path), read_only=read_only)
+        return LocalStore(Path(path).expanduser(), read_only=read_only)
     if scheme in _S3_SCHEMES:
         _check_bucket(url, _S3_BUCKET, "S3")
-        return _open_s3(url, options, read_only)
-    if scheme in _GCS_SCHEMES:
+        store = _open_s3(url, options, read_only)
+    elif scheme in _GCS_SCHEMES:
         _check_bucket(url, _GCS_BUCKET, "GCS")
-        return _open_gcs(url, options, read_only)
-    return _open_fsspec(url, options, read_only)
+        store = _open_gcs(url, options, read_only)
+    else:
+        store = _open_fsspec(url, options, read_only)
+    return NamedErrorStore(store, store_key(url, options))
 
 
 def store_key(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
@@ -326,84 +332,30 @@ def _open_fsspec(url: str, options: dict[str, Any], read_only: bool) -> Store:
 _NOT_WRAPPED = (FileNotFoundError, ValueError, TypeError, KeyError, NotImplementedError, RemoteStoreError)
 
 
-class ProcessLocalStore(WrapperStore[Store]):
-    """A zarr store for a URL that opens its backing store once per process.
+class NamedErrorStore(WrapperStore[Store]):
+    """Wraps a remote store so failures read "<OP> <key> on <url> failed: ..." as `RemoteStoreError`.
 
-    Use it where a store may reach another process: a zarr array or dataset pickled to spawned
-    DataLoader workers, or inherited by forked ones. Each process opens its own client on first
-    use; failures other than "not found" and bad arguments are raised as `RemoteStoreError`
-    naming the operation, key and store (never its secrets).
-
-    Parameters
-    ----------
-    url, storage_options, read_only
-        As for `open_store`, which validates them here, at construction.
+    What obstore, s3fs and gcsfs raise when a server is down or refuses differs (obstore's errors
+    are not even ``OSError``); callers get one ``OSError`` subclass naming the operation, the key
+    and the store (never its secrets). "Not found" and zarr's argument errors pass unchanged.
     """
 
-    def __init__(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
-                 read_only: bool = False) -> None:
-        self.url, self.storage_options = _check_arguments(url, storage_options, read_only)
-        self._read_only = read_only
-        self._inner = open_store(self.url, self.storage_options, read_only)
-        self.opened_pid: int | None = os.getpid()
+    def __init__(self, store: Store, name: str) -> None:
+        self._store = store
+        self.name = name
 
-    @property
-    def _store(self) -> Store:
-        if self.is_stale:
-            self.reopen()
-        return self._inner
-
-    @property
-    def is_stale(self) -> bool:
-        """True in a process (forked child, unpickled copy) that has not opened its own store yet."""
-        return self.opened_pid != os.getpid()
-
-    def reopen(self) -> None:
-        """Open a fresh backing store in this process, dropping the inherited one unused."""
-        self._inner = open_store(self.url, self.storage_options, self._read_only)
-        self.opened_pid = os.getpid()
-
-    @property
-    def backend(self) -> str:
-        """Which client serves this process: 'obstore', the fsspec filesystem class, or 'local'."""
-        inner = self._store
-        if isinstance(inner, ObjectStore):
-            return "obstore"
-        if isinstance(inner, FsspecStore):
-            return type(inner.fs).__name__
-        return "local"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "storage_options": self.storage_options, "read_only": self._read_only}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.url, self.storage_options, self._read_only = state["url"], state["storage_options"], state["read_only"]
-        self._inner = None
-        self.opened_pid = None
-
-    def with_read_only(self, read_only: bool = False) -> ProcessLocalStore:
-        # docstring inherited
-        return ProcessLocalStore(self.url, self.storage_options, read_only=read_only)
-
-    def __enter__(self) -> ProcessLocalStore:
-        return self
-
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, ProcessLocalStore) and (self.url, self.storage_options, self._read_only)
-                == (other.url, other.storage_options, other._read_only))
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.url, self._read_only))
+    def _with_store(self, store: Store) -> NamedErrorStore:
+        return NamedErrorStore(store, self.name)
 
     def __str__(self) -> str:
-        return store_key(self.url, self.storage_options)
+        return self.name
 
     def __repr__(self) -> str:
-        return f"ProcessLocalStore({str(self)!r}, read_only={self._read_only})"
+        return f"NamedErrorStore({type(self._store).__name__}, {self.name!r})"
 
     def _failure(self, operation: str, key: str, error: Exception) -> RemoteStoreError:
         summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-        return RemoteStoreError(f"{operation} {key!r} on {self} failed: {type(error).__name__}: {summary}")
+        return RemoteStoreError(f"{operation} {key!r} on {self.name} failed: {type(error).__name__}: {summary}")
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         # docstring inherited
@@ -490,3 +442,80 @@ class ProcessLocalStore(WrapperStore[Store]):
     def list_dir(self, prefix: str) -> AsyncIterator[str]:
         # docstring inherited
         return self._listing(prefix, self._store.list_dir(prefix))
+
+
+class ProcessLocalStore(WrapperStore[Store]):
+    """A zarr store for a URL that opens its backing store once per process.
+
+    Use it where a store may reach another process: a zarr array or dataset pickled to spawned
+    DataLoader workers, or inherited by forked ones. Each process opens its own client (via
+    `open_store`) on first use; ``is_stale`` is True in a process that has not done so yet.
+
+    Parameters
+    ----------
+    url, storage_options, read_only
+        As for `open_store`, which validates them here, at construction.
+    """
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
+                 read_only: bool = False) -> None:
+        self.url, self.storage_options = _check_arguments(url, storage_options, read_only)
+        self._read_only = read_only
+        self._inner: Store | None = open_store(self.url, self.storage_options, read_only)
+        self.opened_pid: int | None = os.getpid()
+
+    @property
+    def _store(self) -> Store:
+        if self.is_stale:
+            self.reopen()
+        return self._inner
+
+    @property
+    def is_stale(self) -> bool:
+        """True in a process (forked child, unpickled copy) that has not opened its own store yet."""
+        return self.opened_pid != os.getpid()
+
+    def reopen(self) -> None:
+        """Open a fresh backing store in this process; the inherited one is dropped unused."""
+        self._inner = open_store(self.url, self.storage_options, self._read_only)
+        self.opened_pid = os.getpid()
+
+    @property
+    def backend(self) -> str:
+        """Which client serves this process: 'obstore', the fsspec filesystem class, or 'local'."""
+        inner = self._store
+        if isinstance(inner, NamedErrorStore):
+            inner = inner._store
+        if isinstance(inner, ObjectStore):
+            return "obstore"
+        if isinstance(inner, FsspecStore):
+            return type(inner.fs).__name__
+        return "local"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options, "read_only": self._read_only}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.url, self.storage_options, self._read_only = state["url"], state["storage_options"], state["read_only"]
+        self._inner = None
+        self.opened_pid = None
+
+    def with_read_only(self, read_only: bool = False) -> ProcessLocalStore:
+        # docstring inherited
+        return ProcessLocalStore(self.url, self.storage_options, read_only=read_only)
+
+    def __enter__(self) -> ProcessLocalStore:
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, ProcessLocalStore) and (self.url, self.storage_options, self._read_only)
+                == (other.url, other.storage_options, other._read_only))
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.url, self._read_only))
+
+    def __str__(self) -> str:
+        return store_key(self.url, self.storage_options)
+
+    def __repr__(self) -> str:
+        return f"ProcessLocalStore({str(self)!r}, read_only={self._read_only})"
