@@ -154,12 +154,21 @@ def test_pickled_store_reopens_in_the_new_process_state(s3_server):
     assert copy.with_read_only(False).read_only is False
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_workers_open_their_own_store(s3_server, context):
-    url = s3_server.url(_unique("loader"))
-    written = _write_group(open_store(url, s3_server.storage_options))
-    dataset = RemoteRows(url, s3_server.storage_options)
-    dataset[0]
+@pytest.mark.parametrize(
+    ("server_name", "context", "worker_backend"),
+    [
+        # obstore's runtime does not survive fork: forked workers use s3fs, spawned ones keep obstore.
+        ("s3_server", "fork", "S3FileSystem"),
+        ("s3_server", "spawn", "obstore"),
+        ("gcs_server", "fork", "GCSFileSystem"),
+    ],
+)
+def test_dataloader_workers_open_their_own_store(request, server_name, context, worker_backend):
+    server = request.getfixturevalue(server_name)
+    url = server.url(_unique("loader"))
+    written = _write_group(open_store(url, server.storage_options))
+    dataset = RemoteRows(url, server.storage_options)
+    parent_backend = dataset[0][2]
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context,
                                          timeout=120)
@@ -167,9 +176,9 @@ def test_dataloader_workers_open_their_own_store(s3_server, context):
 
     np.testing.assert_array_equal(np.stack([row.numpy() for row in rows]), written["data/obs"])
     assert os.getpid() not in pids and len(set(pids)) == 2
-    # obstore's runtime does not survive fork: forked workers use s3fs, spawned ones keep obstore.
-    assert set(backends) == {"S3FileSystem" if context == "fork" else "obstore"}
-    assert dataset.array.store_path.store.backend == "obstore"
+    assert set(backends) == {worker_backend}
+    assert dataset.array.store_path.store.backend == parent_backend
+    assert not dataset.array.store_path.store.is_stale
 
 
 def test_stopped_server_raises_clear_error_then_recovers(s3_server, s3_outage):
