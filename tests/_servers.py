@@ -180,6 +180,11 @@ class GCSTestServer:
     def url(self, path: str = "") -> str:
         return f"gs://{self.bucket}/{path.strip('/')}"
 
+    @property
+    def pid(self) -> int | None:
+        """The emulator's process id (for CPU accounting in benchmarks)."""
+        return None if self._process is None else self._process.pid
+
     def start(self) -> None:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",

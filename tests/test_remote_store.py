@@ -111,6 +111,30 @@ def test_options_translate_to_obstore(s3_server):
     assert obstore_store.prefix == "x"
 
 
+@pytest.mark.parametrize("by", ["option", "AWS_PROFILE"])
+def test_profile_credentials_come_from_aws_files_like_s3fs(s3_server, tmp_path, monkeypatch, by):
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[replaybuf]\naws_access_key_id = {s3_server.access_key}\n"
+                           f"aws_secret_access_key = {s3_server.secret_key}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    options = {"endpoint_url": s3_server.endpoint_url, "region": "us-east-1"}
+    if by == "option":
+        options["profile"] = "replaybuf"
+    else:
+        monkeypatch.setenv("AWS_PROFILE", "replaybuf")
+
+    store = open_store(s3_server.url(_unique("profile")), options)
+    provider = store._store.store.credential_provider
+    assert provider()["access_key_id"] == s3_server.access_key
+    assert s3_server.secret_key not in repr(store)
+    written = _write_group(store)
+    np.testing.assert_array_equal(zarr.open_group(store, mode="r")["data/obs"][:], written["data/obs"])
+    assert pickle.loads(pickle.dumps(provider)).profile == provider.profile
+
+
 def test_untranslatable_option_falls_back_to_s3fs_without_logging_secrets(s3_server, caplog):
     options = {**s3_server.storage_options, "config_kwargs": {"connect_timeout": 5}}
     with caplog.at_level(logging.DEBUG):

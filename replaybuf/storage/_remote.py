@@ -35,14 +35,16 @@ s3fs / botocore option                               obstore
 ``key``, ``aws_access_key_id``                       ``access_key_id``
 ``secret``, ``aws_secret_access_key``                ``secret_access_key``
 ``token``, ``aws_session_token``                     ``session_token``
-``client_kwargs['region_name']``, ``region_name``    ``region``
+``client_kwargs['region_name']``, ``region(_name)``  ``region``
 ``anon=True``                                        ``skip_signature=True`` (``False``: ignored)
+``profile``                                          ``credential_provider=BotocoreCredentials``
+no credentials, but ``AWS_PROFILE``/``~/.aws``       the same: botocore's chain, as s3fs resolves
 ``requester_pays=True``                              ``request_payer=True``
 ``client_options`` (obstore only)                    merged into obstore's HTTP client options
 ``retry_config`` (obstore only)                      replaces `DEFAULT_RETRY_CONFIG`
 ===================================================  ============================================
 
-Any other key (e.g. ``profile``, ``config_kwargs``, ``use_ssl``) has no obstore equivalent and
+Any other key (e.g. ``config_kwargs``, ``use_ssl``, ``session``) has no obstore equivalent and
 sends the URL to s3fs with the options as given (minus the obstore-only keys, with a warning).
 Options not given come from the environment exactly as each library reads it (``AWS_*`` for
 obstore and botocore, ``GOOGLE_APPLICATION_CREDENTIALS`` etc. for gcsfs). Secrets are never
@@ -68,7 +70,7 @@ import logging
 import os
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_RETRY_CONFIG",
+    "BotocoreCredentials",
     "NamedErrorStore",
     "ProcessLocalStore",
     "RemoteStoreError",
@@ -116,6 +119,7 @@ _S3FS_TO_OBSTORE = {
     "token": "session_token",
     "aws_session_token": "session_token",
     "region_name": "region",
+    "region": "region",
 }
 _CLIENT_KWARGS_TO_OBSTORE = {
     "endpoint_url": "endpoint",
@@ -125,6 +129,8 @@ _CLIENT_KWARGS_TO_OBSTORE = {
     "aws_session_token": "session_token",
 }
 _OBSTORE_ONLY = frozenset({"client_options", "retry_config"})
+_EXPLICIT_CREDENTIALS = frozenset({"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key",
+                                   "aws_session_token"})
 
 # pid of the process that opened an obstore store; a forked child inherits it and so knows
 # that obstore's runtime there is unusable.
@@ -269,7 +275,7 @@ def _obstore_unavailable_reason() -> str | None:
 
 
 def _translatable_s3_keys(options: Mapping[str, Any]) -> set[str]:
-    keys = set(_S3FS_TO_OBSTORE) | _OBSTORE_ONLY | {"anon", "requester_pays"}
+    keys = set(_S3FS_TO_OBSTORE) | _OBSTORE_ONLY | {"anon", "requester_pays", "profile"}
     client_kwargs = options.get("client_kwargs")
     if isinstance(client_kwargs, Mapping) and set(client_kwargs) <= set(_CLIENT_KWARGS_TO_OBSTORE):
         keys.add("client_kwargs")
@@ -294,7 +300,57 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
         "config": config,
         "client_options": client_options or None,
         "retry_config": options.get("retry_config") or DEFAULT_RETRY_CONFIG,
+        "credential_provider": _profile_credentials(options, config),
     }
+
+
+def _profile_credentials(options: Mapping[str, Any], config: Mapping[str, Any]) -> BotocoreCredentials | None:
+    """botocore's credential chain where obstore's own (env vars, web identity, instance role) would
+    miss what s3fs finds: a ``profile`` option, ``AWS_PROFILE``, or ``~/.aws`` files."""
+    if "profile" in options:
+        return BotocoreCredentials(options["profile"])
+    if options.get("anon") or _EXPLICIT_CREDENTIALS & set(options) or "access_key_id" in config:
+        return None
+    if "AWS_ACCESS_KEY_ID" in os.environ:
+        return None
+    aws_files = [os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+                 os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")]
+    if "AWS_PROFILE" in os.environ or any(Path(name).expanduser().is_file() for name in aws_files):
+        return BotocoreCredentials(None)
+    return None
+
+
+class BotocoreCredentials:
+    """obstore credential provider resolving AWS credentials as botocore (and so s3fs) does.
+
+    Covers named profiles, ``~/.aws`` files and SSO, which obstore does not read itself. Holds
+    only the profile name, so it pickles to worker processes; credentials are looked up lazily on
+    the first request and refreshed every `REFRESH` (botocore renews expiring ones).
+    """
+
+    REFRESH = timedelta(minutes=5)
+
+    def __init__(self, profile: str | None) -> None:
+        self.profile = profile
+        self._credentials: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"profile": self.profile}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.profile, self._credentials = state["profile"], None
+
+    def __call__(self) -> dict[str, Any]:
+        import botocore.session
+
+        if self._credentials is None:
+            self._credentials = botocore.session.Session(profile=self.profile).get_credentials()
+        if self._credentials is None:
+            where = f"profile {self.profile!r}" if self.profile else "AWS_PROFILE / ~/.aws"
+            raise PermissionError(f"no AWS credentials found for {where}")
+        frozen = self._credentials.get_frozen_credentials()
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token,
+                "expires_at": datetime.now(UTC) + self.REFRESH}
 
 
 def _without_obstore_only(options: dict[str, Any]) -> dict[str, Any]:
