@@ -45,7 +45,9 @@ def _write_group(store: zarr.abc.store.Store) -> dict[str, np.ndarray]:
 def test_group_round_trips_with_arrays_and_attrs(request, server_name):
     server = request.getfixturevalue(server_name)
     url = server.url(_unique("roundtrip"))
-    written = _write_group(open_store(url, server.storage_options, read_only=False))
+    with server.record() as requests:
+        written = _write_group(open_store(url, server.storage_options, read_only=False))
+    assert len(requests.writes()) >= 2 + 4 + 4  # group + array metadata, one object per chunk
 
     reader = open_store(url, server.storage_options, read_only=True)
     group = zarr.open_group(reader, mode="r")
