@@ -65,7 +65,11 @@ class RequestLog:
 
 
 class _Recorder:
-    """Fan-out of incoming requests to the `RequestLog`s of the open `record()` blocks."""
+    """Fan-out of incoming requests to the `RequestLog`s of the open `record()` blocks.
+
+    ``settle`` (for servers whose log arrives late) waits until every request answered so far has
+    been seen; it runs on entry and on exit, so a block gets exactly the requests made inside it.
+    """
 
     def __init__(self) -> None:
         self._logs: list[RequestLog] = []
@@ -79,6 +83,8 @@ class _Recorder:
     @contextlib.contextmanager
     def record(self, settle: Any = None) -> Iterator[RequestLog]:
         log = RequestLog()
+        if settle is not None:
+            settle()
         with self._lock:
             self._logs.append(log)
         try:

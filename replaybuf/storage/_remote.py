@@ -45,7 +45,8 @@ no credentials, but ``AWS_PROFILE``/``~/.aws``       the same: botocore's chain,
 ===================================================  ============================================
 
 Any other key (e.g. ``config_kwargs``, ``use_ssl``, ``session``) has no obstore equivalent and
-sends the URL to s3fs with the options as given (minus the obstore-only keys, with a warning).
+sends the URL to s3fs with the options as given (minus the obstore-only keys, with a warning;
+plus ``max_concurrency=1`` unless given, which saves a HEAD request before every GET).
 Options not given come from the environment exactly as each library reads it (``AWS_*`` for
 obstore and botocore, ``GOOGLE_APPLICATION_CREDENTIALS`` etc. for gcsfs). Secrets are never
 logged: `store_key` and every repr here hide them.
@@ -254,7 +255,9 @@ def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
         f"storage_options {untranslatable} have no obstore equivalent" if untranslatable else None)
     if reason is not None:
         logger.info("opening %s with s3fs: %s", store_key(url, options), reason)
-        return _open_fsspec(url, _without_obstore_only(options), read_only)
+        # s3fs's default max_concurrency=10 sends a HEAD before every whole-object GET (2 requests
+        # per chunk); chunks are fetched concurrently by the caller, so one GET each is enough.
+        return _open_fsspec(url, {"max_concurrency": 1, **_without_obstore_only(options)}, read_only)
     from obstore.store import S3Store
 
     parts = urlsplit(url)
