@@ -101,8 +101,12 @@ def render_frames(rng: np.random.Generator, steps: int) -> np.ndarray:
     return frames
 
 
-def make_episode(size: WorkloadSize, episode: int) -> dict[str, np.ndarray]:
-    """One episode of the workload as numpy arrays with a leading time axis."""
+def make_episode(size: WorkloadSize, episode: int, frames: bool = True) -> dict[str, np.ndarray]:
+    """One episode of the workload as numpy arrays with a leading time axis.
+
+    ``frames=False`` skips rendering (the vectors are identical either way), for benchmarks
+    that only need the small fields.
+    """
     rng = np.random.default_rng([size.seed, episode])
     steps = size.steps
     time = np.arange(steps, dtype=np.float32)[:, None]
@@ -113,13 +117,10 @@ def make_episode(size: WorkloadSize, episode: int) -> dict[str, np.ndarray]:
     reward = np.where(rng.random(steps) < 0.1, rng.uniform(0, 1, steps), 0.0).astype(np.float32)
     done = np.zeros(steps, dtype=bool)
     done[-1] = True
-    return {
-        "frame": render_frames(rng, steps),
-        "state": state.astype(np.float32),
-        "action": action.astype(np.float32),
-        "reward": reward,
-        "done": done,
-    }
+    episode_data = {"state": state.astype(np.float32), "action": action.astype(np.float32), "reward": reward, "done": done}
+    if frames:
+        episode_data = {"frame": render_frames(rng, steps), **episode_data}
+    return episode_data
 
 
 def make_workload(size: WorkloadSize) -> list[dict[str, np.ndarray]]:
