@@ -1,0 +1,116 @@
+"""Collection throughput: replaybuf vs memmap-replay-buffer 0.2.3, same workload, same run.
+
+Measures steps/s of ``store()`` inside ``one_episode()`` (as an agent collects), with
+flush_every_store_step=1 (the seed's default: durable every step) and 0 (flush at episode
+end only), and of ``store_episode()`` (whole episodes). The buffer holds --episodes episodes;
+store() runs write the first --store-episodes of them (default 4 = 1,000 steps: per-step rates
+do not depend on the count, and the seed msyncs its state files on every store(), ~2 ms each
+on this machine's disk, so it runs at tens to hundreds of steps/s). The final flush is timed.
+
+Run: python benchmarks/bench_write.py [--episodes N --steps T --quick] [--backends zarr memmap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.peers import SeedApiPeer, Unavailable, folder_bytes, replaybuf_peer, seed_peer  # noqa: E402
+from benchmarks.workload import (  # noqa: E402
+    add_size_arguments,
+    format_rate,
+    make_workload,
+    markdown_table,
+    print_header,
+    size_from_arguments,
+)
+
+# (label, method, flush_every_store_step, target ratio replaybuf/seed from issue 2)
+MODES = (
+    ("store() flush=1", "store_steps", 1, 3.0),
+    ("store() flush=0", "store_steps", 0, 2.0),
+    ("store_episode() flush=1", "store_episodes", 1, 1.0),
+)
+
+
+def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tuple[float, int]:
+    """(steps/s, bytes stored) for one mode on a fresh buffer."""
+    peer.open(flush_every_store_step=flush)
+    gc.collect()
+    start = time.perf_counter()
+    getattr(peer, method)(episodes)
+    peer.buffer.flush()
+    seconds = time.perf_counter() - start
+    stored = folder_bytes(peer.folder)
+    peer.buffer = None
+    gc.collect()
+    shutil.rmtree(peer.folder / "buffer", ignore_errors=True)
+    return sum(len(episode["done"]) for episode in episodes) / seconds, stored
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)
+    parser.add_argument("--store-episodes", type=int, default=None,
+                        help="episodes written with store() per mode (default 4, quick 2)")
+    parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
+    arguments = parser.parse_args()
+    size = size_from_arguments(arguments)
+    store_count = min(size.episodes, arguments.store_episodes or (2 if arguments.quick else 4))
+    print_header("Collection throughput (store / store_episode)", size)
+    print(f"store() modes write {store_count} episodes; store_episode() writes all {size.episodes}.\n")
+
+    episodes = make_workload(size)
+    workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-write-"))
+    notes = []
+    try:
+        peers = [seed_peer(size, workdir)]
+        for backend in arguments.backends:
+            try:
+                peers.append(replaybuf_peer(size, workdir, backend))
+            except Unavailable as reason:
+                notes.append(f"replaybuf {backend}: skipped, {reason}")
+        results: dict[tuple[str, str], tuple[float, int]] = {}
+        for label, method, flush, _ in MODES:
+            chosen = episodes[:store_count] if method == "store_steps" else episodes
+            for peer in peers:
+                try:
+                    results[peer.name, label] = run_mode(peer, method, flush, chosen)
+                except Exception as error:  # report and continue: one peer must not hide the others
+                    notes.append(f"{peer.name} {label}: failed, {type(error).__name__}: {error}")
+                    continue
+                print(f"  {label:24s} {peer.name:16s} {results[peer.name, label][0]:>10,.0f} steps/s", flush=True)
+        print()
+        names = [f"replaybuf {backend}" for backend in arguments.backends]
+        header = ["mode", "seed steps/s"] + [f"{name} steps/s" for name in names]
+        header += [f"{name} / seed" for name in names] + ["target", "seed MB"] + [f"{name} MB" for name in names]
+        rows = []
+        for label, _, _, target in MODES:
+            seed_rate = results.get(("seed", label), (None, 0))
+            row: list[object] = [label, format_rate(seed_rate[0])]
+            row += [format_rate(results.get((name, label), (None, 0))[0]) for name in names]
+            row += [f"{results[name, label][0] / seed_rate[0]:.2f}x" if (name, label) in results and seed_rate[0] else "-"
+                    for name in names]
+            row += [f">= {target:g}x", f"{seed_rate[1] / 1e6:,.0f}"]
+            row += [f"{results[name, label][1] / 1e6:,.0f}" if (name, label) in results else "-" for name in names]
+            rows.append(row)
+        print("## Results\n")
+        print(markdown_table(header, rows))
+        for note in notes:
+            print(f"- {note}")
+        for peer in peers:
+            peer.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\ntemp folder removed: {not workdir.exists()}")
+
+
+if __name__ == "__main__":
+    main()
