@@ -1,0 +1,724 @@
+"""ReplayBuffer: episode bookkeeping and the write API, on any Storage.
+
+The buffer validates input, keeps the per-episode bookkeeping (lengths, generations, user meta
+fields) mirrored in RAM, stages episodes in progress (``staging.py``) and commits them in the
+order that keeps every committed episode intact through a crash:
+
+1. a reused circular slot is invalidated first (``episode_lens = 0``, ``_generation = 0``);
+2. the data slabs are written;
+3. meta rows, then ``_generation`` and ``episode_lens`` are published;
+4. the counters object is committed; the step log of the episode is cleared.
+
+A reader trusts only slots whose published length is > 0.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import namedtuple
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .schema import Field, Schema
+from .staging import EpisodeGroup, StepLog, write_span
+from .storage.base import Storage, StorageError, bookkeeping_fields, make_storage
+from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
+
+LOG_NAME = "episode"
+_HIDDEN_META = ("_generation",)
+
+
+class MetaView:
+    """``buffer.meta_data[name]``: reads from the RAM mirror, writes through to storage."""
+
+    def __init__(self, buffer: ReplayBuffer, name: str):
+        self._buffer, self._name = buffer, name
+
+    @property
+    def _mirror(self) -> np.ndarray:
+        return self._buffer._meta[self._name]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._mirror.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._mirror.dtype
+
+    def __len__(self) -> int:
+        return len(self._mirror)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        value = self._mirror[key]
+        return value.copy() if isinstance(value, np.ndarray) else value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._buffer._check_writable("meta_data[...] = ...")
+        episodes = np.atleast_1d(np.arange(self._buffer.max_episodes)[key])
+        field = self._buffer._field(self._name)
+        values = np.broadcast_to(cast_values(to_numpy(value, self._name), field), (len(episodes), *field.shape))
+        self._buffer._write_meta(self._name, episodes, values)
+
+    def __array__(self, dtype=None, copy=None):
+        return self._mirror.astype(dtype) if dtype is not None else self._mirror.copy()
+
+    def __repr__(self) -> str:
+        return f"<meta {self._name} {self._mirror!r}>"
+
+
+class ReplayBuffer:
+    """An episode store: write steps or whole episodes, read them back as tensors and batches.
+
+    The signature is memmap-replay-buffer's: ``fields`` map names to specs such as ``'float'``,
+    ``('int', 2)`` or ``('float', (3, 16, 16), 0.)``; ``meta_fields`` are per episode.
+    ``overwrite=True`` (the default, as in the seed) erases an existing buffer at ``folder``;
+    pass ``overwrite=False`` or use ``from_folder`` to reopen one.
+
+    Parameters beyond the seed: ``storage_options`` for URLs (``s3://``, ``gs://``,
+    ``memory://``), ``backend`` (``'zarr'`` default, ``'memmap'``, ``'hdf5'``) and ``fsync``
+    (power-loss durability of commits and the step log, at a cost per write).
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike | Storage,
+        max_episodes: int | None = None,
+        max_timesteps: int | None = None,
+        fields: dict[str, Any] | None = None,
+        meta_fields: dict[str, Any] | None = None,
+        circular: bool = False,
+        overwrite: bool = True,
+        read_only: bool = False,
+        flush_every_store_step: int = 1,
+        *,
+        storage_options: dict | None = None,
+        backend: str | None = None,
+        fsync: bool = False,
+    ):
+        if isinstance(flush_every_store_step, bool) or not isinstance(flush_every_store_step, int) \
+                or flush_every_store_step < 0:
+            raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
+        self.read_only = bool(read_only)
+        self.flush_every_store_step = flush_every_store_step
+        self.storage = make_storage(folder, backend, storage_options, fsync=fsync) \
+            if not isinstance(folder, Storage) else folder
+        location = self.storage.location
+        self.folder = location if "://" in location else Path(location)
+        wanted = None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)
+
+        if self.read_only or not overwrite:
+            exists = self.storage.exists()
+            if self.read_only and not exists:
+                raise FileNotFoundError(f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only")
+            if exists:
+                schema = self.storage.open(read_only=self.read_only)
+                if wanted is not None:
+                    schema.check_matches(wanted, self.storage.location)
+            else:
+                schema = self._create(wanted)
+        else:
+            schema = self._create(wanted)
+        self._setup(schema)
+        if not self.read_only:
+            self._recover_step_log()
+
+    def _create(self, schema: Schema | None) -> Schema:
+        if schema is None:
+            raise ValueError(
+                f"no buffer exists at {self.storage.location!r}: pass max_episodes, max_timesteps and fields to create one"
+            )
+        self.storage.create(schema, overwrite=True)
+        return schema
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike, read_only: bool = False, storage_options: dict | None = None,
+                    backend: str | None = None, **kwargs: Any) -> ReplayBuffer:
+        """Reopen the buffer stored at ``folder`` with its stored config."""
+        storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
+        if not storage.exists():
+            raise FileNotFoundError(f"no replaybuf buffer found at {os.fspath(folder)!r}")
+        return cls(storage, overwrite=False, read_only=read_only, **kwargs)
+
+    # ---- setup --------------------------------------------------------------------------
+
+    def _setup(self, schema: Schema) -> None:
+        self.schema = schema
+        self.max_episodes = schema.max_episodes
+        self.max_timesteps = schema.max_timesteps
+        self.circular = schema.circular
+        self.fieldnames = set(schema.fields)
+        self.shapes = {n: f.shape for n, f in schema.fields.items()}
+        self.dtypes = {n: f.dtype.type for n, f in schema.fields.items()}
+        self.defaults = {n: f.default for n, f in schema.fields.items()}
+        self._bookkeeping = bookkeeping_fields(schema)
+        self._meta_fields = {**schema.meta_fields, **self._bookkeeping}
+        self.meta_fieldnames = set(schema.meta_fields) | {"episode_lens"}
+        self.meta_shapes = {n: f.shape for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
+        self.meta_dtypes = {n: f.dtype.type for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
+        self.meta_defaults = {n: f.default for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
+        self.memory_namedtuple = namedtuple("Memory", list(schema.fields))
+        self.data = {n: self.storage.array(n) for n in schema.fields}
+        self._time_chunks = {n: self.storage.time_chunk(n) for n in schema.fields}
+        self._spans = {n: write_span(f, self._time_chunks[n], self.max_timesteps) for n, f in schema.fields.items()}
+        self._step_log = StepLog(schema.fields)
+        self._group: EpisodeGroup | None = None
+        self._log_pending: list[bytes] = []
+        self._log_written = False
+        self._store_step = 0
+        self.refresh()
+        self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+
+    def refresh(self) -> ReplayBuffer:
+        """Reload counters and per-episode arrays: a reader picks up what writers committed since."""
+        self._state = self.storage.load_state()
+        self._meta = {n: self.storage.read_meta(n) for n in self._meta_fields}
+        return self
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def num_episodes(self) -> int:
+        """Episodes committed (capped at ``max_episodes`` in circular mode), as the seed counts."""
+        return int(self._state["num_episodes"])
+
+    @property
+    def episode_index(self) -> int:
+        """The slot the next episode goes to."""
+        return int(self._group.slots[0]) if self._group is not None else int(self._state["episode_index"])
+
+    @property
+    def timestep_index(self) -> int:
+        """Steps stored so far in the episode in progress."""
+        return 0 if self._group is None else self._group.length
+
+    @property
+    def is_new_episode(self) -> bool:
+        return self.timestep_index == 0
+
+    @property
+    def episode_lens(self) -> np.ndarray:
+        """Committed length of every slot (0: empty); read-only view."""
+        view = self._meta["episode_lens"].view()
+        view.flags.writeable = False
+        return view
+
+    def valid_episodes(self) -> np.ndarray:
+        """Slots holding a committed episode, oldest first."""
+        valid = np.flatnonzero(self._meta["episode_lens"] > 0)
+        return valid[np.argsort(self._meta["_generation"][valid], kind="stable")]
+
+    def __len__(self) -> int:
+        return int((self._meta["episode_lens"] > 0).sum())
+
+    def __repr__(self) -> str:
+        return (f"ReplayBuffer({self.storage.location!r}, backend={self.storage.backend_name!r}, "
+                f"episodes={len(self)}/{self.max_episodes}, fields={list(self.schema.fields)})")
+
+    def _field(self, name: str) -> Field:
+        if name in self.schema.fields:
+            return self.schema.fields[name]
+        if name in self._meta_fields and name not in _HIDDEN_META:
+            return self._meta_fields[name]
+        raise ValueError(f"invalid field name {name!r} - must be one of {sorted(self.fieldnames)} "
+                         f"or meta fields {sorted(self.meta_fieldnames)}")
+
+    def _check_writable(self, call: str) -> None:
+        if self.read_only:
+            raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
+
+    def _check_names(self, names: Sequence[str], allowed: set[str], what: str, call: str) -> None:
+        unknown = sorted(set(names) - allowed)
+        if unknown:
+            raise ValueError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
+
+    def _full_message(self, batch_size: int = 1) -> str:
+        return (f"the replay buffer is full ({self.num_episodes} of {self.max_episodes} episodes, "
+                f"{batch_size} more requested) and is not circular: pass circular=True, clear() it, "
+                "or create it with a larger max_episodes")
+
+    def _check_room(self, batch_size: int) -> None:
+        if batch_size > self.max_episodes:
+            raise ValueError(f"batch_size {batch_size} exceeds max_episodes {self.max_episodes}")
+        if not self.circular and self.num_episodes + batch_size > self.max_episodes:
+            raise ValueError(self._full_message(batch_size))
+
+    # ---- the episode group in progress ------------------------------------------------------
+
+    def _next_slots(self, batch_size: int) -> np.ndarray:
+        return (self._state["episode_index"] + np.arange(batch_size)) % self.max_episodes
+
+    def _begin_group(self, batch_size: int, meta: dict[str, np.ndarray]) -> EpisodeGroup:
+        self._check_room(batch_size)
+        group = EpisodeGroup(self._next_slots(batch_size), self.schema.fields, self._spans,
+                             int(self._state["total_episodes"]))
+        group.meta = {n: np.broadcast_to(fill_value(f), (batch_size, *f.shape)).copy()
+                      for n, f in self.schema.meta_fields.items()}
+        for name, values in meta.items():
+            group.meta[name][:] = values
+        self._group = group
+        self._store_step = 0
+        if self.flush_every_store_step > 0:
+            self._log_pending = [self._step_log.header(group.slots, group.generation_base, meta)]
+        return group
+
+    def _invalidate(self, group: EpisodeGroup) -> None:
+        """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
+        if group.invalidated:
+            return
+        group.invalidated = True
+        group.previous_lens = self._meta["episode_lens"][group.slots].copy()
+        reused = group.slots[(self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)]
+        if len(reused):
+            self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
+            self._write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
+
+    def _write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]]) -> None:
+        if not slabs:
+            return
+        self._invalidate(group)
+        try:
+            for name, t0, rows in slabs:
+                self.storage.write_rows(name, group.slots, t0, rows)
+        except (OSError, StorageError) as e:
+            raise StorageError(f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} "
+                               f"failed: {e}") from e
+
+    def _stage(self, values: dict[str, np.ndarray]) -> None:
+        group = self._group
+        self._write_slabs(group, group.append(values))
+        self._store_step += 1
+        if self.flush_every_store_step > 0:
+            self._log_pending.append(self._step_log.steps(
+                {n: values.get(n, np.broadcast_to(fill_value(f), (group.batch_size, *f.shape)))
+                 for n, f in self.schema.fields.items()}))
+            if self._store_step % self.flush_every_store_step == 0:
+                self._flush_log()
+
+    def _flush_log(self) -> None:
+        if self._log_pending:
+            self.storage.append_log(LOG_NAME, b"".join(self._log_pending))
+            self._log_pending = []
+            self._log_written = True
+
+    def _commit_group(self, final_meta: dict[str, np.ndarray] | None = None) -> None:
+        group, self._group = self._group, None
+        if group is None or group.length == 0:
+            self._discard_log()
+            return
+        for name, values in (final_meta or {}).items():
+            group.meta[name][:] = values
+        self._write_slabs(group, group.tail(self._time_chunks, self.max_timesteps))
+        self._clear_stale(group)
+        self._publish(group.slots, group.length, group.meta)
+        self._discard_log()
+
+    def _clear_stale(self, group: EpisodeGroup) -> None:
+        """Zero chunks a previous, longer episode left in a reused slot beyond the new end."""
+        longest = int(group.previous_lens.max()) if len(group.previous_lens) else 0
+        for name, chunk in self._time_chunks.items():
+            start = -(-group.length // chunk) * chunk
+            end = min(-(-longest // chunk) * chunk, self.max_timesteps)
+            if end > start:
+                f = self.schema.fields[name]
+                self.storage.write_rows(name, group.slots, start,
+                                        np.zeros((group.batch_size, end - start, *f.shape), f.dtype))
+
+    def _publish(self, slots: np.ndarray, length: int, meta: dict[str, np.ndarray]) -> None:
+        """Commit steps 3 and 4: meta rows, generation and length, then the counters."""
+        for name, values in meta.items():
+            self._write_meta(name, slots, values)
+        base = int(self._state["total_episodes"])
+        self._write_meta("_generation", slots, base + 1 + np.arange(len(slots), dtype=np.int64))
+        self._write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
+        count = int(self._state["num_episodes"]) + len(slots)
+        self._state = {
+            "num_episodes": min(count, self.max_episodes),
+            "episode_index": int((slots[-1] + 1) % self.max_episodes),
+            "total_episodes": base + len(slots),
+        }
+        self.storage.commit_state(self._state)
+
+    def _write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        episodes = np.asarray(episodes)
+        self.storage.write_meta(name, episodes, values)
+        self._meta[name][episodes] = values
+
+    def _discard_log(self) -> None:
+        self._log_pending = []
+        if self._log_written:
+            self.storage.clear_log(LOG_NAME)
+            self._log_written = False
+
+    def _abort_group(self) -> None:
+        self._group = None
+        self._discard_log()
+
+    def _recover_step_log(self) -> None:
+        """Commit, truncated, the episodes a killed writer left in its step log; then clear it."""
+        if LOG_NAME not in self.storage.log_names():
+            return
+        parsed = self._step_log.parse(self.storage.read_log(LOG_NAME))
+        self._reconcile_state()
+        if parsed is not None:
+            header, steps, meta = parsed
+            slots = np.asarray(header["slots"])
+            stale = header["generation_base"] < int(self._state["total_episodes"])
+            if steps and not stale and header["fields"] == list(self.schema.fields):
+                self._state["episode_index"] = int(slots[0])
+                group = self._begin_group(len(slots), {})
+                self._log_pending = []
+                self._log_written = True
+                for name, values in meta.items():
+                    if name in group.meta:
+                        group.meta[name][:] = np.asarray(values, dtype=group.meta[name].dtype)
+                for step in steps[: self.max_timesteps]:
+                    self._write_slabs(group, group.append(step))
+                self._commit_group()
+                return
+        self.storage.clear_log(LOG_NAME)
+
+    def _reconcile_state(self) -> None:
+        """Roll the counters forward when a writer died between publishing lengths and counters."""
+        generations = self._meta["_generation"]
+        newest = int(generations.max()) if len(generations) else 0
+        total = int(self._state["total_episodes"])
+        if newest > total:
+            self._state = {
+                "num_episodes": min(int(self._state["num_episodes"]) + newest - total, self.max_episodes),
+                "episode_index": int((np.argmax(generations) + 1) % self.max_episodes),
+                "total_episodes": newest,
+            }
+            self.storage.commit_state(self._state)
+
+    # ---- the write API -------------------------------------------------------------------------
+
+    def _meta_values(self, meta: dict[str, Any], batch_size: int, call: str) -> dict[str, np.ndarray]:
+        self._check_names(meta, set(self.schema.meta_fields), "meta field", call)
+        return {n: batch_value(v, self.schema.meta_fields[n], batch_size) for n, v in meta.items()}
+
+    @contextmanager
+    def one_episode(self, **meta: Any) -> Iterator[dict]:
+        """Collect one episode with ``store()``; it is committed when the block exits.
+
+        Yields a dict: values put in it are stored as meta fields at the end (e.g. a return).
+        An exception inside the block rolls the episode back: nothing of it becomes visible.
+        """
+        self._check_writable("one_episode")
+        values = self._meta_values(meta, 1, "one_episode")
+        if self._group is not None:
+            raise RuntimeError("an episode is already in progress: finish it before starting one_episode")
+        self._begin_group(1, values)
+        final: dict[str, Any] = {}
+        try:
+            yield final
+        except BaseException:
+            self._abort_group()
+            raise
+        self._commit_group(self._meta_values(final, 1, "one_episode (final meta)"))
+
+    @contextmanager
+    def batched_episode(self, batch_size: int, **meta_batch: Any) -> Iterator[None]:
+        """Collect ``batch_size`` episodes in lockstep with ``store_batch``; committed on exit."""
+        self._check_writable("batched_episode")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        values = self._meta_values(meta_batch, int(batch_size), "batched_episode")
+        if self._group is not None:
+            raise RuntimeError("an episode is already in progress: finish it before starting batched_episode")
+        self._begin_group(int(batch_size), values)
+        try:
+            yield
+        except BaseException:
+            self._abort_group()
+            raise
+        self._commit_group()
+
+    def store(self, **data: Any):
+        """Store one timestep of the episode in progress; missing fields get their default.
+
+        Returns a namedtuple of the values stored.
+        """
+        self._check_writable("store")
+        self._check_names(data, self.fieldnames, "field", "store")
+        values = {n: step_value(v, self.schema.fields[n]) for n, v in data.items()}
+        if self.timestep_index >= self.max_timesteps:
+            raise ValueError(f"store: the episode already has max_timesteps ({self.max_timesteps}) steps; "
+                             "increase max_timesteps when creating the buffer")
+        if self._group is None:
+            self._begin_group(1, {})
+        elif self._group.batch_size != 1:
+            raise ValueError(f"store: a batched episode of {self._group.batch_size} is in progress; use store_batch")
+        full = {n: values.get(n, fill_value(f)) for n, f in self.schema.fields.items()}
+        self._stage({n: v[None] for n, v in full.items()})
+        return self.memory_namedtuple(**full)
+
+    def store_batch(self, **data: Any) -> None:
+        """Store one timestep for every episode of the batched group in progress."""
+        self._check_writable("store_batch")
+        if not data:
+            raise ValueError("store_batch: no data provided")
+        self._check_names(data, self.fieldnames, "field", "store_batch")
+        batch = self._group.batch_size if self._group is not None else None
+        sizes = {n: int(np.shape(to_numpy(v, n))[0]) if np.ndim(to_numpy(v, n)) else None for n, v in data.items()}
+        if batch is None:
+            known = [s for s in sizes.values() if s is not None]
+            if not known:
+                raise ValueError("store_batch: values need a leading batch dimension")
+            batch = known[0]
+        for name, size in sizes.items():
+            if size is not None and size != batch:
+                raise ValueError(f"store_batch: field {name!r} has batch size {size}, expected {batch}")
+        values = {n: batch_value(v, self.schema.fields[n], batch) for n, v in data.items()}
+        if self.timestep_index >= self.max_timesteps:
+            raise ValueError(f"store_batch: the episodes already have max_timesteps ({self.max_timesteps}) steps; "
+                             "increase max_timesteps when creating the buffer")
+        if self._group is None:
+            self._begin_group(batch, {})
+        self._stage(values)
+
+    def store_meta_batch(self, **data: Any) -> None:
+        """Set meta fields for every episode of the group in progress (or the next group)."""
+        self._check_writable("store_meta_batch")
+        if not data:
+            raise ValueError("store_meta_batch: no data provided")
+        batch = self._group.batch_size if self._group is not None else None
+        if batch is None:
+            first = to_numpy(next(iter(data.values())), next(iter(data)))
+            batch = int(first.shape[0]) if first.ndim else 1
+        values = self._meta_values(data, batch, "store_meta_batch")
+        if self._group is None:
+            self._begin_group(batch, values)
+            return
+        for name, value in values.items():
+            self._group.meta[name][:] = value
+        if self.flush_every_store_step > 0:
+            self._log_pending.append(self._step_log.meta(values))
+
+    def store_episode(self, **data: Any) -> None:
+        """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
+        self._check_writable("store_episode")
+        if not data:
+            raise ValueError("store_episode: no data provided")
+        self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", "store_episode")
+        steps, meta, length = {}, {}, None
+        for name, value in data.items():
+            if name in self.fieldnames:
+                f = self.schema.fields[name]
+                array = to_numpy(value, name)
+                if array.ndim == 0:
+                    raise ValueError(f"store_episode: time-varying field {name!r} needs a time dimension, got a scalar")
+                if length is not None and array.shape[0] != length:
+                    raise ValueError(f"store_episode: field {name!r} has {array.shape[0]} timesteps, "
+                                     f"other fields have {length}")
+                length = array.shape[0]
+                steps[name] = cast_values(fit_shape(array, f, 1), f)
+            else:
+                meta[name] = value
+        if length is None:
+            raise ValueError("store_episode: at least one time-varying field is needed, got only meta fields "
+                             f"{sorted(meta)}")
+        if length == 0:
+            raise ValueError("store_episode: an episode needs at least one timestep, got 0")
+        if length > self.max_timesteps:
+            raise ValueError(f"store_episode: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
+        meta_values = self._meta_values(meta, 1, "store_episode")
+        if self._group is not None:
+            warnings.warn(f"store_episode called with an episode in progress ({self.timestep_index} steps); "
+                          "that episode is discarded", stacklevel=2)
+            self._abort_group()
+        self._check_room(1)
+        group = EpisodeGroup(self._next_slots(1), self.schema.fields, self._spans, int(self._state["total_episodes"]))
+        group.meta = {n: fill_value(f)[None].copy() for n, f in self.schema.meta_fields.items()}
+        for name, values in meta_values.items():
+            group.meta[name][:] = values
+        slabs = []
+        for name, f in self.schema.fields.items():
+            chunk = self._time_chunks[name]
+            padded_len = min(-(-length // chunk) * chunk, self.max_timesteps)
+            rows = np.zeros((1, padded_len, *f.shape), dtype=f.dtype)
+            rows[0, :length] = steps[name] if name in steps else f.fill
+            slabs.append((name, 0, rows))
+        group.length = length
+        self._write_slabs(group, slabs)
+        self._clear_stale(group)
+        self._publish(group.slots, length, group.meta)
+
+    def advance_episode(self, batch_size: int | None = None) -> None:
+        """Commit the episode(s) in progress (what ``one_episode`` does on exit)."""
+        self._check_writable("advance_episode")
+        self._commit_group()
+
+    def flush(self) -> None:
+        """Push buffered step-log records and make written data durable as configured."""
+        if self.read_only:
+            return
+        self._flush_log()
+        self.storage.flush()
+
+    def clear(self) -> None:
+        """Erase every episode (the arrays keep their shape and config)."""
+        self._check_writable("clear")
+        self._abort_group()
+        for name in ("episode_lens", "_generation"):
+            self._write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self._meta[name].dtype))
+        self._state = {"num_episodes": 0, "episode_index": 0, "total_episodes": int(self._state["total_episodes"])}
+        self.storage.commit_state(self._state)
+
+    def _check_slot(self, episode_index: Any, call: str) -> int:
+        if isinstance(episode_index, bool) or not isinstance(episode_index, (int, np.integer)) \
+                or not 0 <= episode_index < self.max_episodes:
+            raise ValueError(f"{call}: episode_index {episode_index!r} out of range - must be in [0, {self.max_episodes})")
+        return int(episode_index)
+
+    def store_datapoint(self, episode_index: int, timestep_index: int, name: str, datapoint: Any) -> None:
+        """Write one value of a data field at (episode, timestep)."""
+        self._check_writable("store_datapoint")
+        episode = self._check_slot(episode_index, "store_datapoint")
+        if isinstance(timestep_index, bool) or not isinstance(timestep_index, (int, np.integer)) \
+                or not 0 <= timestep_index < self.max_timesteps:
+            raise ValueError(f"store_datapoint: timestep_index {timestep_index!r} out of range - "
+                             f"must be in [0, {self.max_timesteps})")
+        self._check_names([name], self.fieldnames, "field", "store_datapoint")
+        value = step_value(datapoint, self.schema.fields[name])
+        group = self._group
+        if group is not None and episode in group.slots:
+            row = int(np.flatnonzero(group.slots == episode)[0])
+            if group.set_step(name, row, int(timestep_index), value):
+                return
+        self.data[name][episode, int(timestep_index)] = value
+
+    def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
+        """Write one meta value of an episode."""
+        self._check_writable("store_meta_datapoint")
+        episode = self._check_slot(episode_index, "store_meta_datapoint")
+        self._check_names([name], set(self.schema.meta_fields), "meta field", "store_meta_datapoint")
+        value = step_value(datapoint, self.schema.meta_fields[name])
+        group = self._group
+        if group is not None and episode in group.slots:
+            group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
+            return
+        self._write_meta(name, np.array([episode]), value[None])
+
+    def update(self, indices: int | Sequence[int] | np.ndarray | slice | None = None, **data: Any) -> None:
+        """Overwrite stored episodes in place (all committed ones when ``indices`` is None).
+
+        Time-varying values are (episodes, time, *shape) and broadcast; meta values
+        (episodes, *shape). Every value is checked before anything is written.
+        """
+        self._check_writable("update")
+        if not data:
+            raise ValueError("update: no data provided")
+        self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", "update")
+        episodes, scalar = self._episode_indices(indices)
+        writes = []
+        for name, value in data.items():
+            f = self._field(name)
+            array = to_numpy(value, name)
+            if array.ndim == 0:
+                array = array[None, None] if name in self.fieldnames else array[None]
+            elif scalar:
+                array = array[None]
+            if name in self.fieldnames:
+                if array.ndim < 2:
+                    raise ValueError(f"update: field {name!r} expects (episodes, time, *{f.shape}) values, "
+                                     f"got shape {array.shape}")
+                array = fit_shape(array, f, 2) if array.shape[2:] in ((), (1,)) else array
+                length = array.shape[1]
+                if length > self.max_timesteps:
+                    raise ValueError(f"update: field {name!r} has {length} timesteps, max_timesteps is {self.max_timesteps}")
+                target = (len(episodes), length, *f.shape)
+            else:
+                array = fit_shape(array, f, 1) if array.shape[1:] in ((), (1,)) else array
+                target = (len(episodes), *f.shape)
+            try:
+                array = np.broadcast_to(array, target)
+            except ValueError:
+                raise ValueError(f"update: field {name!r} value of shape {array.shape} does not broadcast to {target}") from None
+            writes.append((name, cast_values(array, f)))
+        for name, array in writes:
+            if name in self.fieldnames:
+                self.data[name][episodes, : array.shape[1]] = array
+            else:
+                self._write_meta(name, episodes, array)
+
+    def _episode_indices(self, indices: Any) -> tuple[np.ndarray, bool]:
+        if indices is None:
+            return np.flatnonzero(self._meta["episode_lens"] > 0), False
+        if isinstance(indices, slice):
+            return np.arange(self.max_episodes)[indices], False
+        if isinstance(indices, torch.Tensor):
+            indices = indices.cpu().numpy()
+        array = np.asarray(indices)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"indices must be ints, a slice or None, got {indices!r}")
+        scalar = array.ndim == 0
+        array = np.atleast_1d(array)
+        bad = array[(array < 0) | (array >= self.max_episodes)]
+        if len(bad):
+            raise ValueError(f"episode indices {bad.tolist()} out of range - must be in [0, {self.max_episodes})")
+        return array, scalar
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def get_all_data(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
+                     device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Every committed episode (oldest first) as tensors, time-padded with zeros to the longest."""
+        if fields is None and meta_fields is None:
+            fields, meta_fields = list(self.schema.fields), sorted(self.meta_fieldnames)
+        fields, meta_fields = list(fields or ()), list(meta_fields or ())
+        self._check_names(fields, self.fieldnames, "field", "get_all_data")
+        self._check_names(meta_fields, self.meta_fieldnames, "meta field", "get_all_data")
+        slots = self.valid_episodes()
+        if len(slots) == 0:
+            return {}
+        lens = self._meta["episode_lens"][slots]
+        longest = int(lens.max())
+        out = {}
+        for name in fields:
+            rows = self.storage.read_rows(name, slots, 0, longest)
+            rows[np.arange(longest)[None, :] >= lens[:, None]] = 0
+            out[name] = torch.from_numpy(np.ascontiguousarray(rows))
+        for name in meta_fields:
+            out[name] = torch.from_numpy(self._meta[name][slots].copy())
+        if device is not None:
+            out = {k: v.to(device) for k, v in out.items()}
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled buffer (e.g. sent to a DataLoader worker) is a read-only view of what was
+        committed; it carries no open handle and reopens its store lazily in the new process."""
+        state = dict(self.__dict__)
+        state.update(_group=None, _log_pending=[], _log_written=False, read_only=True)
+        del state["memory_namedtuple"], state["meta_data"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.storage.read_only = True
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+
+    def close(self) -> None:
+        """Flush and release the storage handles."""
+        self.flush()
+        self.storage.close()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self.read_only and getattr(self, "_log_pending", None):
+                self._flush_log()
+        except Exception:
+            pass

@@ -1,0 +1,240 @@
+"""Key-value access to a zarr store's objects, used by the direct chunk path.
+
+``LocalKV`` works on files (atomic writes by temp file + rename, optional fsync); ``StoreKV``
+wraps any zarr v3 ``Store`` (fsspec, obstore, memory) and issues many requests at once.
+Both are cheap to pickle: they hold a location, not an open handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from .base import StorageError
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid: int | None = None
+
+
+def thread_pool() -> ThreadPoolExecutor:
+    """A per-process pool for I/O and codec work (codecs release the GIL); recreated after fork."""
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():
+        _pool = ThreadPoolExecutor(max_workers=max(4, 2 * (os.cpu_count() or 1)), thread_name_prefix="replaybuf")
+        _pool_pid = os.getpid()
+    return _pool
+
+
+class KeyValue(ABC):
+    """Object access by key: the primitives the chunk path and the side objects need."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The bytes of each key (None where absent), fetched concurrently where possible."""
+
+    @abstractmethod
+    def set_many(self, items: dict[str, bytes]) -> None:
+        """Write each key atomically."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete the keys that exist."""
+
+    @abstractmethod
+    def list_prefix(self, prefix: str) -> list[str]:
+        """Sorted keys starting with ``prefix``."""
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def set(self, key: str, data: bytes) -> None:
+        self.set_many({key: data})
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete_many(self.list_prefix(prefix))
+
+    def append(self, key: str, data: bytes) -> bool:
+        """Append to an object in place where the medium allows; False when it does not."""
+        return False
+
+
+class LocalKV(KeyValue):
+    """Files under a root folder; the layout zarr's LocalStore uses."""
+
+    def __init__(self, root: str, fsync: bool = False):
+        self.root = root
+        self.fsync = fsync
+        self._appenders: dict[str, int] = {}
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def _read(self, key: str) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if len(keys) <= 4:
+            return [self._read(k) for k in keys]
+        return list(thread_pool().map(self._read, keys))
+
+    def _write(self, item: tuple[str, bytes]) -> None:
+        key, data = item
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def set_many(self, items: dict[str, bytes]) -> None:
+        try:
+            if len(items) <= 2:
+                for item in items.items():
+                    self._write(item)
+            else:
+                list(thread_pool().map(self._write, items.items()))
+        except OSError as e:
+            raise StorageError(f"writing to {self.root!r} failed: {e}") from e
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = self._path(prefix.rstrip("/"))
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            super().delete_prefix(prefix)
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rsplit("/", 1)[0]) if "/" in prefix else self.root
+        keys = []
+        for folder, _, files in os.walk(base):
+            rel = os.path.relpath(folder, self.root).replace(os.sep, "/")
+            for name in files:
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix) and not name.endswith(".partial"):
+                    keys.append(key)
+        return sorted(keys)
+
+    def append(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, "ab") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise StorageError(f"appending to {path!r} failed: {e}") from e
+        return True
+
+    def remove_partials(self) -> None:
+        """Delete temp files a killed writer left behind."""
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                if name.endswith(".partial"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(folder, name))
+
+
+class StoreKV(KeyValue):
+    """Any zarr v3 Store (object stores, fsspec, memory), driven through zarr's event loop.
+
+    ``open_store`` is called lazily and again in a forked or spawned child, so no HTTP session
+    or event loop crosses a process boundary.
+    """
+
+    max_in_flight = 32
+
+    def __init__(self, open_store: Callable[[], object], name: str):
+        self._open_store = open_store
+        self.name = name
+        self._store = None
+        self._pid = None
+
+    @property
+    def store(self):
+        if self._store is None or self._pid != os.getpid():
+            self._store = self._open_store()
+            self._pid = os.getpid()
+        return self._store
+
+    def __getstate__(self):
+        return {**self.__dict__, "_store": None, "_pid": None}
+
+    def _run(self, coro):
+        from zarr.core.sync import sync
+
+        try:
+            return sync(coro)
+        except (OSError, ConnectionError, TimeoutError) as e:
+            raise StorageError(f"store {self.name!r} failed: {e}") from e
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        from zarr.core.buffer import default_buffer_prototype
+
+        store, proto = self.store, default_buffer_prototype()
+        limit = asyncio.Semaphore(self.max_in_flight) if len(keys) > self.max_in_flight else None
+
+        async def one(key):
+            if limit is None:
+                buf = await store.get(key, proto)
+            else:
+                async with limit:
+                    buf = await store.get(key, proto)
+            return None if buf is None else buf.to_bytes()
+
+        async def all_keys():
+            return await asyncio.gather(*(one(k) for k in keys))
+
+        return list(self._run(all_keys()))
+
+    def set_many(self, items: dict[str, bytes]) -> None:
+        from zarr.core.buffer import default_buffer_prototype
+
+        store, proto = self.store, default_buffer_prototype()
+
+        async def all_items():
+            await asyncio.gather(*(store.set(k, proto.buffer.from_bytes(v)) for k, v in items.items()))
+
+        self._run(all_items())
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        store = self.store
+
+        async def all_keys():
+            await asyncio.gather(*(store.delete(k) for k in keys))
+
+        self._run(all_keys())
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        store = self.store
+
+        async def listing():
+            return [k async for k in store.list_prefix(prefix)]
+
+        return sorted(self._run(listing()))
+

@@ -1,0 +1,268 @@
+"""The default backend: a zarr v3 group on local disk, in memory, or on any object store.
+
+Layout: group attributes hold ``{"format": "replaybuf", "version": 1, <schema>}`` as JSON;
+arrays ``data/<field>`` (episode, time, *shape) chunked (1, T_chunk, *shape) so no two episodes
+share a chunk, ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes; counters
+in the object ``replaybuf/state.json``; step logs under ``replaybuf/steplog/``. Chunks are read
+and written by the direct path in ``_chunks.py``; zarr-python creates the metadata and serves
+any indexing the direct path does not cover.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import numpy as np
+
+from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema, parse_compressor
+from ._chunks import ChunkCodec, ChunkedArray
+from ._kv import KeyValue, LocalKV, StoreKV
+from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+
+DEFAULT_ZSTD_LEVEL = 3
+# Image-like steps get one frame per chunk so random timestep sampling decodes only what it
+# uses; small vectors get long chunks (benchmarks/RESULTS.md, "Codec choice").
+IMAGE_STEP_BYTES = 4096
+SMALL_CHUNK_BYTES = 1 << 16
+META_CHUNK_EPISODES = 16384
+
+
+def default_time_chunk(field: Field, max_timesteps: int) -> int:
+    """Timesteps per chunk for a data field: explicit ``chunks``, else chosen by step size."""
+    if field.chunks is not None:
+        return min(field.chunks, max_timesteps)
+    if field.step_nbytes >= IMAGE_STEP_BYTES:
+        return 1
+    return int(min(max_timesteps, max(1, SMALL_CHUNK_BYTES // max(field.step_nbytes, 1))))
+
+
+def _compression_level(field: Field) -> int | None:
+    kind, level = parse_compressor(field.compressor or "zstd", field.name)
+    return None if kind == "none" else (DEFAULT_ZSTD_LEVEL if level is None else level)
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+def _local_root(location: str) -> str:
+    return os.path.abspath(location[len("file://"):] if location.startswith("file://") else location)
+
+
+class ZarrStorage(Storage):
+    """Zarr v3 storage for local paths, ``memory://`` and object-store URLs (``s3://``, ``gs://``)."""
+
+    backend_name = "zarr"
+    supports_remote = True
+
+    def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
+        super().__init__(location, storage_options, fsync=fsync)
+        self.kv = self._make_kv(self.location, self.storage_options, fsync)
+        self._arrays: dict[tuple[str, bool], ChunkedArray] = {}
+
+    @staticmethod
+    def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
+        if not _is_url(location):
+            return LocalKV(_local_root(location), fsync=fsync)
+        return StoreKV(lambda: _open_zarr_store(location, storage_options, read_only), location)
+
+    def _zarr_store(self, read_only: bool):
+        if not _is_url(self.location):
+            import zarr
+
+            return zarr.storage.LocalStore(_local_root(self.location), read_only=read_only)
+        return _open_zarr_store(self.location, self.storage_options, read_only)
+
+    # ---- discovery ------------------------------------------------------------------------
+
+    def _root_attributes(self) -> dict | None:
+        raw = self.kv.get("zarr.json")
+        if raw is None:
+            return None
+        attributes = json.loads(raw).get("attributes", {})
+        return attributes if attributes.get("format") == FORMAT_NAME else None
+
+    @classmethod
+    def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
+        # docstring inherited
+        if not _is_url(location) and not os.path.isfile(os.path.join(_local_root(location), "zarr.json")):
+            return False
+        try:
+            return cls(location, storage_options).exists()
+        except Exception:
+            return False
+
+    def exists(self) -> bool:
+        # docstring inherited
+        return self._root_attributes() is not None
+
+    # ---- create / open -------------------------------------------------------------------
+
+    def create(self, schema: Schema, overwrite: bool) -> None:
+        # docstring inherited
+        import zarr
+        from zarr.codecs import ZstdCodec
+
+        self.read_only = False
+        if overwrite:
+            self._erase()
+        store = self._zarr_store(read_only=False)
+        root = zarr.open_group(store, mode="w", zarr_format=3,
+                               attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()})
+        data, meta = root.require_group("data"), root.require_group("meta")
+        for field in schema.fields.values():
+            level = _compression_level(field)
+            data.create_array(
+                field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
+                chunks=(1, default_time_chunk(field, schema.max_timesteps), *field.shape), dtype=field.dtype,
+                compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
+            )
+        for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
+            level = _compression_level(field)
+            meta.create_array(
+                field.name, shape=(schema.max_episodes, *field.shape),
+                chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape), dtype=field.dtype,
+                compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
+            )
+        self.commit_state(empty_state())
+        self._load_arrays(schema)
+
+    def _erase(self) -> None:
+        if isinstance(self.kv, LocalKV):
+            root = self.kv.root
+            if os.path.isdir(root):
+                for name in os.listdir(root):
+                    path = os.path.join(root, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        import shutil
+
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
+        else:
+            self.kv.delete_prefix("")
+
+    def open(self, read_only: bool) -> Schema:
+        # docstring inherited
+        attributes = self._root_attributes()
+        if attributes is None:
+            raise BufferNotFoundError(f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)")
+        if attributes.get("version", 0) > FORMAT_VERSION:
+            raise ValueError(f"buffer at {self.location!r} has format version {attributes['version']}; "
+                             f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf")
+        self.read_only = read_only
+        if read_only and _is_url(self.location):
+            self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
+        if not read_only and isinstance(self.kv, LocalKV):
+            self.kv.remove_partials()
+        schema = Schema.from_json(attributes)
+        self._load_arrays(schema)
+        return schema
+
+    def _load_arrays(self, schema: Schema) -> None:
+        names = [(n, False) for n in schema.fields] + [(n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}]
+        paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in names]
+        documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
+        self._arrays = {}
+        for (name, meta), path, doc in zip(names, paths, documents):
+            if doc is None:
+                raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
+            self._arrays[name, meta] = self._chunked_array(path, json.loads(doc), 1 if meta else 2)
+
+    def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
+        codecs = doc["codecs"]
+        if codecs[0]["name"] != "bytes" or any(c["name"] != "zstd" for c in codecs[1:]) or len(codecs) > 2:
+            raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads only bytes+zstd arrays it wrote")
+        level = codecs[1]["configuration"]["level"] if len(codecs) == 2 else None
+        dtype = np.dtype(doc["data_type"])
+        return ChunkedArray(
+            self.kv, path, tuple(doc["shape"]), tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]),
+            dtype, ChunkCodec(dtype, level), grid_axes, zarr_array=functools.partial(self._open_zarr_array, path),
+        )
+
+    def _open_zarr_array(self, path: str):
+        import zarr
+
+        return zarr.open_array(self._zarr_store(self.read_only), path=path, mode="r" if self.read_only else "r+")
+
+    # ---- primitives --------------------------------------------------------------------------
+
+    def array(self, name: str, meta: bool = False) -> ChunkedArray:
+        # docstring inherited
+        try:
+            return self._arrays[name, meta]
+        except KeyError:
+            raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
+
+    def read_blob(self, key: str) -> bytes | None:
+        # docstring inherited
+        return self.kv.get(key)
+
+    def write_blob(self, key: str, data: bytes) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.set(key, data)
+
+    def delete_blobs(self, prefix: str) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.delete_prefix(prefix)
+
+    def list_blobs(self, prefix: str) -> list[str]:
+        # docstring inherited
+        return self.kv.list_prefix(prefix)
+
+    def append_log(self, name: str, data: bytes) -> None:
+        # docstring inherited
+        self._check_writable()
+        if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
+            super().append_log(name, data)
+
+    # ---- batched I/O -------------------------------------------------------------------------
+
+    def time_chunk(self, name: str) -> int:
+        # docstring inherited
+        return self.array(name).chunks[1]
+
+    def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.array(name)[np.asarray(episodes), t0:t0 + values.shape[1]] = values
+
+    def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.array(name, meta=True)[np.asarray(episodes)] = values
+
+    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        # docstring inherited
+        return self.array(name).read_rows(np.asarray(episodes), t0, t1)
+
+    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        # docstring inherited
+        return self.array(name).gather(episodes, timesteps)
+
+    def describe(self) -> dict:
+        # docstring inherited
+        fields = {}
+        for (name, meta), array in self._arrays.items():
+            fields[f"{'meta' if meta else 'data'}/{name}"] = {
+                "shape": array.shape, "chunks": array.chunks, "dtype": array.dtype.name,
+                "compressor": "none" if array.codec.level is None else f"zstd:{array.codec.level}",
+            }
+        return {**super().describe(), "arrays": fields}
+
+
+def _open_zarr_store(location: str, storage_options: dict, read_only: bool):
+    """A zarr Store for a URL; object stores go through ``_remote`` when it is available."""
+    try:
+        from ._remote import open_store
+    except ImportError:
+        open_store = None
+    if open_store is not None:
+        return open_store(location, storage_options, read_only)
+    import zarr
+
+    return zarr.storage.FsspecStore.from_url(location, storage_options=storage_options or None, read_only=read_only)

@@ -1,0 +1,85 @@
+"""Turning user values (tensors, arrays, lists, scalars) into checked numpy arrays.
+
+Every check raises before anything is written, and names the field, what was given and what
+was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .schema import Field
+
+
+def to_numpy(value: Any, name: str) -> np.ndarray:
+    """A numpy view of a tensor / array / list / scalar; rejects strings and objects."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"field {name!r}: cannot turn {type(value).__name__} into an array ({e})") from e
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"field {name!r}: expected numbers or bools, got dtype {array.dtype} ({type(value).__name__})")
+    return array
+
+
+def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
+    """``array`` in the field's dtype, refusing casts that would corrupt values (NaN into ints,
+    out-of-range integers, fractional floats stay allowed as the seed truncates them)."""
+    target = f.dtype
+    if array.dtype == target:
+        return array
+    if target.kind in "iub" and array.dtype.kind == "f" and array.size and not np.isfinite(array).all():
+        raise ValueError(f"field {f.name!r}: non-finite values (NaN/inf) cannot be stored in a {target} field")
+    if target.kind in "iu" and array.dtype.kind in "iuf" and array.size:
+        info = np.iinfo(target)
+        lo, hi = array.min(), array.max()
+        if lo < info.min or hi > info.max:
+            raise ValueError(
+                f"field {f.name!r}: values in [{lo}, {hi}] do not fit dtype {target} (range [{info.min}, {info.max}])"
+            )
+    return array.astype(target)
+
+
+def fit_shape(array: np.ndarray, f: Field, leading: int) -> np.ndarray:
+    """Check the trailing (feature) shape of ``array`` after ``leading`` batch/time axes,
+    accepting () for (1,) and (1,) for () as the seed does."""
+    feature = array.shape[leading:]
+    if feature == f.shape:
+        return array
+    if f.shape == () and feature == (1,):
+        return array[..., 0]
+    if f.shape == (1,) and feature == ():
+        return array[..., None]
+    lead = array.shape[:leading]
+    raise ValueError(
+        f"field {f.name!r}: got shape {tuple(array.shape)} (feature shape {feature} after leading axes {lead}), "
+        f"expected feature shape {f.shape}"
+    )
+
+
+def step_value(value: Any, f: Field) -> np.ndarray:
+    """One timestep (or one episode's meta value): a scalar broadcasts to the field's shape."""
+    array = to_numpy(value, f.name)
+    if array.ndim == 0 and f.shape != ():
+        array = np.full(f.shape, array)
+    return cast_values(fit_shape(array, f, 0), f)
+
+
+def batch_value(value: Any, f: Field, batch: int) -> np.ndarray:
+    """A (batch, *shape) value; a scalar or one unbatched value broadcasts over the batch."""
+    array = to_numpy(value, f.name)
+    if array.ndim == 0:
+        array = np.full((batch, *f.shape), array)
+    elif array.shape == f.shape and (array.ndim == 0 or array.shape[0] != batch):
+        array = np.broadcast_to(array, (batch, *f.shape))
+    if array.shape[0] != batch:
+        raise ValueError(f"field {f.name!r}: batch size {array.shape[0]} does not match the group's {batch}")
+    return cast_values(fit_shape(array, f, 1), f)
+
+
+def fill_value(f: Field) -> np.ndarray:
+    return np.full(f.shape, f.fill, dtype=f.dtype)
