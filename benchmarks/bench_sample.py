@@ -30,7 +30,7 @@ from benchmarks.peers import (  # noqa: E402
     Unavailable,
     folder_bytes,
     read_folder,
-    replaybuf_peer,
+    replaybuf_peers,
     seed_peer,
 )
 from benchmarks.workload import (  # noqa: E402
@@ -71,16 +71,10 @@ def timed_batches(make_loader: Callable[[], Iterable[Any]], count: int) -> float
     return seconds
 
 
-def build_peers(size, workdir: Path, backends: list[str]) -> tuple[list[Any], list[str]]:
+def build_peers(size, workdir: Path, backends: list[str], frame_chunks: list[int]) -> tuple[list[Any], list[str]]:
     """Every peer that can run here, and a note per peer that cannot."""
-    peers, notes = [], []
-    seed = seed_peer(size, workdir)
-    peers.append(seed)
-    for backend in backends:
-        try:
-            peers.append(replaybuf_peer(size, workdir, backend))
-        except Unavailable as reason:
-            notes.append(f"replaybuf {backend}: skipped, {reason}")
+    notes: list[str] = []
+    peers: list[Any] = [seed_peer(size, workdir)] + replaybuf_peers(size, workdir, backends, frame_chunks, notes)
     try:
         peers.append(TorchRLPeer(size, workdir))
     except Unavailable as reason:
@@ -123,6 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
+    parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
+                        help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
     parser.add_argument("--workers", nargs="*", type=int, default=[0, 2], help="DataLoader worker counts (default 0 2)")
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     arguments = parser.parse_args()
@@ -133,7 +129,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-sample-"))
     try:
-        peers, notes = build_peers(size, workdir, arguments.backends)
+        peers, notes = build_peers(size, workdir, arguments.backends, arguments.frame_chunks)
         peers = fill_peers(peers, size, notes)
         seed = next(peer for peer in peers if peer.name == "seed")
         peers.insert(1, MemmapGatherPeer(seed, size))
@@ -152,7 +148,7 @@ def main() -> None:
                         notes.append(f"{peer.name} {kind} workers={workers}: failed, {type(error).__name__}: {error}")
                         continue
                     results[peer.name, kind, workers] = count * batch_size / seconds
-                    print(f"  {kind:10s} workers={workers} {peer.name:18s} {results[peer.name, kind, workers]:>10,.0f} samples/s",
+                    print(f"  {kind:10s} workers={workers} {peer.name:30s} {results[peer.name, kind, workers]:>10,.0f} samples/s",
                           flush=True)
         print()
         print_results(results, [peer.name for peer in peers], arguments, notes)
@@ -170,25 +166,20 @@ def ratio(results: dict, numerator: tuple, denominator: tuple) -> str:
 
 
 def print_results(results: dict, names: list[str], arguments: argparse.Namespace, notes: list[str]) -> None:
-    """One table: samples/s per peer, then ratios of each replaybuf backend and of the peers."""
-    replaybufs = [name for name in names if name.startswith("replaybuf")] or [f"replaybuf {b}" for b in arguments.backends]
+    """One table: a row per (kind, workers, peer) with samples/s and its ratio to each baseline."""
     baselines = ["seed", "TorchRL", "np.memmap gather"]
-    header = ["kind (batch)", "workers"] + [f"{name} samples/s" for name in baselines + replaybufs]
-    header += [f"{rb} / {base}" for rb in replaybufs for base in baselines]
-    header += ["TorchRL / seed", "seed / gather"]
     rows = []
     for kind in arguments.kinds:
         for workers in arguments.workers:
-            row: list[object] = [f"{kind} ({BATCH_SIZES[kind]})", workers]
-            row += [format_rate(results.get((name, kind, workers))) for name in baselines + replaybufs]
-            row += [ratio(results, (rb, kind, workers), (base, kind, workers)) for rb in replaybufs for base in baselines]
-            row += [ratio(results, ("TorchRL", kind, workers), ("seed", kind, workers)),
-                    ratio(results, ("seed", kind, workers), ("np.memmap gather", kind, workers))]
-            rows.append(row)
+            for name in names:
+                key = (name, kind, workers)
+                rows.append([f"{kind} ({BATCH_SIZES[kind]})", workers, name, format_rate(results.get(key))]
+                            + [ratio(results, key, (base, kind, workers)) for base in baselines])
     print("## Results\n")
-    print(markdown_table(header, rows))
-    print("\nsamples = timesteps for timestep/n-step, episodes for trajectory. TorchRL: own ReplayBuffer.sample(); "
-          "'workers' = prefetch threads; its n-step sample returns all fields at all n+1 steps (SliceSampler).")
+    print(markdown_table(["kind (batch)", "workers", "peer", "samples/s"] + [f"/ {base}" for base in baselines], rows))
+    print("\nsamples = timesteps for timestep/n-step, episodes for trajectory. TorchRL: its own ReplayBuffer.sample(), "
+          "'workers' = prefetch threads; its n-step row is a SliceSampler of n+1 steps returning every field at every "
+          "step (more bytes than the others move).")
     for note in notes:
         print(f"- {note}")
 

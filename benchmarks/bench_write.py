@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peers import SeedApiPeer, Unavailable, folder_bytes, replaybuf_peer, seed_peer  # noqa: E402
+from benchmarks.peers import SeedApiPeer, folder_bytes, replaybuf_peers, seed_peer  # noqa: E402
 from benchmarks.workload import (  # noqa: E402
     add_size_arguments,
     format_rate,
@@ -40,8 +40,8 @@ MODES = (
 )
 
 
-def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tuple[float, int]:
-    """(steps/s, bytes stored) for one mode on a fresh buffer."""
+def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tuple[float, int, int]:
+    """(steps/s, bytes stored, files stored) for one mode on a fresh buffer."""
     peer.open(flush_every_store_step=flush)
     gc.collect()
     start = time.perf_counter()
@@ -49,10 +49,11 @@ def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tupl
     peer.buffer.flush()
     seconds = time.perf_counter() - start
     stored = folder_bytes(peer.folder)
+    files = sum(1 for path in peer.folder.rglob("*") if path.is_file())
     peer.buffer = None
     gc.collect()
     shutil.rmtree(peer.folder / "buffer", ignore_errors=True)
-    return sum(len(episode["done"]) for episode in episodes) / seconds, stored
+    return sum(len(episode["done"]) for episode in episodes) / seconds, stored, files
 
 
 def main() -> None:
@@ -61,6 +62,8 @@ def main() -> None:
     parser.add_argument("--store-episodes", type=int, default=None,
                         help="episodes written with store() per mode (default 4, quick 2)")
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
+    parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
+                        help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
     arguments = parser.parse_args()
     size = size_from_arguments(arguments)
     store_count = min(size.episodes, arguments.store_episodes or (2 if arguments.quick else 4))
@@ -71,13 +74,9 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-write-"))
     notes = []
     try:
-        peers = [seed_peer(size, workdir)]
-        for backend in arguments.backends:
-            try:
-                peers.append(replaybuf_peer(size, workdir, backend))
-            except Unavailable as reason:
-                notes.append(f"replaybuf {backend}: skipped, {reason}")
-        results: dict[tuple[str, str], tuple[float, int]] = {}
+        peers = [seed_peer(size, workdir)] + replaybuf_peers(size, workdir, arguments.backends, arguments.frame_chunks,
+                                                             notes)
+        results: dict[tuple[str, str], tuple[float, int, int]] = {}
         for label, method, flush, _ in MODES:
             chosen = episodes[:store_count] if method == "store_steps" else episodes
             for peer in peers:
@@ -86,23 +85,18 @@ def main() -> None:
                 except Exception as error:  # report and continue: one peer must not hide the others
                     notes.append(f"{peer.name} {label}: failed, {type(error).__name__}: {error}")
                     continue
-                print(f"  {label:24s} {peer.name:16s} {results[peer.name, label][0]:>10,.0f} steps/s", flush=True)
+                print(f"  {label:24s} {peer.name:28s} {results[peer.name, label][0]:>10,.0f} steps/s", flush=True)
         print()
-        names = [f"replaybuf {backend}" for backend in arguments.backends]
-        header = ["mode", "seed steps/s"] + [f"{name} steps/s" for name in names]
-        header += [f"{name} / seed" for name in names] + ["target", "seed MB"] + [f"{name} MB" for name in names]
         rows = []
         for label, _, _, target in MODES:
-            seed_rate = results.get(("seed", label), (None, 0))
-            row: list[object] = [label, format_rate(seed_rate[0])]
-            row += [format_rate(results.get((name, label), (None, 0))[0]) for name in names]
-            row += [f"{results[name, label][0] / seed_rate[0]:.2f}x" if (name, label) in results and seed_rate[0] else "-"
-                    for name in names]
-            row += [f">= {target:g}x", f"{seed_rate[1] / 1e6:,.0f}"]
-            row += [f"{results[name, label][1] / 1e6:,.0f}" if (name, label) in results else "-" for name in names]
-            rows.append(row)
+            seed_rate = results.get(("seed", label), (None, 0, 0))[0]
+            for peer in peers:
+                rate, stored, files = results.get((peer.name, label), (None, 0, 0))
+                versus = f"{rate / seed_rate:.2f}x" if rate and seed_rate else "-"
+                rows.append([label, peer.name, format_rate(rate), versus, "" if peer.name == "seed" else f">= {target:g}x",
+                             f"{stored / 1e6:,.1f}" if rate else "-", files if rate else "-"])
         print("## Results\n")
-        print(markdown_table(header, rows))
+        print(markdown_table(["mode", "peer", "steps/s", "/ seed", "target (issue 2)", "MB stored", "files"], rows))
         for note in notes:
             print(f"- {note}")
         for peer in peers:

@@ -60,11 +60,13 @@ def folder_bytes(folder: Path) -> int:
 class SeedApiPeer:
     """A buffer with the seed's API: memmap-replay-buffer itself, or replaybuf with a backend."""
 
-    def __init__(self, name: str, module: str, size: WorkloadSize, workdir: Path, **options: Any) -> None:
+    def __init__(self, name: str, module: str, size: WorkloadSize, workdir: Path, fields: dict | None = None,
+                 **options: Any) -> None:
         self.name = name
         self.buffer_class = import_buffer_class(module)
         self.size = size
-        self.folder = Path(tempfile.mkdtemp(prefix=f"{name.replace(' ', '_')}-", dir=workdir))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{name.replace(' ', '_').replace('=', '')}-", dir=workdir))
+        self.fields = dict(FIELDS) if fields is None else fields
         self.options = options
         self.buffer = None
 
@@ -72,7 +74,7 @@ class SeedApiPeer:
         """A fresh, empty buffer over this peer's folder."""
         self.buffer = self.buffer_class(
             str(self.folder / "buffer"), max_episodes=self.size.episodes, max_timesteps=self.size.steps,
-            fields=dict(FIELDS), overwrite=True, flush_every_store_step=flush_every_store_step, **self.options)
+            fields=self.fields, overwrite=True, flush_every_store_step=flush_every_store_step, **self.options)
         return self.buffer
 
     def store_steps(self, episodes: list[dict[str, np.ndarray]]) -> None:
@@ -118,8 +120,28 @@ def seed_peer(size: WorkloadSize, workdir: Path) -> SeedApiPeer:
     return SeedApiPeer("seed", "memmap_replay_buffer", size, workdir)
 
 
-def replaybuf_peer(size: WorkloadSize, workdir: Path, backend: str) -> SeedApiPeer:
-    return SeedApiPeer(f"replaybuf {backend}", "replaybuf", size, workdir, backend=backend)
+def replaybuf_peer(size: WorkloadSize, workdir: Path, backend: str, frame_chunk: int | None = None) -> SeedApiPeer:
+    """replaybuf on ``backend``; ``frame_chunk`` overrides the frame field's time chunk (steps)."""
+    fields = dict(FIELDS)
+    name = f"replaybuf {backend}"
+    if frame_chunk is not None:
+        dtype, shape = FIELDS["frame"]
+        fields["frame"] = {"dtype": dtype, "shape": shape, "chunks": frame_chunk}
+        name += f" frame-chunk={frame_chunk}"
+    return SeedApiPeer(name, "replaybuf", size, workdir, fields=fields, backend=backend)
+
+
+def replaybuf_peers(size: WorkloadSize, workdir: Path, backends: list[str], frame_chunks: list[int],
+                    notes: list[str]) -> list[SeedApiPeer]:
+    """One replaybuf peer per backend (its default chunking), plus zarr variants per frame chunk."""
+    peers = []
+    variants = [(backend, None) for backend in backends] + [("zarr", chunk) for chunk in frame_chunks]
+    for backend, chunk in variants:
+        try:
+            peers.append(replaybuf_peer(size, workdir, backend, chunk))
+        except Unavailable as reason:
+            notes.append(f"replaybuf {backend}: skipped, {reason}")
+    return peers
 
 
 def worker_options(num_workers: int) -> dict[str, Any]:
