@@ -3,9 +3,10 @@
 Measures steps/s of ``store()`` inside ``one_episode()`` (as an agent collects), with
 flush_every_store_step=1 (the seed's default: durable every step) and 0 (flush at episode
 end only), and of ``store_episode()`` (whole episodes). The buffer holds --episodes episodes;
-store() runs write the first --store-episodes of them (default 4 = 1,000 steps: per-step rates
-do not depend on the count, and the seed msyncs its state files on every store(), ~2 ms each
-on this machine's disk, so it runs at tens to hundreds of steps/s). The final flush is timed.
+store() runs write the first --store-episodes of them (default 4 = 1,000 steps) and
+store_episode() runs the first --whole-episodes (default 20): per-step rates do not depend on
+the count, and the seed msyncs its state files on every store(), ~2 ms each on this machine's
+disk, so a full 200-episode store() run would take minutes. The final flush is timed.
 
 Run: python benchmarks/bench_write.py [--episodes N --steps T --quick] [--backends zarr memmap]
 """
@@ -26,7 +27,7 @@ from benchmarks.peers import SeedApiPeer, folder_bytes, replaybuf_peers, seed_pe
 from benchmarks.workload import (  # noqa: E402
     add_size_arguments,
     format_rate,
-    make_workload,
+    make_episode,
     markdown_table,
     print_header,
     size_from_arguments,
@@ -61,16 +62,20 @@ def main() -> None:
     add_size_arguments(parser)
     parser.add_argument("--store-episodes", type=int, default=None,
                         help="episodes written with store() per mode (default 4, quick 2)")
+    parser.add_argument("--whole-episodes", type=int, default=None,
+                        help="episodes written with store_episode() (default 20, quick 8)")
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
     parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
                         help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
     arguments = parser.parse_args()
     size = size_from_arguments(arguments)
     store_count = min(size.episodes, arguments.store_episodes or (2 if arguments.quick else 4))
+    whole_count = min(size.episodes, arguments.whole_episodes or (8 if arguments.quick else 20))
     print_header("Collection throughput (store / store_episode)", size)
-    print(f"store() modes write {store_count} episodes; store_episode() writes all {size.episodes}.\n")
+    print(f"buffer capacity {size.episodes} episodes; store() modes write {store_count} episodes, "
+          f"store_episode() writes {whole_count}.\n")
 
-    episodes = make_workload(size)
+    episodes = [make_episode(size, index) for index in range(max(store_count, whole_count))]
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-write-"))
     notes = []
     try:
@@ -78,7 +83,7 @@ def main() -> None:
                                                              notes)
         results: dict[tuple[str, str], tuple[float, int, int]] = {}
         for label, method, flush, _ in MODES:
-            chosen = episodes[:store_count] if method == "store_steps" else episodes
+            chosen = episodes[:store_count] if method == "store_steps" else episodes[:whole_count]
             for peer in peers:
                 try:
                     results[peer.name, label] = run_mode(peer, method, flush, chosen)
