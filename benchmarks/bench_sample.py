@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import shutil
 import sys
 import tempfile
@@ -123,7 +122,6 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     arguments = parser.parse_args()
     size = size_from_arguments(arguments)
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
     print_header("Sampling throughput (DataLoader, warm OS cache)", size)
     scale = 0.25 if arguments.quick else 1.0
 

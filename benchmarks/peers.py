@@ -11,6 +11,7 @@ LazyMemmapStorage, and a plain np.memmap fancy-index gather of the seed's files.
 from __future__ import annotations
 
 import importlib
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -245,6 +246,7 @@ class TorchRLPeer:
             import torchrl.data
         except ImportError as error:
             raise Unavailable(f"torchrl/tensordict not importable: {error}") from error
+        logging.getLogger("torchrl").setLevel(logging.WARNING)  # its import installs an INFO handler
         self.tensordict, self.data = tensordict, torchrl.data
         self.size = size
         self.folder = Path(tempfile.mkdtemp(prefix="torchrl-", dir=workdir))
