@@ -70,10 +70,12 @@ def timed_batches(make_loader: Callable[[], Iterable[Any]], count: int) -> float
     return seconds
 
 
-def build_peers(size, workdir: Path, backends: list[str], frame_chunks: list[int]) -> tuple[list[Any], list[str]]:
+def build_peers(size, workdir: Path, backends: list[str], frame_chunks: list[int],
+                frame_compressors: list[str]) -> tuple[list[Any], list[str]]:
     """Every peer that can run here, and a note per peer that cannot."""
     notes: list[str] = []
-    peers: list[Any] = [seed_peer(size, workdir)] + replaybuf_peers(size, workdir, backends, frame_chunks, notes)
+    peers: list[Any] = [seed_peer(size, workdir)]
+    peers += replaybuf_peers(size, workdir, backends, frame_chunks, frame_compressors, notes)
     try:
         peers.append(TorchRLPeer(size, workdir))
     except Unavailable as reason:
@@ -118,6 +120,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
     parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
                         help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
+    parser.add_argument("--frame-compressors", nargs="*", default=[],
+                        help="extra replaybuf zarr variants with this frame compressor, e.g. none blosc-lz4 zstd:1")
     parser.add_argument("--workers", nargs="*", type=int, default=[0, 2], help="DataLoader worker counts (default 0 2)")
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     arguments = parser.parse_args()
@@ -127,7 +131,8 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-sample-"))
     try:
-        peers, notes = build_peers(size, workdir, arguments.backends, arguments.frame_chunks)
+        peers, notes = build_peers(size, workdir, arguments.backends, arguments.frame_chunks,
+                                   arguments.frame_compressors)
         peers = fill_peers(peers, size, notes)
         seed = next(peer for peer in peers if peer.name == "seed")
         peers.insert(1, MemmapGatherPeer(seed, size))
@@ -146,7 +151,7 @@ def main() -> None:
                         notes.append(f"{peer.name} {kind} workers={workers}: failed, {type(error).__name__}: {error}")
                         continue
                     results[peer.name, kind, workers] = count * batch_size / seconds
-                    print(f"  {kind:10s} workers={workers} {peer.name:30s} {results[peer.name, kind, workers]:>10,.0f} samples/s",
+                    print(f"  {kind:10s} workers={workers} {peer.name:40s} {results[peer.name, kind, workers]:>10,.0f} samples/s",
                           flush=True)
         print()
         print_results(results, [peer.name for peer in peers], arguments, notes)

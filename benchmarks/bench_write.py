@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
     parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
                         help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
+    parser.add_argument("--frame-compressors", nargs="*", default=[],
+                        help="extra replaybuf zarr variants with this frame compressor, e.g. none blosc-lz4 zstd:1")
     arguments = parser.parse_args()
     size = size_from_arguments(arguments)
     store_count = min(size.episodes, arguments.store_episodes or (2 if arguments.quick else 4))
@@ -80,7 +82,7 @@ def main() -> None:
     notes = []
     try:
         peers = [seed_peer(size, workdir)] + replaybuf_peers(size, workdir, arguments.backends, arguments.frame_chunks,
-                                                             notes)
+                                                             arguments.frame_compressors, notes)
         results: dict[tuple[str, str], tuple[float, int, int]] = {}
         for label, method, flush, _ in MODES:
             chosen = episodes[:store_count] if method == "store_steps" else episodes[:whole_count]
@@ -90,7 +92,7 @@ def main() -> None:
                 except Exception as error:  # report and continue: one peer must not hide the others
                     notes.append(f"{peer.name} {label}: failed, {type(error).__name__}: {error}")
                     continue
-                print(f"  {label:24s} {peer.name:28s} {results[peer.name, label][0]:>10,.0f} steps/s", flush=True)
+                print(f"  {label:24s} {peer.name:40s} {results[peer.name, label][0]:>10,.0f} steps/s", flush=True)
         print()
         rows = []
         for label, _, _, target in MODES:

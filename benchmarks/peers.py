@@ -121,25 +121,35 @@ def seed_peer(size: WorkloadSize, workdir: Path) -> SeedApiPeer:
     return SeedApiPeer("seed", "memmap_replay_buffer", size, workdir)
 
 
-def replaybuf_peer(size: WorkloadSize, workdir: Path, backend: str, frame_chunk: int | None = None) -> SeedApiPeer:
-    """replaybuf on ``backend``; ``frame_chunk`` overrides the frame field's time chunk (steps)."""
+def replaybuf_peer(size: WorkloadSize, workdir: Path, backend: str, frame_chunk: int | None = None,
+                   frame_compressor: str | None = None) -> SeedApiPeer:
+    """replaybuf on ``backend``; the frame_* arguments override the frame field's time chunk
+    (steps) or compressor (e.g. 'none', 'blosc-lz4', 'zstd:1') through its field spec."""
     fields = dict(FIELDS)
     name = f"replaybuf {backend}"
-    if frame_chunk is not None:
+    if frame_chunk is not None or frame_compressor is not None:
         dtype, shape = FIELDS["frame"]
-        fields["frame"] = {"dtype": dtype, "shape": shape, "chunks": frame_chunk}
-        name += f" frame-chunk={frame_chunk}"
+        spec = {"dtype": dtype, "shape": shape}
+        if frame_chunk is not None:
+            spec["chunks"] = frame_chunk
+            name += f" frame-chunk={frame_chunk}"
+        if frame_compressor is not None:
+            spec["compressor"] = frame_compressor
+            name += f" frame-codec={frame_compressor}"
+        fields["frame"] = spec
     return SeedApiPeer(name, "replaybuf", size, workdir, fields=fields, backend=backend)
 
 
 def replaybuf_peers(size: WorkloadSize, workdir: Path, backends: list[str], frame_chunks: list[int],
-                    notes: list[str]) -> list[SeedApiPeer]:
-    """One replaybuf peer per backend (its default chunking), plus zarr variants per frame chunk."""
+                    frame_compressors: list[str], notes: list[str]) -> list[SeedApiPeer]:
+    """One replaybuf peer per backend (its defaults), plus zarr variants per frame chunk / compressor."""
     peers = []
-    variants = [(backend, None) for backend in backends] + [("zarr", chunk) for chunk in frame_chunks]
-    for backend, chunk in variants:
+    variants = [(backend, None, None) for backend in backends]
+    variants += [("zarr", chunk, None) for chunk in frame_chunks]
+    variants += [("zarr", None, compressor) for compressor in frame_compressors]
+    for backend, chunk, compressor in variants:
         try:
-            peers.append(replaybuf_peer(size, workdir, backend, chunk))
+            peers.append(replaybuf_peer(size, workdir, backend, chunk, compressor))
         except Unavailable as reason:
             notes.append(f"replaybuf {backend}: skipped, {reason}")
     return peers
