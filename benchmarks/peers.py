@@ -1,7 +1,9 @@
 """Adapters that give replaybuf and its peers the same small interface for the benchmarks.
 
-Every sampling adapter has ``fill(episodes)``, ``loader(kind, batch_size, num_workers)``
-returning an iterable of batches, ``folders()`` (to warm the OS cache) and ``close()``.
+Every sampling adapter has ``fill_episode(episode)`` + ``finish_fill()``, ``loader(kind,
+batch_size, num_workers)`` returning an iterable of batches, ``folders()`` (to warm the OS
+cache) and ``close()``; the seed-API adapter also has ``open``/``store_steps``/``store_episodes``
+for the write benchmark.
 Kinds: ``timestep`` (single random timesteps), ``nstep`` (frame/state at t and t+n, plus
 action/reward/done for t..t+n-1, as the seed's n-step dataset), ``trajectory`` (whole
 episodes). Peers: replaybuf (any backend), memmap-replay-buffer 0.2.3 (the seed), TorchRL's

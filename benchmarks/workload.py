@@ -123,16 +123,6 @@ def make_episode(size: WorkloadSize, episode: int, frames: bool = True) -> dict[
     return episode_data
 
 
-def make_workload(size: WorkloadSize) -> list[dict[str, np.ndarray]]:
-    """All episodes of a run, generated up front so generation never counts in a timing."""
-    return [make_episode(size, episode) for episode in range(size.episodes)]
-
-
-def stacked(episodes: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The workload as (episodes, steps, ...) arrays per field."""
-    return {name: np.stack([episode[name] for episode in episodes]) for name in FIELD_NAMES}
-
-
 def add_size_arguments(parser: argparse.ArgumentParser, episodes: int = DEFAULT_EPISODES, steps: int = DEFAULT_STEPS) -> None:
     """The size flags every benchmark script shares."""
     parser.add_argument("--episodes", type=int, default=None, help=f"episodes in the workload (default {episodes})")
