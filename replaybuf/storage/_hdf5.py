@@ -167,6 +167,7 @@ class HDF5Storage(Storage):
 
     backend_name = "hdf5"
     supports_remote = False
+    supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         if "://" in str(location) and not str(location).startswith("file://"):
