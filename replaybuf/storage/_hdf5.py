@@ -186,9 +186,23 @@ class HDF5Storage(Storage):
     def h5file(self) -> h5py.File:
         """The open file, (re)opened in this process: no HDF5 handle crosses a fork."""
         if self._file is None or self._pid != os.getpid() or not self._file.id.valid:
-            self._file = h5py.File(self.path, "r" if self.read_only else "r+", locking=False)
+            self._file = self._open_file()
             self._pid = os.getpid()
         return self._file
+
+    def _open_file(self) -> h5py.File:
+        mode = "r" if self.read_only else "r+"
+        try:
+            return h5py.File(self.path, mode, locking=False)
+        except OSError as e:
+            if self.read_only or "already open for read-only" not in str(e):
+                raise
+        # HDF5 cannot open a file for writing while this process holds it read-only: close the
+        # readers' handles (they reopen lazily, then sharing the writer's handle) and retry
+        for file_id in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+            if os.path.exists(file_id.name) and os.path.samefile(file_id.name, self.path):
+                h5py.File(file_id).close()
+        return h5py.File(self.path, mode, locking=False)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_file": None, "_pid": None}

@@ -46,14 +46,18 @@ class MemmapArray:
     It pickles as its path (DataLoader workers map the file themselves), never as its data.
     """
 
-    def __init__(self, path: str, writable: bool):
+    def __init__(self, storage: Storage, path: str):
+        self._storage = storage
         self.path = path
-        self.writable = writable
         self._memmap: np.memmap | None = None
 
     @property
+    def writable(self) -> bool:
+        return not self._storage.read_only
+
+    @property
     def memmap(self) -> np.memmap:
-        if self._memmap is None:
+        if self._memmap is None or (self._memmap.mode == "r") == self.writable:
             self._memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
         return self._memmap
 
@@ -85,7 +89,7 @@ class MemmapArray:
         return array if dtype is None else array.astype(dtype)
 
     def flush(self) -> None:
-        if self._memmap is not None and self.writable:
+        if self._memmap is not None and self._memmap.mode != "r":
             self._memmap.flush()
 
     def release(self) -> None:
@@ -160,12 +164,12 @@ class MemmapStorage(Storage):
         if self.fsync:
             array.flush()
         del array
-        self._arrays[name, meta] = MemmapArray(path, writable=True)
+        self._arrays[name, meta] = MemmapArray(self, path)
 
     def _write_config(self, schema: Schema, **extra: Any) -> None:
         config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name,
                   **schema.to_json(), **extra}
-        self.kv.set(CONFIG_FILE, json.dumps(config, indent=1, sort_keys=True).encode())
+        self.kv.set(CONFIG_FILE, json.dumps(config, indent=1).encode())
 
     def _erase(self) -> None:
         """Delete what a replaybuf memmap buffer or a seed folder consists of, and nothing else."""
@@ -216,7 +220,7 @@ class MemmapStorage(Storage):
             path = os.path.join(self.root, array_filename(name, meta))
             if not os.path.isfile(path):
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing {os.path.basename(path)!r}")
-            array = MemmapArray(path, writable=not self.read_only)
+            array = MemmapArray(self, path)
             if array.shape != shape or array.dtype != dtype:
                 raise ValueError(f"{path!r} holds {array.dtype}{list(array.shape)}, the config expects "
                                  f"{np.dtype(dtype)}{list(shape)}")

@@ -1,0 +1,72 @@
+"""Shared helpers for the backend tests: where each backend's buffer lives, and snapshots of
+everything stored there (to prove that read-only access writes nothing)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+BACKENDS = ["zarr", "memory", "memmap", "hdf5"]
+_counter = itertools.count()
+
+
+@dataclass
+class Place:
+    """A buffer location for one backend: pass ``**place.kwargs`` to ReplayBuffer."""
+
+    name: str
+    location: str
+    backend: str
+
+    @property
+    def kwargs(self) -> dict:
+        return {"backend": self.backend}
+
+    @property
+    def on_disk(self) -> bool:
+        return "://" not in self.location
+
+
+def make_place(name: str, tmp_path) -> Place:
+    if name == "memory":
+        return Place(name, f"memory://replaybuf-test-{os.getpid()}-{next(_counter)}", "zarr")
+    return Place(name, str(tmp_path / f"buffer-{name}"), name)
+
+
+def snapshot(location: str) -> dict[str, tuple]:
+    """Every file (path -> size, mtime, content hash) or memory:// object (key -> hash) at ``location``."""
+    if location.startswith("memory://"):
+        import fsspec
+
+        store = fsspec.filesystem("memory").store
+        prefix = "/" + location[len("memory://"):]
+        return {k: (hashlib.sha1(bytes(v.getbuffer())).hexdigest(),) for k, v in store.items() if k.startswith(prefix)}
+    out = {}
+    for folder, dirs, files in os.walk(location):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            stat = os.stat(path)
+            digest = ""
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    digest = hashlib.sha1(f.read()).hexdigest()
+            out[os.path.relpath(path, location)] = (stat.st_size, stat.st_mtime_ns, digest)
+    return out
+
+
+def episode(length: int, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic episode data for the standard test fields."""
+    rng = np.random.default_rng(seed)
+    return {
+        "state": rng.standard_normal((length, 3, 4, 4)).astype(np.float32),
+        "action": rng.integers(0, 5, (length, 2)).astype(np.int32),
+        "reward": rng.standard_normal(length).astype(np.float32),
+    }
+
+
+FIELDS = {"state": ("float", (3, 4, 4)), "action": ("int", 2), "reward": "float"}
+META_FIELDS = {"task_id": "int"}
