@@ -175,10 +175,10 @@ def test_read_only_writes_nothing(place):
     reader.get_all_data()
     reader.storage.gather("state", np.array([0, 1]), np.array([2, 4]))
     reader.refresh()
-    for call in (lambda: reader.store_episode(**episode(2, 0)), lambda: reader.update(0, task_id=3),
-                 lambda: reader.clear(), lambda: reader.store(reward=1.0)):
+    for method, args, kwargs in (("store_episode", (), episode(2, 0)), ("update", (0,), {"task_id": 3}),
+                                 ("clear", (), {}), ("store", (), {"reward": 1.0})):
         with pytest.raises(ValueError, match="read-only"):
-            call()
+            getattr(reader, method)(*args, **kwargs)
     reader.close()
     del reader
     assert snapshot(place.location) == before

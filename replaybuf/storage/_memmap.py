@@ -14,7 +14,9 @@ writing it is adopted: ``_generation.data.meta.npy``, ``replaybuf/state.json`` a
 ``replaybuf.json`` (with ``"origin": "memmap-replay-buffer"``) are added, the seed's episode in
 progress is committed at its current length, and every later counter commit is mirrored into
 the seed's ``*.state.npy`` files, so the seed library can still open and extend the folder.
-``metadata.pkl`` and the seed's arrays are left in place.
+``metadata.pkl`` and the seed's arrays are left in place. When the seed library has written to
+an adopted folder since (its counters no longer match the mirror), the folder is adopted again
+from the seed's counters on the next open (read-only opens derive them in RAM).
 """
 
 from __future__ import annotations
@@ -198,8 +200,8 @@ class MemmapStorage(Storage):
             raise BufferNotFoundError(f"no replaybuf memmap buffer at {self.location!r} "
                                       f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)")
         self.read_only = read_only
-        adopting = config is None
-        self._open_arrays(schema, skip_generation=adopting)
+        adopting = config is None or (self._seed_origin and self._seed_wrote_since())
+        self._open_arrays(schema, skip_generation=config is None)
         if adopting and read_only:
             self._seed_view = _seed.SeedState.read(self.root)
         elif adopting:
@@ -207,6 +209,12 @@ class MemmapStorage(Storage):
         if not read_only:
             self.kv.remove_partials()
         return schema
+
+    def _seed_wrote_since(self) -> bool:
+        """Whether the seed library wrote to an adopted folder after replaybuf last committed."""
+        seed_state, state = _seed.SeedState.read(self.root), super().load_state()
+        return (seed_state.timestep_index, seed_state.num_episodes, seed_state.episode_index) != (
+            0, state["num_episodes"], state["episode_index"])
 
     def _open_arrays(self, schema: Schema, skip_generation: bool) -> None:
         self._arrays = {}
