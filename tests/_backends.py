@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,3 +71,26 @@ def episode(length: int, seed: int) -> dict[str, np.ndarray]:
 
 FIELDS = {"state": ("float", (3, 4, 4)), "action": ("int", 2), "reward": "float"}
 META_FIELDS = {"task_id": "int"}
+
+
+SEED_FIELDS = {"state": ("float", (3,)), "action": ("int", 2, -1), "reward": "float"}
+
+
+def seed_buffer(folder, circular=True, lengths=(3, 4, 5, 6, 7), partial=2, max_episodes=4):
+    """A folder written by the real memmap-replay-buffer 0.2.3 (episodes of ``lengths``, then one
+    in progress of ``partial`` steps); returns the seed's buffer object."""
+    import memmap_replay_buffer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        buffer = memmap_replay_buffer.ReplayBuffer(str(folder), max_episodes=max_episodes, max_timesteps=10,
+                                                   fields=SEED_FIELDS, meta_fields={"task_id": "int"},
+                                                   circular=circular)
+        for i, length in enumerate(lengths):
+            with buffer.one_episode(task_id=i):
+                for t in range(length):
+                    buffer.store(state=np.full(3, i + t / 10, np.float32), action=np.array([t, i]), reward=float(t))
+        for _ in range(partial):
+            buffer.store(state=np.full(3, 9.0, np.float32), reward=-1.0)
+        buffer.flush()
+    return buffer

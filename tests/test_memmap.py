@@ -14,28 +14,9 @@ from replaybuf import ReplayBuffer
 from replaybuf.storage import detect_backend
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 
-from ._backends import FIELDS, META_FIELDS, episode, snapshot
+from ._backends import FIELDS, META_FIELDS, SEED_FIELDS, episode, seed_buffer, snapshot
 
 seed = pytest.importorskip("memmap_replay_buffer")
-
-SEED_FIELDS = {"state": ("float", (3,)), "action": ("int", 2, -1), "reward": "float"}
-
-
-def seed_buffer(folder, circular=True, lengths=(3, 4, 5, 6, 7), partial=2, max_episodes=4):
-    """A folder written by the real memmap-replay-buffer 0.2.3; returns per-slot expectations."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        buffer = seed.ReplayBuffer(str(folder), max_episodes=max_episodes, max_timesteps=10, fields=SEED_FIELDS,
-                                   meta_fields={"task_id": "int"}, circular=circular)
-        for i, length in enumerate(lengths):
-            with buffer.one_episode(task_id=i):
-                for t in range(length):
-                    buffer.store(state=np.full(3, i + t / 10, np.float32), action=np.array([t, i]), reward=float(t))
-        for _ in range(partial):
-            buffer.store(state=np.full(3, 9.0, np.float32), reward=-1.0)
-        buffer.flush()
-    return buffer
-
 
 def test_files_are_plain_npy_and_json(tmp_path):
     folder = tmp_path / "buf"

@@ -80,11 +80,20 @@ def _bounding_box(key: tuple) -> tuple[tuple, tuple]:
         elif isinstance(k, slice) and k.step == 1:
             box.append(slice(k.start, max(k.start, k.stop)))
             relative.append(slice(None))
+        elif isinstance(k, slice):
+            index = np.arange(k.start, k.stop, k.step)
+            if not index.size:
+                box.append(slice(0, 0))
+                relative.append(slice(None))
+                continue
+            lo, first, last = int(index.min()), int(index[0]), int(index[-1])
+            box.append(slice(lo, int(index.max()) + 1))
+            stop = last - lo + (1 if k.step > 0 else -1)
+            relative.append(slice(first - lo, stop if stop >= 0 else None, k.step))
         else:
-            index = np.arange(k.start, k.stop, k.step) if isinstance(k, slice) else k
-            lo = int(index.min()) if index.size else 0
-            box.append(slice(lo, int(index.max()) + 1 if index.size else 0))
-            relative.append(index - lo)
+            lo = int(k.min()) if k.size else 0
+            box.append(slice(lo, int(k.max()) + 1 if k.size else 0))
+            relative.append(k - lo)
     return tuple(box), tuple(relative)
 
 
