@@ -108,3 +108,22 @@ def test_importing_replaybuf_without_h5py_works_and_the_class_says_what_to_insta
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and all("pip install 'replaybuf[h5py]'" in line for line in lines)
     assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+@pytest.mark.parametrize("in_ram", [True, False])
+def test_gather_matches_numpy_on_every_read_path(tmp_path, monkeypatch, compression, in_ram):
+    from replaybuf.storage import _hdf5
+
+    if not in_ram:
+        monkeypatch.setattr(_hdf5, "SMALL_FIELD_BYTES", 0)
+    options = {"compression": compression} if compression else None
+    buffer = ReplayBuffer(tmp_path / "b", 5, 8, fields={"x": ("float", (2, 3))}, backend="hdf5", storage_options=options)
+    for i in range(5):
+        buffer.store_episode(x=np.arange(48, dtype=np.float32).reshape(8, 2, 3) + 100 * i)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    episodes, timesteps = np.array([4, 0, 4, 2, 0, 4]), np.array([7, 0, 7, 3, 5, 1])
+    expected = np.asarray(buffer.data["x"][:])[episodes, timesteps]
+    for storage in (buffer.storage, reader.storage):
+        np.testing.assert_array_equal(storage.gather("x", episodes, timesteps), expected)
+    assert reader.storage.gather("x", np.array([], int), np.array([], int)).shape == (0, 2, 3)

@@ -34,6 +34,8 @@ DATA_FILE = "data.h5"
 CONFIG_ATTRIBUTE = "replaybuf"
 META_CHUNK_EPISODES = 1024
 STORAGE_OPTIONS = ("compression", "compression_opts")
+# a reader keeps data fields up to this size in RAM for random sampling
+SMALL_FIELD_BYTES = 32 << 20
 COMPRESSIONS = ("gzip", "lzf")
 
 
@@ -95,6 +97,22 @@ def _bounding_box(key: tuple) -> tuple[tuple, tuple]:
             box.append(slice(lo, int(k.max()) + 1 if k.size else 0))
             relative.append(k - lo)
     return tuple(box), tuple(relative)
+
+
+def _read_steps(dataset: h5py.Dataset, pairs: np.ndarray) -> np.ndarray:
+    """``dataset[e, t]`` for each sorted, unique (e, t) row of ``pairs``, in one HDF5 read of
+    the union of their hyperslabs (HDF5 returns a union in file order, which is ``pairs``')."""
+    step_shape = dataset.shape[2:]
+    out = np.empty((len(pairs), *step_shape), dtype=dataset.dtype)
+    if not len(pairs):
+        return out
+    space = dataset.id.get_space()
+    space.select_none()
+    count = (1, 1, *step_shape)
+    for episode, t in pairs.tolist():
+        space.select_hyperslab((episode, t, *(0,) * len(step_shape)), count, op=h5py.h5s.SELECT_OR)
+    dataset.id.read(h5py.h5s.create_simple(out.shape), space, out)
+    return out
 
 
 class H5Array:
@@ -190,6 +208,7 @@ class HDF5Storage(Storage):
         self._file: h5py.File | None = None
         self._pid: int | None = None
         self._arrays: dict[tuple[str, bool], H5Array] = {}
+        self._ram: dict[str, np.ndarray | None] = {}
 
     @property
     def h5file(self) -> h5py.File:
@@ -214,7 +233,7 @@ class HDF5Storage(Storage):
         return h5py.File(self.path, mode, locking=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_file": None, "_pid": None}
+        return {**self.__dict__, "_file": None, "_pid": None, "_ram": {}}
 
     # ---- discovery -----------------------------------------------------------------------------
 
@@ -334,6 +353,7 @@ class HDF5Storage(Storage):
         # docstring inherited
         if self.read_only:
             self.close()  # a reader reopens the file to see what the writer flushed since
+            self._ram = {}
         return super().load_state()
 
     def commit_state(self, state: dict) -> None:
@@ -370,16 +390,29 @@ class HDF5Storage(Storage):
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
         episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)
+        cached = self._small_field(name)
+        if cached is not None:
+            return cached[episodes, timesteps]
         dataset = self._dataset(name)
-        out = np.empty((len(episodes), *dataset.shape[2:]), dtype=dataset.dtype)
-        order = np.lexsort((timesteps, episodes))
-        sorted_episodes = episodes[order]
-        starts = np.flatnonzero(np.r_[True, sorted_episodes[1:] != sorted_episodes[:-1]])
-        for start, stop in zip(starts, np.r_[starts[1:], len(order)]):
-            rows = order[start:stop]
-            steps, inverse = np.unique(timesteps[rows], return_inverse=True)
-            out[rows] = np.asarray(dataset[int(sorted_episodes[start]), steps])[inverse.reshape(-1)]
-        return out
+        pairs, inverse = np.unique(np.stack([episodes, timesteps], axis=1), axis=0, return_inverse=True)
+        if dataset.chunks is None:
+            rows = _read_steps(dataset, pairs)
+        else:
+            # chunked (compressed) data: one hyperslab read per step decodes only its chunk
+            rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)
+            for i, (episode, t) in enumerate(pairs.tolist()):
+                rows[i] = dataset[episode, t]
+        return rows[inverse.reshape(-1)]
+
+    def _small_field(self, name: str) -> np.ndarray | None:
+        """A reader's copy in RAM of a data field of at most SMALL_FIELD_BYTES (vectors, scalars):
+        random reads from it cost nothing; dropped whenever the reader refreshes."""
+        if not self.read_only:
+            return None
+        if name not in self._ram:
+            dataset = self._dataset(name)
+            self._ram[name] = dataset[()] if dataset.size * dataset.dtype.itemsize <= SMALL_FIELD_BYTES else None
+        return self._ram[name]
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
