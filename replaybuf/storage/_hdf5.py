@@ -7,6 +7,10 @@ the file's own metadata half-written, so the counters (``replaybuf/state.json``,
 rename) and the step log (``replaybuf/steplog/``) live next to it as plain files, and the
 file is flushed before every counter commit.
 
+Sampling: uncompressed data fields are contiguous blocks at a fixed offset in the file, so
+``gather`` fancy-indexes a read-only numpy memmap of those bytes (the memmap backend's speed);
+compressed fields are read step by step, and a reader keeps those up to 32 MB in RAM.
+
 Storage options (``storage_options=`` or ``ReplayBufferH5PY(h5py_compression=...)``):
 ``compression`` ('gzip', 'lzf' or None) and ``compression_opts`` (the gzip level). Compressed
 data fields are chunked (1, T, *shape) with T chosen as for zarr; uncompressed ones are
@@ -99,22 +103,6 @@ def _bounding_box(key: tuple) -> tuple[tuple, tuple]:
     return tuple(box), tuple(relative)
 
 
-def _read_steps(dataset: h5py.Dataset, pairs: np.ndarray) -> np.ndarray:
-    """``dataset[e, t]`` for each sorted, unique (e, t) row of ``pairs``, in one HDF5 read of
-    the union of their hyperslabs (HDF5 returns a union in file order, which is ``pairs``')."""
-    step_shape = dataset.shape[2:]
-    out = np.empty((len(pairs), *step_shape), dtype=dataset.dtype)
-    if not len(pairs):
-        return out
-    space = dataset.id.get_space()
-    space.select_none()
-    count = (1, 1, *step_shape)
-    for episode, t in pairs.tolist():
-        space.select_hyperslab((episode, t, *(0,) * len(step_shape)), count, op=h5py.h5s.SELECT_OR)
-    dataset.id.read(h5py.h5s.create_simple(out.shape), space, out)
-    return out
-
-
 class H5Array:
     """``buffer.data[name]``: numpy indexing on an HDF5 dataset.
 
@@ -161,11 +149,12 @@ class H5Array:
         if _is_simple(key):
             target = np.broadcast_to(np.zeros((), bool), dataset.shape)[key].shape
             dataset[key] = np.broadcast_to(np.asarray(value, dtype=dataset.dtype), target)
-            return
-        box, relative = _bounding_box(key)
-        block = np.asarray(dataset[box])
-        block[relative] = value
-        dataset[box] = block
+        else:
+            box, relative = _bounding_box(key)
+            block = np.asarray(dataset[box])
+            block[relative] = value
+            dataset[box] = block
+        self._storage.flush()  # visible at once to memmap readers of the file
 
     def __array__(self, dtype=None, copy=None):
         array = np.asarray(self.dataset[()])
@@ -209,6 +198,8 @@ class HDF5Storage(Storage):
         self._pid: int | None = None
         self._arrays: dict[tuple[str, bool], H5Array] = {}
         self._ram: dict[str, np.ndarray | None] = {}
+        self._maps: dict[str, np.memmap | None] = {}
+        self._dirty = False
 
     @property
     def h5file(self) -> h5py.File:
@@ -233,7 +224,7 @@ class HDF5Storage(Storage):
         return h5py.File(self.path, mode, locking=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_file": None, "_pid": None, "_ram": {}}
+        return {**self.__dict__, "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
 
     # ---- discovery -----------------------------------------------------------------------------
 
@@ -353,7 +344,6 @@ class HDF5Storage(Storage):
         # docstring inherited
         if self.read_only:
             self.close()  # a reader reopens the file to see what the writer flushed since
-            self._ram = {}
         return super().load_state()
 
     def commit_state(self, state: dict) -> None:
@@ -372,6 +362,7 @@ class HDF5Storage(Storage):
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
         self._dataset(name)[episodes[order], t0:t0 + values.shape[1]] = np.asarray(values)[order]
+        self._dirty = True
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
@@ -381,28 +372,45 @@ class HDF5Storage(Storage):
         dataset = self._dataset(name, meta=True)
         dataset[episodes[order]] = np.broadcast_to(np.asarray(values, dataset.dtype),
                                                    (len(episodes), *dataset.shape[1:]))[order]
+        self._dirty = True
 
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited
+        if self._dirty:
+            self.flush()
+        mapped = self._mapped(name)
+        if mapped is not None:
+            return mapped[np.asarray(episodes), t0:t1]
         unique, inverse = np.unique(np.asarray(episodes), return_inverse=True)
         return np.asarray(self._dataset(name)[unique, t0:t1])[inverse.reshape(-1)]
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
         episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)
-        cached = self._small_field(name)
-        if cached is not None:
-            return cached[episodes, timesteps]
+        if self._dirty:
+            self.flush()  # HDF5 may still hold written bytes that a memmap of the file cannot see
+        fast = self._mapped(name)
+        if fast is None:
+            fast = self._small_field(name)
+        if fast is not None:
+            return fast[episodes, timesteps]
+        # chunked (compressed) data: one hyperslab read per step decodes only the chunk it needs
         dataset = self._dataset(name)
         pairs, inverse = np.unique(np.stack([episodes, timesteps], axis=1), axis=0, return_inverse=True)
-        if dataset.chunks is None:
-            rows = _read_steps(dataset, pairs)
-        else:
-            # chunked (compressed) data: one hyperslab read per step decodes only its chunk
-            rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)
-            for i, (episode, t) in enumerate(pairs.tolist()):
-                rows[i] = dataset[episode, t]
+        rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)
+        for i, (episode, t) in enumerate(pairs.tolist()):
+            rows[i] = dataset[episode, t]
         return rows[inverse.reshape(-1)]
+
+    def _mapped(self, name: str) -> np.ndarray | None:
+        """A read-only numpy memmap of an uncompressed, contiguous data field's bytes in data.h5
+        (HDF5 stores such a dataset as one C-order block at a fixed offset), or None."""
+        if name not in self._maps:
+            dataset = self._dataset(name)
+            offset = dataset.id.get_offset() if dataset.chunks is None and dataset.compression is None else None
+            self._maps[name] = None if offset is None else np.memmap(
+                self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+        return self._maps[name]
 
     def _small_field(self, name: str) -> np.ndarray | None:
         """A reader's copy in RAM of a data field of at most SMALL_FIELD_BYTES (vectors, scalars):
@@ -425,6 +433,7 @@ class HDF5Storage(Storage):
         if self.read_only or self._file is None or not self._file.id.valid:
             return
         self._file.flush()
+        self._dirty = False
         if self.fsync:
             with open(self.path, "rb") as f:
                 os.fsync(f.fileno())
@@ -435,6 +444,7 @@ class HDF5Storage(Storage):
             self.flush()
             self._file.close()
         self._file = None
+        self._ram, self._maps = {}, {}
 
     def describe(self) -> dict:
         # docstring inherited
