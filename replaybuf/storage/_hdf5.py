@@ -405,9 +405,11 @@ class HDF5Storage(Storage):
     def _mapped(self, name: str) -> np.ndarray | None:
         """A read-only numpy memmap of an uncompressed, contiguous data field's bytes in data.h5
         (HDF5 stores such a dataset as one C-order block at a fixed offset), or None."""
-        if name not in self._maps:
+        if self._maps.get(name) is None:
             dataset = self._dataset(name)
-            offset = dataset.id.get_offset() if dataset.chunks is None and dataset.compression is None else None
+            if dataset.chunks is not None or dataset.compression is not None:
+                return None
+            offset = dataset.id.get_offset()  # None until the first write allocates the block
             self._maps[name] = None if offset is None else np.memmap(
                 self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
         return self._maps[name]
