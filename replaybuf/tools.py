@@ -198,6 +198,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             fields[f"{group}/{name}"] = {
                 "dtype": field.dtype.name, "shape": list(field.shape), "default": field.default,
                 "chunks": None if facts.get("chunks") is None else list(facts["chunks"]),
+                "shards": None if facts.get("shards") is None else list(facts["shards"]),
                 "compressor": facts.get("compressor"), "stored_bytes": stored, "data_bytes": data_bytes,
                 "allocated_bytes": facts.get("raw_bytes"),
             }
@@ -237,11 +238,14 @@ def format_info(facts: dict) -> str:
         f"bytes      {_size(facts['data_bytes'])} of episode data stored in {_size(facts['stored_bytes'])} "
         f"(ratio {ratio})",
         "",
-        f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks':<20} {'compressor':<10} {'data':>10} {'stored':>10}",
+        f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
+        f"{'stored':>10}",
     ]
     for name, f in facts["fields"].items():
         chunks = "contiguous" if f["chunks"] is None else "x".join(map(str, f["chunks"]))
-        lines.append(f"{name:<24} {f['dtype']:<8} {str(tuple(f['shape'])):<14} {chunks:<20} "
+        if f.get("shards"):
+            chunks += " in " + "x".join(map(str, f["shards"][:2]))
+        lines.append(f"{name:<24} {f['dtype']:<8} {str(tuple(f['shape'])):<14} {chunks:<26} "
                      f"{str(f['compressor']):<10} {_size(f['data_bytes']):>10} {_size(f['stored_bytes']):>10}")
     return "\n".join(lines)
 

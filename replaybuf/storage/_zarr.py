@@ -278,6 +278,7 @@ class ZarrStorage(Storage):
                 "compressor": array.codec.label,
                 "stored_bytes": self._stored_bytes(f"{array.path}/"),
                 "raw_bytes": int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize,
+                "shards": (1, array.shard_time, *array.shape[2:]) if isinstance(array, ShardedArray) else None,
             }
         return {**super().describe(), "format": "replaybuf zarr v3", "arrays": fields}
 
