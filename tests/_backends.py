@@ -11,7 +11,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BACKENDS = ["zarr", "memory", "memmap", "hdf5"]
+
+def _available(name: str) -> bool:
+    from replaybuf.storage import backend_class
+
+    try:
+        backend_class(name)
+    except ImportError:
+        return False
+    return True
+
+
+# 'memory' is the zarr backend on a memory:// URL; hdf5 runs where h5py is installed
+BACKENDS = [b for b in ("zarr", "memory", "memmap", "hdf5") if b in ("zarr", "memory") or _available(b)]
 _counter = itertools.count()
 
 
