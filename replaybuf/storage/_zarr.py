@@ -195,7 +195,7 @@ class ZarrStorage(Storage):
         dtype = np.dtype(doc["data_type"])
         codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
         args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
-        options = dict(zarr_array=functools.partial(self._open_zarr_array, path),
+        options = dict(zarr_array=functools.partial(self._open_zarr_array, path), check_writable=self._check_writable,
                        separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
         if sharding is None:
             return ChunkedArray(*args, **options)
