@@ -447,6 +447,7 @@ class HDF5Storage(Storage):
             self._file.close()
         self._file = None
         self._ram, self._maps = {}, {}
+        self.kv.close()
 
     def describe(self) -> dict:
         # docstring inherited

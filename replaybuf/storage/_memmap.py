@@ -347,6 +347,7 @@ class MemmapStorage(Storage):
         self.flush()
         for array in self._arrays.values():
             array.release()
+        self.kv.close()
 
     def describe(self) -> dict:
         # docstring inherited
