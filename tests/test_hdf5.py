@@ -127,3 +127,42 @@ def test_gather_matches_numpy_on_every_read_path(tmp_path, monkeypatch, compress
     for storage in (buffer.storage, reader.storage):
         np.testing.assert_array_equal(storage.gather("x", episodes, timesteps), expected)
     assert reader.storage.gather("x", np.array([], int), np.array([], int)).shape == (0, 2, 3)
+
+
+def _index(draw, st, n):
+    kind = draw(st.sampled_from(["int", "slice", "list", "mask"]))
+    if kind == "int":
+        return draw(st.integers(-n, n - 1))
+    if kind == "slice":
+        return slice(draw(st.none() | st.integers(-n, n)), draw(st.none() | st.integers(-n, n)),
+                     draw(st.none() | st.sampled_from([1, 2, -1, -3])))
+    if kind == "list":
+        return draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=4))
+    return np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+
+
+def test_indexing_matches_numpy_for_generated_keys(tmp_path):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    buffer = ReplayBuffer(tmp_path / "b", 4, 5, fields={"x": ("int", 3)}, backend="hdf5")
+    for i in range(4):
+        buffer.store_episode(x=np.arange(15).reshape(5, 3) + 100 * i)
+    array, reference = buffer.data["x"], np.asarray(buffer.data["x"][:])
+
+    @st.composite
+    def keys(draw):
+        depth = draw(st.integers(1, 3))
+        return tuple(_index(draw, st, n) for n in reference.shape[:depth])
+
+    @hypothesis.settings(max_examples=150, deadline=None, database=None)
+    @hypothesis.given(keys())
+    def check(key):
+        try:
+            expected = reference[key]
+        except IndexError:
+            with pytest.raises(IndexError):
+                array[key]
+            return
+        np.testing.assert_array_equal(array[key], expected)
+
+    check()
