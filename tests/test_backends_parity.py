@@ -292,3 +292,18 @@ def test_fsync_commits(place):
     buffer = new_buffer(place, fsync=True)
     stored = fill(buffer, [3, 2])
     assert_holds(ReplayBuffer.from_folder(place.location, read_only=True), stored)
+
+
+@pytest.mark.parametrize("other", ["zarr", "memmap", "hdf5"])
+def test_creating_over_another_backends_buffer(place, other):
+    if not place.on_disk or other == place.backend or other not in BACKENDS:
+        pytest.skip("needs two different local backends")
+    ReplayBuffer(place.location, 2, 3, fields={"x": "float"}, backend=other).store_episode(x=np.ones(2))
+    before = snapshot(place.location)
+    if place.backend == "zarr":  # zarr's overwrite erases the folder, as the seed's overwrite does
+        new_buffer(place)
+        assert detect_backend(place.location) == "zarr"
+        return
+    with pytest.raises(ValueError, match=f"holds a '{other}' buffer"):
+        new_buffer(place)
+    assert snapshot(place.location) == before

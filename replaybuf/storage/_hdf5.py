@@ -31,6 +31,7 @@ import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from ._kv import LocalKV
+from ._local import local_root, refuse_foreign_buffer
 from ._zarr import default_time_chunk
 from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
@@ -186,12 +187,9 @@ class HDF5Storage(Storage):
     supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
-        if "://" in str(location) and not str(location).startswith("file://"):
-            raise ValueError(f"the hdf5 backend stores local folders only, got {location!r}; "
-                             "use backend='zarr' for URLs")
         super().__init__(location, storage_options, fsync=fsync)
         _check_storage_options(self.storage_options)
-        self.root = os.path.abspath(self.location.removeprefix("file://"))
+        self.root = local_root(self)
         self.path = os.path.join(self.root, DATA_FILE)
         self.kv = LocalKV(self.root, fsync=fsync)
         self._file: h5py.File | None = None
@@ -256,6 +254,7 @@ class HDF5Storage(Storage):
 
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
+        refuse_foreign_buffer(self)
         self.read_only = False
         self.close()
         if overwrite:

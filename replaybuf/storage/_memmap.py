@@ -31,6 +31,7 @@ from numpy.lib.format import open_memmap
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
 from ._kv import LocalKV
+from ._local import local_root, refuse_foreign_buffer
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
 CONFIG_FILE = "replaybuf.json"
@@ -112,11 +113,8 @@ class MemmapStorage(Storage):
     supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
-        if "://" in str(location) and not str(location).startswith("file://"):
-            raise ValueError(f"the memmap backend stores local folders only, got {location!r}; "
-                             "use backend='zarr' for URLs")
         super().__init__(location, storage_options, fsync=fsync)
-        self.root = os.path.abspath(self.location.removeprefix("file://"))
+        self.root = local_root(self)
         self.kv = LocalKV(self.root, fsync=fsync)
         self._arrays: dict[tuple[str, bool], MemmapArray] = {}
         self._seed_view: _seed.SeedState | None = None
@@ -147,6 +145,7 @@ class MemmapStorage(Storage):
 
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
+        refuse_foreign_buffer(self)
         self.read_only = False
         if overwrite:
             self._erase()
