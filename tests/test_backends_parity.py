@@ -307,3 +307,16 @@ def test_creating_over_another_backends_buffer(place, other):
     with pytest.raises(ValueError, match=f"holds a '{other}' buffer"):
         new_buffer(place)
     assert snapshot(place.location) == before
+
+
+def test_reader_refresh_sees_new_commits(place):
+    writer = new_buffer(place)
+    stored = fill(writer, [3])
+    reader = ReplayBuffer.from_folder(place.location, read_only=True)
+    stored += fill(writer, [4, 5], seed0=1)
+    assert len(reader) == 1
+    reader.refresh()
+    assert_holds(reader, stored)
+    episodes, timesteps = np.array([2, 1]), np.array([4, 3])
+    np.testing.assert_array_equal(reader.storage.gather("reward", episodes, timesteps),
+                                  [stored[2]["reward"][4], stored[1]["reward"][3]])
