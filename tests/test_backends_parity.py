@@ -294,13 +294,15 @@ def test_fsync_commits(place):
     assert_holds(ReplayBuffer.from_folder(place.location, read_only=True), stored)
 
 
-@pytest.mark.parametrize("other", ["zarr", "memmap", "hdf5"])
-def test_creating_over_another_backends_buffer(place, other):
-    if not place.on_disk or other == place.backend or other not in BACKENDS:
-        pytest.skip("needs two different local backends")
+LOCAL = [b for b in BACKENDS if b != "memory"]
+
+
+@pytest.mark.parametrize("target, other", [(t, o) for t in LOCAL for o in LOCAL if t != o])
+def test_creating_over_another_backends_buffer(tmp_path, target, other):
+    place = make_place(target, tmp_path)
     ReplayBuffer(place.location, 2, 3, fields={"x": "float"}, backend=other).store_episode(x=np.ones(2))
     before = snapshot(place.location)
-    if place.backend == "zarr":  # zarr's overwrite erases the folder, as the seed's overwrite does
+    if target == "zarr":  # zarr's overwrite erases the folder, as the seed's overwrite does
         new_buffer(place)
         assert detect_backend(place.location) == "zarr"
         return
