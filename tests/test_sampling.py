@@ -25,7 +25,7 @@ from replaybuf.sampling import (
 )
 from tests._sampling_data import FIELDS, LENGTHS, META_FIELDS, episode, fill, location, storage_backend
 
-BACKENDS = ["zarr", "memory"]
+BACKENDS = ["zarr", "memory", "memmap", "hdf5"]
 MAX_EPISODES, MAX_TIMESTEPS = 8, 10
 
 
