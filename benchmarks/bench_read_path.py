@@ -6,7 +6,8 @@ by later runs). Measured with a warm OS cache, shuffled (random) sampling:
 
 - timestep batches of 256, n-step (n=5) batches of 256, trajectory batches of 8;
 - replaybuf on zarr (the default: compressed, sharded frames) through its direct chunk path,
-  and with ``cache='ram'`` / ``cache='memmap'``; ``num_workers=2`` for timestep batches.
+  and with ``cache='ram'`` / ``cache='memmap'``; the memmap backend; ``num_workers=2`` for
+  timestep batches.
 
 Prints samples/s and the ratio to the seed measured in the same run.
 
@@ -50,32 +51,40 @@ def make_episode(index: int, steps: int) -> dict[str, np.ndarray]:
 
 
 def build(folder: Path, episodes: int, steps: int):
-    """The same episodes in a replaybuf zarr buffer and a seed buffer (kept for later runs)."""
+    """The same episodes in replaybuf zarr and memmap buffers and a seed buffer (kept for later
+    runs)."""
     import memmap_replay_buffer as seed
 
     from replaybuf import ReplayBuffer
 
     stamp = folder / f"done-{episodes}x{steps}"
     options = dict(max_episodes=episodes, max_timesteps=steps, fields=FIELDS)
-    if stamp.exists():
-        return ReplayBuffer.from_folder(folder / "zarr", read_only=True), \
-            seed.ReplayBuffer.from_folder(folder / "seed", read_only=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    ours = ReplayBuffer(folder / "zarr", **options)
-    theirs = seed.ReplayBuffer(folder / "seed", **options)
-    for index in range(episodes):
-        data = make_episode(index, steps)
-        data = {k: data[k] for k in FIELDS}
-        ours.store_episode(**data)
-        theirs.store_episode(**data)
-        if index % 20 == 0:
-            print(f"  wrote {index + 1}/{episodes} episodes", file=sys.stderr)
-    ours.close()
-    theirs.flush()
-    stamp.touch()
-    return ReplayBuffer.from_folder(folder / "zarr", read_only=True), \
-        seed.ReplayBuffer.from_folder(folder / "seed", read_only=True)
+    if not stamp.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        ours = ReplayBuffer(folder / "zarr", **options)
+        theirs = seed.ReplayBuffer(folder / "seed", **options)
+        for index in range(episodes):
+            data = make_episode(index, steps)
+            data = {k: data[k] for k in FIELDS}
+            ours.store_episode(**data)
+            theirs.store_episode(**data)
+            if index % 20 == 0:
+                print(f"  wrote {index + 1}/{episodes} episodes", file=sys.stderr)
+        ours.close()
+        theirs.flush()
+        stamp.touch()
+    zarr_buffer = ReplayBuffer.from_folder(folder / "zarr", read_only=True)
+    if not (folder / "memmap-done").exists():
+        shutil.rmtree(folder / "memmap", ignore_errors=True)
+        raw = ReplayBuffer(folder / "memmap", backend="memmap", **options)
+        for slot in zarr_buffer.valid_episodes():
+            length = int(zarr_buffer.episode_lens[slot])
+            raw.store_episode(**{k: zarr_buffer.storage.read_rows(k, [slot], 0, length)[0] for k in FIELDS})
+        raw.close()
+        (folder / "memmap-done").touch()
+    return (zarr_buffer, ReplayBuffer.from_folder(folder / "memmap", read_only=True),
+            seed.ReplayBuffer.from_folder(folder / "seed", read_only=True))
 
 
 def rate(loader, seconds: float) -> tuple[float, float]:
@@ -106,7 +115,7 @@ def main() -> None:
 
     from replaybuf.sampling import chunk_cache, make_dataloader
 
-    ours, theirs = build(args.folder, args.episodes, args.steps)
+    ours, raw, theirs = build(args.folder, args.episodes, args.steps)
     print(f"workload: {args.episodes} episodes x {args.steps} steps; frames 84x84x3 uint8 + state[32] + action[6] "
           f"+ reward + done; chunk cache {chunk_cache().max_bytes >> 20} MiB\n")
     cases = [
@@ -118,12 +127,13 @@ def main() -> None:
           f"{'per CPU-s':>10s} {'seed':>8s} {'ratio':>6s}")
     for label, batch, options in cases:
         seed_wall, seed_cpu = rate(theirs.dataloader(batch, shuffle=True, **options), args.seconds)
-        variants = [("zarr", {})]
+        variants = [("zarr", {}), ("memmap backend", {"buffer": raw})]
         if "ram" not in skip:
             variants.append(("zarr cache='ram'", {"dataset_kwargs": {"cache": "ram"}}))
             variants.append(("zarr cache='memmap'", {"dataset_kwargs": {"cache": "memmap"}}))
         for name, extra in variants:
-            wall, cpu = rate(make_dataloader(ours, batch, shuffle=True, **options, **extra), args.seconds)
+            source = extra.pop("buffer", ours)
+            wall, cpu = rate(make_dataloader(source, batch, shuffle=True, **options, **extra), args.seconds)
             print(f"{label:18s} {name:20s} {wall:10.0f} {seed_wall:8.0f} {wall / seed_wall:5.2f}x | "
                   f"{cpu:10.0f} {seed_cpu:8.0f} {cpu / seed_cpu:5.2f}x", flush=True)
         if "workers" not in skip and options.get("timestep_level"):

@@ -26,6 +26,7 @@ from ._kv import KeyValue, thread_pool
 _PARALLEL_DECODE_BYTES = 1 << 20
 DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
 DEFAULT_RESIDENT_BYTES = 64 << 20
+_SEEN_KEYS = 1 << 16
 
 
 class ChunkCache:
@@ -34,7 +35,8 @@ class ChunkCache:
     An entry is keyed by (array, chunk grid index) and remembers the version (the generation of the
     episode's slot) it was read under; a lookup under another version misses, so a slot that
     a writer in another process reused is never served from an old read. Writes made in this
-    process replace what they touch. ``resident_bytes`` bounds the arrays (small vectors and
+    process replace what they touch. A one-element chunk (a frame) is copied in on its second
+    miss only (``second_misses``). ``resident_bytes`` bounds the arrays (small vectors and
     scalars) that are instead held whole in RAM per process, row by row as episodes are read.
     """
 
@@ -44,6 +46,7 @@ class ChunkCache:
         self.nbytes = 0
         self.hits = self.misses = 0
         self._entries: OrderedDict[tuple[str, Any], tuple[int, np.ndarray]] = OrderedDict()
+        self._seen: OrderedDict[tuple[str, Any], bool] = OrderedDict()
         self._lock = threading.Lock()
 
     def get_many(self, namespace: str, keys: Sequence[Any], versions: Sequence[int]) -> list[np.ndarray | None]:
@@ -77,6 +80,20 @@ class ChunkCache:
                 self.nbytes += chunk.nbytes
             self._evict()
 
+    def second_misses(self, namespace: str, keys: Sequence[Any]) -> list[bool]:
+        """For each missed key, whether it missed before (recently): only those are worth
+        copying into the cache. Uniformly random reads of a buffer much larger than the cache
+        rarely miss twice, so they skip the copy; hot chunks get in on their second read."""
+        seen = self._seen
+        flags = []
+        with self._lock:
+            for key in keys:
+                flags.append(seen.pop((namespace, key), None) is not None)
+                seen[namespace, key] = True
+            while len(seen) > _SEEN_KEYS:
+                seen.popitem(last=False)
+        return flags
+
     def admits(self, nbytes: int) -> bool:
         """Whether one read of ``nbytes`` new chunk bytes is cached: a read larger than a quarter
         of the cache (a trajectory scan) would only flush it."""
@@ -101,6 +118,7 @@ class ChunkCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._seen.clear()
             self.nbytes = 0
             self.hits = self.misses = 0
 
@@ -381,7 +399,9 @@ class ChunkedArray:
         self._read_whole_into([grid[i] for i in todo], [rows[i] for i in todo], out,
                               None if versions is None else [versions[i] for i in todo])
         if versions is not None and _cache.admits(len(todo) * out[0].nbytes):
-            _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].copy()) for i in todo])
+            again = _cache.second_misses(self._namespace, [keys[i] for i in todo])
+            _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].copy())
+                                              for i, hot in zip(todo, again) if hot])
 
     def _read_whole_into(self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray,
                          versions: list | None) -> None:
