@@ -3,7 +3,7 @@
 They work on the Storage protocol, so any backend (including memmap-replay-buffer folders,
 read through the memmap backend) can be a source, and any backend a destination. The
 ``replaybuf`` command line gets them as ``convert``, ``info`` and ``verify`` subcommands
-(``register_commands``).
+(``CLI_COMMANDS``, registered by ``replaybuf.cli``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .storage.base import LOG_PREFIX, Storage, backend_class, bookkeeping_fields
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
 
-__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "register_commands", "verify"]
+__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "verify"]
 
 
 # ---- opening ----------------------------------------------------------------------------------
@@ -412,12 +412,3 @@ CLI_COMMANDS = (
     ("verify", "check a buffer's internal consistency without changing it (exit status 1 on problems)",
      _add_verify_arguments, _run_verify),
 )
-
-
-def register_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``convert``, ``info`` and ``verify`` to an argparse subcommand table; each subparser's
-    ``func`` default runs the command and returns its exit status."""
-    for name, help_text, add_arguments, run in CLI_COMMANDS:
-        parser = subparsers.add_parser(name, help=help_text, description=help_text)
-        add_arguments(parser)
-        parser.set_defaults(func=run)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -10,7 +9,8 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
-from replaybuf.tools import CLI_COMMANDS, convert, format_info, info, register_commands, verify
+from replaybuf.cli import main
+from replaybuf.tools import CLI_COMMANDS, convert, format_info, info, verify
 
 from ._backends import BACKENDS, FIELDS, META_FIELDS, SEED_FIELDS, episode, make_place, seed_buffer, snapshot
 
@@ -173,10 +173,7 @@ def test_verify_reports_a_leftover_step_log(tmp_path):
 
 
 def run_cli(argv) -> int:
-    parser = argparse.ArgumentParser(prog="replaybuf")
-    register_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args([str(a) for a in argv])
-    return args.func(args)
+    return main([str(a) for a in argv])
 
 
 def test_cli_commands(tmp_path, capsys):
