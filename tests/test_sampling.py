@@ -318,3 +318,32 @@ def test_bad_input_outside_the_loader(buffer, tmp_path):
         make_dataset(short, n_steps=3)
     with pytest.raises(TypeError, match="must be a ReplayBuffer"):
         ReplayDatasetTimestep(42)
+
+
+def _write_circular(folder: str, first: int, count: int) -> None:
+    writer = ReplayBuffer.from_folder(folder)
+    fill(writer, lengths=[3 + (first + i) % 6 for i in range(count)], start=first)
+    writer.close()
+
+
+def test_reader_beside_a_writer_process_sees_only_whole_episodes(tmp_path):
+    writer = make_buffer("zarr", tmp_path, lengths=[3 + i % 6 for i in range(MAX_EPISODES)], circular=True)
+    folder = str(writer.folder)
+    writer.close()
+    process = multiprocessing.get_context("fork").Process(target=_write_circular, args=(folder, MAX_EPISODES, 40))
+    reader = ReplayBuffer.from_folder(folder, read_only=True)
+    process.start()
+    checked = 0
+    try:
+        while process.is_alive() or checked == 0:
+            for batch in make_dataloader(reader, 4):
+                for idents, length in zip(batch["ident"].tolist(), batch["_lens"].tolist()):
+                    index = idents[0] // 1000
+                    assert length == 3 + index % 6
+                    assert idents[:length] == [1000 * index + t for t in range(length)]
+                    checked += 1
+    finally:
+        process.join(timeout=60)
+    assert process.exitcode == 0 and checked > 0
+    assert sorted(make_dataset(reader).__getitems__(range(MAX_EPISODES)).batch["ident"][:, 0].floor_divide(1000).tolist()) \
+        == list(range(40, 40 + MAX_EPISODES))
