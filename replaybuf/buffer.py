@@ -694,6 +694,50 @@ class ReplayBuffer:
             out = {k: v.to(device) for k, v in out.items()}
         return out
 
+    # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
+
+    def dataset(self, n_steps: int | None = None, fields: Sequence[str] | None = None,
+                current_fields: Sequence[str] | None = None, next_fields: Sequence[str] | None = None,
+                sequence_fields: Sequence[str] | None = None, timestep_level: bool = False,
+                filter_meta: dict | None = None, filter_fields: dict | None = None,
+                fieldname_map: dict[str, str] | None = None, slice_by_episode_len: bool = True,
+                return_episode_lens: bool = True, **kwargs: Any):
+        """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of the
+        episodes committed now; see ``replaybuf.sampling.make_dataset``."""
+        from .sampling import make_dataset
+
+        return make_dataset(self, n_steps=n_steps, fields=fields, current_fields=current_fields,
+                            next_fields=next_fields, sequence_fields=sequence_fields, timestep_level=timestep_level,
+                            filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map,
+                            slice_by_episode_len=slice_by_episode_len, return_episode_lens=return_episode_lens,
+                            **kwargs)
+
+    def dataloader(self, batch_size: int, n_steps: int | None = None, dataset: Any = None,
+                   fields: Sequence[str] | None = None, current_fields: Sequence[str] | None = None,
+                   next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
+                   filter_meta: dict | None = None, filter_fields: dict | None = None,
+                   fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
+                   return_mask: bool = False, timestep_level: bool = False,
+                   to_named_tuple: Sequence[str] | None = None, shuffle: bool = False,
+                   device: torch.device | str | None = None, dataset_kwargs: dict | None = None, **kwargs: Any):
+        """A torch DataLoader over the episodes committed now (``sampler='prioritized'`` for
+        prioritized timesteps); see ``replaybuf.sampling.make_dataloader``."""
+        from .sampling import make_dataloader
+
+        return make_dataloader(self, batch_size, n_steps=n_steps, dataset=dataset, fields=fields,
+                               current_fields=current_fields, next_fields=next_fields,
+                               sequence_fields=sequence_fields, filter_meta=filter_meta, filter_fields=filter_fields,
+                               fieldname_map=fieldname_map, return_indices=return_indices, return_mask=return_mask,
+                               timestep_level=timestep_level, to_named_tuple=to_named_tuple, shuffle=shuffle,
+                               device=device, dataset_kwargs=dataset_kwargs, **kwargs)
+
+    def update_priorities(self, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
+        """Write new priorities for a prioritized batch's ``_indices`` (B, 2) into
+        ``priority_field`` and into the live prioritized loaders of this buffer."""
+        from .sampling import update_priorities
+
+        update_priorities(self, indices, priorities, priority_field)
+
     def image_fields(self) -> list[str]:
         """Fields holding one frame per step ((H, W), (H, W, C) or (C, H, W)), in declaration order."""
         return video.image_fields(self)
