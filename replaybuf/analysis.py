@@ -208,7 +208,9 @@ def _default_scheduler() -> str | Any:
 class FieldStats:
     """Per feature dimension statistics of one field over valid timesteps (shape = field shape).
 
-    ``std`` is the population standard deviation (``ddof=0``), what observation normalizers use.
+    ``std`` is the population standard deviation (``ddof=0``), what observation normalizers use;
+    ``mean`` and ``std`` have the field's dtype when it is floating point, float32 otherwise,
+    ``min``/``max`` the field's dtype.
     """
 
     mean: torch.Tensor
@@ -309,9 +311,11 @@ def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: str | Non
     computed_moments, computed_sums = dask.compute(moments, sums, scheduler=scheduler or _default_scheduler())
     per_field = {}
     for name, (count, mean, m2, low, high) in computed_moments.items():
-        shape = buffer.schema.fields[name].shape
+        field = buffer.schema.fields[name]
+        shape, real = field.shape, field.dtype if field.dtype.kind == "f" else np.dtype(np.float32)
         per_field[name] = FieldStats(
-            mean=torch.from_numpy(mean.reshape(shape)), std=torch.from_numpy(np.sqrt(m2 / count).reshape(shape)),
+            mean=torch.from_numpy(mean.reshape(shape).astype(real)),
+            std=torch.from_numpy(np.sqrt(m2 / count).reshape(shape).astype(real)),
             min=torch.from_numpy(np.ascontiguousarray(low).reshape(shape)),
             max=torch.from_numpy(np.ascontiguousarray(high).reshape(shape)), count=int(count),
         )
