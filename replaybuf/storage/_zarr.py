@@ -19,14 +19,27 @@ import numpy as np
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema, parse_compressor
 from ._chunks import ChunkCodec, ChunkedArray
 from ._kv import KeyValue, LocalKV, StoreKV
+from ._shards import ShardedArray
 from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
 DEFAULT_ZSTD_LEVEL = 3
-# Image-like steps get one frame per chunk so random timestep sampling decodes only what it
-# uses; small vectors get long chunks (benchmarks/RESULTS.md, "Codec choice").
+# Image-like steps get one frame per inner chunk so random timestep sampling decodes only what
+# it uses, inside one shard per episode; small vectors get long chunks
+# (benchmarks/RESULTS.md, "Codec choice").
 IMAGE_STEP_BYTES = 4096
 SMALL_CHUNK_BYTES = 1 << 16
+# Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
+# value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
+
+
+# chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
+FLAT_KEYS = {"name": "default", "separator": "."}
+
+
+def is_sharded(field: Field) -> bool:
+    """Image-like fields store one shard per episode holding one inner chunk per frame."""
+    return field.step_nbytes >= IMAGE_STEP_BYTES
 
 
 def default_time_chunk(field: Field, max_timesteps: int) -> int:
@@ -38,8 +51,8 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
     return int(min(max_timesteps, max(1, SMALL_CHUNK_BYTES // max(field.step_nbytes, 1))))
 
 
-def _compression_level(field: Field) -> int | None:
-    kind, level = parse_compressor(field.compressor or "zstd", field.name)
+def _compression_level(field: Field, default: str = "zstd") -> int | None:
+    kind, level = parse_compressor(field.compressor or default, field.name)
     return None if kind == "none" else (DEFAULT_ZSTD_LEVEL if level is None else level)
 
 
@@ -114,17 +127,21 @@ class ZarrStorage(Storage):
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
             level = _compression_level(field)
+            chunk = default_time_chunk(field, schema.max_timesteps)
             data.create_array(
                 field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                chunks=(1, default_time_chunk(field, schema.max_timesteps), *field.shape), dtype=field.dtype,
+                chunks=(1, chunk, *field.shape), dtype=field.dtype,
+                shards=(1, schema.max_timesteps, *field.shape) if is_sharded(field) else None,
                 compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
+                chunk_key_encoding=FLAT_KEYS,
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-            level = _compression_level(field)
+            level = _compression_level(field, default="none")
             meta.create_array(
                 field.name, shape=(schema.max_episodes, *field.shape),
                 chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape), dtype=field.dtype,
                 compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
+                chunk_key_encoding=FLAT_KEYS,
             )
         self.commit_state(empty_state())
         self._load_arrays(schema)
@@ -172,15 +189,21 @@ class ZarrStorage(Storage):
             self._arrays[name, meta] = self._chunked_array(path, json.loads(doc), 1 if meta else 2)
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
-        codecs = doc["codecs"]
+        codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+        sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
+        if sharding is not None:
+            codecs, chunks = sharding["codecs"], tuple(sharding["chunk_shape"])
         if codecs[0]["name"] != "bytes" or any(c["name"] != "zstd" for c in codecs[1:]) or len(codecs) > 2:
             raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads only bytes+zstd arrays it wrote")
         level = codecs[1]["configuration"]["level"] if len(codecs) == 2 else None
         dtype = np.dtype(doc["data_type"])
-        return ChunkedArray(
-            self.kv, path, tuple(doc["shape"]), tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]),
-            dtype, ChunkCodec(dtype, level), grid_axes, zarr_array=functools.partial(self._open_zarr_array, path),
-        )
+        args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, ChunkCodec(dtype, level), grid_axes)
+        options = dict(zarr_array=functools.partial(self._open_zarr_array, path),
+                       separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
+        if sharding is None:
+            return ChunkedArray(*args, **options)
+        index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
+        return ShardedArray(*args, index_crc=index_crc, **options)
 
     def _open_zarr_array(self, path: str):
         import zarr
@@ -224,12 +247,13 @@ class ZarrStorage(Storage):
 
     def time_chunk(self, name: str) -> int:
         # docstring inherited
-        return self.array(name).chunks[1]
+        array = self.array(name)
+        return array.shard_time if isinstance(array, ShardedArray) else array.chunks[1]
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
-        self.array(name)[np.asarray(episodes), t0:t0 + values.shape[1]] = values
+        self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False)
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
