@@ -12,7 +12,6 @@ import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
-from replaybuf.storage.base import backend_class
 
 FIELDS = {"obs": ("float", (3,)), "image": ("uint8", (4, 5)), "reward": "float", "done": "bool", "action": "int"}
 META = {"task": "int"}
@@ -30,19 +29,6 @@ def episode(index: int, length: int) -> dict[str, np.ndarray]:
     }
 
 
-def backends() -> list:
-    """Every registered backend, skipped while its module has not landed."""
-    params = []
-    for name in ("zarr", "memmap", "hdf5"):
-        try:
-            backend_class(name)
-            marks = ()
-        except ImportError as e:
-            marks = pytest.mark.skip(reason=f"backend {name!r} not available: {e}")
-        params.append(pytest.param(name, marks=marks))
-    return params
-
-
 def fill(buffer: ReplayBuffer, lengths=LENGTHS) -> list[dict[str, np.ndarray]]:
     stored = []
     for index, length in enumerate(lengths):
@@ -52,11 +38,12 @@ def fill(buffer: ReplayBuffer, lengths=LENGTHS) -> list[dict[str, np.ndarray]]:
     return stored
 
 
-@pytest.fixture(params=backends())
-def circular(tmp_path, request):
-    """A circular buffer of 5 slots that wrapped: holds episodes 2..6, oldest in slot 2."""
-    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META,
-                          circular=True, backend=request.param)
+@pytest.fixture
+def circular(make_location):
+    """On every backend, a circular buffer of 5 slots that wrapped: episodes 2..6, oldest in slot 2."""
+    location, kwargs = make_location()
+    buffer = ReplayBuffer(location, max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META,
+                          circular=True, **kwargs)
     stored = fill(buffer)
     return buffer, stored[2:]
 
@@ -221,7 +208,11 @@ def test_stats_unknown_field(circular):
         stats(circular[0], ["nope"])
 
 
-def test_dask_arrays_pickle_without_open_handles(circular):
+def test_dask_arrays_pickle_without_open_handles(circular, backend, request):
+    if backend == "memory":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=AttributeError,
+            reason="ZarrStorage._make_kv gives StoreKV a lambda, which stdlib pickle refuses (reported to the lead)"))
     buffer, stored = circular
     arrays = pickle.loads(pickle.dumps(to_dask(buffer, ["image"])))
     np.testing.assert_array_equal(arrays["image"].compute(scheduler="threads"),
