@@ -13,6 +13,13 @@ import torch
 from replaybuf import ReplayBuffer
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
+try:
+    from tests._servers import s3_server  # noqa: F401 - moto's S3 on 127.0.0.1 (branch 'remote')
+except ImportError:
+    @pytest.fixture(scope="session")
+    def s3_server():
+        pytest.skip("tests/_servers.py (branch 'remote') has not landed")
+
 FIELDS = {"obs": ("float", (3,)), "image": ("uint8", (4, 5)), "reward": "float", "done": "bool", "action": "int"}
 META = {"task": "int"}
 LENGTHS = [5, 12, 3, 9, 7, 1, 11]
@@ -208,35 +215,56 @@ def test_stats_unknown_field(circular):
         stats(circular[0], ["nope"])
 
 
-def test_dask_arrays_pickle_without_open_handles(circular, backend, request):
-    if backend == "memory":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=AttributeError,
-            reason="ZarrStorage._make_kv gives StoreKV a lambda, which stdlib pickle refuses (reported to the lead)"))
+def test_dask_arrays_pickle_without_open_handles(circular):
     buffer, stored = circular
+    try:
+        pickle.dumps(buffer.storage)
+    except (AttributeError, pickle.PicklingError) as e:
+        pytest.xfail(f"the storage itself does not pickle yet (fixed on branch 'remote'): {e}")
     arrays = pickle.loads(pickle.dumps(to_dask(buffer, ["image"])))
     np.testing.assert_array_equal(arrays["image"].compute(scheduler="threads"),
                                   expected(stored, "image"))
 
 
-@pytest.mark.slow
-def test_stats_and_to_dask_on_a_two_process_cluster(tmp_path):
+@pytest.fixture(scope="module")
+def cluster_client():
+    """A dask.distributed client on two worker processes of one thread each."""
     distributed = pytest.importorskip("distributed")
-    buffer = ReplayBuffer(tmp_path / "cluster", max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META,
-                          circular=True)
-    stored = fill(buffer)[2:]
-    local = stats(buffer, scheduler="threads")
     with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster, \
             distributed.Client(cluster) as client:
-        remote = stats(buffer)
-        image = to_dask(buffer, ["image"], episodes_per_chunk=1)["image"]
-        blocks = client.compute(image.to_delayed().ravel().tolist(), sync=True)
-        data = get_all_data(buffer, fields=["obs"], meta_fields=["task"])
-        workers = client.run(lambda: 1)
-    assert len(workers) == 2
+        yield client
+
+
+def check_on_cluster(client, buffer: ReplayBuffer, stored: list[dict]) -> None:
+    """stats(), to_dask() and get_all_data() computed by the cluster's worker processes equal the local results."""
+    local = stats(buffer, scheduler="threads")
+    remote = stats(buffer)
+    image = to_dask(buffer, ["image"], episodes_per_chunk=1)["image"]
+    futures = client.compute(image.to_delayed().ravel().tolist())
+    blocks = client.gather(futures)
+    assert len({w for f in futures for w in client.who_has(f).get(f.key, ())}) == 2
+    data = get_all_data(buffer, fields=["obs"], meta_fields=["task"])
     np.testing.assert_array_equal(np.concatenate(blocks), expected(stored, "image"))
     np.testing.assert_array_equal(data["obs"].numpy(), expected(stored, "obs"))
+    np.testing.assert_array_equal(data["task"].numpy(), [e["task"] for e in stored])
     for name in FIELDS:
         torch.testing.assert_close(remote[name].mean, local[name].mean)
         torch.testing.assert_close(remote[name].std, local[name].std)
     torch.testing.assert_close(remote.episode_sums["reward"], local.episode_sums["reward"])
+
+
+@pytest.mark.slow
+def test_local_zarr_on_a_two_process_cluster(tmp_path, cluster_client):
+    buffer = ReplayBuffer(tmp_path / "cluster", max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META,
+                          circular=True)
+    check_on_cluster(cluster_client, buffer, fill(buffer)[2:])
+
+
+@pytest.mark.slow
+def test_s3_buffer_on_a_two_process_cluster(s3_server, cluster_client):
+    buffer = ReplayBuffer(s3_server.url("analysis-cluster"), max_episodes=5, max_timesteps=16, fields=FIELDS,
+                          meta_fields=META, circular=True, storage_options=s3_server.storage_options)
+    stored = fill(buffer)[2:]
+    reader = ReplayBuffer.from_folder(s3_server.url("analysis-cluster"), read_only=True,
+                                      storage_options=s3_server.storage_options)
+    check_on_cluster(cluster_client, reader, stored)
