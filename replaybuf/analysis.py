@@ -31,6 +31,8 @@ __all__ = ["to_dask", "get_all_data", "episode_mask", "stats", "BufferStats", "F
 # Rows of a block whose moments are computed at once: bounds the float64 temporaries.
 _MOMENT_ROWS = 256
 _HISTOGRAM_BINS = 32
+# Schedulers whose tasks run in this process, so blocks can be stored into arrays allocated here.
+_SHARED_MEMORY_SCHEDULERS = ("threads", "threading", "sync", "synchronous", "single-threaded")
 
 
 # ---- argument checks ----------------------------------------------------------------------
@@ -182,10 +184,14 @@ def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: 
         return arrays
     if len(buffer) == 0:
         return {}
-    names = list(arrays)
-    targets = [np.empty(a.shape, a.dtype) for a in arrays.values()]
-    da.store(list(arrays.values()), targets, lock=False, scheduler=scheduler or _default_scheduler())
-    out = {n: torch.from_numpy(t) for n, t in zip(names, targets)}
+    scheduler = scheduler or _default_scheduler()
+    if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
+        # Blocks land straight in the result arrays: no concatenation copy.
+        results = [np.empty(a.shape, a.dtype) for a in arrays.values()]
+        da.store(list(arrays.values()), results, lock=False, scheduler=scheduler)
+    else:
+        results = dask.compute(*arrays.values(), scheduler=scheduler)
+    out = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(arrays, results)}
     if device is not None:
         out = {n: t.to(device) for n, t in out.items()}
     return out
