@@ -22,28 +22,69 @@ from ._kv import KeyValue, thread_pool
 _PARALLEL_DECODE_BYTES = 1 << 20
 
 
-class ChunkCodec:
-    """``bytes`` (little-endian) followed by an optional zstd compressor."""
+_BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
-    def __init__(self, dtype: np.dtype, level: int | None):
+
+class ChunkCodec:
+    """``bytes`` (little-endian) followed by at most one compressor (zstd, blosc or gzip)."""
+
+    def __init__(self, dtype: np.dtype, compressor: dict | None):
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.level = level
-        self._zstd = None if level is None else numcodecs.Zstd(level=level)
+        self.compressor = compressor
+        self._codec = None if compressor is None else _numcodec(compressor)
+
+    @property
+    def compressed(self) -> bool:
+        return self._codec is not None
+
+    @property
+    def label(self) -> str:
+        """Short form for ``replaybuf info``: 'zstd:3', 'blosc-lz4:5', 'none'."""
+        if self.compressor is None:
+            return "none"
+        name, config = self.compressor["name"], self.compressor.get("configuration", {})
+        if name == "blosc":
+            return f"blosc-{config.get('cname', 'lz4')}:{config.get('clevel', 5)}"
+        return f"{name}:{config.get('level', '')}".rstrip(":")
 
     def encode(self, chunk: np.ndarray) -> bytes:
         raw = np.ascontiguousarray(chunk, dtype=self.dtype)
-        return raw.tobytes() if self._zstd is None else self._zstd.encode(raw)
+        return raw.tobytes() if self._codec is None else self._codec.encode(raw)
 
     def decode(self, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
-        raw = data if self._zstd is None else self._zstd.decode(data)
+        raw = data if self._codec is None else self._codec.decode(data)
         return np.frombuffer(raw, dtype=self.dtype).reshape(shape)
 
-    def zarr_codecs(self) -> list[dict]:
-        endian = [] if self.dtype.itemsize == 1 else [{"name": "bytes", "configuration": {"endian": "little"}}]
-        codecs = endian or [{"name": "bytes"}]
-        if self.level is not None:
-            codecs.append({"name": "zstd", "configuration": {"level": self.level, "checksum": False}})
-        return codecs
+
+def _numcodec(compressor: dict):
+    name, config = compressor["name"], compressor.get("configuration", {})
+    if name == "zstd":
+        return numcodecs.Zstd(level=config.get("level", 0))
+    if name == "gzip":
+        return numcodecs.GZip(level=config.get("level", 5))
+    if name == "blosc":
+        shuffle = config.get("shuffle", "noshuffle")
+        return numcodecs.Blosc(cname=config.get("cname", "lz4"), clevel=config.get("clevel", 5),
+                               shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle), blocksize=config.get("blocksize", 0))
+    raise ValueError(f"compressor {name!r} is not one replaybuf writes")
+
+
+def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
+    """The zarr codec object for a compressor spec such as 'zstd:3' (None for 'none')."""
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    from ..schema import parse_compressor
+
+    kind, level = parse_compressor(spec)
+    if kind == "none":
+        return None
+    if kind == "zstd":
+        return ZstdCodec(level=default_level if level is None else level)
+    if kind == "gzip":
+        return GzipCodec(level=5 if level is None else level)
+    shuffle = "noshuffle" if np.dtype(dtype).itemsize == 1 else "shuffle"
+    return BloscCodec(cname=kind.split("-")[1], clevel=5 if level is None else level, shuffle=shuffle,
+                      typesize=np.dtype(dtype).itemsize)
 
 
 class ChunkedArray:
@@ -57,7 +98,7 @@ class ChunkedArray:
 
     def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
                  dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None,
-                 separator: str = "/"):
+                 separator: str = "/", check_writable: Any = None):
         self.kv = kv
         self.path = path
         self.shape = tuple(shape)
@@ -67,6 +108,7 @@ class ChunkedArray:
         self._zarr_array = zarr_array
         self.grid_axes = grid_axes
         self.separator = separator
+        self.check_writable = check_writable
 
     @property
     def ndim(self) -> int:
@@ -160,7 +202,7 @@ class ChunkedArray:
     def _write_rows_in_place(self, first: int, values: np.ndarray) -> bool:
         """Overwrite whole rows of an uncompressed, episode-chunked array with in-place writes
         (each a single small pwrite, as a memmap would do); False when that is not possible."""
-        if self.codec.level is not None or self.grid_axes != 1:
+        if self.codec.compressed or self.grid_axes != 1:
             return False
         rows = np.ascontiguousarray(values, dtype=self.codec.dtype)
         row_nbytes = rows[0].nbytes if len(rows) else 0
@@ -180,6 +222,8 @@ class ChunkedArray:
 
         ``atomic=False`` allows writing objects in place: only for slots no reader trusts yet.
         """
+        if self.check_writable is not None:
+            self.check_writable()
         if self._write_rows_in_place(int(start[0]), values):
             return
         box = [(s, s + n) for s, n in zip(start, values.shape)]

@@ -69,6 +69,9 @@ class KeyValue(ABC):
         """Append to an object in place where the medium allows; False when it does not."""
         return False
 
+    def close(self) -> None:
+        """Release open handles; the object stays usable."""
+
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         """Overwrite bytes of an existing object in place where the medium allows; False when
         it does not (or the object is absent)."""
@@ -82,6 +85,17 @@ class LocalKV(KeyValue):
         self.root = root
         self.fsync = fsync
         self._appenders: dict[str, int] = {}
+        self._appenders_pid = os.getpid()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_appenders": {}}
+
+    def close_appenders(self, prefix: str = "") -> None:
+        """Close the append handles of keys under ``prefix`` (all by default)."""
+        for key in [k for k in self._appenders if k.startswith(prefix)]:
+            fd = self._appenders.pop(key)
+            if self._appenders_pid == os.getpid():
+                os.close(fd)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -162,10 +176,12 @@ class LocalKV(KeyValue):
 
     def delete_many(self, keys: Sequence[str]) -> None:
         for key in keys:
+            self.close_appenders(key)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(key))
 
     def delete_prefix(self, prefix: str) -> None:
+        self.close_appenders(prefix)
         path = self._path(prefix.rstrip("/"))
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -184,17 +200,23 @@ class LocalKV(KeyValue):
         return sorted(keys)
 
     def append(self, key: str, data: bytes) -> bool:
+        if self._appenders_pid != os.getpid():
+            self._appenders, self._appenders_pid = {}, os.getpid()
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            with open(path, "ab") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            fd = self._appenders.get(key)
+            if fd is None:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = self._appenders[key] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(fd, data)
+            if self.fsync:
+                os.fsync(fd)
         except OSError as e:
             raise StorageError(f"appending to {path!r} failed: {e}") from e
         return True
+
+    def close(self) -> None:
+        self.close_appenders()
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         try:

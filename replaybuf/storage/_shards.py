@@ -117,6 +117,8 @@ class ShardedArray(ChunkedArray):
 
     def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
         # docstring inherited
+        if self.check_writable is not None:
+            self.check_writable()
         e0, t0 = int(start[0]), int(start[1]) if len(start) > 1 else 0
         count, length = values.shape[0], values.shape[1]
         whole = t0 == 0 and length >= self.shard_time

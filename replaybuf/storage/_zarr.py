@@ -16,12 +16,13 @@ import os
 
 import numpy as np
 
-from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema, parse_compressor
-from ._chunks import ChunkCodec, ChunkedArray
+from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
+from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
 from ._kv import KeyValue, LocalKV, StoreKV
 from ._shards import ShardedArray
 from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
+DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
 # Image-like steps get one frame per inner chunk so random timestep sampling decodes only what
 # it uses, inside one shard per episode; small vectors get long chunks
@@ -51,9 +52,8 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
     return int(min(max_timesteps, max(1, SMALL_CHUNK_BYTES // max(field.step_nbytes, 1))))
 
 
-def _compression_level(field: Field, default: str = "zstd") -> int | None:
-    kind, level = parse_compressor(field.compressor or default, field.name)
-    return None if kind == "none" else (DEFAULT_ZSTD_LEVEL if level is None else level)
+def _compressor(field: Field, default: str):
+    return compressor_codec(field.compressor or default, field.dtype, DEFAULT_ZSTD_LEVEL)
 
 
 def _is_url(location: str) -> bool:
@@ -79,7 +79,7 @@ class ZarrStorage(Storage):
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
         if not _is_url(location):
             return LocalKV(_local_root(location), fsync=fsync)
-        return StoreKV(lambda: _open_zarr_store(location, storage_options, read_only), location)
+        return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
     def _zarr_store(self, read_only: bool):
         if not _is_url(self.location):
@@ -116,8 +116,6 @@ class ZarrStorage(Storage):
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         import zarr
-        from zarr.codecs import ZstdCodec
-
         self.read_only = False
         if overwrite:
             self._erase()
@@ -126,22 +124,18 @@ class ZarrStorage(Storage):
                                attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()})
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
-            level = _compression_level(field)
             chunk = default_time_chunk(field, schema.max_timesteps)
             data.create_array(
                 field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
                 chunks=(1, chunk, *field.shape), dtype=field.dtype,
                 shards=(1, schema.max_timesteps, *field.shape) if is_sharded(field) else None,
-                compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
-                chunk_key_encoding=FLAT_KEYS,
+                compressors=_compressor(field, DEFAULT_COMPRESSOR), fill_value=0, chunk_key_encoding=FLAT_KEYS,
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-            level = _compression_level(field, default="none")
             meta.create_array(
                 field.name, shape=(schema.max_episodes, *field.shape),
                 chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape), dtype=field.dtype,
-                compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
-                chunk_key_encoding=FLAT_KEYS,
+                compressors=_compressor(field, "none"), fill_value=0, chunk_key_encoding=FLAT_KEYS,
             )
         self.commit_state(empty_state())
         self._load_arrays(schema)
@@ -193,12 +187,14 @@ class ZarrStorage(Storage):
         sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
         if sharding is not None:
             codecs, chunks = sharding["codecs"], tuple(sharding["chunk_shape"])
-        if codecs[0]["name"] != "bytes" or any(c["name"] != "zstd" for c in codecs[1:]) or len(codecs) > 2:
-            raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads only bytes+zstd arrays it wrote")
-        level = codecs[1]["configuration"]["level"] if len(codecs) == 2 else None
+        if codecs[0]["name"] != "bytes" or len(codecs) > 2 or any(
+                c["name"] not in ("zstd", "blosc", "gzip") for c in codecs[1:]):
+            raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads the bytes + zstd/blosc/gzip "
+                             "stacks it writes itself")
         dtype = np.dtype(doc["data_type"])
-        args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, ChunkCodec(dtype, level), grid_axes)
-        options = dict(zarr_array=functools.partial(self._open_zarr_array, path),
+        codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
+        args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
+        options = dict(zarr_array=functools.partial(self._open_zarr_array, path), check_writable=self._check_writable,
                        separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
         if sharding is None:
             return ChunkedArray(*args, **options)
@@ -243,6 +239,10 @@ class ZarrStorage(Storage):
         if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
             super().append_log(name, data)
 
+    def close(self) -> None:
+        # docstring inherited
+        self.kv.close()
+
     # ---- batched I/O -------------------------------------------------------------------------
 
     def time_chunk(self, name: str) -> int:
@@ -274,7 +274,7 @@ class ZarrStorage(Storage):
         for (name, meta), array in self._arrays.items():
             fields[f"{'meta' if meta else 'data'}/{name}"] = {
                 "shape": array.shape, "chunks": array.chunks, "dtype": array.dtype.name,
-                "compressor": "none" if array.codec.level is None else f"zstd:{array.codec.level}",
+                "compressor": array.codec.label,
             }
         return {**super().describe(), "arrays": fields}
 
