@@ -116,28 +116,35 @@ def _episodes_per_chunk(step_nbytes: int, length: int, episodes: int) -> int:
     return int(max(1, min(max(episodes, 1), target // per_episode)))
 
 
-def _committed(buffer: Any) -> tuple[np.ndarray, np.ndarray, int]:
-    """Valid slots oldest first, their lengths, and the longest length."""
-    slots = np.asarray(buffer.valid_episodes(), np.int64)
-    lens = np.asarray(buffer.episode_lens, np.int64)[slots]
+_ORDERS = ("chronological", "slot")
+
+
+def _committed(buffer: Any, order: str = "chronological") -> tuple[np.ndarray, np.ndarray, int]:
+    """Valid slots (oldest first, or by slot index), their lengths, and the longest length."""
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {list(_ORDERS)}, got {order!r}")
+    all_lens = np.asarray(buffer.episode_lens, np.int64)
+    slots = np.asarray(buffer.valid_episodes() if order == "chronological" else np.flatnonzero(all_lens > 0), np.int64)
+    lens = all_lens[slots]
     return slots, lens, int(lens.max()) if len(lens) else 0
 
 
 def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-            episodes_per_chunk: int | None = None) -> dict[str, da.Array]:
-    """Fields of the committed episodes (oldest first) as dask arrays.
+            episodes_per_chunk: int | None = None, order: str = "chronological") -> dict[str, da.Array]:
+    """Fields of the committed episodes as dask arrays, oldest episode first.
 
     Data fields are (episodes, time, *shape) with time trimmed to the longest committed episode
     and zeros beyond each episode's length; meta fields are (episodes, *shape). Without
     ``fields`` and ``meta_fields`` every field is returned, as ``get_all_data`` does.
     ``episodes_per_chunk`` overrides the chunking (default: whole episodes, about
-    ``dask.config['array.chunk-size']`` bytes per chunk).
+    ``dask.config['array.chunk-size']`` bytes per chunk); ``order='slot'`` orders episodes by
+    slot as the seed's ``get_all_data`` does (the same unless a circular buffer wrapped).
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
     if episodes_per_chunk is not None and (isinstance(episodes_per_chunk, bool)
                                            or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1):
         raise ValueError(f"to_dask: episodes_per_chunk must be a positive int, got {episodes_per_chunk!r}")
-    slots, lens, length = _committed(buffer)
+    slots, lens, length = _committed(buffer, order)
     # A fresh token per call: the same slots and lengths may hold other episodes later.
     token = tokenize(buffer.storage.location, slots, lens, uuid.uuid4().hex)
     out: dict[str, da.Array] = {}
@@ -155,9 +162,9 @@ def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Seque
     return out
 
 
-def episode_mask(buffer: Any, episodes_per_chunk: int | None = None) -> da.Array:
-    """Dask bool array (episodes, time): True where a committed episode has a step."""
-    _, lens, length = _committed(buffer)
+def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str = "chronological") -> da.Array:
+    """Dask bool array (episodes, time): True where a committed episode has a step (rows as ``to_dask``)."""
+    _, lens, length = _committed(buffer, order)
     chunk = episodes_per_chunk or max(1, len(lens))
     lens = da.from_array(lens, chunks=chunk)
     return da.arange(length, chunks=max(length, 1))[None, :] < lens[:, None]
@@ -169,17 +176,18 @@ def episode_mask(buffer: Any, episodes_per_chunk: int | None = None) -> da.Array
 def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
                  device: torch.device | str | None = None, lazy: bool = False,
                  scheduler: str | None = None) -> dict[str, torch.Tensor] | dict[str, da.Array]:
-    """Every committed episode (oldest first) as tensors, time-padded with zeros to the longest.
+    """Every committed episode as tensors, time-padded with zeros to the longest.
 
-    Decoding runs through dask (the threads scheduler unless ``scheduler`` or a
+    Episodes are in slot order, as the seed returns them (``to_dask`` defaults to oldest first;
+    the two differ only once a circular buffer wrapped). Decoding runs through dask (the threads scheduler unless ``scheduler`` or a
     ``dask.distributed`` client says otherwise). ``lazy=True`` returns the dask arrays of
-    ``to_dask`` instead; they live on no device, so ``device`` is refused with it.
+    ``to_dask(order='slot')`` instead; they live on no device, so ``device`` is refused with it.
     An empty buffer gives ``{}``, as the seed.
     """
     if lazy and device is not None:
         raise ValueError(f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
                          "Call .compute() and move the tensors, or pass lazy=False")
-    arrays = to_dask(buffer, fields, meta_fields)
+    arrays = to_dask(buffer, fields, meta_fields, order="slot")
     if lazy:
         return arrays
     if len(buffer) == 0:

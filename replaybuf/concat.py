@@ -322,12 +322,14 @@ class ConcatReplayBuffer:
 
     def get_all_data(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
                      device: torch.device | str | None = None, lazy: bool = False):
-        """Every committed episode of every member, time-padded with zeros to the longest, via dask."""
+        """Every committed episode of every member (member by member, slot order, as the seed),
+        time-padded with zeros to the longest, decoded through dask."""
         return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy)
 
-    def to_dask(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None):
+    def to_dask(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
+                order: str = "chronological"):
         """The committed episodes of every member as dask arrays (see ``analysis.to_dask``)."""
-        return analysis.to_dask(self, fields, meta_fields)
+        return analysis.to_dask(self, fields, meta_fields, order=order)
 
     def episode_mask(self):
         """Dask bool (episodes, time): True where an episode has a step."""

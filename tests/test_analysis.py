@@ -108,6 +108,21 @@ def test_get_all_data_matches_the_seed(tmp_path):
     assert torch.equal(subset["obs"], seed_subset["obs"])
 
 
+SLOT_ORDER = [3, 4, 0, 1, 2]  # slots 0..4 of the wrapped buffer hold episodes 5, 6, 2, 3, 4
+
+
+def test_get_all_data_is_in_slot_order_as_the_seed_and_to_dask_oldest_first(circular):
+    buffer, stored = circular
+    data = get_all_data(buffer)
+    assert data["task"].tolist() == [5, 6, 2, 3, 4]
+    np.testing.assert_array_equal(data["image"].numpy(), expected(stored, "image")[SLOT_ORDER])
+    assert to_dask(buffer, meta_fields=["task"])["task"].compute().tolist() == [2, 3, 4, 5, 6]
+    assert to_dask(buffer, meta_fields=["task"], order="slot")["task"].compute().tolist() == [5, 6, 2, 3, 4]
+    np.testing.assert_array_equal(episode_mask(buffer, order="slot").compute().sum(1), np.array(LENGTHS[2:])[SLOT_ORDER])
+    with pytest.raises(ValueError, match=r"order must be one of \['chronological', 'slot'\], got 'newest'"):
+        to_dask(buffer, order="newest")
+
+
 def test_get_all_data_lazy_and_device(circular):
     buffer, stored = circular
     lazy = get_all_data(buffer, fields=["reward"], lazy=True)
@@ -192,7 +207,7 @@ def test_stats_over_valid_steps_only(circular):
 def test_stats_normalizes_observations(circular):
     buffer, _ = circular
     obs_stats = stats(buffer, ["obs"])["obs"]
-    obs, mask = get_all_data(buffer, fields=["obs"])["obs"], episode_mask(buffer).compute()
+    obs, mask = torch.from_numpy(to_dask(buffer, ["obs"])["obs"].compute()), episode_mask(buffer).compute()
     normalized = ((obs - obs_stats.mean) / obs_stats.std)[torch.from_numpy(mask)]
     assert obs_stats.mean.dtype == torch.float32
     torch.testing.assert_close(normalized.mean(0), torch.zeros(3), atol=1e-4, rtol=0)
@@ -245,8 +260,8 @@ def check_on_cluster(client, buffer: ReplayBuffer, stored: list[dict]) -> None:
     assert len({w for f in futures for w in client.who_has(f).get(f.key, ())}) == 2
     data = get_all_data(buffer, fields=["obs"], meta_fields=["task"])
     np.testing.assert_array_equal(np.concatenate(blocks), expected(stored, "image"))
-    np.testing.assert_array_equal(data["obs"].numpy(), expected(stored, "obs"))
-    np.testing.assert_array_equal(data["task"].numpy(), [e["task"] for e in stored])
+    np.testing.assert_array_equal(data["obs"].numpy(), expected(stored, "obs")[SLOT_ORDER])
+    np.testing.assert_array_equal(data["task"].numpy(), np.array([e["task"] for e in stored])[SLOT_ORDER])
     for name in FIELDS:
         torch.testing.assert_close(remote[name].mean, local[name].mean)
         torch.testing.assert_close(remote[name].std, local[name].std)
