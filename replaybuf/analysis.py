@@ -91,22 +91,22 @@ class EpisodeRows:
 
     def __getitem__(self, key: Any) -> np.ndarray:
         key = key if isinstance(key, tuple) else (key,)
-        key = key + (slice(None),) * (self.ndim - len(key))
-        episodes, time = key[0], key[1]
-        if not isinstance(time, slice) or time.step not in (None, 1):
-            return self[(episodes, slice(None)) + key[2:]][:, time]
-        t0, t1, _ = time.indices(self.shape[1])
-        t1 = max(t0, t1)
-        picked = np.atleast_1d(np.arange(self.shape[0])[episodes])
+        key = key + (slice(None),) * (2 - min(len(key), 2))
+        episodes = np.arange(self.shape[0])[key[0]]
+        steps = np.arange(self.shape[1])[key[1]]
+        flat = np.atleast_1d(steps)
+        t0, t1 = (int(flat.min()), int(flat.max()) + 1) if flat.size else (0, 0)
+        picked = np.atleast_1d(episodes)
         rows = np.asarray(self.storage.read_rows(self.name, self.slots[picked], t0, t1))
         if not rows.flags.writeable:
             rows = rows.copy()
         beyond = np.arange(t0, t1)[None, :] >= self.lens[picked][:, None]
         if beyond.any():
             rows[beyond] = 0
-        if np.ndim(np.arange(self.shape[0])[episodes]) == 0:
-            rows = rows[0]
-        return rows[(slice(None),) * (rows.ndim - self.ndim + 2) + key[2:]]
+        if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
+            rows = rows[:, flat - t0]
+        squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
+        return rows[squeeze + key[2:]]
 
 
 def _episodes_per_chunk(step_nbytes: int, length: int, episodes: int) -> int:

@@ -81,6 +81,8 @@ def test_to_dask_chunks_hold_whole_episodes_over_the_whole_time(circular):
     image = to_dask(buffer, ["image"], episodes_per_chunk=2)["image"]
     assert image.chunks[:2] == ((2, 2, 1), (11,))
     np.testing.assert_array_equal(image[3:5, 2:6].compute(), expected(stored, "image")[3:5, 2:6])
+    np.testing.assert_array_equal(image[[0, 4], ::3, 1].compute(), expected(stored, "image")[[0, 4], ::3, 1])
+    np.testing.assert_array_equal(image[2, -1].compute(), expected(stored, "image")[2, -1])
     default = to_dask(buffer, ["image"])["image"]
     assert default.chunks[0] == (5,)
     with dask.config.set({"array.chunk-size": f"{11 * 20 * 2}B"}):
