@@ -260,9 +260,11 @@ class ConcatReplayBuffer:
         self.refresh()
 
     def refresh(self) -> ConcatReplayBuffer:
-        """Pick up episodes the members' writers committed since."""
+        """Pick up episodes the members' writers committed since (a member passed in as a
+        writable buffer is its own writer and already up to date)."""
         for buffer in self.buffers:
-            buffer.refresh()
+            if buffer.read_only:
+                buffer.refresh()
         names = list(self.buffers[0]._meta)
         self._meta = {n: np.concatenate([b._meta[n] for b in self.buffers]) for n in names}
         self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}

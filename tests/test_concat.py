@@ -221,6 +221,12 @@ def test_refresh_sees_new_episodes(tmp_path):
     writer.store_episode(**episode(1, 5))
     assert len(buffer) == 1
     assert len(buffer.refresh()) == 2 and buffer.get_all_data(fields=["obs"])["obs"].shape == (2, 5, 3)
+    live = ConcatReplayBuffer([writer])
+    with writer.one_episode():
+        writer.store(**{n: v[0] for n, v in episode(2, 1).items()})
+        live.refresh()
+        assert writer.timestep_index == 1 and len(live) == 2
+    assert len(live.refresh()) == 3
 
 
 def test_pickles_as_a_read_only_view(concat):
