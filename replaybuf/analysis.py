@@ -14,6 +14,7 @@ task per storage chunk, dask's default for zarr, was 3x slower locally and 20x s
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -206,12 +207,17 @@ def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: 
 
 
 def _default_scheduler() -> str | Any:
-    """The active distributed client when there is one, else threads."""
-    try:
-        from distributed import default_client
+    """The active distributed client when there is one, else threads.
 
-        return default_client()
-    except (ImportError, ValueError):
+    ``distributed`` is only consulted when already imported: no client can exist otherwise,
+    and importing it costs a second.
+    """
+    distributed = sys.modules.get("distributed")
+    if distributed is None:
+        return "threads"
+    try:
+        return distributed.default_client()
+    except ValueError:
         return "threads"
 
 
