@@ -3,7 +3,8 @@
 Measures, best of ``--repeat`` runs on warm page caches:
 
 - replaybuf ``get_all_data()`` (zarr, zstd-compressed, decoded through dask's threads
-  scheduler) vs memmap-replay-buffer 0.2.3's ``get_all_data()`` (uncompressed .npy memmaps);
+  scheduler) vs memmap-replay-buffer 0.2.3's ``get_all_data()`` (uncompressed .npy memmaps),
+  and the same with frames stored uncompressed (``compressor='none'``);
 - the same without dask (one ``storage.read_rows`` per field, the loop it replaces);
 - ``stats()`` (mean/std/min/max per feature over valid steps, returns) vs reading and
   decoding every byte once through the same dask chunks and discarding it.
@@ -50,25 +51,27 @@ def best_of(repeat: int, call: Callable[[], object]) -> float:
     return min(times)
 
 
-def build(folder: str, size, reuse: bool) -> tuple[ReplayBuffer, object]:
-    """The workload stored once in replaybuf (zarr) and once in the seed's memmap buffer."""
+# The same fields with frames stored uncompressed: what get_all_data costs without decoding.
+RAW_FRAME_FIELDS = {**FIELDS, "frame": {"dtype": "uint8", "shape": FIELDS["frame"][1], "compressor": "none"}}
+
+
+def build(folder: str, size, reuse: bool) -> tuple[ReplayBuffer, ReplayBuffer, object]:
+    """The workload stored in replaybuf (zstd frames, raw frames) and in the seed's memmap buffer."""
     from memmap_replay_buffer import ReplayBuffer as SeedBuffer
 
-    if reuse and os.path.isdir(os.path.join(folder, "seed")):
-        return ReplayBuffer.from_folder(os.path.join(folder, "zarr"), read_only=True), \
-            SeedBuffer.from_folder(os.path.join(folder, "seed"), read_only=True)
-
-    ours = ReplayBuffer(os.path.join(folder, "zarr"), max_episodes=size.episodes, max_timesteps=size.steps,
-                        fields=FIELDS)
-    seed = SeedBuffer(os.path.join(folder, "seed"), max_episodes=size.episodes, max_timesteps=size.steps,
-                      fields=FIELDS, overwrite=True)
-    for episode in range(size.episodes):
-        data = make_episode(size, episode)
-        ours.store_episode(**data)
-        seed.store_episode(**data)
-    ours.flush()
-    seed.flush()
-    return ReplayBuffer.from_folder(os.path.join(folder, "zarr"), read_only=True), seed
+    paths = [os.path.join(folder, name) for name in ("zarr", "zarr-raw", "seed")]
+    if not (reuse and all(os.path.isdir(p) for p in paths)):
+        ours, raw = (ReplayBuffer(path, max_episodes=size.episodes, max_timesteps=size.steps, fields=fields)
+                     for path, fields in zip(paths, (FIELDS, RAW_FRAME_FIELDS)))
+        seed = SeedBuffer(paths[2], max_episodes=size.episodes, max_timesteps=size.steps, fields=FIELDS, overwrite=True)
+        for episode in range(size.episodes):
+            data = make_episode(size, episode)
+            for buffer in (ours, raw, seed):
+                buffer.store_episode(**data)
+        for buffer in (ours, raw, seed):
+            buffer.flush()
+    return (ReplayBuffer.from_folder(paths[0], read_only=True), ReplayBuffer.from_folder(paths[1], read_only=True),
+            SeedBuffer.from_folder(paths[2], read_only=True))
 
 
 def read_once(buffer: ReplayBuffer) -> None:
@@ -99,17 +102,20 @@ def main() -> None:
     print_header("get_all_data and stats() through dask", size)
     folder = arguments.folder or tempfile.mkdtemp(prefix="replaybuf-bench-analysis-")
     try:
-        ours, seed = build(folder, size, arguments.reuse and arguments.folder is not None)
-        print(f"stored: replaybuf {du(os.path.join(folder, 'zarr')) / 2**20:.0f} MiB, "
-              f"seed {du(os.path.join(folder, 'seed')) / 2**20:.0f} MiB\n")
+        ours, raw, seed = build(folder, size, arguments.reuse and arguments.folder is not None)
+        print(f"stored: replaybuf {du(os.path.join(folder, 'zarr')) / 2**20:.0f} MiB, raw frames "
+              f"{du(os.path.join(folder, 'zarr-raw')) / 2**20:.0f} MiB, seed {du(os.path.join(folder, 'seed')) / 2**20:.0f} MiB\n",
+              flush=True)
         seed_time = best_of(arguments.repeat, seed.get_all_data)
         ours_time = best_of(arguments.repeat, lambda: get_all_data(ours))
+        raw_time = best_of(arguments.repeat, lambda: get_all_data(raw))
         loop_time = best_of(arguments.repeat, lambda: loop_get_all_data(ours))
         read_time = best_of(arguments.repeat, lambda: read_once(ours))
         stats_time = best_of(arguments.repeat, lambda: stats(ours))
         rows = [
             ["seed get_all_data (memmap)", f"{seed_time:.3f}", "1.00"],
             ["replaybuf get_all_data (dask, threads)", f"{ours_time:.3f}", f"{seed_time / ours_time:.2f}"],
+            ["replaybuf get_all_data, frames stored uncompressed", f"{raw_time:.3f}", f"{seed_time / raw_time:.2f}"],
             ["replaybuf read_rows loop (no dask)", f"{loop_time:.3f}", f"{seed_time / loop_time:.2f}"],
         ]
         print(markdown_table(["get_all_data", "seconds", "speed vs seed"], rows))
