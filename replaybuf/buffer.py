@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import video
 from .collector import EpisodeCollector
 from .schema import Field, Schema
 from .staging import EpisodeGroup, StepLog, write_span
@@ -692,6 +693,22 @@ class ReplayBuffer:
         if device is not None:
             out = {k: v.to(device) for k, v in out.items()}
         return out
+
+    def image_fields(self) -> list[str]:
+        """Fields holding one frame per step ((H, W), (H, W, C) or (C, H, W)), in declaration order."""
+        return video.image_fields(self)
+
+    def default_image_field(self) -> str:
+        return video.default_image_field(self)
+
+    def episode_frames(self, episode_index: int | Sequence[int] = 0, field: str | None = None) -> np.ndarray:
+        """Frames of one episode, or several concatenated in time (one slab read per episode)."""
+        return video.episode_frames(self, episode_index, field)
+
+    def save_video(self, path: str | os.PathLike, episode_index: int | Sequence[int] = 0,
+                   field: str | None = None, fps: float = 30, **kwargs: Any) -> Path:
+        """Render episode(s) of an image field to .mp4 / .webm / .gif."""
+        return video.save_video(self, path, episode_index, field, fps, **kwargs)
 
     def create_collector(self, num_groups: int, fieldnames: tuple[str, ...] | None = None,
                          meta_fieldnames: tuple[str, ...] | None = None, **collector_kwargs: Any) -> EpisodeCollector:
