@@ -13,12 +13,7 @@ import torch
 from replaybuf import ReplayBuffer
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
-try:
-    from tests._servers import s3_server  # noqa: F401 - moto's S3 on 127.0.0.1 (branch 'remote')
-except ImportError:
-    @pytest.fixture(scope="session")
-    def s3_server():
-        pytest.skip("tests/_servers.py (branch 'remote') has not landed")
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
 FIELDS = {"obs": ("float", (3,)), "image": ("uint8", (4, 5)), "reward": "float", "done": "bool", "action": "int"}
 META = {"task": "int"}

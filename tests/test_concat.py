@@ -13,6 +13,8 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer, ConcatStorage
 from replaybuf.storage.base import backend_class
 
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
+
 FIELDS = {"obs": ("float", (3,)), "reward": "float", "action": "int"}
 META = {"task": "int"}
 
@@ -137,12 +139,22 @@ def test_storage_routes_reads_to_members(concat, tmp_path):
         buffer.storage.read_rows("obs", np.array([9]), 0, 1)
 
 
-def test_mixed_stores(tmp_path):
-    """A local zarr folder, an in-memory store by URL and a buffer object, concatenated."""
-    make_members(tmp_path, location=lambda root, name: f"memory://concat-{name}" if name == "b" else root / name)
-    buffer = ConcatReplayBuffer([tmp_path / "a", "memory://concat-b", tmp_path / "c"], storage_options=None)
-    assert [m.storage.location for m in buffer.buffers][1] == "memory://concat-b"
-    assert buffer.get_all_data(fields=["obs"])["obs"].shape == (5, 20, 3)
+def test_mixed_stores(tmp_path, s3_server):
+    """A local zarr folder, an S3 bucket (moto on 127.0.0.1) and an in-memory store, by path and URL."""
+    urls = {"a": tmp_path / "a", "b": s3_server.url("concat-b"), "c": "memory://concat-c"}
+    options = {"a": None, "b": s3_server.storage_options, "c": None}
+    for (name, episodes, timesteps, lengths), first in zip(MEMBERS, (0, 2, 5)):
+        buffer = ReplayBuffer(urls[name], max_episodes=episodes, max_timesteps=timesteps, fields=FIELDS,
+                              meta_fields=META, storage_options=options[name])
+        for index, length in enumerate(lengths, start=first):
+            buffer.store_episode(**episode(index, length), task=index)
+        buffer.close()
+    stored = [{**episode(i, n), "task": i} for i, n in enumerate([3, 10, 15, 4, 20])]
+    buffer = ConcatReplayBuffer(list(urls.values()), storage_options=list(options.values()))
+    assert [m.storage.location for m in buffer.buffers][1:] == [s3_server.url("concat-b"), "memory://concat-c"]
+    np.testing.assert_array_equal(buffer.get_all_data(fields=["obs"])["obs"].numpy(), padded(stored, "obs"))
+    np.testing.assert_allclose(buffer.stats(["reward"]).episode_sums["reward"].numpy(),
+                               [e["reward"].sum() for e in stored], rtol=1e-6)
 
 
 def available(backend: str) -> bool:
