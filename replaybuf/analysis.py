@@ -78,13 +78,13 @@ class EpisodeRows:
     """The committed episodes of one data field as a lazily read array (episodes, time, *shape).
 
     Episode ``i`` is slot ``slots[i]``; time runs to ``length``; steps at or beyond an episode's
-    length read as zero. ``dask.array.from_array`` slices it block by block; it pickles with the
+    length read as ``fill`` (the field's default, else zero, as the seed pads). ``dask.array.from_array`` slices it block by block; it pickles with the
     storage (no open handle) for distributed workers.
     """
 
     def __init__(self, storage: Any, name: str, slots: np.ndarray, lens: np.ndarray, length: int,
-                 field_shape: tuple[int, ...], dtype: np.dtype):
-        self.storage, self.name = storage, name
+                 field_shape: tuple[int, ...], dtype: np.dtype, fill: Any = 0):
+        self.storage, self.name, self.fill = storage, name, fill
         self.slots, self.lens = np.asarray(slots, np.int64), np.asarray(lens, np.int64)
         self.shape = (len(self.slots), int(length), *field_shape)
         self.dtype = np.dtype(dtype)
@@ -103,7 +103,7 @@ class EpisodeRows:
             rows = rows.copy()
         beyond = np.arange(t0, t1)[None, :] >= self.lens[picked][:, None]
         if beyond.any():
-            rows[beyond] = 0
+            rows[beyond] = self.fill
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
         squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
@@ -135,7 +135,8 @@ def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Seque
     """Fields of the committed episodes as dask arrays, oldest episode first.
 
     Data fields are (episodes, time, *shape) with time trimmed to the longest committed episode
-    and zeros beyond each episode's length; meta fields are (episodes, *shape). Without
+    and the padding value beyond each episode's length (the field's default, else zero, as the
+    seed pads); meta fields are (episodes, *shape). Without
     ``fields`` and ``meta_fields`` every field is returned, as ``get_all_data`` does.
     ``episodes_per_chunk`` overrides the chunking (default: whole episodes, about
     ``dask.config['array.chunk-size']`` bytes per chunk); ``order='slot'`` orders episodes by
@@ -151,7 +152,7 @@ def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Seque
     out: dict[str, da.Array] = {}
     for name in fields:
         field = buffer.schema.fields[name]
-        rows = EpisodeRows(buffer.storage, name, slots, lens, length, field.shape, field.dtype)
+        rows = EpisodeRows(buffer.storage, name, slots, lens, length, field.shape, field.dtype, field.fill)
         per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
         out[name] = da.from_array(
             rows, chunks=(per_chunk, max(length, 1), *field.shape), name=f"replaybuf-{name}-{token}",
@@ -177,7 +178,8 @@ def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str 
 def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
                  device: torch.device | str | None = None, lazy: bool = False,
                  scheduler: str | None = None) -> dict[str, torch.Tensor] | dict[str, da.Array]:
-    """Every committed episode as tensors, time-padded with zeros to the longest.
+    """Every committed episode as tensors, time-padded to the longest with zeros (or the field's
+    default, as the seed).
 
     Episodes are in slot order, as the seed returns them (``to_dask`` defaults to oldest first;
     the two differ only once a circular buffer wrapped). Decoding runs through dask (the threads scheduler unless ``scheduler`` or a
@@ -319,6 +321,7 @@ def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: str | Non
     if len(lens) == 0:
         raise ValueError("stats: the buffer has no committed episodes")
     arrays = to_dask(buffer, names, [])
+    mask = episode_mask(buffer)
     moments, sums = {}, {}
     for name, array in arrays.items():
         starts = np.cumsum((0,) + array.chunks[0])
@@ -327,7 +330,8 @@ def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: str | Non
         moments[name] = dask.delayed(_merge_moments)(parts)
         if buffer.schema.fields[name].shape == ():
             kind = array.dtype.kind
-            sums[name] = array.sum(axis=1, dtype=np.float64 if kind in "fc" else np.int64)
+            steps = da.where(mask.rechunk(array.chunks), array, 0)  # padding may hold a field default
+            sums[name] = steps.sum(axis=1, dtype=np.float64 if kind in "fc" else np.int64)
     computed_moments, computed_sums = dask.compute(moments, sums, scheduler=scheduler or _default_scheduler())
     per_field = {}
     for name, (count, mean, m2, low, high) in computed_moments.items():

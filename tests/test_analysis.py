@@ -222,6 +222,25 @@ def test_stats_std_is_accurate_far_from_zero(tmp_path):
     np.testing.assert_allclose(result.std.numpy(), np.concatenate(values).astype(np.float64).std(), rtol=1e-3)
 
 
+def test_padding_is_the_field_default_as_the_seed_and_stats_skip_it(tmp_path):
+    from memmap_replay_buffer import ReplayBuffer as SeedBuffer
+
+    fields = {"reward": "float", "bonus": ("float", (), 5.0), "flag": ("bool", (), True)}
+    ours = ReplayBuffer(tmp_path / "ours", max_episodes=3, max_timesteps=6, fields=fields)
+    seed = SeedBuffer(str(tmp_path / "seed"), max_episodes=3, max_timesteps=6, fields=fields, overwrite=True)
+    for buffer in (ours, seed):
+        buffer.store_episode(reward=np.arange(2.0), bonus=np.array([1.0, 2.0]), flag=np.array([False, False]))
+        buffer.store_episode(reward=np.arange(4.0))
+    mine, theirs = get_all_data(ours), seed.get_all_data()
+    for name in fields:
+        assert torch.equal(mine[name], theirs[name]), name
+    assert mine["bonus"][0].tolist() == [1, 2, 5, 5]
+    result = stats(ours)
+    assert result.episode_sums["bonus"].tolist() == [3.0, 20.0]
+    assert result.episode_sums["flag"].tolist() == [0, 4]
+    assert result["bonus"].count == 6 and result["bonus"].min.item() == 1.0
+
+
 def test_stats_unknown_field(circular):
     with pytest.raises(ValueError, match=r"stats: invalid field names \['nope'\]"):
         stats(circular[0], ["nope"])
