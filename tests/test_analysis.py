@@ -248,10 +248,6 @@ def test_stats_unknown_field(circular):
 
 def test_dask_arrays_pickle_without_open_handles(circular):
     buffer, stored = circular
-    try:
-        pickle.dumps(buffer.storage)
-    except (AttributeError, pickle.PicklingError) as e:
-        pytest.xfail(f"the storage itself does not pickle yet (fixed on branch 'remote'): {e}")
     arrays = pickle.loads(pickle.dumps(to_dask(buffer, ["image"])))
     np.testing.assert_array_equal(arrays["image"].compute(scheduler="threads"),
                                   expected(stored, "image"))
