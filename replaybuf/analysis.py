@@ -177,13 +177,14 @@ def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str 
 
 def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
                  device: torch.device | str | None = None, lazy: bool = False,
-                 scheduler: str | None = None) -> dict[str, torch.Tensor] | dict[str, da.Array]:
+                 scheduler: Any = None) -> dict[str, torch.Tensor] | dict[str, da.Array]:
     """Every committed episode as tensors, time-padded to the longest with zeros (or the field's
     default, as the seed).
 
     Episodes are in slot order, as the seed returns them (``to_dask`` defaults to oldest first;
-    the two differ only once a circular buffer wrapped). Decoding runs through dask (the threads scheduler unless ``scheduler`` or a
-    ``dask.distributed`` client says otherwise). ``lazy=True`` returns the dask arrays of
+    the two differ only once a circular buffer wrapped). Decoding runs through dask: the
+    threads scheduler unless ``scheduler`` (a name or a ``dask.distributed`` client) or an
+    active client says otherwise. ``lazy=True`` returns the dask arrays of
     ``to_dask(order='slot')`` instead; they live on no device, so ``device`` is refused with it.
     An empty buffer gives ``{}``, as the seed.
     """
@@ -307,7 +308,7 @@ def _lens_histogram(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return counts, edges
 
 
-def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: str | None = None) -> BufferStats:
+def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = None) -> BufferStats:
     """Statistics of the committed episodes, computed as one dask graph.
 
     Per data field: mean, std, min and max per feature dimension over valid timesteps only
