@@ -1,0 +1,352 @@
+"""Dask views of a buffer: ``to_dask``, ``get_all_data`` through dask, masks and field statistics.
+
+Every function takes a buffer-like object: a ``ReplayBuffer`` or a ``ConcatReplayBuffer``,
+anything with ``schema``, ``valid_episodes()``, ``episode_lens``, ``meta_data`` and a
+``storage`` whose ``read_rows`` serves the data. The dask graphs read through
+``storage.read_rows`` only, so they work on every backend, and the storage objects pickle
+without open handles, so the same graphs run on a ``dask.distributed`` cluster.
+
+Dask chunks hold whole episodes over the whole (trimmed) time extent, so each task reads
+whole storage chunks; a chunk holds about ``dask.config['array.chunk-size']`` bytes. One
+task per storage chunk, dask's default for zarr, was 3x slower locally and 20x slower on a
+2-process cluster (DESIGN.md, "Measured while planning").
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import torch
+from dask.base import tokenize
+from dask.utils import parse_bytes
+
+__all__ = ["to_dask", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
+
+# Rows of a block whose moments are computed at once: bounds the float64 temporaries.
+_MOMENT_ROWS = 256
+_HISTOGRAM_BINS = 32
+# Schedulers whose tasks run in this process, so blocks can be stored into arrays allocated here.
+_SHARED_MEMORY_SCHEDULERS = ("threads", "threading", "sync", "synchronous", "single-threaded")
+
+
+# ---- argument checks ----------------------------------------------------------------------
+
+
+def _meta_names(buffer: Any) -> list[str]:
+    return sorted(buffer.meta_fieldnames)
+
+
+def _select(buffer: Any, fields: Sequence[str] | None, meta_fields: Sequence[str] | None,
+            call: str) -> tuple[list[str], list[str]]:
+    """The data and meta field names a call works on (the seed's defaults), checked."""
+    if fields is None and meta_fields is None:
+        return list(buffer.schema.fields), _meta_names(buffer)
+    fields = _names(fields, "fields", call)
+    meta_fields = _names(meta_fields, "meta_fields", call)
+    _check_known(fields, set(buffer.schema.fields), "field", call)
+    _check_known(meta_fields, set(buffer.meta_fieldnames), "meta field", call)
+    return fields, meta_fields
+
+
+def _names(names: Sequence[str] | str | None, argument: str, call: str) -> list[str]:
+    if names is None:
+        return []
+    if isinstance(names, str):
+        return [names]
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{call}: {argument} must be field names (str), got {names!r}")
+    return list(names)
+
+
+def _check_known(names: Sequence[str], allowed: set[str], what: str, call: str) -> None:
+    unknown = sorted(set(names) - allowed)
+    if unknown:
+        raise ValueError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
+
+
+# ---- dask arrays over the storage ------------------------------------------------------------
+
+
+class EpisodeRows:
+    """The committed episodes of one data field as a lazily read array (episodes, time, *shape).
+
+    Episode ``i`` is slot ``slots[i]``; time runs to ``length``; steps at or beyond an episode's
+    length read as ``fill`` (the field's default, else zero, as the seed pads). ``dask.array.from_array`` slices it block by block; it pickles with the
+    storage (no open handle) for distributed workers.
+    """
+
+    def __init__(self, storage: Any, name: str, slots: np.ndarray, lens: np.ndarray, length: int,
+                 field_shape: tuple[int, ...], dtype: np.dtype, fill: Any = 0):
+        self.storage, self.name, self.fill = storage, name, fill
+        self.slots, self.lens = np.asarray(slots, np.int64), np.asarray(lens, np.int64)
+        self.shape = (len(self.slots), int(length), *field_shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (2 - min(len(key), 2))
+        episodes = np.arange(self.shape[0])[key[0]]
+        steps = np.arange(self.shape[1])[key[1]]
+        flat = np.atleast_1d(steps)
+        t0, t1 = (int(flat.min()), int(flat.max()) + 1) if flat.size else (0, 0)
+        picked = np.atleast_1d(episodes)
+        rows = np.asarray(self.storage.read_rows(self.name, self.slots[picked], t0, t1))
+        if not rows.flags.writeable:
+            rows = rows.copy()
+        beyond = np.arange(t0, t1)[None, :] >= self.lens[picked][:, None]
+        if beyond.any():
+            rows[beyond] = self.fill
+        if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
+            rows = rows[:, flat - t0]
+        squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
+        return rows[squeeze + key[2:]]
+
+
+def _episodes_per_chunk(step_nbytes: int, length: int, episodes: int) -> int:
+    """Episodes per dask chunk: about ``array.chunk-size`` bytes of whole episodes."""
+    target = parse_bytes(dask.config.get("array.chunk-size"))
+    per_episode = max(1, step_nbytes * max(length, 1))
+    return int(max(1, min(max(episodes, 1), target // per_episode)))
+
+
+_ORDERS = ("chronological", "slot")
+
+
+def _committed(buffer: Any, order: str = "chronological") -> tuple[np.ndarray, np.ndarray, int]:
+    """Valid slots (oldest first, or by slot index), their lengths, and the longest length."""
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {list(_ORDERS)}, got {order!r}")
+    all_lens = np.asarray(buffer.episode_lens, np.int64)
+    slots = np.asarray(buffer.valid_episodes() if order == "chronological" else np.flatnonzero(all_lens > 0), np.int64)
+    lens = all_lens[slots]
+    return slots, lens, int(lens.max()) if len(lens) else 0
+
+
+def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
+            episodes_per_chunk: int | None = None, order: str = "chronological") -> dict[str, da.Array]:
+    """Fields of the committed episodes as dask arrays, oldest episode first.
+
+    Data fields are (episodes, time, *shape) with time trimmed to the longest committed episode
+    and the padding value beyond each episode's length (the field's default, else zero, as the
+    seed pads); meta fields are (episodes, *shape). Without
+    ``fields`` and ``meta_fields`` every field is returned, as ``get_all_data`` does.
+    ``episodes_per_chunk`` overrides the chunking (default: whole episodes, about
+    ``dask.config['array.chunk-size']`` bytes per chunk); ``order='slot'`` orders episodes by
+    slot as the seed's ``get_all_data`` does (the same unless a circular buffer wrapped).
+    """
+    fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
+    if episodes_per_chunk is not None and (isinstance(episodes_per_chunk, bool)
+                                           or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1):
+        raise ValueError(f"to_dask: episodes_per_chunk must be a positive int, got {episodes_per_chunk!r}")
+    slots, lens, length = _committed(buffer, order)
+    # A fresh token per call: the same slots and lengths may hold other episodes later.
+    token = tokenize(buffer.storage.location, slots, lens, uuid.uuid4().hex)
+    out: dict[str, da.Array] = {}
+    for name in fields:
+        field = buffer.schema.fields[name]
+        rows = EpisodeRows(buffer.storage, name, slots, lens, length, field.shape, field.dtype, field.fill)
+        per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
+        out[name] = da.from_array(
+            rows, chunks=(per_chunk, max(length, 1), *field.shape), name=f"replaybuf-{name}-{token}",
+            asarray=False, fancy=False, meta=np.empty((0,) * rows.ndim, field.dtype),
+        )
+    for name in meta_fields:
+        values = np.asarray(buffer.meta_data[name][:])[slots]
+        out[name] = da.from_array(values, chunks=-1, name=f"replaybuf-meta-{name}-{token}")
+    return out
+
+
+def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str = "chronological") -> da.Array:
+    """Dask bool array (episodes, time): True where a committed episode has a step (rows as ``to_dask``)."""
+    _, lens, length = _committed(buffer, order)
+    chunk = episodes_per_chunk or max(1, len(lens))
+    lens = da.from_array(lens, chunks=chunk)
+    return da.arange(length, chunks=max(length, 1))[None, :] < lens[:, None]
+
+
+# ---- get_all_data ------------------------------------------------------------------------------
+
+
+def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
+                 device: torch.device | str | None = None, lazy: bool = False,
+                 scheduler: Any = None) -> dict[str, torch.Tensor] | dict[str, da.Array]:
+    """Every committed episode as tensors, time-padded to the longest with zeros (or the field's
+    default, as the seed).
+
+    Episodes are in slot order, as the seed returns them (``to_dask`` defaults to oldest first;
+    the two differ only once a circular buffer wrapped). Decoding runs through dask: the
+    threads scheduler unless ``scheduler`` (a name or a ``dask.distributed`` client) or an
+    active client says otherwise. ``lazy=True`` returns the dask arrays of
+    ``to_dask(order='slot')`` instead; they live on no device, so ``device`` is refused with it.
+    An empty buffer gives ``{}``, as the seed.
+    """
+    if lazy and device is not None:
+        raise ValueError(f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
+                         "Call .compute() and move the tensors, or pass lazy=False")
+    arrays = to_dask(buffer, fields, meta_fields, order="slot")
+    if lazy:
+        return arrays
+    if len(buffer) == 0:
+        return {}
+    scheduler = scheduler or _default_scheduler()
+    if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
+        # Blocks land straight in the result arrays: no concatenation copy.
+        results = [np.empty(a.shape, a.dtype) for a in arrays.values()]
+        da.store(list(arrays.values()), results, lock=False, scheduler=scheduler)
+    else:
+        results = dask.compute(*arrays.values(), scheduler=scheduler)
+    out = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(arrays, results)}
+    if device is not None:
+        out = {n: t.to(device) for n, t in out.items()}
+    return out
+
+
+def _default_scheduler() -> str | Any:
+    """The active distributed client when there is one, else threads.
+
+    ``distributed`` is only consulted when already imported: no client can exist otherwise,
+    and importing it costs a second.
+    """
+    distributed = sys.modules.get("distributed")
+    if distributed is None:
+        return "threads"
+    try:
+        return distributed.default_client()
+    except ValueError:
+        return "threads"
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldStats:
+    """Per feature dimension statistics of one field over valid timesteps (shape = field shape).
+
+    ``std`` is the population standard deviation (``ddof=0``), what observation normalizers use;
+    ``mean`` and ``std`` have the field's dtype when it is floating point, float32 otherwise,
+    ``min``/``max`` the field's dtype.
+    """
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+    count: int
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """What ``stats()`` returns: plain numbers and tensors, episodes in chronological order."""
+
+    num_episodes: int
+    num_timesteps: int
+    episode_lens: torch.Tensor
+    lens_histogram: tuple[torch.Tensor, torch.Tensor]
+    fields: dict[str, FieldStats]
+    episode_sums: dict[str, torch.Tensor]
+
+    def __getitem__(self, name: str) -> FieldStats:
+        return self.fields[name]
+
+
+def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
+    """(count, mean, M2, min, max) over the valid steps of one block, per feature dimension.
+
+    Moments are shifted by the block's first valid step, which keeps the float64 sums exact
+    enough where values sit far from zero; blocks are merged with Chan's parallel update.
+    """
+    feature_shape = block.shape[2:]
+    valid = np.arange(block.shape[1])[None, :] < lens[:, None]
+    steps = block[valid].reshape(-1, int(np.prod(feature_shape, dtype=np.int64)))
+    count = steps.shape[0]
+    if count == 0:
+        return 0, None, None, None, None
+    shift = steps[0].astype(np.float64)
+    total = np.zeros(steps.shape[1])
+    squares = np.zeros(steps.shape[1])
+    for start in range(0, count, _MOMENT_ROWS):
+        part = steps[start:start + _MOMENT_ROWS].astype(np.float64)
+        part -= shift
+        total += part.sum(axis=0)
+        squares += np.einsum("ij,ij->j", part, part)
+    mean = shift + total / count
+    m2 = np.maximum(squares - total * total / count, 0.0)
+    return count, mean, m2, steps.min(axis=0), steps.max(axis=0)
+
+
+def _merge_moments(parts: list[tuple]) -> tuple:
+    count, mean, m2, low, high = 0, None, None, None, None
+    for n, m, s, lo, hi in parts:
+        if n == 0:
+            continue
+        if count == 0:
+            count, mean, m2, low, high = n, m, s, lo, hi
+            continue
+        delta = m - mean
+        total = count + n
+        mean = mean + delta * (n / total)
+        m2 = m2 + s + delta * delta * (count * n / total)
+        low, high, count = np.minimum(low, lo), np.maximum(high, hi), total
+    return count, mean, m2, low, high
+
+
+def _lens_histogram(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of episode lengths in at most 32 integer-aligned bins; edges are bin starts + last end."""
+    low, high = int(lens.min()), int(lens.max()) + 1
+    width = max(1, -(-(high - low) // _HISTOGRAM_BINS))
+    edges = np.arange(low, high + width, width)
+    counts, _ = np.histogram(lens, bins=edges)
+    return counts, edges
+
+
+def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = None) -> BufferStats:
+    """Statistics of the committed episodes, computed as one dask graph.
+
+    Per data field: mean, std, min and max per feature dimension over valid timesteps only
+    (padding never counts); the episode count, the lengths and their histogram; and for
+    scalar fields (shape ``()``, such as rewards) the per-episode sums, i.e. returns.
+    ``stats(buffer, ['obs'])['obs'].mean`` and ``.std`` are what an observation normalizer needs.
+    """
+    names = list(buffer.schema.fields) if fields is None else _names(fields, "fields", "stats")
+    _check_known(names, set(buffer.schema.fields), "field", "stats")
+    _, lens, _ = _committed(buffer)
+    if len(lens) == 0:
+        raise ValueError("stats: the buffer has no committed episodes")
+    arrays = to_dask(buffer, names, [])
+    mask = episode_mask(buffer)
+    moments, sums = {}, {}
+    for name, array in arrays.items():
+        starts = np.cumsum((0,) + array.chunks[0])
+        blocks = array.to_delayed().ravel()
+        parts = [dask.delayed(_block_moments)(block, lens[a:b]) for block, a, b in zip(blocks, starts, starts[1:])]
+        moments[name] = dask.delayed(_merge_moments)(parts)
+        if buffer.schema.fields[name].shape == ():
+            kind = array.dtype.kind
+            steps = da.where(mask.rechunk(array.chunks), array, 0)  # padding may hold a field default
+            sums[name] = steps.sum(axis=1, dtype=np.float64 if kind in "fc" else np.int64)
+    computed_moments, computed_sums = dask.compute(moments, sums, scheduler=scheduler or _default_scheduler())
+    per_field = {}
+    for name, (count, mean, m2, low, high) in computed_moments.items():
+        field = buffer.schema.fields[name]
+        shape, real = field.shape, field.dtype if field.dtype.kind == "f" else np.dtype(np.float32)
+        per_field[name] = FieldStats(
+            mean=torch.from_numpy(mean.reshape(shape).astype(real)),
+            std=torch.from_numpy(np.sqrt(m2 / count).reshape(shape).astype(real)),
+            min=torch.from_numpy(np.ascontiguousarray(low).reshape(shape)),
+            max=torch.from_numpy(np.ascontiguousarray(high).reshape(shape)), count=int(count),
+        )
+    counts, edges = _lens_histogram(lens)
+    return BufferStats(
+        num_episodes=len(lens), num_timesteps=int(lens.sum()), episode_lens=torch.from_numpy(lens.copy()),
+        lens_histogram=(torch.from_numpy(counts), torch.from_numpy(edges)), fields=per_field,
+        episode_sums={n: torch.from_numpy(np.asarray(v)) for n, v in computed_sums.items()},
+    )

@@ -1,0 +1,373 @@
+"""ConcatReplayBuffer: one read-only buffer over several stored buffers, on any mix of backends.
+
+The member buffers keep their own storage; ``ConcatStorage`` puts them side by side on one
+episode axis (member ``k``'s slot ``s`` is global episode ``offsets[k] + s``) and one time
+axis as long as the longest member's, reading zeros past a shorter member's end. The
+ConcatReplayBuffer carries the bookkeeping a ReplayBuffer reader uses (``schema``,
+``valid_episodes()``, ``episode_lens``, ``meta_data``, ``storage``), so the sampling datasets
+and the dask views in ``analysis.py`` work on it unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import analysis
+from .buffer import MetaView, ReplayBuffer
+from .schema import Schema
+from .storage.base import Storage
+
+__all__ = ["ConcatReplayBuffer", "ConcatStorage"]
+
+Member = ReplayBuffer | str | os.PathLike
+
+
+class ConcatArray:
+    """``concat.data[name]``: numpy-style reads over the concatenated episodes (read-only)."""
+
+    def __init__(self, storage: ConcatStorage, name: str, shape: tuple[int, ...], dtype: np.dtype):
+        self._storage, self._name = storage, name
+        self.shape, self.dtype = shape, np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        episode_key, time_key = (key + (slice(None), slice(None)))[:2]
+        episodes = np.arange(self.shape[0])[episode_key]
+        steps = np.arange(self.shape[1])[time_key]
+        flat = np.atleast_1d(steps)
+        t0, t1 = (int(flat.min()), int(flat.max()) + 1) if flat.size else (0, 0)
+        rows = self._storage.read_rows(self._name, np.atleast_1d(episodes), t0, t1)[:, flat - t0]
+        squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
+        return rows[squeeze + key[2:]]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise NotImplementedError(_read_only_message(f"data[{self._name!r}][...] = ..."))
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+
+class ConcatStorage(Storage):
+    """Read-only storage routing reads by global episode index to the member storages."""
+
+    backend_name = "concat"
+
+    def __init__(self, buffers: Sequence[ReplayBuffer], schema: Schema):
+        super().__init__(" + ".join(b.storage.location for b in buffers))
+        self.members = [b.storage for b in buffers]
+        self.member_timesteps = np.array([b.max_timesteps for b in buffers], np.int64)
+        self.offsets = np.cumsum([0] + [b.max_episodes for b in buffers])
+        self.schema = schema
+        self.read_only = True
+
+    def _route(self, episodes: np.ndarray):
+        """(member index, rows of ``episodes`` in it, local slots) for each member touched."""
+        episodes = np.asarray(episodes, np.int64)
+        if episodes.size and (episodes.min() < 0 or episodes.max() >= self.offsets[-1]):
+            raise IndexError(f"episode indices must be in [0, {self.offsets[-1]}), got {episodes.tolist()}")
+        owner = np.searchsorted(self.offsets, episodes, side="right") - 1
+        for member in np.unique(owner):
+            rows = np.flatnonzero(owner == member)
+            yield int(member), rows, episodes[rows] - self.offsets[member]
+
+    def _empty(self, name: str, leading: tuple[int, ...]) -> np.ndarray:
+        field = self.schema.fields[name]
+        return np.zeros(leading + field.shape, field.dtype)
+
+    # ---- primitives -------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        # docstring inherited
+        return all(m.exists() for m in self.members)
+
+    def create(self, schema: Schema, overwrite: bool) -> None:
+        # docstring inherited
+        raise NotImplementedError(_read_only_message("create"))
+
+    def open(self, read_only: bool) -> Schema:
+        # docstring inherited
+        if not read_only:
+            raise NotImplementedError(_read_only_message("open(read_only=False)"))
+        return self.schema
+
+    def array(self, name: str, meta: bool = False) -> ConcatArray | np.ndarray:
+        # docstring inherited
+        if meta:
+            return self.read_meta(name)
+        field = self.schema.fields[name]
+        return ConcatArray(self, name, (int(self.offsets[-1]), self.schema.max_timesteps, *field.shape), field.dtype)
+
+    def read_blob(self, key: str) -> bytes | None:
+        # docstring inherited
+        return None
+
+    def write_blob(self, key: str, data: bytes) -> None:
+        # docstring inherited
+        raise NotImplementedError(_read_only_message("write_blob"))
+
+    def delete_blobs(self, prefix: str) -> None:
+        # docstring inherited
+        raise NotImplementedError(_read_only_message("delete_blobs"))
+
+    def list_blobs(self, prefix: str) -> list[str]:
+        # docstring inherited
+        return []
+
+    # ---- reads ----------------------------------------------------------------------------
+
+    def time_chunk(self, name: str) -> int:
+        # docstring inherited
+        return max(m.time_chunk(name) for m in self.members)
+
+    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        # docstring inherited
+        episodes = np.asarray(episodes, np.int64)
+        out = self._empty(name, (len(episodes), max(0, t1 - t0)))
+        for member, rows, local in self._route(episodes):
+            stop = min(t1, int(self.member_timesteps[member]))
+            if stop > t0:
+                out[rows, : stop - t0] = self.members[member].read_rows(name, local, t0, stop)
+        return out
+
+    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        # docstring inherited
+        episodes, timesteps = np.asarray(episodes, np.int64), np.asarray(timesteps, np.int64)
+        out = self._empty(name, (len(episodes),))
+        for member, rows, local in self._route(episodes):
+            inside = timesteps[rows] < self.member_timesteps[member]
+            if inside.any():
+                out[rows[inside]] = self.members[member].gather(name, local[inside], timesteps[rows][inside])
+        return out
+
+    def read_meta(self, name: str) -> np.ndarray:
+        # docstring inherited
+        return np.concatenate([m.read_meta(name) for m in self.members])
+
+    def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited
+        raise NotImplementedError(_read_only_message("write_rows"))
+
+    def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        # docstring inherited
+        raise NotImplementedError(_read_only_message("write_meta"))
+
+    def close(self) -> None:
+        # docstring inherited
+        for member in self.members:
+            member.close()
+
+
+def _read_only_message(call: str) -> str:
+    return (f"ConcatReplayBuffer is read-only: `{call}` is not allowed; "
+            "write to one of its member buffers (ReplayBuffer.from_folder(path)) instead")
+
+
+def _refused(call: str):
+    """A write method of ConcatReplayBuffer: it raises, naming the call."""
+
+    def refuse(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(_read_only_message(call))
+
+    refuse.__name__ = call
+    refuse.__doc__ = f"Not available: a ConcatReplayBuffer is read-only (``{call}`` raises NotImplementedError)."
+    return refuse
+
+
+def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
+    """Every member must store the same data and meta fields (names, dtypes, shapes)."""
+    first = buffers[0]
+    problems = []
+    for index, buffer in enumerate(buffers[1:], start=1):
+        for group, ours, theirs in (("fields", first.schema.fields, buffer.schema.fields),
+                                    ("meta fields", first.schema.meta_fields, buffer.schema.meta_fields)):
+            missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+            if missing:
+                problems.append(f"  buffer {index} ({buffer.storage.location!r}) lacks {group} {missing}")
+            if extra:
+                problems.append(f"  buffer {index} ({buffer.storage.location!r}) has extra {group} {extra}")
+            for name in sorted(set(ours) & set(theirs)):
+                a, b = ours[name], theirs[name]
+                if (a.dtype, a.shape) != (b.dtype, b.shape):
+                    problems.append(f"  buffer {index} ({buffer.storage.location!r}) {group[:-1]} {name!r} is "
+                                    f"{b.dtype.name}{list(b.shape)}, buffer 0 has {a.dtype.name}{list(a.shape)}")
+    if problems:
+        raise ValueError(f"ConcatReplayBuffer: all buffers must have the same fields as buffer 0 "
+                         f"({first.storage.location!r}):\n" + "\n".join(problems))
+
+
+class ConcatReplayBuffer:
+    """Several stored buffers read as one, read-only: local paths, URLs and buffers mixed.
+
+    ``buffers`` are paths or URLs (opened read-only with ``storage_options``, one dict for all
+    or one per entry) or ``ReplayBuffer`` objects. Episodes are the members' committed
+    episodes, member by member, each oldest first; data is time-padded with zeros to the
+    longest member's ``max_timesteps``. All members must store the same fields.
+    """
+
+    def __init__(self, buffers: Sequence[Member], storage_options: dict | Sequence[dict | None] | None = None):
+        if isinstance(buffers, (str, os.PathLike, ReplayBuffer)) or not isinstance(buffers, Sequence):
+            raise TypeError(f"ConcatReplayBuffer takes a list of paths, URLs or ReplayBuffers, got {buffers!r}")
+        if len(buffers) == 0:
+            raise ValueError("ConcatReplayBuffer requires at least one buffer")
+        options = list(storage_options) if isinstance(storage_options, (list, tuple)) \
+            else [storage_options] * len(buffers)
+        if len(options) != len(buffers):
+            raise ValueError(f"storage_options has {len(options)} entries for {len(buffers)} buffers; "
+                             "pass one dict for all or one per buffer")
+        self.buffers = [self._open(b, o) for b, o in zip(buffers, options)]
+        _check_same_fields(self.buffers)
+        first = self.buffers[0].schema
+        self.schema = Schema(dict(first.fields), dict(first.meta_fields),
+                             sum(b.max_episodes for b in self.buffers), max(b.max_timesteps for b in self.buffers))
+        self.read_only = True
+        self.circular = False
+        self.folder = [b.folder for b in self.buffers]
+        self.storage = ConcatStorage(self.buffers, self.schema)
+        self._setup()
+
+    @staticmethod
+    def _open(buffer: Member, storage_options: dict | None) -> ReplayBuffer:
+        if isinstance(buffer, ReplayBuffer):
+            return buffer
+        if isinstance(buffer, (str, os.PathLike)):
+            return ReplayBuffer.from_folder(buffer, read_only=True, storage_options=storage_options)
+        raise TypeError(f"ConcatReplayBuffer: each buffer must be a path, a URL or a ReplayBuffer, got {buffer!r}")
+
+    def _setup(self) -> None:
+        first = self.buffers[0]
+        self.max_episodes = self.schema.max_episodes
+        self.max_timesteps = self.schema.max_timesteps
+        self.fieldnames = set(first.fieldnames)
+        self.meta_fieldnames = set(first.meta_fieldnames)
+        for attribute in ("shapes", "dtypes", "defaults", "meta_shapes", "meta_dtypes", "meta_defaults"):
+            setattr(self, attribute, dict(getattr(first, attribute)))
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.data = {n: self.storage.array(n) for n in self.schema.fields}
+        self.refresh()
+
+    def refresh(self) -> ConcatReplayBuffer:
+        """Pick up episodes the members' writers committed since (a member passed in as a
+        writable buffer is its own writer and already up to date)."""
+        for buffer in self.buffers:
+            if buffer.read_only:
+                buffer.refresh()
+        names = list(self.buffers[0]._meta)
+        self._meta = {n: np.concatenate([b._meta[n] for b in self.buffers]) for n in names}
+        self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}
+        return self
+
+    # ---- bookkeeping, as ReplayBuffer -----------------------------------------------------------
+
+    @property
+    def num_episodes(self) -> int:
+        return sum(b.num_episodes for b in self.buffers)
+
+    @property
+    def episode_lens(self) -> np.ndarray:
+        """Committed length of every global slot (0: empty); read-only view."""
+        view = self._meta["episode_lens"].view()
+        view.flags.writeable = False
+        return view
+
+    def valid_episodes(self) -> np.ndarray:
+        """Global slots holding a committed episode: member by member, each oldest first."""
+        offsets = self.storage.offsets
+        return np.concatenate([b.valid_episodes() + offsets[k] for k, b in enumerate(self.buffers)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.buffers)
+
+    def __repr__(self) -> str:
+        return f"ConcatReplayBuffer({[b.storage.location for b in self.buffers]!r}, episodes={len(self)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles (to DataLoader or dask workers) as the members do: no open handle."""
+        state = dict(self.__dict__)
+        del state["memory_namedtuple"], state["meta_data"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}
+
+    def _check_writable(self, call: str) -> None:
+        raise NotImplementedError(_read_only_message(call))
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def dataset(self, **kwargs: Any):
+        """A torch Dataset sampling across all member buffers (``ReplayBuffer.dataset`` arguments)."""
+        from .sampling import make_dataset
+
+        return make_dataset(self, **kwargs)
+
+    def dataloader(self, batch_size: int, **kwargs: Any):
+        """A DataLoader sampling across all member buffers (``ReplayBuffer.dataloader`` arguments)."""
+        from .sampling import make_dataloader
+
+        return make_dataloader(self, batch_size, **kwargs)
+
+    def get_all_data(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
+                     device: torch.device | str | None = None, lazy: bool = False):
+        """Every committed episode of every member (member by member, slot order, as the seed),
+        time-padded with zeros to the longest, decoded through dask."""
+        return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy)
+
+    def to_dask(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
+                order: str = "chronological"):
+        """The committed episodes of every member as dask arrays (see ``analysis.to_dask``)."""
+        return analysis.to_dask(self, fields, meta_fields, order=order)
+
+    def episode_mask(self):
+        """Dask bool (episodes, time): True where an episode has a step."""
+        return analysis.episode_mask(self)
+
+    def stats(self, fields: Sequence[str] | None = None) -> analysis.BufferStats:
+        """Field statistics over every member's valid steps (see ``analysis.stats``)."""
+        return analysis.stats(self, fields)
+
+    def flush(self) -> None:
+        """Nothing to flush: the buffer is read-only."""
+
+    def close(self) -> None:
+        """Release the members' storage handles."""
+        for buffer in self.buffers:
+            buffer.storage.close()
+
+    def __enter__(self) -> ConcatReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- writes: refused ----------------------------------------------------------------------
+
+    store = _refused("store")
+    store_batch = _refused("store_batch")
+    store_meta_batch = _refused("store_meta_batch")
+    store_episode = _refused("store_episode")
+    store_datapoint = _refused("store_datapoint")
+    store_meta_datapoint = _refused("store_meta_datapoint")
+    store_batch_datapoint = _refused("store_batch_datapoint")
+    store_batch_meta_datapoint = _refused("store_batch_meta_datapoint")
+    update = _refused("update")
+    advance_episode = _refused("advance_episode")
+    one_episode = _refused("one_episode")
+    batched_episode = _refused("batched_episode")
+    clear = _refused("clear")
+    reset_ = _refused("reset_")
