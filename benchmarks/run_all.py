@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("bench_codecs.py", "bench_write.py", "bench_sample.py")
+SCRIPTS = ("bench_codecs.py", "bench_write.py", "bench_sample.py", "bench_analysis.py")
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 from .buffer import ReplayBuffer
 from .collector import EpisodeCollector
+from .concat import ConcatReplayBuffer
 from .h5py_buffer import ReplayBufferH5PY
 from .sampling import (
     ReplayDataset,
@@ -15,7 +16,7 @@ from .storage.base import BufferNotFoundError, Storage, StorageError, make_stora
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
 
-__all__ = ["ReplayBuffer", "EpisodeCollector", "Field", "Schema", "Storage", "StorageError", "BufferNotFoundError", "make_storage",
+__all__ = ["ReplayBuffer", "EpisodeCollector", "ConcatReplayBuffer", "Field", "Schema", "Storage", "StorageError", "BufferNotFoundError", "make_storage",
            "frames_to_sheet", "trajectory_to_video", "ReplayBufferH5PY", "convert", "info", "verify",
            "ReplayDataset", "ReplayDatasetNStep", "ReplayDatasetTimestep", "ReplayDatasetTimeWindow",
            "ReplayDatasetTrajectory"]
