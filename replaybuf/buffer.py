@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import video
+from .collector import EpisodeCollector
 from .schema import Field, Schema
 from .staging import EpisodeGroup, StepLog, write_span
 from .storage.base import Storage, StorageError, bookkeeping_fields, make_storage
@@ -695,6 +697,88 @@ class ReplayBuffer:
         from .analysis import stats
 
         return stats(self, fields)
+
+    # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
+
+    def dataset(self, n_steps: int | None = None, fields: Sequence[str] | None = None,
+                current_fields: Sequence[str] | None = None, next_fields: Sequence[str] | None = None,
+                sequence_fields: Sequence[str] | None = None, timestep_level: bool = False,
+                filter_meta: dict | None = None, filter_fields: dict | None = None,
+                fieldname_map: dict[str, str] | None = None, slice_by_episode_len: bool = True,
+                return_episode_lens: bool = True, **kwargs: Any):
+        """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of the
+        episodes committed now; see ``replaybuf.sampling.make_dataset``."""
+        from .sampling import make_dataset
+
+        return make_dataset(self, n_steps=n_steps, fields=fields, current_fields=current_fields,
+                            next_fields=next_fields, sequence_fields=sequence_fields, timestep_level=timestep_level,
+                            filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map,
+                            slice_by_episode_len=slice_by_episode_len, return_episode_lens=return_episode_lens,
+                            **kwargs)
+
+    def dataloader(self, batch_size: int, n_steps: int | None = None, dataset: Any = None,
+                   fields: Sequence[str] | None = None, current_fields: Sequence[str] | None = None,
+                   next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
+                   filter_meta: dict | None = None, filter_fields: dict | None = None,
+                   fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
+                   return_mask: bool = False, timestep_level: bool = False,
+                   to_named_tuple: Sequence[str] | None = None, shuffle: bool = False,
+                   device: torch.device | str | None = None, dataset_kwargs: dict | None = None, **kwargs: Any):
+        """A torch DataLoader over the episodes committed now (``sampler='prioritized'`` for
+        prioritized timesteps); see ``replaybuf.sampling.make_dataloader``."""
+        from .sampling import make_dataloader
+
+        return make_dataloader(self, batch_size, n_steps=n_steps, dataset=dataset, fields=fields,
+                               current_fields=current_fields, next_fields=next_fields,
+                               sequence_fields=sequence_fields, filter_meta=filter_meta, filter_fields=filter_fields,
+                               fieldname_map=fieldname_map, return_indices=return_indices, return_mask=return_mask,
+                               timestep_level=timestep_level, to_named_tuple=to_named_tuple, shuffle=shuffle,
+                               device=device, dataset_kwargs=dataset_kwargs, **kwargs)
+
+    def update_priorities(self, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
+        """Write new priorities for a prioritized batch's ``_indices`` (B, 2) into
+        ``priority_field`` and into the live prioritized loaders of this buffer."""
+        from .sampling import update_priorities
+
+        update_priorities(self, indices, priorities, priority_field)
+
+    def image_fields(self) -> list[str]:
+        """Fields holding one frame per step ((H, W), (H, W, C) or (C, H, W)), in declaration order."""
+        return video.image_fields(self)
+
+    def default_image_field(self) -> str:
+        return video.default_image_field(self)
+
+    def episode_frames(self, episode_index: int | Sequence[int] = 0, field: str | None = None) -> np.ndarray:
+        """Frames of one episode, or several concatenated in time (one slab read per episode)."""
+        return video.episode_frames(self, episode_index, field)
+
+    def save_video(self, path: str | os.PathLike, episode_index: int | Sequence[int] = 0,
+                   field: str | None = None, fps: float = 30, **kwargs: Any) -> Path:
+        """Render episode(s) of an image field to .mp4 / .webm / .gif."""
+        return video.save_video(self, path, episode_index, field, fps, **kwargs)
+
+    def create_collector(self, num_groups: int, fieldnames: tuple[str, ...] | None = None,
+                         meta_fieldnames: tuple[str, ...] | None = None, **collector_kwargs: Any) -> EpisodeCollector:
+        """An EpisodeCollector that gathers ``num_groups`` lock-step episodes and stores them here."""
+        return EpisodeCollector(self, num_groups, fieldnames=fieldnames, meta_fieldnames=meta_fieldnames,
+                                **collector_kwargs)
+
+    create_rollout_collector = create_collector
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled buffer (e.g. sent to a DataLoader worker) is a read-only view of what was
+        committed; it carries no open handle and reopens its store lazily in the new process."""
+        state = dict(self.__dict__)
+        state.update(_group=None, _log_pending=[], _log_written=False, read_only=True)
+        del state["memory_namedtuple"], state["meta_data"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.storage.read_only = True
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def close(self) -> None:
         """Flush and release the storage handles."""

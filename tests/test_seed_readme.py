@@ -327,6 +327,9 @@ def cli(run: ReadmeRun, out: dict) -> None:
             except OSError:
                 time.sleep(0.2)
         assert page is not None, "the --serve page never answered"
+        assert status == 200
+        if b"front" not in page:  # replaybuf's page names its videos through its JSON API
+            status, page = http_get(f"http://127.0.0.1:{port}/api/info")
         assert status == 200 and b"front" in page and b"wrist" in page
         status, head = http_get(f"http://127.0.0.1:{port}/video/front", {"Range": "bytes=0-99"})
         assert status == 206 and len(head) == 100
