@@ -68,9 +68,10 @@ def check_episode(uid: int, length: int, rows: dict[str, np.ndarray], full: bool
 
 
 def writer_loop(location: str, uids: list[int], how: str, kwargs: dict, progress_path: str | None = None,
-                span_bytes: int | None = None, storage_options: dict | None = None) -> None:
+                span_bytes: int | None = None, storage_options: dict | None = None, stop=None) -> None:
     """Child-process body: write ``uids`` into the buffer at ``location`` (reopened, not erased),
-    appending each committed uid to ``progress_path``. ``how`` is 'steps', 'whole' or 'mixed'."""
+    appending each committed uid to ``progress_path``, until ``stop`` (an Event) is set.
+    ``how`` is 'steps', 'whole' or 'mixed'."""
     from replaybuf import ReplayBuffer, staging
 
     if span_bytes is not None:
@@ -78,6 +79,8 @@ def writer_loop(location: str, uids: list[int], how: str, kwargs: dict, progress
     buffer = ReplayBuffer(location, **kwargs, overwrite=False, storage_options=storage_options)
     progress = open(progress_path, "a") if progress_path else None
     for n, uid in enumerate(uids):
+        if stop is not None and stop.is_set():
+            break
         write_episode(buffer, uid, how if how != "mixed" else ("steps", "whole")[n % 2])
         if progress:
             progress.write(f"{uid}\n")
