@@ -54,9 +54,10 @@ def write_episode(buffer, uid: int, how: str) -> None:
         final["score"] = score(uid)
 
 
-def check_episode(uid: int, length: int, rows: dict[str, np.ndarray], full: bool = True) -> None:
-    """Assert that ``rows`` (each (T, *shape), T >= length) are episode ``uid`` cut at ``length``,
-    zero beyond; ``full`` also requires the whole episode."""
+def check_episode(uid: int, length: int, rows: dict[str, np.ndarray], full: bool = True,
+                  zeros_after: bool = True) -> None:
+    """Assert that ``rows`` (each (T, *shape), T >= length) are episode ``uid`` cut at ``length``
+    (and zero beyond when ``zeros_after``); ``full`` also requires the whole episode."""
     expected = episode(uid)
     whole = len(expected["step"])
     assert 0 < length <= whole, f"uid {uid}: stored length {length}, episode has {whole}"
@@ -64,7 +65,7 @@ def check_episode(uid: int, length: int, rows: dict[str, np.ndarray], full: bool
         assert length == whole, f"uid {uid}: stored length {length}, expected {whole}"
     for name, values in rows.items():
         np.testing.assert_array_equal(values[:length], expected[name][:length], err_msg=f"uid {uid} field {name}")
-        assert not np.any(values[length:]), f"uid {uid} field {name}: non-zero data past the length {length}"
+        assert not zeros_after or not np.any(values[length:]), f"uid {uid} field {name}: non-zero data past the length {length}"
 
 
 def writer_loop(location: str, uids: list[int], how: str, kwargs: dict, progress_path: str | None = None,
