@@ -127,6 +127,7 @@ class ReplayBuffer:
             schema = self._create(wanted)
         self._setup(schema)
         if not self.read_only:
+            self._reconcile_state()
             self._recover_step_log()
 
     def _create(self, schema: Schema | None) -> Schema:
@@ -365,7 +366,6 @@ class ReplayBuffer:
         if LOG_NAME not in self.storage.log_names():
             return
         parsed = self._step_log.parse(self.storage.read_log(LOG_NAME))
-        self._reconcile_state()
         if parsed is not None:
             header, steps, meta = parsed
             slots = np.asarray(header["slots"])

@@ -123,14 +123,18 @@ def parse_field(name: str, spec: Any) -> Field:
     return Field(name, dtype, shape, default, chunks, compressor, spec)
 
 
+COMPRESSORS = ("zstd", "blosc-lz4", "blosc-zstd", "gzip", "none")
+
+
 def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
-    """``'zstd:5'`` -> ('zstd', 5); ``'none'`` -> ('none', None)."""
+    """``'zstd:5'`` -> ('zstd', 5); ``'blosc-lz4'`` -> ('blosc-lz4', None); ``'none'`` -> ('none', None)."""
     where = f"field {name!r}: " if name else ""
     if not isinstance(text, str):
         raise TypeError(f"{where}compressor must be a string such as 'zstd:3' or 'none', got {text!r}")
     kind, _, level = text.partition(":")
-    if kind not in ("zstd", "none") or (level and not level.lstrip("-").isdigit()) or (kind == "none" and level):
-        raise ValueError(f"{where}unknown compressor {text!r}; expected 'zstd', 'zstd:LEVEL' or 'none'")
+    if kind not in COMPRESSORS or (level and not level.lstrip("-").isdigit()) or (kind == "none" and level):
+        raise ValueError(f"{where}unknown compressor {text!r}; expected one of {COMPRESSORS}, "
+                         "optionally with ':LEVEL' (e.g. 'zstd:5')")
     return kind, int(level) if level else None
 
 

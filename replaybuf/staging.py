@@ -56,7 +56,8 @@ class EpisodeGroup:
         return len(self.slots)
 
     def _fresh_rows(self, f: Field) -> np.ndarray:
-        return np.full((self.batch_size, self.spans[f.name], *f.shape), f.fill, dtype=f.dtype)
+        shape = (self.batch_size, self.spans[f.name], *f.shape)
+        return np.zeros(shape, f.dtype) if f.fill == 0 else np.full(shape, f.fill, dtype=f.dtype)
 
     def append(self, values: dict[str, np.ndarray]) -> list[tuple[str, int, np.ndarray]]:
         """Stage one step (each value shaped (batch, *shape)); return the spans that filled up."""

@@ -22,28 +22,69 @@ from ._kv import KeyValue, thread_pool
 _PARALLEL_DECODE_BYTES = 1 << 20
 
 
-class ChunkCodec:
-    """``bytes`` (little-endian) followed by an optional zstd compressor."""
+_BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
-    def __init__(self, dtype: np.dtype, level: int | None):
+
+class ChunkCodec:
+    """``bytes`` (little-endian) followed by at most one compressor (zstd, blosc or gzip)."""
+
+    def __init__(self, dtype: np.dtype, compressor: dict | None):
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.level = level
-        self._zstd = None if level is None else numcodecs.Zstd(level=level)
+        self.compressor = compressor
+        self._codec = None if compressor is None else _numcodec(compressor)
+
+    @property
+    def compressed(self) -> bool:
+        return self._codec is not None
+
+    @property
+    def label(self) -> str:
+        """Short form for ``replaybuf info``: 'zstd:3', 'blosc-lz4:5', 'none'."""
+        if self.compressor is None:
+            return "none"
+        name, config = self.compressor["name"], self.compressor.get("configuration", {})
+        if name == "blosc":
+            return f"blosc-{config.get('cname', 'lz4')}:{config.get('clevel', 5)}"
+        return f"{name}:{config.get('level', '')}".rstrip(":")
 
     def encode(self, chunk: np.ndarray) -> bytes:
         raw = np.ascontiguousarray(chunk, dtype=self.dtype)
-        return raw.tobytes() if self._zstd is None else self._zstd.encode(raw)
+        return raw.tobytes() if self._codec is None else self._codec.encode(raw)
 
     def decode(self, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
-        raw = data if self._zstd is None else self._zstd.decode(data)
+        raw = data if self._codec is None else self._codec.decode(data)
         return np.frombuffer(raw, dtype=self.dtype).reshape(shape)
 
-    def zarr_codecs(self) -> list[dict]:
-        endian = [] if self.dtype.itemsize == 1 else [{"name": "bytes", "configuration": {"endian": "little"}}]
-        codecs = endian or [{"name": "bytes"}]
-        if self.level is not None:
-            codecs.append({"name": "zstd", "configuration": {"level": self.level, "checksum": False}})
-        return codecs
+
+def _numcodec(compressor: dict):
+    name, config = compressor["name"], compressor.get("configuration", {})
+    if name == "zstd":
+        return numcodecs.Zstd(level=config.get("level", 0))
+    if name == "gzip":
+        return numcodecs.GZip(level=config.get("level", 5))
+    if name == "blosc":
+        shuffle = config.get("shuffle", "noshuffle")
+        return numcodecs.Blosc(cname=config.get("cname", "lz4"), clevel=config.get("clevel", 5),
+                               shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle), blocksize=config.get("blocksize", 0))
+    raise ValueError(f"compressor {name!r} is not one replaybuf writes")
+
+
+def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
+    """The zarr codec object for a compressor spec such as 'zstd:3' (None for 'none')."""
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    from ..schema import parse_compressor
+
+    kind, level = parse_compressor(spec)
+    if kind == "none":
+        return None
+    if kind == "zstd":
+        return ZstdCodec(level=default_level if level is None else level)
+    if kind == "gzip":
+        return GzipCodec(level=5 if level is None else level)
+    shuffle = "noshuffle" if np.dtype(dtype).itemsize == 1 else "shuffle"
+    return BloscCodec(cname=kind.split("-")[1], clevel=5 if level is None else level, shuffle=shuffle,
+                      typesize=np.dtype(dtype).itemsize)
 
 
 class ChunkedArray:
@@ -56,7 +97,8 @@ class ChunkedArray:
     """
 
     def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
-                 dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None):
+                 dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None,
+                 separator: str = "/"):
         self.kv = kv
         self.path = path
         self.shape = tuple(shape)
@@ -65,6 +107,7 @@ class ChunkedArray:
         self.codec = codec
         self._zarr_array = zarr_array
         self.grid_axes = grid_axes
+        self.separator = separator
 
     @property
     def ndim(self) -> int:
@@ -84,7 +127,8 @@ class ChunkedArray:
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         full = tuple(index) + (0,) * (self.ndim - len(index))
-        return f"{self.path}/c/" + "/".join(str(i) for i in full)
+        sep = self.separator
+        return f"{self.path}/c{sep}" + sep.join(str(i) for i in full)
 
     def _boxes_chunks(self, box: Sequence[tuple[int, int]]):
         """Chunk indices intersecting a box of [start, stop) over the grid axes."""
@@ -154,8 +198,31 @@ class ChunkedArray:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def write_box(self, start: Sequence[int], values: np.ndarray) -> None:
-        """Write ``values`` at ``start`` (per grid axis), rewriting partly covered chunks."""
+    def _write_rows_in_place(self, first: int, values: np.ndarray) -> bool:
+        """Overwrite whole rows of an uncompressed, episode-chunked array with in-place writes
+        (each a single small pwrite, as a memmap would do); False when that is not possible."""
+        if self.codec.compressed or self.grid_axes != 1:
+            return False
+        rows = np.ascontiguousarray(values, dtype=self.codec.dtype)
+        row_nbytes = rows[0].nbytes if len(rows) else 0
+        per_chunk = self.chunks[0]
+        done = 0
+        while done < len(rows):
+            episode = first + done
+            chunk, offset = divmod(episode, per_chunk)
+            count = min(len(rows) - done, per_chunk - offset)
+            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes, rows[done:done + count].tobytes()):
+                return False
+            done += count
+        return True
+
+    def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
+        """Write ``values`` at ``start`` (per grid axis), rewriting partly covered chunks.
+
+        ``atomic=False`` allows writing objects in place: only for slots no reader trusts yet.
+        """
+        if self._write_rows_in_place(int(start[0]), values):
+            return
         box = [(s, s + n) for s, n in zip(start, values.shape)]
         indices = list(self._boxes_chunks(box))
         partial = [i for i in indices if not self._covers(box, i)]
@@ -186,7 +253,7 @@ class ChunkedArray:
         else:
             blobs = {k: self.codec.encode(v) for k, v in encoded.items()}
         if blobs:
-            self.kv.set_many(blobs)
+            self.kv.set_many(blobs, atomic=atomic)
         if empty:
             self.kv.delete_many(empty)
 
@@ -252,6 +319,17 @@ class ChunkedArray:
         index = (0 if squeeze else slice(None),) + ((0 if squeeze_t else slice(None),) if time else ())
         return out[index + tuple(rest)]
 
+    def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
+        """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
+        consecutive episodes."""
+        episodes = np.asarray(episodes)
+        order = np.argsort(episodes, kind="stable")
+        episodes, values = episodes[order], values[order]
+        runs = np.flatnonzero(np.diff(episodes) != 1) + 1
+        for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(episodes)]):
+            start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
+            self.write_box(start, values[lo:hi], atomic=atomic)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         parsed = self._normalize(key)
         if parsed is None or parsed[4]:
@@ -262,14 +340,8 @@ class ChunkedArray:
         drops = (squeeze,) + ((squeeze_t,) if time else ()) + (False,) * (self.ndim - self.grid_axes)
         view = tuple(n for n, drop in zip(full, drops) if not drop)
         values = np.broadcast_to(np.asarray(value, dtype=self.dtype), view).reshape(full)
-        if len(episodes) == 0:
-            return
-        order = np.argsort(episodes, kind="stable")
-        episodes, values = episodes[order], values[order]
-        runs = np.flatnonzero(np.diff(episodes) != 1) + 1
-        for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(episodes)]):
-            start = (int(episodes[lo]),) + ((time[0],) if time else ())
-            self.write_box(start, values[lo:hi])
+        if len(episodes):
+            self.write_rows(episodes, time[0] if time else 0, values)
 
     def _zarr(self):
         if self._zarr_array is None:

@@ -39,8 +39,14 @@ class KeyValue(ABC):
         """The bytes of each key (None where absent), fetched concurrently where possible."""
 
     @abstractmethod
-    def set_many(self, items: dict[str, bytes]) -> None:
-        """Write each key atomically."""
+    def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
+        """Byte ranges ``(key, start, stop)``; a negative ``start`` with ``stop=None`` asks for
+        the last ``-start`` bytes. None where the key is absent."""
+
+    @abstractmethod
+    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+        """Write each key; ``atomic`` replaces it whole (readers never see a torn object).
+        Non-atomic writes are for objects no reader trusts yet (unpublished slots)."""
 
     @abstractmethod
     def delete_many(self, keys: Sequence[str]) -> None:
@@ -63,6 +69,14 @@ class KeyValue(ABC):
         """Append to an object in place where the medium allows; False when it does not."""
         return False
 
+    def close(self) -> None:
+        """Release open handles; the object stays usable."""
+
+    def write_at(self, key: str, offset: int, data: bytes) -> bool:
+        """Overwrite bytes of an existing object in place where the medium allows; False when
+        it does not (or the object is absent)."""
+        return False
+
 
 class LocalKV(KeyValue):
     """Files under a root folder; the layout zarr's LocalStore uses."""
@@ -71,6 +85,17 @@ class LocalKV(KeyValue):
         self.root = root
         self.fsync = fsync
         self._appenders: dict[str, int] = {}
+        self._appenders_pid = os.getpid()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_appenders": {}}
+
+    def close_appenders(self, prefix: str = "") -> None:
+        """Close the append handles of keys under ``prefix`` (all by default)."""
+        for key in [k for k in self._appenders if k.startswith(prefix)]:
+            fd = self._appenders.pop(key)
+            if self._appenders_pid == os.getpid():
+                os.close(fd)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -86,6 +111,39 @@ class LocalKV(KeyValue):
         if len(keys) <= 4:
             return [self._read(k) for k in keys]
         return list(thread_pool().map(self._read, keys))
+
+    def _read_range(self, request: tuple[str, int, int | None]) -> bytes | None:
+        key, start, stop = request
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if start < 0:
+                size = os.fstat(fd).st_size
+                start, stop = max(0, size + start), size
+            return os.pread(fd, stop - start, start)
+        finally:
+            os.close(fd)
+
+    def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
+        if len(requests) <= 4:
+            return [self._read_range(r) for r in requests]
+        return list(thread_pool().map(self._read_range, requests))
+
+    def _write_in_place(self, item: tuple[str, bytes]) -> None:
+        key, data = item
+        path = self._path(key)
+        try:
+            f = open(path, "wb")
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            f = open(path, "wb")
+        with f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
 
     def _write(self, item: tuple[str, bytes]) -> None:
         key, data = item
@@ -105,22 +163,25 @@ class LocalKV(KeyValue):
                 os.unlink(tmp)
             raise
 
-    def set_many(self, items: dict[str, bytes]) -> None:
+    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+        write = self._write if atomic else self._write_in_place
         try:
             if len(items) <= 2:
                 for item in items.items():
-                    self._write(item)
+                    write(item)
             else:
-                list(thread_pool().map(self._write, items.items()))
+                list(thread_pool().map(write, items.items()))
         except OSError as e:
             raise StorageError(f"writing to {self.root!r} failed: {e}") from e
 
     def delete_many(self, keys: Sequence[str]) -> None:
         for key in keys:
+            self.close_appenders(key)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(key))
 
     def delete_prefix(self, prefix: str) -> None:
+        self.close_appenders(prefix)
         path = self._path(prefix.rstrip("/"))
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -139,16 +200,37 @@ class LocalKV(KeyValue):
         return sorted(keys)
 
     def append(self, key: str, data: bytes) -> bool:
+        if self._appenders_pid != os.getpid():
+            self._appenders, self._appenders_pid = {}, os.getpid()
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            with open(path, "ab") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            fd = self._appenders.get(key)
+            if fd is None:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = self._appenders[key] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(fd, data)
+            if self.fsync:
+                os.fsync(fd)
         except OSError as e:
             raise StorageError(f"appending to {path!r} failed: {e}") from e
+        return True
+
+    def close(self) -> None:
+        self.close_appenders()
+
+    def write_at(self, key: str, offset: int, data: bytes) -> bool:
+        try:
+            fd = os.open(self._path(key), os.O_WRONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            os.pwrite(fd, data, offset)
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as e:
+            raise StorageError(f"writing to {self._path(key)!r} failed: {e}") from e
+        finally:
+            os.close(fd)
         return True
 
     def remove_partials(self) -> None:
@@ -212,7 +294,26 @@ class StoreKV(KeyValue):
 
         return list(self._run(all_keys()))
 
-    def set_many(self, items: dict[str, bytes]) -> None:
+    def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
+        from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+
+        store, proto = self.store, default_buffer_prototype()
+        limit = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(request):
+            key, start, stop = request
+            byte_range = SuffixByteRequest(-start) if start < 0 else RangeByteRequest(start, stop)
+            async with limit:
+                buf = await store.get(key, proto, byte_range=byte_range)
+            return None if buf is None else buf.to_bytes()
+
+        async def all_requests():
+            return await asyncio.gather(*(one(r) for r in requests))
+
+        return list(self._run(all_requests()))
+
+    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()

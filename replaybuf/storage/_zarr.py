@@ -16,17 +16,31 @@ import os
 
 import numpy as np
 
-from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema, parse_compressor
-from ._chunks import ChunkCodec, ChunkedArray
+from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
+from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
 from ._kv import KeyValue, LocalKV, StoreKV
+from ._shards import ShardedArray
 from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
+DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
-# Image-like steps get one frame per chunk so random timestep sampling decodes only what it
-# uses; small vectors get long chunks (benchmarks/RESULTS.md, "Codec choice").
+# Image-like steps get one frame per inner chunk so random timestep sampling decodes only what
+# it uses, inside one shard per episode; small vectors get long chunks
+# (benchmarks/RESULTS.md, "Codec choice").
 IMAGE_STEP_BYTES = 4096
 SMALL_CHUNK_BYTES = 1 << 16
+# Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
+# value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
+
+
+# chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
+FLAT_KEYS = {"name": "default", "separator": "."}
+
+
+def is_sharded(field: Field) -> bool:
+    """Image-like fields store one shard per episode holding one inner chunk per frame."""
+    return field.step_nbytes >= IMAGE_STEP_BYTES
 
 
 def default_time_chunk(field: Field, max_timesteps: int) -> int:
@@ -38,9 +52,8 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
     return int(min(max_timesteps, max(1, SMALL_CHUNK_BYTES // max(field.step_nbytes, 1))))
 
 
-def _compression_level(field: Field) -> int | None:
-    kind, level = parse_compressor(field.compressor or "zstd", field.name)
-    return None if kind == "none" else (DEFAULT_ZSTD_LEVEL if level is None else level)
+def _compressor(field: Field, default: str):
+    return compressor_codec(field.compressor or default, field.dtype, DEFAULT_ZSTD_LEVEL)
 
 
 def _is_url(location: str) -> bool:
@@ -66,7 +79,7 @@ class ZarrStorage(Storage):
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
         if not _is_url(location):
             return LocalKV(_local_root(location), fsync=fsync)
-        return StoreKV(lambda: _open_zarr_store(location, storage_options, read_only), location)
+        return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
     def _zarr_store(self, read_only: bool):
         if not _is_url(self.location):
@@ -103,8 +116,6 @@ class ZarrStorage(Storage):
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         import zarr
-        from zarr.codecs import ZstdCodec
-
         self.read_only = False
         if overwrite:
             self._erase()
@@ -113,18 +124,18 @@ class ZarrStorage(Storage):
                                attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()})
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
-            level = _compression_level(field)
+            chunk = default_time_chunk(field, schema.max_timesteps)
             data.create_array(
                 field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                chunks=(1, default_time_chunk(field, schema.max_timesteps), *field.shape), dtype=field.dtype,
-                compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
+                chunks=(1, chunk, *field.shape), dtype=field.dtype,
+                shards=(1, schema.max_timesteps, *field.shape) if is_sharded(field) else None,
+                compressors=_compressor(field, DEFAULT_COMPRESSOR), fill_value=0, chunk_key_encoding=FLAT_KEYS,
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-            level = _compression_level(field)
             meta.create_array(
                 field.name, shape=(schema.max_episodes, *field.shape),
                 chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape), dtype=field.dtype,
-                compressors=None if level is None else ZstdCodec(level=level), fill_value=0,
+                compressors=_compressor(field, "none"), fill_value=0, chunk_key_encoding=FLAT_KEYS,
             )
         self.commit_state(empty_state())
         self._load_arrays(schema)
@@ -172,15 +183,23 @@ class ZarrStorage(Storage):
             self._arrays[name, meta] = self._chunked_array(path, json.loads(doc), 1 if meta else 2)
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
-        codecs = doc["codecs"]
-        if codecs[0]["name"] != "bytes" or any(c["name"] != "zstd" for c in codecs[1:]) or len(codecs) > 2:
-            raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads only bytes+zstd arrays it wrote")
-        level = codecs[1]["configuration"]["level"] if len(codecs) == 2 else None
+        codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+        sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
+        if sharding is not None:
+            codecs, chunks = sharding["codecs"], tuple(sharding["chunk_shape"])
+        if codecs[0]["name"] != "bytes" or len(codecs) > 2 or any(
+                c["name"] not in ("zstd", "blosc", "gzip") for c in codecs[1:]):
+            raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads the bytes + zstd/blosc/gzip "
+                             "stacks it writes itself")
         dtype = np.dtype(doc["data_type"])
-        return ChunkedArray(
-            self.kv, path, tuple(doc["shape"]), tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]),
-            dtype, ChunkCodec(dtype, level), grid_axes, zarr_array=functools.partial(self._open_zarr_array, path),
-        )
+        codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
+        args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
+        options = dict(zarr_array=functools.partial(self._open_zarr_array, path),
+                       separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
+        if sharding is None:
+            return ChunkedArray(*args, **options)
+        index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
+        return ShardedArray(*args, index_crc=index_crc, **options)
 
     def _open_zarr_array(self, path: str):
         import zarr
@@ -220,16 +239,21 @@ class ZarrStorage(Storage):
         if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
             super().append_log(name, data)
 
+    def close(self) -> None:
+        # docstring inherited
+        self.kv.close()
+
     # ---- batched I/O -------------------------------------------------------------------------
 
     def time_chunk(self, name: str) -> int:
         # docstring inherited
-        return self.array(name).chunks[1]
+        array = self.array(name)
+        return array.shard_time if isinstance(array, ShardedArray) else array.chunks[1]
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
-        self.array(name)[np.asarray(episodes), t0:t0 + values.shape[1]] = values
+        self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False)
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
@@ -250,7 +274,7 @@ class ZarrStorage(Storage):
         for (name, meta), array in self._arrays.items():
             fields[f"{'meta' if meta else 'data'}/{name}"] = {
                 "shape": array.shape, "chunks": array.chunks, "dtype": array.dtype.name,
-                "compressor": "none" if array.codec.level is None else f"zstd:{array.codec.level}",
+                "compressor": array.codec.label,
             }
         return {**super().describe(), "arrays": fields}
 

@@ -162,7 +162,10 @@ class Storage(ABC):
         return 1
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
-        """Write ``values`` (len(episodes), T, *shape) into ``data/name[episodes, t0:t0+T]``."""
+        """Write ``values`` (len(episodes), T, *shape) into ``data/name[episodes, t0:t0+T]``.
+
+        The buffer calls this only for slots no reader trusts (new or invalidated), so a backend
+        may write in place instead of atomically."""
         self._check_writable()
         array = self.array(name)
         for row, episode in enumerate(np.asarray(episodes)):

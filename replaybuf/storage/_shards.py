@@ -1,0 +1,134 @@
+"""Sharded zarr arrays: one object per episode holding one compressed inner chunk per frame.
+
+Image fields want one frame per chunk (random timestep sampling decodes only what it uses),
+but one object per frame means millions of files or objects. The zarr v3 sharding codec puts
+an episode's frames in one shard ``(1, max_timesteps, *shape)`` with an index at its end; this
+module writes such shards whole (all frames encoded in parallel, all-zero frames left out) and
+reads single frames with two small range reads (the index, then the coalesced frame bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numcodecs
+import numpy as np
+
+from ._chunks import ChunkedArray
+from ._kv import thread_pool
+
+_MISSING = np.uint64(2**64 - 1)
+_crc32c = numcodecs.CRC32C()
+
+
+class ShardedArray(ChunkedArray):
+    """A (episode, time, *shape) array sharded as one shard per episode.
+
+    ``chunks`` are the inner chunks ``(1, T_inner, *shape)``; the shard spans the whole time axis.
+    """
+
+    def __init__(self, *args, index_crc: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
+        self.index_crc = index_crc
+        self.index_nbytes = 16 * self.inner_per_shard + (4 if index_crc else 0)
+
+    def shard_key(self, episode: int) -> str:
+        return self.chunk_key((episode, 0))
+
+    @property
+    def shard_time(self) -> int:
+        return self.shape[1]
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def _parse_index(self, raw: bytes | None) -> np.ndarray | None:
+        if raw is None:
+            return None
+        body = raw[:-4] if self.index_crc else raw
+        return np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
+
+    def read_indexes(self, episodes: Sequence[int]) -> dict[int, np.ndarray | None]:
+        """The shard index (offset, nbytes per inner chunk) of each episode's shard."""
+        unique = list(dict.fromkeys(int(e) for e in episodes))
+        raws = self.kv.get_ranges([(self.shard_key(e), -self.index_nbytes, None) for e in unique])
+        return {e: self._parse_index(r) for e, r in zip(unique, raws)}
+
+    def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
+        # docstring inherited
+        unique = list(dict.fromkeys(tuple(int(i) for i in index[:2]) for index in indices))
+        indexes = self.read_indexes([e for e, _ in unique])
+        spans: dict[int, list[tuple[int, int, tuple]]] = {}
+        for e, ti in unique:
+            index = indexes[e]
+            if index is None or index[ti, 0] == _MISSING:
+                continue
+            spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), (e, ti)))
+        requests, pieces = [], []
+        for e, items in spans.items():
+            items.sort()
+            run = [items[0]]
+            for item in items[1:]:
+                if item[0] == run[-1][0] + run[-1][1]:
+                    run.append(item)
+                else:
+                    requests.append((self.shard_key(e), run[0][0], run[-1][0] + run[-1][1]))
+                    pieces.append(run)
+                    run = [item]
+            requests.append((self.shard_key(e), run[0][0], run[-1][0] + run[-1][1]))
+            pieces.append(run)
+        raws: dict[tuple, bytes | None] = {}
+        for data, run in zip(self.kv.get_ranges(requests), pieces):
+            base = run[0][0]
+            for offset, nbytes, key in run:
+                raws[key] = None if data is None else data[offset - base: offset - base + nbytes]
+        decoded = self._decode_many({k: raws.get(k) for k in unique})
+        return {index: decoded[tuple(int(i) for i in index[:2])] for index in indices}
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def encode_shard(self, rows: np.ndarray) -> bytes | None:
+        """One episode's (shard_time, *shape) rows as shard bytes; None when all zero."""
+        step = self.chunks[1]
+        pieces = [rows[i * step:(i + 1) * step] for i in range(self.inner_per_shard)]
+        nonzero = [i for i, p in enumerate(pieces) if p.any()]
+        if not nonzero:
+            return None
+
+        def encode(i):
+            piece = pieces[i]
+            if piece.shape[0] < step:
+                piece = np.concatenate([piece, np.zeros((step - piece.shape[0], *piece.shape[1:]), piece.dtype)])
+            return self.codec.encode(piece[None])
+
+        if len(nonzero) > 4 and rows[: len(pieces) * step].nbytes > (1 << 20):
+            blobs = list(thread_pool().map(encode, nonzero))
+        else:
+            blobs = [encode(i) for i in nonzero]
+        index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
+        offset = 0
+        for i, blob in zip(nonzero, blobs):
+            index[i] = (offset, len(blob))
+            offset += len(blob)
+        index_bytes = index.tobytes()
+        if self.index_crc:
+            index_bytes = bytes(_crc32c.encode(index_bytes))
+        return b"".join(blobs) + index_bytes
+
+    def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
+        # docstring inherited
+        e0, t0 = int(start[0]), int(start[1]) if len(start) > 1 else 0
+        count, length = values.shape[0], values.shape[1]
+        whole = t0 == 0 and length >= self.shard_time
+        if whole:
+            rows = values[:, : self.shard_time]
+        else:
+            rows = self.read_boxes([((e0, e0 + count), (0, self.shard_time))])[0]
+            rows[:, t0:t0 + length] = values
+        shards = {self.shard_key(e0 + i): self.encode_shard(rows[i]) for i in range(count)}
+        present = {k: v for k, v in shards.items() if v is not None}
+        if present:
+            self.kv.set_many(present, atomic=atomic)
+        empty = [k for k, v in shards.items() if v is None]
+        if empty:
+            self.kv.delete_many(empty)

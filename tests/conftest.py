@@ -1,0 +1,44 @@
+"""Shared fixtures: a buffer location per backend, so API tests run on every backend."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from replaybuf.storage import backend_class
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+_counter = itertools.count()
+
+
+def _available(name: str) -> bool:
+    try:
+        backend_class(name)
+    except ImportError:
+        return False
+    return True
+
+
+BACKENDS = [b for b in ("zarr", "memory", "memmap", "hdf5") if b in ("zarr", "memory") or _available(b)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """The backend under test: 'memory' is the zarr backend on a ``memory://`` URL."""
+    return request.param
+
+
+@pytest.fixture
+def make_location(backend, tmp_path):
+    """A factory of fresh buffer locations plus the backend= argument for the backend under test."""
+
+    def make(name: str = "buffer") -> tuple[str, dict]:
+        if backend == "memory":
+            return f"memory://replaybuf-tests/{name}-{os.getpid()}-{next(_counter)}", {}
+        kwargs = {} if backend == "zarr" else {"backend": backend}
+        return str(tmp_path / f"{name}-{next(_counter)}"), kwargs
+
+    return make

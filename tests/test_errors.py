@@ -1,0 +1,118 @@
+"""Bad input: a clear error naming the field, what was given and what was expected, raised
+before anything is written; the buffer is unchanged afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replaybuf import ReplayBuffer
+
+from .test_buffer import FIELDS, META, assert_same_snapshot, fill_episode, make, snapshot
+
+
+@pytest.mark.parametrize(
+    "fields, meta, error, pattern",
+    [
+        (dict(x="complex"), None, TypeError, "unknown dtype 'complex'"),
+        (dict(x="str"), None, TypeError, "'x'"),
+        (dict(x=("float", -1)), None, TypeError, "shape must be a positive"),
+        (dict(x=("float", (2,), "zero")), None, TypeError, "default must be a number"),
+        (dict(x="float"), dict(x="int"), ValueError, r"must not share names; both define \['x'\]"),
+        (dict(x="float"), dict(episode_lens="int"), ValueError, "reserved"),
+        ({}, None, ValueError, "fields must be a non-empty dict"),
+        (dict(x={"dtype": "float", "chunk": 3}), None, ValueError, "unknown spec keys"),
+        (dict(x={"dtype": "float", "compressor": "lz5"}), None, ValueError, "unknown compressor 'lz5'"),
+        (dict(x=["float", 2, 0, 1]), None, TypeError, "spec must be"),
+    ],
+)
+def test_bad_schema(tmp_path, fields, meta, error, pattern):
+    location = tmp_path / "b"
+    with pytest.raises(error, match=pattern):
+        ReplayBuffer(str(location), 2, 3, fields=fields, meta_fields=meta)
+    assert not location.exists()
+
+
+@pytest.mark.parametrize("arg, value", [("max_episodes", 0), ("max_timesteps", -1), ("max_episodes", 2.5)])
+def test_bad_sizes(tmp_path, arg, value):
+    kwargs = dict(max_episodes=2, max_timesteps=3, fields=dict(x="float"))
+    kwargs[arg] = value
+    with pytest.raises(ValueError, match=arg):
+        ReplayBuffer(str(tmp_path / "b"), **kwargs)
+
+
+def test_bad_flush_setting(tmp_path):
+    with pytest.raises(ValueError, match="flush_every_store_step"):
+        ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), flush_every_store_step=-1)
+
+
+def test_numpy_dtype_names_are_accepted(tmp_path):
+    buffer = ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float16", y=("int64", 2), z="uint8"))
+    assert buffer.dtypes == {"x": np.float16, "y": np.int64, "z": np.uint8}
+
+
+BAD_WRITES = [
+    ("store unknown field", lambda b: b.store(bogus=1.0), ValueError, r"invalid field names \['bogus'\]"),
+    ("store wrong shape", lambda b: b.store(action=np.zeros(3)), ValueError, r"'action'.*\(3,\).*\(2,\)"),
+    ("store string", lambda b: b.store(reward="high"), TypeError, "'reward'"),
+    ("store object", lambda b: b.store(reward=object()), TypeError, "'reward'"),
+    ("store NaN into int", lambda b: b.store(action=np.array([np.nan, 1.0])), ValueError, "'action'.*non-finite"),
+    ("store out of range int", lambda b: b.store(action=np.array([2**40, 1])), ValueError, "'action'.*do not fit"),
+    ("store_episode mismatched time", lambda b: b.store_episode(reward=np.ones(3), action=np.ones((4, 2))),
+     ValueError, "'action' has 4 timesteps"),
+    ("store_episode scalar field", lambda b: b.store_episode(reward=1.0), ValueError, "'reward' needs a time"),
+    ("store_episode only meta", lambda b: b.store_episode(task_id=1), ValueError, "time-varying"),
+    ("store_episode too long", lambda b: b.store_episode(reward=np.ones(13)), ValueError, "max_timesteps"),
+    ("store_episode bad shape", lambda b: b.store_episode(state=np.ones((3, 3, 4))), ValueError, "'state'"),
+    ("store_episode bad meta", lambda b: b.store_episode(reward=np.ones(3), task_id=[1, 2]), ValueError, "'task_id'"),
+    ("store_episode unknown", lambda b: b.store_episode(reward=np.ones(3), nope=1), ValueError, "nope"),
+    ("one_episode unknown meta", lambda b: b.one_episode(nope=1).__enter__(), ValueError, "nope"),
+    ("batched bad size", lambda b: b.batched_episode(0).__enter__(), ValueError, "batch_size"),
+    ("batched meta wrong batch", lambda b: b.batched_episode(2, task_id=[1, 2, 3]).__enter__(), ValueError,
+     "'task_id'.*batch size 3"),
+    ("store_batch mismatched", lambda b: b.store_batch(reward=np.ones(2), action=np.ones((3, 2))), ValueError,
+     "'action' has batch size 3"),
+    ("store_batch empty", lambda b: b.store_batch(), ValueError, "no data"),
+    ("update empty", lambda b: b.update(), ValueError, "no data"),
+    ("update bad index type", lambda b: b.update([0.5], reward=np.ones((1, 2))), TypeError, "indices"),
+    ("meta datapoint unknown", lambda b: b.store_meta_datapoint(0, "nope", 1), ValueError, "nope"),
+]
+
+
+@pytest.mark.parametrize("label, call, error, pattern", BAD_WRITES, ids=[w[0] for w in BAD_WRITES])
+def test_bad_writes_leave_buffer_unchanged(make_location, label, call, error, pattern):
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 3, task=1)
+    before = snapshot(buffer)
+    with pytest.raises(error, match=pattern):
+        call(buffer)
+    assert buffer.timestep_index == 0
+    assert_same_snapshot(before, snapshot(buffer))
+
+
+def test_store_batch_wrong_size_inside_group(make_location):
+    buffer, *_ = make(make_location)
+    with pytest.raises(ValueError, match="batch size 3"):
+        with buffer.batched_episode(2):
+            buffer.store_batch(reward=torch.ones(2))
+            buffer.store_batch(reward=torch.ones(3))
+    assert buffer.num_episodes == 0
+
+
+def test_error_messages_name_expected_values(make_location):
+    buffer, *_ = make(make_location)
+    with pytest.raises(ValueError) as info:
+        buffer.store(state=np.zeros((3, 4)))
+    message = str(info.value)
+    assert "'state'" in message and "(3, 4)" in message and "(3, 4, 4)" in message
+    with pytest.raises(ValueError) as info:
+        buffer.store(bogus=1)
+    assert all(name in str(info.value) for name in FIELDS)
+
+
+def test_meta_names_in_store_are_rejected(make_location):
+    buffer, *_ = make(make_location)
+    with pytest.raises(ValueError, match="task_id"):
+        buffer.store(task_id=1)
+    assert set(META) <= buffer.meta_fieldnames

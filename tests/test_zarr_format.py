@@ -1,0 +1,79 @@
+"""The zarr backend's on-disk format: valid zarr v3 that zarr-python reads, JSON config only."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+
+from replaybuf import ReplayBuffer
+
+
+@pytest.mark.parametrize("compressor", ["zstd", "zstd:7", "blosc-lz4", "blosc-zstd:3", "gzip:4", "none"])
+def test_zarr_python_reads_what_replaybuf_writes(tmp_path, compressor):
+    path = str(tmp_path / "b")
+    fields = dict(frame={"dtype": "uint8", "shape": (32, 32, 3), "compressor": compressor},
+                  state={"dtype": "float", "shape": 5, "compressor": compressor, "chunks": 4}, reward="float")
+    buffer = ReplayBuffer(path, 4, 11, fields=fields, meta_fields=dict(task=("int", 2)))
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (9, 32, 32, 3), dtype=np.uint8)
+    frames[3] = 0
+    states = rng.normal(size=(9, 5)).astype(np.float32)
+    buffer.store_episode(frame=frames, state=states, reward=np.arange(9.0), task=[3, 4])
+    with buffer.one_episode(task=[1, 2]):
+        for t in range(11):
+            buffer.store(frame=frames[t % 9], state=states[t % 9], reward=-t)
+
+    group = zarr.open_group(path, mode="r")
+    np.testing.assert_array_equal(group["data/frame"][0, :9], frames)
+    assert not group["data/frame"][0, 9:].any()
+    np.testing.assert_array_equal(group["data/state"][0, :9], states)
+    np.testing.assert_array_equal(group["data/reward"][1, :], -np.arange(11.0))
+    assert group["meta/task"][:2].tolist() == [[3, 4], [1, 2]]
+    assert group["meta/episode_lens"][:3].tolist() == [9, 11, 0]
+    assert group.attrs["format"] == "replaybuf" and group.attrs["fields"]["frame"]["compressor"] == compressor
+    np.testing.assert_array_equal(buffer.data["frame"][1, 2:5], frames[2:5])
+    assert buffer.storage.describe()["arrays"]["data/state"]["chunks"][1] == 4
+
+
+def test_image_fields_are_one_shard_per_episode(tmp_path):
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 5, 40, fields=dict(frame=("uint8", (64, 64, 3)), reward="float"))
+    for _ in range(3):
+        buffer.store_episode(frame=np.full((30, 64, 64, 3), 9, np.uint8), reward=np.ones(30))
+    shards = [p.name for p in (path / "data" / "frame").iterdir() if p.name != "zarr.json"]
+    assert sorted(shards) == ["c.0.0.0.0.0", "c.1.0.0.0.0", "c.2.0.0.0.0"]
+    assert buffer.storage.describe()["arrays"]["data/frame"]["chunks"] == (1, 1, 64, 64, 3)
+    assert buffer.storage.gather("frame", np.array([2, 0, 2]), np.array([29, 0, 5]))[:, 0, 0, 0].tolist() == [9] * 3
+    assert buffer.storage.read_rows("frame", np.array([1]), 28, 32)[0, :, 0, 0, 0].tolist() == [9, 9, 0, 0]
+
+
+def test_update_inside_a_shard_keeps_the_other_frames(tmp_path):
+    buffer = ReplayBuffer(str(tmp_path / "b"), 2, 10, fields=dict(frame=("uint8", (48, 48, 3))))
+    frames = np.arange(10, dtype=np.uint8)[:, None, None, None] * np.ones((1, 48, 48, 3), np.uint8)
+    buffer.store_episode(frame=frames)
+    buffer.update(0, frame=np.full((1, 48, 48, 3), 200, np.uint8))
+    buffer.store_datapoint(0, 5, "frame", np.full((48, 48, 3), 100, np.uint8))
+    assert buffer.data["frame"][0, :, 0, 0, 0].tolist() == [200, 1, 2, 3, 4, 100, 6, 7, 8, 9]
+
+
+def test_config_is_json_and_no_pickle_anywhere(tmp_path):
+    path = tmp_path / "b"
+    ReplayBuffer(str(path), 2, 3, fields=dict(x=("float", 2, 0.5)), meta_fields=dict(m="int")).store_episode(
+        x=np.ones((2, 2)), m=1)
+    attributes = json.loads((path / "zarr.json").read_text())["attributes"]
+    assert attributes["version"] == 1 and attributes["fields"]["x"] == {"dtype": "float32", "shape": [2], "default": 0.5}
+    assert json.loads((path / "replaybuf" / "state.json").read_text())["num_episodes"] == 1
+    assert not [p for p in path.rglob("*") if p.suffix in (".pkl", ".pickle")]
+
+
+def test_newer_format_version_is_refused(tmp_path):
+    path = tmp_path / "b"
+    ReplayBuffer(str(path), 2, 3, fields=dict(x="float"))
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["version"] = 99
+    (path / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="upgrade replaybuf"):
+        ReplayBuffer.from_folder(str(path))
