@@ -10,11 +10,14 @@ before and after a read, the slot held episode ``g`` during the whole read, and 
 1. reads the generation (or takes the one its batch plan was made with),
 2. reads lengths, meta rows and data,
 3. reads the generation again and keeps only slots where it did not change.
+
+The writer rewrites a reused slot's data objects in place, so step 2 may also fail to decode
+a slot being rewritten; ``read_unchanged`` drops such slots and reads the others again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +39,33 @@ def unchanged_slots(buffer: ReplayBuffer, slots: np.ndarray, generations: np.nda
     that episode. Call it after the read; drop or resample the slots where it is False."""
     generations = np.asarray(generations)
     return (stored_meta(buffer, "_generation", slots) == generations) & (generations > 0)
+
+
+def read_unchanged(buffer: ReplayBuffer, slots: np.ndarray, generations: np.ndarray,
+                   read: Callable[[np.ndarray], dict[str, np.ndarray]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Run ``read(positions)`` for the positions of ``slots`` planned at ``generations`` and keep
+    what was read from slots that still hold those episodes afterwards.
+
+    ``read`` gets indices into ``slots`` and returns arrays whose first axis follows them (a
+    sampler passes its (slot, timestep) pairs). A writer rewrites a reused slot's objects in
+    place, so a read that overlaps a rewrite may also fail to decode: the error is dropped with
+    the slots that changed, and the others are read again; an error with no slot changed is
+    raised. Returns (positions kept, their values).
+    """
+    slots, generations = np.asarray(slots, dtype=np.int64), np.asarray(generations, dtype=np.int64)
+    positions = np.flatnonzero(generations > 0)
+    while len(positions):
+        try:
+            values = read(positions)
+        except Exception:
+            still = unchanged_slots(buffer, slots[positions], generations[positions])
+            if still.all():
+                raise
+            positions = positions[still]
+            continue
+        still = unchanged_slots(buffer, slots[positions], generations[positions])
+        return positions[still], {name: value[still] for name, value in values.items()}
+    return positions, read(positions)
 
 
 @dataclass
@@ -81,21 +111,22 @@ def read_episodes_consistent(buffer: ReplayBuffer, slots: Sequence[int] | np.nda
             raise ValueError(f"generations has shape {generations.shape}, slots {slots.shape}: pass one per slot")
         before = np.where(before == generations, before, 0)
     lens = stored_meta(buffer, "episode_lens", slots)
-    candidates = (before > 0) & (lens > 0)
-    meta = {n: stored_meta(buffer, n, slots[candidates]) for n in buffer.schema.meta_fields}
-    longest = int(lens[candidates].max()) if candidates.any() else 0
-    data = {}
-    for name in fields:
-        rows = buffer.storage.read_rows(name, slots[candidates], 0, longest)
-        rows[np.arange(longest)[None, :] >= lens[candidates][:, None]] = 0
-        data[name] = rows
-    after = stored_meta(buffer, "_generation", slots[candidates])
-    keep = after == before[candidates]
-    kept = slots[candidates][keep]
-    kept_lens = lens[candidates][keep]
-    cut = int(kept_lens.max()) if len(kept_lens) else 0
+    before = np.where(lens > 0, before, 0)
+    meta = {n: stored_meta(buffer, n, slots) for n in buffer.schema.meta_fields}
+    longest = int(lens[before > 0].max()) if (before > 0).any() else 0
+
+    def read(positions: np.ndarray) -> dict[str, np.ndarray]:
+        out = {}
+        for name in fields:
+            rows = buffer.storage.read_rows(name, slots[positions], 0, longest)
+            rows[np.arange(longest)[None, :] >= lens[positions][:, None]] = 0
+            out[name] = rows
+        return out
+
+    kept, data = read_unchanged(buffer, slots, before, read)
+    cut = int(lens[kept].max()) if len(kept) else 0
     return ConsistentEpisodes(
-        slots=kept, generations=before[candidates][keep], lens=kept_lens,
-        data={n: v[keep][:, :cut] for n, v in data.items()}, meta={n: v[keep] for n, v in meta.items()},
-        dropped=np.setdiff1d(slots, kept),
+        slots=slots[kept], generations=before[kept], lens=lens[kept],
+        data={n: v[:, :cut] for n, v in data.items()}, meta={n: v[kept] for n, v in meta.items()},
+        dropped=np.setdiff1d(slots, slots[kept]),
     )

@@ -15,6 +15,7 @@ FIELDS = {
     "obs": {"dtype": "float32", "shape": [3], "chunks": 4},
     "step": {"dtype": "int32", "shape": [], "chunks": 4},
     "img": {"dtype": "uint8", "shape": [4, 4], "chunks": 2},
+    "frame": {"dtype": "uint8", "shape": [32, 32, 4]},  # image-sized: one shard per episode
 }
 META_FIELDS = {"uid": "int", "score": "float"}
 
@@ -30,6 +31,7 @@ def episode(uid: int, max_timesteps: int = MAX_TIMESTEPS) -> dict[str, np.ndarra
         "obs": (uid * 1000 + t[:, None] + np.array([0.0, 0.25, 0.5])).astype(np.float32),
         "step": (uid * 100 + t).astype(np.int32),
         "img": ((uid * 31 + t[:, None, None] + np.arange(16).reshape(4, 4)) % 256).astype(np.uint8),
+        "frame": ((uid * 17 + t[:, None, None, None] + np.arange(4096).reshape(32, 32, 4) // 64) % 256).astype(np.uint8),
     }
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
-from replaybuf.consistency import read_episodes_consistent, stored_meta, unchanged_slots
+from replaybuf.consistency import read_episodes_consistent, read_unchanged, stored_meta, unchanged_slots
 
-from ._workloads import buffer_kwargs, check_episode, episode_length, write_episode, writer_loop
+from ._workloads import buffer_kwargs, check_episode, episode, episode_length, write_episode, writer_loop
 
 FORK = multiprocessing.get_context("fork")
 READ_ROUNDS = 25
@@ -111,6 +111,39 @@ def test_consistent_read_drops_a_slot_reused_during_the_read(location):
     assert verify(got) == [2]
 
 
+def test_a_read_torn_by_a_rewrite_drops_that_slot(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (1, 2):
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, calls = reader.storage.read_rows, []
+
+    def torn_once(name, episodes, t0, t1):
+        calls.append(list(episodes))
+        if len(calls) == 1:
+            write_episode(writer, 3, "whole")  # slot 0 is rewritten while it is read
+            raise RuntimeError("Zstd decompression error: invalid input data")
+        return read_rows(name, episodes, t0, t1)
+
+    reader.storage.read_rows = torn_once
+    got = read_episodes_consistent(reader, [0, 1])
+    assert calls[0] == [0, 1] and calls[1] == [1], "the slots that did not change are read again"
+    assert verify(got) == [2]
+
+
+def test_a_read_error_without_a_rewrite_is_raised(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    write_episode(writer, 1, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+
+    def broken(name, episodes, t0, t1):
+        raise RuntimeError("disk on fire")
+
+    reader.storage.read_rows = broken
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        read_episodes_consistent(reader, [0])
+
+
 def test_consistent_read_honours_a_plan(location):
     writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
     for uid in (1, 2):
@@ -165,9 +198,13 @@ def run_reader_against_writer(location, progress, kwargs, circular, storage_opti
                 lens = stored_meta(reader, "episode_lens", slots)
                 uid = stored_meta(reader, "uid", slots)
                 t = (rng.random(len(slots)) * np.maximum(lens, 1)).astype(np.int64)
-                steps = reader.storage.gather("step", slots, t)
-                keep = unchanged_slots(reader, slots, generations) & (lens > 0)
-                np.testing.assert_array_equal(steps[keep], (uid * 100 + t)[keep])
+                kept, values = read_unchanged(
+                    reader, slots, np.where(lens > 0, generations, 0),
+                    lambda p: {n: reader.storage.gather(n, slots[p], t[p]) for n in ("step", "frame")})  # noqa: B023
+                expected = {n: np.stack([episode(int(u))[n][int(s)] for u, s in zip(uid[kept], t[kept])])
+                            for n in ("step", "frame")} if len(kept) else {}
+                for name, value in expected.items():
+                    np.testing.assert_array_equal(values[name], value)
     finally:
         stop.set()
         writer.join(60)

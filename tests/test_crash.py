@@ -201,8 +201,6 @@ def test_killed_episode_leaves_nothing_past_the_next_end(tmp_path, flush_every_s
         _assert_zero_after_lengths(buffer)
 
 
-@pytest.mark.xfail(strict=True, reason="core: _reconcile_state runs only when a step log exists, so a published "
-                                       "episode whose counters were not committed is overwritten")
 def test_kill_between_lengths_and_counters_keeps_the_episode(tmp_path):
     location = str(tmp_path / "buffer")
     kwargs = buffer_kwargs(4, circular=False, flush_every_store_step=0)
