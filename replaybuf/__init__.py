@@ -1,8 +1,11 @@
 """replaybuf: an episode store for reinforcement and robot learning."""
 
 from .buffer import ReplayBuffer
+from .collector import EpisodeCollector
 from .schema import Field, Schema
 from .storage.base import BufferNotFoundError, Storage, StorageError, make_storage
+from .video import frames_to_sheet, trajectory_to_video
 
-__all__ = ["ReplayBuffer", "Field", "Schema", "Storage", "StorageError", "BufferNotFoundError", "make_storage"]
+__all__ = ["ReplayBuffer", "EpisodeCollector", "Field", "Schema", "Storage", "StorageError", "BufferNotFoundError", "make_storage",
+           "frames_to_sheet", "trajectory_to_video"]
 __version__ = "0.1.0"

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import video
+from .collector import EpisodeCollector
 from .schema import Field, Schema
 from .staging import EpisodeGroup, StepLog, write_span
 from .storage.base import Storage, StorageError, bookkeeping_fields, make_storage
@@ -669,13 +671,14 @@ class ReplayBuffer:
 
     def get_all_data(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
                      device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """Every committed episode (oldest first) as tensors, time-padded with zeros to the longest."""
+        """Every committed episode (in slot order, as the seed) as tensors, time-padded with zeros
+        to the longest."""
         if fields is None and meta_fields is None:
             fields, meta_fields = list(self.schema.fields), sorted(self.meta_fieldnames)
         fields, meta_fields = list(fields or ()), list(meta_fields or ())
         self._check_names(fields, self.fieldnames, "field", "get_all_data")
         self._check_names(meta_fields, self.meta_fieldnames, "meta field", "get_all_data")
-        slots = self.valid_episodes()
+        slots = np.flatnonzero(self._meta["episode_lens"] > 0)
         if len(slots) == 0:
             return {}
         lens = self._meta["episode_lens"][slots]
@@ -690,6 +693,30 @@ class ReplayBuffer:
         if device is not None:
             out = {k: v.to(device) for k, v in out.items()}
         return out
+
+    def image_fields(self) -> list[str]:
+        """Fields holding one frame per step ((H, W), (H, W, C) or (C, H, W)), in declaration order."""
+        return video.image_fields(self)
+
+    def default_image_field(self) -> str:
+        return video.default_image_field(self)
+
+    def episode_frames(self, episode_index: int | Sequence[int] = 0, field: str | None = None) -> np.ndarray:
+        """Frames of one episode, or several concatenated in time (one slab read per episode)."""
+        return video.episode_frames(self, episode_index, field)
+
+    def save_video(self, path: str | os.PathLike, episode_index: int | Sequence[int] = 0,
+                   field: str | None = None, fps: float = 30, **kwargs: Any) -> Path:
+        """Render episode(s) of an image field to .mp4 / .webm / .gif."""
+        return video.save_video(self, path, episode_index, field, fps, **kwargs)
+
+    def create_collector(self, num_groups: int, fieldnames: tuple[str, ...] | None = None,
+                         meta_fieldnames: tuple[str, ...] | None = None, **collector_kwargs: Any) -> EpisodeCollector:
+        """An EpisodeCollector that gathers ``num_groups`` lock-step episodes and stores them here."""
+        return EpisodeCollector(self, num_groups, fieldnames=fieldnames, meta_fieldnames=meta_fieldnames,
+                                **collector_kwargs)
+
+    create_rollout_collector = create_collector
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled buffer (e.g. sent to a DataLoader worker) is a read-only view of what was

@@ -89,7 +89,7 @@ def test_reused_slot_is_invalidated_before_data_is_written(tmp_path):
     buffer = ReplayBuffer(str(path), 1, 8, fields=dict(x="float"), circular=True)
     buffer.store_episode(x=np.arange(8.0))
     with buffer.one_episode():
-        for t in range(8):
+        for _ in range(8):
             buffer.store(x=-1.0)
         reader = ReplayBuffer.from_folder(str(path), read_only=True)
         assert reader.episode_lens[0] in (0, 8)

@@ -98,7 +98,7 @@ class ChunkedArray:
 
     def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
                  dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None,
-                 separator: str = "/"):
+                 separator: str = "/", check_writable: Any = None):
         self.kv = kv
         self.path = path
         self.shape = tuple(shape)
@@ -108,6 +108,7 @@ class ChunkedArray:
         self._zarr_array = zarr_array
         self.grid_axes = grid_axes
         self.separator = separator
+        self.check_writable = check_writable
 
     @property
     def ndim(self) -> int:
@@ -221,6 +222,8 @@ class ChunkedArray:
 
         ``atomic=False`` allows writing objects in place: only for slots no reader trusts yet.
         """
+        if self.check_writable is not None:
+            self.check_writable()
         if self._write_rows_in_place(int(start[0]), values):
             return
         box = [(s, s + n) for s, n in zip(start, values.shape)]

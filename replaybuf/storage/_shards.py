@@ -9,6 +9,7 @@ reads single frames with two small range reads (the index, then the coalesced fr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numcodecs
@@ -18,6 +19,10 @@ from ._chunks import ChunkedArray
 from ._kv import thread_pool
 
 _MISSING = np.uint64(2**64 - 1)
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1
 _crc32c = numcodecs.CRC32C()
 
 
@@ -38,7 +43,8 @@ class ShardedArray(ChunkedArray):
 
     @property
     def shard_time(self) -> int:
-        return self.shape[1]
+        """Timesteps one shard spans: the time axis rounded up to whole inner chunks."""
+        return self.inner_per_shard * self.chunks[1]
 
     # ---- reads --------------------------------------------------------------------------
 
@@ -88,28 +94,31 @@ class ShardedArray(ChunkedArray):
     # ---- writes -------------------------------------------------------------------------
 
     def encode_shard(self, rows: np.ndarray) -> bytes | None:
-        """One episode's (shard_time, *shape) rows as shard bytes; None when all zero."""
+        """One episode's (time, *shape) rows as shard bytes; None when all zero.
+
+        All-zero inner chunks are left out (they read back as zero); the others are encoded in
+        a few runs spread over the thread pool, so both cores compress.
+        """
         step = self.chunks[1]
-        pieces = [rows[i * step:(i + 1) * step] for i in range(self.inner_per_shard)]
-        nonzero = [i for i, p in enumerate(pieces) if p.any()]
-        if not nonzero:
+        rows = rows[: self.inner_per_shard * step]
+        if rows.shape[0] % step:
+            pad = np.zeros((step - rows.shape[0] % step, *rows.shape[1:]), rows.dtype)
+            rows = np.concatenate([rows, pad])
+        pieces = rows.reshape(-1, step, *rows.shape[1:])
+        nonzero = np.flatnonzero(pieces.reshape(len(pieces), -1).any(axis=1))
+        if not len(nonzero):
             return None
 
-        def encode(i):
-            piece = pieces[i]
-            if piece.shape[0] < step:
-                piece = np.concatenate([piece, np.zeros((step - piece.shape[0], *piece.shape[1:]), piece.dtype)])
-            return self.codec.encode(piece[None])
+        def encode_run(run):
+            return [self.codec.encode(pieces[i][None]) for i in run]
 
-        if len(nonzero) > 4 and rows[: len(pieces) * step].nbytes > (1 << 20):
-            blobs = list(thread_pool().map(encode, nonzero))
-        else:
-            blobs = [encode(i) for i in nonzero]
+        runs = np.array_split(nonzero, min(len(nonzero), 2 * _cpus())) if rows.nbytes > (1 << 20) else [nonzero]
+        blobs = [blob for part in thread_pool().map(encode_run, runs) for blob in part] if len(runs) > 1 \
+            else encode_run(nonzero)
         index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
-        offset = 0
-        for i, blob in zip(nonzero, blobs):
-            index[i] = (offset, len(blob))
-            offset += len(blob)
+        sizes = np.array([len(b) for b in blobs], dtype="<u8")
+        index[nonzero, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype("<u8")
+        index[nonzero, 1] = sizes
         index_bytes = index.tobytes()
         if self.index_crc:
             index_bytes = bytes(_crc32c.encode(index_bytes))
@@ -117,13 +126,15 @@ class ShardedArray(ChunkedArray):
 
     def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
         # docstring inherited
+        if self.check_writable is not None:
+            self.check_writable()
         e0, t0 = int(start[0]), int(start[1]) if len(start) > 1 else 0
         count, length = values.shape[0], values.shape[1]
-        whole = t0 == 0 and length >= self.shard_time
+        whole = t0 == 0 and length >= self.shape[1]
         if whole:
-            rows = values[:, : self.shard_time]
+            rows = values
         else:
-            rows = self.read_boxes([((e0, e0 + count), (0, self.shard_time))])[0]
+            rows = self.read_boxes([((e0, e0 + count), (0, self.shape[1]))])[0]
             rows[:, t0:t0 + length] = values
         shards = {self.shard_key(e0 + i): self.encode_shard(rows[i]) for i in range(count)}
         present = {k: v for k, v in shards.items() if v is not None}

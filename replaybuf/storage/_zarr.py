@@ -128,7 +128,7 @@ class ZarrStorage(Storage):
             data.create_array(
                 field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
                 chunks=(1, chunk, *field.shape), dtype=field.dtype,
-                shards=(1, schema.max_timesteps, *field.shape) if is_sharded(field) else None,
+                shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
                 compressors=_compressor(field, DEFAULT_COMPRESSOR), fill_value=0, chunk_key_encoding=FLAT_KEYS,
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
@@ -194,7 +194,7 @@ class ZarrStorage(Storage):
         dtype = np.dtype(doc["data_type"])
         codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
         args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
-        options = dict(zarr_array=functools.partial(self._open_zarr_array, path),
+        options = dict(zarr_array=functools.partial(self._open_zarr_array, path), check_writable=self._check_writable,
                        separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
         if sharding is None:
             return ChunkedArray(*args, **options)

@@ -1,0 +1,389 @@
+"""Command line: ``inspect-replay-buffer`` and the ``replaybuf`` command with its subcommands.
+
+``replaybuf`` is a table of subcommands. A module adds one by calling ``register_command``
+when imported and by being listed in ``COMMAND_MODULES``; this module registers ``inspect``
+(the same as ``inspect-replay-buffer``) and ``view``. Bad input ends with an argparse-style
+message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from replaybuf.video import (
+    VIDEO_SUFFIXES,
+    episode_frames,
+    frames_to_sheet,
+    image_fields,
+    to_rgb_uint8,
+    trajectory_to_video,
+)
+
+__all__ = ["COMMAND_MODULES", "Command", "commands", "inspect_main", "main", "open_buffer", "register_command"]
+
+# modules that register subcommands when imported (besides this one)
+COMMAND_MODULES: tuple[str, ...] = ()
+
+# the errors a command turns into a usage message: bad values, missing files, unreachable stores
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``replaybuf`` subcommand: its arguments and what it runs (returning an exit status)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int | None]
+
+
+_commands: dict[str, Command] = {}
+commands = MappingProxyType(_commands)
+
+
+def register_command(command: Command, clobber: bool = False) -> Command:
+    """Add a subcommand to ``replaybuf``; an existing name is only replaced with ``clobber=True``."""
+    if command.name in _commands and not clobber:
+        raise ValueError(f"command {command.name!r} is already registered (pass clobber=True to replace it)")
+    _commands[command.name] = command
+    return command
+
+
+def open_buffer(location: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """Open a buffer folder or URL read-only, whichever backend stored it."""
+    from replaybuf import ReplayBuffer
+
+    return ReplayBuffer.from_folder(location, read_only=True, storage_options=storage_options)
+
+
+def _location_name(location: str) -> str:
+    """The last path component of a folder or URL, for default output names."""
+    return Path(location.rstrip("/")).name or "replay"
+
+
+# argument types
+
+
+def episode_list(value: str) -> list[int]:
+    """A comma-delimited list of episode indices, e.g. ``0,3,5``."""
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    try:
+        episodes = [int(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid episode list {value!r}: expected comma-delimited indices such as 0,3,5"
+        ) from None
+    if not episodes:
+        raise argparse.ArgumentTypeError(f"invalid episode list {value!r}: expected at least one index")
+    negative = [episode for episode in episodes if episode < 0]
+    if negative:
+        raise argparse.ArgumentTypeError(f"invalid episode list {value!r}: indices must be >= 0, got {negative}")
+    return episodes
+
+
+def field_list(value: str) -> list[str]:
+    """A comma-delimited list of field names, e.g. ``front,wrist``."""
+    fields = [part.strip() for part in value.split(",") if part.strip()]
+    if not fields:
+        raise argparse.ArgumentTypeError(f"invalid field list {value!r}: expected at least one field name")
+    return fields
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def positive_number(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return int(number) if number.is_integer() else number
+
+
+def port_number(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid port {value!r}: expected an integer in 0..65535 (0 picks a free one)"
+        ) from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"invalid port {value!r}: expected an integer in 0..65535 (0 picks a free one)"
+        )
+    return port
+
+
+def json_object(value: str) -> dict[str, Any]:
+    """A JSON object, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {error.msg}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}', got {value!r}")
+    return parsed
+
+
+def add_location_arguments(parser: argparse.ArgumentParser) -> None:
+    """The buffer to open: a folder or URL, and options for its store."""
+    parser.add_argument("location", metavar="FOLDER_OR_URL", help="buffer folder or URL (s3://..., gs://...)")
+    parser.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help='options for a remote store as a JSON object, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+
+
+def _suffixed(path: Path, field: str, several: bool) -> Path:
+    """With several fields, insert the field before the suffix: ``replay.mp4`` -> ``replay.front.mp4``."""
+    return path.with_name(f"{path.stem}.{field}{path.suffix}") if several else path
+
+
+# inspect
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    add_location_arguments(parser)
+    parser.add_argument(
+        "-e",
+        "--episode",
+        type=episode_list,
+        default=[0],
+        help="comma-delimited episodes to render one after another, e.g. 0,3,5 (default 0)",
+    )
+    parser.add_argument(
+        "-f",
+        "--field",
+        type=field_list,
+        default=None,
+        help="comma-delimited image fields, e.g. front,wrist (default: every image-like field)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help="video path (.mp4, .webm, .gif, ...); with several fields one video per field, <name>.<field>.<ext>",
+    )
+    parser.add_argument("--fps", type=positive_number, default=30, help="frames per second (default 30)")
+    parser.add_argument(
+        "--scale", type=positive_int, default=1, help="downsample frames by this integer factor (default 1)"
+    )
+    parser.add_argument(
+        "--sheet", type=Path, default=None, help="also write a contact sheet (e.g. sheet.png) per field"
+    )
+    parser.add_argument("--rows", type=positive_int, default=2, help="contact sheet rows (default 2)")
+    parser.add_argument("--columns", type=positive_int, default=5, help="contact sheet columns (default 5)")
+    parser.add_argument(
+        "--serve",
+        type=port_number,
+        nargs="?",
+        const=8000,
+        default=None,
+        metavar="PORT",
+        help="serve the videos on a local page at 127.0.0.1:PORT (default 8000; 0 picks a free port)",
+    )
+    parser.add_argument("--no-browser", action="store_true", help="with --serve, do not open a browser")
+
+
+def _check_inspect_outputs(args: argparse.Namespace) -> None:
+    if args.output is not None and args.output.suffix.lower() not in VIDEO_SUFFIXES:
+        raise ValueError(f"--output {str(args.output)!r}: unsupported suffix, expected one of {VIDEO_SUFFIXES}")
+    if args.sheet is not None and args.sheet.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp", ".bmp"):
+        raise ValueError(f"--sheet {str(args.sheet)!r}: expected an image path such as sheet.png")
+
+
+def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]) -> None:
+    count = int(buffer.num_episodes)
+    outside = [episode for episode in episodes if episode >= count]
+    if outside:
+        valid = f"0..{count - 1}" if count else "none, the buffer is empty"
+        raise ValueError(f"--episode: {outside} out of range, the buffer has {count} episodes (valid: {valid})")
+    candidates = image_fields(buffer)
+    unknown = [field for field in fields if field not in buffer.fieldnames]
+    if unknown:
+        raise ValueError(f"--field: unknown field(s) {unknown}, image-like fields are {candidates}")
+    not_images = [field for field in fields if field not in candidates]
+    if not_images:
+        raise ValueError(f"--field: {not_images} do not hold image frames, image-like fields are {candidates}")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Render the chosen episodes per field to videos (and sheets), then optionally serve them."""
+    from replaybuf.viewer import ReplayApp, ViewerServer
+
+    _check_inspect_outputs(args)
+    buffer = open_buffer(args.location, args.storage_options)
+    fields = args.field or image_fields(buffer)
+    if not fields:
+        raise ValueError("--field: this buffer has no image-like field; pass --field explicitly")
+    _check_selection(buffer, args.episode, fields)
+
+    several = len(fields) > 1
+    temp_dir = None
+    if args.output is not None:
+        base = args.output
+    elif args.serve is not None:
+        temp_dir = Path(tempfile.mkdtemp(prefix="inspect-replay-buffer-"))
+        base = temp_dir / "replay.mp4"
+    else:
+        slug = "-".join(str(episode) for episode in args.episode)
+        base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
+
+    videos: dict[str, Path] = {}
+    field_info: dict[str, dict[str, str]] = {}
+    frame_count = 0
+    for field in fields:
+        frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
+        frame_count = len(frames)
+        path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
+        videos[field] = path
+        field_info[field] = {
+            "shape": " x ".join(map(str, buffer.shapes[field])),
+            "dtype": str(np.dtype(buffer.dtypes[field])),
+        }
+        print(f"wrote {path} ({len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} at {args.fps} fps)")
+        if args.sheet is not None:
+            import imageio.v3 as iio
+
+            sheet_path = _suffixed(args.sheet, field, several)
+            iio.imwrite(sheet_path, frames_to_sheet(frames, args.rows, args.columns))
+            print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
+
+    if args.serve is not None:
+        info = {
+            "location": args.location,
+            "episodes": args.episode,
+            "frames": frame_count,
+            "fps": args.fps,
+            "scale": args.scale,
+            "field_info": field_info,
+        }
+        ViewerServer(ReplayApp(videos, info, temp_dir=temp_dir), port=args.serve).serve_forever(
+            open_browser=not args.no_browser
+        )
+    return 0
+
+
+INSPECT = register_command(
+    Command(
+        name="inspect",
+        help="render episodes of image fields to videos and contact sheets, optionally served in a local page",
+        add_arguments=add_inspect_arguments,
+        run=run_inspect,
+    )
+)
+
+
+# view
+
+
+def add_view_arguments(parser: argparse.ArgumentParser) -> None:
+    add_location_arguments(parser)
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="port on 127.0.0.1 (default 8000; 0 picks a free port)"
+    )
+    parser.add_argument(
+        "--fps", type=positive_number, default=30, help="frames per second of the rendered videos (default 30)"
+    )
+    parser.add_argument(
+        "--scale", type=positive_int, default=1, help="downsample frames by this integer factor (default 1)"
+    )
+    parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+
+
+def run_view(args: argparse.Namespace) -> int:
+    """Browse a buffer in a local page: episode list, synced videos and plots."""
+    from replaybuf.viewer import BufferApp, ViewerServer
+
+    buffer = open_buffer(args.location, args.storage_options)
+    app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale)
+    ViewerServer(app, port=args.port).serve_forever(open_browser=not args.no_browser)
+    return 0
+
+
+VIEW = register_command(
+    Command(
+        name="view",
+        help="browse a buffer in a local web page: episodes, videos of image fields, plots of the others",
+        add_arguments=add_view_arguments,
+        run=run_view,
+    )
+)
+
+
+# entry points
+
+
+def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        status = command.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as error:
+        message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+        parser.error(message or type(error).__name__)
+    return 0 if status is None else int(status)
+
+
+def inspect_main(argv: Sequence[str] | None = None) -> int:
+    """``inspect-replay-buffer``: render episodes to videos, optionally ``--serve`` them."""
+    parser = argparse.ArgumentParser(
+        prog="inspect-replay-buffer",
+        description="Render episodes of image fields stored in a replay buffer to videos and contact sheets, "
+        "optionally served in a local page with frame-level controls.",
+    )
+    INSPECT.add_arguments(parser)
+    return _run(INSPECT, parser.parse_args(argv), parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``replaybuf`` parser with one subparser per registered command."""
+    for module in COMMAND_MODULES:
+        importlib.import_module(module)
+    parser = argparse.ArgumentParser(
+        prog="replaybuf", description="Inspect, browse and manage replaybuf episode stores."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in _commands.values():
+        subparser = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(subparser)
+        subparser.set_defaults(_command=command, _parser=subparser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``replaybuf COMMAND ...``."""
+    args = build_parser().parse_args(argv)
+    return _run(args._command, args, args._parser)
+
+
+if __name__ == "__main__":
+    # run the importable module, so that commands registered by other modules share its table
+    from replaybuf.cli import main as replaybuf_main
+
+    sys.exit(replaybuf_main())

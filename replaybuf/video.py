@@ -1,0 +1,294 @@
+"""Episodes of image frames to videos, animated images and contact sheets.
+
+The functions here take plain frame arrays (``trajectory_to_video``, ``frames_to_sheet``) or
+a buffer (``image_fields``, ``episode_frames``, ``save_video``); ``ReplayBuffer`` exposes the
+latter as methods. Frames may be uint8 or float in [0, 1] (bool is read as 0 / 255), laid out
+channel-last ``(T, H, W, C)``, channel-first ``(T, C, H, W)`` or grayscale ``(T, H, W)``
+with C in {1, 3, 4}. Videos go through imageio: ``.mp4`` / ``.webm`` / ``.mkv`` / ``.mov``
+need the ffmpeg plugin (``pip install replaybuf[video]``), ``.gif`` does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+__all__ = [
+    "FFMPEG_SUFFIXES",
+    "VIDEO_SUFFIXES",
+    "default_image_field",
+    "episode_frames",
+    "frames_to_sheet",
+    "image_fields",
+    "is_image_shape",
+    "save_video",
+    "to_rgb_uint8",
+    "trajectory_to_video",
+]
+
+CHANNEL_COUNTS = (1, 3, 4)
+FFMPEG_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif")
+
+# pixels (from all frames) that a gif's single palette is built from
+GIF_PALETTE_PIXELS = 1 << 18
+# renders of at least this many frames show a tqdm progress bar unless told otherwise
+PROGRESS_MIN_FRAMES = 300
+
+
+# frames
+
+
+def is_image_shape(shape: Sequence[int]) -> bool:
+    """Whether a per-timestep shape reads as one frame: (H, W), (H, W, C) or (C, H, W)."""
+    shape = tuple(shape)
+    if len(shape) == 2:
+        return min(shape) >= 2
+    if len(shape) == 3:
+        return shape[-1] in CHANNEL_COUNTS or shape[0] in CHANNEL_COUNTS
+    return False
+
+
+def _to_uint8(frames: np.ndarray) -> np.ndarray:
+    if frames.dtype == np.uint8:
+        return frames
+    if frames.dtype == np.bool_:
+        return frames.astype(np.uint8) * 255
+    if np.issubdtype(frames.dtype, np.floating):
+        return (np.nan_to_num(frames).clip(0.0, 1.0) * 255.0).round().astype(np.uint8)
+    raise TypeError(f"frames: expected uint8, bool or float in [0, 1], got dtype {frames.dtype}")
+
+
+def to_rgb_uint8(frames: Any) -> np.ndarray:
+    """Frames of any supported layout and dtype as a (T, H, W, 3) uint8 array.
+
+    Alpha channels are dropped and grayscale is repeated to three channels, so that every
+    output format (yuv420p video, gif, png) receives the same thing.
+    """
+    frames = np.asarray(frames)
+    if frames.ndim == 3:
+        frames = frames[..., None]
+    elif frames.ndim == 4:
+        if frames.shape[-1] not in CHANNEL_COUNTS:
+            if frames.shape[1] not in CHANNEL_COUNTS:
+                raise ValueError(
+                    f"frames: expected (T, H, W, C) or (T, C, H, W) with C in {CHANNEL_COUNTS}, "
+                    f"got shape {frames.shape}"
+                )
+            frames = np.moveaxis(frames, 1, -1)
+    else:
+        raise ValueError(
+            f"frames: expected (T, H, W), (T, H, W, C) or (T, C, H, W), got shape {frames.shape} ({frames.ndim} dims)"
+        )
+    if frames.shape[0] == 0:
+        raise ValueError("frames: got 0 frames, expected at least one")
+    frames = _to_uint8(frames)
+    channels = frames.shape[-1]
+    if channels == 1:
+        return np.repeat(frames, 3, axis=-1)
+    if channels == 4:
+        return np.ascontiguousarray(frames[..., :3])
+    return frames
+
+
+def _pad_to_even(frames: np.ndarray) -> np.ndarray:
+    """Pad height and width to even sizes by repeating the edge (yuv420p needs even sizes)."""
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    if not (pad_h or pad_w):
+        return frames
+    return np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+
+
+def _check_video_path(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in VIDEO_SUFFIXES:
+        raise ValueError(
+            f"path: unsupported video suffix {suffix or '(none)'!r} in {str(path)!r}, expected one of {VIDEO_SUFFIXES}"
+        )
+    return suffix
+
+
+def _write_gif(frames: np.ndarray, path: Path, fps: float, progress: bool, kwargs: dict[str, Any]) -> None:
+    """Write an animated gif with Pillow, using one palette for the whole clip.
+
+    The palette comes from pixels of every frame (subsampled to at most ~262k pixels,
+    median cut, ~0.2 s) and each frame is mapped onto it without dithering: no colour
+    flicker between frames, and far faster than quantizing every frame on its own
+    (measured: 500 frames of 128x128 noise, ~3 s against 148 s through imageio). Consecutive
+    frames that come out identical are merged by Pillow into one longer frame.
+    """
+    from PIL import Image
+
+    step = max(1, int(np.ceil(np.sqrt(frames[..., 0].size / GIF_PALETTE_PIXELS))))
+    mosaic = frames[:, ::step, ::step].reshape(-1, frames[:, ::step, ::step].shape[2], 3)
+    palette = Image.fromarray(np.ascontiguousarray(mosaic)).quantize(256, method=Image.Quantize.MEDIANCUT)
+    images = [
+        Image.fromarray(frame).quantize(palette=palette, dither=Image.Dither.NONE)
+        for frame in tqdm(frames, desc=f"rendering {path.name}", unit="frame", disable=not progress, leave=False)
+    ]
+    kwargs.setdefault("duration", 1000.0 / fps)
+    kwargs.setdefault("loop", 0)
+    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
+
+
+def _write_ffmpeg(
+    frames: np.ndarray, path: Path, suffix: str, fps: float, progress: bool, kwargs: dict[str, Any]
+) -> None:
+    import imageio.v2 as imageio
+
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"writing {suffix} videos needs imageio-ffmpeg: pip install 'replaybuf[video]'") from error
+    kwargs.setdefault("fps", fps)
+    kwargs.setdefault("macro_block_size", 1)
+    kwargs.setdefault("ffmpeg_log_level", "error")
+    if suffix == ".webm":
+        kwargs.setdefault("codec", "libvpx-vp9")
+    writer = imageio.get_writer(str(path), format="FFMPEG", mode="I", **kwargs)
+    try:
+        for frame in tqdm(frames, desc=f"rendering {path.name}", unit="frame", disable=not progress, leave=False):
+            writer.append_data(frame)
+    finally:
+        writer.close()
+
+
+def trajectory_to_video(
+    frames: Any,
+    path: str | Path,
+    fps: float = 30,
+    progress: bool | None = None,
+    **kwargs: Any,
+) -> Path:
+    """Write a trajectory of frames to a video or animated gif; the format follows the suffix.
+
+    ``frames`` is (T, H, W, C), (T, C, H, W) or (T, H, W), uint8 or float in [0, 1]. Extra
+    keyword arguments go to the writer: imageio's ffmpeg writer (e.g. ``codec``, ``quality``)
+    or, for gifs, Pillow's ``save`` (e.g. ``duration`` in ms, ``loop``). Odd frame sizes
+    are padded by one edge pixel for ffmpeg formats. ``progress=None`` shows a tqdm bar for
+    renders of at least 300 frames. Returns the path written.
+    """
+    path = Path(path)
+    suffix = _check_video_path(path)
+    if not (isinstance(fps, int | float) and fps > 0):
+        raise ValueError(f"fps: expected a positive number, got {fps!r}")
+    frames = to_rgb_uint8(frames)
+    if progress is None:
+        progress = len(frames) >= PROGRESS_MIN_FRAMES
+    if suffix == ".gif":
+        _write_gif(frames, path, fps, progress, dict(kwargs))
+    else:
+        _write_ffmpeg(_pad_to_even(frames), path, suffix, fps, progress, dict(kwargs))
+    return path
+
+
+def frames_to_sheet(frames: Any, rows: int = 2, columns: int = 5) -> np.ndarray:
+    """Evenly sample ``rows * columns`` frames into one (rows*H, columns*W, 3) uint8 image."""
+    for name, value in (("rows", rows), ("columns", columns)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    frames = to_rgb_uint8(frames)
+    indices = np.linspace(0, len(frames) - 1, rows * columns).round().astype(int)
+    height, width = frames.shape[1:3]
+    grid = frames[indices].reshape(rows, columns, height, width, 3)
+    return np.ascontiguousarray(grid.transpose(0, 2, 1, 3, 4).reshape(rows * height, columns * width, 3))
+
+
+# buffers
+
+
+def _data_fields(buffer: Any) -> list[str]:
+    """Per-timestep field names of ``buffer`` in declaration order."""
+    return [name for name in buffer.shapes if name in buffer.fieldnames]
+
+
+def image_fields(buffer: Any) -> list[str]:
+    """Fields whose per-timestep shape is one frame, in declaration order."""
+    fields = []
+    for name in _data_fields(buffer):
+        shape = buffer.shapes[name]
+        dtype = np.dtype(buffer.dtypes[name])
+        if is_image_shape(shape) and (dtype == np.uint8 or dtype == np.bool_ or np.issubdtype(dtype, np.floating)):
+            fields.append(name)
+    return fields
+
+
+def default_image_field(buffer: Any) -> str:
+    """The only image field of ``buffer``; a ValueError lists the candidates otherwise."""
+    candidates = image_fields(buffer)
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        shapes = {name: tuple(buffer.shapes[name]) for name in _data_fields(buffer)}
+        raise ValueError(
+            f"field: no image-like field in this buffer (fields and shapes: {shapes}); pass field= explicitly"
+        )
+    raise ValueError(f"field: several image-like fields {candidates}; pass field= one of them")
+
+
+def _episode_list(buffer: Any, episode_index: int | Sequence[int]) -> list[int]:
+    if isinstance(episode_index, bool):
+        raise TypeError(f"episode_index: expected an int or a sequence of ints, got {episode_index!r}")
+    if isinstance(episode_index, int | np.integer):
+        indices = [episode_index]
+    else:
+        try:
+            indices = list(episode_index)
+        except TypeError:
+            raise TypeError(
+                f"episode_index: expected an int or a sequence of ints, got {type(episode_index).__name__}"
+            ) from None
+    if not indices:
+        raise ValueError("episode_index: got an empty list, expected at least one episode")
+    num_episodes = int(buffer.num_episodes)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int | np.integer):
+            raise TypeError(f"episode_index: expected ints, got {index!r} ({type(index).__name__})")
+        if not 0 <= index < num_episodes:
+            raise ValueError(
+                f"episode_index: episode {index} is out of range, the buffer has {num_episodes} episodes "
+                f"(valid: 0..{num_episodes - 1})"
+                if num_episodes
+                else f"episode_index: episode {index} is out of range, the buffer is empty"
+            )
+    return [int(index) for index in indices]
+
+
+def episode_frames(buffer: Any, episode_index: int | Sequence[int] = 0, field: str | None = None) -> np.ndarray:
+    """The stored frames of one episode, or of several concatenated in time, as a numpy array.
+
+    Each episode is read as one slab ``data[field][episode, :length]``; the array keeps the
+    field's dtype and layout (convert with ``to_rgb_uint8``).
+    """
+    if field is None:
+        field = default_image_field(buffer)
+    if field not in buffer.fieldnames:
+        raise ValueError(
+            f"field: unknown field {field!r}, expected one of {_data_fields(buffer)} (image-like: {image_fields(buffer)})"
+        )
+    episodes = _episode_list(buffer, episode_index)
+    lengths = np.asarray(buffer.episode_lens[: int(buffer.num_episodes)])
+    slabs = []
+    for episode in episodes:
+        length = int(lengths[episode])
+        if length == 0:
+            raise ValueError(f"episode_index: episode {episode} is empty (length 0), nothing to render")
+        slabs.append(np.asarray(buffer.data[field][episode, 0:length]))
+    return slabs[0] if len(slabs) == 1 else np.concatenate(slabs, axis=0)
+
+
+def save_video(
+    buffer: Any,
+    path: str | Path,
+    episode_index: int | Sequence[int] = 0,
+    field: str | None = None,
+    fps: float = 30,
+    **kwargs: Any,
+) -> Path:
+    """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
+    _check_video_path(Path(path))
+    return trajectory_to_video(episode_frames(buffer, episode_index, field), path, fps=fps, **kwargs)

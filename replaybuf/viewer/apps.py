@@ -1,0 +1,236 @@
+"""The two viewer apps: pre-rendered videos (``--serve``) and a whole buffer (``replaybuf view``).
+
+``ReplayApp`` plays a fixed set of video files side by side. ``BufferApp`` answers questions
+about a buffer (episodes with their lengths and meta values, per-timestep series of small
+fields) and renders an episode's image fields to mp4 on first request, cached in a temp
+folder for the life of the server.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replaybuf.video import image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
+
+__all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
+
+# vectors up to this many dims are plotted (one line per dim); larger ones are only listed
+MAX_PLOT_DIMS = 32
+# meta values with up to this many elements are shown in the episode list
+MAX_META_ELEMENTS = 8
+
+_EPISODE_PATH = re.compile(r"^/api/episodes/(\d+)$")
+_EPISODE_VIDEO_PATH = re.compile(r"^/video/episodes/(\d+)/([^/]+)\.mp4$")
+
+
+def _json_values(values: np.ndarray) -> Any:
+    """A numeric array as nested lists with NaN / inf as None (JSON has no NaN)."""
+    values = np.asarray(values)
+    if values.dtype == np.bool_ or np.issubdtype(values.dtype, np.integer):
+        return values.tolist()
+    values = values.astype(np.float64)
+    finite = np.isfinite(values)
+    if finite.all():
+        return values.tolist()
+    boxed = values.astype(object)
+    boxed[~finite] = None
+    return boxed.tolist()
+
+
+def _is_numeric(dtype: Any) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype == np.bool_ or np.issubdtype(dtype, np.number)
+
+
+def series_fields(buffer: Any) -> list[str]:
+    """Per-timestep fields that plot as lines: numeric scalars and vectors of <= 32 dims."""
+    names = []
+    for name in buffer.shapes:
+        if name not in buffer.fieldnames:
+            continue
+        shape = tuple(buffer.shapes[name])
+        small = shape == () or (len(shape) == 1 and shape[0] <= MAX_PLOT_DIMS)
+        if small and _is_numeric(buffer.dtypes[name]):
+            names.append(name)
+    return names
+
+
+def meta_columns(buffer: Any) -> list[str]:
+    """User meta fields small enough to show in the episode list (internal ones start with '_')."""
+    names = []
+    for name in sorted(buffer.meta_fieldnames):
+        if name == "episode_lens" or name.startswith("_"):
+            continue
+        array = buffer.meta_data[name]
+        if _is_numeric(array.dtype) and int(np.prod(array.shape[1:], dtype=np.int64)) <= MAX_META_ELEMENTS:
+            names.append(name)
+    return names
+
+
+class ReplayApp:
+    """Serves already rendered videos, one per field, played in sync by ``replay.html``."""
+
+    page = "replay.html"
+
+    def __init__(self, videos: dict[str, Path], info: dict[str, Any], temp_dir: Path | None = None):
+        if not videos:
+            raise ValueError("videos: expected at least one field -> video path")
+        missing = [str(path) for path in videos.values() if not Path(path).is_file()]
+        if missing:
+            raise ValueError(f"videos: no such file(s) {missing}")
+        self.videos = {str(name): Path(path) for name, path in videos.items()}
+        self.info = {
+            **info,
+            "fields": [{"name": name, **info.get("field_info", {}).get(name, {})} for name in self.videos],
+        }
+        self.info.pop("field_info", None)
+        self._temp_dir = temp_dir
+
+    def respond(self, path: str) -> JsonResponse | FileResponse:
+        if path == "/api/info":
+            return JsonResponse({**self.info, "videos": {name: f"/video/{name}" for name in self.videos}})
+        if path.startswith("/video/") and path[len("/video/") :] in self.videos:
+            return FileResponse(self.videos[path[len("/video/") :]])
+        raise NotFound(path)
+
+    def close(self) -> None:
+        remove_tree(self._temp_dir)
+        self._temp_dir = None
+
+
+class BufferApp:
+    """Browses a buffer: episode list, per-episode series and on-demand mp4 renders."""
+
+    page = "browse.html"
+
+    def __init__(self, buffer: Any, location: str = "", fps: float = 30, scale: int = 1):
+        if not (isinstance(fps, int | float) and fps > 0):
+            raise ValueError(f"fps: expected a positive number, got {fps!r}")
+        if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+            raise ValueError(f"scale: expected a positive integer, got {scale!r}")
+        self.buffer = buffer
+        self.location = location
+        self.fps = fps
+        self.scale = scale
+        self.image_fields = image_fields(buffer)
+        self.series_fields = series_fields(buffer)
+        self.meta_columns = meta_columns(buffer)
+        self.cache_dir = Path(tempfile.mkdtemp(prefix="replaybuf-view-"))
+        self._read_lock = threading.Lock()
+        self._render_locks: dict[Path, threading.Lock] = {}
+        self._render_locks_guard = threading.Lock()
+
+    # answers
+
+    def respond(self, path: str) -> JsonResponse | FileResponse:
+        if path == "/api/info":
+            return JsonResponse(self.describe())
+        if path == "/api/episodes":
+            return JsonResponse(self.episodes())
+        match = _EPISODE_PATH.match(path)
+        if match:
+            return JsonResponse(self.episode(int(match[1])))
+        match = _EPISODE_VIDEO_PATH.match(path)
+        if match:
+            return FileResponse(self.render(int(match[1]), match[2]))
+        raise NotFound(path)
+
+    def describe(self) -> dict[str, Any]:
+        """The buffer's layout: which fields are videos, plots and episode-list columns."""
+        buffer = self.buffer
+        return {
+            "mode": "browse",
+            "location": self.location,
+            "fps": self.fps,
+            "scale": self.scale,
+            "num_episodes": int(buffer.num_episodes),
+            "image_fields": self.image_fields,
+            "series_fields": self.series_fields,
+            "meta_columns": self.meta_columns,
+            "fields": {
+                name: {"shape": list(buffer.shapes[name]), "dtype": str(np.dtype(buffer.dtypes[name]))}
+                for name in buffer.shapes
+                if name in buffer.fieldnames
+            },
+        }
+
+    def episodes(self) -> dict[str, Any]:
+        """Every episode slot with its length and small meta values, read column by column."""
+        buffer = self.buffer
+        with self._read_lock:
+            refresh = getattr(buffer, "refresh", None)
+            if callable(refresh):
+                refresh()
+            count = int(buffer.num_episodes)
+            lengths = np.asarray(buffer.episode_lens[:count])
+            meta = {name: np.asarray(buffer.meta_data[name][:count]) for name in self.meta_columns}
+        return {
+            "num_episodes": count,
+            "columns": self.meta_columns,
+            "lengths": _json_values(lengths),
+            "meta": {name: _json_values(values) for name, values in meta.items()},
+        }
+
+    def episode(self, index: int) -> dict[str, Any]:
+        """One episode: its length, meta values and the series of its plottable fields."""
+        buffer = self.buffer
+        with self._read_lock:
+            length = self._length(index)
+            meta = {name: _json_values(np.asarray(buffer.meta_data[name][index])) for name in self.meta_columns}
+            series = {name: _json_values(np.asarray(buffer.data[name][index, 0:length])) for name in self.series_fields}
+        return {
+            "index": index,
+            "length": length,
+            "meta": meta,
+            "series": series,
+            "videos": {name: f"/video/episodes/{index}/{name}.mp4" for name in self.image_fields} if length else {},
+        }
+
+    def render(self, index: int, field: str) -> Path:
+        """The mp4 of one episode's image field, rendered on first request and cached."""
+        if field not in self.image_fields:
+            raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
+        with self._read_lock:
+            length = self._length(index)
+        if length == 0:
+            raise ValueError(f"episode {index} is empty, nothing to render")
+        path = self.cache_dir / f"episode-{index}-len-{length}.{field}.mp4"
+        with self._render_lock(path):
+            if not path.exists():
+                with self._read_lock:
+                    frames = np.asarray(self.buffer.data[field][index, 0:length])
+                frames = to_rgb_uint8(frames)[:, :: self.scale, :: self.scale]
+                partial = path.with_suffix(".partial.mp4")
+                # near-lossless, with a keyframe every second so that stepping backwards stays quick
+                trajectory_to_video(
+                    frames,
+                    partial,
+                    fps=self.fps,
+                    progress=False,
+                    quality=8,
+                    output_params=["-g", str(max(1, round(self.fps)))],
+                )
+                partial.replace(path)
+        return path
+
+    def close(self) -> None:
+        remove_tree(self.cache_dir)
+
+    # helpers
+
+    def _length(self, index: int) -> int:
+        count = int(self.buffer.num_episodes)
+        if not 0 <= index < count:
+            raise NotFound(f"episode {index} (the buffer has {count} episodes)")
+        return int(self.buffer.episode_lens[index])
+
+    def _render_lock(self, path: Path) -> threading.Lock:
+        with self._render_locks_guard:
+            return self._render_locks.setdefault(path, threading.Lock())

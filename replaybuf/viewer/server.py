@@ -1,0 +1,280 @@
+"""A loopback-only HTTP server for the viewer pages, their JSON API and the videos.
+
+The server knows nothing about buffers: an *app* object answers ``/api/...`` and
+``/video/...`` paths with a ``JsonResponse`` or a ``FileResponse``, and names the static page
+served at ``/``. Files are sent with HTTP range support so that ``<video>`` elements can
+seek. Only 127.0.0.1 is ever bound, and requests naming another host are refused (DNS
+rebinding), so a page elsewhere on the web cannot read the buffer through the viewer.
+"""
+
+from __future__ import annotations
+
+import json
+import mimetypes
+import shutil
+import sys
+import threading
+import webbrowser
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
+
+__all__ = ["FileResponse", "JsonResponse", "NotFound", "ViewerApp", "ViewerServer", "parse_range"]
+
+HOST = "127.0.0.1"
+STATIC_DIR = Path(__file__).parent / "static"
+COPY_CHUNK = 1 << 20
+POLL_INTERVAL = 0.05  # seconds between shutdown checks of a background server
+CONTENT_TYPES = {
+    ".js": "text/javascript",
+    ".css": "text/css",
+    ".html": "text/html",
+    ".mp4": "video/mp4",
+    ".webm": "video/webm",
+    ".gif": "image/gif",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
+
+
+@dataclass(frozen=True)
+class JsonResponse:
+    """A JSON body; ``body`` must hold only JSON-native values (no NaN)."""
+
+    body: Any
+    status: int = HTTPStatus.OK
+
+
+@dataclass(frozen=True)
+class FileResponse:
+    """A file on disk, sent whole or by byte range."""
+
+    path: Path
+
+
+class NotFound(LookupError):
+    """Raised by an app for a path it does not serve (answered with 404)."""
+
+
+class ViewerApp(Protocol):
+    """What the server asks of the app it serves."""
+
+    page: str  # the file in static/ served at "/"
+
+    def respond(self, path: str) -> JsonResponse | FileResponse:
+        """Answer an ``/api/...`` or ``/video/...`` path (already URL-decoded)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the app holds (temp files); called when the server stops."""
+        ...
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The first byte range of a ``Range`` header as inclusive (start, end), None for the whole file.
+
+    Raises ValueError for a range that cannot be satisfied (answered with 416).
+    """
+    if not header:
+        return None
+    unit, _, ranges = header.partition("=")
+    if unit.strip() != "bytes" or not ranges:
+        return None
+    start_text, dash, end_text = ranges.split(",")[0].strip().partition("-")
+    if not dash:
+        raise ValueError(f"malformed range {header!r}")
+    try:
+        if not start_text:
+            length = int(end_text)
+            if length <= 0:
+                raise ValueError(f"empty suffix range {header!r}")
+            return max(size - length, 0), size - 1
+        start = int(start_text)
+        end = min(int(end_text), size - 1) if end_text else size - 1
+    except ValueError as error:
+        raise ValueError(f"malformed range {header!r}") from error
+    if start >= size or end < start:
+        raise ValueError(f"range {header!r} outside a file of {size} bytes")
+    return start, end
+
+
+def _content_type(path: Path) -> str:
+    return CONTENT_TYPES.get(path.suffix.lower()) or mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature inherited
+        pass
+
+    def do_GET(self) -> None:
+        self._dispatch(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._dispatch(send_body=False)
+
+    def _dispatch(self, send_body: bool) -> None:
+        try:
+            if not self._host_allowed():
+                return self._send_json(JsonResponse({"error": "unknown host"}, HTTPStatus.FORBIDDEN), send_body)
+            path = unquote(urlsplit(self.path).path)
+            response = self._route(path)
+            if isinstance(response, FileResponse):
+                return self._send_file(response.path, send_body)
+            return self._send_json(response, send_body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _host_allowed(self) -> bool:
+        host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
+        return host in ("127.0.0.1", "localhost", "")
+
+    def _route(self, path: str) -> JsonResponse | FileResponse:
+        app = self.server.app
+        try:
+            if path in ("/", "/index.html"):
+                return FileResponse(STATIC_DIR / app.page)
+            if path.startswith("/static/"):
+                name = path[len("/static/") :]
+                if name in self.server.static_names:
+                    return FileResponse(STATIC_DIR / name)
+                raise NotFound(path)
+            if path.startswith(("/api/", "/video/")):
+                return app.respond(path)
+            raise NotFound(path)
+        except NotFound as error:
+            return JsonResponse({"error": f"not found: {error}"}, HTTPStatus.NOT_FOUND)
+        except (ValueError, TypeError) as error:
+            return JsonResponse({"error": str(error)}, HTTPStatus.BAD_REQUEST)
+        except Exception as error:  # a failed render must answer, not kill the connection
+            print(f"replaybuf viewer: {path}: {type(error).__name__}: {error}", file=sys.stderr)
+            return JsonResponse({"error": f"{type(error).__name__}: {error}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def _send_json(self, response: JsonResponse, send_body: bool) -> None:
+        body = json.dumps(response.body, allow_nan=False).encode()
+        self.send_response(response.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def _send_file(self, path: Path, send_body: bool) -> None:
+        size = path.stat().st_size
+        try:
+            byte_range = parse_range(self.headers.get("Range"), size)
+        except ValueError:
+            self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        start, end = byte_range if byte_range is not None else (0, size - 1)
+        self.send_response(HTTPStatus.PARTIAL_CONTENT if byte_range is not None else HTTPStatus.OK)
+        self.send_header("Content-Type", _content_type(path))
+        self.send_header("Content-Length", str(max(end - start + 1, 0)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Cache-Control", "no-cache")
+        if byte_range is not None:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if not send_body:
+            return
+        with open(path, "rb") as file:
+            file.seek(start)
+            remaining = end - start + 1
+            while remaining > 0:
+                chunk = file.read(min(remaining, COPY_CHUNK))
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+                remaining -= len(chunk)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, port: int, app: ViewerApp):
+        self.app = app
+        self.static_names = frozenset(entry.name for entry in STATIC_DIR.iterdir() if entry.is_file())
+        super().__init__((HOST, port), _Handler)
+
+
+class ViewerServer:
+    """Serves one viewer app on 127.0.0.1; ``port=0`` picks a free port.
+
+    Use ``start()`` / ``stop()`` (or ``with``) to run it in a background thread, or
+    ``serve_forever()`` to block until Ctrl-C. Stopping closes the app (its temp files).
+    """
+
+    def __init__(self, app: ViewerApp, port: int = 0):
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port: expected an integer in 0..65535, got {port!r}")
+        self.app = app
+        try:
+            self._httpd = _HTTPServer(port, app)
+        except OSError as error:
+            app.close()
+            raise OSError(
+                f"cannot listen on {HOST}:{port} ({error.strerror or error}); pick another port, or 0 for a free one"
+            ) from error
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}/"
+
+    def start(self) -> ViewerServer:
+        """Serve in a daemon thread and return at once."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": POLL_INTERVAL},
+                name="replaybuf-viewer",
+                daemon=True,
+            )
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, free the port and close the app."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+        self.app.close()
+
+    def serve_forever(self, open_browser: bool = True) -> None:
+        """Block serving until interrupted (Ctrl-C / SIGINT), then stop."""
+        print(f"serving {self.url} (ctrl-c to stop)", flush=True)
+        if open_browser:
+            threading.Thread(target=webbrowser.open, args=(self.url,), daemon=True).start()
+        try:
+            self._httpd.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+    def __enter__(self) -> ViewerServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def remove_tree(path: Path | None) -> None:
+    """Remove a temp folder the viewer created, ignoring one already gone."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

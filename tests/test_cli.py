@@ -1,0 +1,314 @@
+"""``inspect-replay-buffer`` and ``replaybuf``: outputs written, usage errors, serving."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+
+from replaybuf.cli import Command, commands, inspect_main, main, register_command
+from tests._viewer_data import STEPS, gray_level, make_image_buffer
+from tests._viewer_s3 import moto_s3
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def buffer_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli") / "demos"
+    make_image_buffer(folder).close()
+    return folder
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def usage_error(capsys, entry, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        entry(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+# outputs
+
+
+def test_default_output_is_named_after_the_buffer_and_episodes(buffer_folder, workdir, capsys):
+    assert inspect_main([str(buffer_folder), "--field", "front", "--episode", "0,2"]) == 0
+    path = workdir / "demos-episode-0-2.mp4"
+    assert f"wrote {path.name}" in capsys.readouterr().out
+    decoded = iio.imread(path)
+    assert decoded.shape == (STEPS[0] + STEPS[2], 32, 32, 3)
+    expected = [gray_level(0, t) for t in range(STEPS[0])] + [gray_level(2, t) for t in range(STEPS[2])]
+    assert np.abs(decoded[:, 16, 16, 0].astype(int) - expected).max() <= 4
+
+
+def test_several_fields_write_one_video_and_sheet_each(buffer_folder, workdir):
+    argv = [
+        str(buffer_folder),
+        "-e",
+        "1",
+        "-f",
+        "front,wrist",
+        "-o",
+        "replay.gif",
+        "--scale",
+        "2",
+        "--sheet",
+        "sheet.png",
+        "--rows",
+        "1",
+        "--columns",
+        "3",
+        "--fps",
+        "12.5",
+    ]
+    assert inspect_main(argv) == 0
+    assert sorted(path.name for path in workdir.iterdir()) == [
+        "replay.front.gif",
+        "replay.wrist.gif",
+        "sheet.front.png",
+        "sheet.wrist.png",
+    ]
+    assert iio.imread(workdir / "replay.wrist.gif").shape == (STEPS[1], 16, 16, 3)
+    sheet = iio.imread(workdir / "sheet.front.png")
+    assert sheet.shape == (16, 48, 3)
+    assert sheet[0, ::16, 0].tolist() == [gray_level(1, 0), gray_level(1, 9), gray_level(1, STEPS[1] - 1)]
+
+
+def test_without_field_every_image_field_is_rendered(buffer_folder, workdir):
+    assert main(["inspect", str(buffer_folder), "--output", "all.mp4"]) == 0
+    assert sorted(path.name for path in workdir.iterdir()) == ["all.depth.mp4", "all.front.mp4", "all.wrist.mp4"]
+
+
+# usage errors
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--episode", "0,x"], "invalid episode list '0,x'"),
+        (["--episode", ","], "at least one index"),
+        (["--episode", "-1"], "must be >= 0"),
+        (["--episode", "0,5"], r"--episode: \[5\] out of range, the buffer has 3 episodes \(valid: 0..2\)"),
+        (
+            ["--field", "camera"],
+            r"unknown field\(s\) \['camera'\], image-like fields are \['front', 'wrist', 'depth'\]",
+        ),
+        (["--field", "reward"], r"\['reward'\] do not hold image frames"),
+        (["--fps", "0"], "positive number"),
+        (["--scale", "0"], "positive integer"),
+        (["--output", "replay.txt"], "unsupported suffix"),
+        (["--sheet", "sheet.mp4"], "image path"),
+        (["--serve", "99999"], "invalid port"),
+    ],
+)
+def test_inspect_usage_errors_exit_2_without_writing(buffer_folder, workdir, capsys, extra, message):
+    error = usage_error(capsys, inspect_main, [str(buffer_folder), *extra])
+    assert error.startswith("usage: inspect-replay-buffer")
+    assert re.search(message, error), error
+    assert list(workdir.iterdir()) == []
+
+
+def test_a_missing_buffer_is_a_usage_error(workdir, capsys):
+    error = usage_error(capsys, inspect_main, [str(workdir / "nothing")])
+    assert "inspect-replay-buffer: error:" in error and "nothing" in error
+
+
+def test_several_image_fields_and_field_none_is_not_an_error_but_none_at_all_is(tmp_path, workdir, capsys):
+    from replaybuf import ReplayBuffer
+
+    plots = ReplayBuffer(tmp_path / "plots", max_episodes=1, max_timesteps=4, fields={"reward": "float"})
+    plots.store_episode(reward=np.zeros(4, np.float32))
+    plots.close()
+    assert "has no image-like field" in usage_error(capsys, inspect_main, [str(tmp_path / "plots")])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["explode"], "invalid choice: 'explode'"),
+        (["view"], "the following arguments are required: FOLDER_OR_URL"),
+        (["view", "x", "--port", "http"], "invalid port 'http'"),
+        (["view", "x", "--scale", "-2"], "positive integer"),
+        (["view", "definitely/not/here", "--no-browser"], "no replaybuf buffer found"),
+    ],
+)
+def test_replaybuf_usage_errors_exit_2(capsys, argv, message):
+    assert message in usage_error(capsys, main, argv)
+
+
+def test_view_reports_a_busy_port(buffer_folder, capsys):
+    from replaybuf import ReplayBuffer
+    from replaybuf.viewer import BufferApp, ViewerServer
+
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(buffer_folder, read_only=True))) as busy:
+        error = usage_error(capsys, main, ["view", str(buffer_folder), "--port", str(busy.port), "--no-browser"])
+    assert f"cannot listen on 127.0.0.1:{busy.port}" in error
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "expected"),
+    [
+        (main, ["--help"], "view"),
+        (main, ["inspect", "--help"], "--sheet"),
+        (main, ["view", "--help"], "--port"),
+        (inspect_main, ["--help"], "--serve [PORT]"),
+    ],
+)
+def test_help_lists_the_options(capsys, entry, argv, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        entry(argv)
+    assert exit_info.value.code == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_commands_register_once_unless_clobbered():
+    assert {"inspect", "view"} <= set(commands)
+    with pytest.raises(ValueError, match="'view' is already registered"):
+        register_command(Command("view", "again", lambda parser: None, lambda args: 0))
+    with pytest.raises(TypeError):
+        commands["other"] = commands["view"]
+
+
+# serving, as a user runs it
+
+
+def start_cli(args, cwd, temp_dir):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "TMPDIR": str(temp_dir)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        match = re.match(r"serving http://127\.0\.0\.1:(\d+)/", line)
+        if match:
+            return process, int(match[1]), lines
+    process.wait(timeout=30)
+    raise AssertionError(f"the server did not start: {lines} {process.stderr.read()}")
+
+
+def get(port, path, headers=None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", path, headers=headers or {})
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    return response.status, response.getheader("Content-Range"), body
+
+
+def stop_cli(process):
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 0
+    process.stdout.close()
+    process.stderr.close()
+
+
+def test_inspect_serve_renders_to_a_temp_dir_serves_ranges_and_cleans_up(buffer_folder, tmp_path):
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    process, port, lines = start_cli(
+        [
+            "replaybuf.cli",
+            "inspect",
+            str(buffer_folder),
+            "-e",
+            "0",
+            "-f",
+            "front,wrist",
+            "--serve",
+            "0",
+            "--no-browser",
+        ],
+        tmp_path,
+        temp_dir,
+    )
+    try:
+        written = [Path(re.match(r"wrote (\S+)", line)[1]) for line in lines if line.startswith("wrote ")]
+        assert [path.name for path in written] == ["replay.front.mp4", "replay.wrist.mp4"]
+        status, _, body = get(port, "/api/info")
+        info = json.loads(body)
+        assert (status, info["frames"], info["episodes"], list(info["videos"])) == (
+            200,
+            STEPS[0],
+            [0],
+            ["front", "wrist"],
+        )
+        status, content_range, body = get(port, "/video/wrist", {"Range": "bytes=0-99"})
+        assert (status, len(body)) == (206, 100)
+        assert content_range == f"bytes 0-99/{written[1].stat().st_size}"
+    finally:
+        stop_cli(process)
+    assert written[0].parent.parent == temp_dir
+    assert list(temp_dir.iterdir()) == []
+    assert [path.name for path in tmp_path.iterdir()] == ["tmp"]
+
+
+def test_view_serves_the_buffer_until_interrupted_then_drops_its_cache(buffer_folder, tmp_path):
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    process, port, _ = start_cli(
+        ["replaybuf", "view", str(buffer_folder), "--port", "0", "--no-browser"], tmp_path, temp_dir
+    )
+    try:
+        assert [path.name[:15] for path in temp_dir.iterdir()] == ["replaybuf-view-"]
+        status, _, body = get(port, "/api/episodes")
+        assert status == 200
+        assert json.loads(body)["lengths"] == list(STEPS)
+        assert get(port, "/video/episodes/0/front.mp4")[0] == 200
+    finally:
+        stop_cli(process)
+    assert list(temp_dir.iterdir()) == []
+
+
+# remote buffers
+
+
+@pytest.fixture(scope="module")
+def s3_options():
+    with moto_s3() as options:
+        yield options
+
+
+def test_inspect_and_view_read_a_buffer_on_s3(s3_options, workdir, capsys):
+    s3fs = pytest.importorskip("s3fs", reason="remote buffers need replaybuf[s3]")
+    from replaybuf.viewer import BufferApp, ViewerServer
+
+    url = "s3://demos/run-1"
+    steps = (5, 4, 3)
+    # written locally and uploaded: this test is about reading (writing to S3 is the core's to test)
+    make_image_buffer(workdir / "local", steps=steps).close()
+    s3fs.S3FileSystem(**s3_options, skip_instance_cache=True).put(str(workdir / "local"), "demos/run-1", recursive=True)
+    shutil.rmtree(workdir / "local")
+    options = json.dumps(s3_options)
+    assert inspect_main([url, "--storage-options", options, "-f", "front", "-e", "2"]) == 0
+    assert iio.imread(workdir / "run-1-episode-2.mp4").shape == (steps[2], 32, 32, 3)
+
+    from replaybuf.cli import open_buffer
+
+    with ViewerServer(BufferApp(open_buffer(url, s3_options), location=url)) as server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        connection.request("GET", "/api/episodes")
+        assert json.loads(connection.getresponse().read())["lengths"] == list(steps)
+        connection.request("GET", "/video/episodes/1/wrist.mp4", headers={"Range": "bytes=0-9"})
+        response = connection.getresponse()
+        assert (response.status, len(response.read())) == (206, 10)
+        connection.close()
+    assert "invalid JSON" in usage_error(capsys, main, ["view", url, "--storage-options", "{endpoint"])

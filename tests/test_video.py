@@ -1,0 +1,208 @@
+"""Frames to videos, gifs and contact sheets; reading an episode's frames from a buffer."""
+
+from __future__ import annotations
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+
+from replaybuf.video import (
+    default_image_field,
+    episode_frames,
+    frames_to_sheet,
+    image_fields,
+    save_video,
+    to_rgb_uint8,
+    trajectory_to_video,
+)
+from tests._viewer_data import STEPS, gray_level, make_image_buffer, make_plot_only_buffer
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory):
+    return make_image_buffer(tmp_path_factory.mktemp("video") / "buffer")
+
+
+def gray_frames(levels, height=16, width=16):
+    frames = np.empty((len(levels), height, width, 3), np.uint8)
+    frames[:] = np.asarray(levels, np.uint8)[:, None, None, None]
+    return frames
+
+
+# layouts and dtypes
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        np.full((4, 8, 10, 3), 128, np.uint8),  # channel-last
+        np.full((4, 3, 8, 10), 128, np.uint8),  # channel-first
+        np.full((4, 8, 10), 128, np.uint8),  # grayscale
+        np.full((4, 8, 10, 1), 128, np.uint8),  # one channel
+        np.full((4, 8, 10, 4), 128, np.uint8),  # rgba: alpha dropped
+        np.full((4, 8, 10, 3), 128 / 255, np.float32),  # float in [0, 1]
+    ],
+    ids=["channel-last", "channel-first", "grayscale", "one-channel", "rgba", "float"],
+)
+def test_layouts_become_rgb_uint8(frames):
+    rgb = to_rgb_uint8(frames)
+    assert rgb.shape == (4, 8, 10, 3)
+    assert rgb.dtype == np.uint8
+    assert (rgb == 128).all()
+
+
+def test_float_frames_are_clipped_and_bools_are_black_or_white():
+    assert to_rgb_uint8(np.array([-1.0, 0.5, 2.0, np.nan], np.float32).reshape(1, 1, 4)).ravel()[::3].tolist() == [
+        0,
+        128,
+        255,
+        0,
+    ]
+    assert to_rgb_uint8(np.array([[[True, False]]])).ravel()[::3].tolist() == [255, 0]
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        (np.zeros((4, 8), np.uint8), "2 dims"),
+        (np.zeros((4, 8, 8, 5), np.uint8), "C in"),
+        (np.zeros((4, 8, 8, 3), np.int16), "int16"),
+        (np.zeros((0, 8, 8, 3), np.uint8), "0 frames"),
+    ],
+)
+def test_bad_frames_are_rejected(frames, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        to_rgb_uint8(frames)
+
+
+# writing
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".webm", ".gif"])
+def test_video_round_trip_keeps_frame_count_and_content(tmp_path, suffix):
+    levels = [20 * index for index in range(12)]
+    path = trajectory_to_video(gray_frames(levels), tmp_path / f"clip{suffix}", fps=10)
+    assert path == tmp_path / f"clip{suffix}"
+    decoded = iio.imread(path)
+    assert decoded.shape[:3] == (12, 16, 16)
+    assert np.abs(decoded[..., :3].astype(int).mean(axis=(1, 2, 3)) - levels).max() <= 4
+
+
+def test_odd_sizes_are_padded_for_ffmpeg_but_not_for_gif(tmp_path):
+    frames = gray_frames([50] * 3, height=15, width=17)
+    assert iio.imread(trajectory_to_video(frames, tmp_path / "odd.mp4")).shape[1:3] == (16, 18)
+    assert iio.imread(trajectory_to_video(frames, tmp_path / "odd.gif")).shape[1:3] == (15, 17)
+
+
+def test_gif_palette_covers_every_frame(tmp_path):
+    levels = list(range(0, 240, 6))  # 40 grays, each in one frame only
+    decoded = iio.imread(trajectory_to_video(gray_frames(levels, 8, 8), tmp_path / "ramp.gif"))
+    assert decoded[:, 0, 0, 0].tolist() == levels
+
+
+def test_gif_frame_duration_follows_fps(tmp_path):
+    path = trajectory_to_video(gray_frames([0, 100, 200]), tmp_path / "slow.gif", fps=4)
+    assert iio.immeta(path, index=0)["duration"] == 250
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [("clip.avi2", {}, "suffix"), ("clip", {}, "suffix"), ("clip.mp4", {"fps": 0}, "fps")],
+)
+def test_bad_paths_and_fps_raise_before_writing(tmp_path, name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        trajectory_to_video(gray_frames([0, 1]), tmp_path / name, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_long_renders_show_progress(tmp_path, capsys):
+    trajectory_to_video(gray_frames([0] * 5), tmp_path / "short.gif", progress=True)
+    assert "rendering short.gif" in capsys.readouterr().err
+    trajectory_to_video(gray_frames([0] * 5), tmp_path / "quiet.gif")
+    assert "rendering" not in capsys.readouterr().err
+
+
+# contact sheets
+
+
+def test_sheet_samples_first_and_last_frames_row_by_row():
+    frames = gray_frames(list(range(0, 100, 10)), height=4, width=6)
+    sheet = frames_to_sheet(frames, rows=2, columns=3)
+    assert sheet.shape == (8, 18, 3)
+    tiles = sheet[::4, ::6, 0]
+    assert tiles.tolist() == [[0, 20, 40], [50, 70, 90]]
+
+
+def test_sheet_accepts_grayscale_and_rejects_bad_grid():
+    assert frames_to_sheet(np.zeros((3, 4, 4), np.float32), rows=1, columns=2).shape == (4, 8, 3)
+    with pytest.raises(ValueError, match="rows"):
+        frames_to_sheet(np.zeros((3, 4, 4), np.uint8), rows=0)
+    with pytest.raises(ValueError, match="columns"):
+        frames_to_sheet(np.zeros((3, 4, 4), np.uint8), columns=2.5)
+
+
+# buffers
+
+
+def test_image_fields_are_frames_in_declaration_order(buffer):
+    assert image_fields(buffer) == ["front", "wrist", "depth"]
+
+
+def test_default_field_needs_exactly_one_candidate(buffer, tmp_path):
+    with pytest.raises(ValueError, match=r"several image-like fields \['front', 'wrist', 'depth'\]"):
+        default_image_field(buffer)
+    with pytest.raises(ValueError, match="no image-like field.*'reward'"):
+        default_image_field(make_plot_only_buffer(tmp_path / "plots"))
+
+
+def test_episode_frames_reads_stored_steps_and_concatenates_in_time(buffer):
+    one = episode_frames(buffer, 1, "front")
+    assert one.shape == (STEPS[1], 32, 32, 3)
+    assert one[:, 0, 0, 0].tolist() == [gray_level(1, t) for t in range(STEPS[1])]
+    several = episode_frames(buffer, [2, 0], "front")
+    expected = [gray_level(2, t) for t in range(STEPS[2])] + [gray_level(0, t) for t in range(STEPS[0])]
+    assert several[:, 0, 0, 0].tolist() == expected
+    assert episode_frames(buffer, np.int64(0), "wrist").shape == (STEPS[0], 3, 32, 32)
+
+
+@pytest.mark.parametrize(
+    ("episodes", "field", "error", "message"),
+    [
+        (3, "front", ValueError, "episode 3 is out of range, the buffer has 3 episodes"),
+        ([0, -1], "front", ValueError, "episode -1 is out of range"),
+        ([], "front", ValueError, "empty list"),
+        ("0", "front", TypeError, "expected ints"),
+        (True, "front", TypeError, "episode_index"),
+        (0, "camera", ValueError, r"unknown field 'camera'.*image-like: \['front', 'wrist', 'depth'\]"),
+        (0, None, ValueError, "several image-like fields"),
+    ],
+)
+def test_episode_frames_errors_name_the_problem(buffer, episodes, field, error, message):
+    with pytest.raises(error, match=message):
+        episode_frames(buffer, episodes, field)
+
+
+@pytest.mark.parametrize("field", ["front", "wrist", "depth"])
+def test_save_video_renders_each_layout(buffer, tmp_path, field):
+    path = save_video(buffer, tmp_path / f"{field}.mp4", episode_index=[0, 2], field=field, fps=15)
+    decoded = iio.imread(path)
+    assert decoded.shape == (STEPS[0] + STEPS[2], 32, 32, 3)
+
+
+def test_save_video_checks_the_suffix_before_reading(buffer, tmp_path):
+    with pytest.raises(ValueError, match="suffix"):
+        save_video(buffer, tmp_path / "episode.txt", field="front")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("replaybuf").ReplayBuffer, "save_video"),
+    reason="ReplayBuffer.image_fields/episode_frames/save_video not added to buffer.py yet (they delegate to replaybuf.video)",
+)
+def test_buffer_methods_match_the_seed_api(buffer, tmp_path):
+    assert buffer.image_fields() == ["front", "wrist", "depth"]
+    assert np.array_equal(buffer.episode_frames([1, 0], field="front"), episode_frames(buffer, [1, 0], "front"))
+    path = buffer.save_video(tmp_path / "episodes.gif", episode_index=[0, 1], field="depth", fps=10)
+    assert iio.imread(path).shape[0] == STEPS[0] + STEPS[1]
+    with pytest.raises(ValueError, match="several image-like fields"):
+        buffer.save_video(tmp_path / "episode.mp4")

@@ -1,0 +1,248 @@
+"""The viewer pages in Debian's headless Chromium, driven by playwright, served on 127.0.0.1.
+
+Frames of the ``front`` field are flat grays that encode (episode, timestep), so the tests
+read the pixel a <video> shows and check it is the frame the counter names.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from replaybuf.video import episode_frames, trajectory_to_video
+from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer
+from tests._viewer_data import STEPS, gray_level, make_image_buffer, make_plot_only_buffer
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+WAIT_MS = 20_000
+# H.264 at the viewer's quality keeps flat grays within a few levels
+GRAY_TOLERANCE = 6
+
+
+def find_chromium() -> str | None:
+    if os.access("/usr/bin/chromium", os.X_OK):
+        return "/usr/bin/chromium"
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip(
+            "no Chromium binary (looked for /usr/bin/chromium, chromium, chromium-browser); apt-get install chromium"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    page.on("console", lambda message: message.type == "error" and page.errors.append(message.text))
+    yield page
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory):
+    return make_image_buffer(tmp_path_factory.mktemp("browser") / "buffer")
+
+
+def wait_videos_ready(page, count):
+    page.wait_for_function(
+        """count => {
+            const videos = [...document.querySelectorAll('#videos video')];
+            return videos.length === count && videos.every(v => v.readyState >= 2 && v.videoWidth > 0 && !v.seeking);
+        }""",
+        arg=count,
+        timeout=WAIT_MS,
+    )
+
+
+def wait_counter(page, text):
+    page.wait_for_function(
+        "text => document.getElementById('frame-counter').textContent === text", arg=text, timeout=WAIT_MS
+    )
+
+
+def shown_gray(page, field="front"):
+    """The red level at the centre of the frame a video currently shows, once its seek is done."""
+    wait_videos_ready(page, page.locator("#videos video").count())
+    return page.evaluate(
+        """field => {
+            const video = document.querySelector(`#videos video[data-field="${field}"]`);
+            const canvas = document.createElement('canvas');
+            canvas.width = video.videoWidth;
+            canvas.height = video.videoHeight;
+            const context = canvas.getContext('2d');
+            context.drawImage(video, 0, 0);
+            return context.getImageData(canvas.width >> 1, canvas.height >> 1, 1, 1).data[0];
+        }""",
+        field,
+    )
+
+
+def video_states(page):
+    return page.evaluate(
+        "[...document.querySelectorAll('#videos video')].map(v => ({time: v.currentTime, rate: v.playbackRate, paused: v.paused}))"
+    )
+
+
+def test_replay_page_plays_steps_and_slows_synced_videos(page, buffer, tmp_path):
+    episodes = [0, 2]
+    videos = {
+        field: trajectory_to_video(episode_frames(buffer, episodes, field), tmp_path / f"replay.{field}.mp4")
+        for field in ("front", "wrist")
+    }
+    total = STEPS[0] + STEPS[2]
+    info = {"location": "buffer", "episodes": episodes, "frames": total, "fps": 30, "scale": 1}
+    expected_gray = [gray_level(0, t) for t in range(STEPS[0])] + [gray_level(2, t) for t in range(STEPS[2])]
+
+    with ViewerServer(ReplayApp(videos, info)) as server:
+        page.goto(server.url)
+        wait_videos_ready(page, 2)
+        assert page.evaluate("[...document.querySelectorAll('#videos video')].map(v => v.videoWidth)") == [32, 32]
+        # it autoplays: the counter moves on its own, then space pauses
+        page.wait_for_function("document.getElementById('frame-counter').dataset.frame !== '0'", timeout=WAIT_MS)
+        page.keyboard.press("Space")
+        assert all(state["paused"] for state in video_states(page))
+
+        page.keyboard.press("Home")
+        wait_counter(page, f"0 / {total}")
+        page.keyboard.press("ArrowRight")
+        wait_counter(page, f"1 / {total}")
+        assert abs(shown_gray(page) - expected_gray[1]) <= GRAY_TOLERANCE
+        page.keyboard.press("Shift+ArrowRight")
+        wait_counter(page, f"11 / {total}")
+        page.keyboard.press("ArrowLeft")
+        wait_counter(page, f"10 / {total}")
+        page.click("#step-forward")
+        wait_counter(page, f"11 / {total}")
+        page.locator("#videos").hover()
+        page.mouse.wheel(0, 120)
+        wait_counter(page, f"12 / {total}")
+        page.keyboard.press("Shift+ArrowRight")
+        page.keyboard.press("Shift+ArrowRight")
+        wait_counter(page, f"32 / {total}")
+        # frame 32 is timestep 12 of the second episode, in both videos at once
+        assert abs(shown_gray(page) - expected_gray[32]) <= GRAY_TOLERANCE
+        times = [state["time"] for state in video_states(page)]
+        assert times[0] == times[1] and int(times[0] * 30) == 32
+
+        page.locator("#timeline").fill("5")
+        wait_counter(page, f"5 / {total}")
+        assert abs(shown_gray(page) - expected_gray[5]) <= GRAY_TOLERANCE
+
+        page.select_option("#speed", "0.1")
+        assert [state["rate"] for state in video_states(page)] == [0.1, 0.1]
+        page.keyboard.press("+")
+        assert [state["rate"] for state in video_states(page)] == [0.25, 0.25]
+        assert page.input_value("#speed") == "0.25"
+
+        page.click("#play-pause")
+        page.wait_for_function("document.getElementById('frame-counter').dataset.frame !== '5'", timeout=WAIT_MS)
+        page.click("#play-pause")
+        assert all(state["paused"] for state in video_states(page))
+        page.screenshot(path=str(tmp_path / "replay.png"))
+    assert page.errors == []
+
+
+def test_view_page_browses_episodes_with_plots_following_the_cursor(page, buffer, tmp_path):
+    with ViewerServer(BufferApp(buffer, location="demo-buffer", fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        assert page.locator("#episode-rows tr").count() == 3
+        assert page.locator("#episode-columns th").all_inner_texts() == ["#", "len", "success", "task_id"]
+        wait_videos_ready(page, 3)
+        assert page.locator("#videos video").evaluate_all("videos => videos.map(v => v.dataset.field)") == [
+            "front",
+            "wrist",
+            "depth",
+        ]
+        assert page.locator(".plot").evaluate_all("plots => plots.map(p => p.dataset.field)") == [
+            "reward",
+            "action",
+            "done",
+        ]
+        drawn = page.evaluate(
+            """() => {
+                const canvas = document.querySelector('.plot[data-field="reward"] canvas.lines');
+                const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+                let painted = 0;
+                for (let i = 3; i < pixels.length; i += 4) painted += pixels[i] > 0;
+                return painted;
+            }"""
+        )
+        assert drawn > 100
+        assert page.locator('.plot[data-field="action"] .legend span').count() == 4
+        reward_legend = page.locator('.plot[data-field="reward"] .legend span')
+        assert reward_legend.inner_text() == "reward = 0"
+
+        for _ in range(3):
+            page.keyboard.press("ArrowRight")
+        wait_counter(page, f"3 / {STEPS[0]}")
+        assert reward_legend.inner_text() == "reward = 0.841"  # sin(3 / 3)
+        assert abs(shown_gray(page) - gray_level(0, 3)) <= GRAY_TOLERANCE
+
+        page.keyboard.press("ArrowDown")
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '1'", timeout=WAIT_MS)
+        wait_counter(page, f"0 / {STEPS[1]}")
+        assert reward_legend.inner_text() == "reward = 1"
+        wait_videos_ready(page, 3)
+        assert abs(shown_gray(page) - gray_level(1, 0)) <= GRAY_TOLERANCE
+
+        page.fill('input[data-column="success"]', "true")
+        assert page.locator("#episode-rows tr").evaluate_all("rows => rows.map(r => r.dataset.index)") == ["0", "2"]
+        assert page.inner_text("#episode-count") == "2 of 3 episodes"
+        page.click('#episode-rows tr[data-index="2"]')
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '2'", timeout=WAIT_MS)
+        wait_counter(page, f"0 / {STEPS[2]}")
+
+        wait_videos_ready(page, 3)
+        plot = page.locator('.plot[data-field="reward"] .plot-canvas')
+        box = plot.bounding_box()
+        plot.click(position={"x": box["width"] - 2, "y": box["height"] / 2})
+        wait_counter(page, f"{STEPS[2] - 1} / {STEPS[2]}")
+        assert abs(shown_gray(page) - gray_level(2, STEPS[2] - 1)) <= GRAY_TOLERANCE
+
+        page.select_option("#speed", "0.1")
+        assert {state["rate"] for state in video_states(page)} == {0.1}
+        page.keyboard.press("ArrowUp")  # the previous episode in the filtered list is 0
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        wait_videos_ready(page, 3)
+        page.screenshot(path=str(tmp_path / "view.png"))
+    assert page.errors == []
+
+
+def test_view_page_without_image_fields_steps_and_plays_the_plots(page, tmp_path):
+    with ViewerServer(BufferApp(make_plot_only_buffer(tmp_path / "plots"), fps=20)) as server:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        assert page.locator("#videos video").count() == 0
+        assert page.locator(".plot").count() == 2
+        page.keyboard.press("ArrowRight")
+        wait_counter(page, "1 / 12")
+        page.keyboard.press("Space")
+        page.wait_for_function("document.getElementById('frame-counter').dataset.frame !== '1'", timeout=WAIT_MS)
+        page.keyboard.press("Space")
+        page.keyboard.press("End")
+        wait_counter(page, "11 / 12")
+        assert page.locator('.plot[data-field="reward"] .legend span').inner_text() == "reward = 1"
+    assert page.errors == []

@@ -1,0 +1,213 @@
+"""The viewer's HTTP server and JSON API, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import numpy as np
+import pytest
+
+from replaybuf.video import trajectory_to_video
+from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer
+from replaybuf.viewer.server import parse_range
+from tests._viewer_data import STEPS, make_image_buffer, reward_value
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory):
+    return make_image_buffer(tmp_path_factory.mktemp("server") / "buffer")
+
+
+@pytest.fixture
+def browse_server(buffer):
+    with ViewerServer(BufferApp(buffer, location="test-buffer", fps=10)) as server:
+        yield server
+
+
+def request(server, path, method="GET", headers=None):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        connection.request(method, path, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def get_json(server, path):
+    status, headers, body = request(server, path)
+    assert headers["Content-Type"] == "application/json"
+    return status, json.loads(body)
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, None),
+        ("bytes=0-9", (0, 9)),
+        ("bytes=5-", (5, 99)),
+        ("bytes=-10", (90, 99)),
+        ("bytes=90-500", (90, 99)),
+        ("bytes=0-1,5-6", (0, 1)),
+        ("items=0-1", None),
+    ],
+)
+def test_parse_range(header, expected):
+    assert parse_range(header, 100) == expected
+
+
+@pytest.mark.parametrize("header", ["bytes=100-", "bytes=5-2", "bytes=a-b", "bytes=7", "bytes=-0"])
+def test_parse_range_rejects_unsatisfiable(header):
+    with pytest.raises(ValueError, match="range"):
+        parse_range(header, 100)
+
+
+def test_server_listens_on_loopback_only_and_frees_the_port(buffer):
+    server = ViewerServer(BufferApp(buffer)).start()
+    assert server.url == f"http://127.0.0.1:{server.port}/"
+    assert server._httpd.server_address[0] == "127.0.0.1"
+    cache_dir = server.app.cache_dir
+    assert request(server, "/")[0] == 200
+    server.stop()
+    assert not cache_dir.exists()
+    with pytest.raises(ConnectionRefusedError):
+        request(server, "/")
+
+
+def test_a_port_in_use_is_a_clear_error(buffer, browse_server):
+    with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{browse_server.port}.*pick another port"):
+        ViewerServer(BufferApp(buffer), port=browse_server.port)
+    with pytest.raises(ValueError, match="port"):
+        ViewerServer(BufferApp(buffer), port=70000)
+
+
+def test_page_and_static_files_are_served_from_the_package(browse_server):
+    status, headers, body = request(browse_server, "/")
+    assert status == 200 and headers["Content-Type"] == "text/html"
+    assert b"/static/browse.js" in body
+    for name, content_type in [
+        ("browse.js", "text/javascript"),
+        ("player.js", "text/javascript"),
+        ("style.css", "text/css"),
+    ]:
+        status, headers, body = request(browse_server, f"/static/{name}")
+        assert (status, headers["Content-Type"]) == (200, content_type)
+        assert b"http://" not in body and b"https://" not in body  # nothing fetched from the network
+    assert request(browse_server, "/static/../server.py")[0] == 404
+    assert request(browse_server, "/static/%2e%2e/server.py")[0] == 404
+    assert request(browse_server, "/nothing")[0] == 404
+
+
+def test_requests_for_other_hosts_are_refused(browse_server):
+    assert request(browse_server, "/api/info", headers={"Host": "attacker.example:80"})[0] == 403
+    assert request(browse_server, "/api/info", headers={"Host": f"localhost:{browse_server.port}"})[0] == 200
+
+
+def test_info_lists_videos_plots_and_columns(browse_server):
+    status, info = get_json(browse_server, "/api/info")
+    assert status == 200
+    assert info["image_fields"] == ["front", "wrist", "depth"]
+    assert info["series_fields"] == ["reward", "action", "done"]
+    assert info["meta_columns"] == ["success", "task_id"]
+    assert info["fields"]["wrist"] == {"shape": [3, 32, 32], "dtype": "float32"}
+    assert (info["num_episodes"], info["fps"], info["location"]) == (3, 10, "test-buffer")
+
+
+def test_episode_list_has_lengths_and_meta(browse_server):
+    _, episodes = get_json(browse_server, "/api/episodes")
+    assert episodes["num_episodes"] == 3
+    assert episodes["lengths"] == list(STEPS)
+    assert episodes["meta"] == {"task_id": [0, 1, 2], "success": [True, False, True]}
+
+
+def test_episode_series_and_video_links(browse_server):
+    _, episode = get_json(browse_server, "/api/episodes/1")
+    assert (episode["index"], episode["length"]) == (1, STEPS[1])
+    assert episode["meta"] == {"task_id": 1, "success": False}
+    assert np.allclose(episode["series"]["reward"], [reward_value(1, t) for t in range(STEPS[1])], atol=1e-6)
+    assert np.asarray(episode["series"]["action"]).shape == (STEPS[1], 4)
+    assert episode["series"]["done"] == [False] * (STEPS[1] - 1) + [True]
+    assert episode["videos"] == {name: f"/video/episodes/1/{name}.mp4" for name in ("front", "wrist", "depth")}
+    assert get_json(browse_server, "/api/episodes/3")[0] == 404
+
+
+def test_every_backend_serves_episodes_series_and_videos(make_location):
+    location, kwargs = make_location("viewer")
+    make_image_buffer(location, steps=(4, 3), **kwargs).close()
+    from replaybuf import ReplayBuffer
+
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(location, read_only=True, **kwargs))) as server:
+        assert get_json(server, "/api/episodes")[1]["lengths"] == [4, 3]
+        episode = get_json(server, "/api/episodes/1")[1]
+        assert np.allclose(episode["series"]["reward"], [reward_value(1, t) for t in range(3)], atol=1e-6)
+        status, headers, _ = request(server, "/video/episodes/1/depth.mp4", headers={"Range": "bytes=0-3"})
+        assert (status, headers["Content-Type"]) == (206, "video/mp4")
+
+
+def test_an_empty_buffer_lists_no_episodes(tmp_path):
+    from replaybuf import ReplayBuffer
+
+    ReplayBuffer(tmp_path / "empty", max_episodes=2, max_timesteps=3, fields={"cam": ("uint8", (8, 8))}).close()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "empty", read_only=True))) as server:
+        assert get_json(server, "/api/episodes")[1] == {"num_episodes": 0, "columns": [], "lengths": [], "meta": {}}
+        assert get_json(server, "/api/info")[1]["image_fields"] == ["cam"]
+        assert get_json(server, "/api/episodes/0")[0] == 404
+
+
+def test_non_finite_values_become_null(tmp_path):
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(tmp_path / "nan", max_episodes=1, max_timesteps=3, fields={"reward": "float"}, overwrite=True)
+    buffer.store_episode(reward=np.array([1.0, np.nan, np.inf], np.float32))
+    buffer.flush()
+    with ViewerServer(BufferApp(buffer)) as server:
+        assert get_json(server, "/api/episodes/0")[1]["series"]["reward"] == [1.0, None, None]
+
+
+def test_videos_render_once_and_serve_byte_ranges(browse_server):
+    status, headers, whole = request(browse_server, "/video/episodes/2/front.mp4")
+    assert (status, headers["Content-Type"], headers["Accept-Ranges"]) == (200, "video/mp4", "bytes")
+    cached = list(browse_server.app.cache_dir.glob("*.mp4"))
+    assert [path.name for path in cached] == [f"episode-2-len-{STEPS[2]}.front.mp4"]
+    modified = cached[0].stat().st_mtime_ns
+
+    status, headers, part = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=10-19"})
+    assert status == 206
+    assert headers["Content-Range"] == f"bytes 10-19/{len(whole)}"
+    assert part == whole[10:20]
+    status, headers, tail = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=-7"})
+    assert (status, tail) == (206, whole[-7:])
+    status, headers, _ = request(
+        browse_server, "/video/episodes/2/front.mp4", headers={"Range": f"bytes={len(whole)}-"}
+    )
+    assert (status, headers["Content-Range"]) == (416, f"bytes */{len(whole)}")
+    status, headers, body = request(browse_server, "/video/episodes/2/front.mp4", method="HEAD")
+    assert (status, int(headers["Content-Length"]), body) == (200, len(whole), b"")
+    assert cached[0].stat().st_mtime_ns == modified
+
+
+def test_unknown_video_fields_and_episodes_are_404(browse_server):
+    assert request(browse_server, "/video/episodes/0/reward.mp4")[0] == 404
+    assert request(browse_server, "/video/episodes/9/front.mp4")[0] == 404
+
+
+def test_replay_app_serves_its_videos(tmp_path):
+    frames = np.zeros((5, 8, 8, 3), np.uint8)
+    videos = {name: trajectory_to_video(frames, tmp_path / f"replay.{name}.mp4") for name in ("front", "wrist")}
+    info = {
+        "location": "x",
+        "episodes": [0],
+        "frames": 5,
+        "fps": 30,
+        "scale": 1,
+        "field_info": {"front": {"shape": "8 x 8 x 3", "dtype": "uint8"}},
+    }
+    with ViewerServer(ReplayApp(videos, info)) as server:
+        _, body = get_json(server, "/api/info")
+        assert body["videos"] == {"front": "/video/front", "wrist": "/video/wrist"}
+        assert body["fields"] == [{"name": "front", "shape": "8 x 8 x 3", "dtype": "uint8"}, {"name": "wrist"}]
+        assert request(server, "/video/wrist")[2] == videos["wrist"].read_bytes()
+        assert request(server, "/video/side")[0] == 404
+    with pytest.raises(ValueError, match="no such file"):
+        ReplayApp({"front": tmp_path / "missing.mp4"}, info)
