@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import uuid
 
 import numpy as np
 import pytest
@@ -11,6 +12,8 @@ from replaybuf import ReplayBuffer
 from replaybuf.consistency import read_episodes_consistent, read_unchanged, stored_meta, unchanged_slots
 
 from ._workloads import buffer_kwargs, check_episode, episode, episode_length, write_episode, writer_loop
+
+pytest_plugins = ["tests._servers"]
 
 FORK = multiprocessing.get_context("fork")
 READ_ROUNDS = 25
@@ -229,3 +232,13 @@ def test_reader_process_while_writer_reuses_slots(location, tmp_path):
     seen, done = run_reader_against_writer(location, tmp_path / "progress", kwargs, circular=True)
     assert seen <= set(done)
     assert len(done) >= 3 * kwargs["max_episodes"], "the writer wrapped around while the reader read"
+
+
+@pytest.mark.slow
+def test_reader_process_while_writer_reuses_slots_on_s3(s3_server, tmp_path):
+    location = s3_server.url(f"concurrent/{uuid.uuid4().hex[:12]}")
+    kwargs = buffer_kwargs(3, circular=True, flush_every_store_step=0)
+    seen, done = run_reader_against_writer(location, tmp_path / "progress", kwargs, circular=True,
+                                           storage_options=s3_server.storage_options)
+    assert seen <= set(done)
+    assert len(done) >= 3 * kwargs["max_episodes"]

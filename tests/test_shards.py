@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import uuid
 
 import numpy as np
 import pytest
@@ -12,7 +13,9 @@ from replaybuf import ReplayBuffer
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.shards import discover_shards, open_shard, shard_location
 
-from ._workloads import buffer_kwargs, check_episode, writer_loop
+from ._workloads import buffer_kwargs, check_episode, write_episode, writer_loop
+
+pytest_plugins = ["tests._servers"]
 
 FORK = multiprocessing.get_context("fork")
 
@@ -49,6 +52,21 @@ def test_discover_skips_foreign_and_unfinished_entries(tmp_path, root):
         (tmp_path / "notes.txt").write_text("x")
         (tmp_path / "actor-x").mkdir()
     assert discover_shards(base) == [shard_location(base, i) for i in (0, 2, 10)]
+
+
+def test_shards_on_s3(s3_server):
+    root = s3_server.url(f"shards/{uuid.uuid4().hex[:12]}")
+    options = s3_server.storage_options
+    kwargs = buffer_kwargs(3, circular=False)
+    for index in (1, 0):
+        with open_shard(root, index, **kwargs, storage_options=options) as shard:
+            write_episode(shard, 10 + index, "whole")
+    ReplayBuffer(f"{root}/notes", **kwargs, storage_options=options).close()  # not a shard name
+    found = discover_shards(root, storage_options=options)
+    assert found == [f"{root}/actor-000", f"{root}/actor-001"]
+    uids = [ReplayBuffer.from_folder(url, read_only=True, storage_options=options).meta_data["uid"][0] for url in found]
+    assert uids == [10, 11]
+    assert discover_shards(s3_server.url("shards/absent"), storage_options=options) == []
 
 
 def test_discover_empty_or_missing_root(tmp_path):
