@@ -66,6 +66,16 @@ def test_epochs_reshuffle_reproducibly():
     assert list(ResumableDistributedSampler(50, shuffle=False)) == list(range(50))
 
 
+def test_seed_defaults():
+    torch.manual_seed(5)
+    first = ResumableDistributedSampler(30)
+    torch.manual_seed(5)
+    again = ResumableDistributedSampler(30)
+    assert first.seed == again.seed and list(first) == list(again)
+    assert ResumableDistributedSampler(30).seed != first.seed, "torch's generator moved on"
+    assert ResumableDistributedSampler(30, rank=1, world_size=2).seed == 0, "ranks must agree without a seed"
+
+
 def test_length_is_read_each_epoch():
     data = Numbers(4)
     sampler = ResumableDistributedSampler(data, shuffle=False)

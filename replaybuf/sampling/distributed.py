@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
@@ -57,7 +58,9 @@ class ResumableDistributedSampler(Sampler[int]):
     shuffle
         A fresh permutation per epoch, identical on every rank (seeded by ``seed`` and the epoch).
     seed
-        Must be the same on every rank; ``None`` means 0.
+        Must be the same on every rank. ``None``: 0 with several ranks; with one, drawn from
+        torch's global generator, so ``torch.manual_seed`` makes runs reproducible as with
+        ``DataLoader(shuffle=True)``. The seed is part of ``state_dict()``.
     drop_last
         Drop the tail so every rank gets ``len // world_size`` indices; otherwise pad by
         repeating indices so every rank gets ``ceil(len / world_size)``.
@@ -77,7 +80,9 @@ class ResumableDistributedSampler(Sampler[int]):
         self.data_source = data_source
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.shuffle = bool(shuffle)
-        self.seed = 0 if seed is None else _check_int("seed", seed, 0)
+        if seed is None:
+            seed = 0 if self.world_size > 1 else int(torch.randint(0, 2**62, ()).item())
+        self.seed = _check_int("seed", seed, 0)
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._next: tuple[int, int] | None = None  # (position, length) the next pass of self.epoch starts at
