@@ -233,6 +233,7 @@ class BufferMachine(RuleBasedStateMachine):
         if not order:
             assert got == {}
             return
+        order = sorted(order)  # get_all_data is in slot order, as the seed
         longest = max(self.slots[s]["len"] for s in order)
         for name in self.fields:
             expected = np.stack([self.slots[s]["rows"][name][:longest] for s in order])
