@@ -1,15 +1,14 @@
 """Command line: ``inspect-replay-buffer`` and the ``replaybuf`` command with its subcommands.
 
-``replaybuf`` is a table of subcommands. A module adds one by calling ``register_command``
-when imported and by being listed in ``COMMAND_MODULES``; this module registers ``inspect``
-(the same as ``inspect-replay-buffer``) and ``view``. Bad input ends with an argparse-style
+``replaybuf`` is a table of subcommands filled with ``register_command``: ``inspect`` (the same
+as ``inspect-replay-buffer``) and ``view`` here, ``convert``, ``info`` and ``verify`` from
+``replaybuf.tools``. Bad input ends with an argparse-style
 message and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from replaybuf.tools import CLI_COMMANDS
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     episode_frames,
@@ -30,10 +30,7 @@ from replaybuf.video import (
     trajectory_to_video,
 )
 
-__all__ = ["COMMAND_MODULES", "Command", "commands", "inspect_main", "main", "open_buffer", "register_command"]
-
-# modules that register subcommands when imported (besides this one)
-COMMAND_MODULES: tuple[str, ...] = ()
+__all__ = ["Command", "commands", "inspect_main", "main", "open_buffer", "register_command"]
 
 # the errors a command turns into a usage message: bad values, missing files, unreachable stores
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError)
@@ -335,6 +332,9 @@ VIEW = register_command(
     )
 )
 
+for _spec in CLI_COMMANDS:
+    register_command(Command(*_spec))
+
 
 # entry points
 
@@ -363,8 +363,6 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``replaybuf`` parser with one subparser per registered command."""
-    for module in COMMAND_MODULES:
-        importlib.import_module(module)
     parser = argparse.ArgumentParser(
         prog="replaybuf", description="Inspect, browse and manage replaybuf episode stores."
     )

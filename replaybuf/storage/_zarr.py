@@ -69,6 +69,7 @@ class ZarrStorage(Storage):
 
     backend_name = "zarr"
     supports_remote = True
+    supports_field_codecs = True  # honours per-field ``compressor`` specs
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         super().__init__(location, storage_options, fsync=fsync)
@@ -271,12 +272,24 @@ class ZarrStorage(Storage):
     def describe(self) -> dict:
         # docstring inherited
         fields = {}
-        for (name, meta), array in self._arrays.items():
-            fields[f"{'meta' if meta else 'data'}/{name}"] = {
+        for array in self._arrays.values():
+            fields[array.path] = {
                 "shape": array.shape, "chunks": array.chunks, "dtype": array.dtype.name,
                 "compressor": array.codec.label,
+                "stored_bytes": self._stored_bytes(f"{array.path}/"),
+                "raw_bytes": int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize,
+                "shards": (1, array.shard_time, *array.shape[2:]) if isinstance(array, ShardedArray) else None,
             }
-        return {**super().describe(), "arrays": fields}
+        return {**super().describe(), "format": "replaybuf zarr v3", "arrays": fields}
+
+    def _stored_bytes(self, prefix: str) -> int:
+        """Bytes of every object under ``prefix`` (chunks and metadata) as stored."""
+        if isinstance(self.kv, LocalKV):
+            folder = os.path.join(self.kv.root, *prefix.rstrip("/").split("/"))
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+        from zarr.core.sync import sync
+
+        return int(sync(self.kv.store.getsize_prefix(prefix)))
 
 
 def _open_zarr_store(location: str, storage_options: dict, read_only: bool):

@@ -76,6 +76,7 @@ class Storage(ABC):
 
     backend_name: ClassVar[str] = ""
     supports_remote: ClassVar[bool] = False
+    supports_field_codecs: ClassVar[bool] = False
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         self.location = str(location)

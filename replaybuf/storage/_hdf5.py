@@ -1,0 +1,465 @@
+"""The HDF5 backend: one ``data.h5`` per buffer, optionally gzip/lzf compressed (needs h5py).
+
+Layout: ``data.h5`` holds datasets ``data/<field>`` (episode, time, *shape) and ``meta/<field>``
+(episode, *shape, incl. ``episode_lens`` and ``_generation``); its root attribute ``replaybuf``
+is the config as JSON. HDF5 cannot replace a value atomically and a killed writer can leave
+the file's own metadata half-written, so the counters (``replaybuf/state.json``, temp file +
+rename) and the step log (``replaybuf/steplog/``) live next to it as plain files, and the
+file is flushed before every counter commit.
+
+Sampling: uncompressed data fields are contiguous blocks at a fixed offset in the file, so
+``gather`` fancy-indexes a read-only numpy memmap of those bytes (the memmap backend's speed);
+compressed fields are read step by step, and a reader keeps those up to 32 MB in RAM.
+
+Storage options (``storage_options=`` or ``ReplayBufferH5PY(h5py_compression=...)``):
+``compression`` ('gzip', 'lzf' or None) and ``compression_opts`` (the gzip level). Compressed
+data fields are chunked (1, T, *shape) with T chosen as for zarr; uncompressed ones are
+contiguous, as memmap-replay-buffer's HDF5 variant stores them.
+
+Files are opened without HDF5 file locking, so a read-only open creates and writes nothing;
+one writer per buffer is the caller's contract, as for every backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
+from ._kv import LocalKV
+from ._local import local_root, refuse_foreign_buffer
+from ._zarr import default_time_chunk
+from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+
+DATA_FILE = "data.h5"
+CONFIG_ATTRIBUTE = "replaybuf"
+META_CHUNK_EPISODES = 1024
+STORAGE_OPTIONS = ("compression", "compression_opts")
+# a reader keeps data fields up to this size in RAM for random sampling
+SMALL_FIELD_BYTES = 32 << 20
+COMPRESSIONS = ("gzip", "lzf")
+
+
+def _expand_key(key: Any, shape: tuple[int, ...]) -> tuple:
+    """A numpy key as a full-length tuple of ints, slices and integer arrays (negatives resolved)."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis for k in key):
+        at = next(i for i, k in enumerate(key) if k is Ellipsis)
+        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+    key = key + (slice(None),) * (len(shape) - len(key))
+    if len(key) > len(shape):
+        raise IndexError(f"too many indices ({len(key)}) for an array of shape {shape}")
+    out = []
+    for k, n in zip(key, shape):
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            if not -n <= k < n:
+                raise IndexError(f"index {k} is out of bounds for an axis of size {n}")
+            out.append(int(k) % n)
+        elif isinstance(k, slice):
+            out.append(slice(*k.indices(n)))
+        else:
+            index = np.asarray(k)
+            if index.dtype == bool:
+                index = np.flatnonzero(index)
+            if index.dtype.kind not in "iu":
+                raise IndexError(f"unsupported index {k!r}")
+            if index.size and (index.min() < -n or index.max() >= n):
+                raise IndexError(f"index {k!r} is out of bounds for an axis of size {n}")
+            out.append(index % n)
+    return tuple(out)
+
+
+def _is_simple(key: tuple) -> bool:
+    return all(isinstance(k, int) or (isinstance(k, slice) and k.step == 1) for k in key)
+
+
+def _bounding_box(key: tuple) -> tuple[tuple, tuple]:
+    """The smallest box of unit-step slices covering ``key``, and ``key`` relative to that box."""
+    box, relative = [], []
+    for k in key:
+        if isinstance(k, int):
+            box.append(slice(k, k + 1))
+            relative.append(0)
+        elif isinstance(k, slice) and k.step == 1:
+            box.append(slice(k.start, max(k.start, k.stop)))
+            relative.append(slice(None))
+        elif isinstance(k, slice):
+            index = np.arange(k.start, k.stop, k.step)
+            if not index.size:
+                box.append(slice(0, 0))
+                relative.append(slice(None))
+                continue
+            lo, first, last = int(index.min()), int(index[0]), int(index[-1])
+            box.append(slice(lo, int(index.max()) + 1))
+            stop = last - lo + (1 if k.step > 0 else -1)
+            relative.append(slice(first - lo, stop if stop >= 0 else None, k.step))
+        else:
+            lo = int(k.min()) if k.size else 0
+            box.append(slice(lo, int(k.max()) + 1 if k.size else 0))
+            relative.append(k - lo)
+    return tuple(box), tuple(relative)
+
+
+class H5Array:
+    """``buffer.data[name]``: numpy indexing on an HDF5 dataset.
+
+    Keys h5py reads natively (ints and unit-step slices) go straight to it; any other key is
+    served from the bounding box it covers, so callers get numpy semantics (unsorted or
+    repeated episode lists, negative indices, several index arrays).
+    """
+
+    def __init__(self, storage: HDF5Storage, path: str):
+        self._storage = storage
+        self.path = path
+
+    @property
+    def dataset(self) -> h5py.Dataset:
+        return self._storage.h5file[self.path]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.dataset.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.dataset.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        dataset = self.dataset
+        key = _expand_key(key, dataset.shape)
+        if _is_simple(key):
+            return np.asarray(dataset[key])
+        box, relative = _bounding_box(key)
+        return np.asarray(dataset[box])[relative]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._storage._check_writable()
+        dataset = self.dataset
+        key = _expand_key(key, dataset.shape)
+        if _is_simple(key):
+            target = np.broadcast_to(np.zeros((), bool), dataset.shape)[key].shape
+            dataset[key] = np.broadcast_to(np.asarray(value, dtype=dataset.dtype), target)
+        else:
+            box, relative = _bounding_box(key)
+            block = np.asarray(dataset[box])
+            block[relative] = value
+            dataset[box] = block
+        self._storage.flush()  # visible at once to memmap readers of the file
+
+    def __array__(self, dtype=None, copy=None):
+        array = np.asarray(self.dataset[()])
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"H5Array({self._storage.location!r}, {self.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _check_storage_options(options: dict) -> None:
+    unknown = sorted(set(options) - set(STORAGE_OPTIONS))
+    if unknown:
+        raise ValueError(f"hdf5 storage_options: unknown keys {unknown}; expected {list(STORAGE_OPTIONS)}")
+    compression = options.get("compression")
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"hdf5 compression must be one of {COMPRESSIONS} or None, got {compression!r}")
+    level = options.get("compression_opts")
+    if level is not None and (compression != "gzip" or isinstance(level, bool) or not isinstance(level, int)
+                              or not 0 <= level <= 9):
+        raise ValueError(f"hdf5 compression_opts must be a gzip level 0-9 with compression='gzip', got "
+                         f"{level!r} with compression={compression!r}")
+
+
+class HDF5Storage(Storage):
+    """One ``data.h5`` per buffer folder (h5py), with the counters and step log beside it."""
+
+    backend_name = "hdf5"
+    supports_remote = False
+    supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
+
+    def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
+        super().__init__(location, storage_options, fsync=fsync)
+        _check_storage_options(self.storage_options)
+        self.root = local_root(self)
+        self.path = os.path.join(self.root, DATA_FILE)
+        self.kv = LocalKV(self.root, fsync=fsync)
+        self._file: h5py.File | None = None
+        self._pid: int | None = None
+        self._arrays: dict[tuple[str, bool], H5Array] = {}
+        self._ram: dict[str, np.ndarray | None] = {}
+        self._maps: dict[str, np.memmap | None] = {}
+        self._dirty = False
+
+    @property
+    def h5file(self) -> h5py.File:
+        """The open file, (re)opened in this process: no HDF5 handle crosses a fork."""
+        if self._file is None or self._pid != os.getpid() or not self._file.id.valid:
+            self._file = self._open_file()
+            self._pid = os.getpid()
+        return self._file
+
+    def _open_file(self) -> h5py.File:
+        mode = "r" if self.read_only else "r+"
+        try:
+            return h5py.File(self.path, mode, locking=False)
+        except OSError as e:
+            if self.read_only or "already open for read-only" not in str(e):
+                raise
+        # HDF5 cannot open a file for writing while this process holds it read-only: close the
+        # readers' handles (they reopen lazily, then sharing the writer's handle) and retry
+        for file_id in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+            if os.path.exists(file_id.name) and os.path.samefile(file_id.name, self.path):
+                h5py.File(file_id).close()
+        return h5py.File(self.path, mode, locking=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
+
+    # ---- discovery -----------------------------------------------------------------------------
+
+    def _config(self) -> dict | None:
+        if not os.path.isfile(self.path):
+            return None
+        try:
+            with h5py.File(self.path, "r", locking=False) as f:
+                raw = f.attrs.get(CONFIG_ATTRIBUTE)
+        except OSError:
+            return None
+        if raw is None:
+            return None
+        config = json.loads(raw)
+        return config if config.get("format") == FORMAT_NAME else None
+
+    @classmethod
+    def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
+        # docstring inherited
+        if "://" in str(location) and not str(location).startswith("file://"):
+            return False
+        return cls(location).exists()
+
+    def exists(self) -> bool:
+        # docstring inherited
+        return self._config() is not None
+
+    # ---- create / open ---------------------------------------------------------------------------
+
+    def create(self, schema: Schema, overwrite: bool) -> None:
+        # docstring inherited
+        refuse_foreign_buffer(self)
+        self.read_only = False
+        self.close()
+        if overwrite:
+            self.kv.delete_prefix("replaybuf/")
+            if os.path.exists(self.path):
+                os.unlink(self.path)  # a new inode: handles still open on the old file stay valid
+        os.makedirs(self.root, exist_ok=True)
+        compression = self.storage_options.get("compression")
+        options = {"compression": compression, "compression_opts": self.storage_options.get("compression_opts")}
+        with h5py.File(self.path, "w", locking=False) as f:
+            data, meta = f.create_group("data"), f.create_group("meta")
+            for field in schema.fields.values():
+                chunks = (1, default_time_chunk(field, schema.max_timesteps), *field.shape) if compression else None
+                data.create_dataset(field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
+                                    dtype=field.dtype, chunks=chunks, **options)
+            for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
+                chunks = (min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape) if compression else None
+                meta.create_dataset(field.name, shape=(schema.max_episodes, *field.shape), dtype=field.dtype,
+                                    chunks=chunks, **options)
+            self.commit_state(empty_state())
+            f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
+                {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()})
+        self._load_arrays(schema)
+
+    def open(self, read_only: bool) -> Schema:
+        # docstring inherited
+        config = self._config()
+        if config is None:
+            raise BufferNotFoundError(f"no replaybuf buffer at {self.location!r} (no {DATA_FILE} with replaybuf config)")
+        if config.get("version", 0) > FORMAT_VERSION:
+            raise ValueError(f"buffer at {self.location!r} has format version {config['version']}; "
+                             f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf")
+        self.close()
+        self.read_only = read_only
+        if not read_only:
+            self.kv.remove_partials()
+        schema = Schema.from_json(config)
+        self._load_arrays(schema)
+        return schema
+
+    def _load_arrays(self, schema: Schema) -> None:
+        names = [(n, False) for n in schema.fields] + [(n, True) for n in {**schema.meta_fields,
+                                                                           **bookkeeping_fields(schema)}]
+        self._arrays = {}
+        for name, meta in names:
+            path = f"{'meta' if meta else 'data'}/{name}"
+            if path not in self.h5file:
+                raise BufferNotFoundError(f"buffer at {self.location!r} is missing the dataset {path!r}")
+            self._arrays[name, meta] = H5Array(self, path)
+
+    # ---- primitives -------------------------------------------------------------------------------
+
+    def array(self, name: str, meta: bool = False) -> H5Array:
+        # docstring inherited
+        try:
+            return self._arrays[name, meta]
+        except KeyError:
+            raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
+
+    def read_blob(self, key: str) -> bytes | None:
+        # docstring inherited
+        return self.kv.get(key)
+
+    def write_blob(self, key: str, data: bytes) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.set(key, data)
+
+    def delete_blobs(self, prefix: str) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.delete_prefix(prefix)
+
+    def list_blobs(self, prefix: str) -> list[str]:
+        # docstring inherited
+        return self.kv.list_prefix(prefix)
+
+    def append_log(self, name: str, data: bytes) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.append(f"{LOG_PREFIX}{name}/log", data)
+
+    # ---- counters --------------------------------------------------------------------------------
+
+    def load_state(self) -> dict:
+        # docstring inherited
+        if self.read_only:
+            self.close()  # a reader reopens the file to see what the writer flushed since
+        return super().load_state()
+
+    def commit_state(self, state: dict) -> None:
+        # docstring inherited
+        self.flush()
+        super().commit_state(state)
+
+    # ---- batched I/O -------------------------------------------------------------------------------
+
+    def _dataset(self, name: str, meta: bool = False) -> h5py.Dataset:
+        return self.h5file[self.array(name, meta).path]
+
+    def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited
+        self._check_writable()
+        episodes = np.asarray(episodes)
+        order = np.argsort(episodes, kind="stable")
+        self._dataset(name)[episodes[order], t0:t0 + values.shape[1]] = np.asarray(values)[order]
+        self._dirty = True
+
+    def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        # docstring inherited
+        self._check_writable()
+        episodes = np.asarray(episodes)
+        order = np.argsort(episodes, kind="stable")
+        dataset = self._dataset(name, meta=True)
+        dataset[episodes[order]] = np.broadcast_to(np.asarray(values, dataset.dtype),
+                                                   (len(episodes), *dataset.shape[1:]))[order]
+        self._dirty = True
+
+    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        # docstring inherited
+        if self._dirty:
+            self.flush()
+        mapped = self._mapped(name)
+        if mapped is not None:
+            return mapped[np.asarray(episodes), t0:t1]
+        unique, inverse = np.unique(np.asarray(episodes), return_inverse=True)
+        return np.asarray(self._dataset(name)[unique, t0:t1])[inverse.reshape(-1)]
+
+    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        # docstring inherited
+        episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)
+        if self._dirty:
+            self.flush()  # HDF5 may still hold written bytes that a memmap of the file cannot see
+        fast = self._mapped(name)
+        if fast is None:
+            fast = self._small_field(name)
+        if fast is not None:
+            return fast[episodes, timesteps]
+        # chunked (compressed) data: one hyperslab read per step decodes only the chunk it needs
+        dataset = self._dataset(name)
+        pairs, inverse = np.unique(np.stack([episodes, timesteps], axis=1), axis=0, return_inverse=True)
+        rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)
+        for i, (episode, t) in enumerate(pairs.tolist()):
+            rows[i] = dataset[episode, t]
+        return rows[inverse.reshape(-1)]
+
+    def _mapped(self, name: str) -> np.ndarray | None:
+        """A read-only numpy memmap of an uncompressed, contiguous data field's bytes in data.h5
+        (HDF5 stores such a dataset as one C-order block at a fixed offset), or None."""
+        if self._maps.get(name) is None:
+            dataset = self._dataset(name)
+            if dataset.chunks is not None or dataset.compression is not None:
+                return None
+            offset = dataset.id.get_offset()  # None until the first write allocates the block
+            self._maps[name] = None if offset is None else np.memmap(
+                self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+        return self._maps[name]
+
+    def _small_field(self, name: str) -> np.ndarray | None:
+        """A reader's copy in RAM of a data field of at most SMALL_FIELD_BYTES (vectors, scalars):
+        random reads from it cost nothing; dropped whenever the reader refreshes."""
+        if not self.read_only:
+            return None
+        if name not in self._ram:
+            dataset = self._dataset(name)
+            self._ram[name] = dataset[()] if dataset.size * dataset.dtype.itemsize <= SMALL_FIELD_BYTES else None
+        return self._ram[name]
+
+    def read_meta(self, name: str) -> np.ndarray:
+        # docstring inherited
+        return np.asarray(self._dataset(name, meta=True)[()])
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        # docstring inherited
+        if self.read_only or self._file is None or not self._file.id.valid:
+            return
+        self._file.flush()
+        self._dirty = False
+        if self.fsync:
+            with open(self.path, "rb") as f:
+                os.fsync(f.fileno())
+
+    def close(self) -> None:
+        # docstring inherited
+        if self._file is not None and self._pid == os.getpid() and self._file.id.valid:
+            self.flush()
+            self._file.close()
+        self._file = None
+        self._ram, self._maps = {}, {}
+        self.kv.close()
+
+    def describe(self) -> dict:
+        # docstring inherited
+        arrays = {}
+        for (name, meta), array in self._arrays.items():
+            dataset = array.dataset
+            compression = dataset.compression
+            if compression == "gzip":
+                compression = f"gzip:{dataset.compression_opts}"
+            arrays[f"{'meta' if meta else 'data'}/{name}"] = {
+                "shape": dataset.shape, "chunks": dataset.chunks, "dtype": dataset.dtype.name,
+                "compressor": compression or "none", "stored_bytes": int(dataset.id.get_storage_size()),
+                "raw_bytes": int(dataset.size * dataset.dtype.itemsize),
+            }
+        return {**super().describe(), "format": "replaybuf hdf5", "file_bytes": os.path.getsize(self.path),
+                "arrays": arrays}

@@ -1,0 +1,414 @@
+"""Whole-buffer tools: ``convert`` between backends and locations, ``info`` and ``verify``.
+
+They work on the Storage protocol, so any backend (including memmap-replay-buffer folders,
+read through the memmap backend) can be a source, and any backend a destination. The
+``replaybuf`` command line gets them as ``convert``, ``info`` and ``verify`` subcommands
+(``CLI_COMMANDS``, registered by ``replaybuf.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .schema import Field, Schema, parse_compressor
+from .storage.base import LOG_PREFIX, Storage, backend_class, bookkeeping_fields, make_storage
+
+# episodes copied per slab: about this many bytes of one field in RAM at a time
+CONVERT_SLAB_BYTES = 64 << 20
+
+__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "verify"]
+
+
+# ---- opening ----------------------------------------------------------------------------------
+
+
+def _open_read_only(location: str | os.PathLike | Storage, storage_options: dict | None = None) -> tuple[Storage, Schema]:
+    """A storage opened read-only (nothing written, whatever the backend) and its schema."""
+    storage = make_storage(location, None, storage_options)
+    if not storage.exists():
+        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}")
+    return storage, storage.open(read_only=True)
+
+
+def _lens(storage: Storage) -> np.ndarray:
+    return storage.read_meta("episode_lens").astype(np.int64)
+
+
+# ---- convert ---------------------------------------------------------------------------------------
+
+
+def _parse_chunks(chunks: dict[str, int] | Iterable[str] | None, schema: Schema) -> dict[str, int]:
+    """``{'field': T}`` or ``['field=T', ...]`` into a checked dict of time chunks per data field."""
+    if chunks is None:
+        return {}
+    if not isinstance(chunks, dict):
+        parsed = {}
+        for item in chunks:
+            name, sep, value = str(item).partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ValueError(f"chunks: expected 'field=TIMESTEPS' such as 'state=10', got {item!r}")
+            parsed[name.strip()] = int(value)
+        chunks = parsed
+    unknown = sorted(set(chunks) - set(schema.fields))
+    if unknown:
+        raise ValueError(f"chunks: unknown data fields {unknown}; data fields are {sorted(schema.fields)}")
+    for name, value in chunks.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"chunks: field {name!r} needs a positive number of timesteps, got {value!r}")
+    return dict(chunks)
+
+
+def _destination_schema(schema: Schema, backend: str, chunks: dict[str, int],
+                        compressor: str | dict[str, str] | None) -> Schema:
+    """The source schema with the requested chunking and compression."""
+    codecs = getattr(backend_class(backend), "supports_field_codecs", False)
+    all_fields = {**schema.fields, **schema.meta_fields}
+    if isinstance(compressor, dict):
+        unknown = sorted(set(compressor) - set(all_fields))
+        if unknown:
+            raise ValueError(f"compressor: unknown fields {unknown}; fields are {sorted(all_fields)}")
+    if compressor is not None and not codecs:
+        raise ValueError(f"compressor={compressor!r}: the {backend!r} backend does not take per-field compressors; "
+                         "pass its own options through dst_storage_options (hdf5: {'compression': 'gzip'})")
+
+    def adjust(field: Field) -> Field:
+        wanted = compressor.get(field.name) if isinstance(compressor, dict) else compressor
+        if wanted is not None:
+            parse_compressor(wanted, field.name)
+        return dataclasses.replace(
+            field, chunks=chunks.get(field.name, field.chunks) if field.name in schema.fields else field.chunks,
+            compressor=(wanted or field.compressor) if codecs else None)
+
+    return dataclasses.replace(schema, fields={n: adjust(f) for n, f in schema.fields.items()},
+                               meta_fields={n: adjust(f) for n, f in schema.meta_fields.items()})
+
+
+def _slabs(slots: np.ndarray, lens: np.ndarray, schema: Schema) -> Iterable[np.ndarray]:
+    """Groups of slots whose rows of the widest field fit in about CONVERT_SLAB_BYTES."""
+    widest = max(f.step_nbytes for f in schema.fields.values())
+    per_slab = max(1, CONVERT_SLAB_BYTES // max(widest * max(int(lens.max(initial=1)), 1), 1))
+    for start in range(0, len(slots), per_slab):
+        yield slots[start:start + per_slab]
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, backend: str = "zarr",
+            chunks: dict[str, int] | Sequence[str] | None = None, compressor: str | dict[str, str] | None = None,
+            storage_options: dict | None = None, dst_storage_options: dict | None = None,
+            progress: bool = True, overwrite: bool = False) -> dict:
+    """Copy the buffer at ``src`` (any backend, or a memmap-replay-buffer folder) to ``dst``.
+
+    Every committed episode keeps its slot, meta values and chronological order, and the
+    counters are carried over, so the copy continues exactly where the source stood. Episodes
+    stream in slabs of about 64 MB; the copy is checked (episodes, lengths, order) at the end.
+
+    Parameters
+    ----------
+    backend
+        The destination backend: 'zarr' (local path or URL), 'memmap' or 'hdf5'.
+    chunks
+        Time steps per chunk for data fields, ``{'state': 10}`` or ``['state=10']``.
+    compressor
+        ``'zstd:5'`` / ``'none'`` for every field, or a dict per field (zarr only).
+    storage_options, dst_storage_options
+        Options of the source and destination stores (endpoints, credentials, hdf5 compression).
+    overwrite
+        Replace a buffer already at ``dst``; otherwise an existing destination is an error.
+
+    Returns a summary: destination, backend, episodes and timesteps copied.
+    """
+    from tqdm.auto import tqdm
+
+    source, schema = _open_read_only(src, storage_options)
+    target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
+    target = make_storage(dst, backend, dst_storage_options)
+    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)) and "://" not in os.fspath(dst):
+        raise ValueError(f"convert: source and destination are the same location {os.fspath(dst)!r}")
+    if not overwrite and target.exists():
+        raise FileExistsError(f"convert: a buffer already exists at {target.location!r}; pass overwrite=True "
+                              "(--overwrite) to replace it")
+    state = source.load_state()
+    lens = _lens(source)
+    slots = np.flatnonzero(lens > 0)
+    target.create(target_schema, overwrite=True)
+    time_chunks = {n: target.time_chunk(n) for n in schema.fields}
+    with tqdm(total=len(slots), unit="episode", desc=f"convert -> {backend}", disable=not progress) as bar:
+        for slab in _slabs(slots, lens[slots], schema):
+            longest = int(lens[slab].max())
+            for name in schema.fields:
+                chunk = time_chunks[name]
+                stop = min(-(-longest // chunk) * chunk, schema.max_timesteps)
+                target.write_rows(name, slab, 0, source.read_rows(name, slab, 0, stop))
+            bar.update(len(slab))
+    meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
+    every_slot = np.arange(schema.max_episodes)
+    for name in [*meta_names, "episode_lens"]:
+        target.write_meta(name, every_slot, source.read_meta(name))
+    target.commit_state(state)
+    target.flush()
+    target.close()
+    copied = _check_copy(source, dst, backend, dst_storage_options, lens, state)
+    source.close()
+    return {"destination": target.location, "backend": backend, "episodes": int(len(slots)),
+            "timesteps": int(lens[slots].sum()), **copied}
+
+
+def _check_copy(source: Storage, dst: str | os.PathLike, backend: str, options: dict | None,
+                lens: np.ndarray, state: dict) -> dict:
+    """Reopen the destination and compare counters, lengths and order with the source."""
+    copy = make_storage(dst, backend, options)
+    copy.open(read_only=True)
+    problems = []
+    if not np.array_equal(_lens(copy), lens):
+        problems.append("episode lengths differ")
+    if not np.array_equal(copy.read_meta("_generation"), source.read_meta("_generation")):
+        problems.append("episode order (_generation) differs")
+    copied_state = copy.load_state()
+    if {k: copied_state.get(k) for k in state} != state:
+        problems.append(f"counters differ: source {state}, copy {copied_state}")
+    copy.close()
+    if problems:
+        raise RuntimeError(f"convert: the copy at {copy.location!r} does not match its source: " + "; ".join(problems))
+    return {"verified": True}
+
+
+# ---- info -------------------------------------------------------------------------------------------
+
+
+def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
+    """What a buffer holds and how it is stored: schema, episodes, timesteps, per-field chunking,
+    compressor, stored vs raw bytes and the compression ratio. Reads only."""
+    storage, schema = _open_read_only(path, storage_options)
+    described = storage.describe()
+    lens = _lens(storage)
+    valid = lens > 0
+    arrays = described.get("arrays", {})
+    fields, stored_total, data_total = {}, 0, 0
+    for group, members, per_episode in (("data", schema.fields, False), ("meta", schema.meta_fields, True)):
+        for name, field in members.items():
+            facts = arrays.get(f"{group}/{name}", {})
+            data_bytes = field.step_nbytes * int(valid.sum() if per_episode else lens[valid].sum())
+            stored = facts.get("stored_bytes")
+            fields[f"{group}/{name}"] = {
+                "dtype": field.dtype.name, "shape": list(field.shape), "default": field.default,
+                "chunks": None if facts.get("chunks") is None else list(facts["chunks"]),
+                "shards": None if facts.get("shards") is None else list(facts["shards"]),
+                "compressor": facts.get("compressor"), "stored_bytes": stored, "data_bytes": data_bytes,
+                "allocated_bytes": facts.get("raw_bytes"),
+            }
+            stored_total += stored or 0
+            data_total += data_bytes
+    state = storage.load_state()
+    storage.close()
+    return {
+        "location": storage.location, "backend": storage.backend_name, "format": described.get("format"),
+        "max_episodes": schema.max_episodes, "max_timesteps": schema.max_timesteps, "circular": schema.circular,
+        "episodes": int(valid.sum()), "num_episodes": int(state["num_episodes"]),
+        "timesteps": int(lens[valid].sum()), "fields": fields,
+        "stored_bytes": stored_total, "data_bytes": data_total,
+        "ratio": (data_total / stored_total) if stored_total else None,
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_info(facts: dict) -> str:
+    """``info()`` as the text ``replaybuf info`` prints."""
+    ratio = "n/a" if facts["ratio"] is None else f"{facts['ratio']:.2f}x"
+    lines = [
+        f"buffer     {facts['location']}",
+        f"backend    {facts['backend']} ({facts['format']})",
+        f"episodes   {facts['episodes']} of {facts['max_episodes']} (max_timesteps {facts['max_timesteps']}, "
+        f"circular {facts['circular']})",
+        f"timesteps  {facts['timesteps']}",
+        f"bytes      {_size(facts['data_bytes'])} of episode data stored in {_size(facts['stored_bytes'])} "
+        f"(ratio {ratio})",
+        "",
+        f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
+        f"{'stored':>10}",
+    ]
+    for name, f in facts["fields"].items():
+        chunks = "contiguous" if f["chunks"] is None else "x".join(map(str, f["chunks"]))
+        if f.get("shards"):
+            chunks += " in " + "x".join(map(str, f["shards"][:2]))
+        lines.append(f"{name:<24} {f['dtype']:<8} {str(tuple(f['shape'])):<14} {chunks:<26} "
+                     f"{str(f['compressor']):<10} {_size(f['data_bytes']):>10} {_size(f['stored_bytes']):>10}")
+    return "\n".join(lines)
+
+
+# ---- verify ------------------------------------------------------------------------------------------
+
+
+def _ranges(steps: np.ndarray) -> str:
+    return f"{int(steps.min())}..{int(steps.max())}"
+
+
+def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
+    """Problems found in the buffer at ``path`` (empty when consistent); changes nothing.
+
+    Checks that every array is present with its configured shape and dtype, lengths are within
+    ``max_timesteps``, the counters agree with the published lengths and the episode order,
+    committed episodes hold only zeros or their field's default beyond their length, and no
+    step log of an unfinished episode is left.
+    """
+    try:
+        storage, schema = _open_read_only(path, storage_options)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"cannot open the buffer: {e}"]
+    problems: list[str] = []
+    meta = {}
+    for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
+        try:
+            values = storage.read_meta(name)
+        except (OSError, KeyError, ValueError) as e:
+            problems.append(f"meta/{name}: missing or unreadable ({e})")
+            continue
+        if values.shape != (schema.max_episodes, *field.shape):
+            problems.append(f"meta/{name}: shape {values.shape}, expected {(schema.max_episodes, *field.shape)}")
+            continue
+        meta[name] = values
+    for name, field in schema.fields.items():
+        try:
+            array = storage.array(name)
+        except (OSError, KeyError, ValueError) as e:
+            problems.append(f"data/{name}: missing or unreadable ({e})")
+            continue
+        expected = (schema.max_episodes, schema.max_timesteps, *field.shape)
+        if tuple(array.shape) != expected or np.dtype(array.dtype) != field.dtype:
+            problems.append(f"data/{name}: {np.dtype(array.dtype)}{list(array.shape)}, expected "
+                            f"{field.dtype}{list(expected)}")
+    if "episode_lens" not in meta:
+        storage.close()
+        return problems
+    lens = meta["episode_lens"].astype(np.int64)
+    problems += _check_counters(storage.load_state(), lens, meta.get("_generation"), schema)
+    bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
+    problems += _check_beyond_length(storage, schema, lens, skip=bad)
+    if storage.list_blobs(LOG_PREFIX):
+        problems.append("an unfinished episode is in the step log (a writer is running or was killed); "
+                        "opening the buffer for writing commits what it holds")
+    storage.close()
+    return problems
+
+
+def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema) -> list[str]:
+    problems = []
+    out_of_range = np.flatnonzero((lens < 0) | (lens > schema.max_timesteps))
+    if len(out_of_range):
+        problems.append(f"episode_lens: slots {out_of_range[:10].tolist()} have lengths outside "
+                        f"[0, {schema.max_timesteps}]")
+    valid = np.flatnonzero(lens > 0)
+    if int(state["num_episodes"]) != len(valid):
+        problems.append(f"counters: num_episodes is {state['num_episodes']} but {len(valid)} slots hold an episode "
+                        "(a writer stopped between publishing lengths and counters?)")
+    if generations is None:
+        return problems
+    if len(valid) and (generations[valid] <= 0).any():
+        problems.append(f"_generation: committed slots {valid[generations[valid] <= 0][:10].tolist()} have no ordinal")
+    if len(np.unique(generations[valid])) != len(valid):
+        problems.append("_generation: two committed slots share an ordinal")
+    stale = np.flatnonzero((lens == 0) & (generations != 0))
+    if len(stale):
+        problems.append(f"_generation: empty slots {stale[:10].tolist()} still carry an ordinal")
+    if len(valid):
+        newest = int(valid[np.argmax(generations[valid])])
+        if int(generations[newest]) > int(state.get("total_episodes", 0)):
+            problems.append(f"counters: total_episodes is {state.get('total_episodes')} but slot {newest} carries "
+                            f"ordinal {int(generations[newest])}")
+        if int(state["episode_index"]) != (newest + 1) % schema.max_episodes:
+            problems.append(f"counters: episode_index is {state['episode_index']} but the newest episode is in slot "
+                            f"{newest}, so the next slot is {(newest + 1) % schema.max_episodes}")
+    return problems
+
+
+def _check_beyond_length(storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str]) -> list[str]:
+    """Committed slots whose timesteps past their length hold values other than 0 or the default."""
+    problems = []
+    slots = np.flatnonzero(lens > 0)
+    short = slots[lens[slots] < schema.max_timesteps]
+    if not len(short):
+        return problems
+    for name, field in schema.fields.items():
+        if name in skip:
+            continue
+        for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
+            start = int(lens[slab].min())
+            rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+            rows = rows.reshape(*rows.shape[:2], -1)
+            odd = ((rows != 0) & (rows != field.fill)).any(axis=2)
+            odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
+            for row in np.flatnonzero(odd.any(axis=1)):
+                steps = start + np.flatnonzero(odd[row])
+                problems.append(f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
+                                f"beyond its length at timesteps {_ranges(steps)}")
+    return problems
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+
+def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="source buffer: folder or URL (any backend, or a memmap-replay-buffer folder)")
+    parser.add_argument("dst", help="destination folder or URL")
+    parser.add_argument("--backend", default="zarr", help="destination backend: zarr (default), memmap or hdf5")
+    parser.add_argument("--chunks", action="append", default=None, metavar="FIELD=T",
+                        help="timesteps per chunk of a data field (repeatable), e.g. --chunks state=10")
+    parser.add_argument("--compressor", default=None, help="compressor of every field (zarr), e.g. zstd:5 or none")
+    parser.add_argument("--overwrite", action="store_true", help="replace a buffer already at DST")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    summary = convert(args.src, args.dst, backend=args.backend, chunks=args.chunks, compressor=args.compressor,
+                      progress=not args.quiet, overwrite=args.overwrite)
+    print(f"copied {summary['episodes']} episodes ({summary['timesteps']} timesteps) to "
+          f"{summary['destination']} [{summary['backend']}], verified")
+    return 0
+
+
+def _add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="buffer folder or URL")
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    facts = info(args.path)
+    print(json.dumps(facts, indent=1) if args.json else format_info(facts))
+    return 0
+
+
+def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="buffer folder or URL")
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    problems = verify(args.path)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not problems:
+        print(f"{args.path}: consistent")
+    return 1 if problems else 0
+
+
+# (name, help, add_arguments, run): the fields of replaybuf.cli.Command, in order
+CLI_COMMANDS = (
+    ("convert", "copy a buffer to another backend or location (e.g. a memmap-replay-buffer folder to zarr)",
+     _add_convert_arguments, _run_convert),
+    ("info", "show a buffer's schema, episodes, chunking, compression and sizes", _add_info_arguments, _run_info),
+    ("verify", "check a buffer's internal consistency without changing it (exit status 1 on problems)",
+     _add_verify_arguments, _run_verify),
+)

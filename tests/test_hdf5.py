@@ -1,0 +1,168 @@
+"""The hdf5 backend and ReplayBufferH5PY: one data.h5, optional compression, h5py optional."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer
+from replaybuf.h5py_buffer import ReplayBufferH5PY
+from replaybuf.storage import detect_backend
+
+from ._backends import FIELDS, META_FIELDS, episode
+
+h5py = pytest.importorskip("h5py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_one_file_with_gzip(tmp_path):
+    buffer = ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS, meta_fields=META_FIELDS,
+                              h5py_compression="gzip", h5py_compression_opts=4)
+    data = episode(6, 0)
+    buffer.store_episode(**data, task_id=2)
+    buffer.close()
+    assert sorted(os.listdir(tmp_path / "b")) == ["data.h5", "replaybuf"]
+    with h5py.File(tmp_path / "b" / "data.h5", "r") as f:
+        assert f["data/state"].compression == "gzip" and f["data/state"].compression_opts == 4
+        np.testing.assert_array_equal(f["data/state"][0, :6], data["state"])
+        assert json.loads(f.attrs["replaybuf"])["backend"] == "hdf5"
+    reopened = ReplayBufferH5PY.from_folder(tmp_path / "b", read_only=True)
+    assert type(reopened) is ReplayBufferH5PY
+    assert reopened.storage.describe()["arrays"]["data/state"]["compressor"] == "gzip:4"
+    np.testing.assert_array_equal(reopened.data["reward"][0, :6], data["reward"])
+    assert detect_backend(str(tmp_path / "b")) == "hdf5"
+    assert type(ReplayBuffer.from_folder(tmp_path / "b")).__name__ == "ReplayBuffer"
+
+
+def test_uncompressed_is_contiguous(tmp_path):
+    ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS).close()
+    with h5py.File(tmp_path / "b" / "data.h5", "r") as f:
+        assert f["data/state"].chunks is None and f["data/state"].compression is None
+
+
+@pytest.mark.parametrize("options, complaint", [
+    ({"compression": "zstd"}, "compression must be one of"),
+    ({"compression": "gzip", "compression_opts": 12}, "gzip level"),
+    ({"compression_opts": 3}, "gzip level"),
+    ({"chunk_cache": 1}, "unknown keys"),
+])
+def test_bad_storage_options_are_refused_before_writing(tmp_path, options, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        ReplayBuffer(tmp_path / "b", 4, 10, fields=FIELDS, backend="hdf5", storage_options=options)
+    assert not (tmp_path / "b").exists()
+
+
+def test_data_arrays_index_like_numpy(tmp_path):
+    buffer = ReplayBuffer(tmp_path / "b", 6, 5, fields={"x": ("float", 2)}, backend="hdf5")
+    for i in range(6):
+        buffer.store_episode(x=np.arange(10, dtype=np.float32).reshape(5, 2) + 100 * i)
+    array, reference = buffer.data["x"], np.asarray(buffer.data["x"][:])
+    keys = [(slice(None, None, -1),), ([3, 1, 1],), (-1,), ([2, 0], [1, 3]), (Ellipsis, 1),
+            (slice(0, 5, 2), 2, 0), (np.array([True, False] * 3),), (slice(4, 1, -1), [0, 4])]
+    for key in keys:
+        np.testing.assert_array_equal(array[key], reference[key], err_msg=str(key))
+    array[[4, 1], 1:3] = -1.0
+    reference[[4, 1], 1:3] = -1.0
+    array[::-2, 0, 1] = 7.0
+    reference[::-2, 0, 1] = 7.0
+    np.testing.assert_array_equal(array[:], reference)
+    with pytest.raises(IndexError):
+        array[6]
+
+
+def test_a_writer_opens_past_readers_in_the_same_process(tmp_path):
+    ReplayBuffer(tmp_path / "b", 4, 5, fields={"x": "float"}, backend="hdf5").store_episode(x=np.ones(3))
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    writer = ReplayBuffer.from_folder(tmp_path / "b")
+    writer.store_episode(x=np.full(2, 5.0))
+    assert len(reader.refresh()) == 2
+    np.testing.assert_array_equal(reader.data["x"][1, :2], [5.0, 5.0])
+
+
+def test_importing_replaybuf_without_h5py_works_and_the_class_says_what_to_install(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["h5py"] = None
+        import numpy as np
+        import replaybuf
+        from replaybuf.h5py_buffer import ReplayBufferH5PY
+        b = replaybuf.ReplayBuffer({str(tmp_path / 'z')!r}, 2, 3, fields={{"x": "float"}})
+        b.store_episode(x=np.ones(2))
+        for make in (lambda: ReplayBufferH5PY({str(tmp_path / 'h')!r}, 2, 3, fields={{"x": "float"}}),
+                     lambda: replaybuf.ReplayBuffer({str(tmp_path / 'h')!r}, 2, 3, fields={{"x": "float"}},
+                                                    backend="hdf5")):
+            try:
+                make()
+            except ImportError as e:
+                print("ImportError:", e)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all("pip install 'replaybuf[h5py]'" in line for line in lines)
+    assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+@pytest.mark.parametrize("in_ram", [True, False])
+def test_gather_matches_numpy_on_every_read_path(tmp_path, monkeypatch, compression, in_ram):
+    from replaybuf.storage import _hdf5
+
+    if not in_ram:
+        monkeypatch.setattr(_hdf5, "SMALL_FIELD_BYTES", 0)
+    options = {"compression": compression} if compression else None
+    buffer = ReplayBuffer(tmp_path / "b", 5, 8, fields={"x": ("float", (2, 3))}, backend="hdf5", storage_options=options)
+    for i in range(5):
+        buffer.store_episode(x=np.arange(48, dtype=np.float32).reshape(8, 2, 3) + 100 * i)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    episodes, timesteps = np.array([4, 0, 4, 2, 0, 4]), np.array([7, 0, 7, 3, 5, 1])
+    expected = np.asarray(buffer.data["x"][:])[episodes, timesteps]
+    for storage in (buffer.storage, reader.storage):
+        np.testing.assert_array_equal(storage.gather("x", episodes, timesteps), expected)
+    assert reader.storage.gather("x", np.array([], int), np.array([], int)).shape == (0, 2, 3)
+
+
+def _index(draw, st, n):
+    kind = draw(st.sampled_from(["int", "slice", "list", "mask"]))
+    if kind == "int":
+        return draw(st.integers(-n, n - 1))
+    if kind == "slice":
+        return slice(draw(st.none() | st.integers(-n, n)), draw(st.none() | st.integers(-n, n)),
+                     draw(st.none() | st.sampled_from([1, 2, -1, -3])))
+    if kind == "list":
+        return draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=4))
+    return np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+
+
+def test_indexing_matches_numpy_for_generated_keys(tmp_path):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    buffer = ReplayBuffer(tmp_path / "b", 4, 5, fields={"x": ("int", 3)}, backend="hdf5")
+    for i in range(4):
+        buffer.store_episode(x=np.arange(15).reshape(5, 3) + 100 * i)
+    array, reference = buffer.data["x"], np.asarray(buffer.data["x"][:])
+
+    @st.composite
+    def keys(draw):
+        depth = draw(st.integers(1, 3))
+        return tuple(_index(draw, st, n) for n in reference.shape[:depth])
+
+    @hypothesis.settings(max_examples=150, deadline=None, database=None)
+    @hypothesis.given(keys())
+    def check(key):
+        try:
+            expected = reference[key]
+        except IndexError:
+            with pytest.raises(IndexError):
+                array[key]
+            return
+        np.testing.assert_array_equal(array[key], expected)
+
+    check()
