@@ -1,0 +1,218 @@
+"""Sharding samples across DDP ranks, reproducibly, and resuming an epoch where it stopped.
+
+``ResumableDistributedSampler`` splits a dataset's indices across ``world_size`` ranks the way
+``torch.utils.data.DistributedSampler`` does (a shared, seeded permutation per epoch, padded
+by repeating indices unless ``drop_last``), so ranks never overlap within an epoch and together
+cover every index. It also records how far the current epoch went, so ``state_dict()`` /
+``load_state_dict()`` continue an interrupted run exactly.
+
+A DataLoader asks its sampler for indices ahead of the training loop (prefetching), so the
+sampler alone overcounts what the loop received; ``ResumableDataLoader`` counts delivered
+batches and reports that position instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Sampler
+
+_SETTINGS = ("seed", "shuffle", "drop_last", "world_size")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the given values, else torch.distributed's when it is initialized,
+    else ``(0, 1)``."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    world_size = _check_int("world_size", world_size, 1)
+    rank = _check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return rank, world_size
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """This rank's share of ``range(len(data_source))`` for each epoch.
+
+    Parameters
+    ----------
+    data_source
+        The dataset (anything with ``len``) or its length. The length is read at the start of
+        each epoch, so a dataset over a buffer that is still being written grows between epochs.
+    rank, world_size
+        Default to torch.distributed's when it is initialized, else 0 and 1.
+    shuffle
+        A fresh permutation per epoch, identical on every rank (seeded by ``seed`` and the epoch).
+    seed
+        Must be the same on every rank. ``None``: 0 with several ranks; with one, drawn from
+        torch's global generator, so ``torch.manual_seed`` makes runs reproducible as with
+        ``DataLoader(shuffle=True)``. The seed is part of ``state_dict()``.
+    drop_last
+        Drop the tail so every rank gets ``len // world_size`` indices; otherwise pad by
+        repeating indices so every rank gets ``ceil(len / world_size)``.
+
+    A full pass over the sampler moves it to the next epoch; ``set_epoch`` sets the epoch
+    explicitly (as with torch's DistributedSampler). ``state_dict()`` records the epoch and how
+    many of this rank's indices were handed out; every rank can load the same state, since
+    ranks advance in lockstep.
+    """
+
+    def __init__(self, data_source: Sized | int, *, rank: int | None = None, world_size: int | None = None,
+                 shuffle: bool = True, seed: int | None = None, drop_last: bool = False):
+        if not isinstance(data_source, (int, np.integer)) and not hasattr(data_source, "__len__"):
+            raise TypeError(f"data_source must be a dataset with len() or an int length, got {type(data_source).__name__}")
+        if isinstance(data_source, (int, np.integer)):
+            _check_int("data_source length", data_source, 0)
+        self.data_source = data_source
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.shuffle = bool(shuffle)
+        if seed is None:
+            seed = 0 if self.world_size > 1 else int(torch.randint(0, 2**62, ()).item())
+        self.seed = _check_int("seed", seed, 0)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self._next: tuple[int, int] | None = None  # (position, length) the next pass of self.epoch starts at
+        self._pass: dict[str, int] | None = None  # the pass being iterated
+
+    def _current_length(self) -> int:
+        return int(self.data_source) if isinstance(self.data_source, (int, np.integer)) else len(self.data_source)
+
+    def num_samples(self, length: int) -> int:
+        """Indices each rank gets in an epoch over ``length`` items."""
+        if self.drop_last:
+            return length // self.world_size
+        return -(-length // self.world_size)
+
+    def __len__(self) -> int:
+        length = self._next[1] if self._next is not None else self._current_length()
+        return self.num_samples(length)
+
+    def epoch_indices(self, epoch: int, length: int) -> np.ndarray:
+        """This rank's indices of ``epoch`` over ``length`` items, in order."""
+        if length == 0:
+            return np.zeros(0, dtype=np.int64)
+        order = np.random.default_rng([self.seed, epoch]).permutation(length) if self.shuffle else np.arange(length)
+        total = self.num_samples(length) * self.world_size
+        if total > length:
+            order = np.resize(order, total)
+        return order[self.rank:total:self.world_size]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next pass (keeps a loaded position when the
+        epoch is the one already set)."""
+        epoch = _check_int("epoch", epoch, 0)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._next = None
+            self._pass = None
+
+    def plan_pass(self) -> tuple[int, int, int]:
+        """Fix the next pass now and return its ``(epoch, start position, length)``."""
+        if self._next is None:
+            self._next = (0, self._current_length())
+        return (self.epoch, *self._next)
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, start, length = self.plan_pass()
+        self._next = None
+        order = self.epoch_indices(epoch, length)
+        self._pass = {"epoch": epoch, "position": start, "length": length}
+        return self._iterate(order, self._pass)
+
+    def _iterate(self, order: np.ndarray, state: dict[str, int]) -> Iterator[int]:
+        for position in range(state["position"], len(order)):
+            state["position"] = position + 1
+            yield int(order[position])
+        if self._pass is state:
+            self._pass = None
+            self.epoch = state["epoch"] + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where sampling stands: epoch, indices of it handed out, and the epoch's frozen length."""
+        if self._pass is not None:
+            epoch, position, length = self._pass["epoch"], self._pass["position"], self._pass["length"]
+        elif self._next is not None:
+            epoch, (position, length) = self.epoch, self._next
+        else:
+            epoch, position, length = self.epoch, 0, None
+        return {"epoch": epoch, "position": position, "epoch_length": length,
+                **{k: getattr(self, k) for k in _SETTINGS}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next pass yields the rest of the recorded epoch."""
+        missing = sorted({"epoch", "position", "epoch_length", *_SETTINGS} - set(state))
+        if missing:
+            raise ValueError(f"sampler state is missing keys {missing}")
+        differing = [f"{k}: saved {state[k]!r} vs this sampler's {getattr(self, k)!r}"
+                     for k in _SETTINGS if state[k] != getattr(self, k)]
+        if differing:
+            raise ValueError("cannot resume exactly with different sampler settings:\n  " + "\n  ".join(differing)
+                             + "\nCreate the sampler with the saved settings.")
+        epoch = _check_int("epoch", state["epoch"], 0)
+        position = _check_int("position", state["position"], 0)
+        length = self._current_length() if state["epoch_length"] is None else _check_int(
+            "epoch_length", state["epoch_length"], 0)
+        if length > self._current_length():
+            raise ValueError(f"the saved epoch covered {length} items but the dataset now has "
+                             f"{self._current_length()}; cannot resume that epoch exactly")
+        if position > self.num_samples(length):
+            raise ValueError(f"position {position} is past the epoch's {self.num_samples(length)} samples")
+        self.epoch = epoch
+        self._pass = None
+        self._next = (position, length)
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a ``ResumableDistributedSampler`` whose ``state_dict()`` records the
+    batches the training loop actually received (not those prefetched), so that
+    ``load_state_dict()`` on a fresh loader continues with the next undelivered batch."""
+
+    def __init__(self, dataset: Any, *args: Any, sampler: ResumableDistributedSampler, **kwargs: Any):
+        if not isinstance(sampler, ResumableDistributedSampler):
+            raise TypeError(f"sampler must be a ResumableDistributedSampler, got {type(sampler).__name__}")
+        super().__init__(dataset, *args, sampler=sampler, **kwargs)
+        if self.batch_size is None:
+            raise ValueError("ResumableDataLoader needs a batch_size to count delivered samples")
+        self._delivering: dict[str, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start, length = self.sampler.plan_pass()
+        progress = {"epoch": epoch, "start": start, "length": length, "batches": 0}
+        self._delivering = progress
+        for batch in super().__iter__():
+            progress["batches"] += 1
+            yield batch
+        if self._delivering is progress:
+            self._delivering = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state at the last batch delivered to the caller."""
+        progress = self._delivering
+        if progress is None or progress["batches"] == 0:
+            return self.sampler.state_dict()
+        total = self.sampler.num_samples(progress["length"])
+        position = min(progress["start"] + progress["batches"] * self.batch_size, total)
+        settings = {k: getattr(self.sampler, k) for k in _SETTINGS}
+        if position == total:
+            return {"epoch": progress["epoch"] + 1, "position": 0, "epoch_length": None, **settings}
+        return {"epoch": progress["epoch"], "position": position, "epoch_length": progress["length"], **settings}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a state saved by ``state_dict()``."""
+        self._delivering = None
+        self.sampler.load_state_dict(state)
+

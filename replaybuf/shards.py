@@ -1,0 +1,79 @@
+"""Parallel writers: one buffer per actor under a common root, found again by listing the root.
+
+A buffer has exactly one writer, so several actors collecting at once each write their own
+shard: ``root/actor-000``, ``root/actor-001``, ... (local folders or URL prefixes). Readers
+list the root (``discover_shards``) and read the shards together, e.g. with
+``ConcatReplayBuffer``. Nothing is shared between writers, so there is nothing to lock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .buffer import ReplayBuffer
+from .storage.base import detect_backend
+
+SHARD_PREFIX = "actor-"
+_SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}(\d{{3,}})$")
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+def shard_location(root: str | os.PathLike, index: int) -> str:
+    """Where shard ``index`` of ``root`` lives: ``root/actor-{index:03d}``."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"shard index must be an int >= 0, got {index!r}")
+    return _join(os.fspath(root), f"{SHARD_PREFIX}{index:03d}")
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if _is_url(root) else os.path.join(root, name)
+
+
+def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuffer:
+    """Open (creating it if needed) the buffer of actor ``index`` under ``root``.
+
+    ``kwargs`` are ``ReplayBuffer``'s (``max_episodes``, ``fields``, ``storage_options``, ...).
+    Unlike ``ReplayBuffer``, ``overwrite`` defaults to False here: an actor restarted after a
+    crash reopens its shard, recovering its last episode, instead of erasing it.
+    """
+    kwargs.setdefault("overwrite", False)
+    return ReplayBuffer(shard_location(root, index), **kwargs)
+
+
+def _children(root: str, storage_options: dict | None) -> list[str]:
+    if not _is_url(root):
+        path = root[len("file://"):] if root.startswith("file://") else root
+        return os.listdir(path) if os.path.isdir(path) else []
+    from zarr.core.sync import sync
+
+    from .storage._zarr import _open_zarr_store
+
+    store = _open_zarr_store(root, storage_options or {}, True)
+
+    async def listing() -> list[str]:
+        return [name.rstrip("/") async for name in store.list_dir("")]
+
+    return sync(listing())
+
+
+def discover_shards(root: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
+    """Locations of the shards under ``root`` that hold a buffer, ordered by actor index.
+
+    Entries that are not named ``actor-NNN`` or hold no buffer (yet) are skipped, so a reader
+    may list a root while actors are still creating their shards.
+    """
+    root = os.fspath(root)
+    found = []
+    for name in _children(root, storage_options):
+        match = _SHARD_NAME.match(name)
+        if match is None:
+            continue
+        location = _join(root, name)
+        if detect_backend(location, storage_options) is not None:
+            found.append((int(match.group(1)), location))
+    return [location for _, location in sorted(found)]

@@ -1,0 +1,244 @@
+"""A reader process sees what a writer process commits, and never a half-written episode."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer
+from replaybuf.consistency import read_episodes_consistent, read_unchanged, stored_meta, unchanged_slots
+
+from ._workloads import buffer_kwargs, check_episode, episode, episode_length, write_episode, writer_loop
+
+pytest_plugins = ["tests._servers"]
+
+FORK = multiprocessing.get_context("fork")
+READ_ROUNDS = 25
+
+
+@pytest.fixture
+def location(tmp_path):
+    return str(tmp_path / "buffer")
+
+
+def start_writer(location, kwargs, uids, progress, storage_options=None):
+    stop = FORK.Event()
+    writer = FORK.Process(target=writer_loop, args=(location, uids, "mixed", kwargs, str(progress)),
+                          kwargs={"span_bytes": 256, "storage_options": storage_options, "stop": stop})
+    writer.start()
+    return writer, stop
+
+
+def committed(progress) -> list[int]:
+    return [int(line) for line in progress.read_text().split()]
+
+
+def verify(got) -> list[int]:
+    """Check every episode of a ConsistentEpisodes; return their uids."""
+    uids = got.meta["uid"].tolist()
+    for row, uid in enumerate(uids):
+        check_episode(uid, int(got.lens[row]), {n: v[row] for n, v in got.data.items()})
+        assert got.meta["score"][row] == uid / 4
+    assert len(set(uids)) == len(uids), f"an episode appears twice: {sorted(uids)}"
+    return uids
+
+
+def test_refresh_sees_new_commits(location):
+    kwargs = buffer_kwargs(8, circular=False)
+    writer = ReplayBuffer(location, **kwargs)
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert len(reader) == 0
+    write_episode(writer, 3, "steps")
+    assert len(reader) == 0, "a reader's view changes only on refresh()"
+    assert len(reader.refresh()) == 1 and reader.num_episodes == 1
+    got = read_episodes_consistent(reader, reader.valid_episodes())
+    assert verify(got) == [3]
+
+
+def test_episode_in_progress_is_invisible(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(8, circular=True, flush_every_store_step=1))
+    write_episode(writer, 1, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    with writer.one_episode(uid=2):
+        for t in range(5):
+            writer.store(step=t)
+        writer.flush()
+        assert reader.refresh().valid_episodes().tolist() == [0]
+    assert reader.refresh().valid_episodes().tolist() == [0, 1]
+
+
+@pytest.mark.xfail(strict=True, reason="refresh() reads user meta before episode_lens/_generation; "
+                                       "see the report (refresh read order)")
+def test_refresh_pairs_lengths_with_meta_under_a_concurrent_commit(location):
+    """A commit landing in the middle of refresh() must not pair one episode's length with
+    another's meta fields (deterministic interleaving of the race the live tests can hit)."""
+    writer = ReplayBuffer(location, **buffer_kwargs(4, circular=True))
+    for uid in range(4):
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_meta, calls = reader.storage.read_meta, []
+
+    def commit_after_first_read(name):
+        value = read_meta(name)
+        calls.append(name)
+        if len(calls) == 1:
+            write_episode(writer, 9, "whole")  # reuses slot 0
+        return value
+
+    reader.storage.read_meta = commit_after_first_read
+    reader.refresh()
+    for slot in reader.valid_episodes():
+        uid = int(reader.meta_data["uid"][slot])
+        assert reader.episode_lens[slot] == episode_length(uid), f"slot {slot}: length of another episode"
+
+
+def test_consistent_read_drops_a_slot_reused_during_the_read(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (1, 2):
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows = reader.storage.read_rows
+
+    def overwrite_during_read(name, episodes, t0, t1):
+        rows = read_rows(name, episodes, t0, t1)
+        if name == "obs":
+            write_episode(writer, 3, "whole")  # reuses slot 0 after its data was read
+        return rows
+
+    reader.storage.read_rows = overwrite_during_read
+    got = read_episodes_consistent(reader, [0, 1])
+    assert got.slots.tolist() == [1] and got.dropped.tolist() == [0]
+    assert verify(got) == [2]
+
+
+def test_a_read_torn_by_a_rewrite_drops_that_slot(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (1, 2):
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, calls = reader.storage.read_rows, []
+
+    def torn_once(name, episodes, t0, t1):
+        calls.append(list(episodes))
+        if len(calls) == 1:
+            write_episode(writer, 3, "whole")  # slot 0 is rewritten while it is read
+            raise RuntimeError("Zstd decompression error: invalid input data")
+        return read_rows(name, episodes, t0, t1)
+
+    reader.storage.read_rows = torn_once
+    got = read_episodes_consistent(reader, [0, 1])
+    assert calls[0] == [0, 1] and calls[1] == [1], "the slots that did not change are read again"
+    assert verify(got) == [2]
+
+
+def test_a_read_error_without_a_rewrite_is_raised(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    write_episode(writer, 1, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+
+    def broken(name, episodes, t0, t1):
+        raise RuntimeError("disk on fire")
+
+    reader.storage.read_rows = broken
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        read_episodes_consistent(reader, [0])
+
+
+def test_consistent_read_honours_a_plan(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (1, 2):
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    planned = reader.refresh()._meta["_generation"][[0, 1]].copy()
+    write_episode(writer, 3, "whole")
+    got = read_episodes_consistent(reader, [0, 1], generations=planned)
+    assert got.slots.tolist() == [1]
+    assert unchanged_slots(reader, np.array([0, 1]), planned).tolist() == [False, True]
+    assert verify(read_episodes_consistent(reader, [0, 1], fields=["step"])) == [3, 2]
+
+
+def test_consistent_read_bad_arguments(location):
+    reader = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    with pytest.raises(ValueError, match=r"slots \[2\] out of range"):
+        read_episodes_consistent(reader, [0, 2])
+    with pytest.raises(ValueError, match="invalid field names \\['nope'\\]"):
+        read_episodes_consistent(reader, [0], fields=["nope"])
+    with pytest.raises(ValueError, match="one per slot"):
+        read_episodes_consistent(reader, [0, 1], generations=[1])
+    with pytest.raises(ValueError, match="1-d"):
+        read_episodes_consistent(reader, [[0]])
+    assert len(read_episodes_consistent(reader, [])) == 0
+
+
+def run_reader_against_writer(location, progress, kwargs, circular, storage_options=None):
+    """Read while a writer process commits; return (uids the reader saw, uids committed).
+
+    The reader reads at least READ_ROUNDS times and until the writer committed ``target``
+    episodes (a circular buffer wraps three times), so both really run at once."""
+    ReplayBuffer(location, **kwargs, storage_options=storage_options).close()
+    progress.write_text("")
+    target = 3 * kwargs["max_episodes"] if circular else kwargs["max_episodes"]
+    uids = list(range(100_000)) if circular else list(range(kwargs["max_episodes"]))
+    writer, stop = start_writer(location, kwargs, uids, progress, storage_options)
+    reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=storage_options)
+    rng = np.random.default_rng(0)
+    seen, previous, rounds = set(), set(), 0
+    try:
+        while rounds < READ_ROUNDS or (len(committed(progress)) < target and writer.is_alive()):
+            rounds += 1
+            slots = reader.refresh().valid_episodes()
+            visible = verify(read_episodes_consistent(reader, slots))
+            if not circular:
+                assert previous <= set(visible), "a committed episode disappeared"
+                previous = set(visible)
+            seen.update(visible)
+            # a sampler's path: plan (slot, t) pairs, gather, then drop slots reused meanwhile
+            if len(slots):
+                generations = stored_meta(reader, "_generation", slots)
+                lens = stored_meta(reader, "episode_lens", slots)
+                uid = stored_meta(reader, "uid", slots)
+                t = (rng.random(len(slots)) * np.maximum(lens, 1)).astype(np.int64)
+                kept, values = read_unchanged(
+                    reader, slots, np.where(lens > 0, generations, 0),
+                    lambda p: {n: reader.storage.gather(n, slots[p], t[p]) for n in ("step", "frame")})  # noqa: B023
+                expected = {n: np.stack([episode(int(u))[n][int(s)] for u, s in zip(uid[kept], t[kept])])
+                            for n in ("step", "frame")} if len(kept) else {}
+                for name, value in expected.items():
+                    np.testing.assert_array_equal(values[name], value)
+    finally:
+        stop.set()
+        writer.join(60)
+    assert writer.exitcode == 0
+    final = read_episodes_consistent(reader, reader.refresh().valid_episodes())
+    done = committed(progress)
+    expected = done if not circular else done[-kwargs["max_episodes"]:]
+    assert sorted(verify(final)) == sorted(expected)
+    return seen, done
+
+
+@pytest.mark.slow
+def test_reader_process_while_writer_appends(location, tmp_path):
+    kwargs = buffer_kwargs(30, circular=False)
+    seen, done = run_reader_against_writer(location, tmp_path / "progress", kwargs, circular=False)
+    assert seen <= set(done)
+
+
+@pytest.mark.slow
+def test_reader_process_while_writer_reuses_slots(location, tmp_path):
+    kwargs = buffer_kwargs(5, circular=True)
+    seen, done = run_reader_against_writer(location, tmp_path / "progress", kwargs, circular=True)
+    assert seen <= set(done)
+    assert len(done) >= 3 * kwargs["max_episodes"], "the writer wrapped around while the reader read"
+
+
+@pytest.mark.slow
+def test_reader_process_while_writer_reuses_slots_on_s3(s3_server, tmp_path):
+    location = s3_server.url(f"concurrent/{uuid.uuid4().hex[:12]}")
+    kwargs = buffer_kwargs(3, circular=True, flush_every_store_step=0)
+    seen, done = run_reader_against_writer(location, tmp_path / "progress", kwargs, circular=True,
+                                           storage_options=s3_server.storage_options)
+    assert seen <= set(done)
+    assert len(done) >= 3 * kwargs["max_episodes"]
