@@ -129,7 +129,9 @@ class ReplayBuffer:
             schema = self._create(wanted)
         self._setup(schema)
         if not self.read_only:
+            writing = self._state.get("writing", ())
             self._reconcile_state()
+            self._dirty_slots.update(int(s) for s in writing if self._meta["episode_lens"][s] == 0)
             self._recover_step_log()
 
     def _create(self, schema: Schema | None) -> Schema:
@@ -175,13 +177,16 @@ class ReplayBuffer:
         self._log_pending: list[bytes] = []
         self._log_written = False
         self._store_step = 0
+        self._dirty_slots: set[int] = set()
         self.refresh()
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays: a reader picks up what writers committed since."""
         self._state = self.storage.load_state()
-        self._meta = {n: self.storage.read_meta(n) for n in self._meta_fields}
+        # generations, then lengths, then meta: a commit landing in between can only make a slot
+        # look older or invalid, never pair one episode's length with another's meta
+        self._meta = {n: self.storage.read_meta(n) for n in ("_generation", "episode_lens", *self.schema.meta_fields)}
         return self
 
     # ---- state ---------------------------------------------------------------------------
@@ -276,7 +281,14 @@ class ReplayBuffer:
         if group.invalidated:
             return
         group.invalidated = True
-        group.previous_lens = self._meta["episode_lens"][group.slots].copy()
+        # rows written but never published (an aborted or killed group, or a cleared buffer)
+        # may reach max_timesteps; those are zeroed past the new episode's end at commit
+        dirty = np.isin(group.slots, np.fromiter(self._dirty_slots, np.int64, len(self._dirty_slots)))
+        if self._state.get("cleared"):
+            dirty[:] = True
+        group.previous_lens = np.where(dirty, self.max_timesteps, self._meta["episode_lens"][group.slots])
+        self._dirty_slots.update(group.slots.tolist())
+        self.storage.commit_state({**self._state, "writing": group.slots.tolist()})
         reused = group.slots[(self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)]
         if len(reused):
             self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
@@ -345,8 +357,10 @@ class ReplayBuffer:
             "num_episodes": min(count, self.max_episodes),
             "episode_index": int((slots[-1] + 1) % self.max_episodes),
             "total_episodes": base + len(slots),
+            **({"cleared": True} if self._state.get("cleared") else {}),
         }
         self.storage.commit_state(self._state)
+        self._dirty_slots.difference_update(slots.tolist())
 
     def _write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         episodes = np.asarray(episodes)
@@ -388,7 +402,7 @@ class ReplayBuffer:
 
     def _reconcile_state(self) -> None:
         """Roll the counters forward when a writer died between publishing lengths and counters."""
-        generations = self._meta["_generation"]
+        generations = np.where(self._meta["episode_lens"] > 0, self._meta["_generation"], 0)  # published only
         newest = int(generations.max()) if len(generations) else 0
         total = int(self._state["total_episodes"])
         if newest > total:
@@ -396,6 +410,7 @@ class ReplayBuffer:
                 "num_episodes": min(int(self._state["num_episodes"]) + newest - total, self.max_episodes),
                 "episode_index": int((np.argmax(generations) + 1) % self.max_episodes),
                 "total_episodes": newest,
+                **({"cleared": True} if self._state.get("cleared") else {}),
             }
             self.storage.commit_state(self._state)
 
@@ -570,7 +585,8 @@ class ReplayBuffer:
         self._abort_group()
         for name in ("episode_lens", "_generation"):
             self._write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self._meta[name].dtype))
-        self._state = {"num_episodes": 0, "episode_index": 0, "total_episodes": int(self._state["total_episodes"])}
+        self._state = {"num_episodes": 0, "episode_index": 0, "total_episodes": int(self._state["total_episodes"]),
+                       "cleared": True}
         self.storage.commit_state(self._state)
 
     def _check_slot(self, episode_index: Any, call: str) -> int:

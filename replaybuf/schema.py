@@ -21,6 +21,8 @@ FORMAT_VERSION = 1
 SHORT_DTYPES = {"int": "int32", "float": "float32", "bool": "bool", "uint8": "uint8"}
 
 RESERVED_META_FIELDS = ("episode_lens", "_generation")
+MAX_TIMESTEPS = 2**31 - 1
+MAX_EPISODE_BYTES = 16 * 2**30
 
 
 def parse_dtype(name: str, spec: Any) -> np.dtype:
@@ -166,11 +168,26 @@ class Schema:
         reserved = sorted((set(fields) | set(meta_fields)) & set(RESERVED_META_FIELDS))
         if reserved:
             raise ValueError(f"field names {reserved} are reserved for the buffer's own bookkeeping")
-        return cls(
+        schema = cls(
             {n: parse_field(n, s) for n, s in fields.items()},
             {n: parse_field(n, s) for n, s in meta_fields.items()},
             int(max_episodes), int(max_timesteps), bool(circular),
         )
+        schema._check_episode_size()
+        return schema
+
+    def _check_episode_size(self) -> None:
+        """Refuse sizes no storage can hold, before anything is created."""
+        if self.max_timesteps > MAX_TIMESTEPS:
+            raise ValueError(f"max_timesteps {self.max_timesteps} exceeds {MAX_TIMESTEPS} (episode lengths are int32)")
+        for f in self.fields.values():
+            episode_bytes = f.step_nbytes * self.max_timesteps
+            if episode_bytes > MAX_EPISODE_BYTES:
+                raise ValueError(
+                    f"field {f.name!r}: max_timesteps {self.max_timesteps} x {f.step_nbytes} bytes per step is "
+                    f"{episode_bytes / 2**30:,.0f} GiB per episode, over the {MAX_EPISODE_BYTES // 2**30} GiB an "
+                    "episode in progress may stage in RAM; lower max_timesteps"
+                )
 
     def to_json(self) -> dict:
         return {

@@ -70,8 +70,6 @@ def test_episode_in_progress_is_invisible(location):
     assert reader.refresh().valid_episodes().tolist() == [0, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="refresh() reads user meta before episode_lens/_generation; "
-                                       "see the report (refresh read order)")
 def test_refresh_pairs_lengths_with_meta_under_a_concurrent_commit(location):
     """A commit landing in the middle of refresh() must not pair one episode's length with
     another's meta fields (deterministic interleaving of the race the live tests can hit)."""

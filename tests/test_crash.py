@@ -23,8 +23,8 @@ from ._workloads import buffer_kwargs, check_episode, episode, episode_length, w
 FORK = multiprocessing.get_context("fork")
 ROUNDS = 5
 CIRCULAR_SLOTS = 6
-# set True once the core clears rows an unpublished episode left in a slot (the xfail tests below)
-STALE_TAILS_CLEARED = False
+# the core zeroes rows an unpublished episode (aborted, killed, cleared) left in a slot
+STALE_TAILS_CLEARED = True
 
 
 def committed(progress) -> list[int]:
@@ -178,8 +178,6 @@ def _assert_zero_after_lengths(buffer):
         check_episode(uid, length, rows, full=False)
 
 
-@pytest.mark.xfail(strict=True, reason="core: an aborted episode's flushed rows survive past a later, shorter "
-                                       "episode in the slot (previous_lens counts only published lengths)")
 def test_aborted_episode_leaves_nothing_past_the_next_end(tmp_path, monkeypatch):
     _short_spans(monkeypatch)
     buffer = ReplayBuffer(str(tmp_path), **buffer_kwargs(4, circular=False))
@@ -192,8 +190,6 @@ def test_aborted_episode_leaves_nothing_past_the_next_end(tmp_path, monkeypatch)
     _assert_zero_after_lengths(buffer)
 
 
-@pytest.mark.xfail(strict=True, reason="core: rows of an episode killed before publishing survive past a later, "
-                                       "shorter episode in the slot")
 @pytest.mark.parametrize("flush_every_store_step", [7, 0])  # 7: the log lags the rows already written
 def test_killed_episode_leaves_nothing_past_the_next_end(tmp_path, flush_every_store_step):
     location = str(tmp_path / "buffer")
@@ -220,8 +216,6 @@ def test_kill_between_lengths_and_counters_keeps_the_episode(tmp_path):
         assert buffer.num_episodes == 3
 
 
-@pytest.mark.xfail(strict=True, reason="core: clear() keeps the data rows, which reappear past the end of a "
-                                       "later, shorter episode in the same slot")
 def test_clear_leaves_nothing_past_the_next_end(tmp_path):
     buffer = ReplayBuffer(str(tmp_path), **buffer_kwargs(4, circular=False))
     long_uid = next(u for u in range(100) if episode_length(u) == 24)

@@ -49,6 +49,8 @@ def elements(dtype: np.dtype):
 
 
 def values(data, field, lead: tuple[int, ...]) -> np.ndarray:
+    if field.dtype.kind == "b":  # hypothesis's bool arrays misfire on numpy 2.4 (False read back as True)
+        return data.draw(hnp.arrays(np.uint8, lead + field.shape, elements=st.integers(0, 1))).astype(bool)
     return data.draw(hnp.arrays(field.dtype, lead + field.shape, elements=elements(field.dtype)))
 
 
@@ -237,7 +239,8 @@ class BufferMachine(RuleBasedStateMachine):
         longest = max(self.slots[s]["len"] for s in order)
         for name in self.fields:
             expected = np.stack([self.slots[s]["rows"][name][:longest] for s in order])
-            expected[np.arange(longest)[None, :] >= lens[order][:, None]] = 0
+            # padding past each episode's end is the field's default (else zero), as the seed pads
+            expected[np.arange(longest)[None, :] >= lens[order][:, None]] = self.fields[name].fill
             np.testing.assert_array_equal(got[name].numpy(), expected, err_msg=name)
         for name in self.meta_fields:
             np.testing.assert_array_equal(got[name].numpy(), np.stack([self.slots[s]["meta"][name] for s in order]))
@@ -247,13 +250,10 @@ class BufferMachine(RuleBasedStateMachine):
 def test_buffer_matches_model(make_location):
     machine = type("Machine", (BufferMachine,), {"make_location": staticmethod(make_location)})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=30, stateful_step_count=12, deadline=None, derandomize=True,
+        max_examples=20, stateful_step_count=10, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]))
 
 
-@pytest.mark.xfail(strict=True, reason="core: a huge max_timesteps with an image field is accepted, then storing "
-                                       "fails unclearly (zarr: MemoryError staging a whole shard; memmap: OSError "
-                                       "EINVAL; hdf5: 'File too large')")
 def test_huge_max_timesteps_is_refused_clearly_or_works(make_location):
     location, extra = make_location()
     try:

@@ -146,6 +146,10 @@ def chunk_cache() -> ChunkCache:
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 
+# a resident row version no request carries: the row is read again on its next use
+_NEVER = -2
+
+
 def _per_pair(versions, count: int) -> np.ndarray:
     versions = np.asarray(versions, dtype=np.int64)
     return versions if versions.shape == (count,) else np.broadcast_to(versions, (count,))
@@ -412,7 +416,7 @@ class ChunkedArray:
             if data is None:
                 out[rows[i]] = 0
             else:
-                self.codec.decode_into(data, out[rows[i]])
+                self.codec.decode_into(data, out[rows[i]:rows[i] + 1])
 
         self.kv.get_each([self.chunk_key(g) for g in grid], decode)
 
@@ -445,19 +449,11 @@ class ChunkedArray:
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
         _cache.discard(self._namespace, list(chunks))
-        if self._resident is None or self.grid_axes != 2:
+        if self._resident is None:
             return
-        for index, chunk in chunks.items():
-            lo = [i * c for i, c in zip(index, self.chunks)]
-            hi = [min((i + 1) * c, n) for i, c, n in zip(index, self.chunks, self.shape)]
-            target = tuple(slice(a, b) for a, b in zip(lo, hi))
-            valid = self._resident_versions[lo[0]:hi[0]] >= 0
-            if not valid.any():
-                continue
-            if chunk is None:
-                self._resident[target] = 0
-            else:
-                self._resident[target] = chunk[tuple(slice(0, b - a) for a, b in zip(lo, hi))]
+        for index in chunks:
+            lo = index[0] * self.chunks[0]
+            self._resident_versions[lo:lo + self.chunks[0]] = _NEVER
 
     def __getstate__(self) -> dict:
         # The resident copy stays in the process that read it; a worker reads its own.

@@ -147,7 +147,7 @@ class ShardedArray(ChunkedArray):
                 if view is None:
                     out[row] = 0
                 else:
-                    self.codec.decode_into(view[offset - base: offset - base + nbytes], out[row])
+                    self.codec.decode_into(view[offset - base: offset - base + nbytes], out[row:row + 1])
 
         self.kv.get_ranges_each(requests, decode)
 
