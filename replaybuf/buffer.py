@@ -151,6 +151,14 @@ class ReplayBuffer:
             raise FileNotFoundError(f"no replaybuf buffer found at {os.fspath(folder)!r}")
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
+    @staticmethod
+    def shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuffer:
+        """Open or create actor ``index``'s own buffer under ``root`` (``root/actor-NNN``), for
+        parallel writers; ``ConcatReplayBuffer(root)`` reads all shards as one."""
+        from .shards import open_shard
+
+        return open_shard(root, index, **kwargs)
+
     # ---- setup --------------------------------------------------------------------------
 
     def _setup(self, schema: Schema) -> None:

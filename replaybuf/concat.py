@@ -218,9 +218,18 @@ class ConcatReplayBuffer:
     longest member's ``max_timesteps``. All members must store the same fields.
     """
 
-    def __init__(self, buffers: Sequence[Member], storage_options: dict | Sequence[dict | None] | None = None):
-        if isinstance(buffers, (str, os.PathLike, ReplayBuffer)) or not isinstance(buffers, Sequence):
-            raise TypeError(f"ConcatReplayBuffer takes a list of paths, URLs or ReplayBuffers, got {buffers!r}")
+    def __init__(self, buffers: Sequence[Member] | str | os.PathLike,
+                 storage_options: dict | Sequence[dict | None] | None = None):
+        if isinstance(buffers, (str, os.PathLike)):
+            from .shards import discover_shards
+
+            root = os.fspath(buffers)
+            buffers = discover_shards(root, storage_options)
+            if not buffers:
+                raise FileNotFoundError(f"no replaybuf shards (actor-NNN) under {root!r}")
+        if isinstance(buffers, ReplayBuffer) or not isinstance(buffers, Sequence):
+            raise TypeError(f"ConcatReplayBuffer takes a shard root or a list of paths, URLs or ReplayBuffers, "
+                            f"got {buffers!r}")
         if len(buffers) == 0:
             raise ValueError("ConcatReplayBuffer requires at least one buffer")
         options = list(storage_options) if isinstance(storage_options, (list, tuple)) \

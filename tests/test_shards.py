@@ -103,3 +103,17 @@ def test_four_writer_processes_lose_and_duplicate_nothing(tmp_path):
             seen.append(uid)
     expected = [index * 1000 + k for index in range(4) for k in range(per_actor)]
     assert sorted(seen) == expected
+
+
+def test_buffer_shard_and_concat_of_a_shard_root(tmp_path):
+    from replaybuf import ConcatReplayBuffer
+
+    for index in range(3):
+        shard = ReplayBuffer.shard(str(tmp_path / "root"), index, max_episodes=2, max_timesteps=4, fields=dict(x="float"))
+        shard.store_episode(x=np.full(index + 1, float(index)))
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["actor-000", "actor-001", "actor-002"]
+    together = ConcatReplayBuffer(str(tmp_path / "root"))
+    assert together.num_episodes == 3
+    assert together.get_all_data()["x"].tolist() == [[0, 0, 0], [1, 1, 0], [2, 2, 2]]
+    with pytest.raises(FileNotFoundError, match="no replaybuf shards"):
+        ConcatReplayBuffer(str(tmp_path / "empty"))
