@@ -305,8 +305,8 @@ class ReplayBuffer:
     def _write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]]) -> None:
         if not slabs:
             return
-        self._invalidate(group)
         try:
+            self._invalidate(group)
             for name, t0, rows in slabs:
                 self.storage.write_rows(name, group.slots, t0, rows)
         except (OSError, StorageError) as e:
