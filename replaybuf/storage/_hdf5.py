@@ -30,10 +30,10 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
-from ._kv import LocalKV
+from ._kv import KVBlobs, LocalKV
 from ._local import local_root, refuse_foreign_buffer
 from ._zarr import default_time_chunk
-from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
 DATA_FILE = "data.h5"
 CONFIG_ATTRIBUTE = "replaybuf"
@@ -179,7 +179,7 @@ def _check_storage_options(options: dict) -> None:
                          f"{level!r} with compression={compression!r}")
 
 
-class HDF5Storage(Storage):
+class HDF5Storage(KVBlobs, Storage):
     """One ``data.h5`` per buffer folder (h5py), with the counters and step log beside it."""
 
     backend_name = "hdf5"
@@ -313,29 +313,6 @@ class HDF5Storage(Storage):
             return self._arrays[name, meta]
         except KeyError:
             raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
-
-    def read_blob(self, key: str) -> bytes | None:
-        # docstring inherited
-        return self.kv.get(key)
-
-    def write_blob(self, key: str, data: bytes) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.set(key, data)
-
-    def delete_blobs(self, prefix: str) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.delete_prefix(prefix)
-
-    def list_blobs(self, prefix: str) -> list[str]:
-        # docstring inherited
-        return self.kv.list_prefix(prefix)
-
-    def append_log(self, name: str, data: bytes) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.append(f"{LOG_PREFIX}{name}/log", data)
 
     # ---- counters --------------------------------------------------------------------------------
 

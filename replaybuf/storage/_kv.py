@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from .base import StorageError
+from .base import LOG_PREFIX, StorageError
 
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -381,3 +381,33 @@ class StoreKV(KeyValue):
 
         return sorted(self._run(listing()))
 
+
+class KVBlobs:
+    """The side-object primitives of a Storage (counters, step logs) over ``self.kv``; mixed in
+    before ``Storage`` by every backend whose blobs are files or objects."""
+
+    kv: KeyValue
+
+    def read_blob(self, key: str) -> bytes | None:
+        # docstring inherited
+        return self.kv.get(key)
+
+    def write_blob(self, key: str, data: bytes) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.set(key, data)
+
+    def delete_blobs(self, prefix: str) -> None:
+        # docstring inherited
+        self._check_writable()
+        self.kv.delete_prefix(prefix)
+
+    def list_blobs(self, prefix: str) -> list[str]:
+        # docstring inherited
+        return self.kv.list_prefix(prefix)
+
+    def append_log(self, name: str, data: bytes) -> None:
+        # docstring inherited
+        self._check_writable()
+        if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
+            super().append_log(name, data)

@@ -30,7 +30,7 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import LocalKV
+from ._kv import KVBlobs, LocalKV
 from ._local import local_root, refuse_foreign_buffer
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
@@ -105,7 +105,7 @@ class MemmapArray:
         return f"MemmapArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
-class MemmapStorage(Storage):
+class MemmapStorage(KVBlobs, Storage):
     """``.npy`` memmaps in a local folder; opens memmap-replay-buffer 0.2.x folders too."""
 
     backend_name = "memmap"
@@ -258,24 +258,6 @@ class MemmapStorage(Storage):
         except KeyError:
             raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
 
-    def read_blob(self, key: str) -> bytes | None:
-        # docstring inherited
-        return self.kv.get(key)
-
-    def write_blob(self, key: str, data: bytes) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.set(key, data)
-
-    def delete_blobs(self, prefix: str) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.delete_prefix(prefix)
-
-    def list_blobs(self, prefix: str) -> list[str]:
-        # docstring inherited
-        return self.kv.list_prefix(prefix)
-
     # ---- counters and the step log ------------------------------------------------------------
 
     def load_state(self) -> dict:
@@ -292,11 +274,6 @@ class MemmapStorage(Storage):
         super().commit_state(state)
         if self._seed_origin:
             _seed.write_seed_state(self.root, state)
-
-    def append_log(self, name: str, data: bytes) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.append(f"replaybuf/steplog/{name}/log", data)
 
     # ---- batched I/O ------------------------------------------------------------------------------
 

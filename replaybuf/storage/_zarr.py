@@ -18,9 +18,9 @@ import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
 from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
-from ._kv import KeyValue, LocalKV, StoreKV
+from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._shards import ShardedArray
-from .base import LOG_PREFIX, BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
@@ -64,7 +64,7 @@ def _local_root(location: str) -> str:
     return os.path.abspath(location[len("file://"):] if location.startswith("file://") else location)
 
 
-class ZarrStorage(Storage):
+class ZarrStorage(KVBlobs, Storage):
     """Zarr v3 storage for local paths, ``memory://`` and object-store URLs (``s3://``, ``gs://``)."""
 
     backend_name = "zarr"
@@ -215,30 +215,6 @@ class ZarrStorage(Storage):
             return self._arrays[name, meta]
         except KeyError:
             raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
-
-    def read_blob(self, key: str) -> bytes | None:
-        # docstring inherited
-        return self.kv.get(key)
-
-    def write_blob(self, key: str, data: bytes) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.set(key, data)
-
-    def delete_blobs(self, prefix: str) -> None:
-        # docstring inherited
-        self._check_writable()
-        self.kv.delete_prefix(prefix)
-
-    def list_blobs(self, prefix: str) -> list[str]:
-        # docstring inherited
-        return self.kv.list_prefix(prefix)
-
-    def append_log(self, name: str, data: bytes) -> None:
-        # docstring inherited
-        self._check_writable()
-        if not self.kv.append(f"{LOG_PREFIX}{name}/log", data):
-            super().append_log(name, data)
 
     def close(self) -> None:
         # docstring inherited
