@@ -224,3 +224,29 @@ def test_two_gloo_ranks_cover_the_dataset_disjointly(tmp_path, length):
         assert len(set(a) & set(b)) == padding
     assert rank0["0"] != rank0["1"]
     assert np.all(np.asarray(rank0["0"]) < length)
+
+
+def test_buffer_dataloader_shards_across_ranks_and_resumes(tmp_path):
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(str(tmp_path / "b"), 4, 10, fields=dict(x="float"))
+    for episode in range(3):
+        buffer.store_episode(x=np.arange(10.0) + 100 * episode)
+    seen = []
+    for rank in range(2):
+        loader = buffer.dataloader(batch_size=4, timestep_level=True, shuffle=True, rank=rank, world_size=2, seed=7)
+        seen.append([float(v) for batch in loader for v in batch["x"]])
+    assert not set(seen[0]) & set(seen[1])
+    assert set(seen[0]) | set(seen[1]) == {float(e * 100 + t) for e in range(3) for t in range(10)}
+
+    loader = buffer.dataloader(batch_size=4, timestep_level=True, shuffle=True, rank=0, world_size=2, seed=7)
+    batches = iter(loader)
+    first = next(batches)["x"].tolist()
+    state = loader.state_dict()
+    rest = [b["x"].tolist() for b in batches]
+    resumed = buffer.dataloader(batch_size=4, timestep_level=True, shuffle=True, rank=0, world_size=2, seed=7)
+    resumed.load_state_dict(state)
+    assert [b["x"].tolist() for b in resumed] == rest
+    assert first + [v for b in rest for v in b] == seen[0]
+    with pytest.raises(ValueError, match="rank"):
+        buffer.dataloader(batch_size=4, timestep_level=True, rank=2, world_size=2)

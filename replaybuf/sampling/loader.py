@@ -16,6 +16,7 @@ from .datasets import (
     ReplayDatasetTrajectory,
     check_names,
 )
+from .distributed import ResumableDataLoader, ResumableDistributedSampler, resolve_rank
 from .prioritized import PrioritizedBatchSampler
 
 SAMPLERS = ("uniform", "prioritized")
@@ -66,6 +67,7 @@ def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset
                     to_named_tuple: Sequence[str] | None = None, shuffle: bool = False,
                     device: torch.device | str | None = None, dataset_kwargs: dict | None = None,
                     sampler: Any = None, priority_field: str = "priority", alpha: float = 0.6, beta: float = 0.4,
+                    rank: int | None = None, world_size: int | None = None, seed: int | None = None,
                     **kwargs: Any) -> DataLoader:
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
 
@@ -74,6 +76,11 @@ def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset
     ``_indices`` and ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and
     ``cache`` go to the dataset; any other ``sampler`` and every other keyword go to torch's
     DataLoader (``num_workers``, ``drop_last``, ``pin_memory``, ...).
+
+    ``rank`` / ``world_size`` (default: torch.distributed's when it is initialized) shard the
+    samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
+    loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
+    resume mid-epoch.
     """
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
@@ -123,4 +130,7 @@ def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
     if sampler not in (None, "uniform"):
         kwargs["sampler"] = sampler
+    elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:
+        order = ResumableDistributedSampler(dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
+        return ResumableDataLoader(dataset, batch_size=batch_size, collate_fn=collate, sampler=order, **kwargs)
     return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, shuffle=shuffle, **kwargs)
