@@ -224,9 +224,7 @@ class ConcatReplayBuffer:
             from .shards import discover_shards
 
             root = os.fspath(buffers)
-            buffers = discover_shards(root, storage_options)
-            if not buffers:
-                raise FileNotFoundError(f"no replaybuf shards (actor-NNN) under {root!r}")
+            buffers = discover_shards(root, storage_options) or [root]
         if isinstance(buffers, ReplayBuffer) or not isinstance(buffers, Sequence):
             raise TypeError(f"ConcatReplayBuffer takes a shard root or a list of paths, URLs or ReplayBuffers, "
                             f"got {buffers!r}")

@@ -216,8 +216,9 @@ def test_bad_arguments(tmp_path):
     ReplayBuffer(tmp_path / "x", max_episodes=2, max_timesteps=4, fields=FIELDS)
     with pytest.raises(ValueError, match="at least one buffer"):
         ConcatReplayBuffer([])
+    assert ConcatReplayBuffer(str(tmp_path / "x")).max_episodes == 2, "one path: that buffer (or its shards)"
     with pytest.raises(TypeError, match="list of paths"):
-        ConcatReplayBuffer(str(tmp_path / "x"))
+        ConcatReplayBuffer(ReplayBuffer.from_folder(tmp_path / "x"))
     with pytest.raises(TypeError, match="got 3"):
         ConcatReplayBuffer([tmp_path / "x", 3])
     with pytest.raises(ValueError, match="storage_options has 1 entries for 2 buffers"):

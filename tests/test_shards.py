@@ -115,5 +115,5 @@ def test_buffer_shard_and_concat_of_a_shard_root(tmp_path):
     together = ConcatReplayBuffer(str(tmp_path / "root"))
     assert together.num_episodes == 3
     assert together.get_all_data()["x"].tolist() == [[0, 0, 0], [1, 1, 0], [2, 2, 2]]
-    with pytest.raises(FileNotFoundError, match="no replaybuf shards"):
+    with pytest.raises(FileNotFoundError, match="no replaybuf buffer"):
         ConcatReplayBuffer(str(tmp_path / "empty"))
