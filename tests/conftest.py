@@ -7,22 +7,11 @@ import os
 
 import pytest
 
-from replaybuf.storage import backend_class
+from ._backends import BACKENDS
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 _counter = itertools.count()
-
-
-def _available(name: str) -> bool:
-    try:
-        backend_class(name)
-    except ImportError:
-        return False
-    return True
-
-
-BACKENDS = [b for b in ("zarr", "memory", "memmap", "hdf5") if b in ("zarr", "memory") or _available(b)]
 
 
 @pytest.fixture(params=BACKENDS)
