@@ -50,6 +50,23 @@ def test_image_fields_are_one_shard_per_episode(tmp_path):
     assert buffer.storage.read_rows("frame", np.array([1]), 28, 32)[0, :, 0, 0, 0].tolist() == [9, 9, 0, 0]
 
 
+def test_default_codecs_are_blosc_lz4_for_images_and_zstd_for_vectors(tmp_path):
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 2, 6, fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 4)))
+    buffer.store_episode(frame=np.arange(6 * 64 * 64 * 3, dtype=np.uint64).reshape(6, 64, 64, 3).astype(np.uint8),
+                         state=np.ones((6, 4)))
+    sharding = json.loads((path / "data" / "frame" / "zarr.json").read_text())["codecs"][0]
+    blosc = sharding["configuration"]["codecs"][-1]
+    assert blosc["name"] == "blosc"
+    assert {k: blosc["configuration"][k] for k in ("cname", "clevel", "shuffle")} == \
+        {"cname": "lz4", "clevel": 9, "shuffle": "noshuffle"}
+    state_codecs = json.loads((path / "data" / "state" / "zarr.json").read_text())["codecs"]
+    assert state_codecs[-1]["name"] == "zstd" and state_codecs[-1]["configuration"]["level"] == 3
+    group = zarr.open_group(str(path), mode="r")
+    np.testing.assert_array_equal(group["data/frame"][0, :, 5, 7], buffer.data["frame"][0, :, 5, 7])
+    assert group["data/frame"][0, 3].any()
+
+
 def test_update_inside_a_shard_keeps_the_other_frames(tmp_path):
     buffer = ReplayBuffer(str(tmp_path / "b"), 2, 10, fields=dict(frame=("uint8", (48, 48, 3))))
     frames = np.arange(10, dtype=np.uint8)[:, None, None, None] * np.ones((1, 48, 48, 3), np.uint8)

@@ -24,6 +24,11 @@ from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
+# Image-like fields default to blosc-lz4 (no shuffle, level 9): it decodes a frame ~3x and
+# encodes it ~2x faster than zstd-3, which is what per-step sampling, whole-buffer reads and
+# store_episode() pay, for ~40% more bytes on rendered frames and the same on camera images
+# (benchmarks/RESULTS.md, "Codec choice"). Small fields keep zstd-3: they are read once.
+DEFAULT_IMAGE_COMPRESSOR = "blosc-lz4:9"
 # Image-like steps get one frame per inner chunk so random timestep sampling decodes only what
 # it uses, inside one shard per episode; small vectors get long chunks
 # (benchmarks/RESULTS.md, "Codec choice").
@@ -54,6 +59,11 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
 
 def _compressor(field: Field, default: str):
     return compressor_codec(field.compressor or default, field.dtype, DEFAULT_ZSTD_LEVEL)
+
+
+def default_compressor(field: Field) -> str:
+    """The compressor a data field gets when its spec names none."""
+    return DEFAULT_IMAGE_COMPRESSOR if is_sharded(field) else DEFAULT_COMPRESSOR
 
 
 def _is_url(location: str) -> bool:
@@ -130,7 +140,7 @@ class ZarrStorage(KVBlobs, Storage):
                 field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
                 chunks=(1, chunk, *field.shape), dtype=field.dtype,
                 shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
-                compressors=_compressor(field, DEFAULT_COMPRESSOR), fill_value=0, chunk_key_encoding=FLAT_KEYS,
+                compressors=_compressor(field, default_compressor(field)), fill_value=0, chunk_key_encoding=FLAT_KEYS,
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
             meta.create_array(
