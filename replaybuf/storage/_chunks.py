@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numcodecs
+import numcodecs.blosc
 import numpy as np
 
 from ._kv import KeyValue, thread_pool
@@ -162,6 +163,7 @@ class ChunkCodec:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.compressor = compressor
         self._codec = None if compressor is None else _numcodec(compressor)
+        self._blosc = isinstance(self._codec, numcodecs.Blosc)
 
     @property
     def compressed(self) -> bool:
@@ -189,6 +191,9 @@ class ChunkCodec:
         """Decode a chunk into the contiguous array ``out`` of the same number of bytes."""
         if self._codec is None:
             out[...] = np.frombuffer(data, dtype=self.dtype).reshape(out.shape)
+        elif self._blosc:
+            # the module function skips the codec object's argument checks (~5 us a frame)
+            numcodecs.blosc.decompress(data, out)
         else:
             self._codec.decode(data, out=out)
 
@@ -360,14 +365,94 @@ class ChunkedArray:
                 out[rows] = chunk[local_e[rows], local_t[rows]]
         return out
 
-    def read_rows(self, episodes: np.ndarray, t0: int, t1: int, versions: np.ndarray | None = None) -> np.ndarray:
-        """``[episodes, t0:t1]`` as (len(episodes), t1 - t0, *shape); ``versions`` as in ``gather``."""
+    def read_rows(self, episodes: np.ndarray, t0: int, t1: int, versions: np.ndarray | None = None,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """``[episodes, t0:t1]`` as (len(episodes), t1 - t0, *shape), written into ``out`` when
+        given; ``versions`` as in ``gather``."""
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         length = max(t1 - t0, 0)
-        if versions is not None:
-            versions = np.repeat(np.asarray(versions, dtype=np.int64), length)
-        flat = self.gather(np.repeat(episodes, length), np.tile(np.arange(t0, t0 + length), len(episodes)), versions)
-        return flat.reshape(len(episodes), length, *self.shape[2:])
+        if out is None:
+            out = np.empty((len(episodes), length, *self.shape[2:]), dtype=self.dtype)
+        count = len(episodes)
+        self.read_into(out, episodes, np.full(count, t0), np.full(count, length), versions)
+        return out
+
+    # ---- bulk reads of time spans ---------------------------------------------------------------
+
+    def read_into(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                  versions: np.ndarray | None = None, parallel: bool = True) -> None:
+        """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` into
+        ``out[i, :lengths[i]]``; the rest of ``out`` is left as it is.
+
+        Each chunk is fetched once and decoded straight into ``out`` when it lies inside the
+        span (else into a scratch chunk and copied), the chunks spread over the thread pool
+        unless ``parallel`` is False (a caller that runs its own parallel tasks, such as dask).
+        ``versions`` (one per episode) lets small arrays use their resident copy.
+        """
+        episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
+        self._check_out(out, episodes, starts, lengths)
+        if not len(episodes) or not lengths.any():
+            return
+        if self.chunks[0] != 1:
+            self._read_into_by_gather(out, episodes, starts, lengths)
+            return
+        if versions is not None and self._resident_enabled():
+            versions = _per_pair(versions, len(episodes))
+            stale = self._resident_versions[episodes] != versions
+            if stale.any():
+                rows, index = np.unique(episodes[stale], return_index=True)
+                self._load_resident(rows, versions[stale][index])
+            for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
+                out[i, :n] = self._resident[e, s:s + n]
+            return
+        ct = self.chunks[1]
+        pieces = [(i, e, ti) for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist()))
+                  if n > 0 for ti in range(s // ct, (s + n - 1) // ct + 1)]
+
+        def decode(k: int, data: bytes | None) -> None:
+            i, _, ti = pieces[k]
+            self._decode_piece(data, ti, out, i, int(starts[i]), int(lengths[i]))
+
+        keys = [self.chunk_key((e, ti)) for _, e, ti in pieces]
+        if parallel:
+            self.kv.get_each(keys, decode)
+        else:
+            for k, data in enumerate(self.kv.get_many(keys)):
+                decode(k, data)
+
+    def _check_out(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        if not (len(episodes) == len(starts) == len(lengths)):
+            raise ValueError(f"{self.path}: episodes, starts and lengths differ in length "
+                             f"({len(episodes)}, {len(starts)}, {len(lengths)})")
+        if out.dtype != self.dtype or out.shape[0] < len(episodes) or out.shape[2:] != self.shape[2:]:
+            raise ValueError(f"{self.path}: out has dtype {out.dtype} and shape {out.shape}; expected "
+                             f"{self.dtype} and ({len(episodes)}, time, *{self.shape[2:]})")
+        if len(episodes) and (lengths.min() < 0 or starts.min() < 0 or (starts + lengths).max() > self.shape[1]
+                              or lengths.max() > out.shape[1]):
+            raise ValueError(f"{self.path}: spans (starts {starts.tolist()}, lengths {lengths.tolist()}) must lie "
+                             f"within the time axis ({self.shape[1]}) and out ({out.shape[1]} steps)")
+
+    def _decode_piece(self, data: bytes | memoryview | None, ti: int, out: np.ndarray, i: int, start: int,
+                      length: int) -> None:
+        """Chunk ``ti`` of the time axis (its bytes, or None when never written) into its part
+        of ``out[i, :length]``, which holds steps ``start .. start + length``."""
+        ct = self.chunks[1]
+        lo, hi = max(start, ti * ct), min(start + length, (ti + 1) * ct)
+        target = out[i, lo - start:hi - start]
+        if data is None:
+            target[...] = 0
+        elif hi - lo == ct and target.flags.c_contiguous:
+            self.codec.decode_into(data, target.reshape(1, *target.shape))
+        else:
+            target[...] = self.codec.decode(data, self.chunks)[0, lo - ti * ct:hi - ti * ct]
+
+    def _read_into_by_gather(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray,
+                             lengths: np.ndarray) -> None:
+        """Chunks spanning several episodes (not an array replaybuf writes): through ``gather``."""
+        steps = np.arange(int(lengths.max()))
+        mask = steps[None] < lengths[:, None]
+        values = self.gather(np.repeat(episodes, lengths), (starts[:, None] + steps[None])[mask])
+        out[:len(episodes), :len(steps)][mask] = values
 
     # ---- the chunk cache and the resident copy -----------------------------------------------
 

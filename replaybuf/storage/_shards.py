@@ -19,6 +19,7 @@ from ._chunks import ABSENT, ChunkedArray, chunk_cache
 from ._kv import thread_pool
 
 _MISSING = np.uint64(2**64 - 1)
+_MISSING_INT = 2**64 - 1
 
 
 def _cpus() -> int:
@@ -150,6 +151,87 @@ class ShardedArray(ChunkedArray):
                     self.codec.decode_into(view[offset - base: offset - base + nbytes], out[row:row + 1])
 
         self.kv.get_ranges_each(requests, decode)
+
+    def read_into(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                  versions: np.ndarray | None = None, parallel: bool = True) -> None:
+        """Time spans of episodes into ``out`` (as ``ChunkedArray.read_into``) with one read per
+        episode: the whole shard when the span needs at least half of it (its index comes with
+        it), else the one byte range holding the span's frames (after the index, cached under
+        ``versions``). Each episode is one pool task that decodes its frames into place."""
+        episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
+        self._check_out(out, episodes, starts, lengths)
+        ct = self.chunks[1]
+        spans = [(i, e, s // ct, (s + n - 1) // ct + 1)
+                 for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())) if n > 0]
+        whole = [span for span in spans if 2 * (span[3] - span[2]) >= self.inner_per_shard]
+        ranged = [span for span in spans if 2 * (span[3] - span[2]) < self.inner_per_shard]
+        if whole:
+            def decode_shard(k: int, data: bytes | None) -> None:
+                view = None if data is None else memoryview(data)
+                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes:]))
+                self._decode_span(view, 0, index, whole[k], out, starts, lengths)
+
+            self._each([self.shard_key(e) for _, e, _, _ in whole], decode_shard, parallel, ranges=False)
+        if ranged:
+            self._read_ranged(ranged, out, starts, lengths, versions, parallel)
+
+    def _read_ranged(self, spans: list[tuple[int, int, int, int]], out: np.ndarray, starts: np.ndarray,
+                     lengths: np.ndarray, versions: np.ndarray | None, parallel: bool) -> None:
+        """Spans needing under half of their shard: the index, then one range per episode."""
+        episodes = list(dict.fromkeys(e for _, e, _, _ in spans))
+        per_episode = None
+        if versions is not None:
+            version_of: dict[int, int] = {}
+            all_versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (len(starts),))
+            for i, e, _, _ in spans:
+                version_of.setdefault(e, int(all_versions[i]))
+            per_episode = [version_of[e] for e in episodes]
+        indexes = self._indexes_cached(episodes, per_episode)
+        requests, todo = [], []
+        for span in spans:
+            _, e, first, stop = span
+            index = indexes[e]
+            present = None if index is None else index[first:stop][index[first:stop, 0] != _MISSING]
+            if present is None or not len(present):
+                self._decode_span(None, 0, None, span, out, starts, lengths)
+                continue
+            lo, hi = int(present[:, 0].min()), int((present[:, 0] + present[:, 1]).max())
+            requests.append((self.shard_key(e), lo, hi))
+            todo.append((span, lo, index))
+
+        def decode_range(k: int, data: bytes | None) -> None:
+            span, lo, index = todo[k]
+            self._decode_span(None if data is None else memoryview(data), lo, index, span, out, starts, lengths)
+
+        self._each(requests, decode_range, parallel, ranges=True)
+
+    def _each(self, requests: list, consume, parallel: bool, ranges: bool) -> None:
+        """Fetch whole objects (or byte ranges) and ``consume(k, bytes)`` each: spread over the
+        thread pool, or in this thread when not ``parallel``."""
+        if parallel:
+            (self.kv.get_ranges_each if ranges else self.kv.get_each)(requests, consume)
+        else:
+            for k, data in enumerate((self.kv.get_ranges if ranges else self.kv.get_many)(requests)):
+                consume(k, data)
+
+    def _decode_span(self, view: memoryview | None, base: int, index: np.ndarray | None,
+                     span: tuple[int, int, int, int], out: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Inner chunks ``first .. stop`` of one episode's shard into ``out[i]``; ``view`` holds
+        the shard's bytes from offset ``base`` (None: the shard does not exist)."""
+        i, _, first, stop = span
+        start, length = int(starts[i]), int(lengths[i])
+        if view is None or index is None:
+            out[i, :length] = 0
+            return
+        ct, row, decode_into = self.chunks[1], out[i], self.codec.decode_into
+        contiguous = row.flags.c_contiguous
+        for ti, (offset, nbytes) in zip(range(first, stop), index[first:stop].tolist()):
+            lo = ti * ct - start
+            if offset == _MISSING_INT or lo < 0 or lo + ct > length or not contiguous:
+                self._decode_piece(None if offset == _MISSING_INT else view[offset - base:offset - base + nbytes],
+                                   ti, out, i, start, length)
+            else:
+                decode_into(view[offset - base:offset - base + nbytes], row[lo:lo + ct])
 
     # ---- writes -------------------------------------------------------------------------
 
