@@ -27,11 +27,15 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
+from .storage.spans import fill_beyond, read_spans
+
 __all__ = ["to_dask", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
 
 # Rows of a block whose moments are computed at once: bounds the float64 temporaries.
 _MOMENT_ROWS = 256
 _HISTOGRAM_BINS = 32
+# Decoded bytes one get_all_data task reads: small enough that both cores stay busy to the end.
+_TASK_BYTES = 4 << 20
 # Schedulers whose tasks run in this process, so blocks can be stored into arrays allocated here.
 _SHARED_MEMORY_SCHEDULERS = ("threads", "threading", "sync", "synchronous", "single-threaded")
 
@@ -198,15 +202,52 @@ def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: 
         return {}
     scheduler = scheduler or _default_scheduler()
     if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
-        # Blocks land straight in the result arrays: no concatenation copy.
-        results = [np.empty(a.shape, a.dtype) for a in arrays.values()]
-        da.store(list(arrays.values()), results, lock=False, scheduler=scheduler)
+        results = _read_in_place(buffer, arrays, scheduler)
     else:
         results = dask.compute(*arrays.values(), scheduler=scheduler)
     out = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(arrays, results)}
     if device is not None:
         out = {n: t.to(device) for n, t in out.items()}
     return out
+
+
+class _Target:
+    """Holds a result array for the fill tasks (dask then neither hashes nor copies it)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def _fill_episodes(target: _Target, storage: Any, name: str, lo: int, slots: np.ndarray, lens: np.ndarray,
+                   fill: Any) -> None:
+    """Rows ``lo .. lo + len(slots)`` of a result: the episodes decoded into place, then padded."""
+    rows = target.array[lo:lo + len(slots)]
+    read_spans(storage, name, slots, np.zeros(len(slots), np.int64), lens, rows, parallel=False)
+    fill_beyond(rows, lens, fill)
+
+
+def _read_in_place(buffer: Any, arrays: dict[str, da.Array], scheduler: str) -> list[np.ndarray]:
+    """The results of ``get_all_data`` for schedulers sharing this process's memory: each array
+    allocated once and filled by dask tasks of a few whole episodes, each decoding its frames
+    straight into place (no block copies, no concatenation)."""
+    slots, lens, length = _committed(buffer, "slot")
+    token = uuid.uuid4().hex
+    results, tasks = [], []
+    for name, array in arrays.items():
+        field = buffer.schema.fields.get(name)
+        if field is None:
+            results.append(np.asarray(array.compute(scheduler="sync")))
+            continue
+        target = _Target(np.empty(array.shape, array.dtype))
+        results.append(target.array)
+        per_task = max(1, _TASK_BYTES // max(1, field.step_nbytes * length))
+        for lo in range(0, len(slots), per_task):
+            part = slice(lo, lo + per_task)
+            tasks.append(dask.delayed(_fill_episodes, pure=False)(
+                target, buffer.storage, name, lo, slots[part], lens[part], field.fill,
+                dask_key_name=(f"replaybuf-fill-{name}-{token}", lo)))
+    dask.compute(*tasks, scheduler=scheduler)
+    return results
 
 
 def _default_scheduler() -> str | Any:

@@ -22,6 +22,7 @@ from . import analysis
 from .buffer import MetaView, ReplayBuffer
 from .schema import Schema
 from .storage.base import Storage
+from .storage.spans import read_spans
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage"]
 
@@ -142,6 +143,24 @@ class ConcatStorage(Storage):
             if stop > t0:
                 out[rows, : stop - t0] = self.members[member].read_rows(name, local, t0, stop)
         return out
+
+    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   out: np.ndarray, parallel: bool = True) -> None:
+        """Time spans of episodes into ``out``, each run of consecutive rows from its member's
+        bulk path (see ``storage.spans.read_spans``); steps past a member's time axis
+        read as zero, as ``read_rows`` gives them."""
+        episodes, starts, lengths = (np.asarray(a, np.int64).reshape(-1) for a in (episodes, starts, lengths))
+        for member, rows, local in self._route(episodes):
+            stop = self.member_timesteps[member]
+            spans = np.clip(np.minimum(starts[rows] + lengths[rows], stop) - starts[rows], 0, None)
+            firsts = np.where(spans > 0, starts[rows], 0)
+            runs = np.flatnonzero(np.diff(rows) != 1) + 1
+            for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(rows)]):
+                first = int(rows[lo])
+                read_spans(self.members[member], name, local[lo:hi], firsts[lo:hi], spans[lo:hi],
+                           out[first:first + hi - lo], parallel=parallel)
+            for row, span, length in zip(rows.tolist(), spans.tolist(), lengths[rows].tolist()):
+                out[row, span:length] = 0
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited

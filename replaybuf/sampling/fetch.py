@@ -19,8 +19,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ..storage.spans import fill_beyond, read_spans
+
 CACHE_MODES = (None, "ram", "memmap")
 _RAM_BATCH_EPISODES = 16
+# Windows at least this long on average (trajectories, long time windows) are read whole through
+# the storage's bulk path; shorter ones (n-step sequences) gather steps and use the chunk cache.
+_BULK_MIN_STEPS = 32
 
 
 def committed_generations(buffer) -> np.ndarray:
@@ -98,8 +103,8 @@ class Fetcher:
                                                   dtype=array.dtype, shape=shape)
             for lo in range(0, len(self.slots), _RAM_BATCH_EPISODES):
                 part = self.slots[lo:lo + _RAM_BATCH_EPISODES]
-                dense[lo:lo + len(part)] = self._windows_from_storage(
-                    name, part, np.zeros(len(part), np.int64), self.lens[part], longest)
+                self._read_spans_into(dense[lo:lo + len(part)], name, part, np.zeros(len(part), np.int64),
+                                      self.lens[part])
             if self._folder is not None:
                 dense.flush()
             ram[name] = dense
@@ -130,7 +135,24 @@ class Fetcher:
         return self._windows_from_storage(name, episodes, starts, lengths, width)
 
     def _windows_from_storage(self, name, episodes, starts, lengths, width):
-        return self._windows(self._gather_storage, name, episodes, starts, lengths, width)
+        lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
+        if len(lengths) == 0 or lengths.mean() < _BULK_MIN_STEPS:
+            return self._windows(self._gather_storage, name, episodes, starts, lengths, width)
+        array = self.storage.array(name)
+        out = np.empty((len(lengths), width, *array.shape[2:]), dtype=array.dtype)
+        self._read_spans_into(out, name, episodes, starts, lengths)
+        fill_beyond(out, lengths, 0)
+        return out
+
+    def _read_spans_into(self, out: np.ndarray, name: str, episodes: np.ndarray, starts: np.ndarray,
+                         lengths: np.ndarray) -> None:
+        """Long windows through the storage's bulk path, decoded straight into ``out``."""
+        episodes = np.asarray(episodes, dtype=np.int64)
+        array = self.storage.array(name)
+        if getattr(array, "supports_versions", False):
+            array.read_into(out, episodes, starts, lengths, self.generations[episodes])
+        else:
+            read_spans(self.storage, name, episodes, starts, lengths, out)
 
     def _windows(self, gather, name, episodes, starts, lengths, width):
         episodes = np.asarray(episodes, dtype=np.int64)

@@ -427,8 +427,10 @@ class ChunkedArray:
         if out.dtype != self.dtype or out.shape[0] < len(episodes) or out.shape[2:] != self.shape[2:]:
             raise ValueError(f"{self.path}: out has dtype {out.dtype} and shape {out.shape}; expected "
                              f"{self.dtype} and ({len(episodes)}, time, *{self.shape[2:]})")
-        if len(episodes) and (lengths.min() < 0 or starts.min() < 0 or (starts + lengths).max() > self.shape[1]
-                              or lengths.max() > out.shape[1]):
+        used = lengths > 0
+        if len(episodes) and (lengths.min() < 0 or used.any() and (
+                starts[used].min() < 0 or (starts + lengths)[used].max() > self.shape[1]
+                or lengths.max() > out.shape[1])):
             raise ValueError(f"{self.path}: spans (starts {starts.tolist()}, lengths {lengths.tolist()}) must lie "
                              f"within the time axis ({self.shape[1]}) and out ({out.shape[1]} steps)")
 

@@ -251,6 +251,12 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).read_rows(np.asarray(episodes), t0, t1)
 
+    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   out: np.ndarray, parallel: bool = True) -> None:
+        """Time spans of episodes into ``out`` (see ``storage.spans.read_spans``): one read per
+        shard or chunk, decoded into place."""
+        self.array(name).read_into(out, episodes, starts, lengths, parallel=parallel)
+
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
         return self.array(name).gather(episodes, timesteps)
