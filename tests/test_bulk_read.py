@@ -1,0 +1,193 @@
+"""Bulk whole-episode reads (``storage.spans.read_spans``, ``ChunkedArray.read_into``) give
+exactly what the per-element path (``storage.gather``) gives, on every backend, and what
+``get_all_data`` and trajectory batches are built on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, ReplayDatasetTrajectory
+from replaybuf.analysis import get_all_data
+from replaybuf.storage.spans import fill_beyond, read_spans, read_spans_by_rows
+
+FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk, on the zarr backend
+FIELDS = {
+    "frame": ("uint8", FRAME),
+    "clip": {"dtype": "uint8", "shape": FRAME, "chunks": 3, "compressor": "zstd:1"},  # 3 frames per inner chunk
+    "raw": {"dtype": "uint8", "shape": FRAME, "compressor": "none"},
+    "state": ("float", (3,)),
+    "action": ("int", 2, -1),  # padding is the default, -1
+    "reward": "float",
+}
+MAX_STEPS = 14
+LENGTHS = [5, 14, 3, 9, 7, 1, 11, 8]
+
+
+def episode(index: int, length: int) -> dict[str, np.ndarray]:
+    """Frames with all-zero steps (left out of the shard) and, for episode 3, none at all."""
+    rng = np.random.default_rng(index)
+    frames = rng.integers(0, 256, (length, *FRAME), dtype=np.uint8)
+    frames[rng.random(length) < 0.3] = 0
+    if index == 3:
+        frames[:] = 0
+    return {
+        "frame": frames, "clip": frames[::-1].copy(), "raw": frames // 2,
+        "state": rng.normal(size=(length, 3)).astype(np.float32),
+        "action": rng.integers(0, 5, (length, 2)).astype(np.int32),
+        "reward": rng.uniform(-1, 1, length).astype(np.float32),
+    }
+
+
+def make_buffer(location: str, kwargs: dict, lengths=LENGTHS, max_episodes: int = 6) -> ReplayBuffer:
+    """A circular buffer that wrapped: the last ``max_episodes`` episodes are kept."""
+    buffer = ReplayBuffer(location, max_episodes=max_episodes, max_timesteps=MAX_STEPS, fields=FIELDS,
+                          circular=True, **kwargs)
+    for index, length in enumerate(lengths):
+        buffer.store_episode(**episode(index, length))
+    return buffer
+
+
+@pytest.fixture
+def buffer(make_location):
+    location, kwargs = make_location()
+    return make_buffer(location, kwargs)
+
+
+def per_element(storage, name: str, episodes, starts, lengths, width: int, fill) -> np.ndarray:
+    """The reference: every step through ``gather``, padding set to ``fill``."""
+    shape = storage.array(name).shape[2:]
+    out = None
+    for row, (e, s, n) in enumerate(zip(episodes, starts, lengths)):
+        values = storage.gather(name, np.full(n, e), np.arange(s, s + n))
+        if out is None:
+            out = np.full((len(episodes), width, *shape), fill, values.dtype)
+        out[row, :n] = values
+    return out
+
+
+def random_spans(rng: np.random.Generator, slots: np.ndarray, count: int):
+    episodes = rng.choice(slots, count)
+    starts = rng.integers(0, MAX_STEPS, count)
+    lengths = rng.integers(0, MAX_STEPS - starts + 1)
+    return episodes, starts, lengths
+
+
+@pytest.mark.parametrize("name", list(FIELDS))
+@pytest.mark.parametrize("parallel", [True, False])
+def test_read_spans_matches_per_element_reads(buffer, name, parallel):
+    storage, slots = buffer.storage, np.arange(buffer.max_episodes)
+    rng = np.random.default_rng(7)
+    cases = [random_spans(rng, slots, 9) for _ in range(4)]
+    cases.append((slots, np.zeros(len(slots), int), buffer.episode_lens[slots]))  # whole episodes
+    cases.append((np.array([2, 2, 0]), np.array([0, 4, 13]), np.array([14, 3, 1])))  # repeats, last step
+    for episodes, starts, lengths in cases:
+        out = np.full((len(episodes), MAX_STEPS, *storage.array(name).shape[2:]), 77, storage.array(name).dtype)
+        read_spans(storage, name, episodes, starts, lengths, out, parallel=parallel)
+        np.testing.assert_array_equal(out, per_element(storage, name, episodes, starts, lengths, MAX_STEPS, 77))
+
+
+@pytest.mark.parametrize("name", ["frame", "clip", "state"])
+def test_generic_path_through_read_rows_agrees(buffer, name):
+    storage, rng = buffer.storage, np.random.default_rng(3)
+    episodes, starts, lengths = random_spans(rng, np.arange(buffer.max_episodes), 12)
+    shape, dtype = storage.array(name).shape[2:], storage.array(name).dtype
+    bulk, generic = (np.full((12, MAX_STEPS, *shape), 5, dtype) for _ in range(2))
+    read_spans(storage, name, episodes, starts, lengths, bulk)
+    read_spans_by_rows(storage, name, episodes, starts, lengths, generic)
+    np.testing.assert_array_equal(bulk, generic)
+
+
+def test_zarr_arrays_read_rows_into_out_and_with_versions(tmp_path):
+    buffer = make_buffer(str(tmp_path / "b"), {})
+    frames, state = buffer.storage.array("frame"), buffer.storage.array("state")
+    slots = np.array([5, 0, 3])
+    for array in (frames, state):
+        out = np.empty((3, 6, *array.shape[2:]), array.dtype)
+        assert array.read_rows(slots, 2, 8, out=out) is out
+        flat = array.gather(np.repeat(slots, 6), np.tile(np.arange(2, 8), 3))
+        np.testing.assert_array_equal(out, flat.reshape(out.shape))
+        versions = buffer.storage.read_meta("_generation")[slots]
+        again = np.zeros_like(out)
+        array.read_into(again, slots, np.full(3, 2), np.full(3, 6), versions)  # ranged shard reads / resident rows
+        np.testing.assert_array_equal(again, out)
+
+
+def test_shard_that_was_never_written_reads_as_zero(tmp_path):
+    buffer = make_buffer(str(tmp_path / "b"), {}, lengths=[4, 6], max_episodes=3)
+    frames = buffer.storage.array("frame")
+    out = np.full((2, 6, *FRAME), 9, np.uint8)
+    frames.read_into(out, [2, 2], [0, 5], [6, 1])  # slot 2: no shard at all; whole and ranged reads
+    assert (out[0] == 0).all() and (out[1, :1] == 0).all() and (out[1, 1:] == 9).all()
+
+
+def test_read_into_rejects_a_wrong_output_or_span(tmp_path):
+    frames = make_buffer(str(tmp_path / "b"), {}).storage.array("frame")
+    with pytest.raises(ValueError, match="out has dtype float32"):
+        frames.read_into(np.empty((1, 4, *FRAME), np.float32), [0], [0], [4])
+    with pytest.raises(ValueError, match="out has dtype uint8 and shape"):
+        frames.read_into(np.empty((1, 4, 3), np.uint8), [0], [0], [4])
+    with pytest.raises(ValueError, match="must lie within the time axis"):
+        frames.read_into(np.empty((1, 20, *FRAME), np.uint8), [0], [10], [8])
+    with pytest.raises(ValueError, match="must lie within the time axis"):
+        frames.read_into(np.empty((1, 4, *FRAME), np.uint8), [0], [0], [5])
+    with pytest.raises(ValueError, match="differ in length"):
+        frames.read_into(np.empty((2, 4, *FRAME), np.uint8), [0, 1], [0], [4, 4])
+
+
+def test_fill_beyond_pads_after_each_length():
+    out = np.zeros((3, 4, 2), np.int32)
+    fill_beyond(out, np.array([4, 0, 2]), -1)
+    assert (out[0] == 0).all() and (out[1] == -1).all() and (out[2, :2] == 0).all() and (out[2, 2:] == -1).all()
+
+
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+def test_get_all_data_equals_per_element_reads(buffer, scheduler):
+    storage = buffer.storage
+    slots = np.flatnonzero(buffer.episode_lens > 0)  # slot order, as the seed
+    lens = buffer.episode_lens[slots]
+    data = get_all_data(buffer, scheduler=scheduler)
+    for name, field in buffer.schema.fields.items():
+        reference = per_element(storage, name, slots, np.zeros(len(slots), int), lens, int(lens.max()), field.fill)
+        assert data[name].dtype == torch.from_numpy(reference).dtype
+        np.testing.assert_array_equal(data[name].numpy(), reference)
+    np.testing.assert_array_equal(data["episode_lens"].numpy(), lens)
+
+
+def test_trajectory_batches_equal_per_element_reads(buffer):
+    dataset = ReplayDatasetTrajectory(buffer, include_metadata=False)
+    positions = [4, 0, 2, 5, 4]
+    batch = dataset.__getitems__(positions).batch
+    slots = dataset._slots[positions]
+    lens = buffer.episode_lens[slots]
+    for name in FIELDS:
+        reference = per_element(buffer.storage, name, slots, np.zeros(len(slots), int), lens, int(lens.max()), 0)
+        np.testing.assert_array_equal(batch[name].numpy(), reference)
+    np.testing.assert_array_equal(batch["_lens"].numpy(), lens)
+
+
+def test_trajectory_ram_cache_equals_storage_reads(buffer):
+    stored = ReplayDatasetTrajectory(buffer, include_metadata=False).__getitems__([0, 1, 2, 3]).batch
+    cached = ReplayDatasetTrajectory(buffer, include_metadata=False, cache="ram").__getitems__([0, 1, 2, 3]).batch
+    for name in FIELDS:
+        np.testing.assert_array_equal(stored[name].numpy(), cached[name].numpy())
+
+
+def test_concat_reads_spans_across_members_of_different_lengths(tmp_path):
+    make_buffer(str(tmp_path / "a"), {}, lengths=[5, 14, 3], max_episodes=4)
+    second = ReplayBuffer(str(tmp_path / "b"), max_episodes=3, max_timesteps=6, fields=FIELDS)
+    for index, length in enumerate([6, 2]):
+        second.store_episode(**episode(10 + index, length))
+    concat = ConcatReplayBuffer([str(tmp_path / "a"), str(tmp_path / "b")])
+    storage = concat.storage
+    episodes, starts, lengths = np.array([4, 0, 1, 3, 5]), np.array([0, 2, 0, 4, 0]), np.array([6, 3, 14, 7, 2])
+    for name in ("frame", "state"):
+        shape, dtype = storage.array(name).shape[2:], storage.array(name).dtype
+        bulk, generic = (np.full((5, MAX_STEPS, *shape), 3, dtype) for _ in range(2))
+        read_spans(storage, name, episodes, starts, lengths, bulk)
+        read_spans_by_rows(storage, name, episodes, starts, lengths, generic)
+        np.testing.assert_array_equal(bulk, generic)
+    data = get_all_data(concat)
+    np.testing.assert_array_equal(data["frame"][3, :6].numpy(), episode(10, 6)["frame"])
+    assert (data["frame"][3, 6:] == 0).all()
