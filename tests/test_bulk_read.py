@@ -191,3 +191,19 @@ def test_concat_reads_spans_across_members_of_different_lengths(tmp_path):
     data = get_all_data(concat)
     np.testing.assert_array_equal(data["frame"][3, :6].numpy(), episode(10, 6)["frame"])
     assert (data["frame"][3, 6:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.bool_])
+def test_byte_moments_equal_float64_moments(dtype):
+    from replaybuf.analysis import _block_moments
+
+    rng = np.random.default_rng(1)
+    block = rng.integers(-128 if dtype == np.int8 else 0, 2 if dtype == np.bool_ else 128, (4, 600, 3, 2)).astype(dtype)
+    lens = np.array([600, 0, 17, 257])
+    count, mean, m2, low, high = _block_moments(block, lens)
+    steps = block[np.arange(600)[None] < lens[:, None]].reshape(-1, 6)
+    assert count == len(steps)
+    np.testing.assert_allclose(mean, steps.astype(np.float64).mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(m2 / count, steps.astype(np.float64).var(axis=0), rtol=1e-9)
+    np.testing.assert_array_equal(low, steps.min(axis=0))
+    np.testing.assert_array_equal(high, steps.max(axis=0))
