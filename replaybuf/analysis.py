@@ -103,12 +103,11 @@ class EpisodeRows:
         flat = np.atleast_1d(steps)
         t0, t1 = (int(flat.min()), int(flat.max()) + 1) if flat.size else (0, 0)
         picked = np.atleast_1d(episodes)
-        rows = np.asarray(self.storage.read_rows(self.name, self.slots[picked], t0, t1))
-        if not rows.flags.writeable:
-            rows = rows.copy()
-        beyond = np.arange(t0, t1)[None, :] >= self.lens[picked][:, None]
-        if beyond.any():
-            rows[beyond] = self.fill
+        # only each episode's own steps are read; the padding after them is set, not read
+        lengths = np.clip(self.lens[picked] - t0, 0, t1 - t0)
+        rows = np.empty((len(picked), t1 - t0, *self.shape[2:]), self.dtype)
+        read_spans(self.storage, self.name, self.slots[picked], np.full(len(picked), t0), lengths, rows)
+        fill_beyond(rows, lengths, self.fill)
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
         squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
