@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from abc import ABC, abstractmethod
@@ -35,11 +36,18 @@ def thread_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+def _in_loader_worker() -> bool:
+    """Whether this is a DataLoader worker process: the workers are the parallelism there, and
+    pool threads on top of them only contend for the same cores."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
+
+
 def _in_pool(count: int, task: Callable[[int], None]) -> None:
     """Run ``task(i)`` for i < count in a few strided batches on the pool: one future per
     batch, not per item (a future costs more than a small read), and no more batches than
     cores (decode-bound tasks: on 2 cores, 4 threads cost ~1.7x the CPU of 2 per frame)."""
-    if count <= 2:
+    if count <= 2 or _in_loader_worker():
         for i in range(count):
             task(i)
         return
