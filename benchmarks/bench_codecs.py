@@ -80,6 +80,7 @@ def general_codecs() -> list[Codec]:
         numcodecs_codec("zstd-3", numcodecs.Zstd(level=3)),
         numcodecs_codec("zstd-5", numcodecs.Zstd(level=5)),
         numcodecs_codec("blosc-lz4", blosc(cname="lz4", clevel=5, shuffle=blosc.NOSHUFFLE)),
+        numcodecs_codec("blosc-lz4-9", blosc(cname="lz4", clevel=9, shuffle=blosc.NOSHUFFLE)),
         numcodecs_codec("blosc-lz4-shuffle", blosc(cname="lz4", clevel=5, shuffle=blosc.SHUFFLE)),
         numcodecs_codec("blosc-zstd3", blosc(cname="zstd", clevel=3, shuffle=blosc.NOSHUFFLE)),
         numcodecs_codec("blosc-zstd3-shuffle", blosc(cname="zstd", clevel=3, shuffle=blosc.SHUFFLE)),
@@ -350,7 +351,7 @@ def main() -> None:
     }
     ratio_table("Sensitivity: the same frames with per-frame camera noise (sigma 2 levels, new every frame) and with "
                 "a static high-frequency texture (the same sigma-4 pattern on every frame of an episode)",
-                variants, FRAME_CHUNK_LENGTHS, [by_name["zstd-3"], by_name["blosc-lz4"]], min_seconds)
+                variants, FRAME_CHUNK_LENGTHS, [by_name["zstd-3"], by_name["blosc-lz4"], by_name["blosc-lz4-9"]], min_seconds)
     images, image_note = image_codecs()
     print(f"image codecs: {image_note}\n")
     if images:
@@ -363,7 +364,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-codecs-"))
     try:
         by_name = {codec.name: codec for codec in codecs + images}
-        read_codecs = [by_name[name] for name in ("zstd-1", "zstd-3", "blosc-lz4") if name in by_name]
+        read_codecs = [by_name[name] for name in ("zstd-1", "zstd-3", "blosc-lz4", "blosc-lz4-9") if name in by_name]
         print("## Random frame reads: file read + numcodecs decode (what a direct sampler pays)\n")
         print("`n-step pair` = frames t and t+5 (one chunk read when both are in it).\n")
         read_rows = random_read_table(frames, read_codecs, samples, workdir, rounds=2 if arguments.quick else 5)

@@ -180,7 +180,13 @@ class ReplayBuffer:
         self.data = {n: self.storage.array(n) for n in schema.fields}
         self._time_chunks = {n: self.storage.time_chunk(n) for n in schema.fields}
         self._spans = {n: write_span(f, self._time_chunks[n], self.max_timesteps) for n, f in schema.fields.items()}
+        # every field's row is one chunk (or shard), always written whole: a killed writer
+        # cannot leave rows past a later episode's end, so slots need no "writing" mark
+        self._rows_written_whole = all(chunk >= self.max_timesteps for chunk in self._time_chunks.values())
         self._step_log = StepLog(schema.fields)
+        self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
+        for fill in self._fills.values():
+            fill.flags.writeable = False
         self._group: EpisodeGroup | None = None
         self._log_pending: list[bytes] = []
         self._log_written = False
@@ -296,7 +302,8 @@ class ReplayBuffer:
             dirty[:] = True
         group.previous_lens = np.where(dirty, self.max_timesteps, self._meta["episode_lens"][group.slots])
         self._dirty_slots.update(group.slots.tolist())
-        self.storage.commit_state({**self._state, "writing": group.slots.tolist()})
+        if not self._rows_written_whole:
+            self.storage.commit_state({**self._state, "writing": group.slots.tolist()})
         reused = group.slots[(self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)]
         if len(reused):
             self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
@@ -319,7 +326,7 @@ class ReplayBuffer:
         self._store_step += 1
         if self.flush_every_store_step > 0:
             self._log_pending.append(self._step_log.steps(
-                {n: values.get(n, np.broadcast_to(fill_value(f), (group.batch_size, *f.shape)))
+                {n: values[n] if n in values else np.broadcast_to(self._fills[n], (group.batch_size, *f.shape))
                  for n, f in self.schema.fields.items()}))
             if self._store_step % self.flush_every_store_step == 0:
                 self._flush_log()
@@ -480,7 +487,7 @@ class ReplayBuffer:
             self._begin_group(1, {})
         elif self._group.batch_size != 1:
             raise ValueError(f"store: a batched episode of {self._group.batch_size} is in progress; use store_batch")
-        full = {n: values.get(n, fill_value(f)) for n, f in self.schema.fields.items()}
+        full = {n: values[n] if n in values else self._fills[n] for n in self.schema.fields}
         self._stage({n: v[None] for n, v in full.items()})
         return self.memory_namedtuple(**full)
 
@@ -567,8 +574,11 @@ class ReplayBuffer:
         for name, f in self.schema.fields.items():
             chunk = self._time_chunks[name]
             padded_len = min(-(-length // chunk) * chunk, self.max_timesteps)
-            rows = np.zeros((1, padded_len, *f.shape), dtype=f.dtype)
-            rows[0, :length] = steps[name] if name in steps else f.fill
+            if name in steps and padded_len == length:
+                rows = steps[name][None]
+            else:
+                rows = np.zeros((1, padded_len, *f.shape), dtype=f.dtype)
+                rows[0, :length] = steps[name] if name in steps else f.fill
             slabs.append((name, 0, rows))
         group.length = length
         self._write_slabs(group, slabs)

@@ -9,6 +9,7 @@ import pytest
 import zarr
 
 from replaybuf import ReplayBuffer
+from replaybuf.sampling import chunk_cache
 
 
 @pytest.mark.parametrize("compressor", ["zstd", "zstd:7", "blosc-lz4", "blosc-zstd:3", "gzip:4", "none"])
@@ -94,3 +95,40 @@ def test_newer_format_version_is_refused(tmp_path):
     (path / "zarr.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="upgrade replaybuf"):
         ReplayBuffer.from_folder(str(path))
+
+
+@pytest.fixture
+def no_resident_copies():
+    """Small test arrays would be held whole in RAM; make reads go to the files."""
+    cache = chunk_cache()
+    before = cache.resident_bytes
+    cache.resize(resident_bytes=0)
+    yield
+    cache.resize(resident_bytes=before)
+
+
+def test_frame_reads_through_kept_open_files_see_rewrites(tmp_path, no_resident_copies):
+    """Versioned frame reads keep shard files open; a reused slot (new generation) read by
+    another buffer, and an update in place or a deleted shard read by the writer itself, must
+    all read as the data now stored, never the old file's."""
+    path = str(tmp_path / "b")
+    writer = ReplayBuffer(path, 2, 4, fields=dict(frame=("uint8", (48, 48, 3))), circular=True)
+    frames = lambda value: np.full((4, 48, 48, 3), value, np.uint8)  # noqa: E731
+    writer.store_episode(frame=frames(1))
+    writer.store_episode(frame=frames(2))
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+
+    def read(buffer: ReplayBuffer, slot: int) -> list[int]:
+        versions = np.full(4, buffer._meta["_generation"][slot])
+        return buffer.storage.array("frame").gather(np.full(4, slot), np.arange(4), versions)[:, 0, 0, 0].tolist()
+
+    assert read(reader, 0) == [1] * 4 and read(writer, 1) == [2] * 4
+    writer.store_episode(frame=frames(3))  # reuses slot 0 under a new generation
+    reader.refresh()
+    assert read(reader, 0) == [3] * 4
+    writer.update(1, frame=frames(5))  # same generation, the file replaced
+    assert read(writer, 1) == [5] * 4
+    writer.update(1, frame=frames(0))  # an all-zero shard is deleted
+    assert read(writer, 1) == [0] * 4
+    loader = writer.dataloader(8, timestep_level=True, shuffle=False)
+    assert sorted(next(iter(loader))["frame"][:, 0, 0, 0].tolist()) == [0] * 4 + [3] * 4

@@ -11,8 +11,11 @@ import asyncio
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,11 +36,18 @@ def thread_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+def _in_loader_worker() -> bool:
+    """Whether this is a DataLoader worker process: the workers are the parallelism there, and
+    pool threads on top of them only contend for the same cores."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
+
+
 def _in_pool(count: int, task: Callable[[int], None]) -> None:
     """Run ``task(i)`` for i < count in a few strided batches on the pool: one future per
     batch, not per item (a future costs more than a small read), and no more batches than
     cores (decode-bound tasks: on 2 cores, 4 threads cost ~1.7x the CPU of 2 per frame)."""
-    if count <= 2:
+    if count <= 2 or _in_loader_worker():
         for i in range(count):
             task(i)
         return
@@ -87,8 +97,10 @@ class KeyValue(ABC):
         _in_pool(len(values), lambda i: consume(i, values[i]))
 
     def get_ranges_each(self, requests: Sequence[tuple[str, int, int | None]],
-                        consume: Callable[[int, bytes | None], None]) -> None:
-        """``get_each`` for byte ranges (as ``get_ranges`` takes them)."""
+                        consume: Callable[[int, bytes | None], None], versions: Sequence[int] | None = None) -> None:
+        """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``versions`` (one per
+        request: the generation of the slot the object belongs to) lets a store keep the object
+        open between calls for as long as the version holds."""
         values = self.get_ranges(requests)
         _in_pool(len(values), lambda i: consume(i, values[i]))
 
@@ -111,6 +123,70 @@ class KeyValue(ABC):
         return False
 
 
+class _ReadHandle:
+    """An open read-only file descriptor, closed when the last reference to it goes (so a
+    read in progress on another thread keeps it open while the cache drops it)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __del__(self, _close=os.close):
+        try:
+            _close(self.fd)
+        except OSError:
+            pass
+
+
+class _ReadHandles:
+    """Files kept open for versioned range reads (random frame sampling: an open() costs ~5x
+    a pread), shared by every LocalKV of the process and bounded in count. A handle serves a
+    read only under the version it was opened for; writes in this process drop it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._entries: OrderedDict[str, tuple[int, _ReadHandle]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str, version: int) -> _ReadHandle | None:
+        """An open handle on ``path`` valid for ``version``; None when the file is absent."""
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is not None and entry[0] == version:
+                self._entries.move_to_end(path)
+                return entry[1]
+        try:
+            handle = _ReadHandle(os.open(path, os.O_RDONLY))
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            self._entries[path] = (version, handle)
+            self._entries.move_to_end(path)
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+        return handle
+
+    def drop(self, paths: Sequence[str]) -> None:
+        if self._entries:
+            with self._lock:
+                for path in paths:
+                    self._entries.pop(path, None)
+
+    def drop_under(self, folder: str) -> None:
+        if self._entries:
+            with self._lock:
+                for path in [p for p in self._entries if p.startswith(folder)]:
+                    del self._entries[path]
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+
+_read_handles = _ReadHandles(limit=256)
+os.register_at_fork(after_in_child=_read_handles._after_fork)
+
+
 class LocalKV(KeyValue):
     """Files under a root folder; the layout zarr's LocalStore uses."""
 
@@ -122,6 +198,16 @@ class LocalKV(KeyValue):
 
     def __getstate__(self):
         return {**self.__dict__, "_appenders": {}}
+
+    def _read_range_versioned(self, request: tuple[str, int, int | None], version: int) -> bytes | None:
+        key, start, stop = request
+        handle = _read_handles.get(self._path(key), version)
+        if handle is None:
+            return None
+        if start < 0:
+            size = os.fstat(handle.fd).st_size
+            start, stop = max(0, size + start), size
+        return os.pread(handle.fd, stop - start, start)
 
     def close_appenders(self, prefix: str = "") -> None:
         """Close the append handles of keys under ``prefix`` (all by default)."""
@@ -169,13 +255,17 @@ class LocalKV(KeyValue):
         _in_pool(len(keys), lambda i: consume(i, self._read(keys[i])))
 
     def get_ranges_each(self, requests: Sequence[tuple[str, int, int | None]],
-                        consume: Callable[[int, bytes | None], None]) -> None:
+                        consume: Callable[[int, bytes | None], None], versions: Sequence[int] | None = None) -> None:
         # docstring inherited
-        _in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])))
+        if versions is None:
+            _in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])))
+        else:
+            _in_pool(len(requests), lambda i: consume(i, self._read_range_versioned(requests[i], versions[i])))
 
     def _write_in_place(self, item: tuple[str, bytes]) -> None:
         key, data = item
         path = self._path(key)
+        _read_handles.drop([path])
         try:
             f = open(path, "wb")
         except FileNotFoundError:
@@ -190,6 +280,7 @@ class LocalKV(KeyValue):
     def _write(self, item: tuple[str, bytes]) -> None:
         key, data = item
         path = self._path(key)
+        _read_handles.drop([path])
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".partial")
@@ -217,6 +308,7 @@ class LocalKV(KeyValue):
             raise StorageError(f"writing to {self.root!r} failed: {e}") from e
 
     def delete_many(self, keys: Sequence[str]) -> None:
+        _read_handles.drop([self._path(key) for key in keys])
         for key in keys:
             self.close_appenders(key)
             with contextlib.suppress(FileNotFoundError):
@@ -225,6 +317,7 @@ class LocalKV(KeyValue):
     def delete_prefix(self, prefix: str) -> None:
         self.close_appenders(prefix)
         path = self._path(prefix.rstrip("/"))
+        _read_handles.drop_under(path)
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -259,6 +352,7 @@ class LocalKV(KeyValue):
 
     def close(self) -> None:
         self.close_appenders()
+        _read_handles.drop_under(self.root)
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         try:

@@ -125,7 +125,7 @@ class ShardedArray(ChunkedArray):
                 out[row] = 0
             else:
                 spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row))
-        requests, runs = [], []
+        requests, runs, request_versions = [], [], []
         for e, items in spans.items():
             key = self.shard_key(e)
             items.sort()
@@ -136,9 +136,11 @@ class ShardedArray(ChunkedArray):
                 else:
                     requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
                     runs.append(run)
+                    request_versions.append(first_version[e])
                     run = [item]
             requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
             runs.append(run)
+            request_versions.append(first_version[e])
 
         def decode(i: int, data: bytes | None) -> None:
             run = runs[i]
@@ -150,7 +152,7 @@ class ShardedArray(ChunkedArray):
                 else:
                     self.codec.decode_into(view[offset - base: offset - base + nbytes], out[row:row + 1])
 
-        self.kv.get_ranges_each(requests, decode)
+        self.kv.get_ranges_each(requests, decode, None if versions is None else request_versions)
 
     def read_into(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                   versions: np.ndarray | None = None, parallel: bool = True) -> None:
