@@ -29,7 +29,7 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
-from .storage.spans import fill_beyond, read_spans
+from .storage.spans import fill_beyond
 
 __all__ = ["to_dask", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
 
@@ -108,7 +108,7 @@ class EpisodeRows:
         # only each episode's own steps are read; the padding after them is set, not read
         lengths = np.clip(self.lens[picked] - t0, 0, t1 - t0)
         rows = np.empty((len(picked), t1 - t0, *self.shape[2:]), self.dtype)
-        read_spans(self.storage, self.name, self.slots[picked], np.full(len(picked), t0), lengths, rows)
+        self.storage.read_spans(self.name, self.slots[picked], np.full(len(picked), t0), lengths, rows)
         fill_beyond(rows, lengths, self.fill)
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
@@ -224,7 +224,7 @@ def _fill_episodes(target: _Target, storage: Any, name: str, lo: int, slots: np.
                    fill: Any) -> None:
     """Rows ``lo .. lo + len(slots)`` of a result: the episodes decoded into place, then padded."""
     rows = target.array[lo:lo + len(slots)]
-    read_spans(storage, name, slots, np.zeros(len(slots), np.int64), lens, rows, parallel=False)
+    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, parallel=False)
     fill_beyond(rows, lens, fill)
 
 

@@ -22,7 +22,6 @@ from . import analysis
 from .buffer import MetaView, ReplayBuffer
 from .schema import Schema
 from .storage.base import Storage
-from .storage.spans import read_spans
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage"]
 
@@ -157,7 +156,7 @@ class ConcatStorage(Storage):
             runs = np.flatnonzero(np.diff(rows) != 1) + 1
             for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(rows)]):
                 first = int(rows[lo])
-                read_spans(self.members[member], name, local[lo:hi], firsts[lo:hi], spans[lo:hi],
+                self.members[member].read_spans(name, local[lo:hi], firsts[lo:hi], spans[lo:hi],
                            out[first:first + hi - lo], parallel=parallel)
             for row, span, length in zip(rows.tolist(), spans.tolist(), lengths[rows].tolist()):
                 out[row, span:length] = 0

@@ -10,7 +10,7 @@ import torch
 
 from replaybuf import ConcatReplayBuffer, ReplayBuffer, ReplayDatasetTrajectory
 from replaybuf.analysis import get_all_data
-from replaybuf.storage.spans import fill_beyond, read_spans, read_spans_by_rows
+from replaybuf.storage.spans import fill_beyond, read_spans_by_rows
 
 FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk, on the zarr backend
 FIELDS = {
@@ -84,7 +84,7 @@ def test_read_spans_matches_per_element_reads(buffer, name, parallel):
     cases.append((np.array([2, 2, 0]), np.array([0, 4, 13]), np.array([14, 3, 1])))  # repeats, last step
     for episodes, starts, lengths in cases:
         out = np.full((len(episodes), MAX_STEPS, *storage.array(name).shape[2:]), 77, storage.array(name).dtype)
-        read_spans(storage, name, episodes, starts, lengths, out, parallel=parallel)
+        storage.read_spans(name, episodes, starts, lengths, out, parallel=parallel)
         np.testing.assert_array_equal(out, per_element(storage, name, episodes, starts, lengths, MAX_STEPS, 77))
 
 
@@ -94,7 +94,7 @@ def test_generic_path_through_read_rows_agrees(buffer, name):
     episodes, starts, lengths = random_spans(rng, np.arange(buffer.max_episodes), 12)
     shape, dtype = storage.array(name).shape[2:], storage.array(name).dtype
     bulk, generic = (np.full((12, MAX_STEPS, *shape), 5, dtype) for _ in range(2))
-    read_spans(storage, name, episodes, starts, lengths, bulk)
+    storage.read_spans(name, episodes, starts, lengths, bulk)
     read_spans_by_rows(storage, name, episodes, starts, lengths, generic)
     np.testing.assert_array_equal(bulk, generic)
 
@@ -185,7 +185,7 @@ def test_concat_reads_spans_across_members_of_different_lengths(tmp_path):
     for name in ("frame", "state"):
         shape, dtype = storage.array(name).shape[2:], storage.array(name).dtype
         bulk, generic = (np.full((5, MAX_STEPS, *shape), 3, dtype) for _ in range(2))
-        read_spans(storage, name, episodes, starts, lengths, bulk)
+        storage.read_spans(name, episodes, starts, lengths, bulk)
         read_spans_by_rows(storage, name, episodes, starts, lengths, generic)
         np.testing.assert_array_equal(bulk, generic)
     data = get_all_data(concat)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..storage.spans import fill_beyond, read_spans
+from ..storage.spans import fill_beyond
 
 CACHE_MODES = (None, "ram", "memmap")
 _RAM_BATCH_EPISODES = 16
@@ -152,7 +152,7 @@ class Fetcher:
         if getattr(array, "supports_versions", False):
             array.read_into(out, episodes, starts, lengths, self.generations[episodes])
         else:
-            read_spans(self.storage, name, episodes, starts, lengths, out)
+            self.storage.read_spans(name, episodes, starts, lengths, out)
 
     def _windows(self, gather, name, episodes, starts, lengths, width):
         episodes = np.asarray(episodes, dtype=np.int64)

@@ -184,6 +184,16 @@ class Storage(ABC):
         array = self.array(name)
         return np.stack([np.asarray(array[int(e), t0:t1]) for e in np.asarray(episodes)])
 
+    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   out: np.ndarray, parallel: bool = True) -> None:
+        """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` into
+        ``out[i, :lengths[i]]`` (the rest of ``out`` untouched): whole-episode reads for
+        get_all_data, stats and trajectory batches. ``parallel=False``: decode in the calling
+        thread (the caller runs one task per core). Backends with a bulk path override this."""
+        from .spans import read_spans_by_rows
+
+        read_spans_by_rows(self, name, episodes, starts, lengths, out)
+
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape)."""
         episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)

@@ -2,9 +2,8 @@
 
 ``get_all_data``, ``stats`` and trajectory batches read many whole episodes at once. Rather
 than a generic per-element read followed by copies, they hand the final array to
-``read_spans``: a backend with a bulk path (``Storage.read_spans``: the zarr backend reads
-each episode's shard or chunk once and decodes frames into place) fills it directly, any
-other backend through its ``read_rows``.
+``Storage.read_spans``: the zarr backend reads each episode's shard or chunk once and decodes
+frames into place; the default goes through ``read_rows``.
 """
 
 from __future__ import annotations
@@ -14,24 +13,9 @@ from typing import Any
 import numpy as np
 
 
-def read_spans(storage: Any, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-               out: np.ndarray, parallel: bool = True) -> None:
-    """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` of data field
-    ``name`` into ``out[i, :lengths[i]]``; ``out[i, lengths[i]:]`` is left as it is.
-
-    ``parallel=False`` keeps the decoding in the calling thread, for callers that already run
-    one task per core (dask's threads scheduler).
-    """
-    bulk = getattr(storage, "read_spans", None)
-    if bulk is not None:
-        bulk(name, episodes, starts, lengths, out, parallel=parallel)
-    else:
-        read_spans_by_rows(storage, name, episodes, starts, lengths, out)
-
-
 def read_spans_by_rows(storage: Any, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                        out: np.ndarray) -> None:
-    """``read_spans`` through ``storage.read_rows``: one call per run of episodes sharing a span."""
+    """``Storage.read_spans`` through ``storage.read_rows``: one call per run of episodes sharing a span."""
     episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
     bounds = np.flatnonzero((np.diff(starts) != 0) | (np.diff(lengths) != 0)) + 1
     for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(episodes)]):
