@@ -181,7 +181,13 @@ class ChunkCodec:
 
     def encode(self, chunk: np.ndarray) -> bytes:
         raw = np.ascontiguousarray(chunk, dtype=self.dtype)
-        return raw.tobytes() if self._codec is None else self._codec.encode(raw)
+        if self._codec is None:
+            return raw.tobytes()
+        if self._blosc:
+            # the module function skips the codec object's argument checks, as decode_into does
+            codec = self._codec
+            return numcodecs.blosc.compress(raw, codec._cname_bytes, codec.clevel, codec.shuffle, codec.blocksize)
+        return self._codec.encode(raw)
 
     def decode(self, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
         raw = data if self._codec is None else self._codec.decode(data)

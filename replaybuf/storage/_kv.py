@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .base import LOG_PREFIX, StorageError
 
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
 _pool_pid: int | None = None
 
@@ -52,7 +52,7 @@ def _in_pool(count: int, task: Callable[[int], None]) -> None:
             task(i)
         return
     pool = thread_pool()
-    batches = min(count, _CORES, max(2, count // 8))
+    batches = min(count, CORES, max(2, count // 8))
 
     def run(start: int) -> None:
         for i in range(start, count, batches):
