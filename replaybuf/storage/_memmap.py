@@ -30,7 +30,7 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import KVBlobs, LocalKV
+from ._kv import KVBlobs, LocalKV, thread_pool
 from ._local import local_root, refuse_foreign_buffer
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
@@ -292,6 +292,23 @@ class MemmapStorage(KVBlobs, Storage):
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited
         return self.array(name).memmap[np.asarray(episodes), t0:t1]
+
+    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   out: np.ndarray, parallel: bool = True) -> None:
+        # docstring inherited: one copy per episode straight from the page cache into ``out``
+        memmap = self.array(name).memmap
+        spans = [(i, e, s, n) for i, (e, s, n) in enumerate(zip(*(np.asarray(a, dtype=np.int64).reshape(-1).tolist()
+                                                                  for a in (episodes, starts, lengths)))) if n > 0]
+
+        def copy(span: tuple[int, int, int, int]) -> None:
+            i, e, s, n = span
+            out[i, :n] = memmap[e, s:s + n]
+
+        if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
+            list(thread_pool().map(copy, spans))
+        else:
+            for span in spans:
+                copy(span)
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
