@@ -196,8 +196,10 @@ class ReplayBuffer:
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def refresh(self) -> ReplayBuffer:
-        """Reload counters and per-episode arrays: a reader picks up what writers committed since."""
+        """Reload counters and per-episode arrays, and drop this process's cached reads: a
+        reader picks up what writers committed or updated since."""
         self._state = self.storage.load_state()
+        self.storage.drop_caches()
         # generations, then lengths, then meta: a commit landing in between can only make a slot
         # look older or invalid, never pair one episode's length with another's meta
         self._meta = {n: self.storage.read_meta(n) for n in ("_generation", "episode_lens", *self.schema.meta_fields)}
@@ -665,13 +667,14 @@ class ReplayBuffer:
                 if array.ndim < 2:
                     raise ValueError(f"update: field {name!r} expects (episodes, time, *{f.shape}) values, "
                                      f"got shape {array.shape}")
-                array = fit_shape(array, f, 2) if array.shape[2:] in ((), (1,)) else array
+                # () <-> (1,) as the seed casts; any other feature shape must broadcast
+                array = fit_shape(array, f, 2) if array.shape[2:] in ((), (1,)) and f.shape in ((), (1,)) else array
                 length = array.shape[1]
                 if length > self.max_timesteps:
                     raise ValueError(f"update: field {name!r} has {length} timesteps, max_timesteps is {self.max_timesteps}")
                 target = (len(episodes), length, *f.shape)
             else:
-                array = fit_shape(array, f, 1) if array.shape[1:] in ((), (1,)) else array
+                array = fit_shape(array, f, 1) if array.shape[1:] in ((), (1,)) and f.shape in ((), (1,)) else array
                 target = (len(episodes), *f.shape)
             try:
                 array = np.broadcast_to(array, target)

@@ -159,6 +159,10 @@ def test_update_variants(make_location):
     assert buffer.data["reward"][2, 0] == 5.0
     buffer.update(None, action=np.array([[[1, 1]]]))
     assert buffer.data["action"][2, 0].tolist() == [1, 1]
+    buffer.update(None, action=4)  # a scalar is one timestep, broadcast over the feature shape, as the seed
+    assert buffer.data["action"][:3, 0].tolist() == [[4, 4]] * 3 and buffer.data["action"][0, 1].tolist() != [4, 4]
+    buffer.update(0, action=np.array([[6]]))  # (episodes, time, 1) broadcasts to (2,)
+    assert buffer.data["action"][0, 0].tolist() == [6, 6]
 
 
 def test_update_rejects_bad_values_before_writing(make_location):

@@ -245,6 +245,26 @@ def test_episode_in_progress_is_not_visible(backend, tmp_path):
     assert len(make_dataset(reader, timestep_level=True)) == sum(LENGTHS) + 3
 
 
+@pytest.mark.parametrize("resident_bytes", [0, 64 << 20], ids=["lru", "resident"])
+def test_reader_sees_in_place_updates_after_refresh(backend, tmp_path, resident_bytes, monkeypatch):
+    """update() keeps a slot's generation, so a reader's cached reads (chunk cache, shard
+    indexes, resident rows, open files) cannot notice it by version: refresh() drops them."""
+    monkeypatch.setattr(chunk_cache(), "resident_bytes", resident_bytes)
+    fields = {**FIELDS, "image": ("uint8", (40, 40, 3))}
+    writer = make_buffer(backend, tmp_path, fields=fields)
+    reader = ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=storage_backend(backend))
+    for _ in range(2):  # twice: frames enter the chunk cache on their second miss
+        before = next(iter(make_dataloader(reader, sum(LENGTHS), timestep_level=True, shuffle=False)))
+    assert not (before["image"] == 7).all()
+    writer.update(None, image=np.full((1, MAX_TIMESTEPS, 40, 40, 3), 7, np.uint8),
+                  state=np.full((1, MAX_TIMESTEPS, 4), 2.5, np.float32))
+    reader.refresh()
+    after = next(iter(make_dataloader(reader, sum(LENGTHS), timestep_level=True, shuffle=False)))
+    assert (after["image"] == 7).all() and (after["state"] == 2.5).all()
+    trajectories = next(iter(make_dataloader(reader, len(LENGTHS), shuffle=False, return_mask=True)))
+    assert (trajectories["image"][trajectories["_mask"]] == 7).all()
+
+
 # ---- the chunk cache -------------------------------------------------------------------------------
 
 

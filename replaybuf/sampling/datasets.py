@@ -138,7 +138,16 @@ class _SnapshotDataset(Dataset):
         weights = getattr(indices, "weights", None)
         for attempt in range(_MAX_REDRAWS + 1):
             slots = self._slots_of(positions)
-            columns, lens = self._read(positions)
+            try:
+                columns, lens = self._read(positions)
+            except Exception:
+                # a writer rewrites a reused slot's objects in place: a read overlapping that
+                # rewrite may fail to decode; it is redrawn like any other stale sample
+                stale = committed_generations(self.replay_buffer)[slots] != self._generations[slots]
+                if not stale.any() or attempt == _MAX_REDRAWS:
+                    raise
+                positions = self._redraw(positions, stale)
+                continue
             stale = committed_generations(self.replay_buffer)[slots] != self._generations[slots]
             if not stale.any():
                 break

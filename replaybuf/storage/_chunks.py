@@ -107,6 +107,14 @@ class ChunkCache:
                 if old is not None:
                     self.nbytes -= old[1].nbytes
 
+    def discard_namespace(self, namespace: str) -> None:
+        """Drop every chunk and miss record of one array."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == namespace]:
+                self.nbytes -= self._entries.pop(key)[1].nbytes
+            for key in [k for k in self._seen if k[0] == namespace]:
+                del self._seen[key]
+
     def resize(self, max_bytes: int | None = None, resident_bytes: int | None = None) -> None:
         """Change the bounds; shrinking drops the least recently used chunks."""
         with self._lock:
@@ -547,6 +555,14 @@ class ChunkedArray:
         for index in chunks:
             lo = index[0] * self.chunks[0]
             self._resident_versions[lo:lo + self.chunks[0]] = _NEVER
+
+    def drop_cached(self) -> None:
+        """Forget what this process holds of the array (chunk cache, shard indexes, resident
+        rows): the versions they are keyed by do not change when a writer elsewhere updates a
+        committed episode in place."""
+        _cache.discard_namespace(self._namespace)
+        if self._resident_versions is not None:
+            self._resident_versions[:] = _NEVER
 
     def __getstate__(self) -> dict:
         # The resident copy stays in the process that read it; a worker reads its own.

@@ -117,6 +117,9 @@ class KeyValue(ABC):
     def close(self) -> None:
         """Release open handles; the object stays usable."""
 
+    def drop_read_handles(self) -> None:
+        """Close the files kept open for reading (a no-op where nothing is kept open)."""
+
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         """Overwrite bytes of an existing object in place where the medium allows; False when
         it does not (or the object is absent)."""
@@ -352,6 +355,9 @@ class LocalKV(KeyValue):
 
     def close(self) -> None:
         self.close_appenders()
+        self.drop_read_handles()
+
+    def drop_read_handles(self) -> None:
         _read_handles.drop_under(self.root)
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:

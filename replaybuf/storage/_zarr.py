@@ -261,6 +261,12 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).gather(episodes, timesteps)
 
+    def drop_caches(self) -> None:
+        # docstring inherited
+        for array in self._arrays.values():
+            array.drop_cached()
+        self.kv.drop_read_handles()
+
     def describe(self) -> dict:
         # docstring inherited
         fields = {}

@@ -214,6 +214,10 @@ class Storage(ABC):
     def flush(self) -> None:
         """Make written data durable as far as the backend can (a no-op for most)."""
 
+    def drop_caches(self) -> None:
+        """Forget decoded chunks and open files this process keeps for reading, so the next
+        reads see what writers elsewhere changed (a no-op where reads are never cached)."""
+
     def close(self) -> None:
         """Release handles; the object can still be reopened."""
 
