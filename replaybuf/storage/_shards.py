@@ -35,9 +35,14 @@ class ShardedArray(ChunkedArray):
         self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
         self.index_crc = index_crc
         self.index_nbytes = 16 * self.inner_per_shard + (4 if index_crc else 0)
+        self._shard_keys: dict[int, str] = {}
 
     def shard_key(self, episode: int) -> str:
-        return self.chunk_key((episode, 0))
+        # built once per slot: sampling asks for it once per sampled frame's episode
+        key = self._shard_keys.get(episode)
+        if key is None:
+            key = self._shard_keys[episode] = self.chunk_key((episode, 0))
+        return key
 
     @property
     def shard_time(self) -> int:
