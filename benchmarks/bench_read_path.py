@@ -9,7 +9,9 @@ by later runs). Measured with a warm OS cache, shuffled (random) sampling:
   and with ``cache='ram'`` / ``cache='memmap'``; the memmap backend; ``num_workers=2`` for
   timestep batches.
 
-Prints samples/s and the ratio to the seed measured in the same run.
+Prints samples/s and the ratio to the seed measured in the same run. Every store's files are
+read once before each case (this VM's kernel evicts idle page cache, which made cold-cache
+outliers of earlier runs).
 
     python benchmarks/bench_read_path.py [--episodes 200 --steps 250 --seconds 5]
 """
@@ -113,6 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
+    from benchmarks.peers import read_folder
     from replaybuf.sampling import chunk_cache, make_dataloader
 
     ours, raw, theirs = build(args.folder, args.episodes, args.steps)
@@ -126,6 +129,9 @@ def main() -> None:
     print(f"{'case':18s} {'reader':20s} {'samples/s':>10s} {'seed':>8s} {'ratio':>6s} | "
           f"{'per CPU-s':>10s} {'seed':>8s} {'ratio':>6s}")
     for label, batch, options in cases:
+        # every store's files read once first: this VM evicts idle page cache (DAMON reclaim)
+        for name in ("zarr", "memmap", "seed"):
+            read_folder(args.folder / name)
         seed_wall, seed_cpu = rate(theirs.dataloader(batch, shuffle=True, **options), args.seconds)
         variants = [("zarr", {}), ("memmap backend", {"buffer": raw})]
         if "ram" not in skip:
