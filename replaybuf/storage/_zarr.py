@@ -26,7 +26,7 @@ DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
 # Image-like fields default to blosc-lz4 (no shuffle, level 9): it decodes a frame ~3x and
 # encodes it ~2x faster than zstd-3, which is what per-step sampling, whole-buffer reads and
-# store_episode() pay, for ~40% more bytes on rendered frames and the same on camera images
+# store_episode() pay, for ~40% more bytes on rendered frames and ~10% more on camera images
 # (benchmarks/RESULTS.md, "Codec choice"). Small fields keep zstd-3: they are read once.
 DEFAULT_IMAGE_COMPRESSOR = "blosc-lz4:9"
 # Image-like steps get one frame per inner chunk so random timestep sampling decodes only what
@@ -253,8 +253,7 @@ class ZarrStorage(KVBlobs, Storage):
 
     def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                    out: np.ndarray, parallel: bool = True) -> None:
-        """Time spans of episodes into ``out`` (see ``storage.spans.read_spans``): one read per
-        shard or chunk, decoded into place."""
+        # docstring inherited: one read per shard or chunk, frames decoded into place
         self.array(name).read_into(out, episodes, starts, lengths, parallel=parallel)
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
