@@ -3,7 +3,7 @@
 Every function takes a buffer-like object: a ``ReplayBuffer`` or a ``ConcatReplayBuffer``,
 anything with ``schema``, ``valid_episodes()``, ``episode_lens``, ``meta_data`` and a
 ``storage`` that serves the data. The dask graphs read whole episodes through
-``storage.spans.read_spans`` (the backend's bulk path where it has one, else ``read_rows``),
+``Storage.read_spans`` (the backend's bulk path where it has one, else ``read_rows``),
 so they work on every backend, and the storage objects pickle without open handles, so the
 same graphs run on a ``dask.distributed`` cluster. In this process (threads), ``get_all_data``
 allocates each result once and its tasks decode episodes straight into it.

@@ -146,7 +146,7 @@ class ConcatStorage(Storage):
     def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                    out: np.ndarray, parallel: bool = True) -> None:
         """Time spans of episodes into ``out``, each run of consecutive rows from its member's
-        bulk path (see ``storage.spans.read_spans``); steps past a member's time axis
+        bulk path (``Storage.read_spans``); steps past a member's time axis
         read as zero, as ``read_rows`` gives them."""
         episodes, starts, lengths = (np.asarray(a, np.int64).reshape(-1) for a in (episodes, starts, lengths))
         for member, rows, local in self._route(episodes):
