@@ -1,22 +1,43 @@
-"""replaybuf: an episode store for reinforcement and robot learning."""
+"""replaybuf: an episode store for reinforcement and robot learning.
+
+The loaders, the collector and ``ConcatReplayBuffer`` need torch (and dask); they are imported
+on first use, so ``import replaybuf`` and the command line start without loading torch.
+"""
+
+from importlib import import_module
+from typing import Any
 
 from .buffer import ReplayBuffer
-from .collector import EpisodeCollector
-from .concat import ConcatReplayBuffer
 from .consistency import read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY
-from .sampling import (
-    ReplayDataset,
-    ReplayDatasetNStep,
-    ReplayDatasetTimestep,
-    ReplayDatasetTimeWindow,
-    ReplayDatasetTrajectory,
-)
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
 from .storage.base import BufferNotFoundError, Storage, StorageError, make_storage
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
+
+_LAZY = {
+    "EpisodeCollector": ".collector",
+    "ConcatReplayBuffer": ".concat",
+    "ReplayDataset": ".sampling",
+    "ReplayDatasetNStep": ".sampling",
+    "ReplayDatasetTimestep": ".sampling",
+    "ReplayDatasetTimeWindow": ".sampling",
+    "ReplayDatasetTrajectory": ".sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = ["ReplayBuffer", "EpisodeCollector", "ConcatReplayBuffer", "Field", "Schema", "Storage", "StorageError", "BufferNotFoundError", "make_storage",
            "frames_to_sheet", "trajectory_to_video", "ReplayBufferH5PY", "convert", "info", "verify",

@@ -20,17 +20,20 @@ from collections import namedtuple
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import video
-from .collector import EpisodeCollector
 from .schema import Field, Schema
 from .staging import EpisodeGroup, StepLog, write_span
 from .storage.base import Storage, StorageError, bookkeeping_fields, make_storage
 from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
+
+if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
+    import torch
+
+    from .collector import EpisodeCollector
 
 LOG_NAME = "episode"
 _HIDDEN_META = ("_generation",)
@@ -692,8 +695,8 @@ class ReplayBuffer:
             return np.flatnonzero(self._meta["episode_lens"] > 0), False
         if isinstance(indices, slice):
             return np.arange(self.max_episodes)[indices], False
-        if isinstance(indices, torch.Tensor):
-            indices = indices.cpu().numpy()
+        if hasattr(indices, "detach") and hasattr(indices, "cpu"):  # a torch tensor
+            indices = indices.detach().cpu().numpy()
         array = np.asarray(indices)
         if array.dtype.kind not in "iu":
             raise TypeError(f"indices must be ints, a slice or None, got {indices!r}")
@@ -798,6 +801,8 @@ class ReplayBuffer:
     def create_collector(self, num_groups: int, fieldnames: tuple[str, ...] | None = None,
                          meta_fieldnames: tuple[str, ...] | None = None, **collector_kwargs: Any) -> EpisodeCollector:
         """An EpisodeCollector that gathers ``num_groups`` lock-step episodes and stores them here."""
+        from .collector import EpisodeCollector
+
         return EpisodeCollector(self, num_groups, fieldnames=fieldnames, meta_fieldnames=meta_fieldnames,
                                 **collector_kwargs)
 
