@@ -61,8 +61,10 @@ def build(folder: str, size, reuse: bool) -> tuple[ReplayBuffer, ReplayBuffer, o
 
     paths = [os.path.join(folder, name) for name in ("zarr", "zarr-raw", "seed")]
     if not (reuse and all(os.path.isdir(p) for p in paths)):
-        ours, raw = (ReplayBuffer(path, max_episodes=size.episodes, max_timesteps=size.steps, fields=fields)
-                     for path, fields in zip(paths, (FIELDS, RAW_FRAME_FIELDS)))
+        ours, raw = (
+            ReplayBuffer(path, max_episodes=size.episodes, max_timesteps=size.steps, fields=fields)
+            for path, fields in zip(paths, (FIELDS, RAW_FRAME_FIELDS))
+        )
         seed = SeedBuffer(paths[2], max_episodes=size.episodes, max_timesteps=size.steps, fields=FIELDS, overwrite=True)
         for episode in range(size.episodes):
             data = make_episode(size, episode)
@@ -70,15 +72,23 @@ def build(folder: str, size, reuse: bool) -> tuple[ReplayBuffer, ReplayBuffer, o
                 buffer.store_episode(**data)
         for buffer in (ours, raw, seed):
             buffer.flush()
-    return (ReplayBuffer.from_folder(paths[0], read_only=True), ReplayBuffer.from_folder(paths[1], read_only=True),
-            SeedBuffer.from_folder(paths[2], read_only=True))
+    return (
+        ReplayBuffer.from_folder(paths[0], read_only=True),
+        ReplayBuffer.from_folder(paths[1], read_only=True),
+        SeedBuffer.from_folder(paths[2], read_only=True),
+    )
 
 
 def read_once(buffer: ReplayBuffer) -> None:
     """Read and decode every byte of every field once through the dask chunks, keeping nothing."""
     arrays = to_dask(buffer, list(buffer.schema.fields), [])
-    dask.compute(*[a.map_blocks(lambda b: np.zeros((1,) * b.ndim, np.uint8), dtype=np.uint8, chunks=(1,) * a.ndim)
-                   for a in arrays.values()], scheduler="threads")
+    dask.compute(
+        *[
+            a.map_blocks(lambda b: np.zeros((1,) * b.ndim, np.uint8), dtype=np.uint8, chunks=(1,) * a.ndim)
+            for a in arrays.values()
+        ],
+        scheduler="threads",
+    )
 
 
 def loop_get_all_data(buffer: ReplayBuffer) -> None:
@@ -103,9 +113,11 @@ def main() -> None:
     folder = arguments.folder or tempfile.mkdtemp(prefix="replaybuf-bench-analysis-")
     try:
         ours, raw, seed = build(folder, size, arguments.reuse and arguments.folder is not None)
-        print(f"stored: replaybuf {du(os.path.join(folder, 'zarr')) / 2**20:.0f} MiB, raw frames "
-              f"{du(os.path.join(folder, 'zarr-raw')) / 2**20:.0f} MiB, seed {du(os.path.join(folder, 'seed')) / 2**20:.0f} MiB\n",
-              flush=True)
+        print(
+            f"stored: replaybuf {du(os.path.join(folder, 'zarr')) / 2**20:.0f} MiB, raw frames "
+            f"{du(os.path.join(folder, 'zarr-raw')) / 2**20:.0f} MiB, seed {du(os.path.join(folder, 'seed')) / 2**20:.0f} MiB\n",
+            flush=True,
+        )
         seed_time = best_of(arguments.repeat, seed.get_all_data)
         ours_time = best_of(arguments.repeat, lambda: get_all_data(ours))
         raw_time = best_of(arguments.repeat, lambda: get_all_data(raw))

@@ -41,9 +41,12 @@ def make_episode(rng: np.random.Generator, steps: int) -> dict[str, np.ndarray]:
     base = rng.integers(0, 255, (1, 64, 64, 3), dtype=np.uint8)
     frames = np.repeat(base, steps, axis=0)
     frames[:, rng.integers(0, 64), :, :] = rng.integers(0, 255, (steps, 1, 3), dtype=np.uint8)
-    return {"frame": frames, "state": rng.standard_normal((steps, 32)).astype(np.float32),
-            "action": rng.standard_normal((steps, 6)).astype(np.float32),
-            "reward": rng.standard_normal(steps).astype(np.float32)}
+    return {
+        "frame": frames,
+        "state": rng.standard_normal((steps, 32)).astype(np.float32),
+        "action": rng.standard_normal((steps, 6)).astype(np.float32),
+        "reward": rng.standard_normal(steps).astype(np.float32),
+    }
 
 
 def timed(fn) -> float:
@@ -143,11 +146,15 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     seed = results["seed memmap"]
     print(f"workload: {args.episodes} episodes x {args.steps} steps, fields {FIELDS}; timestep batches of {BATCH}")
-    print(f"{'variant':<14} {'store() steps/s':>16} {'store_episode steps/s':>22} {'timestep samples/s':>19}"
-          f" {'x seed store':>12} {'x seed sample':>13}")
+    print(
+        f"{'variant':<14} {'store() steps/s':>16} {'store_episode steps/s':>22} {'timestep samples/s':>19}"
+        f" {'x seed store':>12} {'x seed sample':>13}"
+    )
     for name, r in results.items():
-        print(f"{name:<14} {r['store']:>16,.0f} {r['store_episode']:>22,.0f} {r['sample']:>19,.0f}"
-              f" {r['store'] / seed['store']:>12.1f} {r['sample'] / seed['sample']:>13.1f}")
+        print(
+            f"{name:<14} {r['store']:>16,.0f} {r['store_episode']:>22,.0f} {r['sample']:>19,.0f}"
+            f" {r['store'] / seed['store']:>12.1f} {r['sample'] / seed['sample']:>13.1f}"
+        )
     print(f"plain numpy fancy index on the seed's memmaps: {seed['numpy_limit']:,.0f} samples/s")
     return 0
 

@@ -100,9 +100,24 @@ def image_codecs() -> tuple[list[Codec], str]:
     candidates = [
         ("png-1", lambda f: imagecodecs.png_encode(f, level=1), imagecodecs.png_decode, imagecodecs.PNG),
         ("qoi", imagecodecs.qoi_encode, imagecodecs.qoi_decode, imagecodecs.QOI),
-        ("webp-lossless-m0", lambda f: imagecodecs.webp_encode(f, lossless=True, method=0), imagecodecs.webp_decode, imagecodecs.WEBP),
-        ("webp-lossless-m1", lambda f: imagecodecs.webp_encode(f, lossless=True, method=1), imagecodecs.webp_decode, imagecodecs.WEBP),
-        ("jpegxl-lossless-e1", lambda f: imagecodecs.jpegxl_encode(f, lossless=True, effort=1), imagecodecs.jpegxl_decode, imagecodecs.JPEGXL),
+        (
+            "webp-lossless-m0",
+            lambda f: imagecodecs.webp_encode(f, lossless=True, method=0),
+            imagecodecs.webp_decode,
+            imagecodecs.WEBP,
+        ),
+        (
+            "webp-lossless-m1",
+            lambda f: imagecodecs.webp_encode(f, lossless=True, method=1),
+            imagecodecs.webp_decode,
+            imagecodecs.WEBP,
+        ),
+        (
+            "jpegxl-lossless-e1",
+            lambda f: imagecodecs.jpegxl_encode(f, lossless=True, effort=1),
+            imagecodecs.jpegxl_decode,
+            imagecodecs.JPEGXL,
+        ),
         ("jpegls", imagecodecs.jpegls_encode, imagecodecs.jpegls_decode, imagecodecs.JPEGLS),
     ]
     available = [per_frame(name, enc, dec) for name, enc, dec, flag in candidates if flag.available]
@@ -111,7 +126,9 @@ def image_codecs() -> tuple[list[Codec], str]:
 
 def split_chunks(episodes: list[np.ndarray], length: int) -> list[np.ndarray]:
     """Whole time chunks of ``length`` steps, never spanning two episodes."""
-    return [episode[start:start + length] for episode in episodes for start in range(0, len(episode) - length + 1, length)]
+    return [
+        episode[start : start + length] for episode in episodes for start in range(0, len(episode) - length + 1, length)
+    ]
 
 
 def measure(codec: Codec, chunks: list[np.ndarray], min_seconds: float) -> tuple[float, float, float]:
@@ -143,8 +160,9 @@ def measure(codec: Codec, chunks: list[np.ndarray], min_seconds: float) -> tuple
     return raw_bytes / stored, raw_bytes / encode_seconds / MB, raw_bytes / decode_seconds / MB
 
 
-def ratio_table(title: str, fields: dict[str, list[np.ndarray]], lengths: tuple[int, ...], codecs: list[Codec],
-                min_seconds: float) -> dict[tuple[str, str, int], tuple[float, float, float]]:
+def ratio_table(
+    title: str, fields: dict[str, list[np.ndarray]], lengths: tuple[int, ...], codecs: list[Codec], min_seconds: float
+) -> dict[tuple[str, str, int], tuple[float, float, float]]:
     """Print one table (rows: codec x chunk length, per field) and return the figures."""
     results = {}
     rows = []
@@ -159,11 +177,23 @@ def ratio_table(title: str, fields: dict[str, list[np.ndarray]], lengths: tuple[
                     continue
                 ratio, encode_rate, decode_rate = measure(codec, chunks, min_seconds)
                 results[field, codec.name, length] = (ratio, encode_rate, decode_rate)
-                rows.append([field, codec.name, length, f"{ratio:.2f}", f"{encode_rate:,.0f}", f"{decode_rate:,.0f}",
-                             f"{chunks[0].nbytes / ratio / 1024:.1f}"])
+                rows.append(
+                    [
+                        field,
+                        codec.name,
+                        length,
+                        f"{ratio:.2f}",
+                        f"{encode_rate:,.0f}",
+                        f"{decode_rate:,.0f}",
+                        f"{chunks[0].nbytes / ratio / 1024:.1f}",
+                    ]
+                )
     print(f"## {title}\n")
-    print(markdown_table(["field", "codec", "time chunk (steps)", "ratio", "encode MB/s", "decode MB/s", "KiB/chunk stored"],
-                         rows))
+    print(
+        markdown_table(
+            ["field", "codec", "time chunk (steps)", "ratio", "encode MB/s", "decode MB/s", "KiB/chunk stored"], rows
+        )
+    )
     print()
     return results
 
@@ -175,22 +205,25 @@ def write_chunk_files(folder: Path, episodes: list[np.ndarray], length: int, cod
     for episode_index, episode in enumerate(episodes):
         for chunk_index, start in enumerate(range(0, len(episode), length)):
             chunk = np.zeros((length, *episode.shape[1:]), dtype=episode.dtype)  # zarr pads edge chunks too
-            part = episode[start:start + length]
-            chunk[:len(part)] = part
+            part = episode[start : start + length]
+            chunk[: len(part)] = part
             blob = codec.encode(chunk)
             (folder / f"{episode_index}.{chunk_index}").write_bytes(blob)
             total += len(blob)
     return total
 
 
-def read_frame(folder: Path, codec: Codec, length: int, template: np.ndarray, episode: int, step: int) -> tuple[np.ndarray, int]:
+def read_frame(
+    folder: Path, codec: Codec, length: int, template: np.ndarray, episode: int, step: int
+) -> tuple[np.ndarray, int]:
     """What a direct sampler does for one timestep: read the chunk file, decode, pick the frame."""
     blob = (folder / f"{episode}.{step // length}").read_bytes()
     return codec.decode(blob, template)[step % length], len(blob)
 
 
-def random_read_table(episodes: list[np.ndarray], codecs: list[Codec], samples: int, workdir: Path,
-                      rounds: int) -> list[list[object]]:
+def random_read_table(
+    episodes: list[np.ndarray], codecs: list[Codec], samples: int, workdir: Path, rounds: int
+) -> list[list[object]]:
     """Per-sample cost of random single-timestep and n-step (t, t+5) reads vs chunk length.
 
     All configurations are written first, then timed in interleaved rounds (best round kept),
@@ -228,8 +261,17 @@ def random_read_table(episodes: list[np.ndarray], codecs: list[Codec], samples: 
             figures[1] = min(figures[1], (clock() - start) / samples)
     for _, _, folder, _ in configurations:
         shutil.rmtree(folder)
-    return [[name, length, f"{bytes_read / samples / 1024:.1f}", f"{single * 1e6:.0f}", f"{1 / single:,.0f}",
-             f"{pair * 1e6:.0f}"] for (name, length), (single, pair, bytes_read) in best.items()]
+    return [
+        [
+            name,
+            length,
+            f"{bytes_read / samples / 1024:.1f}",
+            f"{single * 1e6:.0f}",
+            f"{1 / single:,.0f}",
+            f"{pair * 1e6:.0f}",
+        ]
+        for (name, length), (single, pair, bytes_read) in best.items()
+    ]
 
 
 def zarr_rows(episodes: list[np.ndarray], samples: int, workdir: Path) -> list[list[object]]:
@@ -247,9 +289,16 @@ def zarr_rows(episodes: list[np.ndarray], samples: int, workdir: Path) -> list[l
             path = workdir / f"zarr-{length}-{sharded}"
             chunk_shape = (1, length, *data.shape[2:])
             shard_shape = (1, -(-steps // length) * length, *data.shape[2:]) if sharded else None
-            array = zarr.create_array(store=str(path), shape=data.shape, dtype=data.dtype, chunks=chunk_shape,
-                                      shards=shard_shape, compressors=ZstdCodec(level=3), serializer=BytesCodec(),
-                                      fill_value=0)
+            array = zarr.create_array(
+                store=str(path),
+                shape=data.shape,
+                dtype=data.dtype,
+                chunks=chunk_shape,
+                shards=shard_shape,
+                compressors=ZstdCodec(level=3),
+                serializer=BytesCodec(),
+                fill_value=0,
+            )
             start = clock()
             array[...] = data
             write_seconds = clock() - start
@@ -264,8 +313,17 @@ def zarr_rows(episodes: list[np.ndarray], samples: int, workdir: Path) -> list[l
             read_seconds = (clock() - start) / samples
             if not np.array_equal(frame, data[episode_ids[-1], step_ids[-1]]):
                 raise RuntimeError("zarr read back a wrong frame")
-            rows.append([length, "yes" if sharded else "no", files, f"{data.nbytes / stored:.2f}",
-                         f"{data.nbytes / write_seconds / MB:,.0f}", f"{read_seconds * 1e6:.0f}", f"{1 / read_seconds:,.0f}"])
+            rows.append(
+                [
+                    length,
+                    "yes" if sharded else "no",
+                    files,
+                    f"{data.nbytes / stored:.2f}",
+                    f"{data.nbytes / write_seconds / MB:,.0f}",
+                    f"{read_seconds * 1e6:.0f}",
+                    f"{1 / read_seconds:,.0f}",
+                ]
+            )
             shutil.rmtree(path)
     return rows
 
@@ -284,19 +342,25 @@ def camera_noise(frames: np.ndarray, seed: int, static: bool) -> np.ndarray:
     return np.clip(frames + noise, 0, 255).astype(np.uint8)
 
 
-def print_recommendation(frame_results: dict, read_rows: list[list[object]], vector_results: dict,
-                         vectors: dict[str, list[np.ndarray]]) -> None:
+def print_recommendation(
+    frame_results: dict, read_rows: list[list[object]], vector_results: dict, vectors: dict[str, list[np.ndarray]]
+) -> None:
     """The defaults these figures argue for, by two stated rules."""
     print("## Recommendation (by rule; see RESULTS.md for the reasoning)\n")
     # Frames: the cheapest random read among configurations that keep >= 85% of the best ratio.
     best_ratio = max(ratio for (_, _, _), (ratio, _, _) in frame_results.items())
-    candidates = [(float(row[3]), row[0], row[1]) for row in read_rows
-                  if frame_results["frame", row[0], row[1]][0] >= 0.85 * best_ratio]
+    candidates = [
+        (float(row[3]), row[0], row[1])
+        for row in read_rows
+        if frame_results["frame", row[0], row[1]][0] >= 0.85 * best_ratio
+    ]
     if candidates:
         cost, codec, length = min(candidates)
         ratio = frame_results["frame", codec, length][0]
-        print(f"- frames: {codec}, time chunk {length} (ratio {ratio:.2f} vs best {best_ratio:.2f}; "
-              f"{cost:.0f} us per random sample). Rule: cheapest random read keeping >= 85% of the best ratio.")
+        print(
+            f"- frames: {codec}, time chunk {length} (ratio {ratio:.2f} vs best {best_ratio:.2f}; "
+            f"{cost:.0f} us per random sample). Rule: cheapest random read keeping >= 85% of the best ratio."
+        )
     # Vectors: the codec storing the fewest bytes over all vector fields at the longest chunk,
     # then the shortest chunk within 5% of its own longest-chunk size.
     raw = {field: sum(part.nbytes for part in parts) for field, parts in vectors.items()}
@@ -304,20 +368,27 @@ def print_recommendation(frame_results: dict, read_rows: list[list[object]], vec
     codecs = sorted({codec for (field, codec, _) in vector_results if field in raw})
 
     def stored(codec: str, length: int) -> float:
-        return sum(raw[field] / vector_results[field, codec, length][0] for field in raw
-                   if (field, codec, length) in vector_results)
+        return sum(
+            raw[field] / vector_results[field, codec, length][0]
+            for field in raw
+            if (field, codec, length) in vector_results
+        )
 
     codec = min(codecs, key=lambda name: stored(name, lengths[-1]))
     length = next(size for size in lengths if stored(codec, size) <= 1.05 * stored(codec, lengths[-1]))
     total = sum(raw.values())
-    print(f"- vectors: {codec}, chunk >= {length} steps ({total / stored(codec, length):.2f}x overall at {length}, "
-          f"{total / stored(codec, lengths[-1]):.2f}x at {lengths[-1]}). Rule: fewest bytes, then shortest chunk within 5%.")
+    print(
+        f"- vectors: {codec}, chunk >= {length} steps ({total / stored(codec, length):.2f}x overall at {length}, "
+        f"{total / stored(codec, lengths[-1]):.2f}x at {lengths[-1]}). Rule: fewest bytes, then shortest chunk within 5%."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser, episodes=8, steps=250)
-    parser.add_argument("--samples", type=int, default=None, help="random reads per configuration and round (default 500, quick 200)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="random reads per configuration and round (default 500, quick 200)"
+    )
     parser.add_argument("--wall", action="store_true", help="time with the wall clock instead of process CPU time")
     arguments = parser.parse_args()
     if arguments.wall:
@@ -330,36 +401,57 @@ def main() -> None:
     min_seconds = 0.05 if arguments.quick else 0.3
     numcodecs.blosc.set_nthreads(1)  # per-core figures; the machine is shared
     print_header("Codec and chunk-length choice", size)
-    print(f"timing: {'wall clock' if arguments.wall else 'process CPU time (user+sys, all threads)'}; blosc threads: 1 "
-          f"(single-core figures); random reads: {samples} per row and pass, best of 5 interleaved rounds (2 quick); zarr {zarr.__version__}\n")
+    print(
+        f"timing: {'wall clock' if arguments.wall else 'process CPU time (user+sys, all threads)'}; blosc threads: 1 "
+        f"(single-core figures); random reads: {samples} per row and pass, best of 5 interleaved rounds (2 quick); zarr {zarr.__version__}\n"
+    )
 
     frames = [make_episode(size, episode)["frame"] for episode in range(size.episodes)]
-    vector_size = WorkloadSize(episodes=max(size.episodes, 16 if arguments.quick else VECTOR_EPISODES), steps=size.steps,
-                               seed=size.seed)
+    vector_size = WorkloadSize(
+        episodes=max(size.episodes, 16 if arguments.quick else VECTOR_EPISODES), steps=size.steps, seed=size.seed
+    )
     vector_episodes = [make_episode(vector_size, episode, frames=False) for episode in range(vector_size.episodes)]
     # Vectors are chunked along time across episodes (chunk = L consecutive steps), so 4096 fits.
-    vectors = {name: [np.concatenate([episode[name] for episode in vector_episodes])]
-               for name in ("state", "action", "reward", "done")}
+    vectors = {
+        name: [np.concatenate([episode[name] for episode in vector_episodes])]
+        for name in ("state", "action", "reward", "done")
+    }
 
     codecs = general_codecs()
-    frame_results = ratio_table("Frames: byte codecs per time-chunk length (uint8 84x84x3 per step)",
-                                {"frame": frames}, FRAME_CHUNK_LENGTHS, codecs, min_seconds)
+    frame_results = ratio_table(
+        "Frames: byte codecs per time-chunk length (uint8 84x84x3 per step)",
+        {"frame": frames},
+        FRAME_CHUNK_LENGTHS,
+        codecs,
+        min_seconds,
+    )
     by_name = {codec.name: codec for codec in codecs}
     variants = {
         "frame+camera noise": [camera_noise(episode, seed, static=False) for seed, episode in enumerate(frames[:2])],
         "frame+static texture": [camera_noise(episode, seed, static=True) for seed, episode in enumerate(frames[:2])],
     }
-    ratio_table("Sensitivity: the same frames with per-frame camera noise (sigma 2 levels, new every frame) and with "
-                "a static high-frequency texture (the same sigma-4 pattern on every frame of an episode)",
-                variants, FRAME_CHUNK_LENGTHS, [by_name["zstd-3"], by_name["blosc-lz4"], by_name["blosc-lz4-9"]], min_seconds)
+    ratio_table(
+        "Sensitivity: the same frames with per-frame camera noise (sigma 2 levels, new every frame) and with "
+        "a static high-frequency texture (the same sigma-4 pattern on every frame of an episode)",
+        variants,
+        FRAME_CHUNK_LENGTHS,
+        [by_name["zstd-3"], by_name["blosc-lz4"], by_name["blosc-lz4-9"]],
+        min_seconds,
+    )
     images, image_note = image_codecs()
     print(f"image codecs: {image_note}\n")
     if images:
         few_frames = [frames[0][: min(len(frames[0]), 100 if arguments.quick else 250)]]
-        ratio_table("Frames: per-frame lossless image codecs (chunk = 1 frame)", {"frame": few_frames}, (1,), images,
-                    min_seconds)
-    vector_results = ratio_table("Vectors: byte codecs per chunk length (steps)", vectors, VECTOR_CHUNK_LENGTHS, codecs,
-                                 min_seconds)
+        ratio_table(
+            "Frames: per-frame lossless image codecs (chunk = 1 frame)",
+            {"frame": few_frames},
+            (1,),
+            images,
+            min_seconds,
+        )
+    vector_results = ratio_table(
+        "Vectors: byte codecs per chunk length (steps)", vectors, VECTOR_CHUNK_LENGTHS, codecs, min_seconds
+    )
 
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-codecs-"))
     try:
@@ -368,12 +460,19 @@ def main() -> None:
         print("## Random frame reads: file read + numcodecs decode (what a direct sampler pays)\n")
         print("`n-step pair` = frames t and t+5 (one chunk read when both are in it).\n")
         read_rows = random_read_table(frames, read_codecs, samples, workdir, rounds=2 if arguments.quick else 5)
-        print(markdown_table(["codec", "time chunk", "KiB read/sample", "us/sample", "samples/s/core", "us/n-step pair"],
-                             read_rows))
+        print(
+            markdown_table(
+                ["codec", "time chunk", "KiB read/sample", "us/sample", "samples/s/core", "us/n-step pair"], read_rows
+            )
+        )
         print()
         print("## zarr-python 3 on the same frames (zstd-3): stored ratio, write MB/s, random element read\n")
-        print(markdown_table(["time chunk", "sharded (1 shard/episode)", "chunk files", "ratio", "write MB/s",
-                              "us/read", "reads/s"], zarr_rows(frames, max(samples // 4, 100), workdir)))
+        print(
+            markdown_table(
+                ["time chunk", "sharded (1 shard/episode)", "chunk files", "ratio", "write MB/s", "us/read", "reads/s"],
+                zarr_rows(frames, max(samples // 4, 100), workdir),
+            )
+        )
         print()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

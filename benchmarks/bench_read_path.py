@@ -28,8 +28,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-FIELDS = {"frame": ("uint8", (84, 84, 3)), "state": ("float", 32), "action": ("float", 6), "reward": "float",
-          "done": "bool"}
+FIELDS = {
+    "frame": ("uint8", (84, 84, 3)),
+    "state": ("float", 32),
+    "action": ("float", 6),
+    "reward": "float",
+    "done": "bool",
+}
 
 
 def make_episode(index: int, steps: int) -> dict[str, np.ndarray]:
@@ -46,10 +51,14 @@ def make_episode(index: int, steps: int) -> dict[str, np.ndarray]:
         frames[:] = (np.stack([yy, xx, yy + xx], -1) * 1.4).astype(np.uint8)
         for t in range(steps):
             cy, cx = (20 + t) % 70, (40 + 2 * t) % 70
-            frames[t, cy:cy + 12, cx:cx + 12] = rng.integers(0, 255, 3, dtype=np.uint8)
-        return {"frame": frames, "state": rng.standard_normal((steps, 32)).astype(np.float32),
-                "action": rng.standard_normal((steps, 6)).astype(np.float32),
-                "reward": rng.random(steps).astype(np.float32), "done": np.arange(steps) == steps - 1}
+            frames[t, cy : cy + 12, cx : cx + 12] = rng.integers(0, 255, 3, dtype=np.uint8)
+        return {
+            "frame": frames,
+            "state": rng.standard_normal((steps, 32)).astype(np.float32),
+            "action": rng.standard_normal((steps, 6)).astype(np.float32),
+            "reward": rng.random(steps).astype(np.float32),
+            "done": np.arange(steps) == steps - 1,
+        }
 
 
 def build(folder: Path, episodes: int, steps: int):
@@ -85,8 +94,11 @@ def build(folder: Path, episodes: int, steps: int):
             raw.store_episode(**{k: zarr_buffer.storage.read_rows(k, [slot], 0, length)[0] for k in FIELDS})
         raw.close()
         (folder / "memmap-done").touch()
-    return (zarr_buffer, ReplayBuffer.from_folder(folder / "memmap", read_only=True),
-            seed.ReplayBuffer.from_folder(folder / "seed", read_only=True))
+    return (
+        zarr_buffer,
+        ReplayBuffer.from_folder(folder / "memmap", read_only=True),
+        seed.ReplayBuffer.from_folder(folder / "seed", read_only=True),
+    )
 
 
 def rate(loader, seconds: float) -> tuple[float, float]:
@@ -119,15 +131,19 @@ def main() -> None:
     from replaybuf.sampling import chunk_cache, make_dataloader
 
     ours, raw, theirs = build(args.folder, args.episodes, args.steps)
-    print(f"workload: {args.episodes} episodes x {args.steps} steps; frames 84x84x3 uint8 + state[32] + action[6] "
-          f"+ reward + done; chunk cache {chunk_cache().max_bytes >> 20} MiB\n")
+    print(
+        f"workload: {args.episodes} episodes x {args.steps} steps; frames 84x84x3 uint8 + state[32] + action[6] "
+        f"+ reward + done; chunk cache {chunk_cache().max_bytes >> 20} MiB\n"
+    )
     cases = [
         ("timestep  B=256", 256, {"timestep_level": True}),
         ("n-step n=5 B=256", 256, {"n_steps": 5}),
         ("trajectory B=8", 8, {}),
     ]
-    print(f"{'case':18s} {'reader':20s} {'samples/s':>10s} {'seed':>8s} {'ratio':>6s} | "
-          f"{'per CPU-s':>10s} {'seed':>8s} {'ratio':>6s}")
+    print(
+        f"{'case':18s} {'reader':20s} {'samples/s':>10s} {'seed':>8s} {'ratio':>6s} | "
+        f"{'per CPU-s':>10s} {'seed':>8s} {'ratio':>6s}"
+    )
     for label, batch, options in cases:
         # every store's files read once first: this VM evicts idle page cache (DAMON reclaim)
         for name in ("zarr", "memmap", "seed"):
@@ -140,16 +156,24 @@ def main() -> None:
         for name, extra in variants:
             source = extra.pop("buffer", ours)
             wall, cpu = rate(make_dataloader(source, batch, shuffle=True, **options, **extra), args.seconds)
-            print(f"{label:18s} {name:20s} {wall:10.0f} {seed_wall:8.0f} {wall / seed_wall:5.2f}x | "
-                  f"{cpu:10.0f} {seed_cpu:8.0f} {cpu / seed_cpu:5.2f}x", flush=True)
+            print(
+                f"{label:18s} {name:20s} {wall:10.0f} {seed_wall:8.0f} {wall / seed_wall:5.2f}x | "
+                f"{cpu:10.0f} {seed_cpu:8.0f} {cpu / seed_cpu:5.2f}x",
+                flush=True,
+            )
         if "workers" not in skip and options.get("timestep_level"):
             workers = {"num_workers": 2, "persistent_workers": True}
             seed_wall, _ = rate(theirs.dataloader(batch, shuffle=True, **workers, **options), args.seconds)
             wall, _ = rate(make_dataloader(ours, batch, shuffle=True, **workers, **options), args.seconds)
-            print(f"{label:18s} {'zarr num_workers=2':20s} {wall:10.0f} {seed_wall:8.0f} {wall / seed_wall:5.2f}x"
-                  f" | (seed with num_workers=2 as well)", flush=True)
-    print(f"\nchunk cache: {chunk_cache().hits} hits, {chunk_cache().misses} misses, "
-          f"{chunk_cache().nbytes >> 20} MiB held")
+            print(
+                f"{label:18s} {'zarr num_workers=2':20s} {wall:10.0f} {seed_wall:8.0f} {wall / seed_wall:5.2f}x"
+                f" | (seed with num_workers=2 as well)",
+                flush=True,
+            )
+    print(
+        f"\nchunk cache: {chunk_cache().hits} hits, {chunk_cache().misses} misses, "
+        f"{chunk_cache().nbytes >> 20} MiB held"
+    )
 
 
 if __name__ == "__main__":

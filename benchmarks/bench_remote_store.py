@@ -75,7 +75,9 @@ def _single_get_ms(store, keys: list[str], samples: int = 100) -> float:
     return statistics.median(times) * 1e3
 
 
-def _concurrent_ms(store, keys: list[str], limit: int, repeats: int, server: psutil.Process) -> tuple[float, float, float]:
+def _concurrent_ms(
+    store, keys: list[str], limit: int, repeats: int, server: psutil.Process
+) -> tuple[float, float, float]:
     """Median wall ms of all GETs at ``limit`` in flight, and client / server CPU ms per GET."""
     prototype = default_buffer_prototype()
 
@@ -106,13 +108,18 @@ def _report(name: str, store, repeats: int, server_pid: int) -> None:
     keys = _fill(store)
     latency = _single_get_ms(store, keys)
     print(f"\n{name}: median single GET {latency:.2f} ms ({OBJECT_BYTES} B objects)", flush=True)
-    print(f"  {'in-flight':>9} {'256 GETs ms':>12} {'bound ms':>9} {'ratio':>6} {'GET/s':>7} "
-          f"{'client CPU ms/GET':>18} {'server CPU ms/GET':>18}")
+    print(
+        f"  {'in-flight':>9} {'256 GETs ms':>12} {'bound ms':>9} {'ratio':>6} {'GET/s':>7} "
+        f"{'client CPU ms/GET':>18} {'server CPU ms/GET':>18}"
+    )
     for limit in LIMITS:
         elapsed, client_cpu, server_cpu = _concurrent_ms(store, keys, limit, repeats, server)
         bound = OBJECTS / limit * latency
-        print(f"  {limit:>9} {elapsed:>12.1f} {bound:>9.1f} {elapsed / bound:>6.2f} {OBJECTS / elapsed * 1e3:>7.0f} "
-              f"{client_cpu:>18.2f} {server_cpu:>18.2f}", flush=True)
+        print(
+            f"  {limit:>9} {elapsed:>12.1f} {bound:>9.1f} {elapsed / bound:>6.2f} {OBJECTS / elapsed * 1e3:>7.0f} "
+            f"{client_cpu:>18.2f} {server_cpu:>18.2f}",
+            flush=True,
+        )
 
 
 def _start_s3_process(latency: float) -> tuple[multiprocessing.Process, dict]:
@@ -126,8 +133,13 @@ def _start_s3_process(latency: float) -> tuple[multiprocessing.Process, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--latency-ms", type=float, nargs="*", default=[0.0],
-                        help="extra delay moto adds to every request (a network round trip)")
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        nargs="*",
+        default=[0.0],
+        help="extra delay moto adds to every request (a network round trip)",
+    )
     parser.add_argument("--skip-s3fs", action="store_true")
     args = parser.parse_args()
 
@@ -138,16 +150,18 @@ def main() -> None:
             where = f"moto S3 in its own process, +{latency_ms:g} ms per request"
             _report(f"obstore -> {where}", open_store(url, options), args.repeats, process.pid)
             if not args.skip_s3fs:
-                _report(f"s3fs -> {where}", FsspecStore.from_url(url, storage_options=options), args.repeats,
-                        process.pid)
+                _report(
+                    f"s3fs -> {where}", FsspecStore.from_url(url, storage_options=options), args.repeats, process.pid
+                )
         finally:
             process.terminate()
     gcs = GCSTestServer()
     gcs.start()
     try:
         gcs.create_bucket()
-        _report("gcsfs -> gcp-storage-emulator", open_store(gcs.url("bench"), gcs.storage_options), args.repeats,
-                gcs.pid)
+        _report(
+            "gcsfs -> gcp-storage-emulator", open_store(gcs.url("bench"), gcs.storage_options), args.repeats, gcs.pid
+        )
     finally:
         gcs.stop()
 

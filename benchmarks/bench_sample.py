@@ -70,8 +70,9 @@ def timed_batches(make_loader: Callable[[], Iterable[Any]], count: int) -> float
     return seconds
 
 
-def build_peers(size, workdir: Path, backends: list[str], frame_chunks: list[int],
-                frame_compressors: list[str]) -> tuple[list[Any], list[str]]:
+def build_peers(
+    size, workdir: Path, backends: list[str], frame_chunks: list[int], frame_compressors: list[str]
+) -> tuple[list[Any], list[str]]:
     """Every peer that can run here, and a note per peer that cannot."""
     notes: list[str] = []
     peers: list[Any] = [seed_peer(size, workdir)]
@@ -106,8 +107,10 @@ def fill_peers(peers: list[Any], size, notes: list[str]) -> list[Any]:
             continue
         peer.finish_fill()
         filled.append(peer)
-    rows = [[peer.name, f"{folder_bytes(peer.folders()[0]) / 1e6:,.0f}", f"{fill_seconds[peer.name]:.1f}"]
-            for peer in filled]
+    rows = [
+        [peer.name, f"{folder_bytes(peer.folders()[0]) / 1e6:,.0f}", f"{fill_seconds[peer.name]:.1f}"]
+        for peer in filled
+    ]
     print("## Stores\n")
     print(markdown_table(["peer", "MB on disk", "fill seconds (whole episodes)"], rows))
     print()
@@ -118,10 +121,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
-    parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
-                        help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
-    parser.add_argument("--frame-compressors", nargs="*", default=[],
-                        help="extra replaybuf zarr variants with this frame compressor, e.g. none blosc-lz4 zstd:1")
+    parser.add_argument(
+        "--frame-chunks",
+        nargs="*",
+        type=int,
+        default=[],
+        help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16",
+    )
+    parser.add_argument(
+        "--frame-compressors",
+        nargs="*",
+        default=[],
+        help="extra replaybuf zarr variants with this frame compressor, e.g. none blosc-lz4 zstd:1",
+    )
     parser.add_argument("--workers", nargs="*", type=int, default=[0, 2], help="DataLoader worker counts (default 0 2)")
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     arguments = parser.parse_args()
@@ -131,8 +143,9 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-sample-"))
     try:
-        peers, notes = build_peers(size, workdir, arguments.backends, arguments.frame_chunks,
-                                   arguments.frame_compressors)
+        peers, notes = build_peers(
+            size, workdir, arguments.backends, arguments.frame_chunks, arguments.frame_compressors
+        )
         peers = fill_peers(peers, size, notes)
         seed = next(peer for peer in peers if peer.name == "seed")
         peers.insert(1, MemmapGatherPeer(seed, size))
@@ -151,8 +164,10 @@ def main() -> None:
                         notes.append(f"{peer.name} {kind} workers={workers}: failed, {type(error).__name__}: {error}")
                         continue
                     results[peer.name, kind, workers] = count * batch_size / seconds
-                    print(f"  {kind:10s} workers={workers} {peer.name:40s} {results[peer.name, kind, workers]:>10,.0f} samples/s",
-                          flush=True)
+                    print(
+                        f"  {kind:10s} workers={workers} {peer.name:40s} {results[peer.name, kind, workers]:>10,.0f} samples/s",
+                        flush=True,
+                    )
         print()
         print_results(results, [peer.name for peer in peers], arguments, notes)
         for peer in peers:
@@ -176,13 +191,17 @@ def print_results(results: dict, names: list[str], arguments: argparse.Namespace
         for workers in arguments.workers:
             for name in names:
                 key = (name, kind, workers)
-                rows.append([f"{kind} ({BATCH_SIZES[kind]})", workers, name, format_rate(results.get(key))]
-                            + [ratio(results, key, (base, kind, workers)) for base in baselines])
+                rows.append(
+                    [f"{kind} ({BATCH_SIZES[kind]})", workers, name, format_rate(results.get(key))]
+                    + [ratio(results, key, (base, kind, workers)) for base in baselines]
+                )
     print("## Results\n")
     print(markdown_table(["kind (batch)", "workers", "peer", "samples/s"] + [f"/ {base}" for base in baselines], rows))
-    print("\nsamples = timesteps for timestep/n-step, episodes for trajectory. TorchRL: its own ReplayBuffer.sample(), "
-          "'workers' = prefetch threads; its n-step row is a SliceSampler of n+1 steps returning every field at every "
-          "step (more bytes than the others move).")
+    print(
+        "\nsamples = timesteps for timestep/n-step, episodes for trajectory. TorchRL: its own ReplayBuffer.sample(), "
+        "'workers' = prefetch threads; its n-step row is a SliceSampler of n+1 steps returning every field at every "
+        "step (more bytes than the others move)."
+    )
     for note in notes:
         print(f"- {note}")
 

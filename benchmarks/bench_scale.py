@@ -60,8 +60,7 @@ def create(path: str, slots: int) -> dict:
     from replaybuf import ReplayBuffer
 
     start = time.perf_counter()
-    ReplayBuffer(path, max_episodes=slots, max_timesteps=MAX_TIMESTEPS, fields=FIELDS,
-                 meta_fields=META_FIELDS).close()
+    ReplayBuffer(path, max_episodes=slots, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META_FIELDS).close()
     return {"create_s": time.perf_counter() - start, "objects": count_objects(path)}
 
 
@@ -87,8 +86,9 @@ def write(path: str, episodes: int, steps: int) -> dict:
     buffer = ReplayBuffer.from_folder(path)
     rng = np.random.default_rng(0)
     obs = rng.normal(size=(steps, 16)).astype(np.float32)
-    frames = ((np.arange(steps)[:, None, None, None] + np.arange(40 * 40 * 3).reshape(40, 40, 3) // 97) % 256
-              ).astype(np.uint8)
+    frames = ((np.arange(steps)[:, None, None, None] + np.arange(40 * 40 * 3).reshape(40, 40, 3) // 97) % 256).astype(
+        np.uint8
+    )
     base = highest = current_rss_mib()
     start = time.perf_counter()
     for episode in range(episodes):
@@ -98,8 +98,13 @@ def write(path: str, episodes: int, steps: int) -> dict:
             highest = max(highest, current_rss_mib())  # the episode's rows are all staged here
     elapsed = time.perf_counter() - start
     buffer.close()
-    return {"write_s": elapsed, "episodes_per_s": episodes / elapsed, "rss_before_write_mib": base,
-            "peak_rss_while_writing_mib": highest, "objects_after": count_objects(path)}
+    return {
+        "write_s": elapsed,
+        "episodes_per_s": episodes / elapsed,
+        "rss_before_write_mib": base,
+        "peak_rss_while_writing_mib": highest,
+        "objects_after": count_objects(path),
+    }
 
 
 def child(argv: list[str]) -> dict:
@@ -153,14 +158,22 @@ def main() -> None:
     print(f"\n{args.slots:,} slots vs {args.small_slots:,} slots ({args.episodes} episodes x {args.steps} steps):")
     for key in ("create_s", "open_read_only_s", "open_writable_s"):
         print(f"  {key:22s} {big[key] * 1e3:9.1f} ms  vs {small[key] * 1e3:9.1f} ms  ({big[key] / small[key]:.2f}x)")
-    print(f"  {'objects after create':22s} {sum(big['objects'].values()):9d}     vs {sum(small['objects'].values()):9d}")
-    print(f"  {'write episodes/s':22s} {big['episodes_per_s']:9.1f}     vs {small['episodes_per_s']:9.1f}"
-          f"     ({big['episodes_per_s'] / small['episodes_per_s']:.2f}x)")
-    print(f"  {'peak RSS while writing':22s} {big['peak_rss_while_writing_mib']:9.1f} MiB vs "
-          f"{small['peak_rss_while_writing_mib']:9.1f} MiB (before writing: {big['rss_before_write_mib']:.1f} vs "
-          f"{small['rss_before_write_mib']:.1f})")
-    print(f"  {'objects after writing':22s} {sum(big['objects_after'].values()):9d}     vs "
-          f"{sum(small['objects_after'].values()):9d}")
+    print(
+        f"  {'objects after create':22s} {sum(big['objects'].values()):9d}     vs {sum(small['objects'].values()):9d}"
+    )
+    print(
+        f"  {'write episodes/s':22s} {big['episodes_per_s']:9.1f}     vs {small['episodes_per_s']:9.1f}"
+        f"     ({big['episodes_per_s'] / small['episodes_per_s']:.2f}x)"
+    )
+    print(
+        f"  {'peak RSS while writing':22s} {big['peak_rss_while_writing_mib']:9.1f} MiB vs "
+        f"{small['peak_rss_while_writing_mib']:9.1f} MiB (before writing: {big['rss_before_write_mib']:.1f} vs "
+        f"{small['rss_before_write_mib']:.1f})"
+    )
+    print(
+        f"  {'objects after writing':22s} {sum(big['objects_after'].values()):9d}     vs "
+        f"{sum(small['objects_after'].values()):9d}"
+    )
 
 
 if __name__ == "__main__":

@@ -60,31 +60,45 @@ def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
-    parser.add_argument("--store-episodes", type=int, default=None,
-                        help="episodes written with store() per mode (default 4, quick 2)")
+    parser.add_argument(
+        "--store-episodes", type=int, default=None, help="episodes written with store() per mode (default 4, quick 2)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds, best kept (default 3, quick 1)")
-    parser.add_argument("--whole-episodes", type=int, default=None,
-                        help="episodes written with store_episode() (default 20, quick 8)")
+    parser.add_argument(
+        "--whole-episodes", type=int, default=None, help="episodes written with store_episode() (default 20, quick 8)"
+    )
     parser.add_argument("--backends", nargs="*", default=["zarr"], help="replaybuf backends to include (default zarr)")
-    parser.add_argument("--frame-chunks", nargs="*", type=int, default=[],
-                        help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16")
-    parser.add_argument("--frame-compressors", nargs="*", default=[],
-                        help="extra replaybuf zarr variants with this frame compressor, e.g. none blosc-lz4 zstd:1")
+    parser.add_argument(
+        "--frame-chunks",
+        nargs="*",
+        type=int,
+        default=[],
+        help="extra replaybuf zarr variants with this frame time chunk (steps), e.g. 4 16",
+    )
+    parser.add_argument(
+        "--frame-compressors",
+        nargs="*",
+        default=[],
+        help="extra replaybuf zarr variants with this frame compressor, e.g. none blosc-lz4 zstd:1",
+    )
     arguments = parser.parse_args()
     size = size_from_arguments(arguments)
     store_count = min(size.episodes, arguments.store_episodes or (2 if arguments.quick else 4))
     whole_count = min(size.episodes, arguments.whole_episodes or (8 if arguments.quick else 20))
     repeats = arguments.repeats or (1 if arguments.quick else 3)
     print_header("Collection throughput (store / store_episode)", size)
-    print(f"buffer capacity {size.episodes} episodes; store() modes write {store_count} episodes, "
-          f"store_episode() writes {whole_count}; best of {repeats} interleaved rounds.\n")
+    print(
+        f"buffer capacity {size.episodes} episodes; store() modes write {store_count} episodes, "
+        f"store_episode() writes {whole_count}; best of {repeats} interleaved rounds.\n"
+    )
 
     episodes = [make_episode(size, index) for index in range(max(store_count, whole_count))]
     workdir = Path(tempfile.mkdtemp(prefix="replaybuf-bench-write-"))
     notes = []
     try:
-        peers = [seed_peer(size, workdir)] + replaybuf_peers(size, workdir, arguments.backends, arguments.frame_chunks,
-                                                             arguments.frame_compressors, notes)
+        peers = [seed_peer(size, workdir)] + replaybuf_peers(
+            size, workdir, arguments.backends, arguments.frame_chunks, arguments.frame_compressors, notes
+        )
         results: dict[tuple[str, str], tuple[float, int, int]] = {}
         failed: set[str] = set()
         for round_index in range(repeats):  # interleaved rounds, best kept: the machine is shared
@@ -101,7 +115,10 @@ def main() -> None:
                         continue
                     if outcome[0] > results.get((peer.name, label), (0.0, 0, 0))[0]:
                         results[peer.name, label] = outcome
-                    print(f"  round {round_index + 1} {label:24s} {peer.name:40s} {outcome[0]:>10,.0f} steps/s", flush=True)
+                    print(
+                        f"  round {round_index + 1} {label:24s} {peer.name:40s} {outcome[0]:>10,.0f} steps/s",
+                        flush=True,
+                    )
         print()
         rows = []
         for label, _, _, target in MODES:
@@ -109,8 +126,17 @@ def main() -> None:
             for peer in peers:
                 rate, stored, files = results.get((peer.name, label), (None, 0, 0))
                 versus = f"{rate / seed_rate:.2f}x" if rate and seed_rate else "-"
-                rows.append([label, peer.name, format_rate(rate), versus, "" if peer.name == "seed" else f">= {target:g}x",
-                             f"{stored / 1e6:,.1f}" if rate else "-", files if rate else "-"])
+                rows.append(
+                    [
+                        label,
+                        peer.name,
+                        format_rate(rate),
+                        versus,
+                        "" if peer.name == "seed" else f">= {target:g}x",
+                        f"{stored / 1e6:,.1f}" if rate else "-",
+                        files if rate else "-",
+                    ]
+                )
         print("## Results\n")
         print(markdown_table(["mode", "peer", "steps/s", "/ seed", "target (issue 2)", "MB stored", "files"], rows))
         for note in notes:

@@ -63,8 +63,9 @@ def folder_bytes(folder: Path) -> int:
 class SeedApiPeer:
     """A buffer with the seed's API: memmap-replay-buffer itself, or replaybuf with a backend."""
 
-    def __init__(self, name: str, module: str, size: WorkloadSize, workdir: Path, fields: dict | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, name: str, module: str, size: WorkloadSize, workdir: Path, fields: dict | None = None, **options: Any
+    ) -> None:
         self.name = name
         self.buffer_class = import_buffer_class(module)
         self.size = size
@@ -76,8 +77,14 @@ class SeedApiPeer:
     def open(self, flush_every_store_step: int = 1) -> Any:
         """A fresh, empty buffer over this peer's folder."""
         self.buffer = self.buffer_class(
-            str(self.folder / "buffer"), max_episodes=self.size.episodes, max_timesteps=self.size.steps,
-            fields=self.fields, overwrite=True, flush_every_store_step=flush_every_store_step, **self.options)
+            str(self.folder / "buffer"),
+            max_episodes=self.size.episodes,
+            max_timesteps=self.size.steps,
+            fields=self.fields,
+            overwrite=True,
+            flush_every_store_step=flush_every_store_step,
+            **self.options,
+        )
         return self.buffer
 
     def store_steps(self, episodes: list[dict[str, np.ndarray]]) -> None:
@@ -107,8 +114,13 @@ class SeedApiPeer:
         if kind == "timestep":
             return self.buffer.dataloader(timestep_level=True, **common)
         if kind == "nstep":
-            return self.buffer.dataloader(n_steps=NSTEP, current_fields=CURRENT_FIELDS, next_fields=CURRENT_FIELDS,
-                                          sequence_fields=SEQUENCE_FIELDS, **common)
+            return self.buffer.dataloader(
+                n_steps=NSTEP,
+                current_fields=CURRENT_FIELDS,
+                next_fields=CURRENT_FIELDS,
+                sequence_fields=SEQUENCE_FIELDS,
+                **common,
+            )
         return self.buffer.dataloader(**common)
 
     def folders(self) -> list[Path]:
@@ -123,8 +135,9 @@ def seed_peer(size: WorkloadSize, workdir: Path) -> SeedApiPeer:
     return SeedApiPeer("seed", "memmap_replay_buffer", size, workdir)
 
 
-def replaybuf_peer(size: WorkloadSize, workdir: Path, backend: str, frame_chunk: int | None = None,
-                   frame_compressor: str | None = None) -> SeedApiPeer:
+def replaybuf_peer(
+    size: WorkloadSize, workdir: Path, backend: str, frame_chunk: int | None = None, frame_compressor: str | None = None
+) -> SeedApiPeer:
     """replaybuf on ``backend``; the frame_* arguments override the frame field's time chunk
     (steps) or compressor (e.g. 'none', 'blosc-lz4', 'zstd:1') through its field spec."""
     fields = dict(FIELDS)
@@ -142,8 +155,14 @@ def replaybuf_peer(size: WorkloadSize, workdir: Path, backend: str, frame_chunk:
     return SeedApiPeer(name, "replaybuf", size, workdir, fields=fields, backend=backend)
 
 
-def replaybuf_peers(size: WorkloadSize, workdir: Path, backends: list[str], frame_chunks: list[int],
-                    frame_compressors: list[str], notes: list[str]) -> list[SeedApiPeer]:
+def replaybuf_peers(
+    size: WorkloadSize,
+    workdir: Path,
+    backends: list[str],
+    frame_chunks: list[int],
+    frame_compressors: list[str],
+    notes: list[str],
+) -> list[SeedApiPeer]:
     """One replaybuf peer per backend (its defaults), plus zarr variants per frame chunk / compressor."""
     peers = []
     variants = [(backend, None, None) for backend in backends]
@@ -231,8 +250,14 @@ class MemmapGatherPeer:
 
     def loader(self, kind: str, batch_size: int, num_workers: int) -> DataLoader:
         dataset = MemmapGatherDataset(self.folder, kind, self.size.episodes, self.size.steps)
-        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=identity,
-                          **worker_options(num_workers))
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=identity,
+            **worker_options(num_workers),
+        )
 
     def folders(self) -> list[Path]:
         return [self.folder]

@@ -81,7 +81,7 @@ def render_frames(rng: np.random.Generator, steps: int) -> np.ndarray:
     background = corner_colors[0] + blend[..., None] * (corner_colors[1] - corner_colors[0])
     # A static floor band with a checker texture, like a simple arena.
     floor = np.zeros((height, width), dtype=bool)
-    floor[int(height * 0.75):] = True
+    floor[int(height * 0.75) :] = True
     checker = ((np.arange(height)[:, None] // 6 + np.arange(width)[None, :] // 6) % 2).astype(bool)
     background[floor & checker] *= 0.8
     # Sprites become a label image per frame, then one palette lookup paints them all.
@@ -117,17 +117,26 @@ def make_episode(size: WorkloadSize, episode: int, frames: bool = True) -> dict[
     reward = np.where(rng.random(steps) < 0.1, rng.uniform(0, 1, steps), 0.0).astype(np.float32)
     done = np.zeros(steps, dtype=bool)
     done[-1] = True
-    episode_data = {"state": state.astype(np.float32), "action": action.astype(np.float32), "reward": reward, "done": done}
+    episode_data = {
+        "state": state.astype(np.float32),
+        "action": action.astype(np.float32),
+        "reward": reward,
+        "done": done,
+    }
     if frames:
         episode_data = {"frame": render_frames(rng, steps), **episode_data}
     return episode_data
 
 
-def add_size_arguments(parser: argparse.ArgumentParser, episodes: int = DEFAULT_EPISODES, steps: int = DEFAULT_STEPS) -> None:
+def add_size_arguments(
+    parser: argparse.ArgumentParser, episodes: int = DEFAULT_EPISODES, steps: int = DEFAULT_STEPS
+) -> None:
     """The size flags every benchmark script shares."""
     parser.add_argument("--episodes", type=int, default=None, help=f"episodes in the workload (default {episodes})")
     parser.add_argument("--steps", type=int, default=None, help=f"steps per episode (default {steps})")
-    parser.add_argument("--quick", action="store_true", help=f"small run: {QUICK_EPISODES} episodes x {QUICK_STEPS} steps")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"small run: {QUICK_EPISODES} episodes x {QUICK_STEPS} steps"
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.set_defaults(default_episodes=episodes, default_steps=steps)
 
@@ -154,13 +163,17 @@ def print_header(title: str, size: WorkloadSize | None = None) -> None:
     """Print the command, the machine and the package versions, so a result can be reproduced."""
     print(f"# {title}\n")
     print("command: `python " + " ".join(shlex.quote(part) for part in sys.argv) + "`")
-    print(f"machine: {platform.machine()} {platform.processor() or ''}".rstrip()
-          + f", {os.cpu_count()} cores visible, {len(os.sched_getaffinity(0))} usable, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}".rstrip()
+        + f", {os.cpu_count()} cores visible, {len(os.sched_getaffinity(0))} usable, load {os.getloadavg()[0]:.2f}"
+    )
     packages = ("numpy", "torch", "zarr", "numcodecs", "imagecodecs", "memmap-replay-buffer", "torchrl", "tensordict")
     print(f"python {platform.python_version()}; " + ", ".join(f"{name} {_version(name)}" for name in packages))
     if size is not None:
-        print(f"workload: {size.episodes} episodes x {size.steps} steps = {size.total_steps} steps, "
-              f"frame {FRAME_SHAPE} uint8 + state f32[32] + action f32[6] + reward f32 + done bool, seed {size.seed}")
+        print(
+            f"workload: {size.episodes} episodes x {size.steps} steps = {size.total_steps} steps, "
+            f"frame {FRAME_SHAPE} uint8 + state f32[32] + action f32[6] + reward f32 + done bool, seed {size.seed}"
+        )
     print()
 
 

@@ -39,8 +39,29 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = ["ReplayBuffer", "EpisodeCollector", "ConcatReplayBuffer", "Field", "Schema", "Storage", "StorageError", "BufferNotFoundError", "make_storage",
-           "frames_to_sheet", "trajectory_to_video", "ReplayBufferH5PY", "convert", "info", "verify",
-           "ReplayDataset", "ReplayDatasetNStep", "ReplayDatasetTimestep", "ReplayDatasetTimeWindow",
-           "ReplayDatasetTrajectory", "discover_shards", "open_shard", "read_episodes_consistent"]
+__all__ = [
+    "ReplayBuffer",
+    "EpisodeCollector",
+    "ConcatReplayBuffer",
+    "Field",
+    "Schema",
+    "Storage",
+    "StorageError",
+    "BufferNotFoundError",
+    "make_storage",
+    "frames_to_sheet",
+    "trajectory_to_video",
+    "ReplayBufferH5PY",
+    "convert",
+    "info",
+    "verify",
+    "ReplayDataset",
+    "ReplayDatasetNStep",
+    "ReplayDatasetTimestep",
+    "ReplayDatasetTimeWindow",
+    "ReplayDatasetTrajectory",
+    "discover_shards",
+    "open_shard",
+    "read_episodes_consistent",
+]
 __version__ = "0.1.0"

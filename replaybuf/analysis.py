@@ -50,8 +50,9 @@ def _meta_names(buffer: Any) -> list[str]:
     return sorted(buffer.meta_fieldnames)
 
 
-def _select(buffer: Any, fields: Sequence[str] | None, meta_fields: Sequence[str] | None,
-            call: str) -> tuple[list[str], list[str]]:
+def _select(
+    buffer: Any, fields: Sequence[str] | None, meta_fields: Sequence[str] | None, call: str
+) -> tuple[list[str], list[str]]:
     """The data and meta field names a call works on (the seed's defaults), checked."""
     if fields is None and meta_fields is None:
         return list(buffer.schema.fields), _meta_names(buffer)
@@ -89,8 +90,17 @@ class EpisodeRows:
     storage (no open handle) for distributed workers.
     """
 
-    def __init__(self, storage: Any, name: str, slots: np.ndarray, lens: np.ndarray, length: int,
-                 field_shape: tuple[int, ...], dtype: np.dtype, fill: Any = 0):
+    def __init__(
+        self,
+        storage: Any,
+        name: str,
+        slots: np.ndarray,
+        lens: np.ndarray,
+        length: int,
+        field_shape: tuple[int, ...],
+        dtype: np.dtype,
+        fill: Any = 0,
+    ):
         self.storage, self.name, self.fill = storage, name, fill
         self.slots, self.lens = np.asarray(slots, np.int64), np.asarray(lens, np.int64)
         self.shape = (len(self.slots), int(length), *field_shape)
@@ -136,8 +146,13 @@ def _committed(buffer: Any, order: str = "chronological") -> tuple[np.ndarray, n
     return slots, lens, int(lens.max()) if len(lens) else 0
 
 
-def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-            episodes_per_chunk: int | None = None, order: str = "chronological") -> dict[str, da.Array]:
+def to_dask(
+    buffer: Any,
+    fields: Sequence[str] | None = None,
+    meta_fields: Sequence[str] | None = None,
+    episodes_per_chunk: int | None = None,
+    order: str = "chronological",
+) -> dict[str, da.Array]:
     """Fields of the committed episodes as dask arrays, oldest episode first.
 
     Data fields are (episodes, time, *shape) with time trimmed to the longest committed episode
@@ -149,8 +164,9 @@ def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Seque
     slot as the seed's ``get_all_data`` does (the same unless a circular buffer wrapped).
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
-    if episodes_per_chunk is not None and (isinstance(episodes_per_chunk, bool)
-                                           or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1):
+    if episodes_per_chunk is not None and (
+        isinstance(episodes_per_chunk, bool) or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1
+    ):
         raise ValueError(f"to_dask: episodes_per_chunk must be a positive int, got {episodes_per_chunk!r}")
     slots, lens, length = _committed(buffer, order)
     # A fresh token per call: the same slots and lengths may hold other episodes later.
@@ -161,8 +177,12 @@ def to_dask(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Seque
         rows = EpisodeRows(buffer.storage, name, slots, lens, length, field.shape, field.dtype, field.fill)
         per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
         out[name] = da.from_array(
-            rows, chunks=(per_chunk, max(length, 1), *field.shape), name=f"replaybuf-{name}-{token}",
-            asarray=False, fancy=False, meta=np.empty((0,) * rows.ndim, field.dtype),
+            rows,
+            chunks=(per_chunk, max(length, 1), *field.shape),
+            name=f"replaybuf-{name}-{token}",
+            asarray=False,
+            fancy=False,
+            meta=np.empty((0,) * rows.ndim, field.dtype),
         )
     for name in meta_fields:
         values = np.asarray(buffer.meta_data[name][:])[slots]
@@ -181,9 +201,14 @@ def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str 
 # ---- get_all_data ------------------------------------------------------------------------------
 
 
-def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-                 device: torch.device | str | None = None, lazy: bool = False,
-                 scheduler: Any = None) -> dict[str, torch.Tensor] | dict[str, da.Array]:
+def get_all_data(
+    buffer: Any,
+    fields: Sequence[str] | None = None,
+    meta_fields: Sequence[str] | None = None,
+    device: torch.device | str | None = None,
+    lazy: bool = False,
+    scheduler: Any = None,
+) -> dict[str, torch.Tensor] | dict[str, da.Array]:
     """Every committed episode as tensors, time-padded to the longest with zeros (or the field's
     default, as the seed).
 
@@ -195,8 +220,10 @@ def get_all_data(buffer: Any, fields: Sequence[str] | None = None, meta_fields: 
     An empty buffer gives ``{}``, as the seed.
     """
     if lazy and device is not None:
-        raise ValueError(f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
-                         "Call .compute() and move the tensors, or pass lazy=False")
+        raise ValueError(
+            f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
+            "Call .compute() and move the tensors, or pass lazy=False"
+        )
     arrays = to_dask(buffer, fields, meta_fields, order="slot")
     if lazy:
         return arrays
@@ -220,10 +247,11 @@ class _Target:
         self.array = array
 
 
-def _fill_episodes(target: _Target, storage: Any, name: str, lo: int, slots: np.ndarray, lens: np.ndarray,
-                   fill: Any) -> None:
+def _fill_episodes(
+    target: _Target, storage: Any, name: str, lo: int, slots: np.ndarray, lens: np.ndarray, fill: Any
+) -> None:
     """Rows ``lo .. lo + len(slots)`` of a result: the episodes decoded into place, then padded."""
-    rows = target.array[lo:lo + len(slots)]
+    rows = target.array[lo : lo + len(slots)]
     storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, parallel=False)
     fill_beyond(rows, lens, fill)
 
@@ -245,9 +273,18 @@ def _read_in_place(buffer: Any, arrays: dict[str, da.Array], scheduler: str) -> 
         per_task = max(1, _TASK_BYTES // max(1, field.step_nbytes * length))
         for lo in range(0, len(slots), per_task):
             part = slice(lo, lo + per_task)
-            tasks.append(dask.delayed(_fill_episodes, pure=False)(
-                target, buffer.storage, name, lo, slots[part], lens[part], field.fill,
-                dask_key_name=(f"replaybuf-fill-{name}-{token}", lo)))
+            tasks.append(
+                dask.delayed(_fill_episodes, pure=False)(
+                    target,
+                    buffer.storage,
+                    name,
+                    lo,
+                    slots[part],
+                    lens[part],
+                    field.fill,
+                    dask_key_name=(f"replaybuf-fill-{name}-{token}", lo),
+                )
+            )
     dask.compute(*tasks, scheduler=scheduler)
     return results
 
@@ -319,7 +356,7 @@ def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
     total = np.zeros(steps.shape[1])
     squares = np.zeros(steps.shape[1])
     for start in range(0, count, _MOMENT_ROWS):
-        part = steps[start:start + _MOMENT_ROWS].astype(np.float64)
+        part = steps[start : start + _MOMENT_ROWS].astype(np.float64)
         part -= shift
         total += part.sum(axis=0)
         squares += np.einsum("ij,ij->j", part, part)
@@ -338,7 +375,7 @@ def _byte_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
     for i, length in enumerate(lens.tolist()):
         steps = block[i, :length].reshape(length, features)
         for start in range(0, length, _MOMENT_ROWS):
-            part = steps[start:start + _MOMENT_ROWS]
+            part = steps[start : start + _MOMENT_ROWS]
             values = part.astype(np.float32)
             total += values.sum(axis=0)
             squares += np.einsum("ij,ij->j", values, values)
@@ -410,11 +447,15 @@ def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = Non
             mean=torch.from_numpy(mean.reshape(shape).astype(real)),
             std=torch.from_numpy(np.sqrt(m2 / count).reshape(shape).astype(real)),
             min=torch.from_numpy(np.ascontiguousarray(low).reshape(shape)),
-            max=torch.from_numpy(np.ascontiguousarray(high).reshape(shape)), count=int(count),
+            max=torch.from_numpy(np.ascontiguousarray(high).reshape(shape)),
+            count=int(count),
         )
     counts, edges = _lens_histogram(lens)
     return BufferStats(
-        num_episodes=len(lens), num_timesteps=int(lens.sum()), episode_lens=torch.from_numpy(lens.copy()),
-        lens_histogram=(torch.from_numpy(counts), torch.from_numpy(edges)), fields=per_field,
+        num_episodes=len(lens),
+        num_timesteps=int(lens.sum()),
+        episode_lens=torch.from_numpy(lens.copy()),
+        lens_histogram=(torch.from_numpy(counts), torch.from_numpy(edges)),
+        fields=per_field,
         episode_sums={n: torch.from_numpy(np.asarray(v)) for n, v in computed_sums.items()},
     )

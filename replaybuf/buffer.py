@@ -107,13 +107,17 @@ class ReplayBuffer:
         backend: str | None = None,
         fsync: bool = False,
     ):
-        if isinstance(flush_every_store_step, bool) or not isinstance(flush_every_store_step, int) \
-                or flush_every_store_step < 0:
+        if (
+            isinstance(flush_every_store_step, bool)
+            or not isinstance(flush_every_store_step, int)
+            or flush_every_store_step < 0
+        ):
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
         self.read_only = bool(read_only)
         self.flush_every_store_step = flush_every_store_step
-        self.storage = make_storage(folder, backend, storage_options, fsync=fsync) \
-            if not isinstance(folder, Storage) else folder
+        self.storage = (
+            make_storage(folder, backend, storage_options, fsync=fsync) if not isinstance(folder, Storage) else folder
+        )
         location = self.storage.location
         self.folder = location if "://" in location else Path(location)
         wanted = None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)
@@ -146,8 +150,14 @@ class ReplayBuffer:
         return schema
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike, read_only: bool = False, storage_options: dict | None = None,
-                    backend: str | None = None, **kwargs: Any) -> ReplayBuffer:
+    def from_folder(
+        cls,
+        folder: str | os.PathLike,
+        read_only: bool = False,
+        storage_options: dict | None = None,
+        backend: str | None = None,
+        **kwargs: Any,
+    ) -> ReplayBuffer:
         """Reopen the buffer stored at ``folder`` with its stored config."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
@@ -245,16 +255,20 @@ class ReplayBuffer:
         return int((self._meta["episode_lens"] > 0).sum())
 
     def __repr__(self) -> str:
-        return (f"ReplayBuffer({self.storage.location!r}, backend={self.storage.backend_name!r}, "
-                f"episodes={len(self)}/{self.max_episodes}, fields={list(self.schema.fields)})")
+        return (
+            f"ReplayBuffer({self.storage.location!r}, backend={self.storage.backend_name!r}, "
+            f"episodes={len(self)}/{self.max_episodes}, fields={list(self.schema.fields)})"
+        )
 
     def _field(self, name: str) -> Field:
         if name in self.schema.fields:
             return self.schema.fields[name]
         if name in self._meta_fields and name not in _HIDDEN_META:
             return self._meta_fields[name]
-        raise ValueError(f"invalid field name {name!r} - must be one of {sorted(self.fieldnames)} "
-                         f"or meta fields {sorted(self.meta_fieldnames)}")
+        raise ValueError(
+            f"invalid field name {name!r} - must be one of {sorted(self.fieldnames)} "
+            f"or meta fields {sorted(self.meta_fieldnames)}"
+        )
 
     def _check_writable(self, call: str) -> None:
         if self.read_only:
@@ -266,9 +280,11 @@ class ReplayBuffer:
             raise ValueError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
 
     def _full_message(self, batch_size: int = 1) -> str:
-        return (f"the replay buffer is full ({self.num_episodes} of {self.max_episodes} episodes, "
-                f"{batch_size} more requested) and is not circular: pass circular=True, clear() it, "
-                "or create it with a larger max_episodes")
+        return (
+            f"the replay buffer is full ({self.num_episodes} of {self.max_episodes} episodes, "
+            f"{batch_size} more requested) and is not circular: pass circular=True, clear() it, "
+            "or create it with a larger max_episodes"
+        )
 
     def _check_room(self, batch_size: int) -> None:
         if batch_size > self.max_episodes:
@@ -283,10 +299,12 @@ class ReplayBuffer:
 
     def _begin_group(self, batch_size: int, meta: dict[str, np.ndarray]) -> EpisodeGroup:
         self._check_room(batch_size)
-        group = EpisodeGroup(self._next_slots(batch_size), self.schema.fields, self._spans,
-                             int(self._state["total_episodes"]))
-        group.meta = {n: np.broadcast_to(fill_value(f), (batch_size, *f.shape)).copy()
-                      for n, f in self.schema.meta_fields.items()}
+        group = EpisodeGroup(
+            self._next_slots(batch_size), self.schema.fields, self._spans, int(self._state["total_episodes"])
+        )
+        group.meta = {
+            n: np.broadcast_to(fill_value(f), (batch_size, *f.shape)).copy() for n, f in self.schema.meta_fields.items()
+        }
         for name, values in meta.items():
             group.meta[name][:] = values
         self._group = group
@@ -309,7 +327,9 @@ class ReplayBuffer:
         self._dirty_slots.update(group.slots.tolist())
         if not self._rows_written_whole:
             self.storage.commit_state({**self._state, "writing": group.slots.tolist()})
-        reused = group.slots[(self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)]
+        reused = group.slots[
+            (self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)
+        ]
         if len(reused):
             self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
             self._write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
@@ -322,17 +342,23 @@ class ReplayBuffer:
             for name, t0, rows in slabs:
                 self.storage.write_rows(name, group.slots, t0, rows)
         except (OSError, StorageError) as e:
-            raise StorageError(f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} "
-                               f"failed: {e}") from e
+            raise StorageError(
+                f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} failed: {e}"
+            ) from e
 
     def _stage(self, values: dict[str, np.ndarray]) -> None:
         group = self._group
         self._write_slabs(group, group.append(values))
         self._store_step += 1
         if self.flush_every_store_step > 0:
-            self._log_pending.append(self._step_log.steps(
-                {n: values[n] if n in values else np.broadcast_to(self._fills[n], (group.batch_size, *f.shape))
-                 for n, f in self.schema.fields.items()}))
+            self._log_pending.append(
+                self._step_log.steps(
+                    {
+                        n: values[n] if n in values else np.broadcast_to(self._fills[n], (group.batch_size, *f.shape))
+                        for n, f in self.schema.fields.items()
+                    }
+                )
+            )
             if self._store_step % self.flush_every_store_step == 0:
                 self._flush_log()
 
@@ -362,8 +388,9 @@ class ReplayBuffer:
             end = min(-(-longest // chunk) * chunk, self.max_timesteps)
             if end > start:
                 f = self.schema.fields[name]
-                self.storage.write_rows(name, group.slots, start,
-                                        np.zeros((group.batch_size, end - start, *f.shape), f.dtype))
+                self.storage.write_rows(
+                    name, group.slots, start, np.zeros((group.batch_size, end - start, *f.shape), f.dtype)
+                )
 
     def _publish(self, slots: np.ndarray, length: int, meta: dict[str, np.ndarray]) -> None:
         """Commit steps 3 and 4: meta rows, generation and length, then the counters."""
@@ -486,8 +513,10 @@ class ReplayBuffer:
         self._check_names(data, self.fieldnames, "field", "store")
         values = {n: step_value(v, self.schema.fields[n]) for n, v in data.items()}
         if self.timestep_index >= self.max_timesteps:
-            raise ValueError(f"store: the episode already has max_timesteps ({self.max_timesteps}) steps; "
-                             "increase max_timesteps when creating the buffer")
+            raise ValueError(
+                f"store: the episode already has max_timesteps ({self.max_timesteps}) steps; "
+                "increase max_timesteps when creating the buffer"
+            )
         if self._group is None:
             self._begin_group(1, {})
         elif self._group.batch_size != 1:
@@ -514,8 +543,10 @@ class ReplayBuffer:
                 raise ValueError(f"store_batch: field {name!r} has batch size {size}, expected {batch}")
         values = {n: batch_value(v, self.schema.fields[n], batch) for n, v in data.items()}
         if self.timestep_index >= self.max_timesteps:
-            raise ValueError(f"store_batch: the episodes already have max_timesteps ({self.max_timesteps}) steps; "
-                             "increase max_timesteps when creating the buffer")
+            raise ValueError(
+                f"store_batch: the episodes already have max_timesteps ({self.max_timesteps}) steps; "
+                "increase max_timesteps when creating the buffer"
+            )
         if self._group is None:
             self._begin_group(batch, {})
         self._stage(values)
@@ -552,23 +583,28 @@ class ReplayBuffer:
                 if array.ndim == 0:
                     raise ValueError(f"store_episode: time-varying field {name!r} needs a time dimension, got a scalar")
                 if length is not None and array.shape[0] != length:
-                    raise ValueError(f"store_episode: field {name!r} has {array.shape[0]} timesteps, "
-                                     f"other fields have {length}")
+                    raise ValueError(
+                        f"store_episode: field {name!r} has {array.shape[0]} timesteps, other fields have {length}"
+                    )
                 length = array.shape[0]
                 steps[name] = cast_values(fit_shape(array, f, 1), f)
             else:
                 meta[name] = value
         if length is None:
-            raise ValueError("store_episode: at least one time-varying field is needed, got only meta fields "
-                             f"{sorted(meta)}")
+            raise ValueError(
+                f"store_episode: at least one time-varying field is needed, got only meta fields {sorted(meta)}"
+            )
         if length == 0:
             raise ValueError("store_episode: an episode needs at least one timestep, got 0")
         if length > self.max_timesteps:
             raise ValueError(f"store_episode: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
         meta_values = self._meta_values(meta, 1, "store_episode")
         if self._group is not None:
-            warnings.warn(f"store_episode called with an episode in progress ({self.timestep_index} steps); "
-                          "that episode is discarded", stacklevel=2)
+            warnings.warn(
+                f"store_episode called with an episode in progress ({self.timestep_index} steps); "
+                "that episode is discarded",
+                stacklevel=2,
+            )
             self._abort_group()
         self._check_room(1)
         group = EpisodeGroup(self._next_slots(1), self.schema.fields, self._spans, int(self._state["total_episodes"]))
@@ -608,24 +644,38 @@ class ReplayBuffer:
         self._abort_group()
         for name in ("episode_lens", "_generation"):
             self._write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self._meta[name].dtype))
-        self._state = {"num_episodes": 0, "episode_index": 0, "total_episodes": int(self._state["total_episodes"]),
-                       "cleared": True}
+        self._state = {
+            "num_episodes": 0,
+            "episode_index": 0,
+            "total_episodes": int(self._state["total_episodes"]),
+            "cleared": True,
+        }
         self.storage.commit_state(self._state)
 
     def _check_slot(self, episode_index: Any, call: str) -> int:
-        if isinstance(episode_index, bool) or not isinstance(episode_index, (int, np.integer)) \
-                or not 0 <= episode_index < self.max_episodes:
-            raise ValueError(f"{call}: episode_index {episode_index!r} out of range - must be in [0, {self.max_episodes})")
+        if (
+            isinstance(episode_index, bool)
+            or not isinstance(episode_index, (int, np.integer))
+            or not 0 <= episode_index < self.max_episodes
+        ):
+            raise ValueError(
+                f"{call}: episode_index {episode_index!r} out of range - must be in [0, {self.max_episodes})"
+            )
         return int(episode_index)
 
     def store_datapoint(self, episode_index: int, timestep_index: int, name: str, datapoint: Any) -> None:
         """Write one value of a data field at (episode, timestep)."""
         self._check_writable("store_datapoint")
         episode = self._check_slot(episode_index, "store_datapoint")
-        if isinstance(timestep_index, bool) or not isinstance(timestep_index, (int, np.integer)) \
-                or not 0 <= timestep_index < self.max_timesteps:
-            raise ValueError(f"store_datapoint: timestep_index {timestep_index!r} out of range - "
-                             f"must be in [0, {self.max_timesteps})")
+        if (
+            isinstance(timestep_index, bool)
+            or not isinstance(timestep_index, (int, np.integer))
+            or not 0 <= timestep_index < self.max_timesteps
+        ):
+            raise ValueError(
+                f"store_datapoint: timestep_index {timestep_index!r} out of range - "
+                f"must be in [0, {self.max_timesteps})"
+            )
         self._check_names([name], self.fieldnames, "field", "store_datapoint")
         value = step_value(datapoint, self.schema.fields[name])
         group = self._group
@@ -668,13 +718,16 @@ class ReplayBuffer:
                 array = array[None]
             if name in self.fieldnames:
                 if array.ndim < 2:
-                    raise ValueError(f"update: field {name!r} expects (episodes, time, *{f.shape}) values, "
-                                     f"got shape {array.shape}")
+                    raise ValueError(
+                        f"update: field {name!r} expects (episodes, time, *{f.shape}) values, got shape {array.shape}"
+                    )
                 # () <-> (1,) as the seed casts; any other feature shape must broadcast
                 array = fit_shape(array, f, 2) if array.shape[2:] in ((), (1,)) and f.shape in ((), (1,)) else array
                 length = array.shape[1]
                 if length > self.max_timesteps:
-                    raise ValueError(f"update: field {name!r} has {length} timesteps, max_timesteps is {self.max_timesteps}")
+                    raise ValueError(
+                        f"update: field {name!r} has {length} timesteps, max_timesteps is {self.max_timesteps}"
+                    )
                 target = (len(episodes), length, *f.shape)
             else:
                 array = fit_shape(array, f, 1) if array.shape[1:] in ((), (1,)) and f.shape in ((), (1,)) else array
@@ -682,7 +735,9 @@ class ReplayBuffer:
             try:
                 array = np.broadcast_to(array, target)
             except ValueError:
-                raise ValueError(f"update: field {name!r} value of shape {array.shape} does not broadcast to {target}") from None
+                raise ValueError(
+                    f"update: field {name!r} value of shape {array.shape} does not broadcast to {target}"
+                ) from None
             writes.append((name, cast_values(array, f)))
         for name, array in writes:
             if name in self.fieldnames:
@@ -709,8 +764,13 @@ class ReplayBuffer:
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def get_all_data(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-                     device: torch.device | str | None = None, lazy: bool = False):
+    def get_all_data(
+        self,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        device: torch.device | str | None = None,
+        lazy: bool = False,
+    ):
         """Every committed episode (slot order, as the seed) as tensors, time-padded to the longest.
 
         Decoded in parallel through dask; ``lazy=True`` returns the dask arrays instead.
@@ -719,8 +779,12 @@ class ReplayBuffer:
 
         return get_all_data(self, fields, meta_fields, device=device, lazy=lazy)
 
-    def to_dask(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-                order: str = "chronological"):
+    def to_dask(
+        self,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        order: str = "chronological",
+    ):
         """Committed episodes as dask arrays: data (episodes, time, *shape), meta (episodes, *shape)."""
         from .analysis import to_dask
 
@@ -740,40 +804,87 @@ class ReplayBuffer:
 
     # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
 
-    def dataset(self, n_steps: int | None = None, fields: Sequence[str] | None = None,
-                current_fields: Sequence[str] | None = None, next_fields: Sequence[str] | None = None,
-                sequence_fields: Sequence[str] | None = None, timestep_level: bool = False,
-                filter_meta: dict | None = None, filter_fields: dict | None = None,
-                fieldname_map: dict[str, str] | None = None, slice_by_episode_len: bool = True,
-                return_episode_lens: bool = True, **kwargs: Any):
+    def dataset(
+        self,
+        n_steps: int | None = None,
+        fields: Sequence[str] | None = None,
+        current_fields: Sequence[str] | None = None,
+        next_fields: Sequence[str] | None = None,
+        sequence_fields: Sequence[str] | None = None,
+        timestep_level: bool = False,
+        filter_meta: dict | None = None,
+        filter_fields: dict | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        slice_by_episode_len: bool = True,
+        return_episode_lens: bool = True,
+        **kwargs: Any,
+    ):
         """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of the
         episodes committed now; see ``replaybuf.sampling.make_dataset``."""
         from .sampling import make_dataset
 
-        return make_dataset(self, n_steps=n_steps, fields=fields, current_fields=current_fields,
-                            next_fields=next_fields, sequence_fields=sequence_fields, timestep_level=timestep_level,
-                            filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map,
-                            slice_by_episode_len=slice_by_episode_len, return_episode_lens=return_episode_lens,
-                            **kwargs)
+        return make_dataset(
+            self,
+            n_steps=n_steps,
+            fields=fields,
+            current_fields=current_fields,
+            next_fields=next_fields,
+            sequence_fields=sequence_fields,
+            timestep_level=timestep_level,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            slice_by_episode_len=slice_by_episode_len,
+            return_episode_lens=return_episode_lens,
+            **kwargs,
+        )
 
-    def dataloader(self, batch_size: int, n_steps: int | None = None, dataset: Any = None,
-                   fields: Sequence[str] | None = None, current_fields: Sequence[str] | None = None,
-                   next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
-                   filter_meta: dict | None = None, filter_fields: dict | None = None,
-                   fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
-                   return_mask: bool = False, timestep_level: bool = False,
-                   to_named_tuple: Sequence[str] | None = None, shuffle: bool = False,
-                   device: torch.device | str | None = None, dataset_kwargs: dict | None = None, **kwargs: Any):
+    def dataloader(
+        self,
+        batch_size: int,
+        n_steps: int | None = None,
+        dataset: Any = None,
+        fields: Sequence[str] | None = None,
+        current_fields: Sequence[str] | None = None,
+        next_fields: Sequence[str] | None = None,
+        sequence_fields: Sequence[str] | None = None,
+        filter_meta: dict | None = None,
+        filter_fields: dict | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        return_indices: bool = False,
+        return_mask: bool = False,
+        timestep_level: bool = False,
+        to_named_tuple: Sequence[str] | None = None,
+        shuffle: bool = False,
+        device: torch.device | str | None = None,
+        dataset_kwargs: dict | None = None,
+        **kwargs: Any,
+    ):
         """A torch DataLoader over the episodes committed now (``sampler='prioritized'`` for
         prioritized timesteps); see ``replaybuf.sampling.make_dataloader``."""
         from .sampling import make_dataloader
 
-        return make_dataloader(self, batch_size, n_steps=n_steps, dataset=dataset, fields=fields,
-                               current_fields=current_fields, next_fields=next_fields,
-                               sequence_fields=sequence_fields, filter_meta=filter_meta, filter_fields=filter_fields,
-                               fieldname_map=fieldname_map, return_indices=return_indices, return_mask=return_mask,
-                               timestep_level=timestep_level, to_named_tuple=to_named_tuple, shuffle=shuffle,
-                               device=device, dataset_kwargs=dataset_kwargs, **kwargs)
+        return make_dataloader(
+            self,
+            batch_size,
+            n_steps=n_steps,
+            dataset=dataset,
+            fields=fields,
+            current_fields=current_fields,
+            next_fields=next_fields,
+            sequence_fields=sequence_fields,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            return_indices=return_indices,
+            return_mask=return_mask,
+            timestep_level=timestep_level,
+            to_named_tuple=to_named_tuple,
+            shuffle=shuffle,
+            device=device,
+            dataset_kwargs=dataset_kwargs,
+            **kwargs,
+        )
 
     def update_priorities(self, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
         """Write new priorities for a prioritized batch's ``_indices`` (B, 2) into
@@ -793,18 +904,30 @@ class ReplayBuffer:
         """Frames of one episode, or several concatenated in time (one slab read per episode)."""
         return video.episode_frames(self, episode_index, field)
 
-    def save_video(self, path: str | os.PathLike, episode_index: int | Sequence[int] = 0,
-                   field: str | None = None, fps: float = 30, **kwargs: Any) -> Path:
+    def save_video(
+        self,
+        path: str | os.PathLike,
+        episode_index: int | Sequence[int] = 0,
+        field: str | None = None,
+        fps: float = 30,
+        **kwargs: Any,
+    ) -> Path:
         """Render episode(s) of an image field to .mp4 / .webm / .gif."""
         return video.save_video(self, path, episode_index, field, fps, **kwargs)
 
-    def create_collector(self, num_groups: int, fieldnames: tuple[str, ...] | None = None,
-                         meta_fieldnames: tuple[str, ...] | None = None, **collector_kwargs: Any) -> EpisodeCollector:
+    def create_collector(
+        self,
+        num_groups: int,
+        fieldnames: tuple[str, ...] | None = None,
+        meta_fieldnames: tuple[str, ...] | None = None,
+        **collector_kwargs: Any,
+    ) -> EpisodeCollector:
         """An EpisodeCollector that gathers ``num_groups`` lock-step episodes and stores them here."""
         from .collector import EpisodeCollector
 
-        return EpisodeCollector(self, num_groups, fieldnames=fieldnames, meta_fieldnames=meta_fieldnames,
-                                **collector_kwargs)
+        return EpisodeCollector(
+            self, num_groups, fieldnames=fieldnames, meta_fieldnames=meta_fieldnames, **collector_kwargs
+        )
 
     create_rollout_collector = create_collector
 

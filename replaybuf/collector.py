@@ -351,9 +351,7 @@ class EpisodeCollector:
         ``filter_fields`` keeps the steps whose scalar fields equal the given values; other
         keywords go to torch's DataLoader.
         """
-        data = {
-            name: torch.as_tensor(value).reshape(-1, *value.shape[2:]) for name, value in self.all_data().items()
-        }
+        data = {name: torch.as_tensor(value).reshape(-1, *value.shape[2:]) for name, value in self.all_data().items()}
         if filter_fields:
             mask = None
             for name, wanted in filter_fields.items():

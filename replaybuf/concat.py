@@ -143,8 +143,15 @@ class ConcatStorage(Storage):
                 out[rows, : stop - t0] = self.members[member].read_rows(name, local, t0, stop)
         return out
 
-    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                   out: np.ndarray, parallel: bool = True) -> None:
+    def read_spans(
+        self,
+        name: str,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: np.ndarray,
+        parallel: bool = True,
+    ) -> None:
         """Time spans of episodes into ``out``, each run of consecutive rows from its member's
         bulk path (``Storage.read_spans``); steps past a member's time axis
         read as zero, as ``read_rows`` gives them."""
@@ -156,8 +163,9 @@ class ConcatStorage(Storage):
             runs = np.flatnonzero(np.diff(rows) != 1) + 1
             for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(rows)]):
                 first = int(rows[lo])
-                self.members[member].read_spans(name, local[lo:hi], firsts[lo:hi], spans[lo:hi],
-                           out[first:first + hi - lo], parallel=parallel)
+                self.members[member].read_spans(
+                    name, local[lo:hi], firsts[lo:hi], spans[lo:hi], out[first : first + hi - lo], parallel=parallel
+                )
             for row, span, length in zip(rows.tolist(), spans.tolist(), lengths[rows].tolist()):
                 out[row, span:length] = 0
 
@@ -190,8 +198,10 @@ class ConcatStorage(Storage):
 
 
 def _read_only_message(call: str) -> str:
-    return (f"ConcatReplayBuffer is read-only: `{call}` is not allowed; "
-            "write to one of its member buffers (ReplayBuffer.from_folder(path)) instead")
+    return (
+        f"ConcatReplayBuffer is read-only: `{call}` is not allowed; "
+        "write to one of its member buffers (ReplayBuffer.from_folder(path)) instead"
+    )
 
 
 def _refused(call: str):
@@ -210,8 +220,10 @@ def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
     first = buffers[0]
     problems = []
     for index, buffer in enumerate(buffers[1:], start=1):
-        for group, ours, theirs in (("fields", first.schema.fields, buffer.schema.fields),
-                                    ("meta fields", first.schema.meta_fields, buffer.schema.meta_fields)):
+        for group, ours, theirs in (
+            ("fields", first.schema.fields, buffer.schema.fields),
+            ("meta fields", first.schema.meta_fields, buffer.schema.meta_fields),
+        ):
             missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
             if missing:
                 problems.append(f"  buffer {index} ({buffer.storage.location!r}) lacks {group} {missing}")
@@ -220,11 +232,15 @@ def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
             for name in sorted(set(ours) & set(theirs)):
                 a, b = ours[name], theirs[name]
                 if (a.dtype, a.shape) != (b.dtype, b.shape):
-                    problems.append(f"  buffer {index} ({buffer.storage.location!r}) {group[:-1]} {name!r} is "
-                                    f"{b.dtype.name}{list(b.shape)}, buffer 0 has {a.dtype.name}{list(a.shape)}")
+                    problems.append(
+                        f"  buffer {index} ({buffer.storage.location!r}) {group[:-1]} {name!r} is "
+                        f"{b.dtype.name}{list(b.shape)}, buffer 0 has {a.dtype.name}{list(a.shape)}"
+                    )
     if problems:
-        raise ValueError(f"ConcatReplayBuffer: all buffers must have the same fields as buffer 0 "
-                         f"({first.storage.location!r}):\n" + "\n".join(problems))
+        raise ValueError(
+            f"ConcatReplayBuffer: all buffers must have the same fields as buffer 0 "
+            f"({first.storage.location!r}):\n" + "\n".join(problems)
+        )
 
 
 class ConcatReplayBuffer:
@@ -236,28 +252,37 @@ class ConcatReplayBuffer:
     longest member's ``max_timesteps``. All members must store the same fields.
     """
 
-    def __init__(self, buffers: Sequence[Member] | str | os.PathLike,
-                 storage_options: dict | Sequence[dict | None] | None = None):
+    def __init__(
+        self, buffers: Sequence[Member] | str | os.PathLike, storage_options: dict | Sequence[dict | None] | None = None
+    ):
         if isinstance(buffers, (str, os.PathLike)):
             from .shards import discover_shards
 
             root = os.fspath(buffers)
             buffers = discover_shards(root, storage_options) or [root]
         if isinstance(buffers, ReplayBuffer) or not isinstance(buffers, Sequence):
-            raise TypeError(f"ConcatReplayBuffer takes a shard root or a list of paths, URLs or ReplayBuffers, "
-                            f"got {buffers!r}")
+            raise TypeError(
+                f"ConcatReplayBuffer takes a shard root or a list of paths, URLs or ReplayBuffers, got {buffers!r}"
+            )
         if len(buffers) == 0:
             raise ValueError("ConcatReplayBuffer requires at least one buffer")
-        options = list(storage_options) if isinstance(storage_options, (list, tuple)) \
-            else [storage_options] * len(buffers)
+        options = (
+            list(storage_options) if isinstance(storage_options, (list, tuple)) else [storage_options] * len(buffers)
+        )
         if len(options) != len(buffers):
-            raise ValueError(f"storage_options has {len(options)} entries for {len(buffers)} buffers; "
-                             "pass one dict for all or one per buffer")
+            raise ValueError(
+                f"storage_options has {len(options)} entries for {len(buffers)} buffers; "
+                "pass one dict for all or one per buffer"
+            )
         self.buffers = [self._open(b, o) for b, o in zip(buffers, options)]
         _check_same_fields(self.buffers)
         first = self.buffers[0].schema
-        self.schema = Schema(dict(first.fields), dict(first.meta_fields),
-                             sum(b.max_episodes for b in self.buffers), max(b.max_timesteps for b in self.buffers))
+        self.schema = Schema(
+            dict(first.fields),
+            dict(first.meta_fields),
+            sum(b.max_episodes for b in self.buffers),
+            max(b.max_timesteps for b in self.buffers),
+        )
         self.read_only = True
         self.circular = False
         self.folder = [b.folder for b in self.buffers]
@@ -347,14 +372,23 @@ class ConcatReplayBuffer:
 
         return make_dataloader(self, batch_size, **kwargs)
 
-    def get_all_data(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-                     device: torch.device | str | None = None, lazy: bool = False):
+    def get_all_data(
+        self,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        device: torch.device | str | None = None,
+        lazy: bool = False,
+    ):
         """Every committed episode of every member (member by member, slot order, as the seed),
         time-padded with zeros to the longest, decoded through dask."""
         return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy)
 
-    def to_dask(self, fields: Sequence[str] | None = None, meta_fields: Sequence[str] | None = None,
-                order: str = "chronological"):
+    def to_dask(
+        self,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        order: str = "chronological",
+    ):
         """The committed episodes of every member as dask arrays (see ``analysis.to_dask``)."""
         return analysis.to_dask(self, fields, meta_fields, order=order)
 

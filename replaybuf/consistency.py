@@ -41,8 +41,12 @@ def unchanged_slots(buffer: ReplayBuffer, slots: np.ndarray, generations: np.nda
     return (stored_meta(buffer, "_generation", slots) == generations) & (generations > 0)
 
 
-def read_unchanged(buffer: ReplayBuffer, slots: np.ndarray, generations: np.ndarray,
-                   read: Callable[[np.ndarray], dict[str, np.ndarray]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def read_unchanged(
+    buffer: ReplayBuffer,
+    slots: np.ndarray,
+    generations: np.ndarray,
+    read: Callable[[np.ndarray], dict[str, np.ndarray]],
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Run ``read(positions)`` for the positions of ``slots`` planned at ``generations`` and keep
     what was read from slots that still hold those episodes afterwards.
 
@@ -83,9 +87,12 @@ class ConsistentEpisodes:
         return len(self.slots)
 
 
-def read_episodes_consistent(buffer: ReplayBuffer, slots: Sequence[int] | np.ndarray,
-                             fields: Sequence[str] | None = None,
-                             generations: Sequence[int] | np.ndarray | None = None) -> ConsistentEpisodes:
+def read_episodes_consistent(
+    buffer: ReplayBuffer,
+    slots: Sequence[int] | np.ndarray,
+    fields: Sequence[str] | None = None,
+    generations: Sequence[int] | np.ndarray | None = None,
+) -> ConsistentEpisodes:
     """Read whole episodes from ``slots`` of a buffer another process may be writing.
 
     Returns the slots that held one committed episode throughout the read, with their data
@@ -102,8 +109,9 @@ def read_episodes_consistent(buffer: ReplayBuffer, slots: Sequence[int] | np.nda
     fields = list(buffer.schema.fields) if fields is None else list(fields)
     unknown = sorted(set(fields) - set(buffer.schema.fields))
     if unknown:
-        raise ValueError(f"read_episodes_consistent: invalid field names {unknown} - must be among "
-                         f"{sorted(buffer.schema.fields)}")
+        raise ValueError(
+            f"read_episodes_consistent: invalid field names {unknown} - must be among {sorted(buffer.schema.fields)}"
+        )
     before = stored_meta(buffer, "_generation", slots)
     if generations is not None:
         generations = np.asarray(generations, dtype=np.int64)
@@ -126,7 +134,10 @@ def read_episodes_consistent(buffer: ReplayBuffer, slots: Sequence[int] | np.nda
     kept, data = read_unchanged(buffer, slots, before, read)
     cut = int(lens[kept].max()) if len(kept) else 0
     return ConsistentEpisodes(
-        slots=slots[kept], generations=before[kept], lens=lens[kept],
-        data={n: v[:, :cut] for n, v in data.items()}, meta={n: v[kept] for n, v in meta.items()},
+        slots=slots[kept],
+        generations=before[kept],
+        lens=lens[kept],
+        data={n: v[:, :cut] for n, v in data.items()},
+        meta={n: v[kept] for n, v in meta.items()},
         dropped=np.setdiff1d(slots, slots[kept]),
     )

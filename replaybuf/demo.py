@@ -1,6 +1,6 @@
 """The README's first command: write a small buffer with an image field, sample it, report.
 
-    python -m replaybuf.demo [FOLDER]
+python -m replaybuf.demo [FOLDER]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def rendered_frame(t: int, episode: int, size: int = 64) -> np.ndarray:
     y, x = np.mgrid[0:size, 0:size]
     frame = np.stack([x * 4 % 256, y * 4 % 256, np.full_like(x, 40 * episode % 256)], axis=-1).astype(np.uint8)
     cx, cy = (5 + 2 * t) % (size - 8), (10 + t + 7 * episode) % (size - 8)
-    frame[cy:cy + 8, cx:cx + 8] = (255, 220, 0)
+    frame[cy : cy + 8, cx : cx + 8] = (255, 220, 0)
     return frame
 
 
@@ -29,10 +29,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0]) if argv else Path(tempfile.mkdtemp(prefix="replaybuf-demo-")) / "replay"
     buffer = ReplayBuffer(
-        str(folder), max_episodes=64, max_timesteps=100,
+        str(folder),
+        max_episodes=64,
+        max_timesteps=100,
         fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 8), action=("int", 2), reward="float"),
         meta_fields=dict(task_id="int"),
-        circular=True, flush_every_store_step=0,
+        circular=True,
+        flush_every_store_step=0,
     )
     rng = np.random.default_rng(0)
     start = time.perf_counter()
@@ -41,13 +44,19 @@ def main(argv: list[str] | None = None) -> None:
         with buffer.one_episode(task_id=episode % 4) as final:
             length = int(rng.integers(40, 100))
             for t in range(length):
-                buffer.store(frame=rendered_frame(t, episode), state=rng.normal(size=8),
-                             action=rng.integers(0, 4, 2), reward=float(rng.random()))
+                buffer.store(
+                    frame=rendered_frame(t, episode),
+                    state=rng.normal(size=8),
+                    action=rng.integers(0, 4, 2),
+                    reward=float(rng.random()),
+                )
             final["task_id"] = episode % 4
             steps += length
     write_s = time.perf_counter() - start
-    print(f"wrote {buffer.num_episodes} episodes / {steps} steps to {folder} in {write_s:.2f}s "
-          f"({steps / write_s:,.0f} steps/s)")
+    print(
+        f"wrote {buffer.num_episodes} episodes / {steps} steps to {folder} in {write_s:.2f}s "
+        f"({steps / write_s:,.0f} steps/s)"
+    )
 
     reopened = ReplayBuffer.from_folder(str(folder), read_only=True)
     print(f"reopened read-only: {len(reopened)} episodes, lengths {reopened.episode_lens[:8].tolist()}...")
@@ -65,18 +74,29 @@ def _sample(buffer: ReplayBuffer) -> list[str]:
     """Sample timesteps and n-step transitions through the buffer's DataLoaders."""
     lines = []
     if hasattr(buffer, "dataloader"):
-        loader = buffer.dataloader(batch_size=32, timestep_level=True, shuffle=True,
-                                   to_named_tuple=("frame", "action", "task_id"))
+        loader = buffer.dataloader(
+            batch_size=32, timestep_level=True, shuffle=True, to_named_tuple=("frame", "action", "task_id")
+        )
         frame, action, task_id = next(iter(loader))
-        lines.append(f"timestep batch: frame {tuple(frame.shape)} {frame.dtype}, action {tuple(action.shape)}, "
-                     f"task_id {tuple(task_id.shape)}")
-        loader = buffer.dataloader(batch_size=16, n_steps=5, current_fields=("frame",), next_fields=("frame",),
-                                   sequence_fields=("reward",), shuffle=True)
+        lines.append(
+            f"timestep batch: frame {tuple(frame.shape)} {frame.dtype}, action {tuple(action.shape)}, "
+            f"task_id {tuple(task_id.shape)}"
+        )
+        loader = buffer.dataloader(
+            batch_size=16,
+            n_steps=5,
+            current_fields=("frame",),
+            next_fields=("frame",),
+            sequence_fields=("reward",),
+            shuffle=True,
+        )
         batch = next(iter(loader))
         lines.append("n-step batch: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
     data = buffer.get_all_data(fields=("reward",), meta_fields=("task_id",))
-    lines.append(f"get_all_data: reward {tuple(data['reward'].shape)}, mean episode return "
-                 f"{data['reward'].sum(1).mean().item():.2f}")
+    lines.append(
+        f"get_all_data: reward {tuple(data['reward'].shape)}, mean episode return "
+        f"{data['reward'].sum(1).mean().item():.2f}"
+    )
     return lines
 
 

@@ -59,15 +59,34 @@ class ReplayBufferH5PY(ReplayBuffer):
             options["compression"] = h5py_compression
         if h5py_compression_opts is not None:
             options["compression_opts"] = h5py_compression_opts
-        super().__init__(folder, max_episodes, max_timesteps, fields, meta_fields, circular, overwrite, read_only,
-                         flush_every_store_step, storage_options=options, backend="hdf5", fsync=fsync)
+        super().__init__(
+            folder,
+            max_episodes,
+            max_timesteps,
+            fields,
+            meta_fields,
+            circular,
+            overwrite,
+            read_only,
+            flush_every_store_step,
+            storage_options=options,
+            backend="hdf5",
+            fsync=fsync,
+        )
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike, read_only: bool = False, storage_options: dict | None = None,
-                    backend: str | None = None, **kwargs: Any) -> ReplayBufferH5PY:
+    def from_folder(
+        cls,
+        folder: str | os.PathLike,
+        read_only: bool = False,
+        storage_options: dict | None = None,
+        backend: str | None = None,
+        **kwargs: Any,
+    ) -> ReplayBufferH5PY:
         """Reopen the HDF5 buffer stored at ``folder`` with its stored config."""
         _require_h5py()
         if backend not in (None, "hdf5"):
             raise ValueError(f"ReplayBufferH5PY reads the 'hdf5' backend only, got backend={backend!r}")
-        return super().from_folder(folder, read_only=read_only, storage_options=storage_options, backend="hdf5",
-                                   **kwargs)
+        return super().from_folder(
+            folder, read_only=read_only, storage_options=storage_options, backend="hdf5", **kwargs
+        )

@@ -135,8 +135,10 @@ def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
         raise TypeError(f"{where}compressor must be a string such as 'zstd:3' or 'none', got {text!r}")
     kind, _, level = text.partition(":")
     if kind not in COMPRESSORS or (level and not level.lstrip("-").isdigit()) or (kind == "none" and level):
-        raise ValueError(f"{where}unknown compressor {text!r}; expected one of {COMPRESSORS}, "
-                         "optionally with ':LEVEL' (e.g. 'zstd:5')")
+        raise ValueError(
+            f"{where}unknown compressor {text!r}; expected one of {COMPRESSORS}, "
+            "optionally with ':LEVEL' (e.g. 'zstd:5')"
+        )
     return kind, int(level) if level else None
 
 
@@ -151,8 +153,9 @@ class Schema:
     circular: bool = False
 
     @classmethod
-    def build(cls, fields: dict, meta_fields: dict | None, max_episodes: int, max_timesteps: int,
-              circular: bool = False) -> Schema:
+    def build(
+        cls, fields: dict, meta_fields: dict | None, max_episodes: int, max_timesteps: int, circular: bool = False
+    ) -> Schema:
         """Validate user arguments into a Schema."""
         for arg, value in (("max_episodes", max_episodes), ("max_timesteps", max_timesteps)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -171,7 +174,9 @@ class Schema:
         schema = cls(
             {n: parse_field(n, s) for n, s in fields.items()},
             {n: parse_field(n, s) for n, s in meta_fields.items()},
-            int(max_episodes), int(max_timesteps), bool(circular),
+            int(max_episodes),
+            int(max_timesteps),
+            bool(circular),
         )
         schema._check_episode_size()
         return schema
@@ -203,7 +208,9 @@ class Schema:
         return cls(
             {n: Field.from_json(n, f) for n, f in data["fields"].items()},
             {n: Field.from_json(n, f) for n, f in data["meta_fields"].items()},
-            int(data["max_episodes"]), int(data["max_timesteps"]), bool(data["circular"]),
+            int(data["max_episodes"]),
+            int(data["max_timesteps"]),
+            bool(data["circular"]),
         )
 
     def differences(self, passed: Schema) -> list[str]:
@@ -225,7 +232,8 @@ class Schema:
         lines = self.differences(passed)
         if lines:
             raise ValueError(
-                f"buffer at {location!r} was created with a different config:\n" + "\n".join(lines)
+                f"buffer at {location!r} was created with a different config:\n"
+                + "\n".join(lines)
                 + "\nOpen it with ReplayBuffer.from_folder(...) to use the stored config, "
                 "or pass overwrite=True to recreate it (erasing its episodes)."
             )

@@ -47,7 +47,7 @@ def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuff
 
 def _children(root: str, storage_options: dict | None) -> list[str]:
     if not _is_url(root):
-        path = root[len("file://"):] if root.startswith("file://") else root
+        path = root[len("file://") :] if root.startswith("file://") else root
         return os.listdir(path) if os.path.isdir(path) else []
     from zarr.core.sync import sync
 

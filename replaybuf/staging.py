@@ -109,8 +109,12 @@ class StepLog:
         return _RECORD.pack(kind, len(payload)) + payload
 
     def header(self, slots: np.ndarray, generation_base: int, meta: dict[str, np.ndarray]) -> bytes:
-        doc = {"slots": [int(s) for s in slots], "generation_base": generation_base,
-               "fields": list(self.fields), "meta": {k: np.asarray(v).tolist() for k, v in meta.items()}}
+        doc = {
+            "slots": [int(s) for s in slots],
+            "generation_base": generation_base,
+            "fields": list(self.fields),
+            "meta": {k: np.asarray(v).tolist() for k, v in meta.items()},
+        }
         return self.record(HEADER, json.dumps(doc).encode())
 
     def steps(self, values: dict[str, np.ndarray]) -> bytes:
@@ -124,7 +128,7 @@ class StepLog:
         header, steps, meta, pos = None, [], {}, 0
         while pos + _RECORD.size <= len(data):
             kind, size = _RECORD.unpack_from(data, pos)
-            payload = data[pos + _RECORD.size: pos + _RECORD.size + size]
+            payload = data[pos + _RECORD.size : pos + _RECORD.size + size]
             if len(payload) < size:
                 break
             pos += _RECORD.size + size
@@ -142,6 +146,6 @@ class StepLog:
         for name in names:
             f = self.fields[name]
             size = batch * f.step_nbytes
-            out[name] = np.frombuffer(payload[pos:pos + size], dtype=f.dtype).reshape(batch, *f.shape)
+            out[name] = np.frombuffer(payload[pos : pos + size], dtype=f.dtype).reshape(batch, *f.shape)
             pos += size
         return out

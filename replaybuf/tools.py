@@ -29,7 +29,9 @@ __all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "verify"]
 # ---- opening ----------------------------------------------------------------------------------
 
 
-def _open_read_only(location: str | os.PathLike | Storage, storage_options: dict | None = None) -> tuple[Storage, Schema]:
+def _open_read_only(
+    location: str | os.PathLike | Storage, storage_options: dict | None = None
+) -> tuple[Storage, Schema]:
     """A storage opened read-only (nothing written, whatever the backend) and its schema."""
     storage = make_storage(location, None, storage_options)
     if not storage.exists():
@@ -65,8 +67,9 @@ def _parse_chunks(chunks: dict[str, int] | Iterable[str] | None, schema: Schema)
     return dict(chunks)
 
 
-def _destination_schema(schema: Schema, backend: str, chunks: dict[str, int],
-                        compressor: str | dict[str, str] | None) -> Schema:
+def _destination_schema(
+    schema: Schema, backend: str, chunks: dict[str, int], compressor: str | dict[str, str] | None
+) -> Schema:
     """The source schema with the requested chunking and compression."""
     codecs = getattr(backend_class(backend), "supports_field_codecs", False)
     all_fields = {**schema.fields, **schema.meta_fields}
@@ -75,19 +78,26 @@ def _destination_schema(schema: Schema, backend: str, chunks: dict[str, int],
         if unknown:
             raise ValueError(f"compressor: unknown fields {unknown}; fields are {sorted(all_fields)}")
     if compressor is not None and not codecs:
-        raise ValueError(f"compressor={compressor!r}: the {backend!r} backend does not take per-field compressors; "
-                         "pass its own options through dst_storage_options (hdf5: {'compression': 'gzip'})")
+        raise ValueError(
+            f"compressor={compressor!r}: the {backend!r} backend does not take per-field compressors; "
+            "pass its own options through dst_storage_options (hdf5: {'compression': 'gzip'})"
+        )
 
     def adjust(field: Field) -> Field:
         wanted = compressor.get(field.name) if isinstance(compressor, dict) else compressor
         if wanted is not None:
             parse_compressor(wanted, field.name)
         return dataclasses.replace(
-            field, chunks=chunks.get(field.name, field.chunks) if field.name in schema.fields else field.chunks,
-            compressor=(wanted or field.compressor) if codecs else None)
+            field,
+            chunks=chunks.get(field.name, field.chunks) if field.name in schema.fields else field.chunks,
+            compressor=(wanted or field.compressor) if codecs else None,
+        )
 
-    return dataclasses.replace(schema, fields={n: adjust(f) for n, f in schema.fields.items()},
-                               meta_fields={n: adjust(f) for n, f in schema.meta_fields.items()})
+    return dataclasses.replace(
+        schema,
+        fields={n: adjust(f) for n, f in schema.fields.items()},
+        meta_fields={n: adjust(f) for n, f in schema.meta_fields.items()},
+    )
 
 
 def _slabs(slots: np.ndarray, lens: np.ndarray, schema: Schema) -> Iterable[np.ndarray]:
@@ -95,13 +105,20 @@ def _slabs(slots: np.ndarray, lens: np.ndarray, schema: Schema) -> Iterable[np.n
     widest = max(f.step_nbytes for f in schema.fields.values())
     per_slab = max(1, CONVERT_SLAB_BYTES // max(widest * max(int(lens.max(initial=1)), 1), 1))
     for start in range(0, len(slots), per_slab):
-        yield slots[start:start + per_slab]
+        yield slots[start : start + per_slab]
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, backend: str = "zarr",
-            chunks: dict[str, int] | Sequence[str] | None = None, compressor: str | dict[str, str] | None = None,
-            storage_options: dict | None = None, dst_storage_options: dict | None = None,
-            progress: bool = True, overwrite: bool = False) -> dict:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    backend: str = "zarr",
+    chunks: dict[str, int] | Sequence[str] | None = None,
+    compressor: str | dict[str, str] | None = None,
+    storage_options: dict | None = None,
+    dst_storage_options: dict | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
     """Copy the buffer at ``src`` (any backend, or a memmap-replay-buffer folder) to ``dst``.
 
     Every committed episode keeps its slot, meta values and chronological order, and the
@@ -131,8 +148,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, backend: str = "zarr
     if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)) and "://" not in os.fspath(dst):
         raise ValueError(f"convert: source and destination are the same location {os.fspath(dst)!r}")
     if not overwrite and target.exists():
-        raise FileExistsError(f"convert: a buffer already exists at {target.location!r}; pass overwrite=True "
-                              "(--overwrite) to replace it")
+        raise FileExistsError(
+            f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
+        )
     state = source.load_state()
     lens = _lens(source)
     slots = np.flatnonzero(lens > 0)
@@ -155,12 +173,18 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, backend: str = "zarr
     target.close()
     copied = _check_copy(source, dst, backend, dst_storage_options, lens, state)
     source.close()
-    return {"destination": target.location, "backend": backend, "episodes": int(len(slots)),
-            "timesteps": int(lens[slots].sum()), **copied}
+    return {
+        "destination": target.location,
+        "backend": backend,
+        "episodes": int(len(slots)),
+        "timesteps": int(lens[slots].sum()),
+        **copied,
+    }
 
 
-def _check_copy(source: Storage, dst: str | os.PathLike, backend: str, options: dict | None,
-                lens: np.ndarray, state: dict) -> dict:
+def _check_copy(
+    source: Storage, dst: str | os.PathLike, backend: str, options: dict | None, lens: np.ndarray, state: dict
+) -> dict:
     """Reopen the destination and compare counters, lengths and order with the source."""
     copy = make_storage(dst, backend, options)
     copy.open(read_only=True)
@@ -196,10 +220,14 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             data_bytes = field.step_nbytes * int(valid.sum() if per_episode else lens[valid].sum())
             stored = facts.get("stored_bytes")
             fields[f"{group}/{name}"] = {
-                "dtype": field.dtype.name, "shape": list(field.shape), "default": field.default,
+                "dtype": field.dtype.name,
+                "shape": list(field.shape),
+                "default": field.default,
                 "chunks": None if facts.get("chunks") is None else list(facts["chunks"]),
                 "shards": None if facts.get("shards") is None else list(facts["shards"]),
-                "compressor": facts.get("compressor"), "stored_bytes": stored, "data_bytes": data_bytes,
+                "compressor": facts.get("compressor"),
+                "stored_bytes": stored,
+                "data_bytes": data_bytes,
                 "allocated_bytes": facts.get("raw_bytes"),
             }
             stored_total += stored or 0
@@ -207,11 +235,18 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     state = storage.load_state()
     storage.close()
     return {
-        "location": storage.location, "backend": storage.backend_name, "format": described.get("format"),
-        "max_episodes": schema.max_episodes, "max_timesteps": schema.max_timesteps, "circular": schema.circular,
-        "episodes": int(valid.sum()), "num_episodes": int(state["num_episodes"]),
-        "timesteps": int(lens[valid].sum()), "fields": fields,
-        "stored_bytes": stored_total, "data_bytes": data_total,
+        "location": storage.location,
+        "backend": storage.backend_name,
+        "format": described.get("format"),
+        "max_episodes": schema.max_episodes,
+        "max_timesteps": schema.max_timesteps,
+        "circular": schema.circular,
+        "episodes": int(valid.sum()),
+        "num_episodes": int(state["num_episodes"]),
+        "timesteps": int(lens[valid].sum()),
+        "fields": fields,
+        "stored_bytes": stored_total,
+        "data_bytes": data_total,
         "ratio": (data_total / stored_total) if stored_total else None,
     }
 
@@ -245,8 +280,10 @@ def format_info(facts: dict) -> str:
         chunks = "contiguous" if f["chunks"] is None else "x".join(map(str, f["chunks"]))
         if f.get("shards"):
             chunks += " in " + "x".join(map(str, f["shards"][:2]))
-        lines.append(f"{name:<24} {f['dtype']:<8} {str(tuple(f['shape'])):<14} {chunks:<26} "
-                     f"{str(f['compressor']):<10} {_size(f['data_bytes']):>10} {_size(f['stored_bytes']):>10}")
+        lines.append(
+            f"{name:<24} {f['dtype']:<8} {str(tuple(f['shape'])):<14} {chunks:<26} "
+            f"{str(f['compressor']):<10} {_size(f['data_bytes']):>10} {_size(f['stored_bytes']):>10}"
+        )
     return "\n".join(lines)
 
 
@@ -289,8 +326,9 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list
             continue
         expected = (schema.max_episodes, schema.max_timesteps, *field.shape)
         if tuple(array.shape) != expected or np.dtype(array.dtype) != field.dtype:
-            problems.append(f"data/{name}: {np.dtype(array.dtype)}{list(array.shape)}, expected "
-                            f"{field.dtype}{list(expected)}")
+            problems.append(
+                f"data/{name}: {np.dtype(array.dtype)}{list(array.shape)}, expected {field.dtype}{list(expected)}"
+            )
     if "episode_lens" not in meta:
         storage.close()
         return problems
@@ -299,8 +337,10 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
     problems += _check_beyond_length(storage, schema, lens, skip=bad)
     if storage.list_blobs(LOG_PREFIX):
-        problems.append("an unfinished episode is in the step log (a writer is running or was killed); "
-                        "opening the buffer for writing commits what it holds")
+        problems.append(
+            "an unfinished episode is in the step log (a writer is running or was killed); "
+            "opening the buffer for writing commits what it holds"
+        )
     storage.close()
     return problems
 
@@ -309,12 +349,15 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
     problems = []
     out_of_range = np.flatnonzero((lens < 0) | (lens > schema.max_timesteps))
     if len(out_of_range):
-        problems.append(f"episode_lens: slots {out_of_range[:10].tolist()} have lengths outside "
-                        f"[0, {schema.max_timesteps}]")
+        problems.append(
+            f"episode_lens: slots {out_of_range[:10].tolist()} have lengths outside [0, {schema.max_timesteps}]"
+        )
     valid = np.flatnonzero(lens > 0)
     if int(state["num_episodes"]) != len(valid):
-        problems.append(f"counters: num_episodes is {state['num_episodes']} but {len(valid)} slots hold an episode "
-                        "(a writer stopped between publishing lengths and counters?)")
+        problems.append(
+            f"counters: num_episodes is {state['num_episodes']} but {len(valid)} slots hold an episode "
+            "(a writer stopped between publishing lengths and counters?)"
+        )
     if generations is None:
         return problems
     if len(valid) and (generations[valid] <= 0).any():
@@ -327,11 +370,15 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
     if len(valid):
         newest = int(valid[np.argmax(generations[valid])])
         if int(generations[newest]) > int(state.get("total_episodes", 0)):
-            problems.append(f"counters: total_episodes is {state.get('total_episodes')} but slot {newest} carries "
-                            f"ordinal {int(generations[newest])}")
+            problems.append(
+                f"counters: total_episodes is {state.get('total_episodes')} but slot {newest} carries "
+                f"ordinal {int(generations[newest])}"
+            )
         if int(state["episode_index"]) != (newest + 1) % schema.max_episodes:
-            problems.append(f"counters: episode_index is {state['episode_index']} but the newest episode is in slot "
-                            f"{newest}, so the next slot is {(newest + 1) % schema.max_episodes}")
+            problems.append(
+                f"counters: episode_index is {state['episode_index']} but the newest episode is in slot "
+                f"{newest}, so the next slot is {(newest + 1) % schema.max_episodes}"
+            )
     return problems
 
 
@@ -353,8 +400,10 @@ def _check_beyond_length(storage: Storage, schema: Schema, lens: np.ndarray, ski
             odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
             for row in np.flatnonzero(odd.any(axis=1)):
                 steps = start + np.flatnonzero(odd[row])
-                problems.append(f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
-                                f"beyond its length at timesteps {_ranges(steps)}")
+                problems.append(
+                    f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
+                    f"beyond its length at timesteps {_ranges(steps)}"
+                )
     return problems
 
 
@@ -365,18 +414,32 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="source buffer: folder or URL (any backend, or a memmap-replay-buffer folder)")
     parser.add_argument("dst", help="destination folder or URL")
     parser.add_argument("--backend", default="zarr", help="destination backend: zarr (default), memmap or hdf5")
-    parser.add_argument("--chunks", action="append", default=None, metavar="FIELD=T",
-                        help="timesteps per chunk of a data field (repeatable), e.g. --chunks state=10")
+    parser.add_argument(
+        "--chunks",
+        action="append",
+        default=None,
+        metavar="FIELD=T",
+        help="timesteps per chunk of a data field (repeatable), e.g. --chunks state=10",
+    )
     parser.add_argument("--compressor", default=None, help="compressor of every field (zarr), e.g. zstd:5 or none")
     parser.add_argument("--overwrite", action="store_true", help="replace a buffer already at DST")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    summary = convert(args.src, args.dst, backend=args.backend, chunks=args.chunks, compressor=args.compressor,
-                      progress=not args.quiet, overwrite=args.overwrite)
-    print(f"copied {summary['episodes']} episodes ({summary['timesteps']} timesteps) to "
-          f"{summary['destination']} [{summary['backend']}], verified")
+    summary = convert(
+        args.src,
+        args.dst,
+        backend=args.backend,
+        chunks=args.chunks,
+        compressor=args.compressor,
+        progress=not args.quiet,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"copied {summary['episodes']} episodes ({summary['timesteps']} timesteps) to "
+        f"{summary['destination']} [{summary['backend']}], verified"
+    )
     return 0
 
 
@@ -406,9 +469,17 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 # (name, help, add_arguments, run): the fields of replaybuf.cli.Command, in order
 CLI_COMMANDS = (
-    ("convert", "copy a buffer to another backend or location (e.g. a memmap-replay-buffer folder to zarr)",
-     _add_convert_arguments, _run_convert),
+    (
+        "convert",
+        "copy a buffer to another backend or location (e.g. a memmap-replay-buffer folder to zarr)",
+        _add_convert_arguments,
+        _run_convert,
+    ),
     ("info", "show a buffer's schema, episodes, chunking, compression and sizes", _add_info_arguments, _run_info),
-    ("verify", "check a buffer's internal consistency without changing it (exit status 1 on problems)",
-     _add_verify_arguments, _run_verify),
+    (
+        "verify",
+        "check a buffer's internal consistency without changing it (exit status 1 on problems)",
+        _add_verify_arguments,
+        _run_verify,
+    ),
 )

@@ -56,7 +56,7 @@ def snapshot(location: str) -> dict[str, tuple]:
         import fsspec
 
         store = fsspec.filesystem("memory").store
-        prefix = "/" + location[len("memory://"):]
+        prefix = "/" + location[len("memory://") :]
         return {k: (hashlib.sha1(bytes(v.getbuffer())).hexdigest(),) for k, v in store.items() if k.startswith(prefix)}
     out = {}
     for folder, dirs, files in os.walk(location):
@@ -95,9 +95,14 @@ def seed_buffer(folder, circular=True, lengths=(3, 4, 5, 6, 7), partial=2, max_e
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        buffer = memmap_replay_buffer.ReplayBuffer(str(folder), max_episodes=max_episodes, max_timesteps=10,
-                                                   fields=SEED_FIELDS, meta_fields={"task_id": "int"},
-                                                   circular=circular)
+        buffer = memmap_replay_buffer.ReplayBuffer(
+            str(folder),
+            max_episodes=max_episodes,
+            max_timesteps=10,
+            fields=SEED_FIELDS,
+            meta_fields={"task_id": "int"},
+            circular=circular,
+        )
         for i, length in enumerate(lengths):
             with buffer.one_episode(task_id=i):
                 for t in range(length):

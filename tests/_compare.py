@@ -24,7 +24,9 @@ def assert_same(ours, theirs, where: str = "value") -> None:
         for name in theirs:
             assert_same(ours[name], theirs[name], f"{where}[{name!r}]")
     elif isinstance(theirs, (list, tuple)):
-        assert type(ours).__name__ == type(theirs).__name__, f"{where}: {type(ours).__name__}, expected {type(theirs).__name__}"
+        assert type(ours).__name__ == type(theirs).__name__, (
+            f"{where}: {type(ours).__name__}, expected {type(theirs).__name__}"
+        )
         assert len(ours) == len(theirs), f"{where}: length {len(ours)}, expected {len(theirs)}"
         if hasattr(theirs, "_fields"):
             assert ours._fields == theirs._fields, f"{where}: fields {ours._fields}, expected {theirs._fields}"

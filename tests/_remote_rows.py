@@ -14,8 +14,7 @@ class RemoteRows(torch.utils.data.Dataset):
     """Rows of a zarr array on S3; records which process and client served each."""
 
     def __init__(self, url: str, storage_options: dict):
-        self.array = zarr.open_array(ProcessLocalStore(url, storage_options, read_only=True), path="data/obs",
-                                     mode="r")
+        self.array = zarr.open_array(ProcessLocalStore(url, storage_options, read_only=True), path="data/obs", mode="r")
 
     def __len__(self) -> int:
         return self.array.shape[0]

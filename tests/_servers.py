@@ -122,8 +122,12 @@ class S3TestServer(ThreadedMotoServer):
     @property
     def storage_options(self) -> dict[str, Any]:
         """s3fs-style options for `open_store` (credentials are moto's dummies)."""
-        return {"endpoint_url": self.endpoint_url, "key": self.access_key, "secret": self.secret_key,
-                "client_kwargs": {"region_name": "us-east-1"}}
+        return {
+            "endpoint_url": self.endpoint_url,
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
 
     def url(self, path: str = "") -> str:
         return f"s3://{self.bucket}/{path.strip('/')}"
@@ -161,8 +165,13 @@ class S3TestServer(ThreadedMotoServer):
     def create_bucket(self) -> None:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
-                              aws_secret_access_key=self.secret_key, region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+        )
         client.create_bucket(Bucket=self.bucket)
 
 
@@ -193,9 +202,18 @@ class GCSTestServer:
 
     def start(self) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",
-             "--in-memory"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "gcp_storage_emulator",
+                "start",
+                "--host=127.0.0.1",
+                f"--port={self.port}",
+                "--in-memory",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         threading.Thread(target=self._read_log, daemon=True).start()
         deadline = time.monotonic() + 30
@@ -220,8 +238,10 @@ class GCSTestServer:
 
     def create_bucket(self) -> None:
         request = urllib.request.Request(
-            f"{self.endpoint_url}/storage/v1/b?project=replaybuf-test", data=json.dumps({"name": self.bucket}).encode(),
-            headers={"Content-Type": "application/json"}, method="POST",
+            f"{self.endpoint_url}/storage/v1/b?project=replaybuf-test",
+            data=json.dumps({"name": self.bucket}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
         )
         urllib.request.urlopen(request, timeout=10).close()
 

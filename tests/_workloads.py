@@ -31,7 +31,9 @@ def episode(uid: int, max_timesteps: int = MAX_TIMESTEPS) -> dict[str, np.ndarra
         "obs": (uid * 1000 + t[:, None] + np.array([0.0, 0.25, 0.5])).astype(np.float32),
         "step": (uid * 100 + t).astype(np.int32),
         "img": ((uid * 31 + t[:, None, None] + np.arange(16).reshape(4, 4)) % 256).astype(np.uint8),
-        "frame": ((uid * 17 + t[:, None, None, None] + np.arange(4096).reshape(32, 32, 4) // 64) % 256).astype(np.uint8),
+        "frame": ((uid * 17 + t[:, None, None, None] + np.arange(4096).reshape(32, 32, 4) // 64) % 256).astype(
+            np.uint8
+        ),
     }
 
 
@@ -40,8 +42,14 @@ def score(uid: int) -> float:
 
 
 def buffer_kwargs(max_episodes: int, circular: bool, flush_every_store_step: int = 1) -> dict:
-    return dict(max_episodes=max_episodes, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META_FIELDS,
-                circular=circular, flush_every_store_step=flush_every_store_step)
+    return dict(
+        max_episodes=max_episodes,
+        max_timesteps=MAX_TIMESTEPS,
+        fields=FIELDS,
+        meta_fields=META_FIELDS,
+        circular=circular,
+        flush_every_store_step=flush_every_store_step,
+    )
 
 
 def write_episode(buffer, uid: int, how: str) -> None:
@@ -56,8 +64,9 @@ def write_episode(buffer, uid: int, how: str) -> None:
         final["score"] = score(uid)
 
 
-def check_episode(uid: int, length: int, rows: dict[str, np.ndarray], full: bool = True,
-                  zeros_after: bool = True) -> None:
+def check_episode(
+    uid: int, length: int, rows: dict[str, np.ndarray], full: bool = True, zeros_after: bool = True
+) -> None:
     """Assert that ``rows`` (each (T, *shape), T >= length) are episode ``uid`` cut at ``length``
     (and zero beyond when ``zeros_after``); ``full`` also requires the whole episode."""
     expected = episode(uid)
@@ -67,11 +76,21 @@ def check_episode(uid: int, length: int, rows: dict[str, np.ndarray], full: bool
         assert length == whole, f"uid {uid}: stored length {length}, expected {whole}"
     for name, values in rows.items():
         np.testing.assert_array_equal(values[:length], expected[name][:length], err_msg=f"uid {uid} field {name}")
-        assert not zeros_after or not np.any(values[length:]), f"uid {uid} field {name}: non-zero data past the length {length}"
+        assert not zeros_after or not np.any(values[length:]), (
+            f"uid {uid} field {name}: non-zero data past the length {length}"
+        )
 
 
-def writer_loop(location: str, uids: list[int], how: str, kwargs: dict, progress_path: str | None = None,
-                span_bytes: int | None = None, storage_options: dict | None = None, stop=None) -> None:
+def writer_loop(
+    location: str,
+    uids: list[int],
+    how: str,
+    kwargs: dict,
+    progress_path: str | None = None,
+    span_bytes: int | None = None,
+    storage_options: dict | None = None,
+    stop=None,
+) -> None:
     """Child-process body: write ``uids`` into the buffer at ``location`` (reopened, not erased),
     appending each committed uid to ``progress_path``, until ``stop`` (an Event) is set.
     ``how`` is 'steps', 'whole' or 'mixed'."""

@@ -44,8 +44,9 @@ def fill(buffer: ReplayBuffer, lengths=LENGTHS) -> list[dict[str, np.ndarray]]:
 def circular(make_location):
     """On every backend, a circular buffer of 5 slots that wrapped: episodes 2..6, oldest in slot 2."""
     location, kwargs = make_location()
-    buffer = ReplayBuffer(location, max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META,
-                          circular=True, **kwargs)
+    buffer = ReplayBuffer(
+        location, max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META, circular=True, **kwargs
+    )
     stored = fill(buffer)
     return buffer, stored[2:]
 
@@ -88,8 +89,9 @@ def test_get_all_data_matches_the_seed(tmp_path):
     from memmap_replay_buffer import ReplayBuffer as SeedBuffer
 
     ours = ReplayBuffer(tmp_path / "ours", max_episodes=10, max_timesteps=16, fields=FIELDS, meta_fields=META)
-    seed = SeedBuffer(str(tmp_path / "seed"), max_episodes=10, max_timesteps=16, fields=FIELDS, meta_fields=META,
-                      overwrite=True)
+    seed = SeedBuffer(
+        str(tmp_path / "seed"), max_episodes=10, max_timesteps=16, fields=FIELDS, meta_fields=META, overwrite=True
+    )
     for index, length in enumerate(LENGTHS):
         data = episode(index, length)
         ours.store_episode(**data, task=index)
@@ -99,8 +101,10 @@ def test_get_all_data_matches_the_seed(tmp_path):
     for name, tensor in theirs.items():
         assert mine[name].dtype == tensor.dtype, name
         assert torch.equal(mine[name], tensor), name
-    subset, seed_subset = get_all_data(ours, fields=["obs"], meta_fields=["task"]), \
-        seed.get_all_data(fields=("obs",), meta_fields=("task",))
+    subset, seed_subset = (
+        get_all_data(ours, fields=["obs"], meta_fields=["task"]),
+        seed.get_all_data(fields=("obs",), meta_fields=("task",)),
+    )
     assert set(subset) == set(seed_subset) == {"obs", "task"}
     assert torch.equal(subset["obs"], seed_subset["obs"])
 
@@ -115,7 +119,9 @@ def test_get_all_data_is_in_slot_order_as_the_seed_and_to_dask_oldest_first(circ
     np.testing.assert_array_equal(data["image"].numpy(), expected(stored, "image")[SLOT_ORDER])
     assert to_dask(buffer, meta_fields=["task"])["task"].compute().tolist() == [2, 3, 4, 5, 6]
     assert to_dask(buffer, meta_fields=["task"], order="slot")["task"].compute().tolist() == [5, 6, 2, 3, 4]
-    np.testing.assert_array_equal(episode_mask(buffer, order="slot").compute().sum(1), np.array(LENGTHS[2:])[SLOT_ORDER])
+    np.testing.assert_array_equal(
+        episode_mask(buffer, order="slot").compute().sum(1), np.array(LENGTHS[2:])[SLOT_ORDER]
+    )
     with pytest.raises(ValueError, match=r"order must be one of \['chronological', 'slot'\], got 'newest'"):
         to_dask(buffer, order="newest")
 
@@ -249,16 +255,17 @@ def test_stats_unknown_field(circular):
 def test_dask_arrays_pickle_without_open_handles(circular):
     buffer, stored = circular
     arrays = pickle.loads(pickle.dumps(to_dask(buffer, ["image"])))
-    np.testing.assert_array_equal(arrays["image"].compute(scheduler="threads"),
-                                  expected(stored, "image"))
+    np.testing.assert_array_equal(arrays["image"].compute(scheduler="threads"), expected(stored, "image"))
 
 
 @pytest.fixture(scope="module")
 def cluster_client():
     """A dask.distributed client on two worker processes of one thread each."""
     distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as client:
+    with (
+        distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster,
+        distributed.Client(cluster) as client,
+    ):
         yield client
 
 
@@ -282,16 +289,25 @@ def check_on_cluster(client, buffer: ReplayBuffer, stored: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_local_zarr_on_a_two_process_cluster(tmp_path, cluster_client):
-    buffer = ReplayBuffer(tmp_path / "cluster", max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META,
-                          circular=True)
+    buffer = ReplayBuffer(
+        tmp_path / "cluster", max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META, circular=True
+    )
     check_on_cluster(cluster_client, buffer, fill(buffer)[2:])
 
 
 @pytest.mark.slow
 def test_s3_buffer_on_a_two_process_cluster(s3_server, cluster_client):
-    buffer = ReplayBuffer(s3_server.url("analysis-cluster"), max_episodes=5, max_timesteps=16, fields=FIELDS,
-                          meta_fields=META, circular=True, storage_options=s3_server.storage_options)
+    buffer = ReplayBuffer(
+        s3_server.url("analysis-cluster"),
+        max_episodes=5,
+        max_timesteps=16,
+        fields=FIELDS,
+        meta_fields=META,
+        circular=True,
+        storage_options=s3_server.storage_options,
+    )
     stored = fill(buffer)[2:]
-    reader = ReplayBuffer.from_folder(s3_server.url("analysis-cluster"), read_only=True,
-                                      storage_options=s3_server.storage_options)
+    reader = ReplayBuffer.from_folder(
+        s3_server.url("analysis-cluster"), read_only=True, storage_options=s3_server.storage_options
+    )
     check_on_cluster(cluster_client, reader, stored)

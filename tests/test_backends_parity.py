@@ -29,8 +29,16 @@ def place(request, tmp_path):
 
 
 def new_buffer(place, max_episodes=6, max_timesteps=12, circular=False, **kwargs) -> ReplayBuffer:
-    return ReplayBuffer(place.location, max_episodes, max_timesteps, fields=FIELDS, meta_fields=META_FIELDS,
-                        circular=circular, **place.kwargs, **kwargs)
+    return ReplayBuffer(
+        place.location,
+        max_episodes,
+        max_timesteps,
+        fields=FIELDS,
+        meta_fields=META_FIELDS,
+        circular=circular,
+        **place.kwargs,
+        **kwargs,
+    )
 
 
 def fill(buffer: ReplayBuffer, lengths, seed0=0) -> list[dict]:
@@ -93,14 +101,18 @@ def test_batched_episodes(place):
 def test_gather_and_read_rows_match_numpy(place):
     buffer = new_buffer(place)
     stored = fill(buffer, [5, 7, 3, 6])
-    dense = {n: np.stack([np.pad(s[n], [(0, 12 - len(s[n]))] + [(0, 0)] * (s[n].ndim - 1)) for s in stored])
-             for n in FIELDS}
+    dense = {
+        n: np.stack([np.pad(s[n], [(0, 12 - len(s[n]))] + [(0, 0)] * (s[n].ndim - 1)) for s in stored]) for n in FIELDS
+    }
     episodes = np.array([3, 0, 1, 1, 3, 2, 0])
     timesteps = np.array([5, 0, 6, 6, 1, 2, 4])
     for name in FIELDS:
-        np.testing.assert_array_equal(buffer.storage.gather(name, episodes, timesteps), dense[name][episodes, timesteps])
-        np.testing.assert_array_equal(buffer.storage.read_rows(name, np.array([2, 0, 2]), 1, 5),
-                                      dense[name][[2, 0, 2], 1:5])
+        np.testing.assert_array_equal(
+            buffer.storage.gather(name, episodes, timesteps), dense[name][episodes, timesteps]
+        )
+        np.testing.assert_array_equal(
+            buffer.storage.read_rows(name, np.array([2, 0, 2]), 1, 5), dense[name][[2, 0, 2], 1:5]
+        )
 
 
 def test_update_in_place(place):
@@ -154,8 +166,15 @@ def test_reopen_for_writing_continues(place):
 def test_mismatched_config_lists_the_differences(place):
     new_buffer(place).store_episode(**episode(2, 0))
     with pytest.raises(ValueError, match=r"max_episodes: stored 6 vs passed 7(.|\n)*fields.reward"):
-        ReplayBuffer(place.location, 7, 12, fields={**FIELDS, "reward": "int"}, meta_fields=META_FIELDS,
-                     overwrite=False, **place.kwargs)
+        ReplayBuffer(
+            place.location,
+            7,
+            12,
+            fields={**FIELDS, "reward": "int"},
+            meta_fields=META_FIELDS,
+            overwrite=False,
+            **place.kwargs,
+        )
 
 
 def test_clear_erases_episodes(place):
@@ -177,8 +196,12 @@ def test_read_only_writes_nothing(place):
     reader.get_all_data()
     reader.storage.gather("state", np.array([0, 1]), np.array([2, 4]))
     reader.refresh()
-    for method, args, kwargs in (("store_episode", (), episode(2, 0)), ("update", (0,), {"task_id": 3}),
-                                 ("clear", (), {}), ("store", (), {"reward": 1.0})):
+    for method, args, kwargs in (
+        ("store_episode", (), episode(2, 0)),
+        ("update", (0,), {"task_id": 3}),
+        ("clear", (), {}),
+        ("store", (), {"reward": 1.0}),
+    ):
         with pytest.raises(ValueError, match="read-only"):
             getattr(reader, method)(*args, **kwargs)
     reader.close()
@@ -231,8 +254,9 @@ def test_abandoned_writer_is_recovered_from_the_step_log(place):
         buffer.store(**{k: v[t] for k, v in data.items()})
     buffer.flush()
     del buffer  # the writer goes away without committing its episode
-    recovered = ReplayBuffer(place.location, 6, 12, fields=FIELDS, meta_fields=META_FIELDS, overwrite=False,
-                             **place.kwargs)
+    recovered = ReplayBuffer(
+        place.location, 6, 12, fields=FIELDS, meta_fields=META_FIELDS, overwrite=False, **place.kwargs
+    )
     assert_holds(recovered, [*stored, {**data, "task_id": 0}])
     assert verify(place.location) == []
 
@@ -320,5 +344,6 @@ def test_reader_refresh_sees_new_commits(place):
     reader.refresh()
     assert_holds(reader, stored)
     episodes, timesteps = np.array([2, 1]), np.array([4, 3])
-    np.testing.assert_array_equal(reader.storage.gather("reward", episodes, timesteps),
-                                  [stored[2]["reward"][4], stored[1]["reward"][3]])
+    np.testing.assert_array_equal(
+        reader.storage.gather("reward", episodes, timesteps), [stored[2]["reward"][4], stored[1]["reward"][3]]
+    )

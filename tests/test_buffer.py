@@ -30,8 +30,7 @@ def fill_episode(buffer, steps, task, seed=0):
 
 def snapshot(buffer):
     """Everything a reader can see, for 'unchanged' checks."""
-    reopened = ReplayBuffer.from_folder(buffer.storage.location, read_only=True,
-                                        backend=buffer.storage.backend_name)
+    reopened = ReplayBuffer.from_folder(buffer.storage.location, read_only=True, backend=buffer.storage.backend_name)
     data = {k: v.numpy().copy() for k, v in reopened.get_all_data().items()}
     return reopened.num_episodes, reopened.episode_lens.copy(), data
 
@@ -103,8 +102,12 @@ def test_exception_in_one_episode_rolls_back(make_location):
 
 def test_store_episode_accepts_seed_shapes(make_location):
     buffer, *_ = make(make_location)
-    buffer.store_episode(state=torch.randn(10, 3, 4, 4), action=torch.randint(0, 4, (10, 2)),
-                         reward=torch.randn(10, 1), task_id=torch.tensor([1]))
+    buffer.store_episode(
+        state=torch.randn(10, 3, 4, 4),
+        action=torch.randint(0, 4, (10, 2)),
+        reward=torch.randn(10, 1),
+        task_id=torch.tensor([1]),
+    )
     buffer.store_episode(state=np.ones((4, 3, 4, 4)), reward=np.arange(4.0), task_id=2)
     assert buffer.episode_lens[:2].tolist() == [10, 4]
     assert buffer.meta_data["task_id"][:2].tolist() == [1, 2]
@@ -232,8 +235,9 @@ def test_reopen_with_other_config_lists_every_difference(make_location):
     buffer, location, extra = make(make_location)
     fill_episode(buffer, 3, task=1)
     with pytest.raises(ValueError) as info:
-        ReplayBuffer(location, 7, 12, fields=dict(FIELDS, reward=("float", 2)), meta_fields=META,
-                     overwrite=False, **extra)
+        ReplayBuffer(
+            location, 7, 12, fields=dict(FIELDS, reward=("float", 2)), meta_fields=META, overwrite=False, **extra
+        )
     message = str(info.value)
     assert "max_episodes: stored 6 vs passed 7" in message
     assert "fields.reward" in message
@@ -254,9 +258,13 @@ def test_read_only_refuses_writes(make_location):
     buffer, location, extra = make(make_location)
     fill_episode(buffer, 3, task=1)
     reader = ReplayBuffer.from_folder(location, read_only=True, **extra)
-    for call in (lambda: reader.store(reward=1.0), lambda: reader.store_episode(reward=np.ones(2)),
-                 lambda: reader.update(reward=np.ones((1, 2))), reader.clear,
-                 lambda: reader.store_datapoint(0, 0, "reward", 1.0)):
+    for call in (
+        lambda: reader.store(reward=1.0),
+        lambda: reader.store_episode(reward=np.ones(2)),
+        lambda: reader.update(reward=np.ones((1, 2))),
+        reader.clear,
+        lambda: reader.store_datapoint(0, 0, "reward", 1.0),
+    ):
         with pytest.raises(ValueError, match="read-only"):
             call()
     with pytest.raises(ValueError, match="read-only"):
@@ -322,7 +330,15 @@ def test_advance_episode_commits_implicit_episode(make_location):
 
 def test_long_episodes_cross_chunk_and_span_boundaries(make_location):
     location, extra = make_location()
-    fields = dict(frame=("uint8", (64, 64, 3)), x=("float", (), 0.0, ), y={"dtype": "float16", "shape": 2, "chunks": 3})
+    fields = dict(
+        frame=("uint8", (64, 64, 3)),
+        x=(
+            "float",
+            (),
+            0.0,
+        ),
+        y={"dtype": "float16", "shape": 2, "chunks": 3},
+    )
     buffer = ReplayBuffer(location, 3, 400, fields=fields, **extra)
     frames = np.random.default_rng(0).integers(0, 255, (300, 64, 64, 3), dtype=np.uint8)
     with buffer.one_episode():
@@ -346,7 +362,8 @@ def test_flush_settings_store_the_same(make_location, flush):
 def test_collector_style_numpy_scalars_and_tensors(make_location):
     buffer, *_ = make(make_location)
     with buffer.one_episode(task_id=np.int64(3)):
-        buffer.store(state=torch.zeros(3, 4, 4), action=torch.tensor([1, 2]), reward=torch.tensor(0.5),
-                     done=torch.tensor(True))
+        buffer.store(
+            state=torch.zeros(3, 4, 4), action=torch.tensor([1, 2]), reward=torch.tensor(0.5), done=torch.tensor(True)
+        )
     assert buffer.data["done"][0, 0] == np.True_
     assert buffer.data["reward"][0, 0] == 0.5

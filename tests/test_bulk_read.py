@@ -33,7 +33,9 @@ def episode(index: int, length: int) -> dict[str, np.ndarray]:
     if index == 3:
         frames[:] = 0
     return {
-        "frame": frames, "clip": frames[::-1].copy(), "raw": frames // 2,
+        "frame": frames,
+        "clip": frames[::-1].copy(),
+        "raw": frames // 2,
         "state": rng.normal(size=(length, 3)).astype(np.float32),
         "action": rng.integers(0, 5, (length, 2)).astype(np.int32),
         "reward": rng.uniform(-1, 1, length).astype(np.float32),
@@ -42,8 +44,9 @@ def episode(index: int, length: int) -> dict[str, np.ndarray]:
 
 def make_buffer(location: str, kwargs: dict, lengths=LENGTHS, max_episodes: int = 6) -> ReplayBuffer:
     """A circular buffer that wrapped: the last ``max_episodes`` episodes are kept."""
-    buffer = ReplayBuffer(location, max_episodes=max_episodes, max_timesteps=MAX_STEPS, fields=FIELDS,
-                          circular=True, **kwargs)
+    buffer = ReplayBuffer(
+        location, max_episodes=max_episodes, max_timesteps=MAX_STEPS, fields=FIELDS, circular=True, **kwargs
+    )
     for index, length in enumerate(lengths):
         buffer.store_episode(**episode(index, length))
     return buffer

@@ -317,11 +317,13 @@ def test_inspect_and_view_read_a_buffer_on_s3(s3_options, workdir, capsys):
 def test_the_package_and_its_command_line_start_without_torch_or_dask(tmp_path):
     """torch and dask are imported by the loaders and analysis on first use, not by
     ``import replaybuf``: the command line starts in well under a second instead of seconds."""
-    code = ("import sys, numpy as np, replaybuf, replaybuf.cli\n"
-            f"b = replaybuf.ReplayBuffer({str(tmp_path / 'b')!r}, 2, 3, fields=dict(x='float'))\n"
-            "b.store_episode(x=np.arange(3.0))\n"
-            "print(sorted(m for m in ('torch', 'dask') if m in sys.modules))\n"
-            "replaybuf.ReplayDataset\n"
-            "print('torch' in sys.modules)\n")
+    code = (
+        "import sys, numpy as np, replaybuf, replaybuf.cli\n"
+        f"b = replaybuf.ReplayBuffer({str(tmp_path / 'b')!r}, 2, 3, fields=dict(x='float'))\n"
+        "b.store_episode(x=np.arange(3.0))\n"
+        "print(sorted(m for m in ('torch', 'dask') if m in sys.modules))\n"
+        "replaybuf.ReplayDataset\n"
+        "print('torch' in sys.modules)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split("\n")[:2] == ["[]", "True"]

@@ -36,13 +36,25 @@ def make_members(root, location=lambda root, name: root / name, seed_too=False, 
     """Write the MEMBERS buffers (and the same episodes in seed buffers when ``seed_too``)."""
     seeds, stored, index = [], [], 0
     for (name, episodes, timesteps, lengths), backend in zip(MEMBERS, backends):
-        buffer = ReplayBuffer(location(root, name), max_episodes=episodes, max_timesteps=timesteps, fields=FIELDS,
-                              meta_fields=META, backend=backend)
+        buffer = ReplayBuffer(
+            location(root, name),
+            max_episodes=episodes,
+            max_timesteps=timesteps,
+            fields=FIELDS,
+            meta_fields=META,
+            backend=backend,
+        )
         if seed_too:
             from memmap_replay_buffer import ReplayBuffer as SeedBuffer
 
-            seed = SeedBuffer(str(root / f"seed-{name}"), max_episodes=episodes, max_timesteps=timesteps,
-                              fields=FIELDS, meta_fields=META, overwrite=True)
+            seed = SeedBuffer(
+                str(root / f"seed-{name}"),
+                max_episodes=episodes,
+                max_timesteps=timesteps,
+                fields=FIELDS,
+                meta_fields=META,
+                overwrite=True,
+            )
             seeds.append(str(root / f"seed-{name}"))
         for length in lengths:
             data = episode(index, length)
@@ -144,8 +156,14 @@ def test_mixed_stores(tmp_path, s3_server):
     urls = {"a": tmp_path / "a", "b": s3_server.url("concat-b"), "c": "memory://concat-c"}
     options = {"a": None, "b": s3_server.storage_options, "c": None}
     for (name, episodes, timesteps, lengths), first in zip(MEMBERS, (0, 2, 5)):
-        buffer = ReplayBuffer(urls[name], max_episodes=episodes, max_timesteps=timesteps, fields=FIELDS,
-                              meta_fields=META, storage_options=options[name])
+        buffer = ReplayBuffer(
+            urls[name],
+            max_episodes=episodes,
+            max_timesteps=timesteps,
+            fields=FIELDS,
+            meta_fields=META,
+            storage_options=options[name],
+        )
         for index, length in enumerate(lengths, start=first):
             buffer.store_episode(**episode(index, length), task=index)
         buffer.close()
@@ -153,8 +171,9 @@ def test_mixed_stores(tmp_path, s3_server):
     buffer = ConcatReplayBuffer(list(urls.values()), storage_options=list(options.values()))
     assert [m.storage.location for m in buffer.buffers][1:] == [s3_server.url("concat-b"), "memory://concat-c"]
     np.testing.assert_array_equal(buffer.get_all_data(fields=["obs"])["obs"].numpy(), padded(stored, "obs"))
-    np.testing.assert_allclose(buffer.stats(["reward"]).episode_sums["reward"].numpy(),
-                               [e["reward"].sum() for e in stored], rtol=1e-6)
+    np.testing.assert_allclose(
+        buffer.stats(["reward"]).episode_sums["reward"].numpy(), [e["reward"].sum() for e in stored], rtol=1e-6
+    )
 
 
 def available(backend: str) -> bool:
@@ -176,14 +195,24 @@ def test_mixed_backends(tmp_path):
     np.testing.assert_array_equal(buffer.get_all_data(fields=["obs"])["obs"].numpy(), padded(stored, "obs"))
     picked = buffer.storage.gather("action", np.array([1, 6]), np.array([9, 19]))
     np.testing.assert_array_equal(picked, [stored[1]["action"][9], stored[4]["action"][19]])
-    np.testing.assert_allclose(buffer.stats(["reward"]).episode_sums["reward"].numpy(),
-                               [e["reward"].sum() for e in stored], rtol=1e-6)
+    np.testing.assert_allclose(
+        buffer.stats(["reward"]).episode_sums["reward"].numpy(), [e["reward"].sum() for e in stored], rtol=1e-6
+    )
 
 
-@pytest.mark.parametrize("call, args", [
-    ("store", {"obs": np.zeros(3)}), ("store_episode", {"obs": np.zeros((2, 3))}), ("update", {}),
-    ("clear", {}), ("advance_episode", {}), ("store_datapoint", {}), ("one_episode", {}), ("batched_episode", {}),
-])
+@pytest.mark.parametrize(
+    "call, args",
+    [
+        ("store", {"obs": np.zeros(3)}),
+        ("store_episode", {"obs": np.zeros((2, 3))}),
+        ("update", {}),
+        ("clear", {}),
+        ("advance_episode", {}),
+        ("store_datapoint", {}),
+        ("one_episode", {}),
+        ("batched_episode", {}),
+    ],
+)
 def test_write_calls_are_refused(concat, call, args):
     with pytest.raises(NotImplementedError, match=f"ConcatReplayBuffer is read-only: `{call}`"):
         getattr(concat[0], call)(**args)
@@ -201,8 +230,13 @@ def test_meta_and_data_writes_are_refused(concat):
 
 def test_different_fields_are_listed(tmp_path):
     ReplayBuffer(tmp_path / "x", max_episodes=2, max_timesteps=4, fields=FIELDS, meta_fields=META)
-    ReplayBuffer(tmp_path / "y", max_episodes=2, max_timesteps=4, fields={"obs": ("float", (4,)), "done": "bool"},
-                 meta_fields={"task": "float"})
+    ReplayBuffer(
+        tmp_path / "y",
+        max_episodes=2,
+        max_timesteps=4,
+        fields={"obs": ("float", (4,)), "done": "bool"},
+        meta_fields={"task": "float"},
+    )
     with pytest.raises(ValueError) as error:
         ConcatReplayBuffer([tmp_path / "x", tmp_path / "y"])
     message = str(error.value)

@@ -26,8 +26,11 @@ def location(tmp_path):
 
 def start_writer(location, kwargs, uids, progress, storage_options=None):
     stop = FORK.Event()
-    writer = FORK.Process(target=writer_loop, args=(location, uids, "mixed", kwargs, str(progress)),
-                          kwargs={"span_bytes": 256, "storage_options": storage_options, "stop": stop})
+    writer = FORK.Process(
+        target=writer_loop,
+        args=(location, uids, "mixed", kwargs, str(progress)),
+        kwargs={"span_bytes": 256, "storage_options": storage_options, "stop": stop},
+    )
     writer.start()
     return writer, stop
 
@@ -200,10 +203,19 @@ def run_reader_against_writer(location, progress, kwargs, circular, storage_opti
                 uid = stored_meta(reader, "uid", slots)
                 t = (rng.random(len(slots)) * np.maximum(lens, 1)).astype(np.int64)
                 kept, values = read_unchanged(
-                    reader, slots, np.where(lens > 0, generations, 0),
-                    lambda p: {n: reader.storage.gather(n, slots[p], t[p]) for n in ("step", "frame")})  # noqa: B023
-                expected = {n: np.stack([episode(int(u))[n][int(s)] for u, s in zip(uid[kept], t[kept])])
-                            for n in ("step", "frame")} if len(kept) else {}
+                    reader,
+                    slots,
+                    np.where(lens > 0, generations, 0),
+                    lambda p: {n: reader.storage.gather(n, slots[p], t[p]) for n in ("step", "frame")},  # noqa: B023
+                )
+                expected = (
+                    {
+                        n: np.stack([episode(int(u))[n][int(s)] for u, s in zip(uid[kept], t[kept])])
+                        for n in ("step", "frame")
+                    }
+                    if len(kept)
+                    else {}
+                )
                 for name, value in expected.items():
                     np.testing.assert_array_equal(values[name], value)
     finally:
@@ -212,7 +224,7 @@ def run_reader_against_writer(location, progress, kwargs, circular, storage_opti
     assert writer.exitcode == 0
     final = read_episodes_consistent(reader, reader.refresh().valid_episodes())
     done = committed(progress)
-    expected = done if not circular else done[-kwargs["max_episodes"]:]
+    expected = done if not circular else done[-kwargs["max_episodes"] :]
     assert sorted(verify(final)) == sorted(expected)
     return seen, done
 
@@ -236,7 +248,8 @@ def test_reader_process_while_writer_reuses_slots(location, tmp_path):
 def test_reader_process_while_writer_reuses_slots_on_s3(s3_server, tmp_path):
     location = s3_server.url(f"concurrent/{uuid.uuid4().hex[:12]}")
     kwargs = buffer_kwargs(3, circular=True, flush_every_store_step=0)
-    seen, done = run_reader_against_writer(location, tmp_path / "progress", kwargs, circular=True,
-                                           storage_options=s3_server.storage_options)
+    seen, done = run_reader_against_writer(
+        location, tmp_path / "progress", kwargs, circular=True, storage_options=s3_server.storage_options
+    )
     assert seen <= set(done)
     assert len(done) >= 3 * kwargs["max_episodes"]

@@ -34,8 +34,11 @@ def committed(progress) -> list[int]:
 def kill_writer_at_random(location, kwargs, first_uid, progress, rng) -> list[int]:
     """Start a writer at ``first_uid``, SIGKILL it at a random moment after it committed a
     random number of episodes; return the uids it reported committed."""
-    writer = FORK.Process(target=writer_loop, args=(location, list(range(first_uid, first_uid + 10_000)), "mixed",
-                                                    kwargs, str(progress)), kwargs={"span_bytes": 256})
+    writer = FORK.Process(
+        target=writer_loop,
+        args=(location, list(range(first_uid, first_uid + 10_000)), "mixed", kwargs, str(progress)),
+        kwargs={"span_bytes": 256},
+    )
     writer.start()
     wanted = int(rng.integers(1, 4))
     while len(committed(progress)) < wanted and writer.is_alive():
@@ -47,8 +50,9 @@ def kill_writer_at_random(location, kwargs, first_uid, progress, rng) -> list[in
     return committed(progress)
 
 
-def stored_episodes(buffer: ReplayBuffer, full_width: bool = STALE_TAILS_CLEARED
-                    ) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
+def stored_episodes(
+    buffer: ReplayBuffer, full_width: bool = STALE_TAILS_CLEARED
+) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
     """uid -> (length, rows up to max_timesteps, or up to the length) for every slot holding an episode."""
     slots = buffer.valid_episodes()
     uids = buffer.meta_data["uid"][slots].tolist()
@@ -130,6 +134,7 @@ def test_sigkill_at_random_moments(tmp_path, circular, flush_every_store_step):
 
 
 # ---- deterministic reproductions of core issues (see the report; the patch turns them green) ----
+
 
 def _short_spans(monkeypatch):
     from replaybuf import staging

@@ -35,8 +35,10 @@ def epoch_of(samplers: list[ResumableDistributedSampler]) -> list[list[int]]:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_ranks_disjoint_and_complete(length, world_size, shuffle):
-    samplers = [ResumableDistributedSampler(length, rank=r, world_size=world_size, shuffle=shuffle, seed=3)
-                for r in range(world_size)]
+    samplers = [
+        ResumableDistributedSampler(length, rank=r, world_size=world_size, shuffle=shuffle, seed=3)
+        for r in range(world_size)
+    ]
     parts = epoch_of(samplers)
     per_rank = -(-length // world_size)
     assert all(len(p) == per_rank == len(s) for p, s in zip(parts, samplers))
@@ -131,13 +133,16 @@ def test_load_state_rejects_mismatches():
         ResumableDistributedSampler(10, world_size=2, rank=0, seed=1).load_state_dict(grown)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"rank": 2, "world_size": 2}, "rank must be in"),
-    ({"rank": -1, "world_size": 2}, "rank must be an int"),
-    ({"world_size": 0}, "world_size must be an int >= 1"),
-    ({"seed": -3}, "seed must be"),
-    ({"seed": 1.5}, "seed must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rank": 2, "world_size": 2}, "rank must be in"),
+        ({"rank": -1, "world_size": 2}, "rank must be an int"),
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"seed": -3}, "seed must be"),
+        ({"seed": 1.5}, "seed must be"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ResumableDistributedSampler(10, **kwargs)
@@ -212,8 +217,9 @@ def _rank_main(rank: int, init_file: str, out_dir: str, length: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [20, 21])
 def test_two_gloo_ranks_cover_the_dataset_disjointly(tmp_path, length):
-    torch_mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path), length), nprocs=2,
-                             start_method="fork")
+    torch_mp.start_processes(
+        _rank_main, args=(str(tmp_path / "init"), str(tmp_path), length), nprocs=2, start_method="fork"
+    )
     result = json.loads((tmp_path / "seen.json").read_text())
     rank0, rank1 = result["seen"]
     for epoch in ("0", "1"):

@@ -33,8 +33,14 @@ def run_writer(path, flush, steps):
 
 
 def create(path, **kwargs):
-    return ReplayBuffer(str(path), 4, 50, fields=dict(x=("float", 3), frame=("uint8", (32, 32, 3))),
-                        meta_fields=dict(seed="int"), **kwargs)
+    return ReplayBuffer(
+        str(path),
+        4,
+        50,
+        fields=dict(x=("float", 3), frame=("uint8", (32, 32, 3))),
+        meta_fields=dict(seed="int"),
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("flush, kept", [(1, 7), (3, 6), (0, 0)])

@@ -30,8 +30,10 @@ field_specs = st.fixed_dictionaries(
     {"dtype": st.sampled_from(DTYPES), "shape": st.sampled_from(SHAPES)},
     optional={"default": st.sampled_from([0, 1]), "chunks": st.integers(1, 3)},
 )
-meta_specs = st.fixed_dictionaries({"dtype": st.sampled_from(DTYPES), "shape": st.sampled_from([(), (2,)])},
-                                   optional={"default": st.sampled_from([0, 1])})
+meta_specs = st.fixed_dictionaries(
+    {"dtype": st.sampled_from(DTYPES), "shape": st.sampled_from([(), (2,)])},
+    optional={"default": st.sampled_from([0, 1])},
+)
 schemas = st.tuples(
     st.dictionaries(st.sampled_from(["obs", "act", "rew"]), field_specs, min_size=1, max_size=3),
     st.dictionaries(st.sampled_from(["task", "score"]), meta_specs, max_size=2),
@@ -61,13 +63,24 @@ class BufferMachine(RuleBasedStateMachine):
 
     # ---- setup ----------------------------------------------------------------------------
 
-    @initialize(schema=schemas, circular=st.booleans(), max_episodes=st.integers(1, 4),
-                max_timesteps=st.integers(1, 6), flush=st.sampled_from([0, 1, 2]))
+    @initialize(
+        schema=schemas,
+        circular=st.booleans(),
+        max_episodes=st.integers(1, 4),
+        max_timesteps=st.integers(1, 6),
+        flush=st.sampled_from([0, 1, 2]),
+    )
     def create(self, schema, circular, max_episodes, max_timesteps, flush):
         fields, meta_fields = schema
         self.location, self.extra = self.make_location()
-        self.config = dict(max_episodes=max_episodes, max_timesteps=max_timesteps, fields=fields,
-                           meta_fields=meta_fields, circular=circular, flush_every_store_step=flush)
+        self.config = dict(
+            max_episodes=max_episodes,
+            max_timesteps=max_timesteps,
+            fields=fields,
+            meta_fields=meta_fields,
+            circular=circular,
+            flush_every_store_step=flush,
+        )
         self.buffer = ReplayBuffer(self.location, **self.config, **self.extra)
         self.fields = self.buffer.schema.fields
         self.meta_fields = self.buffer.schema.meta_fields
@@ -158,15 +171,19 @@ class BufferMachine(RuleBasedStateMachine):
                 self.buffer.store_batch(**step)
                 for name, value in step.items():
                     steps[name][:, t] = value
-        self.model_commit([(length, {n: v[i] for n, v in steps.items()}, {n: v[i] for n, v in meta.items()})
-                           for i in range(batch)])
+        self.model_commit(
+            [(length, {n: v[i] for n, v in steps.items()}, {n: v[i] for n, v in meta.items()}) for i in range(batch)]
+        )
 
     @precondition(lambda self: self.slots)
     @rule(data=st.data())
     def update(self, data):
         everything = data.draw(st.booleans())
-        slots = sorted(self.slots) if everything else data.draw(
-            st.lists(st.sampled_from(sorted(self.slots)), min_size=1, unique=True).map(sorted))
+        slots = (
+            sorted(self.slots)
+            if everything
+            else data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, unique=True).map(sorted))
+        )
         name = data.draw(st.sampled_from(sorted(self.fields) + sorted(self.meta_fields)))
         if name in self.fields:
             length = data.draw(st.integers(1, self.buffer.max_timesteps))
@@ -200,17 +217,24 @@ class BufferMachine(RuleBasedStateMachine):
             "objects": (TypeError, lambda: buffer.store(**{name: np.array([object()] * 2)})),
             "shape": (ValueError, lambda: buffer.store(**{name: np.zeros(wrong_shape)})),
             "episode shape": (ValueError, lambda: buffer.store_episode(**{name: np.zeros((1, *wrong_shape))})),
-            "too long": (ValueError, lambda: buffer.store_episode(
-                **{name: np.zeros((buffer.max_timesteps + 1, *field.shape))})),
-            "negative index": (ValueError, lambda: buffer.update(np.array([-1]), **{name: np.zeros((1, 1, *field.shape))})),
+            "too long": (
+                ValueError,
+                lambda: buffer.store_episode(**{name: np.zeros((buffer.max_timesteps + 1, *field.shape))}),
+            ),
+            "negative index": (
+                ValueError,
+                lambda: buffer.update(np.array([-1]), **{name: np.zeros((1, 1, *field.shape))}),
+            ),
             "index past the end": (ValueError, lambda: buffer.update([buffer.max_episodes], **{name: 0})),
             "datapoint index": (ValueError, lambda: buffer.store_datapoint(-1, 0, name, 0)),
             "unknown field": (ValueError, lambda: buffer.store(nope=1.0)),
             "batch size": (ValueError, lambda: buffer.batched_episode(0).__enter__()),
         }
         if ints:
-            calls["nan into ints"] = (ValueError, lambda: buffer.store(**{ints[0]: np.full(self.fields[ints[0]].shape,
-                                                                                             np.nan)}))
+            calls["nan into ints"] = (
+                ValueError,
+                lambda: buffer.store(**{ints[0]: np.full(self.fields[ints[0]].shape, np.nan)}),
+            )
         error, call = calls[data.draw(st.sampled_from(sorted(calls)))]
         with pytest.raises(error):
             call()
@@ -249,16 +273,24 @@ class BufferMachine(RuleBasedStateMachine):
 
 def test_buffer_matches_model(make_location):
     machine = type("Machine", (BufferMachine,), {"make_location": staticmethod(make_location)})
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=20, stateful_step_count=10, deadline=None, derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=20,
+            stateful_step_count=10,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+        ),
+    )
 
 
 def test_huge_max_timesteps_is_refused_clearly_or_works(make_location):
     location, extra = make_location()
     try:
-        buffer = ReplayBuffer(location, max_episodes=2, max_timesteps=10**9, fields={"frame": ("uint8", (64, 64, 3))},
-                              **extra)
+        buffer = ReplayBuffer(
+            location, max_episodes=2, max_timesteps=10**9, fields={"frame": ("uint8", (64, 64, 3))}, **extra
+        )
     except ValueError as e:
         assert "max_timesteps" in str(e)
         return

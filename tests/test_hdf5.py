@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_one_file_with_gzip(tmp_path):
-    buffer = ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS, meta_fields=META_FIELDS,
-                              h5py_compression="gzip", h5py_compression_opts=4)
+    buffer = ReplayBufferH5PY(
+        tmp_path / "b", 4, 10, fields=FIELDS, meta_fields=META_FIELDS, h5py_compression="gzip", h5py_compression_opts=4
+    )
     data = episode(6, 0)
     buffer.store_episode(**data, task_id=2)
     buffer.close()
@@ -47,12 +48,15 @@ def test_uncompressed_is_contiguous(tmp_path):
         assert f["data/state"].chunks is None and f["data/state"].compression is None
 
 
-@pytest.mark.parametrize("options, complaint", [
-    ({"compression": "zstd"}, "compression must be one of"),
-    ({"compression": "gzip", "compression_opts": 12}, "gzip level"),
-    ({"compression_opts": 3}, "gzip level"),
-    ({"chunk_cache": 1}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "options, complaint",
+    [
+        ({"compression": "zstd"}, "compression must be one of"),
+        ({"compression": "gzip", "compression_opts": 12}, "gzip level"),
+        ({"compression_opts": 3}, "gzip level"),
+        ({"chunk_cache": 1}, "unknown keys"),
+    ],
+)
 def test_bad_storage_options_are_refused_before_writing(tmp_path, options, complaint):
     with pytest.raises(ValueError, match=complaint):
         ReplayBuffer(tmp_path / "b", 4, 10, fields=FIELDS, backend="hdf5", storage_options=options)
@@ -64,8 +68,16 @@ def test_data_arrays_index_like_numpy(tmp_path):
     for i in range(6):
         buffer.store_episode(x=np.arange(10, dtype=np.float32).reshape(5, 2) + 100 * i)
     array, reference = buffer.data["x"], np.asarray(buffer.data["x"][:])
-    keys = [(slice(None, None, -1),), ([3, 1, 1],), (-1,), ([2, 0], [1, 3]), (Ellipsis, 1),
-            (slice(0, 5, 2), 2, 0), (np.array([True, False] * 3),), (slice(4, 1, -1), [0, 4])]
+    keys = [
+        (slice(None, None, -1),),
+        ([3, 1, 1],),
+        (-1,),
+        ([2, 0], [1, 3]),
+        (Ellipsis, 1),
+        (slice(0, 5, 2), 2, 0),
+        (np.array([True, False] * 3),),
+        (slice(4, 1, -1), [0, 4]),
+    ]
     for key in keys:
         np.testing.assert_array_equal(array[key], reference[key], err_msg=str(key))
     array[[4, 1], 1:3] = -1.0
@@ -93,10 +105,10 @@ def test_importing_replaybuf_without_h5py_works_and_the_class_says_what_to_insta
         import numpy as np
         import replaybuf
         from replaybuf.h5py_buffer import ReplayBufferH5PY
-        b = replaybuf.ReplayBuffer({str(tmp_path / 'z')!r}, 2, 3, fields={{"x": "float"}})
+        b = replaybuf.ReplayBuffer({str(tmp_path / "z")!r}, 2, 3, fields={{"x": "float"}})
         b.store_episode(x=np.ones(2))
-        for make in (lambda: ReplayBufferH5PY({str(tmp_path / 'h')!r}, 2, 3, fields={{"x": "float"}}),
-                     lambda: replaybuf.ReplayBuffer({str(tmp_path / 'h')!r}, 2, 3, fields={{"x": "float"}},
+        for make in (lambda: ReplayBufferH5PY({str(tmp_path / "h")!r}, 2, 3, fields={{"x": "float"}}),
+                     lambda: replaybuf.ReplayBuffer({str(tmp_path / "h")!r}, 2, 3, fields={{"x": "float"}},
                                                     backend="hdf5")):
             try:
                 make()
@@ -118,7 +130,9 @@ def test_gather_matches_numpy_on_every_read_path(tmp_path, monkeypatch, compress
     if not in_ram:
         monkeypatch.setattr(_hdf5, "SMALL_FIELD_BYTES", 0)
     options = {"compression": compression} if compression else None
-    buffer = ReplayBuffer(tmp_path / "b", 5, 8, fields={"x": ("float", (2, 3))}, backend="hdf5", storage_options=options)
+    buffer = ReplayBuffer(
+        tmp_path / "b", 5, 8, fields={"x": ("float", (2, 3))}, backend="hdf5", storage_options=options
+    )
     for i in range(5):
         buffer.store_episode(x=np.arange(48, dtype=np.float32).reshape(8, 2, 3) + 100 * i)
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
@@ -134,8 +148,11 @@ def _index(draw, st, n):
     if kind == "int":
         return draw(st.integers(-n, n - 1))
     if kind == "slice":
-        return slice(draw(st.none() | st.integers(-n, n)), draw(st.none() | st.integers(-n, n)),
-                     draw(st.none() | st.sampled_from([1, 2, -1, -3])))
+        return slice(
+            draw(st.none() | st.integers(-n, n)),
+            draw(st.none() | st.integers(-n, n)),
+            draw(st.none() | st.sampled_from([1, 2, -1, -3])),
+        )
     if kind == "list":
         return draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=4))
     return np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))

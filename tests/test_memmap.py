@@ -18,6 +18,7 @@ from ._backends import FIELDS, META_FIELDS, SEED_FIELDS, episode, seed_buffer, s
 
 seed = pytest.importorskip("memmap_replay_buffer")
 
+
 def test_files_are_plain_npy_and_json(tmp_path):
     folder = tmp_path / "buf"
     buffer = ReplayBuffer(folder, 5, 8, fields=FIELDS, meta_fields=META_FIELDS, backend="memmap")
@@ -140,18 +141,26 @@ def test_crafted_pickle_cannot_run_code(tmp_path):
     assert snapshot(str(folder)) == before
 
 
-@pytest.mark.parametrize("value, complaint", [
-    ({"fields": {"x"}}, "set"),
-    ({"fields": b"raw"}, "bytes"),
-    ({"default": np.float32(1.0)}, "numpy"),
-    ([1, 2], "expected a dict"),
-])
+@pytest.mark.parametrize(
+    "value, complaint",
+    [
+        ({"fields": {"x"}}, "set"),
+        ({"fields": b"raw"}, "bytes"),
+        ({"default": np.float32(1.0)}, "numpy"),
+        ([1, 2], "expected a dict"),
+    ],
+)
 def test_restricted_unpickler_accepts_plain_data_only(value, complaint):
     with pytest.raises(ValueError, match=complaint):
         load_plain_pickle(pickle.dumps(value), "metadata.pkl")
 
 
 def test_restricted_unpickler_reads_seed_configs():
-    config = {"max_episodes": 3, "fields": {"s": ("float", (3, 16, 16), 0.0), "a": ("int", 2)}, "circular": True,
-              "meta_fields": {}, "extra": None}
+    config = {
+        "max_episodes": 3,
+        "fields": {"s": ("float", (3, 16, 16), 0.0), "a": ("int", 2)},
+        "circular": True,
+        "meta_fields": {},
+        "extra": None,
+    }
     assert load_plain_pickle(pickle.dumps(config), "metadata.pkl") == config

@@ -27,14 +27,24 @@ def new_location(server) -> str:
 
 def episode(length: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    return dict(frame=rng.integers(0, 255, (length, 16, 16, 3), dtype=np.uint8),
-                state=rng.normal(size=(length, 4)).astype(np.float32), reward=np.arange(length, dtype=np.float32))
+    return dict(
+        frame=rng.integers(0, 255, (length, 16, 16, 3), dtype=np.uint8),
+        state=rng.normal(size=(length, 4)).astype(np.float32),
+        reward=np.arange(length, dtype=np.float32),
+    )
 
 
 def test_write_reopen_and_read_in_place(server):
     url = new_location(server)
-    buffer = ReplayBuffer(url, 4, 12, fields=FIELDS, meta_fields=dict(task="int"),
-                          storage_options=server.storage_options, flush_every_store_step=0)
+    buffer = ReplayBuffer(
+        url,
+        4,
+        12,
+        fields=FIELDS,
+        meta_fields=dict(task="int"),
+        storage_options=server.storage_options,
+        flush_every_store_step=0,
+    )
     first = episode(7, 0)
     buffer.store_episode(**first, task=1)
     with buffer.one_episode(task=2):
@@ -46,14 +56,18 @@ def test_write_reopen_and_read_in_place(server):
     again = ReplayBuffer.from_folder(url, storage_options=server.storage_options)
     assert again.num_episodes == 4 and again.episode_lens.tolist() == [7, 5, 1, 1]
     np.testing.assert_array_equal(again.data["frame"][0, :7], first["frame"])
-    np.testing.assert_array_equal(again.storage.gather("frame", np.array([1, 0]), np.array([4, 6])),
-                                  first["frame"][[4, 6]])
+    np.testing.assert_array_equal(
+        again.storage.gather("frame", np.array([1, 0]), np.array([4, 6])), first["frame"][[4, 6]]
+    )
     assert again.meta_data["task"][:].tolist() == [1, 2, 3, 4]
     data = again.get_all_data()
     assert data["reward"].shape == (4, 7) and data["reward"][1, :5].tolist() == [0, -1, -2, -3, -4]
     again.update([0], reward=np.zeros((1, 7)))
-    assert not ReplayBuffer.from_folder(url, read_only=True, storage_options=server.storage_options
-                                        ).data["reward"][0].any()
+    assert (
+        not ReplayBuffer.from_folder(url, read_only=True, storage_options=server.storage_options)
+        .data["reward"][0]
+        .any()
+    )
 
 
 def test_read_only_issues_no_write_request(server):
@@ -85,8 +99,9 @@ def test_missing_buffer_and_config_mismatch(server):
 
 def test_circular_wrap_and_step_log_on_object_storage(server):
     url = new_location(server)
-    buffer = ReplayBuffer(url, 2, 6, fields=FIELDS, circular=True, storage_options=server.storage_options,
-                          flush_every_store_step=2)
+    buffer = ReplayBuffer(
+        url, 2, 6, fields=FIELDS, circular=True, storage_options=server.storage_options, flush_every_store_step=2
+    )
     for seed in range(3):
         buffer.store_episode(**episode(3 + seed, seed))
     assert buffer.episode_lens.tolist() == [5, 4]
@@ -101,8 +116,10 @@ def test_circular_wrap_and_step_log_on_object_storage(server):
 def test_server_outage_mid_write_then_recovery(s3_server, s3_outage):
     url = new_location(s3_server)
     backoff = {"init_backoff": timedelta(seconds=0.05), "max_backoff": timedelta(seconds=0.1), "base": 2}
-    options = dict(s3_server.storage_options,
-                   retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2), "backoff": backoff})
+    options = dict(
+        s3_server.storage_options,
+        retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2), "backoff": backoff},
+    )
     buffer = ReplayBuffer(url, 4, 8, fields=FIELDS, storage_options=options, flush_every_store_step=0)
     kept = episode(5, 7)
     buffer.store_episode(**kept)

@@ -16,8 +16,14 @@ LENGTHS = (5, 3, 6)
 @pytest.fixture(params=["zarr", "memory"])
 def buffer(request, tmp_path):
     fields = {**FIELDS, "priority": "float"}
-    buffer = ReplayBuffer(location(request.param, tmp_path), backend=storage_backend(request.param), max_episodes=4,
-                          max_timesteps=8, fields=fields, meta_fields=META_FIELDS)
+    buffer = ReplayBuffer(
+        location(request.param, tmp_path),
+        backend=storage_backend(request.param),
+        max_episodes=4,
+        max_timesteps=8,
+        fields=fields,
+        meta_fields=META_FIELDS,
+    )
     fill(buffer, LENGTHS)
     return buffer
 
@@ -35,8 +41,7 @@ def drawn(loader) -> list[tuple[int, int]]:
 
 def test_draws_only_prioritized_timesteps_with_weights(buffer):
     set_priorities(buffer, {(0, 1): 1.0, (2, 4): 4.0})
-    loader = make_dataloader(buffer, 64, timestep_level=True, sampler="prioritized", alpha=1.0, beta=1.0,
-                             num_batches=4)
+    loader = make_dataloader(buffer, 64, timestep_level=True, sampler="prioritized", alpha=1.0, beta=1.0, num_batches=4)
     batches = list(loader)
     assert len(batches) == 4
     pairs = drawn(batches)

@@ -124,8 +124,9 @@ def test_options_translate_to_obstore(s3_server):
 @pytest.mark.parametrize("by", ["option", "AWS_PROFILE"])
 def test_profile_credentials_come_from_aws_files_like_s3fs(s3_server, tmp_path, monkeypatch, by):
     credentials = tmp_path / "credentials"
-    credentials.write_text(f"[replaybuf]\naws_access_key_id = {s3_server.access_key}\n"
-                           f"aws_secret_access_key = {s3_server.secret_key}\n")
+    credentials.write_text(
+        f"[replaybuf]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = {s3_server.secret_key}\n"
+    )
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
@@ -204,8 +205,9 @@ def test_dataloader_workers_open_their_own_store(request, server_name, context, 
     dataset = RemoteRows(url, server.storage_options)
     parent_backend = dataset[0][2]
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context,
-                                         timeout=120)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=120
+    )
     rows, pids, backends = zip(*loader, strict=True)
 
     np.testing.assert_array_equal(np.stack([row.numpy() for row in rows]), written["data/obs"])

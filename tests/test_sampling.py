@@ -56,8 +56,9 @@ def buffer(backend, tmp_path):
 @pytest.fixture(scope="module")
 def seed_buffer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("seed") / "buffer"
-    reference = seed.ReplayBuffer(folder, max_episodes=MAX_EPISODES, max_timesteps=MAX_TIMESTEPS, fields=FIELDS,
-                                  meta_fields=META_FIELDS)
+    reference = seed.ReplayBuffer(
+        folder, max_episodes=MAX_EPISODES, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META_FIELDS
+    )
     fill(reference)
     return reference
 
@@ -87,7 +88,12 @@ LOADER_CASES = [
     {"timestep_level": True, "filter_fields": {"ident": 4003}, "filter_meta": {"task": 1}},
     {"n_steps": 1},
     {"n_steps": 3, "return_indices": True},
-    {"n_steps": 4, "current_fields": ("state",), "next_fields": ("state", "done"), "sequence_fields": ("reward", "image")},
+    {
+        "n_steps": 4,
+        "current_fields": ("state",),
+        "next_fields": ("state", "done"),
+        "sequence_fields": ("reward", "image"),
+    },
     {"n_steps": 2, "fieldname_map": {"next_state": "next_obs", "n_step_lens": "k"}, "filter_meta": {"success": False}},
     {"n_steps": 2, "to_named_tuple": ("ident", "next_ident", "_indices"), "return_indices": True},
 ]
@@ -143,7 +149,7 @@ def test_time_windows(buffer):
         start, actual = int(first["_start"][i]), int(first["_lens"][i])
         assert actual == min(4, length) and 0 <= start <= length - actual
         assert bool(first["_reaches_episode_end"][i]) == (start + actual >= length)
-        expected = episode(i, length)["ident"][start:start + actual]
+        expected = episode(i, length)["ident"][start : start + actual]
         assert first["ident"][i, :actual].tolist() == expected.tolist()
         assert (first["ident"][i, actual:] == 0).all() and first["image"].shape[1:] == (4, 6, 5, 3)
     assert first["_lens"].dtype == torch.long and first["_reaches_episode_end"].dtype == torch.bool
@@ -163,8 +169,9 @@ def test_decoded_caches_give_the_same_batches(buffer, cache):
 def test_memmap_cache_is_shared_with_spawned_workers_and_removed(tmp_path):
     buffer = make_buffer("zarr", tmp_path)
     context = multiprocessing.get_context("spawn")
-    loader = make_dataloader(buffer, 4, timestep_level=True, cache="memmap", num_workers=1,
-                             multiprocessing_context=context)
+    loader = make_dataloader(
+        buffer, 4, timestep_level=True, cache="memmap", num_workers=1, multiprocessing_context=context
+    )
     folder = loader.dataset.fetcher._folder
     assert sorted(p.name for p in Path(folder).iterdir()) == [f"{i}.npy" for i in range(len(FIELDS))]
     for a, b in zip(loader, make_dataloader(buffer, 4, timestep_level=True)):
@@ -180,9 +187,12 @@ def test_device_and_loader_kwargs(buffer):
     assert len(batches) == sum(LENGTHS) // 4
     assert all(b["state"].device.type == "cpu" for b in batches)
     shuffled = list(make_dataloader(buffer, 100, timestep_level=True, shuffle=True))
-    assert sorted(shuffled[0]["ident"].tolist()) == sorted(make_dataloader(buffer, 100, timestep_level=True)
-                                                            .dataset.__getitems__(range(sum(LENGTHS))).batch["ident"]
-                                                            .tolist())
+    assert sorted(shuffled[0]["ident"].tolist()) == sorted(
+        make_dataloader(buffer, 100, timestep_level=True)
+        .dataset.__getitems__(range(sum(LENGTHS)))
+        .batch["ident"]
+        .tolist()
+    )
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -191,12 +201,15 @@ def test_workers(backend, tmp_path, start_method):
         pytest.skip("a memory:// store lives in one process; spawned workers cannot see it")
     buffer = make_buffer(backend, tmp_path)
     context = multiprocessing.get_context(start_method)
-    cases = [{"to_named_tuple": ("state", "_lens", "_mask"), "return_mask": True},
-             {"n_steps": 2, "return_indices": True}]
+    cases = [
+        {"to_named_tuple": ("state", "_lens", "_mask"), "return_mask": True},
+        {"n_steps": 2, "return_indices": True},
+    ]
     for case in cases:
         expected = list(make_dataloader(buffer, 2, **case))
-        got = list(make_dataloader(buffer, 2, num_workers=2, multiprocessing_context=context,
-                                   persistent_workers=True, **case))
+        got = list(
+            make_dataloader(buffer, 2, num_workers=2, multiprocessing_context=context, persistent_workers=True, **case)
+        )
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert_same(a, b, (start_method, case))
@@ -214,8 +227,11 @@ def check_origin(batch, slots_to_episode):
 @pytest.mark.parametrize("reader", ["same", "read_only"])
 def test_loader_never_mixes_a_reused_slot(backend, tmp_path, reader):
     writer = make_buffer(backend, tmp_path, lengths=(6,) * MAX_EPISODES, circular=True)
-    source = writer if reader == "same" else ReplayBuffer.from_folder(writer.storage.location, read_only=True,
-                                                                      backend=storage_backend(backend))
+    source = (
+        writer
+        if reader == "same"
+        else ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=storage_backend(backend))
+    )
     loader = make_dataloader(source, 16, timestep_level=True, return_indices=True)
     origin = {slot: slot for slot in range(MAX_EPISODES)}
     first = next(iter(loader))
@@ -256,8 +272,11 @@ def test_reader_sees_in_place_updates_after_refresh(backend, tmp_path, resident_
     for _ in range(2):  # twice: frames enter the chunk cache on their second miss
         before = next(iter(make_dataloader(reader, sum(LENGTHS), timestep_level=True, shuffle=False)))
     assert not (before["image"] == 7).all()
-    writer.update(None, image=np.full((1, MAX_TIMESTEPS, 40, 40, 3), 7, np.uint8),
-                  state=np.full((1, MAX_TIMESTEPS, 4), 2.5, np.float32))
+    writer.update(
+        None,
+        image=np.full((1, MAX_TIMESTEPS, 40, 40, 3), 7, np.uint8),
+        state=np.full((1, MAX_TIMESTEPS, 4), 2.5, np.float32),
+    )
     reader.refresh()
     after = next(iter(make_dataloader(reader, sum(LENGTHS), timestep_level=True, shuffle=False)))
     assert (after["image"] == 7).all() and (after["state"] == 2.5).all()
@@ -289,7 +308,9 @@ def test_chunk_cache_hits_and_sees_writes_of_this_process(tmp_path, resident_byt
     cache.resize(max_bytes=0)
     try:
         assert cache.nbytes == 0
-        assert torch.equal(next(iter(loader))["image"], next(iter(make_dataloader(buffer, 8, timestep_level=True)))["image"])
+        assert torch.equal(
+            next(iter(loader))["image"], next(iter(make_dataloader(buffer, 8, timestep_level=True)))["image"]
+        )
     finally:
         cache.resize(max_bytes=128 << 20)
 
@@ -297,27 +318,30 @@ def test_chunk_cache_hits_and_sees_writes_of_this_process(tmp_path, resident_byt
 # ---- bad input ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case, message", [
-    ({"fields": ("nope",)}, "fields: invalid field names \\['nope'\\]"),
-    ({"n_steps": 2, "current_fields": ("state", "nope")}, "current_fields"),
-    ({"n_steps": 2, "next_fields": ("x",)}, "next_fields"),
-    ({"n_steps": 2, "sequence_fields": ("x",)}, "sequence_fields"),
-    ({"to_named_tuple": ("state", "_nope")}, "to_named_tuple: invalid field names \\['_nope'\\]"),
-    ({"to_named_tuple": ("state",), "fields": ("state",)}, "both fields and to_named_tuple"),
-    ({"n_steps": 0}, "n_steps must be an int >= 1"),
-    ({"n_steps": 2, "timestep_level": True}, "both n_steps and timestep_level"),
-    ({"timestep_level": True, "return_mask": True}, "return_mask is only supported"),
-    ({"n_steps": 2, "return_mask": True}, "return_mask is only supported"),
-    ({"filter_meta": {"nope": 1}}, "filter_meta: invalid field names"),
-    ({"filter_meta": {"task": 17}}, "matches no episode"),
-    ({"timestep_level": True, "filter_fields": {"image": 0}}, "only supports scalar fields"),
-    ({"timestep_level": True, "filter_fields": {"ident": -5}}, "matches no timestep"),
-    ({"filter_fields": {"done": True}}, "only supported for timestep-level"),
-    ({"sampler": "lifo"}, "sampler must be one of"),
-    ({"sampler": "prioritized"}, "use timestep_level=True or n_steps"),
-    ({"sampler": "prioritized", "timestep_level": True}, "priority_field 'priority' is not a field"),
-    ({"dataset_kwargs": {"cache": "gpu"}}, "cache must be one of"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ({"fields": ("nope",)}, "fields: invalid field names \\['nope'\\]"),
+        ({"n_steps": 2, "current_fields": ("state", "nope")}, "current_fields"),
+        ({"n_steps": 2, "next_fields": ("x",)}, "next_fields"),
+        ({"n_steps": 2, "sequence_fields": ("x",)}, "sequence_fields"),
+        ({"to_named_tuple": ("state", "_nope")}, "to_named_tuple: invalid field names \\['_nope'\\]"),
+        ({"to_named_tuple": ("state",), "fields": ("state",)}, "both fields and to_named_tuple"),
+        ({"n_steps": 0}, "n_steps must be an int >= 1"),
+        ({"n_steps": 2, "timestep_level": True}, "both n_steps and timestep_level"),
+        ({"timestep_level": True, "return_mask": True}, "return_mask is only supported"),
+        ({"n_steps": 2, "return_mask": True}, "return_mask is only supported"),
+        ({"filter_meta": {"nope": 1}}, "filter_meta: invalid field names"),
+        ({"filter_meta": {"task": 17}}, "matches no episode"),
+        ({"timestep_level": True, "filter_fields": {"image": 0}}, "only supports scalar fields"),
+        ({"timestep_level": True, "filter_fields": {"ident": -5}}, "matches no timestep"),
+        ({"filter_fields": {"done": True}}, "only supported for timestep-level"),
+        ({"sampler": "lifo"}, "sampler must be one of"),
+        ({"sampler": "prioritized"}, "use timestep_level=True or n_steps"),
+        ({"sampler": "prioritized", "timestep_level": True}, "priority_field 'priority' is not a field"),
+        ({"dataset_kwargs": {"cache": "gpu"}}, "cache must be one of"),
+    ],
+)
 def test_bad_input(shared_buffer, case, message):
     with pytest.raises(ValueError, match=message):
         make_dataloader(shared_buffer, 2, **case)
@@ -365,5 +389,6 @@ def test_reader_beside_a_writer_process_sees_only_whole_episodes(tmp_path):
     finally:
         process.join(timeout=60)
     assert process.exitcode == 0 and checked > 0
-    assert sorted(make_dataset(reader).__getitems__(range(MAX_EPISODES)).batch["ident"][:, 0].floor_divide(1000).tolist()) \
-        == list(range(40, 40 + MAX_EPISODES))
+    assert sorted(
+        make_dataset(reader).__getitems__(range(MAX_EPISODES)).batch["ident"][:, 0].floor_divide(1000).tolist()
+    ) == list(range(40, 40 + MAX_EPISODES))

@@ -22,13 +22,17 @@ CASES = [{}, {"timestep_level": True, "return_indices": True}, {"n_steps": 3, "s
 @pytest.fixture(scope="module")
 def buffers(s3_server, tmp_path_factory):
     options = dict(max_episodes=8, max_timesteps=10, fields=REMOTE_FIELDS, meta_fields=META_FIELDS)
-    remote = ReplayBuffer(s3_server.url(f"sampling-{uuid.uuid4().hex[:8]}"),
-                          storage_options=s3_server.storage_options, **options)
+    remote = ReplayBuffer(
+        s3_server.url(f"sampling-{uuid.uuid4().hex[:8]}"), storage_options=s3_server.storage_options, **options
+    )
     local = ReplayBuffer(tmp_path_factory.mktemp("local") / "buffer", **options)
     fill(remote)
     fill(local)
-    return remote, ReplayBuffer.from_folder(remote.storage.location, read_only=True,
-                                            storage_options=s3_server.storage_options), local
+    return (
+        remote,
+        ReplayBuffer.from_folder(remote.storage.location, read_only=True, storage_options=s3_server.storage_options),
+        local,
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(c) or "trajectory")
@@ -45,8 +49,9 @@ def test_remote_batches_match_local(buffers, case):
 def test_remote_fork_workers(buffers):
     _, reader, local = buffers
     context = multiprocessing.get_context("fork")
-    got = list(make_dataloader(reader, 4, timestep_level=True, num_workers=2, multiprocessing_context=context,
-                               timeout=120))
+    got = list(
+        make_dataloader(reader, 4, timestep_level=True, num_workers=2, multiprocessing_context=context, timeout=120)
+    )
     expected = list(make_dataloader(local, 4, timestep_level=True))
     for a, b in zip(got, expected):
         assert_same(a, b, "fork workers on s3")

@@ -50,11 +50,23 @@ SNIPPETS = {
     "store_episode": ("Storing whole episodes", "buffer.store_episode(", ")"),
     "batched": ("Batched parallel collection", "with buffer.batched_episode(", "        )"),
     "update": ("Updating data in place", "buffer.update(returns", "buffer.update(0, returns"),
-    "get_all_data": ("Pulling everything at once", "all_data = buffer.get_all_data()", "all_data = buffer.get_all_data()"),
-    "video": ("Rendering episodes to video", "buffer.save_video('./episode-0.mp4'", "buffer.save_video('./episodes-0-3-5.mp4'"),
+    "get_all_data": (
+        "Pulling everything at once",
+        "all_data = buffer.get_all_data()",
+        "all_data = buffer.get_all_data()",
+    ),
+    "video": (
+        "Rendering episodes to video",
+        "buffer.save_video('./episode-0.mp4'",
+        "buffer.save_video('./episodes-0-3-5.mp4'",
+    ),
     "cli": ("Rendering episodes to video", "$ inspect-replay-buffer", "$ inspect-replay-buffer"),
     "reopen": ("Reopening, read-only, and clearing", "buffer = ReplayBuffer.from_folder(", "buffer.clear()"),
-    "concat": ("Concatenating buffers", "from memmap_replay_buffer import ConcatReplayBuffer", "dataloader = concat.dataloader("),
+    "concat": (
+        "Concatenating buffers",
+        "from memmap_replay_buffer import ConcatReplayBuffer",
+        "dataloader = concat.dataloader(",
+    ),
 }
 
 
@@ -196,7 +208,9 @@ def store_episode(run: ReadmeRun, out: dict) -> None:
     buffer = run.namespace["buffer"]
     torch.manual_seed(200)
     expected_state, expected_action, expected_reward = (
-        torch.randn(100, 3, 16, 16), torch.randint(0, 4, (100, 2)), torch.randn(100),
+        torch.randn(100, 3, 16, 16),
+        torch.randint(0, 4, (100, 2)),
+        torch.randn(100),
     )
     data = buffer.get_all_data()
     assert buffer.num_episodes == 5
@@ -227,8 +241,11 @@ def update(run: ReadmeRun, out: dict) -> None:
     main_buffer = ns["buffer"]
     ReplayBuffer = run.module.ReplayBuffer
     buffer = ReplayBuffer(
-        "./update_data", max_episodes=10, max_timesteps=100,
-        fields=dict(reward="float", returns="float"), overwrite=True,
+        "./update_data",
+        max_episodes=10,
+        max_timesteps=100,
+        fields=dict(reward="float", returns="float"),
+        overwrite=True,
     )
     for _ in range(3):
         buffer.store_episode(reward=torch.randn(100))
@@ -253,7 +270,11 @@ def get_all_data(run: ReadmeRun, out: dict) -> None:
     run.exec("get_all_data")
     data = run.namespace["all_data"]
     assert {name: tuple(value.shape) for name, value in data.items()} == {
-        "state": (9, 100, 3, 16, 16), "action": (9, 100, 2), "reward": (9, 100), "task_id": (9,), "episode_lens": (9,),
+        "state": (9, 100, 3, 16, 16),
+        "action": (9, 100, 2),
+        "reward": (9, 100),
+        "task_id": (9,),
+        "episode_lens": (9,),
     }
     assert data["state"].dtype == torch.float32 and data["action"].dtype == torch.int32
     assert data["task_id"].tolist() == [1] * 5 + [0, 1, 2, 3]
@@ -261,8 +282,11 @@ def get_all_data(run: ReadmeRun, out: dict) -> None:
     assert sorted(subset) == ["reward", "task_id"]
     # padding: a shorter episode is padded to the longest, with zeros (or the field's default)
     padded = run.module.ReplayBuffer(
-        "./padding_data", max_episodes=4, max_timesteps=10,
-        fields=dict(reward="float", bonus=("float", (), 5.0), action=("int", 2)), overwrite=True,
+        "./padding_data",
+        max_episodes=4,
+        max_timesteps=10,
+        fields=dict(reward="float", bonus=("float", (), 5.0), action=("int", 2)),
+        overwrite=True,
     )
     padded.store_episode(reward=torch.arange(3.0), action=torch.ones(3, 2, dtype=torch.int32))
     padded.store_episode(reward=torch.arange(5.0), bonus=torch.zeros(5))
@@ -299,8 +323,11 @@ def cli_command(lib: str, argv: list[str]) -> list[str]:
 def cli(run: ReadmeRun, out: dict) -> None:
     ReplayBuffer = run.module.ReplayBuffer
     images = ReplayBuffer(
-        "./image_data", max_episodes=8, max_timesteps=8,
-        fields=dict(front=("uint8", (32, 32, 3)), wrist=("uint8", (32, 32, 3))), overwrite=True,
+        "./image_data",
+        max_episodes=8,
+        max_timesteps=8,
+        fields=dict(front=("uint8", (32, 32, 3)), wrist=("uint8", (32, 32, 3))),
+        overwrite=True,
     )
     for episode in range(6):
         ramp = torch.arange(8, dtype=torch.uint8)[:, None, None, None] * 30 + episode
@@ -370,8 +397,13 @@ def reopen(run: ReadmeRun, out: dict) -> None:
     assert_same(ns["buffer"].get_all_data(), out["read_only_data"], "reopened get_all_data")
     with pytest.raises(ValueError, match="max_episodes"):
         run.module.ReplayBuffer(
-            "./replay_data", max_episodes=999, max_timesteps=500, fields=FIELDS,
-            meta_fields=META_FIELDS, circular=True, overwrite=False,
+            "./replay_data",
+            max_episodes=999,
+            max_timesteps=500,
+            fields=FIELDS,
+            meta_fields=META_FIELDS,
+            circular=True,
+            overwrite=False,
         )
 
     run.exec("reopen", third)  # clear()
@@ -390,8 +422,10 @@ def concat(run: ReadmeRun, out: dict) -> None:
         )
         for length in lens:
             part.store_episode(
-                state=torch.randn(length, 3, 16, 16), action=torch.randint(0, 4, (length, 2)),
-                reward=torch.randn(length), task_id=length,
+                state=torch.randn(length, 3, 16, 16),
+                action=torch.randint(0, 4, (length, 2)),
+                reward=torch.randn(length),
+                task_id=length,
             )
         part.flush()
         del part
@@ -420,8 +454,9 @@ def notes(run: ReadmeRun, out: dict) -> None:
     """The README's closing notes: circular overwrite, full non-circular buffers, defaults, flushing."""
     ReplayBuffer = run.module.ReplayBuffer
     fields = dict(x="float", y=("float", 2, 7.0))
-    ring = ReplayBuffer("./notes_ring", max_episodes=3, max_timesteps=4, fields=fields, circular=True,
-                        flush_every_store_step=0)
+    ring = ReplayBuffer(
+        "./notes_ring", max_episodes=3, max_timesteps=4, fields=fields, circular=True, flush_every_store_step=0
+    )
     for episode in range(5):
         ring.store_episode(x=torch.full((2,), float(episode)))
     assert ring.num_episodes == 3
@@ -444,8 +479,18 @@ def notes(run: ReadmeRun, out: dict) -> None:
 
 
 SECTIONS = dict(
-    usage=usage, trajectory=trajectory, timestep=timestep, n_step=n_step, store_episode=store_episode,
-    batched=batched, update=update, get_all_data=get_all_data, video=video, cli=cli, reopen=reopen, concat=concat,
+    usage=usage,
+    trajectory=trajectory,
+    timestep=timestep,
+    n_step=n_step,
+    store_episode=store_episode,
+    batched=batched,
+    update=update,
+    get_all_data=get_all_data,
+    video=video,
+    cli=cli,
+    reopen=reopen,
+    concat=concat,
     notes=notes,
 )
 
@@ -466,8 +511,11 @@ def test_every_snippet_is_found_and_covered():
     assert SEED in readme_snippet("usage", SEED) and OURS in readme_snippet("usage", OURS)
     # every line that looks like code (an import, a call, an assignment, a shell prompt) is in a snippet
     looks_like_code = [
-        line for line in text.splitlines()
-        if line.startswith(("import ", "from ", "buffer", "with ", "for ", "dataloader", "all_data", "concat", "$ inspect"))
+        line
+        for line in text.splitlines()
+        if line.startswith(
+            ("import ", "from ", "buffer", "with ", "for ", "dataloader", "all_data", "concat", "$ inspect")
+        )
     ]
     assert looks_like_code and set(looks_like_code) <= code_lines
     assert set(SNIPPETS) <= set(SECTIONS)

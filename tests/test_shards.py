@@ -81,9 +81,15 @@ def test_four_writer_processes_lose_and_duplicate_nothing(tmp_path):
     for index in range(4):  # each actor's shard exists before any writes (as a launcher would do)
         open_shard(tmp_path, index, **kwargs).close()
     writers = [
-        FORK.Process(target=writer_loop, args=(shard_location(tmp_path, index),
-                                                list(range(index * 1000, index * 1000 + per_actor)),
-                                                "mixed", kwargs))
+        FORK.Process(
+            target=writer_loop,
+            args=(
+                shard_location(tmp_path, index),
+                list(range(index * 1000, index * 1000 + per_actor)),
+                "mixed",
+                kwargs,
+            ),
+        )
         for index in range(4)
     ]
     for writer in writers:
@@ -109,7 +115,9 @@ def test_buffer_shard_and_concat_of_a_shard_root(tmp_path):
     from replaybuf import ConcatReplayBuffer
 
     for index in range(3):
-        shard = ReplayBuffer.shard(str(tmp_path / "root"), index, max_episodes=2, max_timesteps=4, fields=dict(x="float"))
+        shard = ReplayBuffer.shard(
+            str(tmp_path / "root"), index, max_episodes=2, max_timesteps=4, fields=dict(x="float")
+        )
         shard.store_episode(x=np.full(index + 1, float(index)))
     assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["actor-000", "actor-001", "actor-002"]
     together = ConcatReplayBuffer(str(tmp_path / "root"))

@@ -16,8 +16,9 @@ from ._backends import BACKENDS, FIELDS, META_FIELDS, SEED_FIELDS, episode, make
 
 
 def filled(location, backend="zarr", lengths=(5, 7, 3, 6, 4), max_episodes=4, circular=True, **kwargs):
-    buffer = ReplayBuffer(location, max_episodes, 12, fields=FIELDS, meta_fields=META_FIELDS, circular=circular,
-                          backend=backend, **kwargs)
+    buffer = ReplayBuffer(
+        location, max_episodes, 12, fields=FIELDS, meta_fields=META_FIELDS, circular=circular, backend=backend, **kwargs
+    )
     for i, length in enumerate(lengths):
         buffer.store_episode(**episode(length, i), task_id=10 + i)
     buffer.close()
@@ -83,20 +84,29 @@ def test_chunks_and_compressor_reach_the_destination(tmp_path):
     assert facts["fields"]["data/state"]["chunks"] == [1, 2, 3, 4, 4]
     assert facts["fields"]["data/reward"]["chunks"] == [1, 5]
     assert {f["compressor"] for f in facts["fields"].values()} == {"zstd:5"}
-    convert(tmp_path / "src", tmp_path / "h5", backend="hdf5", chunks={"state": 3},
-            dst_storage_options={"compression": "gzip"}, progress=False)
+    convert(
+        tmp_path / "src",
+        tmp_path / "h5",
+        backend="hdf5",
+        chunks={"state": 3},
+        dst_storage_options={"compression": "gzip"},
+        progress=False,
+    )
     assert info(tmp_path / "h5")["fields"]["data/state"]["chunks"] == [1, 3, 3, 4, 4]
     assert info(tmp_path / "h5")["fields"]["data/state"]["compressor"].startswith("gzip")
 
 
-@pytest.mark.parametrize("kwargs, error, complaint", [
-    ({"chunks": ["nope=3"]}, ValueError, "unknown data fields \\['nope'\\]"),
-    ({"chunks": ["state"]}, ValueError, "field=TIMESTEPS"),
-    ({"chunks": {"state": 0}}, ValueError, "positive number"),
-    ({"compressor": "lz4"}, ValueError, "unknown compressor"),
-    ({"compressor": "zstd:3", "backend": "hdf5"}, ValueError, "per-field compressors"),
-    ({"backend": "parquet"}, ValueError, "unknown backend 'parquet'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, complaint",
+    [
+        ({"chunks": ["nope=3"]}, ValueError, "unknown data fields \\['nope'\\]"),
+        ({"chunks": ["state"]}, ValueError, "field=TIMESTEPS"),
+        ({"chunks": {"state": 0}}, ValueError, "positive number"),
+        ({"compressor": "lz4"}, ValueError, "unknown compressor"),
+        ({"compressor": "zstd:3", "backend": "hdf5"}, ValueError, "per-field compressors"),
+        ({"backend": "parquet"}, ValueError, "unknown backend 'parquet'"),
+    ],
+)
 def test_bad_convert_arguments_create_nothing(tmp_path, kwargs, error, complaint):
     filled(tmp_path / "src", "memmap")
     with pytest.raises(error, match=complaint):
@@ -179,8 +189,12 @@ def run_cli(argv) -> int:
 def test_cli_commands(tmp_path, capsys):
     assert [c[0] for c in CLI_COMMANDS] == ["convert", "info", "verify"]
     filled(tmp_path / "src", "memmap")
-    assert run_cli(["convert", tmp_path / "src", tmp_path / "dst", "--chunks", "state=3", "--compressor", "zstd:4",
-                    "--quiet"]) == 0
+    assert (
+        run_cli(
+            ["convert", tmp_path / "src", tmp_path / "dst", "--chunks", "state=3", "--compressor", "zstd:4", "--quiet"]
+        )
+        == 0
+    )
     assert "copied 4 episodes" in capsys.readouterr().out
     assert run_cli(["info", tmp_path / "dst"]) == 0
     out = capsys.readouterr().out

@@ -15,8 +15,11 @@ from replaybuf.sampling import chunk_cache
 @pytest.mark.parametrize("compressor", ["zstd", "zstd:7", "blosc-lz4", "blosc-zstd:3", "gzip:4", "none"])
 def test_zarr_python_reads_what_replaybuf_writes(tmp_path, compressor):
     path = str(tmp_path / "b")
-    fields = dict(frame={"dtype": "uint8", "shape": (32, 32, 3), "compressor": compressor},
-                  state={"dtype": "float", "shape": 5, "compressor": compressor, "chunks": 4}, reward="float")
+    fields = dict(
+        frame={"dtype": "uint8", "shape": (32, 32, 3), "compressor": compressor},
+        state={"dtype": "float", "shape": 5, "compressor": compressor, "chunks": 4},
+        reward="float",
+    )
     buffer = ReplayBuffer(path, 4, 11, fields=fields, meta_fields=dict(task=("int", 2)))
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 255, (9, 32, 32, 3), dtype=np.uint8)
@@ -54,13 +57,17 @@ def test_image_fields_are_one_shard_per_episode(tmp_path):
 def test_default_codecs_are_blosc_lz4_for_images_and_zstd_for_vectors(tmp_path):
     path = tmp_path / "b"
     buffer = ReplayBuffer(str(path), 2, 6, fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 4)))
-    buffer.store_episode(frame=np.arange(6 * 64 * 64 * 3, dtype=np.uint64).reshape(6, 64, 64, 3).astype(np.uint8),
-                         state=np.ones((6, 4)))
+    buffer.store_episode(
+        frame=np.arange(6 * 64 * 64 * 3, dtype=np.uint64).reshape(6, 64, 64, 3).astype(np.uint8), state=np.ones((6, 4))
+    )
     sharding = json.loads((path / "data" / "frame" / "zarr.json").read_text())["codecs"][0]
     blosc = sharding["configuration"]["codecs"][-1]
     assert blosc["name"] == "blosc"
-    assert {k: blosc["configuration"][k] for k in ("cname", "clevel", "shuffle")} == \
-        {"cname": "lz4", "clevel": 9, "shuffle": "noshuffle"}
+    assert {k: blosc["configuration"][k] for k in ("cname", "clevel", "shuffle")} == {
+        "cname": "lz4",
+        "clevel": 9,
+        "shuffle": "noshuffle",
+    }
     state_codecs = json.loads((path / "data" / "state" / "zarr.json").read_text())["codecs"]
     assert state_codecs[-1]["name"] == "zstd" and state_codecs[-1]["configuration"]["level"] == 3
     group = zarr.open_group(str(path), mode="r")
@@ -80,9 +87,14 @@ def test_update_inside_a_shard_keeps_the_other_frames(tmp_path):
 def test_config_is_json_and_no_pickle_anywhere(tmp_path):
     path = tmp_path / "b"
     ReplayBuffer(str(path), 2, 3, fields=dict(x=("float", 2, 0.5)), meta_fields=dict(m="int")).store_episode(
-        x=np.ones((2, 2)), m=1)
+        x=np.ones((2, 2)), m=1
+    )
     attributes = json.loads((path / "zarr.json").read_text())["attributes"]
-    assert attributes["version"] == 1 and attributes["fields"]["x"] == {"dtype": "float32", "shape": [2], "default": 0.5}
+    assert attributes["version"] == 1 and attributes["fields"]["x"] == {
+        "dtype": "float32",
+        "shape": [2],
+        "default": 0.5,
+    }
     assert json.loads((path / "replaybuf" / "state.json").read_text())["num_episodes"] == 1
     assert not [p for p in path.rglob("*") if p.suffix in (".pkl", ".pickle")]
 

@@ -13,7 +13,16 @@ from .loader import make_dataloader, make_dataset
 from .prioritized import PrioritizedBatchSampler, update_priorities
 
 __all__ = [
-    "ReplayDataset", "ReplayDatasetTrajectory", "ReplayDatasetTimestep", "ReplayDatasetNStep",
-    "ReplayDatasetTimeWindow", "make_dataset", "make_dataloader", "update_priorities", "PrioritizedBatchSampler",
-    "Collator", "CollatedSamples", "chunk_cache",
+    "ReplayDataset",
+    "ReplayDatasetTrajectory",
+    "ReplayDatasetTimestep",
+    "ReplayDatasetNStep",
+    "ReplayDatasetTimeWindow",
+    "make_dataset",
+    "make_dataloader",
+    "update_priorities",
+    "PrioritizedBatchSampler",
+    "Collator",
+    "CollatedSamples",
+    "chunk_cache",
 ]

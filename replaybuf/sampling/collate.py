@@ -24,8 +24,7 @@ class CollatedSamples(Sequence):
     are cut back to that sample's length ``lens[i]`` (trajectories are padded only in batches).
     """
 
-    def __init__(self, batch: dict[str, torch.Tensor], lens: np.ndarray | None = None,
-                 time_keys: Iterable[str] = ()):
+    def __init__(self, batch: dict[str, torch.Tensor], lens: np.ndarray | None = None, time_keys: Iterable[str] = ()):
         self.batch = batch
         self.lens = lens
         self.time_keys = frozenset(time_keys)
@@ -104,8 +103,13 @@ class Collator:
         Move every tensor there.
     """
 
-    def __init__(self, time_keys: Iterable[str] | None = None, return_mask: bool = False,
-                 named_tuple: Sequence[str] | None = None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        time_keys: Iterable[str] | None = None,
+        return_mask: bool = False,
+        named_tuple: Sequence[str] | None = None,
+        device: torch.device | str | None = None,
+    ):
         self.time_keys = None if time_keys is None else frozenset(time_keys)
         self.return_mask = return_mask
         self.named_tuple = None if named_tuple is None else tuple(named_tuple)
@@ -125,7 +129,9 @@ class Collator:
         if self.named_tuple is not None:
             missing = [k for k in self.named_tuple if k not in batch]
             if missing:
-                raise ValueError(f"to_named_tuple: fields {missing} not found in batch. available fields: {list(batch)}")
+                raise ValueError(
+                    f"to_named_tuple: fields {missing} not found in batch. available fields: {list(batch)}"
+                )
             cls = named_batch_class(named_tuple_fields(self.named_tuple))
             batch = cls(*(batch[k] for k in self.named_tuple))
         return to_device(batch, self.device)

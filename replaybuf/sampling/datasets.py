@@ -87,8 +87,10 @@ def episode_filter(buffer, lens: np.ndarray, filter_meta: dict | None, min_episo
             match = np.asarray(data == value)
             keep &= match.reshape(len(keep), -1).all(axis=1)
         if not keep.any():
-            raise ValueError(f"filter_meta {filter_meta!r} matches no episode with at least {min_episode_len} "
-                             f"timesteps (of {int((lens > 0).sum())} stored)")
+            raise ValueError(
+                f"filter_meta {filter_meta!r} matches no episode with at least {min_episode_len} "
+                f"timesteps (of {int((lens > 0).sum())} stored)"
+            )
     return np.flatnonzero(keep)
 
 
@@ -97,10 +99,17 @@ class _SnapshotDataset(Dataset):
 
     time_keys: frozenset[str] = frozenset()
 
-    def __init__(self, replay_buffer: Any, fields: Sequence[str] | None = None,
-                 fieldname_map: dict[str, str] | None = None, include_metadata: bool = True,
-                 filter_meta: dict | None = None, return_indices: bool = False, cache: str | None = None,
-                 min_episode_len: int = 1):
+    def __init__(
+        self,
+        replay_buffer: Any,
+        fields: Sequence[str] | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        include_metadata: bool = True,
+        filter_meta: dict | None = None,
+        return_indices: bool = False,
+        cache: str | None = None,
+        min_episode_len: int = 1,
+    ):
         buffer = as_buffer(replay_buffer)
         self.replay_buffer = buffer
         self.fields = check_names(fields, buffer.fieldnames, "fields") or tuple(buffer.schema.fields)
@@ -200,10 +209,19 @@ class ReplayDatasetTrajectory(_SnapshotDataset):
     """Whole episodes, sliced to their length; batches are zero-padded to the longest, with
     ``_lens`` (and ``_index``, the slot, with ``return_indices``)."""
 
-    def __init__(self, replay_buffer: Any, fields: Sequence[str] | None = None,
-                 fieldname_map: dict[str, str] | None = None, include_metadata: bool = True,
-                 filter_meta: dict | None = None, filter_fields: dict | None = None, return_indices: bool = False,
-                 slice_by_episode_len: bool = True, return_episode_lens: bool = True, cache: str | None = None):
+    def __init__(
+        self,
+        replay_buffer: Any,
+        fields: Sequence[str] | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        include_metadata: bool = True,
+        filter_meta: dict | None = None,
+        filter_fields: dict | None = None,
+        return_indices: bool = False,
+        slice_by_episode_len: bool = True,
+        return_episode_lens: bool = True,
+        cache: str | None = None,
+    ):
         if filter_fields is not None:
             raise ValueError("filter_fields is only supported for timestep-level and n-step datasets")
         if not slice_by_episode_len and not return_episode_lens:
@@ -240,9 +258,17 @@ class ReplayDatasetTimeWindow(_SnapshotDataset):
     whole length), zero-padded, with ``_lens`` and ``_reaches_episode_end`` (and ``_index``,
     ``_start`` with ``return_indices``)."""
 
-    def __init__(self, replay_buffer: Any, window_length: int, fields: Sequence[str] | None = None,
-                 fieldname_map: dict[str, str] | None = None, include_metadata: bool = True,
-                 filter_meta: dict | None = None, return_indices: bool = False, cache: str | None = None):
+    def __init__(
+        self,
+        replay_buffer: Any,
+        window_length: int,
+        fields: Sequence[str] | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        include_metadata: bool = True,
+        filter_meta: dict | None = None,
+        return_indices: bool = False,
+        cache: str | None = None,
+    ):
         if isinstance(window_length, bool) or not isinstance(window_length, (int, np.integer)) or window_length < 1:
             raise ValueError(f"window_length must be an int >= 1, got {window_length!r}")
         super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
@@ -254,8 +280,9 @@ class ReplayDatasetTimeWindow(_SnapshotDataset):
         lens = self._lens[slots]
         actual = np.minimum(self.window_length, lens)
         starts = self.rng().integers(0, lens - actual + 1)
-        columns = {self.out_name(f): self.fetcher.windows(f, slots, starts, actual, self.window_length)
-                   for f in self.fields}
+        columns = {
+            self.out_name(f): self.fetcher.windows(f, slots, starts, actual, self.window_length) for f in self.fields
+        }
         columns.update(self._meta_columns(slots))
         columns["_lens"] = actual
         columns["_reaches_episode_end"] = starts + actual >= lens
@@ -329,10 +356,17 @@ class ReplayDatasetTimestep(_TimepointDataset):
     """Every valid (episode, timestep) of the buffer, one sample each (``_indices`` = [episode,
     timestep] with ``return_indices``)."""
 
-    def __init__(self, replay_buffer: Any, fields: Sequence[str] | None = None,
-                 fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
-                 include_metadata: bool = True, filter_meta: dict | None = None, filter_fields: dict | None = None,
-                 cache: str | None = None):
+    def __init__(
+        self,
+        replay_buffer: Any,
+        fields: Sequence[str] | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        return_indices: bool = False,
+        include_metadata: bool = True,
+        filter_meta: dict | None = None,
+        filter_fields: dict | None = None,
+        cache: str | None = None,
+    ):
         super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
         self._make_fetcher(self.fields)
         self._set_timepoints(filter_fields)
@@ -355,11 +389,21 @@ class ReplayDatasetNStep(_TimepointDataset):
 
     horizon = 2
 
-    def __init__(self, replay_buffer: Any, n_steps: int, current_fields: Sequence[str] | None = None,
-                 next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
-                 fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
-                 include_metadata: bool = True, filter_meta: dict | None = None, filter_fields: dict | None = None,
-                 cache: str | None = None, fields: Sequence[str] | None = None):
+    def __init__(
+        self,
+        replay_buffer: Any,
+        n_steps: int,
+        current_fields: Sequence[str] | None = None,
+        next_fields: Sequence[str] | None = None,
+        sequence_fields: Sequence[str] | None = None,
+        fieldname_map: dict[str, str] | None = None,
+        return_indices: bool = False,
+        include_metadata: bool = True,
+        filter_meta: dict | None = None,
+        filter_fields: dict | None = None,
+        cache: str | None = None,
+        fields: Sequence[str] | None = None,
+    ):
         if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
             raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
         buffer = as_buffer(replay_buffer)
@@ -367,8 +411,9 @@ class ReplayDatasetNStep(_TimepointDataset):
         current = check_names(current_fields, allowed, "current_fields")
         following = check_names(next_fields, allowed, "next_fields")
         sequence = check_names(sequence_fields, allowed, "sequence_fields")
-        super().__init__(buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache,
-                         min_episode_len=2)
+        super().__init__(
+            buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache, min_episode_len=2
+        )
         every = tuple(buffer.schema.fields)
         self.n_steps = int(n_steps)
         self.current_fields = every if current is None else current
@@ -385,15 +430,21 @@ class ReplayDatasetNStep(_TimepointDataset):
         both = [f for f in self.current_fields if f in self.next_fields]
         for f in both:
             pair = self.fetcher.gather(f, np.concatenate([episodes, episodes]), np.concatenate([timesteps, later]))
-            columns[self.out_name(f)], columns[self.out_name(f"next_{f}")] = pair[:len(episodes)], pair[len(episodes):]
+            columns[self.out_name(f)], columns[self.out_name(f"next_{f}")] = (
+                pair[: len(episodes)],
+                pair[len(episodes) :],
+            )
         for f in self.current_fields:
             if f not in both:
                 columns[self.out_name(f)] = self.fetcher.gather(f, episodes, timesteps)
         for f in self.next_fields:
             if f not in both:
                 columns[self.out_name(f"next_{f}")] = self.fetcher.gather(f, episodes, later)
-        columns = {k: columns[k] for k in [self.out_name(f) for f in self.current_fields]
-                   + [self.out_name(f"next_{f}") for f in self.next_fields]}
+        columns = {
+            k: columns[k]
+            for k in [self.out_name(f) for f in self.current_fields]
+            + [self.out_name(f"next_{f}") for f in self.next_fields]
+        }
         for f in self.sequence_fields:
             columns[self.out_name(f"seq_{f}")] = self.fetcher.windows(f, episodes, timesteps, actual, self.n_steps)
         columns[self.out_name("n_step_lens")] = actual

@@ -71,10 +71,20 @@ class ResumableDistributedSampler(Sampler[int]):
     ranks advance in lockstep.
     """
 
-    def __init__(self, data_source: Sized | int, *, rank: int | None = None, world_size: int | None = None,
-                 shuffle: bool = True, seed: int | None = None, drop_last: bool = False):
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ):
         if not isinstance(data_source, (int, np.integer)) and not hasattr(data_source, "__len__"):
-            raise TypeError(f"data_source must be a dataset with len() or an int length, got {type(data_source).__name__}")
+            raise TypeError(
+                f"data_source must be a dataset with len() or an int length, got {type(data_source).__name__}"
+            )
         if isinstance(data_source, (int, np.integer)):
             _check_int("data_source length", data_source, 0)
         self.data_source = data_source
@@ -109,7 +119,7 @@ class ResumableDistributedSampler(Sampler[int]):
         total = self.num_samples(length) * self.world_size
         if total > length:
             order = np.resize(order, total)
-        return order[self.rank:total:self.world_size]
+        return order[self.rank : total : self.world_size]
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning at the next pass (keeps a loaded position when the
@@ -149,26 +159,41 @@ class ResumableDistributedSampler(Sampler[int]):
             epoch, (position, length) = self.epoch, self._next
         else:
             epoch, position, length = self.epoch, 0, None
-        return {"epoch": epoch, "position": position, "epoch_length": length,
-                **{k: getattr(self, k) for k in _SETTINGS}}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "epoch_length": length,
+            **{k: getattr(self, k) for k in _SETTINGS},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next pass yields the rest of the recorded epoch."""
         missing = sorted({"epoch", "position", "epoch_length", *_SETTINGS} - set(state))
         if missing:
             raise ValueError(f"sampler state is missing keys {missing}")
-        differing = [f"{k}: saved {state[k]!r} vs this sampler's {getattr(self, k)!r}"
-                     for k in _SETTINGS if state[k] != getattr(self, k)]
+        differing = [
+            f"{k}: saved {state[k]!r} vs this sampler's {getattr(self, k)!r}"
+            for k in _SETTINGS
+            if state[k] != getattr(self, k)
+        ]
         if differing:
-            raise ValueError("cannot resume exactly with different sampler settings:\n  " + "\n  ".join(differing)
-                             + "\nCreate the sampler with the saved settings.")
+            raise ValueError(
+                "cannot resume exactly with different sampler settings:\n  "
+                + "\n  ".join(differing)
+                + "\nCreate the sampler with the saved settings."
+            )
         epoch = _check_int("epoch", state["epoch"], 0)
         position = _check_int("position", state["position"], 0)
-        length = self._current_length() if state["epoch_length"] is None else _check_int(
-            "epoch_length", state["epoch_length"], 0)
+        length = (
+            self._current_length()
+            if state["epoch_length"] is None
+            else _check_int("epoch_length", state["epoch_length"], 0)
+        )
         if length > self._current_length():
-            raise ValueError(f"the saved epoch covered {length} items but the dataset now has "
-                             f"{self._current_length()}; cannot resume that epoch exactly")
+            raise ValueError(
+                f"the saved epoch covered {length} items but the dataset now has "
+                f"{self._current_length()}; cannot resume that epoch exactly"
+            )
         if position > self.num_samples(length):
             raise ValueError(f"position {position} is past the epoch's {self.num_samples(length)} samples")
         self.epoch = epoch
@@ -215,4 +240,3 @@ class ResumableDataLoader(DataLoader):
         """Continue from a state saved by ``state_dict()``."""
         self._delivering = None
         self.sampler.load_state_dict(state)
-

@@ -59,8 +59,16 @@ class Fetcher:
         system temp folder, i.e. ``$TMPDIR``) that worker processes map instead of copying.
     """
 
-    def __init__(self, buffer, fields: Iterable[str], slots: np.ndarray, lens: np.ndarray, generations: np.ndarray,
-                 cache: str | None = None, cache_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        buffer,
+        fields: Iterable[str],
+        slots: np.ndarray,
+        lens: np.ndarray,
+        generations: np.ndarray,
+        cache: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         self.storage = buffer.storage
@@ -85,8 +93,9 @@ class Fetcher:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if self._folder is not None:
-            self._ram = {n: np.load(os.path.join(self._folder, f"{i}.npy"), mmap_mode="r")
-                         for i, n in enumerate(self.fields)}
+            self._ram = {
+                n: np.load(os.path.join(self._folder, f"{i}.npy"), mmap_mode="r") for i, n in enumerate(self.fields)
+            }
 
     def _load_ram(self) -> None:
         longest = int(self.lens[self.slots].max()) if len(self.slots) else 0
@@ -99,12 +108,14 @@ class Fetcher:
             if self._folder is None:
                 dense = np.zeros(shape, dtype=array.dtype)
             else:
-                dense = np.lib.format.open_memmap(os.path.join(self._folder, f"{i}.npy"), mode="w+",
-                                                  dtype=array.dtype, shape=shape)
+                dense = np.lib.format.open_memmap(
+                    os.path.join(self._folder, f"{i}.npy"), mode="w+", dtype=array.dtype, shape=shape
+                )
             for lo in range(0, len(self.slots), _RAM_BATCH_EPISODES):
-                part = self.slots[lo:lo + _RAM_BATCH_EPISODES]
-                self._read_spans_into(dense[lo:lo + len(part)], name, part, np.zeros(len(part), np.int64),
-                                      self.lens[part])
+                part = self.slots[lo : lo + _RAM_BATCH_EPISODES]
+                self._read_spans_into(
+                    dense[lo : lo + len(part)], name, part, np.zeros(len(part), np.int64), self.lens[part]
+                )
             if self._folder is not None:
                 dense.flush()
             ram[name] = dense
@@ -126,8 +137,9 @@ class Fetcher:
             return array.gather(episodes, timesteps, self.generations[episodes])
         return self.storage.gather(name, episodes, timesteps)
 
-    def windows(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                width: int) -> np.ndarray:
+    def windows(
+        self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int
+    ) -> np.ndarray:
         """(N, width, *shape): row i holds steps ``starts[i] .. starts[i] + lengths[i]`` of
         ``episodes[i]``, zero beyond ``lengths[i]``."""
         if self.cache is not None and name in self.fields:
@@ -144,8 +156,9 @@ class Fetcher:
         fill_beyond(out, lengths, 0)
         return out
 
-    def _read_spans_into(self, out: np.ndarray, name: str, episodes: np.ndarray, starts: np.ndarray,
-                         lengths: np.ndarray) -> None:
+    def _read_spans_into(
+        self, out: np.ndarray, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+    ) -> None:
         """Long windows through the storage's bulk path, decoded straight into ``out``."""
         episodes = np.asarray(episodes, dtype=np.int64)
         array = self.storage.array(name)

@@ -22,12 +22,21 @@ from .prioritized import PrioritizedBatchSampler
 SAMPLERS = ("uniform", "prioritized")
 
 
-def make_dataset(buffer, n_steps: int | None = None, fields: Sequence[str] | None = None,
-                 current_fields: Sequence[str] | None = None, next_fields: Sequence[str] | None = None,
-                 sequence_fields: Sequence[str] | None = None, timestep_level: bool = False,
-                 filter_meta: dict | None = None, filter_fields: dict | None = None,
-                 fieldname_map: dict[str, str] | None = None, slice_by_episode_len: bool = True,
-                 return_episode_lens: bool = True, **kwargs: Any) -> Dataset:
+def make_dataset(
+    buffer,
+    n_steps: int | None = None,
+    fields: Sequence[str] | None = None,
+    current_fields: Sequence[str] | None = None,
+    next_fields: Sequence[str] | None = None,
+    sequence_fields: Sequence[str] | None = None,
+    timestep_level: bool = False,
+    filter_meta: dict | None = None,
+    filter_fields: dict | None = None,
+    fieldname_map: dict[str, str] | None = None,
+    slice_by_episode_len: bool = True,
+    return_episode_lens: bool = True,
+    **kwargs: Any,
+) -> Dataset:
     """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of ``buffer``.
 
     The dataset holds the episodes committed now (a read-only buffer is refreshed first). Other
@@ -44,31 +53,72 @@ def make_dataset(buffer, n_steps: int | None = None, fields: Sequence[str] | Non
         raise ValueError("cannot specify both n_steps and timestep_level")
     if n_steps is not None:
         check_names(fields, buffer.fieldnames, "fields")
-        return ReplayDatasetNStep(buffer, n_steps=n_steps, current_fields=current_fields, next_fields=next_fields,
-                                  sequence_fields=sequence_fields, filter_meta=filter_meta,
-                                  filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
-    for name, value in (("current_fields", current_fields), ("next_fields", next_fields),
-                        ("sequence_fields", sequence_fields)):
+        return ReplayDatasetNStep(
+            buffer,
+            n_steps=n_steps,
+            current_fields=current_fields,
+            next_fields=next_fields,
+            sequence_fields=sequence_fields,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            **kwargs,
+        )
+    for name, value in (
+        ("current_fields", current_fields),
+        ("next_fields", next_fields),
+        ("sequence_fields", sequence_fields),
+    ):
         check_names(value, buffer.fieldnames, name)
     if timestep_level:
-        return ReplayDatasetTimestep(buffer, fields=fields, filter_meta=filter_meta, filter_fields=filter_fields,
-                                     fieldname_map=fieldname_map, **kwargs)
-    return ReplayDatasetTrajectory(buffer, fields=fields, filter_meta=filter_meta, filter_fields=filter_fields,
-                                   fieldname_map=fieldname_map, slice_by_episode_len=slice_by_episode_len,
-                                   return_episode_lens=return_episode_lens, **kwargs)
+        return ReplayDatasetTimestep(
+            buffer,
+            fields=fields,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            **kwargs,
+        )
+    return ReplayDatasetTrajectory(
+        buffer,
+        fields=fields,
+        filter_meta=filter_meta,
+        filter_fields=filter_fields,
+        fieldname_map=fieldname_map,
+        slice_by_episode_len=slice_by_episode_len,
+        return_episode_lens=return_episode_lens,
+        **kwargs,
+    )
 
 
-def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset: Dataset | None = None,
-                    fields: Sequence[str] | None = None, current_fields: Sequence[str] | None = None,
-                    next_fields: Sequence[str] | None = None, sequence_fields: Sequence[str] | None = None,
-                    filter_meta: dict | None = None, filter_fields: dict | None = None,
-                    fieldname_map: dict[str, str] | None = None, return_indices: bool = False,
-                    return_mask: bool = False, timestep_level: bool = False,
-                    to_named_tuple: Sequence[str] | None = None, shuffle: bool = False,
-                    device: torch.device | str | None = None, dataset_kwargs: dict | None = None,
-                    sampler: Any = None, priority_field: str = "priority", alpha: float = 0.6, beta: float = 0.4,
-                    rank: int | None = None, world_size: int | None = None, seed: int | None = None,
-                    **kwargs: Any) -> DataLoader:
+def make_dataloader(
+    buffer,
+    batch_size: int,
+    n_steps: int | None = None,
+    dataset: Dataset | None = None,
+    fields: Sequence[str] | None = None,
+    current_fields: Sequence[str] | None = None,
+    next_fields: Sequence[str] | None = None,
+    sequence_fields: Sequence[str] | None = None,
+    filter_meta: dict | None = None,
+    filter_fields: dict | None = None,
+    fieldname_map: dict[str, str] | None = None,
+    return_indices: bool = False,
+    return_mask: bool = False,
+    timestep_level: bool = False,
+    to_named_tuple: Sequence[str] | None = None,
+    shuffle: bool = False,
+    device: torch.device | str | None = None,
+    dataset_kwargs: dict | None = None,
+    sampler: Any = None,
+    priority_field: str = "priority",
+    alpha: float = 0.6,
+    beta: float = 0.4,
+    rank: int | None = None,
+    world_size: int | None = None,
+    seed: int | None = None,
+    **kwargs: Any,
+) -> DataLoader:
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
@@ -107,11 +157,20 @@ def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset
     if prioritized and shuffle:
         raise ValueError("shuffle cannot be combined with sampler='prioritized' (it draws its own order)")
     if dataset is None:
-        dataset = make_dataset(buffer, n_steps=n_steps, fields=fields, current_fields=current_fields,
-                               next_fields=next_fields, sequence_fields=sequence_fields,
-                               timestep_level=timestep_level, return_indices=return_indices or prioritized,
-                               filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map,
-                               **dataset_kwargs)
+        dataset = make_dataset(
+            buffer,
+            n_steps=n_steps,
+            fields=fields,
+            current_fields=current_fields,
+            next_fields=next_fields,
+            sequence_fields=sequence_fields,
+            timestep_level=timestep_level,
+            return_indices=return_indices or prioritized,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            **dataset_kwargs,
+        )
     trajectories = n_steps is None and not timestep_level and not hasattr(dataset, "timepoints")
     time_keys = {(fieldname_map or {}).get(f, f) for f in buffer.fieldnames} if trajectories else None
     if to_named_tuple is not None:
@@ -125,8 +184,9 @@ def make_dataloader(buffer, batch_size: int, n_steps: int | None = None, dataset
         for name in ("batch_sampler", "drop_last"):
             if name in kwargs:
                 raise ValueError(f"{name} cannot be combined with sampler='prioritized'")
-        batches = PrioritizedBatchSampler(dataset, batch_size, priority_field, alpha, beta,
-                                          num_batches=kwargs.pop("num_batches", None))
+        batches = PrioritizedBatchSampler(
+            dataset, batch_size, priority_field, alpha, beta, num_batches=kwargs.pop("num_batches", None)
+        )
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
     if sampler not in (None, "uniform"):
         kwargs["sampler"] = sampler

@@ -33,8 +33,10 @@ class WeightedIndices(list):
 
 def check_priority_field(buffer, priority_field: str) -> None:
     if priority_field not in buffer.fieldnames:
-        raise ValueError(f"priority_field {priority_field!r} is not a field of the buffer - must be one of "
-                         f"{sorted(buffer.fieldnames)} (add e.g. fields={{'{priority_field}': 'float'}})")
+        raise ValueError(
+            f"priority_field {priority_field!r} is not a field of the buffer - must be one of "
+            f"{sorted(buffer.fieldnames)} (add e.g. fields={{'{priority_field}': 'float'}})"
+        )
     shape = buffer.schema.fields[priority_field].shape
     if shape not in ((), (1,)):
         raise ValueError(f"priority_field {priority_field!r} must hold one value per timestep, has shape {shape}")
@@ -57,8 +59,15 @@ class PrioritizedBatchSampler(Sampler):
         Batches per iteration (default: as many as one pass over the dataset).
     """
 
-    def __init__(self, dataset: Any, batch_size: int, priority_field: str = "priority", alpha: float = 0.6,
-                 beta: float = 0.4, num_batches: int | None = None):
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        priority_field: str = "priority",
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        num_batches: int | None = None,
+    ):
         if not hasattr(dataset, "timepoints"):
             raise ValueError("sampler='prioritized' draws timesteps: use timestep_level=True or n_steps")
         check_priority_field(dataset.replay_buffer, priority_field)
@@ -136,8 +145,10 @@ def update_priorities(buffer, indices: Any, priorities: Any, priority_field: str
     pairs = indices.detach().cpu().numpy() if torch.is_tensor(indices) else np.asarray(indices)
     values = priorities.detach().cpu().numpy() if torch.is_tensor(priorities) else np.asarray(priorities)
     if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu":
-        raise ValueError(f"indices must be (episode, timestep) int pairs of shape (B, 2) as in `_indices`, "
-                         f"got {pairs.dtype} array of shape {pairs.shape}")
+        raise ValueError(
+            f"indices must be (episode, timestep) int pairs of shape (B, 2) as in `_indices`, "
+            f"got {pairs.dtype} array of shape {pairs.shape}"
+        )
     values = values.astype(np.float64).reshape(-1)
     if len(values) != len(pairs):
         raise ValueError(f"priorities has {len(values)} values for {len(pairs)} indices")
@@ -145,8 +156,11 @@ def update_priorities(buffer, indices: Any, priorities: Any, priority_field: str
         raise ValueError("priorities must be finite and >= 0")
     episodes, timesteps = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
     lens = buffer.episode_lens
-    if ((episodes < 0) | (episodes >= buffer.max_episodes)).any() or (timesteps < 0).any() \
-            or (timesteps >= lens[np.clip(episodes, 0, buffer.max_episodes - 1)]).any():
+    if (
+        ((episodes < 0) | (episodes >= buffer.max_episodes)).any()
+        or (timesteps < 0).any()
+        or (timesteps >= lens[np.clip(episodes, 0, buffer.max_episodes - 1)]).any()
+    ):
         raise ValueError("indices name timesteps outside the committed episodes")
     buffer._check_writable("update_priorities")
     slots, inverse = np.unique(episodes, return_inverse=True)

@@ -11,5 +11,13 @@ from .base import (
     registry,
 )
 
-__all__ = ["BufferNotFoundError", "Storage", "StorageError", "backend_class", "detect_backend", "make_storage",
-           "register_backend", "registry"]
+__all__ = [
+    "BufferNotFoundError",
+    "Storage",
+    "StorageError",
+    "backend_class",
+    "detect_backend",
+    "make_storage",
+    "register_backend",
+    "registry",
+]

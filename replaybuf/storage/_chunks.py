@@ -150,8 +150,6 @@ def chunk_cache() -> ChunkCache:
     return _cache
 
 
-
-
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 
@@ -220,8 +218,12 @@ def _numcodec(compressor: dict):
         return numcodecs.GZip(level=config.get("level", 5))
     if name == "blosc":
         shuffle = config.get("shuffle", "noshuffle")
-        return numcodecs.Blosc(cname=config.get("cname", "lz4"), clevel=config.get("clevel", 5),
-                               shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle), blocksize=config.get("blocksize", 0))
+        return numcodecs.Blosc(
+            cname=config.get("cname", "lz4"),
+            clevel=config.get("clevel", 5),
+            shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle),
+            blocksize=config.get("blocksize", 0),
+        )
     raise ValueError(f"compressor {name!r} is not one replaybuf writes")
 
 
@@ -239,8 +241,12 @@ def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
     if kind == "gzip":
         return GzipCodec(level=5 if level is None else level)
     shuffle = "noshuffle" if np.dtype(dtype).itemsize == 1 else "shuffle"
-    return BloscCodec(cname=kind.split("-")[1], clevel=5 if level is None else level, shuffle=shuffle,
-                      typesize=np.dtype(dtype).itemsize)
+    return BloscCodec(
+        cname=kind.split("-")[1],
+        clevel=5 if level is None else level,
+        shuffle=shuffle,
+        typesize=np.dtype(dtype).itemsize,
+    )
 
 
 class ChunkedArray:
@@ -254,9 +260,19 @@ class ChunkedArray:
 
     supports_versions = True  # gather/read_rows take ``versions`` (chunk cache, resident copy)
 
-    def __init__(self, kv: KeyValue, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
-                 dtype: np.dtype, codec: ChunkCodec, grid_axes: int, zarr_array: Any = None,
-                 separator: str = "/", check_writable: Any = None):
+    def __init__(
+        self,
+        kv: KeyValue,
+        path: str,
+        shape: tuple[int, ...],
+        chunks: tuple[int, ...],
+        dtype: np.dtype,
+        codec: ChunkCodec,
+        grid_axes: int,
+        zarr_array: Any = None,
+        separator: str = "/",
+        check_writable: Any = None,
+    ):
         self.kv = kv
         self.path = path
         self.shape = tuple(shape)
@@ -294,8 +310,7 @@ class ChunkedArray:
 
     def _boxes_chunks(self, box: Sequence[tuple[int, int]]):
         """Chunk indices intersecting a box of [start, stop) over the grid axes."""
-        ranges = [range(lo // c, (hi - 1) // c + 1) if hi > lo else range(0)
-                  for (lo, hi), c in zip(box, self.chunks)]
+        ranges = [range(lo // c, (hi - 1) // c + 1) if hi > lo else range(0) for (lo, hi), c in zip(box, self.chunks)]
         return itertools.product(*ranges)
 
     # ---- reads --------------------------------------------------------------------------
@@ -324,7 +339,7 @@ class ChunkedArray:
         chunks = self.fetch_chunks([i for per_box in needed for i in per_box])
         results = []
         for box, per_box in zip(boxes, needed):
-            out = np.zeros(tuple(hi - lo for lo, hi in box) + self.shape[len(box):], dtype=self.dtype)
+            out = np.zeros(tuple(hi - lo for lo, hi in box) + self.shape[len(box) :], dtype=self.dtype)
             for index in per_box:
                 chunk = chunks[index]
                 if chunk is None:
@@ -372,15 +387,16 @@ class ChunkedArray:
         bounds = np.searchsorted(inverse[order], np.arange(len(unique) + 1))
         local_e, local_t = episodes % ce, timesteps % ct
         for u, chunk in enumerate(chunks):
-            rows = order[bounds[u]:bounds[u + 1]]
+            rows = order[bounds[u] : bounds[u + 1]]
             if chunk is None:
                 out[rows] = 0
             else:
                 out[rows] = chunk[local_e[rows], local_t[rows]]
         return out
 
-    def read_rows(self, episodes: np.ndarray, t0: int, t1: int, versions: np.ndarray | None = None,
-                  out: np.ndarray | None = None) -> np.ndarray:
+    def read_rows(
+        self, episodes: np.ndarray, t0: int, t1: int, versions: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """``[episodes, t0:t1]`` as (len(episodes), t1 - t0, *shape), written into ``out`` when
         given; ``versions`` as in ``gather``."""
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
@@ -393,8 +409,15 @@ class ChunkedArray:
 
     # ---- bulk reads of time spans ---------------------------------------------------------------
 
-    def read_into(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                  versions: np.ndarray | None = None, parallel: bool = True) -> None:
+    def read_into(
+        self,
+        out: np.ndarray,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        versions: np.ndarray | None = None,
+        parallel: bool = True,
+    ) -> None:
         """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` into
         ``out[i, :lengths[i]]``; the rest of ``out`` is left as it is.
 
@@ -417,11 +440,15 @@ class ChunkedArray:
                 rows, index = np.unique(episodes[stale], return_index=True)
                 self._load_resident(rows, versions[stale][index])
             for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
-                out[i, :n] = self._resident[e, s:s + n]
+                out[i, :n] = self._resident[e, s : s + n]
             return
         ct = self.chunks[1]
-        pieces = [(i, e, ti) for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist()))
-                  if n > 0 for ti in range(s // ct, (s + n - 1) // ct + 1)]
+        pieces = [
+            (i, e, ti)
+            for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist()))
+            if n > 0
+            for ti in range(s // ct, (s + n - 1) // ct + 1)
+        ]
 
         def decode(k: int, data: bytes | None) -> None:
             i, _, ti = pieces[k]
@@ -436,39 +463,51 @@ class ChunkedArray:
 
     def _check_out(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
         if not (len(episodes) == len(starts) == len(lengths)):
-            raise ValueError(f"{self.path}: episodes, starts and lengths differ in length "
-                             f"({len(episodes)}, {len(starts)}, {len(lengths)})")
+            raise ValueError(
+                f"{self.path}: episodes, starts and lengths differ in length "
+                f"({len(episodes)}, {len(starts)}, {len(lengths)})"
+            )
         if out.dtype != self.dtype or out.shape[0] < len(episodes) or out.shape[2:] != self.shape[2:]:
-            raise ValueError(f"{self.path}: out has dtype {out.dtype} and shape {out.shape}; expected "
-                             f"{self.dtype} and ({len(episodes)}, time, *{self.shape[2:]})")
+            raise ValueError(
+                f"{self.path}: out has dtype {out.dtype} and shape {out.shape}; expected "
+                f"{self.dtype} and ({len(episodes)}, time, *{self.shape[2:]})"
+            )
         used = lengths > 0
-        if len(episodes) and (lengths.min() < 0 or used.any() and (
-                starts[used].min() < 0 or (starts + lengths)[used].max() > self.shape[1]
-                or lengths.max() > out.shape[1])):
-            raise ValueError(f"{self.path}: spans (starts {starts.tolist()}, lengths {lengths.tolist()}) must lie "
-                             f"within the time axis ({self.shape[1]}) and out ({out.shape[1]} steps)")
+        if len(episodes) and (
+            lengths.min() < 0
+            or used.any()
+            and (
+                starts[used].min() < 0 or (starts + lengths)[used].max() > self.shape[1] or lengths.max() > out.shape[1]
+            )
+        ):
+            raise ValueError(
+                f"{self.path}: spans (starts {starts.tolist()}, lengths {lengths.tolist()}) must lie "
+                f"within the time axis ({self.shape[1]}) and out ({out.shape[1]} steps)"
+            )
 
-    def _decode_piece(self, data: bytes | memoryview | None, ti: int, out: np.ndarray, i: int, start: int,
-                      length: int) -> None:
+    def _decode_piece(
+        self, data: bytes | memoryview | None, ti: int, out: np.ndarray, i: int, start: int, length: int
+    ) -> None:
         """Chunk ``ti`` of the time axis (its bytes, or None when never written) into its part
         of ``out[i, :length]``, which holds steps ``start .. start + length``."""
         ct = self.chunks[1]
         lo, hi = max(start, ti * ct), min(start + length, (ti + 1) * ct)
-        target = out[i, lo - start:hi - start]
+        target = out[i, lo - start : hi - start]
         if data is None:
             target[...] = 0
         elif hi - lo == ct and target.flags.c_contiguous:
             self.codec.decode_into(data, target.reshape(1, *target.shape))
         else:
-            target[...] = self.codec.decode(data, self.chunks)[0, lo - ti * ct:hi - ti * ct]
+            target[...] = self.codec.decode(data, self.chunks)[0, lo - ti * ct : hi - ti * ct]
 
-    def _read_into_by_gather(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray,
-                             lengths: np.ndarray) -> None:
+    def _read_into_by_gather(
+        self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+    ) -> None:
         """Chunks spanning several episodes (not an array replaybuf writes): through ``gather``."""
         steps = np.arange(int(lengths.max()))
         mask = steps[None] < lengths[:, None]
         values = self.gather(np.repeat(episodes, lengths), (starts[:, None] + steps[None])[mask])
-        out[:len(episodes), :len(steps)][mask] = values
+        out[: len(episodes), : len(steps)][mask] = values
 
     # ---- the chunk cache and the resident copy -----------------------------------------------
 
@@ -482,12 +521,14 @@ class ChunkedArray:
             for i in missing:
                 found[i] = decoded[grid[i]]
             if versions is not None:
-                _cache.put_many(self._namespace, [(keys[i], versions[i], ABSENT if found[i] is None else found[i])
-                                                  for i in missing])
+                _cache.put_many(
+                    self._namespace, [(keys[i], versions[i], ABSENT if found[i] is None else found[i]) for i in missing]
+                )
         return [None if chunk is ABSENT else chunk for chunk in found]
 
-    def _gather_whole(self, grid: list[tuple[int, int]], first: np.ndarray, versions: list | None,
-                      out: np.ndarray) -> None:
+    def _gather_whole(
+        self, grid: list[tuple[int, int]], first: np.ndarray, versions: list | None, out: np.ndarray
+    ) -> None:
         """Chunks of one element: decode each straight into its row of ``out``."""
         keys = grid
         rows = first.tolist()
@@ -501,15 +542,21 @@ class ChunkedArray:
                     out[rows[i]] = chunk.reshape(out.shape[1:])
         if not todo:
             return
-        self._read_whole_into([grid[i] for i in todo], [rows[i] for i in todo], out,
-                              None if versions is None else [versions[i] for i in todo])
+        self._read_whole_into(
+            [grid[i] for i in todo],
+            [rows[i] for i in todo],
+            out,
+            None if versions is None else [versions[i] for i in todo],
+        )
         if versions is not None and _cache.admits(len(todo) * out[0].nbytes):
             again = _cache.second_misses(self._namespace, [keys[i] for i in todo])
-            _cache.put_many(self._namespace, [(keys[i], versions[i], out[rows[i]].copy())
-                                              for i, hot in zip(todo, again) if hot])
+            _cache.put_many(
+                self._namespace, [(keys[i], versions[i], out[rows[i]].copy()) for i, hot in zip(todo, again) if hot]
+            )
 
-    def _read_whole_into(self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray,
-                         versions: list | None) -> None:
+    def _read_whole_into(
+        self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, versions: list | None
+    ) -> None:
         """Fetch the one-element chunks at ``grid`` and decode chunk i into ``out[rows[i]]``."""
         del versions
 
@@ -517,7 +564,7 @@ class ChunkedArray:
             if data is None:
                 out[rows[i]] = 0
             else:
-                self.codec.decode_into(data, out[rows[i]:rows[i] + 1])
+                self.codec.decode_into(data, out[rows[i] : rows[i] + 1])
 
         self.kv.get_each([self.chunk_key(g) for g in grid], decode)
 
@@ -530,8 +577,9 @@ class ChunkedArray:
             self._resident_versions = np.full(self.shape[0], -1, dtype=np.int64)
         return True
 
-    def _gather_resident(self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray,
-                         out: np.ndarray) -> np.ndarray:
+    def _gather_resident(
+        self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
         """Small arrays are held whole in RAM, row by row as episodes are first read."""
         stale = self._resident_versions[episodes] != versions
         if stale.any():
@@ -554,7 +602,7 @@ class ChunkedArray:
             return
         for index in chunks:
             lo = index[0] * self.chunks[0]
-            self._resident_versions[lo:lo + self.chunks[0]] = _NEVER
+            self._resident_versions[lo : lo + self.chunks[0]] = _NEVER
 
     def drop_cached(self) -> None:
         """Forget what this process holds of the array (chunk cache, shard indexes, resident
@@ -583,7 +631,7 @@ class ChunkedArray:
             episode = first + done
             chunk, offset = divmod(episode, per_chunk)
             count = min(len(rows) - done, per_chunk - offset)
-            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes, rows[done:done + count].tobytes()):
+            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes, rows[done : done + count].tobytes()):
                 return False
             done += count
         return True
@@ -693,7 +741,7 @@ class ChunkedArray:
             boxes = [((int(episodes[0]), int(episodes[-1]) + 1),) + ((time,) if time is not None else ())]
         else:
             boxes = [((int(e), int(e) + 1),) + ((time,) if time is not None else ()) for e in episodes]
-        full = (len(episodes),) + ((time[1] - time[0],) if time else ()) + self.shape[self.grid_axes:]
+        full = (len(episodes),) + ((time[1] - time[0],) if time else ()) + self.shape[self.grid_axes :]
         parts = self.read_boxes(boxes)
         out = np.concatenate(parts) if parts else np.zeros(full, self.dtype)
         index = (0 if squeeze else slice(None),) + ((0 if squeeze_t else slice(None),) if time else ())
@@ -716,7 +764,7 @@ class ChunkedArray:
             self._zarr()[key] = value
             return
         episodes, squeeze, time, squeeze_t, _ = parsed
-        full = (len(episodes),) + ((time[1] - time[0],) if time else ()) + self.shape[self.grid_axes:]
+        full = (len(episodes),) + ((time[1] - time[0],) if time else ()) + self.shape[self.grid_axes :]
         drops = (squeeze,) + ((squeeze_t,) if time else ()) + (False,) * (self.ndim - self.grid_axes)
         view = tuple(n for n, drop in zip(full, drops) if not drop)
         values = np.broadcast_to(np.asarray(value, dtype=self.dtype), view).reshape(full)

@@ -49,7 +49,7 @@ def _expand_key(key: Any, shape: tuple[int, ...]) -> tuple:
     key = key if isinstance(key, tuple) else (key,)
     if any(k is Ellipsis for k in key):
         at = next(i for i, k in enumerate(key) if k is Ellipsis)
-        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1 :]
     key = key + (slice(None),) * (len(shape) - len(key))
     if len(key) > len(shape):
         raise IndexError(f"too many indices ({len(key)}) for an array of shape {shape}")
@@ -173,10 +173,13 @@ def _check_storage_options(options: dict) -> None:
     if compression is not None and compression not in COMPRESSIONS:
         raise ValueError(f"hdf5 compression must be one of {COMPRESSIONS} or None, got {compression!r}")
     level = options.get("compression_opts")
-    if level is not None and (compression != "gzip" or isinstance(level, bool) or not isinstance(level, int)
-                              or not 0 <= level <= 9):
-        raise ValueError(f"hdf5 compression_opts must be a gzip level 0-9 with compression='gzip', got "
-                         f"{level!r} with compression={compression!r}")
+    if level is not None and (
+        compression != "gzip" or isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 9
+    ):
+        raise ValueError(
+            f"hdf5 compression_opts must be a gzip level 0-9 with compression='gzip', got "
+            f"{level!r} with compression={compression!r}"
+        )
 
 
 class HDF5Storage(KVBlobs, Storage):
@@ -268,25 +271,36 @@ class HDF5Storage(KVBlobs, Storage):
             data, meta = f.create_group("data"), f.create_group("meta")
             for field in schema.fields.values():
                 chunks = (1, default_time_chunk(field, schema.max_timesteps), *field.shape) if compression else None
-                data.create_dataset(field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                                    dtype=field.dtype, chunks=chunks, **options)
+                data.create_dataset(
+                    field.name,
+                    shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
+                    dtype=field.dtype,
+                    chunks=chunks,
+                    **options,
+                )
             for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
                 chunks = (min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape) if compression else None
-                meta.create_dataset(field.name, shape=(schema.max_episodes, *field.shape), dtype=field.dtype,
-                                    chunks=chunks, **options)
+                meta.create_dataset(
+                    field.name, shape=(schema.max_episodes, *field.shape), dtype=field.dtype, chunks=chunks, **options
+                )
             self.commit_state(empty_state())
             f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
-                {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()})
+                {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()}
+            )
         self._load_arrays(schema)
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
         config = self._config()
         if config is None:
-            raise BufferNotFoundError(f"no replaybuf buffer at {self.location!r} (no {DATA_FILE} with replaybuf config)")
+            raise BufferNotFoundError(
+                f"no replaybuf buffer at {self.location!r} (no {DATA_FILE} with replaybuf config)"
+            )
         if config.get("version", 0) > FORMAT_VERSION:
-            raise ValueError(f"buffer at {self.location!r} has format version {config['version']}; "
-                             f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf")
+            raise ValueError(
+                f"buffer at {self.location!r} has format version {config['version']}; "
+                f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
+            )
         self.close()
         self.read_only = read_only
         if not read_only:
@@ -296,8 +310,9 @@ class HDF5Storage(KVBlobs, Storage):
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
-        names = [(n, False) for n in schema.fields] + [(n, True) for n in {**schema.meta_fields,
-                                                                           **bookkeeping_fields(schema)}]
+        names = [(n, False) for n in schema.fields] + [
+            (n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}
+        ]
         self._arrays = {}
         for name, meta in names:
             path = f"{'meta' if meta else 'data'}/{name}"
@@ -337,7 +352,7 @@ class HDF5Storage(KVBlobs, Storage):
         self._check_writable()
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
-        self._dataset(name)[episodes[order], t0:t0 + values.shape[1]] = np.asarray(values)[order]
+        self._dataset(name)[episodes[order], t0 : t0 + values.shape[1]] = np.asarray(values)[order]
         self._dirty = True
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
@@ -346,8 +361,9 @@ class HDF5Storage(KVBlobs, Storage):
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
         dataset = self._dataset(name, meta=True)
-        dataset[episodes[order]] = np.broadcast_to(np.asarray(values, dataset.dtype),
-                                                   (len(episodes), *dataset.shape[1:]))[order]
+        dataset[episodes[order]] = np.broadcast_to(
+            np.asarray(values, dataset.dtype), (len(episodes), *dataset.shape[1:])
+        )[order]
         self._dirty = True
 
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
@@ -386,8 +402,11 @@ class HDF5Storage(KVBlobs, Storage):
             if dataset.chunks is not None or dataset.compression is not None:
                 return None
             offset = dataset.id.get_offset()  # None until the first write allocates the block
-            self._maps[name] = None if offset is None else np.memmap(
-                self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+            self._maps[name] = (
+                None
+                if offset is None
+                else np.memmap(self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+            )
         return self._maps[name]
 
     def _small_field(self, name: str) -> np.ndarray | None:
@@ -434,9 +453,16 @@ class HDF5Storage(KVBlobs, Storage):
             if compression == "gzip":
                 compression = f"gzip:{dataset.compression_opts}"
             arrays[f"{'meta' if meta else 'data'}/{name}"] = {
-                "shape": dataset.shape, "chunks": dataset.chunks, "dtype": dataset.dtype.name,
-                "compressor": compression or "none", "stored_bytes": int(dataset.id.get_storage_size()),
+                "shape": dataset.shape,
+                "chunks": dataset.chunks,
+                "dtype": dataset.dtype.name,
+                "compressor": compression or "none",
+                "stored_bytes": int(dataset.id.get_storage_size()),
                 "raw_bytes": int(dataset.size * dataset.dtype.itemsize),
             }
-        return {**super().describe(), "format": "replaybuf hdf5", "file_bytes": os.path.getsize(self.path),
-                "arrays": arrays}
+        return {
+            **super().describe(),
+            "format": "replaybuf hdf5",
+            "file_bytes": os.path.getsize(self.path),
+            "arrays": arrays,
+        }

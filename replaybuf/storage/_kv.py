@@ -98,8 +98,12 @@ class KeyValue(ABC):
         values = self.get_many(keys)
         _in_pool(len(values), lambda i: consume(i, values[i]))
 
-    def get_ranges_each(self, requests: Sequence[tuple[str, int, int | None]],
-                        consume: Callable[[int, bytes | None], None], versions: Sequence[int] | None = None) -> None:
+    def get_ranges_each(
+        self,
+        requests: Sequence[tuple[str, int, int | None]],
+        consume: Callable[[int, bytes | None], None],
+        versions: Sequence[int] | None = None,
+    ) -> None:
         """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``versions`` (one per
         request: the generation of the slot the object belongs to) lets a store keep the object
         open between calls for as long as the version holds."""
@@ -259,8 +263,12 @@ class LocalKV(KeyValue):
         # Read and consume in the same pool task: file reads and decoding overlap.
         _in_pool(len(keys), lambda i: consume(i, self._read(keys[i])))
 
-    def get_ranges_each(self, requests: Sequence[tuple[str, int, int | None]],
-                        consume: Callable[[int, bytes | None], None], versions: Sequence[int] | None = None) -> None:
+    def get_ranges_each(
+        self,
+        requests: Sequence[tuple[str, int, int | None]],
+        consume: Callable[[int, bytes | None], None],
+        versions: Sequence[int] | None = None,
+    ) -> None:
         # docstring inherited
         if versions is None:
             _in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])))

@@ -11,8 +11,10 @@ def local_root(storage: Storage) -> str:
     """The absolute folder of a local backend; URLs are refused with what to use instead."""
     location = storage.location
     if "://" in location and not location.startswith("file://"):
-        raise ValueError(f"the {storage.backend_name} backend stores local folders only, got {location!r}; "
-                         "use backend='zarr' for URLs")
+        raise ValueError(
+            f"the {storage.backend_name} backend stores local folders only, got {location!r}; "
+            "use backend='zarr' for URLs"
+        )
     return os.path.abspath(location.removeprefix("file://"))
 
 
@@ -21,5 +23,6 @@ def refuse_foreign_buffer(storage: Storage) -> None:
     this backend's business, and leaving it would make the folder's backend ambiguous."""
     other = detect_backend(storage.location)
     if other is not None and other != storage.backend_name:
-        raise ValueError(f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with "
-                         f"backend={other!r}")
+        raise ValueError(
+            f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
+        )

@@ -168,8 +168,13 @@ class MemmapStorage(KVBlobs, Storage):
         self._arrays[name, meta] = MemmapArray(self, path)
 
     def _write_config(self, schema: Schema, **extra: Any) -> None:
-        config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name,
-                  **schema.to_json(), **extra}
+        config = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "backend": self.backend_name,
+            **schema.to_json(),
+            **extra,
+        }
         self.kv.set(CONFIG_FILE, json.dumps(config, indent=1).encode())
 
     def _erase(self) -> None:
@@ -188,16 +193,20 @@ class MemmapStorage(KVBlobs, Storage):
         self._seed_view = None
         if config is not None:
             if config.get("version", 0) > FORMAT_VERSION:
-                raise ValueError(f"buffer at {self.location!r} has format version {config['version']}; "
-                                 f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf")
+                raise ValueError(
+                    f"buffer at {self.location!r} has format version {config['version']}; "
+                    f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
+                )
             schema = Schema.from_json(config)
             self._seed_origin = config.get("origin") == SEED_ORIGIN
         elif _seed.is_seed_folder(self.root):
             schema = _seed.read_seed_schema(self.root)
             self._seed_origin = True
         else:
-            raise BufferNotFoundError(f"no replaybuf memmap buffer at {self.location!r} "
-                                      f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)")
+            raise BufferNotFoundError(
+                f"no replaybuf memmap buffer at {self.location!r} "
+                f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
+            )
         self.read_only = read_only
         adopting = config is None or (self._seed_origin and self._seed_wrote_since())
         self._open_arrays(schema, skip_generation=config is None)
@@ -213,14 +222,23 @@ class MemmapStorage(KVBlobs, Storage):
         """Whether the seed library wrote to an adopted folder after replaybuf last committed."""
         seed_state, state = _seed.SeedState.read(self.root), super().load_state()
         return (seed_state.timestep_index, seed_state.num_episodes, seed_state.episode_index) != (
-            0, state["num_episodes"], state["episode_index"])
+            0,
+            state["num_episodes"],
+            state["episode_index"],
+        )
 
     def _open_arrays(self, schema: Schema, skip_generation: bool) -> None:
         self._arrays = {}
-        expected = {(n, False): ((schema.max_episodes, schema.max_timesteps, *f.shape), f.dtype)
-                    for n, f in schema.fields.items()}
-        expected.update({(n, True): ((schema.max_episodes, *f.shape), f.dtype)
-                         for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items()})
+        expected = {
+            (n, False): ((schema.max_episodes, schema.max_timesteps, *f.shape), f.dtype)
+            for n, f in schema.fields.items()
+        }
+        expected.update(
+            {
+                (n, True): ((schema.max_episodes, *f.shape), f.dtype)
+                for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items()
+            }
+        )
         for (name, meta), (shape, dtype) in expected.items():
             if skip_generation and name == "_generation":
                 continue
@@ -229,8 +247,10 @@ class MemmapStorage(KVBlobs, Storage):
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing {os.path.basename(path)!r}")
             array = MemmapArray(self, path)
             if array.shape != shape or array.dtype != dtype:
-                raise ValueError(f"{path!r} holds {array.dtype}{list(array.shape)}, the config expects "
-                                 f"{np.dtype(dtype)}{list(shape)}")
+                raise ValueError(
+                    f"{path!r} holds {array.dtype}{list(array.shape)}, the config expects "
+                    f"{np.dtype(dtype)}{list(shape)}"
+                )
             self._arrays[name, meta] = array
 
     def _adopt_seed_folder(self, schema: Schema) -> None:
@@ -251,8 +271,9 @@ class MemmapStorage(KVBlobs, Storage):
     def array(self, name: str, meta: bool = False) -> MemmapArray:
         # docstring inherited
         if self._seed_view is not None and name == "_generation" and meta:
-            raise KeyError("a memmap-replay-buffer folder opened read-only has no _generation array; "
-                           "use read_meta('_generation')")
+            raise KeyError(
+                "a memmap-replay-buffer folder opened read-only has no _generation array; use read_meta('_generation')"
+            )
         try:
             return self._arrays[name, meta]
         except KeyError:
@@ -280,7 +301,7 @@ class MemmapStorage(KVBlobs, Storage):
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
-        self.array(name).memmap[np.asarray(episodes), t0:t0 + values.shape[1]] = values
+        self.array(name).memmap[np.asarray(episodes), t0 : t0 + values.shape[1]] = values
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
@@ -293,16 +314,28 @@ class MemmapStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).memmap[np.asarray(episodes), t0:t1]
 
-    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                   out: np.ndarray, parallel: bool = True) -> None:
+    def read_spans(
+        self,
+        name: str,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: np.ndarray,
+        parallel: bool = True,
+    ) -> None:
         # docstring inherited: one copy per episode straight from the page cache into ``out``
         memmap = self.array(name).memmap
-        spans = [(i, e, s, n) for i, (e, s, n) in enumerate(zip(*(np.asarray(a, dtype=np.int64).reshape(-1).tolist()
-                                                                  for a in (episodes, starts, lengths)))) if n > 0]
+        spans = [
+            (i, e, s, n)
+            for i, (e, s, n) in enumerate(
+                zip(*(np.asarray(a, dtype=np.int64).reshape(-1).tolist() for a in (episodes, starts, lengths)))
+            )
+            if n > 0
+        ]
 
         def copy(span: tuple[int, int, int, int]) -> None:
             i, e, s, n = span
-            out[i, :n] = memmap[e, s:s + n]
+            out[i, :n] = memmap[e, s : s + n]
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, spans))
@@ -348,9 +381,16 @@ class MemmapStorage(KVBlobs, Storage):
         for (name, meta), array in self._arrays.items():
             stat = os.stat(array.path)
             arrays[f"{'meta' if meta else 'data'}/{name}"] = {
-                "shape": array.shape, "chunks": None, "dtype": array.dtype.name, "compressor": "none",
-                "stored_bytes": min(stat.st_size, stat.st_blocks * 512), "raw_bytes": int(array.memmap.nbytes),
+                "shape": array.shape,
+                "chunks": None,
+                "dtype": array.dtype.name,
+                "compressor": "none",
+                "stored_bytes": min(stat.st_size, stat.st_blocks * 512),
+                "raw_bytes": int(array.memmap.nbytes),
                 "file": os.path.basename(array.path),
             }
-        return {**super().describe(), "format": "memmap-replay-buffer 0.2.x" if self._seed_view is not None
-                else "replaybuf memmap", "arrays": arrays}
+        return {
+            **super().describe(),
+            "format": "memmap-replay-buffer 0.2.x" if self._seed_view is not None else "replaybuf memmap",
+            "arrays": arrays,
+        }

@@ -132,8 +132,9 @@ _CLIENT_KWARGS_TO_OBSTORE = {
     "aws_session_token": "session_token",
 }
 _OBSTORE_ONLY = frozenset({"client_options", "retry_config"})
-_EXPLICIT_CREDENTIALS = frozenset({"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key",
-                                   "aws_session_token"})
+_EXPLICIT_CREDENTIALS = frozenset(
+    {"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
+)
 
 # pid of the process that opened an obstore store; a forked child inherits it and so knows
 # that obstore's runtime there is unusable.
@@ -144,8 +145,9 @@ class RemoteStoreError(OSError):
     """A storage request failed after the client's retries (server down, refused, denied)."""
 
 
-def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
-               read_only: bool = False) -> Store:
+def open_store(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, read_only: bool = False
+) -> Store:
     """Open the zarr store at ``url`` in this process (see the module docstring for the mapping).
 
     Remote stores come wrapped in `NamedErrorStore` (``._store`` is the store from the table), so
@@ -172,7 +174,7 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     url, options = _check_arguments(url, storage_options, read_only)
     scheme = _scheme(url)
     if scheme in _LOCAL_SCHEMES:
-        path = url[len("file://"):] if scheme == "file" else url
+        path = url[len("file://") :] if scheme == "file" else url
         return LocalStore(Path(path).expanduser(), read_only=read_only)
     if scheme in _S3_SCHEMES:
         _check_bucket(url, _S3_BUCKET, "S3")
@@ -254,7 +256,8 @@ def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
     global _obstore_opened_in_pid
     untranslatable = sorted(set(options) - _translatable_s3_keys(options))
     reason = _obstore_unavailable_reason() or (
-        f"storage_options {untranslatable} have no obstore equivalent" if untranslatable else None)
+        f"storage_options {untranslatable} have no obstore equivalent" if untranslatable else None
+    )
     if reason is not None:
         logger.info("opening %s with s3fs: %s", store_key(url, options), reason)
         # s3fs's default max_concurrency=10 sends a HEAD before every whole-object GET (2 requests
@@ -270,8 +273,10 @@ def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
 
 def _obstore_unavailable_reason() -> str | None:
     if _obstore_opened_in_pid not in (None, os.getpid()):
-        return (f"obstore hangs in a process forked after its runtime started (pid {_obstore_opened_in_pid}); "
-                "use DataLoader(multiprocessing_context='spawn' or 'forkserver') to keep obstore in workers")
+        return (
+            f"obstore hangs in a process forked after its runtime started (pid {_obstore_opened_in_pid}); "
+            "use DataLoader(multiprocessing_context='spawn' or 'forkserver') to keep obstore in workers"
+        )
     try:
         import obstore  # noqa: F401
     except ImportError:
@@ -318,8 +323,10 @@ def _profile_credentials(options: Mapping[str, Any], config: Mapping[str, Any]) 
         return None
     if "AWS_ACCESS_KEY_ID" in os.environ:
         return None
-    aws_files = [os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
-                 os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")]
+    aws_files = [
+        os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+        os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"),
+    ]
     if "AWS_PROFILE" in os.environ or any(Path(name).expanduser().is_file() for name in aws_files):
         return BotocoreCredentials(None)
     return None
@@ -354,8 +361,12 @@ class BotocoreCredentials:
             where = f"profile {self.profile!r}" if self.profile else "AWS_PROFILE / ~/.aws"
             raise PermissionError(f"no AWS credentials found for {where}")
         frozen = self._credentials.get_frozen_credentials()
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token,
-                "expires_at": datetime.now(UTC) + self.REFRESH}
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.now(UTC) + self.REFRESH,
+        }
 
 
 def _without_obstore_only(options: dict[str, Any]) -> dict[str, Any]:
@@ -427,8 +438,9 @@ class NamedErrorStore(WrapperStore[Store]):
         except Exception as error:
             raise self._failure("GET", key, error) from error
 
-    async def get_partial_values(self, prototype: BufferPrototype,
-                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
         # docstring inherited
         key_ranges = list(key_ranges)
         try:
@@ -518,8 +530,9 @@ class ProcessLocalStore(WrapperStore[Store]):
         As for `open_store`, which validates them here, at construction.
     """
 
-    def __init__(self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
-                 read_only: bool = False) -> None:
+    def __init__(
+        self, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, read_only: bool = False
+    ) -> None:
         self.url, self.storage_options = _check_arguments(url, storage_options, read_only)
         self._read_only = read_only
         self._inner: Store | None = open_store(self.url, self.storage_options, read_only)
@@ -569,8 +582,11 @@ class ProcessLocalStore(WrapperStore[Store]):
         return self
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, ProcessLocalStore) and (self.url, self.storage_options, self._read_only)
-                == (other.url, other.storage_options, other._read_only))
+        return isinstance(other, ProcessLocalStore) and (self.url, self.storage_options, self._read_only) == (
+            other.url,
+            other.storage_options,
+            other._read_only,
+        )
 
     def __hash__(self) -> int:
         return hash((type(self), self.url, self._read_only))

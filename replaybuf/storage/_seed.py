@@ -48,8 +48,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 def _check_plain(value: object, where: str) -> None:
     if not isinstance(value, _PLAIN_TYPES):
-        raise UnsafePickleError(f"metadata.pkl: {where} is a {type(value).__name__}; only "
-                                "dict/list/tuple/str/int/float/bool/None are accepted")
+        raise UnsafePickleError(
+            f"metadata.pkl: {where} is a {type(value).__name__}; only "
+            "dict/list/tuple/str/int/float/bool/None are accepted"
+        )
     if isinstance(value, dict):
         for key, item in value.items():
             _check_plain(key, f"{where} key")
@@ -93,8 +95,9 @@ def read_seed_schema(folder: str) -> Schema:
     if missing:
         raise ValueError(f"{path}: config lacks {missing}; not a memmap-replay-buffer folder")
     meta = {n: s for n, s in (config.get("meta_fields") or {}).items() if n not in SEED_INTERNAL_META}
-    return Schema.build(config["fields"], meta, config["max_episodes"], config["max_timesteps"],
-                        bool(config.get("circular", False)))
+    return Schema.build(
+        config["fields"], meta, config["max_episodes"], config["max_timesteps"], bool(config.get("circular", False))
+    )
 
 
 @dataclass(frozen=True)

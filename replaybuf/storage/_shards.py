@@ -90,7 +90,7 @@ class ShardedArray(ChunkedArray):
         for data, run in zip(self.kv.get_ranges(requests), pieces):
             base = run[0][0]
             for offset, nbytes, key in run:
-                raws[key] = None if data is None else data[offset - base: offset - base + nbytes]
+                raws[key] = None if data is None else data[offset - base : offset - base + nbytes]
         decoded = self._decode_many({k: raws.get(k) for k in unique})
         return {index: decoded[tuple(int(i) for i in index[:2])] for index in indices}
 
@@ -104,16 +104,23 @@ class ShardedArray(ChunkedArray):
         missing = {e for e in episodes if found[e] is None}
         if missing:
             found.update(self.read_indexes(sorted(missing)))
-            cache.put_many(self._namespace, [(keys[i], versions[i], ABSENT if found[e] is None else found[e].copy())
-                                             for i, e in enumerate(episodes) if e in missing])
+            cache.put_many(
+                self._namespace,
+                [
+                    (keys[i], versions[i], ABSENT if found[e] is None else found[e].copy())
+                    for i, e in enumerate(episodes)
+                    if e in missing
+                ],
+            )
         return {e: None if index is ABSENT else index for e, index in found.items()}
 
     @staticmethod
     def index_cache_key(episode: int) -> tuple:
         return ("index", episode)
 
-    def _read_whole_into(self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray,
-                         versions: list | None) -> None:
+    def _read_whole_into(
+        self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, versions: list | None
+    ) -> None:
         # docstring inherited
         first_version = {}
         for (e, _), version in zip(grid, versions if versions is not None else [None] * len(grid)):
@@ -152,12 +159,19 @@ class ShardedArray(ChunkedArray):
                 if view is None:
                     out[row] = 0
                 else:
-                    self.codec.decode_into(view[offset - base: offset - base + nbytes], out[row:row + 1])
+                    self.codec.decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1])
 
         self.kv.get_ranges_each(requests, decode, None if versions is None else request_versions)
 
-    def read_into(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                  versions: np.ndarray | None = None, parallel: bool = True) -> None:
+    def read_into(
+        self,
+        out: np.ndarray,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        versions: np.ndarray | None = None,
+        parallel: bool = True,
+    ) -> None:
         """Time spans of episodes into ``out`` (as ``ChunkedArray.read_into``) with one read per
         episode: the whole shard when the span needs at least half of it (its index comes with
         it), else the one byte range holding the span's frames (after the index, cached under
@@ -165,22 +179,33 @@ class ShardedArray(ChunkedArray):
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
         ct = self.chunks[1]
-        spans = [(i, e, s // ct, (s + n - 1) // ct + 1)
-                 for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())) if n > 0]
+        spans = [
+            (i, e, s // ct, (s + n - 1) // ct + 1)
+            for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist()))
+            if n > 0
+        ]
         whole = [span for span in spans if 2 * (span[3] - span[2]) >= self.inner_per_shard]
         ranged = [span for span in spans if 2 * (span[3] - span[2]) < self.inner_per_shard]
         if whole:
+
             def decode_shard(k: int, data: bytes | None) -> None:
                 view = None if data is None else memoryview(data)
-                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes:]))
+                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]))
                 self._decode_span(view, 0, index, whole[k], out, starts, lengths)
 
             self._each([self.shard_key(e) for _, e, _, _ in whole], decode_shard, parallel, ranges=False)
         if ranged:
             self._read_ranged(ranged, out, starts, lengths, versions, parallel)
 
-    def _read_ranged(self, spans: list[tuple[int, int, int, int]], out: np.ndarray, starts: np.ndarray,
-                     lengths: np.ndarray, versions: np.ndarray | None, parallel: bool) -> None:
+    def _read_ranged(
+        self,
+        spans: list[tuple[int, int, int, int]],
+        out: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        versions: np.ndarray | None,
+        parallel: bool,
+    ) -> None:
         """Spans needing under half of their shard: the index, then one range per episode."""
         episodes = list(dict.fromkeys(e for _, e, _, _ in spans))
         per_episode = None
@@ -218,8 +243,16 @@ class ShardedArray(ChunkedArray):
             for k, data in enumerate((self.kv.get_ranges if ranges else self.kv.get_many)(requests)):
                 consume(k, data)
 
-    def _decode_span(self, view: memoryview | None, base: int, index: np.ndarray | None,
-                     span: tuple[int, int, int, int], out: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+    def _decode_span(
+        self,
+        view: memoryview | None,
+        base: int,
+        index: np.ndarray | None,
+        span: tuple[int, int, int, int],
+        out: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
         """Inner chunks ``first .. stop`` of one episode's shard into ``out[i]``; ``view`` holds
         the shard's bytes from offset ``base`` (None: the shard does not exist)."""
         i, _, first, stop = span
@@ -232,10 +265,16 @@ class ShardedArray(ChunkedArray):
         for ti, (offset, nbytes) in zip(range(first, stop), index[first:stop].tolist()):
             lo = ti * ct - start
             if offset == _MISSING_INT or lo < 0 or lo + ct > length or not contiguous:
-                self._decode_piece(None if offset == _MISSING_INT else view[offset - base:offset - base + nbytes],
-                                   ti, out, i, start, length)
+                self._decode_piece(
+                    None if offset == _MISSING_INT else view[offset - base : offset - base + nbytes],
+                    ti,
+                    out,
+                    i,
+                    start,
+                    length,
+                )
             else:
-                decode_into(view[offset - base:offset - base + nbytes], row[lo:lo + ct])
+                decode_into(view[offset - base : offset - base + nbytes], row[lo : lo + ct])
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -285,7 +324,7 @@ class ShardedArray(ChunkedArray):
             rows = values
         else:
             rows = self.read_boxes([((e0, e0 + count), (0, self.shape[1]))])[0]
-            rows[:, t0:t0 + length] = values
+            rows[:, t0 : t0 + length] = values
         shards = {self.shard_key(e0 + i): self.encode_shard(rows[i]) for i in range(count)}
         present = {k: v for k, v in shards.items() if v is not None}
         if present:

@@ -71,7 +71,7 @@ def _is_url(location: str) -> bool:
 
 
 def _local_root(location: str) -> str:
-    return os.path.abspath(location[len("file://"):] if location.startswith("file://") else location)
+    return os.path.abspath(location[len("file://") :] if location.startswith("file://") else location)
 
 
 class ZarrStorage(KVBlobs, Storage):
@@ -127,26 +127,39 @@ class ZarrStorage(KVBlobs, Storage):
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         import zarr
+
         self.read_only = False
         if overwrite:
             self._erase()
         store = self._zarr_store(read_only=False)
-        root = zarr.open_group(store, mode="w", zarr_format=3,
-                               attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()})
+        root = zarr.open_group(
+            store,
+            mode="w",
+            zarr_format=3,
+            attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()},
+        )
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
             chunk = default_time_chunk(field, schema.max_timesteps)
             data.create_array(
-                field.name, shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                chunks=(1, chunk, *field.shape), dtype=field.dtype,
+                field.name,
+                shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
+                chunks=(1, chunk, *field.shape),
+                dtype=field.dtype,
                 shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
-                compressors=_compressor(field, default_compressor(field)), fill_value=0, chunk_key_encoding=FLAT_KEYS,
+                compressors=_compressor(field, default_compressor(field)),
+                fill_value=0,
+                chunk_key_encoding=FLAT_KEYS,
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
             meta.create_array(
-                field.name, shape=(schema.max_episodes, *field.shape),
-                chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape), dtype=field.dtype,
-                compressors=_compressor(field, "none"), fill_value=0, chunk_key_encoding=FLAT_KEYS,
+                field.name,
+                shape=(schema.max_episodes, *field.shape),
+                chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape),
+                dtype=field.dtype,
+                compressors=_compressor(field, "none"),
+                fill_value=0,
+                chunk_key_encoding=FLAT_KEYS,
             )
         self.commit_state(empty_state())
         self._load_arrays(schema)
@@ -170,10 +183,14 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         attributes = self._root_attributes()
         if attributes is None:
-            raise BufferNotFoundError(f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)")
+            raise BufferNotFoundError(
+                f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
+            )
         if attributes.get("version", 0) > FORMAT_VERSION:
-            raise ValueError(f"buffer at {self.location!r} has format version {attributes['version']}; "
-                             f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf")
+            raise ValueError(
+                f"buffer at {self.location!r} has format version {attributes['version']}; "
+                f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
+            )
         self.read_only = read_only
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
@@ -184,7 +201,9 @@ class ZarrStorage(KVBlobs, Storage):
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
-        names = [(n, False) for n in schema.fields] + [(n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}]
+        names = [(n, False) for n in schema.fields] + [
+            (n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}
+        ]
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in names]
         documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
         self._arrays = {}
@@ -198,15 +217,23 @@ class ZarrStorage(KVBlobs, Storage):
         sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
         if sharding is not None:
             codecs, chunks = sharding["codecs"], tuple(sharding["chunk_shape"])
-        if codecs[0]["name"] != "bytes" or len(codecs) > 2 or any(
-                c["name"] not in ("zstd", "blosc", "gzip") for c in codecs[1:]):
-            raise ValueError(f"array {path!r} uses codecs {codecs}; replaybuf reads the bytes + zstd/blosc/gzip "
-                             "stacks it writes itself")
+        if (
+            codecs[0]["name"] != "bytes"
+            or len(codecs) > 2
+            or any(c["name"] not in ("zstd", "blosc", "gzip") for c in codecs[1:])
+        ):
+            raise ValueError(
+                f"array {path!r} uses codecs {codecs}; replaybuf reads the bytes + zstd/blosc/gzip "
+                "stacks it writes itself"
+            )
         dtype = np.dtype(doc["data_type"])
         codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
         args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
-        options = dict(zarr_array=functools.partial(self._open_zarr_array, path), check_writable=self._check_writable,
-                       separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"))
+        options = dict(
+            zarr_array=functools.partial(self._open_zarr_array, path),
+            check_writable=self._check_writable,
+            separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"),
+        )
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
@@ -251,8 +278,15 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).read_rows(np.asarray(episodes), t0, t1)
 
-    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                   out: np.ndarray, parallel: bool = True) -> None:
+    def read_spans(
+        self,
+        name: str,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: np.ndarray,
+        parallel: bool = True,
+    ) -> None:
         # docstring inherited: one read per shard or chunk, frames decoded into place
         self.array(name).read_into(out, episodes, starts, lengths, parallel=parallel)
 
@@ -271,7 +305,9 @@ class ZarrStorage(KVBlobs, Storage):
         fields = {}
         for array in self._arrays.values():
             fields[array.path] = {
-                "shape": array.shape, "chunks": array.chunks, "dtype": array.dtype.name,
+                "shape": array.shape,
+                "chunks": array.chunks,
+                "dtype": array.dtype.name,
                 "compressor": array.codec.label,
                 "stored_bytes": self._stored_bytes(f"{array.path}/"),
                 "raw_bytes": int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize,

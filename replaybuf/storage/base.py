@@ -150,7 +150,7 @@ class Storage(ABC):
 
     def log_names(self) -> list[str]:
         """Names of the step logs left in the store (by writers that did not finish)."""
-        return sorted({k[len(LOG_PREFIX):].split("/")[0] for k in self.list_blobs(LOG_PREFIX)})
+        return sorted({k[len(LOG_PREFIX) :].split("/")[0] for k in self.list_blobs(LOG_PREFIX)})
 
     def clear_log(self, name: str) -> None:
         self._check_writable()
@@ -170,7 +170,7 @@ class Storage(ABC):
         self._check_writable()
         array = self.array(name)
         for row, episode in enumerate(np.asarray(episodes)):
-            array[int(episode), t0:t0 + values.shape[1]] = values[row]
+            array[int(episode), t0 : t0 + values.shape[1]] = values[row]
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``."""
@@ -184,8 +184,15 @@ class Storage(ABC):
         array = self.array(name)
         return np.stack([np.asarray(array[int(e), t0:t1]) for e in np.asarray(episodes)])
 
-    def read_spans(self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                   out: np.ndarray, parallel: bool = True) -> None:
+    def read_spans(
+        self,
+        name: str,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: np.ndarray,
+        parallel: bool = True,
+    ) -> None:
         """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` into
         ``out[i, :lengths[i]]`` (the rest of ``out`` untouched): whole-episode reads for
         get_all_data, stats and trajectory batches. ``parallel=False``: decode in the calling
@@ -275,8 +282,12 @@ def detect_backend(location: str, storage_options: dict | None = None) -> str | 
     return None
 
 
-def make_storage(location: str | os.PathLike | Storage, backend: str | None = None,
-                 storage_options: dict | None = None, **kwargs: Any) -> Storage:
+def make_storage(
+    location: str | os.PathLike | Storage,
+    backend: str | None = None,
+    storage_options: dict | None = None,
+    **kwargs: Any,
+) -> Storage:
     """Turn a path, URL or Storage into a Storage.
 
     - a ``Storage`` instance is returned as it is;

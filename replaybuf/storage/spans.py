@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 
-def read_spans_by_rows(storage: Any, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                       out: np.ndarray) -> None:
+def read_spans_by_rows(
+    storage: Any, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray
+) -> None:
     """``Storage.read_spans`` through ``storage.read_rows``: one call per run of episodes sharing a span."""
     episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
     bounds = np.flatnonzero((np.diff(starts) != 0) | (np.diff(lengths) != 0)) + 1
