@@ -29,9 +29,10 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
+from .progress import dask_progress
 from .storage.spans import fill_beyond
 
-__all__ = ["to_dask", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
+__all__ = ["to_dask", "to_xarray", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
 
 # Rows of a block whose moments are computed at once: bounds the float64 temporaries, and keeps
 # float32 sums of 1-byte values and their squares exact (256 * 255**2 < 2**24).
@@ -198,6 +199,42 @@ def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str 
     return da.arange(length, chunks=max(length, 1))[None, :] < lens[:, None]
 
 
+def to_xarray(
+    buffer: Any,
+    fields: Sequence[str] | None = None,
+    meta_fields: Sequence[str] | None = None,
+    order: str = "chronological",
+) -> Any:
+    """The arrays of ``to_dask`` as a lazy ``xarray.Dataset`` (needs ``pip install 'replaybuf[xarray]'``).
+
+    Data variables have dims ``episode``, ``time`` and the field's feature dims
+    (``Field.dimension_names``: ``frame_height``, ``action_dim0``, ...), the names the zarr
+    backend stores. Coordinates: ``slot`` (the buffer slot of each episode), ``episode_lens``,
+    ``valid`` (episode, time: the steps each episode has, ``episode_mask``), ``time`` and the
+    meta fields. Nothing is read until computed.
+    """
+    try:
+        import xarray
+    except ImportError as e:
+        raise ImportError("to_xarray needs xarray: pip install 'replaybuf[xarray]' (or pip install xarray)") from e
+    from .storage.base import bookkeeping_fields
+
+    fields, meta_fields = _select(buffer, fields, meta_fields, "to_xarray")
+    meta_names = sorted({*meta_fields, "episode_lens"})
+    arrays = to_dask(buffer, fields, meta_names, order=order)
+    slots, _, length = _committed(buffer, order)
+    meta_schema = {**buffer.schema.meta_fields, **bookkeeping_fields(buffer.schema)}
+    coords = {
+        "slot": ("episode", slots),
+        "time": np.arange(length),
+        "valid": (("episode", "time"), episode_mask(buffer, order=order)),
+    }
+    # per-episode values are already in memory (to_dask wraps them): numpy coordinates select at once
+    coords.update({n: (meta_schema[n].dimension_names(per_episode=True), np.asarray(arrays[n])) for n in meta_names})
+    variables = {n: (buffer.schema.fields[n].dimension_names(), arrays[n]) for n in fields}
+    return xarray.Dataset(variables, coords=coords, attrs={"source": buffer.storage.location})
+
+
 # ---- get_all_data ------------------------------------------------------------------------------
 
 
@@ -208,6 +245,7 @@ def get_all_data(
     device: torch.device | str | None = None,
     lazy: bool = False,
     scheduler: Any = None,
+    progress: bool | None = None,
 ) -> dict[str, torch.Tensor] | dict[str, da.Array]:
     """Every committed episode as tensors, time-padded to the longest with zeros (or the field's
     default, as the seed).
@@ -217,7 +255,8 @@ def get_all_data(
     threads scheduler unless ``scheduler`` (a name or a ``dask.distributed`` client) or an
     active client says otherwise. ``lazy=True`` returns the dask arrays of
     ``to_dask(order='slot')`` instead; they live on no device, so ``device`` is refused with it.
-    An empty buffer gives ``{}``, as the seed.
+    An empty buffer gives ``{}``, as the seed. ``progress``: a tqdm bar over the read tasks
+    (``replaybuf.progress``: by default on a terminal, after two seconds).
     """
     if lazy and device is not None:
         raise ValueError(
@@ -230,10 +269,11 @@ def get_all_data(
     if len(buffer) == 0:
         return {}
     scheduler = scheduler or _default_scheduler()
-    if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
-        results = _read_in_place(buffer, arrays, scheduler)
-    else:
-        results = dask.compute(*arrays.values(), scheduler=scheduler)
+    with dask_progress(progress, "get_all_data"):
+        if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
+            results = _read_in_place(buffer, arrays, scheduler)
+        else:
+            results = dask.compute(*arrays.values(), scheduler=scheduler)
     out = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(arrays, results)}
     if device is not None:
         out = {n: t.to(device) for n, t in out.items()}
@@ -413,13 +453,16 @@ def _lens_histogram(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return counts, edges
 
 
-def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = None) -> BufferStats:
+def stats(
+    buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = None, progress: bool | None = None
+) -> BufferStats:
     """Statistics of the committed episodes, computed as one dask graph.
 
     Per data field: mean, std, min and max per feature dimension over valid timesteps only
     (padding never counts); the episode count, the lengths and their histogram; and for
     scalar fields (shape ``()``, such as rewards) the per-episode sums, i.e. returns.
     ``stats(buffer, ['obs'])['obs'].mean`` and ``.std`` are what an observation normalizer needs.
+    ``progress`` as in ``get_all_data``.
     """
     names = list(buffer.schema.fields) if fields is None else _names(fields, "fields", "stats")
     _check_known(names, set(buffer.schema.fields), "field", "stats")
@@ -438,7 +481,8 @@ def stats(buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = Non
             kind = array.dtype.kind
             steps = da.where(mask.rechunk(array.chunks), array, 0)  # padding may hold a field default
             sums[name] = steps.sum(axis=1, dtype=np.float64 if kind in "fc" else np.int64)
-    computed_moments, computed_sums = dask.compute(moments, sums, scheduler=scheduler or _default_scheduler())
+    with dask_progress(progress, "stats"):
+        computed_moments, computed_sums = dask.compute(moments, sums, scheduler=scheduler or _default_scheduler())
     per_field = {}
     for name, (count, mean, m2, low, high) in computed_moments.items():
         field = buffer.schema.fields[name]

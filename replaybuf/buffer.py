@@ -770,14 +770,16 @@ class ReplayBuffer:
         meta_fields: Sequence[str] | None = None,
         device: torch.device | str | None = None,
         lazy: bool = False,
+        progress: bool | None = None,
     ):
         """Every committed episode (slot order, as the seed) as tensors, time-padded to the longest.
 
         Decoded in parallel through dask; ``lazy=True`` returns the dask arrays instead.
+        ``progress``: a tqdm bar (default: on a terminal, for reads longer than two seconds).
         """
         from .analysis import get_all_data
 
-        return get_all_data(self, fields, meta_fields, device=device, lazy=lazy)
+        return get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
 
     def to_dask(
         self,
@@ -790,17 +792,29 @@ class ReplayBuffer:
 
         return to_dask(self, fields, meta_fields, order=order)
 
+    def to_xarray(
+        self,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        order: str = "chronological",
+    ):
+        """Committed episodes as a lazy ``xarray.Dataset``: the ``to_dask`` arrays with named dims,
+        lengths, the valid-step mask and meta fields as coordinates (``pip install 'replaybuf[xarray]'``)."""
+        from .analysis import to_xarray
+
+        return to_xarray(self, fields, meta_fields, order=order)
+
     def episode_mask(self):
         """Dask bool array (episodes, time): True where a committed episode has a step."""
         from .analysis import episode_mask
 
         return episode_mask(self)
 
-    def stats(self, fields: Sequence[str] | None = None):
+    def stats(self, fields: Sequence[str] | None = None, progress: bool | None = None):
         """Per-field mean/std/min/max over valid steps, lengths and returns, as one dask graph."""
         from .analysis import stats
 
-        return stats(self, fields)
+        return stats(self, fields, progress=progress)
 
     # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
 

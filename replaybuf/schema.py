@@ -73,6 +73,22 @@ class Field:
     def step_nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    def dimension_names(self, per_episode: bool = False) -> tuple[str, ...]:
+        """Axis names of the stored array: ``episode``, ``time`` (data fields only), then the
+        feature axes, ``<name>_height``, ``<name>_width``, ``<name>_channel`` for frames and
+        ``<name>_dim0``, ``<name>_dim1``, ... otherwise. Feature axes carry the field's name
+        because xarray, which reads these names, needs one size per name across a Dataset."""
+        from .video import CHANNEL_COUNTS, is_image_field
+
+        if not per_episode and is_image_field(self.shape, self.dtype):
+            axes = ["height", "width"]
+            if len(self.shape) == 3:
+                channel_last = self.shape[-1] in CHANNEL_COUNTS
+                axes = [*axes, "channel"] if channel_last else ["channel", *axes]
+        else:
+            axes = [f"dim{i}" for i in range(len(self.shape))]
+        return ("episode", *(() if per_episode else ("time",)), *(f"{self.name}_{a}" for a in axes))
+
     def to_json(self) -> dict:
         out = {"dtype": self.dtype.name, "shape": list(self.shape), "default": self.default}
         if self.chunks is not None:

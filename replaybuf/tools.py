@@ -116,7 +116,7 @@ def convert(
     compressor: str | dict[str, str] | None = None,
     storage_options: dict | None = None,
     dst_storage_options: dict | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     overwrite: bool = False,
 ) -> dict:
     """Copy the buffer at ``src`` (any backend, or a memmap-replay-buffer folder) to ``dst``.
@@ -137,10 +137,13 @@ def convert(
         Options of the source and destination stores (endpoints, credentials, hdf5 compression).
     overwrite
         Replace a buffer already at ``dst``; otherwise an existing destination is an error.
+    progress
+        A tqdm bar over the episodes copied: ``None`` shows it on a terminal for copies longer
+        than two seconds, ``True`` always, ``False`` never (``replaybuf.progress``).
 
     Returns a summary: destination, backend, episodes and timesteps copied.
     """
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
@@ -156,7 +159,7 @@ def convert(
     slots = np.flatnonzero(lens > 0)
     target.create(target_schema, overwrite=True)
     time_chunks = {n: target.time_chunk(n) for n in schema.fields}
-    with tqdm(total=len(slots), unit="episode", desc=f"convert -> {backend}", disable=not progress) as bar:
+    with progress_bar(progress, total=len(slots), unit="episode", desc=f"convert -> {backend}") as bar:
         for slab in _slabs(slots, lens[slots], schema):
             longest = int(lens[slab].max())
             for name in schema.fields:
@@ -294,13 +297,14 @@ def _ranges(steps: np.ndarray) -> str:
     return f"{int(steps.min())}..{int(steps.max())}"
 
 
-def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
+def verify(path: str | os.PathLike, storage_options: dict | None = None, progress: bool | None = None) -> list[str]:
     """Problems found in the buffer at ``path`` (empty when consistent); changes nothing.
 
     Checks that every array is present with its configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
     committed episodes hold only zeros or their field's default beyond their length, and no
-    step log of an unfinished episode is left.
+    step log of an unfinished episode is left. ``progress``: a tqdm bar over the episodes
+    read, as in ``convert``.
     """
     try:
         storage, schema = _open_read_only(path, storage_options)
@@ -335,7 +339,7 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list
     lens = meta["episode_lens"].astype(np.int64)
     problems += _check_counters(storage.load_state(), lens, meta.get("_generation"), schema)
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
-    problems += _check_beyond_length(storage, schema, lens, skip=bad)
+    problems += _check_beyond_length(storage, schema, lens, skip=bad, progress=progress)
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
@@ -382,29 +386,34 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
     return problems
 
 
-def _check_beyond_length(storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str]) -> list[str]:
+def _check_beyond_length(
+    storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None
+) -> list[str]:
     """Committed slots whose timesteps past their length hold values other than 0 or the default."""
-    problems = []
+    from .progress import progress_bar
+
     slots = np.flatnonzero(lens > 0)
     short = slots[lens[slots] < schema.max_timesteps]
     if not len(short):
-        return problems
-    for name, field in schema.fields.items():
-        if name in skip:
-            continue
+        return []
+    names = [n for n in schema.fields if n not in skip]
+    found: dict[str, list[str]] = {n: [] for n in names}
+    with progress_bar(progress, total=len(short), unit="episode", desc="verify") as bar:
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
             start = int(lens[slab].min())
-            rows = storage.read_rows(name, slab, start, schema.max_timesteps)
-            rows = rows.reshape(*rows.shape[:2], -1)
-            odd = ((rows != 0) & (rows != field.fill)).any(axis=2)
-            odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
-            for row in np.flatnonzero(odd.any(axis=1)):
-                steps = start + np.flatnonzero(odd[row])
-                problems.append(
-                    f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
-                    f"beyond its length at timesteps {_ranges(steps)}"
-                )
-    return problems
+            for name in names:
+                rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+                rows = rows.reshape(*rows.shape[:2], -1)
+                odd = ((rows != 0) & (rows != schema.fields[name].fill)).any(axis=2)
+                odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
+                for row in np.flatnonzero(odd.any(axis=1)):
+                    steps = start + np.flatnonzero(odd[row])
+                    found[name].append(
+                        f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
+                        f"beyond its length at timesteps {_ranges(steps)}"
+                    )
+            bar.update(len(slab))
+    return [p for n in names for p in found[n]]
 
 
 # ---- command line ---------------------------------------------------------------------------------------
@@ -423,7 +432,7 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--compressor", default=None, help="compressor of every field (zarr), e.g. zstd:5 or none")
     parser.add_argument("--overwrite", action="store_true", help="replace a buffer already at DST")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -433,7 +442,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         backend=args.backend,
         chunks=args.chunks,
         compressor=args.compressor,
-        progress=not args.quiet,
+        progress=False if args.quiet else None,
         overwrite=args.overwrite,
     )
     print(
@@ -456,10 +465,11 @@ def _run_info(args: argparse.Namespace) -> int:
 
 def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="buffer folder or URL")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    problems = verify(args.path)
+    problems = verify(args.path, progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:

@@ -24,6 +24,7 @@ __all__ = [
     "episode_frames",
     "frames_to_sheet",
     "image_fields",
+    "is_image_field",
     "is_image_shape",
     "save_video",
     "to_rgb_uint8",
@@ -51,6 +52,12 @@ def is_image_shape(shape: Sequence[int]) -> bool:
     if len(shape) == 3:
         return shape[-1] in CHANNEL_COUNTS or shape[0] in CHANNEL_COUNTS
     return False
+
+
+def is_image_field(shape: Sequence[int], dtype: Any) -> bool:
+    """Whether a field of this per-timestep shape and dtype holds frames (uint8, bool or float)."""
+    dtype = np.dtype(dtype)
+    return is_image_shape(shape) and (dtype == np.uint8 or dtype == np.bool_ or np.issubdtype(dtype, np.floating))
 
 
 def _to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -210,9 +217,7 @@ def image_fields(buffer: Any) -> list[str]:
     """Fields whose per-timestep shape is one frame, in declaration order."""
     fields = []
     for name in _data_fields(buffer):
-        shape = buffer.shapes[name]
-        dtype = np.dtype(buffer.dtypes[name])
-        if is_image_shape(shape) and (dtype == np.uint8 or dtype == np.bool_ or np.issubdtype(dtype, np.floating)):
+        if is_image_field(buffer.shapes[name], buffer.dtypes[name]):
             fields.append(name)
     return fields
 

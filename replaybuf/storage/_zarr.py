@@ -2,8 +2,9 @@
 
 Layout: group attributes hold ``{"format": "replaybuf", "version": 1, <schema>}`` as JSON;
 arrays ``data/<field>`` (episode, time, *shape) chunked (1, T_chunk, *shape) so no two episodes
-share a chunk, ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes; counters
-in the object ``replaybuf/state.json``; step logs under ``replaybuf/steplog/``. Chunks are read
+share a chunk, ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes, with zarr
+``dimension_names`` (``Field.dimension_names``) so xarray opens them; counters in the object
+``replaybuf/state.json``; step logs under ``replaybuf/steplog/`` (``STATE_NODE_KEY``). Chunks are read
 and written by the direct path in ``_chunks.py``; zarr-python creates the metadata and serves
 any indexing the direct path does not cover.
 """
@@ -41,6 +42,25 @@ META_CHUNK_EPISODES = 16384
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
 FLAT_KEYS = {"name": "default", "separator": "."}
+
+# The folder of the counters and step logs is declared to zarr as an empty array: zarr readers
+# list it as a member and look no further into it, where a folder without zarr.json (or a group,
+# whose every file is listed) makes zarr warn "Object at replaybuf is not recognized as a
+# component of a Zarr hierarchy" for each object. Written at create and on writable opens of
+# buffers made before it existed; replaybuf itself never reads it.
+STATE_NODE_KEY = "replaybuf/zarr.json"
+STATE_NODE = {
+    "zarr_format": 3,
+    "node_type": "array",
+    "shape": [0],
+    "data_type": "uint8",
+    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1]}},
+    "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+    "fill_value": 0,
+    "codecs": [{"name": "bytes"}],
+    "attributes": {"replaybuf": "counters (state.json) and step logs (steplog/) of this buffer; no array data"},
+    "dimension_names": ["replaybuf_state"],
+}
 
 
 def is_sharded(field: Field) -> bool:
@@ -150,6 +170,7 @@ class ZarrStorage(KVBlobs, Storage):
                 compressors=_compressor(field, default_compressor(field)),
                 fill_value=0,
                 chunk_key_encoding=FLAT_KEYS,
+                dimension_names=field.dimension_names(),
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
             meta.create_array(
@@ -160,7 +181,9 @@ class ZarrStorage(KVBlobs, Storage):
                 compressors=_compressor(field, "none"),
                 fill_value=0,
                 chunk_key_encoding=FLAT_KEYS,
+                dimension_names=field.dimension_names(per_episode=True),
             )
+        self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         self.commit_state(empty_state())
         self._load_arrays(schema)
 
@@ -196,6 +219,8 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
             self.kv.remove_partials()
+        if not read_only and self.kv.get(STATE_NODE_KEY) is None:
+            self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         schema = Schema.from_json(attributes)
         self._load_arrays(schema)
         return schema
