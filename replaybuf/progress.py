@@ -13,16 +13,21 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-__all__ = ["progress_bar", "dask_progress"]
+__all__ = ["check_progress", "progress_bar", "dask_progress"]
 
 # seconds an operation runs before its bar appears (progress=None): "a few seconds' worth"
 DELAY_S = 2.0
 
 
-def progress_bar(progress: bool | None, **kwargs: Any) -> tqdm:
-    """A tqdm bar (rates included) obeying ``progress`` as the module docstring says."""
+def check_progress(progress: Any) -> None:
+    """Refuse a ``progress`` argument other than True, False or None."""
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be True, False or None, got {progress!r}")
+
+
+def progress_bar(progress: bool | None, **kwargs: Any) -> tqdm:
+    """A tqdm bar (rates included) obeying ``progress`` as the module docstring says."""
+    check_progress(progress)
     disable = None if progress is None else not progress
     return tqdm(disable=disable, delay=DELAY_S if progress is None else 0.0, dynamic_ncols=True, **kwargs)
 

@@ -143,8 +143,9 @@ def convert(
 
     Returns a summary: destination, backend, episodes and timesteps copied.
     """
-    from .progress import progress_bar
+    from .progress import check_progress, progress_bar
 
+    check_progress(progress)
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
     target = make_storage(dst, backend, dst_storage_options)
@@ -306,6 +307,9 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None, progres
     step log of an unfinished episode is left. ``progress``: a tqdm bar over the episodes
     read, as in ``convert``.
     """
+    from .progress import check_progress
+
+    check_progress(progress)
     try:
         storage, schema = _open_read_only(path, storage_options)
     except (OSError, ValueError, KeyError) as e:
