@@ -1,19 +1,34 @@
 """The README's first command: write a small buffer with an image field, sample it, report.
 
 python -m replaybuf.demo [FOLDER]
+
+The buffer is kept in FOLDER (default ``./replaybuf-demo``) for ``replaybuf view``,
+``replaybuf info``, dask, xarray or ``examples/analysis.ipynb``; the demo ends by printing those
+commands. A rerun replaces its own earlier buffer, and refuses a folder holding anything else.
 """
 
 from __future__ import annotations
 
-import shutil
+import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from replaybuf import ReplayBuffer
+from replaybuf.schema import Schema
+
+DEFAULT_FOLDER = "./replaybuf-demo"
+CONFIG = dict(
+    max_episodes=64,
+    max_timesteps=100,
+    fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 8), action=("int", 2), reward="float"),
+    meta_fields=dict(task_id="int"),
+    circular=True,
+)
+# what a zarr buffer's folder holds: a rerun may replace a folder with nothing else in it
+BUFFER_ENTRIES = {"zarr.json", "data", "meta", "replaybuf"}
 
 
 def rendered_frame(t: int, episode: int, size: int = 64) -> np.ndarray:
@@ -25,18 +40,56 @@ def rendered_frame(t: int, episode: int, size: int = 64) -> np.ndarray:
     return frame
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0]) if argv else Path(tempfile.mkdtemp(prefix="replaybuf-demo-")) / "replay"
-    buffer = ReplayBuffer(
-        str(folder),
-        max_episodes=64,
-        max_timesteps=100,
-        fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 8), action=("int", 2), reward="float"),
-        meta_fields=dict(task_id="int"),
-        circular=True,
-        flush_every_store_step=0,
+def foreign_content(folder: Path) -> str | None:
+    """What in ``folder`` is not an earlier demo buffer (None when it is free to write)."""
+    if not folder.exists():
+        return None
+    if not folder.is_dir():
+        return "it is a file, not a folder"
+    entries = sorted(p.name for p in folder.iterdir())
+    if not entries:
+        return None
+    others = [e for e in entries if e not in BUFFER_ENTRIES]
+    if others:
+        return f"it holds {others[:5]}, which no replaybuf buffer writes"
+    try:
+        stored = ReplayBuffer.from_folder(str(folder), read_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        return f"it holds no readable replaybuf buffer ({e})"
+    differences = stored.schema.differences(Schema.build(**CONFIG))
+    stored.close()
+    if differences:
+        return "it holds a replaybuf buffer that is not the demo's:\n" + "\n".join(differences)
+    return None
+
+
+def next_steps(folder: str) -> str:
+    """The commands to look at the demo buffer next, for ``folder`` as the user named it."""
+    quoted = shlex.quote(folder)
+    return "\n".join(
+        [
+            "next, look at it:",
+            f"  replaybuf view {quoted}",
+            f"  replaybuf info {quoted}",
+            "  # in Python, as dask arrays (or .to_xarray(); examples/analysis.ipynb does more):",
+            "  from replaybuf import ReplayBuffer",
+            f"  arrays = ReplayBuffer.from_folder({folder!r}, read_only=True).to_dask()",
+        ]
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    name = argv[0] if argv else DEFAULT_FOLDER
+    folder = Path(name)
+    problem = foreign_content(folder)
+    if problem is not None:
+        print(
+            f"replaybuf.demo: not writing to {name!r}: {problem}\nName another folder: python -m replaybuf.demo FOLDER",
+            file=sys.stderr,
+        )
+        return 2
+    buffer = ReplayBuffer(str(folder), **CONFIG, flush_every_store_step=0)
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     steps = 0
@@ -53,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             final["task_id"] = episode % 4
             steps += length
     write_s = time.perf_counter() - start
+    buffer.close()
     print(
         f"wrote {buffer.num_episodes} episodes / {steps} steps to {folder} in {write_s:.2f}s "
         f"({steps / write_s:,.0f} steps/s)"
@@ -66,8 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     info = reopened.storage.describe()
     frame_chunks = info.get("arrays", {}).get("data/frame", {}).get("chunks")
     print(f"storage: backend={info['backend']}, frame chunks={frame_chunks}")
-    if not argv:
-        shutil.rmtree(folder.parent, ignore_errors=True)
+    reopened.close()
+    print(next_steps(name))
+    return 0
 
 
 def _sample(buffer: ReplayBuffer) -> list[str]:
@@ -101,4 +156,4 @@ def _sample(buffer: ReplayBuffer) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``python -m replaybuf.demo`` leaves a buffer to look at, says how, and overwrites nothing else."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer
+from replaybuf.cli import main as cli_main
+from replaybuf.demo import main, next_steps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*argv: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("demo")
+    return workdir, run("-m", "replaybuf.demo", cwd=workdir)
+
+
+def test_demo_keeps_its_buffer_and_prints_the_next_commands(demo_run, capsys):
+    workdir, result = demo_run
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "  replaybuf view ./replaybuf-demo" in lines
+    assert "  replaybuf info ./replaybuf-demo" in lines
+    snippet = "\n".join(line[2:] for line in lines[lines.index("  from replaybuf import ReplayBuffer") :])
+    assert snippet.count("\n") == 1
+    namespace = {}
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        exec(snippet, namespace)  # the printed snippet runs as printed
+    finally:
+        os.chdir(cwd)
+    assert namespace["arrays"]["frame"].shape[:1] == (16,)
+    buffer = ReplayBuffer.from_folder(workdir / "replaybuf-demo", read_only=True)
+    assert buffer.num_episodes == 16
+    assert cli_main(["info", str(workdir / "replaybuf-demo")]) == 0
+    assert "data/frame" in capsys.readouterr().out
+
+
+def test_demo_reruns_over_its_own_buffer(demo_run, capsys):
+    workdir, _ = demo_run
+    assert main([str(workdir / "replaybuf-demo")]) == 0
+    assert "wrote 16 episodes" in capsys.readouterr().out
+    assert ReplayBuffer.from_folder(workdir / "replaybuf-demo", read_only=True).num_episodes == 16
+
+
+def test_next_steps_quote_the_folder_given():
+    text = next_steps("/tmp/my demo")
+    assert "  replaybuf view '/tmp/my demo'" in text.splitlines()
+    assert "from_folder('/tmp/my demo', read_only=True)" in text
+
+
+def test_demo_refuses_a_folder_holding_anything_else(tmp_path, capsys):
+    notes = tmp_path / "replaybuf-demo" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("mine")
+    assert main([str(notes.parent)]) == 2
+    err = capsys.readouterr().err
+    assert f"not writing to {str(notes.parent)!r}" in err and "['notes.txt']" in err
+    assert sorted(os.listdir(notes.parent)) == ["notes.txt"]
+    assert main([str(notes)]) == 2
+    assert "it is a file, not a folder" in capsys.readouterr().err
+
+    other = tmp_path / "other"
+    buffer = ReplayBuffer(str(other), max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    buffer.store_episode(x=np.ones(3))
+    buffer.close()
+    assert main([str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "not the demo's" in err and "max_episodes: stored 2 vs passed 64" in err
+    assert ReplayBuffer.from_folder(other, read_only=True).num_episodes == 1
