@@ -6,10 +6,13 @@ read the pixel a <video> shows and check it is the frame the counter names.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from replaybuf.video import episode_frames, trajectory_to_video
 from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer
@@ -99,6 +102,29 @@ def shown_gray(page, field="front"):
     )
 
 
+def control_pixels(page, selector="#play-pause") -> np.ndarray:
+    """A control's pixels; its size is pinned first, so every state screenshots the same box."""
+    page.eval_on_selector(
+        selector,
+        "el => { const r = el.getBoundingClientRect(); el.style.width = `${r.width}px`; el.style.height = `${r.height}px`; }",
+    )
+    return np.asarray(Image.open(io.BytesIO(page.locator(selector).screenshot())).convert("L"), dtype=np.int16)
+
+
+def assert_visible_icons(page, shots: dict[str, np.ndarray], selector="#play-pause") -> None:
+    """Each shot differs from the control emptied and from it showing a glyph no font has: the
+    box a missing glyph (such as U+23F8 in Debian's fonts) draws. Leaves the control changed."""
+    page.eval_on_selector(selector, "el => { el.textContent = '\\uE000'; }")
+    missing_glyph = control_pixels(page, selector)
+    page.eval_on_selector(selector, "el => el.replaceChildren()")
+    empty = control_pixels(page, selector)
+    assert (missing_glyph != empty).sum() > 10  # the comparison can tell a box from nothing
+    for name, shot in shots.items():
+        for other, pixels in (("empty", empty), ("missing glyph", missing_glyph)):
+            assert shot.shape == pixels.shape
+            assert (np.abs(shot - pixels) > 32).sum() > 10, f"{selector} {name} looks like the {other} control"
+
+
 def video_states(page):
     return page.evaluate(
         "[...document.querySelectorAll('#videos video')].map(v => ({time: v.currentTime, rate: v.playbackRate, paused: v.paused}))"
@@ -121,8 +147,12 @@ def test_replay_page_plays_steps_and_slows_synced_videos(page, buffer, tmp_path)
         assert page.evaluate("[...document.querySelectorAll('#videos video')].map(v => v.videoWidth)") == [32, 32]
         # it autoplays: the counter moves on its own, then space pauses
         page.wait_for_function("document.getElementById('frame-counter').dataset.frame !== '0'", timeout=WAIT_MS)
+        icons = {"pause": control_pixels(page)}
         page.keyboard.press("Space")
         assert all(state["paused"] for state in video_states(page))
+        icons["play"] = control_pixels(page)
+        assert (np.abs(icons["play"] - icons["pause"]) > 32).sum() > 10
+        icons["step back"] = control_pixels(page, "#step-back")
 
         page.keyboard.press("Home")
         wait_counter(page, f"0 / {total}")
@@ -161,6 +191,8 @@ def test_replay_page_plays_steps_and_slows_synced_videos(page, buffer, tmp_path)
         page.click("#play-pause")
         assert all(state["paused"] for state in video_states(page))
         page.screenshot(path=str(tmp_path / "replay.png"))
+        assert_visible_icons(page, {"step back": icons.pop("step back")}, "#step-back")
+        assert_visible_icons(page, icons)
     assert page.errors == []
 
 

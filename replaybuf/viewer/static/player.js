@@ -140,8 +140,13 @@ export class Player {
     counter.textContent = `${this.frame} / ${this.frames}`;
     counter.dataset.frame = String(this.frame);
     if (document.activeElement !== timeline || this.playing) timeline.value = String(this.frame);
-    playPause.textContent = this.playing ? '\u23F8' : '\u25B6';
-    playPause.title = this.playing ? 'pause (space)' : 'play (space)';
+    const icon = this.playing ? 'pause' : 'play';
+    if (playPause.dataset.icon !== icon) {
+      playPause.innerHTML = ICONS[icon];
+      playPause.dataset.icon = icon;
+      playPause.title = `${icon} (space)`;
+      playPause.setAttribute('aria-label', icon);
+    }
     this.onFrame(this.frame);
   }
 
@@ -211,10 +216,21 @@ export async function fetchJson(url) {
   return body;
 }
 
+// Inline SVG, not text glyphs: a headless Debian Chromium has no font with U+23F8 (pause)
+// and draws an empty box for it; these render wherever SVG does, in the button's text color.
+const svg = (body) =>
+  `<svg class="icon" viewBox="0 0 16 16" width="14" height="14" aria-hidden="true" focusable="false">${body}</svg>`;
+const ICONS = {
+  play: svg('<path d="M4 2.5v11l9.5-5.5z" fill="currentColor"/>'),
+  pause: svg('<path d="M3.5 2.5h3.2v11H3.5zM9.3 2.5h3.2v11H9.3z" fill="currentColor"/>'),
+  back: svg('<path d="M10.5 2.5 5 8l5.5 5.5" fill="none" stroke="currentColor" stroke-width="2"/>'),
+  forward: svg('<path d="M5.5 2.5 11 8l-5.5 5.5" fill="none" stroke="currentColor" stroke-width="2"/>'),
+};
+
 export const CONTROLS_HTML = `
-  <button id="step-back" title="previous frame (left arrow, shift: 10)">&#10216;</button>
-  <button id="play-pause" title="play (space)">&#9654;</button>
-  <button id="step-forward" title="next frame (right arrow, shift: 10)">&#10217;</button>
+  <button id="step-back" title="previous frame (left arrow, shift: 10)" aria-label="previous frame">${ICONS.back}</button>
+  <button id="play-pause" title="play (space)" aria-label="play" data-icon="play">${ICONS.play}</button>
+  <button id="step-forward" title="next frame (right arrow, shift: 10)" aria-label="next frame">${ICONS.forward}</button>
   <input id="timeline" type="range" min="0" max="0" value="0" step="1" aria-label="timeline" />
   <span id="frame-counter" class="frame-counter" data-frame="0">0 / 0</span>
   <select id="speed" title="playback speed (- / +)">
