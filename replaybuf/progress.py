@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars; tqdm.auto warns in Jupyter kernels without ipywidgets
 
 __all__ = ["check_progress", "progress_bar", "dask_progress"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: it warns in every Jupyter kernel without ipywidgets
 
 __all__ = [
     "FFMPEG_SUFFIXES",
