@@ -378,10 +378,11 @@ class ConcatReplayBuffer:
         meta_fields: Sequence[str] | None = None,
         device: torch.device | str | None = None,
         lazy: bool = False,
+        progress: bool | None = None,
     ):
         """Every committed episode of every member (member by member, slot order, as the seed),
         time-padded with zeros to the longest, decoded through dask."""
-        return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy)
+        return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
 
     def to_dask(
         self,
@@ -392,13 +393,22 @@ class ConcatReplayBuffer:
         """The committed episodes of every member as dask arrays (see ``analysis.to_dask``)."""
         return analysis.to_dask(self, fields, meta_fields, order=order)
 
+    def to_xarray(
+        self,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        order: str = "chronological",
+    ):
+        """The committed episodes of every member as a lazy ``xarray.Dataset`` (see ``analysis.to_xarray``)."""
+        return analysis.to_xarray(self, fields, meta_fields, order=order)
+
     def episode_mask(self):
         """Dask bool (episodes, time): True where an episode has a step."""
         return analysis.episode_mask(self)
 
-    def stats(self, fields: Sequence[str] | None = None) -> analysis.BufferStats:
+    def stats(self, fields: Sequence[str] | None = None, progress: bool | None = None) -> analysis.BufferStats:
         """Field statistics over every member's valid steps (see ``analysis.stats``)."""
-        return analysis.stats(self, fields)
+        return analysis.stats(self, fields, progress=progress)
 
     def flush(self) -> None:
         """Nothing to flush: the buffer is read-only."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zarr
 
-from replaybuf import ReplayBuffer
+from replaybuf import ConcatReplayBuffer, ReplayBuffer
 
 xarray = pytest.importorskip("xarray")
 
@@ -128,6 +128,15 @@ def test_to_xarray(make_location):
         np.testing.assert_array_equal(ds[name].values, array.compute())
     picked = ds.sel(episode=ds["task"] == 3)
     assert picked["slot"].values.tolist() == [0]
+
+
+def test_concat_to_xarray(folder, tmp_path):
+    other = ReplayBuffer(str(tmp_path / "other"), max_episodes=3, max_timesteps=8, fields=FIELDS, meta_fields=META)
+    _fill(other, [3])
+    ds = ConcatReplayBuffer([folder, str(tmp_path / "other")]).to_xarray(["reward"], ["task"])
+    assert ds["episode_lens"].values.tolist() == [7, 2, 5, 3]
+    assert ds["task"].values.tolist() == [1, 2, 3, 0]
+    assert ds.sizes["time"] == 7
 
 
 def test_to_xarray_selection_and_errors(folder, monkeypatch):
