@@ -232,6 +232,11 @@ class Storage(ABC):
         """Backend facts for ``replaybuf info``: chunking, compressor, stored vs raw bytes."""
         return {"backend": self.backend_name, "location": self.location}
 
+    def links(self) -> list[str]:
+        """Symbolic links inside the buffer's folder, which a writable open refuses (``verify``
+        reports them); none for stores without links."""
+        return []
+
     def _check_writable(self) -> None:
         if self.read_only:
             raise PermissionError(f"buffer at {self.location!r} was opened read-only; writing is not allowed")
