@@ -113,9 +113,10 @@ _SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "file": ""}
 
 
 def _resolved(location: str | os.PathLike, options: dict | None) -> str:
-    """One spelling of a location: a local path (``file://`` or not) as its real path, links
-    and ``..`` resolved; a URL with its scheme's usual name, no empty path parts (trailing or
-    doubled ``/``) led by its endpoint when one is given, so that two spellings of one place compare equal."""
+    """One spelling of a location, so that two spellings of one place compare equal: a local
+    path (``file://`` or not) as its real path, links and ``..`` resolved; a URL with its
+    scheme's usual name (``s3a`` is ``s3``), no empty path parts (trailing or doubled ``/``),
+    led by its endpoint when one is given."""
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if sep else ""

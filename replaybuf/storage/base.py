@@ -97,7 +97,10 @@ class Storage(ABC):
 
     @abstractmethod
     def create(self, schema: Schema, overwrite: bool) -> None:
-        """Create an empty buffer (erasing an existing one when ``overwrite``) and open it for writing."""
+        """Create an empty buffer (erasing an existing one when ``overwrite``) and open it for writing.
+
+        Only what a buffer of this backend owns may be erased: a location holding anything else
+        raises ``ForeignEntriesError`` before anything is deleted or written."""
 
     @abstractmethod
     def open(self, read_only: bool) -> Schema:
