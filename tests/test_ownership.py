@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -17,10 +18,11 @@ import pytest
 
 from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError, convert, verify
 from replaybuf.cli import main as cli_main
+from replaybuf.storage import detect_backend
 from replaybuf.storage._kv import MAX_IN_FLIGHT, StoreKV
 from replaybuf.storage._zarr import ZarrStorage
 
-from ._backends import seed_buffer, snapshot
+from ._backends import snapshot
 from ._viewer_data import make_plot_only_buffer
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server
@@ -110,8 +112,22 @@ def test_other_objects_under_replaybuf_survive_an_overwrite(tmp_path):
     assert len(buffer) == 0 and (tmp_path / "buf" / "replaybuf" / "lease").read_text() == "held"
 
 
+def seed_folder(folder) -> None:
+    """The files of a memmap-replay-buffer 0.2.x folder (its layout, written here without
+    importing the seed library, which loads torch: see tests/test_memmap.py for the real one)."""
+    folder.mkdir()
+    config = {"max_episodes": 2, "max_timesteps": 4, "fields": {"state": ("float", (3,))}, "meta_fields": {}}
+    (folder / "metadata.pkl").write_bytes(pickle.dumps(config))
+    for name in ("num_episodes", "episode_index", "timestep_index"):
+        np.save(folder / f"{name}.state.npy", np.array(0, np.int32))
+    np.save(folder / "state.data.npy", np.zeros((2, 4, 3), np.float32))
+    np.save(folder / "episode_lens.data.meta.npy", np.zeros(2, np.int32))
+    np.save(folder / "_initted.data.meta.npy", np.zeros(2, bool))
+
+
 def test_a_seed_folder_is_overwritten_but_not_with_a_foreign_file(tmp_path):
-    seed_buffer(tmp_path / "seed")
+    seed_folder(tmp_path / "seed")
+    assert detect_backend(str(tmp_path / "seed")) == "memmap"
     (tmp_path / "seed" / "run.log").write_text("keep")
     with pytest.raises(ForeignEntriesError, match="'run.log'"):
         new(tmp_path / "seed", "memmap")
@@ -166,6 +182,9 @@ def test_s3_prefix_and_bucket_root_with_foreign_objects_are_refused(s3_server):
     store(buffer)
     assert len(new(f"s3://{bucket}/runs/b", storage_options=options)) == 0
     assert kv.get("runs/a/buf/other.txt") == b"keep"
+    kv.delete_prefix("")
+    store(new(f"s3://{bucket}", storage_options=options))  # an empty bucket takes a buffer at its root
+    assert len(new(f"s3://{bucket}", storage_options=options)) == 0
 
 
 # ---- 2. never a write or an erase through a link out of the root ------------------------------
