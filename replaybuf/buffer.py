@@ -83,8 +83,10 @@ class ReplayBuffer:
 
     The signature is memmap-replay-buffer's: ``fields`` map names to specs such as ``'float'``,
     ``('int', 2)`` or ``('float', (3, 16, 16), 0.)``; ``meta_fields`` are per episode.
-    ``overwrite=True`` (the default, as in the seed) erases an existing buffer at ``folder``;
-    pass ``overwrite=False`` or use ``from_folder`` to reopen one.
+    ``overwrite=True`` (the default, as in the seed) erases an existing buffer at ``folder``,
+    only what it owns there: a folder or prefix holding anything else raises
+    ``ForeignEntriesError`` and nothing is deleted. Pass ``overwrite=False`` or use
+    ``from_folder`` to reopen one.
 
     Parameters beyond the seed: ``storage_options`` for URLs (``s3://``, ``gs://``,
     ``memory://``), ``backend`` (``'zarr'`` default, ``'memmap'``, ``'hdf5'``) and ``fsync``

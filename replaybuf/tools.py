@@ -108,6 +108,47 @@ def _slabs(slots: np.ndarray, lens: np.ndarray, schema: Schema) -> Iterable[np.n
         yield slots[start : start + per_slab]
 
 
+# URL schemes that name the same kind of store
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "file": ""}
+
+
+def _resolved(location: str | os.PathLike, options: dict | None) -> str:
+    """One spelling of a location, so that two spellings of one place compare equal: a local
+    path (``file://`` or not) as its real path, links and ``..`` resolved; a URL with its
+    scheme's usual name (``s3a`` is ``s3``), no empty path parts (trailing or doubled ``/``),
+    led by its endpoint when one is given."""
+    text = os.fspath(location)
+    scheme, sep, rest = text.partition("://")
+    scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if sep else ""
+    if not scheme:
+        return os.path.realpath(rest if sep else text)
+    endpoint = (options or {}).get("endpoint_url")
+    parts = [f"[{endpoint}]"] if endpoint else []
+    return f"{scheme}://" + "/".join(parts + [part for part in rest.split("/") if part])
+
+
+def _check_apart(
+    src: str | os.PathLike, src_options: dict | None, dst: str | os.PathLike, dst_options: dict | None
+) -> None:
+    """Refuse a destination that is the source, or inside it, or that holds it: creating the
+    destination would erase or overwrite the source (checked before anything is written)."""
+    source, target = _resolved(src, src_options), _resolved(dst, dst_options)
+    spelled = f"({os.fspath(src)!r} -> {os.fspath(dst)!r})"
+    if source == target:
+        raise ValueError(
+            f"convert: source and destination are the same location {source!r} {spelled}; choose another destination"
+        )
+    if target.startswith(source.rstrip("/") + "/"):
+        raise ValueError(
+            f"convert: the destination {target!r} is inside the source {source!r} {spelled}; choose a destination outside it"
+        )
+    if source.startswith(target.rstrip("/") + "/"):
+        raise ValueError(
+            f"convert: the source {source!r} is inside the destination {target!r} {spelled}, which creating the "
+            "copy would erase; choose a destination outside it"
+        )
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -146,11 +187,10 @@ def convert(
     from .progress import check_progress, progress_bar
 
     check_progress(progress)
+    _check_apart(src, storage_options, dst, dst_storage_options)
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
     target = make_storage(dst, backend, dst_storage_options)
-    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)) and "://" not in os.fspath(dst):
-        raise ValueError(f"convert: source and destination are the same location {os.fspath(dst)!r}")
     if not overwrite and target.exists():
         raise FileExistsError(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
@@ -303,9 +343,9 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None, progres
 
     Checks that every array is present with its configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
-    committed episodes hold only zeros or their field's default beyond their length, and no
-    step log of an unfinished episode is left. ``progress``: a tqdm bar over the episodes
-    read, as in ``convert``.
+    committed episodes hold only zeros or their field's default beyond their length, no
+    step log of an unfinished episode is left, and no symbolic link is inside the folder.
+    ``progress``: a tqdm bar over the episodes read, as in ``convert``.
     """
     from .progress import check_progress
 
@@ -314,7 +354,10 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None, progres
         storage, schema = _open_read_only(path, storage_options)
     except (OSError, ValueError, KeyError) as e:
         return [f"cannot open the buffer: {e}"]
-    problems: list[str] = []
+    problems = [
+        f"{link}: a symbolic link inside the buffer (a writable open refuses it; replace it by a copy)"
+        for link in storage.links()
+    ]
     meta = {}
     for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
         try:

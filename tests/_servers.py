@@ -47,10 +47,12 @@ def free_port() -> int:
 
 
 class RequestLog:
-    """The (method, path) pairs a server answered while a `record()` block ran."""
+    """The (method, path) pairs a server answered while a `record()` block ran, and (S3) the
+    most requests of each method it was answering at once (``peak_in_flight``)."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, str]] = []
+        self.peak_in_flight: Counter[str] = Counter()
 
     def count(self, *methods: str) -> int:
         """Number of requests with any of ``methods`` (all requests when none given)."""
@@ -74,11 +76,25 @@ class _Recorder:
     def __init__(self) -> None:
         self._logs: list[RequestLog] = []
         self._lock = threading.Lock()
+        self._in_flight: Counter[str] = Counter()
 
     def add(self, method: str, path: str) -> None:
         with self._lock:
             for log in self._logs:
                 log.requests.append((method, path))
+
+    @contextlib.contextmanager
+    def answering(self, method: str) -> Iterator[None]:
+        """Count a request of ``method`` as in flight while the block runs."""
+        with self._lock:
+            self._in_flight[method] += 1
+            for log in self._logs:
+                log.peak_in_flight[method] = max(log.peak_in_flight[method], self._in_flight[method])
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[method] -= 1
 
     @contextlib.contextmanager
     def record(self, settle: Any = None) -> Iterator[RequestLog]:
@@ -144,9 +160,10 @@ class S3TestServer(ThreadedMotoServer):
 
         def app(environ: dict[str, Any], start_response: Any) -> Any:
             self._recorder.add(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""))
-            if self.latency:
-                time.sleep(self.latency)
-            return dispatcher(environ, start_response)
+            with self._recorder.answering(environ["REQUEST_METHOD"]):
+                if self.latency:
+                    time.sleep(self.latency)
+                return dispatcher(environ, start_response)
 
         self._server = make_server(self._ip_address, self._port, app, threaded=True, request_handler=_QuietHandler)
         self._server_ready_event.set()

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer
+from replaybuf import ForeignEntriesError, ReplayBuffer
 from replaybuf.storage import detect_backend
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 
@@ -37,14 +37,16 @@ def test_files_are_plain_npy_and_json(tmp_path):
     assert detect_backend(str(folder)) == "memmap"
 
 
-def test_overwrite_deletes_only_buffer_files(tmp_path):
+def test_overwrite_replaces_only_buffer_files(tmp_path):
     folder = tmp_path / "buf"
-    folder.mkdir()
-    (folder / "notes.txt").write_text("keep me")
     ReplayBuffer(folder, 2, 3, fields={"x": "float"}, backend="memmap").store_episode(x=np.ones(2))
     ReplayBuffer(folder, 2, 3, fields={"y": "int"}, backend="memmap")
     names = set(os.listdir(folder))
-    assert "notes.txt" in names and "x.data.npy" not in names and "y.data.npy" in names
+    assert "x.data.npy" not in names and "y.data.npy" in names
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(ForeignEntriesError, match="'notes.txt'"):
+        ReplayBuffer(folder, 2, 3, fields={"z": "int"}, backend="memmap")
+    assert set(os.listdir(folder)) == names | {"notes.txt"}
 
 
 def test_urls_are_refused(tmp_path):

@@ -1,5 +1,6 @@
 """Storage backends behind one protocol; ``make_storage`` picks one by name or by what is stored."""
 
+from ._owned import ForeignEntriesError
 from .base import (
     BufferNotFoundError,
     Storage,
@@ -13,6 +14,7 @@ from .base import (
 
 __all__ = [
     "BufferNotFoundError",
+    "ForeignEntriesError",
     "Storage",
     "StorageError",
     "backend_class",

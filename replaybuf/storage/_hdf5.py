@@ -32,6 +32,7 @@ import numpy as np
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from ._kv import KVBlobs, LocalKV
 from ._local import local_root, refuse_foreign_buffer
+from ._owned import check_owned, erase_owned
 from ._zarr import default_time_chunk
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
@@ -258,12 +259,12 @@ class HDF5Storage(KVBlobs, Storage):
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         refuse_foreign_buffer(self)
+        entries = check_owned(self.kv, self.location, lambda name: name == DATA_FILE)
         self.read_only = False
         self.close()
         if overwrite:
-            self.kv.delete_prefix("replaybuf/")
-            if os.path.exists(self.path):
-                os.unlink(self.path)  # a new inode: handles still open on the old file stay valid
+            # data.h5 is unlinked, not truncated: handles still open on the old file stay valid
+            erase_owned(self.kv, entries, markers=(DATA_FILE,))
         os.makedirs(self.root, exist_ok=True)
         compression = self.storage_options.get("compression")
         options = {"compression": compression, "compression_opts": self.storage_options.get("compression_opts")}
@@ -304,7 +305,7 @@ class HDF5Storage(KVBlobs, Storage):
         self.close()
         self.read_only = read_only
         if not read_only:
-            self.kv.remove_partials()
+            self.kv.prepare_writes()
         schema = Schema.from_json(config)
         self._load_arrays(schema)
         return schema

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import os
 import shutil
 import sys
@@ -16,11 +18,13 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .base import LOG_PREFIX, StorageError
 
+# object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
+MAX_IN_FLIGHT = 32
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
@@ -113,6 +117,11 @@ class KeyValue(ABC):
     def set(self, key: str, data: bytes) -> None:
         self.set_many({key: data})
 
+    def list_top(self) -> list[str]:
+        """Sorted names at the top of the root: ``name`` for an object, ``name/`` for a folder
+        (a prefix with objects under it)."""
+        return sorted({k.split("/", 1)[0] + ("/" if "/" in k else "") for k in self.list_prefix("")})
+
     def delete_prefix(self, prefix: str) -> None:
         self.delete_many(self.list_prefix(prefix))
 
@@ -125,6 +134,10 @@ class KeyValue(ABC):
 
     def drop_read_handles(self) -> None:
         """Close the files kept open for reading (a no-op where nothing is kept open)."""
+
+    def links(self) -> list[str]:
+        """Paths of the symbolic links under the root (none where the medium has no links)."""
+        return []
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         """Overwrite bytes of an existing object in place where the medium allows; False when
@@ -194,6 +207,19 @@ class _ReadHandles:
 
 _read_handles = _ReadHandles(limit=256)
 os.register_at_fork(after_in_child=_read_handles._after_fork)
+
+
+def _open_no_follow(path: str, flags: int) -> int:
+    """``os.open`` for writing that refuses a symbolic link at ``path`` (it could lead out of
+    the buffer's folder), with an error naming it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StorageError(
+                f"refusing to write through the symbolic link {path!r}: a buffer writes only its own files"
+            ) from None
+        raise
 
 
 class LocalKV(KeyValue):
@@ -280,11 +306,11 @@ class LocalKV(KeyValue):
         path = self._path(key)
         _read_handles.drop([path])
         try:
-            f = open(path, "wb")
+            fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except FileNotFoundError:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(path, "wb")
-        with f:
+            fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             if self.fsync:
                 f.flush()
@@ -331,10 +357,20 @@ class LocalKV(KeyValue):
         self.close_appenders(prefix)
         path = self._path(prefix.rstrip("/"))
         _read_handles.drop_under(path)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+        if os.path.islink(path):
+            os.unlink(path)  # the link only, never what it points to
+        elif os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)  # removes links inside, never follows them
         else:
             super().delete_prefix(prefix)
+
+    def list_top(self) -> list[str]:
+        # docstring inherited: empty folders count, a link counts as a file
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
 
     def list_prefix(self, prefix: str) -> list[str]:
         base = self._path(prefix.rsplit("/", 1)[0]) if "/" in prefix else self.root
@@ -355,7 +391,7 @@ class LocalKV(KeyValue):
             fd = self._appenders.get(key)
             if fd is None:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = self._appenders[key] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                fd = self._appenders[key] = _open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             os.write(fd, data)
             if self.fsync:
                 os.fsync(fd)
@@ -372,7 +408,7 @@ class LocalKV(KeyValue):
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         try:
-            fd = os.open(self._path(key), os.O_WRONLY)
+            fd = _open_no_follow(self._path(key), os.O_WRONLY)
         except FileNotFoundError:
             return False
         try:
@@ -385,13 +421,44 @@ class LocalKV(KeyValue):
             os.close(fd)
         return True
 
-    def remove_partials(self) -> None:
-        """Delete temp files a killed writer left behind."""
-        for folder, _, files in os.walk(self.root):
-            for name in files:
-                if name.endswith(".partial"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(folder, name))
+    def _scan(self) -> tuple[list[str], list[str]]:
+        """The symbolic links and the temp files of interrupted writes under the root (one
+        pass over directory entries, no stat per file); links are not followed."""
+        links, partials, folders = [], [], [self.root]
+        while folders:
+            try:
+                entries = list(os.scandir(folders.pop()))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    links.append(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                elif entry.name.endswith(".partial"):
+                    partials.append(entry.path)
+        return sorted(links), partials
+
+    def links(self) -> list[str]:
+        # docstring inherited
+        return self._scan()[0]
+
+    def prepare_writes(self) -> None:
+        """At a writable open: refuse a folder that holds symbolic links (a write through one
+        could land outside the buffer), then delete temp files a killed writer left behind."""
+        links, partials = self._scan()
+        if links:
+            named = ", ".join(repr(link) for link in links[:5]) + (
+                f" and {len(links) - 5} more" if len(links) > 5 else ""
+            )
+            raise StorageError(
+                f"refusing to open {self.root!r} for writing: it holds symbolic links ({named}), and a write "
+                "through one could change files outside the buffer; replace each by a copy of what it "
+                "points to, or open the buffer read-only"
+            )
+        for path in partials:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class StoreKV(KeyValue):
@@ -401,7 +468,9 @@ class StoreKV(KeyValue):
     or event loop crosses a process boundary.
     """
 
-    max_in_flight = 32
+    # requests in flight at once per call, reads and writes alike; set it on the class (all
+    # stores) or on one store's ``kv`` to suit a slower or faster link
+    max_in_flight = MAX_IN_FLIGHT
 
     def __init__(self, open_store: Callable[[], object], name: str):
         self._open_store = open_store
@@ -427,61 +496,54 @@ class StoreKV(KeyValue):
         except (OSError, ConnectionError, TimeoutError) as e:
             raise StorageError(f"store {self.name!r} failed: {e}") from e
 
+    def _run_bounded(self, calls: Sequence[Callable[[], Awaitable]]) -> list:
+        """Run the requests ``calls`` make concurrently, at most ``max_in_flight`` at a time,
+        so one large read or write is never a burst of thousands of requests."""
+        limit = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(call):
+            async with limit:
+                return await call()
+
+        async def every_call():
+            return await asyncio.gather(*(one(c) for c in calls))
+
+        return list(self._run(every_call()))
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()
-        limit = asyncio.Semaphore(self.max_in_flight) if len(keys) > self.max_in_flight else None
 
         async def one(key):
-            if limit is None:
-                buf = await store.get(key, proto)
-            else:
-                async with limit:
-                    buf = await store.get(key, proto)
+            buf = await store.get(key, proto)
             return None if buf is None else buf.to_bytes()
 
-        async def all_keys():
-            return await asyncio.gather(*(one(k) for k in keys))
-
-        return list(self._run(all_keys()))
+        return self._run_bounded([functools.partial(one, k) for k in keys])
 
     def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
         from zarr.abc.store import RangeByteRequest, SuffixByteRequest
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()
-        limit = asyncio.Semaphore(self.max_in_flight)
 
         async def one(request):
             key, start, stop = request
             byte_range = SuffixByteRequest(-start) if start < 0 else RangeByteRequest(start, stop)
-            async with limit:
-                buf = await store.get(key, proto, byte_range=byte_range)
+            buf = await store.get(key, proto, byte_range=byte_range)
             return None if buf is None else buf.to_bytes()
 
-        async def all_requests():
-            return await asyncio.gather(*(one(r) for r in requests))
-
-        return list(self._run(all_requests()))
+        return self._run_bounded([functools.partial(one, r) for r in requests])
 
     def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()
-
-        async def all_items():
-            await asyncio.gather(*(store.set(k, proto.buffer.from_bytes(v)) for k, v in items.items()))
-
-        self._run(all_items())
+        self._run_bounded([functools.partial(store.set, k, proto.buffer.from_bytes(v)) for k, v in items.items()])
 
     def delete_many(self, keys: Sequence[str]) -> None:
         store = self.store
-
-        async def all_keys():
-            await asyncio.gather(*(store.delete(k) for k in keys))
-
-        self._run(all_keys())
+        self._run_bounded([functools.partial(store.delete, k) for k in keys])
 
     def list_prefix(self, prefix: str) -> list[str]:
         store = self.store
@@ -515,6 +577,10 @@ class KVBlobs:
     def list_blobs(self, prefix: str) -> list[str]:
         # docstring inherited
         return self.kv.list_prefix(prefix)
+
+    def links(self) -> list[str]:
+        # docstring inherited
+        return self.kv.links()
 
     def append_log(self, name: str, data: bytes) -> None:
         # docstring inherited

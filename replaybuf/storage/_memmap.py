@@ -21,6 +21,7 @@ from the seed's counters on the next open (read-only opens derive them in RAM).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -32,11 +33,18 @@ from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
 from ._kv import KVBlobs, LocalKV, thread_pool
 from ._local import local_root, refuse_foreign_buffer
-from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from ._owned import check_owned, erase_owned
+from .base import BufferNotFoundError, Storage, StorageError, bookkeeping_fields, empty_state
 
 CONFIG_FILE = "replaybuf.json"
 SEED_ORIGIN = "memmap-replay-buffer"
-_BLOB_DIR = "replaybuf"
+# the arrays and the seed's counters: <field>.data.npy, <meta>.data.meta.npy, <name>.state.npy
+_OWNED_SUFFIXES = (".data.npy", ".data.meta.npy", ".state.npy")
+
+
+def _owns(name: str) -> bool:
+    """Whether a top-level file is part of a replaybuf memmap buffer or a seed folder."""
+    return name.endswith(_OWNED_SUFFIXES) or name in (CONFIG_FILE, _seed.METADATA_FILE)
 
 
 def array_filename(name: str, meta: bool) -> str:
@@ -146,9 +154,10 @@ class MemmapStorage(KVBlobs, Storage):
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         refuse_foreign_buffer(self)
+        entries = check_owned(self.kv, self.location, _owns)
         self.read_only = False
         if overwrite:
-            self._erase()
+            erase_owned(self.kv, entries, markers=(CONFIG_FILE, _seed.METADATA_FILE))
         os.makedirs(self.root, exist_ok=True)
         self._arrays = {}
         for field in schema.fields.values():
@@ -159,9 +168,21 @@ class MemmapStorage(KVBlobs, Storage):
         self._write_config(schema)
 
     def _allocate(self, name: str, meta: bool, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        """Create a zero-filled ``.npy`` (sparse on disk until written)."""
+        """Create a zero-filled ``.npy`` with all its blocks reserved on disk: a memmap write
+        to a page the disk has no room for kills the process with SIGBUS, so a full disk is
+        a StorageError here, naming the file, and never later."""
         path = os.path.join(self.root, array_filename(name, meta))
-        array = open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        try:
+            array = open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+            with open(path, "r+b") as f:
+                os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise StorageError(
+                f"cannot allocate {path!r} ({np.dtype(dtype)}{list(shape)}, "
+                f"{np.prod(shape, dtype=np.int64) * np.dtype(dtype).itemsize} bytes): {e.strerror or e}"
+            ) from e
         if self.fsync:
             array.flush()
         del array
@@ -176,16 +197,6 @@ class MemmapStorage(KVBlobs, Storage):
             **extra,
         }
         self.kv.set(CONFIG_FILE, json.dumps(config, indent=1).encode())
-
-    def _erase(self) -> None:
-        """Delete what a replaybuf memmap buffer or a seed folder consists of, and nothing else."""
-        if not os.path.isdir(self.root):
-            return
-        self.kv.delete_prefix(f"{_BLOB_DIR}/")
-        owned = (".data.npy", ".data.meta.npy", ".state.npy")
-        for name in os.listdir(self.root):
-            if name.endswith(owned) or name in (CONFIG_FILE, _seed.METADATA_FILE):
-                os.unlink(os.path.join(self.root, name))
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
@@ -207,6 +218,8 @@ class MemmapStorage(KVBlobs, Storage):
                 f"no replaybuf memmap buffer at {self.location!r} "
                 f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
             )
+        if not read_only:
+            self.kv.prepare_writes()  # before adopting a seed folder writes anything
         self.read_only = read_only
         adopting = config is None or (self._seed_origin and self._seed_wrote_since())
         self._open_arrays(schema, skip_generation=config is None)
@@ -214,8 +227,6 @@ class MemmapStorage(KVBlobs, Storage):
             self._seed_view = _seed.SeedState.read(self.root)
         elif adopting:
             self._adopt_seed_folder(schema)
-        if not read_only:
-            self.kv.remove_partials()
         return schema
 
     def _seed_wrote_since(self) -> bool:

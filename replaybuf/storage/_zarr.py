@@ -20,6 +20,8 @@ import numpy as np
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
 from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
+from ._local import refuse_foreign_buffer
+from ._owned import check_owned, erase_owned
 from ._shards import ShardedArray
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
 
@@ -42,6 +44,8 @@ META_CHUNK_EPISODES = 16384
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
 FLAT_KEYS = {"name": "default", "separator": "."}
+# the root group's document: its attributes mark the location as a replaybuf buffer
+ROOT_DOCUMENT = "zarr.json"
 
 # The folder of the counters and step logs is declared to zarr as an empty array: zarr readers
 # list it as a member and look no further into it, where a folder without zarr.json (or a group,
@@ -122,7 +126,7 @@ class ZarrStorage(KVBlobs, Storage):
     # ---- discovery ------------------------------------------------------------------------
 
     def _root_attributes(self) -> dict | None:
-        raw = self.kv.get("zarr.json")
+        raw = self.kv.get(ROOT_DOCUMENT)
         if raw is None:
             return None
         attributes = json.loads(raw).get("attributes", {})
@@ -131,7 +135,7 @@ class ZarrStorage(KVBlobs, Storage):
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
         # docstring inherited
-        if not _is_url(location) and not os.path.isfile(os.path.join(_local_root(location), "zarr.json")):
+        if not _is_url(location) and not os.path.isfile(os.path.join(_local_root(location), ROOT_DOCUMENT)):
             return False
         try:
             return cls(location, storage_options).exists()
@@ -148,13 +152,18 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         import zarr
 
+        if not _is_url(self.location):
+            refuse_foreign_buffer(self)
+        # the buffer's own entries only: refused before anything is deleted when others are there
+        owned = (ROOT_DOCUMENT, "data", "meta") if self.exists() else ()  # a user's data/ is not ours
+        entries = check_owned(self.kv, self.location, owned.__contains__)
         self.read_only = False
         if overwrite:
-            self._erase()
+            erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
         store = self._zarr_store(read_only=False)
         root = zarr.open_group(
             store,
-            mode="w",
+            mode="a",  # not "w": that deletes every key under the location
             zarr_format=3,
             attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()},
         )
@@ -187,21 +196,6 @@ class ZarrStorage(KVBlobs, Storage):
         self.commit_state(empty_state())
         self._load_arrays(schema)
 
-    def _erase(self) -> None:
-        if isinstance(self.kv, LocalKV):
-            root = self.kv.root
-            if os.path.isdir(root):
-                for name in os.listdir(root):
-                    path = os.path.join(root, name)
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        import shutil
-
-                        shutil.rmtree(path)
-                    else:
-                        os.unlink(path)
-        else:
-            self.kv.delete_prefix("")
-
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
         attributes = self._root_attributes()
@@ -218,7 +212,7 @@ class ZarrStorage(KVBlobs, Storage):
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
-            self.kv.remove_partials()
+            self.kv.prepare_writes()
         if not read_only and self.kv.get(STATE_NODE_KEY) is None:
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         schema = Schema.from_json(attributes)

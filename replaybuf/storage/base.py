@@ -97,7 +97,10 @@ class Storage(ABC):
 
     @abstractmethod
     def create(self, schema: Schema, overwrite: bool) -> None:
-        """Create an empty buffer (erasing an existing one when ``overwrite``) and open it for writing."""
+        """Create an empty buffer (erasing an existing one when ``overwrite``) and open it for writing.
+
+        Only what a buffer of this backend owns may be erased: a location holding anything else
+        raises ``ForeignEntriesError`` before anything is deleted or written."""
 
     @abstractmethod
     def open(self, read_only: bool) -> Schema:
@@ -231,6 +234,11 @@ class Storage(ABC):
     def describe(self) -> dict:
         """Backend facts for ``replaybuf info``: chunking, compressor, stored vs raw bytes."""
         return {"backend": self.backend_name, "location": self.location}
+
+    def links(self) -> list[str]:
+        """Symbolic links inside the buffer's folder, which a writable open refuses (``verify``
+        reports them); none for stores without links."""
+        return []
 
     def _check_writable(self) -> None:
         if self.read_only:

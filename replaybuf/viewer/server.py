@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mimetypes
 import shutil
+import signal
 import sys
 import threading
 import webbrowser
@@ -256,22 +257,32 @@ class ViewerServer:
         self.app.close()
 
     def serve_forever(self, open_browser: bool = True) -> None:
-        """Block serving until interrupted (Ctrl-C / SIGINT), then stop."""
+        """Block serving until interrupted (Ctrl-C / SIGINT), then stop. SIGTERM (``kill``, a
+        service manager) stops it the same way, so the app's temp files go either way; the
+        process then exits with status 143, as a process killed by SIGTERM does."""
         print(f"serving {self.url} (ctrl-c to stop)", flush=True)
         if open_browser:
             threading.Thread(target=webbrowser.open, args=(self.url,), daemon=True).start()
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
         try:
             self._httpd.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
             self.stop()
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
     def __enter__(self) -> ViewerServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def remove_tree(path: Path | None) -> None:

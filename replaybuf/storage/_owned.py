@@ -1,0 +1,71 @@
+"""What a buffer owns at its location, so that creating one (``overwrite=True``) erases only that.
+
+Each backend names the top-level entries of its own layout (``owns``); anything else found at
+the location (a user's file or folder, another program's objects, a whole bucket's worth of
+keys) is *foreign*, and creating a buffer there is refused before anything is deleted.
+Everything under a buffer's own folders belongs to it. Under ``replaybuf/`` erasing deletes
+the counters and the step log only: other objects there (a writer's lease) belong to
+whoever holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ._kv import KeyValue
+from .base import LOG_PREFIX, STATE_KEY
+
+BLOB_DIR = "replaybuf"
+# foreign entries an error names; the rest are counted
+NAMED_ENTRIES = 5
+
+
+class ForeignEntriesError(FileExistsError):
+    """The location holds files, folders or objects that are not part of a replaybuf buffer;
+    creating a buffer there would erase them, so nothing was deleted or written."""
+
+
+def is_temp_file(name: str) -> bool:
+    """A temp file of an interrupted atomic write (``LocalKV``: ``.<random>.partial``)."""
+    return name.startswith(".") and name.endswith(".partial")
+
+
+def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool]) -> list[str]:
+    """The top-level entries of ``kv`` (``KeyValue.list_top``), all owned by the buffer; raise
+    ForeignEntriesError naming those ``owns`` (given a name without the trailing ``/`` of a
+    folder) does not claim. Temp files of interrupted writes and the blob folder ``replaybuf/``
+    always belong to the buffer."""
+    entries = kv.list_top()
+    foreign = [
+        entry
+        for entry in entries
+        if not (is_temp_file(entry) or entry.rstrip("/") == BLOB_DIR or owns(entry.rstrip("/")))
+    ]
+    if not foreign:
+        return entries
+    named = ", ".join(repr(entry) for entry in foreign[:NAMED_ENTRIES])
+    if len(foreign) > NAMED_ENTRIES:
+        named += f" and {len(foreign) - NAMED_ENTRIES} more"
+    raise ForeignEntriesError(
+        f"{location!r} holds entries that are not part of a replaybuf buffer: {named}. Creating a buffer "
+        "there would erase them, so nothing was deleted; choose an empty or new folder (or prefix), "
+        "or remove those entries first"
+    )
+
+
+def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...]) -> None:
+    """Delete the top-level ``entries`` ``check_owned`` returned, the ``markers`` (the objects
+    that make the location a buffer) last, so an erase cut short still reads as a buffer and
+    the next overwrite finishes it. A link is removed, never what it points to (``LocalKV``)."""
+    for entry in entries:
+        name = entry.rstrip("/")
+        if name in markers:
+            continue
+        if entry == f"{BLOB_DIR}/":
+            kv.delete_prefix(LOG_PREFIX)  # the counters and the step log only
+            kv.delete_many([STATE_KEY])
+        elif entry.endswith("/"):
+            kv.delete_prefix(entry)
+        else:
+            kv.delete_many([name])
+    kv.delete_many([m for m in markers if m in entries])
