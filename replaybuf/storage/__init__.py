@@ -1,6 +1,7 @@
 """Storage backends behind one protocol; ``make_storage`` picks one by name or by what is stored."""
 
 from .base import (
+    BufferDamagedError,
     BufferNotFoundError,
     Storage,
     StorageError,
@@ -12,6 +13,7 @@ from .base import (
 )
 
 __all__ = [
+    "BufferDamagedError",
     "BufferNotFoundError",
     "Storage",
     "StorageError",

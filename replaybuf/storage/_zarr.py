@@ -11,7 +11,6 @@ any indexing the direct path does not cover.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import numpy as np
@@ -20,7 +19,17 @@ from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
 from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._shards import ShardedArray
-from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .base import (
+    BufferDamagedError,
+    BufferNotFoundError,
+    Storage,
+    bookkeeping_fields,
+    check_layout,
+    empty_state,
+    expected_layouts,
+    parse_json,
+    schema_from_config,
+)
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
@@ -105,8 +114,8 @@ class ZarrStorage(KVBlobs, Storage):
         raw = self.kv.get("zarr.json")
         if raw is None:
             return None
-        attributes = json.loads(raw).get("attributes", {})
-        return attributes if attributes.get("format") == FORMAT_NAME else None
+        attributes = parse_json(raw, self.describe_key("zarr.json")).get("attributes", {})
+        return attributes if isinstance(attributes, dict) and attributes.get("format") == FORMAT_NAME else None
 
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
@@ -186,6 +195,10 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
+        if not isinstance(attributes.get("version", 0), int):
+            raise BufferDamagedError(
+                f"{self.describe_key('zarr.json')}: format version is {attributes['version']!r}, expected an int"
+            )
         if attributes.get("version", 0) > FORMAT_VERSION:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {attributes['version']}; "
@@ -196,7 +209,7 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
             self.kv.remove_partials()
-        schema = Schema.from_json(attributes)
+        schema = schema_from_config(attributes, self.describe_key("zarr.json"))
         self._load_arrays(schema)
         return schema
 
@@ -207,10 +220,17 @@ class ZarrStorage(KVBlobs, Storage):
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in names]
         documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
         self._arrays = {}
+        layouts = expected_layouts(schema)
         for (name, meta), path, doc in zip(names, paths, documents):
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
-            self._arrays[name, meta] = self._chunked_array(path, json.loads(doc), 1 if meta else 2)
+            where = self.describe_key(f"{path}/zarr.json")
+            try:
+                array = self._chunked_array(path, parse_json(doc, where), 1 if meta else 2)
+            except (KeyError, IndexError, TypeError) as e:
+                raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
+            check_layout(where, array.shape, array.dtype, layouts[name, meta])
+            self._arrays[name, meta] = array
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
         codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
