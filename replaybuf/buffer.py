@@ -26,7 +26,7 @@ import numpy as np
 
 from . import video
 from .schema import Field, Schema
-from .staging import EpisodeGroup, StepLog, write_span
+from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage.base import (
     STATE_KEY,
     Storage,
@@ -226,7 +226,7 @@ class ReplayBuffer:
         # every field's row is one chunk (or shard), always written whole: a killed writer
         # cannot leave rows past a later episode's end, so slots need no "writing" mark
         self._rows_written_whole = all(chunk >= self.max_timesteps for chunk in self._time_chunks.values())
-        self._step_log = StepLog(schema.fields)
+        self._step_log = StepLog(schema.fields, schema.meta_fields)
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
         for fill in self._fills.values():
             fill.flags.writeable = False
@@ -463,27 +463,55 @@ class ReplayBuffer:
         self._discard_log()
 
     def _recover_step_log(self) -> None:
-        """Commit, truncated, the episodes a killed writer left in its step log; then clear it."""
+        """Commit, truncated, the episodes a killed writer left in its step log; then clear it.
+
+        A log with a damaged record (bad checksum, wrong size, values that do not fit the
+        config) is copied aside with a warning naming the copy, and its valid prefix recovered;
+        a log of an episode committed since (stale) is dropped."""
         if LOG_NAME not in self.storage.log_names():
             return
-        parsed = self._step_log.parse(self.storage.read_log(LOG_NAME))
-        if parsed is not None:
-            header, steps, meta = parsed
-            slots = np.asarray(header["slots"])
-            stale = header["generation_base"] < int(self._state["total_episodes"])
-            if steps and not stale and header["fields"] == list(self.schema.fields):
-                self._state["episode_index"] = int(slots[0])
-                group = self._begin_group(len(slots), {})
-                self._log_pending = []
-                self._log_written = True
-                for name, values in meta.items():
-                    if name in group.meta:
-                        group.meta[name][:] = np.asarray(values, dtype=group.meta[name].dtype)
-                for step in steps[: self.max_timesteps]:
-                    self._write_slabs(group, group.append(step))
-                self._commit_group()
-                return
+        log = self._step_log.parse(self.storage.read_log(LOG_NAME))
+        try:
+            slots, meta = self._check_log_header(log) if log.header is not None else (None, {})
+        except (ValueError, TypeError, KeyError) as e:
+            log.damage, log.steps, slots = f"header: {e}", [], None
+        if log.damage is not None:
+            aside = self.storage.copy_log_aside(LOG_NAME)
+            warnings.warn(
+                f"the step log of an unfinished episode in {self.storage.location!r} is damaged ({log.damage}); "
+                f"it was copied to {aside!r} and {len(log.steps)} valid step(s) before the damage are recovered",
+                stacklevel=3,
+            )
+        if slots is not None and log.steps and log.header["generation_base"] >= int(self._state["total_episodes"]):
+            self._state["episode_index"] = int(slots[0])
+            group = self._begin_group(len(slots), meta)
+            self._log_pending = []
+            self._log_written = True
+            for step in log.steps[: self.max_timesteps]:
+                self._write_slabs(group, group.append(step))
+            self._commit_group()
+            return
         self.storage.clear_log(LOG_NAME)
+
+    def _check_log_header(self, log: ParsedLog) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The slots and checked meta values a step log's header and meta records name."""
+        header = log.header
+        slots = np.asarray(header["slots"])
+        if (
+            slots.ndim != 1
+            or not 0 < len(slots) <= self.max_episodes
+            or slots.dtype.kind not in "iu"
+            or len(np.unique(slots)) != len(slots)
+            or slots.min() < 0
+            or slots.max() >= self.max_episodes
+        ):
+            raise ValueError(f"slots {header['slots']!r} are not distinct slots in [0, {self.max_episodes})")
+        base = header["generation_base"]
+        if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+            raise ValueError(f"generation_base {base!r} is not an int >= 0")
+        if header["fields"] != list(self.schema.fields):
+            raise ValueError(f"the log holds fields {header['fields']}, the buffer {list(self.schema.fields)}")
+        return slots, log.meta
 
     def _reconcile_state(self) -> None:
         """Make the counters agree with the published lengths and generations, the truth after

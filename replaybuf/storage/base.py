@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
 import types
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
@@ -258,6 +259,15 @@ class Storage(ABC):
     def clear_log(self, name: str) -> None:
         self._check_writable()
         self.delete_blobs(f"{LOG_PREFIX}{name}")
+
+    def copy_log_aside(self, name: str) -> str:
+        """Copy the step log ``name`` to ``replaybuf/steplog-damaged-<UTC time>-<pid>/<name>``,
+        out of recovery's way, and return that key: a damaged log is kept for inspection."""
+        self._check_writable()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/{name}"
+        self.write_blob(key, self.read_log(name))
+        return key
 
     # ---- batched reads and writes ----------------------------------------------------------
 
