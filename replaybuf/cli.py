@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from replaybuf.storage.base import BufferDamagedError
+from replaybuf.storage.base import BufferDamagedError, StorageError
 from replaybuf.tools import CLI_COMMANDS
 from replaybuf.video import (
     VIDEO_SUFFIXES,
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 # the errors a command turns into a usage message: bad values, missing files, unreachable stores
-USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError)
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, StorageError)
 
 
 @dataclass(frozen=True)

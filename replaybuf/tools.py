@@ -25,6 +25,7 @@ from .storage.base import (
     Storage,
     backend_class,
     bookkeeping_fields,
+    check_bookkeeping,
     check_state,
     make_storage,
 )
@@ -220,6 +221,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     storage, schema = _open_read_only(path, storage_options)
     described = storage.describe()
     lens = _lens(storage)
+    check_bookkeeping(lens, storage.read_meta("_generation"), schema, storage.location)
+    state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
     valid = lens > 0
     arrays = described.get("arrays", {})
     fields, stored_total, data_total = {}, 0, 0
@@ -241,7 +244,6 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
-    state = storage.load_state()
     storage.close()
     return {
         "location": storage.location,
