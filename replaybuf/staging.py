@@ -4,7 +4,8 @@
 rows reach storage as chunk-aligned slabs once a write span fills and at commit. The step log
 records each step as it is staged so a killed writer loses at most the steps it had not yet
 flushed: on the next writable open the log is replayed and its episodes are committed,
-truncated where the log ends.
+truncated where the log ends. Records carry a crc32; a log damaged past its first records is
+recovered up to the damage and copied aside (``buffer._recover_step_log``).
 """
 
 from __future__ import annotations

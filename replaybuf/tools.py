@@ -308,7 +308,9 @@ def _ranges(steps: np.ndarray) -> str:
 def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
     """Problems found in the buffer at ``path`` (empty when consistent); changes nothing.
 
-    Checks that every array is present with its configured shape and dtype, lengths are within
+    Damaged metadata (unparseable config or counters, sizes or shapes the config does not
+    allow) is reported as a problem, never raised. Checks that every array is present with its
+    configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
     committed episodes hold only zeros or their field's default beyond their length, and no
     step log of an unfinished episode is left.

@@ -220,6 +220,17 @@ def test_garbage_or_truncated_metadata_names_the_file(tmp_path, capsys, backend,
     assert status == 1 and file in out
 
 
+def test_a_damaged_chunk_shape_is_refused_before_any_chunk_is_read(tmp_path):
+    location = filled(tmp_path / "b")
+    path = os.path.join(location, "meta", "episode_lens", "zarr.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [10**12]
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    refused(location, r"meta/episode_lens/zarr.json in .*: chunk shape \[1000000000000\] does not fit the array \[4\]")
+
+
 def test_garbage_hdf5_config_attribute_names_the_attribute(tmp_path):
     location = filled(tmp_path / "b", "hdf5")
     with h5py.File(os.path.join(location, "data.h5"), "r+") as f:

@@ -5,7 +5,9 @@ A seed folder holds ``metadata.pkl`` (the config, pickled), ``<field>.data.npy``
 counters ``num_episodes.state.npy``, ``episode_index.state.npy``, ``timestep_index.state.npy``
 (int32 scalars). The pickle is read by a restricted unpickler that refuses every global, so a
 crafted ``metadata.pkl`` cannot run code; the loaded object must consist of plain
-dict/list/tuple/str/int/float/bool/None.
+dict/list/tuple/str/int/float/bool/None, and the work is bounded (MAX_PICKLE_BYTES, opcodes and
+objects counted as a tree walk would meet them up to MAX_PICKLE_OBJECTS, MAX_PICKLE_DEPTH, no
+cycles): a small pickle of shared references is refused at once instead of expanding.
 
 The seed publishes an episode in progress through ``episode_lens[episode_index]`` (its
 ``timestep_index``); replaybuf shows it as the newest, committed episode of that length, which

@@ -230,6 +230,7 @@ class ZarrStorage(KVBlobs, Storage):
             except (KeyError, IndexError, TypeError) as e:
                 raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
             check_layout(where, array.shape, array.dtype, layouts[name, meta])
+            _check_chunks(where, array)
             self._arrays[name, meta] = array
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
@@ -343,6 +344,17 @@ class ZarrStorage(KVBlobs, Storage):
         from zarr.core.sync import sync
 
         return int(sync(self.kv.store.getsize_prefix(prefix)))
+
+
+def _check_chunks(where: str, array: ChunkedArray) -> None:
+    """Refuse chunk (and shard) shapes no replaybuf writer makes: a chunk is decoded whole, so
+    a damaged chunk shape would otherwise size an allocation."""
+    shapes = [array.chunks] + ([(1, array.shard_time, *array.shape[2:])] if isinstance(array, ShardedArray) else [])
+    for chunks in shapes:
+        if len(chunks) != len(array.shape) or any(
+            not isinstance(c, int) or not 1 <= c <= 2 * max(n, 1) for c, n in zip(chunks, array.shape)
+        ):
+            raise BufferDamagedError(f"{where}: chunk shape {list(chunks)} does not fit the array {list(array.shape)}")
 
 
 def _open_zarr_store(location: str, storage_options: dict, read_only: bool):
