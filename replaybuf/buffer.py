@@ -26,8 +26,17 @@ import numpy as np
 
 from . import video
 from .schema import Field, Schema
-from .staging import EpisodeGroup, StepLog, write_span
-from .storage.base import Storage, StorageError, bookkeeping_fields, make_storage
+from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
+from .storage.base import (
+    STATE_KEY,
+    Storage,
+    StorageError,
+    bookkeeping_fields,
+    check_bookkeeping,
+    check_state,
+    make_storage,
+    unpublished_slots,
+)
 from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
@@ -37,6 +46,9 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 
 LOG_NAME = "episode"
 _HIDDEN_META = ("_generation",)
+# a reader that sees a slot with a length but no generation (between a commit's two writes)
+# reads the bookkeeping again before calling it damage
+_REREADS = 3
 
 
 class MetaView:
@@ -65,11 +77,29 @@ class MetaView:
         return value.copy() if isinstance(value, np.ndarray) else value
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._buffer._check_writable("meta_data[...] = ...")
-        episodes = np.atleast_1d(np.arange(self._buffer.max_episodes)[key])
-        field = self._buffer._field(self._name)
-        values = np.broadcast_to(cast_values(to_numpy(value, self._name), field), (len(episodes), *field.shape))
-        self._buffer._write_meta(self._name, episodes, values)
+        buffer = self._buffer
+        buffer._check_writable(f"meta_data[{self._name!r}][...] = ...")
+        if self._name in buffer._bookkeeping:
+            raise ValueError(
+                f"meta_data[{self._name!r}] is read-only: a slot's length is published by committing "
+                "an episode (store / store_episode) and reset by clear()"
+            )
+        try:
+            episodes = np.atleast_1d(np.arange(buffer.max_episodes)[key])
+        except IndexError as e:
+            raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (max_episodes {buffer.max_episodes})") from None
+        field = buffer.schema.meta_fields[self._name]
+        array = to_numpy(value, self._name)
+        # one value for every episode, as store_meta_datapoint takes it, or one per episode
+        array = step_value(array, field)[None] if array.ndim <= len(field.shape) else fit_shape(array, field, 1)
+        try:
+            values = np.broadcast_to(array, (len(episodes), *field.shape))
+        except ValueError as e:
+            raise ValueError(
+                f"meta_data[{self._name!r}][{key!r}]: value of shape {np.shape(value)} does not fit "
+                f"{len(episodes)} episode(s) of shape {field.shape} ({e})"
+            ) from None
+        buffer._set_meta(self._name, episodes, cast_values(values, field))
 
     def __array__(self, dtype=None, copy=None):
         return self._mirror.astype(dtype) if dtype is not None else self._mirror.copy()
@@ -198,7 +228,7 @@ class ReplayBuffer:
         # every field's row is one chunk (or shard), always written whole: a killed writer
         # cannot leave rows past a later episode's end, so slots need no "writing" mark
         self._rows_written_whole = all(chunk >= self.max_timesteps for chunk in self._time_chunks.values())
-        self._step_log = StepLog(schema.fields)
+        self._step_log = StepLog(schema.fields, schema.meta_fields)
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
         for fill in self._fills.values():
             fill.flags.writeable = False
@@ -213,11 +243,17 @@ class ReplayBuffer:
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since."""
-        self._state = self.storage.load_state()
+        state = self.storage.load_state()
         self.storage.drop_caches()
-        # generations, then lengths, then meta: a commit landing in between can only make a slot
-        # look older or invalid, never pair one episode's length with another's meta
-        self._meta = {n: self.storage.read_meta(n) for n in ("_generation", "episode_lens", *self.schema.meta_fields)}
+        for _ in range(_REREADS):
+            # generations, then lengths, then meta: a commit landing in between can only make a
+            # slot look older or invalid, never pair one episode's length with another's meta
+            meta = {n: self.storage.read_meta(n) for n in ("_generation", "episode_lens", *self.schema.meta_fields)}
+            if not len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
+                break
+        check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
+        self._state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
+        self._meta = meta
         return self
 
     # ---- state ---------------------------------------------------------------------------
@@ -333,8 +369,10 @@ class ReplayBuffer:
             (self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)
         ]
         if len(reused):
-            self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
+            # the length first: a kill in between leaves an empty slot with a stale generation
+            # (cleared on reopen), never a committed slot without one
             self._write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
+            self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
 
     def _write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]]) -> None:
         if not slabs:
@@ -427,41 +465,74 @@ class ReplayBuffer:
         self._discard_log()
 
     def _recover_step_log(self) -> None:
-        """Commit, truncated, the episodes a killed writer left in its step log; then clear it."""
+        """Commit, truncated, the episodes a killed writer left in its step log; then clear it.
+
+        A log with a damaged record (bad checksum, wrong size, values that do not fit the
+        config) is copied aside with a warning naming the copy, and its valid prefix recovered;
+        a log of an episode committed since (stale) is dropped."""
         if LOG_NAME not in self.storage.log_names():
             return
-        parsed = self._step_log.parse(self.storage.read_log(LOG_NAME))
-        if parsed is not None:
-            header, steps, meta = parsed
-            slots = np.asarray(header["slots"])
-            stale = header["generation_base"] < int(self._state["total_episodes"])
-            if steps and not stale and header["fields"] == list(self.schema.fields):
-                self._state["episode_index"] = int(slots[0])
-                group = self._begin_group(len(slots), {})
-                self._log_pending = []
-                self._log_written = True
-                for name, values in meta.items():
-                    if name in group.meta:
-                        group.meta[name][:] = np.asarray(values, dtype=group.meta[name].dtype)
-                for step in steps[: self.max_timesteps]:
-                    self._write_slabs(group, group.append(step))
-                self._commit_group()
-                return
+        log = self._step_log.parse(self.storage.read_log(LOG_NAME))
+        try:
+            slots, meta = self._check_log_header(log) if log.header is not None else (None, {})
+        except (ValueError, TypeError, KeyError) as e:
+            log.damage, log.steps, slots = f"header: {e}", [], None
+        if log.damage is not None:
+            aside = self.storage.copy_log_aside(LOG_NAME)
+            warnings.warn(
+                f"the step log of an unfinished episode in {self.storage.location!r} is damaged ({log.damage}); "
+                f"it was copied to {aside!r} and {len(log.steps)} valid step(s) before the damage are recovered",
+                stacklevel=3,
+            )
+        if slots is not None and log.steps and log.header["generation_base"] >= int(self._state["total_episodes"]):
+            self._state["episode_index"] = int(slots[0])
+            group = self._begin_group(len(slots), meta)
+            self._log_pending = []
+            self._log_written = True
+            for step in log.steps[: self.max_timesteps]:
+                self._write_slabs(group, group.append(step))
+            self._commit_group()
+            return
         self.storage.clear_log(LOG_NAME)
 
+    def _check_log_header(self, log: ParsedLog) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The slots and checked meta values a step log's header and meta records name."""
+        header = log.header
+        slots = np.asarray(header["slots"])
+        if (
+            slots.ndim != 1
+            or not 0 < len(slots) <= self.max_episodes
+            or slots.dtype.kind not in "iu"
+            or len(np.unique(slots)) != len(slots)
+            or slots.min() < 0
+            or slots.max() >= self.max_episodes
+        ):
+            raise ValueError(f"slots {header['slots']!r} are not distinct slots in [0, {self.max_episodes})")
+        base = header["generation_base"]
+        if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+            raise ValueError(f"generation_base {base!r} is not an int >= 0")
+        if header["fields"] != list(self.schema.fields):
+            raise ValueError(f"the log holds fields {header['fields']}, the buffer {list(self.schema.fields)}")
+        return slots, log.meta
+
     def _reconcile_state(self) -> None:
-        """Roll the counters forward when a writer died between publishing lengths and counters."""
-        generations = np.where(self._meta["episode_lens"] > 0, self._meta["_generation"], 0)  # published only
-        newest = int(generations.max()) if len(generations) else 0
-        total = int(self._state["total_episodes"])
-        if newest > total:
-            self._state = {
-                "num_episodes": min(int(self._state["num_episodes"]) + newest - total, self.max_episodes),
-                "episode_index": int((np.argmax(generations) + 1) % self.max_episodes),
-                "total_episodes": newest,
-                **({"cleared": True} if self._state.get("cleared") else {}),
-            }
-            self.storage.commit_state(self._state)
+        """Make the counters agree with the published lengths and generations, the truth after
+        a writer died at any point of a commit: ``num_episodes`` counts the slots holding an
+        episode, ``episode_index`` follows the newest, and generations of empty slots (a commit
+        killed between its two bookkeeping writes) are cleared."""
+        lens, generations = self._meta["episode_lens"], self._meta["_generation"]
+        stale = np.flatnonzero((lens == 0) & (generations != 0))
+        if len(stale):
+            self._write_meta("_generation", stale, np.zeros(len(stale), np.int64))
+        valid = np.flatnonzero(lens > 0)
+        state = {**self._state, "num_episodes": len(valid)}
+        if len(valid):
+            newest = int(valid[np.argmax(generations[valid])])
+            state["episode_index"] = (newest + 1) % self.max_episodes
+            state["total_episodes"] = max(int(state["total_episodes"]), int(generations[newest]))
+        if state != self._state:
+            self._state = state
+            self.storage.commit_state(state)
 
     # ---- the write API -------------------------------------------------------------------------
 
@@ -692,12 +763,17 @@ class ReplayBuffer:
         self._check_writable("store_meta_datapoint")
         episode = self._check_slot(episode_index, "store_meta_datapoint")
         self._check_names([name], set(self.schema.meta_fields), "meta field", "store_meta_datapoint")
-        value = step_value(datapoint, self.schema.meta_fields[name])
+        self._set_meta(name, np.array([episode]), step_value(datapoint, self.schema.meta_fields[name])[None])
+
+    def _set_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        """Checked meta values of ``episodes``: staged for the episodes in progress (committed
+        with them), written through for the others."""
         group = self._group
-        if group is not None and episode in group.slots:
+        staged = np.isin(episodes, group.slots) if group is not None else np.zeros(len(episodes), bool)
+        for episode, value in zip(episodes[staged], values[staged]):
             group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
-            return
-        self._write_meta(name, np.array([episode]), value[None])
+        if not staged.all():
+            self._write_meta(name, episodes[~staged], values[~staged])
 
     def update(self, indices: int | Sequence[int] | np.ndarray | slice | None = None, **data: Any) -> None:
         """Overwrite stored episodes in place (all committed ones when ``indices`` is None).

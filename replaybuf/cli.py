@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from replaybuf.storage.base import BufferDamagedError, StorageError
 from replaybuf.tools import CLI_COMMANDS
 from replaybuf.video import (
     VIDEO_SUFFIXES,
@@ -30,10 +31,19 @@ from replaybuf.video import (
     trajectory_to_video,
 )
 
-__all__ = ["Command", "commands", "inspect_main", "main", "open_buffer", "register_command"]
+__all__ = [
+    "Command",
+    "add_store_arguments",
+    "commands",
+    "inspect_main",
+    "main",
+    "open_buffer",
+    "register_command",
+    "store_options",
+]
 
 # the errors a command turns into a usage message: bad values, missing files, unreachable stores
-USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError)
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, StorageError)
 
 
 @dataclass(frozen=True)
@@ -143,16 +153,49 @@ def json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
-def add_location_arguments(parser: argparse.ArgumentParser) -> None:
-    """The buffer to open: a folder or URL, and options for its store."""
-    parser.add_argument("location", metavar="FOLDER_OR_URL", help="buffer folder or URL (s3://..., gs://...)")
+def add_store_arguments(parser: argparse.ArgumentParser, prefix: str = "", what: str = "the buffer's") -> None:
+    """``--storage-options JSON``, ``--anon`` and ``--endpoint-url URL`` (each with ``prefix``,
+    e.g. ``--dst-anon``) for a location's store; ``store_options`` merges them."""
+    dest = prefix.replace("-", "_")
     parser.add_argument(
-        "--storage-options",
+        f"--{prefix}storage-options",
+        dest=f"{dest}storage_options",
         type=json_object,
         default=None,
         metavar="JSON",
-        help='options for a remote store as a JSON object, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+        help=f'options for {what} remote store as a JSON object, e.g. \'{{"endpoint_url": "http://127.0.0.1:9000"}}\'',
     )
+    parser.add_argument(
+        f"--{prefix}anon",
+        dest=f"{dest}anon",
+        action="store_true",
+        help=f"read {what} object store without credentials (storage option anon=true)",
+    )
+    parser.add_argument(
+        f"--{prefix}endpoint-url",
+        dest=f"{dest}endpoint_url",
+        default=None,
+        metavar="URL",
+        help=f"endpoint of {what} S3-compatible store or GCS emulator (storage option endpoint_url)",
+    )
+
+
+def store_options(args: argparse.Namespace, prefix: str = "") -> dict[str, Any] | None:
+    """The storage options given by ``add_store_arguments``: the JSON object, with ``--anon``
+    and ``--endpoint-url`` set on top of it; None when none was given."""
+    dest = prefix.replace("-", "_")
+    options = dict(getattr(args, f"{dest}storage_options") or {})
+    if getattr(args, f"{dest}anon"):
+        options["anon"] = True
+    if getattr(args, f"{dest}endpoint_url") is not None:
+        options["endpoint_url"] = getattr(args, f"{dest}endpoint_url")
+    return options or None
+
+
+def add_location_arguments(parser: argparse.ArgumentParser) -> None:
+    """The buffer to open: a folder or URL, and options for its store."""
+    parser.add_argument("location", metavar="FOLDER_OR_URL", help="buffer folder or URL (s3://..., gs://...)")
+    add_store_arguments(parser)
 
 
 def _suffixed(path: Path, field: str, several: bool) -> Path:
@@ -234,7 +277,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from replaybuf.viewer import ReplayApp, ViewerServer
 
     _check_inspect_outputs(args)
-    buffer = open_buffer(args.location, args.storage_options)
+    buffer = open_buffer(args.location, store_options(args))
     fields = args.field or image_fields(buffer)
     if not fields:
         raise ValueError("--field: this buffer has no image-like field; pass --field explicitly")
@@ -317,7 +360,7 @@ def run_view(args: argparse.Namespace) -> int:
     """Browse a buffer in a local page: episode list, synced videos and plots."""
     from replaybuf.viewer import BufferApp, ViewerServer
 
-    buffer = open_buffer(args.location, args.storage_options)
+    buffer = open_buffer(args.location, store_options(args))
     app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale)
     ViewerServer(app, port=args.port).serve_forever(open_browser=not args.no_browser)
     return 0
@@ -344,6 +387,9 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         status = command.run(args)
     except KeyboardInterrupt:
         return 130
+    except BufferDamagedError as error:  # a finding about the buffer, not a usage error
+        print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
+        return 1
     except USER_ERRORS as error:
         message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
         parser.error(message or type(error).__name__)

@@ -23,6 +23,13 @@ SHORT_DTYPES = {"int": "int32", "float": "float32", "bool": "bool", "uint8": "ui
 RESERVED_META_FIELDS = ("episode_lens", "_generation")
 MAX_TIMESTEPS = 2**31 - 1
 MAX_EPISODE_BYTES = 16 * 2**30
+# Every open reads the per-episode arrays (meta fields, episode_lens, _generation) whole into
+# RAM; a config whose arrays exceed this is refused before anything is allocated (a damaged
+# max_episodes of 10**9 would otherwise take 12 GB before failing). 4 GiB is 357 million
+# episodes with no meta fields.
+MAX_META_BYTES = 4 * 2**30
+# bytes per episode of the bookkeeping arrays (episode_lens int32, _generation int64)
+_BOOKKEEPING_BYTES = 12
 
 
 def parse_dtype(name: str, spec: Any) -> np.dtype:
@@ -198,7 +205,14 @@ class Schema:
         return schema
 
     def _check_episode_size(self) -> None:
-        """Refuse sizes no storage can hold, before anything is created."""
+        """Refuse sizes no storage can hold, before anything is created or loaded."""
+        meta_bytes = self.max_episodes * (_BOOKKEEPING_BYTES + sum(f.step_nbytes for f in self.meta_fields.values()))
+        if meta_bytes > MAX_META_BYTES:
+            raise ValueError(
+                f"max_episodes {self.max_episodes} needs {meta_bytes / 2**30:,.1f} GiB of per-episode arrays "
+                f"(lengths, order, meta fields) held in RAM, over the {MAX_META_BYTES // 2**30} GiB limit "
+                "(replaybuf.schema.MAX_META_BYTES)"
+            )
         if self.max_timesteps > MAX_TIMESTEPS:
             raise ValueError(f"max_timesteps {self.max_timesteps} exceeds {MAX_TIMESTEPS} (episode lengths are int32)")
         for f in self.fields.values():
@@ -221,12 +235,11 @@ class Schema:
 
     @classmethod
     def from_json(cls, data: dict) -> Schema:
-        return cls(
-            {n: Field.from_json(n, f) for n, f in data["fields"].items()},
-            {n: Field.from_json(n, f) for n, f in data["meta_fields"].items()},
-            int(data["max_episodes"]),
-            int(data["max_timesteps"]),
-            bool(data["circular"]),
+        """A stored config, checked as ``build`` checks user arguments (types, names, sizes)."""
+        if not isinstance(data["circular"], bool):
+            raise TypeError(f"circular must be true or false, got {data['circular']!r}")
+        return cls.build(
+            data["fields"], data["meta_fields"], data["max_episodes"], data["max_timesteps"], data["circular"]
         )
 
     def differences(self, passed: Schema) -> list[str]:

@@ -4,25 +4,32 @@
 rows reach storage as chunk-aligned slabs once a write span fills and at commit. The step log
 records each step as it is staged so a killed writer loses at most the steps it had not yet
 flushed: on the next writable open the log is replayed and its episodes are committed,
-truncated where the log ends.
+truncated where the log ends. Records carry a crc32; a log damaged past its first records is
+recovered up to the damage and copied aside (``buffer._recover_step_log``).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .schema import Field
+from .values import batch_value
 
 # write staged rows once a field's span holds about this many bytes per episode (several chunks
 # per request, encoded in parallel) rather than one storage request per chunk
 WRITE_SPAN_BYTES = 1 << 20
 
-_RECORD = struct.Struct("<cI")
-HEADER, STEPS, META = b"H", b"S", b"M"
+# a record is (kind, payload size, crc32 of kind, size and payload) then the payload; logs of
+# the first release have no crc and upper-case kinds, so the first byte of a log says its format
+_RECORD = struct.Struct("<cII")
+_LEGACY_RECORD = struct.Struct("<cI")
+HEADER, STEPS, META = b"h", b"s", b"m"
+_LEGACY_KINDS = {b"H": HEADER, b"S": STEPS, b"M": META}
 
 
 def write_span(field: Field, time_chunk: int, max_timesteps: int) -> int:
@@ -96,17 +103,31 @@ class EpisodeGroup:
         return out
 
 
-class StepLog:
-    """Encodes and parses the step log: length-prefixed records ``H`` (header JSON), ``S``
-    (one step of every field for every episode of the group, raw bytes) and ``M`` (meta JSON).
-    A torn last record, as a kill mid-write leaves, is dropped when parsing."""
+@dataclass
+class ParsedLog:
+    """What a step log holds: its header, the steps and meta values of its valid prefix, and
+    what is wrong with the rest (None when nothing is: a torn last record is a kill's normal
+    residue, not damage)."""
 
-    def __init__(self, fields: dict[str, Field]):
+    header: dict | None = None
+    steps: list[dict[str, np.ndarray]] = field(default_factory=list)
+    meta: dict[str, np.ndarray] = field(default_factory=dict)
+    damage: str | None = None
+
+
+class StepLog:
+    """Encodes and parses the step log: checksummed, length-prefixed records ``h`` (header
+    JSON), ``s`` (one step of every field for every episode of the group, raw bytes) and ``m``
+    (meta JSON)."""
+
+    def __init__(self, fields: dict[str, Field], meta_fields: dict[str, Field]):
         self.fields = fields
+        self.meta_fields = meta_fields
 
     @staticmethod
     def record(kind: bytes, payload: bytes) -> bytes:
-        return _RECORD.pack(kind, len(payload)) + payload
+        prefix = _LEGACY_RECORD.pack(kind, len(payload))
+        return _RECORD.pack(kind, len(payload), zlib.crc32(payload, zlib.crc32(prefix))) + payload
 
     def header(self, slots: np.ndarray, generation_base: int, meta: dict[str, np.ndarray]) -> bytes:
         doc = {
@@ -123,25 +144,69 @@ class StepLog:
     def meta(self, meta: dict[str, np.ndarray]) -> bytes:
         return self.record(META, json.dumps({k: np.asarray(v).tolist() for k, v in meta.items()}).encode())
 
-    def parse(self, data: bytes) -> tuple[dict, list[dict[str, np.ndarray]], dict[str, list]] | None:
-        """(header, steps, meta) from a log's bytes, or None when it holds no header."""
-        header, steps, meta, pos = None, [], {}, 0
-        while pos + _RECORD.size <= len(data):
-            kind, size = _RECORD.unpack_from(data, pos)
-            payload = data[pos + _RECORD.size : pos + _RECORD.size + size]
+    def _records(self, data: bytes):
+        """(offset, kind, payload) of every complete record; raises ValueError at a damaged one."""
+        legacy = data[:1] in _LEGACY_KINDS
+        layout = _LEGACY_RECORD if legacy else _RECORD
+        pos = 0
+        while pos + layout.size <= len(data):
+            if legacy:
+                kind, size = layout.unpack_from(data, pos)
+            else:
+                kind, size, crc = layout.unpack_from(data, pos)
+            payload = data[pos + layout.size : pos + layout.size + size]
             if len(payload) < size:
-                break
-            pos += _RECORD.size + size
-            if kind == HEADER:
-                header = json.loads(payload)
-                meta.update(header["meta"])
-            elif kind == META:
-                meta.update(json.loads(payload))
-            elif kind == STEPS and header is not None:
-                steps.append(self._split_step(payload, len(header["slots"]), header["fields"]))
-        return None if header is None else (header, steps, meta)
+                return  # torn by a kill mid-append
+            if legacy:
+                kind = _LEGACY_KINDS.get(kind, b"?")
+            elif zlib.crc32(payload, zlib.crc32(data[pos : pos + _LEGACY_RECORD.size])) != crc:
+                raise ValueError(f"record at byte {pos}: checksum mismatch")
+            if kind not in (HEADER, STEPS, META):
+                raise ValueError(f"record at byte {pos}: unknown kind {kind!r}")
+            yield pos, kind, payload
+            pos += layout.size + size
 
-    def _split_step(self, payload: bytes, batch: int, names: list[str]) -> dict[str, np.ndarray]:
+    def parse(self, data: bytes) -> ParsedLog:
+        """The log's valid prefix, and a description of the first damaged record if any."""
+        log = ParsedLog()
+        try:
+            for pos, kind, payload in self._records(data):
+                try:
+                    if kind == HEADER:
+                        header = json.loads(payload)
+                        if not isinstance(header, dict) or not isinstance(header.get("slots"), list):
+                            raise ValueError("the header is not a JSON object with slots")
+                        log.header = header
+                        log.meta.update(self._meta_values(header.get("meta"), header))
+                    elif log.header is None:
+                        raise ValueError("the log does not start with a header")
+                    elif kind == META:
+                        log.meta.update(self._meta_values(json.loads(payload), log.header))
+                    else:
+                        log.steps.append(self._split_step(payload, log.header))
+                except (ValueError, TypeError, KeyError) as e:
+                    raise ValueError(f"record at byte {pos}: {e}") from None
+        except ValueError as e:
+            log.damage = str(e)
+        return log
+
+    def _meta_values(self, meta: object, header: dict) -> dict[str, np.ndarray]:
+        """Meta values of a header or meta record, checked as ``store_meta_batch`` checks them."""
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta values {meta!r} are not a JSON object")
+        return {
+            n: batch_value(v, self.meta_fields[n], len(header["slots"]))
+            for n, v in meta.items()
+            if n in self.meta_fields
+        }
+
+    def _split_step(self, payload: bytes, header: dict) -> dict[str, np.ndarray]:
+        batch, names = len(header["slots"]), header["fields"]
+        if names != list(self.fields):
+            raise ValueError(f"the log holds fields {names}, the buffer {list(self.fields)}")
+        expected = batch * sum(self.fields[n].step_nbytes for n in names)
+        if len(payload) != expected:
+            raise ValueError(f"a step of {len(payload)} bytes, expected {expected}")
         out, pos = {}, 0
         for name in names:
             f = self.fields[name]

@@ -18,7 +18,17 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from .schema import Field, Schema, parse_compressor
-from .storage.base import LOG_PREFIX, Storage, backend_class, bookkeeping_fields, make_storage
+from .storage.base import (
+    LOG_PREFIX,
+    STATE_KEY,
+    BufferDamagedError,
+    Storage,
+    backend_class,
+    bookkeeping_fields,
+    check_bookkeeping,
+    check_state,
+    make_storage,
+)
 
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
@@ -255,6 +265,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     storage, schema = _open_read_only(path, storage_options)
     described = storage.describe()
     lens = _lens(storage)
+    check_bookkeeping(lens, storage.read_meta("_generation"), schema, storage.location)
+    state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
     valid = lens > 0
     arrays = described.get("arrays", {})
     fields, stored_total, data_total = {}, 0, 0
@@ -276,7 +288,6 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
-    state = storage.load_state()
     storage.close()
     return {
         "location": storage.location,
@@ -341,7 +352,9 @@ def _ranges(steps: np.ndarray) -> str:
 def verify(path: str | os.PathLike, storage_options: dict | None = None, progress: bool | None = None) -> list[str]:
     """Problems found in the buffer at ``path`` (empty when consistent); changes nothing.
 
-    Checks that every array is present with its configured shape and dtype, lengths are within
+    Damaged metadata (unparseable config or counters, sizes or shapes the config does not
+    allow) is reported as a problem, never raised. Checks that every array is present with its
+    configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
     committed episodes hold only zeros or their field's default beyond their length, no
     step log of an unfinished episode is left, and no symbolic link is inside the folder.
@@ -384,7 +397,11 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None, progres
         storage.close()
         return problems
     lens = meta["episode_lens"].astype(np.int64)
-    problems += _check_counters(storage.load_state(), lens, meta.get("_generation"), schema)
+    try:
+        state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
+        problems += _check_counters(state, lens, meta.get("_generation"), schema)
+    except BufferDamagedError as e:
+        problems.append(str(e))
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
     problems += _check_beyond_length(storage, schema, lens, skip=bad, progress=progress)
     if storage.list_blobs(LOG_PREFIX):
@@ -466,6 +483,14 @@ def _check_beyond_length(
 # ---- command line ---------------------------------------------------------------------------------------
 
 
+def add_store_arguments(parser: argparse.ArgumentParser, prefix: str = "", what: str = "the buffer's") -> None:
+    """``replaybuf.cli.add_store_arguments`` (imported here when the parser is built: the
+    command line imports this module first)."""
+    from .cli import add_store_arguments as add
+
+    add(parser, prefix, what)
+
+
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="source buffer: folder or URL (any backend, or a memmap-replay-buffer folder)")
     parser.add_argument("dst", help="destination folder or URL")
@@ -480,15 +505,21 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compressor", default=None, help="compressor of every field (zarr), e.g. zstd:5 or none")
     parser.add_argument("--overwrite", action="store_true", help="replace a buffer already at DST")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
+    add_store_arguments(parser, what="the source's")
+    add_store_arguments(parser, "dst-", what="the destination's")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from .cli import store_options
+
     summary = convert(
         args.src,
         args.dst,
         backend=args.backend,
         chunks=args.chunks,
         compressor=args.compressor,
+        storage_options=store_options(args),
+        dst_storage_options=store_options(args, "dst-"),
         progress=False if args.quiet else None,
         overwrite=args.overwrite,
     )
@@ -502,10 +533,13 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _add_info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="buffer folder or URL")
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    add_store_arguments(parser)
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    facts = info(args.path)
+    from .cli import store_options
+
+    facts = info(args.path, store_options(args))
     print(json.dumps(facts, indent=1) if args.json else format_info(facts))
     return 0
 
@@ -513,10 +547,13 @@ def _run_info(args: argparse.Namespace) -> int:
 def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="buffer folder or URL")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
+    add_store_arguments(parser)
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    problems = verify(args.path, progress=False if args.quiet else None)
+    from .cli import store_options
+
+    problems = verify(args.path, store_options(args), progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:

@@ -228,3 +228,45 @@ def test_clear_leaves_nothing_past_the_next_end(tmp_path):
     buffer.clear()
     write_episode(buffer, 3, "whole")
     _assert_zero_after_lengths(buffer)
+
+
+def _kill_during_reuse(location, kwargs, uid, at):
+    """Child: store episode ``uid`` whole into a reused slot, SIGKILLed before the ``at``-th
+    write (write_meta or write_rows) of that commit: writes 1 and 2 invalidate the slot (length,
+    then generation), 3 on write its data."""
+    buffer = ReplayBuffer(location, **kwargs, overwrite=False)
+    storage, writes = buffer.storage, []
+
+    def dying(method):
+        def write(*args):
+            writes.append(args[0])
+            if len(writes) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return method(*args)
+
+        return write
+
+    storage.write_meta, storage.write_rows = dying(storage.write_meta), dying(storage.write_rows)
+    write_episode(buffer, uid, "whole")
+
+
+@pytest.mark.parametrize("at", [2, 3, 5])
+def test_kill_while_reusing_a_slot_leaves_counters_that_match_the_episodes(tmp_path, at):
+    """A kill inside store_episode into a reused slot: the reopened buffer counts the episodes it
+    holds (num_episodes was left at max_episodes with one slot emptied) and verifies clean."""
+    from replaybuf.tools import verify
+
+    location = str(tmp_path / "buffer")
+    kwargs = buffer_kwargs(5, circular=True)
+    with ReplayBuffer(location, **kwargs) as buffer:
+        for uid in range(5):
+            write_episode(buffer, uid, "whole")
+    _run_child(_kill_during_reuse, location, kwargs, 5, at)
+    with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
+        assert buffer.num_episodes == len(buffer) == 4
+        assert buffer.episode_index == 0  # the emptied slot is the next one written
+        assert sorted(stored_episodes(buffer)) == [1, 2, 3, 4]
+    assert verify(location) == []
+    with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
+        write_episode(buffer, 6, "whole")
+        assert buffer.num_episodes == len(buffer) == 5

@@ -2,6 +2,7 @@
 
 from ._owned import ForeignEntriesError
 from .base import (
+    BufferDamagedError,
     BufferNotFoundError,
     Storage,
     StorageError,
@@ -13,6 +14,7 @@ from .base import (
 )
 
 __all__ = [
+    "BufferDamagedError",
     "BufferNotFoundError",
     "ForeignEntriesError",
     "Storage",

@@ -34,7 +34,17 @@ from ._kv import KVBlobs, LocalKV
 from ._local import local_root, refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
 from ._zarr import default_time_chunk
-from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .base import (
+    BufferDamagedError,
+    BufferNotFoundError,
+    Storage,
+    bookkeeping_fields,
+    check_layout,
+    empty_state,
+    expected_layouts,
+    parse_json,
+    schema_from_config,
+)
 
 DATA_FILE = "data.h5"
 CONFIG_ATTRIBUTE = "replaybuf"
@@ -240,8 +250,12 @@ class HDF5Storage(KVBlobs, Storage):
             return None
         if raw is None:
             return None
-        config = json.loads(raw)
+        config = parse_json(raw.encode() if isinstance(raw, str) else bytes(raw), self._config_where)
         return config if config.get("format") == FORMAT_NAME else None
+
+    @property
+    def _config_where(self) -> str:
+        return f"attribute {CONFIG_ATTRIBUTE!r} of {self.path}"
 
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
@@ -297,6 +311,8 @@ class HDF5Storage(KVBlobs, Storage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no {DATA_FILE} with replaybuf config)"
             )
+        if not isinstance(config.get("version", 0), int):
+            raise BufferDamagedError(f"{self._config_where}: format version is {config['version']!r}, expected an int")
         if config.get("version", 0) > FORMAT_VERSION:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {config['version']}; "
@@ -306,7 +322,7 @@ class HDF5Storage(KVBlobs, Storage):
         self.read_only = read_only
         if not read_only:
             self.kv.prepare_writes()
-        schema = Schema.from_json(config)
+        schema = schema_from_config(config, self._config_where)
         self._load_arrays(schema)
         return schema
 
@@ -315,10 +331,13 @@ class HDF5Storage(KVBlobs, Storage):
             (n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}
         ]
         self._arrays = {}
+        layouts = expected_layouts(schema)
         for name, meta in names:
             path = f"{'meta' if meta else 'data'}/{name}"
             if path not in self.h5file:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the dataset {path!r}")
+            dataset = self.h5file[path]
+            check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, layouts[name, meta])
             self._arrays[name, meta] = H5Array(self, path)
 
     # ---- primitives -------------------------------------------------------------------------------

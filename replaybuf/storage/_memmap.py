@@ -34,7 +34,18 @@ from . import _seed
 from ._kv import KVBlobs, LocalKV, thread_pool
 from ._local import local_root, refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
-from .base import BufferNotFoundError, Storage, StorageError, bookkeeping_fields, empty_state
+from .base import (
+    BufferDamagedError,
+    BufferNotFoundError,
+    Storage,
+    StorageError,
+    bookkeeping_fields,
+    check_layout,
+    empty_state,
+    expected_layouts,
+    parse_json,
+    schema_from_config,
+)
 
 CONFIG_FILE = "replaybuf.json"
 SEED_ORIGIN = "memmap-replay-buffer"
@@ -49,6 +60,29 @@ def _owns(name: str) -> bool:
 
 def array_filename(name: str, meta: bool) -> str:
     return f"{name}.data.meta.npy" if meta else f"{name}.data.npy"
+
+
+def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype from a ``.npy`` header, after checking the file holds every byte they
+    imply: mapping a short file for writing would zero-extend it silently."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(f)
+            offset = f.tell()
+    except (ValueError, OSError, SyntaxError) as e:
+        raise BufferDamagedError(f"{path}: not a readable .npy file ({e})") from None
+    if fortran or dtype.hasobject:
+        raise BufferDamagedError(f"{path}: holds a Fortran-ordered or object array, replaybuf writes neither")
+    size, needed = os.path.getsize(path), offset + int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    if size < needed:
+        raise BufferDamagedError(
+            f"{path}: {size} bytes, its header ({dtype}{list(shape)}) needs {needed}: the file was truncated"
+        )
+    return shape, dtype
 
 
 class MemmapArray:
@@ -131,9 +165,10 @@ class MemmapStorage(KVBlobs, Storage):
     # ---- discovery ----------------------------------------------------------------------------
 
     def _config(self) -> dict | None:
+        path = os.path.join(self.root, CONFIG_FILE)
         try:
-            with open(os.path.join(self.root, CONFIG_FILE), "rb") as f:
-                config = json.loads(f.read())
+            with open(path, "rb") as f:
+                config = parse_json(f.read(), path)
         except FileNotFoundError:
             return None
         return config if config.get("format") == FORMAT_NAME and config.get("backend") == self.backend_name else None
@@ -203,12 +238,15 @@ class MemmapStorage(KVBlobs, Storage):
         config = self._config()
         self._seed_view = None
         if config is not None:
+            where = os.path.join(self.root, CONFIG_FILE)
+            if not isinstance(config.get("version", 0), int):
+                raise BufferDamagedError(f"{where}: format version is {config['version']!r}, expected an int")
             if config.get("version", 0) > FORMAT_VERSION:
                 raise ValueError(
                     f"buffer at {self.location!r} has format version {config['version']}; "
                     f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
                 )
-            schema = Schema.from_json(config)
+            schema = schema_from_config(config, where)
             self._seed_origin = config.get("origin") == SEED_ORIGIN
         elif _seed.is_seed_folder(self.root):
             schema = _seed.read_seed_schema(self.root)
@@ -240,29 +278,14 @@ class MemmapStorage(KVBlobs, Storage):
 
     def _open_arrays(self, schema: Schema, skip_generation: bool) -> None:
         self._arrays = {}
-        expected = {
-            (n, False): ((schema.max_episodes, schema.max_timesteps, *f.shape), f.dtype)
-            for n, f in schema.fields.items()
-        }
-        expected.update(
-            {
-                (n, True): ((schema.max_episodes, *f.shape), f.dtype)
-                for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items()
-            }
-        )
-        for (name, meta), (shape, dtype) in expected.items():
+        for (name, meta), expected in expected_layouts(schema).items():
             if skip_generation and name == "_generation":
                 continue
             path = os.path.join(self.root, array_filename(name, meta))
             if not os.path.isfile(path):
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing {os.path.basename(path)!r}")
-            array = MemmapArray(self, path)
-            if array.shape != shape or array.dtype != dtype:
-                raise ValueError(
-                    f"{path!r} holds {array.dtype}{list(array.shape)}, the config expects "
-                    f"{np.dtype(dtype)}{list(shape)}"
-                )
-            self._arrays[name, meta] = array
+            check_layout(path, *_npy_layout(path), expected)
+            self._arrays[name, meta] = MemmapArray(self, path)
 
     def _adopt_seed_folder(self, schema: Schema) -> None:
         """Take over a seed folder for writing (see the module docstring); safe to redo if killed."""

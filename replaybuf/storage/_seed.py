@@ -5,7 +5,9 @@ A seed folder holds ``metadata.pkl`` (the config, pickled), ``<field>.data.npy``
 counters ``num_episodes.state.npy``, ``episode_index.state.npy``, ``timestep_index.state.npy``
 (int32 scalars). The pickle is read by a restricted unpickler that refuses every global, so a
 crafted ``metadata.pkl`` cannot run code; the loaded object must consist of plain
-dict/list/tuple/str/int/float/bool/None.
+dict/list/tuple/str/int/float/bool/None, and the work is bounded (MAX_PICKLE_BYTES, opcodes and
+objects counted as a tree walk would meet them up to MAX_PICKLE_OBJECTS, MAX_PICKLE_DEPTH, no
+cycles): a small pickle of shared references is refused at once instead of expanding.
 
 The seed publishes an episode in progress through ``episode_lens[episode_index]`` (its
 ``timestep_index``); replaybuf shows it as the newest, committed episode of that length, which
@@ -17,11 +19,13 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..schema import Schema
+from .base import BufferDamagedError
 
 METADATA_FILE = "metadata.pkl"
 STATE_NAMES = ("num_episodes", "episode_index", "timestep_index")
@@ -46,30 +50,104 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise UnsafePickleError("refusing persistent ids in metadata.pkl")
 
 
-def _check_plain(value: object, where: str) -> None:
-    if not isinstance(value, _PLAIN_TYPES):
-        raise UnsafePickleError(
-            f"metadata.pkl: {where} is a {type(value).__name__}; only "
-            "dict/list/tuple/str/int/float/bool/None are accepted"
-        )
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_plain(key, f"{where} key")
-            _check_plain(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]")
+# a seed config is a few hundred bytes of field specs; these bound the work a crafted
+# metadata.pkl can cause: memoized references make a DAG whose tree walk is exponential in the
+# pickle's size (476 bytes can stand for 2**60 objects), so the walk below visits each object
+# once and counts what a tree walk would visit
+MAX_PICKLE_BYTES = 1 << 20
+MAX_PICKLE_OBJECTS = 100_000
+MAX_PICKLE_DEPTH = 64
+# opcodes that build plain data; everything else (globals, reduce, build, persistent ids,
+# extension codes, out-of-band buffers) is refused before anything is unpickled
+_PLAIN_OPCODES = frozenset(
+    "PROTO FRAME STOP MARK POP POP_MARK DUP NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 "
+    "LONG4 FLOAT BINFLOAT STRING BINSTRING SHORT_BINSTRING UNICODE SHORT_BINUNICODE BINUNICODE "
+    "BINUNICODE8 BINBYTES SHORT_BINBYTES BINBYTES8 EMPTY_LIST APPEND APPENDS LIST EMPTY_TUPLE TUPLE "
+    "TUPLE1 TUPLE2 TUPLE3 EMPTY_DICT DICT SETITEM SETITEMS GET BINGET LONG_BINGET PUT BINPUT "
+    "LONG_BINPUT MEMOIZE".split()
+)
+
+
+def _check_opcodes(data: bytes, source: str) -> None:
+    """Refuse, without building anything, a pickle with other than plain-data opcodes or with
+    more opcodes than MAX_PICKLE_OBJECTS."""
+    strings: list[str] = []  # the last strings pushed: STACK_GLOBAL's module and name
+    try:
+        for count, (opcode, arg, _) in enumerate(pickletools.genops(data)):
+            if isinstance(arg, str):
+                strings = [*strings[-1:], arg]
+            if opcode.name in ("GLOBAL", "STACK_GLOBAL"):
+                target = arg.replace(" ", ".") if opcode.name == "GLOBAL" else ".".join(strings)
+                raise UnsafePickleError(
+                    f"refusing to load {target}: metadata.pkl may only hold plain data "
+                    "(dict/list/tuple/str/int/float/bool/None)"
+                )
+            if opcode.name not in _PLAIN_OPCODES:
+                raise UnsafePickleError(
+                    f"refusing opcode {opcode.name} ({opcode.doc.strip().splitlines()[0]}): metadata.pkl "
+                    "may only hold plain data "
+                    "(dict/list/tuple/str/int/float/bool/None)"
+                )
+            if count >= MAX_PICKLE_OBJECTS:
+                raise UnsafePickleError(f"more than {MAX_PICKLE_OBJECTS} pickle opcodes; not a seed config")
+    except UnsafePickleError as e:
+        raise UnsafePickleError(f"{source}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{source} is not a readable memmap-replay-buffer config: {e}") from None
+
+
+def _check_plain(value: object, source: str) -> None:
+    """Check types, depth, cycles and the expanded size of an unpickled value, visiting each
+    object once (shared references are counted as often as a tree walk would meet them)."""
+    sizes: dict[int, int] = {}  # id -> objects in the subtree, once done
+    on_path: set[int] = set()
+
+    def size(item: object, where: str, depth: int) -> int:
+        if not isinstance(item, _PLAIN_TYPES):
+            raise UnsafePickleError(
+                f"{source}: {where} is a {type(item).__name__}; only "
+                "dict/list/tuple/str/int/float/bool/None are accepted"
+            )
+        if not isinstance(item, (dict, list, tuple)):
+            return 1
+        key = id(item)
+        if key in sizes:
+            return sizes[key]
+        if key in on_path:
+            raise UnsafePickleError(f"{source}: {where} contains itself; a seed config holds no cycles")
+        if depth >= MAX_PICKLE_DEPTH:
+            raise UnsafePickleError(f"{source}: nested deeper than {MAX_PICKLE_DEPTH} levels; not a seed config")
+        on_path.add(key)
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        total = 1
+        for k, child in children:
+            total += size(k, f"{where} key", depth + 1) if isinstance(item, dict) else 0
+            total += size(child, f"{where}[{k!r}]", depth + 1)
+            if total > MAX_PICKLE_OBJECTS:
+                raise UnsafePickleError(
+                    f"{source}: expands to more than {MAX_PICKLE_OBJECTS} objects (shared references); "
+                    "not a seed config"
+                )
+        on_path.discard(key)
+        sizes[key] = total
+        return total
+
+    size(value, "the config", 0)
 
 
 def load_plain_pickle(data: bytes, source: str) -> dict:
-    """Unpickle ``data`` allowing only plain Python data; a dict is expected."""
+    """Unpickle ``data`` allowing only plain Python data, bounded in size, objects and depth;
+    a dict is expected."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise UnsafePickleError(f"{source}: {len(data)} bytes, over the {MAX_PICKLE_BYTES} of any seed config")
+    _check_opcodes(data, source)
     try:
         value = _PlainDataUnpickler(io.BytesIO(data)).load()
     except UnsafePickleError as e:
         raise UnsafePickleError(f"{source}: {e}") from None
     except Exception as e:
         raise ValueError(f"{source} is not a readable memmap-replay-buffer config: {e}") from e
-    _check_plain(value, "the config")
+    _check_plain(value, source)
     if not isinstance(value, dict):
         raise ValueError(f"{source}: expected a dict config, got {type(value).__name__}")
     return value
@@ -90,7 +168,7 @@ def read_seed_schema(folder: str) -> Schema:
     """The seed config of ``folder`` as a replaybuf Schema."""
     path = os.path.join(folder, METADATA_FILE)
     with open(path, "rb") as f:
-        config = load_plain_pickle(f.read(), path)
+        config = load_plain_pickle(f.read(MAX_PICKLE_BYTES + 1), path)
     missing = [k for k in ("max_episodes", "max_timesteps", "fields") if k not in config]
     if missing:
         raise ValueError(f"{path}: config lacks {missing}; not a memmap-replay-buffer folder")
@@ -110,7 +188,16 @@ class SeedState:
 
     @classmethod
     def read(cls, folder: str) -> SeedState:
-        values = [int(np.load(state_path(folder, n), mmap_mode="r")[()]) for n in STATE_NAMES]
+        values = []
+        for name in STATE_NAMES:
+            path = state_path(folder, name)
+            try:
+                value = np.load(path, mmap_mode="r")
+                if value.shape != () or value.dtype.kind not in "iu" or int(value) < 0:
+                    raise ValueError(f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int >= 0")
+            except (ValueError, OSError, EOFError) as e:
+                raise BufferDamagedError(f"{path}: not a memmap-replay-buffer counter ({e})") from None
+            values.append(int(value))
         return cls(*values)
 
     def episode_lens(self, stored_lens: np.ndarray) -> np.ndarray:

@@ -23,7 +23,17 @@ from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
 from ._shards import ShardedArray
-from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .base import (
+    BufferDamagedError,
+    BufferNotFoundError,
+    Storage,
+    bookkeeping_fields,
+    check_layout,
+    empty_state,
+    expected_layouts,
+    parse_json,
+    schema_from_config,
+)
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
@@ -129,8 +139,8 @@ class ZarrStorage(KVBlobs, Storage):
         raw = self.kv.get(ROOT_DOCUMENT)
         if raw is None:
             return None
-        attributes = json.loads(raw).get("attributes", {})
-        return attributes if attributes.get("format") == FORMAT_NAME else None
+        attributes = parse_json(raw, self.describe_key("zarr.json")).get("attributes", {})
+        return attributes if isinstance(attributes, dict) and attributes.get("format") == FORMAT_NAME else None
 
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
@@ -203,6 +213,10 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
+        if not isinstance(attributes.get("version", 0), int):
+            raise BufferDamagedError(
+                f"{self.describe_key('zarr.json')}: format version is {attributes['version']!r}, expected an int"
+            )
         if attributes.get("version", 0) > FORMAT_VERSION:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {attributes['version']}; "
@@ -215,7 +229,7 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv.prepare_writes()
         if not read_only and self.kv.get(STATE_NODE_KEY) is None:
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
-        schema = Schema.from_json(attributes)
+        schema = schema_from_config(attributes, self.describe_key("zarr.json"))
         self._load_arrays(schema)
         return schema
 
@@ -226,10 +240,18 @@ class ZarrStorage(KVBlobs, Storage):
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in names]
         documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
         self._arrays = {}
+        layouts = expected_layouts(schema)
         for (name, meta), path, doc in zip(names, paths, documents):
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
-            self._arrays[name, meta] = self._chunked_array(path, json.loads(doc), 1 if meta else 2)
+            where = self.describe_key(f"{path}/zarr.json")
+            try:
+                array = self._chunked_array(path, parse_json(doc, where), 1 if meta else 2)
+            except (KeyError, IndexError, TypeError) as e:
+                raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
+            check_layout(where, array.shape, array.dtype, layouts[name, meta])
+            _check_chunks(where, array)
+            self._arrays[name, meta] = array
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
         codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
@@ -342,6 +364,17 @@ class ZarrStorage(KVBlobs, Storage):
         from zarr.core.sync import sync
 
         return int(sync(self.kv.store.getsize_prefix(prefix)))
+
+
+def _check_chunks(where: str, array: ChunkedArray) -> None:
+    """Refuse chunk (and shard) shapes no replaybuf writer makes: a chunk is decoded whole, so
+    a damaged chunk shape would otherwise size an allocation."""
+    shapes = [array.chunks] + ([(1, array.shard_time, *array.shape[2:])] if isinstance(array, ShardedArray) else [])
+    for chunks in shapes:
+        if len(chunks) != len(array.shape) or any(
+            not isinstance(c, int) or not 1 <= c <= 2 * max(n, 1) for c, n in zip(chunks, array.shape)
+        ):
+            raise BufferDamagedError(f"{where}: chunk shape {list(chunks)} does not fit the array {list(array.shape)}")
 
 
 def _open_zarr_store(location: str, storage_options: dict, read_only: bool):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
 import types
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
@@ -24,6 +25,11 @@ LOG_PREFIX = "replaybuf/steplog/"
 
 class BufferNotFoundError(FileNotFoundError):
     """No replaybuf buffer exists at the given location."""
+
+
+class BufferDamagedError(ValueError):
+    """A stored file or object of the buffer cannot be parsed or contradicts the config; the
+    message names the file, what it holds and what was expected."""
 
 
 class StorageError(RuntimeError):
@@ -58,6 +64,104 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
 def empty_state() -> dict:
     """Counters of an empty buffer."""
     return {"num_episodes": 0, "episode_index": 0, "total_episodes": 0}
+
+
+COUNTERS = tuple(empty_state())
+
+
+def parse_json(raw: bytes, where: str) -> dict:
+    """The JSON object in ``raw``, or BufferDamagedError naming ``where`` (a file or key)."""
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BufferDamagedError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise BufferDamagedError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def schema_from_config(config: dict, where: str) -> Schema:
+    """The Schema stored in ``config``, checked as a new one would be (sizes included)."""
+    try:
+        return Schema.from_json(config)
+    except (KeyError, TypeError, ValueError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise BufferDamagedError(f"{where}: invalid buffer config: {detail}") from None
+
+
+def expected_layouts(schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
+    """(name, meta) -> (shape, dtype) of every array a buffer with ``schema`` stores."""
+    out = {
+        (n, False): ((schema.max_episodes, schema.max_timesteps, *f.shape), f.dtype) for n, f in schema.fields.items()
+    }
+    for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
+        out[n, True] = ((schema.max_episodes, *f.shape), f.dtype)
+    return out
+
+
+def check_layout(where: str, shape: tuple[int, ...], dtype: np.dtype, expected: tuple[tuple[int, ...], np.dtype]):
+    """Refuse a stored array whose shape or dtype is not the one the config implies."""
+    if tuple(shape) != tuple(expected[0]) or np.dtype(dtype) != np.dtype(expected[1]):
+        raise BufferDamagedError(
+            f"{where} holds {np.dtype(dtype)}{list(shape)}, the config expects "
+            f"{np.dtype(expected[1])}{list(expected[0])}"
+        )
+
+
+def check_state(state: dict, schema: Schema, where: str) -> dict:
+    """The counters ``state`` with every value checked against the config.
+
+    A commit replaces the counters object atomically, so values of the wrong type or outside
+    their range are damage, not a crash's residue: refused, naming the file.
+    """
+    for key in COUNTERS:
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BufferDamagedError(f"{where}: {key} is {value!r}, expected an int >= 0")
+    if state["num_episodes"] > schema.max_episodes:
+        raise BufferDamagedError(
+            f"{where}: num_episodes is {state['num_episodes']}, over max_episodes {schema.max_episodes}"
+        )
+    if state["episode_index"] >= schema.max_episodes:
+        raise BufferDamagedError(
+            f"{where}: episode_index is {state['episode_index']}, expected < max_episodes {schema.max_episodes}"
+        )
+    writing = state.get("writing", [])
+    if not isinstance(writing, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and 0 <= s < schema.max_episodes for s in writing
+    ):
+        raise BufferDamagedError(
+            f"{where}: writing is {writing!r}, expected a list of slots in [0, {schema.max_episodes})"
+        )
+    return state
+
+
+def unpublished_slots(lens: np.ndarray, generations: np.ndarray) -> np.ndarray:
+    """Slots with a length but no generation: a reader caught between a commit's two writes,
+    or a lost ``_generation`` chunk (a missing chunk reads as 0)."""
+    return np.flatnonzero((lens > 0) & (generations == 0))
+
+
+def check_bookkeeping(lens: np.ndarray, generations: np.ndarray, schema: Schema, where: str) -> None:
+    """Refuse per-episode lengths and generations no commit can have written."""
+    bad = np.flatnonzero((lens < 0) | (lens > schema.max_timesteps))
+    if len(bad):
+        raise BufferDamagedError(
+            f"meta/episode_lens of {where}: slots {bad[:10].tolist()} hold lengths {lens[bad[:10]].tolist()}, "
+            f"outside [0, max_timesteps={schema.max_timesteps}]"
+        )
+    bad = np.flatnonzero(generations < 0)
+    if len(bad):
+        raise BufferDamagedError(
+            f"meta/_generation of {where}: slots {bad[:10].tolist()} hold negative generations "
+            f"{generations[bad[:10]].tolist()}"
+        )
+    bad = unpublished_slots(lens, generations)
+    if len(bad):
+        raise BufferDamagedError(
+            f"meta/_generation of {where}: committed slots {bad[:10].tolist()} have generation 0 "
+            "(a lost or zeroed _generation chunk); their order cannot be recovered"
+        )
 
 
 class Storage(ABC):
@@ -131,7 +235,7 @@ class Storage(ABC):
     def load_state(self) -> dict:
         """The last committed counters (num_episodes, episode_index, total_episodes)."""
         raw = self.read_blob(STATE_KEY)
-        return empty_state() if raw is None else {**empty_state(), **json.loads(raw)}
+        return empty_state() if raw is None else {**empty_state(), **parse_json(raw, self.describe_key(STATE_KEY))}
 
     def commit_state(self, state: dict) -> None:
         """Publish the counters as one atomic object: the last step of every commit."""
@@ -158,6 +262,15 @@ class Storage(ABC):
     def clear_log(self, name: str) -> None:
         self._check_writable()
         self.delete_blobs(f"{LOG_PREFIX}{name}")
+
+    def copy_log_aside(self, name: str) -> str:
+        """Copy the step log ``name`` to ``replaybuf/steplog-damaged-<UTC time>-<pid>/<name>``,
+        out of recovery's way, and return that key: a damaged log is kept for inspection."""
+        self._check_writable()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/{name}"
+        self.write_blob(key, self.read_log(name))
+        return key
 
     # ---- batched reads and writes ----------------------------------------------------------
 
@@ -239,6 +352,10 @@ class Storage(ABC):
         """Symbolic links inside the buffer's folder, which a writable open refuses (``verify``
         reports them); none for stores without links."""
         return []
+
+    def describe_key(self, key: str) -> str:
+        """``key`` and the buffer it belongs to, for error messages."""
+        return f"{key} in {self.location}"
 
     def _check_writable(self) -> None:
         if self.read_only:
