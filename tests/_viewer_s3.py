@@ -25,7 +25,8 @@ def moto_s3(bucket: str = "demos") -> Iterator[dict]:
     options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
     import s3fs
 
-    s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir(bucket)
+    # moto keeps its buckets per process, not per server: a module after another finds it there
+    s3fs.S3FileSystem(**options, skip_instance_cache=True).makedirs(bucket, exist_ok=True)
     try:
         yield options
     finally:

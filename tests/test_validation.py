@@ -447,9 +447,9 @@ def test_verify_info_and_convert_take_store_options(tmp_path, capsys, s3_options
     s3fs = pytest.importorskip("s3fs")
     filled(tmp_path / "local")
     s3fs.S3FileSystem(**s3_options, skip_instance_cache=True).put(
-        str(tmp_path / "local"), "demos/run-1", recursive=True
+        str(tmp_path / "local"), "demos/validation-run-1", recursive=True
     )
-    url = "s3://demos/run-1"
+    url = "s3://demos/validation-run-1"
     credentials = json.dumps({k: v for k, v in s3_options.items() if k != "endpoint_url"})
     endpoint = ["--endpoint-url", s3_options["endpoint_url"]]
     assert cli(capsys, "verify", url, "--storage-options", credentials, *endpoint) == (0, f"{url}: consistent\n")
@@ -460,10 +460,10 @@ def test_verify_info_and_convert_take_store_options(tmp_path, capsys, s3_options
     )
     assert status == 0 and "copied 3 episodes" in out
     status, out = cli(
-        capsys, "convert", str(tmp_path / "copy"), "s3://demos/run-2", "--quiet",
+        capsys, "convert", str(tmp_path / "copy"), "s3://demos/validation-run-2", "--quiet",
         "--dst-storage-options", credentials, "--dst-endpoint-url", s3_options["endpoint_url"],
     )  # fmt: skip
-    assert status == 0 and info("s3://demos/run-2", s3_options)["timesteps"] == sum(LENGTHS)
+    assert status == 0 and info("s3://demos/validation-run-2", s3_options)["timesteps"] == sum(LENGTHS)
     # --anon sends unsigned requests, which this moto bucket refuses: a message, not a traceback
     with pytest.raises(SystemExit) as exit_:
         main(["info", url, "--anon", *endpoint])
