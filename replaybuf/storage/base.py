@@ -75,6 +75,7 @@ class Storage(ABC):
     """
 
     backend_name: ClassVar[str] = ""
+    supports_writes: ClassVar[bool] = True
     supports_remote: ClassVar[bool] = False
     supports_field_codecs: ClassVar[bool] = False
 
