@@ -180,11 +180,11 @@ class StorageTests:
         repeated and unsorted episodes, partial and empty spans."""
         rng = np.random.default_rng(seed)
         n, t = self.max_episodes, self.max_timesteps
-        episodes = rng.integers(0, n, 9)
-        episodes[1] = episodes[0]  # a repeat
-        timesteps = rng.integers(0, t, 9)
-        starts = rng.integers(0, t, 9)
-        lengths = rng.integers(0, t + 1, 9) * (rng.random(9) < 0.8)  # some zero lengths
+        episodes = np.r_[rng.permutation(n), rng.integers(0, n, 3)]  # every slot, some repeated
+        count = len(episodes)
+        timesteps = rng.integers(0, t, count)
+        starts = rng.integers(0, t, count)
+        lengths = rng.integers(0, t + 1, count) * (rng.random(count) < 0.8)  # some zero lengths
         lengths = np.minimum(lengths, t - starts)
         for name, expected in rows.items():
             np.testing.assert_array_equal(storage.gather(name, episodes, timesteps), expected[episodes, timesteps])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -76,17 +77,23 @@ class TestHDF5(StorageTests):
 
 
 class TestConcat(StorageTests):
-    """Two members on different backends, the second shorter in time (read as zeros past its end)."""
+    """Members on three backends, one shorter in time (read as zeros past its end), one that
+    keeps data in RAM for reading (hdf5, compressed): its caches must drop with the concat's."""
 
-    members = (("zarr", 2, StorageTests.max_timesteps), ("memmap", 4, StorageTests.max_timesteps - 3))
+    members = (
+        ("zarr", 2, StorageTests.max_timesteps, {}),
+        ("memmap", 2, StorageTests.max_timesteps - 3, {}),
+        ("hdf5", 2, StorageTests.max_timesteps, {"compression": "gzip", "compression_opts": 1}),
+    )
 
     @pytest.fixture
     def storage_factory(self, tmp_path) -> StorageFactory:
         self.root = tmp_path
 
         def factory(name: str = "buffer") -> ConcatStorage:
-            for storage in self.open_members(name):  # empty members where none exist yet
-                storage.close()
+            if not all(os.path.isdir(path) for path in self.member_paths(name)):
+                for storage in self.open_members(name):  # empty members where none exist yet
+                    storage.close()
             buffers = [ReplayBuffer.from_folder(path, read_only=True) for path in self.member_paths(name)]
             return ConcatStorage(buffers, self.schema())
 
@@ -98,8 +105,8 @@ class TestConcat(StorageTests):
     def open_members(self, name: str) -> list[Storage]:
         """The members' storages opened for writing, created where absent."""
         schema, out = self.schema(), []
-        for path, (backend, count, timesteps) in zip(self.member_paths(name), self.members):
-            storage = make_storage(path, backend=backend)
+        for path, (backend, count, timesteps, options) in zip(self.member_paths(name), self.members):
+            storage = make_storage(path, backend=backend, storage_options=options)
             if storage.exists():
                 storage.open(read_only=False)
             else:
@@ -111,7 +118,7 @@ class TestConcat(StorageTests):
         # docstring inherited: each member writes its own episodes, cut to its time axis
         stored = {n: r.copy() for n, r in rows.items()}
         first = 0
-        for storage, (_, count, timesteps) in zip(self.open_members("buffer"), self.members):
+        for storage, (_, count, timesteps, _) in zip(self.open_members("buffer"), self.members):
             mine = np.flatnonzero((episodes >= first) & (episodes < first + count))
             for name, values in rows.items():
                 storage.write_rows(name, episodes[mine] - first, 0, values[mine, :timesteps])
@@ -127,3 +134,12 @@ class TestConcat(StorageTests):
         before = [snapshot(path) for path in self.member_paths("buffer")]
         yield
         assert [snapshot(path) for path in self.member_paths("buffer")] == before
+
+
+class TestHDF5Gzip(StorageTests):
+    """Compressed datasets: chunked, read through h5py rather than a memmap of the file."""
+
+    @pytest.fixture
+    def storage_factory(self, tmp_path) -> StorageFactory:
+        options = {"compression": "gzip", "compression_opts": 1}
+        return lambda name="buffer": make_storage(tmp_path / name, backend="hdf5", storage_options=options)
