@@ -224,13 +224,15 @@ class StorageTests:
 
     def test_create_overwrite_erases(self, writable: Storage, storage_factory: StorageFactory) -> None:
         writable.write_blob("replaybuf/extra/a", b"x")
-        writable.write_rows("reward", np.array([0]), 0, np.ones((1, self.max_timesteps), np.float32))
+        for name, values in self.random_rows(1, seed=5).items():
+            writable.write_rows(name, np.array([0]), 0, values)
         writable.commit_state({**empty_state(), "num_episodes": 1})
         again = storage_factory()
         again.create(self.schema(), overwrite=True)
         assert again.read_blob("replaybuf/extra/a") is None
         assert again.load_state() == empty_state()
-        assert not again.read_rows("reward", np.array([0]), 0, self.max_timesteps).any()
+        for name in self.schema().fields:
+            assert not again.read_rows(name, np.array([0]), 0, self.max_timesteps).any(), name
         again.close()
 
     def test_time_chunk_and_describe(self, filled: tuple) -> None:
@@ -330,7 +332,7 @@ class StorageTests:
         for name in names:
             assert not writable.read_meta(name).any(), f"meta {name!r} is not zero in a new buffer"
         values = self.random_meta(3, seed=4)
-        episodes = np.array([4, 0, 2])
+        episodes = np.array([self.max_episodes - 1, 0, self.max_episodes // 2])
         for name in names:
             writable.write_meta(name, episodes, values[name])
             expected = np.zeros((self.max_episodes, *values[name].shape[1:]), values[name].dtype)
@@ -407,10 +409,13 @@ class StorageTests:
 
     def test_writer_pickles(self, writable: Storage) -> None:
         writable.append_log("a", b"x")
-        writable.write_rows("reward", np.array([1]), 0, np.ones((1, self.max_timesteps), np.float32))
+        rows = self.random_rows(1, seed=6)
+        for name, values in rows.items():
+            writable.write_rows(name, np.array([1]), 0, values)
         clone = pickle.loads(pickle.dumps(writable))
         assert not clone.read_only and clone.read_log("a") == b"x"
-        assert clone.read_rows("reward", np.array([1]), 0, 2).tolist() == [[1.0, 1.0]]
+        for name, values in rows.items():
+            np.testing.assert_array_equal(clone.read_rows(name, np.array([1]), 0, 2), values[:, :2], err_msg=name)
 
     def test_drop_caches_sees_another_writer(self, filled: tuple, storage_factory: StorageFactory) -> None:
         reader, rows, meta = filled
