@@ -188,7 +188,7 @@ class StorageTests:
         lengths = np.minimum(lengths, t - starts)
         for name, expected in rows.items():
             np.testing.assert_array_equal(storage.gather(name, episodes, timesteps), expected[episodes, timesteps])
-            for t0, t1 in ((0, t), (3, 7), (5, 5)):
+            for t0, t1 in ((0, t), (t // 3, 2 * t // 3 + 1), (t // 2, t // 2)):
                 np.testing.assert_array_equal(storage.read_rows(name, episodes, t0, t1), expected[episodes, t0:t1])
             for parallel in (True, False):
                 sentinel = np.array(7, expected.dtype)
@@ -318,7 +318,8 @@ class StorageTests:
         mirror = {
             n: np.zeros((self.max_episodes, self.max_timesteps, *f.shape), f.dtype) for n, f in schema.fields.items()
         }
-        for step, (t0, t1) in enumerate(((0, 10), (3, 7), (1, 2), (5, 10), (0, 4))):
+        t = self.max_timesteps
+        for step, (t0, t1) in enumerate(((0, t), (t // 3, 2 * t // 3 + 1), (1, 2), (t // 2, t), (0, t // 2 - 1))):
             episodes = rng.permutation(self.max_episodes)[: 1 + step % 3]
             values = self.random_rows(len(episodes), seed=10 + step)
             for name, full in values.items():
