@@ -65,6 +65,7 @@ class ConcatStorage(Storage):
     """Read-only storage routing reads by global episode index to the member storages."""
 
     backend_name = "concat"
+    supports_writes = False
 
     def __init__(self, buffers: Sequence[ReplayBuffer], schema: Schema):
         super().__init__(" + ".join(b.storage.location for b in buffers))
@@ -191,10 +192,19 @@ class ConcatStorage(Storage):
         # docstring inherited
         raise NotImplementedError(_read_only_message("write_meta"))
 
+    def drop_caches(self) -> None:
+        # docstring inherited
+        for member in self.members:
+            member.drop_caches()
+
     def close(self) -> None:
         # docstring inherited
         for member in self.members:
             member.close()
+
+    def _check_writable(self) -> None:
+        # the writes Storage implements on top of write_blob (counters, step log) refuse as the others do
+        raise NotImplementedError(_read_only_message("writing"))
 
 
 def _read_only_message(call: str) -> str:

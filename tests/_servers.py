@@ -218,11 +218,14 @@ class GCSTestServer:
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
+        # http.server's listen backlog of 5 drops the connections of a burst of concurrent
+        # requests, which the client retries after 1 s: a backlog of 128 answers them at once
         self._process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "gcp_storage_emulator",
+                "-c",
+                "import socketserver, sys; socketserver.TCPServer.request_queue_size = 128; "
+                "from gcp_storage_emulator.__main__ import main; main(sys.argv[1:])",
                 "start",
                 "--host=127.0.0.1",
                 f"--port={self.port}",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ._backends import BACKENDS
+from ._backends import BACKENDS, make_place
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -25,9 +25,7 @@ def make_location(backend, tmp_path):
     """A factory of fresh buffer locations plus the backend= argument for the backend under test."""
 
     def make(name: str = "buffer") -> tuple[str, dict]:
-        if backend == "memory":
-            return f"memory://replaybuf-tests/{name}-{os.getpid()}-{next(_counter)}", {}
-        kwargs = {} if backend == "zarr" else {"backend": backend}
-        return str(tmp_path / f"{name}-{next(_counter)}"), kwargs
+        place = make_place(backend, tmp_path, f"{name}-{next(_counter)}")
+        return place.location, {} if place.backend == "zarr" else place.kwargs  # zarr: the default
 
     return make

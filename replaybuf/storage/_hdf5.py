@@ -455,6 +455,11 @@ class HDF5Storage(KVBlobs, Storage):
             with open(self.path, "rb") as f:
                 os.fsync(f.fileno())
 
+    def drop_caches(self) -> None:
+        # docstring inherited: a reader reopens the file and rereads the fields it keeps in RAM
+        if self.read_only:
+            self.close()
+
     def close(self) -> None:
         # docstring inherited
         if self._file is not None and self._pid == os.getpid() and self._file.id.valid:

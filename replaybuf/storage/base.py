@@ -3,6 +3,38 @@
 A Storage is where one buffer's bytes live. ``buffer.py`` only talks to this protocol and never
 branches on the backend: a backend implements the eight primitives marked abstract below, and
 everything else (counters, the step log, batched reads and writes) is built on them here.
+
+The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
+
+- **Lifecycle.** Constructing a Storage does no I/O that writes. ``exists``, then ``create``
+  (opens for writing) or ``open(read_only)``; until then ``read_only`` is True. One writer per
+  location at a time; any number of readers, in any processes, beside it.
+- **Keys.** Side objects (``read_blob`` ...) have ``/``-separated keys relative to the location,
+  the buffer's own under ``replaybuf/``. A backend never reads, lists or deletes outside its
+  location (``s3://b/buf`` leaves ``s3://b/buf2`` alone). Prefixes passed to ``list_blobs`` and
+  ``delete_blobs`` are empty or end in ``/``: file systems and object stores match other
+  prefixes differently.
+- **Atomicity.** ``write_blob`` replaces an object whole: a reader sees the old or the new
+  bytes, never a mix, and never a partial object after a crash. ``commit_state`` is one such
+  write and the last step of every commit: a reader that loads the counters it published also
+  sees every ``write_rows``/``write_meta`` the writer made before it (durably so with
+  ``fsync``).
+- **Rows in place.** ``write_rows`` may overwrite in place, not atomically: the buffer calls it
+  only for slots no reader trusts (``episode_lens`` 0, or invalidated first). A reader reading
+  such a slot meanwhile may see a mix of old and new steps, so readers check ``episode_lens`` and
+  ``_generation`` after reading. ``write_meta`` writes each element in place; ``episode_lens``
+  and ``_generation`` of a slot are its publication.
+- **Reads.** ``read_rows``, ``gather``, ``read_spans``, ``array(...)[...]`` and ``read_meta``
+  return the stored values (never-written steps read as 0; a reader may serve them from its
+  caches until its next ``drop_caches``), for unsorted and repeated episodes, empty spans
+  included. They agree with each other.
+- **Read-only.** On a Storage opened read-only every write (the write methods above and
+  ``array(...)[...] = ...``) raises PermissionError before anything is written, and reads write
+  nothing (no lock files, no metadata updates). A Storage that cannot write at all
+  (``supports_writes`` False) raises NotImplementedError instead.
+- **Processes.** A Storage pickles as its location and settings, without open files, sessions
+  or event loops; the copy reopens what it needs lazily in the process that unpickles it.
+  ``drop_caches`` makes the next reads see what other writers committed before the call.
 """
 
 from __future__ import annotations
@@ -166,7 +198,15 @@ def check_bookkeeping(lens: np.ndarray, generations: np.ndarray, schema: Schema,
 
 class Storage(ABC):
     """One buffer's bytes: arrays ``data/<field>`` (episode, time, *shape), ``meta/<field>``
-    (episode, *shape), the counters object and the step log.
+    (episode, *shape), the counters object and the step log; see the module docstring for
+    what every method guarantees.
+
+    A backend must implement the eight abstract primitives (``exists``, ``create``, ``open``,
+    ``array``, ``read_blob``, ``write_blob``, ``delete_blobs``, ``list_blobs``) and may override
+    any other method for speed (the built-in backends override ``time_chunk``, ``write_rows``,
+    ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``read_meta``, ``drop_caches``,
+    ``close`` and ``describe``; ``KVBlobs`` gives ``append_log`` real appends). Callers branch
+    on the capability flags below, never on ``isinstance`` or ``backend_name``.
 
     Parameters
     ----------
@@ -178,8 +218,14 @@ class Storage(ABC):
         Make every committed write durable against power loss, not only process crashes.
     """
 
+    #: the name the backend is registered under (``replaybuf info`` and ``repr`` show it)
     backend_name: ClassVar[str] = ""
+    #: False for storages that only read (the concatenation of several buffers): every write
+    #: raises NotImplementedError, and ``create``/``open(read_only=False)`` are refused
+    supports_writes: ClassVar[bool] = True
+    #: takes URLs of object stores (``s3://``, ``gs://``, ``memory://``), not only local paths
     supports_remote: ClassVar[bool] = False
+    #: honours a field's ``compressor`` spec (``convert(compressor=...)`` refuses it otherwise)
     supports_field_codecs: ClassVar[bool] = False
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
@@ -197,22 +243,30 @@ class Storage(ABC):
 
     @abstractmethod
     def exists(self) -> bool:
-        """Whether a buffer of this backend exists at the location."""
+        """Whether a buffer of this backend exists at the location (reads only)."""
 
     @abstractmethod
     def create(self, schema: Schema, overwrite: bool) -> None:
         """Create an empty buffer (erasing an existing one when ``overwrite``) and open it for writing.
 
-        Only what a buffer of this backend owns may be erased: a location holding anything else
-        raises ``ForeignEntriesError`` before anything is deleted or written."""
+        Every data and meta array reads as zeros (fill 0), ``episode_lens`` and ``_generation``
+        included, and ``load_state()`` returns ``empty_state()``. Only what a buffer of this
+        backend owns may be erased: a location holding anything else raises
+        ``ForeignEntriesError`` before anything is deleted or written.
+        """
 
     @abstractmethod
     def open(self, read_only: bool) -> Schema:
-        """Open an existing buffer and return its stored schema; raise BufferNotFoundError if none."""
+        """Open an existing buffer and return its stored schema; raise BufferNotFoundError if none.
+
+        ``read_only=True`` writes nothing, then or later (see the module docstring)."""
 
     @abstractmethod
     def array(self, name: str, meta: bool = False) -> ArrayLike:
-        """The stored array of a field (``meta`` for per-episode fields and bookkeeping)."""
+        """The stored array of a field (``meta`` for per-episode fields and bookkeeping):
+        numpy-style indexing over the stored values. It pickles without its data.
+        Assigning to it writes in place (refused when read-only); prefer ``write_rows`` and
+        ``write_meta``, which the backends batch."""
 
     @abstractmethod
     def read_blob(self, key: str) -> bytes | None:
@@ -220,25 +274,30 @@ class Storage(ABC):
 
     @abstractmethod
     def write_blob(self, key: str, data: bytes) -> None:
-        """Write a small side object atomically (temp file + rename on disk, one PUT remotely)."""
+        """Write a small side object atomically (temp file + rename on disk, one PUT remotely):
+        readers see the old or the new bytes, never a mix."""
 
     @abstractmethod
     def delete_blobs(self, prefix: str) -> None:
-        """Delete every side object whose key starts with ``prefix``."""
+        """Delete every side object whose key starts with ``prefix`` (empty or ending in ``/``),
+        and nothing outside this buffer's location."""
 
     @abstractmethod
     def list_blobs(self, prefix: str) -> list[str]:
-        """Sorted keys of the side objects starting with ``prefix``."""
+        """Sorted keys of the side objects starting with ``prefix`` (empty or ending in ``/``);
+        keys of a temp file a write has not yet renamed into place are never listed."""
 
     # ---- counters ---------------------------------------------------------------------
 
     def load_state(self) -> dict:
-        """The last committed counters (num_episodes, episode_index, total_episodes)."""
+        """The last committed counters (num_episodes, episode_index, total_episodes, and any
+        other keys the writer committed), read from the store now."""
         raw = self.read_blob(STATE_KEY)
         return empty_state() if raw is None else {**empty_state(), **parse_json(raw, self.describe_key(STATE_KEY))}
 
     def commit_state(self, state: dict) -> None:
-        """Publish the counters as one atomic object: the last step of every commit."""
+        """Publish the counters as one atomic object: the last step of every commit. Rows and
+        meta written before the call are visible to a reader that loads these counters."""
         self._check_writable()
         self.write_blob(STATE_KEY, json.dumps(state, sort_keys=True).encode())
 
@@ -260,6 +319,7 @@ class Storage(ABC):
         return sorted({k[len(LOG_PREFIX) :].split("/")[0] for k in self.list_blobs(LOG_PREFIX)})
 
     def clear_log(self, name: str) -> None:
+        """Delete the step log ``name`` (after its episodes were committed or abandoned)."""
         self._check_writable()
         self.delete_blobs(f"{LOG_PREFIX}{name}")
 
@@ -275,13 +335,15 @@ class Storage(ABC):
     # ---- batched reads and writes ----------------------------------------------------------
 
     def time_chunk(self, name: str) -> int:
-        """Timesteps per storage chunk of data field ``name``: staging writes whole chunks."""
+        """Timesteps per storage chunk of data field ``name`` (1 <= it <= max_timesteps):
+        staging writes whole chunks, the cheapest writes; any other span is allowed."""
         return 1
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), T, *shape) into ``data/name[episodes, t0:t0+T]``.
 
-        The buffer calls this only for slots no reader trusts (new or invalidated), so a backend
+        Any ``t0`` and span (steps outside it keep their values), episodes in any order. The
+        buffer calls this only for slots no reader trusts (new or invalidated), so a backend
         may write in place instead of atomically."""
         self._check_writable()
         array = self.array(name)
@@ -289,14 +351,16 @@ class Storage(ABC):
             array[int(episode), t0 : t0 + values.shape[1]] = values[row]
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
-        """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``."""
+        """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``, episodes in any
+        order; each element in place (``episode_lens`` and ``_generation`` publish a slot)."""
         self._check_writable()
         episodes = np.asarray(episodes)
         order = np.argsort(episodes)
         self.array(name, meta=True)[episodes[order]] = np.asarray(values)[order]
 
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        """``data/name[episodes, t0:t1]`` as one array (len(episodes), t1 - t0, *shape)."""
+        """``data/name[episodes, t0:t1]`` as one array (len(episodes), t1 - t0, *shape); episodes
+        unsorted or repeated, ``t0 == t1`` allowed."""
         array = self.array(name)
         return np.stack([np.asarray(array[int(e), t0:t1]) for e in np.asarray(episodes)])
 
@@ -318,7 +382,8 @@ class Storage(ABC):
         read_spans_by_rows(self, name, episodes, starts, lengths, out)
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
-        """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape)."""
+        """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape): the
+        per-step read of sampling; pairs unsorted or repeated."""
         episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)
         array = self.array(name)
         out = np.empty((len(episodes), *array.shape[2:]), dtype=array.dtype)
@@ -329,7 +394,8 @@ class Storage(ABC):
         return out
 
     def read_meta(self, name: str) -> np.ndarray:
-        """The whole per-episode array ``meta/name`` in RAM."""
+        """The whole per-episode array ``meta/name`` in RAM, as a copy.
+        ``episode_lens`` is int32, ``_generation`` int64 (see ``bookkeeping_fields``)."""
         return np.asarray(self.array(name, meta=True)[:])
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -342,7 +408,8 @@ class Storage(ABC):
         reads see what writers elsewhere changed (a no-op where reads are never cached)."""
 
     def close(self) -> None:
-        """Release handles; the object can still be reopened."""
+        """Release handles (flushing a writer's data first); the object stays usable and
+        reopens what it needs on the next call."""
 
     def describe(self) -> dict:
         """Backend facts for ``replaybuf info``: chunking, compressor, stored vs raw bytes."""

@@ -1,0 +1,437 @@
+"""``StorageTests``: the conformance suite every Storage backend passes.
+
+Shipped with the package, as zarr-python ships ``zarr.testing.store.StoreTests``, so that a
+backend registered with ``register_backend`` is held to the same contract (``storage/base.py``)
+as the built-in ones. A backend's test module subclasses the suite and provides one fixture::
+
+    import pytest
+    from replaybuf.storage import make_storage
+    from replaybuf.testing import StorageTests
+
+    class TestMyStorage(StorageTests):
+        @pytest.fixture
+        def storage_factory(self, tmp_path):
+            return lambda name="buffer": make_storage(str(tmp_path / name), backend="mine")
+
+``storage_factory(name)`` returns a new, unopened Storage on the location called ``name``: the
+same location for the same name (the tests open several objects on one buffer, as separate
+processes would) and a sibling location for another name. A storage whose buffer cannot be
+created through it (``supports_writes = False``) also overrides ``write``; one whose location
+is neither a local path nor ``memory://`` overrides ``no_writes``.
+
+This module imports pytest; ``import replaybuf`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from .schema import Schema
+from .storage.base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+
+__all__ = ["StorageFactory", "StorageTests", "snapshot"]
+
+StorageFactory = Callable[..., Storage]
+PICKLE_BYTES = 32 << 10
+
+
+def snapshot(location: str) -> dict[str, tuple]:
+    """Everything stored at a local folder (path -> size, mtime, content hash) or a
+    ``memory://`` location (key -> content hash): equal snapshots mean nothing was written."""
+    if location.startswith("memory://"):
+        import fsspec
+
+        store = fsspec.filesystem("memory").store
+        prefix = "/" + location[len("memory://") :].strip("/") + "/"
+        return {k: (hashlib.sha1(bytes(v.getbuffer())).hexdigest(),) for k, v in store.items() if k.startswith(prefix)}
+    location = location.removeprefix("file://")
+    out = {}
+    for folder, dirs, files in os.walk(location):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            stat = os.stat(path)
+            digest = ""
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    digest = hashlib.sha1(f.read()).hexdigest()
+            out[os.path.relpath(path, location)] = (stat.st_size, stat.st_mtime_ns, digest)
+    return out
+
+
+class StorageTests:
+    """The Storage contract as tests; subclass it and define the ``storage_factory`` fixture.
+
+    Tests that create a buffer or write through the storage skip when the storage class says
+    ``supports_writes = False``; the read tests then run on what ``write`` put in place.
+    """
+
+    fields: dict = {
+        # image-like steps: zarr stores one shard per episode with one chunk per frame
+        "frame": ("uint8", (16, 16, 16)),
+        # time chunks shorter than an episode: partial writes rewrite part of a chunk
+        "state": {"dtype": "float32", "shape": [3], "chunks": 4},
+        "action": ("int", 2),
+        "reward": "float",
+    }
+    meta_fields: dict = {"task": "int", "score": ("float64", 2)}
+    max_episodes = 6
+    max_timesteps = 10
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    @pytest.fixture
+    def storage_factory(self) -> StorageFactory:
+        """``factory(name="buffer") -> Storage``: a new, unopened Storage on location ``name``."""
+        raise NotImplementedError("a StorageTests subclass defines the storage_factory fixture")
+
+    def schema(self) -> Schema:
+        return Schema.build(self.fields, self.meta_fields, self.max_episodes, self.max_timesteps)
+
+    def write(
+        self,
+        factory: StorageFactory,
+        episodes: np.ndarray,
+        rows: dict[str, np.ndarray],
+        meta: dict[str, np.ndarray],
+    ) -> dict[str, np.ndarray]:
+        """Write whole rows (len(episodes), max_timesteps, *shape) and meta values of
+        ``episodes`` as another writer would: through a new Storage on the location, created
+        when absent, then closed. Returns the rows as a reader should now see them."""
+        storage = factory()
+        if storage.exists():
+            storage.open(read_only=False)
+        else:
+            storage.create(self.schema(), overwrite=False)
+        for name, values in rows.items():
+            storage.write_rows(name, episodes, 0, values)
+        for name, values in meta.items():
+            storage.write_meta(name, episodes, values)
+        storage.commit_state({**storage.load_state(), "total_episodes": int(meta["_generation"].max())})
+        storage.close()
+        return rows
+
+    @contextlib.contextmanager
+    def no_writes(self, storage: Storage) -> Iterator[None]:
+        """Fail unless nothing at ``storage``'s location changed inside the block."""
+        location = storage.location
+        if "://" in location and not location.startswith(("memory://", "file://")):
+            raise NotImplementedError(f"{type(self).__name__} must override no_writes for {location!r}")
+        before = snapshot(location)
+        yield
+        assert snapshot(location) == before, f"a read-only storage wrote at {location!r}"
+
+    # ---- data -------------------------------------------------------------------------------
+
+    def random_rows(self, episodes: int, seed: int) -> dict[str, np.ndarray]:
+        """Random rows (episodes, max_timesteps, *shape) of every data field."""
+        rng = np.random.default_rng(seed)
+        out = {}
+        for name, field in self.schema().fields.items():
+            shape = (episodes, self.max_timesteps, *field.shape)
+            if field.dtype.kind == "f":
+                out[name] = rng.standard_normal(shape).astype(field.dtype)
+            else:
+                out[name] = rng.integers(1, 100, shape).astype(field.dtype)
+        return out
+
+    def random_meta(self, episodes: int, seed: int, first_generation: int = 1) -> dict[str, np.ndarray]:
+        """Random values of every meta field, lengths in [1, max_timesteps] and generations
+        counting from ``first_generation``."""
+        rng = np.random.default_rng(seed)
+        schema = self.schema()
+        out = {
+            name: rng.integers(1, 100, (episodes, *field.shape)).astype(field.dtype)
+            for name, field in schema.meta_fields.items()
+        }
+        out["episode_lens"] = rng.integers(1, self.max_timesteps + 1, episodes).astype(np.int32)
+        out["_generation"] = np.arange(first_generation, first_generation + episodes, dtype=np.int64)
+        return out
+
+    @pytest.fixture
+    def writable(self, storage_factory: StorageFactory) -> Iterator[Storage]:
+        """A new buffer, created through the storage (skipped for storages that cannot write)."""
+        storage = storage_factory()
+        if not storage.supports_writes:
+            pytest.skip(f"{type(storage).__name__} does not support writes")
+        storage.create(self.schema(), overwrite=False)
+        yield storage
+        storage.close()
+
+    @pytest.fixture
+    def filled(self, storage_factory: StorageFactory) -> Iterator[tuple[Storage, dict, dict]]:
+        """(a Storage opened read-only, its rows, its meta): every slot holds random data."""
+        episodes = np.arange(self.max_episodes)
+        meta = self.random_meta(self.max_episodes, seed=1)
+        rows = self.write(storage_factory, episodes, self.random_rows(self.max_episodes, seed=0), meta)
+        reader = storage_factory()
+        reader.open(read_only=True)
+        yield reader, rows, meta
+        reader.close()
+
+    def assert_reads(self, storage: Storage, rows: dict[str, np.ndarray], seed: int = 0) -> None:
+        """``read_rows``, ``gather``, ``read_spans`` and ``array`` all agree with ``rows``:
+        repeated and unsorted episodes, partial and empty spans."""
+        rng = np.random.default_rng(seed)
+        n, t = self.max_episodes, self.max_timesteps
+        episodes = np.r_[rng.permutation(n), rng.integers(0, n, 3)]  # every slot, some repeated
+        count = len(episodes)
+        timesteps = rng.integers(0, t, count)
+        starts = rng.integers(0, t, count)
+        lengths = rng.integers(0, t + 1, count) * (rng.random(count) < 0.8)  # some zero lengths
+        lengths = np.minimum(lengths, t - starts)
+        for name, expected in rows.items():
+            np.testing.assert_array_equal(storage.gather(name, episodes, timesteps), expected[episodes, timesteps])
+            for t0, t1 in ((0, t), (t // 3, 2 * t // 3 + 1), (t // 2, t // 2)):
+                np.testing.assert_array_equal(storage.read_rows(name, episodes, t0, t1), expected[episodes, t0:t1])
+            for parallel in (True, False):
+                sentinel = np.array(7, expected.dtype)
+                out = np.full((len(episodes), t, *expected.shape[2:]), sentinel)
+                storage.read_spans(name, episodes, starts, lengths, out, parallel=parallel)
+                for i, (e, s, k) in enumerate(zip(episodes, starts, lengths)):
+                    np.testing.assert_array_equal(out[i, :k], expected[e, s : s + k], err_msg=f"{name} span {i}")
+                    assert (out[i, k:] == sentinel).all(), f"read_spans wrote {name} past the span of row {i}"
+            array = storage.array(name)
+            assert tuple(array.shape) == expected.shape and np.dtype(array.dtype) == expected.dtype
+            np.testing.assert_array_equal(array[int(episodes[0]), 2:6], expected[episodes[0], 2:6])
+
+    # ---- create / open ----------------------------------------------------------------------
+
+    def test_create_open_exists(self, storage_factory: StorageFactory) -> None:
+        storage = storage_factory()
+        if not storage.supports_writes:
+            pytest.skip(f"{type(storage).__name__} does not support writes")
+        assert not storage.exists()
+        with pytest.raises(BufferNotFoundError):
+            storage_factory().open(read_only=True)
+        schema = self.schema()
+        storage.create(schema, overwrite=False)
+        assert storage.exists() and not storage.read_only
+        assert storage.load_state() == empty_state()
+        other = storage_factory()
+        assert other.exists()
+        assert other.open(read_only=True).to_json() == schema.to_json()
+        assert other.read_only
+        assert not storage_factory("other").exists()
+        storage.close()
+        other.close()
+
+    def test_create_overwrite_erases(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        writable.write_blob("replaybuf/extra/a", b"x")
+        for name, values in self.random_rows(1, seed=5).items():
+            writable.write_rows(name, np.array([0]), 0, values)
+        writable.commit_state({**empty_state(), "num_episodes": 1})
+        again = storage_factory()
+        again.create(self.schema(), overwrite=True)
+        assert again.read_blob("replaybuf/extra/a") is None
+        assert again.load_state() == empty_state()
+        for name in self.schema().fields:
+            assert not again.read_rows(name, np.array([0]), 0, self.max_timesteps).any(), name
+        again.close()
+
+    def test_time_chunk_and_describe(self, filled: tuple) -> None:
+        storage = filled[0]
+        for name in self.schema().fields:
+            chunk = storage.time_chunk(name)
+            assert isinstance(chunk, int) and 1 <= chunk <= self.max_timesteps, (name, chunk)
+        facts = storage.describe()
+        assert facts["backend"] == storage.backend_name and facts["location"] == storage.location
+
+    # ---- side objects ------------------------------------------------------------------------
+
+    def test_blobs_replace_whole(self, writable: Storage) -> None:
+        key = "replaybuf/extra/blob"
+        assert writable.read_blob(key) is None
+        writable.write_blob(key, b"first version, long")
+        assert writable.read_blob(key) == b"first version, long"
+        writable.write_blob(key, b"second")
+        assert writable.read_blob(key) == b"second"
+        writable.write_blob(key, b"")
+        assert writable.read_blob(key) == b""
+
+    def test_list_blobs_sorted_by_prefix(self, writable: Storage) -> None:
+        keys = ["replaybuf/t/b", "replaybuf/t/a", "replaybuf/t/c/d", "replaybuf/u/a", "replaybuf/tail"]
+        for key in keys:
+            writable.write_blob(key, key.encode())
+        assert writable.list_blobs("replaybuf/t/") == ["replaybuf/t/a", "replaybuf/t/b", "replaybuf/t/c/d"]
+        assert writable.list_blobs("replaybuf/t/c/") == ["replaybuf/t/c/d"]
+        assert writable.list_blobs("replaybuf/none/") == []
+        listed = writable.list_blobs("replaybuf/")
+        assert listed == sorted(listed) and set(keys) <= set(listed)
+
+    def test_delete_blobs_limited_to_prefix(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        sibling = storage_factory("buffer2")  # a string-prefix neighbour of "buffer"
+        sibling.create(self.schema(), overwrite=False)
+        for storage in (writable, sibling):
+            for key in ("replaybuf/t/a", "replaybuf/t/b/c", "replaybuf/tail", "replaybuf/u/a"):
+                storage.write_blob(key, b"x")
+        writable.delete_blobs("replaybuf/t/")
+        assert writable.list_blobs("replaybuf/t/") == []
+        assert writable.read_blob("replaybuf/tail") == b"x" and writable.read_blob("replaybuf/u/a") == b"x"
+        writable.delete_blobs("replaybuf/")
+        assert writable.list_blobs("replaybuf/") == []
+        assert writable.exists(), "deleting side objects removed the buffer itself"
+        assert sibling.list_blobs("replaybuf/t/") == ["replaybuf/t/a", "replaybuf/t/b/c"]
+        assert sibling.read_blob("replaybuf/tail") == b"x"
+        sibling.close()
+
+    def test_counters(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        state = {"num_episodes": 2, "episode_index": 2, "total_episodes": 5, "cleared": True}
+        writable.commit_state(state)
+        assert writable.load_state() == state
+        reader = storage_factory()
+        reader.open(read_only=True)
+        assert reader.load_state() == state
+        writable.commit_state({**state, "total_episodes": 6})
+        assert reader.load_state()["total_episodes"] == 6
+        reader.close()
+
+    def test_step_log(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        assert writable.log_names() == [] and writable.read_log("a") == b""
+        writable.append_log("a", b"x")
+        writable.append_log("a", b"yz")
+        writable.append_log("ab", b"1")  # a name sharing a prefix with "a"
+        assert writable.read_log("a") == b"xyz" and writable.read_log("ab") == b"1"
+        assert writable.log_names() == ["a", "ab"]
+        recovering = storage_factory()  # the next writer, after this one was killed
+        recovering.open(read_only=False)
+        assert recovering.read_log("a") == b"xyz"
+        recovering.clear_log("a")
+        assert recovering.read_log("a") == b"" and recovering.log_names() == ["ab"]
+        assert recovering.read_log("ab") == b"1"
+        recovering.append_log("a", b"new")
+        assert recovering.read_log("a") == b"new"
+        recovering.close()
+
+    # ---- rows and meta -----------------------------------------------------------------------
+
+    def test_write_rows_read_back(self, writable: Storage) -> None:
+        """Partial, unaligned and overlapping writes in unsorted episode order land exactly."""
+        rng = np.random.default_rng(3)
+        schema = self.schema()
+        mirror = {
+            n: np.zeros((self.max_episodes, self.max_timesteps, *f.shape), f.dtype) for n, f in schema.fields.items()
+        }
+        t = self.max_timesteps
+        for step, (t0, t1) in enumerate(((0, t), (t // 3, 2 * t // 3 + 1), (1, 2), (t // 2, t), (0, t // 2 - 1))):
+            episodes = rng.permutation(self.max_episodes)[: 1 + step % 3]
+            values = self.random_rows(len(episodes), seed=10 + step)
+            for name, full in values.items():
+                writable.write_rows(name, episodes, t0, full[:, t0:t1])
+                mirror[name][episodes, t0:t1] = full[:, t0:t1]
+        self.assert_reads(writable, mirror)
+
+    def test_write_meta_read_back(self, writable: Storage) -> None:
+        schema = self.schema()
+        names = [*schema.meta_fields, *bookkeeping_fields(schema)]
+        for name in names:
+            assert not writable.read_meta(name).any(), f"meta {name!r} is not zero in a new buffer"
+        values = self.random_meta(3, seed=4)
+        episodes = np.array([self.max_episodes - 1, 0, self.max_episodes // 2])
+        for name in names:
+            writable.write_meta(name, episodes, values[name])
+            expected = np.zeros((self.max_episodes, *values[name].shape[1:]), values[name].dtype)
+            expected[episodes] = values[name]
+            stored = writable.read_meta(name)
+            assert stored.dtype == expected.dtype, name
+            np.testing.assert_array_equal(stored, expected, err_msg=name)
+
+    def test_reads_agree(self, filled: tuple) -> None:
+        reader, rows, meta = filled
+        self.assert_reads(reader, rows, seed=1)
+        for name, values in meta.items():
+            np.testing.assert_array_equal(reader.read_meta(name), values, err_msg=name)
+
+    def test_generations(self, filled: tuple) -> None:
+        reader, _, meta = filled
+        for name, field in bookkeeping_fields(self.schema()).items():
+            stored = reader.read_meta(name)
+            assert stored.dtype == field.dtype and stored.shape == (self.max_episodes,), name
+        assert reader.read_meta("_generation").dtype == np.int64
+        np.testing.assert_array_equal(reader.read_meta("_generation"), meta["_generation"])
+
+    def test_new_buffer_generations_are_zero(self, writable: Storage) -> None:
+        generations = writable.read_meta("_generation")
+        assert generations.dtype == np.int64 and not generations.any()
+
+    # ---- read-only ----------------------------------------------------------------------------
+
+    def test_read_only_refuses_and_writes_nothing(self, filled: tuple, storage_factory: StorageFactory) -> None:
+        reader, rows, meta = filled
+        refusal = PermissionError if reader.supports_writes else NotImplementedError
+        one, name = np.array([0]), next(iter(rows))
+        row = rows[name][:1]
+        with self.no_writes(reader):
+            again = storage_factory()
+            again.open(read_only=True)
+            self.assert_reads(again, rows, seed=2)
+            again.load_state()
+            again.list_blobs("replaybuf/")
+            again.log_names()
+            again.read_log("a")
+            again.drop_caches()
+            again.flush()
+            again.close()
+            attempts = {
+                "write_blob": lambda: reader.write_blob("replaybuf/extra/x", b"x"),
+                "delete_blobs": lambda: reader.delete_blobs("replaybuf/"),
+                "commit_state": lambda: reader.commit_state(empty_state()),
+                "append_log": lambda: reader.append_log("a", b"x"),
+                "clear_log": lambda: reader.clear_log("a"),
+                "write_rows": lambda: reader.write_rows(name, one, 0, row),
+                "write_meta": lambda: reader.write_meta("task", one, meta["task"][:1]),
+                "array(...)[...] =": lambda: reader.array(name).__setitem__((0, 0), 1),
+            }
+            for call, attempt in attempts.items():
+                with pytest.raises(refusal):
+                    attempt()
+                    pytest.fail(f"{call} on a read-only storage did not raise {refusal.__name__}")
+            reader.flush()
+        self.assert_reads(reader, rows, seed=3)
+
+    # ---- processes and caches ---------------------------------------------------------------
+
+    def test_pickles_without_open_handles(self, filled: tuple) -> None:
+        reader, rows, _ = filled
+        self.assert_reads(reader, rows, seed=4)  # open whatever a reader opens
+        payload = pickle.dumps(reader)
+        # a location, a schema and codec settings: a few KB, far below the ~250 KB of rows
+        assert len(payload) < PICKLE_BYTES, f"a pickled {type(reader).__name__} carries data ({len(payload)} bytes)"
+        clone = pickle.loads(payload)
+        assert clone.read_only
+        self.assert_reads(clone, rows, seed=5)
+        clone.close()
+
+    def test_writer_pickles(self, writable: Storage) -> None:
+        writable.append_log("a", b"x")
+        rows = self.random_rows(1, seed=6)
+        for name, values in rows.items():
+            writable.write_rows(name, np.array([1]), 0, values)
+        clone = pickle.loads(pickle.dumps(writable))
+        assert not clone.read_only and clone.read_log("a") == b"x"
+        for name, values in rows.items():
+            np.testing.assert_array_equal(clone.read_rows(name, np.array([1]), 0, 2), values[:, :2], err_msg=name)
+
+    def test_drop_caches_sees_another_writer(self, filled: tuple, storage_factory: StorageFactory) -> None:
+        reader, rows, meta = filled
+        self.assert_reads(reader, rows, seed=6)  # fill whatever the reader caches
+        for name in meta:
+            reader.read_meta(name)
+        episodes = np.array([self.max_episodes - 2, 1])
+        new_meta = self.random_meta(2, seed=8, first_generation=self.max_episodes + 1)
+        written = self.write(storage_factory, episodes, self.random_rows(2, seed=7), new_meta)
+        reader.drop_caches()
+        expected = {n: r.copy() for n, r in rows.items()}
+        for name, values in written.items():
+            expected[name][episodes] = values
+        self.assert_reads(reader, expected, seed=6)
+        for name, values in new_meta.items():
+            np.testing.assert_array_equal(reader.read_meta(name)[episodes], values, err_msg=name)
+        if reader.supports_writes:
+            assert reader.load_state()["total_episodes"] == self.max_episodes + 2
