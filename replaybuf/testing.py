@@ -223,13 +223,13 @@ class StorageTests:
         other.close()
 
     def test_create_overwrite_erases(self, writable: Storage, storage_factory: StorageFactory) -> None:
-        writable.write_blob("replaybuf/extra/a", b"x")
+        writable.append_log("episode", b"x")
         for name, values in self.random_rows(1, seed=5).items():
             writable.write_rows(name, np.array([0]), 0, values)
         writable.commit_state({**empty_state(), "num_episodes": 1})
         again = storage_factory()
         again.create(self.schema(), overwrite=True)
-        assert again.read_blob("replaybuf/extra/a") is None
+        assert again.log_names() == []
         assert again.load_state() == empty_state()
         for name in self.schema().fields:
             assert not again.read_rows(name, np.array([0]), 0, self.max_timesteps).any(), name
