@@ -13,6 +13,7 @@ from .h5py_buffer import ReplayBufferH5PY
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
 from .storage.base import BufferNotFoundError, Storage, StorageError, make_storage
+from .storage.lease import BufferLockedError
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
 
@@ -48,6 +49,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "BufferNotFoundError",
+    "BufferLockedError",
     "make_storage",
     "frames_to_sheet",
     "trajectory_to_video",

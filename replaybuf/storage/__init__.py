@@ -10,8 +10,10 @@ from .base import (
     register_backend,
     registry,
 )
+from .lease import BufferLockedError
 
 __all__ = [
+    "BufferLockedError",
     "BufferNotFoundError",
     "Storage",
     "StorageError",

@@ -225,7 +225,7 @@ class HDF5Storage(KVBlobs, Storage):
         return h5py.File(self.path, mode, locking=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
+        return {**super().__getstate__(), "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
 
     # ---- discovery -----------------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ class HDF5Storage(KVBlobs, Storage):
         self.read_only = False
         self.close()
         if overwrite:
-            self.kv.delete_prefix("replaybuf/")
+            self._erase_blobs()
             if os.path.exists(self.path):
                 os.unlink(self.path)  # a new inode: handles still open on the old file stay valid
         os.makedirs(self.root, exist_ok=True)

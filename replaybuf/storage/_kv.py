@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .base import LOG_PREFIX, StorageError
+from .lease import LEASE_KEY
 
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -483,6 +484,39 @@ class StoreKV(KeyValue):
 
         self._run(all_keys())
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist yet, in one conditional PUT
+        (``If-None-Match: *``); False when it exists. The writer lease is built on this.
+
+        zarr's ``set_if_not_exists`` hides whether it wrote, and on fsspec stores checks then
+        writes (two requests: a race), so the clients are called directly."""
+        from zarr.storage import FsspecStore, ObjectStore, WrapperStore
+
+        store = self.store
+        while isinstance(store, WrapperStore):
+            store = store._store
+
+        async def put() -> bool:
+            if isinstance(store, ObjectStore):
+                import obstore
+
+                try:
+                    await obstore.put_async(store.store, key, data, mode="create")
+                except obstore.exceptions.AlreadyExistsError:
+                    return False
+                except obstore.exceptions.BaseError as e:
+                    raise StorageError(f"conditional PUT {key!r} on {self.name!r} failed: {e}") from e
+                return True
+            if isinstance(store, FsspecStore):
+                try:
+                    await store.fs._pipe_file(f"{store.path.rstrip('/')}/{key}", data, mode="create")
+                except FileExistsError:
+                    return False
+                return True
+            raise StorageError(f"store {self.name!r} ({type(store).__name__}) offers no conditional write")
+
+        return self._run(put())
+
     def list_prefix(self, prefix: str) -> list[str]:
         store = self.store
 
@@ -515,6 +549,11 @@ class KVBlobs:
     def list_blobs(self, prefix: str) -> list[str]:
         # docstring inherited
         return self.kv.list_prefix(prefix)
+
+    def _erase_blobs(self, prefix: str = "replaybuf/") -> None:
+        """Delete the objects under ``prefix`` (the counters and step logs by default) except
+        the writer lease, which the open that erases holds."""
+        self.kv.delete_many([key for key in self.kv.list_prefix(prefix) if key != LEASE_KEY])
 
     def append_log(self, name: str, data: bytes) -> None:
         # docstring inherited

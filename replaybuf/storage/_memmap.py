@@ -181,7 +181,7 @@ class MemmapStorage(KVBlobs, Storage):
         """Delete what a replaybuf memmap buffer or a seed folder consists of, and nothing else."""
         if not os.path.isdir(self.root):
             return
-        self.kv.delete_prefix(f"{_BLOB_DIR}/")
+        self._erase_blobs(f"{_BLOB_DIR}/")
         owned = (".data.npy", ".data.meta.npy", ".state.npy")
         for name in os.listdir(self.root):
             if name.endswith(owned) or name in (CONFIG_FILE, _seed.METADATA_FILE):

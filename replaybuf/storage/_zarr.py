@@ -21,6 +21,7 @@ from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._shards import ShardedArray
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .lease import LEASE_KEY, ObjectLease, WriterLease
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
@@ -92,6 +93,10 @@ class ZarrStorage(KVBlobs, Storage):
             return LocalKV(_local_root(location), fsync=fsync)
         return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
+    def writer_lease(self) -> WriterLease:
+        # docstring inherited
+        return ObjectLease(self.kv, self.location) if isinstance(self.kv, StoreKV) else super().writer_lease()
+
     def _zarr_store(self, read_only: bool):
         if not _is_url(self.location):
             import zarr
@@ -132,9 +137,10 @@ class ZarrStorage(KVBlobs, Storage):
         if overwrite:
             self._erase()
         store = self._zarr_store(read_only=False)
+        # mode "a", not "w": "w" clears the whole store, the writer lease with it
         root = zarr.open_group(
             store,
-            mode="w",
+            mode="a",
             zarr_format=3,
             attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()},
         )
@@ -168,8 +174,11 @@ class ZarrStorage(KVBlobs, Storage):
         if isinstance(self.kv, LocalKV):
             root = self.kv.root
             if os.path.isdir(root):
+                self._erase_blobs()  # all but the writer lease, held by this open
                 for name in os.listdir(root):
                     path = os.path.join(root, name)
+                    if name == LEASE_KEY.split("/")[0]:
+                        continue
                     if os.path.isdir(path) and not os.path.islink(path):
                         import shutil
 
@@ -177,7 +186,7 @@ class ZarrStorage(KVBlobs, Storage):
                     else:
                         os.unlink(path)
         else:
-            self.kv.delete_prefix("")
+            self._erase_blobs("")
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
