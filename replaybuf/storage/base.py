@@ -235,12 +235,13 @@ class Storage(ABC):
             return
         lease = self.writer_lease()
         lease.acquire(break_lock)
-        self._lease, self._lease_finalizer = lease, weakref.finalize(self, lease.release)
+        self._lease, self._lease_finalizer = lease, weakref.finalize(self, lease.release_soon)
 
     def release_writer(self) -> None:
         """Give the writer lease back (a no-op when not held)."""
-        if self._lease_finalizer is not None:
-            self._lease_finalizer()
+        if self._lease is not None:
+            self._lease_finalizer.detach()
+            self._lease.release()
         self._lease = self._lease_finalizer = None
 
     def __getstate__(self) -> dict:

@@ -19,6 +19,7 @@ when the lease is taken; an object-store writer must renew within that time or l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -116,6 +117,15 @@ class WriterLease(ABC):
     def release(self) -> None:
         """Give the lease back (a no-op when not held, or in a forked child of the holder)."""
 
+    def _after_fork(self) -> None:
+        """In a forked child of the holder: the child holds no lease and must not write."""
+        self.lost = "this process is a fork of the writer; it holds no writer lease"
+
+    def release_soon(self) -> None:
+        """``release`` for a garbage-collection finalizer, which may run in any thread at any
+        allocation (inside a thread pool's or an event loop's lock): it must not wait for I/O."""
+        self.release()
+
     @abstractmethod
     def holder(self) -> dict | None:
         """The current holder's record, or None when nobody holds the lease."""
@@ -126,7 +136,7 @@ class WriterLease(ABC):
 
     def _locked_error(self, holder: dict | None, how_to_break: str) -> BufferLockedError:
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            how_to_break = "It is this process: close() the other writable ReplayBuffer on it first."
+            how_to_break = f"It is this process: close() the other writable ReplayBuffer on it first. {how_to_break}"
         return BufferLockedError(
             f"cannot open {self.location!r} for writing: it is being written by {describe_holder(holder)}. "
             f"{_SHARDS_HINT} {how_to_break}",
@@ -184,19 +194,19 @@ class FileLease(WriterLease):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_record()).encode(), 0)
         self._fd, self._pid = fd, os.getpid()
-        _held_files.add(self)
+        _held.add(self)
 
     def release(self) -> None:
         # docstring inherited
         fd, self._fd = self._fd, None
-        _held_files.discard(self)
+        _held.discard(self)
         if fd is not None:
             os.close(fd)  # closing the last descriptor of the open file drops the flock
 
-    def _close_in_child(self) -> None:
-        """After fork: close the child's copy, so the lock still dies with the holder."""
+    def _after_fork(self) -> None:
+        # docstring inherited: close the child's copy, so the lock still dies with the holder
         self.release()
-        self.lost = "this process is a fork of the writer; it holds no writer lease"
+        super()._after_fork()
 
     def holder(self) -> dict | None:
         # docstring inherited
@@ -220,10 +230,6 @@ class FileLease(WriterLease):
         return None
 
 
-_held_files: weakref.WeakSet[FileLease] = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [lease._close_in_child() for lease in list(_held_files)])
-
-
 class ObjectLease(WriterLease):
     """A lease object on an object store, created with ``If-None-Match: *`` and renewed by a
     heartbeat thread; it holds ``{host, pid, since, expires, token}`` (``expires`` in Unix time).
@@ -244,6 +250,8 @@ class ObjectLease(WriterLease):
         self.seconds = lease_seconds() if seconds is None else seconds
         self.token: str | None = None
         self._stop = threading.Event()
+        self._release_requested = False
+        self._release_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def _read_record(self) -> dict | None:
@@ -270,13 +278,11 @@ class ObjectLease(WriterLease):
         except BaseException:
             self.token = None
             raise
-        self.lost, self._pid = None, os.getpid()
+        self.lost, self._pid, self._release_requested = None, os.getpid(), False
         self._stop.clear()
-        self._thread = threading.Thread(
-            target=_heartbeat, args=(weakref.ref(self), self._stop, self.seconds / 4), daemon=True
-        )
-        self._thread.name = f"replaybuf-lease-{self.location}"
+        self._thread = threading.Thread(target=self._heartbeat, name=f"replaybuf-lease-{self.location}", daemon=True)
         self._thread.start()
+        _held.add(self)
 
     def _take_over(self, break_lock: bool) -> None:
         """Replace an expired (or, with ``break_lock``, any) lease and check that ours stands.
@@ -312,18 +318,41 @@ class ObjectLease(WriterLease):
             return
         self.kv.set(LEASE_KEY, json.dumps({**record, "expires": time.time() + self.seconds}).encode())
 
+    def _heartbeat(self) -> None:
+        """Renew every quarter of the expiry until released; a renewal that fails (store down)
+        is retried, and once the lease has expired unrenewed it is marked lost."""
+        last = time.time()
+        while not self._stop.wait(self.seconds / 4):
+            try:
+                self.renew()
+                last = time.time()
+            except Exception as error:
+                if time.time() - last >= self.seconds:
+                    self.lost = f"the writer lease of {self.location!r} expired unrenewed ({error})"
+                    return
+                logger.warning("renewing the writer lease of %s failed: %s", self.location, error)
+        if self._release_requested:
+            self.release()
+
     def release(self) -> None:
         # docstring inherited
-        token, self.token = self.token, None
         self._stop.set()
-        if token is None or self._pid != os.getpid():
-            return
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        with contextlib.suppress(Exception):  # at exit or with the store down: the lease expires
-            record = self._read_record()
-            if record and record.get("token") == token:
-                self.kv.delete_many([LEASE_KEY])
+        if self._thread is not None and self._thread is not threading.current_thread() and self._pid == os.getpid():
+            self._thread.join(timeout=5)  # a renewal in flight, or the release handed to it, ends
+        with self._release_lock:
+            token, self.token = self.token, None
+            _held.discard(self)
+            if token is None or self._pid != os.getpid():
+                return
+            with contextlib.suppress(Exception):  # the store is down: the lease expires instead
+                record = self._read_record()
+                if record and record.get("token") == token:
+                    self.kv.delete_many([LEASE_KEY])
+
+    def release_soon(self) -> None:
+        # docstring inherited: the heartbeat thread deletes the lease object
+        self._release_requested = True
+        self._stop.set()
 
     def holder(self) -> dict | None:
         # docstring inherited
@@ -337,20 +366,13 @@ class ObjectLease(WriterLease):
         return holder
 
 
-def _heartbeat(ref: weakref.ref[ObjectLease], stop: threading.Event, interval: float) -> None:
-    """Renew the lease every ``interval`` s until it is released or collected. A renewal that
-    fails (store down) is retried; once the lease has expired unrenewed it is marked lost."""
-    last = time.time()
-    while not stop.wait(interval):
-        lease = ref()
-        if lease is None:
-            return
-        try:
-            lease.renew()
-            last = time.time()
-        except Exception as error:  # the store is unreachable: keep trying until the lease expires
-            if time.time() - last >= lease.seconds:
-                lease.lost = f"the writer lease of {lease.location!r} expired unrenewed ({error})"
-                return
-            logger.warning("renewing the writer lease of %s failed: %s", lease.location, error)
-        del lease
+_held: weakref.WeakSet[WriterLease] = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [lease._after_fork() for lease in list(_held)])
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Release the leases still held: at exit nothing else deletes an object-store lease
+    (finalizers hand that to daemon threads, which exit stops)."""
+    for lease in list(_held):
+        lease.release()
