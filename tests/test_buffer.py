@@ -357,7 +357,7 @@ def test_long_episodes_cross_chunk_and_span_boundaries(make_location):
 def test_flush_settings_store_the_same(make_location, flush):
     buffer, location, extra = make(make_location, flush_every_store_step=flush)
     states = fill_episode(buffer, 9, task=1)
-    buffer.flush()
+    buffer.close()
     again = ReplayBuffer.from_folder(location, **extra)
     np.testing.assert_allclose(again.data["state"][0, :9], states)
 
