@@ -41,7 +41,8 @@ def test_overwrite_deletes_only_buffer_files(tmp_path):
     folder = tmp_path / "buf"
     folder.mkdir()
     (folder / "notes.txt").write_text("keep me")
-    ReplayBuffer(folder, 2, 3, fields={"x": "float"}, backend="memmap").store_episode(x=np.ones(2))
+    with ReplayBuffer(folder, 2, 3, fields={"x": "float"}, backend="memmap") as first:
+        first.store_episode(x=np.ones(2))
     ReplayBuffer(folder, 2, 3, fields={"y": "int"}, backend="memmap")
     names = set(os.listdir(folder))
     assert "notes.txt" in names and "x.data.npy" not in names and "y.data.npy" in names

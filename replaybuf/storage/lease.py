@@ -148,14 +148,17 @@ class FileLease(WriterLease):
     """``flock`` on ``<root>/replaybuf/writer.lock``, dropped by the kernel with its process.
 
     flock belongs to an open file description: a second open of the file, even in the same
-    process, is refused, and a forked child shares its parent's lock (so children close their
-    copy at fork, see ``_close_in_child``).
+    process, is refused, and a forked child shares its parent's lock (so a child closes its
+    copy at fork). Release deletes the lock file, and the folders that taking it created, so
+    a refused or failed open leaves a folder as it was; taking the lock checks that the file
+    it locked is still the one at the path, so deleting it races with no other writer.
     """
 
     def __init__(self, root: str):
         super().__init__(root)
         self.path = os.path.join(root, *LEASE_KEY.split("/"))
         self._fd: int | None = None
+        self._created: list[str] = []
 
     def _read_record(self) -> dict | None:
         try:
@@ -166,14 +169,13 @@ class FileLease(WriterLease):
 
     def _lock(self) -> int:
         """An open descriptor of the lock file holding the flock; BlockingIOError when held."""
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                # the file may have been replaced between open and flock: lock the one at the path
-                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
-                    return fd
+                with contextlib.suppress(FileNotFoundError):  # deleted by the holder releasing it
+                    if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                        return fd
             except BaseException:
                 os.close(fd)
                 raise
@@ -183,9 +185,13 @@ class FileLease(WriterLease):
         # docstring inherited
         if self._fd is not None:
             return
+        folders = [os.path.dirname(self.path), self.location]
+        self._created = [folder for folder in folders if not os.path.isdir(folder)]
+        os.makedirs(folders[0], exist_ok=True)
         try:
             fd = self._lock()
         except BlockingIOError:
+            self._remove_created()
             raise self._locked_error(
                 self._read_record(),
                 "The lock is released when that process exits; it cannot be stale, so break_lock "
@@ -200,12 +206,27 @@ class FileLease(WriterLease):
         # docstring inherited
         fd, self._fd = self._fd, None
         _held.discard(self)
-        if fd is not None:
-            os.close(fd)  # closing the last descriptor of the open file drops the flock
+        if fd is None:
+            return
+        if self._pid == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self._remove_created()
+        os.close(fd)  # closing the last descriptor of the open file drops the flock
+
+    def _remove_created(self) -> None:
+        """Remove the folders ``acquire`` created, where still empty."""
+        for folder in self._created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        self._created = []
 
     def _after_fork(self) -> None:
         # docstring inherited: close the child's copy, so the lock still dies with the holder
-        self.release()
+        fd, self._fd = self._fd, None
+        _held.discard(self)
+        if fd is not None:
+            os.close(fd)
         super()._after_fork()
 
     def holder(self) -> dict | None:
