@@ -9,7 +9,7 @@ Every mode reports on stdout, one line each, flushed:
 - ``store``: open for writing (creating if needed), print ``ready``, store episodes (meta
   ``uid`` = 0, 1, 2, ..., data ``x`` filled with the uid) until stdin closes or it is full, close, then print
   the stored uids as JSON.
-- ``try``: attempt a writable open every 50 ms for ``seconds``; print JSON
+- ``try``: attempt a writable open (with ``overwrite`` if given) every 50 ms for ``seconds``; print JSON
   ``{"opened": n, "refused": n, "message": last error, "holder": its holder}``.
 """
 
@@ -30,7 +30,8 @@ META = {"uid": "int"}
 
 
 def _open(args: dict) -> ReplayBuffer:
-    return ReplayBuffer(args["location"], fields=FIELDS, meta_fields=META, overwrite=False, **args["kwargs"])
+    overwrite = args.get("overwrite", False)
+    return ReplayBuffer(args["location"], fields=FIELDS, meta_fields=META, overwrite=overwrite, **args["kwargs"])
 
 
 def _episode(uid: int) -> dict:

@@ -22,6 +22,8 @@ import pytest
 
 from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
 from replaybuf.cli import main as cli_main
+from replaybuf.shards import shard_location
+from replaybuf.storage import make_storage
 from replaybuf.storage.lease import LEASE_KEY, LEASE_SECONDS_ENV
 from tests._backends import seed_buffer, snapshot
 from tests._lease_child import FIELDS, META
@@ -132,59 +134,60 @@ def test_second_writer_process_is_refused_and_first_keeps_every_episode(backend,
     np.testing.assert_array_equal(data, np.broadcast_to(reader.meta_data["uid"][slots, None, None], data.shape))
 
 
-def test_second_writer_process_on_s3_is_refused(s3_location):
-    url, options = s3_location
-    holder = _open(url, storage_options=options)
+@pytest.mark.parametrize("backend", [*LOCAL, "s3"])
+def test_second_writer_process_is_refused_even_with_overwrite_and_erases_nothing(backend, tmp_path, request):
+    if backend == "s3":
+        location, options = request.getfixturevalue("s3_location")
+        kwargs = {"storage_options": options}
+    else:
+        location, kwargs = str(tmp_path / "buffer"), _kwargs(backend)
+    holder = _open(location, **kwargs)
     _store(holder, 1)
-    other = _child("try", url, {"max_episodes": 200, "max_timesteps": 3, "storage_options": options}, seconds=0.3)
+    before = _stored(holder)
+    other = _child("try", location, {"max_episodes": 200, "max_timesteps": 3, **kwargs}, seconds=0.3, overwrite=True)
     attempts = json.loads(other.communicate(timeout=60)[0])
     assert attempts["opened"] == 0 and attempts["refused"] > 0
     _assert_names_holder(attempts["message"], os.getpid())
-    assert "break_lock=True" in attempts["message"] and f"replaybuf unlock {url}" in attempts["message"]
+    if backend == "s3":
+        assert "break_lock=True" in attempts["message"] and f"replaybuf unlock {location}" in attempts["message"]
+    assert _stored(holder) == before
+    _store(holder, 2)
     holder.close()
-    again = ReplayBuffer.from_folder(url, storage_options=options)
-    assert again.meta_data["uid"][again.valid_episodes()].tolist() == [1]
-    again.close()
+    with ReplayBuffer.from_folder(location, read_only=True, **kwargs) as reader:
+        assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 2]
 
 
 # ---- in one process ----------------------------------------------------------------------------------
 
 
-def test_second_writer_in_the_same_process_is_refused(location, backend):
+def _stored(buffer: ReplayBuffer) -> dict:
+    """Every object of the buffer but the lease (renewed by the heartbeat) and its bytes."""
+    kv = buffer.storage.kv
+    keys = [key for key in kv.list_prefix("") if key != LEASE_KEY]
+    return dict(zip(keys, kv.get_many(keys)))
+
+
+def _held(location: str, **kwargs) -> bool:
+    return make_storage(location, **kwargs).writer_lease().holder() is not None
+
+
+def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location, backend):
+    # memmap-replay-buffer's README reopens with from_folder() and keeps writing with the first
     first = _open(location, **_kwargs(backend))
     _store(first, 7)
-    for attempt in (
-        lambda: ReplayBuffer.from_folder(location),
-        lambda: _open(location, overwrite=False, **_kwargs(backend)),
-    ):
-        with pytest.raises(BufferLockedError, match="It is this process: close") as caught:
-            attempt()
-        _assert_names_holder(caught.value, os.getpid())
-    _store(first, 8)  # the refused opens took nothing from the writer
+    rehydrated = ReplayBuffer.from_folder(location)
+    _store(first, 8)
+    assert rehydrated.refresh().meta_data["uid"][rehydrated.valid_episodes()].tolist() == [7, 8]
     first.close()
-    again = ReplayBuffer.from_folder(location)
-    assert again.meta_data["uid"][again.valid_episodes()].tolist() == [7, 8]
-    again.close()
-
-
-def test_overwrite_of_a_locked_buffer_raises_and_erases_nothing(location, backend):
-    writer = _open(location, **_kwargs(backend))
-    _store(writer, 3)
-    writer.flush()
-    before = snapshot(location)
-    with pytest.raises(BufferLockedError):
-        _open(location, overwrite=True, **_kwargs(backend))
-    with pytest.raises(BufferLockedError):
-        ReplayBuffer(location, 4, 9, fields={"y": "int"}, **_kwargs(backend))
-    assert snapshot(location) == before
-    writer.close()
+    assert _held(location), "the lease stays until the last writer sharing it closes"
+    rehydrated.close()
+    assert not _held(location)
 
 
 def test_lock_survives_overwriting_an_existing_buffer(location, backend):
     _open(location, **_kwargs(backend)).close()
     writer = _open(location, overwrite=True, **_kwargs(backend))  # erases the old buffer, not the lock
-    with pytest.raises(BufferLockedError):
-        ReplayBuffer.from_folder(location)
+    assert _held(location)
     writer.close()
 
 
@@ -204,20 +207,22 @@ def test_reader_alongside_writer_takes_nothing_and_writes_nothing(location, back
 def test_close_releases_the_lock_and_collection_too(location, backend):
     writer = _open(location, **_kwargs(backend))
     writer.close()
+    assert not _held(location)
     second = ReplayBuffer.from_folder(location)
+    assert _held(location)
     del second  # garbage collected without close(): an object-store lease goes a moment later
     gc.collect()
-    third = _open_when_released(location)
-    with ReplayBuffer.from_folder(location, read_only=True):
-        pass
-    third.close()
+    deadline = time.monotonic() + 10
+    while _held(location):
+        assert time.monotonic() < deadline, "the collected writer's lease was never released"
+        time.sleep(0.05)
 
 
 def test_a_failed_open_gives_the_lock_back(location, backend):
     _open(location, **_kwargs(backend)).close()
     with pytest.raises(ValueError, match="max_episodes"):
         ReplayBuffer(location, 999, 3, fields=FIELDS, meta_fields=META, overwrite=False, **_kwargs(backend))
-    ReplayBuffer.from_folder(location).close()
+    assert not _held(location)
 
 
 def test_pickled_buffer_is_read_only_and_carries_no_lease(location, backend):
@@ -227,8 +232,8 @@ def test_pickled_buffer_is_read_only_and_carries_no_lease(location, backend):
     assert copy.read_only and copy.storage._lease is None
     copy.close()
     del copy
-    with pytest.raises(BufferLockedError):
-        ReplayBuffer.from_folder(location)
+    gc.collect()
+    assert _held(location)
     writer.close()
 
 
@@ -237,8 +242,7 @@ def test_shards_write_in_parallel_each_shard_once(tmp_path):
     shards = [
         ReplayBuffer.shard(root, i, max_episodes=4, max_timesteps=3, fields=FIELDS, meta_fields=META) for i in (0, 1)
     ]
-    with pytest.raises(BufferLockedError):
-        ReplayBuffer.shard(root, 1)
+    assert _held(shard_location(root, 0)) and _held(shard_location(root, 1))
     for i, shard in enumerate(shards):
         _store(shard, i)
         shard.close()
@@ -251,10 +255,10 @@ def test_seed_folder_writer_is_locked_and_reader_writes_nothing(tmp_path):
     before = snapshot(str(folder))
     ReplayBuffer.from_folder(folder, read_only=True).close()
     assert snapshot(str(folder)) == before
-    writer = ReplayBuffer.from_folder(folder)
-    with pytest.raises(BufferLockedError):
-        ReplayBuffer.from_folder(folder)
+    writer = ReplayBuffer.from_folder(folder)  # adopts the folder under the lease
+    assert _held(str(folder))
     writer.close()
+    assert not _held(str(folder))
 
 
 # ---- stale locks: a killed writer, expiry, break_lock, replaybuf unlock ------------------------------------
@@ -285,7 +289,7 @@ def test_local_break_lock_and_unlock_refuse_a_live_holder(tmp_path, capsys):
     assert "no writer lease held" in capsys.readouterr().out
     writer = _open(location)
     with pytest.raises(BufferLockedError, match="stop that process"):
-        ReplayBuffer.from_folder(location, break_lock=True)
+        make_storage(location).writer_lease().acquire(break_lock=True)
     assert cli_main(["unlock", location]) == 1
     assert f"pid {os.getpid()}" in capsys.readouterr().err
     writer.close()
@@ -311,29 +315,32 @@ def test_expired_s3_lease_of_a_killed_writer_is_taken_over(s3_location):
 
 @pytest.mark.parametrize("how", ["break_lock", "unlock"])
 def test_breaking_an_object_store_lease_stops_the_old_writer(s3_location, monkeypatch, capsys, how):
-    monkeypatch.setenv(LEASE_SECONDS_ENV, "0.4")  # heartbeat every 0.1 s
+    monkeypatch.setenv(LEASE_SECONDS_ENV, "0.4")  # heartbeats every 0.1 s, here and in the child
     url, options = s3_location
     old = _open(url, storage_options=options)
     _store(old, 1)
+    kwargs = {"max_episodes": 200, "max_timesteps": 3, "storage_options": options}
     if how == "unlock":
         assert cli_main(["unlock", url, "--storage-options", json.dumps(options)]) == 0
         assert f"removed the writer lease of pid {os.getpid()}" in capsys.readouterr().out
-        new = ReplayBuffer.from_folder(url, storage_options=options)
     else:
-        new = ReplayBuffer.from_folder(url, storage_options=options, break_lock=True)
-    deadline = time.monotonic() + 10
-    while old.storage._lease.lost is None:
-        assert time.monotonic() < deadline, "the old writer never noticed"
-        time.sleep(0.05)
-    with pytest.raises(BufferLockedError, match="taken over by"):
-        _store(old, 2)
-    _store(new, 3)
-    time.sleep(0.5)  # the new writer's lease outlives its expiry: the heartbeat renews it
-    assert new.storage._lease.lost is None
-    with pytest.raises(BufferLockedError):
-        ReplayBuffer.from_folder(url, storage_options=options)
-    new.close()
-    assert ReplayBuffer.from_folder(url, storage_options=options, read_only=True).meta_data["uid"][[0, 1]].tolist() == [
-        1,
-        3,
-    ]
+        kwargs["break_lock"] = True
+    new = _child("hold", url, kwargs)  # takes the lease and stores uid 0
+    try:
+        pid = int(_ready(new)[0])
+        deadline = time.monotonic() + 10
+        while old.storage._lease.lost is None:
+            assert time.monotonic() < deadline, "the old writer never noticed"
+            time.sleep(0.05)
+        with pytest.raises(BufferLockedError, match="cannot write to"):
+            _store(old, 2)
+        time.sleep(0.6)  # longer than the expiry: the new writer's heartbeat keeps its lease
+        with pytest.raises(BufferLockedError) as caught:
+            ReplayBuffer.from_folder(url, storage_options=options)
+        _assert_names_holder(caught.value, pid)
+        new.stdin.close()
+        assert new.wait(timeout=60) == 0
+    finally:
+        _kill(new.pid)
+    with ReplayBuffer.from_folder(url, storage_options=options) as reader:
+        assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 0]

@@ -19,6 +19,8 @@ import numpy as np
 
 from ..schema import Field, Schema
 from .lease import BufferLockedError, FileLease, WriterLease
+from .lease import give_back as give_back_lease
+from .lease import take as take_lease
 
 STATE_KEY = "replaybuf/state.json"
 LOG_PREFIX = "replaybuf/steplog/"
@@ -229,19 +231,19 @@ class Storage(ABC):
 
     def acquire_writer(self, break_lock: bool = False) -> None:
         """Take the writer lease (before erasing or writing anything), or raise
-        BufferLockedError naming its holder. It is released by ``release_writer``, or when this
-        object is garbage collected or the interpreter exits."""
+        BufferLockedError naming its holder; opens in one process share it (``lease.take``).
+        It is released by ``release_writer``, or when this object is garbage collected or the
+        interpreter exits."""
         if self._lease is not None:
             return
-        lease = self.writer_lease()
-        lease.acquire(break_lock)
-        self._lease, self._lease_finalizer = lease, weakref.finalize(self, lease.release_soon)
+        lease = take_lease(self.writer_lease(), break_lock)
+        self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
 
     def release_writer(self) -> None:
         """Give the writer lease back (a no-op when not held)."""
         if self._lease is not None:
             self._lease_finalizer.detach()
-            self._lease.release()
+            give_back_lease(self._lease)
         self._lease = self._lease_finalizer = None
 
     def __getstate__(self) -> dict:

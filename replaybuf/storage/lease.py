@@ -2,7 +2,7 @@
 
 A writable open takes the buffer's lease before it erases or writes anything, and gives it back
 at close (or when the buffer is garbage collected, or the interpreter exits). Readers never take
-it. Both kinds keep the lease under the key ``replaybuf/writer.lock`` of the buffer, holding JSON
+it. Writable opens of one buffer within one process share the lease (``take``). Both kinds keep the lease under the key ``replaybuf/writer.lock`` of the buffer, holding JSON
 ``{host, pid, since, ...}`` that names the holder for the error a second writer gets.
 
 - ``FileLease`` (local folders, every backend): ``fcntl.flock`` on that file. The kernel drops
@@ -108,6 +108,12 @@ class WriterLease(ABC):
         self.location = location
         self.lost: str | None = None
         self._pid = os.getpid()
+        self._users = 0  # the opens of this process sharing the lease (``take``)
+
+    @property
+    def key(self) -> str:
+        """What identifies the buffer's lease within this process."""
+        return f"{type(self).__name__}:{self.location}"
 
     @abstractmethod
     def acquire(self, break_lock: bool = False) -> None:
@@ -147,9 +153,9 @@ class WriterLease(ABC):
 class FileLease(WriterLease):
     """``flock`` on ``<root>/replaybuf/writer.lock``, dropped by the kernel with its process.
 
-    flock belongs to an open file description: a second open of the file, even in the same
-    process, is refused, and a forked child shares its parent's lock (so a child closes its
-    copy at fork). Release deletes the lock file, and the folders that taking it created, so
+    flock belongs to an open file description: a second open of the file is refused even in
+    the same process (``take`` shares one lease among a process's opens instead), and a forked
+    child shares its parent's lock (so a child closes its copy at fork). Release deletes the lock file, and the folders that taking it created, so
     a refused or failed open leaves a folder as it was; taking the lock checks that the file
     it locked is still the one at the path, so deleting it races with no other writer.
     """
@@ -159,6 +165,11 @@ class FileLease(WriterLease):
         self.path = os.path.join(root, *LEASE_KEY.split("/"))
         self._fd: int | None = None
         self._created: list[str] = []
+
+    @property
+    def key(self) -> str:
+        # docstring inherited
+        return f"file:{os.path.realpath(self.path)}"
 
     def _read_record(self) -> dict | None:
         try:
@@ -385,6 +396,41 @@ class ObjectLease(WriterLease):
         if holder is not None:
             self.kv.delete_many([LEASE_KEY])
         return holder
+
+
+_in_process: dict[str, WriterLease] = {}
+
+
+def take(lease: WriterLease, break_lock: bool = False) -> WriterLease:
+    """Take ``lease``, or share the lease this process already holds on the same buffer.
+
+    Writable opens of one buffer within one process share its lease: memmap-replay-buffer's
+    README (this library's API) reopens a buffer with ``from_folder`` while the first object is
+    alive and keeps writing with it. Other processes are refused. ``give_back`` releases the
+    lease when the last open sharing it is closed.
+    """
+    held = _in_process.get(lease.key)
+    if held is not None and held.lost is None and held._pid == os.getpid():
+        lease = held
+    else:
+        lease.acquire(break_lock)
+        _in_process[lease.key] = lease
+    lease._users += 1
+    return lease
+
+
+def give_back(lease: WriterLease, soon: bool = False) -> None:
+    """One open sharing ``lease`` is done with it; the last one releases it (``soon``: from a
+    garbage-collection finalizer, see ``release_soon``)."""
+    lease._users -= 1
+    if lease._users > 0:
+        return
+    if _in_process.get(lease.key) is lease:
+        del _in_process[lease.key]
+    if soon:
+        lease.release_soon()
+    else:
+        lease.release()
 
 
 _held: weakref.WeakSet[WriterLease] = weakref.WeakSet()
