@@ -135,7 +135,7 @@ class ReplayBuffer:
             return
         if wanted is None and (overwrite or not self.storage.exists()):
             self._check_creatable(wanted)
-        self.storage.acquire_writer(break_lock)
+        self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             writing = self._state.get("writing", ())

@@ -154,7 +154,7 @@ def convert(
     state = source.load_state()
     lens = _lens(source)
     slots = np.flatnonzero(lens > 0)
-    target.acquire_writer()
+    target.acquire_writer(erase=True)
     target.create(target_schema, overwrite=True)
     time_chunks = {n: target.time_chunk(n) for n in schema.fields}
     with tqdm(total=len(slots), unit="episode", desc=f"convert -> {backend}", disable=not progress) as bar:

@@ -46,10 +46,15 @@ def main(mode: str, args: dict) -> None:
     if mode == "hold":
         buffer = _open(args)
         buffer.store_episode(**_episode(0), uid=0)
-        child = os.fork() if args.get("fork") else None
-        if child == 0:
-            time.sleep(60)
-            os._exit(0)
+        child = None
+        if args.get("fork"):
+            started, report = os.pipe()
+            child = os.fork()
+            if child == 0:  # fork handlers have run: the child has closed its copy of the lock
+                os.write(report, b"1")
+                time.sleep(60)
+                os._exit(0)
+            os.read(started, 1)
         print(f"ready {os.getpid()} {child}", flush=True)
         sys.stdin.read()
         buffer.close()

@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
+from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer, convert
 from replaybuf.cli import main as cli_main
 from replaybuf.shards import shard_location
 from replaybuf.storage import make_storage
@@ -181,6 +181,24 @@ def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location
     first.close()
     assert _held(location), "the lease stays until the last writer sharing it closes"
     rehydrated.close()
+    assert not _held(location)
+
+
+def test_overwrite_in_the_same_process_is_refused_and_erases_nothing(location, backend, tmp_path):
+    writer = _open(location, **_kwargs(backend))
+    _store(writer, 3)
+    before = _stored(writer)
+    with pytest.raises(BufferLockedError, match="It is this process: close.*overwrite=True would erase"):
+        _open(location, overwrite=True, **_kwargs(backend))
+    with pytest.raises(BufferLockedError):
+        ReplayBuffer(location, 4, 9, fields={"y": "int"}, **_kwargs(backend))
+    source = _open(str(tmp_path / "source"))
+    source.close()
+    with pytest.raises(BufferLockedError):
+        convert(str(tmp_path / "source"), location, backend=backend if backend != "memory" else "zarr", overwrite=True)
+    assert _stored(writer) == before
+    _store(writer, 4)
+    writer.close()
     assert not _held(location)
 
 

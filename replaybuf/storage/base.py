@@ -229,14 +229,14 @@ class Storage(ABC):
         default; backends on object stores override this."""
         return FileLease(os.path.abspath(self.location.removeprefix("file://")))
 
-    def acquire_writer(self, break_lock: bool = False) -> None:
+    def acquire_writer(self, break_lock: bool = False, erase: bool = False) -> None:
         """Take the writer lease (before erasing or writing anything), or raise
-        BufferLockedError naming its holder; opens in one process share it (``lease.take``).
-        It is released by ``release_writer``, or when this object is garbage collected or the
-        interpreter exits."""
+        BufferLockedError naming its holder; opens in one process share it unless one will
+        ``erase`` the buffer (``lease.take``). It is released by ``release_writer``, or when this
+        object is garbage collected or the interpreter exits."""
         if self._lease is not None:
             return
-        lease = take_lease(self.writer_lease(), break_lock)
+        lease = take_lease(self.writer_lease(), break_lock, erase)
         self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
 
     def release_writer(self) -> None:

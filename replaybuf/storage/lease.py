@@ -401,16 +401,19 @@ class ObjectLease(WriterLease):
 _in_process: dict[str, WriterLease] = {}
 
 
-def take(lease: WriterLease, break_lock: bool = False) -> WriterLease:
+def take(lease: WriterLease, break_lock: bool = False, erase: bool = False) -> WriterLease:
     """Take ``lease``, or share the lease this process already holds on the same buffer.
 
     Writable opens of one buffer within one process share its lease: memmap-replay-buffer's
     README (this library's API) reopens a buffer with ``from_folder`` while the first object is
-    alive and keeps writing with it. Other processes are refused. ``give_back`` releases the
-    lease when the last open sharing it is closed.
+    alive and keeps writing with it. An open that will ``erase`` the buffer (``overwrite=True``)
+    is refused then, as are other processes. ``give_back`` releases the lease when the last
+    open sharing it is closed.
     """
     held = _in_process.get(lease.key)
     if held is not None and held.lost is None and held._pid == os.getpid():
+        if erase:
+            raise held._locked_error(held.holder(), "overwrite=True would erase the buffer under it.")
         lease = held
     else:
         lease.acquire(break_lock)
