@@ -2,8 +2,9 @@
 
 A writable open takes the buffer's lease before it erases or writes anything, and gives it back
 at close (or when the buffer is garbage collected, or the interpreter exits). Readers never take
-it. Writable opens of one buffer within one process share the lease (``take``). Both kinds keep the lease under the key ``replaybuf/writer.lock`` of the buffer, holding JSON
-``{host, pid, since, ...}`` that names the holder for the error a second writer gets.
+it. Writable opens of one buffer within one process share the lease (``take``). Both kinds keep
+the lease under the key ``replaybuf/writer.lock`` of the buffer, holding JSON ``{host, pid,
+since, ...}`` that names the holder for the error a second writer gets.
 
 - ``FileLease`` (local folders, every backend): ``fcntl.flock`` on that file. The kernel drops
   the lock when the holding process dies, however it dies, so a local lock is never stale.
@@ -155,9 +156,10 @@ class FileLease(WriterLease):
 
     flock belongs to an open file description: a second open of the file is refused even in
     the same process (``take`` shares one lease among a process's opens instead), and a forked
-    child shares its parent's lock (so a child closes its copy at fork). Release deletes the lock file, and the folders that taking it created, so
-    a refused or failed open leaves a folder as it was; taking the lock checks that the file
-    it locked is still the one at the path, so deleting it races with no other writer.
+    child shares its parent's lock (so a child closes its copy at fork). Release deletes the
+    lock file, and the folders that taking it created, so a refused or failed open leaves a
+    folder as it was; taking the lock checks that the file it locked is still the one at the
+    path, so deleting it races with no other writer.
     """
 
     def __init__(self, root: str):
