@@ -91,9 +91,10 @@ class ReplayBuffer:
     (power-loss durability of commits and the step log, at a cost per write) and ``break_lock``.
 
     A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
-    it erases or writes anything, and ``close()`` gives it back; a second writer gets
-    ``BufferLockedError`` (``storage/lease.py``). ``break_lock=True`` takes an object-store lease
-    from a writer that stopped without closing, without waiting for it to expire.
+    it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
+    an ``overwrite=True`` open in this one) gets ``BufferLockedError`` (``storage/lease.py``).
+    ``break_lock=True`` takes an object-store lease from a writer that stopped without closing,
+    without waiting for it to expire.
     """
 
     def __init__(
