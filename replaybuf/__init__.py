@@ -14,6 +14,7 @@ from .schema import Field, Schema
 from .shards import discover_shards, open_shard
 from .storage._owned import ForeignEntriesError
 from .storage.base import BufferDamagedError, BufferNotFoundError, Storage, StorageError, make_storage
+from .storage.lease import BufferLockedError
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
 
@@ -51,6 +52,7 @@ __all__ = [
     "BufferNotFoundError",
     "ForeignEntriesError",
     "BufferDamagedError",
+    "BufferLockedError",
     "make_storage",
     "frames_to_sheet",
     "trajectory_to_video",

@@ -119,8 +119,14 @@ class ReplayBuffer:
     ``from_folder`` to reopen one.
 
     Parameters beyond the seed: ``storage_options`` for URLs (``s3://``, ``gs://``,
-    ``memory://``), ``backend`` (``'zarr'`` default, ``'memmap'``, ``'hdf5'``) and ``fsync``
-    (power-loss durability of commits and the step log, at a cost per write).
+    ``memory://``), ``backend`` (``'zarr'`` default, ``'memmap'``, ``'hdf5'``), ``fsync``
+    (power-loss durability of commits and the step log, at a cost per write) and ``break_lock``.
+
+    A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
+    it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
+    an ``overwrite=True`` open in this one) gets ``BufferLockedError`` (``storage/lease.py``).
+    ``break_lock=True`` takes an object-store lease from a writer that stopped without closing,
+    without waiting for it to expire.
     """
 
     def __init__(
@@ -138,6 +144,7 @@ class ReplayBuffer:
         storage_options: dict | None = None,
         backend: str | None = None,
         fsync: bool = False,
+        break_lock: bool = False,
     ):
         if (
             isinstance(flush_every_store_step, bool)
@@ -154,30 +161,38 @@ class ReplayBuffer:
         self.folder = location if "://" in location else Path(location)
         wanted = None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)
 
-        if self.read_only or not overwrite:
-            exists = self.storage.exists()
-            if self.read_only and not exists:
+        if self.read_only:
+            if not self.storage.exists():
                 raise FileNotFoundError(f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only")
-            if exists:
-                schema = self.storage.open(read_only=self.read_only)
-                if wanted is not None:
-                    schema.check_matches(wanted, self.storage.location)
-            else:
-                schema = self._create(wanted)
-        else:
-            schema = self._create(wanted)
-        self._setup(schema)
-        if not self.read_only:
+            self._setup(self._open(wanted))
+            return
+        if wanted is None and (overwrite or not self.storage.exists()):
+            self._check_creatable(wanted)
+        self.storage.acquire_writer(break_lock, erase=overwrite)
+        try:
+            self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             writing = self._state.get("writing", ())
             self._reconcile_state()
             self._dirty_slots.update(int(s) for s in writing if self._meta["episode_lens"][s] == 0)
             self._recover_step_log()
+        except BaseException:
+            self.storage.release_writer()
+            raise
 
-    def _create(self, schema: Schema | None) -> Schema:
+    def _open(self, wanted: Schema | None) -> Schema:
+        schema = self.storage.open(read_only=self.read_only)
+        if wanted is not None:
+            schema.check_matches(wanted, self.storage.location)
+        return schema
+
+    def _check_creatable(self, schema: Schema | None) -> None:
         if schema is None:
             raise ValueError(
                 f"no buffer exists at {self.storage.location!r}: pass max_episodes, max_timesteps and fields to create one"
             )
+
+    def _create(self, schema: Schema | None) -> Schema:
+        self._check_creatable(schema)
         self.storage.create(schema, overwrite=True)
         return schema
 
@@ -1038,9 +1053,12 @@ class ReplayBuffer:
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def close(self) -> None:
-        """Flush and release the storage handles."""
-        self.flush()
-        self.storage.close()
+        """Flush, release the storage handles and give the writer lease back."""
+        try:
+            self.flush()
+            self.storage.close()
+        finally:
+            self.storage.release_writer()
 
     def __enter__(self) -> ReplayBuffer:
         return self

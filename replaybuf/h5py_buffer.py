@@ -52,6 +52,7 @@ class ReplayBufferH5PY(ReplayBuffer):
         h5py_compression_opts: int | None = None,
         *,
         fsync: bool = False,
+        break_lock: bool = False,
     ):
         _require_h5py()
         options = {}
@@ -72,6 +73,7 @@ class ReplayBufferH5PY(ReplayBuffer):
             storage_options=options,
             backend="hdf5",
             fsync=fsync,
+            break_lock=break_lock,
         )
 
     @classmethod

@@ -1,9 +1,9 @@
 """Parallel writers: one buffer per actor under a common root, found again by listing the root.
 
-A buffer has exactly one writer, so several actors collecting at once each write their own
-shard: ``root/actor-000``, ``root/actor-001``, ... (local folders or URL prefixes). Readers
-list the root (``discover_shards``) and read the shards together, e.g. with
-``ConcatReplayBuffer``. Nothing is shared between writers, so there is nothing to lock.
+A buffer has exactly one writer (a second one gets ``BufferLockedError``), so several actors
+collecting at once each write their own shard: ``root/actor-000``, ``root/actor-001``, ...
+(local folders or URL prefixes), each with its own writer lease. Readers list the root
+(``discover_shards``) and read the shards together, e.g. with ``ConcatReplayBuffer``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 They work on the Storage protocol, so any backend (including memmap-replay-buffer folders,
 read through the memmap backend) can be a source, and any backend a destination. The
-``replaybuf`` command line gets them as ``convert``, ``info`` and ``verify`` subcommands
-(``CLI_COMMANDS``, registered by ``replaybuf.cli``).
+``replaybuf`` command line gets them as ``convert``, ``info``, ``verify`` and ``unlock``
+subcommands (``CLI_COMMANDS``, registered by ``replaybuf.cli``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .storage.base import (
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
 
-__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "verify"]
+__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "unlock", "verify"]
 
 
 # ---- opening ----------------------------------------------------------------------------------
@@ -208,6 +208,7 @@ def convert(
     state = source.load_state()
     lens = _lens(source)
     slots = np.flatnonzero(lens > 0)
+    target.acquire_writer(erase=True)
     target.create(target_schema, overwrite=True)
     time_chunks = {n: target.time_chunk(n) for n in schema.fields}
     with progress_bar(progress, total=len(slots), unit="episode", desc=f"convert -> {backend}") as bar:
@@ -225,6 +226,7 @@ def convert(
     target.commit_state(state)
     target.flush()
     target.close()
+    target.release_writer()
     copied = _check_copy(source, dst, backend, dst_storage_options, lens, state)
     source.close()
     return {
@@ -480,6 +482,20 @@ def _check_beyond_length(
     return [p for n in names for p in found[n]]
 
 
+# ---- unlock ---------------------------------------------------------------------------------------------
+
+
+def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> dict | None:
+    """Remove the writer lease of the buffer at ``location``, whoever holds it: for an object-store
+    writer that stopped without closing, when waiting for its lease to expire is too long.
+
+    Returns the removed holder's record (host, pid, since, ...), None when no lease was held.
+    A local lock is released by the kernel when its process exits, so a held one belongs to a
+    running process: that raises BufferLockedError naming it (stop the process instead).
+    """
+    return make_storage(location, None, storage_options).writer_lease().unlock()
+
+
 # ---- command line ---------------------------------------------------------------------------------------
 
 
@@ -561,6 +577,32 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _add_unlock_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("location", help="buffer folder or URL")
+    parser.add_argument(
+        "--storage-options",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='store options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+
+
+def _run_unlock(args: argparse.Namespace) -> int:
+    from .storage.lease import BufferLockedError, describe_holder
+
+    try:
+        holder = unlock(args.location, args.storage_options)
+    except BufferLockedError as error:
+        print(error, file=sys.stderr)
+        return 1
+    if holder is None:
+        print(f"{args.location}: no writer lease held")
+    else:
+        print(f"{args.location}: removed the writer lease of {describe_holder(holder)}")
+    return 0
+
+
 # (name, help, add_arguments, run): the fields of replaybuf.cli.Command, in order
 CLI_COMMANDS = (
     (
@@ -575,5 +617,11 @@ CLI_COMMANDS = (
         "check a buffer's internal consistency without changing it (exit status 1 on problems)",
         _add_verify_arguments,
         _run_verify,
+    ),
+    (
+        "unlock",
+        "remove a buffer's writer lease left by a writer that stopped without closing (object stores)",
+        _add_unlock_arguments,
+        _run_unlock,
     ),
 )

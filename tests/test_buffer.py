@@ -49,6 +49,7 @@ def test_store_and_rehydrate(make_location):
     fill_episode(buffer, 7, task=3, seed=1)
     assert buffer.num_episodes == 2 and len(buffer) == 2
     assert buffer.episode_lens[:3].tolist() == [5, 7, 0]
+    buffer.close()  # one writer at a time
 
     again = ReplayBuffer.from_folder(location, **({"backend": extra["backend"]} if extra else {}))
     assert again.num_episodes == 2
@@ -234,6 +235,7 @@ def test_full_buffer_rejects_and_keeps_everything(make_location):
 def test_reopen_with_other_config_lists_every_difference(make_location):
     buffer, location, extra = make(make_location)
     fill_episode(buffer, 3, task=1)
+    buffer.close()  # one writer at a time
     with pytest.raises(ValueError) as info:
         ReplayBuffer(
             location, 7, 12, fields=dict(FIELDS, reward=("float", 2)), meta_fields=META, overwrite=False, **extra
@@ -241,7 +243,8 @@ def test_reopen_with_other_config_lists_every_difference(make_location):
     message = str(info.value)
     assert "max_episodes: stored 6 vs passed 7" in message
     assert "fields.reward" in message
-    assert ReplayBuffer.from_folder(location, **extra).num_episodes == 1
+    with ReplayBuffer.from_folder(location, **extra) as again:
+        assert again.num_episodes == 1
     same = ReplayBuffer(location, 6, 12, fields=FIELDS, meta_fields=META, overwrite=False, **extra)
     assert same.num_episodes == 1
 
@@ -354,7 +357,7 @@ def test_long_episodes_cross_chunk_and_span_boundaries(make_location):
 def test_flush_settings_store_the_same(make_location, flush):
     buffer, location, extra = make(make_location, flush_every_store_step=flush)
     states = fill_episode(buffer, 9, task=1)
-    buffer.flush()
+    buffer.close()
     again = ReplayBuffer.from_folder(location, **extra)
     np.testing.assert_allclose(again.data["state"][0, :9], states)
 

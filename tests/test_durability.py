@@ -46,7 +46,7 @@ def create(path, **kwargs):
 @pytest.mark.parametrize("flush, kept", [(1, 7), (3, 6), (0, 0)])
 def test_killed_writer_keeps_flushed_steps(tmp_path, flush, kept):
     path = tmp_path / "b"
-    create(path)
+    create(path).close()
     run_writer(path, flush, 7)
 
     reader = ReplayBuffer.from_folder(str(path), read_only=True)
@@ -68,7 +68,7 @@ def test_killed_writer_keeps_flushed_steps(tmp_path, flush, kept):
 
 def test_torn_log_tail_is_dropped(tmp_path):
     path = tmp_path / "b"
-    create(path)
+    create(path).close()
     run_writer(path, 1, 4)
     log = next(path.rglob("steplog/*/log"))
     log.write_bytes(log.read_bytes()[:-10])
@@ -83,6 +83,7 @@ def test_commit_interrupted_before_counters_rolls_forward(tmp_path):
     state = buffer.storage.read_blob("replaybuf/state.json")
     buffer.store_episode(x=np.ones((4, 3)), frame=np.zeros((4, 32, 32, 3), np.uint8))
     buffer.storage.write_blob("replaybuf/state.json", state)
+    buffer.close()  # the writer stops there, as if killed before its last counter commit
 
     again = ReplayBuffer.from_folder(str(path))
     assert again.num_episodes == 2 and again.episode_index == 2
@@ -106,7 +107,8 @@ def test_reused_slot_is_invalidated_before_data_is_written(tmp_path):
 
 def test_partial_temp_files_are_cleaned_on_open(tmp_path):
     path = tmp_path / "b"
-    create(path).store_episode(x=np.ones((3, 3)), frame=np.zeros((3, 32, 32, 3), np.uint8))
+    with create(path) as writer:
+        writer.store_episode(x=np.ones((3, 3)), frame=np.zeros((3, 32, 32, 3), np.uint8))
     stray = path / "data" / "x" / ".abc.partial"
     stray.write_bytes(b"junk")
     ReplayBuffer.from_folder(str(path), read_only=True)

@@ -90,7 +90,8 @@ def test_data_arrays_index_like_numpy(tmp_path):
 
 
 def test_a_writer_opens_past_readers_in_the_same_process(tmp_path):
-    ReplayBuffer(tmp_path / "b", 4, 5, fields={"x": "float"}, backend="hdf5").store_episode(x=np.ones(3))
+    with ReplayBuffer(tmp_path / "b", 4, 5, fields={"x": "float"}, backend="hdf5") as first:
+        first.store_episode(x=np.ones(3))
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
     writer = ReplayBuffer.from_folder(tmp_path / "b")
     writer.store_episode(x=np.full(2, 5.0))

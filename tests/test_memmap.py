@@ -39,7 +39,8 @@ def test_files_are_plain_npy_and_json(tmp_path):
 
 def test_overwrite_replaces_only_buffer_files(tmp_path):
     folder = tmp_path / "buf"
-    ReplayBuffer(folder, 2, 3, fields={"x": "float"}, backend="memmap").store_episode(x=np.ones(2))
+    with ReplayBuffer(folder, 2, 3, fields={"x": "float"}, backend="memmap") as first:
+        first.store_episode(x=np.ones(2))
     ReplayBuffer(folder, 2, 3, fields={"y": "int"}, backend="memmap")
     names = set(os.listdir(folder))
     assert "x.data.npy" not in names and "y.data.npy" in names

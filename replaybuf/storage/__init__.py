@@ -12,9 +12,11 @@ from .base import (
     register_backend,
     registry,
 )
+from .lease import BufferLockedError
 
 __all__ = [
     "BufferDamagedError",
+    "BufferLockedError",
     "BufferNotFoundError",
     "ForeignEntriesError",
     "Storage",

@@ -17,7 +17,7 @@ data fields are chunked (1, T, *shape) with T chosen as for zarr; uncompressed o
 contiguous, as memmap-replay-buffer's HDF5 variant stores them.
 
 Files are opened without HDF5 file locking, so a read-only open creates and writes nothing;
-one writer per buffer is the caller's contract, as for every backend.
+one writer per buffer is enforced by the writer lease (``lease.py``), as for every backend.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class HDF5Storage(KVBlobs, Storage):
         return h5py.File(self.path, mode, locking=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
+        return {**super().__getstate__(), "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
 
     # ---- discovery -----------------------------------------------------------------------------
 

@@ -545,6 +545,39 @@ class StoreKV(KeyValue):
         store = self.store
         self._run_bounded([functools.partial(store.delete, k) for k in keys])
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist yet, in one conditional PUT
+        (``If-None-Match: *``); False when it exists. The writer lease is built on this.
+
+        zarr's ``set_if_not_exists`` hides whether it wrote, and on fsspec stores checks then
+        writes (two requests: a race), so the clients are called directly."""
+        from zarr.storage import FsspecStore, ObjectStore, WrapperStore
+
+        store = self.store
+        while isinstance(store, WrapperStore):
+            store = store._store
+
+        async def put() -> bool:
+            if isinstance(store, ObjectStore):
+                import obstore
+
+                try:
+                    await obstore.put_async(store.store, key, data, mode="create")
+                except obstore.exceptions.AlreadyExistsError:
+                    return False
+                except obstore.exceptions.BaseError as e:
+                    raise StorageError(f"conditional PUT {key!r} on {self.name!r} failed: {e}") from e
+                return True
+            if isinstance(store, FsspecStore):
+                try:
+                    await store.fs._pipe_file(f"{store.path.rstrip('/')}/{key}", data, mode="create")
+                except FileExistsError:
+                    return False
+                return True
+            raise StorageError(f"store {self.name!r} ({type(store).__name__}) offers no conditional write")
+
+        return self._run(put())
+
     def list_prefix(self, prefix: str) -> list[str]:
         store = self.store
 

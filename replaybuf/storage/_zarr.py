@@ -34,6 +34,7 @@ from .base import (
     parse_json,
     schema_from_config,
 )
+from .lease import ObjectLease, WriterLease
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
@@ -126,6 +127,10 @@ class ZarrStorage(KVBlobs, Storage):
             return LocalKV(_local_root(location), fsync=fsync)
         return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
+    def writer_lease(self) -> WriterLease:
+        # docstring inherited
+        return ObjectLease(self.kv, self.location) if isinstance(self.kv, StoreKV) else super().writer_lease()
+
     def _zarr_store(self, read_only: bool):
         if not _is_url(self.location):
             import zarr
@@ -171,9 +176,10 @@ class ZarrStorage(KVBlobs, Storage):
         if overwrite:
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
         store = self._zarr_store(read_only=False)
+        # mode "a", not "w": "w" clears the whole store, the writer lease with it
         root = zarr.open_group(
             store,
-            mode="a",  # not "w": that deletes every key under the location
+            mode="a",
             zarr_format=3,
             attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()},
         )

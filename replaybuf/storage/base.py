@@ -44,12 +44,16 @@ import json
 import os
 import time
 import types
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from ..schema import Field, Schema
+from .lease import BufferLockedError, FileLease, WriterLease
+from .lease import give_back as give_back_lease
+from .lease import take as take_lease
 
 STATE_KEY = "replaybuf/state.json"
 LOG_PREFIX = "replaybuf/steplog/"
@@ -227,6 +231,8 @@ class Storage(ABC):
     supports_remote: ClassVar[bool] = False
     #: honours a field's ``compressor`` spec (``convert(compressor=...)`` refuses it otherwise)
     supports_field_codecs: ClassVar[bool] = False
+    _lease: WriterLease | None = None
+    _lease_finalizer: weakref.finalize | None = None
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         self.location = str(location)
@@ -398,6 +404,34 @@ class Storage(ABC):
         ``episode_lens`` is int32, ``_generation`` int64 (see ``bookkeeping_fields``)."""
         return np.asarray(self.array(name, meta=True)[:])
 
+    # ---- the writer lease: one writer per buffer ------------------------------------------------
+
+    def writer_lease(self) -> WriterLease:
+        """A new lease guarding writes to this buffer: a lock file in the buffer's folder by
+        default; backends on object stores override this."""
+        return FileLease(os.path.abspath(self.location.removeprefix("file://")))
+
+    def acquire_writer(self, break_lock: bool = False, erase: bool = False) -> None:
+        """Take the writer lease (before erasing or writing anything), or raise
+        BufferLockedError naming its holder; opens in one process share it unless one will
+        ``erase`` the buffer (``lease.take``). It is released by ``release_writer``, or when this
+        object is garbage collected or the interpreter exits."""
+        if self._lease is not None:
+            return
+        lease = take_lease(self.writer_lease(), break_lock, erase)
+        self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
+
+    def release_writer(self) -> None:
+        """Give the writer lease back (a no-op when not held)."""
+        if self._lease is not None:
+            self._lease_finalizer.detach()
+            give_back_lease(self._lease)
+        self._lease = self._lease_finalizer = None
+
+    def __getstate__(self) -> dict:
+        """A pickled storage (sent to a DataLoader worker) carries no lease."""
+        return {**self.__dict__, "_lease": None, "_lease_finalizer": None}
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -427,6 +461,8 @@ class Storage(ABC):
     def _check_writable(self) -> None:
         if self.read_only:
             raise PermissionError(f"buffer at {self.location!r} was opened read-only; writing is not allowed")
+        if self._lease is not None and self._lease.lost is not None:
+            raise BufferLockedError(f"cannot write to {self.location!r}: {self._lease.lost}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"

@@ -1,0 +1,450 @@
+"""Writer leases: one writer per buffer, across processes and machines.
+
+A writable open takes the buffer's lease before it erases or writes anything, and gives it back
+at close (or when the buffer is garbage collected, or the interpreter exits). Readers never take
+it. Writable opens of one buffer within one process share the lease (``take``). Both kinds keep
+the lease under the key ``replaybuf/writer.lock`` of the buffer, holding JSON ``{host, pid,
+since, ...}`` that names the holder for the error a second writer gets.
+
+- ``FileLease`` (local folders, every backend): ``fcntl.flock`` on that file. The kernel drops
+  the lock when the holding process dies, however it dies, so a local lock is never stale.
+- ``ObjectLease`` (zarr on ``s3://``, ``gs://``, ``memory://``): an object created with a
+  conditional write (``If-None-Match: *``) that a daemon thread renews every quarter of its
+  expiry. A crashed writer's lease can be taken over once it has expired, or at once with
+  ``break_lock=True`` / ``replaybuf unlock``. A writer whose lease was taken over notices at its
+  next renewal and refuses every further write.
+
+Expiry comes from ``REPLAYBUF_LEASE_SECONDS`` (default 60 s) in the writer's environment, read
+when the lease is taken; an object-store writer must renew within that time or lose the lease.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+import weakref
+from abc import ABC, abstractmethod
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._kv import StoreKV
+
+LEASE_KEY = "replaybuf/writer.lock"
+DEFAULT_LEASE_SECONDS = 60.0
+LEASE_SECONDS_ENV = "REPLAYBUF_LEASE_SECONDS"
+
+logger = logging.getLogger(__name__)
+
+_SHARDS_HINT = (
+    "A buffer takes one writer at a time. To write in parallel, give each writer its own shard "
+    "(ReplayBuffer.shard(root, i)) and read them together with ConcatReplayBuffer(root); "
+    "to read alongside the writer, open it with read_only=True."
+)
+
+
+class BufferLockedError(RuntimeError):
+    """Another writer holds the buffer's writer lease (or took it over from this one).
+
+    ``holder`` is the holder's record (``host``, ``pid``, ``since``, ...) or None when unreadable.
+    """
+
+    def __init__(self, message: str, holder: dict | None = None):
+        super().__init__(message)
+        self.holder = holder
+
+
+def lease_seconds() -> float:
+    """The expiry of object-store leases taken now (``REPLAYBUF_LEASE_SECONDS``, default 60)."""
+    raw = os.environ.get(LEASE_SECONDS_ENV)
+    if raw is None:
+        return DEFAULT_LEASE_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{LEASE_SECONDS_ENV} must be a positive number of seconds, got {raw!r}")
+    return seconds
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _record(**extra: Any) -> dict:
+    """Who is taking the lease: host, pid, start time and program."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": _now(),
+        "program": " ".join(sys.argv)[:200],
+        **extra,
+    }
+
+
+def describe_holder(holder: dict | None) -> str:
+    """``pid 123 on host 'a' since 2026-...`` (or what is known of it)."""
+    if not holder:
+        return "an unknown writer (its lock record is empty or unreadable)"
+    return f"pid {holder.get('pid')} on host {holder.get('host')!r} since {holder.get('since')}"
+
+
+class WriterLease(ABC):
+    """The right to write one buffer, held by at most one open at a time.
+
+    ``lost`` is None while the lease is held, else a message saying why writing must stop.
+    """
+
+    def __init__(self, location: str):
+        self.location = location
+        self.lost: str | None = None
+        self._pid = os.getpid()
+        self._users = 0  # the opens of this process sharing the lease (``take``)
+
+    @property
+    def key(self) -> str:
+        """What identifies the buffer's lease within this process."""
+        return f"{type(self).__name__}:{self.location}"
+
+    @abstractmethod
+    def acquire(self, break_lock: bool = False) -> None:
+        """Take the lease, or raise BufferLockedError naming the holder."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give the lease back (a no-op when not held, or in a forked child of the holder)."""
+
+    def _after_fork(self) -> None:
+        """In a forked child of the holder: the child holds no lease and must not write."""
+        self.lost = "this process is a fork of the writer; it holds no writer lease"
+
+    def release_soon(self) -> None:
+        """``release`` for a garbage-collection finalizer, which may run in any thread at any
+        allocation (inside a thread pool's or an event loop's lock): it must not wait for I/O."""
+        self.release()
+
+    @abstractmethod
+    def holder(self) -> dict | None:
+        """The current holder's record, or None when nobody holds the lease."""
+
+    @abstractmethod
+    def unlock(self) -> dict | None:
+        """Remove the lease whoever holds it (``replaybuf unlock``); returns the removed record."""
+
+    def _locked_error(self, holder: dict | None, how_to_break: str) -> BufferLockedError:
+        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            how_to_break = f"It is this process: close() the other writable ReplayBuffer on it first. {how_to_break}"
+        return BufferLockedError(
+            f"cannot open {self.location!r} for writing: it is being written by {describe_holder(holder)}. "
+            f"{_SHARDS_HINT} {how_to_break}",
+            holder,
+        )
+
+
+class FileLease(WriterLease):
+    """``flock`` on ``<root>/replaybuf/writer.lock``, dropped by the kernel with its process.
+
+    flock belongs to an open file description: a second open of the file is refused even in
+    the same process (``take`` shares one lease among a process's opens instead), and a forked
+    child shares its parent's lock (so a child closes its copy at fork). Release deletes the
+    lock file, and the folders that taking it created, so a refused or failed open leaves a
+    folder as it was; taking the lock checks that the file it locked is still the one at the
+    path, so deleting it races with no other writer.
+    """
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.path = os.path.join(root, *LEASE_KEY.split("/"))
+        self._fd: int | None = None
+        self._created: list[str] = []
+
+    @property
+    def key(self) -> str:
+        # docstring inherited
+        return f"file:{os.path.realpath(self.path)}"
+
+    def _read_record(self) -> dict | None:
+        try:
+            with open(self.path, "rb") as f:
+                return json.loads(f.read() or b"null")
+        except (OSError, ValueError):
+            return None
+
+    def _lock(self) -> int:
+        """An open descriptor of the lock file holding the flock; BlockingIOError when held."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                with contextlib.suppress(FileNotFoundError):  # deleted by the holder releasing it
+                    if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                        return fd
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
+    def acquire(self, break_lock: bool = False) -> None:
+        # docstring inherited
+        if self._fd is not None:
+            return
+        folders = [os.path.dirname(self.path), self.location]
+        self._created = [folder for folder in folders if not os.path.isdir(folder)]
+        os.makedirs(folders[0], exist_ok=True)
+        try:
+            fd = self._lock()
+        except BlockingIOError:
+            self._remove_created()
+            raise self._locked_error(
+                self._read_record(),
+                "The lock is released when that process exits; it cannot be stale, so break_lock "
+                "does not apply: stop that process to take over.",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_record()).encode(), 0)
+        self._fd, self._pid = fd, os.getpid()
+        _held.add(self)
+
+    def release(self) -> None:
+        # docstring inherited
+        fd, self._fd = self._fd, None
+        _held.discard(self)
+        if fd is None:
+            return
+        if self._pid == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self._remove_created()
+        os.close(fd)  # closing the last descriptor of the open file drops the flock
+
+    def _remove_created(self) -> None:
+        """Remove the folders ``acquire`` created, where still empty."""
+        for folder in self._created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        self._created = []
+
+    def _after_fork(self) -> None:
+        # docstring inherited: close the child's copy, so the lock still dies with the holder
+        fd, self._fd = self._fd, None
+        _held.discard(self)
+        if fd is not None:
+            os.close(fd)
+        super()._after_fork()
+
+    def holder(self) -> dict | None:
+        # docstring inherited
+        if self._fd is not None:
+            return self._read_record()
+        if not os.path.exists(self.path):
+            return None
+        try:
+            os.close(self._lock())
+        except BlockingIOError:
+            return self._read_record() or {}
+        return None
+
+    def unlock(self) -> dict | None:
+        # docstring inherited
+        holder = self.holder()
+        if holder is not None:
+            raise self._locked_error(
+                holder, "A local lock is released when its process exits; stop that process instead."
+            )
+        return None
+
+
+class ObjectLease(WriterLease):
+    """A lease object on an object store, created with ``If-None-Match: *`` and renewed by a
+    heartbeat thread; it holds ``{host, pid, since, expires, token}`` (``expires`` in Unix time).
+
+    Parameters
+    ----------
+    kv
+        The buffer's store.
+    location
+        The buffer's URL, for messages.
+    seconds
+        How long the lease lasts without renewal; ``lease_seconds()`` when None.
+    """
+
+    def __init__(self, kv: StoreKV, location: str, seconds: float | None = None):
+        super().__init__(location)
+        self.kv = kv
+        self.seconds = lease_seconds() if seconds is None else seconds
+        self.token: str | None = None
+        self._stop = threading.Event()
+        self._release_requested = False
+        self._release_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _read_record(self) -> dict | None:
+        raw = self.kv.get(LEASE_KEY)
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def _new_record(self) -> bytes:
+        return json.dumps(_record(expires=time.time() + self.seconds, token=self.token)).encode()
+
+    def acquire(self, break_lock: bool = False) -> None:
+        # docstring inherited
+        if self.token is not None:
+            return
+        self.token = uuid.uuid4().hex
+        try:
+            if not self.kv.create(LEASE_KEY, self._new_record()):
+                self._take_over(break_lock)
+        except BaseException:
+            self.token = None
+            raise
+        self.lost, self._pid, self._release_requested = None, os.getpid(), False
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name=f"replaybuf-lease-{self.location}", daemon=True)
+        self._thread.start()
+        _held.add(self)
+
+    def _take_over(self, break_lock: bool) -> None:
+        """Replace an expired (or, with ``break_lock``, any) lease and check that ours stands.
+
+        Two writers taking over the same expired lease at once may both write theirs, and the
+        re-read below cannot tell which write lands last if both read back before the other
+        writes. Each renewal re-reads the token first, so the writer whose lease was replaced
+        stops writing at its next renewal: two writers overlap for at most ``seconds / 4``.
+        """
+        holder = self._read_record()
+        expired = holder is not None and not float(holder.get("expires", 0)) > time.time()
+        if holder is not None and not expired and not break_lock:
+            until = datetime.fromtimestamp(float(holder.get("expires", 0)), UTC).isoformat(timespec="seconds")
+            raise self._locked_error(
+                holder,
+                f"If that writer stopped without closing, its lease expires at {until}; to take it now, "
+                f"pass break_lock=True or run `replaybuf unlock {self.location}`.",
+            )
+        if holder is not None:
+            logger.warning("taking over the writer lease of %s from %s", self.location, describe_holder(holder))
+        self.kv.set(LEASE_KEY, self._new_record())
+        now = self._read_record()
+        if not now or now.get("token") != self.token:
+            raise self._locked_error(now, "Another writer took the expired lease at the same time.")
+
+    def renew(self) -> None:
+        """Extend the lease, or mark it ``lost`` when another writer holds it now."""
+        record = self._read_record()
+        if not record or record.get("token") != self.token:
+            self.lost = f"the writer lease of {self.location!r} was taken over by {describe_holder(record)}"
+            logger.error("%s; this writer stops writing", self.lost)
+            self._stop.set()
+            return
+        self.kv.set(LEASE_KEY, json.dumps({**record, "expires": time.time() + self.seconds}).encode())
+
+    def _heartbeat(self) -> None:
+        """Renew every quarter of the expiry until released; a renewal that fails (store down)
+        is retried, and once the lease has expired unrenewed it is marked lost."""
+        last = time.time()
+        while not self._stop.wait(self.seconds / 4):
+            try:
+                self.renew()
+                last = time.time()
+            except Exception as error:
+                if time.time() - last >= self.seconds:
+                    self.lost = f"the writer lease of {self.location!r} expired unrenewed ({error})"
+                    return
+                logger.warning("renewing the writer lease of %s failed: %s", self.location, error)
+        if self._release_requested:
+            self.release()
+
+    def release(self) -> None:
+        # docstring inherited
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread() and self._pid == os.getpid():
+            self._thread.join(timeout=5)  # a renewal in flight, or the release handed to it, ends
+        with self._release_lock:
+            token, self.token = self.token, None
+            _held.discard(self)
+            if token is None or self._pid != os.getpid():
+                return
+            with contextlib.suppress(Exception):  # the store is down: the lease expires instead
+                record = self._read_record()
+                if record and record.get("token") == token:
+                    self.kv.delete_many([LEASE_KEY])
+
+    def release_soon(self) -> None:
+        # docstring inherited: the heartbeat thread deletes the lease object
+        self._release_requested = True
+        self._stop.set()
+
+    def holder(self) -> dict | None:
+        # docstring inherited
+        return self._read_record()
+
+    def unlock(self) -> dict | None:
+        # docstring inherited
+        holder = self._read_record()
+        if holder is not None:
+            self.kv.delete_many([LEASE_KEY])
+        return holder
+
+
+_in_process: dict[str, WriterLease] = {}
+
+
+def take(lease: WriterLease, break_lock: bool = False, erase: bool = False) -> WriterLease:
+    """Take ``lease``, or share the lease this process already holds on the same buffer.
+
+    Writable opens of one buffer within one process share its lease: memmap-replay-buffer's
+    README (this library's API) reopens a buffer with ``from_folder`` while the first object is
+    alive and keeps writing with it. An open that will ``erase`` the buffer (``overwrite=True``)
+    is refused then, as are other processes. ``give_back`` releases the lease when the last
+    open sharing it is closed.
+    """
+    held = _in_process.get(lease.key)
+    if held is not None and held.lost is None and held._pid == os.getpid():
+        if erase:
+            raise held._locked_error(held.holder(), "overwrite=True would erase the buffer under it.")
+        lease = held
+    else:
+        lease.acquire(break_lock)
+        _in_process[lease.key] = lease
+    lease._users += 1
+    return lease
+
+
+def give_back(lease: WriterLease, soon: bool = False) -> None:
+    """One open sharing ``lease`` is done with it; the last one releases it (``soon``: from a
+    garbage-collection finalizer, see ``release_soon``)."""
+    lease._users -= 1
+    if lease._users > 0:
+        return
+    if _in_process.get(lease.key) is lease:
+        del _in_process[lease.key]
+    if soon:
+        lease.release_soon()
+    else:
+        lease.release()
+
+
+_held: weakref.WeakSet[WriterLease] = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [lease._after_fork() for lease in list(_held)])
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Release the leases still held: at exit nothing else deletes an object-store lease
+    (finalizers hand that to daemon threads, which exit stops)."""
+    for lease in list(_held):
+        lease.release()

@@ -1,0 +1,364 @@
+"""One writer per buffer: the writer lease (issue #12, case 2 "two writers, no refusal").
+
+Local folders (zarr, memmap, hdf5) hold an flock on ``replaybuf/writer.lock``; zarr on object
+stores (memory://, S3 via moto) a lease object created with a conditional PUT, renewed by a
+heartbeat and taken over once expired. Other processes are real ones (``tests/_lease_child.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer, convert
+from replaybuf.cli import main as cli_main
+from replaybuf.shards import shard_location
+from replaybuf.storage import make_storage
+from replaybuf.storage.lease import LEASE_KEY, LEASE_SECONDS_ENV
+from tests._backends import seed_buffer, snapshot
+from tests._lease_child import FIELDS, META
+
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL = ["zarr", "memmap", "hdf5"]
+
+
+def _kwargs(backend: str) -> dict:
+    return {} if backend in ("zarr", "memory") else {"backend": backend}
+
+
+def _open(location: str, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(location, 200, 3, fields=FIELDS, meta_fields=META, **kwargs)
+
+
+def _store(buffer: ReplayBuffer, uid: int) -> None:
+    buffer.store_episode(x=np.full((3, 4), uid, np.float32), uid=uid)
+
+
+def _child(mode: str, location: str, kwargs: dict, env: dict | None = None, **settings) -> subprocess.Popen:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests._lease_child",
+            mode,
+            json.dumps({"location": location, "kwargs": kwargs, **settings}),
+        ],
+        cwd=ROOT,
+        env={**environment, **(env or {})},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ready(process: subprocess.Popen) -> list[str]:
+    line = process.stdout.readline().split()
+    assert line[:1] == ["ready"], f"child failed to start (exit {process.wait()})"
+    return line[1:]
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _open_when_released(location: str, seconds: float = 20, **kwargs) -> ReplayBuffer:
+    """A writable open, retried until the lease held so far is given back or expires."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return ReplayBuffer.from_folder(location, **kwargs)
+        except BufferLockedError:
+            assert time.monotonic() < deadline, f"the writer lease of {location} was never released"
+            time.sleep(0.1)
+
+
+def _assert_names_holder(error: BufferLockedError | str, pid: int) -> None:
+    message = str(error)
+    assert f"pid {pid} on host " in message and " since 20" in message
+    assert "ReplayBuffer.shard(root, i)" in message and "ConcatReplayBuffer(root)" in message
+
+
+@pytest.fixture
+def location(backend, tmp_path) -> str:
+    if backend == "memory":
+        return f"memory://replaybuf-lease/{uuid.uuid4().hex}"
+    return str(tmp_path / "buffer")
+
+
+@pytest.fixture
+def s3_location(s3_server) -> tuple[str, dict]:
+    return s3_server.url(f"lease-{uuid.uuid4().hex[:8]}"), s3_server.storage_options
+
+
+# ---- case 2: two writer processes, the second refused, the first's episodes intact -----------------
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_second_writer_process_is_refused_and_first_keeps_every_episode(backend, tmp_path):
+    location = str(tmp_path / "buffer")
+    kwargs = {"max_episodes": 5000, "max_timesteps": 3, **_kwargs(backend)}
+    first = _child("store", location, kwargs)
+    try:
+        _ready(first)
+        second = _child("try", location, kwargs, seconds=1.0)
+        attempts = json.loads(second.communicate(timeout=60)[0])
+        first.stdin.close()
+        uids = json.loads(first.stdout.readline())
+    finally:
+        _kill(first.pid)
+        first.wait()
+    assert attempts["opened"] == 0 and attempts["refused"] > 0
+    _assert_names_holder(attempts["message"], first.pid)
+    assert attempts["holder"]["pid"] == first.pid
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert len(uids) > 0 and len(reader) == len(uids)
+    slots = reader.valid_episodes()
+    np.testing.assert_array_equal(np.sort(reader.meta_data["uid"][slots]), uids)
+    data = reader.storage.read_rows("x", slots, 0, 3)
+    np.testing.assert_array_equal(data, np.broadcast_to(reader.meta_data["uid"][slots, None, None], data.shape))
+
+
+@pytest.mark.parametrize("backend", [*LOCAL, "s3"])
+def test_second_writer_process_is_refused_even_with_overwrite_and_erases_nothing(backend, tmp_path, request):
+    if backend == "s3":
+        location, options = request.getfixturevalue("s3_location")
+        kwargs = {"storage_options": options}
+    else:
+        location, kwargs = str(tmp_path / "buffer"), _kwargs(backend)
+    holder = _open(location, **kwargs)
+    _store(holder, 1)
+    before = _stored(holder)
+    other = _child("try", location, {"max_episodes": 200, "max_timesteps": 3, **kwargs}, seconds=0.3, overwrite=True)
+    attempts = json.loads(other.communicate(timeout=60)[0])
+    assert attempts["opened"] == 0 and attempts["refused"] > 0
+    _assert_names_holder(attempts["message"], os.getpid())
+    if backend == "s3":
+        assert "break_lock=True" in attempts["message"] and f"replaybuf unlock {location}" in attempts["message"]
+    assert _stored(holder) == before
+    _store(holder, 2)
+    holder.close()
+    with ReplayBuffer.from_folder(location, read_only=True, **kwargs) as reader:
+        assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 2]
+
+
+# ---- in one process ----------------------------------------------------------------------------------
+
+
+def _stored(buffer: ReplayBuffer) -> dict:
+    """Every object of the buffer but the lease (renewed by the heartbeat) and its bytes."""
+    kv = buffer.storage.kv
+    keys = [key for key in kv.list_prefix("") if key != LEASE_KEY]
+    return dict(zip(keys, kv.get_many(keys)))
+
+
+def _held(location: str, **kwargs) -> bool:
+    return make_storage(location, **kwargs).writer_lease().holder() is not None
+
+
+def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location, backend):
+    # memmap-replay-buffer's README reopens with from_folder() and keeps writing with the first
+    first = _open(location, **_kwargs(backend))
+    _store(first, 7)
+    rehydrated = ReplayBuffer.from_folder(location)
+    _store(first, 8)
+    assert rehydrated.refresh().meta_data["uid"][rehydrated.valid_episodes()].tolist() == [7, 8]
+    first.close()
+    assert _held(location), "the lease stays until the last writer sharing it closes"
+    rehydrated.close()
+    assert not _held(location)
+
+
+def test_overwrite_in_the_same_process_is_refused_and_erases_nothing(location, backend, tmp_path):
+    writer = _open(location, **_kwargs(backend))
+    _store(writer, 3)
+    before = _stored(writer)
+    with pytest.raises(BufferLockedError, match="It is this process: close.*overwrite=True would erase"):
+        _open(location, overwrite=True, **_kwargs(backend))
+    with pytest.raises(BufferLockedError):
+        ReplayBuffer(location, 4, 9, fields={"y": "int"}, **_kwargs(backend))
+    source = _open(str(tmp_path / "source"))
+    source.close()
+    with pytest.raises(BufferLockedError):
+        convert(str(tmp_path / "source"), location, backend=backend if backend != "memory" else "zarr", overwrite=True)
+    assert _stored(writer) == before
+    _store(writer, 4)
+    writer.close()
+    assert not _held(location)
+
+
+def test_lock_survives_overwriting_an_existing_buffer(location, backend):
+    _open(location, **_kwargs(backend)).close()
+    writer = _open(location, overwrite=True, **_kwargs(backend))  # erases the old buffer, not the lock
+    assert _held(location)
+    writer.close()
+
+
+def test_reader_alongside_writer_takes_nothing_and_writes_nothing(location, backend):
+    writer = _open(location, **_kwargs(backend))
+    _store(writer, 5)
+    before = snapshot(location)
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [5]
+    assert reader.storage._lease is None
+    reader.close()
+    assert snapshot(location) == before
+    _store(writer, 6)
+    writer.close()
+
+
+def test_close_releases_the_lock_and_collection_too(location, backend):
+    writer = _open(location, **_kwargs(backend))
+    writer.close()
+    assert not _held(location)
+    second = ReplayBuffer.from_folder(location)
+    assert _held(location)
+    del second  # garbage collected without close(): an object-store lease goes a moment later
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _held(location):
+        assert time.monotonic() < deadline, "the collected writer's lease was never released"
+        time.sleep(0.05)
+
+
+def test_a_failed_open_gives_the_lock_back(location, backend):
+    _open(location, **_kwargs(backend)).close()
+    with pytest.raises(ValueError, match="max_episodes"):
+        ReplayBuffer(location, 999, 3, fields=FIELDS, meta_fields=META, overwrite=False, **_kwargs(backend))
+    assert not _held(location)
+
+
+def test_pickled_buffer_is_read_only_and_carries_no_lease(location, backend):
+    writer = _open(location, **_kwargs(backend))
+    _store(writer, 2)
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy.read_only and copy.storage._lease is None
+    copy.close()
+    del copy
+    gc.collect()
+    assert _held(location)
+    writer.close()
+
+
+def test_shards_write_in_parallel_each_shard_once(tmp_path):
+    root = str(tmp_path / "root")
+    shards = [
+        ReplayBuffer.shard(root, i, max_episodes=4, max_timesteps=3, fields=FIELDS, meta_fields=META) for i in (0, 1)
+    ]
+    assert _held(shard_location(root, 0)) and _held(shard_location(root, 1))
+    for i, shard in enumerate(shards):
+        _store(shard, i)
+        shard.close()
+    assert len(ConcatReplayBuffer(root)) == 2
+
+
+def test_seed_folder_writer_is_locked_and_reader_writes_nothing(tmp_path):
+    folder = tmp_path / "seed"
+    seed_buffer(folder, lengths=(3,), partial=1)
+    before = snapshot(str(folder))
+    ReplayBuffer.from_folder(folder, read_only=True).close()
+    assert snapshot(str(folder)) == before
+    writer = ReplayBuffer.from_folder(folder)  # adopts the folder under the lease
+    assert _held(str(folder))
+    writer.close()
+    assert not _held(str(folder))
+
+
+# ---- stale locks: a killed writer, expiry, break_lock, replaybuf unlock ------------------------------------
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_sigkilled_writer_frees_its_local_lock_even_with_a_forked_child_alive(backend, tmp_path):
+    location = str(tmp_path / "buffer")
+    holder = _child("hold", location, {"max_episodes": 4, "max_timesteps": 3, **_kwargs(backend)}, fork=True)
+    pid, child = map(int, _ready(holder))
+    try:
+        with pytest.raises(BufferLockedError) as caught:
+            ReplayBuffer.from_folder(location)
+        _assert_names_holder(caught.value, pid)
+        _kill(pid)
+        holder.wait()
+        writer = ReplayBuffer.from_folder(location)  # the forked child still runs: no lock with it
+        assert writer.meta_data["uid"][writer.valid_episodes()].tolist() == [0]
+        writer.close()
+    finally:
+        _kill(pid)
+        _kill(child)
+
+
+def test_local_break_lock_and_unlock_refuse_a_live_holder(tmp_path, capsys):
+    location = str(tmp_path / "buffer")
+    assert cli_main(["unlock", location]) == 0
+    assert "no writer lease held" in capsys.readouterr().out
+    writer = _open(location)
+    with pytest.raises(BufferLockedError, match="stop that process"):
+        make_storage(location).writer_lease().acquire(break_lock=True)
+    assert cli_main(["unlock", location]) == 1
+    assert f"pid {os.getpid()}" in capsys.readouterr().err
+    writer.close()
+
+
+def test_expired_s3_lease_of_a_killed_writer_is_taken_over(s3_location):
+    url, options = s3_location
+    holder = _child(
+        "hold", url, {"max_episodes": 4, "max_timesteps": 3, "storage_options": options}, env={LEASE_SECONDS_ENV: "2"}
+    )
+    pid = int(_ready(holder)[0])
+    _kill(pid)
+    holder.wait()
+    with pytest.raises(BufferLockedError, match="lease expires at") as caught:
+        ReplayBuffer.from_folder(url, storage_options=options)
+    _assert_names_holder(caught.value, pid)
+    writer = _open_when_released(url, storage_options=options)
+    assert json.loads(writer.storage.kv.get(LEASE_KEY))["pid"] == os.getpid()
+    assert writer.meta_data["uid"][writer.valid_episodes()].tolist() == [0]
+    writer.close()
+    assert writer.storage.kv.get(LEASE_KEY) is None  # released at close
+
+
+@pytest.mark.parametrize("how", ["break_lock", "unlock"])
+def test_breaking_an_object_store_lease_stops_the_old_writer(s3_location, monkeypatch, capsys, how):
+    monkeypatch.setenv(LEASE_SECONDS_ENV, "0.4")  # heartbeats every 0.1 s, here and in the child
+    url, options = s3_location
+    old = _open(url, storage_options=options)
+    _store(old, 1)
+    kwargs = {"max_episodes": 200, "max_timesteps": 3, "storage_options": options}
+    if how == "unlock":
+        assert cli_main(["unlock", url, "--storage-options", json.dumps(options)]) == 0
+        assert f"removed the writer lease of pid {os.getpid()}" in capsys.readouterr().out
+    else:
+        kwargs["break_lock"] = True
+    new = _child("hold", url, kwargs)  # takes the lease and stores uid 0
+    try:
+        pid = int(_ready(new)[0])
+        deadline = time.monotonic() + 10
+        while old.storage._lease.lost is None:
+            assert time.monotonic() < deadline, "the old writer never noticed"
+            time.sleep(0.05)
+        with pytest.raises(BufferLockedError, match="cannot write to"):
+            _store(old, 2)
+        time.sleep(0.6)  # longer than the expiry: the new writer's heartbeat keeps its lease
+        with pytest.raises(BufferLockedError) as caught:
+            ReplayBuffer.from_folder(url, storage_options=options)
+        _assert_names_holder(caught.value, pid)
+        new.stdin.close()
+        assert new.wait(timeout=60) == 0
+    finally:
+        _kill(new.pid)
+    with ReplayBuffer.from_folder(url, storage_options=options) as reader:
+        assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 0]
