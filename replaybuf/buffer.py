@@ -166,8 +166,9 @@ class ReplayBuffer:
                 raise FileNotFoundError(f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only")
             self._setup(self._open(wanted))
             return
-        if wanted is None and (overwrite or not self.storage.exists()):
+        if overwrite or not self.storage.exists():
             self._check_creatable(wanted)
+            self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
         self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))

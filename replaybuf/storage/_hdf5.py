@@ -270,10 +270,14 @@ class HDF5Storage(KVBlobs, Storage):
 
     # ---- create / open ---------------------------------------------------------------------------
 
-    def create(self, schema: Schema, overwrite: bool) -> None:
+    def check_creatable(self) -> list[str]:
         # docstring inherited
         refuse_foreign_buffer(self)
-        entries = check_owned(self.kv, self.location, lambda name: name == DATA_FILE)
+        return check_owned(self.kv, self.location, lambda name: name == DATA_FILE)
+
+    def create(self, schema: Schema, overwrite: bool) -> None:
+        # docstring inherited
+        entries = self.check_creatable()
         self.read_only = False
         self.close()
         if overwrite:

@@ -186,10 +186,14 @@ class MemmapStorage(KVBlobs, Storage):
 
     # ---- create / open --------------------------------------------------------------------------
 
-    def create(self, schema: Schema, overwrite: bool) -> None:
+    def check_creatable(self) -> list[str]:
         # docstring inherited
         refuse_foreign_buffer(self)
-        entries = check_owned(self.kv, self.location, _owns)
+        return check_owned(self.kv, self.location, _owns)
+
+    def create(self, schema: Schema, overwrite: bool) -> None:
+        # docstring inherited
+        entries = self.check_creatable()
         self.read_only = False
         if overwrite:
             erase_owned(self.kv, entries, markers=(CONFIG_FILE, _seed.METADATA_FILE))

@@ -163,15 +163,18 @@ class ZarrStorage(KVBlobs, Storage):
 
     # ---- create / open -------------------------------------------------------------------
 
+    def check_creatable(self) -> list[str]:
+        # docstring inherited
+        if not _is_url(self.location):
+            refuse_foreign_buffer(self)
+        owned = (ROOT_DOCUMENT, "data", "meta") if self.exists() else ()  # a user's data/ is not ours
+        return check_owned(self.kv, self.location, owned.__contains__)
+
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         import zarr
 
-        if not _is_url(self.location):
-            refuse_foreign_buffer(self)
-        # the buffer's own entries only: refused before anything is deleted when others are there
-        owned = (ROOT_DOCUMENT, "data", "meta") if self.exists() else ()  # a user's data/ is not ours
-        entries = check_owned(self.kv, self.location, owned.__contains__)
+        entries = self.check_creatable()
         self.read_only = False
         if overwrite:
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))

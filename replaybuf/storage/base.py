@@ -233,6 +233,7 @@ class Storage(ABC):
     supports_field_codecs: ClassVar[bool] = False
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
+    _lease_epoch = 0
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         self.location = str(location)
@@ -260,6 +261,13 @@ class Storage(ABC):
         backend owns may be erased: a location holding anything else raises
         ``ForeignEntriesError`` before anything is deleted or written.
         """
+
+    def check_creatable(self) -> list[str]:
+        """The top-level entries ``create`` would erase, all owned by a buffer of this backend;
+        raise ``ForeignEntriesError`` (or the error for another backend's buffer) when the
+        location holds anything else. Reads only: the buffer calls it before taking the writer
+        lease, so a refused create writes nothing at all."""
+        return []
 
     @abstractmethod
     def open(self, read_only: bool) -> Schema:
@@ -414,12 +422,14 @@ class Storage(ABC):
     def acquire_writer(self, break_lock: bool = False, erase: bool = False) -> None:
         """Take the writer lease (before erasing or writing anything), or raise
         BufferLockedError naming its holder; opens in one process share it unless one will
-        ``erase`` the buffer (``lease.take``). It is released by ``release_writer``, or when this
+        ``erase`` the buffer, which replaces the buffer for the earlier opens: they may no
+        longer write (``lease.take``). It is released by ``release_writer``, or when this
         object is garbage collected or the interpreter exits."""
         if self._lease is not None:
             return
         lease = take_lease(self.writer_lease(), break_lock, erase)
         self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
+        self._lease_epoch = lease.epoch
 
     def release_writer(self) -> None:
         """Give the writer lease back (a no-op when not held)."""
@@ -463,6 +473,11 @@ class Storage(ABC):
             raise PermissionError(f"buffer at {self.location!r} was opened read-only; writing is not allowed")
         if self._lease is not None and self._lease.lost is not None:
             raise BufferLockedError(f"cannot write to {self.location!r}: {self._lease.lost}")
+        if self._lease is not None and self._lease.epoch != self._lease_epoch:
+            raise BufferLockedError(
+                f"cannot write to {self.location!r}: a later open of it with overwrite=True in this process "
+                "erased the buffer this object wrote to; write through that newer object"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"

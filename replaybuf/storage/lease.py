@@ -110,6 +110,9 @@ class WriterLease(ABC):
         self.lost: str | None = None
         self._pid = os.getpid()
         self._users = 0  # the opens of this process sharing the lease (``take``)
+        # bumped by an erasing open in this process: the opens that shared the lease before it
+        # write to a buffer that no longer exists, so they may not write at all (``take``)
+        self.epoch = 0
 
     @property
     def key(self) -> str:
@@ -408,14 +411,16 @@ def take(lease: WriterLease, break_lock: bool = False, erase: bool = False) -> W
 
     Writable opens of one buffer within one process share its lease: memmap-replay-buffer's
     README (this library's API) reopens a buffer with ``from_folder`` while the first object is
-    alive and keeps writing with it. An open that will ``erase`` the buffer (``overwrite=True``)
-    is refused then, as are other processes. ``give_back`` releases the lease when the last
-    open sharing it is closed.
+    alive and keeps writing with it. An open that will ``erase`` the buffer (``overwrite=True``,
+    as when a notebook cell that creates the buffer runs again) replaces it: the lease's
+    ``epoch`` moves on, and the opens that shared it before refuse every further write (their
+    buffer is gone). Other processes are refused. ``give_back`` releases the lease when the
+    last open sharing it is closed.
     """
     held = _in_process.get(lease.key)
     if held is not None and held.lost is None and held._pid == os.getpid():
         if erase:
-            raise held._locked_error(held.holder(), "overwrite=True would erase the buffer under it.")
+            held.epoch += 1
         lease = held
     else:
         lease.acquire(break_lock)
