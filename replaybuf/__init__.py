@@ -12,7 +12,7 @@ from .consistency import read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
-from .storage.base import BufferNotFoundError, Storage, StorageError, make_storage
+from .storage.base import BufferNotFoundError, CorruptChunkError, Storage, StorageError, make_storage
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
 
@@ -48,6 +48,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "BufferNotFoundError",
+    "CorruptChunkError",
     "make_storage",
     "frames_to_sheet",
     "trajectory_to_video",

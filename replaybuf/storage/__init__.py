@@ -2,6 +2,7 @@
 
 from .base import (
     BufferNotFoundError,
+    CorruptChunkError,
     Storage,
     StorageError,
     backend_class,
@@ -13,6 +14,7 @@ from .base import (
 
 __all__ = [
     "BufferNotFoundError",
+    "CorruptChunkError",
     "Storage",
     "StorageError",
     "backend_class",
