@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from .schema import Field, Schema, parse_compressor
-from .storage.base import LOG_PREFIX, Storage, backend_class, bookkeeping_fields, make_storage
+from .storage.base import LOG_PREFIX, CorruptChunkError, Storage, backend_class, bookkeeping_fields, make_storage
 
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
@@ -294,13 +294,16 @@ def _ranges(steps: np.ndarray) -> str:
     return f"{int(steps.min())}..{int(steps.max())}"
 
 
-def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
-    """Problems found in the buffer at ``path`` (empty when consistent); changes nothing.
+def verify(path: str | os.PathLike, storage_options: dict | None = None, repair: bool = False) -> list[str]:
+    """Problems found in the buffer at ``path`` (empty when consistent).
 
     Checks that every array is present with its configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
-    committed episodes hold only zeros or their field's default beyond their length, and no
-    step log of an unfinished episode is left.
+    every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
+    damaged field and slot, naming its timesteps and file), committed episodes hold only zeros
+    or their field's default beyond their length, and no step log of an unfinished episode is
+    left. Changes nothing unless ``repair``: then the damaged episodes are dropped
+    (``ReplayBuffer.drop_episodes``) so the rest stays usable, and a last line says which.
     """
     try:
         storage, schema = _open_read_only(path, storage_options)
@@ -335,14 +338,57 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None) -> list
     lens = meta["episode_lens"].astype(np.int64)
     problems += _check_counters(storage.load_state(), lens, meta.get("_generation"), schema)
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
-    problems += _check_beyond_length(storage, schema, lens, skip=bad)
+    found, damaged = _check_episodes(storage, schema, lens, skip=bad)
+    problems += found
+    problems += _check_beyond_length(storage, schema, np.where(np.isin(np.arange(len(lens)), damaged), 0, lens), bad)
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
+    if repair and damaged:
+        from .buffer import ReplayBuffer
+
+        with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
+            dropped = buffer.drop_episodes(damaged)
+            left = buffer.num_episodes
+        problems.append(f"repaired: dropped the damaged episodes in slots {dropped}; {left} episodes remain")
     return problems
+
+
+def _check_episodes(storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str]) -> tuple[list[str], list]:
+    """Read every committed episode whole, field by field; a slab that fails is read again slot
+    by slot so each damaged episode is reported. Returns (problems, damaged slots)."""
+    problems, damaged = [], set()
+    slots = np.flatnonzero(lens > 0)
+    for name, field in schema.fields.items():
+        if name in skip:
+            continue
+        for slab in _slabs(slots, lens[slots], schema):
+            try:
+                _read_episodes(storage, name, field, slab, lens[slab])
+                continue
+            except Exception:  # noqa: BLE001 - any failure is found again and reported per slot below
+                pass
+            for slot in slab.tolist():
+                try:
+                    _read_episodes(storage, name, field, np.array([slot]), lens[[slot]])
+                except CorruptChunkError as e:
+                    problems.append(str(e))
+                    damaged.add(slot)
+                except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
+                    problems.append(
+                        f"data/{name}: slot {slot} (length {int(lens[slot])}) is unreadable ({type(e).__name__}: {e})"
+                    )
+                    damaged.add(slot)
+    return problems, sorted(damaged)
+
+
+def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:
+    """Steps ``0 .. lens[i]`` of each slot through ``read_spans``, the checked whole-episode path."""
+    out = np.empty((len(slots), int(lens.max()), *field.shape), field.dtype)
+    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, parallel=False)
 
 
 def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema) -> list[str]:
@@ -374,7 +420,11 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
                 f"counters: total_episodes is {state.get('total_episodes')} but slot {newest} carries "
                 f"ordinal {int(generations[newest])}"
             )
-        if int(state["episode_index"]) != (newest + 1) % schema.max_episodes:
+        # the next slot follows the newest commit, unless that episode was dropped since
+        if (
+            int(generations[newest]) == int(state.get("total_episodes", 0))
+            and int(state["episode_index"]) != (newest + 1) % schema.max_episodes
+        ):
             problems.append(
                 f"counters: episode_index is {state['episode_index']} but the newest episode is in slot "
                 f"{newest}, so the next slot is {(newest + 1) % schema.max_episodes}"
@@ -394,7 +444,11 @@ def _check_beyond_length(storage: Storage, schema: Schema, lens: np.ndarray, ski
             continue
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
             start = int(lens[slab].min())
-            rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+            try:
+                rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+            except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
+                problems.append(f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
+                continue
             rows = rows.reshape(*rows.shape[:2], -1)
             odd = ((rows != 0) & (rows != field.fill)).any(axis=2)
             odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
@@ -456,10 +510,15 @@ def _run_info(args: argparse.Namespace) -> int:
 
 def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="buffer folder or URL")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="drop the damaged episodes it finds (the others stay usable); still exits 1 when it found any",
+    )
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    problems = verify(args.path)
+    problems = verify(args.path, repair=args.repair)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:
@@ -478,7 +537,8 @@ CLI_COMMANDS = (
     ("info", "show a buffer's schema, episodes, chunking, compression and sizes", _add_info_arguments, _run_info),
     (
         "verify",
-        "check a buffer's internal consistency without changing it (exit status 1 on problems)",
+        "check a buffer's consistency and every committed episode's data (exit status 1 on problems); "
+        "--repair drops damaged episodes",
         _add_verify_arguments,
         _run_verify,
     ),
