@@ -413,7 +413,7 @@ class HDF5Storage(KVBlobs, Storage):
         if self._checksums is not None and t0 == 0:
             episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
             lens = self.read_meta("episode_lens")[episodes]
-            self._checksums.check(name, episodes, rows, np.full(len(episodes), t1), lens)
+            self._checksums.check(name, episodes, rows, t1, lens)
         return rows
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:

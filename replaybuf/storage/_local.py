@@ -98,29 +98,28 @@ class EpisodeChecksums:
         if (lengths > 0).any():
             self.seal(episodes[lengths > 0], lengths[lengths > 0], [name])
 
-    def check(
-        self,
-        name: str,
-        episodes: np.ndarray,
-        rows: np.ndarray,
-        read: np.ndarray,
-        lengths: np.ndarray,
-        positions: np.ndarray | None = None,
-    ) -> None:
-        """Raise CorruptChunkError where ``rows[positions[i], :read[i]]`` (``rows[i]`` without
-        ``positions``), read from step 0, holds the whole committed episode ``episodes[i]``
-        (``lengths`` as published now) and its crc32c differs from the stored one."""
+    def expected(self, name: str, episodes: np.ndarray, read: np.ndarray, lengths: np.ndarray) -> list[int]:
+        """Per episode: its stored crc32c plus 1 << 32 where ``read[i]`` steps from step 0 hold
+        the whole committed episode (``lengths`` as published now), else 0 (nothing to check)."""
         if name not in self.columns:
-            return
+            return [0] * len(episodes)
         stored = self.sums[np.asarray(episodes, dtype=np.int64), self.columns[name]]
-        positions = range(len(stored)) if positions is None else np.asarray(positions).tolist()
-        for i, episode, n, available, expected in zip(
-            positions, np.asarray(episodes).tolist(), lengths.tolist(), np.asarray(read).tolist(), stored.tolist()
-        ):
-            if expected and 0 < n <= available and crc32c(np.ascontiguousarray(rows[i, :n])) != expected & 0xFFFFFFFF:
-                raise CorruptChunkError.at(
-                    f"data/{name}", episode, (0, n), self.storage.data_file(name), "episode fails its crc32c"
-                )
+        whole = (np.asarray(lengths) > 0) & (np.asarray(lengths) <= np.asarray(read))
+        return np.where(whole, stored, 0).tolist()
+
+    def check_row(self, name: str, episode: int, row: np.ndarray, expected: int) -> None:
+        """Raise CorruptChunkError when ``row`` (the committed steps of ``episode``, as read)
+        differs from its checksum ``expected`` (from ``expected``; 0: nothing to check)."""
+        if expected and crc32c(np.ascontiguousarray(row)) != expected & 0xFFFFFFFF:
+            raise CorruptChunkError.at(
+                f"data/{name}", episode, (0, len(row)), self.storage.data_file(name), "episode fails its crc32c"
+            )
+
+    def check(self, name: str, episodes: np.ndarray, rows: np.ndarray, read: int, lengths: np.ndarray) -> None:
+        """``check_row`` for each of ``rows`` (read from step 0, ``read`` steps each)."""
+        expected = self.expected(name, episodes, np.full(len(episodes), read), lengths)
+        for i, (episode, n, value) in enumerate(zip(np.asarray(episodes).tolist(), lengths.tolist(), expected)):
+            self.check_row(name, episode, rows[i, :n], value)
 
     def release(self) -> None:
         self._sums = None

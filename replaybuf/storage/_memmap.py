@@ -344,7 +344,7 @@ class MemmapStorage(KVBlobs, Storage):
         rows = self.unchecked_rows(name, episodes, t0, t1)
         if self._checksums is not None and t0 == 0:
             episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-            self._checksums.check(name, episodes, rows, np.full(len(episodes), t1), self._lens_now()[episodes])
+            self._checksums.check(name, episodes, rows, t1, self._lens_now()[episodes])
         return rows
 
     def read_spans(
@@ -366,19 +366,23 @@ class MemmapStorage(KVBlobs, Storage):
             if n > 0
         ]
 
-        def copy(span: tuple[int, int, int, int]) -> None:
-            i, e, s, n = span
+        expected = [0] * len(spans)
+        if self._checksums is not None and spans:
+            _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*spans))
+            expected = self._checksums.expected(name, picked, np.where(first == 0, read, 0), self._lens_now()[picked])
+
+        def copy(k: int) -> None:
+            # the check runs right after the copy, in the same task, while the rows are in cache
+            i, e, s, n = spans[k]
             out[i, :n] = memmap[e, s : s + n]
+            if expected[k]:
+                self._checksums.check_row(name, e, out[i, :n], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
-            list(thread_pool().map(copy, spans))
+            list(thread_pool().map(copy, range(len(spans))))
         else:
-            for span in spans:
-                copy(span)
-        whole = [(i, e, n) for i, e, s, n in spans if s == 0]
-        if self._checksums is not None and whole:
-            rows, episodes, read = (np.array(column, dtype=np.int64) for column in zip(*whole))
-            self._checksums.check(name, episodes, out, read, self._lens_now()[episodes], positions=rows)
+            for k in range(len(spans)):
+                copy(k)
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
