@@ -353,7 +353,7 @@ class ShardedArray(ChunkedArray):
         else:
             rows = np.empty((count, self.shape[1], *self.shape[2:]), self.dtype)
             for i in range(count):
-                present = self._old_shard(e0 + i, rows[i])
+                present = self._old_shard(e0 + i, rows[i], (t0, t0 + length))
                 if keep is not None and present is not None:
                     keep[i] |= present
             rows[:, t0 : t0 + length] = values
@@ -368,21 +368,36 @@ class ShardedArray(ChunkedArray):
             self.kv.delete_many(empty)
         self._forget_episodes(range(e0, e0 + count))
 
-    def _old_shard(self, episode: int, out: np.ndarray) -> np.ndarray | None:
-        """Read the episode's shard into ``out`` (time, *shape) for a partial write to merge
-        into; return which inner chunks it stores. A damaged shard of a slot that holds no
+    def _old_shard(self, episode: int, out: np.ndarray, skip: tuple[int, int]) -> np.ndarray | None:
+        """Decode the episode's stored inner chunks into ``out`` (time, *shape), except those
+        inside the steps ``skip`` that the write replaces, for a partial write to merge into;
+        return which inner chunks the shard stores. A damaged shard of a slot that holds no
         committed episode (being rewritten) reads as empty."""
+        out[...] = 0
         try:
             index = self.read_indexes([episode])[episode]
-            out[...] = self.read_boxes([((episode, episode + 1), (0, self.shape[1]))], check_absent=False)[0][0]
+            if index is None:
+                return None
+            ct = self.chunks[1]
+            present = index[:, 0] != _MISSING
+            keep = present.copy()
+            keep[-(-skip[0] // ct) : skip[1] // ct] = False  # wholly overwritten: not decoded
+            wanted = np.flatnonzero(keep)
+            if len(wanted):
+                lo = int(index[wanted, 0].min())
+                hi = int((index[wanted, 0] + index[wanted, 1]).max())
+                data = self.kv.get_ranges([(self.shard_key(episode), lo, hi)])[0]
+                view = memoryview(data if data is not None else b"")
+                for ti in wanted.tolist():
+                    offset, nbytes = int(index[ti, 0]) - lo, int(index[ti, 1])
+                    a, b = ti * ct, min((ti + 1) * ct, self.shape[1])
+                    out[a:b] = self._decode(view[offset : offset + nbytes], (episode, ti))[0, : b - a]
         except CorruptChunkError as e:
             if not self._stale_damage(e):
                 raise
-            index = None
-        if index is None:
             out[...] = 0
             return None
-        return index[:, 0] != _MISSING
+        return present
 
     def _forget_episodes(self, episodes) -> None:
         """Drop what the cache and the resident copy hold of rewritten episodes."""
