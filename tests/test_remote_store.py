@@ -52,7 +52,7 @@ def test_group_round_trips_with_arrays_and_attrs(request, server_name):
     reader = open_store(url, server.storage_options, read_only=True)
     group = zarr.open_group(reader, mode="r")
     assert group.attrs["schema"] == {"obs": ["float32", [3], 0.0]}
-    assert group.attrs["version"] == 2
+    assert group.attrs["version"] == 1
     for name, values in written.items():
         np.testing.assert_array_equal(group[name][:], values)
     assert isinstance(reader._store, ObjectStore if server_name == "s3_server" else FsspecStore)
@@ -184,7 +184,7 @@ def test_pickled_store_reopens_in_the_new_process_state(s3_server):
     assert not store.is_stale
     copy = pickle.loads(pickle.dumps(store))
     assert copy.is_stale and copy == store
-    assert zarr.open_group(copy, mode="r").attrs["version"] == 2
+    assert zarr.open_group(copy, mode="r").attrs["version"] == 1
     assert not copy.is_stale
     assert copy.with_read_only(False).read_only is False
 

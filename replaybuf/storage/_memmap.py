@@ -366,17 +366,18 @@ class MemmapStorage(KVBlobs, Storage):
             if n > 0
         ]
 
-        expected = [0] * len(spans)
+        expected, committed = [0] * len(spans), [0] * len(spans)
         if self._checksums is not None and spans:
             _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*spans))
-            expected = self._checksums.expected(name, picked, np.where(first == 0, read, 0), self._lens_now()[picked])
+            committed = self._lens_now()[picked].tolist()
+            expected = self._checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
 
         def copy(k: int) -> None:
             # the check runs right after the copy, in the same task, while the rows are in cache
             i, e, s, n = spans[k]
             out[i, :n] = memmap[e, s : s + n]
             if expected[k]:
-                self._checksums.check_row(name, e, out[i, :n], expected[k])
+                self._checksums.check_row(name, e, out[i, : committed[k]], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, range(len(spans))))
