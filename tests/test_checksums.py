@@ -142,6 +142,20 @@ def test_local_backends_check_whole_episodes(originals, tmp_path, capsys, backen
     _check_only_slot_1_dropped(path)
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_clean_reads_past_the_lengths_pass_the_checks(originals, backend):
+    buffer = ReplayBuffer.from_folder(originals / backend, read_only=True)
+    slots = np.arange(3)
+    for name in FIELDS:
+        out = np.zeros((3, MAX_TIMESTEPS, *buffer.data[name].shape[2:]), buffer.data[name].dtype)
+        buffer.storage.read_spans(name, slots, np.zeros(3, np.int64), np.full(3, MAX_TIMESTEPS), out)
+        rows = buffer.storage.read_rows(name, slots, 0, MAX_TIMESTEPS)
+        for slot in slots:
+            np.testing.assert_array_equal(out[slot, : LENGTHS[slot]], _episode(slot)[name])
+            np.testing.assert_array_equal(rows[slot, : LENGTHS[slot]], _episode(slot)[name])
+    assert verify(originals / backend) == []
+
+
 def test_hdf5_damaged_compressed_chunk_is_named(tmp_path):
     path = str(tmp_path / "gz")
     buffer = ReplayBuffer(path, 3, MAX_TIMESTEPS, FIELDS, backend="hdf5", storage_options={"compression": "gzip"})
