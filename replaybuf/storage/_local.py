@@ -7,7 +7,7 @@ import os
 import numpy as np
 from numpy.lib.format import open_memmap
 
-from ._chunks import crc32c
+from ._codecs import crc32c
 from .base import CorruptChunkError, Storage, detect_backend
 
 

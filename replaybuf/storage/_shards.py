@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._chunks import ABSENT, ChunkedArray, chunk_cache, crc32c
+from ._chunks import ABSENT, ChunkedArray, chunk_cache
+from ._codecs import crc32c
 from ._kv import CORES, thread_pool
 from .base import CorruptChunkError
 

@@ -24,7 +24,8 @@ import os
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
-from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
+from ._chunks import ChunkedArray
+from ._codecs import ChunkCodec, compressor_codec
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._shards import ShardedArray
 from .base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
