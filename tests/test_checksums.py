@@ -109,16 +109,19 @@ def test_zarr_damaged_chunk_is_named_reported_and_repaired(originals, tmp_path, 
     _check_only_slot_1_dropped(path)
 
 
-def _flip_committed_byte(path: str, backend: str, field: str, slot: int, step: int) -> None:
-    """Flip a byte of ``data/field[slot, step]`` where the backend stores it raw."""
+def _flip_committed_byte(path: str, backend: str, field: str, slot: int, step: int, bit: int = 4, at: int = 1) -> None:
+    """Flip bit ``bit`` of byte ``at`` (modulo the step's size) of ``data/field[slot, step]``,
+    where the backend stores it raw."""
     if backend == "memmap":
         array = np.load(os.path.join(path, f"{field}.data.npy"), mmap_mode="r+")
-        array.view(np.uint8).reshape(array.shape[0], array.shape[1], -1)[slot, step, 1] ^= 0x10
+        step_bytes = array.view(np.uint8).reshape(array.shape[0], array.shape[1], -1)[slot, step]
+        step_bytes[at % len(step_bytes)] ^= 1 << bit
         array.flush()
         return
     with h5py.File(os.path.join(path, "data.h5"), "r+", locking=False) as f:
         block = f[f"data/{field}"][slot, step]
-        block.view(np.uint8).reshape(-1)[1] ^= 0x10
+        flat = block.view(np.uint8).reshape(-1)
+        flat[at % len(flat)] ^= 1 << bit
         f[f"data/{field}"][slot, step] = block
 
 
@@ -277,3 +280,26 @@ def test_random_damage_to_data_files_is_never_silent(originals, pick, how, where
                 f.write(data)
         _reads_original_or_named_error(path)
         assert verify(path), f"{how} of {os.path.relpath(target, path)} at {position} went unreported"
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    backend=st.sampled_from(["memmap", "hdf5"]),
+    field=st.sampled_from(sorted(FIELDS)),
+    slot=st.integers(0, 2),
+    where=st.floats(0, 1, exclude_max=True),
+    bit=st.integers(0, 7),
+)
+def test_random_flips_in_committed_rows_are_never_silent(originals, backend, field, slot, where, bit):
+    """memmap and hdf5 check whole-episode reads (get_all_data, trajectories) and verify."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b")
+        shutil.copytree(originals / backend, path)
+        step = int(where * LENGTHS[slot])
+        _flip_committed_byte(path, backend, field, slot, step, bit=bit, at=int(where * 1000))
+        buffer = ReplayBuffer.from_folder(path, read_only=True)
+        with pytest.raises(CorruptChunkError, match=f"data/{field}: slot {slot}, timesteps 0..{LENGTHS[slot] - 1}"):
+            buffer.get_all_data()
+        buffer.close()
+        problems = verify(path)
+        assert len(problems) == 1 and f"data/{field}: slot {slot}" in problems[0]
