@@ -13,7 +13,14 @@ from .h5py_buffer import ReplayBufferH5PY
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
 from .storage._owned import ForeignEntriesError
-from .storage.base import BufferDamagedError, BufferNotFoundError, Storage, StorageError, make_storage
+from .storage.base import (
+    BufferDamagedError,
+    BufferNotFoundError,
+    CorruptChunkError,
+    Storage,
+    StorageError,
+    make_storage,
+)
 from .storage.lease import BufferLockedError
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
@@ -53,6 +60,7 @@ __all__ = [
     "ForeignEntriesError",
     "BufferDamagedError",
     "BufferLockedError",
+    "CorruptChunkError",
     "make_storage",
     "frames_to_sheet",
     "trajectory_to_video",

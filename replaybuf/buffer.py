@@ -455,9 +455,9 @@ class ReplayBuffer:
         base = int(self._state["total_episodes"])
         self._write_meta("_generation", slots, base + 1 + np.arange(len(slots), dtype=np.int64))
         self._write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
-        count = int(self._state["num_episodes"]) + len(slots)
         self._state = {
-            "num_episodes": min(count, self.max_episodes),
+            # recounted, not incremented: drop_episodes may have left empty slots to be refilled
+            "num_episodes": int((self._meta["episode_lens"] > 0).sum()),
             "episode_index": int((slots[-1] + 1) % self.max_episodes),
             "total_episodes": base + len(slots),
             **({"cleared": True} if self._state.get("cleared") else {}),
@@ -740,6 +740,23 @@ class ReplayBuffer:
             "cleared": True,
         }
         self.storage.commit_state(self._state)
+
+    def drop_episodes(self, slots: int | Sequence[int] | np.ndarray) -> list[int]:
+        """Empty the slots of committed episodes (damaged ones ``replaybuf verify`` found): each
+        is unpublished as a reused slot is (generation, then length set to 0) and the counters
+        are committed with ``num_episodes`` recounted. Other episodes are untouched. Returns
+        the slots dropped (those that held a committed episode)."""
+        self._check_writable("drop_episodes")
+        slots = np.unique(np.atleast_1d(np.asarray(slots)))
+        if slots.dtype.kind not in "iu" or ((slots < 0) | (slots >= self.max_episodes)).any():
+            raise ValueError(f"drop_episodes: slots must be ints in [0, {self.max_episodes}), got {slots.tolist()}")
+        dropped = slots[self._meta["episode_lens"][slots] > 0]
+        if len(dropped):
+            self._write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
+            self._write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
+            self._state = {**self._state, "num_episodes": int((self._meta["episode_lens"] > 0).sum())}
+            self.storage.commit_state(self._state)
+        return dropped.tolist()
 
     def _check_slot(self, episode_index: Any, call: str) -> int:
         if (

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "replaybuf"
-FORMAT_VERSION = 1
+# 2: zarr data chunks end with a crc32c and are stored even when all zero; memmap and hdf5
+# keep a crc32c per committed (field, episode) in replaybuf/checksums.npy. 1 still opens.
+FORMAT_VERSION = 2
 
 # the seed's short names, kept exactly: 'int' is int32, 'float' float32
 SHORT_DTYPES = {"int": "int32", "float": "float32", "bool": "bool", "uint8": "uint8"}

@@ -22,6 +22,7 @@ from .storage.base import (
     LOG_PREFIX,
     STATE_KEY,
     BufferDamagedError,
+    CorruptChunkError,
     Storage,
     backend_class,
     bookkeeping_fields,
@@ -351,16 +352,22 @@ def _ranges(steps: np.ndarray) -> str:
     return f"{int(steps.min())}..{int(steps.max())}"
 
 
-def verify(path: str | os.PathLike, storage_options: dict | None = None, progress: bool | None = None) -> list[str]:
-    """Problems found in the buffer at ``path`` (empty when consistent); changes nothing.
+def verify(
+    path: str | os.PathLike, storage_options: dict | None = None, repair: bool = False, progress: bool | None = None
+) -> list[str]:
+    """Problems found in the buffer at ``path`` (empty when consistent).
 
     Damaged metadata (unparseable config or counters, sizes or shapes the config does not
     allow) is reported as a problem, never raised. Checks that every array is present with its
     configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
-    committed episodes hold only zeros or their field's default beyond their length, no
-    step log of an unfinished episode is left, and no symbolic link is inside the folder.
-    ``progress``: a tqdm bar over the episodes read, as in ``convert``.
+    every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
+    damaged field and slot, naming its timesteps and file), committed episodes hold only zeros
+    or their field's default beyond their length, no step log of an unfinished episode is
+    left, and no symbolic link is inside the folder. Changes nothing unless ``repair``: then
+    the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the rest stays
+    usable, and a last line says which. ``progress``: tqdm bars over the episodes read, as in
+    ``convert``.
     """
     from .progress import check_progress
 
@@ -405,14 +412,66 @@ def verify(path: str | os.PathLike, storage_options: dict | None = None, progres
     except BufferDamagedError as e:
         problems.append(str(e))
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
-    problems += _check_beyond_length(storage, schema, lens, skip=bad, progress=progress)
+    found, damaged = _check_episodes(storage, schema, lens, skip=bad, progress=progress)
+    problems += found
+    unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, lens)
+    problems += _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
+    if repair and damaged:
+        from .buffer import ReplayBuffer
+
+        with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
+            dropped = buffer.drop_episodes(damaged)
+            left = buffer.num_episodes
+        problems.append(f"repaired: dropped the damaged episodes in slots {dropped}; {left} episodes remain")
     return problems
+
+
+def _check_episodes(
+    storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
+) -> tuple[list[str], list]:
+    """Read every committed episode whole, field by field; a slab that fails is read again slot
+    by slot so each damaged episode is reported. Returns (problems, damaged slots)."""
+    from .progress import progress_bar
+
+    names = [n for n in schema.fields if n not in skip]
+    found: dict[str, list[str]] = {n: [] for n in names}
+    damaged: set[int] = set()
+    slots = np.flatnonzero(lens > 0)
+    with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
+        for slab in _slabs(slots, lens[slots], schema):
+            for name in names:
+                field = schema.fields[name]
+                try:
+                    _read_episodes(storage, name, field, slab, lens[slab])
+                    continue
+                except Exception:  # noqa: BLE001 - any failure is found again and reported per slot below
+                    pass
+                for slot in slab.tolist():
+                    try:
+                        _read_episodes(storage, name, field, np.array([slot]), lens[[slot]])
+                    except CorruptChunkError as e:
+                        found[name].append(str(e))
+                        damaged.add(slot)
+                    except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
+                        found[name].append(
+                            f"data/{name}: slot {slot} (length {int(lens[slot])}) is unreadable "
+                            f"({type(e).__name__}: {e})"
+                        )
+                        damaged.add(slot)
+            bar.update(len(slab))
+    return [p for n in names for p in found[n]], sorted(damaged)
+
+
+def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:
+    """Steps ``0 .. lens[i]`` of each slot through ``read_spans``, the checked whole-episode path."""
+    out = np.empty((len(slots), int(lens.max()), *field.shape), field.dtype)
+    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, parallel=False)
 
 
 def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema) -> list[str]:
@@ -444,7 +503,11 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
                 f"counters: total_episodes is {state.get('total_episodes')} but slot {newest} carries "
                 f"ordinal {int(generations[newest])}"
             )
-        if int(state["episode_index"]) != (newest + 1) % schema.max_episodes:
+        # the next slot follows the newest commit, unless that episode was dropped since
+        if (
+            int(generations[newest]) == int(state.get("total_episodes", 0))
+            and int(state["episode_index"]) != (newest + 1) % schema.max_episodes
+        ):
             problems.append(
                 f"counters: episode_index is {state['episode_index']} but the newest episode is in slot "
                 f"{newest}, so the next slot is {(newest + 1) % schema.max_episodes}"
@@ -468,7 +531,11 @@ def _check_beyond_length(
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
             start = int(lens[slab].min())
             for name in names:
-                rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+                try:
+                    rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+                except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
+                    found[name].append(f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
+                    continue
                 rows = rows.reshape(*rows.shape[:2], -1)
                 odd = ((rows != 0) & (rows != schema.fields[name].fill)).any(axis=2)
                 odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
@@ -563,13 +630,18 @@ def _run_info(args: argparse.Namespace) -> int:
 def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="buffer folder or URL")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="drop the damaged episodes it finds (the others stay usable); still exits 1 when it found any",
+    )
     add_store_arguments(parser)
 
 
 def _run_verify(args: argparse.Namespace) -> int:
     from .cli import store_options
 
-    problems = verify(args.path, store_options(args), progress=False if args.quiet else None)
+    problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:
@@ -614,7 +686,8 @@ CLI_COMMANDS = (
     ("info", "show a buffer's schema, episodes, chunking, compression and sizes", _add_info_arguments, _run_info),
     (
         "verify",
-        "check a buffer's internal consistency without changing it (exit status 1 on problems)",
+        "check a buffer's consistency and every committed episode's data (exit status 1 on problems); "
+        "--repair drops damaged episodes",
         _add_verify_arguments,
         _run_verify,
     ),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, verify
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -21,7 +22,7 @@ def _maker(version: str):
     return module
 
 
-FORMATS = [("format-v1", backend) for backend in ("zarr", "memmap", "hdf5")]
+FORMATS = [(version, backend) for version in ("format-v1", "format-v2") for backend in ("zarr", "memmap", "hdf5")]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -45,6 +46,7 @@ def test_released_format_reads(version, backend):
     _check_contents(buffer, maker)
     all_data = buffer.get_all_data()
     assert all_data["frame"].shape[0] == 3
+    assert verify(os.path.join(DATA, version, backend)) == []
 
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
@@ -60,3 +62,18 @@ def test_released_format_writes(version, backend, tmp_path):
     again = ReplayBuffer.from_folder(path, read_only=True)
     assert again.valid_episodes().tolist() == [2, 0, 1]
     np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
+    assert verify(path) == []
+    # a buffer keeps its format: format 1 gets no checksums it never had
+    assert _stored_version(path, backend) == int(version.rsplit("v", 1)[1])
+    assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version == "format-v2" and backend != "zarr")
+
+
+def _stored_version(path, backend: str) -> int:
+    if backend == "zarr":
+        return json.loads((path / "zarr.json").read_text())["attributes"]["version"]
+    if backend == "memmap":
+        return json.loads((path / "replaybuf.json").read_text())["version"]
+    import h5py
+
+    with h5py.File(path / "data.h5", "r", locking=False) as f:
+        return json.loads(f.attrs["replaybuf"])["version"]

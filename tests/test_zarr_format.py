@@ -61,15 +61,16 @@ def test_default_codecs_are_blosc_lz4_for_images_and_zstd_for_vectors(tmp_path):
         frame=np.arange(6 * 64 * 64 * 3, dtype=np.uint64).reshape(6, 64, 64, 3).astype(np.uint8), state=np.ones((6, 4))
     )
     sharding = json.loads((path / "data" / "frame" / "zarr.json").read_text())["codecs"][0]
-    blosc = sharding["configuration"]["codecs"][-1]
-    assert blosc["name"] == "blosc"
+    *_, blosc, crc = sharding["configuration"]["codecs"]
+    assert blosc["name"] == "blosc" and crc["name"] == "crc32c"
     assert {k: blosc["configuration"][k] for k in ("cname", "clevel", "shuffle")} == {
         "cname": "lz4",
         "clevel": 9,
         "shuffle": "noshuffle",
     }
     state_codecs = json.loads((path / "data" / "state" / "zarr.json").read_text())["codecs"]
-    assert state_codecs[-1]["name"] == "zstd" and state_codecs[-1]["configuration"]["level"] == 3
+    assert state_codecs[-2]["name"] == "zstd" and state_codecs[-2]["configuration"]["level"] == 3
+    assert state_codecs[-1]["name"] == "crc32c"
     group = zarr.open_group(str(path), mode="r")
     np.testing.assert_array_equal(group["data/frame"][0, :, 5, 7], buffer.data["frame"][0, :, 5, 7])
     assert group["data/frame"][0, 3].any()
@@ -90,7 +91,7 @@ def test_config_is_json_and_no_pickle_anywhere(tmp_path):
         x=np.ones((2, 2)), m=1
     )
     attributes = json.loads((path / "zarr.json").read_text())["attributes"]
-    assert attributes["version"] == 1 and attributes["fields"]["x"] == {
+    assert attributes["version"] == 2 and attributes["fields"]["x"] == {
         "dtype": "float32",
         "shape": [2],
         "default": 0.5,

@@ -4,6 +4,7 @@ from ._owned import ForeignEntriesError
 from .base import (
     BufferDamagedError,
     BufferNotFoundError,
+    CorruptChunkError,
     Storage,
     StorageError,
     backend_class,
@@ -19,6 +20,7 @@ __all__ = [
     "BufferLockedError",
     "BufferNotFoundError",
     "ForeignEntriesError",
+    "CorruptChunkError",
     "Storage",
     "StorageError",
     "backend_class",

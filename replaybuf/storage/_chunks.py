@@ -2,9 +2,9 @@
 
 zarr-python 3 spends ~0.3 ms per chunk on a read and 1-3 ms on a write, far too much for
 per-step sampling and per-episode commits. The arrays replaybuf creates use one codec stack
-(``bytes`` little-endian, then optional zstd) and the default ``c/…`` chunk keys, so their chunks
-can be fetched from the store as bytes, decoded with numcodecs in a thread pool (zstd releases
-the GIL) and assembled with numpy. The result is byte-for-byte the zarr array zarr-python and
+(``_codecs.py``: bytes, an optional compressor, crc32c from format 2), so their chunks can be
+fetched from the store as bytes, checked and decoded in a thread pool (the codecs release the
+GIL) and assembled with numpy. The result is byte-for-byte the zarr array zarr-python and
 dask read; any other array goes through zarr-python.
 """
 
@@ -15,14 +15,14 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numcodecs
-import numcodecs.blosc
 import numpy as np
 
+from ._codecs import ChunkCodec, ChunkDamage
 from ._kv import KeyValue, thread_pool
+from .base import CorruptChunkError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
 DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
@@ -150,9 +150,6 @@ def chunk_cache() -> ChunkCache:
     return _cache
 
 
-_BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
-
-
 # a resident row version no request carries: the row is read again on its next use
 _NEVER = -2
 
@@ -162,93 +159,6 @@ def _per_pair(versions, count: int) -> np.ndarray:
     return versions if versions.shape == (count,) else np.broadcast_to(versions, (count,))
 
 
-class ChunkCodec:
-    """``bytes`` (little-endian) followed by at most one compressor (zstd, blosc or gzip)."""
-
-    def __init__(self, dtype: np.dtype, compressor: dict | None):
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.compressor = compressor
-        self._codec = None if compressor is None else _numcodec(compressor)
-        self._blosc = isinstance(self._codec, numcodecs.Blosc)
-
-    @property
-    def compressed(self) -> bool:
-        return self._codec is not None
-
-    @property
-    def label(self) -> str:
-        """Short form for ``replaybuf info``: 'zstd:3', 'blosc-lz4:5', 'none'."""
-        if self.compressor is None:
-            return "none"
-        name, config = self.compressor["name"], self.compressor.get("configuration", {})
-        if name == "blosc":
-            return f"blosc-{config.get('cname', 'lz4')}:{config.get('clevel', 5)}"
-        return f"{name}:{config.get('level', '')}".rstrip(":")
-
-    def encode(self, chunk: np.ndarray) -> bytes:
-        raw = np.ascontiguousarray(chunk, dtype=self.dtype)
-        if self._codec is None:
-            return raw.tobytes()
-        if self._blosc:
-            # the module function skips the codec object's argument checks, as decode_into does
-            codec = self._codec
-            return numcodecs.blosc.compress(raw, codec._cname_bytes, codec.clevel, codec.shuffle, codec.blocksize)
-        return self._codec.encode(raw)
-
-    def decode(self, data: bytes, shape: tuple[int, ...]) -> np.ndarray:
-        raw = data if self._codec is None else self._codec.decode(data)
-        return np.frombuffer(raw, dtype=self.dtype).reshape(shape)
-
-    def decode_into(self, data: bytes, out: np.ndarray) -> None:
-        """Decode a chunk into the contiguous array ``out`` of the same number of bytes."""
-        if self._codec is None:
-            out[...] = np.frombuffer(data, dtype=self.dtype).reshape(out.shape)
-        elif self._blosc:
-            # the module function skips the codec object's argument checks (~5 us a frame)
-            numcodecs.blosc.decompress(data, out)
-        else:
-            self._codec.decode(data, out=out)
-
-
-def _numcodec(compressor: dict):
-    name, config = compressor["name"], compressor.get("configuration", {})
-    if name == "zstd":
-        return numcodecs.Zstd(level=config.get("level", 0))
-    if name == "gzip":
-        return numcodecs.GZip(level=config.get("level", 5))
-    if name == "blosc":
-        shuffle = config.get("shuffle", "noshuffle")
-        return numcodecs.Blosc(
-            cname=config.get("cname", "lz4"),
-            clevel=config.get("clevel", 5),
-            shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle),
-            blocksize=config.get("blocksize", 0),
-        )
-    raise ValueError(f"compressor {name!r} is not one replaybuf writes")
-
-
-def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
-    """The zarr codec object for a compressor spec such as 'zstd:3' (None for 'none')."""
-    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
-
-    from ..schema import parse_compressor
-
-    kind, level = parse_compressor(spec)
-    if kind == "none":
-        return None
-    if kind == "zstd":
-        return ZstdCodec(level=default_level if level is None else level)
-    if kind == "gzip":
-        return GzipCodec(level=5 if level is None else level)
-    shuffle = "noshuffle" if np.dtype(dtype).itemsize == 1 else "shuffle"
-    return BloscCodec(
-        cname=kind.split("-")[1],
-        clevel=5 if level is None else level,
-        shuffle=shuffle,
-        typesize=np.dtype(dtype).itemsize,
-    )
-
-
 class ChunkedArray:
     """A zarr v3 array read and written chunk by chunk through a KeyValue.
 
@@ -256,6 +166,11 @@ class ChunkedArray:
     episode axis; an int or a slice on the time axis) with trailing feature axes read whole;
     anything else goes through zarr-python. Missing chunks read as zero, and a chunk written as
     all zeros is deleted, as zarr does with ``write_empty_chunks=False``.
+
+    Format 2 data arrays (``committed`` given) keep every chunk they write, zeros included, so
+    a chunk missing inside a committed episode (``committed(slot)`` is its published length)
+    is damage, reported as ``CorruptChunkError`` like a chunk failing its crc32c or its codec.
+    The length is read only when a chunk is missing: the normal path costs nothing.
     """
 
     supports_versions = True  # gather/read_rows take ``versions`` (chunk cache, resident copy)
@@ -272,6 +187,7 @@ class ChunkedArray:
         zarr_array: Any = None,
         separator: str = "/",
         check_writable: Any = None,
+        committed: Callable[[int], int] | None = None,
     ):
         self.kv = kv
         self.path = path
@@ -283,6 +199,7 @@ class ChunkedArray:
         self.grid_axes = grid_axes
         self.separator = separator
         self.check_writable = check_writable
+        self.committed = committed
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
         self._resident_versions: np.ndarray | None = None
@@ -308,6 +225,39 @@ class ChunkedArray:
         sep = self.separator
         return f"{self.path}/c{sep}" + sep.join(str(i) for i in full)
 
+    def _damage(self, index: tuple, reason: str) -> CorruptChunkError:
+        """The error for chunk ``index`` (grid position), naming its slot, steps and file."""
+        where = self.kv.where(self.chunk_key(index))
+        lo = int(index[0]) * self.chunks[0]
+        if self.grid_axes == 1:
+            hi = min(lo + self.chunks[0], self.shape[0])
+            return CorruptChunkError(
+                f"{self.path}: slots {lo}..{hi - 1}: {reason} ({where})", field=self.path, location=where
+            )
+        ct = self.chunks[1]
+        steps = (int(index[1]) * ct, min((int(index[1]) + 1) * ct, self.shape[1]))
+        return CorruptChunkError.at(self.path, lo, steps, where, reason)
+
+    def _decode(self, data: bytes | memoryview, index: tuple) -> np.ndarray:
+        try:
+            return self.codec.decode(data, self.chunks)
+        except ChunkDamage as e:
+            raise self._damage(index, str(e)) from None
+
+    def _decode_into(self, data: bytes | memoryview, out: np.ndarray, index: tuple) -> None:
+        try:
+            self.codec.decode_into(data, out)
+        except ChunkDamage as e:
+            raise self._damage(index, str(e)) from None
+
+    def _absent(self, index: tuple) -> None:
+        """A chunk that is not stored reads as zeros, unless it lies in a committed episode."""
+        if self.committed is None:
+            return
+        episode, ti = int(index[0]), int(index[1])
+        if ti * self.chunks[1] < self.committed(episode):
+            raise self._damage(index, "chunk missing from a committed episode")
+
     def _boxes_chunks(self, box: Sequence[tuple[int, int]]):
         """Chunk indices intersecting a box of [start, stop) over the grid axes."""
         ranges = [range(lo // c, (hi - 1) // c + 1) if hi > lo else range(0) for (lo, hi), c in zip(box, self.chunks)]
@@ -318,11 +268,10 @@ class ChunkedArray:
     def _decode_many(self, raws: dict[tuple, bytes | None]) -> dict[tuple, np.ndarray | None]:
         present = [(k, v) for k, v in raws.items() if v is not None]
         total = sum(len(v) for _, v in present)
-        shape = self.chunks
         if len(present) > 1 and total * 4 > _PARALLEL_DECODE_BYTES:
-            decoded = thread_pool().map(lambda kv: self.codec.decode(kv[1], shape), present)
+            decoded = thread_pool().map(lambda kv: self._decode(kv[1], kv[0]), present)
         else:
-            decoded = (self.codec.decode(v, shape) for _, v in present)
+            decoded = (self._decode(v, k) for k, v in present)
         out: dict[tuple, np.ndarray | None] = {k: None for k in raws}
         out.update(zip((k for k, _ in present), decoded))
         return out
@@ -333,8 +282,10 @@ class ChunkedArray:
         raws = self.kv.get_many([self.chunk_key(i) for i in unique])
         return self._decode_many(dict(zip(unique, raws)))
 
-    def read_boxes(self, boxes: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]:
-        """Each box (per grid axis [start, stop)) as an array, all chunks fetched in one batch."""
+    def read_boxes(self, boxes: Sequence[Sequence[tuple[int, int]]], check_absent: bool = True) -> list[np.ndarray]:
+        """Each box (per grid axis [start, stop)) as an array, all chunks fetched in one batch;
+        ``check_absent=False`` reads missing chunks as zeros without asking whether they lie in
+        a committed episode (a write merging into a slot)."""
         needed = [list(self._boxes_chunks(box)) for box in boxes]
         chunks = self.fetch_chunks([i for per_box in needed for i in per_box])
         results = []
@@ -343,6 +294,8 @@ class ChunkedArray:
             for index in per_box:
                 chunk = chunks[index]
                 if chunk is None:
+                    if check_absent:
+                        self._absent(index)
                     continue
                 src, dst = [], []
                 for (lo, hi), i, c in zip(box, index, self.chunks):
@@ -389,6 +342,7 @@ class ChunkedArray:
         for u, chunk in enumerate(chunks):
             rows = order[bounds[u] : bounds[u + 1]]
             if chunk is None:
+                self._absent(grid[u])
                 out[rows] = 0
             else:
                 out[rows] = chunk[local_e[rows], local_t[rows]]
@@ -451,8 +405,8 @@ class ChunkedArray:
         ]
 
         def decode(k: int, data: bytes | None) -> None:
-            i, _, ti = pieces[k]
-            self._decode_piece(data, ti, out, i, int(starts[i]), int(lengths[i]))
+            i, e, ti = pieces[k]
+            self._decode_piece(data, e, ti, out, i, int(starts[i]), int(lengths[i]))
 
         keys = [self.chunk_key((e, ti)) for _, e, ti in pieces]
         if parallel:
@@ -486,19 +440,20 @@ class ChunkedArray:
             )
 
     def _decode_piece(
-        self, data: bytes | memoryview | None, ti: int, out: np.ndarray, i: int, start: int, length: int
+        self, data: bytes | memoryview | None, e: int, ti: int, out: np.ndarray, i: int, start: int, length: int
     ) -> None:
-        """Chunk ``ti`` of the time axis (its bytes, or None when never written) into its part
-        of ``out[i, :length]``, which holds steps ``start .. start + length``."""
+        """Chunk ``ti`` of episode ``e``'s time axis (its bytes, or None when never written) into
+        its part of ``out[i, :length]``, which holds steps ``start .. start + length``."""
         ct = self.chunks[1]
         lo, hi = max(start, ti * ct), min(start + length, (ti + 1) * ct)
         target = out[i, lo - start : hi - start]
         if data is None:
+            self._absent((e, ti))
             target[...] = 0
         elif hi - lo == ct and target.flags.c_contiguous:
-            self.codec.decode_into(data, target.reshape(1, *target.shape))
+            self._decode_into(data, target.reshape(1, *target.shape), (e, ti))
         else:
-            target[...] = self.codec.decode(data, self.chunks)[0, lo - ti * ct : hi - ti * ct]
+            target[...] = self._decode(data, (e, ti))[0, lo - ti * ct : hi - ti * ct]
 
     def _read_into_by_gather(
         self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray
@@ -562,9 +517,10 @@ class ChunkedArray:
 
         def decode(i: int, data: bytes | None) -> None:
             if data is None:
+                self._absent(grid[i])
                 out[rows[i]] = 0
             else:
-                self.codec.decode_into(data, out[rows[i] : rows[i] + 1])
+                self._decode_into(data, out[rows[i] : rows[i] + 1], grid[i])
 
         self.kv.get_each([self.chunk_key(g) for g in grid], decode)
 
@@ -648,7 +604,7 @@ class ChunkedArray:
         box = [(s, s + n) for s, n in zip(start, values.shape)]
         indices = list(self._boxes_chunks(box))
         partial = [i for i in indices if not self._covers(box, i)]
-        existing = self.fetch_chunks(partial) if partial else {}
+        existing = self._old_chunks(partial) if partial else {}
         encoded: dict[str, np.ndarray] = {}
         empty: list[str] = []
         written: dict[tuple, np.ndarray | None] = {}
@@ -667,7 +623,7 @@ class ChunkedArray:
                     padded[tuple(slice(0, n) for n in chunk.shape)] = chunk
                     chunk = padded
             key = self.chunk_key(index)
-            if chunk.any():
+            if chunk.any() or self.committed is not None:
                 encoded[key] = written[index] = chunk
             else:
                 empty.append(key)
@@ -681,6 +637,28 @@ class ChunkedArray:
         if empty:
             self.kv.delete_many(empty)
         self._forget(written)
+
+    def _stale_damage(self, error: CorruptChunkError) -> bool:
+        """Whether damage lies in a slot that holds no committed episode (being rewritten): its
+        old bytes are overwritten, not merged, so they may be read as zeros."""
+        return self.committed is not None and error.slot is not None and self.committed(error.slot) == 0
+
+    def _old_chunks(self, indices: list[tuple]) -> dict[tuple, np.ndarray | None]:
+        """The chunks a partial write merges into; damaged ones of uncommitted slots as None."""
+        try:
+            return self.fetch_chunks(indices)
+        except CorruptChunkError as e:
+            if not self._stale_damage(e):
+                raise
+        found = {}
+        for index in indices:
+            try:
+                found.update(self.fetch_chunks([index]))
+            except CorruptChunkError as e:
+                if not self._stale_damage(e):
+                    raise
+                found[index] = None
+        return found
 
     def _covers(self, box, index) -> bool:
         for (lo, hi), i, c, n in zip(box, index, self.chunks, self.shape):

@@ -5,7 +5,11 @@ Layout: ``data.h5`` holds datasets ``data/<field>`` (episode, time, *shape) and 
 is the config as JSON. HDF5 cannot replace a value atomically and a killed writer can leave
 the file's own metadata half-written, so the counters (``replaybuf/state.json``, temp file +
 rename) and the step log (``replaybuf/steplog/``) live next to it as plain files, and the
-file is flushed before every counter commit.
+file is flushed before every counter commit. Format 2 adds ``replaybuf/checksums.npy``, a
+crc32c per committed (field, episode) checked on whole-episode reads (``_local.py``): HDF5's
+fletcher32 filter would need chunked datasets, and uncompressed fields stay contiguous so that
+sampling reads them through a numpy memmap. Errors h5py raises reading data (a damaged
+compressed chunk) become ``CorruptChunkError``.
 
 Sampling: uncompressed data fields are contiguous blocks at a fixed offset in the file, so
 ``gather`` fancy-indexes a read-only numpy memmap of those bytes (the memmap backend's speed);
@@ -31,12 +35,13 @@ import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from ._kv import KVBlobs, LocalKV
-from ._local import local_root, refuse_foreign_buffer
+from ._local import EpisodeChecksums, local_root, refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
 from ._zarr import default_time_chunk
 from .base import (
     BufferDamagedError,
     BufferNotFoundError,
+    CorruptChunkError,
     Storage,
     bookkeeping_fields,
     check_layout,
@@ -167,6 +172,8 @@ class H5Array:
             block[relative] = value
             dataset[box] = block
         self._storage.flush()  # visible at once to memmap readers of the file
+        if self.path.startswith("data/"):
+            self._storage.rows_rewritten(self.path[len("data/") :], key)
 
     def __array__(self, dtype=None, copy=None):
         array = np.asarray(self.dataset[()])
@@ -212,6 +219,7 @@ class HDF5Storage(KVBlobs, Storage):
         self._ram: dict[str, np.ndarray | None] = {}
         self._maps: dict[str, np.memmap | None] = {}
         self._dirty = False
+        self._checksums: EpisodeChecksums | None = None
 
     @property
     def h5file(self) -> h5py.File:
@@ -306,6 +314,7 @@ class HDF5Storage(KVBlobs, Storage):
             f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
                 {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()}
             )
+        self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
         self._load_arrays(schema)
 
     def open(self, read_only: bool) -> Schema:
@@ -328,6 +337,7 @@ class HDF5Storage(KVBlobs, Storage):
             self.kv.prepare_writes()
         schema = schema_from_config(config, self._config_where)
         self._load_arrays(schema)
+        self._checksums = EpisodeChecksums.open(self, self.root, list(schema.fields))
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
@@ -383,6 +393,8 @@ class HDF5Storage(KVBlobs, Storage):
         # docstring inherited
         self._check_writable()
         episodes = np.asarray(episodes)
+        if name == "episode_lens" and self._checksums is not None:
+            self._checksums.seal(episodes, values)  # before the length publishes the episode
         order = np.argsort(episodes, kind="stable")
         dataset = self._dataset(name, meta=True)
         dataset[episodes[order]] = np.broadcast_to(
@@ -390,15 +402,44 @@ class HDF5Storage(KVBlobs, Storage):
         )[order]
         self._dirty = True
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        # docstring inherited
+    def rows_rewritten(self, name: str, key: Any) -> None:
+        """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
+        the committed episodes it touched."""
+        if self._checksums is not None:
+            first = key[0] if isinstance(key, tuple) else key
+            lens = self.read_meta("episode_lens")
+            self._checksums.reseal_written(name, np.arange(len(lens))[first], lens)
+
+    def data_file(self, name: str) -> str:
+        """Where data field ``name`` is stored (named by CorruptChunkError)."""
+        return f"{self.path}:/data/{name}"
+
+    def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        """``read_rows`` without the checksum check (to compute the checksums)."""
         if self._dirty:
             self.flush()
         mapped = self._mapped(name)
         if mapped is not None:
             return mapped[np.asarray(episodes), t0:t1]
         unique, inverse = np.unique(np.asarray(episodes), return_inverse=True)
-        return np.asarray(self._dataset(name)[unique, t0:t1])[inverse.reshape(-1)]
+        try:
+            rows = np.asarray(self._dataset(name)[unique, t0:t1])
+        except OSError as e:
+            raise CorruptChunkError(
+                f"data/{name}: slots {unique.tolist()}, timesteps {t0}..{t1 - 1}: {e} ({self.data_file(name)})",
+                field=f"data/{name}",
+                location=self.data_file(name),
+            ) from e
+        return rows[inverse.reshape(-1)]
+
+    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        # docstring inherited: whole committed episodes are checked against their crc32c
+        rows = self.unchecked_rows(name, episodes, t0, t1)
+        if self._checksums is not None and t0 == 0:
+            episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+            lens = self.read_meta("episode_lens")[episodes]
+            self._checksums.check(name, episodes, rows, t1, lens)
+        return rows
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
@@ -415,7 +456,10 @@ class HDF5Storage(KVBlobs, Storage):
         pairs, inverse = np.unique(np.stack([episodes, timesteps], axis=1), axis=0, return_inverse=True)
         rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)
         for i, (episode, t) in enumerate(pairs.tolist()):
-            rows[i] = dataset[episode, t]
+            try:
+                rows[i] = dataset[episode, t]
+            except OSError as e:
+                raise CorruptChunkError.at(f"data/{name}", episode, (t, t + 1), self.data_file(name), str(e)) from e
         return rows[inverse.reshape(-1)]
 
     def _mapped(self, name: str) -> np.ndarray | None:
@@ -471,6 +515,8 @@ class HDF5Storage(KVBlobs, Storage):
             self._file.close()
         self._file = None
         self._ram, self._maps = {}, {}
+        if self._checksums is not None:
+            self._checksums.release()
         self.kv.close()
 
     def describe(self) -> dict:

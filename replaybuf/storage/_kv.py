@@ -96,6 +96,10 @@ class KeyValue(ABC):
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
 
+    def where(self, key: str) -> str:
+        """The file path or URL of ``key``, for error messages."""
+        return key
+
     def get_each(self, keys: Sequence[str], consume: Callable[[int, bytes | None], None]) -> None:
         """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
         decoding in ``consume`` runs in parallel; codecs release the GIL)."""
@@ -250,6 +254,10 @@ class LocalKV(KeyValue):
             fd = self._appenders.pop(key)
             if self._appenders_pid == os.getpid():
                 os.close(fd)
+
+    def where(self, key: str) -> str:
+        # docstring inherited
+        return self._path(key)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -487,6 +495,10 @@ class StoreKV(KeyValue):
 
     def __getstate__(self):
         return {**self.__dict__, "_store": None, "_pid": None}
+
+    def where(self, key: str) -> str:
+        # docstring inherited
+        return f"{self.name.rstrip('/')}/{key}"
 
     def _run(self, coro):
         from zarr.core.sync import sync

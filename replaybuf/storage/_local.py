@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
-from .base import Storage, detect_backend
+import numpy as np
+from numpy.lib.format import open_memmap
+
+from ._codecs import crc32c
+from .base import CorruptChunkError, Storage, detect_backend
 
 
 def local_root(storage: Storage) -> str:
@@ -26,3 +30,100 @@ def refuse_foreign_buffer(storage: Storage) -> None:
         raise ValueError(
             f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
         )
+
+
+CHECKSUM_FILE = "replaybuf/checksums.npy"
+_SEALED = np.uint64(1 << 32)
+
+
+class EpisodeChecksums:
+    """A crc32c per committed (data field, episode) of a local folder buffer (format 2).
+
+    The memmap and hdf5 backends store data as raw bytes, so nothing on the read path checks
+    them. ``replaybuf/checksums.npy`` (max_episodes, fields) uint64 holds ``1 << 32 | crc`` of
+    the committed rows ``[0, length)`` of each field, or 0 where none is kept (an empty slot, a
+    buffer adopted from memmap-replay-buffer). It is written before the length is published,
+    and recomputed when a committed episode's rows are rewritten in place, so a reader can check
+    every whole-episode read (read_rows / read_spans from step 0 to at least the length).
+    Per-step gathers are not checked: they would read the whole episode for one step.
+    """
+
+    def __init__(self, storage: Storage, root: str, fields: list[str]):
+        self.storage = storage
+        self.path = os.path.join(root, CHECKSUM_FILE)
+        self.columns = {name: i for i, name in enumerate(fields)}
+        self._sums: np.ndarray | None = None
+
+    @classmethod
+    def create(cls, storage: Storage, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
+        self = cls(storage, root, fields)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        open_memmap(self.path, mode="w+", dtype=np.uint64, shape=(max_episodes, len(fields))).flush()
+        return self
+
+    @classmethod
+    def open(cls, storage: Storage, root: str, fields: list[str]) -> EpisodeChecksums | None:
+        """The checksums of a format-2 folder, None for one without (format 1, seed folders)."""
+        self = cls(storage, root, fields)
+        return self if os.path.isfile(self.path) else None
+
+    @property
+    def sums(self) -> np.memmap:
+        mode = "r" if self.storage.read_only else "r+"
+        if self._sums is None or (self._sums.mode == "r") != (mode == "r"):
+            self._sums = np.load(self.path, mmap_mode=mode)
+        return self._sums
+
+    def seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
+        """Compute and store the checksums of ``slots`` committed at ``lengths`` (0: clear)."""
+        slots, lengths = np.asarray(slots, dtype=np.int64).reshape(-1), np.asarray(lengths).reshape(-1)
+        lengths = np.broadcast_to(lengths, slots.shape)
+        sums = self.sums
+        committed = lengths > 0
+        for name in self.columns if names is None else names:
+            column = self.columns[name]
+            sums[slots[~committed], column] = 0
+            if committed.any():
+                picked = slots[committed]
+                rows = self.storage.unchecked_rows(name, picked, 0, int(lengths[committed].max()))
+                sums[picked, column] = [
+                    _SEALED | crc32c(np.ascontiguousarray(row[:n])) for row, n in zip(rows, lengths[committed].tolist())
+                ]
+        if self.storage.fsync:  # other processes see the page cache; msync only for power loss (~2 ms)
+            sums.flush()
+
+    def reseal_written(self, name: str, episodes: np.ndarray, lengths: np.ndarray) -> None:
+        """After rows of ``episodes`` were rewritten in place: recompute the committed ones."""
+        episodes = np.unique(np.asarray(episodes, dtype=np.int64).reshape(-1))
+        lengths = np.asarray(lengths)[episodes]
+        if (lengths > 0).any():
+            self.seal(episodes[lengths > 0], lengths[lengths > 0], [name])
+
+    def expected(self, name: str, episodes: np.ndarray, read: np.ndarray, lengths: np.ndarray) -> list[int]:
+        """Per episode: its stored crc32c plus 1 << 32 where ``read[i]`` steps from step 0 hold
+        the whole committed episode (``lengths`` as published now), else 0 (nothing to check)."""
+        if name not in self.columns:
+            return [0] * len(episodes)
+        stored = self.sums[np.asarray(episodes, dtype=np.int64), self.columns[name]]
+        whole = (np.asarray(lengths) > 0) & (np.asarray(lengths) <= np.asarray(read))
+        return np.where(whole, stored, 0).tolist()
+
+    def check_row(self, name: str, episode: int, row: np.ndarray, expected: int) -> None:
+        """Raise CorruptChunkError when ``row`` (the committed steps of ``episode``, as read)
+        differs from its checksum ``expected`` (from ``expected``; 0: nothing to check)."""
+        if expected and crc32c(np.ascontiguousarray(row)) != expected & 0xFFFFFFFF:
+            raise CorruptChunkError.at(
+                f"data/{name}", episode, (0, len(row)), self.storage.data_file(name), "episode fails its crc32c"
+            )
+
+    def check(self, name: str, episodes: np.ndarray, rows: np.ndarray, read: int, lengths: np.ndarray) -> None:
+        """``check_row`` for each of ``rows`` (read from step 0, ``read`` steps each)."""
+        expected = self.expected(name, episodes, np.full(len(episodes), read), lengths)
+        for i, (episode, n, value) in enumerate(zip(np.asarray(episodes).tolist(), lengths.tolist(), expected)):
+            self.check_row(name, episode, rows[i, :n], value)
+
+    def release(self) -> None:
+        self._sums = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_sums": None}

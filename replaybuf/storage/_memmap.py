@@ -6,6 +6,7 @@ Layout of a folder (every array readable with ``numpy.load(path, mmap_mode='r')`
     <field>.data.npy               (max_episodes, max_timesteps, *shape)
     <meta>.data.meta.npy           (max_episodes, *shape), incl. episode_lens and _generation
     replaybuf/state.json           the counters, replaced atomically (temp file + rename)
+    replaybuf/checksums.npy        format 2: a crc32c per committed (field, episode), ``_local.py``
     replaybuf/steplog/             the step log of episodes in progress
 
 The file names are those of memmap-replay-buffer 0.2.x, whose folders this backend also opens
@@ -32,7 +33,7 @@ from numpy.lib.format import open_memmap
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
 from ._kv import KVBlobs, LocalKV, thread_pool
-from ._local import local_root, refuse_foreign_buffer
+from ._local import EpisodeChecksums, local_root, refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
 from .base import (
     BufferDamagedError,
@@ -91,9 +92,10 @@ class MemmapArray:
     It pickles as its path (DataLoader workers map the file themselves), never as its data.
     """
 
-    def __init__(self, storage: Storage, path: str):
+    def __init__(self, storage: Storage, path: str, name: str | None = None):
         self._storage = storage
         self.path = path
+        self.name = name  # a data field's name: in-place writes recompute its checksums
         self._memmap: np.memmap | None = None
 
     @property
@@ -128,6 +130,8 @@ class MemmapArray:
         if not self.writable:
             raise PermissionError(f"{self.path!r} was opened read-only; writing is not allowed")
         self.memmap[key] = value
+        if self.name is not None:
+            self._storage.rows_rewritten(self.name, key)
 
     def __array__(self, dtype=None, copy=None):
         array = np.array(self.memmap)
@@ -161,6 +165,7 @@ class MemmapStorage(KVBlobs, Storage):
         self._arrays: dict[tuple[str, bool], MemmapArray] = {}
         self._seed_view: _seed.SeedState | None = None
         self._seed_origin = False
+        self._checksums: EpisodeChecksums | None = None
 
     # ---- discovery ----------------------------------------------------------------------------
 
@@ -203,6 +208,7 @@ class MemmapStorage(KVBlobs, Storage):
             self._allocate(field.name, False, (schema.max_episodes, schema.max_timesteps, *field.shape), field.dtype)
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
             self._allocate(field.name, True, (schema.max_episodes, *field.shape), field.dtype)
+        self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
         self.commit_state(empty_state())
         self._write_config(schema)
 
@@ -225,7 +231,7 @@ class MemmapStorage(KVBlobs, Storage):
         if self.fsync:
             array.flush()
         del array
-        self._arrays[name, meta] = MemmapArray(self, path)
+        self._arrays[name, meta] = MemmapArray(self, path, None if meta else name)
 
     def _write_config(self, schema: Schema, **extra: Any) -> None:
         config = {
@@ -265,6 +271,8 @@ class MemmapStorage(KVBlobs, Storage):
         self.read_only = read_only
         adopting = config is None or (self._seed_origin and self._seed_wrote_since())
         self._open_arrays(schema, skip_generation=config is None)
+        # folders the seed library may write to keep none: it would not update them
+        self._checksums = None if self._seed_origin else EpisodeChecksums.open(self, self.root, list(schema.fields))
         if adopting and read_only:
             self._seed_view = _seed.SeedState.read(self.root)
         elif adopting:
@@ -289,7 +297,7 @@ class MemmapStorage(KVBlobs, Storage):
             if not os.path.isfile(path):
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing {os.path.basename(path)!r}")
             check_layout(path, *_npy_layout(path), expected)
-            self._arrays[name, meta] = MemmapArray(self, path)
+            self._arrays[name, meta] = MemmapArray(self, path, None if meta else name)
 
     def _adopt_seed_folder(self, schema: Schema) -> None:
         """Take over a seed folder for writing (see the module docstring); safe to redo if killed."""
@@ -344,13 +352,38 @@ class MemmapStorage(KVBlobs, Storage):
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        if name == "episode_lens" and self._checksums is not None:
+            self._checksums.seal(episodes, values)  # before the length publishes the episode
         if self.fsync and name == "episode_lens":
             self._flush_arrays()
         self.array(name, meta=True).memmap[np.asarray(episodes)] = values
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        # docstring inherited
+    def rows_rewritten(self, name: str, key: Any) -> None:
+        """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
+        the committed episodes it touched."""
+        if self._checksums is not None:
+            first = key[0] if isinstance(key, tuple) else key
+            episodes = np.arange(self._max_episodes())[first]
+            self._checksums.reseal_written(name, episodes, self._lens_now())
+
+    def _lens_now(self) -> np.ndarray:
+        return self._arrays["episode_lens", True].memmap
+
+    def data_file(self, name: str) -> str:
+        """The file holding data field ``name`` (named by CorruptChunkError)."""
+        return self.array(name).path
+
+    def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        """``read_rows`` without the checksum check (to compute the checksums)."""
         return self.array(name).memmap[np.asarray(episodes), t0:t1]
+
+    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        # docstring inherited: whole committed episodes are checked against their crc32c
+        rows = self.unchecked_rows(name, episodes, t0, t1)
+        if self._checksums is not None and t0 == 0:
+            episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+            self._checksums.check(name, episodes, rows, t1, self._lens_now()[episodes])
+        return rows
 
     def read_spans(
         self,
@@ -371,15 +404,24 @@ class MemmapStorage(KVBlobs, Storage):
             if n > 0
         ]
 
-        def copy(span: tuple[int, int, int, int]) -> None:
-            i, e, s, n = span
+        expected, committed = [0] * len(spans), [0] * len(spans)
+        if self._checksums is not None and spans:
+            _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*spans))
+            committed = self._lens_now()[picked].tolist()
+            expected = self._checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
+
+        def copy(k: int) -> None:
+            # the check runs right after the copy, in the same task, while the rows are in cache
+            i, e, s, n = spans[k]
             out[i, :n] = memmap[e, s : s + n]
+            if expected[k]:
+                self._checksums.check_row(name, e, out[i, : committed[k]], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
-            list(thread_pool().map(copy, spans))
+            list(thread_pool().map(copy, range(len(spans))))
         else:
-            for span in spans:
-                copy(span)
+            for k in range(len(spans)):
+                copy(k)
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         # docstring inherited
@@ -411,6 +453,8 @@ class MemmapStorage(KVBlobs, Storage):
         self.flush()
         for array in self._arrays.values():
             array.release()
+        if self._checksums is not None:
+            self._checksums.release()
         self.kv.close()
 
     def describe(self) -> dict:

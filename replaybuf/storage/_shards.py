@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numcodecs
 import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, chunk_cache
+from ._codecs import crc32c
 from ._kv import CORES, thread_pool
+from .base import CorruptChunkError
 
 _MISSING = np.uint64(2**64 - 1)
 _MISSING_INT = 2**64 - 1
-
-
-_crc32c = numcodecs.CRC32C()
 
 
 class ShardedArray(ChunkedArray):
@@ -51,17 +49,34 @@ class ShardedArray(ChunkedArray):
 
     # ---- reads --------------------------------------------------------------------------
 
-    def _parse_index(self, raw: bytes | None) -> np.ndarray | None:
+    def _damage(self, index: tuple, reason: str) -> CorruptChunkError:
+        # docstring inherited: the file is the episode's shard
+        e, ti = int(index[0]), int(index[1])
+        ct = self.chunks[1]
+        where = f"{self.kv.where(self.shard_key(e))}, inner chunk {ti}"
+        return CorruptChunkError.at(self.path, e, (ti * ct, min((ti + 1) * ct, self.shape[1])), where, reason)
+
+    def _parse_index(self, raw: bytes | None, episode: int) -> np.ndarray | None:
+        """The (offset, nbytes) rows of a shard index read from the shard's end, checked against
+        its crc32c and the shard's size (``shard_nbytes`` when the whole shard is at hand)."""
         if raw is None:
             return None
-        body = raw[:-4] if self.index_crc else raw
-        return np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
+        if len(raw) != self.index_nbytes:
+            reason = f"shard index is {len(raw)} bytes, expected {self.index_nbytes} (truncated shard)"
+        elif self.index_crc and crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            reason = "shard index fails its crc32c"
+        else:
+            body = raw[:-4] if self.index_crc else raw
+            return np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
+        raise CorruptChunkError.at(
+            self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason
+        )
 
     def read_indexes(self, episodes: Sequence[int]) -> dict[int, np.ndarray | None]:
         """The shard index (offset, nbytes per inner chunk) of each episode's shard."""
         unique = list(dict.fromkeys(int(e) for e in episodes))
         raws = self.kv.get_ranges([(self.shard_key(e), -self.index_nbytes, None) for e in unique])
-        return {e: self._parse_index(r) for e, r in zip(unique, raws)}
+        return {e: self._parse_index(r, e) for e, r in zip(unique, raws)}
 
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
         # docstring inherited
@@ -71,7 +86,7 @@ class ShardedArray(ChunkedArray):
         for e, ti in unique:
             index = indexes[e]
             if index is None or index[ti, 0] == _MISSING:
-                continue
+                continue  # the caller reads it as absent
             spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), (e, ti)))
         requests, pieces = [], []
         for e, items in spans.items():
@@ -127,13 +142,14 @@ class ShardedArray(ChunkedArray):
             first_version.setdefault(e, version)
         episodes = list(first_version)
         indexes = self._indexes_cached(episodes, None if versions is None else [first_version[e] for e in episodes])
-        spans: dict[int, list[tuple[int, int, int]]] = {}
+        spans: dict[int, list[tuple[int, int, int, int]]] = {}
         for (e, ti), row in zip(grid, rows):
             index = indexes[e]
             if index is None or index[ti, 0] == _MISSING:
+                self._absent((e, ti))
                 out[row] = 0
             else:
-                spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row))
+                spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
         requests, runs, request_versions = [], [], []
         for e, items in spans.items():
             key = self.shard_key(e)
@@ -144,22 +160,23 @@ class ShardedArray(ChunkedArray):
                     run.append(item)
                 else:
                     requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
-                    runs.append(run)
+                    runs.append((e, run))
                     request_versions.append(first_version[e])
                     run = [item]
             requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
-            runs.append(run)
+            runs.append((e, run))
             request_versions.append(first_version[e])
 
         def decode(i: int, data: bytes | None) -> None:
-            run = runs[i]
+            e, run = runs[i]
             view = memoryview(data) if data is not None else None
             base = run[0][0]
-            for offset, nbytes, row in run:
+            for offset, nbytes, row, ti in run:
                 if view is None:
+                    self._absent((e, ti))
                     out[row] = 0
                 else:
-                    self.codec.decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1])
+                    self._decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1], (e, ti))
 
         self.kv.get_ranges_each(requests, decode, None if versions is None else request_versions)
 
@@ -190,7 +207,8 @@ class ShardedArray(ChunkedArray):
 
             def decode_shard(k: int, data: bytes | None) -> None:
                 view = None if data is None else memoryview(data)
-                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]))
+                episode = whole[k][1]
+                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
                 self._decode_span(view, 0, index, whole[k], out, starts, lengths)
 
             self._each([self.shard_key(e) for _, e, _, _ in whole], decode_shard, parallel, ranges=False)
@@ -255,18 +273,20 @@ class ShardedArray(ChunkedArray):
     ) -> None:
         """Inner chunks ``first .. stop`` of one episode's shard into ``out[i]``; ``view`` holds
         the shard's bytes from offset ``base`` (None: the shard does not exist)."""
-        i, _, first, stop = span
+        i, e, first, stop = span
         start, length = int(starts[i]), int(lengths[i])
         if view is None or index is None:
+            self._absent((e, first))  # the first chunk is the one most inside the episode
             out[i, :length] = 0
             return
-        ct, row, decode_into = self.chunks[1], out[i], self.codec.decode_into
+        ct, row, decode_into = self.chunks[1], out[i], self._decode_into
         contiguous = row.flags.c_contiguous
         for ti, (offset, nbytes) in zip(range(first, stop), index[first:stop].tolist()):
             lo = ti * ct - start
             if offset == _MISSING_INT or lo < 0 or lo + ct > length or not contiguous:
                 self._decode_piece(
                     None if offset == _MISSING_INT else view[offset - base : offset - base + nbytes],
+                    e,
                     ti,
                     out,
                     i,
@@ -274,15 +294,16 @@ class ShardedArray(ChunkedArray):
                     length,
                 )
             else:
-                decode_into(view[offset - base : offset - base + nbytes], row[lo : lo + ct])
+                decode_into(view[offset - base : offset - base + nbytes], row[lo : lo + ct], (e, ti))
 
     # ---- writes -------------------------------------------------------------------------
 
-    def encode_shard(self, rows: np.ndarray) -> bytes | None:
+    def encode_shard(self, rows: np.ndarray, keep: np.ndarray | None = None) -> bytes | None:
         """One episode's (time, *shape) rows as shard bytes; None when all zero.
 
-        All-zero inner chunks are left out (they read back as zero); the others are encoded in
-        one run per core on the thread pool.
+        All-zero inner chunks are left out (they read back as zero) unless ``keep`` (one bool
+        per inner chunk) marks them: format 2 stores every chunk of a written span, so a missing
+        one is damage. The others are encoded in one run per core on the thread pool.
         """
         step = self.chunks[1]
         rows = rows[: self.inner_per_shard * step]
@@ -290,7 +311,10 @@ class ShardedArray(ChunkedArray):
             pad = np.zeros((step - rows.shape[0] % step, *rows.shape[1:]), rows.dtype)
             rows = np.concatenate([rows, pad])
         pieces = rows.reshape(-1, step, *rows.shape[1:])
-        nonzero = np.flatnonzero(pieces.reshape(len(pieces), -1).any(axis=1))
+        stored = pieces.reshape(len(pieces), -1).any(axis=1)
+        if keep is not None:
+            stored |= keep[: len(stored)]
+        nonzero = np.flatnonzero(stored)
         if not len(nonzero):
             return None
 
@@ -310,7 +334,7 @@ class ShardedArray(ChunkedArray):
         index[nonzero, 1] = sizes
         index_bytes = index.tobytes()
         if self.index_crc:
-            index_bytes = bytes(_crc32c.encode(index_bytes))
+            index_bytes += crc32c(index_bytes).to_bytes(4, "little")
         return b"".join(blobs) + index_bytes
 
     def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
@@ -320,12 +344,23 @@ class ShardedArray(ChunkedArray):
         e0, t0 = int(start[0]), int(start[1]) if len(start) > 1 else 0
         count, length = values.shape[0], values.shape[1]
         whole = t0 == 0 and length >= self.shape[1]
+        keep = None
+        if self.committed is not None:
+            step = self.chunks[1]
+            keep = np.zeros((count, self.inner_per_shard), bool)
+            keep[:, t0 // step : -(-(t0 + length) // step)] = True
         if whole:
             rows = values
         else:
-            rows = self.read_boxes([((e0, e0 + count), (0, self.shape[1]))])[0]
+            rows = np.empty((count, self.shape[1], *self.shape[2:]), self.dtype)
+            for i in range(count):
+                present = self._old_shard(e0 + i, rows[i], (t0, t0 + length))
+                if keep is not None and present is not None:
+                    keep[i] |= present
             rows[:, t0 : t0 + length] = values
-        shards = {self.shard_key(e0 + i): self.encode_shard(rows[i]) for i in range(count)}
+        shards = {
+            self.shard_key(e0 + i): self.encode_shard(rows[i], None if keep is None else keep[i]) for i in range(count)
+        }
         present = {k: v for k, v in shards.items() if v is not None}
         if present:
             self.kv.set_many(present, atomic=atomic)
@@ -333,6 +368,37 @@ class ShardedArray(ChunkedArray):
         if empty:
             self.kv.delete_many(empty)
         self._forget_episodes(range(e0, e0 + count))
+
+    def _old_shard(self, episode: int, out: np.ndarray, skip: tuple[int, int]) -> np.ndarray | None:
+        """Decode the episode's stored inner chunks into ``out`` (time, *shape), except those
+        inside the steps ``skip`` that the write replaces, for a partial write to merge into;
+        return which inner chunks the shard stores. A damaged shard of a slot that holds no
+        committed episode (being rewritten) reads as empty."""
+        out[...] = 0
+        try:
+            index = self.read_indexes([episode])[episode]
+            if index is None:
+                return None
+            ct = self.chunks[1]
+            present = index[:, 0] != _MISSING
+            keep = present.copy()
+            keep[-(-skip[0] // ct) : skip[1] // ct] = False  # wholly overwritten: not decoded
+            wanted = np.flatnonzero(keep)
+            if len(wanted):
+                lo = int(index[wanted, 0].min())
+                hi = int((index[wanted, 0] + index[wanted, 1]).max())
+                data = self.kv.get_ranges([(self.shard_key(episode), lo, hi)])[0]
+                view = memoryview(data if data is not None else b"")
+                for ti in wanted.tolist():
+                    offset, nbytes = int(index[ti, 0]) - lo, int(index[ti, 1])
+                    a, b = ti * ct, min((ti + 1) * ct, self.shape[1])
+                    out[a:b] = self._decode(view[offset : offset + nbytes], (episode, ti))[0, : b - a]
+        except CorruptChunkError as e:
+            if not self._stale_damage(e):
+                raise
+            out[...] = 0
+            return None
+        return present
 
     def _forget_episodes(self, episodes) -> None:
         """Drop what the cache and the resident copy hold of rewritten episodes."""

@@ -1,12 +1,19 @@
 """The default backend: a zarr v3 group on local disk, in memory, or on any object store.
 
-Layout: group attributes hold ``{"format": "replaybuf", "version": 1, <schema>}`` as JSON;
+Layout: group attributes hold ``{"format": "replaybuf", "version": 2, <schema>}`` as JSON;
 arrays ``data/<field>`` (episode, time, *shape) chunked (1, T_chunk, *shape) so no two episodes
 share a chunk, ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes, with zarr
 ``dimension_names`` (``Field.dimension_names``) so xarray opens them; counters in the object
 ``replaybuf/state.json``; step logs under ``replaybuf/steplog/`` (``STATE_NODE_KEY``). Chunks are read
 and written by the direct path in ``_chunks.py``; zarr-python creates the metadata and serves
 any indexing the direct path does not cover.
+
+Format 2 (format 1 buffers open and are written as they are): every data chunk, and every
+inner chunk of a shard, ends with zarr v3's ``crc32c`` codec, and chunks of written spans are
+stored even when all zero, so a flipped byte, a truncated, empty or missing chunk of a
+committed episode reads as ``CorruptChunkError`` naming field, slot, timesteps and key. Meta
+arrays are not checksummed: they are rewritten in place a few bytes per commit (see
+``META_CHUNK_EPISODES``), and a checksum would turn that into a whole-chunk rewrite.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import os
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
-from ._chunks import ChunkCodec, ChunkedArray, compressor_codec
+from ._chunks import ChunkedArray
+from ._codecs import ChunkCodec, compressor_codec
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
@@ -94,6 +102,15 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
 
 def _compressor(field: Field, default: str):
     return compressor_codec(field.compressor or default, field.dtype, DEFAULT_ZSTD_LEVEL)
+
+
+def _data_codecs(field: Field) -> list:
+    """A data field's bytes-to-bytes codecs: its compressor, then crc32c (format 2), so every
+    stored chunk (the inner chunks of a shard) is checked by any zarr v3 reader."""
+    from zarr.codecs import Crc32cCodec
+
+    compressor = _compressor(field, default_compressor(field))
+    return [*([] if compressor is None else [compressor]), Crc32cCodec()]
 
 
 def default_compressor(field: Field) -> str:
@@ -195,7 +212,7 @@ class ZarrStorage(KVBlobs, Storage):
                 chunks=(1, chunk, *field.shape),
                 dtype=field.dtype,
                 shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
-                compressors=_compressor(field, default_compressor(field)),
+                compressors=_data_codecs(field),
                 fill_value=0,
                 chunk_key_encoding=FLAT_KEYS,
                 dimension_names=field.dimension_names(),
@@ -267,27 +284,39 @@ class ZarrStorage(KVBlobs, Storage):
         sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
         if sharding is not None:
             codecs, chunks = sharding["codecs"], tuple(sharding["chunk_shape"])
+        checksum = codecs[-1]["name"] == "crc32c"
+        compressors = codecs[1:-1] if checksum else codecs[1:]
         if (
             codecs[0]["name"] != "bytes"
-            or len(codecs) > 2
-            or any(c["name"] not in ("zstd", "blosc", "gzip") for c in codecs[1:])
+            or len(compressors) > 1
+            or any(c["name"] not in ("zstd", "blosc", "gzip") for c in compressors)
         ):
             raise ValueError(
                 f"array {path!r} uses codecs {codecs}; replaybuf reads the bytes + zstd/blosc/gzip "
-                "stacks it writes itself"
+                "(+ crc32c) stacks it writes itself"
             )
         dtype = np.dtype(doc["data_type"])
-        codec = ChunkCodec(dtype, codecs[1] if len(codecs) == 2 else None)
+        codec = ChunkCodec(dtype, compressors[0] if compressors else None, checksum=checksum)
         args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
         options = dict(
             zarr_array=functools.partial(self._open_zarr_array, path),
             check_writable=self._check_writable,
             separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"),
+            # format 2 data arrays keep every chunk they write: a missing one is damage
+            committed=self._committed_length if checksum and grid_axes == 2 else None,
         )
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
         return ShardedArray(*args, index_crc=index_crc, **options)
+
+    def _committed_length(self, slot: int) -> int:
+        """The published length of ``slot`` as stored now: one 4-byte range read of the
+        uncompressed ``episode_lens`` chunk (0 when absent)."""
+        lens = self.array("episode_lens", meta=True)
+        chunk, row = divmod(int(slot), lens.chunks[0])
+        raw = self.kv.get_ranges([(lens.chunk_key((chunk,)), 4 * row, 4 * row + 4)])[0]
+        return int.from_bytes(raw, "little", signed=True) if raw is not None and len(raw) == 4 else 0
 
     def _open_zarr_array(self, path: str):
         import zarr

@@ -72,6 +72,40 @@ class StorageError(RuntimeError):
     """The backing store failed (disk full, connection lost, ...) while reading or writing."""
 
 
+class CorruptChunkError(StorageError):
+    """Stored bytes of an episode fail their checksum, cannot be decoded, or are missing.
+
+    A StorageError (not a ValueError): the caller's arguments are fine, the medium is not. The
+    message names the field, the slot, the timesteps and the file or key; the same facts are
+    attributes (None when unknown, e.g. after crossing a DataLoader worker boundary, which
+    rebuilds the error from its message). ``replaybuf verify`` lists every damaged episode and
+    ``verify(path, repair=True)`` drops them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        slot: int | None = None,
+        steps: tuple[int, int] | None = None,
+        location: str | None = None,
+    ):
+        super().__init__(message)
+        self.field, self.slot, self.steps, self.location = field, slot, steps, location
+
+    @classmethod
+    def at(cls, field: str, slot: int, steps: tuple[int, int], location: str, reason: str) -> CorruptChunkError:
+        """The error for steps ``[steps[0], steps[1])`` of ``slot`` stored at ``location``."""
+        return cls(
+            f"{field}: slot {slot}, timesteps {steps[0]}..{steps[1] - 1}: {reason} ({location})",
+            field=field,
+            slot=slot,
+            steps=steps,
+            location=location,
+        )
+
+
 class ArrayLike(Protocol):
     """What ``buffer.data[name]`` and ``buffer.meta_data[name]`` return: numpy-style indexing."""
 

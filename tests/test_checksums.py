@@ -1,0 +1,305 @@
+"""Format 2 integrity: every stored chunk (zarr) or committed episode (memmap, hdf5) carries a
+crc32c; damage reads as CorruptChunkError naming field, slot, timesteps and file; ``verify``
+lists every damaged episode and ``--repair`` drops exactly those."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
+from replaybuf.cli import main
+from replaybuf.tools import verify
+
+# frame: 4096 bytes a step -> sharded, blosc-lz4; state: zstd chunks; raw: no compressor
+FIELDS = dict(
+    frame=("uint8", (32, 32, 4)),
+    state=("float", 3),
+    raw={"dtype": "float", "shape": (2,), "compressor": "none"},
+)
+LENGTHS = [5, 7, 4]
+MAX_TIMESTEPS = 8
+
+
+def _episode(i: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(i)
+    n = LENGTHS[i]
+    return dict(
+        frame=rng.integers(1, 255, (n, 32, 32, 4), dtype=np.uint8),
+        state=rng.standard_normal((n, 3)).astype(np.float32),
+        raw=rng.standard_normal((n, 2)).astype(np.float32),
+    )
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory):
+    """One buffer per backend with three committed episodes; tests damage copies of it."""
+    root = tmp_path_factory.mktemp("originals")
+    for backend in ("zarr", "memmap", "hdf5"):
+        buffer = ReplayBuffer(str(root / backend), 4, MAX_TIMESTEPS, FIELDS, backend=backend, circular=True)
+        for i in range(len(LENGTHS)):
+            buffer.store_episode(**_episode(i))
+        buffer.close()
+    return root
+
+
+def _copy(originals, backend: str, tmp_path) -> str:
+    path = str(tmp_path / backend)
+    shutil.copytree(originals / backend, path)
+    return path
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "delete":
+        os.unlink(path)
+        return
+    data = bytearray(open(path, "rb").read())
+    if how == "flip":
+        data[len(data) // 3] ^= 0x10
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "empty":
+        data = bytearray()
+    elif how == "garbage":
+        data = bytearray(np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes())
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _check_only_slot_1_dropped(path: str) -> None:
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 2] and buffer.num_episodes == 2
+    for slot in (0, 2):
+        expected = _episode(slot)
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(buffer.data[name][slot, : LENGTHS[slot]]), expected[name])
+    buffer.get_all_data()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "empty", "garbage", "delete"])
+@pytest.mark.parametrize(("field", "key"), [("frame", "c.1.0.0.0.0"), ("state", "c.1.0.0"), ("raw", "c.1.0.0")])
+def test_zarr_damaged_chunk_is_named_reported_and_repaired(originals, tmp_path, capsys, field, key, how):
+    path = _copy(originals, "zarr", tmp_path)
+    chunk = os.path.join(path, "data", field, key)
+    _damage(chunk, how)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    reads = [
+        buffer.get_all_data,
+        lambda: np.asarray(buffer.data[field][1]),
+        lambda: buffer.storage.gather(field, np.full(LENGTHS[1], 1), np.arange(LENGTHS[1])),
+    ]
+    for read in reads:
+        with pytest.raises(CorruptChunkError, match=f"data/{field}: slot 1, timesteps") as raised:
+            read()
+        assert chunk in str(raised.value) and raised.value.slot == 1 and raised.value.field == f"data/{field}"
+    np.testing.assert_array_equal(np.asarray(buffer.data[field][2, :4]), _episode(2)[field])  # others still read
+    assert main(["verify", path]) == 1
+    assert f"data/{field}: slot 1" in capsys.readouterr().err
+    assert main(["verify", "--repair", path]) == 1
+    assert "dropped the damaged episodes in slots [1]" in capsys.readouterr().err
+    assert verify(path) == []
+    _check_only_slot_1_dropped(path)
+
+
+def _flip_committed_byte(path: str, backend: str, field: str, slot: int, step: int, bit: int = 4, at: int = 1) -> None:
+    """Flip bit ``bit`` of byte ``at`` (modulo the step's size) of ``data/field[slot, step]``,
+    where the backend stores it raw."""
+    if backend == "memmap":
+        array = np.load(os.path.join(path, f"{field}.data.npy"), mmap_mode="r+")
+        step_bytes = array.view(np.uint8).reshape(array.shape[0], array.shape[1], -1)[slot, step]
+        step_bytes[at % len(step_bytes)] ^= 1 << bit
+        array.flush()
+        return
+    with h5py.File(os.path.join(path, "data.h5"), "r+", locking=False) as f:
+        block = f[f"data/{field}"][slot, step]
+        flat = block.view(np.uint8).reshape(-1)
+        flat[at % len(flat)] ^= 1 << bit
+        f[f"data/{field}"][slot, step] = block
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize("field", ["frame", "state"])
+def test_local_backends_check_whole_episodes(originals, tmp_path, capsys, backend, field):
+    path = _copy(originals, backend, tmp_path)
+    _flip_committed_byte(path, backend, field, 1, 3)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    with pytest.raises(CorruptChunkError, match=f"data/{field}: slot 1, timesteps 0..6: episode fails its crc32c"):
+        buffer.get_all_data()
+    with pytest.raises(CorruptChunkError, match="slot 1"):
+        buffer.storage.read_rows(field, np.array([0, 1]), 0, MAX_TIMESTEPS)
+    assert buffer.storage.read_rows(field, np.array([0, 2]), 0, MAX_TIMESTEPS).shape[0] == 2
+    buffer.close()
+    problems = verify(path)
+    assert len(problems) == 1 and f"data/{field}: slot 1" in problems[0] and "data" in problems[0]
+    assert main(["verify", "--repair", path]) == 1
+    assert "slots [1]" in capsys.readouterr().err
+    assert verify(path) == []
+    _check_only_slot_1_dropped(path)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_clean_reads_past_the_lengths_pass_the_checks(originals, backend):
+    buffer = ReplayBuffer.from_folder(originals / backend, read_only=True)
+    slots = np.arange(3)
+    for name in FIELDS:
+        out = np.zeros((3, MAX_TIMESTEPS, *buffer.data[name].shape[2:]), buffer.data[name].dtype)
+        buffer.storage.read_spans(name, slots, np.zeros(3, np.int64), np.full(3, MAX_TIMESTEPS), out)
+        rows = buffer.storage.read_rows(name, slots, 0, MAX_TIMESTEPS)
+        for slot in slots:
+            np.testing.assert_array_equal(out[slot, : LENGTHS[slot]], _episode(slot)[name])
+            np.testing.assert_array_equal(rows[slot, : LENGTHS[slot]], _episode(slot)[name])
+    assert verify(originals / backend) == []
+
+
+def test_hdf5_damaged_compressed_chunk_is_named(tmp_path):
+    path = str(tmp_path / "gz")
+    buffer = ReplayBuffer(path, 3, MAX_TIMESTEPS, FIELDS, backend="hdf5", storage_options={"compression": "gzip"})
+    for i in range(3):
+        buffer.store_episode(**_episode(i))
+    buffer.close()
+    with h5py.File(os.path.join(path, "data.h5"), "r", locking=False) as f:
+        offset = f["data/state"].id.get_chunk_info_by_coord((1, 0, 0)).byte_offset
+    with open(os.path.join(path, "data.h5"), "r+b") as f:
+        f.seek(offset + 4)
+        f.write(b"\xff\x00\xff\x00")
+    with pytest.raises(CorruptChunkError, match="data/state: slots \\[1\\]"):
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    assert any("data/state: slots [1]" in p for p in verify(path))
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_in_place_rewrites_keep_checksums_valid(originals, tmp_path, backend):
+    path = _copy(originals, backend, tmp_path)
+    buffer = ReplayBuffer.from_folder(path)
+    buffer.update([0, 2], state=np.full((2, 4, 3), 7.0, np.float32))
+    buffer.store_datapoint(1, 6, "frame", np.full((32, 32, 4), 9, np.uint8))
+    buffer.store_episode(**_episode(0))  # slot 3
+    buffer.store_episode(**_episode(2))  # slot 0 again: a shorter episode over a rewritten one
+    buffer.close()
+    assert verify(path) == []
+    again = ReplayBuffer.from_folder(path, read_only=True)
+    data = again.get_all_data()  # slot order: 0 holds episode 2 now
+    np.testing.assert_array_equal(np.asarray(data["frame"][0, :4]), _episode(2)["frame"])
+    assert (np.asarray(data["state"][2, :4]) == 7).all() and (np.asarray(data["frame"][1, 6]) == 9).all()
+
+
+def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_2(originals):
+    assert issubclass(CorruptChunkError, StorageError)
+    attributes = json.loads((originals / "zarr" / "zarr.json").read_text())["attributes"]
+    assert attributes["version"] == 2
+    assert json.loads((originals / "memmap" / "replaybuf.json").read_text())["version"] == 2
+    assert os.path.isfile(originals / "hdf5" / "replaybuf" / "checksums.npy")
+
+
+def test_dropping_episodes_keeps_the_buffer_writable(originals, tmp_path):
+    path = _copy(originals, "zarr", tmp_path)
+    buffer = ReplayBuffer.from_folder(path)
+    assert buffer.drop_episodes([1, 3]) == [1]
+    assert buffer.num_episodes == 2
+    buffer.store_episode(**_episode(1))  # slot 3
+    assert buffer.num_episodes == 3 and verify(path) == []
+    with pytest.raises(ValueError, match="drop_episodes: slots must be ints in \\[0, 4\\)"):
+        buffer.drop_episodes([4])
+
+
+# ---- property: random damage to data files never passes silently --------------------------
+
+
+def _data_files(path: str) -> list[str]:
+    files = []
+    for field in FIELDS:
+        folder = os.path.join(path, "data", field)
+        files += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f != "zarr.json"]
+    return files
+
+
+def _reads_original_or_named_error(path: str) -> None:
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    originals = {i: _episode(i) for i in range(3)}
+
+    def check(read, compare) -> None:
+        try:
+            values = read()
+        except CorruptChunkError as e:
+            assert e.field is not None and e.slot is not None and e.location is not None
+            return
+        compare(values)
+
+    def all_data(values) -> None:
+        for name in FIELDS:
+            for slot in range(3):
+                np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), originals[slot][name])
+
+    check(buffer.get_all_data, all_data)
+    for name in FIELDS:
+        for slot in range(3):
+            check(
+                lambda name=name, slot=slot: np.asarray(buffer.data[name][slot, : LENGTHS[slot]]),
+                lambda v, name=name, slot=slot: np.testing.assert_array_equal(v, originals[slot][name]),
+            )
+
+    def batch(values) -> None:
+        for (slot, t), frame in zip(values["_indices"].tolist(), values["frame"].numpy()):
+            np.testing.assert_array_equal(frame, originals[slot]["frame"][t])
+
+    loader = buffer.dataloader(batch_size=16, timestep_level=True, return_indices=True, fields=["frame"])
+    check(lambda: next(iter(loader)), batch)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pick=st.integers(0, 10**6),
+    how=st.sampled_from(["flip", "truncate", "delete"]),
+    where=st.floats(0, 1, exclude_max=True),
+    bit=st.integers(0, 7),
+)
+def test_random_damage_to_data_files_is_never_silent(originals, pick, how, where, bit):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b")
+        shutil.copytree(originals / "zarr", path)
+        files = _data_files(path)
+        target = files[pick % len(files)]
+        data = bytearray(open(target, "rb").read())
+        position = int(where * len(data))
+        if how == "delete":
+            os.unlink(target)
+        else:
+            if how == "flip":
+                data[position] ^= 1 << bit
+            else:
+                data = data[:position]
+            with open(target, "wb") as f:
+                f.write(data)
+        _reads_original_or_named_error(path)
+        assert verify(path), f"{how} of {os.path.relpath(target, path)} at {position} went unreported"
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    backend=st.sampled_from(["memmap", "hdf5"]),
+    field=st.sampled_from(sorted(FIELDS)),
+    slot=st.integers(0, 2),
+    where=st.floats(0, 1, exclude_max=True),
+    bit=st.integers(0, 7),
+)
+def test_random_flips_in_committed_rows_are_never_silent(originals, backend, field, slot, where, bit):
+    """memmap and hdf5 check whole-episode reads (get_all_data, trajectories) and verify."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b")
+        shutil.copytree(originals / backend, path)
+        step = int(where * LENGTHS[slot])
+        _flip_committed_byte(path, backend, field, slot, step, bit=bit, at=int(where * 1000))
+        buffer = ReplayBuffer.from_folder(path, read_only=True)
+        with pytest.raises(CorruptChunkError, match=f"data/{field}: slot {slot}, timesteps 0..{LENGTHS[slot] - 1}"):
+            buffer.get_all_data()
+        buffer.close()
+        problems = verify(path)
+        assert len(problems) == 1 and f"data/{field}: slot {slot}" in problems[0]
