@@ -216,6 +216,15 @@ class Storage(ABC):
         """The whole per-episode array ``meta/name`` in RAM."""
         return np.asarray(self.array(name, meta=True)[:])
 
+    def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
+        """``meta/name[episodes]`` read from the store now, only those entries (what a reader
+        re-checks after each read, see ``consistency.py``); never served from a cache."""
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        if len(episodes) == 0:
+            return self.read_meta(name)[:0]
+        unique, inverse = np.unique(episodes, return_inverse=True)
+        return np.asarray(self.array(name, meta=True)[unique])[inverse]
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def flush(self) -> None:
