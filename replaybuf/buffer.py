@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import video
-from .consistency import stored_bookkeeping
+from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup, StepLog, write_span
 from .storage.base import Storage, StorageError, bookkeeping_fields, make_storage
@@ -97,7 +97,7 @@ def _time_index(key: Any, size: int) -> tuple[int, int, Any]:
     the same steps from a block of steps ``t0 .. t1``."""
     picked = np.arange(size)[key]
     if picked.size == 0:
-        return 0, 0, slice(0, 0)
+        return 0, 0, (slice(0, 0) if isinstance(key, slice) else picked)
     t0, t1 = int(picked.min()), int(picked.max()) + 1
     if not isinstance(key, slice):
         return t0, t1, picked - t0 if np.ndim(picked) else int(picked) - t0
@@ -117,8 +117,9 @@ class DataView:
 
     def __init__(self, buffer: Any, name: str):
         self._buffer, self._name = buffer, name
-        array = buffer.storage.array(name)
-        self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+        field = buffer.schema.fields[name]
+        self.shape = (buffer.schema.max_episodes, buffer.schema.max_timesteps, *field.shape)
+        self.dtype = np.dtype(field.dtype)
 
     @property
     def ndim(self) -> int:
@@ -140,17 +141,24 @@ class DataView:
         return self._read(slots, t0, t1)[(local_episodes, local_steps) + tuple(key[2:])]
 
     def _read(self, slots: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        """Steps ``t0 .. t1`` of ``slots`` (sorted, unique) as (len(slots), t1 - t0, *shape)."""
-        buffer = self._buffer
-        if not buffer.read_only:
-            if len(slots) == 0:
-                return np.zeros((0, t1 - t0, *self.shape[2:]), self.dtype)
-            return buffer.storage.read_rows(self._name, slots, t0, t1)
-        from .consistency import read_episodes_consistent
-
-        got = read_episodes_consistent(buffer, slots, [self._name], t0=t0, t1=t1, with_meta=False)
+        """Steps ``t0 .. t1`` of ``slots`` (sorted, unique) as (len(slots), t1 - t0, *shape):
+        as stored for a committed episode (its padding included), zeros for an empty slot."""
+        buffer, storage = self._buffer, self._buffer.storage
         out = np.zeros((len(slots), t1 - t0, *self.shape[2:]), self.dtype)
-        out[np.searchsorted(slots, got.slots)] = got.data[self._name]
+        if not buffer.read_only:
+            if len(slots):
+                out[:] = storage.read_rows(self._name, slots, t0, t1)
+            return out
+
+        def read(items: np.ndarray) -> None:
+            out[items] = storage.read_rows(self._name, slots[items], t0, t1)
+
+        def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return slots[items], stored_bookkeeping(storage, (), slots[items])["_generation"]
+
+        generations = stored_bookkeeping(storage, (), slots)["_generation"]
+        kept = read_consistent(buffer, slots.copy(), generations, read, replan)
+        out[~kept] = 0
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
