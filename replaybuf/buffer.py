@@ -873,9 +873,10 @@ class ReplayBuffer:
         device: torch.device | str | None = None,
         lazy: bool = False,
     ):
-        """Every committed episode (slot order, as the seed) as tensors, time-padded to the longest.
-
-        Decoded in parallel through dask; ``lazy=True`` returns the dask arrays instead.
+        """One row per slot ``0 .. num_episodes - 1`` (row i = slot i, as the seed) as tensors,
+        time-padded to the longest; an empty slot, or one a writer in another process is
+        rewriting, is a row of padding with length 0. Read consistently and decoded in parallel
+        through dask (``analysis.get_all_data``); ``lazy=True`` returns the dask arrays instead.
         """
         from .analysis import get_all_data
 

@@ -316,3 +316,43 @@ def test_get_all_data_keeps_row_i_for_slot_i_after_a_killed_writer(tmp_path, mon
             np.testing.assert_array_equal(lazy[name].compute(), data[name].numpy(), err_msg=name)
         concat = ConcatReplayBuffer([reader, reader]).get_all_data(fields=["step"], meta_fields=["uid"])
         assert concat["uid"].tolist() == [3, 0, 2, 3, 0, 2]
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_data_views_index_as_numpy_on_readers_and_writers(tmp_path, backend):
+    """``data[name][key]`` keeps numpy's semantics (slices, steps, negative and repeated
+    indices, masks, several index arrays) on a writer and on a read-only reader, whose reads
+    go through the consistent read; an empty slot reads as zeros, writes through a reader's
+    view are refused."""
+    writer = ReplayBuffer(tmp_path / "b", **buffer_kwargs(5, circular=True), backend=backend)
+    for uid in (1, 2, 3):
+        writer.store_episode(**episode(uid), uid=uid, score=uid / 4)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    raw = np.asarray(writer.storage.read_rows("obs", np.arange(5), 0, MAX_TIMESTEPS))
+    keys = [
+        np.s_[:],
+        np.s_[:, :, 0],
+        np.s_[1],
+        np.s_[1, 2],
+        np.s_[[2, 0, 2]],
+        np.s_[[2, 0], [1, 3]],
+        np.s_[::-1, ::-2],
+        np.s_[1:3, 4:1:-1, 1:],
+        np.s_[..., 1],
+        np.s_[np.array([True, False, True, False, False])],
+        np.s_[-1, -1],
+        np.s_[:, [0, 2]],
+        np.s_[:0],
+        np.s_[[0], np.zeros(MAX_TIMESTEPS, bool)],
+    ]
+    for view in (writer.data["obs"], reader.data["obs"]):
+        for key in keys:
+            np.testing.assert_array_equal(view[key], raw[key], err_msg=str(key))
+            assert view[key].shape == raw[key].shape
+    with pytest.raises(IndexError):
+        reader.data["obs"][np.array([True, False]), np.zeros(3, bool)]
+    with pytest.raises(ValueError, match="read-only"):
+        reader.data["obs"][0, 0] = 1.0
+    writer.data["obs"][4, 0] = 7.0  # a write through the view reaches the store ...
+    assert writer.storage.read_rows("obs", np.array([4]), 0, 1)[0, 0, 0] == 7.0
+    assert not reader.data["obs"][4].any(), "... but slot 4 holds no episode: a reader sees zeros"
