@@ -8,7 +8,7 @@ from importlib import import_module
 from typing import Any
 
 from .buffer import ReplayBuffer
-from .consistency import read_episodes_consistent
+from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
@@ -76,5 +76,6 @@ __all__ = [
     "discover_shards",
     "open_shard",
     "read_episodes_consistent",
+    "ConcurrentWriteError",
 ]
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
+from .consistency import RETRIES, ConcurrentWriteError, read_consistent, stored_bookkeeping
 from .progress import dask_progress
 from .storage.spans import fill_beyond
 
@@ -84,11 +85,14 @@ def _check_known(names: Sequence[str], allowed: set[str], what: str, call: str) 
 
 
 class EpisodeRows:
-    """The committed episodes of one data field as a lazily read array (episodes, time, *shape).
+    """The planned episodes of one data field as a lazily read array (episodes, time, *shape).
 
-    Episode ``i`` is slot ``slots[i]``; time runs to ``length``; steps at or beyond an episode's
-    length read as ``fill`` (the field's default, else zero, as the seed pads). ``dask.array.from_array`` slices it block by block; it pickles with the
-    storage (no open handle) for distributed workers.
+    Episode ``i`` is slot ``slots[i]`` as it held generation ``generations[i]`` when planned;
+    time runs to ``length``; steps at or beyond an episode's length read as ``fill`` (the
+    field's default, else zero, as the seed pads). Each block is read consistently when it is
+    computed (``consistency.read_consistent``): a row whose slot no longer holds the planned
+    episode, or was empty, reads as ``fill`` throughout. ``dask.array.from_array`` slices it
+    block by block; it pickles with the storage (no open handle) for distributed workers.
     """
 
     def __init__(
@@ -101,9 +105,11 @@ class EpisodeRows:
         field_shape: tuple[int, ...],
         dtype: np.dtype,
         fill: Any = 0,
+        generations: np.ndarray | None = None,
     ):
         self.storage, self.name, self.fill = storage, name, fill
         self.slots, self.lens = np.asarray(slots, np.int64), np.asarray(lens, np.int64)
+        self.generations = np.asarray(generations if generations is not None else np.ones(len(self.slots)), np.int64)
         self.shape = (len(self.slots), int(length), *field_shape)
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
@@ -119,12 +125,26 @@ class EpisodeRows:
         # only each episode's own steps are read; the padding after them is set, not read
         lengths = np.clip(self.lens[picked] - t0, 0, t1 - t0)
         rows = np.empty((len(picked), t1 - t0, *self.shape[2:]), self.dtype)
-        self.storage.read_spans(self.name, self.slots[picked], np.full(len(picked), t0), lengths, rows)
-        fill_beyond(rows, lengths, self.fill)
+        slots, generations = self.slots[picked], self.generations[picked].copy()
+
+        def read(items: np.ndarray) -> None:
+            for lo, hi in _runs(items):
+                self.storage.read_spans(self.name, slots[lo:hi], np.full(hi - lo, t0), lengths[lo:hi], rows[lo:hi])
+
+        kept = read_consistent(self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read)
+        fill_beyond(rows, np.where(kept, lengths, 0), self.fill)
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
         squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
         return rows[squeeze + key[2:]]
+
+
+def _runs(items: np.ndarray) -> list[tuple[int, int]]:
+    """``items`` (sorted indices) as (lo, hi) runs of consecutive indices."""
+    if len(items) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(items) != 1) + 1
+    return [(int(items[a]), int(items[b - 1]) + 1) for a, b in zip(np.r_[0, breaks], np.r_[breaks, len(items)])]
 
 
 def _episodes_per_chunk(step_nbytes: int, length: int, episodes: int) -> int:
@@ -137,14 +157,43 @@ def _episodes_per_chunk(step_nbytes: int, length: int, episodes: int) -> int:
 _ORDERS = ("chronological", "slot")
 
 
-def _committed(buffer: Any, order: str = "chronological") -> tuple[np.ndarray, np.ndarray, int]:
-    """Valid slots (oldest first, or by slot index), their lengths, and the longest length."""
+@dataclass
+class _Plan:
+    """The snapshot a read names: slots, the generation and length each held (from the buffer's
+    mirror as of ``refresh()``; 0 for an empty slot) and their meta rows."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+    lens: np.ndarray
+    meta: dict[str, np.ndarray]
+
+    @property
+    def length(self) -> int:
+        return int(self.lens.max(initial=0))
+
+
+def _plan(buffer: Any, slots: np.ndarray, meta_fields: Sequence[str] = ()) -> _Plan:
+    slots = np.asarray(slots, np.int64)
+    lens = np.asarray(buffer.episode_lens, np.int64)[slots]
+    generations = np.asarray(buffer._meta["_generation"], np.int64)[slots]
+    empty = (lens <= 0) | (generations <= 0)
+    lens, generations = np.where(empty, 0, lens), np.where(empty, 0, generations)
+    meta = {}
+    for name in meta_fields:
+        values = lens.astype(np.int32) if name == "episode_lens" else np.asarray(buffer.meta_data[name][:])[slots]
+        if empty.any() and name != "episode_lens":
+            values[empty] = buffer.schema.meta_fields[name].fill
+        meta[name] = values
+    return _Plan(slots, generations, lens, meta)
+
+
+def _committed(buffer: Any, order: str = "chronological", meta_fields: Sequence[str] = ()) -> _Plan:
+    """The committed episodes: valid slots (oldest first, or by slot index), as planned."""
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {list(_ORDERS)}, got {order!r}")
     all_lens = np.asarray(buffer.episode_lens, np.int64)
     slots = np.asarray(buffer.valid_episodes() if order == "chronological" else np.flatnonzero(all_lens > 0), np.int64)
-    lens = all_lens[slots]
-    return slots, lens, int(lens.max()) if len(lens) else 0
+    return _plan(buffer, slots, meta_fields)
 
 
 def to_dask(
@@ -162,20 +211,34 @@ def to_dask(
     ``fields`` and ``meta_fields`` every field is returned, as ``get_all_data`` does.
     ``episodes_per_chunk`` overrides the chunking (default: whole episodes, about
     ``dask.config['array.chunk-size']`` bytes per chunk); ``order='slot'`` orders episodes by
-    slot as the seed's ``get_all_data`` does (the same unless a circular buffer wrapped).
+    slot (the same unless a circular buffer wrapped).
+
+    The rows are the episodes committed as of the buffer's last ``refresh()``; blocks are read
+    when computed, each checked against a writer in another process: a row whose slot was
+    rewritten since reads as padding throughout (its meta values and ``episode_mask`` row stay
+    as planned), never as parts of two episodes.
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
     if episodes_per_chunk is not None and (
         isinstance(episodes_per_chunk, bool) or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1
     ):
         raise ValueError(f"to_dask: episodes_per_chunk must be a positive int, got {episodes_per_chunk!r}")
-    slots, lens, length = _committed(buffer, order)
+    return _dask_arrays(buffer, fields, meta_fields, _committed(buffer, order, meta_fields), episodes_per_chunk)
+
+
+def _dask_arrays(
+    buffer: Any, fields: Sequence[str], meta_fields: Sequence[str], plan: _Plan, episodes_per_chunk: int | None = None
+) -> dict[str, da.Array]:
+    """Dask arrays of ``plan``'s rows: data read consistently when computed, meta as planned."""
+    slots, lens, length = plan.slots, plan.lens, plan.length
     # A fresh token per call: the same slots and lengths may hold other episodes later.
     token = tokenize(buffer.storage.location, slots, lens, uuid.uuid4().hex)
     out: dict[str, da.Array] = {}
     for name in fields:
         field = buffer.schema.fields[name]
-        rows = EpisodeRows(buffer.storage, name, slots, lens, length, field.shape, field.dtype, field.fill)
+        rows = EpisodeRows(
+            buffer.storage, name, slots, lens, length, field.shape, field.dtype, field.fill, plan.generations
+        )
         per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
         out[name] = da.from_array(
             rows,
@@ -186,14 +249,14 @@ def to_dask(
             meta=np.empty((0,) * rows.ndim, field.dtype),
         )
     for name in meta_fields:
-        values = np.asarray(buffer.meta_data[name][:])[slots]
-        out[name] = da.from_array(values, chunks=-1, name=f"replaybuf-meta-{name}-{token}")
+        out[name] = da.from_array(plan.meta[name], chunks=-1, name=f"replaybuf-meta-{name}-{token}")
     return out
 
 
 def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str = "chronological") -> da.Array:
     """Dask bool array (episodes, time): True where a committed episode has a step (rows as ``to_dask``)."""
-    _, lens, length = _committed(buffer, order)
+    plan = _committed(buffer, order)
+    lens, length = plan.lens, plan.length
     chunk = episodes_per_chunk or max(1, len(lens))
     lens = da.from_array(lens, chunks=chunk)
     return da.arange(length, chunks=max(length, 1))[None, :] < lens[:, None]
@@ -247,34 +310,36 @@ def get_all_data(
     scheduler: Any = None,
     progress: bool | None = None,
 ) -> dict[str, torch.Tensor] | dict[str, da.Array]:
-    """Every committed episode as tensors, time-padded to the longest with zeros (or the field's
-    default, as the seed).
+    """One row per slot ``0 .. num_episodes - 1`` (row i = slot i, as the seed), as tensors
+    time-padded to the longest with zeros (or the field's default, as the seed).
 
-    Episodes are in slot order, as the seed returns them (``to_dask`` defaults to oldest first;
-    the two differ only once a circular buffer wrapped). Decoding runs through dask: the
-    threads scheduler unless ``scheduler`` (a name or a ``dask.distributed`` client) or an
-    active client says otherwise. ``lazy=True`` returns the dask arrays of
-    ``to_dask(order='slot')`` instead; they live on no device, so ``device`` is refused with it.
-    An empty buffer gives ``{}``, as the seed. ``progress``: a tqdm bar over the read tasks
-    (``replaybuf.progress``: by default on a terminal, after two seconds).
+    A slot that is empty (a killed writer's) or being rewritten by a writer in another process
+    during the read gives a row of padding with length 0 in ``episode_lens`` (its meta values
+    are the fields' defaults, else zero): later rows never shift, and every row holds one whole
+    committed episode or nothing. A slot that changed during the read is read again as the
+    episode it holds now (``consistency.read_consistent``); ``ConcurrentWriteError`` if it keeps
+    changing. Decoding runs through dask: the threads scheduler unless ``scheduler`` (a name or
+    a ``dask.distributed`` client) or an active client says otherwise. ``lazy=True`` returns
+    dask arrays of the same rows instead (read when computed: see ``to_dask``); they live on no
+    device, so ``device`` is refused with it. An empty buffer gives ``{}``, as the seed.
+    ``progress``: a tqdm bar over the read tasks (``replaybuf.progress``: by default on a
+    terminal, after two seconds).
     """
     if lazy and device is not None:
         raise ValueError(
             f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
             "Call .compute() and move the tensors, or pass lazy=False"
         )
-    arrays = to_dask(buffer, fields, meta_fields, order="slot")
+    fields, meta_fields = _select(buffer, fields, meta_fields, "get_all_data")
+    plan = _plan(buffer, buffer.listed_slots(), meta_fields)
     if lazy:
-        return arrays
-    if len(buffer) == 0:
+        return _dask_arrays(buffer, fields, meta_fields, plan)
+    if len(plan.slots) == 0:
         return {}
-    scheduler = scheduler or _default_scheduler()
     with dask_progress(progress, "get_all_data"):
-        if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
-            results = _read_in_place(buffer, arrays, scheduler)
-        else:
-            results = dask.compute(*arrays.values(), scheduler=scheduler)
-    out = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(arrays, results)}
+        results = _read_rows(buffer, fields, plan, scheduler or _default_scheduler())
+    results.update(plan.meta)
+    out = {n: torch.from_numpy(np.ascontiguousarray(results[n])) for n in (*fields, *meta_fields)}
     if device is not None:
         out = {n: t.to(device) for n, t in out.items()}
     return out
@@ -296,36 +361,72 @@ def _fill_episodes(
     fill_beyond(rows, lens, fill)
 
 
-def _read_in_place(buffer: Any, arrays: dict[str, da.Array], scheduler: str) -> list[np.ndarray]:
-    """The results of ``get_all_data`` for schedulers sharing this process's memory: each array
-    allocated once and filled by dask tasks of a few whole episodes, each decoding its frames
-    straight into place (no block copies, no concatenation)."""
-    slots, lens, length = _committed(buffer, "slot")
-    token = uuid.uuid4().hex
-    results, tasks = [], []
-    for name, array in arrays.items():
-        field = buffer.schema.fields.get(name)
-        if field is None:
-            results.append(np.asarray(array.compute(scheduler="sync")))
-            continue
-        target = _Target(np.empty(array.shape, array.dtype))
-        results.append(target.array)
-        per_task = max(1, _TASK_BYTES // max(1, field.step_nbytes * length))
-        for lo in range(0, len(slots), per_task):
-            part = slice(lo, lo + per_task)
-            tasks.append(
-                dask.delayed(_fill_episodes, pure=False)(
-                    target,
-                    buffer.storage,
-                    name,
-                    lo,
-                    slots[part],
-                    lens[part],
-                    field.fill,
-                    dask_key_name=(f"replaybuf-fill-{name}-{token}", lo),
-                )
-            )
-    dask.compute(*tasks, scheduler=scheduler)
+def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) -> dict[str, np.ndarray]:
+    """The data rows of ``get_all_data``, read consistently: each result is allocated once and
+    filled by dask tasks of a few whole episodes, each decoding its frames straight into place
+    (no block copies, no concatenation) where the scheduler shares this process's memory;
+    slots that changed meanwhile are re-planned and read again."""
+    storage, schema = buffer.storage, buffer.schema
+    meta_names = [n for n in plan.meta if n != "episode_lens"]
+    targets = {
+        n: _Target(np.empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype))
+        for n in fields
+    }
+    shared = isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS
+
+    def read(items: np.ndarray) -> None:
+        longest = int(plan.lens[items].max(initial=0))
+        for name, target in targets.items():
+            if longest > target.array.shape[1]:  # a re-planned episode is longer than any planned
+                grown = np.empty((len(target.array), longest, *target.array.shape[2:]), target.array.dtype)
+                grown[:, : target.array.shape[1]] = target.array
+                grown[:, target.array.shape[1] :] = schema.fields[name].fill
+                target.array = grown
+        if not shared:
+            plan_items = _Plan(plan.slots[items], plan.generations[items], plan.lens[items], {})
+            arrays = _dask_arrays(buffer, fields, (), plan_items)
+            for name, values in zip(arrays, dask.compute(*arrays.values(), scheduler=scheduler)):
+                target = targets[name].array
+                target[items, : values.shape[1]] = values
+                target[items, values.shape[1] :] = schema.fields[name].fill
+            return
+        token, tasks = uuid.uuid4().hex, []
+        for name, target in targets.items():
+            field = schema.fields[name]
+            per_task = max(1, _TASK_BYTES // max(1, field.step_nbytes * target.array.shape[1]))
+            for lo, hi in _runs(items):
+                for start in range(lo, hi, per_task):
+                    part = slice(start, min(hi, start + per_task))
+                    tasks.append(
+                        dask.delayed(_fill_episodes, pure=False)(
+                            target,
+                            storage,
+                            name,
+                            start,
+                            plan.slots[part],
+                            plan.lens[part],
+                            field.fill,
+                            dask_key_name=(f"replaybuf-fill-{name}-{token}", start),
+                        )
+                    )
+        dask.compute(*tasks, scheduler=scheduler if len(items) > 1 else "sync")
+
+    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        again = stored_bookkeeping(storage, meta_names, plan.slots[items])
+        plan.lens[items] = again["episode_lens"]
+        for name in plan.meta:
+            plan.meta[name][items] = again[name]
+        return plan.slots[items], again["_generation"]
+
+    kept = read_consistent(buffer, plan.slots, plan.generations, read, replan)
+    plan.lens[~kept] = 0
+    for name, values in plan.meta.items():
+        values[~kept] = 0 if name == "episode_lens" else schema.meta_fields[name].fill
+    width = plan.length
+    results = {}
+    for name, target in targets.items():
+        target.array[~kept] = schema.fields[name].fill
+        results[name] = target.array[:, :width]
     return results
 
 
@@ -453,6 +554,41 @@ def _lens_histogram(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return counts, edges
 
 
+def _block_stats(
+    storage: Any, fields: dict[str, Any], slots: np.ndarray, generations: np.ndarray, lens: np.ndarray
+) -> tuple:
+    """(kept, moments per field, per-episode sums of scalar fields) of a few whole episodes,
+    every field read in one consistent read: an episode a writer rewrote meanwhile is left out
+    (``kept`` False, sums 0)."""
+    length = int(lens.max(initial=0))
+    blocks = {n: np.empty((len(slots), length, *f.shape), f.dtype) for n, f in fields.items()}
+
+    def read(items: np.ndarray) -> None:
+        for name, block in blocks.items():
+            for lo, hi in _runs(items):
+                storage.read_spans(
+                    name, slots[lo:hi], np.zeros(hi - lo, np.int64), lens[lo:hi], block[lo:hi], parallel=False
+                )
+
+    kept = read_consistent(storage, slots.copy(), generations.copy(), read)
+    lens = np.where(kept, lens, 0)
+    valid = np.arange(length)[None, :] < lens[:, None]
+    moments = {n: _block_moments(block, lens) for n, block in blocks.items()}
+    sums = {
+        n: np.where(valid, block, 0).sum(axis=1, dtype=np.float64 if block.dtype.kind in "fc" else np.int64)
+        for n, block in blocks.items()
+        if fields[n].shape == ()
+    }
+    return kept, moments, sums
+
+
+def _merge_stats(parts: list[tuple]) -> tuple:
+    kept = np.concatenate([p[0] for p in parts])
+    moments = {n: _merge_moments([p[1][n] for p in parts]) for n in parts[0][1]}
+    sums = {n: np.concatenate([p[2][n] for p in parts])[kept] for n in parts[0][2]}
+    return kept, moments, sums
+
+
 def stats(
     buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = None, progress: bool | None = None
 ) -> BufferStats:
@@ -462,27 +598,34 @@ def stats(
     (padding never counts); the episode count, the lengths and their histogram; and for
     scalar fields (shape ``()``, such as rewards) the per-episode sums, i.e. returns.
     ``stats(buffer, ['obs'])['obs'].mean`` and ``.std`` are what an observation normalizer needs.
+    Each task reads a few whole episodes, every field at once, consistently: an episode a
+    writer in another process rewrote during the computation is left out of every figure.
     ``progress`` as in ``get_all_data``.
     """
     names = list(buffer.schema.fields) if fields is None else _names(fields, "fields", "stats")
     _check_known(names, set(buffer.schema.fields), "field", "stats")
-    _, lens, _ = _committed(buffer)
-    if len(lens) == 0:
+    plan = _committed(buffer)
+    if len(plan.slots) == 0:
         raise ValueError("stats: the buffer has no committed episodes")
-    arrays = to_dask(buffer, names, [])
-    mask = episode_mask(buffer)
-    moments, sums = {}, {}
-    for name, array in arrays.items():
-        starts = np.cumsum((0,) + array.chunks[0])
-        blocks = array.to_delayed().ravel()
-        parts = [dask.delayed(_block_moments)(block, lens[a:b]) for block, a, b in zip(blocks, starts, starts[1:])]
-        moments[name] = dask.delayed(_merge_moments)(parts)
-        if buffer.schema.fields[name].shape == ():
-            kind = array.dtype.kind
-            steps = da.where(mask.rechunk(array.chunks), array, 0)  # padding may hold a field default
-            sums[name] = steps.sum(axis=1, dtype=np.float64 if kind in "fc" else np.int64)
+    chosen = {n: buffer.schema.fields[n] for n in names}
+    per_task = _episodes_per_chunk(sum(f.step_nbytes for f in chosen.values()), plan.length, len(plan.slots))
+    parts = [
+        dask.delayed(_block_stats, pure=False)(
+            buffer.storage,
+            chosen,
+            plan.slots[lo : lo + per_task],
+            plan.generations[lo : lo + per_task],
+            plan.lens[lo : lo + per_task],
+        )
+        for lo in range(0, len(plan.slots), per_task)
+    ]
     with dask_progress(progress, "stats"):
-        computed_moments, computed_sums = dask.compute(moments, sums, scheduler=scheduler or _default_scheduler())
+        kept, computed_moments, computed_sums = dask.compute(
+            dask.delayed(_merge_stats)(parts), scheduler=scheduler or _default_scheduler()
+        )[0]
+    lens = plan.lens[kept]
+    if len(lens) == 0:
+        raise ConcurrentWriteError(buffer.storage.location, plan.slots, RETRIES)
     per_field = {}
     for name, (count, mean, m2, low, high) in computed_moments.items():
         field = buffer.schema.fields[name]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import video
+from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage.base import (
@@ -106,6 +107,100 @@ class MetaView:
 
     def __repr__(self) -> str:
         return f"<meta {self._name} {self._mirror!r}>"
+
+
+def _episode_index(key: Any, size: int) -> tuple[np.ndarray, Any]:
+    """(the sorted slots ``key`` picks along the episode axis, the key that picks the same rows,
+    in the same order and with the same numpy semantics, from a block of just those slots)."""
+    picked = np.arange(size)[key]  # ints, slices, int arrays and masks, with numpy's errors
+    if isinstance(key, slice):
+        step = 1 if key.step is None else key.step
+        return (picked, slice(None)) if step > 0 else (picked[::-1], slice(None, None, -1))
+    if np.ndim(picked) == 0:
+        return np.atleast_1d(picked), 0
+    unique = np.unique(picked)
+    return unique, np.searchsorted(unique, picked)
+
+
+def _time_index(key: Any, size: int) -> tuple[int, int, Any]:
+    """(t0, t1, key): the step range ``key`` touches along the time axis and the key that picks
+    the same steps from a block of steps ``t0 .. t1``."""
+    picked = np.arange(size)[key]
+    if picked.size == 0:
+        return 0, 0, (slice(0, 0) if isinstance(key, slice) else picked)
+    t0, t1 = int(picked.min()), int(picked.max()) + 1
+    if not isinstance(key, slice):
+        return t0, t1, picked - t0 if np.ndim(picked) else int(picked) - t0
+    step = 1 if key.step is None else key.step
+    stop = int(picked[-1]) - t0 + (1 if step > 0 else -1)
+    return t0, t1, slice(int(picked[0]) - t0, None if stop < 0 else stop, step)
+
+
+class DataView:
+    """``buffer.data[name]``: numpy-style indexing of (episode, time, *shape).
+
+    On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
+    holds its committed episode (zero past its length) or, when empty or being rewritten, zeros,
+    never parts of two episodes (``consistency.py``). On a writable buffer reads are the
+    storage's (the writer sees its episode in progress); writes go to the storage array.
+    """
+
+    def __init__(self, buffer: Any, name: str):
+        self._buffer, self._name = buffer, name
+        field = buffer.schema.fields[name]
+        self.shape = (buffer.schema.max_episodes, buffer.schema.max_timesteps, *field.shape)
+        self.dtype = np.dtype(field.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1 :]
+        if any(k is None for k in key[:2]) or (np.ndim(key[0]) > 1 and np.asarray(key[0]).dtype == bool):
+            return self[:][key]  # new axes or masks over several axes: read all, index in RAM
+        episode_key, time_key = (key + (slice(None), slice(None)))[:2]
+        slots, local_episodes = _episode_index(episode_key, self.shape[0])
+        t0, t1, local_steps = _time_index(time_key, self.shape[1])
+        return self._read(slots, t0, t1)[(local_episodes, local_steps) + tuple(key[2:])]
+
+    def _read(self, slots: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        """Steps ``t0 .. t1`` of ``slots`` (sorted, unique) as (len(slots), t1 - t0, *shape):
+        as stored for a committed episode (its padding included), zeros for an empty slot."""
+        buffer, storage = self._buffer, self._buffer.storage
+        out = np.zeros((len(slots), t1 - t0, *self.shape[2:]), self.dtype)
+        if not buffer.read_only:
+            if len(slots):
+                out[:] = storage.read_rows(self._name, slots, t0, t1)
+            return out
+
+        def read(items: np.ndarray) -> None:
+            out[items] = storage.read_rows(self._name, slots[items], t0, t1)
+
+        def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return slots[items], stored_bookkeeping(storage, (), slots[items])["_generation"]
+
+        generations = stored_bookkeeping(storage, (), slots)["_generation"]
+        kept = read_consistent(buffer, slots.copy(), generations, read, replan)
+        out[~kept] = 0
+        return out
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._buffer._check_writable(f"data[{self._name!r}][...] = ...")
+        self._buffer.storage.array(self._name)[key] = value
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
 
 
 class ReplayBuffer:
@@ -238,7 +333,7 @@ class ReplayBuffer:
         self.meta_dtypes = {n: f.dtype.type for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
         self.meta_defaults = {n: f.default for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
         self.memory_namedtuple = namedtuple("Memory", list(schema.fields))
-        self.data = {n: self.storage.array(n) for n in schema.fields}
+        self.data = {n: DataView(self, n) for n in schema.fields}
         self._time_chunks = {n: self.storage.time_chunk(n) for n in schema.fields}
         self._spans = {n: write_span(f, self._time_chunks[n], self.max_timesteps) for n, f in schema.fields.items()}
         # every field's row is one chunk (or shard), always written whole: a killed writer
@@ -261,10 +356,15 @@ class ReplayBuffer:
         reader picks up what writers committed or updated since."""
         state = self.storage.load_state()
         self.storage.drop_caches()
+        names = ("_generation", "episode_lens", *self.schema.meta_fields)
         for _ in range(_REREADS):
-            # generations, then lengths, then meta: a commit landing in between can only make a
-            # slot look older or invalid, never pair one episode's length with another's meta
-            meta = {n: self.storage.read_meta(n) for n in ("_generation", "episode_lens", *self.schema.meta_fields)}
+            if self.read_only:
+                # a slot a writer changed while it was loaded reads as empty until the next refresh
+                meta = stored_bookkeeping(self.storage, self.schema.meta_fields)
+            else:
+                meta = {n: self.storage.read_meta(n) for n in names}
+            # a commit landing during the reads can leave a length without its generation for a
+            # moment; one that stays is damage (a lost _generation chunk), refused below
             if not len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
                 break
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
@@ -299,6 +399,10 @@ class ReplayBuffer:
         view = self._meta["episode_lens"].view()
         view.flags.writeable = False
         return view
+
+    def listed_slots(self) -> np.ndarray:
+        """The slots ``get_all_data`` returns a row for: ``0 .. num_episodes - 1``, as the seed."""
+        return np.arange(min(self.num_episodes, self.max_episodes), dtype=np.int64)
 
     def valid_episodes(self) -> np.ndarray:
         """Slots holding a committed episode, oldest first."""
@@ -883,9 +987,10 @@ class ReplayBuffer:
         lazy: bool = False,
         progress: bool | None = None,
     ):
-        """Every committed episode (slot order, as the seed) as tensors, time-padded to the longest.
-
-        Decoded in parallel through dask; ``lazy=True`` returns the dask arrays instead.
+        """One row per slot ``0 .. num_episodes - 1`` (row i = slot i, as the seed) as tensors,
+        time-padded to the longest; an empty slot, or one a writer in another process is
+        rewriting, is a row of padding with length 0. Read consistently and decoded in parallel
+        through dask (``analysis.get_all_data``); ``lazy=True`` returns the dask arrays instead.
         ``progress``: a tqdm bar (default: on a terminal, for reads longer than two seconds).
         """
         from .analysis import get_all_data

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import analysis
-from .buffer import MetaView, ReplayBuffer
+from .buffer import DataView, MetaView, ReplayBuffer
 from .schema import Schema
 from .storage.base import Storage
 
@@ -29,7 +29,8 @@ Member = ReplayBuffer | str | os.PathLike
 
 
 class ConcatArray:
-    """``concat.data[name]``: numpy-style reads over the concatenated episodes (read-only)."""
+    """The stored array of a data field over the concatenated episodes: plain numpy-style reads
+    (``concat.data[name]`` reads through ``buffer.DataView``, consistently)."""
 
     def __init__(self, storage: ConcatStorage, name: str, shape: tuple[int, ...], dtype: np.dtype):
         self._storage, self._name = storage, name
@@ -52,9 +53,6 @@ class ConcatArray:
         rows = self._storage.read_rows(self._name, np.atleast_1d(episodes), t0, t1)[:, flat - t0]
         squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
         return rows[squeeze + key[2:]]
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        raise NotImplementedError(_read_only_message(f"data[{self._name!r}][...] = ..."))
 
     def __array__(self, dtype=None, copy=None):
         out = self[:]
@@ -183,6 +181,17 @@ class ConcatStorage(Storage):
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
         return np.concatenate([m.read_meta(name) for m in self.members])
+
+    def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
+        """Each member's own entries, read from that member (generations are per member)."""
+        episodes = np.asarray(episodes, np.int64).reshape(-1)
+        parts = [(rows, self.members[m].read_meta_rows(name, local)) for m, rows, local in self._route(episodes)]
+        if not parts:
+            return self.members[0].read_meta(name)[:0]
+        out = np.empty((len(episodes), *parts[0][1].shape[1:]), parts[0][1].dtype)
+        for rows, values in parts:
+            out[rows] = values
+        return out
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
@@ -316,7 +325,7 @@ class ConcatReplayBuffer:
         for attribute in ("shapes", "dtypes", "defaults", "meta_shapes", "meta_dtypes", "meta_defaults"):
             setattr(self, attribute, dict(getattr(first, attribute)))
         self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
-        self.data = {n: self.storage.array(n) for n in self.schema.fields}
+        self.data = {n: DataView(self, n) for n in self.schema.fields}
         self.refresh()
 
     def refresh(self) -> ConcatReplayBuffer:
@@ -342,6 +351,11 @@ class ConcatReplayBuffer:
         view = self._meta["episode_lens"].view()
         view.flags.writeable = False
         return view
+
+    def listed_slots(self) -> np.ndarray:
+        """The global slots ``get_all_data`` returns a row for: each member's ``0 .. num_episodes - 1``."""
+        offsets = self.storage.offsets
+        return np.concatenate([b.listed_slots() + offsets[k] for k, b in enumerate(self.buffers)]).astype(np.int64)
 
     def valid_episodes(self) -> np.ndarray:
         """Global slots holding a committed episode: member by member, each oldest first."""
@@ -390,8 +404,9 @@ class ConcatReplayBuffer:
         lazy: bool = False,
         progress: bool | None = None,
     ):
-        """Every committed episode of every member (member by member, slot order, as the seed),
-        time-padded with zeros to the longest, decoded through dask."""
+        """One row per slot ``0 .. num_episodes - 1`` of every member (member by member, as the
+        seed's ``get_all_data`` of each), time-padded to the longest, read consistently (see
+        ``analysis.get_all_data``)."""
         return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
 
     def to_dask(

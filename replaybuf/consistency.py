@@ -1,75 +1,155 @@
-"""Reading episodes while a writer in another process commits new ones, possibly into the
-same slots (circular mode).
+"""The one consistent read: every read path of a buffer another process may be writing
+(loaders, ``get_all_data``, ``to_dask``, ``stats``, ``data[...]``, video, the viewer,
+concatenated buffers) goes through ``read_consistent``.
 
 The writer's commit order (``buffer.py``) makes a slot's ``_generation`` the guard: it is set
 to 0 before a slot's data is touched and published, with a new, larger value, only after the
 data and meta rows are written; a value never returns. So if a slot's generation reads ``g > 0``
 before and after a read, the slot held episode ``g`` during the whole read, and what was read
-(data, meta rows, length) belongs to it. A reader therefore
+(data, meta rows, length) belongs to it. A read therefore
 
-1. reads the generation (or takes the one its batch plan was made with),
-2. reads lengths, meta rows and data,
-3. reads the generation again and keeps only slots where it did not change.
+1. names the snapshot it saw: the slots it reads and their generations (a plan, e.g. from the
+   buffer's mirror as of ``refresh()``, which is itself checked this way);
+2. reads lengths, meta rows and data;
+3. reads the generations of only those slots again, keeps the slots that did not change, and
+   re-plans (rereads) or drops the others, a bounded number of times.
 
-The writer rewrites a reused slot's data objects in place, so step 2 may also fail to decode
-a slot being rewritten; ``read_unchanged`` drops such slots and reads the others again.
+The writer rewrites a reused slot's data objects in place, so step 2 may also fail to decode a
+slot being rewritten: such an error is a retry, not an error. Only an error where no slot
+changed is raised as it is; when slots keep changing through every retry,
+``ConcurrentWriteError`` (retryable) is raised.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .buffer import ReplayBuffer
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+    from .storage.base import Storage
+
+# rereads of the slots that changed during a read; a writer would have to commit into the same
+# slot during each of them to exhaust this
+RETRIES = 4
 
 
-def stored_meta(buffer: ReplayBuffer, name: str, slots: np.ndarray) -> np.ndarray:
-    """``meta/name[slots]`` read from storage now (not from the buffer's RAM mirror)."""
+class ConcurrentWriteError(RuntimeError):
+    """A writer kept changing the slots being read through every bounded retry. Retryable:
+    call again (or ``refresh()`` and call again)."""
+
+    def __init__(self, location: str, slots: Sequence[int], retries: int):
+        self.location, self.slots, self.retries = location, [int(s) for s in slots], retries
+        super().__init__(
+            f"slots {self.slots} of {location!r} were rewritten by a concurrent writer during each of "
+            f"{retries + 1} reads; the read is retryable"
+        )
+
+
+def _storage(source: Any) -> Storage:
+    return source if not hasattr(source, "storage") else source.storage
+
+
+def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarray) -> np.ndarray:
+    """The generation each of ``slots`` holds now (0: empty or being written).
+
+    ``source`` is a buffer (a writable one answers from its own mirror: it is the writer) or a
+    storage; only the entries of ``slots`` are read, not the whole array."""
     slots = np.asarray(slots, dtype=np.int64)
-    if len(slots) == 0:
-        return np.asarray(buffer.storage.array(name, meta=True)[np.zeros(0, np.int64)])
-    unique, inverse = np.unique(slots, return_inverse=True)
-    return np.asarray(buffer.storage.array(name, meta=True)[unique])[inverse]
+    if getattr(source, "read_only", True) is False and hasattr(source, "_meta"):
+        return source._meta["_generation"][slots]
+    return np.asarray(_storage(source).read_meta_rows("_generation", slots), dtype=np.int64)
 
 
-def unchanged_slots(buffer: ReplayBuffer, slots: np.ndarray, generations: np.ndarray) -> np.ndarray:
-    """After reading ``slots`` planned at ``generations``: True where each slot still holds
-    that episode. Call it after the read; drop or resample the slots where it is False."""
-    generations = np.asarray(generations)
-    return (stored_meta(buffer, "_generation", slots) == generations) & (generations > 0)
+def stored_bookkeeping(
+    storage: Storage, names: Sequence[str], slots: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
+    """``_generation``, ``episode_lens`` and the meta fields ``names`` of ``slots`` (None: all
+    slots), read from the store and mutually consistent.
+
+    Generations are read before and after the rest; a slot whose generation moved in between
+    (or that has no published length) comes back with generation 0 and length 0: its length
+    and meta rows are not trusted. What ``refresh()`` loads and every re-plan reads."""
+
+    def read(name: str) -> np.ndarray:
+        return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
+
+    before = np.asarray(read("_generation"), dtype=np.int64)
+    out = {"episode_lens": np.array(read("episode_lens"))}
+    out.update({n: np.array(read(n)) for n in names if n not in ("_generation", "episode_lens")})
+    after = np.asarray(read("_generation"), dtype=np.int64)
+    # a length with generation 0 both times is kept as read: no commit leaves that for long,
+    # so ``refresh`` reports it as damage (a lost _generation chunk) instead of hiding episodes
+    unstable = (after != before) | (out["episode_lens"] <= 0)
+    out["_generation"] = np.where(unstable, 0, before)
+    out["episode_lens"][unstable] = 0
+    return out
 
 
-def read_unchanged(
-    buffer: ReplayBuffer,
+def read_consistent(
+    source: ReplayBuffer | Storage | Any,
     slots: np.ndarray,
     generations: np.ndarray,
-    read: Callable[[np.ndarray], dict[str, np.ndarray]],
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Run ``read(positions)`` for the positions of ``slots`` planned at ``generations`` and keep
-    what was read from slots that still hold those episodes afterwards.
+    read: Callable[[np.ndarray], Any],
+    replan: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+    *,
+    whole: bool = False,
+    exhausted: str = "raise",
+    retries: int = RETRIES,
+) -> np.ndarray:
+    """Read items ``0 .. n-1`` (item i: slot ``slots[i]`` planned at ``generations[i]``; 0 or
+    less: empty, not read) until each was read while its slot held the planned episode.
 
-    ``read`` gets indices into ``slots`` and returns arrays whose first axis follows them (a
-    sampler passes its (slot, timestep) pairs). A writer rewrites a reused slot's objects in
-    place, so a read that overlaps a rewrite may also fail to decode: the error is dropped with
-    the slots that changed, and the others are read again; an error with no slot changed is
-    raised. Returns (positions kept, their values).
+    ``read(items)`` reads the items listed (indices into ``slots``) into the caller's output;
+    ``whole=True``: every call reads every live item (a batch read at once), and only the last
+    call's values count. After each read the generations of the items' slots are read again
+    (``committed_generations``); items that changed are re-planned by ``replan(items)``, which
+    returns their new (slots, generations) (and updates what the caller reads for them, e.g.
+    lengths), or dropped without ``replan``. An error raised by ``read`` is a retry when some
+    item changed, and raised when none did.
+
+    Returns ``kept``: True where the item's last read holds its (last) planned episode; False
+    for empty or dropped items, whose values the caller must discard. ``slots`` and
+    ``generations`` are updated in place by re-plans. When items still change after
+    ``retries`` rereads: ``ConcurrentWriteError``, or with ``exhausted='drop'`` they are
+    dropped (a sampler draws without them).
     """
-    slots, generations = np.asarray(slots, dtype=np.int64), np.asarray(generations, dtype=np.int64)
-    positions = np.flatnonzero(generations > 0)
-    while len(positions):
+    if exhausted not in ("raise", "drop"):
+        raise ValueError(f"exhausted must be 'raise' or 'drop', got {exhausted!r}")
+    kept = np.zeros(len(slots), dtype=bool)
+    todo = np.flatnonzero(generations > 0)
+    failed: Exception | None = None
+    for _ in range(retries + 1):
+        if len(todo) == 0:
+            return kept
         try:
-            values = read(positions)
-        except Exception:
-            still = unchanged_slots(buffer, slots[positions], generations[positions])
-            if still.all():
-                raise
-            positions = positions[still]
+            read(todo)
+            failed = None
+        except Exception as error:  # a decode error of a slot being rewritten is a retry
+            failed = error
+        changed = committed_generations(source, slots[todo]) != generations[todo]
+        if failed is not None and not changed.any():
+            raise failed
+        moved = todo[changed]
+        if len(moved) and replan is not None:
+            slots[moved], generations[moved] = replan(moved)
+        else:
+            generations[moved] = 0
+        if whole:
+            kept[:] = False
+        if failed is not None:
+            todo = todo[generations[todo] > 0]  # what this read left half read, read again
             continue
-        still = unchanged_slots(buffer, slots[positions], generations[positions])
-        return positions[still], {name: value[still] for name, value in values.items()}
-    return positions, read(positions)
+        kept[todo[~changed]] = True
+        if not changed.any():
+            return kept
+        todo = np.flatnonzero(generations > 0) if whole else moved[generations[moved] > 0]
+    if exhausted == "drop" and failed is None:
+        return kept
+    raise ConcurrentWriteError(_storage(source).location, np.unique(slots[todo]), retries) from failed
 
 
 @dataclass
@@ -88,17 +168,23 @@ class ConsistentEpisodes:
 
 
 def read_episodes_consistent(
-    buffer: ReplayBuffer,
+    buffer: ReplayBuffer | Any,
     slots: Sequence[int] | np.ndarray,
     fields: Sequence[str] | None = None,
     generations: Sequence[int] | np.ndarray | None = None,
+    t0: int = 0,
+    t1: int | None = None,
+    with_meta: bool = True,
 ) -> ConsistentEpisodes:
-    """Read whole episodes from ``slots`` of a buffer another process may be writing.
+    """Read whole episodes (or their steps ``t0 .. t1``) from ``slots`` of a buffer another
+    process may be writing.
 
     Returns the slots that held one committed episode throughout the read, with their data
-    (``(n, T, *shape)``, zero past each length, ``T`` the longest kept length), meta fields and
-    lengths as stored; ``dropped`` lists the slots left out (empty, being rewritten, or no longer
-    holding ``generations`` when a batch plan passes them).
+    (``(n, T, *shape)``, zero past each length, ``T`` the longest kept length, or ``t1 - t0``),
+    meta fields and lengths as stored; ``dropped`` lists the slots left out (empty, being
+    rewritten, or no longer holding ``generations`` when a batch plan passes them). A slot
+    that changed during the read is read again as the episode it holds now when no
+    ``generations`` are passed. ``with_meta=False`` leaves meta fields out (``meta`` is empty).
     """
     slots = np.asarray(slots, dtype=np.int64)
     if slots.ndim != 1:
@@ -112,32 +198,47 @@ def read_episodes_consistent(
         raise ValueError(
             f"read_episodes_consistent: invalid field names {unknown} - must be among {sorted(buffer.schema.fields)}"
         )
-    before = stored_meta(buffer, "_generation", slots)
+    storage, meta_names = buffer.storage, list(buffer.schema.meta_fields) if with_meta else []
+    plan = stored_bookkeeping(storage, meta_names, slots)
     if generations is not None:
         generations = np.asarray(generations, dtype=np.int64)
         if generations.shape != slots.shape:
             raise ValueError(f"generations has shape {generations.shape}, slots {slots.shape}: pass one per slot")
-        before = np.where(before == generations, before, 0)
-    lens = stored_meta(buffer, "episode_lens", slots)
-    before = np.where(lens > 0, before, 0)
-    meta = {n: stored_meta(buffer, n, slots) for n in buffer.schema.meta_fields}
-    longest = int(lens[before > 0].max()) if (before > 0).any() else 0
+        plan["_generation"] = np.where(plan["_generation"] == generations, generations, 0)
+    gens, lens = plan["_generation"], plan["episode_lens"].astype(np.int64)
+    stop = buffer.max_timesteps if t1 is None else t1
+    rows: dict[str, np.ndarray] = {}
 
-    def read(positions: np.ndarray) -> dict[str, np.ndarray]:
-        out = {}
+    def width() -> int:
+        return (stop - t0) if t1 is not None else int(lens[gens > 0].max(initial=0))
+
+    def read(items: np.ndarray) -> None:
+        end = t0 + width()
         for name in fields:
-            rows = buffer.storage.read_rows(name, slots[positions], 0, longest)
-            rows[np.arange(longest)[None, :] >= lens[positions][:, None]] = 0
-            out[name] = rows
-        return out
+            values = storage.read_rows(name, slots[items], t0, end)
+            values[np.arange(t0, end)[None, :] >= lens[items][:, None]] = 0
+            if name not in rows or rows[name].shape[1] < values.shape[1]:
+                grown = np.zeros((len(slots), values.shape[1], *values.shape[2:]), values.dtype)
+                if name in rows:
+                    grown[:, : rows[name].shape[1]] = rows[name]
+                rows[name] = grown
+            rows[name][items, : values.shape[1]] = values
 
-    kept, data = read_unchanged(buffer, slots, before, read)
-    cut = int(lens[kept].max()) if len(kept) else 0
+    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        again = stored_bookkeeping(storage, meta_names, slots[items])
+        lens[items] = again["episode_lens"]
+        for name in meta_names:
+            plan[name][items] = again[name]
+        return slots[items], again["_generation"]
+
+    kept = read_consistent(buffer, slots, gens, read, None if generations is not None else replan)
+    cut = width() if t1 is not None else int(lens[kept].max(initial=0))
+    empty = {n: np.zeros((0, cut, *f.shape), f.dtype) for n, f in buffer.schema.fields.items() if n in fields}
     return ConsistentEpisodes(
         slots=slots[kept],
-        generations=before[kept],
+        generations=gens[kept],
         lens=lens[kept],
-        data={n: v[:, :cut] for n, v in data.items()},
-        meta={n: v[kept] for n, v in meta.items()},
+        data={n: rows[n][kept, :cut] if n in rows else empty[n] for n in fields},
+        meta={n: plan[n][kept] for n in meta_names},
         dropped=np.setdiff1d(slots, slots[kept]),
     )

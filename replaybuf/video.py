@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm  # not tqdm.auto: it warns in every Jupyter kernel without ipywidgets
 
+from .consistency import read_episodes_consistent
+
 __all__ = [
     "FFMPEG_SUFFIXES",
     "VIDEO_SUFFIXES",
@@ -266,8 +268,9 @@ def _episode_list(buffer: Any, episode_index: int | Sequence[int]) -> list[int]:
 def episode_frames(buffer: Any, episode_index: int | Sequence[int] = 0, field: str | None = None) -> np.ndarray:
     """The stored frames of one episode, or of several concatenated in time, as a numpy array.
 
-    Each episode is read as one slab ``data[field][episode, :length]``; the array keeps the
-    field's dtype and layout (convert with ``to_rgb_uint8``).
+    Each episode is read whole and consistently beside a writer in another process
+    (``read_episodes_consistent``: one committed episode, never parts of two); the array keeps
+    the field's dtype and layout (convert with ``to_rgb_uint8``).
     """
     if field is None:
         field = default_image_field(buffer)
@@ -276,13 +279,16 @@ def episode_frames(buffer: Any, episode_index: int | Sequence[int] = 0, field: s
             f"field: unknown field {field!r}, expected one of {_data_fields(buffer)} (image-like: {image_fields(buffer)})"
         )
     episodes = _episode_list(buffer, episode_index)
-    lengths = np.asarray(buffer.episode_lens[: int(buffer.num_episodes)])
+    got = read_episodes_consistent(buffer, np.unique(episodes), [field], with_meta=False)
+    rows = {int(slot): row for slot, row in zip(got.slots, range(len(got)))}
     slabs = []
     for episode in episodes:
-        length = int(lengths[episode])
-        if length == 0:
-            raise ValueError(f"episode_index: episode {episode} is empty (length 0), nothing to render")
-        slabs.append(np.asarray(buffer.data[field][episode, 0:length]))
+        if episode not in rows:
+            raise ValueError(
+                f"episode_index: episode {episode} is empty (length 0) or being rewritten, nothing to render"
+            )
+        row = rows[episode]
+        slabs.append(got.data[field][row, : int(got.lens[row])])
     return slabs[0] if len(slabs) == 1 else np.concatenate(slabs, axis=0)
 
 

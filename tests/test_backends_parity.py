@@ -210,7 +210,8 @@ def test_read_only_writes_nothing(place):
 
 
 def test_read_only_arrays_refuse_writes(place):
-    fill(new_buffer(place), [3])
+    with new_buffer(place) as writer:  # closed: an unclosed writer's files change when it is collected
+        fill(writer, [3])
     before = snapshot(place.location)
     reader = ReplayBuffer.from_folder(place.location, read_only=True)
     with pytest.raises((PermissionError, ValueError)):

@@ -8,8 +8,8 @@ import uuid
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer
-from replaybuf.consistency import read_episodes_consistent, read_unchanged, stored_meta, unchanged_slots
+from replaybuf import ConcurrentWriteError, ReplayBuffer
+from replaybuf.consistency import committed_generations, read_consistent, read_episodes_consistent, stored_bookkeeping
 
 from ._workloads import buffer_kwargs, check_episode, episode, episode_length, write_episode, writer_loop
 
@@ -96,26 +96,46 @@ def test_refresh_pairs_lengths_with_meta_under_a_concurrent_commit(location):
         assert reader.episode_lens[slot] == episode_length(uid), f"slot {slot}: length of another episode"
 
 
-def test_consistent_read_drops_a_slot_reused_during_the_read(location):
+def test_consistent_read_rereads_a_slot_reused_during_the_read(location):
     writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
     for uid in (1, 2):
         write_episode(writer, uid, "whole")
     reader = ReplayBuffer.from_folder(location, read_only=True)
-    read_rows = reader.storage.read_rows
+    read_rows, calls = reader.storage.read_rows, []
 
-    def overwrite_during_read(name, episodes, t0, t1):
+    def overwrite_during_first_read(name, episodes, t0, t1):
         rows = read_rows(name, episodes, t0, t1)
-        if name == "obs":
+        calls.append(list(episodes))
+        if len(calls) == 1:
             write_episode(writer, 3, "whole")  # reuses slot 0 after its data was read
         return rows
 
-    reader.storage.read_rows = overwrite_during_read
+    reader.storage.read_rows = overwrite_during_first_read
     got = read_episodes_consistent(reader, [0, 1])
-    assert got.slots.tolist() == [1] and got.dropped.tolist() == [0]
-    assert verify(got) == [2]
+    assert got.slots.tolist() == [0, 1] and got.dropped.tolist() == []
+    assert verify(got) == [3, 2], "slot 0 is read again as the episode it holds now"
+    assert calls[-1] == [0], "only the slot that changed is read again"
 
 
-def test_a_read_torn_by_a_rewrite_drops_that_slot(location):
+def test_a_slot_rewritten_during_every_read_raises_a_retryable_error(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(1, circular=True))
+    write_episode(writer, 1, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, uids = reader.storage.read_rows, iter(range(10, 100))
+
+    def overwrite_during_every_read(name, episodes, t0, t1):
+        rows = read_rows(name, episodes, t0, t1)
+        write_episode(writer, next(uids), "whole")
+        return rows
+
+    reader.storage.read_rows = overwrite_during_every_read
+    with pytest.raises(ConcurrentWriteError, match=r"slots \[0\] .* rewritten by a concurrent writer .* retryable"):
+        read_episodes_consistent(reader, [0])
+    with pytest.raises(ConcurrentWriteError):
+        reader.refresh().data["obs"][0]
+
+
+def test_a_read_torn_by_a_rewrite_is_a_retry(location):
     writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
     for uid in (1, 2):
         write_episode(writer, uid, "whole")
@@ -131,8 +151,8 @@ def test_a_read_torn_by_a_rewrite_drops_that_slot(location):
 
     reader.storage.read_rows = torn_once
     got = read_episodes_consistent(reader, [0, 1])
-    assert calls[0] == [0, 1] and calls[1] == [1], "the slots that did not change are read again"
-    assert verify(got) == [2]
+    assert calls[0] == [0, 1] and calls[1] == [0, 1], "the torn read is read again, slot 0 as re-planned"
+    assert verify(got) == [3, 2]
 
 
 def test_a_read_error_without_a_rewrite_is_raised(location):
@@ -157,7 +177,7 @@ def test_consistent_read_honours_a_plan(location):
     write_episode(writer, 3, "whole")
     got = read_episodes_consistent(reader, [0, 1], generations=planned)
     assert got.slots.tolist() == [1]
-    assert unchanged_slots(reader, np.array([0, 1]), planned).tolist() == [False, True]
+    assert (committed_generations(reader, np.array([0, 1])) == planned).tolist() == [False, True]
     assert verify(read_episodes_consistent(reader, [0, 1], fields=["step"])) == [3, 2]
 
 
@@ -198,16 +218,20 @@ def run_reader_against_writer(location, progress, kwargs, circular, storage_opti
             seen.update(visible)
             # a sampler's path: plan (slot, t) pairs, gather, then drop slots reused meanwhile
             if len(slots):
-                generations = stored_meta(reader, "_generation", slots)
-                lens = stored_meta(reader, "episode_lens", slots)
-                uid = stored_meta(reader, "uid", slots)
+                plan = stored_bookkeeping(reader.storage, ["uid"], slots)
+                lens, uid = plan["episode_lens"], plan["uid"]
                 t = (rng.random(len(slots)) * np.maximum(lens, 1)).astype(np.int64)
-                kept, values = read_unchanged(
-                    reader,
-                    slots,
-                    np.where(lens > 0, generations, 0),
-                    lambda p: {n: reader.storage.gather(n, slots[p], t[p]) for n in ("step", "frame")},  # noqa: B023
-                )
+                values = {}
+
+                def gather(items, values=values):
+                    values.update({n: reader.storage.gather(n, slots[items], t[items]) for n in ("step", "frame")})  # noqa: B023
+                    values["items"] = items
+
+                kept_mask = read_consistent(reader, slots.copy(), plan["_generation"], gather, whole=True)
+                kept = np.flatnonzero(kept_mask)
+                if len(kept):
+                    keep = np.isin(values["items"], kept)
+                    values = {n: values[n][keep] for n in ("step", "frame")}
                 expected = (
                     {
                         n: np.stack([episode(int(u))[n][int(s)] for u, s in zip(uid[kept], t[kept])])

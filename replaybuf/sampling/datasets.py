@@ -18,10 +18,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..consistency import read_consistent
 from .collate import CollatedSamples
-from .fetch import Fetcher, committed_generations
-
-_MAX_REDRAWS = 3
+from .fetch import Fetcher
 
 
 def as_buffer(replay_buffer: Any):
@@ -51,19 +50,16 @@ def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: s
 def take_snapshot(buffer) -> tuple[np.ndarray, np.ndarray]:
     """(lens, generations) of every slot, committed and mutually consistent.
 
-    A read-only buffer is refreshed first. Generations are read before and after the lengths;
-    a slot whose generation moved in between (a writer reusing it) is left out.
+    A read-only buffer is refreshed first (``refresh()`` leaves out a slot a writer changed
+    while it was loaded: ``consistency.stored_bookkeeping``); a writable one is flushed.
     """
     if buffer.read_only:
-        before = np.asarray(buffer.storage.read_meta("_generation"), dtype=np.int64)
         buffer.refresh()
     else:
         buffer.flush()
-        before = np.asarray(buffer._meta["_generation"], dtype=np.int64)
     lens = np.asarray(buffer._meta["episode_lens"], dtype=np.int64).copy()
     generations = np.asarray(buffer._meta["_generation"], dtype=np.int64).copy()
-    unstable = (generations != before) | (generations <= 0)
-    lens[unstable] = 0
+    lens[generations <= 0] = 0
     return lens, generations
 
 
@@ -142,33 +138,40 @@ class _SnapshotDataset(Dataset):
         return self.__getitems__([index % len(self)])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> CollatedSamples:
-        """The whole batch ``indices``, read with one grouped read per field."""
+        """The whole batch ``indices``, read with one grouped read per field, consistently
+        (``consistency.read_consistent``): samples whose slot a writer reused are redrawn,
+        and dropped after the bounded retries."""
         positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
         weights = getattr(indices, "weights", None)
-        for attempt in range(_MAX_REDRAWS + 1):
-            slots = self._slots_of(positions)
-            try:
-                columns, lens = self._read(positions)
-            except Exception:
-                # a writer rewrites a reused slot's objects in place: a read overlapping that
-                # rewrite may fail to decode; it is redrawn like any other stale sample
-                stale = committed_generations(self.replay_buffer)[slots] != self._generations[slots]
-                if not stale.any() or attempt == _MAX_REDRAWS:
-                    raise
-                positions = self._redraw(positions, stale)
-                continue
-            stale = committed_generations(self.replay_buffer)[slots] != self._generations[slots]
-            if not stale.any():
-                break
-            if attempt == _MAX_REDRAWS:
-                keep = ~stale
-                columns = {k: v[keep] for k, v in columns.items()}
-                lens = None if lens is None else lens[keep]
-                weights = None if weights is None else np.asarray(weights)[keep]
-                break
-            positions = self._redraw(positions, stale)
+        dead = self._generations[self._slots_of(positions)] <= 0  # slots earlier batches saw reused
+        if dead.any():
+            positions = self._redraw(positions, dead)
+        last: dict[str, Any] = {}
+
+        def read(items: np.ndarray) -> None:
+            last["items"] = items
+            last["columns"], last["lens"] = self._read(positions[items])
+
+        def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            stale = np.zeros(len(positions), dtype=bool)
+            stale[items] = True
+            positions[:] = self._redraw(positions, stale)
+            slots = self._slots_of(positions[items])
+            return slots, self._generations[slots]
+
+        slots = self._slots_of(positions)
+        kept = read_consistent(
+            self.replay_buffer, slots, self._generations[slots], read, redraw, whole=True, exhausted="drop"
+        )
+        if "items" not in last:
+            read(np.zeros(0, np.int64))
+        items, columns, lens = last["items"], last["columns"], last["lens"]
+        keep = kept[items]
+        if not keep.all():
+            columns = {k: v[keep] for k, v in columns.items()}
+            lens = None if lens is None else lens[keep]
         if weights is not None:
-            columns["_weights"] = np.asarray(weights, dtype=np.float32)
+            columns["_weights"] = np.asarray(weights, dtype=np.float32)[items][keep]
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in columns.items()}
         return CollatedSamples(batch, lens, self.time_keys)
 

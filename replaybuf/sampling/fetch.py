@@ -28,13 +28,6 @@ _RAM_BATCH_EPISODES = 16
 _BULK_MIN_STEPS = 32
 
 
-def committed_generations(buffer) -> np.ndarray:
-    """The generation of every slot as committed now: the writer's own mirror, or the store."""
-    if not buffer.read_only:
-        return buffer._meta["_generation"]
-    return np.asarray(buffer.storage.read_meta("_generation"))
-
-
 def _remove_folder(folder: str, owner: int) -> None:
     """Delete the cache files, from the process that made them only (not a forked worker)."""
     if os.getpid() == owner:

@@ -22,12 +22,23 @@ contiguous, as memmap-replay-buffer's HDF5 variant stores them.
 
 Files are opened without HDF5 file locking, so a read-only open creates and writes nothing;
 one writer per buffer is enforced by the writer lease (``lease.py``), as for every backend.
+
+Reading beside a writer in another process (no SWMR): an uncompressed file (the default, the
+seed's layout) keeps every dataset at a fixed place, so a reader's reads, checked by slot
+generations like every backend's (``consistency.py``), see committed episodes only. A
+compressed file's chunks move as the writer rewrites them and a reader's HDF5 index of them
+goes stale (reads fail, or return other bytes). So a writer holds a shared ``flock`` on
+``replaybuf/hdf5-writer.lock`` while open, and a reader of a compressed file refuses, with
+``StorageError``, to refresh or read while a writer in another process holds it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import h5py
@@ -43,6 +54,7 @@ from .base import (
     BufferNotFoundError,
     CorruptChunkError,
     Storage,
+    StorageError,
     bookkeeping_fields,
     check_layout,
     empty_state,
@@ -54,6 +66,7 @@ from .base import (
 DATA_FILE = "data.h5"
 CONFIG_ATTRIBUTE = "replaybuf"
 META_CHUNK_EPISODES = 1024
+WRITER_MARK = os.path.join("replaybuf", "hdf5-writer.lock")
 STORAGE_OPTIONS = ("compression", "compression_opts")
 # a reader keeps data fields up to this size in RAM for random sampling
 SMALL_FIELD_BYTES = 32 << 20
@@ -120,6 +133,22 @@ def _bounding_box(key: tuple) -> tuple[tuple, tuple]:
     return tuple(box), tuple(relative)
 
 
+@contextmanager
+def reading(storage: HDF5Storage, dataset: str) -> Iterator[None]:
+    """A reader's read of ``dataset``: refused before and after while a writer in another
+    process has a compressed file open (see above); HDF5 errors as ``StorageError`` naming the
+    file and dataset."""
+    storage.refuse_live_writer()
+    try:
+        yield
+    except OSError as e:
+        if not storage.read_only:
+            raise
+        storage.refuse_live_writer()  # a writer that started during the read: say so
+        raise StorageError(f"reading {dataset!r} of {storage.path!r} failed: {e}") from e
+    storage.refuse_live_writer()
+
+
 class H5Array:
     """``buffer.data[name]``: numpy indexing on an HDF5 dataset.
 
@@ -152,12 +181,13 @@ class H5Array:
         return self.shape[0]
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        dataset = self.dataset
-        key = _expand_key(key, dataset.shape)
-        if _is_simple(key):
-            return np.asarray(dataset[key])
-        box, relative = _bounding_box(key)
-        return np.asarray(dataset[box])[relative]
+        with reading(self._storage, self.path):
+            dataset = self.dataset
+            key = _expand_key(key, dataset.shape)
+            if _is_simple(key):
+                return np.asarray(dataset[key])
+            box, relative = _bounding_box(key)
+            return np.asarray(dataset[box])[relative]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._storage._check_writable()
@@ -220,6 +250,8 @@ class HDF5Storage(KVBlobs, Storage):
         self._maps: dict[str, np.memmap | None] = {}
         self._dirty = False
         self._checksums: EpisodeChecksums | None = None
+        self._writer_mark: Any = None
+        self._compressed = False
 
     @property
     def h5file(self) -> h5py.File:
@@ -227,6 +259,8 @@ class HDF5Storage(KVBlobs, Storage):
         if self._file is None or self._pid != os.getpid() or not self._file.id.valid:
             self._file = self._open_file()
             self._pid = os.getpid()
+            if not self.read_only and self._writer_mark is None:
+                self._mark_writer()
         return self._file
 
     def _open_file(self) -> h5py.File:
@@ -244,7 +278,41 @@ class HDF5Storage(KVBlobs, Storage):
         return h5py.File(self.path, mode, locking=False)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_file": None, "_pid": None, "_ram": {}, "_maps": {}}
+        return {**super().__getstate__(), "_file": None, "_pid": None, "_ram": {}, "_maps": {}, "_writer_mark": None}
+
+    # ---- readers beside a writer -----------------------------------------------------------------
+
+    def _mark_writer(self) -> None:
+        """Hold a shared lock on the writer mark while open for writing (released on close or
+        when the process dies), so readers of a compressed file can tell a writer is live."""
+        os.makedirs(os.path.dirname(os.path.join(self.root, WRITER_MARK)), exist_ok=True)
+        self._writer_mark = open(os.path.join(self.root, WRITER_MARK), "a+")
+        fcntl.flock(self._writer_mark, fcntl.LOCK_SH)
+        self._writer_mark.seek(0)
+        self._writer_mark.truncate()
+        self._writer_mark.write(str(os.getpid()))
+        self._writer_mark.flush()
+
+    def refuse_live_writer(self) -> None:
+        """A reader of a compressed file: StorageError while a writer in another process has it
+        open (HDF5 without SWMR gives such a reader stale chunk locations: wrong bytes)."""
+        path = os.path.join(self.root, WRITER_MARK)
+        if not (self.read_only and self._compressed and os.path.exists(path)):
+            return
+        with open(path) as mark:
+            try:
+                fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if mark.read().strip() != str(os.getpid()):  # this process's writer shares its cache
+                    self.close()  # an open handle would keep serving this process stale metadata
+                    raise StorageError(
+                        f"{self.path!r} is compressed and open for writing by another process: HDF5 "
+                        "(without SWMR) cannot be read consistently beside that writer. Read it after "
+                        "the writer closes, or store live buffers uncompressed or with the zarr or "
+                        "memmap backend"
+                    ) from None
+            else:
+                fcntl.flock(mark, fcntl.LOCK_UN)
 
     # ---- discovery -----------------------------------------------------------------------------
 
@@ -353,6 +421,7 @@ class HDF5Storage(KVBlobs, Storage):
             dataset = self.h5file[path]
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, layouts[name, meta])
             self._arrays[name, meta] = H5Array(self, path)
+        self._compressed = any(array.dataset.compression for array in self._arrays.values())
 
     # ---- primitives -------------------------------------------------------------------------------
 
@@ -368,6 +437,7 @@ class HDF5Storage(KVBlobs, Storage):
     def load_state(self) -> dict:
         # docstring inherited
         if self.read_only:
+            self.refuse_live_writer()
             self.close()  # a reader reopens the file to see what the writer flushed since
         return super().load_state()
 
@@ -422,14 +492,17 @@ class HDF5Storage(KVBlobs, Storage):
         if mapped is not None:
             return mapped[np.asarray(episodes), t0:t1]
         unique, inverse = np.unique(np.asarray(episodes), return_inverse=True)
-        try:
-            rows = np.asarray(self._dataset(name)[unique, t0:t1])
-        except OSError as e:
-            raise CorruptChunkError(
-                f"data/{name}: slots {unique.tolist()}, timesteps {t0}..{t1 - 1}: {e} ({self.data_file(name)})",
-                field=f"data/{name}",
-                location=self.data_file(name),
-            ) from e
+        with reading(self, f"data/{name}"):
+            try:
+                rows = np.asarray(self._dataset(name)[unique, t0:t1])
+            except OSError as e:
+                if self.read_only:
+                    self.refuse_live_writer()  # a writer that started during the read: say so
+                raise CorruptChunkError(
+                    f"data/{name}: slots {unique.tolist()}, timesteps {t0}..{t1 - 1}: {e} ({self.data_file(name)})",
+                    field=f"data/{name}",
+                    location=self.data_file(name),
+                ) from e
         return rows[inverse.reshape(-1)]
 
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
@@ -455,11 +528,14 @@ class HDF5Storage(KVBlobs, Storage):
         dataset = self._dataset(name)
         pairs, inverse = np.unique(np.stack([episodes, timesteps], axis=1), axis=0, return_inverse=True)
         rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)
-        for i, (episode, t) in enumerate(pairs.tolist()):
-            try:
-                rows[i] = dataset[episode, t]
-            except OSError as e:
-                raise CorruptChunkError.at(f"data/{name}", episode, (t, t + 1), self.data_file(name), str(e)) from e
+        with reading(self, f"data/{name}"):
+            for i, (episode, t) in enumerate(pairs.tolist()):
+                try:
+                    rows[i] = dataset[episode, t]
+                except OSError as e:
+                    if self.read_only:
+                        self.refuse_live_writer()
+                    raise CorruptChunkError.at(f"data/{name}", episode, (t, t + 1), self.data_file(name), str(e)) from e
         return rows[inverse.reshape(-1)]
 
     def _mapped(self, name: str) -> np.ndarray | None:
@@ -484,12 +560,15 @@ class HDF5Storage(KVBlobs, Storage):
             return None
         if name not in self._ram:
             dataset = self._dataset(name)
-            self._ram[name] = dataset[()] if dataset.size * dataset.dtype.itemsize <= SMALL_FIELD_BYTES else None
+            with reading(self, f"data/{name}"):
+                small = dataset.size * dataset.dtype.itemsize <= SMALL_FIELD_BYTES
+                self._ram[name] = dataset[()] if small else None
         return self._ram[name]
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
-        return np.asarray(self._dataset(name, meta=True)[()])
+        with reading(self, f"meta/{name}"):
+            return np.asarray(self._dataset(name, meta=True)[()])
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -517,6 +596,9 @@ class HDF5Storage(KVBlobs, Storage):
         self._ram, self._maps = {}, {}
         if self._checksums is not None:
             self._checksums.release()
+        if self._writer_mark is not None:
+            self._writer_mark.close()  # releases the lock
+            self._writer_mark = None
         self.kv.close()
 
     def describe(self) -> dict:

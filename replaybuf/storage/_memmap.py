@@ -434,6 +434,12 @@ class MemmapStorage(KVBlobs, Storage):
             return lens if name == "episode_lens" else self._seed_view.generations(lens, len(lens))
         return np.array(self.array(name, meta=True).memmap)
 
+    def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
+        # docstring inherited
+        if self._seed_view is not None and name in ("episode_lens", "_generation"):
+            return self.read_meta(name)[np.asarray(episodes, dtype=np.int64)]
+        return super().read_meta_rows(name, episodes)
+
     def _max_episodes(self) -> int:
         return self._arrays["episode_lens", True].shape[0]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from replaybuf.consistency import read_episodes_consistent
 from replaybuf.video import image_fields, to_rgb_uint8, trajectory_to_video
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
 
@@ -179,12 +180,21 @@ class BufferApp:
         }
 
     def episode(self, index: int) -> dict[str, Any]:
-        """One episode: its length, meta values and the series of its plottable fields."""
+        """One episode: its length, meta values and the series of its plottable fields, read in
+        one consistent read (an episode being rewritten shows as empty, never mixed)."""
         buffer = self.buffer
         with self._read_lock:
-            length = self._length(index)
-            meta = {name: _json_values(np.asarray(buffer.meta_data[name][index])) for name in self.meta_columns}
-            series = {name: _json_values(np.asarray(buffer.data[name][index, 0:length])) for name in self.series_fields}
+            self._length(index)
+            got = read_episodes_consistent(buffer, [index], self.series_fields)
+        length = int(got.lens[0]) if len(got) else 0
+        meta = {
+            name: _json_values(got.meta[name][0] if len(got) else buffer.schema.meta_fields[name].fill)
+            for name in self.meta_columns
+        }
+        series = {
+            name: _json_values(got.data[name][0, :length] if len(got) else np.zeros((0, *buffer.shapes[name])))
+            for name in self.series_fields
+        }
         return {
             "index": index,
             "length": length,
@@ -198,15 +208,15 @@ class BufferApp:
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
         with self._read_lock:
-            length = self._length(index)
-        if length == 0:
-            raise ValueError(f"episode {index} is empty, nothing to render")
-        path = self.cache_dir / f"episode-{index}-len-{length}.{field}.mp4"
+            self._length(index)
+            got = read_episodes_consistent(self.buffer, [index], [field], with_meta=False)
+        if len(got) == 0:
+            raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
+        # keyed by the generation: a slot a writer reused renders its new episode
+        path = self.cache_dir / f"episode-{index}-gen-{int(got.generations[0])}.{field}.mp4"
         with self._render_lock(path):
             if not path.exists():
-                with self._read_lock:
-                    frames = np.asarray(self.buffer.data[field][index, 0:length])
-                frames = to_rgb_uint8(frames)[:, :: self.scale, :: self.scale]
+                frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
                 partial = path.with_suffix(".partial.mp4")
                 # near-lossless, with a keyframe every second so that stepping backwards stays quick
                 trajectory_to_video(
