@@ -285,7 +285,8 @@ def to_xarray(
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_xarray")
     meta_names = sorted({*meta_fields, "episode_lens"})
     arrays = to_dask(buffer, fields, meta_names, order=order)
-    slots, _, length = _committed(buffer, order)
+    plan = _committed(buffer, order)
+    slots, length = plan.slots, plan.length
     meta_schema = {**buffer.schema.meta_fields, **bookkeeping_fields(buffer.schema)}
     coords = {
         "slot": ("episode", slots),

@@ -54,6 +54,11 @@ class ConcatArray:
         squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
         return rows[squeeze + key[2:]]
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise NotImplementedError(
+            f"data/{self._name} of a ConcatReplayBuffer is read-only: write to its member buffers"
+        )
+
     def __array__(self, dtype=None, copy=None):
         out = self[:]
         return out if dtype is None else out.astype(dtype)

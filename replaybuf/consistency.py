@@ -83,7 +83,7 @@ def stored_bookkeeping(
     after = np.asarray(read("_generation"), dtype=np.int64)
     # a length with generation 0 both times is kept as read: no commit leaves that for long,
     # so ``refresh`` reports it as damage (a lost _generation chunk) instead of hiding episodes
-    unstable = (after != before) | (out["episode_lens"] <= 0)
+    unstable = (after != before) | (out["episode_lens"] == 0)  # a negative length is damage, kept
     out["_generation"] = np.where(unstable, 0, before)
     out["episode_lens"][unstable] = 0
     return out

@@ -192,6 +192,7 @@ class H5Array:
     def __setitem__(self, key: Any, value: Any) -> None:
         self._storage._check_writable()
         dataset = self.dataset
+        written = key  # as numpy reads it: an expanded reversed slice may stop at -1
         key = _expand_key(key, dataset.shape)
         if _is_simple(key):
             target = np.broadcast_to(np.zeros((), bool), dataset.shape)[key].shape
@@ -203,7 +204,7 @@ class H5Array:
             dataset[box] = block
         self._storage.flush()  # visible at once to memmap readers of the file
         if self.path.startswith("data/"):
-            self._storage.rows_rewritten(self.path[len("data/") :], key)
+            self._storage.rows_rewritten(self.path[len("data/") :], written)
 
     def __array__(self, dtype=None, copy=None):
         array = np.asarray(self.dataset[()])
