@@ -136,12 +136,23 @@ def _episodes_per_chunk(step_nbytes: int, length: int, episodes: int) -> int:
 _ORDERS = ("chronological", "slot")
 
 
+def _slot_rows(buffer: Any) -> np.ndarray:
+    """The seed's ``get_all_data`` rows: slots 0 .. num_episodes - 1, row i = slot i, length-0
+    episodes (``advance_episode(batch_size=n)`` before any step) included; member by member
+    for a ConcatReplayBuffer, as the seed concatenates its members' results."""
+    members = getattr(buffer, "buffers", None)
+    if members is None:
+        return np.arange(buffer.num_episodes)
+    offsets = buffer.storage.offsets
+    return np.concatenate([np.arange(b.num_episodes) + offsets[k] for k, b in enumerate(members)])
+
+
 def _committed(buffer: Any, order: str = "chronological") -> tuple[np.ndarray, np.ndarray, int]:
     """Valid slots (oldest first, or by slot index), their lengths, and the longest length."""
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {list(_ORDERS)}, got {order!r}")
     all_lens = np.asarray(buffer.episode_lens, np.int64)
-    slots = np.asarray(buffer.valid_episodes() if order == "chronological" else np.flatnonzero(all_lens > 0), np.int64)
+    slots = np.asarray(buffer.valid_episodes() if order == "chronological" else _slot_rows(buffer), np.int64)
     lens = all_lens[slots]
     return slots, lens, int(lens.max()) if len(lens) else 0
 
@@ -227,7 +238,7 @@ def get_all_data(
     arrays = to_dask(buffer, fields, meta_fields, order="slot")
     if lazy:
         return arrays
-    if len(buffer) == 0:
+    if buffer.num_episodes == 0:
         return {}
     scheduler = scheduler or _default_scheduler()
     if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +23,7 @@ from .schema import Field
 WRITE_SPAN_BYTES = 1 << 20
 
 _RECORD = struct.Struct("<cI")
-HEADER, STEPS, META = b"H", b"S", b"M"
+HEADER, STEPS, META, TRUNCATE = b"H", b"S", b"M", b"T"
 
 
 def write_span(field: Field, time_chunk: int, max_timesteps: int) -> int:
@@ -82,6 +83,32 @@ class EpisodeGroup:
         self._rows[name][row, offset] = value
         return True
 
+    def rewind(self, t: int, read_back: Callable[[str, int, int], np.ndarray]) -> None:
+        """Move the episode's end back to step ``t`` (< length): later steps return to the fill
+        value. A span that already left RAM is read back with ``read_back(name, t0, t1)``."""
+        for name, f in self.fields.items():
+            start = self._row_start[name]
+            if t < start:
+                start = t // self.spans[name] * self.spans[name]  # spans start at multiples of span
+                rows = self._fresh_rows(f)
+                rows[:, : t - start] = read_back(name, start, t)
+                self._rows[name], self._row_start[name] = rows, start
+            else:
+                self._rows[name][:, t - start :] = self._fresh_rows(f)[:, t - start :]
+        if self.previous_lens is not None:  # steps up to the old end are in storage: clear them at commit
+            self.previous_lens = np.maximum(self.previous_lens, self.length)
+        self.length = t
+
+    def keep_first(self, count: int) -> np.ndarray:
+        """Shrink the group to its first ``count`` episodes; return the slots dropped."""
+        dropped = self.slots[count:]
+        self.slots = self.slots[:count]
+        self._rows = {n: rows[:count] for n, rows in self._rows.items()}
+        self.meta = {n: values[:count] for n, values in self.meta.items()}
+        if self.previous_lens is not None:
+            self.previous_lens = self.previous_lens[:count]
+        return dropped
+
     def tail(self, time_chunks: dict[str, int], max_timesteps: int) -> list[tuple[str, int, np.ndarray]]:
         """The rows still in RAM, cut at the last chunk boundary past the episode's end."""
         out = []
@@ -98,7 +125,8 @@ class EpisodeGroup:
 
 class StepLog:
     """Encodes and parses the step log: length-prefixed records ``H`` (header JSON), ``S``
-    (one step of every field for every episode of the group, raw bytes) and ``M`` (meta JSON).
+    (one step of every field for every episode of the group, raw bytes), ``M`` (meta JSON) and
+    ``T`` (steps cut back to a length).
     A torn last record, as a kill mid-write leaves, is dropped when parsing."""
 
     def __init__(self, fields: dict[str, Field]):
@@ -123,6 +151,10 @@ class StepLog:
     def meta(self, meta: dict[str, np.ndarray]) -> bytes:
         return self.record(META, json.dumps({k: np.asarray(v).tolist() for k, v in meta.items()}).encode())
 
+    def truncate(self, length: int) -> bytes:
+        """A record cutting the logged steps back to ``length`` (``timestep_index = length``)."""
+        return self.record(TRUNCATE, struct.pack("<I", length))
+
     def parse(self, data: bytes) -> tuple[dict, list[dict[str, np.ndarray]], dict[str, list]] | None:
         """(header, steps, meta) from a log's bytes, or None when it holds no header."""
         header, steps, meta, pos = None, [], {}, 0
@@ -139,6 +171,8 @@ class StepLog:
                 meta.update(json.loads(payload))
             elif kind == STEPS and header is not None:
                 steps.append(self._split_step(payload, len(header["slots"]), header["fields"]))
+            elif kind == TRUNCATE:
+                del steps[struct.unpack("<I", payload)[0] :]
         return None if header is None else (header, steps, meta)
 
     def _split_step(self, payload: bytes, batch: int, names: list[str]) -> dict[str, np.ndarray]:
