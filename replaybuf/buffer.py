@@ -525,6 +525,8 @@ class ReplayBuffer:
 
         Yields a dict: values put in it are stored as meta fields at the end (e.g. a return).
         An exception inside the block rolls the episode back: nothing of it becomes visible.
+        A block that stored no step commits nothing; its meta waits for the next episode, as in
+        the seed.
         """
         self._check_writable("one_episode")
         values = self._meta_values(meta, 1, "one_episode")
@@ -537,7 +539,13 @@ class ReplayBuffer:
         except BaseException:
             self._abort_group()
             raise
-        self._commit_group(self._meta_values(final, 1, "one_episode (final meta)"))
+        final_values = self._meta_values(final, 1, "one_episode (final meta)")
+        group = self._group
+        if group is not None and group.length == 0:
+            for name, value in final_values.items():
+                group.meta[name][:] = value
+            return
+        self._commit_group(final_values)
 
     @contextmanager
     def batched_episode(self, batch_size: int, **meta_batch: Any) -> Iterator[None]:
@@ -626,12 +634,13 @@ class ReplayBuffer:
             raise ValueError("store_meta_batch: no data provided")
         self._check_names(data, set(self.schema.meta_fields), "meta field", "store_meta_batch")
         data = self._fit_to_room({n: to_numpy(v, n) for n, v in data.items()})
-        batch = self._group.batch_size if self._group is not None else None
+        group = self._group
+        batch = group.batch_size if group is not None and group.length > 0 else None
         if batch is None:
             first = next(iter(data.values()))
             batch = int(first.shape[0]) if first.ndim else 1
         values = self._meta_values(data, batch, "store_meta_batch")
-        if self._group is None:
+        if group is None or group.batch_size != batch:
             self._begin_group(batch, values)
             return
         for name, value in values.items():
@@ -643,14 +652,16 @@ class ReplayBuffer:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")
         steps, meta_values, length = self._episode_values(data, "store_episode")
-        if self._group is not None:
+        self._check_room(1)
+        if self.timestep_index > 0:
             warnings.warn(
                 f"store_episode called with an episode in progress ({self.timestep_index} steps); "
-                "that episode is discarded",
+                "its steps are discarded",
                 stacklevel=2,
             )
-            self._abort_group()
-        self._check_room(1)
+        if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
+            meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
+        self._abort_group()
         self._write_episode(steps, meta_values, length)
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
