@@ -182,7 +182,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         return self.group or self.meta_batch
 
     def finished(self) -> None:
+        """Nothing in progress any more on either side."""
         self.group = self.meta_batch = 0
+        self.fresh.clear()
 
     def starting(self, count: int) -> None:
         """Before a call that may start episodes in the next ``count`` slots: the seed reuses a
@@ -202,6 +204,7 @@ class DifferentialMachine(RuleBasedStateMachine):
                     self.stale.discard(slot)
             elif not self.meta_batch:
                 self.stale.add(slot)  # difference: stale rows and meta of the seed
+                self.fresh.discard(slot)
 
     def commit(self, slots: set[int]) -> None:
         """Both committed episodes to ``slots``: lengths agree again, rows where freshly reset."""
