@@ -258,7 +258,8 @@ class ReplayBuffer:
     @timestep_index.setter
     def timestep_index(self, value: int) -> None:
         """Move the write position of the episode in progress, as the seed allows: the next store
-        writes step ``value``; later staged steps are dropped, skipped ones hold the default."""
+        writes step ``value``: steps after it keep their values until stored again (as in the seed),
+        skipped ones hold the default."""
         self._check_writable("timestep_index = ...")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= self.max_timesteps:
             raise ValueError(f"timestep_index: expected an int in [0, {self.max_timesteps}], got {value!r}")
@@ -448,7 +449,9 @@ class ReplayBuffer:
         for name, values in meta.items():
             self._write_meta(name, slots, values)
         base = int(self._state["total_episodes"])
-        self._write_meta("_generation", slots, base + 1 + np.arange(len(slots), dtype=np.int64))
+        # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
+        ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
+        self._write_meta("_generation", slots, ordinals)
         self._write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         count = int(self._state["num_episodes"]) + len(slots)
         self._state = {

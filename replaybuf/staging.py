@@ -84,17 +84,16 @@ class EpisodeGroup:
         return True
 
     def rewind(self, t: int, read_back: Callable[[str, int, int], np.ndarray]) -> None:
-        """Move the episode's end back to step ``t`` (< length): later steps return to the fill
-        value. A span that already left RAM is read back with ``read_back(name, t0, t1)``."""
+        """Move the episode's end back to step ``t`` (< length). The steps after keep their values
+        until stored again, as the seed keeps them; a span that already left RAM is read back
+        with ``read_back(name, t0, t1)``."""
         for name, f in self.fields.items():
-            start = self._row_start[name]
-            if t < start:
+            if t < self._row_start[name]:
                 start = t // self.spans[name] * self.spans[name]  # spans start at multiples of span
+                end = min(start + self.spans[name], self.length)
                 rows = self._fresh_rows(f)
-                rows[:, : t - start] = read_back(name, start, t)
+                rows[:, : end - start] = read_back(name, start, end)
                 self._rows[name], self._row_start[name] = rows, start
-            else:
-                self._rows[name][:, t - start :] = self._fresh_rows(f)[:, t - start :]
         if self.previous_lens is not None:  # steps up to the old end are in storage: clear them at commit
             self.previous_lens = np.maximum(self.previous_lens, self.length)
         self.length = t
@@ -119,6 +118,7 @@ class EpisodeGroup:
                 continue
             chunk = time_chunks[name]
             end = min(-(-used // chunk) * chunk, max_timesteps - start)
+            rows[:, used:end] = self._fresh_rows(self.fields[name])[:, used:end]  # steps a rewind left
             out.append((name, start, rows[:, :end]))
         return out
 

@@ -14,6 +14,7 @@ import torch
 
 import replaybuf.video as video
 from replaybuf import ReplayBuffer, ReplayBufferH5PY
+from replaybuf.tools import verify
 
 FIELDS = {"state": ("float", 2), "done": "bool"}
 META = {"label": "int"}
@@ -102,6 +103,8 @@ def test_meta_batch_then_advance_commits_length_zero_episodes(tmp_path):
     ours.store_episode(state=np.ones((2, 2)), label=9)
     assert ours.episode_index == 0 and ours.num_episodes == 4
     assert [int(x["_lens"]) for x in ours.dataset()] == [2]
+    ours.close()
+    assert verify(ours.folder) == []
 
 
 def test_meta_batch_before_the_steps_is_kept(tmp_path):
@@ -130,6 +133,8 @@ def test_setting_timestep_index_moves_the_write_position(tmp_path):
     assert observed(ours) == observed(seed_buffer)
     assert ours.episode_lens.tolist() == [4, 4, 2, 2]
     assert ours.get_all_data()["state"][2, :2, 0].tolist() == [1.0, 7.0]
+    ours.close()
+    assert verify(ours.folder) == []
 
 
 def test_timestep_index_before_a_group_and_after_a_flushed_span(tmp_path):
@@ -145,6 +150,8 @@ def test_timestep_index_before_a_group_and_after_a_flushed_span(tmp_path):
     ours.advance_episode()
     assert ours.get_all_data()["x"][0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 4.0]
     assert float(ours.data["x"][0, 4, 0, 0]) == 0.0  # the step cut off by the rewind is cleared
+    ours.close()
+    assert verify(ours.folder) == []
     with pytest.raises(ValueError, match=r"timestep_index: expected an int in \[0, 5\]"):
         ours.timestep_index = 6
 
