@@ -247,3 +247,18 @@ def test_seed_cli_helpers_are_offered(tmp_path, capsys):
     assert video.main([str(tmp_path / "frames"), "--output", str(tmp_path / "ep.gif")]) == 0
     assert (tmp_path / "ep.gif").stat().st_size > 0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_a_rewind_is_replayed_from_the_step_log(tmp_path):
+    """A writer killed after ``timestep_index = n`` leaves a log whose recovery keeps n steps
+    plus those stored after, not the steps the rewind dropped."""
+    ours = ReplayBuffer(tmp_path / "log", 2, 5, {"x": "float"}, backend="memmap")
+    for value in (1.0, 2.0, 3.0):
+        ours.store(x=value)
+    ours.timestep_index = 1
+    ours.store(x=9.0)
+    ours.flush()  # the step log is on disk; the episode is not committed
+    del ours  # killed before advance_episode
+    reopened = ReplayBuffer(tmp_path / "log", overwrite=False, backend="memmap")
+    assert reopened.episode_lens.tolist() == [2, 0]
+    assert reopened.get_all_data()["x"].tolist() == [[1.0, 9.0]]
