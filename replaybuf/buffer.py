@@ -347,6 +347,7 @@ class ReplayBuffer:
         self._log_pending: list[bytes] = []
         self._log_written = False
         self._store_step = 0
+        self._pending_steps = 0  # ``timestep_index = n`` set before the group it applies to began
         self._dirty_slots: set[int] = set()
         self.refresh()
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
@@ -384,10 +385,51 @@ class ReplayBuffer:
         """The slot the next episode goes to."""
         return int(self._group.slots[0]) if self._group is not None else int(self._state["episode_index"])
 
+    @episode_index.setter
+    def episode_index(self, value: int) -> None:
+        """Choose the slot the next episode goes to, as the seed allows (not while steps are staged)."""
+        self._check_writable("episode_index = ...")
+        slot = self._check_slot(value, "episode_index")
+        group = self._group
+        if group is not None and group.length > 0:
+            raise ValueError(
+                f"episode_index: {group.length} steps of the episode(s) in slots {group.slots.tolist()} are "
+                "staged; commit them with advance_episode() before choosing another slot"
+            )
+        self._state = {**self._state, "episode_index": slot}
+        self.storage.commit_state(self._state)
+        if group is not None:  # only meta was set: it moves with the group
+            group.slots = self._next_slots(group.batch_size)
+            self._discard_log()
+            if self.flush_every_store_step > 0:
+                self._log_pending = [self._step_log.header(group.slots, group.generation_base, group.meta)]
+
     @property
     def timestep_index(self) -> int:
         """Steps stored so far in the episode in progress."""
-        return 0 if self._group is None else self._group.length
+        return self._pending_steps if self._group is None else self._group.length
+
+    @timestep_index.setter
+    def timestep_index(self, value: int) -> None:
+        """Move the write position of the episode in progress, as the seed allows: the next store
+        writes step ``value``: steps after it keep their values until stored again (as in the seed),
+        skipped ones hold the default."""
+        self._check_writable("timestep_index = ...")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= self.max_timesteps:
+            raise ValueError(f"timestep_index: expected an int in [0, {self.max_timesteps}], got {value!r}")
+        value, group = int(value), self._group
+        if group is None:
+            self._pending_steps = value
+            return
+        if value < group.length:
+            group.rewind(value, lambda name, t0, t1: self._read_rows(name, group.slots, t0, t1))
+            if self.flush_every_store_step > 0:
+                self._log_pending.append(self._step_log.truncate(value))
+        while group.length < value:
+            self._stage({})
+
+    def _read_rows(self, name: str, slots: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        return np.stack([np.asarray(self.data[name][int(slot), t0:t1]) for slot in slots])
 
     @property
     def is_new_episode(self) -> bool:
@@ -456,6 +498,9 @@ class ReplayBuffer:
         return (self._state["episode_index"] + np.arange(batch_size)) % self.max_episodes
 
     def _begin_group(self, batch_size: int, meta: dict[str, np.ndarray]) -> EpisodeGroup:
+        """Start a group of ``batch_size`` episodes. It replaces a group that has only meta set
+        (``store_meta_batch`` before any step) and keeps that meta for the rows both share, as the
+        seed keeps meta written to the next slots."""
         self._check_room(batch_size)
         group = EpisodeGroup(
             self._next_slots(batch_size), self.schema.fields, self._spans, int(self._state["total_episodes"])
@@ -463,12 +508,19 @@ class ReplayBuffer:
         group.meta = {
             n: np.broadcast_to(fill_value(f), (batch_size, *f.shape)).copy() for n, f in self.schema.meta_fields.items()
         }
+        if self._group is not None:
+            shared = min(batch_size, self._group.batch_size)
+            for name, values in self._group.meta.items():
+                group.meta[name][:shared] = values[:shared]
         for name, values in meta.items():
             group.meta[name][:] = values
         self._group = group
         self._store_step = 0
         if self.flush_every_store_step > 0:
-            self._log_pending = [self._step_log.header(group.slots, group.generation_base, meta)]
+            self._log_pending = [self._step_log.header(group.slots, group.generation_base, group.meta)]
+        pending, self._pending_steps = self._pending_steps, 0
+        for _ in range(pending):
+            self._stage({})
         return group
 
     def _invalidate(self, group: EpisodeGroup) -> None:
@@ -557,7 +609,9 @@ class ReplayBuffer:
         for name, values in meta.items():
             self._write_meta(name, slots, values)
         base = int(self._state["total_episodes"])
-        self._write_meta("_generation", slots, base + 1 + np.arange(len(slots), dtype=np.int64))
+        # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
+        ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
+        self._write_meta("_generation", slots, ordinals)
         self._write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         self._state = {
             # recounted, not incremented: drop_episodes may have left empty slots to be refilled
@@ -582,6 +636,7 @@ class ReplayBuffer:
 
     def _abort_group(self) -> None:
         self._group = None
+        self._pending_steps = 0
         self._discard_log()
 
     def _recover_step_log(self) -> None:
@@ -666,10 +721,12 @@ class ReplayBuffer:
 
         Yields a dict: values put in it are stored as meta fields at the end (e.g. a return).
         An exception inside the block rolls the episode back: nothing of it becomes visible.
+        A block that stored no step commits nothing; its meta waits for the next episode, as in
+        the seed.
         """
         self._check_writable("one_episode")
         values = self._meta_values(meta, 1, "one_episode")
-        if self._group is not None:
+        if self._group is not None and self._group.length > 0:
             raise RuntimeError("an episode is already in progress: finish it before starting one_episode")
         self._begin_group(1, values)
         final: dict[str, Any] = {}
@@ -678,7 +735,13 @@ class ReplayBuffer:
         except BaseException:
             self._abort_group()
             raise
-        self._commit_group(self._meta_values(final, 1, "one_episode (final meta)"))
+        final_values = self._meta_values(final, 1, "one_episode (final meta)")
+        group = self._group
+        if group is not None and group.length == 0:
+            for name, value in final_values.items():
+                group.meta[name][:] = value
+            return
+        self._commit_group(final_values)
 
     @contextmanager
     def batched_episode(self, batch_size: int, **meta_batch: Any) -> Iterator[None]:
@@ -687,7 +750,7 @@ class ReplayBuffer:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         values = self._meta_values(meta_batch, int(batch_size), "batched_episode")
-        if self._group is not None:
+        if self._group is not None and self._group.length > 0:
             raise RuntimeError("an episode is already in progress: finish it before starting batched_episode")
         self._begin_group(int(batch_size), values)
         try:
@@ -695,7 +758,7 @@ class ReplayBuffer:
         except BaseException:
             self._abort_group()
             raise
-        self._commit_group()
+        self.advance_episode(int(batch_size))
 
     def store(self, **data: Any):
         """Store one timestep of the episode in progress; missing fields get their default.
@@ -710,10 +773,11 @@ class ReplayBuffer:
                 f"store: the episode already has max_timesteps ({self.max_timesteps}) steps; "
                 "increase max_timesteps when creating the buffer"
             )
-        if self._group is None:
+        group = self._group
+        if group is None or (group.length == 0 and group.batch_size != 1):
             self._begin_group(1, {})
-        elif self._group.batch_size != 1:
-            raise ValueError(f"store: a batched episode of {self._group.batch_size} is in progress; use store_batch")
+        elif group.batch_size != 1:
+            raise ValueError(f"store: a batched episode of {group.batch_size} is in progress; use store_batch")
         full = {n: values[n] if n in values else self._fills[n] for n in self.schema.fields}
         self._stage({n: v[None] for n, v in full.items()})
         return self.memory_namedtuple(**full)
@@ -724,8 +788,10 @@ class ReplayBuffer:
         if not data:
             raise ValueError("store_batch: no data provided")
         self._check_names(data, self.fieldnames, "field", "store_batch")
-        batch = self._group.batch_size if self._group is not None else None
-        sizes = {n: int(np.shape(to_numpy(v, n))[0]) if np.ndim(to_numpy(v, n)) else None for n, v in data.items()}
+        data = self._fit_to_room({n: to_numpy(v, n) for n, v in data.items()})
+        group = self._group
+        batch = group.batch_size if group is not None and group.length > 0 else None
+        sizes = {n: int(v.shape[0]) if v.ndim else None for n, v in data.items()}
         if batch is None:
             known = [s for s in sizes.values() if s is not None]
             if not known:
@@ -740,21 +806,37 @@ class ReplayBuffer:
                 f"store_batch: the episodes already have max_timesteps ({self.max_timesteps}) steps; "
                 "increase max_timesteps when creating the buffer"
             )
-        if self._group is None:
+        if self._group is None or self._group.batch_size != batch:
             self._begin_group(batch, {})
         self._stage(values)
+
+    def _fit_to_room(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A non-circular buffer keeps only the episodes it has room for (the seed cuts a longer
+        batch silently); a full one refuses the batch."""
+        if self.circular:
+            return arrays
+        room = self.max_episodes - self.num_episodes
+        if room <= 0:
+            raise ValueError(self._full_message())
+        fields = {**self.schema.fields, **self.schema.meta_fields}
+        return {
+            n: a[:room] if a.ndim and a.shape[0] > room and a.shape != fields[n].shape else a for n, a in arrays.items()
+        }
 
     def store_meta_batch(self, **data: Any) -> None:
         """Set meta fields for every episode of the group in progress (or the next group)."""
         self._check_writable("store_meta_batch")
         if not data:
             raise ValueError("store_meta_batch: no data provided")
-        batch = self._group.batch_size if self._group is not None else None
+        self._check_names(data, set(self.schema.meta_fields), "meta field", "store_meta_batch")
+        data = self._fit_to_room({n: to_numpy(v, n) for n, v in data.items()})
+        group = self._group
+        batch = group.batch_size if group is not None and group.length > 0 else None
         if batch is None:
-            first = to_numpy(next(iter(data.values())), next(iter(data)))
+            first = next(iter(data.values()))
             batch = int(first.shape[0]) if first.ndim else 1
         values = self._meta_values(data, batch, "store_meta_batch")
-        if self._group is None:
+        if group is None or group.batch_size != batch:
             self._begin_group(batch, values)
             return
         for name, value in values.items():
@@ -765,41 +847,49 @@ class ReplayBuffer:
     def store_episode(self, **data: Any) -> None:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")
+        steps, meta_values, length = self._episode_values(data, "store_episode")
+        self._check_room(1)
+        if self.timestep_index > 0:
+            warnings.warn(
+                f"store_episode called with an episode in progress ({self.timestep_index} steps); "
+                "its steps are discarded",
+                stacklevel=2,
+            )
+        if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
+            meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
+        self._abort_group()
+        self._write_episode(steps, meta_values, length)
+
+    def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
+        """Checked (steps, meta values, length) of one whole episode given as ``data``."""
         if not data:
-            raise ValueError("store_episode: no data provided")
-        self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", "store_episode")
+            raise ValueError(f"{call}: no data provided")
+        self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", call)
         steps, meta, length = {}, {}, None
         for name, value in data.items():
             if name in self.fieldnames:
                 f = self.schema.fields[name]
                 array = to_numpy(value, name)
                 if array.ndim == 0:
-                    raise ValueError(f"store_episode: time-varying field {name!r} needs a time dimension, got a scalar")
+                    raise ValueError(f"{call}: time-varying field {name!r} needs a time dimension, got a scalar")
                 if length is not None and array.shape[0] != length:
                     raise ValueError(
-                        f"store_episode: field {name!r} has {array.shape[0]} timesteps, other fields have {length}"
+                        f"{call}: field {name!r} has {array.shape[0]} timesteps, other fields have {length}"
                     )
                 length = array.shape[0]
                 steps[name] = cast_values(fit_shape(array, f, 1), f)
             else:
                 meta[name] = value
         if length is None:
-            raise ValueError(
-                f"store_episode: at least one time-varying field is needed, got only meta fields {sorted(meta)}"
-            )
+            raise ValueError(f"{call}: at least one time-varying field is needed, got only meta fields {sorted(meta)}")
         if length == 0:
-            raise ValueError("store_episode: an episode needs at least one timestep, got 0")
+            raise ValueError(f"{call}: an episode needs at least one timestep, got 0")
         if length > self.max_timesteps:
-            raise ValueError(f"store_episode: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
-        meta_values = self._meta_values(meta, 1, "store_episode")
-        if self._group is not None:
-            warnings.warn(
-                f"store_episode called with an episode in progress ({self.timestep_index} steps); "
-                "that episode is discarded",
-                stacklevel=2,
-            )
-            self._abort_group()
-        self._check_room(1)
+            raise ValueError(f"{call}: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
+        return steps, self._meta_values(meta, 1, call), length
+
+    def _write_episode(self, steps: dict[str, np.ndarray], meta_values: dict[str, np.ndarray], length: int) -> None:
+        """Commit one checked episode to the next slot (room already checked)."""
         group = EpisodeGroup(self._next_slots(1), self.schema.fields, self._spans, int(self._state["total_episodes"]))
         group.meta = {n: fill_value(f)[None].copy() for n, f in self.schema.meta_fields.items()}
         for name, values in meta_values.items():
@@ -820,9 +910,44 @@ class ReplayBuffer:
         self._publish(group.slots, length, group.meta)
 
     def advance_episode(self, batch_size: int | None = None) -> None:
-        """Commit the episode(s) in progress (what ``one_episode`` does on exit)."""
+        """Commit the episode(s) in progress (what ``one_episode`` does on exit).
+
+        Without ``batch_size`` the whole group in progress is committed. ``batch_size=n`` commits
+        n episodes as the seed does: the group's first n (the rest is dropped) or, when no step was
+        stored yet, n episodes of length 0 that count in ``num_episodes`` (n == 1: nothing).
+        """
         self._check_writable("advance_episode")
+        group = self._group
+        if batch_size is None:
+            if group is not None and group.length > 0:
+                self._commit_group()
+            return
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"advance_episode: batch_size must be a positive int, got {batch_size!r}")
+        count = int(batch_size)
+        if self.timestep_index == 0:
+            if count > 1:
+                self._commit_empty(count)
+            return
+        if group is None:  # only ``timestep_index = n`` was set: n default steps
+            group = self._begin_group(count, {})
+        if count > group.batch_size:
+            raise ValueError(
+                f"advance_episode: batch_size {count} exceeds the {group.batch_size} episode(s) in progress "
+                f"(slots {group.slots.tolist()})"
+            )
+        self._dirty_slots.update(group.keep_first(count).tolist())
         self._commit_group()
+
+    def _commit_empty(self, count: int) -> None:
+        """Commit ``count`` episodes of length 0 with the meta set so far (the seed's
+        ``advance_episode(batch_size=n)`` before any step)."""
+        group = self._begin_group(count, {})
+        self._group = None
+        self._invalidate(group)
+        self._clear_stale(group)
+        self._publish(group.slots, 0, group.meta)
+        self._discard_log()
 
     def flush(self) -> None:
         """Push buffered step-log records and make written data durable as configured."""

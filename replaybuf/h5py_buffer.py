@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .buffer import ReplayBuffer
 from .storage.base import Storage
@@ -92,3 +95,59 @@ class ReplayBufferH5PY(ReplayBuffer):
         return super().from_folder(
             folder, read_only=read_only, storage_options=storage_options, backend="hdf5", **kwargs
         )
+
+    def get_buffered_storer(self, flush_freq: int) -> Callable[..., None]:
+        """memmap-replay-buffer's batched writer of whole episodes.
+
+        Returns ``storer(force_flush=False, **episode)``: each call adds one episode (data
+        fields (T, *shape), meta fields as values, optionally ``episode_lens`` to cut the data
+        at that length); once ``flush_freq`` episodes are collected, or on ``force_flush=True``,
+        they are checked together and stored in order, then flushed (a batch that fails the
+        checks is dropped and nothing of it is stored). An episode's length is
+        ``episode_lens`` when given, else its T.
+        """
+        if isinstance(flush_freq, bool) or not isinstance(flush_freq, int) or flush_freq < 1:
+            raise ValueError(f"get_buffered_storer: flush_freq must be a positive int, got {flush_freq!r}")
+        pending: dict[str, list] = {}
+        allowed = self.fieldnames | self.meta_fieldnames
+
+        def buffered_storer(force_flush: bool = False, **data: Any) -> None:
+            self._check_writable("buffered_storer")
+            self._check_names(data, allowed, "field", "buffered_storer")
+            for name, value in data.items():
+                pending.setdefault(name, []).append(value)
+            if not pending or not (force_flush or len(next(iter(pending.values()))) >= flush_freq):
+                return
+            counts = {name: len(values) for name, values in pending.items()}
+            if len(set(counts.values())) > 1:
+                raise ValueError(f"buffered_storer: fields hold different numbers of episodes {counts}")
+            episodes = [
+                {name: values[i] for name, values in pending.items()} for i in range(next(iter(counts.values())))
+            ]
+            pending.clear()  # a rejected batch is dropped, not retried on every later call
+            checked = [self._episode_values(self._cut_to_length(episode), "buffered_storer") for episode in episodes]
+            self._check_room(len(checked))
+            for steps, meta, length in checked:
+                self._write_episode(steps, meta, length)
+            self.flush()
+
+        return buffered_storer
+
+    def _cut_to_length(self, episode: dict[str, Any]) -> dict[str, Any]:
+        """An episode's data fields cut at its ``episode_lens`` value (which is then dropped)."""
+        if "episode_lens" not in episode:
+            return episode
+        episode = dict(episode)
+        length = np.asarray(episode.pop("episode_lens"))
+        if length.ndim != 0 or length.dtype.kind not in "iu" or not 0 < length <= self.max_timesteps:
+            raise ValueError(
+                f"buffered_storer: episode_lens must be an int in [1, {self.max_timesteps}], got {length!r}"
+            )
+        for name in self.fieldnames & set(episode):
+            array = np.asarray(episode[name].detach().cpu() if hasattr(episode[name], "detach") else episode[name])
+            if array.ndim and array.shape[0] < length:
+                raise ValueError(
+                    f"buffered_storer: field {name!r} has {array.shape[0]} timesteps, episode_lens is {int(length)}"
+                )
+            episode[name] = array[: int(length)]
+        return episode

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,8 +29,8 @@ WRITE_SPAN_BYTES = 1 << 20
 # the first release have no crc and upper-case kinds, so the first byte of a log says its format
 _RECORD = struct.Struct("<cII")
 _LEGACY_RECORD = struct.Struct("<cI")
-HEADER, STEPS, META = b"h", b"s", b"m"
-_LEGACY_KINDS = {b"H": HEADER, b"S": STEPS, b"M": META}
+HEADER, STEPS, META, TRUNCATE = b"h", b"s", b"m", b"t"
+_LEGACY_KINDS = {b"H": HEADER, b"S": STEPS, b"M": META, b"T": TRUNCATE}
 
 
 def write_span(field: Field, time_chunk: int, max_timesteps: int) -> int:
@@ -89,6 +90,31 @@ class EpisodeGroup:
         self._rows[name][row, offset] = value
         return True
 
+    def rewind(self, t: int, read_back: Callable[[str, int, int], np.ndarray]) -> None:
+        """Move the episode's end back to step ``t`` (< length). The steps after keep their values
+        until stored again, as the seed keeps them; a span that already left RAM is read back
+        with ``read_back(name, t0, t1)``."""
+        for name, f in self.fields.items():
+            if t < self._row_start[name]:
+                start = t // self.spans[name] * self.spans[name]  # spans start at multiples of span
+                end = min(start + self.spans[name], self.length)
+                rows = self._fresh_rows(f)
+                rows[:, : end - start] = read_back(name, start, end)
+                self._rows[name], self._row_start[name] = rows, start
+        if self.previous_lens is not None:  # steps up to the old end are in storage: clear them at commit
+            self.previous_lens = np.maximum(self.previous_lens, self.length)
+        self.length = t
+
+    def keep_first(self, count: int) -> np.ndarray:
+        """Shrink the group to its first ``count`` episodes; return the slots dropped."""
+        dropped = self.slots[count:]
+        self.slots = self.slots[:count]
+        self._rows = {n: rows[:count] for n, rows in self._rows.items()}
+        self.meta = {n: values[:count] for n, values in self.meta.items()}
+        if self.previous_lens is not None:
+            self.previous_lens = self.previous_lens[:count]
+        return dropped
+
     def tail(self, time_chunks: dict[str, int], max_timesteps: int) -> list[tuple[str, int, np.ndarray]]:
         """The rows still in RAM, cut at the last chunk boundary past the episode's end."""
         out = []
@@ -99,6 +125,7 @@ class EpisodeGroup:
                 continue
             chunk = time_chunks[name]
             end = min(-(-used // chunk) * chunk, max_timesteps - start)
+            rows[:, used:end] = self._fresh_rows(self.fields[name])[:, used:end]  # steps a rewind left
             out.append((name, start, rows[:, :end]))
         return out
 
@@ -117,8 +144,8 @@ class ParsedLog:
 
 class StepLog:
     """Encodes and parses the step log: checksummed, length-prefixed records ``h`` (header
-    JSON), ``s`` (one step of every field for every episode of the group, raw bytes) and ``m``
-    (meta JSON)."""
+    JSON), ``s`` (one step of every field for every episode of the group, raw bytes), ``m``
+    (meta JSON) and ``t`` (steps cut back to a length, ``timestep_index = n``)."""
 
     def __init__(self, fields: dict[str, Field], meta_fields: dict[str, Field]):
         self.fields = fields
@@ -161,10 +188,14 @@ class StepLog:
                 kind = _LEGACY_KINDS.get(kind, b"?")
             elif zlib.crc32(payload, zlib.crc32(data[pos : pos + _LEGACY_RECORD.size])) != crc:
                 raise ValueError(f"record at byte {pos}: checksum mismatch")
-            if kind not in (HEADER, STEPS, META):
+            if kind not in (HEADER, STEPS, META, TRUNCATE):
                 raise ValueError(f"record at byte {pos}: unknown kind {kind!r}")
             yield pos, kind, payload
             pos += layout.size + size
+
+    def truncate(self, length: int) -> bytes:
+        """A record cutting the logged steps back to ``length`` (``timestep_index = length``)."""
+        return self.record(TRUNCATE, struct.pack("<I", length))
 
     def parse(self, data: bytes) -> ParsedLog:
         """The log's valid prefix, and a description of the first damaged record if any."""
@@ -182,6 +213,10 @@ class StepLog:
                         raise ValueError("the log does not start with a header")
                     elif kind == META:
                         log.meta.update(self._meta_values(json.loads(payload), log.header))
+                    elif kind == TRUNCATE:
+                        if len(payload) != 4:
+                            raise ValueError(f"a truncate record of {len(payload)} bytes, expected 4")
+                        del log.steps[struct.unpack("<I", payload)[0] :]
                     else:
                         log.steps.append(self._split_step(payload, log.header))
                 except (ValueError, TypeError, KeyError) as e:

@@ -28,8 +28,14 @@ __all__ = [
     "image_fields",
     "is_image_field",
     "is_image_shape",
+    "field_path",
+    "main",
+    "open_buffer",
+    "parse_episodes",
+    "parse_fields",
     "save_video",
     "to_rgb_uint8",
+    "to_uint8",
     "trajectory_to_video",
 ]
 
@@ -62,7 +68,10 @@ def is_image_field(shape: Sequence[int], dtype: Any) -> bool:
     return is_image_shape(shape) and (dtype == np.uint8 or dtype == np.bool_ or np.issubdtype(dtype, np.floating))
 
 
-def _to_uint8(frames: np.ndarray) -> np.ndarray:
+def to_uint8(frames: Any) -> np.ndarray:
+    """Frames as uint8, as the seed's ``to_uint8``: uint8 as is, floats in [0, 1] scaled by 255
+    and rounded (clipped; NaN reads as 0), bools as 0 / 255 (the seed refuses bools)."""
+    frames = np.asarray(frames)
     if frames.dtype == np.uint8:
         return frames
     if frames.dtype == np.bool_:
@@ -95,7 +104,7 @@ def to_rgb_uint8(frames: Any) -> np.ndarray:
         )
     if frames.shape[0] == 0:
         raise ValueError("frames: got 0 frames, expected at least one")
-    frames = _to_uint8(frames)
+    frames = to_uint8(frames)
     channels = frames.shape[-1]
     if channels == 1:
         return np.repeat(frames, 3, axis=-1)
@@ -196,12 +205,15 @@ def trajectory_to_video(
 
 
 def frames_to_sheet(frames: Any, rows: int = 2, columns: int = 5) -> np.ndarray:
-    """Evenly sample ``rows * columns`` frames into one (rows*H, columns*W, 3) uint8 image."""
+    """Evenly sample ``rows * columns`` frames into one (rows*H, columns*W, 3) uint8 image.
+
+    The frames are those the seed picks (``linspace`` indices rounded down); unlike the seed's,
+    the sheet is always RGB uint8, whatever the frames' layout and dtype."""
     for name, value in (("rows", rows), ("columns", columns)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     frames = to_rgb_uint8(frames)
-    indices = np.linspace(0, len(frames) - 1, rows * columns).round().astype(int)
+    indices = np.linspace(0, len(frames) - 1, rows * columns).astype(int)
     height, width = frames.shape[1:3]
     grid = frames[indices].reshape(rows, columns, height, width, 3)
     return np.ascontiguousarray(grid.transpose(0, 2, 1, 3, 4).reshape(rows * height, columns * width, 3))
@@ -303,3 +315,46 @@ def save_video(
     """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
     _check_video_path(Path(path))
     return trajectory_to_video(episode_frames(buffer, episode_index, field), path, fps=fps, **kwargs)
+
+
+# the seed's command-line helpers; they live in ``replaybuf.cli``, imported on first use (the cli
+# imports this module)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``inspect-replay-buffer`` command (``replaybuf.cli.inspect_main``)."""
+    from .cli import inspect_main
+
+    return inspect_main(argv)
+
+
+def open_buffer(folder: str | Path) -> Any:
+    """Open a buffer folder read-only, whichever backend stored it."""
+    from .cli import open_buffer as open_read_only
+
+    return open_read_only(str(folder))
+
+
+def parse_episodes(value: str) -> list[int]:
+    """A comma-delimited episode list such as ``0,3,5`` (``replaybuf.cli.episode_list``)."""
+    from .cli import episode_list
+
+    return episode_list(value)
+
+
+def parse_fields(value: str) -> list[str]:
+    """A comma-delimited field list such as ``front,wrist`` (``replaybuf.cli.field_list``)."""
+    from .cli import field_list
+
+    return field_list(value)
+
+
+def field_path(base: Path, field: str, multiple: bool) -> Path:
+    """With several fields, the field name goes before the suffix: ``out.mp4`` -> ``out.front.mp4``."""
+    from .cli import _suffixed
+
+    return _suffixed(base, field, multiple)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,8 +6,19 @@ import itertools
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from ._backends import BACKENDS, make_place
+
+# ``--hypothesis-profile=long``: many more examples, e.g. for the differential tests against
+# memmap-replay-buffer (tests/test_differential.py); CI uses each test's own bounded settings
+settings.register_profile(
+    "long",
+    max_examples=500,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 

@@ -130,7 +130,8 @@ def test_sheet_samples_first_and_last_frames_row_by_row():
     sheet = frames_to_sheet(frames, rows=2, columns=3)
     assert sheet.shape == (8, 18, 3)
     tiles = sheet[::4, ::6, 0]
-    assert tiles.tolist() == [[0, 20, 40], [50, 70, 90]]
+    # frames linspace(0, 9, 6) rounded down, as memmap-replay-buffer picks them
+    assert tiles.tolist() == [[0, 10, 30], [50, 70, 90]]
 
 
 def test_sheet_accepts_grayscale_and_rejects_bad_grid():

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..consistency import read_consistent
+from ..storage.spans import fill_beyond
 from .collate import CollatedSamples
 from .fetch import Fetcher
 
@@ -241,6 +242,9 @@ class ReplayDatasetTrajectory(_SnapshotDataset):
         width = (int(lens.max()) if len(lens) else 0) if self.slice_by_episode_len else self.replay_buffer.max_timesteps
         starts = np.zeros(len(slots), np.int64)
         columns = {self.out_name(f): self.fetcher.windows(f, slots, starts, lens, width) for f in self.fields}
+        if not self.slice_by_episode_len:  # whole rows, as the seed reads them: the default past the end
+            for f in self.fields:
+                fill_beyond(columns[self.out_name(f)], lens, self.replay_buffer.schema.fields[f].fill)
         columns.update(self._meta_columns(slots))
         if self.return_episode_lens:
             columns["_lens"] = lens

@@ -20,8 +20,11 @@ Storage options (``storage_options=`` or ``ReplayBufferH5PY(h5py_compression=...
 data fields are chunked (1, T, *shape) with T chosen as for zarr; uncompressed ones are
 contiguous, as memmap-replay-buffer's HDF5 variant stores them.
 
-Files are opened without HDF5 file locking, so a read-only open creates and writes nothing;
-one writer per buffer is enforced by the writer lease (``lease.py``), as for every backend.
+Files are opened with HDF5's default file locking, as a plain ``h5py.File(path)`` opens them:
+HDF5 refuses a second open in one process whose locking flags differ, so this keeps a user's
+own h5py reads of ``data.h5`` working next to an open buffer. Where another process holds a
+lock, the open retries without locking (readers next to a live writer). One writer per buffer
+is enforced by the writer lease (``lease.py``), as for every backend.
 
 Reading beside a writer in another process (no SWMR): an uncompressed file (the default, the
 seed's layout) keeps every dataset at a fixed place, so a reader's reads, checked by slot
@@ -149,6 +152,17 @@ def reading(storage: HDF5Storage, dataset: str) -> Iterator[None]:
     storage.refuse_live_writer()
 
 
+def open_h5(path: str, mode: str) -> h5py.File:
+    """``h5py.File(path, mode)`` with the default locking a plain h5py open uses; without
+    locking when another process holds a lock on the file or this process opened it so."""
+    try:
+        return h5py.File(path, mode)
+    except OSError as e:  # BlockingIOError: locked elsewhere; "flag values don't match": here
+        if "lock" not in str(e):
+            raise
+    return h5py.File(path, mode, locking=False)
+
+
 class H5Array:
     """``buffer.data[name]``: numpy indexing on an HDF5 dataset.
 
@@ -267,7 +281,7 @@ class HDF5Storage(KVBlobs, Storage):
     def _open_file(self) -> h5py.File:
         mode = "r" if self.read_only else "r+"
         try:
-            return h5py.File(self.path, mode, locking=False)
+            return open_h5(self.path, mode)
         except OSError as e:
             if self.read_only or "already open for read-only" not in str(e):
                 raise
@@ -276,7 +290,7 @@ class HDF5Storage(KVBlobs, Storage):
         for file_id in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
             if os.path.exists(file_id.name) and os.path.samefile(file_id.name, self.path):
                 h5py.File(file_id).close()
-        return h5py.File(self.path, mode, locking=False)
+        return open_h5(self.path, mode)
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_file": None, "_pid": None, "_ram": {}, "_maps": {}, "_writer_mark": None}
@@ -321,7 +335,7 @@ class HDF5Storage(KVBlobs, Storage):
         if not os.path.isfile(self.path):
             return None
         try:
-            with h5py.File(self.path, "r", locking=False) as f:
+            with open_h5(self.path, "r") as f:
                 raw = f.attrs.get(CONFIG_ATTRIBUTE)
         except OSError:
             return None
@@ -363,7 +377,7 @@ class HDF5Storage(KVBlobs, Storage):
         os.makedirs(self.root, exist_ok=True)
         compression = self.storage_options.get("compression")
         options = {"compression": compression, "compression_opts": self.storage_options.get("compression_opts")}
-        with h5py.File(self.path, "w", locking=False) as f:
+        with open_h5(self.path, "w") as f:
             data, meta = f.create_group("data"), f.create_group("meta")
             for field in schema.fields.values():
                 chunks = (1, default_time_chunk(field, schema.max_timesteps), *field.shape) if compression else None
