@@ -178,11 +178,13 @@ def _plan(buffer: Any, slots: np.ndarray, meta_fields: Sequence[str] = ()) -> _P
     generations = np.asarray(buffer._meta["_generation"], np.int64)[slots]
     empty = (lens <= 0) | (generations <= 0)
     lens, generations = np.where(empty, 0, lens), np.where(empty, 0, generations)
+    # committed length-0 episodes keep their meta values, as the seed returns them
+    unset = empty & ~np.isin(slots, buffer.empty_episodes())
     meta = {}
     for name in meta_fields:
         values = lens.astype(np.int32) if name == "episode_lens" else np.asarray(buffer.meta_data[name][:])[slots]
-        if empty.any() and name != "episode_lens":
-            values[empty] = buffer.schema.meta_fields[name].fill
+        if unset.any() and name != "episode_lens":
+            values[unset] = buffer.schema.meta_fields[name].fill
         meta[name] = values
     return _Plan(slots, generations, lens, meta)
 
@@ -421,8 +423,9 @@ def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) 
 
     kept = read_consistent(buffer, plan.slots, plan.generations, read, replan)
     plan.lens[~kept] = 0
+    lost = ~kept & ~np.isin(plan.slots, buffer.empty_episodes())  # length-0 episodes keep their meta
     for name, values in plan.meta.items():
-        values[~kept] = 0 if name == "episode_lens" else schema.meta_fields[name].fill
+        values[lost] = 0 if name == "episode_lens" else schema.meta_fields[name].fill
     width = plan.length
     results = {}
     for name, target in targets.items():

@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
     from .collector import EpisodeCollector
 
 LOG_NAME = "episode"
+# counters key: slots of committed length-0 episodes, which no published length shows
+EMPTY_EPISODES = "empty_episodes"
 _HIDDEN_META = ("_generation",)
 # a reader that sees a slot with a length but no generation (between a commit's two writes)
 # reads the bookkeeping again before calling it damage
@@ -446,6 +448,13 @@ class ReplayBuffer:
         """The slots ``get_all_data`` returns a row for: ``0 .. num_episodes - 1``, as the seed."""
         return np.arange(min(self.num_episodes, self.max_episodes), dtype=np.int64)
 
+    def empty_episodes(self) -> np.ndarray:
+        """Slots of committed length-0 episodes (``advance_episode(batch_size=n)`` before any
+        step): counted in ``num_episodes`` and listed by ``get_all_data`` with their meta values."""
+        return np.asarray(
+            [s for s in self._state.get(EMPTY_EPISODES, ()) if self._meta["episode_lens"][s] == 0], np.int64
+        )
+
     def valid_episodes(self) -> np.ndarray:
         """Slots holding a committed episode, oldest first."""
         valid = np.flatnonzero(self._meta["episode_lens"] > 0)
@@ -613,15 +622,26 @@ class ReplayBuffer:
         ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
         self._write_meta("_generation", slots, ordinals)
         self._write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
+        previous = self._state
+        empties = set(self._state.get(EMPTY_EPISODES, ())) - set(slots.tolist())
+        if not length:
+            empties |= set(slots.tolist())
         self._state = {
-            # recounted, not incremented: drop_episodes may have left empty slots to be refilled
-            "num_episodes": int((self._meta["episode_lens"] > 0).sum()),
             "episode_index": int((slots[-1] + 1) % self.max_episodes),
             "total_episodes": base + len(slots),
             **({"cleared": True} if self._state.get("cleared") else {}),
+            **({EMPTY_EPISODES: sorted(empties)} if empties else {}),
         }
+        # counted as the seed counts commits (an episode_index moved back overwrites and counts)
+        self._state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
         self.storage.commit_state(self._state)
         self._dirty_slots.difference_update(slots.tolist())
+
+    def _count_episodes(self) -> int:
+        """The episodes the published lengths show: the slots holding an episode, plus the
+        committed length-0 episodes (the seed counts ``advance_episode(batch_size=n)`` before any
+        step), which hold no data and are listed in the counters object as ``empty_episodes``."""
+        return min(int((self._meta["episode_lens"] > 0).sum()) + len(self.empty_episodes()), self.max_episodes)
 
     def _write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         episodes = np.asarray(episodes)
@@ -700,7 +720,9 @@ class ReplayBuffer:
         if len(stale):
             self._write_meta("_generation", stale, np.zeros(len(stale), np.int64))
         valid = np.flatnonzero(lens > 0)
-        state = {**self._state, "num_episodes": len(valid)}
+        # an open recounts what is published (a killed commit may have emptied a reused slot);
+        # within a session num_episodes counts commits, as the seed does
+        state = {**self._state, "num_episodes": self._count_episodes()}
         if len(valid):
             newest = int(valid[np.argmax(generations[valid])])
             state["episode_index"] = (newest + 1) % self.max_episodes
@@ -983,7 +1005,7 @@ class ReplayBuffer:
         if len(dropped):
             self._write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
             self._write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
-            self._state = {**self._state, "num_episodes": int((self._meta["episode_lens"] > 0).sum())}
+            self._state = {**self._state, "num_episodes": self._count_episodes()}
             self.storage.commit_state(self._state)
         return dropped.tolist()
 

@@ -362,6 +362,11 @@ class ConcatReplayBuffer:
         offsets = self.storage.offsets
         return np.concatenate([b.listed_slots() + offsets[k] for k, b in enumerate(self.buffers)]).astype(np.int64)
 
+    def empty_episodes(self) -> np.ndarray:
+        """The global slots of the members' committed length-0 episodes."""
+        offsets = self.storage.offsets
+        return np.concatenate([b.empty_episodes() + offsets[k] for k, b in enumerate(self.buffers)]).astype(np.int64)
+
     def valid_episodes(self) -> np.ndarray:
         """Global slots holding a committed episode: member by member, each oldest first."""
         offsets = self.storage.offsets

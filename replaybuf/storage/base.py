@@ -196,13 +196,14 @@ def check_state(state: dict, schema: Schema, where: str) -> dict:
         raise BufferDamagedError(
             f"{where}: episode_index is {state['episode_index']}, expected < max_episodes {schema.max_episodes}"
         )
-    writing = state.get("writing", [])
-    if not isinstance(writing, list) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and 0 <= s < schema.max_episodes for s in writing
-    ):
-        raise BufferDamagedError(
-            f"{where}: writing is {writing!r}, expected a list of slots in [0, {schema.max_episodes})"
-        )
+    for key in ("writing", "empty_episodes"):  # slots being written; committed length-0 episodes
+        slots = state.get(key, [])
+        if not isinstance(slots, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < schema.max_episodes for s in slots
+        ):
+            raise BufferDamagedError(
+                f"{where}: {key} is {slots!r}, expected a list of slots in [0, {schema.max_episodes})"
+            )
     return state
 
 
