@@ -10,6 +10,7 @@ for ``REPLAYBUF_SOAK_SECONDS`` (default 2) and every path at least ``MIN_ROUNDS`
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
