@@ -42,7 +42,7 @@ from .base import (
     parse_json,
     schema_from_config,
 )
-from .lease import ObjectLease, WriterLease
+from .lease import ObjectLease, ProcessLease, WriterLease
 
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
@@ -146,6 +146,8 @@ class ZarrStorage(KVBlobs, Storage):
 
     def writer_lease(self) -> WriterLease:
         # docstring inherited
+        if self.location.startswith("memory://"):
+            return ProcessLease(self.location)
         return ObjectLease(self.kv, self.location) if isinstance(self.kv, StoreKV) else super().writer_lease()
 
     def _zarr_store(self, read_only: bool):

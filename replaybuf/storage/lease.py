@@ -8,7 +8,8 @@ since, ...}`` that names the holder for the error a second writer gets.
 
 - ``FileLease`` (local folders, every backend): ``fcntl.flock`` on that file. The kernel drops
   the lock when the holding process dies, however it dies, so a local lock is never stale.
-- ``ObjectLease`` (zarr on ``s3://``, ``gs://``, ``memory://``): an object created with a
+- ``ProcessLease`` (``memory://``, which lives in one process): held by this process alone.
+- ``ObjectLease`` (zarr on ``s3://``, ``gs://``): an object created with a
   conditional write (``If-None-Match: *``) that a daemon thread renews every quarter of its
   expiry. A crashed writer's lease can be taken over once it has expired, or at once with
   ``break_lock=True`` / ``replaybuf unlock``. A writer whose lease was taken over notices at its
@@ -265,6 +266,31 @@ class FileLease(WriterLease):
                 holder, "A local lock is released when its process exits; stop that process instead."
             )
         return None
+
+
+class ProcessLease(WriterLease):
+    """The lease of a ``memory://`` buffer, which lives in one process: this process holds it
+    (opens share it through ``take``), with no object and no heartbeat; a thread renewing an
+    object in fsspec's memory store would race every listing of that store."""
+
+    def acquire(self, break_lock: bool = False) -> None:
+        # docstring inherited: nothing else can hold it (``take`` shares it within the process)
+        self._record = _record()
+        _held.add(self)
+
+    def release(self) -> None:
+        # docstring inherited
+        _held.discard(self)
+        self._record = None
+
+    def holder(self) -> dict | None:
+        # docstring inherited: the lease this process holds on the buffer, through any object
+        held = _in_process.get(self.key, self)
+        return getattr(held, "_record", None)
+
+    def unlock(self) -> dict | None:
+        # docstring inherited: the holder is this process, which gives it back by closing
+        return self.holder()
 
 
 class ObjectLease(WriterLease):
