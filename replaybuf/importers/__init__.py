@@ -40,6 +40,7 @@ __all__ = [
     "lerobot",
     "load",
     "robomimic",
+    "run_import",
 ]
 
 FORMATS: MappingProxyType[str, type[Source]] = MappingProxyType(

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._engine import SOURCE_EPISODE, ImportSourceError, Source, exported_episodes
+from ._engine import ImportSourceError, Source, exported_episodes
 
 __all__ = ["DiffusionPolicySource", "export_diffusion_policy"]
 
@@ -81,7 +81,6 @@ def export_diffusion_policy(
                 dtype=field.dtype,
             )
             for name, field in buffer.schema.fields.items()
-            if name != SOURCE_EPISODE
         }
         root.create_array("meta/episode_ends", data=np.cumsum(lengths))
         start = 0
