@@ -300,6 +300,47 @@ def test_progress_bar_shows_episodes_and_frames_per_second(tmp_path, capsys):
     assert "import diffusion_policy" in err and "3/3" in err and "episode/s" in err and "frames_per_s=" in err
 
 
+# ---- Minari ------------------------------------------------------------------------------------
+
+
+def test_minari_dataset_recorded_by_its_data_collector(tmp_path, monkeypatch):
+    minari = pytest.importorskip("minari")
+    gym = pytest.importorskip("gymnasium")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    env = minari.DataCollector(gym.make("CartPole-v1"))
+    env.action_space.seed(0)
+    for seed in range(3):
+        env.reset(seed=seed)
+        while not any(env.step(env.action_space.sample())[2:4]):
+            pass
+    with pytest.warns(UserWarning):  # no description / eval_env: fine for a fixture
+        dataset = env.create_dataset("cartpole/fixture-v0", algorithm_name="random")
+    source = {
+        e.id: {
+            "observations": e.observations[:-1],
+            "next_observations": e.observations[1:],
+            "actions": e.actions,
+            "rewards": e.rewards,
+            "terminations": e.terminations,
+            "truncations": e.truncations,
+        }
+        for e in dataset.iterate_episodes()
+    }
+    result = imp.minari("cartpole/fixture-v0", tmp_path / "by-id", verify=True, progress=False)
+    assert result.imported == 3 and result.frames == sum(len(e["rewards"]) for e in source.values())
+    assert_same(episodes_by_source(tmp_path / "by-id"), source)
+    folder = tmp_path / "minari" / "cartpole" / "fixture-v0"
+    assert main(["import", "minari", str(folder), str(tmp_path / "by-path"), "--quiet"]) == 0
+    assert_same(episodes_by_source(tmp_path / "by-path"), source)
+
+
+def test_minari_unknown_dataset(tmp_path, monkeypatch):
+    pytest.importorskip("minari")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    with pytest.raises(imp.ImportSourceError, match="nothing/here-v0: cannot open as a Minari dataset"):
+        imp.minari("nothing/here-v0", tmp_path / "dst")
+
+
 # ---- command line ------------------------------------------------------------------------------
 
 
@@ -317,10 +358,10 @@ def test_cli_import_and_export(tmp_path, capsys):
 
 def test_cli_errors_are_usage_messages(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["import", "minari", "x", str(tmp_path / "dst")])
+        main(["import", "rlds", "x", str(tmp_path / "dst")])
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit) as exit_info:
         main(["import", "robomimic", str(tmp_path / "missing.hdf5"), str(tmp_path / "dst"), "--quiet"])
     assert exit_info.value.code == 2 and "missing.hdf5" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"unknown format 'minari': expected one of \['d4rl', "):
-        imp.load("minari", "x", tmp_path / "dst")
+    with pytest.raises(ValueError, match=r"unknown format 'rlds': expected one of \['d4rl', "):
+        imp.load("rlds", "x", tmp_path / "dst")

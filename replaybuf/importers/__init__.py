@@ -1,7 +1,7 @@
 """Bring datasets of other libraries into replaybuf buffers, and buffers out to them.
 
 Importers: ``diffusion_policy`` (zarr format 2), ``robomimic`` and ``d4rl`` (HDF5), ``lerobot``
-(LeRobot v3 folders), each also reachable as ``load(format, src, dst)`` and as
+(LeRobot v3 folders) and ``minari`` (through the ``minari`` package), each also reachable as ``load(format, src, dst)`` and as
 ``replaybuf import FORMAT SRC DST``. Every import copies one episode at a time (memory bounded
 by one episode), records each source episode's index in the meta field ``source_episode`` and
 skips those already committed in ``dst`` (so an interrupted import resumes), and with
@@ -24,6 +24,7 @@ from ._diffusion_policy import DiffusionPolicySource, export_diffusion_policy
 from ._engine import ImportResult, ImportSourceError, ImportVerifyError, Source, run_import
 from ._hdf5 import D4RLSource, RobomimicSource
 from ._lerobot import LeRobotSource, export_lerobot
+from ._minari import MinariSource
 
 __all__ = [
     "EXPORTERS",
@@ -39,6 +40,7 @@ __all__ = [
     "export_lerobot",
     "lerobot",
     "load",
+    "minari",
     "robomimic",
     "run_import",
 ]
@@ -49,6 +51,7 @@ FORMATS: MappingProxyType[str, type[Source]] = MappingProxyType(
         "robomimic": RobomimicSource,
         "d4rl": D4RLSource,
         "lerobot": LeRobotSource,
+        "minari": MinariSource,
     }
 )
 EXPORTERS: MappingProxyType[str, Callable[..., int]] = MappingProxyType(
@@ -101,6 +104,11 @@ def d4rl(src: str | os.PathLike, dst: Any, **kwargs: Any) -> ImportResult:
 def lerobot(src: str | os.PathLike, dst: Any, **kwargs: Any) -> ImportResult:
     """Import a local LeRobot v3 dataset folder; see ``load``."""
     return load("lerobot", src, dst, **kwargs)
+
+
+def minari(src: str | os.PathLike, dst: Any, **kwargs: Any) -> ImportResult:
+    """Import a Minari dataset (an id under Minari's root, or a dataset folder); see ``load``."""
+    return load("minari", src, dst, **kwargs)
 
 
 def export(format: str, src: Any, dst: str | os.PathLike, **kwargs: Any) -> int:

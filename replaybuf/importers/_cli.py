@@ -6,7 +6,7 @@ import argparse
 
 __all__ = ["CLI_COMMANDS"]
 
-IMPORT_FORMATS = ("diffusion_policy", "robomimic", "d4rl", "lerobot")
+IMPORT_FORMATS = ("diffusion_policy", "robomimic", "d4rl", "lerobot", "minari")
 EXPORT_FORMATS = ("diffusion_policy", "lerobot")
 
 
@@ -71,7 +71,7 @@ def _run_export(args: argparse.Namespace) -> int:
 CLI_COMMANDS = (
     (
         "import",
-        "import a dataset (diffusion_policy zarr, robomimic or D4RL HDF5, LeRobot v3 folder) into a buffer",
+        "import a dataset (diffusion_policy zarr, robomimic or D4RL HDF5, LeRobot v3 folder, Minari) into a buffer",
         _add_import_arguments,
         _run_import,
     ),
