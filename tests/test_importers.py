@@ -114,6 +114,17 @@ def test_diffusion_policy_round_trip_is_exact(tmp_path):
     assert_same(episodes_by_source(tmp_path / "a"), episodes_by_source(tmp_path / "b"))
 
 
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+def test_export_never_overwrites(tmp_path, format):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="out: the export destination must be a new or empty folder"):
+        imp.export(format, tmp_path / "a", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+
+
 # ---- robomimic and D4RL -------------------------------------------------------------------------
 
 

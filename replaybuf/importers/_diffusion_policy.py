@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._engine import ImportSourceError, Source, exported_episodes
+from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
 
 __all__ = ["DiffusionPolicySource", "export_diffusion_policy"]
 
@@ -63,10 +63,11 @@ def export_diffusion_policy(
     src: Any, dst: str | os.PathLike, *, storage_options: dict | None = None, chunk_steps: int = 1024
 ) -> int:
     """Write the committed episodes of buffer ``src`` (oldest first) as a diffusion_policy zarr
-    (format 2) at ``dst``; returns the number of episodes. Meta fields are not part of that
+    (format 2) at ``dst``, a new or empty folder; returns the number of episodes. Meta fields are not part of that
     layout and are left out."""
     import zarr
 
+    check_new_folder(dst)
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
         slots = buffer.valid_episodes()

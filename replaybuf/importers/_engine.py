@@ -21,7 +21,15 @@ from ..buffer import ReplayBuffer
 from ..progress import progress_bar
 from ..storage.base import make_storage
 
-__all__ = ["ImportResult", "ImportSourceError", "ImportVerifyError", "Source", "run_import", "exported_episodes"]
+__all__ = [
+    "ImportResult",
+    "ImportSourceError",
+    "ImportVerifyError",
+    "Source",
+    "check_new_folder",
+    "exported_episodes",
+    "run_import",
+]
 
 # meta field holding the index of the source episode a slot came from (what resume skips on)
 SOURCE_EPISODE = "source_episode"
@@ -80,7 +88,7 @@ class ImportResult:
     frames: int
 
 
-def _check_episode(source: Source, position: int, data: dict[str, np.ndarray], length: int) -> None:
+def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> None:
     fields = source.fields()
     missing = sorted(set(fields) - set(data))
     if missing:
@@ -146,7 +154,7 @@ def run_import(
                     continue
                 try:
                     data, meta = source.read(position)
-                    _check_episode(source, position, data, length)
+                    _check_episode(source, data, length)
                 except (OSError, KeyError, ValueError, EOFError) as error:
                     raise ImportSourceError(f"{source.where(position)}: episode {episode}: {error}") from error
                 meta = {SOURCE_EPISODE: episode, **meta}
@@ -161,6 +169,12 @@ def run_import(
     finally:
         source.close()
     return ImportResult(imported=imported, skipped=len(done), frames=frames)
+
+
+def check_new_folder(dst: str | os.PathLike) -> None:
+    """Refuse an export into a folder that holds anything: an export never overwrites."""
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder")
 
 
 def exported_episodes(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..video import is_image_field
-from ._engine import ImportSourceError, Source, exported_episodes
+from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
 
 __all__ = ["LeRobotSource", "export_lerobot"]
 
@@ -80,6 +80,11 @@ def _numeric(dtype: str) -> bool:
         return np.dtype(dtype).kind in "biuf"
     except TypeError:
         return False
+
+
+def _episode_column(column: str) -> bool:
+    """The columns of LeRobot's episodes files an import needs (not stats, not task texts)."""
+    return not column.startswith(("stats/", "meta/")) and column != "tasks"
 
 
 def _image_shape(feature: dict[str, Any]) -> tuple[int, ...]:
@@ -164,12 +169,11 @@ class LeRobotSource(Source):
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
         if not files:
             raise ImportSourceError(f"{self.root / 'meta' / 'episodes'}: no episode files (chunk-*/file-*.parquet)")
-        wanted = lambda column: not column.startswith(("stats/", "meta/")) and column != "tasks"  # noqa: E731
         rows = []
         for file in files:
             try:
                 table = self._pa.parquet.read_table(
-                    file, columns=[c for c in self._pa.parquet.read_schema(file).names if wanted(c)]
+                    file, columns=[c for c in self._pa.parquet.read_schema(file).names if _episode_column(c)]
                 )
             except (OSError, self._pa.ArrowException) as error:
                 raise ImportSourceError(f"{file}: cannot read LeRobot episodes: {error}") from error
@@ -302,9 +306,8 @@ def export_lerobot(
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
+    check_new_folder(dst)
     root = Path(dst)
-    if root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"{root}: the LeRobot folder must be new or empty")
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
         images = _image_features(buffer, video)
