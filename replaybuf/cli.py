@@ -2,7 +2,7 @@
 
 ``replaybuf`` is a table of subcommands filled with ``register_command``: ``inspect`` (the same
 as ``inspect-replay-buffer``) and ``view`` here, ``convert``, ``info`` and ``verify`` from
-``replaybuf.tools``. Bad input ends with an argparse-style
+``replaybuf.tools``, ``import`` and ``export`` from ``replaybuf.importers``. Bad input ends with an argparse-style
 message and exit status 2, never a traceback.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
 from replaybuf.storage.base import BufferDamagedError, StorageError
 from replaybuf.tools import CLI_COMMANDS
 from replaybuf.video import (
@@ -375,7 +376,7 @@ VIEW = register_command(
     )
 )
 
-for _spec in CLI_COMMANDS:
+for _spec in (*CLI_COMMANDS, *IMPORT_COMMANDS):
     register_command(Command(*_spec))
 
 

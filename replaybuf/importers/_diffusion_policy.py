@@ -1,0 +1,93 @@
+"""diffusion_policy's ReplayBuffer layout (zarr format 2): ``data/<key>`` arrays whose first
+axis concatenates every episode's steps, and ``meta/episode_ends`` (exclusive end of each
+episode). Each key becomes a field of the same name, dtype and per-step shape; (T, H, W, C)
+uint8 keys such as ``img`` are image fields as they are."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
+
+__all__ = ["DiffusionPolicySource", "export_diffusion_policy"]
+
+
+class DiffusionPolicySource(Source):
+    format = "diffusion_policy"
+
+    def __init__(self, path: str | os.PathLike):
+        import zarr
+
+        super().__init__(path)
+        try:
+            root = zarr.open_group(self.path, mode="r")
+            self._arrays = {name: array for name, array in root["data"].arrays()}
+            ends = np.asarray(root["meta/episode_ends"][:], dtype=np.int64)
+        except (KeyError, FileNotFoundError, ValueError) as error:
+            raise ImportSourceError(
+                f"{self.path}: not a diffusion_policy zarr (expected data/<key> arrays and meta/episode_ends): {error}"
+            ) from error
+        if not self._arrays:
+            raise ImportSourceError(f"{self.path}: data/ holds no arrays")
+        if len(ends) and (np.any(np.diff(ends) <= 0) or ends[0] <= 0):
+            raise ImportSourceError(f"{self.path}/meta/episode_ends: expected strictly increasing ends, got {ends}")
+        self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self._ends = ends
+        self._fields = {
+            name: {"dtype": str(array.dtype), "shape": tuple(array.shape[1:])} for name, array in self._arrays.items()
+        }
+
+    def fields(self) -> dict[str, dict[str, Any]]:
+        return self._fields
+
+    def episode_ids(self) -> list[int]:
+        return list(range(len(self._ends)))
+
+    def lengths(self) -> list[int]:
+        return (self._ends - self._starts).tolist()
+
+    def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        start, end = int(self._starts[position]), int(self._ends[position])
+        data = {}
+        for name, array in self._arrays.items():
+            if end > array.shape[0]:
+                raise ValueError(f"data/{name} has {array.shape[0]} steps, the episode ends at step {end} (truncated?)")
+            data[name] = np.asarray(array[start:end])
+        return data, {}
+
+
+def export_diffusion_policy(
+    src: Any, dst: str | os.PathLike, *, storage_options: dict | None = None, chunk_steps: int = 1024
+) -> int:
+    """Write the committed episodes of buffer ``src`` (oldest first) as a diffusion_policy zarr
+    (format 2) at ``dst``, a new or empty folder; returns the number of episodes. Meta fields are not part of that
+    layout and are left out."""
+    import zarr
+
+    check_new_folder(dst)
+    buffer, episodes = exported_episodes(src, storage_options)
+    with buffer:
+        slots = buffer.valid_episodes()
+        lengths = buffer.episode_lens[slots].astype(np.int64)
+        total = int(lengths.sum())
+        root = zarr.open_group(os.fspath(dst), mode="w", zarr_format=2)
+        arrays = {
+            name: root.create_array(
+                f"data/{name}",
+                shape=(total, *field.shape),
+                chunks=(max(1, min(total, chunk_steps)), *field.shape),
+                dtype=field.dtype,
+            )
+            for name, field in buffer.schema.fields.items()
+        }
+        root.create_array("meta/episode_ends", data=np.cumsum(lengths))
+        start = 0
+        for _slot, data, _meta in episodes:
+            length = len(next(iter(data.values())))
+            for name, array in arrays.items():
+                array[start : start + length] = data[name]
+            start += length
+    return len(slots)

@@ -1,0 +1,194 @@
+"""The import loop shared by every format: size the destination, skip what a previous run
+committed, copy one source episode at a time, check it, and report progress.
+
+A format implements ``Source``: what its fields are and how long its episodes are (read from
+the source's index alone), and ``read(i)`` for one episode's arrays. Memory is bounded by one
+episode whatever the source's size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..buffer import ReplayBuffer
+from ..progress import progress_bar
+from ..storage.base import make_storage
+
+__all__ = [
+    "ImportResult",
+    "ImportSourceError",
+    "ImportVerifyError",
+    "Source",
+    "check_new_folder",
+    "exported_episodes",
+    "run_import",
+]
+
+# meta field holding the index of the source episode a slot came from (what resume skips on)
+SOURCE_EPISODE = "source_episode"
+
+
+class ImportSourceError(ValueError):
+    """A source file is malformed or truncated; the message names the file and the episode."""
+
+
+class ImportVerifyError(ValueError):
+    """An imported episode reads back different from its source."""
+
+
+class Source(ABC):
+    """One dataset in another format, read episode by episode."""
+
+    format: ClassVar[str]
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+
+    @abstractmethod
+    def fields(self) -> dict[str, dict[str, Any]]:
+        """Field specs ``{name: {"dtype": ..., "shape": ...}}`` of the per-step arrays."""
+
+    def meta_fields(self) -> dict[str, str]:
+        """Per-episode meta fields beyond ``source_episode`` (name -> dtype)."""
+        return {}
+
+    @abstractmethod
+    def episode_ids(self) -> list[int]:
+        """The source's index of each episode, in reading order."""
+
+    @abstractmethod
+    def lengths(self) -> list[int]:
+        """Steps of each episode, in reading order, from the source's index alone."""
+
+    @abstractmethod
+    def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(per-step arrays, meta values) of the episode at ``position``."""
+
+    def where(self, position: int) -> str:
+        """The file holding the episode at ``position``, for error messages."""
+        return self.path
+
+    def close(self) -> None:
+        """Release open files."""
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What an import did: episodes copied, episodes found already committed, steps copied."""
+
+    imported: int
+    skipped: int
+    frames: int
+
+
+def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> None:
+    fields = source.fields()
+    missing = sorted(set(fields) - set(data))
+    if missing:
+        raise ValueError(f"fields {missing} are missing")
+    for name, spec in fields.items():
+        shape = (length, *spec["shape"])
+        if data[name].shape != shape:
+            raise ValueError(f"field {name!r} has shape {data[name].shape}, expected {shape} (truncated?)")
+
+
+def _verify(buffer: ReplayBuffer, slot: int, data: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    for name, source in data.items():
+        stored = buffer.data[name][slot, : len(source)]
+        if not np.array_equal(stored, source, equal_nan=stored.dtype.kind == "f"):
+            raise ImportVerifyError(f"field {name!r} of slot {slot} reads back different from its source")
+    for name, value in meta.items():
+        if not np.array_equal(buffer.meta_data[name][slot], value):
+            raise ImportVerifyError(f"meta field {name!r} of slot {slot} reads back different from its source")
+
+
+def open_destination(
+    source: Source, dst: Any, backend: str | None, storage_options: dict | None
+) -> tuple[ReplayBuffer, set[int]]:
+    """The destination sized for ``source`` (created, or reopened to resume) and the source
+    episode indices it already holds."""
+    lengths = source.lengths()
+    if not lengths:
+        raise ImportSourceError(f"{source.path}: no episodes to import")
+    storage = make_storage(dst, backend, storage_options)
+    meta_fields = {SOURCE_EPISODE: "int64", **source.meta_fields()}
+    fields = {name: dict(spec, shape=tuple(spec["shape"])) for name, spec in source.fields().items()}
+    buffer = ReplayBuffer(
+        storage,
+        max_episodes=len(lengths),
+        max_timesteps=max(lengths),
+        fields=fields,
+        meta_fields=meta_fields,
+        overwrite=False,
+    )
+    done = {int(buffer.meta_data[SOURCE_EPISODE][slot]) for slot in buffer.valid_episodes()}
+    return buffer, done
+
+
+def run_import(
+    source: Source,
+    dst: Any,
+    *,
+    backend: str | None = None,
+    storage_options: dict | None = None,
+    verify: bool = False,
+    progress: bool | None = None,
+) -> ImportResult:
+    """Copy every episode of ``source`` not yet in ``dst`` (see ``replaybuf.importers.load``)."""
+    try:
+        buffer, done = open_destination(source, dst, backend, storage_options)
+        ids, lengths = source.episode_ids(), source.lengths()
+        imported = frames = 0
+        started = time.monotonic()
+        with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
+            bar.update(sum(1 for episode in ids if episode in done))
+            for position, (episode, length) in enumerate(zip(ids, lengths)):
+                if episode in done:
+                    continue
+                try:
+                    data, meta = source.read(position)
+                    _check_episode(source, data, length)
+                except (OSError, KeyError, ValueError, EOFError) as error:
+                    raise ImportSourceError(f"{source.where(position)}: episode {episode}: {error}") from error
+                meta = {SOURCE_EPISODE: episode, **meta}
+                slot = buffer.episode_index
+                buffer.store_episode(**data, **meta)
+                if verify:
+                    _verify(buffer, slot, data, meta)
+                imported += 1
+                frames += length
+                bar.update()
+                bar.set_postfix(frames_per_s=f"{frames / max(time.monotonic() - started, 1e-9):.0f}")
+    finally:
+        source.close()
+    return ImportResult(imported=imported, skipped=len(done), frames=frames)
+
+
+def check_new_folder(dst: str | os.PathLike) -> None:
+    """Refuse an export into a folder that holds anything: an export never overwrites."""
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder")
+
+
+def exported_episodes(
+    src: Any, storage_options: dict | None = None
+) -> tuple[ReplayBuffer, Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]]:
+    """A buffer opened read-only and an iterator of (slot, per-step arrays, meta values) over
+    its committed episodes, oldest first, one at a time (what exporters write)."""
+    buffer = ReplayBuffer.from_folder(src, read_only=True, storage_options=storage_options)
+
+    def episodes() -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
+        for slot in buffer.valid_episodes():
+            length = int(buffer.episode_lens[slot])
+            data = {name: buffer.data[name][int(slot), :length] for name in buffer.schema.fields}
+            meta = {name: buffer.meta_data[name][int(slot)] for name in buffer.schema.meta_fields}
+            yield int(slot), data, meta
+
+    return buffer, episodes()

@@ -1,0 +1,143 @@
+"""HDF5 datasets: robomimic (one group per demo) and D4RL (flat arrays split at episode ends).
+
+robomimic: ``data/demo_N/{obs/<key>, next_obs/<key>, actions, rewards, dones, states}``, each
+demo's length in its ``num_samples`` attribute. ``obs/<key>`` becomes field ``obs_<key>``
+(``next_obs_<key>`` likewise), the others keep their names. Demos are read in order of N.
+
+D4RL: ``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts`` (and any other
+top-level array with one row per step, ``infos/<key>`` as ``infos_<key>``); an episode ends at
+each step where ``terminals | timeouts``, and steps after the last end form a final episode.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from ._engine import ImportSourceError, Source
+
+__all__ = ["D4RLSource", "RobomimicSource"]
+
+
+def _open(path: str) -> Any:
+    import h5py
+
+    try:
+        return h5py.File(path, "r")
+    except OSError as error:
+        raise ImportSourceError(f"{path}: cannot open as HDF5: {error}") from error
+
+
+def _spec(dataset: Any) -> dict[str, Any]:
+    return {"dtype": str(dataset.dtype), "shape": tuple(dataset.shape[1:])}
+
+
+class RobomimicSource(Source):
+    format = "robomimic"
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self._file = _open(self.path)
+        if "data" not in self._file:
+            self.close()
+            raise ImportSourceError(f"{self.path}: not a robomimic file (no 'data' group)")
+        demos = [name for name in self._file["data"] if re.fullmatch(r"demo_\d+", name)]
+        self._demos = sorted(demos, key=lambda name: int(name.split("_")[1]))
+        self._fields = self._paths(self._demos[0]) if self._demos else {}
+        self._specs = {name: _spec(self._file[f"data/{self._demos[0]}/{key}"]) for name, key in self._fields.items()}
+
+    def _paths(self, demo: str) -> dict[str, str]:
+        """field name -> dataset path inside ``data/<demo>``."""
+        group = self._file[f"data/{demo}"]
+        paths = {}
+        for key, item in group.items():
+            if key in ("obs", "next_obs"):
+                paths.update({f"{key}_{sub}": f"{key}/{sub}" for sub in item})
+            elif not hasattr(item, "keys"):
+                paths[key] = key
+        return paths
+
+    @property
+    def env_args(self) -> dict[str, Any] | None:
+        """The ``env_args`` JSON attribute of ``data`` (the environment's metadata), if any."""
+        import json
+
+        raw = self._file["data"].attrs.get("env_args")
+        return None if raw is None else json.loads(raw)
+
+    def fields(self) -> dict[str, dict[str, Any]]:
+        return self._specs
+
+    def episode_ids(self) -> list[int]:
+        return [int(demo.split("_")[1]) for demo in self._demos]
+
+    def lengths(self) -> list[int]:
+        lengths = []
+        for demo in self._demos:
+            group = self._file[f"data/{demo}"]
+            count = group.attrs.get("num_samples")
+            lengths.append(int(count) if count is not None else int(group["actions"].shape[0]))
+        return lengths
+
+    def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        group = self._file[f"data/{self._demos[position]}"]
+        data = {}
+        for name, key in self._fields.items():
+            if key not in group:
+                raise KeyError(f"dataset {key!r} is missing from data/{self._demos[position]}")
+            data[name] = group[key][()]
+        return data, {}
+
+    def where(self, position: int) -> str:
+        return f"{self.path}:data/{self._demos[position]}"
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class D4RLSource(Source):
+    format = "d4rl"
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self._file = f = _open(self.path)
+        missing = [key for key in ("observations", "terminals") if key not in f]
+        if missing:
+            self.close()
+            raise ImportSourceError(f"{self.path}: not a D4RL file, missing {missing}")
+        steps = f["observations"].shape[0]
+        # every per-step array; one shorter than ``observations`` fails the episodes past its end
+        self._paths = {key: key for key, item in f.items() if not hasattr(item, "keys") and item.ndim >= 1}
+        if "infos" in f:
+            self._paths.update({f"infos_{key}": f"infos/{key}" for key, item in f["infos"].items() if item.ndim >= 1})
+        self._specs = {name: _spec(f[key]) for name, key in self._paths.items()}
+        ends = np.asarray(f["terminals"][()], dtype=bool)
+        if "timeouts" in f:
+            ends = ends | np.asarray(f["timeouts"][()], dtype=bool)
+        stops = (np.flatnonzero(ends) + 1).tolist()
+        if not stops or stops[-1] != steps:
+            stops.append(steps)
+        self._bounds = list(zip([0, *stops[:-1]], stops))
+
+    def fields(self) -> dict[str, dict[str, Any]]:
+        return self._specs
+
+    def episode_ids(self) -> list[int]:
+        return list(range(len(self._bounds)))
+
+    def lengths(self) -> list[int]:
+        return [stop - start for start, stop in self._bounds]
+
+    def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        start, stop = self._bounds[position]
+        return {name: self._file[key][start:stop] for name, key in self._paths.items()}, {}
+
+    def where(self, position: int) -> str:
+        start, stop = self._bounds[position]
+        return f"{self.path} (steps {start}..{stop})"
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,438 @@
+"""LeRobot v3 dataset folders (``codebase_version`` ``v3.0``), read and written with pyarrow and PyAV.
+
+Layout (LeRobot's ``datasets/utils.py``): ``meta/info.json`` (fps, features, path patterns),
+``meta/episodes/chunk-XXX/file-YYY.parquet`` (one row per episode: length, which data file
+and, per camera, which video file and from/to timestamps), ``meta/tasks.parquet`` (task text
+as the index, ``task_index``), ``data/chunk-XXX/file-YYY.parquet`` (one row per frame, several
+episodes per file) and ``videos/<key>/chunk-XXX/file-YYY.mp4`` (several episodes per file).
+
+Mapping: each feature becomes a field named with ``.`` replaced by ``_``
+(``observation.images.top`` -> ``observation_images_top``, ``next.reward`` -> ``next_reward``);
+``image`` and ``video`` features become (H, W, C) uint8 image fields (videos decoded); shape
+``[1]`` features become scalar fields. ``timestamp``, ``frame_index``, ``index`` and
+``episode_index`` are not stored (they follow from the step and the slot); ``task_index`` (of
+the episode's first frame) and ``fps`` become meta fields, LeRobot's ``episode_index`` is
+``source_episode``. Task texts and non-numeric features are not kept: replaybuf buffers store
+numbers only. The exporter maps the names back (``observation_images_X`` ->
+``observation.images.X``, ``observation_X`` -> ``observation.X``, ``next_X`` -> ``next.X``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..video import is_image_field
+from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
+
+__all__ = ["LeRobotSource", "export_lerobot"]
+
+INSTALL_HINT = "LeRobot datasets need pyarrow and PyAV: pip install 'replaybuf[lerobot]'"
+# columns LeRobot adds to every frame; replaybuf derives them from the slot and the step
+FRAME_COLUMNS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+CHUNK_FILE = "chunk-{chunk_index:03d}/file-{file_index:03d}"
+DATA_PATH = "data/" + CHUNK_FILE + ".parquet"
+VIDEO_PATH = "videos/{video_key}/" + CHUNK_FILE + ".mp4"
+EPISODES_PATH = "meta/episodes/" + CHUNK_FILE + ".parquet"
+CHUNK_SIZE = 1000
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return pyarrow
+
+
+def _av() -> Any:
+    try:
+        import av
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return av
+
+
+def _field_name(feature: str) -> str:
+    return feature.replace(".", "_")
+
+
+def _feature_name(field: str) -> str:
+    for prefix, replacement in (
+        ("observation_images_", "observation.images."),
+        ("observation_", "observation."),
+        ("next_", "next."),
+    ):
+        if field.startswith(prefix):
+            return replacement + field[len(prefix) :]
+    return field
+
+
+def _numeric(dtype: str) -> bool:
+    try:
+        return np.dtype(dtype).kind in "biuf"
+    except TypeError:
+        return False
+
+
+def _episode_column(column: str) -> bool:
+    """The columns of LeRobot's episodes files an import needs (not stats, not task texts)."""
+    return not column.startswith(("stats/", "meta/")) and column != "tasks"
+
+
+def _image_shape(feature: dict[str, Any]) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in feature["shape"])
+    if list(feature.get("names") or [])[:1] == ["channels"]:
+        return (*shape[1:], shape[0])
+    return shape
+
+
+def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A (possibly nested list) parquet column as a (rows, *shape) array."""
+    array = table.column(name).combine_chunks()
+    while hasattr(array, "flatten") and hasattr(array.type, "value_type"):
+        array = array.flatten()
+    return np.asarray(array.to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(table), *shape)
+
+
+def decode_frames(path: Path, start_s: float, count: int, fps: float) -> np.ndarray:
+    """``count`` RGB frames of the video at ``path`` from time ``start_s`` on, as (count, H, W, 3)."""
+    av = _av()
+    frames = []
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        container.seek(int(start_s / stream.time_base), stream=stream, backward=True)
+        for frame in container.decode(stream):
+            if frame.time is not None and frame.time < start_s - 0.5 / fps:
+                continue
+            frames.append(frame.to_ndarray(format="rgb24"))
+            if len(frames) == count:
+                break
+    if len(frames) < count:
+        raise ValueError(f"{path} holds {len(frames)} frames from {start_s:.3f} s, expected {count} (truncated?)")
+    return np.stack(frames)
+
+
+def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...]) -> np.ndarray:
+    from PIL import Image
+
+    if cell is None:
+        raise ValueError("an image cell is empty")
+    source = cell.get("bytes")
+    with Image.open(io.BytesIO(source) if source else root / cell["path"]) as image:
+        array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
+    return array.reshape(shape)
+
+
+class LeRobotSource(Source):
+    format = "lerobot"
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self._pa = _pyarrow()
+        self.root = Path(self.path)
+        info_path = self.root / "meta" / "info.json"
+        try:
+            self.info = json.loads(info_path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ImportSourceError(f"{info_path}: cannot read LeRobot info: {error}") from error
+        version = str(self.info.get("codebase_version", ""))
+        if not version.startswith("v3"):
+            raise ImportSourceError(f"{info_path}: codebase_version {version!r}, expected a v3 dataset (v3.0)")
+        self.fps = float(self.info["fps"])
+        self._fields: dict[str, dict[str, Any]] = {}
+        self._features: dict[str, str] = {}  # field -> feature
+        for feature, spec in self.info["features"].items():
+            if feature in FRAME_COLUMNS:
+                continue
+            name = _field_name(feature)
+            if not name.isidentifier():
+                raise ImportSourceError(f"{info_path}: feature {feature!r} does not map to a field name ({name!r})")
+            if spec["dtype"] in ("image", "video"):
+                self._fields[name] = {"dtype": "uint8", "shape": _image_shape(spec)}
+            elif _numeric(spec["dtype"]):
+                shape = tuple(int(d) for d in spec["shape"])
+                self._fields[name] = {"dtype": spec["dtype"], "shape": () if shape == (1,) else shape}
+            else:
+                continue  # text features: a buffer stores numbers only
+            self._features[name] = feature
+        self._episodes = self._read_episodes()
+
+    def _read_episodes(self) -> list[dict[str, Any]]:
+        files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
+        if not files:
+            raise ImportSourceError(f"{self.root / 'meta' / 'episodes'}: no episode files (chunk-*/file-*.parquet)")
+        rows = []
+        for file in files:
+            try:
+                table = self._pa.parquet.read_table(
+                    file, columns=[c for c in self._pa.parquet.read_schema(file).names if _episode_column(c)]
+                )
+            except (OSError, self._pa.ArrowException) as error:
+                raise ImportSourceError(f"{file}: cannot read LeRobot episodes: {error}") from error
+            rows.extend(table.to_pylist())
+        return sorted(rows, key=lambda row: row["episode_index"])
+
+    def fields(self) -> dict[str, dict[str, Any]]:
+        return self._fields
+
+    def meta_fields(self) -> dict[str, str]:
+        return {"task_index": "int64", "fps": "float64"}
+
+    def episode_ids(self) -> list[int]:
+        return [int(row["episode_index"]) for row in self._episodes]
+
+    def lengths(self) -> list[int]:
+        return [int(row["length"]) for row in self._episodes]
+
+    def _data_file(self, row: dict[str, Any]) -> Path:
+        pattern = self.info.get("data_path") or DATA_PATH
+        return self.root / pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
+
+    def _video_file(self, row: dict[str, Any], feature: str) -> Path:
+        pattern = self.info.get("video_path") or VIDEO_PATH
+        return self.root / pattern.format(
+            video_key=feature,
+            chunk_index=row[f"videos/{feature}/chunk_index"],
+            file_index=row[f"videos/{feature}/file_index"],
+        )
+
+    def where(self, position: int) -> str:
+        return str(self._data_file(self._episodes[position]))
+
+    def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        row = self._episodes[position]
+        episode, length = int(row["episode_index"]), int(row["length"])
+        video = {name for name, feature in self._features.items() if self.info["features"][feature]["dtype"] == "video"}
+        columns = [self._features[name] for name in self._fields if name not in video]
+        try:
+            table = self._pa.parquet.read_table(
+                self._data_file(row),
+                columns=[*columns, "frame_index", "task_index"],
+                filters=[("episode_index", "=", episode)],
+            )
+        except self._pa.ArrowException as error:
+            raise ValueError(f"cannot read its frames: {error}") from error
+        table = table.sort_by("frame_index")
+        if len(table) != length:
+            raise ValueError(f"{len(table)} frames in the data file, the episode index says {length} (truncated?)")
+        data = {}
+        for name, spec in self._fields.items():
+            feature = self._features[name]
+            kind = self.info["features"][feature]["dtype"]
+            if kind == "video":
+                path = self._video_file(row, feature)
+                data[name] = decode_frames(path, float(row[f"videos/{feature}/from_timestamp"]), length, self.fps)
+            elif kind == "image":
+                cells = table.column(feature).to_pylist()
+                data[name] = np.stack([_decode_image(cell, self.root, spec["shape"]) for cell in cells])
+            else:
+                data[name] = _column(table, feature, spec["shape"], spec["dtype"])
+        task = int(table.column("task_index")[0].as_py()) if length else 0
+        return data, {"task_index": task, "fps": self.fps}
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+
+def _arrow_type(pa: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+    kind = pa.from_numpy_dtype(dtype)
+    for size in reversed(shape):
+        kind = pa.list_(kind, size)
+    return kind
+
+
+def _arrow_column(pa: Any, values: np.ndarray, kind: Any) -> Any:
+    flat = pa.array(np.ascontiguousarray(values).reshape(-1))
+    for size in reversed(values.shape[1:]):
+        flat = pa.FixedSizeListArray.from_arrays(flat, size)
+    return flat.cast(kind)
+
+
+def _png(frame: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(frame[..., 0] if frame.shape[-1] == 1 else frame).save(out, format="PNG")
+    return out.getvalue()
+
+
+def encode_frames(path: Path, frames: np.ndarray, fps: float) -> None:
+    """Write (T, H, W, 3) uint8 frames as an H.264 mp4 (yuv420p, as LeRobot's players expect)."""
+    av = _av()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def _image_features(buffer: Any, video: bool) -> dict[str, str]:
+    """image field -> 'video' or 'image', for (H, W, C) uint8 fields."""
+    out = {}
+    for name, field in buffer.schema.fields.items():
+        if field.dtype == np.uint8 and is_image_field(field.shape, field.dtype):
+            if video and (field.shape[-1] != 3 or field.shape[0] % 2 or field.shape[1] % 2):
+                raise ValueError(
+                    f"field {name!r}: video mode needs (H, W, 3) frames with even H and W, got {field.shape}"
+                )
+            out[name] = "video" if video else "image"
+    return out
+
+
+def export_lerobot(
+    src: Any,
+    dst: str | os.PathLike,
+    *,
+    video: bool = False,
+    fps: float | None = None,
+    storage_options: dict | None = None,
+) -> int:
+    """Write the committed episodes of buffer ``src`` (oldest first) as a LeRobot v3 folder at
+    ``dst``: image fields as PNG images in the data files (lossless) or, with ``video=True``, as
+    H.264 mp4 files (lossy); ``fps`` defaults to the buffer's ``fps`` meta field, else 30.
+    Task texts are ``task_<task_index>``; meta fields other than ``task_index`` and ``fps`` are
+    left out. Returns the number of episodes."""
+    pa = _pyarrow()
+    import pyarrow.parquet as pq
+
+    check_new_folder(dst)
+    root = Path(dst)
+    buffer, episodes = exported_episodes(src, storage_options)
+    with buffer:
+        images = _image_features(buffer, video)
+        meta_names = buffer.schema.meta_fields
+        if fps is None:
+            valid = buffer.valid_episodes()
+            fps = float(buffer.meta_data["fps"][valid[0]]) if "fps" in meta_names and len(valid) else 30.0
+        fields = {name: f for name, f in buffer.schema.fields.items()}
+        columns = {
+            _feature_name(name): (
+                pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+                if name in images
+                else _arrow_type(pa, f.dtype, f.shape)
+            )
+            for name, f in fields.items()
+            if images.get(name) != "video"
+        }
+        schema = pa.schema(
+            [
+                *columns.items(),
+                ("timestamp", pa.float32()),
+                ("frame_index", pa.int64()),
+                ("episode_index", pa.int64()),
+                ("index", pa.int64()),
+                ("task_index", pa.int64()),
+            ]
+        )
+        data_path = root / DATA_PATH.format(chunk_index=0, file_index=0)
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        rows, tasks, total = [], set(), 0
+        with pq.ParquetWriter(data_path, schema) as writer:
+            for episode, (_slot, data, meta) in enumerate(episodes):
+                length = len(next(iter(data.values())))
+                task = int(meta.get("task_index", 0))
+                tasks.add(task)
+                steps = np.arange(length, dtype=np.int64)
+                values = {}
+                for name in fields:
+                    feature = _feature_name(name)
+                    if images.get(name) == "image":
+                        values[feature] = pa.array(
+                            [{"bytes": _png(frame), "path": None} for frame in data[name]], columns[feature]
+                        )
+                    elif name not in images:
+                        values[feature] = _arrow_column(pa, data[name], columns[feature])
+                values.update(
+                    timestamp=pa.array((steps / fps).astype(np.float32)),
+                    frame_index=pa.array(steps),
+                    episode_index=pa.array(np.full(length, episode, np.int64)),
+                    index=pa.array(total + steps),
+                    task_index=pa.array(np.full(length, task, np.int64)),
+                )
+                writer.write_table(pa.table(values, schema=schema))
+                row = {
+                    "episode_index": episode,
+                    "tasks": [f"task_{task}"],
+                    "length": length,
+                    "data/chunk_index": 0,
+                    "data/file_index": 0,
+                    "dataset_from_index": total,
+                    "dataset_to_index": total + length,
+                }
+                for name in (n for n, kind in images.items() if kind == "video"):
+                    feature = _feature_name(name)
+                    chunk, file = divmod(episode, CHUNK_SIZE)
+                    encode_frames(
+                        root / VIDEO_PATH.format(video_key=feature, chunk_index=chunk, file_index=file), data[name], fps
+                    )
+                    row.update(
+                        {
+                            f"videos/{feature}/chunk_index": chunk,
+                            f"videos/{feature}/file_index": file,
+                            f"videos/{feature}/from_timestamp": 0.0,
+                            f"videos/{feature}/to_timestamp": length / fps,
+                        }
+                    )
+                rows.append(row)
+                total += length
+        _write_meta(root, buffer, images, rows, sorted(tasks), total, fps)
+    return len(rows)
+
+
+def _write_meta(
+    root: Path, buffer: Any, images: dict[str, str], rows: list[dict], tasks: list[int], total: int, fps: float
+) -> None:
+    """``meta/info.json``, ``meta/tasks.parquet`` and the episodes file of an export."""
+    pa = _pyarrow()
+    import pyarrow.parquet as pq
+
+    features: dict[str, dict[str, Any]] = {}
+    for name, field in buffer.schema.fields.items():
+        if name in images:
+            names = ["height", "width", "channels"]
+            features[_feature_name(name)] = {"dtype": images[name], "shape": list(field.shape), "names": names}
+        else:
+            features[_feature_name(name)] = {
+                "dtype": str(field.dtype),
+                "shape": list(field.shape) or [1],
+                "names": None,
+            }
+    for column, dtype in zip(FRAME_COLUMNS, ("float32", "int64", "int64", "int64", "int64")):
+        features[column] = {"dtype": dtype, "shape": [1], "names": None}
+    info = {
+        "codebase_version": "v3.0",
+        "robot_type": None,
+        "total_episodes": len(rows),
+        "total_frames": total,
+        "total_tasks": len(tasks),
+        "chunks_size": CHUNK_SIZE,
+        "data_files_size_in_mb": 100,
+        "video_files_size_in_mb": 200,
+        "fps": fps,
+        "splits": {"train": f"0:{len(rows)}"},
+        "data_path": DATA_PATH,
+        "video_path": VIDEO_PATH if "video" in images.values() else None,
+        "features": features,
+    }
+    meta = root / "meta"
+    (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
+    (meta / "info.json").write_text(json.dumps(info, indent=4))
+    for row in rows:
+        row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
+    pq.write_table(pa.Table.from_pylist(rows), root / EPISODES_PATH.format(chunk_index=0, file_index=0))
+    # pandas' layout, as LeRobot's write_tasks: the task text is the index, task_index a column
+    import pandas as pd
+
+    frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([f"task_{t}" for t in tasks], name="task"))
+    frame.to_parquet(meta / "tasks.parquet")

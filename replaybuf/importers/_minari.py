@@ -1,0 +1,80 @@
+"""Minari datasets, read through the ``minari`` package (``pip install 'replaybuf[minari]'``).
+
+``src`` is a dataset id found under Minari's root (``MINARI_DATASETS_PATH``, e.g.
+``D4RL/door/human-v2``) or a dataset's folder (the one holding ``data/``). Minari keeps T + 1
+observations per episode of T steps: they become ``observations`` (steps 0 .. T - 1) and
+``next_observations`` (1 .. T). ``actions``, ``rewards``, ``terminations`` and ``truncations``
+keep their names; dict and tuple spaces are flattened (``observations_<key>``,
+``actions_<index>``). ``infos`` are not imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._engine import ImportSourceError, Source
+
+__all__ = ["MinariSource"]
+
+INSTALL_HINT = "Minari datasets need the minari package: pip install 'replaybuf[minari]'"
+
+
+def _flatten(prefix: str, value: Any) -> dict[str, np.ndarray]:
+    """Arrays of a (nested) dict or tuple space value, keyed ``prefix_<key>``."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(f"{prefix}_{key}", item).items()}
+    if isinstance(value, tuple):
+        return {k: v for i, item in enumerate(value) for k, v in _flatten(f"{prefix}_{i}", item).items()}
+    return {prefix: np.asarray(value)}
+
+
+def _steps(episode: Any) -> dict[str, np.ndarray]:
+    observations = _flatten("observations", episode.observations)
+    return {
+        **{name: values[:-1] for name, values in observations.items()},
+        **{f"next_{name}": values[1:] for name, values in observations.items()},
+        **_flatten("actions", episode.actions),
+        "rewards": np.asarray(episode.rewards),
+        "terminations": np.asarray(episode.terminations),
+        "truncations": np.asarray(episode.truncations),
+    }
+
+
+class MinariSource(Source):
+    format = "minari"
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        try:
+            import minari
+        except ImportError as error:
+            raise ImportError(INSTALL_HINT) from error
+        folder = Path(self.path)
+        try:
+            if folder.is_dir():
+                self._dataset = minari.MinariDataset(folder / "data" if (folder / "data").is_dir() else folder)
+            else:
+                self._dataset = minari.load_dataset(self.path)
+        except (OSError, ValueError, KeyError) as error:
+            raise ImportSourceError(f"{self.path}: cannot open as a Minari dataset: {error}") from error
+        self._ids = [int(i) for i in self._dataset.episode_indices]
+        metadata = self._dataset.storage.get_episode_metadata(self._ids)
+        self._lengths = [int(row["total_steps"]) for row in metadata]
+        first = _steps(next(self._dataset.iterate_episodes(self._ids[:1]))) if self._ids else {}
+        self._fields = {name: {"dtype": str(v.dtype), "shape": tuple(v.shape[1:])} for name, v in first.items()}
+
+    def fields(self) -> dict[str, dict[str, Any]]:
+        return self._fields
+
+    def episode_ids(self) -> list[int]:
+        return self._ids
+
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return _steps(next(self._dataset.iterate_episodes([self._ids[position]]))), {}

@@ -1,0 +1,378 @@
+"""Importers and exporters (issue 17): sources made here in each library's layout, offline."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+from replaybuf import ReplayBuffer
+from replaybuf import importers as imp
+from replaybuf.cli import main
+from replaybuf.video import image_fields
+
+from ._lerobot_fixture import FPS, LENGTHS, write_lerobot
+
+DP_ENDS = (5, 12, 20)
+
+
+def dp_arrays(total: int = DP_ENDS[-1]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "img": rng.integers(0, 255, (total, 8, 8, 3), dtype=np.uint8),
+        "state": rng.normal(size=(total, 2)).astype(np.float32),
+        "action": rng.normal(size=(total, 2)).astype(np.float64),
+    }
+
+
+def write_diffusion_policy(path, arrays: dict[str, np.ndarray], ends=DP_ENDS) -> None:
+    """diffusion_policy's ReplayBuffer layout, in zarr format 2 as it writes it."""
+    root = zarr.open_group(str(path), mode="w", zarr_format=2)
+    for name, values in arrays.items():
+        root.create_array(f"data/{name}", data=values, chunks=(4, *values.shape[1:]))
+    root.create_array("meta/episode_ends", data=np.asarray(ends, dtype=np.int64))
+
+
+def episodes_by_source(location) -> dict[int, dict[str, np.ndarray]]:
+    """{source_episode: {field: committed steps}} of a buffer."""
+    buffer = ReplayBuffer.from_folder(location, read_only=True)
+    out = {}
+    for slot in buffer.valid_episodes():
+        length = int(buffer.episode_lens[slot])
+        out[int(buffer.meta_data["source_episode"][slot])] = {
+            name: buffer.data[name][slot, :length] for name in buffer.fieldnames
+        }
+    return out
+
+
+def assert_same(a: dict[int, dict[str, np.ndarray]], b: dict[int, dict[str, np.ndarray]]) -> None:
+    assert a.keys() == b.keys()
+    for episode in a:
+        assert a[episode].keys() == b[episode].keys()
+        for name in a[episode]:
+            np.testing.assert_array_equal(a[episode][name], b[episode][name], err_msg=f"{episode} {name}")
+
+
+# ---- diffusion_policy ------------------------------------------------------------------------
+
+
+def test_diffusion_policy_import_splits_episodes_and_sizes_buffer(tmp_path):
+    arrays = dp_arrays()
+    write_diffusion_policy(tmp_path / "dp.zarr", arrays)
+    result = imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", verify=True, progress=False)
+    assert result == imp.ImportResult(imported=3, skipped=0, frames=20)
+
+    buffer = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True)
+    assert (buffer.max_episodes, buffer.max_timesteps) == (3, 8)
+    assert buffer.dtypes["action"] == np.float64 and buffer.shapes["img"] == (8, 8, 3)
+    assert image_fields(buffer) == ["img"]
+    starts = (0, *DP_ENDS[:-1])
+    expected = {i: {k: v[s:e] for k, v in arrays.items()} for i, (s, e) in enumerate(zip(starts, DP_ENDS))}
+    assert_same(episodes_by_source(tmp_path / "dst"), expected)
+
+
+def test_truncated_source_names_file_and_episode_keeps_committed_then_resumes(tmp_path):
+    arrays = dp_arrays()
+    write_diffusion_policy(tmp_path / "dp.zarr", {k: v[:15] for k, v in arrays.items()})  # episode 2 cut short
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr: episode 2: .*data/\w+ has 15 steps"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1]
+
+    write_diffusion_policy(tmp_path / "dp.zarr", arrays)  # the whole source again: only episode 2 is new
+    result = imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", verify=True, progress=False)
+    assert result == imp.ImportResult(imported=1, skipped=2, frames=8)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1, 2]
+    np.testing.assert_array_equal(episodes_by_source(tmp_path / "dst")[2]["state"], arrays["state"][12:20])
+
+
+def test_resume_into_a_buffer_of_another_schema_is_refused(tmp_path):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    ReplayBuffer(tmp_path / "dst", max_episodes=3, max_timesteps=8, fields={"x": "float"}).close()
+    with pytest.raises(ValueError, match="dst"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).fieldnames == {"x"}
+
+
+def test_not_a_diffusion_policy_zarr(tmp_path):
+    zarr.open_group(str(tmp_path / "empty.zarr"), mode="w", zarr_format=2)
+    with pytest.raises(imp.ImportSourceError, match=r"empty\.zarr: not a diffusion_policy zarr"):
+        imp.diffusion_policy(tmp_path / "empty.zarr", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_diffusion_policy_round_trip_is_exact(tmp_path):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)
+    assert imp.export("diffusion_policy", tmp_path / "a", tmp_path / "out.zarr") == 3
+    exported = zarr.open_group(str(tmp_path / "out.zarr"), mode="r")
+    assert exported.metadata.zarr_format == 2
+    np.testing.assert_array_equal(exported["meta/episode_ends"][:], DP_ENDS)
+    imp.diffusion_policy(tmp_path / "out.zarr", tmp_path / "b", verify=True, progress=False)
+    assert_same(episodes_by_source(tmp_path / "a"), episodes_by_source(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+def test_export_never_overwrites(tmp_path, format):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="out: the export destination must be a new or empty folder"):
+        imp.export(format, tmp_path / "a", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+
+
+# ---- robomimic and D4RL -------------------------------------------------------------------------
+
+
+def write_robomimic(path, lengths=(4, 7, 3), truncate: int | None = None) -> dict[int, dict[str, np.ndarray]]:
+    """robomimic's layout: data/demo_N/{obs/*, next_obs/*, actions, rewards, dones, states}."""
+    rng = np.random.default_rng(1)
+    written = {}
+    with h5py.File(path, "w") as f:
+        data = f.create_group("data")
+        data.attrs["env_args"] = json.dumps({"env_name": "Lift", "type": 1})
+        for n, length in enumerate(lengths):
+            demo = data.create_group(f"demo_{n}")
+            demo.attrs["num_samples"] = length
+            values = {
+                "obs_eef_pos": rng.normal(size=(length, 3)),
+                "obs_agentview_image": rng.integers(0, 255, (length, 8, 8, 3), dtype=np.uint8),
+                "next_obs_eef_pos": rng.normal(size=(length, 3)),
+                "actions": rng.normal(size=(length, 7)),
+                "rewards": rng.normal(size=length),
+                "dones": (np.arange(length) == length - 1).astype(np.int64),
+                "states": rng.normal(size=(length, 5)),
+            }
+            for name, value in values.items():
+                key = name.replace("next_obs_", "next_obs/").replace("obs_", "obs/") if "obs" in name else name
+                stored = value[: length - 2] if truncate == n and name == "actions" else value
+                demo.create_dataset(key, data=stored)
+            written[n] = values
+    return written
+
+
+def test_robomimic_import(tmp_path):
+    written = write_robomimic(tmp_path / "demo.hdf5")
+    result = imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", verify=True, progress=False)
+    assert result.imported == 3 and result.frames == 14
+    buffer = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True)
+    assert (buffer.max_episodes, buffer.max_timesteps) == (3, 7)
+    assert image_fields(buffer) == ["obs_agentview_image"]
+    assert_same(episodes_by_source(tmp_path / "dst"), written)
+    assert imp.FORMATS["robomimic"](tmp_path / "demo.hdf5").env_args == {"env_name": "Lift", "type": 1}
+
+
+def test_robomimic_truncated_demo_names_the_demo(tmp_path):
+    write_robomimic(tmp_path / "demo.hdf5", truncate=1)
+    with pytest.raises(imp.ImportSourceError, match=r"demo\.hdf5:data/demo_1: episode 1: field 'actions'"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
+
+
+def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
+    rng = np.random.default_rng(2)
+    steps = 12
+    terminals = np.zeros(steps, bool)
+    timeouts = np.zeros(steps, bool)
+    terminals[3], timeouts[7] = True, True  # episodes 0..3, 4..7, and 8..11 cut by the dataset's end
+    values = {
+        "observations": rng.normal(size=(steps, 4)).astype(np.float32),
+        "actions": rng.normal(size=(steps, 2)).astype(np.float32),
+        "rewards": rng.normal(size=steps).astype(np.float32),
+        "terminals": terminals,
+        "timeouts": timeouts,
+    }
+    with h5py.File(tmp_path / "d4rl.hdf5", "w") as f:
+        for name, value in values.items():
+            f.create_dataset(name, data=value)
+        f.create_dataset("infos/qpos", data=np.arange(steps * 2.0).reshape(steps, 2))
+    values["infos_qpos"] = np.arange(steps * 2.0).reshape(steps, 2)
+    assert imp.load("d4rl", tmp_path / "d4rl.hdf5", tmp_path / "dst", verify=True, progress=False).imported == 3
+    bounds = [(0, 4), (4, 8), (8, 12)]
+    expected = {i: {k: v[a:b] for k, v in values.items()} for i, (a, b) in enumerate(bounds)}
+    assert_same(episodes_by_source(tmp_path / "dst"), expected)
+
+
+def test_bad_hdf5_file_names_it(tmp_path):
+    (tmp_path / "broken.hdf5").write_bytes(b"not hdf5 at all")
+    with pytest.raises(imp.ImportSourceError, match=r"broken\.hdf5: cannot open as HDF5"):
+        imp.d4rl(tmp_path / "broken.hdf5", tmp_path / "dst")
+
+
+# ---- LeRobot v3 --------------------------------------------------------------------------------
+
+
+def test_lerobot_image_mode_import_and_round_trip(tmp_path):
+    written = write_lerobot(tmp_path / "src", video=False)
+    imp.lerobot(tmp_path / "src", tmp_path / "a", verify=True, progress=False)
+    buffer = ReplayBuffer.from_folder(tmp_path / "a", read_only=True)
+    assert (buffer.max_episodes, buffer.max_timesteps) == (len(LENGTHS), max(LENGTHS))
+    assert image_fields(buffer) == ["observation_images_top"]
+    assert buffer.shapes["next_reward"] == () and buffer.dtypes["next_done"] == np.bool_
+    slots = buffer.valid_episodes()
+    assert buffer.meta_data["task_index"][slots].tolist() == [0, 1, 0]
+    assert buffer.meta_data["fps"][slots].tolist() == [FPS] * 3
+    expected = {e: {k.replace(".", "_"): v for k, v in values.items()} for e, values in written.items()}
+    assert_same(episodes_by_source(tmp_path / "a"), expected)
+
+    assert main(["export", "lerobot", str(tmp_path / "a"), str(tmp_path / "out")]) == 0
+    info = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())
+    assert info["fps"] == FPS and info["features"]["observation.images.top"]["dtype"] == "image"
+    assert info["features"]["next.reward"]["shape"] == [1]
+    imp.lerobot(tmp_path / "out", tmp_path / "b", verify=True, progress=False)
+    assert_same(episodes_by_source(tmp_path / "a"), episodes_by_source(tmp_path / "b"))
+    round_trip = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    assert round_trip.meta_data["task_index"][round_trip.valid_episodes()].tolist() == [0, 1, 0]
+
+
+def test_lerobot_video_mode_decodes_each_episode_from_its_timestamp(tmp_path):
+    written = write_lerobot(tmp_path / "src", video=True)
+    imp.lerobot(tmp_path / "src", tmp_path / "a", verify=True, progress=False)
+    got = episodes_by_source(tmp_path / "a")
+    for episode, values in written.items():
+        np.testing.assert_array_equal(got[episode]["action"], values["action"])
+        frames = got[episode]["observation_images_top"].astype(int)
+        # H.264 is lossy; consecutive frames differ by 20 levels, so a frame off by one would show
+        assert np.abs(frames - values["observation.images.top"]).mean() < 5
+
+    assert imp.export_lerobot(tmp_path / "a", tmp_path / "out", video=True) == 3
+    imp.lerobot(tmp_path / "out", tmp_path / "b", progress=False)
+    again = episodes_by_source(tmp_path / "b")
+    for episode in written:
+        np.testing.assert_array_equal(again[episode]["observation_state"], got[episode]["observation_state"])
+        diff = np.abs(again[episode]["observation_images_top"].astype(int) - got[episode]["observation_images_top"])
+        assert diff.mean() < 5
+
+
+def test_lerobot_truncated_video_names_file_and_episode(tmp_path):
+    write_lerobot(tmp_path / "src", video=True)
+    episodes = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(episodes).to_pylist()
+    table[2]["videos/observation.images.top/from_timestamp"] = 100.0  # past the end of the video
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(table), episodes)
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 2: .*file-000\.mp4 holds 0 frames"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1]
+
+
+def test_lerobot_refuses_other_versions(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info_path.write_text(json.dumps({**json.loads(info_path.read_text()), "codebase_version": "v2.1"}))
+    with pytest.raises(imp.ImportSourceError, match=r"info\.json: codebase_version 'v2.1'"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst")
+
+
+def test_lerobot_video_export_needs_even_frames(tmp_path):
+    buffer = ReplayBuffer(tmp_path / "odd", max_episodes=1, max_timesteps=2, fields={"cam": ("uint8", (5, 5, 3))})
+    buffer.store_episode(cam=np.zeros((2, 5, 5, 3), np.uint8))
+    buffer.close()
+    with pytest.raises(ValueError, match=r"field 'cam': video mode needs .* even H and W, got \(5, 5, 3\)"):
+        imp.export_lerobot(tmp_path / "odd", tmp_path / "out", video=True)
+    assert imp.export_lerobot(tmp_path / "odd", tmp_path / "out") == 1  # image mode takes any size
+
+
+class LossySource(imp.Source):
+    """A source declaring float32 steps while holding float64 values: stored values differ."""
+
+    format = "lossy"
+
+    def fields(self):
+        return {"x": {"dtype": "float32", "shape": ()}}
+
+    def episode_ids(self):
+        return [0, 1]
+
+    def lengths(self):
+        return [3, 3]
+
+    def read(self, position):
+        return {"x": np.full(3, 0.1 if position else 0.5, dtype=np.float64)}, {}
+
+
+def test_verify_catches_an_episode_that_reads_back_different(tmp_path):
+    with pytest.raises(imp.ImportVerifyError, match="field 'x' of slot 1 reads back different"):
+        imp.run_import(LossySource("lossy-src"), tmp_path / "dst", verify=True, progress=False)
+    imp.run_import(LossySource("lossy-src"), tmp_path / "other", progress=False)  # unchecked: accepted
+
+
+def test_progress_bar_shows_episodes_and_frames_per_second(tmp_path, capsys):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=True)
+    err = capsys.readouterr().err
+    assert "import diffusion_policy" in err and "3/3" in err and "episode/s" in err and "frames_per_s=" in err
+
+
+# ---- Minari ------------------------------------------------------------------------------------
+
+
+def test_minari_dataset_recorded_by_its_data_collector(tmp_path, monkeypatch):
+    minari = pytest.importorskip("minari")
+    gym = pytest.importorskip("gymnasium")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    env = minari.DataCollector(gym.make("CartPole-v1"))
+    env.action_space.seed(0)
+    for seed in range(3):
+        env.reset(seed=seed)
+        while not any(env.step(env.action_space.sample())[2:4]):
+            pass
+    with pytest.warns(UserWarning):  # no description / eval_env: fine for a fixture
+        dataset = env.create_dataset("cartpole/fixture-v0", algorithm_name="random")
+    source = {
+        e.id: {
+            "observations": e.observations[:-1],
+            "next_observations": e.observations[1:],
+            "actions": e.actions,
+            "rewards": e.rewards,
+            "terminations": e.terminations,
+            "truncations": e.truncations,
+        }
+        for e in dataset.iterate_episodes()
+    }
+    result = imp.minari("cartpole/fixture-v0", tmp_path / "by-id", verify=True, progress=False)
+    assert result.imported == 3 and result.frames == sum(len(e["rewards"]) for e in source.values())
+    assert_same(episodes_by_source(tmp_path / "by-id"), source)
+    folder = tmp_path / "minari" / "cartpole" / "fixture-v0"
+    assert main(["import", "minari", str(folder), str(tmp_path / "by-path"), "--quiet"]) == 0
+    assert_same(episodes_by_source(tmp_path / "by-path"), source)
+
+
+def test_minari_unknown_dataset(tmp_path, monkeypatch):
+    pytest.importorskip("minari")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    with pytest.raises(imp.ImportSourceError, match="nothing/here-v0: cannot open as a Minari dataset"):
+        imp.minari("nothing/here-v0", tmp_path / "dst")
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def test_cli_import_and_export(tmp_path, capsys):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    dst = str(tmp_path / "dst")
+    assert main(["import", "diffusion_policy", str(tmp_path / "dp.zarr"), dst, "--verify", "--quiet"]) == 0
+    assert "imported 3 episodes (20 steps)" in capsys.readouterr().out
+    assert main(["import", "diffusion_policy", str(tmp_path / "dp.zarr"), dst, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "imported 0 episodes (0 steps)" in out and "3 were already there" in out
+    assert main(["export", "diffusion_policy", dst, str(tmp_path / "out.zarr")]) == 0
+    assert "exported 3 episodes" in capsys.readouterr().out
+
+
+def test_cli_errors_are_usage_messages(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", "rlds", "x", str(tmp_path / "dst")])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", "robomimic", str(tmp_path / "missing.hdf5"), str(tmp_path / "dst"), "--quiet"])
+    assert exit_info.value.code == 2 and "missing.hdf5" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"unknown format 'rlds': expected one of \['d4rl', "):
+        imp.load("rlds", "x", tmp_path / "dst")
