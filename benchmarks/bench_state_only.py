@@ -7,7 +7,7 @@ read-only reader in its own process (the offline-RL case: a training process ope
 dataset), which samples batches of 256 timesteps, 256 n-step transitions (n=3) and 32
 trajectories, 30 batches each after one warm-up batch, with 0 workers. Reported: samples/s
 (trajectories: episodes/s) and ratios vs the seed, seconds from opening the folder to the first
-batch, and the reader's peak RSS above what it held after its imports.
+batch, and the reader's peak RSS (and its rise above the RSS it had after its imports).
 
 Run: python benchmarks/bench_state_only.py [--episodes 100000] [--steps 20]
 """
@@ -91,8 +91,14 @@ def write_torchrl(size: WorkloadSize, workdir: Path) -> tuple[Path, float]:
 # ---- reading (child process) -----------------------------------------------------------------
 
 
-def rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def seed_api_loaders(store: str, folder: str) -> dict[str, Any]:
@@ -152,7 +158,8 @@ def child(store: str, folder: str, steps: int, total_steps: int) -> None:
                 iterator = iter(loaders[kind]())
                 next(iterator)
         result[kind] = TIMED_BATCHES * BATCH_SIZES[kind] / (time.perf_counter() - began)
-    result["rss_above_baseline"] = rss_bytes() - baseline
+    result["peak_rss"] = peak_rss_bytes()
+    result["rss_above_baseline"] = result["peak_rss"] - baseline
     print(json.dumps(result))
 
 
@@ -220,7 +227,8 @@ def main() -> None:
                 store,
                 *(cell(r, key) for key in ("store_episode", *KINDS)),
                 f"{r['first_batch_s']:.2f}",
-                f"{r['rss_above_baseline'] / 1e6:,.0f} ({r['rss_above_baseline'] / vector_bytes(size):.2f}x)",
+                f"{r['peak_rss'] / 1e6:,.0f}; +{r['rss_above_baseline'] / 1e6:,.1f}"
+                f" ({r['rss_above_baseline'] / vector_bytes(size):.2f}x)",
             ]
         )
     header = [
@@ -230,7 +238,7 @@ def main() -> None:
         f"n-step (n={NSTEP}) samples/s",
         "trajectory episodes/s",
         "first batch s",
-        "reader peak RSS above imports, MB (x vector bytes)",
+        "reader peak RSS, MB; rise above its RSS after imports (x vector bytes)",
     ]
     print(markdown_table(header, rows))
     print(f"\nvector bytes: {vector_bytes(size) / 1e6:,.1f} MB")

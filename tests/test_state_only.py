@@ -5,6 +5,7 @@ workers, and left on disk above the size threshold."""
 from __future__ import annotations
 
 import multiprocessing
+import uuid
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, get_worker_info
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache, make_dataloader
 
+pytest_plugins = ["tests._servers"]  # fixture: s3_server
 SPAWN = multiprocessing.get_context("spawn")
 FIELDS = {"state": ("float", 4), "reward": "float", "ident": "int"}
 EPISODES, STEPS = 6, 5
@@ -149,3 +151,28 @@ def test_fields_over_the_threshold_are_not_loaded_into_ram(tmp_path, monkeypatch
     assert reader.storage.array("reward")._resident is not None  # within the budget still
     check_batch(batch, expected(path))
     assert (batch["frame"].flatten(1) == batch["_indices"][:, :1]).all()
+
+
+def test_object_store_reader_loads_resident_fields_with_concurrent_requests(s3_server, monkeypatch):
+    """On S3 the one load is a batch of concurrent GETs (on any number of cores), batches read
+    no chunk, and refresh() (no cheap way to see an in-place update there) reloads the rows."""
+    url, options = s3_server.url(f"state-{uuid.uuid4().hex[:8]}"), s3_server.storage_options
+    writer = ReplayBuffer(url, max_episodes=EPISODES, max_timesteps=STEPS, fields=FIELDS, storage_options=options)
+    for index in range(EPISODES):
+        writer.store_episode(**episode(index))
+    reader = ReplayBuffer.from_folder(url, read_only=True, storage_options=options)
+    monkeypatch.setattr(s3_server, "latency", 0.02)  # requests overlap, as over a real network
+    with s3_server.record() as requests:
+        loader = make_dataloader(reader, 8, timestep_level=True)
+    assert requests.peak_in_flight["GET"] > 1
+    monkeypatch.setattr(s3_server, "latency", 0.0)
+    with s3_server.record() as requests:
+        batches = list(loader)
+    chunk_gets = [path for method, path in requests.requests if method == "GET" and "/data/" in path]
+    assert len(batches) == -(-EPISODES * STEPS // 8) and chunk_gets == []
+    writer.update(2, reward=np.full(STEPS, 5.0, np.float32))
+    reader.refresh()
+    batch = next(iter(make_dataloader(reader, EPISODES * STEPS, timestep_level=True, return_indices=True)))
+    assert reader.storage.array("reward").resident_rows_read == 2 * EPISODES
+    assert (batch["reward"][batch["_indices"][:, 0] == 2] == 5).all()
+    writer.close()
