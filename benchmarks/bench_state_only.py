@@ -9,7 +9,7 @@ trajectories, 30 batches each after one warm-up batch, with 0 workers. Reported:
 (trajectories: episodes/s) and ratios vs the seed, seconds from opening the folder to the first
 batch, and the reader's peak RSS (and its rise above the RSS it had after its imports).
 
-Run: python benchmarks/bench_state_only.py [--episodes 100000] [--steps 20]
+Run: python benchmarks/bench_state_only.py [--episodes 100000] [--steps 20] [--stores seed 'replaybuf zarr']
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES), help="stores to compare")
     parser.add_argument("--child", nargs=2, metavar=("STORE", "FOLDER"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.child:
@@ -208,7 +209,7 @@ def main() -> None:
             "TorchRL": lambda: write_torchrl(size, workdir),
         }
         results = {}
-        for store in STORES:
+        for store in arguments.stores:
             try:
                 folder, write_rate = writers[store]()
                 read_folder(folder)  # warm the OS cache: every reader starts from the same state

@@ -614,10 +614,13 @@ class ChunkedArray:
         """Read whole rows into the resident copy: one parallel pass over their objects,
         fingerprinted before the read (a write racing the read then shows as a change)."""
         prints = self._fingerprints(rows)
-        values = np.empty((len(rows), *self.shape[1:]), dtype=self.dtype)
         count = len(rows)
+        run = count and int(rows[-1]) - int(rows[0]) == count - 1  # ascending (np.unique), no gap
+        # one run of slots (a first load) is decoded in place; scattered ones through a copy
+        values = self._resident[rows[0] : rows[0] + count] if run else np.empty((count, *self.shape[1:]), self.dtype)
         self.read_into(values, rows, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
-        self._resident[rows] = values
+        if not run:
+            self._resident[rows] = values
         self._resident_versions[rows] = versions
         if prints is not None:
             self._resident_prints[rows] = prints
