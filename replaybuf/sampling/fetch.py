@@ -4,6 +4,10 @@ A ``Fetcher`` knows the slots, lengths and generations a dataset saw at creation
 (episode, timestep) pairs and time windows through the storage's batched ``gather``; arrays
 that accept ``versions`` (the zarr backend's) then serve repeated reads from their chunk cache
 and resident copies, keyed by the slot generation so a reused slot is never served stale.
+Small fields (vectors and scalars, see ``storage._chunks.RESIDENT_STEP_BYTES``) of the snapshot's
+slots are loaded into the arrays' resident copies when the fetcher is made, in one parallel pass
+(only rows missing or changed since an earlier load are read), so that DataLoader workers started
+by fork share them; a spawned worker loads its own when it unpickles the fetcher.
 ``cache='ram'`` instead decodes the snapshot's fields once into RAM at creation (DataLoader
 workers started by fork share it; spawned workers decode their own), ``cache='memmap'`` into
 temporary ``.npy`` files that every worker maps (fork or spawn), removed with the dataset.
@@ -77,6 +81,8 @@ class Fetcher:
                 self._folder = tempfile.mkdtemp(prefix="replaybuf-cache-", dir=cache_dir)
                 weakref.finalize(self, _remove_folder, self._folder, os.getpid())
             self._load_ram()
+        else:
+            self._load_resident()
 
     def __getstate__(self) -> dict:
         # A spawned worker maps the memmap files, or decodes its own RAM copy, instead of
@@ -89,6 +95,24 @@ class Fetcher:
             self._ram = {
                 n: np.load(os.path.join(self._folder, f"{i}.npy"), mmap_mode="r") for i, n in enumerate(self.fields)
             }
+        elif self.cache is None:
+            self._load_resident()
+
+    def _load_resident(self) -> None:
+        """Load the snapshot's rows of the fields the storage holds resident (small ones).
+
+        A slot being rewritten may fail to decode: the load then stops there, and the batch
+        reads (checked by ``consistency.read_consistent``) load what they use, as they would
+        have without it."""
+        versions = self.generations[self.slots]
+        for name in self.fields:
+            array = self.storage.array(name)
+            if not hasattr(array, "load_resident"):
+                continue
+            try:
+                array.load_resident(self.slots, versions)
+            except Exception:  # noqa: BLE001 - retried, checked, by the batch reads
+                return
 
     def _load_ram(self) -> None:
         longest = int(self.lens[self.slots].max()) if len(self.slots) else 0

@@ -14,6 +14,7 @@ import itertools
 import os
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +27,11 @@ from .base import CorruptChunkError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
 DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
-DEFAULT_RESIDENT_BYTES = 64 << 20
+# Small fields (at most RESIDENT_STEP_BYTES per step: vectors, scalars) are held whole in RAM
+# per process, up to DEFAULT_RESIDENT_BYTES for all arrays together (their full capacity,
+# max_episodes x max_timesteps; pages never written cost no memory).
+DEFAULT_RESIDENT_BYTES = 1 << 30
+RESIDENT_STEP_BYTES = 4096
 _SEEN_KEYS = 1 << 16
 
 
@@ -38,12 +43,14 @@ class ChunkCache:
     a writer in another process reused is never served from an old read. Writes made in this
     process replace what they touch. A one-element chunk (a frame) is copied in on its second
     miss only (``second_misses``). ``resident_bytes`` bounds the arrays (small vectors and
-    scalars) that are instead held whole in RAM per process, row by row as episodes are read.
+    scalars, ``RESIDENT_STEP_BYTES`` per step at most) that are instead held whole in RAM per
+    process (``ChunkedArray.load_resident``); ``resident_nbytes`` is what they take now.
     """
 
     def __init__(self, max_bytes: int = DEFAULT_CHUNK_CACHE_BYTES, resident_bytes: int = DEFAULT_RESIDENT_BYTES):
         self.max_bytes = int(max_bytes)
         self.resident_bytes = int(resident_bytes)
+        self.resident_nbytes = 0
         self.nbytes = 0
         self.hits = self.misses = 0
         self._entries: OrderedDict[tuple[str, Any], tuple[int, np.ndarray]] = OrderedDict()
@@ -136,6 +143,18 @@ class ChunkCache:
             _, (_, chunk) = self._entries.popitem(last=False)
             self.nbytes -= chunk.nbytes
 
+    def take_resident(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of the resident budget; False when it does not fit."""
+        with self._lock:
+            if self.resident_nbytes + nbytes > self.resident_bytes:
+                return False
+            self.resident_nbytes += nbytes
+            return True
+
+    def release_resident(self, nbytes: int) -> None:
+        with self._lock:
+            self.resident_nbytes -= nbytes
+
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
@@ -203,6 +222,11 @@ class ChunkedArray:
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
         self._resident_versions: np.ndarray | None = None
+        # per resident row, a fingerprint of its stored objects (KeyValue.fingerprints) and
+        # whether it was compared since the last drop_cached
+        self._resident_prints: np.ndarray | None = None
+        self._resident_checked: np.ndarray | None = None
+        self.resident_rows_read = 0  # rows (re)loaded into the resident copy: a test hook
 
     @property
     def ndim(self) -> int:
@@ -388,11 +412,7 @@ class ChunkedArray:
             self._read_into_by_gather(out, episodes, starts, lengths)
             return
         if versions is not None and self._resident_enabled():
-            versions = _per_pair(versions, len(episodes))
-            stale = self._resident_versions[episodes] != versions
-            if stale.any():
-                rows, index = np.unique(episodes[stale], return_index=True)
-                self._load_resident(rows, versions[stale][index])
+            self._current_rows(episodes, _per_pair(versions, len(episodes)))
             for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
                 out[i, :n] = self._resident[e, s : s + n]
             return
@@ -525,31 +545,86 @@ class ChunkedArray:
         self.kv.get_each([self.chunk_key(g) for g in grid], decode)
 
     def _resident_enabled(self) -> bool:
+        """Whether the array is held whole in RAM: a small field (``RESIDENT_STEP_BYTES`` per
+        step at most) whose full size fits what is left of the process's resident budget."""
         if self._resident is None:
+            step = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
             nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-            if nbytes > _cache.resident_bytes:
+            if self.grid_axes != 2 or step > RESIDENT_STEP_BYTES or not _cache.take_resident(nbytes):
                 return False
+            weakref.finalize(self, _cache.release_resident, nbytes)
             self._resident = np.zeros(self.shape, dtype=self.dtype)
-            self._resident_versions = np.full(self.shape[0], -1, dtype=np.int64)
+            self._resident_versions = np.full(self.shape[0], _NEVER, dtype=np.int64)
+            self._resident_prints = np.zeros(self.shape[0], dtype=np.int64)
+            self._resident_checked = np.ones(self.shape[0], dtype=bool)
         return True
 
-    def _gather_resident(
-        self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray, out: np.ndarray
-    ) -> np.ndarray:
-        """Small arrays are held whole in RAM, row by row as episodes are first read."""
+    def load_resident(self, episodes: np.ndarray, versions: np.ndarray) -> bool:
+        """Bring the resident rows of ``episodes`` (slots) to ``versions`` (their generations):
+        only rows loaded at another version, or whose stored objects changed since (after
+        ``drop_cached``), are read, all in one parallel pass. False when the array is not
+        held in RAM (too large; see ``_resident_enabled``)."""
+        if not self._resident_enabled():
+            return False
+        self._current_rows(np.asarray(episodes, dtype=np.int64), np.asarray(versions, dtype=np.int64))
+        return True
+
+    def _current_rows(self, episodes: np.ndarray, versions: np.ndarray) -> None:
+        """Make the resident rows of ``episodes`` hold ``versions`` (one per episode)."""
+        unchecked = ~self._resident_checked[episodes]
+        if unchecked.any():
+            self._recheck(np.unique(episodes[unchecked]))
         stale = self._resident_versions[episodes] != versions
         if stale.any():
             rows, index = np.unique(episodes[stale], return_index=True)
             self._load_resident(rows, versions[stale][index])
+
+    def _gather_resident(
+        self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
+        """Small arrays are held whole in RAM; rows are read when first used or stale."""
+        self._current_rows(episodes, versions)
         out[...] = self._resident[episodes, timesteps]
         return out
 
+    def _row_keys(self, episode: int) -> list[str]:
+        """The stored objects holding episode ``episode``'s row."""
+        return [self.chunk_key((episode, ti)) for ti in range(-(-self.shape[1] // self.chunks[1]))]
+
+    def _fingerprints(self, rows: np.ndarray) -> np.ndarray | None:
+        """One fingerprint per row of its stored objects, or None where the store cannot tell
+        cheaply (object stores: asking costs as much as reading a small chunk)."""
+        keys = [self._row_keys(e) for e in rows.tolist()]
+        prints = self.kv.fingerprints([k for per_row in keys for k in per_row])
+        if prints is None:
+            return None
+        width = len(keys[0]) if keys else 0
+        return np.asarray([hash(tuple(p)) for p in zip(*[iter(prints)] * width)] if width else [], dtype=np.int64)
+
+    def _recheck(self, rows: np.ndarray) -> None:
+        """Rows kept through ``drop_cached``: those whose stored objects changed are read again."""
+        prints = self._fingerprints(rows)
+        if prints is None:
+            self._resident_versions[rows] = _NEVER
+        else:
+            self._resident_versions[rows[prints != self._resident_prints[rows]]] = _NEVER
+        self._resident_checked[rows] = True
+
     def _load_resident(self, rows: np.ndarray, versions: np.ndarray) -> None:
-        time = self.shape[1]
-        values = self.read_boxes([((int(e), int(e) + 1), (0, time)) for e in rows])
-        for e, value, version in zip(rows.tolist(), values, versions.tolist()):
-            self._resident[e] = value[0]
-            self._resident_versions[e] = version
+        """Read whole rows into the resident copy: one parallel pass over their objects,
+        fingerprinted before the read (a write racing the read then shows as a change)."""
+        prints = self._fingerprints(rows)
+        count = len(rows)
+        run = count and int(rows[-1]) - int(rows[0]) == count - 1  # ascending (np.unique), no gap
+        # one run of slots (a first load) is decoded in place; scattered ones through a copy
+        values = self._resident[rows[0] : rows[0] + count] if run else np.empty((count, *self.shape[1:]), self.dtype)
+        self.read_into(values, rows, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
+        if not run:
+            self._resident[rows] = values
+        self._resident_versions[rows] = versions
+        if prints is not None:
+            self._resident_prints[rows] = prints
+        self.resident_rows_read += count
 
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
@@ -561,16 +636,18 @@ class ChunkedArray:
             self._resident_versions[lo : lo + self.chunks[0]] = _NEVER
 
     def drop_cached(self) -> None:
-        """Forget what this process holds of the array (chunk cache, shard indexes, resident
-        rows): the versions they are keyed by do not change when a writer elsewhere updates a
-        committed episode in place."""
+        """Forget what this process holds of the array (chunk cache, shard indexes) and mark
+        the resident rows for a check: the versions they are keyed by do not change when a
+        writer elsewhere updates a committed episode in place, so a row is kept only while
+        its stored objects' fingerprints are unchanged (``_recheck``)."""
         _cache.discard_namespace(self._namespace)
-        if self._resident_versions is not None:
-            self._resident_versions[:] = _NEVER
+        if self._resident_checked is not None:
+            self._resident_checked[:] = False
 
     def __getstate__(self) -> dict:
-        # The resident copy stays in the process that read it; a worker reads its own.
-        return {**self.__dict__, "_resident": None, "_resident_versions": None}
+        # The resident copy stays in the process that read it; a spawned worker loads its own.
+        resident = ("_resident", "_resident_versions", "_resident_prints", "_resident_checked")
+        return {**self.__dict__, **dict.fromkeys(resident), "resident_rows_read": 0}
 
     # ---- writes -------------------------------------------------------------------------
 

@@ -148,6 +148,11 @@ class KeyValue(ABC):
         it does not (or the object is absent)."""
         return False
 
+    def fingerprints(self, keys: Sequence[str]) -> list[tuple[int, ...]] | None:
+        """Per key, a value that changes whenever the object is written or replaced (absent:
+        an empty tuple), or None where that costs as much as reading the object."""
+        return None
+
 
 class _ReadHandle:
     """An open read-only file descriptor, closed when the last reference to it goes (so a
@@ -261,6 +266,18 @@ class LocalKV(KeyValue):
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
+
+    def fingerprints(self, keys: Sequence[str]) -> list[tuple[int, ...]] | None:
+        # docstring inherited: a replaced file has a new inode, one written in place a new mtime
+        prints: list[tuple[int, ...]] = []
+        for key in keys:
+            try:
+                st = os.stat(self._path(key))
+            except FileNotFoundError:
+                prints.append(())
+            else:
+                prints.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
+        return prints
 
     def _read(self, key: str) -> bytes | None:
         try:

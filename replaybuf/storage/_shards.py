@@ -42,6 +42,10 @@ class ShardedArray(ChunkedArray):
             key = self._shard_keys[episode] = self.chunk_key((episode, 0))
         return key
 
+    def _row_keys(self, episode: int) -> list[str]:
+        # docstring inherited: one shard per episode
+        return [self.shard_key(episode)]
+
     @property
     def shard_time(self) -> int:
         """Timesteps one shard spans: the time axis rounded up to whole inner chunks."""

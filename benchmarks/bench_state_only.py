@@ -1,0 +1,251 @@
+"""State-only buffers (issue 20): vectors only, short episodes, sampled by a read-only reader.
+
+2,000 episodes x 20 steps of ``state`` f32[32], ``action`` f32[6], ``reward`` f32 are written
+with ``store_episode`` into the seed (memmap-replay-buffer), replaybuf's zarr and memmap
+backends, and TorchRL's LazyMemmapStorage when installed. Each store is then opened by a
+read-only reader in its own process (the offline-RL case: a training process opening a finished
+dataset), which samples batches of 256 timesteps, 256 n-step transitions (n=3) and 32
+trajectories, 30 batches each after one warm-up batch, with 0 workers. Reported: samples/s
+(trajectories: episodes/s) and ratios vs the seed, seconds from opening the folder to the first
+batch, and the reader's peak RSS (and its rise above the RSS it had after its imports).
+
+Run: python benchmarks/bench_state_only.py [--episodes 100000] [--steps 20] [--stores seed 'replaybuf zarr']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.peers import SeedApiPeer, Unavailable, read_folder  # noqa: E402
+from benchmarks.workload import WorkloadSize, format_rate, markdown_table, print_header  # noqa: E402
+
+FIELDS = {"state": ("float", 32), "action": ("float", 6), "reward": "float"}
+BATCH_SIZES = {"timestep": 256, "nstep": 256, "trajectory": 32}
+KINDS = tuple(BATCH_SIZES)
+NSTEP = 3
+TIMED_BATCHES = 30
+STORES = ("seed", "replaybuf zarr", "replaybuf memmap", "TorchRL")
+
+
+def make_state_episode(steps: int, index: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(index)
+    return {
+        "state": rng.standard_normal((steps, 32), dtype=np.float32),
+        "action": rng.uniform(-1, 1, (steps, 6)).astype(np.float32),
+        "reward": rng.standard_normal(steps, dtype=np.float32),
+    }
+
+
+def vector_bytes(size: WorkloadSize) -> int:
+    return size.total_steps * (32 + 6 + 1) * 4
+
+
+# ---- writing (parent) ----------------------------------------------------------------------
+
+
+def write_seed_api(name: str, module: str, size: WorkloadSize, workdir: Path, **options: Any) -> tuple[Path, float]:
+    """Fill a seed-API buffer with store_episode; (its folder, episodes/s)."""
+    peer = SeedApiPeer(name, module, size, workdir, fields=FIELDS, **options)
+    start = time.perf_counter()
+    for index in range(size.episodes):
+        peer.fill_episode(make_state_episode(size.steps, index))
+    peer.finish_fill()
+    rate = size.episodes / (time.perf_counter() - start)
+    peer.buffer = None
+    return peer.folder / "buffer", rate
+
+
+def write_torchrl(size: WorkloadSize, workdir: Path) -> tuple[Path, float]:
+    """Fill a LazyMemmapStorage (one extend per episode) and dump it for the reader."""
+    try:
+        import tensordict
+        import torch
+        import torchrl.data
+    except ImportError as error:
+        raise Unavailable(f"torchrl/tensordict not importable: {error}") from error
+    folder = Path(tempfile.mkdtemp(prefix="torchrl-", dir=workdir))
+    storage = torchrl.data.LazyMemmapStorage(size.total_steps, scratch_dir=str(folder / "scratch"), existsok=True)
+    buffer = torchrl.data.ReplayBuffer(storage=storage)
+    start = time.perf_counter()
+    for index in range(size.episodes):
+        fields = {k: torch.from_numpy(v) for k, v in make_state_episode(size.steps, index).items()}
+        fields["episode"] = torch.full((size.steps,), index, dtype=torch.int64)
+        buffer.extend(tensordict.TensorDict(fields, batch_size=[size.steps]))
+    rate = size.episodes / (time.perf_counter() - start)
+    buffer.dumps(str(folder / "dump"))
+    return folder / "dump", rate
+
+
+# ---- reading (child process) -----------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def seed_api_loaders(store: str, folder: str) -> dict[str, Any]:
+    module = "memmap_replay_buffer" if store == "seed" else "replaybuf"
+    buffer = __import__(module).ReplayBuffer.from_folder(folder, read_only=True)
+    common = dict(shuffle=True, drop_last=True, num_workers=0)
+    return {
+        "timestep": lambda: buffer.dataloader(batch_size=256, timestep_level=True, **common),
+        "nstep": lambda: buffer.dataloader(batch_size=256, n_steps=NSTEP, **common),
+        "trajectory": lambda: buffer.dataloader(batch_size=32, **common),
+    }
+
+
+def torchrl_loaders(folder: str, steps: int, total_steps: int) -> dict[str, Any]:
+    import torchrl.data
+
+    buffer = torchrl.data.ReplayBuffer(storage=torchrl.data.LazyMemmapStorage(total_steps))
+    buffer.loads(folder)
+    storage = buffer.storage
+
+    def make(kind: str):
+        if kind == "timestep":
+            sampler, total = torchrl.data.RandomSampler(), 256
+        else:
+            length = NSTEP + 1 if kind == "nstep" else steps
+            sampler = torchrl.data.SliceSampler(slice_len=length, traj_key="episode", strict_length=False)
+            total = BATCH_SIZES[kind] * length
+        return lambda: iter(torchrl.data.ReplayBuffer(storage=storage, sampler=sampler, batch_size=total))
+
+    return {kind: make(kind) for kind in KINDS}
+
+
+def child(store: str, folder: str, steps: int, total_steps: int) -> None:
+    """Open ``folder`` read-only, time the first batch and 30 batches of each kind; print JSON."""
+    import torch  # noqa: F401  (its import is the baseline, not the reader's data)
+
+    if store == "TorchRL":
+        import torchrl.data  # noqa: F401
+    if store != "TorchRL":
+        import memmap_replay_buffer  # noqa: F401
+
+        import replaybuf  # noqa: F401
+    baseline = rss_bytes()
+    start = time.perf_counter()
+    loaders = torchrl_loaders(folder, steps, total_steps) if store == "TorchRL" else seed_api_loaders(store, folder)
+    result: dict[str, Any] = {}
+    for kind in KINDS:
+        iterator = iter(loaders[kind]())
+        next(iterator)  # warm-up
+        if kind == "timestep":
+            result["first_batch_s"] = time.perf_counter() - start
+        began = time.perf_counter()
+        for _ in range(TIMED_BATCHES):
+            try:
+                next(iterator)
+            except StopIteration:
+                iterator = iter(loaders[kind]())
+                next(iterator)
+        result[kind] = TIMED_BATCHES * BATCH_SIZES[kind] / (time.perf_counter() - began)
+    result["peak_rss"] = peak_rss_bytes()
+    result["rss_above_baseline"] = result["peak_rss"] - baseline
+    print(json.dumps(result))
+
+
+def run_child(store: str, folder: Path, size: WorkloadSize) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            store,
+            str(folder),
+            "--steps",
+            str(size.steps),
+            "--episodes",
+            str(size.episodes),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise Unavailable(f"reader failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES), help="stores to compare")
+    parser.add_argument("--child", nargs=2, metavar=("STORE", "FOLDER"), help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.child:
+        child(arguments.child[0], arguments.child[1], arguments.steps, arguments.episodes * arguments.steps)
+        return
+    size = WorkloadSize(arguments.episodes, arguments.steps)
+    print_header("State-only buffers, read-only reader in its own process (issue 20)")
+    print(f"workload: {size.episodes} episodes x {size.steps} steps, state f32[32] + action f32[6] + reward f32\n")
+    notes: list[str] = []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-state-") as tmp:
+        workdir = Path(tmp)
+        writers = {
+            "seed": lambda: write_seed_api("seed", "memmap_replay_buffer", size, workdir),
+            "replaybuf zarr": lambda: write_seed_api("zarr", "replaybuf", size, workdir, backend="zarr"),
+            "replaybuf memmap": lambda: write_seed_api("memmap", "replaybuf", size, workdir, backend="memmap"),
+            "TorchRL": lambda: write_torchrl(size, workdir),
+        }
+        results = {}
+        for store in arguments.stores:
+            try:
+                folder, write_rate = writers[store]()
+                read_folder(folder)  # warm the OS cache: every reader starts from the same state
+                results[store] = {"store_episode": write_rate, **run_child(store, folder, size)}
+            except Unavailable as reason:
+                notes.append(f"{store}: skipped, {reason}")
+    seed = results.get("seed")
+
+    def cell(r: dict[str, Any], key: str) -> str:
+        ratio = f" ({r[key] / seed[key]:.2f}x)" if seed else ""
+        return f"{format_rate(r[key])}{ratio}"
+
+    for store, r in results.items():
+        rows.append(
+            [
+                store,
+                *(cell(r, key) for key in ("store_episode", *KINDS)),
+                f"{r['first_batch_s']:.2f}",
+                f"{r['peak_rss'] / 1e6:,.0f}; +{r['rss_above_baseline'] / 1e6:,.1f}"
+                f" ({r['rss_above_baseline'] / vector_bytes(size):.2f}x)",
+            ]
+        )
+    header = [
+        "store",
+        "store_episode episodes/s",
+        "timestep samples/s",
+        f"n-step (n={NSTEP}) samples/s",
+        "trajectory episodes/s",
+        "first batch s",
+        "reader peak RSS, MB; rise above its RSS after imports (x vector bytes)",
+    ]
+    print(markdown_table(header, rows))
+    print(f"\nvector bytes: {vector_bytes(size) / 1e6:,.1f} MB")
+    for note in notes:
+        print(f"- {note}")
+
+
+if __name__ == "__main__":
+    main()
