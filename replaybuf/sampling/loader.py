@@ -18,6 +18,7 @@ from .datasets import (
 )
 from .distributed import ResumableDataLoader, ResumableDistributedSampler, resolve_rank
 from .prioritized import PrioritizedBatchSampler
+from .ratelimit import RateLimitedLoader, RateLimiter
 
 SAMPLERS = ("uniform", "prioritized")
 
@@ -117,8 +118,12 @@ def make_dataloader(
     rank: int | None = None,
     world_size: int | None = None,
     seed: int | None = None,
+    samples_per_insert: float | None = None,
+    min_size: int = 1,
+    error_buffer: float | None = None,
+    rate_timeout: float | None = 60.0,
     **kwargs: Any,
-) -> DataLoader:
+) -> DataLoader | RateLimitedLoader:
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
@@ -131,7 +136,44 @@ def make_dataloader(
     samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
     loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
     resume mid-epoch.
+
+    ``samples_per_insert=R`` rate-limits the loader (``ratelimit.RateLimiter``, Reverb's
+    SampleToInsertRatio): a batch is handed out only once ``min_size`` steps are committed and
+    while samples handed out stay within ``R * (committed steps - min_size) + error_buffer``
+    (default: one batch); it waits for the writer, rereading the store, and raises
+    ``RateLimitTimeout`` after ``rate_timeout`` seconds. Each pass then covers the episodes
+    committed when it starts.
     """
+    if samples_per_insert is not None:
+        limiter = RateLimiter(
+            buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
+        )
+        options = dict(
+            n_steps=n_steps,
+            dataset=dataset,
+            fields=fields,
+            current_fields=current_fields,
+            next_fields=next_fields,
+            sequence_fields=sequence_fields,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            return_indices=return_indices,
+            return_mask=return_mask,
+            timestep_level=timestep_level,
+            to_named_tuple=to_named_tuple,
+            shuffle=shuffle,
+            device=device,
+            dataset_kwargs=dataset_kwargs,
+            sampler=sampler,
+            priority_field=priority_field,
+            alpha=alpha,
+            beta=beta,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
+        return RateLimitedLoader(lambda: make_dataloader(buffer, batch_size, **options, **kwargs), limiter)
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:
