@@ -17,6 +17,7 @@ from .datasets import (
     check_names,
 )
 from .distributed import ResumableDataLoader, ResumableDistributedSampler, resolve_rank
+from .mixture import MixtureBatchSampler, MixtureDataLoader
 from .prioritized import PrioritizedBatchSampler
 from .ratelimit import RateLimitedLoader, RateLimiter
 
@@ -143,6 +144,10 @@ def make_dataloader(
     (default: one batch); it waits for the writer, rereading the store, and raises
     ``RateLimitTimeout`` after ``rate_timeout`` seconds. Each pass then covers the episodes
     committed when it starts.
+
+    Over a ``ConcatReplayBuffer`` made with ``weights``, each sample's source is drawn with those
+    probabilities (``mixture.MixtureBatchSampler``; ``num_batches`` per pass, ``seed``), and the
+    loader has ``state_dict()`` / ``load_state_dict()``.
     """
     if samples_per_insert is not None:
         limiter = RateLimiter(
@@ -198,6 +203,11 @@ def make_dataloader(
     prioritized = sampler == "prioritized"
     if prioritized and shuffle:
         raise ValueError("shuffle cannot be combined with sampler='prioritized' (it draws its own order)")
+    weights = getattr(buffer, "weights", None)
+    if weights is not None and (prioritized or sampler not in (None, "uniform")):
+        raise ValueError(
+            f"sampler={sampler!r} cannot be combined with a ConcatReplayBuffer's weights (they draw the batches)"
+        )
     if dataset is None:
         dataset = make_dataset(
             buffer,
@@ -230,6 +240,20 @@ def make_dataloader(
             dataset, batch_size, priority_field, alpha, beta, num_batches=kwargs.pop("num_batches", None)
         )
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
+    if weights is not None:
+        for name in ("batch_sampler", "drop_last"):
+            if name in kwargs:
+                raise ValueError(f"{name} cannot be combined with a ConcatReplayBuffer's weights")
+        batches = MixtureBatchSampler(
+            dataset,
+            batch_size,
+            weights,
+            buffer.storage.offsets,
+            num_batches=kwargs.pop("num_batches", None),
+            seed=seed,
+            rank=resolve_rank(rank, world_size)[0],
+        )
+        return MixtureDataLoader(dataset, batches, collate_fn=collate, **kwargs)
     if sampler not in (None, "uniform"):
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:
