@@ -1,7 +1,7 @@
 """Per-episode statistics sketches, written at commit time and merged on demand.
 
 For every numeric field with at most ``MAX_FEATURES`` values per step (states, actions,
-rewards; not images), each committed episode gets one side blob ``sketches/<slot>``: per
+rewards; not images), each committed episode gets one side blob ``replaybuf/sketches/<slot>``: per
 feature, count, sum, sum of squares, min, max and an Apache DataSketches KLL quantile sketch
 (``kll_floats_sketch``, k = ``KLL_K``: normalized rank error about 1.3 % for a merge of any
 number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation, so a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from .consistency import read_episodes_consistent
 
 MAX_FEATURES = 64
 KLL_K = 200
-PREFIX = "sketches/"
+PREFIX = "replaybuf/sketches/"
 _MAGIC = b"RBSK"
 
 
@@ -116,7 +117,11 @@ def record(buffer: Any, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
         return  # no blob: summary() sketches these episodes from their data when asked
     for row, slot in enumerate(np.asarray(slots).tolist()):
         generation = int(buffer._meta["_generation"][slot])
-        buffer.storage.write_blob(f"{PREFIX}{slot}", encode(generation, {n: rows[n][row] for n in names}))
+        try:
+            buffer.storage.write_blob(f"{PREFIX}{slot}", encode(generation, {n: rows[n][row] for n in names}))
+        except OSError as error:
+            # the episode is committed already; summary() sketches it from its data instead
+            warnings.warn(f"could not write the statistics sketch of slot {slot}: {error}", stacklevel=3)
 
 
 @dataclass
