@@ -141,3 +141,24 @@ def test_weights_refuse_other_samplers(members):
         mixture.dataloader(4, drop_last=True)
     with pytest.raises(ValueError, match=r"buffers \[2\] have a weight > 0 but no sample"):
         mixture.dataloader(4, filter_meta={"task": 1})  # source 2 holds only task 0
+
+
+def test_weights_with_rate_limit(members):
+    from replaybuf.sampling import RateLimitTimeout
+
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    committed = sum(episodes * length for episodes, length in SOURCES)  # 47 steps
+    loader = mixture.dataloader(
+        4,
+        timestep_level=True,
+        seed=2,
+        num_batches=50,
+        samples_per_insert=1,
+        min_size=7,
+        error_buffer=0,
+        rate_timeout=0.05,
+    )
+    with pytest.raises(RateLimitTimeout):
+        for _ in loader:
+            pass
+    assert loader.limiter.sampled == 40 == (committed - 7) // 4 * 4
