@@ -20,6 +20,7 @@ import torch
 
 from . import analysis
 from .buffer import DataView, MetaView, ReplayBuffer
+from .sampling.mixture import check_weights
 from .schema import Schema
 from .storage.base import Storage
 
@@ -274,10 +275,16 @@ class ConcatReplayBuffer:
     or one per entry) or ``ReplayBuffer`` objects. Episodes are the members' committed
     episodes, member by member, each oldest first; data is time-padded with zeros to the
     longest member's ``max_timesteps``. All members must store the same fields.
+
+    ``weights`` (one number >= 0 per buffer) makes its loaders draw each sample's buffer with
+    those probabilities (``sampling.mixture``); ``filter_meta`` may then be one dict per buffer.
     """
 
     def __init__(
-        self, buffers: Sequence[Member] | str | os.PathLike, storage_options: dict | Sequence[dict | None] | None = None
+        self,
+        buffers: Sequence[Member] | str | os.PathLike,
+        storage_options: dict | Sequence[dict | None] | None = None,
+        weights: Sequence[float] | None = None,
     ):
         if isinstance(buffers, (str, os.PathLike)):
             from .shards import discover_shards
@@ -298,6 +305,7 @@ class ConcatReplayBuffer:
                 f"storage_options has {len(options)} entries for {len(buffers)} buffers; "
                 "pass one dict for all or one per buffer"
             )
+        self.weights = check_weights(weights, len(buffers))
         self.buffers = [self._open(b, o) for b, o in zip(buffers, options)]
         _check_same_fields(self.buffers)
         first = self.buffers[0].schema
@@ -371,6 +379,26 @@ class ConcatReplayBuffer:
         """Global slots holding a committed episode: member by member, each oldest first."""
         offsets = self.storage.offsets
         return np.concatenate([b.valid_episodes() + offsets[k] for k, b in enumerate(self.buffers)]).astype(np.int64)
+
+    def filter_episodes(self, filter_meta: Sequence[dict | None], lens: np.ndarray, min_episode_len: int) -> np.ndarray:
+        """Global slots of ``lens`` (a snapshot of ``episode_lens``) matching one filter per member
+        (``None``: all of the member's episodes with at least ``min_episode_len`` steps)."""
+        from .sampling.datasets import episode_filter
+
+        if len(filter_meta) != len(self.buffers):
+            raise ValueError(
+                f"filter_meta has {len(filter_meta)} entries for {len(self.buffers)} buffers; "
+                "give one dict (or None) per buffer, or one dict for all"
+            )
+        offsets = self.storage.offsets
+        slots = []
+        for k, (buffer, wanted) in enumerate(zip(self.buffers, filter_meta)):
+            try:
+                found = episode_filter(buffer, lens[offsets[k] : offsets[k + 1]], wanted, min_episode_len)
+            except ValueError as error:
+                raise ValueError(f"filter_meta[{k}] on {buffer.storage.location}: {error}") from None
+            slots.append(found + offsets[k])
+        return np.concatenate(slots).astype(np.int64)
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers)

@@ -11,6 +11,7 @@ from .datasets import (
 )
 from .loader import make_dataloader, make_dataset
 from .prioritized import PrioritizedBatchSampler, update_priorities
+from .ratelimit import RateLimitedLoader, RateLimiter, RateLimitTimeout
 
 __all__ = [
     "ReplayDataset",
@@ -25,4 +26,7 @@ __all__ = [
     "Collator",
     "CollatedSamples",
     "chunk_cache",
+    "RateLimiter",
+    "RateLimitedLoader",
+    "RateLimitTimeout",
 ]

@@ -65,7 +65,12 @@ def take_snapshot(buffer) -> tuple[np.ndarray, np.ndarray]:
 
 
 def episode_filter(buffer, lens: np.ndarray, filter_meta: dict | None, min_episode_len: int) -> np.ndarray:
-    """Slots (ascending, as the seed) with at least ``min_episode_len`` steps matching ``filter_meta``."""
+    """Slots (ascending, as the seed) with at least ``min_episode_len`` steps matching ``filter_meta``
+    (a list: one filter per source of a ConcatReplayBuffer, ``ConcatReplayBuffer.filter_episodes``)."""
+    if isinstance(filter_meta, (list, tuple)):
+        if not hasattr(buffer, "filter_episodes"):
+            raise TypeError("filter_meta as a list (one dict per source) needs a ConcatReplayBuffer")
+        return buffer.filter_episodes(filter_meta, lens, min_episode_len)
     if len(buffer) == 0 or not (lens > 0).any():
         raise ValueError("replay buffer is empty")
     keep = lens >= min_episode_len

@@ -17,7 +17,9 @@ from .datasets import (
     check_names,
 )
 from .distributed import ResumableDataLoader, ResumableDistributedSampler, resolve_rank
+from .mixture import MixtureBatchSampler, MixtureDataLoader
 from .prioritized import PrioritizedBatchSampler
+from .ratelimit import RateLimitedLoader, RateLimiter
 
 SAMPLERS = ("uniform", "prioritized")
 
@@ -117,8 +119,12 @@ def make_dataloader(
     rank: int | None = None,
     world_size: int | None = None,
     seed: int | None = None,
+    samples_per_insert: float | None = None,
+    min_size: int = 1,
+    error_buffer: float | None = None,
+    rate_timeout: float | None = 60.0,
     **kwargs: Any,
-) -> DataLoader:
+) -> DataLoader | RateLimitedLoader:
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
@@ -131,7 +137,48 @@ def make_dataloader(
     samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
     loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
     resume mid-epoch.
+
+    ``samples_per_insert=R`` rate-limits the loader (``ratelimit.RateLimiter``, Reverb's
+    SampleToInsertRatio): a batch is handed out only once ``min_size`` steps are committed and
+    while samples handed out stay within ``R * (committed steps - min_size) + error_buffer``
+    (default: one batch); it waits for the writer, rereading the store, and raises
+    ``RateLimitTimeout`` after ``rate_timeout`` seconds. Each pass then covers the episodes
+    committed when it starts.
+
+    Over a ``ConcatReplayBuffer`` made with ``weights``, each sample's source is drawn with those
+    probabilities (``mixture.MixtureBatchSampler``; ``num_batches`` per pass, ``seed``), and the
+    loader has ``state_dict()`` / ``load_state_dict()``.
     """
+    if samples_per_insert is not None:
+        limiter = RateLimiter(
+            buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
+        )
+        options = dict(
+            n_steps=n_steps,
+            dataset=dataset,
+            fields=fields,
+            current_fields=current_fields,
+            next_fields=next_fields,
+            sequence_fields=sequence_fields,
+            filter_meta=filter_meta,
+            filter_fields=filter_fields,
+            fieldname_map=fieldname_map,
+            return_indices=return_indices,
+            return_mask=return_mask,
+            timestep_level=timestep_level,
+            to_named_tuple=to_named_tuple,
+            shuffle=shuffle,
+            device=device,
+            dataset_kwargs=dataset_kwargs,
+            sampler=sampler,
+            priority_field=priority_field,
+            alpha=alpha,
+            beta=beta,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
+        return RateLimitedLoader(lambda: make_dataloader(buffer, batch_size, **options, **kwargs), limiter)
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:
@@ -156,6 +203,11 @@ def make_dataloader(
     prioritized = sampler == "prioritized"
     if prioritized and shuffle:
         raise ValueError("shuffle cannot be combined with sampler='prioritized' (it draws its own order)")
+    weights = getattr(buffer, "weights", None)
+    if weights is not None and (prioritized or sampler not in (None, "uniform")):
+        raise ValueError(
+            f"sampler={sampler!r} cannot be combined with a ConcatReplayBuffer's weights (they draw the batches)"
+        )
     if dataset is None:
         dataset = make_dataset(
             buffer,
@@ -188,6 +240,20 @@ def make_dataloader(
             dataset, batch_size, priority_field, alpha, beta, num_batches=kwargs.pop("num_batches", None)
         )
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
+    if weights is not None:
+        for name in ("batch_sampler", "drop_last"):
+            if name in kwargs:
+                raise ValueError(f"{name} cannot be combined with a ConcatReplayBuffer's weights")
+        batches = MixtureBatchSampler(
+            dataset,
+            batch_size,
+            weights,
+            buffer.storage.offsets,
+            num_batches=kwargs.pop("num_batches", None),
+            seed=seed,
+            rank=resolve_rank(rank, world_size)[0],
+        )
+        return MixtureDataLoader(dataset, batches, collate_fn=collate, **kwargs)
     if sampler not in (None, "uniform"):
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:

@@ -1,0 +1,124 @@
+"""Weighted mixtures: batches drawn from the sources of a ``ConcatReplayBuffer`` with chosen
+probabilities (``ConcatReplayBuffer([...], weights=[...])``).
+
+Each sample of a batch picks its source with probability ``weights[k] / sum(weights)`` and then
+a sample of that source uniformly (an episode for trajectory loaders, a timestep or an n-step
+start otherwise), so the mixture is exact in expectation whatever the sources' sizes. Batch
+``b`` of pass ``p`` is drawn from its own generator seeded with ``(seed, rank, p, b)``: the batches are
+reproducible from the seed (default: drawn from torch's generator, so ``torch.manual_seed``
+fixes it), differ between DDP ranks, and a resumed loader continues with the next undelivered batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+def check_weights(weights: Any, sources: int) -> np.ndarray | None:
+    """``weights`` as float64 probabilities (summing to 1), or a ValueError saying what is wrong."""
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, np.ndarray, torch.Tensor)):
+        raise TypeError(f"weights must be a sequence of {sources} numbers, got {weights!r}")
+    try:
+        values = np.asarray(weights, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise TypeError(f"weights must be a sequence of {sources} numbers, got {weights!r}") from None
+    if len(values) != sources:
+        raise ValueError(f"weights has {len(values)} entries for {sources} buffers; give one per buffer")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError(f"weights must be finite numbers >= 0, got {list(weights)}")
+    if values.sum() == 0:
+        raise ValueError(f"weights are all 0: no buffer could be sampled, got {list(weights)}")
+    return values / values.sum()
+
+
+class MixtureBatchSampler(Sampler[list[int]]):
+    """Batches of dataset positions drawn source by source with ``probabilities``.
+
+    ``offsets`` are the sources' first global slots (``ConcatStorage.offsets``); ``num_batches``
+    per pass defaults to one dataset's worth.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        probabilities: np.ndarray,
+        offsets: np.ndarray,
+        num_batches: int | None = None,
+        seed: int | None = None,
+        rank: int = 0,
+    ):
+        slots = dataset._slots_of(np.arange(len(dataset)))
+        source = np.searchsorted(offsets, slots, side="right") - 1
+        self.positions = [np.flatnonzero(source == k) for k in range(len(probabilities))]
+        empty = [k for k, p in enumerate(probabilities) if p > 0 and len(self.positions[k]) == 0]
+        if empty:
+            raise ValueError(f"weights: buffers {empty} have a weight > 0 but no sample to draw (after filter_meta)")
+        if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)):
+            raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
+        if num_batches is not None and num_batches < 1:
+            raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
+        self.batch_size = batch_size
+        self.probabilities = probabilities
+        self.num_batches = max(1, len(dataset) // batch_size) if num_batches is None else num_batches
+        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
+        self.rank = rank
+        self.next_pass = 0
+        self.start = 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def draw(self, pass_index: int, batch: int) -> list[int]:
+        """Positions of batch ``batch`` of pass ``pass_index``."""
+        rng = np.random.default_rng([self.seed, self.rank, pass_index, batch])
+        sources = rng.choice(len(self.probabilities), size=self.batch_size, p=self.probabilities)
+        out = np.empty(self.batch_size, np.int64)
+        for k in np.unique(sources):
+            picked = np.flatnonzero(sources == k)
+            out[picked] = self.positions[k][rng.integers(0, len(self.positions[k]), len(picked))]
+        return out.tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        pass_index, start = self.next_pass, self.start
+        self.next_pass, self.start = pass_index + 1, 0
+        for batch in range(start, self.num_batches):
+            yield self.draw(pass_index, batch)
+
+
+class MixtureDataLoader(DataLoader):
+    """A DataLoader over a ``MixtureBatchSampler`` whose ``state_dict()`` records the batches the
+    training loop received (not those prefetched by workers)."""
+
+    def __init__(self, dataset: Any, batch_sampler: MixtureBatchSampler, **kwargs: Any):
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self._delivered = (batch_sampler.next_pass, batch_sampler.start)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.batch_sampler
+        pass_index, batch = sampler.next_pass, sampler.start
+        for item in super().__iter__():
+            batch += 1
+            self._delivered = (pass_index, batch)
+            yield item
+        self._delivered = (pass_index + 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        """Seed, pass and batch to continue from."""
+        pass_index, batch = self._delivered
+        if batch >= self.batch_sampler.num_batches:
+            pass_index, batch = pass_index + 1, 0
+        return {"seed": self.batch_sampler.seed, "pass": pass_index, "batch": batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a state saved by ``state_dict()``: the next pass starts at its batch."""
+        sampler = self.batch_sampler
+        sampler.seed, sampler.next_pass, sampler.start = int(state["seed"]), int(state["pass"]), int(state["batch"])
+        self._delivered = (sampler.next_pass, sampler.start)

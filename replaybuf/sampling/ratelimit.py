@@ -1,0 +1,187 @@
+"""Rate-limited sampling: a loader that does not hand out samples faster than a writer commits.
+
+Reverb's ``SampleToInsertRatio(samples_per_insert=R, min_size_to_sample=N, error_buffer=E)``
+on the sampling side: a batch of ``n`` samples is handed out only once ``inserted >= N`` and
+``sampled + n <= R * (inserted - N) + E``, so a learner that outpaces its actors waits for
+them instead of overfitting a stale buffer. ``inserted`` counts committed steps (timesteps),
+read from the store's committed bookkeeping (``refresh()``: episode lengths and generations),
+so the writer can be another process or another machine writing to an object store. A sample
+is one item of a batch (a trajectory, a timestep or an n-step transition).
+
+The counting happens where batches are delivered, in the process iterating the loader: with
+DataLoader workers the ratio holds for the loader as a whole; under DDP each rank's loader
+counts its own samples against all inserts (per rank: pass ``R / world_size`` for a global R).
+The writer is not throttled (it may live elsewhere), so only the upper side of Reverb's band
+is enforced here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from .datasets import take_snapshot
+
+_FIRST_WAIT, _LONGEST_WAIT = 0.01, 0.5  # seconds between refreshes while blocked (doubling)
+
+
+class RateLimitTimeout(TimeoutError):
+    """The loader waited ``rate_timeout`` seconds for the writer without being allowed to sample."""
+
+
+def _check_number(name: str, value: Any, minimum: float, integer: bool = False) -> float:
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value >= minimum:
+        expected = "an int" if integer else "a number"
+        raise ValueError(f"{name} must be {expected} >= {minimum}, got {value!r}")
+    return value
+
+
+class RateLimiter:
+    """Counts committed steps of ``buffer`` and samples handed out, and blocks ``acquire`` while
+    handing out more would exceed ``samples_per_insert * (inserted - min_size) + error_buffer``.
+
+    Inserts are counted from slot generations: a slot whose generation changed since the last
+    look holds a newly committed episode, whose length is added. An episode committed and
+    overwritten (circular buffer) between two looks is not seen, which can only undercount
+    (block longer), never let the loader oversample. The store is reread only when the counts
+    already seen would block, so a limiter that never blocks costs no I/O per batch.
+    """
+
+    def __init__(
+        self,
+        buffer: Any,
+        samples_per_insert: float,
+        min_size: int = 1,
+        error_buffer: float = 0.0,
+        timeout: float | None = 60.0,
+    ):
+        self.samples_per_insert = float(_check_number("samples_per_insert", samples_per_insert, 0.0))
+        if self.samples_per_insert == 0:
+            raise ValueError("samples_per_insert must be > 0, got 0")
+        self.min_size = int(_check_number("min_size", min_size, 1, integer=True))
+        self.error_buffer = float(_check_number("error_buffer", error_buffer, 0.0))
+        if timeout is not None:
+            _check_number("rate_timeout", timeout, 0.0)
+        self.timeout = timeout
+        self.buffer = buffer
+        self.inserted = 0
+        self.sampled = 0
+        self._generations = np.zeros(0, np.int64)
+
+    def state_dict(self) -> dict[str, int]:
+        """The samples handed out so far (to resume the count in a fresh loader)."""
+        return {"sampled": self.sampled}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampled = int(state["sampled"])
+
+    def update(self) -> int:
+        """Reread the committed bookkeeping and add the steps of newly committed episodes."""
+        lens, generations = take_snapshot(self.buffer)
+        if len(self._generations) != len(generations):
+            self._generations = np.zeros(len(generations), np.int64)
+        new = (generations != self._generations) & (generations > 0)
+        self.inserted += int(lens[new].sum())
+        self._generations = generations
+        return self.inserted
+
+    def allows(self, n: int) -> bool:
+        """Whether ``n`` more samples may be handed out with the inserts counted so far."""
+        if self.inserted < self.min_size:
+            return False
+        return self.sampled + n <= self.samples_per_insert * (self.inserted - self.min_size) + self.error_buffer
+
+    def wait(self, n: int) -> None:
+        """Block until ``n`` samples may be handed out (``n = 0``: until ``min_size`` steps are
+        committed), rereading the store with a growing pause; raise ``RateLimitTimeout`` after
+        ``timeout`` seconds."""
+        if self.allows(n):
+            return
+        start, pause = time.monotonic(), _FIRST_WAIT
+        while True:
+            self.update()
+            if self.allows(n):
+                return
+            waited = time.monotonic() - start
+            if self.timeout is not None and waited >= self.timeout:
+                raise RateLimitTimeout(self._timeout_message(n, waited))
+            time.sleep(pause if self.timeout is None else min(pause, max(0.0, self.timeout - waited)))
+            pause = min(2 * pause, _LONGEST_WAIT)
+
+    def acquire(self, n: int) -> None:
+        """Wait for, then count, ``n`` samples handed out."""
+        self.wait(n)
+        self.sampled += n
+
+    def _timeout_message(self, n: int, waited: float) -> str:
+        if self.inserted < self.min_size:
+            waiting = f"for min_size={self.min_size} committed steps before the first sample"
+        else:
+            allowed = self.samples_per_insert * (self.inserted - self.min_size) + self.error_buffer
+            waiting = f"to hand out {n} more samples (allowed: {allowed:g} until more steps are committed)"
+        return (
+            f"rate limiter on {self.buffer!r}: waited {waited:.1f} s {waiting}; samples_per_insert="
+            f"{self.samples_per_insert:g}, min_size={self.min_size}, error_buffer={self.error_buffer:g}, "
+            f"{self.sampled} sampled, {self.inserted} steps inserted. Is the writer running?"
+        )
+
+
+def batch_length(batch: Any) -> int:
+    """Number of samples in a collated batch (dict, named tuple or tuple of tensors)."""
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    while isinstance(first, dict):
+        first = next(iter(first.values()))
+    return len(first)
+
+
+class RateLimitedLoader:
+    """Iterates DataLoaders made by ``build`` (one per pass, each over the episodes committed when
+    the pass starts), handing out a batch only when ``limiter`` allows its samples.
+
+    The pass starts once ``min_size`` steps are committed. ``state_dict()`` holds the sample
+    count (and the inner loader's state where it has one) to resume a run with its ratio.
+    """
+
+    def __init__(self, build: Callable[[], DataLoader], limiter: RateLimiter):
+        self.build = build
+        self.limiter = limiter
+        self.loader: DataLoader | None = None
+        self._inner_state: dict | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        self.limiter.wait(0)
+        self.loader = self.build()
+        if self._inner_state is not None:
+            self.loader.load_state_dict(self._inner_state)
+            self._inner_state = None
+        for batch in self.loader:
+            self.limiter.acquire(batch_length(batch))
+            yield batch
+
+    def __len__(self) -> int:
+        """Batches of the current (or last) pass; the next pass may have more."""
+        if self.loader is None:
+            raise TypeError("a rate-limited loader has no length before its first pass (the buffer may be growing)")
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rate_limiter": self.limiter.state_dict()}
+        if self.loader is not None and hasattr(self.loader, "state_dict"):
+            state["loader"] = self.loader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.limiter.load_state_dict(state["rate_limiter"])
+        self._inner_state = state.get("loader")
+
+    def __getattr__(self, name: str) -> Any:
+        # batch_size, dataset, sampler, ... of the current pass's loader
+        loader = self.__dict__.get("loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)

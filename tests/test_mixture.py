@@ -1,0 +1,164 @@
+"""Weighted mixtures (``ConcatReplayBuffer([...], weights=[...])``): each sample's source follows
+the weights (chi-square over many batches), reproducibly from the seed, resumably, with one
+``filter_meta`` per source, and bad weights are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from replaybuf import ReplayBuffer
+from replaybuf.concat import ConcatReplayBuffer
+
+FIELDS = {"obs": ("float", (2,)), "source": "int", "priority": "float"}
+META = {"task": "int"}
+# (episodes, length) per source: very different sizes, so that weights != size shares
+SOURCES = [(2, 4), (6, 6), (1, 3)]
+WEIGHTS = [0.5, 0.2, 0.3]
+KINDS = {
+    "trajectory": {},
+    "timestep": {"timestep_level": True},
+    "n-step": {"n_steps": 2, "current_fields": ("obs",), "sequence_fields": ("source",)},
+}
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixture")
+    buffers = []
+    for k, (episodes, length) in enumerate(SOURCES):
+        buffer = ReplayBuffer(
+            root / f"s{k}", max_episodes=episodes, max_timesteps=length, fields=FIELDS, meta_fields=META
+        )
+        for e in range(episodes):
+            buffer.store_episode(
+                obs=np.full((length, 2), e, np.float32),
+                source=np.full(length, k, np.int32),
+                priority=np.ones(length, np.float32),
+                task=e % 2,
+            )
+        buffers.append(buffer)
+    return buffers
+
+
+def sources_of(batch) -> np.ndarray:
+    column = batch["source"] if "source" in batch else batch["seq_source"]
+    return column.reshape(len(column), -1)[:, 0].numpy()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sources_follow_weights(members, kind):
+    mixture = ConcatReplayBuffer(members, weights=[5, 2, 3])  # normalized: WEIGHTS
+    loader = mixture.dataloader(32, num_batches=60, seed=7, **KINDS[kind])
+    drawn = np.concatenate([sources_of(batch) for batch in loader])
+    counts = np.bincount(drawn, minlength=3)
+    assert counts.sum() == 60 * 32
+    assert chisquare(counts, np.array(WEIGHTS) * counts.sum()).pvalue > 1e-3, counts
+    # drawing by size (what an unweighted loader does) would be told apart: the sizes differ
+    sizes = np.bincount(sources_of(next(iter(ConcatReplayBuffer(members).dataloader(10_000, **KINDS[kind])))))
+    assert chisquare(counts, sizes / sizes.sum() * counts.sum()).pvalue < 1e-3
+
+
+def test_zero_weight_source_never_drawn(members):
+    loader = ConcatReplayBuffer(members, weights=[0, 1, 1]).dataloader(16, timestep_level=True, num_batches=20)
+    assert 0 not in np.concatenate([sources_of(b) for b in loader])
+
+
+def as_lists(loader) -> list:
+    return [(b["source"].tolist(), b["obs"].tolist()) for b in loader]
+
+
+def test_reproducible_from_the_seed(members):
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    first = as_lists(mixture.dataloader(8, timestep_level=True, num_batches=10, seed=3))
+    assert first == as_lists(mixture.dataloader(8, timestep_level=True, num_batches=10, seed=3))
+    workers = mixture.dataloader(8, timestep_level=True, num_batches=10, seed=3, num_workers=2)
+    assert first == as_lists(workers), "DataLoader workers draw the same batches"
+    assert first != as_lists(mixture.dataloader(8, timestep_level=True, num_batches=10, seed=4))
+    torch.manual_seed(11)
+    unseeded = as_lists(mixture.dataloader(8, timestep_level=True, num_batches=10))
+    torch.manual_seed(11)
+    assert unseeded == as_lists(mixture.dataloader(8, timestep_level=True, num_batches=10))
+
+
+def test_resume_from_state_dict(members):
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    loader = mixture.dataloader(8, timestep_level=True, num_batches=6, seed=5)
+    full = as_lists(loader)
+    second_pass = as_lists(loader)
+    assert full != second_pass, "each pass draws new batches"
+    partial = mixture.dataloader(8, timestep_level=True, num_batches=6, seed=5)
+    for count, _ in enumerate(partial, start=1):
+        if count == 4:
+            break
+    state = partial.state_dict()
+    resumed = mixture.dataloader(8, timestep_level=True, num_batches=6)
+    resumed.load_state_dict(state)
+    assert as_lists(resumed) == full[4:]
+    assert as_lists(resumed) == second_pass
+
+
+def test_filter_meta_per_source(members):
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    loader = mixture.dataloader(16, num_batches=20, filter_meta=[{"task": 1}, None, {"task": 0}], seed=1)
+    batches = list(loader)
+    source, obs = np.concatenate([sources_of(b) for b in batches]), np.concatenate([b["obs"][:, 0, 0] for b in batches])
+    assert (obs[source == 0] == 1).all() and (obs[source == 2] == 0).all()
+    assert set(obs[source == 1].tolist()) > {1.0, 2.0}, "no filter on source 1"
+    together = list(mixture.dataloader(16, num_batches=5, filter_meta={"task": 0}, seed=1))
+    assert all((b["obs"][:, 0, 0] % 2 == 0).all() for b in together), "one dict filters every source"
+    with pytest.raises(ValueError, match="filter_meta has 2 entries for 3 buffers"):
+        mixture.dataloader(16, filter_meta=[{"task": 1}, None])
+    with pytest.raises(ValueError, match=r"filter_meta\[2\] on .*matches no episode"):
+        mixture.dataloader(16, filter_meta=[None, None, {"task": 1}])
+    with pytest.raises(TypeError, match="needs a ConcatReplayBuffer"):
+        members[0].dataloader(4, filter_meta=[{"task": 1}])
+
+
+@pytest.mark.parametrize(
+    "weights, error, message",
+    [
+        ([1, -1, 1], ValueError, r"weights must be finite numbers >= 0, got \[1, -1, 1\]"),
+        ([1, 1], ValueError, "weights has 2 entries for 3 buffers"),
+        ([0, 0, 0], ValueError, "weights are all 0"),
+        ([1, float("nan"), 1], ValueError, "finite"),
+        ("abc", TypeError, "weights must be a sequence of 3 numbers"),
+        ([1, "x", 2], TypeError, "weights must be a sequence of 3 numbers"),
+    ],
+)
+def test_bad_weights(members, weights, error, message):
+    with pytest.raises(error, match=message):
+        ConcatReplayBuffer(members, weights=weights)
+
+
+def test_weights_refuse_other_samplers(members):
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    with pytest.raises(ValueError, match="sampler='prioritized' cannot be combined"):
+        mixture.dataloader(4, timestep_level=True, sampler="prioritized")
+    with pytest.raises(ValueError, match="drop_last cannot be combined"):
+        mixture.dataloader(4, drop_last=True)
+    with pytest.raises(ValueError, match=r"buffers \[2\] have a weight > 0 but no sample"):
+        mixture.dataloader(4, filter_meta={"task": 1})  # source 2 holds only task 0
+
+
+def test_weights_with_rate_limit(members):
+    from replaybuf.sampling import RateLimitTimeout
+
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    committed = sum(episodes * length for episodes, length in SOURCES)  # 47 steps
+    loader = mixture.dataloader(
+        4,
+        timestep_level=True,
+        seed=2,
+        num_batches=50,
+        samples_per_insert=1,
+        min_size=7,
+        error_buffer=0,
+        rate_timeout=0.05,
+    )
+    with pytest.raises(RateLimitTimeout):
+        for _ in loader:
+            pass
+    assert loader.limiter.sampled == 40 == (committed - 7) // 4 * 4

@@ -1,0 +1,150 @@
+"""Rate-limited loaders (``samples_per_insert``): samples handed out never outrun the committed
+steps, with a writer in this process or in another one (spawn), on local disk and on S3 (moto)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer
+from replaybuf.sampling import RateLimitTimeout
+from tests._sampling_data import episode
+
+pytest_plugins = ["tests._servers"]  # fixture: s3_server
+
+FIELDS = {"state": ("float", 4), "reward": "float", "ident": "int", "priority": "float"}
+LENGTH = 5
+KINDS = {
+    "trajectory": {},
+    "timestep": {"timestep_level": True, "shuffle": True},
+    "n-step": {"n_steps": 2, "shuffle": True},
+    "prioritized": {"timestep_level": True, "sampler": "prioritized", "num_batches": 3},
+    "workers": {"timestep_level": True, "num_workers": 2, "multiprocessing_context": "fork"},
+}
+
+
+def store(buffer: ReplayBuffer, index: int) -> None:
+    steps = episode(index, LENGTH)
+    buffer.store_episode(
+        state=steps["state"], reward=steps["reward"], ident=steps["ident"], priority=np.ones(LENGTH, np.float32)
+    )
+
+
+def drain(loader) -> int:
+    """Samples the loader hands out, pass after pass, until it times out waiting for inserts."""
+    with pytest.raises(RateLimitTimeout) as raised:
+        for _ in range(100):
+            for _ in loader:
+                pass
+    assert "samples_per_insert=2" in str(raised.value) and "sampled" in str(raised.value)
+    return loader.limiter.sampled
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_samples_follow_inserts(tmp_path, kind):
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=10, max_timesteps=LENGTH, fields=FIELDS)
+    loader = buffer.dataloader(2, samples_per_insert=2, min_size=10, error_buffer=3, rate_timeout=0.05, **KINDS[kind])
+    store(buffer, 0)
+    assert drain(loader) == 0, "nothing before min_size steps are committed"
+    store(buffer, 1)
+    store(buffer, 2)
+    # 15 steps: 2 * (15 - 10) + 3 = 13 samples allowed, handed out in batches of 2
+    assert drain(loader) == 12
+    store(buffer, 3)
+    assert drain(loader) == 22  # 2 * (20 - 10) + 3 = 23
+
+
+def test_state_dict_keeps_the_count(tmp_path):
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=4, max_timesteps=LENGTH, fields=FIELDS)
+    for index in range(2):
+        store(buffer, index)
+    options = dict(timestep_level=True, samples_per_insert=2, min_size=5, error_buffer=0, rate_timeout=0.05)
+    loader = buffer.dataloader(2, **options)
+    assert drain(loader) == 10
+    resumed = buffer.dataloader(2, **options)
+    resumed.load_state_dict(loader.state_dict())
+    assert drain(resumed) == 10, "a resumed loader continues the count instead of sampling again"
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"samples_per_insert": 0}, "samples_per_insert must be > 0"),
+        ({"samples_per_insert": -1.0}, "samples_per_insert must be a number >= 0"),
+        ({"samples_per_insert": "2"}, "samples_per_insert must be a number"),
+        ({"samples_per_insert": 1, "min_size": 0}, "min_size must be an int >= 1"),
+        ({"samples_per_insert": 1, "min_size": 2.5}, "min_size must be an int"),
+        ({"samples_per_insert": 1, "error_buffer": -1}, "error_buffer must be a number >= 0"),
+        ({"samples_per_insert": 1, "rate_timeout": -1}, "rate_timeout must be a number >= 0"),
+    ],
+)
+def test_bad_arguments(tmp_path, bad, message):
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=LENGTH, fields=FIELDS)
+    store(buffer, 0)
+    with pytest.raises(ValueError, match=message):
+        buffer.dataloader(2, **bad)
+
+
+def slow_writer(location: str, storage_options: dict | None, episodes: int, pause: float) -> None:
+    """Child-process body: commit ``episodes`` episodes into the buffer at ``location``, pausing."""
+    buffer = ReplayBuffer(location, overwrite=False, storage_options=storage_options, **buffer_kwargs())
+    for index in range(episodes):
+        store(buffer, index)
+        time.sleep(pause)
+    buffer.close()
+
+
+def buffer_kwargs() -> dict:
+    return dict(max_episodes=12, max_timesteps=LENGTH, fields=FIELDS)
+
+
+def committed_steps(reader: ReplayBuffer) -> int:
+    return int(reader.refresh().episode_lens.sum())
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_writer_in_another_process(where, tmp_path, request):
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        location, options = server.url(f"ratelimit-{uuid.uuid4().hex[:8]}"), server.storage_options
+    else:
+        location, options = str(tmp_path / "buffer"), None
+    ReplayBuffer(location, storage_options=options, **buffer_kwargs()).close()
+    episodes, rate, slack, batch = 12, 0.5, 2, 2
+    writer = multiprocessing.get_context("spawn").Process(target=slow_writer, args=(location, options, episodes, 0.05))
+    writer.start()
+    try:
+        reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=options)
+        observer = ReplayBuffer.from_folder(location, read_only=True, storage_options=options)
+        deadline = time.monotonic() + 120
+        while committed_steps(observer) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the spawned writer imports torch before its first commit
+        loader = reader.dataloader(
+            batch,
+            timestep_level=True,
+            shuffle=True,
+            samples_per_insert=rate,
+            min_size=LENGTH,
+            error_buffer=slack,
+            rate_timeout=3,
+        )
+        observations = []
+        with pytest.raises(RateLimitTimeout, match="samples_per_insert=0.5"):
+            for _ in range(200):
+                for _ in loader:
+                    observations.append((loader.limiter.sampled, committed_steps(observer)))
+        writer.join(timeout=60)
+    finally:
+        if writer.is_alive():
+            writer.terminate()
+    total = episodes * LENGTH
+    assert committed_steps(observer) == total
+    for sampled, inserted in observations:
+        assert sampled <= rate * inserted + slack, observations
+    # it sampled right up to the limit: 0.5 * (60 - 5) + 2 = 29.5, in batches of 2
+    assert loader.limiter.sampled == 28
+    assert len({inserted for _, inserted in observations}) > 1, "sampling overlapped the writes"
