@@ -75,5 +75,5 @@ def _stored_version(path, backend: str) -> int:
         return json.loads((path / "replaybuf.json").read_text())["version"]
     import h5py
 
-    with h5py.File(path / "data.h5", "r", locking=False) as f:
+    with h5py.File(path / "data.h5", "r") as f:  # a plain h5py read, as users inspect files
         return json.loads(f.attrs["replaybuf"])["version"]
