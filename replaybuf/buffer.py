@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import sketches, video
+from . import video
 from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
@@ -930,7 +930,9 @@ class ReplayBuffer:
         self._write_slabs(group, slabs)
         self._clear_stale(group)
         self._publish(group.slots, length, group.meta)
-        sketches.record(self, group.slots, {n: v[None] for n, v in steps.items()})
+        from .sketches import record  # loads torch: not at `import replaybuf`
+
+        record(self, group.slots, {n: v[None] for n, v in steps.items()})
 
     def advance_episode(self, batch_size: int | None = None) -> None:
         """Commit the episode(s) in progress (what ``one_episode`` does on exit).

@@ -260,11 +260,12 @@ class ViewerServer:
         """Block serving until interrupted (Ctrl-C / SIGINT), then stop. SIGTERM (``kill``, a
         service manager) stops it the same way, so the app's temp files go either way; the
         process then exits with status 143, as a process killed by SIGTERM does."""
+        # the handler goes in before the line that tells a supervisor the server is up
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
         print(f"serving {self.url} (ctrl-c to stop)", flush=True)
         if open_browser:
             threading.Thread(target=webbrowser.open, args=(self.url,), daemon=True).start()
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
         try:
             self._httpd.serve_forever()
         except KeyboardInterrupt:
