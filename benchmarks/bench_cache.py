@@ -79,7 +79,8 @@ def main() -> None:
                     rate = epoch(reader, args.batch, seed=index)
                 gets = sum(1 for m, p in log.requests if m == "GET" and "/data/" in p)
                 print(
-                    f"s3 {label} epoch {index + 1}: {rate:,.0f} samples/s, data GETs {gets}, "
+                    f"s3 {label} epoch {index + 1}: {rate:,.0f} samples/s, data GETs {gets} "
+                    f"(all requests {log.count()}), "
                     f"peak in flight {log.peak_in_flight['GET']}"
                 )
         local = os.path.join(tmp, "local")
