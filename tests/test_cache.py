@@ -4,11 +4,13 @@ refilled, never torn; on S3 the second epoch issues no data GETs."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 
 import numpy as np
@@ -48,6 +50,8 @@ def cache_files(cache_dir) -> dict[str, int]:
     """Relative path -> size of every published cache file."""
     out = {}
     for folder, _, files in os.walk(cache_dir):
+        if os.path.basename(folder) == ".locks":
+            continue
         for name in files:
             path = os.path.join(folder, name)
             out[os.path.relpath(path, cache_dir)] = os.path.getsize(path)
@@ -263,3 +267,24 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     assert data_gets == []
     off = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options, cache=False)
     assert not isinstance(off.storage, CachedStorage)
+
+
+def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path):
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    storage, expected = reader.storage, ReplayBuffer.from_folder(written, read_only=True).data["state"][:2, :4]
+    os.makedirs(os.path.join(storage.root, ".locks"))
+    other = os.open(os.path.join(storage.root, ".locks", "state-0"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)  # another filler is fetching slot 0
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(rows=storage.read_rows("state", np.array([0, 1]), 0, 4)))
+    thread.start()
+    thread.join(timeout=1.0)
+    try:
+        assert thread.is_alive()  # waiting for the other filler, not fetching slot 0 again
+        assert sorted(cache_files(storage.root)) == [os.path.join("state", "1-2.raw")]
+    finally:
+        os.close(other)  # that filler dies without publishing
+    thread.join(timeout=60)
+    np.testing.assert_array_equal(result["rows"], expected)  # slot 0 read from the buffer this time
+    storage.rows("state", [0])
+    assert os.path.join("state", "0-1.raw") in cache_files(storage.root)

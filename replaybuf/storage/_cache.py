@@ -9,8 +9,11 @@ One file per (field, slot, generation), holding the episode's ``episode_lens`` s
   (loaded lazily, refreshed by ``drop_caches`` and by every ``_generation`` read passing through
   it, which is how the consistent read of ``consistency.py`` re-checks); a fill publishes a file
   only when the slot held the same generation before and after reading its rows.
-- **Atomic.** A filler writes a temp file and renames it into place: a file that exists is whole
-  (a filler killed mid-write leaves only a temp file, never served, swept by a later eviction).
+- **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
+  whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
+  eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
+  released by the kernel if it dies) while it fetches; another filler wanting the same episode
+  waits for it instead of fetching it again.
 - **Bounded.** ``cache_size`` bytes per buffer, least recently used files evicted first (use is
   the file's mtime, touched when a process maps it and at most every ``TOUCH_S`` after). A
   process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
@@ -22,6 +25,7 @@ episode's length are read from the wrapped storage.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -286,6 +290,36 @@ class CachedStorage(Storage):
             return None
 
     def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Fetch and publish the slots no other filler is fetching now, then wait for the others
+        (their files are mapped by the caller; a filler that died leaves them to a later read)."""
+        locks = os.path.join(self.root, ".locks")
+        os.makedirs(locks, exist_ok=True)
+        held, busy, mine = [], [], []
+        try:
+            for i, slot in enumerate(slots.tolist()):
+                fd = os.open(os.path.join(locks, f"{name}-{slot}"), os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    busy.append(fd)
+                    continue
+                held.append(fd)
+                if not os.path.exists(self._path(name, slot, int(generations[i]))):
+                    mine.append(i)  # not published by a filler that held the lock before
+            if mine:
+                self._fetch(name, slots[mine], generations[mine])
+        except BaseException:
+            for fd in busy:
+                os.close(fd)
+            raise
+        finally:
+            for fd in held:
+                os.close(fd)
+        for fd in busy:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.close(fd)
+
+    def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
         """Read the committed rows of ``slots`` (expected at ``generations``) from the wrapped
         storage in one bulk read and publish each as a file: temp file, then rename."""
         before = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
