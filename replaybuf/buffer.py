@@ -14,6 +14,7 @@ A reader trusts only slots whose published length is > 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections import namedtuple
@@ -28,6 +29,7 @@ from . import video
 from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
+from .storage._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from .storage.base import (
     STATE_KEY,
     Storage,
@@ -218,6 +220,9 @@ class ReplayBuffer:
     Parameters beyond the seed: ``storage_options`` for URLs (``s3://``, ``gs://``,
     ``memory://``), ``backend`` (``'zarr'`` default, ``'memmap'``, ``'hdf5'``), ``fsync``
     (power-loss durability of commits and the step log, at a cost per write) and ``break_lock``.
+    ``cache``, ``cache_dir``, ``cache_size``: the local read cache of decoded rows
+    (``storage/_cache.py``), on by default for read-only buffers on object stores, asked for
+    with ``cache='disk'`` elsewhere, off with ``cache=False``.
 
     A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
     it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
@@ -242,6 +247,9 @@ class ReplayBuffer:
         backend: str | None = None,
         fsync: bool = False,
         break_lock: bool = False,
+        cache: bool | str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
     ):
         if (
             isinstance(flush_every_store_step, bool)
@@ -251,8 +259,12 @@ class ReplayBuffer:
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
         self.read_only = bool(read_only)
         self.flush_every_store_step = flush_every_store_step
-        self.storage = (
-            make_storage(folder, backend, storage_options, fsync=fsync) if not isinstance(folder, Storage) else folder
+        self.storage = with_cache(
+            make_storage(folder, backend, storage_options, fsync=fsync) if not isinstance(folder, Storage) else folder,
+            self.read_only,
+            cache,
+            cache_dir,
+            cache_size,
         )
         location = self.storage.location
         self.folder = location if "://" in location else Path(location)
@@ -291,6 +303,7 @@ class ReplayBuffer:
 
     def _create(self, schema: Schema | None) -> Schema:
         self._check_creatable(schema)
+        schema = dataclasses.replace(schema, uuid=new_uuid())  # the identity of this buffer's read cache
         self.storage.create(schema, overwrite=True)
         return schema
 
@@ -1128,6 +1141,24 @@ class ReplayBuffer:
         return array, scalar
 
     # ---- reads ---------------------------------------------------------------------------------
+
+    def warm_cache(
+        self, episodes: Any = None, fields: Sequence[str] | None = None, progress: bool | None = None
+    ) -> None:
+        """Decode ``episodes`` (slots; None: every committed one) of ``fields`` (None: all data
+        fields) into the read cache now, ahead of training, instead of on their first reads.
+        Needs a cached buffer (``cache='disk'``, or a read-only one on an object store)."""
+        if not isinstance(self.storage, CachedStorage):
+            raise ValueError(
+                f"warm_cache: {self.storage.location!r} has no read cache; open it with read_only=True and "
+                "cache='disk' (object stores have one by default)"
+            )
+        slots, _ = self._episode_indices(episodes)
+        fields = list(self.schema.fields) if fields is None else list(fields)
+        unknown = sorted(set(fields) - set(self.schema.fields))
+        if unknown:
+            raise ValueError(f"warm_cache: invalid field names {unknown} - must be among {sorted(self.schema.fields)}")
+        self.storage.warm(slots[self._meta["episode_lens"][slots] > 0], fields, progress)
 
     def get_all_data(
         self,

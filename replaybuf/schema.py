@@ -8,6 +8,7 @@ The whole config serialises to plain JSON: a buffer never stores pickles.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,9 @@ class Schema:
     max_episodes: int
     max_timesteps: int
     circular: bool = False
+    #: the buffer's identity, set at create (an optional config key: buffers written before it
+    #: existed have none); never a config difference, so a reopen need not pass it
+    uuid: str | None = field(default=None, compare=False)
 
     @classmethod
     def build(
@@ -233,6 +237,7 @@ class Schema:
             "circular": self.circular,
             "fields": {n: f.to_json() for n, f in self.fields.items()},
             "meta_fields": {n: f.to_json() for n, f in self.meta_fields.items()},
+            **({"uuid": self.uuid} if self.uuid is not None else {}),
         }
 
     @classmethod
@@ -240,9 +245,13 @@ class Schema:
         """A stored config, checked as ``build`` checks user arguments (types, names, sizes)."""
         if not isinstance(data["circular"], bool):
             raise TypeError(f"circular must be true or false, got {data['circular']!r}")
-        return cls.build(
+        uuid = data.get("uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise TypeError(f"uuid must be a string, got {uuid!r}")
+        schema = cls.build(
             data["fields"], data["meta_fields"], data["max_episodes"], data["max_timesteps"], data["circular"]
         )
+        return dataclasses.replace(schema, uuid=uuid)
 
     def differences(self, passed: Schema) -> list[str]:
         """One line per config key where ``self`` (stored) and ``passed`` differ."""

@@ -22,6 +22,13 @@ settings.register_profile(
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+
+@pytest.fixture(autouse=True)
+def _read_cache_dir(tmp_path_factory, monkeypatch):
+    """Read caches of remote buffers go to the test's temp folder, not the user's cache."""
+    monkeypatch.setenv("REPLAYBUF_CACHE_DIR", str(tmp_path_factory.mktemp("read-cache")))
+
+
 _counter = itertools.count()
 
 

@@ -1,0 +1,517 @@
+"""A read-through local cache of decoded rows: a storage layer over any ``Storage``.
+
+Compressed or remote episodes are decoded once, on their first read, into raw files that every
+reader of the machine maps: DataLoader workers (fork or spawn), other processes, later runs.
+One file per (field, slot, generation), holding the episode's ``episode_lens`` steps:
+
+- **Keyed by generation.** A slot's ``_generation`` only grows, so a reused slot gets a new file
+  and is refetched, never served stale. The layer serves the generation it last saw for the slot
+  (loaded lazily, refreshed by ``drop_caches`` and by every ``_generation`` read passing through
+  it, which is how the consistent read of ``consistency.py`` re-checks); a fill publishes a file
+  only when the slot held the same generation before and after reading its rows.
+- **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
+  whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
+  eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
+  released by the kernel if it dies) while it fetches; another filler wanting the same episode
+  waits for it instead of fetching it again.
+- **Bounded.** ``cache_size`` bytes per buffer, least recently used files evicted first (use is
+  the file's mtime, touched when a process maps it and at most every ``TOUCH_S`` after). A
+  process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
+  file is refilled on its next open.
+
+Only a storage opened read-only is cached (a writer's rows change under it); steps past an
+episode's length are read from the wrapped storage.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid as uuid_module
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..schema import Schema
+from .base import ArrayLike, Storage
+
+#: default bound of one buffer's cache folder (``cache_size``)
+DEFAULT_CACHE_SIZE = 20 << 30
+#: maps a process keeps open per cached storage
+MAX_OPEN_MAPS = 4096
+#: seconds between two touches of a file a process keeps using (its LRU clock)
+TOUCH_S = 30.0
+#: a temp file older than this was left by a killed filler; eviction deletes it
+STALE_TEMP_S = 3600.0
+#: episodes fetched per ``warm`` step
+WARM_BATCH = 16
+SUFFIX = ".raw"
+
+
+def default_cache_dir() -> str:
+    """``$REPLAYBUF_CACHE_DIR`` when set, else the user's cache folder for replaybuf:
+    platformdirs' when installed, else ``$XDG_CACHE_HOME/replaybuf`` or ``~/.cache/replaybuf``."""
+    if os.environ.get("REPLAYBUF_CACHE_DIR"):
+        return os.environ["REPLAYBUF_CACHE_DIR"]
+    try:
+        import platformdirs
+    except ImportError:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "replaybuf")
+    return platformdirs.user_cache_dir("replaybuf", appauthor=False)
+
+
+def buffer_identity(location: str, schema: Schema) -> str:
+    """The name of a buffer's cache folder: a hash of its resolved location and its uuid (or,
+    for a buffer created before uuids were stored, its whole config)."""
+    where = (
+        location
+        if "://" in location and not location.startswith("file://")
+        else os.path.realpath(location.removeprefix("file://"))
+    )
+    what = schema.uuid if schema.uuid is not None else json.dumps(schema.to_json(), sort_keys=True)
+    return hashlib.sha256(f"{where}\0{what}".encode()).hexdigest()[:24]
+
+
+def new_uuid() -> str:
+    """A fresh buffer identity for the stored config."""
+    return uuid_module.uuid4().hex
+
+
+class _CachedArray:
+    """``storage.array(name)`` of a cached data field: indexing reads the wrapped array. It does
+    not take ``versions``, so the sampling fetcher reads through the layer's ``gather`` and
+    ``read_spans``."""
+
+    supports_versions = False
+
+    def __init__(self, inner: ArrayLike):
+        self._inner = inner
+        self.shape, self.dtype = inner.shape, inner.dtype
+
+    def __getitem__(self, key):
+        return self._inner[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._inner[key] = value
+
+
+class CachedStorage(Storage):
+    """``inner`` with its data fields' committed rows served from raw files under
+    ``cache_dir/<buffer identity>/`` (see the module docstring).
+
+    Parameters
+    ----------
+    inner
+        The storage holding the buffer (any backend, local or remote).
+    cache_dir
+        The folder holding the caches of all buffers (default: ``default_cache_dir()``).
+    cache_size
+        Bytes this buffer's cache may hold before least recently used episodes are evicted.
+    """
+
+    def __init__(
+        self, inner: Storage, cache_dir: str | os.PathLike | None = None, cache_size: int = DEFAULT_CACHE_SIZE
+    ):
+        if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
+            raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+        self.inner = inner
+        self.location, self.storage_options, self.fsync = inner.location, inner.storage_options, inner.fsync
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_size = int(cache_size)
+        self.schema: Schema | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._generations: np.ndarray | None = None
+        self._maps: OrderedDict[tuple[str, int, int], tuple[np.ndarray, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._used: int | None = None
+
+    def __getstate__(self) -> dict:
+        state = {**self.__dict__}
+        for key in ("_generations", "_maps", "_lock", "_used"):
+            state.pop(key)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    @property
+    def backend_name(self) -> str:  # type: ignore[override]
+        return self.inner.backend_name
+
+    @property
+    def supports_remote(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_remote
+
+    @property
+    def supports_field_codecs(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_field_codecs
+
+    @property
+    def read_only(self) -> bool:  # type: ignore[override]
+        return self.inner.read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        self.inner.read_only = value
+
+    @property
+    def root(self) -> str:
+        """This buffer's cache folder (known once the storage is opened)."""
+        if self.schema is None:
+            raise RuntimeError(f"the cache of {self.location!r} has no folder before the storage is opened")
+        return os.path.join(self.cache_dir, buffer_identity(self.location, self.schema))
+
+    # ---- the wrapped storage -------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.inner.exists()
+
+    def create(self, schema: Schema, overwrite: bool) -> None:
+        self.inner.create(schema, overwrite)
+        self.schema = schema
+        self._reset()
+
+    def open(self, read_only: bool) -> Schema:
+        self.schema = self.inner.open(read_only)
+        self._reset()
+        return self.schema
+
+    def array(self, name: str, meta: bool = False) -> ArrayLike:
+        array = self.inner.array(name, meta)
+        return array if meta else _CachedArray(array)
+
+    def read_blob(self, key: str) -> bytes | None:
+        return self.inner.read_blob(key)
+
+    def write_blob(self, key: str, data: bytes) -> None:
+        self.inner.write_blob(key, data)
+
+    def delete_blobs(self, prefix: str) -> None:
+        self.inner.delete_blobs(prefix)
+
+    def list_blobs(self, prefix: str) -> list[str]:
+        return self.inner.list_blobs(prefix)
+
+    def read_meta(self, name: str) -> np.ndarray:
+        values = self.inner.read_meta(name)
+        if name == "_generation":
+            self._generations = np.asarray(values, dtype=np.int64).copy()
+        return values
+
+    def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
+        values = self.inner.read_meta_rows(name, episodes)
+        if name == "_generation" and self._generations is not None:
+            self._generations[np.asarray(episodes, dtype=np.int64).reshape(-1)] = values
+        return values
+
+    def drop_caches(self) -> None:
+        """Forget the slots' generations and the maps this process holds (files stay)."""
+        self.inner.drop_caches()
+        with self._lock:
+            self._generations = None
+            self._maps.clear()
+
+    def close(self) -> None:
+        self.inner.close()
+        with self._lock:
+            self._maps.clear()
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "cache": self.root if self.schema is not None else None}
+
+    # ---- cached reads ------------------------------------------------------------------------
+
+    def _cached(self, name: str) -> bool:
+        return self.read_only and self.schema is not None and name in self.schema.fields
+
+    def rows(self, name: str, episodes: Sequence[int] | np.ndarray) -> dict[int, np.ndarray]:
+        """Slot -> the committed rows (length, *shape) of every slot among ``episodes`` that
+        holds an episode, mapped from the cache and filled first where absent."""
+        wanted = np.unique(np.asarray(episodes, dtype=np.int64))
+        if self._generations is None:
+            self._generations = np.asarray(self.inner.read_meta("_generation"), dtype=np.int64).copy()
+        generations = self._generations[wanted]
+        out, missing = {}, []
+        now = time.monotonic()
+        with self._lock:
+            for slot, generation in zip(wanted.tolist(), generations.tolist()):
+                entry = self._maps.get((name, slot, generation)) if generation > 0 else None
+                if entry is not None:
+                    self._maps.move_to_end((name, slot, generation))
+                    if now - entry[1] > TOUCH_S:
+                        self._touch(name, slot, generation)
+                        self._maps[name, slot, generation] = (entry[0], now)
+                    out[slot] = entry[0]
+                elif generation > 0:
+                    missing.append((slot, generation))
+        opened = [(slot, g, self._map(name, slot, g)) for slot, g in missing]
+        absent = [(slot, g) for slot, g, rows in opened if rows is None]
+        if absent:
+            self._fill(name, np.array([s for s, _ in absent]), np.array([g for _, g in absent]))
+            opened += [(slot, g, self._map(name, slot, g)) for slot, g in absent]
+        with self._lock:
+            for slot, generation, rows in opened:
+                if rows is not None:
+                    out[slot] = rows
+                    self._maps[name, slot, generation] = (rows, now)
+            while len(self._maps) > MAX_OPEN_MAPS:
+                self._maps.popitem(last=False)
+        return out
+
+    def _path(self, name: str, slot: int, generation: int) -> str:
+        return os.path.join(self.root, name, f"{slot}-{generation}{SUFFIX}")
+
+    def _touch(self, name: str, slot: int, generation: int) -> None:
+        try:
+            os.utime(self._path(name, slot, generation))
+        except FileNotFoundError:
+            pass  # evicted meanwhile; this process keeps its map
+
+    def _map(self, name: str, slot: int, generation: int) -> np.ndarray | None:
+        """The cached rows of the slot's generation, mapped read-only; None when not cached."""
+        field = self.schema.fields[name]
+        path = self._path(name, slot, generation)
+        try:
+            size = os.path.getsize(path)
+            self._touch(name, slot, generation)
+            if size == 0 or size % field.step_nbytes:
+                return None
+            return np.memmap(path, dtype=field.dtype, mode="r", shape=(size // field.step_nbytes, *field.shape))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Fetch and publish the slots no other filler is fetching now, then wait for the others
+        (their files are mapped by the caller; a filler that died leaves them to a later read)."""
+        locks = os.path.join(self.root, ".locks")
+        os.makedirs(locks, exist_ok=True)
+        held, busy, mine = [], [], []
+        try:
+            for i, slot in enumerate(slots.tolist()):
+                fd = os.open(os.path.join(locks, f"{name}-{slot}"), os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    busy.append(fd)
+                    continue
+                held.append(fd)
+                if not os.path.exists(self._path(name, slot, int(generations[i]))):
+                    mine.append(i)  # not published by a filler that held the lock before
+            if mine:
+                self._fetch(name, slots[mine], generations[mine])
+        except BaseException:
+            for fd in busy:
+                os.close(fd)
+            raise
+        finally:
+            for fd in held:
+                os.close(fd)
+        for fd in busy:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.close(fd)
+
+    def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Read the committed rows of ``slots`` (expected at ``generations``) from the wrapped
+        storage in one bulk read and publish each as a file: temp file, then rename."""
+        before = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
+        lens = np.asarray(self.inner.read_meta_rows("episode_lens", slots), dtype=np.int64)
+        self._generations[slots] = before
+        ok = (before == generations) & (lens > 0)
+        slots, generations, lens = slots[ok], generations[ok], lens[ok]
+        if not len(slots):
+            return
+        field = self.schema.fields[name]
+        out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
+        self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out)
+        after = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
+        self._generations[slots] = after
+        folder = os.path.join(self.root, name)
+        os.makedirs(folder, exist_ok=True)
+        written = 0
+        for i in np.flatnonzero(after == generations):
+            slot, generation = int(slots[i]), int(generations[i])
+            temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
+            with open(temp, "wb") as f:
+                f.write(memoryview(np.ascontiguousarray(out[i, : lens[i]])).cast("B"))
+            os.replace(temp, self._path(name, slot, generation))
+            written += int(lens[i]) * field.step_nbytes
+        self._account(written)
+
+    def _account(self, written: int) -> None:
+        """Count ``written`` bytes and evict least recently used files while over ``cache_size``
+        (a whole scan of the folder only when the running count says it may be over)."""
+        if self._used is not None:
+            self._used += written
+            if self._used <= self.cache_size:
+                return
+        files, now = [], time.time()
+        for folder in os.scandir(self.root):
+            if not folder.is_dir():
+                continue
+            for entry in os.scandir(folder.path):
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith(".tmp-"):
+                    if now - stat.st_mtime > STALE_TEMP_S:
+                        _unlink(entry.path)
+                elif entry.name.endswith(SUFFIX):
+                    files.append((stat.st_mtime, stat.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.cache_size:
+                break
+            _unlink(path)
+            total -= size
+        self._used = total
+
+    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        if not self._cached(name):
+            return self.inner.gather(name, episodes, timesteps)
+        episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
+        field = self.schema.fields[name]
+        out = np.empty((len(episodes), *field.shape), dtype=field.dtype)
+        rows = self.rows(name, episodes)
+        served = np.zeros(len(episodes), dtype=bool)
+        order = np.argsort(episodes, kind="stable")
+        bounds = np.flatnonzero(np.diff(episodes[order])) + 1
+        for items in np.split(order, bounds) if len(order) else ():
+            cached = rows.get(int(episodes[items[0]]))
+            if cached is None:
+                continue
+            items = items[timesteps[items] < len(cached)]
+            out[items] = cached[timesteps[items]]
+            served[items] = True
+        rest = np.flatnonzero(~served)
+        if len(rest):
+            out[rest] = self.inner.gather(name, episodes[rest], timesteps[rest])
+        return out
+
+    def read_spans(
+        self,
+        name: str,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: np.ndarray,
+        parallel: bool = True,
+    ) -> None:
+        if not self._cached(name):
+            return self.inner.read_spans(name, episodes, starts, lengths, out, parallel)
+        episodes = np.asarray(episodes, dtype=np.int64)
+        starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        rows = self.rows(name, episodes)
+        rest = []
+        for i, (slot, start, length) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
+            cached = rows.get(slot)
+            if cached is not None and start + length <= len(cached):
+                out[i, :length] = cached[start : start + length]
+            elif length:
+                rest.append(i)
+        if rest:
+            part = out[rest]
+            self.inner.read_spans(name, episodes[rest], starts[rest], lengths[rest], part, parallel)
+            out[rest] = part
+
+    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        if not self._cached(name):
+            return self.inner.read_rows(name, episodes, t0, t1)
+        field = self.schema.fields[name]
+        episodes = np.asarray(episodes, dtype=np.int64)
+        out = np.empty((len(episodes), t1 - t0, *field.shape), dtype=field.dtype)
+        count = len(episodes)
+        self.read_spans(name, episodes, np.full(count, t0), np.full(count, t1 - t0), out)
+        return out
+
+    def warm(self, slots: np.ndarray, fields: Sequence[str], progress: bool | None = None) -> None:
+        """Fill the cache for ``slots`` (committed ones) and ``fields`` ahead of reads."""
+        from ..progress import progress_bar
+
+        with progress_bar(progress, total=len(slots) * len(fields), desc="warm cache", unit="episode") as bar:
+            for name in fields:
+                for lo in range(0, len(slots), WARM_BATCH):
+                    part = slots[lo : lo + WARM_BATCH]
+                    self.rows(name, part)
+                    bar.update(len(part))
+
+    def __repr__(self) -> str:
+        return f"CachedStorage({self.inner!r}, cache_dir={self.cache_dir!r})"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+_FORWARDED = (
+    "check_creatable",
+    "load_state",
+    "commit_state",
+    "append_log",
+    "read_log",
+    "log_names",
+    "clear_log",
+    "copy_log_aside",
+    "time_chunk",
+    "write_rows",
+    "write_meta",
+    "writer_lease",
+    "acquire_writer",
+    "release_writer",
+    "flush",
+    "links",
+    "describe_key",
+)
+
+
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"``{name}`` of the wrapped storage."
+    return method
+
+
+for _name in _FORWARDED:
+    setattr(CachedStorage, _name, _forward(_name))
+
+
+#: URL schemes of object stores, whose read-only buffers are cached unless ``cache=False``
+CACHED_BY_DEFAULT = ("s3://", "gs://", "gcs://")
+
+
+def with_cache(
+    storage: Storage,
+    read_only: bool,
+    cache: bool | str | None,
+    cache_dir: str | os.PathLike | None,
+    cache_size: int,
+) -> Storage:
+    """``storage`` behind a ``CachedStorage`` when the buffer's ``cache`` arguments ask for one:
+    ``cache='disk'`` (or True, or a ``cache_dir``) for a read-only buffer anywhere; by default
+    (``cache=None``) for read-only buffers on object stores; never with ``cache=False``."""
+    if cache not in (None, True, False, "disk"):
+        raise ValueError(f"cache must be 'disk', True, False or None (automatic), got {cache!r}")
+    asked = cache in (True, "disk") or (cache is None and cache_dir is not None)
+    if asked and not read_only:
+        raise ValueError(
+            f"cache={cache!r}, cache_dir={cache_dir!r}: the read cache serves buffers opened with "
+            f"read_only=True; {storage.location!r} is opened for writing"
+        )
+    automatic = cache is None and storage.location.startswith(CACHED_BY_DEFAULT)
+    if isinstance(storage, CachedStorage) or not read_only or not (asked or automatic):
+        return storage
+    return CachedStorage(storage, cache_dir, cache_size)

@@ -1,0 +1,290 @@
+"""The read cache of decoded rows (``storage/_cache.py``, issue 16): cached reads equal uncached
+ones on every read path, one copy shared by workers and processes, generation-keyed, bounded,
+refilled, never torn; on S3 the second epoch issues no data GETs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from replaybuf import ReplayBuffer
+from replaybuf.sampling import make_dataloader
+from replaybuf.storage import make_storage
+from replaybuf.storage._cache import CachedStorage, buffer_identity
+from replaybuf.testing import StorageFactory, StorageTests
+from tests._sampling_data import FIELDS, LENGTHS, META_FIELDS, episode, fill
+from tests.test_sampling import assert_same
+
+pytest_plugins = ["tests._servers"]  # fixture: s3_server
+
+OPTIONS = dict(max_episodes=8, max_timesteps=10, fields=FIELDS, meta_fields=META_FIELDS)
+LOADER_CASES = [{}, {"timestep_level": True, "return_indices": True}, {"n_steps": 3, "sequence_fields": ("image",)}]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TestCachedZarr(StorageTests):
+    @pytest.fixture
+    def storage_factory(self, tmp_path) -> StorageFactory:
+        return lambda name="buffer": CachedStorage(make_storage(tmp_path / name), tmp_path / "cache")
+
+
+@pytest.fixture
+def written(tmp_path) -> str:
+    buffer = ReplayBuffer(tmp_path / "buffer", **OPTIONS)
+    fill(buffer)
+    buffer.close()
+    return str(tmp_path / "buffer")
+
+
+def cache_files(cache_dir) -> dict[str, int]:
+    """Relative path -> size of every published cache file."""
+    out = {}
+    for folder, _, files in os.walk(cache_dir):
+        if os.path.basename(folder) == ".locks":
+            continue
+        for name in files:
+            path = os.path.join(folder, name)
+            out[os.path.relpath(path, cache_dir)] = os.path.getsize(path)
+    return out
+
+
+def expected_bytes(buffer: ReplayBuffer, fields=None) -> int:
+    lens = buffer._meta["episode_lens"]
+    return int(lens.sum()) * sum(
+        f.step_nbytes for n, f in buffer.schema.fields.items() if fields is None or n in fields
+    )
+
+
+def run_python(code: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, **kwargs)
+
+
+@pytest.mark.parametrize("case", LOADER_CASES, ids=lambda c: ",".join(c) or "trajectory")
+def test_cached_batches_equal_uncached(written, tmp_path, case):
+    plain = ReplayBuffer.from_folder(written, read_only=True)
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    assert isinstance(cached.storage, CachedStorage) and not isinstance(plain.storage, CachedStorage)
+    for epoch in range(2):  # the first fills the cache, the second reads it
+        ours = list(make_dataloader(cached, batch_size=4, **case))
+        theirs = list(make_dataloader(plain, batch_size=4, **case))
+        assert len(ours) == len(theirs) > 0
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, (epoch, i))
+    assert cache_files(tmp_path / "cache")
+
+
+def test_get_all_data_and_views_cached(written, tmp_path):
+    plain = ReplayBuffer.from_folder(written, read_only=True)
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    a, b = plain.get_all_data(), cached.get_all_data()
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    np.testing.assert_array_equal(cached.data["image"][1:4, 2:5], plain.data["image"][1:4, 2:5])
+    assert sum(cache_files(tmp_path / "cache").values()) == expected_bytes(plain)
+
+
+def test_warm_cache_fills_every_committed_episode(written, tmp_path):
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    cached.warm_cache(episodes=[0, 2], fields=["state"], progress=False)
+    root = cached.storage.root
+    assert sorted(cache_files(root)) == [os.path.join("state", "0-1.raw"), os.path.join("state", "2-3.raw")]
+    cached.warm_cache(progress=False)
+    files = cache_files(root)
+    assert len(files) == len(LENGTHS) * len(FIELDS) and sum(files.values()) == expected_bytes(cached)
+    with pytest.raises(ValueError, match="invalid field names"):
+        cached.warm_cache(fields=["nope"])
+
+
+def test_cache_arguments_refused(written, tmp_path):
+    with pytest.raises(ValueError, match="read_only=True"):
+        ReplayBuffer.from_folder(written, cache="disk")
+    with pytest.raises(ValueError, match="read_only=True"):
+        ReplayBuffer.from_folder(written, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="cache must be"):
+        ReplayBuffer.from_folder(written, read_only=True, cache="ram")
+    with pytest.raises(ValueError, match="cache_size"):
+        ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_size=-1)
+    with pytest.raises(ValueError, match="no read cache"):
+        ReplayBuffer.from_folder(written, read_only=True).warm_cache()
+    assert not (tmp_path / "cache").exists()
+
+
+def test_uuid_is_stored_and_never_a_config_difference(written, tmp_path):
+    reader = ReplayBuffer.from_folder(written, read_only=True)
+    assert reader.schema.uuid and len(reader.schema.uuid) == 32
+    again = ReplayBuffer(written, overwrite=False, **OPTIONS)  # the caller passes no uuid
+    assert again.schema.uuid == reader.schema.uuid
+    again.close()
+    other = ReplayBuffer(tmp_path / "other", **OPTIONS)
+    assert other.schema.uuid != reader.schema.uuid
+    # same config at another location, or the same location recreated: another cache folder
+    assert buffer_identity(written, reader.schema) != buffer_identity(str(tmp_path / "other"), other.schema)
+
+
+def test_buffer_without_uuid_is_cached_by_config(tmp_path):
+    fixture = os.path.join(REPO, "tests", "data", "format-v1", "zarr")
+    reader = ReplayBuffer.from_folder(fixture, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    assert reader.schema.uuid is None
+    plain = ReplayBuffer.from_folder(fixture, read_only=True).get_all_data()
+    cached = reader.get_all_data()
+    for key in plain:
+        assert torch.equal(plain[key], cached[key]), key
+    assert cache_files(tmp_path / "cache")
+
+
+def test_reused_slot_is_refetched(tmp_path):
+    location, cache = str(tmp_path / "ring"), tmp_path / "cache"
+    writer = ReplayBuffer(location, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    writer.close()
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    assert reader.data["ident"][0, 0] == 0  # slot 0 holds episode 0, now cached
+    child = run_python(
+        f"""
+        from replaybuf import ReplayBuffer
+        from tests._sampling_data import episode
+        buffer = ReplayBuffer.from_folder({location!r})
+        buffer.store_episode(**episode(7, 5), task=7, success=True)  # wraps into slot 0
+        buffer.close()
+        """
+    )
+    assert child.wait(timeout=120) == 0
+    # before refresh the reader's plan is stale: its read is checked and re-planned
+    assert reader.data["ident"][0, 0] == 7000
+    reader.refresh()
+    np.testing.assert_array_equal(reader.get_all_data(fields=["ident"])["ident"][0, :5].numpy(), 7000 + np.arange(5))
+    names = sorted(cache_files(reader.storage.root))
+    assert os.path.join("ident", "0-1.raw") in names and os.path.join("ident", "0-4.raw") in names
+
+
+def test_processes_and_workers_share_one_copy(written, tmp_path):
+    cache = tmp_path / "cache"
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
+    for context in ("fork", "spawn"):
+        batches = list(
+            make_dataloader(
+                reader, batch_size=4, num_workers=2, multiprocessing_context=context, persistent_workers=False
+            )
+        )
+        assert batches
+    child = run_python(
+        f"""
+        from replaybuf import ReplayBuffer
+        ReplayBuffer.from_folder({written!r}, read_only=True, cache="disk", cache_dir={str(cache)!r}).get_all_data()
+        """
+    )
+    assert child.wait(timeout=120) == 0
+    reader.get_all_data()
+    files = cache_files(cache)
+    assert len(files) == len(LENGTHS) * len(FIELDS)  # one file per (field, episode), no temp files
+    assert sum(files.values()) == expected_bytes(reader)
+
+
+def test_lru_eviction_and_refill(written, tmp_path):
+    cache = tmp_path / "cache"
+    probe = ReplayBuffer.from_folder(written, read_only=True)
+    lens, step = probe._meta["episode_lens"], probe.schema.fields["state"].step_nbytes
+    size = int(lens[[0, 1, 2]].sum()) * step
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache, cache_size=size)
+    storage = reader.storage
+    for slot in (0, 1, 2):
+        storage.rows("state", [slot])
+    storage.drop_caches()
+    storage.rows("state", [0])  # slot 0 used again: slot 1 is now the least recently used
+    storage.rows("state", [3])
+    names = sorted(cache_files(storage.root))
+    assert os.path.join("state", "1-2.raw") not in names
+    assert os.path.join("state", "0-1.raw") in names and os.path.join("state", "3-4.raw") in names
+    assert sum(cache_files(storage.root).values()) <= size
+    np.testing.assert_array_equal(storage.read_rows("state", np.array([1]), 0, 4), probe.data["state"][1:2, :4])
+    for path in cache_files(storage.root):
+        os.unlink(os.path.join(storage.root, path))
+    storage.drop_caches()
+    np.testing.assert_array_equal(storage.read_rows("state", np.array([2]), 0, 7), probe.data["state"][2:3, :7])
+    assert os.path.join("state", "2-3.raw") in cache_files(storage.root)
+
+
+def test_killed_filler_leaves_nothing_served(written, tmp_path):
+    cache = tmp_path / "cache"
+    child = run_python(
+        f"""
+        import os, sys, time
+        from replaybuf import ReplayBuffer
+        def stop(*args):  # killed between writing the temp file and renaming it
+            print("filled", flush=True)
+            time.sleep(60)
+        os.replace = stop
+        ReplayBuffer.from_folder({written!r}, read_only=True, cache="disk", cache_dir={str(cache)!r}).get_all_data()
+        """,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().startswith("filled")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    left = cache_files(cache)
+    assert left and all(os.path.basename(p).startswith(".tmp-") for p in left)
+    plain = ReplayBuffer.from_folder(written, read_only=True).get_all_data()
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache).get_all_data()
+    for key in plain:
+        assert torch.equal(plain[key], cached[key]), key
+
+
+def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, tmp_path):
+    # 64 episodes of one chunk each: the first batch fills them all in one bulk read
+    options = dict(max_episodes=64, max_timesteps=10, fields={"image": ("uint8", (24, 24, 3)), "state": ("float", 4)})
+    location = s3_server.url(f"cache-{uuid.uuid4().hex[:8]}")
+    writer = ReplayBuffer(location, storage_options=s3_server.storage_options, **options)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        writer.store_episode(
+            image=rng.integers(0, 256, (10, 24, 24, 3), dtype=np.uint8), state=rng.random((10, 4), dtype=np.float32)
+        )
+    writer.close()
+    reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options)
+    assert isinstance(reader.storage, CachedStorage)  # on by default on object stores
+    with s3_server.record() as first:
+        list(make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=0))
+    with s3_server.record() as second:
+        list(make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=1))
+    data_gets = [path for method, path in second.requests if method == "GET" and "/data/" in path]
+    assert first.peak_in_flight["GET"] >= 16, first.peak_in_flight
+    assert data_gets == []
+    off = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options, cache=False)
+    assert not isinstance(off.storage, CachedStorage)
+
+
+def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path):
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    storage, expected = reader.storage, ReplayBuffer.from_folder(written, read_only=True).data["state"][:2, :4]
+    os.makedirs(os.path.join(storage.root, ".locks"))
+    other = os.open(os.path.join(storage.root, ".locks", "state-0"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)  # another filler is fetching slot 0
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(rows=storage.read_rows("state", np.array([0, 1]), 0, 4)))
+    thread.start()
+    thread.join(timeout=1.0)
+    try:
+        assert thread.is_alive()  # waiting for the other filler, not fetching slot 0 again
+        assert sorted(cache_files(storage.root)) == [os.path.join("state", "1-2.raw")]
+    finally:
+        os.close(other)  # that filler dies without publishing
+    thread.join(timeout=60)
+    np.testing.assert_array_equal(result["rows"], expected)  # slot 0 read from the buffer this time
+    storage.rows("state", [0])
+    assert os.path.join("state", "0-1.raw") in cache_files(storage.root)
