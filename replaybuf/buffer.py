@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import namedtuple
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,11 @@ _HIDDEN_META = ("_generation",)
 # a reader that sees a slot with a length but no generation (between a commit's two writes)
 # reads the bookkeeping again before calling it damage
 _REREADS = 3
+
+
+def _memory_type(schema: Schema) -> Any:
+    """The namedtuple ``store()`` returns: one value per data field."""
+    return namedtuple("Memory", list(schema.fields))
 
 
 class MetaView:
@@ -253,7 +258,10 @@ class ReplayBuffer:
         )
         location = self.storage.location
         self.folder = location if "://" in location else Path(location)
-        wanted = None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)
+        # Schema.build refuses a missing max_episodes / max_timesteps with a message naming it
+        wanted = (
+            None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
+        )
 
         if self.read_only:
             if not self.storage.exists():
@@ -277,14 +285,15 @@ class ReplayBuffer:
             schema.check_matches(wanted, self.storage.location)
         return schema
 
-    def _check_creatable(self, schema: Schema | None) -> None:
+    def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:
             raise ValueError(
                 f"no buffer exists at {self.storage.location!r}: pass max_episodes, max_timesteps and fields to create one"
             )
+        return schema
 
-    def _create(self, schema: Schema | None) -> Schema:
-        self._check_creatable(schema)
+    def _create(self, wanted: Schema | None) -> Schema:
+        schema = self._check_creatable(wanted)
         self.storage.create(schema, overwrite=True)
         return schema
 
@@ -328,7 +337,7 @@ class ReplayBuffer:
         self.meta_shapes = {n: f.shape for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
         self.meta_dtypes = {n: f.dtype.type for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
         self.meta_defaults = {n: f.default for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
-        self.memory_namedtuple = namedtuple("Memory", list(schema.fields))
+        self.memory_namedtuple = _memory_type(schema)
         self.data = {n: DataView(self, n) for n in schema.fields}
         self._commit = Committer(self.storage, schema, self.flush_every_store_step)
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
@@ -349,7 +358,7 @@ class ReplayBuffer:
         for _ in range(_REREADS):
             if self.read_only:
                 # a slot a writer changed while it was loaded reads as empty until the next refresh
-                meta = stored_bookkeeping(self.storage, self.schema.meta_fields)
+                meta = stored_bookkeeping(self.storage, list(self.schema.meta_fields))
             else:
                 meta = {n: self.storage.read_meta(n) for n in names}
             # a commit landing during the reads can leave a length without its generation for a
@@ -484,7 +493,7 @@ class ReplayBuffer:
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
 
-    def _check_names(self, names: Sequence[str], allowed: set[str], what: str, call: str) -> None:
+    def _check_names(self, names: Iterable[str], allowed: set[str], what: str, call: str) -> None:
         unknown = sorted(set(names) - allowed)
         if unknown:
             raise ValueError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
@@ -530,6 +539,7 @@ class ReplayBuffer:
 
     def _stage(self, values: dict[str, np.ndarray]) -> None:
         group = self._group
+        assert group is not None, "a step is staged into the group in progress"
         self._commit.write_slabs(group, group.append(values))
         self._store_step += 1
         if self.flush_every_store_step > 0:
@@ -687,7 +697,7 @@ class ReplayBuffer:
             self._begin_group(batch, values)
             return
         for name, value in values.items():
-            self._group.meta[name][:] = value
+            group.meta[name][:] = value
         if self.flush_every_store_step > 0:
             self._commit.log_pending.append(self._commit.step_log.meta(values))
 
@@ -840,9 +850,11 @@ class ReplayBuffer:
         """Checked meta values of ``episodes``: staged for the episodes in progress (committed
         with them), written through for the others."""
         group = self._group
-        staged = np.isin(episodes, group.slots) if group is not None else np.zeros(len(episodes), bool)
-        for episode, value in zip(episodes[staged], values[staged]):
-            group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
+        staged = np.zeros(len(episodes), bool)
+        if group is not None:
+            staged = np.isin(episodes, group.slots)
+            for episode, value in zip(episodes[staged], values[staged]):
+                group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
         if not staged.all():
             self._commit.write_meta(name, episodes[~staged], values[~staged])
 
@@ -1077,7 +1089,7 @@ class ReplayBuffer:
         **kwargs: Any,
     ) -> Path:
         """Render episode(s) of an image field to .mp4 / .webm / .gif."""
-        return video.save_video(self, path, episode_index, field, fps, **kwargs)
+        return video.save_video(self, os.fspath(path), episode_index, field, fps, **kwargs)
 
     def create_collector(
         self,
@@ -1106,7 +1118,7 @@ class ReplayBuffer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage.read_only = True
-        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.memory_namedtuple = _memory_type(self.schema)
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def close(self) -> None:

@@ -292,7 +292,12 @@ class Committer:
                 f"it was copied to {aside!r} and {len(log.steps)} valid step(s) before the damage are recovered",
                 stacklevel=4,
             )
-        if slots is not None and log.steps and log.header["generation_base"] >= int(self.state["total_episodes"]):
+        if (
+            slots is not None
+            and log.header is not None
+            and log.steps
+            and log.header["generation_base"] >= int(self.state["total_episodes"])
+        ):
             self.state["episode_index"] = int(slots[0])
             group = self.new_group(len(slots), meta)
             self.log_pending, self.log_written = [], True
@@ -305,7 +310,7 @@ class Committer:
     def _check_log_header(self, log: ParsedLog) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The slots and checked meta values a step log's header and meta records name."""
         header = log.header
-        assert header is not None
+        assert header is not None, "called for a log with a header"
         slots = np.asarray(header["slots"])
         if (
             slots.ndim != 1
