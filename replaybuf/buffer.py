@@ -1,8 +1,8 @@
 """ReplayBuffer: episode bookkeeping and the write API, on any Storage.
 
-The buffer validates input, keeps the per-episode bookkeeping (lengths, generations, user meta
-fields) mirrored in RAM, stages episodes in progress (``staging.py``) and commits them in the
-order that keeps every committed episode intact through a crash:
+The buffer validates input, stages episodes in progress (``staging.py``) and hands them to its
+``Committer`` (``commit.py``), which keeps the per-episode bookkeeping mirrored in RAM and
+commits them in the order that keeps every committed episode intact through a crash:
 
 1. a reused circular slot is invalidated first (``episode_lens = 0``, ``_generation = 0``);
 2. the data slabs are written;
@@ -18,7 +18,7 @@ import dataclasses
 import os
 import warnings
 from collections import namedtuple
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import video
+from .commit import Committer
 from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
-from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
+from .staging import EpisodeGroup
 from .storage._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from .storage.base import (
     STATE_KEY,
     Storage,
-    StorageError,
     bookkeeping_fields,
     check_bookkeeping,
     check_state,
@@ -47,13 +47,15 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 
     from .collector import EpisodeCollector
 
-LOG_NAME = "episode"
-# counters key: slots of committed length-0 episodes, which no published length shows
-EMPTY_EPISODES = "empty_episodes"
 _HIDDEN_META = ("_generation",)
 # a reader that sees a slot with a length but no generation (between a commit's two writes)
 # reads the bookkeeping again before calling it damage
 _REREADS = 3
+
+
+def _memory_type(schema: Schema) -> Any:
+    """The namedtuple ``store()`` returns: one value per data field."""
+    return namedtuple("Memory", list(schema.fields))
 
 
 class MetaView:
@@ -268,7 +270,10 @@ class ReplayBuffer:
         )
         location = self.storage.location
         self.folder = location if "://" in location else Path(location)
-        wanted = None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)
+        # Schema.build refuses a missing max_episodes / max_timesteps with a message naming it
+        wanted = (
+            None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
+        )
 
         if self.read_only:
             if not self.storage.exists():
@@ -281,10 +286,7 @@ class ReplayBuffer:
         self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
-            writing = self._state.get("writing", ())
-            self._reconcile_state()
-            self._dirty_slots.update(int(s) for s in writing if self._meta["episode_lens"][s] == 0)
-            self._recover_step_log()
+            self._commit.recover()
         except BaseException:
             self.storage.release_writer()
             raise
@@ -295,14 +297,15 @@ class ReplayBuffer:
             schema.check_matches(wanted, self.storage.location)
         return schema
 
-    def _check_creatable(self, schema: Schema | None) -> None:
+    def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:
             raise ValueError(
                 f"no buffer exists at {self.storage.location!r}: pass max_episodes, max_timesteps and fields to create one"
             )
+        return schema
 
-    def _create(self, schema: Schema | None) -> Schema:
-        self._check_creatable(schema)
+    def _create(self, wanted: Schema | None) -> Schema:
+        schema = self._check_creatable(wanted)
         schema = dataclasses.replace(schema, uuid=new_uuid())  # the identity of this buffer's read cache
         self.storage.create(schema, overwrite=True)
         return schema
@@ -347,23 +350,15 @@ class ReplayBuffer:
         self.meta_shapes = {n: f.shape for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
         self.meta_dtypes = {n: f.dtype.type for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
         self.meta_defaults = {n: f.default for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
-        self.memory_namedtuple = namedtuple("Memory", list(schema.fields))
+        self.memory_namedtuple = _memory_type(schema)
         self.data = {n: DataView(self, n) for n in schema.fields}
-        self._time_chunks = {n: self.storage.time_chunk(n) for n in schema.fields}
-        self._spans = {n: write_span(f, self._time_chunks[n], self.max_timesteps) for n, f in schema.fields.items()}
-        # every field's row is one chunk (or shard), always written whole: a killed writer
-        # cannot leave rows past a later episode's end, so slots need no "writing" mark
-        self._rows_written_whole = all(chunk >= self.max_timesteps for chunk in self._time_chunks.values())
-        self._step_log = StepLog(schema.fields, schema.meta_fields)
+        self._commit = Committer(self.storage, schema, self.flush_every_store_step)
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
         for fill in self._fills.values():
             fill.flags.writeable = False
         self._group: EpisodeGroup | None = None
-        self._log_pending: list[bytes] = []
-        self._log_written = False
         self._store_step = 0
         self._pending_steps = 0  # ``timestep_index = n`` set before the group it applies to began
-        self._dirty_slots: set[int] = set()
         self.refresh()
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
@@ -376,7 +371,7 @@ class ReplayBuffer:
         for _ in range(_REREADS):
             if self.read_only:
                 # a slot a writer changed while it was loaded reads as empty until the next refresh
-                meta = stored_bookkeeping(self.storage, self.schema.meta_fields)
+                meta = stored_bookkeeping(self.storage, list(self.schema.meta_fields))
             else:
                 meta = {n: self.storage.read_meta(n) for n in names}
             # a commit landing during the reads can leave a length without its generation for a
@@ -389,6 +384,24 @@ class ReplayBuffer:
         return self
 
     # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def _state(self) -> dict[str, Any]:
+        """The counters object as last loaded or committed (``Committer.state``)."""
+        return self._commit.state
+
+    @_state.setter
+    def _state(self, state: dict[str, Any]) -> None:
+        self._commit.state = state
+
+    @property
+    def _meta(self) -> dict[str, np.ndarray]:
+        """The RAM mirror of the per-episode arrays (``Committer.meta``)."""
+        return self._commit.meta
+
+    @_meta.setter
+    def _meta(self, meta: dict[str, np.ndarray]) -> None:
+        self._commit.meta = meta
 
     @property
     def num_episodes(self) -> int:
@@ -411,13 +424,12 @@ class ReplayBuffer:
                 f"episode_index: {group.length} steps of the episode(s) in slots {group.slots.tolist()} are "
                 "staged; commit them with advance_episode() before choosing another slot"
             )
-        self._state = {**self._state, "episode_index": slot}
-        self.storage.commit_state(self._state)
+        self._commit.commit_state(episode_index=slot)
         if group is not None:  # only meta was set: it moves with the group
             group.slots = self._next_slots(group.batch_size)
-            self._discard_log()
+            self._commit.discard_log()
             if self.flush_every_store_step > 0:
-                self._log_pending = [self._step_log.header(group.slots, group.generation_base, group.meta)]
+                self._commit.log_header(group)
 
     @property
     def timestep_index(self) -> int:
@@ -439,7 +451,7 @@ class ReplayBuffer:
         if value < group.length:
             group.rewind(value, lambda name, t0, t1: self._read_rows(name, group.slots, t0, t1))
             if self.flush_every_store_step > 0:
-                self._log_pending.append(self._step_log.truncate(value))
+                self._commit.log_pending.append(self._commit.step_log.truncate(value))
         while group.length < value:
             self._stage({})
 
@@ -464,9 +476,7 @@ class ReplayBuffer:
     def empty_episodes(self) -> np.ndarray:
         """Slots of committed length-0 episodes (``advance_episode(batch_size=n)`` before any
         step): counted in ``num_episodes`` and listed by ``get_all_data`` with their meta values."""
-        return np.asarray(
-            [s for s in self._state.get(EMPTY_EPISODES, ()) if self._meta["episode_lens"][s] == 0], np.int64
-        )
+        return self._commit.empty_episodes()
 
     def valid_episodes(self) -> np.ndarray:
         """Slots holding a committed episode, oldest first."""
@@ -496,7 +506,7 @@ class ReplayBuffer:
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
 
-    def _check_names(self, names: Sequence[str], allowed: set[str], what: str, call: str) -> None:
+    def _check_names(self, names: Iterable[str], allowed: set[str], what: str, call: str) -> None:
         unknown = sorted(set(names) - allowed)
         if unknown:
             raise ValueError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
@@ -524,12 +534,7 @@ class ReplayBuffer:
         (``store_meta_batch`` before any step) and keeps that meta for the rows both share, as the
         seed keeps meta written to the next slots."""
         self._check_room(batch_size)
-        group = EpisodeGroup(
-            self._next_slots(batch_size), self.schema.fields, self._spans, int(self._state["total_episodes"])
-        )
-        group.meta = {
-            n: np.broadcast_to(fill_value(f), (batch_size, *f.shape)).copy() for n, f in self.schema.meta_fields.items()
-        }
+        group = self._commit.new_group(batch_size, {})
         if self._group is not None:
             shared = min(batch_size, self._group.batch_size)
             for name, values in self._group.meta.items():
@@ -539,54 +544,20 @@ class ReplayBuffer:
         self._group = group
         self._store_step = 0
         if self.flush_every_store_step > 0:
-            self._log_pending = [self._step_log.header(group.slots, group.generation_base, group.meta)]
+            self._commit.log_header(group)
         pending, self._pending_steps = self._pending_steps, 0
         for _ in range(pending):
             self._stage({})
         return group
 
-    def _invalidate(self, group: EpisodeGroup) -> None:
-        """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
-        if group.invalidated:
-            return
-        group.invalidated = True
-        # rows written but never published (an aborted or killed group, or a cleared buffer)
-        # may reach max_timesteps; those are zeroed past the new episode's end at commit
-        dirty = np.isin(group.slots, np.fromiter(self._dirty_slots, np.int64, len(self._dirty_slots)))
-        if self._state.get("cleared"):
-            dirty[:] = True
-        group.previous_lens = np.where(dirty, self.max_timesteps, self._meta["episode_lens"][group.slots])
-        self._dirty_slots.update(group.slots.tolist())
-        if not self._rows_written_whole:
-            self.storage.commit_state({**self._state, "writing": group.slots.tolist()})
-        reused = group.slots[
-            (self._meta["episode_lens"][group.slots] > 0) | (self._meta["_generation"][group.slots] > 0)
-        ]
-        if len(reused):
-            # the length first: a kill in between leaves an empty slot with a stale generation
-            # (cleared on reopen), never a committed slot without one
-            self._write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
-            self._write_meta("_generation", reused, np.zeros(len(reused), np.int64))
-
-    def _write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]]) -> None:
-        if not slabs:
-            return
-        try:
-            self._invalidate(group)
-            for name, t0, rows in slabs:
-                self.storage.write_rows(name, group.slots, t0, rows)
-        except (OSError, StorageError) as e:
-            raise StorageError(
-                f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} failed: {e}"
-            ) from e
-
     def _stage(self, values: dict[str, np.ndarray]) -> None:
         group = self._group
-        self._write_slabs(group, group.append(values))
+        assert group is not None, "a step is staged into the group in progress"
+        self._commit.write_slabs(group, group.append(values))
         self._store_step += 1
         if self.flush_every_store_step > 0:
-            self._log_pending.append(
-                self._step_log.steps(
+            self._commit.log_pending.append(
+                self._commit.step_log.steps(
                     {
                         n: values[n] if n in values else np.broadcast_to(self._fills[n], (group.batch_size, *f.shape))
                         for n, f in self.schema.fields.items()
@@ -594,155 +565,19 @@ class ReplayBuffer:
                 )
             )
             if self._store_step % self.flush_every_store_step == 0:
-                self._flush_log()
-
-    def _flush_log(self) -> None:
-        if self._log_pending:
-            self.storage.append_log(LOG_NAME, b"".join(self._log_pending))
-            self._log_pending = []
-            self._log_written = True
+                self._commit.flush_log()
 
     def _commit_group(self, final_meta: dict[str, np.ndarray] | None = None) -> None:
         group, self._group = self._group, None
         if group is None or group.length == 0:
-            self._discard_log()
+            self._commit.discard_log()
             return
-        for name, values in (final_meta or {}).items():
-            group.meta[name][:] = values
-        self._write_slabs(group, group.tail(self._time_chunks, self.max_timesteps))
-        self._clear_stale(group)
-        self._publish(group.slots, group.length, group.meta)
-        self._discard_log()
-
-    def _clear_stale(self, group: EpisodeGroup) -> None:
-        """Zero chunks a previous, longer episode left in a reused slot beyond the new end."""
-        longest = int(group.previous_lens.max()) if len(group.previous_lens) else 0
-        for name, chunk in self._time_chunks.items():
-            start = -(-group.length // chunk) * chunk
-            end = min(-(-longest // chunk) * chunk, self.max_timesteps)
-            if end > start:
-                f = self.schema.fields[name]
-                self.storage.write_rows(
-                    name, group.slots, start, np.zeros((group.batch_size, end - start, *f.shape), f.dtype)
-                )
-
-    def _publish(self, slots: np.ndarray, length: int, meta: dict[str, np.ndarray]) -> None:
-        """Commit steps 3 and 4: meta rows, generation and length, then the counters."""
-        for name, values in meta.items():
-            self._write_meta(name, slots, values)
-        base = int(self._state["total_episodes"])
-        # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
-        ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
-        self._write_meta("_generation", slots, ordinals)
-        self._write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
-        previous = self._state
-        empties = set(self._state.get(EMPTY_EPISODES, ())) - set(slots.tolist())
-        if not length:
-            empties |= set(slots.tolist())
-        self._state = {
-            "episode_index": int((slots[-1] + 1) % self.max_episodes),
-            "total_episodes": base + len(slots),
-            **({"cleared": True} if self._state.get("cleared") else {}),
-            **({EMPTY_EPISODES: sorted(empties)} if empties else {}),
-        }
-        # counted as the seed counts commits (an episode_index moved back overwrites and counts)
-        self._state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
-        self.storage.commit_state(self._state)
-        self._dirty_slots.difference_update(slots.tolist())
-
-    def _count_episodes(self) -> int:
-        """The episodes the published lengths show: the slots holding an episode, plus the
-        committed length-0 episodes (the seed counts ``advance_episode(batch_size=n)`` before any
-        step), which hold no data and are listed in the counters object as ``empty_episodes``."""
-        return min(int((self._meta["episode_lens"] > 0).sum()) + len(self.empty_episodes()), self.max_episodes)
-
-    def _write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
-        episodes = np.asarray(episodes)
-        self.storage.write_meta(name, episodes, values)
-        self._meta[name][episodes] = values
-
-    def _discard_log(self) -> None:
-        self._log_pending = []
-        if self._log_written:
-            self.storage.clear_log(LOG_NAME)
-            self._log_written = False
+        self._commit.commit(group, final_meta)
 
     def _abort_group(self) -> None:
         self._group = None
         self._pending_steps = 0
-        self._discard_log()
-
-    def _recover_step_log(self) -> None:
-        """Commit, truncated, the episodes a killed writer left in its step log; then clear it.
-
-        A log with a damaged record (bad checksum, wrong size, values that do not fit the
-        config) is copied aside with a warning naming the copy, and its valid prefix recovered;
-        a log of an episode committed since (stale) is dropped."""
-        if LOG_NAME not in self.storage.log_names():
-            return
-        log = self._step_log.parse(self.storage.read_log(LOG_NAME))
-        try:
-            slots, meta = self._check_log_header(log) if log.header is not None else (None, {})
-        except (ValueError, TypeError, KeyError) as e:
-            log.damage, log.steps, slots = f"header: {e}", [], None
-        if log.damage is not None:
-            aside = self.storage.copy_log_aside(LOG_NAME)
-            warnings.warn(
-                f"the step log of an unfinished episode in {self.storage.location!r} is damaged ({log.damage}); "
-                f"it was copied to {aside!r} and {len(log.steps)} valid step(s) before the damage are recovered",
-                stacklevel=3,
-            )
-        if slots is not None and log.steps and log.header["generation_base"] >= int(self._state["total_episodes"]):
-            self._state["episode_index"] = int(slots[0])
-            group = self._begin_group(len(slots), meta)
-            self._log_pending = []
-            self._log_written = True
-            for step in log.steps[: self.max_timesteps]:
-                self._write_slabs(group, group.append(step))
-            self._commit_group()
-            return
-        self.storage.clear_log(LOG_NAME)
-
-    def _check_log_header(self, log: ParsedLog) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The slots and checked meta values a step log's header and meta records name."""
-        header = log.header
-        slots = np.asarray(header["slots"])
-        if (
-            slots.ndim != 1
-            or not 0 < len(slots) <= self.max_episodes
-            or slots.dtype.kind not in "iu"
-            or len(np.unique(slots)) != len(slots)
-            or slots.min() < 0
-            or slots.max() >= self.max_episodes
-        ):
-            raise ValueError(f"slots {header['slots']!r} are not distinct slots in [0, {self.max_episodes})")
-        base = header["generation_base"]
-        if isinstance(base, bool) or not isinstance(base, int) or base < 0:
-            raise ValueError(f"generation_base {base!r} is not an int >= 0")
-        if header["fields"] != list(self.schema.fields):
-            raise ValueError(f"the log holds fields {header['fields']}, the buffer {list(self.schema.fields)}")
-        return slots, log.meta
-
-    def _reconcile_state(self) -> None:
-        """Make the counters agree with the published lengths and generations, the truth after
-        a writer died at any point of a commit: ``num_episodes`` counts the slots holding an
-        episode, ``episode_index`` follows the newest, and generations of empty slots (a commit
-        killed between its two bookkeeping writes) are cleared."""
-        lens, generations = self._meta["episode_lens"], self._meta["_generation"]
-        stale = np.flatnonzero((lens == 0) & (generations != 0))
-        if len(stale):
-            self._write_meta("_generation", stale, np.zeros(len(stale), np.int64))
-        valid = np.flatnonzero(lens > 0)
-        # an open recounts what is published (a killed commit may have emptied a reused slot);
-        # within a session num_episodes counts commits, as the seed does
-        state = {**self._state, "num_episodes": self._count_episodes()}
-        if len(valid):
-            newest = int(valid[np.argmax(generations[valid])])
-            state["episode_index"] = (newest + 1) % self.max_episodes
-            state["total_episodes"] = max(int(state["total_episodes"]), int(generations[newest]))
-        if state != self._state:
-            self._state = state
-            self.storage.commit_state(state)
+        self._commit.discard_log()
 
     # ---- the write API -------------------------------------------------------------------------
 
@@ -875,9 +710,9 @@ class ReplayBuffer:
             self._begin_group(batch, values)
             return
         for name, value in values.items():
-            self._group.meta[name][:] = value
+            group.meta[name][:] = value
         if self.flush_every_store_step > 0:
-            self._log_pending.append(self._step_log.meta(values))
+            self._commit.log_pending.append(self._commit.step_log.meta(values))
 
     def store_episode(self, **data: Any) -> None:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
@@ -893,7 +728,12 @@ class ReplayBuffer:
         if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
             meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
         self._abort_group()
-        self._write_episode(steps, meta_values, length)
+        slots = self._commit.commit_episode(steps, meta_values, length)
+        from .sketches import record  # loads torch: not at `import replaybuf`
+
+        # statistics sketches of whole episodes (episodes stored step by step get theirs computed
+        # from the data when summarized: their rows are not all in RAM at commit)
+        record(self, slots, {n: v[None] for n, v in steps.items()})
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
         """Checked (steps, meta values, length) of one whole episode given as ``data``."""
@@ -923,30 +763,6 @@ class ReplayBuffer:
             raise ValueError(f"{call}: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
         return steps, self._meta_values(meta, 1, call), length
 
-    def _write_episode(self, steps: dict[str, np.ndarray], meta_values: dict[str, np.ndarray], length: int) -> None:
-        """Commit one checked episode to the next slot (room already checked)."""
-        group = EpisodeGroup(self._next_slots(1), self.schema.fields, self._spans, int(self._state["total_episodes"]))
-        group.meta = {n: fill_value(f)[None].copy() for n, f in self.schema.meta_fields.items()}
-        for name, values in meta_values.items():
-            group.meta[name][:] = values
-        slabs = []
-        for name, f in self.schema.fields.items():
-            chunk = self._time_chunks[name]
-            padded_len = min(-(-length // chunk) * chunk, self.max_timesteps)
-            if name in steps and padded_len == length:
-                rows = steps[name][None]
-            else:
-                rows = np.zeros((1, padded_len, *f.shape), dtype=f.dtype)
-                rows[0, :length] = steps[name] if name in steps else f.fill
-            slabs.append((name, 0, rows))
-        group.length = length
-        self._write_slabs(group, slabs)
-        self._clear_stale(group)
-        self._publish(group.slots, length, group.meta)
-        from .sketches import record  # loads torch: not at `import replaybuf`
-
-        record(self, group.slots, {n: v[None] for n, v in steps.items()})
-
     def advance_episode(self, batch_size: int | None = None) -> None:
         """Commit the episode(s) in progress (what ``one_episode`` does on exit).
 
@@ -974,7 +790,7 @@ class ReplayBuffer:
                 f"advance_episode: batch_size {count} exceeds the {group.batch_size} episode(s) in progress "
                 f"(slots {group.slots.tolist()})"
             )
-        self._dirty_slots.update(group.keep_first(count).tolist())
+        self._commit.dirty_slots.update(group.keep_first(count).tolist())
         self._commit_group()
 
     def _commit_empty(self, count: int) -> None:
@@ -982,31 +798,20 @@ class ReplayBuffer:
         ``advance_episode(batch_size=n)`` before any step)."""
         group = self._begin_group(count, {})
         self._group = None
-        self._invalidate(group)
-        self._clear_stale(group)
-        self._publish(group.slots, 0, group.meta)
-        self._discard_log()
+        self._commit.commit_empty(group)
 
     def flush(self) -> None:
         """Push buffered step-log records and make written data durable as configured."""
         if self.read_only:
             return
-        self._flush_log()
+        self._commit.flush_log()
         self.storage.flush()
 
     def clear(self) -> None:
         """Erase every episode (the arrays keep their shape and config)."""
         self._check_writable("clear")
         self._abort_group()
-        for name in ("episode_lens", "_generation"):
-            self._write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self._meta[name].dtype))
-        self._state = {
-            "num_episodes": 0,
-            "episode_index": 0,
-            "total_episodes": int(self._state["total_episodes"]),
-            "cleared": True,
-        }
-        self.storage.commit_state(self._state)
+        self._commit.clear()
 
     def drop_episodes(self, slots: int | Sequence[int] | np.ndarray) -> list[int]:
         """Empty the slots of committed episodes (damaged ones ``replaybuf verify`` found): each
@@ -1017,13 +822,7 @@ class ReplayBuffer:
         slots = np.unique(np.atleast_1d(np.asarray(slots)))
         if slots.dtype.kind not in "iu" or ((slots < 0) | (slots >= self.max_episodes)).any():
             raise ValueError(f"drop_episodes: slots must be ints in [0, {self.max_episodes}), got {slots.tolist()}")
-        dropped = slots[self._meta["episode_lens"][slots] > 0]
-        if len(dropped):
-            self._write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
-            self._write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
-            self._state = {**self._state, "num_episodes": self._count_episodes()}
-            self.storage.commit_state(self._state)
-        return dropped.tolist()
+        return self._commit.drop(slots).tolist()
 
     def _check_slot(self, episode_index: Any, call: str) -> int:
         if (
@@ -1069,11 +868,13 @@ class ReplayBuffer:
         """Checked meta values of ``episodes``: staged for the episodes in progress (committed
         with them), written through for the others."""
         group = self._group
-        staged = np.isin(episodes, group.slots) if group is not None else np.zeros(len(episodes), bool)
-        for episode, value in zip(episodes[staged], values[staged]):
-            group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
+        staged = np.zeros(len(episodes), bool)
+        if group is not None:
+            staged = np.isin(episodes, group.slots)
+            for episode, value in zip(episodes[staged], values[staged]):
+                group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
         if not staged.all():
-            self._write_meta(name, episodes[~staged], values[~staged])
+            self._commit.write_meta(name, episodes[~staged], values[~staged])
 
     def update(self, indices: int | Sequence[int] | np.ndarray | slice | None = None, **data: Any) -> None:
         """Overwrite stored episodes in place (all committed ones when ``indices`` is None).
@@ -1121,7 +922,7 @@ class ReplayBuffer:
             if name in self.fieldnames:
                 self.data[name][episodes, : array.shape[1]] = array
             else:
-                self._write_meta(name, episodes, array)
+                self._commit.write_meta(name, episodes, array)
 
     def _episode_indices(self, indices: Any) -> tuple[np.ndarray, bool]:
         if indices is None:
@@ -1324,7 +1125,7 @@ class ReplayBuffer:
         **kwargs: Any,
     ) -> Path:
         """Render episode(s) of an image field to .mp4 / .webm / .gif."""
-        return video.save_video(self, path, episode_index, field, fps, **kwargs)
+        return video.save_video(self, os.fspath(path), episode_index, field, fps, **kwargs)
 
     def create_collector(
         self,
@@ -1346,14 +1147,14 @@ class ReplayBuffer:
         """A pickled buffer (e.g. sent to a DataLoader worker) is a read-only view of what was
         committed; it carries no open handle and reopens its store lazily in the new process."""
         state = dict(self.__dict__)
-        state.update(_group=None, _log_pending=[], _log_written=False, read_only=True)
+        state.update(_group=None, read_only=True)
         del state["memory_namedtuple"], state["meta_data"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage.read_only = True
-        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.memory_namedtuple = _memory_type(self.schema)
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def close(self) -> None:
@@ -1372,7 +1173,7 @@ class ReplayBuffer:
 
     def __del__(self):
         try:
-            if not self.read_only and getattr(self, "_log_pending", None):
-                self._flush_log()
+            if not self.read_only and getattr(self, "_commit", None) is not None and self._commit.log_pending:
+                self._commit.flush_log()
         except Exception:
             pass

@@ -128,7 +128,7 @@ class ReplayBufferH5PY(ReplayBuffer):
             checked = [self._episode_values(self._cut_to_length(episode), "buffered_storer") for episode in episodes]
             self._check_room(len(checked))
             for steps, meta, length in checked:
-                self._write_episode(steps, meta, length)
+                self._commit.commit_episode(steps, meta, length)
             self.flush()
 
         return buffered_storer

@@ -5,7 +5,7 @@ rows reach storage as chunk-aligned slabs once a write span fills and at commit.
 records each step as it is staged so a killed writer loses at most the steps it had not yet
 flushed: on the next writable open the log is replayed and its episodes are committed,
 truncated where the log ends. Records carry a crc32; a log damaged past its first records is
-recovered up to the damage and copied aside (``buffer._recover_step_log``).
+recovered up to the damage and copied aside (``commit.Committer.recover_step_log``).
 """
 
 from __future__ import annotations
@@ -69,17 +69,26 @@ class EpisodeGroup:
 
     def append(self, values: dict[str, np.ndarray]) -> list[tuple[str, int, np.ndarray]]:
         """Stage one step (each value shaped (batch, *shape)); return the spans that filled up."""
+        return self.extend({n: v[:, None] for n, v in values.items()}, 1)
+
+    def extend(self, values: dict[str, np.ndarray], steps: int) -> list[tuple[str, int, np.ndarray]]:
+        """Stage ``steps`` steps (each value shaped (batch, steps, *shape); a field left out keeps
+        its default); return the spans that filled up, in order."""
         full = []
-        t = self.length
-        for name, rows in self._rows.items():
-            offset = t - self._row_start[name]
-            if name in values:
-                rows[:, offset] = values[name]
-            if offset + 1 == rows.shape[1]:
-                full.append((name, self._row_start[name], rows))
-                self._rows[name] = self._fresh_rows(self.fields[name])
-                self._row_start[name] = t + 1
-        self.length += 1
+        for name in self._rows:
+            done = 0
+            while done < steps:
+                rows, start = self._rows[name], self._row_start[name]
+                offset = self.length + done - start
+                n = min(steps - done, rows.shape[1] - offset)
+                if name in values:
+                    rows[:, offset : offset + n] = values[name][:, done : done + n]
+                done += n
+                if offset + n == rows.shape[1]:
+                    full.append((name, start, rows))
+                    self._rows[name] = self._fresh_rows(self.fields[name])
+                    self._row_start[name] = start + rows.shape[1]
+        self.length += steps
         return full
 
     def set_step(self, name: str, row: int, t: int, value: np.ndarray) -> bool:

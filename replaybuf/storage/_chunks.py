@@ -808,8 +808,9 @@ class ChunkedArray:
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
         episodes, values = episodes[order], values[order]
-        runs = np.flatnonzero(np.diff(episodes) != 1) + 1
-        for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(episodes)]):
+        # plain ints, not np.r_: a one-episode commit pays this per field and per meta array
+        bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
+        for lo, hi in zip(bounds, bounds[1:]):
             start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
             self.write_box(start, values[lo:hi], atomic=atomic)
 

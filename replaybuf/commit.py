@@ -1,0 +1,331 @@
+"""The commit protocol: how episodes become visible in a Storage, and how a killed writer is
+recovered.
+
+``Committer`` owns the per-episode bookkeeping mirrored in RAM (lengths, generations, user meta
+fields), the counters object and the step log, and commits every episode group (``store``,
+``store_batch``, ``store_episode``, length-0 episodes, recovery) in the order that keeps every
+committed episode intact through a crash:
+
+1. a reused circular slot is invalidated first (``episode_lens = 0``, ``_generation = 0``);
+2. the data slabs are written;
+3. meta rows, then ``_generation`` and ``episode_lens`` are published;
+4. the counters object is committed; the step log of the episode is cleared.
+
+A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
+and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
+per-commit bookkeeping such as sampling sketches).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .schema import Schema
+from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
+from .storage.base import Storage, StorageError
+from .values import fill_value
+
+LOG_NAME = "episode"
+# counters key: slots of committed length-0 episodes, which no published length shows
+EMPTY_EPISODES = "empty_episodes"
+
+
+class Committer:
+    """Commits episode groups to ``storage`` and keeps its bookkeeping mirror (``meta``,
+    ``state``) and the step log of the group in progress."""
+
+    def __init__(self, storage: Storage, schema: Schema, flush_every_store_step: int):
+        self.storage = storage
+        self.schema = schema
+        self.max_episodes = schema.max_episodes
+        self.max_timesteps = schema.max_timesteps
+        self.flush_every_store_step = flush_every_store_step
+        self.time_chunks = {n: storage.time_chunk(n) for n in schema.fields}
+        self.spans = {n: write_span(f, self.time_chunks[n], self.max_timesteps) for n, f in schema.fields.items()}
+        # every field's row is one chunk (or shard), always written whole: a killed writer
+        # cannot leave rows past a later episode's end, so slots need no "writing" mark
+        self.rows_written_whole = all(chunk >= self.max_timesteps for chunk in self.time_chunks.values())
+        self.step_log = StepLog(schema.fields, schema.meta_fields)
+        self.state: dict[str, Any] = {}
+        self.meta: dict[str, np.ndarray] = {}
+        self.dirty_slots: set[int] = set()
+        self.log_pending: list[bytes] = []
+        self.log_written = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
+        return {**self.__dict__, "log_pending": [], "log_written": False}
+
+    # ---- groups -----------------------------------------------------------------------------
+
+    def new_group(self, batch_size: int, meta: dict[str, np.ndarray]) -> EpisodeGroup:
+        """A group of ``batch_size`` episodes for the next slots, meta at its defaults but ``meta``."""
+        group = EpisodeGroup(
+            (self.state["episode_index"] + np.arange(batch_size)) % self.max_episodes,
+            self.schema.fields,
+            self.spans,
+            int(self.state["total_episodes"]),
+        )
+        group.meta = {
+            n: np.broadcast_to(fill_value(f), (batch_size, *f.shape)).copy() for n, f in self.schema.meta_fields.items()
+        }
+        for name, values in meta.items():
+            group.meta[name][:] = values
+        return group
+
+    def invalidate(self, group: EpisodeGroup) -> None:
+        """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
+        if group.invalidated:
+            return
+        group.invalidated = True
+        # rows written but never published (an aborted or killed group, or a cleared buffer)
+        # may reach max_timesteps; those are zeroed past the new episode's end at commit
+        dirty = np.isin(group.slots, np.fromiter(self.dirty_slots, np.int64, len(self.dirty_slots)))
+        if self.state.get("cleared"):
+            dirty[:] = True
+        group.previous_lens = np.where(dirty, self.max_timesteps, self.meta["episode_lens"][group.slots])
+        self.dirty_slots.update(group.slots.tolist())
+        if not self.rows_written_whole:
+            self.storage.commit_state({**self.state, "writing": group.slots.tolist()})
+        reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
+        if len(reused):
+            # the length first: a kill in between leaves an empty slot with a stale generation
+            # (cleared on reopen), never a committed slot without one
+            self.write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
+            self.write_meta("_generation", reused, np.zeros(len(reused), np.int64))
+
+    def write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]]) -> None:
+        """Commit step 2 (invalidating first): rows of ``group`` that left RAM."""
+        if not slabs:
+            return
+        try:
+            self.invalidate(group)
+            for name, t0, rows in slabs:
+                self.storage.write_rows(name, group.slots, t0, rows)
+        except (OSError, StorageError) as e:
+            raise StorageError(
+                f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} failed: {e}"
+            ) from e
+
+    def commit(self, group: EpisodeGroup, final_meta: dict[str, np.ndarray] | None = None) -> None:
+        """Commit ``group`` (at least one step): its rows still in RAM, padded to a chunk
+        boundary, then the stale chunks of a longer previous episode, then steps 3 and 4."""
+        for name, values in (final_meta or {}).items():
+            group.meta[name][:] = values
+        self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps))
+        self.clear_stale(group)
+        self.publish(group.slots, group.length, group.meta)
+        self.discard_log()
+
+    def commit_empty(self, group: EpisodeGroup) -> None:
+        """Commit ``group`` as episodes of length 0 with its meta values."""
+        self.invalidate(group)
+        self.clear_stale(group)
+        self.publish(group.slots, 0, group.meta)
+        self.discard_log()
+
+    def commit_episode(self, steps: dict[str, np.ndarray], meta: dict[str, np.ndarray], length: int) -> np.ndarray:
+        """Commit one checked whole episode (``length`` steps, room checked) to the next slot,
+        through the same group, padding and commit path as episodes stored step by step.
+        Returns the slot (as a 1-element array)."""
+        group = self.new_group(1, meta)
+        self.write_slabs(group, group.extend({n: v[None] for n, v in steps.items()}, length))
+        self.commit(group)
+        return group.slots
+
+    def clear_stale(self, group: EpisodeGroup) -> None:
+        """Zero chunks a previous, longer episode left in a reused slot beyond the new end."""
+        longest = int(group.previous_lens.max()) if group.previous_lens is not None and len(group.previous_lens) else 0
+        for name, chunk in self.time_chunks.items():
+            start = -(-group.length // chunk) * chunk
+            end = min(-(-longest // chunk) * chunk, self.max_timesteps)
+            if end > start:
+                f = self.schema.fields[name]
+                self.storage.write_rows(
+                    name, group.slots, start, np.zeros((group.batch_size, end - start, *f.shape), f.dtype)
+                )
+
+    def publish(self, slots: np.ndarray, length: int, meta: dict[str, np.ndarray]) -> None:
+        """Commit steps 3 and 4: meta rows, generation and length, then the counters."""
+        for name, values in meta.items():
+            self.write_meta(name, slots, values)
+        base = int(self.state["total_episodes"])
+        # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
+        ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
+        self.write_meta("_generation", slots, ordinals)
+        self.write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
+        previous = self.state
+        empties = set(previous.get(EMPTY_EPISODES, ())) - set(slots.tolist())
+        if not length:
+            empties |= set(slots.tolist())
+        self.state = {
+            "episode_index": int((slots[-1] + 1) % self.max_episodes),
+            "total_episodes": base + len(slots),
+            **({"cleared": True} if previous.get("cleared") else {}),
+            **({EMPTY_EPISODES: sorted(empties)} if empties else {}),
+        }
+        # counted as the seed counts commits (an episode_index moved back overwrites and counts)
+        self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
+        self.storage.commit_state(self.state)
+        self.dirty_slots.difference_update(slots.tolist())
+        self.committed(slots, length)
+
+    def committed(self, slots: np.ndarray, length: int) -> None:
+        """Called once per commit, after the counters: ``slots`` now hold episodes of ``length``
+        steps. The single place for per-commit bookkeeping outside the storage."""
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+
+    def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        """Write ``values`` of meta field ``name`` for ``episodes`` to storage and the mirror."""
+        episodes = np.asarray(episodes)
+        self.storage.write_meta(name, episodes, values)
+        self.meta[name][episodes] = values
+
+    def commit_state(self, **changes: Any) -> None:
+        """Commit the counters with ``changes``."""
+        self.state = {**self.state, **changes}
+        self.storage.commit_state(self.state)
+
+    def empty_episodes(self) -> np.ndarray:
+        """Slots of committed length-0 episodes (no published length shows them)."""
+        return np.asarray(
+            [s for s in self.state.get(EMPTY_EPISODES, ()) if self.meta["episode_lens"][s] == 0], np.int64
+        )
+
+    def count_episodes(self) -> int:
+        """The episodes the published lengths show: the slots holding an episode, plus the
+        committed length-0 episodes (the seed counts ``advance_episode(batch_size=n)`` before any
+        step), which hold no data and are listed in the counters object as ``empty_episodes``."""
+        return min(int((self.meta["episode_lens"] > 0).sum()) + len(self.empty_episodes()), self.max_episodes)
+
+    def clear(self) -> None:
+        """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
+        self.discard_log()
+        for name in ("episode_lens", "_generation"):
+            self.write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self.meta[name].dtype))
+        self.state = {
+            "num_episodes": 0,
+            "episode_index": 0,
+            "total_episodes": int(self.state["total_episodes"]),
+            "cleared": True,
+        }
+        self.storage.commit_state(self.state)
+
+    def drop(self, slots: np.ndarray) -> np.ndarray:
+        """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
+        length), then commit the counters recounted; return the slots dropped."""
+        dropped = slots[self.meta["episode_lens"][slots] > 0]
+        if len(dropped):
+            self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
+            self.write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
+            self.commit_state(num_episodes=self.count_episodes())
+        return dropped
+
+    # ---- the step log -------------------------------------------------------------------------
+
+    def log_header(self, group: EpisodeGroup) -> None:
+        """Start the step log of ``group`` (replacing whatever was pending)."""
+        self.log_pending = [self.step_log.header(group.slots, group.generation_base, group.meta)]
+
+    def flush_log(self) -> None:
+        if self.log_pending:
+            self.storage.append_log(LOG_NAME, b"".join(self.log_pending))
+            self.log_pending = []
+            self.log_written = True
+
+    def discard_log(self) -> None:
+        self.log_pending = []
+        if self.log_written:
+            self.storage.clear_log(LOG_NAME)
+            self.log_written = False
+
+    # ---- recovery at a writable open ---------------------------------------------------------
+
+    def recover(self) -> None:
+        """Repair what a writer killed at any point of a commit left: the counters are made to
+        agree with the published bookkeeping, then the episodes of its step log are committed."""
+        writing = self.state.get("writing", ())
+        self.reconcile_state()
+        self.dirty_slots.update(int(s) for s in writing if self.meta["episode_lens"][s] == 0)
+        self.recover_step_log()
+
+    def reconcile_state(self) -> None:
+        """Make the counters agree with the published lengths and generations, the truth after
+        a writer died at any point of a commit: ``num_episodes`` counts the slots holding an
+        episode, ``episode_index`` follows the newest, and generations of empty slots (a commit
+        killed between its two bookkeeping writes) are cleared."""
+        lens, generations = self.meta["episode_lens"], self.meta["_generation"]
+        stale = np.flatnonzero((lens == 0) & (generations != 0))
+        if len(stale):
+            self.write_meta("_generation", stale, np.zeros(len(stale), np.int64))
+        valid = np.flatnonzero(lens > 0)
+        # an open recounts what is published (a killed commit may have emptied a reused slot);
+        # within a session num_episodes counts commits, as the seed does
+        state = {**self.state, "num_episodes": self.count_episodes()}
+        if len(valid):
+            newest = int(valid[np.argmax(generations[valid])])
+            state["episode_index"] = (newest + 1) % self.max_episodes
+            state["total_episodes"] = max(int(state["total_episodes"]), int(generations[newest]))
+        if state != self.state:
+            self.state = state
+            self.storage.commit_state(state)
+
+    def recover_step_log(self) -> None:
+        """Commit, truncated, the episodes a killed writer left in its step log; then clear it.
+
+        A log with a damaged record (bad checksum, wrong size, values that do not fit the
+        config) is copied aside with a warning naming the copy, and its valid prefix recovered;
+        a log of an episode committed since (stale) is dropped."""
+        if LOG_NAME not in self.storage.log_names():
+            return
+        log = self.step_log.parse(self.storage.read_log(LOG_NAME))
+        try:
+            slots, meta = self._check_log_header(log) if log.header is not None else (None, {})
+        except (ValueError, TypeError, KeyError) as e:
+            log.damage, log.steps, slots = f"header: {e}", [], None
+        if log.damage is not None:
+            aside = self.storage.copy_log_aside(LOG_NAME)
+            warnings.warn(
+                f"the step log of an unfinished episode in {self.storage.location!r} is damaged ({log.damage}); "
+                f"it was copied to {aside!r} and {len(log.steps)} valid step(s) before the damage are recovered",
+                stacklevel=4,
+            )
+        if (
+            slots is not None
+            and log.header is not None
+            and log.steps
+            and log.header["generation_base"] >= int(self.state["total_episodes"])
+        ):
+            self.state["episode_index"] = int(slots[0])
+            group = self.new_group(len(slots), meta)
+            self.log_pending, self.log_written = [], True
+            for step in log.steps[: self.max_timesteps]:
+                self.write_slabs(group, group.append(step))
+            self.commit(group)
+            return
+        self.storage.clear_log(LOG_NAME)
+
+    def _check_log_header(self, log: ParsedLog) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The slots and checked meta values a step log's header and meta records name."""
+        header = log.header
+        assert header is not None, "called for a log with a header"
+        slots = np.asarray(header["slots"])
+        if (
+            slots.ndim != 1
+            or not 0 < len(slots) <= self.max_episodes
+            or slots.dtype.kind not in "iu"
+            or len(np.unique(slots)) != len(slots)
+            or slots.min() < 0
+            or slots.max() >= self.max_episodes
+        ):
+            raise ValueError(f"slots {header['slots']!r} are not distinct slots in [0, {self.max_episodes})")
+        base = header["generation_base"]
+        if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+            raise ValueError(f"generation_base {base!r} is not an int >= 0")
+        if header["fields"] != list(self.schema.fields):
+            raise ValueError(f"the log holds fields {header['fields']}, the buffer {list(self.schema.fields)}")
+        return slots, log.meta
