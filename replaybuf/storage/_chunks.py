@@ -389,12 +389,13 @@ class ChunkedArray:
             return
         if versions is not None and self._resident_enabled():
             versions = _per_pair(versions, len(episodes))
-            stale = self._resident_versions[episodes] != versions
+            resident, held = self._resident_arrays()
+            stale = held[episodes] != versions
             if stale.any():
                 rows, index = np.unique(episodes[stale], return_index=True)
                 self._load_resident(rows, versions[stale][index])
             for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
-                out[i, :n] = self._resident[e, s : s + n]
+                out[i, :n] = resident[e, s : s + n]
             return
         ct = self.chunks[1]
         pieces = [
@@ -537,24 +538,31 @@ class ChunkedArray:
         self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray, out: np.ndarray
     ) -> np.ndarray:
         """Small arrays are held whole in RAM, row by row as episodes are first read."""
-        stale = self._resident_versions[episodes] != versions
+        resident, held = self._resident_arrays()
+        stale = held[episodes] != versions
         if stale.any():
             rows, index = np.unique(episodes[stale], return_index=True)
             self._load_resident(rows, versions[stale][index])
-        out[...] = self._resident[episodes, timesteps]
+        out[...] = resident[episodes, timesteps]
         return out
+
+    def _resident_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The resident copy and the version each of its rows holds (once ``_resident_enabled``)."""
+        assert self._resident is not None and self._resident_versions is not None
+        return self._resident, self._resident_versions
 
     def _load_resident(self, rows: np.ndarray, versions: np.ndarray) -> None:
         time = self.shape[1]
         values = self.read_boxes([((int(e), int(e) + 1), (0, time)) for e in rows])
+        resident, held = self._resident_arrays()
         for e, value, version in zip(rows.tolist(), values, versions.tolist()):
-            self._resident[e] = value[0]
-            self._resident_versions[e] = version
+            resident[e] = value[0]
+            held[e] = version
 
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
         _cache.discard(self._namespace, list(chunks))
-        if self._resident is None:
+        if self._resident_versions is None:  # set together with _resident
             return
         for index in chunks:
             lo = index[0] * self.chunks[0]
