@@ -65,7 +65,7 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
 
 
 def stored_bookkeeping(
-    storage: Storage, names: Sequence[str], slots: np.ndarray | None = None
+    storage: Storage, names: Iterable[str], slots: np.ndarray | None = None
 ) -> dict[str, np.ndarray]:
     """``_generation``, ``episode_lens`` and the meta fields ``names`` of ``slots`` (None: all
     slots), read from the store and mutually consistent.
