@@ -389,9 +389,9 @@ def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) 
             plan_items = _Plan(plan.slots[items], plan.generations[items], plan.lens[items], {})
             arrays = _dask_arrays(buffer, fields, (), plan_items)
             for name, values in zip(arrays, dask.compute(*arrays.values(), scheduler=scheduler)):
-                target = targets[name].array
-                target[items, : values.shape[1]] = values
-                target[items, values.shape[1] :] = schema.fields[name].fill
+                out = targets[name].array
+                out[items, : values.shape[1]] = values
+                out[items, values.shape[1] :] = schema.fields[name].fill
             return
         token, tasks = uuid.uuid4().hex, []
         for name, target in targets.items():
@@ -534,7 +534,11 @@ def _byte_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
 
 
 def _merge_moments(parts: list[tuple]) -> tuple:
-    count, mean, m2, low, high = 0, None, None, None, None
+    count = 0
+    mean: Any = None
+    m2: Any = None
+    low: Any = None
+    high: Any = None
     for n, m, s, lo, hi in parts:
         if n == 0:
             continue

@@ -18,7 +18,6 @@ write path after validating everything, so a bad rollout never leaves half its e
 
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from replaybuf.sampling.collate import named_batch_class
 from replaybuf.schema import RESERVED_META_FIELDS
 
 __all__ = ["EpisodeCollector", "UnknownFieldError"]
@@ -370,17 +370,18 @@ class EpisodeCollector:
         if missing:
             raise ValueError(f"fields: {missing} not collected; collected fields are {list(data)}")
         data = {name: data[name] for name in names}
-        batch_type = None
+        batch_type: type | None = None
+        tuple_fields = () if to_named_tuple is None else tuple(to_named_tuple)
         if to_named_tuple is not None:
-            missing = [name for name in to_named_tuple if name not in data]
+            missing = [name for name in tuple_fields if name not in data]
             if missing:
                 raise ValueError(f"to_named_tuple: fields {missing} not found in batch; available fields: {list(data)}")
-            batch_type = namedtuple("Batch", [name.lstrip("_") for name in to_named_tuple])
+            batch_type = named_batch_class(tuple(name.lstrip("_") for name in tuple_fields))
 
         def collate(samples: Any) -> Any:
             batch = samples if isinstance(samples, dict) else default_collate(samples)
             if batch_type is not None:
-                batch = batch_type(*(batch[name] for name in to_named_tuple))
+                batch = batch_type(*(batch[name] for name in tuple_fields))
             return _to_device(batch, device)
 
         return DataLoader(_RolloutDataset(data), batch_size=batch_size, shuffle=shuffle, collate_fn=collate, **kwargs)

@@ -290,16 +290,16 @@ class ConcatReplayBuffer:
             from .shards import discover_shards
 
             root = os.fspath(buffers)
-            buffers = discover_shards(root, storage_options) or [root]
+            # per-buffer options (a list) apply to the shards found, not to finding them
+            found = discover_shards(root, storage_options if isinstance(storage_options, dict) else None)
+            buffers = found or [root]
         if isinstance(buffers, ReplayBuffer) or not isinstance(buffers, Sequence):
             raise TypeError(
                 f"ConcatReplayBuffer takes a shard root or a list of paths, URLs or ReplayBuffers, got {buffers!r}"
             )
         if len(buffers) == 0:
             raise ValueError("ConcatReplayBuffer requires at least one buffer")
-        options = (
-            list(storage_options) if isinstance(storage_options, (list, tuple)) else [storage_options] * len(buffers)
-        )
+        options = list(storage_options) if isinstance(storage_options, Sequence) else [storage_options] * len(buffers)
         if len(options) != len(buffers):
             raise ValueError(
                 f"storage_options has {len(options)} entries for {len(buffers)} buffers; "
@@ -337,7 +337,7 @@ class ConcatReplayBuffer:
         self.meta_fieldnames = set(first.meta_fieldnames)
         for attribute in ("shapes", "dtypes", "defaults", "meta_shapes", "meta_dtypes", "meta_defaults"):
             setattr(self, attribute, dict(getattr(first, attribute)))
-        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))  # type: ignore[misc]  # run-time fields
         self.data = {n: DataView(self, n) for n in self.schema.fields}
         self.refresh()
 
@@ -414,7 +414,7 @@ class ConcatReplayBuffer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))
+        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))  # type: ignore[misc]  # run-time fields
         self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}
 
     def _check_writable(self, call: str) -> None:

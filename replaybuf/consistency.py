@@ -22,7 +22,7 @@ changed is raised as it is; when slots keep changing through every retry,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,7 @@ class ConcurrentWriteError(RuntimeError):
     """A writer kept changing the slots being read through every bounded retry. Retryable:
     call again (or ``refresh()`` and call again)."""
 
-    def __init__(self, location: str, slots: Sequence[int], retries: int):
+    def __init__(self, location: str, slots: Iterable[int], retries: int):
         self.location, self.slots, self.retries = location, [int(s) for s in slots], retries
         super().__init__(
             f"slots {self.slots} of {location!r} were rewritten by a concurrent writer during each of "
@@ -65,7 +65,7 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
 
 
 def stored_bookkeeping(
-    storage: Storage, names: Sequence[str], slots: np.ndarray | None = None
+    storage: Storage, names: Iterable[str], slots: np.ndarray | None = None
 ) -> dict[str, np.ndarray]:
     """``_generation``, ``episode_lens`` and the meta fields ``names`` of ``slots`` (None: all
     slots), read from the store and mutually consistent.

@@ -13,6 +13,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from replaybuf import ReplayBuffer
 from replaybuf.schema import Schema
 
 DEFAULT_FOLDER = "./replaybuf-demo"
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     max_episodes=64,
     max_timesteps=100,
     fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 8), action=("int", 2), reward="float"),

@@ -58,7 +58,7 @@ class ReplayBufferH5PY(ReplayBuffer):
         break_lock: bool = False,
     ):
         _require_h5py()
-        options = {}
+        options: dict[str, Any] = {}
         if h5py_compression is not None:
             options["compression"] = h5py_compression
         if h5py_compression_opts is not None:

@@ -72,9 +72,9 @@ def _parse_chunks(chunks: dict[str, int] | Iterable[str] | None, schema: Schema)
     unknown = sorted(set(chunks) - set(schema.fields))
     if unknown:
         raise ValueError(f"chunks: unknown data fields {unknown}; data fields are {sorted(schema.fields)}")
-    for name, value in chunks.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"chunks: field {name!r} needs a positive number of timesteps, got {value!r}")
+    for name, steps in chunks.items():
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"chunks: field {name!r} needs a positive number of timesteps, got {steps!r}")
     return dict(chunks)
 
 
@@ -309,7 +309,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     }
 
 
-def _size(n: int | None) -> str:
+def _size(n: float | None) -> str:
     if n is None:
         return "?"
     for unit in ("B", "KB", "MB", "GB", "TB"):

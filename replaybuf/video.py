@@ -10,6 +10,7 @@ need the ffmpeg plugin (``pip install replaybuf[video]``), ``.gif`` does not.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,7 @@ def _write_ffmpeg(
 
 def trajectory_to_video(
     frames: Any,
-    path: str | Path,
+    path: str | os.PathLike,
     fps: float = 30,
     progress: bool | None = None,
     **kwargs: Any,
@@ -306,7 +307,7 @@ def episode_frames(buffer: Any, episode_index: int | Sequence[int] = 0, field: s
 
 def save_video(
     buffer: Any,
-    path: str | Path,
+    path: str | os.PathLike,
     episode_index: int | Sequence[int] = 0,
     field: str | None = None,
     fps: float = 30,

@@ -32,7 +32,7 @@ class CollatedSamples(Sequence):
     def __len__(self) -> int:
         return len(next(iter(self.batch.values()))) if self.batch else 0
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]  # no slices: collate indexes
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for a batch of {len(self)}")
         sample = {}
@@ -66,7 +66,7 @@ def _rebuild_named_batch(fields: tuple[str, ...], values: tuple) -> tuple:
 def named_batch_class(fields: tuple[str, ...]) -> type:
     """The namedtuple class ``Batch`` with ``fields``; its instances pickle by field names, so
     DataLoader workers can send them back whatever the start method."""
-    base = namedtuple("Batch", fields)
+    base = namedtuple("Batch", fields)  # type: ignore[misc]  # field names known only at run time
 
     def __reduce__(self):
         return _rebuild_named_batch, (fields, tuple(self))
@@ -121,7 +121,7 @@ class Collator:
         elif self.time_keys is not None:
             batch = pad_collate(samples, self.time_keys)
         else:
-            batch = default_collate(samples)
+            batch = default_collate(list(samples))
         if self.return_mask:
             lens = batch["_lens"]
             longest = int(lens.max()) if len(lens) else 0

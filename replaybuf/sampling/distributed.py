@@ -206,15 +206,26 @@ class ResumableDataLoader(DataLoader):
     batches the training loop actually received (not those prefetched), so that
     ``load_state_dict()`` on a fresh loader continues with the next undelivered batch."""
 
-    def __init__(self, dataset: Any, *args: Any, sampler: ResumableDistributedSampler, **kwargs: Any):
+    sampler: ResumableDistributedSampler
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        *,
+        sampler: ResumableDistributedSampler,
+        **kwargs: Any,
+    ):
         if not isinstance(sampler, ResumableDistributedSampler):
             raise TypeError(f"sampler must be a ResumableDistributedSampler, got {type(sampler).__name__}")
-        super().__init__(dataset, *args, sampler=sampler, **kwargs)
+        super().__init__(dataset, batch_size, shuffle, sampler=sampler, **kwargs)
         if self.batch_size is None:
             raise ValueError("ResumableDataLoader needs a batch_size to count delivered samples")
         self._delivering: dict[str, int] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    # a generator, to count the batches delivered; the base's _BaseDataLoaderIter is torch-internal
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         epoch, start, length = self.sampler.plan_pass()
         progress = {"epoch": epoch, "start": start, "length": length, "batches": 0}
         self._delivering = progress
@@ -230,6 +241,7 @@ class ResumableDataLoader(DataLoader):
         if progress is None or progress["batches"] == 0:
             return self.sampler.state_dict()
         total = self.sampler.num_samples(progress["length"])
+        assert self.batch_size is not None  # checked in __init__
         position = min(progress["start"] + progress["batches"] * self.batch_size, total)
         settings = {k: getattr(self.sampler, k) for k in _SETTINGS}
         if position == total:

@@ -133,7 +133,7 @@ class Fetcher:
                 self._read_spans_into(
                     dense[lo : lo + len(part)], name, part, np.zeros(len(part), np.int64), self.lens[part]
                 )
-            if self._folder is not None:
+            if isinstance(dense, np.memmap):
                 dense.flush()
             ram[name] = dense
         self._ram = ram
@@ -145,6 +145,7 @@ class Fetcher:
         if self.cache is not None and name in self.fields:
             if self._ram is None:
                 self._load_ram()
+            assert self._ram is not None  # set by _load_ram()
             return self._ram[name][self._row[episodes], timesteps]
         return self._gather_storage(name, episodes, timesteps)
 

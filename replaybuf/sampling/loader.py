@@ -257,6 +257,12 @@ def make_dataloader(
     if sampler not in (None, "uniform"):
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:
-        order = ResumableDistributedSampler(dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
+        order = ResumableDistributedSampler(
+            dataset,  # type: ignore[arg-type]  # map-style datasets have __len__; torch's Dataset does not declare it
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=seed,
+        )
         return ResumableDataLoader(dataset, batch_size=batch_size, collate_fn=collate, sampler=order, **kwargs)
     return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, shuffle=shuffle, **kwargs)

@@ -86,7 +86,7 @@ class PrioritizedBatchSampler(Sampler):
         self._keys = dataset._episodes * max_t + dataset._timesteps
         self._scaled: np.ndarray | None = None
         self._cumulative: np.ndarray | None = None
-        self._generator = np.random.default_rng(torch.randint(0, 2**62, ()).item())
+        self._generator = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
         _samplers.setdefault(dataset.replay_buffer, weakref.WeakSet()).add(self)
 
     def __len__(self) -> int:
@@ -116,7 +116,9 @@ class PrioritizedBatchSampler(Sampler):
         """P(i) of every sample under the current priorities."""
         if self._scaled is None:
             self.load()
-        return self._scaled / self._scaled.sum()
+        scaled = self._scaled
+        assert scaled is not None  # set by load()
+        return scaled / scaled.sum()
 
     def __iter__(self) -> Iterator[WeightedIndices]:
         self.load()
@@ -124,17 +126,19 @@ class PrioritizedBatchSampler(Sampler):
             yield self._draw()
 
     def _draw(self) -> WeightedIndices:
+        scaled = self._scaled
+        assert scaled is not None  # __iter__ loads before drawing
         if self._cumulative is None:
-            self._cumulative = np.cumsum(self._scaled)
-            positive = self._scaled[self._scaled > 0]
+            self._cumulative = np.cumsum(scaled)
+            positive = scaled[scaled > 0]
             if len(positive) == 0:
                 raise ValueError(f"every priority in {self.priority_field!r} is 0: nothing can be drawn")
-            self._max_weight = (len(self._scaled) * positive.min() / self._cumulative[-1]) ** -self.beta
+            self._max_weight = (len(scaled) * positive.min() / self._cumulative[-1]) ** -self.beta
         total = self._cumulative[-1]
         draws = self._generator.random(self.batch_size) * total
-        positions = np.minimum(np.searchsorted(self._cumulative, draws, side="right"), len(self._scaled) - 1)
-        probability = self._scaled[positions] / total
-        weights = (len(self._scaled) * probability) ** -self.beta / self._max_weight
+        positions = np.minimum(np.searchsorted(self._cumulative, draws, side="right"), len(scaled) - 1)
+        probability = scaled[positions] / total
+        weights = (len(scaled) * probability) ** -self.beta / self._max_weight
         return WeightedIndices(positions.tolist(), weights.astype(np.float32))
 
 

@@ -629,7 +629,7 @@ class ChunkedArray:
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
         _cache.discard(self._namespace, list(chunks))
-        if self._resident is None:
+        if self._resident_versions is None:  # set together with _resident
             return
         for index in chunks:
             lo = index[0] * self.chunks[0]

@@ -120,7 +120,7 @@ def _numcodec(compressor: dict):
 
 def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
     """The zarr codec object for a compressor spec such as 'zstd:3' (None for 'none')."""
-    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+    from zarr.codecs import BloscCname, BloscCodec, BloscShuffle, GzipCodec, ZstdCodec
 
     from ..schema import parse_compressor
 
@@ -131,9 +131,9 @@ def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
         return ZstdCodec(level=default_level if level is None else level)
     if kind == "gzip":
         return GzipCodec(level=5 if level is None else level)
-    shuffle = "noshuffle" if np.dtype(dtype).itemsize == 1 else "shuffle"
+    shuffle = BloscShuffle.noshuffle if np.dtype(dtype).itemsize == 1 else BloscShuffle.shuffle
     return BloscCodec(
-        cname=kind.split("-")[1],
+        cname=BloscCname(kind.split("-")[1]),
         clevel=5 if level is None else level,
         shuffle=shuffle,
         typesize=np.dtype(dtype).itemsize,

@@ -85,7 +85,7 @@ def _expand_key(key: Any, shape: tuple[int, ...]) -> tuple:
     key = key + (slice(None),) * (len(shape) - len(key))
     if len(key) > len(shape):
         raise IndexError(f"too many indices ({len(key)}) for an array of shape {shape}")
-    out = []
+    out: list[Any] = []
     for k, n in zip(key, shape):
         if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
             if not -n <= k < n:
@@ -111,7 +111,8 @@ def _is_simple(key: tuple) -> bool:
 
 def _bounding_box(key: tuple) -> tuple[tuple, tuple]:
     """The smallest box of unit-step slices covering ``key``, and ``key`` relative to that box."""
-    box, relative = [], []
+    box: list[slice] = []
+    relative: list[Any] = []
     for k in key:
         if isinstance(k, int):
             box.append(slice(k, k + 1))
@@ -251,6 +252,7 @@ class HDF5Storage(KVBlobs, Storage):
     backend_name = "hdf5"
     supports_remote = False
     supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
+    kv: LocalKV
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         super().__init__(location, storage_options, fsync=fsync)

@@ -20,8 +20,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from .base import LOG_PREFIX, StorageError
+
+if TYPE_CHECKING:
+    from .base import Storage as _StorageMixin  # KVBlobs is mixed in before Storage
+else:
+    _StorageMixin = object
 
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
@@ -251,6 +257,7 @@ class LocalKV(KeyValue):
         if start < 0:
             size = os.fstat(handle.fd).st_size
             start, stop = max(0, size + start), size
+        assert stop is not None  # only a suffix request (start < 0) has no stop
         return os.pread(handle.fd, stop - start, start)
 
     def close_appenders(self, prefix: str = "") -> None:
@@ -301,6 +308,7 @@ class LocalKV(KeyValue):
             if start < 0:
                 size = os.fstat(fd).st_size
                 start, stop = max(0, size + start), size
+            assert stop is not None  # only a suffix request (start < 0) has no stop
             return os.pread(fd, stop - start, start)
         finally:
             os.close(fd)
@@ -616,7 +624,7 @@ class StoreKV(KeyValue):
         return sorted(self._run(listing()))
 
 
-class KVBlobs:
+class KVBlobs(_StorageMixin):
     """The side-object primitives of a Storage (counters, step logs) over ``self.kv``; mixed in
     before ``Storage`` by every backend whose blobs are files or objects."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal, Protocol
 
 import numpy as np
 from numpy.lib.format import open_memmap
@@ -36,6 +37,21 @@ CHECKSUM_FILE = "replaybuf/checksums.npy"
 _SEALED = np.uint64(1 << 32)
 
 
+class RowFiles(Protocol):
+    """What ``EpisodeChecksums`` needs of its storage (the memmap and hdf5 backends): rows read
+    without the check, and the file named in a corruption error."""
+
+    @property
+    def read_only(self) -> bool: ...
+
+    @property
+    def fsync(self) -> bool: ...
+
+    def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray: ...
+
+    def data_file(self, name: str) -> str: ...
+
+
 class EpisodeChecksums:
     """A crc32c per committed (data field, episode) of a local folder buffer (format 2).
 
@@ -48,30 +64,32 @@ class EpisodeChecksums:
     Per-step gathers are not checked: they would read the whole episode for one step.
     """
 
-    def __init__(self, storage: Storage, root: str, fields: list[str]):
+    def __init__(self, storage: RowFiles, root: str, fields: list[str]):
         self.storage = storage
         self.path = os.path.join(root, CHECKSUM_FILE)
         self.columns = {name: i for i, name in enumerate(fields)}
-        self._sums: np.ndarray | None = None
+        self._sums: np.memmap | None = None
 
     @classmethod
-    def create(cls, storage: Storage, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
+    def create(cls, storage: RowFiles, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
         self = cls(storage, root, fields)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         open_memmap(self.path, mode="w+", dtype=np.uint64, shape=(max_episodes, len(fields))).flush()
         return self
 
     @classmethod
-    def open(cls, storage: Storage, root: str, fields: list[str]) -> EpisodeChecksums | None:
+    def open(cls, storage: RowFiles, root: str, fields: list[str]) -> EpisodeChecksums | None:
         """The checksums of a format-2 folder, None for one without (format 1, seed folders)."""
         self = cls(storage, root, fields)
         return self if os.path.isfile(self.path) else None
 
     @property
     def sums(self) -> np.memmap:
-        mode = "r" if self.storage.read_only else "r+"
+        mode: Literal["r", "r+"] = "r" if self.storage.read_only else "r+"
         if self._sums is None or (self._sums.mode == "r") != (mode == "r"):
-            self._sums = np.load(self.path, mmap_mode=mode)
+            sums = np.load(self.path, mmap_mode=mode)
+            assert isinstance(sums, np.memmap)  # a .npy file loads as a memmap with mmap_mode
+            self._sums = sums
         return self._sums
 
     def seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:

@@ -92,7 +92,7 @@ class MemmapArray:
     It pickles as its path (DataLoader workers map the file themselves), never as its data.
     """
 
-    def __init__(self, storage: Storage, path: str, name: str | None = None):
+    def __init__(self, storage: MemmapStorage, path: str, name: str | None = None):
         self._storage = storage
         self.path = path
         self.name = name  # a data field's name: in-place writes recompute its checksums
@@ -157,6 +157,7 @@ class MemmapStorage(KVBlobs, Storage):
     backend_name = "memmap"
     supports_remote = False
     supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
+    kv: LocalKV
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         super().__init__(location, storage_options, fsync=fsync)
@@ -405,17 +406,19 @@ class MemmapStorage(KVBlobs, Storage):
         ]
 
         expected, committed = [0] * len(spans), [0] * len(spans)
-        if self._checksums is not None and spans:
+        checksums = self._checksums
+        if checksums is not None and spans:
             _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*spans))
             committed = self._lens_now()[picked].tolist()
-            expected = self._checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
+            expected = checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
 
         def copy(k: int) -> None:
             # the check runs right after the copy, in the same task, while the rows are in cache
             i, e, s, n = spans[k]
             out[i, :n] = memmap[e, s : s + n]
             if expected[k]:
-                self._checksums.check_row(name, e, out[i, : committed[k]], expected[k])
+                assert checksums is not None  # expected[k] is 0 without checksums
+                checksums.check_row(name, e, out[i, : committed[k]], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, range(len(spans))))

@@ -538,10 +538,12 @@ class ProcessLocalStore(WrapperStore[Store]):
         self._inner: Store | None = open_store(self.url, self.storage_options, read_only)
         self.opened_pid: int | None = os.getpid()
 
+    # WrapperStore's attribute, made a property so that each process opens its own client
     @property
-    def _store(self) -> Store:
+    def _store(self) -> Store:  # type: ignore[override]
         if self.is_stale:
             self.reopen()
+        assert self._inner is not None  # opened by reopen()
         return self._inner
 
     @property

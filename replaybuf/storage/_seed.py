@@ -77,7 +77,7 @@ def _check_opcodes(data: bytes, source: str) -> None:
             if isinstance(arg, str):
                 strings = [*strings[-1:], arg]
             if opcode.name in ("GLOBAL", "STACK_GLOBAL"):
-                target = arg.replace(" ", ".") if opcode.name == "GLOBAL" else ".".join(strings)
+                target = str(arg).replace(" ", ".") if opcode.name == "GLOBAL" else ".".join(strings)
                 raise UnsafePickleError(
                     f"refusing to load {target}: metadata.pkl may only hold plain data "
                     "(dict/list/tuple/str/int/float/bool/None)"

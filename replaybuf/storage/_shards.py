@@ -10,6 +10,7 @@ reads single frames with two small range reads (the index, then the coalesced fr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -126,7 +127,7 @@ class ShardedArray(ChunkedArray):
             cache.put_many(
                 self._namespace,
                 [
-                    (keys[i], versions[i], ABSENT if found[e] is None else found[e].copy())
+                    (keys[i], versions[i], ABSENT if (index := found[e]) is None else index.copy())
                     for i, e in enumerate(episodes)
                     if e in missing
                 ],
@@ -141,7 +142,7 @@ class ShardedArray(ChunkedArray):
         self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, versions: list | None
     ) -> None:
         # docstring inherited
-        first_version = {}
+        first_version: dict[int, Any] = {}
         for (e, _), version in zip(grid, versions if versions is not None else [None] * len(grid)):
             first_version.setdefault(e, version)
         episodes = list(first_version)
@@ -315,7 +316,7 @@ class ShardedArray(ChunkedArray):
             pad = np.zeros((step - rows.shape[0] % step, *rows.shape[1:]), rows.dtype)
             rows = np.concatenate([rows, pad])
         pieces = rows.reshape(-1, step, *rows.shape[1:])
-        stored = pieces.reshape(len(pieces), -1).any(axis=1)
+        stored = np.asarray(pieces.reshape(len(pieces), -1).any(axis=1))
         if keep is not None:
             stored |= keep[: len(stored)]
         nonzero = np.flatnonzero(stored)
@@ -365,9 +366,9 @@ class ShardedArray(ChunkedArray):
         shards = {
             self.shard_key(e0 + i): self.encode_shard(rows[i], None if keep is None else keep[i]) for i in range(count)
         }
-        present = {k: v for k, v in shards.items() if v is not None}
-        if present:
-            self.kv.set_many(present, atomic=atomic)
+        written = {k: v for k, v in shards.items() if v is not None}
+        if written:
+            self.kv.set_many(written, atomic=atomic)
         empty = [k for k, v in shards.items() if v is None]
         if empty:
             self.kv.delete_many(empty)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from .base import (
 )
 from .lease import ObjectLease, ProcessLease, WriterLease
 
+if TYPE_CHECKING:
+    from zarr.core.common import JSON
+
 DEFAULT_COMPRESSOR = "zstd"
 DEFAULT_ZSTD_LEVEL = 3
 # Image-like fields default to blosc-lz4 (no shuffle, level 9): it decodes a frame ~3x and
@@ -62,7 +66,7 @@ META_CHUNK_EPISODES = 16384
 
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
-FLAT_KEYS = {"name": "default", "separator": "."}
+FLAT_KEYS: dict[str, JSON] = {"name": "default", "separator": "."}
 # the root group's document: its attributes mark the location as a replaybuf buffer
 ROOT_DOCUMENT = "zarr.json"
 
@@ -403,6 +407,7 @@ class ZarrStorage(KVBlobs, Storage):
             return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
         from zarr.core.sync import sync
 
+        assert isinstance(self.kv, StoreKV)  # a zarr buffer's objects are local files or a zarr Store
         return int(sync(self.kv.store.getsize_prefix(prefix)))
 
 
@@ -422,8 +427,8 @@ def _open_zarr_store(location: str, storage_options: dict, read_only: bool):
     try:
         from ._remote import open_store
     except ImportError:
-        open_store = None
-    if open_store is not None:
+        pass
+    else:
         return open_store(location, storage_options, read_only)
     import zarr
 

@@ -109,8 +109,11 @@ class CorruptChunkError(StorageError):
 class ArrayLike(Protocol):
     """What ``buffer.data[name]`` and ``buffer.meta_data[name]`` return: numpy-style indexing."""
 
-    shape: tuple[int, ...]
-    dtype: np.dtype
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
 
     def __getitem__(self, key: Any) -> np.ndarray: ...
 
@@ -468,8 +471,9 @@ class Storage(ABC):
 
     def release_writer(self) -> None:
         """Give the writer lease back (a no-op when not held)."""
-        if self._lease is not None:
+        if self._lease_finalizer is not None:
             self._lease_finalizer.detach()
+        if self._lease is not None:
             give_back_lease(self._lease)
         self._lease = self._lease_finalizer = None
 

@@ -470,7 +470,14 @@ def give_back(lease: WriterLease, soon: bool = False) -> None:
 
 
 _held: weakref.WeakSet[WriterLease] = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [lease._after_fork() for lease in list(_held)])
+
+
+def _after_fork_in_child() -> None:
+    for lease in list(_held):
+        lease._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
