@@ -22,12 +22,14 @@ import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .consistency import read_episodes_consistent
+
+if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
+    import torch
 
 MAX_FEATURES = 64
 KLL_K = 200
@@ -144,6 +146,8 @@ class FieldSummary:
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
         values = values.reshape(len(qs), *self.shape)
+        import torch
+
         return torch.from_numpy(values[0] if np.ndim(q) == 0 else values)
 
     @property
@@ -174,6 +178,8 @@ class _Accumulator:
         std = np.sqrt(np.maximum(self.sumsq / self.count - mean**2, 0.0))
 
         def tensor(values: np.ndarray) -> torch.Tensor:
+            import torch
+
             return torch.from_numpy(values.reshape(shape).astype(np.float32))
 
         return FieldSummary(
