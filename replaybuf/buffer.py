@@ -21,7 +21,7 @@ from collections import namedtuple
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
     import torch
 
     from .collector import EpisodeCollector
+    from .concat import ConcatReplayBuffer
 
 _HIDDEN_META = ("_generation",)
 # a reader that sees a slot with a length but no generation (between a commit's two writes)
@@ -61,7 +62,7 @@ def _memory_type(schema: Schema) -> Any:
 class MetaView:
     """``buffer.meta_data[name]``: reads from the RAM mirror, writes through to storage."""
 
-    def __init__(self, buffer: ReplayBuffer, name: str):
+    def __init__(self, buffer: ReplayBuffer | ConcatReplayBuffer, name: str):
         self._buffer, self._name = buffer, name
 
     @property
@@ -86,6 +87,7 @@ class MetaView:
     def __setitem__(self, key: Any, value: Any) -> None:
         buffer = self._buffer
         buffer._check_writable(f"meta_data[{self._name!r}][...] = ...")
+        assert isinstance(buffer, ReplayBuffer)  # a ConcatReplayBuffer refuses every write above
         if self._name in buffer._bookkeeping:
             raise ValueError(
                 f"meta_data[{self._name!r}] is read-only: a slot's length is published by committing "
@@ -318,7 +320,7 @@ class ReplayBuffer:
         storage_options: dict | None = None,
         backend: str | None = None,
         **kwargs: Any,
-    ) -> ReplayBuffer:
+    ) -> Self:
         """Reopen the buffer stored at ``folder`` with its stored config."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():

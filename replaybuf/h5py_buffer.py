@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class ReplayBufferH5PY(ReplayBuffer):
         storage_options: dict | None = None,
         backend: str | None = None,
         **kwargs: Any,
-    ) -> ReplayBufferH5PY:
+    ) -> Self:
         """Reopen the HDF5 buffer stored at ``folder`` with its stored config."""
         _require_h5py()
         if backend not in (None, "hdf5"):

@@ -103,6 +103,22 @@ def test_not_a_diffusion_policy_zarr(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (["data", "meta/episode_ends"], "data is a Array"),
+        (["data/state", "meta/episode_ends/x"], "meta/episode_ends a Group"),
+    ],
+)
+def test_diffusion_policy_zarr_with_an_array_where_a_group_belongs(tmp_path, arrays, message):
+    root = zarr.open_group(str(tmp_path / "bad.zarr"), mode="w", zarr_format=2)
+    for path in arrays:
+        root.create_array(path, data=np.arange(1, 5))
+    with pytest.raises(imp.ImportSourceError, match=rf"bad\.zarr: not a diffusion_policy zarr.*{message}"):
+        imp.diffusion_policy(tmp_path / "bad.zarr", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
 def test_diffusion_policy_round_trip_is_exact(tmp_path):
     write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
     imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)

@@ -24,8 +24,13 @@ class DiffusionPolicySource(Source):
         super().__init__(path)
         try:
             root = zarr.open_group(self.path, mode="r")
-            self._arrays = {name: array for name, array in root["data"].arrays()}
-            ends = np.asarray(root["meta/episode_ends"][:], dtype=np.int64)
+            data, stored_ends = root["data"], root["meta/episode_ends"]
+            if not isinstance(data, zarr.Group) or not isinstance(stored_ends, zarr.Array):
+                raise ValueError(
+                    f"data is a {type(data).__name__} and meta/episode_ends a {type(stored_ends).__name__}"
+                )
+            self._arrays = {name: array for name, array in data.arrays()}
+            ends = np.asarray(stored_ends[:], dtype=np.int64)
         except (KeyError, FileNotFoundError, ValueError) as error:
             raise ImportSourceError(
                 f"{self.path}: not a diffusion_policy zarr (expected data/<key> arrays and meta/episode_ends): {error}"

@@ -244,7 +244,7 @@ def make_dataloader(
         for name in ("batch_sampler", "drop_last"):
             if name in kwargs:
                 raise ValueError(f"{name} cannot be combined with a ConcatReplayBuffer's weights")
-        batches = MixtureBatchSampler(
+        mixture = MixtureBatchSampler(
             dataset,
             batch_size,
             weights,
@@ -253,7 +253,7 @@ def make_dataloader(
             seed=seed,
             rank=resolve_rank(rank, world_size)[0],
         )
-        return MixtureDataLoader(dataset, batches, collate_fn=collate, **kwargs)
+        return MixtureDataLoader(dataset, mixture, collate_fn=collate, **kwargs)
     if sampler not in (None, "uniform"):
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:

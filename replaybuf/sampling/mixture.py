@@ -99,10 +99,12 @@ class MixtureDataLoader(DataLoader):
 
     def __init__(self, dataset: Any, batch_sampler: MixtureBatchSampler, **kwargs: Any):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self._mixture = batch_sampler  # ``self.batch_sampler`` typed as the mixture sampler
         self._delivered = (batch_sampler.next_pass, batch_sampler.start)
 
-    def __iter__(self) -> Iterator[Any]:
-        sampler = self.batch_sampler
+    # a generator over the base iterator, to record each batch as it is handed out
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self._mixture
         pass_index, batch = sampler.next_pass, sampler.start
         for item in super().__iter__():
             batch += 1
@@ -113,12 +115,12 @@ class MixtureDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         """Seed, pass and batch to continue from."""
         pass_index, batch = self._delivered
-        if batch >= self.batch_sampler.num_batches:
+        if batch >= self._mixture.num_batches:
             pass_index, batch = pass_index + 1, 0
-        return {"seed": self.batch_sampler.seed, "pass": pass_index, "batch": batch}
+        return {"seed": self._mixture.seed, "pass": pass_index, "batch": batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a state saved by ``state_dict()``: the next pass starts at its batch."""
-        sampler = self.batch_sampler
+        sampler = self._mixture
         sampler.seed, sampler.next_pass, sampler.start = int(state["seed"]), int(state["pass"]), int(state["batch"])
         self._delivered = (sampler.next_pass, sampler.start)

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-from torch.utils.data import DataLoader
 
 from .datasets import take_snapshot
 
@@ -33,7 +32,7 @@ class RateLimitTimeout(TimeoutError):
     """The loader waited ``rate_timeout`` seconds for the writer without being allowed to sample."""
 
 
-def _check_number(name: str, value: Any, minimum: float, integer: bool = False) -> float:
+def _check_number(name: str, value: Any, minimum: float, integer: bool = False) -> float | np.number:
     kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
     if isinstance(value, bool) or not isinstance(value, kinds) or not value >= minimum:
         expected = "an int" if integer else "a number"
@@ -139,6 +138,14 @@ def batch_length(batch: Any) -> int:
     return len(first)
 
 
+class PassLoader(Protocol):
+    """What ``RateLimitedLoader`` iterates each pass: a DataLoader (or a loader wrapping one)."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __len__(self) -> int: ...
+
+
 class RateLimitedLoader:
     """Iterates DataLoaders made by ``build`` (one per pass, each over the episodes committed when
     the pass starts), handing out a batch only when ``limiter`` allows its samples.
@@ -147,19 +154,23 @@ class RateLimitedLoader:
     count (and the inner loader's state where it has one) to resume a run with its ratio.
     """
 
-    def __init__(self, build: Callable[[], DataLoader], limiter: RateLimiter):
+    def __init__(self, build: Callable[[], PassLoader], limiter: RateLimiter):
         self.build = build
         self.limiter = limiter
-        self.loader: DataLoader | None = None
+        self.loader: PassLoader | None = None
         self._inner_state: dict | None = None
 
     def __iter__(self) -> Iterator[Any]:
         self.limiter.wait(0)
-        self.loader = self.build()
+        loader = self.loader = self.build()
         if self._inner_state is not None:
-            self.loader.load_state_dict(self._inner_state)
+            if not hasattr(loader, "load_state_dict"):
+                raise AttributeError(
+                    f"state['loader'] was given but this loader ({type(loader).__name__}) has no load_state_dict"
+                )
+            loader.load_state_dict(self._inner_state)
             self._inner_state = None
-        for batch in self.loader:
+        for batch in loader:
             self.limiter.acquire(batch_length(batch))
             yield batch
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..schema import Schema
+from ..schema import Field, Schema
 from .base import ArrayLike, Storage
 
 #: default bound of one buffer's cache folder (``cache_size``)
@@ -156,7 +156,7 @@ class CachedStorage(Storage):
         return self.inner.supports_field_codecs
 
     @property
-    def read_only(self) -> bool:  # type: ignore[override]
+    def read_only(self) -> bool:
         return self.inner.read_only
 
     @read_only.setter
@@ -209,9 +209,15 @@ class CachedStorage(Storage):
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         values = self.inner.read_meta_rows(name, episodes)
-        if name == "_generation" and self._generations is not None:
-            self._generations[np.asarray(episodes, dtype=np.int64).reshape(-1)] = values
+        if name == "_generation":
+            self._remember(np.asarray(episodes, dtype=np.int64).reshape(-1), values)
         return values
+
+    def _remember(self, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Update this process's view of the slots' generations (none held: nothing to update)."""
+        known = self._generations
+        if known is not None:
+            known[slots] = generations
 
     def drop_caches(self) -> None:
         """Forget the slots' generations and the maps this process holds (files stay)."""
@@ -232,6 +238,11 @@ class CachedStorage(Storage):
 
     def _cached(self, name: str) -> bool:
         return self.read_only and self.schema is not None and name in self.schema.fields
+
+    def _field(self, name: str) -> Field:
+        """The data field ``name`` of the opened storage's schema."""
+        assert self.schema is not None  # cached reads run on an opened storage (see ``_cached``)
+        return self.schema.fields[name]
 
     def rows(self, name: str, episodes: Sequence[int] | np.ndarray) -> dict[int, np.ndarray]:
         """Slot -> the committed rows (length, *shape) of every slot among ``episodes`` that
@@ -278,7 +289,7 @@ class CachedStorage(Storage):
 
     def _map(self, name: str, slot: int, generation: int) -> np.ndarray | None:
         """The cached rows of the slot's generation, mapped read-only; None when not cached."""
-        field = self.schema.fields[name]
+        field = self._field(name)
         path = self._path(name, slot, generation)
         try:
             size = os.path.getsize(path)
@@ -324,16 +335,16 @@ class CachedStorage(Storage):
         storage in one bulk read and publish each as a file: temp file, then rename."""
         before = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
         lens = np.asarray(self.inner.read_meta_rows("episode_lens", slots), dtype=np.int64)
-        self._generations[slots] = before
+        self._remember(slots, before)
         ok = (before == generations) & (lens > 0)
         slots, generations, lens = slots[ok], generations[ok], lens[ok]
         if not len(slots):
             return
-        field = self.schema.fields[name]
+        field = self._field(name)
         out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
         self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out)
         after = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
-        self._generations[slots] = after
+        self._remember(slots, after)
         folder = os.path.join(self.root, name)
         os.makedirs(folder, exist_ok=True)
         written = 0
@@ -341,7 +352,7 @@ class CachedStorage(Storage):
             slot, generation = int(slots[i]), int(generations[i])
             temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
             with open(temp, "wb") as f:
-                f.write(memoryview(np.ascontiguousarray(out[i, : lens[i]])).cast("B"))
+                f.write(np.ascontiguousarray(out[i, : lens[i]]).data.cast("B"))
             os.replace(temp, self._path(name, slot, generation))
             written += int(lens[i]) * field.step_nbytes
         self._account(written)
@@ -379,7 +390,7 @@ class CachedStorage(Storage):
         if not self._cached(name):
             return self.inner.gather(name, episodes, timesteps)
         episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
-        field = self.schema.fields[name]
+        field = self._field(name)
         out = np.empty((len(episodes), *field.shape), dtype=field.dtype)
         rows = self.rows(name, episodes)
         served = np.zeros(len(episodes), dtype=bool)
@@ -426,7 +437,7 @@ class CachedStorage(Storage):
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         if not self._cached(name):
             return self.inner.read_rows(name, episodes, t0, t1)
-        field = self.schema.fields[name]
+        field = self._field(name)
         episodes = np.asarray(episodes, dtype=np.int64)
         out = np.empty((len(episodes), t1 - t0, *field.shape), dtype=field.dtype)
         count = len(episodes)

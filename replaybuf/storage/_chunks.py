@@ -413,8 +413,9 @@ class ChunkedArray:
             return
         if versions is not None and self._resident_enabled():
             self._current_rows(episodes, _per_pair(versions, len(episodes)))
+            resident = self._resident_copy()[0]
             for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
-                out[i, :n] = self._resident[e, s : s + n]
+                out[i, :n] = resident[e, s : s + n]
             return
         ct = self.chunks[1]
         pieces = [
@@ -559,6 +560,14 @@ class ChunkedArray:
             self._resident_checked = np.ones(self.shape[0], dtype=bool)
         return True
 
+    def _resident_copy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The resident rows, their versions, fingerprints and checked flags: callers asked
+        ``_resident_enabled`` first, which makes the four together."""
+        rows, versions = self._resident, self._resident_versions
+        prints, checked = self._resident_prints, self._resident_checked
+        assert rows is not None and versions is not None and prints is not None and checked is not None
+        return rows, versions, prints, checked
+
     def load_resident(self, episodes: np.ndarray, versions: np.ndarray) -> bool:
         """Bring the resident rows of ``episodes`` (slots) to ``versions`` (their generations):
         only rows loaded at another version, or whose stored objects changed since (after
@@ -571,10 +580,11 @@ class ChunkedArray:
 
     def _current_rows(self, episodes: np.ndarray, versions: np.ndarray) -> None:
         """Make the resident rows of ``episodes`` hold ``versions`` (one per episode)."""
-        unchecked = ~self._resident_checked[episodes]
+        _, known, _, checked = self._resident_copy()
+        unchecked = ~checked[episodes]
         if unchecked.any():
             self._recheck(np.unique(episodes[unchecked]))
-        stale = self._resident_versions[episodes] != versions
+        stale = known[episodes] != versions
         if stale.any():
             rows, index = np.unique(episodes[stale], return_index=True)
             self._load_resident(rows, versions[stale][index])
@@ -584,7 +594,7 @@ class ChunkedArray:
     ) -> np.ndarray:
         """Small arrays are held whole in RAM; rows are read when first used or stale."""
         self._current_rows(episodes, versions)
-        out[...] = self._resident[episodes, timesteps]
+        out[...] = self._resident_copy()[0][episodes, timesteps]
         return out
 
     def _row_keys(self, episode: int) -> list[str]:
@@ -603,27 +613,29 @@ class ChunkedArray:
 
     def _recheck(self, rows: np.ndarray) -> None:
         """Rows kept through ``drop_cached``: those whose stored objects changed are read again."""
+        _, known, kept_prints, checked = self._resident_copy()
         prints = self._fingerprints(rows)
         if prints is None:
-            self._resident_versions[rows] = _NEVER
+            known[rows] = _NEVER
         else:
-            self._resident_versions[rows[prints != self._resident_prints[rows]]] = _NEVER
-        self._resident_checked[rows] = True
+            known[rows[prints != kept_prints[rows]]] = _NEVER
+        checked[rows] = True
 
     def _load_resident(self, rows: np.ndarray, versions: np.ndarray) -> None:
         """Read whole rows into the resident copy: one parallel pass over their objects,
         fingerprinted before the read (a write racing the read then shows as a change)."""
+        resident, known, kept_prints, _ = self._resident_copy()
         prints = self._fingerprints(rows)
         count = len(rows)
         run = count and int(rows[-1]) - int(rows[0]) == count - 1  # ascending (np.unique), no gap
         # one run of slots (a first load) is decoded in place; scattered ones through a copy
-        values = self._resident[rows[0] : rows[0] + count] if run else np.empty((count, *self.shape[1:]), self.dtype)
+        values = resident[rows[0] : rows[0] + count] if run else np.empty((count, *self.shape[1:]), self.dtype)
         self.read_into(values, rows, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
         if not run:
-            self._resident[rows] = values
-        self._resident_versions[rows] = versions
+            resident[rows] = values
+        known[rows] = versions
         if prints is not None:
-            self._resident_prints[rows] = prints
+            kept_prints[rows] = prints
         self.resident_rows_read += count
 
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:

@@ -273,6 +273,8 @@ class ProcessLease(WriterLease):
     (opens share it through ``take``), with no object and no heartbeat; a thread renewing an
     object in fsspec's memory store would race every listing of that store."""
 
+    _record: dict | None = None  # this process's lease record while it holds the lease
+
     def acquire(self, break_lock: bool = False) -> None:
         # docstring inherited: nothing else can hold it (``take`` shares it within the process)
         self._record = _record()
