@@ -145,6 +145,7 @@ def test_writer_in_another_process(where, tmp_path, request):
     assert committed_steps(observer) == total
     for sampled, inserted in observations:
         assert sampled <= rate * inserted + slack, observations
-    # it sampled right up to the limit: 0.5 * (60 - 5) + 2 = 29.5, in batches of 2
-    assert loader.limiter.sampled == 28
+    # it sampled right up to the limit, 0.5 * (60 - 5) + 2 = 29.5, within one batch of 2 (a
+    # pass's last batch may hold 1, depending on what was committed when the pass began)
+    assert 27.5 < loader.limiter.sampled <= 29.5
     assert len({inserted for _, inserted in observations}) > 1, "sampling overlapped the writes"
