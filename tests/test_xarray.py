@@ -66,8 +66,9 @@ def test_xarray_opens_the_data_group(folder):
     buffer = ReplayBuffer.from_folder(folder, read_only=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        data = xarray.open_zarr(folder, group="data", consolidated=False)
-        meta = xarray.open_zarr(folder, group="meta", consolidated=False)
+        # as a notebook user opens it: consolidated metadata is there, so no warning either way
+        data = xarray.open_zarr(folder, group="data")
+        meta = xarray.open_zarr(folder, group="meta")
     assert data.sizes["episode"] == 3 and data.sizes["time"] == 8
     np.testing.assert_array_equal(data["frame"].values, np.asarray(buffer.data["frame"][:]))
     np.testing.assert_array_equal(meta["goal"].values, np.asarray(buffer.meta_data["goal"][:]))

@@ -235,6 +235,7 @@ class ZarrStorage(KVBlobs, Storage):
                 dimension_names=field.dimension_names(per_episode=True),
             )
         self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
+        _consolidate(store)
         self.commit_state(empty_state())
         self._load_arrays(schema)
 
@@ -420,6 +421,19 @@ def _check_chunks(where: str, array: ChunkedArray) -> None:
             not isinstance(c, int) or not 1 <= c <= 2 * max(n, 1) for c, n in zip(chunks, array.shape)
         ):
             raise BufferDamagedError(f"{where}: chunk shape {list(chunks)} does not fit the array {list(array.shape)}")
+
+
+def _consolidate(store) -> None:
+    """Copy every array's metadata into the root group's document (zarr's consolidated
+    metadata), so ``xarray.open_zarr(path, group='data')`` opens with one read and no warning.
+    Array metadata never changes after create, so the copy cannot go stale."""
+    import warnings
+
+    import zarr
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+        zarr.consolidate_metadata(store)
 
 
 def _open_zarr_store(location: str, storage_options: dict, read_only: bool):
