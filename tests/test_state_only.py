@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache, make_dataloader
+from replaybuf.storage import _chunks
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
 SPAWN = multiprocessing.get_context("spawn")
@@ -143,6 +144,7 @@ def test_fields_over_the_threshold_are_not_loaded_into_ram(tmp_path, monkeypatch
     buffer.close()
     state_bytes = EPISODES * STEPS * 4 * 4
     monkeypatch.setattr(chunk_cache(), "resident_bytes", chunk_cache().resident_nbytes + state_bytes - 1)
+    monkeypatch.setattr(_chunks, "SMALL_ARRAY_BYTES", 0)  # this frame array is small, not its steps
     reader = ReplayBuffer.from_folder(path, read_only=True)
     batch = next(iter(make_dataloader(reader, EPISODES * STEPS, timestep_level=True, return_indices=True)))
     for name in ("frame", "state"):  # too large a step; over the process's budget

@@ -32,6 +32,8 @@ DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
 # max_episodes x max_timesteps; pages never written cost no memory).
 DEFAULT_RESIDENT_BYTES = 1 << 30
 RESIDENT_STEP_BYTES = 4096
+# any array this small is held whole too, frames included (a small image buffer samples from RAM)
+SMALL_ARRAY_BYTES = 64 << 20
 _SEEN_KEYS = 1 << 16
 
 
@@ -547,11 +549,13 @@ class ChunkedArray:
 
     def _resident_enabled(self) -> bool:
         """Whether the array is held whole in RAM: a small field (``RESIDENT_STEP_BYTES`` per
-        step at most) whose full size fits what is left of the process's resident budget."""
+        step at most) or a small array (``SMALL_ARRAY_BYTES`` in all) whose full size fits what
+        is left of the process's resident budget."""
         if self._resident is None:
             step = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
             nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-            if self.grid_axes != 2 or step > RESIDENT_STEP_BYTES or not _cache.take_resident(nbytes):
+            small = step <= RESIDENT_STEP_BYTES or nbytes <= SMALL_ARRAY_BYTES
+            if self.grid_axes != 2 or not small or not _cache.take_resident(nbytes):
                 return False
             weakref.finalize(self, _cache.release_resident, nbytes)
             self._resident = np.zeros(self.shape, dtype=self.dtype)
