@@ -12,16 +12,16 @@ from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
-from .storage._owned import ForeignEntriesError
-from .storage.base import (
+from .storage import (
     BufferDamagedError,
+    BufferLockedError,
     BufferNotFoundError,
     CorruptChunkError,
+    ForeignEntriesError,
     Storage,
     StorageError,
     make_storage,
 )
-from .storage.lease import BufferLockedError
 from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
 

@@ -30,15 +30,18 @@ from .commit import Committer
 from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup
-from .storage._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
-from .storage.base import (
+from .storage import (
+    DEFAULT_CACHE_SIZE,
     STATE_KEY,
+    CachedStorage,
     Storage,
     bookkeeping_fields,
     check_bookkeeping,
     check_state,
     make_storage,
+    new_uuid,
     unpublished_slots,
+    with_cache,
 )
 from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
 

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from .buffer import ReplayBuffer
-from .storage.base import detect_backend
+from .storage import detect_backend, list_children
 
 SHARD_PREFIX = "actor-"
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}(\d{{3,}})$")
@@ -45,22 +45,6 @@ def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuff
     return ReplayBuffer(shard_location(root, index), **kwargs)
 
 
-def _children(root: str, storage_options: dict | None) -> list[str]:
-    if not _is_url(root):
-        path = root[len("file://") :] if root.startswith("file://") else root
-        return os.listdir(path) if os.path.isdir(path) else []
-    from zarr.core.sync import sync
-
-    from .storage._zarr import _open_zarr_store
-
-    store = _open_zarr_store(root, storage_options or {}, True)
-
-    async def listing() -> list[str]:
-        return [name.rstrip("/") async for name in store.list_dir("")]
-
-    return sync(listing())
-
-
 def discover_shards(root: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
     """Locations of the shards under ``root`` that hold a buffer, ordered by actor index.
 
@@ -69,7 +53,7 @@ def discover_shards(root: str | os.PathLike, storage_options: dict | None = None
     """
     root = os.fspath(root)
     found = []
-    for name in _children(root, storage_options):
+    for name in list_children(root, storage_options):
         match = _SHARD_NAME.match(name)
         if match is None:
             continue

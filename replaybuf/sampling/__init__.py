@@ -1,6 +1,6 @@
 """Reading a buffer back: datasets, DataLoaders and prioritized sampling."""
 
-from ..storage._chunks import chunk_cache
+from ..storage import chunk_cache
 from .collate import CollatedSamples, Collator
 from .datasets import (
     ReplayDataset,

@@ -4,7 +4,7 @@ A ``Fetcher`` knows the slots, lengths and generations a dataset saw at creation
 (episode, timestep) pairs and time windows through the storage's batched ``gather``; arrays
 that accept ``versions`` (the zarr backend's) then serve repeated reads from their chunk cache
 and resident copies, keyed by the slot generation so a reused slot is never served stale.
-Small fields (vectors and scalars, see ``storage._chunks.RESIDENT_STEP_BYTES``) of the snapshot's
+Small fields (vectors and scalars, those the zarr backend holds whole in RAM) of the snapshot's
 slots are loaded into the arrays' resident copies when the fetcher is made, in one parallel pass
 (only rows missing or changed since an earlier load are read), so that DataLoader workers started
 by fork share them; a spawned worker loads its own when it unpickles the fetcher.

@@ -1,31 +1,79 @@
-"""Storage backends behind one protocol; ``make_storage`` picks one by name or by what is stored."""
+"""Storage backends behind one protocol; ``make_storage`` picks one by name or by what is stored.
 
+The names in ``__all__`` are the whole of what modules outside ``storage/`` use (checked by
+``tests/test_imports.py``); the private modules (``_zarr``, ``_cache``, ...) are reached only
+through them. ``chunk_cache`` and ``list_children`` import their modules (numcodecs, zarr) on
+first use.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from ._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from ._owned import ForeignEntriesError
 from .base import (
+    LOG_PREFIX,
+    STATE_KEY,
     BufferDamagedError,
     BufferNotFoundError,
     CorruptChunkError,
     Storage,
     StorageError,
     backend_class,
+    bookkeeping_fields,
+    check_bookkeeping,
+    check_state,
     detect_backend,
+    empty_state,
     make_storage,
     register_backend,
     registry,
+    unpublished_slots,
 )
-from .lease import BufferLockedError
+from .lease import BufferLockedError, describe_holder
+from .spans import fill_beyond
+
+if TYPE_CHECKING:
+    from ._chunks import chunk_cache
+    from ._zarr import list_children
+
+_LAZY = {"chunk_cache": "._chunks", "list_children": "._zarr"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "LOG_PREFIX",
+    "STATE_KEY",
     "BufferDamagedError",
     "BufferLockedError",
     "BufferNotFoundError",
-    "ForeignEntriesError",
+    "CachedStorage",
     "CorruptChunkError",
+    "ForeignEntriesError",
     "Storage",
     "StorageError",
     "backend_class",
+    "bookkeeping_fields",
+    "check_bookkeeping",
+    "check_state",
+    "chunk_cache",
+    "describe_holder",
     "detect_backend",
+    "empty_state",
+    "fill_beyond",
+    "list_children",
     "make_storage",
+    "new_uuid",
     "register_backend",
     "registry",
+    "unpublished_slots",
+    "with_cache",
 ]

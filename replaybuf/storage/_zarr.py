@@ -447,3 +447,19 @@ def _open_zarr_store(location: str, storage_options: dict, read_only: bool):
     import zarr
 
     return zarr.storage.FsspecStore.from_url(location, storage_options=storage_options or None, read_only=read_only)
+
+
+def list_children(location: str, storage_options: dict | None = None) -> list[str]:
+    """Names of the entries directly under a local folder or URL prefix (``[]`` when there is
+    none): how ``shards.discover_shards`` finds the shards of a root."""
+    if "://" not in location or location.startswith("file://"):
+        path = location.removeprefix("file://")
+        return os.listdir(path) if os.path.isdir(path) else []
+    from zarr.core.sync import sync
+
+    store = _open_zarr_store(location, storage_options or {}, True)
+
+    async def listing() -> list[str]:
+        return [name.rstrip("/") async for name in store.list_dir("")]
+
+    return sync(listing())
