@@ -31,7 +31,8 @@ from dask.utils import parse_bytes
 
 from .consistency import RETRIES, ConcurrentWriteError, read_consistent, stored_bookkeeping
 from .progress import dask_progress
-from .storage.spans import fill_beyond
+from .storage import fill_beyond
+from .view import BufferView
 
 __all__ = ["to_dask", "to_xarray", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
 
@@ -48,12 +49,12 @@ _SHARED_MEMORY_SCHEDULERS = ("threads", "threading", "sync", "synchronous", "sin
 # ---- argument checks ----------------------------------------------------------------------
 
 
-def _meta_names(buffer: Any) -> list[str]:
+def _meta_names(buffer: BufferView) -> list[str]:
     return sorted(buffer.meta_fieldnames)
 
 
 def _select(
-    buffer: Any, fields: Sequence[str] | None, meta_fields: Sequence[str] | None, call: str
+    buffer: BufferView, fields: Sequence[str] | None, meta_fields: Sequence[str] | None, call: str
 ) -> tuple[list[str], list[str]]:
     """The data and meta field names a call works on (the seed's defaults), checked."""
     if fields is None and meta_fields is None:
@@ -172,10 +173,10 @@ class _Plan:
         return int(self.lens.max(initial=0))
 
 
-def _plan(buffer: Any, slots: np.ndarray, meta_fields: Sequence[str] = ()) -> _Plan:
+def _plan(buffer: BufferView, slots: np.ndarray, meta_fields: Sequence[str] = ()) -> _Plan:
     slots = np.asarray(slots, np.int64)
     lens = np.asarray(buffer.episode_lens, np.int64)[slots]
-    generations = np.asarray(buffer._meta["_generation"], np.int64)[slots]
+    generations = np.asarray(buffer.generations, np.int64)[slots]
     empty = (lens <= 0) | (generations <= 0)
     lens, generations = np.where(empty, 0, lens), np.where(empty, 0, generations)
     # committed length-0 episodes keep their meta values, as the seed returns them
@@ -189,7 +190,7 @@ def _plan(buffer: Any, slots: np.ndarray, meta_fields: Sequence[str] = ()) -> _P
     return _Plan(slots, generations, lens, meta)
 
 
-def _committed(buffer: Any, order: str = "chronological", meta_fields: Sequence[str] = ()) -> _Plan:
+def _committed(buffer: BufferView, order: str = "chronological", meta_fields: Sequence[str] = ()) -> _Plan:
     """The committed episodes: valid slots (oldest first, or by slot index), as planned."""
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {list(_ORDERS)}, got {order!r}")
@@ -199,7 +200,7 @@ def _committed(buffer: Any, order: str = "chronological", meta_fields: Sequence[
 
 
 def to_dask(
-    buffer: Any,
+    buffer: BufferView,
     fields: Sequence[str] | None = None,
     meta_fields: Sequence[str] | None = None,
     episodes_per_chunk: int | None = None,
@@ -229,7 +230,11 @@ def to_dask(
 
 
 def _dask_arrays(
-    buffer: Any, fields: Sequence[str], meta_fields: Sequence[str], plan: _Plan, episodes_per_chunk: int | None = None
+    buffer: BufferView,
+    fields: Sequence[str],
+    meta_fields: Sequence[str],
+    plan: _Plan,
+    episodes_per_chunk: int | None = None,
 ) -> dict[str, da.Array]:
     """Dask arrays of ``plan``'s rows: data read consistently when computed, meta as planned."""
     slots, lens, length = plan.slots, plan.lens, plan.length
@@ -255,7 +260,7 @@ def _dask_arrays(
     return out
 
 
-def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str = "chronological") -> da.Array:
+def episode_mask(buffer: BufferView, episodes_per_chunk: int | None = None, order: str = "chronological") -> da.Array:
     """Dask bool array (episodes, time): True where a committed episode has a step (rows as ``to_dask``)."""
     plan = _committed(buffer, order)
     lens, length = plan.lens, plan.length
@@ -265,7 +270,7 @@ def episode_mask(buffer: Any, episodes_per_chunk: int | None = None, order: str 
 
 
 def to_xarray(
-    buffer: Any,
+    buffer: BufferView,
     fields: Sequence[str] | None = None,
     meta_fields: Sequence[str] | None = None,
     order: str = "chronological",
@@ -282,7 +287,7 @@ def to_xarray(
         import xarray
     except ImportError as e:
         raise ImportError("to_xarray needs xarray: pip install 'replaybuf[xarray]' (or pip install xarray)") from e
-    from .storage.base import bookkeeping_fields
+    from .storage import bookkeeping_fields
 
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_xarray")
     meta_names = sorted({*meta_fields, "episode_lens"})
@@ -305,7 +310,7 @@ def to_xarray(
 
 
 def get_all_data(
-    buffer: Any,
+    buffer: BufferView,
     fields: Sequence[str] | None = None,
     meta_fields: Sequence[str] | None = None,
     device: torch.device | str | None = None,
@@ -364,7 +369,7 @@ def _fill_episodes(
     fill_beyond(rows, lens, fill)
 
 
-def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) -> dict[str, np.ndarray]:
+def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler: Any) -> dict[str, np.ndarray]:
     """The data rows of ``get_all_data``, read consistently: each result is allocated once and
     filled by dask tasks of a few whole episodes, each decoding its frames straight into place
     (no block copies, no concatenation) where the scheduler shares this process's memory;
@@ -598,7 +603,7 @@ def _merge_stats(parts: list[tuple]) -> tuple:
 
 
 def stats(
-    buffer: Any, fields: Sequence[str] | None = None, scheduler: Any = None, progress: bool | None = None
+    buffer: BufferView, fields: Sequence[str] | None = None, scheduler: Any = None, progress: bool | None = None
 ) -> BufferStats:
     """Statistics of the committed episodes, computed as one dask graph.
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections import namedtuple
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,12 +43,12 @@ from .storage import (
     with_cache,
 )
 from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
+from .view import BufferView, SchemaAttributes, frozen, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
     import torch
 
     from .collector import EpisodeCollector
-    from .concat import ConcatReplayBuffer
 
 _HIDDEN_META = ("_generation",)
 # a reader that sees a slot with a length but no generation (between a commit's two writes)
@@ -57,20 +56,24 @@ _HIDDEN_META = ("_generation",)
 _REREADS = 3
 
 
-def _memory_type(schema: Schema) -> Any:
-    """The namedtuple ``store()`` returns: one value per data field."""
-    return namedtuple("Memory", list(schema.fields))
+def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
+    """``buffer`` when it takes the write ``call``: a view with no writer of its own
+    (ConcatReplayBuffer) raises NotImplementedError, a buffer opened read-only ValueError."""
+    if not isinstance(buffer, ReplayBuffer):
+        raise NotImplementedError(read_only_message(type(buffer).__name__, call))
+    buffer._check_writable(call)
+    return buffer
 
 
 class MetaView:
-    """``buffer.meta_data[name]``: reads from the RAM mirror, writes through to storage."""
+    """``buffer.meta_data[name]``: reads from the buffer's snapshot, writes through to storage."""
 
-    def __init__(self, buffer: ReplayBuffer | ConcatReplayBuffer, name: str):
+    def __init__(self, buffer: BufferView, name: str):
         self._buffer, self._name = buffer, name
 
     @property
     def _mirror(self) -> np.ndarray:
-        return self._buffer._meta[self._name]
+        return self._buffer.meta_values(self._name)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -88,9 +91,7 @@ class MetaView:
         return value.copy() if isinstance(value, np.ndarray) else value
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        buffer = self._buffer
-        buffer._check_writable(f"meta_data[{self._name!r}][...] = ...")
-        assert isinstance(buffer, ReplayBuffer)  # a ConcatReplayBuffer refuses every write above
+        buffer = as_writer(self._buffer, f"meta_data[{self._name!r}][...] = ...")
         if self._name in buffer._bookkeeping:
             raise ValueError(
                 f"meta_data[{self._name!r}] is read-only: a slot's length is published by committing "
@@ -156,7 +157,7 @@ class DataView:
     storage's (the writer sees its episode in progress); writes go to the storage array.
     """
 
-    def __init__(self, buffer: Any, name: str):
+    def __init__(self, buffer: BufferView, name: str):
         self._buffer, self._name = buffer, name
         field = buffer.schema.fields[name]
         self.shape = (buffer.schema.max_episodes, buffer.schema.max_timesteps, *field.shape)
@@ -203,8 +204,8 @@ class DataView:
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._buffer._check_writable(f"data[{self._name!r}][...] = ...")
-        self._buffer.storage.array(self._name)[key] = value
+        buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")
+        buffer.storage.array(self._name)[key] = value
 
     def __array__(self, dtype=None, copy=None):
         out = self[:]
@@ -214,7 +215,7 @@ class DataView:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
 
 
-class ReplayBuffer:
+class ReplayBuffer(SchemaAttributes):
     """An episode store: write steps or whole episodes, read them back as tensors and batches.
 
     The signature is memmap-replay-buffer's: ``fields`` map names to specs such as ``'float'``,
@@ -342,22 +343,10 @@ class ReplayBuffer:
 
     def _setup(self, schema: Schema) -> None:
         self.schema = schema
-        self.max_episodes = schema.max_episodes
-        self.max_timesteps = schema.max_timesteps
-        self.circular = schema.circular
-        self.fieldnames = set(schema.fields)
-        self.shapes = {n: f.shape for n, f in schema.fields.items()}
-        self.dtypes = {n: f.dtype.type for n, f in schema.fields.items()}
-        self.defaults = {n: f.default for n, f in schema.fields.items()}
         self._bookkeeping = bookkeeping_fields(schema)
         self._meta_fields = {**schema.meta_fields, **self._bookkeeping}
-        self.meta_fieldnames = set(schema.meta_fields) | {"episode_lens"}
-        self.meta_shapes = {n: f.shape for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
-        self.meta_dtypes = {n: f.dtype.type for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
-        self.meta_defaults = {n: f.default for n, f in self._meta_fields.items() if n not in _HIDDEN_META}
-        self.memory_namedtuple = _memory_type(schema)
         self.data = {n: DataView(self, n) for n in schema.fields}
-        self._commit = Committer(self.storage, schema, self.flush_every_store_step)
+        self._commit: Committer = Committer(self.storage, schema, self.flush_every_store_step)
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
         for fill in self._fills.values():
             fill.flags.writeable = False
@@ -470,9 +459,20 @@ class ReplayBuffer:
     @property
     def episode_lens(self) -> np.ndarray:
         """Committed length of every slot (0: empty); read-only view."""
-        view = self._meta["episode_lens"].view()
-        view.flags.writeable = False
-        return view
+        return frozen(self._meta["episode_lens"])
+
+    @property
+    def generations(self) -> np.ndarray:
+        """Generation of every slot (0: empty); read-only view (``BufferView.generations``)."""
+        return frozen(self._meta["_generation"])
+
+    def meta_values(self, name: str) -> np.ndarray:
+        """Values of meta field ``name`` for every slot, as committed; read-only view."""
+        if name not in self.meta_fieldnames:
+            raise ValueError(
+                f"meta_values: invalid meta field name {name!r} - must be one of {sorted(self.meta_fieldnames)}"
+            )
+        return frozen(self._meta[name])
 
     def listed_slots(self) -> np.ndarray:
         """The slots ``get_all_data`` returns a row for: ``0 .. num_episodes - 1``, as the seed."""
@@ -1153,13 +1153,13 @@ class ReplayBuffer:
         committed; it carries no open handle and reopens its store lazily in the new process."""
         state = dict(self.__dict__)
         state.update(_group=None, read_only=True)
-        del state["memory_namedtuple"], state["meta_data"]
+        del state["meta_data"]
+        state.pop("memory_namedtuple", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage.read_only = True
-        self.memory_namedtuple = _memory_type(self.schema)
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
     def close(self) -> None:

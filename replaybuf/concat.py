@@ -3,17 +3,17 @@
 The member buffers keep their own storage; ``ConcatStorage`` puts them side by side on one
 episode axis (member ``k``'s slot ``s`` is global episode ``offsets[k] + s``) and one time
 axis as long as the longest member's, reading zeros past a shorter member's end. The
-ConcatReplayBuffer carries the bookkeeping a ReplayBuffer reader uses (``schema``,
-``valid_episodes()``, ``episode_lens``, ``meta_data``, ``storage``), so the sampling datasets
-and the dask views in ``analysis.py`` work on it unchanged.
+ConcatReplayBuffer implements ``view.BufferView`` from its members' public snapshots
+(``episode_lens``, ``generations``, ``meta_values``), so the sampling datasets, the dask views
+in ``analysis.py`` and the viewer work on it unchanged. It has no writer: ReplayBuffer's write
+methods (``WRITE_METHODS``) raise NotImplementedError naming the call.
 """
 
 from __future__ import annotations
 
 import os
-from collections import namedtuple
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -22,9 +22,31 @@ from . import analysis
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
-from .storage.base import Storage
+from .storage import Storage
+from .view import SchemaAttributes, frozen, read_only_message
 
-__all__ = ["ConcatReplayBuffer", "ConcatStorage"]
+__all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
+
+# ReplayBuffer's write methods: on a ConcatReplayBuffer each raises NotImplementedError
+WRITE_METHODS = frozenset(
+    {
+        "store",
+        "store_batch",
+        "store_meta_batch",
+        "store_episode",
+        "store_datapoint",
+        "store_meta_datapoint",
+        "update",
+        "update_priorities",
+        "advance_episode",
+        "one_episode",
+        "batched_episode",
+        "clear",
+        "drop_episodes",
+        "create_collector",
+        "create_rollout_collector",
+    }
+)
 
 Member = ReplayBuffer | str | os.PathLike
 
@@ -223,21 +245,7 @@ class ConcatStorage(Storage):
 
 
 def _read_only_message(call: str) -> str:
-    return (
-        f"ConcatReplayBuffer is read-only: `{call}` is not allowed; "
-        "write to one of its member buffers (ReplayBuffer.from_folder(path)) instead"
-    )
-
-
-def _refused(call: str):
-    """A write method of ConcatReplayBuffer: it raises, naming the call."""
-
-    def refuse(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(_read_only_message(call))
-
-    refuse.__name__ = call
-    refuse.__doc__ = f"Not available: a ConcatReplayBuffer is read-only (``{call}`` raises NotImplementedError)."
-    return refuse
+    return read_only_message("ConcatReplayBuffer", call)
 
 
 def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
@@ -268,7 +276,7 @@ def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
         )
 
 
-class ConcatReplayBuffer:
+class ConcatReplayBuffer(SchemaAttributes):
     """Several stored buffers read as one, read-only: local paths, URLs and buffers mixed.
 
     ``buffers`` are paths or URLs (opened read-only with ``storage_options``, one dict for all
@@ -316,10 +324,11 @@ class ConcatReplayBuffer:
             max(b.max_timesteps for b in self.buffers),
         )
         self.read_only = True
-        self.circular = False
         self.folder = [b.folder for b in self.buffers]
         self.storage = ConcatStorage(self.buffers, self.schema)
-        self._setup()
+        self.data = {n: DataView(self, n) for n in self.schema.fields}
+        self.meta_data = {n: MetaView(self, n) for n in self.meta_shapes}
+        self.refresh()
 
     @staticmethod
     def _open(buffer: Member, storage_options: dict | None) -> ReplayBuffer:
@@ -329,27 +338,14 @@ class ConcatReplayBuffer:
             return ReplayBuffer.from_folder(buffer, read_only=True, storage_options=storage_options)
         raise TypeError(f"ConcatReplayBuffer: each buffer must be a path, a URL or a ReplayBuffer, got {buffer!r}")
 
-    def _setup(self) -> None:
-        first = self.buffers[0]
-        self.max_episodes = self.schema.max_episodes
-        self.max_timesteps = self.schema.max_timesteps
-        self.fieldnames = set(first.fieldnames)
-        self.meta_fieldnames = set(first.meta_fieldnames)
-        for attribute in ("shapes", "dtypes", "defaults", "meta_shapes", "meta_dtypes", "meta_defaults"):
-            setattr(self, attribute, dict(getattr(first, attribute)))
-        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))  # type: ignore[misc]  # run-time fields
-        self.data = {n: DataView(self, n) for n in self.schema.fields}
-        self.refresh()
-
     def refresh(self) -> ConcatReplayBuffer:
         """Pick up episodes the members' writers committed since (a member passed in as a
         writable buffer is its own writer and already up to date)."""
         for buffer in self.buffers:
             if buffer.read_only:
                 buffer.refresh()
-        names = list(self.buffers[0]._meta)
-        self._meta = {n: np.concatenate([b._meta[n] for b in self.buffers]) for n in names}
-        self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}
+        self._snapshot = {n: np.concatenate([b.meta_values(n) for b in self.buffers]) for n in self.meta_shapes}
+        self._snapshot["_generation"] = np.concatenate([b.generations for b in self.buffers])
         return self
 
     # ---- bookkeeping, as ReplayBuffer -----------------------------------------------------------
@@ -361,9 +357,20 @@ class ConcatReplayBuffer:
     @property
     def episode_lens(self) -> np.ndarray:
         """Committed length of every global slot (0: empty); read-only view."""
-        view = self._meta["episode_lens"].view()
-        view.flags.writeable = False
-        return view
+        return frozen(self._snapshot["episode_lens"])
+
+    @property
+    def generations(self) -> np.ndarray:
+        """Each global slot's generation in its member (0: empty); read-only view."""
+        return frozen(self._snapshot["_generation"])
+
+    def meta_values(self, name: str) -> np.ndarray:
+        """Values of meta field ``name`` for every global slot; read-only view."""
+        if name not in self.meta_fieldnames:
+            raise ValueError(
+                f"meta_values: invalid meta field name {name!r} - must be one of {sorted(self.meta_fieldnames)}"
+            )
+        return frozen(self._snapshot[name])
 
     def listed_slots(self) -> np.ndarray:
         """The global slots ``get_all_data`` returns a row for: each member's ``0 .. num_episodes - 1``."""
@@ -409,16 +416,26 @@ class ConcatReplayBuffer:
     def __getstate__(self) -> dict[str, Any]:
         """Pickles (to DataLoader or dask workers) as the members do: no open handle."""
         state = dict(self.__dict__)
-        del state["memory_namedtuple"], state["meta_data"]
+        del state["meta_data"]
+        state.pop("memory_namedtuple", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.memory_namedtuple = namedtuple("Memory", list(self.schema.fields))  # type: ignore[misc]  # run-time fields
-        self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}
+        self.meta_data = {n: MetaView(self, n) for n in self.meta_shapes}
 
-    def _check_writable(self, call: str) -> None:
-        raise NotImplementedError(_read_only_message(call))
+    if not TYPE_CHECKING:  # to a type checker a concatenation has no write method at all
+
+        def __getattr__(self, name: str) -> Callable[..., NoReturn]:
+            """ReplayBuffer's write methods (``WRITE_METHODS``): each raises when called."""
+            if name not in WRITE_METHODS:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+            def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+                raise NotImplementedError(_read_only_message(name))
+
+            refuse.__name__ = name
+            return refuse
 
     # ---- reads --------------------------------------------------------------------------------
 
@@ -486,20 +503,3 @@ class ConcatReplayBuffer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # ---- writes: refused ----------------------------------------------------------------------
-
-    store = _refused("store")
-    store_batch = _refused("store_batch")
-    store_meta_batch = _refused("store_meta_batch")
-    store_episode = _refused("store_episode")
-    store_datapoint = _refused("store_datapoint")
-    store_meta_datapoint = _refused("store_meta_datapoint")
-    store_batch_datapoint = _refused("store_batch_datapoint")
-    store_batch_meta_datapoint = _refused("store_batch_meta_datapoint")
-    update = _refused("update")
-    advance_episode = _refused("advance_episode")
-    one_episode = _refused("one_episode")
-    batched_episode = _refused("batched_episode")
-    clear = _refused("clear")
-    reset_ = _refused("reset_")

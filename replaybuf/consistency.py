@@ -59,8 +59,8 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
     ``source`` is a buffer (a writable one answers from its own mirror: it is the writer) or a
     storage; only the entries of ``slots`` are read, not the whole array."""
     slots = np.asarray(slots, dtype=np.int64)
-    if getattr(source, "read_only", True) is False and hasattr(source, "_meta"):
-        return source._meta["_generation"][slots]
+    if getattr(source, "read_only", True) is False and hasattr(source, "generations"):
+        return source.generations[slots]
     return np.asarray(_storage(source).read_meta_rows("_generation", slots), dtype=np.int64)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
-from replaybuf.concat import ConcatReplayBuffer, ConcatStorage
+from replaybuf.concat import WRITE_METHODS, ConcatReplayBuffer, ConcatStorage
 from replaybuf.storage.base import backend_class
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
@@ -200,22 +200,39 @@ def test_mixed_backends(tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    "call, args",
-    [
-        ("store", {"obs": np.zeros(3)}),
-        ("store_episode", {"obs": np.zeros((2, 3))}),
-        ("update", {}),
-        ("clear", {}),
-        ("advance_episode", {}),
-        ("store_datapoint", {}),
-        ("one_episode", {}),
-        ("batched_episode", {}),
-    ],
-)
-def test_write_calls_are_refused(concat, call, args):
-    with pytest.raises(NotImplementedError, match=f"ConcatReplayBuffer is read-only: `{call}`"):
-        getattr(concat[0], call)(**args)
+@pytest.mark.parametrize("call", sorted(WRITE_METHODS))
+def test_write_calls_are_refused(concat, call):
+    assert callable(getattr(ReplayBuffer, call)), "only ReplayBuffer's own write methods are refused"
+    with pytest.raises(NotImplementedError, match=f"ConcatReplayBuffer is read-only: `{call}` is not allowed"):
+        getattr(concat[0], call)(np.zeros(3), obs=np.zeros(3))
+
+
+def test_every_other_missing_attribute_is_an_attribute_error(concat):
+    buffer, _ = concat
+    for name in ("store_batch_datapoint", "reset_", "warm_cache_", "_meta"):  # none is ReplayBuffer's
+        assert not hasattr(buffer, name)
+        with pytest.raises(AttributeError, match=f"'ConcatReplayBuffer' object has no attribute '{name}'"):
+            getattr(buffer, name)
+    assert hasattr(buffer, "store"), "a write method is there to refuse, naming itself"
+
+
+def test_write_methods_are_not_stubs_in_the_class():
+    assert not WRITE_METHODS & set(vars(ConcatReplayBuffer)), "one mechanism (__getattr__), not a stub per method"
+
+
+def test_snapshot_comes_from_the_members_public_views(concat):
+    buffer, stored = concat
+    members = buffer.buffers
+    np.testing.assert_array_equal(buffer.generations, np.concatenate([m.generations for m in members]))
+    np.testing.assert_array_equal(buffer.meta_values("task"), np.concatenate([m.meta_values("task") for m in members]))
+    np.testing.assert_array_equal(buffer.meta_values("episode_lens"), buffer.episode_lens)
+    assert buffer.shapes == members[0].shapes and buffer.meta_dtypes == members[0].meta_dtypes
+    assert buffer.fieldnames == set(FIELDS) and buffer.meta_fieldnames == {"task", "episode_lens"}
+    for view in (buffer.generations, buffer.episode_lens, buffer.meta_values("task")):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 7
+    with pytest.raises(ValueError, match=r"meta_values: invalid meta field name '_generation' - must be one of"):
+        buffer.meta_values("_generation")
 
 
 def test_meta_and_data_writes_are_refused(concat):

@@ -19,18 +19,19 @@ import torch
 from torch.utils.data import Dataset
 
 from ..consistency import read_consistent
-from ..storage.spans import fill_beyond
+from ..storage import fill_beyond
+from ..view import BufferView
 from .collate import CollatedSamples
 from .fetch import Fetcher
 
 
-def as_buffer(replay_buffer: Any):
-    """A ReplayBuffer from a buffer, a path or a URL (opened read-only)."""
+def as_buffer(replay_buffer: BufferView | str | os.PathLike) -> BufferView:
+    """A buffer from a buffer (any ``BufferView``), a path or a URL (opened read-only)."""
     if isinstance(replay_buffer, (str, os.PathLike)):
         from ..buffer import ReplayBuffer
 
         return ReplayBuffer.from_folder(replay_buffer, read_only=True)
-    if not hasattr(replay_buffer, "storage") or not hasattr(replay_buffer, "schema"):
+    if not isinstance(replay_buffer, BufferView):
         raise TypeError(f"replay_buffer must be a ReplayBuffer, a path or a URL, got {type(replay_buffer).__name__}")
     return replay_buffer
 
@@ -48,7 +49,7 @@ def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: s
     return names
 
 
-def take_snapshot(buffer) -> tuple[np.ndarray, np.ndarray]:
+def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
     """(lens, generations) of every slot, committed and mutually consistent.
 
     A read-only buffer is refreshed first (``refresh()`` leaves out a slot a writer changed
@@ -58,17 +59,21 @@ def take_snapshot(buffer) -> tuple[np.ndarray, np.ndarray]:
         buffer.refresh()
     else:
         buffer.flush()
-    lens = np.asarray(buffer._meta["episode_lens"], dtype=np.int64).copy()
-    generations = np.asarray(buffer._meta["_generation"], dtype=np.int64).copy()
+    lens = np.array(buffer.episode_lens, dtype=np.int64)
+    generations = np.array(buffer.generations, dtype=np.int64)
     lens[generations <= 0] = 0
     return lens, generations
 
 
-def episode_filter(buffer, lens: np.ndarray, filter_meta: dict | None, min_episode_len: int) -> np.ndarray:
+def episode_filter(
+    buffer: BufferView, lens: np.ndarray, filter_meta: dict | Sequence[dict | None] | None, min_episode_len: int
+) -> np.ndarray:
     """Slots (ascending, as the seed) with at least ``min_episode_len`` steps matching ``filter_meta``
     (a list: one filter per source of a ConcatReplayBuffer, ``ConcatReplayBuffer.filter_episodes``)."""
     if isinstance(filter_meta, (list, tuple)):
-        if not hasattr(buffer, "filter_episodes"):
+        from ..concat import ConcatReplayBuffer
+
+        if not isinstance(buffer, ConcatReplayBuffer):
             raise TypeError("filter_meta as a list (one dict per source) needs a ConcatReplayBuffer")
         return buffer.filter_episodes(filter_meta, lens, min_episode_len)
     if len(buffer) == 0 or not (lens > 0).any():
@@ -103,7 +108,7 @@ class _SnapshotDataset(Dataset):
 
     def __init__(
         self,
-        replay_buffer: Any,
+        replay_buffer: BufferView | str | os.PathLike,
         fields: Sequence[str] | None = None,
         fieldname_map: dict[str, str] | None = None,
         include_metadata: bool = True,
@@ -220,7 +225,7 @@ class ReplayDatasetTrajectory(_SnapshotDataset):
 
     def __init__(
         self,
-        replay_buffer: Any,
+        replay_buffer: BufferView | str | os.PathLike,
         fields: Sequence[str] | None = None,
         fieldname_map: dict[str, str] | None = None,
         include_metadata: bool = True,
@@ -272,7 +277,7 @@ class ReplayDatasetTimeWindow(_SnapshotDataset):
 
     def __init__(
         self,
-        replay_buffer: Any,
+        replay_buffer: BufferView | str | os.PathLike,
         window_length: int,
         fields: Sequence[str] | None = None,
         fieldname_map: dict[str, str] | None = None,
@@ -370,7 +375,7 @@ class ReplayDatasetTimestep(_TimepointDataset):
 
     def __init__(
         self,
-        replay_buffer: Any,
+        replay_buffer: BufferView | str | os.PathLike,
         fields: Sequence[str] | None = None,
         fieldname_map: dict[str, str] | None = None,
         return_indices: bool = False,
@@ -403,7 +408,7 @@ class ReplayDatasetNStep(_TimepointDataset):
 
     def __init__(
         self,
-        replay_buffer: Any,
+        replay_buffer: BufferView | str | os.PathLike,
         n_steps: int,
         current_fields: Sequence[str] | None = None,
         next_fields: Sequence[str] | None = None,

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..view import BufferView
 from .collate import Collator, named_tuple_fields
 from .datasets import (
     ReplayDatasetNStep,
@@ -25,7 +27,7 @@ SAMPLERS = ("uniform", "prioritized")
 
 
 def make_dataset(
-    buffer,
+    buffer: BufferView,
     n_steps: int | None = None,
     fields: Sequence[str] | None = None,
     current_fields: Sequence[str] | None = None,
@@ -94,7 +96,7 @@ def make_dataset(
 
 
 def make_dataloader(
-    buffer,
+    buffer: BufferView,
     batch_size: int,
     n_steps: int | None = None,
     dataset: Dataset | None = None,
@@ -203,8 +205,13 @@ def make_dataloader(
     prioritized = sampler == "prioritized"
     if prioritized and shuffle:
         raise ValueError("shuffle cannot be combined with sampler='prioritized' (it draws its own order)")
-    weights = getattr(buffer, "weights", None)
-    if weights is not None and (prioritized or sampler not in (None, "uniform")):
+    from ..concat import ConcatReplayBuffer
+
+    # (weights, member offsets) of a ConcatReplayBuffer made with weights
+    weighted: tuple[np.ndarray, np.ndarray] | None = None
+    if isinstance(buffer, ConcatReplayBuffer) and buffer.weights is not None:
+        weighted = (buffer.weights, buffer.storage.offsets)
+    if weighted is not None and (prioritized or sampler not in (None, "uniform")):
         raise ValueError(
             f"sampler={sampler!r} cannot be combined with a ConcatReplayBuffer's weights (they draw the batches)"
         )
@@ -240,15 +247,14 @@ def make_dataloader(
             dataset, batch_size, priority_field, alpha, beta, num_batches=kwargs.pop("num_batches", None)
         )
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
-    if weights is not None:
+    if weighted is not None:
         for name in ("batch_sampler", "drop_last"):
             if name in kwargs:
                 raise ValueError(f"{name} cannot be combined with a ConcatReplayBuffer's weights")
         mixture = MixtureBatchSampler(
             dataset,
             batch_size,
-            weights,
-            buffer.storage.offsets,
+            *weighted,
             num_batches=kwargs.pop("num_batches", None),
             seed=seed,
             rank=resolve_rank(rank, world_size)[0],

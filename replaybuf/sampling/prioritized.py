@@ -17,6 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..buffer import as_writer
+from ..view import BufferView
+
 _samplers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -31,7 +34,7 @@ class WeightedIndices(list):
         return WeightedIndices, (list(self), self.weights)
 
 
-def check_priority_field(buffer, priority_field: str) -> None:
+def check_priority_field(buffer: BufferView, priority_field: str) -> None:
     if priority_field not in buffer.fieldnames:
         raise ValueError(
             f"priority_field {priority_field!r} is not a field of the buffer - must be one of "
@@ -142,7 +145,7 @@ class PrioritizedBatchSampler(Sampler):
         return WeightedIndices(positions.tolist(), weights.astype(np.float32))
 
 
-def update_priorities(buffer, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
+def update_priorities(buffer: BufferView, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
     """Write ``priorities`` for the (episode, timestep) pairs ``indices`` (a batch's ``_indices``,
     shape (B, 2)) into ``priority_field`` of ``buffer`` and into its live prioritized samplers."""
     check_priority_field(buffer, priority_field)
@@ -166,12 +169,12 @@ def update_priorities(buffer, indices: Any, priorities: Any, priority_field: str
         or (timesteps >= lens[np.clip(episodes, 0, buffer.max_episodes - 1)]).any()
     ):
         raise ValueError("indices name timesteps outside the committed episodes")
-    buffer._check_writable("update_priorities")
+    writer = as_writer(buffer, "update_priorities")
     slots, inverse = np.unique(episodes, return_inverse=True)
     longest = int(lens[slots].max())
     rows = buffer.storage.read_rows(priority_field, slots, 0, longest)
     rows = rows.reshape(len(slots), longest).copy()
     rows[inverse, timesteps] = values
-    buffer.update(slots, **{priority_field: rows[..., None] if buffer.schema.fields[priority_field].shape else rows})
+    writer.update(slots, **{priority_field: rows[..., None] if buffer.schema.fields[priority_field].shape else rows})
     for sampler in list(_samplers.get(buffer, ())):
         sampler.update(episodes, timesteps, values)

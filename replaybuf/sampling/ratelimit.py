@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..view import BufferView
 from .datasets import take_snapshot
 
 _FIRST_WAIT, _LONGEST_WAIT = 0.01, 0.5  # seconds between refreshes while blocked (doubling)
@@ -53,7 +54,7 @@ class RateLimiter:
 
     def __init__(
         self,
-        buffer: Any,
+        buffer: BufferView,
         samples_per_insert: float,
         min_size: int = 1,
         error_buffer: float = 0.0,

@@ -1,7 +1,7 @@
 """Storage backends behind one protocol; ``make_storage`` picks one by name or by what is stored.
 
 The names in ``__all__`` are the whole of what modules outside ``storage/`` use (checked by
-``tests/test_imports.py``); the private modules (``_zarr``, ``_cache``, ...) are reached only
+``tests/test_seams.py``); the private modules (``_zarr``, ``_cache``, ...) are reached only
 through them. ``chunk_cache`` and ``list_children`` import their modules (numcodecs, zarr) on
 first use.
 """

@@ -18,6 +18,7 @@ import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.video import image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.view import BufferView
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
 
 __all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
@@ -50,20 +51,18 @@ def _is_numeric(dtype: Any) -> bool:
     return dtype == np.bool_ or np.issubdtype(dtype, np.number)
 
 
-def series_fields(buffer: Any) -> list[str]:
+def series_fields(buffer: BufferView) -> list[str]:
     """Per-timestep fields that plot as lines: numeric scalars and vectors of <= 32 dims."""
     names = []
-    for name in buffer.shapes:
-        if name not in buffer.fieldnames:
-            continue
-        shape = tuple(buffer.shapes[name])
+    for name, field in buffer.schema.fields.items():
+        shape = field.shape
         small = shape == () or (len(shape) == 1 and shape[0] <= MAX_PLOT_DIMS)
-        if small and _is_numeric(buffer.dtypes[name]):
+        if small and _is_numeric(field.dtype):
             names.append(name)
     return names
 
 
-def meta_columns(buffer: Any) -> list[str]:
+def meta_columns(buffer: BufferView) -> list[str]:
     """User meta fields small enough to show in the episode list (internal ones start with '_')."""
     names = []
     for name in sorted(buffer.meta_fieldnames):
@@ -111,7 +110,7 @@ class BufferApp:
 
     page = "browse.html"
 
-    def __init__(self, buffer: Any, location: str = "", fps: float = 30, scale: int = 1):
+    def __init__(self, buffer: BufferView, location: str = "", fps: float = 30, scale: int = 1):
         if not (isinstance(fps, int | float) and fps > 0):
             raise ValueError(f"fps: expected a positive number, got {fps!r}")
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
@@ -156,9 +155,8 @@ class BufferApp:
             "series_fields": self.series_fields,
             "meta_columns": self.meta_columns,
             "fields": {
-                name: {"shape": list(buffer.shapes[name]), "dtype": str(np.dtype(buffer.dtypes[name]))}
-                for name in buffer.shapes
-                if name in buffer.fieldnames
+                name: {"shape": list(field.shape), "dtype": str(field.dtype)}
+                for name, field in buffer.schema.fields.items()
             },
         }
 
@@ -166,9 +164,7 @@ class BufferApp:
         """Every episode slot with its length and small meta values, read column by column."""
         buffer = self.buffer
         with self._read_lock:
-            refresh = getattr(buffer, "refresh", None)
-            if callable(refresh):
-                refresh()
+            buffer.refresh()
             count = int(buffer.num_episodes)
             lengths = np.asarray(buffer.episode_lens[:count])
             meta = {name: np.asarray(buffer.meta_data[name][:count]) for name in self.meta_columns}
@@ -192,7 +188,9 @@ class BufferApp:
             for name in self.meta_columns
         }
         series = {
-            name: _json_values(got.data[name][0, :length] if len(got) else np.zeros((0, *buffer.shapes[name])))
+            name: _json_values(
+                got.data[name][0, :length] if len(got) else np.zeros((0, *buffer.schema.fields[name].shape))
+            )
             for name in self.series_fields
         }
         return {

@@ -1,5 +1,7 @@
-"""Storage is the only seam: outside ``replaybuf/storage/`` a module imports from the storage
-package only the names its ``__init__`` exports, never a private storage module."""
+"""The two seams, checked on the source (ast): outside ``replaybuf/storage/`` a module imports
+from the storage package only the names its ``__init__`` exports, never a private storage
+module; the readers (sampling, analysis, the viewer) use a buffer only through ``BufferView``,
+never a private attribute of it."""
 
 import ast
 from pathlib import Path
@@ -92,3 +94,32 @@ def test_the_check_allows_exported_names():
 def test_every_exported_name_resolves():
     for name in replaybuf.storage.__all__:
         assert getattr(replaybuf.storage, name) is not None, name
+
+
+READERS = ["sampling", "analysis.py", "viewer"]
+
+
+def private_buffer_attributes(source: str) -> list[str]:
+    """``buffer._x``-style reads in ``source``: a private attribute of a buffer (an expression
+    ending in ``buffer`` or ``source``), which a reader must not use."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner.endswith(("buffer", "source")):
+                found.append(f"line {node.lineno}: {owner}.{node.attr}")
+    return found
+
+
+def test_readers_use_only_the_buffer_view():
+    problems = []
+    for reader in READERS:
+        paths = [PACKAGE / reader] if reader.endswith(".py") else sorted((PACKAGE / reader).rglob("*.py"))
+        for path in paths:
+            problems += [f"{path.relative_to(PACKAGE.parent)} {p}" for p in private_buffer_attributes(path.read_text())]
+    assert not problems, "private buffer attributes read outside the buffer:\n" + "\n".join(problems)
+
+
+def test_the_reader_check_finds_private_buffer_attributes():
+    source = 'lens = buffer._meta["episode_lens"]\nself.replay_buffer._check_writable("x")\nok = self._lens'
+    assert private_buffer_attributes(source) == ["line 1: buffer._meta", "line 2: self.replay_buffer._check_writable"]

@@ -1,0 +1,173 @@
+"""BufferView: what a reader of a buffer uses, implemented by ReplayBuffer and ConcatReplayBuffer.
+
+Sampling (``sampling/``), analysis (``analysis.py``) and the viewer (``viewer/``) are typed
+against this protocol and use nothing else of a buffer: its schema, its storage, and the
+committed snapshot it holds in RAM (per-slot lengths, generations and meta values as of the
+last ``refresh()``, or of the last commit for a writer). ``SchemaAttributes`` derives the
+seed's per-field attributes (``fieldnames``, ``shapes``, ``meta_dtypes``, ...) from ``schema``
+for both implementations.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Mapping
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .schema import Field, Schema
+from .storage import Storage, bookkeeping_fields
+
+if TYPE_CHECKING:
+    from .buffer import MetaView
+
+__all__ = ["BufferView", "SchemaAttributes", "frozen", "read_only_message"]
+
+
+@runtime_checkable
+class BufferView(Protocol):
+    """The read side of a buffer: schema, storage and the committed snapshot.
+
+    The snapshot is what ``refresh()`` loaded (a reader) or what this process committed (a
+    writer): ``episode_lens`` (0: an empty slot), ``generations`` (the 1-based ordinal of the
+    commit that filled each slot, 0 when empty; it only grows, so a reader re-checks it to
+    notice a slot rewritten under it) and the meta values of every slot.
+    """
+
+    @property
+    def schema(self) -> Schema: ...
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def read_only(self) -> bool:
+        """True for a reader beside a writer: its reads re-check generations (``consistency.py``)."""
+        ...
+
+    @property
+    def max_episodes(self) -> int: ...
+
+    @property
+    def max_timesteps(self) -> int: ...
+
+    @property
+    def fieldnames(self) -> set[str]: ...
+
+    @property
+    def meta_fieldnames(self) -> set[str]:
+        """The user's meta fields and ``episode_lens``."""
+        ...
+
+    @property
+    def meta_data(self) -> Mapping[str, MetaView]: ...
+
+    @property
+    def num_episodes(self) -> int: ...
+
+    @property
+    def episode_lens(self) -> np.ndarray:
+        """Committed length of every slot, a read-only view of the snapshot."""
+        ...
+
+    @property
+    def generations(self) -> np.ndarray:
+        """Generation of every slot (0: empty), a read-only view of the snapshot."""
+        ...
+
+    def meta_values(self, name: str) -> np.ndarray:
+        """Values of meta field ``name`` (one of ``meta_fieldnames``) for every slot, a read-only
+        view of the snapshot."""
+        ...
+
+    def listed_slots(self) -> np.ndarray: ...
+
+    def empty_episodes(self) -> np.ndarray: ...
+
+    def valid_episodes(self) -> np.ndarray: ...
+
+    def refresh(self) -> BufferView:
+        """Reload the snapshot from storage: pick up what writers committed since."""
+        ...
+
+    def flush(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+class SchemaAttributes:
+    """The seed's per-field attributes, derived from ``schema`` (fixed for a buffer's life)."""
+
+    schema: Schema
+
+    @property
+    def max_episodes(self) -> int:
+        return self.schema.max_episodes
+
+    @property
+    def max_timesteps(self) -> int:
+        return self.schema.max_timesteps
+
+    @property
+    def circular(self) -> bool:
+        return self.schema.circular
+
+    @cached_property
+    def fieldnames(self) -> set[str]:
+        return set(self.schema.fields)
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: f.shape for n, f in self.schema.fields.items()}
+
+    @cached_property
+    def dtypes(self) -> dict[str, type]:
+        return {n: f.dtype.type for n, f in self.schema.fields.items()}
+
+    @cached_property
+    def defaults(self) -> dict[str, Any]:
+        return {n: f.default for n, f in self.schema.fields.items()}
+
+    @cached_property
+    def _listed_meta(self) -> dict[str, Field]:
+        """The meta fields a user sees: theirs and ``episode_lens`` (not ``_generation``)."""
+        return {**self.schema.meta_fields, "episode_lens": bookkeeping_fields(self.schema)["episode_lens"]}
+
+    @cached_property
+    def meta_fieldnames(self) -> set[str]:
+        return set(self._listed_meta)
+
+    @cached_property
+    def meta_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: f.shape for n, f in self._listed_meta.items()}
+
+    @cached_property
+    def meta_dtypes(self) -> dict[str, type]:
+        return {n: f.dtype.type for n, f in self._listed_meta.items()}
+
+    @cached_property
+    def meta_defaults(self) -> dict[str, Any]:
+        return {n: f.default for n, f in self._listed_meta.items()}
+
+    @cached_property
+    def memory_namedtuple(self) -> Any:
+        """The namedtuple ``store()`` returns: one value per data field (made at run time, so
+        not pickled: ``__getstate__`` drops it and it is made again on first use)."""
+        return namedtuple("Memory", list(self.schema.fields))
+
+
+def read_only_message(kind: str, call: str) -> str:
+    """The error text of a write ``call`` on a read-only view of kind ``kind``."""
+    return (
+        f"{kind} is read-only: `{call}` is not allowed; "
+        "write to one of its member buffers (ReplayBuffer.from_folder(path)) instead"
+    )
+
+
+def frozen(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array``: how a buffer hands out its snapshot without a copy."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
