@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .schema import Schema
+from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage.base import Storage, StorageError
 from .values import fill_value
@@ -54,6 +55,7 @@ class Committer:
         self.dirty_slots: set[int] = set()
         self.log_pending: list[bytes] = []
         self.log_written = False
+        self.held = HeldEpisodes(storage, schema)  # episodes named snapshots hold: never reused
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -62,9 +64,12 @@ class Committer:
     # ---- groups -----------------------------------------------------------------------------
 
     def new_group(self, batch_size: int, meta: dict[str, np.ndarray]) -> EpisodeGroup:
-        """A group of ``batch_size`` episodes for the next slots, meta at its defaults but ``meta``."""
+        """A group of ``batch_size`` episodes for the next slots, meta at its defaults but ``meta``;
+        refused (``SnapshotHeldError``) when a slot holds an episode a snapshot holds."""
+        slots = (self.state["episode_index"] + np.arange(batch_size)) % self.max_episodes
+        self.held.check(slots, self.meta["_generation"][slots], "overwrite")
         group = EpisodeGroup(
-            (self.state["episode_index"] + np.arange(batch_size)) % self.max_episodes,
+            slots,
             self.schema.fields,
             self.spans,
             int(self.state["total_episodes"]),
@@ -80,6 +85,7 @@ class Committer:
         """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
         if group.invalidated:
             return
+        self.held.check(group.slots, self.meta["_generation"][group.slots], "overwrite", drop=True)
         group.invalidated = True
         # rows written but never published (an aborted or killed group, or a cleared buffer)
         # may reach max_timesteps; those are zeroed past the new episode's end at commit
@@ -204,6 +210,7 @@ class Committer:
 
     def clear(self) -> None:
         """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
+        self.held.check(np.arange(self.max_episodes), self.meta["_generation"], "clear", drop=True)
         self.discard_log()
         for name in ("episode_lens", "_generation"):
             self.write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self.meta[name].dtype))
@@ -219,6 +226,7 @@ class Committer:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
         length), then commit the counters recounted; return the slots dropped."""
         dropped = slots[self.meta["episode_lens"][slots] > 0]
+        self.held.check(dropped, self.meta["_generation"][dropped], "drop", drop=True)
         if len(dropped):
             self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
             self.write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
