@@ -748,12 +748,7 @@ class ReplayBuffer:
         if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
             meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
         self._abort_group()
-        slots = self._commit.commit_episode(steps, meta_values, length)
-        from .sketches import record  # loads torch: not at `import replaybuf`
-
-        # statistics sketches of whole episodes (episodes stored step by step get theirs computed
-        # from the data when summarized: their rows are not all in RAM at commit)
-        record(self, slots, {n: v[None] for n, v in steps.items()})
+        self._commit.commit_episode(steps, meta_values, length)
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
         """Checked (steps, meta values, length) of one whole episode given as ``data``."""
@@ -1055,11 +1050,21 @@ class ReplayBuffer:
 
         return episode_mask(self)
 
-    def stats(self, fields: Sequence[str] | None = None, progress: bool | None = None):
-        """Per-field mean/std/min/max over valid steps, lengths and returns, as one dask graph."""
+    def stats(
+        self,
+        fields: Sequence[str] | None = None,
+        progress: bool | None = None,
+        *,
+        episodes: Any = None,
+        exact: bool = False,
+    ):
+        """Per-field mean/std/min/max (and ``quantile()``) over the valid steps of ``episodes``
+        (slots; None: every committed episode), lengths and returns: merged from the sketches
+        written at commit without reading data, or ``exact=True`` recomputed from the data with
+        dask (``analysis.stats``)."""
         from .analysis import stats
 
-        return stats(self, fields, progress=progress)
+        return stats(self, fields, progress=progress, episodes=episodes, exact=exact)
 
     # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
 

@@ -13,16 +13,18 @@ committed episode intact through a crash:
 
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
-per-commit bookkeeping such as sampling sketches).
+per-commit bookkeeping: the statistics sketches).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from . import sketches
 from .schema import Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
@@ -121,9 +123,18 @@ class Committer:
         boundary, then the stale chunks of a longer previous episode, then steps 3 and 4."""
         for name, values in (final_meta or {}).items():
             group.meta[name][:] = values
-        self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps))
+        tail = group.tail(self.time_chunks, self.max_timesteps)
+        self.write_slabs(group, tail)
         self.clear_stale(group)
-        self.publish(group.slots, group.length, group.meta)
+        in_ram = {name: rows for name, start, rows in tail if start == 0}
+
+        def steps(name: str) -> np.ndarray:
+            """The committed steps of field ``name``: in RAM unless a slab already left."""
+            if name in in_ram:
+                return in_ram[name][:, : group.length]
+            return self.storage.read_rows(name, group.slots, 0, group.length)
+
+        self.publish(group.slots, group.length, group.meta, steps)
         self.discard_log()
 
     def commit_empty(self, group: EpisodeGroup) -> None:
@@ -154,8 +165,15 @@ class Committer:
                     name, group.slots, start, np.zeros((group.batch_size, end - start, *f.shape), f.dtype)
                 )
 
-    def publish(self, slots: np.ndarray, length: int, meta: dict[str, np.ndarray]) -> None:
-        """Commit steps 3 and 4: meta rows, generation and length, then the counters."""
+    def publish(
+        self,
+        slots: np.ndarray,
+        length: int,
+        meta: dict[str, np.ndarray],
+        steps: Callable[[str], np.ndarray] | None = None,
+    ) -> None:
+        """Commit steps 3 and 4: meta rows, generation and length, then the counters;
+        ``steps(name)``: the committed rows of a data field (for ``committed``)."""
         for name, values in meta.items():
             self.write_meta(name, slots, values)
         base = int(self.state["total_episodes"])
@@ -177,11 +195,16 @@ class Committer:
         self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
         self.storage.commit_state(self.state)
         self.dirty_slots.difference_update(slots.tolist())
-        self.committed(slots, length)
+        self.committed(slots, ordinals, steps)
 
-    def committed(self, slots: np.ndarray, length: int) -> None:
-        """Called once per commit, after the counters: ``slots`` now hold episodes of ``length``
-        steps. The single place for per-commit bookkeeping outside the storage."""
+    def committed(
+        self, slots: np.ndarray, generations: np.ndarray, steps: Callable[[str], np.ndarray] | None
+    ) -> None:
+        """Called once per commit, after the counters: ``slots`` now hold episodes
+        ``generations`` whose rows ``steps(name)`` gives (None: length 0). The single place for
+        per-commit bookkeeping outside the storage: the statistics sketches (``sketches.py``)."""
+        if steps is not None:
+            sketches.record(self.storage, self.schema, slots, generations, steps)
 
     # ---- bookkeeping --------------------------------------------------------------------------
 
