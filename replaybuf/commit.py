@@ -195,16 +195,14 @@ class Committer:
         self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
         self.storage.commit_state(self.state)
         self.dirty_slots.difference_update(slots.tolist())
-        self.committed(slots, ordinals, steps)
+        self.committed(slots, length, steps)
 
-    def committed(
-        self, slots: np.ndarray, generations: np.ndarray, steps: Callable[[str], np.ndarray] | None
-    ) -> None:
-        """Called once per commit, after the counters: ``slots`` now hold episodes
-        ``generations`` whose rows ``steps(name)`` gives (None: length 0). The single place for
+    def committed(self, slots: np.ndarray, length: int, steps: Callable[[str], np.ndarray] | None) -> None:
+        """Called once per commit, after the counters: ``slots`` now hold episodes of ``length``
+        steps whose rows ``steps(name)`` gives (None for length 0). The single place for
         per-commit bookkeeping outside the storage: the statistics sketches (``sketches.py``)."""
         if steps is not None:
-            sketches.record(self.storage, self.schema, slots, generations, steps)
+            sketches.record(self.storage, self.schema, slots, self.meta["_generation"][slots], steps)
 
     # ---- bookkeeping --------------------------------------------------------------------------
 
