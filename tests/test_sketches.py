@@ -134,7 +134,7 @@ def test_every_write_path_sketches_at_commit(tmp_path, monkeypatch, backend):
 
 
 def test_stats_of_subsets_against_exact_dask(tmp_path):
-    buffer = make(tmp_path / "b", 6, max_episodes=5, circular=True)  # slot 0 holds episode 5
+    make(tmp_path / "b", 6, max_episodes=5, circular=True).close()  # slot 0 holds episode 5
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
     for chosen in (None, [0, 3], [4]):
         merged = reader.stats(episodes=chosen)
