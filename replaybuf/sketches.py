@@ -200,18 +200,25 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
     generations = buffer._meta["_generation"][slots]
     for slot, generation in zip(slots.tolist(), generations.tolist()):
         blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
-        header = decode(blob) if blob is not None else None
-        fresh = header is not None and header["generation"] == generation and set(names) <= set(header["fields"])
-        # a blob of an older release (sum of squares, no m2) is sketched again
-        headers.append(header if fresh and all("m2" in header["fields"][n] for n in names) else None)
+        try:
+            header = decode(blob) if blob is not None else None
+        except (ValueError, KeyError, TypeError, struct.error):
+            header = None  # a damaged blob: derived data, sketched again from the episode
+        # a blob of another episode, or of an older release (no m2), is sketched again
+        fresh = (
+            header is not None
+            and header["generation"] == generation
+            and all("m2" in header["fields"].get(n, {}) for n in names)
+        )
+        headers.append(header if fresh else None)
     missing = np.asarray([i for i, h in enumerate(headers) if h is None], np.int64)
     if len(missing):
         got = read_episodes_consistent(buffer, slots[missing], names, generations[missing], with_meta=False)
         read = {slot: row for row, slot in enumerate(got.slots.tolist())}
         for i in missing.tolist():
-            row = read.get(int(slots[i]))
-            if row is not None:
-                length = int(got.lens[row])
+            found = read.get(int(slots[i]))
+            if found is not None:
+                row, length = found, int(got.lens[found])
                 headers[i] = decode(encode(0, {n: got.data[n][row, :length] for n in names}))
     return headers
 

@@ -3,6 +3,9 @@ concatenation without reading data, quantiles within the KLL rank error of exact
 
 from __future__ import annotations
 
+import json
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +88,29 @@ def test_overwritten_and_step_written_episodes(tmp_path):
     stats = summary(buffer, ["reward"])["reward"]
     assert stats.count == len(values)
     np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
+    assert_within_rank_error(stats, values)
+
+
+def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
+    buffer = make(tmp_path / "b", 3)
+    header = decode(buffer.storage.read_blob(f"{PREFIX}1"))
+    for field in header["fields"].values():  # an older release's blob: a sum of squares, no m2
+        field["sumsq"] = field.pop("m2")
+    body = json.dumps(
+        {**header, "fields": {n: {**f, "kll": [len(b) for b in f["kll"]]} for n, f in header["fields"].items()}}
+    )
+    older = (
+        b"RBSK"
+        + struct.pack("<I", len(body))
+        + body.encode()
+        + b"".join(b for f in header["fields"].values() for b in f["kll"])
+    )
+    buffer.storage.write_blob(f"{PREFIX}1", older)
+    buffer.storage.write_blob(f"{PREFIX}2", b"RBSK\xff\xff")
+    stats = buffer.stats(["state"])["state"]
+    values = np.concatenate([episode(i)["state"] for i in range(3)]).astype(np.float64)
+    assert stats.count == len(values)
+    np.testing.assert_allclose(stats.std.numpy(), values.std(0), rtol=1e-5)
     assert_within_rank_error(stats, values)
 
 
