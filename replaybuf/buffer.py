@@ -444,6 +444,9 @@ class ReplayBuffer:
                 f"episode_index: {group.length} steps of the episode(s) in slots {group.slots.tolist()} are "
                 "staged; commit them with advance_episode() before choosing another slot"
             )
+        if group is not None:  # its slots move: refused, as a new group is, onto a held episode
+            moved = (slot + np.arange(group.batch_size)) % self.max_episodes
+            self._commit.held.check(moved, self._meta["_generation"][moved], "overwrite")
         self._commit.commit_state(episode_index=slot)
         if group is not None:  # only meta was set: it moves with the group
             group.slots = self._next_slots(group.batch_size)

@@ -119,6 +119,21 @@ def test_refused_overwrite_changes_nothing(tmp_path):
     assert writer.meta_data["uid"][2] == 50
 
 
+def test_moving_a_meta_only_group_onto_a_held_slot_is_refused(tmp_path):
+    writer = make(str(tmp_path / "b"))
+    write(writer, range(2))
+    writer.snapshot("s")
+    writer.store_meta_batch(uid=np.array([8, 9]))  # two episodes with only meta set: slots 2, 3
+    with pytest.raises(SnapshotHeldError, match="cannot overwrite slot 0"):
+        writer.episode_index = 4  # would move them onto slots 4 and 0
+    assert writer.episode_index == 2 and writer._state["episode_index"] == 2
+    writer.episode_index = 3
+    writer.store_batch(obs=np.ones((2, 2)), reward=np.ones(2))
+    writer.advance_episode()
+    assert writer.meta_data["uid"][[3, 4]].tolist() == [8, 9]
+    assert uids_of(ReplayBuffer.from_folder(writer.folder, snapshot="s")) == {0: 0, 1: 1}
+
+
 def test_drop_snapshots_on_overwrite(tmp_path):
     location = str(tmp_path / "b")
     writer = make(location, max_episodes=3)
