@@ -468,7 +468,7 @@ class FieldStats:
     max: torch.Tensor
     count: int
     # per-feature KLL quantile sketches (sketches.py); empty for exact=True or unsketched fields
-    sketches: tuple = field(default=(), repr=False, compare=False)
+    sketches: Sequence[Any] = field(default=(), repr=False, compare=False)
 
     def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
         """Quantiles per feature (shape ``(len(q), *shape)``, or the field's shape for one ``q``)

@@ -141,17 +141,42 @@ def record(
             warnings.warn(f"could not write the statistics sketch of slot {slot}: {error}", stacklevel=4)
 
 
+class MergedSketches(Sequence):
+    """One KLL sketch per feature, merged from the episodes' serialized sketches when first
+    used (``quantile()``): statistics that need only the moments never pay for the merge
+    (~25 us per episode and feature)."""
+
+    def __init__(self, parts: list[list[bytes]]):
+        self._parts: list[list[bytes]] | None = parts
+        self._merged: list[Any] = []
+
+    def _sketches(self) -> list[Any]:
+        if self._parts is not None:
+            sketch = _kll()
+            for parts in self._parts:
+                merged = sketch(KLL_K)
+                for part in parts:
+                    merged.merge(sketch.deserialize(part))
+                self._merged.append(merged)
+            self._parts = None
+        return self._merged
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._sketches()[index]
+
+    def __len__(self) -> int:
+        return len(self._parts) if self._parts is not None else len(self._merged)
+
+
 class _Accumulator:
     """Merges per-episode field headers: count, Chan-merged mean and m2, min, max, KLL."""
 
     def __init__(self, features: int):
-        sketch = _kll()
         self.count, self.mean, self.m2 = 0, np.zeros(features), np.zeros(features)
         self.min, self.max = np.full(features, np.inf), np.full(features, -np.inf)
-        self.sketches = [sketch(KLL_K) for _ in range(features)]
+        self.parts: list[list[bytes]] = [[] for _ in range(features)]
 
     def add(self, field: dict[str, Any]) -> None:
-        sketch = _kll()
         count = field["count"]
         mean = np.asarray(field["sum"]) / count
         total = self.count + count
@@ -161,8 +186,8 @@ class _Accumulator:
         self.count = total
         self.min = np.minimum(self.min, field["min"])
         self.max = np.maximum(self.max, field["max"])
-        for merged, part in zip(self.sketches, field["kll"]):
-            merged.merge(sketch.deserialize(part))
+        for parts, part in zip(self.parts, field["kll"]):
+            parts.append(part)
 
     def result(self, field: Field) -> FieldStats:
         import torch  # with the first summary, not at commit
@@ -180,7 +205,7 @@ class _Accumulator:
             min=tensor(self.min, field.dtype),
             max=tensor(self.max, field.dtype),
             count=int(self.count),
-            sketches=tuple(self.sketches),
+            sketches=MergedSketches(self.parts),
         )
 
 
