@@ -175,12 +175,12 @@ def held_episodes(storage: Storage, schema: Schema) -> dict[int, tuple[int, list
     for name in names(storage):
         snapshot = load(storage, name, schema)
         for slot, generation in zip(snapshot.slots.tolist(), snapshot.generations.tolist()):
-            previous = held.get(slot)
-            if previous is None or previous[0] != generation:
-                # two snapshots may hold different episodes of a slot: the later one counts
-                held[slot] = (generation, [name]) if previous is None or previous[0] < generation else previous
-            else:
-                previous[1].append(name)
+            known = held.get(slot)
+            # snapshots may record different episodes of a slot: only its latest can be overwritten
+            if known is None or known[0] < generation:
+                held[slot] = (generation, [name])
+            elif known[0] == generation:
+                known[1].append(name)
     return held
 
 

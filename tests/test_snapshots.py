@@ -139,9 +139,14 @@ def test_drop_snapshots_on_overwrite(tmp_path):
     writer = make(location, max_episodes=3)
     write(writer, range(3))
     writer.snapshot("a")
+    writer.snapshot("b")
+    writer.drop_snapshot("a")
+    with pytest.raises(SnapshotHeldError, match=r"held by snapshot\(s\) \['b'\]"):
+        write(writer, [10])
+    writer.snapshot("a")
     writer.close()
     writer = ReplayBuffer.from_folder(location, drop_snapshots_on_overwrite=True)
-    with pytest.warns(UserWarning, match=r"snapshot\(s\) \['a'\] .* dropped: overwrite of slot\(s\) \[0\]"):
+    with pytest.warns(UserWarning, match=r"snapshot\(s\) \['a', 'b'\] .* dropped: overwrite of slot\(s\) \[0\]"):
         write(writer, [10])
     assert writer.snapshots() == []
     with pytest.raises(SnapshotError, match="no snapshot 'a'"):
