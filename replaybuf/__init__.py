@@ -12,6 +12,7 @@ from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY
 from .schema import Field, Schema
 from .shards import discover_shards, open_shard
+from .snapshots import SnapshotError, SnapshotHeldError
 from .storage import (
     BufferDamagedError,
     BufferLockedError,
@@ -77,5 +78,7 @@ __all__ = [
     "open_shard",
     "read_episodes_consistent",
     "ConcurrentWriteError",
+    "SnapshotError",
+    "SnapshotHeldError",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask
@@ -29,6 +29,7 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
+from . import sketches
 from .consistency import RETRIES, ConcurrentWriteError, read_consistent, stored_bookkeeping
 from .progress import dask_progress
 from .storage import fill_beyond
@@ -471,6 +472,28 @@ class FieldStats:
     min: torch.Tensor
     max: torch.Tensor
     count: int
+    # per-feature KLL quantile sketches (sketches.py); empty for exact=True or unsketched fields
+    sketches: Sequence[Any] = field(default=(), repr=False, compare=False)
+
+    def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
+        """Quantiles per feature (shape ``(len(q), *shape)``, or the field's shape for one ``q``)
+        from the merged sketches, within their rank error (``rank_error``)."""
+        if not self.sketches:
+            raise ValueError(
+                "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "
+                f"that is not sketched: more than {sketches.MAX_FEATURES} values per step, or not numeric)"
+            )
+        qs = np.atleast_1d(np.asarray(q, np.float64))
+        if qs.ndim != 1 or ((qs < 0) | (qs > 1)).any():
+            raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
+        values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
+        values = values.reshape(len(qs), *self.mean.shape)
+        return torch.from_numpy(values[0] if np.ndim(q) == 0 else values)
+
+    @property
+    def rank_error(self) -> float:
+        """The sketches' stated normalized rank error (one-sided quantile queries)."""
+        return max(s.normalized_rank_error(False) for s in self.sketches)
 
 
 @dataclass(frozen=True)
@@ -603,23 +626,64 @@ def _merge_stats(parts: list[tuple]) -> tuple:
 
 
 def stats(
-    buffer: BufferView, fields: Sequence[str] | None = None, scheduler: Any = None, progress: bool | None = None
+    buffer: BufferView,
+    fields: Sequence[str] | None = None,
+    scheduler: Any = None,
+    progress: bool | None = None,
+    episodes: Sequence[int] | np.ndarray | None = None,
+    exact: bool = False,
 ) -> BufferStats:
-    """Statistics of the committed episodes, computed as one dask graph.
+    """Statistics of the committed episodes (or of ``episodes``, a subset of their slots).
 
     Per data field: mean, std, min and max per feature dimension over valid timesteps only
     (padding never counts); the episode count, the lengths and their histogram; and for
     scalar fields (shape ``()``, such as rewards) the per-episode sums, i.e. returns.
     ``stats(buffer, ['obs'])['obs'].mean`` and ``.std`` are what an observation normalizer needs.
-    Each task reads a few whole episodes, every field at once, consistently: an episode a
-    writer in another process rewrote during the computation is left out of every figure.
-    ``progress`` as in ``get_all_data``.
+
+    ``exact=False``: sketched fields (numeric, at most ``sketches.MAX_FEATURES`` values per step)
+    are merged from the per-episode sketches written at commit, without reading data, and carry
+    ``quantile()``; the other fields (images) are computed from the data. ``exact=True``: every
+    field is computed from the data as one dask graph, each task reading a few whole episodes,
+    every field at once, consistently: an episode a writer in another process rewrote during the
+    computation is left out of every figure. ``progress`` as in ``get_all_data``.
     """
     names = list(buffer.schema.fields) if fields is None else _names(fields, "fields", "stats")
     _check_known(names, set(buffer.schema.fields), "field", "stats")
-    plan = _committed(buffer)
-    if len(plan.slots) == 0:
+    if not len(buffer.valid_episodes()):
         raise ValueError("stats: the buffer has no committed episodes")
+    chosen_slots = sketches.chosen_episodes(buffer, episodes, "stats")
+    plan = _plan(buffer, chosen_slots)
+    sketched = set(sketches.sketched_fields(buffer.schema)) if not exact and sketches.available() else set()
+    from_data = [n for n in names if n not in sketched]
+    kept = np.ones(len(plan.slots), bool)
+    per_field: dict[str, FieldStats] = {}
+    episode_sums: dict[str, np.ndarray] = {}
+    if from_data:
+        kept, per_field, episode_sums = _data_stats(buffer, from_data, plan, scheduler, progress)
+    if len(from_data) < len(names):
+        sketch_kept, merged, sums = sketches.merge(buffer, [n for n in names if n in sketched], plan.slots[kept])
+        per_field.update(merged)
+        episode_sums = {n: v[sketch_kept] for n, v in episode_sums.items()} | sums
+        kept[np.flatnonzero(kept)[~sketch_kept]] = False
+    lens = plan.lens[kept]
+    if len(lens) == 0:
+        raise ConcurrentWriteError(buffer.storage.location, plan.slots, RETRIES)
+    counts, edges = _lens_histogram(lens)
+    return BufferStats(
+        num_episodes=len(lens),
+        num_timesteps=int(lens.sum()),
+        episode_lens=torch.from_numpy(lens.copy()),
+        lens_histogram=(torch.from_numpy(counts), torch.from_numpy(edges)),
+        fields={n: per_field[n] for n in names},
+        episode_sums={n: torch.from_numpy(np.asarray(episode_sums[n])) for n in names if n in episode_sums},
+    )
+
+
+def _data_stats(
+    buffer: Any, names: list[str], plan: _Plan, scheduler: Any, progress: bool | None
+) -> tuple[np.ndarray, dict[str, FieldStats], dict[str, np.ndarray]]:
+    """(kept, statistics per field, per-episode sums of scalar fields) of ``names`` over the
+    planned episodes, read from the data as one dask graph."""
     chosen = {n: buffer.schema.fields[n] for n in names}
     per_task = _episodes_per_chunk(sum(f.step_nbytes for f in chosen.values()), plan.length, len(plan.slots))
     parts = [
@@ -636,13 +700,12 @@ def stats(
         kept, computed_moments, computed_sums = dask.compute(
             dask.delayed(_merge_stats)(parts), scheduler=scheduler or _default_scheduler()
         )[0]
-    lens = plan.lens[kept]
-    if len(lens) == 0:
-        raise ConcurrentWriteError(buffer.storage.location, plan.slots, RETRIES)
     per_field = {}
     for name, (count, mean, m2, low, high) in computed_moments.items():
-        field = buffer.schema.fields[name]
-        shape, real = field.shape, field.dtype if field.dtype.kind == "f" else np.dtype(np.float32)
+        if count == 0:
+            continue
+        f = buffer.schema.fields[name]
+        shape, real = f.shape, f.dtype if f.dtype.kind == "f" else np.dtype(np.float32)
         per_field[name] = FieldStats(
             mean=torch.from_numpy(mean.reshape(shape).astype(real)),
             std=torch.from_numpy(np.sqrt(m2 / count).reshape(shape).astype(real)),
@@ -650,12 +713,4 @@ def stats(
             max=torch.from_numpy(np.ascontiguousarray(high).reshape(shape)),
             count=int(count),
         )
-    counts, edges = _lens_histogram(lens)
-    return BufferStats(
-        num_episodes=len(lens),
-        num_timesteps=int(lens.sum()),
-        episode_lens=torch.from_numpy(lens.copy()),
-        lens_histogram=(torch.from_numpy(counts), torch.from_numpy(edges)),
-        fields=per_field,
-        episode_sums={n: torch.from_numpy(np.asarray(v)) for n, v in computed_sums.items()},
-    )
+    return kept, per_field, computed_sums

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from . import video
+from . import snapshots, video
 from .commit import Committer
 from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
@@ -199,6 +199,8 @@ class DataView:
             return slots[items], stored_bookkeeping(storage, (), slots[items])["_generation"]
 
         generations = stored_bookkeeping(storage, (), slots)["_generation"]
+        if getattr(buffer, "snapshot_name", None) is not None:  # a snapshot view reads its own episodes only
+            generations[generations != buffer.generations[slots]] = 0
         kept = read_consistent(buffer, slots.copy(), generations, read, replan)
         out[~kept] = 0
         return out
@@ -237,6 +239,11 @@ class ReplayBuffer(SchemaAttributes):
     an ``overwrite=True`` open in this one) gets ``BufferLockedError`` (``storage/lease.py``).
     ``break_lock=True`` takes an object-store lease from a writer that stopped without closing,
     without waiting for it to expire.
+
+    ``snapshot='name'`` opens a read-only view of exactly the episodes ``buffer.snapshot('name')``
+    recorded (``snapshots.py``). A writer refuses (``SnapshotHeldError``, before writing) to
+    overwrite, clear or drop an episode a snapshot holds; ``drop_snapshots_on_overwrite=True``
+    drops those snapshots instead, with a warning.
     """
 
     def __init__(
@@ -258,6 +265,8 @@ class ReplayBuffer(SchemaAttributes):
         cache: bool | str | None = None,
         cache_dir: str | os.PathLike | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        snapshot: str | None = None,
+        drop_snapshots_on_overwrite: bool = False,
     ):
         if (
             isinstance(flush_every_store_step, bool)
@@ -265,7 +274,9 @@ class ReplayBuffer(SchemaAttributes):
             or flush_every_store_step < 0
         ):
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
-        self.read_only = bool(read_only)
+        self.read_only = bool(read_only) or snapshot is not None
+        self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)
+        self.drop_snapshots_on_overwrite = bool(drop_snapshots_on_overwrite)
         self.flush_every_store_step = flush_every_store_step
         self.storage = with_cache(
             make_storage(folder, backend, storage_options, fsync=fsync) if not isinstance(folder, Storage) else folder,
@@ -325,7 +336,8 @@ class ReplayBuffer(SchemaAttributes):
         backend: str | None = None,
         **kwargs: Any,
     ) -> Self:
-        """Reopen the buffer stored at ``folder`` with its stored config."""
+        """Reopen the buffer stored at ``folder`` with its stored config; ``snapshot='name'`` opens
+        a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
             raise FileNotFoundError(f"no replaybuf buffer found at {os.fspath(folder)!r}")
@@ -347,6 +359,10 @@ class ReplayBuffer(SchemaAttributes):
         self._meta_fields = {**schema.meta_fields, **self._bookkeeping}
         self.data = {n: DataView(self, n) for n in schema.fields}
         self._commit: Committer = Committer(self.storage, schema, self.flush_every_store_step)
+        self._commit.held.drop_on_overwrite = self.drop_snapshots_on_overwrite
+        self._snapshot = (
+            None if self.snapshot_name is None else snapshots.load(self.storage, self.snapshot_name, schema)
+        )
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
         for fill in self._fills.values():
             fill.flags.writeable = False
@@ -375,6 +391,8 @@ class ReplayBuffer(SchemaAttributes):
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
         self._state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
         self._meta = meta
+        if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
+            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, repr(self.storage.location))
         return self
 
     # ---- state ---------------------------------------------------------------------------
@@ -418,6 +436,9 @@ class ReplayBuffer(SchemaAttributes):
                 f"episode_index: {group.length} steps of the episode(s) in slots {group.slots.tolist()} are "
                 "staged; commit them with advance_episode() before choosing another slot"
             )
+        if group is not None:  # its slots move: refused, as a new group is, onto a held episode
+            moved = (slot + np.arange(group.batch_size)) % self.max_episodes
+            self._commit.held.check(moved, self._meta["_generation"][moved], "overwrite")
         self._commit.commit_state(episode_index=slot)
         if group is not None:  # only meta was set: it moves with the group
             group.slots = self._next_slots(group.batch_size)
@@ -733,12 +754,7 @@ class ReplayBuffer(SchemaAttributes):
         if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
             meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
         self._abort_group()
-        slots = self._commit.commit_episode(steps, meta_values, length)
-        from .sketches import record  # loads torch: not at `import replaybuf`
-
-        # statistics sketches of whole episodes (episodes stored step by step get theirs computed
-        # from the data when summarized: their rows are not all in RAM at commit)
-        record(self, slots, {n: v[None] for n, v in steps.items()})
+        self._commit.commit_episode(steps, meta_values, length)
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
         """Checked (steps, meta values, length) of one whole episode given as ``data``."""
@@ -828,6 +844,33 @@ class ReplayBuffer(SchemaAttributes):
         if slots.dtype.kind not in "iu" or ((slots < 0) | (slots >= self.max_episodes)).any():
             raise ValueError(f"drop_episodes: slots must be ints in [0, {self.max_episodes}), got {slots.tolist()}")
         return self._commit.drop(slots).tolist()
+
+    def snapshot(self, name: str) -> None:
+        """Record the committed episodes (slots, generations, lengths) and counters as snapshot
+        ``name``: ``from_folder(path, snapshot=name)`` reads exactly them later, and this buffer
+        (and any later writer) refuses to overwrite them until ``drop_snapshot(name)``. Only the
+        writer takes snapshots; an episode in progress that would reuse a committed slot must be
+        committed or aborted first."""
+        self._check_writable("snapshot")
+        snapshots.check_name(name)
+        group = self._group
+        if group is not None and (self._meta["episode_lens"][group.slots] > 0).any():
+            raise snapshots.SnapshotError(
+                f"snapshot {name!r}: the episode(s) in progress will overwrite the committed episode(s) in slots "
+                f"{group.slots.tolist()}; commit them (advance_episode) or abort them before taking a snapshot"
+            )
+        snapshots.create(self.storage, name, self.schema, self._meta, self._state)
+        self._commit.held.reset()
+
+    def snapshots(self) -> list[str]:
+        """The names of this buffer's snapshots, sorted."""
+        return snapshots.names(self.storage)
+
+    def drop_snapshot(self, name: str) -> None:
+        """Delete snapshot ``name``: its episodes may be overwritten again."""
+        self._check_writable("drop_snapshot")
+        snapshots.drop(self.storage, name)
+        self._commit.held.reset()
 
     def _check_slot(self, episode_index: Any, call: str) -> int:
         if (
@@ -1013,11 +1056,21 @@ class ReplayBuffer(SchemaAttributes):
 
         return episode_mask(self)
 
-    def stats(self, fields: Sequence[str] | None = None, progress: bool | None = None):
-        """Per-field mean/std/min/max over valid steps, lengths and returns, as one dask graph."""
+    def stats(
+        self,
+        fields: Sequence[str] | None = None,
+        progress: bool | None = None,
+        *,
+        episodes: Any = None,
+        exact: bool = False,
+    ):
+        """Per-field mean/std/min/max (and ``quantile()``) over the valid steps of ``episodes``
+        (slots; None: every committed episode), lengths and returns: merged from the sketches
+        written at commit without reading data, or ``exact=True`` recomputed from the data with
+        dask (``analysis.stats``)."""
         from .analysis import stats
 
-        return stats(self, fields, progress=progress)
+        return stats(self, fields, progress=progress, episodes=episodes, exact=exact)
 
     # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
 

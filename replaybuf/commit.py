@@ -13,17 +13,20 @@ committed episode intact through a crash:
 
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
-per-commit bookkeeping such as sampling sketches).
+per-commit bookkeeping: the statistics sketches).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from . import sketches
 from .schema import Schema
+from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage.base import Storage, StorageError
 from .values import fill_value
@@ -54,6 +57,7 @@ class Committer:
         self.dirty_slots: set[int] = set()
         self.log_pending: list[bytes] = []
         self.log_written = False
+        self.held = HeldEpisodes(storage, schema)  # episodes named snapshots hold: never reused
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -62,9 +66,12 @@ class Committer:
     # ---- groups -----------------------------------------------------------------------------
 
     def new_group(self, batch_size: int, meta: dict[str, np.ndarray]) -> EpisodeGroup:
-        """A group of ``batch_size`` episodes for the next slots, meta at its defaults but ``meta``."""
+        """A group of ``batch_size`` episodes for the next slots, meta at its defaults but ``meta``;
+        refused (``SnapshotHeldError``) when a slot holds an episode a snapshot holds."""
+        slots = (self.state["episode_index"] + np.arange(batch_size)) % self.max_episodes
+        self.held.check(slots, self.meta["_generation"][slots], "overwrite")
         group = EpisodeGroup(
-            (self.state["episode_index"] + np.arange(batch_size)) % self.max_episodes,
+            slots,
             self.schema.fields,
             self.spans,
             int(self.state["total_episodes"]),
@@ -80,6 +87,7 @@ class Committer:
         """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
         if group.invalidated:
             return
+        self.held.check(group.slots, self.meta["_generation"][group.slots], "overwrite", drop=True)
         group.invalidated = True
         # rows written but never published (an aborted or killed group, or a cleared buffer)
         # may reach max_timesteps; those are zeroed past the new episode's end at commit
@@ -115,9 +123,18 @@ class Committer:
         boundary, then the stale chunks of a longer previous episode, then steps 3 and 4."""
         for name, values in (final_meta or {}).items():
             group.meta[name][:] = values
-        self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps))
+        tail = group.tail(self.time_chunks, self.max_timesteps)
+        self.write_slabs(group, tail)
         self.clear_stale(group)
-        self.publish(group.slots, group.length, group.meta)
+        in_ram = {name: rows for name, start, rows in tail if start == 0}
+
+        def steps(name: str) -> np.ndarray:
+            """The committed steps of field ``name``: in RAM unless a slab already left."""
+            if name in in_ram:
+                return in_ram[name][:, : group.length]
+            return self.storage.read_rows(name, group.slots, 0, group.length)
+
+        self.publish(group.slots, group.length, group.meta, steps)
         self.discard_log()
 
     def commit_empty(self, group: EpisodeGroup) -> None:
@@ -148,8 +165,15 @@ class Committer:
                     name, group.slots, start, np.zeros((group.batch_size, end - start, *f.shape), f.dtype)
                 )
 
-    def publish(self, slots: np.ndarray, length: int, meta: dict[str, np.ndarray]) -> None:
-        """Commit steps 3 and 4: meta rows, generation and length, then the counters."""
+    def publish(
+        self,
+        slots: np.ndarray,
+        length: int,
+        meta: dict[str, np.ndarray],
+        steps: Callable[[str], np.ndarray] | None = None,
+    ) -> None:
+        """Commit steps 3 and 4: meta rows, generation and length, then the counters;
+        ``steps(name)``: the committed rows of a data field (for ``committed``)."""
         for name, values in meta.items():
             self.write_meta(name, slots, values)
         base = int(self.state["total_episodes"])
@@ -171,11 +195,14 @@ class Committer:
         self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
         self.storage.commit_state(self.state)
         self.dirty_slots.difference_update(slots.tolist())
-        self.committed(slots, length)
+        self.committed(slots, length, steps)
 
-    def committed(self, slots: np.ndarray, length: int) -> None:
+    def committed(self, slots: np.ndarray, length: int, steps: Callable[[str], np.ndarray] | None) -> None:
         """Called once per commit, after the counters: ``slots`` now hold episodes of ``length``
-        steps. The single place for per-commit bookkeeping outside the storage."""
+        steps whose rows ``steps(name)`` gives (None for length 0). The single place for
+        per-commit bookkeeping outside the storage: the statistics sketches (``sketches.py``)."""
+        if steps is not None:
+            sketches.record(self.storage, self.schema, slots, self.meta["_generation"][slots], steps)
 
     # ---- bookkeeping --------------------------------------------------------------------------
 
@@ -204,6 +231,7 @@ class Committer:
 
     def clear(self) -> None:
         """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
+        self.held.check(np.arange(self.max_episodes), self.meta["_generation"], "clear", drop=True)
         self.discard_log()
         for name in ("episode_lens", "_generation"):
             self.write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self.meta[name].dtype))
@@ -219,6 +247,7 @@ class Committer:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
         length), then commit the counters recounted; return the slots dropped."""
         dropped = slots[self.meta["episode_lens"][slots] > 0]
+        self.held.check(dropped, self.meta["_generation"][dropped], "drop", drop=True)
         if len(dropped):
             self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
             self.write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))

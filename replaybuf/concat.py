@@ -486,9 +486,12 @@ class ConcatReplayBuffer(SchemaAttributes):
         """Dask bool (episodes, time): True where an episode has a step."""
         return analysis.episode_mask(self)
 
-    def stats(self, fields: Sequence[str] | None = None, progress: bool | None = None) -> analysis.BufferStats:
-        """Field statistics over every member's valid steps (see ``analysis.stats``)."""
-        return analysis.stats(self, fields, progress=progress)
+    def stats(
+        self, fields: Sequence[str] | None = None, progress: bool | None = None, *, episodes=None, exact: bool = False
+    ) -> analysis.BufferStats:
+        """Field statistics over the members' valid steps, their sketches merged across members
+        (see ``analysis.stats``)."""
+        return analysis.stats(self, fields, progress=progress, episodes=episodes, exact=exact)
 
     def flush(self) -> None:
         """Nothing to flush: the buffer is read-only."""

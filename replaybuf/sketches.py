@@ -1,17 +1,19 @@
 """Per-episode statistics sketches, written at commit time and merged on demand.
 
 For every numeric field with at most ``MAX_FEATURES`` values per step (states, actions,
-rewards; not images), each committed episode gets one side blob ``replaybuf/sketches/<slot>``: per
-feature, count, sum, sum of squares, min, max and an Apache DataSketches KLL quantile sketch
-(``kll_floats_sketch``, k = ``KLL_K``: normalized rank error about 1.3 % for a merge of any
-number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation, so a
-blob outliving its episode (slot reused, writer killed before the blob was written) is ignored.
-``summary()`` of any set of episodes, or of a ``ConcatReplayBuffer``, merges the blobs without
-reading data; an episode without a valid blob (written step by step, or by an older release)
-is read and sketched on the fly.
+rewards; not images), each committed episode (``store_episode``, step by step, batched,
+recovered) gets one side blob ``replaybuf/sketches/<slot>``, written by the commit protocol
+(``Committer.committed``) right after the episode is published: per feature, count, sum, the
+sum of squared deviations from the episode mean (``m2``), min, max and an Apache DataSketches
+KLL quantile sketch (``kll_floats_sketch``, k = ``KLL_K``: normalized rank error about 1.3 % for
+a merge of any number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's
+generation, so a blob outliving its episode (slot reused, writer killed before the blob was
+written) is ignored. ``buffer.stats()`` / ``summary()`` of any set of episodes, or of a
+``ConcatReplayBuffer``, merge the blobs without reading data; an episode without a valid blob
+(written by an older release, or whose blob write failed) is read and sketched on the fly.
 
 Blob layout (no pickle): ``b"RBSK"``, a little-endian uint32 header length, a JSON header
-``{"generation", "length", "fields": {name: {"count", "sum", "sumsq", "min", "max", "kll"}}}``
+``{"generation", "length", "fields": {name: {"count", "sum", "m2", "min", "max", "kll"}}}``
 (``kll``: byte lengths of the per-feature sketches) and the sketches' bytes, in order.
 """
 
@@ -20,16 +22,20 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .consistency import read_episodes_consistent
+from .schema import Field, Schema
+from .storage.base import Storage, StorageError
 
 if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
     import torch
+
+    from .analysis import FieldStats
 
 MAX_FEATURES = 64
 KLL_K = 200
@@ -64,18 +70,21 @@ def sketched_fields(schema: Any) -> list[str]:
 
 
 def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
-    """Moments and per-feature KLL bytes of ``values`` (steps, features)."""
-    values = values.astype(np.float64)
+    """Moments and per-feature KLL bytes of ``values`` (steps, features); ``m2`` is the sum of
+    squared deviations from the episode's mean (merged with Chan's update: exact where values
+    sit far from zero, unlike a sum of squares)."""
+    values = np.asarray(values, np.float64)
     sketch = _kll()
     blobs = []
-    for feature in range(values.shape[1]):
+    for column in values.astype(np.float32).T:
         kll = sketch(KLL_K)
-        kll.update(values[:, feature].astype(np.float32))
+        kll.update(column)
         blobs.append(kll.serialize())
+    total = values.sum(axis=0)
     header = {
         "count": int(values.shape[0]),
-        "sum": values.sum(axis=0).tolist(),
-        "sumsq": np.square(values).sum(axis=0).tolist(),
+        "sum": total.tolist(),
+        "m2": np.square(values - total / values.shape[0]).sum(axis=0).tolist(),
         "min": values.min(axis=0).tolist(),
         "max": values.max(axis=0).tolist(),
         "kll": [len(b) for b in blobs],
@@ -110,115 +119,175 @@ def decode(blob: bytes) -> dict[str, Any]:
     return header
 
 
-def record(buffer: Any, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-    """Write the sketch blob of each just-committed episode in ``slots``: ``rows`` maps field ->
-    (len(slots), T, *shape), the episodes' committed steps (all ``T`` of them). Call it after
-    the episodes are published (their generations are read from the buffer)."""
-    names = [n for n in sketched_fields(buffer.schema) if n in rows]
+def record(
+    storage: Storage,
+    schema: Schema,
+    slots: np.ndarray,
+    generations: np.ndarray,
+    steps: Callable[[str], np.ndarray],
+) -> None:
+    """Write the sketch blob of each episode just committed to ``slots`` (as ``generations``):
+    ``steps(name)`` gives a field's committed rows, (len(slots), T, *shape). Called by the
+    commit protocol (``Committer.committed``) for every commit with steps."""
+    names = sketched_fields(schema)
     if not names or not available():
-        return  # no blob: summary() sketches these episodes from their data when asked
-    for row, slot in enumerate(np.asarray(slots).tolist()):
-        generation = int(buffer._meta["_generation"][slot])
+        return  # no blob: stats() sketches these episodes from their data when asked
+    rows = {n: steps(n) for n in names}
+    for row, (slot, generation) in enumerate(zip(np.asarray(slots).tolist(), np.asarray(generations).tolist())):
         try:
-            buffer.storage.write_blob(f"{PREFIX}{slot}", encode(generation, {n: rows[n][row] for n in names}))
-        except OSError as error:
-            # the episode is committed already; summary() sketches it from its data instead
-            warnings.warn(f"could not write the statistics sketch of slot {slot}: {error}", stacklevel=3)
+            storage.write_blob(f"{PREFIX}{slot}", encode(generation, {n: rows[n][row] for n in names}))
+        except (OSError, StorageError) as error:
+            # the episode is committed already; stats() sketches it from its data instead
+            warnings.warn(f"could not write the statistics sketch of slot {slot}: {error}", stacklevel=4)
 
 
-@dataclass
-class FieldSummary:
-    """Merged statistics of one field, per feature (shape: the field's)."""
+class MergedSketches(Sequence):
+    """One KLL sketch per feature, merged from the episodes' serialized sketches when first
+    used (``quantile()``): statistics that need only the moments never pay for the merge
+    (~25 us per episode and feature)."""
 
-    count: int
-    mean: torch.Tensor
-    std: torch.Tensor
-    min: torch.Tensor
-    max: torch.Tensor
-    sketches: list[Any]
-    shape: tuple[int, ...]
+    def __init__(self, parts: list[list[bytes]]):
+        self._parts: list[list[bytes]] | None = parts
+        self._merged: list[Any] = []
 
-    def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
-        """Quantiles per feature (shape ``(len(q), *shape)``, or ``shape`` for one ``q``),
-        within the KLL sketch's rank error (``rank_error``)."""
-        qs = np.atleast_1d(np.asarray(q, np.float64))
-        if ((qs < 0) | (qs > 1)).any():
-            raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
-        values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
-        values = values.reshape(len(qs), *self.shape)
-        import torch
+    def _sketches(self) -> list[Any]:
+        if self._parts is not None:
+            sketch = _kll()
+            for parts in self._parts:
+                merged = sketch(KLL_K)
+                for part in parts:
+                    merged.merge(sketch.deserialize(part))
+                self._merged.append(merged)
+            self._parts = None
+        return self._merged
 
-        return torch.from_numpy(values[0] if np.ndim(q) == 0 else values)
+    def __getitem__(self, index: Any) -> Any:
+        return self._sketches()[index]
 
-    @property
-    def rank_error(self) -> float:
-        """The sketches' stated normalized rank error (one-sided quantile queries)."""
-        return max(s.normalized_rank_error(False) for s in self.sketches)
+    def __len__(self) -> int:
+        return len(self._parts) if self._parts is not None else len(self._merged)
 
 
 class _Accumulator:
+    """Merges per-episode field headers: count, Chan-merged mean and m2, min, max, KLL."""
+
     def __init__(self, features: int):
-        sketch = _kll()
-        self.count, self.sum, self.sumsq = 0, np.zeros(features), np.zeros(features)
+        self.count, self.mean, self.m2 = 0, np.zeros(features), np.zeros(features)
         self.min, self.max = np.full(features, np.inf), np.full(features, -np.inf)
-        self.sketches = [sketch(KLL_K) for _ in range(features)]
+        self.parts: list[list[bytes]] = [[] for _ in range(features)]
 
     def add(self, field: dict[str, Any]) -> None:
-        sketch = _kll()
-        self.count += field["count"]
-        self.sum += field["sum"]
-        self.sumsq += field["sumsq"]
+        count = field["count"]
+        mean = np.asarray(field["sum"]) / count
+        total = self.count + count
+        delta = mean - self.mean
+        self.m2 = self.m2 + np.asarray(field["m2"]) + delta * delta * (self.count * count / total)
+        self.mean = self.mean + delta * (count / total)
+        self.count = total
         self.min = np.minimum(self.min, field["min"])
         self.max = np.maximum(self.max, field["max"])
-        for merged, part in zip(self.sketches, field["kll"]):
-            merged.merge(sketch.deserialize(part))
+        for parts, part in zip(self.parts, field["kll"]):
+            parts.append(part)
 
-    def result(self, shape: tuple[int, ...]) -> FieldSummary:
-        mean = self.sum / self.count
-        std = np.sqrt(np.maximum(self.sumsq / self.count - mean**2, 0.0))
+    def result(self, field: Field) -> FieldStats:
+        import torch  # with the first summary, not at commit
 
-        def tensor(values: np.ndarray) -> torch.Tensor:
-            import torch
+        from .analysis import FieldStats
 
-            return torch.from_numpy(values.reshape(shape).astype(np.float32))
+        real = field.dtype if field.dtype.kind == "f" else np.dtype(np.float32)
 
-        return FieldSummary(
-            self.count, tensor(mean), tensor(std), tensor(self.min), tensor(self.max), self.sketches, shape
+        def tensor(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.array(values.reshape(field.shape), dtype=dtype))
+
+        return FieldStats(
+            mean=tensor(self.mean, real),
+            std=tensor(np.sqrt(self.m2 / self.count), real),
+            min=tensor(self.min, field.dtype),
+            max=tensor(self.max, field.dtype),
+            count=int(self.count),
+            sketches=MergedSketches(self.parts),
         )
 
 
-def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[dict[str, Any]]:
-    """The decoded blob of each slot; slots without a valid one are read and sketched now."""
+def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[dict[str, Any] | None]:
+    """The decoded blob of each of ``slots`` (a list aligned with them); slots without a valid
+    one are read (consistently) and sketched now; None for one a writer rewrote meanwhile."""
     if hasattr(buffer, "buffers"):  # a ConcatReplayBuffer: each member's own blobs
         offsets = buffer.storage.offsets
         owner = np.searchsorted(offsets, slots, side="right") - 1
-        return [
-            header
-            for k, member in enumerate(buffer.buffers)
-            for header in _episode_headers(member, slots[owner == k] - offsets[k], names)
-        ]
-    headers, missing = [], []
-    generations = buffer._meta["_generation"]
-    for slot in slots.tolist():
+        out: list[dict[str, Any] | None] = [None] * len(slots)
+        for k, member in enumerate(buffer.buffers):
+            rows = np.flatnonzero(owner == k)
+            for row, header in zip(rows.tolist(), _episode_headers(member, slots[rows] - offsets[k], names)):
+                out[row] = header
+        return out
+    headers: list[dict[str, Any] | None] = []
+    generations = buffer._meta["_generation"][slots]
+    for slot, generation in zip(slots.tolist(), generations.tolist()):
         blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
-        header = decode(blob) if blob is not None else None
-        if header is None or header["generation"] != generations[slot] or not set(names) <= set(header["fields"]):
-            missing.append(slot)
-        else:
-            headers.append(header)
-    if missing:
-        got = read_episodes_consistent(buffer, missing, names, with_meta=False)
-        for row, length in enumerate(got.lens.tolist()):
-            episode = {n: got.data[n][row, :length] for n in names}
-            headers.append(decode(encode(0, episode)))
+        try:
+            header = decode(blob) if blob is not None else None
+        except (ValueError, KeyError, TypeError, struct.error):
+            header = None  # a damaged blob: derived data, sketched again from the episode
+        # a blob of another episode, or of an older release (no m2), is sketched again
+        fresh = (
+            header is not None
+            and header["generation"] == generation
+            and all("m2" in header["fields"].get(n, {}) for n in names)
+        )
+        headers.append(header if fresh else None)
+    missing = np.asarray([i for i, h in enumerate(headers) if h is None], np.int64)
+    if len(missing):
+        got = read_episodes_consistent(buffer, slots[missing], names, generations[missing], with_meta=False)
+        read = {slot: row for row, slot in enumerate(got.slots.tolist())}
+        for i in missing.tolist():
+            found = read.get(int(slots[i]))
+            if found is not None:
+                row, length = found, int(got.lens[found])
+                headers[i] = decode(encode(0, {n: got.data[n][row, :length] for n in names}))
     return headers
+
+
+def merge(buffer: Any, names: list[str], slots: np.ndarray) -> tuple[np.ndarray, dict[str, FieldStats], dict]:
+    """(kept, statistics per field, per-episode sums of the scalar fields) of the episodes in
+    ``slots`` of a ReplayBuffer or ConcatReplayBuffer, merged from their sketches; ``kept``:
+    False for an episode a writer rewrote while it was being sketched from its data."""
+    headers = _episode_headers(buffer, slots, names)
+    kept = np.array([h is not None for h in headers], bool)
+    fields = {n: buffer.schema.fields[n] for n in names}
+    totals = {n: _Accumulator(int(np.prod(f.shape, dtype=np.int64))) for n, f in fields.items()}
+    for header in headers:
+        if header is not None:
+            for name in names:
+                totals[name].add(header["fields"][name])
+    sums = {
+        n: np.array([h["fields"][n]["sum"][0] for h in headers if h is not None])
+        for n, f in fields.items()
+        if f.shape == ()
+    }
+    if not kept.any():
+        return kept, {}, sums
+    return kept, {n: totals[n].result(fields[n]) for n in names}, sums
+
+
+def chosen_episodes(buffer: Any, episodes: Sequence[int] | np.ndarray | None, call: str) -> np.ndarray:
+    """The committed slots ``episodes`` names (default: all, oldest first), checked."""
+    valid = np.asarray(buffer.valid_episodes(), np.int64)
+    slots = valid if episodes is None else np.asarray(episodes, np.int64).reshape(-1)
+    stray = sorted(set(slots.tolist()) - set(valid.tolist()))
+    if stray:
+        raise ValueError(f"{call}: episodes {stray} hold no committed episode (committed: {valid.tolist()})")
+    if len(slots) == 0:
+        raise ValueError(f"{call}: no episodes to summarize")
+    return slots
 
 
 def summary(
     buffer: Any, fields: Sequence[str] | None = None, episodes: Sequence[int] | np.ndarray | None = None
-) -> dict[str, FieldSummary]:
+) -> dict[str, FieldStats]:
     """Merged statistics of ``fields`` (default: every sketched field) over ``episodes`` (slots;
-    default: every committed episode) of a ReplayBuffer or ConcatReplayBuffer."""
+    default: every committed episode) of a ReplayBuffer or ConcatReplayBuffer, from their
+    sketches (``buffer.stats(fields, episodes=...)`` adds lengths and the unsketched fields)."""
     allowed = sketched_fields(buffer.schema)
     names = list(allowed) if fields is None else list(fields)
     unknown = [n for n in names if n not in allowed]
@@ -227,19 +296,7 @@ def summary(
             f"summary: fields {unknown} have no sketches - sketched fields (numeric, at most "
             f"{MAX_FEATURES} values per step): {allowed}"
         )
-    valid = np.asarray(buffer.valid_episodes(), np.int64)
-    slots = valid if episodes is None else np.asarray(episodes, np.int64).reshape(-1)
-    stray = sorted(set(slots.tolist()) - set(valid.tolist()))
-    if stray:
-        raise ValueError(f"summary: episodes {stray} hold no committed episode (committed: {valid.tolist()})")
-    if len(slots) == 0:
-        raise ValueError("summary: no episodes to summarize")
-    shapes = {n: buffer.schema.fields[n].shape for n in names}
-    totals = {n: _Accumulator(int(np.prod(shapes[n], dtype=np.int64))) for n in names}
-    for header in _episode_headers(buffer, slots, names):
-        for name in names:
-            totals[name].add(header["fields"][name])
-    return {n: totals[n].result(shapes[n]) for n in names}
+    return merge(buffer, names, chosen_episodes(buffer, episodes, "summary"))[1]
 
 
 @dataclass

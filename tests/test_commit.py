@@ -25,7 +25,7 @@ def steps(n: int, seed: int) -> dict[str, np.ndarray]:
 
 def record_commits(buffer: ReplayBuffer) -> list[tuple[list[int], int]]:
     calls: list[tuple[list[int], int]] = []
-    buffer._commit.committed = lambda slots, length: calls.append((slots.tolist(), length))
+    buffer._commit.committed = lambda slots, length, steps: calls.append((slots.tolist(), length))
     return calls
 
 

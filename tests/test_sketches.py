@@ -3,6 +3,9 @@ concatenation without reading data, quantiles within the KLL rank error of exact
 
 from __future__ import annotations
 
+import json
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -76,15 +79,111 @@ def test_summary_reads_no_data_when_blobs_exist(tmp_path, monkeypatch):
 
 def test_overwritten_and_step_written_episodes(tmp_path):
     buffer = make(tmp_path / "b", 6, max_episodes=4, circular=True)  # episodes 4, 5 overwrite slots 0, 1
-    with buffer.one_episode():  # step by step: no blob at commit, sketched from its data on demand
+    with buffer.one_episode():  # step by step: sketched at commit too
         for step in episode(99, 200)["reward"][:50]:
             buffer.store(reward=step, state=np.zeros(3, np.float32))
-    kept = {3: 3, 0: 4, 1: 5, 2: 99}  # slot -> episode; slot 2's blob is episode 2's: stale, ignored
+    kept = {3: 3, 0: 4, 1: 5, 2: 99}  # slot -> episode; slot 2's blob was episode 2's: replaced
+    assert decode(buffer.storage.read_blob(f"{PREFIX}2"))["generation"] == buffer._meta["_generation"][2] == 7
     values = np.concatenate([episode(i)["reward"][: 50 if i == 99 else 200] for i in kept.values()])
     stats = summary(buffer, ["reward"])["reward"]
     assert stats.count == len(values)
     np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
     assert_within_rank_error(stats, values)
+
+
+def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
+    buffer = make(tmp_path / "b", 3)
+    header = decode(buffer.storage.read_blob(f"{PREFIX}1"))
+    for field in header["fields"].values():  # an older release's blob: a sum of squares, no m2
+        field["sumsq"] = field.pop("m2")
+    body = json.dumps(
+        {**header, "fields": {n: {**f, "kll": [len(b) for b in f["kll"]]} for n, f in header["fields"].items()}}
+    )
+    older = (
+        b"RBSK"
+        + struct.pack("<I", len(body))
+        + body.encode()
+        + b"".join(b for f in header["fields"].values() for b in f["kll"])
+    )
+    buffer.storage.write_blob(f"{PREFIX}1", older)
+    buffer.storage.write_blob(f"{PREFIX}2", b"RBSK\xff\xff")
+    stats = buffer.stats(["state"])["state"]
+    values = np.concatenate([episode(i)["state"] for i in range(3)]).astype(np.float64)
+    assert stats.count == len(values)
+    np.testing.assert_allclose(stats.std.numpy(), values.std(0), rtol=1e-5)
+    assert_within_rank_error(stats, values)
+
+
+def fail_on_data_reads(buffer, monkeypatch) -> None:
+    for name in ("read_rows", "read_spans", "gather"):
+        monkeypatch.setattr(buffer.storage, name, lambda *a, **k: pytest.fail("read data"))
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_every_write_path_sketches_at_commit(tmp_path, monkeypatch, backend):
+    """store, store_batch, a long episode whose first steps left RAM before the commit (read
+    back: memmap rows are 1-step chunks, written every 256 bytes here), a rewound one and a
+    recovered step log all leave a blob: stats() reads no data."""
+    monkeypatch.setattr("replaybuf.staging.WRITE_SPAN_BYTES", 256)
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=8, max_timesteps=3000, fields=FIELDS, backend=backend)
+    data = {i: episode(i, 3000) for i in range(4)}
+    with buffer.one_episode():
+        for t in range(100):
+            buffer.store(state=data[0]["state"][t], reward=data[0]["reward"][t])
+    with buffer.batched_episode(2):
+        for t in range(60):
+            buffer.store_batch(state=np.stack([data[1]["state"][t], data[2]["state"][t]]))
+    with buffer.one_episode():
+        for t in range(3000):
+            buffer.store(state=data[3]["state"][t], reward=data[3]["reward"][t])
+    buffer.store(state=np.full(3, 50.0, np.float32))
+    buffer.store(state=np.full(3, 60.0, np.float32))
+    buffer.timestep_index = 1  # the second step is rewound away
+    buffer.advance_episode()
+    buffer.store(state=np.full(3, 7.0, np.float32), reward=1.0)
+    buffer.flush()
+    del buffer  # killed with a step logged: the next writable open recovers and sketches it
+    ReplayBuffer.from_folder(tmp_path / "b", backend=backend).close()
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True, backend=backend)
+    assert len(reader.storage.list_blobs(PREFIX)) == 6
+    exact = reader.stats(["state", "reward"], exact=True)
+    fail_on_data_reads(reader, monkeypatch)
+    merged = reader.stats(["state", "reward"])
+    states = [data[0]["state"][:100], data[1]["state"][:60], data[2]["state"][:60], data[3]["state"]]
+    states += [np.full((1, 3), 50.0, np.float32), np.full((1, 3), 7.0, np.float32)]
+    assert merged["state"].count == exact["state"].count == sum(len(s) for s in states)
+    np.testing.assert_allclose(merged["state"].mean, exact["state"].mean, rtol=1e-5)
+    np.testing.assert_allclose(merged["state"].std, exact["state"].std, rtol=1e-5)
+    torch.testing.assert_close(merged.episode_lens, exact.episode_lens)
+    torch.testing.assert_close(merged.episode_sums["reward"], exact.episode_sums["reward"])
+    assert_within_rank_error(merged["state"], np.concatenate(states))
+
+
+def test_stats_of_subsets_against_exact_dask(tmp_path):
+    make(tmp_path / "b", 6, max_episodes=5, circular=True).close()  # slot 0 holds episode 5
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    for chosen in (None, [0, 3], [4]):
+        merged = reader.stats(episodes=chosen)
+        exact = reader.stats(episodes=chosen, exact=True)
+        assert merged.num_episodes == exact.num_episodes
+        torch.testing.assert_close(merged.episode_lens, exact.episode_lens)
+        for name in ("state", "reward", "image"):
+            assert merged[name].count == exact[name].count
+            torch.testing.assert_close(merged[name].mean, exact[name].mean, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(merged[name].std, exact[name].std, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(merged[name].min, exact[name].min)
+            torch.testing.assert_close(merged[name].max, exact[name].max)
+        torch.testing.assert_close(merged.episode_sums["reward"], exact.episode_sums["reward"], rtol=1e-5, atol=1e-4)
+    # quantiles against the exact values dask computes over the valid steps
+    arrays, mask = reader.to_dask(["state"]), reader.episode_mask()
+    values = arrays["state"].reshape(-1, 3)[mask.reshape(-1)].compute()
+    assert_within_rank_error(reader.stats(["state"])["state"], values)
+    with pytest.raises(ValueError, match="carry no quantile sketches"):
+        reader.stats(["state"], exact=True)["state"].quantile(0.5)
+    with pytest.raises(ValueError, match="carry no quantile sketches"):
+        reader.stats(["image"])["image"].quantile(0.5)
+    with pytest.raises(ValueError, match=r"stats: episodes \[7\] hold no committed episode"):
+        reader.stats(episodes=[0, 7])
 
 
 def test_concatenation(tmp_path):
@@ -95,6 +194,9 @@ def test_concatenation(tmp_path):
     assert stats.count == len(values)
     np.testing.assert_allclose(stats.mean.numpy(), values.astype(np.float64).mean(0), rtol=1e-5, atol=1e-5)
     assert_within_rank_error(stats, values)
+    merged, exact = both.stats(["state"], episodes=[1, 2, 6]), both.stats(["state"], episodes=[1, 2, 6], exact=True)
+    torch.testing.assert_close(merged["state"].mean, exact["state"].mean, rtol=1e-5, atol=1e-5)
+    assert_within_rank_error(merged["state"], np.concatenate([episode(i)["state"] for i in (1, 2, 6)]))
     del first, second
 
 

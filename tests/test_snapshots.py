@@ -1,0 +1,330 @@
+"""Named snapshots: a view reads exactly the recorded episodes after the writer moved on; the
+writer refuses, before writing anything, to overwrite, clear or drop a held episode; snapshot
+files survive kills whole or not at all, and damaged ones are named in the error."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer, SnapshotError, SnapshotHeldError
+from replaybuf.snapshots import key
+
+from ._backends import BACKENDS, make_place, snapshot
+
+pytest_plugins = ["tests._servers"]  # fixture: s3_server
+
+FORK = multiprocessing.get_context("fork")
+FIELDS = {"obs": ("float", (2,)), "reward": "float"}
+META = {"uid": "int"}
+
+
+def episode(uid: int) -> dict:
+    length = 3 + uid % 4
+    return {"obs": np.full((length, 2), uid, np.float32), "reward": np.arange(length, dtype=np.float32) + uid}
+
+
+def make(location, max_episodes=5, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(
+        location, max_episodes=max_episodes, max_timesteps=8, fields=FIELDS, meta_fields=META, circular=True, **kwargs
+    )
+
+
+def write(buffer: ReplayBuffer, uids) -> None:
+    for uid in uids:
+        buffer.store_episode(**episode(uid), uid=uid)
+
+
+def uids_of(view: ReplayBuffer) -> dict[int, int]:
+    """slot -> uid of every episode the view reads, checked against its data as ``data[...]``
+    and ``get_all_data`` (rows ``0 .. num_episodes - 1``) read it."""
+    data = view.get_all_data()
+    rewards = view.data["reward"][:]
+    out = {}
+    for slot in view.valid_episodes().tolist():
+        uid = int(view.meta_data["uid"][slot])
+        length = int(view.episode_lens[slot])
+        np.testing.assert_array_equal(rewards[slot, :length], episode(uid)["reward"])
+        if slot < len(data["uid"]):
+            assert int(data["uid"][slot]) == uid and int(data["episode_lens"][slot]) == length
+            np.testing.assert_array_equal(data["reward"][slot, :length].numpy(), episode(uid)["reward"])
+        out[slot] = uid
+    assert set(np.flatnonzero(rewards.any(axis=1)).tolist()) <= set(out), "other slots read as padding"
+    return out
+
+
+def held_by_loader(view: ReplayBuffer) -> set[int]:
+    """The uids one epoch of a trajectory loader yields."""
+    seen = set()
+    for batch in view.dataloader(batch_size=2, return_indices=True):
+        seen.update(int(u) for u in view.meta_data["uid"][batch["_index"].numpy()])
+    return seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_view_reads_exactly_the_snapshot_across_a_wrap(tmp_path, backend):
+    place = make_place(backend, tmp_path)
+    writer = make(place.location, max_episodes=6, **place.kwargs)
+    write(writer, range(8))  # wrapped: slots 0, 1 hold uids 6, 7
+    writer.drop_episodes([3])  # a free slot for the writer to append into after the snapshot
+    writer.snapshot("run-1")
+    expected = {0: 6, 1: 7, 2: 2, 4: 4, 5: 5}
+    with pytest.raises(SnapshotHeldError, match="cannot overwrite slot 2"):
+        write(writer, [100])
+    writer.episode_index = 3
+    write(writer, [100])  # appended into the free slot
+    with pytest.raises(SnapshotHeldError, match="cannot overwrite slot 4"):
+        write(writer, [101])
+    assert writer.snapshots() == ["run-1"]
+    view = ReplayBuffer.from_folder(place.location, snapshot="run-1", **place.kwargs)
+    assert view.read_only and view.num_episodes == 5 and writer.num_episodes == 6
+    assert uids_of(view) == expected, "the view shows the recorded set, not the appended episode"
+    assert held_by_loader(view) == set(expected.values())
+    assert view.stats()["reward"].count == sum(len(episode(u)["reward"]) for u in expected.values())
+    view.refresh()
+    assert uids_of(view) == expected
+    del writer, view
+
+
+def test_refused_overwrite_changes_nothing(tmp_path):
+    location = str(tmp_path / "b")
+    writer = make(location)
+    write(writer, range(7))  # wrapped twice over slots 0, 1
+    writer.snapshot("pinned")
+    writer.flush()
+    before = snapshot(location)
+    for attempt in (
+        lambda: writer.store_episode(**episode(50), uid=50),
+        lambda: writer.store(obs=np.zeros(2), reward=1.0),
+        lambda: writer.advance_episode(batch_size=2),
+        lambda: writer.clear(),
+        lambda: writer.drop_episodes([4]),
+    ):
+        with pytest.raises(
+            SnapshotHeldError, match=r"slot \d of .*held by snapshot\(s\) \['pinned'\].*nothing was written"
+        ):
+            attempt()
+    assert snapshot(location) == before, "a refused write wrote nothing"
+    assert writer.timestep_index == 0 and writer.episode_index == 2
+    writer.drop_snapshot("pinned")
+    write(writer, [50])
+    assert writer.meta_data["uid"][2] == 50
+
+
+def test_moving_a_meta_only_group_onto_a_held_slot_is_refused(tmp_path):
+    writer = make(str(tmp_path / "b"))
+    write(writer, range(2))
+    writer.snapshot("s")
+    writer.store_meta_batch(uid=np.array([8, 9]))  # two episodes with only meta set: slots 2, 3
+    with pytest.raises(SnapshotHeldError, match="cannot overwrite slot 0"):
+        writer.episode_index = 4  # would move them onto slots 4 and 0
+    assert writer.episode_index == 2 and writer._state["episode_index"] == 2
+    writer.episode_index = 3
+    writer.store_batch(obs=np.ones((2, 2)), reward=np.ones(2))
+    writer.advance_episode()
+    assert writer.meta_data["uid"][[3, 4]].tolist() == [8, 9]
+    assert uids_of(ReplayBuffer.from_folder(writer.folder, snapshot="s")) == {0: 0, 1: 1}
+
+
+def test_drop_snapshots_on_overwrite(tmp_path):
+    location = str(tmp_path / "b")
+    writer = make(location, max_episodes=3)
+    write(writer, range(3))
+    writer.snapshot("a")
+    writer.snapshot("b")
+    writer.drop_snapshot("a")
+    with pytest.raises(SnapshotHeldError, match=r"held by snapshot\(s\) \['b'\]"):
+        write(writer, [10])
+    writer.snapshot("a")
+    writer.close()
+    writer = ReplayBuffer.from_folder(location, drop_snapshots_on_overwrite=True)
+    with pytest.warns(UserWarning, match=r"snapshot\(s\) \['a', 'b'\] .* dropped: overwrite of slot\(s\) \[0\]"):
+        write(writer, [10])
+    assert writer.snapshots() == []
+    with pytest.raises(SnapshotError, match="no snapshot 'a'"):
+        ReplayBuffer.from_folder(location, snapshot="a")
+
+
+def test_a_view_of_an_overwritten_snapshot_is_refused(tmp_path):
+    location = str(tmp_path / "b")
+    writer = make(location, max_episodes=3)
+    write(writer, range(3))
+    writer.snapshot("a")
+    writer.close()
+    view = ReplayBuffer.from_folder(location, snapshot="a")
+    writer = ReplayBuffer.from_folder(location, drop_snapshots_on_overwrite=True)
+    with pytest.warns(UserWarning, match="dropped"):
+        write(writer, [10])
+    with pytest.raises(SnapshotError, match=r"snapshot 'a' of .*: slot 0 holds generation 4 .*recorded generation 1"):
+        view.refresh()
+
+
+def test_names_and_misuse(tmp_path):
+    location = str(tmp_path / "b")
+    writer = make(location)
+    write(writer, range(2))
+    for bad in ("", "../up", "a/b", "a\\b", ".hidden", "x" * 129, None, 3):
+        with pytest.raises(SnapshotError, match="invalid snapshot name"):
+            writer.snapshot(bad)
+    writer.snapshot("x" * 128)
+    writer.snapshot("v1.2_final")
+    with pytest.raises(SnapshotError, match="'v1.2_final' already exists"):
+        writer.snapshot("v1.2_final")
+    assert writer.snapshots() == sorted(["x" * 128, "v1.2_final"])
+    with pytest.raises(SnapshotError, match=r"no snapshot 'nope' .* snapshots: \['v1.2_final'"):
+        ReplayBuffer.from_folder(location, snapshot="nope")
+    with pytest.raises(SnapshotError, match="no snapshot 'nope'"):
+        writer.drop_snapshot("nope")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    with pytest.raises(ValueError, match="cannot call `snapshot` on a buffer opened read-only"):
+        reader.snapshot("r")
+    with pytest.raises(ValueError, match="cannot call `drop_snapshot`"):
+        reader.drop_snapshot("v1.2_final")
+    writer.drop_snapshot("x" * 128)
+    assert writer.snapshots() == ["v1.2_final"]
+
+
+def test_snapshot_refused_while_an_episode_in_progress_reuses_a_slot(tmp_path):
+    writer = make(str(tmp_path / "b"), max_episodes=2)
+    write(writer, range(2))
+    writer.store(obs=np.zeros(2), reward=0.0)  # reuses slot 0
+    with pytest.raises(SnapshotError, match=r"in progress will overwrite the committed episode\(s\) in slots \[0\]"):
+        writer.snapshot("s")
+    writer.advance_episode()
+    writer.snapshot("s")
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"\x00garbage", "Expecting value|Unicode|JSON"),
+        (b"[1, 2]", "expected a JSON object with format 1"),
+        (json.dumps({"format": 1, "name": "other"}).encode(), "it names snapshot 'other'"),
+        (
+            json.dumps({"format": 1, "name": "s", "slots": [0, 99], "generations": [1, 2], "lengths": [1, 1]}).encode(),
+            r"'slots' must be a list of ints in \[0, 5\)",
+        ),
+        (
+            json.dumps({"format": 1, "name": "s", "slots": [0], "generations": [1], "lengths": [10**12]}).encode(),
+            r"'lengths' must be a list of ints in \[1, 9\)",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": 1,
+                    "name": "s",
+                    "slots": [1, 0],
+                    "generations": [1, 2],
+                    "lengths": [1, 1],
+                    "state": {"num_episodes": 2, "episode_index": 2, "total_episodes": 2},
+                    "created": 0,
+                }
+            ).encode(),
+            "not distinct and ascending",
+        ),
+    ],
+)
+def test_damaged_snapshot_file_is_named(tmp_path, content, problem):
+    location = str(tmp_path / "b")
+    writer = make(location)
+    write(writer, range(5))
+    writer.storage.write_blob(key("s"), content)
+    where = r"snapshot 's' is damaged \(replaybuf/snapshots/s/snapshot.json in .*b\): "
+    with pytest.raises(SnapshotError, match=where + f"(.*)({problem})"):
+        ReplayBuffer.from_folder(location, snapshot="s")
+    with pytest.raises(SnapshotError, match=where):  # the writer cannot tell what it holds
+        write(writer, [5])
+    assert writer.num_episodes == 5 and writer.episode_index == 0
+    writer.drop_snapshot("s")  # a damaged snapshot can still be dropped
+    write(writer, [5])
+
+
+def _snapshot_forever(location: str, run: int) -> None:
+    writer = ReplayBuffer.from_folder(location)
+    for i in range(10**6):
+        writer.snapshot(f"r{run}-{i}")
+        if i >= 2:
+            writer.drop_snapshot(f"r{run}-{i - 2}")
+
+
+def _refuse_forever(location: str, run: int) -> None:
+    writer = ReplayBuffer.from_folder(location)
+    for _ in range(10**6):
+        try:
+            writer.store_episode(**episode(99), uid=99)
+        except SnapshotHeldError:
+            pass
+
+
+@pytest.mark.parametrize("target", [_snapshot_forever, _refuse_forever])
+def test_sigkill(tmp_path, target):
+    location = str(tmp_path / "b")
+    writer = make(location, max_episodes=4)
+    write(writer, range(6))
+    writer.snapshot("keep")
+    writer.close()
+    expected = uids_of(ReplayBuffer.from_folder(location, snapshot="keep"))
+    rng = np.random.default_rng(0)
+    for run in range(3):
+        child = FORK.Process(target=target, args=(location, run))
+        child.start()
+        time.sleep(0.3 + float(rng.uniform(0, 0.2)))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+        assert child.exitcode == -signal.SIGKILL
+        reopened = ReplayBuffer.from_folder(location)
+        for name in reopened.snapshots():  # each is whole: it opens and reads its episodes
+            assert uids_of(ReplayBuffer.from_folder(location, snapshot=name)) == expected
+        assert uids_of(ReplayBuffer.from_folder(location, snapshot="keep")) == expected
+        assert uids_of(reopened) == expected
+        reopened.close()
+
+
+def test_second_writer_process_honors_snapshots(tmp_path):
+    location = str(tmp_path / "b")
+    writer = make(location, max_episodes=3)
+    write(writer, range(3))
+    writer.snapshot("from-first")
+    writer.close()
+    code = (
+        "import numpy as np, sys\n"
+        "from replaybuf import ReplayBuffer, SnapshotHeldError\n"
+        "w = ReplayBuffer.from_folder(sys.argv[1])\n"
+        "try:\n"
+        "    w.store_episode(obs=np.zeros((2, 2)), reward=np.zeros(2), uid=7)\n"
+        "except SnapshotHeldError as e:\n"
+        "    print('refused:', e)\n"
+        "w.drop_snapshot('from-first')\n"
+        "w.store_episode(obs=np.full((6, 2), 7.0), reward=np.arange(6.0) + 7, uid=7)\n"
+        "w.snapshot('from-second')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", code, location], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: cannot overwrite slot 0" in done.stdout
+    view = ReplayBuffer.from_folder(location, snapshot="from-second")
+    assert uids_of(view) == {0: 7, 1: 1, 2: 2}
+
+
+def test_on_s3(s3_server):
+    location = s3_server.url("snapshots-test")
+    options = s3_server.storage_options
+    writer = make(location, max_episodes=3, storage_options=options)
+    write(writer, range(4))
+    writer.snapshot("remote")
+    with pytest.raises(SnapshotHeldError, match="held by snapshot"):
+        write(writer, [9])
+    view = ReplayBuffer.from_folder(location, snapshot="remote", storage_options=options)
+    assert uids_of(view) == {0: 3, 1: 1, 2: 2}
+    writer.drop_snapshot("remote")
+    write(writer, [9])
+    assert ReplayBuffer.from_folder(location, storage_options=options).snapshots() == []
+    writer.close()
