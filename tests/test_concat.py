@@ -13,6 +13,8 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer, ConcatStorage
 from replaybuf.storage.base import backend_class
 
+from ._data import random_episode, uniform
+
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
 FIELDS = {"obs": ("float", (3,)), "reward": "float", "action": "int"}
@@ -20,12 +22,10 @@ META = {"task": "int"}
 
 
 def episode(index: int, length: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(index)
-    return {
-        "obs": rng.normal(size=(length, 3)).astype(np.float32) + index,
-        "reward": rng.uniform(0, 1, length).astype(np.float32),
-        "action": rng.integers(0, 5, length).astype(np.int32),
-    }
+    """Episode ``index``: its obs lie near index."""
+    return random_episode(
+        FIELDS, length, index, obs=lambda rng, shape: rng.normal(size=shape).astype(np.float32) + index, reward=uniform
+    )
 
 
 # (location suffix, max_episodes, max_timesteps, episode lengths); the second member is longer in time.

@@ -16,9 +16,10 @@ from replaybuf import ReplayBuffer
 from replaybuf.h5py_buffer import ReplayBufferH5PY
 from replaybuf.storage import detect_backend
 
-from ._backends import FIELDS, META_FIELDS, episode
+from ._backends import require
+from ._data import FIELDS, META_FIELDS, episode
 
-h5py = pytest.importorskip("h5py")
+h5py = require("h5py")
 REPO = Path(__file__).resolve().parents[1]
 
 

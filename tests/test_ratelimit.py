@@ -12,7 +12,7 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import RateLimitTimeout
-from tests._sampling_data import episode
+from tests._data import sampling_episode as episode
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
 
