@@ -46,8 +46,8 @@ _counter = itertools.count()
 
 def _install_hint(module: str) -> str:
     return (
-        f"{module} is not installed: pip install -e '.[test]' installs every test dependency "
-        f"(or set {SKIP_MISSING}=1 to skip the tests that need it)"
+        f"{module} is not installed (pip install -e '.[test]' installs every test dependency; "
+        f"{SKIP_MISSING}=1 skips the tests that need it instead)"
     )
 
 
@@ -59,7 +59,7 @@ def missing_backends() -> dict[str, str]:
         try:
             importlib.import_module(module)
         except ImportError:
-            missing[backend] = f"the {backend} backend's tests need {_install_hint(module)}"
+            missing[backend] = f"the {backend} backend's tests cannot run: {_install_hint(module)}"
     return missing
 
 
