@@ -46,6 +46,17 @@ def random_episode(fields: dict, length: int, seed: int, **draws: Draw) -> dict[
     return out
 
 
+def padded(episodes: list[dict], name: str) -> np.ndarray:
+    """Field ``name`` of ``episodes`` stacked as (episode, time, ...), zero past each one's end
+    up to the longest: what a buffer holding them returns."""
+    longest = max(len(e[name]) for e in episodes)
+    first = episodes[0][name]
+    out = np.zeros((len(episodes), longest, *first.shape[1:]), first.dtype)
+    for row, data in enumerate(episodes):
+        out[row, : len(data[name])] = data[name]
+    return out
+
+
 def uniform(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     """A draw for ``random_episode``: uniform in [0, 1)."""
     return rng.random(shape)

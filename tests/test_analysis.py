@@ -13,6 +13,7 @@ import torch
 from replaybuf import ReplayBuffer
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
+from ._data import padded as expected
 from ._data import random_episode
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
@@ -52,15 +53,6 @@ def circular(make_location):
     )
     stored = fill(buffer)
     return buffer, stored[2:]
-
-
-def expected(stored: list[dict], name: str) -> np.ndarray:
-    longest = max(len(e["obs"]) for e in stored)
-    first = stored[0][name]
-    out = np.zeros((len(stored), longest, *first.shape[1:]), first.dtype)
-    for row, data in enumerate(stored):
-        out[row, : len(data[name])] = data[name]
-    return out
 
 
 def test_to_dask_holds_committed_episodes_oldest_first_zero_padded(circular):

@@ -13,7 +13,7 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer, ConcatStorage
 from replaybuf.storage.base import backend_class
 
-from ._data import random_episode, uniform
+from ._data import padded, random_episode, uniform
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
@@ -71,15 +71,6 @@ def make_members(root, location=lambda root, name: root / name, seed_too=False, 
 def concat(tmp_path):
     stored, _ = make_members(tmp_path)
     return ConcatReplayBuffer([tmp_path / "a", str(tmp_path / "b"), ReplayBuffer.from_folder(tmp_path / "c")]), stored
-
-
-def padded(stored, name, longest=None):
-    longest = longest or max(len(e["obs"]) for e in stored)
-    first = stored[0][name]
-    out = np.zeros((len(stored), longest, *first.shape[1:]), first.dtype)
-    for row, data in enumerate(stored):
-        out[row, : len(data[name])] = data[name]
-    return out
 
 
 def test_bookkeeping(concat):
