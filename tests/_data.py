@@ -1,7 +1,8 @@
 """Test data shared by the test modules: field specs and deterministic episodes.
 
-``random_episode`` builds the data of any fields spec; the named variants below are the specs
-several modules share: the standard fields (``FIELDS``, ``META_FIELDS``, ``episode``), the seed's
+``fields`` picks a test's fields from one vocabulary (``COMMON_FIELDS``), ``random_episode``
+builds the data of any fields spec, and ``padded`` what a buffer returns for a list of episodes.
+The named variants below are the specs several modules share: the standard fields (``FIELDS``, ``META_FIELDS``, ``episode``), the seed's
 fields and a folder it wrote (``SEED_FIELDS``, ``seed_buffer``), and the sampling tests' fields,
 whose ``ident`` names the episode and step a sample came from (``SAMPLING_*``). A module whose
 test needs other fields keeps its own spec and builds its episodes with ``random_episode``.
@@ -17,6 +18,24 @@ import numpy as np
 from replaybuf.schema import parse_field
 
 Draw = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]
+
+# the test fields by name: a test picks some with ``fields``
+COMMON_FIELDS = {
+    "obs": ("float", (3,)),
+    "state": ("float", 4),
+    "image": ("uint8", (6, 5, 3)),
+    "reward": "float",
+    "action": "int",
+    "done": "bool",
+    "ident": "int",  # random_episode: 1000 * episode + t, so a sample names where it came from
+    "priority": "float",
+}
+
+
+def fields(*names: str, **specs) -> dict:
+    """The fields ``names``, in that order: each one's spec from ``specs`` if given, else from
+    COMMON_FIELDS."""
+    return {name: specs[name] if name in specs else COMMON_FIELDS[name] for name in names}
 
 
 def random_episode(fields: dict, length: int, seed: int, **draws: Draw) -> dict[str, np.ndarray]:
@@ -105,13 +124,7 @@ def seed_buffer(folder, circular=True, lengths=(3, 4, 5, 6, 7), partial=2, max_e
 
 # ---- the sampling tests' fields: the same episodes in a replaybuf buffer and the seed --------
 
-SAMPLING_FIELDS = {
-    "image": ("uint8", (6, 5, 3)),
-    "state": ("float", 4),
-    "reward": "float",
-    "done": "bool",
-    "ident": "int",
-}
+SAMPLING_FIELDS = fields("image", "state", "reward", "done", "ident")
 SAMPLING_META_FIELDS = {"task": "int", "success": "bool"}
 SAMPLING_LENGTHS = (1, 4, 7, 2, 9, 5)
 

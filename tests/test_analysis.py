@@ -13,12 +13,12 @@ import torch
 from replaybuf import ReplayBuffer
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
+from ._data import fields, random_episode
 from ._data import padded as expected
-from ._data import random_episode
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
-FIELDS = {"obs": ("float", (3,)), "image": ("uint8", (4, 5)), "reward": "float", "done": "bool", "action": "int"}
+FIELDS = fields("obs", "image", "reward", "done", "action", image=("uint8", (4, 5)))
 META = {"task": "int"}
 LENGTHS = [5, 12, 3, 9, 7, 1, 11]
 

@@ -13,11 +13,11 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer, ConcatStorage
 from replaybuf.storage.base import backend_class
 
-from ._data import padded, random_episode, uniform
+from ._data import fields, padded, random_episode, uniform
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
-FIELDS = {"obs": ("float", (3,)), "reward": "float", "action": "int"}
+FIELDS = fields("obs", "reward", "action")
 META = {"task": "int"}
 
 

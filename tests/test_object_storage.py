@@ -11,11 +11,11 @@ import pytest
 
 from replaybuf import ReplayBuffer, StorageError
 
-from ._data import random_episode
+from ._data import fields, random_episode
 
 pytest_plugins = ["tests._servers"]
 
-FIELDS = dict(frame=("uint8", (16, 16, 3)), state=("float", 4), reward="float")
+FIELDS = fields("frame", "state", "reward", frame=("uint8", (16, 16, 3)))
 
 
 @pytest.fixture(params=["s3", "gcs"])

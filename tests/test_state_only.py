@@ -16,11 +16,11 @@ from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache, make_dataloader
 from replaybuf.storage import _chunks
 
-from ._data import random_episode, uniform
+from ._data import fields, random_episode, uniform
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
 SPAWN = multiprocessing.get_context("spawn")
-FIELDS = {"state": ("float", 4), "reward": "float", "ident": "int"}
+FIELDS = fields("state", "reward", "ident")
 EPISODES, STEPS = 6, 5
 
 
