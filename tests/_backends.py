@@ -1,7 +1,7 @@
 """The one place test buffers live: the backend list, a location per backend (``make_place``;
-the ``backend``/``make_location`` fixtures in conftest.py are built on it), the check that every
-optional backend is installed, and snapshots of everything stored (to prove that read-only access
-writes nothing).
+the ``backend``, ``place`` and ``make_location`` fixtures in conftest.py are built on it), the
+check that every optional backend is installed, and snapshots of everything stored (to prove
+that read-only access writes nothing).
 
 A missing optional backend fails the run (``pytest_configure`` in conftest.py) with the command
 that installs it, so CI cannot lose a backend silently. A developer without one runs the rest
