@@ -23,10 +23,9 @@ META = {"label": "int"}
 
 def make_pair(tmp_path, name: str, circular: bool = False, max_episodes: int = 4, h5: bool = False):
     """The seed's buffer and replaybuf's, created with the same arguments in two folders."""
-    seed_cls, ours_cls = (seed.ReplayBuffer, ReplayBuffer)
     if h5:  # the seed has ReplayBufferH5PY only where h5py imports
         require("h5py")
-        seed_cls, ours_cls = seed.ReplayBufferH5PY, ReplayBufferH5PY
+    seed_cls, ours_cls = (seed.ReplayBufferH5PY, ReplayBufferH5PY) if h5 else (seed.ReplayBuffer, ReplayBuffer)
     args = dict(max_episodes=max_episodes, max_timesteps=5, fields=FIELDS, meta_fields=META, circular=circular)
     return seed_cls(tmp_path / f"seed-{name}", **args), ours_cls(tmp_path / f"ours-{name}", **args)
 
