@@ -5,8 +5,9 @@ that read-only access writes nothing).
 
 A missing optional backend fails the run (``pytest_configure`` in conftest.py) with the command
 that installs it, so CI cannot lose a backend silently. A developer without one runs the rest
-with ``REPLAYBUF_TESTS_SKIP_MISSING=1``: the tests that need it are skipped (a test parametrized
-with its name, a place made for it, a module that imports its library through ``require``).
+with ``REPLAYBUF_TESTS_SKIP_MISSING=1``: the tests that need it are skipped: a test parametrized
+with its name and any test that fails importing its library (hooks in conftest.py), and a module
+or test that imports the library through ``require``.
 """
 
 from __future__ import annotations
@@ -93,9 +94,7 @@ class Place:
 
 def make_place(name: str, tmp_path, label: str = "buffer") -> Place:
     """Where backend ``name``'s buffer ``label`` lives: under ``tmp_path``, or a ``memory://``
-    URL unique to this call. An optional backend's library must import (see ``require``)."""
-    if name in OPTIONAL_BACKENDS:
-        require(OPTIONAL_BACKENDS[name])
+    URL unique to this call."""
     if name == "memory":
         return Place(name, f"memory://replaybuf-test-{os.getpid()}-{next(_counter)}/{label}", "zarr")
     return Place(name, str(tmp_path / f"{label}-{name}"), name)

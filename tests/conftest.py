@@ -9,7 +9,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from ._backends import BACKENDS, SKIP_MISSING, Place, make_place, missing_backends
+from ._backends import BACKENDS, OPTIONAL_BACKENDS, SKIP_MISSING, Place, make_place, missing_backends
 
 # ``--hypothesis-profile=long``: many more examples, e.g. for the differential tests against
 # memmap-replay-buffer (tests/test_differential.py); CI uses each test's own bounded settings
@@ -32,15 +32,24 @@ def pytest_configure(config):
         raise pytest.UsageError("\n".join(missing.values()))
 
 
-@pytest.fixture(autouse=True)
-def _skip_missing_backend(request):
+def pytest_runtest_setup(item):
     """Under SKIP_MISSING, a test parametrized with a missing backend's name is skipped."""
-    missing = missing_backends()
-    callspec = getattr(request.node, "callspec", None)
-    if missing and callspec is not None:
-        for value in callspec.params.values():
-            if isinstance(value, str) and value in missing:
-                pytest.skip(missing[value])
+    callspec = getattr(item, "callspec", None)
+    for backend, reason in missing_backends().items():  # empty unless SKIP_MISSING: see pytest_configure
+        if callspec is not None and backend in callspec.id.split("-"):
+            pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under SKIP_MISSING, a test that fails importing a missing backend's library is skipped."""
+    report = (yield).get_result()
+    if not report.failed or call.excinfo is None or not call.excinfo.errisinstance(ImportError):
+        return
+    for backend, reason in missing_backends().items():
+        if OPTIONAL_BACKENDS[backend] in str(call.excinfo.value):
+            report.outcome, report.longrepr = "skipped", (str(item.path), (item.location[1] or 0) + 1, reason)
+            return
 
 
 @pytest.fixture(autouse=True)
