@@ -1,34 +1,78 @@
-"""Shared helpers for the backend tests: where each backend's buffer lives, and snapshots of
-everything stored there (to prove that read-only access writes nothing)."""
+"""The one place test buffers live: the backend list, a location per backend (``make_place``;
+the ``backend``, ``place`` and ``make_location`` fixtures in conftest.py are built on it), the
+check that every optional backend is installed, and snapshots of everything stored (to prove
+that read-only access writes nothing).
+
+A missing optional backend fails the run (``pytest_configure`` in conftest.py) with the command
+that installs it, so CI cannot lose a backend silently. A developer without one runs the rest
+with ``REPLAYBUF_TESTS_SKIP_MISSING=1``: the tests that need it are skipped: a test parametrized
+with its name and any test that fails importing its library (hooks in conftest.py), and a module
+or test that imports the library through ``require``.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
 import os
-import warnings
 from dataclasses import dataclass
+from types import ModuleType
 
-import numpy as np
+import pytest
 
 from replaybuf.testing import snapshot
 
 __all__ = [
     "BACKENDS",
-    "FIELDS",
-    "META_FIELDS",
-    "SEED_FIELDS",
+    "LOCAL_BACKENDS",
+    "OPTIONAL_BACKENDS",
+    "SKIP_MISSING",
     "Place",
-    "episode",
     "make_place",
-    "seed_buffer",
+    "missing_backends",
+    "require",
     "snapshot",
 ]
 
 
-# 'memory' is the zarr backend on a memory:// URL. hdf5 is always in the list: h5py is in the
-# test extra, and a missing optional backend must fail the run, not drop out of it
+# 'memory' is the zarr backend on a memory:// URL. The list is fixed: a backend whose library is
+# missing stays in it and fails (or, with SKIP_MISSING set, skips) instead of dropping out
 BACKENDS = ["zarr", "memory", "memmap", "hdf5"]
+LOCAL_BACKENDS = [name for name in BACKENDS if name != "memory"]
+OPTIONAL_BACKENDS = {"hdf5": "h5py"}  # backend -> the library it needs (the test extra has each)
+SKIP_MISSING = "REPLAYBUF_TESTS_SKIP_MISSING"
 _counter = itertools.count()
+
+
+def _install_hint(module: str) -> str:
+    return (
+        f"{module} is not installed (pip install -e '.[test]' installs every test dependency; "
+        f"{SKIP_MISSING}=1 skips the tests that need it instead)"
+    )
+
+
+@functools.cache
+def missing_backends() -> dict[str, str]:
+    """The optional backends whose library does not import, with the install hint for each."""
+    missing = {}
+    for backend, module in OPTIONAL_BACKENDS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing[backend] = f"the {backend} backend's tests cannot run: {_install_hint(module)}"
+    return missing
+
+
+def require(module: str) -> ModuleType:
+    """Import optional library ``module`` for a test or a test module: missing, it fails with
+    the install hint, or skips (the whole module, when called at import) under SKIP_MISSING."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get(SKIP_MISSING) == "1":
+            pytest.skip(_install_hint(module), allow_module_level=True)
+        pytest.fail(_install_hint(module), pytrace=False)
 
 
 @dataclass
@@ -54,45 +98,3 @@ def make_place(name: str, tmp_path, label: str = "buffer") -> Place:
     if name == "memory":
         return Place(name, f"memory://replaybuf-test-{os.getpid()}-{next(_counter)}/{label}", "zarr")
     return Place(name, str(tmp_path / f"{label}-{name}"), name)
-
-
-def episode(length: int, seed: int) -> dict[str, np.ndarray]:
-    """Deterministic episode data for the standard test fields."""
-    rng = np.random.default_rng(seed)
-    return {
-        "state": rng.standard_normal((length, 3, 4, 4)).astype(np.float32),
-        "action": rng.integers(0, 5, (length, 2)).astype(np.int32),
-        "reward": rng.standard_normal(length).astype(np.float32),
-    }
-
-
-FIELDS = {"state": ("float", (3, 4, 4)), "action": ("int", 2), "reward": "float"}
-META_FIELDS = {"task_id": "int"}
-
-
-SEED_FIELDS = {"state": ("float", (3,)), "action": ("int", 2, -1), "reward": "float"}
-
-
-def seed_buffer(folder, circular=True, lengths=(3, 4, 5, 6, 7), partial=2, max_episodes=4):
-    """A folder written by the real memmap-replay-buffer 0.2.3 (episodes of ``lengths``, then one
-    in progress of ``partial`` steps); returns the seed's buffer object."""
-    import memmap_replay_buffer
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        buffer = memmap_replay_buffer.ReplayBuffer(
-            str(folder),
-            max_episodes=max_episodes,
-            max_timesteps=10,
-            fields=SEED_FIELDS,
-            meta_fields={"task_id": "int"},
-            circular=circular,
-        )
-        for i, length in enumerate(lengths):
-            with buffer.one_episode(task_id=i):
-                for t in range(length):
-                    buffer.store(state=np.full(3, i + t / 10, np.float32), action=np.array([t, i]), reward=float(t))
-        for _ in range(partial):
-            buffer.store(state=np.full(3, 9.0, np.float32), reward=-1.0)
-        buffer.flush()
-    return buffer

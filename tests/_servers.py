@@ -306,16 +306,20 @@ class S3Outage:
             self.server.start()
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3TestServer]:
-    """moto S3 on 127.0.0.1 with an empty bucket, for the whole session."""
-    server = S3TestServer()
+def _serving(server):
+    """Start ``server``, give it an empty bucket, yield it, and stop it."""
     server.start()
     try:
         server.create_bucket()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3TestServer]:
+    """moto S3 on 127.0.0.1 with an empty bucket, for the whole session."""
+    yield from _serving(S3TestServer())
 
 
 @pytest.fixture(scope="session")
@@ -323,13 +327,9 @@ def gcs_server() -> Iterator[GCSTestServer]:
     """gcp-storage-emulator on 127.0.0.1 with an empty bucket, for the whole session."""
     previous = os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-    server = GCSTestServer()
-    server.start()
     try:
-        server.create_bucket()
-        yield server
+        yield from _serving(GCSTestServer())
     finally:
-        server.stop()
         if previous is None:
             os.environ.pop("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", None)
         else:

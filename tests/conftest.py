@@ -1,4 +1,5 @@
-"""Shared fixtures: a buffer location per backend, so API tests run on every backend."""
+"""Shared fixtures: a buffer location per backend (built on ``tests/_backends.make_place``), so API
+tests run on every backend, and the check that no optional backend is missing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from ._backends import BACKENDS, make_place
+from ._backends import BACKENDS, OPTIONAL_BACKENDS, SKIP_MISSING, Place, make_place, missing_backends
 
 # ``--hypothesis-profile=long``: many more examples, e.g. for the differential tests against
 # memmap-replay-buffer (tests/test_differential.py); CI uses each test's own bounded settings
@@ -21,6 +22,34 @@ settings.register_profile(
 )
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def pytest_configure(config):
+    """A missing optional backend fails the run before any test, unless SKIP_MISSING allows it
+    (see tests/_backends.py): CI never passes without a backend's tests."""
+    missing = missing_backends()
+    if missing and os.environ.get(SKIP_MISSING) != "1":
+        raise pytest.UsageError("\n".join(missing.values()))
+
+
+def pytest_runtest_setup(item):
+    """Under SKIP_MISSING, a test parametrized with a missing backend's name is skipped."""
+    callspec = getattr(item, "callspec", None)
+    for backend, reason in missing_backends().items():  # empty unless SKIP_MISSING: see pytest_configure
+        if callspec is not None and backend in callspec.id.split("-"):
+            pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under SKIP_MISSING, a test that fails importing a missing backend's library is skipped."""
+    report = (yield).get_result()
+    if not report.failed or call.excinfo is None or not call.excinfo.errisinstance(ImportError):
+        return
+    for backend, reason in missing_backends().items():
+        if OPTIONAL_BACKENDS[backend] in str(call.excinfo.value):
+            report.outcome, report.longrepr = "skipped", (str(item.path), (item.location[1] or 0) + 1, reason)
+            return
 
 
 @pytest.fixture(autouse=True)
@@ -47,3 +76,9 @@ def make_location(backend, tmp_path):
         return place.location, {} if place.backend == "zarr" else place.kwargs  # zarr: the default
 
     return make
+
+
+@pytest.fixture
+def place(backend, tmp_path) -> Place:
+    """A buffer location for the backend under test: pass ``**place.kwargs`` to ReplayBuffer."""
+    return make_place(backend, tmp_path)

@@ -13,22 +13,26 @@ import torch
 from replaybuf import ReplayBuffer
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
+from ._data import fields, random_episode
+from ._data import padded as expected
+
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
-FIELDS = {"obs": ("float", (3,)), "image": ("uint8", (4, 5)), "reward": "float", "done": "bool", "action": "int"}
+FIELDS = fields("obs", "image", "reward", "done", "action", image=("uint8", (4, 5)))
 META = {"task": "int"}
 LENGTHS = [5, 12, 3, 9, 7, 1, 11]
 
 
 def episode(index: int, length: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(index)
-    return {
-        "obs": (rng.normal(size=(length, 3)) + 100 * index).astype(np.float32),
-        "image": rng.integers(0, 256, (length, 4, 5), dtype=np.uint8),
-        "reward": rng.uniform(-1, 1, length).astype(np.float32),
-        "done": np.arange(length) == length - 1,
-        "action": rng.integers(-3, 4, length).astype(np.int32),
-    }
+    """Episode ``index``: its obs lie near 100 * index, signed rewards and actions."""
+    return random_episode(
+        FIELDS,
+        length,
+        index,
+        obs=lambda rng, shape: rng.normal(size=shape) + 100 * index,
+        reward=lambda rng, shape: rng.uniform(-1, 1, shape),
+        action=lambda rng, shape: rng.integers(-3, 4, shape),
+    )
 
 
 def fill(buffer: ReplayBuffer, lengths=LENGTHS) -> list[dict[str, np.ndarray]]:
@@ -49,15 +53,6 @@ def circular(make_location):
     )
     stored = fill(buffer)
     return buffer, stored[2:]
-
-
-def expected(stored: list[dict], name: str) -> np.ndarray:
-    longest = max(len(e["obs"]) for e in stored)
-    first = stored[0][name]
-    out = np.zeros((len(stored), longest, *first.shape[1:]), first.dtype)
-    for row, data in enumerate(stored):
-        out[row, : len(data[name])] = data[name]
-    return out
 
 
 def test_to_dask_holds_committed_episodes_oldest_first_zero_padded(circular):

@@ -18,14 +18,10 @@ from replaybuf import ReplayBuffer
 from replaybuf.storage import detect_backend
 from replaybuf.tools import verify
 
-from ._backends import BACKENDS, FIELDS, META_FIELDS, episode, make_place, snapshot
+from ._backends import LOCAL_BACKENDS, make_place, snapshot
+from ._data import FIELDS, META_FIELDS, episode
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(params=BACKENDS)
-def place(request, tmp_path):
-    return make_place(request.param, tmp_path)
 
 
 def new_buffer(place, max_episodes=6, max_timesteps=12, circular=False, **kwargs) -> ReplayBuffer:
@@ -268,7 +264,7 @@ def test_killed_writer_keeps_committed_episodes(place):
     script = textwrap.dedent(f"""
         import os, signal, numpy as np
         from replaybuf import ReplayBuffer
-        from tests._backends import FIELDS, META_FIELDS, episode
+        from tests._data import FIELDS, META_FIELDS, episode
         buffer = ReplayBuffer({place.location!r}, 6, 12, fields=FIELDS, meta_fields=META_FIELDS,
                               backend={place.backend!r})
         for i in range(2):
@@ -319,10 +315,7 @@ def test_fsync_commits(place):
     assert_holds(ReplayBuffer.from_folder(place.location, read_only=True), stored)
 
 
-LOCAL = [b for b in BACKENDS if b != "memory"]
-
-
-@pytest.mark.parametrize("target, other", [(t, o) for t in LOCAL for o in LOCAL if t != o])
+@pytest.mark.parametrize("target, other", [(t, o) for t in LOCAL_BACKENDS for o in LOCAL_BACKENDS if t != o])
 def test_creating_over_another_backends_buffer(tmp_path, target, other):
     place = make_place(target, tmp_path)
     with ReplayBuffer(place.location, 2, 3, fields={"x": "float"}, backend=other) as first:

@@ -22,7 +22,11 @@ from replaybuf.sampling import make_dataloader
 from replaybuf.storage import make_storage
 from replaybuf.storage._cache import CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
-from tests._sampling_data import FIELDS, LENGTHS, META_FIELDS, episode, fill
+from tests._data import SAMPLING_FIELDS as FIELDS
+from tests._data import SAMPLING_LENGTHS as LENGTHS
+from tests._data import SAMPLING_META_FIELDS as META_FIELDS
+from tests._data import fill_sampling_buffer as fill
+from tests._data import sampling_episode as episode
 from tests.test_sampling import assert_same
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
@@ -155,7 +159,7 @@ def test_reused_slot_is_refetched(tmp_path):
     child = run_python(
         f"""
         from replaybuf import ReplayBuffer
-        from tests._sampling_data import episode
+        from tests._data import sampling_episode as episode
         buffer = ReplayBuffer.from_folder({location!r})
         buffer.store_episode(**episode(7, 5), task=7, success=True)  # wraps into slot 0
         buffer.close()

@@ -9,7 +9,6 @@ import os
 import shutil
 import tempfile
 
-import h5py
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +17,11 @@ from hypothesis import strategies as st
 from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
 from replaybuf.cli import main
 from replaybuf.tools import verify
+
+from ._backends import LOCAL_BACKENDS, require
+from ._data import random_episode
+
+h5py = require("h5py")  # every test reads a buffer of each local backend
 
 # frame: 4096 bytes a step -> sharded, blosc-lz4; state: zstd chunks; raw: no compressor
 FIELDS = dict(
@@ -30,20 +34,15 @@ MAX_TIMESTEPS = 8
 
 
 def _episode(i: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(i)
-    n = LENGTHS[i]
-    return dict(
-        frame=rng.integers(1, 255, (n, 32, 32, 4), dtype=np.uint8),
-        state=rng.standard_normal((n, 3)).astype(np.float32),
-        raw=rng.standard_normal((n, 2)).astype(np.float32),
-    )
+    """Episode ``i``, of LENGTHS[i] steps; no frame byte is 0 or 255."""
+    return random_episode(FIELDS, LENGTHS[i], i, frame=lambda rng, shape: rng.integers(1, 255, shape, dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory):
     """One buffer per backend with three committed episodes; tests damage copies of it."""
     root = tmp_path_factory.mktemp("originals")
-    for backend in ("zarr", "memmap", "hdf5"):
+    for backend in LOCAL_BACKENDS:
         buffer = ReplayBuffer(str(root / backend), 4, MAX_TIMESTEPS, FIELDS, backend=backend, circular=True)
         for i in range(len(LENGTHS)):
             buffer.store_episode(**_episode(i))

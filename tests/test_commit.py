@@ -10,6 +10,8 @@ import numpy as np
 
 from replaybuf import ReplayBuffer
 
+from ._data import random_episode
+
 FIELDS = {"state": ("float", 3), "bonus": ("float", (), 1.0)}
 META = {"score": "float"}
 
@@ -19,8 +21,7 @@ def new_buffer(path, **kwargs) -> ReplayBuffer:
 
 
 def steps(n: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"state": rng.standard_normal((n, 3)).astype(np.float32)}
+    return random_episode({"state": FIELDS["state"]}, n, seed)
 
 
 def record_commits(buffer: ReplayBuffer) -> list[tuple[list[int], int]]:

@@ -13,19 +13,19 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import WRITE_METHODS, ConcatReplayBuffer, ConcatStorage
 from replaybuf.storage.base import backend_class
 
+from ._data import fields, padded, random_episode, uniform
+
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
 
-FIELDS = {"obs": ("float", (3,)), "reward": "float", "action": "int"}
+FIELDS = fields("obs", "reward", "action")
 META = {"task": "int"}
 
 
 def episode(index: int, length: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(index)
-    return {
-        "obs": rng.normal(size=(length, 3)).astype(np.float32) + index,
-        "reward": rng.uniform(0, 1, length).astype(np.float32),
-        "action": rng.integers(0, 5, length).astype(np.int32),
-    }
+    """Episode ``index``: its obs lie near index."""
+    return random_episode(
+        FIELDS, length, index, obs=lambda rng, shape: rng.normal(size=shape).astype(np.float32) + index, reward=uniform
+    )
 
 
 # (location suffix, max_episodes, max_timesteps, episode lengths); the second member is longer in time.
@@ -71,15 +71,6 @@ def make_members(root, location=lambda root, name: root / name, seed_too=False, 
 def concat(tmp_path):
     stored, _ = make_members(tmp_path)
     return ConcatReplayBuffer([tmp_path / "a", str(tmp_path / "b"), ReplayBuffer.from_folder(tmp_path / "c")]), stored
-
-
-def padded(stored, name, longest=None):
-    longest = longest or max(len(e["obs"]) for e in stored)
-    first = stored[0][name]
-    out = np.zeros((len(stored), longest, *first.shape[1:]), first.dtype)
-    for row, data in enumerate(stored):
-        out[row, : len(data[name])] = data[name]
-    return out
 
 
 def test_bookkeeping(concat):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,26 +11,19 @@ import pytest
 
 from replaybuf import ReplayBuffer, verify
 
+from .data.make_fixtures import expected_episode
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-def _maker(version: str):
-    spec = importlib.util.spec_from_file_location(f"fixture_{version}", os.path.join(DATA, version, "make.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 FORMATS = [(version, backend) for version in ("format-v1", "format-v2") for backend in ("zarr", "memmap", "hdf5")]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
 
-def _check_contents(buffer: ReplayBuffer, maker) -> None:
+def _check_contents(buffer: ReplayBuffer) -> None:
     assert buffer.num_episodes == 3
     assert buffer.valid_episodes().tolist() == [1, 2, 0]
     for slot, episode in SLOT_EPISODES.items():
-        expected = maker.expected_episode(episode)
+        expected = expected_episode(episode)
         n = len(expected["reward"])
         assert int(buffer.episode_lens[slot]) == n
         for name in ("frame", "state", "reward", "done"):
@@ -41,9 +33,8 @@ def _check_contents(buffer: ReplayBuffer, maker) -> None:
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
 def test_released_format_reads(version, backend):
-    maker = _maker(version)
     buffer = ReplayBuffer.from_folder(os.path.join(DATA, version, backend), read_only=True)
-    _check_contents(buffer, maker)
+    _check_contents(buffer)
     all_data = buffer.get_all_data()
     assert all_data["frame"].shape[0] == 3
     assert verify(os.path.join(DATA, version, backend)) == []
@@ -51,12 +42,11 @@ def test_released_format_reads(version, backend):
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
 def test_released_format_writes(version, backend, tmp_path):
-    maker = _maker(version)
     path = tmp_path / backend
     shutil.copytree(os.path.join(DATA, version, backend), path)
     buffer = ReplayBuffer.from_folder(path)
-    _check_contents(buffer, maker)
-    extra = maker.expected_episode(0)
+    _check_contents(buffer)
+    extra = expected_episode(0)
     buffer.store_episode(**extra)  # goes to slot 1, the oldest
     buffer.close()
     again = ReplayBuffer.from_folder(path, read_only=True)

@@ -16,9 +16,10 @@ from replaybuf import ReplayBuffer
 from replaybuf.h5py_buffer import ReplayBufferH5PY
 from replaybuf.storage import detect_backend
 
-from ._backends import FIELDS, META_FIELDS, episode
+from ._backends import SKIP_MISSING, require
+from ._data import FIELDS, META_FIELDS, episode
 
-h5py = pytest.importorskip("h5py")
+h5py = require("h5py")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -121,6 +122,39 @@ def test_importing_replaybuf_without_h5py_works_and_the_class_says_what_to_insta
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and all("pip install 'replaybuf[h5py]'" in line for line in lines)
     assert not (tmp_path / "h").exists()
+
+
+def pytest_without_h5py(*args: str, skip_missing: bool) -> subprocess.CompletedProcess:
+    """Run pytest on ``args`` in a child where h5py does not import, SKIP_MISSING set or not."""
+    env = {k: v for k, v in os.environ.items() if k != SKIP_MISSING}
+    if skip_missing:
+        env[SKIP_MISSING] = "1"
+    script = "import sys; sys.modules['h5py'] = None; import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+    command = [sys.executable, "-c", script, "-q", "-rs", "-p", "no:cacheprovider", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_missing_h5py_fails_the_run_and_says_how_to_install_it():
+    result = pytest_without_h5py("tests/test_backends_parity.py", "-k", "test_detects_its_backend", skip_missing=False)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert "the hdf5 backend's tests cannot run: h5py is not installed (pip install -e '.[test]'" in result.stderr
+    assert "passed" not in result.stdout
+
+
+def test_skip_missing_runs_the_rest_and_skips_what_needs_h5py():
+    result = pytest_without_h5py(
+        "tests/test_checksums.py",
+        "tests/test_backends_parity.py",
+        "tests/test_validation.py",
+        "-k",
+        "test_detects_its_backend or test_garbage_hdf5_config_attribute_names_the_attribute",
+        skip_missing=True,
+    )
+    assert result.returncode == pytest.ExitCode.OK, result.stdout + result.stderr
+    # zarr, memory and memmap pass; skipped: test_checksums (it imports h5py), the hdf5 case and
+    # the validation test that opens an hdf5 buffer (its ImportError)
+    assert "3 passed, 3 skipped" in result.stdout
+    assert result.stdout.count("h5py is not installed") == 3
 
 
 @pytest.mark.parametrize("compression", [None, "gzip"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import h5py
 import numpy as np
 import pytest
 import zarr
@@ -14,6 +13,7 @@ from replaybuf import importers as imp
 from replaybuf.cli import main
 from replaybuf.video import image_fields
 
+from ._backends import require
 from ._lerobot_fixture import FPS, LENGTHS, write_lerobot
 
 DP_ENDS = (5, 12, 20)
@@ -148,7 +148,7 @@ def write_robomimic(path, lengths=(4, 7, 3), truncate: int | None = None) -> dic
     """robomimic's layout: data/demo_N/{obs/*, next_obs/*, actions, rewards, dones, states}."""
     rng = np.random.default_rng(1)
     written = {}
-    with h5py.File(path, "w") as f:
+    with require("h5py").File(path, "w") as f:
         data = f.create_group("data")
         data.attrs["env_args"] = json.dumps({"env_name": "Lift", "type": 1})
         for n, length in enumerate(lengths):
@@ -202,7 +202,7 @@ def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
         "terminals": terminals,
         "timeouts": timeouts,
     }
-    with h5py.File(tmp_path / "d4rl.hdf5", "w") as f:
+    with require("h5py").File(tmp_path / "d4rl.hdf5", "w") as f:
         for name, value in values.items():
             f.create_dataset(name, data=value)
         f.create_dataset("infos/qpos", data=np.arange(steps * 2.0).reshape(steps, 2))

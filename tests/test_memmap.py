@@ -14,7 +14,8 @@ from replaybuf import ForeignEntriesError, ReplayBuffer
 from replaybuf.storage import detect_backend
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 
-from ._backends import FIELDS, META_FIELDS, SEED_FIELDS, episode, seed_buffer, snapshot
+from ._backends import snapshot
+from ._data import FIELDS, META_FIELDS, SEED_FIELDS, episode, seed_buffer
 
 seed = pytest.importorskip("memmap_replay_buffer")
 

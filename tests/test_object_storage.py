@@ -11,9 +11,11 @@ import pytest
 
 from replaybuf import ReplayBuffer, StorageError
 
+from ._data import fields, random_episode
+
 pytest_plugins = ["tests._servers"]
 
-FIELDS = dict(frame=("uint8", (16, 16, 3)), state=("float", 4), reward="float")
+FIELDS = fields("frame", "state", "reward", frame=("uint8", (16, 16, 3)))
 
 
 @pytest.fixture(params=["s3", "gcs"])
@@ -26,11 +28,13 @@ def new_location(server) -> str:
 
 
 def episode(length: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return dict(
-        frame=rng.integers(0, 255, (length, 16, 16, 3), dtype=np.uint8),
-        state=rng.normal(size=(length, 4)).astype(np.float32),
-        reward=np.arange(length, dtype=np.float32),
+    """Random frames and states; the reward is the step index."""
+    return random_episode(
+        FIELDS,
+        length,
+        seed,
+        frame=lambda rng, shape: rng.integers(0, 255, shape, dtype=np.uint8),
+        reward=lambda rng, shape: np.arange(length),
     )
 
 

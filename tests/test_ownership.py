@@ -24,12 +24,12 @@ from replaybuf.storage import detect_backend
 from replaybuf.storage._kv import MAX_IN_FLIGHT, StoreKV
 from replaybuf.storage._zarr import ZarrStorage
 
+from ._backends import LOCAL_BACKENDS as LOCAL
 from ._backends import snapshot
 from ._viewer_data import make_plot_only_buffer
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server
 
-LOCAL = ["zarr", "memmap", "hdf5"]
 FIELDS = {"state": ("float", 3), "reward": "float"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,10 @@ import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import make_dataloader, update_priorities
-from tests._sampling_data import FIELDS, META_FIELDS, fill, location, storage_backend
+from tests._backends import make_place
+from tests._data import SAMPLING_FIELDS as FIELDS
+from tests._data import SAMPLING_META_FIELDS as META_FIELDS
+from tests._data import fill_sampling_buffer as fill
 
 LENGTHS = (5, 3, 6)
 
@@ -16,9 +19,10 @@ LENGTHS = (5, 3, 6)
 @pytest.fixture(params=["zarr", "memory"])
 def buffer(request, tmp_path):
     fields = {**FIELDS, "priority": "float"}
+    place = make_place(request.param, tmp_path)
     buffer = ReplayBuffer(
-        location(request.param, tmp_path),
-        backend=storage_backend(request.param),
+        place.location,
+        **place.kwargs,
         max_episodes=4,
         max_timesteps=8,
         fields=fields,

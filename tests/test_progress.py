@@ -8,7 +8,9 @@ import pytest
 from replaybuf import ReplayBuffer
 from replaybuf.tools import convert, verify
 
-FIELDS = {"obs": ("float", (3,)), "reward": "float"}
+from ._data import fields
+
+FIELDS = fields("obs", "reward")
 
 
 @pytest.fixture

@@ -12,11 +12,12 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import RateLimitTimeout
-from tests._sampling_data import episode
+from tests._data import fields
+from tests._data import sampling_episode as episode
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
 
-FIELDS = {"state": ("float", 4), "reward": "float", "ident": "int", "priority": "float"}
+FIELDS = fields("state", "reward", "ident", "priority")
 LENGTH = 5
 KINDS = {
     "trajectory": {},

@@ -23,21 +23,21 @@ from replaybuf.sampling import (
     make_dataloader,
     make_dataset,
 )
-from tests._sampling_data import FIELDS, LENGTHS, META_FIELDS, episode, fill, location, storage_backend
+from tests._backends import BACKENDS, make_place
+from tests._data import SAMPLING_FIELDS as FIELDS
+from tests._data import SAMPLING_LENGTHS as LENGTHS
+from tests._data import SAMPLING_META_FIELDS as META_FIELDS
+from tests._data import fill_sampling_buffer as fill
+from tests._data import sampling_episode as episode
 
-BACKENDS = ["zarr", "memory", "memmap", "hdf5"]
 MAX_EPISODES, MAX_TIMESTEPS = 8, 10
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
 
 
 def make_buffer(backend, tmp_path, lengths=LENGTHS, **kwargs):
     options = dict(max_episodes=MAX_EPISODES, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META_FIELDS)
     options.update(kwargs)
-    buffer = ReplayBuffer(location(backend, tmp_path), backend=storage_backend(backend), **options)
+    place = make_place(backend, tmp_path)
+    buffer = ReplayBuffer(place.location, **place.kwargs, **options)
     fill(buffer, lengths)
     return buffer
 
@@ -230,7 +230,7 @@ def test_loader_never_mixes_a_reused_slot(backend, tmp_path, reader):
     source = (
         writer
         if reader == "same"
-        else ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=storage_backend(backend))
+        else ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=writer.storage.backend_name)
     )
     loader = make_dataloader(source, 16, timestep_level=True, return_indices=True)
     origin = {slot: slot for slot in range(MAX_EPISODES)}
@@ -254,7 +254,7 @@ def test_episode_in_progress_is_not_visible(backend, tmp_path):
     for t in range(3):
         writer.store(**{k: v[t] for k, v in episode(99, 3).items()})
     writer.flush()
-    reader = ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=storage_backend(backend))
+    reader = ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=writer.storage.backend_name)
     assert len(make_dataset(reader, timestep_level=True)) == sum(LENGTHS)
     assert len(make_dataset(writer, timestep_level=True)) == sum(LENGTHS)
     writer.advance_episode()
@@ -268,7 +268,7 @@ def test_reader_sees_in_place_updates_after_refresh(backend, tmp_path, resident_
     monkeypatch.setattr(chunk_cache(), "resident_bytes", resident_bytes)
     fields = {**FIELDS, "image": ("uint8", (40, 40, 3))}
     writer = make_buffer(backend, tmp_path, fields=fields)
-    reader = ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=storage_backend(backend))
+    reader = ReplayBuffer.from_folder(writer.storage.location, read_only=True, backend=writer.storage.backend_name)
     for _ in range(2):  # twice: frames enter the chunk cache on their second miss
         before = next(iter(make_dataloader(reader, sum(LENGTHS), timestep_level=True, shuffle=False)))
     assert not (before["image"] == 7).all()
@@ -352,7 +352,9 @@ def test_bad_input_outside_the_loader(buffer, tmp_path):
         ReplayDatasetTimeWindow(buffer, window_length=0)
     with pytest.raises(ValueError, match="cannot turn off return_episode_lens"):
         make_dataset(buffer, slice_by_episode_len=False, return_episode_lens=False)
-    empty = ReplayBuffer(location("zarr", tmp_path / "empty"), max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    empty = ReplayBuffer(
+        make_place("zarr", tmp_path / "empty").location, max_episodes=2, max_timesteps=3, fields={"x": "float"}
+    )
     with pytest.raises(ValueError, match="replay buffer is empty"):
         make_dataloader(empty, 2)
     with pytest.raises(ValueError, match="replay buffer is empty"):

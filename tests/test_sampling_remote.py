@@ -10,7 +10,9 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import make_dataloader
-from tests._sampling_data import FIELDS, META_FIELDS, fill
+from tests._data import SAMPLING_FIELDS as FIELDS
+from tests._data import SAMPLING_META_FIELDS as META_FIELDS
+from tests._data import fill_sampling_buffer as fill
 from tests.test_sampling import assert_same
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server

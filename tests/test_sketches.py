@@ -14,17 +14,22 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.sketches import PREFIX, decode, normalizer, summary
 
+from ._data import random_episode
+
 FIELDS = {"state": ("float", (3,)), "reward": "float", "image": ("uint8", (16, 16, 3))}
 QS = [0.01, 0.1, 0.5, 0.9, 0.99]
 
 
 def episode(index: int, length: int = 200) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(index)
-    return {
-        "state": (rng.standard_normal((length, 3)) ** 3 + index).astype(np.float32),
-        "reward": rng.exponential(1.0, length).astype(np.float32),
-        "image": rng.integers(0, 255, (length, 16, 16, 3), dtype=np.uint8),
-    }
+    """Skewed, heavy-tailed states and rewards, so that quantiles are far from a normal's."""
+    return random_episode(
+        FIELDS,
+        length,
+        index,
+        state=lambda rng, shape: rng.standard_normal(shape) ** 3 + index,
+        reward=lambda rng, shape: rng.exponential(1.0, shape),
+        image=lambda rng, shape: rng.integers(0, 255, shape, dtype=np.uint8),
+    )
 
 
 def make(path, count: int, first: int = 0, **options) -> ReplayBuffer:

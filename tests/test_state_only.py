@@ -16,20 +16,17 @@ from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache, make_dataloader
 from replaybuf.storage import _chunks
 
+from ._data import fields, random_episode, uniform
+
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
 SPAWN = multiprocessing.get_context("spawn")
-FIELDS = {"state": ("float", 4), "reward": "float", "ident": "int"}
+FIELDS = fields("state", "reward", "ident")
 EPISODES, STEPS = 6, 5
 
 
 def episode(index: int) -> dict[str, np.ndarray]:
     """``ident`` is 1000 * index + t: a sample names the episode it came from."""
-    rng = np.random.default_rng(index)
-    return {
-        "state": rng.standard_normal((STEPS, 4)).astype(np.float32),
-        "reward": rng.random(STEPS).astype(np.float32),
-        "ident": 1000 * index + np.arange(STEPS, dtype=np.int32),
-    }
+    return random_episode(FIELDS, STEPS, index, reward=uniform)
 
 
 def write(path, fields=FIELDS, count: int = EPISODES) -> None:

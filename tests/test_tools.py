@@ -12,7 +12,8 @@ from replaybuf import ReplayBuffer
 from replaybuf.cli import main
 from replaybuf.tools import CLI_COMMANDS, convert, format_info, info, verify
 
-from ._backends import BACKENDS, FIELDS, META_FIELDS, SEED_FIELDS, episode, make_place, seed_buffer, snapshot
+from ._backends import BACKENDS, make_place, snapshot
+from ._data import FIELDS, META_FIELDS, SEED_FIELDS, episode, seed_buffer
 
 
 def filled(location, backend="zarr", lengths=(5, 7, 3, 6, 4), max_episodes=4, circular=True, **kwargs):

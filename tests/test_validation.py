@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 
-import h5py
 import numpy as np
 import pytest
 
@@ -26,11 +25,11 @@ from replaybuf.staging import StepLog
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 from replaybuf.tools import info, verify
 
-from ._backends import FIELDS, META_FIELDS, episode
+from ._backends import LOCAL_BACKENDS, require
+from ._data import FIELDS, META_FIELDS, episode
 
 LENGTHS = (5, 7, 3)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOCAL_BACKENDS = ["zarr", "memmap", "hdf5"]
 
 
 def filled(location, backend="zarr", max_episodes=4, circular=False, lengths=LENGTHS):
@@ -152,7 +151,7 @@ def test_an_array_whose_shape_or_dtype_differs_from_the_config_is_refused(tmp_pa
         np.save(os.path.join(location, "reward.data.npy"), np.zeros((4, 12), np.float64))
         where = "reward.data.npy"
     else:
-        with h5py.File(os.path.join(location, "data.h5"), "r+") as f:
+        with require("h5py").File(os.path.join(location, "data.h5"), "r+") as f:
             del f["data/reward"]
             f.create_dataset("data/reward", shape=(4, 12), dtype="int16")
         where = "dataset 'data/reward'"
@@ -233,7 +232,7 @@ def test_a_damaged_chunk_shape_is_refused_before_any_chunk_is_read(tmp_path):
 
 def test_garbage_hdf5_config_attribute_names_the_attribute(tmp_path):
     location = filled(tmp_path / "b", "hdf5")
-    with h5py.File(os.path.join(location, "data.h5"), "r+") as f:
+    with require("h5py").File(os.path.join(location, "data.h5"), "r+") as f:
         f.attrs["replaybuf"] = '{"format": "replaybuf", "max_'
     refused(location, r"attribute 'replaybuf' of .*data.h5: not valid JSON")
 

@@ -25,7 +25,8 @@ from replaybuf.cli import main as cli_main
 from replaybuf.shards import shard_location
 from replaybuf.storage import make_storage
 from replaybuf.storage.lease import LEASE_KEY, LEASE_SECONDS_ENV
-from tests._backends import seed_buffer, snapshot
+from tests._backends import snapshot
+from tests._data import seed_buffer
 from tests._lease_child import FIELDS, META
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server

@@ -14,6 +14,8 @@ import zarr
 
 from replaybuf import ConcatReplayBuffer, ReplayBuffer
 
+from ._data import random_episode
+
 xarray = pytest.importorskip("xarray")
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -29,12 +31,8 @@ LENGTHS = [4, 7, 2, 5]
 
 def _fill(buffer: ReplayBuffer, lengths=LENGTHS) -> None:
     for index, length in enumerate(lengths):
-        rng = np.random.default_rng(index)
         buffer.store_episode(
-            frame=rng.integers(0, 256, (length, 6, 5, 3), dtype=np.uint8),
-            planes=rng.integers(0, 256, (length, 3, 6, 5), dtype=np.uint8),
-            obs=rng.normal(size=(length, 4)).astype(np.float32),
-            reward=np.arange(length, dtype=np.float32) + index,
+            **{**random_episode(FIELDS, length, index), "reward": np.arange(length, dtype=np.float32) + index},
             task=index,
             goal=np.array([index, -index], np.float32),
         )

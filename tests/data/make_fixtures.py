@@ -1,7 +1,8 @@
-"""Writes the format-2 fixture buffers in this folder (run once, with the replaybuf that wrote
-format 2: crc32c on every zarr data chunk, replaybuf/checksums.npy for memmap and hdf5). Kept to
-show how the fixtures were made; the tests only read them. Expected values come from
-``expected_episode``."""
+"""Writes a released format's fixture buffers (``zarr/``, ``memmap/``, ``hdf5/``) into its folder
+here, run once with the replaybuf that wrote that format: ``python tests/data/make_fixtures.py
+format-vN``. format-v1: main before the checksummed format; format-v2: crc32c on every zarr data
+chunk, replaybuf/checksums.npy for memmap and hdf5. Kept to show how the fixtures were made; the
+tests only read them. Expected values come from ``expected_episode``."""
 
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ def expected_episode(i: int) -> dict[str, np.ndarray]:
     )
 
 
-def main() -> None:
+def main(folder: str) -> None:
     from replaybuf import ReplayBuffer
 
     for backend in ("zarr", "memmap", "hdf5"):
-        path = os.path.join(HERE, backend)
+        path = os.path.join(HERE, folder, backend)
         shutil.rmtree(path, ignore_errors=True)
         buffer = ReplayBuffer(path, 3, 6, FIELDS, META, circular=True, backend=backend)
         for i in range(len(LENGTHS)):
@@ -43,4 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))
