@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import analysis
+from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
@@ -351,6 +353,18 @@ class ConcatReplayBuffer:
         self._meta = {n: np.concatenate([b._meta[n] for b in self.buffers]) for n in names}
         self.meta_data = {n: MetaView(self, n) for n in self.buffers[0].meta_data}
         return self
+
+    @property
+    def member_attrs(self) -> tuple[BufferAttrs, ...]:
+        """Each member buffer's attributes (``ReplayBuffer.attrs``), in member order."""
+        return tuple(b.attrs for b in self.buffers)
+
+    @property
+    def attrs(self) -> Mapping[str, Any]:
+        """The attributes every member holds with the same value, read-only: what is true of the
+        whole concatenation (each member's own: ``member_attrs``)."""
+        first, *others = self.member_attrs
+        return MappingProxyType({k: v for k, v in first.items() if all(k in o and o[k] == v for o in others)})
 
     # ---- bookkeeping, as ReplayBuffer -----------------------------------------------------------
 
