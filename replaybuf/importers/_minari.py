@@ -8,7 +8,7 @@ keep their names; dict and tuple spaces are flattened (``observations_<key>``,
 ``actions_<index>``). ``infos`` are not imported. The dataset's metadata goes to
 ``buffer.attrs["minari"]``: ``dataset_id``, ``env_spec`` (gymnasium's JSON, for
 ``EnvSpec.from_json``), ``observation_space``/``action_space`` (Minari's JSON, for
-``minari.deserialize_space``), ``algorithm_name``, ``minari_version`` and the like.
+``minari.serialization.deserialize_space``), ``algorithm_name``, ``minari_version`` and the like.
 """
 
 from __future__ import annotations
