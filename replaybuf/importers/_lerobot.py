@@ -333,9 +333,9 @@ class _ExportNames:
     def __init__(self, attrs: Mapping[str, Any]):
         lerobot = attrs.get("lerobot")
         lerobot = lerobot if isinstance(lerobot, dict) else {}
-        self._fields = _str_dict(lerobot.get("fields"))
-        self._features = _str_dict(lerobot.get("features"))
-        self._tasks = _str_dict(lerobot.get("tasks"))
+        self._fields = _dict_or_empty(lerobot.get("fields"))
+        self._features = _dict_or_empty(lerobot.get("features"))
+        self._tasks = _dict_or_empty(lerobot.get("tasks"))
         robot_type = lerobot.get("robot_type")
         self.robot_type = robot_type if isinstance(robot_type, str) else None
 
@@ -354,7 +354,7 @@ class _ExportNames:
         return spec["names"]
 
 
-def _str_dict(value: Any) -> dict[str, Any]:
+def _dict_or_empty(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
