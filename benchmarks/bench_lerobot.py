@@ -12,6 +12,7 @@ which has LeRobot but not replaybuf. Steps:
 - ``make MODE``: ``LeRobotDataset.create`` + ``add_frame`` + ``save_episode`` + ``finalize``
   (LeRobot's default encoder, libsvtav1, in video mode; PNG frames in image mode).
 - ``decode``: every mp4 of the video dataset decoded with PyAV alone (the decode bound).
+- ``write``: ``store_episode`` of the same episodes from RAM into a zarr buffer (the write bound).
 - ``import``: ``replaybuf.importers.lerobot`` of the video dataset into a zarr buffer.
 - ``load-lerobot MODE W`` / ``load-replaybuf W``: batches of 32 shuffled samples, each 16 steps
   of both cameras and the action, with W DataLoader workers: ``LeRobotDataset`` with
@@ -19,8 +20,9 @@ which has LeRobot but not replaybuf. Steps:
 - ``check-reader``: LeRobot's own reader (``LeRobotDataset(repo_id, root=...)``) on the test
   fixture (``tests/_lerobot_fixture.py``) and on replaybuf's LeRobot exports, values compared.
 
-Episodes: 2 cameras 96x96x3 (a textured scene moving a pixel per step, so video compresses as
-camera footage does, not as noise or a flat colour), state (8 float32) and action (7 float32).
+Episodes: 2 cameras 96x96x3 (a smooth scene panning 0-1 or 1 pixel per step, with sensor noise
+of sd 2 levels, so video and PNG compress about as camera footage does, not as pure noise or a
+flat colour), state (8 float32) and action (7 float32).
 """
 
 from __future__ import annotations
@@ -45,15 +47,27 @@ BATCH = 32
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _upsample(coarse: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinear upsampling of (h, w, C) to (height, width, C): smooth shapes, not blocks."""
+
+    def weights(size: int, out: int) -> np.ndarray:  # (out, size): linear interpolation
+        return np.stack([np.interp(np.linspace(0, size - 1, out), np.arange(size), row) for row in np.eye(size)], 1)
+
+    rows, cols = weights(coarse.shape[0], height), weights(coarse.shape[1], width)
+    return (rows @ coarse.transpose(2, 0, 1).astype(np.float32) @ cols.T).transpose(1, 2, 0)
+
+
 def episode_arrays(episode: int, steps: int) -> dict[str, np.ndarray]:
-    """The benchmark's episode ``episode``: the same arrays in every process."""
+    """The benchmark's episode ``episode``: the same arrays in every process. Each camera sees
+    a smooth scene panning by a pixel or two per step, with sensor noise (sd 2 levels)."""
     rng = np.random.default_rng(episode)
     out = {}
     for k, camera in enumerate(CAMERAS):
-        coarse = rng.integers(0, 256, (HW // 4, (HW + steps) // 4 + 1, 3), dtype=np.uint8)
-        scene = np.repeat(np.repeat(coarse, 4, axis=0), 4, axis=1)
+        scene = _upsample(rng.uniform(0, 255, (HW // 12, (HW + 2 * steps) // 12 + 1, 3)), HW, HW + 2 * steps)
         offsets = np.arange(steps) * (k + 1) // 2
-        out[camera] = np.stack([scene[:, o : o + HW] for o in offsets])
+        noise = rng.normal(0, 2, (steps, HW, HW, 3)).astype(np.float32)
+        frames = np.stack([scene[:, o : o + HW] for o in offsets]) + noise
+        out[camera] = np.clip(frames, 0, 255).astype(np.uint8)
     out["observation.state"] = rng.normal(size=(steps, 8)).astype(np.float32)
     out["action"] = rng.normal(size=(steps, 7)).astype(np.float32)
     return out
@@ -172,6 +186,26 @@ def decode_bound(root: Path) -> None:
     elapsed = time.perf_counter() - started
     steps = frames / len(CAMERAS)
     emit({"step": "decode", "frames": frames, "seconds": round(elapsed, 2), "steps_per_s": round(steps / elapsed, 1)})
+
+
+def write_bound(dst: Path, episodes: int, steps: int) -> None:
+    """``store_episode`` of the same episodes, already in RAM, into a zarr buffer like the
+    import's: the import's other half (it decodes, then writes, one episode at a time)."""
+    from replaybuf import ReplayBuffer
+
+    fields = {c.replace(".", "_"): ("uint8", (HW, HW, 3)) for c in CAMERAS}
+    fields.update(observation_state=("float32", (8,)), action=("float32", (7,)))
+    buffer = ReplayBuffer(dst, max_episodes=episodes, max_timesteps=steps, fields=fields)
+    elapsed = 0.0
+    for episode in range(episodes):
+        arrays = {k.replace(".", "_"): v for k, v in episode_arrays(episode, steps).items()}
+        started = time.perf_counter()
+        buffer.store_episode(**arrays)
+        elapsed += time.perf_counter() - started
+    started = time.perf_counter()
+    buffer.close()
+    elapsed += time.perf_counter() - started
+    emit({"step": "write", "seconds": round(elapsed, 2), "steps_per_s": round(episodes * steps / elapsed, 1)})
 
 
 def import_replaybuf(src: Path, dst: Path) -> None:
@@ -315,6 +349,7 @@ def main() -> None:
         steps = {
             "make": lambda: make_lerobot(work / rest[0], rest[0], args.episodes, args.steps),
             "decode": lambda: decode_bound(work / "video"),
+            "write": lambda: write_bound(work / "write-bound", args.episodes, args.steps),
             "import": lambda: import_replaybuf(work / "video", work / "replaybuf"),
             "load-lerobot": lambda: load_lerobot(work / rest[0], rest[0], int(rest[1]), args.batches, args.budget),
             "load-replaybuf": lambda: load_replaybuf(work / "replaybuf", int(rest[0]), args.batches, args.budget),
@@ -336,6 +371,7 @@ def main() -> None:
     for mode in ("video", "image"):
         results += run(venv_python, "make", mode, *common)
     results += run(sys.executable, "decode", *common)
+    results += run(sys.executable, "write", *common)
     results += run(sys.executable, "import", *common)
     for workers in args.workers.split(","):
         results += run(sys.executable, "load-replaybuf", workers, *common, *timing)
