@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from . import snapshots, video
+from .attrs import BufferAttrs
 from .commit import Committer
 from .consistency import read_consistent, stored_bookkeeping
 from .schema import Field, Schema
@@ -414,6 +415,13 @@ class ReplayBuffer(SchemaAttributes):
     @_meta.setter
     def _meta(self, meta: dict[str, np.ndarray]) -> None:
         self._commit.meta = meta
+
+    @property
+    def attrs(self) -> BufferAttrs:
+        """Attributes of the dataset as a whole (fps, feature names, task texts, ...): a JSON dict
+        stored with the buffer, written through on each change (``attrs.py``); read-only buffers
+        refuse changes."""
+        return BufferAttrs(self.storage, self._check_writable)
 
     @property
     def num_episodes(self) -> int:

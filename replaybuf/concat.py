@@ -12,13 +12,15 @@ methods (``WRITE_METHODS``) raise NotImplementedError naming the call.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
 
 from . import analysis
+from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
@@ -347,6 +349,18 @@ class ConcatReplayBuffer(SchemaAttributes):
         self._snapshot = {n: np.concatenate([b.meta_values(n) for b in self.buffers]) for n in self.meta_shapes}
         self._snapshot["_generation"] = np.concatenate([b.generations for b in self.buffers])
         return self
+
+    @property
+    def member_attrs(self) -> tuple[BufferAttrs, ...]:
+        """Each member buffer's attributes (``ReplayBuffer.attrs``), in member order."""
+        return tuple(b.attrs for b in self.buffers)
+
+    @property
+    def attrs(self) -> Mapping[str, Any]:
+        """The attributes every member holds with the same value, read-only: what is true of the
+        whole concatenation (each member's own: ``member_attrs``)."""
+        first, *others = self.member_attrs
+        return MappingProxyType({k: v for k, v in first.items() if all(k in o and o[k] == v for o in others)})
 
     # ---- bookkeeping, as ReplayBuffer -----------------------------------------------------------
 

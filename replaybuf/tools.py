@@ -17,8 +17,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from .attrs import load_attrs
 from .schema import Field, Schema, parse_compressor
 from .storage.base import (
+    ATTRS_KEY,
     LOG_PREFIX,
     STATE_KEY,
     BufferDamagedError,
@@ -224,6 +226,9 @@ def convert(
     every_slot = np.arange(schema.max_episodes)
     for name in [*meta_names, "episode_lens"]:
         target.write_meta(name, every_slot, source.read_meta(name))
+    attrs = source.read_blob(ATTRS_KEY)
+    if attrs is not None:
+        target.write_blob(ATTRS_KEY, attrs)
     target.commit_state(state)
     target.flush()
     target.close()
@@ -291,6 +296,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
+    attrs = load_attrs(storage)
     storage.close()
     return {
         "location": storage.location,
@@ -306,6 +312,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "stored_bytes": stored_total,
         "data_bytes": data_total,
         "ratio": (data_total / stored_total) if stored_total else None,
+        "attrs": attrs,
     }
 
 
@@ -330,6 +337,7 @@ def format_info(facts: dict) -> str:
         f"timesteps  {facts['timesteps']}",
         f"bytes      {_size(facts['data_bytes'])} of episode data stored in {_size(facts['stored_bytes'])} "
         f"(ratio {ratio})",
+        *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
         f"{'stored':>10}",
@@ -409,6 +417,10 @@ def verify(
     try:
         state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
         problems += _check_counters(state, lens, meta.get("_generation"), schema)
+    except BufferDamagedError as e:
+        problems.append(str(e))
+    try:
+        load_attrs(storage)
     except BufferDamagedError as e:
         problems.append(str(e))
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]

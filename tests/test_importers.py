@@ -130,6 +130,22 @@ def test_diffusion_policy_round_trip_is_exact(tmp_path):
     assert_same(episodes_by_source(tmp_path / "a"), episodes_by_source(tmp_path / "b"))
 
 
+def test_diffusion_policy_carries_buffer_attrs_through_the_zarr_attributes(tmp_path):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").attrs["robot"] = "pusht"
+    imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)
+    with ReplayBuffer.from_folder(tmp_path / "a") as buffer:
+        assert buffer.attrs["robot"] == "pusht"
+        assert buffer.attrs["imported_from"] == {"format": "diffusion_policy", "path": str(tmp_path / "dp.zarr")}
+        buffer.attrs.update(fps=10, lerobot={"tasks": {"0": "push the T"}})
+    imp.export("diffusion_policy", tmp_path / "a", tmp_path / "out.zarr")
+    exported = dict(zarr.open_group(str(tmp_path / "out.zarr"), mode="r").attrs)
+    assert exported["fps"] == 10 and exported["lerobot"] == {"tasks": {"0": "push the T"}}
+    imp.diffusion_policy(tmp_path / "out.zarr", tmp_path / "b", progress=False)
+    again = dict(ReplayBuffer.from_folder(tmp_path / "b", read_only=True).attrs)
+    assert again == {**exported, "imported_from": {"format": "diffusion_policy", "path": str(tmp_path / "out.zarr")}}
+
+
 @pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
 def test_export_never_overwrites(tmp_path, format):
     write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
@@ -180,6 +196,19 @@ def test_robomimic_import(tmp_path):
     assert image_fields(buffer) == ["obs_agentview_image"]
     assert_same(episodes_by_source(tmp_path / "dst"), written)
     assert imp.FORMATS["robomimic"](tmp_path / "demo.hdf5").env_args == {"env_name": "Lift", "type": 1}
+    attrs = buffer.attrs["robomimic"]
+    assert attrs["env_args"] == {"env_name": "Lift", "type": 1}
+    assert attrs["fields"]["obs_eef_pos"] == "obs/eef_pos" and attrs["fields"]["actions"] == "actions"
+
+
+@pytest.mark.parametrize("env_args", ['{"env_name": "Lift", "gain": NaN}', "not json"])
+def test_robomimic_env_args_that_are_not_plain_json_are_kept_as_text(tmp_path, env_args):
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data"].attrs["env_args"] = env_args
+    imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    buffer = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True)
+    assert buffer.attrs["robomimic"]["env_args"] == env_args and buffer.num_episodes == 3
 
 
 def test_robomimic_truncated_demo_names_the_demo(tmp_path):
@@ -206,11 +235,17 @@ def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
         for name, value in values.items():
             f.create_dataset(name, data=value)
         f.create_dataset("infos/qpos", data=np.arange(steps * 2.0).reshape(steps, 2))
+        f.attrs.update(env_name="hopper-medium-v2", max_steps=np.int64(1000), bounds=np.array([0.5, np.inf]))
     values["infos_qpos"] = np.arange(steps * 2.0).reshape(steps, 2)
     assert imp.load("d4rl", tmp_path / "d4rl.hdf5", tmp_path / "dst", verify=True, progress=False).imported == 3
     bounds = [(0, 4), (4, 8), (8, 12)]
     expected = {i: {k: v[a:b] for k, v in values.items()} for i, (a, b) in enumerate(bounds)}
     assert_same(episodes_by_source(tmp_path / "dst"), expected)
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["d4rl"]
+    assert attrs["source_keys"]["infos_qpos"] == "infos/qpos" and attrs["source_keys"]["rewards"] == "rewards"
+    assert attrs["episode_ends"] == ["terminals", "timeouts"]
+    # numpy attributes become plain values; an infinity JSON cannot hold is left out
+    assert attrs["file_attrs"] == {"env_name": "hopper-medium-v2", "max_steps": 1000}
 
 
 def test_bad_hdf5_file_names_it(tmp_path):
@@ -243,6 +278,68 @@ def test_lerobot_image_mode_import_and_round_trip(tmp_path):
     assert_same(episodes_by_source(tmp_path / "a"), episodes_by_source(tmp_path / "b"))
     round_trip = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
     assert round_trip.meta_data["task_index"][round_trip.valid_episodes()].tolist() == [0, 1, 0]
+
+
+def test_lerobot_attrs_are_recorded_and_the_export_uses_them(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    source_info = json.loads((tmp_path / "src" / "meta" / "info.json").read_text())
+    imp.lerobot(tmp_path / "src", tmp_path / "a", progress=False)
+    attrs = dict(ReplayBuffer.from_folder(tmp_path / "a", read_only=True).attrs)
+    assert attrs["fps"] == FPS
+    lerobot = attrs["lerobot"]
+    assert lerobot["tasks"] == {"0": "pick", "1": "place"}
+    assert (lerobot["robot_type"], lerobot["codebase_version"]) == ("fixture", "v3.0")
+    assert lerobot["features"] == source_info["features"]
+    assert lerobot["fields"]["observation_images_top"] == "observation.images.top"
+    assert lerobot["fields"]["next_done"] == "next.done"
+
+    # a feature whose name the field-name rule cannot give back, and fps only in the attrs
+    with ReplayBuffer.from_folder(tmp_path / "a") as buffer:
+        buffer.attrs["lerobot"] = {**lerobot, "fields": {**lerobot["fields"], "action": "action.joints"}}
+    imp.export_lerobot(tmp_path / "a", tmp_path / "out")
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    info = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())
+    assert info["fps"] == FPS and info["robot_type"] == "fixture"
+    assert info["features"]["observation.state"]["names"] == ["x", "y", "z"]
+    # the feature was renamed: the imported "action"'s names do not apply to it
+    assert "action" not in info["features"] and info["features"]["action.joints"]["names"] is None
+    tasks = pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet")
+    assert dict(zip(tasks.index, tasks["task_index"])) == {"pick": 0, "place": 1}
+    episodes = pq.read_table(tmp_path / "out" / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    assert episodes.column("tasks").to_pylist() == [["pick"], ["place"], ["pick"]]
+    imp.lerobot(tmp_path / "out", tmp_path / "b", progress=False)
+    again = dict(ReplayBuffer.from_folder(tmp_path / "b", read_only=True).attrs)
+    assert (
+        again["lerobot"]["tasks"] == lerobot["tasks"] and again["lerobot"]["fields"]["action_joints"] == "action.joints"
+    )
+
+
+def test_lerobot_export_without_attrs_names_tasks_by_index(tmp_path):
+    with ReplayBuffer(
+        tmp_path / "plain",
+        max_episodes=2,
+        max_timesteps=3,
+        fields={"action": ("float", 2)},
+        meta_fields={"task_index": "int"},
+    ) as buffer:
+        buffer.store_episode(action=np.ones((3, 2), np.float32), task_index=4)
+    imp.export_lerobot(tmp_path / "plain", tmp_path / "out")
+    import pandas as pd
+
+    info = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())
+    assert info["fps"] == 30.0 and info["robot_type"] is None
+    assert pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet").index.tolist() == ["task_4"]
+
+
+def test_lerobot_tasks_file_without_task_texts_is_named(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    import pandas as pd
+
+    pd.DataFrame({"id": [0, 1]}).to_parquet(tmp_path / "src" / "meta" / "tasks.parquet")
+    with pytest.raises(imp.ImportSourceError, match=r"tasks\.parquet: expected columns 'task' and 'task_index'"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
 
 
 def test_lerobot_video_mode_decodes_each_episode_from_its_timestamp(tmp_path):
@@ -356,6 +453,13 @@ def test_minari_dataset_recorded_by_its_data_collector(tmp_path, monkeypatch):
     result = imp.minari("cartpole/fixture-v0", tmp_path / "by-id", verify=True, progress=False)
     assert result.imported == 3 and result.frames == sum(len(e["rewards"]) for e in source.values())
     assert_same(episodes_by_source(tmp_path / "by-id"), source)
+    attrs = ReplayBuffer.from_folder(tmp_path / "by-id", read_only=True).attrs["minari"]
+    assert attrs["dataset_id"] == "cartpole/fixture-v0" and attrs["algorithm_name"] == "random"
+    assert gym.envs.registration.EnvSpec.from_json(attrs["env_spec"]).id == "CartPole-v1"
+    from minari.serialization import deserialize_space
+
+    assert deserialize_space(attrs["observation_space"]) == dataset.spec.observation_space
+    assert deserialize_space(attrs["action_space"]) == dataset.spec.action_space
     folder = tmp_path / "minari" / "cartpole" / "fixture-v0"
     assert main(["import", "minari", str(folder), str(tmp_path / "by-path"), "--quiet"]) == 0
     assert_same(episodes_by_source(tmp_path / "by-path"), source)

@@ -1,7 +1,9 @@
 """diffusion_policy's ReplayBuffer layout (zarr format 2): ``data/<key>`` arrays whose first
 axis concatenates every episode's steps, and ``meta/episode_ends`` (exclusive end of each
 episode). Each key becomes a field of the same name, dtype and per-step shape; (T, H, W, C)
-uint8 keys such as ``img`` are image fields as they are."""
+uint8 keys such as ``img`` are image fields as they are. The zarr root's attributes and the
+buffer's attributes (``buffer.attrs``) carry over to each other: an export writes the buffer's
+attributes there (fps, task texts, ... of a LeRobot import) and an import reads them back."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class DiffusionPolicySource(Source):
                     f"data is a {type(data).__name__} and meta/episode_ends a {type(stored_ends).__name__}"
                 )
             self._arrays = {name: array for name, array in data.arrays()}
+            self._attrs = dict(root.attrs)
             ends = np.asarray(stored_ends[:], dtype=np.int64)
         except (KeyError, FileNotFoundError, ValueError) as error:
             raise ImportSourceError(
@@ -47,6 +50,9 @@ class DiffusionPolicySource(Source):
 
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._fields
+
+    def attrs(self) -> dict[str, Any]:
+        return self._attrs
 
     def episode_ids(self) -> list[int]:
         return list(range(len(self._ends)))
@@ -68,8 +74,8 @@ def export_diffusion_policy(
     src: Any, dst: str | os.PathLike, *, storage_options: dict | None = None, chunk_steps: int = 1024
 ) -> int:
     """Write the committed episodes of buffer ``src`` (oldest first) as a diffusion_policy zarr
-    (format 2) at ``dst``, a new or empty folder; returns the number of episodes. Meta fields are not part of that
-    layout and are left out."""
+    (format 2) at ``dst``, a new or empty folder; returns the number of episodes. The buffer's
+    attributes become the zarr root's; meta fields are not part of that layout and are left out."""
     import zarr
 
     check_new_folder(dst)
@@ -78,7 +84,7 @@ def export_diffusion_policy(
         slots = buffer.valid_episodes()
         lengths = buffer.episode_lens[slots].astype(np.int64)
         total = int(lengths.sum())
-        root = zarr.open_group(os.fspath(dst), mode="w", zarr_format=2)
+        root = zarr.open_group(os.fspath(dst), mode="w", zarr_format=2, attributes=dict(buffer.attrs))
         arrays = {
             name: root.create_array(
                 f"data/{name}",

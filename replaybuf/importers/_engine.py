@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..attrs import encode_attrs
 from ..buffer import ReplayBuffer
 from ..progress import progress_bar
 from ..storage.base import make_storage
@@ -28,6 +29,7 @@ __all__ = [
     "Source",
     "check_new_folder",
     "exported_episodes",
+    "is_plain_json",
     "run_import",
 ]
 
@@ -59,6 +61,11 @@ class Source(ABC):
         """Per-episode meta fields beyond ``source_episode`` (name -> dtype)."""
         return {}
 
+    def attrs(self) -> dict[str, Any]:
+        """What the source says about the dataset as a whole, as JSON values, for the
+        destination's ``buffer.attrs`` (merged into what it holds; ``imported_from`` is added)."""
+        return {}
+
     @abstractmethod
     def episode_ids(self) -> list[int]:
         """The source's index of each episode, in reading order."""
@@ -77,6 +84,16 @@ class Source(ABC):
 
     def close(self) -> None:
         """Release open files."""
+
+
+def is_plain_json(value: Any) -> bool:
+    """Whether ``buffer.attrs`` takes ``value`` as it is: sources keep the text of metadata that
+    is not (a NaN in an environment's settings must not stop an import)."""
+    try:
+        encode_attrs({"value": value})
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -148,6 +165,7 @@ def run_import(
         imported = frames = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
+            buffer.attrs.update({**source.attrs(), "imported_from": {"format": source.format, "path": source.path}})
             bar.update(sum(1 for episode in ids if episode in done))
             for position, (episode, length) in enumerate(zip(ids, lengths)):
                 if episode in done:

@@ -3,21 +3,26 @@
 robomimic: ``data/demo_N/{obs/<key>, next_obs/<key>, actions, rewards, dones, states}``, each
 demo's length in its ``num_samples`` attribute. ``obs/<key>`` becomes field ``obs_<key>``
 (``next_obs_<key>`` likewise), the others keep their names. Demos are read in order of N.
+``buffer.attrs["robomimic"]`` keeps ``env_args`` (the environment's metadata, parsed; its text
+when it is not plain JSON, e.g. holds NaN) and ``fields`` (field -> dataset path).
 
 D4RL: ``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts`` (and any other
 top-level array with one row per step, ``infos/<key>`` as ``infos_<key>``); an episode ends at
 each step where ``terminals | timeouts``, and steps after the last end form a final episode.
+``buffer.attrs["d4rl"]`` keeps ``source_keys`` (field -> dataset path), ``episode_ends`` (the
+keys that ended episodes) and the file's root attributes that are plain JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
 
 import numpy as np
 
-from ._engine import ImportSourceError, Source
+from ._engine import ImportSourceError, Source, is_plain_json
 
 __all__ = ["D4RLSource", "RobomimicSource"]
 
@@ -29,6 +34,20 @@ def _open(path: str) -> Any:
         return h5py.File(path, "r")
     except OSError as error:
         raise ImportSourceError(f"{path}: cannot open as HDF5: {error}") from error
+
+
+def _text(value: Any) -> str:
+    """An HDF5 string attribute (str, or bytes from fixed-length strings) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _plain(value: Any) -> Any:
+    """An HDF5 attribute as Python values (numpy scalars and arrays, bytes)."""
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    return value
 
 
 def _spec(dataset: Any) -> dict[str, Any]:
@@ -63,13 +82,22 @@ class RobomimicSource(Source):
     @property
     def env_args(self) -> dict[str, Any] | None:
         """The ``env_args`` JSON attribute of ``data`` (the environment's metadata), if any."""
-        import json
-
         raw = self._file["data"].attrs.get("env_args")
         return None if raw is None else json.loads(raw)
 
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._specs
+
+    def attrs(self) -> dict[str, Any]:
+        env_args: Any
+        try:
+            env_args = self.env_args
+        except ValueError:  # not JSON: keep the text
+            env_args = None
+        if env_args is None or not is_plain_json(env_args):
+            raw = self._file["data"].attrs.get("env_args")
+            env_args = None if raw is None else _text(raw)
+        return {"robomimic": {"env_args": env_args, "fields": dict(self._fields)}}
 
     def episode_ids(self) -> list[int]:
         return [int(demo.split("_")[1]) for demo in self._demos]
@@ -124,6 +152,12 @@ class D4RLSource(Source):
 
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._specs
+
+    def attrs(self) -> dict[str, Any]:
+        ends = [key for key in ("terminals", "timeouts") if key in self._file]
+        root = {key: _plain(value) for key, value in self._file.attrs.items()}
+        file_attrs = {key: value for key, value in root.items() if is_plain_json(value)}
+        return {"d4rl": {"source_keys": dict(self._paths), "episode_ends": ends, "file_attrs": file_attrs}}
 
     def episode_ids(self) -> list[int]:
         return list(range(len(self._bounds)))

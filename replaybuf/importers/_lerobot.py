@@ -12,9 +12,15 @@ Mapping: each feature becomes a field named with ``.`` replaced by ``_``
 ``[1]`` features become scalar fields. ``timestamp``, ``frame_index``, ``index`` and
 ``episode_index`` are not stored (they follow from the step and the slot); ``task_index`` (of
 the episode's first frame) and ``fps`` become meta fields, LeRobot's ``episode_index`` is
-``source_episode``. Task texts and non-numeric features are not kept: replaybuf buffers store
-numbers only. The exporter maps the names back (``observation_images_X`` ->
-``observation.images.X``, ``observation_X`` -> ``observation.X``, ``next_X`` -> ``next.X``).
+``source_episode``. What holds for the whole dataset goes to ``buffer.attrs``: ``fps`` and
+``lerobot`` (``codebase_version``, ``robot_type``, ``features`` as in ``info.json``, ``fields``:
+field -> feature name, ``tasks``: task_index -> task text). Non-numeric per-frame features are
+not kept: replaybuf fields store numbers only.
+
+The exporter takes feature names, their ``names`` entries, task texts, robot type and fps from
+those attributes when the buffer has them; otherwise it maps field names back
+(``observation_images_X`` -> ``observation.images.X``, ``observation_X`` -> ``observation.X``,
+``next_X`` -> ``next.X``) and names tasks ``task_<task_index>``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -164,6 +171,7 @@ class LeRobotSource(Source):
                 continue  # text features: a buffer stores numbers only
             self._features[name] = feature
         self._episodes = self._read_episodes()
+        self._tasks = self._read_tasks()
 
     def _read_episodes(self) -> list[dict[str, Any]]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
@@ -180,11 +188,39 @@ class LeRobotSource(Source):
             rows.extend(table.to_pylist())
         return sorted(rows, key=lambda row: row["episode_index"])
 
+    def _read_tasks(self) -> dict[str, str]:
+        """task_index (as a str, a JSON key) -> task text, from ``meta/tasks.parquet``, where
+        LeRobot writes the text as the pandas index ``task``; empty when the file is absent."""
+        path = self.root / "meta" / "tasks.parquet"
+        if not path.exists():
+            return {}
+        try:
+            table = self._pa.parquet.read_table(path)
+        except (OSError, self._pa.ArrowException) as error:
+            raise ImportSourceError(f"{path}: cannot read LeRobot tasks: {error}") from error
+        text = next((c for c in ("task", "__index_level_0__") if c in table.column_names), None)
+        if text is None or "task_index" not in table.column_names:
+            raise ImportSourceError(f"{path}: expected columns 'task' and 'task_index', got {table.column_names}")
+        indices, texts = table.column("task_index").to_pylist(), table.column(text).to_pylist()
+        return {str(index): str(task) for index, task in zip(indices, texts)}
+
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._fields
 
     def meta_fields(self) -> dict[str, str]:
         return {"task_index": "int64", "fps": "float64"}
+
+    def attrs(self) -> dict[str, Any]:
+        return {
+            "fps": self.info["fps"],
+            "lerobot": {
+                "codebase_version": self.info["codebase_version"],
+                "robot_type": self.info.get("robot_type"),
+                "features": self.info["features"],
+                "fields": dict(self._features),
+                "tasks": self._tasks,
+            },
+        }
 
     def episode_ids(self) -> list[int]:
         return [int(row["episode_index"]) for row in self._episodes]
@@ -290,6 +326,38 @@ def _image_features(buffer: Any, video: bool) -> dict[str, str]:
     return out
 
 
+class _ExportNames:
+    """What an export calls features and tasks: the ``lerobot`` attributes an import left in
+    the buffer where they apply, else names derived from the field names."""
+
+    def __init__(self, attrs: Mapping[str, Any]):
+        lerobot = attrs.get("lerobot")
+        lerobot = lerobot if isinstance(lerobot, dict) else {}
+        self._fields = _dict_or_empty(lerobot.get("fields"))
+        self._features = _dict_or_empty(lerobot.get("features"))
+        self._tasks = _dict_or_empty(lerobot.get("tasks"))
+        robot_type = lerobot.get("robot_type")
+        self.robot_type = robot_type if isinstance(robot_type, str) else None
+
+    def feature(self, field: str) -> str:
+        return self._fields.get(field) or _feature_name(field)
+
+    def task(self, index: int) -> str:
+        return str(self._tasks.get(str(index), f"task_{index}"))
+
+    def names(self, field: str, spec: dict[str, Any]) -> Any:
+        """The ``names`` entry of ``spec`` (a feature as the export writes it): the imported
+        feature's when its dtype and shape are the same, else ``spec``'s own."""
+        stored = self._features.get(self.feature(field))
+        if isinstance(stored, dict) and stored.get("dtype") == spec["dtype"] and stored.get("shape") == spec["shape"]:
+            return stored.get("names")
+        return spec["names"]
+
+
+def _dict_or_empty(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def export_lerobot(
     src: Any,
     dst: str | os.PathLike,
@@ -300,9 +368,11 @@ def export_lerobot(
 ) -> int:
     """Write the committed episodes of buffer ``src`` (oldest first) as a LeRobot v3 folder at
     ``dst``: image fields as PNG images in the data files (lossless) or, with ``video=True``, as
-    H.264 mp4 files (lossy); ``fps`` defaults to the buffer's ``fps`` meta field, else 30.
-    Task texts are ``task_<task_index>``; meta fields other than ``task_index`` and ``fps`` are
-    left out. Returns the number of episodes."""
+    H.264 mp4 files (lossy). ``fps`` defaults to the buffer's ``fps`` attribute, else its
+    ``fps`` meta field, else 30. Feature names, task texts and the robot type come from the
+    ``lerobot`` attributes of an imported buffer (module docstring); without them tasks are
+    ``task_<task_index>``. Meta fields other than ``task_index`` and ``fps`` are left out.
+    Returns the number of episodes."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
@@ -311,13 +381,13 @@ def export_lerobot(
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
         images = _image_features(buffer, video)
-        meta_names = buffer.schema.meta_fields
+        attrs = dict(buffer.attrs)
+        names = _ExportNames(attrs)
         if fps is None:
-            valid = buffer.valid_episodes()
-            fps = float(buffer.meta_data["fps"][valid[0]]) if "fps" in meta_names and len(valid) else 30.0
+            fps = _default_fps(buffer, attrs)
         fields = {name: f for name, f in buffer.schema.fields.items()}
         columns = {
-            _feature_name(name): (
+            names.feature(name): (
                 pa.struct([("bytes", pa.binary()), ("path", pa.string())])
                 if name in images
                 else _arrow_type(pa, f.dtype, f.shape)
@@ -346,7 +416,7 @@ def export_lerobot(
                 steps = np.arange(length, dtype=np.int64)
                 values = {}
                 for name in fields:
-                    feature = _feature_name(name)
+                    feature = names.feature(name)
                     if images.get(name) == "image":
                         values[feature] = pa.array(
                             [{"bytes": _png(frame), "path": None} for frame in data[name]], columns[feature]
@@ -363,7 +433,7 @@ def export_lerobot(
                 writer.write_table(pa.table(values, schema=schema))
                 row = {
                     "episode_index": episode,
-                    "tasks": [f"task_{task}"],
+                    "tasks": [names.task(task)],
                     "length": length,
                     "data/chunk_index": 0,
                     "data/file_index": 0,
@@ -371,7 +441,7 @@ def export_lerobot(
                     "dataset_to_index": total + length,
                 }
                 for name in (n for n, kind in images.items() if kind == "video"):
-                    feature = _feature_name(name)
+                    feature = names.feature(name)
                     chunk, file = divmod(episode, CHUNK_SIZE)
                     encode_frames(
                         root / VIDEO_PATH.format(video_key=feature, chunk_index=chunk, file_index=file), data[name], fps
@@ -386,12 +456,28 @@ def export_lerobot(
                     )
                 rows.append(row)
                 total += length
-        _write_meta(root, buffer, images, rows, sorted(tasks), total, fps)
+        _write_meta(root, buffer, names, images, rows, sorted(tasks), total, fps)
     return len(rows)
 
 
+def _default_fps(buffer: Any, attrs: dict[str, Any]) -> float:
+    """The buffer's ``fps`` attribute, else the ``fps`` meta field of its first episode, else 30."""
+    fps = attrs.get("fps")
+    if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0:
+        return fps
+    valid = buffer.valid_episodes()
+    return float(buffer.meta_data["fps"][valid[0]]) if "fps" in buffer.schema.meta_fields and len(valid) else 30.0
+
+
 def _write_meta(
-    root: Path, buffer: Any, images: dict[str, str], rows: list[dict], tasks: list[int], total: int, fps: float
+    root: Path,
+    buffer: Any,
+    names: _ExportNames,
+    images: dict[str, str],
+    rows: list[dict],
+    tasks: list[int],
+    total: int,
+    fps: float,
 ) -> None:
     """``meta/info.json``, ``meta/tasks.parquet`` and the episodes file of an export."""
     pa = _pyarrow()
@@ -399,20 +485,17 @@ def _write_meta(
 
     features: dict[str, dict[str, Any]] = {}
     for name, field in buffer.schema.fields.items():
+        spec: dict[str, Any]
         if name in images:
-            names = ["height", "width", "channels"]
-            features[_feature_name(name)] = {"dtype": images[name], "shape": list(field.shape), "names": names}
+            spec = {"dtype": images[name], "shape": list(field.shape), "names": ["height", "width", "channels"]}
         else:
-            features[_feature_name(name)] = {
-                "dtype": str(field.dtype),
-                "shape": list(field.shape) or [1],
-                "names": None,
-            }
+            spec = {"dtype": str(field.dtype), "shape": list(field.shape) or [1], "names": None}
+        features[names.feature(name)] = {**spec, "names": names.names(name, spec)}
     for column, dtype in zip(FRAME_COLUMNS, ("float32", "int64", "int64", "int64", "int64")):
         features[column] = {"dtype": dtype, "shape": [1], "names": None}
     info = {
         "codebase_version": "v3.0",
-        "robot_type": None,
+        "robot_type": names.robot_type,
         "total_episodes": len(rows),
         "total_frames": total,
         "total_tasks": len(tasks),
@@ -434,5 +517,5 @@ def _write_meta(
     # pandas' layout, as LeRobot's write_tasks: the task text is the index, task_index a column
     import pandas as pd
 
-    frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([f"task_{t}" for t in tasks], name="task"))
+    frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([names.task(t) for t in tasks], name="task"))
     frame.to_parquet(meta / "tasks.parquet")

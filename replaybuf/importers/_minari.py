@@ -5,7 +5,10 @@
 observations per episode of T steps: they become ``observations`` (steps 0 .. T - 1) and
 ``next_observations`` (1 .. T). ``actions``, ``rewards``, ``terminations`` and ``truncations``
 keep their names; dict and tuple spaces are flattened (``observations_<key>``,
-``actions_<index>``). ``infos`` are not imported.
+``actions_<index>``). ``infos`` are not imported. The dataset's metadata goes to
+``buffer.attrs["minari"]``: ``dataset_id``, ``env_spec`` (gymnasium's JSON, for
+``EnvSpec.from_json``), ``observation_space``/``action_space`` (Minari's JSON, for
+``minari.serialization.deserialize_space``), ``algorithm_name``, ``minari_version`` and the like.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ._engine import ImportSourceError, Source
+from ._engine import ImportSourceError, Source, is_plain_json
 
 __all__ = ["MinariSource"]
 
@@ -69,6 +72,20 @@ class MinariSource(Source):
 
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._fields
+
+    def attrs(self) -> dict[str, Any]:
+        from minari.serialization import serialize_space
+
+        metadata = {}
+        for key, value in self._dataset.storage.metadata.items():
+            value = value.item() if isinstance(value, np.generic) else value
+            if key.endswith("_space"):
+                metadata[key] = serialize_space(value)  # a JSON string: spaces hold infinities JSON has not
+            elif is_plain_json(value):
+                metadata[key] = value
+            else:
+                metadata[key] = str(value)
+        return {"minari": metadata}
 
     def episode_ids(self) -> list[int]:
         return self._ids

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from ._owned import ForeignEntriesError
 from .base import (
+    ATTRS_KEY,
     LOG_PREFIX,
     STATE_KEY,
     BufferDamagedError,
@@ -26,6 +27,7 @@ from .base import (
     detect_backend,
     empty_state,
     make_storage,
+    parse_json,
     register_backend,
     registry,
     unpublished_slots,
@@ -49,6 +51,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ATTRS_KEY",
     "DEFAULT_CACHE_SIZE",
     "LOG_PREFIX",
     "STATE_KEY",
@@ -71,6 +74,7 @@ __all__ = [
     "fill_beyond",
     "list_children",
     "make_storage",
+    "parse_json",
     "new_uuid",
     "register_backend",
     "registry",

@@ -56,6 +56,8 @@ from .lease import give_back as give_back_lease
 from .lease import take as take_lease
 
 STATE_KEY = "replaybuf/state.json"
+# the buffer-level attributes (``replaybuf.attrs``)
+ATTRS_KEY = "replaybuf/attrs.json"
 LOG_PREFIX = "replaybuf/steplog/"
 
 
