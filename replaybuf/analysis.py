@@ -29,8 +29,9 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
-from .consistency import RETRIES, ConcurrentWriteError, read_consistent, stored_bookkeeping
+from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, stored_bookkeeping
 from .progress import dask_progress
+from .storage import GenerationMismatchError
 from .storage.spans import fill_beyond
 
 __all__ = ["to_dask", "to_xarray", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
@@ -129,7 +130,14 @@ class EpisodeRows:
 
         def read(items: np.ndarray) -> None:
             for lo, hi in _runs(items):
-                self.storage.read_spans(self.name, slots[lo:hi], np.full(hi - lo, t0), lengths[lo:hi], rows[lo:hi])
+                self.storage.read_spans(
+                    self.name,
+                    slots[lo:hi],
+                    np.full(hi - lo, t0),
+                    lengths[lo:hi],
+                    rows[lo:hi],
+                    generations=generations[lo:hi],
+                )
 
         kept = read_consistent(self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read)
         fill_beyond(rows, np.where(kept, lengths, 0), self.fill)
@@ -356,11 +364,18 @@ class _Target:
 
 
 def _fill_episodes(
-    target: _Target, storage: Any, name: str, lo: int, slots: np.ndarray, lens: np.ndarray, fill: Any
+    target: _Target,
+    storage: Any,
+    name: str,
+    lo: int,
+    slots: np.ndarray,
+    generations: np.ndarray,
+    lens: np.ndarray,
+    fill: Any,
 ) -> None:
     """Rows ``lo .. lo + len(slots)`` of a result: the episodes decoded into place, then padded."""
     rows = target.array[lo : lo + len(slots)]
-    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, parallel=False)
+    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, False, generations)
     fill_beyond(rows, lens, fill)
 
 
@@ -392,6 +407,10 @@ def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) 
                 out = targets[name].array
                 out[items, : values.shape[1]] = values
                 out[items, values.shape[1] :] = schema.fields[name].fill
+            # the dask arrays pad a row whose slot moved: name those slots to be re-planned
+            moved = committed_generations(storage, plan.slots[items]) != plan.generations[items]
+            if moved.any():
+                raise GenerationMismatchError(storage.location, plan.slots[items][moved])
             return
         token, tasks = uuid.uuid4().hex, []
         for name, target in targets.items():
@@ -407,6 +426,7 @@ def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) 
                             name,
                             start,
                             plan.slots[part],
+                            plan.generations[part],
                             plan.lens[part],
                             field.fill,
                             dask_key_name=(f"replaybuf-fill-{name}-{token}", start),
@@ -575,7 +595,13 @@ def _block_stats(
         for name, block in blocks.items():
             for lo, hi in _runs(items):
                 storage.read_spans(
-                    name, slots[lo:hi], np.zeros(hi - lo, np.int64), lens[lo:hi], block[lo:hi], parallel=False
+                    name,
+                    slots[lo:hi],
+                    np.zeros(hi - lo, np.int64),
+                    lens[lo:hi],
+                    block[lo:hi],
+                    False,
+                    generations[lo:hi],
                 )
 
     kept = read_consistent(storage, slots.copy(), generations.copy(), read)

@@ -194,8 +194,6 @@ class ChunkedArray:
     The length is read only when a chunk is missing: the normal path costs nothing.
     """
 
-    supports_versions = True  # gather/read_rows take ``versions`` (chunk cache, resident copy)
-
     def __init__(
         self,
         kv: KeyValue,
