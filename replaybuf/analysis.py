@@ -29,7 +29,7 @@ import torch
 from dask.base import tokenize
 from dask.utils import parse_bytes
 
-from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, stored_bookkeeping
+from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
 from .progress import dask_progress
 from .storage import GenerationMismatchError
 from .storage.spans import fill_beyond
@@ -385,7 +385,6 @@ def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) 
     (no block copies, no concatenation) where the scheduler shares this process's memory;
     slots that changed meanwhile are re-planned and read again."""
     storage, schema = buffer.storage, buffer.schema
-    meta_names = [n for n in plan.meta if n != "episode_lens"]
     targets = {
         n: _Target(np.empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype))
         for n in fields
@@ -434,13 +433,7 @@ def _read_rows(buffer: Any, fields: Sequence[str], plan: _Plan, scheduler: Any) 
                     )
         dask.compute(*tasks, scheduler=scheduler if len(items) > 1 else "sync")
 
-    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        again = stored_bookkeeping(storage, meta_names, plan.slots[items])
-        plan.lens[items] = again["episode_lens"]
-        for name in plan.meta:
-            plan.meta[name][items] = again[name]
-        return plan.slots[items], again["_generation"]
-
+    replan = replanner(storage, plan.slots, plan.lens, plan.meta)
     kept = read_consistent(buffer, plan.slots, plan.generations, read, replan)
     plan.lens[~kept] = 0
     lost = ~kept & ~np.isin(plan.slots, buffer.empty_episodes())  # length-0 episodes keep their meta

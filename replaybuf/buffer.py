@@ -27,7 +27,7 @@ import numpy as np
 
 from . import video
 from .commit import Committer
-from .consistency import read_consistent, stored_bookkeeping
+from .consistency import read_consistent, replanner, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup
 from .storage._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
@@ -197,11 +197,8 @@ class DataView:
         def read(items: np.ndarray) -> None:
             out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
-        def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return slots[items], stored_bookkeeping(storage, (), slots[items])["_generation"]
-
         generations = stored_bookkeeping(storage, (), slots)["_generation"]
-        kept = read_consistent(buffer, slots.copy(), generations, read, replan)
+        kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots))
         out[~kept] = 0
         return out
 

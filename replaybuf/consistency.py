@@ -97,6 +97,25 @@ def stored_bookkeeping(
     return out
 
 
+def replanner(
+    storage: Storage, slots: np.ndarray, lens: np.ndarray | None = None, meta: dict[str, np.ndarray] | None = None
+) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The ``replan`` of ``read_consistent`` for a plan of ``slots`` whose items are read again
+    as the episode their slot holds now: the items' bookkeeping is read from the store again
+    (``stored_bookkeeping``) into ``lens`` and the ``meta`` rows (updated in place)."""
+    rows = {} if meta is None else meta
+
+    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        again = stored_bookkeeping(storage, list(rows), slots[items])
+        if lens is not None:
+            lens[items] = again["episode_lens"]
+        for name, values in rows.items():
+            values[items] = again[name]
+        return slots[items], again["_generation"]
+
+    return replan
+
+
 def read_consistent(
     source: ReplayBuffer | Storage | Any,
     slots: np.ndarray,
@@ -240,13 +259,7 @@ def read_episodes_consistent(
                 rows[name] = grown
             rows[name][items, : values.shape[1]] = values
 
-    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        again = stored_bookkeeping(storage, meta_names, slots[items])
-        lens[items] = again["episode_lens"]
-        for name in meta_names:
-            plan[name][items] = again[name]
-        return slots[items], again["_generation"]
-
+    replan = replanner(storage, slots, lens, {n: plan[n] for n in meta_names})
     kept = read_consistent(buffer, slots, gens, read, None if generations is not None else replan)
     cut = width() if t1 is not None else int(lens[kept].max(initial=0))
     empty = {n: np.zeros((0, cut, *f.shape), f.dtype) for n, f in buffer.schema.fields.items() if n in fields}
