@@ -19,11 +19,12 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   write and the last step of every commit: a reader that loads the counters it published also
   sees every ``write_rows``/``write_meta`` the writer made before it (durably so with
   ``fsync``).
-- **Rows in place.** ``write_rows`` may overwrite in place, not atomically: the buffer calls it
-  only for slots no reader trusts (``episode_lens`` 0, or invalidated first). A reader reading
-  such a slot meanwhile may see a mix of old and new steps, so readers check ``episode_lens`` and
-  ``_generation`` after reading. ``write_meta`` writes each element in place; ``episode_lens``
-  and ``_generation`` of a slot are its publication.
+- **Rows in place.** ``write_rows`` may overwrite in place, not atomically: the commit protocol
+  calls it only for slots no reader trusts (``episode_lens`` 0, or invalidated first). A reader
+  reading such a slot meanwhile may see a mix of old and new steps, so readers check
+  ``episode_lens`` and ``_generation`` after reading. ``update_rows`` is the one write into
+  committed episodes (the API's in-place edits), without a new generation. ``write_meta`` writes
+  each element in place; ``episode_lens`` and ``_generation`` of a slot are its publication.
 - **Reads.** ``read_rows``, ``gather``, ``read_spans`` and ``read_meta`` return the stored
   values (never-written steps read as 0; a reader may serve them from its caches until its next
   ``drop_caches``), for unsorted and repeated episodes, empty spans included. They agree with
@@ -33,10 +34,11 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   episode (per pair for ``gather``) the ``_generation`` the caller planned for the slot. What a
   read then guarantees depends on ``verifies_generations``:
 
-  - False (zarr, memmap, hdf5): generations only key the backend's caches (a row cached for
-    one generation is never served for another) and the read returns what is stored now. A
-    reader beside a writer re-reads ``_generation`` of the slots it read afterwards
-    (``consistency.read_consistent``) and discards the rows of slots that moved.
+  - False (zarr, memmap, hdf5): generations are hints that may key the backend's caches (the
+    zarr chunk cache and resident copies: a row cached for one generation is never served for
+    another); the read returns the stored rows, as any read does. A reader beside a writer
+    re-reads ``_generation`` of the slots it read afterwards (``consistency.read_consistent``)
+    and discards the rows of slots that moved.
   - True (the read cache, ``CachedStorage``): every row returned belongs to the generation
     named for its slot (served from a copy keyed by it, or read and then found still at it),
     else ``GenerationMismatchError`` names the slots that hold another generation now. The
@@ -281,9 +283,10 @@ class Storage(ABC):
     A backend must implement the eight abstract primitives (``exists``, ``create``, ``open``,
     ``array``, ``read_blob``, ``write_blob``, ``delete_blobs``, ``list_blobs``) and may override
     any other method for speed (the built-in backends override ``time_chunk``, ``write_rows``,
-    ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``read_meta``, ``drop_caches``,
-    ``close`` and ``describe``; ``KVBlobs`` gives ``append_log`` real appends). Callers branch
-    on the capability flags below, never on ``isinstance`` or ``backend_name``.
+    ``update_rows``, ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``preload``,
+    ``read_meta``, ``drop_caches``, ``close`` and ``describe``; ``KVBlobs`` gives ``append_log``
+    real appends). Callers branch on the capability flags below, never on ``isinstance`` or
+    ``backend_name``.
 
     Parameters
     ----------
