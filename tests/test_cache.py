@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
-from replaybuf.sampling import make_dataloader
+from replaybuf.sampling import make_dataloader, make_dataset
 from replaybuf.storage import GenerationMismatchError, make_storage
 from replaybuf.storage._cache import CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
@@ -368,4 +368,45 @@ def test_fill_racing_a_writer_publishes_nothing_and_the_read_is_replanned(tmp_pa
     # a read planned now (data[...] plans from the store) gets the new episode, then cached
     assert reader.data["ident"][0, :5].tolist() == [7000, 7001, 7002, 7003, 7004]
     assert os.path.join("ident", "0-4.raw") in cache_files(storage.root)
+    writer.close()
+
+
+def test_datasets_drop_a_slot_reused_while_they_load(tmp_path):
+    location = str(tmp_path / "ring")
+    writer = ReplayBuffer(location, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    inner = reader.storage.inner
+    read_spans, armed = inner.read_spans, []
+
+    def rewrite_once(*args, **kwargs):  # the next episode goes into the next slot meanwhile
+        if armed:
+            writer.store_episode(**episode(armed.pop(), 4), task=0, success=True)
+        return read_spans(*args, **kwargs)
+
+    inner.read_spans = rewrite_once
+
+    def samples(dataset) -> dict[str, torch.Tensor]:
+        """Every sample of ``dataset`` read as one batch; each one's ``ident`` names its step."""
+        batch = dataset.__getitems__(list(range(len(dataset)))).batch
+        return batch
+
+    armed.append(7)  # slot 0 is reused while cache='ram' decodes the snapshot
+    ram = make_dataset(reader, fields=["ident"], timestep_level=True, cache="ram", return_indices=True)
+    assert not armed
+    batch = samples(ram)
+    assert set(batch["_indices"][:, 0].tolist()) == {1, 2}
+    assert torch.equal(
+        batch["ident"].reshape(-1), (1000 * batch["_indices"][:, 0] + batch["_indices"][:, 1]).to(torch.int32)
+    )
+    armed.append(8)  # slot 1 is reused while filter_fields reads a field not cached yet
+    filtered = make_dataset(reader, timestep_level=True, filter_fields={"done": False}, return_indices=True)
+    assert not armed
+    batch = samples(filtered)
+    where = batch["_indices"]
+    assert set(where[:, 0].tolist()) == {0, 2} and not batch["done"].any()
+    ident = batch["ident"].reshape(-1)
+    expected = torch.where(where[:, 0] == 0, 7000 + where[:, 1], 2000 + where[:, 1]).to(ident.dtype)
+    assert torch.equal(ident, expected)
     writer.close()
