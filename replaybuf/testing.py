@@ -456,6 +456,7 @@ class StorageTests:
         t0, t1 = 1, self.max_timesteps // 2
         for name, values in edit.items():
             writable.update_rows(name, episodes, t0, values[:, t0:t1])
+            writable.update_rows(name, episodes[:0], t0, values[:0, t0:t1])  # no episodes: nothing
             rows[name][:, t0:t1] = values[:, t0:t1]
         for name, values in rows.items():
             np.testing.assert_array_equal(writable.read_rows(name, episodes, 0, self.max_timesteps), values)

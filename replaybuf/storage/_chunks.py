@@ -818,8 +818,10 @@ class ChunkedArray:
 
     def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
         """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
-        consecutive episodes."""
+        consecutive episodes (none for no episodes)."""
         episodes = np.asarray(episodes)
+        if len(episodes) == 0:
+            return
         order = np.argsort(episodes, kind="stable")
         episodes, values = episodes[order], values[order]
         # plain ints, not np.r_: a one-episode commit pays this per field and per meta array
