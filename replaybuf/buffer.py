@@ -150,7 +150,7 @@ class DataView:
     On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
     holds its committed episode (zero past its length) or, when empty or being rewritten, zeros,
     never parts of two episodes (``consistency.py``). On a writable buffer reads are the
-    storage's (the writer sees its episode in progress); writes go to the storage array.
+    storage's (the writer sees its episode in progress); writes go through ``Storage.update_rows``.
     """
 
     def __init__(self, buffer: Any, name: str):
