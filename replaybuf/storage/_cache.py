@@ -41,7 +41,7 @@ import threading
 import time
 import uuid as uuid_module
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -288,7 +288,9 @@ class CachedStorage(Storage):
                 self._maps.popitem(last=False)
         return out
 
-    def _served(self, name: str, episodes: np.ndarray, generations: np.ndarray | None):
+    def _served(
+        self, name: str, episodes: np.ndarray, generations: np.ndarray | None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         """Per distinct (slot, generation) of the items: (item indices, cached rows or None)."""
         pairs = self._pairs(episodes, generations)
         found = self._rows(name, pairs)

@@ -129,8 +129,8 @@ class CorruptChunkError(StorageError):
 class GenerationMismatchError(RuntimeError):
     """A read given ``generations`` by a storage that ``verifies_generations`` found slots
     holding other generations: a writer reused them since the caller planned the read.
-    Nothing read is returned; ``slots`` lists them. Retryable with a new plan
-    (``consistency.read_consistent`` re-plans or redraws those slots)."""
+    ``slots`` lists them; nothing the read wrote into a caller's ``out`` may be used. Retryable
+    with a new plan (``consistency.read_consistent`` re-plans or redraws those slots)."""
 
     def __init__(self, location: str, slots: Any):
         self.location, self.slots = location, sorted({int(s) for s in np.asarray(slots).reshape(-1)})
