@@ -471,7 +471,9 @@ class CachedStorage(Storage):
         starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         served = lengths == 0
         for items, cached in self._served(name, episodes, generations):
-            for i in items.tolist() if cached is not None else ():
+            if cached is None:
+                continue
+            for i in items.tolist():
                 start, length = int(starts[i]), int(lengths[i])
                 if length and start + length <= len(cached):
                     out[i, :length] = cached[start : start + length]
