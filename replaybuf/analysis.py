@@ -30,9 +30,9 @@ from dask.base import tokenize
 from dask.utils import parse_bytes
 
 from . import sketches
-from .consistency import RETRIES, ConcurrentWriteError, read_consistent, stored_bookkeeping
+from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
 from .progress import dask_progress
-from .storage import fill_beyond
+from .storage import GenerationMismatchError, fill_beyond
 from .view import BufferView
 
 __all__ = ["to_dask", "to_xarray", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
@@ -131,7 +131,14 @@ class EpisodeRows:
 
         def read(items: np.ndarray) -> None:
             for lo, hi in _runs(items):
-                self.storage.read_spans(self.name, slots[lo:hi], np.full(hi - lo, t0), lengths[lo:hi], rows[lo:hi])
+                self.storage.read_spans(
+                    self.name,
+                    slots[lo:hi],
+                    np.full(hi - lo, t0),
+                    lengths[lo:hi],
+                    rows[lo:hi],
+                    generations=generations[lo:hi],
+                )
 
         kept = read_consistent(self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read)
         fill_beyond(rows, np.where(kept, lengths, 0), self.fill)
@@ -362,11 +369,18 @@ class _Target:
 
 
 def _fill_episodes(
-    target: _Target, storage: Any, name: str, lo: int, slots: np.ndarray, lens: np.ndarray, fill: Any
+    target: _Target,
+    storage: Any,
+    name: str,
+    lo: int,
+    slots: np.ndarray,
+    generations: np.ndarray,
+    lens: np.ndarray,
+    fill: Any,
 ) -> None:
     """Rows ``lo .. lo + len(slots)`` of a result: the episodes decoded into place, then padded."""
     rows = target.array[lo : lo + len(slots)]
-    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, parallel=False)
+    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, False, generations)
     fill_beyond(rows, lens, fill)
 
 
@@ -376,7 +390,6 @@ def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler
     (no block copies, no concatenation) where the scheduler shares this process's memory;
     slots that changed meanwhile are re-planned and read again."""
     storage, schema = buffer.storage, buffer.schema
-    meta_names = [n for n in plan.meta if n != "episode_lens"]
     targets = {
         n: _Target(np.empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype))
         for n in fields
@@ -398,6 +411,10 @@ def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler
                 out = targets[name].array
                 out[items, : values.shape[1]] = values
                 out[items, values.shape[1] :] = schema.fields[name].fill
+            # the dask arrays pad a row whose slot moved: name those slots to be re-planned
+            moved = committed_generations(storage, plan.slots[items]) != plan.generations[items]
+            if moved.any():
+                raise GenerationMismatchError(storage.location, plan.slots[items][moved])
             return
         token, tasks = uuid.uuid4().hex, []
         for name, target in targets.items():
@@ -413,6 +430,7 @@ def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler
                             name,
                             start,
                             plan.slots[part],
+                            plan.generations[part],
                             plan.lens[part],
                             field.fill,
                             dask_key_name=(f"replaybuf-fill-{name}-{token}", start),
@@ -420,13 +438,7 @@ def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler
                     )
         dask.compute(*tasks, scheduler=scheduler if len(items) > 1 else "sync")
 
-    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        again = stored_bookkeeping(storage, meta_names, plan.slots[items])
-        plan.lens[items] = again["episode_lens"]
-        for name in plan.meta:
-            plan.meta[name][items] = again[name]
-        return plan.slots[items], again["_generation"]
-
+    replan = replanner(storage, plan.slots, plan.lens, plan.meta)
     kept = read_consistent(buffer, plan.slots, plan.generations, read, replan)
     plan.lens[~kept] = 0
     lost = ~kept & ~np.isin(plan.slots, buffer.empty_episodes())  # length-0 episodes keep their meta
@@ -603,7 +615,13 @@ def _block_stats(
         for name, block in blocks.items():
             for lo, hi in _runs(items):
                 storage.read_spans(
-                    name, slots[lo:hi], np.zeros(hi - lo, np.int64), lens[lo:hi], block[lo:hi], parallel=False
+                    name,
+                    slots[lo:hi],
+                    np.zeros(hi - lo, np.int64),
+                    lens[lo:hi],
+                    block[lo:hi],
+                    False,
+                    generations[lo:hi],
                 )
 
     kept = read_consistent(storage, slots.copy(), generations.copy(), read)

@@ -27,7 +27,7 @@ import numpy as np
 from . import snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer
-from .consistency import read_consistent, stored_bookkeeping
+from .consistency import read_consistent, replanner, stored_bookkeeping
 from .schema import Field, Schema
 from .staging import EpisodeGroup
 from .storage import (
@@ -155,7 +155,7 @@ class DataView:
     On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
     holds its committed episode (zero past its length) or, when empty or being rewritten, zeros,
     never parts of two episodes (``consistency.py``). On a writable buffer reads are the
-    storage's (the writer sees its episode in progress); writes go to the storage array.
+    storage's (the writer sees its episode in progress); writes go through ``Storage.update_rows``.
     """
 
     def __init__(self, buffer: BufferView, name: str):
@@ -172,16 +172,22 @@ class DataView:
         return self.shape[0]
 
     def __getitem__(self, key: Any) -> np.ndarray:
+        slots, t0, t1, local = self._block(key)
+        return self._read(slots, t0, t1)[local]
+
+    def _block(self, key: Any) -> tuple[np.ndarray, int, int, tuple]:
+        """(sorted slots, t0, t1, local key): the rows ``key`` touches and the key that indexes
+        a block of them (len(slots), t1 - t0, *shape) as ``key`` indexes the whole array."""
         key = key if isinstance(key, tuple) else (key,)
         if any(k is Ellipsis for k in key):
             at = next(i for i, k in enumerate(key) if k is Ellipsis)
             key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1 :]
         if any(k is None for k in key[:2]) or (np.ndim(key[0]) > 1 and np.asarray(key[0]).dtype == bool):
-            return self[:][key]  # new axes or masks over several axes: read all, index in RAM
+            return np.arange(self.shape[0]), 0, self.shape[1], key  # new axes, masks over several axes
         episode_key, time_key = (key + (slice(None), slice(None)))[:2]
         slots, local_episodes = _episode_index(episode_key, self.shape[0])
         t0, t1, local_steps = _time_index(time_key, self.shape[1])
-        return self._read(slots, t0, t1)[(local_episodes, local_steps) + tuple(key[2:])]
+        return slots, t0, t1, (local_episodes, local_steps) + tuple(key[2:])
 
     def _read(self, slots: np.ndarray, t0: int, t1: int) -> np.ndarray:
         """Steps ``t0 .. t1`` of ``slots`` (sorted, unique) as (len(slots), t1 - t0, *shape):
@@ -194,21 +200,24 @@ class DataView:
             return out
 
         def read(items: np.ndarray) -> None:
-            out[items] = storage.read_rows(self._name, slots[items], t0, t1)
-
-        def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return slots[items], stored_bookkeeping(storage, (), slots[items])["_generation"]
+            out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
         generations = stored_bookkeeping(storage, (), slots)["_generation"]
         if getattr(buffer, "snapshot_name", None) is not None:  # a snapshot view reads its own episodes only
             generations[generations != buffer.generations[slots]] = 0
-        kept = read_consistent(buffer, slots.copy(), generations, read, replan)
+        kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots))
         out[~kept] = 0
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        """Write in place through ``Storage.update_rows``: the rows ``key`` touches are read,
+        assigned with numpy's semantics and written back whole."""
         buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")
-        buffer.storage.array(self._name)[key] = value
+        slots, t0, t1, local = self._block(key)
+        rows = self._read(slots, t0, t1)
+        rows[local] = value
+        if len(slots) and t1 > t0:
+            buffer.storage.update_rows(self._name, slots, t0, rows)
 
     def __array__(self, dtype=None, copy=None):
         out = self[:]
@@ -911,7 +920,7 @@ class ReplayBuffer(SchemaAttributes):
             row = int(np.flatnonzero(group.slots == episode)[0])
             if group.set_step(name, row, int(timestep_index), value):
                 return
-        self.data[name][episode, int(timestep_index)] = value
+        self.storage.update_rows(name, np.array([episode]), int(timestep_index), value[None, None])
 
     def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
         """Write one meta value of an episode."""
@@ -976,7 +985,7 @@ class ReplayBuffer(SchemaAttributes):
             writes.append((name, cast_values(array, f)))
         for name, array in writes:
             if name in self.fieldnames:
-                self.data[name][episodes, : array.shape[1]] = array
+                self.storage.update_rows(name, episodes, 0, array)
             else:
                 self._commit.write_meta(name, episodes, array)
 

@@ -11,8 +11,9 @@ methods (``WRITE_METHODS``) raise NotImplementedError naming the call.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -24,7 +25,7 @@ from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
-from .storage import Storage
+from .storage import GenerationMismatchError, Storage
 from .view import SchemaAttributes, frozen, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
@@ -113,6 +114,14 @@ class ConcatStorage(Storage):
             rows = np.flatnonzero(owner == member)
             yield int(member), rows, episodes[rows] - self.offsets[member]
 
+    @contextlib.contextmanager
+    def _member(self, member: int) -> Iterator[Storage]:
+        """Member ``member``'s storage; a GenerationMismatchError it raises names global slots."""
+        try:
+            yield self.members[member]
+        except GenerationMismatchError as error:
+            raise GenerationMismatchError(self.location, np.asarray(error.slots) + self.offsets[member]) from None
+
     def _empty(self, name: str, leading: tuple[int, ...]) -> np.ndarray:
         field = self.schema.fields[name]
         return np.zeros(leading + field.shape, field.dtype)
@@ -162,14 +171,22 @@ class ConcatStorage(Storage):
         # docstring inherited
         return max(m.time_chunk(name) for m in self.members)
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+    @property
+    def verifies_generations(self) -> bool:  # type: ignore[override]
+        """Reads are verified when every member's are (generations are per member)."""
+        return all(m.verifies_generations for m in self.members)
+
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited
         episodes = np.asarray(episodes, np.int64)
         out = self._empty(name, (len(episodes), max(0, t1 - t0)))
         for member, rows, local in self._route(episodes):
             stop = min(t1, int(self.member_timesteps[member]))
             if stop > t0:
-                out[rows, : stop - t0] = self.members[member].read_rows(name, local, t0, stop)
+                with self._member(member) as storage:
+                    out[rows, : stop - t0] = storage.read_rows(name, local, t0, stop, _part(generations, rows))
         return out
 
     def read_spans(
@@ -180,6 +197,7 @@ class ConcatStorage(Storage):
         lengths: np.ndarray,
         out: np.ndarray,
         parallel: bool = True,
+        generations: np.ndarray | None = None,
     ) -> None:
         """Time spans of episodes into ``out``, each run of consecutive rows from its member's
         bulk path (``Storage.read_spans``); steps past a member's time axis
@@ -192,21 +210,38 @@ class ConcatStorage(Storage):
             runs = np.flatnonzero(np.diff(rows) != 1) + 1
             for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(rows)]):
                 first = int(rows[lo])
-                self.members[member].read_spans(
-                    name, local[lo:hi], firsts[lo:hi], spans[lo:hi], out[first : first + hi - lo], parallel=parallel
-                )
+                with self._member(member) as storage:
+                    storage.read_spans(
+                        name,
+                        local[lo:hi],
+                        firsts[lo:hi],
+                        spans[lo:hi],
+                        out[first : first + hi - lo],
+                        parallel,
+                        _part(generations, rows[lo:hi]),
+                    )
             for row, span, length in zip(rows.tolist(), spans.tolist(), lengths[rows].tolist()):
                 out[row, span:length] = 0
 
-    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+    def gather(
+        self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited
         episodes, timesteps = np.asarray(episodes, np.int64), np.asarray(timesteps, np.int64)
         out = self._empty(name, (len(episodes),))
         for member, rows, local in self._route(episodes):
             inside = timesteps[rows] < self.member_timesteps[member]
             if inside.any():
-                out[rows[inside]] = self.members[member].gather(name, local[inside], timesteps[rows][inside])
+                with self._member(member) as storage:
+                    out[rows[inside]] = storage.gather(
+                        name, local[inside], timesteps[rows][inside], _part(generations, rows[inside])
+                    )
         return out
+
+    def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
+        # docstring inherited
+        for member, rows, local in self._route(episodes):
+            self.members[member].preload(name, local, np.asarray(generations)[rows])
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
@@ -244,6 +279,11 @@ class ConcatStorage(Storage):
     def _check_writable(self) -> None:
         # the writes Storage implements on top of write_blob (counters, step log) refuse as the others do
         raise NotImplementedError(_read_only_message("writing"))
+
+
+def _part(generations: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
+    """The generations of ``rows`` (positions in a read) for the member they route to."""
+    return None if generations is None else np.asarray(generations)[rows]
 
 
 def _read_only_message(call: str) -> str:

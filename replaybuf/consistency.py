@@ -9,10 +9,16 @@ before and after a read, the slot held episode ``g`` during the whole read, and 
 (data, meta rows, length) belongs to it. A read therefore
 
 1. names the snapshot it saw: the slots it reads and their generations (a plan, e.g. from the
-   buffer's mirror as of ``refresh()``, which is itself checked this way);
-2. reads lengths, meta rows and data;
+   buffer's mirror as of ``refresh()``, which is itself checked this way), with their lengths
+   and meta rows as of the plan;
+2. reads data through the storage, passing the planned generations (``storage/base.py``,
+   "Generations");
 3. reads the generations of only those slots again, keeps the slots that did not change, and
-   re-plans (rereads) or drops the others, a bounded number of times.
+   re-plans (rereads) or drops the others, a bounded number of times. A storage that
+   ``verifies_generations`` (the read cache) did that check itself in step 2, so step 3 reads
+   nothing: a batch served from local copies costs no request to the backing store. It reports
+   the slots that moved with ``GenerationMismatchError`` instead, and so may the caller for
+   what it read besides the storage (a dataset's meta rows from the buffer's mirror).
 
 The writer rewrites a reused slot's data objects in place, so step 2 may also fail to decode a
 slot being rewritten: such an error is a retry, not an error. Only an error where no slot
@@ -27,6 +33,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .storage import GenerationMismatchError
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -89,6 +97,25 @@ def stored_bookkeeping(
     return out
 
 
+def replanner(
+    storage: Storage, slots: np.ndarray, lens: np.ndarray | None = None, meta: dict[str, np.ndarray] | None = None
+) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The ``replan`` of ``read_consistent`` for a plan of ``slots`` whose items are read again
+    as the episode their slot holds now: the items' bookkeeping is read from the store again
+    (``stored_bookkeeping``) into ``lens`` and the ``meta`` rows (updated in place)."""
+    rows = {} if meta is None else meta
+
+    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        again = stored_bookkeeping(storage, list(rows), slots[items])
+        if lens is not None:
+            lens[items] = again["episode_lens"]
+        for name, values in rows.items():
+            values[items] = again[name]
+        return slots[items], again["_generation"]
+
+    return replan
+
+
 def read_consistent(
     source: ReplayBuffer | Storage | Any,
     slots: np.ndarray,
@@ -103,13 +130,15 @@ def read_consistent(
     """Read items ``0 .. n-1`` (item i: slot ``slots[i]`` planned at ``generations[i]``; 0 or
     less: empty, not read) until each was read while its slot held the planned episode.
 
-    ``read(items)`` reads the items listed (indices into ``slots``) into the caller's output;
-    ``whole=True``: every call reads every live item (a batch read at once), and only the last
-    call's values count. After each read the generations of the items' slots are read again
-    (``committed_generations``); items that changed are re-planned by ``replan(items)``, which
+    ``read(items)`` reads the items listed (indices into ``slots``) into the caller's output,
+    passing ``generations[items]`` to every storage read; ``whole=True``: every call reads
+    every live item (a batch read at once), and only the last call's values count. After each
+    read the generations of the items' slots are read again (``committed_generations``), unless
+    the storage ``verifies_generations``; items that changed, or that a
+    ``GenerationMismatchError`` from ``read`` names, are re-planned by ``replan(items)``, which
     returns their new (slots, generations) (and updates what the caller reads for them, e.g.
-    lengths), or dropped without ``replan``. An error raised by ``read`` is a retry when some
-    item changed, and raised when none did.
+    lengths), or dropped without ``replan``. Any other error raised by ``read`` is a retry when
+    some item changed, and raised when none did.
 
     Returns ``kept``: True where the item's last read holds its (last) planned episode; False
     for empty or dropped items, whose values the caller must discard. ``slots`` and
@@ -119,6 +148,7 @@ def read_consistent(
     """
     if exhausted not in ("raise", "drop"):
         raise ValueError(f"exhausted must be 'raise' or 'drop', got {exhausted!r}")
+    verified = _storage(source).verifies_generations
     kept = np.zeros(len(slots), dtype=bool)
     todo = np.flatnonzero(generations > 0)
     failed: Exception | None = None
@@ -130,7 +160,12 @@ def read_consistent(
             failed = None
         except Exception as error:  # a decode error of a slot being rewritten is a retry
             failed = error
-        changed = committed_generations(source, slots[todo]) != generations[todo]
+        if isinstance(failed, GenerationMismatchError):  # the slots it names moved
+            changed = np.isin(slots[todo], failed.slots)
+        elif verified and failed is None:
+            changed = np.zeros(len(todo), dtype=bool)
+        else:
+            changed = committed_generations(source, slots[todo]) != generations[todo]
         if failed is not None and not changed.any():
             raise failed
         moved = todo[changed]
@@ -215,7 +250,7 @@ def read_episodes_consistent(
     def read(items: np.ndarray) -> None:
         end = t0 + width()
         for name in fields:
-            values = storage.read_rows(name, slots[items], t0, end)
+            values = storage.read_rows(name, slots[items], t0, end, gens[items])
             values[np.arange(t0, end)[None, :] >= lens[items][:, None]] = 0
             if name not in rows or rows[name].shape[1] < values.shape[1]:
                 grown = np.zeros((len(slots), values.shape[1], *values.shape[2:]), values.dtype)
@@ -224,13 +259,7 @@ def read_episodes_consistent(
                 rows[name] = grown
             rows[name][items, : values.shape[1]] = values
 
-    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        again = stored_bookkeeping(storage, meta_names, slots[items])
-        lens[items] = again["episode_lens"]
-        for name in meta_names:
-            plan[name][items] = again[name]
-        return slots[items], again["_generation"]
-
+    replan = replanner(storage, slots, lens, {n: plan[n] for n in meta_names})
     kept = read_consistent(buffer, slots, gens, read, None if generations is not None else replan)
     cut = width() if t1 is not None else int(lens[kept].max(initial=0))
     empty = {n: np.zeros((0, cut, *f.shape), f.dtype) for n, f in buffer.schema.fields.items() if n in fields}

@@ -34,7 +34,13 @@ import numpy as np
 import pytest
 
 from .schema import Schema
-from .storage.base import BufferNotFoundError, Storage, bookkeeping_fields, empty_state
+from .storage.base import (
+    BufferNotFoundError,
+    GenerationMismatchError,
+    Storage,
+    bookkeeping_fields,
+    empty_state,
+)
 
 __all__ = ["StorageFactory", "StorageTests", "snapshot"]
 
@@ -175,9 +181,12 @@ class StorageTests:
         yield reader, rows, meta
         reader.close()
 
-    def assert_reads(self, storage: Storage, rows: dict[str, np.ndarray], seed: int = 0) -> None:
+    def assert_reads(
+        self, storage: Storage, rows: dict[str, np.ndarray], seed: int = 0, generations: np.ndarray | None = None
+    ) -> None:
         """``read_rows``, ``gather``, ``read_spans`` and ``array`` all agree with ``rows``:
-        repeated and unsorted episodes, partial and empty spans."""
+        repeated and unsorted episodes, partial and empty spans; with ``generations`` (one per
+        slot) the reads name them."""
         rng = np.random.default_rng(seed)
         n, t = self.max_episodes, self.max_timesteps
         episodes = np.r_[rng.permutation(n), rng.integers(0, n, 3)]  # every slot, some repeated
@@ -186,14 +195,19 @@ class StorageTests:
         starts = rng.integers(0, t, count)
         lengths = rng.integers(0, t + 1, count) * (rng.random(count) < 0.8)  # some zero lengths
         lengths = np.minimum(lengths, t - starts)
+        named = None if generations is None else np.asarray(generations)[episodes]
         for name, expected in rows.items():
-            np.testing.assert_array_equal(storage.gather(name, episodes, timesteps), expected[episodes, timesteps])
+            np.testing.assert_array_equal(
+                storage.gather(name, episodes, timesteps, named), expected[episodes, timesteps], err_msg=name
+            )
             for t0, t1 in ((0, t), (t // 3, 2 * t // 3 + 1), (t // 2, t // 2)):
-                np.testing.assert_array_equal(storage.read_rows(name, episodes, t0, t1), expected[episodes, t0:t1])
+                np.testing.assert_array_equal(
+                    storage.read_rows(name, episodes, t0, t1, named), expected[episodes, t0:t1], err_msg=name
+                )
             for parallel in (True, False):
                 sentinel = np.array(7, expected.dtype)
                 out = np.full((len(episodes), t, *expected.shape[2:]), sentinel)
-                storage.read_spans(name, episodes, starts, lengths, out, parallel=parallel)
+                storage.read_spans(name, episodes, starts, lengths, out, parallel, named)
                 for i, (e, s, k) in enumerate(zip(episodes, starts, lengths)):
                     np.testing.assert_array_equal(out[i, :k], expected[e, s : s + k], err_msg=f"{name} span {i}")
                     assert (out[i, k:] == sentinel).all(), f"read_spans wrote {name} past the span of row {i}"
@@ -356,6 +370,100 @@ class StorageTests:
         assert reader.read_meta("_generation").dtype == np.int64
         np.testing.assert_array_equal(reader.read_meta("_generation"), meta["_generation"])
 
+    def test_reads_name_generations(self, filled: tuple) -> None:
+        """Reads given the slots' stored generations return the stored rows, twice (the
+        second may be served from whatever the first cached); ``preload`` changes nothing."""
+        reader, rows, meta = filled
+        slots = np.arange(self.max_episodes)
+        for name in rows:
+            reader.preload(name, slots, meta["_generation"])
+        for seed in (7, 8):
+            self.assert_reads(reader, rows, seed=seed, generations=meta["_generation"])
+
+    def test_reads_of_a_reused_slot(self, filled: tuple, storage_factory: StorageFactory) -> None:
+        """A writer reuses two slots (new rows, new generations). Reads naming the new
+        generations return the new rows; reads naming the old ones either return the old rows
+        (a copy kept for that generation) or, on a storage that ``verifies_generations``,
+        raise GenerationMismatchError naming exactly the reused slots read. Slots not reused
+        read as before."""
+        reader, rows, meta = filled
+        self.assert_reads(reader, rows, seed=9, generations=meta["_generation"])  # fill caches
+        reused = np.array([self.max_episodes - 1, 1])
+        new_meta = self.random_meta(2, seed=11, first_generation=self.max_episodes + 1)
+        new_rows = self.write(storage_factory, reused, self.random_rows(2, seed=10), new_meta)
+        reader.drop_caches()
+        generations = meta["_generation"].copy()
+        generations[reused] = new_meta["_generation"]
+        expected = {n: r.copy() for n, r in rows.items()}
+        for name, values in new_rows.items():
+            expected[name][reused] = values
+        self.assert_reads(reader, expected, seed=9, generations=generations)
+        episodes, t = np.array([0, 1, self.max_episodes - 1, 1]), self.max_timesteps
+        for name, old in rows.items():
+            try:
+                got = reader.read_rows(name, episodes, 0, t, meta["_generation"][episodes])
+            except GenerationMismatchError as error:
+                assert reader.verifies_generations, f"{type(reader).__name__} raised {error!r}"
+                assert error.slots == sorted(reused.tolist()), (name, error.slots)
+                assert pickle.loads(pickle.dumps(error)).slots == error.slots
+                continue
+            new = expected[name][episodes]
+            for i, slot in enumerate(episodes.tolist()):
+                assert (got[i] == old[slot]).all() or (not reader.verifies_generations and (got[i] == new[i]).all()), (
+                    f"{name}: slot {slot} read as neither its planned generation's rows nor the stored ones"
+                )
+
+    def test_verified_reads_refuse_a_generation_never_stored(self, filled: tuple) -> None:
+        """On a storage that ``verifies_generations``, every read naming a generation the slot
+        does not hold (and never held) raises GenerationMismatchError naming that slot only."""
+        reader, rows, meta = filled
+        if not reader.verifies_generations:
+            pytest.skip(f"{type(reader).__name__} does not verify generations")
+        episodes = np.array([0, 2, 3])
+        planned = meta["_generation"][episodes].copy()
+        planned[1] += 1000
+        name, t = next(iter(rows)), self.max_timesteps
+        reads = {
+            "read_rows": lambda: reader.read_rows(name, episodes, 0, t, planned),
+            "gather": lambda: reader.gather(name, episodes, np.zeros(3, np.int64), planned),
+            "read_spans": lambda: reader.read_spans(
+                name,
+                episodes,
+                np.zeros(3, np.int64),
+                np.full(3, t),
+                np.zeros((3, *rows[name].shape[1:]), rows[name].dtype),
+                True,
+                planned,
+            ),
+        }
+        for call, read in reads.items():
+            with pytest.raises(GenerationMismatchError) as caught:
+                read()
+            assert caught.value.slots == [2], (call, caught.value.slots)
+
+    def test_update_rows_in_committed_episodes(self, writable: Storage) -> None:
+        """``update_rows`` edits committed episodes in place; whole-episode reads (which check
+        checksums where a backend keeps them) return the edit."""
+        episodes = np.array([2, 0])
+        rows = self.random_rows(2, seed=12)
+        meta = self.random_meta(2, seed=13)
+        meta["episode_lens"][:] = self.max_timesteps
+        for name, values in rows.items():
+            writable.write_rows(name, episodes, 0, values)
+        for name, values in meta.items():
+            writable.write_meta(name, episodes, values)
+        edit = self.random_rows(2, seed=14)
+        t0, t1 = 1, self.max_timesteps // 2
+        for name, values in edit.items():
+            writable.update_rows(name, episodes, t0, values[:, t0:t1])
+            writable.update_rows(name, episodes[:0], t0, values[:0, t0:t1])  # no episodes: nothing
+            rows[name][:, t0:t1] = values[:, t0:t1]
+        for name, values in rows.items():
+            np.testing.assert_array_equal(writable.read_rows(name, episodes, 0, self.max_timesteps), values)
+            out = np.zeros_like(values)
+            writable.read_spans(name, episodes, np.zeros(2, np.int64), np.full(2, self.max_timesteps), out)
+            np.testing.assert_array_equal(out, values, err_msg=name)
+
     def test_new_buffer_generations_are_zero(self, writable: Storage) -> None:
         generations = writable.read_meta("_generation")
         assert generations.dtype == np.int64 and not generations.any()
@@ -370,7 +478,9 @@ class StorageTests:
         with self.no_writes(reader):
             again = storage_factory()
             again.open(read_only=True)
-            self.assert_reads(again, rows, seed=2)
+            for field in rows:
+                again.preload(field, np.arange(self.max_episodes), meta["_generation"])
+            self.assert_reads(again, rows, seed=2, generations=meta["_generation"])
             again.load_state()
             again.list_blobs("replaybuf/")
             again.log_names()
@@ -385,6 +495,7 @@ class StorageTests:
                 "append_log": lambda: reader.append_log("a", b"x"),
                 "clear_log": lambda: reader.clear_log("a"),
                 "write_rows": lambda: reader.write_rows(name, one, 0, row),
+                "update_rows": lambda: reader.update_rows(name, one, 0, row),
                 "write_meta": lambda: reader.write_meta("task", one, meta["task"][:1]),
                 "array(...)[...] =": lambda: reader.array(name).__setitem__((0, 0), 1),
             }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
-from replaybuf.sampling import make_dataloader
-from replaybuf.storage import make_storage
+from replaybuf.sampling import make_dataloader, make_dataset
+from replaybuf.storage import GenerationMismatchError, make_storage
 from replaybuf.storage._cache import CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
 from tests._data import SAMPLING_FIELDS as FIELDS
@@ -262,12 +263,16 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     writer.close()
     reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options)
     assert isinstance(reader.storage, CachedStorage)  # on by default on object stores
+    loader = make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=0)
     with s3_server.record() as first:
-        list(make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=0))
-    with s3_server.record() as second:
+        assert sum(len(batch["state"]) for batch in loader) == 640
+    with s3_server.record() as second:  # the same loader again: not even a _generation re-check
+        assert sum(len(batch["state"]) for batch in loader) == 640
+    with s3_server.record() as third:  # a new loader: its snapshot reads bookkeeping, no data
         list(make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=1))
-    data_gets = [path for method, path in second.requests if method == "GET" and "/data/" in path]
+    data_gets = [path for method, path in third.requests if method == "GET" and "/data/" in path]
     assert first.peak_in_flight["GET"] >= 16, first.peak_in_flight
+    assert second.count() == 0, second.requests[:10]
     assert data_gets == []
     off = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options, cache=False)
     assert not isinstance(off.storage, CachedStorage)
@@ -292,3 +297,120 @@ def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path):
     np.testing.assert_array_equal(result["rows"], expected)  # slot 0 read from the buffer this time
     storage.rows("state", [0])
     assert os.path.join("state", "0-1.raw") in cache_files(storage.root)
+
+
+def slot_of_key(path: str) -> int:
+    """The slot (first chunk index) of a data object's key ``.../data/<field>/c.<slot>...``
+    (or ``c/<slot>/...``)."""
+    match = re.search(r"/data/[^/]+/c[./](\d+)", path)
+    assert match, path
+    return int(match.group(1))
+
+
+def test_s3_slot_rewritten_between_epochs_is_refetched_alone(s3_server):
+    options = dict(max_episodes=6, max_timesteps=10, fields=FIELDS, meta_fields=META_FIELDS)
+    location = s3_server.url(f"cache-{uuid.uuid4().hex[:8]}")
+    writer = ReplayBuffer(location, storage_options=s3_server.storage_options, circular=True, **options)
+    fill(writer)
+    reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options)
+    before = make_dataloader(reader, batch_size=8, timestep_level=True, return_indices=True, seed=0)
+    list(before)  # fills the cache
+    writer.store_episode(**episode(6, 8), task=6, success=True)  # wraps into slot 0
+    reader.refresh()
+    after = make_dataloader(reader, batch_size=8, timestep_level=True, return_indices=True, seed=1)
+    with s3_server.record() as log:
+        batches = list(after)
+    slots = {slot_of_key(p) for m, p in log.requests if m == "GET" and "/data/" in p}
+    assert slots == {0}, slots  # only the rewritten slot is fetched again
+    ident = torch.cat([b["ident"] for b in batches]).reshape(-1)
+    where = torch.cat([b["_indices"] for b in batches])
+    assert (where[:, 0] == 0).sum() == 8  # all 8 steps of the new episode, none of the old one's 1
+    expected = torch.where(where[:, 0] == 0, 6000 + where[:, 1], 1000 * where[:, 0] + where[:, 1])
+    assert torch.equal(ident, expected.to(ident.dtype))
+    # the loader made before: its snapshot named slot 0's old episode, whose meta rows the
+    # refreshed mirror no longer holds; its samples of slot 0 are redrawn, never mixed
+    with s3_server.record() as old_epoch:
+        batches = list(before)
+    where = torch.cat([b["_indices"] for b in batches])
+    assert len(where) and not (where[:, 0] == 0).any()
+    for b in batches:
+        assert torch.equal(b["task"].reshape(-1), (b["ident"].reshape(-1) // 1000 % 3).to(b["task"].dtype))
+    assert not [p for m, p in old_epoch.requests if m == "GET" and "/data/" in p]
+    writer.close()
+
+
+def test_fill_racing_a_writer_publishes_nothing_and_the_read_is_replanned(tmp_path):
+    location, cache = str(tmp_path / "ring"), tmp_path / "cache"
+    writer = ReplayBuffer(location, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    storage = reader.storage
+    dataset_loader = make_dataloader(reader, batch_size=12, timestep_level=True, return_indices=True, seed=0)
+    read_spans, rewrites = storage.inner.read_spans, []
+
+    def rewrite_slot_0_first(*args, **kwargs):  # the writer reuses slot 0 while the cache fills
+        if not rewrites:
+            rewrites.append(writer.store_episode(**episode(7, 5), task=7, success=True))
+        return read_spans(*args, **kwargs)
+
+    storage.inner.read_spans = rewrite_slot_0_first
+    with pytest.raises(GenerationMismatchError) as caught:
+        storage.read_rows("ident", np.array([0, 1]), 0, 4, np.array([1, 2]))
+    assert caught.value.slots == [0] and rewrites
+    files = sorted(cache_files(storage.root))
+    assert os.path.join("ident", "0-1.raw") not in files, "a fill that raced a writer published"
+    assert os.path.join("ident", "1-2.raw") in files
+    # the dataset planned slot 0 at generation 1: its samples are redrawn from slots 1 and 2
+    batches = list(dataset_loader)
+    where = torch.cat([b["_indices"] for b in batches])
+    assert len(where) and not (where[:, 0] == 0).any()
+    for b in batches:
+        assert torch.equal(
+            b["ident"].reshape(-1), (1000 * b["_indices"][:, 0] + b["_indices"][:, 1]).to(b["ident"].dtype)
+        )
+    # a read planned now (data[...] plans from the store) gets the new episode, then cached
+    assert reader.data["ident"][0, :5].tolist() == [7000, 7001, 7002, 7003, 7004]
+    assert os.path.join("ident", "0-4.raw") in cache_files(storage.root)
+    writer.close()
+
+
+def test_datasets_drop_a_slot_reused_while_they_load(tmp_path):
+    location = str(tmp_path / "ring")
+    writer = ReplayBuffer(location, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    inner = reader.storage.inner
+    read_spans, armed = inner.read_spans, []
+
+    def rewrite_once(*args, **kwargs):  # the next episode goes into the next slot meanwhile
+        if armed:
+            writer.store_episode(**episode(armed.pop(), 4), task=0, success=True)
+        return read_spans(*args, **kwargs)
+
+    inner.read_spans = rewrite_once
+
+    def samples(dataset) -> dict[str, torch.Tensor]:
+        """Every sample of ``dataset`` read as one batch; each one's ``ident`` names its step."""
+        batch = dataset.__getitems__(list(range(len(dataset)))).batch
+        return batch
+
+    armed.append(7)  # slot 0 is reused while cache='ram' decodes the snapshot
+    ram = make_dataset(reader, fields=["ident"], timestep_level=True, cache="ram", return_indices=True)
+    assert not armed
+    batch = samples(ram)
+    assert set(batch["_indices"][:, 0].tolist()) == {1, 2}
+    assert torch.equal(
+        batch["ident"].reshape(-1), (1000 * batch["_indices"][:, 0] + batch["_indices"][:, 1]).to(torch.int32)
+    )
+    armed.append(8)  # slot 1 is reused while filter_fields reads a field not cached yet
+    filtered = make_dataset(reader, timestep_level=True, filter_fields={"done": False}, return_indices=True)
+    assert not armed
+    batch = samples(filtered)
+    where = batch["_indices"]
+    assert set(where[:, 0].tolist()) == {0, 2} and not batch["done"].any()
+    ident = batch["ident"].reshape(-1)
+    expected = torch.where(where[:, 0] == 0, 7000 + where[:, 1], 2000 + where[:, 1]).to(ident.dtype)
+    assert torch.equal(ident, expected)
+    writer.close()

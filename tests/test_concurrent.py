@@ -103,8 +103,8 @@ def test_consistent_read_rereads_a_slot_reused_during_the_read(location):
     reader = ReplayBuffer.from_folder(location, read_only=True)
     read_rows, calls = reader.storage.read_rows, []
 
-    def overwrite_during_first_read(name, episodes, t0, t1):
-        rows = read_rows(name, episodes, t0, t1)
+    def overwrite_during_first_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
         calls.append(list(episodes))
         if len(calls) == 1:
             write_episode(writer, 3, "whole")  # reuses slot 0 after its data was read
@@ -123,8 +123,8 @@ def test_a_slot_rewritten_during_every_read_raises_a_retryable_error(location):
     reader = ReplayBuffer.from_folder(location, read_only=True)
     read_rows, uids = reader.storage.read_rows, iter(range(10, 100))
 
-    def overwrite_during_every_read(name, episodes, t0, t1):
-        rows = read_rows(name, episodes, t0, t1)
+    def overwrite_during_every_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
         write_episode(writer, next(uids), "whole")
         return rows
 
@@ -142,12 +142,12 @@ def test_a_read_torn_by_a_rewrite_is_a_retry(location):
     reader = ReplayBuffer.from_folder(location, read_only=True)
     read_rows, calls = reader.storage.read_rows, []
 
-    def torn_once(name, episodes, t0, t1):
+    def torn_once(name, episodes, t0, t1, generations=None):
         calls.append(list(episodes))
         if len(calls) == 1:
             write_episode(writer, 3, "whole")  # slot 0 is rewritten while it is read
             raise RuntimeError("Zstd decompression error: invalid input data")
-        return read_rows(name, episodes, t0, t1)
+        return read_rows(name, episodes, t0, t1, generations)
 
     reader.storage.read_rows = torn_once
     got = read_episodes_consistent(reader, [0, 1])
@@ -160,7 +160,7 @@ def test_a_read_error_without_a_rewrite_is_raised(location):
     write_episode(writer, 1, "whole")
     reader = ReplayBuffer.from_folder(location, read_only=True)
 
-    def broken(name, episodes, t0, t1):
+    def broken(name, episodes, t0, t1, generations=None):
         raise RuntimeError("disk on fire")
 
     reader.storage.read_rows = broken

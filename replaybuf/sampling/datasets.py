@@ -3,9 +3,11 @@ transitions and time windows, with the seed's (memmap-replay-buffer) semantics.
 
 Each dataset fixes, at creation, the slots it uses with their lengths and generations: it sees
 the episodes committed up to then and never a half-written one. ``__getitems__`` (what torch's
-DataLoader calls with a whole batch) reads every field once for the batch; after reading, the
-slots' committed generations are checked again and samples whose slot a writer reused in the
-meantime are replaced by fresh draws (or dropped when nothing is left).
+DataLoader calls with a whole batch) reads every field once for the batch, naming the snapshot's
+generations, through the one optimistic read (``consistency.read_consistent``): samples whose
+slot a writer reused in the meantime are replaced by fresh draws (or dropped when nothing is
+left). On a storage that ``verifies_generations`` (the read cache) a sample is served from the
+copy of the episode the snapshot named, when one is kept, even after the slot was reused.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..consistency import read_consistent
-from ..storage import fill_beyond
+from ..storage import GenerationMismatchError, fill_beyond
 from ..view import BufferView
 from .collate import CollatedSamples
 from .fetch import Fetcher
@@ -162,6 +164,7 @@ class _SnapshotDataset(Dataset):
         def read(items: np.ndarray) -> None:
             last["items"] = items
             last["columns"], last["lens"] = self._read(positions[items])
+            self._check_meta_rows(self._slots_of(positions[items]))
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             stale = np.zeros(len(positions), dtype=bool)
@@ -185,6 +188,17 @@ class _SnapshotDataset(Dataset):
             columns["_weights"] = np.asarray(weights, dtype=np.float32)[items][keep]
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in columns.items()}
         return CollatedSamples(batch, lens, self.time_keys)
+
+    def _check_meta_rows(self, slots: np.ndarray) -> None:
+        """Meta columns come from the buffer's mirror, which a later ``refresh()`` may have
+        moved past the snapshot: GenerationMismatchError names the slots it no longer agrees on
+        (a storage that verifies generations checks the data, not these rows)."""
+        if not self.meta_names or not len(slots):
+            return
+        mirror = np.asarray(self.replay_buffer.generations)[slots]
+        moved = slots[mirror != self._generations[slots]]
+        if len(moved):
+            raise GenerationMismatchError(self.replay_buffer.storage.location, moved)
 
     def _redraw(self, positions: np.ndarray, stale: np.ndarray) -> np.ndarray:
         """Forget slots reused by a writer and draw other samples for the stale ones."""
@@ -341,29 +355,33 @@ class _TimepointDataset(_SnapshotDataset):
             shape = self.replay_buffer.schema.fields[name].shape
             if shape not in ((), (1,)):
                 raise ValueError(f"filter_fields only supports scalar fields, got shape {shape} for {name!r}")
-            data = self.fetcher.gather(name, episodes, timesteps).reshape(len(episodes))
+            data = self._gather_live(name, episodes, timesteps).reshape(len(episodes))
             if isinstance(value, bool):
                 data = data.astype(bool)
             if torch.is_tensor(value):
                 value = value.cpu().numpy()
             keep &= np.asarray(data == value)
-        return keep
+        return keep & (self._generations[episodes] > 0)
+
+    def _gather_live(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        """``fetcher.gather`` of the pairs whose slot is still in the snapshot (zeros for the
+        others); a slot a verifying storage finds reused since is dropped from the snapshot."""
+        while True:
+            live = np.flatnonzero(self._generations[episodes] > 0)
+            try:
+                values = self.fetcher.gather(name, episodes[live], timesteps[live])
+            except GenerationMismatchError as error:
+                self._generations[error.slots] = -1
+                continue
+            out = np.zeros((len(episodes), *values.shape[1:]), values.dtype)
+            out[live] = values
+            return out
 
     def __len__(self) -> int:
         return len(self._episodes)
 
     def _slots_of(self, positions):
         return self._episodes[positions]
-
-    def _redraw(self, positions, stale):
-        gone = np.unique(self._episodes[positions][stale])
-        self._generations[gone] = -1
-        alive = np.flatnonzero(self._generations[self._episodes] >= 0)
-        if len(alive) == 0:
-            return positions
-        positions = positions.copy()
-        positions[stale] = alive[self.rng().integers(0, len(alive), int(stale.sum()))]
-        return positions
 
     def _indices_column(self, episodes: np.ndarray, timesteps: np.ndarray) -> dict[str, np.ndarray]:
         return {"_indices": np.stack([episodes, timesteps], axis=1)} if self.return_indices else {}

@@ -1,13 +1,15 @@
 """Batched reads of a buffer snapshot: one grouped read per field per batch.
 
 A ``Fetcher`` knows the slots, lengths and generations a dataset saw at creation. It reads
-(episode, timestep) pairs and time windows through the storage's batched ``gather``; arrays
-that accept ``versions`` (the zarr backend's) then serve repeated reads from their chunk cache
-and resident copies, keyed by the slot generation so a reused slot is never served stale.
-Small fields (vectors and scalars, those the zarr backend holds whole in RAM) of the snapshot's
-slots are loaded into the arrays' resident copies when the fetcher is made, in one parallel pass
-(only rows missing or changed since an earlier load are read), so that DataLoader workers started
-by fork share them; a spawned worker loads its own when it unpickles the fetcher.
+(episode, timestep) pairs and time windows through the storage's batched ``gather`` and
+``read_spans``, always naming the snapshot's generation of each slot (``storage/base.py``,
+"Generations"): backends key their caches by it (the zarr chunk cache and resident copies, the
+read cache's files), so a reused slot is never served stale, and a storage that
+``verifies_generations`` spares the batch its re-check (``consistency.read_consistent``).
+``Storage.preload`` is called for every field when the fetcher is made (the zarr backend then
+loads the snapshot's rows of small fields into RAM in one parallel pass, so that DataLoader
+workers started by fork share them); a spawned worker preloads again when it unpickles the
+fetcher.
 ``cache='ram'`` instead decodes the snapshot's fields once into RAM at creation (DataLoader
 workers started by fork share it; spawned workers decode their own), ``cache='memmap'`` into
 temporary ``.npy`` files that every worker maps (fork or spawn), removed with the dataset.
@@ -23,7 +25,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..storage.spans import fill_beyond
+from ..storage import GenerationMismatchError, fill_beyond
+from ..view import BufferView
 
 CACHE_MODES = (None, "ram", "memmap")
 _RAM_BATCH_EPISODES = 16
@@ -49,7 +52,8 @@ class Fetcher:
         The data fields this fetcher reads (those ``cache='ram'`` loads).
     slots, lens, generations
         The snapshot: slots used, and per slot (whole ``max_episodes`` arrays) their length and
-        generation at creation.
+        generation at creation. ``generations`` is shared with the dataset, not copied: a slot
+        this fetcher finds reused while loading ``cache='ram'`` is set to -1 there (never drawn).
     cache
         None: read through the storage; ``'ram'``: decode the fields of ``slots`` into RAM once;
         ``'memmap'``: decode them once into temporary files under ``cache_dir`` (default: the
@@ -58,7 +62,7 @@ class Fetcher:
 
     def __init__(
         self,
-        buffer,
+        buffer: BufferView,
         fields: Iterable[str],
         slots: np.ndarray,
         lens: np.ndarray,
@@ -69,10 +73,11 @@ class Fetcher:
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         self.storage = buffer.storage
+        self.schema = buffer.schema
         self.fields = tuple(dict.fromkeys(fields))
         self.slots = np.asarray(slots, dtype=np.int64)
         self.lens = np.asarray(lens, dtype=np.int64)
-        self.generations = np.asarray(generations, dtype=np.int64)
+        self.generations = generations
         self.cache = cache
         self._ram: dict[str, np.ndarray] | None = None
         self._folder: str | None = None
@@ -99,18 +104,14 @@ class Fetcher:
             self._load_resident()
 
     def _load_resident(self) -> None:
-        """Load the snapshot's rows of the fields the storage holds resident (small ones).
+        """``Storage.preload`` of the snapshot's rows of every field.
 
-        A slot being rewritten may fail to decode: the load then stops there, and the batch
+        A slot being rewritten may fail to decode: the preload then stops there, and the batch
         reads (checked by ``consistency.read_consistent``) load what they use, as they would
         have without it."""
-        versions = self.generations[self.slots]
         for name in self.fields:
-            array = self.storage.array(name)
-            if not hasattr(array, "load_resident"):
-                continue
             try:
-                array.load_resident(self.slots, versions)
+                self.storage.preload(name, self.slots, self.generations[self.slots])
             except Exception:  # noqa: BLE001 - retried, checked, by the batch reads
                 return
 
@@ -120,23 +121,35 @@ class Fetcher:
         self._row[self.slots] = np.arange(len(self.slots))
         ram = {}
         for i, name in enumerate(self.fields):
-            array = self.storage.array(name)
-            shape = (len(self.slots), longest, *array.shape[2:])
+            field = self.schema.fields[name]
+            shape = (len(self.slots), longest, *field.shape)
             if self._folder is None:
-                dense = np.zeros(shape, dtype=array.dtype)
+                dense = np.zeros(shape, dtype=field.dtype)
             else:
                 dense = np.lib.format.open_memmap(
-                    os.path.join(self._folder, f"{i}.npy"), mode="w+", dtype=array.dtype, shape=shape
+                    os.path.join(self._folder, f"{i}.npy"), mode="w+", dtype=field.dtype, shape=shape
                 )
             for lo in range(0, len(self.slots), _RAM_BATCH_EPISODES):
-                part = self.slots[lo : lo + _RAM_BATCH_EPISODES]
-                self._read_spans_into(
-                    dense[lo : lo + len(part)], name, part, np.zeros(len(part), np.int64), self.lens[part]
-                )
+                self._load_ram_rows(dense, name, np.arange(lo, min(lo + _RAM_BATCH_EPISODES, len(self.slots))))
             if isinstance(dense, np.memmap):
                 dense.flush()
             ram[name] = dense
         self._ram = ram
+
+    def _load_ram_rows(self, dense: np.ndarray, name: str, rows: np.ndarray) -> None:
+        """Rows ``rows`` of ``dense`` from their slots; a slot a verifying storage finds reused
+        since the snapshot is dropped from it (generation -1: never drawn) and the rest read."""
+        while len(rows):
+            part = self.slots[rows]
+            block = np.zeros((len(rows), *dense.shape[1:]), dense.dtype)
+            try:
+                self._read_spans_into(block, name, part, np.zeros(len(part), np.int64), self.lens[part])
+            except GenerationMismatchError as error:
+                self.generations[error.slots] = -1
+                rows = rows[self.generations[part] > 0]
+                continue
+            dense[rows] = block
+            return
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -150,10 +163,8 @@ class Fetcher:
         return self._gather_storage(name, episodes, timesteps)
 
     def _gather_storage(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
-        array = self.storage.array(name)
-        if getattr(array, "supports_versions", False):
-            return array.gather(episodes, timesteps, self.generations[episodes])
-        return self.storage.gather(name, episodes, timesteps)
+        episodes = np.asarray(episodes, dtype=np.int64)
+        return self.storage.gather(name, episodes, timesteps, self.generations[episodes])
 
     def windows(
         self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int
@@ -168,8 +179,8 @@ class Fetcher:
         lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
         if len(lengths) == 0 or lengths.mean() < _BULK_MIN_STEPS:
             return self._windows(self._gather_storage, name, episodes, starts, lengths, width)
-        array = self.storage.array(name)
-        out = np.empty((len(lengths), width, *array.shape[2:]), dtype=array.dtype)
+        field = self.schema.fields[name]
+        out = np.empty((len(lengths), width, *field.shape), dtype=field.dtype)
         self._read_spans_into(out, name, episodes, starts, lengths)
         fill_beyond(out, lengths, 0)
         return out
@@ -179,11 +190,7 @@ class Fetcher:
     ) -> None:
         """Long windows through the storage's bulk path, decoded straight into ``out``."""
         episodes = np.asarray(episodes, dtype=np.int64)
-        array = self.storage.array(name)
-        if getattr(array, "supports_versions", False):
-            array.read_into(out, episodes, starts, lengths, self.generations[episodes])
-        else:
-            self.storage.read_spans(name, episodes, starts, lengths, out)
+        self.storage.read_spans(name, episodes, starts, lengths, out, generations=self.generations[episodes])
 
     def _windows(self, gather, name, episodes, starts, lengths, width):
         episodes = np.asarray(episodes, dtype=np.int64)

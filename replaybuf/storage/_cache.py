@@ -5,10 +5,18 @@ reader of the machine maps: DataLoader workers (fork or spawn), other processes,
 One file per (field, slot, generation), holding the episode's ``episode_lens`` steps:
 
 - **Keyed by generation.** A slot's ``_generation`` only grows, so a reused slot gets a new file
-  and is refetched, never served stale. The layer serves the generation it last saw for the slot
-  (loaded lazily, refreshed by ``drop_caches`` and by every ``_generation`` read passing through
-  it, which is how the consistent read of ``consistency.py`` re-checks); a fill publishes a file
-  only when the slot held the same generation before and after reading its rows.
+  and is refetched, never served stale. A fill publishes a file only when the slot held the same
+  generation before and after reading its rows, so a file holds the bytes of one committed
+  episode, never a torn mix.
+- **Verified reads.** A read given ``generations`` (what the consistent reads of
+  ``consistency.py`` pass) serves each slot from the file of exactly that generation; rows it
+  must read from the wrapped storage (steps past a cached length, a slot whose fill found it
+  reused) are followed by a read of those slots' ``_generation``. So the layer
+  ``verifies_generations``: a read served wholly from files reads nothing from the wrapped
+  storage, not even ``_generation`` (the second epoch over S3 issues no GET at all), and a slot
+  reused since the caller planned raises ``GenerationMismatchError``. A read without
+  ``generations`` serves the generation this process last saw for the slot (loaded lazily,
+  refreshed by ``drop_caches`` and by every ``_generation`` read passing through it).
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
@@ -33,12 +41,13 @@ import threading
 import time
 import uuid as uuid_module
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..schema import Field, Schema
-from .base import ArrayLike, Storage
+from .base import ArrayLike, GenerationMismatchError, Storage
 
 #: default bound of one buffer's cache folder (``cache_size``)
 DEFAULT_CACHE_SIZE = 20 << 30
@@ -83,24 +92,6 @@ def new_uuid() -> str:
     return uuid_module.uuid4().hex
 
 
-class _CachedArray:
-    """``storage.array(name)`` of a cached data field: indexing reads the wrapped array. It does
-    not take ``versions``, so the sampling fetcher reads through the layer's ``gather`` and
-    ``read_spans``."""
-
-    supports_versions = False
-
-    def __init__(self, inner: ArrayLike):
-        self._inner = inner
-        self.shape, self.dtype = inner.shape, inner.dtype
-
-    def __getitem__(self, key):
-        return self._inner[key]
-
-    def __setitem__(self, key, value) -> None:
-        self._inner[key] = value
-
-
 class CachedStorage(Storage):
     """``inner`` with its data fields' committed rows served from raw files under
     ``cache_dir/<buffer identity>/`` (see the module docstring).
@@ -114,6 +105,8 @@ class CachedStorage(Storage):
     cache_size
         Bytes this buffer's cache may hold before least recently used episodes are evicted.
     """
+
+    verifies_generations = True
 
     def __init__(
         self, inner: Storage, cache_dir: str | os.PathLike | None = None, cache_size: int = DEFAULT_CACHE_SIZE
@@ -186,8 +179,8 @@ class CachedStorage(Storage):
         return self.schema
 
     def array(self, name: str, meta: bool = False) -> ArrayLike:
-        array = self.inner.array(name, meta)
-        return array if meta else _CachedArray(array)
+        # docstring inherited: the wrapped storage's (only the layer's reads use the cache)
+        return self.inner.array(name, meta)
 
     def read_blob(self, key: str) -> bytes | None:
         return self.inner.read_blob(key)
@@ -244,26 +237,43 @@ class CachedStorage(Storage):
         assert self.schema is not None  # cached reads run on an opened storage (see ``_cached``)
         return self.schema.fields[name]
 
-    def rows(self, name: str, episodes: Sequence[int] | np.ndarray) -> dict[int, np.ndarray]:
+    def rows(
+        self, name: str, episodes: Sequence[int] | np.ndarray, generations: Sequence[int] | np.ndarray | None = None
+    ) -> dict[int, np.ndarray]:
         """Slot -> the committed rows (length, *shape) of every slot among ``episodes`` that
-        holds an episode, mapped from the cache and filled first where absent."""
-        wanted = np.unique(np.asarray(episodes, dtype=np.int64))
-        if self._generations is None:
-            self._generations = np.asarray(self.inner.read_meta("_generation"), dtype=np.int64).copy()
-        generations = self._generations[wanted]
+        holds an episode, mapped from the cache and filled first where absent: at
+        ``generations`` (one per episode) when given, else at the generation this process last
+        saw for the slot. A slot whose fill found another generation is left out."""
+        found = self._rows(name, self._pairs(episodes, generations))
+        return {slot: rows for (slot, _), rows in found.items()}
+
+    def _pairs(self, episodes: Sequence[int] | np.ndarray, generations: Any) -> np.ndarray:
+        """(slot, generation) per item: the planned generations, else this process's view."""
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        if generations is None:
+            if self._generations is None:
+                self._generations = np.asarray(self.inner.read_meta("_generation"), dtype=np.int64).copy()
+            generations = self._generations[episodes]
+        generations = np.broadcast_to(np.asarray(generations, dtype=np.int64).reshape(-1), episodes.shape)
+        return np.stack([episodes, generations], axis=1)
+
+    def _rows(self, name: str, pairs: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+        """(slot, generation) -> cached rows for each distinct pair of ``pairs`` with a generation
+        > 0 that is (or, after a fill, has become) cached."""
         out, missing = {}, []
         now = time.monotonic()
         with self._lock:
-            for slot, generation in zip(wanted.tolist(), generations.tolist()):
-                entry = self._maps.get((name, slot, generation)) if generation > 0 else None
-                if entry is not None:
-                    self._maps.move_to_end((name, slot, generation))
-                    if now - entry[1] > TOUCH_S:
-                        self._touch(name, slot, generation)
-                        self._maps[name, slot, generation] = (entry[0], now)
-                    out[slot] = entry[0]
-                elif generation > 0:
+            for slot, generation in {(int(s), int(g)) for s, g in pairs.tolist() if g > 0}:
+                entry = self._maps.get((name, slot, generation))
+                if entry is None:
                     missing.append((slot, generation))
+                    continue
+                self._maps.move_to_end((name, slot, generation))
+                if now - entry[1] > TOUCH_S:
+                    self._touch(name, slot, generation)
+                    self._maps[name, slot, generation] = (entry[0], now)
+                out[slot, generation] = entry[0]
+        missing.sort()
         opened = [(slot, g, self._map(name, slot, g)) for slot, g in missing]
         absent = [(slot, g) for slot, g, rows in opened if rows is None]
         if absent:
@@ -272,11 +282,39 @@ class CachedStorage(Storage):
         with self._lock:
             for slot, generation, rows in opened:
                 if rows is not None:
-                    out[slot] = rows
+                    out[slot, generation] = rows
                     self._maps[name, slot, generation] = (rows, now)
             while len(self._maps) > MAX_OPEN_MAPS:
                 self._maps.popitem(last=False)
         return out
+
+    def _served(
+        self, name: str, episodes: np.ndarray, generations: np.ndarray | None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Per distinct (slot, generation) of the items: (item indices, cached rows or None)."""
+        pairs = self._pairs(episodes, generations)
+        found = self._rows(name, pairs)
+        if not len(pairs):
+            return
+        unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
+        order = np.argsort(inverse.reshape(-1), kind="stable")
+        bounds = np.searchsorted(inverse.reshape(-1)[order], np.arange(len(unique) + 1))
+        for k, (slot, generation) in enumerate(unique.tolist()):
+            yield order[bounds[k] : bounds[k + 1]], found.get((slot, generation))
+
+    def _verified(self, read: Callable[[], Any], episodes: np.ndarray, generations: np.ndarray | None) -> Any:
+        """``read()`` from the wrapped storage; with ``generations`` (one per episode), the
+        slots' generations are read afterwards and a slot found at another one refuses the
+        read (GenerationMismatchError): this layer ``verifies_generations``."""
+        result = read()
+        if generations is not None and len(episodes):
+            slots, first = np.unique(np.asarray(episodes, dtype=np.int64), return_index=True)
+            now = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
+            self._remember(slots, now)
+            moved = slots[now != np.broadcast_to(np.asarray(generations, dtype=np.int64), len(episodes))[first]]
+            if len(moved):
+                raise GenerationMismatchError(self.location, moved)
+        return result
 
     def _path(self, name: str, slot: int, generation: int) -> str:
         return os.path.join(self.root, name, f"{slot}-{generation}{SUFFIX}")
@@ -342,7 +380,7 @@ class CachedStorage(Storage):
             return
         field = self._field(name)
         out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
-        self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out)
+        self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, generations=generations)
         after = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
         self._remember(slots, after)
         folder = os.path.join(self.root, name)
@@ -386,26 +424,29 @@ class CachedStorage(Storage):
             total -= size
         self._used = total
 
-    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+    def gather(
+        self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
+    ) -> np.ndarray:
+        # docstring inherited
         if not self._cached(name):
-            return self.inner.gather(name, episodes, timesteps)
+            return self._verified(
+                lambda: self.inner.gather(name, episodes, timesteps, generations), episodes, generations
+            )
         episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
         field = self._field(name)
         out = np.empty((len(episodes), *field.shape), dtype=field.dtype)
-        rows = self.rows(name, episodes)
         served = np.zeros(len(episodes), dtype=bool)
-        order = np.argsort(episodes, kind="stable")
-        bounds = np.flatnonzero(np.diff(episodes[order])) + 1
-        for items in np.split(order, bounds) if len(order) else ():
-            cached = rows.get(int(episodes[items[0]]))
-            if cached is None:
-                continue
-            items = items[timesteps[items] < len(cached)]
-            out[items] = cached[timesteps[items]]
-            served[items] = True
+        for items, cached in self._served(name, episodes, generations):
+            if cached is not None:
+                items = items[timesteps[items] < len(cached)]
+                out[items] = cached[timesteps[items]]
+                served[items] = True
         rest = np.flatnonzero(~served)
         if len(rest):
-            out[rest] = self.inner.gather(name, episodes[rest], timesteps[rest])
+            planned = None if generations is None else np.broadcast_to(generations, episodes.shape)[rest]
+            out[rest] = self._verified(
+                lambda: self.inner.gather(name, episodes[rest], timesteps[rest], planned), episodes[rest], planned
+            )
         return out
 
     def read_spans(
@@ -416,32 +457,53 @@ class CachedStorage(Storage):
         lengths: np.ndarray,
         out: np.ndarray,
         parallel: bool = True,
+        generations: np.ndarray | None = None,
     ) -> None:
+        # docstring inherited
         if not self._cached(name):
-            return self.inner.read_spans(name, episodes, starts, lengths, out, parallel)
-        episodes = np.asarray(episodes, dtype=np.int64)
+            self._verified(
+                lambda: self.inner.read_spans(name, episodes, starts, lengths, out, parallel, generations),
+                np.asarray(episodes),
+                generations,
+            )
+            return
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-        rows = self.rows(name, episodes)
-        rest = []
-        for i, (slot, start, length) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
-            cached = rows.get(slot)
-            if cached is not None and start + length <= len(cached):
-                out[i, :length] = cached[start : start + length]
-            elif length:
-                rest.append(i)
-        if rest:
+        served = lengths == 0
+        for items, cached in self._served(name, episodes, generations):
+            if cached is None:
+                continue
+            for i in items.tolist():
+                start, length = int(starts[i]), int(lengths[i])
+                if length and start + length <= len(cached):
+                    out[i, :length] = cached[start : start + length]
+                    served[i] = True
+        rest = np.flatnonzero(~served)
+        if len(rest):
+            planned = None if generations is None else np.broadcast_to(generations, episodes.shape)[rest]
             part = out[rest]
-            self.inner.read_spans(name, episodes[rest], starts[rest], lengths[rest], part, parallel)
+            self._verified(
+                lambda: self.inner.read_spans(
+                    name, episodes[rest], starts[rest], lengths[rest], part, parallel, planned
+                ),
+                episodes[rest],
+                planned,
+            )
             out[rest] = part
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
+        # docstring inherited
         if not self._cached(name):
-            return self.inner.read_rows(name, episodes, t0, t1)
+            return self._verified(
+                lambda: self.inner.read_rows(name, episodes, t0, t1, generations), episodes, generations
+            )
         field = self._field(name)
         episodes = np.asarray(episodes, dtype=np.int64)
         out = np.empty((len(episodes), t1 - t0, *field.shape), dtype=field.dtype)
         count = len(episodes)
-        self.read_spans(name, episodes, np.full(count, t0), np.full(count, t1 - t0), out)
+        self.read_spans(name, episodes, np.full(count, t0), np.full(count, t1 - t0), out, generations=generations)
         return out
 
     def warm(self, slots: np.ndarray, fields: Sequence[str], progress: bool | None = None) -> None:
@@ -477,6 +539,7 @@ _FORWARDED = (
     "copy_log_aside",
     "time_chunk",
     "write_rows",
+    "update_rows",
     "write_meta",
     "writer_lease",
     "acquire_writer",

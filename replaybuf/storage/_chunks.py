@@ -194,8 +194,6 @@ class ChunkedArray:
     The length is read only when a chunk is missing: the normal path costs nothing.
     """
 
-    supports_versions = True  # gather/read_rows take ``versions`` (chunk cache, resident copy)
-
     def __init__(
         self,
         kv: KeyValue,
@@ -228,6 +226,9 @@ class ChunkedArray:
         # whether it was compared since the last drop_cached
         self._resident_prints: np.ndarray | None = None
         self._resident_checked: np.ndarray | None = None
+        # the resident copy is made and brought to versions by one thread at a time: reads of
+        # several episode runs of one array run in parallel (get_all_data's dask tasks)
+        self._resident_lock = threading.Lock()
         self.resident_rows_read = 0  # rows (re)loaded into the resident copy: a test hook
 
     @property
@@ -551,6 +552,13 @@ class ChunkedArray:
         """Whether the array is held whole in RAM: a small field (``RESIDENT_STEP_BYTES`` per
         step at most) or a small array (``SMALL_ARRAY_BYTES`` in all) whose full size fits what
         is left of the process's resident budget."""
+        if self._resident is not None:
+            return True
+        with self._resident_lock:
+            return self._make_resident()
+
+    def _make_resident(self) -> bool:
+        """``_resident_enabled`` for an array without a resident copy yet (lock held)."""
         if self._resident is None:
             step = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
             nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -584,6 +592,11 @@ class ChunkedArray:
 
     def _current_rows(self, episodes: np.ndarray, versions: np.ndarray) -> None:
         """Make the resident rows of ``episodes`` hold ``versions`` (one per episode)."""
+        with self._resident_lock:
+            self._bring_rows(episodes, versions)
+
+    def _bring_rows(self, episodes: np.ndarray, versions: np.ndarray) -> None:
+        """``_current_rows`` with the lock held."""
         _, known, _, checked = self._resident_copy()
         unchecked = ~checked[episodes]
         if unchecked.any():
@@ -662,8 +675,12 @@ class ChunkedArray:
 
     def __getstate__(self) -> dict:
         # The resident copy stays in the process that read it; a spawned worker loads its own.
-        resident = ("_resident", "_resident_versions", "_resident_prints", "_resident_checked")
+        resident = ("_resident", "_resident_versions", "_resident_prints", "_resident_checked", "_resident_lock")
         return {**self.__dict__, **dict.fromkeys(resident), "resident_rows_read": 0}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._resident_lock = threading.Lock()
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -820,8 +837,10 @@ class ChunkedArray:
 
     def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
         """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
-        consecutive episodes."""
+        consecutive episodes (none for no episodes)."""
         episodes = np.asarray(episodes)
+        if len(episodes) == 0:
+            return
         order = np.argsort(episodes, kind="stable")
         episodes, values = episodes[order], values[order]
         # plain ints, not np.r_: a one-episode commit pays this per field and per meta array

@@ -489,6 +489,11 @@ class HDF5Storage(KVBlobs, Storage):
         )[order]
         self._dirty = True
 
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited
+        self.write_rows(name, episodes, t0, values)
+        self.rows_rewritten(name, np.asarray(episodes))
+
     def rows_rewritten(self, name: str, key: Any) -> None:
         """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
         the committed episodes it touched."""
@@ -522,7 +527,9 @@ class HDF5Storage(KVBlobs, Storage):
                 ) from e
         return rows[inverse.reshape(-1)]
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited: whole committed episodes are checked against their crc32c
         rows = self.unchecked_rows(name, episodes, t0, t1)
         if self._checksums is not None and t0 == 0:
@@ -531,7 +538,9 @@ class HDF5Storage(KVBlobs, Storage):
             self._checksums.check(name, episodes, rows, t1, lens)
         return rows
 
-    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+    def gather(
+        self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited
         episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)
         if self._dirty:

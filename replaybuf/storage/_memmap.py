@@ -359,6 +359,11 @@ class MemmapStorage(KVBlobs, Storage):
             self._flush_arrays()
         self.array(name, meta=True).memmap[np.asarray(episodes)] = values
 
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited
+        self.write_rows(name, episodes, t0, values)
+        self.rows_rewritten(name, np.asarray(episodes))
+
     def rows_rewritten(self, name: str, key: Any) -> None:
         """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
         the committed episodes it touched."""
@@ -378,7 +383,9 @@ class MemmapStorage(KVBlobs, Storage):
         """``read_rows`` without the checksum check (to compute the checksums)."""
         return self.array(name).memmap[np.asarray(episodes), t0:t1]
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited: whole committed episodes are checked against their crc32c
         rows = self.unchecked_rows(name, episodes, t0, t1)
         if self._checksums is not None and t0 == 0:
@@ -394,6 +401,7 @@ class MemmapStorage(KVBlobs, Storage):
         lengths: np.ndarray,
         out: np.ndarray,
         parallel: bool = True,
+        generations: np.ndarray | None = None,
     ) -> None:
         # docstring inherited: one copy per episode straight from the page cache into ``out``
         memmap = self.array(name).memmap
@@ -426,7 +434,9 @@ class MemmapStorage(KVBlobs, Storage):
             for k in range(len(spans)):
                 copy(k)
 
-    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+    def gather(
+        self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited
         return self.array(name).memmap[np.asarray(episodes), np.asarray(timesteps)]
 

@@ -360,9 +360,14 @@ class ZarrStorage(KVBlobs, Storage):
         self._check_writable()
         self.array(name, meta=True)[np.asarray(episodes)] = values
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+    # Generations key the chunk cache and the resident copies of small fields (``_chunks.py``):
+    # reads given them may be served from RAM; they are not verified (``verifies_generations``).
+
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited
-        return self.array(name).read_rows(np.asarray(episodes), t0, t1)
+        return self.array(name).read_rows(np.asarray(episodes), t0, t1, generations)
 
     def read_spans(
         self,
@@ -372,13 +377,20 @@ class ZarrStorage(KVBlobs, Storage):
         lengths: np.ndarray,
         out: np.ndarray,
         parallel: bool = True,
+        generations: np.ndarray | None = None,
     ) -> None:
         # docstring inherited: one read per shard or chunk, frames decoded into place
-        self.array(name).read_into(out, episodes, starts, lengths, parallel=parallel)
+        self.array(name).read_into(out, episodes, starts, lengths, generations, parallel=parallel)
 
-    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+    def gather(
+        self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         # docstring inherited
-        return self.array(name).gather(episodes, timesteps)
+        return self.array(name).gather(episodes, timesteps, generations)
+
+    def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
+        # docstring inherited: the resident copy of a small field
+        self.array(name).load_resident(np.asarray(episodes), np.asarray(generations))
 
     def drop_caches(self) -> None:
         # docstring inherited

@@ -19,15 +19,35 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   write and the last step of every commit: a reader that loads the counters it published also
   sees every ``write_rows``/``write_meta`` the writer made before it (durably so with
   ``fsync``).
-- **Rows in place.** ``write_rows`` may overwrite in place, not atomically: the buffer calls it
-  only for slots no reader trusts (``episode_lens`` 0, or invalidated first). A reader reading
-  such a slot meanwhile may see a mix of old and new steps, so readers check ``episode_lens`` and
-  ``_generation`` after reading. ``write_meta`` writes each element in place; ``episode_lens``
-  and ``_generation`` of a slot are its publication.
-- **Reads.** ``read_rows``, ``gather``, ``read_spans``, ``array(...)[...]`` and ``read_meta``
-  return the stored values (never-written steps read as 0; a reader may serve them from its
-  caches until its next ``drop_caches``), for unsorted and repeated episodes, empty spans
-  included. They agree with each other.
+- **Rows in place.** ``write_rows`` may overwrite in place, not atomically: the commit protocol
+  calls it only for slots no reader trusts (``episode_lens`` 0, or invalidated first). A reader
+  reading such a slot meanwhile may see a mix of old and new steps, so readers check
+  ``episode_lens`` and ``_generation`` after reading. ``update_rows`` is the one write into
+  committed episodes (the API's in-place edits), without a new generation. ``write_meta`` writes
+  each element in place; ``episode_lens`` and ``_generation`` of a slot are its publication.
+- **Reads.** ``read_rows``, ``gather``, ``read_spans`` and ``read_meta`` return the stored
+  values (never-written steps read as 0; a reader may serve them from its caches until its next
+  ``drop_caches``), for unsorted and repeated episodes, empty spans included. They agree with
+  each other. They are the only way callers outside ``replaybuf/storage/`` read data: the array
+  objects of ``array`` are the backends' own.
+- **Generations.** ``read_rows``, ``gather`` and ``read_spans`` take ``generations``: per
+  episode (per pair for ``gather``) the ``_generation`` the caller planned for the slot. What a
+  read then guarantees depends on ``verifies_generations``:
+
+  - False (zarr, memmap, hdf5): generations are hints that may key the backend's caches (the
+    zarr chunk cache and resident copies: a row cached for one generation is never served for
+    another); the read returns the stored rows, as any read does. A reader beside a writer
+    re-reads ``_generation`` of the slots it read afterwards (``consistency.read_consistent``)
+    and discards the rows of slots that moved.
+  - True (the read cache, ``CachedStorage``): every row returned belongs to the generation
+    named for its slot (served from a copy keyed by it, or read and then found still at it),
+    else ``GenerationMismatchError`` names the slots that hold another generation now. The
+    caller needs no re-check of its own, so a read served wholly from a local copy reads
+    nothing from the backing store.
+
+  Without ``generations`` a read returns what is stored now and verifies nothing.
+- **Writes.** Data and meta are written through ``write_rows``, ``update_rows`` and
+  ``write_meta`` only; nothing outside ``replaybuf/storage/`` writes through ``array``.
 - **Read-only.** On a Storage opened read-only every write (the write methods above and
   ``array(...)[...] = ...``) raises PermissionError before anything is written, and reads write
   nothing (no lock files, no metadata updates). A Storage that cannot write at all
@@ -106,6 +126,23 @@ class CorruptChunkError(StorageError):
             steps=steps,
             location=location,
         )
+
+
+class GenerationMismatchError(RuntimeError):
+    """A read given ``generations`` by a storage that ``verifies_generations`` found slots
+    holding other generations: a writer reused them since the caller planned the read.
+    ``slots`` lists them; nothing the read wrote into a caller's ``out`` may be used. Retryable
+    with a new plan (``consistency.read_consistent`` re-plans or redraws those slots)."""
+
+    def __init__(self, location: str, slots: Any):
+        self.location, self.slots = location, sorted({int(s) for s in np.asarray(slots).reshape(-1)})
+        super().__init__(
+            f"slots {self.slots} of {location!r} no longer hold the generations the read was planned for "
+            "(a writer reused them); plan the read again"
+        )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.location, self.slots)
 
 
 class ArrayLike(Protocol):
@@ -248,9 +285,10 @@ class Storage(ABC):
     A backend must implement the eight abstract primitives (``exists``, ``create``, ``open``,
     ``array``, ``read_blob``, ``write_blob``, ``delete_blobs``, ``list_blobs``) and may override
     any other method for speed (the built-in backends override ``time_chunk``, ``write_rows``,
-    ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``read_meta``, ``drop_caches``,
-    ``close`` and ``describe``; ``KVBlobs`` gives ``append_log`` real appends). Callers branch
-    on the capability flags below, never on ``isinstance`` or ``backend_name``.
+    ``update_rows``, ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``preload``,
+    ``read_meta``, ``drop_caches``, ``close`` and ``describe``; ``KVBlobs`` gives ``append_log``
+    real appends). Callers branch on the capability flags below, never on ``isinstance`` or
+    ``backend_name``.
 
     Parameters
     ----------
@@ -271,6 +309,9 @@ class Storage(ABC):
     supports_remote: ClassVar[bool] = False
     #: honours a field's ``compressor`` spec (``convert(compressor=...)`` refuses it otherwise)
     supports_field_codecs: ClassVar[bool] = False
+    #: a read given ``generations`` returns only rows of those generations, else raises
+    #: GenerationMismatchError: callers skip their own re-check (see "Generations" above)
+    verifies_generations: ClassVar[bool] = False
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
     _lease_epoch = 0
@@ -404,6 +445,13 @@ class Storage(ABC):
         for row, episode in enumerate(np.asarray(episodes)):
             array[int(episode), t0 : t0 + values.shape[1]] = values[row]
 
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        """``write_rows`` into committed episodes, in place and without a new generation (the
+        buffer's ``update``, ``store_datapoint`` and ``data[...] = ...``): a reader may see the
+        edit half applied, and copies keyed by generation keep the old rows. Backends that keep
+        per-episode checksums recompute those of the committed episodes touched."""
+        self.write_rows(name, episodes, t0, values)
+
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``, episodes in any
         order; each element in place (``episode_lens`` and ``_generation`` publish a slot)."""
@@ -412,9 +460,12 @@ class Storage(ABC):
         order = np.argsort(episodes)
         self.array(name, meta=True)[episodes[order]] = np.asarray(values)[order]
 
-    def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         """``data/name[episodes, t0:t1]`` as one array (len(episodes), t1 - t0, *shape); episodes
-        unsorted or repeated, ``t0 == t1`` allowed."""
+        unsorted or repeated, ``t0 == t1`` allowed. ``generations``: one per episode (see the
+        module docstring)."""
         array = self.array(name)
         return np.stack([np.asarray(array[int(e), t0:t1]) for e in np.asarray(episodes)])
 
@@ -426,18 +477,23 @@ class Storage(ABC):
         lengths: np.ndarray,
         out: np.ndarray,
         parallel: bool = True,
+        generations: np.ndarray | None = None,
     ) -> None:
         """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` into
         ``out[i, :lengths[i]]`` (the rest of ``out`` untouched): whole-episode reads for
         get_all_data, stats and trajectory batches. ``parallel=False``: decode in the calling
-        thread (the caller runs one task per core). Backends with a bulk path override this."""
+        thread (the caller runs one task per core). ``generations``: one per episode (see the
+        module docstring). Backends with a bulk path override this."""
         from .spans import read_spans_by_rows
 
         read_spans_by_rows(self, name, episodes, starts, lengths, out)
 
-    def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+    def gather(
+        self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
+    ) -> np.ndarray:
         """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape): the
-        per-step read of sampling; pairs unsorted or repeated."""
+        per-step read of sampling; pairs unsorted or repeated. ``generations``: one per pair
+        (see the module docstring)."""
         episodes, timesteps = np.asarray(episodes), np.asarray(timesteps)
         array = self.array(name)
         out = np.empty((len(episodes), *array.shape[2:]), dtype=array.dtype)
@@ -446,6 +502,12 @@ class Storage(ABC):
             lo, hi = int(timesteps[rows].min()), int(timesteps[rows].max()) + 1
             out[rows] = np.asarray(array[int(episode), lo:hi])[timesteps[rows] - lo]
         return out
+
+    def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
+        """A hint: rows of data field ``name`` of ``episodes`` at ``generations`` are about to be
+        read many times (a dataset's snapshot). A backend may load them now into memory that
+        forked DataLoader workers share (the zarr backend does for small fields); reads stay
+        correct whether it does or not. The default does nothing."""
 
     def read_meta(self, name: str) -> np.ndarray:
         """The whole per-episode array ``meta/name`` in RAM, as a copy.
