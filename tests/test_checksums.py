@@ -303,3 +303,107 @@ def test_random_flips_in_committed_rows_are_never_silent(originals, backend, fie
         buffer.close()
         problems = verify(path)
         assert len(problems) == 1 and f"data/{field}: slot {slot}" in problems[0]
+
+
+# 64 KiB a step: an episode spans several of the blocks EpisodeChecksums.copy_row checks as it
+# copies (256 KiB), and a batch of four is large enough for the parallel copy path
+BIG_FRAME = (64, 64, 16)
+BIG_LENGTHS = [30, 37, 40, 33]
+BIG_STEPS = 40
+
+
+def _big_buffer(path: str, backend: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    frames = [rng.integers(0, 256, (n, *BIG_FRAME), dtype=np.uint8) for n in BIG_LENGTHS]
+    buffer = ReplayBuffer(path, len(frames), BIG_STEPS, {"frame": ("uint8", BIG_FRAME)}, backend=backend)
+    for frame in frames:
+        buffer.store_episode(frame=frame)
+    buffer.close()
+    return frames
+
+
+def _frame_file_offset(path: str, backend: str) -> tuple[str, int]:
+    """The file holding data/frame raw and the offset of its first byte."""
+    if backend == "memmap":
+        target = os.path.join(path, "frame.data.npy")
+        return target, np.load(target, mmap_mode="r").offset
+    target = os.path.join(path, "data.h5")
+    with h5py.File(target, "r", locking=False) as f:
+        return target, f["data/frame"].id.get_offset()
+
+
+def _xor_byte(target: str, offset: int) -> None:
+    """Flip one byte in place, as another process damaging the file would (the page cache
+    every reader maps sees it at once)."""
+    fd = os.open(target, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0x20]), offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_local_backends_check_every_whole_episode_read_not_only_the_first(tmp_path, backend):
+    """The pages of a mapped file can change after a read checked them (another process
+    writes the file; an evicted page is read again from disk): no episode is trusted for
+    having passed once. Flips in the first, a middle and the last committed block are
+    caught on reads after clean ones; the padding past the length is not checked."""
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    slots = np.arange(len(BIG_LENGTHS))
+    out = np.zeros((len(slots), BIG_STEPS, *BIG_FRAME), np.uint8)
+    step_bytes = out[0, 0].nbytes
+
+    def spans():  # a trajectory batch's path: one parallel copy per episode
+        buffer.storage.read_spans("frame", slots, np.zeros_like(slots), np.full(len(slots), BIG_STEPS), out)
+        return out
+
+    reads = [
+        spans,
+        lambda: buffer.storage.read_rows("frame", slots, 0, BIG_STEPS),  # get_all_data's path
+        lambda: np.asarray(next(iter(buffer.dataloader(batch_size=len(slots))))["frame"]),
+    ]
+    for step, damaging in [(0, True), (17, True), (36, True), (38, False)]:  # slot 1 holds 37 steps
+        for read in reads:
+            values = read()
+            for slot, frame in enumerate(frames):
+                np.testing.assert_array_equal(values[slot, : len(frame)], frame)
+        offset = base + (BIG_STEPS + step) * step_bytes + step * 101  # slot 1
+        _xor_byte(target, offset)
+        for read in reads:
+            if damaging:
+                with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
+                    read()
+            else:
+                read()
+        _xor_byte(target, offset)  # undone: the next reads are clean again
+    buffer.close()
+
+
+def test_zarr_trajectories_of_a_resident_array_serve_the_checked_copy(originals, tmp_path):
+    """A zarr array held in RAM (small) serves trajectory batches from its resident copy: its
+    rows were checked against their chunks' crc32c when loaded and live in this process's own
+    memory, so a shard damaged afterwards is never returned; ``refresh`` sees the file changed,
+    reads it again and raises."""
+    path = _copy(originals, "zarr", tmp_path)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    frame = buffer.storage.array("frame")
+
+    loader = buffer.dataloader(batch_size=3)  # refreshes the reader: made once
+
+    def trajectories():
+        return np.asarray(next(iter(loader))["frame"])
+
+    first = trajectories()
+    assert frame.resident_rows_read == 3  # loaded once, checked, then read from RAM
+    shard = os.path.join(path, "data", "frame", "c.1.0.0.0.0")
+    _damage(shard, "flip")
+    np.testing.assert_array_equal(trajectories(), first)
+    np.testing.assert_array_equal(first[1, : LENGTHS[1]], _episode(1)["frame"])
+    assert frame.resident_rows_read == 3
+    buffer.refresh()
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+        trajectories()
+    buffer.close()

@@ -35,6 +35,8 @@ def refuse_foreign_buffer(storage: Storage) -> None:
 
 CHECKSUM_FILE = "replaybuf/checksums.npy"
 _SEALED = np.uint64(1 << 32)
+# rows copied then checksummed together: fits a core's L2 cache with room to spare
+_BLOCK_BYTES = 256 << 10
 
 
 class RowFiles(Protocol):
@@ -130,15 +132,57 @@ class EpisodeChecksums:
         """Raise CorruptChunkError when ``row`` (the committed steps of ``episode``, as read)
         differs from its checksum ``expected`` (from ``expected``; 0: nothing to check)."""
         if expected and crc32c(np.ascontiguousarray(row)) != expected & 0xFFFFFFFF:
-            raise CorruptChunkError.at(
-                f"data/{name}", episode, (0, len(row)), self.storage.data_file(name), "episode fails its crc32c"
-            )
+            self._fail(name, episode, len(row))
 
     def check(self, name: str, episodes: np.ndarray, rows: np.ndarray, read: int, lengths: np.ndarray) -> None:
         """``check_row`` for each of ``rows`` (read from step 0, ``read`` steps each)."""
         expected = self.expected(name, episodes, np.full(len(episodes), read), lengths)
         for i, (episode, n, value) in enumerate(zip(np.asarray(episodes).tolist(), lengths.tolist(), expected)):
             self.check_row(name, episode, rows[i, :n], value)
+
+    def copy_row(
+        self, name: str, episode: int, out: np.ndarray, rows: np.ndarray, committed: int, expected: int
+    ) -> None:
+        """``out[...] = rows`` (steps of ``episode`` from step 0, read from the mapped file),
+        checking the first ``committed`` steps against ``expected`` (0: nothing to check) as
+        they are copied.
+
+        Every read is checked: the file's pages are shared with every process that maps or
+        writes it and are read again from disk after eviction, so bytes checked once can
+        change under this process. The check costs less done here than after the copy: each
+        block is checksummed while it is still in the core's cache (~2x faster than over the
+        whole 2 MB episode), and parallel copies overlap with the checks, which hold the GIL."""
+        if not expected:
+            out[...] = rows
+            return
+        step = max(1, _BLOCK_BYTES // max(1, out[:1].nbytes))
+        crc = 0
+        for lo in range(0, len(out), step):
+            block = out[lo : lo + step]
+            block[...] = rows[lo : lo + step]
+            if lo < committed:
+                crc = crc32c(np.ascontiguousarray(block[: committed - lo]), crc)
+        if crc != expected & 0xFFFFFFFF:
+            self._fail(name, episode, committed)
+
+    def read_rows(
+        self, name: str, mapped: np.ndarray, episodes: np.ndarray, t0: int, t1: int, lengths: np.ndarray
+    ) -> np.ndarray:
+        """``mapped[episodes, t0:t1]`` (the field's (episode, time, ...) memmap) as a new array,
+        whole committed episodes (``lengths`` as published now) checked as they are copied."""
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        t1 = min(t1, mapped.shape[1])
+        out = np.empty((len(episodes), max(t1 - t0, 0), *mapped.shape[2:]), dtype=mapped.dtype)
+        read = np.full(len(episodes), t1 if t0 == 0 else 0)
+        expected = self.expected(name, episodes, read, lengths)
+        for i, (episode, n, value) in enumerate(zip(episodes.tolist(), np.asarray(lengths).tolist(), expected)):
+            self.copy_row(name, episode, out[i], mapped[episode, t0:t1], n, value)
+        return out
+
+    def _fail(self, name: str, episode: int, steps: int) -> None:
+        raise CorruptChunkError.at(
+            f"data/{name}", episode, (0, steps), self.storage.data_file(name), "episode fails its crc32c"
+        )
 
     def release(self) -> None:
         self._sums = None

@@ -380,11 +380,10 @@ class MemmapStorage(KVBlobs, Storage):
 
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited: whole committed episodes are checked against their crc32c
-        rows = self.unchecked_rows(name, episodes, t0, t1)
-        if self._checksums is not None and t0 == 0:
-            episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-            self._checksums.check(name, episodes, rows, t1, self._lens_now()[episodes])
-        return rows
+        if self._checksums is None:
+            return self.unchecked_rows(name, episodes, t0, t1)
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        return self._checksums.read_rows(name, self.array(name).memmap, episodes, t0, t1, self._lens_now()[episodes])
 
     def read_spans(
         self,
@@ -413,12 +412,12 @@ class MemmapStorage(KVBlobs, Storage):
             expected = checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
 
         def copy(k: int) -> None:
-            # the check runs right after the copy, in the same task, while the rows are in cache
             i, e, s, n = spans[k]
-            out[i, :n] = memmap[e, s : s + n]
             if expected[k]:
                 assert checksums is not None  # expected[k] is 0 without checksums
-                checksums.check_row(name, e, out[i, : committed[k]], expected[k])
+                checksums.copy_row(name, e, out[i, :n], memmap[e, s : s + n], committed[k], expected[k])
+            else:
+                out[i, :n] = memmap[e, s : s + n]
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, range(len(spans))))
