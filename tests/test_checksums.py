@@ -19,9 +19,10 @@ from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
 from replaybuf.cli import main
 from replaybuf.tools import verify
 
-# frame: 4096 bytes a step -> sharded, blosc-lz4; state: zstd chunks; raw: no compressor
+# frame: 4096 bytes a step -> sharded, blosc-lz4 (named: noise frames would be measured and
+# stored raw); state: zstd chunks; raw: no compressor
 FIELDS = dict(
-    frame=("uint8", (32, 32, 4)),
+    frame={"dtype": "uint8", "shape": (32, 32, 4), "compressor": "blosc-lz4"},
     state=("float", 3),
     raw={"dtype": "float", "shape": (2,), "compressor": "none"},
 )
