@@ -413,11 +413,10 @@ class MemmapStorage(KVBlobs, Storage):
 
         def copy(k: int) -> None:
             i, e, s, n = spans[k]
-            if expected[k]:
-                assert checksums is not None  # expected[k] is 0 without checksums
-                checksums.copy_row(name, e, out[i, :n], memmap[e, s : s + n], committed[k], expected[k])
-            else:
+            if checksums is None:
                 out[i, :n] = memmap[e, s : s + n]
+            else:
+                checksums.copy_row(name, e, out[i, :n], memmap[e, s : s + n], committed[k], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, range(len(spans))))
