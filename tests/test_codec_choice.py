@@ -65,7 +65,7 @@ def test_noise_is_stored_raw_smooth_frames_compressed_and_the_choice_survives_re
     for opened in (
         reader,
         ReplayBuffer.from_folder(str(path), read_only=True),
-        ReplayBuffer(str(path), overwrite=False),
+        ReplayBuffer(str(path), 3, STEPS, FIELDS, overwrite=False),
     ):
         assert opened.storage.array("noise").codec.label == "none"
         assert opened.storage.array("smooth").codec.label == "blosc-lz4:9"
