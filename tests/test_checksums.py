@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
 from replaybuf.cli import main
+from replaybuf.storage import _local
 from replaybuf.tools import verify
 
 # frame: 4096 bytes a step -> sharded, blosc-lz4 (named: noise frames would be measured and
@@ -343,35 +344,44 @@ def _xor_byte(target: str, offset: int) -> None:
         os.close(fd)
 
 
+def _big_reads(buffer: ReplayBuffer) -> list:
+    """A trajectory batch's path (one parallel copy per episode), get_all_data's, a DataLoader's."""
+    slots = np.arange(len(BIG_LENGTHS))
+    out = np.zeros((len(slots), BIG_STEPS, *BIG_FRAME), np.uint8)
+
+    def spans():
+        buffer.storage.read_spans("frame", slots, np.zeros_like(slots), np.full(len(slots), BIG_STEPS), out)
+        return out
+
+    loader = buffer.dataloader(batch_size=len(slots))  # made once: making one refreshes a reader
+    return [
+        spans,
+        lambda: buffer.storage.read_rows("frame", slots, 0, BIG_STEPS),
+        lambda: np.asarray(next(iter(loader))["frame"]),
+    ]
+
+
+def _check_frames(values: np.ndarray, frames: list[np.ndarray]) -> None:
+    for slot, frame in enumerate(frames):
+        np.testing.assert_array_equal(values[slot, : len(frame)], frame)
+
+
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])
-def test_local_backends_check_every_whole_episode_read_not_only_the_first(tmp_path, backend):
+def test_local_backends_check_every_read_of_fields_too_large_to_copy(tmp_path, backend, monkeypatch):
     """The pages of a mapped file can change after a read checked them (another process
-    writes the file; an evicted page is read again from disk): no episode is trusted for
-    having passed once. Flips in the first, a middle and the last committed block are
-    caught on reads after clean ones; the padding past the length is not checked."""
+    writes the file; an evicted page is read again from disk): a field too large for a private
+    copy is checked on every whole-episode read. Flips in the first, a middle and the last
+    committed block are caught after clean reads; the padding past the length is not checked."""
+    monkeypatch.setattr(_local, "CHECKED_COPY_BYTES", 0)
     path = str(tmp_path / backend)
     frames = _big_buffer(path, backend)
     target, base = _frame_file_offset(path, backend)
     buffer = ReplayBuffer.from_folder(path, read_only=True)
-    slots = np.arange(len(BIG_LENGTHS))
-    out = np.zeros((len(slots), BIG_STEPS, *BIG_FRAME), np.uint8)
-    step_bytes = out[0, 0].nbytes
-
-    def spans():  # a trajectory batch's path: one parallel copy per episode
-        buffer.storage.read_spans("frame", slots, np.zeros_like(slots), np.full(len(slots), BIG_STEPS), out)
-        return out
-
-    reads = [
-        spans,
-        lambda: buffer.storage.read_rows("frame", slots, 0, BIG_STEPS),  # get_all_data's path
-        lambda: np.asarray(next(iter(buffer.dataloader(batch_size=len(slots))))["frame"]),
-    ]
+    reads = _big_reads(buffer)
     for step, damaging in [(0, True), (17, True), (36, True), (38, False)]:  # slot 1 holds 37 steps
         for read in reads:
-            values = read()
-            for slot, frame in enumerate(frames):
-                np.testing.assert_array_equal(values[slot, : len(frame)], frame)
-        offset = base + (BIG_STEPS + step) * step_bytes + step * 101  # slot 1
+            _check_frames(read(), frames)
+        offset = base + (BIG_STEPS + step) * frames[0][0].nbytes + step * 101  # slot 1
         _xor_byte(target, offset)
         for read in reads:
             if damaging:
@@ -380,6 +390,36 @@ def test_local_backends_check_every_whole_episode_read_not_only_the_first(tmp_pa
             else:
                 read()
         _xor_byte(target, offset)  # undone: the next reads are clean again
+    buffer.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_local_backends_serve_their_checked_copy_never_a_later_flip(tmp_path, backend):
+    """A small field keeps a private copy of the episodes that passed: a byte flipped in the
+    file afterwards is never returned (reads serve the checked copy; a reader without one
+    checks the file and raises), and an episode rewritten in place by replaybuf (resealed) is
+    read from the file again, not served stale."""
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    reads = _big_reads(buffer)
+    for read in reads:
+        _check_frames(read(), frames)
+    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5  # slot 1, step 17
+    _xor_byte(target, offset)
+    for read in reads:
+        _check_frames(read(), frames)
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    _xor_byte(target, offset)
+    if backend == "memmap":  # an in-place rewrite while the reader keeps its copy
+        writer = ReplayBuffer.from_folder(path)
+        frames[1][3] = 77
+        writer.store_datapoint(1, 3, "frame", frames[1][3])
+        writer.close()
+        for read in reads:
+            _check_frames(read(), frames)
     buffer.close()
 
 

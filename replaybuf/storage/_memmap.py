@@ -416,7 +416,7 @@ class MemmapStorage(KVBlobs, Storage):
             if checksums is None:
                 out[i, :n] = memmap[e, s : s + n]
             else:
-                checksums.copy_row(name, e, out[i, :n], memmap[e, s : s + n], committed[k], expected[k])
+                checksums.copy_row(name, memmap, e, s, out[i, :n], committed[k], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, range(len(spans))))
