@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
 from replaybuf.cli import main
+from replaybuf.storage import _local
 from replaybuf.tools import verify
 
 from ._backends import LOCAL_BACKENDS, require
@@ -23,9 +24,10 @@ from ._data import random_episode
 
 h5py = require("h5py")  # every test reads a buffer of each local backend
 
-# frame: 4096 bytes a step -> sharded, blosc-lz4; state: zstd chunks; raw: no compressor
+# frame: 4096 bytes a step -> sharded, blosc-lz4 (named: noise frames would be measured and
+# stored raw); state: zstd chunks; raw: no compressor
 FIELDS = dict(
-    frame=("uint8", (32, 32, 4)),
+    frame={"dtype": "uint8", "shape": (32, 32, 4), "compressor": "blosc-lz4"},
     state=("float", 3),
     raw={"dtype": "float", "shape": (2,), "compressor": "none"},
 )
@@ -302,3 +304,146 @@ def test_random_flips_in_committed_rows_are_never_silent(originals, backend, fie
         buffer.close()
         problems = verify(path)
         assert len(problems) == 1 and f"data/{field}: slot {slot}" in problems[0]
+
+
+# 64 KiB a step: an episode spans several of the blocks EpisodeChecksums.copy_row checks as it
+# copies (256 KiB), and a batch of four is large enough for the parallel copy path
+BIG_FRAME = (64, 64, 16)
+BIG_LENGTHS = [30, 37, 40, 33]
+BIG_STEPS = 40
+
+
+def _big_buffer(path: str, backend: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    frames = [rng.integers(0, 256, (n, *BIG_FRAME), dtype=np.uint8) for n in BIG_LENGTHS]
+    buffer = ReplayBuffer(path, len(frames), BIG_STEPS, {"frame": ("uint8", BIG_FRAME)}, backend=backend)
+    for frame in frames:
+        buffer.store_episode(frame=frame)
+    buffer.close()
+    return frames
+
+
+def _frame_file_offset(path: str, backend: str) -> tuple[str, int]:
+    """The file holding data/frame raw and the offset of its first byte."""
+    if backend == "memmap":
+        target = os.path.join(path, "frame.data.npy")
+        return target, np.load(target, mmap_mode="r").offset
+    target = os.path.join(path, "data.h5")
+    with h5py.File(target, "r", locking=False) as f:
+        return target, f["data/frame"].id.get_offset()
+
+
+def _xor_byte(target: str, offset: int) -> None:
+    """Flip one byte in place, as another process damaging the file would (the page cache
+    every reader maps sees it at once)."""
+    fd = os.open(target, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0x20]), offset)
+    finally:
+        os.close(fd)
+
+
+def _big_reads(buffer: ReplayBuffer) -> list:
+    """A trajectory batch's path (one parallel copy per episode), get_all_data's, a DataLoader's."""
+    slots = np.arange(len(BIG_LENGTHS))
+    out = np.zeros((len(slots), BIG_STEPS, *BIG_FRAME), np.uint8)
+
+    def spans():
+        buffer.storage.read_spans("frame", slots, np.zeros_like(slots), np.full(len(slots), BIG_STEPS), out)
+        return out
+
+    loader = buffer.dataloader(batch_size=len(slots))  # made once: making one refreshes a reader
+    return [
+        spans,
+        lambda: buffer.storage.read_rows("frame", slots, 0, BIG_STEPS),
+        lambda: np.asarray(next(iter(loader))["frame"]),
+    ]
+
+
+def _check_frames(values: np.ndarray, frames: list[np.ndarray]) -> None:
+    for slot, frame in enumerate(frames):
+        np.testing.assert_array_equal(values[slot, : len(frame)], frame)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_local_backends_check_every_read_of_fields_too_large_to_copy(tmp_path, backend, monkeypatch):
+    """The pages of a mapped file can change after a read checked them (another process
+    writes the file; an evicted page is read again from disk): a field too large for a private
+    copy is checked on every whole-episode read. Flips in the first, a middle and the last
+    committed block are caught after clean reads; the padding past the length is not checked."""
+    monkeypatch.setattr(_local, "CHECKED_COPY_BYTES", 0)
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    reads = _big_reads(buffer)
+    for step, damaging in [(0, True), (17, True), (36, True), (38, False)]:  # slot 1 holds 37 steps
+        for read in reads:
+            _check_frames(read(), frames)
+        offset = base + (BIG_STEPS + step) * frames[0][0].nbytes + step * 101  # slot 1
+        _xor_byte(target, offset)
+        for read in reads:
+            if damaging:
+                with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
+                    read()
+            else:
+                read()
+        _xor_byte(target, offset)  # undone: the next reads are clean again
+    buffer.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_local_backends_serve_their_checked_copy_never_a_later_flip(tmp_path, backend):
+    """A small field keeps a private copy of the episodes that passed: a byte flipped in the
+    file afterwards is never returned (reads serve the checked copy; a reader without one
+    checks the file and raises), and an episode rewritten in place by replaybuf (resealed) is
+    read from the file again, not served stale."""
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    reads = _big_reads(buffer)
+    for read in reads:
+        _check_frames(read(), frames)
+    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5  # slot 1, step 17
+    _xor_byte(target, offset)
+    for read in reads:
+        _check_frames(read(), frames)
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    _xor_byte(target, offset)
+    if backend == "memmap":  # an in-place rewrite while the reader keeps its copy
+        writer = ReplayBuffer.from_folder(path)
+        frames[1][3] = 77
+        writer.store_datapoint(1, 3, "frame", frames[1][3])
+        writer.close()
+        for read in reads:
+            _check_frames(read(), frames)
+    buffer.close()
+
+
+def test_zarr_trajectories_of_a_resident_array_serve_the_checked_copy(originals, tmp_path):
+    """A zarr array held in RAM (small) serves trajectory batches from its resident copy: its
+    rows were checked against their chunks' crc32c when loaded and live in this process's own
+    memory, so a shard damaged afterwards is never returned; ``refresh`` sees the file changed,
+    reads it again and raises."""
+    path = _copy(originals, "zarr", tmp_path)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    frame = buffer.storage.array("frame")
+
+    loader = buffer.dataloader(batch_size=3)  # refreshes the reader: made once
+
+    def trajectories():
+        return np.asarray(next(iter(loader))["frame"])
+
+    first = trajectories()
+    assert frame.resident_rows_read == 3  # loaded once, checked, then read from RAM
+    shard = os.path.join(path, "data", "frame", "c.1.0.0.0.0")
+    _damage(shard, "flip")
+    np.testing.assert_array_equal(trajectories(), first)
+    np.testing.assert_array_equal(first[1, : LENGTHS[1]], _episode(1)["frame"])
+    assert frame.resident_rows_read == 3
+    buffer.refresh()
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+        trajectories()
+    buffer.close()

@@ -67,3 +67,25 @@ def _stored_version(path, backend: str) -> int:
 
     with h5py.File(path / "data.h5", "r") as f:  # a plain h5py read, as users inspect files
         return json.loads(f.attrs["replaybuf"])["version"]
+
+
+@pytest.mark.parametrize("version", ["format-v1", "format-v2"])
+def test_released_zarr_keeps_its_codecs_when_written(version, tmp_path):
+    """Buffers written before codecs were chosen by measurement record no choice: a new episode
+    of noise frames (which a new buffer would store raw) is encoded with the codec the frames
+    already stored were, so every episode stays readable."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, version, "zarr"), path)
+    frame = json.loads((path / "data" / "frame" / "zarr.json").read_text())
+    buffer = ReplayBuffer.from_folder(path)
+    label = buffer.storage.array("frame").codec.label
+    extra = expected_episode(0)
+    extra["frame"] = np.random.default_rng(5).integers(0, 256, extra["frame"].shape, dtype=np.uint8)
+    buffer.store_episode(**extra)
+    assert buffer.storage.array("frame").codec.label == label != "none"
+    buffer.close()
+    assert json.loads((path / "data" / "frame" / "zarr.json").read_text()) == frame
+    assert "measured_codecs" not in json.loads((path / "zarr.json").read_text())["attributes"]
+    again = ReplayBuffer.from_folder(path, read_only=True)
+    np.testing.assert_array_equal(np.asarray(again.data["frame"][1, : len(extra["frame"])]), extra["frame"])
+    assert verify(path) == []

@@ -414,11 +414,7 @@ class ChunkedArray:
         if self.chunks[0] != 1:
             self._read_into_by_gather(out, episodes, starts, lengths)
             return
-        if versions is not None and self._resident_enabled():
-            self._current_rows(episodes, _per_pair(versions, len(episodes)))
-            resident = self._resident_copy()[0]
-            for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
-                out[i, :n] = resident[e, s : s + n]
+        if self._read_resident_into(out, episodes, starts, lengths, versions):
             return
         ct = self.chunks[1]
         pieces = [
@@ -605,6 +601,22 @@ class ChunkedArray:
         if stale.any():
             rows, index = np.unique(episodes[stale], return_index=True)
             self._load_resident(rows, versions[stale][index])
+
+    def _read_resident_into(
+        self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, versions
+    ) -> bool:
+        """``read_into`` from the resident copy, when the array is held in RAM and the caller
+        gave ``versions``; False otherwise (nothing done). Its rows were checked against their
+        chunks' crc32c when loaded and live in this process's private memory: a later change
+        on disk is never returned from it (a new generation or changed stored objects, seen by
+        ``refresh``, reload the row)."""
+        if versions is None or not self._resident_enabled():
+            return False
+        self._current_rows(episodes, _per_pair(versions, len(episodes)))
+        resident = self._resident_copy()[0]
+        for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
+            out[i, :n] = resident[e, s : s + n]
+        return True
 
     def _gather_resident(
         self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray, out: np.ndarray

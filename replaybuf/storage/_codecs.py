@@ -20,12 +20,15 @@ class ChunkDamage(Exception):
     """A chunk's bytes fail their checksum or do not decode; the array adds where it lies."""
 
 
-def crc32c(data: bytes | memoryview | np.ndarray) -> int:
+def crc32c(data: bytes | memoryview | np.ndarray, value: int = 0) -> int:
     """The CRC-32C (Castagnoli) of a buffer, as zarr v3's ``crc32c`` codec computes it: about
-    1 us for an 84x84x3 frame (google-crc32c), ~5% of decoding it with lz4."""
+    1 us for an 84x84x3 frame (google-crc32c), ~5% of decoding it with lz4. ``value``: the
+    CRC-32C of the bytes before ``data``, to checksum a buffer in pieces.
+
+    google-crc32c holds the GIL (it gives it up only for bytes objects of 1 MiB or more)."""
     if isinstance(data, memoryview):
         data = np.frombuffer(data, np.uint8)  # google_crc32c refuses memoryviews, not arrays
-    return google_crc32c.value(data)
+    return google_crc32c.extend(value, data)
 
 
 class ChunkCodec:
@@ -138,3 +141,16 @@ def compressor_codec(spec: str, dtype: np.dtype, default_level: int):
         shuffle=shuffle,
         typesize=np.dtype(dtype).itemsize,
     )
+
+
+def compression_ratio(codec: ChunkCodec, frames: np.ndarray, sample: int = 16) -> float:
+    """Raw over encoded bytes of up to ``sample`` of ``frames`` (first axis: one chunk each)
+    spread evenly over those not all zero (padding says nothing of the data); inf when every
+    frame is zero. A sample keeps the measurement ~1 ms whatever the episode's length."""
+    flat = frames.reshape(len(frames), -1)
+    written = np.flatnonzero(flat.any(axis=1))
+    if not len(written):
+        return float("inf")
+    picked = written[np.unique(np.linspace(0, len(written) - 1, min(sample, len(written))).astype(np.int64))]
+    encoded = sum(len(codec.encode(frames[i])) - 4 * codec.checksum for i in picked.tolist())
+    return frames[0].nbytes * len(picked) / max(encoded, 1)

@@ -508,9 +508,7 @@ class HDF5Storage(KVBlobs, Storage):
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         """``read_rows`` without the checksum check (to compute the checksums)."""
-        if self._dirty:
-            self.flush()
-        mapped = self._mapped(name)
+        mapped = self._flushed_map(name)
         if mapped is not None:
             return mapped[np.asarray(episodes), t0:t1]
         unique, inverse = np.unique(np.asarray(episodes), return_inverse=True)
@@ -531,10 +529,15 @@ class HDF5Storage(KVBlobs, Storage):
         self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
     ) -> np.ndarray:
         # docstring inherited: whole committed episodes are checked against their crc32c
+        if self._checksums is None:
+            return self.unchecked_rows(name, episodes, t0, t1)
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        lens = self.read_meta("episode_lens")[episodes]
+        mapped = self._flushed_map(name)
+        if mapped is not None:  # checked as copied out of the map
+            return self._checksums.read_rows(name, mapped, episodes, t0, t1, lens)
         rows = self.unchecked_rows(name, episodes, t0, t1)
-        if self._checksums is not None and t0 == 0:
-            episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-            lens = self.read_meta("episode_lens")[episodes]
+        if t0 == 0:
             self._checksums.check(name, episodes, rows, t1, lens)
         return rows
 
@@ -563,6 +566,12 @@ class HDF5Storage(KVBlobs, Storage):
                         self.refuse_live_writer()
                     raise CorruptChunkError.at(f"data/{name}", episode, (t, t + 1), self.data_file(name), str(e)) from e
         return rows[inverse.reshape(-1)]
+
+    def _flushed_map(self, name: str) -> np.ndarray | None:
+        """``_mapped`` after writing out what this process has buffered (the map reads the file)."""
+        if self._dirty:
+            self.flush()
+        return self._mapped(name)
 
     def _mapped(self, name: str) -> np.ndarray | None:
         """A read-only numpy memmap of an uncompressed, contiguous data field's bytes in data.h5

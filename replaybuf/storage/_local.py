@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Literal, Protocol
 
 import numpy as np
 from numpy.lib.format import open_memmap
 
+from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c
 from .base import CorruptChunkError, Storage, detect_backend
 
@@ -35,6 +37,10 @@ def refuse_foreign_buffer(storage: Storage) -> None:
 
 CHECKSUM_FILE = "replaybuf/checksums.npy"
 _SEALED = np.uint64(1 << 32)
+# rows copied then checksummed together: fits a core's L2 cache with room to spare
+_BLOCK_BYTES = 256 << 10
+# fields of at most this many bytes keep a private copy of the episodes that passed (CheckedCopy)
+CHECKED_COPY_BYTES = SMALL_ARRAY_BYTES
 
 
 class RowFiles(Protocol):
@@ -69,6 +75,7 @@ class EpisodeChecksums:
         self.path = os.path.join(root, CHECKSUM_FILE)
         self.columns = {name: i for i, name in enumerate(fields)}
         self._sums: np.memmap | None = None
+        self._copies: dict[str, CheckedCopy | None] = {}
 
     @classmethod
     def create(cls, storage: RowFiles, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
@@ -130,9 +137,7 @@ class EpisodeChecksums:
         """Raise CorruptChunkError when ``row`` (the committed steps of ``episode``, as read)
         differs from its checksum ``expected`` (from ``expected``; 0: nothing to check)."""
         if expected and crc32c(np.ascontiguousarray(row)) != expected & 0xFFFFFFFF:
-            raise CorruptChunkError.at(
-                f"data/{name}", episode, (0, len(row)), self.storage.data_file(name), "episode fails its crc32c"
-            )
+            self._fail(name, episode, len(row))
 
     def check(self, name: str, episodes: np.ndarray, rows: np.ndarray, read: int, lengths: np.ndarray) -> None:
         """``check_row`` for each of ``rows`` (read from step 0, ``read`` steps each)."""
@@ -140,8 +145,103 @@ class EpisodeChecksums:
         for i, (episode, n, value) in enumerate(zip(np.asarray(episodes).tolist(), lengths.tolist(), expected)):
             self.check_row(name, episode, rows[i, :n], value)
 
+    def copy_row(
+        self, name: str, mapped: np.ndarray, episode: int, start: int, out: np.ndarray, committed: int, expected: int
+    ) -> None:
+        """``out[...] = mapped[episode, start:start + len(out)]`` (``mapped``: the field's
+        (episode, time, ...) memmap), checking the first ``committed`` steps against
+        ``expected`` (0: nothing to check; else ``start`` is 0) as they are copied.
+
+        The file's pages are shared with every process that maps or writes it and are read
+        again from disk after eviction, so bytes that passed once can change under this
+        process: they are never trusted. Only a private copy can be (``CheckedCopy``, small
+        fields): later reads of the same committed episode are served from it. Otherwise each
+        block is checksummed as it is copied, while it is in the core's cache (crc32c runs ~2x
+        faster there than over a 2 MB episode), and the copies, which give up the GIL, overlap
+        with the checks, which hold it, when several episodes are copied in parallel."""
+        rows = mapped[episode, start : start + len(out)]
+        if not expected:
+            out[...] = rows
+            return
+        copy = self._copy_of(name, mapped)
+        if copy is not None and copy.serve(episode, out, committed, expected):
+            out[committed:] = rows[committed:]
+            return
+        step = max(1, _BLOCK_BYTES // max(1, out[:1].nbytes))
+        crc = 0
+        for lo in range(0, len(out), step):
+            block = out[lo : lo + step]
+            block[...] = rows[lo : lo + step]
+            if lo < committed:
+                crc = crc32c(np.ascontiguousarray(block[: committed - lo]), crc)
+        if crc != expected & 0xFFFFFFFF:
+            self._fail(name, episode, committed)
+        if copy is not None:
+            copy.keep(episode, out[:committed], expected)
+
+    def _copy_of(self, name: str, mapped: np.ndarray) -> CheckedCopy | None:
+        """The field's private copy, made on first use when the whole field fits in
+        CHECKED_COPY_BYTES and in the process's resident budget (shared with zarr's)."""
+        if name not in self._copies:
+            copy = None
+            if mapped.nbytes <= CHECKED_COPY_BYTES and chunk_cache().take_resident(mapped.nbytes):
+                copy = CheckedCopy(mapped.shape, mapped.dtype)
+                weakref.finalize(copy, chunk_cache().release_resident, mapped.nbytes)
+            self._copies.setdefault(name, copy)  # threads racing here keep one; the other is freed
+        return self._copies[name]
+
+    def read_rows(
+        self, name: str, mapped: np.ndarray, episodes: np.ndarray, t0: int, t1: int, lengths: np.ndarray
+    ) -> np.ndarray:
+        """``mapped[episodes, t0:t1]`` (the field's (episode, time, ...) memmap) as a new array,
+        whole committed episodes (``lengths`` as published now) checked as they are copied."""
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        t1 = min(t1, mapped.shape[1])
+        out = np.empty((len(episodes), max(t1 - t0, 0), *mapped.shape[2:]), dtype=mapped.dtype)
+        read = np.full(len(episodes), t1 if t0 == 0 else 0)
+        expected = self.expected(name, episodes, read, lengths)
+        for i, (episode, n, value) in enumerate(zip(episodes.tolist(), np.asarray(lengths).tolist(), expected)):
+            self.copy_row(name, mapped, episode, t0, out[i], n, value)
+        return out
+
+    def _fail(self, name: str, episode: int, steps: int) -> None:
+        raise CorruptChunkError.at(
+            f"data/{name}", episode, (0, steps), self.storage.data_file(name), "episode fails its crc32c"
+        )
+
     def release(self) -> None:
         self._sums = None
+        self._copies = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_sums": None}
+        # a spawned process checks and keeps its own copies
+        return {**self.__dict__, "_sums": None, "_copies": {}}
+
+
+class CheckedCopy:
+    """This process's private copy of the committed steps of whole episodes of one field that
+    passed their crc32c, each under the stored checksum it passed (``1 << 32 | crc``, with the
+    length): while checksums.npy holds the same value for the slot, the copy is what was
+    committed, and it lives in memory no other process and no disk fault can change, so it is
+    served without a new check. A new episode in the slot or an in-place rewrite reseals the
+    slot (a new value), and the next read checks the file again; damage to the file is never
+    returned: reads serve bytes that passed, or check the file and raise."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        self.rows = np.empty(shape, dtype)  # pages are taken as episodes are kept
+        self.sums = np.zeros(shape[0], np.uint64)
+        self.lens = np.zeros(shape[0], np.int64)
+
+    def serve(self, episode: int, out: np.ndarray, committed: int, expected: int) -> bool:
+        """Copy the kept steps into ``out[:committed]`` when kept under ``expected``."""
+        if self.sums[episode] != expected or self.lens[episode] != committed:
+            return False
+        out[:committed] = self.rows[episode, :committed]
+        return True
+
+    def keep(self, episode: int, rows: np.ndarray, expected: int) -> None:
+        """Keep ``rows`` (the committed steps, as they passed) under ``expected``."""
+        self.sums[episode] = 0  # no thread serves a row while it is written
+        self.rows[episode, : len(rows)] = rows
+        self.lens[episode] = len(rows)
+        self.sums[episode] = expected

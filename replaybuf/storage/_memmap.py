@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,9 @@ def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
     return shape, dtype
 
 
+_OPENING = threading.Lock()
+
+
 class MemmapArray:
     """``buffer.data[name]``: numpy indexing on a ``.npy`` memmap that is opened lazily.
 
@@ -104,9 +108,16 @@ class MemmapArray:
 
     @property
     def memmap(self) -> np.memmap:
-        if self._memmap is None or (self._memmap.mode == "r") == self.writable:
-            self._memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
-        return self._memmap
+        memmap = self._memmap
+        if memmap is None or (memmap.mode == "r") == self.writable:
+            # one open at a time: parallel read tasks open arrays lazily, and np.load's header
+            # parse (ast.literal_eval) is not thread-safe on Python 3.11 ("AST constructor
+            # recursion depth mismatch")
+            with _OPENING:
+                memmap = self._memmap
+                if memmap is None or (memmap.mode == "r") == self.writable:
+                    memmap = self._memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
+        return memmap
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -387,11 +398,10 @@ class MemmapStorage(KVBlobs, Storage):
         self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
     ) -> np.ndarray:
         # docstring inherited: whole committed episodes are checked against their crc32c
-        rows = self.unchecked_rows(name, episodes, t0, t1)
-        if self._checksums is not None and t0 == 0:
-            episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-            self._checksums.check(name, episodes, rows, t1, self._lens_now()[episodes])
-        return rows
+        if self._checksums is None:
+            return self.unchecked_rows(name, episodes, t0, t1)
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        return self._checksums.read_rows(name, self.array(name).memmap, episodes, t0, t1, self._lens_now()[episodes])
 
     def read_spans(
         self,
@@ -421,12 +431,11 @@ class MemmapStorage(KVBlobs, Storage):
             expected = checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
 
         def copy(k: int) -> None:
-            # the check runs right after the copy, in the same task, while the rows are in cache
             i, e, s, n = spans[k]
-            out[i, :n] = memmap[e, s : s + n]
-            if expected[k]:
-                assert checksums is not None  # expected[k] is 0 without checksums
-                checksums.check_row(name, e, out[i, : committed[k]], expected[k])
+            if checksums is None:
+                out[i, :n] = memmap[e, s : s + n]
+            else:
+                checksums.copy_row(name, memmap, e, s, out[i, :n], committed[k], expected[k])
 
         if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
             list(thread_pool().map(copy, range(len(spans))))

@@ -197,9 +197,12 @@ class ShardedArray(ChunkedArray):
         """Time spans of episodes into ``out`` (as ``ChunkedArray.read_into``) with one read per
         episode: the whole shard when the span needs at least half of it (its index comes with
         it), else the one byte range holding the span's frames (after the index, cached under
-        ``versions``). Each episode is one pool task that decodes its frames into place."""
+        ``versions``). Each episode is one pool task that decodes its frames into place. Arrays
+        held in RAM are read from their resident copy when ``versions`` is given."""
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
+        if self._read_resident_into(out, episodes, starts, lengths, versions):
+            return
         ct = self.chunks[1]
         spans = [
             (i, e, s // ct, (s + n - 1) // ct + 1)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
 from ._chunks import ChunkedArray
-from ._codecs import ChunkCodec, compressor_codec
+from ._codecs import ChunkCodec, compression_ratio, compressor_codec
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
@@ -60,6 +60,14 @@ DEFAULT_IMAGE_COMPRESSOR = "blosc-lz4:9"
 # (benchmarks/RESULTS.md, "Codec choice").
 IMAGE_STEP_BYTES = 4096
 SMALL_CHUNK_BYTES = 1 << 16
+# Image fields whose spec names no compressor are measured when their first rows are written:
+# under this ratio (camera noise: blosc-lz4 gives ~1.01x) the codec costs time on every write
+# and read for no space, and the field is stored raw (its crc32c kept). The choice is made
+# before any chunk of the field exists, written into the array's metadata (which every reader,
+# zarr's included, decodes by) and recorded in the root attributes under MEASURED_CODECS:
+# field -> null while not yet measured, else {"compressor": ..., "ratio": ...}.
+MIN_COMPRESSION_RATIO = 1.2
+MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
@@ -117,6 +125,11 @@ def _data_codecs(field: Field) -> list:
     return [*([] if compressor is None else [compressor]), Crc32cCodec()]
 
 
+def measured_fields(schema: Schema) -> list[str]:
+    """Data fields whose codec is chosen by measurement: image-like, no compressor named."""
+    return [name for name, field in schema.fields.items() if field.compressor is None and is_sharded(field)]
+
+
 def default_compressor(field: Field) -> str:
     """The compressor a data field gets when its spec names none."""
     return DEFAULT_IMAGE_COMPRESSOR if is_sharded(field) else DEFAULT_COMPRESSOR
@@ -141,6 +154,7 @@ class ZarrStorage(KVBlobs, Storage):
         super().__init__(location, storage_options, fsync=fsync)
         self.kv = self._make_kv(self.location, self.storage_options, fsync)
         self._arrays: dict[tuple[str, bool], ChunkedArray] = {}
+        self._unmeasured: set[str] = set()  # fields whose codec is chosen at their first write
 
     @staticmethod
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
@@ -207,7 +221,12 @@ class ZarrStorage(KVBlobs, Storage):
             store,
             mode="a",
             zarr_format=3,
-            attributes={"format": FORMAT_NAME, "version": FORMAT_VERSION, **schema.to_json()},
+            attributes={
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                **schema.to_json(),
+                **({MEASURED_CODECS: dict.fromkeys(measured)} if (measured := measured_fields(schema)) else {}),
+            },
         )
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
@@ -238,6 +257,7 @@ class ZarrStorage(KVBlobs, Storage):
         _consolidate(store)
         self.commit_state(empty_state())
         self._load_arrays(schema)
+        self._unmeasured = set(measured)
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
@@ -264,6 +284,7 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         schema = schema_from_config(attributes, self.describe_key("zarr.json"))
         self._load_arrays(schema)
+        self._unmeasured = _unmeasured(attributes, schema, self.describe_key("zarr.json"))
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
@@ -353,7 +374,32 @@ class ZarrStorage(KVBlobs, Storage):
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        if name in self._unmeasured:
+            self._choose_codec(name, values)
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False)
+
+    def _choose_codec(self, name: str, values: np.ndarray) -> None:
+        """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it
+        or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no chunk of
+        it exists yet, so a kill before the root document leaves a field measured again at its
+        next write), then the root attributes and zarr's consolidated copy in one write."""
+        array = self.array(name)
+        ratio = compression_ratio(array.codec, values.reshape(-1, *array.chunks[2:]))
+        root = parse_json(self.kv.get(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
+        if ratio < MIN_COMPRESSION_RATIO:
+            key = f"{array.path}/zarr.json"
+            doc = parse_json(self.kv.get(key) or b"{}", self.describe_key(key))
+            stack = doc["codecs"][0]["configuration"] if doc["codecs"][0]["name"] == "sharding_indexed" else doc
+            stack["codecs"] = [c for c in stack["codecs"] if c["name"] not in _COMPRESSOR_CODECS]
+            self.kv.set(key, json.dumps(doc, indent=2).encode())
+            consolidated = root.get("consolidated_metadata") or {}
+            if array.path in consolidated.get("metadata", {}):
+                consolidated["metadata"][array.path] = doc
+            array.codec = ChunkCodec(array.dtype, None, checksum=array.codec.checksum)
+        measured = root["attributes"].setdefault(MEASURED_CODECS, {})
+        measured[name] = {"compressor": array.codec.label, "ratio": round(ratio, 3) if np.isfinite(ratio) else None}
+        self.kv.set(ROOT_DOCUMENT, json.dumps(root, indent=2).encode())
+        self._unmeasured.discard(name)
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
@@ -397,6 +443,19 @@ class ZarrStorage(KVBlobs, Storage):
         for array in self._arrays.values():
             array.drop_cached()
         self.kv.drop_read_handles()
+        if self._unmeasured and self.read_only:
+            self._reload_measured()
+
+    def _reload_measured(self) -> None:
+        """A reader opened before a field's codec was chosen takes the choice the writer made
+        since (the array's metadata): its chunks are decoded by it from the first one."""
+        attributes = self._root_attributes() or {}
+        chosen = self._unmeasured - _unmeasured(attributes, None, self.describe_key(ROOT_DOCUMENT))
+        for name in chosen:
+            path = f"data/{name}"
+            doc = parse_json(self.kv.get(f"{path}/zarr.json") or b"{}", self.describe_key(f"{path}/zarr.json"))
+            self.array(name).codec = self._chunked_array(path, doc, 2).codec
+        self._unmeasured -= chosen
 
     def describe(self) -> dict:
         # docstring inherited
@@ -424,6 +483,22 @@ class ZarrStorage(KVBlobs, Storage):
         return int(sync(self.kv.store.getsize_prefix(prefix)))
 
 
+_COMPRESSOR_CODECS = ("zstd", "blosc", "gzip")
+
+
+def _unmeasured(attributes: dict, schema: Schema | None, where: str) -> set[str]:
+    """Fields the root attributes list as not yet measured (buffers made before measuring
+    existed list none: their codecs stay as they were made)."""
+    measured = attributes.get(MEASURED_CODECS, {})
+    if (
+        not isinstance(measured, dict)
+        or not all(choice is None or isinstance(choice, dict) for choice in measured.values())
+        or (schema is not None and not set(measured) <= set(schema.fields))
+    ):
+        raise BufferDamagedError(f"{where}: {MEASURED_CODECS} must map data field names to choices, got {measured!r}")
+    return {name for name, choice in measured.items() if choice is None}
+
+
 def _check_chunks(where: str, array: ChunkedArray) -> None:
     """Refuse chunk (and shard) shapes no replaybuf writer makes: a chunk is decoded whole, so
     a damaged chunk shape would otherwise size an allocation."""
@@ -438,7 +513,8 @@ def _check_chunks(where: str, array: ChunkedArray) -> None:
 def _consolidate(store) -> None:
     """Copy every array's metadata into the root group's document (zarr's consolidated
     metadata), so ``xarray.open_zarr(path, group='data')`` opens with one read and no warning.
-    Array metadata never changes after create, so the copy cannot go stale."""
+    Array metadata changes after create only when a field's codec is measured
+    (``ZarrStorage._choose_codec``), which updates the copy in the same write."""
     import warnings
 
     import zarr

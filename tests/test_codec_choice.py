@@ -1,0 +1,133 @@
+"""Codec by measurement (zarr): an image field whose spec names no compressor is measured at its
+first write and stored raw when its codec gains under MIN_COMPRESSION_RATIO (camera noise)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+
+from replaybuf import ReplayBuffer
+from replaybuf.storage import BufferDamagedError
+from replaybuf.storage._zarr import MEASURED_CODECS
+
+STEPS = 12
+FRAME = (32, 32, 4)  # 4096 bytes a step: an image field (sharded, blosc-lz4 by default)
+
+
+def _episode(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ramp = np.arange(FRAME[1], dtype=np.uint8)[None, None, :, None]
+    return dict(
+        noise=rng.integers(0, 256, (STEPS, *FRAME), dtype=np.uint8),  # camera noise: ~1.0x
+        smooth=np.broadcast_to(ramp + np.arange(STEPS, dtype=np.uint8)[:, None, None, None], (STEPS, *FRAME)).copy(),
+        state=rng.standard_normal((STEPS, 3)).astype(np.float32),
+    )
+
+
+FIELDS = dict(noise=("uint8", FRAME), smooth=("uint8", FRAME), state=("float", 3))
+
+
+def _attributes(path) -> dict:
+    return json.loads((path / "zarr.json").read_text())["attributes"]
+
+
+def _stack(document: dict) -> list[str]:
+    """Codec names inside an array document's shard (or of the array when not sharded)."""
+    codecs = document["codecs"]
+    if codecs[0]["name"] == "sharding_indexed":
+        codecs = codecs[0]["configuration"]["codecs"]
+    return [c["name"] for c in codecs]
+
+
+def test_noise_is_stored_raw_smooth_frames_compressed_and_the_choice_survives_reopen(tmp_path):
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 3, STEPS, FIELDS)
+    assert _attributes(path)[MEASURED_CODECS] == {"noise": None, "smooth": None}  # small fields are not measured
+    reader = ReplayBuffer.from_folder(str(path), read_only=True)  # opened before the choice
+    first, second = _episode(0), _episode(1)
+    buffer.store_episode(**first)
+    buffer.store_episode(**second)
+    buffer.close()
+
+    measured = _attributes(path)[MEASURED_CODECS]
+    assert measured["noise"]["compressor"] == "none" and measured["noise"]["ratio"] < 1.2
+    assert measured["smooth"]["compressor"] == "blosc-lz4:9" and measured["smooth"]["ratio"] > 5
+    root = json.loads((path / "zarr.json").read_text())
+    for name, stack in [("noise", ["bytes", "crc32c"]), ("smooth", ["bytes", "blosc", "crc32c"])]:
+        assert _stack(json.loads((path / "data" / name / "zarr.json").read_text())) == stack
+        assert _stack(root["consolidated_metadata"]["metadata"][f"data/{name}"]) == stack  # xarray's copy
+    assert (path / "data" / "noise" / "c.0.0.0.0.0").stat().st_size > STEPS * 4096  # raw, plus index and crc32c
+
+    reader.refresh()  # takes the writer's choice: decodes the raw chunks
+    for opened in (
+        reader,
+        ReplayBuffer.from_folder(str(path), read_only=True),
+        ReplayBuffer(str(path), 3, STEPS, FIELDS, overwrite=False),
+    ):
+        assert opened.storage.array("noise").codec.label == "none"
+        assert opened.storage.array("smooth").codec.label == "blosc-lz4:9"
+        data = opened.get_all_data()
+        for slot, episode in enumerate((first, second)):
+            for name in FIELDS:
+                np.testing.assert_array_equal(np.asarray(data[name][slot]), episode[name], err_msg=name)
+        opened.close()
+    group = zarr.open_group(str(path), mode="r", use_consolidated=True)  # any zarr reader decodes both
+    np.testing.assert_array_equal(group["data/noise"][1], second["noise"])
+    np.testing.assert_array_equal(group["data/smooth"][1], second["smooth"])
+
+
+def test_a_named_compressor_forces_either_way(tmp_path):
+    path = tmp_path / "b"
+    fields = dict(
+        noise={"dtype": "uint8", "shape": FRAME, "compressor": "blosc-lz4:9"},
+        smooth={"dtype": "uint8", "shape": FRAME, "compressor": "none"},
+        state=("float", 3),
+    )
+    buffer = ReplayBuffer(str(path), 2, STEPS, fields)
+    buffer.store_episode(**_episode(0))
+    assert MEASURED_CODECS not in _attributes(path)
+    assert buffer.storage.array("noise").codec.label == "blosc-lz4:9"
+    assert buffer.storage.array("smooth").codec.label == "none"
+    buffer.close()
+
+
+def test_all_zero_first_rows_keep_the_codec(tmp_path):
+    """Padding says nothing of the data: the measurement samples frames that are not all zero,
+    and keeps the codec when there are none."""
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 2, STEPS, FIELDS)
+    episode = _episode(0)
+    episode["noise"][:] = 0
+    buffer.store_episode(**episode)
+    assert _attributes(path)[MEASURED_CODECS]["noise"] == {"compressor": "blosc-lz4:9", "ratio": None}
+    buffer.store_episode(**_episode(1))  # decided once: stays compressed
+    np.testing.assert_array_equal(np.asarray(buffer.data["noise"][1]), _episode(1)["noise"])
+    buffer.close()
+
+
+def test_buffers_made_before_measuring_keep_their_codecs(tmp_path):
+    """No MEASURED_CODECS in the root attributes (buffers of earlier releases): nothing is
+    measured, so chunks already written with the codec stay readable."""
+    path = tmp_path / "b"
+    ReplayBuffer(str(path), 2, STEPS, FIELDS).close()
+    document = json.loads((path / "zarr.json").read_text())
+    del document["attributes"][MEASURED_CODECS]
+    (path / "zarr.json").write_text(json.dumps(document))
+    buffer = ReplayBuffer.from_folder(str(path))
+    buffer.store_episode(**_episode(0))
+    assert buffer.storage.array("noise").codec.label == "blosc-lz4:9" and MEASURED_CODECS not in _attributes(path)
+    buffer.close()
+
+
+@pytest.mark.parametrize("value", [["noise"], {"nofield": None}, {"noise": "none"}])
+def test_a_damaged_choice_record_is_refused_by_name(tmp_path, value):
+    path = tmp_path / "b"
+    ReplayBuffer(str(path), 2, STEPS, FIELDS).close()
+    document = json.loads((path / "zarr.json").read_text())
+    document["attributes"][MEASURED_CODECS] = value
+    (path / "zarr.json").write_text(json.dumps(document))
+    with pytest.raises(BufferDamagedError, match=f"zarr.json in .*: {MEASURED_CODECS} must map data field names"):
+        ReplayBuffer.from_folder(str(path), read_only=True)
