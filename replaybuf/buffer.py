@@ -44,7 +44,7 @@ from .storage import (
     with_cache,
 )
 from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
-from .view import BufferView, SchemaAttributes, frozen, read_only_message
+from .view import BufferView, CommittedViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
     import torch
@@ -227,7 +227,7 @@ class DataView:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
 
 
-class ReplayBuffer(SchemaAttributes):
+class ReplayBuffer(CommittedViews):
     """An episode store: write steps or whole episodes, read them back as tensors and batches.
 
     The signature is memmap-replay-buffer's: ``fields`` map names to specs such as ``'float'``,
@@ -494,23 +494,8 @@ class ReplayBuffer(SchemaAttributes):
     def is_new_episode(self) -> bool:
         return self.timestep_index == 0
 
-    @property
-    def episode_lens(self) -> np.ndarray:
-        """Committed length of every slot (0: empty); read-only view."""
-        return frozen(self._meta["episode_lens"])
-
-    @property
-    def generations(self) -> np.ndarray:
-        """Generation of every slot (0: empty); read-only view (``BufferView.generations``)."""
-        return frozen(self._meta["_generation"])
-
-    def meta_values(self, name: str) -> np.ndarray:
-        """Values of meta field ``name`` for every slot, as committed; read-only view."""
-        if name not in self.meta_fieldnames:
-            raise ValueError(
-                f"meta_values: invalid meta field name {name!r} - must be one of {sorted(self.meta_fieldnames)}"
-            )
-        return frozen(self._meta[name])
+    def _committed(self) -> dict[str, np.ndarray]:
+        return self._meta
 
     def listed_slots(self) -> np.ndarray:
         """The slots ``get_all_data`` returns a row for: ``0 .. num_episodes - 1``, as the seed."""

@@ -26,7 +26,7 @@ from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
 from .storage import GenerationMismatchError, Storage
-from .view import SchemaAttributes, frozen, read_only_message
+from .view import CommittedViews, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
 
@@ -318,7 +318,7 @@ def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
         )
 
 
-class ConcatReplayBuffer(SchemaAttributes):
+class ConcatReplayBuffer(CommittedViews):
     """Several stored buffers read as one, read-only: local paths, URLs and buffers mixed.
 
     ``buffers`` are paths or URLs (opened read-only with ``storage_options``, one dict for all
@@ -408,23 +408,8 @@ class ConcatReplayBuffer(SchemaAttributes):
     def num_episodes(self) -> int:
         return sum(b.num_episodes for b in self.buffers)
 
-    @property
-    def episode_lens(self) -> np.ndarray:
-        """Committed length of every global slot (0: empty); read-only view."""
-        return frozen(self._snapshot["episode_lens"])
-
-    @property
-    def generations(self) -> np.ndarray:
-        """Each global slot's generation in its member (0: empty); read-only view."""
-        return frozen(self._snapshot["_generation"])
-
-    def meta_values(self, name: str) -> np.ndarray:
-        """Values of meta field ``name`` for every global slot; read-only view."""
-        if name not in self.meta_fieldnames:
-            raise ValueError(
-                f"meta_values: invalid meta field name {name!r} - must be one of {sorted(self.meta_fieldnames)}"
-            )
-        return frozen(self._snapshot[name])
+    def _committed(self) -> dict[str, np.ndarray]:
+        return self._snapshot
 
     def listed_slots(self) -> np.ndarray:
         """The global slots ``get_all_data`` returns a row for: each member's ``0 .. num_episodes - 1``."""

@@ -4,8 +4,8 @@ Sampling (``sampling/``), analysis (``analysis.py``) and the viewer (``viewer/``
 against this protocol and use nothing else of a buffer: its schema, its storage, and the
 committed snapshot it holds in RAM (per-slot lengths, generations and meta values as of the
 last ``refresh()``, or of the last commit for a writer). ``SchemaAttributes`` derives the
-seed's per-field attributes (``fieldnames``, ``shapes``, ``meta_dtypes``, ...) from ``schema``
-for both implementations.
+seed's per-field attributes (``fieldnames``, ``shapes``, ``meta_dtypes``, ...) from ``schema``,
+and ``CommittedViews`` adds the snapshot's read-only views; both implementations inherit them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .storage import Storage, bookkeeping_fields
 if TYPE_CHECKING:
     from .buffer import MetaView
 
-__all__ = ["BufferView", "SchemaAttributes", "frozen", "read_only_message"]
+__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "read_only_message"]
 
 
 @runtime_checkable
@@ -171,3 +171,30 @@ def frozen(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+class CommittedViews(SchemaAttributes):
+    """The seed's attributes and ``BufferView``'s read-only views of the committed snapshot,
+    over ``_committed()``: what ReplayBuffer and ConcatReplayBuffer share."""
+
+    def _committed(self) -> Mapping[str, np.ndarray]:
+        """Every slot's committed meta rows by name, ``episode_lens`` and ``_generation`` among them."""
+        raise NotImplementedError
+
+    @property
+    def episode_lens(self) -> np.ndarray:
+        """Committed length of every slot (0: empty); read-only view."""
+        return frozen(self._committed()["episode_lens"])
+
+    @property
+    def generations(self) -> np.ndarray:
+        """Generation of every slot (0: empty); read-only view."""
+        return frozen(self._committed()["_generation"])
+
+    def meta_values(self, name: str) -> np.ndarray:
+        """Values of meta field ``name`` for every slot, as committed; read-only view."""
+        if name not in self.meta_fieldnames:
+            raise ValueError(
+                f"meta_values: invalid meta field name {name!r} - must be one of {sorted(self.meta_fieldnames)}"
+            )
+        return frozen(self._committed()[name])
