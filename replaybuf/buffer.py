@@ -803,9 +803,11 @@ class ReplayBuffer:
         self._commit.commit_empty(group)
 
     def flush(self) -> None:
-        """Push buffered step-log records and make written data durable as configured."""
+        """Push buffered step-log records and batched counters, and make written data durable
+        as configured."""
         if self.read_only:
             return
+        self._commit.flush_counters()
         self._commit.flush_log()
         self.storage.flush()
 
@@ -1175,7 +1177,9 @@ class ReplayBuffer:
 
     def __del__(self):
         try:
-            if not self.read_only and getattr(self, "_commit", None) is not None and self._commit.log_pending:
-                self._commit.flush_log()
+            if not self.read_only and getattr(self, "_commit", None) is not None:
+                self._commit.flush_counters()
+                if self._commit.log_pending:
+                    self._commit.flush_log()
         except Exception:
             pass
