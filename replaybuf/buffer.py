@@ -383,6 +383,8 @@ class ReplayBuffer:
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
         self._state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
         self._meta = meta
+        if self.read_only:  # the counters of a live writer's last episodes may still wait
+            self._state = self._commit.caught_up(self._state)
         return self
 
     # ---- state ---------------------------------------------------------------------------

@@ -17,9 +17,8 @@ wait for the next write (the next episode past the interval, a commit of any oth
 ``flush()``, ``close()``); the first episode after any other commit writes them at once. Replacing the counters object (a
 temp file and a rename) cost more than the rest of a short episode's commit. Nothing committed
 is lost by the delay: the counters are derived from the published lengths and generations
-(``reconcile_state``) when a writer opens the buffer after a kill, and readers sample the slots
-whose lengths are published; ``num_episodes`` and ``get_all_data`` of a reader in another
-process follow the counters, so they may lag a live writer by up to the interval.
+(``reconcile_state``) when a writer opens the buffer after a kill, and a reader catches the
+counters it loads up with the episodes published since (``caught_up``).
 
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
@@ -226,6 +225,21 @@ class Committer:
         """Commit the counters with ``changes``."""
         self.state = {**self.state, **changes}
         self.store_state(self.state)
+
+    def caught_up(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The counters ``state`` as a reader loaded them, caught up with episodes published
+        since (a live writer's batched step 4, or a killed one's): ``self.meta`` and
+        ``self.state`` hold what was loaded."""
+        generations = self.meta["_generation"]
+        newest = int(generations.max()) if len(generations) else 0
+        if newest <= int(state["total_episodes"]):
+            return state
+        return {
+            **state,
+            "num_episodes": max(int(state["num_episodes"]), self.count_episodes()),
+            "episode_index": int((np.argmax(generations) + 1) % self.max_episodes),
+            "total_episodes": newest,
+        }
 
     def empty_episodes(self) -> np.ndarray:
         """Slots of committed length-0 episodes (no published length shows them)."""

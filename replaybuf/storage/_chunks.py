@@ -26,6 +26,7 @@ from ._kv import KeyValue, thread_pool
 from .base import CorruptChunkError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
+_PACKED_READ_BYTES = 16 << 20
 DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
 # Small fields (at most RESIDENT_STEP_BYTES per step: vectors, scalars) are held whole in RAM
 # per process, up to DEFAULT_RESIDENT_BYTES for all arrays together (their full capacity,
@@ -178,6 +179,22 @@ _NEVER = -2
 def _per_pair(versions, count: int) -> np.ndarray:
     versions = np.asarray(versions, dtype=np.int64)
     return versions if versions.shape == (count,) else np.broadcast_to(versions, (count,))
+
+
+def _copy_rows(
+    out: np.ndarray, picked: np.ndarray, chunk: np.ndarray, local: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> None:
+    """``out[picked[k], :lengths[k]] = chunk[local[k], starts[k]:...]``: one slice copy for a
+    run of whole rows (a first load), else one copy per row."""
+    count = len(picked)
+    if (starts == 0).all() and (lengths == out.shape[1]).all():
+        if picked[-1] - picked[0] == local[-1] - local[0] == count - 1:
+            out[picked[0] : picked[0] + count] = chunk[local[0] : local[0] + count, : out.shape[1]]
+        else:
+            out[picked] = chunk[local, : out.shape[1]]
+        return
+    for i, e, s, n in zip(picked.tolist(), local.tolist(), starts.tolist(), lengths.tolist()):
+        out[i, :n] = chunk[e, s : s + n]
 
 
 class ChunkedArray:
@@ -538,14 +555,17 @@ class ChunkedArray:
         ce = self.chunks[0]
         ids = episodes // ce
         unique, counts = np.unique(ids, return_counts=True)
-        whole = unique[counts * 8 >= ce].tolist()
-        if whole:
-            size = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
-            raws = self.kv.get_many([self.chunk_key((c, 0)) for c in whole])
+        wanted, whole = unique[counts * 8 >= ce].tolist(), []
+        size = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
+        # fetched a few at a time: the raw bytes held at once stay ~_PACKED_READ_BYTES
+        group = max(1, _PACKED_READ_BYTES // size)
+        for first in range(0, len(wanted), group):
+            batch = wanted[first : first + group]
+            raws = self.kv.get_many([self.chunk_key((c, 0)) for c in batch])
             # a chunk of the wrong size is read row by row below: each row is whole or damaged
-            whole = [c for c, raw in zip(whole, raws) if raw is None or len(raw) == size]
-            raws = [raw for raw in raws if raw is None or len(raw) == size]
-            for c, raw in zip(whole, raws):
+            raws = {c: raw for c, raw in zip(batch, raws) if raw is None or len(raw) == size}
+            whole += raws
+            for c, raw in raws.items():
                 picked = np.flatnonzero(ids == c)
                 if raw is None:
                     for episode in episodes[picked].tolist():
@@ -553,14 +573,7 @@ class ChunkedArray:
                     chunk = np.zeros(self.chunks, self.dtype)
                 else:
                     chunk = np.frombuffer(raw, self.codec.dtype).reshape(self.chunks)
-                local = episodes[picked] - c * ce
-                if (starts[picked] == 0).all() and (lengths[picked] == out.shape[1]).all():
-                    out[picked] = chunk[local, : out.shape[1]]
-                    continue
-                for i, e, s, n in zip(
-                    picked.tolist(), local.tolist(), starts[picked].tolist(), lengths[picked].tolist()
-                ):
-                    out[i, :n] = chunk[e, s : s + n]
+                _copy_rows(out, picked, chunk, episodes[picked] - c * ce, starts[picked], lengths[picked])
         rest = [i for i in np.flatnonzero(~np.isin(ids, whole)).tolist() if lengths[i] > 0]
         if not rest:
             return
@@ -963,11 +976,13 @@ class ChunkedArray:
     def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
         """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
         consecutive episodes."""
-        episodes = np.asarray(episodes)
-        order = np.argsort(episodes, kind="stable")
-        episodes, values = episodes[order], values[order]
-        # plain ints, not np.r_: a one-episode commit pays this per field and per meta array
-        bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
+        episodes = np.asarray(episodes).reshape(-1)
+        if len(episodes) == 1:  # a one-episode commit pays this per field and per meta array
+            bounds = [0, 1]
+        else:
+            order = np.argsort(episodes, kind="stable")
+            episodes, values = episodes[order], values[order]
+            bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
         for lo, hi in zip(bounds, bounds[1:]):
             start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
             self.write_box(start, values[lo:hi], atomic=atomic)

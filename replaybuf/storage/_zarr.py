@@ -16,7 +16,9 @@ arrays are not checksummed: they are rewritten in place a few bytes per commit (
 ``META_CHUNK_EPISODES``), and a checksum would turn that into a whole-chunk rewrite.
 
 Format 3 (formats 1 and 2 open and are written as they are): small data fields (vectors and
-scalars with no ``chunks`` or ``compressor`` spec, see ``packed_episodes``) are *packed*: many
+scalars with no ``chunks`` or ``compressor`` spec, see ``packed_episodes``) of buffers created
+on local disk are *packed* (object stores and ``memory://`` keep a chunk per episode: they
+cannot write in place): many
 episodes share one uncompressed chunk of whole rows, (E, max_timesteps, *shape) with E chosen
 by bytes (``PACKED_CHUNK_BYTES``), written in place like the meta arrays. Storing one short
 episode is then one small write per field into an existing file (no new file, no encode), and
@@ -248,7 +250,9 @@ class ZarrStorage(KVBlobs, Storage):
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
             chunk = default_time_chunk(field, schema.max_timesteps)
-            packed = packed_episodes(field, schema.max_episodes, schema.max_timesteps)
+            # only files are written in place: on an object store a packed chunk would be
+            # rewritten whole for every episode
+            packed = packed_episodes(field, schema.max_episodes, schema.max_timesteps) if self.kv.writes_in_place else 1
             data.create_array(
                 field.name,
                 shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
@@ -440,7 +444,9 @@ class ZarrStorage(KVBlobs, Storage):
         rows = self.kv.get_ranges(requests)
         for i, ((key, lo, hi), row) in enumerate(zip(requests, rows)):
             f, k = divmod(i, len(slots))
-            if row is None or len(row) != hi - lo:
+            if row is None:  # never written: its rows read as zeros (and as damage once committed)
+                row = bytes(hi - lo)
+            if len(row) != hi - lo:
                 raise StorageError(f"reading back {self.kv.where(key)} to checksum slot {slots[k]} failed")
             sums[k, self._packed.index(names[f])] = _SEALED | crc32c(row)
         self._write_sums(slots, sums)
@@ -525,9 +531,13 @@ class ZarrStorage(KVBlobs, Storage):
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        episodes = np.asarray(episodes, np.int64).reshape(-1)
         if name == "episode_lens" and self._packed:
             self._seal(episodes, values)  # before the length publishes the episode
-        self.array(name, meta=True)[np.asarray(episodes)] = values
+        array = self.array(name, meta=True)
+        array.write_rows(
+            episodes, 0, np.broadcast_to(np.asarray(values, array.dtype), (len(episodes), *array.shape[1:]))
+        )
 
     def read_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited
