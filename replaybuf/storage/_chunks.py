@@ -396,12 +396,10 @@ class ChunkedArray:
         if versions is not None and self.grid_axes == 2 and self._resident_enabled():
             versions = _per_pair(versions, len(episodes))
             return self._gather_resident(episodes, timesteps, versions, out)
-        if self.packed:  # whole rows (their chunks are read whole anyway), checked
-            rows, inverse = np.unique(episodes, return_inverse=True)
-            count = len(rows)
-            whole = np.empty((count, *self.shape[1:]), self.dtype)
-            self.read_into(whole, rows, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
-            out[...] = whole[inverse.reshape(-1), timesteps]
+        if self.packed:  # whole rows (checked), through the chunk cache when versions are given
+            rows, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
+            row_versions = None if versions is None else _per_pair(versions, len(episodes))[first].tolist()
+            out[...] = self._packed_rows(rows, row_versions)[inverse.reshape(-1), timesteps]
             return out
         ce, ct = self.chunks[0], self.chunks[1]
         per_row = -(-self.shape[1] // ct)
@@ -540,6 +538,25 @@ class ChunkedArray:
             self._decode_into(data, target.reshape(1, *target.shape), (e, ti))
         else:
             target[...] = self._decode(data, (e, ti))[0, lo - ti * ct : hi - ti * ct]
+
+    def _packed_rows(self, rows: np.ndarray, versions: list[int] | None) -> np.ndarray:
+        """Whole rows of a packed array, (len(rows), T, *shape): from the chunk cache where
+        cached under ``versions``, the rest read (and checked) in one ``read_into``."""
+        use_cache = versions is not None and _cache.max_bytes > 0
+        keys = rows.tolist()
+        found = _cache.get_many(self._namespace, keys, versions) if use_cache else [None] * len(keys)
+        missing = [i for i, row in enumerate(found) if row is None]
+        if missing:
+            count = len(missing)
+            block = np.empty((count, *self.shape[1:]), self.dtype)
+            self.read_into(block, rows[missing], np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
+            for k, i in enumerate(missing):
+                found[i] = block[k]
+            if use_cache and _cache.admits(block.nbytes):
+                _cache.put_many(
+                    self._namespace, [(keys[i], versions[i], block[k].copy()) for k, i in enumerate(missing)]
+                )
+        return np.stack(found) if found else np.empty((0, *self.shape[1:]), self.dtype)
 
     def row_range(self, episode: int, start: int, length: int) -> tuple[str, int, int]:
         """(key, first byte, end byte) of steps ``start .. start + length`` of ``episode`` in a
@@ -761,6 +778,7 @@ class ChunkedArray:
     def _forget_rows(self, first: int, count: int) -> None:
         """After rows ``first .. first + count`` were written in place: their resident rows are
         read again on next use (the other rows of a packed chunk stay)."""
+        _cache.discard(self._namespace, list(range(first, first + count)))
         if self._resident_versions is not None:
             self._resident_versions[first : first + count] = _NEVER
 
@@ -877,6 +895,8 @@ class ChunkedArray:
         if empty:
             self.kv.delete_many(empty)
         self._forget(written)
+        if self.packed:
+            self._forget_rows(int(start[0]), len(values))
         if published and self.packed and self.rows_written is not None:
             self.rows_written(int(start[0]), len(values))
 
