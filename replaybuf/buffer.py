@@ -403,6 +403,8 @@ class ReplayBuffer(CommittedViews):
         self._meta = meta
         if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
             self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, repr(self.storage.location))
+        elif self.read_only:  # the counters of a live writer's last episodes may still wait
+            self._state = self._commit.caught_up(self._state)
         return self
 
     # ---- state ---------------------------------------------------------------------------
@@ -824,9 +826,11 @@ class ReplayBuffer(CommittedViews):
         self._commit.commit_empty(group)
 
     def flush(self) -> None:
-        """Push buffered step-log records and make written data durable as configured."""
+        """Push buffered step-log records and batched counters, and make written data durable
+        as configured."""
         if self.read_only:
             return
+        self._commit.flush_counters()
         self._commit.flush_log()
         self.storage.flush()
 
@@ -1233,7 +1237,9 @@ class ReplayBuffer(CommittedViews):
 
     def __del__(self):
         try:
-            if not self.read_only and getattr(self, "_commit", None) is not None and self._commit.log_pending:
-                self._commit.flush_log()
+            if not self.read_only and getattr(self, "_commit", None) is not None:
+                self._commit.flush_counters()
+                if self._commit.log_pending:
+                    self._commit.flush_log()
         except Exception:
             pass

@@ -11,6 +11,15 @@ committed episode intact through a crash:
 3. meta rows, then ``_generation`` and ``episode_lens`` are published;
 4. the counters object is committed; the step log of the episode is cleared.
 
+Step 4 of whole episodes stored one after another (``store_episode``: length > 0, no step log)
+is batched: within ``COUNTERS_INTERVAL`` seconds of the last such counters write, the counters
+wait for the next write (the next episode past the interval, a commit of any other kind,
+``flush()``, ``close()``); the first episode after any other commit writes them at once. Replacing the counters object (a
+temp file and a rename) cost more than the rest of a short episode's commit. Nothing committed
+is lost by the delay: the counters are derived from the published lengths and generations
+(``reconcile_state``) when a writer opens the buffer after a kill, and a reader catches the
+counters it loads up with the episodes published since (``caught_up``).
+
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
 per-commit bookkeeping: the statistics sketches).
@@ -18,6 +27,7 @@ per-commit bookkeeping: the statistics sketches).
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +44,8 @@ from .values import fill_value
 LOG_NAME = "episode"
 # counters key: slots of committed length-0 episodes, which no published length shows
 EMPTY_EPISODES = "empty_episodes"
+# the longest the counters of committed whole episodes wait to be written (see above)
+COUNTERS_INTERVAL = 0.05
 
 
 class Committer:
@@ -58,10 +70,24 @@ class Committer:
         self.log_pending: list[bytes] = []
         self.log_written = False
         self.held = HeldEpisodes(storage, schema)  # episodes named snapshots hold: never reused
+        self.counters_pending = False  # self.state holds commits whose counters wait (step 4)
+        self.batched_at = 0.0  # time.monotonic() of the last counters write of a batch (0: none)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
-        return {**self.__dict__, "log_pending": [], "log_written": False}
+        return {**self.__dict__, "log_pending": [], "log_written": False, "counters_pending": False}
+
+    def store_state(self, state: dict[str, Any], batched: bool = False) -> None:
+        """Write the counters object ``state`` (which holds every commit so far); ``batched``:
+        by a commit whose followers may batch theirs."""
+        self.storage.commit_state(state)
+        self.counters_pending = False
+        self.batched_at = time.monotonic() if batched else 0.0
+
+    def flush_counters(self) -> None:
+        """Write the counters of commits whose step 4 was batched."""
+        if self.counters_pending:
+            self.store_state(self.state, batched=True)
 
     # ---- groups -----------------------------------------------------------------------------
 
@@ -97,7 +123,7 @@ class Committer:
         group.previous_lens = np.where(dirty, self.max_timesteps, self.meta["episode_lens"][group.slots])
         self.dirty_slots.update(group.slots.tolist())
         if not self.rows_written_whole:
-            self.storage.commit_state({**self.state, "writing": group.slots.tolist()})
+            self.store_state({**self.state, "writing": group.slots.tolist()})
         reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
         if len(reused):
             # the length first: a kill in between leaves an empty slot with a stale generation
@@ -118,9 +144,12 @@ class Committer:
                 f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} failed: {e}"
             ) from e
 
-    def commit(self, group: EpisodeGroup, final_meta: dict[str, np.ndarray] | None = None) -> None:
+    def commit(
+        self, group: EpisodeGroup, final_meta: dict[str, np.ndarray] | None = None, batch_counters: bool = False
+    ) -> None:
         """Commit ``group`` (at least one step): its rows still in RAM, padded to a chunk
-        boundary, then the stale chunks of a longer previous episode, then steps 3 and 4."""
+        boundary, then the stale chunks of a longer previous episode, then steps 3 and 4
+        (``batch_counters``: step 4 batched, for whole episodes with no step log)."""
         for name, values in (final_meta or {}).items():
             group.meta[name][:] = values
         tail = group.tail(self.time_chunks, self.max_timesteps)
@@ -134,7 +163,7 @@ class Committer:
                 return in_ram[name][:, : group.length]
             return self.storage.read_rows(name, group.slots, 0, group.length)
 
-        self.publish(group.slots, group.length, group.meta, steps)
+        self.publish(group.slots, group.length, group.meta, steps, batch_counters and not self.log_written)
         self.discard_log()
 
     def commit_empty(self, group: EpisodeGroup) -> None:
@@ -150,7 +179,7 @@ class Committer:
         Returns the slot (as a 1-element array)."""
         group = self.new_group(1, meta)
         self.write_slabs(group, group.extend({n: v[None] for n, v in steps.items()}, length))
-        self.commit(group)
+        self.commit(group, batch_counters=True)
         return group.slots
 
     def clear_stale(self, group: EpisodeGroup) -> None:
@@ -171,8 +200,10 @@ class Committer:
         length: int,
         meta: dict[str, np.ndarray],
         steps: Callable[[str], np.ndarray] | None = None,
+        batch_counters: bool = False,
     ) -> None:
-        """Commit steps 3 and 4: meta rows, generation and length, then the counters;
+        """Commit steps 3 and 4: meta rows, generation and length, then the counters (with
+        ``batch_counters``, only when ``COUNTERS_INTERVAL`` has passed since the last write);
         ``steps(name)``: the committed rows of a data field (for ``committed``)."""
         for name, values in meta.items():
             self.write_meta(name, slots, values)
@@ -193,7 +224,11 @@ class Committer:
         }
         # counted as the seed counts commits (an episode_index moved back overwrites and counts)
         self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
-        self.storage.commit_state(self.state)
+        batch_counters = batch_counters and length > 0
+        if batch_counters and time.monotonic() - self.batched_at < COUNTERS_INTERVAL:
+            self.counters_pending = True
+        else:
+            self.store_state(self.state, batched=batch_counters)
         self.dirty_slots.difference_update(slots.tolist())
         self.committed(slots, length, steps)
 
@@ -201,7 +236,7 @@ class Committer:
         """Called once per commit, after the counters: ``slots`` now hold episodes of ``length``
         steps whose rows ``steps(name)`` gives (None for length 0). The single place for
         per-commit bookkeeping outside the storage: the statistics sketches (``sketches.py``)."""
-        if steps is not None:
+        if steps is not None and length >= sketches.KLL_K:  # shorter: no blob (``sketches.py``)
             sketches.record(self.storage, self.schema, slots, self.meta["_generation"][slots], steps)
 
     # ---- bookkeeping --------------------------------------------------------------------------
@@ -215,7 +250,22 @@ class Committer:
     def commit_state(self, **changes: Any) -> None:
         """Commit the counters with ``changes``."""
         self.state = {**self.state, **changes}
-        self.storage.commit_state(self.state)
+        self.store_state(self.state)
+
+    def caught_up(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The counters ``state`` as a reader loaded them, caught up with episodes published
+        since (a live writer's batched step 4, or a killed one's): ``self.meta`` and
+        ``self.state`` hold what was loaded."""
+        generations = self.meta["_generation"]
+        newest = int(generations.max()) if len(generations) else 0
+        if newest <= int(state["total_episodes"]):
+            return state
+        return {
+            **state,
+            "num_episodes": max(int(state["num_episodes"]), self.count_episodes()),
+            "episode_index": int((np.argmax(generations) + 1) % self.max_episodes),
+            "total_episodes": newest,
+        }
 
     def empty_episodes(self) -> np.ndarray:
         """Slots of committed length-0 episodes (no published length shows them)."""
@@ -241,7 +291,7 @@ class Committer:
             "total_episodes": int(self.state["total_episodes"]),
             "cleared": True,
         }
-        self.storage.commit_state(self.state)
+        self.store_state(self.state)
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
@@ -301,7 +351,7 @@ class Committer:
             state["total_episodes"] = max(int(state["total_episodes"]), int(generations[newest]))
         if state != self.state:
             self.state = state
-            self.storage.commit_state(state)
+            self.store_state(state)
 
     def recover_step_log(self) -> None:
         """Commit, truncated, the episodes a killed writer left in its step log; then clear it.

@@ -15,6 +15,7 @@ from .data.make_fixtures import expected_episode
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMATS = [(version, backend) for version in ("format-v1", "format-v2") for backend in ("zarr", "memmap", "hdf5")]
+FORMATS.append(("format-v3", "zarr"))  # format 3 changed the zarr layout only (packed small fields)
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 

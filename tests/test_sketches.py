@@ -12,7 +12,7 @@ import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
-from replaybuf.sketches import PREFIX, decode, normalizer, summary
+from replaybuf.sketches import KLL_K, PREFIX, decode, normalizer, summary
 
 from ._data import random_episode
 
@@ -84,12 +84,12 @@ def test_summary_reads_no_data_when_blobs_exist(tmp_path, monkeypatch):
 
 def test_overwritten_and_step_written_episodes(tmp_path):
     buffer = make(tmp_path / "b", 6, max_episodes=4, circular=True)  # episodes 4, 5 overwrite slots 0, 1
-    with buffer.one_episode():  # step by step: sketched at commit too
-        for step in episode(99, 200)["reward"][:50]:
+    with buffer.one_episode():  # step by step: sketched at commit too (>= KLL_K steps)
+        for step in episode(99, 200)["reward"]:
             buffer.store(reward=step, state=np.zeros(3, np.float32))
     kept = {3: 3, 0: 4, 1: 5, 2: 99}  # slot -> episode; slot 2's blob was episode 2's: replaced
     assert decode(buffer.storage.read_blob(f"{PREFIX}2"))["generation"] == buffer._meta["_generation"][2] == 7
-    values = np.concatenate([episode(i)["reward"][: 50 if i == 99 else 200] for i in kept.values()])
+    values = np.concatenate([episode(i)["reward"] for i in kept.values()])
     stats = summary(buffer, ["reward"])["reward"]
     assert stats.count == len(values)
     np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
@@ -126,36 +126,41 @@ def fail_on_data_reads(buffer, monkeypatch) -> None:
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])
 def test_every_write_path_sketches_at_commit(tmp_path, monkeypatch, backend):
-    """store, store_batch, a long episode whose first steps left RAM before the commit (read
+    """Episodes of at least KLL_K steps (shorter ones get no blob) written by store,
+    store_batch, a long episode whose first steps left RAM before the commit (read
     back: memmap rows are 1-step chunks, written every 256 bytes here), a rewound one and a
     recovered step log all leave a blob: stats() reads no data."""
     monkeypatch.setattr("replaybuf.staging.WRITE_SPAN_BYTES", 256)
     buffer = ReplayBuffer(tmp_path / "b", max_episodes=8, max_timesteps=3000, fields=FIELDS, backend=backend)
     data = {i: episode(i, 3000) for i in range(4)}
     with buffer.one_episode():
-        for t in range(100):
+        for t in range(KLL_K):
             buffer.store(state=data[0]["state"][t], reward=data[0]["reward"][t])
     with buffer.batched_episode(2):
-        for t in range(60):
+        for t in range(KLL_K):
             buffer.store_batch(state=np.stack([data[1]["state"][t], data[2]["state"][t]]))
     with buffer.one_episode():
         for t in range(3000):
             buffer.store(state=data[3]["state"][t], reward=data[3]["reward"][t])
-    buffer.store(state=np.full(3, 50.0, np.float32))
-    buffer.store(state=np.full(3, 60.0, np.float32))
-    buffer.timestep_index = 1  # the second step is rewound away
+    for t in range(KLL_K + 1):
+        buffer.store(state=np.full(3, 50.0 + t, np.float32))
+    buffer.timestep_index = KLL_K  # the last step is rewound away
     buffer.advance_episode()
-    buffer.store(state=np.full(3, 7.0, np.float32), reward=1.0)
+    for _ in range(KLL_K):
+        buffer.store(state=np.full(3, 7.0, np.float32), reward=1.0)
     buffer.flush()
-    del buffer  # killed with a step logged: the next writable open recovers and sketches it
+    del buffer  # killed with its steps logged: the next writable open recovers and sketches it
     ReplayBuffer.from_folder(tmp_path / "b", backend=backend).close()
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True, backend=backend)
     assert len(reader.storage.list_blobs(PREFIX)) == 6
     exact = reader.stats(["state", "reward"], exact=True)
     fail_on_data_reads(reader, monkeypatch)
     merged = reader.stats(["state", "reward"])
-    states = [data[0]["state"][:100], data[1]["state"][:60], data[2]["state"][:60], data[3]["state"]]
-    states += [np.full((1, 3), 50.0, np.float32), np.full((1, 3), 7.0, np.float32)]
+    states = [data[0]["state"][:KLL_K], data[1]["state"][:KLL_K], data[2]["state"][:KLL_K], data[3]["state"]]
+    states += [
+        50.0 + np.repeat(np.arange(KLL_K, dtype=np.float32)[:, None], 3, 1),
+        np.full((KLL_K, 3), 7.0, np.float32),
+    ]
     assert merged["state"].count == exact["state"].count == sum(len(s) for s in states)
     np.testing.assert_allclose(merged["state"].mean, exact["state"].mean, rtol=1e-5)
     np.testing.assert_allclose(merged["state"].std, exact["state"].std, rtol=1e-5)
@@ -227,3 +232,13 @@ def test_errors(tmp_path):
         normalizer(buffer, "state", kind="minmax")
     with pytest.raises(ValueError, match="q must be in"):
         summary(buffer)["state"].quantile(1.5)
+
+
+def test_short_episodes_get_no_blob_and_are_sketched_from_their_data(tmp_path):
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=4, max_timesteps=KLL_K, fields=FIELDS)
+    short = episode(1, KLL_K - 1)
+    buffer.store_episode(**short)
+    assert buffer.storage.list_blobs(PREFIX) == []
+    stats = buffer.stats(["reward"])["reward"]
+    assert stats.count == KLL_K - 1
+    np.testing.assert_allclose(float(stats.mean), short["reward"].mean(), rtol=1e-5)

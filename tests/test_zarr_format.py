@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -54,7 +55,7 @@ def test_image_fields_are_one_shard_per_episode(tmp_path):
     assert buffer.storage.read_rows("frame", np.array([1]), 28, 32)[0, :, 0, 0, 0].tolist() == [9, 9, 0, 0]
 
 
-def test_default_codecs_are_blosc_lz4_for_images_and_zstd_for_vectors(tmp_path):
+def test_default_codecs_are_blosc_lz4_for_images_and_packed_raw_vectors(tmp_path):
     path = tmp_path / "b"
     buffer = ReplayBuffer(str(path), 2, 6, fields=dict(frame=("uint8", (64, 64, 3)), state=("float", 4)))
     buffer.store_episode(
@@ -68,9 +69,17 @@ def test_default_codecs_are_blosc_lz4_for_images_and_zstd_for_vectors(tmp_path):
         "clevel": 9,
         "shuffle": "noshuffle",
     }
-    state_codecs = json.loads((path / "data" / "state" / "zarr.json").read_text())["codecs"]
-    assert state_codecs[-2]["name"] == "zstd" and state_codecs[-2]["configuration"]["level"] == 3
-    assert state_codecs[-1]["name"] == "crc32c"
+    # format 3: small fields of both slots share one uncompressed chunk of whole rows
+    state = json.loads((path / "data" / "state" / "zarr.json").read_text())
+    assert [c["name"] for c in state["codecs"]] == ["bytes"]
+    assert state["chunk_grid"]["configuration"]["chunk_shape"] == [2, 6, 4]
+    assert sorted(os.listdir(path / "data" / "state")) == ["c.0.0.0", "zarr.json"]
+    explicit = ReplayBuffer(
+        str(tmp_path / "z"), 2, 6, fields=dict(state={"dtype": "float", "shape": 4, "compressor": "zstd"})
+    )
+    codecs = json.loads((tmp_path / "z" / "data" / "state" / "zarr.json").read_text())["codecs"]
+    assert [c["name"] for c in codecs] == ["bytes", "zstd", "crc32c"] and codecs[1]["configuration"]["level"] == 3
+    explicit.close()
     group = zarr.open_group(str(path), mode="r")
     np.testing.assert_array_equal(group["data/frame"][0, :, 5, 7], buffer.data["frame"][0, :, 5, 7])
     assert group["data/frame"][0, 3].any()
@@ -91,7 +100,7 @@ def test_config_is_json_and_no_pickle_anywhere(tmp_path):
         x=np.ones((2, 2)), m=1
     )
     attributes = json.loads((path / "zarr.json").read_text())["attributes"]
-    assert attributes["version"] == 2 and attributes["fields"]["x"] == {
+    assert attributes["version"] == 3 and attributes["fields"]["x"] == {
         "dtype": "float32",
         "shape": [2],
         "default": 0.5,

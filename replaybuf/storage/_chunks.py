@@ -26,6 +26,7 @@ from ._kv import KeyValue, thread_pool
 from .base import CorruptChunkError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
+_PACKED_READ_BYTES = 16 << 20
 DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
 # Small fields (at most RESIDENT_STEP_BYTES per step: vectors, scalars) are held whole in RAM
 # per process, up to DEFAULT_RESIDENT_BYTES for all arrays together (their full capacity,
@@ -180,6 +181,22 @@ def _per_pair(versions, count: int) -> np.ndarray:
     return versions if versions.shape == (count,) else np.broadcast_to(versions, (count,))
 
 
+def _copy_rows(
+    out: np.ndarray, picked: np.ndarray, chunk: np.ndarray, local: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> None:
+    """``out[picked[k], :lengths[k]] = chunk[local[k], starts[k]:...]``: one slice copy for a
+    run of whole rows (a first load), else one copy per row."""
+    count = len(picked)
+    if (starts == 0).all() and (lengths == out.shape[1]).all():
+        if picked[-1] - picked[0] == local[-1] - local[0] == count - 1:
+            out[picked[0] : picked[0] + count] = chunk[local[0] : local[0] + count, : out.shape[1]]
+        else:
+            out[picked] = chunk[local, : out.shape[1]]
+        return
+    for i, e, s, n in zip(picked.tolist(), local.tolist(), starts.tolist(), lengths.tolist()):
+        out[i, :n] = chunk[e, s : s + n]
+
+
 class ChunkedArray:
     """A zarr v3 array read and written chunk by chunk through a KeyValue.
 
@@ -192,6 +209,12 @@ class ChunkedArray:
     a chunk missing inside a committed episode (``committed(slot)`` is its published length)
     is damage, reported as ``CorruptChunkError`` like a chunk failing its crc32c or its codec.
     The length is read only when a chunk is missing: the normal path costs nothing.
+
+    Packed arrays (``packed``) carry no chunk checksum: ``check_rows(episodes, starts,
+    lengths, out)`` checks whole-episode reads against per-episode checksums kept by the
+    storage, ``rows_written(first, count)`` tells it which rows a write changed, and
+    ``row_prints(rows)`` fingerprints rows by those checksums (a chunk's file changes with any
+    of its rows: a refresh re-reads only the rows whose checksum changed).
     """
 
     def __init__(
@@ -207,6 +230,9 @@ class ChunkedArray:
         separator: str = "/",
         check_writable: Any = None,
         committed: Callable[[int], int] | None = None,
+        check_rows: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+        rows_written: Callable[[int, int], None] | None = None,
+        row_prints: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
         self.kv = kv
         self.path = path
@@ -219,6 +245,11 @@ class ChunkedArray:
         self.separator = separator
         self.check_writable = check_writable
         self.committed = committed
+        self.check_rows = check_rows
+        self.rows_written = rows_written
+        self.row_prints = row_prints
+        # bytes of one element of the time axis (grid_axes 2) or of one row (grid_axes 1)
+        self.item_nbytes = int(np.prod(self.shape[grid_axes:], dtype=np.int64)) * self.dtype.itemsize
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
         self._resident_versions: np.ndarray | None = None
@@ -234,6 +265,18 @@ class ChunkedArray:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def packed(self) -> bool:
+        """A packed data array (format 3): uncompressed chunks of whole rows of several
+        episodes, written in place (``_write_in_place``) and read by rows (``_read_packed``)."""
+        return (
+            self.grid_axes == 2
+            and self.chunks[0] > 1
+            and self.chunks[1] >= self.shape[1]
+            and not self.codec.compressed
+            and not self.codec.checksum
+        )
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -252,11 +295,12 @@ class ChunkedArray:
         sep = self.separator
         return f"{self.path}/c{sep}" + sep.join(str(i) for i in full)
 
-    def _damage(self, index: tuple, reason: str) -> CorruptChunkError:
-        """The error for chunk ``index`` (grid position), naming its slot, steps and file."""
+    def _damage(self, index: tuple, reason: str, slot: int | None = None) -> CorruptChunkError:
+        """The error for chunk ``index`` (grid position), naming its slots (``slot``: the one
+        read from a packed chunk), steps and file."""
         where = self.kv.where(self.chunk_key(index))
-        lo = int(index[0]) * self.chunks[0]
-        if self.grid_axes == 1:
+        lo = int(index[0]) * self.chunks[0] if slot is None else slot
+        if self.grid_axes == 1 or (self.chunks[0] > 1 and slot is None):
             hi = min(lo + self.chunks[0], self.shape[0])
             return CorruptChunkError(
                 f"{self.path}: slots {lo}..{hi - 1}: {reason} ({where})", field=self.path, location=where
@@ -277,13 +321,18 @@ class ChunkedArray:
         except ChunkDamage as e:
             raise self._damage(index, str(e)) from None
 
-    def _absent(self, index: tuple) -> None:
-        """A chunk that is not stored reads as zeros, unless it lies in a committed episode."""
+    def _absent(self, index: tuple, slot: int | None = None) -> None:
+        """A chunk that is not stored reads as zeros, unless it lies in a committed episode
+        (``slot``: the one read from a packed chunk; else any of the chunk's)."""
         if self.committed is None:
             return
-        episode, ti = int(index[0]), int(index[1])
-        if ti * self.chunks[1] < self.committed(episode):
-            raise self._damage(index, "chunk missing from a committed episode")
+        ce, ti = self.chunks[0], int(index[1])
+        first = int(index[0]) * ce
+        slots = range(first, min(first + ce, self.shape[0])) if slot is None else [slot]
+        for episode in slots:
+            if ti * self.chunks[1] < self.committed(episode):
+                reason = "chunk missing from a committed episode"
+                raise self._damage(index, reason, episode) if ce > 1 else self._damage(index, reason)
 
     def _boxes_chunks(self, box: Sequence[tuple[int, int]]):
         """Chunk indices intersecting a box of [start, stop) over the grid axes."""
@@ -348,6 +397,11 @@ class ChunkedArray:
         if versions is not None and self.grid_axes == 2 and self._resident_enabled():
             versions = _per_pair(versions, len(episodes))
             return self._gather_resident(episodes, timesteps, versions, out)
+        if self.packed:  # whole rows (checked), through the chunk cache when versions are given
+            rows, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
+            row_versions = None if versions is None else _per_pair(versions, len(episodes))[first].tolist()
+            out[...] = self._packed_rows(rows, row_versions)[inverse.reshape(-1), timesteps]
+            return out
         ce, ct = self.chunks[0], self.chunks[1]
         per_row = -(-self.shape[1] // ct)
         ids = (episodes // ce) * per_row + timesteps // ct
@@ -398,6 +452,7 @@ class ChunkedArray:
         lengths: np.ndarray,
         versions: np.ndarray | None = None,
         parallel: bool = True,
+        check: bool = True,
     ) -> None:
         """Steps ``starts[i] .. starts[i] + lengths[i]`` of episode ``episodes[i]`` into
         ``out[i, :lengths[i]]``; the rest of ``out`` is left as it is.
@@ -405,16 +460,22 @@ class ChunkedArray:
         Each chunk is fetched once and decoded straight into ``out`` when it lies inside the
         span (else into a scratch chunk and copied), the chunks spread over the thread pool
         unless ``parallel`` is False (a caller that runs its own parallel tasks, such as dask).
-        ``versions`` (one per episode) lets small arrays use their resident copy.
+        ``versions`` (one per episode) lets small arrays use their resident copy. ``check=False``
+        skips the per-episode checksums of a packed array (a writer sealing what it wrote).
         """
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
         if not len(episodes) or not lengths.any():
             return
+        if self._read_resident_into(out, episodes, starts, lengths, versions):
+            return
+        if self.packed:
+            self._read_packed(out, episodes, starts, lengths)
+            if check and self.check_rows is not None:
+                self.check_rows(episodes, starts, lengths, out)
+            return
         if self.chunks[0] != 1:
             self._read_into_by_gather(out, episodes, starts, lengths)
-            return
-        if self._read_resident_into(out, episodes, starts, lengths, versions):
             return
         ct = self.chunks[1]
         pieces = [
@@ -474,6 +535,79 @@ class ChunkedArray:
             self._decode_into(data, target.reshape(1, *target.shape), (e, ti))
         else:
             target[...] = self._decode(data, (e, ti))[0, lo - ti * ct : hi - ti * ct]
+
+    def _packed_rows(self, rows: np.ndarray, versions: list[int] | None) -> np.ndarray:
+        """Whole rows of a packed array, (len(rows), T, *shape): from the chunk cache where
+        cached under ``versions``, the rest read (and checked) in one ``read_into``."""
+        keys = rows.tolist()
+        found: list[np.ndarray | None] = [None] * len(keys)
+        if versions is not None and _cache.max_bytes > 0:
+            found = list(_cache.get_many(self._namespace, keys, versions))
+        missing = [i for i, row in enumerate(found) if row is None]
+        if missing:
+            count = len(missing)
+            block = np.empty((count, *self.shape[1:]), self.dtype)
+            self.read_into(block, rows[missing], np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
+            for k, i in enumerate(missing):
+                found[i] = block[k]
+            if versions is not None and _cache.max_bytes > 0 and _cache.admits(block.nbytes):
+                _cache.put_many(
+                    self._namespace, [(keys[i], versions[i], block[k].copy()) for k, i in enumerate(missing)]
+                )
+        if not found:
+            return np.empty((0, *self.shape[1:]), self.dtype)
+        return np.stack([row for row in found if row is not None])
+
+    def row_range(self, episode: int, start: int, length: int) -> tuple[str, int, int]:
+        """(key, first byte, end byte) of steps ``start .. start + length`` of ``episode`` in a
+        packed array's chunk."""
+        step = self.item_nbytes
+        first = (episode % self.chunks[0] * self.shape[1] + start) * step
+        return self.chunk_key((episode // self.chunks[0], 0)), first, first + length * step
+
+    def _read_packed(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """``read_into`` for a packed array: a chunk many of whose rows are wanted is read
+        whole (a first load of a field: a few large reads); a few rows of a chunk (a refresh,
+        a writer reading back what it wrote) are read as byte ranges, one per row span."""
+        ce = self.chunks[0]
+        ids = episodes // ce
+        unique, counts = np.unique(ids, return_counts=True)
+        wanted: list[int] = unique[counts * 8 >= ce].tolist()
+        whole: list[int] = []
+        size = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
+        # fetched a few at a time: the raw bytes held at once stay ~_PACKED_READ_BYTES
+        group = max(1, _PACKED_READ_BYTES // size)
+        for first in range(0, len(wanted), group):
+            batch = wanted[first : first + group]
+            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in batch])
+            # a chunk of the wrong size is read row by row below: each row is whole or damaged
+            raws = {c: raw for c, raw in zip(batch, fetched) if raw is None or len(raw) == size}
+            whole += raws
+            for c, raw in raws.items():
+                picked = np.flatnonzero(ids == c)
+                if raw is None:
+                    for episode in episodes[picked].tolist():
+                        self._absent((c, 0), episode)
+                    chunk = np.zeros(self.chunks, self.dtype)
+                else:
+                    chunk = np.frombuffer(raw, self.codec.dtype).reshape(self.chunks)
+                _copy_rows(out, picked, chunk, episodes[picked] - c * ce, starts[picked], lengths[picked])
+        rest = [i for i in np.flatnonzero(~np.isin(ids, whole)).tolist() if lengths[i] > 0]
+        if not rest:
+            return
+        requests = [self.row_range(int(episodes[i]), int(starts[i]), int(lengths[i])) for i in rest]
+        for i, (_, lo, hi), data in zip(rest, requests, self.kv.get_ranges(requests)):
+            index = (int(ids[i]), 0)
+            if data is None:
+                self._absent(index, int(episodes[i]))
+                out[i, : lengths[i]] = 0
+            elif len(data) != hi - lo:
+                if self.committed is not None and not self.committed(int(episodes[i])):
+                    out[i, : lengths[i]] = 0  # no episode there: its next write rewrites it whole
+                    continue
+                raise self._damage(index, f"{len(data)} bytes where the row needs {hi - lo}", int(episodes[i]))
+            else:
+                out[i, : lengths[i]] = np.frombuffer(data, self.codec.dtype).reshape(int(lengths[i]), *self.shape[2:])
 
     def _read_into_by_gather(
         self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray
@@ -628,11 +762,14 @@ class ChunkedArray:
 
     def _row_keys(self, episode: int) -> list[str]:
         """The stored objects holding episode ``episode``'s row."""
-        return [self.chunk_key((episode, ti)) for ti in range(-(-self.shape[1] // self.chunks[1]))]
+        first = episode // self.chunks[0]
+        return [self.chunk_key((first, ti)) for ti in range(-(-self.shape[1] // self.chunks[1]))]
 
     def _fingerprints(self, rows: np.ndarray) -> np.ndarray | None:
         """One fingerprint per row of its stored objects, or None where the store cannot tell
         cheaply (object stores: asking costs as much as reading a small chunk)."""
+        if self.row_prints is not None:
+            return self.row_prints(rows)
         keys = [self._row_keys(e) for e in rows.tolist()]
         prints = self.kv.fingerprints([k for per_row in keys for k in per_row])
         if prints is None:
@@ -667,6 +804,13 @@ class ChunkedArray:
             kept_prints[rows] = prints
         self.resident_rows_read += count
 
+    def _forget_rows(self, first: int, count: int) -> None:
+        """After rows ``first .. first + count`` were written in place: their resident rows are
+        read again on next use (the other rows of a packed chunk stay)."""
+        _cache.discard(self._namespace, list(range(first, first + count)))
+        if self._resident_versions is not None:
+            self._resident_versions[first : first + count] = _NEVER
+
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
         _cache.discard(self._namespace, list(chunks))
@@ -696,22 +840,44 @@ class ChunkedArray:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def _write_rows_in_place(self, first: int, values: np.ndarray) -> bool:
-        """Overwrite whole rows of an uncompressed, episode-chunked array with in-place writes
-        (each a single small pwrite, as a memmap would do); False when that is not possible."""
-        if self.codec.compressed or self.grid_axes != 1:
+    def _write_in_place(self, start: Sequence[int], values: np.ndarray, published: bool) -> bool:
+        """Overwrite rows of an uncompressed array whose chunks hold whole rows (the meta
+        arrays, packed data arrays) in place, as a memmap would: one pwrite per run of whole
+        rows in a chunk, or per row span; False when that is not possible (other arrays, a
+        medium without in-place writes). A packed chunk not stored yet is first created whole
+        (zeros); ``published``: the rows may hold committed episodes (``rows_written``)."""
+        if self.grid_axes != 1 and not self.packed or self.codec.compressed:
             return False
+        first, t0 = int(start[0]), int(start[1]) if self.grid_axes == 2 else 0
         rows = np.ascontiguousarray(values, dtype=self.codec.dtype)
-        row_nbytes = rows[0].nbytes if len(rows) else 0
+        whole = self.grid_axes == 1 or rows.shape[1] == self.shape[1]
+        row_nbytes = self.item_nbytes * (self.shape[1] if self.grid_axes == 2 else 1)
+        offset0 = t0 * self.item_nbytes if self.grid_axes == 2 else 0
         per_chunk = self.chunks[0]
-        done = 0
+        done, created = 0, -1
         while done < len(rows):
-            episode = first + done
-            chunk, offset = divmod(episode, per_chunk)
-            count = min(len(rows) - done, per_chunk - offset)
-            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes, rows[done : done + count].tobytes()):
-                return False
+            chunk, offset = divmod(first + done, per_chunk)
+            count = min(len(rows) - done, per_chunk - offset) if whole else 1
+            part = rows[done : done + count]
+            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes + offset0, part.tobytes()):
+                if chunk != created and self.packed and self._create_chunk(chunk):
+                    created = chunk
+                    continue  # write the part in place now
+                return False  # write_box writes it all
             done += count
+        if self.packed:
+            self._forget_rows(first, len(rows))
+            if published and self.rows_written is not None:
+                self.rows_written(first, len(rows))
+        return True
+
+    def _create_chunk(self, chunk: int) -> bool:
+        """Store packed chunk ``chunk`` whole, as zeros, where the medium writes in place (a
+        local file): True when it was created. Only a writer creates chunks, and only before
+        any of its slots is published."""
+        if not self.kv.writes_in_place:
+            return False
+        self.kv.set_many({self.chunk_key((chunk,)): self.codec.encode(np.zeros(self.chunks, self.dtype))})
         return True
 
     def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
@@ -721,8 +887,11 @@ class ChunkedArray:
         """
         if self.check_writable is not None:
             self.check_writable()
-        if self._write_rows_in_place(int(start[0]), values):
+        published = atomic
+        if self._write_in_place(start, values, published):
             return
+        # a packed chunk holds other slots that readers trust: it is only ever replaced whole
+        atomic = atomic or self.packed
         box = [(s, s + n) for s, n in zip(start, values.shape)]
         indices = list(self._boxes_chunks(box))
         partial = [i for i in indices if not self._covers(box, i)]
@@ -759,6 +928,10 @@ class ChunkedArray:
         if empty:
             self.kv.delete_many(empty)
         self._forget(written)
+        if self.packed:
+            self._forget_rows(int(start[0]), len(values))
+        if published and self.packed and self.rows_written is not None:
+            self.rows_written(int(start[0]), len(values))
 
     def _stale_damage(self, error: CorruptChunkError) -> bool:
         """Whether damage lies in a slot that holds no committed episode (being rewritten): its
@@ -837,6 +1010,12 @@ class ChunkedArray:
         if parsed is None:
             return np.asarray(self._zarr()[key])
         episodes, squeeze, time, squeeze_t, rest = parsed
+        if self.packed and time is not None:  # through read_into: whole episodes are checked
+            count, (t0, t1) = len(episodes), time
+            out = np.zeros((count, t1 - t0, *self.shape[2:]), self.dtype)
+            self.read_into(out, episodes, np.full(count, t0, np.int64), np.full(count, t1 - t0, np.int64))
+            index = (0 if squeeze else slice(None), 0 if squeeze_t else slice(None))
+            return out[index + tuple(rest)]
         if len(episodes) > 1 and episodes[-1] - episodes[0] == len(episodes) - 1 and (np.diff(episodes) == 1).all():
             boxes = [((int(episodes[0]), int(episodes[-1]) + 1),) + ((time,) if time is not None else ())]
         else:
@@ -844,19 +1023,21 @@ class ChunkedArray:
         full = (len(episodes),) + ((time[1] - time[0],) if time else ()) + self.shape[self.grid_axes :]
         parts = self.read_boxes(boxes)
         out = np.concatenate(parts) if parts else np.zeros(full, self.dtype)
-        index = (0 if squeeze else slice(None),) + ((0 if squeeze_t else slice(None),) if time else ())
-        return out[index + tuple(rest)]
+        picked = (0 if squeeze else slice(None),) + ((0 if squeeze_t else slice(None),) if time else ())
+        return out[picked + tuple(rest)]
 
     def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
         """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
         consecutive episodes (none for no episodes)."""
-        episodes = np.asarray(episodes)
+        episodes = np.asarray(episodes).reshape(-1)
         if len(episodes) == 0:
             return
-        order = np.argsort(episodes, kind="stable")
-        episodes, values = episodes[order], values[order]
-        # plain ints, not np.r_: a one-episode commit pays this per field and per meta array
-        bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
+        if len(episodes) == 1:  # a one-episode commit pays this per field and per meta array
+            bounds = [0, 1]
+        else:
+            order = np.argsort(episodes, kind="stable")
+            episodes, values = episodes[order], values[order]
+            bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
         for lo, hi in zip(bounds, bounds[1:]):
             start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
             self.write_box(start, values[lo:hi], atomic=atomic)

@@ -77,6 +77,9 @@ def _in_pool(count: int, task: Callable[[int], None]) -> None:
 class KeyValue(ABC):
     """Object access by key: the primitives the chunk path and the side objects need."""
 
+    # whether ``write_at`` overwrites bytes of a stored object in place (local files)
+    writes_in_place = False
+
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """The bytes of each key (None where absent), fetched concurrently where possible."""
@@ -239,6 +242,8 @@ def _open_no_follow(path: str, flags: int) -> int:
 
 class LocalKV(KeyValue):
     """Files under a root folder; the layout zarr's LocalStore uses."""
+
+    writes_in_place = True
 
     def __init__(self, root: str, fsync: bool = False):
         self.root = root

@@ -54,7 +54,7 @@ class ShardedArray(ChunkedArray):
 
     # ---- reads --------------------------------------------------------------------------
 
-    def _damage(self, index: tuple, reason: str) -> CorruptChunkError:
+    def _damage(self, index: tuple, reason: str, slot: int | None = None) -> CorruptChunkError:
         # docstring inherited: the file is the episode's shard
         e, ti = int(index[0]), int(index[1])
         ct = self.chunks[1]
@@ -193,8 +193,10 @@ class ShardedArray(ChunkedArray):
         lengths: np.ndarray,
         versions: np.ndarray | None = None,
         parallel: bool = True,
+        check: bool = True,
     ) -> None:
-        """Time spans of episodes into ``out`` (as ``ChunkedArray.read_into``) with one read per
+        """Time spans of episodes into ``out`` (as ``ChunkedArray.read_into``; shards carry
+        their own crc32c per frame, so ``check`` changes nothing) with one read per
         episode: the whole shard when the span needs at least half of it (its index comes with
         it), else the one byte range holding the span's frames (after the index, cached under
         ``versions``). Each episode is one pool task that decodes its frames into place. Arrays

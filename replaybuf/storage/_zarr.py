@@ -1,8 +1,8 @@
 """The default backend: a zarr v3 group on local disk, in memory, or on any object store.
 
-Layout: group attributes hold ``{"format": "replaybuf", "version": 2, <schema>}`` as JSON;
+Layout: group attributes hold ``{"format": "replaybuf", "version": 3, <schema>}`` as JSON;
 arrays ``data/<field>`` (episode, time, *shape) chunked (1, T_chunk, *shape) so no two episodes
-share a chunk, ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes, with zarr
+share a chunk (packed small fields aside, see below), ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes, with zarr
 ``dimension_names`` (``Field.dimension_names``) so xarray opens them; counters in the object
 ``replaybuf/state.json``; step logs under ``replaybuf/steplog/`` (``STATE_NODE_KEY``). Chunks are read
 and written by the direct path in ``_chunks.py``; zarr-python creates the metadata and serves
@@ -14,6 +14,20 @@ stored even when all zero, so a flipped byte, a truncated, empty or missing chun
 committed episode reads as ``CorruptChunkError`` naming field, slot, timesteps and key. Meta
 arrays are not checksummed: they are rewritten in place a few bytes per commit (see
 ``META_CHUNK_EPISODES``), and a checksum would turn that into a whole-chunk rewrite.
+
+Format 3 (formats 1 and 2 open and are written as they are): small data fields (vectors and
+scalars with no ``chunks`` or ``compressor`` spec, see ``packed_episodes``) of buffers created
+on local disk are *packed* (object stores and ``memory://`` keep a chunk per episode: they
+cannot write in place): many
+episodes share one uncompressed chunk of whole rows, (E, max_timesteps, *shape) with E chosen
+by bytes (``PACKED_CHUNK_BYTES``), written in place like the meta arrays. Storing one short
+episode is then one small write per field into an existing file (no new file, no encode), and
+a reader loads a whole field in a few large reads instead of one file per episode. A chunk is
+created whole the first time one of its slots is written. Packed chunks carry no crc32c (an
+in-place row write would invalidate a whole-chunk checksum): instead each committed (packed
+field, episode) has one, as the memmap backend keeps them, in ``replaybuf/checksums``
+(``CHECKSUMS_KEY``), written before the length publishes the episode and checked on every
+whole-episode read; a flipped byte, a truncated or missing chunk reads as ``CorruptChunkError``.
 """
 
 from __future__ import annotations
@@ -25,9 +39,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..schema import FORMAT_NAME, FORMAT_VERSION, Field, Schema
+from ..schema import FORMAT_NAME, Field, Schema
 from ._chunks import ChunkedArray
-from ._codecs import ChunkCodec, compression_ratio, compressor_codec
+from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
@@ -35,7 +49,9 @@ from ._shards import ShardedArray
 from .base import (
     BufferDamagedError,
     BufferNotFoundError,
+    CorruptChunkError,
     Storage,
+    StorageError,
     bookkeeping_fields,
     check_layout,
     empty_state,
@@ -71,6 +87,18 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
+# zarr buffers are format 3 (packed small fields); the memmap and hdf5 backends stay at 2
+ZARR_FORMAT_VERSION = 3
+# Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
+# and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
+PACKED_CHUNK_BYTES = 1 << 20
+# (max_episodes, packed fields) uint64 little-endian: 1 << 32 | crc32c of each committed row
+# of a packed field (0: none kept), in the column order of the packed fields in the schema
+CHECKSUMS_KEY = "replaybuf/checksums"
+_SEALED = 1 << 32
+# a crc32c mismatch is read again this many times before it is damage: a writer reusing the
+# slot between the row read and the checksum read is not
+_CHECK_READS = 3
 
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
@@ -101,6 +129,15 @@ STATE_NODE = {
 def is_sharded(field: Field) -> bool:
     """Image-like fields store one shard per episode holding one inner chunk per frame."""
     return field.step_nbytes >= IMAGE_STEP_BYTES
+
+
+def packed_episodes(field: Field, max_episodes: int, max_timesteps: int) -> int:
+    """Episodes per chunk of a data field: more than 1 for a packed field (format 3: a small
+    field with no ``chunks`` or ``compressor`` spec whose whole rows fit ``PACKED_CHUNK_BYTES``
+    several times), 1 for every other field."""
+    if is_sharded(field) or field.chunks is not None or field.compressor is not None:
+        return 1
+    return max(1, min(max_episodes, PACKED_CHUNK_BYTES // max(field.step_nbytes * max_timesteps, 1)))
 
 
 def default_time_chunk(field: Field, max_timesteps: int) -> int:
@@ -155,6 +192,7 @@ class ZarrStorage(KVBlobs, Storage):
         self.kv = self._make_kv(self.location, self.storage_options, fsync)
         self._arrays: dict[tuple[str, bool], ChunkedArray] = {}
         self._unmeasured: set[str] = set()  # fields whose codec is chosen at their first write
+        self._packed: list[str] = []  # the packed fields: the columns of CHECKSUMS_KEY
 
     @staticmethod
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
@@ -223,7 +261,7 @@ class ZarrStorage(KVBlobs, Storage):
             zarr_format=3,
             attributes={
                 "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
+                "version": ZARR_FORMAT_VERSION,
                 **schema.to_json(),
                 **({MEASURED_CODECS: dict.fromkeys(measured)} if (measured := measured_fields(schema)) else {}),
             },
@@ -231,13 +269,16 @@ class ZarrStorage(KVBlobs, Storage):
         data, meta = root.require_group("data"), root.require_group("meta")
         for field in schema.fields.values():
             chunk = default_time_chunk(field, schema.max_timesteps)
+            # only files are written in place: on an object store a packed chunk would be
+            # rewritten whole for every episode
+            packed = packed_episodes(field, schema.max_episodes, schema.max_timesteps) if self.kv.writes_in_place else 1
             data.create_array(
                 field.name,
                 shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                chunks=(1, chunk, *field.shape),
+                chunks=(packed, schema.max_timesteps, *field.shape) if packed > 1 else (1, chunk, *field.shape),
                 dtype=field.dtype,
                 shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
-                compressors=_data_codecs(field),
+                compressors=_data_codecs(field) if packed == 1 else None,
                 fill_value=0,
                 chunk_key_encoding=FLAT_KEYS,
                 dimension_names=field.dimension_names(),
@@ -255,9 +296,11 @@ class ZarrStorage(KVBlobs, Storage):
             )
         self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         _consolidate(store)
-        self.commit_state(empty_state())
         self._load_arrays(schema)
         self._unmeasured = set(measured)
+        if self._packed:
+            self.kv.set(CHECKSUMS_KEY, bytes(8 * schema.max_episodes * len(self._packed)))
+        self.commit_state(empty_state())
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
@@ -270,10 +313,10 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferDamagedError(
                 f"{self.describe_key('zarr.json')}: format version is {attributes['version']!r}, expected an int"
             )
-        if attributes.get("version", 0) > FORMAT_VERSION:
+        if attributes.get("version", 0) > ZARR_FORMAT_VERSION:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {attributes['version']}; "
-                f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
+                f"this replaybuf reads up to {ZARR_FORMAT_VERSION}: upgrade replaybuf"
             )
         self.read_only = read_only
         if read_only and _is_url(self.location):
@@ -306,6 +349,7 @@ class ZarrStorage(KVBlobs, Storage):
             check_layout(where, array.shape, array.dtype, layouts[name, meta])
             _check_chunks(where, array)
             self._arrays[name, meta] = array
+        self._packed = [n for n in schema.fields if self._arrays[n, False].packed]
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
         codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
@@ -330,9 +374,16 @@ class ZarrStorage(KVBlobs, Storage):
             zarr_array=functools.partial(self._open_zarr_array, path),
             check_writable=self._check_writable,
             separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"),
-            # format 2 data arrays keep every chunk they write: a missing one is damage
-            committed=self._committed_length if checksum and grid_axes == 2 else None,
+            # format 2 data arrays and packed ones keep every chunk they write: a missing one is damage
+            committed=self._committed_length if (checksum or chunks[0] > 1) and grid_axes == 2 else None,
         )
+        if grid_axes == 2 and chunks[0] > 1 and not compressors and not checksum:
+            name = path.split("/", 1)[1]
+            options.update(
+                check_rows=functools.partial(self._check_rows, name),
+                rows_written=functools.partial(self._rows_written, name),
+                row_prints=functools.partial(self._row_prints, name),
+            )
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
@@ -341,10 +392,132 @@ class ZarrStorage(KVBlobs, Storage):
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now: one 4-byte range read of the
         uncompressed ``episode_lens`` chunk (0 when absent)."""
+        return int(self._committed_lengths(np.array([slot]))[0])
+
+    def _committed_lengths(self, slots: np.ndarray) -> np.ndarray:
+        """The published lengths of ``slots`` as stored now: 4-byte range reads of the
+        uncompressed ``episode_lens`` chunks, or the whole array for many slots (0 when absent)."""
         lens = self.array("episode_lens", meta=True)
-        chunk, row = divmod(int(slot), lens.chunks[0])
-        raw = self.kv.get_ranges([(lens.chunk_key((chunk,)), 4 * row, 4 * row + 4)])[0]
-        return int.from_bytes(raw, "little", signed=True) if raw is not None and len(raw) == 4 else 0
+        if len(slots) * 64 > lens.shape[0]:
+            return np.asarray(lens[:])[slots]
+        requests = []
+        for slot in slots.tolist():
+            chunk, row = divmod(slot, lens.chunks[0])
+            requests.append((lens.chunk_key((chunk,)), 4 * row, 4 * row + 4))
+        return np.array(
+            [
+                0 if r is None or len(r) != 4 else int.from_bytes(r, "little", signed=True)
+                for r in self.kv.get_ranges(requests)
+            ],
+            dtype=np.int64,
+        )
+
+    # ---- per-episode checksums of packed fields (format 3) ------------------------------------
+
+    def _read_sums(self, slots: np.ndarray) -> np.ndarray:
+        """Rows of ``CHECKSUMS_KEY`` for ``slots``: (len(slots), packed fields) uint64."""
+        width = 8 * len(self._packed)
+        max_episodes = self.array(self._packed[0]).shape[0]
+        whole = len(slots) * 64 > max_episodes
+        if whole:
+            raw = [self.kv.get(CHECKSUMS_KEY)]
+            sizes = [width * max_episodes]
+        else:
+            raw = self.kv.get_ranges([(CHECKSUMS_KEY, width * s, width * (s + 1)) for s in slots.tolist()])
+            sizes = [width] * len(slots)
+        if any(r is None or len(r) != n for r, n in zip(raw, sizes)):
+            where = self.kv.where(CHECKSUMS_KEY)
+            raise CorruptChunkError(f"{where}: the checksums of packed fields are missing or truncated", location=where)
+        sums = np.frombuffer(b"".join(r for r in raw if r is not None), "<u8").reshape(-1, len(self._packed))
+        return sums[slots] if whole else sums
+
+    def _write_sums(self, slots: np.ndarray, sums: np.ndarray) -> None:
+        """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows, else rewritten."""
+        width = 8 * len(self._packed)
+        sums = np.ascontiguousarray(sums, "<u8")
+        for slot, row in zip(slots.tolist(), sums):
+            if not self.kv.write_at(CHECKSUMS_KEY, width * slot, row.tobytes()):
+                break
+        else:
+            return
+        table = self._read_sums(np.arange(self.array(self._packed[0]).shape[0])).copy()
+        table[slots] = sums
+        self.kv.set(CHECKSUMS_KEY, table.tobytes())
+
+    def _seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
+        """Compute and store the checksums of the packed rows of ``slots`` committed (or about
+        to be) at ``lengths``, read back as stored (a byte range per row)."""
+        slots, lengths = np.asarray(slots, np.int64).reshape(-1), np.asarray(lengths, np.int64).reshape(-1)
+        lengths = np.broadcast_to(lengths, slots.shape)
+        keep = lengths > 0
+        slots, lengths = slots[keep], lengths[keep]
+        if not len(slots):
+            return
+        names = names or self._packed
+        sums = np.zeros((len(slots), len(self._packed)), np.uint64)
+        if len(names) < len(self._packed):
+            sums[:] = self._read_sums(slots)
+        requests = [
+            self.array(name).row_range(slot, 0, n)
+            for name in names
+            for slot, n in zip(slots.tolist(), lengths.tolist())
+        ]
+        rows = self.kv.get_ranges(requests)
+        for i, ((key, lo, hi), row) in enumerate(zip(requests, rows)):
+            f, k = divmod(i, len(slots))
+            if row is None:  # never written: its rows read as zeros (and as damage once committed)
+                row = bytes(hi - lo)
+            if len(row) != hi - lo:
+                raise StorageError(f"reading back {self.kv.where(key)} to checksum slot {slots[k]} failed")
+            sums[k, self._packed.index(names[f])] = _SEALED | crc32c(row)
+        self._write_sums(slots, sums)
+
+    def _rows_written(self, name: str, first: int, count: int) -> None:
+        """After rows ``first .. first + count`` of packed field ``name`` were written: the
+        committed ones among them (an update in place) get their checksums recomputed."""
+        slots = np.arange(first, first + count, dtype=np.int64)
+        lengths = self._committed_lengths(slots)
+        if (lengths > 0).any():
+            self._seal(slots, lengths, [name])
+
+    def _row_prints(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """A fingerprint per row of packed field ``name``: its stored checksum, which changes
+        whenever a committed row is rewritten (``ChunkedArray._fingerprints``)."""
+        return self._read_sums(np.asarray(slots, np.int64))[:, self._packed.index(name)].view(np.int64)
+
+    def _check_rows(
+        self, name: str, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray
+    ) -> None:
+        """Check rows of packed field ``name`` just read into ``out`` (``read_into``'s
+        arguments): each one read from step 0 through its whole committed length is compared
+        with its checksum; a mismatch is read again (a writer reusing the slot meanwhile) and
+        one that stays is ``CorruptChunkError``."""
+        array = self.array(name)
+        column = self._packed.index(name)
+        for attempt in range(_CHECK_READS):
+            picked = np.flatnonzero(starts == 0)
+            committed = self._committed_lengths(episodes[picked])
+            whole = (committed > 0) & (committed <= lengths[picked])
+            picked, committed = picked[whole], committed[whole]
+            if not len(picked):
+                return
+            sums = self._read_sums(episodes[picked])[:, column]
+            bad = [
+                k
+                for k, (i, n, expected) in enumerate(zip(picked.tolist(), committed.tolist(), sums.tolist()))
+                if expected & _SEALED and crc32c(np.ascontiguousarray(out[i, :n])) != expected & 0xFFFFFFFF
+            ]
+            if not bad:
+                return
+            picked = picked[bad]
+            if attempt + 1 < _CHECK_READS:
+                episodes, starts, lengths = episodes[picked], starts[picked], lengths[picked]
+                out = np.zeros((len(picked), *out.shape[1:]), out.dtype)
+                array.read_into(out, episodes, starts, lengths, check=False)
+        slot = int(episodes[picked[0]])
+        where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
+        n = int(committed[bad[0]])
+        raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
 
     def _open_zarr_array(self, path: str):
         import zarr
@@ -378,6 +551,12 @@ class ZarrStorage(KVBlobs, Storage):
             self._choose_codec(name, values)
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False)
 
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited: chunks other readers trust are replaced whole (atomic), and the
+        # checksums of packed rows are recomputed
+        self._check_writable()
+        self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=True)
+
     def _choose_codec(self, name: str, values: np.ndarray) -> None:
         """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it
         or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no chunk of
@@ -404,7 +583,13 @@ class ZarrStorage(KVBlobs, Storage):
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
-        self.array(name, meta=True)[np.asarray(episodes)] = values
+        episodes = np.asarray(episodes, np.int64).reshape(-1)
+        if name == "episode_lens" and self._packed:
+            self._seal(episodes, values)  # before the length publishes the episode
+        array = self.array(name, meta=True)
+        array.write_rows(
+            episodes, 0, np.broadcast_to(np.asarray(values, array.dtype), (len(episodes), *array.shape[1:]))
+        )
 
     # Generations key the chunk cache and the resident copies of small fields (``_chunks.py``):
     # reads given them may be served from RAM; they are not verified (``verifies_generations``).

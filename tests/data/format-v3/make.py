@@ -1,0 +1,46 @@
+"""Writes the format-3 fixture buffer in this folder (run once, with the replaybuf that wrote
+format 3, zarr only: small fields packed, many episodes to a raw chunk, a crc32c per episode in
+replaybuf/checksums). Kept to show how the fixture was made; the tests only read it. Expected
+values come from ``expected_episode`` (the same episodes as the format-2 fixtures)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIELDS = dict(frame=("uint8", (32, 32, 4)), state=("float", 3), reward="float", done="bool")
+META = dict(task="int")
+LENGTHS = [5, 3, 6, 4]  # stored into 3 slots circularly: slot 0 holds the 4th episode
+
+
+def expected_episode(i: int) -> dict[str, np.ndarray]:
+    """The i-th stored episode's values (0-based, in commit order)."""
+    rng = np.random.default_rng(i)
+    n = LENGTHS[i]
+    return dict(
+        frame=rng.integers(0, 255, (n, 32, 32, 4), dtype=np.uint8),
+        state=rng.standard_normal((n, 3)).astype(np.float32),
+        reward=rng.standard_normal(n).astype(np.float32),
+        done=np.arange(n) == n - 1,
+        task=np.int32(10 + i),
+    )
+
+
+def main() -> None:
+    from replaybuf import ReplayBuffer
+
+    for backend in ("zarr",):
+        path = os.path.join(HERE, backend)
+        shutil.rmtree(path, ignore_errors=True)
+        buffer = ReplayBuffer(path, 3, 6, FIELDS, META, circular=True, backend=backend)
+        for i in range(len(LENGTHS)):
+            buffer.store_episode(**expected_episode(i))
+        buffer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Packed small fields (zarr format 3, issue 20): many episodes share one raw chunk written in
+place, a crc32c per (field, episode) is written before the length publishes the episode, and
+the counters of back-to-back ``store_episode`` calls are batched. A SIGKILL at any write of a
+commit loses no committed episode and serves no torn one."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer, verify
+
+from ._workloads import check_episode, episode, episode_length
+
+FORK = multiprocessing.get_context("fork")
+MAX_TIMESTEPS = 24  # as _workloads: episode(uid) fits
+FIELDS = {"obs": ("float32", 3), "step": "int32"}  # no chunks/compressor spec: packed
+SLOTS = 3
+
+
+def kwargs() -> dict:
+    return dict(
+        max_episodes=SLOTS, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields={"uid": "int"}, circular=True
+    )
+
+
+def store(buffer: ReplayBuffer, uid: int) -> None:
+    data = episode(uid)
+    buffer.store_episode(obs=data["obs"], step=data["step"], uid=uid)
+
+
+def stored(buffer: ReplayBuffer) -> dict[int, int]:
+    """uid -> slot of every committed episode, each checked whole and zero past its length."""
+    found = {}
+    for slot in buffer.valid_episodes().tolist():
+        uid, length = int(buffer.meta_data["uid"][slot]), int(buffer.episode_lens[slot])
+        rows = {n: np.asarray(buffer.data[n][slot]) for n in FIELDS}
+        check_episode(uid, length, rows)
+        found[uid] = slot
+    return found
+
+
+def _die_at_write(location: str, uid: int, at: int) -> None:
+    """Child: store episode ``uid``, SIGKILLed at its ``at``-th write to the store (chunk
+    creation, in-place rows, checksums, meta, counters)."""
+    buffer = ReplayBuffer(location, **kwargs(), overwrite=False)
+    kv, writes = buffer.storage.kv, []
+
+    def dying(method):
+        def write(*args, **options):
+            writes.append(method.__name__)
+            if len(writes) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return method(*args, **options)
+
+        return write
+
+    kv.write_at, kv.set_many = dying(kv.write_at), dying(kv.set_many)
+    store(buffer, uid)
+    os._exit(3)  # the store finished before the at-th write: no kill
+
+
+def _run(target, *args) -> int:
+    child = FORK.Process(target=target, args=args)
+    child.start()
+    child.join(60)
+    return child.exitcode
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reused"])
+def test_kill_at_every_write_of_a_packed_commit(tmp_path, reuse):
+    """Killed at write 1, 2, ... of one store_episode (a fresh slot whose chunk is created, or a
+    reused slot of a full circular buffer) until a store runs to its end: every episode read
+    after the kill is whole, the killed one is there whole or not at all, verify finds nothing."""
+    earlier = [1, 2, 3] if reuse else []
+    at = 0
+    while True:
+        at += 1
+        location = str(tmp_path / f"{at}")
+        with ReplayBuffer(location, **kwargs()) as buffer:
+            for uid in earlier:
+                store(buffer, uid)
+        code = _run(_die_at_write, location, 7, at)
+        if code == 3:
+            break
+        assert code == -signal.SIGKILL
+        reader = ReplayBuffer.from_folder(location, read_only=True)
+        found = stored(reader)  # before any writable open: no torn episode is served
+        with ReplayBuffer(location, **kwargs(), overwrite=False) as buffer:
+            assert stored(buffer) == found
+            # uid 7 goes to slot 0, holding uid 1 when reused: 1 stays, or both are gone, or 7 is in
+            assert set(found) in (set(earlier), set(earlier) - {1}, set(earlier) - {1} | {7})
+            assert buffer.num_episodes == len(found)
+            store(buffer, 8)
+            assert 8 in stored(buffer)
+        assert verify(location) == []
+    assert at > 5, "a packed commit makes several writes; the loop covered each"
+
+
+def _store_and_die(location: str, uids: list[int], progress: str) -> None:
+    """Child: store ``uids`` back to back (their counters batch), recording each one after
+    store_episode returned, then die without closing."""
+    buffer = ReplayBuffer(
+        location, max_episodes=50, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields={"uid": "int"}
+    )
+    for uid in uids:
+        store(buffer, uid)
+        with open(progress, "a") as f:
+            f.write(f"{uid}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_batched_counters_lose_no_returned_episode(tmp_path):
+    location, progress = str(tmp_path / "b"), str(tmp_path / "progress")
+    uids = list(range(10, 30))
+    assert _run(_store_and_die, location, uids, progress) == -signal.SIGKILL
+    returned = [int(line) for line in open(progress)]
+    assert returned == uids
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert sorted(stored(reader)) == uids, "a reader samples every published episode"
+    assert reader.num_episodes == len(uids), "a reader catches the stored counters up"
+    with ReplayBuffer.from_folder(location) as buffer:  # a writable open reconciles the counters
+        assert buffer.num_episodes == len(uids) and sorted(stored(buffer)) == uids
+        assert [episode_length(u) for u in uids] == buffer.episode_lens[: len(uids)].tolist()
+    assert ReplayBuffer.from_folder(location, read_only=True).num_episodes == len(uids)
+    assert verify(location) == []
+
+
+def test_packed_layout_and_in_place_update(tmp_path):
+    """One chunk file per field for all slots; an update in place of a committed episode is
+    re-checksummed (it reads back, verify stays clean) and a reader's refresh re-reads it."""
+    location = str(tmp_path / "b")
+    buffer = ReplayBuffer(location, **kwargs())
+    for uid in (1, 2, 3):
+        store(buffer, uid)
+    assert sorted(os.listdir(os.path.join(location, "data", "obs"))) == ["c.0.0.0", "zarr.json"]
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    before = next(iter(reader.dataloader(batch_size=4, fields=["step"])))
+    assert before["step"].shape[0] == 3
+    length = episode_length(2)
+    buffer.update(1, step=np.full(length, -5, np.int32))
+    assert np.asarray(buffer.data["step"][1, :length]).tolist() == [-5] * length
+    buffer.flush()
+    assert verify(location) == []
+    reader.refresh()
+    assert np.asarray(reader.data["step"][1, :length]).tolist() == [-5] * length
+    buffer.close()
