@@ -213,10 +213,21 @@ def test_a_chunk_linked_out_of_the_root_is_refused_at_writable_open(tmp_path, ou
     assert any("c.1.0.0" in problem and "symbolic link" in problem for problem in verify(tmp_path / "buf"))
 
 
-def test_a_link_planted_after_open_is_not_written_through(tmp_path, outside):
-    buffer = new(tmp_path / "buf")
+@pytest.mark.parametrize(
+    ("compressor", "chunk"),
+    [(None, "c.0.0.0"), ("zstd", "c.1.0.0")],  # packed: every slot's rows share one chunk, written in place
+)
+def test_a_link_planted_after_open_is_not_written_through(tmp_path, outside, compressor, chunk):
+    fields = {
+        **FIELDS,
+        "state": {"dtype": "float32", "shape": (3,), **({"compressor": compressor} if compressor else {})},
+    }
+    buffer = ReplayBuffer(tmp_path / "buf", max_episodes=3, max_timesteps=4, fields=fields)
     store(buffer)
-    os.symlink(outside, tmp_path / "buf" / "data" / "state" / "c.1.0.0")
+    path = tmp_path / "buf" / "data" / "state" / chunk
+    if path.exists():
+        path.unlink()
+    os.symlink(outside, path)
     with pytest.raises(StorageError, match="symbolic link"):
         store(buffer, value=7.0)
     assert outside.read_bytes() == b"precious"
