@@ -7,11 +7,12 @@ on first use, so ``import replaybuf`` and the command line start without loading
 from importlib import import_module
 from typing import Any
 
+from .actors import discover_shards, open_shard
 from .buffer import ReplayBuffer
 from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY
+from .maintenance import convert, info, verify
 from .schema import Field, Schema
-from .shards import discover_shards, open_shard
 from .snapshots import SnapshotError, SnapshotHeldError
 from .storage import (
     BufferDamagedError,
@@ -23,7 +24,6 @@ from .storage import (
     StorageError,
     make_storage,
 )
-from .tools import convert, info, verify
 from .video import frames_to_sheet, trajectory_to_video
 
 _LAZY = {

@@ -28,6 +28,7 @@ from . import snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer
 from .consistency import read_consistent, replanner, stored_bookkeeping
+from .inputs import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
 from .schema import Field, Schema
 from .staging import EpisodeGroup
 from .storage import (
@@ -43,7 +44,6 @@ from .storage import (
     unpublished_slots,
     with_cache,
 )
-from .values import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
 from .view import BufferView, CommittedViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
@@ -357,7 +357,7 @@ class ReplayBuffer(CommittedViews):
     def shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuffer:
         """Open or create actor ``index``'s own buffer under ``root`` (``root/actor-NNN``), for
         parallel writers; ``ConcatReplayBuffer(root)`` reads all shards as one."""
-        from .shards import open_shard
+        from .actors import open_shard
 
         return open_shard(root, index, **kwargs)
 

@@ -2,7 +2,7 @@
 
 ``replaybuf`` is a table of subcommands filled with ``register_command``: ``inspect`` (the same
 as ``inspect-replay-buffer``) and ``view`` here, ``convert``, ``info`` and ``verify`` from
-``replaybuf.tools``, ``import`` and ``export`` from ``replaybuf.importers``. Bad input ends with an argparse-style
+``replaybuf.maintenance``, ``import`` and ``export`` from ``replaybuf.importers``. Bad input ends with an argparse-style
 message and exit status 2, never a traceback.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
+from replaybuf.maintenance import CLI_COMMANDS
 from replaybuf.storage.base import BufferDamagedError, StorageError
-from replaybuf.tools import CLI_COMMANDS
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     episode_frames,

@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 
 from . import sketches
+from .inputs import fill_value
 from .schema import Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage.base import Storage, StorageError
-from .values import fill_value
 
 LOG_NAME = "episode"
 # counters key: slots of committed length-0 episodes, which no published length shows

@@ -337,7 +337,7 @@ class ConcatReplayBuffer(CommittedViews):
         weights: Sequence[float] | None = None,
     ):
         if isinstance(buffers, (str, os.PathLike)):
-            from .shards import discover_shards
+            from .actors import discover_shards
 
             root = os.fspath(buffers)
             # per-buffer options (a list) apply to the shards found, not to finding them

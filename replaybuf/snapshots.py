@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from .inputs import fill_value
 from .schema import Schema
 from .storage.base import Storage
-from .values import fill_value
 
 PREFIX = "replaybuf/snapshots/"
 FORMAT = 1

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .inputs import batch_value
 from .schema import Field
-from .values import batch_value
 
 # write staged rows once a field's span holds about this many bytes per episode (several chunks
 # per request, encoded in parallel) rather than one storage request per chunk

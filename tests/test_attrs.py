@@ -13,7 +13,7 @@ import pytest
 from replaybuf import BufferDamagedError, ReplayBuffer, convert, info, verify
 from replaybuf.attrs import MAX_ATTRS_BYTES
 from replaybuf.concat import ConcatReplayBuffer
-from replaybuf.tools import format_info
+from replaybuf.maintenance import format_info
 
 pytest_plugins = ["tests._servers"]
 

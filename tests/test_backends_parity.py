@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
+from replaybuf.maintenance import verify
 from replaybuf.storage import detect_backend
-from replaybuf.tools import verify
 
 from ._backends import LOCAL_BACKENDS, make_place, snapshot
 from ._data import FIELDS, META_FIELDS, episode

@@ -104,7 +104,7 @@ def test_generic_path_through_read_rows_agrees(buffer, name):
     np.testing.assert_array_equal(bulk, generic)
 
 
-def test_zarr_arrays_read_rows_into_out_and_with_versions(tmp_path):
+def test_zarr_arrays_read_rows_into_out_and_with_generations(tmp_path):
     buffer = make_buffer(str(tmp_path / "b"), {})
     frames, state = buffer.storage.array("frame"), buffer.storage.array("state")
     slots = np.array([5, 0, 3])
@@ -113,9 +113,9 @@ def test_zarr_arrays_read_rows_into_out_and_with_versions(tmp_path):
         assert array.read_rows(slots, 2, 8, out=out) is out
         flat = array.gather(np.repeat(slots, 6), np.tile(np.arange(2, 8), 3))
         np.testing.assert_array_equal(out, flat.reshape(out.shape))
-        versions = buffer.storage.read_meta("_generation")[slots]
+        generations = buffer.storage.read_meta("_generation")[slots]
         again = np.zeros_like(out)
-        array.read_into(again, slots, np.full(3, 2), np.full(3, 6), versions)  # ranged shard reads / resident rows
+        array.read_into(again, slots, np.full(3, 2), np.full(3, 6), generations)  # ranged shard reads / resident rows
         np.testing.assert_array_equal(again, out)
 
 

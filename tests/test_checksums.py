@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
 from replaybuf.cli import main
+from replaybuf.maintenance import verify
 from replaybuf.storage import _local
-from replaybuf.tools import verify
 
 from ._backends import LOCAL_BACKENDS, require
 from ._data import random_episode

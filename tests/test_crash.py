@@ -254,7 +254,7 @@ def _kill_during_reuse(location, kwargs, uid, at):
 def test_kill_while_reusing_a_slot_leaves_counters_that_match_the_episodes(tmp_path, at):
     """A kill inside store_episode into a reused slot: the reopened buffer counts the episodes it
     holds (num_episodes was left at max_episodes with one slot emptied) and verifies clean."""
-    from replaybuf.tools import verify
+    from replaybuf.maintenance import verify
 
     location = str(tmp_path / "buffer")
     kwargs = buffer_kwargs(5, circular=True)

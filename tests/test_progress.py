@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
-from replaybuf.tools import convert, verify
+from replaybuf.maintenance import convert, verify
 
 from ._data import fields
 

@@ -74,9 +74,13 @@ def test_no_module_outside_storage_imports_a_storage_internal():
             "replaybuf.sampling.x",
             "private module replaybuf.storage._chunks",
         ),
-        ("def f():\n    from .storage._zarr import z", "replaybuf.shards", "private module replaybuf.storage._zarr"),
+        ("def f():\n    from .storage._zarr import z", "replaybuf.actors", "private module replaybuf.storage._zarr"),
         ("import replaybuf.storage._owned", "replaybuf.x", "private module replaybuf.storage._owned"),
-        ("from .storage.base import check_layout", "replaybuf.tools", "'check_layout' from replaybuf.storage.base"),
+        (
+            "from .storage.base import check_layout",
+            "replaybuf.maintenance",
+            "'check_layout' from replaybuf.storage.base",
+        ),
         ("from . import _kv", "replaybuf.storage", "private module replaybuf.storage._kv"),
     ],
 )

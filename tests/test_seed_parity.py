@@ -13,7 +13,7 @@ import torch
 
 import replaybuf.video as video
 from replaybuf import ReplayBuffer, ReplayBufferH5PY
-from replaybuf.tools import verify
+from replaybuf.maintenance import verify
 
 from ._backends import require
 

@@ -21,9 +21,9 @@ import pytest
 
 from replaybuf import BufferDamagedError, ReplayBuffer
 from replaybuf.cli import main
+from replaybuf.maintenance import info, verify
 from replaybuf.staging import StepLog
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
-from replaybuf.tools import info, verify
 
 from ._backends import LOCAL_BACKENDS, require
 from ._data import FIELDS, META_FIELDS, episode
@@ -116,7 +116,7 @@ def test_a_huge_max_episodes_is_refused_before_allocating(tmp_path, backend, max
         f"""
         import resource
         from replaybuf import BufferDamagedError, ReplayBuffer
-        from replaybuf.tools import verify
+        from replaybuf.maintenance import verify
         for read_only in (False, True):
             try:
                 ReplayBuffer.from_folder({location!r}, read_only=read_only)
@@ -305,7 +305,7 @@ def test_a_pickle_of_shared_references_is_refused_at_once(tmp_path):
     result = run_python(
         f"""
         from replaybuf import ReplayBuffer
-        from replaybuf.tools import verify
+        from replaybuf.maintenance import verify
         for read_only in (False, True):
             try:
                 ReplayBuffer.from_folder({folder!r}, read_only=read_only)

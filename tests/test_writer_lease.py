@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
+from replaybuf.actors import shard_location
 from replaybuf.cli import main as cli_main
-from replaybuf.shards import shard_location
 from replaybuf.storage import make_storage
 from replaybuf.storage.lease import LEASE_KEY, LEASE_SECONDS_ENV
 from tests._backends import snapshot

@@ -39,10 +39,10 @@ _SEEN_KEYS = 1 << 16
 
 
 class ChunkCache:
-    """A per-process LRU of decoded chunks, bounded in bytes, for readers that pass versions.
+    """A per-process LRU of decoded chunks, bounded in bytes, for readers that pass generations.
 
-    An entry is keyed by (array, chunk grid index) and remembers the version (the generation of the
-    episode's slot) it was read under; a lookup under another version misses, so a slot that
+    An entry is keyed by (array, chunk grid index) and remembers the generation (of the
+    episode's slot) it was read under; a lookup under another generation misses, so a slot that
     a writer in another process reused is never served from an old read. Writes made in this
     process replace what they touch. A one-element chunk (a frame) is copied in on its second
     miss only (``second_misses``). ``resident_bytes`` bounds the arrays (small vectors and
@@ -60,12 +60,12 @@ class ChunkCache:
         self._seen: OrderedDict[tuple[str, Any], bool] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get_many(self, namespace: str, keys: Sequence[Any], versions: Sequence[int]) -> list[np.ndarray | None]:
+    def get_many(self, namespace: str, keys: Sequence[Any], generations: Sequence[int]) -> list[np.ndarray | None]:
         found: list[np.ndarray | None] = []
         with self._lock:
-            for key, version in zip(keys, versions):
+            for key, generation in zip(keys, generations):
                 entry = self._entries.get((namespace, key))
-                if entry is not None and entry[0] == version:
+                if entry is not None and entry[0] == generation:
                     self._entries.move_to_end((namespace, key))
                     found.append(entry[1])
                 else:
@@ -79,7 +79,7 @@ class ChunkCache:
         if self.max_bytes <= 0:
             return
         with self._lock:
-            for key, version, chunk in items:
+            for key, generation, chunk in items:
                 if chunk.nbytes > self.max_bytes:
                     continue
                 if chunk.flags.writeable:
@@ -87,7 +87,7 @@ class ChunkCache:
                 old = self._entries.pop((namespace, key), None)
                 if old is not None:
                     self.nbytes -= old[1].nbytes
-                self._entries[namespace, key] = (version, chunk)
+                self._entries[namespace, key] = (generation, chunk)
                 self.nbytes += chunk.nbytes
             self._evict()
 
@@ -172,13 +172,13 @@ def chunk_cache() -> ChunkCache:
     return _cache
 
 
-# a resident row version no request carries: the row is read again on its next use
+# a resident row generation no request carries: the row is read again on its next use
 _NEVER = -2
 
 
-def _per_pair(versions, count: int) -> np.ndarray:
-    versions = np.asarray(versions, dtype=np.int64)
-    return versions if versions.shape == (count,) else np.broadcast_to(versions, (count,))
+def _per_pair(generations, count: int) -> np.ndarray:
+    generations = np.asarray(generations, dtype=np.int64)
+    return generations if generations.shape == (count,) else np.broadcast_to(generations, (count,))
 
 
 def _copy_rows(
@@ -252,12 +252,12 @@ class ChunkedArray:
         self.item_nbytes = int(np.prod(self.shape[grid_axes:], dtype=np.int64)) * self.dtype.itemsize
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
-        self._resident_versions: np.ndarray | None = None
+        self._resident_generations: np.ndarray | None = None
         # per resident row, a fingerprint of its stored objects (KeyValue.fingerprints) and
         # whether it was compared since the last drop_cached
         self._resident_prints: np.ndarray | None = None
         self._resident_checked: np.ndarray | None = None
-        # the resident copy is made and brought to versions by one thread at a time: reads of
+        # the resident copy is made and brought to generations by one thread at a time: reads of
         # several episode runs of one array run in parallel (get_all_data's dask tasks)
         self._resident_lock = threading.Lock()
         self.resident_rows_read = 0  # rows (re)loaded into the resident copy: a test hook
@@ -382,10 +382,10 @@ class ChunkedArray:
             results.append(out)
         return results
 
-    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None) -> np.ndarray:
         """One element per (episode, timestep) pair; each chunk fetched and decoded once.
 
-        ``versions`` (one per pair: the generation of the episode's slot, as the reader knows
+        ``generations`` (one per pair: the generation of the episode's slot, as the reader knows
         it) lets the read use the resident copy and the chunk cache; without it every chunk
         is read from the store.
         """
@@ -394,29 +394,29 @@ class ChunkedArray:
         out = np.empty((len(episodes), *self.shape[2:]), dtype=self.dtype)
         if len(episodes) == 0:
             return out
-        if versions is not None and self.grid_axes == 2 and self._resident_enabled():
-            versions = _per_pair(versions, len(episodes))
-            return self._gather_resident(episodes, timesteps, versions, out)
-        if self.packed:  # whole rows (checked), through the chunk cache when versions are given
+        if generations is not None and self.grid_axes == 2 and self._resident_enabled():
+            generations = _per_pair(generations, len(episodes))
+            return self._gather_resident(episodes, timesteps, generations, out)
+        if self.packed:  # whole rows (checked), through the chunk cache when generations are given
             rows, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
-            row_versions = None if versions is None else _per_pair(versions, len(episodes))[first].tolist()
-            out[...] = self._packed_rows(rows, row_versions)[inverse.reshape(-1), timesteps]
+            row_generations = None if generations is None else _per_pair(generations, len(episodes))[first].tolist()
+            out[...] = self._packed_rows(rows, row_generations)[inverse.reshape(-1), timesteps]
             return out
         ce, ct = self.chunks[0], self.chunks[1]
         per_row = -(-self.shape[1] // ct)
         ids = (episodes // ce) * per_row + timesteps // ct
         unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
         grid = [(int(i // per_row), int(i % per_row)) for i in unique]
-        cached_versions = None
-        if versions is not None and ce == 1 and _cache.max_bytes > 0:
-            cached_versions = _per_pair(versions, len(episodes))[first].tolist()
+        cached_generations = None
+        if generations is not None and ce == 1 and _cache.max_bytes > 0:
+            cached_generations = _per_pair(generations, len(episodes))[first].tolist()
         if ce == 1 and ct == 1:
-            self._gather_whole(grid, first, cached_versions, out)
+            self._gather_whole(grid, first, cached_generations, out)
             duplicate = first[inverse] != np.arange(len(episodes))
             if duplicate.any():
                 out[duplicate] = out[first[inverse[duplicate]]]
             return out
-        chunks = self._chunks_cached(grid, cached_versions)
+        chunks = self._chunks_cached(grid, cached_generations)
         order = np.argsort(inverse, kind="stable")
         bounds = np.searchsorted(inverse[order], np.arange(len(unique) + 1))
         local_e, local_t = episodes % ce, timesteps % ct
@@ -430,16 +430,21 @@ class ChunkedArray:
         return out
 
     def read_rows(
-        self, episodes: np.ndarray, t0: int, t1: int, versions: np.ndarray | None = None, out: np.ndarray | None = None
+        self,
+        episodes: np.ndarray,
+        t0: int,
+        t1: int,
+        generations: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """``[episodes, t0:t1]`` as (len(episodes), t1 - t0, *shape), written into ``out`` when
-        given; ``versions`` as in ``gather``."""
+        given; ``generations`` as in ``gather``."""
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         length = max(t1 - t0, 0)
         if out is None:
             out = np.empty((len(episodes), length, *self.shape[2:]), dtype=self.dtype)
         count = len(episodes)
-        self.read_into(out, episodes, np.full(count, t0), np.full(count, length), versions)
+        self.read_into(out, episodes, np.full(count, t0), np.full(count, length), generations)
         return out
 
     # ---- bulk reads of time spans ---------------------------------------------------------------
@@ -450,7 +455,7 @@ class ChunkedArray:
         episodes: np.ndarray,
         starts: np.ndarray,
         lengths: np.ndarray,
-        versions: np.ndarray | None = None,
+        generations: np.ndarray | None = None,
         parallel: bool = True,
         check: bool = True,
     ) -> None:
@@ -460,14 +465,14 @@ class ChunkedArray:
         Each chunk is fetched once and decoded straight into ``out`` when it lies inside the
         span (else into a scratch chunk and copied), the chunks spread over the thread pool
         unless ``parallel`` is False (a caller that runs its own parallel tasks, such as dask).
-        ``versions`` (one per episode) lets small arrays use their resident copy. ``check=False``
+        ``generations`` (one per episode) lets small arrays use their resident copy. ``check=False``
         skips the per-episode checksums of a packed array (a writer sealing what it wrote).
         """
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
         if not len(episodes) or not lengths.any():
             return
-        if self._read_resident_into(out, episodes, starts, lengths, versions):
+        if self._read_resident_into(out, episodes, starts, lengths, generations):
             return
         if self.packed:
             self._read_packed(out, episodes, starts, lengths)
@@ -536,13 +541,13 @@ class ChunkedArray:
         else:
             target[...] = self._decode(data, (e, ti))[0, lo - ti * ct : hi - ti * ct]
 
-    def _packed_rows(self, rows: np.ndarray, versions: list[int] | None) -> np.ndarray:
+    def _packed_rows(self, rows: np.ndarray, generations: list[int] | None) -> np.ndarray:
         """Whole rows of a packed array, (len(rows), T, *shape): from the chunk cache where
-        cached under ``versions``, the rest read (and checked) in one ``read_into``."""
+        cached under ``generations``, the rest read (and checked) in one ``read_into``."""
         keys = rows.tolist()
         found: list[np.ndarray | None] = [None] * len(keys)
-        if versions is not None and _cache.max_bytes > 0:
-            found = list(_cache.get_many(self._namespace, keys, versions))
+        if generations is not None and _cache.max_bytes > 0:
+            found = list(_cache.get_many(self._namespace, keys, generations))
         missing = [i for i, row in enumerate(found) if row is None]
         if missing:
             count = len(missing)
@@ -550,9 +555,9 @@ class ChunkedArray:
             self.read_into(block, rows[missing], np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
             for k, i in enumerate(missing):
                 found[i] = block[k]
-            if versions is not None and _cache.max_bytes > 0 and _cache.admits(block.nbytes):
+            if generations is not None and _cache.max_bytes > 0 and _cache.admits(block.nbytes):
                 _cache.put_many(
-                    self._namespace, [(keys[i], versions[i], block[k].copy()) for k, i in enumerate(missing)]
+                    self._namespace, [(keys[i], generations[i], block[k].copy()) for k, i in enumerate(missing)]
                 )
         if not found:
             return np.empty((0, *self.shape[1:]), self.dtype)
@@ -620,31 +625,32 @@ class ChunkedArray:
 
     # ---- the chunk cache and the resident copy -----------------------------------------------
 
-    def _chunks_cached(self, grid: list[tuple[int, int]], versions: list | None) -> list[np.ndarray | None]:
-        """Decoded chunks at grid positions, served from the cache where the version matches."""
+    def _chunks_cached(self, grid: list[tuple[int, int]], generations: list | None) -> list[np.ndarray | None]:
+        """Decoded chunks at grid positions, served from the cache where the generation matches."""
         keys = grid
-        found: list = [None] * len(keys) if versions is None else _cache.get_many(self._namespace, keys, versions)
+        found: list = [None] * len(keys) if generations is None else _cache.get_many(self._namespace, keys, generations)
         missing = [i for i, chunk in enumerate(found) if chunk is None]
         if missing:
             decoded = self.fetch_chunks([grid[i] for i in missing])
             for i in missing:
                 found[i] = decoded[grid[i]]
-            if versions is not None:
+            if generations is not None:
                 _cache.put_many(
-                    self._namespace, [(keys[i], versions[i], ABSENT if found[i] is None else found[i]) for i in missing]
+                    self._namespace,
+                    [(keys[i], generations[i], ABSENT if found[i] is None else found[i]) for i in missing],
                 )
         return [None if chunk is ABSENT else chunk for chunk in found]
 
     def _gather_whole(
-        self, grid: list[tuple[int, int]], first: np.ndarray, versions: list | None, out: np.ndarray
+        self, grid: list[tuple[int, int]], first: np.ndarray, generations: list | None, out: np.ndarray
     ) -> None:
         """Chunks of one element: decode each straight into its row of ``out``."""
         keys = grid
         rows = first.tolist()
         todo = list(range(len(grid)))
-        if versions is not None:
+        if generations is not None:
             todo = []
-            for i, chunk in enumerate(_cache.get_many(self._namespace, keys, versions)):
+            for i, chunk in enumerate(_cache.get_many(self._namespace, keys, generations)):
                 if chunk is None:
                     todo.append(i)
                 else:
@@ -655,19 +661,19 @@ class ChunkedArray:
             [grid[i] for i in todo],
             [rows[i] for i in todo],
             out,
-            None if versions is None else [versions[i] for i in todo],
+            None if generations is None else [generations[i] for i in todo],
         )
-        if versions is not None and _cache.admits(len(todo) * out[0].nbytes):
+        if generations is not None and _cache.admits(len(todo) * out[0].nbytes):
             again = _cache.second_misses(self._namespace, [keys[i] for i in todo])
             _cache.put_many(
-                self._namespace, [(keys[i], versions[i], out[rows[i]].copy()) for i, hot in zip(todo, again) if hot]
+                self._namespace, [(keys[i], generations[i], out[rows[i]].copy()) for i, hot in zip(todo, again) if hot]
             )
 
     def _read_whole_into(
-        self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, versions: list | None
+        self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None
     ) -> None:
         """Fetch the one-element chunks at ``grid`` and decode chunk i into ``out[rows[i]]``."""
-        del versions
+        del generations
 
         def decode(i: int, data: bytes | None) -> None:
             if data is None:
@@ -697,66 +703,66 @@ class ChunkedArray:
                 return False
             weakref.finalize(self, _cache.release_resident, nbytes)
             self._resident = np.zeros(self.shape, dtype=self.dtype)
-            self._resident_versions = np.full(self.shape[0], _NEVER, dtype=np.int64)
+            self._resident_generations = np.full(self.shape[0], _NEVER, dtype=np.int64)
             self._resident_prints = np.zeros(self.shape[0], dtype=np.int64)
             self._resident_checked = np.ones(self.shape[0], dtype=bool)
         return True
 
     def _resident_copy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The resident rows, their versions, fingerprints and checked flags: callers asked
+        """The resident rows, their generations, fingerprints and checked flags: callers asked
         ``_resident_enabled`` first, which makes the four together."""
-        rows, versions = self._resident, self._resident_versions
+        rows, generations = self._resident, self._resident_generations
         prints, checked = self._resident_prints, self._resident_checked
-        assert rows is not None and versions is not None and prints is not None and checked is not None
-        return rows, versions, prints, checked
+        assert rows is not None and generations is not None and prints is not None and checked is not None
+        return rows, generations, prints, checked
 
-    def load_resident(self, episodes: np.ndarray, versions: np.ndarray) -> bool:
-        """Bring the resident rows of ``episodes`` (slots) to ``versions`` (their generations):
-        only rows loaded at another version, or whose stored objects changed since (after
+    def load_resident(self, episodes: np.ndarray, generations: np.ndarray) -> bool:
+        """Bring the resident rows of ``episodes`` (slots) to ``generations`` (their generations):
+        only rows loaded at another generation, or whose stored objects changed since (after
         ``drop_cached``), are read, all in one parallel pass. False when the array is not
         held in RAM (too large; see ``_resident_enabled``)."""
         if not self._resident_enabled():
             return False
-        self._current_rows(np.asarray(episodes, dtype=np.int64), np.asarray(versions, dtype=np.int64))
+        self._current_rows(np.asarray(episodes, dtype=np.int64), np.asarray(generations, dtype=np.int64))
         return True
 
-    def _current_rows(self, episodes: np.ndarray, versions: np.ndarray) -> None:
-        """Make the resident rows of ``episodes`` hold ``versions`` (one per episode)."""
+    def _current_rows(self, episodes: np.ndarray, generations: np.ndarray) -> None:
+        """Make the resident rows of ``episodes`` hold ``generations`` (one per episode)."""
         with self._resident_lock:
-            self._bring_rows(episodes, versions)
+            self._bring_rows(episodes, generations)
 
-    def _bring_rows(self, episodes: np.ndarray, versions: np.ndarray) -> None:
+    def _bring_rows(self, episodes: np.ndarray, generations: np.ndarray) -> None:
         """``_current_rows`` with the lock held."""
         _, known, _, checked = self._resident_copy()
         unchecked = ~checked[episodes]
         if unchecked.any():
             self._recheck(np.unique(episodes[unchecked]))
-        stale = known[episodes] != versions
+        stale = known[episodes] != generations
         if stale.any():
             rows, index = np.unique(episodes[stale], return_index=True)
-            self._load_resident(rows, versions[stale][index])
+            self._load_resident(rows, generations[stale][index])
 
     def _read_resident_into(
-        self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, versions
+        self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, generations
     ) -> bool:
         """``read_into`` from the resident copy, when the array is held in RAM and the caller
-        gave ``versions``; False otherwise (nothing done). Its rows were checked against their
+        gave ``generations``; False otherwise (nothing done). Its rows were checked against their
         chunks' crc32c when loaded and live in this process's private memory: a later change
         on disk is never returned from it (a new generation or changed stored objects, seen by
         ``refresh``, reload the row)."""
-        if versions is None or not self._resident_enabled():
+        if generations is None or not self._resident_enabled():
             return False
-        self._current_rows(episodes, _per_pair(versions, len(episodes)))
+        self._current_rows(episodes, _per_pair(generations, len(episodes)))
         resident = self._resident_copy()[0]
         for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
             out[i, :n] = resident[e, s : s + n]
         return True
 
     def _gather_resident(
-        self, episodes: np.ndarray, timesteps: np.ndarray, versions: np.ndarray, out: np.ndarray
+        self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray, out: np.ndarray
     ) -> np.ndarray:
         """Small arrays are held whole in RAM; rows are read when first used or stale."""
-        self._current_rows(episodes, versions)
+        self._current_rows(episodes, generations)
         out[...] = self._resident_copy()[0][episodes, timesteps]
         return out
 
@@ -787,7 +793,7 @@ class ChunkedArray:
             known[rows[prints != kept_prints[rows]]] = _NEVER
         checked[rows] = True
 
-    def _load_resident(self, rows: np.ndarray, versions: np.ndarray) -> None:
+    def _load_resident(self, rows: np.ndarray, generations: np.ndarray) -> None:
         """Read whole rows into the resident copy: one parallel pass over their objects,
         fingerprinted before the read (a write racing the read then shows as a change)."""
         resident, known, kept_prints, _ = self._resident_copy()
@@ -799,7 +805,7 @@ class ChunkedArray:
         self.read_into(values, rows, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
         if not run:
             resident[rows] = values
-        known[rows] = versions
+        known[rows] = generations
         if prints is not None:
             kept_prints[rows] = prints
         self.resident_rows_read += count
@@ -808,21 +814,21 @@ class ChunkedArray:
         """After rows ``first .. first + count`` were written in place: their resident rows are
         read again on next use (the other rows of a packed chunk stay)."""
         _cache.discard(self._namespace, list(range(first, first + count)))
-        if self._resident_versions is not None:
-            self._resident_versions[first : first + count] = _NEVER
+        if self._resident_generations is not None:
+            self._resident_generations[first : first + count] = _NEVER
 
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
         _cache.discard(self._namespace, list(chunks))
-        if self._resident_versions is None:  # set together with _resident
+        if self._resident_generations is None:  # set together with _resident
             return
         for index in chunks:
             lo = index[0] * self.chunks[0]
-            self._resident_versions[lo : lo + self.chunks[0]] = _NEVER
+            self._resident_generations[lo : lo + self.chunks[0]] = _NEVER
 
     def drop_cached(self) -> None:
         """Forget what this process holds of the array (chunk cache, shard indexes) and mark
-        the resident rows for a check: the versions they are keyed by do not change when a
+        the resident rows for a check: the generations they are keyed by do not change when a
         writer elsewhere updates a committed episode in place, so a row is kept only while
         its stored objects' fingerprints are unchanged (``_recheck``)."""
         _cache.discard_namespace(self._namespace)
@@ -831,7 +837,7 @@ class ChunkedArray:
 
     def __getstate__(self) -> dict:
         # The resident copy stays in the process that read it; a spawned worker loads its own.
-        resident = ("_resident", "_resident_versions", "_resident_prints", "_resident_checked", "_resident_lock")
+        resident = ("_resident", "_resident_generations", "_resident_prints", "_resident_checked", "_resident_lock")
         return {**self.__dict__, **dict.fromkeys(resident), "resident_rows_read": 0}
 
     def __setstate__(self, state: dict) -> None:

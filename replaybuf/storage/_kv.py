@@ -119,11 +119,11 @@ class KeyValue(ABC):
         self,
         requests: Sequence[tuple[str, int, int | None]],
         consume: Callable[[int, bytes | None], None],
-        versions: Sequence[int] | None = None,
+        generations: Sequence[int] | None = None,
     ) -> None:
-        """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``versions`` (one per
+        """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``generations`` (one per
         request: the generation of the slot the object belongs to) lets a store keep the object
-        open between calls for as long as the version holds."""
+        open between calls for as long as the generation holds."""
         values = self.get_ranges(requests)
         _in_pool(len(values), lambda i: consume(i, values[i]))
 
@@ -180,20 +180,20 @@ class _ReadHandle:
 
 
 class _ReadHandles:
-    """Files kept open for versioned range reads (random frame sampling: an open() costs ~5x
+    """Files kept open for generation-keyed range reads (random frame sampling: an open() costs ~5x
     a pread), shared by every LocalKV of the process and bounded in count. A handle serves a
-    read only under the version it was opened for; writes in this process drop it."""
+    read only under the generation it was opened for; writes in this process drop it."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._entries: OrderedDict[str, tuple[int, _ReadHandle]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, path: str, version: int) -> _ReadHandle | None:
-        """An open handle on ``path`` valid for ``version``; None when the file is absent."""
+    def get(self, path: str, generation: int) -> _ReadHandle | None:
+        """An open handle on ``path`` valid for ``generation``; None when the file is absent."""
         with self._lock:
             entry = self._entries.get(path)
-            if entry is not None and entry[0] == version:
+            if entry is not None and entry[0] == generation:
                 self._entries.move_to_end(path)
                 return entry[1]
         try:
@@ -201,7 +201,7 @@ class _ReadHandles:
         except FileNotFoundError:
             return None
         with self._lock:
-            self._entries[path] = (version, handle)
+            self._entries[path] = (generation, handle)
             self._entries.move_to_end(path)
             while len(self._entries) > self.limit:
                 self._entries.popitem(last=False)
@@ -254,9 +254,9 @@ class LocalKV(KeyValue):
     def __getstate__(self):
         return {**self.__dict__, "_appenders": {}}
 
-    def _read_range_versioned(self, request: tuple[str, int, int | None], version: int) -> bytes | None:
+    def _read_range_keyed(self, request: tuple[str, int, int | None], generation: int) -> bytes | None:
         key, start, stop = request
-        handle = _read_handles.get(self._path(key), version)
+        handle = _read_handles.get(self._path(key), generation)
         if handle is None:
             return None
         if start < 0:
@@ -331,13 +331,13 @@ class LocalKV(KeyValue):
         self,
         requests: Sequence[tuple[str, int, int | None]],
         consume: Callable[[int, bytes | None], None],
-        versions: Sequence[int] | None = None,
+        generations: Sequence[int] | None = None,
     ) -> None:
         # docstring inherited
-        if versions is None:
+        if generations is None:
             _in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])))
         else:
-            _in_pool(len(requests), lambda i: consume(i, self._read_range_versioned(requests[i], versions[i])))
+            _in_pool(len(requests), lambda i: consume(i, self._read_range_keyed(requests[i], generations[i])))
 
     def _write_in_place(self, item: tuple[str, bytes]) -> None:
         key, data = item

@@ -114,20 +114,20 @@ class ShardedArray(ChunkedArray):
         decoded = self._decode_many({k: raws.get(k) for k in unique})
         return {index: decoded[tuple(int(i) for i in index[:2])] for index in indices}
 
-    def _indexes_cached(self, episodes: list[int], versions: list | None) -> dict[int, np.ndarray | None]:
-        """Shard indexes, kept in the chunk cache under the slot version when one is given."""
-        if versions is None:
+    def _indexes_cached(self, episodes: list[int], generations: list | None) -> dict[int, np.ndarray | None]:
+        """Shard indexes, kept in the chunk cache under the slot generation when one is given."""
+        if generations is None:
             return self.read_indexes(episodes)
         cache = chunk_cache()
         keys = [self.index_cache_key(e) for e in episodes]
-        found = dict(zip(episodes, cache.get_many(self._namespace, keys, versions)))
+        found = dict(zip(episodes, cache.get_many(self._namespace, keys, generations)))
         missing = {e for e in episodes if found[e] is None}
         if missing:
             found.update(self.read_indexes(sorted(missing)))
             cache.put_many(
                 self._namespace,
                 [
-                    (keys[i], versions[i], ABSENT if (index := found[e]) is None else index.copy())
+                    (keys[i], generations[i], ABSENT if (index := found[e]) is None else index.copy())
                     for i, e in enumerate(episodes)
                     if e in missing
                 ],
@@ -139,14 +139,16 @@ class ShardedArray(ChunkedArray):
         return ("index", episode)
 
     def _read_whole_into(
-        self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, versions: list | None
+        self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None
     ) -> None:
         # docstring inherited
-        first_version: dict[int, Any] = {}
-        for (e, _), version in zip(grid, versions if versions is not None else [None] * len(grid)):
-            first_version.setdefault(e, version)
-        episodes = list(first_version)
-        indexes = self._indexes_cached(episodes, None if versions is None else [first_version[e] for e in episodes])
+        first_generation: dict[int, Any] = {}
+        for (e, _), generation in zip(grid, generations if generations is not None else [None] * len(grid)):
+            first_generation.setdefault(e, generation)
+        episodes = list(first_generation)
+        indexes = self._indexes_cached(
+            episodes, None if generations is None else [first_generation[e] for e in episodes]
+        )
         spans: dict[int, list[tuple[int, int, int, int]]] = {}
         for (e, ti), row in zip(grid, rows):
             index = indexes[e]
@@ -155,7 +157,7 @@ class ShardedArray(ChunkedArray):
                 out[row] = 0
             else:
                 spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
-        requests, runs, request_versions = [], [], []
+        requests, runs, request_generations = [], [], []
         for e, items in spans.items():
             key = self.shard_key(e)
             items.sort()
@@ -166,11 +168,11 @@ class ShardedArray(ChunkedArray):
                 else:
                     requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
                     runs.append((e, run))
-                    request_versions.append(first_version[e])
+                    request_generations.append(first_generation[e])
                     run = [item]
             requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
             runs.append((e, run))
-            request_versions.append(first_version[e])
+            request_generations.append(first_generation[e])
 
         def decode(i: int, data: bytes | None) -> None:
             e, run = runs[i]
@@ -183,7 +185,7 @@ class ShardedArray(ChunkedArray):
                 else:
                     self._decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1], (e, ti))
 
-        self.kv.get_ranges_each(requests, decode, None if versions is None else request_versions)
+        self.kv.get_ranges_each(requests, decode, None if generations is None else request_generations)
 
     def read_into(
         self,
@@ -191,7 +193,7 @@ class ShardedArray(ChunkedArray):
         episodes: np.ndarray,
         starts: np.ndarray,
         lengths: np.ndarray,
-        versions: np.ndarray | None = None,
+        generations: np.ndarray | None = None,
         parallel: bool = True,
         check: bool = True,
     ) -> None:
@@ -199,11 +201,11 @@ class ShardedArray(ChunkedArray):
         their own crc32c per frame, so ``check`` changes nothing) with one read per
         episode: the whole shard when the span needs at least half of it (its index comes with
         it), else the one byte range holding the span's frames (after the index, cached under
-        ``versions``). Each episode is one pool task that decodes its frames into place. Arrays
-        held in RAM are read from their resident copy when ``versions`` is given."""
+        ``generations``). Each episode is one pool task that decodes its frames into place. Arrays
+        held in RAM are read from their resident copy when ``generations`` is given."""
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
-        if self._read_resident_into(out, episodes, starts, lengths, versions):
+        if self._read_resident_into(out, episodes, starts, lengths, generations):
             return
         ct = self.chunks[1]
         spans = [
@@ -223,7 +225,7 @@ class ShardedArray(ChunkedArray):
 
             self._each([self.shard_key(e) for _, e, _, _ in whole], decode_shard, parallel, ranges=False)
         if ranged:
-            self._read_ranged(ranged, out, starts, lengths, versions, parallel)
+            self._read_ranged(ranged, out, starts, lengths, generations, parallel)
 
     def _read_ranged(
         self,
@@ -231,18 +233,18 @@ class ShardedArray(ChunkedArray):
         out: np.ndarray,
         starts: np.ndarray,
         lengths: np.ndarray,
-        versions: np.ndarray | None,
+        generations: np.ndarray | None,
         parallel: bool,
     ) -> None:
         """Spans needing under half of their shard: the index, then one range per episode."""
         episodes = list(dict.fromkeys(e for _, e, _, _ in spans))
         per_episode = None
-        if versions is not None:
-            version_of: dict[int, int] = {}
-            all_versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (len(starts),))
+        if generations is not None:
+            generation_of: dict[int, int] = {}
+            all_generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), (len(starts),))
             for i, e, _, _ in spans:
-                version_of.setdefault(e, int(all_versions[i]))
-            per_episode = [version_of[e] for e in episodes]
+                generation_of.setdefault(e, int(all_generations[i]))
+            per_episode = [generation_of[e] for e in episodes]
         indexes = self._indexes_cached(episodes, per_episode)
         requests, todo = [], []
         for span in spans:
@@ -417,5 +419,5 @@ class ShardedArray(ChunkedArray):
             keys.append(self.index_cache_key(e))
             keys.extend((e, t) for t in range(self.inner_per_shard))
         chunk_cache().discard(self._namespace, keys)
-        if self._resident_versions is not None:
-            self._resident_versions[list(episodes)] = -1
+        if self._resident_generations is not None:
+            self._resident_generations[list(episodes)] = -1

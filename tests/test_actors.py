@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
+from replaybuf.actors import discover_shards, open_shard, shard_location
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.shards import discover_shards, open_shard, shard_location
 
 from ._workloads import buffer_kwargs, check_episode, write_episode, writer_loop
 

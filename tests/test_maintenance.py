@@ -10,7 +10,7 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.cli import main
-from replaybuf.tools import CLI_COMMANDS, convert, format_info, info, verify
+from replaybuf.maintenance import CLI_COMMANDS, convert, format_info, info, verify
 
 from ._backends import BACKENDS, make_place, snapshot
 from ._data import FIELDS, META_FIELDS, SEED_FIELDS, episode, seed_buffer
