@@ -25,7 +25,7 @@ from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
-from .storage import GenerationMismatchError, Storage
+from .storage import GenerationMismatchError, Spans, Storage
 from .view import CommittedViews, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
@@ -189,24 +189,16 @@ class ConcatStorage(Storage):
                     out[rows, : stop - t0] = storage.read_rows(name, local, t0, stop, _part(generations, rows))
         return out
 
-    def read_spans(
-        self,
-        name: str,
-        episodes: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        out: np.ndarray,
-        parallel: bool = True,
-        generations: np.ndarray | None = None,
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
     ) -> None:
-        """Time spans of episodes into ``out``, each run of consecutive rows from its member's
-        bulk path (``Storage.read_spans``); steps past a member's time axis
-        read as zero, as ``read_rows`` gives them."""
-        episodes, starts, lengths = (np.asarray(a, np.int64).reshape(-1) for a in (episodes, starts, lengths))
-        for member, rows, local in self._route(episodes):
+        """Each run of consecutive rows from its member's bulk path (``Storage.read_spans``);
+        steps past a member's time axis read as zero, as ``read_rows`` gives them."""
+        starts, lengths = spans.starts, spans.lengths
+        for member, rows, local in self._route(spans.episodes):
             stop = self.member_timesteps[member]
-            spans = np.clip(np.minimum(starts[rows] + lengths[rows], stop) - starts[rows], 0, None)
-            firsts = np.where(spans > 0, starts[rows], 0)
+            kept = np.clip(np.minimum(starts[rows] + lengths[rows], stop) - starts[rows], 0, None)
+            firsts = np.where(kept > 0, starts[rows], 0)
             runs = np.flatnonzero(np.diff(rows) != 1) + 1
             for lo, hi in zip(np.r_[0, runs], np.r_[runs, len(rows)]):
                 first = int(rows[lo])
@@ -215,12 +207,12 @@ class ConcatStorage(Storage):
                         name,
                         local[lo:hi],
                         firsts[lo:hi],
-                        spans[lo:hi],
+                        kept[lo:hi],
                         out[first : first + hi - lo],
                         parallel,
                         _part(generations, rows[lo:hi]),
                     )
-            for row, span, length in zip(rows.tolist(), spans.tolist(), lengths[rows].tolist()):
+            for row, span, length in zip(rows.tolist(), kept.tolist(), lengths[rows].tolist()):
                 out[row, span:length] = 0
 
     def gather(

@@ -12,7 +12,7 @@ import torch
 
 from replaybuf import ConcatReplayBuffer, ReplayBuffer, ReplayDatasetTrajectory
 from replaybuf.analysis import get_all_data
-from replaybuf.storage.spans import fill_beyond, read_spans_by_rows
+from replaybuf.storage.spans import Spans, fill_beyond, read_spans_by_rows
 
 FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk, on the zarr backend
 FIELDS = {
@@ -100,7 +100,7 @@ def test_generic_path_through_read_rows_agrees(buffer, name):
     shape, dtype = storage.array(name).shape[2:], storage.array(name).dtype
     bulk, generic = (np.full((12, MAX_STEPS, *shape), 5, dtype) for _ in range(2))
     storage.read_spans(name, episodes, starts, lengths, bulk)
-    read_spans_by_rows(storage, name, episodes, starts, lengths, generic)
+    read_spans_by_rows(storage, name, Spans.of(episodes, starts, lengths), generic)
     np.testing.assert_array_equal(bulk, generic)
 
 
@@ -191,7 +191,7 @@ def test_concat_reads_spans_across_members_of_different_lengths(tmp_path):
         shape, dtype = storage.array(name).shape[2:], storage.array(name).dtype
         bulk, generic = (np.full((5, MAX_STEPS, *shape), 3, dtype) for _ in range(2))
         storage.read_spans(name, episodes, starts, lengths, bulk)
-        read_spans_by_rows(storage, name, episodes, starts, lengths, generic)
+        read_spans_by_rows(storage, name, Spans.of(episodes, starts, lengths), generic)
         np.testing.assert_array_equal(bulk, generic)
     data = get_all_data(concat)
     np.testing.assert_array_equal(data["frame"][3, :6].numpy(), episode(10, 6)["frame"])

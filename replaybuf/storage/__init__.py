@@ -34,7 +34,7 @@ from .base import (
     unpublished_slots,
 )
 from .lease import BufferLockedError, describe_holder
-from .spans import fill_beyond
+from .spans import Spans, fill_beyond
 
 if TYPE_CHECKING:
     from ._chunks import chunk_cache
@@ -63,6 +63,7 @@ __all__ = [
     "CorruptChunkError",
     "ForeignEntriesError",
     "GenerationMismatchError",
+    "Spans",
     "Storage",
     "StorageError",
     "backend_class",

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..schema import Field, Schema
 from .base import ArrayLike, GenerationMismatchError, Storage
+from .spans import Spans
 
 #: default bound of one buffer's cache folder (``cache_size``)
 DEFAULT_CACHE_SIZE = 20 << 30
@@ -449,46 +450,35 @@ class CachedStorage(Storage):
             )
         return out
 
-    def read_spans(
-        self,
-        name: str,
-        episodes: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        out: np.ndarray,
-        parallel: bool = True,
-        generations: np.ndarray | None = None,
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
     ) -> None:
         # docstring inherited
-        if not self._cached(name):
-            self._verified(
-                lambda: self.inner.read_spans(name, episodes, starts, lengths, out, parallel, generations),
-                np.asarray(episodes),
-                generations,
-            )
-            return
-        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-        starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-        served = lengths == 0
-        for items, cached in self._served(name, episodes, generations):
-            if cached is None:
-                continue
-            for i in items.tolist():
-                start, length = int(starts[i]), int(lengths[i])
-                if length and start + length <= len(cached):
-                    out[i, :length] = cached[start : start + length]
-                    served[i] = True
+        served = np.zeros(len(spans), dtype=bool)
+        if self._cached(name):
+            served = spans.lengths == 0
+            for items, cached in self._served(name, spans.episodes, generations):
+                if cached is None:
+                    continue
+                for i in items.tolist():
+                    start, length = int(spans.starts[i]), int(spans.lengths[i])
+                    if length and start + length <= len(cached):
+                        out[i, :length] = cached[start : start + length]
+                        served[i] = True
         rest = np.flatnonzero(~served)
-        if len(rest):
-            planned = None if generations is None else np.broadcast_to(generations, episodes.shape)[rest]
-            part = out[rest]
-            self._verified(
-                lambda: self.inner.read_spans(
-                    name, episodes[rest], starts[rest], lengths[rest], part, parallel, planned
-                ),
-                episodes[rest],
-                planned,
-            )
+        if not len(rest):
+            return
+        whole = len(rest) == len(spans)  # nothing served here: the wrapped storage reads into ``out``
+        part, wanted = (out, spans) if whole else (out[rest], spans[rest])
+        planned = None if generations is None else np.broadcast_to(generations, served.shape)[rest]
+        self._verified(
+            lambda: self.inner.read_spans(
+                name, wanted.episodes, wanted.starts, wanted.lengths, part, parallel, planned
+            ),
+            wanted.episodes,
+            planned,
+        )
+        if not whole:
             out[rest] = part
 
     def read_rows(

@@ -48,6 +48,7 @@ from .base import (
     parse_json,
     schema_from_config,
 )
+from .spans import Spans
 
 CONFIG_FILE = "replaybuf.json"
 SEED_ORIGIN = "memmap-replay-buffer"
@@ -403,44 +404,35 @@ class MemmapStorage(KVBlobs, Storage):
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         return self._checksums.read_rows(name, self.array(name).memmap, episodes, t0, t1, self._lens_now()[episodes])
 
-    def read_spans(
-        self,
-        name: str,
-        episodes: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        out: np.ndarray,
-        parallel: bool = True,
-        generations: np.ndarray | None = None,
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
     ) -> None:
         # docstring inherited: one copy per episode straight from the page cache into ``out``
         memmap = self.array(name).memmap
-        spans = [
+        rows = [
             (i, e, s, n)
-            for i, (e, s, n) in enumerate(
-                zip(*(np.asarray(a, dtype=np.int64).reshape(-1).tolist() for a in (episodes, starts, lengths)))
-            )
+            for i, (e, s, n) in enumerate(zip(spans.episodes.tolist(), spans.starts.tolist(), spans.lengths.tolist()))
             if n > 0
         ]
 
-        expected, committed = [0] * len(spans), [0] * len(spans)
+        expected, committed = [0] * len(rows), [0] * len(rows)
         checksums = self._checksums
-        if checksums is not None and spans:
-            _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*spans))
+        if checksums is not None and rows:
+            _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*rows))
             committed = self._lens_now()[picked].tolist()
             expected = checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
 
         def copy(k: int) -> None:
-            i, e, s, n = spans[k]
+            i, e, s, n = rows[k]
             if checksums is None:
                 out[i, :n] = memmap[e, s : s + n]
             else:
                 checksums.copy_row(name, memmap, e, s, out[i, :n], committed[k], expected[k])
 
-        if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
-            list(thread_pool().map(copy, range(len(spans))))
+        if parallel and len(rows) > 1 and out.nbytes > (4 << 20):
+            list(thread_pool().map(copy, range(len(rows))))
         else:
-            for k in range(len(spans)):
+            for k in range(len(rows)):
                 copy(k)
 
     def gather(

@@ -60,6 +60,7 @@ from .base import (
     schema_from_config,
 )
 from .lease import ObjectLease, ProcessLease, WriterLease
+from .spans import Spans
 
 if TYPE_CHECKING:
     from zarr.core.common import JSON
@@ -600,18 +601,11 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).read_rows(np.asarray(episodes), t0, t1, generations)
 
-    def read_spans(
-        self,
-        name: str,
-        episodes: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        out: np.ndarray,
-        parallel: bool = True,
-        generations: np.ndarray | None = None,
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
     ) -> None:
         # docstring inherited: one read per shard or chunk, frames decoded into place
-        self.array(name).read_into(out, episodes, starts, lengths, generations, parallel=parallel)
+        self.array(name).read_into(out, spans.episodes, spans.starts, spans.lengths, generations, parallel=parallel)
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None

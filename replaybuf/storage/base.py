@@ -74,6 +74,7 @@ from ..schema import Field, Schema
 from .lease import BufferLockedError, FileLease, WriterLease
 from .lease import give_back as give_back_lease
 from .lease import take as take_lease
+from .spans import Spans, read_spans_by_rows
 
 STATE_KEY = "replaybuf/state.json"
 # the buffer-level attributes (``replaybuf.attrs``)
@@ -285,7 +286,7 @@ class Storage(ABC):
     A backend must implement the eight abstract primitives (``exists``, ``create``, ``open``,
     ``array``, ``read_blob``, ``write_blob``, ``delete_blobs``, ``list_blobs``) and may override
     any other method for speed (the built-in backends override ``time_chunk``, ``write_rows``,
-    ``update_rows``, ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``preload``,
+    ``update_rows``, ``write_meta``, ``read_rows``, ``_read_spans``, ``gather``, ``preload``,
     ``read_meta``, ``drop_caches``, ``close`` and ``describe``; ``KVBlobs`` gives ``append_log``
     real appends). Callers branch on the capability flags below, never on ``isinstance`` or
     ``backend_name``.
@@ -483,10 +484,14 @@ class Storage(ABC):
         ``out[i, :lengths[i]]`` (the rest of ``out`` untouched): whole-episode reads for
         get_all_data, stats and trajectory batches. ``parallel=False``: decode in the calling
         thread (the caller runs one task per core). ``generations``: one per episode (see the
-        module docstring). Backends with a bulk path override this."""
-        from .spans import read_spans_by_rows
+        module docstring). Backends with a bulk path override ``_read_spans``."""
+        self._read_spans(name, Spans.of(episodes, starts, lengths), out, parallel, generations)
 
-        read_spans_by_rows(self, name, episodes, starts, lengths, out)
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
+    ) -> None:
+        """``read_spans`` with its spans converted once (``Spans``); the default reads through ``read_rows``."""
+        read_spans_by_rows(self, name, spans, out)
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
