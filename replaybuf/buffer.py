@@ -34,8 +34,10 @@ from .staging import EpisodeGroup
 from .storage import (
     DEFAULT_CACHE_SIZE,
     STATE_KEY,
+    ArrayBase,
     CachedStorage,
     Storage,
+    WrappedArray,
     bookkeeping_fields,
     check_bookkeeping,
     check_state,
@@ -66,29 +68,17 @@ def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
     return buffer
 
 
-class MetaView:
+class MetaView(WrappedArray):
     """``buffer.meta_data[name]``: reads from the buffer's snapshot, writes through to storage."""
 
     def __init__(self, buffer: BufferView, name: str):
         self._buffer, self._name = buffer, name
 
-    @property
-    def _mirror(self) -> np.ndarray:
+    def _wrapped(self) -> np.ndarray:
         return self._buffer.meta_values(self._name)
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._mirror.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._mirror.dtype
-
-    def __len__(self) -> int:
-        return len(self._mirror)
-
     def __getitem__(self, key: Any) -> np.ndarray:
-        value = self._mirror[key]
+        value = self._wrapped()[key]
         return value.copy() if isinstance(value, np.ndarray) else value
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -115,11 +105,8 @@ class MetaView:
             ) from None
         buffer._set_meta(self._name, episodes, cast_values(values, field))
 
-    def __array__(self, dtype=None, copy=None):
-        return self._mirror.astype(dtype) if dtype is not None else self._mirror.copy()
-
     def __repr__(self) -> str:
-        return f"<meta {self._name} {self._mirror!r}>"
+        return f"<meta {self._name} {self._wrapped()!r}>"
 
 
 def _episode_index(key: Any, size: int) -> tuple[np.ndarray, Any]:
@@ -149,7 +136,7 @@ def _time_index(key: Any, size: int) -> tuple[int, int, Any]:
     return t0, t1, slice(int(picked[0]) - t0, None if stop < 0 else stop, step)
 
 
-class DataView:
+class DataView(ArrayBase):
     """``buffer.data[name]``: numpy-style indexing of (episode, time, *shape).
 
     On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
@@ -163,13 +150,6 @@ class DataView:
         field = buffer.schema.fields[name]
         self.shape = (buffer.schema.max_episodes, buffer.schema.max_timesteps, *field.shape)
         self.dtype = np.dtype(field.dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
 
     def __getitem__(self, key: Any) -> np.ndarray:
         slots, t0, t1, local = self._block(key)
@@ -218,10 +198,6 @@ class DataView:
         rows[local] = value
         if len(slots) and t1 > t0:
             buffer.storage.update_rows(self._name, slots, t0, rows)
-
-    def __array__(self, dtype=None, copy=None):
-        out = self[:]
-        return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"

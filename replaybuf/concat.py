@@ -25,7 +25,7 @@ from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
-from .storage import GenerationMismatchError, Spans, Storage
+from .storage import ArrayBase, GenerationMismatchError, Spans, Storage
 from .view import CommittedViews, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
@@ -54,20 +54,13 @@ WRITE_METHODS = frozenset(
 Member = ReplayBuffer | str | os.PathLike
 
 
-class ConcatArray:
+class ConcatArray(ArrayBase):
     """The stored array of a data field over the concatenated episodes: plain numpy-style reads
     (``concat.data[name]`` reads through ``buffer.DataView``, consistently)."""
 
     def __init__(self, storage: ConcatStorage, name: str, shape: tuple[int, ...], dtype: np.dtype):
         self._storage, self._name = storage, name
         self.shape, self.dtype = shape, np.dtype(dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
 
     def __getitem__(self, key: Any) -> np.ndarray:
         key = key if isinstance(key, tuple) else (key,)
@@ -84,10 +77,6 @@ class ConcatArray:
         raise NotImplementedError(
             f"data/{self._name} of a ConcatReplayBuffer is read-only: write to its member buffers"
         )
-
-    def __array__(self, dtype=None, copy=None):
-        out = self[:]
-        return out if dtype is None else out.astype(dtype)
 
 
 class ConcatStorage(Storage):

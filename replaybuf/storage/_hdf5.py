@@ -58,6 +58,7 @@ from .base import (
     CorruptChunkError,
     Storage,
     StorageError,
+    WrappedArray,
     bookkeeping_fields,
     check_layout,
     empty_state,
@@ -164,7 +165,7 @@ def open_h5(path: str, mode: str) -> h5py.File:
     return h5py.File(path, mode, locking=False)
 
 
-class H5Array:
+class H5Array(WrappedArray):
     """``buffer.data[name]``: numpy indexing on an HDF5 dataset.
 
     Keys h5py reads natively (ints and unit-step slices) go straight to it; any other key is
@@ -180,20 +181,8 @@ class H5Array:
     def dataset(self) -> h5py.Dataset:
         return self._storage.h5file[self.path]
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.dataset.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.dataset.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
+    def _wrapped(self) -> h5py.Dataset:
+        return self.dataset
 
     def __getitem__(self, key: Any) -> np.ndarray:
         with reading(self._storage, self.path):
@@ -220,10 +209,6 @@ class H5Array:
         self._storage.flush()  # visible at once to memmap readers of the file
         if self.path.startswith("data/"):
             self._storage.rows_rewritten(self.path[len("data/") :], written)
-
-    def __array__(self, dtype=None, copy=None):
-        array = np.asarray(self.dataset[()])
-        return array if dtype is None else array.astype(dtype)
 
     def __repr__(self) -> str:
         return f"H5Array({self._storage.location!r}, {self.path!r}, shape={self.shape}, dtype={self.dtype})"

@@ -41,6 +41,7 @@ from .base import (
     BufferNotFoundError,
     Storage,
     StorageError,
+    WrappedArray,
     bookkeeping_fields,
     check_layout,
     empty_state,
@@ -91,7 +92,7 @@ def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
 _OPENING = threading.Lock()
 
 
-class MemmapArray:
+class MemmapArray(WrappedArray):
     """``buffer.data[name]``: numpy indexing on a ``.npy`` memmap that is opened lazily.
 
     It pickles as its path (DataLoader workers map the file themselves), never as its data.
@@ -120,20 +121,8 @@ class MemmapArray:
                     memmap = self._memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
         return memmap
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.memmap.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.memmap.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self.memmap.ndim
-
-    def __len__(self) -> int:
-        return self.shape[0]
+    def _wrapped(self) -> np.memmap:
+        return self.memmap
 
     def __getitem__(self, key: Any) -> np.ndarray:
         return np.asarray(self.memmap[key])
@@ -145,9 +134,8 @@ class MemmapArray:
         if self.name is not None:
             self._storage.rows_rewritten(self.name, key)
 
-    def __array__(self, dtype=None, copy=None):
-        array = np.array(self.memmap)
-        return array if dtype is None else array.astype(dtype)
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.array(self.memmap, dtype=dtype)  # a copy: never a view that writes to the file
 
     def flush(self) -> None:
         if self._memmap is not None and self._memmap.mode != "r":

@@ -160,6 +160,38 @@ class ArrayLike(Protocol):
     def __setitem__(self, key: Any, value: Any) -> None: ...
 
 
+class ArrayBase:
+    """``ndim``, ``len()`` and ``np.asarray()`` of an ``ArrayLike``, built on its ``shape`` and
+    ``__getitem__``: written once for the backends' arrays and the buffer's views of them."""
+
+    @property
+    def ndim(self: ArrayLike) -> int:
+        return len(self.shape)
+
+    def __len__(self: ArrayLike) -> int:
+        return self.shape[0]
+
+    def __array__(self: ArrayLike, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self[:])
+        return out if dtype is None else out.astype(dtype)
+
+
+class WrappedArray(ArrayBase):
+    """An ``ArrayBase`` with the shape and dtype of the array object ``_wrapped()`` returns (an
+    h5py dataset, a memmap, a snapshot's values), asked on every use: it may be reopened."""
+
+    def _wrapped(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._wrapped().shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._wrapped().dtype
+
+
 def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
     """Per-episode arrays every backend stores besides the user's meta fields.
 
