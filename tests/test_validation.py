@@ -25,7 +25,7 @@ from replaybuf.maintenance import info, verify
 from replaybuf.staging import StepLog
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 
-from ._backends import LOCAL_BACKENDS, require
+from ._backends import LOCAL_BACKENDS, require, snapshot
 from ._data import FIELDS, META_FIELDS, episode
 
 LENGTHS = (5, 7, 3)
@@ -78,6 +78,11 @@ def edit_json(path, **changes) -> None:
     target.update(changes)
     with open(path, "w") as f:
         json.dump(doc, f)
+
+
+def files(location) -> dict:
+    """The files stored at ``location`` (``snapshot``), without folders and the writer's lease."""
+    return {k: v for k, v in snapshot(location).items() if v[2] and "lease" not in k}
 
 
 def config_path(location, backend) -> str:
@@ -187,6 +192,28 @@ def test_counters_disagreeing_with_the_lengths_roll_to_the_lengths(tmp_path, bac
         assert (buffer.num_episodes, len(buffer), buffer.episode_index) == (3, 3, 3)
         buffer.store_episode(**episode(2, 9), task_id=9)  # not refused as full
     assert verify(location) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+@pytest.mark.parametrize(
+    "version, complaint",
+    [
+        (99, r"buffer at .* has format version 99; this replaybuf reads up to \d: upgrade replaybuf"),
+        ("2", r"(replaybuf.json|data.h5|zarr.json.*): format version is '2', expected an int"),
+    ],
+)
+def test_a_format_version_this_release_cannot_read_is_refused_before_writing(tmp_path, backend, version, complaint):
+    location = filled(tmp_path / "b", backend)
+    if backend == "hdf5":
+        with require("h5py").File(os.path.join(location, "data.h5"), "r+") as f:
+            f.attrs["replaybuf"] = json.dumps({**json.loads(f.attrs["replaybuf"]), "version": version})
+    else:
+        edit_json(config_path(location, backend), version=version)
+    before = files(location)
+    for read_only in (True, False):
+        with pytest.raises(ValueError, match=complaint):
+            ReplayBuffer.from_folder(location, read_only=read_only)
+    assert files(location) == before  # the writer's lease comes and goes; nothing else is written
 
 
 def test_a_lost_generation_chunk_is_damage_not_an_empty_buffer(tmp_path, capsys):

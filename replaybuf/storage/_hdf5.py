@@ -48,21 +48,19 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
-from ._kv import KVBlobs, LocalKV
-from ._local import EpisodeChecksums, local_root, refuse_foreign_buffer
-from ._owned import check_owned, erase_owned
+from ._local import EpisodeChecksums, LocalFolderStorage
+from ._owned import erase_owned
 from ._zarr import default_time_chunk
 from .base import (
-    BufferDamagedError,
     BufferNotFoundError,
     CorruptChunkError,
-    Storage,
     StorageError,
     WrappedArray,
     bookkeeping_fields,
     check_layout,
     empty_state,
     expected_layouts,
+    named_array,
     parse_json,
     schema_from_config,
 )
@@ -231,27 +229,21 @@ def _check_storage_options(options: dict) -> None:
         )
 
 
-class HDF5Storage(KVBlobs, Storage):
+class HDF5Storage(LocalFolderStorage):
     """One ``data.h5`` per buffer folder (h5py), with the counters and step log beside it."""
 
     backend_name = "hdf5"
-    supports_remote = False
-    supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
-    kv: LocalKV
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
+        _check_storage_options(storage_options or {})
         super().__init__(location, storage_options, fsync=fsync)
-        _check_storage_options(self.storage_options)
-        self.root = local_root(self)
         self.path = os.path.join(self.root, DATA_FILE)
-        self.kv = LocalKV(self.root, fsync=fsync)
         self._file: h5py.File | None = None
         self._pid: int | None = None
         self._arrays: dict[tuple[str, bool], H5Array] = {}
         self._ram: dict[str, np.ndarray | None] = {}
         self._maps: dict[str, np.memmap | None] = {}
         self._dirty = False
-        self._checksums: EpisodeChecksums | None = None
         self._writer_mark: Any = None
         self._compressed = False
 
@@ -335,23 +327,15 @@ class HDF5Storage(KVBlobs, Storage):
     def _config_where(self) -> str:
         return f"attribute {CONFIG_ATTRIBUTE!r} of {self.path}"
 
-    @classmethod
-    def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
-        # docstring inherited
-        if "://" in str(location) and not str(location).startswith("file://"):
-            return False
-        return cls(location).exists()
-
     def exists(self) -> bool:
         # docstring inherited
         return self._config() is not None
 
     # ---- create / open ---------------------------------------------------------------------------
 
-    def check_creatable(self) -> list[str]:
-        # docstring inherited
-        refuse_foreign_buffer(self)
-        return check_owned(self.kv, self.location, lambda name: name == DATA_FILE)
+    @staticmethod
+    def _owns(name: str) -> bool:
+        return name == DATA_FILE
 
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
@@ -394,34 +378,23 @@ class HDF5Storage(KVBlobs, Storage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no {DATA_FILE} with replaybuf config)"
             )
-        if not isinstance(config.get("version", 0), int):
-            raise BufferDamagedError(f"{self._config_where}: format version is {config['version']!r}, expected an int")
-        if config.get("version", 0) > FORMAT_VERSION:
-            raise ValueError(
-                f"buffer at {self.location!r} has format version {config['version']}; "
-                f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
-            )
+        schema = schema_from_config(config, self._config_where, self.location)
         self.close()
         self.read_only = read_only
         if not read_only:
             self.kv.prepare_writes()
-        schema = schema_from_config(config, self._config_where)
         self._load_arrays(schema)
         self._checksums = EpisodeChecksums.open(self, self.root, list(schema.fields))
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
-        names = [(n, False) for n in schema.fields] + [
-            (n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}
-        ]
         self._arrays = {}
-        layouts = expected_layouts(schema)
-        for name, meta in names:
+        for (name, meta), expected in expected_layouts(schema).items():
             path = f"{'meta' if meta else 'data'}/{name}"
             if path not in self.h5file:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the dataset {path!r}")
             dataset = self.h5file[path]
-            check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, layouts[name, meta])
+            check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
 
@@ -429,10 +402,7 @@ class HDF5Storage(KVBlobs, Storage):
 
     def array(self, name: str, meta: bool = False) -> H5Array:
         # docstring inherited
-        try:
-            return self._arrays[name, meta]
-        except KeyError:
-            raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
+        return named_array(self._arrays, name, meta, self.location)
 
     # ---- counters --------------------------------------------------------------------------------
 
@@ -473,19 +443,6 @@ class HDF5Storage(KVBlobs, Storage):
             np.asarray(values, dataset.dtype), (len(episodes), *dataset.shape[1:])
         )[order]
         self._dirty = True
-
-    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
-        # docstring inherited
-        self.write_rows(name, episodes, t0, values)
-        self.rows_rewritten(name, np.asarray(episodes))
-
-    def rows_rewritten(self, name: str, key: Any) -> None:
-        """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
-        the committed episodes it touched."""
-        if self._checksums is not None:
-            first = key[0] if isinstance(key, tuple) else key
-            lens = self.read_meta("episode_lens")
-            self._checksums.reseal_written(name, np.arange(len(lens))[first], lens)
 
     def data_file(self, name: str) -> str:
         """Where data field ``name`` is stored (named by CorruptChunkError)."""

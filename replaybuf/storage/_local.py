@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from numpy.lib.format import open_memmap
 
 from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c
+from ._kv import KVBlobs, LocalKV
+from ._owned import check_owned
 from .base import CorruptChunkError, Storage, detect_backend
 
 
@@ -33,6 +35,56 @@ def refuse_foreign_buffer(storage: Storage) -> None:
         raise ValueError(
             f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
         )
+
+
+class LocalFolderStorage(KVBlobs, Storage):
+    """The base of the backends that keep a buffer in files of one local folder (memmap, hdf5):
+    the folder and its side objects, detection, what ``create`` may erase, and the per-episode
+    checksums that in-place edits recompute."""
+
+    supports_remote = False
+    supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
+    kv: LocalKV
+
+    def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
+        super().__init__(location, storage_options, fsync=fsync)
+        self.root = local_root(self)
+        self.kv = LocalKV(self.root, fsync=fsync)
+        self._checksums: EpisodeChecksums | None = None
+
+    @staticmethod
+    def _owns(name: str) -> bool:
+        """Whether the top-level entry ``name`` of the folder belongs to a buffer of this backend."""
+        raise NotImplementedError
+
+    def _lens_now(self) -> np.ndarray:
+        """``episode_lens`` as stored now (the writer's own, in a write)."""
+        return self.read_meta("episode_lens")
+
+    @classmethod
+    def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
+        # docstring inherited
+        if "://" in str(location) and not str(location).startswith("file://"):
+            return False
+        return cls(location).exists()
+
+    def check_creatable(self) -> list[str]:
+        # docstring inherited
+        refuse_foreign_buffer(self)
+        return check_owned(self.kv, self.location, self._owns)
+
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        # docstring inherited
+        self.write_rows(name, episodes, t0, values)
+        self.rows_rewritten(name, np.asarray(episodes))
+
+    def rows_rewritten(self, name: str, key: Any) -> None:
+        """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
+        the committed episodes it touched."""
+        if self._checksums is not None:
+            first = key[0] if isinstance(key, tuple) else key
+            lens = self._lens_now()
+            self._checksums.reseal_written(name, np.arange(len(lens))[first], lens)
 
 
 CHECKSUM_FILE = "replaybuf/checksums.npy"

@@ -33,19 +33,18 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import KVBlobs, LocalKV, thread_pool
-from ._local import EpisodeChecksums, local_root, refuse_foreign_buffer
-from ._owned import check_owned, erase_owned
+from ._kv import thread_pool
+from ._local import EpisodeChecksums, LocalFolderStorage
+from ._owned import erase_owned
 from .base import (
     BufferDamagedError,
     BufferNotFoundError,
-    Storage,
     StorageError,
     WrappedArray,
-    bookkeeping_fields,
     check_layout,
     empty_state,
     expected_layouts,
+    named_array,
     parse_json,
     schema_from_config,
 )
@@ -55,11 +54,6 @@ CONFIG_FILE = "replaybuf.json"
 SEED_ORIGIN = "memmap-replay-buffer"
 # the arrays and the seed's counters: <field>.data.npy, <meta>.data.meta.npy, <name>.state.npy
 _OWNED_SUFFIXES = (".data.npy", ".data.meta.npy", ".state.npy")
-
-
-def _owns(name: str) -> bool:
-    """Whether a top-level file is part of a replaybuf memmap buffer or a seed folder."""
-    return name.endswith(_OWNED_SUFFIXES) or name in (CONFIG_FILE, _seed.METADATA_FILE)
 
 
 def array_filename(name: str, meta: bool) -> str:
@@ -151,22 +145,16 @@ class MemmapArray(WrappedArray):
         return f"MemmapArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
-class MemmapStorage(KVBlobs, Storage):
+class MemmapStorage(LocalFolderStorage):
     """``.npy`` memmaps in a local folder; opens memmap-replay-buffer 0.2.x folders too."""
 
     backend_name = "memmap"
-    supports_remote = False
-    supports_field_codecs = False  # per-field ``compressor`` specs do not apply here
-    kv: LocalKV
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         super().__init__(location, storage_options, fsync=fsync)
-        self.root = local_root(self)
-        self.kv = LocalKV(self.root, fsync=fsync)
         self._arrays: dict[tuple[str, bool], MemmapArray] = {}
         self._seed_view: _seed.SeedState | None = None
         self._seed_origin = False
-        self._checksums: EpisodeChecksums | None = None
 
     # ---- discovery ----------------------------------------------------------------------------
 
@@ -179,23 +167,16 @@ class MemmapStorage(KVBlobs, Storage):
             return None
         return config if config.get("format") == FORMAT_NAME and config.get("backend") == self.backend_name else None
 
-    @classmethod
-    def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
-        # docstring inherited
-        if "://" in str(location) and not str(location).startswith("file://"):
-            return False
-        return cls(location, storage_options).exists()
-
     def exists(self) -> bool:
         # docstring inherited
         return self._config() is not None or _seed.is_seed_folder(self.root)
 
     # ---- create / open --------------------------------------------------------------------------
 
-    def check_creatable(self) -> list[str]:
-        # docstring inherited
-        refuse_foreign_buffer(self)
-        return check_owned(self.kv, self.location, _owns)
+    @staticmethod
+    def _owns(name: str) -> bool:
+        # a file of a replaybuf memmap buffer or of a seed folder
+        return name.endswith(_OWNED_SUFFIXES) or name in (CONFIG_FILE, _seed.METADATA_FILE)
 
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
@@ -205,10 +186,8 @@ class MemmapStorage(KVBlobs, Storage):
             erase_owned(self.kv, entries, markers=(CONFIG_FILE, _seed.METADATA_FILE))
         os.makedirs(self.root, exist_ok=True)
         self._arrays = {}
-        for field in schema.fields.values():
-            self._allocate(field.name, False, (schema.max_episodes, schema.max_timesteps, *field.shape), field.dtype)
-        for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-            self._allocate(field.name, True, (schema.max_episodes, *field.shape), field.dtype)
+        for (name, meta), (shape, dtype) in expected_layouts(schema).items():
+            self._allocate(name, meta, shape, dtype)
         self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
         self.commit_state(empty_state())
         self._write_config(schema)
@@ -249,15 +228,7 @@ class MemmapStorage(KVBlobs, Storage):
         config = self._config()
         self._seed_view = None
         if config is not None:
-            where = os.path.join(self.root, CONFIG_FILE)
-            if not isinstance(config.get("version", 0), int):
-                raise BufferDamagedError(f"{where}: format version is {config['version']!r}, expected an int")
-            if config.get("version", 0) > FORMAT_VERSION:
-                raise ValueError(
-                    f"buffer at {self.location!r} has format version {config['version']}; "
-                    f"this replaybuf reads up to {FORMAT_VERSION}: upgrade replaybuf"
-                )
-            schema = schema_from_config(config, where)
+            schema = schema_from_config(config, os.path.join(self.root, CONFIG_FILE), self.location)
             self._seed_origin = config.get("origin") == SEED_ORIGIN
         elif _seed.is_seed_folder(self.root):
             schema = _seed.read_seed_schema(self.root)
@@ -321,10 +292,7 @@ class MemmapStorage(KVBlobs, Storage):
             raise KeyError(
                 "a memmap-replay-buffer folder opened read-only has no _generation array; use read_meta('_generation')"
             )
-        try:
-            return self._arrays[name, meta]
-        except KeyError:
-            raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
+        return named_array(self._arrays, name, meta, self.location)
 
     # ---- counters and the step log ------------------------------------------------------------
 
@@ -359,20 +327,8 @@ class MemmapStorage(KVBlobs, Storage):
             self._flush_arrays()
         self.array(name, meta=True).memmap[np.asarray(episodes)] = values
 
-    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
-        # docstring inherited
-        self.write_rows(name, episodes, t0, values)
-        self.rows_rewritten(name, np.asarray(episodes))
-
-    def rows_rewritten(self, name: str, key: Any) -> None:
-        """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of
-        the committed episodes it touched."""
-        if self._checksums is not None:
-            first = key[0] if isinstance(key, tuple) else key
-            episodes = np.arange(self._max_episodes())[first]
-            self._checksums.reseal_written(name, episodes, self._lens_now())
-
     def _lens_now(self) -> np.ndarray:
+        # docstring inherited: the mapped file, not a copy
         return self._arrays["episode_lens", True].memmap
 
     def data_file(self, name: str) -> str:

@@ -56,6 +56,7 @@ from .base import (
     check_layout,
     empty_state,
     expected_layouts,
+    named_array,
     parse_json,
     schema_from_config,
 )
@@ -310,15 +311,8 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
-        if not isinstance(attributes.get("version", 0), int):
-            raise BufferDamagedError(
-                f"{self.describe_key('zarr.json')}: format version is {attributes['version']!r}, expected an int"
-            )
-        if attributes.get("version", 0) > ZARR_FORMAT_VERSION:
-            raise ValueError(
-                f"buffer at {self.location!r} has format version {attributes['version']}; "
-                f"this replaybuf reads up to {ZARR_FORMAT_VERSION}: upgrade replaybuf"
-            )
+        where = self.describe_key("zarr.json")
+        schema = schema_from_config(attributes, where, self.location, ZARR_FORMAT_VERSION)
         self.read_only = read_only
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
@@ -326,20 +320,16 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv.prepare_writes()
         if not read_only and self.kv.get(STATE_NODE_KEY) is None:
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
-        schema = schema_from_config(attributes, self.describe_key("zarr.json"))
         self._load_arrays(schema)
-        self._unmeasured = _unmeasured(attributes, schema, self.describe_key("zarr.json"))
+        self._unmeasured = _unmeasured(attributes, schema, where)
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
-        names = [(n, False) for n in schema.fields] + [
-            (n, True) for n in {**schema.meta_fields, **bookkeeping_fields(schema)}
-        ]
-        paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in names]
+        layouts = expected_layouts(schema)
+        paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in layouts]
         documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
         self._arrays = {}
-        layouts = expected_layouts(schema)
-        for (name, meta), path, doc in zip(names, paths, documents):
+        for (name, meta), path, doc in zip(layouts, paths, documents):
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
             where = self.describe_key(f"{path}/zarr.json")
@@ -529,10 +519,7 @@ class ZarrStorage(KVBlobs, Storage):
 
     def array(self, name: str, meta: bool = False) -> ChunkedArray:
         # docstring inherited
-        try:
-            return self._arrays[name, meta]
-        except KeyError:
-            raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
+        return named_array(self._arrays, name, meta, self.location)
 
     def close(self) -> None:
         # docstring inherited

@@ -66,11 +66,12 @@ import time
 import types
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Protocol
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from ..schema import Field, Schema
+from ..schema import FORMAT_VERSION, Field, Schema
 from .lease import BufferLockedError, FileLease, WriterLease
 from .lease import give_back as give_back_lease
 from .lease import take as take_lease
@@ -80,6 +81,7 @@ STATE_KEY = "replaybuf/state.json"
 # the buffer-level attributes (``replaybuf.attrs``)
 ATTRS_KEY = "replaybuf/attrs.json"
 LOG_PREFIX = "replaybuf/steplog/"
+_ArrayT = TypeVar("_ArrayT")
 
 
 class BufferNotFoundError(FileNotFoundError):
@@ -225,8 +227,17 @@ def parse_json(raw: bytes, where: str) -> dict:
     return value
 
 
-def schema_from_config(config: dict, where: str) -> Schema:
-    """The Schema stored in ``config``, checked as a new one would be (sizes included)."""
+def schema_from_config(config: dict, where: str, location: str, newest: int = FORMAT_VERSION) -> Schema:
+    """The Schema stored in ``config`` (read from ``where``), checked as a new one would be (sizes
+    included), after its format ``version``: an int, at most ``newest`` (what this replaybuf reads)."""
+    version = config.get("version", 0)
+    if not isinstance(version, int):
+        raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
+    if version > newest:
+        raise ValueError(
+            f"buffer at {location!r} has format version {version}; "
+            f"this replaybuf reads up to {newest}: upgrade replaybuf"
+        )
     try:
         return Schema.from_json(config)
     except (KeyError, TypeError, ValueError) as e:
@@ -242,6 +253,14 @@ def expected_layouts(schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, 
     for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
         out[n, True] = ((schema.max_episodes, *f.shape), f.dtype)
     return out
+
+
+def named_array(arrays: Mapping[tuple[str, bool], _ArrayT], name: str, meta: bool, location: str) -> _ArrayT:
+    """``arrays[name, meta]`` (a backend's ``array``), or KeyError naming the array and the buffer."""
+    try:
+        return arrays[name, meta]
+    except KeyError:
+        raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {location!r}") from None
 
 
 def check_layout(where: str, shape: tuple[int, ...], dtype: np.dtype, expected: tuple[tuple[int, ...], np.dtype]):
