@@ -991,69 +991,6 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(f"warm_cache: invalid field names {unknown} - must be among {sorted(self.schema.fields)}")
         self.storage.warm(slots[self._meta["episode_lens"][slots] > 0], fields, progress)
 
-    def get_all_data(
-        self,
-        fields: Sequence[str] | None = None,
-        meta_fields: Sequence[str] | None = None,
-        device: torch.device | str | None = None,
-        lazy: bool = False,
-        progress: bool | None = None,
-    ):
-        """One row per slot ``0 .. num_episodes - 1`` (row i = slot i, as the seed) as tensors,
-        time-padded to the longest; an empty slot, or one a writer in another process is
-        rewriting, is a row of padding with length 0. Read consistently and decoded in parallel
-        through dask (``analysis.get_all_data``); ``lazy=True`` returns the dask arrays instead.
-        ``progress``: a tqdm bar (default: on a terminal, for reads longer than two seconds).
-        """
-        from .analysis import get_all_data
-
-        return get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
-
-    def to_dask(
-        self,
-        fields: Sequence[str] | None = None,
-        meta_fields: Sequence[str] | None = None,
-        order: str = "chronological",
-    ):
-        """Committed episodes as dask arrays: data (episodes, time, *shape), meta (episodes, *shape)."""
-        from .analysis import to_dask
-
-        return to_dask(self, fields, meta_fields, order=order)
-
-    def to_xarray(
-        self,
-        fields: Sequence[str] | None = None,
-        meta_fields: Sequence[str] | None = None,
-        order: str = "chronological",
-    ):
-        """Committed episodes as a lazy ``xarray.Dataset``: the ``to_dask`` arrays with named dims,
-        lengths, the valid-step mask and meta fields as coordinates (``pip install 'replaybuf[xarray]'``)."""
-        from .analysis import to_xarray
-
-        return to_xarray(self, fields, meta_fields, order=order)
-
-    def episode_mask(self):
-        """Dask bool array (episodes, time): True where a committed episode has a step."""
-        from .analysis import episode_mask
-
-        return episode_mask(self)
-
-    def stats(
-        self,
-        fields: Sequence[str] | None = None,
-        progress: bool | None = None,
-        *,
-        episodes: Any = None,
-        exact: bool = False,
-    ):
-        """Per-field mean/std/min/max (and ``quantile()``) over the valid steps of ``episodes``
-        (slots; None: every committed episode), lengths and returns: merged from the sketches
-        written at commit without reading data, or ``exact=True`` recomputed from the data with
-        dask (``analysis.stats``)."""
-        from .analysis import stats
-
-        return stats(self, fields, progress=progress, episodes=episodes, exact=exact)
-
     # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
 
     def dataset(

@@ -18,9 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
-import torch
 
-from . import analysis
 from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
@@ -470,48 +468,6 @@ class ConcatReplayBuffer(CommittedViews):
         from .sampling import make_dataloader
 
         return make_dataloader(self, batch_size, **kwargs)
-
-    def get_all_data(
-        self,
-        fields: Sequence[str] | None = None,
-        meta_fields: Sequence[str] | None = None,
-        device: torch.device | str | None = None,
-        lazy: bool = False,
-        progress: bool | None = None,
-    ):
-        """One row per slot ``0 .. num_episodes - 1`` of every member (member by member, as the
-        seed's ``get_all_data`` of each), time-padded to the longest, read consistently (see
-        ``analysis.get_all_data``)."""
-        return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
-
-    def to_dask(
-        self,
-        fields: Sequence[str] | None = None,
-        meta_fields: Sequence[str] | None = None,
-        order: str = "chronological",
-    ):
-        """The committed episodes of every member as dask arrays (see ``analysis.to_dask``)."""
-        return analysis.to_dask(self, fields, meta_fields, order=order)
-
-    def to_xarray(
-        self,
-        fields: Sequence[str] | None = None,
-        meta_fields: Sequence[str] | None = None,
-        order: str = "chronological",
-    ):
-        """The committed episodes of every member as a lazy ``xarray.Dataset`` (see ``analysis.to_xarray``)."""
-        return analysis.to_xarray(self, fields, meta_fields, order=order)
-
-    def episode_mask(self):
-        """Dask bool (episodes, time): True where an episode has a step."""
-        return analysis.episode_mask(self)
-
-    def stats(
-        self, fields: Sequence[str] | None = None, progress: bool | None = None, *, episodes=None, exact: bool = False
-    ) -> analysis.BufferStats:
-        """Field statistics over the members' valid steps, their sketches merged across members
-        (see ``analysis.stats``)."""
-        return analysis.stats(self, fields, progress=progress, episodes=episodes, exact=exact)
 
     def flush(self) -> None:
         """Nothing to flush: the buffer is read-only."""

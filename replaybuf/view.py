@@ -5,13 +5,14 @@ against this protocol and use nothing else of a buffer: its schema, its storage,
 committed snapshot it holds in RAM (per-slot lengths, generations and meta values as of the
 last ``refresh()``, or of the last commit for a writer). ``SchemaAttributes`` derives the
 seed's per-field attributes (``fieldnames``, ``shapes``, ``meta_dtypes``, ...) from ``schema``,
-and ``CommittedViews`` adds the snapshot's read-only views; both implementations inherit them.
+and ``CommittedViews`` adds the snapshot's read-only views and the analyses (``get_all_data``,
+``stats``, ...); both implementations inherit them.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -21,6 +22,9 @@ from .schema import Field, Schema
 from .storage import Storage, bookkeeping_fields
 
 if TYPE_CHECKING:
+    import torch
+
+    from .analysis import BufferStats
     from .buffer import MetaView
 
 __all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "read_only_message"]
@@ -198,3 +202,69 @@ class CommittedViews(SchemaAttributes):
                 f"meta_values: invalid meta field name {name!r} - must be one of {sorted(self.meta_fieldnames)}"
             )
         return frozen(self._committed()[name])
+
+    # ---- analysis (``analysis.py``, imported on first use: it needs torch and dask) ----------------
+
+    def get_all_data(
+        self: BufferView,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        device: torch.device | str | None = None,
+        lazy: bool = False,
+        progress: bool | None = None,
+    ):
+        """One row per slot ``0 .. num_episodes - 1`` (row i = slot i, as the seed; a concatenation
+        member by member) as tensors, time-padded to the longest; an empty slot, or one a writer in
+        another process is rewriting, is a row of padding with length 0. Read consistently and
+        decoded in parallel through dask (``analysis.get_all_data``); ``lazy=True`` returns the dask
+        arrays instead. ``progress``: a tqdm bar (default: on a terminal, for reads longer than two
+        seconds).
+        """
+        from .analysis import get_all_data
+
+        return get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
+
+    def to_dask(
+        self: BufferView,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        order: str = "chronological",
+    ):
+        """Committed episodes as dask arrays: data (episodes, time, *shape), meta (episodes, *shape)."""
+        from .analysis import to_dask
+
+        return to_dask(self, fields, meta_fields, order=order)
+
+    def to_xarray(
+        self: BufferView,
+        fields: Sequence[str] | None = None,
+        meta_fields: Sequence[str] | None = None,
+        order: str = "chronological",
+    ):
+        """Committed episodes as a lazy ``xarray.Dataset``: the ``to_dask`` arrays with named dims,
+        lengths, the valid-step mask and meta fields as coordinates (``pip install 'replaybuf[xarray]'``)."""
+        from .analysis import to_xarray
+
+        return to_xarray(self, fields, meta_fields, order=order)
+
+    def episode_mask(self: BufferView):
+        """Dask bool array (episodes, time): True where a committed episode has a step."""
+        from .analysis import episode_mask
+
+        return episode_mask(self)
+
+    def stats(
+        self: BufferView,
+        fields: Sequence[str] | None = None,
+        progress: bool | None = None,
+        *,
+        episodes: Any = None,
+        exact: bool = False,
+    ) -> BufferStats:
+        """Per-field mean/std/min/max (and ``quantile()``) over the valid steps of ``episodes``
+        (slots; None: every committed episode), lengths and returns: merged from the sketches
+        written at commit (a concatenation's across its members) without reading data, or
+        ``exact=True`` recomputed from the data with dask (``analysis.stats``)."""
+        from .analysis import stats
+
+        return stats(self, fields, progress=progress, episodes=episodes, exact=exact)
