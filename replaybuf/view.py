@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import namedtuple
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -205,8 +205,13 @@ class CommittedViews(SchemaAttributes):
 
     # ---- analysis (``analysis.py``, imported on first use: it needs torch and dask) ----------------
 
+    def _view(self) -> BufferView:
+        """This buffer as the ``BufferView`` the analyses take: both classes that inherit these
+        methods implement it (a type checker sees only this mixin)."""
+        return cast(BufferView, self)
+
     def get_all_data(
-        self: BufferView,
+        self,
         fields: Sequence[str] | None = None,
         meta_fields: Sequence[str] | None = None,
         device: torch.device | str | None = None,
@@ -222,10 +227,10 @@ class CommittedViews(SchemaAttributes):
         """
         from .analysis import get_all_data
 
-        return get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
+        return get_all_data(self._view(), fields, meta_fields, device=device, lazy=lazy, progress=progress)
 
     def to_dask(
-        self: BufferView,
+        self,
         fields: Sequence[str] | None = None,
         meta_fields: Sequence[str] | None = None,
         order: str = "chronological",
@@ -233,10 +238,10 @@ class CommittedViews(SchemaAttributes):
         """Committed episodes as dask arrays: data (episodes, time, *shape), meta (episodes, *shape)."""
         from .analysis import to_dask
 
-        return to_dask(self, fields, meta_fields, order=order)
+        return to_dask(self._view(), fields, meta_fields, order=order)
 
     def to_xarray(
-        self: BufferView,
+        self,
         fields: Sequence[str] | None = None,
         meta_fields: Sequence[str] | None = None,
         order: str = "chronological",
@@ -245,16 +250,16 @@ class CommittedViews(SchemaAttributes):
         lengths, the valid-step mask and meta fields as coordinates (``pip install 'replaybuf[xarray]'``)."""
         from .analysis import to_xarray
 
-        return to_xarray(self, fields, meta_fields, order=order)
+        return to_xarray(self._view(), fields, meta_fields, order=order)
 
-    def episode_mask(self: BufferView):
+    def episode_mask(self):
         """Dask bool array (episodes, time): True where a committed episode has a step."""
         from .analysis import episode_mask
 
-        return episode_mask(self)
+        return episode_mask(self._view())
 
     def stats(
-        self: BufferView,
+        self,
         fields: Sequence[str] | None = None,
         progress: bool | None = None,
         *,
@@ -267,4 +272,4 @@ class CommittedViews(SchemaAttributes):
         ``exact=True`` recomputed from the data with dask (``analysis.stats``)."""
         from .analysis import stats
 
-        return stats(self, fields, progress=progress, episodes=episodes, exact=exact)
+        return stats(self._view(), fields, progress=progress, episodes=episodes, exact=exact)
