@@ -445,12 +445,12 @@ class HDF5Storage(LocalFolderStorage):
         self._dirty = True
 
     def data_file(self, name: str) -> str:
-        """Where data field ``name`` is stored (named by CorruptChunkError)."""
+        # docstring inherited
         return f"{self.path}:/data/{name}"
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        """``read_rows`` without the checksum check (to compute the checksums)."""
-        mapped = self._flushed_map(name)
+        # docstring inherited
+        mapped = self._row_map(name)
         if mapped is not None:
             return mapped[np.asarray(episodes), t0:t1]
         unique, inverse = np.unique(np.asarray(episodes), return_inverse=True)
@@ -466,22 +466,6 @@ class HDF5Storage(LocalFolderStorage):
                     location=self.data_file(name),
                 ) from e
         return rows[inverse.reshape(-1)]
-
-    def read_rows(
-        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
-    ) -> np.ndarray:
-        # docstring inherited: whole committed episodes are checked against their crc32c
-        if self._checksums is None:
-            return self.unchecked_rows(name, episodes, t0, t1)
-        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-        lens = self.read_meta("episode_lens")[episodes]
-        mapped = self._flushed_map(name)
-        if mapped is not None:  # checked as copied out of the map
-            return self._checksums.read_rows(name, mapped, episodes, t0, t1, lens)
-        rows = self.unchecked_rows(name, episodes, t0, t1)
-        if t0 == 0:
-            self._checksums.check(name, episodes, rows, t1, lens)
-        return rows
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
@@ -509,8 +493,8 @@ class HDF5Storage(LocalFolderStorage):
                     raise CorruptChunkError.at(f"data/{name}", episode, (t, t + 1), self.data_file(name), str(e)) from e
         return rows[inverse.reshape(-1)]
 
-    def _flushed_map(self, name: str) -> np.ndarray | None:
-        """``_mapped`` after writing out what this process has buffered (the map reads the file)."""
+    def _row_map(self, name: str) -> np.ndarray | None:
+        # docstring inherited: ``_mapped`` after writing out what this process has buffered
         if self._dirty:
             self.flush()
         return self._mapped(name)

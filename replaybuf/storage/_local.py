@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 from numpy.lib.format import open_memmap
@@ -61,6 +61,35 @@ class LocalFolderStorage(KVBlobs, Storage):
         """``episode_lens`` as stored now (the writer's own, in a write)."""
         return self.read_meta("episode_lens")
 
+    def data_file(self, name: str) -> str:
+        """Where data field ``name`` is stored (named by CorruptChunkError)."""
+        raise NotImplementedError
+
+    def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        """``read_rows`` without the checksum check (to compute the checksums)."""
+        raise NotImplementedError
+
+    def _row_map(self, name: str) -> np.ndarray | None:
+        """Data field ``name`` as a memmap of its file, showing this process's writes; None where
+        the file cannot be mapped (a chunked HDF5 dataset)."""
+        raise NotImplementedError
+
+    def read_rows(
+        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
+    ) -> np.ndarray:
+        # docstring inherited: whole committed episodes are checked against their crc32c
+        if self._checksums is None:
+            return self.unchecked_rows(name, episodes, t0, t1)
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        lens = self._lens_now()[episodes]
+        mapped = self._row_map(name)
+        if mapped is not None:  # checked as copied out of the map
+            return self._checksums.read_rows(name, mapped, episodes, t0, t1, lens)
+        rows = self.unchecked_rows(name, episodes, t0, t1)
+        if t0 == 0:
+            self._checksums.check(name, episodes, rows, t1, lens)
+        return rows
+
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
         # docstring inherited
@@ -95,21 +124,6 @@ _BLOCK_BYTES = 256 << 10
 CHECKED_COPY_BYTES = SMALL_ARRAY_BYTES
 
 
-class RowFiles(Protocol):
-    """What ``EpisodeChecksums`` needs of its storage (the memmap and hdf5 backends): rows read
-    without the check, and the file named in a corruption error."""
-
-    @property
-    def read_only(self) -> bool: ...
-
-    @property
-    def fsync(self) -> bool: ...
-
-    def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray: ...
-
-    def data_file(self, name: str) -> str: ...
-
-
 class EpisodeChecksums:
     """A crc32c per committed (data field, episode) of a local folder buffer (format 2).
 
@@ -122,7 +136,7 @@ class EpisodeChecksums:
     Per-step gathers are not checked: they would read the whole episode for one step.
     """
 
-    def __init__(self, storage: RowFiles, root: str, fields: list[str]):
+    def __init__(self, storage: LocalFolderStorage, root: str, fields: list[str]):
         self.storage = storage
         self.path = os.path.join(root, CHECKSUM_FILE)
         self.columns = {name: i for i, name in enumerate(fields)}
@@ -130,14 +144,14 @@ class EpisodeChecksums:
         self._copies: dict[str, CheckedCopy | None] = {}
 
     @classmethod
-    def create(cls, storage: RowFiles, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
+    def create(cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
         self = cls(storage, root, fields)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         open_memmap(self.path, mode="w+", dtype=np.uint64, shape=(max_episodes, len(fields))).flush()
         return self
 
     @classmethod
-    def open(cls, storage: RowFiles, root: str, fields: list[str]) -> EpisodeChecksums | None:
+    def open(cls, storage: LocalFolderStorage, root: str, fields: list[str]) -> EpisodeChecksums | None:
         """The checksums of a format-2 folder, None for one without (format 1, seed folders)."""
         self = cls(storage, root, fields)
         return self if os.path.isfile(self.path) else None

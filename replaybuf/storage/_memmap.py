@@ -332,21 +332,16 @@ class MemmapStorage(LocalFolderStorage):
         return self._arrays["episode_lens", True].memmap
 
     def data_file(self, name: str) -> str:
-        """The file holding data field ``name`` (named by CorruptChunkError)."""
+        # docstring inherited: the field's file
         return self.array(name).path
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
-        """``read_rows`` without the checksum check (to compute the checksums)."""
+        # docstring inherited
         return self.array(name).memmap[np.asarray(episodes), t0:t1]
 
-    def read_rows(
-        self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
-    ) -> np.ndarray:
-        # docstring inherited: whole committed episodes are checked against their crc32c
-        if self._checksums is None:
-            return self.unchecked_rows(name, episodes, t0, t1)
-        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-        return self._checksums.read_rows(name, self.array(name).memmap, episodes, t0, t1, self._lens_now()[episodes])
+    def _row_map(self, name: str) -> np.ndarray | None:
+        # docstring inherited
+        return self.array(name).memmap
 
     def _read_spans(
         self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
