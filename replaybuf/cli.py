@@ -109,23 +109,23 @@ def field_list(value: str) -> list[str]:
     return fields
 
 
-def positive_int(value: str) -> int:
+def _positive(value: str, kind: type[int] | type[float], what: str) -> float:
+    """``value`` as a finite number > 0 of ``kind``, else an argparse error expecting ``what``."""
     try:
-        number = int(value)
+        number: float | None = kind(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+        number = None
+    if number is None or not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
     return number
 
 
+def positive_int(value: str) -> int:
+    return int(_positive(value, int, "a positive integer"))
+
+
 def positive_number(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not number > 0 or number == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    number = _positive(value, float, "a positive number")
     return int(number) if number.is_integer() else number
 
 

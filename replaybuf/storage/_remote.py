@@ -72,7 +72,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -425,84 +426,61 @@ class NamedErrorStore(WrapperStore[Store]):
     def __repr__(self) -> str:
         return f"NamedErrorStore({type(self._store).__name__}, {self.name!r})"
 
-    def _failure(self, operation: str, key: str, error: Exception) -> RemoteStoreError:
-        summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-        return RemoteStoreError(f"{operation} {key!r} on {self.name} failed: {type(error).__name__}: {summary}")
-
-    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        # docstring inherited
+    @contextmanager
+    def _named(self, operation: str, key: str) -> Iterator[None]:
+        """Raise a failure inside as RemoteStoreError naming ``operation``, ``key`` and the store."""
         try:
-            return await self._store.get(key, prototype, byte_range)
+            yield
         except _NOT_WRAPPED:
             raise
         except Exception as error:
-            raise self._failure("GET", key, error) from error
+            summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            raise RemoteStoreError(
+                f"{operation} {key!r} on {self.name} failed: {type(error).__name__}: {summary}"
+            ) from error
+
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        # docstring inherited
+        with self._named("GET", key):
+            return await self._store.get(key, prototype, byte_range)
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
         # docstring inherited
         key_ranges = list(key_ranges)
-        try:
+        with self._named("GET (ranges)", key_ranges[0][0] if key_ranges else ""):
             return await self._store.get_partial_values(prototype, key_ranges)
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("GET (ranges)", key_ranges[0][0] if key_ranges else "", error) from error
 
     async def exists(self, key: str) -> bool:
         # docstring inherited
-        try:
+        with self._named("HEAD", key):
             return await self._store.exists(key)
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("HEAD", key, error) from error
 
     async def set(self, key: str, value: Buffer) -> None:
         # docstring inherited
-        try:
+        with self._named("PUT", key):
             await self._store.set(key, value)
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("PUT", key, error) from error
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         # docstring inherited
-        try:
+        with self._named("PUT (if absent)", key):
             await self._store.set_if_not_exists(key, value)
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("PUT (if absent)", key, error) from error
 
     async def delete(self, key: str) -> None:
         # docstring inherited
-        try:
+        with self._named("DELETE", key):
             await self._store.delete(key)
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("DELETE", key, error) from error
 
     async def delete_dir(self, prefix: str) -> None:
         # docstring inherited
-        try:
+        with self._named("DELETE (prefix)", prefix):
             await self._store.delete_dir(prefix)
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("DELETE (prefix)", prefix, error) from error
 
     async def _listing(self, prefix: str, listing: AsyncIterator[str]) -> AsyncIterator[str]:
-        try:
+        with self._named("LIST", prefix):
             async for key in listing:
                 yield key
-        except _NOT_WRAPPED:
-            raise
-        except Exception as error:
-            raise self._failure("LIST", prefix, error) from error
 
     def list(self) -> AsyncIterator[str]:
         # docstring inherited
