@@ -28,7 +28,7 @@ from . import snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer
 from .consistency import read_consistent, replanner, stored_bookkeeping
-from .inputs import batch_value, cast_values, fill_value, fit_shape, step_value, to_numpy
+from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
 from .schema import Field, Schema
 from .staging import EpisodeGroup
 from .storage import (
@@ -424,7 +424,7 @@ class ReplayBuffer(CommittedViews):
     def episode_index(self, value: int) -> None:
         """Choose the slot the next episode goes to, as the seed allows (not while steps are staged)."""
         self._check_writable("episode_index = ...")
-        slot = self._check_slot(value, "episode_index")
+        slot = check_index(value, self.max_episodes, "episode_index", "episode_index")
         group = self._group
         if group is not None and group.length > 0:
             raise ValueError(
@@ -854,30 +854,11 @@ class ReplayBuffer(CommittedViews):
         snapshots.drop(self.storage, name)
         self._commit.held.reset()
 
-    def _check_slot(self, episode_index: Any, call: str) -> int:
-        if (
-            isinstance(episode_index, bool)
-            or not isinstance(episode_index, (int, np.integer))
-            or not 0 <= episode_index < self.max_episodes
-        ):
-            raise ValueError(
-                f"{call}: episode_index {episode_index!r} out of range - must be in [0, {self.max_episodes})"
-            )
-        return int(episode_index)
-
     def store_datapoint(self, episode_index: int, timestep_index: int, name: str, datapoint: Any) -> None:
         """Write one value of a data field at (episode, timestep)."""
         self._check_writable("store_datapoint")
-        episode = self._check_slot(episode_index, "store_datapoint")
-        if (
-            isinstance(timestep_index, bool)
-            or not isinstance(timestep_index, (int, np.integer))
-            or not 0 <= timestep_index < self.max_timesteps
-        ):
-            raise ValueError(
-                f"store_datapoint: timestep_index {timestep_index!r} out of range - "
-                f"must be in [0, {self.max_timesteps})"
-            )
+        episode = check_index(episode_index, self.max_episodes, "episode_index", "store_datapoint")
+        check_index(timestep_index, self.max_timesteps, "timestep_index", "store_datapoint")
         self._check_names([name], self.fieldnames, "field", "store_datapoint")
         value = step_value(datapoint, self.schema.fields[name])
         group = self._group
@@ -890,7 +871,7 @@ class ReplayBuffer(CommittedViews):
     def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
         """Write one meta value of an episode."""
         self._check_writable("store_meta_datapoint")
-        episode = self._check_slot(episode_index, "store_meta_datapoint")
+        episode = check_index(episode_index, self.max_episodes, "episode_index", "store_meta_datapoint")
         self._check_names([name], set(self.schema.meta_fields), "meta field", "store_meta_datapoint")
         self._set_meta(name, np.array([episode]), step_value(datapoint, self.schema.meta_fields[name])[None])
 

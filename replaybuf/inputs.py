@@ -83,3 +83,11 @@ def batch_value(value: Any, f: Field, batch: int) -> np.ndarray:
 
 def fill_value(f: Field) -> np.ndarray:
     return np.full(f.shape, f.fill, dtype=f.dtype)
+
+
+def check_index(value: Any, size: int, name: str, call: str) -> int:
+    """``value`` as an int index in ``[0, size)``; ValueError naming ``call`` and ``name`` otherwise
+    (a bool or a float is refused, not taken as 0, 1 or truncated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < size:
+        raise ValueError(f"{call}: {name} {value!r} out of range - must be in [0, {size})")
+    return int(value)
