@@ -4,9 +4,7 @@ The loaders, the collector and ``ConcatReplayBuffer`` need torch (and dask); the
 on first use, so ``import replaybuf`` and the command line start without loading torch.
 """
 
-from importlib import import_module
-from typing import Any
-
+from ._lazy import lazy_attributes
 from .actors import discover_shards, open_shard
 from .buffer import ReplayBuffer
 from .consistency import ConcurrentWriteError, read_episodes_consistent
@@ -37,12 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:
