@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 else:
     _StorageMixin = object
 
+#: a read of part of an object: (key, start, stop), ``stop`` None for the rest of the object
+ByteRange = tuple[str, int, int | None]
+#: ``consume(i, data)`` takes the i-th result of a batched read (None: no such object)
+Consume = Callable[[int, bytes | None], None]
+
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
@@ -85,7 +90,7 @@ class KeyValue(ABC):
         """The bytes of each key (None where absent), fetched concurrently where possible."""
 
     @abstractmethod
-    def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | None]:
         """Byte ranges ``(key, start, stop)``; a negative ``start`` with ``stop=None`` asks for
         the last ``-start`` bytes. None where the key is absent."""
 
@@ -109,17 +114,14 @@ class KeyValue(ABC):
         """The file path or URL of ``key``, for error messages."""
         return key
 
-    def get_each(self, keys: Sequence[str], consume: Callable[[int, bytes | None], None]) -> None:
+    def get_each(self, keys: Sequence[str], consume: Consume) -> None:
         """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
         decoding in ``consume`` runs in parallel; codecs release the GIL)."""
         values = self.get_many(keys)
         _in_pool(len(values), lambda i: consume(i, values[i]))
 
     def get_ranges_each(
-        self,
-        requests: Sequence[tuple[str, int, int | None]],
-        consume: Callable[[int, bytes | None], None],
-        generations: Sequence[int] | None = None,
+        self, requests: Sequence[ByteRange], consume: Consume, generations: Sequence[int] | None = None
     ) -> None:
         """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``generations`` (one per
         request: the generation of the slot the object belongs to) lets a store keep the object
@@ -254,7 +256,7 @@ class LocalKV(KeyValue):
     def __getstate__(self):
         return {**self.__dict__, "_appenders": {}}
 
-    def _read_range_keyed(self, request: tuple[str, int, int | None], generation: int) -> bytes | None:
+    def _read_range_keyed(self, request: ByteRange, generation: int) -> bytes | None:
         key, start, stop = request
         handle = _read_handles.get(self._path(key), generation)
         if handle is None:
@@ -303,7 +305,7 @@ class LocalKV(KeyValue):
             return [self._read(k) for k in keys]
         return list(thread_pool().map(self._read, keys))
 
-    def _read_range(self, request: tuple[str, int, int | None]) -> bytes | None:
+    def _read_range(self, request: ByteRange) -> bytes | None:
         key, start, stop = request
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
@@ -318,20 +320,17 @@ class LocalKV(KeyValue):
         finally:
             os.close(fd)
 
-    def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | None]:
         if len(requests) <= 4:
             return [self._read_range(r) for r in requests]
         return list(thread_pool().map(self._read_range, requests))
 
-    def get_each(self, keys: Sequence[str], consume: Callable[[int, bytes | None], None]) -> None:
+    def get_each(self, keys: Sequence[str], consume: Consume) -> None:
         # Read and consume in the same pool task: file reads and decoding overlap.
         _in_pool(len(keys), lambda i: consume(i, self._read(keys[i])))
 
     def get_ranges_each(
-        self,
-        requests: Sequence[tuple[str, int, int | None]],
-        consume: Callable[[int, bytes | None], None],
-        generations: Sequence[int] | None = None,
+        self, requests: Sequence[ByteRange], consume: Consume, generations: Sequence[int] | None = None
     ) -> None:
         # docstring inherited
         if generations is None:
@@ -563,7 +562,7 @@ class StoreKV(KeyValue):
 
         return self._run_bounded([functools.partial(one, k) for k in keys])
 
-    def get_ranges(self, requests: Sequence[tuple[str, int, int | None]]) -> list[bytes | None]:
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | None]:
         from zarr.abc.store import RangeByteRequest, SuffixByteRequest
         from zarr.core.buffer import default_buffer_prototype
 
