@@ -36,6 +36,29 @@ def test_both_buffers_are_buffer_views(tmp_path):
         as_buffer({"storage": None, "schema": None})
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_every_array_object_has_numpy_len_ndim_and_asarray(tmp_path, backend):
+    """The views (``data``, ``meta_data``, a concatenation's) and the local backends' own arrays
+    share ``storage.ArrayBase``: ``len``, ``ndim`` and ``np.asarray`` (with a dtype) agree with
+    ``shape`` and ``[:]``; ``np.asarray`` of a memmap array is a copy, not a window on the file."""
+    location = str(tmp_path / "a")
+    writer = ReplayBuffer(location, 3, 6, fields=FIELDS, meta_fields=META, backend=backend)
+    writer.store_episode(obs=np.full((4, 2), 7, np.float32), priority=np.ones(4), task=3)
+    concat = ConcatReplayBuffer([writer])
+    arrays = [writer.data["obs"], writer.meta_data["task"], concat.data["obs"], concat.storage.array("obs")]
+    if backend != "zarr":  # the zarr backend's arrays are ChunkedArray (storage/_chunks.py)
+        arrays += [writer.storage.array("obs"), writer.storage.array("episode_lens", meta=True)]
+    for array in arrays:
+        assert (len(array), array.ndim) == (array.shape[0], len(array.shape)), array
+        whole = np.asarray(array)
+        assert whole.shape == array.shape and whole.dtype == array.dtype
+        np.testing.assert_array_equal(whole, array[:])
+        assert np.asarray(array, dtype=np.float64).dtype == np.float64
+    if backend == "memmap":
+        np.asarray(writer.storage.array("obs"))[0] = -1
+        assert (writer.data["obs"][0, :4] == 7).all()
+
+
 def test_snapshot_is_public_and_read_only(tmp_path):
     writer = write(tmp_path / "a", [2, 3, 4], circular=True)
     np.testing.assert_array_equal(writer.generations, [1, 2, 3])
