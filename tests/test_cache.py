@@ -264,8 +264,12 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options)
     assert isinstance(reader.storage, CachedStorage)  # on by default on object stores
     loader = make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=0)
-    with s3_server.record() as first:
-        assert sum(len(batch["state"]) for batch in loader) == 640
+    s3_server.latency = 0.05  # a network round trip: GETs sent together overlap whatever the load
+    try:
+        with s3_server.record() as first:
+            assert sum(len(batch["state"]) for batch in loader) == 640
+    finally:
+        s3_server.latency = 0.0
     with s3_server.record() as second:  # the same loader again: not even a _generation re-check
         assert sum(len(batch["state"]) for batch in loader) == 640
     with s3_server.record() as third:  # a new loader: its snapshot reads bookkeeping, no data
