@@ -605,13 +605,23 @@ _registry: dict[str, tuple[str, str]] = {
     "hdf5": ("replaybuf.storage._hdf5:HDF5Storage", "install h5py: pip install 'replaybuf[h5py]'"),
 }
 registry = types.MappingProxyType(_registry)
+# a file whose presence in a local folder says which backend wrote it, known without importing
+# the backend: a buffer of a backend that cannot be imported is named, not reported missing
+_markers: dict[str, str] = {"hdf5": "data.h5"}
 
 
-def register_backend(name: str, target: str, install_hint: str = "", clobber: bool = False) -> None:
-    """Register a backend as ``"module:Class"``; refuses to replace an existing name unless ``clobber``."""
+def register_backend(
+    name: str, target: str, install_hint: str = "", clobber: bool = False, marker: str | None = None
+) -> None:
+    """Register a backend as ``"module:Class"``; refuses to replace an existing name unless
+    ``clobber``. ``marker``: a file name inside a local buffer folder that only this backend
+    writes, so a buffer of it is recognised (and the install hint given) when it cannot be imported."""
     if name in _registry and not clobber:
         raise ValueError(f"backend {name!r} is already registered as {_registry[name][0]!r}")
     _registry[name] = (target, install_hint)
+    _markers.pop(name, None)
+    if marker is not None:
+        _markers[name] = marker
 
 
 def backend_class(name: str) -> type[Storage]:
@@ -628,11 +638,16 @@ def backend_class(name: str) -> type[Storage]:
 
 
 def detect_backend(location: str, storage_options: dict | None = None) -> str | None:
-    """The name of the backend whose buffer is at ``location``, or None when there is none."""
+    """The name of the backend whose buffer is at ``location``, or None when there is none.
+    Raises ImportError with the install hint when the buffer there belongs to a registered
+    backend that cannot be imported (its marker file is present)."""
     for name in _registry:
         try:
             cls = backend_class(name)
         except ImportError:
+            marker = _markers.get(name)
+            if marker is not None and "://" not in location and os.path.isfile(os.path.join(location, marker)):
+                raise
             continue
         if cls.can_open(location, storage_options):
             return name
