@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from . import snapshots
 from .attrs import load_attrs
 from .schema import Field, Schema, parse_compressor
 from .storage.base import (
@@ -195,7 +196,7 @@ def convert(
         A tqdm bar over the episodes copied: ``None`` shows it on a terminal for copies longer
         than two seconds, ``True`` always, ``False`` never (``replaybuf.progress``).
 
-    Returns a summary: destination, backend, episodes and timesteps copied.
+    Returns a summary: destination, backend, episodes and timesteps copied, snapshots carried.
     """
     from .progress import check_progress, progress_bar
 
@@ -211,6 +212,9 @@ def convert(
     state = source.load_state()
     lens = _lens(source)
     slots = np.flatnonzero(lens > 0)
+    # slots and generations are kept, so snapshots stay true as they are; a damaged one is
+    # refused here, before anything is written
+    held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     target.acquire_writer(erase=True)
     target.create(target_schema, overwrite=True)
     time_chunks = {n: target.time_chunk(n) for n in schema.fields}
@@ -229,6 +233,8 @@ def convert(
     attrs = source.read_blob(ATTRS_KEY)
     if attrs is not None:
         target.write_blob(ATTRS_KEY, attrs)
+    for name, snapshot in held.items():
+        target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
     target.commit_state(state)
     target.flush()
     target.close()
@@ -240,6 +246,7 @@ def convert(
         "backend": backend,
         "episodes": int(len(slots)),
         "timesteps": int(lens[slots].sum()),
+        "snapshots": sorted(held),
         **copied,
     }
 

@@ -128,6 +128,28 @@ def test_convert_refuses_an_existing_destination_unless_told(tmp_path):
         convert(tmp_path / "src", tmp_path / "src", progress=False, overwrite=True)
 
 
+@pytest.mark.parametrize("dst_name", ["memmap", "hdf5"])
+def test_convert_carries_snapshots_and_refuses_a_damaged_one_before_writing(tmp_path, dst_name):
+    writer = ReplayBuffer(tmp_path / "src", 6, 12, fields=FIELDS, meta_fields=META_FIELDS, circular=True)
+    for i in range(3):
+        writer.store_episode(**episode(4 + i, i), task_id=i)
+    writer.snapshot("first-three")
+    writer.store_episode(**episode(2, 9), task_id=9)
+    writer.close()
+    summary = convert(tmp_path / "src", tmp_path / "dst", backend=dst_name, progress=False)
+    assert summary["snapshots"] == ["first-three"]
+    source = ReplayBuffer.from_folder(tmp_path / "src", snapshot="first-three")
+    copy = ReplayBuffer.from_folder(tmp_path / "dst", snapshot="first-three")
+    assert copy.valid_episodes().tolist() == source.valid_episodes().tolist() == [0, 1, 2]
+    for name in FIELDS:
+        assert np.array_equal(copy.get_all_data()[name].numpy(), source.get_all_data()[name].numpy()), name
+    held = tmp_path / "src" / "replaybuf" / "snapshots" / "first-three" / "snapshot.json"
+    held.write_text(held.read_text().replace('"slots": [0', '"slots": [-7'))
+    with pytest.raises(ValueError, match="snapshot.json"):
+        convert(tmp_path / "src", tmp_path / "other", backend=dst_name, progress=False)
+    assert not (tmp_path / "other").exists()
+
+
 def test_convert_of_a_missing_buffer(tmp_path):
     with pytest.raises(FileNotFoundError):
         convert(tmp_path / "nothing", tmp_path / "dst", progress=False)
