@@ -45,10 +45,14 @@ def shard_file(buffer: ReplayBuffer, slot: int) -> str:
     return array.kv.where(array.shard_key(slot))
 
 
-def is_hot(buffer: ReplayBuffer, slot: int) -> bool:
-    """The blosc flag of the shard's first inner chunk, read from the file."""
-    with open(shard_file(buffer, slot), "rb") as f:
+def is_hot_file(path: str) -> bool:
+    """The blosc flag of a shard's first inner chunk, read from its file."""
+    with open(path, "rb") as f:
         return bool(f.read(3)[2] & BLOSC_MEMCPYED)
+
+
+def is_hot(buffer: ReplayBuffer, slot: int) -> bool:
+    return is_hot_file(shard_file(buffer, slot))
 
 
 def hot_slots(buffer: ReplayBuffer) -> list[int]:
@@ -271,9 +275,9 @@ def test_readers_with_cached_indexes_read_compacted_shards(tmp_path):
 
 
 def _writer(location: str, marker: str) -> None:
-    """Child: store 12 hot episodes, say so, compact them (to be killed meanwhile)."""
-    buffer = ReplayBuffer(location, max_episodes=12, max_timesteps=STEPS, fields=FIELDS)
-    for seed in range(12):
+    """Child: store 24 hot episodes, say so, compact them (to be killed meanwhile)."""
+    buffer = ReplayBuffer(location, max_episodes=24, max_timesteps=STEPS, fields=FIELDS)
+    for seed in range(24):
         buffer.store_episode(**episode(seed))
     buffer.flush()
     open(marker, "w").close()
@@ -287,11 +291,13 @@ def test_a_writer_killed_while_compacting_leaves_every_episode_readable(tmp_path
     child = FORK.Process(target=_writer, args=(location, marker))
     child.start()
     wait_for(lambda: os.path.exists(marker))
-    time.sleep(float(np.random.default_rng(round_).uniform(0, 0.02)))
+    # once the oldest episode is compacted, at a random moment of the rest
+    wait_for(lambda: not is_hot_file(os.path.join(location, "data", "image", "c.0.0.0.0.0")))
+    time.sleep(float(np.random.default_rng(round_).uniform(0, 0.002)))
     os.kill(child.pid, signal.SIGKILL)
     child.join(WAIT_S)
     assert child.exitcode == -signal.SIGKILL
-    stored = {slot: episode(slot) for slot in range(12)}
+    stored = {slot: episode(slot) for slot in range(24)}
     # a temp file of an interrupted rename, as a kill between write and rename leaves
     open(os.path.join(location, "data", "image", ".killed.partial"), "wb").close()
     check_reads(ReplayBuffer.from_folder(location, read_only=True), stored)
