@@ -3,8 +3,10 @@
 Image fields want one frame per chunk (random timestep sampling decodes only what it uses),
 but one object per frame means millions of files or objects. The zarr v3 sharding codec puts
 an episode's frames in one shard ``(1, max_timesteps, *shape)`` with an index at its end; this
-module writes such shards whole (all frames encoded in parallel, all-zero frames left out) and
-reads single frames with two small range reads (the index, then the coalesced frame bytes).
+module writes such shards whole (all frames encoded in parallel, or copied raw at blosc clevel 0
+for a writer's hot tier, ``_hot.py``; all-zero frames left out) and reads single frames with two
+small range reads (the index, then the coalesced frame bytes), once more with a fresh index when
+a compaction replaced the shard in between.
 """
 
 from __future__ import annotations

@@ -302,7 +302,8 @@ class Storage(ABC):
     ``array``, ``read_blob``, ``write_blob``, ``delete_blobs``, ``list_blobs``) and may override
     any other method for speed (the built-in backends override ``time_chunk``, ``write_rows``,
     ``update_rows``, ``write_meta``, ``read_rows``, ``read_spans``, ``gather``, ``preload``,
-    ``read_meta``, ``drop_caches``, ``close`` and ``describe``; ``KVBlobs`` gives ``append_log``
+    ``read_meta``, ``drop_caches``, ``close`` and ``describe``; zarr the hot tier's
+    ``start_hot_tier``, ``compact`` and ``hot_shards``; ``KVBlobs`` gives ``append_log``
     real appends). Callers branch on the capability flags below, never on ``isinstance`` or
     ``backend_name``.
 
