@@ -20,18 +20,23 @@ from replaybuf.storage import CorruptChunkError, chunk_cache
 from replaybuf.storage._codecs import BLOSC_MEMCPYED
 
 FORK = multiprocessing.get_context("fork")
-FIELDS = {"image": ("uint8", (40, 40, 3)), "state": ("float", 4)}
+# two sharded fields: bytes (blosc without shuffle) and floats (blosc with shuffle)
+FIELDS = {"image": ("uint8", (40, 40, 3)), "depth": ("float", (32, 40)), "state": ("float", 4)}
+SHARDED = ("image", "depth")
 STEPS = 20
 FRAME_BYTES = 40 * 40 * 3
+DEPTH_BYTES = 32 * 40 * 4
 WAIT_S = 30  # bound on waiting for the background thread (never reached when it works)
 
 
 def episode(seed: int) -> dict[str, np.ndarray]:
-    """A compressible episode: each frame a coloured square on black (lz4 shrinks it ~20x)."""
+    """A compressible episode: each frame a coloured square on black (lz4 shrinks it ~20x), a
+    depth map of one value per frame."""
     rng = np.random.default_rng(seed)
     image = np.zeros((STEPS, 40, 40, 3), np.uint8)
     image[:, :20, :20] = rng.integers(1, 256, (STEPS, 1, 1, 3), dtype=np.uint8)
-    return {"image": image, "state": rng.standard_normal((STEPS, 4)).astype(np.float32)}
+    depth = np.broadcast_to(rng.standard_normal((STEPS, 1, 1)), (STEPS, 32, 40)).astype(np.float32)
+    return {"image": image, "depth": depth, "state": rng.standard_normal((STEPS, 4)).astype(np.float32)}
 
 
 def make(tmp_path, max_episodes: int = 6, **kwargs) -> ReplayBuffer:
@@ -68,14 +73,16 @@ def wait_for(condition) -> None:
 def check_reads(buffer: ReplayBuffer, episodes: dict[int, dict]) -> None:
     """Whole-buffer, timestep and trajectory reads of ``episodes`` (slot -> data) match."""
     slots = sorted(episodes)
-    images = np.stack([episodes[s]["image"] for s in slots])
-    assert np.array_equal(np.asarray(buffer.get_all_data()["image"])[slots], images)
+    everything = buffer.get_all_data()
     steps = buffer.dataset(timestep_level=True)
-    batch = steps.__getitems__(list(range(len(steps))))
-    assert np.array_equal(np.asarray(batch.batch["image"]), images.reshape(-1, 40, 40, 3))
+    step_batch = steps.__getitems__(list(range(len(steps)))).batch
     trajectories = buffer.dataset()
-    batch = trajectories.__getitems__(list(range(len(trajectories))))
-    assert np.array_equal(np.asarray(batch.batch["image"])[:, :STEPS], images)
+    trajectory_batch = trajectories.__getitems__(list(range(len(trajectories)))).batch
+    for name in SHARDED:
+        wanted = np.stack([episodes[s][name] for s in slots])
+        assert np.array_equal(np.asarray(everything[name])[slots], wanted)
+        assert np.array_equal(np.asarray(step_batch[name]), wanted.reshape(-1, *wanted.shape[2:]))
+        assert np.array_equal(np.asarray(trajectory_batch[name])[:, :STEPS], wanted)
 
 
 def test_store_episode_writes_hot_shards_and_compact_makes_them_cold(tmp_path):
@@ -88,21 +95,24 @@ def test_store_episode_writes_hot_shards_and_compact_makes_them_cold(tmp_path):
     assert hot_slots(buffer) == [0, 1, 2]
     check_reads(buffer, stored)
     # zarr-python decodes hot shards too: blosc reads a raw payload whatever clevel zarr.json names
-    on_disk = zarr.open_array(str(tmp_path / "buffer"), path="data/image", mode="r")
-    assert np.array_equal(on_disk[:3], np.stack([d["image"] for d in stored.values()]))
+    for name in SHARDED:
+        on_disk = zarr.open_array(str(tmp_path / "buffer"), path=f"data/{name}", mode="r")
+        assert np.array_equal(on_disk[:3], np.stack([d[name] for d in stored.values()]))
 
     summary = buffer.compact()
     assert summary.episodes == 3 and summary.bytes_after * 4 < summary.bytes_before
     assert [is_hot(buffer, slot) for slot in range(3)] == [False] * 3
     assert hot_slots(buffer) == [] and buffer.compact().episodes == 0
     check_reads(buffer, stored)
-    assert np.array_equal(on_disk[:3], np.stack([d["image"] for d in stored.values()]))
+    for name in SHARDED:
+        on_disk = zarr.open_array(str(tmp_path / "buffer"), path=f"data/{name}", mode="r")
+        assert np.array_equal(on_disk[:3], np.stack([d[name] for d in stored.values()]))
     assert buffer.storage.describe()["arrays"]["data/image"]["compressor"] == "blosc-lz4:9"
     buffer.close()
 
 
 def test_background_compaction_keeps_hot_bytes_under_the_bound_and_close_compacts_the_rest(tmp_path):
-    bound = int(2.5 * STEPS * FRAME_BYTES)  # two and a half episodes
+    bound = int(2.5 * STEPS * (FRAME_BYTES + DEPTH_BYTES))  # two and a half episodes
     buffer = make(tmp_path, max_episodes=8, hot_bytes=bound)
     stored = {slot: episode(slot) for slot in range(6)}
     for data in stored.values():
