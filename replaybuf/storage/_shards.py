@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from ._hot import HotTier
 
 _MISSING = np.uint64(2**64 - 1)
-_BLOSC_HEADER = 16
 _MISSING_INT = 2**64 - 1
+_BLOSC_HEADER = 16  # bytes of blosc's header before a chunk's payload
 
 
 def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
