@@ -16,7 +16,7 @@ import zarr
 
 from replaybuf import ReplayBuffer
 from replaybuf.maintenance import format_info, info
-from replaybuf.storage import CorruptChunkError, chunk_cache
+from replaybuf.storage import BufferLockedError, CorruptChunkError, chunk_cache
 from replaybuf.storage._codecs import BLOSC_MEMCPYED
 
 FORK = multiprocessing.get_context("fork")
@@ -318,3 +318,16 @@ def test_a_writer_killed_while_compacting_leaves_every_episode_readable(tmp_path
     check_reads(buffer, stored)
     buffer.close()
     ReplayBuffer(location, max_episodes=2, max_timesteps=STEPS, fields=FIELDS).close()  # no foreign entries
+
+
+def test_a_replaced_buffer_never_compacts_the_new_one(tmp_path):
+    old = make(tmp_path)
+    old.store_episode(**episode(0))
+    new = make(tmp_path)  # overwrite=True in the same process: the old object may not write
+    new.store_episode(**episode(1))
+    before = open(shard_file(new, 0), "rb").read()
+    with pytest.raises(BufferLockedError, match="erased the buffer this object wrote to"):
+        old.compact()
+    assert open(shard_file(new, 0), "rb").read() == before and is_hot(new, 0)
+    check_reads(new, {0: episode(1)})
+    new.close()

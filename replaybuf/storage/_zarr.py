@@ -560,11 +560,8 @@ class ZarrStorage(KVBlobs, Storage):
         weakref.finalize(self, self._hot.stop)
 
     def compact(self) -> CompactionSummary:
-        # docstring inherited
-        if self._hot is None:
-            return CompactionSummary()
-        self._check_writable()
-        return self._hot.compact()
+        # docstring inherited: each replacement checks the lease first (``HotTier``)
+        return CompactionSummary() if self._hot is None else self._hot.compact()
 
     def hot_shards(self, slots: np.ndarray) -> dict[int, int]:
         # docstring inherited: the flag of each shard's first stored chunk (local disk only)
