@@ -331,3 +331,20 @@ def test_a_replaced_buffer_never_compacts_the_new_one(tmp_path):
     assert open(shard_file(new, 0), "rb").read() == before and is_hot(new, 0)
     check_reads(new, {0: episode(1)})
     new.close()
+
+
+def test_fetch_chunks_reads_again_with_a_fresh_index(tmp_path, monkeypatch):
+    buffer = make(tmp_path)
+    buffer.store_episode(**episode(0))
+    array = buffer.storage.array("image")
+    stale, fresh = array.read_indexes([0]), array.read_indexes
+    buffer.compact()  # new offsets: the stale index points at the wrong bytes
+    calls = []
+    monkeypatch.setattr(
+        array,
+        "read_indexes",
+        lambda episodes: calls.append(episodes) or (fresh if calls[1:] else lambda _: stale)(episodes),
+    )
+    chunk = array.fetch_chunks([(0, 3)])[0, 3]
+    assert np.array_equal(chunk[0, 0], episode(0)["image"][3]) and len(calls) == 2
+    buffer.close()
