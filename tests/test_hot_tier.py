@@ -339,12 +339,14 @@ def test_fetch_chunks_reads_again_with_a_fresh_index(tmp_path, monkeypatch):
     array = buffer.storage.array("image")
     stale, fresh = array.read_indexes([0]), array.read_indexes
     buffer.compact()  # new offsets: the stale index points at the wrong bytes
-    calls = []
-    monkeypatch.setattr(
-        array,
-        "read_indexes",
-        lambda episodes: calls.append(episodes) or (fresh if calls[1:] else lambda _: stale)(episodes),
-    )
+    reads = []
+
+    def first_stale(episodes):
+        """The index as read before the compaction, then as it is."""
+        reads.append(episodes)
+        return stale if len(reads) == 1 else fresh(episodes)
+
+    monkeypatch.setattr(array, "read_indexes", first_stale)
     chunk = array.fetch_chunks([(0, 3)])[0, 3]
-    assert np.array_equal(chunk[0, 0], episode(0)["image"][3]) and len(calls) == 2
+    assert np.array_equal(chunk[0, 0], episode(0)["image"][3]) and len(reads) == 2
     buffer.close()
