@@ -29,13 +29,23 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from ._kv import KeyValue
 from ._shards import ShardedArray
 from .base import CompactionSummary, CorruptChunkError
+
+
+def find_hot(arrays: Iterable[ShardedArray], slots: list[int]) -> dict[tuple[int, str], int]:
+    """(slot, array path) -> bytes of each shard of ``slots`` stored hot, in the arrays that
+    write hot: the flag of the shard's first stored chunk (``ShardedArray.hot_sizes``)."""
+    found = {}
+    for array in arrays:
+        if array.codec.writes_hot:
+            found.update({(slot, array.path): size for slot, size in zip(slots, array.hot_sizes(slots)) if size})
+    return found
 
 
 class HotTier:
@@ -173,15 +183,11 @@ class HotTier:
         per open): the flag of their first stored chunk."""
         if self.scanned:
             return
-        slots = np.flatnonzero(self.generations > 0).tolist()
-        for path, array in self.arrays.items():
-            if not array.codec.writes_hot:
-                continue
-            for slot, size in zip(slots, array.hot_sizes(slots)):
-                if size:
-                    with self.lock:
-                        if self.versions[slot] == 0:  # not written since the open
-                            self.hot.setdefault(slot, {})[path] = size
+        found = find_hot(self.arrays.values(), np.flatnonzero(self.generations > 0).tolist())
+        with self.lock:
+            for (slot, path), size in found.items():
+                if self.versions[slot] == 0:  # not written since the open
+                    self.hot.setdefault(slot, {})[path] = size
         self.scanned = True
 
     # ---- the background thread ----------------------------------------------------------------

@@ -43,7 +43,7 @@ import numpy as np
 from ..schema import FORMAT_NAME, Field, Schema
 from ._chunks import ChunkedArray
 from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
-from ._hot import HotTier
+from ._hot import HotTier, find_hot
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
@@ -566,14 +566,10 @@ class ZarrStorage(KVBlobs, Storage):
     def hot_shards(self, slots: np.ndarray) -> dict[int, int]:
         # docstring inherited: the flag of each shard's first stored chunk (local disk only)
         found: dict[int, int] = {}
-        if not isinstance(self.kv, LocalKV):
-            return found
-        slots = np.asarray(slots, np.int64).reshape(-1).tolist()
-        for array in self._arrays.values():
-            if isinstance(array, ShardedArray) and array.codec.writes_hot:
-                for slot, size in zip(slots, array.hot_sizes(slots)):
-                    if size:
-                        found[slot] = found.get(slot, 0) + size
+        if isinstance(self.kv, LocalKV):
+            sharded = [a for a in self._arrays.values() if isinstance(a, ShardedArray)]
+            for (slot, _), size in find_hot(sharded, np.asarray(slots, np.int64).reshape(-1).tolist()).items():
+                found[slot] = found.get(slot, 0) + size
         return found
 
     # ---- batched I/O -------------------------------------------------------------------------
