@@ -350,3 +350,19 @@ def test_fetch_chunks_reads_again_with_a_fresh_index(tmp_path, monkeypatch):
     chunk = array.fetch_chunks([(0, 3)])[0, 3]
     assert np.array_equal(chunk[0, 0], episode(0)["image"][3]) and len(reads) == 2
     buffer.close()
+
+
+def test_an_edit_in_place_is_written_hot_and_compacted_again(tmp_path):
+    buffer = make(tmp_path)
+    stored = {slot: episode(slot) for slot in range(2)}
+    for data in stored.values():
+        buffer.store_episode(**data)
+    buffer.compact()
+    frame = np.full((40, 40, 3), 7, np.uint8)
+    buffer.data["image"][0, 3] = frame  # merges into the compacted shard, written hot
+    stored[0]["image"][3] = frame
+    assert hot_slots(buffer) == [0]
+    check_reads(buffer, stored)
+    assert buffer.compact().episodes == 1 and hot_slots(buffer) == []
+    check_reads(buffer, stored)
+    buffer.close()
