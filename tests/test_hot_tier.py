@@ -366,3 +366,13 @@ def test_an_edit_in_place_is_written_hot_and_compacted_again(tmp_path):
     assert buffer.compact().episodes == 1 and hot_slots(buffer) == []
     check_reads(buffer, stored)
     buffer.close()
+
+
+def test_a_field_measured_raw_is_never_hot(tmp_path):
+    buffer = ReplayBuffer(str(tmp_path / "noise"), 4, STEPS, fields={"image": ("uint8", (40, 40, 3))})
+    noise = np.random.default_rng(0).integers(0, 256, (STEPS, 40, 40, 3), dtype=np.uint8)
+    buffer.store_episode(image=noise)  # camera noise: the codec measurement stores it raw
+    assert buffer.storage.describe()["arrays"]["data/image"]["compressor"] == "none"
+    assert hot_slots(buffer) == [] and buffer.compact().episodes == 0
+    assert np.array_equal(np.asarray(buffer.get_all_data()["image"])[0], noise)
+    buffer.close()
