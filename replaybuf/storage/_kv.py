@@ -18,7 +18,7 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from .base import Storage as _StorageMixin  # KVBlobs is mixed in before Storage
 else:
     _StorageMixin = object
+
+#: what a write takes: hot shards are built in place and handed over as a view
+Blob = bytes | memoryview
 
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
@@ -90,7 +93,7 @@ class KeyValue(ABC):
         the last ``-start`` bytes. None where the key is absent."""
 
     @abstractmethod
-    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+    def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         """Write each key; ``atomic`` replaces it whole (readers never see a torn object).
         Non-atomic writes are for objects no reader trusts yet (unpublished slots)."""
 
@@ -340,7 +343,7 @@ class LocalKV(KeyValue):
         else:
             _in_pool(len(requests), lambda i: consume(i, self._read_range_keyed(requests[i], generations[i])))
 
-    def _write_in_place(self, item: tuple[str, bytes]) -> None:
+    def _write_in_place(self, item: tuple[str, Blob]) -> None:
         key, data = item
         path = self._path(key)
         _read_handles.drop([path])
@@ -355,7 +358,7 @@ class LocalKV(KeyValue):
                 f.flush()
                 os.fsync(f.fileno())
 
-    def _write(self, item: tuple[str, bytes]) -> None:
+    def _write(self, item: tuple[str, Blob]) -> None:
         key, data = item
         path = self._path(key)
         _read_handles.drop([path])
@@ -374,7 +377,7 @@ class LocalKV(KeyValue):
                 os.unlink(tmp)
             raise
 
-    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+    def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         write = self._write if atomic else self._write_in_place
         try:
             if len(items) <= 2:
@@ -582,7 +585,7 @@ class StoreKV(KeyValue):
 
         return self._run_bounded([functools.partial(one, r) for r in requests])
 
-    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+    def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()

@@ -109,7 +109,7 @@ class ShardedArray(ChunkedArray):
 
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
         # docstring inherited
-        unique = list(dict.fromkeys(tuple(int(i) for i in index[:2]) for index in indices))
+        unique = list(dict.fromkeys((int(index[0]), int(index[1])) for index in indices))
         episodes = list(dict.fromkeys(e for e, _ in unique))
         decoded = self._fresh_on_damage(episodes, lambda: self._fetch_chunks(unique, episodes))
         return {index: decoded[tuple(int(i) for i in index[:2])] for index in indices}
@@ -469,7 +469,7 @@ class ShardedArray(ChunkedArray):
             sizes = [len(shard) if hot and shard is not None else 0 for shard in shards.values()]
             self.hot.written(self.path, range(e0, e0 + count), sizes)
 
-    def compacted(self, episode: int, data: bytes) -> bytes | None:
+    def compacted(self, episode: int, data: bytes) -> bytes | memoryview | None:
         """Episode's shard ``data`` re-encoded at the codec's level, or None when it is not hot
         (its first stored inner chunk is not raw). Every inner chunk is checked (crc32c) and
         decoded first: damage raises ``CorruptChunkError`` and is never re-encoded."""
