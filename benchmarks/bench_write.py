@@ -51,6 +51,8 @@ def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tupl
     seconds = time.perf_counter() - start
     stored = folder_bytes(peer.folder)
     files = sum(1 for path in peer.folder.rglob("*") if path.is_file())
+    if hasattr(peer.buffer, "close"):  # replaybuf: gives the writer lease back (the seed has no close)
+        peer.buffer.close()
     peer.buffer = None
     gc.collect()
     shutil.rmtree(peer.folder / "buffer", ignore_errors=True)
