@@ -33,8 +33,10 @@ from .schema import Field, Schema
 from .staging import EpisodeGroup
 from .storage import (
     DEFAULT_CACHE_SIZE,
+    DEFAULT_HOT_BYTES,
     STATE_KEY,
     CachedStorage,
+    CompactionSummary,
     Storage,
     bookkeeping_fields,
     check_bookkeeping,
@@ -242,7 +244,10 @@ class ReplayBuffer(CommittedViews):
     (power-loss durability of commits and the step log, at a cost per write) and ``break_lock``.
     ``cache``, ``cache_dir``, ``cache_size``: the local read cache of decoded rows
     (``storage/_cache.py``), on by default for read-only buffers on object stores, asked for
-    with ``cache='disk'`` elsewhere, off with ``cache=False``.
+    with ``cache='disk'`` elsewhere, off with ``cache=False``. ``hot_bytes``: a writer of a zarr
+    buffer on local disk stores recent episodes of image fields raw (hot) and compresses the
+    oldest in a background thread once their bytes exceed it (``storage/_hot.py``);
+    ``compact()`` and ``close()`` compress them all; 0 compresses every episode as it is written.
 
     A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
     it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
@@ -275,9 +280,12 @@ class ReplayBuffer(CommittedViews):
         cache: bool | str | None = None,
         cache_dir: str | os.PathLike | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        hot_bytes: int = DEFAULT_HOT_BYTES,
         snapshot: str | None = None,
         drop_snapshots_on_overwrite: bool = False,
     ):
+        if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, (int, np.integer)) or hot_bytes < 0:
+            raise ValueError(f"hot_bytes must be a number of bytes >= 0 (0: no hot tier), got {hot_bytes!r}")
         if (
             isinstance(flush_every_store_step, bool)
             or not isinstance(flush_every_store_step, int)
@@ -314,6 +322,7 @@ class ReplayBuffer(CommittedViews):
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             self._commit.recover()
+            self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:
             self.storage.release_writer()
             raise
@@ -1221,10 +1230,20 @@ class ReplayBuffer(CommittedViews):
         self.storage.read_only = True
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
+    def compact(self) -> CompactionSummary:
+        """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced
+        atomically, and return when done: episodes compacted, their bytes before and after,
+        seconds. ``close()`` does it too; ``flush()`` does not."""
+        self._check_writable("compact")
+        return self.storage.compact()
+
     def close(self) -> None:
-        """Flush, release the storage handles and give the writer lease back."""
+        """Flush, compress what the hot tier holds raw (``compact``), release the storage
+        handles and give the writer lease back."""
         try:
             self.flush()
+            if not self.read_only:
+                self.storage.compact()
             self.storage.close()
         finally:
             self.storage.release_writer()

@@ -296,6 +296,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
+    hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
     storage.close()
     return {
@@ -312,6 +313,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "stored_bytes": stored_total,
         "data_bytes": data_total,
         "ratio": (data_total / stored_total) if stored_total else None,
+        "hot_episodes": len(hot),
+        "hot_bytes": sum(hot.values()),
         "attrs": attrs,
     }
 
@@ -337,6 +340,13 @@ def format_info(facts: dict) -> str:
         f"timesteps  {facts['timesteps']}",
         f"bytes      {_size(facts['data_bytes'])} of episode data stored in {_size(facts['stored_bytes'])} "
         f"(ratio {ratio})",
+        *(
+            [
+                f"hot        {facts['hot_episodes']} episodes stored raw in {_size(facts['hot_bytes'])}, not yet compacted"
+            ]
+            if facts.get("hot_episodes")
+            else []
+        ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "

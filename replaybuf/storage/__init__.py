@@ -13,10 +13,12 @@ from ._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from ._owned import ForeignEntriesError
 from .base import (
     ATTRS_KEY,
+    DEFAULT_HOT_BYTES,
     LOG_PREFIX,
     STATE_KEY,
     BufferDamagedError,
     BufferNotFoundError,
+    CompactionSummary,
     CorruptChunkError,
     GenerationMismatchError,
     Storage,
@@ -54,11 +56,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ATTRS_KEY",
     "DEFAULT_CACHE_SIZE",
+    "DEFAULT_HOT_BYTES",
     "LOG_PREFIX",
     "STATE_KEY",
     "BufferDamagedError",
     "BufferLockedError",
     "BufferNotFoundError",
+    "CompactionSummary",
     "CachedStorage",
     "CorruptChunkError",
     "ForeignEntriesError",

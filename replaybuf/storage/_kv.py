@@ -145,8 +145,9 @@ class KeyValue(ABC):
     def close(self) -> None:
         """Release open handles; the object stays usable."""
 
-    def drop_read_handles(self) -> None:
-        """Close the files kept open for reading (a no-op where nothing is kept open)."""
+    def drop_read_handles(self, keys: Sequence[str] | None = None) -> None:
+        """Close the files kept open for reading, those of ``keys`` only when given (a no-op
+        where nothing is kept open)."""
 
     def links(self) -> list[str]:
         """Paths of the symbolic links under the root (none where the medium has no links)."""
@@ -441,8 +442,12 @@ class LocalKV(KeyValue):
         self.close_appenders()
         self.drop_read_handles()
 
-    def drop_read_handles(self) -> None:
-        _read_handles.drop_under(self.root)
+    def drop_read_handles(self, keys: Sequence[str] | None = None) -> None:
+        # docstring inherited
+        if keys is None:
+            _read_handles.drop_under(self.root)
+        else:
+            _read_handles.drop([self._path(key) for key in keys])
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         try:

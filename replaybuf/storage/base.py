@@ -59,6 +59,7 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -143,6 +144,21 @@ class GenerationMismatchError(RuntimeError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.location, self.slots)
+
+
+# bytes of hot episodes a writer keeps before compacting the oldest (ReplayBuffer's hot_bytes)
+DEFAULT_HOT_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class CompactionSummary:
+    """What ``compact()`` did: episodes compacted, their shards' bytes before and after, and the
+    wall time it took."""
+
+    episodes: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    seconds: float = 0.0
 
 
 class ArrayLike(Protocol):
@@ -555,6 +571,24 @@ class Storage(ABC):
         # array took 16x longer than reading its whole 1,000 entries)
         lo, hi = int(episodes.min()), int(episodes.max()) + 1
         return np.asarray(self.array(name, meta=True)[lo:hi])[episodes - lo]
+
+    # ---- the hot tier --------------------------------------------------------------------------
+
+    def start_hot_tier(self, hot_bytes: int, generations: np.ndarray) -> None:
+        """A writer's hot tier, for backends that have one (``storage/_hot.py``): recent episodes
+        of image fields stored raw and compacted in the background once their bytes exceed
+        ``hot_bytes`` (0: written compressed); ``generations``: the published generation of
+        every slot now. Also compacts what a killed writer left hot. A no-op elsewhere."""
+
+    def compact(self) -> CompactionSummary:
+        """Compact every hot episode now and return what was done (nothing where the backend
+        has no hot tier)."""
+        return CompactionSummary()
+
+    def hot_shards(self, slots: np.ndarray) -> dict[int, int]:
+        """The slots among ``slots`` with a data shard still stored hot (not compacted), and
+        those shards' bytes (``replaybuf info``); none where the backend has no hot tier."""
+        return {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
