@@ -428,7 +428,9 @@ def measure(run: Run) -> None:
     run.read(GATHER, {"store": "gather", "kinds": steady}, seed.folder / "buffer")
     if torchrl is not None:
         run.read(TORCHRL, {"store": "torchrl", "kinds": steady}, torchrl.folder)
-        run.read(COMPRESSED, {"store": "torchrl-compressed", "kinds": steady}, workdir)
+        compressed = workdir / "compressed"  # an empty folder: this peer lives in its reader's RAM
+        compressed.mkdir()
+        run.read(COMPRESSED, {"store": "torchrl-compressed", "kinds": steady}, compressed)
     zarr_folder = zarr.folder / "buffer"
     if hot:
         results[HOT]["bytes"] = folder_bytes(zarr.folder)
@@ -570,6 +572,11 @@ def report(run: Run) -> None:
         "store_episode figure), with zstd-3 functions given (its own default is zlib before Python 3.14); "
         "its bytes are the compressed tensors it holds."
     )
+    if extra["hot"]:
+        print(
+            "- Cold row, write columns: `ReplayBuffer(path, hot_bytes=0)` (every episode compressed as written); "
+            "its reads are of the hot row's buffer after compact() and close()."
+        )
     print(
         "- Warm row: its reader fills the cache with one epoch of timestep batches, then is timed (the second "
         "epoch of a training run). Its bytes are the compacted buffer plus the cache."
