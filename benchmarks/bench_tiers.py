@@ -12,7 +12,7 @@ were read once (warm page cache for everyone). Rows:
 - replaybuf zarr **cold**: after ``compact()`` and ``close()``; each kind timed over one epoch
   as the first read of a fresh process (nothing decoded resident), beside the decode bound (the
   frame codec's decode alone: us per frame x frames read / cores);
-- replaybuf zarr **warm**: ``cache='disk'`` after one epoch (in another process) filled it;
+- replaybuf zarr **warm**: ``cache='disk'``, timed after one epoch of its reader filled the cache;
 - replaybuf memmap (reference), the seed, TorchRL LazyMemmapStorage (its files mapped by the
   reader), TorchRL CompressedListStorage (zstd-3 in RAM: it lives in one process, so its reader
   process writes it too), and np.memmap gathers of the seed's files (the limit).
@@ -451,8 +451,8 @@ def measure(run: Run) -> None:
     results[WARM]["bytes"] = results[COLD]["bytes"] + run.extra["cache_bytes"]
     run.read(MEMMAP, {"store": "replaybuf", "kinds": steady}, memmap.folder / "buffer")
 
-    label = import_buffer_class("replaybuf").from_folder(str(zarr_folder), read_only=True).storage.describe()
-    run.extra["codec"] = label["arrays"]["data/frame"]["compressor"]
+    described = import_buffer_class("replaybuf").from_folder(str(zarr_folder), read_only=True).storage.describe()
+    run.extra["codec"] = described["arrays"]["data/frame"]["compressor"]
     run.extra["decode_us"], run.extra["codec_ratio"] = decode_us_per_frame(frame_codec(run.extra["codec"]), frames)
     for peer in (seed, zarr, memmap, torchrl):
         if peer is not None:
