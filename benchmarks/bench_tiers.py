@@ -166,6 +166,11 @@ def open_reader(spec: dict, size: WorkloadSize, peer: Any) -> tuple[Callable[[st
     return lambda kind: torchrl_loader(storage, kind, BATCH_SIZES[kind], size.steps), all_data
 
 
+def timed_count(kind: str, scale: float) -> int:
+    """Batches a steady-state figure times: ``scale`` x bench_sample's TIMED_BATCHES, at least 2."""
+    return max(2, int(TIMED_BATCHES[kind] * scale))
+
+
 def one_epoch(loader: Iterable, kind: str) -> tuple[float, int]:
     """(seconds, samples) of one pass over ``loader`` (drop_last: full batches only)."""
     start, batches = time.perf_counter(), 0
@@ -224,7 +229,7 @@ def child(spec: dict) -> dict[str, Any]:
                 seconds, samples = one_epoch(loader(read_kind), read_kind)
                 result[kind], result[f"{kind}_seconds"], result[f"{kind}_samples"] = samples / seconds, seconds, samples
             else:
-                count = max(2, int(TIMED_BATCHES[kind] * spec["scale"]))
+                count = timed_count(kind, spec["scale"])
                 seconds = min(timed_batches(partial(loader, kind), count) for _ in range(spec["rounds"]))
                 result[kind] = count * BATCH_SIZES[kind] / seconds
         except Exception as error:  # report and continue: one kind must not hide the others
@@ -562,7 +567,8 @@ def report(run: Run) -> None:
     print(
         f"- Readers: each in its own read-only process, 0 workers; each store's files (and the read cache) were "
         f"read once before its reader started (warm page cache for everyone). Steady rows: best of {run.rounds} "
-        f"runs of {run.scale:g} x {TIMED_BATCHES} batches after 2 warm-up batches (bench_sample's counts); "
+        f"runs of {'/'.join(str(timed_count(kind, run.scale)) for kind in READ_KINDS[:3])} batches "
+        "(timestep/n-step/trajectory) after 2 warm-up batches; "
         f"get_all_data: best of {run.rounds} after one warm-up call. Cold row: one process per column, one epoch "
         "(get_all_data: one call), the first read of the compacted episodes; before it, the process read the "
         f"same kind from a scratch zarr buffer ({WARMUP_SIZE[0]} x {WARMUP_SIZE[1]} steps), so one-time costs "
