@@ -65,6 +65,8 @@ def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tupl
             f"{summary.episodes} episodes in {wall:.3f} s ({cpu:.3f} s CPU); stored "
             f"{stored / 1e6:,.1f} MB hot -> {folder_bytes(peer.folder) / 1e6:,.1f} MB compacted"
         )
+    if hasattr(peer.buffer, "close"):  # replaybuf: gives the writer lease back (the seed has no close)
+        peer.buffer.close()
     peer.buffer = None
     gc.collect()
     shutil.rmtree(peer.folder / "buffer", ignore_errors=True)
