@@ -1255,8 +1255,11 @@ class ReplayBuffer(CommittedViews):
         self.close()
 
     def __del__(self):
+        # a writer dropped without close(): write what is pending, on local disk only. Object-store
+        # writes go through an event loop and a thread pool whose locks the collecting thread
+        # may hold (a hang); their counters are caught up from the published episodes anyway
         try:
-            if not self.read_only and getattr(self, "_commit", None) is not None:
+            if not self.read_only and getattr(self, "_commit", None) is not None and self.storage.is_local:
                 self._commit.flush_counters()
                 if self._commit.log_pending:
                     self._commit.flush_log()

@@ -179,6 +179,10 @@ class CachedStorage(Storage):
         return self.inner.supports_remote
 
     @property
+    def is_local(self) -> bool:
+        return self.inner.is_local
+
+    @property
     def supports_field_codecs(self) -> bool:  # type: ignore[override]
         return self.inner.supports_field_codecs
 

@@ -541,6 +541,11 @@ class ZarrStorage(KVBlobs, Storage):
         except KeyError:
             raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
 
+    @property
+    def is_local(self) -> bool:
+        # docstring inherited
+        return isinstance(self.kv, LocalKV)
+
     def close(self) -> None:
         # docstring inherited
         if self._hot is not None:

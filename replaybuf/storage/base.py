@@ -600,6 +600,12 @@ class Storage(ABC):
         """Forget decoded chunks and open files this process keeps for reading, so the next
         reads see what writers elsewhere changed (a no-op where reads are never cached)."""
 
+    @property
+    def is_local(self) -> bool:
+        """The buffer is a folder on this machine written with plain file I/O (False for object
+        stores and ``memory://``, whose writes run on an event loop and a thread pool)."""
+        return True
+
     def close(self) -> None:
         """Release handles (flushing a writer's data first); the object stays usable and
         reopens what it needs on the next call."""
