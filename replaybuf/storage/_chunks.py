@@ -391,12 +391,11 @@ class ChunkedArray:
         """
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
+        if len(episodes) and generations is not None and self.grid_axes == 2 and self._resident_enabled():
+            return self._gather_resident(episodes, timesteps, _per_pair(generations, len(episodes)))
         out = np.empty((len(episodes), *self.shape[2:]), dtype=self.dtype)
         if len(episodes) == 0:
             return out
-        if generations is not None and self.grid_axes == 2 and self._resident_enabled():
-            generations = _per_pair(generations, len(episodes))
-            return self._gather_resident(episodes, timesteps, generations, out)
         if self.packed:  # whole rows (checked), through the chunk cache when generations are given
             rows, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
             row_generations = None if generations is None else _per_pair(generations, len(episodes))[first].tolist()
@@ -758,13 +757,12 @@ class ChunkedArray:
             out[i, :n] = resident[e, s : s + n]
         return True
 
-    def _gather_resident(
-        self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray, out: np.ndarray
-    ) -> np.ndarray:
-        """Small arrays are held whole in RAM; rows are read when first used or stale."""
+    def _gather_resident(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray) -> np.ndarray:
+        """Small arrays are held whole in RAM; rows are read when first used or stale. The
+        fancy index is the batch's only copy (assigning it into a preallocated array doubled
+        the time of a frame batch)."""
         self._current_rows(episodes, generations)
-        out[...] = self._resident_copy()[0][episodes, timesteps]
-        return out
+        return self._resident_copy()[0][episodes, timesteps]
 
     def _row_keys(self, episode: int) -> list[str]:
         """The stored objects holding episode ``episode``'s row."""
