@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._codecs import ChunkCodec, ChunkDamage
-from ._kv import KeyValue, thread_pool
+from ._kv import KeyValue, copy_spans, thread_pool
 from .base import CorruptChunkError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
@@ -471,7 +471,7 @@ class ChunkedArray:
         self._check_out(out, episodes, starts, lengths)
         if not len(episodes) or not lengths.any():
             return
-        if self._read_resident_into(out, episodes, starts, lengths, generations):
+        if self._read_resident_into(out, episodes, starts, lengths, generations, parallel):
             return
         if self.packed:
             self._read_packed(out, episodes, starts, lengths)
@@ -742,19 +742,30 @@ class ChunkedArray:
             self._load_resident(rows, generations[stale][index])
 
     def _read_resident_into(
-        self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, generations
+        self,
+        out: np.ndarray,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        generations,
+        parallel: bool = True,
     ) -> bool:
         """``read_into`` from the resident copy, when the array is held in RAM and the caller
         gave ``generations``; False otherwise (nothing done). Its rows were checked against their
         chunks' crc32c when loaded and live in this process's private memory: a later change
         on disk is never returned from it (a new generation or changed stored objects, seen by
-        ``refresh``, reload the row)."""
+        ``refresh``, reload the row). Large batches are copied on the pool (``copy_spans``)."""
         if generations is None or not self._resident_enabled():
             return False
         self._current_rows(episodes, _per_pair(generations, len(episodes)))
         resident = self._resident_copy()[0]
-        for i, (e, s, n) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
+        spans = list(zip(episodes.tolist(), starts.tolist(), lengths.tolist()))
+
+        def copy(i: int) -> None:
+            e, s, n = spans[i]
             out[i, :n] = resident[e, s : s + n]
+
+        copy_spans(len(spans), copy, int(lengths.sum()) * resident[0, 0].nbytes, parallel)
         return True
 
     def _gather_resident(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray) -> np.ndarray:
