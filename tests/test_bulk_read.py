@@ -104,16 +104,17 @@ def test_read_spans_matches_per_element_reads(buffer, name, parallel, named, mon
 @pytest.mark.parametrize("cache", [None, "ram"])
 def test_windows_are_zero_past_each_length(buffer, cache):
     """Rows shorter than the width (one of no steps, whose start lies past the time axis) read
-    their steps and zeros after them."""
+    their steps and zeros after them, in batches mostly padding and mostly full."""
     lens, generations = np.array(buffer.episode_lens, np.int64), np.array(buffer.generations, np.int64)
     slots = np.flatnonzero(lens > 0)
     fetcher = Fetcher(buffer, ["frame", "state", "action"], slots, lens, generations, cache=cache)
     episodes = slots[[0, 1, 2, 1, 3]]
     starts = np.array([MAX_STEPS, 2, 0, lens[episodes[3]] - 1, 0])
-    lengths = np.array([0, 3, 1, 1, 4])
-    for name in ("frame", "state", "action"):
-        windows = fetcher.windows(name, episodes, starts, lengths, 4)
-        np.testing.assert_array_equal(windows, per_element(buffer.storage, name, episodes, starts, lengths, 4, 0))
+    for lengths in (np.array([0, 3, 1, 1, 4]), np.array([0, 4, 3, 1, 4])):
+        for name in ("frame", "state", "action"):
+            windows = fetcher.windows(name, episodes, starts, lengths, 4)
+            reference = per_element(buffer.storage, name, episodes, starts, lengths, 4, 0)
+            np.testing.assert_array_equal(windows, reference, err_msg=f"{name} {lengths}")
 
 
 @pytest.mark.parametrize("name", ["frame", "clip", "state"])

@@ -193,14 +193,21 @@ class Fetcher:
         self.storage.read_spans(name, episodes, starts, lengths, out, generations=self.generations[episodes])
 
     def _windows(self, gather, name, episodes, starts, lengths, width):
-        """Windows by one gather of ``width`` steps per row: steps past a row's length repeat
-        its last step (a row of length 0 reads step 0) and are zeroed after, so the batch is
-        one rectangular gather and no boolean-mask scatter (n-step ``seq_`` fields)."""
         episodes = np.asarray(episodes, dtype=np.int64)
         lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
-        starts = np.where(lengths > 0, np.asarray(starts, dtype=np.int64), 0)
-        offsets = np.minimum(np.arange(width, dtype=np.int64)[None], np.maximum(lengths - 1, 0)[:, None])
-        flat = gather(name, np.repeat(episodes, width), (starts[:, None] + offsets).reshape(-1))
-        out = flat.reshape(len(episodes), width, *flat.shape[1:])
-        fill_beyond(out, lengths, 0)
+        steps = np.arange(width, dtype=np.int64)
+        if 2 * int(lengths.sum()) >= len(lengths) * width:
+            # mostly full (n-step ``seq_`` fields): one rectangular gather, steps past a row's
+            # length repeating its last one (step 0 for a row of none) and zeroed after, instead
+            # of a boolean-mask scatter
+            starts = np.where(lengths > 0, np.asarray(starts, dtype=np.int64), 0)
+            offsets = np.minimum(steps[None], np.maximum(lengths - 1, 0)[:, None])
+            flat = gather(name, np.repeat(episodes, width), (starts[:, None] + offsets).reshape(-1))
+            out = flat.reshape(len(episodes), width, *flat.shape[1:])
+            fill_beyond(out, lengths, 0)
+            return out
+        mask = steps[None] < lengths[:, None]
+        flat = gather(name, np.repeat(episodes, lengths), (np.asarray(starts)[:, None] + steps[None])[mask])
+        out = np.zeros((len(episodes), width, *flat.shape[1:]), dtype=flat.dtype)
+        out[mask] = flat
         return out
