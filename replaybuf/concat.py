@@ -487,18 +487,6 @@ class ConcatReplayBuffer(CommittedViews):
 
     # ---- reads --------------------------------------------------------------------------------
 
-    def dataset(self, **kwargs: Any):
-        """A torch Dataset sampling across all member buffers (``ReplayBuffer.dataset`` arguments)."""
-        from .sampling import make_dataset
-
-        return make_dataset(self, **kwargs)
-
-    def dataloader(self, batch_size: int, **kwargs: Any):
-        """A DataLoader sampling across all member buffers (``ReplayBuffer.dataloader`` arguments)."""
-        from .sampling import make_dataloader
-
-        return make_dataloader(self, batch_size, **kwargs)
-
     def get_all_data(
         self,
         fields: Sequence[str] | None = None,

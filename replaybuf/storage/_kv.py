@@ -77,6 +77,22 @@ def _in_pool(count: int, task: Callable[[int], None]) -> None:
         future.result()
 
 
+# copies of at least this many bytes in all are spread over the pool (``copy_spans``)
+PARALLEL_COPY_BYTES = 4 << 20
+
+
+def copy_spans(count: int, copy: Callable[[int], None], nbytes: int, parallel: bool = True) -> None:
+    """Run ``copy(k)`` for k < count, one pool task each when the copies total ``nbytes`` >=
+    PARALLEL_COPY_BYTES: numpy releases the GIL while it copies, and two cores move a batch of
+    whole episodes ~1.5x as fast as one (an 8-episode frame batch: 1.6 ms inline, 1.0-1.1 ms
+    spread). ``parallel=False`` (a caller running its own parallel tasks) copies inline."""
+    if parallel and count > 1 and nbytes >= PARALLEL_COPY_BYTES:
+        list(thread_pool().map(copy, range(count)))
+    else:
+        for k in range(count):
+            copy(k)
+
+
 class KeyValue(ABC):
     """Object access by key: the primitives the chunk path and the side objects need."""
 

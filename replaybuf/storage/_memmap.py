@@ -33,7 +33,7 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import KVBlobs, LocalKV, thread_pool
+from ._kv import KVBlobs, LocalKV, copy_spans
 from ._local import EpisodeChecksums, local_root, refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
 from .base import (
@@ -437,11 +437,7 @@ class MemmapStorage(KVBlobs, Storage):
             else:
                 checksums.copy_row(name, memmap, e, s, out[i, :n], committed[k], expected[k])
 
-        if parallel and len(spans) > 1 and out.nbytes > (4 << 20):
-            list(thread_pool().map(copy, range(len(spans))))
-        else:
-            for k in range(len(spans)):
-                copy(k)
+        copy_spans(len(spans), copy, out.nbytes, parallel)
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None

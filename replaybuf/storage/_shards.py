@@ -234,7 +234,7 @@ class ShardedArray(ChunkedArray):
         held in RAM are read from their resident copy when ``generations`` is given."""
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
-        if self._read_resident_into(out, episodes, starts, lengths, generations):
+        if self._read_resident_into(out, episodes, starts, lengths, generations, parallel):
             return
         ct = self.chunks[1]
         spans = [

@@ -661,6 +661,10 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).gather(episodes, timesteps, generations)
 
+    def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
+        # docstring inherited: only the chunks holding ``episodes``
+        return self.array(name, meta=True).take(episodes)
+
     def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
         # docstring inherited: the resident copy of a small field
         self.array(name).load_resident(np.asarray(episodes), np.asarray(generations))
