@@ -148,7 +148,7 @@ def main() -> None:
         )
         peers = fill_peers(peers, size, notes)
         seed = next(peer for peer in peers if peer.name == "seed")
-        peers.insert(1, MemmapGatherPeer(seed, size))
+        peers.insert(1, MemmapGatherPeer(seed.folder / "buffer", size))
         for peer in peers:
             for folder in peer.folders():
                 read_folder(folder)

@@ -6,7 +6,9 @@ end only), and of ``store_episode()`` (whole episodes). The buffer holds --episo
 store() runs write the first --store-episodes of them (default 4 = 1,000 steps) and
 store_episode() runs the first --whole-episodes (default 20): per-step rates do not depend on
 the count, and the seed msyncs its state files on every store(), ~2 ms each on this machine's
-disk, so a full 200-episode store() run would take minutes. The final flush is timed.
+disk, so a full 200-episode store() run would take minutes. The final flush is timed. After
+each replaybuf run, ``compact()`` (the hot tier compressing what was written raw) is timed
+apart, with its CPU time and the bytes at rest before and after.
 
 Run: python benchmarks/bench_write.py [--episodes N --steps T --quick] [--backends zarr memmap]
 """
@@ -41,6 +43,10 @@ MODES = (
 )
 
 
+# (peer, method, flush) -> what compact() did after the timed run (replaybuf's hot tier)
+COMPACTIONS: dict[tuple[str, str, int], str] = {}
+
+
 def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tuple[float, int, int]:
     """(steps/s, bytes stored, files stored) for one mode on a fresh buffer."""
     peer.open(flush_every_store_step=flush)
@@ -51,6 +57,16 @@ def run_mode(peer: SeedApiPeer, method: str, flush: int, episodes: list) -> tupl
     seconds = time.perf_counter() - start
     stored = folder_bytes(peer.folder)
     files = sum(1 for path in peer.folder.rglob("*") if path.is_file())
+    if hasattr(peer.buffer, "compact"):  # replaybuf's hot tier: what compressing at rest costs
+        cpu, wall = time.process_time(), time.perf_counter()
+        summary = peer.buffer.compact()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        COMPACTIONS[peer.name, method, flush] = (
+            f"{summary.episodes} episodes in {wall:.3f} s ({cpu:.3f} s CPU); stored "
+            f"{stored / 1e6:,.1f} MB hot -> {folder_bytes(peer.folder) / 1e6:,.1f} MB compacted"
+        )
+    if hasattr(peer.buffer, "close"):  # replaybuf: gives the writer lease back (the seed has no close)
+        peer.buffer.close()
     peer.buffer = None
     gc.collect()
     shutil.rmtree(peer.folder / "buffer", ignore_errors=True)
@@ -141,6 +157,12 @@ def main() -> None:
         print(markdown_table(["mode", "peer", "steps/s", "/ seed", "target (issue 2)", "MB stored", "files"], rows))
         for note in notes:
             print(f"- {note}")
+        if COMPACTIONS:
+            print("\ncompact() after the last round's timed run (not timed above; 'MB stored' is before it):")
+            for label, method, flush, _ in MODES:
+                for peer in peers:
+                    if (peer.name, method, flush) in COMPACTIONS:
+                        print(f"- {label}, {peer.name}: {COMPACTIONS[peer.name, method, flush]}")
         for peer in peers:
             peer.close()
     finally:

@@ -7,7 +7,8 @@ for the write benchmark.
 Kinds: ``timestep`` (single random timesteps), ``nstep`` (frame/state at t and t+n, plus
 action/reward/done for t..t+n-1, as the seed's n-step dataset), ``trajectory`` (whole
 episodes). Peers: replaybuf (any backend), memmap-replay-buffer 0.2.3 (the seed), TorchRL's
-LazyMemmapStorage, and a plain np.memmap fancy-index gather of the seed's files.
+LazyMemmapStorage and CompressedListStorage, and a plain np.memmap fancy-index gather of the
+seed's files.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ NSTEP = 5
 CURRENT_FIELDS = ("frame", "state")
 SEQUENCE_FIELDS = ("action", "reward", "done")
 KINDS = ("timestep", "nstep", "trajectory")
+# CompressedListStorage's level (its default, 3)
+ZSTD_LEVEL = 3
 
 
 class Unavailable(Exception):
@@ -110,18 +113,7 @@ class SeedApiPeer:
         self.buffer.flush()
 
     def loader(self, kind: str, batch_size: int, num_workers: int) -> DataLoader:
-        common = dict(batch_size=batch_size, shuffle=True, drop_last=True, **worker_options(num_workers))
-        if kind == "timestep":
-            return self.buffer.dataloader(timestep_level=True, **common)
-        if kind == "nstep":
-            return self.buffer.dataloader(
-                n_steps=NSTEP,
-                current_fields=CURRENT_FIELDS,
-                next_fields=CURRENT_FIELDS,
-                sequence_fields=SEQUENCE_FIELDS,
-                **common,
-            )
-        return self.buffer.dataloader(**common)
+        return seed_api_loader(self.buffer, kind, batch_size, num_workers)
 
     def folders(self) -> list[Path]:
         return [self.folder]
@@ -129,6 +121,22 @@ class SeedApiPeer:
     def close(self) -> None:
         self.buffer = None
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def seed_api_loader(buffer: Any, kind: str, batch_size: int, num_workers: int) -> DataLoader:
+    """A shuffled DataLoader of ``kind`` batches from a buffer with the seed's API (writer or reader)."""
+    common = dict(batch_size=batch_size, shuffle=True, drop_last=True, **worker_options(num_workers))
+    if kind == "timestep":
+        return buffer.dataloader(timestep_level=True, **common)
+    if kind == "nstep":
+        return buffer.dataloader(
+            n_steps=NSTEP,
+            current_fields=CURRENT_FIELDS,
+            next_fields=CURRENT_FIELDS,
+            sequence_fields=SEQUENCE_FIELDS,
+            **common,
+        )
+    return buffer.dataloader(**common)
 
 
 def seed_peer(size: WorkloadSize, workdir: Path) -> SeedApiPeer:
@@ -240,12 +248,13 @@ class MemmapGatherDataset(Dataset):
 
 
 class MemmapGatherPeer:
-    """np.memmap gather over the seed peer's files (fill the seed peer first)."""
+    """np.memmap gather over a seed buffer's files (fill the seed peer first)."""
 
     name = "np.memmap gather"
 
-    def __init__(self, seed: SeedApiPeer, size: WorkloadSize) -> None:
-        self.folder = seed.folder / "buffer"
+    def __init__(self, folder: Path, size: WorkloadSize) -> None:
+        """``folder``: a seed buffer's folder (its ``<field>.data.npy`` files)."""
+        self.folder = Path(folder)
         self.size = size
 
     def loader(self, kind: str, batch_size: int, num_workers: int) -> DataLoader:
@@ -266,18 +275,54 @@ class MemmapGatherPeer:
         """Nothing to remove: the files belong to the seed peer."""
 
 
+def torchrl_loader(storage: Any, kind: str, batch_size: int, steps: int, prefetch: int | None = None) -> Iterator[Any]:
+    """Batches of ``kind`` from a TorchRL ``storage`` through its own ReplayBuffer and samplers:
+    RandomSampler for timesteps, SliceSampler (on the ``episode`` key) of n+1 steps for n-step
+    and of ``steps`` steps for trajectories."""
+    import torchrl.data
+
+    if kind == "timestep":
+        sampler, total = torchrl.data.RandomSampler(), batch_size
+    else:
+        slice_len = NSTEP + 1 if kind == "nstep" else steps
+        sampler = torchrl.data.SliceSampler(slice_len=slice_len, traj_key="episode", strict_length=False)
+        total = batch_size * slice_len
+    return iter(torchrl.data.ReplayBuffer(storage=storage, sampler=sampler, batch_size=total, prefetch=prefetch))
+
+
+def _zstd_codec() -> Any:
+    import numcodecs
+
+    return numcodecs.Zstd(level=ZSTD_LEVEL)
+
+
+def zstd_compress(tensor: torch.Tensor) -> torch.Tensor:
+    """CompressedListStorage's compression_fn: zstd (numcodecs) of the tensor's bytes."""
+    return torch.frombuffer(bytearray(_zstd_codec().encode(tensor.contiguous().numpy())), dtype=torch.uint8)
+
+
+def zstd_decompress(compressed: torch.Tensor, metadata: dict) -> torch.Tensor:
+    """CompressedListStorage's decompression_fn: the inverse of ``zstd_compress``."""
+    raw = _zstd_codec().decode(compressed.numpy())
+    return torch.frombuffer(bytearray(raw), dtype=metadata["dtype"]).reshape(metadata["shape"])
+
+
 class TorchRLPeer:
-    """TorchRL's LazyMemmapStorage with its own ReplayBuffer and samplers.
+    """TorchRL's LazyMemmapStorage (or, ``compressed=True``, CompressedListStorage) with its own
+    ReplayBuffer and samplers (``torchrl_loader``).
 
     timestep: RandomSampler, batch 256; nstep: SliceSampler of n+1 consecutive steps
     (it returns every field at all n+1 steps, so it moves more bytes than the others);
     trajectory: SliceSampler of whole episodes. "workers" become ``prefetch`` threads,
     TorchRL's own way to sample in the background.
+
+    CompressedListStorage keeps every step's fields compressed in RAM, one item per step. Its
+    default codec is zstd only on Python >= 3.14 (zlib before), so it is given zstd-3 functions
+    (``zstd_compress``) here; SliceSampler cannot read its episode keys (it needs a TensorDict
+    out of the storage), so n-step and trajectory batches fail on it.
     """
 
-    name = "TorchRL"
-
-    def __init__(self, size: WorkloadSize, workdir: Path) -> None:
+    def __init__(self, size: WorkloadSize, workdir: Path, compressed: bool = False) -> None:
         try:
             import tensordict
             import torchrl.data
@@ -286,8 +331,14 @@ class TorchRLPeer:
         logging.getLogger("torchrl").setLevel(logging.WARNING)  # its import installs an INFO handler
         self.tensordict, self.data = tensordict, torchrl.data
         self.size = size
+        self.name = "TorchRL compressed" if compressed else "TorchRL"
         self.folder = Path(tempfile.mkdtemp(prefix="torchrl-", dir=workdir))
-        self.storage = self.data.LazyMemmapStorage(size.total_steps, scratch_dir=str(self.folder), existsok=True)
+        if compressed:
+            self.storage = self.data.CompressedListStorage(
+                size.total_steps, compression_fn=zstd_compress, decompression_fn=zstd_decompress
+            )
+        else:
+            self.storage = self.data.LazyMemmapStorage(size.total_steps, scratch_dir=str(self.folder), existsok=True)
         self.writer_buffer = self.data.ReplayBuffer(storage=self.storage)
         self.episodes_filled = 0
 
@@ -300,18 +351,10 @@ class TorchRLPeer:
         self.episodes_filled += 1
 
     def finish_fill(self) -> None:
-        """Nothing to do: the storage is a set of memmaps already."""
+        """Nothing to do: the storage is a set of memmaps (or a list in RAM) already."""
 
     def loader(self, kind: str, batch_size: int, num_workers: int) -> Iterator[Any]:
-        prefetch = num_workers or None
-        if kind == "timestep":
-            sampler, total = self.data.RandomSampler(), batch_size
-        else:
-            slice_len = NSTEP + 1 if kind == "nstep" else self.size.steps
-            sampler = self.data.SliceSampler(slice_len=slice_len, traj_key="episode", strict_length=False)
-            total = batch_size * slice_len
-        buffer = self.data.ReplayBuffer(storage=self.storage, sampler=sampler, batch_size=total, prefetch=prefetch)
-        return iter(buffer)
+        return torchrl_loader(self.storage, kind, batch_size, self.size.steps, num_workers or None)
 
     def folders(self) -> list[Path]:
         return [self.folder]

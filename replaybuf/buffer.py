@@ -33,9 +33,11 @@ from .schema import Field, Schema
 from .staging import EpisodeGroup
 from .storage import (
     DEFAULT_CACHE_SIZE,
+    DEFAULT_HOT_BYTES,
     STATE_KEY,
     ArrayBase,
     CachedStorage,
+    CompactionSummary,
     Storage,
     WrappedArray,
     bookkeeping_fields,
@@ -49,8 +51,6 @@ from .storage import (
 from .view import BufferView, CommittedViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
-    import torch
-
     from .collector import EpisodeCollector
 
 _HIDDEN_META = ("_generation",)
@@ -218,7 +218,10 @@ class ReplayBuffer(CommittedViews):
     (power-loss durability of commits and the step log, at a cost per write) and ``break_lock``.
     ``cache``, ``cache_dir``, ``cache_size``: the local read cache of decoded rows
     (``storage/_cache.py``), on by default for read-only buffers on object stores, asked for
-    with ``cache='disk'`` elsewhere, off with ``cache=False``.
+    with ``cache='disk'`` elsewhere, off with ``cache=False``. ``hot_bytes``: a writer of a zarr
+    buffer on local disk stores recent episodes of image fields raw (hot) and compresses the
+    oldest in a background thread once their bytes exceed it (``storage/_hot.py``);
+    ``compact()`` and ``close()`` compress them all; 0 compresses every episode as it is written.
 
     A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
     it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
@@ -251,9 +254,12 @@ class ReplayBuffer(CommittedViews):
         cache: bool | str | None = None,
         cache_dir: str | os.PathLike | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        hot_bytes: int = DEFAULT_HOT_BYTES,
         snapshot: str | None = None,
         drop_snapshots_on_overwrite: bool = False,
     ):
+        if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, (int, np.integer)) or hot_bytes < 0:
+            raise ValueError(f"hot_bytes must be a number of bytes >= 0 (0: no hot tier), got {hot_bytes!r}")
         if (
             isinstance(flush_every_store_step, bool)
             or not isinstance(flush_every_store_step, int)
@@ -290,6 +296,7 @@ class ReplayBuffer(CommittedViews):
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             self._commit.recover()
+            self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:
             self.storage.release_writer()
             raise
@@ -972,89 +979,7 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(f"warm_cache: invalid field names {unknown} - must be among {sorted(self.schema.fields)}")
         self.storage.warm(slots[self._meta["episode_lens"][slots] > 0], fields, progress)
 
-    # ---- reading back: datasets and loaders (replaybuf.sampling) -------------------------------
-
-    def dataset(
-        self,
-        n_steps: int | None = None,
-        fields: Sequence[str] | None = None,
-        current_fields: Sequence[str] | None = None,
-        next_fields: Sequence[str] | None = None,
-        sequence_fields: Sequence[str] | None = None,
-        timestep_level: bool = False,
-        filter_meta: dict | None = None,
-        filter_fields: dict | None = None,
-        fieldname_map: dict[str, str] | None = None,
-        slice_by_episode_len: bool = True,
-        return_episode_lens: bool = True,
-        **kwargs: Any,
-    ):
-        """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of the
-        episodes committed now; see ``replaybuf.sampling.make_dataset``."""
-        from .sampling import make_dataset
-
-        return make_dataset(
-            self,
-            n_steps=n_steps,
-            fields=fields,
-            current_fields=current_fields,
-            next_fields=next_fields,
-            sequence_fields=sequence_fields,
-            timestep_level=timestep_level,
-            filter_meta=filter_meta,
-            filter_fields=filter_fields,
-            fieldname_map=fieldname_map,
-            slice_by_episode_len=slice_by_episode_len,
-            return_episode_lens=return_episode_lens,
-            **kwargs,
-        )
-
-    def dataloader(
-        self,
-        batch_size: int,
-        n_steps: int | None = None,
-        dataset: Any = None,
-        fields: Sequence[str] | None = None,
-        current_fields: Sequence[str] | None = None,
-        next_fields: Sequence[str] | None = None,
-        sequence_fields: Sequence[str] | None = None,
-        filter_meta: dict | None = None,
-        filter_fields: dict | None = None,
-        fieldname_map: dict[str, str] | None = None,
-        return_indices: bool = False,
-        return_mask: bool = False,
-        timestep_level: bool = False,
-        to_named_tuple: Sequence[str] | None = None,
-        shuffle: bool = False,
-        device: torch.device | str | None = None,
-        dataset_kwargs: dict | None = None,
-        **kwargs: Any,
-    ):
-        """A torch DataLoader over the episodes committed now (``sampler='prioritized'`` for
-        prioritized timesteps); see ``replaybuf.sampling.make_dataloader``."""
-        from .sampling import make_dataloader
-
-        return make_dataloader(
-            self,
-            batch_size,
-            n_steps=n_steps,
-            dataset=dataset,
-            fields=fields,
-            current_fields=current_fields,
-            next_fields=next_fields,
-            sequence_fields=sequence_fields,
-            filter_meta=filter_meta,
-            filter_fields=filter_fields,
-            fieldname_map=fieldname_map,
-            return_indices=return_indices,
-            return_mask=return_mask,
-            timestep_level=timestep_level,
-            to_named_tuple=to_named_tuple,
-            shuffle=shuffle,
-            device=device,
-            dataset_kwargs=dataset_kwargs,
-            **kwargs,
-        )
+    # ---- reading back: dataset() and dataloader() are CommittedViews' (replaybuf.sampling) --------
 
     def update_priorities(self, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
         """Write new priorities for a prioritized batch's ``_indices`` (B, 2) into
@@ -1115,10 +1040,20 @@ class ReplayBuffer(CommittedViews):
         self.storage.read_only = True
         self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
 
+    def compact(self) -> CompactionSummary:
+        """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced
+        atomically, and return when done: episodes compacted, their bytes before and after,
+        seconds. ``close()`` does it too; ``flush()`` does not."""
+        self._check_writable("compact")
+        return self.storage.compact()
+
     def close(self) -> None:
-        """Flush, release the storage handles and give the writer lease back."""
+        """Flush, compress what the hot tier holds raw (``compact``), release the storage
+        handles and give the writer lease back."""
         try:
             self.flush()
+            if not self.read_only:
+                self.storage.compact()
             self.storage.close()
         finally:
             self.storage.release_writer()
@@ -1130,8 +1065,11 @@ class ReplayBuffer(CommittedViews):
         self.close()
 
     def __del__(self):
+        # a writer dropped without close(): write what is pending, on local disk only. Object-store
+        # writes go through an event loop and a thread pool whose locks the collecting thread
+        # may hold (a hang); their counters are caught up from the published episodes anyway
         try:
-            if not self.read_only and getattr(self, "_commit", None) is not None:
+            if not self.read_only and getattr(self, "_commit", None) is not None and self.storage.is_local:
                 self._commit.flush_counters()
                 if self._commit.log_pending:
                     self._commit.flush_log()

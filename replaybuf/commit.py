@@ -254,18 +254,8 @@ class Committer:
 
     def caught_up(self, state: dict[str, Any]) -> dict[str, Any]:
         """The counters ``state`` as a reader loaded them, caught up with episodes published
-        since (a live writer's batched step 4, or a killed one's): ``self.meta`` and
-        ``self.state`` hold what was loaded."""
-        generations = self.meta["_generation"]
-        newest = int(generations.max()) if len(generations) else 0
-        if newest <= int(state["total_episodes"]):
-            return state
-        return {
-            **state,
-            "num_episodes": max(int(state["num_episodes"]), self.count_episodes()),
-            "episode_index": int((np.argmax(generations) + 1) % self.max_episodes),
-            "total_episodes": newest,
-        }
+        since (``catch_up``): ``self.meta`` holds what was loaded."""
+        return catch_up(state, self.meta["episode_lens"], self.meta["_generation"], self.max_episodes)
 
     def empty_episodes(self) -> np.ndarray:
         """Slots of committed length-0 episodes (no published length shows them)."""
@@ -408,3 +398,19 @@ class Committer:
         if header["fields"] != list(self.schema.fields):
             raise ValueError(f"the log holds fields {header['fields']}, the buffer {list(self.schema.fields)}")
         return slots, log.meta
+
+
+def catch_up(state: dict[str, Any], lens: np.ndarray, generations: np.ndarray, max_episodes: int) -> dict[str, Any]:
+    """The counters ``state`` caught up with the episodes published after it was written: a
+    live writer's batched step 4 (``COUNTERS_INTERVAL``), or a killed one's. Counts the slots
+    holding an episode plus the committed length-0 episodes the counters list."""
+    newest = int(generations.max()) if len(generations) else 0
+    if newest <= int(state["total_episodes"]):
+        return state
+    empty = sum(1 for s in state.get(EMPTY_EPISODES, ()) if lens[s] == 0)
+    return {
+        **state,
+        "num_episodes": max(int(state["num_episodes"]), min(int((lens > 0).sum()) + empty, max_episodes)),
+        "episode_index": int((np.argmax(generations) + 1) % max_episodes),
+        "total_episodes": newest,
+    }

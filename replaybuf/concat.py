@@ -307,6 +307,8 @@ class ConcatReplayBuffer(CommittedViews):
 
     ``weights`` (one number >= 0 per buffer) makes its loaders draw each sample's buffer with
     those probabilities (``sampling.mixture``); ``filter_meta`` may then be one dict per buffer.
+    ``snapshot``: open every member at its named snapshot (``ReplayBuffer.snapshot``), e.g. the
+    shards of a parallel collection each frozen under one name.
     """
 
     def __init__(
@@ -314,6 +316,7 @@ class ConcatReplayBuffer(CommittedViews):
         buffers: Sequence[Member] | str | os.PathLike,
         storage_options: dict | Sequence[dict | None] | None = None,
         weights: Sequence[float] | None = None,
+        snapshot: str | None = None,
     ):
         if isinstance(buffers, (str, os.PathLike)):
             from .actors import discover_shards
@@ -335,7 +338,7 @@ class ConcatReplayBuffer(CommittedViews):
                 "pass one dict for all or one per buffer"
             )
         self.weights = check_weights(weights, len(buffers))
-        self.buffers = [self._open(b, o) for b, o in zip(buffers, options)]
+        self.buffers = [self._open(b, o, snapshot) for b, o in zip(buffers, options)]
         _check_same_fields(self.buffers)
         first = self.buffers[0].schema
         self.schema = Schema(
@@ -352,11 +355,17 @@ class ConcatReplayBuffer(CommittedViews):
         self.refresh()
 
     @staticmethod
-    def _open(buffer: Member, storage_options: dict | None) -> ReplayBuffer:
+    def _open(buffer: Member, storage_options: dict | None, snapshot: str | None) -> ReplayBuffer:
         if isinstance(buffer, ReplayBuffer):
+            if snapshot is not None and buffer.snapshot_name != snapshot:
+                raise ValueError(
+                    f"ConcatReplayBuffer(snapshot={snapshot!r}): member {buffer.folder!r} is "
+                    f"{'the whole buffer' if buffer.snapshot_name is None else f'snapshot {buffer.snapshot_name!r}'}; "
+                    "pass its path, or ReplayBuffer.from_folder(path, snapshot=...)"
+                )
             return buffer
         if isinstance(buffer, (str, os.PathLike)):
-            return ReplayBuffer.from_folder(buffer, read_only=True, storage_options=storage_options)
+            return ReplayBuffer.from_folder(buffer, read_only=True, storage_options=storage_options, snapshot=snapshot)
         raise TypeError(f"ConcatReplayBuffer: each buffer must be a path, a URL or a ReplayBuffer, got {buffer!r}")
 
     def refresh(self) -> ConcatReplayBuffer:
@@ -456,18 +465,6 @@ class ConcatReplayBuffer(CommittedViews):
             return refuse
 
     # ---- reads --------------------------------------------------------------------------------
-
-    def dataset(self, **kwargs: Any):
-        """A torch Dataset sampling across all member buffers (``ReplayBuffer.dataset`` arguments)."""
-        from .sampling import make_dataset
-
-        return make_dataset(self, **kwargs)
-
-    def dataloader(self, batch_size: int, **kwargs: Any):
-        """A DataLoader sampling across all member buffers (``ReplayBuffer.dataloader`` arguments)."""
-        from .sampling import make_dataloader
-
-        return make_dataloader(self, batch_size, **kwargs)
 
     def flush(self) -> None:
         """Nothing to flush: the buffer is read-only."""

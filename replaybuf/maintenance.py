@@ -17,7 +17,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from . import snapshots
 from .attrs import load_attrs
+from .commit import catch_up
 from .schema import Field, Schema, parse_compressor
 from .storage.base import (
     ATTRS_KEY,
@@ -195,7 +197,7 @@ def convert(
         A tqdm bar over the episodes copied: ``None`` shows it on a terminal for copies longer
         than two seconds, ``True`` always, ``False`` never (``replaybuf.progress``).
 
-    Returns a summary: destination, backend, episodes and timesteps copied.
+    Returns a summary: destination, backend, episodes and timesteps copied, snapshots carried.
     """
     from .progress import check_progress, progress_bar
 
@@ -211,6 +213,9 @@ def convert(
     state = source.load_state()
     lens = _lens(source)
     slots = np.flatnonzero(lens > 0)
+    # slots and generations are kept, so snapshots stay true as they are; a damaged one is
+    # refused here, before anything is written
+    held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     target.acquire_writer(erase=True)
     target.create(target_schema, overwrite=True)
     time_chunks = {n: target.time_chunk(n) for n in schema.fields}
@@ -229,6 +234,8 @@ def convert(
     attrs = source.read_blob(ATTRS_KEY)
     if attrs is not None:
         target.write_blob(ATTRS_KEY, attrs)
+    for name, snapshot in held.items():
+        target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
     target.commit_state(state)
     target.flush()
     target.close()
@@ -240,6 +247,7 @@ def convert(
         "backend": backend,
         "episodes": int(len(slots)),
         "timesteps": int(lens[slots].sum()),
+        "snapshots": sorted(held),
         **copied,
     }
 
@@ -296,6 +304,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
+    hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
     storage.close()
     return {
@@ -312,6 +321,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "stored_bytes": stored_total,
         "data_bytes": data_total,
         "ratio": (data_total / stored_total) if stored_total else None,
+        "hot_episodes": len(hot),
+        "hot_bytes": sum(hot.values()),
         "attrs": attrs,
     }
 
@@ -337,6 +348,13 @@ def format_info(facts: dict) -> str:
         f"timesteps  {facts['timesteps']}",
         f"bytes      {_size(facts['data_bytes'])} of episode data stored in {_size(facts['stored_bytes'])} "
         f"(ratio {ratio})",
+        *(
+            [
+                f"hot        {facts['hot_episodes']} episodes stored raw in {_size(facts['hot_bytes'])}, not yet compacted"
+            ]
+            if facts.get("hot_episodes")
+            else []
+        ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
@@ -415,6 +433,8 @@ def verify(
     lens = meta["episode_lens"].astype(np.int64)
     try:
         state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
+        if "_generation" in meta:  # a live writer's counters lag its published episodes by design
+            state = catch_up(state, lens, meta["_generation"], schema.max_episodes)
         problems += _check_counters(state, lens, meta.get("_generation"), schema)
     except BufferDamagedError as e:
         problems.append(str(e))

@@ -359,8 +359,11 @@ class StorageTests:
     def test_reads_agree(self, filled: tuple) -> None:
         reader, rows, meta = filled
         self.assert_reads(reader, rows, seed=1)
+        picked = np.r_[np.random.default_rng(2).permutation(self.max_episodes), 0, 0]  # unsorted, repeated
         for name, values in meta.items():
             np.testing.assert_array_equal(reader.read_meta(name), values, err_msg=name)
+            np.testing.assert_array_equal(reader.read_meta_rows(name, picked), values[picked], err_msg=name)
+            assert reader.read_meta_rows(name, np.zeros(0, np.int64)).shape == (0, *values.shape[1:]), name
 
     def test_generations(self, filled: tuple) -> None:
         reader, _, meta = filled

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from .analysis import BufferStats
     from .buffer import MetaView
+    from .sampling.loader import make_dataloader, make_dataset
 
 __all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "read_only_message"]
 
@@ -194,6 +195,28 @@ class CommittedViews(SchemaAttributes):
     def generations(self) -> np.ndarray:
         """Generation of every slot (0: empty); read-only view."""
         return frozen(self._committed()["_generation"])
+
+    # The loaders' methods have make_dataset's and make_dataloader's signatures (the buffer
+    # first) for type checkers; at run time they import torch and the loaders on first use.
+    if TYPE_CHECKING:
+        dataset = make_dataset
+        dataloader = make_dataloader
+    else:
+
+        def dataset(self, *args, **kwargs):
+            """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of the
+            episodes committed now: ``replaybuf.sampling.make_dataset`` of this buffer."""
+            from .sampling import make_dataset
+
+            return make_dataset(self, *args, **kwargs)
+
+        def dataloader(self, batch_size, *args, **kwargs):
+            """A torch DataLoader over the episodes committed now (``sampler='prioritized'`` for
+            prioritized timesteps; over all members of a ConcatReplayBuffer):
+            ``replaybuf.sampling.make_dataloader`` of this buffer."""
+            from .sampling import make_dataloader
+
+            return make_dataloader(self, batch_size, *args, **kwargs)
 
     def meta_values(self, name: str) -> np.ndarray:
         """Values of meta field ``name`` for every slot, as committed; read-only view."""

@@ -12,6 +12,8 @@ import torch
 
 from replaybuf import ConcatReplayBuffer, ReplayBuffer, ReplayDatasetTrajectory
 from replaybuf.analysis import get_all_data
+from replaybuf.sampling.fetch import Fetcher
+from replaybuf.storage import _kv
 from replaybuf.storage.spans import Spans, fill_beyond, read_spans_by_rows
 
 FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk, on the zarr backend
@@ -81,16 +83,38 @@ def random_spans(rng: np.random.Generator, slots: np.ndarray, count: int):
 
 @pytest.mark.parametrize("name", list(FIELDS))
 @pytest.mark.parametrize("parallel", [True, False])
-def test_read_spans_matches_per_element_reads(buffer, name, parallel):
+@pytest.mark.parametrize("named", [False, True], ids=["stored", "named-generations"])
+def test_read_spans_matches_per_element_reads(buffer, name, parallel, named, monkeypatch):
+    """Read from the store, and naming generations (served from resident copies where the
+    backend keeps them), with every copy of several spans on the pool when ``parallel``."""
+    monkeypatch.setattr(_kv, "PARALLEL_COPY_BYTES", 0)
     storage, slots = buffer.storage, np.arange(buffer.max_episodes)
+    generations = np.asarray(buffer.generations)
     rng = np.random.default_rng(7)
     cases = [random_spans(rng, slots, 9) for _ in range(4)]
     cases.append((slots, np.zeros(len(slots), int), buffer.episode_lens[slots]))  # whole episodes
     cases.append((np.array([2, 2, 0]), np.array([0, 4, 13]), np.array([14, 3, 1])))  # repeats, last step
     for episodes, starts, lengths in cases:
         out = np.full((len(episodes), MAX_STEPS, *storage.array(name).shape[2:]), 77, storage.array(name).dtype)
-        storage.read_spans(name, episodes, starts, lengths, out, parallel=parallel)
+        named_generations = generations[episodes] if named else None
+        storage.read_spans(name, episodes, starts, lengths, out, parallel=parallel, generations=named_generations)
         np.testing.assert_array_equal(out, per_element(storage, name, episodes, starts, lengths, MAX_STEPS, 77))
+
+
+@pytest.mark.parametrize("cache", [None, "ram"])
+def test_windows_are_zero_past_each_length(buffer, cache):
+    """Rows shorter than the width (one of no steps, whose start lies past the time axis) read
+    their steps and zeros after them, in batches mostly padding and mostly full."""
+    lens, generations = np.array(buffer.episode_lens, np.int64), np.array(buffer.generations, np.int64)
+    slots = np.flatnonzero(lens > 0)
+    fetcher = Fetcher(buffer, ["frame", "state", "action"], slots, lens, generations, cache=cache)
+    episodes = slots[[0, 1, 2, 1, 3]]
+    starts = np.array([MAX_STEPS, 2, 0, lens[episodes[3]] - 1, 0])
+    for lengths in (np.array([0, 3, 1, 1, 4]), np.array([0, 4, 3, 1, 4])):
+        for name in ("frame", "state", "action"):
+            windows = fetcher.windows(name, episodes, starts, lengths, 4)
+            reference = per_element(buffer.storage, name, episodes, starts, lengths, 4, 0)
+            np.testing.assert_array_equal(windows, reference, err_msg=f"{name} {lengths}")
 
 
 @pytest.mark.parametrize("name", ["frame", "clip", "state"])

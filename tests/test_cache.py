@@ -175,6 +175,26 @@ def test_reused_slot_is_refetched(tmp_path):
     assert os.path.join("ident", "0-1.raw") in names and os.path.join("ident", "0-4.raw") in names
 
 
+@pytest.mark.parametrize("dense_bytes", [0, 64 << 20], ids=["mapped", "dense"])
+def test_sampled_steps_follow_a_reused_slot(tmp_path, monkeypatch, dense_bytes):
+    monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", dense_bytes)
+    location = str(tmp_path / "ring")
+    writer = ReplayBuffer(location, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+
+    def sampled() -> set[int]:
+        loader = make_dataloader(reader, batch_size=5, timestep_level=True, shuffle=True, seed=0)
+        return {int(v) for batch in loader for v in batch["ident"].reshape(-1)}
+
+    assert sampled() == {1000 * e + t for e in range(3) for t in range(4)}  # cached, dense copies made
+    assert (reader.storage._dense_rows("ident") is not None) == bool(dense_bytes)
+    writer.store_episode(**episode(7, 4), task=7, success=True)  # wraps into slot 0, same length
+    reader.refresh()
+    assert sampled() == {1000 * e + t for e in (1, 2, 7) for t in range(4)}
+
+
 def test_processes_and_workers_share_one_copy(written, tmp_path):
     cache = tmp_path / "cache"
     reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
@@ -264,8 +284,12 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options)
     assert isinstance(reader.storage, CachedStorage)  # on by default on object stores
     loader = make_dataloader(reader, batch_size=256, timestep_level=True, shuffle=True, seed=0)
-    with s3_server.record() as first:
-        assert sum(len(batch["state"]) for batch in loader) == 640
+    s3_server.latency = 0.05  # a network round trip: GETs sent together overlap whatever the load
+    try:
+        with s3_server.record() as first:
+            assert sum(len(batch["state"]) for batch in loader) == 640
+    finally:
+        s3_server.latency = 0.0
     with s3_server.record() as second:  # the same loader again: not even a _generation re-check
         assert sum(len(batch["state"]) for batch in loader) == 640
     with s3_server.record() as third:  # a new loader: its snapshot reads bookkeeping, no data

@@ -124,6 +124,26 @@ def test_importing_replaybuf_without_h5py_works_and_the_class_says_what_to_insta
     assert not (tmp_path / "h").exists()
 
 
+def test_an_hdf5_buffer_without_h5py_names_the_install_not_a_missing_buffer(tmp_path):
+    ReplayBuffer(tmp_path / "h", 2, 3, fields={"x": "float"}, backend="hdf5").close()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["h5py"] = None
+        import replaybuf
+        for open_ in (lambda: replaybuf.ReplayBuffer.from_folder({str(tmp_path / "h")!r}, read_only=True),
+                      lambda: replaybuf.ReplayBuffer.from_folder({str(tmp_path / "empty")!r})):
+            try:
+                open_()
+            except Exception as e:
+                print(type(e).__name__, e)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    hdf5, empty = result.stdout.splitlines()
+    assert hdf5.startswith("ImportError") and "pip install 'replaybuf[h5py]'" in hdf5, hdf5
+    assert not empty.startswith("ImportError"), empty  # no marker file: still "no buffer here"
+
+
 def pytest_without_h5py(*args: str, skip_missing: bool) -> subprocess.CompletedProcess:
     """Run pytest on ``args`` in a child where h5py does not import, SKIP_MISSING set or not."""
     env = {k: v for k, v in os.environ.items() if k != SKIP_MISSING}

@@ -128,6 +128,28 @@ def test_convert_refuses_an_existing_destination_unless_told(tmp_path):
         convert(tmp_path / "src", tmp_path / "src", progress=False, overwrite=True)
 
 
+@pytest.mark.parametrize("dst_name", ["memmap", "hdf5"])
+def test_convert_carries_snapshots_and_refuses_a_damaged_one_before_writing(tmp_path, dst_name):
+    writer = ReplayBuffer(tmp_path / "src", 6, 12, fields=FIELDS, meta_fields=META_FIELDS, circular=True)
+    for i in range(3):
+        writer.store_episode(**episode(4 + i, i), task_id=i)
+    writer.snapshot("first-three")
+    writer.store_episode(**episode(2, 9), task_id=9)
+    writer.close()
+    summary = convert(tmp_path / "src", tmp_path / "dst", backend=dst_name, progress=False)
+    assert summary["snapshots"] == ["first-three"]
+    source = ReplayBuffer.from_folder(tmp_path / "src", snapshot="first-three")
+    copy = ReplayBuffer.from_folder(tmp_path / "dst", snapshot="first-three")
+    assert copy.valid_episodes().tolist() == source.valid_episodes().tolist() == [0, 1, 2]
+    for name in FIELDS:
+        assert np.array_equal(copy.get_all_data()[name].numpy(), source.get_all_data()[name].numpy()), name
+    held = tmp_path / "src" / "replaybuf" / "snapshots" / "first-three" / "snapshot.json"
+    held.write_text(held.read_text().replace('"slots": [0', '"slots": [-7'))
+    with pytest.raises(ValueError, match="snapshot.json"):
+        convert(tmp_path / "src", tmp_path / "other", backend=dst_name, progress=False)
+    assert not (tmp_path / "other").exists()
+
+
 def test_convert_of_a_missing_buffer(tmp_path):
     with pytest.raises(FileNotFoundError):
         convert(tmp_path / "nothing", tmp_path / "dst", progress=False)
@@ -173,6 +195,18 @@ def test_verify_finds_problems_without_changing_anything(tmp_path):
     assert "num_episodes is 3 but 4 slots" in text
     assert "data/state: slot 2 (length 3) holds data beyond its length at timesteps 9..9" in text
     assert "slots [4] have no ordinal" in text
+
+
+def test_verify_beside_a_live_writer_takes_batched_counters_for_what_they_are(tmp_path, monkeypatch):
+    monkeypatch.setattr("replaybuf.commit.COUNTERS_INTERVAL", 3600.0)  # the counters wait
+    writer = ReplayBuffer(tmp_path / "b", 8, 12, fields=FIELDS, meta_fields=META_FIELDS)
+    for i in range(5):
+        writer.store_episode(**episode(3, i), task_id=i)
+    stored = json.loads((tmp_path / "b" / "replaybuf" / "state.json").read_text())
+    assert stored["num_episodes"] < 5  # published lengths ran ahead of the counters object
+    assert verify(tmp_path / "b") == []
+    writer.close()
+    assert verify(tmp_path / "b") == []
 
 
 def test_verify_reports_a_leftover_step_log(tmp_path):

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer, SnapshotError, SnapshotHeldError
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, SnapshotError, SnapshotHeldError
 from replaybuf.snapshots import key
 
 from ._backends import BACKENDS, make_place, snapshot
@@ -328,3 +328,21 @@ def test_on_s3(s3_server):
     write(writer, [9])
     assert ReplayBuffer.from_folder(location, storage_options=options).snapshots() == []
     writer.close()
+
+
+def test_concat_of_shards_at_one_snapshot(tmp_path):
+    for shard in range(2):
+        with ReplayBuffer.shard(tmp_path / "root", shard, max_episodes=8, max_timesteps=4, fields={"x": "float"}) as b:
+            for i in range(3):
+                b.store_episode(x=np.full(2, 10 * shard + i, np.float32))
+            b.snapshot("frozen")
+            b.store_episode(x=np.full(2, 99, np.float32))  # after the snapshot: not in it
+    frozen = ConcatReplayBuffer(tmp_path / "root", snapshot="frozen")
+    assert len(frozen) == 6
+    assert sorted(frozen.get_all_data()["x"][:, 0].tolist()) == [0, 1, 2, 10, 11, 12]
+    assert len(ConcatReplayBuffer(tmp_path / "root")) == 8
+    with pytest.raises(SnapshotError, match="no snapshot 'other'"):
+        ConcatReplayBuffer(tmp_path / "root", snapshot="other")
+    whole = ReplayBuffer.from_folder(frozen.folder[0], read_only=True)
+    with pytest.raises(ValueError, match="is the whole buffer"):
+        ConcatReplayBuffer([whole], snapshot="frozen")

@@ -11,6 +11,7 @@ import zarr
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache
+from replaybuf.storage import _zarr
 
 
 @pytest.mark.parametrize("compressor", ["zstd", "zstd:7", "blosc-lz4", "blosc-zstd:3", "gzip:4", "none"])
@@ -154,3 +155,18 @@ def test_frame_reads_through_kept_open_files_see_rewrites(tmp_path, no_resident_
     assert read(writer, 1) == [0] * 4
     loader = writer.dataloader(8, timestep_level=True, shuffle=False)
     assert sorted(next(iter(loader))["frame"][:, 0, 0, 0].tolist()) == [0] * 4 + [3] * 4
+
+
+def test_meta_rows_read_only_the_chunks_holding_them(tmp_path, monkeypatch):
+    """The re-check of a batch reads the chunks of its slots, in any order, across chunks."""
+    monkeypatch.setattr(_zarr, "META_CHUNK_EPISODES", 4)
+    buffer = ReplayBuffer(str(tmp_path / "b"), max_episodes=10, max_timesteps=3, fields={"x": "float"})
+    for length in range(1, 10):
+        buffer.store_episode(x=np.zeros(length % 3 + 1, np.float32))
+    storage = buffer.storage
+    assert storage.array("episode_lens", meta=True).chunks == (4,)
+    lens = storage.read_meta("episode_lens")
+    for slots in ([9, 0, 5, 5, 2], [6], [3, 1]):
+        np.testing.assert_array_equal(storage.read_meta_rows("episode_lens", np.array(slots)), lens[slots])
+    with pytest.raises(IndexError, match=r"meta/_generation: slots \[10, -1\] out of range - must be in \[0, 10\)"):
+        storage.read_meta_rows("_generation", np.array([3, 10, -1]))

@@ -196,9 +196,16 @@ class Fetcher:
         episodes = np.asarray(episodes, dtype=np.int64)
         lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
         steps = np.arange(width, dtype=np.int64)
-        if len(episodes) and (lengths == width).all():
-            flat = gather(name, np.repeat(episodes, width), (np.asarray(starts)[:, None] + steps[None]).reshape(-1))
-            return flat.reshape(len(episodes), width, *flat.shape[1:])
+        if 2 * int(lengths.sum()) >= len(lengths) * width:
+            # mostly full (n-step ``seq_`` fields): one rectangular gather, steps past a row's
+            # length repeating its last one (step 0 for a row of none) and zeroed after, instead
+            # of a boolean-mask scatter
+            starts = np.where(lengths > 0, np.asarray(starts, dtype=np.int64), 0)
+            offsets = np.minimum(steps[None], np.maximum(lengths - 1, 0)[:, None])
+            flat = gather(name, np.repeat(episodes, width), (starts[:, None] + offsets).reshape(-1))
+            out = flat.reshape(len(episodes), width, *flat.shape[1:])
+            fill_beyond(out, lengths, 0)
+            return out
         mask = steps[None] < lengths[:, None]
         flat = gather(name, np.repeat(episodes, lengths), (np.asarray(starts)[:, None] + steps[None])[mask])
         out = np.zeros((len(episodes), width, *flat.shape[1:]), dtype=flat.dtype)

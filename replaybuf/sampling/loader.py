@@ -24,6 +24,8 @@ from .prioritized import PrioritizedBatchSampler
 from .ratelimit import RateLimitedLoader, RateLimiter
 
 SAMPLERS = ("uniform", "prioritized")
+# make_dataloader's arguments that configure the rate limiter, not each pass's loader
+_RATE_ARGUMENTS = ("samples_per_insert", "min_size", "error_buffer", "rate_timeout")
 
 
 def make_dataset(
@@ -55,6 +57,7 @@ def make_dataset(
         raise ValueError("replay buffer is empty")
     if n_steps is not None and timestep_level:
         raise ValueError("cannot specify both n_steps and timestep_level")
+    common = dict(filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
     if n_steps is not None:
         check_names(fields, buffer.fieldnames, "fields")
         return ReplayDatasetNStep(
@@ -63,10 +66,7 @@ def make_dataset(
             current_fields=current_fields,
             next_fields=next_fields,
             sequence_fields=sequence_fields,
-            filter_meta=filter_meta,
-            filter_fields=filter_fields,
-            fieldname_map=fieldname_map,
-            **kwargs,
+            **common,
         )
     for name, value in (
         ("current_fields", current_fields),
@@ -75,23 +75,13 @@ def make_dataset(
     ):
         check_names(value, buffer.fieldnames, name)
     if timestep_level:
-        return ReplayDatasetTimestep(
-            buffer,
-            fields=fields,
-            filter_meta=filter_meta,
-            filter_fields=filter_fields,
-            fieldname_map=fieldname_map,
-            **kwargs,
-        )
+        return ReplayDatasetTimestep(buffer, fields=fields, **common)
     return ReplayDatasetTrajectory(
         buffer,
         fields=fields,
-        filter_meta=filter_meta,
-        filter_fields=filter_fields,
-        fieldname_map=fieldname_map,
         slice_by_episode_len=slice_by_episode_len,
         return_episode_lens=return_episode_lens,
-        **kwargs,
+        **common,
     )
 
 
@@ -152,35 +142,13 @@ def make_dataloader(
     loader has ``state_dict()`` / ``load_state_dict()``.
     """
     if samples_per_insert is not None:
+        # every argument but the rate's, for the loader of each pass (locals(): the parameters only, here)
+        options = {name: value for name, value in locals().items() if name not in _RATE_ARGUMENTS}
+        options.update(options.pop("kwargs"))
         limiter = RateLimiter(
             buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
         )
-        options = dict(
-            n_steps=n_steps,
-            dataset=dataset,
-            fields=fields,
-            current_fields=current_fields,
-            next_fields=next_fields,
-            sequence_fields=sequence_fields,
-            filter_meta=filter_meta,
-            filter_fields=filter_fields,
-            fieldname_map=fieldname_map,
-            return_indices=return_indices,
-            return_mask=return_mask,
-            timestep_level=timestep_level,
-            to_named_tuple=to_named_tuple,
-            shuffle=shuffle,
-            device=device,
-            dataset_kwargs=dataset_kwargs,
-            sampler=sampler,
-            priority_field=priority_field,
-            alpha=alpha,
-            beta=beta,
-            rank=rank,
-            world_size=world_size,
-            seed=seed,
-        )
-        return RateLimitedLoader(lambda: make_dataloader(buffer, batch_size, **options, **kwargs), limiter)
+        return RateLimitedLoader(lambda: make_dataloader(**options), limiter)
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:

@@ -13,11 +13,13 @@ from ._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from ._owned import ForeignEntriesError
 from .base import (
     ATTRS_KEY,
+    DEFAULT_HOT_BYTES,
     LOG_PREFIX,
     STATE_KEY,
     ArrayBase,
     BufferDamagedError,
     BufferNotFoundError,
+    CompactionSummary,
     CorruptChunkError,
     GenerationMismatchError,
     Storage,
@@ -51,12 +53,14 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 __all__ = [
     "ATTRS_KEY",
     "DEFAULT_CACHE_SIZE",
+    "DEFAULT_HOT_BYTES",
     "LOG_PREFIX",
     "STATE_KEY",
     "ArrayBase",
     "BufferDamagedError",
     "BufferLockedError",
     "BufferNotFoundError",
+    "CompactionSummary",
     "CachedStorage",
     "CorruptChunkError",
     "ForeignEntriesError",

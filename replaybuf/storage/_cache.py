@@ -36,6 +36,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import threading
 import time
@@ -60,7 +61,39 @@ TOUCH_S = 30.0
 STALE_TEMP_S = 3600.0
 #: episodes fetched per ``warm`` step
 WARM_BATCH = 16
+#: a field whose whole (max_episodes, max_timesteps) array is at most this many bytes is also
+#: copied into RAM per process as its episodes are mapped, so sampling it is one fancy index
+#: (vectors and scalars; mapping one file per sampled episode costs more than their bytes)
+DENSE_BYTES = 64 << 20
 SUFFIX = ".raw"
+
+
+class DenseRows:
+    """One process's in-RAM copy of a small field's cached episodes: row ``slot`` holds
+    ``lengths[slot]`` steps of generation ``held[slot]`` (0: nothing). Pages are allocated as
+    rows are filled (``np.zeros``)."""
+
+    def __init__(self, field: Field, max_episodes: int, max_timesteps: int):
+        self.rows = np.zeros((max_episodes, max_timesteps, *field.shape), field.dtype)
+        self.held = np.zeros(max_episodes, np.int64)
+        self.lengths = np.zeros(max_episodes, np.int64)
+        self.lock = threading.Lock()
+
+    def put(self, slot: int, generation: int, rows: np.ndarray) -> None:
+        if len(rows) > self.rows.shape[1]:
+            return  # not an episode of this buffer: served from its map, never copied
+        with self.lock:
+            if self.held[slot] != generation:
+                self.rows[slot, : len(rows)] = rows
+                self.lengths[slot] = len(rows)
+                self.held[slot] = generation
+
+    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray) -> np.ndarray | None:
+        """The items' steps when every item's slot is held at its generation, else None."""
+        with self.lock:
+            if (self.held[episodes] != generations).any() or (timesteps >= self.lengths[episodes]).any():
+                return None
+            return self.rows[episodes, timesteps]
 
 
 def default_cache_dir() -> str:
@@ -124,12 +157,13 @@ class CachedStorage(Storage):
     def _reset(self) -> None:
         self._generations: np.ndarray | None = None
         self._maps: OrderedDict[tuple[str, int, int], tuple[np.ndarray, float]] = OrderedDict()
+        self._dense: dict[str, DenseRows] = {}
         self._lock = threading.Lock()
         self._used: int | None = None
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
-        for key in ("_generations", "_maps", "_lock", "_used"):
+        for key in ("_generations", "_maps", "_dense", "_lock", "_used"):
             state.pop(key)
         return state
 
@@ -144,6 +178,10 @@ class CachedStorage(Storage):
     @property
     def supports_remote(self) -> bool:  # type: ignore[override]
         return self.inner.supports_remote
+
+    @property
+    def is_local(self) -> bool:
+        return self.inner.is_local
 
     @property
     def supports_field_codecs(self) -> bool:  # type: ignore[override]
@@ -214,16 +252,18 @@ class CachedStorage(Storage):
             known[slots] = generations
 
     def drop_caches(self) -> None:
-        """Forget the slots' generations and the maps this process holds (files stay)."""
+        """Forget the slots' generations and the maps this process holds (files and in-RAM
+        copies stay: keyed by generation, they are never served for another one)."""
         self.inner.drop_caches()
         with self._lock:
             self._generations = None
-            self._maps.clear()
+            self._maps.clear()  # the in-RAM copies stay: like the files, each is one generation's
 
     def close(self) -> None:
         self.inner.close()
         with self._lock:
             self._maps.clear()
+            self._dense.clear()
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "cache": self.root if self.schema is not None else None}
@@ -245,26 +285,51 @@ class CachedStorage(Storage):
         holds an episode, mapped from the cache and filled first where absent: at
         ``generations`` (one per episode) when given, else at the generation this process last
         saw for the slot. A slot whose fill found another generation is left out."""
-        found = self._rows(name, self._pairs(episodes, generations))
+        slots, planned, _ = self._slots(episodes, generations)
+        found = self._rows(name, slots, planned)
         return {slot: rows for (slot, _), rows in found.items()}
 
-    def _pairs(self, episodes: Sequence[int] | np.ndarray, generations: Any) -> np.ndarray:
-        """(slot, generation) per item: the planned generations, else this process's view."""
+    def _slots(
+        self, episodes: Sequence[int] | np.ndarray, generations: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The distinct slots of ``episodes``, the generation each is read at (the planned one,
+        else this process's view; a read plans one generation per slot) and, per item, the
+        index of its slot."""
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        slots, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
         if generations is None:
-            if self._generations is None:
-                self._generations = np.asarray(self.inner.read_meta("_generation"), dtype=np.int64).copy()
-            generations = self._generations[episodes]
-        generations = np.broadcast_to(np.asarray(generations, dtype=np.int64).reshape(-1), episodes.shape)
-        return np.stack([episodes, generations], axis=1)
+            planned = self._known_generations()[slots]
+        else:
+            planned = np.broadcast_to(np.asarray(generations, dtype=np.int64).reshape(-1), episodes.shape)[first]
+        return slots, planned, inverse.reshape(-1)
 
-    def _rows(self, name: str, pairs: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
-        """(slot, generation) -> cached rows for each distinct pair of ``pairs`` with a generation
-        > 0 that is (or, after a fill, has become) cached."""
+    def _known_generations(self) -> np.ndarray:
+        """This process's view of every slot's generation (loaded on first use)."""
+        if self._generations is None:
+            self._generations = np.asarray(self.inner.read_meta("_generation"), dtype=np.int64).copy()
+        return self._generations
+
+    def _dense_rows(self, name: str) -> DenseRows | None:
+        """The in-RAM copy of field ``name`` when it is small enough (``DENSE_BYTES``)."""
+        dense = self._dense.get(name)
+        if dense is None:
+            assert self.schema is not None
+            field, schema = self._field(name), self.schema
+            if schema.max_episodes * schema.max_timesteps * field.step_nbytes > DENSE_BYTES:
+                return None
+            with self._lock:
+                dense = self._dense.setdefault(name, DenseRows(field, schema.max_episodes, schema.max_timesteps))
+        return dense
+
+    def _rows(self, name: str, slots: np.ndarray, generations: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+        """(slot, generation) -> cached rows for each of the distinct ``slots`` with a
+        generation > 0 that is (or, after a fill, has become) cached."""
         out, missing = {}, []
         now = time.monotonic()
         with self._lock:
-            for slot, generation in {(int(s), int(g)) for s, g in pairs.tolist() if g > 0}:
+            for slot, generation in zip(slots.tolist(), generations.tolist()):
+                if generation <= 0:
+                    continue
                 entry = self._maps.get((name, slot, generation))
                 if entry is None:
                     missing.append((slot, generation))
@@ -274,7 +339,6 @@ class CachedStorage(Storage):
                     self._touch(name, slot, generation)
                     self._maps[name, slot, generation] = (entry[0], now)
                 out[slot, generation] = entry[0]
-        missing.sort()
         opened = [(slot, g, self._map(name, slot, g)) for slot, g in missing]
         absent = [(slot, g) for slot, g, rows in opened if rows is None]
         if absent:
@@ -287,20 +351,23 @@ class CachedStorage(Storage):
                     self._maps[name, slot, generation] = (rows, now)
             while len(self._maps) > MAX_OPEN_MAPS:
                 self._maps.popitem(last=False)
+        dense = self._dense_rows(name)
+        if dense is not None:
+            for (slot, generation), rows in out.items():
+                dense.put(slot, generation, rows)
         return out
 
     def _served(
         self, name: str, episodes: np.ndarray, generations: np.ndarray | None
     ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-        """Per distinct (slot, generation) of the items: (item indices, cached rows or None)."""
-        pairs = self._pairs(episodes, generations)
-        found = self._rows(name, pairs)
-        if not len(pairs):
+        """Per distinct slot of the items: (item indices, cached rows or None)."""
+        slots, planned, inverse = self._slots(episodes, generations)
+        if not len(slots):
             return
-        unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
-        order = np.argsort(inverse.reshape(-1), kind="stable")
-        bounds = np.searchsorted(inverse.reshape(-1)[order], np.arange(len(unique) + 1))
-        for k, (slot, generation) in enumerate(unique.tolist()):
+        found = self._rows(name, slots, planned)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(slots) + 1))
+        for k, (slot, generation) in enumerate(zip(slots.tolist(), planned.tolist())):
             yield order[bounds[k] : bounds[k + 1]], found.get((slot, generation))
 
     def _verified(self, read: Callable[[], Any], episodes: np.ndarray, generations: np.ndarray | None) -> Any:
@@ -335,9 +402,13 @@ class CachedStorage(Storage):
             self._touch(name, slot, generation)
             if size == 0 or size % field.step_nbytes:
                 return None
-            return np.memmap(path, dtype=field.dtype, mode="r", shape=(size // field.step_nbytes, *field.shape))
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
         except (FileNotFoundError, ValueError):
             return None
+        # a plain array over the map (it keeps the map alive): indexing an np.memmap costs a
+        # subclass round trip per call, paid once per sampled episode per field
+        return np.frombuffer(mapped, dtype=field.dtype).reshape(size // field.step_nbytes, *field.shape)
 
     def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
         """Fetch and publish the slots no other filler is fetching now, then wait for the others
@@ -434,6 +505,12 @@ class CachedStorage(Storage):
                 lambda: self.inner.gather(name, episodes, timesteps, generations), episodes, generations
             )
         episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
+        dense = self._dense_rows(name)
+        if dense is not None:
+            planned = self._known_generations()[episodes] if generations is None else generations
+            rows = dense.gather(episodes, timesteps, np.broadcast_to(planned, episodes.shape))
+            if rows is not None:
+                return rows
         field = self._field(name)
         out = np.empty((len(episodes), *field.shape), dtype=field.dtype)
         served = np.zeros(len(episodes), dtype=bool)

@@ -18,7 +18,7 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,8 @@ else:
 ByteRange = tuple[str, int, int | None]
 #: ``consume(i, data)`` takes the i-th result of a batched read (None: no such object)
 Consume = Callable[[int, bytes | None], None]
+#: what a write takes: hot shards are built in place and handed over as a view
+Blob = bytes | memoryview
 
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
@@ -79,6 +81,22 @@ def _in_pool(count: int, task: Callable[[int], None]) -> None:
         future.result()
 
 
+# copies of at least this many bytes in all are spread over the pool (``copy_spans``)
+PARALLEL_COPY_BYTES = 4 << 20
+
+
+def copy_spans(count: int, copy: Callable[[int], None], nbytes: int, parallel: bool = True) -> None:
+    """Run ``copy(k)`` for k < count, one pool task each when the copies total ``nbytes`` >=
+    PARALLEL_COPY_BYTES: numpy releases the GIL while it copies, and two cores move a batch of
+    whole episodes ~1.5x as fast as one (an 8-episode frame batch: 1.6 ms inline, 1.0-1.1 ms
+    spread). ``parallel=False`` (a caller running its own parallel tasks) copies inline."""
+    if parallel and count > 1 and nbytes >= PARALLEL_COPY_BYTES:
+        list(thread_pool().map(copy, range(count)))
+    else:
+        for k in range(count):
+            copy(k)
+
+
 class KeyValue(ABC):
     """Object access by key: the primitives the chunk path and the side objects need."""
 
@@ -95,7 +113,7 @@ class KeyValue(ABC):
         the last ``-start`` bytes. None where the key is absent."""
 
     @abstractmethod
-    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+    def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         """Write each key; ``atomic`` replaces it whole (readers never see a torn object).
         Non-atomic writes are for objects no reader trusts yet (unpublished slots)."""
 
@@ -147,8 +165,9 @@ class KeyValue(ABC):
     def close(self) -> None:
         """Release open handles; the object stays usable."""
 
-    def drop_read_handles(self) -> None:
-        """Close the files kept open for reading (a no-op where nothing is kept open)."""
+    def drop_read_handles(self, keys: Sequence[str] | None = None) -> None:
+        """Close the files kept open for reading, those of ``keys`` only when given (a no-op
+        where nothing is kept open)."""
 
     def links(self) -> list[str]:
         """Paths of the symbolic links under the root (none where the medium has no links)."""
@@ -338,7 +357,7 @@ class LocalKV(KeyValue):
         else:
             _in_pool(len(requests), lambda i: consume(i, self._read_range_keyed(requests[i], generations[i])))
 
-    def _write_in_place(self, item: tuple[str, bytes]) -> None:
+    def _write_in_place(self, item: tuple[str, Blob]) -> None:
         key, data = item
         path = self._path(key)
         _read_handles.drop([path])
@@ -353,7 +372,7 @@ class LocalKV(KeyValue):
                 f.flush()
                 os.fsync(f.fileno())
 
-    def _write(self, item: tuple[str, bytes]) -> None:
+    def _write(self, item: tuple[str, Blob]) -> None:
         key, data = item
         path = self._path(key)
         _read_handles.drop([path])
@@ -372,7 +391,7 @@ class LocalKV(KeyValue):
                 os.unlink(tmp)
             raise
 
-    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+    def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         write = self._write if atomic else self._write_in_place
         try:
             if len(items) <= 2:
@@ -440,8 +459,12 @@ class LocalKV(KeyValue):
         self.close_appenders()
         self.drop_read_handles()
 
-    def drop_read_handles(self) -> None:
-        _read_handles.drop_under(self.root)
+    def drop_read_handles(self, keys: Sequence[str] | None = None) -> None:
+        # docstring inherited
+        if keys is None:
+            _read_handles.drop_under(self.root)
+        else:
+            _read_handles.drop([self._path(key) for key in keys])
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         try:
@@ -576,7 +599,7 @@ class StoreKV(KeyValue):
 
         return self._run_bounded([functools.partial(one, r) for r in requests])
 
-    def set_many(self, items: dict[str, bytes], atomic: bool = True) -> None:
+    def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()

@@ -33,7 +33,7 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import thread_pool
+from ._kv import copy_spans
 from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
 from .base import (
@@ -368,11 +368,7 @@ class MemmapStorage(LocalFolderStorage):
             else:
                 checksums.copy_row(name, memmap, e, s, out[i, :n], committed[k], expected[k])
 
-        if parallel and len(rows) > 1 and out.nbytes > (4 << 20):
-            list(thread_pool().map(copy, range(len(rows))))
-        else:
-            for k in range(len(rows)):
-                copy(k)
+        copy_spans(len(rows), copy, out.nbytes, parallel)
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None

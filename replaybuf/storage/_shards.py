@@ -3,14 +3,16 @@
 Image fields want one frame per chunk (random timestep sampling decodes only what it uses),
 but one object per frame means millions of files or objects. The zarr v3 sharding codec puts
 an episode's frames in one shard ``(1, max_timesteps, *shape)`` with an index at its end; this
-module writes such shards whole (all frames encoded in parallel, all-zero frames left out) and
-reads single frames with two small range reads (the index, then the coalesced frame bytes).
+module writes such shards whole (all frames encoded in parallel, or copied raw at blosc clevel 0
+for a writer's hot tier, ``_hot.py``; all-zero frames left out) and reads single frames with two
+small range reads (the index, then the coalesced frame bytes), once more with a fresh index when
+a compaction replaced the shard in between.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,8 +21,29 @@ from ._codecs import crc32c
 from ._kv import CORES, thread_pool
 from .base import CorruptChunkError
 
+if TYPE_CHECKING:
+    from ._hot import HotTier
+
 _MISSING = np.uint64(2**64 - 1)
 _MISSING_INT = 2**64 - 1
+_BLOSC_HEADER = 16  # bytes of blosc's header before a chunk's payload
+
+
+def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
+    """Per episode, its (offset, nbytes, ...) items sorted and cut into runs of adjacent bytes
+    (one range read each): ``[(episode, run), ...]``."""
+    runs = []
+    for e, items in spans.items():
+        items.sort()
+        run = [items[0]]
+        for item in items[1:]:
+            if item[0] == run[-1][0] + run[-1][1]:
+                run.append(item)
+            else:
+                runs.append((e, run))
+                run = [item]
+        runs.append((e, run))
+    return runs
 
 
 class ShardedArray(ChunkedArray):
@@ -35,6 +58,7 @@ class ShardedArray(ChunkedArray):
         self.index_crc = index_crc
         self.index_nbytes = 16 * self.inner_per_shard + (4 if index_crc else 0)
         self._shard_keys: dict[int, str] = {}
+        self.hot: HotTier | None = None  # a writer's hot tier (``_hot.py``), set by the storage
 
     def shard_key(self, episode: int) -> str:
         # built once per slot: sampling asks for it once per sampled frame's episode
@@ -85,34 +109,48 @@ class ShardedArray(ChunkedArray):
 
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
         # docstring inherited
-        unique = list(dict.fromkeys(tuple(int(i) for i in index[:2]) for index in indices))
-        indexes = self.read_indexes([e for e, _ in unique])
+        unique = list(dict.fromkeys((int(index[0]), int(index[1])) for index in indices))
+        episodes = list(dict.fromkeys(e for e, _ in unique))
+        decoded = self._fresh_on_damage(episodes, lambda: self._fetch_chunks(unique, episodes))
+        return {index: decoded[tuple(int(i) for i in index[:2])] for index in indices}
+
+    def _fetch_chunks(self, unique: list[tuple[int, int]], episodes: list[int]) -> dict[tuple, np.ndarray | None]:
+        """``fetch_chunks`` of distinct (episode, inner chunk) pairs: the indexes, then one
+        range read per run of adjacent stored chunks."""
+        indexes = self.read_indexes(episodes)
         spans: dict[int, list[tuple[int, int, tuple]]] = {}
         for e, ti in unique:
             index = indexes[e]
             if index is None or index[ti, 0] == _MISSING:
                 continue  # the caller reads it as absent
             spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), (e, ti)))
-        requests, pieces = [], []
-        for e, items in spans.items():
-            items.sort()
-            run = [items[0]]
-            for item in items[1:]:
-                if item[0] == run[-1][0] + run[-1][1]:
-                    run.append(item)
-                else:
-                    requests.append((self.shard_key(e), run[0][0], run[-1][0] + run[-1][1]))
-                    pieces.append(run)
-                    run = [item]
-            requests.append((self.shard_key(e), run[0][0], run[-1][0] + run[-1][1]))
-            pieces.append(run)
+        runs = _runs(spans)
         raws: dict[tuple, bytes | None] = {}
-        for data, run in zip(self.kv.get_ranges(requests), pieces):
+        for data, (_, run) in zip(self.kv.get_ranges([self._run_request(e, run) for e, run in runs]), runs):
             base = run[0][0]
             for offset, nbytes, key in run:
                 raws[key] = None if data is None else data[offset - base : offset - base + nbytes]
-        decoded = self._decode_many({k: raws.get(k) for k in unique})
-        return {index: decoded[tuple(int(i) for i in index[:2])] for index in indices}
+        return self._decode_many({k: raws.get(k) for k in unique})
+
+    def _run_request(self, episode: int, run: list[tuple]) -> tuple[str, int, int]:
+        """The byte range of episode's shard holding a run of adjacent inner chunks."""
+        return self.shard_key(episode), run[0][0], run[-1][0] + run[-1][1]
+
+    def _fresh_on_damage(self, episodes: list[int], read: Callable[[], Any]) -> Any:
+        """``read()``, once more with fresh shard indexes when it fails a crc32c: a compaction
+        (``_hot.py``) replaces a shard with new offsets under the same slot generation, so an
+        index read (or cached) before it points at the wrong bytes of the new file. Damage that
+        stays raises. Costs nothing on the normal path."""
+        try:
+            return read()
+        except CorruptChunkError:
+            self._forget_indexes(episodes)
+            return read()
+
+    def _forget_indexes(self, episodes: Sequence[int]) -> None:
+        """Drop the cached indexes and open read handles of episodes' shards."""
+        chunk_cache().discard(self._namespace, [self.index_cache_key(e) for e in episodes])
+        self.kv.drop_read_handles([self.shard_key(e) for e in episodes])
 
     def _indexes_cached(self, episodes: list[int], generations: list | None) -> dict[int, np.ndarray | None]:
         """Shard indexes, kept in the chunk cache under the slot generation when one is given."""
@@ -146,46 +184,37 @@ class ShardedArray(ChunkedArray):
         for (e, _), generation in zip(grid, generations if generations is not None else [None] * len(grid)):
             first_generation.setdefault(e, generation)
         episodes = list(first_generation)
-        indexes = self._indexes_cached(
-            episodes, None if generations is None else [first_generation[e] for e in episodes]
-        )
-        spans: dict[int, list[tuple[int, int, int, int]]] = {}
-        for (e, ti), row in zip(grid, rows):
-            index = indexes[e]
-            if index is None or index[ti, 0] == _MISSING:
-                self._absent((e, ti))
-                out[row] = 0
-            else:
-                spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
-        requests, runs, request_generations = [], [], []
-        for e, items in spans.items():
-            key = self.shard_key(e)
-            items.sort()
-            run = [items[0]]
-            for item in items[1:]:
-                if item[0] == run[-1][0] + run[-1][1]:
-                    run.append(item)
-                else:
-                    requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
-                    runs.append((e, run))
-                    request_generations.append(first_generation[e])
-                    run = [item]
-            requests.append((key, run[0][0], run[-1][0] + run[-1][1]))
-            runs.append((e, run))
-            request_generations.append(first_generation[e])
 
-        def decode(i: int, data: bytes | None) -> None:
-            e, run = runs[i]
-            view = memoryview(data) if data is not None else None
-            base = run[0][0]
-            for offset, nbytes, row, ti in run:
-                if view is None:
+        def read() -> None:
+            indexes = self._indexes_cached(
+                episodes, None if generations is None else [first_generation[e] for e in episodes]
+            )
+            spans: dict[int, list[tuple[int, int, int, int]]] = {}
+            for (e, ti), row in zip(grid, rows):
+                index = indexes[e]
+                if index is None or index[ti, 0] == _MISSING:
                     self._absent((e, ti))
                     out[row] = 0
                 else:
-                    self._decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1], (e, ti))
+                    spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
+            runs = _runs(spans)
 
-        self.kv.get_ranges_each(requests, decode, None if generations is None else request_generations)
+            def decode(i: int, data: bytes | None) -> None:
+                e, run = runs[i]
+                view = memoryview(data) if data is not None else None
+                base = run[0][0]
+                for offset, nbytes, row, ti in run:
+                    if view is None:
+                        self._absent((e, ti))
+                        out[row] = 0
+                    else:
+                        self._decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1], (e, ti))
+
+            requests = [self._run_request(e, run) for e, run in runs]
+            keyed = None if generations is None else [first_generation[e] for e, _ in runs]
+            self.kv.get_ranges_each(requests, decode, keyed)
+
+        self._fresh_on_damage(episodes, read)
 
     def read_into(
         self,
@@ -205,7 +234,7 @@ class ShardedArray(ChunkedArray):
         held in RAM are read from their resident copy when ``generations`` is given."""
         episodes, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (episodes, starts, lengths))
         self._check_out(out, episodes, starts, lengths)
-        if self._read_resident_into(out, episodes, starts, lengths, generations):
+        if self._read_resident_into(out, episodes, starts, lengths, generations, parallel):
             return
         ct = self.chunks[1]
         spans = [
@@ -245,7 +274,22 @@ class ShardedArray(ChunkedArray):
             for i, e, _, _ in spans:
                 generation_of.setdefault(e, int(all_generations[i]))
             per_episode = [generation_of[e] for e in episodes]
-        indexes = self._indexes_cached(episodes, per_episode)
+        self._fresh_on_damage(
+            episodes, lambda: self._read_ranges(spans, episodes, per_episode, out, starts, lengths, parallel)
+        )
+
+    def _read_ranges(
+        self,
+        spans: list[tuple[int, int, int, int]],
+        episodes: list[int],
+        generations: list[int] | None,
+        out: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        parallel: bool,
+    ) -> None:
+        """``_read_ranged`` given the distinct episodes and their generations (or None)."""
+        indexes = self._indexes_cached(episodes, generations)
         requests, todo = [], []
         for span in spans:
             _, e, first, stop = span
@@ -310,12 +354,15 @@ class ShardedArray(ChunkedArray):
 
     # ---- writes -------------------------------------------------------------------------
 
-    def encode_shard(self, rows: np.ndarray, keep: np.ndarray | None = None) -> bytes | None:
+    def encode_shard(
+        self, rows: np.ndarray, keep: np.ndarray | None = None, hot: bool = False
+    ) -> bytes | memoryview | None:
         """One episode's (time, *shape) rows as shard bytes; None when all zero.
 
         All-zero inner chunks are left out (they read back as zero) unless ``keep`` (one bool
         per inner chunk) marks them: format 2 stores every chunk of a written span, so a missing
-        one is damage. The others are encoded in one run per core on the thread pool.
+        one is damage. The others are encoded in one run per core on the thread pool; ``hot``:
+        at blosc clevel 0 (``ChunkCodec.encode``), copied into one buffer (``_hot_shard``).
         """
         step = self.chunks[1]
         rows = rows[: self.inner_per_shard * step]
@@ -329,6 +376,8 @@ class ShardedArray(ChunkedArray):
         nonzero = np.flatnonzero(stored)
         if not len(nonzero):
             return None
+        if hot:
+            return self._hot_shard(pieces[nonzero], nonzero)
 
         def encode_run(run):
             return [self.codec.encode(pieces[i][None]) for i in run]
@@ -340,17 +389,52 @@ class ShardedArray(ChunkedArray):
         blobs = encode_run(runs[0])
         for future in others:
             blobs.extend(future.result())
-        index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
         sizes = np.array([len(b) for b in blobs], dtype="<u8")
-        index[nonzero, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype("<u8")
-        index[nonzero, 1] = sizes
+        return b"".join(blobs) + self._index_bytes(nonzero, sizes)
+
+    def _index_bytes(self, stored: np.ndarray, sizes: np.ndarray) -> bytes:
+        """The shard index (and its crc32c) of inner chunks ``stored`` of ``sizes`` bytes, laid
+        out one after another from offset 0."""
+        index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
+        index[stored, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype("<u8")
+        index[stored, 1] = sizes
         index_bytes = index.tobytes()
         if self.index_crc:
             index_bytes += crc32c(index_bytes).to_bytes(4, "little")
-        return b"".join(blobs) + index_bytes
+        return index_bytes
+
+    def _hot_shard(self, chunks: np.ndarray, stored: np.ndarray) -> memoryview:
+        """A hot shard of ``chunks`` (inner chunks ``stored``) built in one buffer: per chunk the
+        blosc header ``encode(hot=True)`` writes (the same for every chunk of one size), the
+        raw bytes and the crc32c, then the index. One copy of the frames and their checksums,
+        none of the per-chunk allocations and joins of ``encode``."""
+        count = len(chunks)
+        raw = np.ascontiguousarray(chunks, dtype=self.codec.dtype).reshape(count, -1).view(np.uint8)
+        header = self.codec.encode(chunks[0], hot=True)[:_BLOSC_HEADER]
+        width = _BLOSC_HEADER + raw.shape[1] + (4 if self.codec.checksum else 0)
+        index = self._index_bytes(stored, np.full(count, width, dtype="<u8"))
+        out = np.empty(count * width + len(index), np.uint8)
+        items = out[: count * width].reshape(count, width)
+        items[:, :_BLOSC_HEADER] = np.frombuffer(header, np.uint8)
+        items[:, _BLOSC_HEADER : _BLOSC_HEADER + raw.shape[1]] = raw
+        if self.codec.checksum:
+            sums = np.array([crc32c(item[:-4]) for item in items], dtype="<u4")
+            items[:, -4:] = sums.view(np.uint8).reshape(count, 4)
+        out[count * width :] = np.frombuffer(index, np.uint8)
+        return out.data
 
     def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
-        # docstring inherited
+        # docstring inherited: under the hot tier's lock when it has one (a compaction never
+        # replaces a shard written meanwhile), hot where it writes hot
+        tier = self.hot
+        if tier is None:
+            self._write_box(start, values, atomic, False)
+            return
+        with tier.lock:
+            self._write_box(start, values, atomic, tier.writes_hot and self.codec.writes_hot)
+
+    def _write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool, hot: bool) -> None:
+        """``write_box``; ``hot``: the shards encoded hot (``encode_shard``)."""
         if self.check_writable is not None:
             self.check_writable()
         e0, t0 = int(start[0]), int(start[1]) if len(start) > 1 else 0
@@ -371,7 +455,8 @@ class ShardedArray(ChunkedArray):
                     keep[i] |= present
             rows[:, t0 : t0 + length] = values
         shards = {
-            self.shard_key(e0 + i): self.encode_shard(rows[i], None if keep is None else keep[i]) for i in range(count)
+            self.shard_key(e0 + i): self.encode_shard(rows[i], None if keep is None else keep[i], hot)
+            for i in range(count)
         }
         written = {k: v for k, v in shards.items() if v is not None}
         if written:
@@ -380,6 +465,42 @@ class ShardedArray(ChunkedArray):
         if empty:
             self.kv.delete_many(empty)
         self._forget_episodes(range(e0, e0 + count))
+        if self.hot is not None:
+            sizes = [len(shard) if hot and shard is not None else 0 for shard in shards.values()]
+            self.hot.written(self.path, range(e0, e0 + count), sizes)
+
+    def compacted(self, episode: int, data: bytes) -> bytes | memoryview | None:
+        """Episode's shard ``data`` re-encoded at the codec's level, or None when it is not hot
+        (its first stored inner chunk is not raw). Every inner chunk is checked (crc32c) and
+        decoded first: damage raises ``CorruptChunkError`` and is never re-encoded."""
+        index = self._parse_index(data[-self.index_nbytes :], episode)
+        assert index is not None  # data is not None
+        present = index[:, 0] != _MISSING
+        if not present.any():
+            return None
+        first = int(index[present, 0].min())
+        if not self.codec.is_hot(data[first : first + 3]):
+            return None
+        rows = np.empty((1, *self.shape[1:]), self.dtype)
+        span = (0, episode, 0, self.inner_per_shard)
+        self._decode_span(memoryview(data), 0, index, span, rows, np.zeros(1, np.int64), np.full(1, self.shape[1]))
+        return self.encode_shard(rows[0], present)
+
+    def hot_sizes(self, episodes: Sequence[int]) -> list[int]:
+        """Per episode, the stored size of its shard when the shard is hot (its first stored
+        inner chunk raw: the blosc header's flag, one 3-byte read; 1 where the store cannot
+        tell sizes cheaply), else 0."""
+        keys = [self.shard_key(e) for e in episodes]
+        heads = self.kv.get_ranges([(key, 0, 3) for key in keys])
+        sizes = {key: 1 for key, head in zip(keys, heads) if head is not None and self.codec.is_hot(head)}
+        for key, fingerprint in zip(list(sizes), self.kv.fingerprints(list(sizes)) or []):
+            if len(fingerprint) > 3:  # LocalKV: (inode, mtime, ctime, size)
+                sizes[key] = int(fingerprint[3])
+        return [sizes.get(key, 0) for key in keys]
+
+    def __getstate__(self) -> dict:
+        # the hot tier (its lock and thread) stays with the writer
+        return {**super().__getstate__(), "hot": None}
 
     def _old_shard(self, episode: int, out: np.ndarray, skip: tuple[int, int]) -> np.ndarray | None:
         """Decode the episode's stored inner chunks into ``out`` (time, *shape), except those

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +43,7 @@ import numpy as np
 from ..schema import FORMAT_NAME, Field, Schema
 from ._chunks import ChunkedArray
 from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
+from ._hot import HotTier, find_hot
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
@@ -49,6 +51,7 @@ from ._shards import ShardedArray
 from .base import (
     BufferDamagedError,
     BufferNotFoundError,
+    CompactionSummary,
     CorruptChunkError,
     Storage,
     StorageError,
@@ -195,6 +198,11 @@ class ZarrStorage(KVBlobs, Storage):
         self._arrays: dict[tuple[str, bool], ChunkedArray] = {}
         self._unmeasured: set[str] = set()  # fields whose codec is chosen at their first write
         self._packed: list[str] = []  # the packed fields: the columns of CHECKSUMS_KEY
+        self._hot: HotTier | None = None  # a local writer's hot tier (``_hot.py``)
+
+    def __getstate__(self) -> dict:
+        # docstring inherited: the hot tier (its lock and thread) stays with the writer
+        return {**super().__getstate__(), "_hot": None}
 
     @staticmethod
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
@@ -521,9 +529,41 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return named_array(self._arrays, name, meta, self.location)
 
+    @property
+    def is_local(self) -> bool:
+        # docstring inherited
+        return isinstance(self.kv, LocalKV)
+
     def close(self) -> None:
         # docstring inherited
+        if self._hot is not None:
+            self._hot.stop()
         self.kv.close()
+
+    # ---- the hot tier (``_hot.py``) ----------------------------------------------------------
+
+    def start_hot_tier(self, hot_bytes: int, generations: np.ndarray) -> None:
+        # docstring inherited: sharded blosc fields of a writable buffer on local disk
+        arrays = [a for a in self._arrays.values() if isinstance(a, ShardedArray) and a.codec.writes_hot]
+        if self.read_only or not isinstance(self.kv, LocalKV) or not arrays:
+            return
+        if self._hot is not None:
+            self._hot.stop()
+        self._hot = HotTier(self.kv, arrays, generations, hot_bytes)
+        weakref.finalize(self, self._hot.stop)
+
+    def compact(self) -> CompactionSummary:
+        # docstring inherited: each replacement checks the lease first (``HotTier``)
+        return CompactionSummary() if self._hot is None else self._hot.compact()
+
+    def hot_shards(self, slots: np.ndarray) -> dict[int, int]:
+        # docstring inherited: the flag of each shard's first stored chunk (local disk only)
+        found: dict[int, int] = {}
+        if isinstance(self.kv, LocalKV):
+            sharded = [a for a in self._arrays.values() if isinstance(a, ShardedArray)]
+            for (slot, _), size in find_hot(sharded, np.asarray(slots, np.int64).reshape(-1).tolist()).items():
+                found[slot] = found.get(slot, 0) + size
+        return found
 
     # ---- batched I/O -------------------------------------------------------------------------
 
@@ -578,6 +618,8 @@ class ZarrStorage(KVBlobs, Storage):
         array.write_rows(
             episodes, 0, np.broadcast_to(np.asarray(values, array.dtype), (len(episodes), *array.shape[1:]))
         )
+        if name == "_generation" and self._hot is not None:
+            self._hot.published(episodes, np.broadcast_to(values, episodes.shape))
 
     # Generations key the chunk cache and the resident copies of small fields (``_chunks.py``):
     # reads given them may be served from RAM; they are not verified (``verifies_generations``).
@@ -599,6 +641,10 @@ class ZarrStorage(KVBlobs, Storage):
     ) -> np.ndarray:
         # docstring inherited
         return self.array(name).gather(episodes, timesteps, generations)
+
+    def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
+        # docstring inherited: only the chunks holding ``episodes``
+        return self.array(name, meta=True).take(episodes)
 
     def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
         # docstring inherited: the resident copy of a small field

@@ -59,6 +59,7 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -146,6 +147,21 @@ class GenerationMismatchError(RuntimeError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.location, self.slots)
+
+
+# bytes of hot episodes a writer keeps before compacting the oldest (ReplayBuffer's hot_bytes)
+DEFAULT_HOT_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class CompactionSummary:
+    """What ``compact()`` did: episodes compacted, their shards' bytes before and after, and the
+    wall time it took."""
+
+    episodes: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    seconds: float = 0.0
 
 
 class ArrayLike(Protocol):
@@ -338,7 +354,8 @@ class Storage(ABC):
     ``array``, ``read_blob``, ``write_blob``, ``delete_blobs``, ``list_blobs``) and may override
     any other method for speed (the built-in backends override ``time_chunk``, ``write_rows``,
     ``update_rows``, ``write_meta``, ``read_rows``, ``_read_spans``, ``gather``, ``preload``,
-    ``read_meta``, ``drop_caches``, ``close`` and ``describe``; ``KVBlobs`` gives ``append_log``
+    ``read_meta``, ``drop_caches``, ``close`` and ``describe``; zarr the hot tier's
+    ``start_hot_tier``, ``compact`` and ``hot_shards``; ``KVBlobs`` gives ``append_log``
     real appends). Callers branch on the capability flags below, never on ``isinstance`` or
     ``backend_name``.
 
@@ -612,6 +629,24 @@ class Storage(ABC):
         lo, hi = int(episodes.min()), int(episodes.max()) + 1
         return np.asarray(self.array(name, meta=True)[lo:hi])[episodes - lo]
 
+    # ---- the hot tier --------------------------------------------------------------------------
+
+    def start_hot_tier(self, hot_bytes: int, generations: np.ndarray) -> None:
+        """A writer's hot tier, for backends that have one (``storage/_hot.py``): recent episodes
+        of image fields stored raw and compacted in the background once their bytes exceed
+        ``hot_bytes`` (0: written compressed); ``generations``: the published generation of
+        every slot now. Also compacts what a killed writer left hot. A no-op elsewhere."""
+
+    def compact(self) -> CompactionSummary:
+        """Compact every hot episode now and return what was done (nothing where the backend
+        has no hot tier)."""
+        return CompactionSummary()
+
+    def hot_shards(self, slots: np.ndarray) -> dict[int, int]:
+        """The slots among ``slots`` with a data shard still stored hot (not compacted), and
+        those shards' bytes (``replaybuf info``); none where the backend has no hot tier."""
+        return {}
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -620,6 +655,12 @@ class Storage(ABC):
     def drop_caches(self) -> None:
         """Forget decoded chunks and open files this process keeps for reading, so the next
         reads see what writers elsewhere changed (a no-op where reads are never cached)."""
+
+    @property
+    def is_local(self) -> bool:
+        """The buffer is a folder on this machine written with plain file I/O (False for object
+        stores and ``memory://``, whose writes run on an event loop and a thread pool)."""
+        return True
 
     def close(self) -> None:
         """Release handles (flushing a writer's data first); the object stays usable and
@@ -661,13 +702,23 @@ _registry: dict[str, tuple[str, str]] = {
     "hdf5": ("replaybuf.storage._hdf5:HDF5Storage", "install h5py: pip install 'replaybuf[h5py]'"),
 }
 registry = types.MappingProxyType(_registry)
+# a file whose presence in a local folder says which backend wrote it, known without importing
+# the backend: a buffer of a backend that cannot be imported is named, not reported missing
+_markers: dict[str, str] = {"hdf5": "data.h5"}
 
 
-def register_backend(name: str, target: str, install_hint: str = "", clobber: bool = False) -> None:
-    """Register a backend as ``"module:Class"``; refuses to replace an existing name unless ``clobber``."""
+def register_backend(
+    name: str, target: str, install_hint: str = "", clobber: bool = False, marker: str | None = None
+) -> None:
+    """Register a backend as ``"module:Class"``; refuses to replace an existing name unless
+    ``clobber``. ``marker``: a file name inside a local buffer folder that only this backend
+    writes, so a buffer of it is recognised (and the install hint given) when it cannot be imported."""
     if name in _registry and not clobber:
         raise ValueError(f"backend {name!r} is already registered as {_registry[name][0]!r}")
     _registry[name] = (target, install_hint)
+    _markers.pop(name, None)
+    if marker is not None:
+        _markers[name] = marker
 
 
 def backend_class(name: str) -> type[Storage]:
@@ -684,11 +735,16 @@ def backend_class(name: str) -> type[Storage]:
 
 
 def detect_backend(location: str, storage_options: dict | None = None) -> str | None:
-    """The name of the backend whose buffer is at ``location``, or None when there is none."""
+    """The name of the backend whose buffer is at ``location``, or None when there is none.
+    Raises ImportError with the install hint when the buffer there belongs to a registered
+    backend that cannot be imported (its marker file is present)."""
     for name in _registry:
         try:
             cls = backend_class(name)
         except ImportError:
+            marker = _markers.get(name)
+            if marker is not None and "://" not in location and os.path.isfile(os.path.join(location, marker)):
+                raise
             continue
         if cls.can_open(location, storage_options):
             return name

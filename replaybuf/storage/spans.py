@@ -47,7 +47,8 @@ def read_spans_by_rows(storage: Any, name: str, spans: Spans, out: np.ndarray) -
 
 
 def fill_beyond(out: np.ndarray, lengths: np.ndarray, fill: Any) -> None:
-    """Set ``out[i, lengths[i]:]`` to ``fill`` (the padding after each episode)."""
-    for i, length in enumerate(np.asarray(lengths).tolist()):
-        if length < out.shape[1]:
-            out[i, length:] = fill
+    """Set ``out[i, lengths[i]:]`` to ``fill`` (the padding after each episode); only the
+    short rows are visited (a batch of full windows costs one comparison)."""
+    lengths = np.asarray(lengths)
+    for i in np.flatnonzero(lengths < out.shape[1]).tolist():
+        out[i, int(lengths[i]) :] = fill
