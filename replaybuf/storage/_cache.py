@@ -43,6 +43,7 @@ import time
 import uuid as uuid_module
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -170,22 +171,6 @@ class CachedStorage(Storage):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._reset()
-
-    @property
-    def backend_name(self) -> str:  # type: ignore[override]
-        return self.inner.backend_name
-
-    @property
-    def supports_remote(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_remote
-
-    @property
-    def is_local(self) -> bool:
-        return self.inner.is_local
-
-    @property
-    def supports_field_codecs(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_field_codecs
 
     @property
     def read_only(self) -> bool:
@@ -626,8 +611,13 @@ def _forward(name: str):
     return method
 
 
+# the wrapped storage's name and capabilities, read from it
+_FORWARDED_ATTRIBUTES = ("backend_name", "supports_remote", "supports_field_codecs", "is_local")
+
 for _name in _FORWARDED:
     setattr(CachedStorage, _name, _forward(_name))
+for _name in _FORWARDED_ATTRIBUTES:
+    setattr(CachedStorage, _name, property(attrgetter(f"inner.{_name}"), doc=f"``{_name}`` of the wrapped storage."))
 
 
 #: URL schemes of object stores, whose read-only buffers are cached unless ``cache=False``
