@@ -60,9 +60,7 @@ from .base import (
     check_layout,
     empty_state,
     expected_layouts,
-    named_array,
     parse_json,
-    schema_from_config,
 )
 
 DATA_FILE = "data.h5"
@@ -378,7 +376,7 @@ class HDF5Storage(LocalFolderStorage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no {DATA_FILE} with replaybuf config)"
             )
-        schema = schema_from_config(config, self._config_where, self.location)
+        schema = self._schema_from_config(config, self._config_where)
         self.close()
         self.read_only = read_only
         if not read_only:
@@ -402,7 +400,7 @@ class HDF5Storage(LocalFolderStorage):
 
     def array(self, name: str, meta: bool = False) -> H5Array:
         # docstring inherited
-        return named_array(self._arrays, name, meta, self.location)
+        return self._array_named(self._arrays, name, meta)
 
     # ---- counters --------------------------------------------------------------------------------
 

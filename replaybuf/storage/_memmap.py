@@ -44,9 +44,7 @@ from .base import (
     check_layout,
     empty_state,
     expected_layouts,
-    named_array,
     parse_json,
-    schema_from_config,
 )
 from .spans import Spans
 
@@ -228,7 +226,7 @@ class MemmapStorage(LocalFolderStorage):
         config = self._config()
         self._seed_view = None
         if config is not None:
-            schema = schema_from_config(config, os.path.join(self.root, CONFIG_FILE), self.location)
+            schema = self._schema_from_config(config, os.path.join(self.root, CONFIG_FILE))
             self._seed_origin = config.get("origin") == SEED_ORIGIN
         elif _seed.is_seed_folder(self.root):
             schema = _seed.read_seed_schema(self.root)
@@ -292,7 +290,7 @@ class MemmapStorage(LocalFolderStorage):
             raise KeyError(
                 "a memmap-replay-buffer folder opened read-only has no _generation array; use read_meta('_generation')"
             )
-        return named_array(self._arrays, name, meta, self.location)
+        return self._array_named(self._arrays, name, meta)
 
     # ---- counters and the step log ------------------------------------------------------------
 

@@ -59,9 +59,7 @@ from .base import (
     check_layout,
     empty_state,
     expected_layouts,
-    named_array,
     parse_json,
-    schema_from_config,
 )
 from .lease import ObjectLease, ProcessLease, WriterLease
 from .spans import Spans
@@ -320,7 +318,7 @@ class ZarrStorage(KVBlobs, Storage):
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
         where = self.describe_key("zarr.json")
-        schema = schema_from_config(attributes, where, self.location, ZARR_FORMAT_VERSION)
+        schema = self._schema_from_config(attributes, where, ZARR_FORMAT_VERSION)
         self.read_only = read_only
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
@@ -527,7 +525,7 @@ class ZarrStorage(KVBlobs, Storage):
 
     def array(self, name: str, meta: bool = False) -> ChunkedArray:
         # docstring inherited
-        return named_array(self._arrays, name, meta, self.location)
+        return self._array_named(self._arrays, name, meta)
 
     @property
     def is_local(self) -> bool:

@@ -243,24 +243,6 @@ def parse_json(raw: bytes, where: str) -> dict:
     return value
 
 
-def schema_from_config(config: dict, where: str, location: str, newest: int = FORMAT_VERSION) -> Schema:
-    """The Schema stored in ``config`` (read from ``where``), checked as a new one would be (sizes
-    included), after its format ``version``: an int, at most ``newest`` (what this replaybuf reads)."""
-    version = config.get("version", 0)
-    if not isinstance(version, int):
-        raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
-    if version > newest:
-        raise ValueError(
-            f"buffer at {location!r} has format version {version}; "
-            f"this replaybuf reads up to {newest}: upgrade replaybuf"
-        )
-    try:
-        return Schema.from_json(config)
-    except (KeyError, TypeError, ValueError) as e:
-        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-        raise BufferDamagedError(f"{where}: invalid buffer config: {detail}") from None
-
-
 def expected_layouts(schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
     """(name, meta) -> (shape, dtype) of every array a buffer with ``schema`` stores."""
     out = {
@@ -269,14 +251,6 @@ def expected_layouts(schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, 
     for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
         out[n, True] = ((schema.max_episodes, *f.shape), f.dtype)
     return out
-
-
-def named_array(arrays: Mapping[tuple[str, bool], _ArrayT], name: str, meta: bool, location: str) -> _ArrayT:
-    """``arrays[name, meta]`` (a backend's ``array``), or KeyError naming the array and the buffer."""
-    try:
-        return arrays[name, meta]
-    except KeyError:
-        raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {location!r}") from None
 
 
 def check_layout(where: str, shape: tuple[int, ...], dtype: np.dtype, expected: tuple[tuple[int, ...], np.dtype]):
@@ -450,6 +424,31 @@ class Storage(ABC):
     def list_blobs(self, prefix: str) -> list[str]:
         """Sorted keys of the side objects starting with ``prefix`` (empty or ending in ``/``);
         keys of a temp file a write has not yet renamed into place are never listed."""
+
+    def _schema_from_config(self, config: dict, where: str, newest: int = FORMAT_VERSION) -> Schema:
+        """The Schema stored in ``config`` (read from ``where``), checked as a new one would be
+        (sizes included), after its format ``version``: an int, at most ``newest`` (what this
+        replaybuf reads). For the backends' ``open``."""
+        version = config.get("version", 0)
+        if not isinstance(version, int):
+            raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
+        if version > newest:
+            raise ValueError(
+                f"buffer at {self.location!r} has format version {version}; "
+                f"this replaybuf reads up to {newest}: upgrade replaybuf"
+            )
+        try:
+            return Schema.from_json(config)
+        except (KeyError, TypeError, ValueError) as e:
+            detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise BufferDamagedError(f"{where}: invalid buffer config: {detail}") from None
+
+    def _array_named(self, arrays: Mapping[tuple[str, bool], _ArrayT], name: str, meta: bool) -> _ArrayT:
+        """``arrays[name, meta]`` (a backend's ``array``), or KeyError naming the array and the buffer."""
+        try:
+            return arrays[name, meta]
+        except KeyError:
+            raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
 
     # ---- counters ---------------------------------------------------------------------
 
