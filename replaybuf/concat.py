@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import torch
 
-from . import analysis
 from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
 from .storage import GenerationMismatchError, Storage
 from .view import CommittedViews, read_only_message
+
+if TYPE_CHECKING:  # analysis (dask, xarray) is imported on first use: loaders never need it
+    from .analysis import BufferStats
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
 
@@ -501,7 +503,9 @@ class ConcatReplayBuffer(CommittedViews):
         """One row per slot ``0 .. num_episodes - 1`` of every member (member by member, as the
         seed's ``get_all_data`` of each), time-padded to the longest, read consistently (see
         ``analysis.get_all_data``)."""
-        return analysis.get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
+        from .analysis import get_all_data
+
+        return get_all_data(self, fields, meta_fields, device=device, lazy=lazy, progress=progress)
 
     def to_dask(
         self,
@@ -510,7 +514,9 @@ class ConcatReplayBuffer(CommittedViews):
         order: str = "chronological",
     ):
         """The committed episodes of every member as dask arrays (see ``analysis.to_dask``)."""
-        return analysis.to_dask(self, fields, meta_fields, order=order)
+        from .analysis import to_dask
+
+        return to_dask(self, fields, meta_fields, order=order)
 
     def to_xarray(
         self,
@@ -519,18 +525,24 @@ class ConcatReplayBuffer(CommittedViews):
         order: str = "chronological",
     ):
         """The committed episodes of every member as a lazy ``xarray.Dataset`` (see ``analysis.to_xarray``)."""
-        return analysis.to_xarray(self, fields, meta_fields, order=order)
+        from .analysis import to_xarray
+
+        return to_xarray(self, fields, meta_fields, order=order)
 
     def episode_mask(self):
         """Dask bool (episodes, time): True where an episode has a step."""
-        return analysis.episode_mask(self)
+        from .analysis import episode_mask
+
+        return episode_mask(self)
 
     def stats(
         self, fields: Sequence[str] | None = None, progress: bool | None = None, *, episodes=None, exact: bool = False
-    ) -> analysis.BufferStats:
+    ) -> BufferStats:
         """Field statistics over the members' valid steps, their sketches merged across members
         (see ``analysis.stats``)."""
-        return analysis.stats(self, fields, progress=progress, episodes=episodes, exact=exact)
+        from .analysis import stats
+
+        return stats(self, fields, progress=progress, episodes=episodes, exact=exact)
 
     def flush(self) -> None:
         """Nothing to flush: the buffer is read-only."""
