@@ -47,7 +47,8 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
 
   Without ``generations`` a read returns what is stored now and verifies nothing.
   ``verifies_reads(names)`` tells per field: the zarr backend verifies the fields it holds
-  resident (each row checked against its slot's stored generation after it was loaded).
+  resident (each row checked against its slot's stored generation after it was loaded), and
+  its reads of them raise GenerationMismatchError as a verifying storage's do.
 - **Writes.** Data and meta are written through ``write_rows``, ``update_rows`` and
   ``write_meta`` only; nothing outside ``replaybuf/storage/`` writes through ``array``.
 - **Read-only.** On a Storage opened read-only every write (the write methods above and
