@@ -15,6 +15,7 @@ A reader trusts only slots whose published length is > 0.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -225,6 +226,23 @@ class DataView:
 
     def __repr__(self) -> str:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
+
+
+# whether the garbage collector is running in this process (``ReplayBuffer.__del__``)
+_COLLECTING = [False]
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _COLLECTING[0] = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
+def _on_object_store(storage: Storage | None) -> bool:
+    """Whether ``storage`` is reached through an event loop (``s3://``, ``gs://``, ``memory://``)."""
+    location = "" if storage is None else storage.location
+    return "://" in location and not location.startswith("file://")
 
 
 class ReplayBuffer(CommittedViews):
@@ -1236,6 +1254,12 @@ class ReplayBuffer(CommittedViews):
         self.close()
 
     def __del__(self):
+        if _COLLECTING[0] and _on_object_store(getattr(self, "storage", None)):
+            # a writer of an object store dropped without close() inside a garbage collection
+            # is left as a kill leaves it (the next writable open reconciles its counters): the
+            # collection may have interrupted a store call whose locks the flush needs (a thread
+            # pool's submit, a zarr sync), and the flush would wait on them forever
+            return
         try:
             if not self.read_only and getattr(self, "_commit", None) is not None:
                 self._commit.flush_counters()
