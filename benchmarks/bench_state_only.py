@@ -9,6 +9,12 @@ trajectories, 30 batches each after one warm-up batch, with 0 workers. Reported:
 (trajectories: episodes/s) and ratios vs the seed, seconds from opening the folder to the first
 batch, and the reader's peak RSS (and its rise above the RSS it had after its imports).
 
+``store_episode`` is timed over the first ``--timed-episodes`` episodes (default 20,000: the
+seed's and TorchRL's per-episode writes slow down as their files grow, and 100,000 episodes
+one by one take minutes on 2 cores); the rest of a larger buffer is written in groups of
+1,000 episodes (``batched_episode`` + ``store_batch``; TorchRL: one ``extend`` per group), so
+every reader samples the full size. ``--steps 1000`` measures 1,000-step episodes.
+
 Run: python benchmarks/bench_state_only.py [--episodes 100000] [--steps 20] [--stores seed 'replaybuf zarr']
 """
 
@@ -37,6 +43,8 @@ KINDS = tuple(BATCH_SIZES)
 NSTEP = 3
 TIMED_BATCHES = 30
 STORES = ("seed", "replaybuf zarr", "replaybuf memmap", "TorchRL")
+TIMED_EPISODES = 20_000
+GROUP = 1000  # episodes written together after the timed ones
 
 
 def make_state_episode(steps: int, index: int) -> dict[str, np.ndarray]:
@@ -48,6 +56,16 @@ def make_state_episode(steps: int, index: int) -> dict[str, np.ndarray]:
     }
 
 
+def make_state_group(steps: int, first: int, count: int) -> dict[str, np.ndarray]:
+    """``count`` episodes at once, time-major (steps, count, ...) as ``store_batch`` takes them."""
+    rng = np.random.default_rng(first)
+    return {
+        "state": rng.standard_normal((steps, count, 32), dtype=np.float32),
+        "action": rng.uniform(-1, 1, (steps, count, 6)).astype(np.float32),
+        "reward": rng.standard_normal((steps, count), dtype=np.float32),
+    }
+
+
 def vector_bytes(size: WorkloadSize) -> int:
     return size.total_steps * (32 + 6 + 1) * 4
 
@@ -55,20 +73,32 @@ def vector_bytes(size: WorkloadSize) -> int:
 # ---- writing (parent) ----------------------------------------------------------------------
 
 
-def write_seed_api(name: str, module: str, size: WorkloadSize, workdir: Path, **options: Any) -> tuple[Path, float]:
-    """Fill a seed-API buffer with store_episode; (its folder, episodes/s)."""
+def write_seed_api(
+    name: str, module: str, size: WorkloadSize, workdir: Path, timed: int, **options: Any
+) -> tuple[Path, float]:
+    """Fill a seed-API buffer: store_episode for the first ``timed`` episodes (timed), then
+    groups of ``batched_episode`` + ``store_batch``; (its folder, store_episode episodes/s)."""
     peer = SeedApiPeer(name, module, size, workdir, fields=FIELDS, **options)
     start = time.perf_counter()
-    for index in range(size.episodes):
+    for index in range(timed):
         peer.fill_episode(make_state_episode(size.steps, index))
     peer.finish_fill()
-    rate = size.episodes / (time.perf_counter() - start)
+    rate = timed / (time.perf_counter() - start)
+    buffer = peer.buffer
+    for first in range(timed, size.episodes, GROUP):
+        count = min(GROUP, size.episodes - first)
+        group = make_state_group(size.steps, first, count)
+        with buffer.batched_episode(count):
+            for t in range(size.steps):
+                buffer.store_batch(**{k: v[t] for k, v in group.items()})
+    peer.finish_fill()
     peer.buffer = None
     return peer.folder / "buffer", rate
 
 
-def write_torchrl(size: WorkloadSize, workdir: Path) -> tuple[Path, float]:
-    """Fill a LazyMemmapStorage (one extend per episode) and dump it for the reader."""
+def write_torchrl(size: WorkloadSize, workdir: Path, timed: int) -> tuple[Path, float]:
+    """Fill a LazyMemmapStorage (one timed extend per episode for the first ``timed``, then one
+    per group) and dump it for the reader."""
     try:
         import tensordict
         import torch
@@ -79,11 +109,20 @@ def write_torchrl(size: WorkloadSize, workdir: Path) -> tuple[Path, float]:
     storage = torchrl.data.LazyMemmapStorage(size.total_steps, scratch_dir=str(folder / "scratch"), existsok=True)
     buffer = torchrl.data.ReplayBuffer(storage=storage)
     start = time.perf_counter()
-    for index in range(size.episodes):
+    for index in range(timed):
         fields = {k: torch.from_numpy(v) for k, v in make_state_episode(size.steps, index).items()}
         fields["episode"] = torch.full((size.steps,), index, dtype=torch.int64)
         buffer.extend(tensordict.TensorDict(fields, batch_size=[size.steps]))
-    rate = size.episodes / (time.perf_counter() - start)
+    rate = timed / (time.perf_counter() - start)
+    for first in range(timed, size.episodes, GROUP):
+        count = min(GROUP, size.episodes - first)
+        # episode-major rows, as one extend per episode leaves them
+        group = {
+            k: torch.from_numpy(np.ascontiguousarray(v.swapaxes(0, 1)).reshape(count * size.steps, *v.shape[2:]))
+            for k, v in make_state_group(size.steps, first, count).items()
+        }
+        group["episode"] = torch.arange(first, first + count).repeat_interleave(size.steps)
+        buffer.extend(tensordict.TensorDict(group, batch_size=[count * size.steps]))
     buffer.dumps(str(folder / "dump"))
     return folder / "dump", rate
 
@@ -190,6 +229,12 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES), help="stores to compare")
+    parser.add_argument(
+        "--timed-episodes",
+        type=int,
+        default=TIMED_EPISODES,
+        help="store_episode is timed over this many first episodes; the rest is written in groups",
+    )
     parser.add_argument("--child", nargs=2, metavar=("STORE", "FOLDER"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.child:
@@ -198,15 +243,21 @@ def main() -> None:
     size = WorkloadSize(arguments.episodes, arguments.steps)
     print_header("State-only buffers, read-only reader in its own process (issue 20)")
     print(f"workload: {size.episodes} episodes x {size.steps} steps, state f32[32] + action f32[6] + reward f32\n")
+    timed = max(1, min(size.episodes, arguments.timed_episodes))
     notes: list[str] = []
+    if timed < size.episodes:
+        notes.append(
+            f"store_episode timed over the first {timed:,} episodes; the other {size.episodes - timed:,} "
+            f"were written in groups of {GROUP:,} (batched_episode + store_batch; TorchRL: extend)"
+        )
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-state-") as tmp:
         workdir = Path(tmp)
         writers = {
-            "seed": lambda: write_seed_api("seed", "memmap_replay_buffer", size, workdir),
-            "replaybuf zarr": lambda: write_seed_api("zarr", "replaybuf", size, workdir, backend="zarr"),
-            "replaybuf memmap": lambda: write_seed_api("memmap", "replaybuf", size, workdir, backend="memmap"),
-            "TorchRL": lambda: write_torchrl(size, workdir),
+            "seed": lambda: write_seed_api("seed", "memmap_replay_buffer", size, workdir, timed),
+            "replaybuf zarr": lambda: write_seed_api("zarr", "replaybuf", size, workdir, timed, backend="zarr"),
+            "replaybuf memmap": lambda: write_seed_api("memmap", "replaybuf", size, workdir, timed, backend="memmap"),
+            "TorchRL": lambda: write_torchrl(size, workdir, timed),
         }
         results = {}
         for store in arguments.stores:

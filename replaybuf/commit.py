@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -145,17 +145,22 @@ class Committer:
             ) from e
 
     def commit(
-        self, group: EpisodeGroup, final_meta: dict[str, np.ndarray] | None = None, batch_counters: bool = False
+        self,
+        group: EpisodeGroup,
+        final_meta: dict[str, np.ndarray] | None = None,
+        batch_counters: bool = False,
+        written: Sequence[tuple[str, int, np.ndarray]] = (),
     ) -> None:
         """Commit ``group`` (at least one step): its rows still in RAM, padded to a chunk
         boundary, then the stale chunks of a longer previous episode, then steps 3 and 4
-        (``batch_counters``: step 4 batched, for whole episodes with no step log)."""
+        (``batch_counters``: step 4 batched, for whole episodes with no step log).
+        ``written``: slabs already written whose rows the caller still holds (not read back)."""
         for name, values in (final_meta or {}).items():
             group.meta[name][:] = values
         tail = group.tail(self.time_chunks, self.max_timesteps)
         self.write_slabs(group, tail)
         self.clear_stale(group)
-        in_ram = {name: rows for name, start, rows in tail if start == 0}
+        in_ram = {name: rows for name, start, rows in (*written, *tail) if start == 0 and rows.shape[1] >= group.length}
 
         def steps(name: str) -> np.ndarray:
             """The committed steps of field ``name``: in RAM unless a slab already left."""
@@ -178,8 +183,9 @@ class Committer:
         through the same group, padding and commit path as episodes stored step by step.
         Returns the slot (as a 1-element array)."""
         group = self.new_group(1, meta)
-        self.write_slabs(group, group.extend({n: v[None] for n, v in steps.items()}, length))
-        self.commit(group, batch_counters=True)
+        slabs = group.extend({n: v[None] for n, v in steps.items()}, length)
+        self.write_slabs(group, slabs)
+        self.commit(group, batch_counters=True, written=slabs)  # sketches use the rows in RAM
         return group.slots
 
     def clear_stale(self, group: EpisodeGroup) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -162,6 +162,11 @@ class ConcatStorage(Storage):
     def verifies_generations(self) -> bool:  # type: ignore[override]
         """Reads are verified when every member's are (generations are per member)."""
         return all(m.verifies_generations for m in self.members)
+
+    def verifies_reads(self, names: Iterable[str]) -> bool:
+        # docstring inherited: when every member's are
+        names = tuple(names)
+        return all(m.verifies_reads(names) for m in self.members)
 
     def read_rows(
         self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None

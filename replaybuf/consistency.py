@@ -126,6 +126,7 @@ def read_consistent(
     whole: bool = False,
     exhausted: str = "raise",
     retries: int = RETRIES,
+    verified: bool | None = None,
 ) -> np.ndarray:
     """Read items ``0 .. n-1`` (item i: slot ``slots[i]`` planned at ``generations[i]``; 0 or
     less: empty, not read) until each was read while its slot held the planned episode.
@@ -134,7 +135,8 @@ def read_consistent(
     passing ``generations[items]`` to every storage read; ``whole=True``: every call reads
     every live item (a batch read at once), and only the last call's values count. After each
     read the generations of the items' slots are read again (``committed_generations``), unless
-    the storage ``verifies_generations``; items that changed, or that a
+    the storage ``verifies_generations`` (``verified``: the caller's answer for what ``read``
+    reads, ``Storage.verifies_reads``); items that changed, or that a
     ``GenerationMismatchError`` from ``read`` names, are re-planned by ``replan(items)``, which
     returns their new (slots, generations) (and updates what the caller reads for them, e.g.
     lengths), or dropped without ``replan``. Any other error raised by ``read`` is a retry when
@@ -148,7 +150,8 @@ def read_consistent(
     """
     if exhausted not in ("raise", "drop"):
         raise ValueError(f"exhausted must be 'raise' or 'drop', got {exhausted!r}")
-    verified = _storage(source).verifies_generations
+    if verified is None:
+        verified = _storage(source).verifies_generations
     kept = np.zeros(len(slots), dtype=bool)
     todo = np.flatnonzero(generations > 0)
     failed: Exception | None = None

@@ -114,7 +114,15 @@ def test_consistent_read_rereads_a_slot_reused_during_the_read(location):
     got = read_episodes_consistent(reader, [0, 1])
     assert got.slots.tolist() == [0, 1] and got.dropped.tolist() == []
     assert verify(got) == [3, 2], "slot 0 is read again as the episode it holds now"
-    assert calls[-1] == [0], "only the slot that changed is read again"
+    storage = reader.storage
+    if storage.verifies_reads(reader.fieldnames):
+        # resident fields: a field read after the write found slot 0 reused (its rows are
+        # checked when loaded), so the read is repeated whole; slot 1 then comes from RAM:
+        # each field loaded slots 0 and 1 once, and slot 0 at most once more
+        loads = [storage.array(n).resident_rows_read for n in reader.fieldnames]
+        assert len(calls) > 2 and all(2 <= n <= 3 for n in loads) and 3 in loads, loads
+    else:
+        assert calls[-1] == [0], "only the slot that changed is read again"
 
 
 def test_a_slot_rewritten_during_every_read_raises_a_retryable_error(location):

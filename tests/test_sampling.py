@@ -45,12 +45,18 @@ def make_buffer(backend, tmp_path, lengths=LENGTHS, **kwargs):
 @pytest.fixture(scope="module", params=BACKENDS)
 def shared_buffer(request, tmp_path_factory):
     """A buffer the read-only tests share (one per backend)."""
-    return make_buffer(request.param, tmp_path_factory.mktemp("shared"))
+    buffer = make_buffer(request.param, tmp_path_factory.mktemp("shared"))
+    yield buffer
+    buffer.close()
 
 
 @pytest.fixture
 def buffer(backend, tmp_path):
-    return make_buffer(backend, tmp_path)
+    # closed here, not flushed by ``__del__`` when a later test's allocation runs the garbage
+    # collector: a memory:// writer's flush there can deadlock on the thread pools' shutdown lock
+    buffer = make_buffer(backend, tmp_path)
+    yield buffer
+    buffer.close()
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +247,18 @@ def test_loader_never_mixes_a_reused_slot(backend, tmp_path, reader):
     for batch in loader:
         check_origin(batch, origin)
         seen.update(s for s, _ in batch["_indices"].tolist())
-    assert seen and not seen & {0, 1, 2}
+    if reader == "read_only" and loader.dataset.fetcher.verified():
+        # served from copies checked for the snapshot's generations when loaded (a read-only
+        # zarr reader's resident fields): the reused slots' old episodes, as the snapshot named
+        assert seen == set(range(MAX_EPISODES))
+    else:  # the reused slots are dropped: their stored rows (and the writer's copies) are new
+        assert seen and not seen & {0, 1, 2}
     fresh = make_dataloader(source, 64, timestep_level=True, return_indices=True)
     origin.update({0: MAX_EPISODES, 1: MAX_EPISODES + 1, 2: MAX_EPISODES + 2})
     for batch in fresh:
         check_origin(batch, origin)
     assert len(fresh.dataset) == 6 * MAX_EPISODES
+    writer.close()
 
 
 def test_episode_in_progress_is_not_visible(backend, tmp_path):
@@ -259,6 +271,7 @@ def test_episode_in_progress_is_not_visible(backend, tmp_path):
     assert len(make_dataset(writer, timestep_level=True)) == sum(LENGTHS)
     writer.advance_episode()
     assert len(make_dataset(reader, timestep_level=True)) == sum(LENGTHS) + 3
+    writer.close()
 
 
 @pytest.mark.parametrize("resident_bytes", [0, 64 << 20], ids=["lru", "resident"])
@@ -282,6 +295,7 @@ def test_reader_sees_in_place_updates_after_refresh(backend, tmp_path, resident_
     assert (after["image"] == 7).all() and (after["state"] == 2.5).all()
     trajectories = next(iter(make_dataloader(reader, len(LENGTHS), shuffle=False, return_mask=True)))
     assert (trajectories["image"][trajectories["_mask"]] == 7).all()
+    writer.close()
 
 
 # ---- the chunk cache -------------------------------------------------------------------------------

@@ -5,16 +5,20 @@ workers, and left on disk above the size threshold."""
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import uuid
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader, RandomSampler, get_worker_info
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache, make_dataloader
-from replaybuf.storage import _chunks
+from replaybuf.sampling.datasets import TimepointIndex
+from replaybuf.sampling.loader import ShuffledSampler
+from replaybuf.storage import GenerationMismatchError, _chunks
 
 from ._data import fields, random_episode, uniform
 
@@ -175,3 +179,127 @@ def test_object_store_reader_loads_resident_fields_with_concurrent_requests(s3_s
     assert reader.storage.array("reward").resident_rows_read == 2 * EPISODES
     assert (batch["reward"][batch["_indices"][:, 0] == 2] == 5).all()
     writer.close()
+
+
+# ---- many episodes: per-batch cost and memory (issue 20 at 100,000 episodes) -------------------
+
+
+def test_batches_of_resident_fields_read_no_generations(tmp_path, monkeypatch):
+    """Resident rows were checked against their slots' stored generations when loaded, so a
+    batch served from them skips the re-check of its slots (a read of the _generation array
+    whose cost grew with the buffer: 3x slower batches at 100,000 episodes); a field that is
+    not resident is re-checked as before."""
+    path = str(tmp_path / "buffer")
+    fields = {**FIELDS, "frame": ("uint8", (48, 48, 3))}
+    buffer = ReplayBuffer(path, max_episodes=EPISODES, max_timesteps=STEPS, fields=fields)
+    for index in range(EPISODES):
+        buffer.store_episode(**episode(index), frame=np.full((STEPS, 48, 48, 3), index, np.uint8))
+    buffer.close()
+    monkeypatch.setattr(_chunks, "SMALL_ARRAY_BYTES", 0)  # frames stay on disk
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    rechecks = []
+    read_meta_rows = reader.storage.read_meta_rows
+    monkeypatch.setattr(
+        reader.storage, "read_meta_rows", lambda name, slots: rechecks.append(name) or read_meta_rows(name, slots)
+    )
+    resident = make_dataloader(reader, 8, timestep_level=True, return_indices=True, fields=list(FIELDS))
+    batches = list(resident)
+    assert rechecks == [] and resident.dataset.fetcher.verified()
+    values = expected(path)
+    for batch in batches:
+        check_batch(batch, values)
+    on_disk = make_dataloader(reader, 8, timestep_level=True, fields=["state", "frame"])
+    next(iter(on_disk))
+    assert rechecks == ["_generation"] and not on_disk.dataset.fetcher.verified()
+
+
+def test_resident_rows_of_a_reused_slot_are_not_kept(tmp_path):
+    """A row loaded for a generation its slot no longer holds (a writer reused the slot since
+    the reader's snapshot) raises GenerationMismatchError naming the slot; the other rows are
+    kept and served without reading them again."""
+    path = str(tmp_path / "buffer")
+    write(path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    old = np.array(reader.generations)
+    writer = ReplayBuffer.from_folder(path)
+    writer.store_episode(**episode(EPISODES))  # the circular buffer's oldest slot: 0
+    writer.close()
+    storage, array = reader.storage, reader.storage.array("ident")
+    slots = np.arange(EPISODES)
+    with pytest.raises(GenerationMismatchError) as caught:
+        storage.gather("ident", slots, np.zeros(EPISODES, np.int64), old[slots])
+    assert caught.value.slots == [0] and array.resident_rows_read == EPISODES
+    kept = storage.gather("ident", slots[1:], np.ones(EPISODES - 1, np.int64), old[1:])
+    assert kept.tolist() == [1000 * s + 1 for s in range(1, EPISODES)] and array.resident_rows_read == EPISODES
+    with pytest.raises(GenerationMismatchError):  # read again, still not the named generation
+        storage.gather("ident", slots[:1], np.zeros(1, np.int64), old[:1])
+    reader.refresh()
+    assert storage.gather("ident", slots[:1], np.zeros(1, np.int64), np.array(reader.generations)[:1]).tolist() == [
+        1000 * EPISODES
+    ]
+
+
+def test_timepoint_index_maps_positions_as_the_pairs_it_replaces():
+    slots = np.array([4, 0, 7, 2, 9])
+    counts = np.array([0, 3, 0, 2, 1])  # empty episodes first, between and never last-only
+    reference = [(int(s), t) for s, n in zip(slots, counts) for t in range(n)]
+    index = TimepointIndex(slots, counts)
+    assert len(index) == len(reference) == 6
+    episodes, timesteps = index.pairs()
+    assert list(zip(episodes.tolist(), timesteps.tolist())) == reference
+    positions = np.array([5, 0, 3, 3])
+    assert [tuple(map(int, p)) for p in zip(*index.pairs(positions))] == [reference[p] for p in positions]
+    index.keep(np.array([True, False, True, True, False, True]))
+    index.keep(np.array([False, True, True, True]))  # a second filter applies to what the first kept
+    assert index.kept is not None and index.kept.dtype == np.int32
+    assert list(zip(*(a.tolist() for a in index.pairs()))) == [reference[i] for i in (2, 3, 5)]
+
+
+def test_timestep_dataset_keeps_no_per_step_arrays(tmp_path):
+    """The dataset's index takes memory per episode; ``timepoints`` (the seed's attribute) is
+    built on access, with the pairs the batches use."""
+    path = str(tmp_path / "buffer")
+    write(path)
+    dataset = make_dataloader(ReplayBuffer.from_folder(path, read_only=True), 8, timestep_level=True).dataset
+    big = [k for k, v in vars(dataset).items() if isinstance(v, (np.ndarray, torch.Tensor)) and len(v) > EPISODES]
+    assert big == [] and len(dataset) == EPISODES * STEPS
+    assert dataset.timepoints.tolist() == [[e, t] for e in range(EPISODES) for t in range(STEPS)]
+    batch = dataset.__getitems__([7, 29])
+    assert batch.batch["ident"].reshape(-1).tolist() == [1000 * 1 + 2, 1000 * 5 + 4]
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_shuffled_sampler_draws_torchs_order(replacement):
+    """``shuffle=True`` keeps torch's RandomSampler order for a seed, from a tensor, not a list."""
+    data = range(10_000)
+    torch.manual_seed(3)
+    expected_order = list(RandomSampler(data, replacement=replacement))
+    torch.manual_seed(3)
+    assert list(ShuffledSampler(data, replacement=replacement)) == expected_order
+    generator = torch.Generator().manual_seed(5)
+    again = torch.Generator().manual_seed(5)
+    assert list(ShuffledSampler(data, generator=generator)) == list(RandomSampler(data, generator=again))
+
+
+def test_shuffled_loader_covers_every_sample_once(tmp_path):
+    path = str(tmp_path / "buffer")
+    write(path)
+    loader = make_dataloader(ReplayBuffer.from_folder(path, read_only=True), 7, timestep_level=True, shuffle=True)
+    assert isinstance(loader.sampler, ShuffledSampler)
+    seen = sorted(v for batch in loader for v in batch["ident"].reshape(-1).tolist())
+    assert seen == sorted(1000 * e + t for e in range(EPISODES) for t in range(STEPS))
+
+
+def test_making_a_loader_does_not_import_dask(tmp_path):
+    """dask and xarray (``analysis``) load on first use: a reader process that samples pays
+    neither their import time (~1 s) nor their memory (~100 MB)."""
+    path = str(tmp_path / "buffer")
+    write(path)
+    code = (
+        "import sys, replaybuf\n"
+        f"loader = replaybuf.ReplayBuffer.from_folder({path!r}, read_only=True).dataloader(batch_size=4, shuffle=True)\n"
+        "next(iter(loader))\n"
+        "print(sorted(m for m in ('dask', 'xarray', 'replaybuf.analysis') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

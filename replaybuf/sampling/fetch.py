@@ -106,14 +106,23 @@ class Fetcher:
     def _load_resident(self) -> None:
         """``Storage.preload`` of the snapshot's rows of every field.
 
-        A slot being rewritten may fail to decode: the preload then stops there, and the batch
-        reads (checked by ``consistency.read_consistent``) load what they use, as they would
-        have without it."""
+        A slot the preload finds reused since the snapshot is dropped from it (generation -1:
+        never drawn). A slot being rewritten may fail to decode: the preload then stops there,
+        and the batch reads (checked by ``consistency.read_consistent``) load what they use, as
+        they would have without it."""
         for name in self.fields:
+            live = self.slots[self.generations[self.slots] > 0]
             try:
-                self.storage.preload(name, self.slots, self.generations[self.slots])
+                self.storage.preload(name, live, self.generations[live])
+            except GenerationMismatchError as error:
+                self.generations[error.slots] = -1
             except Exception:  # noqa: BLE001 - retried, checked, by the batch reads
                 return
+
+    def verified(self) -> bool:
+        """Whether every read of this fetcher returns rows of the generations it names only
+        (``Storage.verifies_reads``): a batch then needs no re-check of its slots."""
+        return self.cache is None and self.storage.verifies_reads(self.fields)
 
     def _load_ram(self) -> None:
         longest = int(self.lens[self.slots].max()) if len(self.slots) else 0

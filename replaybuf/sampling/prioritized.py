@@ -19,6 +19,7 @@ from torch.utils.data import Sampler
 
 from ..buffer import as_writer
 from ..view import BufferView
+from .datasets import draws_timepoints
 
 _samplers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -71,7 +72,7 @@ class PrioritizedBatchSampler(Sampler):
         beta: float = 0.4,
         num_batches: int | None = None,
     ):
-        if not hasattr(dataset, "timepoints"):
+        if not draws_timepoints(dataset):
             raise ValueError("sampler='prioritized' draws timesteps: use timestep_level=True or n_steps")
         check_priority_field(dataset.replay_buffer, priority_field)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -86,7 +87,8 @@ class PrioritizedBatchSampler(Sampler):
         self.beta = float(beta)
         self.num_batches = max(1, len(dataset) // batch_size) if num_batches is None else int(num_batches)
         max_t = dataset.replay_buffer.max_timesteps
-        self._keys = dataset._episodes * max_t + dataset._timesteps
+        episodes, timesteps = dataset.pairs()
+        self._keys = episodes * max_t + timesteps
         self._scaled: np.ndarray | None = None
         self._cumulative: np.ndarray | None = None
         self._generator = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
@@ -97,7 +99,7 @@ class PrioritizedBatchSampler(Sampler):
 
     def load(self) -> None:
         """Read the priorities of every sample from the buffer."""
-        raw = self.dataset.fetcher.gather(self.priority_field, self.dataset._episodes, self.dataset._timesteps)
+        raw = self.dataset.fetcher.gather(self.priority_field, *self.dataset.pairs())
         self._set(np.arange(len(self._keys)), raw.reshape(-1).astype(np.float64))
 
     def _set(self, positions: np.ndarray, priorities: np.ndarray) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._codecs import ChunkCodec, ChunkDamage
 from ._kv import KeyValue, copy_spans, thread_pool
-from .base import CorruptChunkError
+from .base import CorruptChunkError, GenerationMismatchError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
 _PACKED_READ_BYTES = 16 << 20
@@ -215,6 +215,11 @@ class ChunkedArray:
     storage, ``rows_written(first, count)`` tells it which rows a write changed, and
     ``row_prints(rows)`` fingerprints rows by those checksums (a chunk's file changes with any
     of its rows: a refresh re-reads only the rows whose checksum changed).
+
+    ``generations_of(slots)`` (the ``_generation`` of slots as stored now) makes the resident
+    copy verified: a row is loaded for the generation a read names and kept only when its slot
+    still holds that generation after the load (``_load_resident``), so every later read of it
+    returns rows of the generation it names, or GenerationMismatchError (``verifies_resident``).
     """
 
     def __init__(
@@ -233,6 +238,7 @@ class ChunkedArray:
         check_rows: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
         rows_written: Callable[[int, int], None] | None = None,
         row_prints: Callable[[np.ndarray], np.ndarray] | None = None,
+        generations_of: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
         self.kv = kv
         self.path = path
@@ -248,6 +254,7 @@ class ChunkedArray:
         self.check_rows = check_rows
         self.rows_written = rows_written
         self.row_prints = row_prints
+        self.generations_of = generations_of
         # bytes of one element of the time axis (grid_axes 2) or of one row (grid_axes 1)
         self.item_nbytes = int(np.prod(self.shape[grid_axes:], dtype=np.int64)) * self.dtype.itemsize
         self._namespace = uuid.uuid4().hex
@@ -716,6 +723,14 @@ class ChunkedArray:
         with self._resident_lock:
             return self._make_resident()
 
+    @property
+    def verifies_resident(self) -> bool:
+        """Whether reads given generations are served from a resident copy whose rows were
+        checked against their slots' stored generations when loaded (``generations_of``): such
+        a read returns rows of the generations it names only (else GenerationMismatchError),
+        and its caller needs no re-check of its own (``Storage.verifies_reads``)."""
+        return self.generations_of is not None and self._resident is not None
+
     def _make_resident(self) -> bool:
         """``_resident_enabled`` for an array without a resident copy yet (lock held)."""
         if self._resident is None:
@@ -828,20 +843,29 @@ class ChunkedArray:
 
     def _load_resident(self, rows: np.ndarray, generations: np.ndarray) -> None:
         """Read whole rows into the resident copy: one parallel pass over their objects,
-        fingerprinted before the read (a write racing the read then shows as a change)."""
+        fingerprinted before the read (a write racing the read then shows as a change). With
+        ``generations_of``, a row whose slot no longer holds its generation after the read (a
+        writer reused it meanwhile) is not kept: GenerationMismatchError names those slots,
+        after the other rows are kept."""
         resident, known, kept_prints, _ = self._resident_copy()
         prints = self._fingerprints(rows)
         count = len(rows)
         run = count and int(rows[-1]) - int(rows[0]) == count - 1  # ascending (np.unique), no gap
         # one run of slots (a first load) is decoded in place; scattered ones through a copy
         values = resident[rows[0] : rows[0] + count] if run else np.empty((count, *self.shape[1:]), self.dtype)
+        known[rows] = _NEVER  # until read and checked: a failed read leaves nothing trusted
         self.read_into(values, rows, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64))
         if not run:
             resident[rows] = values
-        known[rows] = generations
+        # a generation read after the data and equal to the one named held through the read:
+        # generations never return (``consistency.py``)
+        moved = np.zeros(count, bool) if self.generations_of is None else self.generations_of(rows) != generations
+        known[rows[~moved]] = generations[~moved]
         if prints is not None:
             kept_prints[rows] = prints
         self.resident_rows_read += count
+        if moved.any():
+            raise GenerationMismatchError(self.kv.where(self.path), rows[moved])
 
     def _forget_rows(self, first: int, count: int) -> None:
         """After rows ``first .. first + count`` were written in place: their resident rows are

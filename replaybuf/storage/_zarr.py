@@ -36,6 +36,7 @@ import functools
 import json
 import os
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -373,6 +374,7 @@ class ZarrStorage(KVBlobs, Storage):
             separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"),
             # format 2 data arrays and packed ones keep every chunk they write: a missing one is damage
             committed=self._committed_length if (checksum or chunks[0] > 1) and grid_axes == 2 else None,
+            generations_of=functools.partial(self._stored_meta_rows, "_generation") if grid_axes == 2 else None,
         )
         if grid_axes == 2 and chunks[0] > 1 and not compressors and not checksum:
             name = path.split("/", 1)[1]
@@ -387,23 +389,23 @@ class ZarrStorage(KVBlobs, Storage):
         return ShardedArray(*args, index_crc=index_crc, **options)
 
     def _committed_length(self, slot: int) -> int:
-        """The published length of ``slot`` as stored now: one 4-byte range read of the
-        uncompressed ``episode_lens`` chunk (0 when absent)."""
-        return int(self._committed_lengths(np.array([slot]))[0])
+        """The published length of ``slot`` as stored now (0 when absent)."""
+        return int(self._stored_meta_rows("episode_lens", np.array([slot]))[0])
 
-    def _committed_lengths(self, slots: np.ndarray) -> np.ndarray:
-        """The published lengths of ``slots`` as stored now: 4-byte range reads of the
-        uncompressed ``episode_lens`` chunks, or the whole array for many slots (0 when absent)."""
-        lens = self.array("episode_lens", meta=True)
-        if len(slots) * 64 > lens.shape[0]:
-            return np.asarray(lens[:])[slots]
+    def _stored_meta_rows(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Meta ``name`` of ``slots`` as stored now (0 where absent): one range read per slot
+        of the uncompressed chunks, or the whole array for many slots."""
+        array = self.array(name, meta=True)
+        size = array.dtype.itemsize
+        if len(slots) * 64 > array.shape[0] or array.codec.compressed or array.codec.checksum:
+            return np.asarray(array[:])[slots]
         requests = []
         for slot in slots.tolist():
-            chunk, row = divmod(slot, lens.chunks[0])
-            requests.append((lens.chunk_key((chunk,)), 4 * row, 4 * row + 4))
+            chunk, row = divmod(slot, array.chunks[0])
+            requests.append((array.chunk_key((chunk,)), size * row, size * row + size))
         return np.array(
             [
-                0 if r is None or len(r) != 4 else int.from_bytes(r, "little", signed=True)
+                0 if r is None or len(r) != size else int.from_bytes(r, "little", signed=True)
                 for r in self.kv.get_ranges(requests)
             ],
             dtype=np.int64,
@@ -473,7 +475,7 @@ class ZarrStorage(KVBlobs, Storage):
         """After rows ``first .. first + count`` of packed field ``name`` were written: the
         committed ones among them (an update in place) get their checksums recomputed."""
         slots = np.arange(first, first + count, dtype=np.int64)
-        lengths = self._committed_lengths(slots)
+        lengths = self._stored_meta_rows("episode_lens", slots)
         if (lengths > 0).any():
             self._seal(slots, lengths, [name])
 
@@ -493,7 +495,7 @@ class ZarrStorage(KVBlobs, Storage):
         column = self._packed.index(name)
         for attempt in range(_CHECK_READS):
             picked = np.flatnonzero(starts == 0)
-            committed = self._committed_lengths(episodes[picked])
+            committed = self._stored_meta_rows("episode_lens", episodes[picked])
             whole = (committed > 0) & (committed <= lengths[picked])
             picked, committed = picked[whole], committed[whole]
             if not len(picked):
@@ -620,7 +622,8 @@ class ZarrStorage(KVBlobs, Storage):
             self._hot.published(episodes, np.broadcast_to(values, episodes.shape))
 
     # Generations key the chunk cache and the resident copies of small fields (``_chunks.py``):
-    # reads given them may be served from RAM; they are not verified (``verifies_generations``).
+    # reads given them may be served from RAM. Reads of resident fields are verified (their rows
+    # were checked against the stored generations when loaded: ``verifies_reads``), others not.
 
     def read_rows(
         self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
@@ -647,6 +650,10 @@ class ZarrStorage(KVBlobs, Storage):
     def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
         # docstring inherited: the resident copy of a small field
         self.array(name).load_resident(np.asarray(episodes), np.asarray(generations))
+
+    def verifies_reads(self, names: Iterable[str]) -> bool:
+        # docstring inherited: fields held resident are checked when their rows are loaded
+        return all(self.array(name).verifies_resident for name in names)
 
     def drop_caches(self) -> None:
         # docstring inherited

@@ -46,6 +46,9 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
     nothing from the backing store.
 
   Without ``generations`` a read returns what is stored now and verifies nothing.
+  ``verifies_reads(names)`` tells per field: the zarr backend verifies the fields it holds
+  resident (each row checked against its slot's stored generation after it was loaded), and
+  its reads of them raise GenerationMismatchError as a verifying storage's do.
 - **Writes.** Data and meta are written through ``write_rows``, ``update_rows`` and
   ``write_meta`` only; nothing outside ``replaybuf/storage/`` writes through ``array``.
 - **Read-only.** On a Storage opened read-only every write (the write methods above and
@@ -67,7 +70,7 @@ import time
 import types
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -616,6 +619,14 @@ class Storage(ABC):
     def __getstate__(self) -> dict:
         """A pickled storage (sent to a DataLoader worker) carries no lease."""
         return {**self.__dict__, "_lease": None, "_lease_finalizer": None}
+
+    def verifies_reads(self, names: Iterable[str]) -> bool:
+        """Whether reads of the data fields ``names`` given ``generations`` return only rows of
+        those generations, else raise GenerationMismatchError (see "Generations"): callers of
+        such reads skip their own re-check. ``verifies_generations`` unless a backend verifies
+        some fields only."""
+        del names
+        return self.verifies_generations
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         """``meta/name[episodes]`` read from the store now, only those entries (what a reader
