@@ -499,11 +499,16 @@ class CachedStorage(Storage):
         field = self._field(name)
         out = np.empty((len(episodes), *field.shape), dtype=field.dtype)
         served = np.zeros(len(episodes), dtype=bool)
-        for items, cached in self._served(name, episodes, generations):
-            if cached is not None:
-                items = items[timesteps[items] < len(cached)]
-                out[items] = cached[timesteps[items]]
-                served[items] = True
+        slots, planned_slots, inverse = self._slots(episodes, generations)
+        found = self._rows(name, slots, planned_slots) if len(slots) else {}
+        mapped = [found.get(pair) for pair in zip(slots.tolist(), planned_slots.tolist())]
+        # one copy per item, straight from its map: grouping items by episode costs a fancy
+        # index and a second copy per group (~30% slower for 84x84x3 frames)
+        for i, (k, t) in enumerate(zip(inverse.tolist(), timesteps.tolist())):
+            cached = mapped[k]
+            if cached is not None and t < len(cached):
+                out[i] = cached[t]
+                served[i] = True
         rest = np.flatnonzero(~served)
         if len(rest):
             planned = None if generations is None else np.broadcast_to(generations, episodes.shape)[rest]
