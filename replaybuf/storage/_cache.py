@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..schema import Field, Schema
+from ._kv import copy_spans
 from .base import ArrayLike, GenerationMismatchError, Storage
 from .spans import Spans
 
@@ -524,14 +525,21 @@ class CachedStorage(Storage):
         served = np.zeros(len(spans), dtype=bool)
         if self._cached(name):
             served = spans.lengths == 0
+            copies = []  # (item, its rows): copied below, on the pool when large
             for items, cached in self._served(name, spans.episodes, generations):
                 if cached is None:
                     continue
                 for i in items.tolist():
                     start, length = int(spans.starts[i]), int(spans.lengths[i])
                     if length and start + length <= len(cached):
-                        out[i, :length] = cached[start : start + length]
+                        copies.append((i, cached[start : start + length]))
                         served[i] = True
+
+            def copy(k: int) -> None:
+                i, rows = copies[k]
+                out[i, : len(rows)] = rows
+
+            copy_spans(len(copies), copy, sum(rows.nbytes for _, rows in copies), parallel)
         rest = np.flatnonzero(~served)
         if not len(rest):
             return
