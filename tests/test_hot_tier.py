@@ -376,3 +376,23 @@ def test_a_field_measured_raw_is_never_hot(tmp_path):
     assert hot_slots(buffer) == [] and buffer.compact().episodes == 0
     assert np.array_equal(np.asarray(buffer.get_all_data()["image"])[0], noise)
     buffer.close()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_raw_payloads_decode_as_blosc_does(dtype):
+    from replaybuf.storage._codecs import ChunkCodec, ChunkDamage
+
+    config = {"cname": "lz4", "clevel": 9, "shuffle": "shuffle" if dtype == "float32" else "noshuffle"}
+    codec = ChunkCodec(np.dtype(dtype), {"name": "blosc", "configuration": config})
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 255, (1, 30, 20, 3)).astype(dtype)  # incompressible: blosc stores it raw too
+    smooth = np.repeat(np.arange(30, dtype=dtype), 60).reshape(1, 30, 20, 3)
+    for chunk, hot in [(noise, True), (noise, False), (smooth, True), (smooth, False)]:
+        out = np.empty_like(chunk)
+        codec.decode_into(codec.encode(chunk, hot=hot), out)
+        np.testing.assert_array_equal(out, chunk)
+    data = bytearray(codec.encode(smooth, hot=True))
+    assert data[2] & BLOSC_MEMCPYED
+    data[4:8] = (smooth.nbytes - 8).to_bytes(4, "little")  # a header that does not match its payload
+    with pytest.raises(ChunkDamage):
+        codec.decode_into(bytes(data), np.empty_like(smooth))

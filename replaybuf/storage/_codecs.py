@@ -16,6 +16,8 @@ import numpy as np
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 # blosc's header: byte 2 holds flags; this one says the payload follows the 16-byte header raw
 BLOSC_MEMCPYED = 0x02
+#: bytes of blosc's header before a chunk's payload
+BLOSC_HEADER = 16
 
 
 class ChunkDamage(Exception):
@@ -105,6 +107,16 @@ class ChunkCodec:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ChunkDamage(f"cannot decode ({e})") from None
 
+    @staticmethod
+    def _raw_payload(payload: bytes | memoryview, nbytes: int) -> bool:
+        """Whether a blosc chunk stores ``nbytes`` raw behind its header (flag MEMCPYED, sizes
+        consistent): what ``encode(hot=True)`` writes."""
+        return (
+            len(payload) == BLOSC_HEADER + nbytes
+            and bool(payload[2] & BLOSC_MEMCPYED)
+            and int.from_bytes(payload[4:8], "little") == nbytes
+        )
+
     def decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         """Decode a chunk into the contiguous array ``out`` of the same number of bytes."""
         payload = self._payload(data)
@@ -112,8 +124,11 @@ class ChunkCodec:
             if self._codec is None:
                 out[...] = np.frombuffer(payload, dtype=self.dtype).reshape(out.shape)
             elif self._blosc:
-                # the module function skips the codec object's argument checks (~5 us a frame)
-                numcodecs.blosc.decompress(payload, out)
+                if self._raw_payload(payload, out.nbytes):
+                    # a hot chunk: blosc would only copy the bytes behind its header (~4x faster here)
+                    out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, np.uint8, out.nbytes, BLOSC_HEADER)
+                else:  # the module function skips the codec object's argument checks (~5 us a frame)
+                    numcodecs.blosc.decompress(payload, out)
             else:
                 self._codec.decode(payload, out=out)
         except (RuntimeError, ValueError, TypeError) as e:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, chunk_cache
-from ._codecs import crc32c
+from ._codecs import BLOSC_HEADER, crc32c
 from ._kv import CORES, thread_pool
 from .base import CorruptChunkError
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 _MISSING = np.uint64(2**64 - 1)
 _MISSING_INT = 2**64 - 1
-_BLOSC_HEADER = 16  # bytes of blosc's header before a chunk's payload
 
 
 def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
@@ -410,13 +409,13 @@ class ShardedArray(ChunkedArray):
         none of the per-chunk allocations and joins of ``encode``."""
         count = len(chunks)
         raw = np.ascontiguousarray(chunks, dtype=self.codec.dtype).reshape(count, -1).view(np.uint8)
-        header = self.codec.encode(chunks[0], hot=True)[:_BLOSC_HEADER]
-        width = _BLOSC_HEADER + raw.shape[1] + (4 if self.codec.checksum else 0)
+        header = self.codec.encode(chunks[0], hot=True)[:BLOSC_HEADER]
+        width = BLOSC_HEADER + raw.shape[1] + (4 if self.codec.checksum else 0)
         index = self._index_bytes(stored, np.full(count, width, dtype="<u8"))
         out = np.empty(count * width + len(index), np.uint8)
         items = out[: count * width].reshape(count, width)
-        items[:, :_BLOSC_HEADER] = np.frombuffer(header, np.uint8)
-        items[:, _BLOSC_HEADER : _BLOSC_HEADER + raw.shape[1]] = raw
+        items[:, :BLOSC_HEADER] = np.frombuffer(header, np.uint8)
+        items[:, BLOSC_HEADER : BLOSC_HEADER + raw.shape[1]] = raw
         if self.codec.checksum:
             sums = np.array([crc32c(item[:-4]) for item in items], dtype="<u4")
             items[:, -4:] = sums.view(np.uint8).reshape(count, 4)
