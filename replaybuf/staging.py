@@ -81,8 +81,11 @@ class EpisodeGroup:
                 rows, start = self._rows[name], self._row_start[name]
                 offset = self.length + done - start
                 n = min(steps - done, rows.shape[1] - offset)
-                if name in values:
-                    rows[:, offset : offset + n] = values[name][:, done : done + n]
+                given = values.get(name)
+                if given is not None and offset == 0 and n == rows.shape[1] and given.dtype == rows.dtype:
+                    rows = given[:, done : done + n]  # a whole span given: written as it is, not copied
+                elif given is not None:
+                    rows[:, offset : offset + n] = given[:, done : done + n]
                 done += n
                 if offset + n == rows.shape[1]:
                     full.append((name, start, rows))

@@ -370,3 +370,21 @@ def test_collector_style_numpy_scalars_and_tensors(make_location):
         )
     assert buffer.data["done"][0, 0] == np.True_
     assert buffer.data["reward"][0, 0] == 0.5
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_arrays_given_to_store_episode_are_not_kept(tmp_path, backend):
+    """A whole span of a stored episode is written from the caller's array without a copy:
+    changing that array afterwards changes nothing stored, for episodes of any length."""
+    fields = {"frame": ("uint8", (4, 4, 3)), "x": "float"}
+    buffer = ReplayBuffer(tmp_path / "b", 4, 6, fields=fields, backend=backend)
+    frames, xs = np.full((6, 4, 4, 3), 7, np.uint8), np.arange(6, dtype=np.float32)
+    buffer.store_episode(frame=frames, x=xs)
+    buffer.store_episode(frame=frames[:3], x=xs[:3])
+    frames[:] = 0
+    xs[:] = -1
+    buffer.store_episode(frame=frames[:2] + 1, x=xs[:2])
+    data = buffer.get_all_data()
+    assert (data["frame"][0] == 7).all() and data["x"][0].tolist() == list(range(6))
+    assert (data["frame"][1, :3] == 7).all() and (data["frame"][1, 3:] == 0).all()
+    assert (data["frame"][2, :2] == 1).all() and data["x"][2, :2].tolist() == [-1, -1]
