@@ -369,14 +369,20 @@ class ShardedArray(ChunkedArray):
             pad = np.zeros((step - rows.shape[0] % step, *rows.shape[1:]), rows.dtype)
             rows = np.concatenate([rows, pad])
         pieces = rows.reshape(-1, step, *rows.shape[1:])
-        stored = np.asarray(pieces.reshape(len(pieces), -1).any(axis=1))
-        if keep is not None:
-            stored |= keep[: len(stored)]
+        stored = np.zeros(len(pieces), bool) if keep is None else keep[: len(pieces)].copy()
+        scan = np.flatnonzero(~stored)  # chunks kept anyway need no look for data
+        if len(scan) == len(pieces):
+            stored = np.asarray(pieces.reshape(len(pieces), -1).any(axis=1))
+        elif len(scan):
+            stored[scan] = pieces[scan].reshape(len(scan), -1).any(axis=1)
         nonzero = np.flatnonzero(stored)
         if not len(nonzero):
             return None
         if hot:
-            return self._hot_shard(pieces[nonzero], nonzero)
+            first, last = int(nonzero[0]), int(nonzero[-1])
+            # a run of chunks (the usual episode) is a view: no copy before the shard's own
+            chosen = pieces[first : last + 1] if last - first + 1 == len(nonzero) else pieces[nonzero]
+            return self._hot_shard(chosen, nonzero)
 
         def encode_run(run):
             return [self.codec.encode(pieces[i][None]) for i in run]
