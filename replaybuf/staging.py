@@ -51,17 +51,25 @@ class EpisodeGroup:
     meta: dict[str, np.ndarray] = field(default_factory=dict)
     invalidated: bool = False
     previous_lens: np.ndarray | None = None
-    _rows: dict[str, np.ndarray] = field(default_factory=dict)
+    # the span of each field being filled, allocated when a step first goes into it (None:
+    # not yet; a whole span given at once is written from the caller's array, never staged)
+    _rows: dict[str, np.ndarray | None] = field(default_factory=dict)
     _row_start: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name, f in self.fields.items():
+        for name in self.fields:
             self._row_start[name] = 0
-            self._rows[name] = self._fresh_rows(f)
+            self._rows[name] = None
 
     @property
     def batch_size(self) -> int:
         return len(self.slots)
+
+    def _span_rows(self, name: str) -> np.ndarray:
+        rows = self._rows[name]
+        if rows is None:
+            rows = self._rows[name] = self._fresh_rows(self.fields[name])
+        return rows
 
     def _fresh_rows(self, f: Field) -> np.ndarray:
         shape = (self.batch_size, self.spans[f.name], *f.shape)
@@ -76,30 +84,31 @@ class EpisodeGroup:
         its default); return the spans that filled up, in order."""
         full = []
         for name in self._rows:
-            done = 0
+            done, width, given = 0, self.spans[name], values.get(name)
             while done < steps:
-                rows, start = self._rows[name], self._row_start[name]
+                start = self._row_start[name]
                 offset = self.length + done - start
-                n = min(steps - done, rows.shape[1] - offset)
-                given = values.get(name)
-                if given is not None and offset == 0 and n == rows.shape[1] and given.dtype == rows.dtype:
+                n = min(steps - done, width - offset)
+                if given is not None and offset == 0 and n == width and given.dtype == self.fields[name].dtype:
                     rows = given[:, done : done + n]  # a whole span given: written as it is, not copied
-                elif given is not None:
-                    rows[:, offset : offset + n] = given[:, done : done + n]
+                else:
+                    rows = self._span_rows(name)
+                    if given is not None:
+                        rows[:, offset : offset + n] = given[:, done : done + n]
                 done += n
-                if offset + n == rows.shape[1]:
+                if offset + n == width:
                     full.append((name, start, rows))
-                    self._rows[name] = self._fresh_rows(self.fields[name])
-                    self._row_start[name] = start + rows.shape[1]
+                    self._rows[name] = None
+                    self._row_start[name] = start + width
         self.length += steps
         return full
 
     def set_step(self, name: str, row: int, t: int, value: np.ndarray) -> bool:
         """Overwrite a staged value; False when that step already left RAM."""
         offset = t - self._row_start[name]
-        if not 0 <= offset < self._rows[name].shape[1] or t >= self.length:
+        if not 0 <= offset < self.spans[name] or t >= self.length:
             return False
-        self._rows[name][row, offset] = value
+        self._span_rows(name)[row, offset] = value
         return True
 
     def rewind(self, t: int, read_back: Callable[[str, int, int], np.ndarray]) -> None:
@@ -121,7 +130,7 @@ class EpisodeGroup:
         """Shrink the group to its first ``count`` episodes; return the slots dropped."""
         dropped = self.slots[count:]
         self.slots = self.slots[:count]
-        self._rows = {n: rows[:count] for n, rows in self._rows.items()}
+        self._rows = {n: None if rows is None else rows[:count] for n, rows in self._rows.items()}
         self.meta = {n: values[:count] for n, values in self.meta.items()}
         if self.previous_lens is not None:
             self.previous_lens = self.previous_lens[:count]
@@ -130,11 +139,12 @@ class EpisodeGroup:
     def tail(self, time_chunks: dict[str, int], max_timesteps: int) -> list[tuple[str, int, np.ndarray]]:
         """The rows still in RAM, cut at the last chunk boundary past the episode's end."""
         out = []
-        for name, rows in self._rows.items():
+        for name in self._rows:
             start = self._row_start[name]
             used = self.length - start
             if used <= 0:
                 continue
+            rows = self._span_rows(name)
             chunk = time_chunks[name]
             end = min(-(-used // chunk) * chunk, max_timesteps - start)
             rows[:, used:end] = self._fresh_rows(self.fields[name])[:, used:end]  # steps a rewind left
