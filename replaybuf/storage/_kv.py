@@ -36,6 +36,8 @@ Consume = Callable[[int, bytes | None], None]
 #: what a write takes: hot shards are built in place and handed over as a view
 Blob = bytes | memoryview
 
+# keys whose file paths a LocalKV remembers
+_MAX_PATHS = 1 << 20
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
@@ -271,9 +273,10 @@ class LocalKV(KeyValue):
         self.fsync = fsync
         self._appenders: dict[str, int] = {}
         self._appenders_pid = os.getpid()
+        self._paths: dict[str, str] = {}
 
     def __getstate__(self):
-        return {**self.__dict__, "_appenders": {}}
+        return {**self.__dict__, "_appenders": {}, "_paths": {}}
 
     def _read_range_keyed(self, request: ByteRange, generation: int) -> bytes | None:
         key, start, stop = request
@@ -298,7 +301,14 @@ class LocalKV(KeyValue):
         return self._path(key)
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *key.split("/"))
+        # asked once per sampled frame: joined once per key (the dict is bounded by the keys of
+        # one buffer, ~fields x episodes)
+        path = self._paths.get(key)
+        if path is None:
+            if len(self._paths) >= _MAX_PATHS:
+                self._paths.clear()
+            path = self._paths[key] = os.path.join(self.root, *key.split("/"))
+        return path
 
     def fingerprints(self, keys: Sequence[str]) -> list[tuple[int, ...]] | None:
         # docstring inherited: a replaced file has a new inode, one written in place a new mtime
