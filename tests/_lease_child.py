@@ -7,8 +7,8 @@ Every mode reports on stdout, one line each, flushed:
   stdin to close (or a kill); with ``fork`` it first forks a child that sleeps 60 s holding the
   inherited objects (else the child pid is ``None``).
 - ``store``: open for writing (creating if needed), print ``ready``, store episodes (meta
-  ``uid`` = 0, 1, 2, ..., data ``x`` filled with the uid) until stdin closes or it is full, close, then print
-  the stored uids as JSON.
+  ``uid`` = 0, 1, 2, ..., data ``x`` filled with the uid) until stdin closes or it is full (then
+  wait for stdin to close: the lease is held until told), close, then print the stored uids as JSON.
 - ``try``: attempt a writable open (with ``overwrite`` if given) every 50 ms for ``seconds``; print JSON
   ``{"opened": n, "refused": n, "message": last error, "holder": its holder}``.
 """
@@ -65,6 +65,8 @@ def main(mode: str, args: dict) -> None:
         while len(uids) < buffer.max_episodes and not _stdin_closed():
             buffer.store_episode(**_episode(len(uids)), uid=len(uids))
             uids.append(len(uids))
+        if len(uids) == buffer.max_episodes:  # full before told to stop: keep the lease until then
+            sys.stdin.read()
         buffer.close()
         print(json.dumps(uids), flush=True)
     elif mode == "try":
