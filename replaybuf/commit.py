@@ -265,15 +265,11 @@ class Committer:
 
     def empty_episodes(self) -> np.ndarray:
         """Slots of committed length-0 episodes (no published length shows them)."""
-        return np.asarray(
-            [s for s in self.state.get(EMPTY_EPISODES, ()) if self.meta["episode_lens"][s] == 0], np.int64
-        )
+        return empty_episodes(self.state, self.meta["episode_lens"])
 
     def count_episodes(self) -> int:
-        """The episodes the published lengths show: the slots holding an episode, plus the
-        committed length-0 episodes (the seed counts ``advance_episode(batch_size=n)`` before any
-        step), which hold no data and are listed in the counters object as ``empty_episodes``."""
-        return min(int((self.meta["episode_lens"] > 0).sum()) + len(self.empty_episodes()), self.max_episodes)
+        """The episodes the published lengths show (``count_episodes``)."""
+        return count_episodes(self.state, self.meta["episode_lens"], self.max_episodes)
 
     def clear(self) -> None:
         """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
@@ -413,10 +409,22 @@ def catch_up(state: dict[str, Any], lens: np.ndarray, generations: np.ndarray, m
     newest = int(generations.max()) if len(generations) else 0
     if newest <= int(state["total_episodes"]):
         return state
-    empty = sum(1 for s in state.get(EMPTY_EPISODES, ()) if lens[s] == 0)
     return {
         **state,
-        "num_episodes": max(int(state["num_episodes"]), min(int((lens > 0).sum()) + empty, max_episodes)),
+        "num_episodes": max(int(state["num_episodes"]), count_episodes(state, lens, max_episodes)),
         "episode_index": int((np.argmax(generations) + 1) % max_episodes),
         "total_episodes": newest,
     }
+
+
+def empty_episodes(state: dict[str, Any], lens: np.ndarray) -> np.ndarray:
+    """Slots of the committed length-0 episodes the counters ``state`` list and no published
+    length shows."""
+    return np.asarray([s for s in state.get(EMPTY_EPISODES, ()) if lens[s] == 0], np.int64)
+
+
+def count_episodes(state: dict[str, Any], lens: np.ndarray, max_episodes: int) -> int:
+    """The episodes the published lengths show: the slots holding an episode, plus the
+    committed length-0 episodes (the seed counts ``advance_episode(batch_size=n)`` before any
+    step), which hold no data and are listed in the counters object as ``empty_episodes``."""
+    return min(int((lens > 0).sum()) + len(empty_episodes(state, lens)), max_episodes)
