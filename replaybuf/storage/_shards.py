@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from ._hot import HotTier
 
 _MISSING = np.uint64(2**64 - 1)
+# reads again with fresh indexes after a crc32c failure before calling it damage (a compaction
+# may have replaced the shard meanwhile: ``_fresh_on_damage``)
+COMPACTION_RETRIES = 3
 _MISSING_INT = 2**64 - 1
 
 
@@ -136,15 +139,18 @@ class ShardedArray(ChunkedArray):
         return self.shard_key(episode), run[0][0], run[-1][0] + run[-1][1]
 
     def _fresh_on_damage(self, episodes: list[int], read: Callable[[], Any]) -> Any:
-        """``read()``, once more with fresh shard indexes when it fails a crc32c: a compaction
+        """``read()``, again with fresh shard indexes when it fails a crc32c: a compaction
         (``_hot.py``) replaces a shard with new offsets under the same slot generation, so an
-        index read (or cached) before it points at the wrong bytes of the new file. Damage that
-        stays raises. Costs nothing on the normal path."""
-        try:
-            return read()
-        except CorruptChunkError:
-            self._forget_indexes(episodes)
-            return read()
+        index read (or cached) before it points at the wrong bytes of the new file. A retry
+        can itself fall between its index read and its data read of another shard being
+        replaced (a writer's close() compacts one shard after another), so up to
+        ``COMPACTION_RETRIES`` times; damage that stays raises. Costs nothing on the normal path."""
+        for _ in range(COMPACTION_RETRIES):
+            try:
+                return read()
+            except CorruptChunkError:
+                self._forget_indexes(episodes)
+        return read()
 
     def _forget_indexes(self, episodes: Sequence[int]) -> None:
         """Drop the cached indexes and open read handles of episodes' shards."""
