@@ -103,10 +103,24 @@ class ShardedArray(ChunkedArray):
             self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason
         )
 
-    def read_indexes(self, episodes: Sequence[int]) -> dict[int, np.ndarray | None]:
-        """The shard index (offset, nbytes per inner chunk) of each episode's shard."""
+    def read_indexes(
+        self, episodes: Sequence[int], generations: dict[int, Any] | None = None
+    ) -> dict[int, np.ndarray | None]:
+        """The shard index (offset, nbytes per inner chunk) of each episode's shard; with
+        ``generations`` (per episode) through the files the store keeps open under them, the
+        ones the frames are then read from: index and frames come from one file even when a
+        compaction renames another into place in between."""
         unique = list(dict.fromkeys(int(e) for e in episodes))
-        raws = self.kv.get_ranges([(self.shard_key(e), -self.index_nbytes, None) for e in unique])
+        requests = [(self.shard_key(e), -self.index_nbytes, None) for e in unique]
+        if generations is None:
+            raws = self.kv.get_ranges(requests)
+        else:
+            raws = [None] * len(unique)
+
+            def keep(i: int, data: bytes | None) -> None:
+                raws[i] = data
+
+            self.kv.get_ranges_each(requests, keep, [generations[e] for e in unique])
         return {e: self._parse_index(r, e) for e, r in zip(unique, raws)}
 
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
@@ -166,7 +180,7 @@ class ShardedArray(ChunkedArray):
         found = dict(zip(episodes, cache.get_many(self._namespace, keys, generations)))
         missing = {e for e in episodes if found[e] is None}
         if missing:
-            found.update(self.read_indexes(sorted(missing)))
+            found.update(self.read_indexes(sorted(missing), dict(zip(episodes, generations))))
             cache.put_many(
                 self._namespace,
                 [
