@@ -58,7 +58,9 @@ class ChunkCache:
         self.hits = self.misses = 0
         self._entries: OrderedDict[tuple[str, Any], tuple[int, np.ndarray]] = OrderedDict()
         self._seen: OrderedDict[tuple[str, Any], bool] = OrderedDict()
-        self._lock = threading.Lock()
+        # reentrant: a garbage collection inside a locked section may run the finalizer of a
+        # resident copy (``release_resident``) in the same thread
+        self._lock = threading.RLock()
 
     def get_many(self, namespace: str, keys: Sequence[Any], generations: Sequence[int]) -> list[np.ndarray | None]:
         found: list[np.ndarray | None] = []
@@ -159,7 +161,7 @@ class ChunkCache:
             self.resident_nbytes -= nbytes
 
     def _after_fork(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
 
 _cache = ChunkCache()

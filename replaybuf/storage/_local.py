@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Any, Literal
 
@@ -35,6 +36,12 @@ def refuse_foreign_buffer(storage: Storage) -> None:
         raise ValueError(
             f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
         )
+
+
+# one .npy header parse at a time: np.load's (ast.literal_eval) is not thread-safe on Python
+# 3.11 ("AST constructor recursion depth mismatch"); a fork never leaves it held in the child
+NPY_HEADERS = threading.Lock()
+os.register_at_fork(before=NPY_HEADERS.acquire, after_in_parent=NPY_HEADERS.release, after_in_child=NPY_HEADERS.release)
 
 
 class LocalFolderStorage(KVBlobs, Storage):
@@ -160,7 +167,8 @@ class EpisodeChecksums:
     def sums(self) -> np.memmap:
         mode: Literal["r", "r+"] = "r" if self.storage.read_only else "r+"
         if self._sums is None or (self._sums.mode == "r") != (mode == "r"):
-            sums = np.load(self.path, mmap_mode=mode)
+            with NPY_HEADERS:
+                sums = np.load(self.path, mmap_mode=mode)
             assert isinstance(sums, np.memmap)  # a .npy file loads as a memmap with mmap_mode
             self._sums = sums
         return self._sums

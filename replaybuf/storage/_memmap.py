@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from numpy.lib.format import open_memmap
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
 from ._kv import copy_spans
+from ._local import NPY_HEADERS as _OPENING
 from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
 from .base import (
@@ -62,7 +62,7 @@ def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and dtype from a ``.npy`` header, after checking the file holds every byte they
     imply: mapping a short file for writing would zero-extend it silently."""
     try:
-        with open(path, "rb") as f:
+        with _OPENING, open(path, "rb") as f:  # the header parse is np.load's (see _OPENING)
             version = np.lib.format.read_magic(f)
             read_header = (
                 np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -79,9 +79,6 @@ def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
             f"{path}: {size} bytes, its header ({dtype}{list(shape)}) needs {needed}: the file was truncated"
         )
     return shape, dtype
-
-
-_OPENING = threading.Lock()
 
 
 class MemmapArray(WrappedArray):
