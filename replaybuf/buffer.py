@@ -53,7 +53,7 @@ from .view import BufferView, CommittedViews, read_only_message
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
     from .collector import EpisodeCollector
 
-_HIDDEN_META = ("_generation",)
+_HIDDEN_META = ("_generation", "_revision")
 # a reader that sees a slot with a length but no generation (between a commit's two writes)
 # reads the bookkeeping again before calling it damage
 _REREADS = 3
@@ -142,7 +142,7 @@ class DataView(ArrayBase):
     On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
     holds its committed episode (zero past its length) or, when empty or being rewritten, zeros,
     never parts of two episodes (``consistency.py``). On a writable buffer reads are the
-    storage's (the writer sees its episode in progress); writes go through ``Storage.update_rows``.
+    storage's (the writer sees its episode in progress); writes go through ``Committer.update_rows``.
     """
 
     def __init__(self, buffer: BufferView, name: str):
@@ -190,14 +190,14 @@ class DataView(ArrayBase):
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """Write in place through ``Storage.update_rows``: the rows ``key`` touches are read,
+        """Write in place through ``Committer.update_rows``: the rows ``key`` touches are read,
         assigned with numpy's semantics and written back whole."""
         buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")
         slots, t0, t1, local = self._block(key)
         rows = self._read(slots, t0, t1)
         rows[local] = value
         if len(slots) and t1 > t0:
-            buffer.storage.update_rows(self._name, slots, t0, rows)
+            buffer._commit.update_rows(self._name, slots, t0, rows)
 
     def __repr__(self) -> str:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
@@ -370,11 +370,11 @@ class ReplayBuffer(CommittedViews):
         reader picks up what writers committed or updated since."""
         state = self.storage.load_state()
         self.storage.drop_caches()
-        names = ("_generation", "episode_lens", *self.schema.meta_fields)
+        names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields)
         for _ in range(_REREADS):
             if self.read_only:
                 # a slot a writer changed while it was loaded reads as empty until the next refresh
-                meta = stored_bookkeeping(self.storage, list(self.schema.meta_fields))
+                meta = stored_bookkeeping(self.storage, ["_revision", *self.schema.meta_fields])
             else:
                 meta = {n: self.storage.read_meta(n) for n in names}
             # a commit landing during the reads can leave a length without its generation for a
@@ -873,7 +873,7 @@ class ReplayBuffer(CommittedViews):
             row = int(np.flatnonzero(group.slots == episode)[0])
             if group.set_step(name, row, int(timestep_index), value):
                 return
-        self.storage.update_rows(name, np.array([episode]), int(timestep_index), value[None, None])
+        self._commit.update_rows(name, np.array([episode]), int(timestep_index), value[None, None])
 
     def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
         """Write one meta value of an episode."""
@@ -938,7 +938,7 @@ class ReplayBuffer(CommittedViews):
             writes.append((name, cast_values(array, f)))
         for name, array in writes:
             if name in self.fieldnames:
-                self.storage.update_rows(name, episodes, 0, array)
+                self._commit.update_rows(name, episodes, 0, array)
             else:
                 self._commit.write_meta(name, episodes, array)
 

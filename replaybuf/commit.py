@@ -253,6 +253,21 @@ class Committer:
         self.storage.write_meta(name, episodes, values)
         self.meta[name][episodes] = values
 
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        """Edit rows of data field ``name`` of ``episodes`` in place (``Storage.update_rows``:
+        ``update``, ``store_datapoint``, ``data[...] = ...``), bracketed by the slots'
+        ``_revision``: odd while the edit runs, the next even value once it is done. Every copy
+        of decoded rows is keyed by (generation, revision) and none is taken at an odd revision,
+        so no reader is served the rows from before (or halfway through) the edit once it has
+        refreshed. A failed edit leaves its slots odd (uncached) until the next edit or open."""
+        slots = np.unique(np.asarray(episodes, dtype=np.int64))
+        if not len(slots):
+            return
+        editing = self.meta["_revision"][slots] | 1
+        self.write_meta("_revision", slots, editing)
+        self.storage.update_rows(name, episodes, t0, values)
+        self.write_meta("_revision", slots, editing + 1)
+
     def commit_state(self, **changes: Any) -> None:
         """Commit the counters with ``changes``."""
         self.state = {**self.state, **changes}
@@ -321,6 +336,7 @@ class Committer:
         agree with the published bookkeeping, then the episodes of its step log are committed."""
         writing = self.state.get("writing", ())
         self.reconcile_state()
+        self.finish_edits()
         self.dirty_slots.update(int(s) for s in writing if self.meta["episode_lens"][s] == 0)
         self.recover_step_log()
 
@@ -344,6 +360,13 @@ class Committer:
         if state != self.state:
             self.state = state
             self.store_state(state)
+
+    def finish_edits(self) -> None:
+        """Close the in-place edits a killed writer left open (an odd ``_revision``): their rows
+        are whatever it wrote, now stable, so the revision moves to the next even value."""
+        odd = np.flatnonzero(self.meta["_revision"] % 2)
+        if len(odd):
+            self.write_meta("_revision", odd, self.meta["_revision"][odd] + 1)
 
     def recover_step_log(self) -> None:
         """Commit, truncated, the episodes a killed writer left in its step log; then clear it.

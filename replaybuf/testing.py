@@ -148,8 +148,8 @@ class StorageTests:
         return out
 
     def random_meta(self, episodes: int, seed: int, first_generation: int = 1) -> dict[str, np.ndarray]:
-        """Random values of every meta field, lengths in [1, max_timesteps] and generations
-        counting from ``first_generation``."""
+        """Random values of every meta field, lengths in [1, max_timesteps], generations
+        counting from ``first_generation`` and even revisions."""
         rng = np.random.default_rng(seed)
         schema = self.schema()
         out = {
@@ -158,6 +158,7 @@ class StorageTests:
         }
         out["episode_lens"] = rng.integers(1, self.max_timesteps + 1, episodes).astype(np.int32)
         out["_generation"] = np.arange(first_generation, first_generation + episodes, dtype=np.int64)
+        out["_revision"] = 2 * rng.integers(0, 5, episodes, dtype=np.int64)
         return out
 
     @pytest.fixture

@@ -2,12 +2,15 @@
 
 Compressed or remote episodes are decoded once, on their first read, into raw files that every
 reader of the machine maps: DataLoader workers (fork or spawn), other processes, later runs.
-One file per (field, slot, generation), holding the episode's ``episode_lens`` steps:
+One file per (field, slot, generation, revision), holding the episode's ``episode_lens`` steps:
 
-- **Keyed by generation.** A slot's ``_generation`` only grows, so a reused slot gets a new file
-  and is refetched, never served stale. A fill publishes a file only when the slot held the same
-  generation before and after reading its rows, so a file holds the bytes of one committed
-  episode, never a torn mix.
+- **Keyed by generation and revision.** A slot's ``_generation`` only grows, so a reused slot
+  gets a new file and is refetched, never served stale; its ``_revision`` grows by two with each
+  in-place edit of its rows (odd while the edit runs: such a slot is neither cached nor served
+  from the cache), so an edited episode is refetched once a reader's view (``drop_caches``,
+  ``refresh``) has the new revision. A fill publishes a file only when the slot held the same
+  generation and revision before and after reading its rows, so a file holds the bytes of one
+  committed episode as of one revision, never a torn mix.
 - **Verified reads.** A read given ``generations`` (what the consistent reads of
   ``consistency.py`` pass) serves each slot from the file of exactly that generation; rows it
   must read from the wrapped storage (steps past a cached length, a slot whose fill found it
@@ -16,7 +19,8 @@ One file per (field, slot, generation), holding the episode's ``episode_lens`` s
   storage, not even ``_generation`` (the second epoch over S3 issues no GET at all), and a slot
   reused since the caller planned raises ``GenerationMismatchError``. A read without
   ``generations`` serves the generation this process last saw for the slot (loaded lazily,
-  refreshed by ``drop_caches`` and by every ``_generation`` read passing through it).
+  refreshed by ``drop_caches`` and by every ``_generation`` read passing through it); every read
+  serves the revision this process last saw (the same way, from ``_revision``).
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
@@ -72,28 +76,35 @@ SUFFIX = ".raw"
 
 class DenseRows:
     """One process's in-RAM copy of a small field's cached episodes: row ``slot`` holds
-    ``lengths[slot]`` steps of generation ``held[slot]`` (0: nothing). Pages are allocated as
-    rows are filled (``np.zeros``)."""
+    ``lengths[slot]`` steps of generation ``held[slot]`` (0: nothing) at revision
+    ``revisions[slot]``. Pages are allocated as rows are filled (``np.zeros``)."""
 
     def __init__(self, field: Field, max_episodes: int, max_timesteps: int):
         self.rows = np.zeros((max_episodes, max_timesteps, *field.shape), field.dtype)
         self.held = np.zeros(max_episodes, np.int64)
+        self.revisions = np.zeros(max_episodes, np.int64)
         self.lengths = np.zeros(max_episodes, np.int64)
         self.lock = threading.Lock()
 
-    def put(self, slot: int, generation: int, rows: np.ndarray) -> None:
+    def put(self, slot: int, generation: int, revision: int, rows: np.ndarray) -> None:
         if len(rows) > self.rows.shape[1]:
             return  # not an episode of this buffer: served from its map, never copied
         with self.lock:
-            if self.held[slot] != generation:
+            if self.held[slot] != generation or self.revisions[slot] != revision:
                 self.rows[slot, : len(rows)] = rows
                 self.lengths[slot] = len(rows)
-                self.held[slot] = generation
+                self.held[slot], self.revisions[slot] = generation, revision
 
-    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray) -> np.ndarray | None:
-        """The items' steps when every item's slot is held at its generation, else None."""
+    def gather(
+        self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray, revisions: np.ndarray
+    ) -> np.ndarray | None:
+        """The items' steps when every item's slot is held at its generation and revision, else None."""
         with self.lock:
-            if (self.held[episodes] != generations).any() or (timesteps >= self.lengths[episodes]).any():
+            if (
+                (self.held[episodes] != generations).any()
+                or (self.revisions[episodes] != revisions).any()
+                or (timesteps >= self.lengths[episodes]).any()
+            ):
                 return None
             return self.rows[episodes, timesteps]
 
@@ -128,6 +139,10 @@ def new_uuid() -> str:
     return uuid_module.uuid4().hex
 
 
+# the per-slot bookkeeping a cached storage keeps a view of: array name -> attribute
+_VIEWS = {"_generation": "_generations", "_revision": "_revisions"}
+
+
 class CachedStorage(Storage):
     """``inner`` with its data fields' committed rows served from raw files under
     ``cache_dir/<buffer identity>/`` (see the module docstring).
@@ -158,14 +173,15 @@ class CachedStorage(Storage):
 
     def _reset(self) -> None:
         self._generations: np.ndarray | None = None
-        self._maps: OrderedDict[tuple[str, int, int], tuple[np.ndarray, float]] = OrderedDict()
+        self._revisions: np.ndarray | None = None
+        self._maps: OrderedDict[tuple[str, int, int, int], tuple[np.ndarray, float]] = OrderedDict()
         self._dense: dict[str, DenseRows] = {}
         self._lock = threading.Lock()
         self._used: int | None = None
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
-        for key in ("_generations", "_maps", "_dense", "_lock", "_used"):
+        for key in ("_generations", "_revisions", "_maps", "_dense", "_lock", "_used"):
             state.pop(key)
         return state
 
@@ -221,29 +237,30 @@ class CachedStorage(Storage):
 
     def read_meta(self, name: str) -> np.ndarray:
         values = self.inner.read_meta(name)
-        if name == "_generation":
-            self._generations = np.asarray(values, dtype=np.int64).copy()
+        if name in _VIEWS:
+            setattr(self, _VIEWS[name], np.asarray(values, dtype=np.int64).copy())
         return values
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         values = self.inner.read_meta_rows(name, episodes)
-        if name == "_generation":
-            self._remember(np.asarray(episodes, dtype=np.int64).reshape(-1), values)
+        if name in _VIEWS:
+            self._remember(np.asarray(episodes, dtype=np.int64).reshape(-1), values, name)
         return values
 
-    def _remember(self, slots: np.ndarray, generations: np.ndarray) -> None:
-        """Update this process's view of the slots' generations (none held: nothing to update)."""
-        known = self._generations
+    def _remember(self, slots: np.ndarray, values: np.ndarray, name: str = "_generation") -> None:
+        """Update this process's view of the slots' generations (``name``: or revisions; none
+        held: nothing to update)."""
+        known = getattr(self, _VIEWS[name])
         if known is not None:
-            known[slots] = generations
+            known[slots] = values
 
     def drop_caches(self) -> None:
         """Forget the slots' generations and the maps this process holds (files and in-RAM
         copies stay: keyed by generation, they are never served for another one)."""
         self.inner.drop_caches()
         with self._lock:
-            self._generations = None
-            self._maps.clear()  # the in-RAM copies stay: like the files, each is one generation's
+            self._generations = self._revisions = None
+            self._maps.clear()  # the in-RAM copies stay: like the files, each is one revision's
 
     def close(self) -> None:
         self.inner.close()
@@ -295,6 +312,12 @@ class CachedStorage(Storage):
             self._generations = np.asarray(self.inner.read_meta("_generation"), dtype=np.int64).copy()
         return self._generations
 
+    def _known_revisions(self) -> np.ndarray:
+        """This process's view of every slot's revision (loaded on first use)."""
+        if self._revisions is None:
+            self._revisions = np.asarray(self.inner.read_meta("_revision"), dtype=np.int64).copy()
+        return self._revisions
+
     def _dense_rows(self, name: str) -> DenseRows | None:
         """The in-RAM copy of field ``name`` when it is small enough (``DENSE_BYTES``)."""
         dense = self._dense.get(name)
@@ -309,38 +332,41 @@ class CachedStorage(Storage):
 
     def _rows(self, name: str, slots: np.ndarray, generations: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
         """(slot, generation) -> cached rows for each of the distinct ``slots`` with a
-        generation > 0 that is (or, after a fill, has become) cached."""
+        generation > 0 that is (or, after a fill, has become) cached at the revision this
+        process knows for the slot; a slot known at an odd revision (an edit running) is not."""
         out, missing = {}, []
+        revisions = dict(zip(slots.tolist(), self._known_revisions()[slots].tolist()))
         now = time.monotonic()
         with self._lock:
             for slot, generation in zip(slots.tolist(), generations.tolist()):
-                if generation <= 0:
+                key = (name, slot, generation, revisions[slot])
+                if generation <= 0 or key[3] % 2:
                     continue
-                entry = self._maps.get((name, slot, generation))
+                entry = self._maps.get(key)
                 if entry is None:
-                    missing.append((slot, generation))
+                    missing.append(key[1:])
                     continue
-                self._maps.move_to_end((name, slot, generation))
+                self._maps.move_to_end(key)
                 if now - entry[1] > TOUCH_S:
-                    self._touch(name, slot, generation)
-                    self._maps[name, slot, generation] = (entry[0], now)
+                    self._touch(*key)
+                    self._maps[key] = (entry[0], now)
                 out[slot, generation] = entry[0]
-        opened = [(slot, g, self._map(name, slot, g)) for slot, g in missing]
-        absent = [(slot, g) for slot, g, rows in opened if rows is None]
+        opened = [(*version, self._map(name, *version)) for version in missing]
+        absent = [version for *version, rows in opened if rows is None]
         if absent:
-            self._fill(name, np.array([s for s, _ in absent]), np.array([g for _, g in absent]))
-            opened += [(slot, g, self._map(name, slot, g)) for slot, g in absent]
+            self._fill(name, *(np.array(column, dtype=np.int64) for column in zip(*absent)))
+            opened += [(*version, self._map(name, *version)) for version in absent]
         with self._lock:
-            for slot, generation, rows in opened:
+            for slot, generation, revision, rows in opened:
                 if rows is not None:
                     out[slot, generation] = rows
-                    self._maps[name, slot, generation] = (rows, now)
+                    self._maps[name, slot, generation, revision] = (rows, now)
             while len(self._maps) > MAX_OPEN_MAPS:
                 self._maps.popitem(last=False)
         dense = self._dense_rows(name)
         if dense is not None:
             for (slot, generation), rows in out.items():
-                dense.put(slot, generation, rows)
+                dense.put(slot, generation, revisions[slot], rows)
         return out
 
     def _served(
@@ -370,22 +396,25 @@ class CachedStorage(Storage):
                 raise GenerationMismatchError(self.location, moved)
         return result
 
-    def _path(self, name: str, slot: int, generation: int) -> str:
-        return os.path.join(self.root, name, f"{slot}-{generation}{SUFFIX}")
+    def _path(self, name: str, slot: int, generation: int, revision: int) -> str:
+        """The file of the slot's rows at (generation, revision); never edited: ``slot-generation``."""
+        version = f"{generation}-{revision}" if revision else f"{generation}"
+        return os.path.join(self.root, name, f"{slot}-{version}{SUFFIX}")
 
-    def _touch(self, name: str, slot: int, generation: int) -> None:
+    def _touch(self, name: str, slot: int, generation: int, revision: int) -> None:
         try:
-            os.utime(self._path(name, slot, generation))
+            os.utime(self._path(name, slot, generation, revision))
         except FileNotFoundError:
             pass  # evicted meanwhile; this process keeps its map
 
-    def _map(self, name: str, slot: int, generation: int) -> np.ndarray | None:
-        """The cached rows of the slot's generation, mapped read-only; None when not cached."""
+    def _map(self, name: str, slot: int, generation: int, revision: int) -> np.ndarray | None:
+        """The cached rows of the slot's generation and revision, mapped read-only; None when
+        not cached."""
         field = self._field(name)
-        path = self._path(name, slot, generation)
+        path = self._path(name, slot, generation, revision)
         try:
             size = os.path.getsize(path)
-            self._touch(name, slot, generation)
+            self._touch(name, slot, generation, revision)
             if size == 0 or size % field.step_nbytes:
                 return None
             with open(path, "rb") as f:
@@ -396,7 +425,7 @@ class CachedStorage(Storage):
         # subclass round trip per call, paid once per sampled episode per field
         return np.frombuffer(mapped, dtype=field.dtype).reshape(size // field.step_nbytes, *field.shape)
 
-    def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
+    def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Fetch and publish the slots no other filler is fetching now, then wait for the others
         (their files are mapped by the caller; a filler that died leaves them to a later read)."""
         locks = os.path.join(self.root, ".locks")
@@ -411,10 +440,10 @@ class CachedStorage(Storage):
                     busy.append(fd)
                     continue
                 held.append(fd)
-                if not os.path.exists(self._path(name, slot, int(generations[i]))):
+                if not os.path.exists(self._path(name, slot, int(generations[i]), int(revisions[i]))):
                     mine.append(i)  # not published by a filler that held the lock before
             if mine:
-                self._fetch(name, slots[mine], generations[mine])
+                self._fetch(name, slots[mine], generations[mine], revisions[mine])
         except BaseException:
             for fd in busy:
                 os.close(fd)
@@ -426,32 +455,38 @@ class CachedStorage(Storage):
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.close(fd)
 
-    def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray) -> None:
-        """Read the committed rows of ``slots`` (expected at ``generations``) from the wrapped
-        storage in one bulk read and publish each as a file: temp file, then rename."""
-        before = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
+    def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
+        """Read the committed rows of ``slots`` (expected at ``generations`` and even
+        ``revisions``) from the wrapped storage in one bulk read and publish each as a file
+        (temp file, then rename) when its slot held both before and after the read."""
+        before = self._versions(slots)
         lens = np.asarray(self.inner.read_meta_rows("episode_lens", slots), dtype=np.int64)
-        self._remember(slots, before)
-        ok = (before == generations) & (lens > 0)
-        slots, generations, lens = slots[ok], generations[ok], lens[ok]
+        ok = (before == (generations, revisions)).all(axis=0) & (lens > 0)
+        slots, generations, revisions, lens = slots[ok], generations[ok], revisions[ok], lens[ok]
         if not len(slots):
             return
         field = self._field(name)
         out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
         self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, generations=generations)
-        after = np.asarray(self.inner.read_meta_rows("_generation", slots), dtype=np.int64)
-        self._remember(slots, after)
+        after = self._versions(slots)
         folder = os.path.join(self.root, name)
         os.makedirs(folder, exist_ok=True)
         written = 0
-        for i in np.flatnonzero(after == generations):
-            slot, generation = int(slots[i]), int(generations[i])
+        for i in np.flatnonzero((after == (generations, revisions)).all(axis=0)):
+            slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
             temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
             with open(temp, "wb") as f:
                 f.write(np.ascontiguousarray(out[i, : lens[i]]).data.cast("B"))
-            os.replace(temp, self._path(name, slot, generation))
+            os.replace(temp, self._path(name, slot, generation, revision))
             written += int(lens[i]) * field.step_nbytes
         self._account(written)
+
+    def _versions(self, slots: np.ndarray) -> np.ndarray:
+        """(2, len(slots)): the slots' generations and revisions as stored now (both remembered)."""
+        versions = np.stack([np.asarray(self.inner.read_meta_rows(n, slots), dtype=np.int64) for n in _VIEWS])
+        for name, values in zip(_VIEWS, versions):
+            self._remember(slots, values, name)
+        return versions
 
     def _account(self, written: int) -> None:
         """Count ``written`` bytes and evict least recently used files while over ``cache_size``
@@ -494,7 +529,8 @@ class CachedStorage(Storage):
         dense = self._dense_rows(name)
         if dense is not None:
             planned = self._known_generations()[episodes] if generations is None else generations
-            rows = dense.gather(episodes, timesteps, np.broadcast_to(planned, episodes.shape))
+            revisions = self._known_revisions()[episodes]
+            rows = dense.gather(episodes, timesteps, np.broadcast_to(planned, episodes.shape), revisions)
             if rows is not None:
                 return rows
         field = self._field(name)

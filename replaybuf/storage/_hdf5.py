@@ -52,6 +52,8 @@ from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
 from ._zarr import default_time_chunk
 from .base import (
+    OPTIONAL_META,
+    AbsentMeta,
     BufferNotFoundError,
     CorruptChunkError,
     StorageError,
@@ -389,6 +391,11 @@ class HDF5Storage(LocalFolderStorage):
         self._arrays = {}
         for (name, meta), expected in expected_layouts(schema).items():
             path = f"{'meta' if meta else 'data'}/{name}"
+            if path not in self.h5file and meta and name in OPTIONAL_META:
+                # an earlier release's buffer: created by a writable open, zeros (``array``) read-only
+                if self.read_only:
+                    continue
+                self.h5file.create_dataset(path, shape=expected[0], dtype=expected[1])
             if path not in self.h5file:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the dataset {path!r}")
             dataset = self.h5file[path]
@@ -526,8 +533,11 @@ class HDF5Storage(LocalFolderStorage):
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
+        array = self.array(name, meta=True)
+        if isinstance(array, AbsentMeta):
+            return array[:]
         with reading(self, f"meta/{name}"):
-            return np.asarray(self._dataset(name, meta=True)[()])
+            return np.asarray(self.h5file[array.path][()])
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 

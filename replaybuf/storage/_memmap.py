@@ -37,6 +37,8 @@ from ._local import NPY_HEADERS as _OPENING
 from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
 from .base import (
+    OPTIONAL_META,
+    AbsentMeta,
     BufferDamagedError,
     BufferNotFoundError,
     StorageError,
@@ -261,6 +263,11 @@ class MemmapStorage(LocalFolderStorage):
             if skip_generation and name == "_generation":
                 continue
             path = os.path.join(self.root, array_filename(name, meta))
+            if not os.path.isfile(path) and meta and name in OPTIONAL_META:
+                # an earlier release's buffer: created by a writable open, zeros (``array``) read-only
+                if not self.read_only:
+                    self._allocate(name, meta, *expected)
+                continue
             if not os.path.isfile(path):
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing {os.path.basename(path)!r}")
             check_layout(path, *_npy_layout(path), expected)
@@ -376,7 +383,8 @@ class MemmapStorage(LocalFolderStorage):
         if self._seed_view is not None and name in ("episode_lens", "_generation"):
             lens = self._seed_view.episode_lens(self._arrays["episode_lens", True][:])
             return lens if name == "episode_lens" else self._seed_view.generations(lens, len(lens))
-        return np.array(self.array(name, meta=True).memmap)
+        array = self.array(name, meta=True)
+        return array[:] if isinstance(array, AbsentMeta) else np.array(array.memmap)
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         # docstring inherited

@@ -37,7 +37,7 @@ import json
 import os
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
 from ._shards import ShardedArray
 from .base import (
+    OPTIONAL_META,
     BufferDamagedError,
     BufferNotFoundError,
     CompactionSummary,
@@ -151,6 +152,21 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
     if field.step_nbytes >= IMAGE_STEP_BYTES:
         return 1
     return int(min(max_timesteps, max(1, SMALL_CHUNK_BYTES // max(field.step_nbytes, 1))))
+
+
+def _create_meta_array(group: Any, field: Field, max_episodes: int) -> None:
+    """Create the per-episode array of ``field`` in zarr group ``group`` (uncompressed: a
+    commit writes a few bytes of it in place)."""
+    group.create_array(
+        field.name,
+        shape=(max_episodes, *field.shape),
+        chunks=(min(max_episodes, META_CHUNK_EPISODES), *field.shape),
+        dtype=field.dtype,
+        compressors=_compressor(field, "none"),
+        fill_value=0,
+        chunk_key_encoding=FLAT_KEYS,
+        dimension_names=field.dimension_names(per_episode=True),
+    )
 
 
 def _compressor(field: Field, default: str):
@@ -293,16 +309,7 @@ class ZarrStorage(KVBlobs, Storage):
                 dimension_names=field.dimension_names(),
             )
         for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-            meta.create_array(
-                field.name,
-                shape=(schema.max_episodes, *field.shape),
-                chunks=(min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape),
-                dtype=field.dtype,
-                compressors=_compressor(field, "none"),
-                fill_value=0,
-                chunk_key_encoding=FLAT_KEYS,
-                dimension_names=field.dimension_names(per_episode=True),
-            )
+            _create_meta_array(meta, field, schema.max_episodes)
         self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         _consolidate(store)
         self._load_arrays(schema)
@@ -327,9 +334,25 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv.prepare_writes()
         if not read_only and self.kv.get(STATE_NODE_KEY) is None:
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
+        if not read_only:
+            self._create_optional_meta(schema)
         self._load_arrays(schema)
         self._unmeasured = _unmeasured(attributes, schema, where)
         return schema
+
+    def _create_optional_meta(self, schema: Schema) -> None:
+        """A writable open of a buffer an earlier release wrote creates the ``OPTIONAL_META``
+        arrays it lacks (zeros), and their metadata."""
+        absent = [n for n in OPTIONAL_META if self.kv.get(f"meta/{n}/zarr.json") is None]
+        if not absent:
+            return
+        import zarr
+
+        store = self._zarr_store(read_only=False)
+        meta = zarr.open_group(store, mode="a", zarr_format=3).require_group("meta")
+        for name in absent:
+            _create_meta_array(meta, bookkeeping_fields(schema)[name], schema.max_episodes)
+        _consolidate(store)
 
     def _load_arrays(self, schema: Schema) -> None:
         layouts = expected_layouts(schema)
@@ -337,6 +360,8 @@ class ZarrStorage(KVBlobs, Storage):
         documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
         self._arrays = {}
         for (name, meta), path, doc in zip(layouts, paths, documents):
+            if doc is None and meta and name in OPTIONAL_META:
+                continue  # an earlier release's buffer, opened read-only: reads as zeros (``array``)
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
             where = self.describe_key(f"{path}/zarr.json")

@@ -23,8 +23,10 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   calls it only for slots no reader trusts (``episode_lens`` 0, or invalidated first). A reader
   reading such a slot meanwhile may see a mix of old and new steps, so readers check
   ``episode_lens`` and ``_generation`` after reading. ``update_rows`` is the one write into
-  committed episodes (the API's in-place edits), without a new generation. ``write_meta`` writes
-  each element in place; ``episode_lens`` and ``_generation`` of a slot are its publication.
+  committed episodes (the API's in-place edits), without a new generation: the buffer brackets
+  it with writes of the slots' ``_revision`` (odd while the edit runs, the next even value once
+  done), which caches key their copies by with the generation. ``write_meta`` writes each
+  element in place; ``episode_lens`` and ``_generation`` of a slot are its publication.
 - **Reads.** ``read_rows``, ``gather``, ``read_spans`` and ``read_meta`` return the stored
   values (never-written steps read as 0; a reader may serve them from its caches until its next
   ``drop_caches``), for unsorted and repeated episodes, empty spans included. They agree with
@@ -219,12 +221,38 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
     ``episode_lens`` (int32, as the seed) is the published length of each slot: 0 means the slot
     holds no committed episode. ``_generation`` (int64) is the 1-based ordinal of the commit that
     filled the slot, so readers can order a circular buffer chronologically and notice reuse.
+    ``_revision`` (int64) counts the in-place edits of the slot's rows, two per edit (odd while
+    one runs): a cached copy is keyed by (generation, revision), so an edit is never served
+    stale (``storage/_cache.py``). Buffers written before it existed lack it (``OPTIONAL_META``).
     """
     del schema
     return {
         "episode_lens": Field("episode_lens", np.dtype("int32")),
         "_generation": Field("_generation", np.dtype("int64")),
+        "_revision": Field("_revision", np.dtype("int64")),
     }
+
+
+# bookkeeping arrays a buffer written by an earlier release may lack: a read-only open reads
+# them as zeros (``AbsentMeta``), a writable open creates them (zeros)
+OPTIONAL_META: dict[str, np.dtype] = {"_revision": np.dtype("int64")}
+
+
+class AbsentMeta(ArrayBase):
+    """An ``OPTIONAL_META`` array a buffer lacks, as a read-only open sees it: all zeros."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: np.dtype, location: str):
+        self.name, self.shape, self.dtype, self.location = name, shape, np.dtype(dtype), location
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return np.zeros(self.shape, self.dtype)[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise PermissionError(f"meta/{self.name} of {self.location!r} is absent (an earlier release wrote it)")
+
+    def take(self, episodes: np.ndarray) -> np.ndarray:
+        """Entries ``episodes`` (the zarr arrays' ``take``)."""
+        return np.zeros((len(np.asarray(episodes).reshape(-1)), *self.shape[1:]), self.dtype)
 
 
 def empty_state() -> dict:
@@ -447,10 +475,14 @@ class Storage(ABC):
             raise BufferDamagedError(f"{where}: invalid buffer config: {detail}") from None
 
     def _array_named(self, arrays: Mapping[tuple[str, bool], _ArrayT], name: str, meta: bool) -> _ArrayT:
-        """``arrays[name, meta]`` (a backend's ``array``), or KeyError naming the array and the buffer."""
+        """``arrays[name, meta]`` (a backend's ``array``), an ``AbsentMeta`` for an
+        ``OPTIONAL_META`` array the buffer lacks, or KeyError naming the array and the buffer."""
         try:
             return arrays[name, meta]
         except KeyError:
+            if meta and name in OPTIONAL_META and ("episode_lens", True) in arrays:
+                lens: Any = arrays["episode_lens", True]
+                return AbsentMeta(name, lens.shape, OPTIONAL_META[name], self.location)  # type: ignore[return-value]
             raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
 
     # ---- counters ---------------------------------------------------------------------
