@@ -444,3 +444,101 @@ def test_datasets_drop_a_slot_reused_while_they_load(tmp_path):
     expected = torch.where(where[:, 0] == 0, 7000 + where[:, 1], 2000 + where[:, 1]).to(ident.dtype)
     assert torch.equal(ident, expected)
     writer.close()
+
+
+# ---- in-place edits: every copy is keyed by (generation, revision) -------------------------------
+
+
+def edit_three_ways(writer: ReplayBuffer) -> None:
+    """Edit committed slots 1, 2 and 3 of ``ident`` through each in-place write of the API."""
+    writer.update([1], ident=np.full((1, 4), 5))
+    writer.store_datapoint(2, 0, "ident", 6)
+    writer.data["ident"][3, 0] = 7
+
+
+def sampled_idents(buffer: ReplayBuffer) -> set[int]:
+    loader = make_dataloader(buffer, batch_size=8, timestep_level=True)
+    return {int(v) for batch in loader for v in batch["ident"].reshape(-1)}
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+@pytest.mark.parametrize("dense_bytes", [0, 64 << 20], ids=["mapped", "dense"])
+def test_in_place_edits_are_never_served_stale(tmp_path, monkeypatch, backend, dense_bytes):
+    monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", dense_bytes)
+    location, cache = str(tmp_path / "buffer"), tmp_path / "cache"
+    writer = ReplayBuffer(location, backend=backend, **OPTIONS)
+    fill(writer)
+    writer.flush()
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    before = sampled_idents(reader)  # every episode cached (files, and in-RAM copies when dense)
+    assert reader.get_all_data(fields=["ident"])["ident"][1, 0] == 1000 and 1000 in before
+    edit_three_ways(writer)
+    reader.refresh()
+    assert [int(reader.data["ident"][slot, 0]) for slot in (1, 2, 3)] == [5, 6, 7]
+    assert reader.get_all_data(fields=["ident"])["ident"][1:4, 0].tolist() == [5, 6, 7]
+    assert {5, 6, 7} <= sampled_idents(reader) and not {1000, 2000, 3000} & sampled_idents(reader)
+    # a reader opened now (another process) maps the same folder: no file of the old rows is served
+    fresh = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    assert fresh.get_all_data(fields=["ident"])["ident"][1:4, 0].tolist() == [5, 6, 7]
+    np.testing.assert_array_equal(writer._meta["_revision"][:5], [0, 2, 2, 2, 0])
+    files = cache_files(reader.storage.root)
+    assert os.path.join("ident", "1-2.raw") in files and os.path.join("ident", "1-2-2.raw") in files
+    writer.close()
+
+
+def test_an_edit_left_open_is_never_cached_and_closed_by_the_next_writer(written, tmp_path):
+    cache = tmp_path / "cache"
+    writer = ReplayBuffer.from_folder(written)
+    writer._commit.write_meta("_revision", np.array([2]), np.array([1]))  # as a writer killed mid-edit leaves it
+    writer.storage.update_rows("ident", np.array([2]), 0, np.full((1, 1), 9, np.int64))
+    writer.storage.release_writer()  # dropped without close(): the lease is given back only
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
+    assert reader.data["ident"][2, 0] == 9  # read through, never cached while the edit is open
+    assert not any(name.startswith(os.path.join("ident", "2-")) for name in cache_files(cache))
+    ReplayBuffer.from_folder(written).close()  # a writable open closes the edit
+    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][2] == 2
+    reader.refresh()
+    assert reader.data["ident"][2, 0] == 9
+    assert os.path.join("ident", "2-3-2.raw") in cache_files(reader.storage.root)
+
+
+def test_fill_racing_an_edit_publishes_nothing(written, tmp_path):
+    writer = ReplayBuffer.from_folder(written)
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    storage = reader.storage
+    read_spans, edits = storage.inner.read_spans, []
+
+    def edit_slot_1_first(*args, **kwargs):  # the writer edits slot 1 while the cache fills
+        if not edits:
+            edits.append(writer.update([1], ident=np.full((1, 4), 5)))
+        return read_spans(*args, **kwargs)
+
+    storage.inner.read_spans = edit_slot_1_first
+    rows = storage.read_rows("ident", np.array([1, 2]), 0, 4, np.array([2, 3]))
+    assert edits and rows[1, :2].tolist() == [2000, 2001]
+    files = cache_files(storage.root)
+    assert os.path.join("ident", "2-3.raw") in files
+    assert not any(name.startswith(os.path.join("ident", "1-")) for name in files), (
+        "a fill that raced an edit published"
+    )
+    reader.refresh()
+    assert reader.data["ident"][1, :4].tolist() == [5, 5, 5, 5]
+    assert os.path.join("ident", "1-2-2.raw") in cache_files(storage.root)
+    writer.close()
+
+
+def test_rejected_edit_changes_no_revision(written):
+    writer = ReplayBuffer.from_folder(written)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        writer.update([1, 2], ident=np.zeros((3, 4)), task=[1, 2])
+    with pytest.raises(ValueError, match="invalid field"):
+        writer.store_datapoint(1, 0, "nope", 1)
+    assert not writer._meta["_revision"].any()
+    assert "_revision" not in writer.meta_data and "_revision" not in writer.meta_fieldnames
+    writer.update([1], task=[7])  # meta values live in the mirror every refresh reloads: no revision
+    assert not ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"].any()
+    writer.close()
+    with pytest.raises(ValueError, match="_revision"):
+        ReplayBuffer(
+            written + "-other", max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"_revision": "int"}
+        )

@@ -367,3 +367,38 @@ def test_data_views_index_as_numpy_on_readers_and_writers(tmp_path, backend):
     writer.data["obs"][4, 0] = 7.0  # a write through the view reaches the store ...
     assert writer.storage.read_rows("obs", np.array([4]), 0, 1)[0, 0, 0] == 7.0
     assert not reader.data["obs"][4].any(), "... but slot 4 holds no episode: a reader sees zeros"
+
+
+@pytest.mark.parametrize("where", ["zarr", "memmap", "memory", "s3"])
+def test_in_place_edits_reach_resident_copies_and_the_writers_loaders(tmp_path, where, request):
+    """An edit of committed rows reaches a reader holding the field in RAM once it refreshes, and
+    the writer's own later reads and DataLoaders (workers included) at once."""
+    from replaybuf.sampling import make_dataloader
+
+    options: dict = {}
+    if where == "s3":
+        s3 = request.getfixturevalue("s3_server")
+        location, options = s3.url(f"edits-{uuid.uuid4().hex}"), {"storage_options": s3.storage_options}
+    elif where == "memory":
+        location = f"memory://edits-{uuid.uuid4().hex}"
+    else:
+        location, options = str(tmp_path / "buffer"), {"backend": where}
+    writer = ReplayBuffer(location, max_episodes=4, max_timesteps=5, fields={"step": ("int", 2)}, **options)
+    for uid in range(3):
+        writer.store_episode(step=np.full((5, 2), uid))
+    writer.flush()
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache=False, **options)
+
+    def sampled(buffer, **kwargs) -> set[int]:
+        loader = make_dataloader(buffer, batch_size=5, timestep_level=True, **kwargs)
+        return {int(v) for batch in loader for v in batch["step"].reshape(-1)}
+
+    assert sampled(reader) == sampled(writer) == {0, 1, 2}  # loaded into RAM where resident
+    writer.update([1], step=np.full((1, 5, 2), 7))
+    writer.store_datapoint(2, 4, "step", np.full(2, 8))
+    assert sampled(writer) == {0, 2, 7, 8} and writer.data["step"][2, 4].tolist() == [8, 8]
+    reader.refresh()
+    assert sampled(reader) == {0, 2, 7, 8} and reader.data["step"][1, 0].tolist() == [7, 7]
+    if where == "zarr":  # forked workers start from the writer's copy in RAM
+        assert sampled(writer, num_workers=2) == {0, 2, 7, 8}
+    writer.close()
