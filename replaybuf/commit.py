@@ -20,6 +20,11 @@ is lost by the delay: the counters are derived from the published lengths and ge
 (``reconcile_state``) when a writer opens the buffer after a kill, and a reader catches the
 counters it loads up with the episodes published since (``caught_up``).
 
+In-place edits of committed rows (``update_rows``) keep the generation; they bracket the rows
+with the slots' ``_revision``, odd while the edit runs and even once done, which keys every
+cached copy of decoded rows with the generation. A writable open closes the edits a killed
+writer left odd (``finish_edits``).
+
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
 per-commit bookkeeping: the statistics sketches).

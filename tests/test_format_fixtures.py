@@ -90,3 +90,23 @@ def test_released_zarr_keeps_its_codecs_when_written(version, tmp_path):
     again = ReplayBuffer.from_folder(path, read_only=True)
     np.testing.assert_array_equal(np.asarray(again.data["frame"][1, : len(extra["frame"])]), extra["frame"])
     assert verify(path) == []
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_path):
+    """A buffer written before ``meta/_revision`` existed reads it as zeros; a reader opened then
+    (with the read cache) serves an in-place edit a writer made after creating it, once it refreshes."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "format-v2", backend), path)
+    reader = ReplayBuffer.from_folder(path, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    assert not reader._meta["_revision"].any() and reader.storage.inner.read_meta_rows(
+        "_revision", [2, 0]
+    ).tolist() == [0, 0]
+    cached = np.asarray(reader.data["state"][1, :3])  # slot 1 is now cached at revision 0
+    writer = ReplayBuffer.from_folder(path)  # creates meta/_revision (zeros)
+    writer.update([1], state=np.full((1, 3, *cached.shape[1:]), 9.0))
+    writer.close()
+    reader.refresh()
+    assert reader._meta["_revision"][:3].tolist() == [0, 2, 0]
+    np.testing.assert_array_equal(np.asarray(reader.data["state"][1, :3]), np.full_like(cached, 9.0))
+    assert verify(path) == []

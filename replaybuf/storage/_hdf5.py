@@ -552,9 +552,14 @@ class HDF5Storage(LocalFolderStorage):
                 os.fsync(f.fileno())
 
     def drop_caches(self) -> None:
-        # docstring inherited: a reader reopens the file and rereads the fields it keeps in RAM
+        # docstring inherited: a reader reopens the file and rereads the fields it keeps in RAM,
+        # and takes the ``OPTIONAL_META`` datasets a writable open created since it opened
         if self.read_only:
             self.close()
+            for name in OPTIONAL_META:
+                path = f"meta/{name}"
+                if (name, True) not in self._arrays and ("episode_lens", True) in self._arrays and path in self.h5file:
+                    self._arrays[name, True] = H5Array(self, path)
 
     def close(self) -> None:
         # docstring inherited

@@ -406,6 +406,19 @@ class MemmapStorage(LocalFolderStorage):
         if not self.read_only:
             self._flush_arrays()
 
+    def drop_caches(self) -> None:
+        # docstring inherited: a reader of a buffer an earlier release wrote takes the
+        # ``OPTIONAL_META`` arrays a writable open created since it opened
+        for name in OPTIONAL_META:
+            path = os.path.join(self.root, array_filename(name, True))
+            if (name, True) in self._arrays or not os.path.isfile(path):
+                continue
+            try:
+                check_layout(path, *_npy_layout(path), ((self._max_episodes(),), OPTIONAL_META[name]))
+            except (BufferDamagedError, ValueError, OSError):
+                continue  # being allocated by the writer now: taken by a later refresh
+            self._arrays[name, True] = MemmapArray(self, path)
+
     def close(self) -> None:
         # docstring inherited
         self.flush()

@@ -364,15 +364,31 @@ class ZarrStorage(KVBlobs, Storage):
                 continue  # an earlier release's buffer, opened read-only: reads as zeros (``array``)
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
-            where = self.describe_key(f"{path}/zarr.json")
-            try:
-                array = self._chunked_array(path, parse_json(doc, where), 1 if meta else 2)
-            except (KeyError, IndexError, TypeError) as e:
-                raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
-            check_layout(where, array.shape, array.dtype, layouts[name, meta])
-            _check_chunks(where, array)
-            self._arrays[name, meta] = array
+            self._arrays[name, meta] = self._checked_array(path, doc, layouts[name, meta])
         self._packed = [n for n in schema.fields if self._arrays[n, False].packed]
+
+    def _checked_array(self, path: str, doc: bytes, expected: tuple[tuple[int, ...], np.dtype]) -> ChunkedArray:
+        """The array stored at ``path`` (its document ``doc``), checked against its ``expected``
+        layout."""
+        where = self.describe_key(f"{path}/zarr.json")
+        try:
+            array = self._chunked_array(path, parse_json(doc, where), 1 if path.startswith("meta/") else 2)
+        except (KeyError, IndexError, TypeError) as e:
+            raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
+        check_layout(where, array.shape, array.dtype, expected)
+        _check_chunks(where, array)
+        return array
+
+    def _probe_optional_meta(self) -> None:
+        """A reader of a buffer an earlier release wrote takes the ``OPTIONAL_META`` arrays a
+        writable open created since it opened (``drop_caches``)."""
+        for name in OPTIONAL_META:
+            if (name, True) in self._arrays or ("episode_lens", True) not in self._arrays:
+                continue
+            doc = self.kv.get(f"meta/{name}/zarr.json")
+            if doc is not None:
+                expected = (self._arrays["episode_lens", True].shape, OPTIONAL_META[name])
+                self._arrays[name, True] = self._checked_array(f"meta/{name}", doc, expected)
 
     def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
         codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
@@ -685,6 +701,7 @@ class ZarrStorage(KVBlobs, Storage):
         for array in self._arrays.values():
             array.drop_cached()
         self.kv.drop_read_handles()
+        self._probe_optional_meta()
         if self._unmeasured and self.read_only:
             self._reload_measured()
 
