@@ -346,3 +346,25 @@ def test_concat_of_shards_at_one_snapshot(tmp_path):
     whole = ReplayBuffer.from_folder(frozen.folder[0], read_only=True)
     with pytest.raises(ValueError, match="is the whole buffer"):
         ConcatReplayBuffer([whole], snapshot="frozen")
+
+
+def test_a_cached_snapshot_view_serves_in_place_edits_and_convert_keeps_revisions(tmp_path):
+    """Snapshots pin episodes, not values: a cached view reads an edited episode's new rows after
+    ``refresh()``; ``convert`` copies the revisions with the snapshots."""
+    from replaybuf.maintenance import convert
+
+    writer = make(tmp_path / "buf")
+    write(writer, range(3))
+    writer.snapshot("a")
+    view = ReplayBuffer.from_folder(tmp_path / "buf", snapshot="a", cache="disk", cache_dir=tmp_path / "cache")
+    assert uids_of(view) == {0: 0, 1: 1, 2: 2}  # every episode now cached
+    writer.update([1], reward=np.full((1, 4), 9.0))
+    writer.flush()
+    view.refresh()
+    assert view.data["reward"][1, :4].tolist() == [9.0] * 4
+    assert view.get_all_data()["reward"][1, :4].tolist() == [9.0] * 4
+    writer.close()
+    convert(str(tmp_path / "buf"), str(tmp_path / "copy"), backend="memmap", progress=False)
+    copy = ReplayBuffer.from_folder(tmp_path / "copy", snapshot="a")
+    assert copy._meta["_revision"][:3].tolist() == [0, 2, 0]
+    assert copy.data["reward"][1, :4].tolist() == [9.0] * 4
