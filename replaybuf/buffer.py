@@ -936,11 +936,14 @@ class ReplayBuffer(CommittedViews):
                     f"update: field {name!r} value of shape {array.shape} does not broadcast to {target}"
                 ) from None
             writes.append((name, cast_values(array, f)))
-        for name, array in writes:
-            if name in self.fieldnames:
-                self._commit.update_rows(name, episodes, 0, array)
-            else:
+        for name, array in writes:  # meta values first: they live in the mirror, no revision
+            if name not in self.fieldnames:
                 self._commit.write_meta(name, episodes, array)
+        rows = [(name, array) for name, array in writes if name in self.fieldnames]
+        if rows:
+            with self._commit.editing(episodes):  # one edit of every field's rows
+                for name, array in rows:
+                    self.storage.update_rows(name, episodes, 0, array)
 
     def _episode_indices(self, indices: Any) -> tuple[np.ndarray, bool]:
         if indices is None:

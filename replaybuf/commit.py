@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -258,20 +259,28 @@ class Committer:
         self.storage.write_meta(name, episodes, values)
         self.meta[name][episodes] = values
 
-    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
-        """Edit rows of data field ``name`` of ``episodes`` in place (``Storage.update_rows``:
-        ``update``, ``store_datapoint``, ``data[...] = ...``), bracketed by the slots'
-        ``_revision``: odd while the edit runs, the next even value once it is done. Every copy
+    @contextmanager
+    def editing(self, episodes: np.ndarray) -> Iterator[None]:
+        """Bracket in-place edits of the rows of ``episodes`` (``update_rows``) with the slots'
+        ``_revision``: odd while the block runs, the next even value once it is done. Every copy
         of decoded rows is keyed by (generation, revision) and none is taken at an odd revision,
         so no reader is served the rows from before (or halfway through) the edit once it has
-        refreshed. A failed edit leaves its slots odd (uncached) until the next edit or open."""
+        refreshed. A block that raises leaves its slots odd (uncached) until the next edit of
+        them or the next writable open (``finish_edits``)."""
         slots = np.unique(np.asarray(episodes, dtype=np.int64))
-        if not len(slots):
-            return
         editing = self.meta["_revision"][slots] | 1
-        self.write_meta("_revision", slots, editing)
-        self.storage.update_rows(name, episodes, t0, values)
-        self.write_meta("_revision", slots, editing + 1)
+        if len(slots):
+            self.write_meta("_revision", slots, editing)
+        yield
+        if len(slots):
+            self.write_meta("_revision", slots, editing + 1)
+
+    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
+        """Edit rows of data field ``name`` of committed ``episodes`` in place
+        (``Storage.update_rows``: ``update``, ``store_datapoint``, ``data[...] = ...``), as one
+        edit (``editing``)."""
+        with self.editing(episodes):
+            self.storage.update_rows(name, episodes, t0, values)
 
     def commit_state(self, **changes: Any) -> None:
         """Commit the counters with ``changes``."""

@@ -527,7 +527,7 @@ def test_fill_racing_an_edit_publishes_nothing(written, tmp_path):
     writer.close()
 
 
-def test_rejected_edit_changes_no_revision(written):
+def test_revisions_move_once_per_edit_and_never_for_rejected_ones(written):
     writer = ReplayBuffer.from_folder(written)
     with pytest.raises(ValueError, match="does not broadcast"):
         writer.update([1, 2], ident=np.zeros((3, 4)), task=[1, 2])
@@ -537,6 +537,9 @@ def test_rejected_edit_changes_no_revision(written):
     assert "_revision" not in writer.meta_data and "_revision" not in writer.meta_fieldnames
     writer.update([1], task=[7])  # meta values live in the mirror every refresh reloads: no revision
     assert not ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"].any()
+    writer.update([1, 2], ident=np.zeros((2, 4)), reward=np.ones((2, 4)), task=[3, 4])  # one edit of both fields
+    writer.store_datapoint(2, 1, "ident", 5)
+    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][:4].tolist() == [0, 2, 4, 0]
     writer.close()
     with pytest.raises(ValueError, match="_revision"):
         ReplayBuffer(
