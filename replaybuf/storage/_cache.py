@@ -255,8 +255,8 @@ class CachedStorage(Storage):
             known[slots] = values
 
     def drop_caches(self) -> None:
-        """Forget the slots' generations and the maps this process holds (files and in-RAM
-        copies stay: keyed by generation, they are never served for another one)."""
+        """Forget the slots' generations and revisions and the maps this process holds (files
+        and in-RAM copies stay: keyed by both, they are never served for another version)."""
         self.inner.drop_caches()
         with self._lock:
             self._generations = self._revisions = None
