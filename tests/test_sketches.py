@@ -314,3 +314,26 @@ def test_sketching_from_data_reads_a_bounded_batch_at_a_time(tmp_path, monkeypat
     values = np.concatenate([episode(i)["state"] for i in range(3)])
     np.testing.assert_allclose(stats.std.numpy(), values.astype(np.float64).std(0), rtol=1e-5)
     assert_within_rank_error(stats, values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.random.default_rng(1).standard_normal((300, 5)).astype(np.float32) * 1e3 + 1e4,
+        np.random.default_rng(2).integers(0, 200, (300, 4)).astype(np.uint8),
+        np.random.default_rng(3).integers(-(2**40), 2**40, (300, 2)),
+        np.random.default_rng(4).random((300, 3)) > 0.5,
+        np.array([[1.0, np.nan, 5.0], [2.0, 3.0, -1.0]]),
+    ],
+    ids=["float32", "uint8", "int64", "bool", "nan"],
+)
+def test_episode_moments_match_numpy(values):
+    """Count, sum, m2, min and max of one episode (sorted per feature before sketching) are
+    numpy's over the original values, NaN included (a NaN feature has NaN moments, as np.min)."""
+    header, blobs = sketches._field_sketch(values)
+    exact = values.astype(np.float64)
+    assert header["count"] == len(values) and len(blobs) == values.shape[1]
+    np.testing.assert_allclose(header["sum"], exact.sum(0), rtol=1e-12)
+    np.testing.assert_allclose(header["m2"], np.square(exact - exact.mean(0)).sum(0), rtol=1e-9)
+    np.testing.assert_array_equal(header["min"], exact.min(0))
+    np.testing.assert_array_equal(header["max"], exact.max(0))
