@@ -12,13 +12,14 @@ episode without a valid blob is read and sketched then, and a writable buffer st
 (every sketched field) so that the next call reads no data. A read-only reader stores nothing.
 
 Sketches are built there, not at commit: at commit, sketching a 1,000-step episode of 39
-features cost ~2.7 ms of CPU (KLL updates, moments, the blob's JSON and file), four to five times
-the rest of its ``store_episode`` (~0.6 ms), which made it 0.3x the seed's. The cost is now paid
-once, by the first ``stats()``, which reads the episodes without a blob ``READ_BYTES`` at a time. A killed writer loses nothing: blobs are
-derived data. Episodes shorter than ``KLL_K`` steps get no blob: a KLL sketch of fewer than k
-values holds every value, so the blob would be larger than the episode's data (a 20-step
-episode of 39 floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at
-every ``stats()``.
+features cost ~2.7 ms of CPU (KLL updates, moments, the blob's JSON and file), four to five
+times the rest of its ``store_episode`` (~0.6 ms), which made it 0.3x the seed's. The cost is
+now paid once, by the first ``stats()`` (~2 ms per such episode), which reads the episodes
+without a blob ``READ_BYTES`` at a time. A killed writer loses nothing: blobs are derived data.
+Episodes shorter than ``KLL_K`` steps get no blob: a KLL sketch of fewer than k values holds
+every value, so the blob would be larger than the episode's data (a 20-step episode of 39
+floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at every
+``stats()``.
 
 Blob layout (no pickle): ``b"RBSK"``, a little-endian uint32 header length, a JSON header
 ``{"generation", "length", "fields": {name: {"count", "sum", "m2", "min", "max", "kll"}}}``
