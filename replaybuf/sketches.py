@@ -243,29 +243,27 @@ def _sketch_from_data(
     buffer: Any, slots: np.ndarray, generations: np.ndarray, names: list[str]
 ) -> list[dict[str, Any] | None]:
     """The headers of ``slots`` (holding ``generations``) sketched from their data, read
-    ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable buffer sketches
-    every sketched field and stores the blobs of episodes of at least ``KLL_K`` steps."""
-    store = not buffer.read_only
-    if store:
-        names = sketched_fields(buffer.schema)
-    step_bytes = sum(buffer.schema.fields[n].step_nbytes for n in names)
-    per_read = max(1, READ_BYTES // max(1, step_bytes * buffer.max_timesteps))
-    headers: list[dict[str, Any] | None] = []
-    for lo in range(0, len(slots), per_read):
-        got = read_episodes_consistent(
-            buffer, slots[lo : lo + per_read], names, generations[lo : lo + per_read], with_meta=False
-        )
-        rows = {slot: row for row, slot in enumerate(got.slots.tolist())}
-        for slot, generation in zip(slots[lo : lo + per_read].tolist(), generations[lo : lo + per_read].tolist()):
-            row = rows.get(slot)
-            if row is None:
-                headers.append(None)
-                continue
-            length = int(got.lens[row])
-            blob = encode(generation, {n: got.data[n][row, :length] for n in names})
-            if store and length >= KLL_K:
-                store = _store(buffer.storage, slot, blob)
-            headers.append(decode(blob))
+    ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable buffer stores
+    the blobs of episodes of at least ``KLL_K`` steps, of every sketched field (read for them)."""
+    stored = ~np.bool_(buffer.read_only) & (buffer._meta["episode_lens"][slots] >= KLL_K)
+    headers: list[dict[str, Any] | None] = [None] * len(slots)
+    storing = True
+    for chosen, fields in ((stored, sketched_fields(buffer.schema)), (~stored, names)):
+        rows = np.flatnonzero(chosen)
+        step_bytes = sum(buffer.schema.fields[n].step_nbytes for n in fields)
+        per_read = max(1, READ_BYTES // max(1, step_bytes * buffer.max_timesteps))
+        for lo in range(0, len(rows), per_read):
+            batch = rows[lo : lo + per_read]
+            got = read_episodes_consistent(buffer, slots[batch], fields, generations[batch], with_meta=False)
+            read = {slot: i for i, slot in enumerate(got.slots.tolist())}
+            for row in batch.tolist():
+                i = read.get(int(slots[row]))
+                if i is None:
+                    continue  # rewritten meanwhile
+                blob = encode(generations[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
+                if chosen is stored and storing:
+                    storing = _store(buffer.storage, int(slots[row]), blob)
+                headers[row] = decode(blob)
     return headers
 
 

@@ -337,3 +337,28 @@ def test_episode_moments_match_numpy(values):
     np.testing.assert_allclose(header["m2"], np.square(exact - exact.mean(0)).sum(0), rtol=1e-9)
     np.testing.assert_array_equal(header["min"], exact.min(0))
     np.testing.assert_array_equal(header["max"], exact.max(0))
+
+
+def test_a_writer_reads_every_sketched_field_only_for_the_blobs_it_stores(tmp_path, monkeypatch):
+    """A writer's stats(['reward']) reads state too for an episode whose blob it stores (one
+    blob holds every sketched field), and only reward for a short one (no blob, read again)."""
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=4, max_timesteps=KLL_K, fields=FIELDS)
+    short, long = episode(1, KLL_K - 1), episode(2, KLL_K)
+    buffer.store_episode(**short)
+    buffer.store_episode(**long)
+    reads = []
+    read = sketches.read_episodes_consistent
+
+    def spy(b, slots, fields, *args, **kwargs):
+        reads.append((np.asarray(slots).tolist(), list(fields)))
+        return read(b, slots, fields, *args, **kwargs)
+
+    monkeypatch.setattr(sketches, "read_episodes_consistent", spy)
+    for expected in ([([1], ["state", "reward"]), ([0], ["reward"])], [([0], ["reward"])]):
+        reads.clear()
+        stats = buffer.stats(["reward"])["reward"]
+        assert reads == expected
+        assert buffer.storage.list_blobs(PREFIX) == [f"{PREFIX}1"]
+        values = np.concatenate([short["reward"], long["reward"]])
+        np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
+        assert_within_rank_error(stats, values)
