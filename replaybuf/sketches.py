@@ -245,11 +245,11 @@ def _sketch_from_data(
     """The headers of ``slots`` (holding ``generations``) sketched from their data, read
     ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable buffer stores
     the blobs of episodes of at least ``KLL_K`` steps, of every sketched field (read for them)."""
-    stored = ~np.bool_(buffer.read_only) & (buffer._meta["episode_lens"][slots] >= KLL_K)
+    stored = (buffer._meta["episode_lens"][slots] >= KLL_K) & (not buffer.read_only)
     headers: list[dict[str, Any] | None] = [None] * len(slots)
-    storing = True
-    for chosen, fields in ((stored, sketched_fields(buffer.schema)), (~stored, names)):
-        rows = np.flatnonzero(chosen)
+    storing = True  # until the storage refuses a blob
+    for store, fields in ((True, sketched_fields(buffer.schema)), (False, names)):
+        rows = np.flatnonzero(stored == store)
         step_bytes = sum(buffer.schema.fields[n].step_nbytes for n in fields)
         per_read = max(1, READ_BYTES // max(1, step_bytes * buffer.max_timesteps))
         for lo in range(0, len(rows), per_read):
@@ -261,7 +261,7 @@ def _sketch_from_data(
                 if i is None:
                     continue  # rewritten meanwhile
                 blob = encode(generations[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
-                if chosen is stored and storing:
+                if store and storing:
                     storing = _store(buffer.storage, int(slots[row]), blob)
                 headers[row] = decode(blob)
     return headers
@@ -276,7 +276,7 @@ def _store(storage: Storage, slot: int, blob: bytes) -> bool:
         warnings.warn(
             f"stats: could not store the statistics sketch of slot {slot} in {storage.location!r} (the "
             f"episodes without one are sketched from their data at each stats()): {error}",
-            stacklevel=5,
+            stacklevel=7,  # the caller of ReplayBuffer.stats()
         )
         return False
     return True
