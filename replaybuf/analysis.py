@@ -659,7 +659,8 @@ def stats(
     ``stats(buffer, ['obs'])['obs'].mean`` and ``.std`` are what an observation normalizer needs.
 
     ``exact=False``: sketched fields (numeric, at most ``sketches.MAX_FEATURES`` values per step)
-    are merged from the per-episode sketches written at commit, without reading data, and carry
+    are merged from the per-episode sketches (``sketches.py``: an episode without one is
+    sketched from its data, and a writable buffer stores it for the next call), and carry
     ``quantile()``; the other fields (images) are computed from the data. ``exact=True``: every
     field is computed from the data as one dask graph, each task reading a few whole episodes,
     every field at once, consistently: an episode a writer in another process rewrote during the

@@ -26,21 +26,20 @@ cached copy of decoded rows with the generation. A writable open closes the edit
 writer left odd (``finish_edits``).
 
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
-and delegates here; ``Committer.committed`` is the one place a commit is announced (a hook for
-per-commit bookkeeping: the statistics sketches).
+and delegates here. A commit writes no statistics sketch: the writer's first ``stats()`` stores
+those of the episodes committed since (``sketches.py``), off the ``store_episode`` path.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from . import sketches
 from .inputs import fill_value
 from .schema import Schema
 from .snapshots import HeldEpisodes
@@ -155,26 +154,15 @@ class Committer:
         group: EpisodeGroup,
         final_meta: dict[str, np.ndarray] | None = None,
         batch_counters: bool = False,
-        written: Sequence[tuple[str, int, np.ndarray]] = (),
     ) -> None:
         """Commit ``group`` (at least one step): its rows still in RAM, padded to a chunk
         boundary, then the stale chunks of a longer previous episode, then steps 3 and 4
-        (``batch_counters``: step 4 batched, for whole episodes with no step log).
-        ``written``: slabs already written whose rows the caller still holds (not read back)."""
+        (``batch_counters``: step 4 batched, for whole episodes with no step log)."""
         for name, values in (final_meta or {}).items():
             group.meta[name][:] = values
-        tail = group.tail(self.time_chunks, self.max_timesteps)
-        self.write_slabs(group, tail)
+        self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps))
         self.clear_stale(group)
-        in_ram = {name: rows for name, start, rows in (*written, *tail) if start == 0 and rows.shape[1] >= group.length}
-
-        def steps(name: str) -> np.ndarray:
-            """The committed steps of field ``name``: in RAM unless a slab already left."""
-            if name in in_ram:
-                return in_ram[name][:, : group.length]
-            return self.storage.read_rows(name, group.slots, 0, group.length)
-
-        self.publish(group.slots, group.length, group.meta, steps, batch_counters and not self.log_written)
+        self.publish(group.slots, group.length, group.meta, batch_counters and not self.log_written)
         self.discard_log()
 
     def commit_empty(self, group: EpisodeGroup) -> None:
@@ -191,7 +179,7 @@ class Committer:
         group = self.new_group(1, meta)
         slabs = group.extend({n: v[None] for n, v in steps.items()}, length)
         self.write_slabs(group, slabs)
-        self.commit(group, batch_counters=True, written=slabs)  # sketches use the rows in RAM
+        self.commit(group, batch_counters=True)
         return group.slots
 
     def clear_stale(self, group: EpisodeGroup) -> None:
@@ -211,12 +199,10 @@ class Committer:
         slots: np.ndarray,
         length: int,
         meta: dict[str, np.ndarray],
-        steps: Callable[[str], np.ndarray] | None = None,
         batch_counters: bool = False,
     ) -> None:
         """Commit steps 3 and 4: meta rows, generation and length, then the counters (with
-        ``batch_counters``, only when ``COUNTERS_INTERVAL`` has passed since the last write);
-        ``steps(name)``: the committed rows of a data field (for ``committed``)."""
+        ``batch_counters``, only when ``COUNTERS_INTERVAL`` has passed since the last write)."""
         for name, values in meta.items():
             self.write_meta(name, slots, values)
         base = int(self.state["total_episodes"])
@@ -242,14 +228,6 @@ class Committer:
         else:
             self.store_state(self.state, batched=batch_counters)
         self.dirty_slots.difference_update(slots.tolist())
-        self.committed(slots, length, steps)
-
-    def committed(self, slots: np.ndarray, length: int, steps: Callable[[str], np.ndarray] | None) -> None:
-        """Called once per commit, after the counters: ``slots`` now hold episodes of ``length``
-        steps whose rows ``steps(name)`` gives (None for length 0). The single place for
-        per-commit bookkeeping outside the storage: the statistics sketches (``sketches.py``)."""
-        if steps is not None and length >= sketches.KLL_K:  # shorter: no blob (``sketches.py``)
-            sketches.record(self.storage, self.schema, slots, self.meta["_generation"][slots], steps)
 
     # ---- bookkeeping --------------------------------------------------------------------------
 

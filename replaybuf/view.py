@@ -291,7 +291,8 @@ class CommittedViews(SchemaAttributes):
     ) -> BufferStats:
         """Per-field mean/std/min/max (and ``quantile()``) over the valid steps of ``episodes``
         (slots; None: every committed episode), lengths and returns: merged from the sketches
-        written at commit (a concatenation's across its members) without reading data, or
+        a writer's first ``stats()`` stored (a concatenation's across its members) without
+        reading data, sketching from the data the episodes without one, or
         ``exact=True`` recomputed from the data with dask (``analysis.stats``)."""
         from .analysis import stats
 

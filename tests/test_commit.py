@@ -1,5 +1,5 @@
 """The commit protocol in one place (``replaybuf/commit.py``): every write path commits through
-``Committer``, announces each commit once through ``Committer.committed``, and ``store_episode``
+``Committer``, publishes each commit once through ``Committer.publish``, and ``store_episode``
 stores exactly what the same steps stored one by one store."""
 
 from __future__ import annotations
@@ -25,12 +25,19 @@ def steps(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def record_commits(buffer: ReplayBuffer) -> list[tuple[list[int], int]]:
+    """The (slots, length) of each commit, in order, as ``Committer.publish`` is called."""
     calls: list[tuple[list[int], int]] = []
-    buffer._commit.committed = lambda slots, length, steps: calls.append((slots.tolist(), length))
+    publish = buffer._commit.publish
+
+    def recorded(slots: np.ndarray, length: int, *args, **kwargs) -> None:
+        calls.append((slots.tolist(), length))
+        publish(slots, length, *args, **kwargs)
+
+    buffer._commit.publish = recorded
     return calls
 
 
-def test_every_write_path_announces_each_commit_once(tmp_path):
+def test_every_write_path_publishes_each_commit_once(tmp_path):
     buffer = new_buffer(tmp_path / "b")
     calls = record_commits(buffer)
     with buffer.one_episode(score=1.0):

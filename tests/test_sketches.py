@@ -1,18 +1,21 @@
-"""Statistics sketches: written at commit time, merged for any set of episodes or any
-concatenation without reading data, quantiles within the KLL rank error of exact ones."""
+"""Statistics sketches: stored by a writer's first stats() (commits write none), merged for any
+set of episodes or any concatenation without reading data, quantiles within the KLL rank error
+of exact ones."""
 
 from __future__ import annotations
 
 import json
 import struct
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, sketches
 from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.sketches import KLL_K, PREFIX, decode, normalizer, summary
+from replaybuf.storage.base import StorageError
 
 from ._data import random_episode
 
@@ -56,6 +59,8 @@ def assert_within_rank_error(summary_field, values: np.ndarray) -> None:
 
 def test_subsets_match_exact_values(tmp_path):
     buffer = make(tmp_path / "b", 8)
+    assert buffer.storage.list_blobs(PREFIX) == [], "commits write no sketch"
+    summary(buffer, ["reward"])  # the writer's first summary stores every sketched field's
     assert len(buffer.storage.list_blobs(PREFIX)) == 8, "one blob per committed episode"
     header = decode(buffer.storage.read_blob(f"{PREFIX}3"))
     assert set(header["fields"]) == {"state", "reward"}, "images are not sketched"
@@ -75,6 +80,7 @@ def test_subsets_match_exact_values(tmp_path):
 
 def test_summary_reads_no_data_when_blobs_exist(tmp_path, monkeypatch):
     buffer = make(tmp_path / "b", 4)
+    buffer.stats(["state"])
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
     monkeypatch.setattr(reader.storage, "read_rows", lambda *a, **k: pytest.fail("summary read data"))
     monkeypatch.setattr(reader.storage, "read_spans", lambda *a, **k: pytest.fail("summary read data"))
@@ -84,13 +90,15 @@ def test_summary_reads_no_data_when_blobs_exist(tmp_path, monkeypatch):
 
 def test_overwritten_and_step_written_episodes(tmp_path):
     buffer = make(tmp_path / "b", 6, max_episodes=4, circular=True)  # episodes 4, 5 overwrite slots 0, 1
-    with buffer.one_episode():  # step by step: sketched at commit too (>= KLL_K steps)
+    summary(buffer)
+    with buffer.one_episode():  # step by step
         for step in episode(99, 200)["reward"]:
             buffer.store(reward=step, state=np.zeros(3, np.float32))
-    kept = {3: 3, 0: 4, 1: 5, 2: 99}  # slot -> episode; slot 2's blob was episode 2's: replaced
-    assert decode(buffer.storage.read_blob(f"{PREFIX}2"))["generation"] == buffer._meta["_generation"][2] == 7
+    kept = {3: 3, 0: 4, 1: 5, 2: 99}  # slot -> episode; slot 2's blob is episode 2's until replaced
+    assert decode(buffer.storage.read_blob(f"{PREFIX}2"))["generation"] == 3
     values = np.concatenate([episode(i)["reward"] for i in kept.values()])
     stats = summary(buffer, ["reward"])["reward"]
+    assert decode(buffer.storage.read_blob(f"{PREFIX}2"))["generation"] == buffer._meta["_generation"][2] == 7
     assert stats.count == len(values)
     np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
     assert_within_rank_error(stats, values)
@@ -98,6 +106,7 @@ def test_overwritten_and_step_written_episodes(tmp_path):
 
 def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
     buffer = make(tmp_path / "b", 3)
+    buffer.stats(["state"])
     header = decode(buffer.storage.read_blob(f"{PREFIX}1"))
     for field in header["fields"].values():  # an older release's blob: a sum of squares, no m2
         field["sumsq"] = field.pop("m2")
@@ -117,6 +126,8 @@ def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
     assert stats.count == len(values)
     np.testing.assert_allclose(stats.std.numpy(), values.std(0), rtol=1e-5)
     assert_within_rank_error(stats, values)
+    for slot in (1, 2):  # stored again, in the current layout
+        assert set(decode(buffer.storage.read_blob(f"{PREFIX}{slot}"))["fields"]["state"]) >= {"m2", "kll"}
 
 
 def fail_on_data_reads(buffer, monkeypatch) -> None:
@@ -125,11 +136,12 @@ def fail_on_data_reads(buffer, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])
-def test_every_write_path_sketches_at_commit(tmp_path, monkeypatch, backend):
+def test_every_write_path_is_sketched_by_the_writers_stats(tmp_path, monkeypatch, backend):
     """Episodes of at least KLL_K steps (shorter ones get no blob) written by store,
-    store_batch, a long episode whose first steps left RAM before the commit (read
-    back: memmap rows are 1-step chunks, written every 256 bytes here), a rewound one and a
-    recovered step log all leave a blob: stats() reads no data."""
+    store_batch, a long episode whose first steps left RAM before the commit (memmap rows are
+    1-step chunks, written every 256 bytes here), a rewound one and a recovered step log all
+    get a blob of every sketched field from a writer's stats() of one field: a reader's
+    stats() then reads no data."""
     monkeypatch.setattr("replaybuf.staging.WRITE_SPAN_BYTES", 256)
     buffer = ReplayBuffer(tmp_path / "b", max_episodes=8, max_timesteps=3000, fields=FIELDS, backend=backend)
     data = {i: episode(i, 3000) for i in range(4)}
@@ -149,8 +161,11 @@ def test_every_write_path_sketches_at_commit(tmp_path, monkeypatch, backend):
     for _ in range(KLL_K):
         buffer.store(state=np.full(3, 7.0, np.float32), reward=1.0)
     buffer.flush()
-    del buffer  # killed with its steps logged: the next writable open recovers and sketches it
-    ReplayBuffer.from_folder(tmp_path / "b", backend=backend).close()
+    del buffer  # killed with its steps logged: the next writable open recovers it
+    writer = ReplayBuffer.from_folder(tmp_path / "b", backend=backend)
+    assert writer.storage.list_blobs(PREFIX) == []
+    writer.stats(["reward"])
+    writer.close()
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True, backend=backend)
     assert len(reader.storage.list_blobs(PREFIX)) == 6
     exact = reader.stats(["state", "reward"], exact=True)
@@ -238,7 +253,112 @@ def test_short_episodes_get_no_blob_and_are_sketched_from_their_data(tmp_path):
     buffer = ReplayBuffer(tmp_path / "b", max_episodes=4, max_timesteps=KLL_K, fields=FIELDS)
     short = episode(1, KLL_K - 1)
     buffer.store_episode(**short)
-    assert buffer.storage.list_blobs(PREFIX) == []
     stats = buffer.stats(["reward"])["reward"]
+    assert buffer.storage.list_blobs(PREFIX) == []
     assert stats.count == KLL_K - 1
     np.testing.assert_allclose(float(stats.mean), short["reward"].mean(), rtol=1e-5)
+
+
+def test_read_only_reader_sketches_from_data_and_stores_nothing(tmp_path):
+    """A reader of a buffer whose writer never asked for statistics: the same figures, from the
+    data, and no blob (it cannot write); the writer's own stats() then stores them."""
+    writer = make(tmp_path / "b", 3)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    values = np.concatenate([episode(i)["state"] for i in range(3)])
+    for _ in range(2):
+        stats = reader.stats(["state"])["state"]
+        assert stats.count == len(values)
+        np.testing.assert_allclose(stats.mean.numpy(), values.astype(np.float64).mean(0), rtol=1e-5, atol=1e-5)
+        assert_within_rank_error(stats, values)
+        assert reader.storage.list_blobs(PREFIX) == []
+    writer.stats(["state"])
+    assert len(reader.storage.list_blobs(PREFIX)) == 3
+
+
+def test_a_refused_blob_write_warns_once_and_stats_goes_on(tmp_path, monkeypatch):
+    buffer = make(tmp_path / "b", 3)
+    write_blob = buffer.storage.write_blob
+
+    def refuse(key: str, data: bytes) -> None:
+        raise StorageError(f"disk full writing {key}")
+
+    monkeypatch.setattr(buffer.storage, "write_blob", refuse)
+    with pytest.warns(UserWarning, match=r"could not store the statistics sketch of slot 0 .* disk full") as caught:
+        stats = buffer.stats(["reward"])["reward"]
+    assert len(caught) == 1, "one warning, not one per episode"
+    values = np.concatenate([episode(i)["reward"] for i in range(3)])
+    np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
+    assert_within_rank_error(stats, values)
+    assert buffer.storage.list_blobs(PREFIX) == []
+    monkeypatch.setattr(buffer.storage, "write_blob", write_blob)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buffer.stats(["reward"])
+    assert len(buffer.storage.list_blobs(PREFIX)) == 3
+
+
+def test_sketching_from_data_reads_a_bounded_batch_at_a_time(tmp_path, monkeypatch):
+    """A first stats() of a large buffer reads its episodes READ_BYTES at a time (here one
+    episode: state f32[3] + reward f32 = 16 bytes a step), not the whole buffer at once."""
+    buffer = make(tmp_path / "b", 3)
+    monkeypatch.setattr(sketches, "READ_BYTES", 16 * 200)
+    reads = []
+    read = sketches.read_episodes_consistent
+    monkeypatch.setattr(
+        sketches,
+        "read_episodes_consistent",
+        lambda b, slots, *a, **k: reads.append(len(slots)) or read(b, slots, *a, **k),
+    )
+    stats = buffer.stats(["state"])["state"]
+    assert reads == [1, 1, 1]
+    values = np.concatenate([episode(i)["state"] for i in range(3)])
+    np.testing.assert_allclose(stats.std.numpy(), values.astype(np.float64).std(0), rtol=1e-5)
+    assert_within_rank_error(stats, values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.random.default_rng(1).standard_normal((300, 5)).astype(np.float32) * 1e3 + 1e4,
+        np.random.default_rng(2).integers(0, 200, (300, 4)).astype(np.uint8),
+        np.random.default_rng(3).integers(-(2**40), 2**40, (300, 2)),
+        np.random.default_rng(4).random((300, 3)) > 0.5,
+        np.array([[1.0, np.nan, 5.0], [2.0, 3.0, -1.0]]),
+    ],
+    ids=["float32", "uint8", "int64", "bool", "nan"],
+)
+def test_episode_moments_match_numpy(values):
+    """Count, sum, m2, min and max of one episode (sorted per feature before sketching) are
+    numpy's over the original values, NaN included (a NaN feature has NaN moments, as np.min)."""
+    header, blobs = sketches._field_sketch(values)
+    exact = values.astype(np.float64)
+    assert header["count"] == len(values) and len(blobs) == values.shape[1]
+    np.testing.assert_allclose(header["sum"], exact.sum(0), rtol=1e-12)
+    np.testing.assert_allclose(header["m2"], np.square(exact - exact.mean(0)).sum(0), rtol=1e-9)
+    np.testing.assert_array_equal(header["min"], exact.min(0))
+    np.testing.assert_array_equal(header["max"], exact.max(0))
+
+
+def test_a_writer_reads_every_sketched_field_only_for_the_blobs_it_stores(tmp_path, monkeypatch):
+    """A writer's stats(['reward']) reads state too for an episode whose blob it stores (one
+    blob holds every sketched field), and only reward for a short one (no blob, read again)."""
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=4, max_timesteps=KLL_K, fields=FIELDS)
+    short, long = episode(1, KLL_K - 1), episode(2, KLL_K)
+    buffer.store_episode(**short)
+    buffer.store_episode(**long)
+    reads = []
+    read = sketches.read_episodes_consistent
+
+    def spy(b, slots, fields, *args, **kwargs):
+        reads.append((np.asarray(slots).tolist(), list(fields)))
+        return read(b, slots, fields, *args, **kwargs)
+
+    monkeypatch.setattr(sketches, "read_episodes_consistent", spy)
+    for expected in ([([1], ["state", "reward"]), ([0], ["reward"])], [([0], ["reward"])]):
+        reads.clear()
+        stats = buffer.stats(["reward"])["reward"]
+        assert reads == expected
+        assert buffer.storage.list_blobs(PREFIX) == [f"{PREFIX}1"]
+        values = np.concatenate([short["reward"], long["reward"]])
+        np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
+        assert_within_rank_error(stats, values)
