@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._codecs import ChunkCodec, ChunkDamage
-from ._kv import KeyValue, copy_spans, thread_pool
+from ._kv import KeyValue, ReadInto, copy_spans, thread_pool
 from .base import CorruptChunkError, GenerationMismatchError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
@@ -183,6 +183,11 @@ def _per_pair(generations, count: int) -> np.ndarray:
     return generations if generations.shape == (count,) else np.broadcast_to(generations, (count,))
 
 
+def _is_run(values: np.ndarray) -> bool:
+    """Whether ``values`` (a non-empty int array) are consecutive and ascending."""
+    return bool(values[-1] - values[0] == len(values) - 1 and (len(values) == 1 or (np.diff(values) == 1).all()))
+
+
 def _copy_rows(
     out: np.ndarray, picked: np.ndarray, chunk: np.ndarray, local: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 ) -> None:
@@ -190,7 +195,7 @@ def _copy_rows(
     run of whole rows (a first load), else one copy per row."""
     count = len(picked)
     if (starts == 0).all() and (lengths == out.shape[1]).all():
-        if picked[-1] - picked[0] == local[-1] - local[0] == count - 1:
+        if _is_run(picked) and _is_run(local):
             out[picked[0] : picked[0] + count] = chunk[local[0] : local[0] + count, : out.shape[1]]
         else:
             out[picked] = chunk[local, : out.shape[1]]
@@ -616,12 +621,18 @@ class ChunkedArray:
         group = max(1, _PACKED_READ_BYTES // size)
         for first in range(0, len(wanted), group):
             batch = wanted[first : first + group]
-            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in batch])
-            # a chunk of the wrong size is read row by row below: each row is whole or damaged
-            raws = {c: raw for c, raw in zip(batch, fetched) if raw is None or len(raw) == size}
+            picks = {c: np.flatnonzero(ids == c) for c in batch}
+            placed = self._read_rows_in_place(out, episodes, starts, lengths, picks, size)
+            copied = [c for c in batch if c not in placed]
+            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in copied])
+            # whole chunks (None: absent); a chunk of the wrong size is read row by row below:
+            # each row is whole or damaged
+            raws = {c: raw for c, raw in zip(copied, fetched) if raw is None or len(raw) == size}
+            raws.update((c, None) for c, stored in placed.items() if not stored)
             whole += raws
+            whole += placed
             for c, raw in raws.items():
-                picked = np.flatnonzero(ids == c)
+                picked = picks[c]
                 if raw is None:
                     for episode in episodes[picked].tolist():
                         self._absent((c, 0), episode)
@@ -645,6 +656,40 @@ class ChunkedArray:
                 raise self._damage(index, f"{len(data)} bytes where the row needs {hi - lo}", int(episodes[i]))
             else:
                 out[i, : lengths[i]] = np.frombuffer(data, self.codec.dtype).reshape(int(lengths[i]), *self.shape[2:])
+
+    def _read_rows_in_place(
+        self,
+        out: np.ndarray,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        picks: dict[int, np.ndarray],
+        size: int,
+    ) -> dict[int, bool]:
+        """Of the packed chunks ``picks`` (chunk -> the items read from it), those whose items
+        are a run of whole rows going, in order, to consecutive rows of ``out`` as stored (a
+        first load) are read from the store straight into ``out``: no bytes object and no
+        second copy of the field is held while it loads. Returns chunk -> True (read) or False
+        (absent: nothing written) for those chunks; the others, and chunks of the wrong size,
+        are left to the caller."""
+        if (
+            out.dtype != self.codec.dtype
+            or out.shape[1] != self.chunks[1]
+            or not out.flags.c_contiguous
+            or not ((starts == 0).all() and (lengths == out.shape[1]).all())
+        ):
+            return {}
+        ce, row = self.chunks[0], self.chunks[1] * self.item_nbytes
+        runs: list[int] = []
+        requests: list[ReadInto] = []
+        for c, picked in picks.items():
+            local = episodes[picked] - c * ce
+            if _is_run(picked) and _is_run(local):
+                runs.append(c)
+                view = memoryview(out[picked[0] : picked[0] + len(picked)]).cast("B")
+                requests.append((self.chunk_key((c, 0)), int(local[0]) * row, view))
+        sizes = self.kv.get_into(requests) if requests else []
+        return {c: n is not None for c, n in zip(runs, sizes) if n is None or n == size}
 
     def _read_into_by_gather(
         self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray
