@@ -216,3 +216,22 @@ def test_packed_rows_read_out_of_order_land_where_asked(tmp_path, monkeypatch):
     out = np.empty((8, MAX_TIMESTEPS, 3), np.float32)
     array.read_into(out, episodes, np.zeros(8, np.int64), np.full(8, MAX_TIMESTEPS))
     np.testing.assert_array_equal(out, np.asarray(reader.data["obs"][:8])[episodes])
+
+
+def test_a_row_torn_on_its_first_read_is_kept_as_read_again(tmp_path, monkeypatch):
+    """A row failing its crc32c on the load (a writer rewriting it meanwhile) is read again,
+    and that second read, not the torn one, is what the resident copy keeps."""
+    reader = _packed_reader(tmp_path, monkeypatch, 16)
+    kv, get_into, calls = reader.storage.kv, reader.storage.kv.get_into, []
+
+    def torn_once(requests):
+        sizes = get_into(requests)
+        if not calls:
+            requests[0][2][:4] = b"\xff\xff\xff\xff"  # slot 0, step 0: as if mid-rewrite
+        calls.append(len(requests))
+        return sizes
+
+    monkeypatch.setattr(kv, "get_into", torn_once)
+    _load(reader, "obs")
+    assert len(calls) == 2  # the load, then slot 0 again
+    np.testing.assert_array_equal(reader.storage.array("obs")._resident[0, : episode_length(1)], episode(1)["obs"])
