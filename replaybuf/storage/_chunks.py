@@ -609,15 +609,17 @@ class ChunkedArray:
 
     def _read_packed(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
         """``read_into`` for a packed array: a chunk many of whose rows are wanted is read
-        whole (a first load of a field: a few large reads); a few rows of a chunk (a refresh,
-        a writer reading back what it wrote) are read as byte ranges, one per row span."""
+        whole (a first load of a field: a few large reads, straight into ``out`` where its rows
+        land there as stored, ``_read_rows_in_place``); a few rows of a chunk (a refresh, a
+        writer reading back what it wrote) are read as byte ranges, one per row span."""
         ce = self.chunks[0]
         ids = episodes // ce
         unique, counts = np.unique(ids, return_counts=True)
         wanted: list[int] = unique[counts * 8 >= ce].tolist()
         whole: list[int] = []
         size = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
-        # fetched a few at a time: the raw bytes held at once stay ~_PACKED_READ_BYTES
+        # fetched a few at a time: the raw bytes held at once (chunks not read in place) stay
+        # ~_PACKED_READ_BYTES
         group = max(1, _PACKED_READ_BYTES // size)
         for first in range(0, len(wanted), group):
             batch = wanted[first : first + group]
@@ -629,8 +631,7 @@ class ChunkedArray:
             # each row is whole or damaged
             raws = {c: raw for c, raw in zip(copied, fetched) if raw is None or len(raw) == size}
             raws.update((c, None) for c, stored in placed.items() if not stored)
-            whole += raws
-            whole += placed
+            whole += [*raws, *(c for c, stored in placed.items() if stored)]
             for c, raw in raws.items():
                 picked = picks[c]
                 if raw is None:
