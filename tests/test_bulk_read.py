@@ -267,3 +267,19 @@ def test_parallel_first_reads_of_a_small_field_share_one_resident_copy(tmp_path)
         for thread in threads:
             thread.join()
     assert wrong == []
+
+
+def test_get_into_reads_byte_ranges_into_buffers_on_files_and_stores(tmp_path):
+    """``KeyValue.get_into``: files (read in place) and other stores (fetched, then copied)
+    fill each buffer with its byte range and return the object's size; an absent object
+    returns None and leaves its buffer as it was, a short one fills what it has."""
+    import zarr.storage
+
+    memory = zarr.storage.MemoryStore()
+    for kv in (_kv.LocalKV(str(tmp_path)), _kv.StoreKV(lambda: memory, "memory")):
+        kv.set_many({"a/c.0": bytes(range(100)), "b": b"xyz"})
+        outs = [bytearray(b"-" * n) for n in (10, 3, 5, 4)]
+        requests = [("a/c.0", 90, outs[0]), ("a/c.0", 0, outs[1]), ("b", 1, outs[2]), ("none", 0, outs[3])]
+        sizes = kv.get_into([(key, start, memoryview(out)) for key, start, out in requests])
+        assert sizes == [100, 100, 3, None], type(kv).__name__
+        assert outs == [bytearray(range(90, 100)), bytearray(range(3)), bytearray(b"yz---"), bytearray(b"----")]

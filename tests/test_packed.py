@@ -149,3 +149,89 @@ def test_packed_layout_and_in_place_update(tmp_path):
     reader.refresh()
     assert np.asarray(reader.data["step"][1, :length]).tolist() == [-5] * length
     buffer.close()
+
+
+def _packed_reader(tmp_path, monkeypatch, count: int) -> ReplayBuffer:
+    """A read-only reader of ``count`` stored episodes (uid = slot + 1) packed 8 to a chunk."""
+    from replaybuf.storage import _zarr
+
+    monkeypatch.setattr(_zarr, "PACKED_CHUNK_BYTES", 8 * MAX_TIMESTEPS * 12)  # 8 rows of obs f32[3]
+    location = str(tmp_path / "b")
+    writer = ReplayBuffer(
+        location, max_episodes=40, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields={"uid": "int"}
+    )
+    for uid in range(1, count + 1):
+        store(writer, uid)
+    writer.close()
+    return ReplayBuffer.from_folder(location, read_only=True)
+
+
+def _load(reader: ReplayBuffer, name: str) -> None:
+    slots = reader.valid_episodes()
+    reader.storage.preload(name, slots, np.asarray(reader.generations)[slots])
+
+
+def test_first_load_of_a_packed_field_reads_its_files_in_place(tmp_path, monkeypatch):
+    """The resident copy of a packed field is read from its chunk files straight into place
+    (``KeyValue.get_into``): no chunk is fetched as bytes, and every row, the partly used last
+    chunk's included, is the episode stored."""
+    reader = _packed_reader(tmp_path, monkeypatch, 37)
+    array, kv = reader.storage.array("obs"), reader.storage.kv
+    assert array.chunks[0] == 8 and array.packed
+    fetched, get_many = [], kv.get_many
+    monkeypatch.setattr(kv, "get_many", lambda keys: fetched.extend(keys) or get_many(keys))
+    for name in FIELDS:
+        _load(reader, name)
+    assert [k for k in fetched if k.startswith("data/")] == []
+    assert len(stored(reader)) == 37
+    rows = np.zeros((37, MAX_TIMESTEPS, 3), np.float32)
+    for slot in range(37):
+        data = episode(slot + 1)["obs"]
+        rows[slot, : len(data)] = data
+    np.testing.assert_array_equal(array._resident[:37], rows)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_first_load_of_a_damaged_packed_chunk_names_its_slot(tmp_path, monkeypatch, damage):
+    """A chunk file of the wrong size, or missing, under committed episodes fails the load
+    with CorruptChunkError naming a slot of that chunk, not rows of whatever was read."""
+    from replaybuf import CorruptChunkError
+
+    reader = _packed_reader(tmp_path, monkeypatch, 24)
+    path = os.path.join(reader.storage.location, "data", "obs", "c.1.0.0")
+    if damage == "missing":
+        os.remove(path)
+    else:
+        os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CorruptChunkError, match=r"slots? (8|9|1[0-5])\b"):
+        _load(reader, "obs")
+
+
+def test_packed_rows_read_out_of_order_land_where_asked(tmp_path, monkeypatch):
+    """Whole rows of one chunk asked in another order than stored (a permuted run spanning as
+    many slots as there are rows) are each read into their own row of ``out``."""
+    reader = _packed_reader(tmp_path, monkeypatch, 8)
+    array = reader.storage.array("obs")
+    episodes = np.array([0, 2, 1, 3, 4, 5, 6, 7])  # first and last in place: spans 8 slots
+    out = np.empty((8, MAX_TIMESTEPS, 3), np.float32)
+    array.read_into(out, episodes, np.zeros(8, np.int64), np.full(8, MAX_TIMESTEPS))
+    np.testing.assert_array_equal(out, np.asarray(reader.data["obs"][:8])[episodes])
+
+
+def test_a_row_torn_on_its_first_read_is_kept_as_read_again(tmp_path, monkeypatch):
+    """A row failing its crc32c on the load (a writer rewriting it meanwhile) is read again,
+    and that second read, not the torn one, is what the resident copy keeps."""
+    reader = _packed_reader(tmp_path, monkeypatch, 16)
+    kv, get_into, calls = reader.storage.kv, reader.storage.kv.get_into, []
+
+    def torn_once(requests):
+        sizes = get_into(requests)
+        if not calls:
+            requests[0][2][:4] = b"\xff\xff\xff\xff"  # slot 0, step 0: as if mid-rewrite
+        calls.append(len(requests))
+        return sizes
+
+    monkeypatch.setattr(kv, "get_into", torn_once)
+    _load(reader, "obs")
+    assert len(calls) == 2  # the load, then slot 0 again
+    np.testing.assert_array_equal(reader.storage.array("obs")._resident[0, : episode_length(1)], episode(1)["obs"])

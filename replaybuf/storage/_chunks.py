@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._codecs import ChunkCodec, ChunkDamage
-from ._kv import KeyValue, copy_spans, thread_pool
+from ._kv import KeyValue, ReadInto, copy_spans, thread_pool
 from .base import CorruptChunkError, GenerationMismatchError
 
 _PARALLEL_DECODE_BYTES = 1 << 20
@@ -183,6 +183,11 @@ def _per_pair(generations, count: int) -> np.ndarray:
     return generations if generations.shape == (count,) else np.broadcast_to(generations, (count,))
 
 
+def _is_run(values: np.ndarray) -> bool:
+    """Whether ``values`` (a non-empty int array) are consecutive and ascending."""
+    return bool(values[-1] - values[0] == len(values) - 1 and (len(values) == 1 or (np.diff(values) == 1).all()))
+
+
 def _copy_rows(
     out: np.ndarray, picked: np.ndarray, chunk: np.ndarray, local: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 ) -> None:
@@ -190,7 +195,7 @@ def _copy_rows(
     run of whole rows (a first load), else one copy per row."""
     count = len(picked)
     if (starts == 0).all() and (lengths == out.shape[1]).all():
-        if picked[-1] - picked[0] == local[-1] - local[0] == count - 1:
+        if _is_run(picked) and _is_run(local):
             out[picked[0] : picked[0] + count] = chunk[local[0] : local[0] + count, : out.shape[1]]
         else:
             out[picked] = chunk[local, : out.shape[1]]
@@ -604,24 +609,31 @@ class ChunkedArray:
 
     def _read_packed(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
         """``read_into`` for a packed array: a chunk many of whose rows are wanted is read
-        whole (a first load of a field: a few large reads); a few rows of a chunk (a refresh,
-        a writer reading back what it wrote) are read as byte ranges, one per row span."""
+        whole (a first load of a field: a few large reads, straight into ``out`` where its rows
+        land there as stored, ``_read_rows_in_place``); a few rows of a chunk (a refresh, a
+        writer reading back what it wrote) are read as byte ranges, one per row span."""
         ce = self.chunks[0]
         ids = episodes // ce
         unique, counts = np.unique(ids, return_counts=True)
         wanted: list[int] = unique[counts * 8 >= ce].tolist()
         whole: list[int] = []
         size = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
-        # fetched a few at a time: the raw bytes held at once stay ~_PACKED_READ_BYTES
+        # fetched a few at a time: the raw bytes held at once (chunks not read in place) stay
+        # ~_PACKED_READ_BYTES
         group = max(1, _PACKED_READ_BYTES // size)
         for first in range(0, len(wanted), group):
             batch = wanted[first : first + group]
-            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in batch])
-            # a chunk of the wrong size is read row by row below: each row is whole or damaged
-            raws = {c: raw for c, raw in zip(batch, fetched) if raw is None or len(raw) == size}
-            whole += raws
+            picks = {c: np.flatnonzero(ids == c) for c in batch}
+            placed = self._read_rows_in_place(out, episodes, starts, lengths, picks, size)
+            copied = [c for c in batch if c not in placed]
+            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in copied])
+            # whole chunks (None: absent); a chunk of the wrong size is read row by row below:
+            # each row is whole or damaged
+            raws = {c: raw for c, raw in zip(copied, fetched) if raw is None or len(raw) == size}
+            raws.update((c, None) for c, stored in placed.items() if not stored)
+            whole += [*raws, *(c for c, stored in placed.items() if stored)]
             for c, raw in raws.items():
-                picked = np.flatnonzero(ids == c)
+                picked = picks[c]
                 if raw is None:
                     for episode in episodes[picked].tolist():
                         self._absent((c, 0), episode)
@@ -645,6 +657,40 @@ class ChunkedArray:
                 raise self._damage(index, f"{len(data)} bytes where the row needs {hi - lo}", int(episodes[i]))
             else:
                 out[i, : lengths[i]] = np.frombuffer(data, self.codec.dtype).reshape(int(lengths[i]), *self.shape[2:])
+
+    def _read_rows_in_place(
+        self,
+        out: np.ndarray,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        picks: dict[int, np.ndarray],
+        size: int,
+    ) -> dict[int, bool]:
+        """Of the packed chunks ``picks`` (chunk -> the items read from it), those whose items
+        are a run of whole rows going, in order, to consecutive rows of ``out`` as stored (a
+        first load) are read from the store straight into ``out``: no bytes object and no
+        second copy of the field is held while it loads. Returns chunk -> True (read) or False
+        (absent: nothing written) for those chunks; the others, and chunks of the wrong size,
+        are left to the caller."""
+        if (
+            out.dtype != self.codec.dtype
+            or out.shape[1] != self.chunks[1]
+            or not out.flags.c_contiguous
+            or not ((starts == 0).all() and (lengths == out.shape[1]).all())
+        ):
+            return {}
+        ce, row = self.chunks[0], self.chunks[1] * self.item_nbytes
+        runs: list[int] = []
+        requests: list[ReadInto] = []
+        for c, picked in picks.items():
+            local = episodes[picked] - c * ce
+            if _is_run(picked) and _is_run(local):
+                runs.append(c)
+                view = memoryview(out[picked[0] : picked[0] + len(picked)]).cast("B")
+                requests.append((self.chunk_key((c, 0)), int(local[0]) * row, view))
+        sizes = self.kv.get_into(requests) if requests else []
+        return {c: n is not None for c, n in zip(runs, sizes) if n is None or n == size}
 
     def _read_into_by_gather(
         self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray

@@ -31,6 +31,8 @@ else:
 
 #: a read of part of an object: (key, start, stop), ``stop`` None for the rest of the object
 ByteRange = tuple[str, int, int | None]
+#: a read into a buffer: (key, first byte, a writable byte view that receives ``len(view)`` bytes)
+ReadInto = tuple[str, int, memoryview]
 #: ``consume(i, data)`` takes the i-th result of a batched read (None: no such object)
 Consume = Callable[[int, bytes | None], None]
 #: what a write takes: hot shards are built in place and handed over as a view
@@ -139,6 +141,21 @@ class KeyValue(ABC):
         decoding in ``consume`` runs in parallel; codecs release the GIL)."""
         values = self.get_many(keys)
         _in_pool(len(values), lambda i: consume(i, values[i]))
+
+    def get_into(self, requests: Sequence[ReadInto]) -> list[int | None]:
+        """Bytes ``start .. start + len(out)`` of object ``key`` into ``out`` (a writable byte
+        view), for each ``(key, start, out)``; returns each object's size (None: absent, ``out``
+        untouched). An object shorter than that leaves ``out`` partly written: callers compare
+        the size with the one they expect. Here the objects are fetched whole (concurrently)
+        and copied; ``LocalKV`` reads each file straight into ``out``, so a bulk load holds no
+        second copy of what it reads."""
+        sizes: list[int | None] = []
+        for (_, start, out), data in zip(requests, self.get_many([key for key, _, _ in requests])):
+            if data is not None:
+                part = memoryview(data)[start : start + len(out)]
+                out[: len(part)] = part
+            sizes.append(None if data is None else len(data))
+        return sizes
 
     def get_ranges_each(
         self, requests: Sequence[ByteRange], consume: Consume, generations: Sequence[int] | None = None
@@ -353,6 +370,34 @@ class LocalKV(KeyValue):
         if len(requests) <= 4:
             return [self._read_range(r) for r in requests]
         return list(thread_pool().map(self._read_range, requests))
+
+    def _read_into(self, request: ReadInto) -> int | None:
+        key, start, out = request
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], start + done)
+                if not n:
+                    break  # the file ends first: the caller sees its size
+                done += n
+            return size
+        finally:
+            os.close(fd)
+
+    def get_into(self, requests: Sequence[ReadInto]) -> list[int | None]:
+        # docstring inherited: each file is read straight into its buffer (no bytes object)
+        sizes: list[int | None] = [None] * len(requests)
+
+        def read(i: int) -> None:
+            sizes[i] = self._read_into(requests[i])
+
+        _in_pool(len(requests), read)
+        return sizes
 
     def get_each(self, keys: Sequence[str], consume: Consume) -> None:
         # Read and consume in the same pool task: file reads and decoding overlap.

@@ -530,10 +530,12 @@ class ZarrStorage(KVBlobs, Storage):
     ) -> None:
         """Check rows of packed field ``name`` just read into ``out`` (``read_into``'s
         arguments): each one read from step 0 through its whole committed length is compared
-        with its checksum; a mismatch is read again (a writer reusing the slot meanwhile) and
-        one that stays is ``CorruptChunkError``."""
+        with its checksum; a mismatch is read again (a writer reusing the slot meanwhile, or
+        rewriting it in place), the new read replacing the row in ``out``, and one that stays
+        is ``CorruptChunkError``."""
         array = self.array(name)
         column = self._packed.index(name)
+        target, rows = out, np.arange(len(episodes))  # the caller's row of each item checked
         for attempt in range(_CHECK_READS):
             picked = np.flatnonzero(starts == 0)
             committed = self._stored_meta_rows("episode_lens", episodes[picked])
@@ -551,9 +553,11 @@ class ZarrStorage(KVBlobs, Storage):
                 return
             picked = picked[bad]
             if attempt + 1 < _CHECK_READS:
-                episodes, starts, lengths = episodes[picked], starts[picked], lengths[picked]
+                episodes, starts, lengths, rows = episodes[picked], starts[picked], lengths[picked], rows[picked]
                 out = np.zeros((len(picked), *out.shape[1:]), out.dtype)
                 array.read_into(out, episodes, starts, lengths, check=False)
+                for k, (row, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
+                    target[row, :n] = out[k, :n]
         slot = int(episodes[picked[0]])
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
