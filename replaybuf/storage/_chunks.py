@@ -687,7 +687,7 @@ class ChunkedArray:
             local = episodes[picked] - c * ce
             if _is_run(picked) and _is_run(local):
                 runs.append(c)
-                view = memoryview(out[picked[0] : picked[0] + len(picked)]).cast("B")
+                view = out[picked[0] : picked[0] + len(picked)].reshape(-1).view(np.uint8).data
                 requests.append((self.chunk_key((c, 0)), int(local[0]) * row, view))
         sizes = self.kv.get_into(requests) if requests else []
         return {c: n is not None for c, n in zip(runs, sizes) if n is None or n == size}
