@@ -945,6 +945,57 @@ class ReplayBuffer(CommittedViews):
                 for name, array in rows:
                     self.storage.update_rows(name, episodes, 0, array)
 
+    def update_steps(self, episodes: Any, timesteps: Any, **data: Any) -> None:
+        """Overwrite single steps of committed episodes in place: ``data[name]`` holds one value
+        per (``episodes[i]``, ``timesteps[i]``) pair, (N, *shape) or broadcast to it; a pair given
+        twice keeps its last value, as numpy assignment does. The scattered write-back of
+        prioritized replay (``update_priorities``): only the touched bytes of each row are
+        rewritten, where ``update`` rewrites whole episodes. Every value is checked before
+        anything is written."""
+        self._check_writable("update_steps")
+        if not data:
+            raise ValueError("update_steps: no data provided")
+        self._check_names(data, self.fieldnames, "field", "update_steps")
+        pairs = [to_numpy(v, n) for n, v in (("episodes", episodes), ("timesteps", timesteps))]
+        if any(p.ndim != 1 or p.dtype.kind not in "iu" for p in pairs) or len(pairs[0]) != len(pairs[1]):
+            raise ValueError(
+                f"update_steps: episodes and timesteps must be 1-D int arrays of one length, got "
+                f"{pairs[0].dtype} {pairs[0].shape} and {pairs[1].dtype} {pairs[1].shape}"
+            )
+        episodes, timesteps = (p.astype(np.int64) for p in pairs)
+        lens = self._meta["episode_lens"]
+        outside = (episodes < 0) | (episodes >= self.max_episodes)
+        outside |= (timesteps < 0) | (timesteps >= lens[np.where(outside, 0, episodes)])
+        if outside.any():
+            bad = np.stack([episodes[outside], timesteps[outside]], 1)[:5].tolist()
+            raise ValueError(
+                f"update_steps: (episode, timestep) pairs {bad} are outside the committed episodes "
+                f"(episode_lens of those episodes: {lens[np.clip(episodes[outside][:5], 0, self.max_episodes - 1)].tolist()})"
+            )
+        writes = []
+        for name, value in data.items():
+            f = self._field(name)
+            array = to_numpy(value, name)
+            # () <-> (1,) as the seed casts; any other feature shape must broadcast
+            array = (
+                fit_shape(array, f, 1)
+                if array.ndim and array.shape[1:] in ((), (1,)) and f.shape in ((), (1,))
+                else array
+            )
+            try:
+                array = np.broadcast_to(array, (len(episodes), *f.shape))
+            except ValueError:
+                raise ValueError(
+                    f"update_steps: field {name!r} value of shape {array.shape} does not broadcast to "
+                    f"{(len(episodes), *f.shape)}"
+                ) from None
+            writes.append((name, cast_values(array, f)))
+        if not len(episodes):
+            return
+        with self._commit.editing(episodes):  # one edit of every field's steps
+            for name, array in writes:
+                self.storage.update_steps(name, episodes, timesteps, array)
+
     def _episode_indices(self, indices: Any) -> tuple[np.ndarray, bool]:
         if indices is None:
             return np.flatnonzero(self._meta["episode_lens"] > 0), False

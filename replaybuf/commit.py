@@ -355,9 +355,11 @@ class Committer:
 
     def finish_edits(self) -> None:
         """Close the in-place edits a killed writer left open (an odd ``_revision``): their rows
-        are whatever it wrote, now stable, so the revision moves to the next even value."""
+        are whatever it wrote, now stable, so their checksums are recomputed from them (it may
+        have died between rows and checksums) and the revision moves to the next even value."""
         odd = np.flatnonzero(self.meta["_revision"] % 2)
         if len(odd):
+            self.storage.reseal(odd, self.meta["episode_lens"][odd])
             self.write_meta("_revision", odd, self.meta["_revision"][odd] + 1)
 
     def recover_step_log(self) -> None:

@@ -235,3 +235,57 @@ def test_a_row_torn_on_its_first_read_is_kept_as_read_again(tmp_path, monkeypatc
     _load(reader, "obs")
     assert len(calls) == 2  # the load, then slot 0 again
     np.testing.assert_array_equal(reader.storage.array("obs")._resident[0, : episode_length(1)], episode(1)["obs"])
+
+
+EDITED = [(0, 1), (2, 0), (0, 3), (2, 2), (1, 4)]  # (slot, step) pairs of one update_priorities
+
+
+def _die_in_edit(location: str, at: int) -> None:
+    """Child: set new priorities at ``EDITED`` in one call, SIGKILLed at its ``at``-th write to
+    the store (revision, rows in place, checksums)."""
+    from replaybuf.sampling import update_priorities
+
+    buffer = ReplayBuffer.from_folder(location)
+    kv, writes = buffer.storage.kv, []
+
+    def dying(method):
+        def write(*args, **options):
+            writes.append(method.__name__)
+            if len(writes) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return method(*args, **options)
+
+        return write
+
+    kv.write_at, kv.set_many = dying(kv.write_at), dying(kv.set_many)
+    update_priorities(buffer, EDITED, [100.0 + k for k in range(len(EDITED))])
+    os._exit(3)
+
+
+def test_kill_at_every_write_of_a_scattered_edit(tmp_path):
+    """Killed at write 1, 2, ... of one ``update_priorities`` until it runs to its end: the next
+    writable open closes the revisions left odd and reseals the rows, every edited step holds its
+    old or its new value, the other steps their old ones, and verify finds nothing."""
+    at = 0
+    while True:
+        at += 1
+        location = str(tmp_path / f"{at}")
+        with ReplayBuffer(location, **{**kwargs(), "fields": {**FIELDS, "priority": "float32"}}) as buffer:
+            for slot in range(SLOTS):
+                buffer.store_episode(
+                    obs=np.zeros((5, 3)), step=np.arange(5), priority=np.arange(5) + 10.0 * slot, uid=slot
+                )
+        code = _run(_die_in_edit, location, at)
+        if code == 3:
+            break
+        assert code == -signal.SIGKILL
+        with ReplayBuffer.from_folder(location) as buffer:
+            assert (buffer._meta["_revision"] % 2 == 0).all()
+            rows = np.asarray(buffer.data["priority"][:, :5])
+        old = np.arange(5) + 10.0 * np.arange(SLOTS)[:, None]
+        new = old.copy()
+        for k, (slot, step) in enumerate(EDITED):
+            new[slot, step] = 100.0 + k
+        assert ((rows == old) | (rows == new)).all(), rows
+        assert verify(location) == []
+    assert at > 3, "an edit writes its revisions, rows and checksums; the loop covered each"

@@ -164,19 +164,6 @@ def update_priorities(buffer: BufferView, indices: Any, priorities: Any, priorit
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("priorities must be finite and >= 0")
     episodes, timesteps = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
-    lens = buffer.episode_lens
-    if (
-        ((episodes < 0) | (episodes >= buffer.max_episodes)).any()
-        or (timesteps < 0).any()
-        or (timesteps >= lens[np.clip(episodes, 0, buffer.max_episodes - 1)]).any()
-    ):
-        raise ValueError("indices name timesteps outside the committed episodes")
-    writer = as_writer(buffer, "update_priorities")
-    slots, inverse = np.unique(episodes, return_inverse=True)
-    longest = int(lens[slots].max())
-    rows = buffer.storage.read_rows(priority_field, slots, 0, longest)
-    rows = rows.reshape(len(slots), longest).copy()
-    rows[inverse, timesteps] = values
-    writer.update(slots, **{priority_field: rows[..., None] if buffer.schema.fields[priority_field].shape else rows})
+    as_writer(buffer, "update_priorities").update_steps(episodes, timesteps, **{priority_field: values})
     for sampler in list(_samplers.get(buffer, ())):
         sampler.update(episodes, timesteps, values)

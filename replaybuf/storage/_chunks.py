@@ -23,10 +23,13 @@ import numpy as np
 
 from ._codecs import ChunkCodec, ChunkDamage
 from ._kv import KeyValue, ReadInto, copy_spans, thread_pool
-from .base import CorruptChunkError, GenerationMismatchError
+from .base import CorruptChunkError, GenerationMismatchError, last_occurrences
 
 _PARALLEL_DECODE_BYTES = 1 << 20
 _PACKED_READ_BYTES = 16 << 20
+# in-place edits of rows this close in a chunk share one read and one write of the bytes between
+# them (``_edit_in_place``): copying 32 KiB twice costs about what another pread + pwrite does
+_GAP_BYTES = 32 << 10
 DEFAULT_CHUNK_CACHE_BYTES = 128 << 20
 # Small fields (at most RESIDENT_STEP_BYTES per step: vectors, scalars) are held whole in RAM
 # per process, up to DEFAULT_RESIDENT_BYTES for all arrays together (their full capacity,
@@ -204,6 +207,13 @@ def _copy_rows(
         out[i, :n] = chunk[e, s : s + n]
 
 
+def nearby_spans(slots: np.ndarray, row_nbytes: int, per_chunk: int) -> np.ndarray:
+    """Bounds (into sorted unique ``slots``) of the spans an in-place edit reads and writes
+    whole: rows of one chunk of ``per_chunk`` rows, ``_GAP_BYTES`` apart at most."""
+    apart = (np.diff(slots // per_chunk) != 0) | ((np.diff(slots) - 1) * row_nbytes > _GAP_BYTES)
+    return np.concatenate([[0], np.flatnonzero(apart) + 1, [len(slots)]])
+
+
 class ChunkedArray:
     """A zarr v3 array read and written chunk by chunk through a KeyValue.
 
@@ -219,7 +229,8 @@ class ChunkedArray:
 
     Packed arrays (``packed``) carry no chunk checksum: ``check_rows(episodes, starts,
     lengths, out)`` checks whole-episode reads against per-episode checksums kept by the
-    storage, ``rows_written(first, count)`` tells it which rows a write changed, and
+    storage, ``rows_written(slots, rows)`` tells it which rows a write changed (with the rows as
+    written, or None: read them back), and
     ``row_prints(rows)`` fingerprints rows by those checksums (a chunk's file changes with any
     of its rows: a refresh re-reads only the rows whose checksum changed).
 
@@ -243,7 +254,7 @@ class ChunkedArray:
         check_writable: Any = None,
         committed: Callable[[int], int] | None = None,
         check_rows: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-        rows_written: Callable[[int, int], None] | None = None,
+        rows_written: Callable[[np.ndarray, np.ndarray | None], None] | None = None,
         row_prints: Callable[[np.ndarray], np.ndarray] | None = None,
         generations_of: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
@@ -915,12 +926,12 @@ class ChunkedArray:
         if moved.any():
             raise GenerationMismatchError(self.kv.where(self.path), rows[moved])
 
-    def _forget_rows(self, first: int, count: int) -> None:
-        """After rows ``first .. first + count`` were written in place: their resident rows are
-        read again on next use (the other rows of a packed chunk stay)."""
-        _cache.discard(self._namespace, list(range(first, first + count)))
+    def _forget_rows(self, slots: np.ndarray) -> None:
+        """After rows ``slots`` were written in place: their resident rows are read again on
+        next use (the other rows of a packed chunk stay)."""
+        _cache.discard(self._namespace, slots.tolist())
         if self._resident_generations is not None:
-            self._resident_generations[first : first + count] = _NEVER
+            self._resident_generations[slots] = _NEVER
 
     def _forget(self, chunks: dict[tuple, np.ndarray | None]) -> None:
         """Keep the cache and the resident copy true to chunks written in this process."""
@@ -951,35 +962,55 @@ class ChunkedArray:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def _write_in_place(self, start: Sequence[int], values: np.ndarray, published: bool) -> bool:
-        """Overwrite rows of an uncompressed array whose chunks hold whole rows (the meta
-        arrays, packed data arrays) in place, as a memmap would: one pwrite per run of whole
-        rows in a chunk, or per row span; False when that is not possible (other arrays, a
-        medium without in-place writes). A packed chunk not stored yet is first created whole
-        (zeros); ``published``: the rows may hold committed episodes (``rows_written``)."""
-        if self.grid_axes != 1 and not self.packed or self.codec.compressed:
+    def _edit_in_place(
+        self, slots: np.ndarray, edit: Callable[[np.ndarray, np.ndarray], None], covers: bool, published: bool
+    ) -> bool:
+        """Edit rows ``slots`` (sorted, unique) of an uncompressed array whose chunks hold whole
+        rows (the meta arrays, packed data arrays) in place, as a memmap would: False when that
+        is not possible (other arrays, a medium without in-place writes).
+
+        Nearby rows of a chunk (``_GAP_BYTES`` apart at most) make one span, read once unless
+        ``covers`` (the edit sets every byte of its rows and they are contiguous), edited by
+        ``edit(block, at)`` (``block[at[i]]`` is row ``slots[i]``) and written back with one
+        pwrite: rows between edited ones are written back as read, so this relies on the one
+        writer (the lease) making no other write meanwhile. A packed chunk not stored yet is first
+        created whole (zeros). ``published``: the rows may hold committed episodes, handed to
+        ``rows_written`` as now stored."""
+        if self.grid_axes != 1 and not self.packed or self.codec.compressed or not self.kv.writes_in_place:
             return False
-        first, t0 = int(start[0]), int(start[1]) if self.grid_axes == 2 else 0
-        rows = np.ascontiguousarray(values, dtype=self.codec.dtype)
-        whole = self.grid_axes == 1 or rows.shape[1] == self.shape[1]
+        per_chunk, row_shape = self.chunks[0], self.shape[1:]
         row_nbytes = self.item_nbytes * (self.shape[1] if self.grid_axes == 2 else 1)
-        offset0 = t0 * self.item_nbytes if self.grid_axes == 2 else 0
-        per_chunk = self.chunks[0]
-        done, created = 0, -1
-        while done < len(rows):
-            chunk, offset = divmod(first + done, per_chunk)
-            count = min(len(rows) - done, per_chunk - offset) if whole else 1
-            part = rows[done : done + count]
-            if not self.kv.write_at(self.chunk_key((chunk,)), offset * row_nbytes + offset0, part.tobytes()):
-                if chunk != created and self.packed and self._create_chunk(chunk):
-                    created = chunk
-                    continue  # write the part in place now
-                return False  # write_box writes it all
-            done += count
+        bounds = nearby_spans(slots, row_nbytes, per_chunk)
+        firsts, lasts = slots[bounds[:-1]], slots[bounds[1:] - 1] + 1
+        offsets = np.concatenate([[0], np.cumsum(lasts - firsts)])  # row of each span in block
+        group = np.repeat(np.arange(len(firsts)), np.diff(bounds))
+        at = offsets[group] + slots - firsts[group]
+        spans = [  # (chunk, first byte in it, rows lo .. hi of block)
+            (first // per_chunk, first % per_chunk * row_nbytes, lo, hi)
+            for first, lo, hi in zip(firsts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist())
+        ]
+        block = np.zeros((int(offsets[-1]), *row_shape), self.codec.dtype)
+        if not covers or len(at) != len(block):
+            raws = self.kv.get_ranges(
+                [(self.chunk_key((chunk,)), byte, byte + (hi - lo) * row_nbytes) for chunk, byte, lo, hi in spans]
+            )
+            flat = block.reshape(len(block), -1).view(np.uint8)
+            for (_, _, lo, hi), raw in zip(spans, raws):
+                if raw is None:  # a chunk not stored yet: zeros, created below
+                    continue
+                if len(raw) != (hi - lo) * row_nbytes:
+                    return False  # write_box rewrites the chunk
+                flat[lo:hi] = np.frombuffer(raw, np.uint8).reshape(hi - lo, -1)
+        edit(block, at)
+        for chunk, byte, lo, hi in spans:
+            key, data = self.chunk_key((chunk,)), block[lo:hi].tobytes()
+            if not self.kv.write_at(key, byte, data):
+                if not self.packed or not self._create_chunk(chunk) or not self.kv.write_at(key, byte, data):
+                    return False  # write_box writes it all
         if self.packed:
-            self._forget_rows(first, len(rows))
+            self._forget_rows(slots)
             if published and self.rows_written is not None:
-                self.rows_written(first, len(rows))
+                self.rows_written(slots, block[at])
         return True
 
     def _create_chunk(self, chunk: int) -> bool:
@@ -999,8 +1030,6 @@ class ChunkedArray:
         if self.check_writable is not None:
             self.check_writable()
         published = atomic
-        if self._write_in_place(start, values, published):
-            return
         # a packed chunk holds other slots that readers trust: it is only ever replaced whole
         atomic = atomic or self.packed
         box = [(s, s + n) for s, n in zip(start, values.shape)]
@@ -1040,9 +1069,10 @@ class ChunkedArray:
             self.kv.delete_many(empty)
         self._forget(written)
         if self.packed:
-            self._forget_rows(int(start[0]), len(values))
-        if published and self.packed and self.rows_written is not None:
-            self.rows_written(int(start[0]), len(values))
+            slots = np.arange(int(start[0]), int(start[0]) + len(values))
+            self._forget_rows(slots)
+            if published and self.rows_written is not None:
+                self.rows_written(slots, None)
 
     def _stale_damage(self, error: CorruptChunkError) -> bool:
         """Whether damage lies in a slot that holds no committed episode (being rewritten): its
@@ -1138,20 +1168,47 @@ class ChunkedArray:
         return out[picked + tuple(rest)]
 
     def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
-        """Write (len(episodes), T, *shape) rows at time ``t0``, one request batch per run of
-        consecutive episodes (none for no episodes)."""
+        """Write (len(episodes), T, *shape) rows at time ``t0`` (an episode given twice: its last
+        row): in place where the array allows (``_edit_in_place``), else one request batch per
+        run of consecutive episodes (none for no episodes)."""
         episodes = np.asarray(episodes).reshape(-1)
         if len(episodes) == 0:
             return
-        if len(episodes) == 1:  # a one-episode commit pays this per field and per meta array
-            bounds = [0, 1]
-        else:
-            order = np.argsort(episodes, kind="stable")
-            episodes, values = episodes[order], values[order]
-            bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
+        if self.check_writable is not None:
+            self.check_writable()
+        if len(episodes) > 1:  # a one-episode commit pays this per field and per meta array
+            keep = last_occurrences(episodes)
+            episodes, values = episodes[keep], values[keep]
+        steps = (slice(t0, t0 + values.shape[1]),) if self.grid_axes > 1 else ()
+
+        def edit(block: np.ndarray, at: np.ndarray) -> None:
+            block[(at, *steps)] = values
+
+        covers = self.grid_axes == 1 or values.shape[1] == self.shape[1]
+        if self._edit_in_place(episodes, edit, covers, published=atomic):
+            return
+        bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
         for lo, hi in zip(bounds, bounds[1:]):
             start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
             self.write_box(start, values[lo:hi], atomic=atomic)
+
+    def write_steps(self, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> bool:
+        """Write ``values[i]`` at step ``timesteps[i]`` of committed episode ``episodes[i]`` of a
+        packed array in place, one read-modify-write per span of nearby rows (a pair given
+        twice: its last value); False where the array is not written in place (the caller
+        writes whole rows instead)."""
+        if not self.packed:
+            return False
+        if self.check_writable is not None:
+            self.check_writable()
+        keep = last_occurrences(episodes * self.shape[1] + timesteps)  # sorted by episode
+        episodes, timesteps, values = episodes[keep], timesteps[keep], values[keep]
+        slots, inverse = np.unique(episodes, return_inverse=True)
+
+        def edit(block: np.ndarray, at: np.ndarray) -> None:
+            block[at[inverse], timesteps] = values
+
+        return self._edit_in_place(slots, edit, covers=False, published=True)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         parsed = self._normalize(key)

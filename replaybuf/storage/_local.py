@@ -14,7 +14,7 @@ from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
-from .base import CorruptChunkError, Storage, detect_backend
+from .base import CorruptChunkError, Storage, detect_backend, edited_rows
 
 
 def local_root(storage: Storage) -> str:
@@ -113,6 +113,18 @@ class LocalFolderStorage(KVBlobs, Storage):
         # docstring inherited
         self.write_rows(name, episodes, t0, values)
         self.rows_rewritten(name, np.asarray(episodes))
+
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
+        # docstring inherited
+        if self._checksums is not None:
+            self._checksums.seal(episodes, lengths)
+
+    def update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
+        # docstring inherited: the rows read unchecked, as ``rows_rewritten`` reseals them
+        slots, rows = edited_rows(
+            lambda slots, steps: self.unchecked_rows(name, slots, 0, steps), episodes, timesteps, values
+        )
+        self.update_rows(name, slots, 0, rows)
 
     def rows_rewritten(self, name: str, key: Any) -> None:
         """After ``data/name[key] = ...`` (update, store_datapoint): recompute the checksums of

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..schema import FORMAT_NAME, Field, Schema
-from ._chunks import ChunkedArray
+from ._chunks import ChunkedArray, nearby_spans
 from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
 from ._hot import HotTier, find_hot
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
@@ -61,6 +61,7 @@ from .base import (
     check_layout,
     empty_state,
     expected_layouts,
+    last_occurrences,
     parse_json,
 )
 from .lease import ObjectLease, ProcessLease, WriterLease
@@ -472,21 +473,40 @@ class ZarrStorage(KVBlobs, Storage):
         return sums[slots] if whole else sums
 
     def _write_sums(self, slots: np.ndarray, sums: np.ndarray) -> None:
-        """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows, else rewritten."""
+        """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows (one read and write
+        per span of nearby slots, ``nearby_spans``), else the table rewritten."""
         width = 8 * len(self._packed)
-        sums = np.ascontiguousarray(sums, "<u8")
-        for slot, row in zip(slots.tolist(), sums):
-            if not self.kv.write_at(CHECKSUMS_KEY, width * slot, row.tobytes()):
-                break
-        else:
-            return
+        keep = last_occurrences(slots)
+        slots, sums = slots[keep], np.ascontiguousarray(sums[keep], "<u8")
+        if self.kv.writes_in_place:
+            bounds = nearby_spans(slots, width, self.array(self._packed[0]).shape[0])
+            firsts, lasts = slots[bounds[:-1]], slots[bounds[1:] - 1] + 1
+            requests = [(CHECKSUMS_KEY, width * a, width * b) for a, b in zip(firsts.tolist(), lasts.tolist())]
+            gaps = (lasts - firsts) != np.diff(bounds)
+            raws = self.kv.get_ranges([r for r, gap in zip(requests, gaps) if gap]) if gaps.any() else []
+            read = iter(raws)
+            for (key, lo, hi), gap, a, b in zip(requests, gaps, bounds[:-1].tolist(), bounds[1:].tolist()):
+                span = np.zeros(((hi - lo) // width, len(self._packed)), "<u8")
+                if gap:
+                    raw = next(read)
+                    if raw is None or len(raw) != hi - lo:
+                        break  # missing or truncated: the rewrite below raises
+                    span[:] = np.frombuffer(raw, "<u8").reshape(span.shape)
+                span[slots[a:b] - lo // width] = sums[a:b]
+                if not self.kv.write_at(key, lo, span.tobytes()):
+                    break
+            else:
+                return
         table = self._read_sums(np.arange(self.array(self._packed[0]).shape[0])).copy()
         table[slots] = sums
         self.kv.set(CHECKSUMS_KEY, table.tobytes())
 
-    def _seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
+    def _seal(
+        self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None, rows: np.ndarray | None = None
+    ) -> None:
         """Compute and store the checksums of the packed rows of ``slots`` committed (or about
-        to be) at ``lengths``, read back as stored (a byte range per row)."""
+        to be) at ``lengths``: from ``rows`` (the rows of the one field ``names`` as stored),
+        else read back as stored (a byte range per row)."""
         slots, lengths = np.asarray(slots, np.int64).reshape(-1), np.asarray(lengths, np.int64).reshape(-1)
         lengths = np.broadcast_to(lengths, slots.shape)
         keep = lengths > 0
@@ -497,13 +517,19 @@ class ZarrStorage(KVBlobs, Storage):
         sums = np.zeros((len(slots), len(self._packed)), np.uint64)
         if len(names) < len(self._packed):
             sums[:] = self._read_sums(slots)
+        if rows is not None:
+            column = self._packed.index(names[0])
+            for k, (row, n) in enumerate(zip(rows[keep], lengths.tolist())):
+                sums[k, column] = _SEALED | crc32c(np.ascontiguousarray(row[:n]))
+            self._write_sums(slots, sums)
+            return
         requests = [
             self.array(name).row_range(slot, 0, n)
             for name in names
             for slot, n in zip(slots.tolist(), lengths.tolist())
         ]
-        rows = self.kv.get_ranges(requests)
-        for i, ((key, lo, hi), row) in enumerate(zip(requests, rows)):
+        rows_read = self.kv.get_ranges(requests)
+        for i, ((key, lo, hi), row) in enumerate(zip(requests, rows_read)):
             f, k = divmod(i, len(slots))
             if row is None:  # never written: its rows read as zeros (and as damage once committed)
                 row = bytes(hi - lo)
@@ -512,13 +538,13 @@ class ZarrStorage(KVBlobs, Storage):
             sums[k, self._packed.index(names[f])] = _SEALED | crc32c(row)
         self._write_sums(slots, sums)
 
-    def _rows_written(self, name: str, first: int, count: int) -> None:
-        """After rows ``first .. first + count`` of packed field ``name`` were written: the
-        committed ones among them (an update in place) get their checksums recomputed."""
-        slots = np.arange(first, first + count, dtype=np.int64)
+    def _rows_written(self, name: str, slots: np.ndarray, rows: np.ndarray | None) -> None:
+        """After rows ``slots`` of packed field ``name`` were written (``rows``: as now stored,
+        None: read them back): the committed ones among them (an update in place) get their
+        checksums recomputed."""
         lengths = self._stored_meta_rows("episode_lens", slots)
         if (lengths > 0).any():
-            self._seal(slots, lengths, [name])
+            self._seal(slots, lengths, [name], rows)
 
     def _row_prints(self, name: str, slots: np.ndarray) -> np.ndarray:
         """A fingerprint per row of packed field ``name``: its stored checksum, which changes
@@ -629,6 +655,17 @@ class ZarrStorage(KVBlobs, Storage):
         # checksums of packed rows are recomputed
         self._check_writable()
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=True)
+
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
+        # docstring inherited: the rows of every packed field
+        if self._packed:
+            self._seal(episodes, lengths)
+
+    def update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
+        # docstring inherited: packed fields in place, one read and write per span of nearby rows
+        self._check_writable()
+        if not self.array(name).write_steps(episodes, timesteps, values):
+            super().update_steps(name, episodes, timesteps, values)
 
     def _choose_codec(self, name: str, values: np.ndarray) -> None:
         """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it

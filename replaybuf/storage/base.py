@@ -72,7 +72,7 @@ import time
 import types
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -322,6 +322,28 @@ def check_state(state: dict, schema: Schema, where: str) -> dict:
     return state
 
 
+def last_occurrences(keys: np.ndarray) -> np.ndarray:
+    """The index of the last occurrence of each distinct value of ``keys``, in sorted order of
+    the values: a write naming one place twice keeps its last value, as numpy assignment does."""
+    _, first_from_end = np.unique(keys[::-1], return_index=True)
+    return len(keys) - 1 - first_from_end
+
+
+def edited_rows(
+    read: Callable[[np.ndarray, int], np.ndarray], episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, rows) for ``Storage.update_steps`` by whole rows: the slots ``episodes`` names
+    (sorted, unique) and their rows through the last step named (``read(slots, steps)``), with
+    ``values`` set at the pairs named (a pair named twice: its last value)."""
+    episodes, timesteps = np.asarray(episodes, np.int64), np.asarray(timesteps, np.int64)
+    steps = int(timesteps.max()) + 1
+    keep = last_occurrences(episodes * steps + timesteps)
+    slots, inverse = np.unique(episodes[keep], return_inverse=True)
+    rows = np.array(read(slots, steps))
+    rows[inverse, timesteps[keep]] = np.asarray(values)[keep]
+    return slots, rows
+
+
 def unpublished_slots(lens: np.ndarray, generations: np.ndarray) -> np.ndarray:
     """Slots with a length but no generation: a reader caught between a commit's two writes,
     or a lost ``_generation`` chunk (a missing chunk reads as 0)."""
@@ -554,6 +576,22 @@ class Storage(ABC):
         edit half applied, and copies keyed by generation keep the old rows. Backends that keep
         per-episode checksums recompute those of the committed episodes touched."""
         self.write_rows(name, episodes, t0, values)
+
+    def update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
+        """``data/name[episodes[i], timesteps[i]] = values[i]`` for every i (values (N, *shape)),
+        in place in committed episodes as ``update_rows`` (a pair given twice: its last value):
+        the per-step write-back of prioritized replay. The default rewrites the touched rows up
+        to their last step touched."""
+        slots, rows = edited_rows(
+            lambda slots, steps: self.read_rows(name, slots, 0, steps), episodes, timesteps, values
+        )
+        self.update_rows(name, slots, 0, rows)
+
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
+        """Recompute the per-episode checksums of ``episodes`` committed at ``lengths`` from their
+        rows as stored: a writer killed in an in-place edit of them may have died between rows
+        and checksums (``Committer.finish_edits``). Backends without such checksums do nothing
+        (the default)."""
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``, episodes in any
