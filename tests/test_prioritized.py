@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, verify
 from replaybuf.sampling import make_dataloader, update_priorities
 from tests._backends import make_place
 from tests._data import SAMPLING_FIELDS as FIELDS
@@ -106,3 +106,118 @@ def test_bad_input(buffer):
         update_priorities(buffer, [[0, 1]], [-1.0])
     with pytest.raises(ValueError, match="outside the committed episodes"):
         update_priorities(buffer, [[1, 3]], [1.0])
+
+
+# ---- the write-back: scattered step edits in place ------------------------------------------
+
+SCATTER_LENGTHS = [6, 3, 6, 1, 5, 6, 2, 6, 4, 6, 6, 3, 6, 5, 6, 6, 1, 6, 6, 2]
+
+
+def _scatter_buffer(backend: str, tmp_path) -> ReplayBuffer:
+    place = make_place(backend, tmp_path)
+    buffer = ReplayBuffer(
+        place.location,
+        **place.kwargs,
+        max_episodes=24,
+        max_timesteps=6,
+        fields={"state": ("float", 2), "priority": "float"},
+    )
+    for slot, n in enumerate(SCATTER_LENGTHS):
+        buffer.store_episode(state=np.full((n, 2), slot, np.float32), priority=100.0 * slot + np.arange(n))
+    return buffer
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5", "memory"])
+def test_scattered_updates_land_where_asked_last_one_wins_and_stay_checked(backend, tmp_path, monkeypatch):
+    """Pairs in any order, repeated ones included (the last value wins, as numpy assignment does
+    and as the whole-episode rewrite this replaced did): exactly those steps change, the touched
+    slots move to the next even revision, and whole-episode reads (checked against their crc32c)
+    and ``verify`` agree. Zarr packs 8 priority rows a chunk and merges rows 1 apart only, so the
+    edit spans several chunks and several spans within one."""
+    from replaybuf.storage import _chunks, _zarr
+
+    monkeypatch.setattr(_zarr, "PACKED_CHUNK_BYTES", 8 * 6 * 4)
+    monkeypatch.setattr(_chunks, "_GAP_BYTES", 6 * 4)
+    buffer = _scatter_buffer(backend, tmp_path)
+    if backend == "zarr":
+        assert buffer.storage.array("priority").chunks[0] == 8 and buffer.storage.array("priority").packed
+    rng = np.random.default_rng(5)
+    slots = rng.choice(len(SCATTER_LENGTHS), 60)
+    pairs = np.stack([slots, rng.integers(0, np.array(SCATTER_LENGTHS)[slots])], 1)
+    pairs = np.concatenate([pairs, pairs[[3, 7, 3]]])  # (3) and (7) named again, (3) twice more
+    values = rng.random(len(pairs)) * 10
+    expected = np.zeros((len(SCATTER_LENGTHS), 6))
+    for slot, n in enumerate(SCATTER_LENGTHS):
+        expected[slot, :n] = 100.0 * slot + np.arange(n)
+    for (slot, step), value in zip(pairs.tolist(), values.tolist()):
+        expected[slot, step] = value
+    update_priorities(buffer, torch.from_numpy(pairs), values)
+    data = buffer.get_all_data()
+    np.testing.assert_allclose(np.asarray(data["priority"]).reshape(len(SCATTER_LENGTHS), 6), expected, rtol=1e-6)
+    assert np.asarray(data["state"])[:, :, 0].tolist() == [
+        [slot if t < n else 0 for t in range(6)] for slot, n in enumerate(SCATTER_LENGTHS)
+    ]
+    touched = np.zeros(24, bool)
+    touched[pairs[:, 0]] = True
+    assert (buffer._meta["_revision"] == np.where(touched, 2, 0)).all()
+    if backend != "memory":
+        buffer.close()
+        assert verify(buffer.storage.location) == []
+        again = ReplayBuffer.from_folder(buffer.storage.location, read_only=True, cache=False).get_all_data()
+        np.testing.assert_allclose(np.asarray(again["priority"]).reshape(len(SCATTER_LENGTHS), 6), expected, rtol=1e-6)
+
+
+def test_an_update_of_scattered_pairs_reads_and_writes_each_span_once(tmp_path, monkeypatch):
+    """256 pairs over 100 packed episodes: two revision writes, one pwrite of the priority rows
+    and one of their checksums (the whole-episode rewrite made one of each per run of slots)."""
+    buffer = ReplayBuffer(str(tmp_path / "b"), max_episodes=100, max_timesteps=10, fields={"priority": "float"})
+    for _ in range(100):
+        buffer.store_episode(priority=np.ones(10))
+    update_priorities(buffer, [[0, 0]], [1.0])  # the first edit stores meta/_revision (zeros until then)
+    kv, writes = buffer.storage.kv, []
+    write_at = kv.write_at
+    monkeypatch.setattr(kv, "write_at", lambda key, *args: writes.append(key) or write_at(key, *args))
+    rng = np.random.default_rng(0)
+    update_priorities(buffer, np.stack([rng.integers(0, 100, 256), rng.integers(0, 10, 256)], 1), rng.random(256))
+    assert sorted(writes) == sorted(
+        ["meta/_revision/c.0", "data/priority/c.0.0", "replaybuf/checksums", "meta/_revision/c.0"]
+    ), writes
+    assert verify(str(tmp_path / "b")) == []
+
+
+def test_update_steps_refuses_bad_input_before_writing(tmp_path):
+    buffer = _scatter_buffer("zarr", tmp_path)
+    before = {n: np.asarray(v).copy() for n, v in buffer.get_all_data().items()}
+    one = np.array([0])
+    cases = {
+        "unknown field": (ValueError, "speed", lambda: buffer.update_steps(one, one, speed=[1.0])),
+        "no data": (ValueError, "no data provided", lambda: buffer.update_steps(one, one)),
+        "lengths differ": (ValueError, "of one length", lambda: buffer.update_steps([0, 1], one, priority=[1, 2])),
+        "float indices": (ValueError, "int arrays", lambda: buffer.update_steps([0.5], one, priority=[1.0])),
+        "step past the length": (
+            ValueError,
+            r"pairs \[\[1, 3\]\] are outside the committed episodes \(episode_lens of those episodes: \[3\]\)",
+            lambda: buffer.update_steps([0, 1], [5, 3], priority=[1.0, 2.0]),
+        ),
+        "empty slot": (ValueError, "outside", lambda: buffer.update_steps([22], [0], priority=[1.0])),
+        "negative step": (ValueError, "outside", lambda: buffer.update_steps([0], [-1], priority=[1.0])),
+        "slot past the end": (ValueError, "outside", lambda: buffer.update_steps([24], [0], priority=[1.0])),
+        "shape": (
+            ValueError,
+            r"does not broadcast to \(2, 2\)",
+            lambda: buffer.update_steps([0, 2], [0, 1], state=np.ones((3, 2))),
+        ),
+        "strings": (TypeError, "field 'priority'", lambda: buffer.update_steps(one, one, priority=["x"])),
+    }
+    for label, (error, message, call) in cases.items():
+        with pytest.raises(error, match=message):
+            call()
+        assert not buffer._meta["_revision"].any(), label
+    after = buffer.get_all_data()
+    for name, value in before.items():
+        np.testing.assert_array_equal(np.asarray(after[name]), value)
+    buffer.update_steps(np.zeros(0, np.int64), np.zeros(0, np.int64), priority=np.zeros(0))  # nothing to do
+    buffer.update_steps([4, 4], [0, 4], state=[[7.0], [8.0]], priority=np.float32(-1))  # broadcast
+    assert np.asarray(buffer.data["state"][4, [0, 4]]).tolist() == [[7.0, 7.0], [8.0, 8.0]]
+    assert np.asarray(buffer.data["priority"][4, :5]).tolist() == [-1.0, 401.0, 402.0, 403.0, -1.0]
+    assert buffer._meta["_revision"][4] == 2 and buffer._meta["_revision"].sum() == 2

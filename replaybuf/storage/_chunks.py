@@ -973,9 +973,9 @@ class ChunkedArray:
         ``covers`` (the edit sets every byte of its rows and they are contiguous), edited by
         ``edit(block, at)`` (``block[at[i]]`` is row ``slots[i]``) and written back with one
         pwrite: rows between edited ones are written back as read, so this relies on the one
-        writer (the lease) making no other write meanwhile. A packed chunk not stored yet is first
-        created whole (zeros). ``published``: the rows may hold committed episodes, handed to
-        ``rows_written`` as now stored."""
+        writer (the lease) making no other write meanwhile. A chunk not stored yet is first
+        created whole (zeros, ``_create_chunk``). ``published``: the rows may hold committed
+        episodes, handed to ``rows_written`` as now stored."""
         if self.grid_axes != 1 and not self.packed or self.codec.compressed or not self.kv.writes_in_place:
             return False
         per_chunk, row_shape = self.chunks[0], self.shape[1:]
@@ -1005,7 +1005,7 @@ class ChunkedArray:
         for chunk, byte, lo, hi in spans:
             key, data = self.chunk_key((chunk,)), block[lo:hi].tobytes()
             if not self.kv.write_at(key, byte, data):
-                if not self.packed or not self._create_chunk(chunk) or not self.kv.write_at(key, byte, data):
+                if not self._create_chunk(chunk) or not self.kv.write_at(key, byte, data):
                     return False  # write_box writes it all
         if self.packed:
             self._forget_rows(slots)
@@ -1014,9 +1014,9 @@ class ChunkedArray:
         return True
 
     def _create_chunk(self, chunk: int) -> bool:
-        """Store packed chunk ``chunk`` whole, as zeros, where the medium writes in place (a
-        local file): True when it was created. Only a writer creates chunks, and only before
-        any of its slots is published."""
+        """Store chunk ``chunk`` (of a packed or meta array) whole, as zeros, where the medium
+        writes in place (a local file): True when it was created. Only a writer creates chunks:
+        a meta chunk not stored reads as zeros, and a packed one holds no published slot yet."""
         if not self.kv.writes_in_place:
             return False
         self.kv.set_many({self.chunk_key((chunk,)): self.codec.encode(np.zeros(self.chunks, self.dtype))})
