@@ -471,6 +471,34 @@ class StorageTests:
             writable.read_spans(name, episodes, np.zeros(2, np.int64), np.full(2, self.max_timesteps), out)
             np.testing.assert_array_equal(out, values, err_msg=name)
 
+    def test_update_steps_in_committed_episodes(self, writable: Storage) -> None:
+        """``update_steps`` sets single steps of committed episodes in place, pairs in any order
+        (a pair given twice keeps its last value; no pairs: nothing), and leaves every other
+        step as it was; whole-episode reads (checked where a backend keeps checksums) agree."""
+        episodes = np.array([2, 0, 1])
+        rows = self.random_rows(3, seed=15)
+        meta = self.random_meta(3, seed=16)
+        meta["episode_lens"][:] = self.max_timesteps
+        for name, values in rows.items():
+            writable.write_rows(name, episodes, 0, values)
+        for name, values in meta.items():
+            writable.write_meta(name, episodes, values)
+        last = self.max_timesteps - 1
+        slots, steps = np.array([1, 0, 2, 1, 0]), np.array([last, 0, 1, last, 0])
+        edit = self.random_rows(len(slots), seed=17)  # a value per pair: the repeated ones differ
+        for name, values in edit.items():
+            picked = values[np.arange(len(slots)), steps]
+            writable.update_steps(name, slots, steps, picked)
+            writable.update_steps(name, slots[:0], steps[:0], picked[:0])  # no pairs: nothing
+            row_of = {int(slot): i for i, slot in enumerate(episodes)}
+            for slot, step, value in zip(slots.tolist(), steps.tolist(), picked):
+                rows[name][row_of[slot], step] = value
+        for name, values in rows.items():
+            np.testing.assert_array_equal(writable.read_rows(name, episodes, 0, self.max_timesteps), values)
+            out = np.zeros_like(values)
+            writable.read_spans(name, episodes, np.zeros(3, np.int64), np.full(3, self.max_timesteps), out)
+            np.testing.assert_array_equal(out, values, err_msg=name)
+
     def test_new_buffer_generations_are_zero(self, writable: Storage) -> None:
         generations = writable.read_meta("_generation")
         assert generations.dtype == np.int64 and not generations.any()

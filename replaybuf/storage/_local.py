@@ -119,7 +119,7 @@ class LocalFolderStorage(KVBlobs, Storage):
         if self._checksums is not None:
             self._checksums.seal(episodes, lengths)
 
-    def update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
+    def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited: the rows read unchecked, as ``rows_rewritten`` reseals them
         slots, rows = edited_rows(
             lambda slots, steps: self.unchecked_rows(name, slots, 0, steps), episodes, timesteps, values

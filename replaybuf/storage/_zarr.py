@@ -661,11 +661,10 @@ class ZarrStorage(KVBlobs, Storage):
         if self._packed:
             self._seal(episodes, lengths)
 
-    def update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
+    def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited: packed fields in place, one read and write per span of nearby rows
-        self._check_writable()
         if not self.array(name).write_steps(episodes, timesteps, values):
-            super().update_steps(name, episodes, timesteps, values)
+            super()._update_steps(name, episodes, timesteps, values)
 
     def _choose_codec(self, name: str, values: np.ndarray) -> None:
         """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it

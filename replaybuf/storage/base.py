@@ -335,12 +335,11 @@ def edited_rows(
     """(slots, rows) for ``Storage.update_steps`` by whole rows: the slots ``episodes`` names
     (sorted, unique) and their rows through the last step named (``read(slots, steps)``), with
     ``values`` set at the pairs named (a pair named twice: its last value)."""
-    episodes, timesteps = np.asarray(episodes, np.int64), np.asarray(timesteps, np.int64)
     steps = int(timesteps.max()) + 1
     keep = last_occurrences(episodes * steps + timesteps)
     slots, inverse = np.unique(episodes[keep], return_inverse=True)
     rows = np.array(read(slots, steps))
-    rows[inverse, timesteps[keep]] = np.asarray(values)[keep]
+    rows[inverse, timesteps[keep]] = values[keep]
     return slots, rows
 
 
@@ -579,9 +578,17 @@ class Storage(ABC):
 
     def update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         """``data/name[episodes[i], timesteps[i]] = values[i]`` for every i (values (N, *shape)),
-        in place in committed episodes as ``update_rows`` (a pair given twice: its last value):
-        the per-step write-back of prioritized replay. The default rewrites the touched rows up
-        to their last step touched."""
+        in place in committed episodes as ``update_rows`` (a pair given twice: its last value;
+        no pairs: nothing): the per-step write-back of prioritized replay. Backends with a
+        faster path override ``_update_steps``."""
+        self._check_writable()
+        episodes, timesteps = np.asarray(episodes, np.int64).reshape(-1), np.asarray(timesteps, np.int64).reshape(-1)
+        if len(episodes):
+            self._update_steps(name, episodes, timesteps, np.asarray(values))
+
+    def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
+        """``update_steps`` with at least one pair, as int64 arrays; the default rewrites the
+        touched rows through their last step touched."""
         slots, rows = edited_rows(
             lambda slots, steps: self.read_rows(name, slots, 0, steps), episodes, timesteps, values
         )
