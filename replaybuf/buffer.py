@@ -963,14 +963,18 @@ class ReplayBuffer(CommittedViews):
                 f"{pairs[0].dtype} {pairs[0].shape} and {pairs[1].dtype} {pairs[1].shape}"
             )
         episodes, timesteps = (p.astype(np.int64) for p in pairs)
-        lens = self._meta["episode_lens"]
-        outside = (episodes < 0) | (episodes >= self.max_episodes)
-        outside |= (timesteps < 0) | (timesteps >= lens[np.where(outside, 0, episodes)])
+        beyond = episodes[(episodes < 0) | (episodes >= self.max_episodes)]
+        if len(beyond):
+            raise ValueError(
+                f"update_steps: episodes {beyond[:5].tolist()} out of range - must be in [0, {self.max_episodes})"
+            )
+        lens = self._meta["episode_lens"][episodes]
+        outside = (timesteps < 0) | (timesteps >= lens)
         if outside.any():
             bad = np.stack([episodes[outside], timesteps[outside]], 1)[:5].tolist()
             raise ValueError(
                 f"update_steps: (episode, timestep) pairs {bad} are outside the committed episodes "
-                f"(episode_lens of those episodes: {lens[np.clip(episodes[outside][:5], 0, self.max_episodes - 1)].tolist()})"
+                f"(their episode_lens: {lens[outside][:5].tolist()})"
             )
         writes = []
         for name, value in data.items():

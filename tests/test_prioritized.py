@@ -196,12 +196,16 @@ def test_update_steps_refuses_bad_input_before_writing(tmp_path):
         "float indices": (ValueError, "int arrays", lambda: buffer.update_steps([0.5], one, priority=[1.0])),
         "step past the length": (
             ValueError,
-            r"pairs \[\[1, 3\]\] are outside the committed episodes \(episode_lens of those episodes: \[3\]\)",
+            r"pairs \[\[1, 3\]\] are outside the committed episodes \(their episode_lens: \[3\]\)",
             lambda: buffer.update_steps([0, 1], [5, 3], priority=[1.0, 2.0]),
         ),
         "empty slot": (ValueError, "outside", lambda: buffer.update_steps([22], [0], priority=[1.0])),
         "negative step": (ValueError, "outside", lambda: buffer.update_steps([0], [-1], priority=[1.0])),
-        "slot past the end": (ValueError, "outside", lambda: buffer.update_steps([24], [0], priority=[1.0])),
+        "slot past the end": (
+            ValueError,
+            r"episodes \[24\] out of range - must be in \[0, 24\)",
+            lambda: buffer.update_steps([24], [0], priority=[1.0]),
+        ),
         "shape": (
             ValueError,
             r"does not broadcast to \(2, 2\)",

@@ -229,10 +229,10 @@ class ChunkedArray:
 
     Packed arrays (``packed``) carry no chunk checksum: ``check_rows(episodes, starts,
     lengths, out)`` checks whole-episode reads against per-episode checksums kept by the
-    storage, ``rows_written(slots, rows)`` tells it which rows a write changed (with the rows as
-    written, or None: read them back), and
-    ``row_prints(rows)`` fingerprints rows by those checksums (a chunk's file changes with any
-    of its rows: a refresh re-reads only the rows whose checksum changed).
+    storage, ``rows_written(slots, rows)`` tells it which rows a write changed (``rows``: as
+    written, or None: read them back), and ``row_prints(rows)`` fingerprints rows by those
+    checksums (a chunk's file changes with any of its rows: a refresh re-reads only the rows
+    whose checksum changed).
 
     ``generations_of(slots)`` (the ``_generation`` of slots as stored now) makes the resident
     copy verified: a row is loaded for the generation a read names and kept only when its slot
