@@ -225,3 +225,39 @@ def test_update_steps_refuses_bad_input_before_writing(tmp_path):
     assert np.asarray(buffer.data["state"][4, [0, 4]]).tolist() == [[7.0, 7.0], [8.0, 8.0]]
     assert np.asarray(buffer.data["priority"][4, :5]).tolist() == [-1.0, 401.0, 402.0, 403.0, -1.0]
     assert buffer._meta["_revision"][4] == 2 and buffer._meta["_revision"].sum() == 2
+
+
+def _damage_step(backend: str, location: str, slot: int, step: int) -> None:
+    """Overwrite one stored priority of a closed buffer behind replaybuf's back."""
+    if backend == "zarr":
+        with open(f"{location}/data/priority/c.0.0", "r+b") as f:
+            f.seek((slot * 6 + step) * 4)
+            f.write(np.float32(999).tobytes())
+    elif backend == "memmap":
+        mapped = np.load(f"{location}/priority.data.npy", mmap_mode="r+")
+        mapped[slot, step] = 999
+        mapped.flush()
+    else:
+        import h5py
+
+        with h5py.File(f"{location}/data.h5", "r+") as f:
+            f["data/priority"][slot, step] = 999
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_an_edit_of_a_damaged_episode_is_refused_not_sealed(backend, tmp_path):
+    """Other steps of an edited row are rewritten as read: a row failing its crc32c is refused
+    (CorruptChunkError, nothing written) rather than sealed with new checksums over the damage."""
+    from replaybuf import CorruptChunkError
+
+    buffer = _scatter_buffer(backend, tmp_path)
+    location = buffer.storage.location
+    buffer.close()
+    _damage_step(backend, location, 2, 4)
+    assert any("slot 2" in p or "slots [2]" in p for p in verify(location))
+    buffer = ReplayBuffer.from_folder(location)
+    with pytest.raises(CorruptChunkError, match="slot 2"):
+        update_priorities(buffer, [[0, 1], [2, 0]], [5.0, 6.0])
+    assert np.asarray(buffer.data["priority"][0]).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "nothing written"
+    buffer.close()
+    assert any("slot 2" in p or "slots [2]" in p for p in verify(location))

@@ -972,7 +972,9 @@ class ChunkedArray:
         Nearby rows of a chunk (``_GAP_BYTES`` apart at most) make one span, read once unless
         ``covers`` (the edit sets every byte of its rows and they are contiguous), edited by
         ``edit(block, at)`` (``block[at[i]]`` is row ``slots[i]``) and written back with one
-        pwrite: rows between edited ones are written back as read, so this relies on the one
+        pwrite. Committed rows read are first checked (``check_rows``: CorruptChunkError, and
+        nothing written, rather than new checksums over damage); rows between edited ones are
+        written back as read, so this relies on the one
         writer (the lease) making no other write meanwhile. A chunk not stored yet is first
         created whole (zeros, ``_create_chunk``). ``published``: the rows may hold committed
         episodes, handed to ``rows_written`` as now stored."""
@@ -1001,6 +1003,9 @@ class ChunkedArray:
                 if len(raw) != (hi - lo) * row_nbytes:
                     return False  # write_box rewrites the chunk
                 flat[lo:hi] = np.frombuffer(raw, np.uint8).reshape(hi - lo, -1)
+            if published and self.check_rows is not None:  # sealing damage read here would hide it
+                count = len(slots)
+                self.check_rows(slots, np.zeros(count, np.int64), np.full(count, self.shape[1], np.int64), block[at])
         edit(block, at)
         for chunk, byte, lo, hi in spans:
             key, data = self.chunk_key((chunk,)), block[lo:hi].tobytes()

@@ -333,8 +333,8 @@ def edited_rows(
     read: Callable[[np.ndarray, int], np.ndarray], episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(slots, rows) for ``Storage.update_steps`` by whole rows: the slots ``episodes`` names
-    (sorted, unique) and their rows through the last step named (``read(slots, steps)``), with
-    ``values`` set at the pairs named (a pair named twice: its last value)."""
+    (sorted, unique) and their rows through the last step named at least (``read(slots,
+    steps)``), with ``values`` set at the pairs named (a pair named twice: its last value)."""
     steps = int(timesteps.max()) + 1
     keep = last_occurrences(episodes * steps + timesteps)
     slots, inverse = np.unique(episodes[keep], return_inverse=True)
