@@ -98,6 +98,85 @@ class DenseRows:
             return self.rows[episodes, timesteps]
 
 
+class MappedRows:
+    """One process's index of a field's mapped episodes, for gathers: per slot the generation
+    ``held[slot]`` (0: none), the length and the start address of the map serving it, and when
+    its file was last touched (``time.monotonic``). A batch of (episode, timestep) pairs is
+    gathered with one fancy index, as from one np.memmap: 256 frames of 84x84x3 took 0.70 ms
+    so, 0.84 ms with one copy per item from its map, 0.65 ms from one np.memmap. The index goes
+    through a strided view whose rows start every ``unit`` bytes from the lowest map of the
+    batch (``unit``: the gcd of the items' offsets from it); only the rows of items checked
+    against their slot's generation and length are read through it, so no byte outside the
+    maps is touched."""
+
+    def __init__(self, field: Field, max_episodes: int):
+        self.field, self.step_nbytes = field, field.step_nbytes
+        self.held = np.zeros(max_episodes, np.int64)
+        self.lengths = np.zeros(max_episodes, np.int64)
+        self.addresses = np.zeros(max_episodes, np.int64)
+        self.touched = np.zeros(max_episodes, np.float64)
+        self.maps: dict[int, np.ndarray] = {}  # slot -> its map (keeps it alive while indexed)
+        self.lock = threading.Lock()
+
+    def put(self, slot: int, generation: int, rows: np.ndarray, touched: float) -> None:
+        """Serve ``slot`` at ``generation`` from ``rows`` (a map from ``CachedStorage._map``)."""
+        with self.lock:
+            self.maps[slot] = rows
+            self.held[slot], self.lengths[slot], self.touched[slot] = generation, len(rows), touched
+            self.addresses[slot] = rows.__array_interface__["data"][0]
+
+    def drop(self, slot: int, rows: np.ndarray) -> None:
+        """Stop serving ``slot`` if it is served from ``rows`` (a map this process closes)."""
+        with self.lock:
+            if self.maps.get(slot) is rows:
+                del self.maps[slot]
+                self.held[slot] = self.lengths[slot] = 0
+
+    def clear(self) -> None:
+        with self.lock:
+            self.maps.clear()
+            self.held[:] = self.lengths[:] = 0
+
+    def gather(
+        self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray, now: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, served): ``rows[i]`` holds the item's step where ``served[i]``: its slot is
+        held at ``generations[i]`` (> 0), the step within its length, its file touched less than
+        ``TOUCH_S`` ago (the others are for the caller to map, touch or read elsewhere)."""
+        field = self.field
+        if not len(episodes) or episodes.min() < 0 or timesteps.min() < 0:
+            return np.empty((len(episodes), *field.shape), field.dtype), np.zeros(len(episodes), bool)
+        with self.lock:
+            # a slot held at no generation has length 0: the step check refuses it
+            served = (
+                (self.held[episodes] == generations)
+                & (timesteps < self.lengths[episodes])
+                & (self.touched[episodes] >= now - TOUCH_S)
+            )
+            picked = episodes if served.all() else episodes[served]
+            if not len(picked):
+                return np.empty((len(episodes), *field.shape), field.dtype), served
+            steps = timesteps if len(picked) == len(episodes) else timesteps[served]
+            addresses = self.addresses[picked]
+            lowest = int(np.argmin(addresses))
+            base = self.maps[int(picked[lowest])]
+            offsets = addresses - addresses[lowest] + steps * self.step_nbytes
+            unit = int(np.gcd.reduce(offsets)) or self.step_nbytes
+            try:
+                view = np.lib.stride_tricks.as_strided(
+                    base, (int(offsets.max()) // unit + 1, *field.shape), (unit, *base.strides[1:]), writeable=False
+                )
+            except ValueError:  # a span of maps too wide for one view's size: one copy per item
+                rows = np.stack([self.maps[s][t] for s, t in zip(picked.tolist(), steps.tolist())])
+            else:
+                rows = view[offsets // unit]
+        if len(picked) == len(episodes):
+            return rows, served
+        out = np.empty((len(episodes), *field.shape), field.dtype)
+        out[served] = rows
+        return out, served
+
+
 def default_cache_dir() -> str:
     """``$REPLAYBUF_CACHE_DIR`` when set, else the user's cache folder for replaybuf:
     platformdirs' when installed, else ``$XDG_CACHE_HOME/replaybuf`` or ``~/.cache/replaybuf``."""
@@ -160,12 +239,13 @@ class CachedStorage(Storage):
         self._generations: np.ndarray | None = None
         self._maps: OrderedDict[tuple[str, int, int], tuple[np.ndarray, float]] = OrderedDict()
         self._dense: dict[str, DenseRows] = {}
+        self._mapped: dict[str, MappedRows] = {}
         self._lock = threading.Lock()
         self._used: int | None = None
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
-        for key in ("_generations", "_maps", "_dense", "_lock", "_used"):
+        for key in ("_generations", "_maps", "_dense", "_mapped", "_lock", "_used"):
             state.pop(key)
         return state
 
@@ -244,12 +324,15 @@ class CachedStorage(Storage):
         with self._lock:
             self._generations = None
             self._maps.clear()  # the in-RAM copies stay: like the files, each is one generation's
+            for mapped in self._mapped.values():
+                mapped.clear()
 
     def close(self) -> None:
         self.inner.close()
         with self._lock:
             self._maps.clear()
             self._dense.clear()
+            self._mapped.clear()
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "cache": self.root if self.schema is not None else None}
@@ -307,10 +390,20 @@ class CachedStorage(Storage):
                 dense = self._dense.setdefault(name, DenseRows(field, schema.max_episodes, schema.max_timesteps))
         return dense
 
+    def _mapped_rows(self, name: str) -> MappedRows:
+        """This process's index of field ``name``'s maps (made on first use)."""
+        mapped = self._mapped.get(name)
+        if mapped is None:
+            assert self.schema is not None
+            with self._lock:
+                mapped = self._mapped.setdefault(name, MappedRows(self._field(name), self.schema.max_episodes))
+        return mapped
+
     def _rows(self, name: str, slots: np.ndarray, generations: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
         """(slot, generation) -> cached rows for each of the distinct ``slots`` with a
-        generation > 0 that is (or, after a fill, has become) cached."""
-        out, missing = {}, []
+        generation > 0 that is (or, after a fill, has become) cached; each is also indexed for
+        gathers (``MappedRows``)."""
+        out, touched, missing = {}, {}, []
         now = time.monotonic()
         with self._lock:
             for slot, generation in zip(slots.tolist(), generations.tolist()):
@@ -323,20 +416,24 @@ class CachedStorage(Storage):
                 self._maps.move_to_end((name, slot, generation))
                 if now - entry[1] > TOUCH_S:
                     self._touch(name, slot, generation)
-                    self._maps[name, slot, generation] = (entry[0], now)
-                out[slot, generation] = entry[0]
+                    entry = self._maps[name, slot, generation] = (entry[0], now)
+                out[slot, generation], touched[slot, generation] = entry
         opened = [(slot, g, self._map(name, slot, g)) for slot, g in missing]
         absent = [(slot, g) for slot, g, rows in opened if rows is None]
         if absent:
             self._fill(name, np.array([s for s, _ in absent]), np.array([g for _, g in absent]))
             opened += [(slot, g, self._map(name, slot, g)) for slot, g in absent]
+        mapped = self._mapped_rows(name)
         with self._lock:
             for slot, generation, rows in opened:
                 if rows is not None:
-                    out[slot, generation] = rows
+                    out[slot, generation], touched[slot, generation] = rows, now
                     self._maps[name, slot, generation] = (rows, now)
+            for (slot, generation), rows in out.items():
+                mapped.put(slot, generation, rows, touched[slot, generation])
             while len(self._maps) > MAX_OPEN_MAPS:
-                self._maps.popitem(last=False)
+                (evicted, slot, _), (rows, _) = self._maps.popitem(last=False)
+                self._mapped[evicted].drop(slot, rows)
         dense = self._dense_rows(name)
         if dense is not None:
             for (slot, generation), rows in out.items():
@@ -491,30 +588,33 @@ class CachedStorage(Storage):
                 lambda: self.inner.gather(name, episodes, timesteps, generations), episodes, generations
             )
         episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
+        known = self._known_generations() if generations is None else None
+        planned = known[episodes] if known is not None else np.asarray(generations, dtype=np.int64)
+        if planned.shape != episodes.shape:
+            planned = np.broadcast_to(planned, episodes.shape)
         dense = self._dense_rows(name)
         if dense is not None:
-            planned = self._known_generations()[episodes] if generations is None else generations
-            rows = dense.gather(episodes, timesteps, np.broadcast_to(planned, episodes.shape))
+            rows = dense.gather(episodes, timesteps, planned)
             if rows is not None:
                 return rows
-        field = self._field(name)
-        out = np.empty((len(episodes), *field.shape), dtype=field.dtype)
-        served = np.zeros(len(episodes), dtype=bool)
-        slots, planned_slots, inverse = self._slots(episodes, generations)
-        found = self._rows(name, slots, planned_slots) if len(slots) else {}
-        mapped = [found.get(pair) for pair in zip(slots.tolist(), planned_slots.tolist())]
-        # one copy per item, straight from its map: grouping items by episode costs a fancy
-        # index and a second copy per group (~30% slower for 84x84x3 frames)
-        for i, (k, t) in enumerate(zip(inverse.tolist(), timesteps.tolist())):
-            cached = mapped[k]
-            if cached is not None and t < len(cached):
-                out[i] = cached[t]
-                served[i] = True
+        mapped, now = self._mapped_rows(name), time.monotonic()
+        out, served = mapped.gather(episodes, timesteps, planned, now)
+        if served.all():
+            return out
+        # map (filling first) the episodes of the items not served, or touch their files, and
+        # gather those items again (as of ``now``: just touched is fresh); what is still
+        # missing (steps past a cached length, a fill that found the slot reused) is read
+        # from the wrapped storage
         rest = np.flatnonzero(~served)
+        slots, first = np.unique(episodes[rest], return_index=True)
+        self._rows(name, slots, planned[rest][first])
+        again, now_served = mapped.gather(episodes[rest], timesteps[rest], planned[rest], now)
+        out[rest[now_served]] = again[now_served]
+        rest = rest[~now_served]
         if len(rest):
-            planned = None if generations is None else np.broadcast_to(generations, episodes.shape)[rest]
+            wanted = None if generations is None else planned[rest]
             out[rest] = self._verified(
-                lambda: self.inner.gather(name, episodes[rest], timesteps[rest], planned), episodes[rest], planned
+                lambda: self.inner.gather(name, episodes[rest], timesteps[rest], wanted), episodes[rest], wanted
             )
         return out
 
