@@ -242,6 +242,38 @@ def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, 
     writer.close()
 
 
+def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path):
+    writer, plain, cached = ring_of_three(tmp_path)
+    storage = cached.storage
+
+    def read_spans(episodes, starts, lengths, generations, source=storage):
+        out = np.full((len(episodes), 6), -1, np.int32)
+        source.read_spans("ident", np.array(episodes), np.array(starts), np.array(lengths), out, True, generations)
+        return out.tolist()
+
+    assert read_spans([2, 0, 1], [0, 1, 3], [4, 2, 1], np.array([3, 1, 2])) == [
+        [2000, 2001, 2002, 2003, -1, -1],
+        [1, 2, -1, -1, -1, -1],
+        [1003, -1, -1, -1, -1, -1],
+    ]
+    assert sorted(storage._mapped["ident"].maps) == [0, 1, 2]
+    # an empty span, and one past its episode's 4 steps (the wrapped storage answers it)
+    spans = ([1, 2, 0], [2, 0, 2], [0, 3, 4], np.array([2, 3, 1]))
+    assert read_spans(*spans) == read_spans(*spans, source=plain.storage)
+    writer.store_episode(**episode(7, 6), task=7, success=True)  # wraps into slot 0: generation 4
+    assert read_spans([0, 0], [1, 4], [3, 2], np.array([4, 4])) == [
+        [7001, 7002, 7003, -1, -1, -1],
+        [7004, 7005, -1, -1, -1, -1],
+    ]
+    assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]  # the old episode's file
+    os.unlink(os.path.join(storage.root, "ident", "0-1.raw"))
+    storage.drop_caches()
+    with pytest.raises(GenerationMismatchError) as caught:
+        read_spans([1, 0], [0, 0], [2, 2], np.array([2, 1]))
+    assert caught.value.slots == [0]
+    writer.close()
+
+
 def test_vectorized_gather_keeps_the_map_bound_and_the_lru_clock(tmp_path, monkeypatch):
     monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", 0)
     monkeypatch.setattr("replaybuf.storage._cache.MAX_OPEN_MAPS", 2)

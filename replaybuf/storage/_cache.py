@@ -42,7 +42,7 @@ import threading
 import time
 import uuid as uuid_module
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -175,6 +175,30 @@ class MappedRows:
         out = np.empty((len(episodes), *field.shape), field.dtype)
         out[served] = rows
         return out, served
+
+    def slices(self, spans: Spans, generations: np.ndarray, now: float) -> tuple[np.ndarray, list]:
+        """(served, copies): per span, whether it is served (as in ``gather``: its slot held at
+        its generation, its steps within the length, the file touched less than ``TOUCH_S``
+        ago; an empty span is served), and (span index, its rows in the map) per served span
+        that has steps."""
+        episodes, starts, lengths = spans.episodes, spans.starts, spans.lengths
+        with self.lock:
+            held = (
+                (self.held[episodes] == generations)
+                & (episodes >= 0)
+                & (starts >= 0)
+                & (starts + lengths <= self.lengths[episodes])
+                & (self.touched[episodes] >= now - TOUCH_S)
+            )
+            picked = np.flatnonzero(held & (lengths > 0))
+            maps = self.maps
+            copies = [
+                (i, maps[e][t : t + n])
+                for i, e, t, n in zip(
+                    picked.tolist(), episodes[picked].tolist(), starts[picked].tolist(), lengths[picked].tolist()
+                )
+            ]
+        return held | (lengths == 0), copies
 
 
 def default_cache_dir() -> str:
@@ -372,6 +396,22 @@ class CachedStorage(Storage):
             planned = np.broadcast_to(np.asarray(generations, dtype=np.int64).reshape(-1), episodes.shape)[first]
         return slots, planned, inverse.reshape(-1)
 
+    def _planned(self, episodes: np.ndarray, generations: Any) -> np.ndarray:
+        """Per item, the generation it is read at: ``generations`` (one per item, or one for
+        all) when given, else this process's view of its slot."""
+        if generations is None:
+            return self._known_generations()[episodes]
+        planned = np.asarray(generations, dtype=np.int64)
+        return planned if planned.shape == episodes.shape else np.broadcast_to(planned, episodes.shape)
+
+    def _map_slots_of(self, name: str, episodes: np.ndarray, planned: np.ndarray, served: np.ndarray) -> np.ndarray:
+        """The indices of the items not ``served``, after mapping their slots at their planned
+        generations (filling the cache first where absent) or touching their files."""
+        rest = np.flatnonzero(~served)
+        slots, first = np.unique(episodes[rest], return_index=True)
+        self._rows(name, slots, planned[rest][first])
+        return rest
+
     def _known_generations(self) -> np.ndarray:
         """This process's view of every slot's generation (loaded on first use)."""
         if self._generations is None:
@@ -439,19 +479,6 @@ class CachedStorage(Storage):
             for (slot, generation), rows in out.items():
                 dense.put(slot, generation, rows)
         return out
-
-    def _served(
-        self, name: str, episodes: np.ndarray, generations: np.ndarray | None
-    ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-        """Per distinct slot of the items: (item indices, cached rows or None)."""
-        slots, planned, inverse = self._slots(episodes, generations)
-        if not len(slots):
-            return
-        found = self._rows(name, slots, planned)
-        order = np.argsort(inverse, kind="stable")
-        bounds = np.searchsorted(inverse[order], np.arange(len(slots) + 1))
-        for k, (slot, generation) in enumerate(zip(slots.tolist(), planned.tolist())):
-            yield order[bounds[k] : bounds[k + 1]], found.get((slot, generation))
 
     def _verified(self, read: Callable[[], Any], episodes: np.ndarray, generations: np.ndarray | None) -> Any:
         """``read()`` from the wrapped storage; with ``generations`` (one per episode), the
@@ -588,10 +615,7 @@ class CachedStorage(Storage):
                 lambda: self.inner.gather(name, episodes, timesteps, generations), episodes, generations
             )
         episodes, timesteps = np.asarray(episodes, dtype=np.int64), np.asarray(timesteps, dtype=np.int64)
-        known = self._known_generations() if generations is None else None
-        planned = known[episodes] if known is not None else np.asarray(generations, dtype=np.int64)
-        if planned.shape != episodes.shape:
-            planned = np.broadcast_to(planned, episodes.shape)
+        planned = self._planned(episodes, generations)
         dense = self._dense_rows(name)
         if dense is not None:
             rows = dense.gather(episodes, timesteps, planned)
@@ -601,13 +625,10 @@ class CachedStorage(Storage):
         out, served = mapped.gather(episodes, timesteps, planned, now)
         if served.all():
             return out
-        # map (filling first) the episodes of the items not served, or touch their files, and
-        # gather those items again (as of ``now``: just touched is fresh); what is still
-        # missing (steps past a cached length, a fill that found the slot reused) is read
-        # from the wrapped storage
-        rest = np.flatnonzero(~served)
-        slots, first = np.unique(episodes[rest], return_index=True)
-        self._rows(name, slots, planned[rest][first])
+        # the items not served are gathered again once their slots are mapped (as of ``now``:
+        # just touched is fresh); what is still missing (steps past a cached length, a fill
+        # that found the slot reused) is read from the wrapped storage
+        rest = self._map_slots_of(name, episodes, planned, served)
         again, now_served = mapped.gather(episodes[rest], timesteps[rest], planned[rest], now)
         out[rest[now_served]] = again[now_served]
         rest = rest[~now_served]
@@ -624,16 +645,14 @@ class CachedStorage(Storage):
         # docstring inherited
         served = np.zeros(len(spans), dtype=bool)
         if self._cached(name):
-            served = spans.lengths == 0
-            copies = []  # (item, its rows): copied below, on the pool when large
-            for items, cached in self._served(name, spans.episodes, generations):
-                if cached is None:
-                    continue
-                for i in items.tolist():
-                    start, length = int(spans.starts[i]), int(spans.lengths[i])
-                    if length and start + length <= len(cached):
-                        copies.append((i, cached[start : start + length]))
-                        served[i] = True
+            planned = self._planned(spans.episodes, generations)
+            mapped, now = self._mapped_rows(name), time.monotonic()
+            served, copies = mapped.slices(spans, planned, now)  # copied below, on the pool when large
+            if not served.all():  # as in ``gather``
+                rest = self._map_slots_of(name, spans.episodes, planned, served)
+                again, more = mapped.slices(spans[rest], planned[rest], now)
+                served[rest] = again
+                copies += [(int(rest[k]), rows) for k, rows in more]
 
             def copy(k: int) -> None:
                 i, rows = copies[k]
@@ -645,13 +664,11 @@ class CachedStorage(Storage):
             return
         whole = len(rest) == len(spans)  # nothing served here: the wrapped storage reads into ``out``
         part, wanted = (out, spans) if whole else (out[rest], spans[rest])
-        planned = None if generations is None else np.broadcast_to(generations, served.shape)[rest]
+        named = None if generations is None else np.broadcast_to(generations, served.shape)[rest]
         self._verified(
-            lambda: self.inner.read_spans(
-                name, wanted.episodes, wanted.starts, wanted.lengths, part, parallel, planned
-            ),
+            lambda: self.inner.read_spans(name, wanted.episodes, wanted.starts, wanted.lengths, part, parallel, named),
             wanted.episodes,
-            planned,
+            named,
         )
         if not whole:
             out[rest] = part
