@@ -262,7 +262,7 @@ class CachedStorage(Storage):
     def _reset(self) -> None:
         self._generations: np.ndarray | None = None
         self._maps: OrderedDict[tuple[str, int, int], tuple[np.ndarray, float]] = OrderedDict()
-        self._dense: dict[str, DenseRows] = {}
+        self._dense: dict[str, DenseRows | None] = {}
         self._mapped: dict[str, MappedRows] = {}
         self._lock = threading.Lock()
         self._used: int | None = None
@@ -419,16 +419,17 @@ class CachedStorage(Storage):
         return self._generations
 
     def _dense_rows(self, name: str) -> DenseRows | None:
-        """The in-RAM copy of field ``name`` when it is small enough (``DENSE_BYTES``)."""
-        dense = self._dense.get(name)
-        if dense is None:
+        """The in-RAM copy of field ``name`` when it is small enough (``DENSE_BYTES``); the
+        answer is kept (asked per gather)."""
+        if name not in self._dense:
             assert self.schema is not None
             field, schema = self._field(name), self.schema
-            if schema.max_episodes * schema.max_timesteps * field.step_nbytes > DENSE_BYTES:
-                return None
+            small = schema.max_episodes * schema.max_timesteps * field.step_nbytes <= DENSE_BYTES
             with self._lock:
-                dense = self._dense.setdefault(name, DenseRows(field, schema.max_episodes, schema.max_timesteps))
-        return dense
+                self._dense.setdefault(
+                    name, DenseRows(field, schema.max_episodes, schema.max_timesteps) if small else None
+                )
+        return self._dense[name]
 
     def _mapped_rows(self, name: str) -> MappedRows:
         """This process's index of field ``name``'s maps (made on first use)."""
