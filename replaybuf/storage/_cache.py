@@ -29,6 +29,12 @@ One file per (field, slot, generation), holding the episode's ``episode_lens`` s
 
 Only a storage opened read-only is cached (a writer's rows change under it); steps past an
 episode's length are read from the wrapped storage.
+
+A process serves its maps as fast as one np.memmap: ``MappedRows`` keeps, per field and slot,
+the generation, length and address of the map it holds, so a batch is checked with a few
+vectorized comparisons and gathered with one fancy index (timesteps) or copied one slice per
+span (trajectories, ``get_all_data``); only the items it cannot serve go through the per-slot
+path (map, fill, touch).
 """
 
 from __future__ import annotations
