@@ -75,8 +75,11 @@ def run_python(code: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, **kwargs)
 
 
+@pytest.mark.parametrize("dense_bytes", [None, 0], ids=["dense", "mapped"])
 @pytest.mark.parametrize("case", LOADER_CASES, ids=lambda c: ",".join(c) or "trajectory")
-def test_cached_batches_equal_uncached(written, tmp_path, case):
+def test_cached_batches_equal_uncached(written, tmp_path, monkeypatch, case, dense_bytes):
+    if dense_bytes is not None:  # every field gathered from its maps (MappedRows), none from RAM
+        monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", dense_bytes)
     plain = ReplayBuffer.from_folder(written, read_only=True)
     cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
     assert isinstance(cached.storage, CachedStorage) and not isinstance(plain.storage, CachedStorage)
@@ -193,6 +196,123 @@ def test_sampled_steps_follow_a_reused_slot(tmp_path, monkeypatch, dense_bytes):
     writer.store_episode(**episode(7, 4), task=7, success=True)  # wraps into slot 0, same length
     reader.refresh()
     assert sampled() == {1000 * e + t for e in (1, 2, 7) for t in range(4)}
+
+
+def ring_of_three(tmp_path) -> tuple[ReplayBuffer, ReplayBuffer, ReplayBuffer]:
+    """(writer, plain reader, cached reader) of a circular buffer of 3 slots holding episodes
+    0, 1, 2 of 4 steps (generations 1, 2, 3); the writer stays open."""
+    location = str(tmp_path / "ring")
+    writer = ReplayBuffer(location, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    plain = ReplayBuffer.from_folder(location, read_only=True)
+    return writer, plain, ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+
+
+def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, monkeypatch):
+    monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", 0)
+    writer, plain, cached = ring_of_three(tmp_path)
+    storage = cached.storage
+
+    def gather(episodes, timesteps, generations):
+        return storage.gather("ident", np.array(episodes), np.array(timesteps), np.array(generations)).tolist()
+
+    assert gather([0, 1, 2, 0], [0, 1, 3, 2], [1, 2, 3, 1]) == [0, 1001, 2003, 2]  # filled, then mapped
+    assert gather([2, 0, 1], [0, 3, 2], [3, 1, 2]) == [2000, 3, 1002]  # one fancy index
+    mapped = storage._mapped["ident"]
+    assert sorted(mapped.maps) == [0, 1, 2] and mapped.held.tolist() == [1, 2, 3]
+    writer.store_episode(**episode(7, 6), task=7, success=True)  # wraps into slot 0: generation 4
+    assert gather([0, 0, 1], [5, 1, 0], [4, 4, 2]) == [7005, 7001, 1000]  # the new episode's file
+    assert mapped.held[0] == 4
+    assert gather([0, 1], [3, 0], [1, 2]) == [3, 1000]  # a plan of the old one: its own file
+    assert mapped.held[0] == 1
+    # steps past a mapped length, or before 0, are never read through the maps: the wrapped
+    # storage answers them, as it does uncached
+    for timesteps in ([4, 0], [-1, 0]):
+        expected = plain.storage.gather("ident", np.array([1, 1]), np.array(timesteps), np.array([2, 2]))
+        assert gather([1, 1], timesteps, [2, 2]) == expected.tolist()
+    # the old episode's file gone and its map dropped: a plan naming it is refused
+    os.unlink(os.path.join(storage.root, "ident", "0-1.raw"))
+    storage.drop_caches()
+    assert not mapped.maps and not mapped.held.any()
+    with pytest.raises(GenerationMismatchError) as caught:
+        gather([1, 0], [0, 2], [2, 1])
+    assert caught.value.slots == [0]
+    assert gather([1, 0], [0, 2], [2, 4]) == [1000, 7002]
+    writer.close()
+
+
+def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path):
+    writer, plain, cached = ring_of_three(tmp_path)
+    storage = cached.storage
+
+    def read_spans(episodes, starts, lengths, generations, source=storage):
+        out = np.full((len(episodes), 6), -1, np.int32)
+        source.read_spans("ident", np.array(episodes), np.array(starts), np.array(lengths), out, True, generations)
+        return out.tolist()
+
+    assert read_spans([2, 0, 1], [0, 1, 3], [4, 2, 1], np.array([3, 1, 2])) == [
+        [2000, 2001, 2002, 2003, -1, -1],
+        [1, 2, -1, -1, -1, -1],
+        [1003, -1, -1, -1, -1, -1],
+    ]
+    assert sorted(storage._mapped["ident"].maps) == [0, 1, 2]
+    # an empty span, and one past its episode's 4 steps (the wrapped storage answers it)
+    spans = ([1, 2, 0], [2, 0, 2], [0, 3, 4], np.array([2, 3, 1]))
+    assert read_spans(*spans) == read_spans(*spans, source=plain.storage)
+    writer.store_episode(**episode(7, 6), task=7, success=True)  # wraps into slot 0: generation 4
+    assert read_spans([0, 0], [1, 4], [3, 2], np.array([4, 4])) == [
+        [7001, 7002, 7003, -1, -1, -1],
+        [7004, 7005, -1, -1, -1, -1],
+    ]
+    assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]  # the old episode's file
+    os.unlink(os.path.join(storage.root, "ident", "0-1.raw"))
+    storage.drop_caches()
+    with pytest.raises(GenerationMismatchError) as caught:
+        read_spans([1, 0], [0, 0], [2, 2], np.array([2, 1]))
+    assert caught.value.slots == [0]
+    writer.close()
+
+
+def test_vectorized_gather_keeps_the_map_bound_and_the_lru_clock(tmp_path, monkeypatch):
+    monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", 0)
+    monkeypatch.setattr("replaybuf.storage._cache.MAX_OPEN_MAPS", 2)
+    writer, plain, cached = ring_of_three(tmp_path)
+    writer.close()
+    storage, generations = cached.storage, np.array([1, 2, 3])
+    episodes, timesteps = np.array([0, 1, 2, 2, 0]), np.array([3, 0, 1, 2, 0])
+    expected = plain.storage.gather("ident", episodes, timesteps, generations[episodes])
+    for _ in range(2):  # three slots, two maps: the evicted ones are read from the buffer
+        np.testing.assert_array_equal(storage.gather("ident", episodes, timesteps, generations[episodes]), expected)
+        assert len(storage._maps) <= 2 and len(storage._mapped["ident"].maps) <= 2
+    # a gather served from the maps still touches their files once TOUCH_S has passed
+    monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", 0.0)
+    held = sorted(storage._mapped["ident"].maps)
+    paths = [os.path.join(storage.root, "ident", f"{slot}-{slot + 1}.raw") for slot in held]
+    for path in paths:
+        os.utime(path, (1e9, 1e9))
+    picked = np.array(held)
+    rows = storage.gather("ident", picked, np.zeros(len(picked), np.int64), generations[picked])
+    assert rows.tolist() == [1000 * slot for slot in held]
+    assert all(os.path.getmtime(path) > 1e9 for path in paths)
+
+
+def test_vectorized_gather_copies_per_item_when_the_maps_span_too_wide(tmp_path, monkeypatch):
+    monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", 0)
+    writer, plain, cached = ring_of_three(tmp_path)
+    writer.close()
+    episodes, timesteps = np.array([2, 0, 1, 2]), np.array([1, 3, 0, 3])
+    generations = np.array([1, 2, 3])[episodes]
+    cached.storage.gather("image", episodes, timesteps, generations)  # mapped
+
+    def too_big(*args, **kwargs):
+        raise ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size")
+
+    monkeypatch.setattr(np.lib.stride_tricks, "as_strided", too_big)
+    np.testing.assert_array_equal(
+        cached.storage.gather("image", episodes, timesteps, generations),
+        plain.storage.gather("image", episodes, timesteps, generations),
+    )
 
 
 def test_processes_and_workers_share_one_copy(written, tmp_path):
