@@ -29,6 +29,9 @@ _MISSING = np.uint64(2**64 - 1)
 # may have replaced the shard meanwhile: ``_fresh_on_damage``)
 COMPACTION_RETRIES = 3
 _MISSING_INT = 2**64 - 1
+# shard reads decoding this much each on average are spread over the pool even on 2 cores
+# (``_kv._in_pool``): ~50 frames of 84x84x3, ~0.6 ms of decoding that frees the GIL
+SPREAD_BYTES = 1 << 20
 
 
 def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
@@ -271,7 +274,9 @@ class ShardedArray(ChunkedArray):
                 index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
                 self._decode_span(view, 0, index, whole[k], out, starts, lengths)
 
-            self._each([self.shard_key(e) for _, e, _, _ in whole], decode_shard, parallel, ranges=False)
+            keys = [self.shard_key(e) for _, e, _, _ in whole]
+            nbytes = int(lengths[[i for i, _, _, _ in whole]].sum()) * self.item_nbytes
+            self._each(keys, decode_shard, parallel, ranges=False, nbytes=nbytes)
         if ranged:
             self._read_ranged(ranged, out, starts, lengths, generations, parallel)
 
@@ -325,13 +330,19 @@ class ShardedArray(ChunkedArray):
             span, lo, index = todo[k]
             self._decode_span(None if data is None else memoryview(data), lo, index, span, out, starts, lengths)
 
-        self._each(requests, decode_range, parallel, ranges=True)
+        nbytes = int(lengths[[span[0] for span, _, _ in todo]].sum()) * self.item_nbytes
+        self._each(requests, decode_range, parallel, ranges=True, nbytes=nbytes)
 
-    def _each(self, requests: list, consume, parallel: bool, ranges: bool) -> None:
-        """Fetch whole objects (or byte ranges) and ``consume(k, bytes)`` each: spread over the
-        thread pool, or in this thread when not ``parallel``."""
+    def _each(self, requests: list, consume, parallel: bool, ranges: bool, nbytes: int) -> None:
+        """Fetch whole objects (or byte ranges) and ``consume(k, bytes)`` each, decoding
+        ``nbytes`` in all: spread over the thread pool (even on 2 cores when each request
+        decodes ``SPREAD_BYTES`` or more on average), or in this thread when not ``parallel``."""
         if parallel:
-            (self.kv.get_ranges_each if ranges else self.kv.get_each)(requests, consume)
+            spread = nbytes >= SPREAD_BYTES * len(requests)
+            if ranges:
+                self.kv.get_ranges_each(requests, consume, spread=spread)
+            else:
+                self.kv.get_each(requests, consume, spread=spread)
         else:
             for k, data in enumerate((self.kv.get_ranges if ranges else self.kv.get_many)(requests)):
                 consume(k, data)
@@ -354,8 +365,9 @@ class ShardedArray(ChunkedArray):
             self._absent((e, first))  # the first chunk is the one most inside the episode
             out[i, :length] = 0
             return
-        ct, row, decode_into = self.chunks[1], out[i], self._decode_into
+        ct, row, step = self.chunks[1], out[i], self.item_nbytes
         contiguous = row.flags.c_contiguous
+        ranges, offsets, inner = [], [], []  # whole inner chunks: decoded into place in one call
         for ti, (offset, nbytes) in zip(range(first, stop), index[first:stop].tolist()):
             lo = ti * ct - start
             if offset == _MISSING_INT or lo < 0 or lo + ct > length or not contiguous:
@@ -369,7 +381,11 @@ class ShardedArray(ChunkedArray):
                     length,
                 )
             else:
-                decode_into(view[offset - base : offset - base + nbytes], row[lo : lo + ct], (e, ti))
+                ranges.append((offset - base, offset - base + nbytes))
+                offsets.append(lo * step)
+                inner.append((e, ti))
+        if ranges:
+            self._decode_many_into(view, ranges, row, offsets, inner)
 
     # ---- writes -------------------------------------------------------------------------
 
