@@ -1,6 +1,6 @@
 """Cold reads of compressed shards: a shard's frames checked (crc32c) and decoded in one call
 (``ChunkCodec.decode_many_into``, through c-blosc and crc32c directly where they are
-exported), whole-shard reads spread over the pool (``_kv._in_pool``), whole objects read with
+exported), whole-shard reads spread over the pool (``_kv.in_pool``), whole objects read with
 one pread (``_kv._pread``). Each path gives exactly what the per-chunk path gives, and damage
 is named as before."""
 
@@ -15,6 +15,7 @@ import pytest
 
 from replaybuf import CorruptChunkError, ReplayBuffer
 from replaybuf.storage import _codecs, _kv, _shards
+from replaybuf.storage._chunks import chunk_cache
 from replaybuf.storage._codecs import BLOSC_HEADER, ChunkCodec, ChunkDamage
 
 FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk
@@ -143,10 +144,10 @@ def test_spread_tasks_use_the_pool_even_on_two_cores(monkeypatch):
         time.sleep(0.002)  # long enough that both threads take some
         threads[i] = threading.get_ident()
 
-    _kv._in_pool(8, task)
+    _kv.in_pool(8, task)
     assert set(threads.values()) == {threading.get_ident()}  # small tasks: inline on 2 cores
     threads.clear()
-    _kv._in_pool(8, task, spread=True)
+    _kv.in_pool(8, task, spread=True)
     assert sorted(threads) == list(range(8)) and len(set(threads.values())) == 2
 
 
@@ -168,7 +169,7 @@ def test_a_failing_task_returns_only_after_the_others_stopped(monkeypatch):
                 finished.append(i)
 
     with pytest.raises(RuntimeError, match="task 1 failed"):
-        _kv._in_pool(6, task, spread=True)
+        _kv.in_pool(6, task, spread=True)
     assert running[0] == 0 and 1 in finished
 
 
@@ -247,3 +248,43 @@ def test_a_flip_in_a_cold_shard_names_its_frame(cold, path, tmp_path, monkeypatc
         buffer.storage.read_spans(
             "frame", np.array([2]), np.zeros(1, int), np.array([STEPS]), np.zeros((1, STEPS, *FRAME), np.uint8)
         )
+
+
+@pytest.mark.parametrize("medium", ["file", "memory"])
+def test_ranges_read_into_place_short_or_absent(tmp_path, medium):
+    """``get_ranges_into``: LocalKV's preadv (with and without kept handles) and the base
+    class's copy of ``get_ranges`` (a zarr memory store) agree."""
+    payload = os.urandom(3_000)
+    if medium == "file":
+        kv = _kv.LocalKV(str(tmp_path))
+    else:
+        storage = ReplayBuffer(f"memory://cold-{os.getpid()}/b", 2, 4, fields={"reward": "float"}).storage
+        kv = storage.kv
+        assert not isinstance(kv, _kv.LocalKV)
+    kv.set("x/a", payload)
+    requests = [("x/a", 10, 110), ("x/missing", 0, 50), ("x/a", 2_950, 3_050), ("x/a", 0, 10)]
+    for generations in [None, [1, 1, 1, 1]]:
+        out = bytearray(b"\xff" * 260)
+        assert kv.get_ranges_into(requests, memoryview(out), generations) == [100, -1, 50, 10]
+        assert out[:100] == payload[10:110] and out[150:200] == payload[2_950:] and out[250:] == payload[:10]
+
+
+def test_a_truncated_cold_shard_fails_the_gathers_that_reach_past_its_end(cold, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(chunk_cache(), "resident_bytes", 0)  # frames read from the shards, not RAM
+    location = str(tmp_path / "copy")
+    shutil.copytree(cold[0], location)
+    shard = os.path.join(location, "data", "frame", "c.4.0.0.0.0")
+    buffer = ReplayBuffer.from_folder(location, read_only=True)
+    storage = buffer.storage
+    generations = np.asarray(buffer.generations)[[4, 2]]
+    storage.gather("frame", np.array([4, 2]), np.array([0, 0]), generations)  # the indexes, cached
+    with open(shard, "r+b") as f:  # the last frames and the index gone: an index read before sees them
+        f.truncate(os.path.getsize(shard) - 4_000)
+    monkeypatch.setattr(_shards, "COMPACTION_RETRIES", 0)  # the first read's error, not a retry's
+    with pytest.raises(CorruptChunkError, match="the shard ends before the chunk") as error:
+        storage.gather("frame", np.array([4, 2]), np.array([STEPS - 1, 3]), generations)
+    assert error.value.slot == 4 and error.value.location.startswith(shard)
+    with pytest.raises(CorruptChunkError, match="shard index"):  # read again: the index is gone
+        storage.gather("frame", np.array([4]), np.array([0]))

@@ -63,7 +63,7 @@ def _in_loader_worker() -> bool:
     return data is not None and data.get_worker_info() is not None
 
 
-def _in_pool(count: int, task: Callable[[int], None], spread: bool = False) -> None:
+def in_pool(count: int, task: Callable[[int], None], spread: bool = False) -> None:
     """Run ``task(i)`` for i < count on up to one thread per core, the calling thread one of
     them, each taking the next i as it finishes one (a future costs more than a small read, and
     a core another process holds up leaves its share to the others). On 2 cores small tasks run
@@ -146,9 +146,9 @@ class KeyValue(ABC):
     def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False) -> None:
         """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
         decoding in ``consume`` runs in parallel; codecs release the GIL); ``spread``: even on
-        2 cores (``_in_pool``)."""
+        2 cores (``in_pool``)."""
         values = self.get_many(keys)
-        _in_pool(len(values), lambda i: consume(i, values[i]), spread)
+        in_pool(len(values), lambda i: consume(i, values[i]), spread)
 
     def get_ranges_each(
         self,
@@ -161,7 +161,24 @@ class KeyValue(ABC):
         request: the generation of the slot the object belongs to) lets a store keep the object
         open between calls for as long as the generation holds."""
         values = self.get_ranges(requests)
-        _in_pool(len(values), lambda i: consume(i, values[i]), spread)
+        in_pool(len(values), lambda i: consume(i, values[i]), spread)
+
+    def get_ranges_into(
+        self, requests: Sequence[ByteRange], out: memoryview, generations: Sequence[int] | None = None
+    ) -> list[int]:
+        """Byte ranges ``(key, start, stop)`` (``stop`` given) into the writable bytes ``out``,
+        one after another from its start; per request the bytes read (fewer where the object
+        ends first) or -1 where the key is absent. ``generations`` as ``get_ranges_each``."""
+        got, at = [], 0
+        for (_, start, stop), data in zip(requests, self.get_ranges(requests)):
+            assert stop is not None  # the caller sized ``out`` by the ranges
+            if data is None:
+                got.append(-1)
+            else:
+                out[at : at + len(data)] = data
+                got.append(len(data))
+            at += stop - start
+        return got
 
     def set(self, key: str, data: bytes) -> None:
         self.set_many({key: data})
@@ -278,6 +295,14 @@ def _pread(fd: int, start: int, stop: int) -> bytes:
     return b"".join(parts)
 
 
+def _pread_into(fd: int, out: memoryview, start: int) -> int:
+    """Read an open file from ``start`` into ``out``: the bytes read (fewer where it ends first)."""
+    done = 0
+    while done < len(out) and (count := os.preadv(fd, [out[done:]], start + done)):
+        done += count
+    return done
+
+
 def _open_no_follow(path: str, flags: int) -> int:
     """``os.open`` for writing that refuses a symbolic link at ``path`` (it could lead out of
     the buffer's folder), with an error naming it."""
@@ -316,6 +341,30 @@ class LocalKV(KeyValue):
             start, stop = max(0, size + start), size
         assert stop is not None  # only a suffix request (start < 0) has no stop
         return _pread(handle.fd, start, stop)
+
+    def get_ranges_into(
+        self, requests: Sequence[ByteRange], out: memoryview, generations: Sequence[int] | None = None
+    ) -> list[int]:
+        # docstring inherited: a preadv each, in this thread, straight into place (no bytes
+        # object per range: sampled frames are read one small range each)
+        got, at = [], 0
+        for k, (key, start, stop) in enumerate(requests):
+            assert stop is not None  # the caller sized ``out`` by the ranges
+            if generations is not None:
+                handle = _read_handles.get(self._path(key), generations[k])
+                got.append(-1 if handle is None else _pread_into(handle.fd, out[at : at + stop - start], start))
+            else:
+                try:
+                    fd = os.open(self._path(key), os.O_RDONLY)
+                except FileNotFoundError:
+                    got.append(-1)
+                else:
+                    try:
+                        got.append(_pread_into(fd, out[at : at + stop - start], start))
+                    finally:
+                        os.close(fd)
+            at += stop - start
+        return got
 
     def close_appenders(self, prefix: str = "") -> None:
         """Close the append handles of keys under ``prefix`` (all by default)."""
@@ -390,7 +439,7 @@ class LocalKV(KeyValue):
 
     def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False) -> None:
         # Read and consume in the same pool task: file reads and decoding overlap.
-        _in_pool(len(keys), lambda i: consume(i, self._read(keys[i])), spread)
+        in_pool(len(keys), lambda i: consume(i, self._read(keys[i])), spread)
 
     def get_ranges_each(
         self,
@@ -401,10 +450,10 @@ class LocalKV(KeyValue):
     ) -> None:
         # docstring inherited
         if generations is None:
-            _in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])), spread)
+            in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])), spread)
         else:
             read = self._read_range_keyed
-            _in_pool(len(requests), lambda i: consume(i, read(requests[i], generations[i])), spread)
+            in_pool(len(requests), lambda i: consume(i, read(requests[i], generations[i])), spread)
 
     def _write_in_place(self, item: tuple[str, Blob]) -> None:
         key, data = item

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c
-from ._kv import CORES, thread_pool
+from ._kv import CORES, in_pool, thread_pool
 from .base import CorruptChunkError
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ _MISSING = np.uint64(2**64 - 1)
 COMPACTION_RETRIES = 3
 _MISSING_INT = 2**64 - 1
 # shard reads decoding this much each on average are spread over the pool even on 2 cores
-# (``_kv._in_pool``): ~50 frames of 84x84x3, ~0.6 ms of decoding that frees the GIL
+# (``_kv.in_pool``): ~50 frames of 84x84x3, ~0.6 ms of decoding that frees the GIL
 SPREAD_BYTES = 1 << 20
 
 
@@ -220,23 +220,42 @@ class ShardedArray(ChunkedArray):
                 else:
                     spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
             runs = _runs(spans)
-
-            def decode(i: int, data: bytes | None) -> None:
-                e, run = runs[i]
-                view = memoryview(data) if data is not None else None
-                base = run[0][0]
-                for offset, nbytes, row, ti in run:
-                    if view is None:
-                        self._absent((e, ti))
-                        out[row] = 0
-                    else:
-                        self._decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1], (e, ti))
-
             requests = [self._run_request(e, run) for e, run in runs]
             keyed = None if generations is None else [first_generation[e] for e, _ in runs]
-            self.kv.get_ranges_each(requests, decode, keyed)
+            places = np.cumsum([0] + [stop - start for _, start, stop in requests]).tolist()
+            buffer = np.empty(places[-1], np.uint8)
+            got = self.kv.get_ranges_into(requests, memoryview(buffer), keyed)
+            ranges, offsets, chunks = [], [], []
+            for (e, run), place, size in zip(runs, places, got):
+                moved = run[0][0] - place  # a stored offset minus this place in the buffer
+                for offset, nbytes, row, ti in run:
+                    if size < 0:
+                        self._absent((e, ti))
+                        out[row] = 0
+                    elif offset + nbytes - moved > place + size:
+                        raise self._damage((e, ti), f"the shard ends before the chunk ({size} of the bytes asked)")
+                    else:
+                        ranges.append((offset - moved, offset - moved + nbytes))
+                        offsets.append(row * self.item_nbytes)
+                        chunks.append((e, ti))
+            self._decode_spread(buffer, ranges, out, offsets, chunks)
 
         self._fresh_on_damage(episodes, read)
+
+    def _decode_spread(
+        self, data: np.ndarray, ranges: list[tuple[int, int]], out: np.ndarray, offsets: list[int], chunks: list[tuple]
+    ) -> None:
+        """``_decode_many_into`` in parts of about ``SPREAD_BYTES`` decoded, spread over the
+        pool (``_kv.in_pool``): a batch of sampled frames is milliseconds of decoding."""
+        size = self.item_nbytes * self.chunks[1]
+        parts = max(1, min(len(ranges), len(ranges) * size // max(SPREAD_BYTES, 1)))
+        bounds = np.linspace(0, len(ranges), parts + 1).astype(int).tolist()
+
+        def part(k: int) -> None:
+            a, b = bounds[k], bounds[k + 1]
+            self._decode_many_into(data, ranges[a:b], out, offsets[a:b], chunks[a:b])
+
+        in_pool(parts, part, spread=True)
 
     def read_into(
         self,
