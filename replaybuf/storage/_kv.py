@@ -346,24 +346,28 @@ class LocalKV(KeyValue):
         self, requests: Sequence[ByteRange], out: memoryview, generations: Sequence[int] | None = None
     ) -> list[int]:
         # docstring inherited: a preadv each, in this thread, straight into place (no bytes
-        # object per range: sampled frames are read one small range each)
-        got, at = [], 0
-        for k, (key, start, stop) in enumerate(requests):
-            assert stop is not None  # the caller sized ``out`` by the ranges
-            if generations is not None:
-                handle = _read_handles.get(self._path(key), generations[k])
-                got.append(-1 if handle is None else _pread_into(handle.fd, out[at : at + stop - start], start))
+        # object per range: sampled frames are read one small range each), one open (or kept
+        # handle) per run of requests of one object
+        got: list[int] = []
+        at = 0
+        per_request = [None] * len(requests) if generations is None else generations
+        for (key, generation), run in itertools.groupby(zip(requests, per_request), lambda r: (r[0][0], r[1])):
+            if generation is not None:
+                handle = _read_handles.get(self._path(key), generation)
+                fd = None if handle is None else handle.fd  # the handle stays referenced: open
             else:
                 try:
                     fd = os.open(self._path(key), os.O_RDONLY)
                 except FileNotFoundError:
-                    got.append(-1)
-                else:
-                    try:
-                        got.append(_pread_into(fd, out[at : at + stop - start], start))
-                    finally:
-                        os.close(fd)
-            at += stop - start
+                    fd = None
+            try:
+                for (_, start, stop), _ in run:
+                    assert stop is not None  # the caller sized ``out`` by the ranges
+                    got.append(-1 if fd is None else _pread_into(fd, out[at : at + stop - start], start))
+                    at += stop - start
+            finally:
+                if generation is None and fd is not None:
+                    os.close(fd)
         return got
 
     def close_appenders(self, prefix: str = "") -> None:

@@ -211,34 +211,54 @@ class ShardedArray(ChunkedArray):
             indexes = self._indexes_cached(
                 episodes, None if generations is None else [first_generation[e] for e in episodes]
             )
-            spans: dict[int, list[tuple[int, int, int, int]]] = {}
-            for (e, ti), row in zip(grid, rows):
-                index = indexes[e]
-                if index is None or index[ti, 0] == _MISSING:
-                    self._absent((e, ti))
-                    out[row] = 0
-                else:
-                    spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
-            runs = _runs(spans)
-            requests = [self._run_request(e, run) for e, run in runs]
-            keyed = None if generations is None else [first_generation[e] for e, _ in runs]
-            places = np.cumsum([0] + [stop - start for _, start, stop in requests]).tolist()
-            buffer = np.empty(places[-1], np.uint8)
-            got = self.kv.get_ranges_into(requests, memoryview(buffer), keyed)
-            ranges, offsets, chunks = [], [], []
-            for (e, run), place, size in zip(runs, places, got):
-                moved = run[0][0] - place  # a stored offset minus this place in the buffer
-                for offset, nbytes, row, ti in run:
-                    if size < 0:
-                        self._absent((e, ti))
-                        out[row] = 0
-                    elif offset + nbytes - moved > place + size:
-                        raise self._damage((e, ti), f"the shard ends before the chunk ({size} of the bytes asked)")
-                    else:
-                        ranges.append((offset - moved, offset - moved + nbytes))
-                        offsets.append(row * self.item_nbytes)
-                        chunks.append((e, ti))
-            self._decode_spread(buffer, ranges, out, offsets, chunks)
+            # every chunk's (offset, nbytes) looked up at once in a table of the indexes (a numpy
+            # scalar lookup per sampled frame cost more than its read)
+            table = np.full((len(episodes), self.inner_per_shard, 2), _MISSING, np.uint64)
+            for k, e in enumerate(episodes):
+                if indexes[e] is not None:
+                    table[k] = indexes[e]
+            position = {e: k for k, e in enumerate(episodes)}
+            chunk_e, chunk_t = (np.array(axis, np.int64).reshape(-1) for axis in zip(*grid)) if grid else ([], [])
+            entries = table[[position[e] for e in chunk_e.tolist()], chunk_t]
+            stored = entries[:, 0] != _MISSING
+            for k in np.flatnonzero(~stored).tolist():
+                self._absent(grid[k])
+                out[rows[k]] = 0
+            picked = np.flatnonzero(stored)
+            offset, nbytes = entries[picked, 0].astype(np.int64), entries[picked, 1].astype(np.int64)
+            order = np.lexsort((offset, chunk_e[picked]))
+            picked, offset, nbytes, episode = picked[order], offset[order], nbytes[order], chunk_e[picked][order]
+            # runs of adjacent chunks of one shard: one range read each, placed one after another
+            begins = np.ones(len(picked), bool)
+            begins[1:] = (episode[1:] != episode[:-1]) | (offset[1:] != offset[:-1] + nbytes[:-1])
+            first = np.flatnonzero(begins)
+            run = np.cumsum(begins) - 1
+            lo = offset[first]
+            hi = np.maximum.reduceat(offset + nbytes, first) if len(first) else lo
+            places = np.concatenate([[0], np.cumsum(hi - lo)])
+            run_episodes = episode[first].tolist()
+            requests = [(self.shard_key(e), a, b) for e, a, b in zip(run_episodes, lo.tolist(), hi.tolist())]
+            keyed = None if generations is None else [first_generation[e] for e in run_episodes]
+            buffer = np.empty(int(places[-1]), np.uint8)
+            got = np.asarray(self.kv.get_ranges_into(requests, memoryview(buffer), keyed), np.int64)[run]
+            begin = places[run] + offset - lo[run]
+            end = begin + nbytes
+            absent = got < 0
+            short = np.flatnonzero(~absent & (end > places[run] + got))
+            if len(short):
+                k = int(short[0])
+                raise self._damage(grid[picked[k]], f"the shard ends before the chunk ({got[k]} of the bytes asked)")
+            for k in picked[absent].tolist():
+                self._absent(grid[k])
+                out[rows[k]] = 0
+            kept = picked[~absent].tolist()
+            self._decode_spread(
+                buffer,
+                list(zip(begin[~absent].tolist(), end[~absent].tolist())),
+                out,
+                [rows[k] * self.item_nbytes for k in kept],
+                [grid[k] for k in kept],
+            )
 
         self._fresh_on_damage(episodes, read)
 
