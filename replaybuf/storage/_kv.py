@@ -157,9 +157,9 @@ class KeyValue(ABC):
         generations: Sequence[int] | None = None,
         spread: bool = False,
     ) -> None:
-        """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``generations`` (one per
-        request: the generation of the slot the object belongs to) lets a store keep the object
-        open between calls for as long as the generation holds."""
+        """``get_each`` for byte ranges (as ``get_ranges`` takes them; ``spread`` as there).
+        ``generations`` (one per request: the generation of the slot the object belongs to) lets
+        a store keep the object open between calls for as long as the generation holds."""
         values = self.get_ranges(requests)
         in_pool(len(values), lambda i: consume(i, values[i]), spread)
 
