@@ -288,3 +288,23 @@ def test_a_truncated_cold_shard_fails_the_gathers_that_reach_past_its_end(cold, 
     assert error.value.slot == 4 and error.value.location.startswith(shard)
     with pytest.raises(CorruptChunkError, match="shard index"):  # read again: the index is gone
         storage.gather("frame", np.array([4]), np.array([0]))
+
+
+def test_spread_tasks_do_not_wait_for_a_busy_pool(monkeypatch):
+    """With every pool thread busy elsewhere, the caller runs all the tasks itself and returns
+    (a helper that never started is not waited for)."""
+    monkeypatch.setattr(_kv, "CORES", 2)
+    release = threading.Event()
+    pool = _kv.thread_pool()
+    blockers = [pool.submit(release.wait) for _ in range(_kv.POOL_THREADS)]
+    done: list[int] = []
+    caller = threading.Thread(target=_kv.in_pool, args=(5, done.append), kwargs={"spread": True})
+    try:
+        caller.start()
+        caller.join(timeout=30)  # returns at once; hangs until the release where helpers are awaited
+        assert not caller.is_alive() and sorted(done) == list(range(5))
+    finally:
+        release.set()
+        caller.join()
+        for blocker in blockers:
+            blocker.result()

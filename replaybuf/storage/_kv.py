@@ -85,10 +85,13 @@ def in_pool(count: int, task: Callable[[int], None], spread: bool = False) -> No
     helpers = [thread_pool().submit(run) for _ in range(threads - 1)]
     try:
         run()
-    finally:  # the helpers write into the caller's arrays: they finish before it goes on
-        for helper in helpers:
+    finally:
+        # a helper not started yet (the pool busy elsewhere) has nothing left to take; one that
+        # started writes into the caller's arrays: it finishes before the caller goes on
+        started = [helper for helper in helpers if not helper.cancel()]
+        for helper in started:
             helper.exception()
-    for helper in helpers:
+    for helper in started:
         helper.result()
 
 
