@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import struct
 from collections.abc import Callable, Sequence
 
@@ -49,12 +50,13 @@ def _native() -> tuple[Callable[..., int], Callable[..., int]] | None:
     ~5 us of Python around the decode of an 84x84x3 frame with the GIL held (and google-crc32c
     holds it throughout), so two threads decoding frames ran little faster than one. None where
     a library does not export them or fails the self-check (the modules' functions serve then)."""
+    crc_extension = importlib.util.find_spec("google_crc32c._crc32c")  # absent: its pure-Python build
+    if crc_extension is None or crc_extension.origin is None:
+        return None
     try:
-        import google_crc32c._crc32c as crc_extension
-
         decompress = ctypes.CDLL(numcodecs.blosc.__file__).blosc_decompress_ctx
-        extend = ctypes.CDLL(crc_extension.__file__).crc32c_extend
-    except (ImportError, OSError, AttributeError):
+        extend = ctypes.CDLL(crc_extension.origin).crc32c_extend
+    except (OSError, AttributeError):
         return None
     decompress.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     decompress.restype = ctypes.c_int

@@ -202,6 +202,8 @@ class ShardedArray(ChunkedArray):
         self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None
     ) -> None:
         # docstring inherited
+        if not grid:
+            return
         first_generation: dict[int, Any] = {}
         for (e, _), generation in zip(grid, generations if generations is not None else [None] * len(grid)):
             first_generation.setdefault(e, generation)
@@ -215,10 +217,10 @@ class ShardedArray(ChunkedArray):
             # scalar lookup per sampled frame cost more than its read)
             table = np.full((len(episodes), self.inner_per_shard, 2), _MISSING, np.uint64)
             for k, e in enumerate(episodes):
-                if indexes[e] is not None:
-                    table[k] = indexes[e]
+                if (index := indexes[e]) is not None:
+                    table[k] = index
             position = {e: k for k, e in enumerate(episodes)}
-            chunk_e, chunk_t = (np.array(axis, np.int64).reshape(-1) for axis in zip(*grid)) if grid else ([], [])
+            chunk_e, chunk_t = (np.array(axis, np.int64) for axis in zip(*grid))
             entries = table[[position[e] for e in chunk_e.tolist()], chunk_t]
             stored = entries[:, 0] != _MISSING
             for k in np.flatnonzero(~stored).tolist():
@@ -240,7 +242,7 @@ class ShardedArray(ChunkedArray):
             requests = [(self.shard_key(e), a, b) for e, a, b in zip(run_episodes, lo.tolist(), hi.tolist())]
             keyed = None if generations is None else [first_generation[e] for e in run_episodes]
             buffer = np.empty(int(places[-1]), np.uint8)
-            got = np.asarray(self.kv.get_ranges_into(requests, memoryview(buffer), keyed), np.int64)[run]
+            got = np.asarray(self.kv.get_ranges_into(requests, buffer.data, keyed), np.int64)[run]
             begin = places[run] + offset - lo[run]
             end = begin + nbytes
             absent = got < 0
@@ -253,7 +255,7 @@ class ShardedArray(ChunkedArray):
                 out[rows[k]] = 0
             kept = picked[~absent].tolist()
             self._decode_spread(
-                buffer,
+                buffer.data,
                 list(zip(begin[~absent].tolist(), end[~absent].tolist())),
                 out,
                 [rows[k] * self.item_nbytes for k in kept],
@@ -263,7 +265,7 @@ class ShardedArray(ChunkedArray):
         self._fresh_on_damage(episodes, read)
 
     def _decode_spread(
-        self, data: np.ndarray, ranges: list[tuple[int, int]], out: np.ndarray, offsets: list[int], chunks: list[tuple]
+        self, data: memoryview, ranges: list[tuple[int, int]], out: np.ndarray, offsets: list[int], chunks: list[tuple]
     ) -> None:
         """``_decode_many_into`` in parts of about ``SPREAD_BYTES`` decoded, spread over the
         pool (``_kv.in_pool``): a batch of sampled frames is milliseconds of decoding."""
