@@ -339,7 +339,7 @@ class Run:
         print(f"  {row}: " + ", ".join(f"{k} {v:,.3f}" for k, v in figures.items()), flush=True)
         return figures
 
-    def cold_reads(self, folder: Path) -> None:
+    def cold_reads(self, folder: Path, kinds: tuple[str, ...] = READ_KINDS) -> None:
         """One fresh process per kind: each is the first read of the compacted episodes, after
         the same kind read from a small scratch buffer (the process's one-time costs)."""
         warmup_size = WorkloadSize(*WARMUP_SIZE, seed=self.size.seed + 1)
@@ -348,7 +348,7 @@ class Run:
             warmup.fill_episode(make_episode(warmup_size, index))
         warmup.buffer.close()
         spec = {"store": "replaybuf", "cold": True, "warmup": str(warmup.folder / "buffer")}
-        for kind in READ_KINDS:
+        for kind in kinds:
             figures = self.read(COLD, {**spec, "kinds": [kind]}, folder)
             seconds = figures.get("get_all_data") if kind == "get_all_data" else figures.get(f"{kind}_seconds")
             if seconds is not None:

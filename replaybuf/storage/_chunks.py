@@ -346,6 +346,21 @@ class ChunkedArray:
         except ChunkDamage as e:
             raise self._damage(index, str(e)) from None
 
+    def _decode_many_into(
+        self,
+        data: bytes | memoryview,
+        ranges: list[tuple[int, int]],
+        out: np.ndarray,
+        offsets: list[int],
+        indices: list[tuple],
+    ) -> None:
+        """Chunks ``indices`` (grid positions), stored at ``ranges`` of ``data``, decoded into
+        the C-contiguous ``out`` at byte ``offsets`` (``ChunkCodec.decode_many_into``)."""
+        try:
+            self.codec.decode_many_into(data, ranges, out, offsets, self.item_nbytes * self.chunks[1])
+        except ChunkDamage as e:
+            raise self._damage(indices[e.item], str(e)) from None
+
     def _absent(self, index: tuple, slot: int | None = None) -> None:
         """A chunk that is not stored reads as zeros, unless it lies in a committed episode
         (``slot``: the one read from a packed chunk; else any of the chunk's)."""

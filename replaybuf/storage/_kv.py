@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import itertools
 import os
 import shutil
 import sys
@@ -64,25 +65,36 @@ def _in_loader_worker() -> bool:
     return data is not None and data.get_worker_info() is not None
 
 
-def _in_pool(count: int, task: Callable[[int], None]) -> None:
-    """Run ``task(i)`` for i < count in a few strided batches on the pool: one future per
-    batch, not per item (a future costs more than a small read), and no more batches than
-    cores. On 2 cores everything runs in the calling thread: a read + decode task holds the
-    GIL for part of its ~35 us, and a second thread cost more than it gained (timestep and
-    n-step sampling ran 20-40% faster inline, trajectories the same)."""
-    if count <= 2 or CORES <= 2 or _in_loader_worker():
+def in_pool(count: int, task: Callable[[int], None], spread: bool = False) -> None:
+    """Run ``task(i)`` for i < count on up to one thread per core, the calling thread one of
+    them, each taking the next i as it finishes one (a future costs more than a small read, and
+    a core another process holds up leaves its share to the others). On 2 cores small tasks run
+    in the calling thread: a read + decode of a frame holds the GIL for part of its ~35 us, and
+    a second thread cost more than it gained (timestep and n-step sampling ran 20-40% faster
+    inline). ``spread``: each task is milliseconds of work that frees the GIL (a shard's frames
+    decoded through ``ChunkCodec.decode_many_into``), spread whatever the core count."""
+    if count <= 1 or _in_loader_worker() or not spread and (count <= 2 or CORES <= 2):
         for i in range(count):
             task(i)
         return
-    pool = thread_pool()
-    batches = min(count, CORES, max(2, count // 8))
+    pending = itertools.count()
 
-    def run(start: int) -> None:
-        for i in range(start, count, batches):
+    def run() -> None:
+        while (i := next(pending)) < count:
             task(i)
 
-    for future in [pool.submit(run, b) for b in range(batches)]:
-        future.result()
+    threads = min(count, CORES) if spread else min(count, CORES, max(2, count // 8))
+    helpers = [thread_pool().submit(run) for _ in range(threads - 1)]
+    try:
+        run()
+    finally:
+        # a helper not started yet (the pool busy elsewhere) has nothing left to take; one that
+        # started writes into the caller's arrays: it finishes before the caller goes on
+        started = [helper for helper in helpers if not helper.cancel()]
+        for helper in started:
+            helper.exception()
+    for helper in started:
+        helper.result()
 
 
 # copies of at least this many bytes in all are spread over the pool (``copy_spans``)
@@ -136,11 +148,12 @@ class KeyValue(ABC):
         """The file path or URL of ``key``, for error messages."""
         return key
 
-    def get_each(self, keys: Sequence[str], consume: Consume) -> None:
+    def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False) -> None:
         """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
-        decoding in ``consume`` runs in parallel; codecs release the GIL)."""
+        decoding in ``consume`` runs in parallel; codecs release the GIL); ``spread``: even on
+        2 cores (``in_pool``)."""
         values = self.get_many(keys)
-        _in_pool(len(values), lambda i: consume(i, values[i]))
+        in_pool(len(values), lambda i: consume(i, values[i]), spread)
 
     def get_into(self, requests: Sequence[ReadInto]) -> list[int | None]:
         """Bytes ``start .. start + len(out)`` of object ``key`` into ``out`` (a writable byte
@@ -158,13 +171,34 @@ class KeyValue(ABC):
         return sizes
 
     def get_ranges_each(
-        self, requests: Sequence[ByteRange], consume: Consume, generations: Sequence[int] | None = None
+        self,
+        requests: Sequence[ByteRange],
+        consume: Consume,
+        generations: Sequence[int] | None = None,
+        spread: bool = False,
     ) -> None:
-        """``get_each`` for byte ranges (as ``get_ranges`` takes them). ``generations`` (one per
-        request: the generation of the slot the object belongs to) lets a store keep the object
-        open between calls for as long as the generation holds."""
+        """``get_each`` for byte ranges (as ``get_ranges`` takes them; ``spread`` as there).
+        ``generations`` (one per request: the generation of the slot the object belongs to) lets
+        a store keep the object open between calls for as long as the generation holds."""
         values = self.get_ranges(requests)
-        _in_pool(len(values), lambda i: consume(i, values[i]))
+        in_pool(len(values), lambda i: consume(i, values[i]), spread)
+
+    def get_ranges_into(
+        self, requests: Sequence[ByteRange], out: memoryview, generations: Sequence[int] | None = None
+    ) -> list[int]:
+        """Byte ranges ``(key, start, stop)`` (``stop`` given) into the writable bytes ``out``,
+        one after another from its start; per request the bytes read (fewer where the object
+        ends first) or -1 where the key is absent. ``generations`` as ``get_ranges_each``."""
+        got, at = [], 0
+        for (_, start, stop), data in zip(requests, self.get_ranges(requests)):
+            assert stop is not None  # the caller sized ``out`` by the ranges
+            if data is None:
+                got.append(-1)
+            else:
+                out[at : at + len(data)] = data
+                got.append(len(data))
+            at += stop - start
+        return got
 
     def set(self, key: str, data: bytes) -> None:
         self.set_many({key: data})
@@ -267,6 +301,28 @@ _read_handles = _ReadHandles(limit=256)
 os.register_at_fork(after_in_child=_read_handles._after_fork)
 
 
+def _pread(fd: int, start: int, stop: int) -> bytes:
+    """Bytes ``start .. stop`` of an open file (fewer where it ends first): one pread, more only
+    past what one read returns (2 GiB on Linux)."""
+    data = os.pread(fd, stop - start, start)
+    if len(data) in (0, stop - start):
+        return data
+    parts = [data]
+    start += len(data)
+    while start < stop and (part := os.pread(fd, stop - start, start)):
+        parts.append(part)
+        start += len(part)
+    return b"".join(parts)
+
+
+def _pread_into(fd: int, out: memoryview, start: int) -> int:
+    """Read an open file from ``start`` into ``out``: the bytes read (fewer where it ends first)."""
+    done = 0
+    while done < len(out) and (count := os.preadv(fd, [out[done:]], start + done)):
+        done += count
+    return done
+
+
 def _open_no_follow(path: str, flags: int) -> int:
     """``os.open`` for writing that refuses a symbolic link at ``path`` (it could lead out of
     the buffer's folder), with an error naming it."""
@@ -304,7 +360,35 @@ class LocalKV(KeyValue):
             size = os.fstat(handle.fd).st_size
             start, stop = max(0, size + start), size
         assert stop is not None  # only a suffix request (start < 0) has no stop
-        return os.pread(handle.fd, stop - start, start)
+        return _pread(handle.fd, start, stop)
+
+    def get_ranges_into(
+        self, requests: Sequence[ByteRange], out: memoryview, generations: Sequence[int] | None = None
+    ) -> list[int]:
+        # docstring inherited: a preadv each, in this thread, straight into place (no bytes
+        # object per range: sampled frames are read one small range each), one open (or kept
+        # handle) per run of requests of one object
+        got: list[int] = []
+        at = 0
+        per_request = [None] * len(requests) if generations is None else generations
+        for (key, generation), run in itertools.groupby(zip(requests, per_request), lambda r: (r[0][0], r[1])):
+            if generation is not None:
+                handle = _read_handles.get(self._path(key), generation)
+                fd = None if handle is None else handle.fd  # the handle stays referenced: open
+            else:
+                try:
+                    fd = os.open(self._path(key), os.O_RDONLY)
+                except FileNotFoundError:
+                    fd = None
+            try:
+                for (_, start, stop), _ in run:
+                    assert stop is not None  # the caller sized ``out`` by the ranges
+                    got.append(-1 if fd is None else _pread_into(fd, out[at : at + stop - start], start))
+                    at += stop - start
+            finally:
+                if generation is None and fd is not None:
+                    os.close(fd)
+        return got
 
     def close_appenders(self, prefix: str = "") -> None:
         """Close the append handles of keys under ``prefix`` (all by default)."""
@@ -340,11 +424,17 @@ class LocalKV(KeyValue):
         return prints
 
     def _read(self, key: str) -> bytes | None:
+        # one pread of the size fstat gives: a file object's read() of a 2 MB shard cost ~4x
+        # as much (4.1 against 1.1 us a frame of 84x84x3: it grows its buffer past the size,
+        # then shrinks it)
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
+            fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            return _pread(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if len(keys) <= 4:
@@ -362,7 +452,7 @@ class LocalKV(KeyValue):
                 size = os.fstat(fd).st_size
                 start, stop = max(0, size + start), size
             assert stop is not None  # only a suffix request (start < 0) has no stop
-            return os.pread(fd, stop - start, start)
+            return _pread(fd, start, stop)
         finally:
             os.close(fd)
 
@@ -396,21 +486,26 @@ class LocalKV(KeyValue):
         def read(i: int) -> None:
             sizes[i] = self._read_into(requests[i])
 
-        _in_pool(len(requests), read)
+        in_pool(len(requests), read)
         return sizes
 
-    def get_each(self, keys: Sequence[str], consume: Consume) -> None:
+    def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False) -> None:
         # Read and consume in the same pool task: file reads and decoding overlap.
-        _in_pool(len(keys), lambda i: consume(i, self._read(keys[i])))
+        in_pool(len(keys), lambda i: consume(i, self._read(keys[i])), spread)
 
     def get_ranges_each(
-        self, requests: Sequence[ByteRange], consume: Consume, generations: Sequence[int] | None = None
+        self,
+        requests: Sequence[ByteRange],
+        consume: Consume,
+        generations: Sequence[int] | None = None,
+        spread: bool = False,
     ) -> None:
         # docstring inherited
         if generations is None:
-            _in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])))
+            in_pool(len(requests), lambda i: consume(i, self._read_range(requests[i])), spread)
         else:
-            _in_pool(len(requests), lambda i: consume(i, self._read_range_keyed(requests[i], generations[i])))
+            read = self._read_range_keyed
+            in_pool(len(requests), lambda i: consume(i, read(requests[i], generations[i])), spread)
 
     def _write_in_place(self, item: tuple[str, Blob]) -> None:
         key, data = item

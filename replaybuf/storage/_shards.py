@@ -18,7 +18,7 @@ import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c
-from ._kv import CORES, thread_pool
+from ._kv import CORES, in_pool, thread_pool
 from .base import CorruptChunkError
 
 if TYPE_CHECKING:
@@ -29,6 +29,9 @@ _MISSING = np.uint64(2**64 - 1)
 # may have replaced the shard meanwhile: ``_fresh_on_damage``)
 COMPACTION_RETRIES = 3
 _MISSING_INT = 2**64 - 1
+# shard reads decoding this much each on average are spread over the pool even on 2 cores
+# (``_kv.in_pool``): ~50 frames of 84x84x3, ~0.6 ms of decoding that frees the GIL
+SPREAD_BYTES = 1 << 20
 
 
 def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
@@ -199,6 +202,8 @@ class ShardedArray(ChunkedArray):
         self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None
     ) -> None:
         # docstring inherited
+        if not grid:
+            return
         first_generation: dict[int, Any] = {}
         for (e, _), generation in zip(grid, generations if generations is not None else [None] * len(grid)):
             first_generation.setdefault(e, generation)
@@ -208,32 +213,71 @@ class ShardedArray(ChunkedArray):
             indexes = self._indexes_cached(
                 episodes, None if generations is None else [first_generation[e] for e in episodes]
             )
-            spans: dict[int, list[tuple[int, int, int, int]]] = {}
-            for (e, ti), row in zip(grid, rows):
-                index = indexes[e]
-                if index is None or index[ti, 0] == _MISSING:
-                    self._absent((e, ti))
-                    out[row] = 0
-                else:
-                    spans.setdefault(e, []).append((int(index[ti, 0]), int(index[ti, 1]), row, ti))
-            runs = _runs(spans)
-
-            def decode(i: int, data: bytes | None) -> None:
-                e, run = runs[i]
-                view = memoryview(data) if data is not None else None
-                base = run[0][0]
-                for offset, nbytes, row, ti in run:
-                    if view is None:
-                        self._absent((e, ti))
-                        out[row] = 0
-                    else:
-                        self._decode_into(view[offset - base : offset - base + nbytes], out[row : row + 1], (e, ti))
-
-            requests = [self._run_request(e, run) for e, run in runs]
-            keyed = None if generations is None else [first_generation[e] for e, _ in runs]
-            self.kv.get_ranges_each(requests, decode, keyed)
+            # every chunk's (offset, nbytes) looked up at once in a table of the indexes (a numpy
+            # scalar lookup per sampled frame cost more than its read)
+            table = np.full((len(episodes), self.inner_per_shard, 2), _MISSING, np.uint64)
+            for k, e in enumerate(episodes):
+                if (index := indexes[e]) is not None:
+                    table[k] = index
+            position = {e: k for k, e in enumerate(episodes)}
+            chunk_e, chunk_t = (np.array(axis, np.int64) for axis in zip(*grid))
+            entries = table[[position[e] for e in chunk_e.tolist()], chunk_t]
+            stored = entries[:, 0] != _MISSING
+            for k in np.flatnonzero(~stored).tolist():
+                self._absent(grid[k])
+                out[rows[k]] = 0
+            picked = np.flatnonzero(stored)
+            offset, nbytes = entries[picked, 0].astype(np.int64), entries[picked, 1].astype(np.int64)
+            order = np.lexsort((offset, chunk_e[picked]))
+            picked, offset, nbytes, episode = picked[order], offset[order], nbytes[order], chunk_e[picked][order]
+            # runs of adjacent chunks of one shard: one range read each, placed one after another
+            begins = np.ones(len(picked), bool)
+            begins[1:] = (episode[1:] != episode[:-1]) | (offset[1:] != offset[:-1] + nbytes[:-1])
+            first = np.flatnonzero(begins)
+            run = np.cumsum(begins) - 1
+            lo = offset[first]
+            hi = np.maximum.reduceat(offset + nbytes, first) if len(first) else lo
+            places = np.concatenate([[0], np.cumsum(hi - lo)])
+            run_episodes = episode[first].tolist()
+            requests = [(self.shard_key(e), a, b) for e, a, b in zip(run_episodes, lo.tolist(), hi.tolist())]
+            keyed = None if generations is None else [first_generation[e] for e in run_episodes]
+            buffer = np.empty(int(places[-1]), np.uint8)
+            got = np.asarray(self.kv.get_ranges_into(requests, buffer.data, keyed), np.int64)[run]
+            begin = places[run] + offset - lo[run]
+            end = begin + nbytes
+            absent = got < 0
+            short = np.flatnonzero(~absent & (end > places[run] + got))
+            if len(short):
+                k = int(short[0])
+                raise self._damage(grid[picked[k]], f"the shard ends before the chunk ({got[k]} of the bytes asked)")
+            for k in picked[absent].tolist():
+                self._absent(grid[k])
+                out[rows[k]] = 0
+            kept = picked[~absent].tolist()
+            self._decode_spread(
+                buffer.data,
+                list(zip(begin[~absent].tolist(), end[~absent].tolist())),
+                out,
+                [rows[k] * self.item_nbytes for k in kept],
+                [grid[k] for k in kept],
+            )
 
         self._fresh_on_damage(episodes, read)
+
+    def _decode_spread(
+        self, data: memoryview, ranges: list[tuple[int, int]], out: np.ndarray, offsets: list[int], chunks: list[tuple]
+    ) -> None:
+        """``_decode_many_into`` in parts of about ``SPREAD_BYTES`` decoded, spread over the
+        pool (``_kv.in_pool``): a batch of sampled frames is milliseconds of decoding."""
+        size = self.item_nbytes * self.chunks[1]
+        parts = max(1, min(len(ranges), len(ranges) * size // max(SPREAD_BYTES, 1)))
+        bounds = np.linspace(0, len(ranges), parts + 1).astype(int).tolist()
+
+        def part(k: int) -> None:
+            a, b = bounds[k], bounds[k + 1]
+            self._decode_many_into(data, ranges[a:b], out, offsets[a:b], chunks[a:b])
+
+        in_pool(parts, part, spread=True)
 
     def read_into(
         self,
@@ -271,7 +315,9 @@ class ShardedArray(ChunkedArray):
                 index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
                 self._decode_span(view, 0, index, whole[k], out, starts, lengths)
 
-            self._each([self.shard_key(e) for _, e, _, _ in whole], decode_shard, parallel, ranges=False)
+            keys = [self.shard_key(e) for _, e, _, _ in whole]
+            nbytes = int(lengths[[i for i, _, _, _ in whole]].sum()) * self.item_nbytes
+            self._each(keys, decode_shard, parallel, ranges=False, nbytes=nbytes)
         if ranged:
             self._read_ranged(ranged, out, starts, lengths, generations, parallel)
 
@@ -325,13 +371,19 @@ class ShardedArray(ChunkedArray):
             span, lo, index = todo[k]
             self._decode_span(None if data is None else memoryview(data), lo, index, span, out, starts, lengths)
 
-        self._each(requests, decode_range, parallel, ranges=True)
+        nbytes = int(lengths[[span[0] for span, _, _ in todo]].sum()) * self.item_nbytes
+        self._each(requests, decode_range, parallel, ranges=True, nbytes=nbytes)
 
-    def _each(self, requests: list, consume, parallel: bool, ranges: bool) -> None:
-        """Fetch whole objects (or byte ranges) and ``consume(k, bytes)`` each: spread over the
-        thread pool, or in this thread when not ``parallel``."""
+    def _each(self, requests: list, consume, parallel: bool, ranges: bool, nbytes: int) -> None:
+        """Fetch whole objects (or byte ranges) and ``consume(k, bytes)`` each, decoding
+        ``nbytes`` in all: spread over the thread pool (even on 2 cores when each request
+        decodes ``SPREAD_BYTES`` or more on average), or in this thread when not ``parallel``."""
         if parallel:
-            (self.kv.get_ranges_each if ranges else self.kv.get_each)(requests, consume)
+            spread = nbytes >= SPREAD_BYTES * len(requests)
+            if ranges:
+                self.kv.get_ranges_each(requests, consume, spread=spread)
+            else:
+                self.kv.get_each(requests, consume, spread=spread)
         else:
             for k, data in enumerate((self.kv.get_ranges if ranges else self.kv.get_many)(requests)):
                 consume(k, data)
@@ -354,8 +406,9 @@ class ShardedArray(ChunkedArray):
             self._absent((e, first))  # the first chunk is the one most inside the episode
             out[i, :length] = 0
             return
-        ct, row, decode_into = self.chunks[1], out[i], self._decode_into
+        ct, row, step = self.chunks[1], out[i], self.item_nbytes
         contiguous = row.flags.c_contiguous
+        ranges, offsets, inner = [], [], []  # whole inner chunks: decoded into place in one call
         for ti, (offset, nbytes) in zip(range(first, stop), index[first:stop].tolist()):
             lo = ti * ct - start
             if offset == _MISSING_INT or lo < 0 or lo + ct > length or not contiguous:
@@ -369,7 +422,11 @@ class ShardedArray(ChunkedArray):
                     length,
                 )
             else:
-                decode_into(view[offset - base : offset - base + nbytes], row[lo : lo + ct], (e, ti))
+                ranges.append((offset - base, offset - base + nbytes))
+                offsets.append(lo * step)
+                inner.append((e, ti))
+        if ranges:
+            self._decode_many_into(view, ranges, row, offsets, inner)
 
     # ---- writes -------------------------------------------------------------------------
 

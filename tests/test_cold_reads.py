@@ -1,0 +1,310 @@
+"""Cold reads of compressed shards: a shard's frames checked (crc32c) and decoded in one call
+(``ChunkCodec.decode_many_into``, through c-blosc and crc32c directly where they are
+exported), whole-shard reads spread over the pool (``_kv.in_pool``), whole objects read with
+one pread (``_kv._pread``). Each path gives exactly what the per-chunk path gives, and damage
+is named as before."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from replaybuf import CorruptChunkError, ReplayBuffer
+from replaybuf.storage import _codecs, _kv, _shards
+from replaybuf.storage._chunks import chunk_cache
+from replaybuf.storage._codecs import BLOSC_HEADER, ChunkCodec, ChunkDamage
+
+FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk
+BLOSC = {"name": "blosc", "configuration": {"cname": "lz4", "clevel": 9, "shuffle": "noshuffle"}}
+PATHS = ["native", "numcodecs"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Both decode paths: c-blosc through ctypes, and numcodecs chunk by chunk."""
+    if request.param == "native":
+        if _codecs._native() is None:
+            pytest.skip("c-blosc or crc32c not exported here: the numcodecs path serves")
+    else:
+        monkeypatch.setattr(_codecs, "_native", lambda: None)
+    return request.param
+
+
+def frames(count: int, seed: int = 0) -> np.ndarray:
+    """Compressible frames (a gradient plus sparse noise), no two alike."""
+    rng = np.random.default_rng(seed)
+    base = np.arange(np.prod(FRAME), dtype=np.uint8).reshape(FRAME)
+    out = np.repeat(base[None], count, axis=0) + np.arange(count, dtype=np.uint8)[:, None, None, None]
+    out[rng.random(out.shape) < 0.05] = 7
+    return out
+
+
+def packed(codec: ChunkCodec, chunks: np.ndarray, hot: bool = False) -> tuple[bytes, list[tuple[int, int]]]:
+    """The chunks encoded one after another behind 5 bytes of something else, and their ranges."""
+    blobs = [codec.encode(chunk[None], hot=hot) for chunk in chunks]
+    ranges, at = [], 5
+    for blob in blobs:
+        ranges.append((at, at + len(blob)))
+        at += len(blob)
+    return b"\x00" * 5 + b"".join(blobs), ranges
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("hot", [False, True])
+def test_decode_many_into_places_every_chunk(path, checksum, hot):
+    codec = ChunkCodec(np.dtype("uint8"), BLOSC, checksum=checksum)
+    chunks = frames(6)
+    data, ranges = packed(codec, chunks, hot)
+    out = np.full((8, *FRAME), 99, np.uint8)
+    rows = [7, 0, 3, 1, 6, 2]  # scattered, as a gather places sampled frames
+    step = chunks[0].nbytes
+    codec.decode_many_into(memoryview(data), ranges, out, [row * step for row in rows], step)
+    np.testing.assert_array_equal(out[rows], chunks)
+    assert (out[[4, 5]] == 99).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16"])
+def test_decode_many_into_other_codecs_and_dtypes(dtype):
+    for compressor in [None, {"name": "zstd", "configuration": {"level": 1}}, BLOSC]:
+        codec = ChunkCodec(np.dtype(dtype), compressor, checksum=True)
+        chunks = (frames(3) // 3).astype(dtype)
+        data, ranges = packed(codec, chunks)
+        out = np.zeros((3, *FRAME), dtype)
+        codec.decode_many_into(data, ranges, out, [k * chunks[0].nbytes for k in range(3)], chunks[0].nbytes)
+        np.testing.assert_array_equal(out, chunks)
+
+
+def damaged(how: str, data: bytes, ranges: list[tuple[int, int]], codec: ChunkCodec) -> tuple[bytes, list]:
+    """Damage chunk 2 of ``packed``'s output."""
+    data, ranges = bytearray(data), list(ranges)
+    start, stop = ranges[2]
+    if how == "flip":
+        data[start + BLOSC_HEADER + 3] ^= 0x10
+    elif how == "short":
+        ranges[2] = (start, start + BLOSC_HEADER - 1)
+    elif how == "past-the-end":
+        data = data[: stop - 10]
+        ranges = ranges[:3]
+    else:  # a header claiming another size, behind a checksum that matches it
+        data[start + 4 : start + 8] = (int.from_bytes(data[start + 4 : start + 8], "little") - 1).to_bytes(4, "little")
+        data[stop - 4 : stop] = _codecs.crc32c(bytes(data[start : stop - 4])).to_bytes(4, "little")
+    return bytes(data), ranges
+
+
+@pytest.mark.parametrize("how", ["flip", "short", "past-the-end", "header"])
+def test_a_damaged_chunk_is_named_by_position_after_the_ones_before_it(path, how):
+    codec = ChunkCodec(np.dtype("uint8"), BLOSC, checksum=True)
+    chunks = frames(4)
+    data, ranges = damaged(how, *packed(codec, chunks), codec)
+    out = np.zeros_like(chunks)
+    step = chunks[0].nbytes
+    with pytest.raises(ChunkDamage) as error:
+        codec.decode_many_into(data, ranges, out, [k * step for k in range(len(ranges))], step)
+    assert error.value.item == 2
+    np.testing.assert_array_equal(out[:2], chunks[:2])
+
+
+def test_decode_many_into_refuses_an_output_it_cannot_fill():
+    codec = ChunkCodec(np.dtype("uint8"), BLOSC, checksum=True)
+    chunks = frames(2)
+    data, ranges = packed(codec, chunks)
+    step = chunks[0].nbytes
+    with pytest.raises(ValueError, match="do not fit out"):
+        codec.decode_many_into(data, ranges, np.zeros_like(chunks), [0, step + 1], step)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        codec.decode_many_into(data, ranges, np.zeros((2, *FRAME, 2), np.uint8)[..., 0], [0, step], step)
+
+
+def test_native_functions_agree_with_the_modules():
+    native = _codecs._native()
+    if native is None:
+        pytest.skip("c-blosc or crc32c not exported here")
+    decompress, extend = native
+    codec = ChunkCodec(np.dtype("uint8"), BLOSC)
+    chunk = frames(1)
+    encoded = np.frombuffer(codec.encode(chunk), np.uint8)
+    out = np.zeros_like(chunk)
+    assert decompress(encoded.ctypes.data, out.ctypes.data, out.nbytes, 1) == out.nbytes
+    np.testing.assert_array_equal(out, chunk)
+    assert extend(0, encoded.ctypes.data, encoded.nbytes) == _codecs.crc32c(encoded)
+
+
+# ---- spreading heavy tasks ----------------------------------------------------------------------
+
+
+def test_spread_tasks_use_the_pool_even_on_two_cores(monkeypatch):
+    monkeypatch.setattr(_kv, "CORES", 2)
+    threads: dict[int, int] = {}
+
+    def task(i: int) -> None:
+        time.sleep(0.002)  # long enough that both threads take some
+        threads[i] = threading.get_ident()
+
+    _kv.in_pool(8, task)
+    assert set(threads.values()) == {threading.get_ident()}  # small tasks: inline on 2 cores
+    threads.clear()
+    _kv.in_pool(8, task, spread=True)
+    assert sorted(threads) == list(range(8)) and len(set(threads.values())) == 2
+
+
+def test_a_failing_task_returns_only_after_the_others_stopped(monkeypatch):
+    monkeypatch.setattr(_kv, "CORES", 2)
+    running, finished = [0], []
+    lock = threading.Lock()
+
+    def task(i: int) -> None:
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.003)
+            if i == 1:
+                raise RuntimeError("task 1 failed")
+        finally:
+            with lock:
+                running[0] -= 1
+                finished.append(i)
+
+    with pytest.raises(RuntimeError, match="task 1 failed"):
+        _kv.in_pool(6, task, spread=True)
+    assert running[0] == 0 and 1 in finished
+
+
+# ---- whole-object reads -----------------------------------------------------------------------
+
+
+def test_whole_objects_and_ranges_read_past_a_short_pread(tmp_path, monkeypatch):
+    kv = _kv.LocalKV(str(tmp_path))
+    payload = os.urandom(10_000)
+    kv.set("a/b", payload)
+    real = os.pread
+    monkeypatch.setattr(_kv.os, "pread", lambda fd, n, offset: real(fd, min(n, 999), offset))  # as past 2 GiB
+    assert kv.get("a/b") == payload
+    assert kv.get_ranges([("a/b", 10, 9_000), ("a/b", -5_000, None)]) == [payload[10:9_000], payload[-5_000:]]
+    assert kv.get("a/missing") is None
+
+
+# ---- through the buffer -------------------------------------------------------------------------
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """A closed zarr buffer (compacted shards) of 5 episodes, 3 of them whole, and its frames."""
+    location = str(tmp_path_factory.mktemp("cold") / "b")
+    buffer = ReplayBuffer(
+        location,
+        6,
+        STEPS,
+        fields={"frame": {"dtype": "uint8", "shape": FRAME, "compressor": "blosc-lz4"}, "reward": "float"},
+    )
+    episodes = [frames(length, seed) for seed, length in enumerate([STEPS, 17, STEPS, 1, STEPS])]
+    for episode in episodes:
+        buffer.store_episode(frame=episode, reward=np.ones(len(episode), np.float32))
+    buffer.close()
+    return location, episodes
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_cold_spans_equal_the_frames_written(cold, path, parallel, monkeypatch):
+    monkeypatch.setattr(_kv, "CORES", 2)
+    monkeypatch.setattr(_shards, "SPREAD_BYTES", 0)  # every read spread: the path trajectories take
+    location, episodes = cold
+    storage = ReplayBuffer.from_folder(location, read_only=True).storage
+    assert storage.describe()["arrays"]["data/frame"]["compressor"].startswith("blosc")
+    slots = np.array([4, 0, 2, 1, 3, 0])
+    starts = np.array([0, 0, 5, 3, 0, 40])  # whole shards, and ranges under half of one
+    lengths = np.array([STEPS, STEPS, 20, 14, 1, 20])
+    out = np.full((len(slots), STEPS, *FRAME), 1, np.uint8)
+    storage.read_spans("frame", slots, starts, lengths, out, parallel=parallel)
+    for row, (e, s, n) in enumerate(zip(slots, starts, lengths)):
+        np.testing.assert_array_equal(out[row, :n], episodes[e][s : s + n])
+        assert (out[row, n:] == 1).all()
+    timesteps = np.array([0, 16, 59, 0, 33])
+    gathered = storage.gather("frame", np.array([2, 1, 4, 3, 0]), timesteps)
+    np.testing.assert_array_equal(gathered, [episodes[e][t] for e, t in zip([2, 1, 4, 3, 0], timesteps)])
+
+
+def test_a_flip_in_a_cold_shard_names_its_frame(cold, path, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(_kv, "CORES", 2)
+    location = str(tmp_path / "copy")
+    shutil.copytree(cold[0], location)
+    shard = os.path.join(location, "data", "frame", "c.2.0.0.0.0")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x04  # inside a frame near the middle of episode 2
+    open(shard, "wb").write(bytes(data))
+    buffer = ReplayBuffer.from_folder(location, read_only=True)
+    with pytest.raises(CorruptChunkError) as error:
+        buffer.get_all_data()
+    assert error.value.field == "data/frame" and error.value.slot == 2
+    assert error.value.location.startswith(f"{shard}, inner chunk ")
+    with pytest.raises(CorruptChunkError, match="crc32c"):
+        buffer.storage.read_spans(
+            "frame", np.array([2]), np.zeros(1, int), np.array([STEPS]), np.zeros((1, STEPS, *FRAME), np.uint8)
+        )
+
+
+@pytest.mark.parametrize("medium", ["file", "memory"])
+def test_ranges_read_into_place_short_or_absent(tmp_path, medium):
+    """``get_ranges_into``: LocalKV's preadv (with and without kept handles) and the base
+    class's copy of ``get_ranges`` (a zarr memory store) agree."""
+    payload = os.urandom(3_000)
+    if medium == "file":
+        kv = _kv.LocalKV(str(tmp_path))
+    else:
+        storage = ReplayBuffer(f"memory://cold-{os.getpid()}/b", 2, 4, fields={"reward": "float"}).storage
+        kv = storage.kv
+        assert not isinstance(kv, _kv.LocalKV)
+    kv.set("x/a", payload)
+    requests = [("x/a", 10, 110), ("x/missing", 0, 50), ("x/a", 2_950, 3_050), ("x/a", 0, 10)]
+    for generations in [None, [1, 1, 1, 1]]:
+        out = bytearray(b"\xff" * 260)
+        assert kv.get_ranges_into(requests, memoryview(out), generations) == [100, -1, 50, 10]
+        assert out[:100] == payload[10:110] and out[150:200] == payload[2_950:] and out[250:] == payload[:10]
+
+
+def test_a_truncated_cold_shard_fails_the_gathers_that_reach_past_its_end(cold, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(chunk_cache(), "resident_bytes", 0)  # frames read from the shards, not RAM
+    location = str(tmp_path / "copy")
+    shutil.copytree(cold[0], location)
+    shard = os.path.join(location, "data", "frame", "c.4.0.0.0.0")
+    buffer = ReplayBuffer.from_folder(location, read_only=True)
+    storage = buffer.storage
+    generations = np.asarray(buffer.generations)[[4, 2]]
+    storage.gather("frame", np.array([4, 2]), np.array([0, 0]), generations)  # the indexes, cached
+    with open(shard, "r+b") as f:  # the last frames and the index gone: an index read before sees them
+        f.truncate(os.path.getsize(shard) - 4_000)
+    monkeypatch.setattr(_shards, "COMPACTION_RETRIES", 0)  # the first read's error, not a retry's
+    with pytest.raises(CorruptChunkError, match="the shard ends before the chunk") as error:
+        storage.gather("frame", np.array([4, 2]), np.array([STEPS - 1, 3]), generations)
+    assert error.value.slot == 4 and error.value.location.startswith(shard)
+    with pytest.raises(CorruptChunkError, match="shard index"):  # read again: the index is gone
+        storage.gather("frame", np.array([4]), np.array([0]))
+
+
+def test_spread_tasks_do_not_wait_for_a_busy_pool(monkeypatch):
+    """With every pool thread busy elsewhere, the caller runs all the tasks itself and returns
+    (a helper that never started is not waited for)."""
+    monkeypatch.setattr(_kv, "CORES", 2)
+    release = threading.Event()
+    pool = _kv.thread_pool()
+    blockers = [pool.submit(release.wait) for _ in range(_kv.POOL_THREADS)]
+    done: list[int] = []
+    caller = threading.Thread(target=_kv.in_pool, args=(5, done.append), kwargs={"spread": True})
+    try:
+        caller.start()
+        caller.join(timeout=30)  # returns at once; hangs until the release where helpers are awaited
+        assert not caller.is_alive() and sorted(done) == list(range(5))
+    finally:
+        release.set()
+        caller.join()
+        for blocker in blockers:
+            blocker.result()
