@@ -485,7 +485,9 @@ class ShardedArray(ChunkedArray):
         }
         written = {k: v for k, v in shards.items() if v is not None}
         if written:
-            self.kv.set_many(written, atomic=atomic)
+            # a shard a reader may map (``_hotmap.py``) is only ever replaced whole, by a rename:
+            # a map sees one complete file version, never a truncation (SIGBUS) or a torn frame
+            self.kv.set_many(written, atomic=atomic or self.codec.writes_hot)
         empty = [k for k, v in shards.items() if v is None]
         if empty:
             self.kv.delete_many(empty)
