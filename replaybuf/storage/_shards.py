@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._chunks import ABSENT, ChunkedArray, chunk_cache
+from ._chunks import ABSENT, ChunkedArray, _per_pair, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c
+from ._hotmap import gather_mapped, read_mapped_spans
 from ._kv import CORES, thread_pool
 from .base import CorruptChunkError
 
@@ -195,6 +196,23 @@ class ShardedArray(ChunkedArray):
     def index_cache_key(episode: int) -> tuple:
         return ("index", episode)
 
+    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None) -> np.ndarray:
+        # docstring inherited: hot shards on local disk from their maps (``_hotmap.py``), at a
+        # gather's speed (the chunk cache would only add its lookups and copies); the resident
+        # copy of a small array first
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
+        mapped = (
+            None if generations is not None and self._resident_enabled() else gather_mapped(self, episodes, timesteps)
+        )
+        if mapped is None:
+            return super().gather(episodes, timesteps, generations)
+        out, left = mapped
+        if len(left):
+            kept = None if generations is None else _per_pair(generations, len(episodes))[left]
+            out[left] = super().gather(episodes[left], timesteps[left], kept)
+        return out
+
     def _read_whole_into(
         self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None
     ) -> None:
@@ -255,6 +273,7 @@ class ShardedArray(ChunkedArray):
         self._check_out(out, episodes, starts, lengths)
         if self._read_resident_into(out, episodes, starts, lengths, generations, parallel):
             return
+        lengths = read_mapped_spans(self, out, episodes, starts, lengths, parallel)  # hot shards (``_hotmap.py``)
         ct = self.chunks[1]
         spans = [
             (i, e, s // ct, (s + n - 1) // ct + 1)
