@@ -26,6 +26,14 @@ SEEDS = 12  # episodes a writer stores into a circular buffer of 2 slots
 CLOCK_TICK_S = 0.02
 
 
+@pytest.fixture(autouse=True)
+def _resident_budget():
+    """Readers here turn the resident copies off (``open_reader``); later tests get them back."""
+    budget = chunk_cache().resident_bytes
+    yield
+    chunk_cache().resize(resident_bytes=budget)
+
+
 def make(location: str, **kwargs) -> ReplayBuffer:
     return ReplayBuffer(location, max_episodes=2, max_timesteps=STEPS, fields=FIELDS, circular=True, **kwargs)
 
@@ -68,7 +76,8 @@ def test_hot_frames_are_served_from_maps_and_match(tmp_path):
         for how, values in frames(reader, slot).items():
             assert np.array_equal(values, stored[slot]["image"]), (slot, how)
     assert shard_maps()._entries[shard_file(writer, 0)][1] is None
-    reader.close()
+    reader.close()  # unmaps the buffer's files
+    assert not [path for path in shard_maps()._entries if path.startswith(location)]
     writer.close()
 
 

@@ -2,19 +2,26 @@
 
 A hot shard on local disk holds each inner chunk raw behind blosc's 16-byte header, followed by
 its crc32c, one after another from offset 0, with the zarr shard index at the end. Reading it
-frame by frame through ``pread`` cost ~17 us a frame (index lookup, read, crc32c, copy) against
-~5 us for an ``np.memmap`` gather of the same frames. Here a reader maps each hot shard file
-once, checks its index and the headers of its chunks once, then copies a batch's frames of one
-shard with one numpy gather straight into the output. Each frame's crc32c is checked the first
-time a map serves it (~2.5 us a frame here, as much as the copy itself): a map serves only the
-file version it was made from, and the file is stat'ed at every read, so a change to the file
-(a new inode, size, mtime or ctime) drops the map and the next read maps and checks it again.
+frame by frame through ``pread`` cost ~17 us a frame (index lookup, read, crc32c, copy), 0.2-0.4x
+an ``np.memmap`` gather of the same frames. Here a reader maps each hot shard file once and
+checks its index, the headers of its chunks and every chunk's crc32c once (~2.5 us a frame
+here, as much as copying it), then copies frames straight into the output: one copy per frame
+for timestep batches, one per episode for trajectories. While the maps fit (``MAX_MAPS``) a
+shard is checked whole when mapped; once maps are evicted, frame by frame as first read (a
+shard mapped again would otherwise be checked whole to serve a few frames).
+
+A map serves only the file version it was made from, and the file is stat'ed at every read: a
+new inode, size, mtime or ctime drops the map, and the next read maps and checks it again. An
+edit in place within the kernel's timestamp tick (a few ms) of the file's write leaves all four
+unchanged and is not seen by a reader that checked the file before it; a page the kernel
+evicts and reads again from a failing disk is not checked again either.
 
 Why a map is safe to keep: every write of a shard a reader may map is a rename of a complete
 temp file (``ShardedArray._write_box``), so a map always sees one whole file version, and a
 compaction or a reused slot puts a new inode at the path (the old one stays whole, mapped,
-until the map goes). Only damage from outside replaybuf (a file truncated in place) could fault
-a map's pages (SIGBUS); the stat at every read sees a truncation done before it.
+until the map goes: at the next read of the path, an eviction, or the buffer's ``close()``).
+Only damage from outside replaybuf (a file truncated in place) could fault a map's pages
+(SIGBUS); the stat at every read sees a truncation done before it.
 
 Anything the maps cannot serve as checked raw frames is left to the array's usual read path,
 which reports it as before: a shard absent or compressed (compacted, cold), an index or a
@@ -162,6 +169,12 @@ class ShardMaps:
         with self._lock:
             self._entries.pop(path, None)
 
+    def drop_under(self, folder: str) -> None:
+        """Unmap the files under ``folder`` (a buffer closed: its replaced files are freed)."""
+        with self._lock:
+            for path in [p for p in self._entries if p.startswith(folder)]:
+                del self._entries[path]
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
@@ -179,15 +192,11 @@ def shard_maps() -> ShardMaps:
     return _maps
 
 
-def _mappable(array: ShardedArray, out: np.ndarray) -> bool:
+def _mappable(array: ShardedArray, dtype: np.dtype) -> bool:
     """Whether the array's shards may be hot files this reader can map: blosc (a writer stores
-    those hot) on local disk, one step per inner chunk, read into a little-endian ``out``."""
+    those hot) on local disk, one step per inner chunk, read as little-endian ``dtype``."""
     return (
-        array.codec.writes_hot
-        and isinstance(array.kv, LocalKV)
-        and array.chunks[1] == 1
-        and out.dtype == array.codec.dtype
-        and out.flags.c_contiguous
+        array.codec.writes_hot and isinstance(array.kv, LocalKV) and array.chunks[1] == 1 and dtype == array.codec.dtype
     )
 
 
@@ -200,12 +209,12 @@ def gather_mapped(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One frame per (episode, timestep) pair (int64 arrays) from the maps of hot shards, as
     ``ChunkedArray.gather`` returns them: (the frames, the indices of the pairs left to the
-    usual read path), or None when the array's shards cannot be mapped. One copy per frame:
-    a gather per shard into a temporary, then a scatter into the output, copied every byte
-    twice (0.76 ms against 0.48 ms a 256-frame batch here)."""
-    out = np.empty((len(episodes), *array.shape[2:]), array.dtype)
-    if not len(episodes) or not _mappable(array, out):
+    usual read path), or None when the array's shards cannot be mapped. One copy per frame,
+    straight into the output: a numpy gather per shard into a temporary and a scatter into the
+    output copied every byte twice (0.76 ms against 0.48 ms a 256-frame batch here)."""
+    if not len(episodes) or not _mappable(array, array.dtype):
         return None
+    out = np.empty((len(episodes), *array.shape[2:]), array.dtype)
     flat = out.reshape(len(out), -1).view(np.uint8)
     shards = {episode: _shard_map(array, episode) for episode in set(episodes.tolist())}
     left = []
@@ -233,7 +242,7 @@ def read_mapped_spans(
     """Steps ``starts[i] .. starts[i] + lengths[i]`` of hot shards into ``out[i]`` from their
     maps (as ``ChunkedArray.read_into``); returns ``lengths`` with 0 for every span done, the
     others left to the usual read path."""
-    if not out.size or not _mappable(array, out):
+    if not out.size or not out.flags.c_contiguous or not _mappable(array, out.dtype):
         return lengths
     left = lengths.copy()
     flat = out.reshape(out.shape[0], out.shape[1], -1).view(np.uint8)
