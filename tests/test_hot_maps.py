@@ -76,6 +76,11 @@ def test_hot_frames_are_served_from_maps_and_match(tmp_path):
         for how, values in frames(reader, slot).items():
             assert np.array_equal(values, stored[slot]["image"]), (slot, how)
     assert shard_maps()._entries[shard_file(writer, 0)][1] is None
+    writer.store_episode(**episode(2))  # slot 0 hot again, slot 1 compacted: one batch reads both
+    assert is_hot(writer, 0) and not is_hot(writer, 1)
+    slots, steps = np.tile([0, 1], STEPS), np.repeat(np.arange(STEPS), 2)
+    mixed = reader.storage.gather("image", slots, steps)
+    assert np.array_equal(mixed[0::2], episode(2)["image"]) and np.array_equal(mixed[1::2], stored[1]["image"])
     reader.close()  # unmaps the buffer's files
     assert not [path for path in shard_maps()._entries if path.startswith(location)]
     writer.close()
