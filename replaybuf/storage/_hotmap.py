@@ -56,7 +56,7 @@ class HotMap:
     """One mapped version of a hot shard file: ``payloads[rows[ti]]`` holds inner chunk ``ti``'s
     raw bytes (``rows[ti]`` -1: not stored), checked against its crc32c once ``checked``."""
 
-    __slots__ = ("fingerprint", "rows", "row_of", "payloads", "checked", "_bodies", "_sums")
+    __slots__ = ("fingerprint", "rows", "row_of", "payloads", "checked", "checked_rows", "_bodies", "_sums")
 
     def __init__(self, fingerprint: tuple[int, ...], items: np.ndarray, rows: np.ndarray, nbytes: int, checksum: bool):
         self.fingerprint = fingerprint
@@ -64,6 +64,7 @@ class HotMap:
         self.row_of = rows.tolist()  # the same, for lookups one frame at a time
         self.payloads = items[:, BLOSC_HEADER : BLOSC_HEADER + nbytes]
         self.checked = np.full(len(items), not checksum)
+        self.checked_rows = [not checksum] * len(items)  # the same, for lookups one frame at a time
         self._bodies = items[:, :-4]  # what each crc32c covers: header and payload
         self._sums = items[:, -4:].copy().view("<u4").reshape(-1).tolist() if checksum else []
 
@@ -78,7 +79,7 @@ class HotMap:
             return True
         if crc32c(self._bodies[row]) != self._sums[row]:
             return False
-        self.checked[row] = True
+        self.checked[row] = self.checked_rows[row] = True
         return True
 
 
@@ -227,7 +228,7 @@ def gather_mapped(
         if row < 0:  # not stored: zeros, unless inside the committed steps
             array._absent((episode, step))
             flat[k] = 0
-        elif shard.verified_one(row):
+        elif shard.checked_rows[row] or shard.verified_one(row):
             flat[k] = shard.payloads[row]
         else:  # the usual path reads the file again and names the damage
             _maps.drop(array.kv.where(array.shard_key(episode)))
