@@ -208,8 +208,6 @@ class ShardedArray(ChunkedArray):
         if mapped is None:
             return super().gather(episodes, timesteps, generations)
         out, left = mapped
-        if len(left) == len(episodes):  # none hot (compacted): no second copy of the batch
-            return super().gather(episodes, timesteps, generations)
         if len(left):
             kept = None if generations is None else _per_pair(generations, len(episodes))[left]
             out[left] = super().gather(episodes[left], timesteps[left], kept)
