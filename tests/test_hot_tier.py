@@ -178,6 +178,28 @@ def test_a_slot_overwritten_before_its_compaction_is_never_encoded(tmp_path):
     buffer.close()
 
 
+def test_a_reused_slot_gets_a_new_shard_file_and_the_old_one_stays_whole(tmp_path):
+    """A shard a reader may map is replaced by a rename, never truncated and rewritten in place:
+    a reader holding the old file keeps one whole version of it (a map of it never faults)."""
+    buffer = make(tmp_path, max_episodes=2, circular=True)
+    buffer.store_episode(**episode(0))
+    paths = [shard_file(buffer, 0), buffer.storage.array("depth").kv.where(buffer.storage.array("depth").shard_key(0))]
+    held = [open(path, "rb") for path in paths]
+    try:
+        old = [f.read() for f in held]
+        for seed in (1, 2):  # slot 0 is written again
+            buffer.store_episode(**episode(seed))
+        for f, path, data in zip(held, paths, old):
+            assert os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+            f.seek(0)
+            assert f.read() == data
+    finally:
+        for f in held:
+            f.close()
+    check_reads(buffer, {0: episode(2), 1: episode(1)})
+    buffer.close()
+
+
 def test_compaction_racing_rewrites_never_puts_old_data_in_a_new_episode(tmp_path):
     buffer = make(tmp_path, max_episodes=2, circular=True, hot_bytes=1)  # compact at once, in the background
     stop = threading.Event()

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._chunks import ABSENT, ChunkedArray, chunk_cache
+from ._chunks import ABSENT, ChunkedArray, _per_pair, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c
+from ._hotmap import gather_mapped, read_mapped_spans
 from ._kv import CORES, in_pool, thread_pool
 from .base import CorruptChunkError
 
@@ -198,6 +199,23 @@ class ShardedArray(ChunkedArray):
     def index_cache_key(episode: int) -> tuple:
         return ("index", episode)
 
+    def gather(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None) -> np.ndarray:
+        # docstring inherited: hot shards on local disk from their maps (``_hotmap.py``), at a
+        # gather's speed (the chunk cache would only add its lookups and copies); the resident
+        # copy of a small array first
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
+        mapped = (
+            None if generations is not None and self._resident_enabled() else gather_mapped(self, episodes, timesteps)
+        )
+        if mapped is None:
+            return super().gather(episodes, timesteps, generations)
+        out, left = mapped
+        if len(left):
+            kept = None if generations is None else _per_pair(generations, len(episodes))[left]
+            out[left] = super().gather(episodes[left], timesteps[left], kept)
+        return out
+
     def _read_whole_into(
         self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None
     ) -> None:
@@ -299,6 +317,7 @@ class ShardedArray(ChunkedArray):
         self._check_out(out, episodes, starts, lengths)
         if self._read_resident_into(out, episodes, starts, lengths, generations, parallel):
             return
+        lengths = read_mapped_spans(self, out, episodes, starts, lengths, parallel)  # hot shards (``_hotmap.py``)
         ct = self.chunks[1]
         spans = [
             (i, e, s // ct, (s + n - 1) // ct + 1)
@@ -542,7 +561,9 @@ class ShardedArray(ChunkedArray):
         }
         written = {k: v for k, v in shards.items() if v is not None}
         if written:
-            self.kv.set_many(written, atomic=atomic)
+            # a shard a reader may map (``_hotmap.py``) is only ever replaced whole, by a rename:
+            # a map sees one complete file version, never a truncation (SIGBUS) or a torn frame
+            self.kv.set_many(written, atomic=atomic or self.codec.writes_hot)
         empty = [k for k, v in shards.items() if v is None]
         if empty:
             self.kv.delete_many(empty)

@@ -45,6 +45,7 @@ from ..schema import FORMAT_NAME, Field, Schema
 from ._chunks import ChunkedArray, nearby_spans
 from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
 from ._hot import HotTier, find_hot
+from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import check_owned, erase_owned
@@ -610,6 +611,8 @@ class ZarrStorage(KVBlobs, Storage):
         if self._hot is not None:
             self._hot.stop()
         self.kv.close()
+        if isinstance(self.kv, LocalKV):
+            shard_maps().drop_under(self.kv.root)
 
     # ---- the hot tier (``_hot.py``) ----------------------------------------------------------
 

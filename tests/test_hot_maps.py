@@ -1,0 +1,249 @@
+"""Reads of hot shards from memory maps (``storage/_hotmap.py``): a reader keeps its maps while
+the writer reuses slots, compacts or is killed, never faults (SIGBUS) and never returns a frame
+of two versions; damage in a mapped shard is still named."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer
+from replaybuf.storage import CorruptChunkError, _hotmap, chunk_cache
+from replaybuf.storage._hotmap import shard_maps
+
+from .test_hot_tier import FIELDS, STEPS, WAIT_S, episode, is_hot, shard_file
+
+FORK = multiprocessing.get_context("fork")
+SEEDS = 12  # episodes a writer stores into a circular buffer of 2 slots
+# a file's mtime and ctime move with the kernel's coarse clock (a few ms): an edit in place made
+# within the same tick as the write would leave the fingerprint a reader checks unchanged
+CLOCK_TICK_S = 0.02
+
+
+@pytest.fixture(autouse=True)
+def _resident_budget():
+    """Readers here turn the resident copies off (``open_reader``); later tests get them back."""
+    budget = chunk_cache().resident_bytes
+    yield
+    chunk_cache().resize(resident_bytes=budget)
+
+
+def make(location: str, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(location, max_episodes=2, max_timesteps=STEPS, fields=FIELDS, circular=True, **kwargs)
+
+
+def open_reader(location: str) -> ReplayBuffer:
+    chunk_cache().resize(resident_bytes=0)  # frames read from the files, not a copy held in RAM
+    return ReplayBuffer.from_folder(location, read_only=True)
+
+
+def frames(reader: ReplayBuffer, slot: int) -> dict[str, np.ndarray]:
+    """Slot's image frames read the three ways a training loop reads them."""
+    storage, steps = reader.storage, np.arange(STEPS)
+    spans = np.zeros((1, STEPS, 40, 40, 3), np.uint8)
+    storage.read_spans("image", [slot], [0], [STEPS], spans)
+    return {
+        "gather": storage.gather("image", np.full(STEPS, slot), steps),
+        "spans": spans[0],
+        "reversed": storage.gather("image", np.full(STEPS, slot), steps[::-1])[::-1],
+    }
+
+
+def test_hot_frames_are_served_from_maps_and_match(tmp_path):
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    stored = [episode(seed) for seed in range(2)]
+    for data in stored:
+        writer.store_episode(**data)
+    assert is_hot(writer, 0) and is_hot(writer, 1)
+    reader = open_reader(location)
+    shard_maps().clear()
+    for slot in (0, 1):
+        for how, values in frames(reader, slot).items():
+            assert np.array_equal(values, stored[slot]["image"]), (slot, how)
+    mapped = {path for path in shard_maps()._entries if shard_maps()._entries[path][1] is not None}
+    assert shard_file(writer, 0) in mapped and shard_file(writer, 1) in mapped
+    everything = reader.get_all_data()
+    assert np.array_equal(np.asarray(everything["depth"]), np.stack([d["depth"] for d in stored]))
+    writer.compact()  # the maps see the compacted files (a new inode) and leave them to the usual path
+    for slot in (0, 1):
+        for how, values in frames(reader, slot).items():
+            assert np.array_equal(values, stored[slot]["image"]), (slot, how)
+    assert shard_maps()._entries[shard_file(writer, 0)][1] is None
+    writer.store_episode(**episode(2))  # slot 0 hot again, slot 1 compacted: one batch reads both
+    assert is_hot(writer, 0) and not is_hot(writer, 1)
+    slots, steps = np.tile([0, 1], STEPS), np.repeat(np.arange(STEPS), 2)
+    mixed = reader.storage.gather("image", slots, steps)
+    assert np.array_equal(mixed[0::2], episode(2)["image"]) and np.array_equal(mixed[1::2], stored[1]["image"])
+    reader.close()  # unmaps the buffer's files
+    assert not [path for path in shard_maps()._entries if path.startswith(location)]
+    writer.close()
+
+
+def _read_until(location: str, stop, results) -> None:
+    """Child: read both slots until ``stop``; each read must be one whole stored episode
+    (never a mix of two versions, never a torn frame); report (reads, bad reads)."""
+    reader = open_reader(location)
+    expected = [episode(seed)["image"] for seed in range(SEEDS)]
+    reads = bad = 0
+    while not stop.is_set():
+        for slot in (0, 1):
+            try:
+                got = frames(reader, slot)
+            except CorruptChunkError:  # a slot invalidated for its rewrite: the reader sees it
+                continue
+            for values in got.values():
+                reads += 1
+                bad += not any(np.array_equal(values, e) for e in expected)
+    results.put((reads, bad, sum(entry[1] is not None for entry in shard_maps()._entries.values())))
+
+
+def _run_reader(location: str):
+    stop, results = FORK.Event(), FORK.Queue()
+    child = FORK.Process(target=_read_until, args=(location, stop, results))
+    child.start()
+    return child, stop, results
+
+
+def _finish_reader(child, stop, results) -> tuple[int, int, int]:
+    stop.set()
+    child.join(WAIT_S)
+    assert child.exitcode == 0, f"reader exit code {child.exitcode} (-{int(signal.SIGBUS)}: SIGBUS)"
+    return results.get(timeout=WAIT_S)
+
+
+def test_a_reader_holding_maps_survives_slot_reuse_and_compaction(tmp_path):
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    for seed in range(2):
+        writer.store_episode(**episode(seed))
+    child, stop, results = _run_reader(location)
+    try:
+        time.sleep(0.2)  # the reader maps both hot shards
+        for seed in range(2, 4 * SEEDS):  # each slot rewritten 23 times, compacted every third episode
+            writer.store_episode(**episode(seed % SEEDS))
+            if seed % 3 == 0:
+                writer.compact()
+    finally:
+        reads, bad, _ = _finish_reader(child, stop, results)
+    assert reads and not bad
+    writer.close()
+
+
+def _write_forever(location: str) -> None:
+    """Child: store episodes hot into the circular buffer until killed."""
+    writer = ReplayBuffer.from_folder(location)
+    seed = 0
+    while True:
+        writer.store_episode(**episode(seed % SEEDS))
+        seed += 1
+
+
+def test_a_killed_writer_and_its_temp_files_never_disturb_a_mapping_reader(tmp_path):
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    for seed in range(2):
+        writer.store_episode(**episode(seed))
+    writer.storage._hot.stop()  # left hot, for the reader to map
+    writer.storage.release_writer()
+    child, stop, results = _run_reader(location)
+    killed = FORK.Process(target=_write_forever, args=(location,))
+    killed.start()
+    try:
+        time.sleep(0.5)
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.join(WAIT_S)
+        folder = os.path.dirname(shard_file(writer, 0))
+        with open(os.path.join(folder, ".left-by-a-killed-writer.partial"), "wb") as f:
+            f.write(b"\x02\x01" * 100)  # a temp file cut short, as a kill mid-write leaves one
+        time.sleep(0.2)
+    finally:
+        reads, bad, mapped = _finish_reader(child, stop, results)
+    assert reads and not bad and mapped
+    writer = ReplayBuffer.from_folder(location)  # deletes the temp files
+    assert not glob.glob(os.path.join(folder, "*.partial"))
+    reader = open_reader(location)
+    for slot in writer.valid_episodes().tolist():
+        values = frames(reader, slot)["gather"]
+        assert any(np.array_equal(values, episode(seed)["image"]) for seed in range(SEEDS))
+    writer.close()
+
+
+def _flip(path: str, step: int) -> None:
+    """Flip a byte of frame ``step``'s payload in a shard file, in place."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        index = np.frombuffer(bytes(data[-(16 * STEPS + 4) : -4]), "<u8").reshape(STEPS, 2)
+        data[int(index[step, 0]) + 20] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+
+
+@pytest.mark.parametrize("limit", [_hotmap.MAX_MAPS, 1])
+def test_a_byte_flipped_in_a_mapped_frame_is_named(tmp_path, monkeypatch, limit):
+    """Whether shards are checked whole when mapped or frame by frame (maps evicted), a flip
+    after a clean read raises CorruptChunkError naming the file and the slot."""
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(limit))
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    stored = [episode(seed) for seed in range(2)]
+    for data in stored:
+        writer.store_episode(**data)
+    reader = open_reader(location)
+    for slot in (1, 0, 1):
+        assert np.array_equal(frames(reader, slot)["gather"], stored[slot]["image"])
+    time.sleep(CLOCK_TICK_S)
+    _flip(shard_file(writer, 1), 5)
+    for read in (
+        lambda: reader.storage.gather("image", np.array([1]), np.array([5])),
+        lambda: frames(reader, 1),
+        reader.get_all_data,
+    ):
+        with pytest.raises(CorruptChunkError, match="data/image: slot 1") as raised:
+            read()
+        assert shard_file(writer, 1) in str(raised.value)
+    assert np.array_equal(frames(reader, 0)["spans"], stored[0]["image"])  # the other slot still reads
+    writer.drop_episodes(1)
+    writer.close()
+
+
+def _read_truncated(location: str, path: str, ready, go, results) -> None:
+    """Child: map the shard, wait while the parent truncates it in place, read it again."""
+    reader = open_reader(location)
+    frames(reader, 0)
+    ready.set()
+    go.wait(WAIT_S)
+    try:
+        frames(reader, 0)
+        results.put("no error")
+    except CorruptChunkError as e:
+        results.put(str(e))
+
+
+def test_a_mapped_shard_truncated_in_place_is_damage_not_a_crash(tmp_path):
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    writer.store_episode(**episode(0))
+    path = shard_file(writer, 0)
+    ready, go, results = FORK.Event(), FORK.Event(), FORK.Queue()
+    child = FORK.Process(target=_read_truncated, args=(location, path, ready, go, results))
+    child.start()
+    try:
+        assert ready.wait(WAIT_S)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        go.set()
+        message = results.get(timeout=WAIT_S)
+    finally:
+        go.set()
+        child.join(WAIT_S)
+    assert child.exitcode == 0, f"reader exit code {child.exitcode}"
+    assert "data/image: slot 0" in message and path in message
+    writer.drop_episodes(0)
+    writer.close()
