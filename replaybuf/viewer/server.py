@@ -263,10 +263,10 @@ class ViewerServer:
         # the handler goes in before the line that tells a supervisor the server is up
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
-        print(f"serving {self.url} (ctrl-c to stop)", flush=True)
-        if open_browser:
-            threading.Thread(target=webbrowser.open, args=(self.url,), daemon=True).start()
-        try:
+        try:  # a SIGTERM right after the line below (a supervisor acting on it) still stops
+            print(f"serving {self.url} (ctrl-c to stop)", flush=True)
+            if open_browser:
+                threading.Thread(target=webbrowser.open, args=(self.url,), daemon=True).start()
             self._httpd.serve_forever()
         except KeyboardInterrupt:
             pass
