@@ -44,11 +44,9 @@ def stored(buffer: ReplayBuffer) -> dict[int, int]:
     return found
 
 
-def _die_at_write(location: str, uid: int, at: int) -> None:
-    """Child: store episode ``uid``, SIGKILLed at its ``at``-th write to the store (chunk
-    creation, in-place rows, checksums, meta, counters)."""
-    buffer = ReplayBuffer(location, **kwargs(), overwrite=False)
-    kv, writes = buffer.storage.kv, []
+def _kill_at_write(kv, at: int) -> None:
+    """SIGKILL this process at the ``at``-th write through ``kv`` (in place or whole objects)."""
+    writes = []
 
     def dying(method):
         def write(*args, **options):
@@ -60,6 +58,13 @@ def _die_at_write(location: str, uid: int, at: int) -> None:
         return write
 
     kv.write_at, kv.set_many = dying(kv.write_at), dying(kv.set_many)
+
+
+def _die_at_write(location: str, uid: int, at: int) -> None:
+    """Child: store episode ``uid``, SIGKILLed at its ``at``-th write to the store (chunk
+    creation, in-place rows, checksums, meta, counters)."""
+    buffer = ReplayBuffer(location, **kwargs(), overwrite=False)
+    _kill_at_write(buffer.storage.kv, at)
     store(buffer, uid)
     os._exit(3)  # the store finished before the at-th write: no kill
 
@@ -246,18 +251,7 @@ def _die_in_edit(location: str, at: int) -> None:
     from replaybuf.sampling import update_priorities
 
     buffer = ReplayBuffer.from_folder(location)
-    kv, writes = buffer.storage.kv, []
-
-    def dying(method):
-        def write(*args, **options):
-            writes.append(method.__name__)
-            if len(writes) == at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return method(*args, **options)
-
-        return write
-
-    kv.write_at, kv.set_many = dying(kv.write_at), dying(kv.set_many)
+    _kill_at_write(buffer.storage.kv, at)
     update_priorities(buffer, EDITED, [100.0 + k for k in range(len(EDITED))])
     os._exit(3)
 

@@ -997,16 +997,21 @@ class ChunkedArray:
             return False
         per_chunk, row_shape = self.chunks[0], self.shape[1:]
         row_nbytes = self.item_nbytes * (self.shape[1] if self.grid_axes == 2 else 1)
-        bounds = nearby_spans(slots, row_nbytes, per_chunk)
-        firsts, lasts = slots[bounds[:-1]], slots[bounds[1:] - 1] + 1
-        offsets = np.concatenate([[0], np.cumsum(lasts - firsts)])  # row of each span in block
-        group = np.repeat(np.arange(len(firsts)), np.diff(bounds))
-        at = offsets[group] + slots - firsts[group]
-        spans = [  # (chunk, first byte in it, rows lo .. hi of block)
-            (first // per_chunk, first % per_chunk * row_nbytes, lo, hi)
-            for first, lo, hi in zip(firsts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist())
-        ]
-        block = np.zeros((int(offsets[-1]), *row_shape), self.codec.dtype)
+        if len(slots) == 1:  # one episode's commit, per field and meta array: no span planning
+            first = int(slots[0])
+            at, rows = np.zeros(1, np.int64), 1
+            spans = [(first // per_chunk, first % per_chunk * row_nbytes, 0, 1)]
+        else:
+            bounds = nearby_spans(slots, row_nbytes, per_chunk)
+            firsts, lasts = slots[bounds[:-1]], slots[bounds[1:] - 1] + 1
+            offsets = np.concatenate([[0], np.cumsum(lasts - firsts)])  # row of each span in block
+            group = np.repeat(np.arange(len(firsts)), np.diff(bounds))
+            at, rows = offsets[group] + slots - firsts[group], int(offsets[-1])
+            spans = [  # (chunk, first byte in it, rows lo .. hi of block)
+                (first // per_chunk, first % per_chunk * row_nbytes, lo, hi)
+                for first, lo, hi in zip(firsts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist())
+            ]
+        block = np.zeros((rows, *row_shape), self.codec.dtype)
         if not covers or len(at) != len(block):
             raws = self.kv.get_ranges(
                 [(self.chunk_key((chunk,)), byte, byte + (hi - lo) * row_nbytes) for chunk, byte, lo, hi in spans]

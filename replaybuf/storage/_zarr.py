@@ -477,6 +477,10 @@ class ZarrStorage(KVBlobs, Storage):
         """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows (one read and write
         per span of nearby slots, ``nearby_spans``), else the table rewritten."""
         width = 8 * len(self._packed)
+        if len(slots) == 1:  # one episode's commit: its row written as it is
+            sums = np.ascontiguousarray(sums, "<u8")
+            if self.kv.write_at(CHECKSUMS_KEY, width * int(slots[0]), sums.tobytes()):
+                return
         keep = last_occurrences(slots)
         slots, sums = slots[keep], np.ascontiguousarray(sums[keep], "<u8")
         if self.kv.writes_in_place:
