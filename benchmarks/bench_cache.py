@@ -6,8 +6,9 @@ Run from the repository root::
 
 Writes ``episodes`` x ``steps`` of 84x84x3 frames + a 4-float state to moto (in this process,
 recording requests) and to a local zarr buffer, then reads timestep batches for two epochs
-(0 workers): the first fills the cache (peak requests in flight and GETs counted at the
-server), the second reads it; local: uncached vs warm cache.
+(0 workers) from one DataLoader, as a training loop does: the first fills the cache (peak
+requests in flight and GETs counted at the server), the second reads it; then one epoch of a new
+DataLoader (its snapshot's requests). Local: uncached vs warm cache, second epoch of one loader.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +41,15 @@ def fill(buffer: ReplayBuffer, episodes: int, steps: int) -> None:
     buffer.close()
 
 
-def epoch(buffer: ReplayBuffer, batch: int, seed: int) -> float:
-    """Samples per second of one shuffled epoch of timestep batches."""
+def loader(buffer: ReplayBuffer, batch: int, seed: int) -> Iterable:
+    """A shuffled DataLoader of timestep batches (its snapshot taken now)."""
+    return make_dataloader(buffer, batch_size=batch, timestep_level=True, shuffle=True, seed=seed)
+
+
+def epoch(batches: Iterable) -> float:
+    """Samples per second of one pass over ``batches``."""
     start, count = time.perf_counter(), 0
-    for out in make_dataloader(buffer, batch_size=batch, timestep_level=True, shuffle=True, seed=seed):
+    for out in batches:
         count += len(out["state"])
     return count / (time.perf_counter() - start)
 
@@ -74,12 +81,13 @@ def main() -> None:
                 cache=cache,
                 cache_dir=None if cache is False else os.path.join(tmp, "cache-s3"),
             )
-            for index in range(2):
+            batches = loader(reader, args.batch, seed=0)
+            for index, label_epoch in enumerate(("epoch 1", "epoch 2", "new loader")):
                 with server.record() as log:
-                    rate = epoch(reader, args.batch, seed=index)
+                    rate = epoch(loader(reader, args.batch, seed=1) if index == 2 else batches)
                 gets = sum(1 for m, p in log.requests if m == "GET" and "/data/" in p)
                 print(
-                    f"s3 {label} epoch {index + 1}: {rate:,.0f} samples/s, data GETs {gets} "
+                    f"s3 {label} {label_epoch}: {rate:,.0f} samples/s, data GETs {gets} "
                     f"(all requests {log.count()}), "
                     f"peak in flight {log.peak_in_flight['GET']}"
                 )
@@ -88,8 +96,9 @@ def main() -> None:
         cached = ReplayBuffer.from_folder(local, read_only=True, cache="disk", cache_dir=os.path.join(tmp, "cache"))
         cached.warm_cache(progress=False)
         for label, buffer in (("local uncached", plain), ("local warm cache", cached)):
-            epoch(buffer, args.batch, seed=0)
-            print(f"{label}: {epoch(buffer, args.batch, seed=1):,.0f} samples/s")
+            batches = loader(buffer, args.batch, seed=0)
+            epoch(batches)
+            print(f"{label}: {epoch(batches):,.0f} samples/s (epoch 2)")
         print(
             f"cache bytes: {du(os.path.join(tmp, 'cache')):,} (raw image+state {args.episodes * args.steps * (84 * 84 * 3 + 16):,})"
         )

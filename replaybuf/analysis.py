@@ -5,8 +5,8 @@ anything with ``schema``, ``valid_episodes()``, ``episode_lens``, ``meta_data`` 
 ``storage`` that serves the data. The dask graphs read whole episodes through
 ``Storage.read_spans`` (the backend's bulk path where it has one, else ``read_rows``),
 so they work on every backend, and the storage objects pickle without open handles, so the
-same graphs run on a ``dask.distributed`` cluster. In this process (threads), ``get_all_data``
-allocates each result once and its tasks decode episodes straight into it.
+same graphs run on a ``dask.distributed`` cluster. In this process (threads or sync),
+``get_all_data`` allocates each result once and the storage decodes episodes straight into it.
 
 Dask chunks hold whole episodes over the whole (trimmed) time extent, so each task reads
 whole storage chunks; a chunk holds about ``dask.config['array.chunk-size']`` bytes. One
@@ -20,7 +20,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
 import dask.array as da
@@ -31,9 +31,12 @@ from dask.utils import parse_bytes
 
 from . import sketches
 from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
-from .progress import dask_progress
+from .progress import dask_progress, progress_bar
 from .storage import GenerationMismatchError, fill_beyond
 from .view import BufferView
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["to_dask", "to_xarray", "get_all_data", "episode_mask", "stats", "BufferStats", "FieldStats"]
 
@@ -41,10 +44,12 @@ __all__ = ["to_dask", "to_xarray", "get_all_data", "episode_mask", "stats", "Buf
 # float32 sums of 1-byte values and their squares exact (256 * 255**2 < 2**24).
 _MOMENT_ROWS = 256
 _HISTOGRAM_BINS = 32
-# Decoded bytes one get_all_data task reads: small enough that both cores stay busy to the end.
-_TASK_BYTES = 4 << 20
-# Schedulers whose tasks run in this process, so blocks can be stored into arrays allocated here.
+# Decoded bytes one storage call of get_all_data reads: a progress step; the storage spreads
+# each call's episodes over its thread pool.
+_CALL_BYTES = 64 << 20
+# Schedulers whose tasks run in this process, so episodes can be decoded into arrays allocated here.
 _SHARED_MEMORY_SCHEDULERS = ("threads", "threading", "sync", "synchronous", "single-threaded")
+_THREADED_SCHEDULERS = ("threads", "threading")
 
 
 # ---- argument checks ----------------------------------------------------------------------
@@ -334,12 +339,13 @@ def get_all_data(
     are the fields' defaults, else zero): later rows never shift, and every row holds one whole
     committed episode or nothing. A slot that changed during the read is read again as the
     episode it holds now (``consistency.read_consistent``); ``ConcurrentWriteError`` if it keeps
-    changing. Decoding runs through dask: the threads scheduler unless ``scheduler`` (a name or
-    a ``dask.distributed`` client) or an active client says otherwise. ``lazy=True`` returns
+    changing. Decoding runs on the storage's thread pool straight into the results (scheduler
+    ``'threads'``, the default; ``'sync'``: in this thread), or through dask where ``scheduler``
+    (a name or a ``dask.distributed`` client) or an active client runs it elsewhere. ``lazy=True`` returns
     dask arrays of the same rows instead (read when computed: see ``to_dask``); they live on no
     device, so ``device`` is refused with it. An empty buffer gives ``{}``, as the seed.
-    ``progress``: a tqdm bar over the read tasks (``replaybuf.progress``: by default on a
-    terminal, after two seconds).
+    ``progress``: a tqdm bar over the bytes decoded, or dask's tasks (``replaybuf.progress``: by
+    default on a terminal, after two seconds).
     """
     if lazy and device is not None:
         raise ValueError(
@@ -352,8 +358,13 @@ def get_all_data(
         return _dask_arrays(buffer, fields, meta_fields, plan)
     if len(plan.slots) == 0:
         return {}
-    with dask_progress(progress, "get_all_data"):
-        results = _read_rows(buffer, fields, plan, scheduler or _default_scheduler())
+    scheduler = scheduler or _default_scheduler()
+    if isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS:
+        with progress_bar(progress, desc="get_all_data", unit="B", unit_scale=True, total=0) as bar:
+            results = _read_rows(buffer, fields, plan, scheduler, bar)
+    else:
+        with dask_progress(progress, "get_all_data"):
+            results = _read_rows(buffer, fields, plan, scheduler, None)
     results.update(plan.meta)
     out = {n: torch.from_numpy(np.ascontiguousarray(results[n])) for n in (*fields, *meta_fields)}
     if device is not None:
@@ -361,54 +372,36 @@ def get_all_data(
     return out
 
 
-class _Target:
-    """Holds a result array for the fill tasks (dask then neither hashes nor copies it)."""
+def _read_rows(
+    buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler: Any, bar: tqdm | None
+) -> dict[str, np.ndarray]:
+    """The data rows of ``get_all_data``, read consistently; slots that changed meanwhile are
+    re-planned and read again.
 
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-
-def _fill_episodes(
-    target: _Target,
-    storage: Any,
-    name: str,
-    lo: int,
-    slots: np.ndarray,
-    generations: np.ndarray,
-    lens: np.ndarray,
-    fill: Any,
-) -> None:
-    """Rows ``lo .. lo + len(slots)`` of a result: the episodes decoded into place, then padded."""
-    rows = target.array[lo : lo + len(slots)]
-    storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, rows, False, generations)
-    fill_beyond(rows, lens, fill)
-
-
-def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler: Any) -> dict[str, np.ndarray]:
-    """The data rows of ``get_all_data``, read consistently: each result is allocated once and
-    filled by dask tasks of a few whole episodes, each decoding its frames straight into place
-    (no block copies, no concatenation) where the scheduler shares this process's memory;
-    slots that changed meanwhile are re-planned and read again."""
+    Where the scheduler shares this process's memory (``bar`` given: threads or sync), each
+    result is allocated once and the storage decodes whole episodes straight into it, spread
+    over its own thread pool (threads) or in this thread (sync), ``_CALL_BYTES`` a call: dask
+    tasks of a few episodes each took 1.3x as long for the same decoding. Elsewhere (processes,
+    a distributed client) dask arrays of the same rows are computed and copied in."""
     storage, schema = buffer.storage, buffer.schema
-    targets = {
-        n: _Target(np.empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype))
-        for n in fields
+    results = {
+        n: np.empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype) for n in fields
     }
-    shared = isinstance(scheduler, str) and scheduler in _SHARED_MEMORY_SCHEDULERS
+    parallel = scheduler in _THREADED_SCHEDULERS
 
     def read(items: np.ndarray) -> None:
         longest = int(plan.lens[items].max(initial=0))
-        for name, target in targets.items():
-            if longest > target.array.shape[1]:  # a re-planned episode is longer than any planned
-                grown = np.empty((len(target.array), longest, *target.array.shape[2:]), target.array.dtype)
-                grown[:, : target.array.shape[1]] = target.array
-                grown[:, target.array.shape[1] :] = schema.fields[name].fill
-                target.array = grown
-        if not shared:
+        for name, array in results.items():
+            if longest > array.shape[1]:  # a re-planned episode is longer than any planned
+                grown = np.empty((len(array), longest, *array.shape[2:]), array.dtype)
+                grown[:, : array.shape[1]] = array
+                grown[:, array.shape[1] :] = schema.fields[name].fill
+                results[name] = grown
+        if bar is None:
             plan_items = _Plan(plan.slots[items], plan.generations[items], plan.lens[items], {})
             arrays = _dask_arrays(buffer, fields, (), plan_items)
             for name, values in zip(arrays, dask.compute(*arrays.values(), scheduler=scheduler)):
-                out = targets[name].array
+                out = results[name]
                 out[items, : values.shape[1]] = values
                 out[items, values.shape[1] :] = schema.fields[name].fill
             # the dask arrays pad a row whose slot moved: name those slots to be re-planned
@@ -416,27 +409,19 @@ def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler
             if moved.any():
                 raise GenerationMismatchError(storage.location, plan.slots[items][moved])
             return
-        token, tasks = uuid.uuid4().hex, []
-        for name, target in targets.items():
+        nbytes = int(plan.lens[items].sum()) * sum(schema.fields[n].step_nbytes for n in fields)
+        bar.total = bar.n + nbytes  # each read (a re-read of moved slots too) adds its bytes
+        for name, array in results.items():
             field = schema.fields[name]
-            per_task = max(1, _TASK_BYTES // max(1, field.step_nbytes * target.array.shape[1]))
+            per_call = max(1, _CALL_BYTES // max(1, field.step_nbytes * array.shape[1]))
             for lo, hi in _runs(items):
-                for start in range(lo, hi, per_task):
-                    part = slice(start, min(hi, start + per_task))
-                    tasks.append(
-                        dask.delayed(_fill_episodes, pure=False)(
-                            target,
-                            storage,
-                            name,
-                            start,
-                            plan.slots[part],
-                            plan.generations[part],
-                            plan.lens[part],
-                            field.fill,
-                            dask_key_name=(f"replaybuf-fill-{name}-{token}", start),
-                        )
-                    )
-        dask.compute(*tasks, scheduler=scheduler if len(items) > 1 else "sync")
+                for start in range(lo, hi, per_call):
+                    part = slice(start, min(hi, start + per_call))
+                    rows, lens = array[part], plan.lens[part]
+                    starts = np.zeros(len(rows), np.int64)
+                    storage.read_spans(name, plan.slots[part], starts, lens, rows, parallel, plan.generations[part])
+                    fill_beyond(rows, lens, field.fill)
+                    bar.update(int(lens.sum()) * field.step_nbytes)
 
     replan = replanner(storage, plan.slots, plan.lens, plan.meta)
     kept = read_consistent(buffer, plan.slots, plan.generations, read, replan)
@@ -445,10 +430,9 @@ def _read_rows(buffer: BufferView, fields: Sequence[str], plan: _Plan, scheduler
     for name, values in plan.meta.items():
         values[lost] = 0 if name == "episode_lens" else schema.meta_fields[name].fill
     width = plan.length
-    results = {}
-    for name, target in targets.items():
-        target.array[~kept] = schema.fields[name].fill
-        results[name] = target.array[:, :width]
+    for name, array in results.items():
+        array[~kept] = schema.fields[name].fill
+        results[name] = array[:, :width]
     return results
 
 

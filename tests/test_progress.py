@@ -40,7 +40,7 @@ def test_convert_and_verify_progress(buffer, tmp_path, capsys):
 def test_dask_reads_progress(buffer, capsys):
     buffer.get_all_data(progress=True)
     err = capsys.readouterr().err
-    assert "get_all_data: 100%" in err and "task/s" in err
+    assert "get_all_data: 100%" in err and "B/s" in err
     buffer.stats(progress=True, exact=True)  # the bar is the dask read's: sketches read no data
     assert "stats: 100%" in capsys.readouterr().err
     buffer.get_all_data(progress=False)
