@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ConcatReplayBuffer, ReplayBuffer, ReplayDatasetTrajectory
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, ReplayDatasetTrajectory, StorageError
 from replaybuf.analysis import get_all_data
 from replaybuf.sampling.fetch import Fetcher
 from replaybuf.storage import _kv
@@ -171,9 +171,18 @@ def test_fill_beyond_pads_after_each_length():
     assert (out[0] == 0).all() and (out[1] == -1).all() and (out[2, :2] == 0).all() and (out[2, 2:] == -1).all()
 
 
-@pytest.mark.parametrize("scheduler", ["threads", "sync"])
-def test_get_all_data_equals_per_element_reads(buffer, scheduler):
+@pytest.mark.parametrize("scheduler", ["threads", "sync", "processes", "threads, a call an episode"])
+def test_get_all_data_equals_per_element_reads(buffer, scheduler, monkeypatch):
+    """In this process the storage decodes into the results (one call per ``_CALL_BYTES``);
+    a scheduler elsewhere (processes) computes the dask arrays: the same rows either way."""
+    if scheduler.endswith("an episode"):
+        monkeypatch.setattr("replaybuf.analysis._CALL_BYTES", 1)
+        scheduler = "threads"
     storage = buffer.storage
+    if scheduler == "processes" and storage.location.startswith("memory://"):
+        with pytest.raises(StorageError, match="lives in the memory of the process that created it"):
+            get_all_data(buffer, scheduler=scheduler)  # not an empty store read as zeros
+        return
     slots = np.flatnonzero(buffer.episode_lens > 0)  # slot order, as the seed
     lens = buffer.episode_lens[slots]
     data = get_all_data(buffer, scheduler=scheduler)

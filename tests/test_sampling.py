@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, StorageError
 from replaybuf.sampling import (
     ReplayDataset,
     ReplayDatasetNStep,
@@ -203,10 +203,13 @@ def test_device_and_loader_kwargs(buffer):
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers(backend, tmp_path, start_method):
-    if backend == "memory" and start_method == "spawn":
-        pytest.skip("a memory:// store lives in one process; spawned workers cannot see it")
     buffer = make_buffer(backend, tmp_path)
     context = multiprocessing.get_context(start_method)
+    if backend == "memory" and start_method == "spawn":  # it lives in this process: refused by name
+        loader = make_dataloader(buffer, 2, num_workers=1, multiprocessing_context=context)
+        with pytest.raises(StorageError, match="lives in the memory of the process that created it"):
+            list(loader)
+        return
     cases = [
         {"to_named_tuple": ("state", "_lens", "_mask"), "return_mask": True},
         {"n_steps": 2, "return_indices": True},

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .base import LOG_PREFIX, StorageError
 
@@ -679,16 +679,31 @@ class StoreKV(KeyValue):
         self.name = name
         self._store = None
         self._pid = None
+        self._unpickled = False
 
     @property
     def store(self):
         if self._store is None or self._pid != os.getpid():
-            self._store = self._open_store()
-            self._pid = os.getpid()
+            store = self._open_store()
+            if self._unpickled and self.name.startswith("memory://"):
+                self._check_memory_visible(store)
+            self._store, self._pid = store, os.getpid()
         return self._store
 
+    def _check_memory_visible(self, store: Any) -> None:
+        """A ``memory://`` buffer lives in the process that made it (and its forks): a copy
+        unpickled in another process (a spawned DataLoader worker, dask's processes scheduler)
+        would read an empty store as a buffer of nothing, so it is refused by name, at every
+        use there."""
+        if not self._run(store.exists("zarr.json")):
+            raise StorageError(
+                f"{self.name!r} lives in the memory of the process that created it; this process "
+                f"(pid {os.getpid()}, started by spawn or a process pool) cannot see it. Use a local "
+                "folder or an object store, fork-started DataLoader workers, or the threads scheduler"
+            )
+
     def __getstate__(self):
-        return {**self.__dict__, "_store": None, "_pid": None}
+        return {**self.__dict__, "_store": None, "_pid": None, "_unpickled": True}
 
     def where(self, key: str) -> str:
         # docstring inherited
