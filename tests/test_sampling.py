@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
-from pathlib import Path
 
 import memmap_replay_buffer as seed
 import numpy as np
@@ -172,20 +171,27 @@ def test_decoded_caches_give_the_same_batches(buffer, cache):
             assert_same(b, a, case)
 
 
-def test_memmap_cache_is_shared_with_spawned_workers_and_removed(tmp_path):
+def test_a_dataset_cache_is_the_read_cache_shared_by_workers_and_kept(tmp_path, monkeypatch):
+    """``cache='memmap'`` (or ``'ram'``) reads through the buffer's read cache: filled with the
+    snapshot when the dataset is made, one raw file per (field, episode) that a spawned worker
+    maps too, kept for the next dataset (which fills nothing)."""
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("REPLAYBUF_CACHE_DIR", str(cache_dir))
     buffer = make_buffer("zarr", tmp_path)
     context = multiprocessing.get_context("spawn")
     loader = make_dataloader(
         buffer, 4, timestep_level=True, cache="memmap", num_workers=1, multiprocessing_context=context
     )
-    folder = loader.dataset.fetcher._folder
-    assert sorted(p.name for p in Path(folder).iterdir()) == [f"{i}.npy" for i in range(len(FIELDS))]
+    files = {p: p.stat().st_ino for p in cache_dir.rglob("*.raw")}
+    assert len(files) == len(FIELDS) * sum(1 for n in LENGTHS if n > 0)
     for a, b in zip(loader, make_dataloader(buffer, 4, timestep_level=True)):
-        assert_same(a, b, "memmap cache in a spawned worker")
-    assert Path(folder).is_dir()
+        assert_same(a, b, "read cache in a spawned worker")
     del loader
     gc.collect()
-    assert not Path(folder).exists()
+    again = make_dataloader(buffer, 4, timestep_level=True, cache="ram")
+    assert {p: p.stat().st_ino for p in cache_dir.rglob("*.raw")} == files  # kept, not filled again
+    for a, b in zip(again, make_dataloader(buffer, 4, timestep_level=True)):
+        assert_same(a, b, "read cache again")
 
 
 def test_device_and_loader_kwargs(buffer):

@@ -10,35 +10,29 @@ read cache's files), so a reused slot is never served stale, and a storage that
 loads the snapshot's rows of small fields into RAM in one parallel pass, so that DataLoader
 workers started by fork share them); a spawned worker preloads again when it unpickles the
 fetcher.
-``cache='ram'`` instead decodes the snapshot's fields once into RAM at creation (DataLoader
-workers started by fork share it; spawned workers decode their own), ``cache='memmap'`` into
-temporary ``.npy`` files that every worker maps (fork or spawn), removed with the dataset.
+``cache='ram'`` or ``'memmap'`` instead reads through the buffer's read cache
+(``storage/_cache.py``: decoded rows in raw files under ``cache_dir`` that every worker and
+process maps, kept for later runs and bounded by LRU eviction), filled with the snapshot's
+episodes when the fetcher is made; a buffer opened with ``cache='disk'`` (or on an object
+store) already reads through it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import weakref
 from collections.abc import Iterable
 
 import numpy as np
 
-from ..storage import GenerationMismatchError, fill_beyond
+from ..storage import CachedStorage, GenerationMismatchError, Storage, fill_beyond
 from ..view import BufferView
 
 CACHE_MODES = (None, "ram", "memmap")
-_RAM_BATCH_EPISODES = 16
+# episodes per field filled into the read cache at once when a fetcher with a cache is made
+_WARM_BATCH_EPISODES = 16
 # Windows at least this long on average (trajectories, long time windows) are read whole through
 # the storage's bulk path; shorter ones (n-step sequences) gather steps and use the chunk cache.
 _BULK_MIN_STEPS = 32
-
-
-def _remove_folder(folder: str, owner: int) -> None:
-    """Delete the cache files, from the process that made them only (not a forked worker)."""
-    if os.getpid() == owner:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Fetcher:
@@ -49,15 +43,16 @@ class Fetcher:
     buffer
         The ReplayBuffer read from.
     fields
-        The data fields this fetcher reads (those ``cache='ram'`` loads).
+        The data fields this fetcher reads (those a cache is filled with).
     slots, lens, generations
         The snapshot: slots used, and per slot (whole ``max_episodes`` arrays) their length and
         generation at creation. ``generations`` is shared with the dataset, not copied: a slot
-        this fetcher finds reused while loading ``cache='ram'`` is set to -1 there (never drawn).
+        this fetcher finds reused while it preloads or fills the cache is set to -1 there
+        (never drawn).
     cache
-        None: read through the storage; ``'ram'``: decode the fields of ``slots`` into RAM once;
-        ``'memmap'``: decode them once into temporary files under ``cache_dir`` (default: the
-        system temp folder, i.e. ``$TMPDIR``) that worker processes map instead of copying.
+        None: read through the buffer's storage; ``'ram'`` or ``'memmap'`` (the same): through
+        its read cache (``CachedStorage``, under ``cache_dir``, default the user's cache
+        folder), filled with the snapshot's episodes now.
     """
 
     def __init__(
@@ -72,35 +67,22 @@ class Fetcher:
     ):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
-        self.storage = buffer.storage
+        self.storage: Storage = buffer.storage if cache is None else read_cache(buffer, cache_dir)
         self.schema = buffer.schema
         self.fields = tuple(dict.fromkeys(fields))
         self.slots = np.asarray(slots, dtype=np.int64)
         self.lens = np.asarray(lens, dtype=np.int64)
         self.generations = generations
         self.cache = cache
-        self._ram: dict[str, np.ndarray] | None = None
-        self._folder: str | None = None
         if cache is not None:
-            if cache == "memmap":
-                self._folder = tempfile.mkdtemp(prefix="replaybuf-cache-", dir=cache_dir)
-                weakref.finalize(self, _remove_folder, self._folder, os.getpid())
-            self._load_ram()
+            self._fill_cache()
         else:
             self._load_resident()
 
-    def __getstate__(self) -> dict:
-        # A spawned worker maps the memmap files, or decodes its own RAM copy, instead of
-        # receiving the arrays pickled.
-        return {**self.__dict__, "_ram": None}
-
     def __setstate__(self, state: dict) -> None:
+        # a spawned worker maps the read cache's files, or preloads its own resident copies
         self.__dict__.update(state)
-        if self._folder is not None:
-            self._ram = {
-                n: np.load(os.path.join(self._folder, f"{i}.npy"), mmap_mode="r") for i, n in enumerate(self.fields)
-            }
-        elif self.cache is None:
+        if self.cache is None:
             self._load_resident()
 
     def _load_resident(self) -> None:
@@ -122,56 +104,30 @@ class Fetcher:
     def verified(self) -> bool:
         """Whether every read of this fetcher returns rows of the generations it names only
         (``Storage.verifies_reads``): a batch then needs no re-check of its slots."""
-        return self.cache is None and self.storage.verifies_reads(self.fields)
+        return self.storage.verifies_reads(self.fields)
 
-    def _load_ram(self) -> None:
-        longest = int(self.lens[self.slots].max()) if len(self.slots) else 0
-        self._row = np.full(len(self.lens), -1, dtype=np.int64)
-        self._row[self.slots] = np.arange(len(self.slots))
-        ram = {}
-        for i, name in enumerate(self.fields):
-            field = self.schema.fields[name]
-            shape = (len(self.slots), longest, *field.shape)
-            if self._folder is None:
-                dense = np.zeros(shape, dtype=field.dtype)
-            else:
-                dense = np.lib.format.open_memmap(
-                    os.path.join(self._folder, f"{i}.npy"), mode="w+", dtype=field.dtype, shape=shape
-                )
-            for lo in range(0, len(self.slots), _RAM_BATCH_EPISODES):
-                self._load_ram_rows(dense, name, np.arange(lo, min(lo + _RAM_BATCH_EPISODES, len(self.slots))))
-            if isinstance(dense, np.memmap):
-                dense.flush()
-            ram[name] = dense
-        self._ram = ram
-
-    def _load_ram_rows(self, dense: np.ndarray, name: str, rows: np.ndarray) -> None:
-        """Rows ``rows`` of ``dense`` from their slots; a slot a verifying storage finds reused
-        since the snapshot is dropped from it (generation -1: never drawn) and the rest read."""
-        while len(rows):
-            part = self.slots[rows]
-            block = np.zeros((len(rows), *dense.shape[1:]), dense.dtype)
-            try:
-                self._read_spans_into(block, name, part, np.zeros(len(part), np.int64), self.lens[part])
-            except GenerationMismatchError as error:
-                self.generations[error.slots] = -1
-                rows = rows[self.generations[part] > 0]
-                continue
-            dense[rows] = block
-            return
+    def _fill_cache(self) -> None:
+        """The snapshot's episodes of every field into the read cache, a few at a time; a slot
+        whose fill finds another generation (reused since the snapshot) is never drawn."""
+        assert isinstance(self.storage, CachedStorage)
+        for name in self.fields:
+            live = self.slots[(self.generations[self.slots] > 0) & (self.lens[self.slots] > 0)]
+            for lo in range(0, len(live), _WARM_BATCH_EPISODES):
+                part = live[lo : lo + _WARM_BATCH_EPISODES]
+                while len(part):
+                    try:
+                        filled = self.storage.rows(name, part, self.generations[part])
+                    except GenerationMismatchError as error:
+                        self.generations[error.slots] = -1
+                        part = part[self.generations[part] > 0]
+                        continue
+                    self.generations[part[~np.isin(part, list(filled))]] = -1
+                    break
 
     # ---- reads -------------------------------------------------------------------------------
 
     def gather(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         """``data/name[episodes[i], timesteps[i]]`` for every i, as one array (N, *shape)."""
-        if self.cache is not None and name in self.fields:
-            if self._ram is None:
-                self._load_ram()
-            assert self._ram is not None  # set by _load_ram()
-            return self._ram[name][self._row[episodes], timesteps]
-        return self._gather_storage(name, episodes, timesteps)
-
-    def _gather_storage(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
         episodes = np.asarray(episodes, dtype=np.int64)
         return self.storage.gather(name, episodes, timesteps, self.generations[episodes])
 
@@ -180,14 +136,9 @@ class Fetcher:
     ) -> np.ndarray:
         """(N, width, *shape): row i holds steps ``starts[i] .. starts[i] + lengths[i]`` of
         ``episodes[i]``, zero beyond ``lengths[i]``."""
-        if self.cache is not None and name in self.fields:
-            return self._windows(self.gather, name, episodes, starts, lengths, width)
-        return self._windows_from_storage(name, episodes, starts, lengths, width)
-
-    def _windows_from_storage(self, name, episodes, starts, lengths, width):
         lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
         if len(lengths) == 0 or lengths.mean() < _BULK_MIN_STEPS:
-            return self._windows(self._gather_storage, name, episodes, starts, lengths, width)
+            return self._windows(self.gather, name, episodes, starts, lengths, width)
         field = self.schema.fields[name]
         out = np.empty((len(lengths), width, *field.shape), dtype=field.dtype)
         self._read_spans_into(out, name, episodes, starts, lengths)
@@ -220,3 +171,13 @@ class Fetcher:
         out = np.zeros((len(episodes), width, *flat.shape[1:]), dtype=flat.dtype)
         out[mask] = flat
         return out
+
+
+def read_cache(buffer: BufferView, cache_dir: str | os.PathLike | None) -> CachedStorage:
+    """The read cache over ``buffer``'s storage: its own where it has one, else a new one under
+    ``cache_dir`` serving a dataset's snapshot reads only (the buffer's writes go on as before)."""
+    if isinstance(buffer.storage, CachedStorage):
+        return buffer.storage
+    cached = CachedStorage(buffer.storage, cache_dir, snapshot=True)
+    cached.schema = buffer.schema  # the storage is open: its schema is the buffer's
+    return cached

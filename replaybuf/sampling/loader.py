@@ -69,8 +69,9 @@ def make_dataset(
 
     The dataset holds the episodes committed now (a read-only buffer is refreshed first). Other
     keywords go to the dataset class: ``return_indices``, ``include_metadata``, and ``cache``
-    (``'ram'``: decode the fields read once into RAM; ``'memmap'``: once into temporary files
-    that DataLoader workers map; default: read through the storage, whose decoded-chunk cache
+    (``'ram'`` or ``'memmap'``, the same: decode the snapshot's episodes now into the read
+    cache, raw files under the user's cache folder that DataLoader workers and later runs map;
+    default: read through the storage, whose decoded-chunk cache
     ``replaybuf.sampling.chunk_cache()`` can be resized).
     """
     if len(buffer) == 0 and buffer.read_only:

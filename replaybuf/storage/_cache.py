@@ -31,8 +31,9 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
   file is refilled on its next open.
 
-Only a storage opened read-only is cached (a writer's rows change under it); steps past an
-episode's length are read from the wrapped storage.
+Only a storage opened read-only is cached (a writer's rows change under it), or a writer's for
+a dataset's snapshot reads (``snapshot=True``); steps past an episode's length are read from
+the wrapped storage.
 
 A process serves its maps as fast as one np.memmap: ``MappedRows`` keeps, per field and slot,
 the generation, length and address of the map it holds, so a batch is checked with a few
@@ -271,12 +272,20 @@ class CachedStorage(Storage):
         The folder holding the caches of all buffers (default: ``default_cache_dir()``).
     cache_size
         Bytes this buffer's cache may hold before least recently used episodes are evicted.
+    snapshot
+        Cache the reads of a writable ``inner`` too: for a dataset's reads of the episodes
+        committed when it was made (``cache='ram'|'memmap'``), which, like any reader before its
+        next refresh, are served as of the revision this layer first saw.
     """
 
     verifies_generations = True
 
     def __init__(
-        self, inner: Storage, cache_dir: str | os.PathLike | None = None, cache_size: int = DEFAULT_CACHE_SIZE
+        self,
+        inner: Storage,
+        cache_dir: str | os.PathLike | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        snapshot: bool = False,
     ):
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
             raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
@@ -284,6 +293,7 @@ class CachedStorage(Storage):
         self.location, self.storage_options, self.fsync = inner.location, inner.storage_options, inner.fsync
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_size = int(cache_size)
+        self.snapshot = snapshot
         self.schema: Schema | None = None
         self._reset()
 
@@ -394,7 +404,7 @@ class CachedStorage(Storage):
     # ---- cached reads ------------------------------------------------------------------------
 
     def _cached(self, name: str) -> bool:
-        return self.read_only and self.schema is not None and name in self.schema.fields
+        return (self.read_only or self.snapshot) and self.schema is not None and name in self.schema.fields
 
     def _field(self, name: str) -> Field:
         """The data field ``name`` of the opened storage's schema."""
