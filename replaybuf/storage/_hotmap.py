@@ -5,8 +5,8 @@ its crc32c, one after another from offset 0, with the zarr shard index at the en
 frame by frame through ``pread`` cost ~17 us a frame (index lookup, read, crc32c, copy), 0.2-0.4x
 an ``np.memmap`` gather of the same frames. Here a reader maps each hot shard file once and
 checks its index, the headers of its chunks and every chunk's crc32c once (~2.5 us a frame
-here, as much as copying it), then copies frames straight into the output: one copy per frame
-for timestep batches, one per episode for trajectories. While the maps fit (``MAX_MAPS``) a
+here, as much as copying it), then copies frames straight from the maps: one fancy index over
+all of them for a timestep batch (``_strided.take_at``), one copy per episode for trajectories. While the maps fit (``MAX_MAPS``) a
 shard is checked whole when mapped; once maps are evicted, frame by frame as first read (a
 shard mapped again would otherwise be checked whole to serve a few frames).
 
