@@ -86,6 +86,87 @@ def test_hot_frames_are_served_from_maps_and_match(tmp_path):
     writer.close()
 
 
+def _expected(stored: dict[int, dict], name: str, slots: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """What a gather of ``name`` at (slots, steps) must return: the stored frames, zeros past an
+    episode's length."""
+    frames = []
+    for slot, step in zip(slots.tolist(), steps.tolist()):
+        values = stored[slot][name]
+        frames.append(values[step] if step < len(values) else np.zeros_like(values[0]))
+    return np.stack(frames)
+
+
+@pytest.mark.parametrize("limit", [_hotmap.MAX_MAPS, 1])
+def test_a_batch_mixes_hot_compacted_repeated_unsorted_and_absent_pairs(tmp_path, monkeypatch, limit):
+    """One timestep batch over hot shards (whole-checked maps, or frame by frame once maps are
+    evicted), compacted shards and steps past an episode's end returns exactly what was
+    written, pairs repeated and in any order, for bytes and floats."""
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(limit))
+    location = str(tmp_path / "buffer")
+    writer = ReplayBuffer(location, max_episodes=4, max_timesteps=STEPS, fields=FIELDS)
+    stored = {slot: episode(10 + slot) for slot in range(4)}
+    stored[2] = {name: values[: STEPS - 6] for name, values in stored[2].items()}  # ends early
+    for slot in (0, 1):
+        writer.store_episode(**stored[slot])
+    writer.compact()
+    for slot in (2, 3):
+        writer.store_episode(**stored[slot])
+    assert [is_hot(writer, slot) for slot in range(4)] == [False, False, True, True]
+    reader = open_reader(location)
+    rng = np.random.default_rng(0)
+    slots = rng.integers(0, 4, 300)
+    steps = rng.integers(0, STEPS, 300)
+    slots[:3], steps[:3] = 2, [STEPS - 1, 0, STEPS - 1]  # a step past slot 2's end, repeated
+    for picked in (np.arange(300), np.flatnonzero(slots >= 2)):  # mixed; hot only
+        for name in ("image", "depth"):
+            got = reader.storage.gather(name, slots[picked], steps[picked])
+            assert got.dtype == stored[0][name].dtype
+            assert np.array_equal(got, _expected(stored, name, slots[picked], steps[picked])), (name, len(picked))
+    if limit > 1:  # the hot shards were mapped, the compacted ones left to the usual path
+        entries = shard_maps()._entries
+        assert entries[shard_file(writer, 3)][1] is not None and entries[shard_file(writer, 0)][1] is None
+    writer.close()
+
+
+def test_a_batch_copies_frame_by_frame_when_the_maps_span_too_wide(tmp_path, monkeypatch):
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    stored = {slot: episode(slot) for slot in range(2)}
+    for data in stored.values():
+        writer.store_episode(**data)
+    reader = open_reader(location)
+    slots, steps = np.array([1, 0, 1, 1, 0]), np.array([3, 19, 0, 3, 7])
+
+    def too_big(*args, **kwargs):
+        raise ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size")
+
+    monkeypatch.setattr(np.lib.stride_tricks, "as_strided", too_big)
+    assert np.array_equal(reader.storage.gather("image", slots, steps), _expected(stored, "image", slots, steps))
+    assert shard_file(writer, 1) in shard_maps()._entries  # served from the maps, one frame at a time
+    writer.close()
+
+
+def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):
+    """A slot reused (a new hot shard at the path) or compacted between two batches: the next
+    batch reads the file now at the path."""
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    for seed in range(2):
+        writer.store_episode(**episode(seed))
+    reader = open_reader(location)
+    slots, steps = np.array([0, 1, 0] * 3), np.arange(9)[::-1] + 5
+    first = reader.storage.gather("image", slots, steps)
+    assert np.array_equal(first, _expected({0: episode(0), 1: episode(1)}, "image", slots, steps))
+    writer.store_episode(**episode(2))  # slot 0 reused: a new hot shard file at its path
+    assert is_hot(writer, 0)
+    stored = {0: episode(2), 1: episode(1)}
+    assert np.array_equal(reader.storage.gather("image", slots, steps), _expected(stored, "image", slots, steps))
+    writer.compact()
+    assert np.array_equal(reader.storage.gather("image", slots, steps), _expected(stored, "image", slots, steps))
+    assert all(shard_maps()._entries[shard_file(writer, slot)][1] is None for slot in (0, 1))
+    writer.close()
+
+
 def _read_until(location: str, stop, results) -> None:
     """Child: read both slots until ``stop``; each read must be one whole stored episode
     (never a mix of two versions, never a torn frame); report (reads, bad reads)."""
@@ -202,6 +283,7 @@ def test_a_byte_flipped_in_a_mapped_frame_is_named(tmp_path, monkeypatch, limit)
     _flip(shard_file(writer, 1), 5)
     for read in (
         lambda: reader.storage.gather("image", np.array([1]), np.array([5])),
+        lambda: reader.storage.gather("image", np.array([0, 1, 0, 1]), np.array([5, 4, 2, 5])),  # mixed batch
         lambda: frames(reader, 1),
         reader.get_all_data,
     ):

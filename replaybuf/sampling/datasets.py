@@ -156,9 +156,11 @@ class _SnapshotDataset(Dataset):
         and dropped after the bounded retries."""
         positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
         weights = getattr(indices, "weights", None)
-        dead = self._generations[self._slots_of(positions)] <= 0  # slots earlier batches saw reused
+        slots = self._slots_of(positions)
+        dead = self._generations[slots] <= 0  # slots earlier batches saw reused
         if dead.any():
             positions = self._redraw(positions, dead)
+            slots = self._slots_of(positions)
         last: dict[str, Any] = {}
 
         def read(items: np.ndarray) -> None:
@@ -173,7 +175,6 @@ class _SnapshotDataset(Dataset):
             slots = self._slots_of(positions[items])
             return slots, self._generations[slots]
 
-        slots = self._slots_of(positions)
         kept = read_consistent(
             self.replay_buffer,
             slots,

@@ -11,6 +11,7 @@ dask read; any other array goes through zarr-python.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import uuid
@@ -807,9 +808,9 @@ class ChunkedArray:
 
     def _make_resident(self) -> bool:
         """``_resident_enabled`` for an array without a resident copy yet (lock held)."""
-        if self._resident is None:
-            step = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
-            nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        if self._resident is None:  # asked per batch of a large array: math.prod, not numpy's (~3 us)
+            step = math.prod(self.shape[2:]) * self.dtype.itemsize
+            nbytes = math.prod(self.shape) * self.dtype.itemsize
             small = step <= RESIDENT_STEP_BYTES or nbytes <= SMALL_ARRAY_BYTES
             if self.grid_axes != 2 or not small or not _cache.take_resident(nbytes):
                 return False

@@ -64,6 +64,7 @@ class ShardedArray(ChunkedArray):
         self.index_crc = index_crc
         self.index_nbytes = 16 * self.inner_per_shard + (4 if index_crc else 0)
         self._shard_keys: dict[int, str] = {}
+        self._shard_paths: dict[int, str] = {}
         self.hot: HotTier | None = None  # a writer's hot tier (``_hot.py``), set by the storage
 
     def shard_key(self, episode: int) -> str:
@@ -72,6 +73,14 @@ class ShardedArray(ChunkedArray):
         if key is None:
             key = self._shard_keys[episode] = self.chunk_key((episode, 0))
         return key
+
+    def shard_path(self, episode: int) -> str:
+        """``kv.where`` of the episode's shard, built once per slot (the maps of hot shards,
+        ``_hotmap.py``, look it up per sampled episode per batch)."""
+        path = self._shard_paths.get(episode)
+        if path is None:
+            path = self._shard_paths[episode] = self.kv.where(self.shard_key(episode))
+        return path
 
     def _row_keys(self, episode: int) -> list[str]:
         # docstring inherited: one shard per episode

@@ -1,0 +1,29 @@
+"""One fancy index over items that lie in several memory maps, as if they were one np.memmap.
+
+A batch of sampled frames lies in many maps (one per cached episode or hot shard). Copying them
+one at a time costs a Python step per frame (~1-2 us, as much as the copy); a numpy gather of
+all of them is one call. ``take_at`` builds a strided view based at the lowest item's address
+whose rows start every ``unit`` bytes (``unit``: the gcd of the items' offsets from it), so
+every item is one row of it, and indexes it once. The view spans the address range between the
+maps too; only the rows of the items asked for are read, so a caller must pass only offsets of
+items it checked lie inside maps it keeps referenced until the index returns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def take_at(anchor: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+    """The items at byte ``offsets`` (int64, >= 0) from ``anchor``'s first item, each laid out
+    as one of ``anchor``'s items (its shape and strides after the first axis), gathered into a
+    new array with one fancy index; None when the span is too wide for one view (numpy's
+    ValueError: the caller copies item by item)."""
+    unit = int(np.gcd.reduce(offsets)) or 1
+    try:
+        view = np.lib.stride_tricks.as_strided(
+            anchor, (int(offsets.max()) // unit + 1, *anchor.shape[1:]), (unit, *anchor.strides[1:]), writeable=False
+        )
+    except ValueError:
+        return None
+    return view[offsets // unit]
