@@ -276,8 +276,7 @@ def fill_timed(peer: SeedApiPeer, episodes: list[dict[str, np.ndarray]], rounds:
     of ``rounds``; the last buffer stays open. Each round deletes the last one's folder first,
     so every writer writes new files into memory freed moments before: on this VM memory left
     free for ~2 s goes back to the host and costs 2-10x more to touch again, so a single pass
-    swung 0.4-1.3x against the seed, and a writer's kernel time per pass 0.05-0.22 s (an overwrite would let a writer that reuses its files,
-    as the seed's memmaps do, skip allocating pages at all)."""
+    swung 0.4-1.3x against the seed, and a writer's kernel time per pass 0.05-0.22 s."""
     steps, best = sum(len(episode["done"]) for episode in episodes), 0.0
     for _ in range(rounds):
         if peer.buffer is not None and hasattr(peer.buffer, "close"):  # the seed's has no close()
