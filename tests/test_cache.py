@@ -665,3 +665,23 @@ def test_revisions_move_once_per_edit_and_never_for_rejected_ones(written):
         ReplayBuffer(
             written + "-other", max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"_revision": "int"}
         )
+
+
+def test_a_writers_loader_cache_serves_its_snapshot_whole(tmp_path, monkeypatch):
+    """A writer's loader with ``cache='ram'`` reads through the read cache: every sample is a step
+    of the episode its slot held when the loader was made, also after the writer reuses and
+    edits slots, and a new loader sees the new episodes."""
+    monkeypatch.setenv("REPLAYBUF_CACHE_DIR", str(tmp_path / "cache"))
+    writer = ReplayBuffer(tmp_path / "ring", **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    loader = make_dataloader(writer, 4, timestep_level=True, return_indices=True, cache="ram")
+    writer.store_episode(**episode(7, 4), task=0, success=True)  # slot 0 now holds episode 7
+    writer.update([1], ident=np.full((1, 4), -5))  # slot 1 edited in place
+    for batch in loader:
+        slots, steps = batch["_indices"][:, 0], batch["_indices"][:, 1]
+        assert torch.equal(batch["ident"].reshape(-1), (1000 * slots + steps).to(batch["ident"].dtype))
+    fresh = make_dataloader(writer, 12, timestep_level=True, return_indices=True, cache="ram")
+    ident = torch.cat([b["ident"].reshape(-1) for b in fresh])
+    assert sorted(ident.tolist()) == sorted([7000, 7001, 7002, 7003, -5, -5, -5, -5, 2000, 2001, 2002, 2003])
+    writer.close()
