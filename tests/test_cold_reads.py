@@ -20,15 +20,20 @@ from replaybuf.storage._codecs import BLOSC_HEADER, ChunkCodec, ChunkDamage
 
 FRAME = (32, 32, 4)  # 4096 bytes a step: sharded, one frame per inner chunk
 BLOSC = {"name": "blosc", "configuration": {"cname": "lz4", "clevel": 9, "shuffle": "noshuffle"}}
-PATHS = ["native", "numcodecs"]
+PATHS = ["loop", "native", "numcodecs"]
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Both decode paths: c-blosc through ctypes, and numcodecs chunk by chunk."""
-    if request.param == "native":
+    """Every decode path: the compiled loop (``replaybuf/_native.c``), c-blosc through ctypes
+    chunk by chunk, and numcodecs chunk by chunk."""
+    if request.param == "loop":
+        if _codecs._native_loop() is None:
+            pytest.skip("the compiled loop was not built here: the ctypes path serves")
+    elif request.param == "native":
         if _codecs._native() is None:
             pytest.skip("c-blosc or crc32c not exported here: the numcodecs path serves")
+        monkeypatch.setattr(_codecs, "_native_loop", lambda: None)
     else:
         monkeypatch.setattr(_codecs, "_native", lambda: None)
     return request.param

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import struct
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import google_crc32c
 import numcodecs
@@ -68,6 +69,28 @@ def _native() -> tuple[Callable[..., int], Callable[..., int]] | None:
     ok = decompress(encoded.ctypes.data, decoded.ctypes.data, sample.nbytes, 1) == sample.nbytes
     if not ok or not np.array_equal(decoded, sample) or extend(0, sample.ctypes.data, sample.nbytes) != crc32c(sample):
         return None
+    return decompress, extend
+
+
+@functools.cache
+def _native_loop() -> Callable[..., tuple[int, int]] | None:
+    """``decode_many`` of the compiled extension ``replaybuf._native`` (built where a compiler
+    was at install; optional), or None: the ctypes path serves, chunk by chunk."""
+    if _native() is None:
+        return None
+    try:
+        extension = importlib.import_module("replaybuf._native")
+    except ImportError:
+        return None
+    return extension.decode_many
+
+
+@functools.cache
+def _native_addresses() -> tuple[int, int]:
+    """The addresses of the ``_native`` functions, which the compiled loop calls."""
+    native = _native()
+    assert native is not None  # the loop exists only where they do
+    decompress, extend = (ctypes.cast(cast(Any, function), ctypes.c_void_p).value or 0 for function in native)
     return decompress, extend
 
 
@@ -186,6 +209,9 @@ class ChunkCodec:
         if native is None:
             self._decode_each_into(data, ranges, out, offsets, nbytes)
             return
+        if (loop := _native_loop()) is not None:
+            self._decode_loop(loop, data, ranges, out, offsets, nbytes)
+            return
         decompress, extend = native
         source = np.frombuffer(data, np.uint8)
         base, target, size, tail = source.ctypes.data, out.ctypes.data, len(source), 4 if self.checksum else 0
@@ -200,6 +226,32 @@ class ChunkCodec:
                 raise ChunkDamage(
                     f"cannot decode (blosc: {stored} bytes to {decoded}; expected {payload} to {nbytes})", k
                 )
+
+    def _decode_loop(
+        self,
+        loop: Callable[..., tuple[int, int]],
+        data: bytes | memoryview,
+        ranges: Sequence[tuple[int, int]],
+        out: np.ndarray,
+        offsets: Sequence[int],
+        nbytes: int,
+    ) -> None:
+        """``decode_many_into`` through the compiled loop (``replaybuf/_native.c``): the GIL is
+        released once for the whole run, the damage named as the ctypes path names it."""
+        decompress, extend = _native_addresses()
+        bounds = np.asarray(ranges, np.int64).reshape(-1)
+        places = np.asarray(offsets, np.int64)
+        k, code = loop(decompress, extend, data, bounds, out.reshape(-1).view(np.uint8), places, nbytes, self.checksum)
+        if k < 0:
+            return
+        start, stop = ranges[k]
+        if code == 1:
+            raise ChunkDamage(f"{min(stop, len(data)) - start} bytes, too short for a blosc chunk", k)
+        if code == 2:
+            raise ChunkDamage("crc32c mismatch", k)
+        payload = stop - start - (4 if self.checksum else 0)
+        decoded, stored = _BLOSC_SIZES.unpack_from(data, start)
+        raise ChunkDamage(f"cannot decode (blosc: {stored} bytes to {decoded}; expected {payload} to {nbytes})", k)
 
     def _decode_each_into(
         self,
