@@ -32,6 +32,8 @@ BLOSC_HEADER = 16
 # a blosc header's decoded size (bytes 4-8) and stored size (bytes 12-16), little-endian
 _BLOSC_SIZES = struct.Struct("<4xI4xI")
 _CRC = struct.Struct("<I")
+# what failed in a chunk of a checked run (the codes ``replaybuf/_native.c`` returns)
+_SHORT, _CRC_MISMATCH, _UNDECODABLE = 1, 2, 3
 
 
 class ChunkDamage(Exception):
@@ -198,8 +200,9 @@ class ChunkCodec:
         """Decode the chunks stored at ``ranges`` ((start, stop) of ``data``, checksum included)
         into the C-contiguous ``out``, chunk k at byte ``offsets[k]``, each ``nbytes`` decoded:
         a shard's frames in one call. Blosc chunks go through c-blosc and crc32c directly
-        (``_native``: the GIL is free while each one is checked and decoded, so reads on two
-        threads use two cores). A failing chunk raises ``ChunkDamage`` with ``item`` its
+        (``_native``), in the compiled loop where it was built (the GIL released once for the
+        run), else through ctypes chunk by chunk (the GIL free while each one is checked and
+        decoded). A failing chunk raises ``ChunkDamage`` with ``item`` its
         position in ``ranges``, the chunks before it decoded."""
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError(f"out must be a writeable C-contiguous array, got strides {out.strides}")
@@ -209,49 +212,54 @@ class ChunkCodec:
         if native is None:
             self._decode_each_into(data, ranges, out, offsets, nbytes)
             return
-        if (loop := _native_loop()) is not None:
-            self._decode_loop(loop, data, ranges, out, offsets, nbytes)
-            return
+        loop = _native_loop()
+        if loop is not None:
+            decompress, extend = _native_addresses()
+            bounds, places = np.asarray(ranges, np.int64).reshape(-1), np.asarray(offsets, np.int64)
+            target = out.reshape(-1).view(np.uint8)
+            k, code = loop(decompress, extend, data, bounds, target, places, nbytes, self.checksum)
+        else:
+            k, code = self._check_and_decode_each(native, data, ranges, out, offsets, nbytes)
+        if k >= 0:
+            raise self._damage_of(k, code, data, ranges, nbytes)
+
+    def _check_and_decode_each(
+        self,
+        native: tuple[Callable[..., int], Callable[..., int]],
+        data: bytes | memoryview,
+        ranges: Sequence[tuple[int, int]],
+        out: np.ndarray,
+        offsets: Sequence[int],
+        nbytes: int,
+    ) -> tuple[int, int]:
+        """The compiled loop's work (``replaybuf/_native.c``) through ctypes, chunk by chunk, where
+        the extension was not built: (-1, 0), or the failing chunk and what failed (its codes)."""
         decompress, extend = native
         source = np.frombuffer(data, np.uint8)
         base, target, size, tail = source.ctypes.data, out.ctypes.data, len(source), 4 if self.checksum else 0
         for k, ((start, stop), offset) in enumerate(zip(ranges, offsets)):
             payload = stop - start - tail
             if payload < BLOSC_HEADER or stop > size:
-                raise ChunkDamage(f"{min(stop, size) - start} bytes, too short for a blosc chunk", k)
+                return k, _SHORT
             if tail and extend(0, base + start, payload) != _CRC.unpack_from(data, stop - 4)[0]:
-                raise ChunkDamage("crc32c mismatch", k)
+                return k, _CRC_MISMATCH
             decoded, stored = _BLOSC_SIZES.unpack_from(data, start)
             if decoded != nbytes or stored != payload or decompress(base + start, target + offset, nbytes, 1) != nbytes:
-                raise ChunkDamage(
-                    f"cannot decode (blosc: {stored} bytes to {decoded}; expected {payload} to {nbytes})", k
-                )
+                return k, _UNDECODABLE
+        return -1, 0
 
-    def _decode_loop(
-        self,
-        loop: Callable[..., tuple[int, int]],
-        data: bytes | memoryview,
-        ranges: Sequence[tuple[int, int]],
-        out: np.ndarray,
-        offsets: Sequence[int],
-        nbytes: int,
-    ) -> None:
-        """``decode_many_into`` through the compiled loop (``replaybuf/_native.c``): the GIL is
-        released once for the whole run, the damage named as the ctypes path names it."""
-        decompress, extend = _native_addresses()
-        bounds = np.asarray(ranges, np.int64).reshape(-1)
-        places = np.asarray(offsets, np.int64)
-        k, code = loop(decompress, extend, data, bounds, out.reshape(-1).view(np.uint8), places, nbytes, self.checksum)
-        if k < 0:
-            return
+    def _damage_of(
+        self, k: int, code: int, data: bytes | memoryview, ranges: Sequence[tuple[int, int]], nbytes: int
+    ) -> ChunkDamage:
+        """The ``ChunkDamage`` of chunk ``k`` failing with ``code``, named alike on both paths."""
         start, stop = ranges[k]
-        if code == 1:
-            raise ChunkDamage(f"{min(stop, len(data)) - start} bytes, too short for a blosc chunk", k)
-        if code == 2:
-            raise ChunkDamage("crc32c mismatch", k)
+        if code == _SHORT:
+            return ChunkDamage(f"{min(stop, len(data)) - start} bytes, too short for a blosc chunk", k)
+        if code == _CRC_MISMATCH:
+            return ChunkDamage("crc32c mismatch", k)
         payload = stop - start - (4 if self.checksum else 0)
-        decoded, stored = _BLOSC_SIZES.unpack_from(data, start)
-        raise ChunkDamage(f"cannot decode (blosc: {stored} bytes to {decoded}; expected {payload} to {nbytes})", k)
+        decoded, stored = _BLOSC_SIZES.unpack_from(data, start) if stop - start >= BLOSC_HEADER else (0, 0)
+        return ChunkDamage(f"cannot decode (blosc: {stored} bytes to {decoded}; expected {payload} to {nbytes})", k)
 
     def _decode_each_into(
         self,
