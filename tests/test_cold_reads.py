@@ -313,3 +313,20 @@ def test_spread_tasks_do_not_wait_for_a_busy_pool(monkeypatch):
         caller.join()
         for blocker in blockers:
             blocker.result()
+
+
+@pytest.mark.parametrize(
+    "bad", [(-5, 40), (10**12, 10**12 + 40), (60, 20), (0, 2**62)], ids=["negative", "far", "reversed", "huge"]
+)
+def test_absurd_ranges_are_damage_never_a_read_outside_the_data(path, bad):
+    """Ranges from a crafted shard index (negative, beyond the data, reversed, absurdly long)
+    name the chunk as damaged on every decode path; nothing outside ``data`` is read."""
+    codec = ChunkCodec(np.dtype("uint8"), BLOSC, checksum=True)
+    chunks = frames(2)
+    data, ranges = packed(codec, chunks)
+    out = np.zeros_like(chunks)
+    step = chunks[0].nbytes
+    with pytest.raises(ChunkDamage) as error:
+        codec.decode_many_into(data, [ranges[0], bad], out, [0, step], step)
+    assert error.value.item == 1
+    np.testing.assert_array_equal(out[0], chunks[0])

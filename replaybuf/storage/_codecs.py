@@ -239,7 +239,7 @@ class ChunkCodec:
         base, target, size, tail = source.ctypes.data, out.ctypes.data, len(source), 4 if self.checksum else 0
         for k, ((start, stop), offset) in enumerate(zip(ranges, offsets)):
             payload = stop - start - tail
-            if payload < BLOSC_HEADER or stop > size:
+            if start < 0 or payload < BLOSC_HEADER or stop > size:
                 return k, _SHORT
             if tail and extend(0, base + start, payload) != _CRC.unpack_from(data, stop - 4)[0]:
                 return k, _CRC_MISMATCH
@@ -254,7 +254,7 @@ class ChunkCodec:
         """The ``ChunkDamage`` of chunk ``k`` failing with ``code``, named alike on both paths."""
         start, stop = ranges[k]
         if code == _SHORT:
-            return ChunkDamage(f"{min(stop, len(data)) - start} bytes, too short for a blosc chunk", k)
+            return ChunkDamage(f"{max(0, min(stop, len(data)) - start)} bytes, too short for a blosc chunk", k)
         if code == _CRC_MISMATCH:
             return ChunkDamage("crc32c mismatch", k)
         payload = stop - start - (4 if self.checksum else 0)
