@@ -21,7 +21,7 @@ import torch
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import make_dataloader, make_dataset
 from replaybuf.storage import GenerationMismatchError, make_storage
-from replaybuf.storage._cache import CachedStorage, buffer_identity
+from replaybuf.storage._cache import CHECK_BYTES, CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
 from tests._data import SAMPLING_FIELDS as FIELDS
 from tests._data import SAMPLING_LENGTHS as LENGTHS
@@ -64,10 +64,10 @@ def cache_files(cache_dir) -> dict[str, int]:
 
 
 def expected_bytes(buffer: ReplayBuffer, fields=None) -> int:
+    """One raw copy of the committed rows of ``fields``, and a checksum per file."""
     lens = buffer._meta["episode_lens"]
-    return int(lens.sum()) * sum(
-        f.step_nbytes for n, f in buffer.schema.fields.items() if fields is None or n in fields
-    )
+    chosen = [f for n, f in buffer.schema.fields.items() if fields is None or n in fields]
+    return int(lens.sum()) * sum(f.step_nbytes for f in chosen) + int((lens > 0).sum()) * len(chosen) * CHECK_BYTES
 
 
 def run_python(code: str, **kwargs) -> subprocess.Popen:
@@ -107,7 +107,7 @@ def test_warm_cache_fills_every_committed_episode(written, tmp_path):
     cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
     cached.warm_cache(episodes=[0, 2], fields=["state"], progress=False)
     root = cached.storage.root
-    assert sorted(cache_files(root)) == [os.path.join("state", "0-1.raw"), os.path.join("state", "2-3.raw")]
+    assert sorted(cache_files(root)) == [os.path.join("state", "0-1.rows"), os.path.join("state", "2-3.rows")]
     cached.warm_cache(progress=False)
     files = cache_files(root)
     assert len(files) == len(LENGTHS) * len(FIELDS) and sum(files.values()) == expected_bytes(cached)
@@ -175,7 +175,7 @@ def test_reused_slot_is_refetched(tmp_path):
     reader.refresh()
     np.testing.assert_array_equal(reader.get_all_data(fields=["ident"])["ident"][0, :5].numpy(), 7000 + np.arange(5))
     names = sorted(cache_files(reader.storage.root))
-    assert os.path.join("ident", "0-1.raw") in names and os.path.join("ident", "0-4.raw") in names
+    assert os.path.join("ident", "0-1.rows") in names and os.path.join("ident", "0-4.rows") in names
 
 
 @pytest.mark.parametrize("dense_bytes", [0, 64 << 20], ids=["mapped", "dense"])
@@ -232,7 +232,7 @@ def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, 
         expected = plain.storage.gather("ident", np.array([1, 1]), np.array(timesteps), np.array([2, 2]))
         assert gather([1, 1], timesteps, [2, 2]) == expected.tolist()
     # the old episode's file gone and its map dropped: a plan naming it is refused
-    os.unlink(os.path.join(storage.root, "ident", "0-1.raw"))
+    os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
     storage.drop_caches()
     assert not mapped.maps and not mapped.held.any()
     with pytest.raises(GenerationMismatchError) as caught:
@@ -266,7 +266,7 @@ def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path):
         [7004, 7005, -1, -1, -1, -1],
     ]
     assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]  # the old episode's file
-    os.unlink(os.path.join(storage.root, "ident", "0-1.raw"))
+    os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
     storage.drop_caches()
     with pytest.raises(GenerationMismatchError) as caught:
         read_spans([1, 0], [0, 0], [2, 2], np.array([2, 1]))
@@ -288,7 +288,7 @@ def test_vectorized_gather_keeps_the_map_bound_and_the_lru_clock(tmp_path, monke
     # a gather served from the maps still touches their files once TOUCH_S has passed
     monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", 0.0)
     held = sorted(storage._mapped["ident"].maps)
-    paths = [os.path.join(storage.root, "ident", f"{slot}-{slot + 1}.raw") for slot in held]
+    paths = [os.path.join(storage.root, "ident", f"{slot}-{slot + 1}.rows") for slot in held]
     for path in paths:
         os.utime(path, (1e9, 1e9))
     picked = np.array(held)
@@ -351,15 +351,58 @@ def test_lru_eviction_and_refill(written, tmp_path):
     storage.rows("state", [0])  # slot 0 used again: slot 1 is now the least recently used
     storage.rows("state", [3])
     names = sorted(cache_files(storage.root))
-    assert os.path.join("state", "1-2.raw") not in names
-    assert os.path.join("state", "0-1.raw") in names and os.path.join("state", "3-4.raw") in names
+    assert os.path.join("state", "1-2.rows") not in names
+    assert os.path.join("state", "0-1.rows") in names and os.path.join("state", "3-4.rows") in names
     assert sum(cache_files(storage.root).values()) <= size
     np.testing.assert_array_equal(storage.read_rows("state", np.array([1]), 0, 4), probe.data["state"][1:2, :4])
     for path in cache_files(storage.root):
         os.unlink(os.path.join(storage.root, path))
     storage.drop_caches()
     np.testing.assert_array_equal(storage.read_rows("state", np.array([2]), 0, 7), probe.data["state"][2:3, :7])
-    assert os.path.join("state", "2-3.raw") in cache_files(storage.root)
+    assert os.path.join("state", "2-3.rows") in cache_files(storage.root)
+
+
+@pytest.mark.parametrize("damage", ["flip rows", "flip checksum", "cut one byte", "cut one step", "empty"])
+def test_damaged_cache_file_is_fetched_again_never_served(written, tmp_path, damage):
+    cache = tmp_path / "cache"
+    plain = ReplayBuffer.from_folder(written, read_only=True)
+    first = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
+    first.warm_cache(progress=False)
+    path = os.path.join(first.storage.root, "image", "1-2.rows")
+    data = bytearray(open(path, "rb").read())
+    step = plain.schema.fields["image"].step_nbytes
+    if damage == "flip rows":
+        data[len(data) // 3] ^= 0x10
+    elif damage == "flip checksum":
+        data[-1] ^= 0x01
+    else:
+        del data[{"cut one byte": -1, "cut one step": -step, "empty": 0}[damage] :]
+    with open(path, "wb") as f:
+        f.write(data)
+    # a new reader maps the file, finds the damage, and fetches the episode again
+    again = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
+    for loaded, expected in zip(again.get_all_data().values(), plain.get_all_data().values()):
+        assert torch.equal(loaded, expected)
+    assert cache_files(again.storage.root)[os.path.join("image", "1-2.rows")] == (
+        int(plain._meta["episode_lens"][1]) * step + CHECK_BYTES
+    )
+
+
+def test_files_of_the_unchecked_layout_are_swept(written, tmp_path):
+    cache = tmp_path / "cache"
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
+    reader.warm_cache(episodes=[0], progress=False)
+    old = os.path.join(reader.storage.root, "state", "1-2.raw")
+    with open(old, "wb") as f:
+        f.write(b"\0" * 64)  # an unchecked file of an earlier release: never mapped
+    fresh = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
+    fresh.warm_cache(episodes=[1], progress=False)
+    assert not os.path.exists(old)
+    np.testing.assert_array_equal(fresh.data["state"][1], plain_rows(written, "state", 1))
+
+
+def plain_rows(folder: str, name: str, slot: int) -> np.ndarray:
+    return np.asarray(ReplayBuffer.from_folder(folder, read_only=True).data[name][slot])
 
 
 def test_killed_filler_leaves_nothing_served(written, tmp_path):
@@ -434,13 +477,13 @@ def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path):
     thread.join(timeout=1.0)
     try:
         assert thread.is_alive()  # waiting for the other filler, not fetching slot 0 again
-        assert sorted(cache_files(storage.root)) == [os.path.join("state", "1-2.raw")]
+        assert sorted(cache_files(storage.root)) == [os.path.join("state", "1-2.rows")]
     finally:
         os.close(other)  # that filler dies without publishing
     thread.join(timeout=60)
     np.testing.assert_array_equal(result["rows"], expected)  # slot 0 read from the buffer this time
     storage.rows("state", [0])
-    assert os.path.join("state", "0-1.raw") in cache_files(storage.root)
+    assert os.path.join("state", "0-1.rows") in cache_files(storage.root)
 
 
 def slot_of_key(path: str) -> int:
@@ -503,13 +546,13 @@ def test_fill_racing_a_writer_publishes_nothing_and_the_read_is_replanned(tmp_pa
         storage.read_rows("ident", np.array([0, 1]), 0, 4, np.array([1, 2]))
     assert caught.value.slots == [0] and rewrites
     files = sorted(cache_files(storage.root))
-    assert os.path.join("ident", "0-1.raw") not in files, "a fill that raced a writer published"
+    assert os.path.join("ident", "0-1.rows") not in files, "a fill that raced a writer published"
     # the wrapped zarr storage verifies its resident fields: its read raised for slot 0 before
     # the fill got slot 1's rows, which a next read fills from the inner resident copy
     assert storage.inner.verifies_reads(["ident"])
     loaded = storage.inner.array("ident").resident_rows_read
     storage.read_rows("ident", np.array([1]), 0, 4, np.array([2]))
-    assert os.path.join("ident", "1-2.raw") in cache_files(storage.root)
+    assert os.path.join("ident", "1-2.rows") in cache_files(storage.root)
     assert storage.inner.array("ident").resident_rows_read == loaded
     # the dataset planned slot 0 at generation 1: its samples are redrawn from slots 1 and 2
     batches = list(dataset_loader)
@@ -521,7 +564,7 @@ def test_fill_racing_a_writer_publishes_nothing_and_the_read_is_replanned(tmp_pa
         )
     # a read planned now (data[...] plans from the store) gets the new episode, then cached
     assert reader.data["ident"][0, :5].tolist() == [7000, 7001, 7002, 7003, 7004]
-    assert os.path.join("ident", "0-4.raw") in cache_files(storage.root)
+    assert os.path.join("ident", "0-4.rows") in cache_files(storage.root)
     writer.close()
 
 
@@ -602,7 +645,7 @@ def test_in_place_edits_are_never_served_stale(tmp_path, monkeypatch, backend, d
     assert fresh.get_all_data(fields=["ident"])["ident"][1:4, 0].tolist() == [5, 6, 7]
     np.testing.assert_array_equal(writer._meta["_revision"][:5], [0, 2, 2, 2, 0])
     files = cache_files(reader.storage.root)
-    assert os.path.join("ident", "1-2.raw") in files and os.path.join("ident", "1-2-2.raw") in files
+    assert os.path.join("ident", "1-2.rows") in files and os.path.join("ident", "1-2-2.rows") in files
     writer.close()
 
 
@@ -619,7 +662,7 @@ def test_an_edit_left_open_is_never_cached_and_closed_by_the_next_writer(written
     assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][2] == 2
     reader.refresh()
     assert reader.data["ident"][2, 0] == 9
-    assert os.path.join("ident", "2-3-2.raw") in cache_files(reader.storage.root)
+    assert os.path.join("ident", "2-3-2.rows") in cache_files(reader.storage.root)
 
 
 def test_fill_racing_an_edit_publishes_nothing(written, tmp_path):
@@ -637,13 +680,13 @@ def test_fill_racing_an_edit_publishes_nothing(written, tmp_path):
     rows = storage.read_rows("ident", np.array([1, 2]), 0, 4, np.array([2, 3]))
     assert edits and rows[1, :2].tolist() == [2000, 2001]
     files = cache_files(storage.root)
-    assert os.path.join("ident", "2-3.raw") in files
+    assert os.path.join("ident", "2-3.rows") in files
     assert not any(name.startswith(os.path.join("ident", "1-")) for name in files), (
         "a fill that raced an edit published"
     )
     reader.refresh()
     assert reader.data["ident"][1, :4].tolist() == [5, 5, 5, 5]
-    assert os.path.join("ident", "1-2-2.raw") in cache_files(storage.root)
+    assert os.path.join("ident", "1-2-2.rows") in cache_files(storage.root)
     writer.close()
 
 

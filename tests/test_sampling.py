@@ -182,14 +182,14 @@ def test_a_dataset_cache_is_the_read_cache_shared_by_workers_and_kept(tmp_path, 
     loader = make_dataloader(
         buffer, 4, timestep_level=True, cache="memmap", num_workers=1, multiprocessing_context=context
     )
-    files = {p: p.stat().st_ino for p in cache_dir.rglob("*.raw")}
+    files = {p: p.stat().st_ino for p in cache_dir.rglob("*.rows")}
     assert len(files) == len(FIELDS) * sum(1 for n in LENGTHS if n > 0)
     for a, b in zip(loader, make_dataloader(buffer, 4, timestep_level=True)):
         assert_same(a, b, "read cache in a spawned worker")
     del loader
     gc.collect()
     again = make_dataloader(buffer, 4, timestep_level=True, cache="ram")
-    assert {p: p.stat().st_ino for p in cache_dir.rglob("*.raw")} == files  # kept, not filled again
+    assert {p: p.stat().st_ino for p in cache_dir.rglob("*.rows")} == files  # kept, not filled again
     for a, b in zip(again, make_dataloader(buffer, 4, timestep_level=True)):
         assert_same(a, b, "read cache again")
 

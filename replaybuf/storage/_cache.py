@@ -21,6 +21,10 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   ``generations`` serves the generation this process last saw for the slot (loaded lazily,
   refreshed by ``drop_caches`` and by every ``_generation`` read passing through it); every read
   serves the revision this process last saw (the same way, from ``_revision``).
+- **Checked.** A file holds the rows, then their crc32c (4 bytes, little-endian), checked when a
+  process maps the file: one that fails (a flipped byte, a truncation) is deleted and its episode
+  fetched again from the wrapped storage, never served. Damage done to a file after a process
+  mapped it is not seen by that process (as hot shards, ``_hotmap.py``).
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
@@ -60,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from ..schema import Field, Schema
+from ._codecs import crc32c
 from ._kv import copy_spans
 from ._strided import take_at
 from .base import ArrayLike, GenerationMismatchError, Storage
@@ -79,7 +84,11 @@ WARM_BATCH = 16
 #: copied into RAM per process as its episodes are mapped, so sampling it is one fancy index
 #: (vectors and scalars; mapping one file per sampled episode costs more than their bytes)
 DENSE_BYTES = 64 << 20
-SUFFIX = ".raw"
+#: a cache file: the rows, then their crc32c (``CHECK_BYTES``); files of the unchecked layout
+#: (``OLD_SUFFIX``) are deleted by the next eviction scan
+SUFFIX = ".rows"
+OLD_SUFFIX = ".raw"
+CHECK_BYTES = 4
 
 
 class DenseRows:
@@ -555,17 +564,22 @@ class CachedStorage(Storage):
         field = self._field(name)
         path = self._path(name, slot, generation, revision)
         try:
-            size = os.path.getsize(path)
-            self._touch(name, slot, generation, revision)
-            if size == 0 or size % field.step_nbytes:
-                return None
             with open(path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-        except (FileNotFoundError, ValueError):
+                size = os.fstat(f.fileno()).st_size - CHECK_BYTES
+                if size <= 0 or size % field.step_nbytes:
+                    _unlink(path)  # damaged (a healthy file is whole rows and a checksum)
+                    return None
+                mapped = mmap.mmap(f.fileno(), size + CHECK_BYTES, prot=mmap.PROT_READ)
+        except FileNotFoundError:
             return None
         # a plain array over the map (it keeps the map alive): indexing an np.memmap costs a
         # subclass round trip per call, paid once per sampled episode per field
-        return np.frombuffer(mapped, dtype=field.dtype).reshape(size // field.step_nbytes, *field.shape)
+        rows = np.frombuffer(mapped, dtype=np.uint8, count=size)
+        if crc32c(rows) != int.from_bytes(mapped[size:], "little"):
+            _unlink(path)  # damaged: fetched again by the caller
+            return None
+        self._touch(name, slot, generation, revision)
+        return rows.view(field.dtype).reshape(size // field.step_nbytes, *field.shape)
 
     def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Fetch and publish the slots no other filler is fetching now, then wait for the others
@@ -617,10 +631,12 @@ class CachedStorage(Storage):
         for i in np.flatnonzero((after == (generations, revisions)).all(axis=0)):
             slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
             temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
+            rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
             with open(temp, "wb") as f:
-                f.write(np.ascontiguousarray(out[i, : lens[i]]).data.cast("B"))
+                f.write(rows.data)
+                f.write(crc32c(rows).to_bytes(CHECK_BYTES, "little"))
             os.replace(temp, self._path(name, slot, generation, revision))
-            written += int(lens[i]) * field.step_nbytes
+            written += rows.nbytes + CHECK_BYTES
         self._account(written)
 
     def _versions(self, slots: np.ndarray) -> np.ndarray:
@@ -649,6 +665,8 @@ class CachedStorage(Storage):
                 if entry.name.startswith(".tmp-"):
                     if now - stat.st_mtime > STALE_TEMP_S:
                         _unlink(entry.path)
+                elif entry.name.endswith(OLD_SUFFIX):
+                    _unlink(entry.path)
                 elif entry.name.endswith(SUFFIX):
                     files.append((stat.st_mtime, stat.st_size, entry.path))
         total = sum(size for _, size, _ in files)
