@@ -24,7 +24,8 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
 - **Checked.** A file holds the rows, then their crc32c (4 bytes, little-endian), checked when a
   process maps the file: one that fails (a flipped byte, a truncation) is deleted and its episode
   fetched again from the wrapped storage, never served. Damage done to a file after a process
-  mapped it is not seen by that process (as hot shards, ``_hotmap.py``).
+  mapped it is not seen by that process, and a truncation from outside then faults it (SIGBUS)
+  as it would any np.memmap: replaybuf itself only ever replaces whole files.
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
