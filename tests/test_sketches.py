@@ -104,6 +104,22 @@ def test_overwritten_and_step_written_episodes(tmp_path):
     assert_within_rank_error(stats, values)
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_overwrite_true_erases_the_old_buffers_sketches(tmp_path, backend):
+    """A new buffer counts generations from 1 again: a sketch left by the buffer it replaced
+    named the same slot and generation and was merged into its stats (mean 0 for data of 5)."""
+    path = tmp_path / "b"
+    old = ReplayBuffer(path, max_episodes=2, max_timesteps=200, fields={"x": "float"}, backend=backend)
+    old.store_episode(x=np.zeros(200, np.float32))
+    assert old.stats(["x"])["x"].mean == 0 and old.storage.list_blobs(PREFIX)
+    old.close()
+    new = ReplayBuffer(path, max_episodes=2, max_timesteps=200, fields={"x": "float"}, backend=backend)
+    assert new.storage.list_blobs(PREFIX) == []
+    new.store_episode(x=np.full(200, 5, np.float32))
+    assert new.stats(["x"])["x"].mean == 5 and new.stats(["x"], exact=True)["x"].mean == 5
+    new.close()
+
+
 def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
     buffer = make(tmp_path / "b", 3)
     buffer.stats(["state"])
