@@ -493,11 +493,12 @@ class FieldStats:
                 f"that is not sketched: more than {sketches.MAX_FEATURES} values per step, or not numeric)"
             )
         qs = np.atleast_1d(np.asarray(q, np.float64))
-        if qs.ndim != 1 or ((qs < 0) | (qs > 1)).any():
+        if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():  # NaN fails too
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
         values = values.reshape(len(qs), *self.mean.shape)
-        return torch.from_numpy(values[0] if np.ndim(q) == 0 else values)
+        # values[0] of a scalar field is a numpy scalar: keep it a 0-d array
+        return torch.from_numpy(np.asarray(values[0]) if np.ndim(q) == 0 else values)
 
     @property
     def rank_error(self) -> float:

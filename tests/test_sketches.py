@@ -263,6 +263,23 @@ def test_errors(tmp_path):
         normalizer(buffer, "state", kind="minmax")
     with pytest.raises(ValueError, match="q must be in"):
         summary(buffer)["state"].quantile(1.5)
+    with pytest.raises(ValueError, match="q must be in"):
+        summary(buffer)["state"].quantile(float("nan"))  # NaN compared False both ways: was accepted
+    with pytest.raises(ValueError, match=r"episodes lists slot\(s\) \[0\] more than once"):
+        buffer.stats(["state"], episodes=[0, 0, 1])  # slot 0 was counted twice
+    with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got \(0.99, 0.01\)"):
+        normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
+
+
+def test_quantile_of_a_scalar_field(tmp_path):
+    """One q of a scalar field (rewards) is a 0-d tensor; it raised TypeError (a numpy scalar)."""
+    buffer = make(tmp_path / "b", 2)
+    rewards = np.concatenate([episode(i)["reward"] for i in range(2)])
+    stats = buffer.stats(["reward"])["reward"]
+    median = stats.quantile(0.5)
+    assert median.shape == () and median.dtype == torch.float32
+    assert abs((rewards <= median.item()).mean() - 0.5) <= stats.rank_error
+    assert stats.quantile([0.5]).shape == (1,)
 
 
 def test_short_episodes_get_no_blob_and_are_sketched_from_their_data(tmp_path):
