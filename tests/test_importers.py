@@ -248,6 +248,16 @@ def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
     assert attrs["file_attrs"] == {"env_name": "hopper-medium-v2", "max_steps": 1000}
 
 
+def test_d4rl_file_without_steps_has_no_episodes(tmp_path):
+    """An empty D4RL file made one episode of 0 steps: 'max_timesteps must be a positive int'."""
+    with require("h5py").File(tmp_path / "empty.hdf5", "w") as f:
+        for name in ("observations", "actions", "rewards", "terminals", "timeouts"):
+            f.create_dataset(name, data=np.zeros(0, np.float32))
+    with pytest.raises(imp.ImportSourceError, match=r"empty\.hdf5: no episodes to import"):
+        imp.d4rl(tmp_path / "empty.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
 def test_bad_hdf5_file_names_it(tmp_path):
     (tmp_path / "broken.hdf5").write_bytes(b"not hdf5 at all")
     with pytest.raises(imp.ImportSourceError, match=r"broken\.hdf5: cannot open as HDF5"):
