@@ -276,8 +276,11 @@ def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]
 def run_inspect(args: argparse.Namespace) -> int:
     """Render the chosen episodes per field to videos (and sheets), then optionally serve them."""
     from replaybuf.viewer import ReplayApp, ViewerServer
+    from replaybuf.viewer.server import check_port
 
     _check_inspect_outputs(args)
+    if args.serve is not None:
+        check_port(args.serve)  # a busy port fails now, not after rendering every video
     buffer = open_buffer(args.location, store_options(args))
     fields = args.field or image_fields(buffer)
     if not fields:
