@@ -394,6 +394,35 @@ def test_lerobot_refuses_other_versions(tmp_path):
         imp.lerobot(tmp_path / "src", tmp_path / "dst")
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda info: info.pop("features"), r"malformed LeRobot info \(missing key 'features'\)"),
+        (lambda info: info.pop("fps"), r"malformed LeRobot info \(missing key 'fps'\)"),
+        (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be > 0"),
+        (lambda info: info["features"]["action"].pop("dtype"), r"malformed LeRobot info \(missing key 'dtype'\)"),
+        (lambda info: info.update(features=[1, 2]), r"malformed LeRobot info \(AttributeError"),
+    ],
+)
+def test_lerobot_malformed_info_names_the_file(tmp_path, change, message):
+    """A malformed info.json raised a bare KeyError ('features'), which the CLI printed alone."""
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    change(info)
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(imp.ImportSourceError, match=r"info\.json: " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_missing_data_file_is_named(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    (tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet").unlink()
+    with pytest.raises(imp.ImportSourceError, match=r"episode 0: cannot read its frames: no such file '.*file-000"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+
+
 def test_lerobot_video_export_needs_even_frames(tmp_path):
     buffer = ReplayBuffer(tmp_path / "odd", max_episodes=1, max_timesteps=2, fields={"cam": ("uint8", (5, 5, 3))})
     buffer.store_episode(cam=np.zeros((2, 5, 5, 3), np.uint8))
