@@ -507,8 +507,9 @@ def test_minari_dataset_recorded_by_its_data_collector(tmp_path, monkeypatch):
 def test_minari_unknown_dataset(tmp_path, monkeypatch):
     pytest.importorskip("minari")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
-    with pytest.raises(imp.ImportSourceError, match="nothing/here-v0: cannot open as a Minari dataset"):
+    with pytest.raises(imp.ImportSourceError, match="nothing/here-v0: cannot open as a Minari dataset") as raised:
         imp.minari("nothing/here-v0", tmp_path / "dst")
+    assert "`minari download nothing/here-v0` first" in str(raised.value)
 
 
 # ---- command line ------------------------------------------------------------------------------
