@@ -679,6 +679,8 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_verify(args: argparse.Namespace) -> int:
     from .cli import store_options
 
+    if not make_storage(args.path, None, store_options(args)).exists():  # a mistyped path: a usage error
+        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}")
     problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)

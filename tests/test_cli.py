@@ -190,6 +190,11 @@ def test_every_command_takes_the_store_options(capsys):
             assert option in text, f"replaybuf {name} lacks {option}"
 
 
+def test_verify_of_a_mistyped_path_is_a_usage_error(workdir, capsys):
+    """It printed 'cannot open the buffer' as a finding (exit 1), unlike every other command."""
+    assert "no replaybuf or memmap-replay-buffer buffer at 'nope'" in usage_error(capsys, main, ["verify", "nope"])
+
+
 def test_unlock_of_a_mistyped_path_is_an_error(workdir, capsys):
     """It printed 'no writer lease held' and exited 0 for a folder that does not exist."""
     assert "no replaybuf buffer (nor writer lease) at 'nope'" in usage_error(capsys, main, ["unlock", "nope"])
