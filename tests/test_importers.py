@@ -524,7 +524,11 @@ def test_cli_import_and_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "imported 0 episodes (0 steps)" in out and "3 were already there" in out
     assert main(["export", "diffusion_policy", dst, str(tmp_path / "out.zarr")]) == 0
-    assert "exported 3 episodes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "exported 3 episodes" in out
+    assert "meta fields ['source_episode'] have no place in the diffusion_policy layout and were left out" in out
+    assert main(["export", "lerobot", dst, str(tmp_path / "out-lr")]) == 0
+    assert "meta fields ['source_episode'] have no place in the lerobot layout" in capsys.readouterr().out
 
 
 def test_cli_errors_are_usage_messages(tmp_path, capsys):
