@@ -324,6 +324,12 @@ def save_video(
 ) -> Path:
     """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
     _check_video_path(Path(path))
+    candidates = image_fields(buffer)
+    if field is not None and field in buffer.fieldnames and field not in candidates:  # before reading it
+        raise ValueError(
+            f"field: {field!r} holds values of shape {tuple(buffer.shapes[field])} per step, not image frames; "
+            f"image-like fields: {candidates}"
+        )
     return trajectory_to_video(episode_frames(buffer, episode_index, field), path, fps=fps, **kwargs)
 
 
