@@ -242,7 +242,8 @@ def read_episodes_consistent(
     rewritten, or no longer holding ``generations`` when a batch plan passes them). A slot
     that changed during the read is read again as the episode it holds now when no
     ``generations`` are passed. A snapshot view reads its recorded episodes (a slot outside it
-    is empty) and raises ``SnapshotError`` for one no longer stored. ``with_meta=False`` leaves meta fields out (``meta`` is empty).
+    is empty) and raises ``SnapshotError`` for one no longer stored. ``with_meta=False``
+    leaves meta fields out (``meta`` is empty).
     """
     slots = np.asarray(slots, dtype=np.int64)
     if slots.ndim != 1:
