@@ -100,6 +100,7 @@ class EpisodeRows:
     computed (``consistency.read_consistent``): a row whose slot no longer holds the planned
     episode, or was empty, reads as ``fill`` throughout. ``dask.array.from_array`` slices it
     block by block; it pickles with the storage (no open handle) for distributed workers.
+    Rows of a snapshot view (``snapshot``: its name) raise ``SnapshotError`` instead.
     """
 
     def __init__(
@@ -113,8 +114,9 @@ class EpisodeRows:
         dtype: np.dtype,
         fill: Any = 0,
         generations: np.ndarray | None = None,
+        snapshot: str | None = None,
     ):
-        self.storage, self.name, self.fill = storage, name, fill
+        self.storage, self.name, self.fill, self.snapshot = storage, name, fill, snapshot
         self.slots, self.lens = np.asarray(slots, np.int64), np.asarray(lens, np.int64)
         self.generations = np.asarray(generations if generations is not None else np.ones(len(self.slots)), np.int64)
         self.shape = (len(self.slots), int(length), *field_shape)
@@ -145,7 +147,9 @@ class EpisodeRows:
                     generations=generations[lo:hi],
                 )
 
-        kept = read_consistent(self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read)
+        kept = read_consistent(
+            self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read, snapshot=self.snapshot
+        )
         fill_beyond(rows, np.where(kept, lengths, 0), self.fill)
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
@@ -257,7 +261,16 @@ def _dask_arrays(
     for name in fields:
         field = buffer.schema.fields[name]
         rows = EpisodeRows(
-            buffer.storage, name, slots, lens, length, field.shape, field.dtype, field.fill, plan.generations
+            buffer.storage,
+            name,
+            slots,
+            lens,
+            length,
+            field.shape,
+            field.dtype,
+            field.fill,
+            plan.generations,
+            getattr(buffer, "snapshot_name", None),
         )
         per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
         out[name] = da.from_array(
@@ -480,11 +493,12 @@ class FieldStats:
                 f"that is not sketched: more than {sketches.MAX_FEATURES} values per step, or not numeric)"
             )
         qs = np.atleast_1d(np.asarray(q, np.float64))
-        if qs.ndim != 1 or ((qs < 0) | (qs > 1)).any():
+        if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():  # NaN fails too
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
         values = values.reshape(len(qs), *self.mean.shape)
-        return torch.from_numpy(values[0] if np.ndim(q) == 0 else values)
+        # values[0] of a scalar field is a numpy scalar: keep it a 0-d array
+        return torch.from_numpy(np.asarray(values[0]) if np.ndim(q) == 0 else values)
 
     @property
     def rank_error(self) -> float:
@@ -587,11 +601,16 @@ def _lens_histogram(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _block_stats(
-    storage: Any, fields: dict[str, Any], slots: np.ndarray, generations: np.ndarray, lens: np.ndarray
+    storage: Any,
+    fields: dict[str, Any],
+    slots: np.ndarray,
+    generations: np.ndarray,
+    lens: np.ndarray,
+    snapshot: str | None = None,
 ) -> tuple:
     """(kept, moments per field, per-episode sums of scalar fields) of a few whole episodes,
     every field read in one consistent read: an episode a writer rewrote meanwhile is left out
-    (``kept`` False, sums 0)."""
+    (``kept`` False, sums 0), or raises ``SnapshotError`` in a ``snapshot`` view."""
     length = int(lens.max(initial=0))
     blocks = {n: np.empty((len(slots), length, *f.shape), f.dtype) for n, f in fields.items()}
 
@@ -608,7 +627,7 @@ def _block_stats(
                     generations[lo:hi],
                 )
 
-    kept = read_consistent(storage, slots.copy(), generations.copy(), read)
+    kept = read_consistent(storage, slots.copy(), generations.copy(), read, snapshot=snapshot)
     lens = np.where(kept, lens, 0)
     valid = np.arange(length)[None, :] < lens[:, None]
     moments = {n: _block_moments(block, lens) for n, block in blocks.items()}
@@ -696,6 +715,7 @@ def _data_stats(
             plan.slots[lo : lo + per_task],
             plan.generations[lo : lo + per_task],
             plan.lens[lo : lo + per_task],
+            getattr(buffer, "snapshot_name", None),
         )
         for lo in range(0, len(plan.slots), per_task)
     ]

@@ -27,7 +27,7 @@ import numpy as np
 from . import snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer
-from .consistency import read_consistent, replanner, stored_bookkeeping
+from .consistency import read_consistent, replanner, snapshot_gone, stored_bookkeeping
 from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
 from .schema import Field, Schema
 from .staging import EpisodeGroup
@@ -183,8 +183,13 @@ class DataView(ArrayBase):
             out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
         generations = stored_bookkeeping(storage, (), slots)["_generation"]
-        if getattr(buffer, "snapshot_name", None) is not None:  # a snapshot view reads its own episodes only
-            generations[generations != buffer.generations[slots]] = 0
+        snapshot = getattr(buffer, "snapshot_name", None)
+        if snapshot is not None:  # a snapshot view reads its own episodes only, or raises
+            recorded = np.asarray(buffer.generations, np.int64)[slots]
+            gone = (recorded > 0) & (generations != recorded)
+            if gone.any():
+                raise snapshot_gone(snapshot, storage.location, slots[gone])
+            generations[recorded == 0] = 0
         kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots))
         out[~kept] = 0
         return out
@@ -289,12 +294,16 @@ class ReplayBuffer(CommittedViews):
                 raise FileNotFoundError(f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only")
             self._setup(self._open(wanted))
             return
+        held: list[str] = []  # overwrite=True: snapshots erased with the episodes they hold
         if overwrite or not self.storage.exists():
             self._check_creatable(wanted)
             self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
+            if overwrite and self.storage.exists():
+                held = snapshots.check_overwrite(self.storage, self.drop_snapshots_on_overwrite)
         self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
+            snapshots.warn_dropped(self.storage.location, held)
             self._commit.recover()
             self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:

@@ -26,6 +26,7 @@ from replaybuf.storage.base import BufferDamagedError, StorageError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     episode_frames,
+    episode_slots,
     frames_to_sheet,
     image_fields,
     to_rgb_uint8,
@@ -259,11 +260,13 @@ def _check_inspect_outputs(args: argparse.Namespace) -> None:
 
 
 def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]) -> None:
-    count = int(buffer.num_episodes)
+    count = episode_slots(buffer)
     outside = [episode for episode in episodes if episode >= count]
     if outside:
         valid = f"0..{count - 1}" if count else "none, the buffer is empty"
-        raise ValueError(f"--episode: {outside} out of range, the buffer has {count} episodes (valid: {valid})")
+        raise ValueError(
+            f"--episode: {outside} out of range, the buffer has {buffer.num_episodes} episodes (valid: {valid})"
+        )
     candidates = image_fields(buffer)
     unknown = [field for field in fields if field not in buffer.fieldnames]
     if unknown:
@@ -276,8 +279,11 @@ def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]
 def run_inspect(args: argparse.Namespace) -> int:
     """Render the chosen episodes per field to videos (and sheets), then optionally serve them."""
     from replaybuf.viewer import ReplayApp, ViewerServer
+    from replaybuf.viewer.server import check_port
 
     _check_inspect_outputs(args)
+    if args.serve is not None:
+        check_port(args.serve)  # a busy port fails now, not after rendering every video
     buffer = open_buffer(args.location, store_options(args))
     fields = args.field or image_fields(buffer)
     if not fields:

@@ -353,6 +353,9 @@ class ConcatReplayBuffer(CommittedViews):
             max(b.max_timesteps for b in self.buffers),
         )
         self.read_only = True
+        # members all at one snapshot: reads raise SnapshotError for an episode no longer stored
+        names = {b.snapshot_name for b in self.buffers}
+        self.snapshot_name = names.pop() if len(names) == 1 else None
         self.folder = [b.folder for b in self.buffers]
         self.storage = ConcatStorage(self.buffers, self.schema)
         self.data = {n: DataView(self, n) for n in self.schema.fields}

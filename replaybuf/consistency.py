@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .snapshots import SnapshotError
 from .storage import GenerationMismatchError
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ def read_consistent(
     exhausted: str = "raise",
     retries: int = RETRIES,
     verified: bool | None = None,
+    snapshot: str | None = None,
 ) -> np.ndarray:
     """Read items ``0 .. n-1`` (item i: slot ``slots[i]`` planned at ``generations[i]``; 0 or
     less: empty, not read) until each was read while its slot held the planned episode.
@@ -147,7 +149,12 @@ def read_consistent(
     ``generations`` are updated in place by re-plans. When items still change after
     ``retries`` rereads: ``ConcurrentWriteError``, or with ``exhausted='drop'`` they are
     dropped (a sampler draws without them).
+
+    ``snapshot`` (default: ``source.snapshot_name``, a snapshot view's): the plan is that
+    snapshot's episodes, so an item whose slot no longer holds its planned episode raises
+    ``SnapshotError`` instead of being re-planned or dropped.
     """
+    snapshot = snapshot if snapshot is not None else getattr(source, "snapshot_name", None)
     if exhausted not in ("raise", "drop"):
         raise ValueError(f"exhausted must be 'raise' or 'drop', got {exhausted!r}")
     if verified is None:
@@ -172,6 +179,8 @@ def read_consistent(
         if failed is not None and not changed.any():
             raise failed
         moved = todo[changed]
+        if snapshot is not None and len(moved):
+            raise snapshot_gone(snapshot, _storage(source).location, slots[moved]) from failed
         if len(moved) and replan is not None:
             slots[moved], generations[moved] = replan(moved)
         else:
@@ -188,6 +197,16 @@ def read_consistent(
     if exhausted == "drop" and failed is None:
         return kept
     raise ConcurrentWriteError(_storage(source).location, np.unique(slots[todo]), retries) from failed
+
+
+def snapshot_gone(name: str, location: str, slots: np.ndarray) -> SnapshotError:
+    """The ``SnapshotError`` of a snapshot view whose recorded episodes in ``slots`` were
+    overwritten or dropped since it was opened: its reads would no longer be that snapshot."""
+    return SnapshotError(
+        f"snapshot {name!r} of {location!r}: the recorded episode(s) in slot(s) {np.unique(slots).tolist()} were "
+        "overwritten or dropped since the view was opened (the snapshot was dropped, or a writer opened with "
+        "drop_snapshots_on_overwrite=True reused them); nothing of them is returned"
+    )
 
 
 @dataclass
@@ -222,7 +241,9 @@ def read_episodes_consistent(
     meta fields and lengths as stored; ``dropped`` lists the slots left out (empty, being
     rewritten, or no longer holding ``generations`` when a batch plan passes them). A slot
     that changed during the read is read again as the episode it holds now when no
-    ``generations`` are passed. ``with_meta=False`` leaves meta fields out (``meta`` is empty).
+    ``generations`` are passed. A snapshot view reads its recorded episodes (a slot outside it
+    is empty) and raises ``SnapshotError`` for one no longer stored. ``with_meta=False``
+    leaves meta fields out (``meta`` is empty).
     """
     slots = np.asarray(slots, dtype=np.int64)
     if slots.ndim != 1:
@@ -238,6 +259,13 @@ def read_episodes_consistent(
         )
     storage, meta_names = buffer.storage, list(buffer.schema.meta_fields) if with_meta else []
     plan = stored_bookkeeping(storage, meta_names, slots)
+    snapshot = getattr(buffer, "snapshot_name", None)
+    if snapshot is not None:  # a snapshot view reads its recorded episodes, or raises
+        expected = np.asarray(buffer.generations, np.int64)[slots] if generations is None else generations
+        gone = (np.asarray(expected) > 0) & (plan["_generation"] != expected)
+        if gone.any():
+            raise snapshot_gone(snapshot, storage.location, slots[gone])
+        generations = expected
     if generations is not None:
         generations = np.asarray(generations, dtype=np.int64)
         if generations.shape != slots.shape:

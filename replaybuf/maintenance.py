@@ -592,8 +592,13 @@ def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> 
     Returns the removed holder's record (host, pid, since, ...), None when no lease was held.
     A local lock is released by the kernel when its process exits, so a held one belongs to a
     running process: that raises BufferLockedError naming it (stop the process instead).
+    FileNotFoundError when the location holds neither a buffer nor a lease (a mistyped path).
     """
-    return make_storage(location, None, storage_options).writer_lease().unlock()
+    storage = make_storage(location, None, storage_options)
+    holder = storage.writer_lease().unlock()
+    if holder is None and not storage.exists():
+        raise FileNotFoundError(f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}")
+    return holder
 
 
 # ---- command line ---------------------------------------------------------------------------------------
@@ -674,6 +679,8 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_verify(args: argparse.Namespace) -> int:
     from .cli import store_options
 
+    if not make_storage(args.path, None, store_options(args)).exists():  # a mistyped path: a usage error
+        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}")
     problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)
@@ -684,20 +691,15 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _add_unlock_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("location", help="buffer folder or URL")
-    parser.add_argument(
-        "--storage-options",
-        type=json.loads,
-        default=None,
-        metavar="JSON",
-        help='store options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
-    )
+    add_store_arguments(parser)
 
 
 def _run_unlock(args: argparse.Namespace) -> int:
+    from .cli import store_options
     from .storage.lease import BufferLockedError, describe_holder
 
     try:
-        holder = unlock(args.location, args.storage_options)
+        holder = unlock(args.location, store_options(args))
     except BufferLockedError as error:
         print(error, file=sys.stderr)
         return 1

@@ -308,6 +308,9 @@ def chosen_episodes(buffer: Any, episodes: Sequence[int] | np.ndarray | None, ca
     """The committed slots ``episodes`` names (default: all, oldest first), checked."""
     valid = np.asarray(buffer.valid_episodes(), np.int64)
     slots = valid if episodes is None else np.asarray(episodes, np.int64).reshape(-1)
+    values, counts = np.unique(slots, return_counts=True)
+    if (counts > 1).any():  # each would count twice
+        raise ValueError(f"{call}: episodes lists slot(s) {values[counts > 1].tolist()} more than once")
     stray = sorted(set(slots.tolist()) - set(valid.tolist()))
     if stray:
         raise ValueError(f"{call}: episodes {stray} hold no committed episode (committed: {valid.tolist()})")
@@ -359,6 +362,8 @@ def normalizer(
     ``'quantile'`` (the quantiles ``q`` map to -1 and 1)."""
     if kind not in ("meanstd", "quantile"):
         raise ValueError(f"normalizer: kind must be 'meanstd' or 'quantile', got {kind!r}")
+    if kind == "quantile" and not (len(q) == 2 and 0 <= q[0] < q[1] <= 1):
+        raise ValueError(f"normalizer: q must be two quantiles 0 <= low < high <= 1, got {q!r}")
     stats = summary(buffer, [field], episodes)[field]
     if kind == "meanstd":
         return Normalizer(stats.mean, stats.std.clamp_min(eps))

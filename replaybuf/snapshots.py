@@ -169,6 +169,46 @@ def drop(storage: Storage, name: str) -> None:
     storage.delete_blobs(f"{PREFIX}{name}/")
 
 
+def holding(storage: Storage) -> list[str]:
+    """The snapshots of ``storage`` that record at least one episode (a damaged one counts), read
+    without the buffer's schema: what ``overwrite=True`` would erase from under them."""
+    found = []
+    for name in names(storage):
+        try:
+            doc = json.loads(storage.read_blob(key(name)) or b"{}")
+            held = not isinstance(doc, dict) or not isinstance(doc.get("slots"), list) or len(doc["slots"]) > 0
+        except (ValueError, UnicodeDecodeError):
+            held = True
+        if held:
+            found.append(name)
+    return found
+
+
+def check_overwrite(storage: Storage, drop: bool) -> list[str]:
+    """Before ``overwrite=True`` erases a buffer: refuse (``SnapshotHeldError``) when snapshots
+    hold some of its episodes, unless ``drop`` (``drop_snapshots_on_overwrite=True``); returns
+    those snapshots (for ``warn_dropped``)."""
+    held = holding(storage)
+    if held and not drop:
+        raise SnapshotHeldError(
+            f"overwrite=True would erase the episodes of {storage.location!r} held by snapshot(s) {held}; "
+            "nothing was written - reopen it with overwrite=False (or from_folder), drop_snapshot() them first, "
+            "or pass drop_snapshots_on_overwrite=True"
+        )
+    return held
+
+
+def warn_dropped(location: str, held: list[str]) -> None:
+    """Warn that ``overwrite=True`` with ``drop_snapshots_on_overwrite=True`` erased the ``held``
+    snapshots with the episodes they recorded (the storage erases every snapshot on create)."""
+    if held:
+        warnings.warn(
+            f"snapshot(s) {held} of {location!r} dropped: overwrite=True erased the episodes they held "
+            "(drop_snapshots_on_overwrite=True)",
+            stacklevel=3,
+        )
+
+
 def held_episodes(storage: Storage, schema: Schema) -> dict[int, tuple[int, list[str]]]:
     """slot -> (generation, names of the snapshots holding that episode), over every snapshot."""
     held: dict[int, tuple[int, list[str]]] = {}

@@ -25,6 +25,7 @@ __all__ = [
     "VIDEO_SUFFIXES",
     "default_image_field",
     "episode_frames",
+    "episode_slots",
     "frames_to_sheet",
     "image_fields",
     "is_image_field",
@@ -264,18 +265,26 @@ def _episode_list(buffer: Any, episode_index: int | Sequence[int]) -> list[int]:
             ) from None
     if not indices:
         raise ValueError("episode_index: got an empty list, expected at least one episode")
-    num_episodes = int(buffer.num_episodes)
+    slots = episode_slots(buffer)
     for index in indices:
         if isinstance(index, bool) or not isinstance(index, int | np.integer):
             raise TypeError(f"episode_index: expected ints, got {index!r} ({type(index).__name__})")
-        if not 0 <= index < num_episodes:
+        if not 0 <= index < slots:
             raise ValueError(
-                f"episode_index: episode {index} is out of range, the buffer has {num_episodes} episodes "
-                f"(valid: 0..{num_episodes - 1})"
-                if num_episodes
+                f"episode_index: episode {index} is out of range, the buffer has {buffer.num_episodes} episodes "
+                f"(valid: 0..{slots - 1})"
+                if slots
                 else f"episode_index: episode {index} is out of range, the buffer is empty"
             )
     return [int(index) for index in indices]
+
+
+def episode_slots(buffer: Any) -> int:
+    """How many episode indices (slots ``0 .. n-1``) there are to look at: ``num_episodes``, or
+    up to the last slot holding a committed episode where one lies past it (after
+    ``drop_episodes``, an ``episode_index`` jump, or a ConcatReplayBuffer's later members)."""
+    valid = np.asarray(buffer.valid_episodes())
+    return max(int(buffer.num_episodes), int(valid.max()) + 1 if len(valid) else 0)
 
 
 def episode_frames(buffer: Any, episode_index: int | Sequence[int] = 0, field: str | None = None) -> np.ndarray:
@@ -315,6 +324,12 @@ def save_video(
 ) -> Path:
     """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
     _check_video_path(Path(path))
+    candidates = image_fields(buffer)
+    if field is not None and field in buffer.fieldnames and field not in candidates:  # before reading it
+        raise ValueError(
+            f"field: {field!r} holds values of shape {tuple(buffer.shapes[field])} per step, not image frames; "
+            f"image-like fields: {candidates}"
+        )
     return trajectory_to_video(episode_frames(buffer, episode_index, field), path, fps=fps, **kwargs)
 
 

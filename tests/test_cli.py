@@ -167,6 +167,41 @@ def test_view_reports_a_busy_port(buffer_folder, capsys):
     assert f"cannot listen on 127.0.0.1:{busy.port}" in error
 
 
+def test_inspect_serve_reports_a_busy_port_before_rendering(buffer_folder, workdir, capsys):
+    """It rendered every video first (into a temp folder it then removed), then failed."""
+    from replaybuf import ReplayBuffer
+    from replaybuf.viewer import BufferApp, ViewerServer
+
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(buffer_folder, read_only=True))) as busy:
+        argv = [str(buffer_folder), "--serve", str(busy.port), "--no-browser", "--output", "replay.mp4"]
+        error = usage_error(capsys, inspect_main, argv)
+    assert f"cannot listen on 127.0.0.1:{busy.port}" in error
+    assert list(workdir.iterdir()) == [], "nothing rendered"
+
+
+def test_every_command_takes_the_store_options(capsys):
+    """README: every command that takes a location accepts --storage-options, --anon and
+    --endpoint-url (unlock had --storage-options only)."""
+    for name in commands:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        for option in ("--storage-options JSON", "--anon", "--endpoint-url URL"):
+            assert option in text, f"replaybuf {name} lacks {option}"
+
+
+def test_verify_of_a_mistyped_path_is_a_usage_error(workdir, capsys):
+    """It printed 'cannot open the buffer' as a finding (exit 1), unlike every other command."""
+    assert "no replaybuf or memmap-replay-buffer buffer at 'nope'" in usage_error(capsys, main, ["verify", "nope"])
+
+
+def test_unlock_of_a_mistyped_path_is_an_error(workdir, capsys):
+    """It printed 'no writer lease held' and exited 0 for a folder that does not exist."""
+    assert "no replaybuf buffer (nor writer lease) at 'nope'" in usage_error(capsys, main, ["unlock", "nope"])
+    assert not (workdir / "nope").exists()
+    assert "invalid JSON '{bad'" in usage_error(capsys, main, ["unlock", "nope", "--storage-options", "{bad"])
+
+
 @pytest.mark.parametrize(
     ("entry", "argv", "expected"),
     [

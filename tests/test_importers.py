@@ -248,6 +248,16 @@ def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
     assert attrs["file_attrs"] == {"env_name": "hopper-medium-v2", "max_steps": 1000}
 
 
+def test_d4rl_file_without_steps_has_no_episodes(tmp_path):
+    """An empty D4RL file made one episode of 0 steps: 'max_timesteps must be a positive int'."""
+    with require("h5py").File(tmp_path / "empty.hdf5", "w") as f:
+        for name in ("observations", "actions", "rewards", "terminals", "timeouts"):
+            f.create_dataset(name, data=np.zeros(0, np.float32))
+    with pytest.raises(imp.ImportSourceError, match=r"empty\.hdf5: no episodes to import"):
+        imp.d4rl(tmp_path / "empty.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
 def test_bad_hdf5_file_names_it(tmp_path):
     (tmp_path / "broken.hdf5").write_bytes(b"not hdf5 at all")
     with pytest.raises(imp.ImportSourceError, match=r"broken\.hdf5: cannot open as HDF5"):
@@ -384,6 +394,35 @@ def test_lerobot_refuses_other_versions(tmp_path):
         imp.lerobot(tmp_path / "src", tmp_path / "dst")
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda info: info.pop("features"), r"malformed LeRobot info \(missing key 'features'\)"),
+        (lambda info: info.pop("fps"), r"malformed LeRobot info \(missing key 'fps'\)"),
+        (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be > 0"),
+        (lambda info: info["features"]["action"].pop("dtype"), r"malformed LeRobot info \(missing key 'dtype'\)"),
+        (lambda info: info.update(features=[1, 2]), r"malformed LeRobot info \(AttributeError"),
+    ],
+)
+def test_lerobot_malformed_info_names_the_file(tmp_path, change, message):
+    """A malformed info.json raised a bare KeyError ('features'), which the CLI printed alone."""
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    change(info)
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(imp.ImportSourceError, match=r"info\.json: " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_missing_data_file_is_named(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    (tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet").unlink()
+    with pytest.raises(imp.ImportSourceError, match=r"episode 0: cannot read its frames: no such file '.*file-000"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+
+
 def test_lerobot_video_export_needs_even_frames(tmp_path):
     buffer = ReplayBuffer(tmp_path / "odd", max_episodes=1, max_timesteps=2, fields={"cam": ("uint8", (5, 5, 3))})
     buffer.store_episode(cam=np.zeros((2, 5, 5, 3), np.uint8))
@@ -468,8 +507,9 @@ def test_minari_dataset_recorded_by_its_data_collector(tmp_path, monkeypatch):
 def test_minari_unknown_dataset(tmp_path, monkeypatch):
     pytest.importorskip("minari")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
-    with pytest.raises(imp.ImportSourceError, match="nothing/here-v0: cannot open as a Minari dataset"):
+    with pytest.raises(imp.ImportSourceError, match="nothing/here-v0: cannot open as a Minari dataset") as raised:
         imp.minari("nothing/here-v0", tmp_path / "dst")
+    assert "`minari download nothing/here-v0` first" in str(raised.value)
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -484,7 +524,11 @@ def test_cli_import_and_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "imported 0 episodes (0 steps)" in out and "3 were already there" in out
     assert main(["export", "diffusion_policy", dst, str(tmp_path / "out.zarr")]) == 0
-    assert "exported 3 episodes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "exported 3 episodes" in out
+    assert "meta fields ['source_episode'] have no place in the diffusion_policy layout and were left out" in out
+    assert main(["export", "lerobot", dst, str(tmp_path / "out-lr")]) == 0
+    assert "meta fields ['source_episode'] have no place in the lerobot layout" in capsys.readouterr().out
 
 
 def test_cli_errors_are_usage_messages(tmp_path, capsys):

@@ -74,8 +74,11 @@ def test_state_dict_keeps_the_count(tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"samples_per_insert": 0}, "samples_per_insert must be > 0"),
-        ({"samples_per_insert": -1.0}, "samples_per_insert must be a number >= 0"),
+        ({"samples_per_insert": 0}, "samples_per_insert must be a number > 0"),
+        ({"samples_per_insert": -1.0}, r"samples_per_insert must be a number > 0\.0, got -1\.0"),
+        ({"samples_per_insert": float("nan")}, "samples_per_insert must be a number > 0"),
+        ({"min_size": 10}, r"min_size=10: applies only to a rate-limited loader; pass samples_per_insert=R"),
+        ({"error_buffer": 4, "rate_timeout": 5}, r"error_buffer=4, rate_timeout=5: apply only to a rate-limited"),
         ({"samples_per_insert": "2"}, "samples_per_insert must be a number"),
         ({"samples_per_insert": 1, "min_size": 0}, "min_size must be an int >= 1"),
         ({"samples_per_insert": 1, "min_size": 2.5}, "min_size must be an int"),
@@ -88,6 +91,18 @@ def test_bad_arguments(tmp_path, bad, message):
     store(buffer, 0)
     with pytest.raises(ValueError, match=message):
         buffer.dataloader(2, **bad)
+
+
+def test_infinite_ratio_waits_for_min_size_only(tmp_path):
+    """samples_per_insert=inf is Reverb's MinSize: nothing before min_size steps, then no limit
+    (at exactly min_size steps inf * 0 made the bound nan and it blocked)."""
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=4, max_timesteps=LENGTH, fields=FIELDS)
+    store(buffer, 0)
+    options = dict(timestep_level=True, samples_per_insert=float("inf"), rate_timeout=0.05)
+    with pytest.raises(RateLimitTimeout, match="for min_size=6 committed steps"):
+        next(iter(buffer.dataloader(2, min_size=LENGTH + 1, **options)))
+    loader = buffer.dataloader(2, min_size=LENGTH, **options)
+    assert sum(len(batch["state"]) for _ in range(3) for batch in loader) == 3 * LENGTH
 
 
 def slow_writer(location: str, storage_options: dict | None, episodes: int, pause: float) -> None:

@@ -104,6 +104,22 @@ def test_overwritten_and_step_written_episodes(tmp_path):
     assert_within_rank_error(stats, values)
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_overwrite_true_erases_the_old_buffers_sketches(tmp_path, backend):
+    """A new buffer counts generations from 1 again: a sketch left by the buffer it replaced
+    named the same slot and generation and was merged into its stats (mean 0 for data of 5)."""
+    path = tmp_path / "b"
+    old = ReplayBuffer(path, max_episodes=2, max_timesteps=200, fields={"x": "float"}, backend=backend)
+    old.store_episode(x=np.zeros(200, np.float32))
+    assert old.stats(["x"])["x"].mean == 0 and old.storage.list_blobs(PREFIX)
+    old.close()
+    new = ReplayBuffer(path, max_episodes=2, max_timesteps=200, fields={"x": "float"}, backend=backend)
+    assert new.storage.list_blobs(PREFIX) == []
+    new.store_episode(x=np.full(200, 5, np.float32))
+    assert new.stats(["x"])["x"].mean == 5 and new.stats(["x"], exact=True)["x"].mean == 5
+    new.close()
+
+
 def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
     buffer = make(tmp_path / "b", 3)
     buffer.stats(["state"])
@@ -247,6 +263,23 @@ def test_errors(tmp_path):
         normalizer(buffer, "state", kind="minmax")
     with pytest.raises(ValueError, match="q must be in"):
         summary(buffer)["state"].quantile(1.5)
+    with pytest.raises(ValueError, match="q must be in"):
+        summary(buffer)["state"].quantile(float("nan"))  # NaN compared False both ways: was accepted
+    with pytest.raises(ValueError, match=r"episodes lists slot\(s\) \[0\] more than once"):
+        buffer.stats(["state"], episodes=[0, 0, 1])  # slot 0 was counted twice
+    with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got \(0.99, 0.01\)"):
+        normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
+
+
+def test_quantile_of_a_scalar_field(tmp_path):
+    """One q of a scalar field (rewards) is a 0-d tensor; it raised TypeError (a numpy scalar)."""
+    buffer = make(tmp_path / "b", 2)
+    rewards = np.concatenate([episode(i)["reward"] for i in range(2)])
+    stats = buffer.stats(["reward"])["reward"]
+    median = stats.quantile(0.5)
+    assert median.shape == () and median.dtype == torch.float32
+    assert abs((rewards <= median.item()).mean() - 0.5) <= stats.rank_error
+    assert stats.quantile([0.5]).shape == (1,)
 
 
 def test_short_episodes_get_no_blob_and_are_sketched_from_their_data(tmp_path):

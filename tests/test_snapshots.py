@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from replaybuf import ConcatReplayBuffer, ReplayBuffer, SnapshotError, SnapshotHeldError
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, SnapshotError, SnapshotHeldError, read_episodes_consistent
 from replaybuf.snapshots import key
 
 from ._backends import BACKENDS, make_place, snapshot
@@ -165,6 +165,63 @@ def test_a_view_of_an_overwritten_snapshot_is_refused(tmp_path):
         write(writer, [10])
     with pytest.raises(SnapshotError, match=r"snapshot 'a' of .*: slot 0 holds generation 4 .*recorded generation 1"):
         view.refresh()
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_an_open_view_never_reads_a_reused_slot(tmp_path, concat):
+    """A view opened before its snapshot was dropped and a slot reused raises on every read path
+    (it used to return the new episode from get_all_data and episode_frames, and leave it out of
+    stats), and reads as before while its episodes stay."""
+    location = str(tmp_path / "b")
+    writer = make(location, max_episodes=3)
+    write(writer, range(3))
+    writer.snapshot("a")
+    view = ReplayBuffer.from_folder(location, snapshot="a")
+    if concat:
+        view = ConcatReplayBuffer([view])
+    reads = {
+        "get_all_data": lambda: view.get_all_data()["reward"],
+        "get_all_data lazy": lambda: view.get_all_data(lazy=True)["reward"].compute(),
+        "to_dask": lambda: view.to_dask()["reward"].compute(),
+        "stats": lambda: view.stats(["reward"])["reward"].mean,
+        "stats exact": lambda: view.stats(["reward"], exact=True)["reward"].mean,
+        "data": lambda: view.data["reward"][0],
+        "episode": lambda: read_episodes_consistent(view, [0], ["reward"]).data["reward"],
+    }
+    before = {name: np.asarray(read()) for name, read in reads.items()}
+    writer.drop_snapshot("a")
+    write(writer, [10])  # reuses slot 0
+    for read in reads.values():
+        with pytest.raises(SnapshotError, match=r"snapshot 'a' of .*slot\(s\) \[0\] were overwritten or dropped"):
+            read()
+    assert before["episode"][0, 0] == 0.0 and before["get_all_data"][:, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overwrite_true_refuses_held_snapshots_and_erases_them_when_asked(tmp_path, backend):
+    """overwrite=True (the default) erased the episodes and left the snapshots behind, naming
+    slots and generations the new buffer counts again from 1: refused while they hold episodes,
+    and erased with the buffer under drop_snapshots_on_overwrite=True."""
+    place = make_place(backend, tmp_path)
+    writer = make(place.location, **place.kwargs)
+    writer.snapshot("empty")  # holds no episode
+    write(writer, range(2))
+    writer.snapshot("a")
+    writer.close()
+    before = snapshot(place.location)
+    with pytest.raises(SnapshotHeldError, match=r"overwrite=True would erase .* held by snapshot\(s\) \['a'\]"):
+        make(place.location, **place.kwargs)
+    assert snapshot(place.location) == before, "a refused overwrite wrote nothing"
+    with pytest.warns(UserWarning, match=r"snapshot\(s\) \['a'\] .* dropped: overwrite=True erased"):
+        writer = make(place.location, drop_snapshots_on_overwrite=True, **place.kwargs)
+    assert writer.snapshots() == [] and len(writer) == 0
+    write(writer, range(2))  # the same slots, generations and lengths as the dropped 'a' recorded
+    with pytest.raises(SnapshotError, match="no snapshot 'a'"):
+        ReplayBuffer.from_folder(place.location, snapshot="a", **place.kwargs)
+    writer.snapshot("b")
+    writer.drop_snapshot("b")
+    writer.close()
+    make(place.location, **place.kwargs).close()  # no snapshot left: overwrite as before
 
 
 def test_names_and_misuse(tmp_path):

@@ -190,6 +190,13 @@ def test_save_video_renders_each_layout(buffer, tmp_path, field):
     assert decoded.shape == (STEPS[0] + STEPS[2], 32, 32, 3)
 
 
+def test_save_video_of_a_field_without_frames_names_the_image_fields(buffer, tmp_path):
+    """It failed inside the encoder with 'frames: expected (T, H, W) ... got shape (5, 4)'."""
+    with pytest.raises(ValueError, match=r"'action' holds values of shape \(4,\) per step, not image frames; "):
+        save_video(buffer, tmp_path / "a.mp4", field="action")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_video_checks_the_suffix_before_reading(buffer, tmp_path):
     with pytest.raises(ValueError, match="suffix"):
         save_video(buffer, tmp_path / "episode.txt", field="front")

@@ -150,9 +150,38 @@ def test_an_empty_buffer_lists_no_episodes(tmp_path):
 
     ReplayBuffer(tmp_path / "empty", max_episodes=2, max_timesteps=3, fields={"cam": ("uint8", (8, 8))}).close()
     with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "empty", read_only=True))) as server:
-        assert get_json(server, "/api/episodes")[1] == {"num_episodes": 0, "columns": [], "lengths": [], "meta": {}}
+        assert get_json(server, "/api/episodes")[1] == {
+            "num_episodes": 0,
+            "slots": 0,
+            "columns": [],
+            "lengths": [],
+            "meta": {},
+        }
         assert get_json(server, "/api/info")[1]["image_fields"] == ["cam"]
         assert get_json(server, "/api/episodes/0")[0] == 404
+
+
+def test_an_episode_after_a_dropped_one_is_listed_and_rendered(tmp_path, capsys):
+    """After drop_episodes (or verify --repair) of slot 1 of 3, num_episodes is 2: the viewer
+    listed, and inspect and save_video accepted, slots 0 and 1 only, hiding slot 2's episode."""
+    from replaybuf import ReplayBuffer
+    from replaybuf.cli import main
+
+    writer = make_image_buffer(tmp_path / "b", steps=(4, 3, 5))
+    writer.drop_episodes([1])
+    writer.close()
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    assert reader.num_episodes == 2 and reader.valid_episodes().tolist() == [0, 2]
+    with ViewerServer(BufferApp(reader)) as server:
+        listed = get_json(server, "/api/episodes")[1]
+        assert (listed["num_episodes"], listed["slots"], listed["lengths"]) == (2, 3, [4, 0, 5])
+        assert get_json(server, "/api/episodes/2")[1]["length"] == 5
+        assert request(server, "/video/episodes/2/front.mp4")[0] == 200
+    assert (
+        main(["inspect", str(tmp_path / "b"), "--episode", "2", "--field", "front", "-o", str(tmp_path / "e.gif")]) == 0
+    )
+    assert "(5 frames" in capsys.readouterr().out
+    assert len(reader.episode_frames(2, "front")) == 5
 
 
 def test_non_finite_values_become_null(tmp_path):

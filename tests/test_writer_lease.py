@@ -303,9 +303,13 @@ def test_sigkilled_writer_frees_its_local_lock_even_with_a_forked_child_alive(ba
 
 def test_local_break_lock_and_unlock_refuse_a_live_holder(tmp_path, capsys):
     location = str(tmp_path / "buffer")
+    with pytest.raises(SystemExit):  # nothing there: a mistyped path
+        cli_main(["unlock", location])
+    assert "no replaybuf buffer (nor writer lease)" in capsys.readouterr().err
+    _open(location).close()
     assert cli_main(["unlock", location]) == 0
     assert "no writer lease held" in capsys.readouterr().out
-    writer = _open(location)
+    writer = _open(location, overwrite=False)
     with pytest.raises(BufferLockedError, match="stop that process"):
         make_storage(location).writer_lease().acquire(break_lock=True)
     assert cli_main(["unlock", location]) == 1

@@ -8,6 +8,8 @@ __all__ = ["CLI_COMMANDS"]
 
 IMPORT_FORMATS = ("diffusion_policy", "robomimic", "d4rl", "lerobot", "minari")
 EXPORT_FORMATS = ("diffusion_policy", "lerobot")
+# the meta fields each export writes (the others are left out, and the command says so)
+EXPORTED_META = {"diffusion_policy": (), "lerobot": ("task_index", "fps")}
 
 
 def _add_import_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +66,12 @@ def _run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"--video applies to the lerobot format, not {args.format!r}")
     count = export(args.format, args.src, args.dst, storage_options=store_options(args), **options)
     print(f"exported {count} episodes to {args.dst} ({args.format})")
+    from ..cli import open_buffer
+
+    with open_buffer(args.src, store_options(args)) as buffer:
+        left_out = [name for name in buffer.schema.meta_fields if name not in EXPORTED_META[args.format]]
+    if left_out:
+        print(f"meta fields {left_out} have no place in the {args.format} layout and were left out")
     return 0
 
 

@@ -146,7 +146,7 @@ class D4RLSource(Source):
         if "timeouts" in f:
             ends = ends | np.asarray(f["timeouts"][()], dtype=bool)
         stops = (np.flatnonzero(ends) + 1).tolist()
-        if not stops or stops[-1] != steps:
+        if steps and (not stops or stops[-1] != steps):  # an empty file: no episode, not one of 0 steps
             stops.append(steps)
         self._bounds = list(zip([0, *stops[:-1]], stops))
 

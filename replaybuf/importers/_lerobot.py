@@ -150,10 +150,29 @@ class LeRobotSource(Source):
             self.info = json.loads(info_path.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise ImportSourceError(f"{info_path}: cannot read LeRobot info: {error}") from error
+        if not isinstance(self.info, dict):
+            raise ImportSourceError(f"{info_path}: expected a JSON object, got {type(self.info).__name__}")
         version = str(self.info.get("codebase_version", ""))
         if not version.startswith("v3"):
             raise ImportSourceError(f"{info_path}: codebase_version {version!r}, expected a v3 dataset (v3.0)")
+        try:
+            self._read_features(info_path)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            if isinstance(error, ImportSourceError):
+                raise
+            what = f"missing key {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+            raise ImportSourceError(
+                f"{info_path}: malformed LeRobot info ({what}); expected 'fps' and 'features' with each "
+                "feature's 'dtype' and 'shape'"
+            ) from error
+        self._episodes = self._read_episodes()
+        self._tasks = self._read_tasks()
+
+    def _read_features(self, info_path: Path) -> None:
+        """The fields of ``info.json``'s features (KeyError, TypeError, ValueError where malformed)."""
         self.fps = float(self.info["fps"])
+        if not self.fps > 0:
+            raise ValueError(f"fps must be > 0, got {self.info['fps']!r}")
         self._fields: dict[str, dict[str, Any]] = {}
         self._features: dict[str, str] = {}  # field -> feature
         for feature, spec in self.info["features"].items():
@@ -170,8 +189,6 @@ class LeRobotSource(Source):
             else:
                 continue  # text features: a buffer stores numbers only
             self._features[name] = feature
-        self._episodes = self._read_episodes()
-        self._tasks = self._read_tasks()
 
     def _read_episodes(self) -> list[dict[str, Any]]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
@@ -254,6 +271,8 @@ class LeRobotSource(Source):
                 columns=[*columns, "frame_index", "task_index"],
                 filters=[("episode_index", "=", episode)],
             )
+        except FileNotFoundError as error:
+            raise ValueError(f"cannot read its frames: no such file {str(self._data_file(row))!r}") from error
         except self._pa.ArrowException as error:
             raise ValueError(f"cannot read its frames: {error}") from error
         table = table.sort_by("frame_index")

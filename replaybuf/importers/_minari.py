@@ -63,7 +63,9 @@ class MinariSource(Source):
             else:
                 self._dataset = minari.load_dataset(self.path)
         except (OSError, ValueError, KeyError) as error:
-            raise ImportSourceError(f"{self.path}: cannot open as a Minari dataset: {error}") from error
+            # minari's own advice (download=True) is no argument of ours: imports read local data only
+            hint = "" if folder.is_dir() else f" (imports read local datasets: `minari download {self.path}` first)"
+            raise ImportSourceError(f"{self.path}: cannot open as a Minari dataset: {error}{hint}") from error
         self._ids = [int(i) for i in self._dataset.episode_indices]
         metadata = self._dataset.storage.get_episode_metadata(self._ids)
         self._lengths = [int(row["total_steps"]) for row in metadata]

@@ -164,6 +164,18 @@ def make_dataloader(
     probabilities (``mixture.MixtureBatchSampler``; ``num_batches`` per pass, ``seed``), and the
     loader has ``state_dict()`` / ``load_state_dict()``.
     """
+    if samples_per_insert is None:
+        given = [
+            f"{name}={value!r}"
+            for name, value, default in (("min_size", min_size, 1), ("error_buffer", error_buffer, None))
+            if value != default
+        ] + ([f"rate_timeout={rate_timeout!r}"] if rate_timeout != 60.0 else [])
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: {'applies' if len(given) == 1 else 'apply'} only to a rate-limited loader; "
+                "pass samples_per_insert=R too (samples_per_insert=float('inf') waits for min_size steps, "
+                "then samples freely)"
+            )
     if samples_per_insert is not None:
         # every argument but the rate's, for the loader of each pass (locals(): the parameters only, here)
         options = {name: value for name, value in locals().items() if name not in _RATE_ARGUMENTS}

@@ -33,11 +33,14 @@ class RateLimitTimeout(TimeoutError):
     """The loader waited ``rate_timeout`` seconds for the writer without being allowed to sample."""
 
 
-def _check_number(name: str, value: Any, minimum: float, integer: bool = False) -> float | np.number:
+def _check_number(
+    name: str, value: Any, minimum: float, integer: bool = False, above: bool = False
+) -> float | np.number:
+    """``value`` if it is a number (an int with ``integer``) >= ``minimum`` (> with ``above``)."""
     kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not value >= minimum:
+    if isinstance(value, bool) or not isinstance(value, kinds) or not (value > minimum if above else value >= minimum):
         expected = "an int" if integer else "a number"
-        raise ValueError(f"{name} must be {expected} >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be {expected} {'>' if above else '>='} {minimum}, got {value!r}")
     return value
 
 
@@ -60,9 +63,7 @@ class RateLimiter:
         error_buffer: float = 0.0,
         timeout: float | None = 60.0,
     ):
-        self.samples_per_insert = float(_check_number("samples_per_insert", samples_per_insert, 0.0))
-        if self.samples_per_insert == 0:
-            raise ValueError("samples_per_insert must be > 0, got 0")
+        self.samples_per_insert = float(_check_number("samples_per_insert", samples_per_insert, 0.0, above=True))
         self.min_size = int(_check_number("min_size", min_size, 1, integer=True))
         self.error_buffer = float(_check_number("error_buffer", error_buffer, 0.0))
         if timeout is not None:
@@ -94,6 +95,8 @@ class RateLimiter:
         """Whether ``n`` more samples may be handed out with the inserts counted so far."""
         if self.inserted < self.min_size:
             return False
+        if self.samples_per_insert == float("inf"):  # min_size only (inf * 0 would be nan)
+            return True
         return self.sampled + n <= self.samples_per_insert * (self.inserted - self.min_size) + self.error_buffer
 
     def wait(self, n: int) -> None:

@@ -4,8 +4,9 @@ Each backend names the top-level entries of its own layout (``owns``); anything 
 the location (a user's file or folder, another program's objects, a whole bucket's worth of
 keys) is *foreign*, and creating a buffer there is refused before anything is deleted.
 Everything under a buffer's own folders belongs to it. Under ``replaybuf/`` erasing deletes
-the counters, the attributes and the step log only: other objects there (a writer's lease) belong to
-whoever holds them.
+the counters, the attributes, the step log, the statistics sketches and the named snapshots
+(both name slots and generations, which a new buffer counts again from 1) only: other objects
+there (a writer's lease) belong to whoever holds them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from ._kv import KeyValue
 from .base import ATTRS_KEY, LOG_PREFIX, STATE_KEY
 
 BLOB_DIR = "replaybuf"
+# blob folders of what a buffer derived from or recorded about its episodes, by slot and
+# generation: erased first, so none outlives the episodes it names
+EPISODE_BLOB_PREFIXES = (f"{BLOB_DIR}/snapshots/", f"{BLOB_DIR}/sketches/")
 # foreign entries an error names; the rest are counted
 NAMED_ENTRIES = 5
 
@@ -57,12 +61,15 @@ def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...]) -> N
     """Delete the top-level ``entries`` ``check_owned`` returned, the ``markers`` (the objects
     that make the location a buffer) last, so an erase cut short still reads as a buffer and
     the next overwrite finishes it. A link is removed, never what it points to (``LocalKV``)."""
+    if f"{BLOB_DIR}/" in entries:
+        for prefix in EPISODE_BLOB_PREFIXES:
+            kv.delete_prefix(prefix)
     for entry in entries:
         name = entry.rstrip("/")
         if name in markers:
             continue
         if entry == f"{BLOB_DIR}/":
-            kv.delete_prefix(LOG_PREFIX)  # the counters, the attributes and the step log only
+            kv.delete_prefix(LOG_PREFIX)  # the counters, the attributes and the step log
             kv.delete_many([STATE_KEY, ATTRS_KEY])
         elif entry.endswith("/"):
             kv.delete_prefix(entry)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.video import image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.video import episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
 from replaybuf.view import BufferView
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
 
@@ -161,15 +161,17 @@ class BufferApp:
         }
 
     def episodes(self) -> dict[str, Any]:
-        """Every episode slot with its length and small meta values, read column by column."""
+        """Every episode slot up to the last committed one (``slots`` rows; ``num_episodes`` is
+        the seed's count) with its length and small meta values, read column by column."""
         buffer = self.buffer
         with self._read_lock:
             buffer.refresh()
-            count = int(buffer.num_episodes)
+            count = episode_slots(buffer)  # every committed episode, past a dropped one too
             lengths = np.asarray(buffer.episode_lens[:count])
             meta = {name: np.asarray(buffer.meta_data[name][:count]) for name in self.meta_columns}
         return {
-            "num_episodes": count,
+            "num_episodes": int(buffer.num_episodes),
+            "slots": count,
             "columns": self.meta_columns,
             "lengths": _json_values(lengths),
             "meta": {name: _json_values(values) for name, values in meta.items()},
@@ -234,7 +236,7 @@ class BufferApp:
     # helpers
 
     def _length(self, index: int) -> int:
-        count = int(self.buffer.num_episodes)
+        count = episode_slots(self.buffer)
         if not 0 <= index < count:
             raise NotFound(f"episode {index} (the buffer has {count} episodes)")
         return int(self.buffer.episode_lens[index])

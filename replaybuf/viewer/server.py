@@ -207,6 +207,22 @@ class _HTTPServer(ThreadingHTTPServer):
         super().__init__((HOST, port), _Handler)
 
 
+def check_port(port: int) -> None:
+    """Raise the ``OSError`` ``ViewerServer`` would raise when ``port`` cannot be listened on,
+    before work that precedes serving (rendering videos); 0 (a free port) always passes."""
+    if port:
+        try:
+            _HTTPServer(port, None).server_close()  # type: ignore[arg-type]  # no request is handled
+        except OSError as error:
+            raise _listen_error(port, error) from error
+
+
+def _listen_error(port: int, error: OSError) -> OSError:
+    return OSError(
+        f"cannot listen on {HOST}:{port} ({error.strerror or error}); pick another port, or 0 for a free one"
+    )
+
+
 class ViewerServer:
     """Serves one viewer app on 127.0.0.1; ``port=0`` picks a free port.
 
@@ -222,9 +238,7 @@ class ViewerServer:
             self._httpd = _HTTPServer(port, app)
         except OSError as error:
             app.close()
-            raise OSError(
-                f"cannot listen on {HOST}:{port} ({error.strerror or error}); pick another port, or 0 for a free one"
-            ) from error
+            raise _listen_error(port, error) from error
         self._thread: threading.Thread | None = None
 
     @property

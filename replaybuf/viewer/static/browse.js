@@ -92,7 +92,7 @@ class Browser {
   }
 
   renderRows() {
-    const count = this.episodes.num_episodes;
+    const count = this.episodes.slots;
     this.visible = [];
     for (let index = 0; index < count; index += 1) {
       if (this.columns.every((column, position) => this.filters[position](this.value(index, column)))) {
@@ -187,7 +187,7 @@ async function main() {
     window.viewer = { info, browser, player: browser.player };
     const fromHash = /episode=(\d+)/.exec(location.hash);
     const first = fromHash ? Number(fromHash[1]) : browser.visible[0];
-    if (first !== undefined && first < episodes.num_episodes) await browser.select(first);
+    if (first !== undefined && first < episodes.slots) await browser.select(first);
   } catch (error) {
     $('status').textContent = `could not load the buffer: ${error.message}`;
     $('status').classList.add('error');
