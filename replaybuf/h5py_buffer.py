@@ -9,12 +9,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import Any, Self
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
 from .buffer import ReplayBuffer
 from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from .storage._hdf5 import HDF5Storage
 
 INSTALL_HINT = "ReplayBufferH5PY needs h5py: pip install 'replaybuf[h5py]'"
 
@@ -95,6 +99,30 @@ class ReplayBufferH5PY(ReplayBuffer):
         return super().from_folder(
             folder, read_only=read_only, storage_options=storage_options, backend="hdf5", **kwargs
         )
+
+    @property
+    def h5_path(self) -> Path:
+        """The HDF5 file, ``<folder>/data.h5`` (as the seed's attribute), e.g. for ``h5py.File``."""
+        from .storage._hdf5 import DATA_FILE
+
+        return Path(self.folder) / DATA_FILE
+
+    @property
+    def h5py_compression(self) -> str | None:
+        """The compression the file's data fields were created with ('gzip', 'lzf' or None)."""
+        return self._h5_storage().compression()[0]
+
+    @property
+    def h5py_compression_opts(self) -> int | None:
+        """The gzip level the file's data fields were created with (None without gzip)."""
+        return self._h5_storage().compression()[1]
+
+    def _h5_storage(self) -> HDF5Storage:
+        from .storage._hdf5 import HDF5Storage
+
+        storage = getattr(self.storage, "inner", self.storage)  # behind a read cache, if any
+        assert isinstance(storage, HDF5Storage), "a ReplayBufferH5PY stores in HDF5"
+        return storage
 
     def get_buffered_storer(self, flush_freq: int) -> Callable[..., None]:
         """memmap-replay-buffer's batched writer of whole episodes.

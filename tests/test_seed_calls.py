@@ -12,6 +12,7 @@ import torch
 
 import replaybuf
 
+from ._backends import require
 from ._compare import assert_same
 
 FIELDS = {"obs": ("float", 2, 1.5), "act": "int", "done": "bool"}
@@ -119,3 +120,33 @@ def test_min_episode_len_must_be_a_positive_int(filled, value):
     _, ours = filled
     with pytest.raises(ValueError, match=f"min_episode_len must be an int >= 1, got {value!r}"):
         ours.dataset(min_episode_len=value)
+
+
+def test_h5py_buffer_attributes_match_the_seed(tmp_path):
+    require("h5py")
+    import h5py
+
+    args = dict(
+        max_episodes=2, max_timesteps=3, fields={"x": "float"}, h5py_compression="gzip", h5py_compression_opts=4
+    )
+    theirs = seed.ReplayBufferH5PY(tmp_path / "seed", **args)
+    ours = replaybuf.ReplayBufferH5PY(tmp_path / "ours", **args)
+    for buffer in (theirs, ours):
+        buffer.store(x=1.0)
+        buffer.advance_episode()
+        assert (buffer.h5py_compression, buffer.h5py_compression_opts) == ("gzip", 4)
+        assert buffer.h5_path == buffer.folder / "data.h5"
+        with h5py.File(buffer.h5_path, "r") as file:  # the file opens next to the buffer
+            assert len(file) > 0
+    reopened = replaybuf.ReplayBufferH5PY.from_folder(tmp_path / "ours", read_only=True)
+    assert (reopened.h5py_compression, reopened.h5py_compression_opts) == ("gzip", 4)  # as created
+    plain = replaybuf.ReplayBufferH5PY(tmp_path / "plain", 2, 3, fields={"x": "float"})
+    assert (plain.h5py_compression, plain.h5py_compression_opts) == (None, None)
+
+
+@pytest.mark.parametrize("call", ["reset_", "store_batch_datapoint", "store_batch_meta_datapoint"])
+def test_concat_refuses_the_seed_write_calls_as_the_seed(filled, call):
+    _, ours = filled
+    concat = replaybuf.ConcatReplayBuffer([ours.folder])
+    with pytest.raises(NotImplementedError, match=f"`{call}`"):
+        getattr(concat, call)()
