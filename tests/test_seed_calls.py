@@ -150,3 +150,49 @@ def test_concat_refuses_the_seed_write_calls_as_the_seed(filled, call):
     concat = replaybuf.ConcatReplayBuffer([ours.folder])
     with pytest.raises(NotImplementedError, match=f"`{call}`"):
         getattr(concat, call)()
+
+
+VIEW_EXPRESSIONS = [
+    "d.size",
+    "d.copy()",
+    "d.sum()",
+    "d.max()",
+    "d.astype(np.float64)",
+    "d.reshape(-1)",
+    "d.T.shape",
+    "d + 1",
+    "-d",
+    "d[1] * 2 == 2 * d[1]",
+    "m == 3",
+    "3 == m",
+    "m > 2",
+    "m.sum()",
+    "m.tolist()",
+    "d[m > 2].shape",
+    "np.add(d, m[:, None, None])",
+]
+
+
+@pytest.mark.parametrize("expression", VIEW_EXPRESSIONS)
+def test_data_and_meta_views_answer_like_the_seed_memmaps(filled, expression):
+    """``buffer.data[name]`` / ``meta_data[name]`` take numpy's methods and operators as the
+    seed's memmaps do: ``meta_data['label'] == 3`` was an identity comparison (False)."""
+    theirs, ours = filled
+    results = [
+        eval(expression, {"np": np, "d": b.data["obs"], "m": b.meta_data["label"]})  # noqa: S307 - fixed texts
+        for b in (ours, theirs)
+    ]
+    ours_value, seed_value = (np.asarray(r) if isinstance(r, np.ndarray) else r for r in results)
+    assert_same(ours_value, seed_value, expression)
+
+
+def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
+    _, ours = filled
+    view = ours.data["act"]
+    before = ours.get_all_data()
+    with pytest.raises(TypeError):
+        view += 1
+    with pytest.raises(AttributeError, match="'DataView' object has no attribute 'nope'"):
+        view.nope  # noqa: B018
+    assert_same(ours.get_all_data(), before, "after a refused in-place add")
+    assert hash(view) == hash(view) and view in {view}  # still hashable (by identity)
