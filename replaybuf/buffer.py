@@ -48,6 +48,7 @@ from .storage import (
     unpublished_slots,
     with_cache,
 )
+from .storage._seed import seed_h5_hint
 from .view import BufferView, CommittedViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
@@ -286,7 +287,10 @@ class ReplayBuffer(CommittedViews):
 
         if self.read_only:
             if not self.storage.exists():
-                raise FileNotFoundError(f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only")
+                raise FileNotFoundError(
+                    f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only"
+                    + seed_h5_hint(self.storage.location)
+                )
             self._setup(self._open(wanted))
             return
         if overwrite or not self.storage.exists():
@@ -333,7 +337,9 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
-            raise FileNotFoundError(f"no replaybuf buffer found at {os.fspath(folder)!r}")
+            raise FileNotFoundError(
+                f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
+            )
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
     @staticmethod

@@ -196,3 +196,41 @@ def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
         view.nope  # noqa: B018
     assert_same(ours.get_all_data(), before, "after a refused in-place add")
     assert hash(view) == hash(view) and view in {view}  # still hashable (by identity)
+
+
+@pytest.mark.parametrize("circular, episodes, in_progress", [(False, 2, False), (True, 5, True)])
+def test_copy_seed_h5_keeps_config_slots_and_order(tmp_path, circular, episodes, in_progress):
+    """A folder of the seed's ReplayBufferH5PY (a layout replaybuf does not open) is named as such
+    when opened, and ``copy_seed_h5`` makes a replaybuf buffer that reads as the seed's did."""
+    require("h5py")
+    args = dict(max_episodes=3, max_timesteps=4, fields=FIELDS, meta_fields=META, circular=circular)
+    theirs = seed.ReplayBufferH5PY(tmp_path / "seed", **args, h5py_compression="gzip")
+    for e in range(episodes):
+        for t in range(e % 3 + 1):
+            theirs.store(obs=[e, t], act=e)
+        theirs.store_meta_datapoint(theirs.episode_index, "label", e)
+        theirs.advance_episode()
+    if in_progress:
+        theirs.store(obs=[9, 9], act=9)  # published by the seed; copied as an episode of 1 step
+    theirs.flush()
+    hint = "memmap-replay-buffer ReplayBufferH5PY folder.*copy_seed_h5"
+    with pytest.raises(FileNotFoundError, match=hint):
+        replaybuf.ReplayBufferH5PY.from_folder(tmp_path / "seed")
+    with pytest.raises(FileNotFoundError, match=hint):
+        replaybuf.ReplayBuffer(tmp_path / "seed", read_only=True, overwrite=False)
+    with pytest.raises(ValueError, match="nothing was deleted.*" + hint):
+        replaybuf.ReplayBufferH5PY(tmp_path / "seed", **args)
+    assert sorted(p.name for p in (tmp_path / "seed").iterdir()) == ["data.h5", "metadata.pkl"]
+
+    ours = replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
+    next_slot = (theirs.episode_index + in_progress) % 3  # the episode in progress is committed
+    assert (ours.h5py_compression, ours.episode_index, len(ours)) == ("gzip", next_slot, len(theirs))
+    theirs_data = theirs.get_all_data()
+    assert ours.num_episodes == theirs.num_episodes  # the circular one is full either way
+    assert_same(ours.get_all_data(), theirs_data, "get_all_data")
+    ours.close()
+    reopened = replaybuf.ReplayBufferH5PY(tmp_path / "ours", **args, overwrite=False)  # the seed's config
+    assert_same(reopened.get_all_data(), theirs_data, "reopened")
+    reopened.close()
+    with pytest.raises(FileExistsError, match="already holds a buffer"):
+        replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
