@@ -8,7 +8,7 @@ from ._lazy import lazy_attributes
 from .actors import discover_shards, open_shard
 from .buffer import ReplayBuffer
 from .consistency import ConcurrentWriteError, read_episodes_consistent
-from .h5py_buffer import ReplayBufferH5PY
+from .h5py_buffer import ReplayBufferH5PY, copy_seed_h5
 from .maintenance import convert, info, verify
 from .schema import Field, Schema
 from .snapshots import SnapshotError, SnapshotHeldError
@@ -59,6 +59,7 @@ __all__ = [
     "frames_to_sheet",
     "trajectory_to_video",
     "ReplayBufferH5PY",
+    "copy_seed_h5",
     "convert",
     "info",
     "verify",

@@ -48,6 +48,7 @@ from .storage import (
     unpublished_slots,
     with_cache,
 )
+from .storage._seed import seed_h5_hint
 from .view import BufferView, CommittedViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
@@ -291,7 +292,10 @@ class ReplayBuffer(CommittedViews):
 
         if self.read_only:
             if not self.storage.exists():
-                raise FileNotFoundError(f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only")
+                raise FileNotFoundError(
+                    f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only"
+                    + seed_h5_hint(self.storage.location)
+                )
             self._setup(self._open(wanted))
             return
         held: list[str] = []  # overwrite=True: snapshots erased with the episodes they hold
@@ -342,7 +346,9 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
-            raise FileNotFoundError(f"no replaybuf buffer found at {os.fspath(folder)!r}")
+            raise FileNotFoundError(
+                f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
+            )
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
     @staticmethod
@@ -653,12 +659,15 @@ class ReplayBuffer(CommittedViews):
         self.advance_episode(int(batch_size))
 
     def store(self, **data: Any):
-        """Store one timestep of the episode in progress; missing fields get their default.
+        """Store one timestep of the episode in progress; missing fields (and fields given as
+        None, as in the seed) get their default.
 
-        Returns a namedtuple of the values stored.
+        Returns a namedtuple of the values stored, as the seed does: a value given as an array,
+        tensor or list is returned as given, a scalar or a default as an array of the field.
         """
         self._check_writable("store")
         self._check_names(data, self.fieldnames, "field", "store")
+        data = {n: v for n, v in data.items() if v is not None}
         values = {n: step_value(v, self.schema.fields[n]) for n, v in data.items()}
         if self.timestep_index >= self.max_timesteps:
             raise ValueError(
@@ -672,7 +681,9 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(f"store: a batched episode of {group.batch_size} is in progress; use store_batch")
         full = {n: values[n] if n in values else self._fills[n] for n in self.schema.fields}
         self._stage({n: v[None] for n, v in full.items()})
-        return self.memory_namedtuple(**full)
+        return self.memory_namedtuple(
+            **{n: data[n] if n in data and not np.isscalar(data[n]) else full[n].copy() for n in full}
+        )
 
     def store_batch(self, **data: Any) -> None:
         """Store one timestep for every episode of the batched group in progress."""
@@ -832,6 +843,10 @@ class ReplayBuffer(CommittedViews):
         self._abort_group()
         self._commit.clear()
 
+    def reset_(self) -> None:
+        """The seed's name for ``clear()``."""
+        self.clear()
+
     def drop_episodes(self, slots: int | Sequence[int] | np.ndarray) -> list[int]:
         """Empty the slots of committed episodes (damaged ones ``replaybuf verify`` found): each
         is unpublished as a reused slot is (generation, then length set to 0) and the counters
@@ -890,6 +905,47 @@ class ReplayBuffer(CommittedViews):
         episode = check_index(episode_index, self.max_episodes, "episode_index", "store_meta_datapoint")
         self._check_names([name], set(self.schema.meta_fields), "meta field", "store_meta_datapoint")
         self._set_meta(name, np.array([episode]), step_value(datapoint, self.schema.meta_fields[name])[None])
+
+    def store_batch_datapoint(self, episode_indices: Any, timestep_index: int, name: str, datapoints: Any) -> None:
+        """``store_datapoint`` for several episodes at one timestep (the seed's batched form):
+        ``datapoints`` holds one value per episode, or one value for all. Everything is checked
+        before anything is written."""
+        self._check_writable("store_batch_datapoint")
+        episodes = self._datapoint_episodes(episode_indices, "store_batch_datapoint")
+        check_index(timestep_index, self.max_timesteps, "timestep_index", "store_batch_datapoint")
+        self._check_names([name], self.fieldnames, "field", "store_batch_datapoint")
+        values = self._broadcast(datapoints, self.schema.fields[name], len(episodes), "store_batch_datapoint")
+        for episode, value in zip(episodes, values):
+            self.store_datapoint(int(episode), timestep_index, name, value)
+
+    def store_batch_meta_datapoint(self, episode_indices: Any, name: str, datapoints: Any) -> None:
+        """``store_meta_datapoint`` for several episodes (the seed's batched form)."""
+        self._check_writable("store_batch_meta_datapoint")
+        episodes = self._datapoint_episodes(episode_indices, "store_batch_meta_datapoint")
+        self._check_names([name], set(self.schema.meta_fields), "meta field", "store_batch_meta_datapoint")
+        f = self.schema.meta_fields[name]
+        self._set_meta(name, episodes, self._broadcast(datapoints, f, len(episodes), "store_batch_meta_datapoint"))
+
+    def _broadcast(self, value: Any, f: Field, count: int, call: str) -> np.ndarray:
+        """``value`` broadcast to (count, *shape) by numpy's rules, as the seed's assignment does."""
+        array = to_numpy(value, f.name)
+        try:
+            array = np.broadcast_to(array, (count, *f.shape))
+        except ValueError:
+            raise ValueError(
+                f"{call}: field {f.name!r} value of shape {array.shape} does not broadcast to {(count, *f.shape)}"
+            ) from None
+        return cast_values(array, f)
+
+    def _datapoint_episodes(self, episode_indices: Any, call: str) -> np.ndarray:
+        episodes = np.atleast_1d(to_numpy(episode_indices, "episode_indices"))
+        if episodes.ndim != 1 or (len(episodes) and episodes.dtype.kind not in "iu"):
+            raise ValueError(
+                f"{call}: episode_indices must be a 1-D sequence of ints, got {episodes.dtype} {episodes.shape}"
+            )
+        for episode in episodes:
+            check_index(int(episode), self.max_episodes, "episode_index", call)
+        return episodes.astype(np.int64)
 
     def _set_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Checked meta values of ``episodes``: staged for the episodes in progress (committed

@@ -9,12 +9,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import Any, Self
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
 from .buffer import ReplayBuffer
 from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from .storage._hdf5 import HDF5Storage
 
 INSTALL_HINT = "ReplayBufferH5PY needs h5py: pip install 'replaybuf[h5py]'"
 
@@ -96,6 +100,30 @@ class ReplayBufferH5PY(ReplayBuffer):
             folder, read_only=read_only, storage_options=storage_options, backend="hdf5", **kwargs
         )
 
+    @property
+    def h5_path(self) -> Path:
+        """The HDF5 file, ``<folder>/data.h5`` (as the seed's attribute), e.g. for ``h5py.File``."""
+        from .storage._hdf5 import DATA_FILE
+
+        return Path(self.folder) / DATA_FILE
+
+    @property
+    def h5py_compression(self) -> str | None:
+        """The compression the file's data fields were created with ('gzip', 'lzf' or None)."""
+        return self._h5_storage().compression()[0]
+
+    @property
+    def h5py_compression_opts(self) -> int | None:
+        """The gzip level the file's data fields were created with (None without gzip)."""
+        return self._h5_storage().compression()[1]
+
+    def _h5_storage(self) -> HDF5Storage:
+        from .storage._hdf5 import HDF5Storage
+
+        storage = getattr(self.storage, "inner", self.storage)  # behind a read cache, if any
+        assert isinstance(storage, HDF5Storage), "a ReplayBufferH5PY stores in HDF5"
+        return storage
+
     def get_buffered_storer(self, flush_freq: int) -> Callable[..., None]:
         """memmap-replay-buffer's batched writer of whole episodes.
 
@@ -151,3 +179,61 @@ class ReplayBufferH5PY(ReplayBuffer):
                 )
             episode[name] = array[: int(length)]
         return episode
+
+
+def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) -> ReplayBufferH5PY:
+    """Copy a folder written by memmap-replay-buffer's ``ReplayBufferH5PY`` (``metadata.pkl``
+    and a ``data.h5`` of ``data_<field>`` / ``meta_<field>`` datasets, a layout replaybuf does
+    not open) into a new ReplayBufferH5PY at ``dst`` with the same config and compression.
+
+    Each episode keeps its slot and they are stored oldest first, so a circular buffer keeps
+    its order; an episode the seed had in progress is stored as an episode of the steps it holds
+    (as a seed memmap folder is read). ``src`` is only read; ``dst`` must not hold a buffer. ``kwargs`` go to the new
+    buffer (``fsync``). Returns it, open for writing.
+    """
+    _require_h5py()
+    from .storage._hdf5 import DATA_FILE, open_h5
+    from .storage._seed import read_seed_schema
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    schema = read_seed_schema(src)
+    with open_h5(os.path.join(src, DATA_FILE), "r") as file:
+        names = [f"data_{n}" for n in schema.fields] + [f"meta_{n}" for n in (*schema.meta_fields, "episode_lens")]
+        missing = [n for n in names if n not in file]
+        if missing:
+            raise ValueError(
+                f"{src}: {DATA_FILE} lacks the datasets {missing}; not a memmap-replay-buffer ReplayBufferH5PY"
+            )
+        lens = np.asarray(file["meta_episode_lens"][:], dtype=np.int64)
+        episode_index, num_episodes = (int(file.attrs.get(n, 0)) for n in ("episode_index", "num_episodes"))
+        # slots oldest first: a full (or wrapped) buffer's oldest is where the next one goes
+        start = episode_index if num_episodes >= schema.max_episodes else 0
+        order = [(start + i) % schema.max_episodes for i in range(schema.max_episodes)]
+        if int(file.attrs.get("timestep_index", 0)) > 0:  # the episode in progress is the newest
+            order.remove(episode_index)
+            order.append(episode_index)
+            lens[episode_index] = int(file.attrs["timestep_index"])
+        first = file[f"data_{next(iter(schema.fields))}"]
+        buffer = ReplayBufferH5PY(
+            dst,
+            schema.max_episodes,
+            schema.max_timesteps,
+            {n: f.to_json() for n, f in schema.fields.items()},
+            {n: f.to_json() for n, f in schema.meta_fields.items()},
+            circular=schema.circular,
+            overwrite=False,
+            h5py_compression=first.compression,
+            h5py_compression_opts=first.compression_opts,
+            **kwargs,
+        )
+        if buffer.num_episodes:
+            buffer.close()
+            raise FileExistsError(f"copy_seed_h5: {dst!r} already holds a buffer; choose a new folder")
+        for slot in (s for s in order if 0 < lens[s] <= schema.max_timesteps):
+            length = int(lens[slot])
+            buffer.episode_index = int(slot)  # the same slot: row i of get_all_data stays the seed's row i
+            buffer.store_episode(
+                **{n: file[f"data_{n}"][slot, :length] for n in schema.fields},
+                **{n: file[f"meta_{n}"][slot] for n in schema.meta_fields},
+            )
+    return buffer

@@ -145,6 +145,12 @@ class SchemaAttributes:
         return set(self._listed_meta)
 
     @cached_property
+    def internal_meta_fieldnames(self) -> set[str]:
+        """The meta fields the buffer keeps itself (as the seed's attribute, so user code that
+        skips them in ``meta_data`` runs unchanged)."""
+        return {"episode_lens"}
+
+    @cached_property
     def meta_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: f.shape for n, f in self._listed_meta.items()}
 

@@ -200,7 +200,7 @@ def test_write_calls_are_refused(concat, call):
 
 def test_every_other_missing_attribute_is_an_attribute_error(concat):
     buffer, _ = concat
-    for name in ("store_batch_datapoint", "reset_", "warm_cache_", "_meta"):  # none is ReplayBuffer's
+    for name in ("store_batch_datapoints", "reset", "warm_cache_", "_meta"):  # none is ReplayBuffer's
         assert not hasattr(buffer, name)
         with pytest.raises(AttributeError, match=f"'ConcatReplayBuffer' object has no attribute '{name}'"):
             getattr(buffer, name)

@@ -119,6 +119,12 @@ class _SnapshotDataset(Dataset):
         cache: str | None = None,
         min_episode_len: int = 1,
     ):
+        if (
+            isinstance(min_episode_len, bool)
+            or not isinstance(min_episode_len, (int, np.integer))
+            or min_episode_len < 1
+        ):
+            raise ValueError(f"min_episode_len must be an int >= 1, got {min_episode_len!r}")
         buffer = as_buffer(replay_buffer)
         self.replay_buffer = buffer
         self.fields = check_names(fields, buffer.fieldnames, "fields") or tuple(buffer.schema.fields)
@@ -257,12 +263,15 @@ class ReplayDatasetTrajectory(_SnapshotDataset):
         slice_by_episode_len: bool = True,
         return_episode_lens: bool = True,
         cache: str | None = None,
+        min_episode_len: int = 1,
     ):
         if filter_fields is not None:
             raise ValueError("filter_fields is only supported for timestep-level and n-step datasets")
         if not slice_by_episode_len and not return_episode_lens:
             raise ValueError("cannot turn off return_episode_lens if slice_by_episode_len is also turned off")
-        super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
+        super().__init__(
+            replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache, min_episode_len
+        )
         self.slice_by_episode_len = slice_by_episode_len
         self.return_episode_lens = return_episode_lens
         self.time_keys = frozenset(self.out_name(f) for f in self.fields) if slice_by_episode_len else frozenset()
@@ -307,10 +316,13 @@ class ReplayDatasetTimeWindow(_SnapshotDataset):
         filter_meta: dict | None = None,
         return_indices: bool = False,
         cache: str | None = None,
+        min_episode_len: int = 1,
     ):
         if isinstance(window_length, bool) or not isinstance(window_length, (int, np.integer)) or window_length < 1:
             raise ValueError(f"window_length must be an int >= 1, got {window_length!r}")
-        super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
+        super().__init__(
+            replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache, min_episode_len
+        )
         self.window_length = int(window_length)
         self._make_fetcher(self.fields)
 
@@ -455,8 +467,11 @@ class ReplayDatasetTimestep(_TimepointDataset):
         filter_meta: dict | None = None,
         filter_fields: dict | None = None,
         cache: str | None = None,
+        min_episode_len: int = 1,
     ):
-        super().__init__(replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache)
+        super().__init__(
+            replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache, min_episode_len
+        )
         self._make_fetcher(self.fields)
         self._set_timepoints(filter_fields)
 

@@ -403,6 +403,11 @@ class HDF5Storage(LocalFolderStorage):
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
 
+    def compression(self) -> tuple[str | None, int | None]:
+        """(compression, compression_opts) the data fields were created with."""
+        dataset = next(array.dataset for (_, meta), array in self._arrays.items() if not meta)
+        return dataset.compression, dataset.compression_opts
+
     # ---- primitives -------------------------------------------------------------------------------
 
     def array(self, name: str, meta: bool = False) -> H5Array:

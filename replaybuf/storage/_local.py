@@ -14,6 +14,7 @@ from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
+from ._seed import seed_h5_hint
 from .base import CorruptChunkError, Storage, detect_backend, edited_rows
 
 
@@ -31,6 +32,9 @@ def local_root(storage: Storage) -> str:
 def refuse_foreign_buffer(storage: Storage) -> None:
     """Raise before creating a buffer where another backend's buffer lives: erasing it is not
     this backend's business, and leaving it would make the folder's backend ambiguous."""
+    hint = seed_h5_hint(storage.location)
+    if hint:
+        raise ValueError(f"cannot create a buffer at {storage.location!r}, nothing was deleted{hint}")
     other = detect_backend(storage.location)
     if other is not None and other != storage.backend_name:
         raise ValueError(

@@ -164,6 +164,20 @@ def state_path(folder: str, name: str) -> str:
     return os.path.join(folder, f"{name}.state.npy")
 
 
+def seed_h5_hint(location: str) -> str:
+    """A hint for a local folder that memmap-replay-buffer's ReplayBufferH5PY wrote (its
+    ``metadata.pkl`` beside a ``data.h5``; replaybuf's hdf5 backend writes no pickle), else ''."""
+    if "://" in location or not os.path.isfile(os.path.join(location, METADATA_FILE)):
+        return ""
+    if not os.path.isfile(os.path.join(location, "data.h5")):
+        return ""
+    return (
+        "; the folder is a memmap-replay-buffer ReplayBufferH5PY folder (metadata.pkl and data.h5), "
+        "whose HDF5 layout replaybuf does not open: copy it into a new buffer with "
+        "replaybuf.copy_seed_h5(src, dst)"
+    )
+
+
 def read_seed_schema(folder: str) -> Schema:
     """The seed config of ``folder`` as a replaybuf Schema."""
     path = os.path.join(folder, METADATA_FILE)

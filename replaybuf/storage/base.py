@@ -183,13 +183,32 @@ class ArrayLike(Protocol):
     def __setitem__(self, key: Any, value: Any) -> None: ...
 
 
-class ArrayBase:
-    """``ndim``, ``len()`` and ``np.asarray()`` of an ``ArrayLike``, built on its ``shape`` and
-    ``__getitem__``: written once for the backends' arrays and the buffer's views of them."""
+# ndarray methods an ``ArrayBase`` answers on a copy of its whole contents, as the seed's
+# numpy memmaps do (``buffer.data['reward'].sum()``, ``buffer.meta_data['score'].mean()``)
+NDARRAY_READS = frozenset(
+    {
+        "all", "any", "argmax", "argmin", "argsort", "astype", "clip", "copy", "cumprod", "cumsum", "flatten",
+        "item", "max", "mean", "min", "nonzero", "prod", "ravel", "reshape", "round", "squeeze", "std", "sum",
+        "swapaxes", "T", "tobytes", "tolist", "transpose", "var",
+    }
+)  # fmt: skip
+
+
+class ArrayBase(np.lib.mixins.NDArrayOperatorsMixin):
+    """``ndim``, ``size``, ``len()``, ``np.asarray()``, numpy's operators (``view == 1``,
+    ``view + 1``) and reading ndarray methods (``NDARRAY_READS``) of an ``ArrayLike``, built on
+    its ``shape`` and ``__getitem__``: written once for the backends' arrays and the buffer's
+    views of them, so code written for the seed's memmaps runs on them."""
+
+    __hash__ = object.__hash__  # identity, as before the operators (the mixin's __eq__ unsets it)
 
     @property
     def ndim(self: ArrayLike) -> int:
         return len(self.shape)
+
+    @property
+    def size(self: ArrayLike) -> int:
+        return int(np.prod(self.shape))
 
     def __len__(self: ArrayLike) -> int:
         return self.shape[0]
@@ -197,6 +216,18 @@ class ArrayBase:
     def __array__(self: ArrayLike, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = np.asarray(self[:])
         return out if dtype is None else out.astype(dtype)
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """A ufunc of the contents; never in place (``view += 1``): writes go through indexing."""
+        if any(isinstance(x, ArrayBase) for x in kwargs.get("out", ())):
+            return NotImplemented
+        inputs = tuple(np.asarray(x) if isinstance(x, ArrayBase) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in NDARRAY_READS:
+            return getattr(np.asarray(self), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class WrappedArray(ArrayBase):

@@ -1,0 +1,236 @@
+"""Call-for-call parity with memmap-replay-buffer 0.2.3 beyond the state machine of
+test_differential.py: the seed's lesser-used calls and arguments (store()'s return value and
+None values, the batched datapoint writes, ``reset_``, ``internal_meta_fieldnames``,
+``min_episode_len`` of the datasets), each run on both libraries and compared."""
+
+from __future__ import annotations
+
+import memmap_replay_buffer as seed
+import numpy as np
+import pytest
+import torch
+
+import replaybuf
+
+from ._backends import require
+from ._compare import assert_same
+
+FIELDS = {"obs": ("float", 2, 1.5), "act": "int", "done": "bool"}
+META = {"label": ("int", (), 3)}
+
+
+def pair(tmp_path, **kwargs):
+    """The seed's buffer and replaybuf's, same arguments, two folders, three episodes of 2, 3, 4 steps."""
+    args = dict(max_episodes=4, max_timesteps=5, fields=FIELDS, meta_fields=META, **kwargs)
+    buffers = seed.ReplayBuffer(tmp_path / "seed", **args), replaybuf.ReplayBuffer(tmp_path / "ours", **args)
+    for buffer in buffers:
+        for e in range(3):
+            for t in range(e + 2):
+                buffer.store(obs=[float(e), float(t)], act=10 * e + t, done=t == e + 1)
+            buffer.advance_episode()
+    return buffers
+
+
+def test_store_returns_values_as_given_and_none_means_the_default(tmp_path):
+    theirs, ours = pair(tmp_path)
+    for given in (
+        dict(obs=torch.ones(2), act=torch.tensor(3)),  # tensors come back as tensors
+        dict(obs=[1.0, 2.0], act=np.int64(4), done=True),  # a list as given, scalars as arrays
+        dict(obs=None, act=None),  # None: the field's default, as a missing field
+        dict(),
+    ):
+        assert_same(ours.store(**given), theirs.store(**given), f"store({given})")
+    assert ours.store().obs.flags.writeable and theirs.store().obs.flags.writeable  # fresh, not the default's
+    for buffer in (theirs, ours):
+        buffer.advance_episode()
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    assert ours.get_all_data()["obs"][3, 2].tolist() == [1.5, 1.5]
+
+
+def test_batched_datapoint_writes_match_the_seed(tmp_path):
+    theirs, ours = pair(tmp_path)
+    for buffer in (theirs, ours):
+        buffer.store_batch_datapoint(np.array([0, 2]), 1, "act", np.array([7, 8]))
+        buffer.store_batch_datapoint(np.array([1, 2]), 0, "obs", np.array([5.0, 6.0]))  # broadcast as numpy does
+        buffer.store_batch_datapoint(np.array([1, 1]), 2, "act", np.array([3, 4]))  # a repeated slot: last wins
+        buffer.store_batch_meta_datapoint(np.array([0, 2]), "label", torch.tensor([1, 2]))
+        buffer.store_batch_meta_datapoint(np.array([1]), "label", 9)
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda b: b.store_batch_datapoint(np.array([0, 4]), 0, "act", 1), "episode_index 4"),
+        (lambda b: b.store_batch_datapoint(np.array([0]), 5, "act", 1), "timestep_index 5"),
+        (lambda b: b.store_batch_datapoint(np.array([0, 1]), 0, "obs", np.ones(3)), "'obs'.*broadcast"),
+        (lambda b: b.store_batch_datapoint(np.array([0, 1]), 0, "label", 1), r"invalid field names \['label'\]"),
+        (lambda b: b.store_batch_meta_datapoint(np.array([0.5]), "label", 1), "ints"),
+        (lambda b: b.store_batch_meta_datapoint(np.array([0, 1]), "act", 1), r"invalid meta field names \['act'\]"),
+    ],
+)
+def test_batched_datapoint_writes_refuse_bad_input_and_change_nothing(tmp_path, call, match):
+    _, ours = pair(tmp_path)
+    before = ours.get_all_data()
+    with pytest.raises(ValueError, match=match):
+        call(ours)
+    assert_same(ours.get_all_data(), before, "after a refused write")
+
+
+def test_reset_is_clear_and_internal_meta_fieldnames_names_the_bookkeeping(tmp_path):
+    theirs, ours = pair(tmp_path)
+    assert {n for n in ours.meta_data if n not in ours.internal_meta_fieldnames} == {"label"}
+    assert {n for n in theirs.meta_data if n not in theirs.internal_meta_fieldnames} == {"label"}
+    for buffer in (theirs, ours):
+        buffer.reset_()
+        buffer.store(act=1)
+        buffer.advance_episode()
+    assert (ours.num_episodes, ours.episode_index, len(ours)) == (theirs.num_episodes, theirs.episode_index, 1)
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data after reset_")
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """One pair for the tests that only read."""
+    return pair(tmp_path_factory.mktemp("filled"))
+
+
+def items(dataset) -> list:
+    return [dataset[i] for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda lib, b: items(lib.ReplayDatasetTrajectory(b, min_episode_len=3)),
+        lambda lib, b: items(lib.ReplayDatasetTimestep(b, min_episode_len=4, return_indices=True)),
+        lambda lib, b: len(lib.ReplayDatasetTimeWindow(b, window_length=2, min_episode_len=3)),
+        lambda lib, b: items(b.dataset(min_episode_len=3, fields=("act",))),
+        lambda lib, b: list(b.dataloader(2, dataset_kwargs=dict(min_episode_len=3))),
+        lambda lib, b: list(b.dataloader(2, timestep_level=True, dataset_kwargs=dict(min_episode_len=4))),
+    ],
+)
+def test_min_episode_len_of_the_datasets(filled, make):
+    theirs, ours = filled
+    assert_same(make(replaybuf, ours), make(seed, theirs), "dataset")
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_min_episode_len_must_be_a_positive_int(filled, value):
+    _, ours = filled
+    with pytest.raises(ValueError, match=f"min_episode_len must be an int >= 1, got {value!r}"):
+        ours.dataset(min_episode_len=value)
+
+
+def test_h5py_buffer_attributes_match_the_seed(tmp_path):
+    require("h5py")
+    import h5py
+
+    args = dict(
+        max_episodes=2, max_timesteps=3, fields={"x": "float"}, h5py_compression="gzip", h5py_compression_opts=4
+    )
+    theirs = seed.ReplayBufferH5PY(tmp_path / "seed", **args)
+    ours = replaybuf.ReplayBufferH5PY(tmp_path / "ours", **args)
+    for buffer in (theirs, ours):
+        buffer.store(x=1.0)
+        buffer.advance_episode()
+        assert (buffer.h5py_compression, buffer.h5py_compression_opts) == ("gzip", 4)
+        assert buffer.h5_path == buffer.folder / "data.h5"
+        with h5py.File(buffer.h5_path, "r") as file:  # the file opens next to the buffer
+            assert len(file) > 0
+    reopened = replaybuf.ReplayBufferH5PY.from_folder(tmp_path / "ours", read_only=True)
+    assert (reopened.h5py_compression, reopened.h5py_compression_opts) == ("gzip", 4)  # as created
+    plain = replaybuf.ReplayBufferH5PY(tmp_path / "plain", 2, 3, fields={"x": "float"})
+    assert (plain.h5py_compression, plain.h5py_compression_opts) == (None, None)
+
+
+@pytest.mark.parametrize("call", ["reset_", "store_batch_datapoint", "store_batch_meta_datapoint"])
+def test_concat_refuses_the_seed_write_calls_as_the_seed(filled, call):
+    _, ours = filled
+    concat = replaybuf.ConcatReplayBuffer([ours.folder])
+    with pytest.raises(NotImplementedError, match=f"`{call}`"):
+        getattr(concat, call)()
+
+
+VIEW_EXPRESSIONS = [
+    "d.size",
+    "d.copy()",
+    "d.sum()",
+    "d.max()",
+    "d.astype(np.float64)",
+    "d.reshape(-1)",
+    "d.T.shape",
+    "d + 1",
+    "-d",
+    "d[1] * 2 == 2 * d[1]",
+    "m == 3",
+    "3 == m",
+    "m > 2",
+    "m.sum()",
+    "m.tolist()",
+    "d[m > 2].shape",
+    "np.add(d, m[:, None, None])",
+]
+
+
+@pytest.mark.parametrize("expression", VIEW_EXPRESSIONS)
+def test_data_and_meta_views_answer_like_the_seed_memmaps(filled, expression):
+    """``buffer.data[name]`` / ``meta_data[name]`` take numpy's methods and operators as the
+    seed's memmaps do: ``meta_data['label'] == 3`` was an identity comparison (False)."""
+    theirs, ours = filled
+    results = [
+        eval(expression, {"np": np, "d": b.data["obs"], "m": b.meta_data["label"]})  # noqa: S307 - fixed texts
+        for b in (ours, theirs)
+    ]
+    ours_value, seed_value = (np.asarray(r) if isinstance(r, np.ndarray) else r for r in results)
+    assert_same(ours_value, seed_value, expression)
+
+
+def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
+    _, ours = filled
+    view = ours.data["act"]
+    before = ours.get_all_data()
+    with pytest.raises(TypeError):
+        view += 1
+    with pytest.raises(AttributeError, match="'DataView' object has no attribute 'nope'"):
+        view.nope  # noqa: B018
+    assert_same(ours.get_all_data(), before, "after a refused in-place add")
+    assert hash(view) == hash(view) and view in {view}  # still hashable (by identity)
+
+
+@pytest.mark.parametrize("circular, episodes, in_progress", [(False, 2, False), (True, 5, True)])
+def test_copy_seed_h5_keeps_config_slots_and_order(tmp_path, circular, episodes, in_progress):
+    """A folder of the seed's ReplayBufferH5PY (a layout replaybuf does not open) is named as such
+    when opened, and ``copy_seed_h5`` makes a replaybuf buffer that reads as the seed's did."""
+    require("h5py")
+    args = dict(max_episodes=3, max_timesteps=4, fields=FIELDS, meta_fields=META, circular=circular)
+    theirs = seed.ReplayBufferH5PY(tmp_path / "seed", **args, h5py_compression="gzip")
+    for e in range(episodes):
+        for t in range(e % 3 + 1):
+            theirs.store(obs=[e, t], act=e)
+        theirs.store_meta_datapoint(theirs.episode_index, "label", e)
+        theirs.advance_episode()
+    if in_progress:
+        theirs.store(obs=[9, 9], act=9)  # published by the seed; copied as an episode of 1 step
+    theirs.flush()
+    hint = "memmap-replay-buffer ReplayBufferH5PY folder.*copy_seed_h5"
+    with pytest.raises(FileNotFoundError, match=hint):
+        replaybuf.ReplayBufferH5PY.from_folder(tmp_path / "seed")
+    with pytest.raises(FileNotFoundError, match=hint):
+        replaybuf.ReplayBuffer(tmp_path / "seed", read_only=True, overwrite=False)
+    with pytest.raises(ValueError, match="nothing was deleted.*" + hint):
+        replaybuf.ReplayBufferH5PY(tmp_path / "seed", **args)
+    assert sorted(p.name for p in (tmp_path / "seed").iterdir()) == ["data.h5", "metadata.pkl"]
+
+    ours = replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
+    next_slot = (theirs.episode_index + in_progress) % 3  # the episode in progress is committed
+    assert (ours.h5py_compression, ours.episode_index, len(ours)) == ("gzip", next_slot, len(theirs))
+    theirs_data = theirs.get_all_data()
+    assert ours.num_episodes == theirs.num_episodes  # the circular one is full either way
+    assert_same(ours.get_all_data(), theirs_data, "get_all_data")
+    ours.close()
+    reopened = replaybuf.ReplayBufferH5PY(tmp_path / "ours", **args, overwrite=False)  # the seed's config
+    assert_same(reopened.get_all_data(), theirs_data, "reopened")
+    reopened.close()
+    with pytest.raises(FileExistsError, match="already holds a buffer"):
+        replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
