@@ -309,8 +309,14 @@ class ReplayBuffer(CommittedViews):
 
     def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:
+            where = self.storage.location
+            if self.storage.exists():  # overwrite=True (the default) asks for a new buffer
+                raise ValueError(
+                    f"{where!r} holds a buffer: reopen it with ReplayBuffer.from_folder({where!r}) (or pass "
+                    "overwrite=False); creating a new one there needs max_episodes, max_timesteps and fields"
+                )
             raise ValueError(
-                f"no buffer exists at {self.storage.location!r}: pass max_episodes, max_timesteps and fields to create one"
+                f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
         return schema
 

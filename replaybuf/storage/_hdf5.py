@@ -54,6 +54,7 @@ from ._zarr import default_time_chunk
 from .base import (
     OPTIONAL_META,
     AbsentMeta,
+    BufferDamagedError,
     BufferNotFoundError,
     CorruptChunkError,
     StorageError,
@@ -316,8 +317,8 @@ class HDF5Storage(LocalFolderStorage):
         try:
             with open_h5(self.path, "r") as f:
                 raw = f.attrs.get(CONFIG_ATTRIBUTE)
-        except OSError:
-            return None
+        except OSError as e:  # truncated or garbage bytes: damage, not "no buffer here"
+            raise BufferDamagedError(f"{self.path}: cannot be opened as an HDF5 file ({e})") from None
         if raw is None:
             return None
         config = parse_json(raw.encode() if isinstance(raw, str) else bytes(raw), self._config_where)
@@ -383,8 +384,11 @@ class HDF5Storage(LocalFolderStorage):
         self.read_only = read_only
         if not read_only:
             self.kv.prepare_writes()
+        # checked before data.h5 is opened for writing: a refused open leaves its bytes as they were
+        self._checksums = EpisodeChecksums.open(
+            self, self.root, list(schema.fields), schema.max_episodes, required=config.get("version", 0) >= 2
+        )
         self._load_arrays(schema)
-        self._checksums = EpisodeChecksums.open(self, self.root, list(schema.fields))
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:

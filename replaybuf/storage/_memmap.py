@@ -241,7 +241,17 @@ class MemmapStorage(LocalFolderStorage):
         adopting = config is None or (self._seed_origin and self._seed_wrote_since())
         self._open_arrays(schema, skip_generation=config is None)
         # folders the seed library may write to keep none: it would not update them
-        self._checksums = None if self._seed_origin else EpisodeChecksums.open(self, self.root, list(schema.fields))
+        self._checksums = (
+            None
+            if self._seed_origin
+            else EpisodeChecksums.open(
+                self,
+                self.root,
+                list(schema.fields),
+                schema.max_episodes,
+                required=(config or {}).get("version", 0) >= 2,
+            )
+        )
         if adopting and read_only:
             self._seed_view = _seed.SeedState.read(self.root)
         elif adopting:

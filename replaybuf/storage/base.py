@@ -512,7 +512,13 @@ class Storage(ABC):
         """The last committed counters (num_episodes, episode_index, total_episodes, and any
         other keys the writer committed), read from the store now."""
         raw = self.read_blob(STATE_KEY)
-        return empty_state() if raw is None else {**empty_state(), **parse_json(raw, self.describe_key(STATE_KEY))}
+        if raw is None:
+            return empty_state()
+        state = parse_json(raw, self.describe_key(STATE_KEY))
+        missing = [key for key in COUNTERS if key not in state]
+        if missing:  # every commit writes all of them: a missing one is damage, not a zero
+            raise BufferDamagedError(f"{self.describe_key(STATE_KEY)}: missing {', '.join(missing)}")
+        return state
 
     def commit_state(self, state: dict) -> None:
         """Publish the counters as one atomic object: the last step of every commit. Rows and
@@ -855,6 +861,13 @@ def make_storage(
     if isinstance(location, Storage):
         return location
     location = os.fspath(location)
+    local = location.removeprefix("file://")
+    if "://" not in local and os.path.lexists(local) and not os.path.isdir(local):
+        what = "a dangling or looping link" if os.path.islink(local) and not os.path.exists(local) else "a file"
+        raise NotADirectoryError(
+            f"{location!r} is {what}, not a folder: a buffer is stored as a folder "
+            "(pass a new or empty folder to create one, or the folder of an existing buffer)"
+        )
     if backend is None:
         backend = detect_backend(location, storage_options) or "zarr"
     return backend_class(backend)(location, storage_options, **kwargs)

@@ -1,0 +1,169 @@
+"""Hostile folders found by an attacker's audit: files a buffer does not own keep their bytes,
+and damage to a local backend's side files is refused by name, never read unchecked."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from replaybuf import BufferDamagedError, ForeignEntriesError, ReplayBuffer
+from replaybuf.cli import main
+
+from ._backends import require, snapshot
+from ._data import FIELDS, episode
+
+
+def filled(location, backend: str) -> str:
+    buffer = ReplayBuffer(str(location), 4, 8, fields=FIELDS, backend=backend)
+    for i, length in enumerate((5, 3)):
+        buffer.store_episode(**episode(length, i))
+    buffer.close()
+    return str(location)
+
+
+def files(location) -> dict:
+    """The files at ``location`` (``snapshot``) without folders: a writable open's lease comes and goes."""
+    return {k: v for k, v in snapshot(location).items() if v[2] and not k.endswith(".lock")}
+
+
+def new(location, backend: str) -> ReplayBuffer:
+    return ReplayBuffer(str(location), 2, 4, fields={"x": "float"}, backend=backend)
+
+
+# ---- a user's files that happen to carry a buffer's names -----------------------------------------
+
+
+def users_hdf5(path) -> None:
+    with require("h5py").File(path, "w") as f:
+        f["obs"] = np.arange(5)
+
+
+@pytest.mark.parametrize(
+    "backend, name, write",
+    [
+        ("hdf5", "data.h5", users_hdf5),
+        ("memmap", "obs.data.npy", lambda path: np.save(path, np.arange(3))),
+        ("memmap", "metadata.pkl", lambda path: path.write_bytes(pickle.dumps({"lr": 0.1}))),
+    ],
+)
+def test_a_users_file_with_a_buffers_name_is_not_erased(tmp_path, backend, name, write):
+    write(tmp_path / name)
+    before = snapshot(str(tmp_path))
+    with pytest.raises(ForeignEntriesError, match=rf"'{name}'.*nothing was deleted"):
+        new(tmp_path, backend)
+    assert snapshot(str(tmp_path)) == before
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_opening_a_buffer_without_its_config_points_to_from_folder(tmp_path, backend):
+    location = filled(tmp_path / "b", backend)
+    before = snapshot(location)
+    with pytest.raises(ValueError, match=r"holds a buffer.*from_folder"):
+        ReplayBuffer(location)
+    assert snapshot(location) == before
+
+
+# ---- damaged side files of the memmap and hdf5 backends -------------------------------------------
+
+
+def refused_everywhere(capsys, location, match) -> None:
+    """Both opens raise BufferDamagedError matching ``match``; verify reports it and exits 1."""
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=match):
+            ReplayBuffer.from_folder(location, read_only=read_only)
+    assert main(["verify", location]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "checksums.npy" in out.out + out.err or "data.h5" in out.out + out.err
+
+
+def cut(path) -> None:
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def replace_with_folder(path) -> None:
+    os.remove(path)
+    os.mkdir(path)
+
+
+def garbage_header(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"garbage")
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize(
+    "damage, complaint",
+    [
+        (os.remove, "missing; this buffer's config says it checksums its data"),
+        (cut, "not a readable checksum array"),
+        (replace_with_folder, "not a readable checksum array"),
+        (garbage_header, "not a readable checksum array"),
+        (lambda path: np.save(path, np.zeros((4, 1), np.uint64)), r"holds uint64\[4, 1\], expected uint64\[4, 3\]"),
+    ],
+)
+def test_a_damaged_checksum_file_is_refused_not_skipped(tmp_path, capsys, backend, damage, complaint):
+    location = filled(tmp_path / "b", backend)
+    damage(os.path.join(location, "replaybuf", "checksums.npy"))
+    before = files(location)
+    refused_everywhere(capsys, location, rf"checksums.npy: {complaint}")
+    assert files(location) == before
+
+
+@pytest.mark.parametrize("size", [0, 1000, -1])
+def test_a_truncated_hdf5_file_is_damage_not_a_missing_buffer(tmp_path, capsys, size):
+    location = filled(tmp_path / "b", "hdf5")
+    path = os.path.join(location, "data.h5")
+    os.truncate(path, size if size >= 0 else os.path.getsize(path) - 1)
+    refused_everywhere(capsys, location, r"data.h5: cannot be opened as an HDF5 file")
+
+
+# ---- the counters object -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_counters_missing_a_key_are_damage_not_an_empty_buffer(tmp_path, backend):
+    location = filled(tmp_path / "b", backend)
+    path = os.path.join(location, "replaybuf", "state.json")
+    with open(path, "w") as f:
+        f.write('{"episode_index": 2, "num_eXisodes": 2, "total_episodes": 2}')  # one flipped byte
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=r"replaybuf/state.json.*: missing num_episodes"):
+            ReplayBuffer.from_folder(location, read_only=read_only)
+
+
+def test_a_folder_in_place_of_the_counters_is_named(tmp_path):
+    location = filled(tmp_path / "b", "zarr")
+    path = os.path.join(location, "replaybuf", "state.json")
+    os.remove(path)
+    os.mkdir(path)
+    with pytest.raises(IsADirectoryError, match="replaybuf/state.json"):
+        ReplayBuffer.from_folder(location, read_only=True)
+
+
+# ---- a location that is not a folder ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["hdf5 file", "text file", "dangling link", "link loop"])
+@pytest.mark.parametrize("backend", [None, "memmap", "hdf5"])
+def test_a_location_that_is_not_a_folder_is_named_and_kept(tmp_path, what, backend):
+    path = tmp_path / "x"
+    if what == "hdf5 file":
+        users_hdf5(path)
+    elif what == "text file":
+        path.write_text("notes")
+    else:
+        os.symlink(path if what == "link loop" else tmp_path / "nowhere", path)
+    before = (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes())
+    kind = "a file" if "file" in what else "a dangling or looping link"
+    for attempt in (
+        lambda: ReplayBuffer(path, 2, 3, fields={"x": "float"}, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, read_only=True, backend=backend),
+    ):
+        with pytest.raises(NotADirectoryError, match=rf"'{path}' is {kind}, not a folder"):
+            attempt()
+    assert (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes()) == before
