@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
-from replaybuf import BufferDamagedError, ForeignEntriesError, ReplayBuffer
+from replaybuf import BufferDamagedError, ConcatReplayBuffer, CorruptChunkError, ForeignEntriesError, ReplayBuffer
 from replaybuf.cli import main
 
 from ._backends import require, snapshot
@@ -167,3 +167,27 @@ def test_a_location_that_is_not_a_folder_is_named_and_kept(tmp_path, what, backe
         with pytest.raises(NotADirectoryError, match=rf"'{path}' is {kind}, not a folder"):
             attempt()
     assert (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes()) == before
+
+
+# ---- trajectory batches of short episodes are checked too --------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_trajectory_batches_of_short_episodes_check_their_rows(tmp_path, backend):
+    location = filled(tmp_path / "b", backend)  # episodes of 5 and 3 steps: far below the bulk threshold
+    if backend == "memmap":
+        path = os.path.join(location, "reward.data.npy")
+        offset = os.path.getsize(path) - 4 * 8 * 4 + 4  # float32[4, 8] after the header
+    else:
+        path = os.path.join(location, "data.h5")
+        with require("h5py").File(path, "r") as f:
+            offset = f["data/reward"].id.get_offset() + 4
+    clean = next(iter(ReplayBuffer.from_folder(location, read_only=True).dataloader(batch_size=2, shuffle=False)))
+    assert clean["reward"].shape == (2, 5)
+    with open(path, "r+b") as f:  # step 1 of slot 0
+        f.seek(offset)
+        f.write(b"\x7f")
+    for buffer in (ReplayBuffer.from_folder(location, read_only=True), ConcatReplayBuffer([location])):
+        for kwargs in ({}, {"return_mask": True}):
+            with pytest.raises(CorruptChunkError, match=r"data/reward: slot 0, timesteps 0..4"):
+                list(buffer.dataloader(batch_size=2, shuffle=False, **kwargs))

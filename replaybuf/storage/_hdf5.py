@@ -65,6 +65,7 @@ from .base import (
     expected_layouts,
     parse_json,
 )
+from .spans import Spans, read_spans_by_rows
 
 DATA_FILE = "data.h5"
 CONFIG_ATTRIBUTE = "replaybuf"
@@ -475,6 +476,26 @@ class HDF5Storage(LocalFolderStorage):
                     location=self.data_file(name),
                 ) from e
         return rows[inverse.reshape(-1)]
+
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
+    ) -> None:
+        # docstring inherited: whole episodes (trajectory batches) in one checked read_rows,
+        # not one per distinct length, each of which reads the lengths again
+        if len(spans) == 0 or spans.starts.any():
+            read_spans_by_rows(self, name, spans, out)
+            return
+        try:
+            rows = self.read_rows(name, spans.episodes, 0, int(spans.lengths.max()))
+        except CorruptChunkError:
+            if len(spans) == 1:
+                raise
+            for i in range(len(spans)):  # the damaged episode, by name
+                one = None if generations is None else generations[i : i + 1]
+                self._read_spans(name, spans[i : i + 1], out[i : i + 1], parallel, one)
+            raise
+        for i, length in enumerate(spans.lengths.tolist()):
+            out[i, :length] = rows[i, :length]
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None

@@ -102,6 +102,11 @@ class LocalFolderStorage(KVBlobs, Storage):
             self._checksums.check(name, episodes, rows, t1, lens)
         return rows
 
+    @property
+    def checks_whole_episodes(self) -> bool:
+        # docstring inherited: format-2 folders keep a crc32c per (field, episode)
+        return self._checksums is not None
+
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
         # docstring inherited

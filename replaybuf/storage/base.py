@@ -703,6 +703,14 @@ class Storage(ABC):
         """A pickled storage (sent to a DataLoader worker) carries no lease."""
         return {**self.__dict__, "_lease": None, "_lease_finalizer": None}
 
+    @property
+    def checks_whole_episodes(self) -> bool:
+        """Whether only whole-episode reads (``read_rows``/``read_spans`` from step 0) are checked
+        against a stored checksum, per-step ``gather`` not: readers of whole episodes then take
+        the bulk path however short they are. False where every read is checked (zarr's chunk
+        crc32c) or none is."""
+        return False
+
     def verifies_reads(self, names: Iterable[str]) -> bool:
         """Whether reads of the data fields ``names`` given ``generations`` return only rows of
         those generations, else raise GenerationMismatchError (see "Generations"): callers of
