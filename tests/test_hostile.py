@@ -9,7 +9,14 @@ import pickle
 import numpy as np
 import pytest
 
-from replaybuf import BufferDamagedError, ConcatReplayBuffer, CorruptChunkError, ForeignEntriesError, ReplayBuffer
+from replaybuf import (
+    BufferDamagedError,
+    ConcatReplayBuffer,
+    CorruptChunkError,
+    ForeignEntriesError,
+    ReplayBuffer,
+    StorageError,
+)
 from replaybuf.cli import main
 
 from ._backends import require, snapshot
@@ -76,7 +83,8 @@ def refused_everywhere(capsys, location, match) -> None:
             ReplayBuffer.from_folder(location, read_only=read_only)
     assert main(["verify", location]) == 1
     out = capsys.readouterr()
-    assert "Traceback" not in out.err and "checksums.npy" in out.out + out.err or "data.h5" in out.out + out.err
+    assert "Traceback" not in out.err
+    assert "checksums.npy" in out.out + out.err or "data.h5" in out.out + out.err
 
 
 def cut(path) -> None:
@@ -191,3 +199,26 @@ def test_trajectory_batches_of_short_episodes_check_their_rows(tmp_path, backend
         for kwargs in ({}, {"return_mask": True}):
             with pytest.raises(CorruptChunkError, match=r"data/reward: slot 0, timesteps 0..4"):
                 list(buffer.dataloader(batch_size=2, shuffle=False, **kwargs))
+
+
+# ---- a lost lengths chunk (zarr) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["deleted", "dangling link"])
+def test_a_lost_lengths_chunk_is_damage_not_an_empty_buffer(tmp_path, capsys, how):
+    location = filled(tmp_path / "b", "zarr")
+    path = os.path.join(location, "meta", "episode_lens", "c.0")
+    os.remove(path)
+    if how == "dangling link":
+        os.symlink(tmp_path / "nowhere", path)
+    before = files(location) if how == "deleted" else os.readlink(path)
+    with pytest.raises(BufferDamagedError, match=r"lengths of committed slots \[0, 1\] is missing"):
+        ReplayBuffer.from_folder(location, read_only=True)
+    # a writable open would have cleared every generation; it refuses a link before looking
+    refusal = r"lengths of committed slots \[0, 1\] is missing" if how == "deleted" else "symbolic links"
+    with pytest.raises(StorageError if how != "deleted" else BufferDamagedError, match=refusal):
+        ReplayBuffer.from_folder(location)
+    assert (files(location) if how == "deleted" else os.readlink(path)) == before
+    assert main(["verify", location]) == 1
+    out = capsys.readouterr()
+    assert "committed slots [0, 1] is missing" in out.out + out.err

@@ -371,6 +371,24 @@ def check_bookkeeping(lens: np.ndarray, generations: np.ndarray, schema: Schema,
         )
 
 
+def check_lost_lengths(storage: Storage, lens: np.ndarray, generations: np.ndarray, state: dict) -> None:
+    """Refuse committed slots whose ``episode_lens`` chunk is not stored at all (deleted, or a
+    dangling link): it reads as zeros, which would make every episode in it vanish, and a
+    writable open would then clear their generations for good. A slot counts as committed when
+    its generation is one the counters already count (a commit publishes its generation, then its
+    length, then the counters): a commit cut short, or a live one, has a newer generation."""
+    committed = np.flatnonzero((lens == 0) & (generations > 0) & (generations <= int(state["total_episodes"])))
+    if not len(committed):
+        return
+    lost = storage.unstored_meta_slots("episode_lens", committed)
+    if len(lost):
+        raise BufferDamagedError(
+            f"meta/episode_lens of {storage.location}: the chunk holding the lengths of committed slots "
+            f"{lost[:10].tolist()} is missing (they have generations, the counters count them); "
+            "restore it from a backup, or copy the buffer"
+        )
+
+
 class Storage(ABC):
     """One buffer's bytes: arrays ``data/<field>`` (episode, time, *shape), ``meta/<field>``
     (episode, *shape), the counters object and the step log; see the module docstring for
@@ -718,6 +736,12 @@ class Storage(ABC):
         some fields only."""
         del names
         return self.verifies_generations
+
+    def unstored_meta_slots(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` whose row of meta ``name`` is not stored at all (it reads as 0): a
+        lost chunk, where per-episode arrays are stored in chunks. The default: none (one file)."""
+        del name, slots
+        return np.zeros(0, np.int64)
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         """``meta/name[episodes]`` read from the store now, only those entries (what a reader
