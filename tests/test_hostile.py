@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +24,8 @@ from replaybuf.cli import main
 
 from ._backends import require, snapshot
 from ._data import FIELDS, episode
+
+ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
 
 
 def filled(location, backend: str) -> str:
@@ -222,3 +227,21 @@ def test_a_lost_lengths_chunk_is_damage_not_an_empty_buffer(tmp_path, capsys, ho
     assert main(["verify", location]) == 1
     out = capsys.readouterr()
     assert "committed slots [0, 1] is missing" in out.out + out.err
+
+
+def test_a_memmap_config_linked_to_an_endless_file_is_refused_in_bounded_memory(tmp_path):
+    location = filled(tmp_path / "b", "memmap")
+    path = os.path.join(location, "replaybuf.json")
+    os.remove(path)
+    os.symlink("/dev/zero", path)
+    code = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression is a MemoryError, not the machine's RAM
+from replaybuf import ReplayBuffer
+ReplayBuffer.from_folder({location!r}, read_only=True)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert run.returncode == 1
+    assert re.search(r"BufferDamagedError: .*replaybuf.json: over \d+ bytes, not a buffer config", run.stderr), (
+        run.stderr
+    )
