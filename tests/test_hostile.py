@@ -148,15 +148,6 @@ def test_counters_missing_a_key_are_damage_not_an_empty_buffer(tmp_path, backend
             ReplayBuffer.from_folder(location, read_only=read_only)
 
 
-def test_a_folder_in_place_of_the_counters_is_named(tmp_path):
-    location = filled(tmp_path / "b", "zarr")
-    path = os.path.join(location, "replaybuf", "state.json")
-    os.remove(path)
-    os.mkdir(path)
-    with pytest.raises(IsADirectoryError, match="replaybuf/state.json"):
-        ReplayBuffer.from_folder(location, read_only=True)
-
-
 # ---- a location that is not a folder ----------------------------------------------------------------
 
 
@@ -245,3 +236,13 @@ ReplayBuffer.from_folder({location!r}, read_only=True)
     assert re.search(r"BufferDamagedError: .*replaybuf.json: over \d+ bytes, not a buffer config", run.stderr), (
         run.stderr
     )
+
+
+@pytest.mark.parametrize("key", ["replaybuf/state.json", "data/reward/c.0.0", "data/action/c.0.0.0", "data/state/c.0.0.0.0.0"])
+def test_a_folder_in_place_of_a_file_is_named(tmp_path, key):
+    location = filled(tmp_path / "b", "zarr")
+    path = os.path.join(location, *key.split("/"))
+    os.remove(path)
+    os.mkdir(path)
+    with pytest.raises(IsADirectoryError, match=key):
+        ReplayBuffer.from_folder(location, read_only=True).get_all_data()

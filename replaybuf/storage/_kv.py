@@ -470,6 +470,8 @@ class LocalKV(KeyValue):
                     break  # the file ends first: the caller sees its size
                 done += n
             return size
+        except OSError as e:  # a folder where a file belongs (EISDIR): name it
+            raise OSError(e.errno, e.strerror, self._path(key)) from None
         finally:
             os.close(fd)
 
