@@ -42,6 +42,7 @@ from .storage import (
     WrappedArray,
     bookkeeping_fields,
     check_bookkeeping,
+    check_lost_lengths,
     check_state,
     make_storage,
     new_uuid,
@@ -322,8 +323,14 @@ class ReplayBuffer(CommittedViews):
 
     def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:
+            where = self.storage.location
+            if self.storage.exists():  # overwrite=True (the default) asks for a new buffer
+                raise ValueError(
+                    f"{where!r} holds a buffer: reopen it with ReplayBuffer.from_folder({where!r}) (or pass "
+                    "overwrite=False); creating a new one there needs max_episodes, max_timesteps and fields"
+                )
             raise ValueError(
-                f"no buffer exists at {self.storage.location!r}: pass max_episodes, max_timesteps and fields to create one"
+                f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
         return schema
 
@@ -386,18 +393,20 @@ class ReplayBuffer(CommittedViews):
         state = self.storage.load_state()
         self.storage.drop_caches()
         names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields)
+        as_read: dict[str, np.ndarray] = {}
         for _ in range(_REREADS):
             if self.read_only:
                 # a slot a writer changed while it was loaded reads as empty until the next refresh
-                meta = stored_bookkeeping(self.storage, ["_revision", *self.schema.meta_fields])
+                meta = stored_bookkeeping(self.storage, ["_revision", *self.schema.meta_fields], as_read=as_read)
             else:
-                meta = {n: self.storage.read_meta(n) for n in names}
+                meta = as_read = {n: self.storage.read_meta(n) for n in names}
             # a commit landing during the reads can leave a length without its generation for a
             # moment; one that stays is damage (a lost _generation chunk), refused below
             if not len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
                 break
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
         self._state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
+        check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], self._state)
         self._meta = meta
         if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
             self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, repr(self.storage.location))

@@ -166,6 +166,11 @@ class ConcatStorage(Storage):
         """Reads are verified when every member's are (generations are per member)."""
         return all(m.verifies_generations for m in self.members)
 
+    @property
+    def checks_whole_episodes(self) -> bool:
+        # docstring inherited: when any member's does
+        return any(m.checks_whole_episodes for m in self.members)
+
     def verifies_reads(self, names: Iterable[str]) -> bool:
         # docstring inherited: when every member's are
         names = tuple(names)

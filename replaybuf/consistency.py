@@ -74,19 +74,22 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
 
 
 def stored_bookkeeping(
-    storage: Storage, names: Iterable[str], slots: np.ndarray | None = None
+    storage: Storage, names: Iterable[str], slots: np.ndarray | None = None, as_read: dict | None = None
 ) -> dict[str, np.ndarray]:
     """``_generation``, ``episode_lens`` and the meta fields ``names`` of ``slots`` (None: all
     slots), read from the store and mutually consistent.
 
     Generations are read before and after the rest; a slot whose generation moved in between
     (or that has no published length) comes back with generation 0 and length 0: its length
-    and meta rows are not trusted. What ``refresh()`` loads and every re-plan reads."""
+    and meta rows are not trusted. What ``refresh()`` loads and every re-plan reads.
+    ``as_read`` (a dict) receives the generations as first read, before any was set to 0."""
 
     def read(name: str) -> np.ndarray:
         return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
 
     before = np.asarray(read("_generation"), dtype=np.int64)
+    if as_read is not None:
+        as_read["_generation"] = before
     out = {"episode_lens": np.array(read("episode_lens"))}
     out.update({n: np.array(read(n)) for n in names if n not in ("_generation", "episode_lens")})
     after = np.asarray(read("_generation"), dtype=np.int64)

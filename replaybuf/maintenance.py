@@ -31,6 +31,7 @@ from .storage.base import (
     backend_class,
     bookkeeping_fields,
     check_bookkeeping,
+    check_lost_lengths,
     check_state,
     make_storage,
 )
@@ -281,8 +282,10 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     storage, schema = _open_read_only(path, storage_options)
     described = storage.describe()
     lens = _lens(storage)
-    check_bookkeeping(lens, storage.read_meta("_generation"), schema, storage.location)
+    generations = storage.read_meta("_generation")
+    check_bookkeeping(lens, generations, schema, storage.location)
     state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
+    check_lost_lengths(storage, lens, generations, state)
     valid = lens > 0
     arrays = described.get("arrays", {})
     fields, stored_total, data_total = {}, 0, 0
@@ -434,6 +437,7 @@ def verify(
     try:
         state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
         if "_generation" in meta:  # a live writer's counters lag its published episodes by design
+            check_lost_lengths(storage, lens, meta["_generation"], state)
             state = catch_up(state, lens, meta["_generation"], schema.max_episodes)
         problems += _check_counters(state, lens, meta.get("_generation"), schema)
     except BufferDamagedError as e:

@@ -137,7 +137,9 @@ class Fetcher:
         """(N, width, *shape): row i holds steps ``starts[i] .. starts[i] + lengths[i]`` of
         ``episodes[i]``, zero beyond ``lengths[i]``."""
         lengths = np.minimum(np.asarray(lengths, dtype=np.int64), width)
-        if len(lengths) == 0 or lengths.mean() < _BULK_MIN_STEPS:
+        # whole episodes (trajectories) on a backend that checks only those take its checked path
+        checked = self.storage.checks_whole_episodes and not np.any(starts)
+        if len(lengths) == 0 or (lengths.mean() < _BULK_MIN_STEPS and not checked):
             return self._windows(self.gather, name, episodes, starts, lengths, width)
         field = self.schema.fields[name]
         out = np.empty((len(lengths), width, *field.shape), dtype=field.dtype)

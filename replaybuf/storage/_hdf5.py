@@ -54,6 +54,7 @@ from ._zarr import default_time_chunk
 from .base import (
     OPTIONAL_META,
     AbsentMeta,
+    BufferDamagedError,
     BufferNotFoundError,
     CorruptChunkError,
     StorageError,
@@ -64,6 +65,7 @@ from .base import (
     expected_layouts,
     parse_json,
 )
+from .spans import Spans, read_spans_by_rows
 
 DATA_FILE = "data.h5"
 CONFIG_ATTRIBUTE = "replaybuf"
@@ -316,8 +318,8 @@ class HDF5Storage(LocalFolderStorage):
         try:
             with open_h5(self.path, "r") as f:
                 raw = f.attrs.get(CONFIG_ATTRIBUTE)
-        except OSError:
-            return None
+        except OSError as e:  # truncated or garbage bytes: damage, not "no buffer here"
+            raise BufferDamagedError(f"{self.path}: cannot be opened as an HDF5 file ({e})") from None
         if raw is None:
             return None
         config = parse_json(raw.encode() if isinstance(raw, str) else bytes(raw), self._config_where)
@@ -383,8 +385,11 @@ class HDF5Storage(LocalFolderStorage):
         self.read_only = read_only
         if not read_only:
             self.kv.prepare_writes()
+        # checked before data.h5 is opened for writing: a refused open leaves its bytes as they were
+        self._checksums = EpisodeChecksums.open(
+            self, self.root, list(schema.fields), schema.max_episodes, required=config.get("version", 0) >= 2
+        )
         self._load_arrays(schema)
-        self._checksums = EpisodeChecksums.open(self, self.root, list(schema.fields))
         return schema
 
     def _load_arrays(self, schema: Schema) -> None:
@@ -476,6 +481,26 @@ class HDF5Storage(LocalFolderStorage):
                     location=self.data_file(name),
                 ) from e
         return rows[inverse.reshape(-1)]
+
+    def _read_spans(
+        self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
+    ) -> None:
+        # docstring inherited: whole episodes (trajectory batches) in one checked read_rows,
+        # not one per distinct length, each of which reads the lengths again
+        if len(spans) == 0 or spans.starts.any():
+            read_spans_by_rows(self, name, spans, out)
+            return
+        try:
+            rows = self.read_rows(name, spans.episodes, 0, int(spans.lengths.max()))
+        except CorruptChunkError:
+            if len(spans) == 1:
+                raise
+            for i in range(len(spans)):  # the damaged episode, by name
+                one = None if generations is None else generations[i : i + 1]
+                self._read_spans(name, spans[i : i + 1], out[i : i + 1], parallel, one)
+            raise
+        for i, length in enumerate(spans.lengths.tolist()):
+            out[i, :length] = rows[i, :length]
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None

@@ -445,6 +445,8 @@ class LocalKV(KeyValue):
                 size = os.fstat(fd).st_size
                 start, stop = (max(0, size + start), size) if start < 0 else (start, size)
             return _pread(fd, start, stop)
+        except OSError as e:  # a folder where a file belongs (EISDIR): name it
+            raise OSError(e.errno, e.strerror, self._path(key)) from None
         finally:
             os.close(fd)
 
@@ -468,6 +470,8 @@ class LocalKV(KeyValue):
                     break  # the file ends first: the caller sees its size
                 done += n
             return size
+        except OSError as e:  # a folder where a file belongs (EISDIR): name it
+            raise OSError(e.errno, e.strerror, self._path(key)) from None
         finally:
             os.close(fd)
 

@@ -15,7 +15,7 @@ from ._codecs import crc32c
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
 from ._seed import seed_h5_hint
-from .base import CorruptChunkError, Storage, detect_backend, edited_rows
+from .base import STATE_KEY, BufferDamagedError, CorruptChunkError, Storage, detect_backend, edited_rows
 
 
 def local_root(storage: Storage) -> str:
@@ -46,6 +46,11 @@ def refuse_foreign_buffer(storage: Storage) -> None:
 # 3.11 ("AST constructor recursion depth mismatch"); a fork never leaves it held in the child
 NPY_HEADERS = threading.Lock()
 os.register_at_fork(before=NPY_HEADERS.acquire, after_in_parent=NPY_HEADERS.release, after_in_child=NPY_HEADERS.release)
+
+
+def _owns_nothing(name: str) -> bool:
+    """``_owns`` of a folder that holds no buffer: every entry in it is the user's."""
+    return False
 
 
 class LocalFolderStorage(KVBlobs, Storage):
@@ -101,6 +106,11 @@ class LocalFolderStorage(KVBlobs, Storage):
             self._checksums.check(name, episodes, rows, t1, lens)
         return rows
 
+    @property
+    def checks_whole_episodes(self) -> bool:
+        # docstring inherited: format-2 folders keep a crc32c per (field, episode)
+        return self._checksums is not None
+
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
         # docstring inherited
@@ -111,7 +121,10 @@ class LocalFolderStorage(KVBlobs, Storage):
     def check_creatable(self) -> list[str]:
         # docstring inherited
         refuse_foreign_buffer(self)
-        return check_owned(self.kv, self.location, self._owns)
+        # the names are this backend's only in a buffer (or in a create cut short after its
+        # counters): a user's own data.h5, foo.data.npy or metadata.pkl is not ours to erase
+        ours = self.exists() or os.path.isfile(os.path.join(self.root, STATE_KEY))
+        return check_owned(self.kv, self.location, self._owns if ours else _owns_nothing)
 
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
@@ -182,18 +195,40 @@ class EpisodeChecksums:
         return self
 
     @classmethod
-    def open(cls, storage: LocalFolderStorage, root: str, fields: list[str]) -> EpisodeChecksums | None:
-        """The checksums of a format-2 folder, None for one without (format 1, seed folders)."""
+    def open(
+        cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int, required: bool
+    ) -> EpisodeChecksums | None:
+        """The checksums of a format-2 folder, None for one without (format 1, seed folders).
+        A folder whose config says it keeps them (``required``) and has none, or whose file is
+        not a (max_episodes, fields) uint64 array, is damaged: reading it unchecked would lie."""
         self = cls(storage, root, fields)
-        return self if os.path.isfile(self.path) else None
+        if not os.path.lexists(self.path):
+            if required:
+                raise BufferDamagedError(
+                    f"{self.path}: missing; this buffer's config says it checksums its data, so its "
+                    "episodes cannot be checked (restore the file, or copy the buffer from a backup)"
+                )
+            return None
+        sums = self.sums
+        if sums.shape != (max_episodes, len(fields)) or sums.dtype != np.uint64:
+            raise BufferDamagedError(
+                f"{self.path}: holds {sums.dtype}{list(sums.shape)}, expected uint64[{max_episodes}, {len(fields)}]"
+            )
+        return self
 
     @property
     def sums(self) -> np.memmap:
         mode: Literal["r", "r+"] = "r" if self.storage.read_only else "r+"
         if self._sums is None or (self._sums.mode == "r") != (mode == "r"):
-            with NPY_HEADERS:
-                sums = np.load(self.path, mmap_mode=mode)
-            assert isinstance(sums, np.memmap)  # a .npy file loads as a memmap with mmap_mode
+            try:
+                if not os.path.isfile(self.path):  # a folder, a device, a dangling or looping link
+                    raise ValueError("not a regular file")
+                with NPY_HEADERS:
+                    sums = np.load(self.path, mmap_mode=mode, allow_pickle=False)
+            except (OSError, ValueError, EOFError) as e:  # a damaged header or a file cut short
+                raise BufferDamagedError(f"{self.path}: not a readable checksum array ({e})") from None
+            if not isinstance(sums, np.memmap):
+                raise BufferDamagedError(f"{self.path}: not a readable checksum array")
             self._sums = sums
         return self._sums
 

@@ -51,6 +51,8 @@ from .base import (
 from .spans import Spans
 
 CONFIG_FILE = "replaybuf.json"
+# a config is a few KiB; more is not one (a link to /dev/zero would otherwise be read until RAM ends)
+MAX_CONFIG_BYTES = 16 << 20
 SEED_ORIGIN = "memmap-replay-buffer"
 # the arrays and the seed's counters: <field>.data.npy, <meta>.data.meta.npy, <name>.state.npy
 _OWNED_SUFFIXES = (".data.npy", ".data.meta.npy", ".state.npy")
@@ -159,9 +161,12 @@ class MemmapStorage(LocalFolderStorage):
         path = os.path.join(self.root, CONFIG_FILE)
         try:
             with open(path, "rb") as f:
-                config = parse_json(f.read(), path)
+                raw = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             return None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise BufferDamagedError(f"{path}: over {MAX_CONFIG_BYTES} bytes, not a buffer config")
+        config = parse_json(raw, path)
         return config if config.get("format") == FORMAT_NAME and config.get("backend") == self.backend_name else None
 
     def exists(self) -> bool:
@@ -241,7 +246,17 @@ class MemmapStorage(LocalFolderStorage):
         adopting = config is None or (self._seed_origin and self._seed_wrote_since())
         self._open_arrays(schema, skip_generation=config is None)
         # folders the seed library may write to keep none: it would not update them
-        self._checksums = None if self._seed_origin else EpisodeChecksums.open(self, self.root, list(schema.fields))
+        self._checksums = (
+            None
+            if self._seed_origin
+            else EpisodeChecksums.open(
+                self,
+                self.root,
+                list(schema.fields),
+                schema.max_episodes,
+                required=(config or {}).get("version", 0) >= 2,
+            )
+        )
         if adopting and read_only:
             self._seed_view = _seed.SeedState.read(self.root)
         elif adopting:

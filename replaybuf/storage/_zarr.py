@@ -731,6 +731,15 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).gather(episodes, timesteps, generations)
 
+    def unstored_meta_slots(self, name: str, slots: np.ndarray) -> np.ndarray:
+        # docstring inherited: one byte read of each chunk holding ``slots``
+        array = self.array(name, meta=True)
+        slots = np.asarray(slots, dtype=np.int64)
+        chunks = np.unique(slots // array.chunks[0])
+        heads = self.kv.get_ranges([(array.chunk_key((int(c),)), 0, 1) for c in chunks.tolist()])
+        lost = chunks[[not head for head in heads]]
+        return slots[np.isin(slots // array.chunks[0], lost)]
+
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         # docstring inherited: only the chunks holding ``episodes``
         return self.array(name, meta=True).take(episodes)

@@ -402,6 +402,24 @@ def check_bookkeeping(lens: np.ndarray, generations: np.ndarray, schema: Schema,
         )
 
 
+def check_lost_lengths(storage: Storage, lens: np.ndarray, generations: np.ndarray, state: dict) -> None:
+    """Refuse committed slots whose ``episode_lens`` chunk is not stored at all (deleted, or a
+    dangling link): it reads as zeros, which would make every episode in it vanish, and a
+    writable open would then clear their generations for good. A slot counts as committed when
+    its generation is one the counters already count (a commit publishes its generation, then its
+    length, then the counters): a commit cut short, or a live one, has a newer generation."""
+    committed = np.flatnonzero((lens == 0) & (generations > 0) & (generations <= int(state["total_episodes"])))
+    if not len(committed):
+        return
+    lost = storage.unstored_meta_slots("episode_lens", committed)
+    if len(lost):
+        raise BufferDamagedError(
+            f"meta/episode_lens of {storage.location}: the chunk holding the lengths of committed slots "
+            f"{lost[:10].tolist()} is missing (they have generations, the counters count them); "
+            "restore it from a backup, or copy the buffer"
+        )
+
+
 class Storage(ABC):
     """One buffer's bytes: arrays ``data/<field>`` (episode, time, *shape), ``meta/<field>``
     (episode, *shape), the counters object and the step log; see the module docstring for
@@ -543,7 +561,13 @@ class Storage(ABC):
         """The last committed counters (num_episodes, episode_index, total_episodes, and any
         other keys the writer committed), read from the store now."""
         raw = self.read_blob(STATE_KEY)
-        return empty_state() if raw is None else {**empty_state(), **parse_json(raw, self.describe_key(STATE_KEY))}
+        if raw is None:
+            return empty_state()
+        state = parse_json(raw, self.describe_key(STATE_KEY))
+        missing = [key for key in COUNTERS if key not in state]
+        if missing:  # every commit writes all of them: a missing one is damage, not a zero
+            raise BufferDamagedError(f"{self.describe_key(STATE_KEY)}: missing {', '.join(missing)}")
+        return state
 
     def commit_state(self, state: dict) -> None:
         """Publish the counters as one atomic object: the last step of every commit. Rows and
@@ -728,6 +752,14 @@ class Storage(ABC):
         """A pickled storage (sent to a DataLoader worker) carries no lease."""
         return {**self.__dict__, "_lease": None, "_lease_finalizer": None}
 
+    @property
+    def checks_whole_episodes(self) -> bool:
+        """Whether only whole-episode reads (``read_rows``/``read_spans`` from step 0) are checked
+        against a stored checksum, per-step ``gather`` not: readers of whole episodes then take
+        the bulk path however short they are. False where every read is checked (zarr's chunk
+        crc32c) or none is."""
+        return False
+
     def verifies_reads(self, names: Iterable[str]) -> bool:
         """Whether reads of the data fields ``names`` given ``generations`` return only rows of
         those generations, else raise GenerationMismatchError (see "Generations"): callers of
@@ -735,6 +767,12 @@ class Storage(ABC):
         some fields only."""
         del names
         return self.verifies_generations
+
+    def unstored_meta_slots(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` whose row of meta ``name`` is not stored at all (it reads as 0): a
+        lost chunk, where per-episode arrays are stored in chunks. The default: none (one file)."""
+        del name, slots
+        return np.zeros(0, np.int64)
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         """``meta/name[episodes]`` read from the store now, only those entries (what a reader
@@ -886,6 +924,13 @@ def make_storage(
     if isinstance(location, Storage):
         return location
     location = os.fspath(location)
+    local = location.removeprefix("file://")
+    if "://" not in local and os.path.lexists(local) and not os.path.isdir(local):
+        what = "a dangling or looping link" if os.path.islink(local) and not os.path.exists(local) else "a file"
+        raise NotADirectoryError(
+            f"{location!r} is {what}, not a folder: a buffer is stored as a folder "
+            "(pass a new or empty folder to create one, or the folder of an existing buffer)"
+        )
     if backend is None:
         backend = detect_backend(location, storage_options) or "zarr"
     return backend_class(backend)(location, storage_options, **kwargs)

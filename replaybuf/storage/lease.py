@@ -180,7 +180,7 @@ class FileLease(WriterLease):
     def _read_record(self) -> dict | None:
         try:
             with open(self.path, "rb") as f:
-                return json.loads(f.read() or b"null")
+                return json.loads(f.read(1 << 16) or b"null")  # a holder record is ~100 bytes
         except (OSError, ValueError):
             return None
 

@@ -1,0 +1,248 @@
+"""Hostile folders found by an attacker's audit: files a buffer does not own keep their bytes,
+and damage to a local backend's side files is refused by name, never read unchecked."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from replaybuf import (
+    BufferDamagedError,
+    ConcatReplayBuffer,
+    CorruptChunkError,
+    ForeignEntriesError,
+    ReplayBuffer,
+    StorageError,
+)
+from replaybuf.cli import main
+
+from ._backends import require, snapshot
+from ._data import FIELDS, episode
+
+ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+
+
+def filled(location, backend: str) -> str:
+    buffer = ReplayBuffer(str(location), 4, 8, fields=FIELDS, backend=backend)
+    for i, length in enumerate((5, 3)):
+        buffer.store_episode(**episode(length, i))
+    buffer.close()
+    return str(location)
+
+
+def files(location) -> dict:
+    """The files at ``location`` (``snapshot``) without folders: a writable open's lease comes and goes."""
+    return {k: v for k, v in snapshot(location).items() if v[2] and not k.endswith(".lock")}
+
+
+def new(location, backend: str) -> ReplayBuffer:
+    return ReplayBuffer(str(location), 2, 4, fields={"x": "float"}, backend=backend)
+
+
+# ---- a user's files that happen to carry a buffer's names -----------------------------------------
+
+
+def users_hdf5(path) -> None:
+    with require("h5py").File(path, "w") as f:
+        f["obs"] = np.arange(5)
+
+
+@pytest.mark.parametrize(
+    "backend, name, write",
+    [
+        ("hdf5", "data.h5", users_hdf5),
+        ("memmap", "obs.data.npy", lambda path: np.save(path, np.arange(3))),
+        ("memmap", "metadata.pkl", lambda path: path.write_bytes(pickle.dumps({"lr": 0.1}))),
+    ],
+)
+def test_a_users_file_with_a_buffers_name_is_not_erased(tmp_path, backend, name, write):
+    write(tmp_path / name)
+    before = snapshot(str(tmp_path))
+    with pytest.raises(ForeignEntriesError, match=rf"'{name}'.*nothing was deleted"):
+        new(tmp_path, backend)
+    assert snapshot(str(tmp_path)) == before
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_opening_a_buffer_without_its_config_points_to_from_folder(tmp_path, backend):
+    location = filled(tmp_path / "b", backend)
+    before = snapshot(location)
+    with pytest.raises(ValueError, match=r"holds a buffer.*from_folder"):
+        ReplayBuffer(location)
+    assert snapshot(location) == before
+
+
+# ---- damaged side files of the memmap and hdf5 backends -------------------------------------------
+
+
+def refused_everywhere(capsys, location, match) -> None:
+    """Both opens raise BufferDamagedError matching ``match``; verify reports it and exits 1."""
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=match):
+            ReplayBuffer.from_folder(location, read_only=read_only)
+    assert main(["verify", location]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    assert "checksums.npy" in out.out + out.err or "data.h5" in out.out + out.err
+
+
+def cut(path) -> None:
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def replace_with_folder(path) -> None:
+    os.remove(path)
+    os.mkdir(path)
+
+
+def garbage_header(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"garbage")
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize(
+    "damage, complaint",
+    [
+        (os.remove, "missing; this buffer's config says it checksums its data"),
+        (cut, "not a readable checksum array"),
+        (replace_with_folder, "not a readable checksum array"),
+        (garbage_header, "not a readable checksum array"),
+        (lambda path: np.save(path, np.zeros((4, 1), np.uint64)), r"holds uint64\[4, 1\], expected uint64\[4, 3\]"),
+    ],
+)
+def test_a_damaged_checksum_file_is_refused_not_skipped(tmp_path, capsys, backend, damage, complaint):
+    location = filled(tmp_path / "b", backend)
+    damage(os.path.join(location, "replaybuf", "checksums.npy"))
+    before = files(location)
+    refused_everywhere(capsys, location, rf"checksums.npy: {complaint}")
+    assert files(location) == before
+
+
+@pytest.mark.parametrize("size", [0, 1000, -1])
+def test_a_truncated_hdf5_file_is_damage_not_a_missing_buffer(tmp_path, capsys, size):
+    location = filled(tmp_path / "b", "hdf5")
+    path = os.path.join(location, "data.h5")
+    os.truncate(path, size if size >= 0 else os.path.getsize(path) - 1)
+    refused_everywhere(capsys, location, r"data.h5: cannot be opened as an HDF5 file")
+
+
+# ---- the counters object -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_counters_missing_a_key_are_damage_not_an_empty_buffer(tmp_path, backend):
+    location = filled(tmp_path / "b", backend)
+    path = os.path.join(location, "replaybuf", "state.json")
+    with open(path, "w") as f:
+        f.write('{"episode_index": 2, "num_eXisodes": 2, "total_episodes": 2}')  # one flipped byte
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=r"replaybuf/state.json.*: missing num_episodes"):
+            ReplayBuffer.from_folder(location, read_only=read_only)
+
+
+# ---- a location that is not a folder ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["hdf5 file", "text file", "dangling link", "link loop"])
+@pytest.mark.parametrize("backend", [None, "memmap", "hdf5"])
+def test_a_location_that_is_not_a_folder_is_named_and_kept(tmp_path, what, backend):
+    path = tmp_path / "x"
+    if what == "hdf5 file":
+        users_hdf5(path)
+    elif what == "text file":
+        path.write_text("notes")
+    else:
+        os.symlink(path if what == "link loop" else tmp_path / "nowhere", path)
+    before = (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes())
+    kind = "a file" if "file" in what else "a dangling or looping link"
+    for attempt in (
+        lambda: ReplayBuffer(path, 2, 3, fields={"x": "float"}, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, read_only=True, backend=backend),
+    ):
+        with pytest.raises(NotADirectoryError, match=rf"'{path}' is {kind}, not a folder"):
+            attempt()
+    assert (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes()) == before
+
+
+# ---- trajectory batches of short episodes are checked too --------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_trajectory_batches_of_short_episodes_check_their_rows(tmp_path, backend):
+    location = filled(tmp_path / "b", backend)  # episodes of 5 and 3 steps: far below the bulk threshold
+    if backend == "memmap":
+        path = os.path.join(location, "reward.data.npy")
+        offset = os.path.getsize(path) - 4 * 8 * 4 + 4  # float32[4, 8] after the header
+    else:
+        path = os.path.join(location, "data.h5")
+        with require("h5py").File(path, "r") as f:
+            offset = f["data/reward"].id.get_offset() + 4
+    clean = next(iter(ReplayBuffer.from_folder(location, read_only=True).dataloader(batch_size=2, shuffle=False)))
+    assert clean["reward"].shape == (2, 5)
+    with open(path, "r+b") as f:  # step 1 of slot 0
+        f.seek(offset)
+        f.write(b"\x7f")
+    for buffer in (ReplayBuffer.from_folder(location, read_only=True), ConcatReplayBuffer([location])):
+        for kwargs in ({}, {"return_mask": True}):
+            with pytest.raises(CorruptChunkError, match=r"data/reward: slot 0, timesteps 0..4"):
+                list(buffer.dataloader(batch_size=2, shuffle=False, **kwargs))
+
+
+# ---- a lost lengths chunk (zarr) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["deleted", "dangling link"])
+def test_a_lost_lengths_chunk_is_damage_not_an_empty_buffer(tmp_path, capsys, how):
+    location = filled(tmp_path / "b", "zarr")
+    path = os.path.join(location, "meta", "episode_lens", "c.0")
+    os.remove(path)
+    if how == "dangling link":
+        os.symlink(tmp_path / "nowhere", path)
+    before = files(location) if how == "deleted" else os.readlink(path)
+    with pytest.raises(BufferDamagedError, match=r"lengths of committed slots \[0, 1\] is missing"):
+        ReplayBuffer.from_folder(location, read_only=True)
+    # a writable open would have cleared every generation; it refuses a link before looking
+    refusal = r"lengths of committed slots \[0, 1\] is missing" if how == "deleted" else "symbolic links"
+    with pytest.raises(StorageError if how != "deleted" else BufferDamagedError, match=refusal):
+        ReplayBuffer.from_folder(location)
+    assert (files(location) if how == "deleted" else os.readlink(path)) == before
+    assert main(["verify", location]) == 1
+    out = capsys.readouterr()
+    assert "committed slots [0, 1] is missing" in out.out + out.err
+
+
+def test_a_memmap_config_linked_to_an_endless_file_is_refused_in_bounded_memory(tmp_path):
+    location = filled(tmp_path / "b", "memmap")
+    path = os.path.join(location, "replaybuf.json")
+    os.remove(path)
+    os.symlink("/dev/zero", path)
+    code = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression is a MemoryError, not the machine's RAM
+from replaybuf import ReplayBuffer
+ReplayBuffer.from_folder({location!r}, read_only=True)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert run.returncode == 1
+    assert re.search(r"BufferDamagedError: .*replaybuf.json: over \d+ bytes, not a buffer config", run.stderr), (
+        run.stderr
+    )
+
+
+@pytest.mark.parametrize("key", ["replaybuf/state.json", "data/reward/c.0.0", "data/action/c.0.0.0", "data/state/c.0.0.0.0.0"])
+def test_a_folder_in_place_of_a_file_is_named(tmp_path, key):
+    location = filled(tmp_path / "b", "zarr")
+    path = os.path.join(location, *key.split("/"))
+    os.remove(path)
+    os.mkdir(path)
+    with pytest.raises(IsADirectoryError, match=key):
+        ReplayBuffer.from_folder(location, read_only=True).get_all_data()
