@@ -1,9 +1,10 @@
-"""Whole-buffer tools: ``convert`` between backends and locations, ``info`` and ``verify``.
+"""Whole-buffer tools: ``convert`` between backends and locations, ``upgrade`` to the newest
+on-disk format, ``info`` and ``verify``.
 
 They work on the Storage protocol, so any backend (including memmap-replay-buffer folders,
 read through the memmap backend) can be a source, and any backend a destination. The
-``replaybuf`` command line gets them as ``convert``, ``info``, ``verify`` and ``unlock``
-subcommands (``CLI_COMMANDS``, registered by ``replaybuf.cli``).
+``replaybuf`` command line gets them as ``convert``, ``upgrade``, ``info``, ``verify`` and
+``unlock`` subcommands (``CLI_COMMANDS``, registered by ``replaybuf.cli``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterable, Sequence
 
@@ -21,6 +23,7 @@ from . import snapshots
 from .attrs import load_attrs
 from .commit import catch_up
 from .schema import Field, Schema, parse_compressor
+from .storage import new_uuid
 from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
@@ -35,11 +38,12 @@ from .storage.base import (
     check_state,
     make_storage,
 )
+from .storage.lease import BufferLockedError, describe_holder
 
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
 
-__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "unlock", "verify"]
+__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "unlock", "upgrade", "verify"]
 
 
 # ---- opening ----------------------------------------------------------------------------------
@@ -206,6 +210,8 @@ def convert(
     _check_apart(src, storage_options, dst, dst_storage_options)
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
+    if target_schema.uuid is None:  # a buffer of a format before uuids gets one, as a new buffer does
+        target_schema = dataclasses.replace(target_schema, uuid=new_uuid())
     target = make_storage(dst, backend, dst_storage_options)
     if not overwrite and target.exists():
         raise FileExistsError(
@@ -251,6 +257,71 @@ def convert(
         "snapshots": sorted(held),
         **copied,
     }
+
+
+def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
+    """Rewrite the local buffer at ``path``, written in an earlier on-disk format, in the newest
+    format its backend writes (checksums, packed small fields, a buffer uuid), in place.
+
+    Earlier formats open and write as they are; upgrading adds what they lack (a format 1
+    buffer's reads are not checked against checksums). The buffer is copied with ``convert``
+    (slots, order, meta values, counters, attributes and snapshots kept; codecs and chunking
+    as stored) into a sibling folder, verified, and swapped in by two renames, all under the
+    buffer's writer lease: a writer holding it refuses the upgrade, and none can start
+    meanwhile. Readers of the buffer must reopen it afterwards. A folder holding files that
+    are not the buffer's is refused (they would be left behind in the backup). A buffer
+    already in the newest format is left as it is.
+
+    ``keep_backup``: keep the original folder as ``.<name>.format<N>-<pid>`` next to it (it is
+    deleted otherwise). A kill between the two renames leaves both folders next to ``path``
+    under those names: rename the backup back to retry. Returns what it did: location,
+    backend, ``upgraded``, the format versions, episodes copied and the backup's path.
+    """
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(
+            f"upgrade: {text!r} is not a local folder; `replaybuf convert SRC DST` copies a remote buffer "
+            "into the newest format at another location"
+        )
+    folder = os.path.realpath(text.removeprefix("file://"))
+    storage, _ = _open_read_only(folder)
+    backend, version, newest = storage.backend_name, storage.format_version, storage.newest_format_version
+    storage.close()
+    facts = {"location": folder, "backend": backend, "from_version": version, "to_version": newest}
+    if version is None:
+        raise ValueError(
+            f"upgrade: {folder!r} is a memmap-replay-buffer folder, which replaybuf opens as it is; "
+            f"`replaybuf convert {text} DST` copies it into a replaybuf buffer"
+        )
+    if version >= newest:
+        return {**facts, "to_version": version, "upgraded": False, "episodes": 0, "backup": None}
+    owner = make_storage(folder, backend)
+    holder = owner.writer_lease().holder()  # any writer, in this process too: its buffer would go
+    if holder is not None:
+        raise BufferLockedError(
+            f"upgrade: {folder!r} is being written by {describe_holder(holder)}; close that writer first"
+        )
+    owner.acquire_writer()  # none starts meanwhile
+    parent, name = os.path.split(folder)
+    staging = os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
+    backup = os.path.join(parent, f".{name}.format{version}-{os.getpid()}")
+    try:
+        owner.check_creatable()  # ForeignEntriesError: the user's files would stay in the backup
+        copied = convert(folder, staging, backend=backend, progress=progress)
+        problems = verify(staging, progress=False)
+        if problems:
+            raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
+        os.rename(folder, backup)
+        os.rename(staging, folder)
+    except BaseException:
+        if os.path.isdir(staging) and os.path.isdir(folder):
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        owner.release_writer()  # its lock file moved with the original folder
+    if not keep_backup:
+        shutil.rmtree(backup)
+    return {**facts, "upgraded": True, "episodes": copied["episodes"], "backup": backup if keep_backup else None}
 
 
 def _check_copy(
@@ -655,6 +726,27 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="local buffer folder")
+    parser.add_argument(
+        "--keep-backup", action="store_true", help="keep the original folder next to it as .<name>.format<N>-<pid>"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
+
+
+def _run_upgrade(args: argparse.Namespace) -> int:
+    done = upgrade(args.path, keep_backup=args.keep_backup, progress=False if args.quiet else None)
+    if not done["upgraded"]:
+        print(f"{args.path}: already in format {done['from_version']}, the newest of the {done['backend']} backend")
+        return 0
+    kept = f"; the original is kept at {done['backup']}" if done["backup"] else ""
+    print(
+        f"{args.path}: upgraded from format {done['from_version']} to {done['to_version']} "
+        f"({done['episodes']} episodes copied and verified){kept}"
+    )
+    return 0
+
+
 def _add_info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="buffer folder or URL")
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
@@ -700,7 +792,6 @@ def _add_unlock_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_unlock(args: argparse.Namespace) -> int:
     from .cli import store_options
-    from .storage.lease import BufferLockedError, describe_holder
 
     try:
         holder = unlock(args.location, store_options(args))
@@ -721,6 +812,12 @@ CLI_COMMANDS = (
         "copy a buffer to another backend or location (e.g. a memmap-replay-buffer folder to zarr)",
         _add_convert_arguments,
         _run_convert,
+    ),
+    (
+        "upgrade",
+        "rewrite a local buffer written by an earlier replaybuf in the newest on-disk format, in place",
+        _add_upgrade_arguments,
+        _run_upgrade,
     ),
     ("info", "show a buffer's schema, episodes, chunking, compression and sizes", _add_info_arguments, _run_info),
     (

@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
+import memmap_replay_buffer
 import numpy as np
 import pytest
+import torch
 
-from replaybuf import ReplayBuffer, verify
+from replaybuf import ForeignEntriesError, ReplayBuffer, verify
+from replaybuf.cli import main as cli_main
+from replaybuf.maintenance import upgrade
+from replaybuf.storage.lease import BufferLockedError
 
 from .data.make_fixtures import expected_episode
 
@@ -110,3 +116,79 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
     assert reader._meta["_revision"][:3].tolist() == [0, 2, 0]
     np.testing.assert_array_equal(np.asarray(reader.data["state"][1, :3]), np.full_like(cached, 9.0))
     assert verify(path) == []
+
+
+# ---- replaybuf upgrade ---------------------------------------------------------------------------
+
+NEWEST = {"zarr": 3, "memmap": 2, "hdf5": 2}
+
+
+@pytest.mark.parametrize(("version", "backend"), FORMATS)
+def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_path, capsys):
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, version, backend), path)
+    before = ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    assert cli_main(["upgrade", str(path), "--quiet"]) == 0
+    stored = int(version.rsplit("v", 1)[1])
+    said = capsys.readouterr().out
+    assert (f"upgraded from format {stored} to {NEWEST[backend]}" in said) == (stored < NEWEST[backend])
+    assert _stored_version(path, backend) == NEWEST[backend]
+    assert sorted(os.listdir(tmp_path)) == [backend]  # no copy, no backup left beside it
+    after = ReplayBuffer.from_folder(path, read_only=True)
+    _check_contents(after)
+    for name, values in after.get_all_data().items():
+        assert torch.equal(values, before[name]), name
+    assert verify(path) == []
+    assert os.path.exists(path / "replaybuf" / "checksums.npy") == (backend != "zarr")  # format 2 checks reads
+    writer = ReplayBuffer.from_folder(path)
+    writer.store_episode(**expected_episode(0))  # continues where the original stood: slot 1
+    assert writer.valid_episodes().tolist() == [2, 0, 1]
+    writer.close()
+
+
+def test_upgrade_of_the_newest_format_changes_nothing(tmp_path, capsys):
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v3", "zarr"), path)
+    files = {p: p.stat().st_mtime_ns for p in path.rglob("*")}
+    assert upgrade(path)["upgraded"] is False
+    assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == files
+    assert cli_main(["upgrade", str(path)]) == 0
+    assert "already in format 3" in capsys.readouterr().out
+
+
+def test_upgrade_keeps_a_backup_when_asked(tmp_path):
+    path = tmp_path / "memmap"
+    shutil.copytree(os.path.join(DATA, "format-v1", "memmap"), path)
+    done = upgrade(path, keep_backup=True, progress=False)
+    assert done["upgraded"] and os.path.dirname(done["backup"]) == str(tmp_path)
+    assert _stored_version(Path(done["backup"]), "memmap") == 1
+    _check_contents(ReplayBuffer.from_folder(done["backup"], read_only=True))
+
+
+def test_upgrade_refuses_a_held_buffer_and_foreign_files_leaving_it_as_it_was(tmp_path):
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
+    writer = ReplayBuffer.from_folder(path)  # a writer in this process: its buffer would be replaced
+    with pytest.raises(BufferLockedError, match="close that writer first"):
+        upgrade(path)
+    writer.close()
+    (path / "notes.txt").write_text("mine")  # the user's file would be left in the backup
+    with pytest.raises(ForeignEntriesError, match="notes.txt"):
+        upgrade(path)
+    assert sorted(os.listdir(tmp_path)) == ["zarr"]
+    assert _stored_version(path, "zarr") == 1 and (path / "notes.txt").read_text() == "mine"
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
+    with pytest.raises(ValueError, match="replaybuf convert"):
+        upgrade("s3://bucket/run")
+    seed = tmp_path / "seed"
+    buffer = memmap_replay_buffer.ReplayBuffer(
+        str(seed), max_episodes=2, max_timesteps=4, fields={"state": "float"}, overwrite=True
+    )
+    buffer.store_episode(state=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="memmap-replay-buffer folder.*replaybuf convert"):
+        upgrade(seed)
+    with pytest.raises(FileNotFoundError):
+        upgrade(tmp_path / "missing")

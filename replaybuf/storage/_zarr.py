@@ -206,6 +206,7 @@ class ZarrStorage(KVBlobs, Storage):
     """Zarr v3 storage for local paths, ``memory://`` and object-store URLs (``s3://``, ``gs://``)."""
 
     backend_name = "zarr"
+    newest_format_version = ZARR_FORMAT_VERSION
     supports_remote = True
     supports_field_codecs = True  # honours per-field ``compressor`` specs
 
@@ -328,7 +329,7 @@ class ZarrStorage(KVBlobs, Storage):
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
         where = self.describe_key("zarr.json")
-        schema = self._schema_from_config(attributes, where, ZARR_FORMAT_VERSION)
+        schema = self._schema_from_config(attributes, where)
         self.read_only = read_only
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)

@@ -456,6 +456,11 @@ class Storage(ABC):
     #: a read given ``generations`` returns only rows of those generations, else raises
     #: GenerationMismatchError: callers skip their own re-check (see "Generations" above)
     verifies_generations: ClassVar[bool] = False
+    #: the on-disk format version this backend writes (``replaybuf upgrade`` brings older ones to it)
+    newest_format_version: ClassVar[int] = FORMAT_VERSION
+    #: the format version in the opened buffer's stored config (None: not opened yet, or a
+    #: memmap-replay-buffer folder, which stores none)
+    format_version: int | None = None
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
     _lease_epoch = 0
@@ -526,18 +531,21 @@ class Storage(ABC):
         """Sorted keys of the side objects starting with ``prefix`` (empty or ending in ``/``);
         keys of a temp file a write has not yet renamed into place are never listed."""
 
-    def _schema_from_config(self, config: dict, where: str, newest: int = FORMAT_VERSION) -> Schema:
+    def _schema_from_config(self, config: dict, where: str) -> Schema:
         """The Schema stored in ``config`` (read from ``where``), checked as a new one would be
-        (sizes included), after its format ``version``: an int, at most ``newest`` (what this
-        replaybuf reads). For the backends' ``open``."""
+        (sizes included), after its format ``version``: an int, at most
+        ``newest_format_version`` (what this replaybuf reads), kept as ``format_version``. For
+        the backends' ``open``."""
         version = config.get("version", 0)
-        if not isinstance(version, int):
+        if not isinstance(version, int) or isinstance(version, bool):
             raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
+        newest = self.newest_format_version
         if version > newest:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {version}; "
-                f"this replaybuf reads up to {newest}: upgrade replaybuf"
+                f"this replaybuf reads up to {newest}: upgrade replaybuf to open it"
             )
+        self.format_version = version
         try:
             return Schema.from_json(config)
         except (KeyError, TypeError, ValueError) as e:
