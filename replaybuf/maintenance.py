@@ -385,6 +385,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "location": storage.location,
         "backend": storage.backend_name,
         "format": described.get("format"),
+        "format_version": storage.format_version,
+        "newest_format_version": storage.newest_format_version,
         "max_episodes": schema.max_episodes,
         "max_timesteps": schema.max_timesteps,
         "circular": schema.circular,
@@ -417,6 +419,15 @@ def format_info(facts: dict) -> str:
     lines = [
         f"buffer     {facts['location']}",
         f"backend    {facts['backend']} ({facts['format']})",
+        *(
+            [
+                f"format     {facts['format_version']}, written by an earlier replaybuf: `replaybuf upgrade` "
+                f"rewrites it in format {facts['newest_format_version']}"
+            ]
+            if facts.get("format_version") is not None
+            and facts["format_version"] < facts.get("newest_format_version", facts["format_version"])
+            else []
+        ),
         f"episodes   {facts['episodes']} of {facts['max_episodes']} (max_timesteps {facts['max_timesteps']}, "
         f"circular {facts['circular']})",
         f"timesteps  {facts['timesteps']}",

@@ -192,3 +192,12 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
         upgrade(seed)
     with pytest.raises(FileNotFoundError):
         upgrade(tmp_path / "missing")
+
+
+def test_info_points_an_earlier_format_to_upgrade(capsys):
+    assert cli_main(["info", os.path.join(DATA, "format-v1", "hdf5")]) == 0
+    assert "format     1, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 2" in (
+        capsys.readouterr().out
+    )
+    assert cli_main(["info", os.path.join(DATA, "format-v3", "zarr")]) == 0
+    assert "replaybuf upgrade" not in capsys.readouterr().out
