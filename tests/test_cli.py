@@ -182,7 +182,7 @@ def test_inspect_serve_reports_a_busy_port_before_rendering(buffer_folder, workd
 def test_every_command_takes_the_store_options(capsys):
     """README: every command that takes a location accepts --storage-options, --anon and
     --endpoint-url (unlock had --storage-options only)."""
-    for name in commands:
+    for name in set(commands) - {"upgrade"}:  # upgrade rewrites local folders only
         with pytest.raises(SystemExit):
             main([name, "--help"])
         text = capsys.readouterr().out

@@ -222,7 +222,7 @@ def run_cli(argv) -> int:
 
 
 def test_cli_commands(tmp_path, capsys):
-    assert [c[0] for c in CLI_COMMANDS] == ["convert", "info", "verify", "unlock"]
+    assert [c[0] for c in CLI_COMMANDS] == ["convert", "upgrade", "info", "verify", "unlock"]
     filled(tmp_path / "src", "memmap")
     assert (
         run_cli(
