@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -284,6 +285,14 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
             "into the newest format at another location"
         )
     folder = os.path.realpath(text.removeprefix("file://"))
+    parent, name = os.path.split(folder)
+    if not os.path.exists(folder):
+        left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
+        if left:
+            raise FileNotFoundError(
+                f"upgrade: no buffer at {folder!r}; an upgrade stopped between its renames left the original "
+                f"at {left[-1]!r}: rename it back to {folder!r} and run the upgrade again"
+            )
     storage, _ = _open_read_only(folder)
     backend, version, newest = storage.backend_name, storage.format_version, storage.newest_format_version
     storage.close()
@@ -302,7 +311,6 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
             f"upgrade: {folder!r} is being written by {describe_holder(holder)}; close that writer first"
         )
     owner.acquire_writer()  # none starts meanwhile
-    parent, name = os.path.split(folder)
     staging = os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
     backup = os.path.join(parent, f".{name}.format{version}-{os.getpid()}")
     try:

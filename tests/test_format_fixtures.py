@@ -163,6 +163,10 @@ def test_upgrade_keeps_a_backup_when_asked(tmp_path):
     assert done["upgraded"] and os.path.dirname(done["backup"]) == str(tmp_path)
     assert _stored_version(Path(done["backup"]), "memmap") == 1
     _check_contents(ReplayBuffer.from_folder(done["backup"], read_only=True))
+    # as a kill between the two renames leaves it: the next upgrade names the original
+    shutil.rmtree(path)
+    with pytest.raises(FileNotFoundError, match=r"rename it back"):
+        upgrade(path)
 
 
 def test_upgrade_refuses_a_held_buffer_and_foreign_files_leaving_it_as_it_was(tmp_path):
