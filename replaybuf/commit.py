@@ -278,6 +278,15 @@ class Committer:
         """The episodes the published lengths show (``count_episodes``)."""
         return count_episodes(self.state, self.meta["episode_lens"], self.max_episodes)
 
+    def listed_count(self) -> int:
+        """``num_episodes`` as an open recounts it: the episodes the published lengths show, and
+        at least up to the highest slot holding one (an emptied slot before it, dropped or
+        unpublished by a killed commit, lists as a row of padding): ``get_all_data`` lists slots
+        ``0 .. num_episodes - 1``, and none of them may hide a committed episode."""
+        lens = self.meta["episode_lens"]
+        held = np.concatenate([np.flatnonzero(lens > 0), empty_episodes(self.state, lens)])
+        return min(max(self.count_episodes(), int(held.max(initial=-1)) + 1), self.max_episodes)
+
     def clear(self) -> None:
         """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
         self.held.check(np.arange(self.max_episodes), self.meta["_generation"], "clear", drop=True)
@@ -294,13 +303,13 @@ class Committer:
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
-        length), then commit the counters recounted; return the slots dropped."""
+        length); return the slots dropped. ``num_episodes`` stays: a dropped slot lists as a row
+        of padding, and the slots after it (where the next episodes go) stay listed."""
         dropped = slots[self.meta["episode_lens"][slots] > 0]
         self.held.check(dropped, self.meta["_generation"][dropped], "drop", drop=True)
         if len(dropped):
             self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
             self.write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
-            self.commit_state(num_episodes=self.count_episodes())
         return dropped
 
     # ---- the step log -------------------------------------------------------------------------
@@ -344,7 +353,7 @@ class Committer:
         valid = np.flatnonzero(lens > 0)
         # an open recounts what is published (a killed commit may have emptied a reused slot);
         # within a session num_episodes counts commits, as the seed does
-        state = {**self.state, "num_episodes": self.count_episodes()}
+        state = {**self.state, "num_episodes": self.listed_count()}
         if len(valid):
             newest = int(valid[np.argmax(generations[valid])])
             state["episode_index"] = (newest + 1) % self.max_episodes

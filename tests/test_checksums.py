@@ -78,7 +78,8 @@ def _damage(path: str, how: str) -> None:
 
 def _check_only_slot_1_dropped(path: str) -> None:
     buffer = ReplayBuffer.from_folder(path, read_only=True)
-    assert buffer.valid_episodes().tolist() == [0, 2] and buffer.num_episodes == 2
+    assert buffer.valid_episodes().tolist() == [0, 2] and buffer.num_episodes == 3  # slot 1: padding
+    assert buffer.get_all_data()["episode_lens"].tolist() == [LENGTHS[0], 0, LENGTHS[2]]
     for slot in (0, 2):
         expected = _episode(slot)
         for name in FIELDS:
@@ -258,9 +259,14 @@ def test_dropping_episodes_keeps_the_buffer_writable(originals, tmp_path):
     path = _copy(originals, "zarr", tmp_path)
     buffer = ReplayBuffer.from_folder(path)
     assert buffer.drop_episodes([1, 3]) == [1]
-    assert buffer.num_episodes == 2
+    assert buffer.num_episodes == 3 and len(buffer) == 2  # slot 1 lists as padding
     buffer.store_episode(**_episode(1))  # slot 3
-    assert buffer.num_episodes == 3 and verify(path) == []
+    assert buffer.num_episodes == 4 and verify(path) == []
+    lens = buffer.get_all_data()["episode_lens"].tolist()
+    assert lens[1] == 0 and lens[3] == len(_episode(1)["state"])  # no committed episode hidden
+    buffer.close()
+    assert ReplayBuffer.from_folder(path, read_only=True).num_episodes == 4
+    assert ReplayBuffer.from_folder(path).num_episodes == 4  # a writable open's recount keeps it
     with pytest.raises(ValueError, match="drop_episodes: slots must be ints in \\[0, 4\\)"):
         buffer.drop_episodes([4])
 

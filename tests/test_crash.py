@@ -252,8 +252,9 @@ def _kill_during_reuse(location, kwargs, uid, at):
 
 @pytest.mark.parametrize("at", [2, 3, 5])
 def test_kill_while_reusing_a_slot_leaves_counters_that_match_the_episodes(tmp_path, at):
-    """A kill inside store_episode into a reused slot: the reopened buffer counts the episodes it
-    holds (num_episodes was left at max_episodes with one slot emptied) and verifies clean."""
+    """A kill inside store_episode into a reused slot: the reopened buffer holds the other
+    episodes, lists every slot up to the highest holding one (the emptied slot as padding: a
+    recount to 4 hid slot 4's episode from get_all_data) and verifies clean."""
     from replaybuf.maintenance import verify
 
     location = str(tmp_path / "buffer")
@@ -263,9 +264,11 @@ def test_kill_while_reusing_a_slot_leaves_counters_that_match_the_episodes(tmp_p
             write_episode(buffer, uid, "whole")
     _run_child(_kill_during_reuse, location, kwargs, 5, at)
     with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
-        assert buffer.num_episodes == len(buffer) == 4
+        assert (buffer.num_episodes, len(buffer)) == (5, 4)
         assert buffer.episode_index == 0  # the emptied slot is the next one written
         assert sorted(stored_episodes(buffer)) == [1, 2, 3, 4]
+        rows = buffer.get_all_data()
+        assert rows["episode_lens"][0] == 0 and rows["uid"][1:].tolist() == [1, 2, 3, 4]  # slot 0: padding
     assert verify(location) == []
     with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
         write_episode(buffer, 6, "whole")

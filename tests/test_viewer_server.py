@@ -162,8 +162,9 @@ def test_an_empty_buffer_lists_no_episodes(tmp_path):
 
 
 def test_an_episode_after_a_dropped_one_is_listed_and_rendered(tmp_path, capsys):
-    """After drop_episodes (or verify --repair) of slot 1 of 3, num_episodes is 2: the viewer
-    listed, and inspect and save_video accepted, slots 0 and 1 only, hiding slot 2's episode."""
+    """After drop_episodes (or verify --repair) of slot 1 of 3 the viewer listed, and inspect
+    and save_video accepted, slots below num_episodes only (it was recounted to 2, hiding slot
+    2's episode; it now stays 3)."""
     from replaybuf import ReplayBuffer
     from replaybuf.cli import main
 
@@ -171,10 +172,10 @@ def test_an_episode_after_a_dropped_one_is_listed_and_rendered(tmp_path, capsys)
     writer.drop_episodes([1])
     writer.close()
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
-    assert reader.num_episodes == 2 and reader.valid_episodes().tolist() == [0, 2]
+    assert reader.num_episodes == 3 and reader.valid_episodes().tolist() == [0, 2]
     with ViewerServer(BufferApp(reader)) as server:
         listed = get_json(server, "/api/episodes")[1]
-        assert (listed["num_episodes"], listed["slots"], listed["lengths"]) == (2, 3, [4, 0, 5])
+        assert (listed["num_episodes"], listed["slots"], listed["lengths"]) == (3, 3, [4, 0, 5])
         assert get_json(server, "/api/episodes/2")[1]["length"] == 5
         assert request(server, "/video/episodes/2/front.mp4")[0] == 200
     assert (
