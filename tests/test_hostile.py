@@ -238,7 +238,9 @@ ReplayBuffer.from_folder({location!r}, read_only=True)
     )
 
 
-@pytest.mark.parametrize("key", ["replaybuf/state.json", "data/reward/c.0.0", "data/action/c.0.0.0", "data/state/c.0.0.0.0.0"])
+@pytest.mark.parametrize(
+    "key", ["replaybuf/state.json", "data/reward/c.0.0", "data/action/c.0.0.0", "data/state/c.0.0.0.0.0"]
+)
 def test_a_folder_in_place_of_a_file_is_named(tmp_path, key):
     location = filled(tmp_path / "b", "zarr")
     path = os.path.join(location, *key.split("/"))
@@ -246,3 +248,12 @@ def test_a_folder_in_place_of_a_file_is_named(tmp_path, key):
     os.mkdir(path)
     with pytest.raises(IsADirectoryError, match=key):
         ReplayBuffer.from_folder(location, read_only=True).get_all_data()
+
+
+def test_convert_refuses_a_source_with_a_lost_lengths_chunk(tmp_path, capsys):
+    location = filled(tmp_path / "b", "zarr")
+    os.remove(os.path.join(location, "meta", "episode_lens", "c.0"))
+    assert main(["convert", location, str(tmp_path / "copy")]) == 1
+    out = capsys.readouterr()
+    assert "committed slots [0, 1] is missing" in out.out + out.err
+    assert not os.path.exists(tmp_path / "copy")  # refused before anything is written
