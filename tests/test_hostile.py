@@ -21,6 +21,7 @@ from replaybuf import (
     StorageError,
 )
 from replaybuf.cli import main
+from replaybuf.snapshots import SnapshotError
 
 from ._backends import require, snapshot
 from ._data import FIELDS, episode
@@ -257,3 +258,24 @@ def test_convert_refuses_a_source_with_a_lost_lengths_chunk(tmp_path, capsys):
     out = capsys.readouterr()
     assert "committed slots [0, 1] is missing" in out.out + out.err
     assert not os.path.exists(tmp_path / "copy")  # refused before anything is written
+
+
+# ---- overwrite=True replaces what was derived from the old episodes too -----------------------------
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_overwrite_drops_the_old_buffers_sketches_and_snapshots(tmp_path, backend):
+    location = str(tmp_path / "b")
+    old = ReplayBuffer(location, 2, 250, fields={"x": "float"}, backend=backend)
+    old.store_episode(x=np.ones(220, np.float32))  # long enough for a stored sketch
+    assert float(old.stats().fields["x"].mean) == 1.0
+    old.snapshot("eval")
+    old.close()
+    new_one = ReplayBuffer(location, 2, 250, fields={"x": "float"}, backend=backend)  # generations restart at 1
+    assert new_one.snapshots() == []
+    new_one.store_episode(x=np.full(220, 5.0, np.float32))
+    new_one.close()
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert float(reader.stats().fields["x"].mean) == 5.0
+    with pytest.raises(SnapshotError, match="no snapshot 'eval'"):
+        ReplayBuffer.from_folder(location, read_only=True, snapshot="eval")

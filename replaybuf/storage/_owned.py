@@ -4,8 +4,8 @@ Each backend names the top-level entries of its own layout (``owns``); anything 
 the location (a user's file or folder, another program's objects, a whole bucket's worth of
 keys) is *foreign*, and creating a buffer there is refused before anything is deleted.
 Everything under a buffer's own folders belongs to it. Under ``replaybuf/`` erasing deletes
-the counters, the attributes and the step log only: other objects there (a writer's lease) belong to
-whoever holds them.
+the counters, the attributes, the step log and the episodes' sketches and snapshots only: other
+objects there (a writer's lease) belong to whoever holds them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._kv import KeyValue
-from .base import ATTRS_KEY, LOG_PREFIX, STATE_KEY
+from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY
 
 BLOB_DIR = "replaybuf"
 # foreign entries an error names; the rest are counted
@@ -62,7 +62,10 @@ def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...]) -> N
         if name in markers:
             continue
         if entry == f"{BLOB_DIR}/":
-            kv.delete_prefix(LOG_PREFIX)  # the counters, the attributes and the step log only
+            # the counters, the attributes, the step log, and the sketches and snapshots of the
+            # episodes erased; other objects there (a writer's lease) are not the erase's
+            for prefix in (LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX):
+                kv.delete_prefix(prefix)
             kv.delete_many([STATE_KEY, ATTRS_KEY])
         elif entry.endswith("/"):
             kv.delete_prefix(entry)
