@@ -39,7 +39,8 @@ import numpy as np
 
 from .consistency import read_episodes_consistent
 from .schema import Field
-from .storage.base import SKETCHES_PREFIX, Storage, StorageError
+from .storage import SKETCHES_PREFIX
+from .storage.base import Storage, StorageError
 
 if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
     import torch

@@ -32,7 +32,8 @@ import numpy as np
 
 from .inputs import fill_value
 from .schema import Schema
-from .storage.base import SNAPSHOTS_PREFIX, Storage
+from .storage import SNAPSHOTS_PREFIX
+from .storage.base import Storage
 
 PREFIX = SNAPSHOTS_PREFIX
 FORMAT = 1
