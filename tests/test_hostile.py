@@ -279,3 +279,19 @@ def test_overwrite_drops_the_old_buffers_sketches_and_snapshots(tmp_path, backen
     assert float(reader.stats().fields["x"].mean) == 5.0
     with pytest.raises(SnapshotError, match="no snapshot 'eval'"):
         ReplayBuffer.from_folder(location, read_only=True, snapshot="eval")
+
+
+def test_a_refused_writable_open_leaves_the_hdf5_file_closed(tmp_path):
+    location = filled(tmp_path / "b", "hdf5")
+    path = os.path.join(location, "data.h5")
+    h5py = require("h5py")
+    with h5py.File(path, "r+") as f:
+        f["meta/episode_lens"][0] = 99  # damage a writable open refuses after opening data.h5
+    before = open(path, "rb").read()
+    with pytest.raises(BufferDamagedError, match="outside"):
+        ReplayBuffer.from_folder(location)
+    assert open(path, "rb").read() == before  # not left marked open for writing
+    other = subprocess.run(
+        [sys.executable, "-c", f"import h5py; h5py.File({path!r}, 'r').close()"], capture_output=True, text=True
+    )
+    assert other.returncode == 0, other.stderr  # nor locked against other processes
