@@ -14,6 +14,7 @@ A reader trusts only slots whose published length is > 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -312,6 +313,10 @@ class ReplayBuffer(CommittedViews):
             self._commit.recover()
             self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:
+            # a refused open holds no file: an HDF5 file left open for writing stays locked
+            # against every other process (and marked open) while the exception lives
+            with contextlib.suppress(Exception):
+                self.storage.close()
             self.storage.release_writer()
             raise
 

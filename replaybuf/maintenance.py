@@ -64,6 +64,16 @@ def _lens(storage: Storage) -> np.ndarray:
     return storage.read_meta("episode_lens").astype(np.int64)
 
 
+def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarray, dict]:
+    """The lengths and counters of an opened buffer, checked as an open checks them
+    (BufferDamagedError naming what is wrong): what ``info`` reports and ``convert`` copies."""
+    lens, generations = _lens(storage), storage.read_meta("_generation")
+    check_bookkeeping(lens, generations, schema, storage.location)
+    state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
+    check_lost_lengths(storage, lens, generations, state)
+    return lens, state
+
+
 # ---- convert ---------------------------------------------------------------------------------------
 
 
@@ -218,8 +228,7 @@ def convert(
         raise FileExistsError(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
         )
-    state = source.load_state()
-    lens = _lens(source)
+    lens, state = _checked_lens_and_state(source, schema)
     slots = np.flatnonzero(lens > 0)
     # slots and generations are kept, so snapshots stay true as they are; a damaged one is
     # refused here, before anything is written
@@ -360,11 +369,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     compressor, stored vs raw bytes and the compression ratio. Reads only."""
     storage, schema = _open_read_only(path, storage_options)
     described = storage.describe()
-    lens = _lens(storage)
-    generations = storage.read_meta("_generation")
-    check_bookkeeping(lens, generations, schema, storage.location)
-    state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
-    check_lost_lengths(storage, lens, generations, state)
+    lens, state = _checked_lens_and_state(storage, schema)
     valid = lens > 0
     arrays = described.get("arrays", {})
     fields, stored_total, data_total = {}, 0, 0

@@ -39,6 +39,7 @@ import numpy as np
 
 from .consistency import read_episodes_consistent
 from .schema import Field
+from .storage import SKETCHES_PREFIX
 from .storage.base import Storage, StorageError
 
 if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
 
 MAX_FEATURES = 64
 KLL_K = 200
-PREFIX = "replaybuf/sketches/"
+PREFIX = SKETCHES_PREFIX
 # the most bytes of episodes read at once to sketch them from their data (RAM stays bounded
 # when a first stats() sketches a whole buffer)
 READ_BYTES = 64 << 20

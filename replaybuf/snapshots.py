@@ -32,9 +32,10 @@ import numpy as np
 
 from .inputs import fill_value
 from .schema import Schema
+from .storage import SNAPSHOTS_PREFIX
 from .storage.base import Storage
 
-PREFIX = "replaybuf/snapshots/"
+PREFIX = SNAPSHOTS_PREFIX
 FORMAT = 1
 MAX_NAME = 128
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

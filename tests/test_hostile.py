@@ -21,6 +21,7 @@ from replaybuf import (
     StorageError,
 )
 from replaybuf.cli import main
+from replaybuf.snapshots import SnapshotError
 
 from ._backends import require, snapshot
 from ._data import FIELDS, episode
@@ -238,7 +239,9 @@ ReplayBuffer.from_folder({location!r}, read_only=True)
     )
 
 
-@pytest.mark.parametrize("key", ["replaybuf/state.json", "data/reward/c.0.0", "data/action/c.0.0.0", "data/state/c.0.0.0.0.0"])
+@pytest.mark.parametrize(
+    "key", ["replaybuf/state.json", "data/reward/c.0.0", "data/action/c.0.0.0", "data/state/c.0.0.0.0.0"]
+)
 def test_a_folder_in_place_of_a_file_is_named(tmp_path, key):
     location = filled(tmp_path / "b", "zarr")
     path = os.path.join(location, *key.split("/"))
@@ -246,3 +249,49 @@ def test_a_folder_in_place_of_a_file_is_named(tmp_path, key):
     os.mkdir(path)
     with pytest.raises(IsADirectoryError, match=key):
         ReplayBuffer.from_folder(location, read_only=True).get_all_data()
+
+
+def test_convert_refuses_a_source_with_a_lost_lengths_chunk(tmp_path, capsys):
+    location = filled(tmp_path / "b", "zarr")
+    os.remove(os.path.join(location, "meta", "episode_lens", "c.0"))
+    assert main(["convert", location, str(tmp_path / "copy")]) == 1
+    out = capsys.readouterr()
+    assert "committed slots [0, 1] is missing" in out.out + out.err
+    assert not os.path.exists(tmp_path / "copy")  # refused before anything is written
+
+
+# ---- overwrite=True replaces what was derived from the old episodes too -----------------------------
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_overwrite_drops_the_old_buffers_sketches_and_snapshots(tmp_path, backend):
+    location = str(tmp_path / "b")
+    old = ReplayBuffer(location, 2, 250, fields={"x": "float"}, backend=backend)
+    old.store_episode(x=np.ones(220, np.float32))  # long enough for a stored sketch
+    assert float(old.stats().fields["x"].mean) == 1.0
+    old.snapshot("eval")
+    old.close()
+    new_one = ReplayBuffer(location, 2, 250, fields={"x": "float"}, backend=backend)  # generations restart at 1
+    assert new_one.snapshots() == []
+    new_one.store_episode(x=np.full(220, 5.0, np.float32))
+    new_one.close()
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert float(reader.stats().fields["x"].mean) == 5.0
+    with pytest.raises(SnapshotError, match="no snapshot 'eval'"):
+        ReplayBuffer.from_folder(location, read_only=True, snapshot="eval")
+
+
+def test_a_refused_writable_open_leaves_the_hdf5_file_closed(tmp_path):
+    location = filled(tmp_path / "b", "hdf5")
+    path = os.path.join(location, "data.h5")
+    h5py = require("h5py")
+    with h5py.File(path, "r+") as f:
+        f["meta/episode_lens"][0] = 99  # damage a writable open refuses after opening data.h5
+    before = open(path, "rb").read()
+    with pytest.raises(BufferDamagedError, match="outside"):
+        ReplayBuffer.from_folder(location)
+    assert open(path, "rb").read() == before  # not left marked open for writing
+    other = subprocess.run(
+        [sys.executable, "-c", f"import h5py; h5py.File({path!r}, 'r').close()"], capture_output=True, text=True
+    )
+    assert other.returncode == 0, other.stderr  # nor locked against other processes

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._kv import KeyValue
-from .base import ATTRS_KEY, LOG_PREFIX, STATE_KEY
+from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY
 
 BLOB_DIR = "replaybuf"
 # blob folders of what a buffer derived from or recorded about its episodes, by slot and
 # generation: erased first, so none outlives the episodes it names
-EPISODE_BLOB_PREFIXES = (f"{BLOB_DIR}/snapshots/", f"{BLOB_DIR}/sketches/")
+EPISODE_BLOB_PREFIXES = (SNAPSHOTS_PREFIX, SKETCHES_PREFIX)
 # foreign entries an error names; the rest are counted
 NAMED_ENTRIES = 5
 

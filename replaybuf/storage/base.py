@@ -87,6 +87,10 @@ STATE_KEY = "replaybuf/state.json"
 # the buffer-level attributes (``replaybuf.attrs``)
 ATTRS_KEY = "replaybuf/attrs.json"
 LOG_PREFIX = "replaybuf/steplog/"
+# what the buffer derived from its episodes, keyed by slot and generation (``sketches``,
+# ``snapshots``): erased with it, or the next buffer there (generations restart) would serve them
+SKETCHES_PREFIX = "replaybuf/sketches/"
+SNAPSHOTS_PREFIX = "replaybuf/snapshots/"
 _ArrayT = TypeVar("_ArrayT")
 
 
