@@ -21,7 +21,7 @@ from replaybuf import (
     StorageError,
 )
 from replaybuf.cli import main
-from replaybuf.snapshots import SnapshotError
+from replaybuf.snapshots import SnapshotError, SnapshotHeldError
 
 from ._backends import require, snapshot
 from ._data import FIELDS, episode
@@ -271,7 +271,12 @@ def test_overwrite_drops_the_old_buffers_sketches_and_snapshots(tmp_path, backen
     assert float(old.stats().fields["x"].mean) == 1.0
     old.snapshot("eval")
     old.close()
-    new_one = ReplayBuffer(location, 2, 250, fields={"x": "float"}, backend=backend)  # generations restart at 1
+    with pytest.raises(SnapshotHeldError):  # the snapshot holds the episode: refused, unless asked
+        ReplayBuffer(location, 2, 250, fields={"x": "float"}, backend=backend)
+    with pytest.warns(UserWarning, match="eval"):  # generations restart at 1
+        new_one = ReplayBuffer(
+            location, 2, 250, fields={"x": "float"}, backend=backend, drop_snapshots_on_overwrite=True
+        )
     assert new_one.snapshots() == []
     new_one.store_episode(x=np.full(220, 5.0, np.float32))
     new_one.close()
