@@ -390,6 +390,42 @@ class DifferentialMachine(RuleBasedStateMachine):
             return  # difference: meta of the next episode is kept in its group here (see README)
         self.both(lambda b: b.store_meta_datapoint(episode, name, value), "store_meta_datapoint")
 
+    @rule(data=st.data())
+    def store_batch_datapoint(self, data):
+        # ascending: the seed's ReplayBufferH5PY takes no other (h5py's fancy indexing)
+        episodes = np.asarray(sorted(data.draw(st.sets(st.integers(0, self.max_episodes - 1), min_size=1))))
+        t = data.draw(st.integers(-1, self.max_timesteps))
+        name = data.draw(st.sampled_from(sorted(FIELDS)))
+        value = values(data, name, (len(episodes),))
+        call = lambda b: b.store_batch_datapoint(episodes, t, name, value)  # noqa: E731
+        if t < 0:  # difference: a negative index raises here, the seed wraps it
+            _, error = outcome(call, self.ours)
+            assert isinstance(error, ValueError), f"store_batch_datapoint at timestep {t}: {error!r}"
+            return
+        if self.pending and t < self.max_timesteps:
+            return  # difference: as store_datapoint into an episode in progress
+        self.both(call, "store_batch_datapoint")
+
+    @rule(data=st.data())
+    def store_batch_meta_datapoint(self, data):
+        # ascending: the seed's ReplayBufferH5PY takes no other (h5py's fancy indexing)
+        episodes = np.asarray(sorted(data.draw(st.sets(st.integers(0, self.max_episodes - 1), min_size=1))))
+        name = data.draw(st.sampled_from(sorted(META)))
+        value = values(data, name, (len(episodes),), meta=True)
+        if self.pending or set(episodes.tolist()) & self.slots(1):
+            return  # difference: as store_meta_datapoint
+        self.both(lambda b: b.store_batch_meta_datapoint(episodes, name, value), "store_batch_meta_datapoint")
+
+    @precondition(lambda self: self.pending == 0 and int(self.seed.timestep_index) == 0)
+    @rule()
+    def reopen(self):
+        """Both reopened from their folders (``from_folder``): counters and episodes carry over."""
+        seed_folder, ours_folder = self.seed.folder, self.ours.folder
+        self.seed.flush()
+        self.ours.close()
+        self.seed = type(self.seed).from_folder(seed_folder)
+        self.ours = type(self.ours).from_folder(ours_folder)
+
     # difference: update() of a slot whose meta was set before its episode began keeps it in the seed
     @precondition(lambda self: self.pending == 0 and int(self.seed.timestep_index) == 0)
     @rule(data=st.data(), kind=st.sampled_from(["none", "int", "list", "slice"]))
@@ -408,9 +444,9 @@ class DifferentialMachine(RuleBasedStateMachine):
             value = values(data, name, ((1,) if count is None else ()) + (data.draw(st.integers(1, 3)),))
         self.both(lambda b: b.update(indices, **{name: value}), f"update({kind}, {name})")
 
-    @rule()
-    def clear(self):
-        self.both(lambda b: b.clear(), "clear")
+    @rule(name=st.sampled_from(["clear", "reset_"]))
+    def clear(self, name):
+        self.both(lambda b: getattr(b, name)(), name)
         self.finished()
         self.tainted.clear()
         self.stale.clear()
