@@ -134,6 +134,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.tainted: set[int] = set()  # lengths may differ (see the module docstring)
         self.stale: set[int] = set()  # rows and meta may differ (see ``starting``)
         self.fresh: set[int] = set()  # slots the seed reset for the episodes in progress
+        self.jumped = False  # episode_index was set since the last clear (see ``reopen``)
 
     def teardown(self):
         for buffer in (getattr(self, "seed", None), getattr(self, "ours", None)):
@@ -416,7 +417,9 @@ class DifferentialMachine(RuleBasedStateMachine):
             return  # difference: as store_meta_datapoint
         self.both(lambda b: b.store_batch_meta_datapoint(episodes, name, value), "store_batch_meta_datapoint")
 
-    @precondition(lambda self: self.pending == 0 and int(self.seed.timestep_index) == 0)
+    # difference: a writable open derives the counters from the published episodes, where the
+    # seed keeps an ``episode_index`` set by hand (README: recovery)
+    @precondition(lambda self: self.pending == 0 and int(self.seed.timestep_index) == 0 and not self.jumped)
     @rule()
     def reopen(self):
         """Both reopened from their folders (``from_folder``): counters and episodes carry over."""
@@ -448,6 +451,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     def clear(self, name):
         self.both(lambda b: getattr(b, name)(), name)
         self.finished()
+        self.jumped = False
         self.tainted.clear()
         self.stale.clear()
         self.fresh.clear()
@@ -459,7 +463,10 @@ class DifferentialMachine(RuleBasedStateMachine):
         if self.group == 0 and t == 0 and value > 0:
             return  # difference: skipped steps hold the default here, whatever the slot held in the seed
         if value < t:
-            self.tainted |= self.slots(max(self.group, 1))  # the seed keeps the longer lengths published
+            rewound = self.slots(max(self.group, 1))
+            self.tainted |= rewound  # the seed keeps the longer lengths published
+            self.stale |= rewound  # and the rewound steps' rows, which a later episode there reuses
+            self.fresh -= rewound
         _, failed = self.both(lambda b: setattr(b, "timestep_index", value), "timestep_index = ...")
         if not failed and value == 0 and self.group:
             self.meta_batch, self.group = self.group, 0  # an empty group: as if only meta was set
@@ -468,7 +475,8 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def set_episode_index(self, data):
         value = data.draw(st.integers(0, self.max_episodes - 1))
-        self.both(lambda b: setattr(b, "episode_index", value), "episode_index = ...")
+        _, failed = self.both(lambda b: setattr(b, "episode_index", value), "episode_index = ...")
+        self.jumped |= not failed
 
     # ---- reads -------------------------------------------------------------------------------
 
