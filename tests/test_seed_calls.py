@@ -1,7 +1,9 @@
 """Call-for-call parity with memmap-replay-buffer 0.2.3 beyond the state machine of
 test_differential.py: the seed's lesser-used calls and arguments (store()'s return value and
 None values, the batched datapoint writes, ``reset_``, ``internal_meta_fieldnames``,
-``min_episode_len`` of the datasets), each run on both libraries and compared."""
+``min_episode_len`` of the datasets, ReplayBufferH5PY's attributes and folders, numpy methods
+and operators on ``data`` / ``meta_data``, the next slot after a reopen), each run on both
+libraries and compared."""
 
 from __future__ import annotations
 
