@@ -47,10 +47,10 @@ from .storage import (
     check_state,
     make_storage,
     new_uuid,
+    seed_h5_hint,
     unpublished_slots,
     with_cache,
 )
-from .storage._seed import seed_h5_hint
 from .view import BufferView, CommittedViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them

@@ -344,8 +344,9 @@ class Committer:
     def reconcile_state(self) -> None:
         """Make the counters agree with the published lengths and generations, the truth after
         a writer died at any point of a commit: ``num_episodes`` counts the slots holding an
-        episode, ``episode_index`` follows the newest, and generations of empty slots (a commit
-        killed between its two bookkeeping writes) are cleared."""
+        episode, ``episode_index`` follows the newest when the counters were written before it
+        was published (else it stands), and generations of empty slots (a commit killed between
+        its two bookkeeping writes) are cleared."""
         lens, generations = self.meta["episode_lens"], self.meta["_generation"]
         stale = np.flatnonzero((lens == 0) & (generations != 0))
         if len(stale):
@@ -356,7 +357,11 @@ class Committer:
         state = {**self.state, "num_episodes": self.listed_count()}
         if len(valid):
             newest = int(valid[np.argmax(generations[valid])])
-            state["episode_index"] = (newest + 1) % self.max_episodes
+            if int(generations[newest]) > int(state["total_episodes"]):
+                # counters older than the newest published episode (a writer killed before
+                # writing them): the next slot follows it. Otherwise the counters stand, as the
+                # seed's do: length-0 episodes committed since, an ``episode_index`` set by hand
+                state["episode_index"] = (newest + 1) % self.max_episodes
             state["total_episodes"] = max(int(state["total_episodes"]), int(generations[newest]))
         if state != self.state:
             self.state = state

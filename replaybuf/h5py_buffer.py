@@ -18,7 +18,7 @@ from .buffer import ReplayBuffer
 from .storage.base import Storage
 
 if TYPE_CHECKING:
-    from .storage._hdf5 import HDF5Storage
+    from .storage import HDF5Storage
 
 INSTALL_HINT = "ReplayBufferH5PY needs h5py: pip install 'replaybuf[h5py]'"
 
@@ -103,7 +103,7 @@ class ReplayBufferH5PY(ReplayBuffer):
     @property
     def h5_path(self) -> Path:
         """The HDF5 file, ``<folder>/data.h5`` (as the seed's attribute), e.g. for ``h5py.File``."""
-        from .storage._hdf5 import DATA_FILE
+        from .storage import DATA_FILE
 
         return Path(self.folder) / DATA_FILE
 
@@ -118,7 +118,7 @@ class ReplayBufferH5PY(ReplayBuffer):
         return self._h5_storage().compression()[1]
 
     def _h5_storage(self) -> HDF5Storage:
-        from .storage._hdf5 import HDF5Storage
+        from .storage import HDF5Storage
 
         storage = getattr(self.storage, "inner", self.storage)  # behind a read cache, if any
         assert isinstance(storage, HDF5Storage), "a ReplayBufferH5PY stores in HDF5"
@@ -192,8 +192,7 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
     buffer (``fsync``). Returns it, open for writing.
     """
     _require_h5py()
-    from .storage._hdf5 import DATA_FILE, open_h5
-    from .storage._seed import read_seed_schema
+    from .storage import DATA_FILE, open_h5, read_seed_schema
 
     src, dst = os.fspath(src), os.fspath(dst)
     schema = read_seed_schema(src)

@@ -134,6 +134,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.tainted: set[int] = set()  # lengths may differ (see the module docstring)
         self.stale: set[int] = set()  # rows and meta may differ (see ``starting``)
         self.fresh: set[int] = set()  # slots the seed reset for the episodes in progress
+        self.jumped = False  # episode_index was set since the last clear (see ``reopen``)
 
     def teardown(self):
         for buffer in (getattr(self, "seed", None), getattr(self, "ours", None)):
@@ -390,6 +391,44 @@ class DifferentialMachine(RuleBasedStateMachine):
             return  # difference: meta of the next episode is kept in its group here (see README)
         self.both(lambda b: b.store_meta_datapoint(episode, name, value), "store_meta_datapoint")
 
+    @rule(data=st.data())
+    def store_batch_datapoint(self, data):
+        # ascending: the seed's ReplayBufferH5PY takes no other (h5py's fancy indexing)
+        episodes = np.asarray(sorted(data.draw(st.sets(st.integers(0, self.max_episodes - 1), min_size=1))))
+        t = data.draw(st.integers(-1, self.max_timesteps))
+        name = data.draw(st.sampled_from(sorted(FIELDS)))
+        value = values(data, name, (len(episodes),))
+        call = lambda b: b.store_batch_datapoint(episodes, t, name, value)  # noqa: E731
+        if t < 0:  # difference: a negative index raises here, the seed wraps it
+            _, error = outcome(call, self.ours)
+            assert isinstance(error, ValueError), f"store_batch_datapoint at timestep {t}: {error!r}"
+            return
+        if self.pending and t < self.max_timesteps:
+            return  # difference: as store_datapoint into an episode in progress
+        self.both(call, "store_batch_datapoint")
+
+    @rule(data=st.data())
+    def store_batch_meta_datapoint(self, data):
+        # ascending: the seed's ReplayBufferH5PY takes no other (h5py's fancy indexing)
+        episodes = np.asarray(sorted(data.draw(st.sets(st.integers(0, self.max_episodes - 1), min_size=1))))
+        name = data.draw(st.sampled_from(sorted(META)))
+        value = values(data, name, (len(episodes),), meta=True)
+        if self.pending or set(episodes.tolist()) & self.slots(1):
+            return  # difference: as store_meta_datapoint
+        self.both(lambda b: b.store_batch_meta_datapoint(episodes, name, value), "store_batch_meta_datapoint")
+
+    # difference: a writable open derives the counters from the published episodes, where the
+    # seed keeps an ``episode_index`` set by hand (README: recovery)
+    @precondition(lambda self: self.pending == 0 and int(self.seed.timestep_index) == 0 and not self.jumped)
+    @rule()
+    def reopen(self):
+        """Both reopened from their folders (``from_folder``): counters and episodes carry over."""
+        seed_folder, ours_folder = self.seed.folder, self.ours.folder
+        self.seed.flush()
+        self.ours.close()
+        self.seed = type(self.seed).from_folder(seed_folder)
+        self.ours = type(self.ours).from_folder(ours_folder)
+
     # difference: update() of a slot whose meta was set before its episode began keeps it in the seed
     @precondition(lambda self: self.pending == 0 and int(self.seed.timestep_index) == 0)
     @rule(data=st.data(), kind=st.sampled_from(["none", "int", "list", "slice"]))
@@ -408,10 +447,11 @@ class DifferentialMachine(RuleBasedStateMachine):
             value = values(data, name, ((1,) if count is None else ()) + (data.draw(st.integers(1, 3)),))
         self.both(lambda b: b.update(indices, **{name: value}), f"update({kind}, {name})")
 
-    @rule()
-    def clear(self):
-        self.both(lambda b: b.clear(), "clear")
+    @rule(name=st.sampled_from(["clear", "reset_"]))
+    def clear(self, name):
+        self.both(lambda b: getattr(b, name)(), name)
         self.finished()
+        self.jumped = False
         self.tainted.clear()
         self.stale.clear()
         self.fresh.clear()
@@ -423,7 +463,10 @@ class DifferentialMachine(RuleBasedStateMachine):
         if self.group == 0 and t == 0 and value > 0:
             return  # difference: skipped steps hold the default here, whatever the slot held in the seed
         if value < t:
-            self.tainted |= self.slots(max(self.group, 1))  # the seed keeps the longer lengths published
+            rewound = self.slots(max(self.group, 1))
+            self.tainted |= rewound  # the seed keeps the longer lengths published
+            self.stale |= rewound  # and the rewound steps' rows, which a later episode there reuses
+            self.fresh -= rewound
         _, failed = self.both(lambda b: setattr(b, "timestep_index", value), "timestep_index = ...")
         if not failed and value == 0 and self.group:
             self.meta_batch, self.group = self.group, 0  # an empty group: as if only meta was set
@@ -432,7 +475,8 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def set_episode_index(self, data):
         value = data.draw(st.integers(0, self.max_episodes - 1))
-        self.both(lambda b: setattr(b, "episode_index", value), "episode_index = ...")
+        _, failed = self.both(lambda b: setattr(b, "episode_index", value), "episode_index = ...")
+        self.jumped |= not failed
 
     # ---- reads -------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Call-for-call parity with memmap-replay-buffer 0.2.3 beyond the state machine of
 test_differential.py: the seed's lesser-used calls and arguments (store()'s return value and
 None values, the batched datapoint writes, ``reset_``, ``internal_meta_fieldnames``,
-``min_episode_len`` of the datasets), each run on both libraries and compared."""
+``min_episode_len`` of the datasets, ReplayBufferH5PY's attributes and folders, numpy methods
+and operators on ``data`` / ``meta_data``, the next slot after a reopen), each run on both
+libraries and compared."""
 
 from __future__ import annotations
 
@@ -234,3 +236,29 @@ def test_copy_seed_h5_keeps_config_slots_and_order(tmp_path, circular, episodes,
     reopened.close()
     with pytest.raises(FileExistsError, match="already holds a buffer"):
         replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
+
+
+@pytest.mark.parametrize("after", ["length-0 episodes", "episode_index set"])
+def test_a_reopen_keeps_the_next_slot_as_the_seed_does(tmp_path, after):
+    """The next slot survives ``from_folder`` when nothing was published after the counters
+    (it was recomputed from the newest non-empty episode, pointing elsewhere than the seed)."""
+    args = dict(max_episodes=3, max_timesteps=4, fields=FIELDS, meta_fields=META, circular=True)
+    buffers = [seed.ReplayBuffer(tmp_path / "seed", **args), replaybuf.ReplayBuffer(tmp_path / "ours", **args)]
+    for buffer in buffers:
+        buffer.store_batch(act=np.array([1, 2]))
+        buffer.advance_episode(2)
+        if after == "length-0 episodes":
+            buffer.advance_episode(2)  # slots 2 and 0, nothing stored
+        else:
+            buffer.episode_index = 1
+    buffers[1].close()
+    theirs, ours = (type(b).from_folder(b.folder) for b in buffers)
+    assert (ours.episode_index, ours.num_episodes) == (theirs.episode_index, theirs.num_episodes)
+    for buffer in (theirs, ours):
+        buffer.store(act=5)
+        buffer.advance_episode()
+    lens = np.asarray(theirs.episode_lens[:])
+    assert ours.episode_lens.tolist() == lens.tolist()  # the new episode went to the seed's slot
+    kept = lens > 0  # (past an episode's end the seed returns what the slot held: README)
+    for name in ("act", "obs"):
+        assert_same(ours.data[name][kept], np.asarray(theirs.data[name][kept]), name)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 from ._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from ._owned import ForeignEntriesError
+from ._seed import read_seed_schema, seed_h5_hint
 from .base import (
     ATTRS_KEY,
     DEFAULT_HOT_BYTES,
@@ -45,9 +46,16 @@ from .spans import Spans, fill_beyond
 
 if TYPE_CHECKING:
     from ._chunks import chunk_cache
+    from ._hdf5 import DATA_FILE, HDF5Storage, open_h5
     from ._zarr import list_children
 
-_LAZY = {"chunk_cache": "._chunks", "list_children": "._zarr"}
+_LAZY = {
+    "chunk_cache": "._chunks",
+    "list_children": "._zarr",
+    "DATA_FILE": "._hdf5",
+    "HDF5Storage": "._hdf5",
+    "open_h5": "._hdf5",
+}
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
@@ -55,6 +63,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "ATTRS_KEY",
+    "DATA_FILE",
     "DEFAULT_CACHE_SIZE",
     "DEFAULT_HOT_BYTES",
     "LOG_PREFIX",
@@ -70,6 +79,7 @@ __all__ = [
     "CorruptChunkError",
     "ForeignEntriesError",
     "GenerationMismatchError",
+    "HDF5Storage",
     "Spans",
     "Storage",
     "StorageError",
@@ -84,6 +94,9 @@ __all__ = [
     "detect_backend",
     "empty_state",
     "fill_beyond",
+    "open_h5",
+    "read_seed_schema",
+    "seed_h5_hint",
     "list_children",
     "make_storage",
     "parse_json",
