@@ -343,8 +343,8 @@ class Committer:
 
     def reconcile_state(self) -> None:
         """Make the counters agree with the published lengths and generations, the truth after
-        a writer died at any point of a commit: ``num_episodes`` counts the slots holding an
-        episode, ``episode_index`` follows the newest when the counters were written before it
+        a writer died at any point of a commit: ``num_episodes`` is recounted (``listed_count``),
+        ``episode_index`` follows the newest when the counters were written before it
         was published (else it stands), and generations of empty slots (a commit killed between
         its two bookkeeping writes) are cleared."""
         lens, generations = self.meta["episode_lens"], self.meta["_generation"]
