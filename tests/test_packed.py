@@ -99,7 +99,8 @@ def test_kill_at_every_write_of_a_packed_commit(tmp_path, reuse):
             assert stored(buffer) == found
             # uid 7 goes to slot 0, holding uid 1 when reused: 1 stays, or both are gone, or 7 is in
             assert set(found) in (set(earlier), set(earlier) - {1}, set(earlier) - {1} | {7})
-            assert buffer.num_episodes == len(found)
+            # every slot up to the highest holding an episode is listed (an emptied slot as padding)
+            assert buffer.num_episodes == (3 if reuse else len(found))
             store(buffer, 8)
             assert 8 in stored(buffer)
         assert verify(location) == []
