@@ -168,3 +168,33 @@ def test_restricted_unpickler_reads_seed_configs():
         "extra": None,
     }
     assert load_plain_pickle(pickle.dumps(config), "metadata.pkl") == config
+
+
+def test_short_trajectories_are_served_checked_then_from_the_private_copy(tmp_path):
+    """Whole short episodes are checked on their first read, then served from the process's
+    private copy in one fancy index per field; an episode rewritten since is checked again."""
+    location = tmp_path / "short"
+    writer = ReplayBuffer(location, max_episodes=6, max_timesteps=8, fields={"x": ("float", 3)}, backend="memmap")
+    rng = np.random.default_rng(1)
+    stored = [rng.random((n, 3), dtype=np.float32) for n in (3, 5, 8, 2, 7, 4)]
+    for rows in stored:
+        writer.store_episode(x=rows)
+    writer.flush()
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    storage = reader.storage
+    slots = np.array([4, 0, 2, 5, 1, 3])
+    lens = np.array([len(stored[s]) for s in slots])
+    for _ in range(2):  # the second read is served from the private copy
+        out = np.full((len(slots), 8, 3), -1.0, np.float32)
+        storage.read_spans("x", slots, np.zeros(len(slots), np.int64), lens, out)
+        for i, slot in enumerate(slots.tolist()):
+            np.testing.assert_array_equal(out[i, : lens[i]], stored[slot])
+            assert (out[i, lens[i] :] == -1).all(), "steps past the span are left as they were"
+    kept = storage._checksums._copies["x"]
+    assert (kept.lens[slots] == lens).all()
+    writer.update([2], x=np.full((1, 8, 3), 9.0, np.float32))  # rewritten in place: a new checksum
+    writer.flush()
+    reader.refresh()
+    out = np.zeros((1, 8, 3), np.float32)
+    storage.read_spans("x", np.array([2]), np.zeros(1, np.int64), np.array([8]), out)
+    assert (out == 9.0).all()

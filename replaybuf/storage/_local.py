@@ -312,6 +312,41 @@ class EpisodeChecksums:
         if copy is not None:
             copy.keep(episode, out[:committed], expected)
 
+    def serve_kept(
+        self,
+        name: str,
+        mapped: np.ndarray,
+        out: np.ndarray,
+        items: np.ndarray,
+        episodes: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        committed: np.ndarray,
+        expected: list[int],
+    ) -> np.ndarray:
+        """Copy into ``out[items[i], :lengths[i]]`` each whole committed episode the field's
+        private copy keeps under its ``expected`` checksum, all with one fancy index; per item,
+        whether it was served (the others go through ``copy_row``). A batch of short episodes
+        (trajectories of 20 steps) otherwise took one Python step per episode and field: 0.33 ms
+        unchecked, 1.16 ms checked per 64 episodes of memmap."""
+        copy = self._copy_of(name, mapped)
+        served = np.zeros(len(items), bool)
+        if copy is None or not len(items):
+            return served
+        wanted = np.asarray(expected, dtype=np.uint64)
+        served = (
+            (starts == 0)
+            & (lengths == committed)
+            & (wanted != 0)
+            & (copy.sums[episodes] == wanted)
+            & (copy.lens[episodes] == committed)
+        )
+        if served.any():
+            counts = lengths[served]
+            steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            out[np.repeat(items[served], counts), steps] = copy.rows[np.repeat(episodes[served], counts), steps]
+        return served
+
     def _copy_of(self, name: str, mapped: np.ndarray) -> CheckedCopy | None:
         """The field's private copy, made on first use when the whole field fits in
         CHECKED_COPY_BYTES and in the process's resident budget (shared with zarr's)."""

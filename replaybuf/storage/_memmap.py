@@ -374,9 +374,13 @@ class MemmapStorage(LocalFolderStorage):
         expected, committed = [0] * len(rows), [0] * len(rows)
         checksums = self._checksums
         if checksums is not None and rows:
-            _, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*rows))
-            committed = self._lens_now()[picked].tolist()
-            expected = checksums.expected(name, picked, np.where(first == 0, read, 0), np.array(committed))
+            items, picked, first, read = (np.array(column, dtype=np.int64) for column in zip(*rows))
+            now = self._lens_now()[picked]
+            expected = checksums.expected(name, picked, np.where(first == 0, read, 0), now)
+            served = checksums.serve_kept(name, memmap, out, items, picked, first, read, now, expected)
+            rest = np.flatnonzero(~served).tolist()
+            rows = [rows[k] for k in rest]
+            committed, expected = now[rest].tolist(), [expected[k] for k in rest]
 
         def copy(k: int) -> None:
             i, e, s, n = rows[k]
