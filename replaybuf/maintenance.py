@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -490,7 +491,8 @@ def verify(
     or their field's default beyond their length, no step log of an unfinished episode is
     left, and no symbolic link is inside the folder. Changes nothing unless ``repair``: then
     the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the rest stays
-    usable, and a last line says which. ``progress``: tqdm bars over the episodes read, as in
+    usable, steps past an episode's length that hold data are reset to the field's default
+    (through ``update``), and a last line says what was done. ``progress``: tqdm bars over the episodes read, as in
     ``convert``.
     """
     from .progress import check_progress
@@ -545,21 +547,40 @@ def verify(
     found, damaged = _check_episodes(storage, schema, lens, skip=bad, progress=progress)
     problems += found
     unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, lens)
-    problems += _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
+    found, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
+    problems += found
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and damaged:
+    if repair and (damaged or stray):
         from .buffer import ReplayBuffer
 
         with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
-            dropped = buffer.drop_episodes(damaged)
-            left = buffer.num_episodes
-        problems.append(f"repaired: dropped the damaged episodes in slots {dropped}; {left} episodes remain")
+            if damaged:
+                dropped = buffer.drop_episodes(damaged)
+                problems.append(
+                    f"repaired: dropped the damaged episodes in slots {dropped}; {len(buffer)} episodes remain"
+                )
+            if stray:
+                _clear_beyond_length(buffer, stray)
+                slots = sorted({slot for slots in stray.values() for slot in slots})
+                problems.append(f"repaired: set the steps beyond the lengths of slots {slots} to their defaults")
     return problems
+
+
+def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
+    """Rewrite the steps past each episode's length in ``stray`` (field -> slots) with the
+    field's default, through ``update`` (an edit of committed episodes: their steps are written
+    back as read, checked, and their checksums resealed)."""
+    for name, slots in stray.items():
+        fill = buffer.schema.fields[name].fill
+        for slot in slots:
+            rows = buffer.storage.read_rows(name, np.array([slot]), 0, buffer.max_timesteps)
+            rows[:, int(buffer.episode_lens[slot]) :] = fill
+            buffer.update([slot], **{name: rows})
 
 
 def _check_episodes(
@@ -649,16 +670,18 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
 
 def _check_beyond_length(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None
-) -> list[str]:
-    """Committed slots whose timesteps past their length hold values other than 0 or the default."""
+) -> tuple[list[str], dict[str, list[int]]]:
+    """Committed slots whose timesteps past their length hold values other than 0 or the
+    default: (problems, field -> those slots)."""
     from .progress import progress_bar
 
     slots = np.flatnonzero(lens > 0)
     short = slots[lens[slots] < schema.max_timesteps]
     if not len(short):
-        return []
+        return [], {}
     names = [n for n in schema.fields if n not in skip]
     found: dict[str, list[str]] = {n: [] for n in names}
+    stray: dict[str, list[int]] = {}
     with progress_bar(progress, total=len(short), unit="episode", desc="verify") as bar:
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
             start = int(lens[slab].min())
@@ -677,8 +700,9 @@ def _check_beyond_length(
                         f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
                         f"beyond its length at timesteps {_ranges(steps)}"
                     )
+                    stray.setdefault(name, []).append(int(slab[row]))
             bar.update(len(slab))
-    return [p for n in names for p in found[n]]
+    return [p for n in names for p in found[n]], stray
 
 
 # ---- unlock ---------------------------------------------------------------------------------------------
@@ -791,7 +815,8 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repair",
         action="store_true",
-        help="drop the damaged episodes it finds (the others stay usable); still exits 1 when it found any",
+        help="drop the damaged episodes it finds (the others stay usable) and reset data found past an "
+        "episode's length to the field's default; still exits 1 when it found any",
     )
     add_store_arguments(parser)
 

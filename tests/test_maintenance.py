@@ -244,3 +244,22 @@ def test_cli_commands(tmp_path, capsys):
     del state
     assert run_cli(["verify", tmp_path / "src"]) == 1
     assert "beyond its length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_verify_repair_resets_data_beyond_an_episodes_length(tmp_path, backend):
+    folder = tmp_path / backend
+    filled(folder, backend, circular=False, max_episodes=6, lengths=(5, 7, 3))
+    before = ReplayBuffer.from_folder(folder, read_only=True).get_all_data()
+    writer = ReplayBuffer.from_folder(folder)
+    stray = np.full((1, 2, *writer.schema.fields["state"].shape), 1.5, np.float32)
+    writer.storage.write_rows("state", np.array([2]), 8, stray)  # past slot 2's length (3), as a stray write
+    writer.close()
+    assert any("slot 2 (length 3) holds data beyond its length at timesteps 8..9" in p for p in verify(folder))
+    said = verify(folder, repair=True)
+    assert said[-1] == "repaired: set the steps beyond the lengths of slots [2] to their defaults"
+    assert verify(folder) == []
+    after = ReplayBuffer.from_folder(folder, read_only=True)
+    for name, values in after.get_all_data().items():
+        np.testing.assert_array_equal(values.numpy(), before[name].numpy(), err_msg=name)
+    assert (np.asarray(after.data["state"][2, 3:]) == after.schema.fields["state"].fill).all()
