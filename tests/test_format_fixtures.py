@@ -205,3 +205,13 @@ def test_info_points_an_earlier_format_to_upgrade(capsys):
     )
     assert cli_main(["info", os.path.join(DATA, "format-v3", "zarr")]) == 0
     assert "replaybuf upgrade" not in capsys.readouterr().out
+
+
+def test_upgrade_through_a_link_rewrites_the_folder_it_names(tmp_path):
+    real = tmp_path / "real"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), real)
+    (tmp_path / "link").symlink_to(real)
+    assert upgrade(tmp_path / "link", progress=False)["upgraded"]
+    assert (tmp_path / "link").is_symlink() and _stored_version(tmp_path / "link", "zarr") == 3
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+    _check_contents(ReplayBuffer.from_folder(tmp_path / "link", read_only=True))
