@@ -728,3 +728,20 @@ def test_a_writers_loader_cache_serves_its_snapshot_whole(tmp_path, monkeypatch)
     ident = torch.cat([b["ident"].reshape(-1) for b in fresh])
     assert sorted(ident.tolist()) == sorted([7000, 7001, 7002, 7003, -5, -5, -5, -5, 2000, 2001, 2002, 2003])
     writer.close()
+
+
+def test_a_file_is_checked_once_per_process(written, tmp_path, monkeypatch):
+    import replaybuf.storage._cache as cache_module
+
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    reader.warm_cache(episodes=[1], fields=["image"], progress=False)
+    checked = []
+    real = cache_module.crc32c
+    monkeypatch.setattr(cache_module, "crc32c", lambda data: checked.append(len(data)) or real(data))
+    storage = reader.storage
+    storage.drop_caches()  # the maps go; the files stay, checked
+    storage.rows("image", [1])
+    assert checked == []
+    again = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    again.storage.rows("image", [1])  # another reader (a new storage) checks it itself
+    assert len(checked) == 1

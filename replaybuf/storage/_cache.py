@@ -23,9 +23,10 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   serves the revision this process last saw (the same way, from ``_revision``).
 - **Checked.** A file holds the rows, then their crc32c (4 bytes, little-endian), checked when a
   process maps the file: one that fails (a flipped byte, a truncation) is deleted and its episode
-  fetched again from the wrapped storage, never served. Damage done to a file after a process
-  mapped it is not seen by that process, and a truncation from outside then faults it (SIGBUS)
-  as it would any np.memmap: replaybuf itself only ever replaces whole files.
+  fetched again from the wrapped storage, never served. Each process checks a file (an inode)
+  once, the first time it maps it. Damage done to a file after that is not seen by that
+  process, and a truncation from outside then faults it (SIGBUS) as it would any np.memmap:
+  replaybuf itself only ever replaces whole files.
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
@@ -75,6 +76,9 @@ from .spans import Spans
 DEFAULT_CACHE_SIZE = 20 << 30
 #: maps a process keeps open per cached storage
 MAX_OPEN_MAPS = 4096
+#: files whose check a process remembers (``CachedStorage._checked``): a map evicted and made
+#: again is not checked again
+MAX_CHECKED = 1 << 20
 #: seconds between two touches of a file a process keeps using (its LRU clock)
 TOUCH_S = 30.0
 #: a temp file older than this was left by a killed filler; eviction deletes it
@@ -305,6 +309,7 @@ class CachedStorage(Storage):
         self._generations: np.ndarray | None = None
         self._revisions: np.ndarray | None = None
         self._maps: OrderedDict[tuple[str, int, int, int], tuple[np.ndarray, float]] = OrderedDict()
+        self._checked: dict[str, tuple[int, int]] = {}  # path -> (inode, size) that passed its crc32c
         self._dense: dict[str, DenseRows | None] = {}
         self._mapped: dict[str, MappedRows] = {}
         self._lock = threading.Lock()
@@ -312,7 +317,7 @@ class CachedStorage(Storage):
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
-        for key in ("_generations", "_revisions", "_maps", "_dense", "_mapped", "_lock", "_used"):
+        for key in ("_generations", "_revisions", "_maps", "_checked", "_dense", "_mapped", "_lock", "_used"):
             state.pop(key)
         return state
 
@@ -566,7 +571,8 @@ class CachedStorage(Storage):
         path = self._path(name, slot, generation, revision)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size - CHECK_BYTES
+                st = os.fstat(f.fileno())
+                size = st.st_size - CHECK_BYTES
                 if size <= 0 or size % field.step_nbytes:
                     _unlink(path)  # damaged (a healthy file is whole rows and a checksum)
                     return None
@@ -576,9 +582,14 @@ class CachedStorage(Storage):
         # a plain array over the map (it keeps the map alive): indexing an np.memmap costs a
         # subclass round trip per call, paid once per sampled episode per field
         rows = np.frombuffer(mapped, dtype=np.uint8, count=size)
-        if crc32c(rows) != int.from_bytes(mapped[size:], "little"):
-            _unlink(path)  # damaged: fetched again by the caller
-            return None
+        identity = (st.st_ino, st.st_size)
+        if self._checked.get(path) != identity:  # a file is checked once per process (maps come and go)
+            if crc32c(rows) != int.from_bytes(mapped[size:], "little"):
+                _unlink(path)  # damaged: fetched again by the caller
+                return None
+            if len(self._checked) >= MAX_CHECKED:
+                self._checked.clear()
+            self._checked[path] = identity
         self._touch(name, slot, generation, revision)
         return rows.view(field.dtype).reshape(size // field.step_nbytes, *field.shape)
 
