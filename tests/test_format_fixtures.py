@@ -215,3 +215,29 @@ def test_upgrade_through_a_link_rewrites_the_folder_it_names(tmp_path):
     assert (tmp_path / "link").is_symlink() and _stored_version(tmp_path / "link", "zarr") == 3
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
     _check_contents(ReplayBuffer.from_folder(tmp_path / "link", read_only=True))
+
+
+def _upgrade_killed_before_the_swap(path: str) -> None:
+    """Child: upgrade ``path``, SIGKILLed once the copy is made, before its renames."""
+    import signal
+
+    import replaybuf.maintenance as maintenance
+
+    maintenance.verify = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    maintenance.upgrade(path, progress=False)
+
+
+def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_runs_again(tmp_path):
+    import multiprocessing
+    import signal
+
+    path = tmp_path / "hdf5"
+    shutil.copytree(os.path.join(DATA, "format-v1", "hdf5"), path)
+    child = multiprocessing.get_context("fork").Process(target=_upgrade_killed_before_the_swap, args=(str(path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert _stored_version(path, "hdf5") == 1  # the original, untouched, its lease gone with the child
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    assert upgrade(path, progress=False)["upgraded"]
+    assert _stored_version(path, "hdf5") == 2 and verify(path) == []
