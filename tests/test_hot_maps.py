@@ -67,7 +67,7 @@ def test_hot_frames_are_served_from_maps_and_match(tmp_path):
     for slot in (0, 1):
         for how, values in frames(reader, slot).items():
             assert np.array_equal(values, stored[slot]["image"]), (slot, how)
-    mapped = {path for path in shard_maps()._entries if shard_maps()._entries[path][1] is not None}
+    mapped = {path for path in shard_maps()._entries if shard_maps()._entries[path].map is not None}
     assert shard_file(writer, 0) in mapped and shard_file(writer, 1) in mapped
     everything = reader.get_all_data()
     assert np.array_equal(np.asarray(everything["depth"]), np.stack([d["depth"] for d in stored]))
@@ -75,7 +75,7 @@ def test_hot_frames_are_served_from_maps_and_match(tmp_path):
     for slot in (0, 1):
         for how, values in frames(reader, slot).items():
             assert np.array_equal(values, stored[slot]["image"]), (slot, how)
-    assert shard_maps()._entries[shard_file(writer, 0)][1] is None
+    assert shard_maps()._entries[shard_file(writer, 0)].map is None
     writer.store_episode(**episode(2))  # slot 0 hot again, slot 1 compacted: one batch reads both
     assert is_hot(writer, 0) and not is_hot(writer, 1)
     slots, steps = np.tile([0, 1], STEPS), np.repeat(np.arange(STEPS), 2)
@@ -124,7 +124,7 @@ def test_a_batch_mixes_hot_compacted_repeated_unsorted_and_absent_pairs(tmp_path
             assert np.array_equal(got, _expected(stored, name, slots[picked], steps[picked])), (name, len(picked))
     if limit > 1:  # the hot shards were mapped, the compacted ones left to the usual path
         entries = shard_maps()._entries
-        assert entries[shard_file(writer, 3)][1] is not None and entries[shard_file(writer, 0)][1] is None
+        assert entries[shard_file(writer, 3)].map is not None and entries[shard_file(writer, 0)].map is None
     writer.close()
 
 
@@ -163,7 +163,7 @@ def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):
     assert np.array_equal(reader.storage.gather("image", slots, steps), _expected(stored, "image", slots, steps))
     writer.compact()
     assert np.array_equal(reader.storage.gather("image", slots, steps), _expected(stored, "image", slots, steps))
-    assert all(shard_maps()._entries[shard_file(writer, slot)][1] is None for slot in (0, 1))
+    assert all(shard_maps()._entries[shard_file(writer, slot)].map is None for slot in (0, 1))
     writer.close()
 
 
@@ -182,7 +182,7 @@ def _read_until(location: str, stop, results) -> None:
             for values in got.values():
                 reads += 1
                 bad += not any(np.array_equal(values, e) for e in expected)
-    results.put((reads, bad, sum(entry[1] is not None for entry in shard_maps()._entries.values())))
+    results.put((reads, bad, sum(entry.map is not None for entry in shard_maps()._entries.values())))
 
 
 def _run_reader(location: str):

@@ -10,18 +10,25 @@ all of them for a timestep batch (``_strided.take_at``), one copy per episode fo
 shard is checked whole when mapped; once maps are evicted, frame by frame as first read (a
 shard mapped again would otherwise be checked whole to serve a few frames).
 
-A map serves only the file version it was made from, and the file is stat'ed at every read: a
-new inode, size, mtime or ctime drops the map, and the next read maps and checks it again. An
-edit in place within the kernel's timestamp tick (a few ms) of the file's write leaves all four
-unchanged and is not seen by a reader that checked the file before it; a page the kernel
-evicts and reads again from a failing disk is not checked again either.
+A map serves only the file version it was made from, and the file is stat'ed before a read
+uses the map: a new inode, size, mtime or ctime drops the map, and the next read maps and checks
+it again. A timestep batch names the generation it planned for each slot
+(``consistency.read_consistent``); a map it confirmed for that generation serves the same
+generation again without a stat for ``TRUST_S`` (a stat of each sampled shard was a fifth of a
+batch's time). That is safe because every new version of a shard comes with a new generation
+(a reused slot, checked before the map is used) or is an in-place edit, which a reader sees
+after its next ``drop_caches`` (``refresh()``), as it sees them from the read cache, and here
+within ``TRUST_S`` anyway; this process's own writes drop their maps at once. An edit in place
+within the kernel's timestamp tick (a few ms) of the file's write leaves all four unchanged
+and is not seen by a reader that checked the file before it; a page the kernel evicts and reads
+again from a failing disk is not checked again either.
 
 Why a map is safe to keep: every write of a shard a reader may map is a rename of a complete
 temp file (``ShardedArray._write_box``), so a map always sees one whole file version, and a
 compaction or a reused slot puts a new inode at the path (the old one stays whole, mapped,
 until the map goes: at the next read of the path, an eviction, or the buffer's ``close()``).
 Only damage from outside replaybuf (a file truncated in place) could fault a map's pages
-(SIGBUS); the stat at every read sees a truncation done before it.
+(SIGBUS), as it would any np.memmap's; a stat sees a truncation done before it.
 
 Anything the maps cannot serve as checked raw frames is left to the array's usual read path,
 which reports it as before: a shard absent or compressed (compacted, cold), an index or a
@@ -35,6 +42,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -50,6 +58,9 @@ if TYPE_CHECKING:
 #: shard files a process keeps mapped (each map holds one file descriptor: Python's mmap keeps
 #: a duplicate); the least recently used map goes first
 MAX_MAPS = 256
+#: seconds a map confirmed for a slot's generation serves reads planned for that generation
+#: without a stat of its file (see above)
+TRUST_S = 1.0
 _MISSING = 2**64 - 1
 
 
@@ -126,14 +137,26 @@ def _map_shard(path: str, array: ShardedArray) -> tuple[tuple[int, ...], HotMap 
     return fingerprint, HotMap(fingerprint, items, rows, nbytes, array.codec.checksum)
 
 
+class _Entry:
+    """A path's map (None: the file is not a hot shard) as of the file version ``fingerprint``;
+    ``generation``: the slot's generation a read last confirmed it for (0: none), at
+    ``confirmed`` (``time.monotonic``)."""
+
+    __slots__ = ("fingerprint", "map", "generation", "confirmed")
+
+    def __init__(self, fingerprint: tuple[int, ...], map: HotMap | None):
+        self.fingerprint, self.map = fingerprint, map
+        self.generation, self.confirmed = 0, 0.0
+
+
 class ShardMaps:
-    """The hot shard files this process keeps mapped, by path, at most ``limit``: an entry is
-    (fingerprint, map or None for a file that is not a hot shard), used while a stat of the
-    path gives the same fingerprint."""
+    """The hot shard files this process keeps mapped, by path, at most ``limit``, each used
+    while a stat of its path gives the same fingerprint (or, for a read naming the generation
+    it planned, while ``TRUST_S`` has not passed since a read confirmed it for it)."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], HotMap | None]] = OrderedDict()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._evicted = False  # whether a map ever went for want of room
         self._lock = threading.Lock()
 
@@ -142,56 +165,79 @@ class ShardMaps:
         not a hot shard."""
         return self.get_many([path], array)[0]
 
-    def get_many(self, paths: list[str], array: ShardedArray) -> list[HotMap | None]:
-        """``get`` of each path: one stat each (a map never serves a replaced file), one lock
-        for all the lookups (a timestep batch asks for every sampled episode's shard)."""
-        fingerprints: list[tuple[int, ...] | None] = []
-        for path in paths:
+    def get_many(
+        self, paths: list[str], array: ShardedArray, generations: list[int] | None = None
+    ) -> list[HotMap | None]:
+        """``get`` of each path, one lock for all the lookups (a timestep batch asks for every
+        sampled episode's shard). Each path is stat'ed (a map never serves a replaced file),
+        except where ``generations`` (the slot's planned generation, per path) names the one a
+        read confirmed the map for less than ``TRUST_S`` ago."""
+        now = time.monotonic()
+        found: list[HotMap | None] = [None] * len(paths)
+        todo = []
+        with self._lock:
+            for i, path in enumerate(paths):
+                entry = self._entries.get(path)
+                if (
+                    generations is not None
+                    and entry is not None
+                    and entry.generation == generations[i] > 0
+                    and now - entry.confirmed < TRUST_S
+                ):
+                    self._entries.move_to_end(path)
+                    found[i] = entry.map
+                else:
+                    todo.append(i)
+        if not todo:
+            return found
+        fingerprints: dict[int, tuple[int, ...] | None] = {}
+        for i in todo:
             try:
-                fingerprints.append(_fingerprint(os.stat(path)))
+                fingerprints[i] = _fingerprint(os.stat(paths[i]))
             except FileNotFoundError:
-                fingerprints.append(None)
-        found: list[HotMap | None] = []
+                fingerprints[i] = None
         unmapped = []  # mapped below, outside the lock
         with self._lock:
-            entries = self._entries
-            for path, fingerprint in zip(paths, fingerprints):
-                entry = entries.get(path)
-                if entry is not None and entry[0] == fingerprint:
-                    entries.move_to_end(path)
+            for i in todo:
+                path, fingerprint = paths[i], fingerprints[i]
+                entry = self._entries.get(path)
+                if entry is not None and entry.fingerprint == fingerprint:
+                    self._entries.move_to_end(path)
+                    entry.generation = 0 if generations is None else generations[i]
+                    entry.confirmed = now
+                    found[i] = entry.map
                 elif fingerprint is None:
-                    entries.pop(path, None)
-                    entry = None
+                    self._entries.pop(path, None)
                 else:
-                    unmapped.append(len(found))
-                    entry = None
-                found.append(None if entry is None else entry[1])
+                    unmapped.append(i)
         for i in unmapped:
-            found[i] = self._map(paths[i], array)
+            found[i] = self._map(paths[i], array, 0 if generations is None else generations[i], now)
         return found
 
-    def _map(self, path: str, array: ShardedArray) -> HotMap | None:
-        """Map the file at ``path`` as it is now and keep the map (``get`` found none for it)."""
-        entry = _map_shard(path, array)
-        if entry is not None and entry[1] is not None and not self._evicted:
+    def _map(self, path: str, array: ShardedArray, generation: int = 0, now: float = 0.0) -> HotMap | None:
+        """Map the file at ``path`` as it is now and keep the map (``get`` found none for it),
+        confirmed for ``generation`` at ``now``."""
+        mapped = _map_shard(path, array)
+        if mapped is not None and mapped[1] is not None and not self._evicted:
             # while every map fits, a shard is checked whole when mapped (one tight pass, then
             # its frames copy at a gather's speed); once maps are evicted, frame by frame as
             # read, or a shard mapped again would be checked whole to serve a few frames
-            shard = entry[1]
+            shard = mapped[1]
             if shard.verified(shard.rows[shard.rows >= 0]):
                 shard.whole = True
             else:
-                entry = (entry[0], None)  # the usual path reads it and names the damage
+                mapped = (mapped[0], None)  # the usual path reads it and names the damage
         with self._lock:
-            if entry is None:
+            if mapped is None:
                 self._entries.pop(path, None)
                 return None
-            self._entries[path] = entry
+            entry = self._entries[path] = _Entry(*mapped)
+            entry.generation, entry.confirmed = generation, now
             self._entries.move_to_end(path)
             while len(self._entries) > self.limit:
                 self._entries.popitem(last=False)
                 self._evicted = True
-        return entry[1]
+        return entry.map
 
     def drop(self, path: str) -> None:
         with self._lock:
@@ -202,6 +248,14 @@ class ShardMaps:
         with self._lock:
             for path in [p for p in self._entries if p.startswith(folder)]:
                 del self._entries[path]
+
+    def doubt_under(self, folder: str) -> None:
+        """Stat the files under ``folder`` again before their next use (``drop_caches``: a
+        reader refreshing sees edits made since)."""
+        with self._lock:
+            for path, entry in self._entries.items():
+                if path.startswith(folder):
+                    entry.generation = 0
 
     def clear(self) -> None:
         with self._lock:
@@ -233,7 +287,7 @@ def _shard_map(array: ShardedArray, episode: int) -> HotMap | None:
 
 
 def gather_mapped(
-    array: ShardedArray, episodes: np.ndarray, timesteps: np.ndarray
+    array: ShardedArray, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One frame per (episode, timestep) pair (int64 arrays) from the maps of hot shards, as
     ``ChunkedArray.gather`` returns them: (the frames, the indices of the pairs left to the
@@ -243,12 +297,13 @@ def gather_mapped(
     numpy, and the frames copied with one fancy index over all the maps (``_strided.take_at``;
     only rows checked against their crc32c are indexed): one Python step per frame (a copy
     and a lookup or two) cost ~1 us a frame more than the copy itself. The references in
-    ``shards`` keep the maps alive while they are indexed."""
+    ``shards`` keep the maps alive while they are indexed. ``generations``: per pair, the
+    generation the read planned for the slot (``ShardMaps.get_many``)."""
     if not len(episodes) or not _mappable(array, array.dtype):
         return None
-    distinct, inverse = np.unique(episodes, return_inverse=True)
+    distinct, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
     paths = [array.shard_path(episode) for episode in distinct.tolist()]
-    shards = _maps.get_many(paths, array)
+    shards = _maps.get_many(paths, array, None if generations is None else generations[first].tolist())
     live = [k for k, shard in enumerate(shards) if shard is not None]
     if not live:  # none hot (compacted): the usual path reads the whole batch
         return None

@@ -18,8 +18,8 @@ import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, _per_pair, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c
-from ._hotmap import gather_mapped, read_mapped_spans
-from ._kv import CORES, in_pool, thread_pool
+from ._hotmap import gather_mapped, read_mapped_spans, shard_maps
+from ._kv import CORES, LocalKV, in_pool, thread_pool
 from .base import CorruptChunkError
 
 if TYPE_CHECKING:
@@ -214,14 +214,17 @@ class ShardedArray(ChunkedArray):
         # copy of a small array first
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
+        planned = None if generations is None else _per_pair(generations, len(episodes))
         mapped = (
-            None if generations is not None and self._resident_enabled() else gather_mapped(self, episodes, timesteps)
+            None
+            if generations is not None and self._resident_enabled()
+            else gather_mapped(self, episodes, timesteps, planned)
         )
         if mapped is None:
             return super().gather(episodes, timesteps, generations)
         out, left = mapped
         if len(left):
-            kept = None if generations is None else _per_pair(generations, len(episodes))[left]
+            kept = None if planned is None else planned[left]
             out[left] = super().gather(episodes[left], timesteps[left], kept)
         return out
 
@@ -652,5 +655,8 @@ class ShardedArray(ChunkedArray):
             keys.append(self.index_cache_key(e))
             keys.extend((e, t) for t in range(self.inner_per_shard))
         chunk_cache().discard(self._namespace, keys)
+        if self.codec.writes_hot and isinstance(self.kv, LocalKV):  # this process reads its own writes at once
+            for e in episodes:
+                shard_maps().drop(self.shard_path(e))
         if self._resident_generations is not None:
             self._resident_generations[list(episodes)] = -1

@@ -758,6 +758,8 @@ class ZarrStorage(KVBlobs, Storage):
         for array in self._arrays.values():
             array.drop_cached()
         self.kv.drop_read_handles()
+        if isinstance(self.kv, LocalKV):
+            shard_maps().doubt_under(self.kv.root)
         self._probe_optional_meta()
         if self._unmeasured and self.read_only:
             self._reload_measured()
