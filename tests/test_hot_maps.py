@@ -167,6 +167,59 @@ def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):
     writer.close()
 
 
+def test_a_batch_naming_its_generations_reuses_a_confirmed_map_until_the_slot_moves_or_a_refresh(tmp_path, monkeypatch):
+    """A read naming each slot's planned generation uses a map confirmed for it without a stat
+    of the file; a new generation, a refresh (``drop_caches``) or this process's own write of
+    the slot makes the next read look at the file again."""
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    for seed in range(2):
+        writer.store_episode(**episode(seed))
+    reader = open_reader(location)
+    shard_maps().clear()
+    slots, steps = np.array([0, 1, 0, 1]), np.array([3, 2, 1, 0])
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(_hotmap.os, "stat", lambda path, *a, **k: stats.append(path) or real_stat(path, *a, **k))
+
+    def gather(generations=None):
+        stats.clear()
+        return reader.storage.gather("image", slots, steps, generations)
+
+    planned = reader.storage.read_meta_rows("_generation", [0, 1])[slots]
+    stored = {0: episode(0), 1: episode(1)}
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and len(stats) == 2
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == []
+    assert np.array_equal(gather(), _expected(stored, "image", slots, steps)) and len(stats) == 2  # none named
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and len(stats) == 2
+
+    # another process's edit in place: a new file at slot 0's path, the same generation
+    path = shard_file(writer, 0)
+    os.replace(_copy(shard_file(writer, 1), path + ".new"), path)
+    edited = {0: episode(1), 1: episode(1)}
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == []
+    reader.storage.drop_caches()  # refresh(): the edit is seen
+    assert np.array_equal(gather(planned), _expected(edited, "image", slots, steps)) and len(stats) == 2
+
+    writer.store_episode(**episode(2))  # slot 0 reused (a new generation) by this process's writer
+    assert path not in shard_maps()._entries  # its own write dropped the map
+    stored = {0: episode(2), 1: episode(1)}
+    planned = reader.storage.read_meta_rows("_generation", [0, 1])[slots]
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps))
+    entry = shard_maps()._entries[path]
+    entry.confirmed -= _hotmap.TRUST_S  # the trust lapses: the next read stats the file again
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == [path]
+    entry.generation += 7  # a map confirmed for another generation is never used unseen
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == [path]
+    writer.close()
+
+
+def _copy(source: str, target: str) -> str:
+    with open(source, "rb") as f, open(target, "wb") as out:
+        out.write(f.read())
+    return target
+
+
 def _read_until(location: str, stop, results) -> None:
     """Child: read both slots until ``stop``; each read must be one whole stored episode
     (never a mix of two versions, never a torn frame); report (reads, bad reads)."""
