@@ -136,14 +136,18 @@ class Committer:
             self.write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
             self.write_meta("_generation", reused, np.zeros(len(reused), np.int64))
 
-    def write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]]) -> None:
-        """Commit step 2 (invalidating first): rows of ``group`` that left RAM."""
+    def write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]], tail: bool = False) -> None:
+        """Commit step 2 (invalidating first): rows of ``group`` that left RAM (``tail``: its
+        last rows, padded past the episode's end)."""
         if not slabs:
             return
         try:
             self.invalidate(group)
             for name, t0, rows in slabs:
-                self.storage.write_rows(name, group.slots, t0, rows)
+                if tail:
+                    self.storage.write_tail_rows(name, group.slots, t0, rows, group.length)
+                else:
+                    self.storage.write_rows(name, group.slots, t0, rows)
         except (OSError, StorageError) as e:
             raise StorageError(
                 f"writing episode(s) in slots {group.slots.tolist()} of {self.storage.location!r} failed: {e}"
@@ -160,7 +164,7 @@ class Committer:
         (``batch_counters``: step 4 batched, for whole episodes with no step log)."""
         for name, values in (final_meta or {}).items():
             group.meta[name][:] = values
-        self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps))
+        self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps), tail=True)
         self.clear_stale(group)
         self.publish(group.slots, group.length, group.meta, batch_counters and not self.log_written)
         self.discard_log()
@@ -178,7 +182,7 @@ class Committer:
         Returns the slot (as a 1-element array)."""
         group = self.new_group(1, meta)
         slabs = group.extend({n: v[None] for n, v in steps.items()}, length)
-        self.write_slabs(group, slabs)
+        self.write_slabs(group, slabs)  # whole chunks: no padding
         self.commit(group, batch_counters=True)
         return group.slots
 

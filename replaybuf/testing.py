@@ -342,6 +342,23 @@ class StorageTests:
                 mirror[name][episodes, t0:t1] = full[:, t0:t1]
         self.assert_reads(writable, mirror)
 
+    def test_write_tail_rows_reads_its_padding_as_zeros(self, writable: Storage) -> None:
+        """The last rows of an episode, padded with zeros past ``end``, over a slot that held a
+        longer episode: every step reads back as written, the padding as zeros."""
+        t = self.max_timesteps
+        end = max(1, t // 2 - 1)
+        old, new = self.random_rows(2, seed=20), self.random_rows(2, seed=21)
+        episodes = np.array([self.max_episodes - 1, 0])
+        mirror = {}
+        for name, full in new.items():
+            writable.write_rows(name, episodes, 0, old[name])
+            padded = full.copy()
+            padded[:, end:] = 0
+            writable.write_tail_rows(name, episodes, 0, padded, end)
+            mirror[name] = np.zeros((self.max_episodes, t, *full.shape[2:]), full.dtype)
+            mirror[name][episodes] = padded
+        self.assert_reads(writable, mirror)
+
     def test_write_meta_read_back(self, writable: Storage) -> None:
         schema = self.schema()
         names = [*schema.meta_fields, *bookkeeping_fields(schema)]

@@ -10,6 +10,7 @@ import pytest
 import zarr
 
 from replaybuf import ReplayBuffer
+from replaybuf.maintenance import verify
 from replaybuf.storage import BufferDamagedError
 from replaybuf.storage._zarr import MEASURED_CODECS
 
@@ -131,3 +132,33 @@ def test_a_damaged_choice_record_is_refused_by_name(tmp_path, value):
     (path / "zarr.json").write_text(json.dumps(document))
     with pytest.raises(BufferDamagedError, match=f"zarr.json in .*: {MEASURED_CODECS} must map data field names"):
         ReplayBuffer.from_folder(str(path), read_only=True)
+
+
+def test_short_episodes_store_only_their_own_frames_and_are_measured_on_them(tmp_path):
+    """Episodes far shorter than max_timesteps: a shard holds only the episode's frames (the
+    padding is left out, hot and compacted), the codec is measured on the episode's frames (not
+    its zero padding), and a reused slot reads its old episode's steps as zeros."""
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 2, 40 * STEPS, FIELDS, circular=True)
+    long = {name: np.concatenate([values] * 3) for name, values in _episode(0).items()}
+    short = [_episode(1), _episode(2)]
+
+    def frame_bytes() -> int:
+        return sum(f.stat().st_size for f in (path / "data" / "noise").glob("c*"))
+
+    buffer.store_episode(**long)  # slot 0: 36 steps
+    buffer.store_episode(**short[0])  # slot 1: 12 steps
+    one_frame = int(np.prod(FRAME))
+    index = 2 * (40 * STEPS * 16 + 4)  # each shard's index: 16 bytes per step, stored or not
+    assert frame_bytes() < (36 + 12) * one_frame * 1.05 + index  # hot: raw frames, no padding
+    assert _attributes(path)[MEASURED_CODECS]["noise"]["compressor"] == "none"  # noise, not zeros
+    buffer.store_episode(**short[1])  # slot 0 reused by a shorter episode
+    buffer.compact()
+    assert frame_bytes() < 2 * STEPS * one_frame * 1.05 + index
+    data = buffer.get_all_data()
+    for slot, episode in enumerate([short[1], short[0]]):
+        for name, values in episode.items():
+            stored = np.asarray(data[name][slot])
+            assert np.array_equal(stored[:STEPS], values) and not stored[STEPS:].any(), (slot, name)
+    buffer.close()
+    assert verify(str(path)) == []

@@ -813,6 +813,7 @@ _FORWARDED = (
     "copy_log_aside",
     "time_chunk",
     "write_rows",
+    "write_tail_rows",
     "update_rows",
     "write_meta",
     "writer_lease",

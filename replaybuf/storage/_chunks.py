@@ -1048,10 +1048,14 @@ class ChunkedArray:
         self.kv.set_many({self.chunk_key((chunk,)): self.codec.encode(np.zeros(self.chunks, self.dtype))})
         return True
 
-    def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
+    def write_box(
+        self, start: Sequence[int], values: np.ndarray, atomic: bool = True, padding_from: int | None = None
+    ) -> None:
         """Write ``values`` at ``start`` (per grid axis), rewriting partly covered chunks.
 
         ``atomic=False`` allows writing objects in place: only for slots no reader trusts yet.
+        ``padding_from`` (steps from it on are zeros that need not be stored) is used by shards
+        only: a chunk of several steps stores its padding compressed.
         """
         if self.check_writable is not None:
             self.check_writable()
@@ -1193,10 +1197,13 @@ class ChunkedArray:
         picked = (0 if squeeze else slice(None),) + ((0 if squeeze_t else slice(None),) if time else ())
         return out[picked + tuple(rest)]
 
-    def write_rows(self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True) -> None:
+    def write_rows(
+        self, episodes: np.ndarray, t0: int, values: np.ndarray, atomic: bool = True, padding_from: int | None = None
+    ) -> None:
         """Write (len(episodes), T, *shape) rows at time ``t0`` (an episode given twice: its last
         row): in place where the array allows (``_edit_in_place``), else one request batch per
-        run of consecutive episodes (none for no episodes)."""
+        run of consecutive episodes (none for no episodes). ``padding_from``: steps from it on
+        are zeros that need not be stored (``Storage.write_tail_rows``)."""
         episodes = np.asarray(episodes).reshape(-1)
         if len(episodes) == 0:
             return
@@ -1216,7 +1223,7 @@ class ChunkedArray:
         bounds = [0, *(np.flatnonzero(np.diff(episodes) != 1) + 1).tolist(), len(episodes)]
         for lo, hi in zip(bounds, bounds[1:]):
             start = (int(episodes[lo]),) + ((t0,) if self.grid_axes > 1 else ())
-            self.write_box(start, values[lo:hi], atomic=atomic)
+            self.write_box(start, values[lo:hi], atomic=atomic, padding_from=padding_from)
 
     def write_steps(self, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> bool:
         """Write ``values[i]`` at step ``timesteps[i]`` of committed episode ``episodes[i]`` of a

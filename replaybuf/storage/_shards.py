@@ -536,17 +536,22 @@ class ShardedArray(ChunkedArray):
         out[count * width :] = np.frombuffer(index, np.uint8)
         return out.data
 
-    def write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool = True) -> None:
+    def write_box(
+        self, start: Sequence[int], values: np.ndarray, atomic: bool = True, padding_from: int | None = None
+    ) -> None:
         # docstring inherited: under the hot tier's lock when it has one (a compaction never
-        # replaces a shard written meanwhile), hot where it writes hot
+        # replaces a shard written meanwhile), hot where it writes hot; the padding's inner
+        # chunks are left out of the shard (they read as zeros, past the committed length)
         tier = self.hot
         if tier is None:
-            self._write_box(start, values, atomic, False)
+            self._write_box(start, values, atomic, False, padding_from)
             return
         with tier.lock:
-            self._write_box(start, values, atomic, tier.writes_hot and self.codec.writes_hot)
+            self._write_box(start, values, atomic, tier.writes_hot and self.codec.writes_hot, padding_from)
 
-    def _write_box(self, start: Sequence[int], values: np.ndarray, atomic: bool, hot: bool) -> None:
+    def _write_box(
+        self, start: Sequence[int], values: np.ndarray, atomic: bool, hot: bool, padding_from: int | None = None
+    ) -> None:
         """``write_box``; ``hot``: the shards encoded hot (``encode_shard``)."""
         if self.check_writable is not None:
             self.check_writable()
@@ -557,7 +562,8 @@ class ShardedArray(ChunkedArray):
         if self.committed is not None:
             step = self.chunks[1]
             keep = np.zeros((count, self.inner_per_shard), bool)
-            keep[:, t0 // step : -(-(t0 + length) // step)] = True
+            end = t0 + length if padding_from is None else min(t0 + length, max(padding_from, t0))
+            keep[:, t0 // step : -(-end // step)] = True
         if whole:
             rows = values
         else:

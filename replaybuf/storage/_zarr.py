@@ -658,6 +658,13 @@ class ZarrStorage(KVBlobs, Storage):
             self._choose_codec(name, values)
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False)
 
+    def write_tail_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray, end: int) -> None:
+        # docstring inherited: a shard leaves the padding's inner chunks out
+        self._check_writable()
+        if name in self._unmeasured:
+            self._choose_codec(name, values[:, : max(end - t0, 1)])
+        self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False, padding_from=end)
+
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited: chunks other readers trust are replaced whole (atomic), and the
         # checksums of packed rows are recomputed

@@ -636,6 +636,13 @@ class Storage(ABC):
         for row, episode in enumerate(np.asarray(episodes)):
             array[int(episode), t0 : t0 + values.shape[1]] = values[row]
 
+    def write_tail_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray, end: int) -> None:
+        """``write_rows`` of the last rows of episodes being committed: steps ``end`` and later
+        of ``values`` (up to ``t0 + T``) are padding, zeros, which a backend may leave unstored
+        where unstored steps read as zeros (a zarr shard then holds only the episode's frames,
+        whatever ``max_timesteps``)."""
+        self.write_rows(name, episodes, t0, values)
+
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         """``write_rows`` into committed episodes, in place and without a new generation (the
         buffer's ``update``, ``store_datapoint`` and ``data[...] = ...``): a reader may see the
