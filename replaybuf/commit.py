@@ -44,7 +44,7 @@ from .inputs import fill_value
 from .schema import Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
-from .storage.base import Storage, StorageError
+from .storage.base import WRITING_KEY, Storage, StorageError
 
 LOG_NAME = "episode"
 # counters key: slots of committed length-0 episodes, which no published length shows
@@ -128,7 +128,7 @@ class Committer:
         group.previous_lens = np.where(dirty, self.max_timesteps, self.meta["episode_lens"][group.slots])
         self.dirty_slots.update(group.slots.tolist())
         if not self.rows_written_whole:
-            self.store_state({**self.state, "writing": group.slots.tolist()})
+            self.storage.mark_writing(group.slots.tolist())
         reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
         if len(reused):
             # the length first: a kill in between leaves an empty slot with a stale generation
@@ -339,10 +339,20 @@ class Committer:
     def recover(self) -> None:
         """Repair what a writer killed at any point of a commit left: the counters are made to
         agree with the published bookkeeping, then the episodes of its step log are committed."""
-        writing = self.state.get("writing", ())
+        writing = self.storage.writing_slots()
+        if writing is None:  # a record torn by a kill: any empty slot may hold its rows
+            warnings.warn(
+                f"{self.storage.describe_key(WRITING_KEY)} is damaged (a writer killed while writing it); every "
+                "empty slot is zeroed past its next episode's end when reused",
+                stacklevel=4,
+            )
+            writing = np.flatnonzero(self.meta["episode_lens"] == 0).tolist()
+        writing = [*writing, *self.state.pop("writing", ())]  # earlier formats kept it in the counters
         self.reconcile_state()
         self.finish_edits()
-        self.dirty_slots.update(int(s) for s in writing if self.meta["episode_lens"][s] == 0)
+        self.dirty_slots.update(
+            int(s) for s in writing if 0 <= int(s) < self.max_episodes and self.meta["episode_lens"][int(s)] == 0
+        )
         self.recover_step_log()
 
     def reconcile_state(self) -> None:

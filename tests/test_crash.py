@@ -195,15 +195,37 @@ def test_aborted_episode_leaves_nothing_past_the_next_end(tmp_path, monkeypatch)
     _assert_zero_after_lengths(buffer)
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
 @pytest.mark.parametrize("flush_every_store_step", [7, 0])  # 7: the log lags the rows already written
-def test_killed_episode_leaves_nothing_past_the_next_end(tmp_path, flush_every_store_step):
+def test_killed_episode_leaves_nothing_past_the_next_end(tmp_path, flush_every_store_step, backend):
+    """Rows a killed writer left in a slot it had not published (the slots it was writing are
+    recorded before: ``Storage.mark_writing``) are zeroed past the next episode's end."""
     location = str(tmp_path / "buffer")
-    kwargs = buffer_kwargs(4, circular=False, flush_every_store_step=flush_every_store_step)
+    kwargs = {**buffer_kwargs(4, circular=False, flush_every_store_step=flush_every_store_step), "backend": backend}
     ReplayBuffer(location, **kwargs).close()
     long_uid = next(u for u in range(100) if episode_length(u) == 24)
     _run_child(_kill_mid_episode, location, kwargs, long_uid, 20)
     with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
         for uid in (3, 7):  # 1 and 8 steps: the slot of the killed episode, then the next
+            write_episode(buffer, uid, "whole")
+        _assert_zero_after_lengths(buffer)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_torn_record_of_the_slots_being_written_zeroes_every_empty_slot_when_reused(tmp_path, backend):
+    """A writer killed while writing its record of the slots it writes leaves a record that
+    fails its check: the next open warns, naming it, and treats every empty slot as written."""
+    location = str(tmp_path / "buffer")
+    kwargs = {**buffer_kwargs(4, circular=False, flush_every_store_step=7), "backend": backend}
+    ReplayBuffer(location, **kwargs).close()
+    long_uid = next(u for u in range(100) if episode_length(u) == 24)
+    _run_child(_kill_mid_episode, location, kwargs, long_uid, 20)
+    record = tmp_path / "buffer" / "replaybuf" / "writing"
+    record.write_bytes(record.read_bytes()[:-1])  # torn: one byte short
+    with pytest.warns(UserWarning, match="replaybuf/writing.*damaged"):
+        buffer = ReplayBuffer(location, **kwargs, overwrite=False)
+    with buffer:
+        for uid in (3, 7):
             write_episode(buffer, uid, "whole")
         _assert_zero_after_lengths(buffer)
 

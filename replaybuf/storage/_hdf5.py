@@ -433,6 +433,12 @@ class HDF5Storage(LocalFolderStorage):
         self.flush()
         super().commit_state(state)
 
+    def write_record(self, key: str, data: bytes) -> None:
+        # docstring inherited: after flushing the file, as every counters commit, so a writer
+        # killed while writing rows leaves the file's structure as flushed
+        self.flush()
+        super().write_record(key, data)
+
     # ---- batched I/O -------------------------------------------------------------------------------
 
     def _dataset(self, name: str, meta: bool = False) -> h5py.Dataset:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._kv import KeyValue
-from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY
+from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY, WRITING_KEY
 
 BLOB_DIR = "replaybuf"
 # blob folders of what a buffer derived from or recorded about its episodes, by slot and
@@ -70,7 +70,7 @@ def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...]) -> N
             continue
         if entry == f"{BLOB_DIR}/":
             kv.delete_prefix(LOG_PREFIX)  # the counters, the attributes and the step log
-            kv.delete_many([STATE_KEY, ATTRS_KEY])
+            kv.delete_many([STATE_KEY, ATTRS_KEY, WRITING_KEY])
         elif entry.endswith("/"):
             kv.delete_prefix(entry)
         else:
