@@ -96,6 +96,7 @@ class MemmapArray(WrappedArray):
         self.path = path
         self.name = name  # a data field's name: in-place writes recompute its checksums
         self._memmap: np.memmap | None = None
+        self._plain: np.ndarray | None = None
 
     @property
     def writable(self) -> bool:
@@ -113,6 +114,17 @@ class MemmapArray(WrappedArray):
                 if memmap is None or (memmap.mode == "r") == self.writable:
                     memmap = self._memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
         return memmap
+
+    @property
+    def plain(self) -> np.ndarray:
+        """``memmap`` as a plain ndarray over the same pages, for reads: a slice of an
+        np.memmap costs ~2 us of its ``__array_finalize__``, and a batch of short trajectories
+        takes one per episode and field."""
+        memmap = self.memmap
+        plain = self._plain
+        if plain is None or plain.base is not memmap:
+            plain = self._plain = memmap.view(np.ndarray)
+        return plain
 
     def _wrapped(self) -> np.memmap:
         return self.memmap
@@ -135,10 +147,10 @@ class MemmapArray(WrappedArray):
             self._memmap.flush()
 
     def release(self) -> None:
-        self._memmap = None
+        self._memmap = self._plain = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_memmap": None}
+        return {**self.__dict__, "_memmap": None, "_plain": None}
 
     def __repr__(self) -> str:
         return f"MemmapArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
@@ -346,7 +358,7 @@ class MemmapStorage(LocalFolderStorage):
 
     def _lens_now(self) -> np.ndarray:
         # docstring inherited: the mapped file, not a copy
-        return self._arrays["episode_lens", True].memmap
+        return self._arrays["episode_lens", True].plain
 
     def data_file(self, name: str) -> str:
         # docstring inherited: the field's file
@@ -354,17 +366,17 @@ class MemmapStorage(LocalFolderStorage):
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited
-        return self.array(name).memmap[np.asarray(episodes), t0:t1]
+        return self.array(name).plain[np.asarray(episodes), t0:t1]
 
     def _row_map(self, name: str) -> np.ndarray | None:
         # docstring inherited
-        return self.array(name).memmap
+        return self.array(name).plain
 
     def _read_spans(
         self, name: str, spans: Spans, out: np.ndarray, parallel: bool, generations: np.ndarray | None
     ) -> None:
         # docstring inherited: one copy per episode straight from the page cache into ``out``
-        memmap = self.array(name).memmap
+        memmap = self.array(name).plain
         rows = [
             (i, e, s, n)
             for i, (e, s, n) in enumerate(zip(spans.episodes.tolist(), spans.starts.tolist(), spans.lengths.tolist()))
@@ -395,7 +407,7 @@ class MemmapStorage(LocalFolderStorage):
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
     ) -> np.ndarray:
         # docstring inherited
-        return self.array(name).memmap[np.asarray(episodes), np.asarray(timesteps)]
+        return self.array(name).plain[np.asarray(episodes), np.asarray(timesteps)]
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
