@@ -285,3 +285,28 @@ def test_reader_process_while_writer_reuses_slots_on_s3(s3_server, tmp_path):
     )
     assert seen <= set(done)
     assert len(done) >= 3 * kwargs["max_episodes"]
+
+
+def test_a_trajectory_batch_whose_reads_fail_under_a_rewriting_writer_drops_those_samples(location):
+    """Every read of the batch fails (a writer rewrites the slot under it and the reader finds
+    damage): the samples are dropped after the bounded retries, never half served."""
+    from replaybuf.sampling import make_dataloader
+    from replaybuf.storage import CorruptChunkError
+
+    writer = ReplayBuffer(location, **buffer_kwargs(1, circular=True))
+    write_episode(writer, 1, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    loader = make_dataloader(reader, batch_size=1, shuffle=False)
+    dataset, uids = loader.dataset, iter(range(10, 100))
+    read = dataset._read
+
+    def rewritten_under_every_read(positions):
+        if not len(positions):
+            return read(positions)
+        write_episode(writer, next(uids), "whole")
+        raise CorruptChunkError("data/obs: slot 0 damaged while rewritten")
+
+    dataset._read = rewritten_under_every_read
+    batches = list(loader)
+    assert batches and all(len(values) == 0 for batch in batches for values in batch.values())
+    writer.close()

@@ -170,9 +170,11 @@ class _SnapshotDataset(Dataset):
         last: dict[str, Any] = {}
 
         def read(items: np.ndarray) -> None:
-            last["items"] = items
-            last["columns"], last["lens"] = self._read(positions[items])
+            # kept only once whole: a read that fails (a slot rewritten under it) leaves the last
+            # whole one, which the retries then keep or drop
+            columns, lens = self._read(positions[items])
             self._check_meta_rows(self._slots_of(positions[items]))
+            last.update(items=items, columns=columns, lens=lens)
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             stale = np.zeros(len(positions), dtype=bool)

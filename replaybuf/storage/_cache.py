@@ -314,10 +314,11 @@ class CachedStorage(Storage):
         self._mapped: dict[str, MappedRows] = {}
         self._lock = threading.Lock()
         self._used: int | None = None
+        self._root: tuple[Schema, str] | None = None  # (the schema it was derived from, the folder)
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
-        for key in ("_generations", "_revisions", "_maps", "_checked", "_dense", "_mapped", "_lock", "_used"):
+        for key in ("_generations", "_revisions", "_maps", "_checked", "_dense", "_mapped", "_lock", "_used", "_root"):
             state.pop(key)
         return state
 
@@ -336,9 +337,12 @@ class CachedStorage(Storage):
     @property
     def root(self) -> str:
         """This buffer's cache folder (known once the storage is opened)."""
-        if self.schema is None:
+        schema = self.schema
+        if schema is None:
             raise RuntimeError(f"the cache of {self.location!r} has no folder before the storage is opened")
-        return os.path.join(self.cache_dir, buffer_identity(self.location, self.schema))
+        if self._root is None or self._root[0] is not schema:  # once per open: a realpath and a hash
+            self._root = (schema, os.path.join(self.cache_dir, buffer_identity(self.location, schema)))
+        return self._root[1]
 
     # ---- the wrapped storage -------------------------------------------------------------------
 
