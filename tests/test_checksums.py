@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
+from replaybuf import ChecksumEntryError, CorruptChunkError, ReplayBuffer, StorageError
 from replaybuf.cli import main
 from replaybuf.maintenance import verify
 from replaybuf.storage import _local
@@ -247,11 +247,11 @@ def test_in_place_rewrites_keep_checksums_valid(originals, tmp_path, backend):
     assert (np.asarray(data["state"][2, :4]) == 7).all() and (np.asarray(data["frame"][1, 6]) == 9).all()
 
 
-def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_2_or_3(originals):
-    assert issubclass(CorruptChunkError, StorageError)
+def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_3(originals):
+    assert issubclass(ChecksumEntryError, CorruptChunkError) and issubclass(CorruptChunkError, StorageError)
     attributes = json.loads((originals / "zarr" / "zarr.json").read_text())["attributes"]
     assert attributes["version"] == 3
-    assert json.loads((originals / "memmap" / "replaybuf.json").read_text())["version"] == 2
+    assert json.loads((originals / "memmap" / "replaybuf.json").read_text())["version"] == 3
     assert os.path.isfile(originals / "hdf5" / "replaybuf" / "checksums.npy")
 
 
@@ -529,3 +529,122 @@ def test_a_writable_open_reseals_rows_a_killed_edit_left_unsealed(tmp_path, back
         assert again._meta["_revision"].tolist() == [0, 2, 0]
         assert np.asarray(again.data["x"][1]).tolist() == [10.0, 11.0, 7.0, 13.0]
     assert verify(path) == []
+
+
+# ---- damaged checksum entries (memmap, hdf5) -------------------------------------------------------
+
+COLUMNS = {name: i for i, name in enumerate(FIELDS)}  # checksums.npy's columns, in schema order
+# bit flipped in an entry: a crc bit, the kept bit, a bit of the tag
+ENTRY_BITS = {"crc": 5, "kept": 32, "tag": 50}
+
+
+def _damage_entry(path: str, how: str, slot: int, field: str = "state") -> list[int]:
+    """Damage the checksum entry of ``field`` in ``slot`` (swap: with slot 0's); the slots hit."""
+    sums = np.load(os.path.join(path, _local.CHECKSUM_FILE), mmap_mode="r+")
+    column = COLUMNS[field]
+    if how == "zero":
+        sums[slot, column] = 0
+    elif how == "swap":
+        sums[[0, slot], column] = sums[[slot, 0], column]
+    else:
+        sums[slot, column] ^= np.uint64(1 << ENTRY_BITS[how])
+    sums.flush()
+    return [0, slot] if how == "swap" else [slot]
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize("how", ["crc", "kept", "tag", "zero", "swap"])
+def test_a_damaged_checksum_entry_is_named_reported_and_resealed(originals, tmp_path, capsys, backend, how):
+    """A damaged entry of checksums.npy (behind its valid header) is ChecksumEntryError naming
+    checksums.npy, the field and the slot, on every read path, never blamed on the data file;
+    verify reports it and --repair re-seals it from the data, keeping the episode."""
+    path = _copy(originals, backend, tmp_path)
+    hit = _damage_entry(path, how, 1)
+    sums_file = os.path.join(path, _local.CHECKSUM_FILE)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    loader = buffer.dataloader(batch_size=3)
+    reads = [
+        buffer.get_all_data,
+        lambda: np.asarray(buffer.data["state"][1]),
+        lambda: np.asarray(buffer.data["state"][1, : LENGTHS[1]]),
+        lambda: next(iter(loader)),
+    ]
+    for read in reads:
+        with pytest.raises(ChecksumEntryError, match=r"data/state: slot (0|1): its checksum entry in .*checksums\.npy"):
+            read()
+    with pytest.raises(ChecksumEntryError) as raised:
+        buffer.storage.read_rows("state", np.array([1]), 0, MAX_TIMESTEPS)
+    error = raised.value
+    assert (error.location, error.field, error.slot, error.steps) == (sums_file, "data/state", 1, (0, LENGTHS[1]))
+    assert "state.data.npy" not in str(error) and "data.h5" not in str(error)
+    assert error.data_verified == (how in ("crc", "kept", "tag"))  # the tag or the crc bits still match
+    np.testing.assert_array_equal(np.asarray(buffer.data["frame"][1, : LENGTHS[1]]), _episode(1)["frame"])
+    buffer.close()
+    problems = verify(path)
+    assert [p.split(":")[0:2] for p in problems] == [["data/state", f" slot {slot}"] for slot in hit]
+    assert all(sums_file in p for p in problems)
+    assert main(["verify", "--repair", path]) == 1
+    said = capsys.readouterr().err
+    assert f"re-sealed the damaged checksum entries of data/state in slots {hit}" in said
+    assert ("could not be verified" in said) == (how in ("zero", "swap")) and "dropped" not in said
+    assert verify(path) == []
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 1, 2]
+    values = buffer.get_all_data()
+    for slot in range(3):
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), _episode(slot)[name])
+    buffer.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_repair_drops_damaged_data_and_reseals_only_entries_of_kept_episodes(originals, tmp_path, capsys, backend):
+    """Slot 1's data is damaged and slot 2's entry of another field: slot 1 is dropped (its
+    entry is not re-sealed over the damage), slot 2 is kept with its data."""
+    path = _copy(originals, backend, tmp_path)
+    _flip_committed_byte(path, backend, "frame", 1, 2)
+    _damage_entry(path, "zero", 2, field="raw")
+    problems = verify(path, repair=True)
+    assert problems[-2:] == [
+        "repaired: dropped the damaged episodes in slots [1]; 2 episodes remain",
+        "repaired: re-sealed the damaged checksum entries of data/raw in slots [2] from the data as stored; "
+        "slots [2]: the data could not be verified (it is kept as stored)",
+    ]
+    assert verify(path) == []
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 2]
+    np.testing.assert_array_equal(np.asarray(buffer.data["raw"][2, : LENGTHS[2]]), _episode(2)["raw"])
+
+
+def test_an_entry_of_a_reader_s_checked_copy_is_still_checked(tmp_path):
+    """A reader serving a field from its private checked copy still refuses an entry damaged
+    since: it cannot tell the copy is what the damaged entry was made from."""
+    path = str(tmp_path / "memmap")
+    buffer = ReplayBuffer(path, 4, MAX_TIMESTEPS, FIELDS, backend="memmap")
+    for i in range(3):
+        buffer.store_episode(**_episode(i))
+    buffer.close()
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    reader.get_all_data()  # checked, kept in the copy
+    _damage_entry(path, "tag", 2)
+    with pytest.raises(ChecksumEntryError, match="slot 2"):
+        reader.get_all_data()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(backend=st.sampled_from(["memmap", "hdf5"]), slot=st.integers(0, 2), field=st.sampled_from(sorted(FIELDS)))
+def test_every_single_bit_flip_in_a_committed_entry_is_named(originals, tmp_path_factory, backend, slot, field):
+    """Each of the 64 bits of an entry, flipped, is ChecksumEntryError on a whole-episode read
+    (the crc bits with odds 1 - 2**-31: the tag no longer matches), and undone reads clean."""
+    path = str(tmp_path_factory.mktemp("flips") / backend)
+    shutil.copytree(originals / backend, path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    sums = np.load(os.path.join(path, _local.CHECKSUM_FILE), mmap_mode="r+")  # the reader maps the same pages
+    for bit in range(64):
+        sums[slot, COLUMNS[field]] ^= np.uint64(1 << bit)
+        with pytest.raises(ChecksumEntryError, match=f"data/{field}: slot {slot}: its checksum entry"):
+            reader.storage.read_rows(field, np.array([slot]), 0, MAX_TIMESTEPS)
+        sums[slot, COLUMNS[field]] ^= np.uint64(1 << bit)
+    rows = reader.storage.read_rows(field, np.array([slot]), 0, MAX_TIMESTEPS)
+    np.testing.assert_array_equal(rows[0, : LENGTHS[slot]], _episode(slot)[field])
+    reader.close()

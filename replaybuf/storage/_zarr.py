@@ -94,7 +94,7 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
-# zarr buffers are format 3 (packed small fields); the memmap and hdf5 backends stay at 2
+# zarr buffers are format 3 (packed small fields); memmap and hdf5 3 tag their checksum entries
 ZARR_FORMAT_VERSION = 3
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
@@ -664,10 +664,11 @@ class ZarrStorage(KVBlobs, Storage):
         self._check_writable()
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=True)
 
-    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
-        # docstring inherited: the rows of every packed field
-        if self._packed:
-            self._seal(episodes, lengths)
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
+        # docstring inherited: the rows of the packed fields among ``names``
+        packed = [name for name in self._packed if names is None or name in names]
+        if packed:
+            self._seal(episodes, lengths, packed)
 
     def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited: packed fields in place, one read and write per span of nearby rows
