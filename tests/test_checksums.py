@@ -648,3 +648,27 @@ def test_every_single_bit_flip_in_a_committed_entry_is_named(originals, tmp_path
     rows = reader.storage.read_rows(field, np.array([slot]), 0, MAX_TIMESTEPS)
     np.testing.assert_array_equal(rows[0, : LENGTHS[slot]], _episode(slot)[field])
     reader.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_slot_being_emptied_keeps_its_entry_for_readers_that_saw_its_length(originals, tmp_path, backend):
+    """A writer reusing or dropping a slot unpublishes its length before its generation: a
+    reader that read the length just before checks the rows against the slot's entry, which
+    stays until the next episode there is sealed (a cleared entry would read as damage while
+    the generation still says nothing changed)."""
+    path = _copy(originals, backend, tmp_path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    writer = ReplayBuffer.from_folder(path)
+    writer.storage.write_meta("episode_lens", np.array([1]), np.zeros(1, np.int32))  # step 1 of a reuse
+    checksums = reader.storage._checksums
+    expected = checksums.expected("state", np.array([1]), np.array([MAX_TIMESTEPS]), np.array([LENGTHS[1]]))
+    rows = writer.storage.unchecked_rows("state", np.array([1]), 0, LENGTHS[1])
+    checksums.check_row("state", 1, rows[0], expected[0])
+    writer.close()
+    writer = ReplayBuffer.from_folder(path)  # the killed reuse's stale generation cleared
+    for i in (0, 2, 1):  # slots 3, 0, then 1 again: sealed anew
+        writer.store_episode(**_episode(i))
+    writer.close()
+    reader.refresh()
+    np.testing.assert_array_equal(np.asarray(reader.data["state"][1, : LENGTHS[1]]), _episode(1)["state"])
+    assert verify(path) == []

@@ -205,7 +205,7 @@ class EpisodeChecksums:
 
     The memmap and hdf5 backends store data as raw bytes, so nothing on the read path checks
     them. ``replaybuf/checksums.npy`` (max_episodes, fields) uint64 holds an entry (``entries``)
-    of the crc of the committed rows ``[0, length)`` of each field, or 0 for an empty slot. It
+    of the crc of the committed rows ``[0, length)`` of each field (0: never committed). It
     is written before the length is published, and recomputed when a committed episode's rows
     are rewritten in place, so a reader can check every whole-episode read (read_rows /
     read_spans from step 0 to at least the length). Per-step gathers are not checked: they
@@ -271,19 +271,22 @@ class EpisodeChecksums:
         return self._sums
 
     def seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
-        """Compute and store the checksums of ``slots`` committed at ``lengths`` (0: clear)."""
+        """Compute and store the checksums of ``slots`` committed at ``lengths``. A slot being
+        emptied (0) keeps its entry until its next episode is sealed: a reader that read its
+        length before it was unpublished, with the generation not yet cleared, checks the
+        episode it saw against its own entry, rather than finding none (damage)."""
         slots, lengths = np.asarray(slots, dtype=np.int64).reshape(-1), np.asarray(lengths).reshape(-1)
         lengths = np.broadcast_to(lengths, slots.shape)
-        sums = self.sums
         committed = lengths > 0
+        if not committed.any():
+            return
+        sums = self.sums
+        picked = slots[committed]
         for name in self.columns if names is None else names:
             column = self.columns[name]
-            sums[slots[~committed], column] = 0
-            if committed.any():
-                picked = slots[committed]
-                rows = self.storage.unchecked_rows(name, picked, 0, int(lengths[committed].max()))
-                crcs = [crc32c(np.ascontiguousarray(row[:n])) for row, n in zip(rows, lengths[committed].tolist())]
-                sums[picked, column] = entries(np.array(crcs, np.uint64), picked, column, self.tagged)
+            rows = self.storage.unchecked_rows(name, picked, 0, int(lengths[committed].max()))
+            crcs = [crc32c(np.ascontiguousarray(row[:n])) for row, n in zip(rows, lengths[committed].tolist())]
+            sums[picked, column] = entries(np.array(crcs, np.uint64), picked, column, self.tagged)
         if self.storage.fsync:  # other processes see the page cache; msync only for power loss (~2 ms)
             sums.flush()
 
@@ -291,8 +294,7 @@ class EpisodeChecksums:
         """After rows of ``episodes`` were rewritten in place: recompute the committed ones."""
         episodes = np.unique(np.asarray(episodes, dtype=np.int64).reshape(-1))
         lengths = np.asarray(lengths)[episodes]
-        if (lengths > 0).any():
-            self.seal(episodes[lengths > 0], lengths[lengths > 0], [name])
+        self.seal(episodes, lengths, [name])
 
     def expected(self, name: str, episodes: np.ndarray, read: np.ndarray, lengths: np.ndarray) -> list[int]:
         """Per episode: its stored entry (the crc32c in the low 32 bits) where ``read[i]`` steps
