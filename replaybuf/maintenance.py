@@ -547,9 +547,12 @@ def verify(
     except BufferDamagedError as e:
         problems.append(str(e))
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
-    found, damaged, entries = _check_episodes(storage, schema, lens, skip=bad, progress=progress)
+    # a slot whose length is outside [0, max_timesteps] (reported above) is not read: the
+    # length would size the read (2**31 - 1 steps of a frame field: terabytes)
+    readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
+    found, damaged, entries = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
     problems += found
-    unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, lens)
+    unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, readable)
     found, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     problems += found
     if storage.list_blobs(LOG_PREFIX):
