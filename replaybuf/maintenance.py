@@ -33,6 +33,7 @@ from .storage.base import (
     BufferDamagedError,
     ChecksumEntryError,
     CorruptChunkError,
+    EpisodeLengthError,
     Storage,
     backend_class,
     bookkeeping_fields,
@@ -550,9 +551,9 @@ def verify(
     # a slot whose length is outside [0, max_timesteps] (reported above) is not read: the
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
-    found, damaged, entries = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    found, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
     problems += found
-    unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, readable)
+    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore]), 0, readable)
     found, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     problems += found
     if storage.list_blobs(LOG_PREFIX):
@@ -561,7 +562,7 @@ def verify(
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries):
+    if repair and (damaged or stray or entries or restore):
         from .buffer import ReplayBuffer
 
         with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
@@ -571,6 +572,15 @@ def verify(
                     f"repaired: dropped the damaged episodes in slots {dropped}; {len(buffer)} episodes remain"
                 )
             problems += _reseal_entries(buffer, entries, damaged)
+            if restore:
+                slots = sorted(restore)
+                buffer._commit.write_meta(
+                    "episode_lens", np.array(slots), np.array([restore[s] for s in slots], np.int32)
+                )
+                problems.append(
+                    f"repaired: restored the lengths of slots {slots} to {[restore[s] for s in slots]}, where every "
+                    "field's data matches its checksum"
+                )
             if stray:
                 _clear_beyond_length(buffer, stray)
                 slots = sorted({slot for slots in stray.values() for slot in slots})
@@ -619,16 +629,18 @@ def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
 
 def _check_episodes(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
-) -> tuple[list[str], list, dict[str, dict[int, bool]]]:
+) -> tuple[list[str], list, dict[str, dict[int, bool]], dict[int, int]]:
     """Read every committed episode whole, field by field; a slab that fails is read again slot
     by slot so each damaged episode is reported. Returns (problems, damaged slots, damaged
-    checksum entries: field -> slot -> whether the data matches what the entry still held)."""
+    checksum entries: field -> slot -> whether the data matches what the entry still held,
+    damaged lengths: slot -> the length at which every field's data matches its checksum)."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
     found: dict[str, list[str]] = {n: [] for n in names}
     damaged: set[int] = set()
     entries: dict[str, dict[int, bool]] = {}
+    matches: dict[int, set[int]] = {}
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
         for slab in _slabs(slots, lens[slots], schema):
@@ -645,6 +657,9 @@ def _check_episodes(
                     except ChecksumEntryError as e:  # the data is not blamed: re-sealed on repair
                         found[name].append(str(e))
                         entries.setdefault(name, {})[slot] = e.data_verified
+                    except EpisodeLengthError as e:  # the length is blamed: restored on repair
+                        found[name].append(str(e))
+                        matches.setdefault(slot, set()).add(e.matches)
                     except CorruptChunkError as e:
                         found[name].append(str(e))
                         damaged.add(slot)
@@ -655,7 +670,10 @@ def _check_episodes(
                         )
                         damaged.add(slot)
             bar.update(len(slab))
-    return [p for n in names for p in found[n]], sorted(damaged), entries
+    # a length every field of the slot agrees on, the slot's data otherwise sound
+    restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in damaged and len(agreed) == 1}
+    damaged.update(slot for slot in matches if slot not in restore)
+    return [p for n in names for p in found[n]], sorted(damaged), entries, restore
 
 
 def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replaybuf import ChecksumEntryError, CorruptChunkError, ReplayBuffer, StorageError
+from replaybuf import ChecksumEntryError, CorruptChunkError, EpisodeLengthError, ReplayBuffer, StorageError
 from replaybuf.cli import main
 from replaybuf.maintenance import verify
 from replaybuf.storage import _local
@@ -672,3 +672,60 @@ def test_a_slot_being_emptied_keeps_its_entry_for_readers_that_saw_its_length(or
     reader.refresh()
     np.testing.assert_array_equal(np.asarray(reader.data["state"][1, : LENGTHS[1]]), _episode(1)["state"])
     assert verify(path) == []
+
+
+def _set_length(path: str, backend: str, slot: int, length: int) -> str:
+    """Overwrite ``episode_lens[slot]`` in the file as damage would; the file's name as errors give it."""
+    if backend == "memmap":
+        target = os.path.join(path, "episode_lens.data.meta.npy")
+        lens = np.load(target, mmap_mode="r+")
+        lens[slot] = length
+        lens.flush()
+        return target
+    with h5py.File(os.path.join(path, "data.h5"), "r+", locking=False) as f:
+        f["meta/episode_lens"][slot] = length
+    return f"{os.path.join(path, 'data.h5')}:/meta/episode_lens"
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize("length", [3, 6, MAX_TIMESTEPS])
+def test_a_damaged_length_is_named_and_restored_not_blamed_on_the_data(originals, tmp_path, backend, length):
+    """A length changed within [1, max_timesteps] makes every field fail its checksum: the data
+    matches at the committed length, so the error names episode_lens (EpisodeLengthError) and
+    --repair restores the length instead of dropping the episode."""
+    path = _copy(originals, backend, tmp_path)
+    target = _set_length(path, backend, 1, length)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    for read in (buffer.get_all_data, lambda: np.asarray(buffer.data["frame"][1])):
+        with pytest.raises(EpisodeLengthError, match=rf"slot 1 holds {length} steps, but its data/\w+ matches") as e:
+            read()
+        assert (e.value.location, e.value.matches, e.value.slot) == (target, LENGTHS[1], 1)
+    buffer.close()
+    problems = verify(path, repair=True)
+    assert len(problems) == len(FIELDS) + 1 and all(target in p for p in problems[:-1])
+    assert problems[-1] == (
+        f"repaired: restored the lengths of slots [1] to [{LENGTHS[1]}], where every field's data matches its checksum"
+    )
+    assert verify(path) == []
+    _check_all_kept(path)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_damaged_length_over_damaged_data_is_dropped(originals, tmp_path, backend):
+    path = _copy(originals, backend, tmp_path)
+    _set_length(path, backend, 1, 6)
+    _flip_committed_byte(path, backend, "state", 1, 2)  # the data no longer matches at any length
+    problems = verify(path, repair=True)
+    assert problems[-1] == "repaired: dropped the damaged episodes in slots [1]; 2 episodes remain"
+    assert verify(path) == []
+    _check_only_slot_1_dropped(path)
+
+
+def _check_all_kept(path: str) -> None:
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 1, 2]
+    values = buffer.get_all_data()
+    assert values["episode_lens"].tolist() == LENGTHS
+    for slot in range(3):
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), _episode(slot)[name])

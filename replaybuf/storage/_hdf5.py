@@ -460,9 +460,9 @@ class HDF5Storage(LocalFolderStorage):
         )[order]
         self._dirty = True
 
-    def data_file(self, name: str) -> str:
+    def data_file(self, name: str, meta: bool = False) -> str:
         # docstring inherited
-        return f"{self.path}:/data/{name}"
+        return f"{self.path}:/{'meta' if meta else 'data'}/{name}"
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited

@@ -20,6 +20,7 @@ from .base import (
     BufferDamagedError,
     ChecksumEntryError,
     CorruptChunkError,
+    EpisodeLengthError,
     Storage,
     detect_backend,
     edited_rows,
@@ -85,8 +86,8 @@ class LocalFolderStorage(KVBlobs, Storage):
         """``episode_lens`` as stored now (the writer's own, in a write)."""
         return self.read_meta("episode_lens")
 
-    def data_file(self, name: str) -> str:
-        """Where data field ``name`` is stored (named by CorruptChunkError)."""
+    def data_file(self, name: str, meta: bool = False) -> str:
+        """Where data field ``name`` (``meta``: meta field) is stored (named by CorruptChunkError)."""
         raise NotImplementedError
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
@@ -341,7 +342,7 @@ class EpisodeChecksums:
         """Raise CorruptChunkError when ``row`` (the committed steps of ``episode``, as read)
         differs from its checksum ``expected`` (from ``expected``; 0: nothing to check)."""
         if expected and crc32c(np.ascontiguousarray(row)) != expected & 0xFFFFFFFF:
-            self._fail(name, episode, len(row))
+            self._fail(name, episode, len(row), expected)
 
     def check(self, name: str, episodes: np.ndarray, rows: np.ndarray, read: int, lengths: np.ndarray) -> None:
         """``check_row`` for each of ``rows`` (read from step 0, ``read`` steps each)."""
@@ -379,7 +380,7 @@ class EpisodeChecksums:
             if lo < committed:
                 crc = crc32c(np.ascontiguousarray(block[: committed - lo]), crc)
         if crc != expected & 0xFFFFFFFF:
-            self._fail(name, episode, committed)
+            self._fail(name, episode, committed, expected)
         if copy is not None:
             copy.keep(episode, out[:committed], expected)
 
@@ -443,10 +444,39 @@ class EpisodeChecksums:
             self.copy_row(name, mapped, episode, t0, out[i], n, value)
         return out
 
-    def _fail(self, name: str, episode: int, steps: int) -> None:
+    def _fail(self, name: str, episode: int, steps: int, expected: int) -> None:
+        """Raise for committed ``episode`` failing its entry ``expected`` over ``steps`` steps:
+        EpisodeLengthError when its data matches the entry at another length (the length is
+        damaged, not the data), else CorruptChunkError naming the data file."""
+        matches = [n for n in self._lengths_matching(name, episode, expected) if n != steps]
+        if matches:
+            raise EpisodeLengthError(
+                f"meta/episode_lens: slot {episode} holds {steps} steps, but its data/{name} matches its "
+                f"checksum at {matches[0]} steps: the length is damaged, not the data "
+                f"({self.storage.data_file('episode_lens', meta=True)}). `replaybuf verify --repair` restores it",
+                field="meta/episode_lens",
+                slot=episode,
+                steps=(0, steps),
+                location=self.storage.data_file("episode_lens", meta=True),
+                matches=matches[0],
+            )
         raise CorruptChunkError.at(
             f"data/{name}", episode, (0, steps), self.storage.data_file(name), "episode fails its crc32c"
         )
+
+    def _lengths_matching(self, name: str, episode: int, expected: int) -> list[int]:
+        """The lengths at which ``episode``'s steps of field ``name``, as stored, match its
+        entry ``expected`` (one pass over the row: the error path only)."""
+        try:
+            row = self.storage.unchecked_rows(name, np.array([episode]), 0, self.storage.array(name).shape[1])[0]
+        except (OSError, ValueError, CorruptChunkError):  # unreadable data (hdf5): nothing matches
+            return []
+        crc, found = 0, []
+        for step in range(len(row)):
+            crc = crc32c(np.ascontiguousarray(row[step]), crc)
+            if crc == expected & 0xFFFFFFFF:
+                found.append(step + 1)
+        return found
 
     def release(self) -> None:
         self._sums = None

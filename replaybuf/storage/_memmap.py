@@ -349,9 +349,9 @@ class MemmapStorage(LocalFolderStorage):
         # docstring inherited: the mapped file, not a copy
         return self._arrays["episode_lens", True].memmap
 
-    def data_file(self, name: str) -> str:
+    def data_file(self, name: str, meta: bool = False) -> str:
         # docstring inherited: the field's file
-        return self.array(name).path
+        return self.array(name, meta).path
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited

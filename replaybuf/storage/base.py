@@ -154,6 +154,18 @@ class ChecksumEntryError(CorruptChunkError):
         self.data_verified = data_verified
 
 
+class EpisodeLengthError(CorruptChunkError):
+    """A committed episode's stored length is damaged, not its data: the data fails its
+    checksum at the length ``meta/episode_lens`` holds and matches it at ``matches`` steps (0:
+    unknown; memmap, hdf5: the checksum entries do not depend on the length). ``location`` names the
+    lengths' file; ``replaybuf verify --repair`` restores the length instead of dropping the
+    episode."""
+
+    def __init__(self, message: str, *, matches: int = 0, **facts: Any):
+        super().__init__(message, **facts)
+        self.matches = matches
+
+
 class GenerationMismatchError(RuntimeError):
     """A read given ``generations`` by a storage that ``verifies_generations`` found slots
     holding other generations: a writer reused them since the caller planned the read.
