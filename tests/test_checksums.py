@@ -271,6 +271,26 @@ def test_dropping_episodes_keeps_the_buffer_writable(originals, tmp_path):
         buffer.drop_episodes([4])
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+@pytest.mark.parametrize("reopen", [False, True])
+def test_a_dropped_slot_reused_by_a_shorter_episode_holds_nothing_past_its_end(originals, tmp_path, backend, reopen):
+    """The dropped episode's steps past a later, shorter episode's end in the slot are gone
+    (memmap and hdf5 zeroed only what the published length, 0 once dropped, said was written)."""
+    path = _copy(originals, backend, tmp_path)
+    buffer = ReplayBuffer.from_folder(path)
+    assert buffer.drop_episodes([1]) == [1]
+    if reopen:
+        buffer.close()
+        buffer = ReplayBuffer.from_folder(path)
+    for i in (0, 1, 2):  # slots 3, 0, then 1: episode 2, 4 steps where 7 were
+        buffer.store_episode(**_episode(i))
+    buffer.close()
+    assert verify(path) == []
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    np.testing.assert_array_equal(np.asarray(reader.data["state"][1, : LENGTHS[2]]), _episode(2)["state"])
+    assert not np.asarray(reader.data["frame"][1, LENGTHS[2] :]).any()
+
+
 # ---- property: random damage to data files never passes silently --------------------------
 
 
