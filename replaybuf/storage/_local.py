@@ -223,6 +223,9 @@ class EpisodeChecksums:
         self.tagged = tagged
         self._sums: np.memmap | None = None
         self._copies: dict[str, CheckedCopy | None] = {}
+        # per cell, the entry last seen to pass its own check (this process's memory: the same
+        # value in the same cell passes again, so a batch recomputes only entries that changed)
+        self._passed: np.ndarray | None = None
 
     @classmethod
     def create(cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
@@ -305,13 +308,20 @@ class EpisodeChecksums:
             return [0] * len(episodes)
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         column = self.columns[name]
-        stored = np.array(self.sums[episodes, column])  # one read of each entry, checked and used
+        sums = self.sums
+        stored = np.array(sums[episodes, column])  # one read of each entry, checked and used
         lengths = np.asarray(lengths)
         whole = (lengths > 0) & (lengths <= np.asarray(read))
-        bad = whole & (stored != entries(stored & _CRC_BITS, episodes, column, self.tagged))
-        if bad.any():
-            k = int(np.argmax(bad))
-            self._fail_entry(name, int(episodes[k]), int(lengths[k]), int(stored[k]))
+        if self._passed is None:
+            self._passed = np.zeros(sums.shape, np.uint64)  # 0 is no entry: never passed
+        new = np.flatnonzero(whole & ((stored != self._passed[episodes, column]) | (stored == 0)))
+        if len(new):
+            picked, values = episodes[new], stored[new]
+            bad = values != entries(values & _CRC_BITS, picked, column, self.tagged)
+            if bad.any():
+                k = int(new[np.argmax(bad)])
+                self._fail_entry(name, int(episodes[k]), int(lengths[k]), int(stored[k]))
+            self._passed[picked, column] = values
         return np.where(whole, stored, 0).tolist()
 
     def _fail_entry(self, name: str, episode: int, length: int, stored: int) -> None:
@@ -481,10 +491,11 @@ class EpisodeChecksums:
     def release(self) -> None:
         self._sums = None
         self._copies = {}
+        self._passed = None
 
     def __getstate__(self) -> dict:
         # a spawned process checks and keeps its own copies
-        return {**self.__dict__, "_sums": None, "_copies": {}}
+        return {**self.__dict__, "_sums": None, "_copies": {}, "_passed": None}
 
 
 class CheckedCopy:
