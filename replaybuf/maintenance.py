@@ -491,13 +491,16 @@ def verify(
     every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
     damaged field and slot, naming its timesteps and file), committed episodes hold only zeros
     or their field's default beyond their length, no step log of an unfinished episode is
-    left, and no symbolic link is inside the folder. A damaged checksum entry (memmap, hdf5:
-    ``ChecksumEntryError``) is reported as such, not as damaged data. Changes nothing unless
-    ``repair``: then the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the
-    rest stays usable, damaged checksum entries of the others are re-sealed from their data as
-    stored (each line says whether that data could be verified), steps past an episode's length that hold data are reset to the field's default
-    (through ``update``), and a last line says what was done. ``progress``: tqdm bars over the episodes read, as in
-    ``convert``.
+    left, and no symbolic link is inside the folder. On memmap and hdf5, a damaged checksum
+    entry (``ChecksumEntryError``) or a damaged length (``EpisodeLengthError``: the data
+    matches its checksum at another length) is reported as such, not as damaged data; a slot
+    whose length is outside ``[0, max_timesteps]`` is reported and not read. Changes nothing
+    unless ``repair``: then the damaged episodes are dropped (``ReplayBuffer.drop_episodes``)
+    so the rest stays usable, damaged checksum entries of the others are re-sealed from their
+    data as stored (each line says whether that data could be verified), damaged lengths are
+    restored to the length every field's data matches, steps past an episode's length that
+    hold data are reset to the field's default (through ``update``), and a last line says
+    what was done. ``progress``: tqdm bars over the episodes read, as in ``convert``.
     """
     from .progress import check_progress
 
