@@ -741,6 +741,29 @@ def test_a_damaged_length_over_damaged_data_is_dropped(originals, tmp_path, back
     _check_only_slot_1_dropped(path)
 
 
+@pytest.mark.parametrize(("how", "verified"), [("kept", True), ("high", True), ("zero", False)])
+def test_zarr_a_damaged_packed_entry_is_named_not_skipped(originals, tmp_path, capsys, how, verified):
+    """A packed field's entry without its kept bit (or with a high bit set) was read as "no
+    checksum kept", turning the check off: it is a damaged entry, named, and re-sealed."""
+    path = _copy(originals, "zarr", tmp_path)
+    sums_file = os.path.join(path, "replaybuf", "checksums")
+    sums = np.fromfile(sums_file, "<u8")  # (slots, packed fields): state is the one packed field
+    assert len(sums) == 4
+    sums[1] = 0 if how == "zero" else sums[1] ^ np.uint64(1 << (32 if how == "kept" else 40))
+    sums.tofile(sums_file)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    for read in (buffer.get_all_data, lambda: np.asarray(buffer.data["state"][1])):
+        with pytest.raises(ChecksumEntryError, match=r"data/state: slot 1: its checksum entry in .*checksums") as e:
+            read()
+        assert (e.value.location, e.value.data_verified) == (sums_file, verified)
+    buffer.close()
+    assert main(["verify", "--repair", path]) == 1
+    said = capsys.readouterr().err
+    assert "re-sealed the damaged checksum entries of data/state in slots [1]" in said and "dropped" not in said
+    assert verify(path) == []
+    _check_all_kept(path)
+
+
 def _check_all_kept(path: str) -> None:
     buffer = ReplayBuffer.from_folder(path, read_only=True)
     assert buffer.valid_episodes().tolist() == [0, 1, 2]

@@ -54,6 +54,7 @@ from .base import (
     OPTIONAL_META,
     BufferDamagedError,
     BufferNotFoundError,
+    ChecksumEntryError,
     CompactionSummary,
     CorruptChunkError,
     Storage,
@@ -576,6 +577,7 @@ class ZarrStorage(KVBlobs, Storage):
             if not len(picked):
                 return
             sums = self._read_sums(episodes[picked])[:, column]
+            self._check_entries(name, episodes[picked], committed, sums, out, picked)
             bad = [
                 k
                 for k, (i, n, expected) in enumerate(zip(picked.tolist(), committed.tolist(), sums.tolist()))
@@ -594,6 +596,33 @@ class ZarrStorage(KVBlobs, Storage):
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
         raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
+
+    def _check_entries(
+        self, name: str, slots: np.ndarray, committed: np.ndarray, sums: np.ndarray, out: np.ndarray, items: np.ndarray
+    ) -> None:
+        """Raise ChecksumEntryError for the first of ``sums`` (the entries of committed
+        ``slots`` of packed field ``name``, read into ``out[items]``) that is not ``1 << 32 |
+        crc``: a committed row always has one, so a cleared kept bit or a set high bit is a
+        damaged entry (which would otherwise turn the check off), not damaged data. Format 3's
+        entries carry no tag: a flipped crc bit reads as damaged data."""
+        bad = np.flatnonzero((np.asarray(sums, np.uint64) >> np.uint64(32)) != 1)
+        if not len(bad):
+            return
+        k = int(bad[0])
+        slot, n, entry = int(slots[k]), int(committed[k]), int(sums[k])
+        verified = crc32c(np.ascontiguousarray(out[items[k], :n])) == entry & 0xFFFFFFFF
+        where = self.kv.where(CHECKSUMS_KEY)
+        raise ChecksumEntryError(
+            f"data/{name}: slot {slot}: its checksum entry in {where} is damaged (it holds {entry:#018x}, "
+            "not 1 << 32 | crc32c), so the episode cannot be checked; "
+            + ("its data still matches the crc32c the entry holds" if verified else "its data cannot be verified")
+            + ". `replaybuf verify --repair` re-seals the entry from the data",
+            field=f"data/{name}",
+            slot=slot,
+            steps=(0, n),
+            location=where,
+            data_verified=verified,
+        )
 
     def _open_zarr_array(self, path: str):
         import zarr
