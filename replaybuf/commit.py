@@ -307,13 +307,22 @@ class Committer:
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
-        length); return the slots dropped. ``num_episodes`` stays: a dropped slot lists as a row
+        length), then zero their rows where rows are not written whole: a later, shorter episode
+        in the slot zeroes only what the slot's published length says was written (0 once
+        dropped), so the dropped steps past its end would stay (in this session or a later
+        one). Returns the slots dropped. ``num_episodes`` stays: a dropped slot lists as a row
         of padding, and the slots after it (where the next episodes go) stay listed."""
         dropped = slots[self.meta["episode_lens"][slots] > 0]
         self.held.check(dropped, self.meta["_generation"][dropped], "drop", drop=True)
         if len(dropped):
+            lengths = self.meta["episode_lens"][dropped].tolist()
             self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
             self.write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
+            if not self.rows_written_whole:
+                for slot, length in zip(dropped.tolist(), lengths):
+                    for name, field in self.schema.fields.items():
+                        zeros = np.zeros((1, length, *field.shape), field.dtype)
+                        self.storage.write_rows(name, np.array([slot]), 0, zeros)
         return dropped
 
     # ---- the step log -------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from .storage.base import (
     LOG_PREFIX,
     STATE_KEY,
     BufferDamagedError,
+    ChecksumEntryError,
     CorruptChunkError,
+    EpisodeLengthError,
     Storage,
     backend_class,
     bookkeeping_fields,
@@ -489,11 +491,16 @@ def verify(
     every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
     damaged field and slot, naming its timesteps and file), committed episodes hold only zeros
     or their field's default beyond their length, no step log of an unfinished episode is
-    left, and no symbolic link is inside the folder. Changes nothing unless ``repair``: then
-    the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the rest stays
-    usable, steps past an episode's length that hold data are reset to the field's default
-    (through ``update``), and a last line says what was done. ``progress``: tqdm bars over the episodes read, as in
-    ``convert``.
+    left, and no symbolic link is inside the folder. On memmap and hdf5, a damaged checksum
+    entry (``ChecksumEntryError``) or a damaged length (``EpisodeLengthError``: the data
+    matches its checksum at another length) is reported as such, not as damaged data; a slot
+    whose length is outside ``[0, max_timesteps]`` is reported and not read. Changes nothing
+    unless ``repair``: then the damaged episodes are dropped (``ReplayBuffer.drop_episodes``)
+    so the rest stays usable, damaged checksum entries of the others are re-sealed from their
+    data as stored (each line says whether that data could be verified), damaged lengths are
+    restored to the length every field's data matches, steps past an episode's length that
+    hold data are reset to the field's default (through ``update``), and a last line says
+    what was done. ``progress``: tqdm bars over the episodes read, as in ``convert``.
     """
     from .progress import check_progress
 
@@ -544,9 +551,12 @@ def verify(
     except BufferDamagedError as e:
         problems.append(str(e))
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
-    found, damaged = _check_episodes(storage, schema, lens, skip=bad, progress=progress)
+    # a slot whose length is outside [0, max_timesteps] (reported above) is not read: the
+    # length would size the read (2**31 - 1 steps of a frame field: terabytes)
+    readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
+    found, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
     problems += found
-    unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, lens)
+    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore]), 0, readable)
     found, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     problems += found
     if storage.list_blobs(LOG_PREFIX):
@@ -555,7 +565,7 @@ def verify(
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray):
+    if repair and (damaged or stray or entries or restore):
         from .buffer import ReplayBuffer
 
         with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
@@ -564,11 +574,48 @@ def verify(
                 problems.append(
                     f"repaired: dropped the damaged episodes in slots {dropped}; {len(buffer)} episodes remain"
                 )
+            problems += _reseal_entries(buffer, entries, damaged)
+            if restore:
+                slots = sorted(restore)
+                buffer._commit.write_meta(
+                    "episode_lens", np.array(slots), np.array([restore[s] for s in slots], np.int32)
+                )
+                problems.append(
+                    f"repaired: restored the lengths of slots {slots} to {[restore[s] for s in slots]}, where every "
+                    "field's data matches its checksum"
+                )
             if stray:
                 _clear_beyond_length(buffer, stray)
                 slots = sorted({slot for slots in stray.values() for slot in slots})
                 problems.append(f"repaired: set the steps beyond the lengths of slots {slots} to their defaults")
     return problems
+
+
+def _reseal_entries(buffer: Any, entries: dict[str, dict[int, bool]], dropped: list[int]) -> list[str]:
+    """Re-seal the damaged checksum entries ``entries`` (field -> slot -> whether the data
+    matched what the entry still held) of the episodes kept, from their data as stored; a line
+    per field saying which slots' data was verified and which could not be."""
+    lines = []
+    for name, slots in entries.items():
+        kept = sorted(slot for slot in slots if slot not in dropped)
+        if not kept:
+            continue
+        buffer.storage.reseal(np.array(kept), buffer.episode_lens[kept], names=[name])
+        verified = [slot for slot in kept if slots[slot]]
+        unverified = [slot for slot in kept if not slots[slot]]
+        lines.append(
+            f"repaired: re-sealed the damaged checksum entries of data/{name} in slots {kept} from the data as "
+            "stored; "
+            + "; ".join(
+                text
+                for text in (
+                    f"slots {verified}: the data matches the crc32c the damaged entry still held" if verified else "",
+                    f"slots {unverified}: the data could not be verified (it is kept as stored)" if unverified else "",
+                )
+                if text
+            )
+        )
+    return lines
 
 
 def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
@@ -585,14 +632,18 @@ def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
 
 def _check_episodes(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
-) -> tuple[list[str], list]:
+) -> tuple[list[str], list, dict[str, dict[int, bool]], dict[int, int]]:
     """Read every committed episode whole, field by field; a slab that fails is read again slot
-    by slot so each damaged episode is reported. Returns (problems, damaged slots)."""
+    by slot so each damaged episode is reported. Returns (problems, damaged slots, damaged
+    checksum entries: field -> slot -> whether the data matches what the entry still held,
+    damaged lengths: slot -> the length at which every field's data matches its checksum)."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
     found: dict[str, list[str]] = {n: [] for n in names}
     damaged: set[int] = set()
+    entries: dict[str, dict[int, bool]] = {}
+    matches: dict[int, set[int]] = {}
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
         for slab in _slabs(slots, lens[slots], schema):
@@ -606,6 +657,12 @@ def _check_episodes(
                 for slot in slab.tolist():
                     try:
                         _read_episodes(storage, name, field, np.array([slot]), lens[[slot]])
+                    except ChecksumEntryError as e:  # the data is not blamed: re-sealed on repair
+                        found[name].append(str(e))
+                        entries.setdefault(name, {})[slot] = e.data_verified
+                    except EpisodeLengthError as e:  # the length is blamed: restored on repair
+                        found[name].append(str(e))
+                        matches.setdefault(slot, set()).add(e.matches)
                     except CorruptChunkError as e:
                         found[name].append(str(e))
                         damaged.add(slot)
@@ -616,7 +673,10 @@ def _check_episodes(
                         )
                         damaged.add(slot)
             bar.update(len(slab))
-    return [p for n in names for p in found[n]], sorted(damaged)
+    # a length every field of the slot agrees on, the slot's data otherwise sound
+    restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in damaged and len(agreed) == 1}
+    damaged.update(slot for slot in matches if slot not in restore)
+    return [p for n in names for p in found[n]], sorted(damaged), entries, restore
 
 
 def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:

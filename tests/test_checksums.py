@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replaybuf import CorruptChunkError, ReplayBuffer, StorageError
+from replaybuf import ChecksumEntryError, CorruptChunkError, EpisodeLengthError, ReplayBuffer, StorageError
 from replaybuf.cli import main
 from replaybuf.maintenance import verify
 from replaybuf.storage import _local
@@ -247,11 +247,11 @@ def test_in_place_rewrites_keep_checksums_valid(originals, tmp_path, backend):
     assert (np.asarray(data["state"][2, :4]) == 7).all() and (np.asarray(data["frame"][1, 6]) == 9).all()
 
 
-def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_2_or_3(originals):
-    assert issubclass(CorruptChunkError, StorageError)
+def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_3(originals):
+    assert issubclass(ChecksumEntryError, CorruptChunkError) and issubclass(CorruptChunkError, StorageError)
     attributes = json.loads((originals / "zarr" / "zarr.json").read_text())["attributes"]
     assert attributes["version"] == 3
-    assert json.loads((originals / "memmap" / "replaybuf.json").read_text())["version"] == 2
+    assert json.loads((originals / "memmap" / "replaybuf.json").read_text())["version"] == 3
     assert os.path.isfile(originals / "hdf5" / "replaybuf" / "checksums.npy")
 
 
@@ -269,6 +269,26 @@ def test_dropping_episodes_keeps_the_buffer_writable(originals, tmp_path):
     assert ReplayBuffer.from_folder(path).num_episodes == 4  # a writable open's recount keeps it
     with pytest.raises(ValueError, match="drop_episodes: slots must be ints in \\[0, 4\\)"):
         buffer.drop_episodes([4])
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+@pytest.mark.parametrize("reopen", [False, True])
+def test_a_dropped_slot_reused_by_a_shorter_episode_holds_nothing_past_its_end(originals, tmp_path, backend, reopen):
+    """The dropped episode's steps past a later, shorter episode's end in the slot are gone
+    (memmap and hdf5 zeroed only what the published length, 0 once dropped, said was written)."""
+    path = _copy(originals, backend, tmp_path)
+    buffer = ReplayBuffer.from_folder(path)
+    assert buffer.drop_episodes([1]) == [1]
+    if reopen:
+        buffer.close()
+        buffer = ReplayBuffer.from_folder(path)
+    for i in (0, 1, 2):  # slots 3, 0, then 1: episode 2, 4 steps where 7 were
+        buffer.store_episode(**_episode(i))
+    buffer.close()
+    assert verify(path) == []
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    np.testing.assert_array_equal(np.asarray(reader.data["state"][1, : LENGTHS[2]]), _episode(2)["state"])
+    assert not np.asarray(reader.data["frame"][1, LENGTHS[2] :]).any()
 
 
 # ---- property: random damage to data files never passes silently --------------------------
@@ -529,3 +549,226 @@ def test_a_writable_open_reseals_rows_a_killed_edit_left_unsealed(tmp_path, back
         assert again._meta["_revision"].tolist() == [0, 2, 0]
         assert np.asarray(again.data["x"][1]).tolist() == [10.0, 11.0, 7.0, 13.0]
     assert verify(path) == []
+
+
+# ---- damaged checksum entries (memmap, hdf5) -------------------------------------------------------
+
+COLUMNS = {name: i for i, name in enumerate(FIELDS)}  # checksums.npy's columns, in schema order
+# bit flipped in an entry: a crc bit, the kept bit, a bit of the tag
+ENTRY_BITS = {"crc": 5, "kept": 32, "tag": 50}
+
+
+def _damage_entry(path: str, how: str, slot: int, field: str = "state") -> list[int]:
+    """Damage the checksum entry of ``field`` in ``slot`` (swap: with slot 0's); the slots hit."""
+    sums = np.load(os.path.join(path, _local.CHECKSUM_FILE), mmap_mode="r+")
+    column = COLUMNS[field]
+    if how == "zero":
+        sums[slot, column] = 0
+    elif how == "swap":
+        sums[[0, slot], column] = sums[[slot, 0], column]
+    else:
+        sums[slot, column] ^= np.uint64(1 << ENTRY_BITS[how])
+    sums.flush()
+    return [0, slot] if how == "swap" else [slot]
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize("how", ["crc", "kept", "tag", "zero", "swap"])
+def test_a_damaged_checksum_entry_is_named_reported_and_resealed(originals, tmp_path, capsys, backend, how):
+    """A damaged entry of checksums.npy (behind its valid header) is ChecksumEntryError naming
+    checksums.npy, the field and the slot, on every read path, never blamed on the data file;
+    verify reports it and --repair re-seals it from the data, keeping the episode."""
+    path = _copy(originals, backend, tmp_path)
+    hit = _damage_entry(path, how, 1)
+    sums_file = os.path.join(path, _local.CHECKSUM_FILE)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    loader = buffer.dataloader(batch_size=3)
+    reads = [
+        buffer.get_all_data,
+        lambda: np.asarray(buffer.data["state"][1]),
+        lambda: np.asarray(buffer.data["state"][1, : LENGTHS[1]]),
+        lambda: next(iter(loader)),
+    ]
+    for read in reads:
+        with pytest.raises(ChecksumEntryError, match=r"data/state: slot (0|1): its checksum entry in .*checksums\.npy"):
+            read()
+    with pytest.raises(ChecksumEntryError) as raised:
+        buffer.storage.read_rows("state", np.array([1]), 0, MAX_TIMESTEPS)
+    error = raised.value
+    assert (error.location, error.field, error.slot, error.steps) == (sums_file, "data/state", 1, (0, LENGTHS[1]))
+    assert "state.data.npy" not in str(error) and "data.h5" not in str(error)
+    assert error.data_verified == (how in ("crc", "kept", "tag"))  # the tag or the crc bits still match
+    np.testing.assert_array_equal(np.asarray(buffer.data["frame"][1, : LENGTHS[1]]), _episode(1)["frame"])
+    buffer.close()
+    problems = verify(path)
+    assert [p.split(":")[0:2] for p in problems] == [["data/state", f" slot {slot}"] for slot in hit]
+    assert all(sums_file in p for p in problems)
+    assert main(["verify", "--repair", path]) == 1
+    said = capsys.readouterr().err
+    assert f"re-sealed the damaged checksum entries of data/state in slots {hit}" in said
+    assert ("could not be verified" in said) == (how in ("zero", "swap")) and "dropped" not in said
+    assert verify(path) == []
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 1, 2]
+    values = buffer.get_all_data()
+    for slot in range(3):
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), _episode(slot)[name])
+    buffer.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_repair_drops_damaged_data_and_reseals_only_entries_of_kept_episodes(originals, tmp_path, capsys, backend):
+    """Slot 1's data is damaged and slot 2's entry of another field: slot 1 is dropped (its
+    entry is not re-sealed over the damage), slot 2 is kept with its data."""
+    path = _copy(originals, backend, tmp_path)
+    _flip_committed_byte(path, backend, "frame", 1, 2)
+    _damage_entry(path, "zero", 2, field="raw")
+    problems = verify(path, repair=True)
+    assert problems[-2:] == [
+        "repaired: dropped the damaged episodes in slots [1]; 2 episodes remain",
+        "repaired: re-sealed the damaged checksum entries of data/raw in slots [2] from the data as stored; "
+        "slots [2]: the data could not be verified (it is kept as stored)",
+    ]
+    assert verify(path) == []
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 2]
+    np.testing.assert_array_equal(np.asarray(buffer.data["raw"][2, : LENGTHS[2]]), _episode(2)["raw"])
+
+
+def test_an_entry_of_a_reader_s_checked_copy_is_still_checked(tmp_path):
+    """A reader serving a field from its private checked copy still refuses an entry damaged
+    since: it cannot tell the copy is what the damaged entry was made from."""
+    path = str(tmp_path / "memmap")
+    buffer = ReplayBuffer(path, 4, MAX_TIMESTEPS, FIELDS, backend="memmap")
+    for i in range(3):
+        buffer.store_episode(**_episode(i))
+    buffer.close()
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    reader.get_all_data()  # checked, kept in the copy
+    _damage_entry(path, "tag", 2)
+    with pytest.raises(ChecksumEntryError, match="slot 2"):
+        reader.get_all_data()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(backend=st.sampled_from(["memmap", "hdf5"]), slot=st.integers(0, 2), field=st.sampled_from(sorted(FIELDS)))
+def test_every_single_bit_flip_in_a_committed_entry_is_named(originals, tmp_path_factory, backend, slot, field):
+    """Each of the 64 bits of an entry, flipped, is ChecksumEntryError on a whole-episode read
+    (the crc bits with odds 1 - 2**-31: the tag no longer matches), and undone reads clean."""
+    path = str(tmp_path_factory.mktemp("flips") / backend)
+    shutil.copytree(originals / backend, path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    sums = np.load(os.path.join(path, _local.CHECKSUM_FILE), mmap_mode="r+")  # the reader maps the same pages
+    for bit in range(64):
+        sums[slot, COLUMNS[field]] ^= np.uint64(1 << bit)
+        with pytest.raises(ChecksumEntryError, match=f"data/{field}: slot {slot}: its checksum entry"):
+            reader.storage.read_rows(field, np.array([slot]), 0, MAX_TIMESTEPS)
+        sums[slot, COLUMNS[field]] ^= np.uint64(1 << bit)
+    rows = reader.storage.read_rows(field, np.array([slot]), 0, MAX_TIMESTEPS)
+    np.testing.assert_array_equal(rows[0, : LENGTHS[slot]], _episode(slot)[field])
+    reader.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_slot_being_emptied_keeps_its_entry_for_readers_that_saw_its_length(originals, tmp_path, backend):
+    """A writer reusing or dropping a slot unpublishes its length before its generation: a
+    reader that read the length just before checks the rows against the slot's entry, which
+    stays until the next episode there is sealed (a cleared entry would read as damage while
+    the generation still says nothing changed)."""
+    path = _copy(originals, backend, tmp_path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    writer = ReplayBuffer.from_folder(path)
+    writer.storage.write_meta("episode_lens", np.array([1]), np.zeros(1, np.int32))  # step 1 of a reuse
+    checksums = reader.storage._checksums
+    expected = checksums.expected("state", np.array([1]), np.array([MAX_TIMESTEPS]), np.array([LENGTHS[1]]))
+    rows = writer.storage.unchecked_rows("state", np.array([1]), 0, LENGTHS[1])
+    checksums.check_row("state", 1, rows[0], expected[0])
+    writer.close()
+    writer = ReplayBuffer.from_folder(path)  # the killed reuse's stale generation cleared
+    for i in (0, 2, 1):  # slots 3, 0, then 1 again: sealed anew
+        writer.store_episode(**_episode(i))
+    writer.close()
+    reader.refresh()
+    np.testing.assert_array_equal(np.asarray(reader.data["state"][1, : LENGTHS[1]]), _episode(1)["state"])
+    assert verify(path) == []
+
+
+def _set_length(path: str, backend: str, slot: int, length: int) -> str:
+    """Overwrite ``episode_lens[slot]`` in the file as damage would; the file's name as errors give it."""
+    if backend == "memmap":
+        target = os.path.join(path, "episode_lens.data.meta.npy")
+        lens = np.load(target, mmap_mode="r+")
+        lens[slot] = length
+        lens.flush()
+        return target
+    with h5py.File(os.path.join(path, "data.h5"), "r+", locking=False) as f:
+        f["meta/episode_lens"][slot] = length
+    return f"{os.path.join(path, 'data.h5')}:/meta/episode_lens"
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+@pytest.mark.parametrize("length", [3, 6, MAX_TIMESTEPS])
+def test_a_damaged_length_is_named_and_restored_not_blamed_on_the_data(originals, tmp_path, backend, length):
+    """A length changed within [1, max_timesteps] makes every field fail its checksum: the data
+    matches at the committed length, so the error names episode_lens (EpisodeLengthError) and
+    --repair restores the length instead of dropping the episode."""
+    path = _copy(originals, backend, tmp_path)
+    target = _set_length(path, backend, 1, length)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    for read in (buffer.get_all_data, lambda: np.asarray(buffer.data["frame"][1])):
+        with pytest.raises(EpisodeLengthError, match=rf"slot 1 holds {length} steps, but its data/\w+ matches") as e:
+            read()
+        assert (e.value.location, e.value.matches, e.value.slot) == (target, LENGTHS[1], 1)
+    buffer.close()
+    problems = verify(path, repair=True)
+    assert len(problems) == len(FIELDS) + 1 and all(target in p for p in problems[:-1])
+    assert problems[-1] == (
+        f"repaired: restored the lengths of slots [1] to [{LENGTHS[1]}], where every field's data matches its checksum"
+    )
+    assert verify(path) == []
+    _check_all_kept(path)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_damaged_length_over_damaged_data_is_dropped(originals, tmp_path, backend):
+    path = _copy(originals, backend, tmp_path)
+    _set_length(path, backend, 1, 6)
+    _flip_committed_byte(path, backend, "state", 1, 2)  # the data no longer matches at any length
+    problems = verify(path, repair=True)
+    assert problems[-1] == "repaired: dropped the damaged episodes in slots [1]; 2 episodes remain"
+    assert verify(path) == []
+    _check_only_slot_1_dropped(path)
+
+
+@pytest.mark.parametrize(("how", "verified"), [("kept", True), ("high", True), ("zero", False)])
+def test_zarr_a_damaged_packed_entry_is_named_not_skipped(originals, tmp_path, capsys, how, verified):
+    """A packed field's entry without its kept bit (or with a high bit set) was read as "no
+    checksum kept", turning the check off: it is a damaged entry, named, and re-sealed."""
+    path = _copy(originals, "zarr", tmp_path)
+    sums_file = os.path.join(path, "replaybuf", "checksums")
+    sums = np.fromfile(sums_file, "<u8")  # (slots, packed fields): state is the one packed field
+    assert len(sums) == 4
+    sums[1] = 0 if how == "zero" else sums[1] ^ np.uint64(1 << (32 if how == "kept" else 40))
+    sums.tofile(sums_file)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    for read in (buffer.get_all_data, lambda: np.asarray(buffer.data["state"][1])):
+        with pytest.raises(ChecksumEntryError, match=r"data/state: slot 1: its checksum entry in .*checksums") as e:
+            read()
+        assert (e.value.location, e.value.data_verified) == (sums_file, verified)
+    buffer.close()
+    assert main(["verify", "--repair", path]) == 1
+    said = capsys.readouterr().err
+    assert "re-sealed the damaged checksum entries of data/state in slots [1]" in said and "dropped" not in said
+    assert verify(path) == []
+    _check_all_kept(path)
+
+
+def _check_all_kept(path: str) -> None:
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 1, 2]
+    values = buffer.get_all_data()
+    assert values["episode_lens"].tolist() == LENGTHS
+    for slot in range(3):
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), _episode(slot)[name])

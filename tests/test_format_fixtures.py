@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ForeignEntriesError, ReplayBuffer, verify
+from replaybuf import ChecksumEntryError, ForeignEntriesError, ReplayBuffer, verify
 from replaybuf.cli import main as cli_main
 from replaybuf.maintenance import upgrade
 from replaybuf.storage.lease import BufferLockedError
@@ -20,8 +20,9 @@ from replaybuf.storage.lease import BufferLockedError
 from .data.make_fixtures import expected_episode
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-FORMATS = [(version, backend) for version in ("format-v1", "format-v2") for backend in ("zarr", "memmap", "hdf5")]
-FORMATS.append(("format-v3", "zarr"))  # format 3 changed the zarr layout only (packed small fields)
+FORMATS = [
+    (version, backend) for version in ("format-v1", "format-v2", "format-v3") for backend in ("zarr", "memmap", "hdf5")
+]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -62,7 +63,7 @@ def test_released_format_writes(version, backend, tmp_path):
     assert verify(path) == []
     # a buffer keeps its format: format 1 gets no checksums it never had
     assert _stored_version(path, backend) == int(version.rsplit("v", 1)[1])
-    assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version == "format-v2" and backend != "zarr")
+    assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
 
 
 def _stored_version(path, backend: str) -> int:
@@ -120,7 +121,7 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 
 # ---- replaybuf upgrade ---------------------------------------------------------------------------
 
-NEWEST = {"zarr": 3, "memmap": 2, "hdf5": 2}
+NEWEST = {"zarr": 3, "memmap": 3, "hdf5": 3}
 
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
@@ -200,7 +201,7 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
 
 def test_info_points_an_earlier_format_to_upgrade(capsys):
     assert cli_main(["info", os.path.join(DATA, "format-v1", "hdf5")]) == 0
-    assert "format     1, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 2" in (
+    assert "format     1, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 3" in (
         capsys.readouterr().out
     )
     assert cli_main(["info", os.path.join(DATA, "format-v3", "zarr")]) == 0
@@ -240,4 +241,32 @@ def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_runs_again(tmp_path):
     assert _stored_version(path, "hdf5") == 1  # the original, untouched, its lease gone with the child
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
     assert upgrade(path, progress=False)["upgraded"]
-    assert _stored_version(path, "hdf5") == 2 and verify(path) == []
+    assert _stored_version(path, "hdf5") == 3 and verify(path) == []
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_format_2_entries_are_checked_as_far_as_they_hold_and_stay_format_2(backend, tmp_path):
+    """Format 2's entries carry no tag: a flipped kept bit or high bit, or a zeroed entry of a
+    committed episode, is still ChecksumEntryError naming checksums.npy; --repair re-seals it
+    in format 2's form and the buffer stays format 2 (a flipped crc bit reads as damaged data
+    there: what `replaybuf upgrade` adds)."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "format-v2", backend), path)
+    sums_file = path / "replaybuf" / "checksums.npy"
+    sums = np.load(sums_file, mmap_mode="r+")
+    assert not (sums >> np.uint64(33)).any()  # untagged
+    sums[1, 0] ^= np.uint64(1 << 32)
+    sums[2, 1] ^= np.uint64(1 << 45)
+    sums[0, 2] = 0
+    sums.flush()
+    with pytest.raises(ChecksumEntryError, match=r"data/frame: slot 1: its checksum entry in .*checksums\.npy"):
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    problems = verify(path, repair=True)
+    assert [p.split(": its")[0] for p in problems[:3]] == [
+        "data/frame: slot 1",
+        "data/state: slot 2",
+        "data/reward: slot 0",
+    ]
+    assert "dropped" not in " ".join(problems) and verify(path) == []
+    assert not (np.load(sums_file) >> np.uint64(33)).any() and _stored_version(path, backend) == 2
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))

@@ -6,7 +6,8 @@ is the config as JSON. HDF5 cannot replace a value atomically and a killed write
 the file's own metadata half-written, so the counters (``replaybuf/state.json``, temp file +
 rename) and the step log (``replaybuf/steplog/``) live next to it as plain files, and the
 file is flushed before every counter commit. Format 2 adds ``replaybuf/checksums.npy``, a
-crc32c per committed (field, episode) checked on whole-episode reads (``_local.py``): HDF5's
+crc32c per committed (field, episode) checked on whole-episode reads (``_local.py``; format 3:
+each entry checks itself, so a damaged entry is not blamed on the data): HDF5's
 fletcher32 filter would need chunked datasets, and uncompressed fields stay contiguous so that
 sampling reads them through a numpy memmap. Errors h5py raises reading data (a damaged
 compressed chunk) become ``CorruptChunkError``.
@@ -387,7 +388,7 @@ class HDF5Storage(LocalFolderStorage):
             self.kv.prepare_writes()
         # checked before data.h5 is opened for writing: a refused open leaves its bytes as they were
         self._checksums = EpisodeChecksums.open(
-            self, self.root, list(schema.fields), schema.max_episodes, required=config.get("version", 0) >= 2
+            self, self.root, list(schema.fields), schema.max_episodes, config.get("version", 0)
         )
         self._load_arrays(schema)
         return schema
@@ -465,9 +466,9 @@ class HDF5Storage(LocalFolderStorage):
         )[order]
         self._dirty = True
 
-    def data_file(self, name: str) -> str:
+    def data_file(self, name: str, meta: bool = False) -> str:
         # docstring inherited
-        return f"{self.path}:/data/{name}"
+        return f"{self.path}:/{'meta' if meta else 'data'}/{name}"
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited

@@ -15,7 +15,16 @@ from ._codecs import crc32c
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
 from ._seed import seed_h5_hint
-from .base import STATE_KEY, BufferDamagedError, CorruptChunkError, Storage, detect_backend, edited_rows
+from .base import (
+    STATE_KEY,
+    BufferDamagedError,
+    ChecksumEntryError,
+    CorruptChunkError,
+    EpisodeLengthError,
+    Storage,
+    detect_backend,
+    edited_rows,
+)
 
 
 def local_root(storage: Storage) -> str:
@@ -77,8 +86,8 @@ class LocalFolderStorage(KVBlobs, Storage):
         """``episode_lens`` as stored now (the writer's own, in a write)."""
         return self.read_meta("episode_lens")
 
-    def data_file(self, name: str) -> str:
-        """Where data field ``name`` is stored (named by CorruptChunkError)."""
+    def data_file(self, name: str, meta: bool = False) -> str:
+        """Where data field ``name`` (``meta``: meta field) is stored (named by CorruptChunkError)."""
         raise NotImplementedError
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
@@ -131,10 +140,11 @@ class LocalFolderStorage(KVBlobs, Storage):
         self.write_rows(name, episodes, t0, values)
         self.rows_rewritten(name, np.asarray(episodes))
 
-    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
         # docstring inherited
+        self._check_writable()
         if self._checksums is not None:
-            self._checksums.seal(episodes, lengths)
+            self._checksums.seal(episodes, lengths, names)
 
     def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited: the touched rows read whole and checked in one pass (the checked
@@ -162,48 +172,80 @@ class LocalFolderStorage(KVBlobs, Storage):
 
 CHECKSUM_FILE = "replaybuf/checksums.npy"
 _SEALED = np.uint64(1 << 32)
+# the first format whose entries check themselves (``entries``); format 2's hold no tag
+TAGGED_FORMAT = 3
+_CRC_BITS = np.uint64(0xFFFFFFFF)
 # rows copied then checksummed together: fits a core's L2 cache with room to spare
 _BLOCK_BYTES = 256 << 10
 # fields of at most this many bytes keep a private copy of the episodes that passed (CheckedCopy)
 CHECKED_COPY_BYTES = SMALL_ARRAY_BYTES
 
 
+def entries(crcs: np.ndarray, episodes: np.ndarray, column: int, tagged: bool) -> np.ndarray:
+    """The checksum entries of ``crcs`` (uint64, < 2**32) of ``episodes`` in ``column``: bit
+    32 set ("kept") over the crc32c and, ``tagged`` (format 3), bits 33-63 a hash of the crc,
+    the episode and the column (splitmix64's finalizer, a bijection of its 64-bit input), so a
+    flipped bit anywhere in an entry, and an entry moved to another cell, fail ``expected``'s
+    check, which recomputes the entry from its low 32 bits: damage is blamed on checksums.npy,
+    not on the data. Vectorized: a batch costs a few µs."""
+    crcs = np.asarray(crcs, dtype=np.uint64)
+    if not tagged:
+        return crcs | _SEALED
+    x = crcs | (np.asarray(episodes, dtype=np.uint64) << np.uint64(32))
+    x ^= np.uint64((0x9E3779B97F4A7C15 * (column + 1)) & 0xFFFFFFFFFFFFFFFF)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(33) << np.uint64(33)) | _SEALED | crcs
+
+
 class EpisodeChecksums:
-    """A crc32c per committed (data field, episode) of a local folder buffer (format 2).
+    """A crc32c per committed (data field, episode) of a local folder buffer (format 2 and later).
 
     The memmap and hdf5 backends store data as raw bytes, so nothing on the read path checks
-    them. ``replaybuf/checksums.npy`` (max_episodes, fields) uint64 holds ``1 << 32 | crc`` of
-    the committed rows ``[0, length)`` of each field, or 0 where none is kept (an empty slot, a
-    buffer adopted from memmap-replay-buffer). It is written before the length is published,
-    and recomputed when a committed episode's rows are rewritten in place, so a reader can check
-    every whole-episode read (read_rows / read_spans from step 0 to at least the length).
-    Per-step gathers are not checked: they would read the whole episode for one step.
+    them. ``replaybuf/checksums.npy`` (max_episodes, fields) uint64 holds an entry (``entries``)
+    of the crc of the committed rows ``[0, length)`` of each field (0: never committed). It
+    is written before the length is published, and recomputed when a committed episode's rows
+    are rewritten in place, so a reader can check every whole-episode read (read_rows /
+    read_spans from step 0 to at least the length). Per-step gathers are not checked: they
+    would read the whole episode for one step. Each entry a check uses is checked first: one
+    that is not what its low 32 bits make (0 included: a committed episode always has one) is
+    ``ChecksumEntryError`` naming checksums.npy. Format 2's entries hold no tag, so there only
+    the kept bit and bits 33-63 (0) are checked; a flipped crc bit reads as damaged data.
     """
 
-    def __init__(self, storage: LocalFolderStorage, root: str, fields: list[str]):
+    def __init__(self, storage: LocalFolderStorage, root: str, fields: list[str], tagged: bool):
         self.storage = storage
         self.path = os.path.join(root, CHECKSUM_FILE)
         self.columns = {name: i for i, name in enumerate(fields)}
+        self.tagged = tagged
         self._sums: np.memmap | None = None
         self._copies: dict[str, CheckedCopy | None] = {}
+        # per cell, the entry last seen to pass its own check (this process's memory: the same
+        # value in the same cell passes again, so a batch recomputes only entries that changed)
+        self._passed: np.ndarray | None = None
 
     @classmethod
     def create(cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:
-        self = cls(storage, root, fields)
+        """An empty table for a new buffer (the newest format: tagged entries)."""
+        self = cls(storage, root, fields, tagged=True)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         open_memmap(self.path, mode="w+", dtype=np.uint64, shape=(max_episodes, len(fields))).flush()
         return self
 
     @classmethod
     def open(
-        cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int, required: bool
+        cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int, version: int
     ) -> EpisodeChecksums | None:
-        """The checksums of a format-2 folder, None for one without (format 1, seed folders).
-        A folder whose config says it keeps them (``required``) and has none, or whose file is
-        not a (max_episodes, fields) uint64 array, is damaged: reading it unchecked would lie."""
-        self = cls(storage, root, fields)
+        """The checksums of a folder of format ``version`` (its config's), None for one without
+        (format 1, seed folders: ``version`` 0). A folder whose config says it keeps them
+        (format 2 and later) and has none, or whose file is not a (max_episodes, fields) uint64
+        array, is damaged: reading it unchecked would lie."""
+        self = cls(storage, root, fields, tagged=version >= TAGGED_FORMAT)
         if not os.path.lexists(self.path):
-            if required:
+            if version >= 2:
                 raise BufferDamagedError(
                     f"{self.path}: missing; this buffer's config says it checksums its data, so its "
                     "episodes cannot be checked (restore the file, or copy the buffer from a backup)"
@@ -233,20 +275,22 @@ class EpisodeChecksums:
         return self._sums
 
     def seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
-        """Compute and store the checksums of ``slots`` committed at ``lengths`` (0: clear)."""
+        """Compute and store the checksums of ``slots`` committed at ``lengths``. A slot being
+        emptied (0) keeps its entry until its next episode is sealed: a reader that read its
+        length before it was unpublished, with the generation not yet cleared, checks the
+        episode it saw against its own entry, rather than finding none (damage)."""
         slots, lengths = np.asarray(slots, dtype=np.int64).reshape(-1), np.asarray(lengths).reshape(-1)
         lengths = np.broadcast_to(lengths, slots.shape)
-        sums = self.sums
         committed = lengths > 0
+        if not committed.any():
+            return
+        sums = self.sums
+        picked = slots[committed]
         for name in self.columns if names is None else names:
             column = self.columns[name]
-            sums[slots[~committed], column] = 0
-            if committed.any():
-                picked = slots[committed]
-                rows = self.storage.unchecked_rows(name, picked, 0, int(lengths[committed].max()))
-                sums[picked, column] = [
-                    _SEALED | crc32c(np.ascontiguousarray(row[:n])) for row, n in zip(rows, lengths[committed].tolist())
-                ]
+            rows = self.storage.unchecked_rows(name, picked, 0, int(lengths[committed].max()))
+            crcs = [crc32c(np.ascontiguousarray(row[:n])) for row, n in zip(rows, lengths[committed].tolist())]
+            sums[picked, column] = entries(np.array(crcs, np.uint64), picked, column, self.tagged)
         if self.storage.fsync:  # other processes see the page cache; msync only for power loss (~2 ms)
             sums.flush()
 
@@ -254,23 +298,61 @@ class EpisodeChecksums:
         """After rows of ``episodes`` were rewritten in place: recompute the committed ones."""
         episodes = np.unique(np.asarray(episodes, dtype=np.int64).reshape(-1))
         lengths = np.asarray(lengths)[episodes]
-        if (lengths > 0).any():
-            self.seal(episodes[lengths > 0], lengths[lengths > 0], [name])
+        self.seal(episodes, lengths, [name])
 
     def expected(self, name: str, episodes: np.ndarray, read: np.ndarray, lengths: np.ndarray) -> list[int]:
-        """Per episode: its stored crc32c plus 1 << 32 where ``read[i]`` steps from step 0 hold
-        the whole committed episode (``lengths`` as published now), else 0 (nothing to check)."""
+        """Per episode: its stored entry (the crc32c in the low 32 bits) where ``read[i]`` steps
+        from step 0 hold the whole committed episode (``lengths`` as published now), else 0
+        (nothing to check). An entry to check that fails its own check is ChecksumEntryError."""
         if name not in self.columns:
             return [0] * len(episodes)
-        stored = self.sums[np.asarray(episodes, dtype=np.int64), self.columns[name]]
-        whole = (np.asarray(lengths) > 0) & (np.asarray(lengths) <= np.asarray(read))
+        episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
+        column = self.columns[name]
+        sums = self.sums
+        stored = np.array(sums[episodes, column])  # one read of each entry, checked and used
+        lengths = np.asarray(lengths)
+        whole = (lengths > 0) & (lengths <= np.asarray(read))
+        if self._passed is None:
+            self._passed = np.zeros(sums.shape, np.uint64)  # 0 is no entry: never passed
+        new = np.flatnonzero(whole & ((stored != self._passed[episodes, column]) | (stored == 0)))
+        if len(new):
+            picked, values = episodes[new], stored[new]
+            bad = values != entries(values & _CRC_BITS, picked, column, self.tagged)
+            if bad.any():
+                k = int(new[np.argmax(bad)])
+                self._fail_entry(name, int(episodes[k]), int(lengths[k]), int(stored[k]))
+            self._passed[picked, column] = values
         return np.where(whole, stored, 0).tolist()
+
+    def _fail_entry(self, name: str, episode: int, length: int, stored: int) -> None:
+        """Raise ChecksumEntryError for the damaged entry ``stored`` of committed ``episode``,
+        saying whether the data still matches the crc32c (or, tagged, the tag) it holds."""
+        column = self.columns[name]
+        try:
+            row = self.storage.unchecked_rows(name, np.array([episode]), 0, length)[0]
+            crc = np.array([crc32c(np.ascontiguousarray(row))], np.uint64)
+        except (OSError, ValueError, CorruptChunkError):  # unreadable data (hdf5): not verified
+            verified = False
+        else:
+            entry = int(entries(crc, np.array([episode]), column, self.tagged)[0])
+            verified = int(crc[0]) == stored & 0xFFFFFFFF or (self.tagged and entry >> 33 == stored >> 33)
+        raise ChecksumEntryError(
+            f"data/{name}: slot {episode}: its checksum entry in {self.path} is damaged (it holds "
+            f"{stored:#018x}, which fails the entry's own check), so the episode cannot be checked; "
+            + ("its data still matches the crc32c the entry holds" if verified else "its data cannot be verified")
+            + ". `replaybuf verify --repair` re-seals the entry from the data",
+            field=f"data/{name}",
+            slot=episode,
+            steps=(0, length),
+            location=self.path,
+            data_verified=verified,
+        )
 
     def check_row(self, name: str, episode: int, row: np.ndarray, expected: int) -> None:
         """Raise CorruptChunkError when ``row`` (the committed steps of ``episode``, as read)
         differs from its checksum ``expected`` (from ``expected``; 0: nothing to check)."""
         if expected and crc32c(np.ascontiguousarray(row)) != expected & 0xFFFFFFFF:
-            self._fail(name, episode, len(row))
+            self._fail(name, episode, len(row), expected)
 
     def check(self, name: str, episodes: np.ndarray, rows: np.ndarray, read: int, lengths: np.ndarray) -> None:
         """``check_row`` for each of ``rows`` (read from step 0, ``read`` steps each)."""
@@ -308,7 +390,7 @@ class EpisodeChecksums:
             if lo < committed:
                 crc = crc32c(np.ascontiguousarray(block[: committed - lo]), crc)
         if crc != expected & 0xFFFFFFFF:
-            self._fail(name, episode, committed)
+            self._fail(name, episode, committed, expected)
         if copy is not None:
             copy.keep(episode, out[:committed], expected)
 
@@ -384,18 +466,48 @@ class EpisodeChecksums:
             self.copy_row(name, mapped, episode, t0, out[i], n, value)
         return out
 
-    def _fail(self, name: str, episode: int, steps: int) -> None:
+    def _fail(self, name: str, episode: int, steps: int, expected: int) -> None:
+        """Raise for committed ``episode`` failing its entry ``expected`` over ``steps`` steps:
+        EpisodeLengthError when its data matches the entry at another length (the length is
+        damaged, not the data), else CorruptChunkError naming the data file."""
+        matches = [n for n in self._lengths_matching(name, episode, expected) if n != steps]
+        if matches:
+            raise EpisodeLengthError(
+                f"meta/episode_lens: slot {episode} holds {steps} steps, but its data/{name} matches its "
+                f"checksum at {matches[0]} steps: the length is damaged, not the data "
+                f"({self.storage.data_file('episode_lens', meta=True)}). `replaybuf verify --repair` restores it",
+                field="meta/episode_lens",
+                slot=episode,
+                steps=(0, steps),
+                location=self.storage.data_file("episode_lens", meta=True),
+                matches=matches[0],
+            )
         raise CorruptChunkError.at(
             f"data/{name}", episode, (0, steps), self.storage.data_file(name), "episode fails its crc32c"
         )
 
+    def _lengths_matching(self, name: str, episode: int, expected: int) -> list[int]:
+        """The lengths at which ``episode``'s steps of field ``name``, as stored, match its
+        entry ``expected`` (one pass over the row: the error path only)."""
+        try:
+            row = self.storage.unchecked_rows(name, np.array([episode]), 0, self.storage.array(name).shape[1])[0]
+        except (OSError, ValueError, CorruptChunkError):  # unreadable data (hdf5): nothing matches
+            return []
+        crc, found = 0, []
+        for step in range(len(row)):
+            crc = crc32c(np.ascontiguousarray(row[step]), crc)
+            if crc == expected & 0xFFFFFFFF:
+                found.append(step + 1)
+        return found
+
     def release(self) -> None:
         self._sums = None
         self._copies = {}
+        self._passed = None
 
     def __getstate__(self) -> dict:
         # a spawned process checks and keeps its own copies
-        return {**self.__dict__, "_sums": None, "_copies": {}}
+        return {**self.__dict__, "_sums": None, "_copies": {}, "_passed": None}
 
 
 class CheckedCopy:

@@ -7,6 +7,7 @@ Layout of a folder (every array readable with ``numpy.load(path, mmap_mode='r')`
     <meta>.data.meta.npy           (max_episodes, *shape), incl. episode_lens and _generation
     replaybuf/state.json           the counters, replaced atomically (temp file + rename)
     replaybuf/checksums.npy        format 2: a crc32c per committed (field, episode), ``_local.py``
+                                   (format 3: each entry tagged so that it checks itself)
     replaybuf/steplog/             the step log of episodes in progress
 
 The file names are those of memmap-replay-buffer 0.2.x, whose folders this backend also opens
@@ -266,7 +267,7 @@ class MemmapStorage(LocalFolderStorage):
                 self.root,
                 list(schema.fields),
                 schema.max_episodes,
-                required=(config or {}).get("version", 0) >= 2,
+                (config or {}).get("version", 0),
             )
         )
         if adopting and read_only:
@@ -360,9 +361,9 @@ class MemmapStorage(LocalFolderStorage):
         # docstring inherited: the mapped file, not a copy
         return self._arrays["episode_lens", True].plain
 
-    def data_file(self, name: str) -> str:
+    def data_file(self, name: str, meta: bool = False) -> str:
         # docstring inherited: the field's file
-        return self.array(name).path
+        return self.array(name, meta).path
 
     def unchecked_rows(self, name: str, episodes: np.ndarray, t0: int, t1: int) -> np.ndarray:
         # docstring inherited

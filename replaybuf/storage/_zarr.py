@@ -54,6 +54,7 @@ from .base import (
     OPTIONAL_META,
     BufferDamagedError,
     BufferNotFoundError,
+    ChecksumEntryError,
     CompactionSummary,
     CorruptChunkError,
     Storage,
@@ -94,7 +95,7 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
-# zarr buffers are format 3 (packed small fields); the memmap and hdf5 backends stay at 2
+# zarr buffers are format 3 (packed small fields); memmap and hdf5 3 tag their checksum entries
 ZARR_FORMAT_VERSION = 3
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
@@ -576,6 +577,7 @@ class ZarrStorage(KVBlobs, Storage):
             if not len(picked):
                 return
             sums = self._read_sums(episodes[picked])[:, column]
+            self._check_entries(name, episodes[picked], committed, sums, out, picked)
             bad = [
                 k
                 for k, (i, n, expected) in enumerate(zip(picked.tolist(), committed.tolist(), sums.tolist()))
@@ -594,6 +596,33 @@ class ZarrStorage(KVBlobs, Storage):
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
         raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
+
+    def _check_entries(
+        self, name: str, slots: np.ndarray, committed: np.ndarray, sums: np.ndarray, out: np.ndarray, items: np.ndarray
+    ) -> None:
+        """Raise ChecksumEntryError for the first of ``sums`` (the entries of committed
+        ``slots`` of packed field ``name``, read into ``out[items]``) that is not ``1 << 32 |
+        crc``: a committed row always has one, so a cleared kept bit or a set high bit is a
+        damaged entry (which would otherwise turn the check off), not damaged data. Format 3's
+        entries carry no tag: a flipped crc bit reads as damaged data."""
+        bad = np.flatnonzero((np.asarray(sums, np.uint64) >> np.uint64(32)) != 1)
+        if not len(bad):
+            return
+        k = int(bad[0])
+        slot, n, entry = int(slots[k]), int(committed[k]), int(sums[k])
+        verified = crc32c(np.ascontiguousarray(out[items[k], :n])) == entry & 0xFFFFFFFF
+        where = self.kv.where(CHECKSUMS_KEY)
+        raise ChecksumEntryError(
+            f"data/{name}: slot {slot}: its checksum entry in {where} is damaged (it holds {entry:#018x}, "
+            "not 1 << 32 | crc32c), so the episode cannot be checked; "
+            + ("its data still matches the crc32c the entry holds" if verified else "its data cannot be verified")
+            + ". `replaybuf verify --repair` re-seals the entry from the data",
+            field=f"data/{name}",
+            slot=slot,
+            steps=(0, n),
+            location=where,
+            data_verified=verified,
+        )
 
     def _open_zarr_array(self, path: str):
         import zarr
@@ -671,10 +700,11 @@ class ZarrStorage(KVBlobs, Storage):
         self._check_writable()
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=True)
 
-    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
-        # docstring inherited: the rows of every packed field
-        if self._packed:
-            self._seal(episodes, lengths)
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
+        # docstring inherited: the rows of the packed fields among ``names``
+        packed = [name for name in self._packed if names is None or name in names]
+        if packed:
+            self._seal(episodes, lengths, packed)
 
     def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited: packed fields in place, one read and write per span of nearby rows

@@ -143,6 +143,31 @@ class CorruptChunkError(StorageError):
         )
 
 
+class ChecksumEntryError(CorruptChunkError):
+    """The stored checksum of an episode is damaged, not (as far as can be told) its data: an
+    entry of a memmap or hdf5 buffer's ``replaybuf/checksums.npy`` fails its own check, so the
+    episode cannot be checked against it. ``location`` names checksums.npy; ``data_verified``
+    says whether the episode's data still matches the crc32c the damaged entry holds (a flip in
+    the entry's other bits). ``replaybuf verify --repair`` re-seals the entry from the data
+    instead of dropping the episode."""
+
+    def __init__(self, message: str, *, data_verified: bool = False, **facts: Any):
+        super().__init__(message, **facts)
+        self.data_verified = data_verified
+
+
+class EpisodeLengthError(CorruptChunkError):
+    """A committed episode's stored length is damaged, not its data: the data fails its
+    checksum at the length ``meta/episode_lens`` holds and matches it at ``matches`` steps (0:
+    unknown; memmap, hdf5: the checksum entries do not depend on the length). ``location`` names the
+    lengths' file; ``replaybuf verify --repair`` restores the length instead of dropping the
+    episode."""
+
+    def __init__(self, message: str, *, matches: int = 0, **facts: Any):
+        super().__init__(message, **facts)
+        self.matches = matches
+
+
 class GenerationMismatchError(RuntimeError):
     """A read given ``generations`` by a storage that ``verifies_generations`` found slots
     holding other generations: a writer reused them since the caller planned the read.
@@ -701,11 +726,12 @@ class Storage(ABC):
         )
         self.update_rows(name, slots, 0, rows)
 
-    def reseal(self, episodes: np.ndarray, lengths: np.ndarray) -> None:
+    def reseal(self, episodes: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
         """Recompute the per-episode checksums of ``episodes`` committed at ``lengths`` from their
-        rows as stored: a writer killed in an in-place edit of them may have died between rows
-        and checksums (``Committer.finish_edits``). Backends without such checksums do nothing
-        (the default)."""
+        rows as stored, of the data fields ``names`` (None: all): a writer killed in an in-place
+        edit of them may have died between rows and checksums (``Committer.finish_edits``), or
+        ``verify --repair`` re-seals damaged checksum entries. Backends without such checksums
+        do nothing (the default)."""
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``, episodes in any

@@ -1,9 +1,10 @@
 """Writes a released format's fixture buffers (``zarr/``, ``memmap/``, ``hdf5/``) into its folder
 here, run once with the replaybuf that wrote that format: ``python tests/data/make_fixtures.py
-format-vN``. format-v1: main before the checksummed format; format-v2: crc32c on every zarr data
-chunk, replaybuf/checksums.npy for memmap and hdf5; format-v3 (zarr only: the other backends
-stayed at format 2): small fields packed, many episodes to a raw chunk, a crc32c per episode in
-replaybuf/checksums. Kept to show how the fixtures were made; the
+format-vN [BACKEND ...]``. format-v1: main before the checksummed format; format-v2: crc32c on
+every zarr data chunk, replaybuf/checksums.npy for memmap and hdf5; format-v3: zarr's small
+fields packed, many episodes to a raw chunk, a crc32c per episode in replaybuf/checksums (zarr
+written first), then memmap and hdf5 whose checksum entries carry a tag that checks them
+(written later, ``format-v3 memmap hdf5``). Kept to show how the fixtures were made; the
 tests only read them. Expected values come from ``expected_episode``."""
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def expected_episode(i: int) -> dict[str, np.ndarray]:
     )
 
 
-def main(folder: str) -> None:
+def main(folder: str, *backends: str) -> None:
     from replaybuf import ReplayBuffer
 
-    for backend in ("zarr",) if folder == "format-v3" else ("zarr", "memmap", "hdf5"):
+    for backend in backends or ("zarr", "memmap", "hdf5"):
         path = os.path.join(HERE, folder, backend)
         shutil.rmtree(path, ignore_errors=True)
         buffer = ReplayBuffer(path, 3, 6, FIELDS, META, circular=True, backend=backend)
@@ -46,4 +47,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))
