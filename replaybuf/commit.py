@@ -44,7 +44,8 @@ from .inputs import fill_value
 from .schema import Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
-from .storage.base import WRITING_KEY, Storage, StorageError
+from .storage import WRITING_KEY
+from .storage.base import Storage, StorageError
 
 LOG_NAME = "episode"
 # counters key: slots of committed length-0 episodes, which no published length shows
