@@ -31,6 +31,7 @@ pytest_plugins = ["tests._servers"]
 SPAWN = multiprocessing.get_context("spawn")
 SOAK_SECONDS = float(os.environ.get("REPLAYBUF_SOAK_SECONDS", "2"))
 MIN_ROUNDS = 2
+LAST_CALL_S = 30  # the longest a soak reads on for a path that has not checked an episode yet
 SLOTS = 4
 
 
@@ -210,7 +211,14 @@ def soak(
             assert writer.is_alive() and time.monotonic() < deadline, "the writer never committed"
             time.sleep(0.05)
         end = time.monotonic() + SOAK_SECONDS
-        while time.monotonic() < end or min(c[0] for c in counts.values()) < MIN_ROUNDS:
+        # on a loaded machine a path may keep meeting rewrites: it reads on (at most
+        # LAST_CALL_S more) until it has checked an episode, which the callers assert
+        last_call = end + LAST_CALL_S
+        while (
+            time.monotonic() < end
+            or min(c[0] for c in counts.values()) < MIN_ROUNDS
+            or (time.monotonic() < last_call and min(c[1] for c in counts.values()) == 0)
+        ):
             for name, path in PATHS.items():
                 try:
                     reader.refresh()
