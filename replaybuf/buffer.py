@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,7 @@ from .storage import (
     DEFAULT_HOT_BYTES,
     STATE_KEY,
     ArrayBase,
+    BufferLockedError,
     CachedStorage,
     CompactionSummary,
     Storage,
@@ -310,7 +312,8 @@ class ReplayBuffer(CommittedViews):
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             snapshots.warn_dropped(self.storage.location, held)
-            self._commit.recover()
+            # the step log of an open sharing the lease is a live writer's episode in progress
+            self._commit.recover(step_log=not self.storage.writer_shared)
             self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:
             # a refused open holds no file: an HDF5 file left open for writing stays locked
@@ -547,6 +550,39 @@ class ReplayBuffer(CommittedViews):
     def _check_writable(self, call: str) -> None:
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
+        self._take_turn(call)
+
+    def _take_turn(self, call: str) -> None:
+        """Make this object the one writing among the writable opens of this buffer in this
+        process (which share its lease): after another one wrote, this one reloads what it
+        committed (its pending counters written first), so neither overwrites the other's
+        episodes. Refused while the other has an episode in progress: both would write its slot,
+        and this object's open must not commit it early."""
+        lease = self.storage.held_lease
+        if lease is None or (lease.turn is not None and lease.turn() is self):
+            return
+        if lease.turn is not None:
+            previous = lease.turn()
+            if previous is not None and previous.storage.held_lease is lease:
+                group = previous._group
+                if group is not None and group.length > 0:
+                    raise BufferLockedError(
+                        f"cannot call `{call}` on {self.storage.location!r}: another writable ReplayBuffer of "
+                        f"it in this process has an episode in progress ({group.length} steps in slots "
+                        f"{group.slots.tolist()} not yet ended). End it (advance_episode(), or leave its "
+                        "one_episode block) or close() that object first; to read alongside it, open the "
+                        "buffer with read_only=True"
+                    )
+                previous._commit.flush_counters()
+                previous._commit.log_pending = []  # its group holds only meta: rebuilt on its turn
+            self.refresh()
+            group = self._group
+            if group is not None:  # only meta set: the group moves past the other's episodes
+                group.slots = self._next_slots(group.batch_size)
+                self._commit.discard_log()
+                if self.flush_every_store_step > 0:
+                    self._commit.log_header(group)
+        lease.turn = weakref.ref(self)
 
     def _check_names(self, names: Iterable[str], allowed: set[str], what: str, call: str) -> None:
         unknown = sorted(set(names) - allowed)

@@ -332,14 +332,16 @@ class Committer:
 
     # ---- recovery at a writable open ---------------------------------------------------------
 
-    def recover(self) -> None:
+    def recover(self, step_log: bool = True) -> None:
         """Repair what a writer killed at any point of a commit left: the counters are made to
-        agree with the published bookkeeping, then the episodes of its step log are committed."""
+        agree with the published bookkeeping, then the episodes of its step log are committed
+        (not with ``step_log=False``: the log is a live writer's episode in progress)."""
         writing = self.state.get("writing", ())
         self.reconcile_state()
         self.finish_edits()
         self.dirty_slots.update(int(s) for s in writing if self.meta["episode_lens"][s] == 0)
-        self.recover_step_log()
+        if step_log:
+            self.recover_step_log()
 
     def reconcile_state(self) -> None:
         """Make the counters agree with the published lengths and generations, the truth after

@@ -185,6 +185,47 @@ def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location
     assert not _held(location)
 
 
+def _uids(location: str) -> list[int]:
+    with ReplayBuffer.from_folder(location, read_only=True) as reader:
+        return reader.meta_data["uid"][reader.valid_episodes()].tolist()
+
+
+def test_a_second_open_in_one_process_leaves_an_episode_in_progress_to_its_writer(location, backend):
+    first = _open(location, **_kwargs(backend))
+    _store(first, 7)
+    with first.one_episode(uid=8):  # an episode in progress, stored step by step
+        first.store(x=np.full(4, 8, np.float32))
+        first.flush()  # its step log is on disk: a killed writer's would be recovered from it
+        second = ReplayBuffer.from_folder(location)
+        assert len(second) == 1 and _uids(location) == [7], "the open committed another object's episode"
+        with pytest.raises(BufferLockedError, match="episode in progress") as refused:
+            _store(second, 9)
+        assert repr(location) in str(refused.value) and "read_only=True" in str(refused.value)
+        assert _uids(location) == [7], "a refused write leaves the buffer as it was"
+        first.store(x=np.full(4, 8, np.float32))
+    assert _uids(location) == [7, 8]
+    _store(second, 9)  # the episode ended: the second object writes after it
+    _store(first, 10)  # and the first after the second's
+    assert _uids(location) == [7, 8, 9, 10]
+    with ReplayBuffer.from_folder(location, read_only=True) as reader:
+        assert reader.episode_lens[reader.valid_episodes()].tolist() == [3, 2, 3, 3]
+    first.close()
+    second.close()
+
+
+def test_writers_in_one_process_never_overwrite_each_others_episodes(location, backend):
+    first = _open(location, **_kwargs(backend))
+    _store(first, 1)
+    second = ReplayBuffer.from_folder(location)
+    _store(first, 2)
+    with second.one_episode(uid=3):  # its meta-only group moves past the first's episodes too
+        _store(first, 4)
+        second.store(x=np.full(4, 3, np.float32))
+    assert _uids(location) == [1, 2, 4, 3]
+    first.close()
+    second.close()
+
+
 def test_overwrite_in_the_same_process_replaces_the_buffer_and_stops_the_old_writer(location, backend):
     # a notebook cell that creates the buffer, run again: the new buffer wins, the old object
     # (still referenced until the assignment) can no longer write into it
