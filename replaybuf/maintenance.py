@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -270,6 +271,60 @@ def convert(
     }
 
 
+# inside an upgrade's copy (``.<name>.upgrading-<pid>``) until it is swapped in: which buffer it
+# copies, from which process; ``replaybuf/`` holds what a buffer owns, so ``convert`` keeps it
+UPGRADE_MARKER = "replaybuf/upgrading.json"
+
+
+def _upgrade_record(folder: str) -> dict:
+    """Who is upgrading ``folder``: the record of an upgrade's marker."""
+    return {"of": folder, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user
+        return True
+    return True
+
+
+def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
+    """The copies upgrades of ``folder`` left beside it (``.<name>.upgrading-<pid>``): those
+    provably of a dead upgrade (the name, a marker inside naming ``folder``, this host, a pid no
+    process has), and the others (a running upgrade's, or not provably an upgrade's)."""
+    parent, name = os.path.split(folder)
+    dead: list[str] = []
+    others: list[str] = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.upgrading-*"))):
+        pid = path.rsplit("-", 1)[1]
+        try:
+            with open(os.path.join(path, *UPGRADE_MARKER.split("/"))) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = None
+        ours = (
+            not os.path.islink(path)
+            and os.path.isdir(path)
+            and isinstance(record, dict)
+            and pid.isdigit()
+            and record == {**_upgrade_record(folder), "pid": int(pid)}
+        )
+        (dead if ours and not _pid_alive(int(pid)) else others).append(path)
+    return dead, others
+
+
+def _remove_dead_upgrades(folder: str) -> list[str]:
+    """Delete the copies of killed upgrades of ``folder`` (``upgrade_leftovers``: the process
+    named in each one's marker is gone) and return them."""
+    dead = upgrade_leftovers(folder)[0]
+    for path in dead:
+        shutil.rmtree(path)
+    return dead
+
+
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
     """Rewrite the local buffer at ``path``, written in an earlier on-disk format, in the newest
     format its backend writes (checksums, packed small fields, a buffer uuid), in place.
@@ -285,8 +340,11 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
 
     ``keep_backup``: keep the original folder as ``.<name>.format<N>-<pid>`` next to it (it is
     deleted otherwise). A kill between the two renames leaves both folders next to ``path``
-    under those names: rename the backup back to retry. Returns what it did: location,
-    backend, ``upgraded``, the format versions, episodes copied and the backup's path.
+    under those names: rename the backup back to retry. A kill during the copy leaves the
+    copy as ``.<name>.upgrading-<pid>`` (with a marker naming the buffer and process inside):
+    the next upgrade deletes such copies once their process is gone, never another folder.
+    Returns what it did: location, backend, ``upgraded``, the format versions, episodes
+    copied, the backup's path and the killed upgrades' copies it removed.
     """
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
@@ -313,7 +371,8 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
             f"`replaybuf convert {text} DST` copies it into a replaybuf buffer"
         )
     if version >= newest:
-        return {**facts, "to_version": version, "upgraded": False, "episodes": 0, "backup": None}
+        removed = _remove_dead_upgrades(folder)
+        return {**facts, "to_version": version, "upgraded": False, "episodes": 0, "backup": None, "removed": removed}
     owner = make_storage(folder, backend)
     holder = owner.writer_lease().holder()  # any writer, in this process too: its buffer would go
     if holder is not None:
@@ -323,23 +382,42 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     owner.acquire_writer()  # none starts meanwhile
     staging = os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
     backup = os.path.join(parent, f".{name}.format{version}-{os.getpid()}")
+    made = False  # the copy's folder is this upgrade's: only then is it deleted on failure
     try:
         owner.check_creatable()  # ForeignEntriesError: the user's files would stay in the backup
+        if os.path.lexists(staging):
+            raise FileExistsError(
+                f"upgrade: {staging!r}, where this upgrade copies {folder!r}, already exists; it is left as "
+                "it is: remove it if no upgrade is running"
+            )
+        removed = _remove_dead_upgrades(folder)
+        marker = os.path.join(staging, *UPGRADE_MARKER.split("/"))
+        os.makedirs(os.path.dirname(marker))
+        made = True
+        with open(marker, "w") as f:
+            json.dump(_upgrade_record(folder), f)
         copied = convert(folder, staging, backend=backend, progress=progress)
         problems = verify(staging, progress=False)
         if problems:
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
+        os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
         os.rename(folder, backup)
         os.rename(staging, folder)
     except BaseException:
-        if os.path.isdir(staging) and os.path.isdir(folder):
+        if made and os.path.isdir(staging) and os.path.isdir(folder):
             shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
         owner.release_writer()  # its lock file moved with the original folder
     if not keep_backup:
         shutil.rmtree(backup)
-    return {**facts, "upgraded": True, "episodes": copied["episodes"], "backup": backup if keep_backup else None}
+    return {
+        **facts,
+        "upgraded": True,
+        "episodes": copied["episodes"],
+        "backup": backup if keep_backup else None,
+        "removed": removed,
+    }
 
 
 def _check_copy(
@@ -394,6 +472,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             data_total += data_bytes
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
+    dead, others = upgrade_leftovers(os.path.realpath(storage.location)) if storage.is_local else ([], [])
     storage.close()
     return {
         "location": storage.location,
@@ -414,6 +493,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "hot_episodes": len(hot),
         "hot_bytes": sum(hot.values()),
         "attrs": attrs,
+        "killed_upgrades": dead,
+        "other_upgrade_copies": others,
     }
 
 
@@ -455,6 +536,15 @@ def format_info(facts: dict) -> str:
             else []
         ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
+        *(
+            f"leftover   {path}: the copy of a killed upgrade; the next `replaybuf upgrade` removes it"
+            for path in facts.get("killed_upgrades", ())
+        ),
+        *(
+            f"leftover   {path}: an upgrade's copy, of a running upgrade or not provably one's; "
+            "remove it by hand if no upgrade is running"
+            for path in facts.get("other_upgrade_copies", ())
+        ),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
         f"{'stored':>10}",
@@ -784,13 +874,17 @@ def _add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_upgrade(args: argparse.Namespace) -> int:
     done = upgrade(args.path, keep_backup=args.keep_backup, progress=False if args.quiet else None)
+    removed = f"; removed the copies of killed upgrades: {', '.join(done['removed'])}" if done["removed"] else ""
     if not done["upgraded"]:
-        print(f"{args.path}: already in format {done['from_version']}, the newest of the {done['backend']} backend")
+        print(
+            f"{args.path}: already in format {done['from_version']}, the newest of the {done['backend']} backend"
+            + removed
+        )
         return 0
     kept = f"; the original is kept at {done['backup']}" if done["backup"] else ""
     print(
         f"{args.path}: upgraded from format {done['from_version']} to {done['to_version']} "
-        f"({done['episodes']} episodes copied and verified){kept}"
+        f"({done['episodes']} episodes copied and verified){kept}{removed}"
     )
     return 0
 
