@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from .storage.base import (
     STATE_KEY,
     BufferDamagedError,
     CorruptChunkError,
+    GenerationMismatchError,
     Storage,
     backend_class,
     bookkeeping_fields,
@@ -69,7 +71,11 @@ def _lens(storage: Storage) -> np.ndarray:
 def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarray, dict]:
     """The lengths and counters of an opened buffer, checked as an open checks them
     (BufferDamagedError naming what is wrong): what ``info`` reports and ``convert`` copies."""
-    lens, generations = _lens(storage), storage.read_meta("_generation")
+    for _ in range(_BOOKKEEPING_READS):  # a live writer commits between the two reads: again
+        lens, generations = _lens(storage), storage.read_meta("_generation")
+        if not _midway(lens, generations) and np.array_equal(_lens(storage), lens):
+            break
+        time.sleep(0.01)
     check_bookkeeping(lens, generations, schema, storage.location)
     state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
     check_lost_lengths(storage, lens, generations, state)
@@ -217,7 +223,7 @@ def convert(
 
     Returns a summary: destination, backend, episodes and timesteps copied, snapshots carried.
     """
-    from .progress import check_progress, progress_bar
+    from .progress import check_progress
 
     check_progress(progress)
     _check_apart(src, storage_options, dst, dst_storage_options)
@@ -231,25 +237,17 @@ def convert(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
         )
     lens, state = _checked_lens_and_state(source, schema)
-    slots = np.flatnonzero(lens > 0)
     # slots and generations are kept, so snapshots stay true as they are; a damaged one is
     # refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     target.acquire_writer(erase=True)
     target.create(target_schema, overwrite=True)
-    time_chunks = {n: target.time_chunk(n) for n in schema.fields}
-    with progress_bar(progress, total=len(slots), unit="episode", desc=f"convert -> {backend}") as bar:
-        for slab in _slabs(slots, lens[slots], schema):
-            longest = int(lens[slab].max())
-            for name in schema.fields:
-                chunk = time_chunks[name]
-                stop = min(-(-longest // chunk) * chunk, schema.max_timesteps)
-                target.write_rows(name, slab, 0, source.read_rows(name, slab, 0, stop))
-            bar.update(len(slab))
+    plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
+    slots = np.flatnonzero(lens > 0)
     meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
     every_slot = np.arange(schema.max_episodes)
-    for name in [*meta_names, "episode_lens"]:
-        target.write_meta(name, every_slot, source.read_meta(name))
+    for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
+        target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
     attrs = source.read_blob(ATTRS_KEY)
     if attrs is not None:
         target.write_blob(ATTRS_KEY, attrs)
@@ -259,7 +257,7 @@ def convert(
     target.flush()
     target.close()
     target.release_writer()
-    copied = _check_copy(source, dst, backend, dst_storage_options, lens, state)
+    copied = _check_copy(dst, backend, dst_storage_options, lens, plan["_generation"], state)
     source.close()
     return {
         "destination": target.location,
@@ -269,6 +267,71 @@ def convert(
         "snapshots": sorted(held),
         **copied,
     }
+
+
+# rounds of copying the episodes a live writer replaced meanwhile before ``convert`` gives up
+CONVERT_ROUNDS = 4
+
+
+def _copy_episodes(
+    source: Storage, target: Storage, schema: Schema, lens: np.ndarray, state: dict, progress: bool | None
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
+    """Copy the rows of every committed episode of ``source`` into ``target``, publishing none.
+
+    A writer may commit to the source meanwhile: once the rows are copied, the source's
+    bookkeeping is read again, and the episodes replaced or edited since their rows were read
+    (or committed since) are copied again, until a read finds every committed episode copied as
+    it stands. Returns that read (every per-episode array), its lengths and its counters
+    (caught up with it), which the copy publishes; raises before anything is published when
+    the writer outruns ``CONVERT_ROUNDS`` rounds."""
+    from .progress import progress_bar
+
+    time_chunks = {n: target.time_chunk(n) for n in schema.fields}
+    copied: dict[int, tuple[int, ...]] = {}  # slot -> its bookkeeping when its rows were read
+    widths = np.zeros(schema.max_episodes, np.int64)  # rows of each slot written in target so far
+    plan: dict[str, np.ndarray] = {}
+    with progress_bar(
+        progress, total=int((lens > 0).sum()), unit="episode", desc=f"convert -> {target.backend_name}"
+    ) as bar:
+        for _ in range(CONVERT_ROUNDS):
+            if plan:
+                state = check_state(source.load_state(), schema, source.describe_key(STATE_KEY))
+            plan, found = _read_bookkeeping(source, schema)
+            if found:
+                raise BufferDamagedError(f"convert: {source.location!r}: " + "; ".join(found))
+            lens = plan["episode_lens"].astype(np.int64)
+            check_bookkeeping(lens, plan["_generation"], schema, source.location)
+            keys = {int(s): _slot_key(plan, int(s)) for s in np.flatnonzero(lens > 0)}
+            todo = np.array([s for s, key in keys.items() if copied.get(s) != key], np.int64)
+            if not len(todo):  # every committed episode of this read is copied as it stands
+                break
+            for slab in _slabs(todo, lens[todo], schema):
+                # rows a longer episode left in a slot copied before are overwritten too
+                longest = int(np.maximum(lens[slab], widths[slab]).max())
+                widths[slab] = np.maximum(widths[slab], longest)
+                try:
+                    for name in schema.fields:
+                        chunk = time_chunks[name]
+                        stop = min(-(-longest // chunk) * chunk, schema.max_timesteps)
+                        target.write_rows(name, slab, 0, source.read_rows(name, slab, 0, stop))
+                except (CorruptChunkError, GenerationMismatchError):
+                    if not _changed_slots(source, plan) & set(slab.tolist()):
+                        raise  # damage, not a writer replacing the episodes: refused
+                    continue  # read while a writer replaced some: copied again next round
+                copied.update((int(s), keys[int(s)]) for s in slab)
+                bar.update(len(slab))
+        else:
+            raise RuntimeError(
+                f"convert: a writer replaced episodes of {source.location!r} faster than they could be copied "
+                f"({CONVERT_ROUNDS} rounds); nothing was published in {target.location!r}: stop the writer "
+                "(or copy when it commits less often) and run convert again with overwrite=True"
+            )
+    return plan, lens, catch_up(state, lens, plan["_generation"], schema.max_episodes)
+
+
+def _slot_key(meta: dict[str, np.ndarray], slot: int) -> tuple[int, ...]:
+    """A slot's bookkeeping (``_SLOT_KEYS``): it changes whenever a writer replaces or edits it."""
+    return tuple(int(meta[name][slot]) for name in _SLOT_KEYS if name in meta)
 
 
 # inside an upgrade's copy (``.<name>.upgrading-<pid>``) until it is swapped in: which buffer it
@@ -421,15 +484,16 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
 
 
 def _check_copy(
-    source: Storage, dst: str | os.PathLike, backend: str, options: dict | None, lens: np.ndarray, state: dict
+    dst: str | os.PathLike, backend: str, options: dict | None, lens: np.ndarray, generations: np.ndarray, state: dict
 ) -> dict:
-    """Reopen the destination and compare counters, lengths and order with the source."""
+    """Reopen the destination and compare counters, lengths and order with those of the source
+    it copied."""
     copy = make_storage(dst, backend, options)
     copy.open(read_only=True)
     problems = []
     if not np.array_equal(_lens(copy), lens):
         problems.append("episode lengths differ")
-    if not np.array_equal(copy.read_meta("_generation"), source.read_meta("_generation")):
+    if not np.array_equal(copy.read_meta("_generation"), generations):
         problems.append("episode order (_generation) differs")
     copied_state = copy.load_state()
     if {k: copied_state.get(k) for k in state} != state:
@@ -596,17 +660,8 @@ def verify(
         f"{link}: a symbolic link inside the buffer (a writable open refuses it; replace it by a copy)"
         for link in storage.links()
     ]
-    meta = {}
-    for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
-        try:
-            values = storage.read_meta(name)
-        except (OSError, KeyError, ValueError) as e:
-            problems.append(f"meta/{name}: missing or unreadable ({e})")
-            continue
-        if values.shape != (schema.max_episodes, *field.shape):
-            problems.append(f"meta/{name}: shape {values.shape}, expected {(schema.max_episodes, *field.shape)}")
-            continue
-        meta[name] = values
+    meta, found = _read_bookkeeping(storage, schema)
+    problems += found
     for name, field in schema.fields.items():
         try:  # an empty read: the array's step shape and dtype, no data
             steps = storage.read_rows(name, np.zeros(1, np.int64), 0, 0)
@@ -634,11 +689,15 @@ def verify(
     except BufferDamagedError as e:
         problems.append(str(e))
     bad = [f for f in schema.fields if any(p.startswith(f"data/{f}:") for p in problems)]
-    found, damaged = _check_episodes(storage, schema, lens, skip=bad, progress=progress)
-    problems += found
+    damage, damaged = _check_episodes(storage, schema, lens, skip=bad, progress=progress)
     unharmed = np.where(np.isin(np.arange(len(lens)), damaged), 0, lens)
-    found, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
-    problems += found
+    beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
+    # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
+    # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
+    changed = _changed_slots(storage, meta)
+    problems += [message for slot, message in damage + beyond if slot not in changed]
+    damaged = [slot for slot in damaged if slot not in changed]
+    stray = {n: kept for n, slots in stray.items() if (kept := [s for s in slots if s not in changed])}
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
@@ -649,6 +708,14 @@ def verify(
         from .buffer import ReplayBuffer
 
         with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
+            # what was checked is repaired only as it was: a slot a writer replaced since is not
+            moved = _changed_slots(buffer.storage, meta)
+            if moved:
+                problems.append(
+                    f"not repaired: slots {sorted(moved)} changed since they were checked; run verify again"
+                )
+            damaged = [slot for slot in damaged if slot not in moved]
+            stray = {n: kept for n, slots in stray.items() if (kept := [s for s in slots if s not in moved])}
             if damaged:
                 dropped = buffer.drop_episodes(damaged)
                 problems.append(
@@ -659,6 +726,58 @@ def verify(
                 slots = sorted({slot for slots in stray.values() for slot in slots})
                 problems.append(f"repaired: set the steps beyond the lengths of slots {slots} to their defaults")
     return problems
+
+
+# the bookkeeping a slot is checked under: a writer that replaces or edits it changes one
+_SLOT_KEYS = ("episode_lens", "_generation", "_revision")
+# reads of a buffer's bookkeeping retried while a live writer changes it in between
+_BOOKKEEPING_READS = 20
+
+
+def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every per-episode array that reads with its configured shape, and the problems of the
+    others. A live writer commits between the reads of two arrays: they are read again until
+    the slots' bookkeeping (``_SLOT_KEYS``) stays the same across the reads, so a length is
+    never paired with another episode's generation, nor caught between a commit's two writes
+    (a state a killed writer leaves is reported after the last read)."""
+    for _ in range(_BOOKKEEPING_READS):
+        meta, problems = {}, []
+        for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
+            try:
+                values = storage.read_meta(name)
+            except (OSError, KeyError, ValueError) as e:
+                problems.append(f"meta/{name}: missing or unreadable ({e})")
+                continue
+            if values.shape != (schema.max_episodes, *field.shape):
+                problems.append(f"meta/{name}: shape {values.shape}, expected {(schema.max_episodes, *field.shape)}")
+                continue
+            meta[name] = values
+        lens, generations = meta.get("episode_lens"), meta.get("_generation")
+        midway = lens is not None and generations is not None and _midway(lens, generations)
+        if not midway and not _changed_slots(storage, meta):
+            break
+        time.sleep(0.01)
+    return meta, problems
+
+
+def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:
+    """Whether a slot has a length without a generation or the reverse: read between a
+    commit's two bookkeeping writes (a live writer's, or a killed one's)."""
+    return bool(((lens == 0) != (generations == 0)).any())
+
+
+def _changed_slots(storage: Storage, meta: dict[str, np.ndarray]) -> set[int]:
+    """Slots whose bookkeeping (``_SLOT_KEYS``) in storage differs from ``meta`` now."""
+    changed: set[int] = set()
+    for name in _SLOT_KEYS:
+        if name in meta:
+            try:
+                now = storage.read_meta(name)
+            except (OSError, KeyError, ValueError):
+                continue
+            if now.shape == meta[name].shape:
+                changed.update(np.flatnonzero(now != meta[name]).tolist())
+    return changed
 
 
 def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
@@ -675,13 +794,13 @@ def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
 
 def _check_episodes(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
-) -> tuple[list[str], list]:
+) -> tuple[list[tuple[int | None, str]], list]:
     """Read every committed episode whole, field by field; a slab that fails is read again slot
-    by slot so each damaged episode is reported. Returns (problems, damaged slots)."""
+    by slot so each damaged episode is reported. Returns ((slot, problem)s, damaged slots)."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
-    found: dict[str, list[str]] = {n: [] for n in names}
+    found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
     damaged: set[int] = set()
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
@@ -697,12 +816,15 @@ def _check_episodes(
                     try:
                         _read_episodes(storage, name, field, np.array([slot]), lens[[slot]])
                     except CorruptChunkError as e:
-                        found[name].append(str(e))
+                        found[name].append((slot, str(e)))
                         damaged.add(slot)
                     except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
                         found[name].append(
-                            f"data/{name}: slot {slot} (length {int(lens[slot])}) is unreadable "
-                            f"({type(e).__name__}: {e})"
+                            (
+                                slot,
+                                f"data/{name}: slot {slot} (length {int(lens[slot])}) is unreadable "
+                                f"({type(e).__name__}: {e})",
+                            )
                         )
                         damaged.add(slot)
             bar.update(len(slab))
@@ -760,9 +882,9 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
 
 def _check_beyond_length(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None
-) -> tuple[list[str], dict[str, list[int]]]:
+) -> tuple[list[tuple[int | None, str]], dict[str, list[int]]]:
     """Committed slots whose timesteps past their length hold values other than 0 or the
-    default: (problems, field -> those slots)."""
+    default: ((slot or None for a slab, problem)s, field -> those slots)."""
     from .progress import progress_bar
 
     slots = np.flatnonzero(lens > 0)
@@ -770,7 +892,7 @@ def _check_beyond_length(
     if not len(short):
         return [], {}
     names = [n for n in schema.fields if n not in skip]
-    found: dict[str, list[str]] = {n: [] for n in names}
+    found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
     stray: dict[str, list[int]] = {}
     with progress_bar(progress, total=len(short), unit="episode", desc="verify") as bar:
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
@@ -779,7 +901,9 @@ def _check_beyond_length(
                 try:
                     rows = storage.read_rows(name, slab, start, schema.max_timesteps)
                 except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
-                    found[name].append(f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
+                    found[name].append(
+                        (None, f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
+                    )
                     continue
                 rows = rows.reshape(*rows.shape[:2], -1)
                 odd = ((rows != 0) & (rows != schema.fields[name].fill)).any(axis=2)
@@ -787,8 +911,11 @@ def _check_beyond_length(
                 for row in np.flatnonzero(odd.any(axis=1)):
                     steps = start + np.flatnonzero(odd[row])
                     found[name].append(
-                        f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
-                        f"beyond its length at timesteps {_ranges(steps)}"
+                        (
+                            int(slab[row]),
+                            f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
+                            f"beyond its length at timesteps {_ranges(steps)}",
+                        )
                     )
                     stray.setdefault(name, []).append(int(slab[row]))
             bar.update(len(slab))
