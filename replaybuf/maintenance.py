@@ -296,14 +296,14 @@ def _copy_episodes(
         for _ in range(CONVERT_ROUNDS):
             if plan:
                 state = check_state(source.load_state(), schema, source.describe_key(STATE_KEY))
-            plan, found = _read_bookkeeping(source, schema)
+            plan, found, flux = _read_bookkeeping(source, schema)
             if found:
                 raise BufferDamagedError(f"convert: {source.location!r}: " + "; ".join(found))
             lens = plan["episode_lens"].astype(np.int64)
             check_bookkeeping(lens, plan["_generation"], schema, source.location)
             keys = {int(s): _slot_key(plan, int(s)) for s in np.flatnonzero(lens > 0)}
             todo = np.array([s for s, key in keys.items() if copied.get(s) != key], np.int64)
-            if not len(todo):  # every committed episode of this read is copied as it stands
+            if not len(todo) and not flux:  # every committed episode of this read is copied as it stands
                 break
             for slab in _slabs(todo, lens[todo], schema):
                 # rows a longer episode left in a slot copied before are overwritten too
@@ -646,7 +646,10 @@ def verify(
     left, and no symbolic link is inside the folder. Changes nothing unless ``repair``: then
     the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the rest stays
     usable, steps past an episode's length that hold data are reset to the field's default
-    (through ``update``), and a last line says what was done. ``progress``: tqdm bars over the episodes read, as in
+    (through ``update``), and a last line says what was done; a buffer a writer holds is
+    refused at once (BufferLockedError naming it), and slots a writer changed between the check
+    and the repair are left as they are. Beside a live writer, a slot it replaces while it is
+    checked is not reported. ``progress``: tqdm bars over the episodes read, as in
     ``convert``.
     """
     from .progress import check_progress
@@ -656,11 +659,19 @@ def verify(
         storage, schema = _open_read_only(path, storage_options)
     except (OSError, ValueError, KeyError) as e:
         return [f"cannot open the buffer: {e}"]
+    holder = _live_writer(storage) if repair else None
+    if holder is not None:  # checked first: its repair would be refused after the whole check
+        storage.close()
+        raise BufferLockedError(
+            f"verify --repair: {storage.location!r} is being written by {describe_holder(holder)}; close that "
+            "writer first (verify without --repair checks the buffer beside it)",
+            holder,
+        )
     problems = [
         f"{link}: a symbolic link inside the buffer (a writable open refuses it; replace it by a copy)"
         for link in storage.links()
     ]
-    meta, found = _read_bookkeeping(storage, schema)
+    meta, found, _ = _read_bookkeeping(storage, schema)
     problems += found
     for name, field in schema.fields.items():
         try:  # an empty read: the array's step shape and dtype, no data
@@ -734,12 +745,15 @@ _SLOT_KEYS = ("episode_lens", "_generation", "_revision")
 _BOOKKEEPING_READS = 20
 
 
-def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Every per-episode array that reads with its configured shape, and the problems of the
-    others. A live writer commits between the reads of two arrays: they are read again until
-    the slots' bookkeeping (``_SLOT_KEYS``) stays the same across the reads, so a length is
-    never paired with another episode's generation, nor caught between a commit's two writes
-    (a state a killed writer leaves is reported after the last read)."""
+def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.ndarray], list[str], set[int]]:
+    """Every per-episode array that reads with its configured shape, the problems of the
+    others, and the slots a live writer changed while they were read.
+
+    A writer commits between the reads of two arrays: they are read again until the slots'
+    bookkeeping (``_SLOT_KEYS``) stays the same across two reads and no slot is caught between a
+    commit's two writes (a state a killed writer leaves stays: it is returned as read). Slots
+    still changing after ``_BOOKKEEPING_READS`` reads are returned as empty (length and
+    generation 0): their episode is being replaced, and is no damage."""
     for _ in range(_BOOKKEEPING_READS):
         meta, problems = {}, []
         for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
@@ -752,12 +766,26 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
                 problems.append(f"meta/{name}: shape {values.shape}, expected {(schema.max_episodes, *field.shape)}")
                 continue
             meta[name] = values
+        flux = _changed_slots(storage, meta)
         lens, generations = meta.get("episode_lens"), meta.get("_generation")
-        midway = lens is not None and generations is not None and _midway(lens, generations)
-        if not midway and not _changed_slots(storage, meta):
+        if not flux and not (lens is not None and generations is not None and _midway(lens, generations)):
             break
         time.sleep(0.01)
-    return meta, problems
+    slots = sorted(flux)
+    for name in ("episode_lens", "_generation"):
+        if name in meta and slots:
+            meta[name] = meta[name].copy()
+            meta[name][slots] = 0
+    return meta, problems, flux
+
+
+def _live_writer(storage: Storage) -> dict | None:
+    """The record of the writer holding the buffer's lease, None when none does (an object-store
+    lease past its expiry is a stopped writer's)."""
+    holder = storage.writer_lease().holder()
+    if holder is not None and "expires" in holder and not float(holder["expires"]) > time.time():
+        return None
+    return holder
 
 
 def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:

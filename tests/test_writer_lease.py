@@ -409,3 +409,57 @@ def test_breaking_an_object_store_lease_stops_the_old_writer(s3_location, monkey
         _kill(new.pid)
     with ReplayBuffer.from_folder(url, storage_options=options) as reader:
         assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 0]
+
+
+# ---- maintenance beside a live writer in another process ---------------------------------------------
+
+
+def _check_copy_is_whole(location: str) -> int:
+    """Every episode of the buffer at ``location`` is one the churn child stored, whole."""
+    with ReplayBuffer.from_folder(location, read_only=True) as copy:
+        slots = copy.valid_episodes()
+        uids = copy.meta_data["uid"][slots]
+        lens = copy.episode_lens[slots]
+        np.testing.assert_array_equal(lens, 1 + uids % copy.max_timesteps)
+        for slot, uid, length in zip(slots, uids, lens):
+            np.testing.assert_array_equal(copy.storage.read_rows("x", np.array([slot]), 0, 12)[0, length:], 0)
+            np.testing.assert_array_equal(copy.storage.read_rows("x", np.array([slot]), 0, int(length)), uid)
+        return len(slots)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_maintenance_beside_a_live_writer_process_is_refused_or_safe(backend, tmp_path):
+    from replaybuf.maintenance import convert, unlock, upgrade, verify
+
+    location = str(tmp_path / "buffer")
+    kwargs = {"max_episodes": 6, "max_timesteps": 12, "circular": True, **_kwargs(backend)}
+    writer = _child("churn", location, kwargs)
+    try:
+        _ready(writer)
+        with pytest.raises(BufferLockedError, match=f"pid {writer.pid} on host") as refused:
+            verify(location, repair=True)
+        assert "close that writer first" in str(refused.value)
+        with pytest.raises(BufferLockedError, match=f"pid {writer.pid} on host"):
+            unlock(location)
+        assert upgrade(location)["upgraded"] is False  # the newest format: nothing to swap
+        copies, deadline = 0, time.monotonic() + 1.0
+        for attempt in range(1000):
+            if time.monotonic() > deadline and copies:
+                break
+            assert verify(location, progress=False) == [], "a slot the writer replaced was reported"
+            destination = str(tmp_path / f"copy-{attempt}")
+            try:
+                convert(location, destination, backend=backend, progress=False)
+            except RuntimeError as error:  # the writer outran the copy: nothing published
+                assert "faster than they could be copied" in str(error)
+                assert ReplayBuffer.from_folder(destination, read_only=True).num_episodes == 0
+                continue
+            assert _check_copy_is_whole(destination) > 0
+            copies += 1
+        assert copies, "no copy of the live buffer succeeded"
+    finally:
+        writer.stdin.close()
+        stored = int(writer.stdout.readline())
+        writer.wait()
+    assert stored > 6 and verify(location) == []  # circular: slots were replaced during the checks
+    assert _check_copy_is_whole(location) == 6
