@@ -463,3 +463,35 @@ def test_maintenance_beside_a_live_writer_process_is_refused_or_safe(backend, tm
         writer.wait()
     assert stored > 6 and verify(location) == []  # circular: slots were replaced during the checks
     assert _check_copy_is_whole(location) == 6
+
+
+def _two_objects_then_killed(location: str) -> None:
+    """Child: an object closed with its episode unended, then another object sharing the lease
+    is killed during its own episode."""
+    first = _open(location)
+    second = ReplayBuffer.from_folder(location)
+    with pytest.raises(RuntimeError):
+        with first.one_episode(uid=1):
+            first.store(x=np.full(4, 1, np.float32))
+            first.flush()
+            raise RuntimeError("the episode is abandoned")
+    first.store(x=np.full(4, 1, np.float32))  # an episode left unended: its step log stays
+    first.close()
+    second.store(x=np.full(4, 2, np.float32))
+    second.store(x=np.full(4, 2, np.float32))
+    second.flush()
+    os._exit(0)  # killed: nothing more is written
+
+
+def test_recovery_commits_only_the_last_episode_of_a_step_log_two_objects_wrote(tmp_path):
+    import multiprocessing
+
+    location = str(tmp_path / "buffer")
+    child = multiprocessing.get_context("fork").Process(target=_two_objects_then_killed, args=(location,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    with ReplayBuffer.from_folder(location) as recovered:  # commits the killed writer's episode
+        slots = recovered.valid_episodes()
+        assert recovered.episode_lens[slots].tolist() == [2]
+        np.testing.assert_array_equal(recovered.storage.read_rows("x", slots, 0, 2), 2)
