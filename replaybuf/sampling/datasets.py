@@ -170,9 +170,11 @@ class _SnapshotDataset(Dataset):
         last: dict[str, Any] = {}
 
         def read(items: np.ndarray) -> None:
-            last["items"] = items
-            last["columns"], last["lens"] = self._read(positions[items])
+            # ``last`` holds the last read that succeeded: a read that raises (a slot being
+            # rewritten) is retried or dropped, and must not leave its items without columns
+            columns, lens = self._read(positions[items])
             self._check_meta_rows(self._slots_of(positions[items]))
+            last.update(items=items, columns=columns, lens=lens)
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             stale = np.zeros(len(positions), dtype=bool)
