@@ -313,8 +313,13 @@ class ReplayBuffer(CommittedViews):
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             snapshots.warn_dropped(self.storage.location, held)
             # the step log of an open sharing the lease is a live writer's episode in progress
-            self._commit.recover(step_log=not self.storage.writer_shared)
-            self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
+            # (an erasing open's is its own new buffer: the opens before it may not write)
+            shared = self.storage.writer_shared and not overwrite
+            self._commit.recover(step_log=not shared)
+            if not shared:
+                # an open sharing the lease writes every episode compressed: a second tier's
+                # compactor would not see the other object's writes (``_take_turn``)
+                self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:
             # a refused open holds no file: an HDF5 file left open for writing stays locked
             # against every other process (and marked open) while the exception lives
@@ -398,6 +403,8 @@ class ReplayBuffer(CommittedViews):
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since."""
+        if not self.read_only:  # the counters of this writer's last episodes may still wait
+            self._commit.flush_counters()
         state = self.storage.load_state()
         self.storage.drop_caches()
         names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields)
@@ -555,9 +562,9 @@ class ReplayBuffer(CommittedViews):
     def _take_turn(self, call: str) -> None:
         """Make this object the one writing among the writable opens of this buffer in this
         process (which share its lease): after another one wrote, this one reloads what it
-        committed (its pending counters written first), so neither overwrites the other's
-        episodes. Refused while the other has an episode in progress: both would write its slot,
-        and this object's open must not commit it early."""
+        committed (its pending counters written and its hot episodes compacted first), so
+        neither overwrites the other's episodes. Refused while the other has an episode in
+        progress: both would write its slot, and this object's open must not commit it early."""
         lease = self.storage.held_lease
         if lease is None or (lease.turn is not None and lease.turn() is self):
             return
@@ -573,6 +580,9 @@ class ReplayBuffer(CommittedViews):
                         "one_episode block) or close() that object first; to read alongside it, open the "
                         "buffer with read_only=True"
                     )
+                # its compactor sees only its own writes: nothing of it stays hot to be
+                # compacted over a shard this object writes
+                previous.storage.compact()
                 previous._commit.flush_counters()
                 previous._commit.log_pending = []  # its group holds only meta: rebuilt on its turn
             self.refresh()
