@@ -236,6 +236,9 @@ class ReplayBuffer(CommittedViews):
     A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
     it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
     an ``overwrite=True`` open in this one) gets ``BufferLockedError`` (``storage/lease.py``).
+    Writable opens within this process share the lease and take turns (``_take_turn``): none
+    commits or overwrites another's episodes, and a write while another object has an episode
+    in progress is refused.
     ``break_lock=True`` takes an object-store lease from a writer that stopped without closing,
     without waiting for it to expire.
 
