@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,7 @@ from .storage import (
     DEFAULT_HOT_BYTES,
     STATE_KEY,
     ArrayBase,
+    BufferLockedError,
     CachedStorage,
     CompactionSummary,
     Storage,
@@ -234,6 +237,9 @@ class ReplayBuffer(CommittedViews):
     A buffer takes one writer at a time: a writable open takes the buffer's writer lease before
     it erases or writes anything, and ``close()`` gives it back; a writer in another process (or
     an ``overwrite=True`` open in this one) gets ``BufferLockedError`` (``storage/lease.py``).
+    Writable opens within this process share the lease and take turns (``_take_turn``): none
+    commits or overwrites another's episodes, and a write while another object has an episode
+    in progress is refused.
     ``break_lock=True`` takes an object-store lease from a writer that stopped without closing,
     without waiting for it to expire.
 
@@ -310,8 +316,16 @@ class ReplayBuffer(CommittedViews):
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             snapshots.warn_dropped(self.storage.location, held)
-            self._commit.recover()
-            self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
+            # the step log of an open sharing the lease is a live writer's episode in progress
+            # (an erasing open's is its own new buffer: the opens before it may not write)
+            if self.storage.writer_shared and not overwrite:
+                gc.collect()  # an object the user dropped (``del``) but a reference cycle keeps
+            shared = self.storage.writer_shared and not overwrite
+            self._commit.recover(step_log=not shared)
+            if not shared:
+                # an open sharing the lease writes every episode compressed: a second tier's
+                # compactor would not see the other object's writes (``_take_turn``)
+                self.storage.start_hot_tier(int(hot_bytes), self._meta["_generation"])
         except BaseException:
             # a refused open holds no file: an HDF5 file left open for writing stays locked
             # against every other process (and marked open) while the exception lives
@@ -395,6 +409,8 @@ class ReplayBuffer(CommittedViews):
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since."""
+        if not self.read_only:  # the counters of this writer's last episodes may still wait
+            self._commit.flush_counters()
         state = self.storage.load_state()
         self.storage.drop_caches()
         names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields)
@@ -547,6 +563,46 @@ class ReplayBuffer(CommittedViews):
     def _check_writable(self, call: str) -> None:
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
+        self._take_turn(call)
+
+    def _take_turn(self, call: str) -> None:
+        """Make this object the one writing among the writable opens of this buffer in this
+        process (which share its lease): after another one wrote, this one reloads what it
+        committed (its pending counters written and its hot episodes compacted first), so
+        neither overwrites the other's episodes. Refused while the other has an episode in
+        progress: both would write its slot, and this object's open must not commit it early."""
+        lease = self.storage.held_lease
+        if lease is None or (lease.turn is not None and lease.turn() is self):
+            return
+        if lease.turn is not None:
+            previous = lease.turn()
+            if previous is not None:
+                del previous
+                gc.collect()  # an object the user dropped (``del``) but a reference cycle keeps
+                previous = lease.turn()
+            if previous is not None and previous.storage.held_lease is lease:
+                group = previous._group
+                if group is not None and group.length > 0:
+                    raise BufferLockedError(
+                        f"cannot call `{call}` on {self.storage.location!r}: another writable ReplayBuffer of "
+                        f"it in this process has an episode in progress ({group.length} steps in slots "
+                        f"{group.slots.tolist()} not yet ended). End it (advance_episode(), or leave its "
+                        "one_episode block) or close() that object first; to read alongside it, open the "
+                        "buffer with read_only=True"
+                    )
+                # its compactor sees only its own writes: nothing of it stays hot to be
+                # compacted over a shard this object writes
+                previous.storage.compact()
+                previous._commit.flush_counters()
+                previous._commit.log_pending = []  # its group holds only meta: rebuilt on its turn
+            self.refresh()
+            group = self._group
+            if group is not None:  # only meta set: the group moves past the other's episodes
+                group.slots = self._next_slots(group.batch_size)
+                self._commit.discard_log()
+                if self.flush_every_store_step > 0:
+                    self._commit.log_header(group)
+        lease.turn = weakref.ref(self)
 
     def _check_names(self, names: Iterable[str], allowed: set[str], what: str, call: str) -> None:
         unknown = sorted(set(names) - allowed)

@@ -346,9 +346,10 @@ class Committer:
 
     # ---- recovery at a writable open ---------------------------------------------------------
 
-    def recover(self) -> None:
+    def recover(self, step_log: bool = True) -> None:
         """Repair what a writer killed at any point of a commit left: the counters are made to
-        agree with the published bookkeeping, then the episodes of its step log are committed."""
+        agree with the published bookkeeping, then the episodes of its step log are committed
+        (not with ``step_log=False``: the log is a live writer's episode in progress)."""
         writing = self.storage.writing_slots()
         if writing is None:  # a record torn by a kill: any empty slot may hold its rows
             warnings.warn(
@@ -363,7 +364,8 @@ class Committer:
         self.dirty_slots.update(
             int(s) for s in writing if 0 <= int(s) < self.max_episodes and self.meta["episode_lens"][int(s)] == 0
         )
-        self.recover_step_log()
+        if step_log:
+            self.recover_step_log()
 
     def reconcile_state(self) -> None:
         """Make the counters agree with the published lengths and generations, the truth after

@@ -15,7 +15,9 @@ import glob
 import json
 import os
 import shutil
+import socket
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ from .storage.base import (
     ChecksumEntryError,
     CorruptChunkError,
     EpisodeLengthError,
+    GenerationMismatchError,
     Storage,
     backend_class,
     bookkeeping_fields,
@@ -70,7 +73,11 @@ def _lens(storage: Storage) -> np.ndarray:
 def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarray, dict]:
     """The lengths and counters of an opened buffer, checked as an open checks them
     (BufferDamagedError naming what is wrong): what ``info`` reports and ``convert`` copies."""
-    lens, generations = _lens(storage), storage.read_meta("_generation")
+    for _ in range(_BOOKKEEPING_READS):  # a live writer commits between the two reads: again
+        lens, generations = _lens(storage), storage.read_meta("_generation")
+        if not _midway(lens, generations) and np.array_equal(_lens(storage), lens):
+            break
+        time.sleep(0.01)
     check_bookkeeping(lens, generations, schema, storage.location)
     state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
     check_lost_lengths(storage, lens, generations, state)
@@ -218,7 +225,7 @@ def convert(
 
     Returns a summary: destination, backend, episodes and timesteps copied, snapshots carried.
     """
-    from .progress import check_progress, progress_bar
+    from .progress import check_progress
 
     check_progress(progress)
     _check_apart(src, storage_options, dst, dst_storage_options)
@@ -232,25 +239,17 @@ def convert(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
         )
     lens, state = _checked_lens_and_state(source, schema)
-    slots = np.flatnonzero(lens > 0)
     # slots and generations are kept, so snapshots stay true as they are; a damaged one is
     # refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     target.acquire_writer(erase=True)
     target.create(target_schema, overwrite=True)
-    time_chunks = {n: target.time_chunk(n) for n in schema.fields}
-    with progress_bar(progress, total=len(slots), unit="episode", desc=f"convert -> {backend}") as bar:
-        for slab in _slabs(slots, lens[slots], schema):
-            longest = int(lens[slab].max())
-            for name in schema.fields:
-                chunk = time_chunks[name]
-                stop = min(-(-longest // chunk) * chunk, schema.max_timesteps)
-                target.write_rows(name, slab, 0, source.read_rows(name, slab, 0, stop))
-            bar.update(len(slab))
+    plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
+    slots = np.flatnonzero(lens > 0)
     meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
     every_slot = np.arange(schema.max_episodes)
-    for name in [*meta_names, "episode_lens"]:
-        target.write_meta(name, every_slot, source.read_meta(name))
+    for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
+        target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
     attrs = source.read_blob(ATTRS_KEY)
     if attrs is not None:
         target.write_blob(ATTRS_KEY, attrs)
@@ -260,7 +259,7 @@ def convert(
     target.flush()
     target.close()
     target.release_writer()
-    copied = _check_copy(source, dst, backend, dst_storage_options, lens, state)
+    copied = _check_copy(dst, backend, dst_storage_options, lens, plan["_generation"], state)
     source.close()
     return {
         "destination": target.location,
@@ -270,6 +269,125 @@ def convert(
         "snapshots": sorted(held),
         **copied,
     }
+
+
+# rounds of copying the episodes a live writer replaced meanwhile before ``convert`` gives up
+CONVERT_ROUNDS = 4
+
+
+def _copy_episodes(
+    source: Storage, target: Storage, schema: Schema, lens: np.ndarray, state: dict, progress: bool | None
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
+    """Copy the rows of every committed episode of ``source`` into ``target``, publishing none.
+
+    A writer may commit to the source meanwhile: once the rows are copied, the source's
+    bookkeeping is read again, and the episodes replaced or edited since their rows were read
+    (or committed since) are copied again, until a read finds every committed episode copied as
+    it stands. Returns that read (every per-episode array), its lengths and its counters
+    (caught up with it), which the copy publishes; raises before anything is published when
+    the writer outruns ``CONVERT_ROUNDS`` rounds."""
+    from .progress import progress_bar
+
+    time_chunks = {n: target.time_chunk(n) for n in schema.fields}
+    copied: dict[int, tuple[int, ...]] = {}  # slot -> its bookkeeping when its rows were read
+    widths = np.zeros(schema.max_episodes, np.int64)  # rows of each slot written in target so far
+    plan: dict[str, np.ndarray] = {}
+    with progress_bar(
+        progress, total=int((lens > 0).sum()), unit="episode", desc=f"convert -> {target.backend_name}"
+    ) as bar:
+        for _ in range(CONVERT_ROUNDS):
+            if plan:
+                state = check_state(source.load_state(), schema, source.describe_key(STATE_KEY))
+            plan, found, flux = _read_bookkeeping(source, schema)
+            if found:
+                raise BufferDamagedError(f"convert: {source.location!r}: " + "; ".join(found))
+            lens = plan["episode_lens"].astype(np.int64)
+            check_bookkeeping(lens, plan["_generation"], schema, source.location)
+            keys = {int(s): _slot_key(plan, int(s)) for s in np.flatnonzero(lens > 0)}
+            todo = np.array([s for s, key in keys.items() if copied.get(s) != key], np.int64)
+            if not len(todo) and not flux:  # every committed episode of this read is copied as it stands
+                break
+            for slab in _slabs(todo, lens[todo], schema):
+                # rows a longer episode left in a slot copied before are overwritten too
+                longest = int(np.maximum(lens[slab], widths[slab]).max())
+                widths[slab] = np.maximum(widths[slab], longest)
+                try:
+                    for name in schema.fields:
+                        chunk = time_chunks[name]
+                        stop = min(-(-longest // chunk) * chunk, schema.max_timesteps)
+                        target.write_rows(name, slab, 0, source.read_rows(name, slab, 0, stop))
+                except (CorruptChunkError, GenerationMismatchError):
+                    if not _changed_slots(source, plan) & set(slab.tolist()):
+                        raise  # damage, not a writer replacing the episodes: refused
+                    continue  # read while a writer replaced some: copied again next round
+                copied.update((int(s), keys[int(s)]) for s in slab)
+                bar.update(len(slab))
+        else:
+            raise RuntimeError(
+                f"convert: a writer replaced episodes of {source.location!r} faster than they could be copied "
+                f"({CONVERT_ROUNDS} rounds); nothing was published in {target.location!r}: stop the writer "
+                "(or copy when it commits less often) and run convert again with overwrite=True"
+            )
+    return plan, lens, catch_up(state, lens, plan["_generation"], schema.max_episodes)
+
+
+def _slot_key(meta: dict[str, np.ndarray], slot: int) -> tuple[int, ...]:
+    """A slot's bookkeeping (``_SLOT_KEYS``): it changes whenever a writer replaces or edits it."""
+    return tuple(int(meta[name][slot]) for name in _SLOT_KEYS if name in meta)
+
+
+# inside an upgrade's copy (``.<name>.upgrading-<pid>``) until it is swapped in: which buffer it
+# copies, from which process; ``replaybuf/`` holds what a buffer owns, so ``convert`` keeps it
+UPGRADE_MARKER = "replaybuf/upgrading.json"
+
+
+def _upgrade_record(folder: str) -> dict:
+    """Who is upgrading ``folder``: the record of an upgrade's marker."""
+    return {"of": folder, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user
+        return True
+    return True
+
+
+def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
+    """The copies upgrades of ``folder`` left beside it (``.<name>.upgrading-<pid>``): those
+    provably of a dead upgrade (the name, a marker inside naming ``folder``, this host, a pid no
+    process has), and the others (a running upgrade's, or not provably an upgrade's)."""
+    parent, name = os.path.split(folder)
+    dead: list[str] = []
+    others: list[str] = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.upgrading-*"))):
+        pid = path.rsplit("-", 1)[1]
+        try:
+            with open(os.path.join(path, *UPGRADE_MARKER.split("/"))) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = None
+        ours = (
+            not os.path.islink(path)
+            and os.path.isdir(path)
+            and isinstance(record, dict)
+            and pid.isdigit()
+            and record == {**_upgrade_record(folder), "pid": int(pid)}
+        )
+        (dead if ours and not _pid_alive(int(pid)) else others).append(path)
+    return dead, others
+
+
+def _remove_dead_upgrades(folder: str) -> list[str]:
+    """Delete the copies of killed upgrades of ``folder`` (``upgrade_leftovers``: the process
+    named in each one's marker is gone) and return them."""
+    dead = upgrade_leftovers(folder)[0]
+    for path in dead:
+        shutil.rmtree(path)
+    return dead
 
 
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
@@ -287,8 +405,11 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
 
     ``keep_backup``: keep the original folder as ``.<name>.format<N>-<pid>`` next to it (it is
     deleted otherwise). A kill between the two renames leaves both folders next to ``path``
-    under those names: rename the backup back to retry. Returns what it did: location,
-    backend, ``upgraded``, the format versions, episodes copied and the backup's path.
+    under those names: rename the backup back to retry. A kill during the copy leaves the
+    copy as ``.<name>.upgrading-<pid>`` (with a marker naming the buffer and process inside):
+    the next upgrade deletes such copies once their process is gone, never another folder.
+    Returns what it did: location, backend, ``upgraded``, the format versions, episodes
+    copied, the backup's path and the killed upgrades' copies it removed.
     """
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
@@ -315,7 +436,8 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
             f"`replaybuf convert {text} DST` copies it into a replaybuf buffer"
         )
     if version >= newest:
-        return {**facts, "to_version": version, "upgraded": False, "episodes": 0, "backup": None}
+        removed = _remove_dead_upgrades(folder)
+        return {**facts, "to_version": version, "upgraded": False, "episodes": 0, "backup": None, "removed": removed}
     owner = make_storage(folder, backend)
     holder = owner.writer_lease().holder()  # any writer, in this process too: its buffer would go
     if holder is not None:
@@ -325,35 +447,55 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     owner.acquire_writer()  # none starts meanwhile
     staging = os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
     backup = os.path.join(parent, f".{name}.format{version}-{os.getpid()}")
+    made = False  # the copy's folder is this upgrade's: only then is it deleted on failure
     try:
         owner.check_creatable()  # ForeignEntriesError: the user's files would stay in the backup
+        if os.path.lexists(staging):
+            raise FileExistsError(
+                f"upgrade: {staging!r}, where this upgrade copies {folder!r}, already exists; it is left as "
+                "it is: remove it if no upgrade is running"
+            )
+        removed = _remove_dead_upgrades(folder)
+        marker = os.path.join(staging, *UPGRADE_MARKER.split("/"))
+        os.makedirs(os.path.dirname(marker))
+        made = True
+        with open(marker, "w") as f:
+            json.dump(_upgrade_record(folder), f)
         copied = convert(folder, staging, backend=backend, progress=progress)
         problems = verify(staging, progress=False)
         if problems:
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
+        os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
         os.rename(folder, backup)
         os.rename(staging, folder)
     except BaseException:
-        if os.path.isdir(staging) and os.path.isdir(folder):
+        if made and os.path.isdir(staging) and os.path.isdir(folder):
             shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
         owner.release_writer()  # its lock file moved with the original folder
     if not keep_backup:
         shutil.rmtree(backup)
-    return {**facts, "upgraded": True, "episodes": copied["episodes"], "backup": backup if keep_backup else None}
+    return {
+        **facts,
+        "upgraded": True,
+        "episodes": copied["episodes"],
+        "backup": backup if keep_backup else None,
+        "removed": removed,
+    }
 
 
 def _check_copy(
-    source: Storage, dst: str | os.PathLike, backend: str, options: dict | None, lens: np.ndarray, state: dict
+    dst: str | os.PathLike, backend: str, options: dict | None, lens: np.ndarray, generations: np.ndarray, state: dict
 ) -> dict:
-    """Reopen the destination and compare counters, lengths and order with the source."""
+    """Reopen the destination and compare counters, lengths and order with those of the source
+    it copied."""
     copy = make_storage(dst, backend, options)
     copy.open(read_only=True)
     problems = []
     if not np.array_equal(_lens(copy), lens):
         problems.append("episode lengths differ")
-    if not np.array_equal(copy.read_meta("_generation"), source.read_meta("_generation")):
+    if not np.array_equal(copy.read_meta("_generation"), generations):
         problems.append("episode order (_generation) differs")
     copied_state = copy.load_state()
     if {k: copied_state.get(k) for k in state} != state:
@@ -396,6 +538,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             data_total += data_bytes
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
+    dead, others = upgrade_leftovers(os.path.realpath(storage.location)) if storage.is_local else ([], [])
     storage.close()
     return {
         "location": storage.location,
@@ -416,6 +559,8 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "hot_episodes": len(hot),
         "hot_bytes": sum(hot.values()),
         "attrs": attrs,
+        "killed_upgrades": dead,
+        "other_upgrade_copies": others,
     }
 
 
@@ -457,6 +602,15 @@ def format_info(facts: dict) -> str:
             else []
         ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
+        *(
+            f"leftover   {path}: the copy of a killed upgrade; the next `replaybuf upgrade` removes it"
+            for path in facts.get("killed_upgrades", ())
+        ),
+        *(
+            f"leftover   {path}: an upgrade's copy, of a running upgrade or not provably one's; "
+            "remove it by hand if no upgrade is running"
+            for path in facts.get("other_upgrade_copies", ())
+        ),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
         f"{'stored':>10}",
@@ -494,13 +648,16 @@ def verify(
     left, and no symbolic link is inside the folder. On memmap and hdf5, a damaged checksum
     entry (``ChecksumEntryError``) or a damaged length (``EpisodeLengthError``: the data
     matches its checksum at another length) is reported as such, not as damaged data; a slot
-    whose length is outside ``[0, max_timesteps]`` is reported and not read. Changes nothing
-    unless ``repair``: then the damaged episodes are dropped (``ReplayBuffer.drop_episodes``)
-    so the rest stays usable, damaged checksum entries of the others are re-sealed from their
-    data as stored (each line says whether that data could be verified), damaged lengths are
-    restored to the length every field's data matches, steps past an episode's length that
-    hold data are reset to the field's default (through ``update``), and a last line says
-    what was done. ``progress``: tqdm bars over the episodes read, as in ``convert``.
+    whose length is outside ``[0, max_timesteps]`` is reported and not read. Beside a live
+    writer, a slot it replaces while it is checked is not reported. Changes nothing unless
+    ``repair``: then the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the
+    rest stays usable, damaged checksum entries of the others are re-sealed from their data as
+    stored (each line says whether that data could be verified), damaged lengths are restored
+    to the length every field's data matches, steps past an episode's length that hold data
+    are reset to the field's default (through ``update``), and a last line says what was done;
+    a buffer a writer holds is refused at once (BufferLockedError naming it), and slots a
+    writer changed between the check and the repair are left as they are. ``progress``: tqdm
+    bars over the episodes read, as in ``convert``.
     """
     from .progress import check_progress
 
@@ -509,21 +666,20 @@ def verify(
         storage, schema = _open_read_only(path, storage_options)
     except (OSError, ValueError, KeyError) as e:
         return [f"cannot open the buffer: {e}"]
+    holder = _live_writer(storage) if repair else None
+    if holder is not None:  # checked first: its repair would be refused after the whole check
+        storage.close()
+        raise BufferLockedError(
+            f"verify --repair: {storage.location!r} is being written by {describe_holder(holder)}; close that "
+            "writer first (verify without --repair checks the buffer beside it)",
+            holder,
+        )
     problems = [
         f"{link}: a symbolic link inside the buffer (a writable open refuses it; replace it by a copy)"
         for link in storage.links()
     ]
-    meta = {}
-    for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
-        try:
-            values = storage.read_meta(name)
-        except (OSError, KeyError, ValueError) as e:
-            problems.append(f"meta/{name}: missing or unreadable ({e})")
-            continue
-        if values.shape != (schema.max_episodes, *field.shape):
-            problems.append(f"meta/{name}: shape {values.shape}, expected {(schema.max_episodes, *field.shape)}")
-            continue
-        meta[name] = values
+    meta, found, _ = _read_bookkeeping(storage, schema)
+    problems += found
     for name, field in schema.fields.items():
         try:  # an empty read: the array's step shape and dtype, no data
             steps = storage.read_rows(name, np.zeros(1, np.int64), 0, 0)
@@ -554,11 +710,19 @@ def verify(
     # a slot whose length is outside [0, max_timesteps] (reported above) is not read: the
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
-    found, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
-    problems += found
+    damage, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
     unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore]), 0, readable)
-    found, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
-    problems += found
+    beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
+    # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
+    # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
+    changed = _changed_slots(storage, meta)
+    problems += [message for slot, message in damage + beyond if slot not in changed]
+    damaged = [slot for slot in damaged if slot not in changed]
+    stray = {n: kept for n, slots in stray.items() if (kept := [s for s in slots if s not in changed])}
+    entries = {
+        n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in changed})
+    }
+    restore = {slot: length for slot, length in restore.items() if slot not in changed}
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
@@ -569,6 +733,18 @@ def verify(
         from .buffer import ReplayBuffer
 
         with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
+            # what was checked is repaired only as it was: a slot a writer replaced since is not
+            moved = _changed_slots(buffer.storage, meta)
+            if moved:
+                problems.append(
+                    f"not repaired: slots {sorted(moved)} changed since they were checked; run verify again"
+                )
+            damaged = [slot for slot in damaged if slot not in moved]
+            stray = {n: kept for n, slots in stray.items() if (kept := [s for s in slots if s not in moved])}
+            entries = {
+                n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in moved})
+            }
+            restore = {slot: length for slot, length in restore.items() if slot not in moved}
             if damaged:
                 dropped = buffer.drop_episodes(damaged)
                 problems.append(
@@ -618,6 +794,75 @@ def _reseal_entries(buffer: Any, entries: dict[str, dict[int, bool]], dropped: l
     return lines
 
 
+# the bookkeeping a slot is checked under: a writer that replaces or edits it changes one
+_SLOT_KEYS = ("episode_lens", "_generation", "_revision")
+# reads of a buffer's bookkeeping retried while a live writer changes it in between
+_BOOKKEEPING_READS = 20
+
+
+def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.ndarray], list[str], set[int]]:
+    """Every per-episode array that reads with its configured shape, the problems of the
+    others, and the slots a live writer changed while they were read.
+
+    A writer commits between the reads of two arrays: they are read again until the slots'
+    bookkeeping (``_SLOT_KEYS``) stays the same across two reads and no slot is caught between a
+    commit's two writes (a state a killed writer leaves stays: it is returned as read). Slots
+    still changing after ``_BOOKKEEPING_READS`` reads are returned as empty (length and
+    generation 0): their episode is being replaced, and is no damage."""
+    for _ in range(_BOOKKEEPING_READS):
+        meta, problems = {}, []
+        for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
+            try:
+                values = storage.read_meta(name)
+            except (OSError, KeyError, ValueError) as e:
+                problems.append(f"meta/{name}: missing or unreadable ({e})")
+                continue
+            if values.shape != (schema.max_episodes, *field.shape):
+                problems.append(f"meta/{name}: shape {values.shape}, expected {(schema.max_episodes, *field.shape)}")
+                continue
+            meta[name] = values
+        flux = _changed_slots(storage, meta)
+        lens, generations = meta.get("episode_lens"), meta.get("_generation")
+        if not flux and not (lens is not None and generations is not None and _midway(lens, generations)):
+            break
+        time.sleep(0.01)
+    slots = sorted(flux)
+    for name in ("episode_lens", "_generation"):
+        if name in meta and slots:
+            meta[name] = meta[name].copy()
+            meta[name][slots] = 0
+    return meta, problems, flux
+
+
+def _live_writer(storage: Storage) -> dict | None:
+    """The record of the writer holding the buffer's lease, None when none does (an object-store
+    lease past its expiry is a stopped writer's)."""
+    holder = storage.writer_lease().holder()
+    if holder is not None and "expires" in holder and not float(holder["expires"]) > time.time():
+        return None
+    return holder
+
+
+def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:
+    """Whether a slot has a length without a generation or the reverse: read between a
+    commit's two bookkeeping writes (a live writer's, or a killed one's)."""
+    return bool(((lens == 0) != (generations == 0)).any())
+
+
+def _changed_slots(storage: Storage, meta: dict[str, np.ndarray]) -> set[int]:
+    """Slots whose bookkeeping (``_SLOT_KEYS``) in storage differs from ``meta`` now."""
+    changed: set[int] = set()
+    for name in _SLOT_KEYS:
+        if name in meta:
+            try:
+                now = storage.read_meta(name)
+            except (OSError, KeyError, ValueError):
+                continue
+            if now.shape == meta[name].shape:
+                changed.update(np.flatnonzero(now != meta[name]).tolist())
+    return changed
+
+
 def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
     """Rewrite the steps past each episode's length in ``stray`` (field -> slots) with the
     field's default, through ``update`` (an edit of committed episodes: their steps are written
@@ -632,15 +877,15 @@ def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
 
 def _check_episodes(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
-) -> tuple[list[str], list, dict[str, dict[int, bool]], dict[int, int]]:
+) -> tuple[list[tuple[int | None, str]], list, dict[str, dict[int, bool]], dict[int, int]]:
     """Read every committed episode whole, field by field; a slab that fails is read again slot
-    by slot so each damaged episode is reported. Returns (problems, damaged slots, damaged
-    checksum entries: field -> slot -> whether the data matches what the entry still held,
-    damaged lengths: slot -> the length at which every field's data matches its checksum)."""
+    by slot so each damaged episode is reported. Returns ((slot, problem)s, damaged slots,
+    damaged checksum entries: field -> slot -> whether the data matches what the entry still
+    held, damaged lengths: slot -> the length at which every field's data matches its checksum)."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
-    found: dict[str, list[str]] = {n: [] for n in names}
+    found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
     damaged: set[int] = set()
     entries: dict[str, dict[int, bool]] = {}
     matches: dict[int, set[int]] = {}
@@ -658,18 +903,21 @@ def _check_episodes(
                     try:
                         _read_episodes(storage, name, field, np.array([slot]), lens[[slot]])
                     except ChecksumEntryError as e:  # the data is not blamed: re-sealed on repair
-                        found[name].append(str(e))
+                        found[name].append((slot, str(e)))
                         entries.setdefault(name, {})[slot] = e.data_verified
                     except EpisodeLengthError as e:  # the length is blamed: restored on repair
-                        found[name].append(str(e))
+                        found[name].append((slot, str(e)))
                         matches.setdefault(slot, set()).add(e.matches)
                     except CorruptChunkError as e:
-                        found[name].append(str(e))
+                        found[name].append((slot, str(e)))
                         damaged.add(slot)
                     except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
                         found[name].append(
-                            f"data/{name}: slot {slot} (length {int(lens[slot])}) is unreadable "
-                            f"({type(e).__name__}: {e})"
+                            (
+                                slot,
+                                f"data/{name}: slot {slot} (length {int(lens[slot])}) is unreadable "
+                                f"({type(e).__name__}: {e})",
+                            )
                         )
                         damaged.add(slot)
             bar.update(len(slab))
@@ -730,9 +978,9 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
 
 def _check_beyond_length(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None
-) -> tuple[list[str], dict[str, list[int]]]:
+) -> tuple[list[tuple[int | None, str]], dict[str, list[int]]]:
     """Committed slots whose timesteps past their length hold values other than 0 or the
-    default: (problems, field -> those slots)."""
+    default: ((slot or None for a slab, problem)s, field -> those slots)."""
     from .progress import progress_bar
 
     slots = np.flatnonzero(lens > 0)
@@ -740,7 +988,7 @@ def _check_beyond_length(
     if not len(short):
         return [], {}
     names = [n for n in schema.fields if n not in skip]
-    found: dict[str, list[str]] = {n: [] for n in names}
+    found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
     stray: dict[str, list[int]] = {}
     with progress_bar(progress, total=len(short), unit="episode", desc="verify") as bar:
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
@@ -749,7 +997,9 @@ def _check_beyond_length(
                 try:
                     rows = storage.read_rows(name, slab, start, schema.max_timesteps)
                 except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
-                    found[name].append(f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
+                    found[name].append(
+                        (None, f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
+                    )
                     continue
                 rows = rows.reshape(*rows.shape[:2], -1)
                 odd = ((rows != 0) & (rows != schema.fields[name].fill)).any(axis=2)
@@ -757,8 +1007,11 @@ def _check_beyond_length(
                 for row in np.flatnonzero(odd.any(axis=1)):
                     steps = start + np.flatnonzero(odd[row])
                     found[name].append(
-                        f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
-                        f"beyond its length at timesteps {_ranges(steps)}"
+                        (
+                            int(slab[row]),
+                            f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
+                            f"beyond its length at timesteps {_ranges(steps)}",
+                        )
                     )
                     stray.setdefault(name, []).append(int(slab[row]))
             bar.update(len(slab))
@@ -844,13 +1097,17 @@ def _add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_upgrade(args: argparse.Namespace) -> int:
     done = upgrade(args.path, keep_backup=args.keep_backup, progress=False if args.quiet else None)
+    removed = f"; removed the copies of killed upgrades: {', '.join(done['removed'])}" if done["removed"] else ""
     if not done["upgraded"]:
-        print(f"{args.path}: already in format {done['from_version']}, the newest of the {done['backend']} backend")
+        print(
+            f"{args.path}: already in format {done['from_version']}, the newest of the {done['backend']} backend"
+            + removed
+        )
         return 0
     kept = f"; the original is kept at {done['backup']}" if done["backup"] else ""
     print(
         f"{args.path}: upgraded from format {done['from_version']} to {done['to_version']} "
-        f"({done['episodes']} episodes copied and verified){kept}"
+        f"({done['episodes']} episodes copied and verified){kept}{removed}"
     )
     return 0
 

@@ -229,8 +229,10 @@ class StepLog:
                         header = json.loads(payload)
                         if not isinstance(header, dict) or not isinstance(header.get("slots"), list):
                             raise ValueError("the header is not a JSON object with slots")
-                        log.header = header
-                        log.meta.update(self._meta_values(header.get("meta"), header))
+                        # a header starts a group: steps before it are another group's,
+                        # left by an open of this process that closed with its episode unended
+                        log.header, log.steps = header, []
+                        log.meta = self._meta_values(header.get("meta"), header)
                     elif log.header is None:
                         raise ValueError("the log does not start with a header")
                     elif kind == META:

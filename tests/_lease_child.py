@@ -9,6 +9,9 @@ Every mode reports on stdout, one line each, flushed:
 - ``store``: open for writing (creating if needed), print ``ready``, store episodes (meta
   ``uid`` = 0, 1, 2, ..., data ``x`` filled with the uid) until stdin closes or it is full (then
   wait for stdin to close: the lease is held until told), close, then print the stored uids as JSON.
+- ``churn``: open for writing (creating if needed; pass ``circular`` in kwargs), print ``ready``,
+  store episodes (uid ``i``: ``1 + i % max_timesteps`` steps of ``x`` filled with ``i``) until
+  stdin closes, close, then print the count stored.
 - ``try``: attempt a writable open (with ``overwrite`` if given) every 50 ms for ``seconds``; print JSON
   ``{"opened": n, "refused": n, "message": last error, "holder": its holder}``.
 """
@@ -69,6 +72,16 @@ def main(mode: str, args: dict) -> None:
             sys.stdin.read()
         buffer.close()
         print(json.dumps(uids), flush=True)
+    elif mode == "churn":
+        buffer = _open(args)
+        print("ready", flush=True)
+        count = 0
+        while not _stdin_closed():
+            length = 1 + count % buffer.max_timesteps
+            buffer.store_episode(x=np.full((length, 4), count, np.float32), uid=count)
+            count += 1
+        buffer.close()
+        print(count, flush=True)
     elif mode == "try":
         result = {"opened": 0, "refused": 0, "message": None, "holder": None}
         deadline = time.monotonic() + args["seconds"]

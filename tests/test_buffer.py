@@ -388,3 +388,17 @@ def test_arrays_given_to_store_episode_are_not_kept(tmp_path, backend):
     assert (data["frame"][0] == 7).all() and data["x"][0].tolist() == list(range(6))
     assert (data["frame"][1, :3] == 7).all() and (data["frame"][1, 3:] == 0).all()
     assert (data["frame"][2, :2] == 1).all() and data["x"][2, :2].tolist() == [-1, -1]
+
+
+def test_refresh_of_a_writer_keeps_its_last_episodes_counted(tmp_path):
+    # the counters of episodes stored in a burst are written a moment later: a refresh of the
+    # writer must not go back to the counters before them (its next episode would overwrite one)
+    writer = ReplayBuffer(tmp_path / "b", 10, 5, fields={"x": "float"}, meta_fields={"uid": "int"})
+    for uid in range(3):
+        writer.store_episode(x=np.ones(2), uid=uid)
+    writer.refresh()
+    assert writer.num_episodes == 3 and writer.episode_index == 3
+    writer.store_episode(x=np.ones(2), uid=3)
+    writer.close()
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [0, 1, 2, 3]

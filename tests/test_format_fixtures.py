@@ -228,7 +228,7 @@ def _upgrade_killed_before_the_swap(path: str) -> None:
     maintenance.upgrade(path, progress=False)
 
 
-def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_runs_again(tmp_path):
+def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_the_next_removes_its_copy(tmp_path, capsys):
     import multiprocessing
     import signal
 
@@ -240,8 +240,33 @@ def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_runs_again(tmp_path):
     assert child.exitcode == -signal.SIGKILL
     assert _stored_version(path, "hdf5") == 1  # the original, untouched, its lease gone with the child
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
-    assert upgrade(path, progress=False)["upgraded"]
+    left = tmp_path / f".hdf5.upgrading-{child.pid}"
+    assert sorted(os.listdir(tmp_path)) == [left.name, "hdf5"]
+    assert cli_main(["info", str(path)]) == 0
+    assert f"leftover   {left}: the copy of a killed upgrade" in capsys.readouterr().out
+    # look-alikes that are not provably a dead upgrade's copy of this buffer stay
+    alive = tmp_path / f".hdf5.upgrading-{os.getppid()}"  # a running process's
+    shutil.copytree(left, alive)
+    marker = alive / "replaybuf" / "upgrading.json"
+    marker.write_text(marker.read_text().replace(str(child.pid), str(os.getppid())))
+    mine = tmp_path / f".hdf5.upgrading-{os.getpid()}"  # where this upgrade would copy: refused
+    mine.mkdir()
+    with pytest.raises(FileExistsError, match="remove it if no upgrade is running"):
+        upgrade(path, progress=False)
+    assert os.listdir(mine) == [] and left.is_dir() and _stored_version(path, "hdf5") == 1
+    mine.rmdir()
+    unmarked = tmp_path / ".hdf5.upgrading-999999999"
+    unmarked.mkdir()
+    (unmarked / "mine.txt").write_text("not an upgrade's")
+    done = upgrade(path, progress=False)
+    assert done["upgraded"] and done["removed"] == [str(left)]
+    assert sorted(os.listdir(tmp_path)) == [alive.name, unmarked.name, "hdf5"]
+    assert (unmarked / "mine.txt").read_text() == "not an upgrade's"
     assert _stored_version(path, "hdf5") == 3 and verify(path) == []
+    assert not (path / "replaybuf" / "upgrading.json").exists()
+    assert cli_main(["info", str(path)]) == 0
+    said = capsys.readouterr().out
+    assert f"leftover   {alive}: an upgrade's copy" in said and f"leftover   {unmarked}: an upgrade's copy" in said
 
 
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])

@@ -418,3 +418,24 @@ def test_raw_payloads_decode_as_blosc_does(dtype):
     data[4:8] = (smooth.nbytes - 8).to_bytes(4, "little")  # a header that does not match its payload
     with pytest.raises(ChunkDamage):
         codec.decode_into(bytes(data), np.empty_like(smooth))
+
+
+def test_a_second_writer_object_in_the_process_leaves_nothing_hot_behind_the_first(tmp_path):
+    # each object's compactor sees only its own writes: the second writes compressed, and the
+    # first's hot episodes are compacted before the second writes
+    first = make(tmp_path)
+    episodes = {0: episode(0), 1: episode(1)}
+    for data in episodes.values():
+        first.store_episode(**data)
+    assert hot_slots(first) == [0, 1]
+    second = ReplayBuffer.from_folder(tmp_path / "buffer")
+    assert second.storage._hot is None
+    episodes[2] = episode(2)
+    second.store_episode(**episodes[2])
+    assert hot_slots(first) == [] and not is_hot(second, 2)
+    episodes[3] = episode(3)
+    first.store_episode(**episodes[3])  # its turn again: it reloads and writes after the second
+    check_reads(first.refresh(), episodes)
+    first.close()
+    second.close()
+    check_reads(ReplayBuffer.from_folder(tmp_path / "buffer", read_only=True), episodes)

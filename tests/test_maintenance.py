@@ -263,3 +263,28 @@ def test_verify_repair_resets_data_beyond_an_episodes_length(tmp_path, backend):
     for name, values in after.get_all_data().items():
         np.testing.assert_array_equal(values.numpy(), before[name].numpy(), err_msg=name)
     assert (np.asarray(after.data["state"][2, 3:]) == after.schema.fields["state"].fill).all()
+
+
+def test_verify_repair_leaves_a_slot_a_writer_replaced_after_the_check(tmp_path, monkeypatch):
+    folder = tmp_path / "memmap"
+    filled(folder, "memmap", circular=False, max_episodes=6, lengths=(5, 7, 3))
+    state = np.load(folder / "state.data.npy", mmap_mode="r+")
+    state[1, 0] += 1.0  # slot 1's episode no longer matches its checksum
+    state.flush()
+    del state
+    assert any("slot 1" in p for p in verify(folder))
+    opened = ReplayBuffer.from_folder.__func__
+
+    def after_a_writer_replaced_slot_1(cls, *args, **kwargs):  # between verify's check and its repair
+        with opened(cls, folder) as writer:
+            writer.episode_index = 1
+            writer.store_episode(**episode(4, 9), task_id=99)
+        return opened(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ReplayBuffer, "from_folder", classmethod(after_a_writer_replaced_slot_1))
+    said = verify(folder, repair=True)
+    assert said[-1] == "not repaired: slots [1] changed since they were checked; run verify again"
+    monkeypatch.undo()
+    assert verify(folder) == []
+    with ReplayBuffer.from_folder(folder, read_only=True) as after:
+        assert after.valid_episodes().tolist() == [0, 2, 1] and int(after.meta_data["task_id"][1]) == 99

@@ -398,6 +398,7 @@ def reopen_with_log(location, payload: bytes, damaged: bool):
     buffer = ReplayBuffer.from_folder(location)
     buffer.storage.append_log("episode", payload)
     buffer.storage.close()
+    buffer.storage.release_writer()  # as a killed writer: its lease gone, its log left
     if damaged:
         with pytest.warns(
             UserWarning, match=r"step log .* is damaged \((.*)\); it was copied to 'replaybuf/steplog-damaged-"

@@ -185,6 +185,47 @@ def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location
     assert not _held(location)
 
 
+def _uids(location: str) -> list[int]:
+    with ReplayBuffer.from_folder(location, read_only=True) as reader:
+        return reader.meta_data["uid"][reader.valid_episodes()].tolist()
+
+
+def test_a_second_open_in_one_process_leaves_an_episode_in_progress_to_its_writer(location, backend):
+    first = _open(location, **_kwargs(backend))
+    _store(first, 7)
+    with first.one_episode(uid=8):  # an episode in progress, stored step by step
+        first.store(x=np.full(4, 8, np.float32))
+        first.flush()  # its step log is on disk: a killed writer's would be recovered from it
+        second = ReplayBuffer.from_folder(location)
+        assert len(second) == 1 and _uids(location) == [7], "the open committed another object's episode"
+        with pytest.raises(BufferLockedError, match="episode in progress") as refused:
+            _store(second, 9)
+        assert repr(location) in str(refused.value) and "read_only=True" in str(refused.value)
+        assert _uids(location) == [7], "a refused write leaves the buffer as it was"
+        first.store(x=np.full(4, 8, np.float32))
+    assert _uids(location) == [7, 8]
+    _store(second, 9)  # the episode ended: the second object writes after it
+    _store(first, 10)  # and the first after the second's
+    assert _uids(location) == [7, 8, 9, 10]
+    with ReplayBuffer.from_folder(location, read_only=True) as reader:
+        assert reader.episode_lens[reader.valid_episodes()].tolist() == [3, 2, 3, 3]
+    first.close()
+    second.close()
+
+
+def test_writers_in_one_process_never_overwrite_each_others_episodes(location, backend):
+    first = _open(location, **_kwargs(backend))
+    _store(first, 1)
+    second = ReplayBuffer.from_folder(location)
+    _store(first, 2)
+    with second.one_episode(uid=3):  # its meta-only group moves past the first's episodes too
+        _store(first, 4)
+        second.store(x=np.full(4, 3, np.float32))
+    assert _uids(location) == [1, 2, 4, 3]
+    first.close()
+    second.close()
+
+
 def test_overwrite_in_the_same_process_replaces_the_buffer_and_stops_the_old_writer(location, backend):
     # a notebook cell that creates the buffer, run again: the new buffer wins, the old object
     # (still referenced until the assignment) can no longer write into it
@@ -368,3 +409,89 @@ def test_breaking_an_object_store_lease_stops_the_old_writer(s3_location, monkey
         _kill(new.pid)
     with ReplayBuffer.from_folder(url, storage_options=options) as reader:
         assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 0]
+
+
+# ---- maintenance beside a live writer in another process ---------------------------------------------
+
+
+def _check_copy_is_whole(location: str) -> int:
+    """Every episode of the buffer at ``location`` is one the churn child stored, whole."""
+    with ReplayBuffer.from_folder(location, read_only=True) as copy:
+        slots = copy.valid_episodes()
+        uids = copy.meta_data["uid"][slots]
+        lens = copy.episode_lens[slots]
+        np.testing.assert_array_equal(lens, 1 + uids % copy.max_timesteps)
+        for slot, uid, length in zip(slots, uids, lens):
+            np.testing.assert_array_equal(copy.storage.read_rows("x", np.array([slot]), 0, 12)[0, length:], 0)
+            np.testing.assert_array_equal(copy.storage.read_rows("x", np.array([slot]), 0, int(length)), uid)
+        return len(slots)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_maintenance_beside_a_live_writer_process_is_refused_or_safe(backend, tmp_path):
+    from replaybuf.maintenance import convert, unlock, upgrade, verify
+
+    location = str(tmp_path / "buffer")
+    kwargs = {"max_episodes": 6, "max_timesteps": 12, "circular": True, **_kwargs(backend)}
+    writer = _child("churn", location, kwargs)
+    try:
+        _ready(writer)
+        with pytest.raises(BufferLockedError, match=f"pid {writer.pid} on host") as refused:
+            verify(location, repair=True)
+        assert "close that writer first" in str(refused.value)
+        with pytest.raises(BufferLockedError, match=f"pid {writer.pid} on host"):
+            unlock(location)
+        assert upgrade(location)["upgraded"] is False  # the newest format: nothing to swap
+        copies, deadline = 0, time.monotonic() + 1.0
+        for attempt in range(1000):
+            if time.monotonic() > deadline and copies:
+                break
+            assert verify(location, progress=False) == [], "a slot the writer replaced was reported"
+            destination = str(tmp_path / f"copy-{attempt}")
+            try:
+                convert(location, destination, backend=backend, progress=False)
+            except RuntimeError as error:  # the writer outran the copy: nothing published
+                assert "faster than they could be copied" in str(error)
+                assert ReplayBuffer.from_folder(destination, read_only=True).num_episodes == 0
+                continue
+            assert _check_copy_is_whole(destination) > 0
+            copies += 1
+        assert copies, "no copy of the live buffer succeeded"
+    finally:
+        writer.stdin.close()
+        stored = int(writer.stdout.readline())
+        writer.wait()
+    assert stored > 6 and verify(location) == []  # circular: slots were replaced during the checks
+    assert _check_copy_is_whole(location) == 6
+
+
+def _two_objects_then_killed(location: str) -> None:
+    """Child: an object closed with its episode unended, then another object sharing the lease
+    is killed during its own episode."""
+    first = _open(location)
+    second = ReplayBuffer.from_folder(location)
+    with pytest.raises(RuntimeError):
+        with first.one_episode(uid=1):
+            first.store(x=np.full(4, 1, np.float32))
+            first.flush()
+            raise RuntimeError("the episode is abandoned")
+    first.store(x=np.full(4, 1, np.float32))  # an episode left unended: its step log stays
+    first.close()
+    second.store(x=np.full(4, 2, np.float32))
+    second.store(x=np.full(4, 2, np.float32))
+    second.flush()
+    os._exit(0)  # killed: nothing more is written
+
+
+def test_recovery_commits_only_the_last_episode_of_a_step_log_two_objects_wrote(tmp_path):
+    import multiprocessing
+
+    location = str(tmp_path / "buffer")
+    child = multiprocessing.get_context("fork").Process(target=_two_objects_then_killed, args=(location,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    with ReplayBuffer.from_folder(location) as recovered:  # commits the killed writer's episode
+        slots = recovered.valid_episodes()
+        assert recovered.episode_lens[slots].tolist() == [2]
+        np.testing.assert_array_equal(recovered.storage.read_rows("x", slots, 0, 2), 2)

@@ -170,8 +170,8 @@ class _SnapshotDataset(Dataset):
         last: dict[str, Any] = {}
 
         def read(items: np.ndarray) -> None:
-            # kept only once whole: a read that fails (a slot rewritten under it) leaves the last
-            # whole one, which the retries then keep or drop
+            # ``last`` holds the last read that succeeded: a read that raises (a slot being
+            # rewritten) is retried or dropped, and must not leave its items without columns
             columns, lens = self._read(positions[items])
             self._check_meta_rows(self._slots_of(positions[items]))
             last.update(items=items, columns=columns, lens=lens)

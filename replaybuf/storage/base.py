@@ -818,6 +818,17 @@ class Storage(ABC):
         self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
         self._lease_epoch = lease.epoch
 
+    @property
+    def held_lease(self) -> WriterLease | None:
+        """The writer lease this open holds, None when none or when a later ``overwrite=True``
+        open in this process erased the buffer it wrote to."""
+        return self._lease if self._lease is not None and self._lease.epoch == self._lease_epoch else None
+
+    @property
+    def writer_shared(self) -> bool:
+        """Whether another open in this process shares this one's writer lease (``lease.take``)."""
+        return self._lease is not None and self._lease._users > 1
+
     def release_writer(self) -> None:
         """Give the writer lease back (a no-op when not held)."""
         if self._lease_finalizer is not None:

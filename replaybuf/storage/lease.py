@@ -114,6 +114,9 @@ class WriterLease(ABC):
         # bumped by an erasing open in this process: the opens that shared the lease before it
         # write to a buffer that no longer exists, so they may not write at all (``take``)
         self.epoch = 0
+        # the buffer object of this process that wrote last through the lease: another one
+        # reloads what it committed before writing (``ReplayBuffer._take_turn``)
+        self.turn: weakref.ref | None = None
 
     @property
     def key(self) -> str:
