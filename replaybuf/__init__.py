@@ -16,6 +16,7 @@ from .storage import (
     BufferDamagedError,
     BufferLockedError,
     BufferNotFoundError,
+    BufferReplacedError,
     CorruptChunkError,
     ForeignEntriesError,
     Storage,
@@ -72,6 +73,7 @@ __all__ = [
     "open_shard",
     "read_episodes_consistent",
     "ConcurrentWriteError",
+    "BufferReplacedError",
     "SnapshotError",
     "SnapshotHeldError",
 ]

@@ -170,9 +170,10 @@ class _SnapshotDataset(Dataset):
         last: dict[str, Any] = {}
 
         def read(items: np.ndarray) -> None:
-            last["items"] = items
-            last["columns"], last["lens"] = self._read(positions[items])
+            columns, lens = self._read(positions[items])
             self._check_meta_rows(self._slots_of(positions[items]))
+            # only a read that did not raise: the batch is its columns (or empty, if none did)
+            last["items"], last["columns"], last["lens"] = items, columns, lens
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             stale = np.zeros(len(positions), dtype=bool)
