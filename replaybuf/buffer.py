@@ -190,6 +190,10 @@ class DataView(ArrayBase):
             out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
         generations = stored_bookkeeping(storage, (), slots)["_generation"]
+        if (generations > buffer.generations.max(initial=0)).any() and storage.replaced():
+            # episodes newer than the last refresh may be another buffer's (every backend
+            # checks here; memmap and hdf5 also at each read's re-check)
+            raise BufferReplacedError(storage.location)
         snapshot = getattr(buffer, "snapshot_name", None)
         if snapshot is not None:  # a snapshot view reads its own episodes only, or raises
             recorded = np.asarray(buffer.generations, np.int64)[slots]

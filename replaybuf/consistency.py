@@ -59,7 +59,12 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
     if getattr(source, "read_only", True) is False and hasattr(source, "generations"):
         return source.generations[slots]
     storage = _storage(source)
-    generations = np.asarray(storage.read_meta_rows("_generation", slots), dtype=np.int64)
+    try:
+        generations = np.asarray(storage.read_meta_rows("_generation", slots), dtype=np.int64)
+    except Exception as error:  # another buffer's array in place of the one opened, not damage
+        if storage.replaced():
+            raise BufferReplacedError(storage.location) from error
+        raise
     if storage.replaced(cheap_only=True):  # what was read is of a buffer that is gone
         raise BufferReplacedError(storage.location)
     return generations
@@ -102,9 +107,11 @@ def replanner(
     rows = {} if meta is None else meta
 
     def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        again = stored_bookkeeping(storage, list(rows), slots[items])
-        if storage.replaced():  # the episodes there now are another buffer's: never mixed in
-            raise BufferReplacedError(storage.location)
+        try:
+            again = stored_bookkeeping(storage, list(rows), slots[items])
+        finally:  # the episodes there now may be another buffer's: never mixed in
+            if storage.replaced():
+                raise BufferReplacedError(storage.location)
         if lens is not None:
             lens[items] = again["episode_lens"]
         for name, values in rows.items():
