@@ -5,7 +5,7 @@ the location (a user's file or folder, another program's objects, a whole bucket
 keys) is *foreign*, and creating a buffer there is refused before anything is deleted.
 Everything under a buffer's own folders belongs to it. Under ``replaybuf/`` erasing deletes
 the counters, the attributes, the step log, the statistics sketches and the named snapshots
-(both name slots and generations, which a new buffer counts again from 1) only: other objects
+(both name slots and generations of episodes erased with them) only: other objects
 there (a writer's lease) belong to whoever holds them.
 """
 

@@ -95,7 +95,8 @@ STATE_KEY = "replaybuf/state.json"
 ATTRS_KEY = "replaybuf/attrs.json"
 LOG_PREFIX = "replaybuf/steplog/"
 # what the buffer derived from its episodes, keyed by slot and generation (``sketches``,
-# ``snapshots``): erased with it, or the next buffer there (generations restart) would serve them
+# ``snapshots``): erased with it; they name episodes no longer stored (and a buffer created
+# where the old one could not be read has unknown generations to count on from)
 SKETCHES_PREFIX = "replaybuf/sketches/"
 SNAPSHOTS_PREFIX = "replaybuf/snapshots/"
 _ArrayT = TypeVar("_ArrayT")
