@@ -13,18 +13,21 @@ from __future__ import annotations
 import json
 import multiprocessing
 import time
+import uuid
 
 import numpy as np
 import pytest
 
 from replaybuf import BufferReplacedError, ConcurrentWriteError, ReplayBuffer
 
+pytest_plugins = ["tests._servers"]
+
 SPAWN = multiprocessing.get_context("spawn")
 BACKENDS = ["memmap", "hdf5", "zarr"]
 SLOTS, STEPS = 6, 12
 FIELDS = {"obs": ("float", (2,))}
 META = {"key": "int"}
-INCARNATIONS = 4
+INCARNATIONS = 3
 
 
 def length(uid: int) -> int:
@@ -40,7 +43,7 @@ def episode(inc: int, uid: int) -> np.ndarray:
 def create(path, backend: str, inc: int, **config) -> ReplayBuffer:
     """Incarnation ``inc`` of the buffer at ``path`` (created over what is there), ``SLOTS`` episodes."""
     buffer = ReplayBuffer(
-        path, config.pop("max_episodes", SLOTS), STEPS, FIELDS, META, circular=True, backend=backend, **config
+        str(path), config.pop("max_episodes", SLOTS), STEPS, FIELDS, META, circular=True, backend=backend, **config
     )
     for uid in range(SLOTS):
         buffer.store_episode(obs=episode(inc, uid), key=1000 * inc + uid)
@@ -233,3 +236,22 @@ def test_a_replaced_zarr_buffer_reads_as_replaced_before_anything_is_erased(tmp_
     assert reader.storage.replaced()
     with pytest.raises(BufferReplacedError, match="being replaced"):
         reader.refresh()
+
+
+def test_a_replaced_buffer_on_s3_raises_and_refresh_opens_the_new_one(s3_server):
+    """The same on an object store, behind the read cache (a reader's default there), which may
+    serve the old buffer's episodes it holds, whole, until the next refresh."""
+    location, options = s3_server.url(f"replaced/{uuid.uuid4().hex[:12]}"), s3_server.storage_options
+    create(location, "zarr", 1, storage_options=options).close()
+    reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=options)
+    create(location, "zarr", 2, storage_options=options).close()
+    try:
+        data = reader.get_all_data()
+    except BufferReplacedError:
+        pass
+    else:
+        assert check_rows(data["obs"].numpy(), data["episode_lens"].numpy(), data["key"].numpy()) <= {1}
+    reader.refresh()
+    data = reader.get_all_data()
+    assert check_rows(data["obs"].numpy(), data["episode_lens"].numpy(), data["key"].numpy()) == {2}
+    assert int(reader.generations.min()) > SLOTS
