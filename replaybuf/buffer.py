@@ -422,16 +422,14 @@ class ReplayBuffer(CommittedViews):
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since. A reader whose buffer another
         process replaced (``overwrite=True``, an upgrade) since opens the new one (``_reopen``)."""
-        if self.read_only and self.storage.replaced():
-            return self._reopen()
         try:
             state, meta = self._load_bookkeeping()
         except Exception:
-            # an overwrite erasing the buffer while it was loaded: not damage
+            # an overwrite erasing the buffer while (or before) it was loaded: not damage
             if self.read_only and self.storage.replaced():
                 return self._reopen()
             raise
-        if self.read_only and self.storage.replaced():  # what was loaded may mix the two
+        if self.read_only and self.storage.replaced():  # what was loaded may be the new one's
             return self._reopen()
         self._state, self._meta = state, meta
         if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
