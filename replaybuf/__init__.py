@@ -16,6 +16,7 @@ from .storage import (
     BufferDamagedError,
     BufferLockedError,
     BufferNotFoundError,
+    BufferReplacedError,
     ChecksumEntryError,
     CorruptChunkError,
     EpisodeLengthError,
@@ -76,6 +77,7 @@ __all__ = [
     "open_shard",
     "read_episodes_consistent",
     "ConcurrentWriteError",
+    "BufferReplacedError",
     "SnapshotError",
     "SnapshotHeldError",
 ]

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,14 +41,17 @@ from .storage import (
     STATE_KEY,
     ArrayBase,
     BufferLockedError,
+    BufferReplacedError,
     CachedStorage,
     CompactionSummary,
     Storage,
+    StorageError,
     WrappedArray,
     bookkeeping_fields,
     check_bookkeeping,
     check_lost_lengths,
     check_state,
+    empty_state,
     make_storage,
     new_uuid,
     seed_h5_hint,
@@ -189,6 +193,10 @@ class DataView(ArrayBase):
             out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
         generations = stored_bookkeeping(storage, (), slots)["_generation"]
+        if (generations > buffer.generations.max(initial=0)).any() and storage.replaced():
+            # episodes newer than the last refresh may be another buffer's (every backend
+            # checks here; memmap and hdf5 also at each read's re-check)
+            raise BufferReplacedError(storage.location)
         snapshot = getattr(buffer, "snapshot_name", None)
         if snapshot is not None:  # a snapshot view reads its own episodes only, or raises
             recorded = np.asarray(buffer.generations, np.int64)[slots]
@@ -356,8 +364,26 @@ class ReplayBuffer(CommittedViews):
     def _create(self, wanted: Schema | None) -> Schema:
         schema = self._check_creatable(wanted)
         schema = dataclasses.replace(schema, uuid=new_uuid())  # the identity of this buffer's read cache
+        counted = self._generations_before()
         self.storage.create(schema, overwrite=True)
+        if counted:  # its first episode gets generation counted + 1
+            self.storage.commit_state({**empty_state(), "total_episodes": counted})
         return schema
+
+    def _generations_before(self) -> int:
+        """Where the new buffer's generations count on from: above every generation the buffer
+        it replaces published, so that a reader still reading that one never finds a planned
+        generation again in a slot of the new one (``consistency.py``); 0 where none is stored.
+        Where the old buffer cannot be read (damaged, an erase cut short) its generations are
+        unknown: the microseconds since the epoch then, above those of every buffer created
+        here before (each counted from 0, or from its own creation time, and no writer commits
+        an episode per microsecond)."""
+        if not self.storage.exists():
+            return 0
+        try:
+            return self.storage.published_generations()
+        except Exception:  # any failure to read it: its generations are unknown
+            return time.time_ns() // 1000
 
     @classmethod
     def from_folder(
@@ -408,9 +434,28 @@ class ReplayBuffer(CommittedViews):
 
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
-        reader picks up what writers committed or updated since."""
+        reader picks up what writers committed or updated since. A reader whose buffer another
+        process replaced (``overwrite=True``, an upgrade) since opens the new one (``_reopen``)."""
         if not self.read_only:  # the counters of this writer's last episodes may still wait
             self._commit.flush_counters()
+        try:
+            state, meta = self._load_bookkeeping()
+        except Exception:
+            # an overwrite erasing the buffer while (or before) it was loaded: not damage
+            if self.read_only and self.storage.replaced():
+                return self._reopen()
+            raise
+        if self.read_only and self.storage.replaced():  # what was loaded may be the new one's
+            return self._reopen()
+        self._state, self._meta = state, meta
+        if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
+            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, repr(self.storage.location))
+        elif self.read_only:  # the counters of a live writer's last episodes may still wait
+            self._state = self._commit.caught_up(self._state)
+        return self
+
+    def _load_bookkeeping(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The counters and per-episode arrays as stored now, checked (``refresh``)."""
         state = self.storage.load_state()
         self.storage.drop_caches()
         names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields)
@@ -426,13 +471,40 @@ class ReplayBuffer(CommittedViews):
             if not len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
                 break
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
-        self._state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
-        check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], self._state)
-        self._meta = meta
-        if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
-            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, repr(self.storage.location))
-        elif self.read_only:  # the counters of a live writer's last episodes may still wait
-            self._state = self._commit.caught_up(self._state)
+        state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
+        check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state)
+        return state, meta
+
+    def _reopen(self) -> ReplayBuffer:
+        """A reader whose buffer another process replaced opens the new one, as a learner
+        reading an actor's buffer that the actor created again (``overwrite=True``, the
+        default) wants: its plans, mirror and caches all move to the new buffer at once, so
+        no read mixes the two. ``BufferReplacedError`` instead when the new buffer's config is
+        not this reader's (the arrays it hands out would change shape), for a snapshot view
+        (its episodes are gone), or while the new buffer is not yet created (retryable)."""
+        location = self.storage.location
+        if self._snapshot is not None:
+            raise BufferReplacedError(location, f"snapshot {self.snapshot_name!r} was erased with it")
+        # a new storage object: the old one (which datasets and loaders made before hold) keeps
+        # saying its buffer was replaced, so their reads raise instead of reaching the new one
+        fresh, before = self.storage.fresh(), dict(self.__dict__)
+        try:
+            schema = fresh.open(read_only=True)
+            differences = "; ".join(line.strip() for line in schema.differences(self.schema))
+            if differences:
+                raise BufferReplacedError(
+                    location, f"the new buffer has another config ({differences}); open it with from_folder"
+                )
+            self.storage = fresh
+            self._setup(schema)
+        except BaseException as error:
+            # this reader stays as it was (reads raise, the next refresh tries again)
+            self.__dict__.update(before)
+            fresh.close()
+            if isinstance(error, (OSError, ValueError, KeyError, StorageError)):  # erased, or being created
+                raise BufferReplacedError(location, f"the new buffer cannot be opened yet ({error})") from error
+            raise
+        before["storage"].close()
         return self
 
     # ---- state ---------------------------------------------------------------------------

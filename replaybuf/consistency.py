@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .snapshots import SnapshotError
-from .storage import GenerationMismatchError
+from .storage import BufferReplacedError, ConcurrentWriteError, GenerationMismatchError
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -44,18 +44,6 @@ if TYPE_CHECKING:
 # rereads of the slots that changed during a read; a writer would have to commit into the same
 # slot during each of them to exhaust this
 RETRIES = 4
-
-
-class ConcurrentWriteError(RuntimeError):
-    """A writer kept changing the slots being read through every bounded retry. Retryable:
-    call again (or ``refresh()`` and call again)."""
-
-    def __init__(self, location: str, slots: Iterable[int], retries: int):
-        self.location, self.slots, self.retries = location, [int(s) for s in slots], retries
-        super().__init__(
-            f"slots {self.slots} of {location!r} were rewritten by a concurrent writer during each of "
-            f"{retries + 1} reads; the read is retryable"
-        )
 
 
 def _storage(source: Any) -> Storage:
@@ -70,7 +58,16 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
     slots = np.asarray(slots, dtype=np.int64)
     if getattr(source, "read_only", True) is False and hasattr(source, "generations"):
         return source.generations[slots]
-    return np.asarray(_storage(source).read_meta_rows("_generation", slots), dtype=np.int64)
+    storage = _storage(source)
+    try:
+        generations = np.asarray(storage.read_meta_rows("_generation", slots), dtype=np.int64)
+    except Exception as error:  # another buffer's array in place of the one opened, not damage
+        if storage.replaced():
+            raise BufferReplacedError(storage.location) from error
+        raise
+    if storage.replaced(cheap_only=True):  # what was read is of a buffer that is gone
+        raise BufferReplacedError(storage.location)
+    return generations
 
 
 def stored_bookkeeping(
@@ -110,7 +107,11 @@ def replanner(
     rows = {} if meta is None else meta
 
     def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        again = stored_bookkeeping(storage, list(rows), slots[items])
+        try:
+            again = stored_bookkeeping(storage, list(rows), slots[items])
+        finally:  # the episodes there now may be another buffer's: never mixed in
+            if storage.replaced():
+                raise BufferReplacedError(storage.location)
         if lens is not None:
             lens[items] = again["episode_lens"]
         for name, values in rows.items():
@@ -171,6 +172,8 @@ def read_consistent(
         try:
             read(todo)
             failed = None
+        except BufferReplacedError:
+            raise
         except Exception as error:  # a decode error of a slot being rewritten is a retry
             failed = error
         if isinstance(failed, GenerationMismatchError):  # the slots it names moved

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..consistency import read_consistent
-from ..storage import GenerationMismatchError, fill_beyond
+from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
 from ..view import BufferView
 from .collate import CollatedSamples
 from .fetch import Fetcher
@@ -177,6 +177,9 @@ class _SnapshotDataset(Dataset):
             last.update(items=items, columns=columns, lens=lens)
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            storage = self.replay_buffer.storage
+            if storage.replaced():  # not a writer reusing slots: the snapshot's buffer is gone
+                raise BufferReplacedError(storage.location)
             stale = np.zeros(len(positions), dtype=bool)
             stale[items] = True
             positions[:] = self._redraw(positions, stale)

@@ -394,6 +394,14 @@ class CachedStorage(Storage):
         if known is not None:
             known[slots] = values
 
+    def fresh(self) -> CachedStorage:
+        # docstring inherited
+        return CachedStorage(self.inner.fresh(), self.cache_dir, self.cache_size, self.snapshot)
+
+    def replaced(self, cheap_only: bool = False) -> bool:
+        # docstring inherited: the wrapped storage's
+        return self.inner.replaced(cheap_only)
+
     def drop_caches(self) -> None:
         """Forget the slots' generations and revisions and the maps this process holds (files
         and in-RAM copies stay: keyed by both, they are never served for another version)."""

@@ -38,9 +38,11 @@ goes stale (reads fail, or return other bytes). So a writer holds a shared ``flo
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,6 +59,7 @@ from .base import (
     AbsentMeta,
     BufferDamagedError,
     BufferNotFoundError,
+    BufferReplacedError,
     CorruptChunkError,
     StorageError,
     WrappedArray,
@@ -263,10 +266,19 @@ class HDF5Storage(LocalFolderStorage):
     def _open_file(self) -> h5py.File:
         mode = "r" if self.read_only else "r+"
         try:
-            return open_h5(self.path, mode)
+            file = open_h5(self.path, mode)
         except OSError as e:
+            if self.read_only:
+                self.check_not_replaced()  # erased by an overwrite: say so
             if self.read_only or "already open for read-only" not in str(e):
                 raise
+        else:
+            try:  # opened by its path, which names a new buffer's file once it was replaced
+                self.check_identity(file.id.get_vfd_handle())
+            except BufferReplacedError:
+                file.close()
+                raise
+            return file
         # HDF5 cannot open a file for writing while this process holds it read-only: close the
         # readers' handles (they reopen lazily, then sharing the writer's handle) and retry
         for file_id in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
@@ -344,38 +356,66 @@ class HDF5Storage(LocalFolderStorage):
         # docstring inherited
         entries = self.check_creatable()
         self.read_only = False
+        self.pin_identity(read_only=False)
         self.close()
         if overwrite:
             # data.h5 is unlinked, not truncated: handles still open on the old file stay valid
             erase_owned(self.kv, entries, markers=(DATA_FILE,))
         os.makedirs(self.root, exist_ok=True)
         compression = self.storage_options.get("compression")
-        options = {"compression": compression, "compression_opts": self.storage_options.get("compression_opts")}
-        with open_h5(self.path, "w") as f:
-            data, meta = f.create_group("data"), f.create_group("meta")
-            for field in schema.fields.values():
-                chunks = (1, default_time_chunk(field, schema.max_timesteps), *field.shape) if compression else None
-                data.create_dataset(
-                    field.name,
-                    shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                    dtype=field.dtype,
-                    chunks=chunks,
-                    **options,
-                )
-            for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-                chunks = (min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape) if compression else None
-                meta.create_dataset(
-                    field.name, shape=(schema.max_episodes, *field.shape), dtype=field.dtype, chunks=chunks, **options
+        options: dict[str, Any] = {
+            "compression": compression,
+            "compression_opts": self.storage_options.get("compression_opts"),
+        }
+        if not compression:
+            # every uncompressed dataset placed now (the file's unwritten bytes read as zeros):
+            # placed at its first write instead, its metadata changes while live readers read it
+            options["dcpl"] = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            options["dcpl"].set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            options["dcpl"].set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        # written whole under a temp name and renamed into place: a reader (of the buffer this
+        # one replaces, reopening) never opens a half-created file, whose HDF5 metadata it
+        # would read as corrupt (the temp name is one a writable open deletes if left)
+        temp = os.path.join(self.root, f".{DATA_FILE}.{uuid.uuid4().hex}.partial")
+        try:
+            with open_h5(temp, "w-") as f:
+                data, meta = f.create_group("data"), f.create_group("meta")
+                for field in schema.fields.values():
+                    chunks = (1, default_time_chunk(field, schema.max_timesteps), *field.shape) if compression else None
+                    data.create_dataset(
+                        field.name,
+                        shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
+                        dtype=field.dtype,
+                        chunks=chunks,
+                        **options,
+                    )
+                for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
+                    chunks = (min(schema.max_episodes, META_CHUNK_EPISODES), *field.shape) if compression else None
+                    meta.create_dataset(
+                        field.name,
+                        shape=(schema.max_episodes, *field.shape),
+                        dtype=field.dtype,
+                        chunks=chunks,
+                        **options,
+                    )
+                f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
+                    {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()}
                 )
             self.commit_state(empty_state())
-            f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
-                {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()}
-            )
-        self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
+            self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
+            if self.fsync:
+                with open(temp, "rb") as f:
+                    os.fsync(f.fileno())
+            os.replace(temp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
         self._load_arrays(schema)
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
+        self.pin_identity(read_only)
         config = self._config()
         if config is None:
             raise BufferNotFoundError(
@@ -408,6 +448,10 @@ class HDF5Storage(LocalFolderStorage):
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
+
+    def identity_file(self) -> str:
+        # docstring inherited
+        return self.path
 
     def compression(self) -> tuple[str | None, int | None]:
         """(compression, compression_opts) the data fields were created with."""
@@ -549,11 +593,19 @@ class HDF5Storage(LocalFolderStorage):
             if dataset.chunks is not None or dataset.compression is not None:
                 return None
             offset = dataset.id.get_offset()  # None until the first write allocates the block
-            self._maps[name] = (
-                None
-                if offset is None
-                else np.memmap(self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
-            )
+            try:
+                mapped = (
+                    None
+                    if offset is None
+                    else np.memmap(self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+                )
+            except (OSError, ValueError):  # erased, or another (shorter) file: replaced, said below
+                if self.read_only:
+                    self.check_not_replaced()
+                raise
+            if self.read_only:  # mapped by its path, which names a new buffer's file once it was replaced
+                self.check_not_replaced()
+            self._maps[name] = mapped
         return self._maps[name]
 
     def _small_field(self, name: str) -> np.ndarray | None:

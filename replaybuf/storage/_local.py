@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -18,6 +19,7 @@ from ._seed import seed_h5_hint
 from .base import (
     STATE_KEY,
     BufferDamagedError,
+    BufferReplacedError,
     ChecksumEntryError,
     CorruptChunkError,
     EpisodeLengthError,
@@ -62,6 +64,10 @@ def _owns_nothing(name: str) -> bool:
     return False
 
 
+# the identity of a buffer whose identity file was missing when it was opened: no file's
+_NO_FILE = (-1, -1)
+
+
 class LocalFolderStorage(KVBlobs, Storage):
     """The base of the backends that keep a buffer in files of one local folder (memmap, hdf5):
     the folder and its side objects, detection, what ``create`` may erase, and the per-episode
@@ -76,6 +82,62 @@ class LocalFolderStorage(KVBlobs, Storage):
         self.root = local_root(self)
         self.kv = LocalKV(self.root, fsync=fsync)
         self._checksums: EpisodeChecksums | None = None
+        # a reader's buffer: (device, inode) of ``identity_file`` as opened, held open by the
+        # finalizer's file descriptor so that no new file can get that inode while it is read
+        self._identity: tuple[int, int] | None = None
+        self._pin: weakref.finalize | None = None
+
+    def __getstate__(self) -> dict:
+        # a pickled reader (a DataLoader worker) keeps the identity; the opener's process pins it
+        return {**super().__getstate__(), "_pin": None}
+
+    def identity_file(self) -> str:
+        """The file whose inode is the buffer's: only a create or an upgrade puts a new one at
+        its path (memmap: episode_lens' array; hdf5: data.h5); the files a reader maps or
+        holds open are of that buffer while the path still names the same inode."""
+        raise NotImplementedError
+
+    def pin_identity(self, read_only: bool) -> None:
+        """At an open: a reader records the identity of the buffer it opens (before it reads
+        anything of it, so everything it reads later is of that buffer, or ``replaced`` says
+        so); a writer holds the lease, so nobody replaces its buffer: it records none."""
+        if self._pin is not None:
+            self._pin()
+        self._identity = self._pin = None
+        if not read_only:
+            return
+        try:
+            fd = os.open(self.identity_file(), os.O_RDONLY)
+        except FileNotFoundError:
+            # no buffer (the open says so), or one created since: read as replaced
+            self._identity = _NO_FILE
+            return
+        st = os.fstat(fd)
+        self._identity, self._pin = (st.st_dev, st.st_ino), weakref.finalize(self, os.close, fd)
+
+    def replaced(self, cheap_only: bool = False) -> bool:
+        # docstring inherited: one stat of ``identity_file``
+        if self._identity is None:
+            return False
+        try:
+            st = os.stat(self.identity_file())
+        except FileNotFoundError:
+            return True  # erased, its successor not yet created
+        return (st.st_dev, st.st_ino) != self._identity
+
+    def check_not_replaced(self) -> None:
+        """``BufferReplacedError`` when ``replaced()``: after a reader maps or opens a file of
+        the buffer by its path, which names a new buffer's file once it was replaced."""
+        if self.replaced():
+            raise BufferReplacedError(self.location)
+
+    def check_identity(self, fd: int) -> None:
+        """``BufferReplacedError`` when the open file ``fd`` (of ``identity_file``, opened by
+        its path again) is not the file this reader's buffer was opened with."""
+        if self._identity is not None:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._identity:
+                raise BufferReplacedError(self.location)
 
     @staticmethod
     def _owns(name: str) -> bool:
@@ -232,6 +294,10 @@ class EpisodeChecksums:
         """An empty table for a new buffer (the newest format: tagged entries)."""
         self = cls(storage, root, fields, tagged=True)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        # a new file, never the old one rewritten in place: a reader of the buffer this one
+        # replaces may still map it (and would fault on pages a shorter file no longer has)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
         open_memmap(self.path, mode="w+", dtype=np.uint64, shape=(max_episodes, len(fields))).flush()
         return self
 
@@ -268,9 +334,11 @@ class EpisodeChecksums:
                 with NPY_HEADERS:
                     sums = np.load(self.path, mmap_mode=mode, allow_pickle=False)
             except (OSError, ValueError, EOFError) as e:  # a damaged header or a file cut short
+                self.storage.check_not_replaced()  # or erased with the buffer, by an overwrite
                 raise BufferDamagedError(f"{self.path}: not a readable checksum array ({e})") from None
             if not isinstance(sums, np.memmap):
                 raise BufferDamagedError(f"{self.path}: not a readable checksum array")
+            self.storage.check_not_replaced()  # mapped by its path: a new buffer's file, then
             self._sums = sums
         return self._sums
 

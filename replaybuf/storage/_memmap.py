@@ -113,7 +113,14 @@ class MemmapArray(WrappedArray):
             with _OPENING:
                 memmap = self._memmap
                 if memmap is None or (memmap.mode == "r") == self.writable:
-                    memmap = self._memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
+                    try:
+                        memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
+                    except FileNotFoundError:
+                        self._storage.check_not_replaced()  # erased by an overwrite: say so
+                        raise
+                    # mapped by its path, which names a new buffer's file once it was replaced
+                    self._storage.check_not_replaced()
+                    self._memmap = memmap
         return memmap
 
     @property
@@ -197,8 +204,14 @@ class MemmapStorage(LocalFolderStorage):
         # docstring inherited
         entries = self.check_creatable()
         self.read_only = False
+        self.pin_identity(read_only=False)
         if overwrite:
-            erase_owned(self.kv, entries, markers=(CONFIG_FILE, _seed.METADATA_FILE))
+            erase_owned(
+                self.kv,
+                entries,
+                markers=(CONFIG_FILE, _seed.METADATA_FILE),
+                first=(os.path.basename(self.identity_file()),),
+            )
         os.makedirs(self.root, exist_ok=True)
         self._arrays = {}
         for (name, meta), (shape, dtype) in expected_layouts(schema).items():
@@ -240,6 +253,7 @@ class MemmapStorage(LocalFolderStorage):
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
+        self.pin_identity(read_only)
         config = self._config()
         self._seed_view = None
         if config is not None:
@@ -423,6 +437,10 @@ class MemmapStorage(LocalFolderStorage):
         if self._seed_view is not None and name in ("episode_lens", "_generation"):
             return self.read_meta(name)[np.asarray(episodes, dtype=np.int64)]
         return super().read_meta_rows(name, episodes)
+
+    def identity_file(self) -> str:
+        # docstring inherited
+        return os.path.join(self.root, array_filename("episode_lens", True))
 
     def _max_episodes(self) -> int:
         return self._arrays["episode_lens", True].shape[0]

@@ -5,7 +5,7 @@ the location (a user's file or folder, another program's objects, a whole bucket
 keys) is *foreign*, and creating a buffer there is refused before anything is deleted.
 Everything under a buffer's own folders belongs to it. Under ``replaybuf/`` erasing deletes
 the counters, the attributes, the step log, the statistics sketches and the named snapshots
-(both name slots and generations, which a new buffer counts again from 1) only: other objects
+(both name slots and generations of episodes erased with them) only: other objects
 there (a writer's lease) belong to whoever holds them.
 """
 
@@ -57,16 +57,20 @@ def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool]) -> lis
     )
 
 
-def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...]) -> None:
-    """Delete the top-level ``entries`` ``check_owned`` returned, the ``markers`` (the objects
-    that make the location a buffer) last, so an erase cut short still reads as a buffer and
-    the next overwrite finishes it. A link is removed, never what it points to (``LocalKV``)."""
+def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...], first: tuple[str, ...] = ()) -> None:
+    """Delete the top-level ``entries`` ``check_owned`` returned, the ``first`` of them (the
+    file whose identity a reader checks, ``LocalFolderStorage.identity_file``) first, so a
+    reader of the buffer sees it replaced before anything else of it goes, and the ``markers``
+    (the objects that make the location a buffer) last, so an erase cut short still reads as a
+    buffer and the next overwrite finishes it. A link is removed, never what it points to
+    (``LocalKV``)."""
+    kv.delete_many([name for name in first if name in entries])
     if f"{BLOB_DIR}/" in entries:
         for prefix in EPISODE_BLOB_PREFIXES:
             kv.delete_prefix(prefix)
     for entry in entries:
         name = entry.rstrip("/")
-        if name in markers:
+        if name in markers or name in first:
             continue
         if entry == f"{BLOB_DIR}/":
             kv.delete_prefix(LOG_PREFIX)  # the counters, the attributes and the step log

@@ -113,6 +113,9 @@ _CHECK_READS = 3
 FLAT_KEYS: dict[str, JSON] = {"name": "default", "separator": "."}
 # the root group's document: its attributes mark the location as a replaybuf buffer
 ROOT_DOCUMENT = "zarr.json"
+# a root attribute an overwrite sets before it erases anything: the buffer's readers see it
+# replaced at once, and nothing opens it again (``ZarrStorage._retire``)
+REPLACING = "replacing"
 
 # The folder of the counters and step logs is declared to zarr as an empty array: zarr readers
 # list it as a member and look no further into it, where a folder without zarr.json (or a group,
@@ -218,6 +221,8 @@ class ZarrStorage(KVBlobs, Storage):
         self._unmeasured: set[str] = set()  # fields whose codec is chosen at their first write
         self._packed: list[str] = []  # the packed fields: the columns of CHECKSUMS_KEY
         self._hot: HotTier | None = None  # a local writer's hot tier (``_hot.py``)
+        # a reader's buffer: the uuid in the root attributes it opened (None: an earlier format's)
+        self._reading: tuple[str | None] | None = None
 
     def __getstate__(self) -> dict:
         # docstring inherited: the hot tier (its lock and thread) stays with the writer
@@ -280,7 +285,9 @@ class ZarrStorage(KVBlobs, Storage):
 
         entries = self.check_creatable()
         self.read_only = False
+        self._reading = None
         if overwrite:
+            self._retire()
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
         store = self._zarr_store(read_only=False)
         # mode "a", not "w": "w" clears the whole store, the writer lease with it
@@ -329,9 +336,15 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
+        if attributes.get(REPLACING):
+            raise BufferNotFoundError(
+                f"the buffer at {self.location!r} is being replaced: an overwrite=True erases it now (or was "
+                "stopped while it did; create the buffer again with overwrite=True)"
+            )
         where = self.describe_key("zarr.json")
         schema = self._schema_from_config(attributes, where)
         self.read_only = read_only
+        self._reading = (schema.uuid,) if read_only else None
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
@@ -800,6 +813,30 @@ class ZarrStorage(KVBlobs, Storage):
         self._probe_optional_meta()
         if self._unmeasured and self.read_only:
             self._reload_measured()
+
+    def replaced(self, cheap_only: bool = False) -> bool:
+        # docstring inherited: the root attributes read again (a file read or a GET, so not
+        # after every read's re-check: a generation never returns at a location, and an
+        # overwrite erases ``meta/`` first, so only a re-plan can reach the new buffer)
+        if cheap_only or self._reading is None:
+            return False
+        attributes = self._root_attributes()
+        return attributes is None or bool(attributes.get(REPLACING)) or attributes.get("uuid") != self._reading[0]
+
+    def _retire(self) -> None:
+        """Before an overwrite erases the buffer here: set ``REPLACING`` in its root attributes
+        (one atomic write), so its readers see it replaced before any of its objects goes
+        (their reads re-plan only after checking, ``replaced``). The attributes still mark a
+        buffer, so an erase cut short is finished by the next overwrite."""
+        raw = self.kv.get(ROOT_DOCUMENT)
+        try:
+            document = None if raw is None else parse_json(raw, self.describe_key(ROOT_DOCUMENT))
+        except BufferDamagedError:
+            return  # nothing can open it, readers included
+        attributes = None if document is None else document.get("attributes")
+        if isinstance(attributes, dict) and attributes.get("format") == FORMAT_NAME:
+            document["attributes"] = {**attributes, REPLACING: True}  # type: ignore[index]
+            self.kv.set(ROOT_DOCUMENT, json.dumps(document).encode())
 
     def _reload_measured(self) -> None:
         """A reader opened before a field's codec was chosen takes the choice the writer made

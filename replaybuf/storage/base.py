@@ -51,6 +51,13 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   ``verifies_reads(names)`` tells per field: the zarr backend verifies the fields it holds
   resident (each row checked against its slot's stored generation after it was loaded), and
   its reads of them raise GenerationMismatchError as a verifying storage's do.
+- **Replacement.** Generations never return at a location: a buffer created over another
+  (``overwrite=True``) counts on from the highest generation the old one published
+  (``ReplayBuffer._create``), so a generation planned in the old buffer never matches a slot of
+  the new one. A read-only storage also tells when the buffer at its location is no longer the
+  one it opened (``replaced``): readers ask at ``refresh()`` (which opens the new buffer), at
+  every re-plan and, where it costs a stat (memmap, hdf5: the files they map or hold open),
+  after every read's re-check, and raise ``BufferReplacedError`` instead of returning rows.
 - **Writes.** Data and meta are written through ``write_rows``, ``update_rows`` and
   ``write_meta`` only; nothing outside ``replaybuf/storage/`` writes through ``array``.
 - **Read-only.** On a Storage opened read-only every write (the write methods above and
@@ -90,7 +97,8 @@ WRITING_KEY = "replaybuf/writing"
 ATTRS_KEY = "replaybuf/attrs.json"
 LOG_PREFIX = "replaybuf/steplog/"
 # what the buffer derived from its episodes, keyed by slot and generation (``sketches``,
-# ``snapshots``): erased with it, or the next buffer there (generations restart) would serve them
+# ``snapshots``): erased with it; they name episodes no longer stored (and a buffer created
+# where the old one could not be read has unknown generations to count on from)
 SKETCHES_PREFIX = "replaybuf/sketches/"
 SNAPSHOTS_PREFIX = "replaybuf/snapshots/"
 _ArrayT = TypeVar("_ArrayT")
@@ -183,6 +191,42 @@ class GenerationMismatchError(RuntimeError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.location, self.slots)
+
+
+class ConcurrentWriteError(RuntimeError):
+    """A writer kept changing the slots being read through every bounded retry. Retryable:
+    call again (or ``refresh()`` and call again)."""
+
+    def __init__(self, location: str, slots: Iterable[int], retries: int):
+        self.location, self.slots, self.retries = location, [int(s) for s in slots], retries
+        super().__init__(
+            f"slots {self.slots} of {location!r} were rewritten by a concurrent writer during each of "
+            f"{retries + 1} reads; the read is retryable"
+        )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.location, self.slots, self.retries)
+
+
+class BufferReplacedError(ConcurrentWriteError):
+    """The buffer a reader opened is no longer the one at its location: another process
+    created a new buffer there (``overwrite=True``) or upgraded it, so the files or objects the
+    reader holds, and the episodes it planned, belong to a buffer that is gone. Nothing of the
+    read is returned. Retryable: ``refresh()`` opens the new buffer when its config is the
+    reader's (and raises this error again, naming the differences, when it is not)."""
+
+    def __init__(self, location: str, detail: str = ""):
+        self.detail = detail
+        RuntimeError.__init__(
+            self,
+            f"the buffer at {location!r} was replaced by another process (overwrite=True or an upgrade) "
+            f"since this reader opened it{': ' + detail if detail else ''}; nothing of the read was returned. "
+            "Call refresh() to read the new buffer (or reopen it with ReplayBuffer.from_folder)",
+        )
+        self.location, self.slots, self.retries = location, [], 0
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.location, self.detail)
 
 
 # bytes of hot episodes a writer keeps before compacting the oldest (ReplayBuffer's hot_bytes)
@@ -900,6 +944,33 @@ class Storage(ABC):
     def drop_caches(self) -> None:
         """Forget decoded chunks and open files this process keeps for reading, so the next
         reads see what writers elsewhere changed (a no-op where reads are never cached)."""
+
+    def fresh(self) -> Storage:
+        """A new, unopened object for the same location and settings."""
+        return type(self)(self.location, self.storage_options, fsync=self.fsync)
+
+    def published_generations(self) -> int:
+        """The highest generation the buffer stored here may have published: its counters'
+        ``total_episodes``, or a larger ``_generation`` a writer killed before writing its
+        counters left (what an overwrite counts on from). Read through a read-only open of a
+        new object of this class (this one is not opened); raises what that open or read
+        raises (a damaged buffer, an erase cut short)."""
+        other = self.fresh()
+        other.open(read_only=True)
+        try:
+            total = int(other.load_state()["total_episodes"])
+            return max(total, int(np.max(other.read_meta("_generation"), initial=0)))
+        finally:
+            other.close()
+
+    def replaced(self, cheap_only: bool = False) -> bool:
+        """Whether the buffer at the location is no longer the one this storage opened
+        read-only: another process created a new buffer there (``overwrite=True``) or upgraded
+        it since, so what this storage holds (maps, open files, the planned episodes) is of a
+        buffer that is gone. ``cheap_only``: answer only where it costs at most a stat (else
+        False). The default, for a backend without a way to tell: never."""
+        del cheap_only
+        return False
 
     @property
     def is_local(self) -> bool:
