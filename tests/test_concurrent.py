@@ -230,12 +230,17 @@ def run_reader_against_writer(location, progress, kwargs, circular, storage_opti
                 lens, uid = plan["episode_lens"], plan["uid"]
                 t = (rng.random(len(slots)) * np.maximum(lens, 1)).astype(np.int64)
                 values = {}
+                # the read names the planned generations: a storage that verifies them (the read
+                # cache, on by default on S3) is then trusted by read_consistent without a re-check
+                planned = plan["_generation"].copy()
 
-                def gather(items, values=values):
-                    values.update({n: reader.storage.gather(n, slots[items], t[items]) for n in ("step", "frame")})  # noqa: B023
+                def gather(items, values=values, planned=planned):
+                    values.update(
+                        {n: reader.storage.gather(n, slots[items], t[items], planned[items]) for n in ("step", "frame")}  # noqa: B023
+                    )
                     values["items"] = items
 
-                kept_mask = read_consistent(reader, slots.copy(), plan["_generation"], gather, whole=True)
+                kept_mask = read_consistent(reader, slots.copy(), planned, gather, whole=True)
                 kept = np.flatnonzero(kept_mask)
                 if len(kept):
                     keep = np.isin(values["items"], kept)
