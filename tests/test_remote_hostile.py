@@ -4,6 +4,7 @@ exits without ``close()`` gives its lease back."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,15 @@ import uuid
 import numpy as np
 import pytest
 
-from replaybuf import BufferDamagedError, BufferLockedError, BufferNotFoundError, ReplayBuffer, StorageError
+from replaybuf import (
+    BufferDamagedError,
+    BufferLockedError,
+    BufferNotFoundError,
+    CorruptChunkError,
+    ReplayBuffer,
+    StorageError,
+)
+from replaybuf.cli import main
 from replaybuf.storage.lease import LEASE_KEY
 
 pytest_plugins = ["tests._servers"]
@@ -67,6 +76,19 @@ def test_a_cached_reader_never_serves_rows_of_a_buffer_overwritten_or_erased_sin
     writer.close()
     with pytest.raises(BufferNotFoundError, match=r"no longer holds the buffer this reader opened"):
         again.refresh()
+
+
+def test_an_undecodable_meta_chunk_is_a_damaged_buffer_for_info_and_verify(s3_server, capsys):
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.storage.kv.set("meta/episode_lens/c.0", writer.storage.kv.get("meta/episode_lens/c.0")[:7])
+    writer.close()
+    with pytest.raises(CorruptChunkError, match=r"meta/episode_lens: slots 0\.\.3: cannot decode"):
+        reader(url, options)
+    for command in ("info", "verify"):  # a finding about the buffer (exit 1), not a usage error (2)
+        assert main([command, url, "--storage-options", json.dumps(options)]) == 1
+        assert "the buffer is damaged: meta/episode_lens" in capsys.readouterr().err
 
 
 CHILD = """
