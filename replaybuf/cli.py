@@ -22,7 +22,7 @@ import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
 from replaybuf.maintenance import CLI_COMMANDS
-from replaybuf.storage.base import BufferDamagedError, StorageError
+from replaybuf.storage.base import BufferDamagedError, CorruptChunkError, StorageError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     episode_frames,
@@ -394,7 +394,7 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         status = command.run(args)
     except KeyboardInterrupt:
         return 130
-    except BufferDamagedError as error:  # a finding about the buffer, not a usage error
+    except (BufferDamagedError, CorruptChunkError) as error:  # a finding about the buffer, not a usage error
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:

@@ -69,7 +69,7 @@ from ..schema import Field, Schema
 from ._codecs import crc32c
 from ._kv import copy_spans
 from ._strided import take_at
-from .base import ArrayLike, GenerationMismatchError, Storage
+from .base import ArrayLike, BufferNotFoundError, GenerationMismatchError, Storage, StorageError
 from .spans import Spans
 
 #: default bound of one buffer's cache folder (``cache_size``)
@@ -315,6 +315,7 @@ class CachedStorage(Storage):
         self._lock = threading.Lock()
         self._used: int | None = None
         self._root: tuple[Schema, str] | None = None  # (the schema it was derived from, the folder)
+        self._identity_checked = False  # ``load_state`` skips its identity check once after ``open``
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
@@ -357,7 +358,30 @@ class CachedStorage(Storage):
     def open(self, read_only: bool) -> Schema:
         self.schema = self.inner.open(read_only)
         self._reset()
+        self._identity_checked = True  # the schema was read just now
         return self.schema
+
+    def load_state(self) -> dict:
+        """The wrapped storage's counters, after checking (except right after ``open``) that the
+        location still holds the buffer the cache folder belongs to: a buffer created there
+        since (``overwrite=True``) reuses its slots and generations, so the cached rows of the
+        old one would be served as its rows."""
+        state = self.inner.load_state()
+        if not self._identity_checked and self.schema is not None and self.schema.uuid is not None:
+            now = self.inner.stored_uuid()
+            if now is None and not self.inner.exists():
+                raise BufferNotFoundError(
+                    f"{self.location!r} no longer holds the buffer this reader opened (it was erased); "
+                    "its cached rows are not served"
+                )
+            if now != self.schema.uuid:
+                raise StorageError(
+                    f"{self.location!r} holds another buffer (uuid {now}) than the one this reader opened "
+                    f"(uuid {self.schema.uuid}): it was overwritten; its cached rows are not served, "
+                    "open it again with from_folder"
+                )
+        self._identity_checked = False
+        return state
 
     def array(self, name: str, meta: bool = False) -> ArrayLike:
         # docstring inherited: the wrapped storage's (only the layer's reads use the cache)
@@ -816,7 +840,6 @@ def _unlink(path: str) -> None:
 
 _FORWARDED = (
     "check_creatable",
-    "load_state",
     "commit_state",
     "append_log",
     "read_log",
@@ -834,6 +857,7 @@ _FORWARDED = (
     "flush",
     "links",
     "describe_key",
+    "unstored_meta_slots",
 )
 
 

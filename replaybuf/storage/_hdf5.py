@@ -342,6 +342,11 @@ class HDF5Storage(LocalFolderStorage):
     def _config_where(self) -> str:
         return f"attribute {CONFIG_ATTRIBUTE!r} of {self.path}"
 
+    def stored_uuid(self) -> str | None:
+        # docstring inherited
+        config = self._config()
+        return None if config is None else config.get("uuid")
+
     def exists(self) -> bool:
         # docstring inherited
         return self._config() is not None

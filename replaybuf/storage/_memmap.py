@@ -189,6 +189,11 @@ class MemmapStorage(LocalFolderStorage):
         config = parse_json(raw, path)
         return config if config.get("format") == FORMAT_NAME and config.get("backend") == self.backend_name else None
 
+    def stored_uuid(self) -> str | None:
+        # docstring inherited
+        config = self._config()
+        return None if config is None else config.get("uuid")
+
     def exists(self) -> bool:
         # docstring inherited
         return self._config() is not None or _seed.is_seed_folder(self.root)

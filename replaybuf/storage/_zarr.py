@@ -782,6 +782,11 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.array(name).gather(episodes, timesteps, generations)
 
+    def stored_uuid(self) -> str | None:
+        # docstring inherited: one read of the root zarr.json
+        attributes = self._root_attributes()
+        return None if attributes is None else attributes.get("uuid")
+
     def unstored_meta_slots(self, name: str, slots: np.ndarray) -> np.ndarray:
         # docstring inherited: one byte read of each chunk holding ``slots``
         array = self.array(name, meta=True)

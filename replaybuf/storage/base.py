@@ -860,6 +860,8 @@ class Storage(ABC):
             return
         lease = take_lease(self.writer_lease(), break_lock, erase)
         self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
+        # at exit the lease module releases it in this thread; this would hand it to a daemon thread
+        self._lease_finalizer.atexit = False
         self._lease_epoch = lease.epoch
 
     @property
@@ -900,6 +902,12 @@ class Storage(ABC):
         some fields only."""
         del names
         return self.verifies_generations
+
+    def stored_uuid(self) -> str | None:
+        """The uuid of the config stored at the location now, read afresh (None: no config with a
+        uuid, or the backend cannot tell): a read cache checks with it that the buffer it caches
+        was not replaced. The default: None."""
+        return None
 
     def unstored_meta_slots(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` whose row of meta ``name`` is not stored at all (it reads as 0): a

@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -298,6 +299,16 @@ class ProcessLease(WriterLease):
         return self.holder()
 
 
+def _expiry(holder: dict) -> float:
+    """When ``holder``'s lease expires (Unix time): 0, expired, where its record does not say it
+    as a finite number (damaged, like a record that is not JSON)."""
+    try:
+        expires = float(holder.get("expires", 0))
+    except (TypeError, ValueError):
+        return 0.0
+    return expires if math.isfinite(expires) else 0.0
+
+
 class ObjectLease(WriterLease):
     """A lease object on an object store, created with ``If-None-Match: *`` and renewed by a
     heartbeat thread; it holds ``{host, pid, since, expires, token}`` (``expires`` in Unix time).
@@ -351,6 +362,10 @@ class ObjectLease(WriterLease):
         self._thread = threading.Thread(target=self._heartbeat, name=f"replaybuf-lease-{self.location}", daemon=True)
         self._thread.start()
         _held.add(self)
+        # exit hooks run last registered first: this one must run before zarr's, which stops the
+        # event loop every request of the store runs on
+        atexit.unregister(_release_at_exit)
+        atexit.register(_release_at_exit)
 
     def _take_over(self, break_lock: bool) -> None:
         """Replace an expired (or, with ``break_lock``, any) lease and check that ours stands.
@@ -361,9 +376,13 @@ class ObjectLease(WriterLease):
         stops writing at its next renewal: two writers overlap for at most ``seconds / 4``.
         """
         holder = self._read_record()
-        expired = holder is not None and not float(holder.get("expires", 0)) > time.time()
+        expires = 0.0 if holder is None else _expiry(holder)
+        expired = holder is not None and not expires > time.time()
         if holder is not None and not expired and not break_lock:
-            until = datetime.fromtimestamp(float(holder.get("expires", 0)), UTC).isoformat(timespec="seconds")
+            try:
+                until = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
+            except (OverflowError, ValueError, OSError):  # a damaged record: far beyond any date
+                until = f"Unix time {expires:g}"
             raise self._locked_error(
                 holder,
                 f"If that writer stopped without closing, its lease expires at {until}; to take it now, "
@@ -409,13 +428,14 @@ class ObjectLease(WriterLease):
             self._thread.join(timeout=5)  # a renewal in flight, or the release handed to it, ends
         with self._release_lock:
             token, self.token = self.token, None
+            if token is not None and self._pid == os.getpid():
+                with contextlib.suppress(Exception):  # the store is down: the lease expires instead
+                    record = self._read_record()
+                    if record and record.get("token") == token:
+                        self.kv.delete_many([LEASE_KEY])
+            # only now: until the object is deleted, the exit hook must find the lease and wait
+            # for this release (a finalizer at exit hands it to the heartbeat, a daemon thread)
             _held.discard(self)
-            if token is None or self._pid != os.getpid():
-                return
-            with contextlib.suppress(Exception):  # the store is down: the lease expires instead
-                record = self._read_record()
-                if record and record.get("token") == token:
-                    self.kv.delete_many([LEASE_KEY])
 
     def release_soon(self) -> None:
         # docstring inherited: the heartbeat thread deletes the lease object
@@ -488,6 +508,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 @atexit.register
 def _release_at_exit() -> None:
     """Release the leases still held: at exit nothing else deletes an object-store lease
-    (finalizers hand that to daemon threads, which exit stops)."""
+    (finalizers hand that to daemon threads, which exit stops). Registered again by each
+    ``ObjectLease.acquire``, so it runs before the exit hooks of modules imported later."""
     for lease in list(_held):
         lease.release()

@@ -1,0 +1,134 @@
+"""Hostile object stores found by an attacker's audit of buffers on S3 (moto on 127.0.0.1): a
+damaged or replaced buffer is refused by name by the read cache too, and a writer process that
+exits without ``close()`` gives its lease back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from replaybuf import (
+    BufferDamagedError,
+    BufferLockedError,
+    BufferNotFoundError,
+    CorruptChunkError,
+    ReplayBuffer,
+    StorageError,
+)
+from replaybuf.cli import main
+from replaybuf.storage.lease import LEASE_KEY
+
+pytest_plugins = ["tests._servers"]
+
+FIELDS = {"x": ("float", 3)}
+ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+
+
+def new_url(s3_server) -> str:
+    return s3_server.url(f"hostile-{uuid.uuid4().hex[:10]}")
+
+
+def filled(url: str, options: dict, first: float) -> None:
+    """Two episodes whose values start at ``first``."""
+    buffer = ReplayBuffer(url, 4, 5, fields=FIELDS, storage_options=options)
+    for i in range(2):
+        buffer.store_episode(x=np.full((3, 3), first + i, np.float32))
+    buffer.close()
+
+
+def reader(url: str, options: dict) -> ReplayBuffer:
+    buffer = ReplayBuffer.from_folder(url, read_only=True, storage_options=options)
+    assert type(buffer.storage).__name__ == "CachedStorage"  # the default for object stores
+    return buffer
+
+
+def test_a_cached_reader_refuses_a_lost_lengths_chunk(s3_server):
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.storage.kv.delete_many(["meta/episode_lens/c.0"])
+    writer.close()
+    # not an empty buffer: the episodes are committed (generations, counters), their lengths lost
+    with pytest.raises(BufferDamagedError, match=r"meta/episode_lens of .*committed slots \[0, 1\] is missing"):
+        reader(url, options)
+
+
+def test_a_cached_reader_never_serves_rows_of_a_buffer_overwritten_or_erased_since(s3_server):
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    old = reader(url, options)
+    assert old.get_all_data()["x"][:, 0, 0].tolist() == [1.0, 2.0]  # now cached
+    filled(url, options, 50.0)  # overwrite=True: a new uuid, the same slots and generations
+    with pytest.raises(StorageError, match=r"holds another buffer .* it was overwritten"):
+        old.refresh()
+    assert reader(url, options).get_all_data()["x"][:, 0, 0].tolist() == [50.0, 51.0]
+
+    again = reader(url, options)
+    again.refresh()  # the same buffer: refreshes as before
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.storage.kv.delete_many(writer.storage.kv.list_prefix(""))
+    writer.close()
+    with pytest.raises(BufferNotFoundError, match=r"no longer holds the buffer this reader opened"):
+        again.refresh()
+
+
+def test_an_undecodable_meta_chunk_is_a_damaged_buffer_for_info_and_verify(s3_server, capsys):
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.storage.kv.set("meta/episode_lens/c.0", writer.storage.kv.get("meta/episode_lens/c.0")[:7])
+    writer.close()
+    with pytest.raises(CorruptChunkError, match=r"meta/episode_lens: slots 0\.\.3: cannot decode"):
+        reader(url, options)
+    for command in ("info", "verify"):  # a finding about the buffer (exit 1), not a usage error (2)
+        assert main([command, url, "--storage-options", json.dumps(options)]) == 1
+        assert "the buffer is damaged: meta/episode_lens" in capsys.readouterr().err
+
+
+CHILD = """
+import sys
+import numpy as np
+from replaybuf import ReplayBuffer
+buffer = ReplayBuffer(sys.argv[1], 2, 3, fields={"x": "float"}, storage_options=eval(sys.argv[2]))
+if sys.argv[3] == "in-episode":
+    buffer.store(x=1.0)
+if sys.argv[3] != "plain":
+    raise ValueError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "exception", "in-episode"])
+def test_a_writer_process_exiting_without_close_gives_its_s3_lease_back(s3_server, how):
+    url, options = new_url(s3_server), s3_server.storage_options
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, url, repr(options), how], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == (0 if how == "plain" else 1), done.stderr
+    writer = ReplayBuffer.from_folder(url, storage_options=options)  # not BufferLockedError
+    assert writer.storage.kv.get(LEASE_KEY) is not None
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "expires, taken_over",
+    [('"soon"', True), ("null", True), ("1e999", True), ("1e300", False)],  # 1e999: JSON's Infinity
+)
+def test_a_lease_object_with_a_damaged_expiry_is_judged_not_crashed_on(s3_server, expires, taken_over):
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.close()
+    record = f'{{"host": "elsewhere", "pid": 1, "since": "2026-01-01T00:00:00+00:00", "expires": {expires}}}'
+    writer.storage.kv.set(LEASE_KEY, record.encode())
+    if taken_over:  # unreadable as a time, like an unreadable record: expired
+        ReplayBuffer.from_folder(url, storage_options=options).close()
+    else:
+        with pytest.raises(BufferLockedError, match=r"pid 1 on host 'elsewhere'.*expires at Unix time 1e\+300"):
+            ReplayBuffer.from_folder(url, storage_options=options)
+        assert writer.storage.kv.get(LEASE_KEY) == record.encode()  # refused: left as it was
