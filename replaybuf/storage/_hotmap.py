@@ -43,6 +43,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -159,6 +160,9 @@ class ShardMaps:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._evicted = False  # whether a map ever went for want of room
         self._lock = threading.Lock()
+        # moves whenever a map goes, is replaced or is doubted: a ``MapIndex`` of another
+        # version is stale
+        self.version = 0
 
     def get(self, path: str, array: ShardedArray) -> HotMap | None:
         """The map of the hot shard at ``path`` as the file is now; None when it is absent or
@@ -233,6 +237,7 @@ class ShardMaps:
                 return None
             entry = self._entries[path] = _Entry(*mapped)
             entry.generation, entry.confirmed = generation, now
+            self.version += 1
             self._entries.move_to_end(path)
             while len(self._entries) > self.limit:
                 self._entries.popitem(last=False)
@@ -242,12 +247,20 @@ class ShardMaps:
     def drop(self, path: str) -> None:
         with self._lock:
             self._entries.pop(path, None)
+            self.version += 1
+
+    def trusted(self, path: str) -> tuple[int, float] | None:
+        """(generation, time) a read last confirmed the map of ``path`` for, None without one."""
+        with self._lock:
+            entry = self._entries.get(path)
+            return None if entry is None or entry.map is None else (entry.generation, entry.confirmed)
 
     def drop_under(self, folder: str) -> None:
         """Unmap the files under ``folder`` (a buffer closed: its replaced files are freed)."""
         with self._lock:
             for path in [p for p in self._entries if p.startswith(folder)]:
                 del self._entries[path]
+            self.version += 1
 
     def doubt_under(self, folder: str) -> None:
         """Stat the files under ``folder`` again before their next use (``drop_caches``: a
@@ -256,10 +269,12 @@ class ShardMaps:
             for path, entry in self._entries.items():
                 if path.startswith(folder):
                     entry.generation = 0
+            self.version += 1
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self.version += 1
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -267,6 +282,96 @@ class ShardMaps:
 
 _maps = ShardMaps(MAX_MAPS)
 os.register_at_fork(after_in_child=_maps._after_fork)
+
+
+class MapIndex:
+    """The maps of one array's hot shards that timestep batches confirmed, by slot, in arrays
+    (``gather_mapped``'s fast path): a batch whose every pair names a slot here at the
+    generation confirmed less than ``TRUST_S`` ago, and a stored, checked frame, is served with
+    a few numpy operations and one fancy index, without a lookup per sampled episode (a set of
+    the batch's episodes, a dict lookup each and a table of their rows cost as much as the copy).
+    Valid while ``ShardMaps.version`` stays as it was when built; any other batch takes the
+    usual path, which teaches the index what it confirmed."""
+
+    def __init__(self, episodes: int):
+        self.version = -1
+        self.where = np.full(episodes, -1, np.int64)  # slot -> row of the arrays below
+        self.maps: list[HotMap] = []  # references keep the maps alive while they are indexed
+        self.rows = np.empty((0, 0), np.int64)
+        self.address = np.empty(0, np.int64)
+        self.generation = np.empty(0, np.int64)
+        self.confirmed = np.empty(0, np.float64)
+        self.lock = threading.Lock()
+
+    def take(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray) -> np.ndarray | None:
+        """The frames (raw bytes, one row each) when the whole batch can be served, else None."""
+        with self.lock:
+            if self.version != _maps.version or not self.maps:
+                return None
+            k = self.where[episodes]
+            if (k < 0).any():
+                return None
+            k_generation = self.generation[k]
+            if (k_generation != generations).any() or (time.monotonic() - self.confirmed[k] >= TRUST_S).any():
+                return None
+            rows = self.rows[k, timesteps]
+            if (rows < 0).any():
+                return None
+            width = self.maps[0].payloads.strides[0]
+            addresses = self.address[k] + rows * width
+            lowest = int(np.argmin(addresses))
+            anchor = self.maps[int(k[lowest])].payloads[int(rows[lowest]) :]
+            return take_at(anchor, addresses - addresses[lowest])
+
+    def learn(
+        self, version: int, episodes: list[int], shards: list[HotMap | None], paths: list[str], planned: list[int]
+    ) -> None:
+        """Index the whole-checked maps a batch used (``episodes``: its distinct slots) that
+        ``ShardMaps`` confirmed for the ``planned`` generations, as of ``version`` (the maps'
+        version when the batch looked them up: a map gone since is never indexed)."""
+        with self.lock:
+            if self.version != version:
+                self.where[:] = -1
+                self.maps, self.version = [], version
+                self.rows, self.address = np.empty((0, 0), np.int64), np.empty(0, np.int64)
+                self.generation, self.confirmed = np.empty(0, np.int64), np.empty(0, np.float64)
+            added: list[tuple[int, HotMap, int, float]] = []
+            for episode, shard, path, generation in zip(episodes, shards, paths, planned):
+                if shard is None or not shard.whole:
+                    continue
+                trust = _maps.trusted(path)
+                if trust is None or trust[0] != generation or generation <= 0:
+                    continue
+                k = int(self.where[episode])
+                if k >= 0 and self.maps[k] is shard:
+                    self.generation[k], self.confirmed[k] = trust
+                elif k < 0:
+                    added.append((episode, shard, *trust))
+            if not added or _maps.version != version or len(self.maps) + len(added) > MAX_MAPS:
+                return
+            first = len(self.maps)
+            for i, (episode, shard, _, _) in enumerate(added):
+                self.where[episode] = first + i
+                self.maps.append(shard)
+            self.rows = (
+                np.concatenate([self.rows.reshape(first, -1), np.stack([a[1].rows for a in added])])
+                if first
+                else np.stack([a[1].rows for a in added])
+            )
+            self.address = np.concatenate([self.address, [a[1].address for a in added]]).astype(np.int64)
+            self.generation = np.concatenate([self.generation, [a[2] for a in added]]).astype(np.int64)
+            self.confirmed = np.concatenate([self.confirmed, [a[3] for a in added]])
+
+
+_indexes: weakref.WeakKeyDictionary[ShardedArray, MapIndex] = weakref.WeakKeyDictionary()
+os.register_at_fork(after_in_child=_indexes.clear)
+
+
+def _index_of(array: ShardedArray) -> MapIndex:
+    index = _indexes.get(array)
+    if index is None:
+        index = _indexes.setdefault(array, MapIndex(array.shape[0]))
+    return index
 
 
 def shard_maps() -> ShardMaps:
@@ -301,9 +406,18 @@ def gather_mapped(
     generation the read planned for the slot (``ShardMaps.get_many``)."""
     if not len(episodes) or not _mappable(array, array.dtype):
         return None
+    if generations is not None:
+        index = _index_of(array)
+        frames = index.take(episodes, timesteps, generations)
+        if frames is not None:
+            return frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), np.empty(0, np.int64)
+    version = _maps.version
     distinct, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
     paths = [array.shard_path(episode) for episode in distinct.tolist()]
-    shards = _maps.get_many(paths, array, None if generations is None else generations[first].tolist())
+    planned = None if generations is None else generations[first].tolist()
+    shards = _maps.get_many(paths, array, planned)
+    if planned is not None:
+        index.learn(version, distinct.tolist(), shards, paths, planned)
     live = [k for k, shard in enumerate(shards) if shard is not None]
     if not live:  # none hot (compacted): the usual path reads the whole batch
         return None
