@@ -78,6 +78,12 @@ def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarra
         if not _midway(lens, generations) and np.array_equal(_lens(storage), lens):
             break
         time.sleep(0.01)
+    else:
+        if _live_writer(storage) is not None:  # caught midway every time: not damage
+            raise RuntimeError(
+                f"a writer committed to {storage.location!r} faster than its lengths could be read "
+                f"({_BOOKKEEPING_READS} reads); nothing was written: retry"
+            )
     check_bookkeeping(lens, generations, schema, storage.location)
     state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
     check_lost_lengths(storage, lens, generations, state)

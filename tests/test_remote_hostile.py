@@ -17,6 +17,7 @@ from replaybuf import (
     BufferDamagedError,
     BufferLockedError,
     BufferNotFoundError,
+    BufferReplacedError,
     CorruptChunkError,
     ReplayBuffer,
     StorageError,
@@ -64,18 +65,27 @@ def test_a_cached_reader_never_serves_rows_of_a_buffer_overwritten_or_erased_sin
     filled(url, options, 1.0)
     old = reader(url, options)
     assert old.get_all_data()["x"][:, 0, 0].tolist() == [1.0, 2.0]  # now cached
-    filled(url, options, 50.0)  # overwrite=True: a new uuid, the same slots and generations
-    with pytest.raises(StorageError, match=r"holds another buffer .* it was overwritten"):
-        old.refresh()
+    filled(url, options, 50.0)  # overwrite=True: a new uuid, the same slots
+    # the cache's load sees another uuid; refresh() opens the new buffer of the same config
+    # (``BufferReplacedError`` for another config), whose rows come from its own cache folder
+    assert old.refresh().get_all_data()["x"][:, 0, 0].tolist() == [50.0, 51.0]
     assert reader(url, options).get_all_data()["x"][:, 0, 0].tolist() == [50.0, 51.0]
+    stale = reader(url, options)
+    stale.get_all_data()
+    filled(url, options, 90.0)
+    with pytest.raises(StorageError, match=r"holds another buffer .* it was overwritten"):
+        stale.storage.load_state()  # the cache itself refuses to load another buffer's counters
 
     again = reader(url, options)
     again.refresh()  # the same buffer: refreshes as before
     writer = ReplayBuffer.from_folder(url, storage_options=options)
     writer.storage.kv.delete_many(writer.storage.kv.list_prefix(""))
     writer.close()
-    with pytest.raises(BufferNotFoundError, match=r"no longer holds the buffer this reader opened"):
+    # erased: refused (the erase reads as a replacement whose new buffer is not there yet)
+    with pytest.raises(BufferReplacedError, match=r"no replaybuf buffer at"):
         again.refresh()
+    with pytest.raises(BufferNotFoundError, match=r"no longer holds the buffer this reader opened"):
+        again.storage.load_state()
 
 
 def test_an_undecodable_meta_chunk_is_a_damaged_buffer_for_info_and_verify(s3_server, capsys):

@@ -451,8 +451,9 @@ def test_maintenance_beside_a_live_writer_process_is_refused_or_safe(backend, tm
             try:
                 convert(location, destination, backend=backend, progress=False)
             except RuntimeError as error:  # the writer outran the copy: nothing published
-                assert "faster than they could be copied" in str(error)
-                assert ReplayBuffer.from_folder(destination, read_only=True).num_episodes == 0
+                assert "faster than" in str(error)
+                if os.path.exists(destination):  # refused before or after creating it: empty
+                    assert ReplayBuffer.from_folder(destination, read_only=True).num_episodes == 0
                 continue
             assert _check_copy_is_whole(destination) > 0
             copies += 1
