@@ -317,11 +317,11 @@ class MapIndex:
             rows = self.rows[k, timesteps]
             if (rows < 0).any():
                 return None
-            width = self.maps[0].payloads.strides[0]
-            addresses = self.address[k] + rows * width
-            lowest = int(np.argmin(addresses))
-            anchor = self.maps[int(k[lowest])].payloads[int(rows[lowest]) :]
-            return take_at(anchor, addresses - addresses[lowest])
+            maps = self.maps  # a reset makes a new list: this one keeps the maps alive for the copy
+            addresses = self.address[k] + rows * maps[0].payloads.strides[0]
+        lowest = int(np.argmin(addresses))
+        anchor = maps[int(k[lowest])].payloads[int(rows[lowest]) :]
+        return take_at(anchor, addresses - addresses[lowest])  # outside the lock: copies may overlap
 
     def learn(
         self, version: int, episodes: list[int], shards: list[HotMap | None], paths: list[str], planned: list[int]
