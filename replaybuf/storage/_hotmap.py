@@ -403,11 +403,12 @@ def gather_mapped(
     only rows checked against their crc32c are indexed): one Python step per frame (a copy
     and a lookup or two) cost ~1 us a frame more than the copy itself. The references in
     ``shards`` keep the maps alive while they are indexed. ``generations``: per pair, the
-    generation the read planned for the slot (``ShardMaps.get_many``)."""
+    generation the read planned for the slot (``ShardMaps.get_many``); a batch naming them is
+    first offered to the array's ``MapIndex``, which learns the maps this path confirms."""
     if not len(episodes) or not _mappable(array, array.dtype):
         return None
-    if generations is not None:
-        index = _index_of(array)
+    index = None if generations is None else _index_of(array)
+    if index is not None and generations is not None:
         frames = index.take(episodes, timesteps, generations)
         if frames is not None:
             return frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), np.empty(0, np.int64)
@@ -416,7 +417,7 @@ def gather_mapped(
     paths = [array.shard_path(episode) for episode in distinct.tolist()]
     planned = None if generations is None else generations[first].tolist()
     shards = _maps.get_many(paths, array, planned)
-    if planned is not None:
+    if index is not None and planned is not None:
         index.learn(version, distinct.tolist(), shards, paths, planned)
     live = [k for k, shard in enumerate(shards) if shard is not None]
     if not live:  # none hot (compacted): the usual path reads the whole batch
