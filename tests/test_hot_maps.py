@@ -171,12 +171,14 @@ def test_a_batch_naming_its_generations_reuses_a_confirmed_map_until_the_slot_mo
     """A read naming each slot's planned generation uses a map confirmed for it without a stat
     of the file; a new generation, a refresh (``drop_caches``) or this process's own write of
     the slot makes the next read look at the file again."""
+    # this process's maps as new: after an eviction (earlier tests) maps are checked frame by
+    # frame, and only maps checked whole are indexed
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))
     location = str(tmp_path / "buffer")
     writer = make(location)
     for seed in range(2):
         writer.store_episode(**episode(seed))
     reader = open_reader(location)
-    shard_maps().clear()
     slots, steps = np.array([0, 1, 0, 1]), np.array([3, 2, 1, 0])
     stats = []
     real_stat = os.stat
@@ -217,10 +219,11 @@ def test_a_batch_naming_its_generations_reuses_a_confirmed_map_until_the_slot_mo
     writer.close()
 
 
-def test_a_batch_the_map_index_serves_is_exact_and_lapses_with_the_maps(tmp_path):
+def test_a_batch_the_map_index_serves_is_exact_and_lapses_with_the_maps(tmp_path, monkeypatch):
     """Batches over slots whose maps are confirmed are served by the per-array index
     (``MapIndex``) with the stored frames; a write of this process, a refresh or a new map makes
     the next batch look the maps up again."""
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))  # none evicted yet
     location = str(tmp_path / "buffer")
     writer = make(location)
     stored = {seed: episode(seed) for seed in range(2)}
