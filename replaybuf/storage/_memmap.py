@@ -9,6 +9,7 @@ Layout of a folder (every array readable with ``numpy.load(path, mmap_mode='r')`
     replaybuf/checksums.npy        format 2: a crc32c per committed (field, episode), ``_local.py``
                                    (format 3: each entry tagged so that it checks itself)
     replaybuf/steplog/             the step log of episodes in progress
+    replaybuf/writing              the slots being written in place (``Storage.mark_writing``)
 
 The file names are those of memmap-replay-buffer 0.2.x, whose folders this backend also opens
 (``_seed.py``). A seed folder opened read-only is read as it is, nothing written. Opened for
