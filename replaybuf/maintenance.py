@@ -1007,8 +1007,11 @@ def _check_beyond_length(
                         (None, f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
                     )
                     continue
-                rows = rows.reshape(*rows.shape[:2], -1)
-                odd = ((rows != 0) & (rows != schema.fields[name].fill)).any(axis=2)
+                # compared as bytes: a flipped sign bit (-0.0) or a NaN default is no value match
+                item = rows.dtype.itemsize
+                raw = np.ascontiguousarray(rows).view(np.uint8).reshape(*rows.shape[:2], -1, item)
+                fill = np.frombuffer(np.asarray(schema.fields[name].fill, dtype=rows.dtype).tobytes(), np.uint8)
+                odd = (raw.any(axis=3) & ~(raw == fill).all(axis=3)).any(axis=2)
                 odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
                 for row in np.flatnonzero(odd.any(axis=1)):
                     steps = start + np.flatnonzero(odd[row])

@@ -772,3 +772,22 @@ def _check_all_kept(path: str) -> None:
     for slot in range(3):
         for name in FIELDS:
             np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), _episode(slot)[name])
+
+
+def test_verify_compares_steps_past_a_length_as_bytes(tmp_path):
+    """Past an episode's length only the bytes of 0 or of the field's default are clean: a
+    flipped sign bit (-0.0 == 0.0 as a value) is reported and repaired, a NaN default is not
+    reported (NaN != NaN as a value)."""
+    path = str(tmp_path / "b")
+    fields = {"x": ("float32", 3), "y": {"dtype": "float32", "shape": (2,), "default": float("nan")}}
+    buffer = ReplayBuffer(path, 2, 8, fields)
+    buffer.store_episode(x=np.ones((5, 3), np.float32), y=np.ones((5, 2), np.float32))
+    buffer.close()
+    assert verify(path) == []  # y's padding is NaN, byte for byte its default
+    chunk = os.path.join(path, "data", "x", "c.0.0.0")
+    data = bytearray(open(chunk, "rb").read())
+    data[6 * 12 + 3] ^= 0x80  # step 6 (past the length 5), the sign bit of its first value
+    open(chunk, "wb").write(data)
+    assert verify(path) == ["data/x: slot 0 (length 5) holds data beyond its length at timesteps 6..6"]
+    assert verify(path, repair=True)[-1].startswith("repaired: set the steps beyond the lengths of slots [0]")
+    assert verify(path) == []
