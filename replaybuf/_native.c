@@ -9,6 +9,11 @@
  * decode_many(decompress, extend, data, ranges, out, offsets, nbytes, checksum) -> (k, code):
  * k = -1 when every chunk decoded, else the failing chunk (the ones before it decoded) and
  * code 1: too short for a blosc chunk, 2: crc32c mismatch, 3: sizes or decode wrong.
+ *
+ * gather(out, addresses, nbytes) copies nbytes from each address (int64s) into out, one after
+ * another, with the GIL released: the frames a batch samples from many memory maps
+ * (storage/_hotmap.py), which the caller keeps referenced and checked. Building one numpy view
+ * over all the maps for a fancy index cost ~0.1 ms of Python a batch, a fifth of the copy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -78,8 +83,32 @@ static PyObject *decode_many(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ni)", failed, code);
 }
 
+static PyObject *gather(PyObject *self, PyObject *args) {
+    Py_buffer out, addresses;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "w*y*n", &out, &addresses, &nbytes))
+        return NULL;
+    Py_ssize_t count = addresses.len / (Py_ssize_t)sizeof(int64_t);
+    if (nbytes < 0 || count * nbytes > out.len) {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&addresses);
+        PyErr_SetString(PyExc_ValueError, "gather: out is smaller than len(addresses) * nbytes, or nbytes < 0");
+        return NULL;
+    }
+    unsigned char *target = (unsigned char *)out.buf;
+    const int64_t *sources = (const int64_t *)addresses.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < count; k++)
+        memcpy(target + k * nbytes, (const void *)(uintptr_t)sources[k], (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&addresses);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode_many", decode_many, METH_VARARGS, "Check and decode a run of blosc chunks with the GIL released once."},
+    {"gather", gather, METH_VARARGS, "Copy nbytes from each address into out, one after another, with the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

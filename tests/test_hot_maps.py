@@ -12,9 +12,11 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from replaybuf import ReplayBuffer
-from replaybuf.storage import CorruptChunkError, _hotmap, chunk_cache
+from replaybuf.storage import CorruptChunkError, _hotmap, _strided, chunk_cache
 from replaybuf.storage._hotmap import shard_maps
 
 from .test_hot_tier import FIELDS, STEPS, WAIT_S, episode, is_hot, shard_file
@@ -141,9 +143,35 @@ def test_a_batch_copies_frame_by_frame_when_the_maps_span_too_wide(tmp_path, mon
         raise ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size")
 
     monkeypatch.setattr(np.lib.stride_tricks, "as_strided", too_big)
+    monkeypatch.setattr("replaybuf.storage._strided._gather", None)  # the strided view's path
     assert np.array_equal(reader.storage.gather("image", slots, steps), _expected(stored, "image", slots, steps))
     assert shard_file(writer, 1) in shard_maps()._entries  # served from the maps, one frame at a time
     writer.close()
+
+
+@given(
+    picks=st.lists(st.integers(0, 11), min_size=1, max_size=20),
+    first=st.integers(0, 11),
+    strided=st.booleans(),
+    compiled=st.booleans(),
+)
+def test_take_at_copies_the_items_at_the_offsets(picks, first, strided, compiled):
+    """The compiled copy (contiguous items) and the strided view (any items) both return the
+    items at the offsets from the anchor, laid out as its items."""
+    if compiled and _strided._gather is None:
+        pytest.skip("built without the compiled extension")
+    items = np.arange(12 * 3 * 4, dtype=np.int32).reshape(12, 3, 4)
+    items = items[:, :, ::2] if strided else items
+    chosen = np.array([pick for pick in picks if pick >= first] or [first])  # any order, repeats
+    offsets = (chosen - first) * items.strides[0]
+    saved = _strided._gather
+    _strided._gather = saved if compiled else None
+    try:
+        taken = _strided.take_at(items[first:], offsets.astype(np.int64))
+    finally:
+        _strided._gather = saved
+    assert taken is not None and taken.shape == (len(chosen), *items.shape[1:])
+    np.testing.assert_array_equal(taken, items[chosen])
 
 
 def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):

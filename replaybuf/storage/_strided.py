@@ -7,11 +7,24 @@ whose rows start every ``unit`` bytes (``unit``: the gcd of the items' offsets f
 every item is one row of it, and indexes it once. The view spans the address range between the
 maps too; only the rows of the items asked for are read, so a caller must pass only offsets of
 items it checked lie inside maps it keeps referenced until the index returns.
+
+Where the compiled extension is built (``replaybuf/_native.c``), contiguous items are copied by
+its ``gather`` from their addresses instead, with the GIL released: building the view and its
+index cost ~0.1 ms of Python per batch of 256 frames of 84x84x3, a fifth of the copy.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import numpy as np
+
+_gather: Callable[[np.ndarray, np.ndarray, int], None] | None
+try:
+    _gather = importlib.import_module("replaybuf._native").gather
+except ImportError:  # built without a compiler: the strided view serves
+    _gather = None
 
 
 def take_at(anchor: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
@@ -19,6 +32,11 @@ def take_at(anchor: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     as one of ``anchor``'s items (its shape and strides after the first axis), gathered into a
     new array with one fancy index; None when the span is too wide for one view (numpy's
     ValueError: the caller copies item by item)."""
+    first = anchor[:1]
+    if _gather is not None and first.flags.c_contiguous:
+        out = np.empty((len(offsets), *anchor.shape[1:]), anchor.dtype)
+        _gather(out, np.ascontiguousarray(offsets + first.__array_interface__["data"][0], np.int64), first.nbytes)
+        return out
     unit = int(np.gcd.reduce(offsets)) or 1
     try:
         view = np.lib.stride_tricks.as_strided(
