@@ -297,6 +297,31 @@ def test_vectorized_gather_keeps_the_map_bound_and_the_lru_clock(tmp_path, monke
     assert all(os.path.getmtime(path) > 1e9 for path in paths)
 
 
+def test_a_process_keeps_more_episodes_mapped_than_it_may_open_files(tmp_path):
+    """A cached episode's map holds no file descriptor: a reader serves 96 cached episodes under
+    an open-file limit of 32 more than it has open (Python's mmap keeps one per map)."""
+    import resource
+
+    slots = 96
+    writer = ReplayBuffer(tmp_path / "buffer", max_episodes=slots, max_timesteps=4, fields={"state": ("float", 3)})
+    for slot in range(slots):
+        writer.store_episode(state=np.full((4, 3), slot, np.float32))
+    writer.close()
+    options = dict(read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    ReplayBuffer.from_folder(tmp_path / "buffer", **options).warm_cache()
+    reader = ReplayBuffer.from_folder(tmp_path / "buffer", **options)  # maps nothing yet
+    picked = np.arange(slots)
+    generations = reader._meta["_generation"][picked]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    try:
+        rows = reader.storage.gather("state", picked, np.full(slots, 3), generations)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    np.testing.assert_array_equal(rows[:, 0], picked)
+    assert len(reader.storage._maps) == slots
+
+
 def test_vectorized_gather_copies_per_item_when_the_maps_span_too_wide(tmp_path, monkeypatch):
     monkeypatch.setattr("replaybuf.storage._cache.DENSE_BYTES", 0)
     writer, plain, cached = ring_of_three(tmp_path)

@@ -174,6 +174,33 @@ def test_take_at_copies_the_items_at_the_offsets(picks, first, strided, compiled
     np.testing.assert_array_equal(taken, items[chosen])
 
 
+def test_more_hot_shards_stay_mapped_than_the_process_may_open_files(tmp_path, monkeypatch):
+    """A map holds no file descriptor: a reader keeps every hot shard of a buffer of many short
+    episodes mapped under a small open-file limit (Python's mmap keeps one each, so it once
+    kept 256 and remapped the rest at every batch)."""
+    import resource
+
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))
+    location = str(tmp_path / "buffer")
+    slots = 96
+    writer = ReplayBuffer(location, max_episodes=slots, max_timesteps=STEPS, fields=FIELDS)
+    stored = {slot: episode(slot) for slot in range(slots)}
+    for data in stored.values():
+        writer.store_episode(**data)
+    reader = open_reader(location)
+    picked, steps = np.repeat(np.arange(slots), 2), np.tile([0, STEPS - 1], slots)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    try:
+        got = reader.storage.gather("image", picked, steps)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    np.testing.assert_array_equal(got, _expected(stored, "image", picked, steps))
+    mapped = [entry for entry in shard_maps()._entries.values() if entry.map is not None]
+    assert len(mapped) >= slots
+    writer.close()
+
+
 def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):
     """A slot reused (a new hot shard at the path) or compacted between two batches: the next
     batch reads the file now at the path."""

@@ -53,7 +53,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import threading
 import time
@@ -68,13 +67,14 @@ import numpy as np
 from ..schema import Field, Schema
 from ._codecs import crc32c
 from ._kv import copy_spans
+from ._mapping import map_file
 from ._strided import take_at
 from .base import ArrayLike, BufferNotFoundError, GenerationMismatchError, Storage, StorageError
 from .spans import Spans
 
 #: default bound of one buffer's cache folder (``cache_size``)
 DEFAULT_CACHE_SIZE = 20 << 30
-#: maps a process keeps open per cached storage
+#: maps a process keeps open per cached storage (no file descriptor each: ``_mapping.map_file``)
 MAX_OPEN_MAPS = 4096
 #: files whose check a process remembers (``CachedStorage._checked``): a map evicted and made
 #: again is not checked again
@@ -612,15 +612,15 @@ class CachedStorage(Storage):
                 if size <= 0 or size % field.step_nbytes:
                     _unlink(path)  # damaged (a healthy file is whole rows and a checksum)
                     return None
-                mapped = mmap.mmap(f.fileno(), size + CHECK_BYTES, prot=mmap.PROT_READ)
+                mapped = map_file(f.fileno(), size + CHECK_BYTES)
         except FileNotFoundError:
             return None
         # a plain array over the map (it keeps the map alive): indexing an np.memmap costs a
         # subclass round trip per call, paid once per sampled episode per field
-        rows = np.frombuffer(mapped, dtype=np.uint8, count=size)
+        rows = mapped[:size]
         identity = (st.st_ino, st.st_size)
         if self._checked.get(path) != identity:  # a file is checked once per process (maps come and go)
-            if crc32c(rows) != int.from_bytes(mapped[size:], "little"):
+            if crc32c(rows) != int.from_bytes(mapped[size:].tobytes(), "little"):
                 _unlink(path)  # damaged: fetched again by the caller
                 return None
             if len(self._checked) >= MAX_CHECKED:

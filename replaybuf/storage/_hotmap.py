@@ -39,7 +39,6 @@ version a writer put in place meanwhile).
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
@@ -51,14 +50,16 @@ import numpy as np
 
 from ._codecs import BLOSC_HEADER, BLOSC_MEMCPYED, crc32c
 from ._kv import LocalKV, copy_spans
+from ._mapping import map_file
 from ._strided import take_at
 
 if TYPE_CHECKING:
     from ._shards import ShardedArray
 
-#: shard files a process keeps mapped (each map holds one file descriptor: Python's mmap keeps
-#: a duplicate); the least recently used map goes first
-MAX_MAPS = 256
+#: shard files a process keeps mapped, the least recently used going first: each map is one of
+#: the kernel's per-process mappings (65530 by default) and ~3 KB here, and holds no file
+#: descriptor (``_mapping.map_file``); a buffer of short episodes keeps thousands hot
+MAX_MAPS = 4096
 #: seconds a map confirmed for a slot's generation serves reads planned for that generation
 #: without a stat of its file (see above)
 TRUST_S = 1.0
@@ -81,7 +82,7 @@ class HotMap:
         self.checked = np.full(len(items), not checksum)
         self.whole = not checksum
         self._bodies = items[:, :-4]  # what each crc32c covers: header and payload
-        self._sums = items[:, -4:].copy().view("<u4").reshape(-1).tolist() if checksum else []
+        self._sums = items[:, -4:].copy().view("<u4").reshape(-1) if checksum else np.empty(0, np.uint32)
 
     def verified(self, rows: np.ndarray) -> bool:
         """Whether the stored items ``rows`` match their crc32c (each checked once per map)."""
@@ -92,7 +93,7 @@ class HotMap:
         """``verified`` for one stored item."""
         if self.checked[row]:
             return True
-        if crc32c(self._bodies[row]) != self._sums[row]:
+        if crc32c(self._bodies[row]) != int(self._sums[row]):
             return False
         self.checked[row] = True
         return True
@@ -118,7 +119,7 @@ def _map_shard(path: str, array: ShardedArray) -> tuple[tuple[int, ...], HotMap 
         body = st.st_size - array.index_nbytes
         if body < width:
             return fingerprint, None
-        whole = np.frombuffer(mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ), np.uint8)
+        whole = map_file(fd, st.st_size)
     finally:
         os.close(fd)
     raw_index = whole[body:]

@@ -1,0 +1,58 @@
+"""Read-only memory maps of files that hold no file descriptor.
+
+Python's ``mmap.mmap`` keeps a duplicate of the file's descriptor for as long as the map lives.
+A reader keeping one map per hot shard or cached episode (thousands, for a buffer of short
+episodes) would run into the process's open-file limit (often 1024), so it kept few and
+remapped the others again and again: 400 hot episodes sampled at random ran at 0.07x an
+np.memmap gather. ``map_file`` maps through libc's ``mmap`` and closes nothing of the caller's:
+the map outlives the descriptor, as POSIX allows, and is unmapped when the last array over it
+goes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
+_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Map:
+    """One mapping, exposed to numpy as bytes; unmapped when numpy lets go of it."""
+
+    def __init__(self, address: int, size: int):
+        self.address, self.size = address, size
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, True), "version": 3}
+
+    def __del__(self) -> None:
+        _LIBC.munmap(self.address, self.size)
+
+
+def map_file(fd: int, size: int) -> np.ndarray:
+    """The first ``size`` (> 0) bytes of the open file ``fd``, mapped read-only and shared, as a
+    uint8 array (its views keep the map alive). The caller may close ``fd`` at once."""
+    if _LIBC is None:  # no libc to call: Python's map, which keeps a descriptor
+        return np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), np.uint8)
+    address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _FAILED:
+        error = ctypes.get_errno()
+        raise OSError(error, f"mmap of {size} bytes failed: {os.strerror(error)}")
+    return np.asarray(_Map(address, size))
