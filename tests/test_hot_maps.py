@@ -201,6 +201,23 @@ def test_more_hot_shards_stay_mapped_than_the_process_may_open_files(tmp_path, m
     writer.close()
 
 
+def test_a_map_outlives_its_descriptor_and_never_reaches_past_the_file(tmp_path):
+    from replaybuf.storage._mapping import map_file
+
+    path = tmp_path / "file"
+    path.write_bytes(bytes(range(200)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="greater than file size"):
+            map_file(fd, 4096)
+        mapped = map_file(fd, 200)
+    finally:
+        os.close(fd)
+    view = mapped[10:14]
+    del mapped
+    assert view.tolist() == [10, 11, 12, 13] and not view.flags.writeable
+
+
 def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):
     """A slot reused (a new hot shard at the path) or compacted between two batches: the next
     batch reads the file now at the path."""

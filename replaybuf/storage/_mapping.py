@@ -55,4 +55,7 @@ def map_file(fd: int, size: int) -> np.ndarray:
     if address is None or address == _FAILED:
         error = ctypes.get_errno()
         raise OSError(error, f"mmap of {size} bytes failed: {os.strerror(error)}")
-    return np.asarray(_Map(address, size))
+    mapped = np.asarray(_Map(address, size))
+    if os.fstat(fd).st_size < size:  # as Python's mmap refuses: a page past the end would fault
+        raise ValueError("mmap length is greater than file size")
+    return mapped
