@@ -14,11 +14,18 @@
  * another, with the GIL released: the frames a batch samples from many memory maps
  * (storage/_hotmap.py), which the caller keeps referenced and checked. Building one numpy view
  * over all the maps for a fancy index cost ~0.1 ms of Python a batch, a fifth of the copy.
+ *
+ * pread_many(fds, starts, sizes, out, got) reads sizes[k] bytes at starts[k] of fds[k] (int64s)
+ * into out, one range after another, with the GIL released: got[k] is the bytes read (fewer
+ * where the file ends first), -1 where fds[k] < 0 (absent), or -errno. A sampled batch reads a
+ * small range per frame; a preadv each from Python cost ~4 us.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <errno.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int (*decompress_fn)(const void *, void *, size_t, int);
 typedef uint32_t (*extend_fn)(uint32_t, const void *, size_t);
@@ -106,9 +113,65 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *pread_many(PyObject *self, PyObject *args) {
+    Py_buffer fds, starts, sizes, out, got;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*", &fds, &starts, &sizes, &out, &got))
+        return NULL;
+    Py_ssize_t count = fds.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *files = (const int64_t *)fds.buf, *at = (const int64_t *)starts.buf, *want = (const int64_t *)sizes.buf;
+    int64_t *done = (int64_t *)got.buf;
+    int64_t total = 0;
+    int ok = starts.len >= fds.len && sizes.len >= fds.len && got.len >= fds.len;
+    for (Py_ssize_t k = 0; ok && k < count; k++) {
+        if (want[k] < 0 || at[k] < 0)
+            ok = 0;
+        total += want[k];
+    }
+    if (!ok || total > out.len) {
+        PyBuffer_Release(&fds);
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&sizes);
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&got);
+        PyErr_SetString(PyExc_ValueError, "pread_many: arrays of unequal lengths, a negative range, or out too small");
+        return NULL;
+    }
+    unsigned char *target = (unsigned char *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < count; k++) {
+        int64_t read_so_far = 0;
+        if (files[k] < 0) {
+            done[k] = -1;
+        } else {
+            while (read_so_far < want[k]) {
+                ssize_t n = pread((int)files[k], target + read_so_far, (size_t)(want[k] - read_so_far), (off_t)(at[k] + read_so_far));
+                if (n < 0 && errno == EINTR)
+                    continue;
+                if (n < 0) {
+                    read_so_far = -(int64_t)errno;
+                    break;
+                }
+                if (n == 0)
+                    break;
+                read_so_far += n;
+            }
+            done[k] = read_so_far;
+        }
+        target += want[k];
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&fds);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&got);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode_many", decode_many, METH_VARARGS, "Check and decode a run of blosc chunks with the GIL released once."},
     {"gather", gather, METH_VARARGS, "Copy nbytes from each address into out, one after another, with the GIL released."},
+    {"pread_many", pread_many, METH_VARARGS, "Read byte ranges of open files into out, one after another, with the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,12 +25,15 @@ PATHS = ["loop", "native", "numcodecs"]
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Every decode path: the compiled loop (``replaybuf/_native.c``), c-blosc through ctypes
-    chunk by chunk, and numcodecs chunk by chunk."""
+    """Every decode path: the compiled loop (``replaybuf/_native.c``, which also reads the
+    ranges), c-blosc through ctypes chunk by chunk, and numcodecs chunk by chunk (these two read
+    the ranges with a preadv each)."""
     if request.param == "loop":
-        if _codecs._native_loop() is None:
+        if _codecs._native_loop() is None or _kv._pread_many is None:
             pytest.skip("the compiled loop was not built here: the ctypes path serves")
-    elif request.param == "native":
+        return request.param
+    monkeypatch.setattr(_kv, "_pread_many", None)
+    if request.param == "native":
         if _codecs._native() is None:
             pytest.skip("c-blosc or crc32c not exported here: the numcodecs path serves")
         monkeypatch.setattr(_codecs, "_native_loop", lambda: None)

@@ -22,6 +22,8 @@ import numcodecs
 import numcodecs.blosc
 import numpy as np
 
+from ._compiled import compiled
+
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 # blosc's header: byte 2 holds flags; this one says the payload follows the 16-byte header raw
 BLOSC_MEMCPYED = 0x02
@@ -78,13 +80,7 @@ def _native() -> tuple[Callable[..., int], Callable[..., int]] | None:
 def _native_loop() -> Callable[..., tuple[int, int]] | None:
     """``decode_many`` of the compiled extension ``replaybuf._native`` (built where a compiler
     was at install; optional), or None: the ctypes path serves, chunk by chunk."""
-    if _native() is None:
-        return None
-    try:
-        extension = importlib.import_module("replaybuf._native")
-    except ImportError:
-        return None
-    return extension.decode_many
+    return None if _native() is None else compiled("decode_many")
 
 
 @functools.cache

@@ -15,16 +15,11 @@ index cost ~0.1 ms of Python per batch of 256 frames of 84x84x3, a fifth of the 
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
 import numpy as np
 
-_gather: Callable[[np.ndarray, np.ndarray, int], None] | None
-try:
-    _gather = importlib.import_module("replaybuf._native").gather
-except ImportError:  # built without a compiler: the strided view serves
-    _gather = None
+from ._compiled import compiled
+
+_gather = compiled("gather")  # None: built without a compiler, the strided view serves
 
 
 def take_at(anchor: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
