@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -25,12 +26,14 @@ from replaybuf.maintenance import CLI_COMMANDS
 from replaybuf.storage.base import BufferDamagedError, CorruptChunkError, StorageError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
+    check_output_path,
     episode_frames,
     episode_slots,
     frames_to_sheet,
     image_fields,
     to_rgb_uint8,
     trajectory_to_video,
+    write_atomically,
 )
 
 __all__ = [
@@ -301,6 +304,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         slug = "-".join(str(episode) for episode in args.episode)
         base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
 
+    outputs = [_suffixed(base, field, several) for field in fields]
+    if args.sheet is not None:
+        outputs += [_suffixed(args.sheet, field, several) for field in fields]
+    for output in outputs:  # a bad output path fails before anything is rendered or written
+        check_output_path(output)
+
     videos: dict[str, Path] = {}
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
@@ -318,7 +327,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             import imageio.v3 as iio
 
             sheet_path = _suffixed(args.sheet, field, several)
-            iio.imwrite(sheet_path, frames_to_sheet(frames, args.rows, args.columns))
+            write_atomically(sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns)))
             print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
 
     if args.serve is not None:

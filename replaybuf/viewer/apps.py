@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.video import episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.video import check_fps, episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
 from replaybuf.view import BufferView
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
 
@@ -111,8 +111,7 @@ class BufferApp:
     page = "browse.html"
 
     def __init__(self, buffer: BufferView, location: str = "", fps: float = 30, scale: int = 1):
-        if not (isinstance(fps, int | float) and fps > 0):
-            raise ValueError(f"fps: expected a positive number, got {fps!r}")
+        check_fps(fps)
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
             raise ValueError(f"scale: expected a positive integer, got {scale!r}")
         self.buffer = buffer
@@ -217,17 +216,16 @@ class BufferApp:
         with self._render_lock(path):
             if not path.exists():
                 frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
-                partial = path.with_suffix(".partial.mp4")
-                # near-lossless, with a keyframe every second so that stepping backwards stays quick
+                # near-lossless, with a keyframe every second so that stepping backwards stays quick;
+                # written whole or not at all, so a failed render is retried by the next request
                 trajectory_to_video(
                     frames,
-                    partial,
+                    path,
                     fps=self.fps,
                     progress=False,
                     quality=8,
                     output_params=["-g", str(max(1, round(self.fps)))],
                 )
-                partial.replace(path)
         return path
 
     def close(self) -> None:
