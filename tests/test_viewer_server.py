@@ -104,6 +104,70 @@ def test_requests_for_other_hosts_are_refused(browse_server):
     assert request(browse_server, "/api/info", headers={"Host": f"localhost:{browse_server.port}"})[0] == 200
 
 
+@pytest.mark.parametrize(
+    ("site", "mode"), [("cross-site", "no-cors"), ("cross-site", "cors"), ("same-site", "no-cors")]
+)
+def test_pages_of_other_origins_cannot_load_episode_data_or_start_renders(browse_server, site, mode):
+    # what a browser sends for <video src>, fetch() or <img> on a page of another site, or of
+    # another port of this host: refused before anything is read or rendered
+    foreign = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": mode, "Origin": "http://attacker.example"}
+    for path in ("/api/info", "/api/episodes", "/api/episodes/0", "/video/episodes/0/front.mp4", "/static/browse.js"):
+        status, headers, body = request(browse_server, path, headers=foreign)
+        assert status == 403, path
+        assert b"another site" in body
+    assert list(browse_server.app.cache_dir.iterdir()) == []
+    # navigating to the viewer from elsewhere opens it; the page's own requests are same-origin
+    assert request(browse_server, "/", headers={"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate"})[0] == 200
+    own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
+    status, headers, _ = request(browse_server, "/api/episodes/0", headers=own)
+    assert status == 200
+    # no CORS grant, and no embedding by another origin in browsers that send no Sec-Fetch-Site
+    assert "Access-Control-Allow-Origin" not in headers
+    assert (headers["Cross-Origin-Resource-Policy"], headers["X-Content-Type-Options"]) == ("same-origin", "nosniff")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/episodes/-1",
+        "/api/episodes/1.5",
+        "/api/episodes/1%0a",  # a trailing newline
+        "/api/episodes/%D9%A1",  # ARABIC-INDIC DIGIT ONE, which int() reads as 1
+        pytest.param("/api/episodes/" + "9" * 5000, id="/api/episodes/<5000 digits>"),
+        "/api/episodes/1/../0",
+        "/video/episodes/%D9%A1/front.mp4",
+        "/video/episodes/0/front.mp4%0a",
+        "/video/episodes/0/..%2f..%2fetc%2fpasswd.mp4",
+    ],
+)
+def test_episode_paths_take_plain_indices_only(browse_server, path):
+    status, body = get_json(browse_server, path)
+    assert status == 404, body
+    assert list(browse_server.app.cache_dir.iterdir()) == []
+
+
+def test_a_file_removed_after_it_was_named_is_404(tmp_path):
+    video = trajectory_to_video(np.zeros((2, 8, 8, 3), np.uint8), tmp_path / "front.mp4")
+    with ViewerServer(ReplayApp({"front": video}, {})) as server:
+        video.unlink()
+        status, body = get_json(server, "/video/front")
+        assert status == 404 and "front.mp4" in body["error"]
+
+
+def test_clients_that_hang_up_print_no_traceback(browse_server, capsys):
+    for error in (ConnectionResetError(), BrokenPipeError(), TimeoutError()):
+        try:
+            raise error
+        except OSError:
+            browse_server._httpd.handle_error(None, ("127.0.0.1", 1))
+    assert capsys.readouterr().err == ""
+    try:
+        raise RuntimeError("a real bug")
+    except RuntimeError:
+        browse_server._httpd.handle_error(None, ("127.0.0.1", 1))
+    assert "a real bug" in capsys.readouterr().err
+
+
 def test_info_lists_videos_plots_and_columns(browse_server):
     status, info = get_json(browse_server, "/api/info")
     assert status == 200

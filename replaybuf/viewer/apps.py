@@ -28,8 +28,9 @@ MAX_PLOT_DIMS = 32
 # meta values with up to this many elements are shown in the episode list
 MAX_META_ELEMENTS = 8
 
-_EPISODE_PATH = re.compile(r"^/api/episodes/(\d+)$")
-_EPISODE_VIDEO_PATH = re.compile(r"^/video/episodes/(\d+)/([^/]+)\.mp4$")
+# indices in ASCII digits only, up to 18 of them (``\d`` takes any script's digits, ``$`` a newline)
+_EPISODE_PATH = re.compile(r"/api/episodes/([0-9]{1,18})")
+_EPISODE_VIDEO_PATH = re.compile(r"/video/episodes/([0-9]{1,18})/([^/]+)\.mp4")
 
 
 def _json_values(values: np.ndarray) -> Any:
@@ -133,10 +134,10 @@ class BufferApp:
             return JsonResponse(self.describe())
         if path == "/api/episodes":
             return JsonResponse(self.episodes())
-        match = _EPISODE_PATH.match(path)
+        match = _EPISODE_PATH.fullmatch(path)
         if match:
             return JsonResponse(self.episode(int(match[1])))
-        match = _EPISODE_VIDEO_PATH.match(path)
+        match = _EPISODE_VIDEO_PATH.fullmatch(path)
         if match:
             return FileResponse(self.render(int(match[1]), match[2]))
         raise NotFound(path)
