@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from replaybuf import ReplayBuffer
 from replaybuf.video import trajectory_to_video
 from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer
 from replaybuf.viewer.server import parse_range
@@ -264,7 +267,7 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     assert (status, headers["Content-Type"], headers["Accept-Ranges"]) == (200, "video/mp4", "bytes")
     cached = list(browse_server.app.cache_dir.glob("*.mp4"))
     generation = int(browse_server.app.buffer._meta["_generation"][2])
-    assert [path.name for path in cached] == [f"episode-2-gen-{generation}.front.mp4"]
+    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-open-0.front.mp4"]
     modified = cached[0].stat().st_mtime_ns
 
     status, headers, part = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=10-19"})
@@ -280,6 +283,31 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     status, headers, body = request(browse_server, "/video/episodes/2/front.mp4", method="HEAD")
     assert (status, int(headers["Content-Length"]), body) == (200, len(whole), b"")
     assert cached[0].stat().st_mtime_ns == modified
+
+
+def test_a_buffer_created_again_at_the_location_is_served_not_the_old_ones_videos(tmp_path):
+    folder = tmp_path / "buffer"
+    make_image_buffer(folder).close()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(folder, read_only=True), fps=10)) as server:
+        status, _, video = request(server, "/video/episodes/1/front.mp4")
+        assert (status, len(iio.imread(video, extension=".mp4"))) == (200, STEPS[1])
+        shutil.rmtree(folder)  # the same config again, generations from 1 again: episode 1 is shorter
+        make_image_buffer(folder, steps=(STEPS[0], 7, STEPS[2])).close()
+        assert get_json(server, "/api/episodes/1")[1]["length"] == 7
+        status, _, video = request(server, "/video/episodes/1/front.mp4")
+        assert (status, len(iio.imread(video, extension=".mp4"))) == (200, 7)  # was the old 19-frame video
+
+
+def test_a_buffer_replaced_by_another_config_is_named_so_not_damaged(tmp_path):
+    folder = tmp_path / "buffer"
+    make_image_buffer(folder).close()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(folder, read_only=True), fps=10)) as server:
+        ReplayBuffer(folder, max_episodes=3, max_timesteps=5, fields={"obs": "float"}, overwrite=True).close()
+        for path in ("/api/episodes", "/api/episodes/0", "/video/episodes/0/front.mp4"):
+            status, body = get_json(server, path)
+            assert status == 500
+            assert body["error"].startswith("BufferReplacedError: the buffer at"), body  # was CorruptChunkError
+            assert "max_episodes: stored 3 vs passed 5" in body["error"]
 
 
 def test_unknown_video_fields_and_episodes_are_404(browse_server):

@@ -124,6 +124,8 @@ class BufferApp:
         self.meta_columns = meta_columns(buffer)
         self.cache_dir = Path(tempfile.mkdtemp(prefix="replaybuf-view-"))
         self._read_lock = threading.Lock()
+        self._storage = buffer.storage  # the storage the buffer reads now: another after a reopen
+        self._reopened = 0  # times the buffer was reopened after another process replaced it
         self._render_locks: dict[Path, threading.Lock] = {}
         self._render_locks_guard = threading.Lock()
 
@@ -163,9 +165,8 @@ class BufferApp:
     def episodes(self) -> dict[str, Any]:
         """Every episode slot up to the last committed one (``slots`` rows; ``num_episodes`` is
         the seed's count) with its length and small meta values, read column by column."""
-        buffer = self.buffer
         with self._read_lock:
-            buffer.refresh()
+            buffer = self._current(refresh=True)
             count = episode_slots(buffer)  # every committed episode, past a dropped one too
             lengths = np.asarray(buffer.episode_lens[:count])
             meta = {name: np.asarray(buffer.meta_data[name][:count]) for name in self.meta_columns}
@@ -180,8 +181,8 @@ class BufferApp:
     def episode(self, index: int) -> dict[str, Any]:
         """One episode: its length, meta values and the series of its plottable fields, read in
         one consistent read (an episode being rewritten shows as empty, never mixed)."""
-        buffer = self.buffer
         with self._read_lock:
+            buffer = self._current()
             self._length(index)
             got = read_episodes_consistent(buffer, [index], self.series_fields)
         length = int(got.lens[0]) if len(got) else 0
@@ -208,12 +209,15 @@ class BufferApp:
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
         with self._read_lock:
+            buffer = self._current()
             self._length(index)
-            got = read_episodes_consistent(self.buffer, [index], [field], with_meta=False)
+            got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
+            opened = self._reopened
         if len(got) == 0:
             raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
-        # keyed by the generation: a slot a writer reused renders its new episode
-        path = self.cache_dir / f"episode-{index}-gen-{int(got.generations[0])}.{field}.mp4"
+        # keyed by the generation (a slot a writer reused renders its new episode) and by the
+        # buffer opened (a buffer created again at the location counts generations from 1 again)
+        path = self.cache_dir / f"episode-{index}-gen-{int(got.generations[0])}-open-{opened}.{field}.mp4"
         with self._render_lock(path):
             if not path.exists():
                 frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
@@ -233,6 +237,19 @@ class BufferApp:
         remove_tree(self.cache_dir)
 
     # helpers
+
+    def _current(self, refresh: bool = False) -> BufferView:
+        """The buffer, refreshed first when asked or when another process replaced it
+        (``overwrite=True``) since it was read: ``refresh()`` then opens the new one, or raises
+        ``BufferReplacedError`` naming how its config differs. Counts those reopenings, which
+        key the cached videos (a buffer created again numbers its generations from 1 again), so
+        the new buffer's episodes never show as the old one's. Called under the read lock."""
+        if refresh or self.buffer.storage.replaced():
+            self.buffer.refresh()
+        if self.buffer.storage is not self._storage:
+            self._storage = self.buffer.storage
+            self._reopened += 1
+        return self.buffer
 
     def _length(self, index: int) -> int:
         count = episode_slots(self.buffer)
