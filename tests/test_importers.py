@@ -400,6 +400,7 @@ def test_lerobot_refuses_other_versions(tmp_path):
         (lambda info: info.pop("features"), r"malformed LeRobot info \(missing key 'features'\)"),
         (lambda info: info.pop("fps"), r"malformed LeRobot info \(missing key 'fps'\)"),
         (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be > 0"),
+        (lambda info: info.update(fps="inf"), r"malformed LeRobot info \(ValueError: fps must be > 0 and finite"),
         (lambda info: info["features"]["action"].pop("dtype"), r"malformed LeRobot info \(missing key 'dtype'\)"),
         (lambda info: info.update(features=[1, 2]), r"malformed LeRobot info \(AttributeError"),
     ],
@@ -421,6 +422,82 @@ def test_lerobot_missing_data_file_is_named(tmp_path):
     (tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet").unlink()
     with pytest.raises(imp.ImportSourceError, match=r"episode 0: cannot read its frames: no such file '.*file-000"):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()  # refused at the first episode: no empty buffer left behind
+
+
+def _edit_parquet(path, change) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(change(pq.read_table(path)), path)
+
+
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [
+        ("data_path", "../outside.parquet"),
+        ("data_path", "{outside}"),
+        ("image path", "{outside}"),
+        ("image path", "images/../../outside.parquet"),
+    ],
+)
+def test_lerobot_files_outside_the_dataset_are_not_read(tmp_path, where, name):
+    """A crafted info.json or image cell named any file of the machine (absolute or through ``..``)."""
+    import pyarrow as pa
+
+    write_lerobot(tmp_path / "src", video=False)
+    data = tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet"
+    outside = tmp_path / "outside.parquet"
+    data.rename(outside)
+    data.symlink_to(outside)  # a link inside the dataset (a hub cache) still reads
+    name = name.replace("{outside}", str(outside))
+    if where == "data_path":
+        info_path = tmp_path / "src" / "meta" / "info.json"
+        info_path.write_text(json.dumps({**json.loads(info_path.read_text()), "data_path": name}))
+    else:
+
+        def image_at(table):
+            column = table.column_names.index("observation.images.top")
+            cells = table.column(column).to_pylist()
+            cells[0] = {"bytes": None, "path": name}
+            return table.set_column(column, "observation.images.top", pa.array(cells, table.column(column).type))
+
+        _edit_parquet(outside, image_at)
+    what = "data file" if where == "data_path" else "image path"
+    with pytest.raises(imp.ImportSourceError, match=f"episode 0: {what} '{name}' leaves the dataset folder"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda info: info["features"]["observation.state"].update(shape=[10**9]), "22 GiB per episode"),
+        (lambda info: info["features"]["action"].update(shape=[-2]), "field 'action': shape must be a positive"),
+    ],
+)
+def test_lerobot_features_no_buffer_can_hold_are_refused_naming_the_dataset(tmp_path, change, message):
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    change(info)
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(imp.ImportSourceError, match=f"src: no buffer can hold this dataset: .*{message}"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_missing_column_leaves_no_destination_but_a_resume_keeps_what_it_has(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    data = tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet"
+    whole = data.read_bytes()
+    _edit_parquet(data, lambda table: table.drop_columns(["action"]))
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 0: cannot read its frames: .*action"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+    data.write_bytes(whole)
+    assert imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False).imported == len(LENGTHS)
+    _edit_parquet(data, lambda table: table.drop_columns(["action"]))
+    assert imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False).skipped == len(LENGTHS)
 
 
 def test_lerobot_video_export_needs_even_frames(tmp_path):
