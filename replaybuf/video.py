@@ -54,6 +54,8 @@ VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif")
 GIF_PALETTE_PIXELS = 1 << 18
 # renders of at least this many frames show a tqdm progress bar unless told otherwise
 PROGRESS_MIN_FRAMES = 300
+# float frames are converted to uint8 this many values at a time (whole frames, at least one)
+CONVERT_BLOCK_ELEMENTS = 1 << 22
 
 
 # frames
@@ -75,6 +77,10 @@ def is_image_field(shape: Sequence[int], dtype: Any) -> bool:
     return is_image_shape(shape) and (dtype == np.uint8 or dtype == np.bool_ or np.issubdtype(dtype, np.floating))
 
 
+def _float_to_uint8(values: np.ndarray) -> np.ndarray:
+    return (np.nan_to_num(values).clip(0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
 def to_uint8(frames: Any) -> np.ndarray:
     """Frames as uint8, as the seed's ``to_uint8``: uint8 as is, floats in [0, 1] scaled by 255
     and rounded (clipped; NaN reads as 0), bools as 0 / 255 (the seed refuses bools)."""
@@ -84,7 +90,14 @@ def to_uint8(frames: Any) -> np.ndarray:
     if frames.dtype == np.bool_:
         return frames.astype(np.uint8) * 255
     if np.issubdtype(frames.dtype, np.floating):
-        return (np.nan_to_num(frames).clip(0.0, 1.0) * 255.0).round().astype(np.uint8)
+        if frames.ndim == 0:
+            return _float_to_uint8(frames)
+        # frame blocks into one output: the float temporaries stay one block, not four episodes
+        out = np.empty(frames.shape, np.uint8)
+        step = max(1, CONVERT_BLOCK_ELEMENTS // max(1, frames[0].size))
+        for start in range(0, len(frames), step):
+            out[start : start + step] = _float_to_uint8(frames[start : start + step])
+        return out
     raise TypeError(f"frames: expected uint8, bool or float in [0, 1], got dtype {frames.dtype}")
 
 

@@ -6,6 +6,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from replaybuf import video
 from replaybuf.video import (
     default_image_field,
     episode_frames,
@@ -59,6 +60,16 @@ def test_float_frames_are_clipped_and_bools_are_black_or_white():
         0,
     ]
     assert to_rgb_uint8(np.array([[[True, False]]])).ravel()[::3].tolist() == [255, 0]
+
+
+def test_float_frames_convert_block_by_block_as_whole(monkeypatch):
+    frames = np.random.default_rng(0).normal(0.5, 0.5, (7, 3, 5, 6)).astype(np.float32)
+    frames[2, 1, 1, 1] = np.nan
+    expected = (np.nan_to_num(frames).clip(0, 1) * 255).round().astype(np.uint8)
+    monkeypatch.setattr(video, "CONVERT_BLOCK_ELEMENTS", 2 * frames[0].size)  # blocks of 2 frames, one of 1
+    np.testing.assert_array_equal(video.to_uint8(frames), expected)
+    np.testing.assert_array_equal(video.to_rgb_uint8(frames), np.moveaxis(expected, 1, -1))
+    assert video.to_uint8(np.float64(0.5)) == 128
 
 
 @pytest.mark.parametrize(
