@@ -155,6 +155,10 @@ def test_export_never_overwrites(tmp_path, format):
     with pytest.raises(FileExistsError, match="out: the export destination must be a new or empty folder"):
         imp.export(format, tmp_path / "a", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+    before = sorted(p.name for p in (tmp_path / "a").rglob("*"))
+    with pytest.raises(ValueError, match="the export destination is inside the source buffer"):
+        imp.export(format, tmp_path / "a", tmp_path / "a" / "out")
+    assert sorted(p.name for p in (tmp_path / "a").rglob("*")) == before
 
 
 # ---- robomimic and D4RL -------------------------------------------------------------------------

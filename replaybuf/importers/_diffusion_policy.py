@@ -78,7 +78,7 @@ def export_diffusion_policy(
     attributes become the zarr root's; meta fields are not part of that layout and are left out."""
     import zarr
 
-    check_new_folder(dst)
+    check_new_folder(dst, src)
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
         slots = buffer.valid_episodes()

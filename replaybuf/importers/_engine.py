@@ -209,10 +209,18 @@ def run_import(
     return ImportResult(imported=imported, skipped=len(done), frames=frames)
 
 
-def check_new_folder(dst: str | os.PathLike) -> None:
-    """Refuse an export into a folder that holds anything: an export never overwrites."""
+def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
+    """Refuse an export into a folder that holds anything (an export never overwrites), or
+    inside the folder of the source buffer ``src`` (it would add files to the buffer)."""
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder")
+    if isinstance(src, str | os.PathLike) and "://" not in os.fspath(src):
+        source, target = os.path.realpath(src), os.path.realpath(dst)
+        if target.startswith(source.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"{os.fspath(dst)}: the export destination is inside the source buffer {os.fspath(src)!r}; "
+                "choose a folder outside it"
+            )
 
 
 def exported_episodes(

@@ -409,7 +409,7 @@ def export_lerobot(
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
-    check_new_folder(dst)
+    check_new_folder(dst, src)
     root = Path(dst)
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
