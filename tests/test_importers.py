@@ -119,6 +119,17 @@ def test_diffusion_policy_zarr_with_an_array_where_a_group_belongs(tmp_path, arr
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.parametrize("ends", [np.array([[5, 12, 20]]), np.array([5.5, 20.0])], ids=["2-d", "float"])
+def test_diffusion_policy_episode_ends_of_another_shape_or_dtype_are_named(tmp_path, ends):
+    """2-d ends raised a bare numpy 'truth value of an array' error; float ends were truncated."""
+    root = zarr.open_group(str(tmp_path / "bad.zarr"), mode="w", zarr_format=2)
+    root.create_array("data/state", data=np.zeros((20, 2), np.float32))
+    root.create_array("meta/episode_ends", data=ends)
+    with pytest.raises(imp.ImportSourceError, match=r"bad\.zarr/meta/episode_ends: expected a 1-d array of integer"):
+        imp.diffusion_policy(tmp_path / "bad.zarr", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
 def test_diffusion_policy_round_trip_is_exact(tmp_path):
     write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
     imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)
