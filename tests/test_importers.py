@@ -233,6 +233,27 @@ def test_robomimic_truncated_demo_names_the_demo(tmp_path):
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
 
 
+def test_robomimic_dataset_only_some_demos_hold_is_named_not_dropped(tmp_path):
+    """Fields came from demo_0 alone: the obs of every later demo were dropped without a word."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        del f["data/demo_0/obs/eef_pos"]
+    with pytest.raises(imp.ImportSourceError, match=r"data/demo_0: episode 0: dataset 'obs/eef_pos' is missing"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_d4rl_array_with_more_rows_than_steps_is_refused(tmp_path):
+    """Its rows past the last observation were dropped without a word."""
+    with require("h5py").File(tmp_path / "d4rl.hdf5", "w") as f:
+        f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+        f.create_dataset("actions", data=np.zeros((9, 2), np.float32))
+        f.create_dataset("terminals", data=np.arange(6) == 2)
+    with pytest.raises(imp.ImportSourceError, match=r"d4rl\.hdf5: \{'actions': 9\} have more rows than the 6 steps"):
+        imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
 def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
     rng = np.random.default_rng(2)
     steps = 12
