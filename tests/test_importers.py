@@ -468,6 +468,33 @@ def _edit_parquet(path, change) -> None:
 
 
 @pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda rows: [row.pop("length") for row in rows], r"without the columns \['length'\]"),
+        (lambda rows: [row.pop("data/chunk_index") for row in rows], r"without the columns \['data/chunk_index'\]"),
+        (
+            lambda rows: [row.update(length=str(row["length"])) for row in rows],
+            r"non-numeric type \{'length': 'string'\}",
+        ),
+        (lambda rows: rows[1].update(episode_index=None), r"empty cells \['episode_index'\]"),
+    ],
+)
+def test_lerobot_episodes_file_with_missing_or_bad_columns_is_named(tmp_path, change, message):
+    """A bare KeyError ('length') or TypeError came out of these."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=True)
+    path = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    change(rows)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: LeRobot episode.* " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
     ("where", "name"),
     [
         ("data_path", "../outside.parquet"),

@@ -212,8 +212,36 @@ class LeRobotSource(Source):
                 )
             except (OSError, self._pa.ArrowException) as error:
                 raise ImportSourceError(f"{file}: cannot read LeRobot episodes: {error}") from error
+            self._check_episode_columns(file, table)
             rows.extend(table.to_pylist())
         return sorted(rows, key=lambda row: row["episode_index"])
+
+    def _check_episode_columns(self, file: Path, table: Any) -> None:
+        """The columns of an episodes file that an import reads are there, numbers, and
+        without empty cells (a bare KeyError or TypeError otherwise)."""
+        types = self._pa.types
+        videos = [f for f in self._features.values() if self.info["features"][f]["dtype"] == "video"]
+        columns = {
+            name: types.is_integer for name in ("episode_index", "length", "data/chunk_index", "data/file_index")
+        }
+        for feature in videos:
+            columns.update(
+                {f"videos/{feature}/chunk_index": types.is_integer, f"videos/{feature}/file_index": types.is_integer}
+            )
+            columns[f"videos/{feature}/from_timestamp"] = lambda kind: types.is_floating(kind) or types.is_integer(kind)
+        missing = [name for name in columns if name not in table.column_names]
+        if missing:
+            raise ImportSourceError(f"{file}: LeRobot episodes without the columns {missing}")
+        wrong = {
+            name: str(table.schema.field(name).type)
+            for name, is_kind in columns.items()
+            if not is_kind(table.schema.field(name).type)
+        }
+        if wrong:
+            raise ImportSourceError(f"{file}: LeRobot episode columns of a non-numeric type {wrong}")
+        empty = [name for name in columns if table.column(name).null_count]
+        if empty:
+            raise ImportSourceError(f"{file}: LeRobot episode columns with empty cells {empty}")
 
     def _read_tasks(self) -> dict[str, str]:
         """task_index (as a str, a JSON key) -> task text, from ``meta/tasks.parquet``, where
