@@ -474,7 +474,7 @@ def _edit_parquet(path, change) -> None:
         (lambda rows: [row.pop("data/chunk_index") for row in rows], r"without the columns \['data/chunk_index'\]"),
         (
             lambda rows: [row.update(length=str(row["length"])) for row in rows],
-            r"non-numeric type \{'length': 'string'\}",
+            r"wrong type \{'length': 'string'\}; expected integers",
         ),
         (lambda rows: rows[1].update(episode_index=None), r"empty cells \['episode_index'\]"),
     ],

@@ -238,7 +238,10 @@ class LeRobotSource(Source):
             if not is_kind(table.schema.field(name).type)
         }
         if wrong:
-            raise ImportSourceError(f"{file}: LeRobot episode columns of a non-numeric type {wrong}")
+            raise ImportSourceError(
+                f"{file}: LeRobot episode columns of the wrong type {wrong}; expected integers "
+                "(from_timestamp: numbers)"
+            )
         empty = [name for name in columns if table.column(name).null_count]
         if empty:
             raise ImportSourceError(f"{file}: LeRobot episode columns with empty cells {empty}")
