@@ -3,7 +3,8 @@
 ``replaybuf`` is a table of subcommands filled with ``register_command``: ``inspect`` (the same
 as ``inspect-replay-buffer``) and ``view`` here, ``convert``, ``info`` and ``verify`` from
 ``replaybuf.maintenance``, ``import`` and ``export`` from ``replaybuf.importers``. Bad input ends with an argparse-style
-message and exit status 2, never a traceback.
+message and exit status 2, a damaged buffer or one another process holds (a live writer) or
+replaced with status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
 from replaybuf.maintenance import CLI_COMMANDS
-from replaybuf.storage.base import BufferDamagedError, CorruptChunkError, StorageError
+from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, CorruptChunkError, StorageError
+from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     check_output_path,
@@ -405,6 +407,9 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         return 130
     except (BufferDamagedError, CorruptChunkError) as error:  # a finding about the buffer, not a usage error
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
+        return 1
+    except (BufferLockedError, ConcurrentWriteError) as error:  # refused: another process writes or replaced it
+        print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:
         message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)

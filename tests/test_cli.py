@@ -147,6 +147,34 @@ def test_unwritable_outputs_exit_2_before_rendering_anything(buffer_folder, work
     assert (workdir / "a-file").read_text() == "mine"
 
 
+def test_a_buffer_another_process_writes_is_refused_with_status_1_not_a_traceback(tmp_path, capsys):
+    """verify --repair (and import into it) beside a live writer raised BufferLockedError's traceback."""
+    folder = str(tmp_path / "held")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests._lease_child",
+            "hold",
+            json.dumps({"location": folder, "kwargs": {"max_episodes": 4, "max_timesteps": 3}}),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().startswith("ready"), f"the writer did not start (exit {child.wait()})"
+        assert main(["verify", folder, "--repair"]) == 1
+        error = capsys.readouterr().err
+        assert error.startswith("replaybuf verify: verify --repair:") and "is being written by pid" in error
+        assert "Traceback" not in error
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
 def test_a_missing_buffer_is_a_usage_error(workdir, capsys):
     error = usage_error(capsys, inspect_main, [str(workdir / "nothing")])
     assert "inspect-replay-buffer: error:" in error and "nothing" in error
