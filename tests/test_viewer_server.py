@@ -285,6 +285,41 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     assert cached[0].stat().st_mtime_ns == modified
 
 
+def test_a_rendered_video_is_served_without_reading_its_frames_again(browse_server, monkeypatch):
+    """Each byte range a <video> asked for read and re-checked the whole episode's frames."""
+    status, _, whole = request(browse_server, "/video/episodes/1/front.mp4")
+    assert status == 200
+    storage = browse_server.app.buffer.storage
+    frames_read, read_rows = [], storage.read_rows
+
+    def counted(name, *args, **kwargs):
+        frames_read.append(name)
+        return read_rows(name, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "read_rows", counted)
+    for start in (0, 10, len(whole) - 5):
+        status, _, part = request(browse_server, "/video/episodes/1/front.mp4", headers={"Range": f"bytes={start}-"})
+        assert (status, part) == (206, whole[start:])
+    assert frames_read == []
+    assert request(browse_server, "/video/episodes/1/wrist.mp4")[0] == 200  # not rendered yet: read once
+    assert frames_read == ["wrist"]
+
+
+def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_path):
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=2, max_timesteps=4, fields={"img": ("uint8", (8, 8, 3))}, circular=True
+    )
+    for level in (50, 100):
+        writer.store_episode(img=np.full((4, 8, 8, 3), level, np.uint8))
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True))) as server:
+        status, _, video = request(server, "/video/episodes/0/img.mp4")
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [50] * 4
+        writer.store_episode(img=np.full((2, 8, 8, 3), 200, np.uint8))  # into slot 0, the reader not refreshed
+        status, _, video = request(server, "/video/episodes/0/img.mp4")
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [200] * 2
+    writer.close()
+
+
 def test_a_buffer_created_again_at_the_location_is_served_not_the_old_ones_videos(tmp_path):
     folder = tmp_path / "buffer"
     make_image_buffer(folder).close()

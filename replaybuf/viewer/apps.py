@@ -211,13 +211,15 @@ class BufferApp:
         with self._read_lock:
             buffer = self._current()
             self._length(index)
+            # a video rendered from the episode the slot holds now is served without reading its
+            # frames again (a <video> asks for many byte ranges of it)
+            stored = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
+            if stored and self._video_path(index, stored, field).exists():
+                return self._video_path(index, stored, field)
             got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
-            opened = self._reopened
+            path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
         if len(got) == 0:
             raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
-        # keyed by the generation (a slot a writer reused renders its new episode) and by the
-        # buffer opened (a buffer created again at the location counts generations from 1 again)
-        path = self.cache_dir / f"episode-{index}-gen-{int(got.generations[0])}-open-{opened}.{field}.mp4"
         with self._render_lock(path):
             if not path.exists():
                 frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
@@ -256,6 +258,13 @@ class BufferApp:
         if not 0 <= index < count:
             raise NotFound(f"episode {index} (the buffer has {count} episodes)")
         return int(self.buffer.episode_lens[index])
+
+    def _video_path(self, index: int, generation: int, field: str) -> Path:
+        """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
+        keyed by the generation (a slot a writer reused renders its new episode) and by the
+        buffer opened (a buffer created again at the location counts generations from 1 again).
+        Called under the read lock."""
+        return self.cache_dir / f"episode-{index}-gen-{generation}-open-{self._reopened}.{field}.mp4"
 
     def _render_lock(self, path: Path) -> threading.Lock:
         with self._render_locks_guard:
