@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import imageio.v3 as iio
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.video import trajectory_to_video
-from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer
+from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer, apps
 from replaybuf.viewer.server import parse_range
 from tests._viewer_data import STEPS, make_image_buffer, reward_value
 
@@ -303,6 +304,16 @@ def test_a_rendered_video_is_served_without_reading_its_frames_again(browse_serv
     assert frames_read == []
     assert request(browse_server, "/video/episodes/1/wrist.mp4")[0] == 200  # not rendered yet: read once
     assert frames_read == ["wrist"]
+
+
+def test_concurrent_renders_beyond_the_bound_all_complete(buffer, monkeypatch):
+    monkeypatch.setattr(apps, "MAX_RENDERS", 1)  # every render waits for the one before
+    paths = [f"/video/episodes/{index}/{field}.mp4" for index in range(3) for field in ("front", "wrist", "depth")]
+    with ViewerServer(BufferApp(buffer, fps=10)) as server, ThreadPoolExecutor(len(paths)) as pool:
+        answers = list(pool.map(lambda path: request(server, path), paths * 2))
+        assert [status for status, _, _ in answers] == [200] * len(answers)
+        assert [body for _, _, body in answers[: len(paths)]] == [body for _, _, body in answers[len(paths) :]]
+        assert len(list(server.app.cache_dir.iterdir())) == len(paths)
 
 
 def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_path):

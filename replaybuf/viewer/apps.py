@@ -27,6 +27,8 @@ __all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
 MAX_PLOT_DIMS = 32
 # meta values with up to this many elements are shown in the episode list
 MAX_META_ELEMENTS = 8
+# videos rendered at once: each holds its episode's frames in memory and runs an encoder
+MAX_RENDERS = 4
 
 # indices in ASCII digits only, up to 18 of them (``\d`` takes any script's digits, ``$`` a newline)
 _EPISODE_PATH = re.compile(r"/api/episodes/([0-9]{1,18})")
@@ -126,6 +128,7 @@ class BufferApp:
         self._read_lock = threading.Lock()
         self._storage = buffer.storage  # the storage the buffer reads now: another after a reopen
         self._reopened = 0  # times the buffer was reopened after another process replaced it
+        self._renders = threading.BoundedSemaphore(MAX_RENDERS)
         self._render_locks: dict[Path, threading.Lock] = {}
         self._render_locks_guard = threading.Lock()
 
@@ -208,31 +211,30 @@ class BufferApp:
         """The mp4 of one episode's image field, rendered on first request and cached."""
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
-        with self._read_lock:
-            buffer = self._current()
-            self._length(index)
-            # a video rendered from the episode the slot holds now is served without reading its
-            # frames again (a <video> asks for many byte ranges of it)
-            stored = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
-            if stored and self._video_path(index, stored, field).exists():
-                return self._video_path(index, stored, field)
-            got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
-            path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
-        if len(got) == 0:
-            raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
-        with self._render_lock(path):
-            if not path.exists():
-                frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
-                # near-lossless, with a keyframe every second so that stepping backwards stays quick;
-                # written whole or not at all, so a failed render is retried by the next request
-                trajectory_to_video(
-                    frames,
-                    path,
-                    fps=self.fps,
-                    progress=False,
-                    quality=8,
-                    output_params=["-g", str(max(1, round(self.fps)))],
-                )
+        cached = self._rendered(index, field)
+        if cached is not None:
+            return cached
+        with self._renders:  # a burst of requests holds at most MAX_RENDERS episodes' frames
+            with self._read_lock:
+                buffer = self._current()
+                self._length(index)
+                got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
+                path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
+            if len(got) == 0:
+                raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
+            with self._render_lock(path):
+                if not path.exists():
+                    frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
+                    # near-lossless, with a keyframe every second so that stepping backwards stays
+                    # quick; written whole or not at all, so a failed render is retried next time
+                    trajectory_to_video(
+                        frames,
+                        path,
+                        fps=self.fps,
+                        progress=False,
+                        quality=8,
+                        output_params=["-g", str(max(1, round(self.fps)))],
+                    )
         return path
 
     def close(self) -> None:
@@ -258,6 +260,16 @@ class BufferApp:
         if not 0 <= index < count:
             raise NotFound(f"episode {index} (the buffer has {count} episodes)")
         return int(self.buffer.episode_lens[index])
+
+    def _rendered(self, index: int, field: str) -> Path | None:
+        """The video already rendered from the episode slot ``index`` holds now, if any: served
+        without reading the episode's frames again (a <video> asks for many byte ranges of it)."""
+        with self._read_lock:
+            buffer = self._current()
+            self._length(index)
+            generation = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
+            path = self._video_path(index, generation, field)
+        return path if generation and path.exists() else None
 
     def _video_path(self, index: int, generation: int, field: str) -> Path:
         """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
