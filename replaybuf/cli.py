@@ -3,7 +3,8 @@
 ``replaybuf`` is a table of subcommands filled with ``register_command``: ``inspect`` (the same
 as ``inspect-replay-buffer``) and ``view`` here, ``convert``, ``info`` and ``verify`` from
 ``replaybuf.maintenance``, ``import`` and ``export`` from ``replaybuf.importers``. Bad input ends with an argparse-style
-message and exit status 2, never a traceback.
+message and exit status 2, a damaged buffer or one another process holds (a live writer) or
+replaced with status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -22,15 +24,18 @@ import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
 from replaybuf.maintenance import CLI_COMMANDS
-from replaybuf.storage.base import BufferDamagedError, CorruptChunkError, StorageError
+from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, CorruptChunkError, StorageError
+from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
+    check_output_path,
     episode_frames,
     episode_slots,
     frames_to_sheet,
     image_fields,
     to_rgb_uint8,
     trajectory_to_video,
+    write_atomically,
 )
 
 __all__ = [
@@ -301,6 +306,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         slug = "-".join(str(episode) for episode in args.episode)
         base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
 
+    outputs = [_suffixed(base, field, several) for field in fields]
+    if args.sheet is not None:
+        outputs += [_suffixed(args.sheet, field, several) for field in fields]
+    for output in outputs:  # a bad output path fails before anything is rendered or written
+        check_output_path(output)
+
     videos: dict[str, Path] = {}
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
@@ -318,7 +329,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             import imageio.v3 as iio
 
             sheet_path = _suffixed(args.sheet, field, several)
-            iio.imwrite(sheet_path, frames_to_sheet(frames, args.rows, args.columns))
+            write_atomically(sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns)))
             print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
 
     if args.serve is not None:
@@ -396,6 +407,9 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         return 130
     except (BufferDamagedError, CorruptChunkError) as error:  # a finding about the buffer, not a usage error
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
+        return 1
+    except (BufferLockedError, ConcurrentWriteError) as error:  # refused: another process writes or replaced it
+        print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:
         message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)

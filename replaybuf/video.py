@@ -10,8 +10,10 @@ need the ffmpeg plugin (``pip install replaybuf[video]``), ``.gif`` does not.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Sequence
+import secrets
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from .consistency import read_episodes_consistent
 __all__ = [
     "FFMPEG_SUFFIXES",
     "VIDEO_SUFFIXES",
+    "check_fps",
+    "check_output_path",
     "default_image_field",
     "episode_frames",
     "episode_slots",
@@ -39,6 +43,7 @@ __all__ = [
     "to_rgb_uint8",
     "to_uint8",
     "trajectory_to_video",
+    "write_atomically",
 ]
 
 CHANNEL_COUNTS = (1, 3, 4)
@@ -49,6 +54,8 @@ VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif")
 GIF_PALETTE_PIXELS = 1 << 18
 # renders of at least this many frames show a tqdm progress bar unless told otherwise
 PROGRESS_MIN_FRAMES = 300
+# float frames are converted to uint8 this many values at a time (whole frames, at least one)
+CONVERT_BLOCK_ELEMENTS = 1 << 22
 
 
 # frames
@@ -70,6 +77,10 @@ def is_image_field(shape: Sequence[int], dtype: Any) -> bool:
     return is_image_shape(shape) and (dtype == np.uint8 or dtype == np.bool_ or np.issubdtype(dtype, np.floating))
 
 
+def _float_to_uint8(values: np.ndarray) -> np.ndarray:
+    return (np.nan_to_num(values).clip(0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
 def to_uint8(frames: Any) -> np.ndarray:
     """Frames as uint8, as the seed's ``to_uint8``: uint8 as is, floats in [0, 1] scaled by 255
     and rounded (clipped; NaN reads as 0), bools as 0 / 255 (the seed refuses bools)."""
@@ -79,7 +90,14 @@ def to_uint8(frames: Any) -> np.ndarray:
     if frames.dtype == np.bool_:
         return frames.astype(np.uint8) * 255
     if np.issubdtype(frames.dtype, np.floating):
-        return (np.nan_to_num(frames).clip(0.0, 1.0) * 255.0).round().astype(np.uint8)
+        if frames.ndim == 0:
+            return _float_to_uint8(frames)
+        # frame blocks into one output: the float temporaries stay one block, not four episodes
+        out = np.empty(frames.shape, np.uint8)
+        step = max(1, CONVERT_BLOCK_ELEMENTS // max(1, frames[0].size))
+        for start in range(0, len(frames), step):
+            out[start : start + step] = _float_to_uint8(frames[start : start + step])
+        return out
     raise TypeError(f"frames: expected uint8, bool or float in [0, 1], got dtype {frames.dtype}")
 
 
@@ -132,7 +150,43 @@ def _check_video_path(path: Path) -> str:
     return suffix
 
 
-def _write_gif(frames: np.ndarray, path: Path, fps: float, progress: bool, kwargs: dict[str, Any]) -> None:
+def check_output_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, after checking that a file can be written there: its folder exists
+    and ``path`` is not itself a folder. Raised before any frame is read or rendered."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"output {str(path)!r} is a folder, expected the path of a file to write")
+    if not path.parent.is_dir():
+        what = "is not a folder" if path.parent.exists() else "does not exist"
+        raise FileNotFoundError(f"output {str(path)!r}: its folder {str(path.parent)!r} {what}; create it first")
+    return path
+
+
+def check_fps(fps: Any) -> None:
+    """Raise ValueError unless ``fps`` is a finite number > 0 (not a bool)."""
+    number = isinstance(fps, int | float | np.integer | np.floating) and not isinstance(fps, bool | np.bool_)
+    if not (number and 0 < fps and math.isfinite(fps)):
+        raise ValueError(f"fps: expected a finite positive number, got {fps!r}")
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Call ``write`` on a temp file beside ``path`` (same suffix, so that writers pick the same
+    format) and rename it over ``path`` once complete: a failed or interrupted write leaves no
+    partial file and keeps a file already at ``path``; a writer that silently wrote nothing (an
+    encoder that could not open its output) is an error, not a success."""
+    path = check_output_path(path)
+    temp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
+    try:
+        write(temp)
+        if not temp.is_file() or temp.stat().st_size == 0:
+            raise OSError(f"writing {str(path)!r}: the encoder wrote nothing")
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    return path
+
+
+def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwargs: dict[str, Any]) -> None:
     """Write an animated gif with Pillow, using one palette for the whole clip.
 
     The palette comes from pixels of every frame (subsampled to at most ~262k pixels,
@@ -148,7 +202,7 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, progress: bool, kwarg
     palette = Image.fromarray(np.ascontiguousarray(mosaic)).quantize(256, method=Image.Quantize.MEDIANCUT)
     images = [
         Image.fromarray(frame).quantize(palette=palette, dither=Image.Dither.NONE)
-        for frame in tqdm(frames, desc=f"rendering {path.name}", unit="frame", disable=not progress, leave=False)
+        for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False)
     ]
     kwargs.setdefault("duration", 1000.0 / fps)
     kwargs.setdefault("loop", 0)
@@ -156,7 +210,7 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, progress: bool, kwarg
 
 
 def _write_ffmpeg(
-    frames: np.ndarray, path: Path, suffix: str, fps: float, progress: bool, kwargs: dict[str, Any]
+    frames: np.ndarray, path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
 ) -> None:
     import imageio.v2 as imageio
 
@@ -171,7 +225,7 @@ def _write_ffmpeg(
         kwargs.setdefault("codec", "libvpx-vp9")
     writer = imageio.get_writer(str(path), format="FFMPEG", mode="I", **kwargs)
     try:
-        for frame in tqdm(frames, desc=f"rendering {path.name}", unit="frame", disable=not progress, leave=False):
+        for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False):
             writer.append_data(frame)
     finally:
         writer.close()
@@ -190,20 +244,21 @@ def trajectory_to_video(
     keyword arguments go to the writer: imageio's ffmpeg writer (e.g. ``codec``, ``quality``)
     or, for gifs, Pillow's ``save`` (e.g. ``duration`` in ms, ``loop``). Odd frame sizes
     are padded by one edge pixel for ffmpeg formats. ``progress=None`` shows a tqdm bar for
-    renders of at least 300 frames. Returns the path written.
+    renders of at least 300 frames. The file appears whole or not at all (``write_atomically``);
+    a file already at ``path`` is replaced. Returns the path written.
     """
     path = Path(path)
     suffix = _check_video_path(path)
-    if not (isinstance(fps, int | float) and fps > 0):
-        raise ValueError(f"fps: expected a positive number, got {fps!r}")
+    check_fps(fps)
+    check_output_path(path)
     frames = to_rgb_uint8(frames)
     if progress is None:
         progress = len(frames) >= PROGRESS_MIN_FRAMES
+    bar = f"rendering {path.name}" if progress else None  # the bar's text, None for no bar
     if suffix == ".gif":
-        _write_gif(frames, path, fps, progress, dict(kwargs))
-    else:
-        _write_ffmpeg(_pad_to_even(frames), path, suffix, fps, progress, dict(kwargs))
-    return path
+        return write_atomically(path, lambda temp: _write_gif(frames, temp, fps, bar, dict(kwargs)))
+    padded = _pad_to_even(frames)
+    return write_atomically(path, lambda temp: _write_ffmpeg(padded, temp, suffix, fps, bar, dict(kwargs)))
 
 
 def frames_to_sheet(frames: Any, rows: int = 2, columns: int = 5) -> np.ndarray:
@@ -323,7 +378,9 @@ def save_video(
     **kwargs: Any,
 ) -> Path:
     """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
-    _check_video_path(Path(path))
+    _check_video_path(Path(path))  # the path and fps before reading any frame
+    check_fps(fps)
+    check_output_path(path)
     candidates = image_fields(buffer)
     if field is not None and field in buffer.fieldnames and field not in candidates:  # before reading it
         raise ValueError(

@@ -129,6 +129,52 @@ def test_inspect_usage_errors_exit_2_without_writing(buffer_folder, workdir, cap
     assert list(workdir.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--output", "missing/replay.mp4"], r"output 'missing/replay.front.mp4': its folder 'missing' does not exist"),
+        (["--output", "a-file/replay.mp4"], r"its folder 'a-file' is not a folder"),  # ffmpeg failed silently here
+        (["--output", "a-folder.mp4", "--field", "front"], r"output 'a-folder.mp4' is a folder"),
+        (["--output", "replay.mp4", "--sheet", "missing/sheet.png"], r"'missing/sheet.front.png': its folder"),
+    ],
+)
+def test_unwritable_outputs_exit_2_before_rendering_anything(buffer_folder, workdir, capsys, extra, message):
+    (workdir / "a-file").write_text("mine")
+    (workdir / "a-folder.mp4").mkdir()
+    error = usage_error(capsys, inspect_main, [str(buffer_folder), *extra])
+    assert re.search(message, error), error
+    assert sorted(path.name for path in workdir.rglob("*")) == ["a-file", "a-folder.mp4"]
+    assert (workdir / "a-file").read_text() == "mine"
+
+
+def test_a_buffer_another_process_writes_is_refused_with_status_1_not_a_traceback(tmp_path, capsys):
+    """verify --repair (and import into it) beside a live writer raised BufferLockedError's traceback."""
+    folder = str(tmp_path / "held")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests._lease_child",
+            "hold",
+            json.dumps({"location": folder, "kwargs": {"max_episodes": 4, "max_timesteps": 3}}),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().startswith("ready"), f"the writer did not start (exit {child.wait()})"
+        assert main(["verify", folder, "--repair"]) == 1
+        error = capsys.readouterr().err
+        assert error.startswith("replaybuf verify: verify --repair:") and "is being written by pid" in error
+        assert "Traceback" not in error
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
 def test_a_missing_buffer_is_a_usage_error(workdir, capsys):
     error = usage_error(capsys, inspect_main, [str(workdir / "nothing")])
     assert "inspect-replay-buffer: error:" in error and "nothing" in error

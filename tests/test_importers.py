@@ -119,6 +119,17 @@ def test_diffusion_policy_zarr_with_an_array_where_a_group_belongs(tmp_path, arr
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.parametrize("ends", [np.array([[5, 12, 20]]), np.array([5.5, 20.0])], ids=["2-d", "float"])
+def test_diffusion_policy_episode_ends_of_another_shape_or_dtype_are_named(tmp_path, ends):
+    """2-d ends raised a bare numpy 'truth value of an array' error; float ends were truncated."""
+    root = zarr.open_group(str(tmp_path / "bad.zarr"), mode="w", zarr_format=2)
+    root.create_array("data/state", data=np.zeros((20, 2), np.float32))
+    root.create_array("meta/episode_ends", data=ends)
+    with pytest.raises(imp.ImportSourceError, match=r"bad\.zarr/meta/episode_ends: expected a 1-d array of integer"):
+        imp.diffusion_policy(tmp_path / "bad.zarr", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
 def test_diffusion_policy_round_trip_is_exact(tmp_path):
     write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
     imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "a", progress=False)
@@ -155,6 +166,10 @@ def test_export_never_overwrites(tmp_path, format):
     with pytest.raises(FileExistsError, match="out: the export destination must be a new or empty folder"):
         imp.export(format, tmp_path / "a", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+    before = sorted(p.name for p in (tmp_path / "a").rglob("*"))
+    with pytest.raises(ValueError, match="the export destination is inside the source buffer"):
+        imp.export(format, tmp_path / "a", tmp_path / "a" / "out")
+    assert sorted(p.name for p in (tmp_path / "a").rglob("*")) == before
 
 
 # ---- robomimic and D4RL -------------------------------------------------------------------------
@@ -216,6 +231,27 @@ def test_robomimic_truncated_demo_names_the_demo(tmp_path):
     with pytest.raises(imp.ImportSourceError, match=r"demo\.hdf5:data/demo_1: episode 1: field 'actions'"):
         imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
+
+
+def test_robomimic_dataset_only_some_demos_hold_is_named_not_dropped(tmp_path):
+    """Fields came from demo_0 alone: the obs of every later demo were dropped without a word."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        del f["data/demo_0/obs/eef_pos"]
+    with pytest.raises(imp.ImportSourceError, match=r"data/demo_0: episode 0: dataset 'obs/eef_pos' is missing"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_d4rl_array_with_more_rows_than_steps_is_refused(tmp_path):
+    """Its rows past the last observation were dropped without a word."""
+    with require("h5py").File(tmp_path / "d4rl.hdf5", "w") as f:
+        f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+        f.create_dataset("actions", data=np.zeros((9, 2), np.float32))
+        f.create_dataset("terminals", data=np.arange(6) == 2)
+    with pytest.raises(imp.ImportSourceError, match=r"d4rl\.hdf5: \{'actions': 9\} have more rows than the 6 steps"):
+        imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
 
 
 def test_d4rl_splits_at_terminals_and_timeouts(tmp_path):
@@ -400,6 +436,7 @@ def test_lerobot_refuses_other_versions(tmp_path):
         (lambda info: info.pop("features"), r"malformed LeRobot info \(missing key 'features'\)"),
         (lambda info: info.pop("fps"), r"malformed LeRobot info \(missing key 'fps'\)"),
         (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be > 0"),
+        (lambda info: info.update(fps="inf"), r"malformed LeRobot info \(ValueError: fps must be > 0 and finite"),
         (lambda info: info["features"]["action"].pop("dtype"), r"malformed LeRobot info \(missing key 'dtype'\)"),
         (lambda info: info.update(features=[1, 2]), r"malformed LeRobot info \(AttributeError"),
     ],
@@ -421,6 +458,109 @@ def test_lerobot_missing_data_file_is_named(tmp_path):
     (tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet").unlink()
     with pytest.raises(imp.ImportSourceError, match=r"episode 0: cannot read its frames: no such file '.*file-000"):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()  # refused at the first episode: no empty buffer left behind
+
+
+def _edit_parquet(path, change) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(change(pq.read_table(path)), path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda rows: [row.pop("length") for row in rows], r"without the columns \['length'\]"),
+        (lambda rows: [row.pop("data/chunk_index") for row in rows], r"without the columns \['data/chunk_index'\]"),
+        (
+            lambda rows: [row.update(length=str(row["length"])) for row in rows],
+            r"wrong type \{'length': 'string'\}; expected integers",
+        ),
+        (lambda rows: rows[1].update(episode_index=None), r"empty cells \['episode_index'\]"),
+    ],
+)
+def test_lerobot_episodes_file_with_missing_or_bad_columns_is_named(tmp_path, change, message):
+    """A bare KeyError ('length') or TypeError came out of these."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=True)
+    path = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    change(rows)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: LeRobot episode.* " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [
+        ("data_path", "../outside.parquet"),
+        ("data_path", "{outside}"),
+        ("image path", "{outside}"),
+        ("image path", "images/../../outside.parquet"),
+    ],
+)
+def test_lerobot_files_outside_the_dataset_are_not_read(tmp_path, where, name):
+    """A crafted info.json or image cell named any file of the machine (absolute or through ``..``)."""
+    import pyarrow as pa
+
+    write_lerobot(tmp_path / "src", video=False)
+    data = tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet"
+    outside = tmp_path / "outside.parquet"
+    data.rename(outside)
+    data.symlink_to(outside)  # a link inside the dataset (a hub cache) still reads
+    name = name.replace("{outside}", str(outside))
+    if where == "data_path":
+        info_path = tmp_path / "src" / "meta" / "info.json"
+        info_path.write_text(json.dumps({**json.loads(info_path.read_text()), "data_path": name}))
+    else:
+
+        def image_at(table):
+            column = table.column_names.index("observation.images.top")
+            cells = table.column(column).to_pylist()
+            cells[0] = {"bytes": None, "path": name}
+            return table.set_column(column, "observation.images.top", pa.array(cells, table.column(column).type))
+
+        _edit_parquet(outside, image_at)
+    what = "data file" if where == "data_path" else "image path"
+    with pytest.raises(imp.ImportSourceError, match=f"episode 0: {what} '{name}' leaves the dataset folder"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda info: info["features"]["observation.state"].update(shape=[10**9]), "22 GiB per episode"),
+        (lambda info: info["features"]["action"].update(shape=[-2]), "field 'action': shape must be a positive"),
+    ],
+)
+def test_lerobot_features_no_buffer_can_hold_are_refused_naming_the_dataset(tmp_path, change, message):
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    change(info)
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(imp.ImportSourceError, match=f"src: no buffer can hold this dataset: .*{message}"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_missing_column_leaves_no_destination_but_a_resume_keeps_what_it_has(tmp_path):
+    write_lerobot(tmp_path / "src", video=False)
+    data = tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet"
+    whole = data.read_bytes()
+    _edit_parquet(data, lambda table: table.drop_columns(["action"]))
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 0: cannot read its frames: .*action"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+    data.write_bytes(whole)
+    assert imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False).imported == len(LENGTHS)
+    _edit_parquet(data, lambda table: table.drop_columns(["action"]))
+    assert imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False).skipped == len(LENGTHS)
 
 
 def test_lerobot_video_export_needs_even_frames(tmp_path):

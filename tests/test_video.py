@@ -6,6 +6,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from replaybuf import video
 from replaybuf.video import (
     default_image_field,
     episode_frames,
@@ -61,6 +62,16 @@ def test_float_frames_are_clipped_and_bools_are_black_or_white():
     assert to_rgb_uint8(np.array([[[True, False]]])).ravel()[::3].tolist() == [255, 0]
 
 
+def test_float_frames_convert_block_by_block_as_whole(monkeypatch):
+    frames = np.random.default_rng(0).normal(0.5, 0.5, (7, 3, 5, 6)).astype(np.float32)
+    frames[2, 1, 1, 1] = np.nan
+    expected = (np.nan_to_num(frames).clip(0, 1) * 255).round().astype(np.uint8)
+    monkeypatch.setattr(video, "CONVERT_BLOCK_ELEMENTS", 2 * frames[0].size)  # blocks of 2 frames, one of 1
+    np.testing.assert_array_equal(video.to_uint8(frames), expected)
+    np.testing.assert_array_equal(video.to_rgb_uint8(frames), np.moveaxis(expected, 1, -1))
+    assert video.to_uint8(np.float64(0.5)) == 128
+
+
 @pytest.mark.parametrize(
     ("frames", "message"),
     [
@@ -107,12 +118,48 @@ def test_gif_frame_duration_follows_fps(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "message"),
-    [("clip.avi2", {}, "suffix"), ("clip", {}, "suffix"), ("clip.mp4", {"fps": 0}, "fps")],
+    [
+        ("clip.avi2", {}, "suffix"),
+        ("clip", {}, "suffix"),
+        ("clip.mp4", {"fps": 0}, "fps"),
+        ("clip.mp4", {"fps": float("inf")}, "finite positive number, got inf"),
+        ("clip.gif", {"fps": float("nan")}, "fps"),
+        ("clip.gif", {"fps": True}, "got True"),
+    ],
 )
 def test_bad_paths_and_fps_raise_before_writing(tmp_path, name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         trajectory_to_video(gray_frames([0, 1]), tmp_path / name, **kwargs)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        ("missing/clip.mp4", FileNotFoundError, "its folder .*missing' does not exist"),
+        ("a-file/clip.gif", FileNotFoundError, "its folder .*a-file' is not a folder"),
+        ("a-folder.mp4", IsADirectoryError, "a-folder.mp4' is a folder"),
+    ],
+)
+def test_unwritable_output_paths_raise_before_writing(tmp_path, name, error, message):
+    (tmp_path / "a-file").write_text("mine")
+    (tmp_path / "a-folder.mp4").mkdir()
+    with pytest.raises(error, match=message):
+        trajectory_to_video(gray_frames([0, 1]), tmp_path / name)
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["a-file", "a-folder.mp4"]
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".gif"])
+def test_a_failed_render_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, suffix):
+    path = trajectory_to_video(gray_frames([0, 50]), tmp_path / f"clip{suffix}")
+    before = path.read_bytes()
+    bad = {"codec": "no-such-codec"} if suffix == ".mp4" else {"duration": "not a number"}
+    with pytest.raises(Exception):  # noqa: B017 - whatever the writer raises
+        trajectory_to_video(gray_frames([100, 150, 200]), path, **bad)
+    assert path.read_bytes() == before
+    assert list(tmp_path.iterdir()) == [path]
+    trajectory_to_video(gray_frames([100, 150, 200]), path)  # a file already there is replaced
+    assert len(iio.imread(path)) == 3
 
 
 def test_long_renders_show_progress(tmp_path, capsys):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from replaybuf import ReplayBuffer
 from replaybuf.video import trajectory_to_video
-from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer
+from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer, apps
 from replaybuf.viewer.server import parse_range
 from tests._viewer_data import STEPS, make_image_buffer, reward_value
 
@@ -102,6 +106,70 @@ def test_page_and_static_files_are_served_from_the_package(browse_server):
 def test_requests_for_other_hosts_are_refused(browse_server):
     assert request(browse_server, "/api/info", headers={"Host": "attacker.example:80"})[0] == 403
     assert request(browse_server, "/api/info", headers={"Host": f"localhost:{browse_server.port}"})[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("site", "mode"), [("cross-site", "no-cors"), ("cross-site", "cors"), ("same-site", "no-cors")]
+)
+def test_pages_of_other_origins_cannot_load_episode_data_or_start_renders(browse_server, site, mode):
+    # what a browser sends for <video src>, fetch() or <img> on a page of another site, or of
+    # another port of this host: refused before anything is read or rendered
+    foreign = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": mode, "Origin": "http://attacker.example"}
+    for path in ("/api/info", "/api/episodes", "/api/episodes/0", "/video/episodes/0/front.mp4", "/static/browse.js"):
+        status, headers, body = request(browse_server, path, headers=foreign)
+        assert status == 403, path
+        assert b"another site" in body
+    assert list(browse_server.app.cache_dir.iterdir()) == []
+    # navigating to the viewer from elsewhere opens it; the page's own requests are same-origin
+    assert request(browse_server, "/", headers={"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate"})[0] == 200
+    own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
+    status, headers, _ = request(browse_server, "/api/episodes/0", headers=own)
+    assert status == 200
+    # no CORS grant, and no embedding by another origin in browsers that send no Sec-Fetch-Site
+    assert "Access-Control-Allow-Origin" not in headers
+    assert (headers["Cross-Origin-Resource-Policy"], headers["X-Content-Type-Options"]) == ("same-origin", "nosniff")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/episodes/-1",
+        "/api/episodes/1.5",
+        "/api/episodes/1%0a",  # a trailing newline
+        "/api/episodes/%D9%A1",  # ARABIC-INDIC DIGIT ONE, which int() reads as 1
+        pytest.param("/api/episodes/" + "9" * 5000, id="/api/episodes/<5000 digits>"),
+        "/api/episodes/1/../0",
+        "/video/episodes/%D9%A1/front.mp4",
+        "/video/episodes/0/front.mp4%0a",
+        "/video/episodes/0/..%2f..%2fetc%2fpasswd.mp4",
+    ],
+)
+def test_episode_paths_take_plain_indices_only(browse_server, path):
+    status, body = get_json(browse_server, path)
+    assert status == 404, body
+    assert list(browse_server.app.cache_dir.iterdir()) == []
+
+
+def test_a_file_removed_after_it_was_named_is_404(tmp_path):
+    video = trajectory_to_video(np.zeros((2, 8, 8, 3), np.uint8), tmp_path / "front.mp4")
+    with ViewerServer(ReplayApp({"front": video}, {})) as server:
+        video.unlink()
+        status, body = get_json(server, "/video/front")
+        assert status == 404 and "front.mp4" in body["error"]
+
+
+def test_clients_that_hang_up_print_no_traceback(browse_server, capsys):
+    for error in (ConnectionResetError(), BrokenPipeError(), TimeoutError()):
+        try:
+            raise error
+        except OSError:
+            browse_server._httpd.handle_error(None, ("127.0.0.1", 1))
+    assert capsys.readouterr().err == ""
+    try:
+        raise RuntimeError("a real bug")
+    except RuntimeError:
+        browse_server._httpd.handle_error(None, ("127.0.0.1", 1))
+    assert "a real bug" in capsys.readouterr().err
 
 
 def test_info_lists_videos_plots_and_columns(browse_server):
@@ -200,7 +268,7 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     assert (status, headers["Content-Type"], headers["Accept-Ranges"]) == (200, "video/mp4", "bytes")
     cached = list(browse_server.app.cache_dir.glob("*.mp4"))
     generation = int(browse_server.app.buffer._meta["_generation"][2])
-    assert [path.name for path in cached] == [f"episode-2-gen-{generation}.front.mp4"]
+    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-open-0.front.mp4"]
     modified = cached[0].stat().st_mtime_ns
 
     status, headers, part = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=10-19"})
@@ -216,6 +284,76 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     status, headers, body = request(browse_server, "/video/episodes/2/front.mp4", method="HEAD")
     assert (status, int(headers["Content-Length"]), body) == (200, len(whole), b"")
     assert cached[0].stat().st_mtime_ns == modified
+
+
+def test_a_rendered_video_is_served_without_reading_its_frames_again(browse_server, monkeypatch):
+    """Each byte range a <video> asked for read and re-checked the whole episode's frames."""
+    status, _, whole = request(browse_server, "/video/episodes/1/front.mp4")
+    assert status == 200
+    storage = browse_server.app.buffer.storage
+    frames_read, read_rows = [], storage.read_rows
+
+    def counted(name, *args, **kwargs):
+        frames_read.append(name)
+        return read_rows(name, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "read_rows", counted)
+    for start in (0, 10, len(whole) - 5):
+        status, _, part = request(browse_server, "/video/episodes/1/front.mp4", headers={"Range": f"bytes={start}-"})
+        assert (status, part) == (206, whole[start:])
+    assert frames_read == []
+    assert request(browse_server, "/video/episodes/1/wrist.mp4")[0] == 200  # not rendered yet: read once
+    assert frames_read == ["wrist"]
+
+
+def test_concurrent_renders_beyond_the_bound_all_complete(buffer, monkeypatch):
+    monkeypatch.setattr(apps, "MAX_RENDERS", 1)  # every render waits for the one before
+    paths = [f"/video/episodes/{index}/{field}.mp4" for index in range(3) for field in ("front", "wrist", "depth")]
+    with ViewerServer(BufferApp(buffer, fps=10)) as server, ThreadPoolExecutor(len(paths)) as pool:
+        answers = list(pool.map(lambda path: request(server, path), paths * 2))
+        assert [status for status, _, _ in answers] == [200] * len(answers)
+        assert [body for _, _, body in answers[: len(paths)]] == [body for _, _, body in answers[len(paths) :]]
+        assert len(list(server.app.cache_dir.iterdir())) == len(paths)
+
+
+def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_path):
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=2, max_timesteps=4, fields={"img": ("uint8", (8, 8, 3))}, circular=True
+    )
+    for level in (50, 100):
+        writer.store_episode(img=np.full((4, 8, 8, 3), level, np.uint8))
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True))) as server:
+        status, _, video = request(server, "/video/episodes/0/img.mp4")
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [50] * 4
+        writer.store_episode(img=np.full((2, 8, 8, 3), 200, np.uint8))  # into slot 0, the reader not refreshed
+        status, _, video = request(server, "/video/episodes/0/img.mp4")
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [200] * 2
+    writer.close()
+
+
+def test_a_buffer_created_again_at_the_location_is_served_not_the_old_ones_videos(tmp_path):
+    folder = tmp_path / "buffer"
+    make_image_buffer(folder).close()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(folder, read_only=True), fps=10)) as server:
+        status, _, video = request(server, "/video/episodes/1/front.mp4")
+        assert (status, len(iio.imread(video, extension=".mp4"))) == (200, STEPS[1])
+        shutil.rmtree(folder)  # the same config again, generations from 1 again: episode 1 is shorter
+        make_image_buffer(folder, steps=(STEPS[0], 7, STEPS[2])).close()
+        assert get_json(server, "/api/episodes/1")[1]["length"] == 7
+        status, _, video = request(server, "/video/episodes/1/front.mp4")
+        assert (status, len(iio.imread(video, extension=".mp4"))) == (200, 7)  # was the old 19-frame video
+
+
+def test_a_buffer_replaced_by_another_config_is_named_so_not_damaged(tmp_path):
+    folder = tmp_path / "buffer"
+    make_image_buffer(folder).close()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(folder, read_only=True), fps=10)) as server:
+        ReplayBuffer(folder, max_episodes=3, max_timesteps=5, fields={"obs": "float"}, overwrite=True).close()
+        for path in ("/api/episodes", "/api/episodes/0", "/video/episodes/0/front.mp4"):
+            status, body = get_json(server, path)
+            assert status == 500
+            assert body["error"].startswith("BufferReplacedError: the buffer at"), body  # was CorruptChunkError
+            assert "max_episodes: stored 3 vs passed 5" in body["error"]
 
 
 def test_unknown_video_fields_and_episodes_are_404(browse_server):

@@ -7,9 +7,11 @@ by one episode), records each source episode's index in the meta field ``source_
 skips those already committed in ``dst`` (so an interrupted import resumes), and with
 ``verify=True`` reads every episode back and compares it with its source. A malformed or
 truncated source raises ``ImportSourceError`` naming the file and episode; the episodes
-committed before it stay in ``dst``. What a source says about the dataset as a whole (LeRobot's
-fps, features and task texts, Minari's env spec, robomimic's env_args, ...) goes to
-``buffer.attrs``, with ``imported_from`` (format and path); each format's module says which keys.
+committed before it stay in ``dst``, and a new ``dst`` is created only once the first episode
+has read well (a source refused at once, or whose fields no buffer can hold, leaves nothing).
+What a source says about the dataset as a whole (LeRobot's fps, features and task texts,
+Minari's env spec, robomimic's env_args, ...) goes to ``buffer.attrs``, with ``imported_from``
+(format and path); each format's module says which keys.
 
 Exporters: ``export_diffusion_policy`` and ``export_lerobot``, also ``export(format, src, dst)``
 and ``replaybuf export FORMAT SRC DST``. They read the buffer's attributes back: the LeRobot

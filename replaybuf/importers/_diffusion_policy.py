@@ -33,13 +33,19 @@ class DiffusionPolicySource(Source):
                 )
             self._arrays = {name: array for name, array in data.arrays()}
             self._attrs = dict(root.attrs)
-            ends = np.asarray(stored_ends[:], dtype=np.int64)
+            ends = np.asarray(stored_ends[:])
         except (KeyError, FileNotFoundError, ValueError) as error:
             raise ImportSourceError(
                 f"{self.path}: not a diffusion_policy zarr (expected data/<key> arrays and meta/episode_ends): {error}"
             ) from error
         if not self._arrays:
             raise ImportSourceError(f"{self.path}: data/ holds no arrays")
+        if ends.ndim != 1 or (len(ends) and ends.dtype.kind not in "iu"):
+            raise ImportSourceError(
+                f"{self.path}/meta/episode_ends: expected a 1-d array of integer step counts, "
+                f"got {ends.dtype} of shape {ends.shape}"
+            )
+        ends = ends.astype(np.int64)
         if len(ends) and (np.any(np.diff(ends) <= 0) or ends[0] <= 0):
             raise ImportSourceError(f"{self.path}/meta/episode_ends: expected strictly increasing ends, got {ends}")
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
@@ -78,7 +84,7 @@ def export_diffusion_policy(
     attributes become the zarr root's; meta fields are not part of that layout and are left out."""
     import zarr
 
-    check_new_folder(dst)
+    check_new_folder(dst, src)
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
         slots = buffer.valid_episodes()

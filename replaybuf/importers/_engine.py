@@ -20,7 +20,8 @@ import numpy as np
 from ..attrs import encode_attrs
 from ..buffer import ReplayBuffer
 from ..progress import progress_bar
-from ..storage.base import make_storage
+from ..schema import Schema
+from ..storage.base import Storage, make_storage
 
 __all__ = [
     "ImportResult",
@@ -126,25 +127,41 @@ def _verify(buffer: ReplayBuffer, slot: int, data: dict[str, np.ndarray], meta: 
             raise ImportVerifyError(f"meta field {name!r} of slot {slot} reads back different from its source")
 
 
-def open_destination(
-    source: Source, dst: Any, backend: str | None, storage_options: dict | None
-) -> tuple[ReplayBuffer, set[int]]:
-    """The destination sized for ``source`` (created, or reopened to resume) and the source
-    episode indices it already holds."""
+def _read_episode(source: Source, position: int, episode: int, length: int) -> tuple[dict[str, np.ndarray], dict]:
+    """The data and meta values of the source's episode at ``position``, checked against its
+    fields; ImportSourceError naming the file and episode where they cannot be read."""
+    try:
+        data, meta = source.read(position)
+        _check_episode(source, data, length)
+    except (OSError, KeyError, ValueError, EOFError) as error:
+        raise ImportSourceError(f"{source.where(position)}: episode {episode}: {error}") from error
+    return data, meta
+
+
+def destination_config(source: Source) -> dict[str, Any]:
+    """The ``ReplayBuffer`` arguments of a buffer sized for ``source``; ImportSourceError naming
+    the source when it has no episodes, or fields or lengths no buffer can hold (checked before
+    anything is read or created)."""
     lengths = source.lengths()
     if not lengths:
         raise ImportSourceError(f"{source.path}: no episodes to import")
-    storage = make_storage(dst, backend, storage_options)
-    meta_fields = {SOURCE_EPISODE: "int64", **source.meta_fields()}
-    fields = {name: dict(spec, shape=tuple(spec["shape"])) for name, spec in source.fields().items()}
-    buffer = ReplayBuffer(
-        storage,
-        max_episodes=len(lengths),
-        max_timesteps=max(lengths),
-        fields=fields,
-        meta_fields=meta_fields,
-        overwrite=False,
-    )
+    config: dict[str, Any] = {
+        "max_episodes": len(lengths),
+        "max_timesteps": max(lengths),
+        "fields": {name: dict(spec, shape=tuple(spec["shape"])) for name, spec in source.fields().items()},
+        "meta_fields": {SOURCE_EPISODE: "int64", **source.meta_fields()},
+    }
+    try:
+        Schema.build(**config)
+    except (ValueError, TypeError) as error:
+        raise ImportSourceError(f"{source.path}: no buffer can hold this dataset: {error}") from error
+    return config
+
+
+def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBuffer, set[int]]:
+    """The destination buffer of ``config`` (created, or reopened to resume) and the source
+    episode indices it already holds."""
+    buffer = ReplayBuffer(storage, **config, overwrite=False)
     done = {int(buffer.meta_data[SOURCE_EPISODE][slot]) for slot in buffer.valid_episodes()}
     return buffer, done
 
@@ -160,8 +177,12 @@ def run_import(
 ) -> ImportResult:
     """Copy every episode of ``source`` not yet in ``dst`` (see ``replaybuf.importers.load``)."""
     try:
-        buffer, done = open_destination(source, dst, backend, storage_options)
-        ids, lengths = source.episode_ids(), source.lengths()
+        config, ids, lengths = destination_config(source), source.episode_ids(), source.lengths()
+        storage = make_storage(dst, backend, storage_options)
+        # a new destination is created once the first episode has read well, so that a source
+        # refused at once (a missing column, a truncated file) leaves nothing behind
+        first = None if storage.exists() else _read_episode(source, 0, ids[0], lengths[0])
+        buffer, done = open_destination(config, storage)
         imported = frames = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
@@ -170,11 +191,10 @@ def run_import(
             for position, (episode, length) in enumerate(zip(ids, lengths)):
                 if episode in done:
                     continue
-                try:
-                    data, meta = source.read(position)
-                    _check_episode(source, data, length)
-                except (OSError, KeyError, ValueError, EOFError) as error:
-                    raise ImportSourceError(f"{source.where(position)}: episode {episode}: {error}") from error
+                if position == 0 and first is not None:
+                    (data, meta), first = first, None
+                else:
+                    data, meta = _read_episode(source, position, episode, length)
                 meta = {SOURCE_EPISODE: episode, **meta}
                 slot = buffer.episode_index
                 buffer.store_episode(**data, **meta)
@@ -189,10 +209,18 @@ def run_import(
     return ImportResult(imported=imported, skipped=len(done), frames=frames)
 
 
-def check_new_folder(dst: str | os.PathLike) -> None:
-    """Refuse an export into a folder that holds anything: an export never overwrites."""
+def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
+    """Refuse an export into a folder that holds anything (an export never overwrites), or
+    inside the folder of the source buffer ``src`` (it would add files to the buffer)."""
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder")
+    if isinstance(src, str | os.PathLike) and "://" not in os.fspath(src):
+        source, target = os.path.realpath(src), os.path.realpath(dst)
+        if target.startswith(source.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"{os.fspath(dst)}: the export destination is inside the source buffer {os.fspath(src)!r}; "
+                "choose a folder outside it"
+            )
 
 
 def exported_episodes(

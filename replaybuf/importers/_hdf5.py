@@ -65,8 +65,15 @@ class RobomimicSource(Source):
             raise ImportSourceError(f"{self.path}: not a robomimic file (no 'data' group)")
         demos = [name for name in self._file["data"] if re.fullmatch(r"demo_\d+", name)]
         self._demos = sorted(demos, key=lambda name: int(name.split("_")[1]))
-        self._fields = self._paths(self._demos[0]) if self._demos else {}
-        self._specs = {name: _spec(self._file[f"data/{self._demos[0]}/{key}"]) for name, key in self._fields.items()}
+        # the datasets of every demo: one that only some demos hold is missing from the others
+        # (an error naming it), not dropped from all of them
+        self._fields: dict[str, str] = {}
+        self._specs: dict[str, dict[str, Any]] = {}
+        for demo in self._demos:
+            for name, key in self._paths(demo).items():
+                if name not in self._fields:
+                    self._fields[name] = key
+                    self._specs[name] = _spec(self._file[f"data/{demo}/{key}"])
 
     def _paths(self, demo: str) -> dict[str, str]:
         """field name -> dataset path inside ``data/<demo>``."""
@@ -115,7 +122,7 @@ class RobomimicSource(Source):
         data = {}
         for name, key in self._fields.items():
             if key not in group:
-                raise KeyError(f"dataset {key!r} is missing from data/{self._demos[position]}")
+                raise ValueError(f"dataset {key!r} is missing from data/{self._demos[position]}")
             data[name] = group[key][()]
         return data, {}
 
@@ -142,6 +149,13 @@ class D4RLSource(Source):
         if "infos" in f:
             self._paths.update({f"infos_{key}": f"infos/{key}" for key, item in f["infos"].items() if item.ndim >= 1})
         self._specs = {name: _spec(f[key]) for name, key in self._paths.items()}
+        longer = {key: f[key].shape[0] for key in self._paths.values() if f[key].shape[0] > steps}
+        if longer:  # their rows past the last step would be dropped without a word
+            self.close()
+            raise ImportSourceError(
+                f"{self.path}: {longer} have more rows than the {steps} steps of 'observations'; "
+                "expected one row per step"
+            )
         ends = np.asarray(f["terminals"][()], dtype=bool)
         if "timeouts" in f:
             ends = ends | np.asarray(f["timeouts"][()], dtype=bool)

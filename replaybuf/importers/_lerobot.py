@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections.abc import Mapping
 from fractions import Fraction
@@ -127,13 +128,22 @@ def decode_frames(path: Path, start_s: float, count: int, fps: float) -> np.ndar
     return np.stack(frames)
 
 
+def _inside(root: Path, relative: str, what: str) -> Path:
+    """``root / relative``, refused (ValueError) where a crafted dataset names a file outside
+    its folder, absolute or through ``..``: an import reads only what the dataset holds. The
+    check is on the name, not the resolved path, so datasets made of links (a hub cache) read."""
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise ValueError(f"{what} {relative!r} leaves the dataset folder {str(root)!r}")
+    return root / relative
+
+
 def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...]) -> np.ndarray:
     from PIL import Image
 
     if cell is None:
         raise ValueError("an image cell is empty")
     source = cell.get("bytes")
-    with Image.open(io.BytesIO(source) if source else root / cell["path"]) as image:
+    with Image.open(io.BytesIO(source) if source else _inside(root, cell["path"], "image path")) as image:
         array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
     return array.reshape(shape)
 
@@ -171,8 +181,8 @@ class LeRobotSource(Source):
     def _read_features(self, info_path: Path) -> None:
         """The fields of ``info.json``'s features (KeyError, TypeError, ValueError where malformed)."""
         self.fps = float(self.info["fps"])
-        if not self.fps > 0:
-            raise ValueError(f"fps must be > 0, got {self.info['fps']!r}")
+        if not 0 < self.fps < math.inf:
+            raise ValueError(f"fps must be > 0 and finite, got {self.info['fps']!r}")
         self._fields: dict[str, dict[str, Any]] = {}
         self._features: dict[str, str] = {}  # field -> feature
         for feature, spec in self.info["features"].items():
@@ -202,8 +212,39 @@ class LeRobotSource(Source):
                 )
             except (OSError, self._pa.ArrowException) as error:
                 raise ImportSourceError(f"{file}: cannot read LeRobot episodes: {error}") from error
+            self._check_episode_columns(file, table)
             rows.extend(table.to_pylist())
         return sorted(rows, key=lambda row: row["episode_index"])
+
+    def _check_episode_columns(self, file: Path, table: Any) -> None:
+        """The columns of an episodes file that an import reads are there, numbers, and
+        without empty cells (a bare KeyError or TypeError otherwise)."""
+        types = self._pa.types
+        videos = [f for f in self._features.values() if self.info["features"][f]["dtype"] == "video"]
+        columns = {
+            name: types.is_integer for name in ("episode_index", "length", "data/chunk_index", "data/file_index")
+        }
+        for feature in videos:
+            columns.update(
+                {f"videos/{feature}/chunk_index": types.is_integer, f"videos/{feature}/file_index": types.is_integer}
+            )
+            columns[f"videos/{feature}/from_timestamp"] = lambda kind: types.is_floating(kind) or types.is_integer(kind)
+        missing = [name for name in columns if name not in table.column_names]
+        if missing:
+            raise ImportSourceError(f"{file}: LeRobot episodes without the columns {missing}")
+        wrong = {
+            name: str(table.schema.field(name).type)
+            for name, is_kind in columns.items()
+            if not is_kind(table.schema.field(name).type)
+        }
+        if wrong:
+            raise ImportSourceError(
+                f"{file}: LeRobot episode columns of the wrong type {wrong}; expected integers "
+                "(from_timestamp: numbers)"
+            )
+        empty = [name for name in columns if table.column(name).null_count]
+        if empty:
+            raise ImportSourceError(f"{file}: LeRobot episode columns with empty cells {empty}")
 
     def _read_tasks(self) -> dict[str, str]:
         """task_index (as a str, a JSON key) -> task text, from ``meta/tasks.parquet``, where
@@ -245,20 +286,24 @@ class LeRobotSource(Source):
     def lengths(self) -> list[int]:
         return [int(row["length"]) for row in self._episodes]
 
-    def _data_file(self, row: dict[str, Any]) -> Path:
+    def _data_path(self, row: dict[str, Any]) -> str:
         pattern = self.info.get("data_path") or DATA_PATH
-        return self.root / pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
+        return pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
+
+    def _data_file(self, row: dict[str, Any]) -> Path:
+        return _inside(self.root, self._data_path(row), "data file")
 
     def _video_file(self, row: dict[str, Any], feature: str) -> Path:
         pattern = self.info.get("video_path") or VIDEO_PATH
-        return self.root / pattern.format(
+        relative = pattern.format(
             video_key=feature,
             chunk_index=row[f"videos/{feature}/chunk_index"],
             file_index=row[f"videos/{feature}/file_index"],
         )
+        return _inside(self.root, relative, "video file")
 
     def where(self, position: int) -> str:
-        return str(self._data_file(self._episodes[position]))
+        return str(self.root / self._data_path(self._episodes[position]))
 
     def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         row = self._episodes[position]
@@ -395,7 +440,7 @@ def export_lerobot(
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
-    check_new_folder(dst)
+    check_new_folder(dst, src)
     root = Path(dst)
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.video import episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.video import check_fps, episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
 from replaybuf.view import BufferView
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
 
@@ -27,9 +27,12 @@ __all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
 MAX_PLOT_DIMS = 32
 # meta values with up to this many elements are shown in the episode list
 MAX_META_ELEMENTS = 8
+# videos rendered at once: each holds its episode's frames in memory and runs an encoder
+MAX_RENDERS = 4
 
-_EPISODE_PATH = re.compile(r"^/api/episodes/(\d+)$")
-_EPISODE_VIDEO_PATH = re.compile(r"^/video/episodes/(\d+)/([^/]+)\.mp4$")
+# indices in ASCII digits only, up to 18 of them (``\d`` takes any script's digits, ``$`` a newline)
+_EPISODE_PATH = re.compile(r"/api/episodes/([0-9]{1,18})")
+_EPISODE_VIDEO_PATH = re.compile(r"/video/episodes/([0-9]{1,18})/([^/]+)\.mp4")
 
 
 def _json_values(values: np.ndarray) -> Any:
@@ -111,8 +114,7 @@ class BufferApp:
     page = "browse.html"
 
     def __init__(self, buffer: BufferView, location: str = "", fps: float = 30, scale: int = 1):
-        if not (isinstance(fps, int | float) and fps > 0):
-            raise ValueError(f"fps: expected a positive number, got {fps!r}")
+        check_fps(fps)
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
             raise ValueError(f"scale: expected a positive integer, got {scale!r}")
         self.buffer = buffer
@@ -124,6 +126,9 @@ class BufferApp:
         self.meta_columns = meta_columns(buffer)
         self.cache_dir = Path(tempfile.mkdtemp(prefix="replaybuf-view-"))
         self._read_lock = threading.Lock()
+        self._storage = buffer.storage  # the storage the buffer reads now: another after a reopen
+        self._reopened = 0  # times the buffer was reopened after another process replaced it
+        self._renders = threading.BoundedSemaphore(MAX_RENDERS)
         self._render_locks: dict[Path, threading.Lock] = {}
         self._render_locks_guard = threading.Lock()
 
@@ -134,10 +139,10 @@ class BufferApp:
             return JsonResponse(self.describe())
         if path == "/api/episodes":
             return JsonResponse(self.episodes())
-        match = _EPISODE_PATH.match(path)
+        match = _EPISODE_PATH.fullmatch(path)
         if match:
             return JsonResponse(self.episode(int(match[1])))
-        match = _EPISODE_VIDEO_PATH.match(path)
+        match = _EPISODE_VIDEO_PATH.fullmatch(path)
         if match:
             return FileResponse(self.render(int(match[1]), match[2]))
         raise NotFound(path)
@@ -163,9 +168,8 @@ class BufferApp:
     def episodes(self) -> dict[str, Any]:
         """Every episode slot up to the last committed one (``slots`` rows; ``num_episodes`` is
         the seed's count) with its length and small meta values, read column by column."""
-        buffer = self.buffer
         with self._read_lock:
-            buffer.refresh()
+            buffer = self._current(refresh=True)
             count = episode_slots(buffer)  # every committed episode, past a dropped one too
             lengths = np.asarray(buffer.episode_lens[:count])
             meta = {name: np.asarray(buffer.meta_data[name][:count]) for name in self.meta_columns}
@@ -180,8 +184,8 @@ class BufferApp:
     def episode(self, index: int) -> dict[str, Any]:
         """One episode: its length, meta values and the series of its plottable fields, read in
         one consistent read (an episode being rewritten shows as empty, never mixed)."""
-        buffer = self.buffer
         with self._read_lock:
+            buffer = self._current()
             self._length(index)
             got = read_episodes_consistent(buffer, [index], self.series_fields)
         length = int(got.lens[0]) if len(got) else 0
@@ -207,27 +211,30 @@ class BufferApp:
         """The mp4 of one episode's image field, rendered on first request and cached."""
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
-        with self._read_lock:
-            self._length(index)
-            got = read_episodes_consistent(self.buffer, [index], [field], with_meta=False)
-        if len(got) == 0:
-            raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
-        # keyed by the generation: a slot a writer reused renders its new episode
-        path = self.cache_dir / f"episode-{index}-gen-{int(got.generations[0])}.{field}.mp4"
-        with self._render_lock(path):
-            if not path.exists():
-                frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
-                partial = path.with_suffix(".partial.mp4")
-                # near-lossless, with a keyframe every second so that stepping backwards stays quick
-                trajectory_to_video(
-                    frames,
-                    partial,
-                    fps=self.fps,
-                    progress=False,
-                    quality=8,
-                    output_params=["-g", str(max(1, round(self.fps)))],
-                )
-                partial.replace(path)
+        cached = self._rendered(index, field)
+        if cached is not None:
+            return cached
+        with self._renders:  # a burst of requests holds at most MAX_RENDERS episodes' frames
+            with self._read_lock:
+                buffer = self._current()
+                self._length(index)
+                got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
+                path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
+            if len(got) == 0:
+                raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
+            with self._render_lock(path):
+                if not path.exists():
+                    frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
+                    # near-lossless, with a keyframe every second so that stepping backwards stays
+                    # quick; written whole or not at all, so a failed render is retried next time
+                    trajectory_to_video(
+                        frames,
+                        path,
+                        fps=self.fps,
+                        progress=False,
+                        quality=8,
+                        output_params=["-g", str(max(1, round(self.fps)))],
+                    )
         return path
 
     def close(self) -> None:
@@ -235,11 +242,41 @@ class BufferApp:
 
     # helpers
 
+    def _current(self, refresh: bool = False) -> BufferView:
+        """The buffer, refreshed first when asked or when another process replaced it
+        (``overwrite=True``) since it was read: ``refresh()`` then opens the new one, or raises
+        ``BufferReplacedError`` naming how its config differs. Counts those reopenings, which
+        key the cached videos (a buffer created again numbers its generations from 1 again), so
+        the new buffer's episodes never show as the old one's. Called under the read lock."""
+        if refresh or self.buffer.storage.replaced():
+            self.buffer.refresh()
+        if self.buffer.storage is not self._storage:
+            self._storage = self.buffer.storage
+            self._reopened += 1
+        return self.buffer
+
     def _length(self, index: int) -> int:
         count = episode_slots(self.buffer)
         if not 0 <= index < count:
             raise NotFound(f"episode {index} (the buffer has {count} episodes)")
         return int(self.buffer.episode_lens[index])
+
+    def _rendered(self, index: int, field: str) -> Path | None:
+        """The video already rendered from the episode slot ``index`` holds now, if any: served
+        without reading the episode's frames again (a <video> asks for many byte ranges of it)."""
+        with self._read_lock:
+            buffer = self._current()
+            self._length(index)
+            generation = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
+            path = self._video_path(index, generation, field)
+        return path if generation and path.exists() else None
+
+    def _video_path(self, index: int, generation: int, field: str) -> Path:
+        """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
+        keyed by the generation (a slot a writer reused renders its new episode) and by the
+        buffer opened (a buffer created again at the location counts generations from 1 again).
+        Called under the read lock."""
+        return self.cache_dir / f"episode-{index}-gen-{generation}-open-{self._reopened}.{field}.mp4"
 
     def _render_lock(self, path: Path) -> threading.Lock:
         with self._render_locks_guard:

@@ -3,8 +3,10 @@
 The server knows nothing about buffers: an *app* object answers ``/api/...`` and
 ``/video/...`` paths with a ``JsonResponse`` or a ``FileResponse``, and names the static page
 served at ``/``. Files are sent with HTTP range support so that ``<video>`` elements can
-seek. Only 127.0.0.1 is ever bound, and requests naming another host are refused (DNS
-rebinding), so a page elsewhere on the web cannot read the buffer through the viewer.
+seek. Only 127.0.0.1 is ever bound, requests naming another host are refused (DNS
+rebinding), and a page of another origin may open the viewer but not fetch or embed what it
+serves (``Sec-Fetch-Site``, ``Cross-Origin-Resource-Policy``; no CORS header is ever sent), so
+a page elsewhere on the web can neither read the buffer through the viewer nor start renders.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ HOST = "127.0.0.1"
 STATIC_DIR = Path(__file__).parent / "static"
 COPY_CHUNK = 1 << 20
 POLL_INTERVAL = 0.05  # seconds between shutdown checks of a background server
+IDLE_TIMEOUT = 60  # seconds a connection may wait on a socket before it is closed
+# Sec-Fetch-Site values of requests another origin's page made; only its navigations are served
+FOREIGN_SITES = ("cross-site", "same-site")
 CONTENT_TYPES = {
     ".js": "text/javascript",
     ".css": "text/css",
@@ -108,6 +113,7 @@ def _content_type(path: Path) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT  # an idle or stalled client does not hold a thread forever
     server: _HTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature inherited
@@ -123,6 +129,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if not self._host_allowed():
                 return self._send_json(JsonResponse({"error": "unknown host"}, HTTPStatus.FORBIDDEN), send_body)
+            if self._from_another_origin():
+                refused = JsonResponse({"error": "request from another site's page refused"}, HTTPStatus.FORBIDDEN)
+                return self._send_json(refused, send_body)
             path = unquote(urlsplit(self.path).path)
             response = self._route(path)
             if isinstance(response, FileResponse):
@@ -134,6 +143,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _host_allowed(self) -> bool:
         host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
         return host in ("127.0.0.1", "localhost", "")
+
+    def _from_another_origin(self) -> bool:
+        """Whether a browser says a page of another origin (another site, or another port of
+        this host) made this request other than by navigating to it: a ``<video>``, ``<img>``,
+        ``<script>`` or ``fetch`` there would load episode data or start a render here."""
+        site = self.headers.get("Sec-Fetch-Site")
+        return site in FOREIGN_SITES and self.headers.get("Sec-Fetch-Mode") != "navigate"
+
+    def _send_common_headers(self) -> None:
+        """What every answer carries: no other origin may embed it, nor sniff it as another type."""
+        self.send_header("Cross-Origin-Resource-Policy", "same-origin")
+        self.send_header("X-Content-Type-Options", "nosniff")
 
     def _route(self, path: str) -> JsonResponse | FileResponse:
         app = self.server.app
@@ -159,6 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(self, response: JsonResponse, send_body: bool) -> None:
         body = json.dumps(response.body, allow_nan=False).encode()
         self.send_response(response.status)
+        self._send_common_headers()
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
@@ -167,17 +189,22 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _send_file(self, path: Path, send_body: bool) -> None:
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError as error:  # removed since it was named (a cache cleared by stop())
+            return self._send_json(JsonResponse({"error": f"{error}"}, HTTPStatus.NOT_FOUND), send_body)
         try:
             byte_range = parse_range(self.headers.get("Range"), size)
         except ValueError:
             self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
+            self._send_common_headers()
             self.send_header("Content-Range", f"bytes */{size}")
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
         start, end = byte_range if byte_range is not None else (0, size - 1)
         self.send_response(HTTPStatus.PARTIAL_CONTENT if byte_range is not None else HTTPStatus.OK)
+        self._send_common_headers()
         self.send_header("Content-Type", _content_type(path))
         self.send_header("Content-Length", str(max(end - start + 1, 0)))
         self.send_header("Accept-Ranges", "bytes")
@@ -205,6 +232,11 @@ class _HTTPServer(ThreadingHTTPServer):
         self.app = app
         self.static_names = frozenset(entry.name for entry in STATIC_DIR.iterdir() if entry.is_file())
         super().__init__((HOST, port), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up or went idle is not an error worth a traceback; others are."""
+        if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            super().handle_error(request, client_address)
 
 
 def check_port(port: int) -> None:
