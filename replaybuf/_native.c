@@ -17,7 +17,7 @@
  *
  * pread_many(fds, starts, sizes, out, got) reads sizes[k] bytes at starts[k] of fds[k] (int64s)
  * into out, one range after another, with the GIL released: got[k] is the bytes read (fewer
- * where the file ends first), -1 where fds[k] < 0 (absent), or -errno. A sampled batch reads a
+ * where the file ends first), -1 where fds[k] < 0 (absent), or -1 - errno where a read failed. A sampled batch reads a
  * small range per frame; a preadv each from Python cost ~4 us.
  */
 #define PY_SSIZE_T_CLEAN
@@ -148,7 +148,7 @@ static PyObject *pread_many(PyObject *self, PyObject *args) {
                 if (n < 0 && errno == EINTR)
                     continue;
                 if (n < 0) {
-                    read_so_far = -(int64_t)errno;
+                    read_so_far = -1 - (int64_t)errno;
                     break;
                 }
                 if (n == 0)

@@ -259,14 +259,15 @@ def test_a_flip_in_a_cold_shard_names_its_frame(cold, path, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("medium", ["file", "memory"])
-def test_ranges_read_into_place_short_or_absent(tmp_path, medium):
-    """``get_ranges_into``: LocalKV's preadv (with and without kept handles) and the base
-    class's copy of ``get_ranges`` (a zarr memory store) agree."""
+def test_ranges_read_into_place_short_or_absent(tmp_path, medium, path):
+    """``get_ranges_into``: LocalKV's reads (compiled or a preadv each, with and without kept
+    handles) and the base class's copy of ``get_ranges`` (a zarr memory store) agree; a file
+    that cannot be read (a folder in its place) is named."""
     payload = os.urandom(3_000)
     if medium == "file":
         kv = _kv.LocalKV(str(tmp_path))
     else:
-        storage = ReplayBuffer(f"memory://cold-{os.getpid()}/b", 2, 4, fields={"reward": "float"}).storage
+        storage = ReplayBuffer(f"memory://cold-{os.getpid()}-{path}/b", 2, 4, fields={"reward": "float"}).storage
         kv = storage.kv
         assert not isinstance(kv, _kv.LocalKV)
     kv.set("x/a", payload)
@@ -275,6 +276,11 @@ def test_ranges_read_into_place_short_or_absent(tmp_path, medium):
         out = bytearray(b"\xff" * 260)
         assert kv.get_ranges_into(requests, memoryview(out), generations) == [100, -1, 50, 10]
         assert out[:100] == payload[10:110] and out[150:200] == payload[2_950:] and out[250:] == payload[:10]
+    if medium == "file":
+        os.mkdir(tmp_path / "x" / "folder")
+        with pytest.raises(IsADirectoryError) as error:
+            kv.get_ranges_into([("x/a", 0, 10), ("x/folder", 0, 10)], memoryview(bytearray(20)))
+        assert error.value.filename == str(tmp_path / "x" / "folder")
 
 
 def test_a_truncated_cold_shard_fails_the_gathers_that_reach_past_its_end(cold, tmp_path, monkeypatch):

@@ -329,23 +329,29 @@ def _pread_into(fd: int, out: memoryview, start: int) -> int:
 _pread_many = compiled("pread_many")  # None: built without a compiler, a preadv per range
 
 
-def _read_ranges(fds: list[int], requests: Sequence[ByteRange], out: memoryview) -> list[int]:
+def _read_ranges(
+    fds: list[int], requests: Sequence[ByteRange], out: memoryview, where: Callable[[str], str]
+) -> list[int]:
     """``requests[k]``'s range of the open file ``fds[k]`` (-1: absent) into ``out``, one after
-    another: per request the bytes read, or -1 where absent."""
+    another: per request the bytes read, or -1 where absent. A failed read raises the OSError
+    naming the file (``where(key)``)."""
     starts = np.fromiter((start for _, start, _ in requests), np.int64, len(requests))
     sizes = np.fromiter((stop - start for _, start, stop in requests), np.int64, len(requests))  # type: ignore[operator]
     if _pread_many is None:
         got, at = [], 0
-        for fd, start, size in zip(fds, starts.tolist(), sizes.tolist()):
-            got.append(-1 if fd < 0 else _pread_into(fd, out[at : at + size], start))
+        for fd, (key, _, _), start, size in zip(fds, requests, starts.tolist(), sizes.tolist()):
+            try:
+                got.append(-1 if fd < 0 else _pread_into(fd, out[at : at + size], start))
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, where(key)) from None
             at += size
         return got
     done = np.empty(len(requests), np.int64)
     _pread_many(np.asarray(fds, np.int64), starts, sizes, out, done)
-    failed = np.flatnonzero(done < -1)
+    failed = np.flatnonzero(done < -1)  # -1 - errno
     if len(failed):
-        code = -int(done[failed[0]])
-        raise OSError(code, os.strerror(code))
+        code = -1 - int(done[failed[0]])
+        raise OSError(code, os.strerror(code), where(requests[int(failed[0])][0]))
     return done.tolist()
 
 
@@ -411,7 +417,7 @@ class LocalKV(KeyValue):
                         fd = os.open(self._path(key), os.O_RDONLY)
                         opened.append(fd)
                 fds.extend(fd for _ in run)
-            return _read_ranges(fds, requests, out)
+            return _read_ranges(fds, requests, out, self._path)
         finally:
             for fd in opened:
                 os.close(fd)
