@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .base import LOG_PREFIX, StorageError
+from .base import ANY_SIZE, LOG_PREFIX, StorageError, document_limit, document_too_large
 
 if TYPE_CHECKING:
     from .base import Storage as _StorageMixin  # KVBlobs is mixed in before Storage
@@ -129,6 +129,13 @@ class KeyValue(ABC):
         the last ``-start`` bytes. None where the key is absent."""
 
     @abstractmethod
+    def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """The whole objects ``keys`` (None where absent), each a metadata object of at most
+        ``limit`` bytes (default ``MAX_DOCUMENT_BYTES``): a larger one raises BufferDamagedError
+        naming it, its size and the limit, judged by its size before its bytes are read (a
+        damaged or planted multi-GB object never reaches memory)."""
+
+    @abstractmethod
     def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         """Write each key; ``atomic`` replaces it whole (readers never see a torn object).
         Non-atomic writes are for objects no reader trusts yet (unpublished slots)."""
@@ -143,6 +150,10 @@ class KeyValue(ABC):
 
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
+
+    def get_document(self, key: str, limit: int | None = None) -> bytes | None:
+        """``get_documents`` of one key."""
+        return self.get_documents([key], limit)[0]
 
     def where(self, key: str) -> str:
         """The file path or URL of ``key``, for error messages."""
@@ -455,6 +466,29 @@ class LocalKV(KeyValue):
             return [self._read_range(r) for r in requests]
         return list(thread_pool().map(self._read_range, requests))
 
+    def _read_document(self, key: str, limit: int) -> bytes | None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise document_too_large(path, size, limit)
+            return _pread(fd, 0, size)  # at most the size just checked, should the file grow
+        except OSError as e:  # a folder where a file belongs (EISDIR): name it
+            raise OSError(e.errno, e.strerror, path) from None
+        finally:
+            os.close(fd)
+
+    def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        # docstring inherited: the size from fstat of the open file, then one pread of it
+        most = document_limit(limit)
+        if len(keys) <= 4:
+            return [self._read_document(k, most) for k in keys]
+        return list(thread_pool().map(lambda k: self._read_document(k, most), keys))
+
     def _read_into(self, request: ReadInto) -> int | None:
         key, start, out = request
         try:
@@ -764,6 +798,54 @@ class StoreKV(KeyValue):
 
         return self._run_bounded([functools.partial(one, r) for r in requests])
 
+    def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        # docstring inherited: on obstore one GET, whose size comes with the response headers
+        # (the body is read only when it is within ``limit``); on other stores a HEAD, then a
+        # GET of at most ``limit + 1`` bytes (an object replaced between the two is still bounded)
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.storage import ObjectStore, WrapperStore
+
+        from ._remote import NamedErrorStore
+
+        store, proto, most = self.store, default_buffer_prototype(), document_limit(limit)
+        inner = store
+        while isinstance(inner, WrapperStore):
+            inner = inner._store
+
+        named = store._named if isinstance(store, NamedErrorStore) else lambda _, __: contextlib.nullcontext()
+
+        async def via_obstore(key: str) -> bytes | int | None:
+            import obstore
+
+            with named("GET", key):
+                try:
+                    got = await obstore.get_async(inner.store, key)
+                except (FileNotFoundError, obstore.exceptions.NotFoundError):
+                    return None
+                size = int(got.meta["size"])
+                return size if size > most else bytes(await got.bytes_async())
+
+        async def via_size(key: str) -> bytes | int | None:
+            try:
+                size = await store.getsize(key)
+            except FileNotFoundError:
+                return None
+            if size > most:
+                return size
+            if size == 0:
+                return b""
+            buf = await store.get(key, proto, byte_range=RangeByteRequest(0, most + 1))
+            return None if buf is None else buf.to_bytes()
+
+        one = via_obstore if isinstance(inner, ObjectStore) else via_size
+        out: list[bytes | None] = []
+        for key, got in zip(keys, self._run_bounded([functools.partial(one, k) for k in keys])):
+            if isinstance(got, int) or (got is not None and len(got) > most):
+                raise document_too_large(self.where(key), got if isinstance(got, int) else len(got), most)
+            out.append(got)
+        return out
+
     def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
@@ -822,9 +904,9 @@ class KVBlobs(_StorageMixin):
 
     kv: KeyValue
 
-    def read_blob(self, key: str) -> bytes | None:
+    def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
         # docstring inherited
-        return self.kv.get(key)
+        return self.kv.get(key) if limit == ANY_SIZE else self.kv.get_document(key, limit)
 
     def write_blob(self, key: str, data: bytes) -> None:
         # docstring inherited
