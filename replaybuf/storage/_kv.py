@@ -808,9 +808,9 @@ class StoreKV(KeyValue):
         return self._run_bounded([functools.partial(one, r) for r in requests])
 
     def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
-        # docstring inherited: on obstore one GET, whose size comes with the response headers
-        # (the body is read only when it is within ``limit``); on other stores a HEAD, then a
-        # GET of at most ``limit + 1`` bytes (an object replaced between the two is still bounded)
+        # docstring inherited: one GET each. On obstore its size comes with the response headers
+        # and the body is read only when it is within ``limit``; other stores are asked for the
+        # first ``limit + 1`` bytes (then a HEAD for the error's size)
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
         from zarr.storage import ObjectStore, WrapperStore
@@ -835,19 +835,16 @@ class StoreKV(KeyValue):
                 size = int(got.meta["size"])
                 return size if size > most else bytes(await got.bytes_async())
 
-        async def via_size(key: str) -> bytes | int | None:
-            try:
-                size = await store.getsize(key)
-            except FileNotFoundError:
-                return None
-            if size > most:
-                return size
-            if size == 0:
-                return b""
+        async def via_range(key: str) -> bytes | int | None:
             buf = await store.get(key, proto, byte_range=RangeByteRequest(0, most + 1))
-            return None if buf is None else buf.to_bytes()
+            if buf is None or len(buf) <= most:
+                return None if buf is None else buf.to_bytes()
+            try:  # its size, for the error: a HEAD only here
+                return await store.getsize(key)
+            except FileNotFoundError:  # deleted since: at least what was read
+                return len(buf)
 
-        one = via_obstore if isinstance(inner, ObjectStore) else via_size
+        one = via_obstore if isinstance(inner, ObjectStore) else via_range
         out: list[bytes | None] = []
         for key, got in zip(keys, self._run_bounded([functools.partial(one, k) for k in keys])):
             if isinstance(got, int) or (got is not None and len(got) > most):
