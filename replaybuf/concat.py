@@ -139,7 +139,7 @@ class ConcatStorage(Storage):
         field = self.schema.fields[name]
         return ConcatArray(self, name, (int(self.offsets[-1]), self.schema.max_timesteps, *field.shape), field.dtype)
 
-    def read_blob(self, key: str) -> bytes | None:
+    def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
         # docstring inherited
         return None
 

@@ -372,8 +372,8 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
     for path in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.upgrading-*"))):
         pid = path.rsplit("-", 1)[1]
         try:
-            with open(os.path.join(path, *UPGRADE_MARKER.split("/"))) as f:
-                record = json.load(f)
+            with open(os.path.join(path, *UPGRADE_MARKER.split("/")), "rb") as f:
+                record = json.loads(f.read(1 << 16))  # a marker is ~100 bytes: more is not one
         except (OSError, ValueError):
             record = None
         ours = (

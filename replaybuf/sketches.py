@@ -222,8 +222,8 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
     headers: list[dict[str, Any] | None] = []
     generations = buffer._meta["_generation"][slots]
     for slot, generation in zip(slots.tolist(), generations.tolist()):
-        blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
-        try:
+        try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
+            blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
         except (ValueError, KeyError, TypeError, struct.error):
             header = None  # a damaged blob: derived data, sketched again from the episode

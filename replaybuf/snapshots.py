@@ -32,7 +32,7 @@ import numpy as np
 
 from .inputs import fill_value
 from .schema import Schema
-from .storage import SNAPSHOTS_PREFIX
+from .storage import SNAPSHOTS_PREFIX, BufferDamagedError, document_limit
 from .storage.base import Storage
 
 PREFIX = SNAPSHOTS_PREFIX
@@ -76,6 +76,17 @@ def check_name(name: Any) -> str:
 def key(name: str) -> str:
     """The blob key of snapshot ``name``."""
     return f"{PREFIX}{check_name(name)}/snapshot.json"
+
+
+def max_bytes(schema: Schema) -> int:
+    """The most bytes a snapshot of a buffer of ``schema`` can take: a metadata object's, and 64
+    per episode it may record (its slot, generation and length as JSON ints)."""
+    return document_limit() + 64 * schema.max_episodes
+
+
+def exists(storage: Storage, name: str) -> bool:
+    """Whether snapshot ``name`` is stored (a listing: its size does not matter)."""
+    return key(name) in storage.list_blobs(f"{PREFIX}{name}/")
 
 
 def names(storage: Storage) -> list[str]:
@@ -139,7 +150,10 @@ def decode(raw: bytes, name: str, schema: Schema, where: str) -> Snapshot:
 def load(storage: Storage, name: str, schema: Schema) -> Snapshot:
     """Snapshot ``name`` of ``storage``; ``SnapshotError`` when it is absent (listing those that
     exist) or damaged."""
-    raw = storage.read_blob(key(name))
+    try:
+        raw = storage.read_blob(key(name), limit=max_bytes(schema))
+    except BufferDamagedError as error:  # larger than any snapshot of this buffer: never read
+        raise SnapshotError(f"snapshot {name!r} is damaged: {error}") from None
     if raw is None:
         raise SnapshotError(f"no snapshot {name!r} in {storage.location!r} - snapshots: {names(storage)}")
     return decode(raw, name, schema, storage.describe_key(key(name)))
@@ -148,7 +162,7 @@ def load(storage: Storage, name: str, schema: Schema) -> Snapshot:
 def create(storage: Storage, name: str, schema: Schema, meta: dict[str, np.ndarray], state: dict) -> Snapshot:
     """Record the committed episodes of ``meta`` (the writer's mirror) and ``state`` as snapshot
     ``name`` (one atomic blob write); an existing name is refused."""
-    if storage.read_blob(key(name)) is not None:
+    if exists(storage, name):
         raise SnapshotError(f"snapshot {name!r} already exists in {storage.location!r}; drop_snapshot({name!r}) first")
     slots = np.flatnonzero(meta["episode_lens"] > 0)
     snapshot = Snapshot(
@@ -165,7 +179,7 @@ def create(storage: Storage, name: str, schema: Schema, meta: dict[str, np.ndarr
 
 def drop(storage: Storage, name: str) -> None:
     """Delete snapshot ``name``; ``SnapshotError`` when there is none (damaged ones included)."""
-    if storage.read_blob(key(name)) is None:
+    if not exists(storage, name):
         raise SnapshotError(f"no snapshot {name!r} in {storage.location!r} - snapshots: {names(storage)}")
     storage.delete_blobs(f"{PREFIX}{name}/")
 
@@ -175,7 +189,7 @@ def holding(storage: Storage) -> list[str]:
     without the buffer's schema: what ``overwrite=True`` would erase from under them."""
     found = []
     for name in names(storage):
-        try:
+        try:  # one over MAX_DOCUMENT_BYTES (BufferDamagedError, unread) counts as damaged
             doc = json.loads(storage.read_blob(key(name)) or b"{}")
             held = not isinstance(doc, dict) or not isinstance(doc.get("slots"), list) or len(doc["slots"]) > 0
         except (ValueError, UnicodeDecodeError):

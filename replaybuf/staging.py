@@ -20,6 +20,7 @@ import numpy as np
 
 from .inputs import batch_value
 from .schema import Field
+from .storage import document_limit
 
 # write staged rows once a field's span holds about this many bytes per episode (several chunks
 # per request, encoded in parallel) rather than one storage request per chunk
@@ -194,26 +195,45 @@ class StepLog:
         return self.record(META, json.dumps({k: np.asarray(v).tolist() for k, v in meta.items()}).encode())
 
     def _records(self, data: bytes):
-        """(offset, kind, payload) of every complete record; raises ValueError at a damaged one."""
+        """(offset, kind, size, payload) of every record whose prefix is whole; the payload of
+        the last one is None when it is cut short (``parse`` tells a kill's torn tail from a
+        damaged size). Raises ValueError at a damaged record."""
         legacy = data[:1] in _LEGACY_KINDS
         layout = _LEGACY_RECORD if legacy else _RECORD
         pos = 0
         while pos + layout.size <= len(data):
             if legacy:
                 kind, size = layout.unpack_from(data, pos)
+                kind = _LEGACY_KINDS.get(kind, b"?")
             else:
                 kind, size, crc = layout.unpack_from(data, pos)
-            payload = data[pos + layout.size : pos + layout.size + size]
-            if len(payload) < size:
-                return  # torn by a kill mid-append
-            if legacy:
-                kind = _LEGACY_KINDS.get(kind, b"?")
-            elif zlib.crc32(payload, zlib.crc32(data[pos : pos + _LEGACY_RECORD.size])) != crc:
-                raise ValueError(f"record at byte {pos}: checksum mismatch")
             if kind not in (HEADER, STEPS, META, TRUNCATE):
                 raise ValueError(f"record at byte {pos}: unknown kind {kind!r}")
-            yield pos, kind, payload
+            payload = data[pos + layout.size : pos + layout.size + size]
+            if len(payload) < size:
+                yield pos, kind, size, None
+                return
+            if not legacy and zlib.crc32(payload, zlib.crc32(data[pos : pos + _LEGACY_RECORD.size])) != crc:
+                raise ValueError(f"record at byte {pos}: checksum mismatch")
+            yield pos, kind, size, payload
             pos += layout.size + size
+
+    def _cut_short(self, kind: bytes, size: int, header: dict | None) -> str | None:
+        """Why a record of ``kind`` cut short by the end of the log cannot be a kill's torn
+        append (its prefix was written whole, so its size is one the writer gave), or None
+        when it can: a log starts with a header, a step's size is fixed by it, a truncate's is
+        4, and a header or meta record (JSON) is a metadata object (``MAX_DOCUMENT_BYTES``)."""
+        if kind != HEADER and header is None:
+            return "the log does not start with a header"
+        if kind == TRUNCATE and size != 4:
+            return f"a truncate record of {size:,} bytes, expected 4"
+        if kind == STEPS and header is not None:
+            expected = len(header["slots"]) * sum(f.step_nbytes for f in self.fields.values())
+            if size != expected:
+                return f"a step record of {size:,} bytes, expected {expected:,}"
+        if kind in (HEADER, META) and size > document_limit():
+            return f"a {'header' if kind == HEADER else 'meta'} record of {size:,} bytes, over {document_limit():,}"
+        return None
 
     def truncate(self, length: int) -> bytes:
         """A record cutting the logged steps back to ``length`` (``timestep_index = length``)."""
@@ -223,8 +243,13 @@ class StepLog:
         """The log's valid prefix, and a description of the first damaged record if any."""
         log = ParsedLog()
         try:
-            for pos, kind, payload in self._records(data):
+            for pos, kind, size, payload in self._records(data):
                 try:
+                    if payload is None:  # the last record, cut short
+                        why = self._cut_short(kind, size, log.header)
+                        if why is None:
+                            break  # torn by a kill mid-append: not damage
+                        raise ValueError(f"{why}; the log's last {len(data) - pos:,} bytes, from there on, are dropped")
                     if kind == HEADER:
                         header = json.loads(payload)
                         if not isinstance(header, dict) or not isinstance(header.get("slots"), list):

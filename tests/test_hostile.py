@@ -300,3 +300,105 @@ def test_a_refused_writable_open_leaves_the_hdf5_file_closed(tmp_path):
         [sys.executable, "-c", f"import h5py; h5py.File({path!r}, 'r').close()"], capture_output=True, text=True
     )
     assert other.returncode == 0, other.stderr  # nor locked against other processes
+
+
+# ---- metadata of absurd size ------------------------------------------------------------------------
+
+
+def test_a_file_of_absurd_size_is_refused_by_name_in_bounded_memory(tmp_path):
+    """A sparse 10 GB file in place of a metadata file or a chunk is refused by its size, unread:
+    opening, ``replaybuf info`` and ``verify`` name it (metadata: its size and the limit), in a
+    process whose address space could not hold it; and a zarr buffer's per-episode checksums,
+    read whole, likewise."""
+    too_large = r"{path}: 10,737,418,240 bytes, over the 67,108,864-byte limit of this metadata object"
+    damaged = [
+        ("zarr", "zarr.json", too_large),
+        ("zarr", "data/state/zarr.json", too_large),
+        ("zarr", "replaybuf/state.json", too_large),
+        ("memmap", "replaybuf/state.json", too_large),
+        ("hdf5", "replaybuf/state.json", too_large),
+        (
+            "zarr",
+            "meta/episode_lens/c.0",
+            r"slots 0\.\.3: more than the [\d,]+ bytes any encoding of the chunk takes .*\({path}\)",
+        ),
+    ]
+    paths = []
+    for i, (backend, key, _) in enumerate(damaged):
+        paths.append(os.path.join(filled(tmp_path / f"b{i}", backend), *key.split("/")))
+        os.truncate(paths[-1], 10 << 30)
+    sums = os.path.join(filled(tmp_path / "sums", "zarr"), "replaybuf", "checksums")
+    os.truncate(sums, 10 << 30)
+    code = f"""
+import os, resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression is a MemoryError
+from replaybuf import BufferDamagedError, CorruptChunkError, ReplayBuffer
+from replaybuf.cli import main
+for path, key in zip({paths!r}, {[key for _, key, _ in damaged]!r}):
+    location = path[: -len(key) - 1]
+    try:
+        ReplayBuffer.from_folder(location, read_only=True)
+    except (BufferDamagedError, CorruptChunkError) as e:
+        print("open:", e)
+    print("exit codes:", main(["info", location]), main(["verify", location]))
+try:
+    ReplayBuffer.from_folder({os.path.dirname(os.path.dirname(sums))!r}, read_only=True).get_all_data()
+except CorruptChunkError as e:
+    print("read:", e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert run.returncode == 0, run.stderr
+    for path, (_, _, message) in zip(paths, damaged):
+        line = message.format(path=re.escape(path))
+        assert re.search(f"open: .*{line}", run.stdout), run.stdout
+        assert len(re.findall(line, run.stderr)) == 2, run.stderr  # info, then verify
+    assert run.stdout.count("exit codes: 1 1") == len(paths)
+    assert f"read: {sums}: the checksums of packed fields hold more than the " in run.stdout
+
+
+def padded(document: bytes, size: int) -> bytes:
+    """``document`` (JSON) padded with spaces to ``size`` bytes: still valid JSON."""
+    return document + b" " * (size - len(document))
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_side_objects_over_the_limit_are_refused_or_set_aside(tmp_path, monkeypatch, backend):
+    """Each metadata object over ``MAX_DOCUMENT_BYTES`` (here lowered; each still valid JSON) is
+    refused by name where it carries the user's data, and treated as damaged where it is the
+    writer's own record or derived data."""
+    monkeypatch.setattr("replaybuf.storage.base.MAX_DOCUMENT_BYTES", 1 << 16)  # a root zarr.json: ~7 kB
+    location = str(tmp_path / "b")
+    with ReplayBuffer(location, 4, 250, fields={"x": "float"}, backend=backend) as buffer:
+        buffer.store_episode(x=np.arange(220, dtype=np.float32))  # long enough for a sketch (KLL_K)
+        buffer.snapshot("eval")
+        buffer.attrs["note"] = "kept"
+        expected = buffer.stats().fields["x"].mean
+    side = os.path.join(location, "replaybuf")
+
+    def pad(name: str) -> None:
+        path = os.path.join(side, *name.split("/"))
+        with open(path, "rb") as f:
+            document = f.read()
+        with open(path, "wb") as f:
+            f.write(padded(document, 70_000))
+
+    pad("attrs.json")
+    with pytest.raises(BufferDamagedError, match=r"attrs\.json: 70,000 bytes, over the 65,536-byte limit"):
+        dict(ReplayBuffer.from_folder(location, read_only=True).attrs)
+    pad("snapshots/eval/snapshot.json")  # a snapshot may take 64 bytes per episode more: 4 here
+    with pytest.raises(SnapshotError, match=r"'eval' is damaged: .*snapshot\.json: 70,000 bytes, over the 65,792-byte"):
+        ReplayBuffer.from_folder(location, read_only=True, snapshot="eval")
+    for slot in os.listdir(os.path.join(side, "sketches")):  # derived data: sketched again
+        with open(os.path.join(side, "sketches", slot), "ab") as f:
+            f.write(b"x" * 70_000)
+    assert ReplayBuffer.from_folder(location, read_only=True).stats().fields["x"].mean == expected
+    with open(os.path.join(side, "writing"), "wb") as f:  # a writer's record: a torn one's recovery
+        f.write(padded(b"[]", 70_000))
+    with pytest.warns(UserWarning, match=r"replaybuf/writing in .* is damaged"):
+        buffer = ReplayBuffer.from_folder(location)
+    with buffer:
+        buffer.store_episode(x=np.ones(3, np.float32))
+    assert ReplayBuffer.from_folder(location, read_only=True).episode_lens[:2].tolist() == [220, 3]
+    pad("state.json")
+    with pytest.raises(BufferDamagedError, match=r"state\.json: 70,000 bytes, over the 65,536-byte limit"):
+        ReplayBuffer.from_folder(location, read_only=True)

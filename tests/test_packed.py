@@ -185,7 +185,7 @@ def test_first_load_of_a_packed_field_reads_its_files_in_place(tmp_path, monkeyp
     array, kv = reader.storage.array("obs"), reader.storage.kv
     assert array.chunks[0] == 8 and array.packed
     fetched, get_many = [], kv.get_many
-    monkeypatch.setattr(kv, "get_many", lambda keys: fetched.extend(keys) or get_many(keys))
+    monkeypatch.setattr(kv, "get_many", lambda keys, *limit: fetched.extend(keys) or get_many(keys, *limit))
     for name in FIELDS:
         _load(reader, name)
     assert [k for k in fetched if k.startswith("data/")] == []

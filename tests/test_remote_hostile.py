@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -142,3 +143,24 @@ def test_a_lease_object_with_a_damaged_expiry_is_judged_not_crashed_on(s3_server
         with pytest.raises(BufferLockedError, match=r"pid 1 on host 'elsewhere'.*expires at Unix time 1e\+300"):
             ReplayBuffer.from_folder(url, storage_options=options)
         assert writer.storage.kv.get(LEASE_KEY) == record.encode()  # refused: left as it was
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_metadata_object_over_the_limit_is_refused_by_its_size(s3_server, monkeypatch, capsys, client):
+    """A metadata object over ``MAX_DOCUMENT_BYTES`` (lowered here; still valid JSON) is refused
+    by name and size without reading it whole (obstore: by the size of the GET's response
+    headers; s3fs: a GET of the first limit + 1 bytes): opening, ``replaybuf info`` and ``verify``."""
+    monkeypatch.setattr("replaybuf.storage.base.MAX_DOCUMENT_BYTES", 1 << 16)
+    url = new_url(s3_server)
+    options = {**s3_server.storage_options, **({"config_kwargs": {}} if client == "s3fs" else {})}
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.close()
+    state = writer.storage.kv.get("replaybuf/state.json")
+    writer.storage.kv.set("replaybuf/state.json", state + b" " * (70_000 - len(state)))
+    message = f"{url}/replaybuf/state.json: 70,000 bytes, over the 65,536-byte limit of this metadata object"
+    with pytest.raises(BufferDamagedError, match=re.escape(message)):
+        ReplayBuffer.from_folder(url, read_only=True, storage_options=options)
+    for command in ("info", "verify"):  # a finding about the buffer (exit 1), not a usage error (2)
+        assert main([command, url, "--storage-options", json.dumps(options)]) == 1
+        assert message in capsys.readouterr().err

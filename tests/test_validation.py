@@ -419,13 +419,21 @@ def reopen_with_log(location, payload: bytes, damaged: bool):
         ("non-numeric meta", 2),
         ("bad header", 0),
         ("torn tail", 4),
+        ("torn record prefix", 4),
+        ("absurd size of the last step", 4),
+        ("absurd size mid-log", 2),
+        ("absurd size of the header", 0),
     ],
 )
 def test_a_damaged_step_log_is_set_aside_and_its_valid_prefix_recovered(tmp_path, backend, damage, recovered):
+    """A kill mid-append (a last record cut short, its size one the writer gave) is silent
+    recovery; a size no record of the log could have (0xFFFFFFFF with bytes after it) is
+    damage, though the log ends within it."""
     location = filled(tmp_path / "b", backend, max_episodes=5)
     buffer = ReplayBuffer.from_folder(location)
     log, records = step_log(buffer, 5)
     buffer.close()
+    torn = damage in ("torn tail", "torn record prefix")
     if damage == "short step":
         records[4] = log.record(b"s", records[4][13:-4])
     elif damage == "bad checksum":
@@ -434,14 +442,19 @@ def test_a_damaged_step_log_is_set_aside_and_its_valid_prefix_recovered(tmp_path
         records.insert(3, log.record(b"m", json.dumps({"task_id": ["abc"]}).encode()))
     elif damage == "bad header":
         records[0] = log.record(b"h", b'{"slots": "all"')
-    else:
+    elif damage == "torn tail":
         records[-1] = records[-1][:-3]  # a kill mid-append: not damage
-    buffer = reopen_with_log(location, b"".join(records), damaged=damage != "torn tail")
+    elif damage == "torn record prefix":
+        records[-1] = records[-1][:5]
+    else:
+        at = {"absurd size of the last step": 5, "absurd size mid-log": 3, "absurd size of the header": 0}[damage]
+        records[at] = records[at][:1] + struct.pack("<I", 0xFFFFFFFF) + records[at][5:]
+    buffer = reopen_with_log(location, b"".join(records), damaged=not torn)
     expected = [*LENGTHS, recovered] if recovered else list(LENGTHS)
     assert buffer.episode_lens[: len(expected)].tolist() == expected and len(buffer) == len(expected)
     assert buffer.num_episodes == len(expected)
     aside = buffer.storage.list_blobs("replaybuf/steplog-damaged-")
-    assert len(aside) == (damage != "torn tail")
+    assert len(aside) == (not torn)
     if aside:
         assert buffer.storage.read_blob(aside[0]) == b"".join(records)
     buffer.store_episode(**episode(2, 5), task_id=5)  # the buffer goes on

@@ -387,8 +387,8 @@ class CachedStorage(Storage):
         # docstring inherited: the wrapped storage's (only the layer's reads use the cache)
         return self.inner.array(name, meta)
 
-    def read_blob(self, key: str) -> bytes | None:
-        return self.inner.read_blob(key)
+    def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
+        return self.inner.read_blob(key, limit)
 
     def write_blob(self, key: str, data: bytes) -> None:
         self.inner.write_blob(key, data)

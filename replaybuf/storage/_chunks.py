@@ -276,6 +276,9 @@ class ChunkedArray:
         self.generations_of = generations_of
         # bytes of one element of the time axis (grid_axes 2) or of one row (grid_axes 1)
         self.item_nbytes = int(np.prod(self.shape[grid_axes:], dtype=np.int64)) * self.dtype.itemsize
+        # the most bytes a stored chunk takes, with room to spare (blosc adds 16 to its raw bytes,
+        # zstd and gzip under 1 %, crc32c 4): a larger object is damage, read no further
+        self.max_stored = 2 * int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize + 4096
         self._namespace = uuid.uuid4().hex
         self._resident: np.ndarray | None = None
         self._resident_generations: np.ndarray | None = None
@@ -335,13 +338,20 @@ class ChunkedArray:
         steps = (int(index[1]) * ct, min((int(index[1]) + 1) * ct, self.shape[1]))
         return CorruptChunkError.at(self.path, lo, steps, where, reason)
 
+    def _check_stored(self, data: bytes | memoryview, index: tuple) -> None:
+        if len(data) > self.max_stored:
+            reason = f"more than the {self.max_stored:,} bytes any encoding of the chunk takes are stored"
+            raise self._damage(index, reason)
+
     def _decode(self, data: bytes | memoryview, index: tuple) -> np.ndarray:
+        self._check_stored(data, index)
         try:
             return self.codec.decode(data, self.chunks)
         except ChunkDamage as e:
             raise self._damage(index, str(e)) from None
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray, index: tuple) -> None:
+        self._check_stored(data, index)
         try:
             self.codec.decode_into(data, out)
         except ChunkDamage as e:
@@ -396,7 +406,7 @@ class ChunkedArray:
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
         """Decoded chunks for chunk indices (None for chunks never written)."""
         unique = list(dict.fromkeys(indices))
-        raws = self.kv.get_many([self.chunk_key(i) for i in unique])
+        raws = self.kv.get_many([self.chunk_key(i) for i in unique], self.max_stored)
         return self._decode_many(dict(zip(unique, raws)))
 
     def read_boxes(self, boxes: Sequence[Sequence[tuple[int, int]]], check_absent: bool = True) -> list[np.ndarray]:
@@ -560,9 +570,9 @@ class ChunkedArray:
 
         keys = [self.chunk_key((e, ti)) for _, e, ti in pieces]
         if parallel:
-            self.kv.get_each(keys, decode)
+            self.kv.get_each(keys, decode, limit=self.max_stored)
         else:
-            for k, data in enumerate(self.kv.get_many(keys)):
+            for k, data in enumerate(self.kv.get_many(keys, self.max_stored)):
                 decode(k, data)
 
     def _check_out(self, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
@@ -653,7 +663,7 @@ class ChunkedArray:
             picks = {c: np.flatnonzero(ids == c) for c in batch}
             placed = self._read_rows_in_place(out, episodes, starts, lengths, picks, size)
             copied = [c for c in batch if c not in placed]
-            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in copied])
+            fetched = self.kv.get_many([self.chunk_key((c, 0)) for c in copied], self.max_stored)
             # whole chunks (None: absent); a chunk of the wrong size is read row by row below:
             # each row is whole or damaged
             raws = {c: raw for c, raw in zip(copied, fetched) if raw is None or len(raw) == size}
@@ -787,7 +797,7 @@ class ChunkedArray:
             else:
                 self._decode_into(data, out[rows[i] : rows[i] + 1], grid[i])
 
-        self.kv.get_each([self.chunk_key(g) for g in grid], decode)
+        self.kv.get_each([self.chunk_key(g) for g in grid], decode, limit=self.max_stored)
 
     def _resident_enabled(self) -> bool:
         """Whether the array is held whole in RAM: a small field (``RESIDENT_STEP_BYTES`` per

@@ -312,7 +312,7 @@ class HDF5Storage(LocalFolderStorage):
             try:
                 fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                if mark.read().strip() != str(os.getpid()):  # this process's writer shares its cache
+                if mark.read(64).strip() != str(os.getpid()):  # this process's writer shares its cache
                     self.close()  # an open handle would keep serving this process stale metadata
                     raise StorageError(
                         f"{self.path!r} is compressed and open for writing by another process: HDF5 "

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._compiled import compiled
-from .base import LOG_PREFIX, StorageError
+from .base import ANY_SIZE, LOG_PREFIX, StorageError, document_limit, document_too_large
 
 if TYPE_CHECKING:
     from .base import Storage as _StorageMixin  # KVBlobs is mixed in before Storage
@@ -123,13 +123,24 @@ class KeyValue(ABC):
     writes_in_place = False
 
     @abstractmethod
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The bytes of each key (None where absent), fetched concurrently where possible."""
+    def get_many(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """The bytes of each key (None where absent), fetched concurrently where possible. With
+        ``limit``, an object larger than that is read only to its first ``limit + 1`` bytes
+        where the store gives its size before its bytes (local files; object stores read it
+        whole): the caller's size check fails on it, and a damaged or planted multi-GB file
+        never reaches memory."""
 
     @abstractmethod
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | None]:
         """Byte ranges ``(key, start, stop)``; a negative ``start`` with ``stop=None`` asks for
         the last ``-start`` bytes. None where the key is absent."""
+
+    @abstractmethod
+    def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """The whole objects ``keys`` (None where absent), each a metadata object of at most
+        ``limit`` bytes (default ``MAX_DOCUMENT_BYTES``): a larger one raises BufferDamagedError
+        naming it, its size and the limit, judged by its size before its bytes are read (a
+        damaged or planted multi-GB object never reaches memory)."""
 
     @abstractmethod
     def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
@@ -147,15 +158,19 @@ class KeyValue(ABC):
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
 
+    def get_document(self, key: str, limit: int | None = None) -> bytes | None:
+        """``get_documents`` of one key."""
+        return self.get_documents([key], limit)[0]
+
     def where(self, key: str) -> str:
         """The file path or URL of ``key``, for error messages."""
         return key
 
-    def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False) -> None:
+    def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False, limit: int | None = None) -> None:
         """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
         decoding in ``consume`` runs in parallel; codecs release the GIL); ``spread``: even on
-        2 cores (``in_pool``)."""
-        values = self.get_many(keys)
+        2 cores (``in_pool``); ``limit`` as ``get_many``."""
+        values = self.get_many(keys, limit)
         in_pool(len(values), lambda i: consume(i, values[i]), spread)
 
     def get_into(self, requests: Sequence[ReadInto]) -> list[int | None]:
@@ -455,15 +470,16 @@ class LocalKV(KeyValue):
                 prints.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
         return prints
 
-    def _read(self, key: str) -> bytes | None:
-        return self._read_range((key, 0, None))
+    def _read(self, key: str, limit: int | None = None) -> bytes | None:
+        return self._read_range((key, 0, None), limit)
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
         if len(keys) <= 4:
-            return [self._read(k) for k in keys]
-        return list(thread_pool().map(self._read, keys))
+            return [self._read(k, limit) for k in keys]
+        return list(thread_pool().map(lambda k: self._read(k, limit), keys))
 
-    def _read_range(self, request: ByteRange) -> bytes | None:
+    def _read_range(self, request: ByteRange, limit: int | None = None) -> bytes | None:
+        """The bytes of ``request``; the whole file (``stop`` None) no further than ``limit + 1``."""
         key, start, stop = request
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
@@ -476,6 +492,8 @@ class LocalKV(KeyValue):
             if start < 0 or stop is None:  # a suffix, or the whole object from ``start``
                 size = os.fstat(fd).st_size
                 start, stop = (max(0, size + start), size) if start < 0 else (start, size)
+                if limit is not None:
+                    stop = min(stop, start + limit + 1)
             return _pread(fd, start, stop)
         except OSError as e:  # a folder where a file belongs (EISDIR): name it
             raise OSError(e.errno, e.strerror, self._path(key)) from None
@@ -486,6 +504,29 @@ class LocalKV(KeyValue):
         if len(requests) <= 4:
             return [self._read_range(r) for r in requests]
         return list(thread_pool().map(self._read_range, requests))
+
+    def _read_document(self, key: str, limit: int) -> bytes | None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise document_too_large(path, size, limit)
+            return _pread(fd, 0, size)  # at most the size just checked, should the file grow
+        except OSError as e:  # a folder where a file belongs (EISDIR): name it
+            raise OSError(e.errno, e.strerror, path) from None
+        finally:
+            os.close(fd)
+
+    def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        # docstring inherited: the size from fstat of the open file, then one pread of it
+        most = document_limit(limit)
+        if len(keys) <= 4:
+            return [self._read_document(k, most) for k in keys]
+        return list(thread_pool().map(lambda k: self._read_document(k, most), keys))
 
     def _read_into(self, request: ReadInto) -> int | None:
         key, start, out = request
@@ -517,9 +558,9 @@ class LocalKV(KeyValue):
         in_pool(len(requests), read)
         return sizes
 
-    def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False) -> None:
+    def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False, limit: int | None = None) -> None:
         # Read and consume in the same pool task: file reads and decoding overlap.
-        in_pool(len(keys), lambda i: consume(i, self._read(keys[i])), spread)
+        in_pool(len(keys), lambda i: consume(i, self._read(keys[i], limit)), spread)
 
     def get_ranges_each(
         self,
@@ -771,7 +812,9 @@ class StoreKV(KeyValue):
 
         return list(self._run(every_call()))
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        # docstring inherited: whole objects, ``limit`` or not (bounding them would cost a HEAD
+        # per chunk on fsspec stores)
         from zarr.core.buffer import default_buffer_prototype
 
         store, proto = self.store, default_buffer_prototype()
@@ -795,6 +838,51 @@ class StoreKV(KeyValue):
             return None if buf is None else buf.to_bytes()
 
         return self._run_bounded([functools.partial(one, r) for r in requests])
+
+    def get_documents(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        # docstring inherited: one GET each. On obstore its size comes with the response headers
+        # and the body is read only when it is within ``limit``; other stores are asked for the
+        # first ``limit + 1`` bytes (then a HEAD for the error's size)
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.storage import ObjectStore, WrapperStore
+
+        from ._remote import NamedErrorStore
+
+        store, proto, most = self.store, default_buffer_prototype(), document_limit(limit)
+        inner = store
+        while isinstance(inner, WrapperStore):
+            inner = inner._store
+
+        named = store._named if isinstance(store, NamedErrorStore) else lambda _, __: contextlib.nullcontext()
+
+        async def via_obstore(key: str) -> bytes | int | None:
+            import obstore
+
+            with named("GET", key):
+                try:
+                    got = await obstore.get_async(inner.store, key)
+                except (FileNotFoundError, obstore.exceptions.NotFoundError):
+                    return None
+                size = int(got.meta["size"])
+                return size if size > most else bytes(await got.bytes_async())
+
+        async def via_range(key: str) -> bytes | int | None:
+            buf = await store.get(key, proto, byte_range=RangeByteRequest(0, most + 1))
+            if buf is None or len(buf) <= most:
+                return None if buf is None else buf.to_bytes()
+            try:  # its size, for the error: a HEAD only here
+                return await store.getsize(key)
+            except FileNotFoundError:  # deleted since: at least what was read
+                return len(buf)
+
+        one = via_obstore if isinstance(inner, ObjectStore) else via_range
+        out: list[bytes | None] = []
+        for key, got in zip(keys, self._run_bounded([functools.partial(one, k) for k in keys])):
+            if isinstance(got, int) or (got is not None and len(got) > most):
+                raise document_too_large(self.where(key), got if isinstance(got, int) else len(got), most)
+            out.append(got)
+        return out
 
     def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
         from zarr.core.buffer import default_buffer_prototype
@@ -854,9 +942,9 @@ class KVBlobs(_StorageMixin):
 
     kv: KeyValue
 
-    def read_blob(self, key: str) -> bytes | None:
+    def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
         # docstring inherited
-        return self.kv.get(key)
+        return self.kv.get(key) if limit == ANY_SIZE else self.kv.get_document(key, limit)
 
     def write_blob(self, key: str, data: bytes) -> None:
         # docstring inherited

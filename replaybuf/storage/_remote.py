@@ -457,6 +457,12 @@ class NamedErrorStore(WrapperStore[Store]):
         with self._named("HEAD", key):
             return await self._store.exists(key)
 
+    async def getsize(self, key: str) -> int:
+        # docstring inherited: the wrapped store's (a HEAD), not Store's default, which reads
+        # the whole object to measure it
+        with self._named("HEAD", key):
+            return await self._store.getsize(key)
+
     async def set(self, key: str, value: Buffer) -> None:
         # docstring inherited
         with self._named("PUT", key):

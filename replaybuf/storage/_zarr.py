@@ -250,7 +250,7 @@ class ZarrStorage(KVBlobs, Storage):
     # ---- discovery ------------------------------------------------------------------------
 
     def _root_attributes(self) -> dict | None:
-        raw = self.kv.get(ROOT_DOCUMENT)
+        raw = self.kv.get_document(ROOT_DOCUMENT)
         if raw is None:
             return None
         attributes = parse_json(raw, self.describe_key("zarr.json")).get("attributes", {})
@@ -349,7 +349,7 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
             self.kv.prepare_writes()
-        if not read_only and self.kv.get(STATE_NODE_KEY) is None:
+        if not read_only and self.kv.get_document(STATE_NODE_KEY) is None:
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         if not read_only:
             self._create_optional_meta(schema)
@@ -360,7 +360,7 @@ class ZarrStorage(KVBlobs, Storage):
     def _create_optional_meta(self, schema: Schema) -> None:
         """A writable open of a buffer an earlier release wrote creates the ``OPTIONAL_META``
         arrays it lacks (zeros), and their metadata."""
-        absent = [n for n in OPTIONAL_META if self.kv.get(f"meta/{n}/zarr.json") is None]
+        absent = [n for n in OPTIONAL_META if self.kv.get_document(f"meta/{n}/zarr.json") is None]
         if not absent:
             return
         import zarr
@@ -374,7 +374,7 @@ class ZarrStorage(KVBlobs, Storage):
     def _load_arrays(self, schema: Schema) -> None:
         layouts = expected_layouts(schema)
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in layouts]
-        documents = self.kv.get_many([f"{p}/zarr.json" for p in paths])
+        documents = self.kv.get_documents([f"{p}/zarr.json" for p in paths])
         self._arrays = {}
         for (name, meta), path, doc in zip(layouts, paths, documents):
             if doc is None and meta and name in OPTIONAL_META:
@@ -402,7 +402,7 @@ class ZarrStorage(KVBlobs, Storage):
         for name in OPTIONAL_META:
             if (name, True) in self._arrays or ("episode_lens", True) not in self._arrays:
                 continue
-            doc = self.kv.get(f"meta/{name}/zarr.json")
+            doc = self.kv.get_document(f"meta/{name}/zarr.json")
             if doc is not None:
                 expected = (self._arrays["episode_lens", True].shape, OPTIONAL_META[name])
                 self._arrays[name, True] = self._checked_array(f"meta/{name}", doc, expected)
@@ -476,14 +476,21 @@ class ZarrStorage(KVBlobs, Storage):
         width = 8 * len(self._packed)
         max_episodes = self.array(self._packed[0]).shape[0]
         whole = len(slots) * 64 > max_episodes
+        where = self.kv.where(CHECKSUMS_KEY)
         if whole:
-            raw = [self.kv.get(CHECKSUMS_KEY)]
+            try:  # never more than its size: a damaged object of any size must not reach memory
+                raw = [self.kv.get_document(CHECKSUMS_KEY, width * max_episodes)]
+            except BufferDamagedError:
+                raise CorruptChunkError(
+                    f"{where}: the checksums of packed fields hold more than the {width * max_episodes} bytes "
+                    "the config gives them",
+                    location=where,
+                ) from None
             sizes = [width * max_episodes]
         else:
             raw = self.kv.get_ranges([(CHECKSUMS_KEY, width * s, width * (s + 1)) for s in slots.tolist()])
             sizes = [width] * len(slots)
         if any(r is None or len(r) != n for r, n in zip(raw, sizes)):
-            where = self.kv.where(CHECKSUMS_KEY)
             raise CorruptChunkError(f"{where}: the checksums of packed fields are missing or truncated", location=where)
         sums = np.frombuffer(b"".join(r for r in raw if r is not None), "<u8").reshape(-1, len(self._packed))
         return sums[slots] if whole else sums
@@ -731,10 +738,10 @@ class ZarrStorage(KVBlobs, Storage):
         next write), then the root attributes and zarr's consolidated copy in one write."""
         array = self.array(name)
         ratio = compression_ratio(array.codec, values.reshape(-1, *array.chunks[2:]))
-        root = parse_json(self.kv.get(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
+        root = parse_json(self.kv.get_document(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
         if ratio < MIN_COMPRESSION_RATIO:
             key = f"{array.path}/zarr.json"
-            doc = parse_json(self.kv.get(key) or b"{}", self.describe_key(key))
+            doc = parse_json(self.kv.get_document(key) or b"{}", self.describe_key(key))
             stack = doc["codecs"][0]["configuration"] if doc["codecs"][0]["name"] == "sharding_indexed" else doc
             stack["codecs"] = [c for c in stack["codecs"] if c["name"] not in _COMPRESSOR_CODECS]
             self.kv.set(key, json.dumps(doc, indent=2).encode())
@@ -833,8 +840,8 @@ class ZarrStorage(KVBlobs, Storage):
         (one atomic write), so its readers see it replaced before any of its objects goes
         (their reads re-plan only after checking, ``replaced``). The attributes still mark a
         buffer, so an erase cut short is finished by the next overwrite."""
-        raw = self.kv.get(ROOT_DOCUMENT)
         try:
+            raw = self.kv.get_document(ROOT_DOCUMENT)
             document = None if raw is None else parse_json(raw, self.describe_key(ROOT_DOCUMENT))
         except BufferDamagedError:
             return  # nothing can open it, readers included
@@ -850,7 +857,7 @@ class ZarrStorage(KVBlobs, Storage):
         chosen = self._unmeasured - _unmeasured(attributes, None, self.describe_key(ROOT_DOCUMENT))
         for name in chosen:
             path = f"data/{name}"
-            doc = parse_json(self.kv.get(f"{path}/zarr.json") or b"{}", self.describe_key(f"{path}/zarr.json"))
+            doc = parse_json(self.kv.get_document(f"{path}/zarr.json") or b"{}", self.describe_key(f"{path}/zarr.json"))
             self.array(name).codec = self._chunked_array(path, doc, 2).codec
         self._unmeasured -= chosen
 

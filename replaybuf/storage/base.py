@@ -101,6 +101,13 @@ LOG_PREFIX = "replaybuf/steplog/"
 # where the old one could not be read has unknown generations to count on from)
 SKETCHES_PREFIX = "replaybuf/sketches/"
 SNAPSHOTS_PREFIX = "replaybuf/snapshots/"
+# the most bytes of a metadata object (zarr.json documents, the counters, the writing record,
+# attrs, leases, sketches; snapshots allow more per episode): a larger one is refused by its
+# size before it is read, so a damaged or planted multi-GB file never reaches memory. Step
+# logs are not metadata: an episode in progress may be any size.
+MAX_DOCUMENT_BYTES = 64 << 20
+# ``read_blob``'s limit for the segments of a step log
+ANY_SIZE = -1
 _ArrayT = TypeVar("_ArrayT")
 
 
@@ -369,6 +376,19 @@ def empty_state() -> dict:
 COUNTERS = tuple(empty_state())
 
 
+def document_limit(limit: int | None = None) -> int:
+    """``limit``, or ``MAX_DOCUMENT_BYTES`` (its value now) when None."""
+    return MAX_DOCUMENT_BYTES if limit is None else limit
+
+
+def document_too_large(where: str, size: int, limit: int) -> BufferDamagedError:
+    """The error for the metadata object ``where`` of ``size`` bytes, over ``limit`` (unread)."""
+    return BufferDamagedError(
+        f"{where}: {size:,} bytes, over the {limit:,}-byte limit of this metadata object "
+        "(replaybuf.storage.MAX_DOCUMENT_BYTES); not read: damaged, or not written by replaybuf"
+    )
+
+
 def parse_json(raw: bytes, where: str) -> dict:
     """The JSON object in ``raw``, or BufferDamagedError naming ``where`` (a file or key)."""
     try:
@@ -588,8 +608,10 @@ class Storage(ABC):
         ``write_meta``, which the backends batch."""
 
     @abstractmethod
-    def read_blob(self, key: str) -> bytes | None:
-        """The bytes of a small side object, or None when absent."""
+    def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
+        """The bytes of a small side object, or None when absent; BufferDamagedError naming it
+        when it holds more than ``limit`` bytes (default ``MAX_DOCUMENT_BYTES``), judged before
+        it is read. ``ANY_SIZE`` reads any size (a step log's segments)."""
 
     @abstractmethod
     def write_blob(self, key: str, data: bytes) -> None:
@@ -671,8 +693,11 @@ class Storage(ABC):
 
     def writing_slots(self) -> list[int] | None:
         """The slots of the last ``mark_writing`` ([] when there is none), or None when the
-        record is damaged (a writer killed while writing it)."""
-        raw = self.read_blob(WRITING_KEY)
+        record is damaged (a writer killed while writing it) or larger than any record."""
+        try:
+            raw = self.read_blob(WRITING_KEY)
+        except BufferDamagedError:  # over MAX_DOCUMENT_BYTES: no record this writer wrote
+            return None
         if raw is None:
             return []
         body = _unchecked(raw)
@@ -700,7 +725,7 @@ class Storage(ABC):
 
     def read_log(self, name: str) -> bytes:
         """Everything appended to the step log ``name`` since it was last cleared."""
-        return b"".join(self.read_blob(k) or b"" for k in self.list_blobs(f"{LOG_PREFIX}{name}/"))
+        return b"".join(self.read_blob(k, ANY_SIZE) or b"" for k in self.list_blobs(f"{LOG_PREFIX}{name}/"))
 
     def log_names(self) -> list[str]:
         """Names of the step logs left in the store (by writers that did not finish)."""

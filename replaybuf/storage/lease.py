@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from ._kv import StoreKV
 
 LEASE_KEY = "replaybuf/writer.lock"
+# the most bytes of a lease record read (one is ~100): a larger file or object is damage
+RECORD_BYTES = 1 << 16
 DEFAULT_LEASE_SECONDS = 60.0
 LEASE_SECONDS_ENV = "REPLAYBUF_LEASE_SECONDS"
 
@@ -184,7 +186,7 @@ class FileLease(WriterLease):
     def _read_record(self) -> dict | None:
         try:
             with open(self.path, "rb") as f:
-                return json.loads(f.read(1 << 16) or b"null")  # a holder record is ~100 bytes
+                return json.loads(f.read(RECORD_BYTES) or b"null")
         except (OSError, ValueError):
             return None
 
@@ -334,10 +336,10 @@ class ObjectLease(WriterLease):
         self._thread: threading.Thread | None = None
 
     def _read_record(self) -> dict | None:
-        raw = self.kv.get(LEASE_KEY)
-        if raw is None:
-            return None
-        try:
+        try:  # a record is ~100 bytes: a larger object is damage, refused unread (a ValueError)
+            raw = self.kv.get_document(LEASE_KEY, RECORD_BYTES)
+            if raw is None:
+                return None
             record = json.loads(raw)
         except ValueError:
             return {}
