@@ -339,3 +339,28 @@ def test_absurd_ranges_are_damage_never_a_read_outside_the_data(path, bad):
         codec.decode_many_into(data, [ranges[0], bad], out, [0, step], step)
     assert error.value.item == 1
     np.testing.assert_array_equal(out[0], chunks[0])
+
+
+def test_a_forged_shard_index_never_sizes_a_read(cold, tmp_path, monkeypatch):
+    """An index entry naming a chunk larger than any encoding of it, behind a crc32c that
+    matches (forged, or an index written without one), is damage named by file: no read is
+    sized by it."""
+    import shutil
+
+    monkeypatch.setattr(chunk_cache(), "resident_bytes", 0)
+    location = str(tmp_path / "copy")
+    shutil.copytree(cold[0], location)
+    shard = os.path.join(location, "data", "frame", "c.2.0.0.0.0")
+    data = bytearray(open(shard, "rb").read())
+    index_at = len(data) - (16 * STEPS + 4)
+    data[index_at + 8 : index_at + 16] = (1 << 40).to_bytes(8, "little")  # chunk 0: a terabyte
+    data[-4:] = _codecs.crc32c(bytes(data[index_at:-4])).to_bytes(4, "little")
+    open(shard, "wb").write(bytes(data))
+    buffer = ReplayBuffer.from_folder(location, read_only=True)
+    for read in (
+        lambda: buffer.storage.gather("frame", np.array([2, 0]), np.array([0, 1])),
+        lambda: buffer.get_all_data(),
+    ):
+        with pytest.raises(CorruptChunkError, match="shard index names a chunk over") as error:
+            read()
+        assert error.value.slot == 2 and shard in str(error.value)

@@ -111,7 +111,14 @@ class ShardedArray(ChunkedArray):
             reason = "shard index fails its crc32c"
         else:
             body = raw[:-4] if self.index_crc else raw
-            return np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
+            index = np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
+            # a read is sized by these: a chunk no encoding makes, or one past the end of any
+            # shard this array writes, is damage (an index without a crc32c, or one forged)
+            stored = index[index[:, 0] != _MISSING]
+            if not ((stored[:, 1] <= self.max_stored) & (stored[:, 0] <= self.inner_per_shard * self.max_stored)).all():
+                reason = f"shard index names a chunk over the {self.max_stored:,} bytes any encoding of it takes"
+            else:
+                return index
         raise CorruptChunkError.at(
             self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason
         )
