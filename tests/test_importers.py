@@ -422,6 +422,15 @@ def test_lerobot_truncated_video_names_file_and_episode(tmp_path):
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1]
 
 
+def lerobot_with_info(source, change) -> None:
+    """A small LeRobot dataset at ``source`` whose meta/info.json ``change`` edited."""
+    write_lerobot(source, video=False)
+    info_path = source / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    change(info)
+    info_path.write_text(json.dumps(info))
+
+
 def test_lerobot_refuses_other_versions(tmp_path):
     write_lerobot(tmp_path / "src", video=False)
     info_path = tmp_path / "src" / "meta" / "info.json"
@@ -443,11 +452,7 @@ def test_lerobot_refuses_other_versions(tmp_path):
 )
 def test_lerobot_malformed_info_names_the_file(tmp_path, change, message):
     """A malformed info.json raised a bare KeyError ('features'), which the CLI printed alone."""
-    write_lerobot(tmp_path / "src", video=False)
-    info_path = tmp_path / "src" / "meta" / "info.json"
-    info = json.loads(info_path.read_text())
-    change(info)
-    info_path.write_text(json.dumps(info))
+    lerobot_with_info(tmp_path / "src", change)
     with pytest.raises(imp.ImportSourceError, match=r"info\.json: " + message):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
@@ -539,11 +544,7 @@ def test_lerobot_files_outside_the_dataset_are_not_read(tmp_path, where, name):
     ],
 )
 def test_lerobot_features_no_buffer_can_hold_are_refused_naming_the_dataset(tmp_path, change, message):
-    write_lerobot(tmp_path / "src", video=False)
-    info_path = tmp_path / "src" / "meta" / "info.json"
-    info = json.loads(info_path.read_text())
-    change(info)
-    info_path.write_text(json.dumps(info))
+    lerobot_with_info(tmp_path / "src", change)
     with pytest.raises(imp.ImportSourceError, match=f"src: no buffer can hold this dataset: .*{message}"):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
