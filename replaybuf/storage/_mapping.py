@@ -26,7 +26,7 @@ def _libc() -> Any:
         libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
     return libc
 
@@ -41,9 +41,10 @@ class _Map:
     def __init__(self, address: int, size: int):
         self.address, self.size = address, size
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, True), "version": 3}
+        self._munmap = _LIBC.munmap  # held: at interpreter exit the module's globals may be gone first
 
     def __del__(self) -> None:
-        _LIBC.munmap(self.address, self.size)
+        self._munmap(self.address, self.size)
 
 
 def map_file(fd: int, size: int) -> np.ndarray:
