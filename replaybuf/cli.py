@@ -29,8 +29,10 @@ from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     check_output_path,
+    check_sheet_size,
     episode_frames,
     episode_slots,
+    frame_size,
     frames_to_sheet,
     image_fields,
     to_rgb_uint8,
@@ -294,6 +296,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not fields:
         raise ValueError("--field: this buffer has no image-like field; pass --field explicitly")
     _check_selection(buffer, args.episode, fields)
+    if args.sheet is not None:  # a sheet too large to build fails before anything is rendered
+        for field in fields:
+            height, width = frame_size(buffer.shapes[field])
+            check_sheet_size(
+                args.rows, args.columns, -(-height // args.scale), -(-width // args.scale), ("--rows", "--columns")
+            )
 
     several = len(fields) > 1
     temp_dir = None
