@@ -379,6 +379,12 @@ def add_view_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale", type=positive_int, default=1, help="downsample frames by this integer factor (default 1)"
     )
+    parser.add_argument(
+        "--cache-mb",
+        type=positive_int,
+        default=1024,
+        help="rendered videos kept, in MiB; the least recently watched are deleted first (default 1024)",
+    )
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
 
@@ -387,7 +393,7 @@ def run_view(args: argparse.Namespace) -> int:
     from replaybuf.viewer import BufferApp, ViewerServer
 
     buffer = open_buffer(args.location, store_options(args))
-    app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale)
+    app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale, cache_bytes=args.cache_mb << 20)
     ViewerServer(app, port=args.port).serve_forever(open_browser=not args.no_browser)
     return 0
 

@@ -204,6 +204,7 @@ def test_several_image_fields_and_field_none_is_not_an_error_but_none_at_all_is(
         (["view"], "the following arguments are required: FOLDER_OR_URL"),
         (["view", "x", "--port", "http"], "invalid port 'http'"),
         (["view", "x", "--scale", "-2"], "positive integer"),
+        (["view", "x", "--cache-mb", "0"], "argument --cache-mb: expected a positive integer, got '0'"),
         (["view", "definitely/not/here", "--no-browser"], "no replaybuf buffer found"),
     ],
 )
