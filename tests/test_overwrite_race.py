@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import time
 import uuid
 
@@ -307,3 +308,30 @@ def test_a_concat_refresh_reopens_a_replaced_member_and_names_one_of_another_con
         with pytest.raises(BufferReplacedError):
             concat.get_all_data()
     assert concat.max_episodes == 2 * SLOTS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("concat", [False, True], ids=["buffer", "concat"])
+def test_datasets_planned_before_a_buffer_was_deleted_and_created_again_never_read_the_new_one(
+    tmp_path, backend, concat
+):
+    """Deleted first, the new buffer counts generations from 1 again: the old plans' generations
+    name its episodes (zarr returned their rows cut to the old episodes' lengths)."""
+    from replaybuf import ConcatReplayBuffer
+
+    path = tmp_path / "buffer"
+    create(path, backend, 1).close()
+    reader = ConcatReplayBuffer([path]) if concat else ReplayBuffer.from_folder(path, read_only=True)
+    old = [reader.dataset(return_episode_lens=True), reader.dataset(timestep_level=True), reader.dataset(n_steps=2)]
+    shutil.rmtree(path)
+    again = ReplayBuffer(str(path), SLOTS, STEPS, FIELDS, META, circular=True, backend=backend)
+    for uid in range(SLOTS, 2 * SLOTS):  # other lengths than incarnation 1's episodes
+        again.store_episode(obs=episode(2, uid), key=2000 + uid)
+    again.close()
+    with pytest.raises(BufferReplacedError):
+        reader.get_all_data()
+    assert int(reader.refresh().generations.max()) == SLOTS  # the same generations again
+    for dataset in old:
+        with pytest.raises(BufferReplacedError):
+            dataset.__getitems__(list(range(SLOTS)))
+    assert read_all_paths(reader) == {2}
