@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -286,6 +285,7 @@ def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]
 def run_inspect(args: argparse.Namespace) -> int:
     """Render the chosen episodes per field to videos (and sheets), then optionally serve them."""
     from replaybuf.viewer import ReplayApp, ViewerServer
+    from replaybuf.viewer.cache import VideoCache
     from replaybuf.viewer.server import check_port
 
     _check_inspect_outputs(args)
@@ -308,8 +308,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.output is not None:
         base = args.output
     elif args.serve is not None:
-        temp_dir = Path(tempfile.mkdtemp(prefix="inspect-replay-buffer-"))
-        base = temp_dir / "replay.mp4"
+        temp_dir = VideoCache()  # a folder a later viewer cleans if this one is killed
+        base = temp_dir.folder / "replay.mp4"
     else:
         slug = "-".join(str(episode) for episode in args.episode)
         base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
@@ -323,22 +323,29 @@ def run_inspect(args: argparse.Namespace) -> int:
     videos: dict[str, Path] = {}
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
-    for field in fields:
-        frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
-        frame_count = len(frames)
-        path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
-        videos[field] = path
-        field_info[field] = {
-            "shape": " x ".join(map(str, buffer.shapes[field])),
-            "dtype": str(np.dtype(buffer.dtypes[field])),
-        }
-        print(f"wrote {path} ({len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} at {args.fps} fps)")
-        if args.sheet is not None:
-            import imageio.v3 as iio
+    try:
+        for field in fields:
+            frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
+            frame_count = len(frames)
+            path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
+            videos[field] = path
+            field_info[field] = {
+                "shape": " x ".join(map(str, buffer.shapes[field])),
+                "dtype": str(np.dtype(buffer.dtypes[field])),
+            }
+            print(f"wrote {path} ({len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} at {args.fps} fps)")
+            if args.sheet is not None:
+                import imageio.v3 as iio
 
-            sheet_path = _suffixed(args.sheet, field, several)
-            write_atomically(sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns)))
-            print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
+                sheet_path = _suffixed(args.sheet, field, several)
+                write_atomically(
+                    sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns))
+                )
+                print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
+    except BaseException:  # nothing to serve: the temp folder goes now
+        if temp_dir is not None:
+            temp_dir.close()
+        raise
 
     if args.serve is not None:
         info = {

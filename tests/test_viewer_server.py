@@ -444,6 +444,7 @@ from replaybuf.viewer.cache import VideoCache
 cache = VideoCache(parent=sys.argv[1])
 (cache.folder / "episode-0-gen-1-open-0.img.mp4").write_bytes(b"video")
 (cache.folder / ".episode-1-gen-2-open-0.img.0123abcd.partial.mp4").write_bytes(b"half a video")
+(cache.folder / ".replay.front.4567cdef.partial.mp4").write_bytes(b"inspect --serve's")
 print(cache.folder, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # mid-render: close() never runs
 """

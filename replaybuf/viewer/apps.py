@@ -85,7 +85,7 @@ class ReplayApp:
 
     page = "replay.html"
 
-    def __init__(self, videos: dict[str, Path], info: dict[str, Any], temp_dir: Path | None = None):
+    def __init__(self, videos: dict[str, Path], info: dict[str, Any], temp_dir: VideoCache | Path | None = None):
         if not videos:
             raise ValueError("videos: expected at least one field -> video path")
         missing = [str(path) for path in videos.values() if not Path(path).is_file()]
@@ -107,7 +107,11 @@ class ReplayApp:
         raise NotFound(path)
 
     def close(self) -> None:
-        remove_tree(self._temp_dir)
+        """Delete ``temp_dir`` (the folder the videos were rendered into), if given."""
+        if isinstance(self._temp_dir, VideoCache):
+            self._temp_dir.close()
+        else:
+            remove_tree(self._temp_dir)
         self._temp_dir = None
 
 
