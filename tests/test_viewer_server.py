@@ -416,6 +416,10 @@ def test_the_video_cache_keeps_its_byte_budget_least_recently_served_deleted_fir
         assert app._cache.size == sizes[0] + sizes[2] <= app._cache.max_bytes
         serve(app, 1)  # rendered again, the least recently served (0) makes room
         assert sorted(path.name.split("-")[1] for path in app.cache_dir.glob("*.mp4")) == ["1", "2"]
+        for video in app.cache_dir.glob("*.mp4"):  # deleted by something else: rendered again
+            video.unlink()
+        serve(app, 2)
+        assert [path.name.split("-")[1] for path in app.cache_dir.glob("*.mp4")] == ["2"]
     finally:
         app.close()
 

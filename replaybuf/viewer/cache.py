@@ -57,8 +57,11 @@ class VideoCache:
 
     def acquire(self, path: Path) -> bool:
         """Pin the cached video ``path`` while it is served and mark it most recently used;
-        False when it is not cached (never rendered, or deleted to stay within the budget)."""
+        False when it is not cached (never rendered, deleted to stay within the budget, or by
+        something else, e.g. a temp dir cleaner: then it is rendered again)."""
         with self._guard:
+            if path in self._sizes and not self._serving[path] and not path.is_file():
+                del self._sizes[path]
             if path not in self._sizes:
                 return False
             self._sizes.move_to_end(path)
