@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -29,8 +28,10 @@ from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     check_output_path,
+    check_sheet_size,
     episode_frames,
     episode_slots,
+    frame_size,
     frames_to_sheet,
     image_fields,
     to_rgb_uint8,
@@ -284,6 +285,7 @@ def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]
 def run_inspect(args: argparse.Namespace) -> int:
     """Render the chosen episodes per field to videos (and sheets), then optionally serve them."""
     from replaybuf.viewer import ReplayApp, ViewerServer
+    from replaybuf.viewer.cache import VideoCache
     from replaybuf.viewer.server import check_port
 
     _check_inspect_outputs(args)
@@ -294,14 +296,20 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not fields:
         raise ValueError("--field: this buffer has no image-like field; pass --field explicitly")
     _check_selection(buffer, args.episode, fields)
+    if args.sheet is not None:  # a sheet too large to build fails before anything is rendered
+        for field in fields:
+            height, width = frame_size(buffer.shapes[field])
+            check_sheet_size(
+                args.rows, args.columns, -(-height // args.scale), -(-width // args.scale), ("--rows", "--columns")
+            )
 
     several = len(fields) > 1
     temp_dir = None
     if args.output is not None:
         base = args.output
     elif args.serve is not None:
-        temp_dir = Path(tempfile.mkdtemp(prefix="inspect-replay-buffer-"))
-        base = temp_dir / "replay.mp4"
+        temp_dir = VideoCache()  # a folder a later viewer cleans if this one is killed
+        base = temp_dir.folder / "replay.mp4"
     else:
         slug = "-".join(str(episode) for episode in args.episode)
         base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
@@ -315,22 +323,29 @@ def run_inspect(args: argparse.Namespace) -> int:
     videos: dict[str, Path] = {}
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
-    for field in fields:
-        frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
-        frame_count = len(frames)
-        path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
-        videos[field] = path
-        field_info[field] = {
-            "shape": " x ".join(map(str, buffer.shapes[field])),
-            "dtype": str(np.dtype(buffer.dtypes[field])),
-        }
-        print(f"wrote {path} ({len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} at {args.fps} fps)")
-        if args.sheet is not None:
-            import imageio.v3 as iio
+    try:
+        for field in fields:
+            frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
+            frame_count = len(frames)
+            path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
+            videos[field] = path
+            field_info[field] = {
+                "shape": " x ".join(map(str, buffer.shapes[field])),
+                "dtype": str(np.dtype(buffer.dtypes[field])),
+            }
+            print(f"wrote {path} ({len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} at {args.fps} fps)")
+            if args.sheet is not None:
+                import imageio.v3 as iio
 
-            sheet_path = _suffixed(args.sheet, field, several)
-            write_atomically(sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns)))
-            print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
+                sheet_path = _suffixed(args.sheet, field, several)
+                write_atomically(
+                    sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns))
+                )
+                print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
+    except BaseException:  # nothing to serve: the temp folder goes now
+        if temp_dir is not None:
+            temp_dir.close()
+        raise
 
     if args.serve is not None:
         info = {
@@ -371,6 +386,12 @@ def add_view_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale", type=positive_int, default=1, help="downsample frames by this integer factor (default 1)"
     )
+    parser.add_argument(
+        "--cache-mb",
+        type=positive_int,
+        default=1024,
+        help="rendered videos kept, in MiB; the least recently watched are deleted first (default 1024)",
+    )
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
 
@@ -379,7 +400,7 @@ def run_view(args: argparse.Namespace) -> int:
     from replaybuf.viewer import BufferApp, ViewerServer
 
     buffer = open_buffer(args.location, store_options(args))
-    app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale)
+    app = BufferApp(buffer, location=args.location, fps=args.fps, scale=args.scale, cache_bytes=args.cache_mb << 20)
     ViewerServer(app, port=args.port).serve_forever(open_browser=not args.no_browser)
     return 0
 

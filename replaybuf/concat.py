@@ -23,7 +23,7 @@ from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
 from .schema import Schema
-from .storage import ArrayBase, GenerationMismatchError, Spans, Storage
+from .storage import ArrayBase, BufferReplacedError, GenerationMismatchError, Spans, Storage
 from .view import CommittedViews, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
@@ -263,6 +263,11 @@ class ConcatStorage(Storage):
         for member in self.members:
             member.drop_caches()
 
+    def replaced(self, cheap_only: bool = False) -> bool:
+        """Whether any member's buffer was replaced since its storage here opened it (another
+        process created it again): reads planned on this storage then raise instead of mixing."""
+        return any(m.replaced(cheap_only) for m in self.members)
+
     def close(self) -> None:
         # docstring inherited
         for member in self.members:
@@ -386,10 +391,24 @@ class ConcatReplayBuffer(CommittedViews):
 
     def refresh(self) -> ConcatReplayBuffer:
         """Pick up episodes the members' writers committed since (a member passed in as a
-        writable buffer is its own writer and already up to date)."""
-        for buffer in self.buffers:
-            if buffer.read_only:
-                buffer.refresh()
+        writable buffer is its own writer and already up to date). A member another process
+        replaced (``overwrite=True``, or deleted and created again) is reopened as
+        ``ReplayBuffer.refresh`` does, and the concatenation then reads through a new
+        ``ConcatStorage``: datasets and loaders made before keep raising ``BufferReplacedError``
+        instead of reading the new member under their old plan. A replaced member of another
+        config raises ``BufferReplacedError`` naming it, and every read keeps raising."""
+        try:
+            for k, buffer in enumerate(self.buffers):
+                if buffer.read_only:
+                    try:
+                        buffer.refresh()
+                    except BufferReplacedError as error:
+                        raise BufferReplacedError(
+                            error.location, f"ConcatReplayBuffer member {k}: {error.detail or 'cannot be reopened'}"
+                        ) from error
+        finally:  # never route reads to a member storage a reopen closed
+            if any(b.storage is not m for b, m in zip(self.buffers, self.storage.members)):
+                self.storage = ConcatStorage(self.buffers, self.schema)
         self._snapshot = {n: np.concatenate([b.meta_values(n) for b in self.buffers]) for n in self.meta_shapes}
         self._snapshot["_generation"] = np.concatenate([b.generations for b in self.buffers])
         return self

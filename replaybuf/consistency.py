@@ -179,6 +179,8 @@ def read_consistent(
         if isinstance(failed, GenerationMismatchError):  # the slots it names moved
             changed = np.isin(slots[todo], failed.slots)
         elif verified and failed is None:
+            if _storage(source).replaced(cheap_only=True):  # a buffer created again may count the same generations
+                raise BufferReplacedError(_storage(source).location)
             changed = np.zeros(len(todo), dtype=bool)
         else:
             changed = committed_generations(source, slots[todo]) != generations[todo]

@@ -24,8 +24,10 @@ from .consistency import read_episodes_consistent
 
 __all__ = [
     "FFMPEG_SUFFIXES",
+    "MAX_SHEET_PIXELS",
     "VIDEO_SUFFIXES",
     "check_fps",
+    "check_sheet_size",
     "check_output_path",
     "default_image_field",
     "episode_frames",
@@ -35,6 +37,7 @@ __all__ = [
     "is_image_field",
     "is_image_shape",
     "field_path",
+    "frame_size",
     "main",
     "open_buffer",
     "parse_episodes",
@@ -56,6 +59,9 @@ GIF_PALETTE_PIXELS = 1 << 18
 PROGRESS_MIN_FRAMES = 300
 # float frames are converted to uint8 this many values at a time (whole frames, at least one)
 CONVERT_BLOCK_ELEMENTS = 1 << 22
+# a contact sheet holds at most this many pixels (64 Mi: 192 MiB of RGB, e.g. 256 x 256 frames of
+# 32x32, or 85 of 1024x768); a larger one is refused before any frame is read or the sheet is built
+MAX_SHEET_PIXELS = 1 << 26
 
 
 # frames
@@ -261,14 +267,44 @@ def trajectory_to_video(
     return write_atomically(path, lambda temp: _write_ffmpeg(padded, temp, suffix, fps, bar, dict(kwargs)))
 
 
+def frame_size(shape: Sequence[int]) -> tuple[int, int]:
+    """(height, width) of one frame of per-frame ``shape`` (H, W), (H, W, C) or (C, H, W), read as
+    ``to_rgb_uint8`` reads it."""
+    shape = tuple(int(n) for n in shape)
+    if len(shape) == 3 and shape[-1] not in CHANNEL_COUNTS and shape[0] in CHANNEL_COUNTS:
+        return shape[1], shape[2]
+    if len(shape) in (2, 3):
+        return shape[0], shape[1]
+    raise ValueError(f"frames: expected a frame shape (H, W), (H, W, C) or (C, H, W), got {shape}")
+
+
+def check_sheet_size(
+    rows: int, columns: int, height: int, width: int, names: tuple[str, str] = ("rows", "columns")
+) -> None:
+    """Refuse a contact sheet of ``rows`` x ``columns`` frames of ``height`` x ``width`` larger
+    than ``MAX_SHEET_PIXELS``, before anything is read or built (``names``: how the caller
+    calls rows and columns, e.g. the CLI's options)."""
+    for name, value in zip(names, (rows, columns)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    pixels = int(rows) * int(columns) * int(height) * int(width)
+    if pixels > MAX_SHEET_PIXELS:
+        raise ValueError(
+            f"{names[0]} {rows} x {names[1]} {columns}: a contact sheet of {int(rows) * int(columns)} frames of "
+            f"{width}x{height} has {pixels} pixels, over the bound of {MAX_SHEET_PIXELS} "
+            f"(MAX_SHEET_PIXELS, {MAX_SHEET_PIXELS * 3 >> 20} MiB of RGB); pass fewer {names[0]} or {names[1]}"
+        )
+
+
 def frames_to_sheet(frames: Any, rows: int = 2, columns: int = 5) -> np.ndarray:
     """Evenly sample ``rows * columns`` frames into one (rows*H, columns*W, 3) uint8 image.
 
     The frames are those the seed picks (``linspace`` indices rounded down); unlike the seed's,
-    the sheet is always RGB uint8, whatever the frames' layout and dtype."""
-    for name, value in (("rows", rows), ("columns", columns)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    the sheet is always RGB uint8, whatever the frames' layout and dtype. A sheet over
+    ``MAX_SHEET_PIXELS`` is refused (ValueError) before any frame is converted."""
+    frames = np.asarray(frames)
+    height, width = frame_size(frames.shape[1:]) if frames.ndim in (3, 4) else (1, 1)
+    check_sheet_size(rows, columns, height, width)
     frames = to_rgb_uint8(frames)
     indices = np.linspace(0, len(frames) - 1, rows * columns).astype(int)
     height, width = frames.shape[1:3]

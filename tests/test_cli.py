@@ -120,6 +120,13 @@ def test_without_field_every_image_field_is_rendered(buffer_folder, workdir):
         (["--output", "replay.txt"], "unsupported suffix"),
         (["--sheet", "sheet.mp4"], "image path"),
         (["--serve", "99999"], "invalid port"),
+        # 32x32 frames: 1000 x 1000 of them would be a ~3 GB sheet, refused before any video is written
+        (
+            ["--sheet", "sheet.png", "--rows", "1000", "--columns", "1000"],
+            r"--rows 1000 x --columns 1000: a contact sheet of 1000000 frames of 32x32 has 1024000000 pixels, "
+            r"over the bound of 67108864",
+        ),
+        (["--sheet", "sheet.png", "--rows", "1", "--columns", "65537"], r"--columns 65537: .* over the bound"),
     ],
 )
 def test_inspect_usage_errors_exit_2_without_writing(buffer_folder, workdir, capsys, extra, message):
@@ -197,6 +204,7 @@ def test_several_image_fields_and_field_none_is_not_an_error_but_none_at_all_is(
         (["view"], "the following arguments are required: FOLDER_OR_URL"),
         (["view", "x", "--port", "http"], "invalid port 'http'"),
         (["view", "x", "--scale", "-2"], "positive integer"),
+        (["view", "x", "--cache-mb", "0"], "argument --cache-mb: expected a positive integer, got '0'"),
         (["view", "definitely/not/here", "--no-browser"], "no replaybuf buffer found"),
     ],
 )

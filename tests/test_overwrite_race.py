@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import time
 import uuid
 
@@ -255,3 +256,82 @@ def test_a_replaced_buffer_on_s3_raises_and_refresh_opens_the_new_one(s3_server)
     data = reader.get_all_data()
     assert check_rows(data["obs"].numpy(), data["episode_lens"].numpy(), data["key"].numpy()) == {2}
     assert int(reader.generations.min()) > SLOTS
+
+
+def concat_rows(concat) -> set[int]:
+    """The incarnations of ``get_all_data``'s rows and of one trajectory batch, each row checked whole."""
+    data = concat.get_all_data()
+    seen = check_rows(data["obs"].numpy(), data["episode_lens"].numpy(), data["key"].numpy())
+    dataset = concat.dataset(return_episode_lens=True)
+    batch = dataset.__getitems__(list(range(len(dataset)))).batch
+    return seen | check_rows(batch["obs"].numpy(), batch["_lens"].numpy(), batch["key"].numpy())
+
+
+def stale_member_rows(dataset, backend: str) -> None:
+    """Member b's episodes (items ``SLOTS..``) from a trajectory dataset made before b was
+    replaced: BufferReplacedError, or (zarr) b's old episodes whole or others redrawn, never b's new ones."""
+    try:
+        batch = dataset.__getitems__(list(range(SLOTS, 2 * SLOTS))).batch
+    except BufferReplacedError:
+        return
+    assert backend == "zarr", "a memmap or hdf5 reader checks its files at every read"
+    assert check_rows(batch["obs"].numpy(), batch["_lens"].numpy(), batch["key"].numpy()) <= {1, 5}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_concat_refresh_reopens_a_replaced_member_and_names_one_of_another_config(tmp_path, backend):
+    from replaybuf import ConcatReplayBuffer
+    from replaybuf.viewer import BufferApp
+
+    create(tmp_path / "a", backend, 5).close()
+    create(tmp_path / "b", backend, 1).close()
+    concat = ConcatReplayBuffer([tmp_path / "a", tmp_path / "b"])
+    old_dataset, old_storage = concat.dataset(return_episode_lens=True), concat.storage
+    app = BufferApp(concat)
+    old_key = app._video_path(SLOTS, 1, "obs")
+    create(tmp_path / "b", backend, 2).close()  # overwrite=True by another writer object
+    assert concat.storage.replaced()
+    with pytest.raises(BufferReplacedError, match="replaced by another process"):
+        concat.get_all_data()  # planned on member b's old episodes: nothing returned
+    stale_member_rows(old_dataset, backend)
+    assert concat_rows(concat.refresh()) == {5, 2}
+    assert concat.storage is not old_storage and not concat.storage.replaced()
+    stale_member_rows(old_dataset, backend)  # planned before the refresh: never the new member's rows
+    assert app.episodes()["num_episodes"] == 2 * SLOTS and app._video_path(SLOTS, 1, "obs") != old_key
+    app.close()
+
+    create(tmp_path / "b", backend, 3, max_episodes=SLOTS + 2).close()
+    for _ in range(2):  # and stays so: the concatenation never reads the other buffer
+        with pytest.raises(BufferReplacedError, match=r"b' was replaced .*member 1: .*max_episodes") as raised:
+            concat.refresh()
+        assert raised.value.location == str(tmp_path / "b")
+        with pytest.raises(BufferReplacedError):
+            concat.get_all_data()
+    assert concat.max_episodes == 2 * SLOTS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("concat", [False, True], ids=["buffer", "concat"])
+def test_datasets_planned_before_a_buffer_was_deleted_and_created_again_never_read_the_new_one(
+    tmp_path, backend, concat
+):
+    """Deleted first, the new buffer counts generations from 1 again: the old plans' generations
+    name its episodes (zarr returned their rows cut to the old episodes' lengths)."""
+    from replaybuf import ConcatReplayBuffer
+
+    path = tmp_path / "buffer"
+    create(path, backend, 1).close()
+    reader = ConcatReplayBuffer([path]) if concat else ReplayBuffer.from_folder(path, read_only=True)
+    old = [reader.dataset(return_episode_lens=True), reader.dataset(timestep_level=True), reader.dataset(n_steps=2)]
+    shutil.rmtree(path)
+    again = ReplayBuffer(str(path), SLOTS, STEPS, FIELDS, META, circular=True, backend=backend)
+    for uid in range(SLOTS, 2 * SLOTS):  # other lengths than incarnation 1's episodes
+        again.store_episode(obs=episode(2, uid), key=2000 + uid)
+    again.close()
+    with pytest.raises(BufferReplacedError):
+        reader.get_all_data()
+    assert int(reader.refresh().generations.max()) == SLOTS  # the same generations again
+    for dataset in old:
+        with pytest.raises(BufferReplacedError):
+            dataset.__getitems__(list(range(SLOTS)))
+    assert read_all_paths(reader) == {2}

@@ -8,8 +8,10 @@ import pytest
 
 from replaybuf import video
 from replaybuf.video import (
+    check_sheet_size,
     default_image_field,
     episode_frames,
+    frame_size,
     frames_to_sheet,
     image_fields,
     save_video,
@@ -187,6 +189,17 @@ def test_sheet_accepts_grayscale_and_rejects_bad_grid():
         frames_to_sheet(np.zeros((3, 4, 4), np.uint8), rows=0)
     with pytest.raises(ValueError, match="columns"):
         frames_to_sheet(np.zeros((3, 4, 4), np.uint8), columns=2.5)
+
+
+def test_sheet_over_the_pixel_bound_is_refused_before_it_is_built():
+    check_sheet_size(512, 512, 16, 16)  # exactly MAX_SHEET_PIXELS
+    with pytest.raises(ValueError, match=r"rows 512 x columns 513: .* 16x16 has 67239936 pixels, over the bound"):
+        check_sheet_size(512, 513, 16, 16)
+    # channel-first frames are measured as to_rgb_uint8 reads them: (3, 64, 32) is 32 wide
+    frames = np.broadcast_to(np.zeros((1, 3, 64, 32), np.float32), (2, 3, 64, 32))
+    with pytest.raises(ValueError, match=r"a contact sheet of 33024 frames of 32x64"):
+        frames_to_sheet(frames, rows=129, columns=256)
+    assert frame_size((3, 64, 32)) == (64, 32) and frame_size((64, 32, 4)) == (64, 32) and frame_size((5, 7)) == (5, 7)
 
 
 # buffers

@@ -6,6 +6,7 @@ import http.client
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
@@ -119,7 +120,7 @@ def test_pages_of_other_origins_cannot_load_episode_data_or_start_renders(browse
         status, headers, body = request(browse_server, path, headers=foreign)
         assert status == 403, path
         assert b"another site" in body
-    assert list(browse_server.app.cache_dir.iterdir()) == []
+    assert list(browse_server.app.cache_dir.glob("*.mp4")) == []
     # navigating to the viewer from elsewhere opens it; the page's own requests are same-origin
     assert request(browse_server, "/", headers={"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate"})[0] == 200
     own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
@@ -147,7 +148,7 @@ def test_pages_of_other_origins_cannot_load_episode_data_or_start_renders(browse
 def test_episode_paths_take_plain_indices_only(browse_server, path):
     status, body = get_json(browse_server, path)
     assert status == 404, body
-    assert list(browse_server.app.cache_dir.iterdir()) == []
+    assert list(browse_server.app.cache_dir.glob("*.mp4")) == []
 
 
 def test_a_file_removed_after_it_was_named_is_404(tmp_path):
@@ -313,7 +314,7 @@ def test_concurrent_renders_beyond_the_bound_all_complete(buffer, monkeypatch):
         answers = list(pool.map(lambda path: request(server, path), paths * 2))
         assert [status for status, _, _ in answers] == [200] * len(answers)
         assert [body for _, _, body in answers[: len(paths)]] == [body for _, _, body in answers[len(paths) :]]
-        assert len(list(server.app.cache_dir.iterdir())) == len(paths)
+        assert len(list(server.app.cache_dir.glob("*.mp4"))) == len(paths)
 
 
 def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_path):
@@ -380,3 +381,106 @@ def test_replay_app_serves_its_videos(tmp_path):
         assert request(server, "/video/side")[0] == 404
     with pytest.raises(ValueError, match="no such file"):
         ReplayApp({"front": tmp_path / "missing.mp4"}, info)
+
+
+# the video cache: bounded, and what a killed server left
+
+
+@pytest.fixture(scope="module")
+def noise_buffer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("noise") / "b"
+    writer = ReplayBuffer(folder, max_episodes=3, max_timesteps=6, fields={"img": ("uint8", (16, 16, 3))})
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        writer.store_episode(img=rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    writer.close()
+    return ReplayBuffer.from_folder(folder, read_only=True)
+
+
+def serve(app, index: int) -> None:
+    """One request's answer: the video pinned while it is 'sent', then released."""
+    response = app.respond(f"/video/episodes/{index}/img.mp4")
+    assert response.path.stat().st_size > 0
+    response.release()
+
+
+def test_the_video_cache_keeps_its_byte_budget_least_recently_served_deleted_first(noise_buffer):
+    unbounded = BufferApp(noise_buffer)
+    sizes = [unbounded.render(index, "img").stat().st_size for index in range(3)]
+    unbounded.close()
+    app = BufferApp(noise_buffer, cache_bytes=sum(sizes) - 1)
+    try:
+        for index in (0, 1, 0, 2):  # 0 served again after 1: 1 is the least recently served
+            serve(app, index)
+        assert sorted(path.name.split("-")[1] for path in app.cache_dir.glob("*.mp4")) == ["0", "2"]
+        assert app._cache.size == sizes[0] + sizes[2] <= app._cache.max_bytes
+        serve(app, 1)  # rendered again, the least recently served (0) makes room
+        assert sorted(path.name.split("-")[1] for path in app.cache_dir.glob("*.mp4")) == ["1", "2"]
+        for video in app.cache_dir.glob("*.mp4"):  # deleted by something else: rendered again
+            video.unlink()
+        serve(app, 2)
+        assert [path.name.split("-")[1] for path in app.cache_dir.glob("*.mp4")] == ["2"]
+    finally:
+        app.close()
+
+
+def test_a_video_being_served_is_never_deleted_to_stay_within_budget(noise_buffer):
+    app = BufferApp(noise_buffer, cache_bytes=1)  # every video is over budget
+    try:
+        sending = app.respond("/video/episodes/0/img.mp4")  # pinned until its answer is sent
+        assert not app.render(1, "img").exists()  # rendered, returned, then over budget and unpinned
+        assert sending.path.exists()
+        sending.release()
+        assert list(app.cache_dir.glob("*.mp4")) == []
+        with ViewerServer(app) as server:  # the server sends it whole, then lets it go
+            status, _, video = request(server, "/video/episodes/2/img.mp4")
+            assert status == 200 and len(iio.imread(video, extension=".mp4")) == 6
+            assert list(app.cache_dir.glob("*.mp4")) == []
+    finally:
+        app.close()
+    with pytest.raises(ValueError, match="cache_bytes: expected a positive integer, got 0"):
+        BufferApp(noise_buffer, cache_bytes=0)
+
+
+KILLED_SERVER = """
+import os, signal, sys
+from replaybuf.viewer.cache import VideoCache
+cache = VideoCache(parent=sys.argv[1])
+(cache.folder / "episode-0-gen-1-open-0.img.mp4").write_bytes(b"video")
+(cache.folder / ".episode-1-gen-2-open-0.img.0123abcd.partial.mp4").write_bytes(b"half a video")
+(cache.folder / ".replay.front.4567cdef.partial.mp4").write_bytes(b"inspect --serve's")
+print(cache.folder, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # mid-render: close() never runs
+"""
+
+
+def test_a_killed_servers_cache_is_removed_by_the_next_without_touching_anything_else(tmp_path):
+    import subprocess
+    import sys
+
+    from replaybuf.viewer.cache import VideoCache
+
+    def killed_server() -> Path:
+        run = subprocess.run([sys.executable, "-c", KILLED_SERVER, str(tmp_path)], capture_output=True, text=True)
+        assert run.returncode == -9, run.stderr
+        return Path(run.stdout.strip())
+
+    left, with_mine = killed_server(), killed_server()
+    (with_mine / "notes.txt").write_text("mine")  # not the viewer's: kept, and so is its folder
+    unlocked = tmp_path / "replaybuf-view-1-abcdefgh"  # the name, but no lock: not provably a viewer's
+    unlocked.mkdir()
+    (unlocked / "episode-0-gen-1-open-0.img.mp4").write_bytes(b"someone's")
+    running = VideoCache(parent=str(tmp_path))
+    (running.folder / ".episode-0-gen-1-open-0.img.00000000.partial.mp4").write_bytes(b"rendering")
+    try:
+        VideoCache(parent=str(tmp_path)).close()
+        assert not left.exists()
+        assert [path.name for path in with_mine.iterdir()] == ["notes.txt"]
+        assert [path.name for path in unlocked.iterdir()] == ["episode-0-gen-1-open-0.img.mp4"]
+        assert sorted(path.name for path in running.folder.iterdir()) == [
+            ".episode-0-gen-1-open-0.img.00000000.partial.mp4",
+            ".lock",
+        ]
+    finally:
+        running.close()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([with_mine.name, unlocked.name])

@@ -174,6 +174,8 @@ class _SnapshotDataset(Dataset):
             # rewritten) is retried or dropped, and must not leave its items without columns
             columns, lens = self._read(positions[items])
             self._check_meta_rows(self._slots_of(positions[items]))
+            if self.fetcher.storage.replaced(cheap_only=True):  # the planned buffer is gone: one created
+                raise BufferReplacedError(self.fetcher.storage.location)  # again counts the same generations
             last.update(items=items, columns=columns, lens=lens)
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -223,6 +223,8 @@ class ZarrStorage(KVBlobs, Storage):
         self._hot: HotTier | None = None  # a local writer's hot tier (``_hot.py``)
         # a reader's buffer: the uuid in the root attributes it opened (None: an earlier format's)
         self._reading: tuple[str | None] | None = None
+        # a local reader's root document as it stat()ed it then (``replaced(cheap_only=True)``)
+        self._root_stat: tuple[int, int, int] | None = None
 
     def __getstate__(self) -> dict:
         # docstring inherited: the hot tier (its lock and thread) stays with the writer
@@ -331,6 +333,7 @@ class ZarrStorage(KVBlobs, Storage):
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
+        root_stat = self._stat_root()  # before the read: a document replaced after it differs
         attributes = self._root_attributes()
         if attributes is None:
             raise BufferNotFoundError(
@@ -345,6 +348,7 @@ class ZarrStorage(KVBlobs, Storage):
         schema = self._schema_from_config(attributes, where)
         self.read_only = read_only
         self._reading = (schema.uuid,) if read_only else None
+        self._root_stat = root_stat if read_only else None
         if read_only and _is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
@@ -828,12 +832,32 @@ class ZarrStorage(KVBlobs, Storage):
 
     def replaced(self, cheap_only: bool = False) -> bool:
         # docstring inherited: the root attributes read again (a file read or a GET, so not
-        # after every read's re-check: a generation never returns at a location, and an
-        # overwrite erases ``meta/`` first, so only a re-plan can reach the new buffer)
-        if cheap_only or self._reading is None:
+        # after every read's re-check: an overwrite counts generations on and erases ``meta/``
+        # first, so only a re-plan can reach the new buffer). ``cheap_only`` on a local folder:
+        # a stat of the root document, read again only when it changed; a buffer deleted and
+        # created again counts generations from 1 again, so a plan's generations can name its
+        # episodes, and only this tells the new buffer from the old
+        if self._reading is None:
+            return False
+        stat = self._stat_root()
+        if cheap_only and (self._root_stat is None or stat == self._root_stat):
             return False
         attributes = self._root_attributes()
-        return attributes is None or bool(attributes.get(REPLACING)) or attributes.get("uuid") != self._reading[0]
+        replaced = attributes is None or bool(attributes.get(REPLACING)) or attributes.get("uuid") != self._reading[0]
+        if not replaced and self._root_stat is not None:
+            self._root_stat = stat  # the same buffer's document, written again
+        return replaced
+
+    def _stat_root(self) -> tuple[int, int, int] | None:
+        """(inode, mtime, ctime) of a local buffer's root document (zeros: none there); None
+        for an object store (a stat there is a request)."""
+        if not isinstance(self.kv, LocalKV):
+            return None
+        try:
+            st = os.stat(os.path.join(self.kv.root, ROOT_DOCUMENT))
+        except OSError:
+            return (0, 0, 0)
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
     def _retire(self) -> None:
         """Before an overwrite erases the buffer here: set ``REPLACING`` in its root attributes

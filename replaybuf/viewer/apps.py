@@ -2,15 +2,15 @@
 
 ``ReplayApp`` plays a fixed set of video files side by side. ``BufferApp`` answers questions
 about a buffer (episodes with their lengths and meta values, per-timestep series of small
-fields) and renders an episode's image fields to mp4 on first request, cached in a temp
-folder for the life of the server.
+fields) and renders an episode's image fields to mp4 on first request, kept in a temp
+folder within a byte budget (``cache.VideoCache``) for the life of the server.
 """
 
 from __future__ import annotations
 
 import re
-import tempfile
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.video import check_fps, episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
 from replaybuf.view import BufferView
+from replaybuf.viewer.cache import DEFAULT_CACHE_BYTES, VideoCache
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
 
 __all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
@@ -29,6 +30,8 @@ MAX_PLOT_DIMS = 32
 MAX_META_ELEMENTS = 8
 # videos rendered at once: each holds its episode's frames in memory and runs an encoder
 MAX_RENDERS = 4
+# locks that keep two requests from rendering one video at once (a video takes one by its path)
+RENDER_LOCKS = 64
 
 # indices in ASCII digits only, up to 18 of them (``\d`` takes any script's digits, ``$`` a newline)
 _EPISODE_PATH = re.compile(r"/api/episodes/([0-9]{1,18})")
@@ -82,7 +85,7 @@ class ReplayApp:
 
     page = "replay.html"
 
-    def __init__(self, videos: dict[str, Path], info: dict[str, Any], temp_dir: Path | None = None):
+    def __init__(self, videos: dict[str, Path], info: dict[str, Any], temp_dir: VideoCache | Path | None = None):
         if not videos:
             raise ValueError("videos: expected at least one field -> video path")
         missing = [str(path) for path in videos.values() if not Path(path).is_file()]
@@ -104,16 +107,28 @@ class ReplayApp:
         raise NotFound(path)
 
     def close(self) -> None:
-        remove_tree(self._temp_dir)
+        """Delete ``temp_dir`` (the folder the videos were rendered into), if given."""
+        if isinstance(self._temp_dir, VideoCache):
+            self._temp_dir.close()
+        else:
+            remove_tree(self._temp_dir)
         self._temp_dir = None
 
 
 class BufferApp:
-    """Browses a buffer: episode list, per-episode series and on-demand mp4 renders."""
+    """Browses a buffer: episode list, per-episode series and on-demand mp4 renders, of which
+    at most ``cache_bytes`` are kept (least recently served deleted first)."""
 
     page = "browse.html"
 
-    def __init__(self, buffer: BufferView, location: str = "", fps: float = 30, scale: int = 1):
+    def __init__(
+        self,
+        buffer: BufferView,
+        location: str = "",
+        fps: float = 30,
+        scale: int = 1,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
         check_fps(fps)
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
             raise ValueError(f"scale: expected a positive integer, got {scale!r}")
@@ -124,13 +139,13 @@ class BufferApp:
         self.image_fields = image_fields(buffer)
         self.series_fields = series_fields(buffer)
         self.meta_columns = meta_columns(buffer)
-        self.cache_dir = Path(tempfile.mkdtemp(prefix="replaybuf-view-"))
+        self._cache = VideoCache(cache_bytes)
+        self.cache_dir = self._cache.folder
         self._read_lock = threading.Lock()
         self._storage = buffer.storage  # the storage the buffer reads now: another after a reopen
         self._reopened = 0  # times the buffer was reopened after another process replaced it
         self._renders = threading.BoundedSemaphore(MAX_RENDERS)
-        self._render_locks: dict[Path, threading.Lock] = {}
-        self._render_locks_guard = threading.Lock()
+        self._render_locks = [threading.Lock() for _ in range(RENDER_LOCKS)]
 
     # answers
 
@@ -144,7 +159,8 @@ class BufferApp:
             return JsonResponse(self.episode(int(match[1])))
         match = _EPISODE_VIDEO_PATH.fullmatch(path)
         if match:
-            return FileResponse(self.render(int(match[1]), match[2]))
+            video = self._pinned_video(int(match[1]), match[2])
+            return FileResponse(video, release=partial(self._cache.release, video))
         raise NotFound(path)
 
     def describe(self) -> dict[str, Any]:
@@ -208,7 +224,14 @@ class BufferApp:
         }
 
     def render(self, index: int, field: str) -> Path:
-        """The mp4 of one episode's image field, rendered on first request and cached."""
+        """The mp4 of one episode's image field, rendered on first request and cached (until
+        the cache's budget needs its bytes for others)."""
+        path = self._pinned_video(index, field)
+        self._cache.release(path)
+        return path
+
+    def _pinned_video(self, index: int, field: str) -> Path:
+        """``render``'s video, kept from deletion until ``self._cache.release(path)``."""
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
         cached = self._rendered(index, field)
@@ -222,8 +245,8 @@ class BufferApp:
                 path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
             if len(got) == 0:
                 raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
-            with self._render_lock(path):
-                if not path.exists():
+            with self._render_locks[hash(path) % RENDER_LOCKS]:
+                if not self._cache.acquire(path):
                     frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
                     # near-lossless, with a keyframe every second so that stepping backwards stays
                     # quick; written whole or not at all, so a failed render is retried next time
@@ -235,10 +258,11 @@ class BufferApp:
                         quality=8,
                         output_params=["-g", str(max(1, round(self.fps)))],
                     )
+                    self._cache.add(path)
         return path
 
     def close(self) -> None:
-        remove_tree(self.cache_dir)
+        self._cache.close()
 
     # helpers
 
@@ -262,14 +286,15 @@ class BufferApp:
         return int(self.buffer.episode_lens[index])
 
     def _rendered(self, index: int, field: str) -> Path | None:
-        """The video already rendered from the episode slot ``index`` holds now, if any: served
-        without reading the episode's frames again (a <video> asks for many byte ranges of it)."""
+        """The video already rendered from the episode slot ``index`` holds now, if any (pinned
+        in the cache): served without reading the episode's frames again (a <video> asks for
+        many byte ranges of it)."""
         with self._read_lock:
             buffer = self._current()
             self._length(index)
             generation = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
             path = self._video_path(index, generation, field)
-        return path if generation and path.exists() else None
+        return path if generation and self._cache.acquire(path) else None
 
     def _video_path(self, index: int, generation: int, field: str) -> Path:
         """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
@@ -277,7 +302,3 @@ class BufferApp:
         buffer opened (a buffer created again at the location counts generations from 1 again).
         Called under the read lock."""
         return self.cache_dir / f"episode-{index}-gen-{generation}-open-{self._reopened}.{field}.mp4"
-
-    def _render_lock(self, path: Path) -> threading.Lock:
-        with self._render_locks_guard:
-            return self._render_locks.setdefault(path, threading.Lock())

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import webbrowser
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,9 +57,11 @@ class JsonResponse:
 
 @dataclass(frozen=True)
 class FileResponse:
-    """A file on disk, sent whole or by byte range."""
+    """A file on disk, sent whole or by byte range; ``release`` (if any) is called once the
+    answer is sent or failed (a cache unpins the file it kept from deletion meanwhile)."""
 
     path: Path
+    release: Callable[[], None] | None = None
 
 
 class NotFound(LookupError):
@@ -135,7 +138,11 @@ class _Handler(BaseHTTPRequestHandler):
             path = unquote(urlsplit(self.path).path)
             response = self._route(path)
             if isinstance(response, FileResponse):
-                return self._send_file(response.path, send_body)
+                try:
+                    return self._send_file(response.path, send_body)
+                finally:
+                    if response.release is not None:
+                        response.release()
             return self._send_json(response, send_body)
         except (BrokenPipeError, ConnectionResetError):
             pass
