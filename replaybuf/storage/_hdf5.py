@@ -51,7 +51,7 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
-from ._local import EpisodeChecksums, LocalFolderStorage
+from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._owned import erase_owned
 from ._zarr import default_time_chunk
 from .base import (
@@ -79,6 +79,9 @@ STORAGE_OPTIONS = ("compression", "compression_opts")
 # a reader keeps data fields up to this size in RAM for random sampling
 SMALL_FIELD_BYTES = 32 << 20
 COMPRESSIONS = ("gzip", "lzf")
+# free bytes a write to a file not wholly reserved must leave beside its values: HDF5 adds
+# chunk index and metadata blocks of its own (``HDF5Storage._check_room``)
+WRITE_HEADROOM = 1 << 20
 
 
 def _expand_key(key: Any, shape: tuple[int, ...]) -> tuple:
@@ -252,6 +255,7 @@ class HDF5Storage(LocalFolderStorage):
         self._dirty = False
         self._writer_mark: Any = None
         self._compressed = False
+        self._reserved = False
 
     @property
     def h5file(self) -> h5py.File:
@@ -406,6 +410,8 @@ class HDF5Storage(LocalFolderStorage):
                 f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
                     {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()}
                 )
+            if not compression:
+                reserve(temp)  # every dataset's block: a write into one never needs new space
             self.commit_state(empty_state())
             self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
             if self.fsync:
@@ -453,6 +459,9 @@ class HDF5Storage(LocalFolderStorage):
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
+        stat = os.stat(self.path)
+        # uncompressed datasets of a file with every block on disk (created so): writes need no space
+        self._reserved = not self._compressed and stat.st_blocks * 512 >= stat.st_size
 
     def identity_file(self) -> str:
         # docstring inherited
@@ -494,9 +503,25 @@ class HDF5Storage(LocalFolderStorage):
     def _dataset(self, name: str, meta: bool = False) -> h5py.Dataset:
         return self.h5file[self.array(name, meta).path]
 
+    def _check_room(self, nbytes: int, what: str) -> None:
+        """Refuse, before HDF5 writes anything, a write the disk may have no room for: h5py
+        reports a failed write of data.h5 only as a warning when it frees a handle, so the bytes
+        would be lost silently and a read of them through a memmap would kill the process."""
+        if self._reserved:
+            return
+        stat = os.statvfs(self.root)
+        free = stat.f_bavail * stat.f_frsize
+        if free < nbytes + WRITE_HEADROOM:
+            raise StorageError(
+                f"no space left on the disk of {self.path!r}: writing {what} ({nbytes} bytes) needs "
+                f"{nbytes + WRITE_HEADROOM} bytes free (with {WRITE_HEADROOM} for HDF5's own metadata), "
+                f"{free} are; nothing was written"
+            )
+
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        self._check_room(np.asarray(values).nbytes, f"data/{name}")
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
         self._dataset(name)[episodes[order], t0 : t0 + values.shape[1]] = np.asarray(values)[order]
@@ -505,6 +530,7 @@ class HDF5Storage(LocalFolderStorage):
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        self._check_room(np.asarray(values).nbytes, f"meta/{name}")
         episodes = np.asarray(episodes)
         if name == "episode_lens" and self._checksums is not None:
             self._checksums.seal(episodes, values)  # before the length publishes the episode
