@@ -179,6 +179,8 @@ def test_hdf5_reserves_its_file_and_a_compressed_one_refuses_before_writing(disk
     # h5py reports a failed write only as a warning when it frees a handle: refused up front
     with pytest.raises(StorageError, match=r"no space left on the disk of .*data\.h5.*nothing was written"):
         buffer.store_episode(**episode(2))
+    with pytest.raises(StorageError, match=r"no space left on the disk of .*data\.h5"):
+        buffer.data["state"][0, 0] = np.zeros(3, np.float32)  # an edit in place too
     buffer.storage.flush()
     assert (folder / "data.h5").read_bytes() == before
     assert_holds(buffer, [episode(1)])
@@ -244,3 +246,16 @@ def test_convert_into_a_full_destination_leaves_no_half_buffer(disk, tmp_path):
     assert not (disk / "dst").exists()
     assert os.statvfs(disk).f_bavail >= free_bytes
     assert verify(tmp_path / "src") == []
+
+
+def test_a_sparse_hdf5_file_of_an_earlier_release_is_reserved_at_a_writable_open(disk):
+    folder = disk / "buf"
+    new(folder, "hdf5").close()
+    path = folder / "data.h5"
+    subprocess.run(["cp", "--sparse=always", str(path), str(disk / "sparse.h5")], check=True)
+    os.replace(disk / "sparse.h5", path)
+    assert os.stat(path).st_blocks * 512 < os.stat(path).st_size
+    with new(folder, "hdf5", overwrite=False) as buffer:
+        buffer.store_episode(**episode(1))
+    assert os.stat(path).st_blocks * 512 >= os.stat(path).st_size
+    assert verify(folder) == []

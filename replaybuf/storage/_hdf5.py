@@ -207,11 +207,13 @@ class H5Array(WrappedArray):
         key = _expand_key(key, dataset.shape)
         if _is_simple(key):
             target = np.broadcast_to(np.zeros((), bool), dataset.shape)[key].shape
+            self._storage._check_room(int(np.prod(target)) * dataset.dtype.itemsize, self.path)
             dataset[key] = np.broadcast_to(np.asarray(value, dtype=dataset.dtype), target)
         else:
             box, relative = _bounding_box(key)
             block = np.asarray(dataset[box])
             block[relative] = value
+            self._storage._check_room(block.nbytes, self.path)
             dataset[box] = block
         self._storage.flush()  # visible at once to memmap readers of the file
         if self.path.startswith("data/"):
@@ -459,8 +461,12 @@ class HDF5Storage(LocalFolderStorage):
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
+        if not self.read_only and not self._compressed:
+            # a file an earlier release created sparse: reserved now where the disk has room
+            with contextlib.suppress(StorageError):
+                reserve(self.path)
         stat = os.stat(self.path)
-        # uncompressed datasets of a file with every block on disk (created so): writes need no space
+        # uncompressed datasets of a file with every block on disk: a write needs no new space
         self._reserved = not self._compressed and stat.st_blocks * 512 >= stat.st_size
 
     def identity_file(self) -> str:
