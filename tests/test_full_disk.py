@@ -259,3 +259,19 @@ def test_a_sparse_hdf5_file_of_an_earlier_release_is_reserved_at_a_writable_open
         buffer.store_episode(**episode(1))
     assert os.stat(path).st_blocks * 512 >= os.stat(path).st_size
     assert verify(folder) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+@pytest.mark.parametrize("room", [8 << 10, 40 << 10])
+def test_a_create_on_a_full_disk_leaves_no_half_buffer(disk, backend, room):
+    folder = disk / "buf"
+    fill(disk)
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
+    with pytest.raises(StorageError, match="(?i)no space left"):
+        ReplayBuffer(folder, max_episodes=64, max_timesteps=100, fields=FIELDS, backend=backend)
+    left = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs] if folder.exists() else []
+    assert not left, left
+    free(disk)
+    with new(folder, backend) as buffer:
+        buffer.store_episode(**episode(1))
+    assert verify(folder) == []

@@ -420,9 +420,11 @@ class HDF5Storage(LocalFolderStorage):
                 with open(temp, "rb") as f:
                     os.fsync(f.fileno())
             os.replace(temp, self.path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
+            if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, StorageError):  # h5py's, a full disk
+                raise StorageError(f"creating {self.path!r} failed, nothing of it was kept: {e}") from e
             raise
         self._load_arrays(schema)
 
