@@ -98,6 +98,8 @@ OLD_SUFFIX = ".raw"
 CHECK_BYTES = 4
 #: errors of a cache folder with no room left: the rows are then read from the store
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+#: seconds a process reads past a full cache folder before it tries to fill it again
+FULL_RETRY_S = 10.0
 
 
 class DenseRows:
@@ -321,6 +323,7 @@ class CachedStorage(Storage):
         self._root: tuple[Schema, str] | None = None  # (the schema it was derived from, the folder)
         self._identity_checked = False  # ``load_state`` skips its identity check once after ``open``
         self._warned_full = False  # a full cache folder is reported once per process
+        self._full_until = 0.0  # time.monotonic() until which fills are skipped (a full folder)
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
@@ -335,6 +338,7 @@ class CachedStorage(Storage):
             "_used",
             "_root",
             "_warned_full",
+            "_full_until",
         ):
             state.pop(key)
         return state
@@ -571,13 +575,16 @@ class CachedStorage(Storage):
                 out[slot, generation], touched[slot, generation] = entry
         opened = [(*version, self._map(name, *version)) for version in missing]
         absent = [version for *version, rows in opened if rows is None]
-        if absent:
+        if absent and now >= self._full_until:
             try:
                 self._fill(name, *(np.array(column, dtype=np.int64) for column in zip(*absent)))
             except OSError as e:
                 if e.errno not in NO_ROOM:
                     raise
-                self._report_full(e)  # the slots left absent are read from the wrapped storage
+                # the slots left absent are read from the wrapped storage, and so are the next
+                # reads' for a while: each fill would write until the disk refuses, for nothing
+                self._full_until = time.monotonic() + FULL_RETRY_S
+                self._report_full(e)
             opened += [(*version, self._map(name, *version)) for version in absent]
         mapped = self._mapped_rows(name)
         with self._lock:
