@@ -723,9 +723,9 @@ class ReplayBuffer(CommittedViews):
     def _stage(self, values: dict[str, np.ndarray]) -> None:
         group = self._group
         assert group is not None, "a step is staged into the group in progress"
+        filled = group.append(values)
         try:
-            self._commit.write_slabs(group, group.append(values))
-            self._store_step += 1
+            self._commit.write_slabs(group, filled)
             if self.flush_every_store_step > 0:
                 self._commit.log_pending.append(
                     self._commit.step_log.steps(
@@ -737,16 +737,21 @@ class ReplayBuffer(CommittedViews):
                         }
                     )
                 )
-                if self._store_step % self.flush_every_store_step == 0:
-                    self._commit.flush_log()
+                if (self._store_step + 1) % self.flush_every_store_step == 0:
+                    try:
+                        self._commit.flush_log()
+                    except StorageError:
+                        self._commit.log_pending.pop()  # the log on disk ends at its last whole record
+                        raise
         except StorageError as e:
-            # rows of the episode that left RAM or its log may be missing (a full disk): it
-            # is rolled back whole, as in one_episode, never committed with a hole
-            self._abort_group()
+            # the step is taken back (a full disk): the episode in progress stays as it was
+            # before this call, whole, and this step can be stored again once there is room
+            group.unappend(filled)
             raise StorageError(
-                f"{e}; the episode in progress in slot(s) {group.slots.tolist()} ({group.length} steps) "
-                "was discarded: store it again once the store can be written"
+                f"{e}; this step was not stored, the episode in progress keeps its {group.length} earlier "
+                "step(s): store the step again once the store can be written"
             ) from e
+        self._store_step += 1
 
     def _commit_group(self, final_meta: dict[str, np.ndarray] | None = None) -> None:
         group, self._group = self._group, None

@@ -133,7 +133,6 @@ class Committer:
         if group.invalidated:
             return
         self.held.check(group.slots, self.meta["_generation"][group.slots], "overwrite", drop=True)
-        group.invalidated = True
         # rows written but never published (an aborted or killed group, or a cleared buffer)
         # may reach max_timesteps; those are zeroed past the new episode's end at commit
         dirty = np.isin(group.slots, np.fromiter(self.dirty_slots, np.int64, len(self.dirty_slots)))
@@ -149,6 +148,9 @@ class Committer:
             # (cleared on reopen), never a committed slot without one
             self.write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
             self.write_meta("_generation", reused, np.zeros(len(reused), np.int64))
+        # only now: an invalidation that failed part way (a full disk) is done again before
+        # the next write, never skipped with the slot still published
+        group.invalidated = True
 
     def write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]], tail: bool = False) -> None:
         """Commit step 2 (invalidating first): rows of ``group`` that left RAM (``tail``: its

@@ -128,15 +128,21 @@ def test_steps_on_a_full_disk_roll_the_episode_back(disk, backend):
         for t in range(6):
             buffer.store(image=steps["image"][t], state=steps["state"][t])
     assert_disk_full(error, folder)
-    # outside one_episode too: the episode in progress is discarded whole, never kept with a hole
-    with pytest.raises(StorageError, match="discarded"):
-        buffer.store(image=steps["image"][0], state=steps["state"][0])
-    assert buffer.timestep_index == 0
+    assert buffer.timestep_index == 0  # the block's exception rolled its episode back
     assert_holds(buffer, kept)
     free(disk)
-    with buffer.one_episode():
-        for t in range(6):
-            buffer.store(image=steps["image"][t], state=steps["state"][t])
+    # a step refused outside one_episode is taken back: the episode keeps its earlier steps
+    for t in range(2):
+        buffer.store(image=steps["image"][t], state=steps["state"][t])
+    fill(disk)
+    with pytest.raises(StorageError, match="this step was not stored") as error:
+        buffer.store(image=steps["image"][2], state=steps["state"][2])
+    assert_disk_full(error, folder)
+    assert buffer.timestep_index == 2
+    free(disk)
+    for t in range(2, 6):
+        buffer.store(image=steps["image"][t], state=steps["state"][t])
+    buffer.advance_episode()
     kept.append(steps)
     buffer.close()
     assert verify(folder) == []  # no step log left behind

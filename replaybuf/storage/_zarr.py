@@ -49,7 +49,7 @@ from ._hot import HotTier, find_hot
 from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
-from ._owned import check_owned, erase_owned
+from ._owned import BLOB_DIR, check_owned, erase_owned
 from ._shards import ShardedArray
 from .base import (
     OPTIONAL_META,
@@ -335,8 +335,10 @@ class ZarrStorage(KVBlobs, Storage):
         except (OSError, StorageError) as e:
             # a create cut short (a full disk) leaves no half buffer that opens as damaged
             with contextlib.suppress(Exception):
+                # what a create writes (the location held nothing else: ``check_creatable``
+                # above), by name: a root document cut short would not read as ours
                 self.kv.delete_many([STATE_NODE_KEY, CHECKSUMS_KEY])
-                erase_owned(self.kv, self.check_creatable(), markers=(ROOT_DOCUMENT,))
+                erase_owned(self.kv, [ROOT_DOCUMENT, "data/", "meta/", f"{BLOB_DIR}/"], markers=(ROOT_DOCUMENT,))
             raise StorageError(f"creating the buffer at {self.location!r} failed, nothing of it was kept: {e}") from e
 
     def open(self, read_only: bool) -> Schema:
