@@ -281,3 +281,35 @@ def test_a_create_on_a_full_disk_leaves_no_half_buffer(disk, backend, room):
     with new(folder, backend) as buffer:
         buffer.store_episode(**episode(1))
     assert verify(folder) == []
+
+
+def test_a_step_whose_rows_cannot_be_written_is_taken_back(disk):
+    """Large frames leave RAM a span (~1 MiB) at a time: the step that completes one fails to
+    write it (compressed hdf5, which refuses a write the disk has no room for)."""
+    folder = disk / "buf"
+    shape = (256, 256, 3)
+    buffer = ReplayBuffer(
+        folder,
+        max_episodes=2,
+        max_timesteps=8,
+        fields={"frame": ("uint8", shape)},
+        backend="hdf5",
+        storage_options={"compression": "gzip"},
+        flush_every_store_step=0,
+    )
+    assert buffer._commit.spans["frame"] == 5
+    frames = np.random.default_rng(0).integers(0, 255, (7, *shape), dtype=np.uint8)
+    for t in range(4):
+        buffer.store(frame=frames[t])
+    fill(disk)
+    with pytest.raises(StorageError, match="this step was not stored") as error:
+        buffer.store(frame=frames[4])  # completes the span of steps 0..4
+    assert_disk_full(error, folder)
+    assert buffer.timestep_index == 4
+    free(disk)
+    for t in range(4, 7):
+        buffer.store(frame=frames[t])
+    buffer.advance_episode()
+    assert_holds(buffer, [{"frame": frames}])
+    buffer.close()
+    assert verify(folder) == []
