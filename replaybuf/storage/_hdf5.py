@@ -240,6 +240,12 @@ def _check_storage_options(options: dict) -> None:
         )
 
 
+def _reserved(path: str) -> bool:
+    """Whether every block of the file at ``path`` is on disk (none sparse)."""
+    stat = os.stat(path)
+    return stat.st_blocks * 512 >= stat.st_size
+
+
 class HDF5Storage(LocalFolderStorage):
     """One ``data.h5`` per buffer folder (h5py), with the counters and step log beside it."""
 
@@ -463,13 +469,13 @@ class HDF5Storage(LocalFolderStorage):
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
-        if not self.read_only and not self._compressed:
+        # uncompressed datasets of a file with every block on disk: a write needs no new space
+        self._reserved = not self._compressed and _reserved(self.path)
+        if not self.read_only and not self._compressed and not self._reserved:
             # a file an earlier release created sparse: reserved now where the disk has room
             with contextlib.suppress(StorageError):
                 reserve(self.path)
-        stat = os.stat(self.path)
-        # uncompressed datasets of a file with every block on disk: a write needs no new space
-        self._reserved = not self._compressed and stat.st_blocks * 512 >= stat.st_size
+                self._reserved = _reserved(self.path)
 
     def identity_file(self) -> str:
         # docstring inherited
