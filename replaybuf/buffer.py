@@ -30,7 +30,7 @@ import numpy as np
 
 from . import snapshots, video
 from .attrs import BufferAttrs
-from .commit import Committer
+from .commit import Committer, CountersNotWritten
 from .consistency import read_consistent, replanner, snapshot_gone, stored_bookkeeping
 from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
 from .schema import Field, Schema
@@ -723,26 +723,53 @@ class ReplayBuffer(CommittedViews):
     def _stage(self, values: dict[str, np.ndarray]) -> None:
         group = self._group
         assert group is not None, "a step is staged into the group in progress"
-        self._commit.write_slabs(group, group.append(values))
-        self._store_step += 1
-        if self.flush_every_store_step > 0:
-            self._commit.log_pending.append(
-                self._commit.step_log.steps(
-                    {
-                        n: values[n] if n in values else np.broadcast_to(self._fills[n], (group.batch_size, *f.shape))
-                        for n, f in self.schema.fields.items()
-                    }
+        filled = group.append(values)
+        try:
+            self._commit.write_slabs(group, filled)
+            if self.flush_every_store_step > 0:
+                self._commit.log_pending.append(
+                    self._commit.step_log.steps(
+                        {
+                            n: values[n]
+                            if n in values
+                            else np.broadcast_to(self._fills[n], (group.batch_size, *f.shape))
+                            for n, f in self.schema.fields.items()
+                        }
+                    )
                 )
-            )
-            if self._store_step % self.flush_every_store_step == 0:
-                self._commit.flush_log()
+                if (self._store_step + 1) % self.flush_every_store_step == 0:
+                    try:
+                        self._commit.flush_log()
+                    except StorageError:
+                        self._commit.log_pending.pop()  # the log on disk ends at its last whole record
+                        raise
+        except StorageError as e:
+            # the step is taken back (a full disk): the episode in progress stays as it was
+            # before this call, whole, and this step can be stored again once there is room
+            group.unappend(filled)
+            raise StorageError(
+                f"{e}; this step was not stored, the episode in progress keeps its {group.length} earlier "
+                "step(s): store the step again once the store can be written"
+            ) from e
+        self._store_step += 1
 
     def _commit_group(self, final_meta: dict[str, np.ndarray] | None = None) -> None:
         group, self._group = self._group, None
         if group is None or group.length == 0:
             self._commit.discard_log()
             return
-        self._commit.commit(group, final_meta)
+        try:
+            self._commit.commit(group, final_meta)
+        except CountersNotWritten:
+            raise  # the episode is committed
+        except StorageError as e:
+            # not published: rolled back whole, its log too (this object's next episode
+            # starts a new log, which must not follow this one's records)
+            self._commit.discard_log()
+            raise StorageError(
+                f"{e}; the episode in slot(s) {group.slots.tolist()} ({group.length} steps) was not committed "
+                "and is discarded: store it again once the store can be written"
+            ) from e
 
     def _abort_group(self) -> None:
         self._group = None
@@ -1317,10 +1344,14 @@ class ReplayBuffer(CommittedViews):
         """Flush, compress what the hot tier holds raw (``compact``), release the storage
         handles and give the writer lease back."""
         try:
-            self.flush()
-            if not self.read_only:
-                self.storage.compact()
-            self.storage.close()
+            try:
+                self.flush()
+                if not self.read_only:
+                    self.storage.compact()
+            finally:
+                # closed even when the flush failed (a full disk): nothing committed needs the
+                # counters it could not write, the next writable open derives them
+                self.storage.close()
         finally:
             self.storage.release_writer()
 

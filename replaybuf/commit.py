@@ -54,6 +54,12 @@ EMPTY_EPISODES = "empty_episodes"
 COUNTERS_INTERVAL = 0.05
 
 
+class CountersNotWritten(StorageError):
+    """The counters object could not be written (a full disk): the commits before it are
+    published and kept, their counters are written again by the next commit, ``flush()`` or
+    ``close()``, or derived from the published lengths by the next writable open."""
+
+
 class Committer:
     """Commits episode groups to ``storage`` and keeps its bookkeeping mirror (``meta``,
     ``state``) and the step log of the group in progress."""
@@ -86,7 +92,14 @@ class Committer:
     def store_state(self, state: dict[str, Any], batched: bool = False) -> None:
         """Write the counters object ``state`` (which holds every commit so far); ``batched``:
         by a commit whose followers may batch theirs."""
-        self.storage.commit_state(state)
+        try:
+            self.storage.commit_state(state)
+        except (OSError, StorageError) as e:
+            self.counters_pending = True  # retried by the next flush_counters
+            raise CountersNotWritten(
+                f"{e}; every episode committed so far is kept (its length is published), and the counters are "
+                "written again by the next commit, flush() or close()"
+            ) from e
         self.counters_pending = False
         self.batched_at = time.monotonic() if batched else 0.0
 
@@ -120,7 +133,6 @@ class Committer:
         if group.invalidated:
             return
         self.held.check(group.slots, self.meta["_generation"][group.slots], "overwrite", drop=True)
-        group.invalidated = True
         # rows written but never published (an aborted or killed group, or a cleared buffer)
         # may reach max_timesteps; those are zeroed past the new episode's end at commit
         dirty = np.isin(group.slots, np.fromiter(self.dirty_slots, np.int64, len(self.dirty_slots)))
@@ -136,6 +148,9 @@ class Committer:
             # (cleared on reopen), never a committed slot without one
             self.write_meta("episode_lens", reused, np.zeros(len(reused), np.int32))
             self.write_meta("_generation", reused, np.zeros(len(reused), np.int64))
+        # only now: an invalidation that failed part way (a full disk) is done again before
+        # the next write, never skipped with the slot still published
+        group.invalidated = True
 
     def write_slabs(self, group: EpisodeGroup, slabs: list[tuple[str, int, np.ndarray]], tail: bool = False) -> None:
         """Commit step 2 (invalidating first): rows of ``group`` that left RAM (``tail``: its
@@ -167,7 +182,11 @@ class Committer:
             group.meta[name][:] = values
         self.write_slabs(group, group.tail(self.time_chunks, self.max_timesteps), tail=True)
         self.clear_stale(group)
-        self.publish(group.slots, group.length, group.meta, batch_counters and not self.log_written)
+        try:
+            self.publish(group.slots, group.length, group.meta, batch_counters and not self.log_written)
+        except CountersNotWritten:
+            self.discard_log()  # the episode is published: its log must not be replayed
+            raise
         self.discard_log()
 
     def commit_empty(self, group: EpisodeGroup) -> None:
@@ -227,12 +246,12 @@ class Committer:
         }
         # counted as the seed counts commits (an episode_index moved back overwrites and counts)
         self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
+        self.dirty_slots.difference_update(slots.tolist())
         batch_counters = batch_counters and length > 0
         if batch_counters and time.monotonic() - self.batched_at < COUNTERS_INTERVAL:
             self.counters_pending = True
         else:
             self.store_state(self.state, batched=batch_counters)
-        self.dirty_slots.difference_update(slots.tolist())
 
     # ---- bookkeeping --------------------------------------------------------------------------
 
@@ -334,9 +353,11 @@ class Committer:
 
     def flush_log(self) -> None:
         if self.log_pending:
+            # set first: a failed append (a full disk) may have created the log, which an
+            # aborted episode must still delete, or the next writable open would commit it
+            self.log_written = True
             self.storage.append_log(LOG_NAME, b"".join(self.log_pending))
             self.log_pending = []
-            self.log_written = True
 
     def discard_log(self) -> None:
         self.log_pending = []

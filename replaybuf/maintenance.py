@@ -10,6 +10,7 @@ read through the memmap backend) can be a source, and any backend a destination.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import json
@@ -248,23 +249,33 @@ def convert(
     # slots and generations are kept, so snapshots stay true as they are; a damaged one is
     # refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
-    target.acquire_writer(erase=True)
-    target.create(target_schema, overwrite=True)
-    plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
+    made = _new_local_folder(target.location)
+    try:
+        target.acquire_writer(erase=True)
+        target.create(target_schema, overwrite=True)
+        plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
+        meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
+        every_slot = np.arange(schema.max_episodes)
+        for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
+            target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
+        attrs = source.read_blob(ATTRS_KEY)
+        if attrs is not None:
+            target.write_blob(ATTRS_KEY, attrs)
+        for name, snapshot in held.items():
+            target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
+        target.commit_state(state)
+        target.flush()
+        target.close()
+    except BaseException:
+        # a copy cut short (a full disk, an interrupt) leaves no half buffer in a folder it made
+        with contextlib.suppress(Exception):
+            target.close()
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    finally:
+        target.release_writer()
     slots = np.flatnonzero(lens > 0)
-    meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
-    every_slot = np.arange(schema.max_episodes)
-    for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
-        target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
-    attrs = source.read_blob(ATTRS_KEY)
-    if attrs is not None:
-        target.write_blob(ATTRS_KEY, attrs)
-    for name, snapshot in held.items():
-        target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
-    target.commit_state(state)
-    target.flush()
-    target.close()
-    target.release_writer()
     copied = _check_copy(dst, backend, dst_storage_options, lens, plan["_generation"], state)
     source.close()
     return {
@@ -275,6 +286,15 @@ def convert(
         "snapshots": sorted(held),
         **copied,
     }
+
+
+def _new_local_folder(location: str) -> str | None:
+    """The folder of a local ``location`` that does not exist yet (convert makes it, so all of
+    it is convert's own), else None."""
+    if "://" in location and not location.startswith("file://"):
+        return None
+    folder = os.path.abspath(location.removeprefix("file://"))
+    return None if os.path.lexists(folder) else folder
 
 
 # rounds of copying the episodes a live writer replaced meanwhile before ``convert`` gives up

@@ -104,6 +104,14 @@ class EpisodeGroup:
         self.length += steps
         return full
 
+    def unappend(self, filled: list[tuple[str, int, np.ndarray]]) -> None:
+        """Take back the last ``append`` (its write to storage or to the step log failed), given
+        the spans it returned: they are staged again (copied: a span may view the caller's
+        values), and the next step takes the place of the one taken back."""
+        for name, start, rows in filled:
+            self._rows[name], self._row_start[name] = np.array(rows), start
+        self.length -= 1
+
     def set_step(self, name: str, row: int, t: int, value: np.ndarray) -> bool:
         """Overwrite a staged value; False when that step already left RAM."""
         offset = t - self._row_start[name]

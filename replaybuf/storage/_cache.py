@@ -50,6 +50,7 @@ path (map, fill, touch).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -57,6 +58,7 @@ import os
 import threading
 import time
 import uuid as uuid_module
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from operator import attrgetter
@@ -94,6 +96,10 @@ DENSE_BYTES = 64 << 20
 SUFFIX = ".rows"
 OLD_SUFFIX = ".raw"
 CHECK_BYTES = 4
+#: errors of a cache folder with no room left: the rows are then read from the store
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+#: seconds a process reads past a full cache folder before it tries to fill it again
+FULL_RETRY_S = 10.0
 
 
 class DenseRows:
@@ -316,10 +322,24 @@ class CachedStorage(Storage):
         self._used: int | None = None
         self._root: tuple[Schema, str] | None = None  # (the schema it was derived from, the folder)
         self._identity_checked = False  # ``load_state`` skips its identity check once after ``open``
+        self._warned_full = False  # a full cache folder is reported once per process
+        self._full_until = 0.0  # time.monotonic() until which fills are skipped (a full folder)
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
-        for key in ("_generations", "_revisions", "_maps", "_checked", "_dense", "_mapped", "_lock", "_used", "_root"):
+        for key in (
+            "_generations",
+            "_revisions",
+            "_maps",
+            "_checked",
+            "_dense",
+            "_mapped",
+            "_lock",
+            "_used",
+            "_root",
+            "_warned_full",
+            "_full_until",
+        ):
             state.pop(key)
         return state
 
@@ -555,8 +575,16 @@ class CachedStorage(Storage):
                 out[slot, generation], touched[slot, generation] = entry
         opened = [(*version, self._map(name, *version)) for version in missing]
         absent = [version for *version, rows in opened if rows is None]
-        if absent:
-            self._fill(name, *(np.array(column, dtype=np.int64) for column in zip(*absent)))
+        if absent and now >= self._full_until:
+            try:
+                self._fill(name, *(np.array(column, dtype=np.int64) for column in zip(*absent)))
+            except OSError as e:
+                if e.errno not in NO_ROOM:
+                    raise
+                # the slots left absent are read from the wrapped storage, and so are the next
+                # reads' for a while: each fill would write until the disk refuses, for nothing
+                self._full_until = time.monotonic() + FULL_RETRY_S
+                self._report_full(e)
             opened += [(*version, self._map(name, *version)) for version in absent]
         mapped = self._mapped_rows(name)
         with self._lock:
@@ -574,6 +602,17 @@ class CachedStorage(Storage):
             for (slot, generation), rows in out.items():
                 dense.put(slot, generation, revisions[slot], rows)
         return out
+
+    def _report_full(self, error: OSError) -> None:
+        """Warn, once per process, that the cache folder has no room: a full cache never fails
+        a read, it only stops caching."""
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(
+                f"the read cache {self.root!r} is full ({error.strerror}): episodes it could not hold are read "
+                "from the store; free space there or pass a smaller cache_size",
+                stacklevel=4,
+            )
 
     def _verified(self, read: Callable[[], Any], episodes: np.ndarray, generations: np.ndarray | None) -> Any:
         """``read()`` from the wrapped storage; with ``generations`` (one per episode), the
@@ -676,19 +715,25 @@ class CachedStorage(Storage):
         folder = os.path.join(self.root, name)
         os.makedirs(folder, exist_ok=True)
         written = 0
-        for i in np.flatnonzero((after == (generations, revisions)).all(axis=0)):
-            slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
-            temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
-            rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
-            with open(temp, "wb") as f:
-                f.write(rows.data)
-                f.write(crc32c(rows).to_bytes(CHECK_BYTES, "little"))
-            written_file = os.stat(temp)
-            path = self._path(name, slot, generation, revision)
-            os.replace(temp, path)
-            self._checked[path] = (written_file.st_ino, written_file.st_size)  # its map needs no check
-            written += rows.nbytes + CHECK_BYTES
-        self._account(written)
+        try:
+            for i in np.flatnonzero((after == (generations, revisions)).all(axis=0)):
+                slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
+                temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
+                rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
+                try:
+                    with open(temp, "wb") as f:
+                        f.write(rows.data)
+                        f.write(crc32c(rows).to_bytes(CHECK_BYTES, "little"))
+                except BaseException:
+                    _unlink(temp)  # a file the disk had no room for is never left behind
+                    raise
+                written_file = os.stat(temp)
+                path = self._path(name, slot, generation, revision)
+                os.replace(temp, path)
+                self._checked[path] = (written_file.st_ino, written_file.st_size)  # its map needs no check
+                written += rows.nbytes + CHECK_BYTES
+        finally:
+            self._account(written)
 
     def _versions(self, slots: np.ndarray) -> np.ndarray:
         """(2, len(slots)): the slots' generations and revisions as stored now (both remembered)."""

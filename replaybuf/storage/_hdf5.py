@@ -51,7 +51,7 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
-from ._local import EpisodeChecksums, LocalFolderStorage
+from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._owned import erase_owned
 from ._zarr import default_time_chunk
 from .base import (
@@ -79,6 +79,9 @@ STORAGE_OPTIONS = ("compression", "compression_opts")
 # a reader keeps data fields up to this size in RAM for random sampling
 SMALL_FIELD_BYTES = 32 << 20
 COMPRESSIONS = ("gzip", "lzf")
+# free bytes a write to a file not wholly reserved must leave beside its values: HDF5 adds
+# chunk index and metadata blocks of its own (``HDF5Storage._check_room``)
+WRITE_HEADROOM = 1 << 20
 
 
 def _expand_key(key: Any, shape: tuple[int, ...]) -> tuple:
@@ -204,11 +207,13 @@ class H5Array(WrappedArray):
         key = _expand_key(key, dataset.shape)
         if _is_simple(key):
             target = np.broadcast_to(np.zeros((), bool), dataset.shape)[key].shape
+            self._storage._check_room(int(np.prod(target)) * dataset.dtype.itemsize, self.path)
             dataset[key] = np.broadcast_to(np.asarray(value, dtype=dataset.dtype), target)
         else:
             box, relative = _bounding_box(key)
             block = np.asarray(dataset[box])
             block[relative] = value
+            self._storage._check_room(block.nbytes, self.path)
             dataset[box] = block
         self._storage.flush()  # visible at once to memmap readers of the file
         if self.path.startswith("data/"):
@@ -235,6 +240,12 @@ def _check_storage_options(options: dict) -> None:
         )
 
 
+def _reserved(path: str) -> bool:
+    """Whether every block of the file at ``path`` is on disk (none sparse)."""
+    stat = os.stat(path)
+    return stat.st_blocks * 512 >= stat.st_size
+
+
 class HDF5Storage(LocalFolderStorage):
     """One ``data.h5`` per buffer folder (h5py), with the counters and step log beside it."""
 
@@ -252,6 +263,7 @@ class HDF5Storage(LocalFolderStorage):
         self._dirty = False
         self._writer_mark: Any = None
         self._compressed = False
+        self._reserved = False
 
     @property
     def h5file(self) -> h5py.File:
@@ -406,15 +418,19 @@ class HDF5Storage(LocalFolderStorage):
                 f.attrs[CONFIG_ATTRIBUTE] = json.dumps(
                     {"format": FORMAT_NAME, "version": FORMAT_VERSION, "backend": self.backend_name, **schema.to_json()}
                 )
+            if not compression:
+                reserve(temp)  # every dataset's block: a write into one never needs new space
             self.commit_state(empty_state())
             self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
             if self.fsync:
                 with open(temp, "rb") as f:
                     os.fsync(f.fileno())
             os.replace(temp, self.path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
+            if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, StorageError):  # h5py's, a full disk
+                raise StorageError(f"creating {self.path!r} failed, nothing of it was kept: {e}") from e
             raise
         self._load_arrays(schema)
 
@@ -453,6 +469,13 @@ class HDF5Storage(LocalFolderStorage):
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
             self._arrays[name, meta] = H5Array(self, path)
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
+        # uncompressed datasets of a file with every block on disk: a write needs no new space
+        self._reserved = not self._compressed and _reserved(self.path)
+        if not self.read_only and not self._compressed and not self._reserved:
+            # a file an earlier release created sparse: reserved now where the disk has room
+            with contextlib.suppress(StorageError):
+                reserve(self.path)
+                self._reserved = _reserved(self.path)
 
     def identity_file(self) -> str:
         # docstring inherited
@@ -494,9 +517,25 @@ class HDF5Storage(LocalFolderStorage):
     def _dataset(self, name: str, meta: bool = False) -> h5py.Dataset:
         return self.h5file[self.array(name, meta).path]
 
+    def _check_room(self, nbytes: int, what: str) -> None:
+        """Refuse, before HDF5 writes anything, a write the disk may have no room for: h5py
+        reports a failed write of data.h5 only as a warning when it frees a handle, so the bytes
+        would be lost silently and a read of them through a memmap would kill the process."""
+        if self._reserved:
+            return
+        stat = os.statvfs(self.root)
+        free = stat.f_bavail * stat.f_frsize
+        if free < nbytes + WRITE_HEADROOM:
+            raise StorageError(
+                f"no space left on the disk of {self.path!r}: writing {what} ({nbytes} bytes) needs "
+                f"{nbytes + WRITE_HEADROOM} bytes free (with {WRITE_HEADROOM} for HDF5's own metadata), "
+                f"{free} are; nothing was written"
+            )
+
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        self._check_room(np.asarray(values).nbytes, f"data/{name}")
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
         self._dataset(name)[episodes[order], t0 : t0 + values.shape[1]] = np.asarray(values)[order]
@@ -505,6 +544,7 @@ class HDF5Storage(LocalFolderStorage):
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited
         self._check_writable()
+        self._check_room(np.asarray(values).nbytes, f"meta/{name}")
         episodes = np.asarray(episodes)
         if name == "episode_lens" and self._checksums is not None:
             self._checksums.seal(episodes, values)  # before the length publishes the episode

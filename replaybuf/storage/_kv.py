@@ -587,13 +587,17 @@ class LocalKV(KeyValue):
         except FileNotFoundError:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            if os.fstat(fd).st_size > len(data):
-                os.ftruncate(fd, len(data))
-            if self.fsync:
-                os.fsync(fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if os.fstat(fd).st_size > len(data):
+                    os.ftruncate(fd, len(data))
+                if self.fsync:
+                    os.fsync(fd)
+        except OSError as e:
+            e.filename = e.filename or path
+            raise
 
     def _write(self, item: tuple[str, Blob]) -> None:
         key, data = item
@@ -609,9 +613,11 @@ class LocalKV(KeyValue):
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            if isinstance(e, OSError):
+                e.filename = e.filename or path
             raise
 
     def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
@@ -623,7 +629,8 @@ class LocalKV(KeyValue):
             else:
                 list(thread_pool().map(write, items.items()))
         except OSError as e:
-            raise StorageError(f"writing to {self.root!r} failed: {e}") from e
+            where = e.filename or self.root  # set by ``_write`` and ``_write_in_place``
+            raise StorageError(f"writing to {where!r} failed: {e.strerror or e}") from e
 
     def delete_many(self, keys: Sequence[str]) -> None:
         _read_handles.drop([self._path(key) for key in keys])
@@ -671,10 +678,20 @@ class LocalKV(KeyValue):
             if fd is None:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = self._appenders[key] = _open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-            os.write(fd, data)
+        except OSError as e:
+            raise StorageError(f"appending to {path!r} failed: {e}") from e
+        end = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # a write cut short (the disk filling up) is continued, or fails below
+                view = view[os.write(fd, view) :]
             if self.fsync:
                 os.fsync(fd)
         except OSError as e:
+            # the log is cut back to its last whole record: a retry, or the next writable
+            # open's recovery, never meets a torn record in the middle of the log
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
             raise StorageError(f"appending to {path!r} failed: {e}") from e
         return True
 

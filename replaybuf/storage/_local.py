@@ -24,6 +24,7 @@ from .base import (
     CorruptChunkError,
     EpisodeLengthError,
     Storage,
+    StorageError,
     detect_backend,
     edited_rows,
 )
@@ -232,6 +233,17 @@ class LocalFolderStorage(KVBlobs, Storage):
             self._checksums.reseal_written(name, np.arange(len(lens))[first], lens)
 
 
+def reserve(path: str) -> None:
+    """Reserve on disk every block of the file at ``path``: a memmap write to (or, on tmpfs, a
+    read of) a block the full disk has no room for kills the process with SIGBUS, so a full
+    disk is a StorageError here, naming the file, and never later."""
+    try:
+        with open(path, "r+b") as f:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    except OSError as e:
+        raise StorageError(f"cannot reserve the disk space of {path!r}: {e.strerror or e}") from e
+
+
 CHECKSUM_FILE = "replaybuf/checksums.npy"
 _SEALED = np.uint64(1 << 32)
 # the first format whose entries check themselves (``entries``); format 2's hold no tag
@@ -299,6 +311,11 @@ class EpisodeChecksums:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         open_memmap(self.path, mode="w+", dtype=np.uint64, shape=(max_episodes, len(fields))).flush()
+        try:
+            reserve(self.path)
+        except StorageError:
+            os.unlink(self.path)
+            raise
         return self
 
     @classmethod
@@ -322,6 +339,8 @@ class EpisodeChecksums:
             raise BufferDamagedError(
                 f"{self.path}: holds {sums.dtype}{list(sums.shape)}, expected uint64[{max_episodes}, {len(fields)}]"
             )
+        if not storage.read_only:
+            reserve(self.path)  # a file an earlier release created sparse
         return self
 
     @property

@@ -32,6 +32,7 @@ whole-episode read; a flipped byte, a truncated or missing chunk reads as ``Corr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -48,7 +49,7 @@ from ._hot import HotTier, find_hot
 from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
-from ._owned import check_owned, erase_owned
+from ._owned import BLOB_DIR, check_owned, erase_owned
 from ._shards import ShardedArray
 from .base import (
     OPTIONAL_META,
@@ -291,45 +292,56 @@ class ZarrStorage(KVBlobs, Storage):
         if overwrite:
             self._retire()
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
-        store = self._zarr_store(read_only=False)
-        # mode "a", not "w": "w" clears the whole store, the writer lease with it
-        root = zarr.open_group(
-            store,
-            mode="a",
-            zarr_format=3,
-            attributes={
-                "format": FORMAT_NAME,
-                "version": ZARR_FORMAT_VERSION,
-                **schema.to_json(),
-                **({MEASURED_CODECS: dict.fromkeys(measured)} if (measured := measured_fields(schema)) else {}),
-            },
-        )
-        data, meta = root.require_group("data"), root.require_group("meta")
-        for field in schema.fields.values():
-            chunk = default_time_chunk(field, schema.max_timesteps)
-            # only files are written in place: on an object store a packed chunk would be
-            # rewritten whole for every episode
-            packed = packed_episodes(field, schema.max_episodes, schema.max_timesteps) if self.kv.writes_in_place else 1
-            data.create_array(
-                field.name,
-                shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
-                chunks=(packed, schema.max_timesteps, *field.shape) if packed > 1 else (1, chunk, *field.shape),
-                dtype=field.dtype,
-                shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
-                compressors=_data_codecs(field) if packed == 1 else None,
-                fill_value=0,
-                chunk_key_encoding=FLAT_KEYS,
-                dimension_names=field.dimension_names(),
+        try:
+            store = self._zarr_store(read_only=False)
+            # mode "a", not "w": "w" clears the whole store, the writer lease with it
+            root = zarr.open_group(
+                store,
+                mode="a",
+                zarr_format=3,
+                attributes={
+                    "format": FORMAT_NAME,
+                    "version": ZARR_FORMAT_VERSION,
+                    **schema.to_json(),
+                    **({MEASURED_CODECS: dict.fromkeys(measured)} if (measured := measured_fields(schema)) else {}),
+                },
             )
-        for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-            _create_meta_array(meta, field, schema.max_episodes)
-        self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
-        _consolidate(store)
-        self._load_arrays(schema)
-        self._unmeasured = set(measured)
-        if self._packed:
-            self.kv.set(CHECKSUMS_KEY, bytes(8 * schema.max_episodes * len(self._packed)))
-        self.commit_state(empty_state())
+            data, meta = root.require_group("data"), root.require_group("meta")
+            for field in schema.fields.values():
+                chunk = default_time_chunk(field, schema.max_timesteps)
+                # only files are written in place: on an object store a packed chunk would be
+                # rewritten whole for every episode
+                packed = (
+                    packed_episodes(field, schema.max_episodes, schema.max_timesteps) if self.kv.writes_in_place else 1
+                )
+                data.create_array(
+                    field.name,
+                    shape=(schema.max_episodes, schema.max_timesteps, *field.shape),
+                    chunks=(packed, schema.max_timesteps, *field.shape) if packed > 1 else (1, chunk, *field.shape),
+                    dtype=field.dtype,
+                    shards=(1, -(-schema.max_timesteps // chunk) * chunk, *field.shape) if is_sharded(field) else None,
+                    compressors=_data_codecs(field) if packed == 1 else None,
+                    fill_value=0,
+                    chunk_key_encoding=FLAT_KEYS,
+                    dimension_names=field.dimension_names(),
+                )
+            for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
+                _create_meta_array(meta, field, schema.max_episodes)
+            self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
+            _consolidate(store)
+            self._load_arrays(schema)
+            self._unmeasured = set(measured)
+            if self._packed:
+                self.kv.set(CHECKSUMS_KEY, bytes(8 * schema.max_episodes * len(self._packed)))
+            self.commit_state(empty_state())
+        except (OSError, StorageError) as e:
+            # a create cut short (a full disk) leaves no half buffer that opens as damaged
+            with contextlib.suppress(Exception):
+                # what a create writes (the location held nothing else: ``check_creatable``
+                # above), by name: a root document cut short would not read as ours
+                self.kv.delete_many([STATE_NODE_KEY, CHECKSUMS_KEY])
+                erase_owned(self.kv, [ROOT_DOCUMENT, "data/", "meta/", f"{BLOB_DIR}/"], markers=(ROOT_DOCUMENT,))
+            raise StorageError(f"creating the buffer at {self.location!r} failed, nothing of it was kept: {e}") from e
 
     def open(self, read_only: bool) -> Schema:
         # docstring inherited

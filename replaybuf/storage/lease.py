@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -220,8 +221,21 @@ class FileLease(WriterLease):
                 "The lock is released when that process exits; it cannot be stale, so break_lock "
                 "does not apply: stop that process to take over.",
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_record()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            record = json.dumps(_record()).encode()
+            if os.pwrite(fd, record, 0) != len(record):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            # given back at once (a full disk): a descriptor kept would hold the flock, and
+            # every later open of this process would find the buffer locked by "an unknown writer"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(fd)
+            self._remove_created()
+            from .base import StorageError  # base imports this module
+
+            raise StorageError(f"cannot write the writer lease {self.path!r}: {e.strerror or e}") from e
         self._fd, self._pid = fd, os.getpid()
         _held.add(self)
 

@@ -1,0 +1,315 @@
+"""A disk that fills up while a buffer works: every write path raises an error naming the file,
+what was committed reads back as it was, the episode in progress is kept whole or not at all,
+and once space is freed the same object (or a reopen) goes on as before.
+
+One small tmpfs for the module (mounted by the test: we may run as root; skipped where a mount
+is refused); a ballast file fills it at the moment a test chooses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import subprocess
+import warnings
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer, StorageError, convert, verify
+from replaybuf.storage._kv import LocalKV
+
+from ._backends import LOCAL_BACKENDS as LOCAL
+
+IMAGE = (64, 64, 3)  # a frame over 4 KiB: zarr stores it in its own shard per slot, hot
+FIELDS = {"image": ("uint8", IMAGE), "state": ("float", 3)}
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fulldisk")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(folder)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.decode().strip() or result.returncode})")
+    try:
+        yield folder
+    finally:
+        gc.collect()  # maps of the tests' buffers keep the mount busy until collected
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+@pytest.fixture
+def disk(mount):
+    """The tmpfs, emptied after the test."""
+    yield mount
+    gc.collect()
+    for entry in os.listdir(mount):
+        path = os.path.join(mount, entry)
+        shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+
+
+def fill(disk) -> None:
+    """Take every free byte of the tmpfs with a ballast file."""
+    fd = os.open(os.path.join(disk, "ballast"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        with contextlib.suppress(OSError):
+            for block in (1 << 16, 1 << 12, 1):
+                while True:
+                    os.write(fd, b"\0" * block)
+    finally:
+        os.close(fd)
+
+
+def free(disk) -> None:
+    os.unlink(os.path.join(disk, "ballast"))
+
+
+def episode(seed: int, length: int = 6) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # compressible frames (zarr keeps them hot, then compacts them)
+    frames = np.repeat(rng.integers(0, 255, (length, IMAGE[0], IMAGE[1] // 4, 3), dtype=np.uint8), 4, axis=2)
+    return {"image": frames, "state": rng.standard_normal((length, 3)).astype(np.float32)}
+
+
+def assert_holds(buffer: ReplayBuffer, episodes: list[dict[str, np.ndarray]]) -> None:
+    assert len(buffer) == len(episodes)
+    for slot, stored in enumerate(episodes):
+        for name, values in stored.items():
+            np.testing.assert_array_equal(np.asarray(buffer.data[name][slot])[: len(values)], values)
+
+
+def new(location, backend: str, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(location, max_episodes=8, max_timesteps=8, fields=FIELDS, backend=backend, **kwargs)
+
+
+def assert_disk_full(error: pytest.ExceptionInfo, folder) -> None:
+    message = str(error.value)
+    assert "no space left" in message.lower(), message
+    assert str(folder) + os.sep in message, message  # names the file, not just the folder
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_store_episode_on_a_full_disk(disk, backend):
+    folder = disk / "buf"
+    buffer = new(folder, backend)
+    kept = [episode(1), episode(2)]
+    for stored in kept:
+        buffer.store_episode(**stored)
+    fill(disk)
+    with pytest.raises(StorageError) as error:
+        for seed in range(3, 9):  # memmap and hdf5 reserve their data: their counters fill the disk
+            buffer.store_episode(**episode(seed))
+            buffer.flush()
+            kept.append(episode(seed))
+    assert_disk_full(error, folder)
+    if "counters are written again" in str(error.value):  # the episode is committed, and says so
+        kept.append(episode(seed))
+    assert_holds(buffer, kept)
+    free(disk)
+    buffer.store_episode(**episode(20))
+    kept.append(episode(20))
+    buffer.close()
+    assert verify(folder) == []
+    with ReplayBuffer.from_folder(folder, read_only=True) as again:
+        assert_holds(again, kept)
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_steps_on_a_full_disk_roll_the_episode_back(disk, backend):
+    folder = disk / "buf"
+    buffer = new(folder, backend)
+    kept = [episode(1)]
+    buffer.store_episode(**kept[0])
+    fill(disk)
+    steps = episode(2)
+    with pytest.raises(StorageError, match="steplog") as error, buffer.one_episode():
+        for t in range(6):
+            buffer.store(image=steps["image"][t], state=steps["state"][t])
+    assert_disk_full(error, folder)
+    assert buffer.timestep_index == 0  # the block's exception rolled its episode back
+    assert_holds(buffer, kept)
+    free(disk)
+    # a step refused outside one_episode is taken back: the episode keeps its earlier steps
+    for t in range(2):
+        buffer.store(image=steps["image"][t], state=steps["state"][t])
+    fill(disk)
+    with pytest.raises(StorageError, match="this step was not stored") as error:
+        buffer.store(image=steps["image"][2], state=steps["state"][2])
+    assert_disk_full(error, folder)
+    assert buffer.timestep_index == 2
+    free(disk)
+    for t in range(2, 6):
+        buffer.store(image=steps["image"][t], state=steps["state"][t])
+    buffer.advance_episode()
+    kept.append(steps)
+    buffer.close()
+    assert verify(folder) == []  # no step log left behind
+    with new(folder, backend, overwrite=False) as again:  # a writable open commits nothing more
+        assert_holds(again, kept)
+
+
+def test_a_commit_on_a_full_disk_keeps_the_episode_whole_or_not_at_all(disk):
+    folder = disk / "buf"
+    buffer = new(folder, "zarr", flush_every_store_step=0)
+    kept = [episode(1)]
+    buffer.store_episode(**kept[0])
+    fill(disk)
+    steps = episode(2)
+    with pytest.raises(StorageError) as error, buffer.one_episode():
+        for t in range(6):
+            buffer.store(image=steps["image"][t], state=steps["state"][t])
+    assert_disk_full(error, folder)
+    assert "discarded" in str(error.value)
+    assert_holds(buffer, kept)
+    free(disk)
+    buffer.store_episode(**steps)
+    buffer.close()
+    assert verify(folder) == []
+    with ReplayBuffer.from_folder(folder, read_only=True) as again:
+        assert_holds(again, [*kept, steps])
+
+
+def test_hdf5_reserves_its_file_and_a_compressed_one_refuses_before_writing(disk):
+    plain = new(disk / "plain", "hdf5")
+    stat = os.stat(disk / "plain" / "data.h5")
+    assert stat.st_blocks * 512 >= stat.st_size  # every block on disk: a write never needs space
+    plain.store_episode(**episode(1))
+    plain.close()
+    folder = disk / "gzip"
+    buffer = new(folder, "hdf5", storage_options={"compression": "gzip"})
+    buffer.store_episode(**episode(1))
+    before = (folder / "data.h5").read_bytes()
+    fill(disk)
+    # h5py reports a failed write only as a warning when it frees a handle: refused up front
+    with pytest.raises(StorageError, match=r"no space left on the disk of .*data\.h5.*nothing was written"):
+        buffer.store_episode(**episode(2))
+    with pytest.raises(StorageError, match=r"no space left on the disk of .*data\.h5"):
+        buffer.data["state"][0, 0] = np.zeros(3, np.float32)  # an edit in place too
+    buffer.storage.flush()
+    assert (folder / "data.h5").read_bytes() == before
+    assert_holds(buffer, [episode(1)])
+    free(disk)
+    buffer.store_episode(**episode(2))
+    buffer.close()
+    assert verify(folder) == []
+
+
+def test_a_failed_log_append_is_cut_back_to_its_last_record(disk):
+    kv = LocalKV(str(disk / "kv"))
+    kv.append("log", b"whole record")
+    fill(disk)
+    with pytest.raises(StorageError, match=r"kv/log.*No space left"):
+        kv.append("log", b"x" * (1 << 20))
+    free(disk)
+    assert kv.get("log") == b"whole record"
+    kv.append("log", b"+next")
+    assert kv.get("log") == b"whole record+next"
+    kv.close()
+
+
+def test_a_writable_open_on_a_full_disk_leaves_no_lock_behind(disk):
+    folder = disk / "buf"
+    new(folder, "memmap").close()
+    fill(disk)
+    with pytest.raises(StorageError, match=r"writer\.lock.*No space left"):
+        new(folder, "memmap", overwrite=False)
+    free(disk)
+    with new(folder, "memmap", overwrite=False) as buffer:  # not locked by "an unknown writer"
+        buffer.store_episode(**episode(1))
+
+
+def test_a_full_read_cache_never_fails_a_read(disk, tmp_path):
+    kept = [episode(seed) for seed in range(4)]
+    with new(tmp_path / "buf", "zarr") as buffer:
+        for stored in kept:
+            buffer.store_episode(**stored)
+    reader = ReplayBuffer.from_folder(tmp_path / "buf", read_only=True, cache="disk", cache_dir=disk / "cache")
+    fill(disk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reader.warm_cache()
+        assert_holds(reader, kept)
+        batch = next(iter(reader.dataloader(batch_size=8, timestep_level=True)))
+    assert batch["image"].shape == (8, *IMAGE)
+    full = [w for w in caught if "is full" in str(w.message)]
+    assert len(full) == 1 and str(disk / "cache") in str(full[0].message)
+    assert not [name for _, _, files in os.walk(disk / "cache") for name in files if name.startswith(".tmp-")]
+    reader.close()
+
+
+def test_convert_into_a_full_destination_leaves_no_half_buffer(disk, tmp_path):
+    with new(tmp_path / "src", "zarr") as buffer:
+        for seed in range(8):
+            buffer.store_episode(**episode(seed, length=8))
+    fill(disk)
+    free_bytes = os.statvfs(disk).f_bavail
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - (256 << 10))  # room for a part
+    with pytest.raises(StorageError) as error:
+        convert(tmp_path / "src", disk / "dst")
+    assert_disk_full(error, disk / "dst")
+    assert not (disk / "dst").exists()
+    assert os.statvfs(disk).f_bavail >= free_bytes
+    assert verify(tmp_path / "src") == []
+
+
+def test_a_sparse_hdf5_file_of_an_earlier_release_is_reserved_at_a_writable_open(disk):
+    folder = disk / "buf"
+    new(folder, "hdf5").close()
+    path = folder / "data.h5"
+    subprocess.run(["cp", "--sparse=always", str(path), str(disk / "sparse.h5")], check=True)
+    os.replace(disk / "sparse.h5", path)
+    assert os.stat(path).st_blocks * 512 < os.stat(path).st_size
+    with new(folder, "hdf5", overwrite=False) as buffer:
+        buffer.store_episode(**episode(1))
+    assert os.stat(path).st_blocks * 512 >= os.stat(path).st_size
+    assert verify(folder) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+@pytest.mark.parametrize("room", [8 << 10, 40 << 10])
+def test_a_create_on_a_full_disk_leaves_no_half_buffer(disk, backend, room):
+    folder = disk / "buf"
+    fill(disk)
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
+    with pytest.raises(StorageError, match="(?i)no space left"):
+        ReplayBuffer(folder, max_episodes=64, max_timesteps=100, fields=FIELDS, backend=backend)
+    left = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs] if folder.exists() else []
+    assert not left, left
+    free(disk)
+    with new(folder, backend) as buffer:
+        buffer.store_episode(**episode(1))
+    assert verify(folder) == []
+
+
+def test_a_step_whose_rows_cannot_be_written_is_taken_back(disk):
+    """Large frames leave RAM a span (~1 MiB) at a time: the step that completes one fails to
+    write it (compressed hdf5, which refuses a write the disk has no room for)."""
+    folder = disk / "buf"
+    shape = (256, 256, 3)
+    buffer = ReplayBuffer(
+        folder,
+        max_episodes=2,
+        max_timesteps=8,
+        fields={"frame": ("uint8", shape)},
+        backend="hdf5",
+        storage_options={"compression": "gzip"},
+        flush_every_store_step=0,
+    )
+    assert buffer._commit.spans["frame"] == 5
+    frames = np.random.default_rng(0).integers(0, 255, (7, *shape), dtype=np.uint8)
+    for t in range(4):
+        buffer.store(frame=frames[t])
+    fill(disk)
+    with pytest.raises(StorageError, match="this step was not stored") as error:
+        buffer.store(frame=frames[4])  # completes the span of steps 0..4
+    assert_disk_full(error, folder)
+    assert buffer.timestep_index == 4
+    free(disk)
+    for t in range(4, 7):
+        buffer.store(frame=frames[t])
+    buffer.advance_episode()
+    assert_holds(buffer, [{"frame": frames}])
+    buffer.close()
+    assert verify(folder) == []
