@@ -289,6 +289,7 @@ class ReplayBuffer(CommittedViews):
         ):
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
         self.read_only = bool(read_only) or snapshot is not None
+        self._closed = False  # by close(): the writer lease is given back, writes are refused
         self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)
         self.drop_snapshots_on_overwrite = bool(drop_snapshots_on_overwrite)
         self.flush_every_store_step = flush_every_store_step
@@ -635,6 +636,12 @@ class ReplayBuffer(CommittedViews):
     def _check_writable(self, call: str) -> None:
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
+        if self._closed:
+            # its lease is given back: another writer may hold the buffer now
+            raise ValueError(
+                f"cannot call `{call}` on {self.storage.location!r}: this ReplayBuffer was closed (its writer "
+                "lease given back); open the buffer again to write: ReplayBuffer.from_folder(path)"
+            )
         self._take_turn(call)
 
     def _take_turn(self, call: str) -> None:
@@ -1000,7 +1007,7 @@ class ReplayBuffer(CommittedViews):
     def flush(self) -> None:
         """Push buffered step-log records and batched counters, and make written data durable
         as configured."""
-        if self.read_only:
+        if self.read_only or self._closed:  # a closed writer's close() flushed (or its next open derives)
             return
         self._commit.flush_counters()
         self._commit.flush_log()
@@ -1342,7 +1349,11 @@ class ReplayBuffer(CommittedViews):
 
     def close(self) -> None:
         """Flush, compress what the hot tier holds raw (``compact``), release the storage
-        handles and give the writer lease back."""
+        handles and give the writer lease back. Reads still work after it; writes raise (open
+        the buffer again to write). Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             try:
                 self.flush()
@@ -1366,7 +1377,12 @@ class ReplayBuffer(CommittedViews):
         # writes go through an event loop and a thread pool whose locks the collecting thread
         # may hold (a hang); their counters are caught up from the published episodes anyway
         try:
-            if not self.read_only and getattr(self, "_commit", None) is not None and self.storage.is_local:
+            if (
+                not self.read_only
+                and not getattr(self, "_closed", True)
+                and getattr(self, "_commit", None) is not None
+                and self.storage.is_local
+            ):
                 self._commit.flush_counters()
                 if self._commit.log_pending:
                     self._commit.flush_log()

@@ -185,6 +185,32 @@ def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location
     assert not _held(location)
 
 
+def test_a_closed_writer_refuses_writes_and_leaves_the_buffer_to_the_next(location, backend):
+    """close() gives the lease back: writes through the closed object would run beside the next
+    writer (both once wrote the same slots), so each is refused, naming the buffer, and changes
+    nothing; reads still work, and closing again does nothing."""
+    first = _open(location, **_kwargs(backend))
+    _store(first, 7)
+    first.close()
+    first.close()
+    calls = {
+        "store_episode": lambda: _store(first, 8),
+        "store": lambda: first.store(**{name: np.zeros(shape, np.float32) for name, (_, shape) in FIELDS.items()}),
+        "clear": first.clear,
+        "drop_episodes": lambda: first.drop_episodes([0]),
+        "compact": first.compact,
+    }
+    for call, attempt in calls.items():
+        with pytest.raises(ValueError, match=rf"cannot call `{call}` on .*was closed.*from_folder"):
+            attempt()
+    assert not _held(location)
+    second = ReplayBuffer.from_folder(location)
+    _store(second, 9)
+    second.close()
+    assert _uids(location) == [7, 9]
+    assert first.refresh().meta_data["uid"][first.valid_episodes()].tolist() == [7, 9]
+
+
 def _uids(location: str) -> list[int]:
     with ReplayBuffer.from_folder(location, read_only=True) as reader:
         return reader.meta_data["uid"][reader.valid_episodes()].tolist()
