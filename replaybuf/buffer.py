@@ -1353,7 +1353,6 @@ class ReplayBuffer(CommittedViews):
         the buffer again to write). Closing again does nothing."""
         if self._closed:
             return
-        self._closed = True
         try:
             try:
                 self.flush()
@@ -1364,6 +1363,7 @@ class ReplayBuffer(CommittedViews):
                 # counters it could not write, the next writable open derives them
                 self.storage.close()
         finally:
+            self._closed = True
             self.storage.release_writer()
 
     def __enter__(self) -> ReplayBuffer:

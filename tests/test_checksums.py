@@ -266,9 +266,10 @@ def test_dropping_episodes_keeps_the_buffer_writable(originals, tmp_path):
     assert lens[1] == 0 and lens[3] == len(_episode(1)["state"])  # no committed episode hidden
     buffer.close()
     assert ReplayBuffer.from_folder(path, read_only=True).num_episodes == 4
-    assert ReplayBuffer.from_folder(path).num_episodes == 4  # a writable open's recount keeps it
+    reopened = ReplayBuffer.from_folder(path)
+    assert reopened.num_episodes == 4  # a writable open's recount keeps it
     with pytest.raises(ValueError, match="drop_episodes: slots must be ints in \\[0, 4\\)"):
-        buffer.drop_episodes([4])
+        reopened.drop_episodes([4])
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])

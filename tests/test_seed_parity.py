@@ -153,10 +153,10 @@ def test_timestep_index_before_a_group_and_after_a_flushed_span(tmp_path):
     ours.advance_episode()
     assert ours.get_all_data()["x"][0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 4.0]
     assert float(ours.data["x"][0, 4, 0, 0]) == 0.0  # the step cut off by the rewind is cleared
-    ours.close()
-    assert verify(ours.folder) == []
     with pytest.raises(ValueError, match=r"timestep_index: expected an int in \[0, 5\]"):
         ours.timestep_index = 6
+    ours.close()
+    assert verify(ours.folder) == []
 
 
 def test_setting_episode_index_chooses_the_next_slot(tmp_path):
