@@ -12,10 +12,14 @@ or test that imports the library through ``require``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import importlib
 import itertools
 import os
+import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -98,3 +102,17 @@ def make_place(name: str, tmp_path, label: str = "buffer") -> Place:
     if name == "memory":
         return Place(name, f"memory://replaybuf-test-{os.getpid()}-{next(_counter)}/{label}", "zarr")
     return Place(name, str(tmp_path / f"{label}-{name}"), name)
+
+
+@contextlib.contextmanager
+def tmpfs(folder, size: str) -> Iterator:
+    """A tmpfs of ``size`` (mount's syntax: "1m") mounted at the existing ``folder`` for the
+    block: a disk that fills up. Skips the test where a mount is refused."""
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.decode().strip() or result.returncode})")
+    try:
+        yield folder
+    finally:
+        gc.collect()  # maps of the tests' buffers keep the mount busy until collected
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)

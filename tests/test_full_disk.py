@@ -22,6 +22,7 @@ from replaybuf import ReplayBuffer, StorageError, convert, verify
 from replaybuf.storage._kv import LocalKV
 
 from ._backends import LOCAL_BACKENDS as LOCAL
+from ._backends import tmpfs
 
 IMAGE = (64, 64, 3)  # a frame over 4 KiB: zarr stores it in its own shard per slot, hot
 FIELDS = {"image": ("uint8", IMAGE), "state": ("float", 3)}
@@ -29,15 +30,8 @@ FIELDS = {"image": ("uint8", IMAGE), "state": ("float", 3)}
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fulldisk")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(folder)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.decode().strip() or result.returncode})")
-    try:
+    with tmpfs(tmp_path_factory.mktemp("fulldisk"), "6m") as folder:
         yield folder
-    finally:
-        gc.collect()  # maps of the tests' buffers keep the mount busy until collected
-        subprocess.run(["umount", "--lazy", str(folder)], check=True)
 
 
 @pytest.fixture

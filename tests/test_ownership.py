@@ -25,7 +25,7 @@ from replaybuf.storage._kv import MAX_IN_FLIGHT, StoreKV
 from replaybuf.storage._zarr import ZarrStorage
 
 from ._backends import LOCAL_BACKENDS as LOCAL
-from ._backends import snapshot
+from ._backends import snapshot, tmpfs
 from ._viewer_data import make_plot_only_buffer
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server
@@ -380,16 +380,9 @@ BIG = {"state": ("float", 4096)}
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.decode().strip() or result.returncode})")
-    try:
+    (tmp_path / "tmpfs").mkdir()
+    with tmpfs(tmp_path / "tmpfs", "1m") as mount:
         yield mount
-    finally:
-        gc.collect()  # memmaps of the test's buffers keep the mount busy until collected
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def test_memmap_on_a_full_disk_fails_at_create_naming_the_file(small_tmpfs):
