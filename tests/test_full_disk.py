@@ -215,6 +215,18 @@ def test_a_failed_log_append_is_cut_back_to_its_last_record(disk):
     kv.close()
 
 
+def test_a_failed_write_of_many_leaves_no_write_running(tmp_path):
+    """A write of many objects that fails is raised only once its other writes have finished:
+    a caller that cleans up after it (a create cut short) found temp files still being written."""
+    kv = LocalKV(str(tmp_path / "kv"))
+    os.makedirs(tmp_path / "kv" / "blocked")  # a folder where an object goes: its write fails at once
+    big = {f"big{i}": bytes(64 << 20) for i in range(3)}
+    with pytest.raises(StorageError, match="blocked"):
+        kv.set_many({"blocked": b"x", **big})
+    assert not [name for name in os.listdir(tmp_path / "kv") if name.endswith(".partial")]
+    assert all(os.path.getsize(tmp_path / "kv" / key) == 64 << 20 for key in big)
+
+
 def test_a_writable_open_on_a_full_disk_leaves_no_lock_behind(disk):
     folder = disk / "buf"
     new(folder, "memmap").close()

@@ -19,9 +19,9 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from .base import Storage as _StorageMixin  # KVBlobs is mixed in before Storage
 else:
     _StorageMixin = object
+
+T = TypeVar("T")
 
 #: a read of part of an object: (key, start, stop), ``stop`` None for the rest of the object
 ByteRange = tuple[str, int, int | None]
@@ -59,6 +61,19 @@ def thread_pool() -> ThreadPoolExecutor:
         _pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="replaybuf")
         _pool_pid = os.getpid()
     return _pool
+
+
+def map_settled(task: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+    """``thread_pool().map``, except that a failure is raised only once no other task is
+    running: a write or copy that failed leaves nothing still writing behind the caller's back
+    (a create cut short by a full disk is erased after its last temp file, never before)."""
+    futures = [thread_pool().submit(task, item) for item in items]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        for future in futures:
+            if not future.cancel():
+                future.exception()  # waits for a running one
 
 
 def _in_loader_worker() -> bool:
@@ -110,7 +125,7 @@ def copy_spans(count: int, copy: Callable[[int], None], nbytes: int, parallel: b
     whole episodes ~1.5x as fast as one (an 8-episode frame batch: 1.6 ms inline, 1.0-1.1 ms
     spread). ``parallel=False`` (a caller running its own parallel tasks) copies inline."""
     if parallel and count > 1 and nbytes >= PARALLEL_COPY_BYTES:
-        list(thread_pool().map(copy, range(count)))
+        map_settled(copy, range(count))
     else:
         for k in range(count):
             copy(k)
@@ -616,8 +631,8 @@ class LocalKV(KeyValue):
         except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            if isinstance(e, OSError):
-                e.filename = e.filename or path
+            if isinstance(e, OSError) and e.filename in (None, tmp):
+                e.filename = path  # the object, not its temp file
             raise
 
     def set_many(self, items: Mapping[str, Blob], atomic: bool = True) -> None:
@@ -627,7 +642,7 @@ class LocalKV(KeyValue):
                 for item in items.items():
                     write(item)
             else:
-                list(thread_pool().map(write, items.items()))
+                map_settled(write, items.items())
         except OSError as e:
             where = e.filename or self.root  # set by ``_write`` and ``_write_in_place``
             raise StorageError(f"writing to {where!r} failed: {e.strerror or e}") from e
@@ -825,7 +840,13 @@ class StoreKV(KeyValue):
                 return await call()
 
         async def every_call():
-            return await asyncio.gather(*(one(c) for c in calls))
+            # every call settles before a failure is raised: a write still in flight would
+            # land after the caller cleaned up
+            results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return results
 
         return list(self._run(every_call()))
 

@@ -285,6 +285,7 @@ class ZarrStorage(KVBlobs, Storage):
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         import zarr
+        from zarr.core.buffer import default_buffer_prototype
 
         entries = self.check_creatable()
         self.read_only = False
@@ -293,11 +294,13 @@ class ZarrStorage(KVBlobs, Storage):
             self._retire()
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
         try:
-            store = self._zarr_store(read_only=False)
-            # mode "a", not "w": "w" clears the whole store, the writer lease with it
+            # the documents are made in memory and written here, in order and with no write of
+            # zarr's still running when one fails: the root document, which makes the location
+            # a buffer, goes last
+            documents: dict = {}
             root = zarr.open_group(
-                store,
-                mode="a",
+                zarr.storage.MemoryStore(documents),
+                mode="w",
                 zarr_format=3,
                 attributes={
                     "format": FORMAT_NAME,
@@ -327,8 +330,13 @@ class ZarrStorage(KVBlobs, Storage):
                 )
             for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
                 _create_meta_array(meta, field, schema.max_episodes)
-            self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
-            _consolidate(store)
+            state_node = json.dumps(STATE_NODE).encode()
+            documents[STATE_NODE_KEY] = default_buffer_prototype().buffer.from_bytes(state_node)
+            _consolidate(root.store)
+            blobs = {key: value.to_bytes() for key, value in documents.items()}
+            root_document = blobs.pop(ROOT_DOCUMENT)
+            self.kv.set_many(blobs)
+            self.kv.set(ROOT_DOCUMENT, root_document)
             self._load_arrays(schema)
             self._unmeasured = set(measured)
             if self._packed:
