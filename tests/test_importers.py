@@ -607,18 +607,36 @@ def test_progress_bar_shows_episodes_and_frames_per_second(tmp_path, capsys):
 # ---- Minari ------------------------------------------------------------------------------------
 
 
-def test_minari_dataset_recorded_by_its_data_collector(tmp_path, monkeypatch):
+def cartpole_episode(env, seed: int):
+    """One random CartPole episode as minari's EpisodeBuffer, what its DataCollector records
+    (which needs jax, a multi-second import, only to append steps)."""
+    from minari.data_collector import EpisodeBuffer
+
+    observation, _ = env.reset(seed=seed)
+    steps: dict[str, list] = {
+        "observations": [observation],
+        "actions": [],
+        "rewards": [],
+        "terminations": [],
+        "truncations": [],
+    }
+    while not (steps["terminations"] and (steps["terminations"][-1] or steps["truncations"][-1])):
+        action = env.action_space.sample()
+        observation, reward, terminated, truncated, _ = env.step(action)
+        for name, value in zip(steps, (observation, action, reward, terminated, truncated)):
+            steps[name].append(value)
+    return EpisodeBuffer(id=seed, seed=seed, **steps)
+
+
+def test_minari_dataset_written_by_minari(tmp_path, monkeypatch):
     minari = pytest.importorskip("minari")
     gym = pytest.importorskip("gymnasium")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
-    env = minari.DataCollector(gym.make("CartPole-v1"))
+    env = gym.make("CartPole-v1")
     env.action_space.seed(0)
-    for seed in range(3):
-        env.reset(seed=seed)
-        while not any(env.step(env.action_space.sample())[2:4]):
-            pass
+    episodes = [cartpole_episode(env, seed) for seed in range(3)]
     with pytest.warns(UserWarning):  # no description / eval_env: fine for a fixture
-        dataset = env.create_dataset("cartpole/fixture-v0", algorithm_name="random")
+        dataset = minari.create_dataset_from_buffers("cartpole/fixture-v0", episodes, env, algorithm_name="random")
     source = {
         e.id: {
             "observations": e.observations[:-1],
