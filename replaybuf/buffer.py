@@ -655,9 +655,11 @@ class ReplayBuffer(CommittedViews):
             return
         if lease.turn is not None:
             previous = lease.turn()
-            if previous is not None:
+            if previous is not None and previous._writing_episode():
+                # before refusing: an object the user dropped (``del``) but a reference cycle
+                # keeps is collected (only here: a full collection takes seconds in a large heap)
                 del previous
-                gc.collect()  # an object the user dropped (``del``) but a reference cycle keeps
+                gc.collect()
                 previous = lease.turn()
             if previous is not None and previous.storage.held_lease is lease:
                 group = previous._group
@@ -682,6 +684,10 @@ class ReplayBuffer(CommittedViews):
                 if self.flush_every_store_step > 0:
                     self._commit.log_header(group)
         lease.turn = weakref.ref(self)
+
+    def _writing_episode(self) -> bool:
+        """Whether this object has an episode in progress (steps stored, not yet ended)."""
+        return self._group is not None and self._group.length > 0
 
     def _check_names(self, names: Iterable[str], allowed: set[str], what: str, call: str) -> None:
         unknown = sorted(set(names) - allowed)

@@ -239,6 +239,19 @@ def test_a_second_open_in_one_process_leaves_an_episode_in_progress_to_its_write
     second.close()
 
 
+def test_a_dropped_writer_a_reference_cycle_keeps_does_not_refuse_the_next(location, backend):
+    first = _open(location, **_kwargs(backend))
+    _store(first, 1)
+    second = ReplayBuffer.from_folder(location)
+    _store(first, 2)
+    first.store(x=np.full(4, 3, np.float32))  # an episode in progress ...
+    first.itself = first  # ... in an object only a cycle keeps once dropped
+    del first
+    _store(second, 4)  # the dropped object is collected, its unfinished episode with it
+    assert _uids(location) == [1, 2, 4]
+    second.close()
+
+
 def test_writers_in_one_process_never_overwrite_each_others_episodes(location, backend):
     first = _open(location, **_kwargs(backend))
     _store(first, 1)
