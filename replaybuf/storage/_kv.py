@@ -120,12 +120,14 @@ PARALLEL_COPY_BYTES = 4 << 20
 
 
 def copy_spans(count: int, copy: Callable[[int], None], nbytes: int, parallel: bool = True) -> None:
-    """Run ``copy(k)`` for k < count, one pool task each when the copies total ``nbytes`` >=
-    PARALLEL_COPY_BYTES: numpy releases the GIL while it copies, and two cores move a batch of
-    whole episodes ~1.5x as fast as one (an 8-episode frame batch: 1.6 ms inline, 1.0-1.1 ms
-    spread). ``parallel=False`` (a caller running its own parallel tasks) copies inline."""
+    """Run ``copy(k)`` for k < count, spread over one thread per core (``in_pool``) when the
+    copies total ``nbytes`` >= PARALLEL_COPY_BYTES: numpy releases the GIL while it copies, and
+    two cores move a batch of whole episodes ~1.5x as fast as one (an 8-episode frame batch:
+    1.6 ms inline, 1.0-1.1 ms spread); more threads than cores only contend for them (and for
+    the kernel's zeroing of a fresh result's pages). ``parallel=False`` (a caller running its
+    own parallel tasks) copies inline."""
     if parallel and count > 1 and nbytes >= PARALLEL_COPY_BYTES:
-        map_settled(copy, range(count))
+        in_pool(count, copy, spread=True)
     else:
         for k in range(count):
             copy(k)
