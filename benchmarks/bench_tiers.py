@@ -77,6 +77,10 @@ DEFAULT_EPISODES, DEFAULT_STEPS = 40, 250
 WARMUP_SIZE = (8, 40)
 # fresh reader processes per cold kind; the fastest is kept
 COLD_REPEATS = 3
+# get_all_data calls per steady figure, the fastest kept, for every store alike: one call is ~40 ms,
+# most of it the kernel zeroing the fresh result's pages, which swings 2-4x from call to call on
+# this VM (the seed's own calls: 30-48 ms in one process)
+GET_ALL_ROUNDS = 9
 # store_episode passes per writer over fresh folders (``fill_timed``); the fastest is kept
 WRITE_ROUNDS = 5
 READ_KINDS = ("timestep", "nstep", "trajectory", "get_all_data")
@@ -240,7 +244,7 @@ def child(spec: dict) -> dict[str, Any]:
     for kind in spec["kinds"]:
         try:
             if kind == "get_all_data":
-                result[kind] = best_get_all_data(all_data, spec["rounds"], spec["cold"])
+                result[kind] = best_get_all_data(all_data, GET_ALL_ROUNDS, spec["cold"])
             elif kind == "fill" or spec["cold"]:
                 read_kind = "timestep" if kind == "fill" else kind
                 seconds, samples = one_epoch(loader(read_kind), read_kind)
@@ -605,7 +609,7 @@ def report(run: Run) -> None:
         f"read once before its reader started (warm page cache for everyone). Steady rows: best of {run.rounds} "
         f"runs of {'/'.join(str(timed_count(kind, run.scale)) for kind in READ_KINDS[:3])} batches "
         "(timestep/n-step/trajectory) after 2 warm-up batches; "
-        f"get_all_data: best of {run.rounds} after one warm-up call. Cold row: per column the best of "
+        f"get_all_data: best of {GET_ALL_ROUNDS} calls after one warm-up call. Cold row: per column the best of "
         f"{COLD_REPEATS} fresh processes, each one epoch (get_all_data: one call), the first read of the "
         "compacted episodes; before it, the process read the same kind from a scratch zarr buffer "
         f"({WARMUP_SIZE[0]} x {WARMUP_SIZE[1]} steps) and touched as much fresh memory as the read returns, so "
