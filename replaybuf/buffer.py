@@ -1184,12 +1184,14 @@ class ReplayBuffer(CommittedViews):
                     f"update: field {name!r} value of shape {array.shape} does not broadcast to {target}"
                 ) from None
             writes.append((name, cast_values(array, f)))
+        rows = [(name, array) for name, array in writes if name in self.fieldnames]
+        edited = [name for name, _ in rows]
+        self.storage.check_edit_room(edited, episodes)  # before the meta values are written
         for name, array in writes:  # meta values first: they live in the mirror, no revision
             if name not in self.fieldnames:
                 self._commit.write_meta(name, episodes, array)
-        rows = [(name, array) for name, array in writes if name in self.fieldnames]
         if rows:
-            with self._commit.editing(episodes):  # one edit of every field's rows
+            with self._commit.editing(episodes, edited):  # one edit of every field's rows
                 for name, array in rows:
                     self.storage.update_rows(name, episodes, 0, array)
 
@@ -1244,7 +1246,7 @@ class ReplayBuffer(CommittedViews):
             writes.append((name, cast_values(array, f)))
         if not len(episodes):
             return
-        with self._commit.editing(episodes):  # one edit of every field's steps
+        with self._commit.editing(episodes, [name for name, _ in writes]):  # one edit of every field's steps
             for name, array in writes:
                 self.storage.update_steps(name, episodes, timesteps, array)
 

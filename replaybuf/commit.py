@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -262,14 +262,16 @@ class Committer:
         self.meta[name][episodes] = values
 
     @contextmanager
-    def editing(self, episodes: np.ndarray) -> Iterator[None]:
-        """Bracket in-place edits of the rows of ``episodes`` (``update_rows``) with the slots'
-        ``_revision``: odd while the block runs, the next even value once it is done. Every copy
-        of decoded rows is keyed by (generation, revision) and none is taken at an odd revision,
-        so no reader is served the rows from before (or halfway through) the edit once it has
-        refreshed. A block that raises leaves its slots odd (uncached) until the next edit of
-        them or the next writable open (``finish_edits``)."""
+    def editing(self, episodes: np.ndarray, names: Sequence[str]) -> Iterator[None]:
+        """Bracket in-place edits of the rows of data fields ``names`` of ``episodes``
+        (``update_rows``) with the slots' ``_revision``: odd while the block runs, the next even
+        value once it is done. Every copy of decoded rows is keyed by (generation, revision) and
+        none is taken at an odd revision, so no reader is served the rows from before (or halfway
+        through) the edit once it has refreshed. A block that raises leaves its slots odd
+        (uncached) until the next edit of them or the next writable open (``finish_edits``). An
+        edit the disk may have no room for is refused first (``Storage.check_edit_room``)."""
         slots = np.unique(np.asarray(episodes, dtype=np.int64))
+        self.storage.check_edit_room(names, slots)
         editing = self.meta["_revision"][slots] | 1
         if len(slots):
             self.write_meta("_revision", slots, editing)
@@ -281,7 +283,7 @@ class Committer:
         """Edit rows of data field ``name`` of committed ``episodes`` in place
         (``Storage.update_rows``: ``update``, ``store_datapoint``, ``data[...] = ...``), as one
         edit (``editing``)."""
-        with self.editing(episodes):
+        with self.editing(episodes, [name]):
             self.storage.update_rows(name, episodes, t0, values)
 
     def commit_state(self, **changes: Any) -> None:

@@ -331,3 +331,43 @@ def test_a_step_whose_rows_cannot_be_written_is_taken_back(disk):
     assert_holds(buffer, [{"frame": frames}])
     buffer.close()
     assert verify(folder) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_an_edit_on_a_full_disk_is_whole_or_refused(disk, backend):
+    """An ``update`` of several fields and episodes that the disk may have no room for is
+    refused before anything is written, whatever room is left: a zarr edit cut short after
+    96 KiB had rewritten slot 0's frames and left its state and slot 1 as they were."""
+    stored, edit = [episode(seed) for seed in range(3)], episode(9)
+    edited = [edit, edit, stored[2]]
+    outcomes = set()
+    for room in [*range(16 << 10, 257 << 10, 24 << 10), 2 << 20]:
+        folder = disk / f"buf{room}"
+        with new(folder, backend) as buffer:
+            for values in stored:
+                buffer.store_episode(**values)
+        buffer = ReplayBuffer.from_folder(folder)
+        fill(disk)
+        os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
+        try:
+            buffer.update([0, 1], image=np.stack([edit["image"]] * 2), state=np.stack([edit["state"]] * 2))
+        except StorageError as error:
+            assert "no space left" in str(error).lower() and str(folder) in str(error), error
+            assert "nothing was written" in str(error), error
+            outcomes.add("refused")
+            expected = stored
+        else:
+            outcomes.add("edited")
+            expected = edited
+        free(disk)
+        with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+            assert_holds(reader, expected)
+        buffer.update([0, 1], image=np.stack([edit["image"]] * 2), state=np.stack([edit["state"]] * 2))
+        buffer.close()
+        with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+            assert_holds(reader, edited)
+        assert verify(folder) == []
+        release(disk)
+        shutil.rmtree(folder)
+    # memmap and an uncompressed data.h5 edit reserved files in place: never refused
+    assert outcomes == ({"refused", "edited"} if backend == "zarr" else {"edited"})

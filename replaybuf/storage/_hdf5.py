@@ -43,7 +43,7 @@ import fcntl
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -531,6 +531,15 @@ class HDF5Storage(LocalFolderStorage):
                 f"{nbytes + WRITE_HEADROOM} bytes free (with {WRITE_HEADROOM} for HDF5's own metadata), "
                 f"{free} are; nothing was written"
             )
+
+    def check_edit_room(self, names: Sequence[str], episodes: np.ndarray) -> None:
+        # docstring inherited: a compressed data.h5 may write each edited row whole
+        if self._reserved or not len(episodes):
+            return
+        slots = len(np.unique(episodes))
+        datasets = [self._dataset(name) for name in names]
+        rows = sum(slots * int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize for d in datasets)
+        self._check_room(rows, f"an edit of {', '.join(names)} in {slots} episode(s)")
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited

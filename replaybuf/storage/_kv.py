@@ -115,6 +115,9 @@ def in_pool(count: int, task: Callable[[int], None], spread: bool = False) -> No
         helper.result()
 
 
+# bytes kept free beyond a write's own (``LocalKV.check_room``): metadata and temp files around it
+WRITE_HEADROOM = 1 << 20
+
 # copies of at least this many bytes in all are spread over the pool (``copy_spans``)
 PARALLEL_COPY_BYTES = 4 << 20
 
@@ -759,6 +762,17 @@ class LocalKV(KeyValue):
     def links(self) -> list[str]:
         # docstring inherited
         return self._scan()[0]
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """StorageError unless the disk under the root has ``nbytes`` + ``WRITE_HEADROOM`` free:
+        a write refused before it starts instead of one cut short."""
+        stat = os.statvfs(self.root)
+        free = stat.f_bavail * stat.f_frsize
+        if free < nbytes + WRITE_HEADROOM:
+            raise StorageError(
+                f"no space left on the disk of {self.root!r}: {what} may write {nbytes} bytes and needs "
+                f"{nbytes + WRITE_HEADROOM} free (with {WRITE_HEADROOM} of headroom), {free} are; nothing was written"
+            )
 
     def prepare_writes(self) -> None:
         """At a writable open: refuse a folder that holds symbolic links (a write through one

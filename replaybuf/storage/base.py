@@ -79,7 +79,7 @@ import time
 import types
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -769,6 +769,13 @@ class Storage(ABC):
         where unstored steps read as zeros (a zarr shard then holds only the episode's frames,
         whatever ``max_timesteps``)."""
         self.write_rows(name, episodes, t0, values)
+
+    def check_edit_room(self, names: Sequence[str], episodes: np.ndarray) -> None:
+        """Refuse, before anything of it is written, an in-place edit of the rows of data
+        fields ``names`` of ``episodes`` (``update_rows``/``update_steps``) that the disk may have
+        no room for: an edit cut short there would leave some rows edited and others not.
+        StorageError naming the location, the bytes the edit may write and those free. The
+        default checks nothing (stores that edit in place in reserved files, or off local disk)."""
 
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         """``write_rows`` into committed episodes, in place and without a new generation (the
