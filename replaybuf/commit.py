@@ -433,16 +433,26 @@ class Committer:
         a log of an episode committed since (stale) is dropped."""
         if LOG_NAME not in self.storage.log_names():
             return
-        log = self.step_log.parse(self.storage.read_log(LOG_NAME))
+        # read in pieces, each record's size checked before it is read and at most
+        # max_timesteps steps kept: a log of absurd size (damaged, planted) costs no more
+        # memory than a valid one. An object store's segment is refused over what one append
+        # of a writer holds without rewinds (the log then ends before it, as damage)
+        limit = self.step_log.segment_bound(self.max_episodes, self.max_timesteps)
+        log = self.step_log.parse(self.storage.log_pieces(LOG_NAME, limit), self.max_timesteps, self.max_episodes)
         try:
             slots, meta = self._check_log_header(log) if log.header is not None else (None, {})
         except (ValueError, TypeError, KeyError) as e:
             log.damage, log.steps, slots = f"header: {e}", [], None
         if log.damage is not None:
-            aside = self.storage.copy_log_aside(LOG_NAME)
+            # the copy keeps the valid prefix and the most a valid record past it could hold,
+            # no more than a valid log holds without rewinds (its memory is bounded too)
+            keep = min(log.end + self.step_log.record_bound(log.header), limit)
+            aside, dropped = self.storage.copy_log_aside(LOG_NAME, keep, limit)
+            left_out = f" (its last {dropped:,} bytes, past what a valid log could hold, left out)" if dropped else ""
             warnings.warn(
                 f"the step log of an unfinished episode in {self.storage.location!r} is damaged ({log.damage}); "
-                f"it was copied to {aside!r} and {len(log.steps)} valid step(s) before the damage are recovered",
+                f"it was copied to {aside!r}{left_out} and {len(log.steps)} valid step(s) before the damage are "
+                "recovered",
                 stacklevel=4,
             )
         if (

@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .inputs import batch_value
 from .schema import Field
-from .storage import document_limit
+from .storage import BufferDamagedError, document_limit
 
 # write staged rows once a field's span holds about this many bytes per episode (several chunks
 # per request, encoded in parallel) rather than one storage request per chunk
@@ -163,14 +163,41 @@ class EpisodeGroup:
 
 @dataclass
 class ParsedLog:
-    """What a step log holds: its header, the steps and meta values of its valid prefix, and
-    what is wrong with the rest (None when nothing is: a torn last record is a kill's normal
-    residue, not damage)."""
+    """What a step log holds: its header, the steps and meta values of its valid prefix, where
+    that prefix ends (``end``, bytes) and what is wrong with the rest (None when nothing is: a
+    torn last record is a kill's normal residue, not damage)."""
 
     header: dict | None = None
     steps: list[dict[str, np.ndarray]] = field(default_factory=list)
     meta: dict[str, np.ndarray] = field(default_factory=dict)
     damage: str | None = None
+    end: int = 0
+
+
+class _Stream:
+    """The bytes of a log given in pieces, taken in order: no more is held than the record
+    being read and the rest of the piece it came in, whatever the log's size."""
+
+    def __init__(self, pieces: Iterable[bytes]):
+        self._pieces = iter(pieces)
+        self._held = bytearray()
+        self.pos = 0  # the log's offset of the next byte taken
+
+    def peek(self, n: int) -> bytes:
+        """The next ``n`` bytes (fewer where the log ends first), left to be taken."""
+        while len(self._held) < n:
+            piece = next(self._pieces, None)
+            if piece is None:
+                break
+            self._held += piece
+        return bytes(self._held[:n])
+
+    def take(self, n: int) -> bytes:
+        """The next ``n`` bytes (fewer where the log ends first)."""
+        out = self.peek(n)
+        del self._held[:n]  # a bytearray drops its front without moving the rest
+        self.pos += len(out)
+        return out
 
 
 class StepLog:
@@ -202,66 +229,91 @@ class StepLog:
     def meta(self, meta: dict[str, np.ndarray]) -> bytes:
         return self.record(META, json.dumps({k: np.asarray(v).tolist() for k, v in meta.items()}).encode())
 
-    def _records(self, data: bytes):
-        """(offset, kind, size, payload) of every record whose prefix is whole; the payload of
-        the last one is None when it is cut short (``parse`` tells a kill's torn tail from a
-        damaged size). Raises ValueError at a damaged record."""
-        legacy = data[:1] in _LEGACY_KINDS
+    def _records(self, stream: _Stream, header: Callable[[], dict | None]) -> Iterator[tuple[int, bytes, bytes]]:
+        """(offset, kind, payload) of every whole record, ``header()`` being the log's header
+        so far. Each record's size is checked (``_refused_size``) before its payload is read,
+        so a damaged size never asks for more than a valid record holds; a record cut short
+        with a valid size ends the log (a kill mid-append). Raises ValueError at a damaged
+        record."""
+        legacy = stream.peek(1) in _LEGACY_KINDS
         layout = _LEGACY_RECORD if legacy else _RECORD
-        pos = 0
-        while pos + layout.size <= len(data):
+        while True:
+            pos = stream.pos
+            prefix = stream.take(layout.size)
+            if len(prefix) < layout.size:
+                return  # the end, or a record prefix torn by a kill
             if legacy:
-                kind, size = layout.unpack_from(data, pos)
+                kind, size = layout.unpack(prefix)
                 kind = _LEGACY_KINDS.get(kind, b"?")
             else:
-                kind, size, crc = layout.unpack_from(data, pos)
+                kind, size, crc = layout.unpack(prefix)
             if kind not in (HEADER, STEPS, META, TRUNCATE):
-                raise ValueError(f"record at byte {pos}: unknown kind {kind!r}")
-            payload = data[pos + layout.size : pos + layout.size + size]
+                raise ValueError(f"record at byte {pos:,}: unknown kind {kind!r}")
+            why = self._refused_size(kind, size, header())
+            if why is not None:
+                raise ValueError(f"record at byte {pos:,}: {why}; the log from there on is dropped")
+            payload = stream.take(size)
             if len(payload) < size:
-                yield pos, kind, size, None
-                return
-            if not legacy and zlib.crc32(payload, zlib.crc32(data[pos : pos + _LEGACY_RECORD.size])) != crc:
-                raise ValueError(f"record at byte {pos}: checksum mismatch")
-            yield pos, kind, size, payload
-            pos += layout.size + size
+                return  # torn by a kill mid-append: not damage
+            if not legacy and zlib.crc32(payload, zlib.crc32(prefix[: _LEGACY_RECORD.size])) != crc:
+                raise ValueError(f"record at byte {pos:,}: checksum mismatch")
+            yield pos, kind, payload
 
-    def _cut_short(self, kind: bytes, size: int, header: dict | None) -> str | None:
-        """Why a record of ``kind`` cut short by the end of the log cannot be a kill's torn
-        append (its prefix was written whole, so its size is one the writer gave), or None
-        when it can: a log starts with a header, a step's size is fixed by it, a truncate's is
-        4, and a header or meta record (JSON) is a metadata object (``MAX_DOCUMENT_BYTES``)."""
+    def _step_nbytes(self, header: dict) -> int:
+        return len(header["slots"]) * sum(f.step_nbytes for f in self.fields.values())
+
+    def _refused_size(self, kind: bytes, size: int, header: dict | None) -> str | None:
+        """Why no writer wrote a record of ``kind`` and ``size`` after ``header``, or None
+        when one may have: a log starts with a header, a step's size is fixed by it, a
+        truncate's is 4, and a header or meta record (JSON) is a metadata object
+        (``MAX_DOCUMENT_BYTES``)."""
         if kind != HEADER and header is None:
             return "the log does not start with a header"
         if kind == TRUNCATE and size != 4:
             return f"a truncate record of {size:,} bytes, expected 4"
         if kind == STEPS and header is not None:
-            expected = len(header["slots"]) * sum(f.step_nbytes for f in self.fields.values())
-            if size != expected:
-                return f"a step record of {size:,} bytes, expected {expected:,}"
+            if header.get("fields") != list(self.fields):
+                return f"the log holds fields {header.get('fields')}, the buffer {list(self.fields)}"
+            if size != self._step_nbytes(header):
+                return f"a step record of {size:,} bytes, expected {self._step_nbytes(header):,}"
         if kind in (HEADER, META) and size > document_limit():
             return f"a {'header' if kind == HEADER else 'meta'} record of {size:,} bytes, over {document_limit():,}"
         return None
+
+    def record_bound(self, header: dict | None) -> int:
+        """The most bytes one record after ``header`` may hold (a header or meta document, or a
+        step): what a valid log can hold past the end of its valid prefix."""
+        return _RECORD.size + max(document_limit(), self._step_nbytes(header) if header is not None else 0)
+
+    def segment_bound(self, max_episodes: int, max_timesteps: int) -> int:
+        """The most bytes one append of a writer holds without a rewind: a header, a meta record
+        and ``max_timesteps`` steps of ``max_episodes`` episodes (the largest group)."""
+        step = _RECORD.size + max_episodes * sum(f.step_nbytes for f in self.fields.values())
+        return 2 * self.record_bound(None) + max_timesteps * step
 
     def truncate(self, length: int) -> bytes:
         """A record cutting the logged steps back to ``length`` (``timestep_index = length``)."""
         return self.record(TRUNCATE, struct.pack("<I", length))
 
-    def parse(self, data: bytes) -> ParsedLog:
-        """The log's valid prefix, and a description of the first damaged record if any."""
+    def parse(
+        self, pieces: bytes | Iterable[bytes], max_steps: int | None = None, max_batch: int | None = None
+    ) -> ParsedLog:
+        """The log's valid prefix, and a description of the first damaged record if any. The
+        log may come in pieces (``Storage.log_pieces``): it is never held whole. A header of
+        more slots than ``max_batch`` (the buffer's ``max_episodes``) or more steps than
+        ``max_steps`` (its ``max_timesteps``: no writer stores more) is damage, so what is kept
+        is bounded too; so is a piece the storage refused by its size (BufferDamagedError)."""
         log = ParsedLog()
+        stream = _Stream([pieces] if isinstance(pieces, bytes) else pieces)
         try:
-            for pos, kind, size, payload in self._records(data):
+            for pos, kind, payload in self._records(stream, lambda: log.header):
                 try:
-                    if payload is None:  # the last record, cut short
-                        why = self._cut_short(kind, size, log.header)
-                        if why is None:
-                            break  # torn by a kill mid-append: not damage
-                        raise ValueError(f"{why}; the log's last {len(data) - pos:,} bytes, from there on, are dropped")
                     if kind == HEADER:
                         header = json.loads(payload)
                         if not isinstance(header, dict) or not isinstance(header.get("slots"), list):
                             raise ValueError("the header is not a JSON object with slots")
+                        if max_batch is not None and len(header["slots"]) > max_batch:
+                            raise ValueError(f"{len(header['slots']):,} slots, more than max_episodes ({max_batch})")
                         # a header starts a group: steps before it are another group's,
                         # left by an open of this process that closed with its episode unended
                         log.header, log.steps = header, []
@@ -271,14 +323,15 @@ class StepLog:
                     elif kind == META:
                         log.meta.update(self._meta_values(json.loads(payload), log.header))
                     elif kind == TRUNCATE:
-                        if len(payload) != 4:
-                            raise ValueError(f"a truncate record of {len(payload)} bytes, expected 4")
                         del log.steps[struct.unpack("<I", payload)[0] :]
+                    elif max_steps is not None and len(log.steps) >= max_steps:
+                        raise ValueError(f"more than max_timesteps ({max_steps}) steps")
                     else:
                         log.steps.append(self._split_step(payload, log.header))
                 except (ValueError, TypeError, KeyError) as e:
-                    raise ValueError(f"record at byte {pos}: {e}") from None
-        except ValueError as e:
+                    raise ValueError(f"record at byte {pos:,}: {e}") from None
+                log.end = stream.pos
+        except (ValueError, BufferDamagedError) as e:
             log.damage = str(e)
         return log
 
@@ -293,15 +346,10 @@ class StepLog:
         }
 
     def _split_step(self, payload: bytes, header: dict) -> dict[str, np.ndarray]:
-        batch, names = len(header["slots"]), header["fields"]
-        if names != list(self.fields):
-            raise ValueError(f"the log holds fields {names}, the buffer {list(self.fields)}")
-        expected = batch * sum(self.fields[n].step_nbytes for n in names)
-        if len(payload) != expected:
-            raise ValueError(f"a step of {len(payload)} bytes, expected {expected}")
+        """The values of a step record (its size checked by ``_refused_size``)."""
+        batch = len(header["slots"])
         out, pos = {}, 0
-        for name in names:
-            f = self.fields[name]
+        for name, f in self.fields.items():
             size = batch * f.step_nbytes
             out[name] = np.frombuffer(payload[pos : pos + size], dtype=f.dtype).reshape(batch, *f.shape)
             pos += size

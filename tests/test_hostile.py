@@ -356,6 +356,50 @@ except CorruptChunkError as e:
     assert f"read: {sums}: the checksums of packed fields hold more than the " in run.stdout
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_step_log_of_absurd_size_is_recovered_in_bounded_memory(tmp_path, backend):
+    """A step log whose file is a sparse 10 GB (3 valid steps, then zeros) is read in pieces:
+    a writable open in a process whose address space could not hold it recovers the 3 steps
+    and names the copy set aside, which keeps what a valid log could hold and says how many
+    bytes it left out."""
+    if backend == "hdf5":
+        require("h5py")
+    location = filled(tmp_path / "b", backend)
+    buffer = ReplayBuffer.from_folder(location)
+    log = buffer._commit.step_log
+    records = [log.header(np.array([2]), 2, {})]
+    records += [log.steps({n: v[t][None] for n, v in episode(3, 7).items()}) for t in range(3)]
+    buffer.storage.append_log("episode", b"".join(records))
+    buffer.storage.close()
+    buffer.storage.release_writer()  # as a killed writer: its lease gone, its log left
+    (path,) = [os.path.join(d, f) for d, _, names in os.walk(location) for f in names if "steplog" in d]
+    os.truncate(path, 10 << 30)
+    code = f"""
+import resource, warnings
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression is a MemoryError
+from replaybuf import ReplayBuffer
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    buffer = ReplayBuffer.from_folder({location!r})
+print("lens:", buffer.episode_lens.tolist(), buffer.storage.log_names())
+print("warnings:", *[str(w.message) for w in caught])
+print("aside:", *[buffer.storage.kv.size(k) for k in buffer.storage.list_blobs("replaybuf/steplog-damaged-")])
+buffer.close()
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, run.stderr
+    assert "lens: [5, 3, 3, 0] []" in run.stdout, run.stdout
+    end = sum(map(len, records))
+    kept = end + log.record_bound({"slots": [2]})
+    assert re.search(
+        rf"is damaged \(record at byte {end:,}: unknown kind b'\\x00'\); it was copied to "
+        rf"'replaybuf/steplog-damaged-[^']+' \(its last {(10 << 30) - kept:,} bytes, past what a valid log could "
+        r"hold, left out\) and 3 valid step\(s\) before the damage are recovered",
+        run.stdout,
+    ), run.stdout
+    assert f"aside: {kept}" in run.stdout, run.stdout
+
+
 def padded(document: bytes, size: int) -> bytes:
     """``document`` (JSON) padded with spaces to ``size`` bytes: still valid JSON."""
     return document + b" " * (size - len(document))

@@ -164,3 +164,36 @@ def test_a_metadata_object_over_the_limit_is_refused_by_its_size(s3_server, monk
     for command in ("info", "verify"):  # a finding about the buffer (exit 1), not a usage error (2)
         assert main([command, url, "--storage-options", json.dumps(options)]) == 1
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_step_log_segment_over_what_a_writer_appends_is_refused_by_its_size(s3_server, monkeypatch, client):
+    """An object store keeps the step log as one object per append: one larger than any append
+    of a writer (``StepLog.segment_bound``; small here with a lowered ``MAX_DOCUMENT_BYTES``) is
+    refused by its size, unread; the steps before it are recovered and the copy set aside
+    holds them, saying how many bytes it left out."""
+    monkeypatch.setattr("replaybuf.storage.base.MAX_DOCUMENT_BYTES", 1 << 16)
+    url = new_url(s3_server)
+    options = {**s3_server.storage_options, **({"config_kwargs": {}} if client == "s3fs" else {})}
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    log = writer._commit.step_log
+    first = log.header(np.array([2]), 2, {}) + b"".join(
+        log.steps({"x": np.full((1, 3), t, np.float32)}) for t in range(2)
+    )
+    writer.storage.append_log("episode", first)
+    writer.storage.append_log("episode", b"\0" * 200_000)
+    writer.storage.release_writer()  # as a killed writer: its lease gone, its log left
+    bound = log.segment_bound(4, 5)
+    assert bound < 200_000
+    with pytest.warns(UserWarning) as caught:
+        buffer = ReplayBuffer.from_folder(url, storage_options=options)
+    (message,) = [str(w.message) for w in caught if "step log" in str(w.message)]
+    assert f"steplog/episode/0000000001: 200,000 bytes, over the {bound:,}-byte limit" in message, message
+    assert "(its last 200,000 bytes, past what a valid log could hold, left out)" in message, message
+    assert "2 valid step(s) before the damage are recovered" in message, message
+    assert buffer.episode_lens.tolist() == [3, 3, 2, 0]
+    np.testing.assert_array_equal(buffer.data["x"][2, :2], [[0, 0, 0], [1, 1, 1]])
+    aside = re.search(r"copied to '([^']+)'", message)
+    assert aside and buffer.storage.read_blob(aside.group(1)) == first
+    buffer.close()

@@ -423,6 +423,8 @@ def reopen_with_log(location, payload: bytes, damaged: bool):
         ("absurd size of the last step", 4),
         ("absurd size mid-log", 2),
         ("absurd size of the header", 0),
+        ("more steps than max_timesteps", 12),
+        ("more slots than max_episodes", 0),
     ],
 )
 def test_a_damaged_step_log_is_set_aside_and_its_valid_prefix_recovered(tmp_path, backend, damage, recovered):
@@ -431,7 +433,7 @@ def test_a_damaged_step_log_is_set_aside_and_its_valid_prefix_recovered(tmp_path
     damage, though the log ends within it."""
     location = filled(tmp_path / "b", backend, max_episodes=5)
     buffer = ReplayBuffer.from_folder(location)
-    log, records = step_log(buffer, 5)
+    log, records = step_log(buffer, 13 if damage == "more steps than max_timesteps" else 5)
     buffer.close()
     torn = damage in ("torn tail", "torn record prefix")
     if damage == "short step":
@@ -446,7 +448,9 @@ def test_a_damaged_step_log_is_set_aside_and_its_valid_prefix_recovered(tmp_path
         records[-1] = records[-1][:-3]  # a kill mid-append: not damage
     elif damage == "torn record prefix":
         records[-1] = records[-1][:5]
-    else:
+    elif damage == "more slots than max_episodes":  # its steps' size would follow it
+        records = [log.header(np.arange(6), 3, {}), log.record(b"s", b"\0" * 6 * len(records[1][9:]))]
+    elif damage != "more steps than max_timesteps":
         at = {"absurd size of the last step": 5, "absurd size mid-log": 3, "absurd size of the header": 0}[damage]
         records[at] = records[at][:1] + struct.pack("<I", 0xFFFFFFFF) + records[at][5:]
     buffer = reopen_with_log(location, b"".join(records), damaged=not torn)
@@ -460,6 +464,28 @@ def test_a_damaged_step_log_is_set_aside_and_its_valid_prefix_recovered(tmp_path
     buffer.store_episode(**episode(2, 5), task_id=5)  # the buffer goes on
     buffer.close()
     assert verify(location) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_long_step_log_read_in_pieces_is_recovered_whole(tmp_path, monkeypatch, backend):
+    """A valid log longer than a valid episode's steps (rewinds and meta records a writer may
+    append without end) read in pieces that split its records anywhere is recovered whole,
+    as the writer left it: no damage, nothing set aside."""
+    monkeypatch.setattr("replaybuf.storage._kv.LOG_PIECE_BYTES", 7)
+    location = filled(tmp_path / "b", backend, max_episodes=5)
+    buffer = ReplayBuffer.from_folder(location)
+    log, records = step_log(buffer, 12)
+    buffer.close()
+    for round in range(20):  # store 12 steps, rewind to 2, set a meta value: again and again
+        records += [log.truncate(2), log.meta({"task_id": np.array([round])}), *records[3:13]]
+    assert sum(r[:1] == b"s" for r in records) == 12 + 20 * 10  # far more than max_timesteps (12)
+    buffer = reopen_with_log(location, b"".join(records), damaged=False)
+    assert buffer.episode_lens.tolist() == [*LENGTHS, 12, 0]
+    assert buffer.meta_data["task_id"][3] == 19
+    for name, expected in episode(12, 77).items():
+        np.testing.assert_array_equal(buffer.data[name][3, :12], expected)
+    assert buffer.storage.list_blobs("replaybuf/steplog-damaged-") == []
+    buffer.close()
 
 
 def test_a_step_log_of_the_previous_release_is_recovered(tmp_path):

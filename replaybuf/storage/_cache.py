@@ -888,6 +888,8 @@ _FORWARDED = (
     "commit_state",
     "append_log",
     "read_log",
+    "log_pieces",
+    "log_size",
     "log_names",
     "clear_log",
     "copy_log_aside",

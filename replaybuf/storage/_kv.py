@@ -19,7 +19,7 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -48,6 +48,8 @@ Blob = bytes | memoryview
 _MAX_PATHS = 1 << 20
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
+# a local step log is read in pieces of this many bytes: recovery never holds it whole
+LOG_PIECE_BYTES = 8 << 20
 POOL_THREADS = max(4, 2 * (os.cpu_count() or 1))
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
@@ -174,6 +176,10 @@ class KeyValue(ABC):
     @abstractmethod
     def list_prefix(self, prefix: str) -> list[str]:
         """Sorted keys starting with ``prefix``."""
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """The bytes of ``key`` (None where absent), as the store tells them, unread."""
 
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
@@ -489,6 +495,13 @@ class LocalKV(KeyValue):
             else:
                 prints.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
         return prints
+
+    def size(self, key: str) -> int | None:
+        # docstring inherited
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
 
     def _read(self, key: str, limit: int | None = None) -> bytes | None:
         return self._read_range((key, 0, None), limit)
@@ -981,6 +994,18 @@ class StoreKV(KeyValue):
 
         return self._run(put())
 
+    def size(self, key: str) -> int | None:
+        # docstring inherited: one HEAD
+        store = self.store
+
+        async def head() -> int | None:
+            try:
+                return await store.getsize(key)
+            except FileNotFoundError:
+                return None
+
+        return self._run(head())
+
     def list_prefix(self, prefix: str) -> list[str]:
         store = self.store
 
@@ -1022,6 +1047,22 @@ class KVBlobs(_StorageMixin):
     def links(self) -> list[str]:
         # docstring inherited
         return self.kv.links()
+
+    def log_pieces(self, name: str, limit: int) -> Iterator[bytes]:
+        # docstring inherited: a local log (one appended file) is read LOG_PIECE_BYTES at a time,
+        # whatever its size; an object store's segments each whole (one GET), refused by size
+        if not isinstance(self.kv, LocalKV):
+            yield from super().log_pieces(name, limit)
+            return
+        for key in self.list_blobs(f"{LOG_PREFIX}{name}/"):
+            pos = 0
+            while piece := self.kv.get_ranges([(key, pos, pos + LOG_PIECE_BYTES)])[0]:
+                yield piece
+                pos += len(piece)
+
+    def log_size(self, name: str) -> int:
+        # docstring inherited
+        return sum(self.kv.size(k) or 0 for k in self.list_blobs(f"{LOG_PREFIX}{name}/"))
 
     def append_log(self, name: str, data: bytes) -> None:
         # docstring inherited

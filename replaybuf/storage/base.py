@@ -79,7 +79,7 @@ import time
 import types
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -724,8 +724,17 @@ class Storage(ABC):
         self.write_blob(f"{LOG_PREFIX}{name}/{index:010d}", data)
 
     def read_log(self, name: str) -> bytes:
-        """Everything appended to the step log ``name`` since it was last cleared."""
+        """Everything appended to the step log ``name`` since it was last cleared, read whole
+        (recovery reads it in bounded pieces: ``log_pieces``)."""
         return b"".join(self.read_blob(k, ANY_SIZE) or b"" for k in self.list_blobs(f"{LOG_PREFIX}{name}/"))
+
+    def log_pieces(self, name: str, limit: int) -> Iterator[bytes]:
+        """The bytes of the step log ``name`` in order, in pieces: here each segment whole, one
+        at a time, and BufferDamagedError naming a segment over ``limit`` bytes, judged by its
+        size before it is read (a damaged or planted multi-GB object is never fetched).
+        Backends that append to one file read it in bounded pieces instead."""
+        for key in self.list_blobs(f"{LOG_PREFIX}{name}/"):
+            yield self.read_blob(key, limit) or b""
 
     def log_names(self) -> list[str]:
         """Names of the step logs left in the store (by writers that did not finish)."""
@@ -736,14 +745,31 @@ class Storage(ABC):
         self._check_writable()
         self.delete_blobs(f"{LOG_PREFIX}{name}")
 
-    def copy_log_aside(self, name: str) -> str:
-        """Copy the step log ``name`` to ``replaybuf/steplog-damaged-<UTC time>-<pid>/<name>``,
-        out of recovery's way, and return that key: a damaged log is kept for inspection."""
+    def copy_log_aside(self, name: str, keep: int, limit: int) -> tuple[str, int]:
+        """Copy the first ``keep`` bytes of the step log ``name`` (read as ``log_pieces`` with
+        ``limit``) to ``replaybuf/steplog-damaged-<UTC time>-<pid>/<name>``, out of recovery's
+        way: a damaged log is kept for inspection. Returns that key and the bytes left out
+        (``log_size``, unread: a log of absurd size is neither copied nor read whole; a
+        segment refused by its size is left out with what follows)."""
         self._check_writable()
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/{name}"
-        self.write_blob(key, self.read_log(name))
-        return key
+        kept: list[bytes] = []
+        size = 0
+        try:
+            for piece in self.log_pieces(name, limit):
+                kept.append(piece[: keep - size])
+                size += len(kept[-1])
+                if size == keep:
+                    break
+        except BufferDamagedError:  # a segment over the limit (the damage reported names it)
+            pass
+        self.write_blob(key, b"".join(kept))
+        return key, max(self.log_size(name) - size, 0)
+
+    def log_size(self, name: str) -> int:
+        """The bytes of the step log ``name``, as the store tells them (not read)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no step log")
 
     # ---- batched reads and writes ----------------------------------------------------------
 
