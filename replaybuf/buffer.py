@@ -934,6 +934,9 @@ class ReplayBuffer(CommittedViews):
         self._check_writable("store_episode")
         steps, meta_values, length = self._episode_values(data, "store_episode")
         self._check_room(1)
+        # before anything is touched: a circular buffer's oldest episode in the slot this one
+        # goes to is kept when the disk has no room for this one
+        self.storage.check_room(list(steps), length, f"store_episode of {length} steps")
         if self.timestep_index > 0:
             warnings.warn(
                 f"store_episode called with an episode in progress ({self.timestep_index} steps); "
@@ -1185,13 +1188,13 @@ class ReplayBuffer(CommittedViews):
                 ) from None
             writes.append((name, cast_values(array, f)))
         rows = [(name, array) for name, array in writes if name in self.fieldnames]
-        edited = [name for name, _ in rows]
-        self.storage.check_edit_room(edited, episodes)  # before the meta values are written
+        edited, steps = [name for name, _ in rows], max((array.shape[1] for _, array in rows), default=0)
+        self._commit.check_edit_room(episodes, edited, steps)  # before the meta values are written
         for name, array in writes:  # meta values first: they live in the mirror, no revision
             if name not in self.fieldnames:
                 self._commit.write_meta(name, episodes, array)
         if rows:
-            with self._commit.editing(episodes, edited):  # one edit of every field's rows
+            with self._commit.editing(episodes, edited, steps):  # one edit of every field's rows
                 for name, array in rows:
                     self.storage.update_rows(name, episodes, 0, array)
 
@@ -1246,7 +1249,8 @@ class ReplayBuffer(CommittedViews):
             writes.append((name, cast_values(array, f)))
         if not len(episodes):
             return
-        with self._commit.editing(episodes, [name for name, _ in writes]):  # one edit of every field's steps
+        # one edit of every field's steps
+        with self._commit.editing(episodes, [name for name, _ in writes], int(timesteps.max()) + 1):
             for name, array in writes:
                 self.storage.update_steps(name, episodes, timesteps, array)
 

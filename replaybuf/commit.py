@@ -262,16 +262,17 @@ class Committer:
         self.meta[name][episodes] = values
 
     @contextmanager
-    def editing(self, episodes: np.ndarray, names: Sequence[str]) -> Iterator[None]:
-        """Bracket in-place edits of the rows of data fields ``names`` of ``episodes``
-        (``update_rows``) with the slots' ``_revision``: odd while the block runs, the next even
-        value once it is done. Every copy of decoded rows is keyed by (generation, revision) and
-        none is taken at an odd revision, so no reader is served the rows from before (or halfway
-        through) the edit once it has refreshed. A block that raises leaves its slots odd
-        (uncached) until the next edit of them or the next writable open (``finish_edits``). An
-        edit the disk may have no room for is refused first (``Storage.check_edit_room``)."""
+    def editing(self, episodes: np.ndarray, names: Sequence[str], steps: int) -> Iterator[None]:
+        """Bracket in-place edits of the rows of data fields ``names`` of ``episodes``, each
+        through its step ``steps`` - 1 (``update_rows``), with the slots' ``_revision``: odd
+        while the block runs, the next even value once it is done. Every copy of decoded rows is
+        keyed by (generation, revision) and none is taken at an odd revision, so no reader is
+        served the rows from before (or halfway through) the edit once it has refreshed. A block
+        that raises leaves its slots odd (uncached) until the next edit of them or the next
+        writable open (``finish_edits``). An edit the disk may have no room for is refused first
+        (``check_edit_room``)."""
         slots = np.unique(np.asarray(episodes, dtype=np.int64))
-        self.storage.check_edit_room(names, slots)
+        self.check_edit_room(slots, names, steps)
         editing = self.meta["_revision"][slots] | 1
         if len(slots):
             self.write_meta("_revision", slots, editing)
@@ -279,11 +280,21 @@ class Committer:
         if len(slots):
             self.write_meta("_revision", slots, editing + 1)
 
+    def check_edit_room(self, slots: np.ndarray, names: Sequence[str], steps: int) -> None:
+        """``Storage.check_room`` for an edit of data fields ``names`` of ``slots`` through step
+        ``steps`` - 1: each slot's rows are rewritten whole, through its committed length or the
+        edit's end, whichever is further."""
+        slots = np.unique(np.asarray(slots, dtype=np.int64))
+        written = int(np.maximum(self.meta["episode_lens"][slots], steps).sum()) if len(slots) else 0
+        self.storage.check_room(
+            names, written, f"an edit of {', '.join(names) or 'meta values'} in {len(slots)} episode(s)"
+        )
+
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         """Edit rows of data field ``name`` of committed ``episodes`` in place
         (``Storage.update_rows``: ``update``, ``store_datapoint``, ``data[...] = ...``), as one
         edit (``editing``)."""
-        with self.editing(episodes, [name]):
+        with self.editing(episodes, [name], t0 + values.shape[1]):
             self.storage.update_rows(name, episodes, t0, values)
 
     def commit_state(self, **changes: Any) -> None:

@@ -93,7 +93,10 @@ def new(location, backend: str, **kwargs) -> ReplayBuffer:
 def assert_disk_full(error: pytest.ExceptionInfo, folder) -> None:
     message = str(error.value)
     assert "no space left" in message.lower(), message
-    assert str(folder) + os.sep in message, message  # names the file, not just the folder
+    # names the file, or the buffer's folder when the write was refused before it started
+    assert str(folder) + os.sep in message or f"{str(folder)!r}" in message and "nothing was written" in message, (
+        message
+    )
 
 
 @pytest.mark.parametrize("backend", LOCAL)
@@ -371,3 +374,31 @@ def test_an_edit_on_a_full_disk_is_whole_or_refused(disk, backend):
         shutil.rmtree(folder)
     # memmap and an uncompressed data.h5 edit reserved files in place: never refused
     assert outcomes == ({"refused", "edited"} if backend == "zarr" else {"edited"})
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+@pytest.mark.parametrize("room", [0, 32 << 10])
+def test_a_circular_buffer_keeps_its_oldest_episode_when_the_next_has_no_room(disk, backend, room):
+    """The oldest episode goes only when a new one takes its slot: a zarr buffer that wrapped
+    onto a full disk had dropped slot 0's episode and stored nothing in its place."""
+    folder = disk / "buf"
+    stored = [episode(seed) for seed in range(3)]
+    buffer = ReplayBuffer(folder, max_episodes=3, max_timesteps=8, fields=FIELDS, backend=backend, circular=True)
+    for values in stored:
+        buffer.store_episode(**values)
+    fill(disk)
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
+    try:
+        buffer.store_episode(**episode(9))
+    except StorageError as error:
+        assert "nothing was written" in str(error), error
+        expected = stored
+    else:
+        assert backend != "zarr", "zarr has no room for a new shard here"
+        expected = [episode(9), *stored[1:]]
+    free(disk)
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+        assert sorted(reader.valid_episodes().tolist()) == [0, 1, 2]
+        assert_holds(reader, expected)
+    buffer.close()
+    assert verify(folder) == []

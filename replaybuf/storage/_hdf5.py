@@ -532,14 +532,13 @@ class HDF5Storage(LocalFolderStorage):
                 f"{free} are; nothing was written"
             )
 
-    def check_edit_room(self, names: Sequence[str], episodes: np.ndarray) -> None:
-        # docstring inherited: a compressed data.h5 may write each edited row whole
-        if self._reserved or not len(episodes):
+    def check_room(self, names: Sequence[str], steps: int, what: str) -> None:
+        # docstring inherited: a compressed data.h5 may write every step whole
+        if self._reserved:
             return
-        slots = len(np.unique(episodes))
         datasets = [self._dataset(name) for name in names]
-        rows = sum(slots * int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize for d in datasets)
-        self._check_room(rows, f"an edit of {', '.join(names)} in {slots} episode(s)")
+        step_bytes = sum(int(np.prod(d.shape[2:], dtype=np.int64)) * d.dtype.itemsize for d in datasets)
+        self._check_room(steps * step_bytes, what)
 
     def write_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited

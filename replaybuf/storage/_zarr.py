@@ -738,15 +738,14 @@ class ZarrStorage(KVBlobs, Storage):
             self._choose_codec(name, values[:, : max(end - t0, 1)])
         self.array(name).write_rows(np.asarray(episodes), t0, values, atomic=False, padding_from=end)
 
-    def check_edit_room(self, names: Sequence[str], episodes: np.ndarray) -> None:
-        # docstring inherited: on local disk each edited slot's shard or chunk is written whole to
-        # a temp file (at most its raw bytes), and the slots' revisions twice
-        if not isinstance(self.kv, LocalKV) or not len(episodes):
+    def check_room(self, names: Sequence[str], steps: int, what: str) -> None:
+        # docstring inherited: on local disk a slot's shard or chunk is written whole to a temp
+        # file (at most its raw bytes), and an edit moves the slots' revisions twice
+        if not isinstance(self.kv, LocalKV):
             return
-        slots = len(np.unique(episodes))
-        rows = sum(slots * self.array(name).shape[1] * self.array(name).item_nbytes for name in names)
+        rows = steps * sum(self.array(name).item_nbytes for name in names)
         revisions = 2 * self.array("_revision", meta=True).shape[0] * 8
-        self.kv.check_room(rows + revisions, f"an edit of {', '.join(names)} in {slots} episode(s)")
+        self.kv.check_room(rows + revisions, what)
 
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited: chunks other readers trust are replaced whole (atomic), and the

@@ -796,12 +796,13 @@ class Storage(ABC):
         whatever ``max_timesteps``)."""
         self.write_rows(name, episodes, t0, values)
 
-    def check_edit_room(self, names: Sequence[str], episodes: np.ndarray) -> None:
-        """Refuse, before anything of it is written, an in-place edit of the rows of data
-        fields ``names`` of ``episodes`` (``update_rows``/``update_steps``) that the disk may have
-        no room for: an edit cut short there would leave some rows edited and others not.
-        StorageError naming the location, the bytes the edit may write and those free. The
-        default checks nothing (stores that edit in place in reserved files, or off local disk)."""
+    def check_room(self, names: Sequence[str], steps: int, what: str) -> None:
+        """Refuse, before anything of it is written, a write of ``steps`` steps of each data
+        field in ``names`` (an in-place edit, a whole episode) that the disk may have no room
+        for: one cut short there would leave some rows written and others not, or a reused
+        slot's old episode gone with no new one. StorageError naming the location, ``what``,
+        the bytes the write may take and those free. The default checks nothing (stores that
+        write in place into reserved files, or off local disk)."""
 
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         """``write_rows`` into committed episodes, in place and without a new generation (the
