@@ -934,9 +934,6 @@ class ReplayBuffer(CommittedViews):
         self._check_writable("store_episode")
         steps, meta_values, length = self._episode_values(data, "store_episode")
         self._check_room(1)
-        # before anything is touched: a circular buffer's oldest episode in the slot this one
-        # goes to is kept when the disk has no room for this one
-        self.storage.check_room(list(steps), length, f"store_episode of {length} steps")
         if self.timestep_index > 0:
             warnings.warn(
                 f"store_episode called with an episode in progress ({self.timestep_index} steps); "

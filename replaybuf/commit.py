@@ -132,6 +132,14 @@ class Committer:
         """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
         if group.invalidated:
             return
+        reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
+        if len(reused) and group.length:
+            # before anything is written or dropped: a circular buffer's oldest episodes go only
+            # when the disk has room for the rows known so far (a whole episode's, at its
+            # commit) of those replacing them
+            self.storage.check_room(
+                list(self.schema.fields), group.length * group.batch_size, f"overwriting slots {reused.tolist()}"
+            )
         self.held.check(group.slots, self.meta["_generation"][group.slots], "overwrite", drop=True)
         # rows written but never published (an aborted or killed group, or a cleared buffer)
         # may reach max_timesteps; those are zeroed past the new episode's end at commit
@@ -142,7 +150,6 @@ class Committer:
         self.dirty_slots.update(group.slots.tolist())
         if not self.rows_written_whole:
             self.storage.mark_writing(group.slots.tolist())
-        reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
         if len(reused):
             # the length first: a kill in between leaves an empty slot with a stale generation
             # (cleared on reopen), never a committed slot without one

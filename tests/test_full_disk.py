@@ -376,23 +376,36 @@ def test_an_edit_on_a_full_disk_is_whole_or_refused(disk, backend):
     assert outcomes == ({"refused", "edited"} if backend == "zarr" else {"edited"})
 
 
+def store_steps(buffer: ReplayBuffer, values: dict[str, np.ndarray]) -> None:
+    for t in range(len(values["state"])):
+        buffer.store(**{name: rows[t] for name, rows in values.items()})
+    buffer.advance_episode()
+
+
 @pytest.mark.parametrize("backend", LOCAL)
 @pytest.mark.parametrize("room", [0, 32 << 10])
-def test_a_circular_buffer_keeps_its_oldest_episode_when_the_next_has_no_room(disk, backend, room):
+@pytest.mark.parametrize("how", ["store_episode", "store"])
+def test_a_circular_buffer_keeps_its_oldest_episode_when_the_next_has_no_room(disk, backend, room, how):
     """The oldest episode goes only when a new one takes its slot: a zarr buffer that wrapped
-    onto a full disk had dropped slot 0's episode and stored nothing in its place."""
+    onto a full disk had dropped slot 0's episode and stored nothing in its place (steps stored
+    with ``store()`` and no step log too: their rows are written at the commit)."""
     folder = disk / "buf"
     stored = [episode(seed) for seed in range(3)]
-    buffer = ReplayBuffer(folder, max_episodes=3, max_timesteps=8, fields=FIELDS, backend=backend, circular=True)
+    buffer = ReplayBuffer(
+        folder, max_episodes=3, max_timesteps=8, fields=FIELDS, backend=backend, circular=True, flush_every_store_step=0
+    )
     for values in stored:
         buffer.store_episode(**values)
     fill(disk)
     os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
     try:
-        buffer.store_episode(**episode(9))
+        buffer.store_episode(**episode(9)) if how == "store_episode" else store_steps(buffer, episode(9))
     except StorageError as error:
-        assert "nothing was written" in str(error), error
-        expected = stored
+        # memmap and hdf5 write into reserved files: only their counters can meet the full disk,
+        # after the episode was published (the counters are written again by close())
+        published = "counters are written again" in str(error)
+        assert published and backend != "zarr" or "nothing was written" in str(error), error
+        expected = [episode(9), *stored[1:]] if published else stored
     else:
         assert backend != "zarr", "zarr has no room for a new shard here"
         expected = [episode(9), *stored[1:]]
