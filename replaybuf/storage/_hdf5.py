@@ -79,9 +79,6 @@ STORAGE_OPTIONS = ("compression", "compression_opts")
 # a reader keeps data fields up to this size in RAM for random sampling
 SMALL_FIELD_BYTES = 32 << 20
 COMPRESSIONS = ("gzip", "lzf")
-# free bytes a write to a file not wholly reserved must leave beside its values: HDF5 adds
-# chunk index and metadata blocks of its own (``HDF5Storage._check_room``)
-WRITE_HEADROOM = 1 << 20
 
 
 def _expand_key(key: Any, shape: tuple[int, ...]) -> tuple:
@@ -521,16 +518,8 @@ class HDF5Storage(LocalFolderStorage):
         """Refuse, before HDF5 writes anything, a write the disk may have no room for: h5py
         reports a failed write of data.h5 only as a warning when it frees a handle, so the bytes
         would be lost silently and a read of them through a memmap would kill the process."""
-        if self._reserved:
-            return
-        stat = os.statvfs(self.root)
-        free = stat.f_bavail * stat.f_frsize
-        if free < nbytes + WRITE_HEADROOM:
-            raise StorageError(
-                f"no space left on the disk of {self.path!r}: writing {what} ({nbytes} bytes) needs "
-                f"{nbytes + WRITE_HEADROOM} bytes free (with {WRITE_HEADROOM} for HDF5's own metadata), "
-                f"{free} are; nothing was written"
-            )
+        if not self._reserved:
+            self.kv.check_room(nbytes, f"writing {what} into {DATA_FILE}")  # the headroom: HDF5's own metadata
 
     def check_room(self, names: Sequence[str], steps: int, what: str) -> None:
         # docstring inherited: a compressed data.h5 may write every step whole
