@@ -239,3 +239,22 @@ def test_indexing_matches_numpy_for_generated_keys(tmp_path):
         np.testing.assert_array_equal(array[key], expected)
 
     check()
+
+
+def test_a_writer_dropped_without_close_leaves_no_file_open(tmp_path):
+    """The writer mark's descriptor goes with the storage when a writer is dropped unclosed:
+    no unclosed file is left for the collector to warn about (an open file object was)."""
+    import gc
+    import warnings
+
+    buffer = ReplayBuffer(tmp_path / "buffer", 4, 10, fields=FIELDS, meta_fields=META_FIELDS, backend="hdf5")
+    buffer.store_episode(**episode(6, 0))
+    mark = os.path.realpath(tmp_path / "buffer" / "replaybuf" / "hdf5-writer.lock")
+    open_files = [os.path.realpath(os.path.join("/proc/self/fd", fd)) for fd in os.listdir("/proc/self/fd")]
+    assert mark in open_files
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        del buffer
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+    assert mark not in [os.path.realpath(os.path.join("/proc/self/fd", fd)) for fd in os.listdir("/proc/self/fd")]

@@ -47,9 +47,26 @@ def _store(buffer: ReplayBuffer, uid: int) -> None:
     buffer.store_episode(x=np.full((3, 4), uid, np.float32), uid=uid)
 
 
+# the children a test started: stopped and their pipes closed after it (``_children_closed``)
+_CHILDREN: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _children_closed():
+    yield
+    while _CHILDREN:
+        process = _CHILDREN.pop()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
 def _child(mode: str, location: str, kwargs: dict, env: dict | None = None, **settings) -> subprocess.Popen:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -63,6 +80,8 @@ def _child(mode: str, location: str, kwargs: dict, env: dict | None = None, **se
         stdout=subprocess.PIPE,
         text=True,
     )
+    _CHILDREN.append(process)
+    return process
 
 
 def _ready(process: subprocess.Popen) -> list[str]:

@@ -43,6 +43,7 @@ import fcntl
 import json
 import os
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -301,15 +302,16 @@ class HDF5Storage(LocalFolderStorage):
     # ---- readers beside a writer -----------------------------------------------------------------
 
     def _mark_writer(self) -> None:
-        """Hold a shared lock on the writer mark while open for writing (released on close or
-        when the process dies), so readers of a compressed file can tell a writer is live."""
-        os.makedirs(os.path.dirname(os.path.join(self.root, WRITER_MARK)), exist_ok=True)
-        self._writer_mark = open(os.path.join(self.root, WRITER_MARK), "a+")
-        fcntl.flock(self._writer_mark, fcntl.LOCK_SH)
-        self._writer_mark.seek(0)
-        self._writer_mark.truncate()
-        self._writer_mark.write(str(os.getpid()))
-        self._writer_mark.flush()
+        """Hold a shared lock on the writer mark while open for writing (released on close,
+        when a storage never closed is collected, or when the process dies), so readers of a
+        compressed file can tell a writer is live."""
+        path = os.path.join(self.root, WRITER_MARK)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._writer_mark = weakref.finalize(self, os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
 
     def refuse_live_writer(self) -> None:
         """A reader of a compressed file: StorageError while a writer in another process has it
@@ -702,7 +704,7 @@ class HDF5Storage(LocalFolderStorage):
         if self._checksums is not None:
             self._checksums.release()
         if self._writer_mark is not None:
-            self._writer_mark.close()  # releases the lock
+            self._writer_mark()  # closes the mark's descriptor: releases the lock
             self._writer_mark = None
         self.kv.close()
 
