@@ -295,3 +295,39 @@ def test_kill_while_reusing_a_slot_leaves_counters_that_match_the_episodes(tmp_p
     with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
         write_episode(buffer, 6, "whole")
         assert buffer.num_episodes == len(buffer) == 5
+
+
+def _create_killed_after_writes(location: str, writes: int) -> None:
+    """Child: create a zarr buffer and die (no cleanup, as under SIGKILL) at its write number
+    ``writes`` of metadata documents."""
+    from replaybuf.storage import _kv
+
+    done = []
+    real = _kv.LocalKV._write
+
+    def write(self, item):
+        if len(done) == writes:
+            os._exit(9)
+        done.append(item[0])
+        real(self, item)
+
+    _kv.LocalKV._write = write
+    ReplayBuffer(location, **buffer_kwargs(3, circular=False))
+
+
+@pytest.mark.parametrize("writes", [0, 1, 3])
+def test_a_create_killed_part_way_is_created_again_by_an_overwrite(tmp_path, writes):
+    """A create killed between its metadata writes leaves nothing, or a damaged buffer that the
+    next ``overwrite=True`` replaces: never a half-written folder it refuses as foreign."""
+    location = str(tmp_path / "buffer")
+    child = multiprocessing.get_context("fork").Process(target=_create_killed_after_writes, args=(location, writes))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    buffer = ReplayBuffer(location, **buffer_kwargs(3, circular=False), overwrite=True)
+    write_episode(buffer, 1, "whole")
+    buffer.close()
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    assert len(reader) == 1
+    length = int(reader.episode_lens[0])
+    check_episode(1, length, {name: np.asarray(reader.data[name][0]) for name in reader.fieldnames})

@@ -295,8 +295,9 @@ class ZarrStorage(KVBlobs, Storage):
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
         try:
             # the documents are made in memory and written here, in order and with no write of
-            # zarr's still running when one fails: the root document, which makes the location
-            # a buffer, goes last
+            # zarr's still running when one fails. The root document, which makes the location a
+            # buffer, goes first: a create killed part way leaves a buffer (damaged) that the
+            # next overwrite=True erases and creates again, never entries it must call foreign
             documents: dict = {}
             root = zarr.open_group(
                 zarr.storage.MemoryStore(documents),
@@ -334,9 +335,8 @@ class ZarrStorage(KVBlobs, Storage):
             documents[STATE_NODE_KEY] = default_buffer_prototype().buffer.from_bytes(state_node)
             _consolidate(root.store)
             blobs = {key: value.to_bytes() for key, value in documents.items()}
-            root_document = blobs.pop(ROOT_DOCUMENT)
+            self.kv.set(ROOT_DOCUMENT, blobs.pop(ROOT_DOCUMENT))
             self.kv.set_many(blobs)
-            self.kv.set(ROOT_DOCUMENT, root_document)
             self._load_arrays(schema)
             self._unmeasured = set(measured)
             if self._packed:
