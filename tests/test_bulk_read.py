@@ -292,3 +292,53 @@ def test_get_into_reads_byte_ranges_into_buffers_on_files_and_stores(tmp_path):
         sizes = kv.get_into([(key, start, memoryview(out)) for key, start, out in requests])
         assert sizes == [100, 100, 3, None], type(kv).__name__
         assert outs == [bytearray(range(90, 100)), bytearray(range(3)), bytearray(b"yz---"), bytearray(b"----")]
+
+
+def test_a_mapped_object_shows_the_file_as_it_is_now(tmp_path):
+    """``KeyValue.mapped`` (the per-batch re-check of generations reads through it): a write in
+    place shows at once, a replaced file is mapped again, another size or an absent file gives
+    None (the caller reads the usual way), and an object store maps nothing."""
+    import os
+
+    import zarr.storage
+
+    kv = _kv.LocalKV(str(tmp_path))
+    kv.set_many({"meta/c.0": np.arange(4, dtype="<i8").tobytes()})
+    mapped = kv.mapped("meta/c.0", 32)
+    assert mapped is not None and mapped.view("<i8").tolist() == [0, 1, 2, 3]
+    assert kv.write_at("meta/c.0", 8, np.int64(7).tobytes())
+    assert kv.mapped("meta/c.0", 32).view("<i8").tolist() == [0, 7, 2, 3]  # in place: the same map
+    kv.set_many({"meta/c.0": np.arange(10, 14, dtype="<i8").tobytes()})  # a temp file renamed over it
+    assert kv.mapped("meta/c.0", 32).view("<i8").tolist() == [10, 11, 12, 13]
+    assert kv.mapped("meta/c.0", 40) is None  # not the size asked
+    os.truncate(tmp_path / "meta" / "c.0", 16)
+    assert kv.mapped("meta/c.0", 32) is None
+    assert kv.mapped("absent", 32) is None
+    memory = zarr.storage.MemoryStore()
+    remote = _kv.StoreKV(lambda: memory, "memory")
+    remote.set_many({"meta/c.0": bytes(32)})
+    assert remote.mapped("meta/c.0", 32) is None
+
+
+def test_a_readers_recheck_sees_a_slot_reused_through_its_map(tmp_path):
+    """A reader's re-check of generations (``committed_generations``, read through a map of
+    the ``_generation`` chunk) sees each generation a writer commits at once; a buffer created
+    again in its place is reported, never read through the old map."""
+    from replaybuf import BufferReplacedError
+    from replaybuf.consistency import committed_generations
+
+    fields = {"state": ("float", (3,))}
+    folder = str(tmp_path / "b")
+    writer = ReplayBuffer(folder, max_episodes=2, max_timesteps=4, fields=fields, circular=True)
+    writer.store_episode(state=np.zeros((3, 3), np.float32))
+    reader = ReplayBuffer.from_folder(folder, read_only=True)
+    for _ in range(5):
+        writer.store_episode(state=np.zeros((3, 3), np.float32))
+        committed = np.asarray(writer.generations)[[0, 1]].tolist()
+        assert committed_generations(reader, np.array([0, 1])).tolist() == committed
+    writer.close()
+    again = ReplayBuffer(folder, max_episodes=2, max_timesteps=4, fields=fields, overwrite=True)
+    again.store_episode(state=np.ones((3, 3), np.float32))
+    with pytest.raises(BufferReplacedError):
+        committed_generations(reader, np.array([0, 1]))
+    again.close()

@@ -168,14 +168,17 @@ class _SnapshotDataset(Dataset):
             positions = self._redraw(positions, dead)
             slots = self._slots_of(positions)
         last: dict[str, Any] = {}
+        # a reader's re-check of the batch (``read_consistent``) asks its buffer's storage
+        # whether the buffer was replaced; a storage of its own (the read cache) is asked here
+        rechecked = self.replay_buffer.storage if self.replay_buffer.read_only else None
 
         def read(items: np.ndarray) -> None:
             # ``last`` holds the last read that succeeded: a read that raises (a slot being
             # rewritten) is retried or dropped, and must not leave its items without columns
             columns, lens = self._read(positions[items])
-            self._check_meta_rows(self._slots_of(positions[items]))
-            if self.fetcher.storage.replaced(cheap_only=True):  # the planned buffer is gone: one created
-                raise BufferReplacedError(self.fetcher.storage.location)  # again counts the same generations
+            if rechecked is not self.fetcher.storage and self.fetcher.storage.replaced(cheap_only=True):
+                # the planned buffer is gone: one created again counts the same generations
+                raise BufferReplacedError(self.fetcher.storage.location)
             last.update(items=items, columns=columns, lens=lens)
 
         def redraw(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -238,6 +241,8 @@ class _SnapshotDataset(Dataset):
         return np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
 
     def _meta_columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """The meta columns of ``slots``, from the buffer's mirror (``_check_meta_rows``)."""
+        self._check_meta_rows(slots)
         return {self.out_name(n): np.asarray(self.replay_buffer.meta_data[n][slots]) for n in self.meta_names}
 
     # ---- to implement ------------------------------------------------------------------------
@@ -368,6 +373,8 @@ class TimepointIndex:
         self.first = np.cumsum(counts) - counts
         self.total = int(counts.sum())
         self.kept: np.ndarray | None = None
+        # the last positions asked (bytes) and their pairs: a batch asks twice (``_slots_of``, ``_read``)
+        self._last: tuple[bytes, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.total if self.kept is None else len(self.kept)
@@ -377,13 +384,20 @@ class TimepointIndex:
         if positions is None:
             positions = np.arange(len(self), dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
+        key = positions.tobytes()
+        last = self._last
+        if last is not None and last[0] == key:  # a batch asks for its slots, then reads its pairs
+            return last[1].copy(), last[2].copy()
         if self.kept is not None:
             positions = self.kept[positions].astype(np.int64)
-        rows = np.searchsorted(self.first, positions, side="right") - 1
-        return self.slots[rows], positions - self.first[rows]
+        rows = self.first.searchsorted(positions, side="right") - 1
+        episodes, timesteps = self.slots[rows], positions - self.first[rows]
+        self._last = (key, episodes.copy(), timesteps.copy())
+        return episodes, timesteps
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep only the pairs where ``mask`` (one flag per pair now) is True."""
+        self._last = None
         kept = np.flatnonzero(mask)
         if self.kept is not None:
             kept = self.kept[kept]

@@ -51,7 +51,7 @@ import numpy as np
 from ._codecs import BLOSC_HEADER, BLOSC_MEMCPYED, crc32c
 from ._kv import LocalKV, copy_spans
 from ._mapping import map_file
-from ._strided import take_at
+from ._strided import gather_addresses, take_at
 
 if TYPE_CHECKING:
     from ._shards import ShardedArray
@@ -310,16 +310,18 @@ class MapIndex:
             if self.version != _maps.version or not self.maps:
                 return None
             k = self.where[episodes]
-            if (k < 0).any():
+            if k.min() < 0 or (self.generation[k] != generations).any():
                 return None
-            k_generation = self.generation[k]
-            if (k_generation != generations).any() or (time.monotonic() - self.confirmed[k] >= TRUST_S).any():
+            if self.confirmed[k].min() <= time.monotonic() - TRUST_S:
                 return None
             rows = self.rows[k, timesteps]
-            if (rows < 0).any():
+            if rows.min() < 0:
                 return None
             maps = self.maps  # a reset makes a new list: this one keeps the maps alive for the copy
             addresses = self.address[k] + rows * maps[0].payloads.strides[0]
+        frames = gather_addresses(addresses, maps[0].payloads[0])  # outside the lock: copies may overlap
+        if frames is not None:
+            return frames
         lowest = int(np.argmin(addresses))
         anchor = maps[int(k[lowest])].payloads[int(rows[lowest]) :]
         return take_at(anchor, addresses - addresses[lowest])  # outside the lock: copies may overlap

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ._compiled import compiled
+from ._mapping import map_file
 from .base import ANY_SIZE, LOG_PREFIX, StorageError, document_limit, document_too_large
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ Blob = bytes | memoryview
 
 # keys whose file paths a LocalKV remembers
 _MAX_PATHS = 1 << 20
+# small objects a LocalKV keeps mapped (``mapped``: the chunks of per-episode arrays)
+_MAX_MAPPED = 256
 # object-store requests one StoreKV call keeps in flight (``StoreKV.max_in_flight``)
 MAX_IN_FLIGHT = 32
 # a local step log is read in pieces of this many bytes: recovery never holds it whole
@@ -192,6 +195,13 @@ class KeyValue(ABC):
         """The file path or URL of ``key``, for error messages."""
         return key
 
+    def mapped(self, key: str, nbytes: int) -> np.ndarray | None:
+        """The object as a read-only shared map (uint8) where it is a local file of exactly
+        ``nbytes``, else None (absent, another size, or a store without files). A reader takes
+        a copy of what it indexes: writes in place show in the map at once, and a replaced file
+        is mapped again. The per-batch re-check of generations (``ChunkedArray.take``)."""
+        return None
+
     def get_each(self, keys: Sequence[str], consume: Consume, spread: bool = False, limit: int | None = None) -> None:
         """Call ``consume(i, bytes or None)`` for every key, spread over the thread pool (so
         decoding in ``consume`` runs in parallel; codecs release the GIL); ``spread``: even on
@@ -263,8 +273,8 @@ class KeyValue(ABC):
         """Release open handles; the object stays usable."""
 
     def drop_read_handles(self, keys: Sequence[str] | None = None) -> None:
-        """Close the files kept open for reading, those of ``keys`` only when given (a no-op
-        where nothing is kept open)."""
+        """Close the files kept open or mapped for reading, those of ``keys`` only when given
+        (a no-op where nothing is kept open)."""
 
     def links(self) -> list[str]:
         """Paths of the symbolic links under the root (none where the medium has no links)."""
@@ -420,9 +430,10 @@ class LocalKV(KeyValue):
         self._appenders: dict[str, int] = {}
         self._appenders_pid = os.getpid()
         self._paths: dict[str, str] = {}
+        self._maps: dict[str, tuple[int, np.ndarray]] = {}  # path -> (inode, map) for ``mapped``
 
     def __getstate__(self):
-        return {**self.__dict__, "_appenders": {}, "_paths": {}}
+        return {**self.__dict__, "_appenders": {}, "_paths": {}, "_maps": {}}
 
     def _read_range_keyed(self, request: ByteRange, generation: int) -> bytes | None:
         key, start, stop = request
@@ -473,6 +484,35 @@ class LocalKV(KeyValue):
     def where(self, key: str) -> str:
         # docstring inherited
         return self._path(key)
+
+    def mapped(self, key: str, nbytes: int) -> np.ndarray | None:
+        # docstring inherited: one stat per call; the map is kept while the path names the same
+        # inode (which a kept map holds, so its number is not reused) at the same size
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        known = self._maps.get(path)
+        if st.st_size != nbytes or nbytes <= 0:
+            return None
+        if known is not None and known[0] == st.st_ino:
+            return known[1]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_size != nbytes:
+                return None
+            mapped = map_file(fd, nbytes)
+        finally:
+            os.close(fd)
+        if len(self._maps) >= _MAX_MAPPED:
+            self._maps.clear()
+        self._maps[path] = (st.st_ino, mapped)
+        return mapped
 
     def _path(self, key: str) -> str:
         # asked once per sampled frame: joined once per key (the dict is bounded by the keys of
@@ -736,8 +776,12 @@ class LocalKV(KeyValue):
         # docstring inherited
         if keys is None:
             _read_handles.drop_under(self.root)
+            self._maps.clear()
         else:
-            _read_handles.drop([self._path(key) for key in keys])
+            paths = [self._path(key) for key in keys]
+            _read_handles.drop(paths)
+            for path in paths:
+                self._maps.pop(path, None)
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
         try:

@@ -27,10 +27,8 @@ def take_at(anchor: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     as one of ``anchor``'s items (its shape and strides after the first axis), gathered into a
     new array with one fancy index; None when the span is too wide for one view (numpy's
     ValueError: the caller copies item by item)."""
-    first = anchor[:1]
-    if _gather is not None and first.flags.c_contiguous:
-        out = np.empty((len(offsets), *anchor.shape[1:]), anchor.dtype)
-        _gather(out, np.ascontiguousarray(offsets + first.__array_interface__["data"][0], np.int64), first.nbytes)
+    out = gather_addresses(offsets + anchor.__array_interface__["data"][0], anchor[0])
+    if out is not None:
         return out
     unit = int(np.gcd.reduce(offsets)) or 1
     try:
@@ -40,3 +38,14 @@ def take_at(anchor: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     except ValueError:
         return None
     return view[offsets // unit]
+
+
+def gather_addresses(addresses: np.ndarray, item: np.ndarray) -> np.ndarray | None:
+    """The items at memory ``addresses`` (int64), each laid out as the contiguous ``item``,
+    copied into a new array by the compiled ``gather``; None where it is not built (the caller
+    indexes a strided view, ``take_at``). The caller keeps the maps holding them referenced."""
+    if _gather is None or not item.flags.c_contiguous:
+        return None
+    out = np.empty((len(addresses), *item.shape), item.dtype)
+    _gather(out, np.ascontiguousarray(addresses, np.int64), item.nbytes)
+    return out
