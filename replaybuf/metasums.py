@@ -100,18 +100,24 @@ def entries(
 def _entries_int(
     slots: np.ndarray, generations: np.ndarray, values: Mapping[str, np.ndarray], fields: Mapping[str, Field]
 ) -> np.ndarray:
-    """``entries`` of a few slots, hashed with Python ints."""
+    """``entries`` of a few slots, hashed with Python ints over each value's bytes."""
     count = len(slots)
-    gens = np.broadcast_to(np.asarray(generations, dtype=np.int64), (count,)).tolist()
-    raws = [_raw(values[name], field, count) for name, field in fields.items()]
+    gens = np.asarray(generations, dtype=np.int64).reshape(-1).tolist()
+    gens = gens * count if len(gens) == 1 else gens  # one generation for every slot
+    blobs = []
+    for name, field in fields.items():
+        stored = field.dtype.newbyteorder("<")
+        array = np.asarray(values[name])
+        data = (array if array.dtype == stored else array.astype(stored)).tobytes()  # C order
+        size = len(data) // count
+        blobs.append((data, size, -size % 8))
     out = []
     for i, slot in enumerate(slots.tolist()):
         h = _mix_int(_mix_int(slot & _M64) ^ (gens[i] & _M64))
-        for raw in raws:
-            data = raw[i].tobytes()
-            data += bytes(-len(data) % 8)
-            for k in range(0, len(data), 8):
-                h = _mix_int(h ^ int.from_bytes(data[k : k + 8], "little"))
+        for data, size, pad in blobs:
+            row = data[i * size : (i + 1) * size] + bytes(pad)
+            for k in range(0, len(row), 8):
+                h = _mix_int(h ^ int.from_bytes(row[k : k + 8], "little"))
         out.append(h | ((1 << 63) | 1))
     return np.array(out, dtype=np.uint64)
 

@@ -311,3 +311,35 @@ def test_the_meta_checksum_array_is_hidden_and_reserved(tmp_path):
     with pytest.raises(ValueError, match=META_SUM):
         ReplayBuffer(str(tmp_path / "c"), 2, 3, fields={"x": "float"}, meta_fields={META_SUM: "int"})
     assert json.loads(open(os.path.join(path, "replaybuf", "state.json")).read())["crc32c"] > 0
+
+
+def test_entries_of_a_few_slots_and_of_many_agree():
+    """A commit's few slots are hashed with Python ints, a refresh's many with numpy: the same
+    entries, whatever the values' byte order."""
+    from replaybuf.metasums import entries
+    from replaybuf.schema import parse_field
+
+    fields = {
+        "a": parse_field("a", "float"),
+        "b": parse_field("b", ("int", 3)),
+        "c": parse_field("c", "bool"),
+        "d": parse_field("d", ("uint8", 11)),
+    }
+    rng = np.random.default_rng(0)
+    values = {
+        "a": rng.normal(size=40).astype(np.float32),
+        "b": rng.integers(-5, 5, (40, 3)).astype(np.int32),
+        "c": rng.random(40) > 0.5,
+        "d": rng.integers(0, 255, (40, 11)).astype(np.uint8),
+    }
+    slots, generations = rng.permutation(40), rng.integers(0, 1 << 62, 40)
+    many = entries(slots, generations, values, fields)
+    few = [
+        entries(slots[i : i + 4], generations[i : i + 4], {k: v[i : i + 4] for k, v in values.items()}, fields)
+        for i in range(0, 40, 4)
+    ]
+    swapped = {k: v[:3].astype(v.dtype.newbyteorder(">")) for k, v in values.items()}
+    assert (np.concatenate(few) == many).all() and (
+        entries(slots[:3], generations[:3], swapped, fields) == many[:3]
+    ).all()
+    assert len(np.unique(many)) == 40 and ((many >> np.uint64(63)) & (many & np.uint64(1)) == 1).all()
