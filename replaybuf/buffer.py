@@ -486,7 +486,8 @@ class ReplayBuffer(CommittedViews):
         state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
         check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state)
         if len(damaged) and metasums.checking():
-            raise metasums.error(self.storage, int(damaged[0]), self.schema.meta_fields)
+            raise metasums.error(self.storage, int(damaged[0]), self.schema.meta_fields, meta)
+        self._commit.suspect = damaged
         return state, meta
 
     def _reopen(self) -> ReplayBuffer:

@@ -87,6 +87,9 @@ class Committer:
         self.held = HeldEpisodes(storage, schema)  # episodes named snapshots hold: never reused
         self.counters_pending = False  # self.state holds commits whose counters wait (step 4)
         self.batched_at = 0.0  # time.monotonic() of the last counters write of a batch (0: none)
+        # slots whose meta values fail their checksum, loaded by an open that does not raise for
+        # them (``metasums.unchecked``: verify --repair): their generations are not trusted
+        self.suspect = np.zeros(0, np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -456,7 +459,7 @@ class Committer:
         stale = np.flatnonzero((lens == 0) & (generations != 0))
         if len(stale):
             self.write_meta("_generation", stale, np.zeros(len(stale), np.int64))
-        valid = np.flatnonzero(lens > 0)
+        valid = np.setdiff1d(np.flatnonzero(lens > 0), self.suspect)
         # an open recounts what is published (a killed commit may have emptied a reused slot);
         # within a session num_episodes counts commits, as the seed does
         state = {**self.state, "num_episodes": self.listed_count()}

@@ -740,9 +740,14 @@ def verify(
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
     damage, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
-    # meta values failing their checksum (reported by _read_bookkeeping): the episode is dropped
-    # by a repair, as one with damaged data is (which value is wrong cannot be told)
-    damaged = sorted({*damaged, *_damaged_meta(meta, schema, set()).tolist()})
+    # meta values failing their checksum (reported by _read_bookkeeping): a repair writes back
+    # the value one flipped bit explains, else drops the episode, as one with damaged data is
+    # (which value is wrong cannot be told)
+    diagnosed = {
+        int(s): metasums.diagnose(meta, schema.meta_fields, int(s)) for s in _damaged_meta(meta, schema, set())
+    }
+    damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
+    values = {slot: found for slot, found in diagnosed.items() if found is not None}
     unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore]), 0, readable)
     beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
@@ -755,16 +760,18 @@ def verify(
         n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in changed})
     }
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
+    values = {slot: found for slot, found in values.items() if slot not in changed}
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries or restore):
+    if repair and (damaged or stray or entries or restore or values):
         from .buffer import ReplayBuffer
 
-        # the buffer opens with the meta values it is to drop
+        # the buffer opens with the meta values it is to repair (their slots left out of its
+        # counters: Committer.suspect)
         with metasums.unchecked(), ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
             # what was checked is repaired only as it was: a slot a writer replaced since is not
             moved = _changed_slots(buffer.storage, meta)
@@ -778,6 +785,13 @@ def verify(
                 n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in moved})
             }
             restore = {slot: length for slot, length in restore.items() if slot not in moved}
+            for slot in sorted(set(values) - moved):
+                name, value = values[slot]
+                buffer._commit.write_meta(name, np.array([slot]), np.asarray(value)[None])
+                problems.append(
+                    f"repaired: restored meta/{name} of slot {slot} to {np.asarray(value).tolist()!r}, which its "
+                    "checksum matches"
+                )
             if damaged:
                 dropped = buffer.drop_episodes(damaged)
                 problems.append(
@@ -871,7 +885,7 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         if name in meta and slots:
             meta[name] = meta[name].copy()
             meta[name][slots] = 0
-    problems += [str(metasums.error(storage, int(slot), schema.meta_fields)) for slot in damaged]
+    problems += [str(metasums.error(storage, int(slot), schema.meta_fields, meta)) for slot in damaged]
     return meta, problems, flux
 
 

@@ -124,10 +124,15 @@ def _entries_int(
 
 class MetaChecksumError(CorruptChunkError, BufferDamagedError):
     """A committed slot's per-episode values (its meta fields, ``_generation``) do not match
-    their checksum in ``_meta_sum``: one of those files is damaged (which one cannot be told).
-    Also a ``BufferDamagedError``: a refresh (an open) raises it, as for other damaged
-    bookkeeping. ``location`` names the files; ``replaybuf verify``
-    reports the slot and ``verify --repair`` drops the episode."""
+    their checksum in ``_meta_sum``. Also a ``BufferDamagedError``: a refresh (an open) raises
+    it, as for other damaged bookkeeping. ``restore``: (name, value) when one flipped bit in one
+    value (or in the entry) explains it (``diagnose``), and ``location`` names that file;
+    ``verify --repair`` writes it back. Else None, ``location`` names every file involved (which
+    one is damaged cannot be told) and ``verify --repair`` drops the episode."""
+
+    def __init__(self, message: str, *, restore: tuple[str, Any] | None = None, **facts: Any):
+        super().__init__(message, **facts)
+        self.restore = restore
 
 
 def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: np.ndarray | None = None) -> np.ndarray:
@@ -157,6 +162,43 @@ def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: 
     return slots[expected != np.asarray(sums)[slots].astype(np.uint64)]
 
 
+def diagnose(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int) -> tuple[str, Any] | None:
+    """(name, value) of the one per-episode value of damaged ``slot`` whose single flipped bit
+    explains its failed ``_meta_sum`` entry (``_meta_sum`` itself when only the entry is off by
+    one bit), else None. The entry has 63 bits of hash: a wrong value matching it by chance is
+    ~2**-56 over every candidate."""
+    stored = int(np.asarray(meta[META_SUM])[slot])
+    generation = int(np.asarray(meta["_generation"])[slot])
+    values = {name: np.asarray(meta[name])[slot : slot + 1] for name in fields}
+    computed = int(entries(np.array([slot]), np.array([generation]), values, fields)[0])
+    if bin(stored ^ computed).count("1") == 1:
+        return META_SUM, computed
+    bits = np.uint64(1) << np.arange(63, dtype=np.uint64)
+    candidates = (np.uint64(generation) ^ bits).astype(np.int64)
+    found = _matching(slot, stored, candidates, {n: np.repeat(v, 63, axis=0) for n, v in values.items()}, fields)
+    if found is not None:
+        return "_generation", int(candidates[found])
+    for name, field in fields.items():
+        raw = _raw(values[name], field, 1)[0]
+        flips = np.repeat(raw[None], raw.size * 8, axis=0)
+        index = np.arange(raw.size * 8)
+        flips[index, index // 8] ^= (1 << (index % 8)).astype(np.uint8)
+        shaped = flips.view(field.dtype.newbyteorder("<")).reshape(len(flips), *field.shape).astype(field.dtype)
+        trial = {n: shaped if n == name else np.repeat(v, len(flips), axis=0) for n, v in values.items()}
+        found = _matching(slot, stored, np.full(len(flips), generation), trial, fields)
+        if found is not None:
+            return name, shaped[found]
+    return None
+
+
+def _matching(
+    slot: int, stored: int, generations: np.ndarray, values: Mapping[str, np.ndarray], fields: Mapping[str, Field]
+) -> int | None:
+    """The only candidate (row of ``generations`` and ``values``) whose entry is ``stored``."""
+    found = np.flatnonzero(entries(np.full(len(generations), slot), generations, values, fields) == np.uint64(stored))
+    return int(found[0]) if len(found) == 1 else None
+
+
 def meta_file(storage: Any, name: str) -> str:
     """Where meta array ``name`` of ``storage`` is stored (its file, or its key and location)."""
     try:
@@ -165,8 +207,25 @@ def meta_file(storage: Any, name: str) -> str:
         return str(storage.describe_key(f"meta/{name}"))
 
 
-def error(storage: Any, slot: int, fields: Mapping[str, Field]) -> MetaChecksumError:
-    """The ``MetaChecksumError`` for ``slot`` of ``storage``, naming the files involved."""
+def error(storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[str, np.ndarray]) -> MetaChecksumError:
+    """The ``MetaChecksumError`` for ``slot`` of ``storage`` (``meta``: its arrays as loaded),
+    naming the damaged value and its file when one flipped bit explains it (``diagnose``),
+    else every file involved."""
+    found = diagnose(meta, fields, slot)
+    if found is not None:
+        name, value = found
+        where = meta_file(storage, name)
+        held = np.asarray(meta[name])[slot]
+        what = "the checksum entry" if name == META_SUM else "the value"
+        return MetaChecksumError(
+            f"meta/{name}: slot {slot}: holds {held.tolist()!r}, but the slot's checksum in meta/{META_SUM} "
+            f"matches {np.asarray(value).tolist()!r} (one flipped bit): {what} is damaged ({where}). "
+            "`replaybuf verify --repair` restores it",
+            field=f"meta/{name}",
+            slot=slot,
+            location=where,
+            restore=(name, value),
+        )
     names = [*fields, "_generation"]
     files = ", ".join(meta_file(storage, name) for name in [*names, META_SUM])
     return MetaChecksumError(

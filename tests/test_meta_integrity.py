@@ -77,19 +77,32 @@ def flip_file(path: str, offset: int, bit: int) -> None:
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 @pytest.mark.parametrize(
-    "name, value",
-    [("reward_sum", 1.5625), ("goal", [1, -2]), ("_generation", 7), ("_generation", 3)],
+    "name, value, one_bit",
+    [
+        ("reward_sum", 1.5625, True),  # 1.5 with one bit flipped
+        ("reward_sum", 100.0, False),
+        ("goal", [1, -2], True),
+        ("_generation", 3, True),
+        ("_generation", 7, False),
+        (META_SUM, 12345, False),
+    ],
 )
-def test_a_damaged_meta_value_or_generation_is_an_error_naming_the_files(tmp_path, backend, name, value):
+def test_a_damaged_meta_value_or_generation_is_an_error_naming_the_files(tmp_path, backend, name, value, one_bit):
     if backend == "hdf5":
         require("h5py")
     path = build(tmp_path / "b", backend)
     write_raw(path, name, [1], [value])
     for read_only in (True, False):
-        with pytest.raises(MetaChecksumError, match=r"slot 1: .* do not match their checksum") as caught:
+        with pytest.raises(MetaChecksumError, match=r"slot 1: ") as caught:
             ReplayBuffer.from_folder(path, read_only=read_only)
-        assert isinstance(caught.value, CorruptChunkError) and isinstance(caught.value, BufferDamagedError)
-        assert caught.value.slot == 1 and name in caught.value.location and META_SUM in caught.value.location
+        error = caught.value
+        assert isinstance(error, CorruptChunkError) and isinstance(error, BufferDamagedError)
+        assert error.slot == 1 and name in error.location
+        if one_bit:  # the one value a flipped bit explains is named, with what its checksum matches
+            assert error.field == f"meta/{name}" and META_SUM not in error.location and error.restore[0] == name
+            assert "matches" in str(error) and "one flipped bit" in str(error)
+        else:  # every file that may be damaged is named
+            assert error.restore is None and META_SUM in error.location and "reward_sum" in error.location
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])
@@ -218,17 +231,25 @@ def test_a_reader_racing_meta_edits_never_raises(tmp_path):
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
-def test_verify_reports_a_damaged_meta_value_and_repair_drops_its_episode(tmp_path, backend):
+def test_verify_reports_damaged_meta_values_and_repair_restores_one_flipped_bit_or_drops(tmp_path, backend):
     if backend == "hdf5":
         require("h5py")
     path = build(tmp_path / "b", backend)
-    write_raw(path, "reward_sum", [1], [1.5625])
+    before = read(path)
+    write_raw(path, "_generation", [0], [1 | 1 << 40])  # slot 0 would read as the newest episode
+    write_raw(path, "reward_sum", [1], [100.0])  # more than one bit: which value is wrong is unknown
     problems = verify(path)
-    assert len(problems) == 1 and "meta: slot 1" in problems[0] and "reward_sum" in problems[0]
-    assert any("dropped the damaged episodes in slots [1]" in line for line in verify(path, repair=True))
+    assert len(problems) == 2 and "meta/_generation: slot 0: holds 1099511627777" in problems[0]
+    assert "meta: slot 1" in problems[1] and "reward_sum" in problems[1]
+    repaired = verify(path, repair=True)
+    assert any("restored meta/_generation of slot 0 to 1" in line for line in repaired)
+    assert any("dropped the damaged episodes in slots [1]" in line for line in repaired)
     assert verify(path) == []
     got = read(path)
     assert got["meta.reward_sum"].tolist() == [0.5, 2.5] and got["lens"].tolist() == [5, 7]
+    assert np.array_equal(got["all.s"][0], before["all.s"][0])
+    with ReplayBuffer.from_folder(path) as buffer:  # the counters never counted the damaged generation
+        assert (buffer.episode_index, buffer._state["total_episodes"]) == (3, 3)
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
