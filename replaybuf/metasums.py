@@ -5,14 +5,14 @@ backend (a commit writes a few bytes of each), so nothing on the read path would
 flipped bit in them. ``_meta_sum`` (uint64, one entry per slot) holds a hash of the slot
 number, its generation and every meta value's bytes (``entries``). The length is left out: a
 damaged length is told apart by the data's checksums (``EpisodeLengthError``), which
-``verify --repair`` restores. A
-commit writes it with the meta values, before the generation and the length publish the
-episode (one more in-place write of 8 bytes); an edit of meta values in place rewrites it
-inside the slots' ``_revision`` bracket (``Committer.edit_meta``). Every ``refresh`` checks the
-entries of the committed slots (``damaged``) and raises ``MetaChecksumError`` for one that does
-not match. An entry of 0 is "not kept": a buffer an earlier release wrote (a writable open seals
-its committed slots, ``Committer.seal_unkept``); a kept entry has bits 0 and 63 set, so no
-single flipped bit makes it 0.
+``verify --repair`` restores. A commit writes the entry with the meta values, before the
+generation and the length publish the episode (one more in-place write of 8 bytes); an edit
+of meta values in place rewrites it inside the slots' ``_revision`` bracket
+(``Committer.edit_meta``). Every ``refresh`` checks the entries of the committed slots
+(``damaged``) and raises ``MetaChecksumError`` for one that does not match, naming the value
+one flipped bit explains (``diagnose``). An entry of 0 is "not kept": a buffer an earlier
+release wrote (a writable open seals its committed slots, ``Committer.seal_unkept``); a kept
+entry has bits 0 and 63 set, so no single flipped bit makes it 0.
 """
 
 from __future__ import annotations
