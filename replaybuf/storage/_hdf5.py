@@ -258,9 +258,6 @@ class HDF5Storage(LocalFolderStorage):
         self._arrays: dict[tuple[str, bool], H5Array] = {}
         self._ram: dict[str, np.ndarray | None] = {}
         self._maps: dict[str, np.memmap | None] = {}
-        # dataset path -> (the h5py.File it was opened from, the dataset): looking one up by
-        # path cost ~60 µs, a quarter of each small meta write of a commit
-        self._datasets: dict[str, tuple[Any, h5py.Dataset]] = {}
         self._dirty = False
         self._writer_mark: Any = None
         self._compressed = False
@@ -300,15 +297,7 @@ class HDF5Storage(LocalFolderStorage):
         return open_h5(self.path, mode)
 
     def __getstate__(self) -> dict:
-        return {
-            **super().__getstate__(),
-            "_file": None,
-            "_pid": None,
-            "_ram": {},
-            "_maps": {},
-            "_datasets": {},
-            "_writer_mark": None,
-        }
+        return {**super().__getstate__(), "_file": None, "_pid": None, "_ram": {}, "_maps": {}, "_writer_mark": None}
 
     # ---- readers beside a writer -----------------------------------------------------------------
 
@@ -525,11 +514,7 @@ class HDF5Storage(LocalFolderStorage):
     # ---- batched I/O -------------------------------------------------------------------------------
 
     def _dataset(self, name: str, meta: bool = False) -> h5py.Dataset:
-        file, path = self.h5file, self.array(name, meta).path
-        cached = self._datasets.get(path)
-        if cached is None or cached[0] is not file:  # the file was reopened since
-            cached = self._datasets[path] = (file, file[path])
-        return cached[1]
+        return self.h5file[self.array(name, meta).path]
 
     def _check_room(self, nbytes: int, what: str) -> None:
         """Refuse, before HDF5 writes anything, a write the disk may have no room for: h5py
@@ -715,7 +700,7 @@ class HDF5Storage(LocalFolderStorage):
             self.flush()
             self._file.close()
         self._file = None
-        self._ram, self._maps, self._datasets = {}, {}, {}
+        self._ram, self._maps = {}, {}
         if self._checksums is not None:
             self._checksums.release()
         if self._writer_mark is not None:
