@@ -364,3 +364,13 @@ def test_entries_of_a_few_slots_and_of_many_agree():
         entries(slots[:3], generations[:3], swapped, fields) == many[:3]
     ).all()
     assert len(np.unique(many)) == 40 and ((many >> np.uint64(63)) & (many & np.uint64(1)) == 1).all()
+
+
+@pytest.mark.parametrize("name, value", [("reward_sum", 100.0), ("_generation", 9), (META_SUM, 12345)])
+def test_a_reader_hashes_only_changed_slots_and_still_sees_damage_after_it_opened(tmp_path, name, value):
+    path = build(tmp_path / "b", "memmap")
+    with ReplayBuffer.from_folder(path, read_only=True) as reader:
+        assert len(reader._unverified(reader._meta, np.ones(4, bool))) == 1  # slot 3: never committed
+        write_raw(path, name, [2], [value])
+        with pytest.raises(MetaChecksumError, match="slot 2"):
+            reader.refresh()
