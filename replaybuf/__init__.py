@@ -10,6 +10,7 @@ from .buffer import ReplayBuffer
 from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY, copy_seed_h5
 from .maintenance import convert, info, verify
+from .metasums import MetaChecksumError
 from .schema import Field, Schema
 from .snapshots import SnapshotError, SnapshotHeldError
 from .storage import (
@@ -60,6 +61,7 @@ __all__ = [
     "ChecksumEntryError",
     "CorruptChunkError",
     "EpisodeLengthError",
+    "MetaChecksumError",
     "make_storage",
     "frames_to_sheet",
     "trajectory_to_video",

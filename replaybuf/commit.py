@@ -20,10 +20,11 @@ is lost by the delay: the counters are derived from the published lengths and ge
 (``reconcile_state``) when a writer opens the buffer after a kill, and a reader catches the
 counters it loads up with the episodes published since (``caught_up``).
 
-In-place edits of committed rows (``update_rows``) keep the generation; they bracket the rows
-with the slots' ``_revision``, odd while the edit runs and even once done, which keys every
-cached copy of decoded rows with the generation. A writable open closes the edits a killed
-writer left odd (``finish_edits``).
+In-place edits of committed rows (``update_rows``) and meta values (``edit_meta``) keep the
+generation; they bracket the rows with the slots' ``_revision``, odd while the edit runs and
+even once done, which keys every cached copy of decoded rows with the generation. A writable
+open closes the edits a killed writer left odd (``finish_edits``). Step 3 writes each slot's
+``_meta_sum`` (``metasums.py``) with its meta rows, before the generation and length.
 
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here. A commit writes no statistics sketch: the writer's first ``stats()`` stores
@@ -40,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from . import metasums
 from .inputs import fill_value
+from .metasums import META_SUM
 from .schema import Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
@@ -84,6 +87,9 @@ class Committer:
         self.held = HeldEpisodes(storage, schema)  # episodes named snapshots hold: never reused
         self.counters_pending = False  # self.state holds commits whose counters wait (step 4)
         self.batched_at = 0.0  # time.monotonic() of the last counters write of a batch (0: none)
+        # slots whose meta values fail their checksum, loaded by an open that does not raise for
+        # them (``metasums.unchecked``: verify --repair): their generations are not trusted
+        self.suspect = np.zeros(0, np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -239,6 +245,8 @@ class Committer:
         base = int(self.state["total_episodes"])
         # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
         ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
+        # the checksum of what is about to be published, written before it publishes
+        self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals))
         self.write_meta("_generation", slots, ordinals)
         self.write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         previous = self.state
@@ -267,6 +275,38 @@ class Committer:
         episodes = np.asarray(episodes)
         self.storage.write_meta(name, episodes, values)
         self.meta[name][episodes] = values
+
+    def meta_entries(self, slots: np.ndarray, generations: Any = None) -> np.ndarray:
+        """The ``_meta_sum`` entries of ``slots`` for their meta values in the mirror and
+        ``generations`` (None: the mirror's)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        return metasums.entries(
+            slots,
+            self.meta["_generation"][slots] if generations is None else generations,
+            {name: self.meta[name][slots] for name in self.schema.meta_fields},
+            self.schema.meta_fields,
+        )
+
+    def reseal_meta(self, slots: np.ndarray) -> None:
+        """Write the ``_meta_sum`` entries of ``slots`` for the values in the mirror."""
+        slots = np.unique(np.asarray(slots, dtype=np.int64))
+        if len(slots):
+            self.write_meta(META_SUM, slots, self.meta_entries(slots))
+
+    def edit_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        """Edit meta field ``name`` of ``episodes`` in place (``update``, ``store_meta_datapoint``),
+        with their ``_meta_sum`` entries, as one edit (``editing``): a reader meanwhile sees an
+        odd revision (or one that moved) and does not check the slots against their entries."""
+        with self.editing(episodes, [], 0):
+            self.write_meta(name, episodes, values)
+            self.reseal_meta(episodes)
+
+    def seal_unkept(self) -> None:
+        """Seal the committed slots without a ``_meta_sum`` entry (0: an earlier release
+        committed them, or created the array in a writable open killed before sealing)."""
+        lens = self.meta["episode_lens"]
+        slots = np.union1d(np.flatnonzero(lens > 0), empty_episodes(self.state, lens))
+        self.reseal_meta(slots[self.meta[META_SUM][slots] == 0])
 
     @contextmanager
     def editing(self, episodes: np.ndarray, names: Sequence[str], steps: int) -> Iterator[None]:
@@ -402,6 +442,7 @@ class Committer:
         writing = [*writing, *self.state.pop("writing", ())]  # earlier formats kept it in the counters
         self.reconcile_state()
         self.finish_edits()
+        self.seal_unkept()
         self.dirty_slots.update(
             int(s) for s in writing if 0 <= int(s) < self.max_episodes and self.meta["episode_lens"][int(s)] == 0
         )
@@ -418,7 +459,7 @@ class Committer:
         stale = np.flatnonzero((lens == 0) & (generations != 0))
         if len(stale):
             self.write_meta("_generation", stale, np.zeros(len(stale), np.int64))
-        valid = np.flatnonzero(lens > 0)
+        valid = np.setdiff1d(np.flatnonzero(lens > 0), self.suspect)
         # an open recounts what is published (a killed commit may have emptied a reused slot);
         # within a session num_episodes counts commits, as the seed does
         state = {**self.state, "num_episodes": self.listed_count()}
@@ -441,6 +482,7 @@ class Committer:
         odd = np.flatnonzero(self.meta["_revision"] % 2)
         if len(odd):
             self.storage.reseal(odd, self.meta["episode_lens"][odd])
+            self.reseal_meta(odd)
             self.write_meta("_revision", odd, self.meta["_revision"][odd] + 1)
 
     def recover_step_log(self) -> None:

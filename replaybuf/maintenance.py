@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from . import snapshots
+from . import metasums, snapshots
 from .attrs import load_attrs
 from .commit import catch_up
+from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
 from .storage import new_uuid
 from .storage.base import (
@@ -254,6 +255,8 @@ def convert(
         target.acquire_writer(erase=True)
         target.create(target_schema, overwrite=True)
         plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
+        # the checksums of the values as copied (checked in the source, where it keeps them)
+        plan[META_SUM] = metasums.entries(np.arange(schema.max_episodes), plan["_generation"], plan, schema.meta_fields)
         meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
         every_slot = np.arange(schema.max_episodes)
         for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
@@ -737,6 +740,14 @@ def verify(
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
     damage, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    # meta values failing their checksum (reported by _read_bookkeeping): a repair writes back
+    # the value one flipped bit explains, else drops the episode, as one with damaged data is
+    # (which value is wrong cannot be told)
+    diagnosed = {
+        int(s): metasums.diagnose(meta, schema.meta_fields, int(s)) for s in _damaged_meta(meta, schema, set())
+    }
+    damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
+    values = {slot: found for slot, found in diagnosed.items() if found is not None}
     unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore]), 0, readable)
     beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
@@ -749,16 +760,19 @@ def verify(
         n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in changed})
     }
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
+    values = {slot: found for slot, found in values.items() if slot not in changed}
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries or restore):
+    if repair and (damaged or stray or entries or restore or values):
         from .buffer import ReplayBuffer
 
-        with ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
+        # the buffer opens with the meta values it is to repair (their slots left out of its
+        # counters: Committer.suspect)
+        with metasums.unchecked(), ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
             # what was checked is repaired only as it was: a slot a writer replaced since is not
             moved = _changed_slots(buffer.storage, meta)
             if moved:
@@ -771,6 +785,13 @@ def verify(
                 n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in moved})
             }
             restore = {slot: length for slot, length in restore.items() if slot not in moved}
+            for slot in sorted(set(values) - moved):
+                name, value = values[slot]
+                buffer._commit.write_meta(name, np.array([slot]), np.asarray(value)[None])
+                problems.append(
+                    f"repaired: restored meta/{name} of slot {slot} to {np.asarray(value).tolist()!r}, which its "
+                    "checksum matches"
+                )
             if damaged:
                 dropped = buffer.drop_episodes(damaged)
                 problems.append(
@@ -849,7 +870,14 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
             meta[name] = values
         flux = _changed_slots(storage, meta)
         lens, generations = meta.get("episode_lens"), meta.get("_generation")
-        if not flux and not (lens is not None and generations is not None and _midway(lens, generations)):
+        # values that fail their checksum are read again too: an edit of them may have landed
+        # between the reads of the values and of their checksums
+        damaged = _damaged_meta(meta, schema, flux)
+        if (
+            not flux
+            and not len(damaged)
+            and not (lens is not None and generations is not None and _midway(lens, generations))
+        ):
             break
         time.sleep(0.01)
     slots = sorted(flux)
@@ -857,7 +885,17 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         if name in meta and slots:
             meta[name] = meta[name].copy()
             meta[name][slots] = 0
+    problems += [str(metasums.error(storage, int(slot), schema.meta_fields, meta)) for slot in damaged]
     return meta, problems, flux
+
+
+def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int]) -> np.ndarray:
+    """The committed slots, not in ``flux``, whose meta values fail their ``_meta_sum`` entry
+    (``metasums.damaged``); none when an array did not read."""
+    if any(name not in meta for name in (*schema.meta_fields, "episode_lens", "_generation")):
+        return np.zeros(0, np.int64)
+    slots = np.setdiff1d(np.flatnonzero(meta["episode_lens"] > 0), np.fromiter(flux, np.int64, len(flux)))
+    return metasums.damaged(meta, schema.meta_fields, slots)
 
 
 def _live_writer(storage: Storage) -> dict | None:

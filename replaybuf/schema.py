@@ -24,7 +24,7 @@ FORMAT_VERSION = 3
 # the seed's short names, kept exactly: 'int' is int32, 'float' float32
 SHORT_DTYPES = {"int": "int32", "float": "float32", "bool": "bool", "uint8": "uint8"}
 
-RESERVED_META_FIELDS = ("episode_lens", "_generation", "_revision")
+RESERVED_META_FIELDS = ("episode_lens", "_generation", "_revision", "_meta_sum")
 MAX_TIMESTEPS = 2**31 - 1
 MAX_EPISODE_BYTES = 16 * 2**30
 # Every open reads the per-episode arrays (meta fields, episode_lens, _generation, _revision) whole into
@@ -32,8 +32,9 @@ MAX_EPISODE_BYTES = 16 * 2**30
 # max_episodes of 10**9 would otherwise take 12 GB before failing). 4 GiB is 214 million
 # episodes with no meta fields.
 MAX_META_BYTES = 4 * 2**30
-# bytes per episode of the bookkeeping arrays (episode_lens int32, _generation and _revision int64)
-_BOOKKEEPING_BYTES = 20
+# bytes per episode of the bookkeeping arrays (episode_lens int32, _generation and _revision
+# int64, _meta_sum uint64)
+_BOOKKEEPING_BYTES = 28
 
 
 def parse_dtype(name: str, spec: Any) -> np.dtype:

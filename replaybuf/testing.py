@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from . import metasums
+from .metasums import META_SUM
 from .schema import Schema
 from .storage.base import (
     BufferNotFoundError,
@@ -109,7 +111,8 @@ class StorageTests:
     ) -> dict[str, np.ndarray]:
         """Write whole rows (len(episodes), max_timesteps, *shape) and meta values of
         ``episodes`` as another writer would: through a new Storage on the location, created
-        when absent, then closed. Returns the rows as a reader should now see them."""
+        when absent, then closed; ``meta["_meta_sum"]`` is set to the checksums of the values
+        (as a commit writes them). Returns the rows as a reader should now see them."""
         storage = factory()
         if storage.exists():
             storage.open(read_only=False)
@@ -117,6 +120,8 @@ class StorageTests:
             storage.create(self.schema(), overwrite=False)
         for name, values in rows.items():
             storage.write_rows(name, episodes, 0, values)
+        fields = self.schema().meta_fields
+        meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, fields)
         for name, values in meta.items():
             storage.write_meta(name, episodes, values)
         storage.commit_state({**storage.load_state(), "total_episodes": int(meta["_generation"].max())})
@@ -159,6 +164,7 @@ class StorageTests:
         out["episode_lens"] = rng.integers(1, self.max_timesteps + 1, episodes).astype(np.int32)
         out["_generation"] = np.arange(first_generation, first_generation + episodes, dtype=np.int64)
         out["_revision"] = 2 * rng.integers(0, 5, episodes, dtype=np.int64)
+        out[META_SUM] = rng.integers(0, 2**63, episodes, dtype=np.uint64)  # ``write`` seals them
         return out
 
     @pytest.fixture

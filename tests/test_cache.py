@@ -724,11 +724,11 @@ def test_revisions_move_once_per_edit_and_never_for_rejected_ones(written):
         writer.store_datapoint(1, 0, "nope", 1)
     assert not writer._meta["_revision"].any()
     assert "_revision" not in writer.meta_data and "_revision" not in writer.meta_fieldnames
-    writer.update([1], task=[7])  # meta values live in the mirror every refresh reloads: no revision
-    assert not ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"].any()
-    writer.update([1, 2], ident=np.zeros((2, 4)), reward=np.ones((2, 4)), task=[3, 4])  # one edit of both fields
+    writer.update([1], task=[7])  # meta values are edited with their checksums (``_meta_sum``)
+    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][:4].tolist() == [0, 2, 0, 0]
+    writer.update([1, 2], ident=np.zeros((2, 4)), reward=np.ones((2, 4)), task=[3, 4])  # one edit of all of them
     writer.store_datapoint(2, 1, "ident", 5)
-    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][:4].tolist() == [0, 2, 4, 0]
+    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][:4].tolist() == [0, 4, 4, 0]
     writer.close()
     with pytest.raises(ValueError, match="_revision"):
         ReplayBuffer(

@@ -14,6 +14,7 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatStorage
+from replaybuf.metasums import META_SUM, entries
 from replaybuf.schema import Schema
 from replaybuf.storage import Storage, make_storage
 from replaybuf.testing import StorageFactory, StorageTests, snapshot
@@ -122,12 +123,15 @@ class TestConcat(StorageTests):
     def write(self, factory, episodes, rows, meta):
         # docstring inherited: each member writes its own episodes, cut to its time axis
         stored = {n: r.copy() for n, r in rows.items()}
-        first = 0
+        schema, first = self.schema(), 0
         for storage, (_, count, timesteps, _) in zip(self.open_members("buffer"), self.members):
             mine = np.flatnonzero((episodes >= first) & (episodes < first + count))
             for name, values in rows.items():
                 storage.write_rows(name, episodes[mine] - first, 0, values[mine, :timesteps])
                 stored[name][mine, timesteps:] = 0
+            # a member's checksums are of its own slots
+            member = {n: v[mine] for n, v in meta.items()}
+            meta[META_SUM][mine] = entries(episodes[mine] - first, member["_generation"], member, schema.meta_fields)
             for name, values in meta.items():
                 if name == "episode_lens":  # a member refuses lengths past its own time axis
                     values[mine] = np.minimum(values[mine], timesteps)  # and readers expect them so

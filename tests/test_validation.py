@@ -23,7 +23,9 @@ from replaybuf import BufferDamagedError, ReplayBuffer
 from replaybuf.cli import main
 from replaybuf.maintenance import info, verify
 from replaybuf.staging import StepLog
+from replaybuf.storage._codecs import crc32c
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
+from replaybuf.storage.base import STATE_CHECKSUM, state_body
 
 from ._backends import LOCAL_BACKENDS, require, snapshot
 from ._data import FIELDS, META_FIELDS, episode
@@ -76,6 +78,8 @@ def edit_json(path, **changes) -> None:
         doc = json.load(f)
     target = doc["attributes"] if "replaybuf" in json.dumps(doc.get("attributes")) else doc
     target.update(changes)
+    if STATE_CHECKSUM in doc:  # the counters as a writer would commit them: sealed again
+        doc[STATE_CHECKSUM] = crc32c(state_body(doc))
     with open(path, "w") as f:
         json.dump(doc, f)
 

@@ -413,8 +413,10 @@ class ZarrStorage(KVBlobs, Storage):
         layout."""
         where = self.describe_key(f"{path}/zarr.json")
         try:
-            array = self._chunked_array(path, parse_json(doc, where), 1 if path.startswith("meta/") else 2)
-        except (KeyError, IndexError, TypeError) as e:
+            parsed = parse_json(doc, where)
+            _check_document(where, parsed)
+            array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2)
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
@@ -954,6 +956,43 @@ def _unmeasured(attributes: dict, schema: Schema | None, where: str) -> set[str]
     ):
         raise BufferDamagedError(f"{where}: {MEASURED_CODECS} must map data field names to choices, got {measured!r}")
     return {name for name, choice in measured.items() if choice is None}
+
+
+# the chunk key encoding replaybuf writes (``FLAT_KEYS``) as a zarr v3 document holds it
+_KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
+_LITTLE_ENDIAN = {"endian": "little"}
+
+
+def _check_document(where: str, doc: dict) -> None:
+    """Refuse an array document that says what no replaybuf writer writes (the layout and
+    codecs are checked as they are read): a flipped byte in the key encoding would read every
+    chunk as missing, in the fill value or the byte order would change what other zarr
+    readers see."""
+
+    def bytes_codec_ok(codec: dict) -> bool:
+        return codec.get("name") != "bytes" or codec.get("configuration", _LITTLE_ENDIAN) == _LITTLE_ENDIAN
+
+    fill = doc.get("fill_value")
+    codecs = doc["codecs"]
+    inner = codecs[0].get("configuration", {}) if codecs[0].get("name") == "sharding_indexed" else {}
+    problems = [
+        f"{key} is {doc.get(key)!r}, expected {value!r}"
+        for key, value in (("zarr_format", 3), ("node_type", "array"), ("chunk_key_encoding", _KEY_ENCODING))
+        if doc.get(key) != value
+    ]
+    if doc["chunk_grid"].get("name") != "regular":
+        problems.append(f"chunk_grid is {doc['chunk_grid']!r}, expected a regular grid")
+    if isinstance(fill, str) or not isinstance(fill, (int, float)) or fill != 0:
+        problems.append(f"fill_value is {fill!r}, expected 0")
+    if doc.get("storage_transformers", []) != []:
+        problems.append(f"storage_transformers is {doc['storage_transformers']!r}, expected []")
+    every = [*codecs, *inner.get("codecs", []), *inner.get("index_codecs", [])]
+    if not all(isinstance(c, dict) and bytes_codec_ok(c) for c in every):
+        problems.append(f"codecs {codecs} are not little-endian")
+    if inner and inner.get("index_location") != "end":
+        problems.append(f"the shard index location is {inner.get('index_location')!r}, expected 'end'")
+    if problems:
+        raise BufferDamagedError(f"{where}: {'; '.join(problems)} (damaged, or not written by replaybuf)")
 
 
 def _check_chunks(where: str, array: ChunkedArray) -> None:

@@ -336,19 +336,22 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
     filled the slot, so readers can order a circular buffer chronologically and notice reuse.
     ``_revision`` (int64) counts the in-place edits of the slot's rows, two per edit (odd while
     one runs): a cached copy is keyed by (generation, revision), so an edit is never served
-    stale (``storage/_cache.py``). Buffers written before it existed lack it (``OPTIONAL_META``).
+    stale (``storage/_cache.py``). ``_meta_sum`` (uint64) checksums each committed slot's
+    meta values, generation and length (``replaybuf/metasums.py``). Buffers written before them
+    lack them (``OPTIONAL_META``).
     """
     del schema
     return {
         "episode_lens": Field("episode_lens", np.dtype("int32")),
         "_generation": Field("_generation", np.dtype("int64")),
         "_revision": Field("_revision", np.dtype("int64")),
+        "_meta_sum": Field("_meta_sum", np.dtype("uint64")),
     }
 
 
 # bookkeeping arrays a buffer written by an earlier release may lack: a read-only open reads
 # them as zeros (``AbsentMeta``), a writable open creates them (zeros)
-OPTIONAL_META: dict[str, np.dtype] = {"_revision": np.dtype("int64")}
+OPTIONAL_META: dict[str, np.dtype] = {"_revision": np.dtype("int64"), "_meta_sum": np.dtype("uint64")}
 
 
 class AbsentMeta(ArrayBase):
@@ -374,6 +377,15 @@ def empty_state() -> dict:
 
 
 COUNTERS = tuple(empty_state())
+# the key of the counters object's own crc32c (of the rest, as ``commit_state`` writes it)
+STATE_CHECKSUM = "crc32c"
+# every key a counters object may hold (``writing``: an earlier release's)
+STATE_KEYS = frozenset((*COUNTERS, "cleared", "empty_episodes", "writing", STATE_CHECKSUM))
+
+
+def state_body(state: dict) -> bytes:
+    """The counters object ``state`` as ``commit_state`` stores it, without its crc32c."""
+    return json.dumps({k: v for k, v in state.items() if k != STATE_CHECKSUM}, sort_keys=True).encode()
 
 
 def document_limit(limit: int | None = None) -> int:
@@ -668,17 +680,35 @@ class Storage(ABC):
         raw = self.read_blob(STATE_KEY)
         if raw is None:
             return empty_state()
-        state = parse_json(raw, self.describe_key(STATE_KEY))
+        where = self.describe_key(STATE_KEY)
+        state = parse_json(raw, where)
         missing = [key for key in COUNTERS if key not in state]
         if missing:  # every commit writes all of them: a missing one is damage, not a zero
-            raise BufferDamagedError(f"{self.describe_key(STATE_KEY)}: missing {', '.join(missing)}")
+            raise BufferDamagedError(f"{where}: missing {', '.join(missing)}")
+        # a flipped byte in a key makes it unknown (the crc32c's included), in a value the
+        # crc32c fails; an earlier release's counters hold no crc32c
+        unknown = sorted(set(state) - STATE_KEYS)
+        if unknown:
+            raise BufferDamagedError(f"{where}: unknown keys {unknown} (damaged, or not written by replaybuf)")
+        crc = state.pop(STATE_CHECKSUM, None)
+        from ._codecs import crc32c
+
+        if crc is not None and crc != crc32c(state_body(state)):
+            raise BufferDamagedError(
+                f"{where}: the counters do not match their crc32c {crc!r} (damaged); deleting the file makes a "
+                "writable open count them again from the published episodes"
+            )
         return state
 
     def commit_state(self, state: dict) -> None:
         """Publish the counters as one atomic object: the last step of every commit. Rows and
         meta written before the call are visible to a reader that loads these counters."""
         self._check_writable()
-        self.write_blob(STATE_KEY, json.dumps(state, sort_keys=True).encode())
+        from ._codecs import crc32c
+
+        plain = {k: v for k, v in state.items() if k != STATE_CHECKSUM}
+        sealed = {**plain, STATE_CHECKSUM: crc32c(state_body(plain))}
+        self.write_blob(STATE_KEY, json.dumps(sealed, sort_keys=True).encode())
 
     def mark_writing(self, slots: Iterable[int]) -> None:
         """Record the slots whose rows the writer is about to write in place, before
