@@ -33,6 +33,7 @@ from . import sketches
 from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
 from .progress import dask_progress, progress_bar
 from .storage import GenerationMismatchError, fill_beyond
+from .storage._recycle import empty as recycled
 from .view import BufferView
 
 if TYPE_CHECKING:
@@ -398,7 +399,7 @@ def _read_rows(
     a distributed client) dask arrays of the same rows are computed and copied in."""
     storage, schema = buffer.storage, buffer.schema
     results = {
-        n: np.empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype) for n in fields
+        n: recycled((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype) for n in fields
     }
     parallel = scheduler in _THREADED_SCHEDULERS
 

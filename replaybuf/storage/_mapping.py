@@ -26,6 +26,8 @@ def _libc() -> Any:
         libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     except (OSError, AttributeError, TypeError):
         return None
     return libc
@@ -60,3 +62,25 @@ def map_file(fd: int, size: int) -> np.ndarray:
     if os.fstat(fd).st_size < size:  # as Python's mmap refuses: a page past the end would fault
         raise ValueError("mmap length is greater than file size")
     return mapped
+
+
+_MADV_HUGEPAGE = 14
+
+
+def map_anonymous(size: int) -> int | None:
+    """The address of ``size`` bytes of fresh private memory (huge pages asked for, as numpy asks
+    for its large arrays), or None where libc cannot be called or the kernel refuses; the
+    caller unmaps it (``unmap``)."""
+    if _LIBC is None:
+        return None
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    address = _LIBC.mmap(None, size, prot, flags, -1, 0)
+    if address is None or address == _FAILED:
+        return None
+    _LIBC.madvise(address, size, _MADV_HUGEPAGE)  # a refusal costs speed only
+    return address
+
+
+def unmap(address: int, size: int) -> None:
+    """Give back memory from ``map_anonymous``."""
+    _LIBC.munmap(address, size)
