@@ -32,8 +32,7 @@ from dask.utils import parse_bytes
 from . import sketches
 from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
 from .progress import dask_progress, progress_bar
-from .storage import GenerationMismatchError, fill_beyond
-from .storage._recycle import empty as recycled
+from .storage import GenerationMismatchError, fill_beyond, recycled_empty
 from .view import BufferView
 
 if TYPE_CHECKING:
@@ -399,7 +398,8 @@ def _read_rows(
     a distributed client) dask arrays of the same rows are computed and copied in."""
     storage, schema = buffer.storage, buffer.schema
     results = {
-        n: recycled((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype) for n in fields
+        n: recycled_empty((len(plan.slots), plan.length, *schema.fields[n].shape), schema.fields[n].dtype)
+        for n in fields
     }
     parallel = scheduler in _THREADED_SCHEDULERS
 

@@ -30,45 +30,45 @@ def address(array: np.ndarray | torch.Tensor) -> int:
 
 
 def test_small_arrays_come_from_numpy():
-    array = _recycle.empty((4, 5), np.float32)
+    array = _recycle.recycled_empty((4, 5), np.float32)
     assert array.shape == (4, 5) and array.dtype == np.float32 and array.flags.owndata
 
 
 def test_memory_is_reused_only_once_nothing_refers_to_it(small_pool):
-    first = _recycle.empty((2, MIB), np.uint8)
+    first = _recycle.recycled_empty((2, MIB), np.uint8)
     assert first.shape == (2, MIB) and first.flags.writeable and not first.flags.owndata
     first[:] = 7
     where = address(first)
-    other = _recycle.empty((2, MIB), np.uint8)  # the first is alive: never the same memory
+    other = _recycle.recycled_empty((2, MIB), np.uint8)  # the first is alive: never the same memory
     assert address(other) != where
     other[:] = 9
     assert (first == 7).all()
     view, tensor = first[1:], torch.from_numpy(first)
     held = []  # what the checks allocate stays alive: only the first array's memory can be freed
     del first
-    held.append(_recycle.empty((2, MIB), np.uint8))
+    held.append(_recycle.recycled_empty((2, MIB), np.uint8))
     assert address(held[-1]) != where  # a view and a tensor hold it
     del view
-    held.append(_recycle.empty((2, MIB), np.uint8))
+    held.append(_recycle.recycled_empty((2, MIB), np.uint8))
     assert address(held[-1]) != where
     assert (tensor == 7).all()
     del tensor
-    again = _recycle.empty((MIB // 8, 4), np.float32)  # as large, another shape and dtype
+    again = _recycle.recycled_empty((MIB // 8, 4), np.float32)  # as large, another shape and dtype
     assert address(again) == where and again.shape == (MIB // 8, 4) and again.dtype == np.float32
 
 
 def test_a_freed_region_serves_sizes_up_to_a_quarter_smaller(small_pool):
-    big = _recycle.empty((4 * MIB,), np.uint8)
+    big = _recycle.recycled_empty((4 * MIB,), np.uint8)
     where = address(big)
     del big
-    assert address(_recycle.empty((MIB,), np.uint8)) != where  # far smaller: not given 4x the memory
-    smaller = _recycle.empty((int(3.5 * MIB),), np.uint8)
+    assert address(_recycle.recycled_empty((MIB,), np.uint8)) != where  # far smaller: not given 4x the memory
+    smaller = _recycle.recycled_empty((int(3.5 * MIB),), np.uint8)
     assert address(smaller) == where
 
 
 def test_the_pool_is_bounded_and_goes_back_to_the_kernel_when_idle(small_pool, monkeypatch):
     monkeypatch.setattr(_recycle, "POOL_BYTES", 5 * MIB)
-    arrays = [_recycle.empty((2 * MIB,), np.uint8) for _ in range(4)]
+    arrays = [_recycle.recycled_empty((2 * MIB,), np.uint8) for _ in range(4)]
     del arrays
     kept = _recycle.sweep(now=0.0)  # nothing idle yet: only the bound applies
     assert 0 < kept <= 5 * MIB
@@ -91,6 +91,8 @@ def test_kept_trajectory_batches_and_results_never_change(small_pool, tmp_path):
         episodes.append(episode)
     batches = list(buffer.dataloader(batch_size=2, return_indices=True))
     assert len({address(batch["frame"]) for batch in batches}) == len(batches)
+    # forked workers recycle their own memory; each batch reaches this process in shared memory
+    batches += list(buffer.dataloader(batch_size=2, return_indices=True, shuffle=True, num_workers=2))
     for batch in batches:
         for row, slot in enumerate(batch["_index"].tolist()):
             length = len(episodes[slot]["frame"])

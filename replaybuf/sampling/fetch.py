@@ -24,8 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..storage import CachedStorage, GenerationMismatchError, Storage, fill_beyond
-from ..storage._recycle import empty as recycled
+from ..storage import CachedStorage, GenerationMismatchError, Storage, fill_beyond, recycled_empty
 from ..view import BufferView
 
 CACHE_MODES = (None, "ram", "memmap")
@@ -143,7 +142,7 @@ class Fetcher:
         if len(lengths) == 0 or (lengths.mean() < _BULK_MIN_STEPS and not checked):
             return self._windows(self.gather, name, episodes, starts, lengths, width)
         field = self.schema.fields[name]
-        out = recycled((len(lengths), width, *field.shape), field.dtype)
+        out = recycled_empty((len(lengths), width, *field.shape), field.dtype)
         self._read_spans_into(out, name, episodes, starts, lengths)
         fill_beyond(out, lengths, 0)
         return out

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 from ._cache import DEFAULT_CACHE_SIZE, CachedStorage, new_uuid, with_cache
 from ._owned import ForeignEntriesError
+from ._recycle import recycled_empty
 from ._seed import read_seed_schema, seed_h5_hint
 from .base import (
     ATTRS_KEY,
@@ -110,6 +111,7 @@ __all__ = [
     "fill_beyond",
     "open_h5",
     "read_seed_schema",
+    "recycled_empty",
     "seed_h5_hint",
     "list_children",
     "make_storage",

@@ -6,7 +6,7 @@ a hot trajectory batch took 6.9 ms in fresh memory against 4.6 ms in memory used
 (medians, one reader process). On a VM, memory freed a few seconds earlier may also have gone
 back to the host and costs several times more to touch again.
 
-``empty`` gives an array of at least ``MIN_BYTES`` the memory an earlier one freed (as large,
+``recycled_empty`` gives an array of at least ``MIN_BYTES`` the memory an earlier one freed (as large,
 or up to a quarter larger) where there is one: memory these arrays free goes to a pool instead
 of back to the kernel, at most ``POOL_BYTES`` in all and for ``IDLE_S`` seconds, after which a
 background thread unmaps it. A region is pooled only once nothing refers to it (its holder is
@@ -56,7 +56,7 @@ class _Region:
         self._returned.append((self.address, self.size, self._clock()))
 
 
-def empty(shape: tuple[int, ...], dtype: np.dtype | type | str) -> np.ndarray:
+def recycled_empty(shape: tuple[int, ...], dtype: np.dtype | type | str) -> np.ndarray:
     """``np.empty(shape, dtype)``, in recycled memory when it is at least ``MIN_BYTES``."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
