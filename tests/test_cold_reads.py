@@ -435,12 +435,18 @@ def test_shards_of_other_codecs_are_read_not_mapped(tmp_path, monkeypatch):
     assert not mapped
 
 
-@pytest.mark.parametrize("how", ["empty", "cut", "folder", "absent"])
-def test_a_whole_shard_damaged_outside_is_named_from_its_map(cold, tmp_path, how):
-    """A shard emptied, cut short (its index gone), replaced by a folder or deleted fails the
-    mapped read with the error the copying read gave, naming the slot or the file."""
+@pytest.mark.parametrize("how", ["empty", "cut", "folder", "absent", "flip"])
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_whole_shard_damaged_outside_is_named_from_its_map(cold, tmp_path, how, spread, monkeypatch):
+    """A shard emptied, cut short (its index gone), replaced by a folder, deleted or with a bit
+    flipped in a frame fails the mapped read with the error the copying read gave, naming the
+    slot or the file; ``spread``: shards mapped and parts decoded by two pool threads, where
+    the failure of one thread's shard ends the read once the other thread finished."""
     import shutil
 
+    monkeypatch.setattr(_kv, "CORES", 2)
+    if spread:
+        monkeypatch.setattr(_shards, "SPREAD_BYTES", 0)
     location = str(tmp_path / "copy")
     shutil.copytree(cold[0], location)
     shard = os.path.join(location, "data", "frame", "c.2.0.0.0.0")
@@ -449,6 +455,10 @@ def test_a_whole_shard_damaged_outside_is_named_from_its_map(cold, tmp_path, how
         os.mkdir(shard)
     elif how == "absent":
         os.remove(shard)
+    elif how == "flip":
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 0x04  # inside a frame near the middle of the episode
+        open(shard, "wb").write(bytes(data))
     else:
         with open(shard, "r+b") as f:
             f.truncate(0 if how == "empty" else os.path.getsize(shard) - 4_000)
@@ -461,5 +471,7 @@ def test_a_whole_shard_damaged_outside_is_named_from_its_map(cold, tmp_path, how
     with pytest.raises(CorruptChunkError) as error:
         buffer.get_all_data()
     assert error.value.slot == 2
-    if how != "absent":
+    if how == "flip":
+        assert "crc32c" in str(error.value) and error.value.location.startswith(f"{shard}, inner chunk ")
+    elif how != "absent":
         assert "shard index" in str(error.value) and shard in str(error.value)

@@ -30,7 +30,6 @@ _MISSING = np.uint64(2**64 - 1)
 # reads again with fresh indexes after a crc32c failure before calling it damage (a compaction
 # may have replaced the shard meanwhile: ``_fresh_on_damage``)
 COMPACTION_RETRIES = 3
-_MISSING_INT = 2**64 - 1
 # shard reads decoding this much each on average are spread over the pool even on 2 cores
 # (``_kv.in_pool``): ~50 frames of 84x84x3, ~0.6 ms of decoding that frees the GIL
 SPREAD_BYTES = 1 << 20
@@ -504,7 +503,8 @@ class ShardedArray(ChunkedArray):
         takes them after ``view`` (ranges, the row ``out[i]``, byte offsets in it, (episode,
         chunk) rows), or None when there are none. Chunks absent, or cut by the span, are decoded
         here piece by piece. The others are found with numpy: a Python step per frame cost ~1 us
-        and a few tuples, which on a whole buffer's read ran the collector over every object."""
+        and a few objects (a whole buffer's read left ~2.6x as many live ones, bringing the
+        collector's full pass, ~0.15 s with torch and dask loaded, nearer)."""
         i, e, first, stop = span
         start, length = int(starts[i]), int(lengths[i])
         if view is None or index is None:
