@@ -63,14 +63,19 @@ def packed(codec: ChunkCodec, chunks: np.ndarray, hot: bool = False) -> tuple[by
 
 @pytest.mark.parametrize("checksum", [True, False])
 @pytest.mark.parametrize("hot", [False, True])
-def test_decode_many_into_places_every_chunk(path, checksum, hot):
+@pytest.mark.parametrize("arrays", [False, True])
+def test_decode_many_into_places_every_chunk(path, checksum, hot, arrays):
+    """Ranges and offsets as lists, or as the int64 arrays a whole shard's read builds."""
     codec = ChunkCodec(np.dtype("uint8"), BLOSC, checksum=checksum)
     chunks = frames(6)
     data, ranges = packed(codec, chunks, hot)
     out = np.full((8, *FRAME), 99, np.uint8)
     rows = [7, 0, 3, 1, 6, 2]  # scattered, as a gather places sampled frames
     step = chunks[0].nbytes
-    codec.decode_many_into(memoryview(data), ranges, out, [row * step for row in rows], step)
+    offsets = [row * step for row in rows]
+    if arrays:
+        ranges, offsets = np.array(ranges, np.int64), np.array(offsets, np.int64)
+    codec.decode_many_into(memoryview(data), ranges, out, offsets, step)
     np.testing.assert_array_equal(out[rows], chunks)
     assert (out[[4, 5]] == 99).all()
 
@@ -104,14 +109,19 @@ def damaged(how: str, data: bytes, ranges: list[tuple[int, int]], codec: ChunkCo
 
 
 @pytest.mark.parametrize("how", ["flip", "short", "past-the-end", "header"])
-def test_a_damaged_chunk_is_named_by_position_after_the_ones_before_it(path, how):
+@pytest.mark.parametrize("arrays", [False, True])
+def test_a_damaged_chunk_is_named_by_position_after_the_ones_before_it(path, how, arrays):
     codec = ChunkCodec(np.dtype("uint8"), BLOSC, checksum=True)
     chunks = frames(4)
     data, ranges = damaged(how, *packed(codec, chunks), codec)
     out = np.zeros_like(chunks)
     step = chunks[0].nbytes
+    offsets = [k * step for k in range(len(ranges))]
     with pytest.raises(ChunkDamage) as error:
-        codec.decode_many_into(data, ranges, out, [k * step for k in range(len(ranges))], step)
+        if arrays:
+            codec.decode_many_into(data, np.array(ranges, np.int64), out, np.array(offsets, np.int64), step)
+        else:
+            codec.decode_many_into(data, ranges, out, offsets, step)
     assert error.value.item == 2
     np.testing.assert_array_equal(out[:2], chunks[:2])
 
@@ -123,6 +133,10 @@ def test_decode_many_into_refuses_an_output_it_cannot_fill():
     step = chunks[0].nbytes
     with pytest.raises(ValueError, match="do not fit out"):
         codec.decode_many_into(data, ranges, np.zeros_like(chunks), [0, step + 1], step)
+    with pytest.raises(ValueError, match="do not fit out"):
+        codec.decode_many_into(data, np.array(ranges), np.zeros_like(chunks), np.array([-1, step]), step)
+    with pytest.raises(ValueError, match="2 ranges for 1 offsets"):
+        codec.decode_many_into(data, ranges, np.zeros_like(chunks), [0], step)
     with pytest.raises(ValueError, match="C-contiguous"):
         codec.decode_many_into(data, ranges, np.zeros((2, *FRAME, 2), np.uint8)[..., 0], [0, step], step)
 
@@ -364,3 +378,100 @@ def test_a_forged_shard_index_never_sizes_a_read(cold, tmp_path, monkeypatch):
         with pytest.raises(CorruptChunkError, match="shard index names a chunk over") as error:
             read()
         assert error.value.slot == 2 and shard in str(error.value)
+
+
+def mapped_under(folder: str) -> list[str]:
+    """The files under ``folder`` this process has mapped now (Linux: /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return [line.split()[-1] for line in f if folder in line]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_whole_blosc_shards_decode_from_maps_in_parts(cold, path, parallel, monkeypatch):
+    """Spans reading whole blosc shards on local disk decode from maps of the files (no read of
+    a shard into memory), in parts of about ``SPREAD_BYTES`` over the pool, ``MAPPED_SHARDS``
+    mapped at a time; no map outlives the read. Spans under half a shard read ranges as before."""
+    monkeypatch.setattr(_kv, "CORES", 2)
+    monkeypatch.setattr(_shards, "SPREAD_BYTES", 5 * int(np.prod(FRAME)))  # ~12 parts a whole shard
+    monkeypatch.setattr(_shards, "MAPPED_SHARDS", 2)
+    mapped: list[str] = []
+    read: list[str] = []
+    real_map, real_read = _kv.LocalKV.map, _kv.LocalKV._read
+    monkeypatch.setattr(_kv.LocalKV, "map", lambda self, key: mapped.append(key) or real_map(self, key))
+    monkeypatch.setattr(
+        _kv.LocalKV, "_read", lambda self, key, limit=None: read.append(key) or real_read(self, key, limit)
+    )
+    location, episodes = cold
+    storage = ReplayBuffer.from_folder(location, read_only=True).storage
+    slots = np.array([4, 0, 2, 1, 3, 0])
+    starts = np.array([0, 0, 0, 0, 0, 2])  # the last: all but 2 frames, still a whole-shard read
+    lengths = np.array([len(episodes[e]) for e in slots]) - starts
+    out = np.full((len(slots), STEPS, *FRAME), 1, np.uint8)
+    storage.read_spans("frame", slots, starts, lengths, out, parallel=parallel)
+    for row, (e, s, n) in enumerate(zip(slots, starts, lengths)):
+        np.testing.assert_array_equal(out[row, :n], episodes[e][s : s + n])
+        assert (out[row, n:] == 1).all()
+    array = storage.array("frame")
+    assert sorted(mapped) == sorted(array.shard_key(e) for e in [4, 0, 2, 0])
+    assert not [key for key in read if key.startswith("data/frame/")]
+    if os.path.exists("/proc/self/maps"):
+        assert not mapped_under(location)
+
+
+def test_shards_of_other_codecs_are_read_not_mapped(tmp_path, monkeypatch):
+    """Only blosc shards are always replaced whole by a rename: others (zstd) may be written in
+    place, where a map could see a truncation, so whole reads of them copy the file."""
+    mapped: list[str] = []
+    real_map = _kv.LocalKV.map
+    monkeypatch.setattr(_kv.LocalKV, "map", lambda self, key: mapped.append(key) or real_map(self, key))
+    buffer = ReplayBuffer(
+        str(tmp_path / "b"), 2, STEPS, fields={"frame": {"dtype": "uint8", "shape": FRAME, "compressor": "zstd"}}
+    )
+    episode = frames(STEPS)
+    buffer.store_episode(frame=episode)
+    buffer.close()
+    data = ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True).get_all_data()
+    np.testing.assert_array_equal(data["frame"][0].numpy(), episode)
+    assert not mapped
+
+
+@pytest.mark.parametrize("how", ["empty", "cut", "folder", "absent", "flip"])
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_whole_shard_damaged_outside_is_named_from_its_map(cold, tmp_path, how, spread, monkeypatch):
+    """A shard emptied, cut short (its index gone), replaced by a folder, deleted or with a bit
+    flipped in a frame fails the mapped read with the error the copying read gave, naming the
+    slot or the file; ``spread``: shards mapped and parts decoded by two pool threads, where
+    the failure of one thread's shard ends the read once the other thread finished."""
+    import shutil
+
+    monkeypatch.setattr(_kv, "CORES", 2)
+    if spread:
+        monkeypatch.setattr(_shards, "SPREAD_BYTES", 0)
+    location = str(tmp_path / "copy")
+    shutil.copytree(cold[0], location)
+    shard = os.path.join(location, "data", "frame", "c.2.0.0.0.0")
+    if how == "folder":
+        os.remove(shard)
+        os.mkdir(shard)
+    elif how == "absent":
+        os.remove(shard)
+    elif how == "flip":
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 0x04  # inside a frame near the middle of the episode
+        open(shard, "wb").write(bytes(data))
+    else:
+        with open(shard, "r+b") as f:
+            f.truncate(0 if how == "empty" else os.path.getsize(shard) - 4_000)
+    buffer = ReplayBuffer.from_folder(location, read_only=True)
+    if how == "folder":
+        with pytest.raises(IsADirectoryError) as folder:
+            buffer.get_all_data()
+        assert folder.value.filename == shard
+        return
+    with pytest.raises(CorruptChunkError) as error:
+        buffer.get_all_data()
+    assert error.value.slot == 2
+    if how == "flip":
+        assert "crc32c" in str(error.value) and error.value.location.startswith(f"{shard}, inner chunk ")
+    elif how != "absent":
+        assert "shard index" in str(error.value) and shard in str(error.value)

@@ -360,17 +360,18 @@ class ChunkedArray:
     def _decode_many_into(
         self,
         data: bytes | memoryview,
-        ranges: list[tuple[int, int]],
+        ranges: list[tuple[int, int]] | np.ndarray,
         out: np.ndarray,
-        offsets: list[int],
-        indices: list[tuple],
+        offsets: list[int] | np.ndarray,
+        indices: list[tuple] | np.ndarray,
     ) -> None:
-        """Chunks ``indices`` (grid positions), stored at ``ranges`` of ``data``, decoded into
-        the C-contiguous ``out`` at byte ``offsets`` (``ChunkCodec.decode_many_into``)."""
+        """Chunks ``indices`` (grid positions: tuples, or one row each), stored at ``ranges`` of
+        ``data``, decoded into the C-contiguous ``out`` at byte ``offsets``
+        (``ChunkCodec.decode_many_into``)."""
         try:
             self.codec.decode_many_into(data, ranges, out, offsets, self.item_nbytes * self.chunks[1])
         except ChunkDamage as e:
-            raise self._damage(indices[e.item], str(e)) from None
+            raise self._damage(tuple(int(i) for i in indices[e.item]), str(e)) from None
 
     def _absent(self, index: tuple, slot: int | None = None) -> None:
         """A chunk that is not stored reads as zeros, unless it lies in a committed episode

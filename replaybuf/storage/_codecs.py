@@ -188,9 +188,9 @@ class ChunkCodec:
     def decode_many_into(
         self,
         data: bytes | memoryview,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Sequence[tuple[int, int]] | np.ndarray,
         out: np.ndarray,
-        offsets: Sequence[int],
+        offsets: Sequence[int] | np.ndarray,
         nbytes: int,
     ) -> None:
         """Decode the chunks stored at ``ranges`` ((start, stop) of ``data``, checksum included)
@@ -198,32 +198,37 @@ class ChunkCodec:
         a shard's frames in one call. Blosc chunks go through c-blosc and crc32c directly
         (``_native``), in the compiled loop where it was built (the GIL released once for the
         run), else through ctypes chunk by chunk (the GIL free while each one is checked and
-        decoded). A failing chunk raises ``ChunkDamage`` with ``item`` its
-        position in ``ranges``, the chunks before it decoded."""
+        decoded). ``ranges`` and ``offsets`` may be int64 arrays ((n, 2) and (n,)): a whole
+        episode's frames then cost no Python step each. A failing chunk raises ``ChunkDamage``
+        with ``item`` its position in ``ranges``, the chunks before it decoded."""
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError(f"out must be a writeable C-contiguous array, got strides {out.strides}")
-        if len(offsets) and (min(offsets) < 0 or max(offsets) + nbytes > out.nbytes):
-            raise ValueError(f"chunks of {nbytes} bytes at {list(offsets)} do not fit out ({out.nbytes} bytes)")
+        bounds, places = np.asarray(ranges, np.int64).reshape(-1), np.asarray(offsets, np.int64).reshape(-1)
+        if len(bounds) != 2 * len(places):
+            raise ValueError(f"{len(bounds) // 2} ranges for {len(places)} offsets")
+        if len(places) and (int(places.min()) < 0 or int(places.max()) + nbytes > out.nbytes):
+            raise ValueError(f"chunks of {nbytes} bytes at {places.tolist()} do not fit out ({out.nbytes} bytes)")
         native = _native() if self._blosc else None
-        if native is None:
-            self._decode_each_into(data, ranges, out, offsets, nbytes)
-            return
-        loop = _native_loop()
+        loop = None if native is None else _native_loop()
         if loop is not None:
             decompress, extend = _native_addresses()
-            bounds, places = np.asarray(ranges, np.int64).reshape(-1), np.asarray(offsets, np.int64)
             target = out.reshape(-1).view(np.uint8)
             k, code = loop(decompress, extend, data, bounds, target, places, nbytes, self.checksum)
         else:
-            k, code = self._check_and_decode_each(native, data, ranges, out, offsets, nbytes)
+            pairs, starts = bounds.reshape(-1, 2).tolist(), places.tolist()
+            if native is None:
+                self._decode_each_into(data, pairs, out, starts, nbytes)
+                return
+            k, code = self._check_and_decode_each(native, data, pairs, out, starts, nbytes)
         if k >= 0:
-            raise self._damage_of(k, code, data, ranges, nbytes)
+            start, stop = bounds[2 * k : 2 * k + 2].tolist()
+            raise self._damage_of(k, code, data, start, stop, nbytes)
 
     def _check_and_decode_each(
         self,
         native: tuple[Callable[..., int], Callable[..., int]],
         data: bytes | memoryview,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Sequence[Sequence[int]],
         out: np.ndarray,
         offsets: Sequence[int],
         nbytes: int,
@@ -245,10 +250,10 @@ class ChunkCodec:
         return -1, 0
 
     def _damage_of(
-        self, k: int, code: int, data: bytes | memoryview, ranges: Sequence[tuple[int, int]], nbytes: int
+        self, k: int, code: int, data: bytes | memoryview, start: int, stop: int, nbytes: int
     ) -> ChunkDamage:
-        """The ``ChunkDamage`` of chunk ``k`` failing with ``code``, named alike on both paths."""
-        start, stop = ranges[k]
+        """The ``ChunkDamage`` of chunk ``k`` (stored at ``start .. stop``) failing with ``code``,
+        named alike on both paths."""
         if code == _SHORT:
             return ChunkDamage(f"{max(0, min(stop, len(data)) - start)} bytes, too short for a blosc chunk", k)
         if code == _CRC_MISMATCH:
@@ -260,7 +265,7 @@ class ChunkCodec:
     def _decode_each_into(
         self,
         data: bytes | memoryview,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Sequence[Sequence[int]],
         out: np.ndarray,
         offsets: Sequence[int],
         nbytes: int,
