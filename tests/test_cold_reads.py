@@ -412,7 +412,7 @@ def test_whole_blosc_shards_decode_from_maps_in_parts(cold, path, parallel, monk
         np.testing.assert_array_equal(out[row, :n], episodes[e][s : s + n])
         assert (out[row, n:] == 1).all()
     array = storage.array("frame")
-    assert sorted(mapped) == sorted(array.shard_key(e) for e in [4, 0, 2, 0])
+    assert sorted(key for key in mapped if key.startswith("data/")) == sorted(array.shard_key(e) for e in [4, 0, 2, 0])
     assert not [key for key in read if key.startswith("data/frame/")]
     if os.path.exists("/proc/self/maps"):
         assert not mapped_under(location)
@@ -432,7 +432,7 @@ def test_shards_of_other_codecs_are_read_not_mapped(tmp_path, monkeypatch):
     buffer.close()
     data = ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True).get_all_data()
     np.testing.assert_array_equal(data["frame"][0].numpy(), episode)
-    assert not mapped
+    assert not [key for key in mapped if key.startswith("data/")]  # (meta chunks are mapped: KeyValue.mapped)
 
 
 @pytest.mark.parametrize("how", ["empty", "cut", "folder", "absent", "flip"])

@@ -494,26 +494,18 @@ class LocalKV(KeyValue):
             st = os.stat(path)
         except FileNotFoundError:
             return None
-        known = self._maps.get(path)
-        if st.st_size != nbytes or nbytes <= 0:
+        if st.st_size != nbytes or nbytes <= 0 or not stat.S_ISREG(st.st_mode):
             return None
+        known = self._maps.get(path)
         if known is not None and known[0] == st.st_ino:
             return known[1]
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        whole = self.map(key)  # a file put in its place since the stat is mapped again next time
+        if whole is None or len(whole) != nbytes:
             return None
-        try:
-            st = os.fstat(fd)
-            if st.st_size != nbytes:
-                return None
-            mapped = map_file(fd, nbytes)
-        finally:
-            os.close(fd)
         if len(self._maps) >= _MAX_MAPPED:
             self._maps.clear()
-        self._maps[path] = (st.st_ino, mapped)
-        return mapped
+        self._maps[path] = (st.st_ino, whole)
+        return whole
 
     def _path(self, key: str) -> str:
         # asked once per sampled frame: joined once per key (the dict is bounded by the keys of
