@@ -464,7 +464,8 @@ class ReplayBuffer(CommittedViews):
         """The counters and per-episode arrays as stored now, checked (``refresh``)."""
         state = self.storage.load_state()
         self.storage.drop_caches()
-        names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields, META_SUM)
+        summed = self.storage.keeps_meta_sums  # an earlier format's meta values are not checksummed
+        names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields, *((META_SUM,) if summed else ()))
         as_read: dict[str, np.ndarray] = {}
         damaged, checked = np.zeros(0, np.int64), np.zeros(self.max_episodes, bool)
         for _ in range(_REREADS):
@@ -482,7 +483,8 @@ class ReplayBuffer(CommittedViews):
             if len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
                 continue
             checked = (meta["episode_lens"] > 0) & ~edited
-            damaged = metasums.damaged(meta, self.schema.meta_fields, self._unverified(meta, checked))
+            if summed:
+                damaged = metasums.damaged(meta, self.schema.meta_fields, self._unverified(meta, checked))
             if not len(damaged):
                 break
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
@@ -491,7 +493,7 @@ class ReplayBuffer(CommittedViews):
         if len(damaged) and metasums.checking():
             raise metasums.error(self.storage, int(damaged[0]), self.schema.meta_fields, meta)
         self._commit.suspect = damaged
-        if not len(damaged):  # a writer's mirror changes as it writes: its values are copied
+        if summed and not len(damaged):  # a writer's mirror changes as it writes: its values are copied
             kept = {n: meta[n] if self.read_only else meta[n].copy() for n in (*self.schema.meta_fields, *_SUMMED)}
             self._verified = (kept, checked)
         return state, meta

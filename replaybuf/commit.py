@@ -24,7 +24,8 @@ In-place edits of committed rows (``update_rows``) and meta values (``edit_meta`
 generation; they bracket the rows with the slots' ``_revision``, odd while the edit runs and
 even once done, which keys every cached copy of decoded rows with the generation. A writable
 open closes the edits a killed writer left odd (``finish_edits``). Step 3 writes each slot's
-``_meta_sum`` (``metasums.py``) with its meta rows, before the generation and length.
+``_meta_sum`` (``metasums.py``) with its meta rows, before the generation and length (format 4
+and later: ``Storage.keeps_meta_sums``).
 
 A reader trusts only slots whose published length is > 0. ``ReplayBuffer`` validates user input
 and delegates here. A commit writes no statistics sketch: the writer's first ``stats()`` stores
@@ -245,8 +246,8 @@ class Committer:
         base = int(self.state["total_episodes"])
         # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
         ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
-        # the checksum of what is about to be published, written before it publishes
-        self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals))
+        if self.storage.keeps_meta_sums:  # the checksum of what is about to be published, before it publishes
+            self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals))
         self.write_meta("_generation", slots, ordinals)
         self.write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         previous = self.state
@@ -288,9 +289,10 @@ class Committer:
         )
 
     def reseal_meta(self, slots: np.ndarray) -> None:
-        """Write the ``_meta_sum`` entries of ``slots`` for the values in the mirror."""
+        """Write the ``_meta_sum`` entries of ``slots`` for the values in the mirror (none in a
+        format that keeps none)."""
         slots = np.unique(np.asarray(slots, dtype=np.int64))
-        if len(slots):
+        if len(slots) and self.storage.keeps_meta_sums:
             self.write_meta(META_SUM, slots, self.meta_entries(slots))
 
     def edit_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
@@ -300,13 +302,6 @@ class Committer:
         with self.editing(episodes, [], 0):
             self.write_meta(name, episodes, values)
             self.reseal_meta(episodes)
-
-    def seal_unkept(self) -> None:
-        """Seal the committed slots without a ``_meta_sum`` entry (0: an earlier release
-        committed them, or created the array in a writable open killed before sealing)."""
-        lens = self.meta["episode_lens"]
-        slots = np.union1d(np.flatnonzero(lens > 0), empty_episodes(self.state, lens))
-        self.reseal_meta(slots[self.meta[META_SUM][slots] == 0])
 
     @contextmanager
     def editing(self, episodes: np.ndarray, names: Sequence[str], steps: int) -> Iterator[None]:
@@ -442,7 +437,6 @@ class Committer:
         writing = [*writing, *self.state.pop("writing", ())]  # earlier formats kept it in the counters
         self.reconcile_state()
         self.finish_edits()
-        self.seal_unkept()
         self.dirty_slots.update(
             int(s) for s in writing if 0 <= int(s) < self.max_episodes and self.meta["episode_lens"][int(s)] == 0
         )

@@ -859,6 +859,8 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
     for _ in range(_BOOKKEEPING_READS):
         meta, problems = {}, []
         for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
+            if name == META_SUM and not storage.keeps_meta_sums:
+                continue  # an earlier format keeps none
             try:
                 values = storage.read_meta(name)
             except (OSError, KeyError, ValueError) as e:

@@ -10,9 +10,11 @@ generation and the length publish the episode (one more in-place write of 8 byte
 of meta values in place rewrites it inside the slots' ``_revision`` bracket
 (``Committer.edit_meta``). Every ``refresh`` checks the entries of the committed slots
 (``damaged``) and raises ``MetaChecksumError`` for one that does not match, naming the value
-one flipped bit explains (``diagnose``). An entry of 0 is "not kept": a buffer an earlier
-release wrote (a writable open seals its committed slots, ``Committer.seal_unkept``); a kept
-entry has bits 0 and 63 set, so no single flipped bit makes it 0.
+one flipped bit explains (``diagnose``). An entry has bits 0 and 63 set, so no single flipped
+bit makes it 0: an entry of 0 is one lost (a missing chunk reads as zeros), ``verify --repair``
+writes it again. Only format 4 and later keep them (``Storage.keeps_meta_sums``): an earlier
+release writes earlier formats and would leave them stale, so a buffer of an earlier format
+keeps none, checks none, and stays in its format until ``replaybuf upgrade`` rewrites it.
 """
 
 from __future__ import annotations
@@ -136,9 +138,10 @@ class MetaChecksumError(CorruptChunkError, BufferDamagedError):
 
 
 def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: np.ndarray | None = None) -> np.ndarray:
-    """The slots among ``slots`` (None: those with a published length) whose ``_meta_sum``
-    entry is kept (not 0), their revision even (no edit in progress), and does not match the
-    values in ``meta`` (the per-episode arrays as loaded)."""
+    """The slots among ``slots`` (None: those with a published length), their revision even
+    (no edit in progress), whose ``_meta_sum`` entry (0 too: lost) does not match the values in
+    ``meta`` (the per-episode arrays as loaded; none without ``_meta_sum``: a format that keeps
+    none)."""
     sums = meta.get(META_SUM)
     if sums is None:
         return np.zeros(0, np.int64)
@@ -147,10 +150,8 @@ def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: 
         slots = np.flatnonzero(lens > 0)
     slots = np.asarray(slots, dtype=np.int64)
     revisions = meta.get("_revision")
-    checked = np.asarray(sums)[slots] != 0
     if revisions is not None:
-        checked &= np.asarray(revisions)[slots] % 2 == 0
-    slots = slots[checked]
+        slots = slots[np.asarray(revisions)[slots] % 2 == 0]
     if not len(slots):
         return slots
     expected = entries(
@@ -165,13 +166,13 @@ def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: 
 def diagnose(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int) -> tuple[str, Any] | None:
     """(name, value) of the one per-episode value of damaged ``slot`` whose single flipped bit
     explains its failed ``_meta_sum`` entry (``_meta_sum`` itself when only the entry is off by
-    one bit), else None. The entry has 63 bits of hash: a wrong value matching it by chance is
-    ~2**-56 over every candidate."""
+    one bit, or is 0: lost), else None. The entry has 63 bits of hash: a wrong value matching
+    it by chance is ~2**-56 over every candidate."""
     stored = int(np.asarray(meta[META_SUM])[slot])
     generation = int(np.asarray(meta["_generation"])[slot])
     values = {name: np.asarray(meta[name])[slot : slot + 1] for name in fields}
     computed = int(entries(np.array([slot]), np.array([generation]), values, fields)[0])
-    if bin(stored ^ computed).count("1") == 1:
+    if stored == 0 or bin(stored ^ computed).count("1") == 1:
         return META_SUM, computed
     bits = np.uint64(1) << np.arange(63, dtype=np.uint64)
     candidates = (np.uint64(generation) ^ bits).astype(np.int64)
@@ -212,6 +213,17 @@ def error(storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[st
     naming the damaged value and its file when one flipped bit explains it (``diagnose``),
     else every file involved."""
     found = diagnose(meta, fields, slot)
+    if found is not None and found[0] == META_SUM and not int(np.asarray(meta[META_SUM])[slot]):
+        where = meta_file(storage, META_SUM)
+        return MetaChecksumError(
+            f"meta/{META_SUM}: slot {slot}: its checksum entry is 0 (lost: a missing chunk reads so), so its "
+            f"per-episode values cannot be checked ({where}). `replaybuf verify --repair` writes it again for the "
+            "values as stored",
+            field=f"meta/{META_SUM}",
+            slot=slot,
+            location=where,
+            restore=found,
+        )
     if found is not None:
         name, value = found
         where = meta_file(storage, name)

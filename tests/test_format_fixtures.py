@@ -12,16 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ChecksumEntryError, ForeignEntriesError, ReplayBuffer, verify
+from replaybuf import (
+    BufferDamagedError,
+    ChecksumEntryError,
+    ForeignEntriesError,
+    MetaChecksumError,
+    ReplayBuffer,
+    verify,
+)
 from replaybuf.cli import main as cli_main
 from replaybuf.maintenance import upgrade
+from replaybuf.metasums import META_SUM
+from replaybuf.storage import make_storage
 from replaybuf.storage.lease import BufferLockedError
 
 from .data.make_fixtures import expected_episode
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMATS = [
-    (version, backend) for version in ("format-v1", "format-v2", "format-v3") for backend in ("zarr", "memmap", "hdf5")
+    (version, backend)
+    for version in ("format-v1", "format-v2", "format-v3", "format-v4")
+    for backend in ("zarr", "memmap", "hdf5")
 ]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
@@ -61,9 +72,35 @@ def test_released_format_writes(version, backend, tmp_path):
     assert again.valid_episodes().tolist() == [2, 0, 1]
     np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
     assert verify(path) == []
-    # a buffer keeps its format: format 1 gets no checksums it never had
-    assert _stored_version(path, backend) == int(version.rsplit("v", 1)[1])
+    # a buffer keeps its format: format 1 gets no checksums it never had, format 3 no meta checksums
+    stored = int(version.rsplit("v", 1)[1])
+    assert _stored_version(path, backend) == stored
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
+    assert _keeps_meta_sums(path) == (stored >= 4)
+
+
+def _keeps_meta_sums(path: Path) -> bool:
+    """Whether the buffer at ``path`` holds meta checksums (meta/_meta_sum) and a crc32c in its
+    counters: both or neither."""
+    import h5py
+
+    if (path / "data.h5").exists():
+        with h5py.File(path / "data.h5", "r") as f:
+            array = "meta/_meta_sum" in f
+    else:
+        array = any(META_SUM in p.name for p in path.rglob("*"))
+    crc = "crc32c" in json.loads((path / "replaybuf" / "state.json").read_text())
+    assert array == crc, (array, crc)
+    return array
+
+
+def _write_meta(path: Path, name: str, slot: int, value: int) -> None:
+    """Write meta value ``name`` of ``slot`` through the storage alone, as an earlier release or
+    damage would: the meta checksums are left as they were."""
+    storage = make_storage(str(path))
+    storage.open(read_only=False)
+    storage.write_meta(name, np.array([slot]), np.array([value], np.int32))
+    storage.close()
 
 
 def _stored_version(path, backend: str) -> int:
@@ -121,7 +158,7 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 
 # ---- replaybuf upgrade ---------------------------------------------------------------------------
 
-NEWEST = {"zarr": 3, "memmap": 3, "hdf5": 3}
+NEWEST = {"zarr": 4, "memmap": 4, "hdf5": 4}
 
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
@@ -141,20 +178,27 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
         assert torch.equal(values, before[name]), name
     assert verify(path) == []
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (backend != "zarr")  # format 2 checks reads
+    assert _keeps_meta_sums(path)  # format 4: every committed slot's meta values checked from now on
     writer = ReplayBuffer.from_folder(path)
     writer.store_episode(**expected_episode(0))  # continues where the original stood: slot 1
     assert writer.valid_episodes().tolist() == [2, 0, 1]
     writer.close()
+    for slot in (1, 2):  # sealed by the commit since, and by the upgrade
+        task = int(expected_episode(SLOT_EPISODES[slot] if slot != 1 else 0)["task"])
+        _write_meta(path, "task", slot, task ^ 1)  # one flipped bit
+        with pytest.raises(MetaChecksumError, match=f"meta/task: slot {slot}: holds {task ^ 1}"):
+            ReplayBuffer.from_folder(path, read_only=True)
+        _write_meta(path, "task", slot, task)
 
 
 def test_upgrade_of_the_newest_format_changes_nothing(tmp_path, capsys):
     path = tmp_path / "zarr"
-    shutil.copytree(os.path.join(DATA, "format-v3", "zarr"), path)
+    shutil.copytree(os.path.join(DATA, "format-v4", "zarr"), path)
     files = {p: p.stat().st_mtime_ns for p in path.rglob("*")}
     assert upgrade(path)["upgraded"] is False
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == files
     assert cli_main(["upgrade", str(path)]) == 0
-    assert "already in format 3" in capsys.readouterr().out
+    assert "already in format 4" in capsys.readouterr().out
 
 
 def test_upgrade_keeps_a_backup_when_asked(tmp_path):
@@ -199,13 +243,22 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
         upgrade(tmp_path / "missing")
 
 
-def test_info_points_an_earlier_format_to_upgrade(capsys):
-    assert cli_main(["info", os.path.join(DATA, "format-v1", "hdf5")]) == 0
-    assert "format     1, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 3" in (
+@pytest.mark.parametrize(
+    ("version", "backend"), [("format-v1", "hdf5"), ("format-v3", "zarr"), ("format-v3", "memmap")]
+)
+def test_info_points_an_earlier_format_to_upgrade(version, backend, capsys):
+    assert cli_main(["info", os.path.join(DATA, version, backend)]) == 0
+    stored = version.rsplit("v", 1)[1]
+    assert f"format     {stored}, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 4" in (
         capsys.readouterr().out
     )
-    assert cli_main(["info", os.path.join(DATA, "format-v3", "zarr")]) == 0
-    assert "replaybuf upgrade" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_info_of_the_newest_format_names_no_upgrade(backend, capsys):
+    assert cli_main(["info", os.path.join(DATA, "format-v4", backend)]) == 0
+    said = capsys.readouterr().out
+    assert "replaybuf upgrade" not in said and "format     " not in said
 
 
 def test_upgrade_through_a_link_rewrites_the_folder_it_names(tmp_path):
@@ -213,7 +266,7 @@ def test_upgrade_through_a_link_rewrites_the_folder_it_names(tmp_path):
     shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), real)
     (tmp_path / "link").symlink_to(real)
     assert upgrade(tmp_path / "link", progress=False)["upgraded"]
-    assert (tmp_path / "link").is_symlink() and _stored_version(tmp_path / "link", "zarr") == 3
+    assert (tmp_path / "link").is_symlink() and _stored_version(tmp_path / "link", "zarr") == 4
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
     _check_contents(ReplayBuffer.from_folder(tmp_path / "link", read_only=True))
 
@@ -262,7 +315,7 @@ def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_the_next_removes_its_c
     assert done["upgraded"] and done["removed"] == [str(left)]
     assert sorted(os.listdir(tmp_path)) == [alive.name, unmarked.name, "hdf5"]
     assert (unmarked / "mine.txt").read_text() == "not an upgrade's"
-    assert _stored_version(path, "hdf5") == 3 and verify(path) == []
+    assert _stored_version(path, "hdf5") == 4 and verify(path) == []
     assert not (path / "replaybuf" / "upgrading.json").exists()
     assert cli_main(["info", str(path)]) == 0
     said = capsys.readouterr().out
@@ -295,3 +348,63 @@ def test_format_2_entries_are_checked_as_far_as_they_hold_and_stay_format_2(back
     assert "dropped" not in " ".join(problems) and verify(path) == []
     assert not (np.load(sums_file) >> np.uint64(33)).any() and _stored_version(path, backend) == 2
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+# ---- meta checksums: format 4 only ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_format_3_stays_format_3_and_its_meta_values_are_not_checked(backend, tmp_path):
+    """An earlier release still writes format 3, and would leave meta checksums stale: this
+    release opens, reads and writes a format-3 buffer as it was, adds no meta/_meta_sum and no
+    crc32c to its counters, and does not check its meta values (a value changed behind its back
+    reads as stored); ``replaybuf upgrade`` rewrites it in format 4, which checks them."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "format-v3", backend), path)
+    with ReplayBuffer.from_folder(path) as writer:
+        writer.store_episode(**expected_episode(0))  # slot 1
+        writer.update([2], task=np.array([77], np.int32))  # an edit of a meta value in place
+    assert _stored_version(path, backend) == 3 and not _keeps_meta_sums(path)
+    _write_meta(path, "task", 0, 5)  # as an earlier release writes it
+    with ReplayBuffer.from_folder(path, read_only=True) as reader:
+        assert reader.valid_episodes().tolist() == [2, 0, 1]
+        assert reader.meta_data["task"][:3].tolist() == [5, 10, 77]
+    assert verify(path) == []
+    assert upgrade(path, progress=False)["upgraded"]
+    assert _stored_version(path, backend) == 4 and _keeps_meta_sums(path)
+    _write_meta(path, "task", 0, 4)  # one flipped bit, caught now
+    with pytest.raises(MetaChecksumError, match=r"meta/task: slot 0: holds 4, .* matches 5"):
+        ReplayBuffer.from_folder(path, read_only=True)
+    assert any("meta/task: slot 0" in line for line in verify(path))
+
+
+def test_format_3_ignores_meta_checksums_an_earlier_build_left(tmp_path):
+    """A format-3 buffer a build that sealed them wrote meta checksums and a counters crc32c
+    into, and an earlier release wrote since (both stale now): neither is checked, and the
+    next commit writes counters without a crc32c."""
+    path = tmp_path / "memmap"
+    shutil.copytree(os.path.join(DATA, "format-v3", "memmap"), path)
+    np.save(path / f"{META_SUM}.data.meta.npy", np.full(3, 12345, np.uint64))
+    state = path / "replaybuf" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "crc32c": 1}))
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    with ReplayBuffer.from_folder(path) as writer:
+        writer.store_episode(**expected_episode(0))
+    assert "crc32c" not in json.loads(state.read_text()) and _stored_version(path, "memmap") == 3
+    assert np.load(path / f"{META_SUM}.data.meta.npy").tolist() == [12345] * 3  # never written
+    assert verify(path) == []
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_format_4_fixture_catches_a_flipped_meta_value_and_counters(backend, tmp_path):
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "format-v4", backend), path)
+    _write_meta(path, "task", 2, 12 ^ 8)
+    with pytest.raises(MetaChecksumError, match=r"meta/task: slot 2: holds 4, .* matches 12"):
+        ReplayBuffer.from_folder(path, read_only=True)
+    assert any("restored meta/task of slot 2 to 12" in line for line in verify(path, repair=True))
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    state = path / "replaybuf" / "state.json"
+    state.write_text(state.read_text().replace('"num_episodes": 3', '"num_episodes": 2'))
+    with pytest.raises(BufferDamagedError, match="do not match their crc32c"):
+        ReplayBuffer.from_folder(path, read_only=True)

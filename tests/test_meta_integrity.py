@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from replaybuf import BufferDamagedError, CorruptChunkError, MetaChecksumError, ReplayBuffer
-from replaybuf.maintenance import convert, upgrade, verify
+from replaybuf.maintenance import convert, verify
 from replaybuf.metasums import META_SUM
 from replaybuf.storage import make_storage
 
@@ -265,33 +265,43 @@ def test_convert_refuses_damaged_meta_and_seals_what_it_copies(tmp_path, backend
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
-def test_buffers_of_earlier_releases_open_and_are_sealed_by_a_writer(tmp_path, backend):
+def test_a_lost_checksum_entry_is_an_error_and_repair_writes_it_again(tmp_path, backend):
+    """An entry of 0 (a missing chunk of meta/_meta_sum reads so) is never "not kept" in
+    format 4: the slot's values cannot be checked, so a read refuses it; --repair writes the
+    entry again for the values as stored, dropping nothing."""
     if backend == "hdf5":
         require("h5py")
-    path = str(tmp_path / "b")
-    shutil.copytree(os.path.join(DATA, "format-v3", backend), path)
-    before = read(path)  # no checksums kept: read as stored
-    storage = make_storage(path)
-    storage.open(read_only=True)
-    assert not np.asarray(storage.read_meta(META_SUM)).any()
-    storage.close()
-    ReplayBuffer.from_folder(path).close()  # a writable open seals the committed slots
-    assert same(read(path), before)
-    with ReplayBuffer.from_folder(path, read_only=True) as buffer:
-        slot = int(np.flatnonzero(np.asarray(buffer.episode_lens) > 0)[0])
-        name = next(iter(buffer.schema.meta_fields))
-        value = np.asarray(buffer.meta_data[name][slot]) + 1
-    write_raw(path, name, [slot], [value])
-    with pytest.raises(MetaChecksumError):
+    path = build(tmp_path / "b", backend)
+    before = read(path)
+    if backend == "zarr":
+        os.unlink(os.path.join(path, "meta", META_SUM, "c.0"))  # every slot's entry
+    else:
+        write_raw(path, META_SUM, [0, 1, 2], [0, 0, 0])
+    with pytest.raises(MetaChecksumError, match=r"meta/_meta_sum: slot 0: its checksum entry is 0 \(lost") as caught:
         read(path)
-    upgraded = str(tmp_path / "v1")
-    shutil.copytree(os.path.join(DATA, "format-v1", backend), upgraded)
-    upgrade(upgraded)
-    storage = make_storage(upgraded)
-    storage.open(read_only=True)
-    lens, sums = np.asarray(storage.read_meta("episode_lens")), np.asarray(storage.read_meta(META_SUM))
-    assert (sums[lens > 0] != 0).all()
-    storage.close()
+    assert caught.value.field == f"meta/{META_SUM}" and caught.value.restore[0] == META_SUM
+    problems = verify(path, repair=True)
+    assert [line.split(":")[0] for line in problems[:3]] == [f"meta/{META_SUM}"] * 3
+    assert not any("dropped" in line for line in problems)
+    assert verify(path) == [] and same(read(path), before)
+    write_raw(path, "reward_sum", [2], [9.0])  # checked again
+    with pytest.raises(MetaChecksumError, match="slot 2"):
+        read(path)
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_counters_without_their_crc_are_refused_in_format_4(tmp_path, backend):
+    if backend == "hdf5":
+        require("h5py")
+    path = build(tmp_path / "b", backend)
+    state = os.path.join(path, "replaybuf", "state.json")
+    with open(state) as f:
+        counters = json.load(f)
+    del counters["crc32c"]
+    with open(state, "w") as f:
+        json.dump(counters, f)
+    with pytest.raises(BufferDamagedError, match=r"state.json.*: the counters hold no crc32c"):
+        read(path)
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)

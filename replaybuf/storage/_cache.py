@@ -356,6 +356,11 @@ class CachedStorage(Storage):
         self.inner.read_only = value
 
     @property
+    def keeps_meta_sums(self) -> bool:
+        # docstring inherited: the wrapped storage's
+        return self.inner.keeps_meta_sums
+
+    @property
     def root(self) -> str:
         """This buffer's cache folder (known once the storage is opened)."""
         schema = self.schema

@@ -67,7 +67,6 @@ from .base import (
     bookkeeping_fields,
     check_layout,
     empty_state,
-    expected_layouts,
     parse_json,
 )
 from .spans import Spans, read_spans_by_rows
@@ -372,6 +371,7 @@ class HDF5Storage(LocalFolderStorage):
         # docstring inherited
         entries = self.check_creatable()
         self.read_only = False
+        self.format_version = FORMAT_VERSION
         self.pin_identity(read_only=False)
         self.close()
         if overwrite:
@@ -455,7 +455,7 @@ class HDF5Storage(LocalFolderStorage):
 
     def _load_arrays(self, schema: Schema) -> None:
         self._arrays = {}
-        for (name, meta), expected in expected_layouts(schema).items():
+        for (name, meta), expected in self.stored_layouts(schema).items():
             path = f"{'meta' if meta else 'data'}/{name}"
             if path not in self.h5file and meta and name in OPTIONAL_META:
                 # an earlier release's buffer: created by a writable open, zeros (``array``) read-only

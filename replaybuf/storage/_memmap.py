@@ -8,6 +8,7 @@ Layout of a folder (every array readable with ``numpy.load(path, mmap_mode='r')`
     replaybuf/state.json           the counters, replaced atomically (temp file + rename)
     replaybuf/checksums.npy        format 2: a crc32c per committed (field, episode), ``_local.py``
                                    (format 3: each entry tagged so that it checks itself)
+    _meta_sum.data.meta.npy        format 4: a checksum of each slot's meta values (``metasums.py``)
     replaybuf/steplog/             the step log of episodes in progress
     replaybuf/writing              the slots being written in place (``Storage.mark_writing``)
 
@@ -210,6 +211,7 @@ class MemmapStorage(LocalFolderStorage):
         # docstring inherited
         entries = self.check_creatable()
         self.read_only = False
+        self.format_version = FORMAT_VERSION
         self.pin_identity(read_only=False)
         if overwrite:
             erase_owned(
@@ -268,6 +270,7 @@ class MemmapStorage(LocalFolderStorage):
         elif _seed.is_seed_folder(self.root):
             schema = _seed.read_seed_schema(self.root)
             self._seed_origin = True
+            self.format_version = None
         else:
             raise BufferNotFoundError(
                 f"no replaybuf memmap buffer at {self.location!r} "
@@ -296,6 +299,12 @@ class MemmapStorage(LocalFolderStorage):
             self._adopt_seed_folder(schema)
         return schema
 
+    @property
+    def keeps_meta_sums(self) -> bool:
+        # docstring inherited: a folder the seed library may write to keeps none (it would
+        # leave them stale)
+        return super().keeps_meta_sums and not self._seed_origin
+
     def _seed_wrote_since(self) -> bool:
         """Whether the seed library wrote to an adopted folder after replaybuf last committed."""
         seed_state, state = _seed.SeedState.read(self.root), super().load_state()
@@ -307,7 +316,7 @@ class MemmapStorage(LocalFolderStorage):
 
     def _open_arrays(self, schema: Schema, skip_generation: bool) -> None:
         self._arrays = {}
-        for (name, meta), expected in expected_layouts(schema).items():
+        for (name, meta), expected in self.stored_layouts(schema).items():
             if skip_generation and name == "_generation":
                 continue
             path = os.path.join(self.root, array_filename(name, meta))

@@ -1,6 +1,6 @@
 """The default backend: a zarr v3 group on local disk, in memory, or on any object store.
 
-Layout: group attributes hold ``{"format": "replaybuf", "version": 3, <schema>}`` as JSON;
+Layout: group attributes hold ``{"format": "replaybuf", "version": 4, <schema>}`` as JSON;
 arrays ``data/<field>`` (episode, time, *shape) chunked (1, T_chunk, *shape) so no two episodes
 share a chunk (packed small fields aside, see below), ``meta/<field>`` (episode, *shape) chunked by up to 16,384 episodes, with zarr
 ``dimension_names`` (``Field.dimension_names``) so xarray opens them; counters in the object
@@ -12,8 +12,9 @@ Format 2 (format 1 buffers open and are written as they are): every data chunk, 
 inner chunk of a shard, ends with zarr v3's ``crc32c`` codec, and chunks of written spans are
 stored even when all zero, so a flipped byte, a truncated, empty or missing chunk of a
 committed episode reads as ``CorruptChunkError`` naming field, slot, timesteps and key. Meta
-arrays are not checksummed: they are rewritten in place a few bytes per commit (see
-``META_CHUNK_EPISODES``), and a checksum would turn that into a whole-chunk rewrite.
+arrays carry no chunk checksum: they are rewritten in place a few bytes per commit (see
+``META_CHUNK_EPISODES``), and a checksum would turn that into a whole-chunk rewrite (format 4
+checksums each slot's values in ``meta/_meta_sum`` instead, ``replaybuf/metasums.py``).
 
 Format 3 (formats 1 and 2 open and are written as they are): small data fields (vectors and
 scalars with no ``chunks`` or ``compressor`` spec, see ``packed_episodes``) of buffers created
@@ -63,7 +64,6 @@ from .base import (
     bookkeeping_fields,
     check_layout,
     empty_state,
-    expected_layouts,
     last_occurrences,
     parse_json,
 )
@@ -96,8 +96,8 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
-# zarr buffers are format 3 (packed small fields); memmap and hdf5 3 tag their checksum entries
-ZARR_FORMAT_VERSION = 3
+# zarr buffers are format 4 (3: packed small fields; 4: meta checksums, as memmap and hdf5)
+ZARR_FORMAT_VERSION = 4
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
@@ -290,6 +290,7 @@ class ZarrStorage(KVBlobs, Storage):
         entries = self.check_creatable()
         self.read_only = False
         self._reading = None
+        self.format_version = ZARR_FORMAT_VERSION
         if overwrite:
             self._retire()
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
@@ -396,7 +397,7 @@ class ZarrStorage(KVBlobs, Storage):
         _consolidate(store)
 
     def _load_arrays(self, schema: Schema) -> None:
-        layouts = expected_layouts(schema)
+        layouts = self.stored_layouts(schema)
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in layouts]
         documents = self.kv.get_documents([f"{p}/zarr.json" for p in paths])
         self._arrays = {}

@@ -337,8 +337,8 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
     ``_revision`` (int64) counts the in-place edits of the slot's rows, two per edit (odd while
     one runs): a cached copy is keyed by (generation, revision), so an edit is never served
     stale (``storage/_cache.py``). ``_meta_sum`` (uint64) checksums each committed slot's
-    meta values, generation and length (``replaybuf/metasums.py``). Buffers written before them
-    lack them (``OPTIONAL_META``).
+    meta values and generation (``replaybuf/metasums.py``), from format ``META_SUMS_FORMAT``.
+    Buffers written before them lack them (``OPTIONAL_META``, ``UNKEPT_META``).
     """
     del schema
     return {
@@ -351,11 +351,19 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
 
 # bookkeeping arrays a buffer written by an earlier release may lack: a read-only open reads
 # them as zeros (``AbsentMeta``), a writable open creates them (zeros)
-OPTIONAL_META: dict[str, np.dtype] = {"_revision": np.dtype("int64"), "_meta_sum": np.dtype("uint64")}
+OPTIONAL_META: dict[str, np.dtype] = {"_revision": np.dtype("int64")}
+# the first format that keeps ``_meta_sum`` and a crc32c in its counters. An earlier release
+# writes earlier formats and would leave them stale (a false damage report): a buffer of an
+# earlier format neither keeps nor checks them, and stays in its format
+META_SUMS_FORMAT = 4
+# bookkeeping arrays a buffer of a format before ``META_SUMS_FORMAT`` does not keep: read as
+# zeros (``AbsentMeta``) whether or not a file is there, never created nor written
+UNKEPT_META: dict[str, np.dtype] = {"_meta_sum": np.dtype("uint64")}
 
 
 class AbsentMeta(ArrayBase):
-    """An ``OPTIONAL_META`` array a buffer lacks, as a read-only open sees it: all zeros."""
+    """An ``OPTIONAL_META`` array a buffer lacks, as a read-only open sees it, or an
+    ``UNKEPT_META`` array of an earlier format: all zeros."""
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: np.dtype, location: str):
         self.name, self.shape, self.dtype, self.location = name, shape, np.dtype(dtype), location
@@ -412,13 +420,17 @@ def parse_json(raw: bytes, where: str) -> dict:
     return value
 
 
-def expected_layouts(schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
-    """(name, meta) -> (shape, dtype) of every array a buffer with ``schema`` stores."""
+def expected_layouts(
+    schema: Schema, meta_sums: bool = True
+) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
+    """(name, meta) -> (shape, dtype) of every array a buffer with ``schema`` stores
+    (``UNKEPT_META`` left out unless ``meta_sums``: a format that keeps them)."""
     out = {
         (n, False): ((schema.max_episodes, schema.max_timesteps, *f.shape), f.dtype) for n, f in schema.fields.items()
     }
     for n, f in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
-        out[n, True] = ((schema.max_episodes, *f.shape), f.dtype)
+        if meta_sums or n not in UNKEPT_META:
+            out[n, True] = ((schema.max_episodes, *f.shape), f.dtype)
     return out
 
 
@@ -565,8 +577,8 @@ class Storage(ABC):
     verifies_generations: ClassVar[bool] = False
     #: the on-disk format version this backend writes (``replaybuf upgrade`` brings older ones to it)
     newest_format_version: ClassVar[int] = FORMAT_VERSION
-    #: the format version in the opened buffer's stored config (None: not opened yet, or a
-    #: memmap-replay-buffer folder, which stores none)
+    #: the format version in the opened buffer's stored config, or the one ``create`` wrote
+    #: (None: neither yet, or a memmap-replay-buffer folder, which stores none)
     format_version: int | None = None
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
@@ -577,6 +589,16 @@ class Storage(ABC):
         self.storage_options = dict(storage_options or {})
         self.fsync = fsync
         self.read_only = True
+
+    @property
+    def keeps_meta_sums(self) -> bool:
+        """Whether the buffer keeps ``_meta_sum`` and its counters' crc32c (format
+        ``META_SUMS_FORMAT`` and later; a backend's ``create`` writes its newest format)."""
+        return self.format_version is not None and self.format_version >= META_SUMS_FORMAT
+
+    def stored_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
+        """``expected_layouts`` of the opened buffer's format: what an open loads."""
+        return expected_layouts(schema, meta_sums=self.keeps_meta_sums)
 
     # ---- primitives -------------------------------------------------------------------
 
@@ -663,13 +685,14 @@ class Storage(ABC):
 
     def _array_named(self, arrays: Mapping[tuple[str, bool], _ArrayT], name: str, meta: bool) -> _ArrayT:
         """``arrays[name, meta]`` (a backend's ``array``), an ``AbsentMeta`` for an
-        ``OPTIONAL_META`` array the buffer lacks, or KeyError naming the array and the buffer."""
+        ``OPTIONAL_META`` array the buffer lacks or an ``UNKEPT_META`` one of an earlier format, or KeyError naming the array and the buffer."""
         try:
             return arrays[name, meta]
         except KeyError:
-            if meta and name in OPTIONAL_META and ("episode_lens", True) in arrays:
+            absent = {**OPTIONAL_META, **({} if self.keeps_meta_sums else UNKEPT_META)}
+            if meta and name in absent and ("episode_lens", True) in arrays:
                 lens: Any = arrays["episode_lens", True]
-                return AbsentMeta(name, lens.shape, OPTIONAL_META[name], self.location)  # type: ignore[return-value]
+                return AbsentMeta(name, lens.shape, absent[name], self.location)  # type: ignore[return-value]
             raise KeyError(f"no {'meta ' if meta else ''}array {name!r} in {self.location!r}") from None
 
     # ---- counters ---------------------------------------------------------------------
@@ -686,28 +709,31 @@ class Storage(ABC):
         if missing:  # every commit writes all of them: a missing one is damage, not a zero
             raise BufferDamagedError(f"{where}: missing {', '.join(missing)}")
         # a flipped byte in a key makes it unknown (the crc32c's included), in a value the
-        # crc32c fails; an earlier release's counters hold no crc32c
+        # crc32c fails; an earlier format's counters keep none (one left there is not checked:
+        # an earlier release may have committed counters since, keeping it as it was)
         unknown = sorted(set(state) - STATE_KEYS)
         if unknown:
             raise BufferDamagedError(f"{where}: unknown keys {unknown} (damaged, or not written by replaybuf)")
         crc = state.pop(STATE_CHECKSUM, None)
         from ._codecs import crc32c
 
-        if crc is not None and crc != crc32c(state_body(state)):
+        if self.keeps_meta_sums and crc != crc32c(state_body(state)):
+            held = "hold no crc32c" if crc is None else f"do not match their crc32c {crc!r}"
             raise BufferDamagedError(
-                f"{where}: the counters do not match their crc32c {crc!r} (damaged); deleting the file makes a "
-                "writable open count them again from the published episodes"
+                f"{where}: the counters {held} (damaged); deleting the file makes a writable open count them "
+                "again from the published episodes"
             )
         return state
 
     def commit_state(self, state: dict) -> None:
         """Publish the counters as one atomic object: the last step of every commit. Rows and
-        meta written before the call are visible to a reader that loads these counters."""
+        meta written before the call are visible to a reader that loads these counters. A
+        format that keeps meta checksums stores their crc32c with them."""
         self._check_writable()
         from ._codecs import crc32c
 
         plain = {k: v for k, v in state.items() if k != STATE_CHECKSUM}
-        sealed = {**plain, STATE_CHECKSUM: crc32c(state_body(plain))}
+        sealed = {**plain, STATE_CHECKSUM: crc32c(state_body(plain))} if self.keeps_meta_sums else plain
         self.write_blob(STATE_KEY, json.dumps(sealed, sort_keys=True).encode())
 
     def mark_writing(self, slots: Iterable[int]) -> None:
