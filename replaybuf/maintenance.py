@@ -856,9 +856,13 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
     commit's two writes (a state a killed writer leaves stays: it is returned as read). Slots
     still changing after ``_BOOKKEEPING_READS`` reads are returned as empty (length and
     generation 0): their episode is being replaced, and is no damage."""
+    # the slots' keys first, the values they guard after, then the keys again (``_changed_slots``):
+    # a commit or an edit writing a slot's values or checksum meanwhile moves its keys
+    stored = bookkeeping_fields(schema)
+    fields = {**{name: stored[name] for name in _SLOT_KEYS}, **stored, **schema.meta_fields}
     for _ in range(_BOOKKEEPING_READS):
         meta, problems = {}, []
-        for name, field in {**schema.meta_fields, **bookkeeping_fields(schema)}.items():
+        for name, field in fields.items():
             if name == META_SUM and not storage.keeps_meta_sums:
                 continue  # an earlier format keeps none
             try:
@@ -892,11 +896,15 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
 
 
 def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int]) -> np.ndarray:
-    """The committed slots, not in ``flux``, whose meta values fail their ``_meta_sum`` entry
-    (``metasums.damaged``); none when an array did not read."""
+    """The committed slots, not in ``flux`` nor being edited (an odd ``_revision``: a writer's
+    edit, or one a killed writer left for the next writable open to close), whose meta values
+    fail their ``_meta_sum`` entry (``metasums.damaged``); none when an array did not read."""
     if any(name not in meta for name in (*schema.meta_fields, "episode_lens", "_generation")):
         return np.zeros(0, np.int64)
-    slots = np.setdiff1d(np.flatnonzero(meta["episode_lens"] > 0), np.fromiter(flux, np.int64, len(flux)))
+    settled = meta["episode_lens"] > 0
+    if "_revision" in meta:
+        settled &= meta["_revision"] % 2 == 0
+    slots = np.setdiff1d(np.flatnonzero(settled), np.fromiter(flux, np.int64, len(flux)))
     return metasums.damaged(meta, schema.meta_fields, slots)
 
 
