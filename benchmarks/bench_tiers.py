@@ -17,6 +17,11 @@ were read once (warm page cache for everyone). Rows:
   reader), TorchRL CompressedListStorage (zstd-3 in RAM: it lives in one process, so its reader
   process writes it too), and np.memmap gathers of the seed's files (the limit).
 
+The rows run minutes apart, and this VM's speed drifts between them (the gather's timestep
+figure ran at 267k and 472k samples/s in two runs of one tree), so the hot timestep row is also
+measured **paired** with the gather: two reader processes kept open, timed in alternating
+rounds, medians compared.
+
 Run: python benchmarks/bench_tiers.py [--quick | --episodes N --steps T]
 """
 
@@ -120,6 +125,7 @@ TARGETS = (
     ("cold trajectory >= 1x seed", "trajectory", SEED, 1.0, (COLD,)),
 )
 COLD_BOUND_TARGET = 1.3  # cold get_all_data within 1.3x of the decode bound
+PAIRED_ROUNDS = 12  # rounds of the paired hot timestep readers
 BYTES_TARGET = 0.5  # bytes at rest after compaction <= 0.5x raw
 
 
@@ -256,6 +262,51 @@ def child(spec: dict) -> dict[str, Any]:
         except Exception as error:  # report and continue: one kind must not hide the others
             result["errors"][kind] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     return result
+
+
+def serve(spec: dict) -> None:
+    """``--serve``: open one store read-only, then for each line on stdin time ``spec['kind']``
+    batches (TIMED_BATCHES of them after the warm-up ones) and print the seconds."""
+    size = WorkloadSize(spec["episodes"], spec["steps"], spec["seed"])
+    loader, _ = open_reader(spec, size, None)
+    count = timed_count(spec["kind"], 1.0)
+    for _ in sys.stdin:
+        print(timed_batches(partial(loader, spec["kind"]), count), flush=True)
+
+
+def paired(size: WorkloadSize, kind: str, stores: dict[str, tuple[dict, Path]]) -> dict[str, list[float]]:
+    """Seconds per round of each store's reader, in rounds that alternate the readers (one
+    process each, kept open): a figure for each store from the same minutes, where the rows of
+    the main table are minutes apart and this VM's speed drifts between them."""
+    readers = {}
+    for row, (spec, folder) in stores.items():
+        read_folder(folder)
+        spec = {**spec, "kind": kind, "folder": str(folder), "episodes": size.episodes, "steps": size.steps}
+        readers[row] = subprocess.Popen(
+            [sys.executable, __file__, "--serve", json.dumps({**spec, "seed": size.seed})],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    seconds: dict[str, list[float]] = {row: [] for row in readers}
+    try:
+        for round_ in range(PAIRED_ROUNDS):
+            order = list(readers) if round_ % 2 == 0 else list(reversed(readers))
+            for row in order:
+                reader = readers[row]
+                assert reader.stdin is not None and reader.stdout is not None
+                reader.stdin.write("go\n")
+                reader.stdin.flush()
+                line = reader.stdout.readline()
+                if not line:
+                    raise Unavailable(f"paired reader {row} stopped")
+                seconds[row].append(float(line))
+    finally:
+        for reader in readers.values():
+            if reader.stdin is not None:
+                reader.stdin.close()
+            reader.wait()
+    return seconds
 
 
 def run_child(spec: dict, size: WorkloadSize, folder: Path) -> dict[str, Any]:
@@ -407,9 +458,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser, DEFAULT_EPISODES, DEFAULT_STEPS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.child:
         print("RESULT " + json.dumps(child(json.loads(arguments.child))))
+        return
+    if arguments.serve:
+        serve(json.loads(arguments.serve))
         return
     size = size_from_arguments(arguments)
     print_header("Tiers: replaybuf hot / cold / warm beside its peers (issue 16)", size)
@@ -483,6 +538,14 @@ def measure(run: Run) -> None:
     if hot:
         results[HOT]["bytes"] = folder_bytes(zarr.folder)
         run.read(HOT, {"store": "replaybuf", "kinds": steady}, zarr_folder)
+        try:
+            run.extra["paired"] = paired(
+                size,
+                "timestep",
+                {HOT: ({"store": "replaybuf"}, zarr_folder), GATHER: ({"store": "gather"}, seed.folder / "buffer")},
+            )
+        except Unavailable as reason:
+            run.notes.append(f"paired timestep: {reason}")
         wall, cpu = time.perf_counter(), time.process_time()
         run.extra["compact_summary"] = zarr.buffer.compact()
         run.extra["compact_s"] = (time.perf_counter() - wall, time.process_time() - cpu)
@@ -536,6 +599,22 @@ def report(run: Run) -> None:
         "faster; get_all_data compared by time). Bytes: MB at rest (x the raw bytes of the fields).\n"
     )
     print(markdown_table(["row", *HEADER], [[row, *(cell(run, row, c) for c in COLUMNS)] for row in ROWS]))
+
+    if "paired" in extra:
+        seconds = extra["paired"]
+        medians = {row: float(np.median(values)) for row, values in seconds.items()}
+        print(
+            f"\n## Hot timestep against the gather, paired\n\n{PAIRED_ROUNDS} rounds alternating the two readers "
+            f"(one process each), {timed_count('timestep', 1.0)} batches of {BATCH_SIZES['timestep']} a round: "
+            "samples/s, median (best)\n"
+        )
+        samples = timed_count("timestep", 1.0) * BATCH_SIZES["timestep"]
+        rows_ = [
+            [row, f"{format_rate(samples / medians[row])} ({format_rate(samples / min(values))})"]
+            for row, values in seconds.items()
+        ]
+        print(markdown_table(["reader", "timestep samples/s"], rows_))
+        print(f"\nratio of the medians: {medians[GATHER] / medians[HOT]:.2f}x the gather")
 
     print("\n## Cold reads against the decode bound\n")
     us = extra.get("decode_us", float("nan"))
@@ -599,6 +678,11 @@ def report(run: Run) -> None:
         value = bound_ratio["get_all_data"]
         verdict = "PASS" if value <= COLD_BOUND_TARGET else "MISS"
         rows.append([f"cold get_all_data <= {COLD_BOUND_TARGET}x decode bound", COLD, f"{value:.2f}x", verdict])
+    if "paired" in extra:
+        medians = {row: float(np.median(values)) for row, values in extra["paired"].items()}
+        value = medians[GATHER] / medians[HOT]
+        verdict = "PASS" if value >= 0.8 else "MISS"
+        rows.append(["timestep >= 0.8x np.memmap gather (paired, medians)", HOT, f"{value:.2f}x", verdict])
     verdict = "PASS" if cold_bytes / raw <= BYTES_TARGET else "MISS"
     rows.append([f"bytes at rest after compaction <= {BYTES_TARGET}x raw", COLD, f"{cold_bytes / raw:.2f}x", verdict])
     print(markdown_table(["target", "row", "figure", "verdict"], rows))
