@@ -220,6 +220,8 @@ def test_workers(backend, tmp_path, start_method):
         {"to_named_tuple": ("state", "_lens", "_mask"), "return_mask": True},
         {"n_steps": 2, "return_indices": True},
     ]
+    if start_method == "spawn":  # what a spawned worker adds is unpickling a dataset: one kind shows it
+        cases = cases[1:]
     for case in cases:
         expected = list(make_dataloader(buffer, 2, **case))
         got = list(
