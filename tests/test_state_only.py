@@ -8,6 +8,7 @@ import multiprocessing
 import subprocess
 import sys
 import uuid
+from functools import partial
 
 import numpy as np
 import pytest
@@ -109,6 +110,31 @@ def test_refresh_rereads_only_the_slots_another_process_changed(tmp_path):
     check_batch(batch, values)
     assert set(values["ident"][:2, 0]) == {EPISODES * 1000, (EPISODES + 1) * 1000}
     assert (values["reward"][3] == 7).all()
+
+
+def update_reward_in_child(path: str, slot: int, value: float) -> None:
+    """Another process: slot ``slot``'s reward rewritten in place (its generation stays)."""
+    writer = ReplayBuffer.from_folder(path)
+    writer.update(slot, reward=np.full(STEPS, value, np.float32))
+    writer.close()
+
+
+def test_every_refresh_rechecks_the_rows_kept(tmp_path):
+    """Rows are compared with their stored objects after each ``refresh()``, not only the
+    first: an update in place after a second refresh is read too."""
+    path = str(tmp_path / "buffer")
+    write(path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    every_step = partial(make_dataloader, reader, EPISODES * STEPS, timestep_level=True, return_indices=True)
+    next(iter(every_step()))  # every row loaded
+    for slot, value in ((3, 7.0), (2, 9.0), (3, 11.0)):
+        run(update_reward_in_child, path, slot, value)
+        reader.refresh()
+        batch = next(iter(every_step()))
+        values = expected(path)
+        assert (values["reward"][slot] == value).all()
+        check_batch(batch, values)
+    assert reader.storage.array("reward").resident_rows_read == EPISODES + 3  # one row per update
 
 
 def probe(samples):

@@ -160,7 +160,10 @@ class _SnapshotDataset(Dataset):
         """The whole batch ``indices``, read with one grouped read per field, consistently
         (``consistency.read_consistent``): samples whose slot a writer reused are redrawn,
         and dropped after the bounded retries."""
-        positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
+        if isinstance(indices, list):  # a batch sampler's (~2x as fast as through a list copy)
+            positions = np.fromiter(indices, np.int64, len(indices))
+        else:
+            positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
         weights = getattr(indices, "weights", None)
         slots = self._slots_of(positions)
         dead = self._generations[slots] <= 0  # slots earlier batches saw reused

@@ -286,6 +286,8 @@ class ChunkedArray:
         # whether it was compared since the last drop_cached
         self._resident_prints: np.ndarray | None = None
         self._resident_checked: np.ndarray | None = None
+        # whether some resident row awaits that comparison (spares each batch its look)
+        self._resident_unchecked = False
         # the resident copy is made and brought to generations by one thread at a time: reads of
         # several episode runs of one array run in parallel (get_all_data's dask tasks)
         self._resident_lock = threading.Lock()
@@ -442,21 +444,24 @@ class ChunkedArray:
         (``consistency.committed_generations``): a slice through ``__getitem__`` cost 2-3x as
         much for the one chunk it usually reads."""
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
-        if len(episodes) and (int(episodes.min()) < 0 or int(episodes.max()) >= self.shape[0]):
-            bad = episodes[(episodes < 0) | (episodes >= self.shape[0])]
-            raise IndexError(f"{self.path}: slots {bad.tolist()} out of range - must be in [0, {self.shape[0]})")
         ce = self.chunks[0]
-        ids = episodes // ce
-        single = len(ids) > 0 and ids.min() == ids.max()
+        single = False
+        if len(episodes):
+            lo, hi = int(episodes.min()), int(episodes.max())
+            if lo < 0 or hi >= self.shape[0]:
+                bad = episodes[(episodes < 0) | (episodes >= self.shape[0])]
+                raise IndexError(f"{self.path}: slots {bad.tolist()} out of range - must be in [0, {self.shape[0]})")
+            single = lo // ce == hi // ce
         if single and not self.codec.compressed and not self.codec.checksum:
             # one raw chunk: indexed through a map of its file where the store has files (an
             # open, read and decode of the chunk per batch cost ~4x as much)
-            first = int(ids[0])
+            first = lo // ce
             mapped = self.kv.mapped(self.chunk_key((first,)), math.prod(self.chunks) * self.dtype.itemsize)
             if mapped is not None:
                 entries = mapped.view(self.codec.dtype).reshape(self.chunks)
                 return entries[episodes - first * ce].astype(self.dtype, copy=False)
-        unique = [int(ids[0])] if single else np.unique(ids).tolist()
+        ids = episodes // ce
+        unique = [lo // ce] if single else np.unique(ids).tolist()
         chunks = self.fetch_chunks([(i,) for i in unique])
         out = np.empty((len(episodes), *self.shape[1:]), dtype=self.dtype)
         for i in unique:
@@ -869,9 +874,11 @@ class ChunkedArray:
     def _bring_rows(self, episodes: np.ndarray, generations: np.ndarray) -> None:
         """``_current_rows`` with the lock held."""
         _, known, _, checked = self._resident_copy()
-        unchecked = ~checked[episodes]
-        if unchecked.any():
-            self._recheck(np.unique(episodes[unchecked]))
+        if self._resident_unchecked:
+            unchecked = ~checked[episodes]
+            if unchecked.any():
+                self._recheck(np.unique(episodes[unchecked]))
+            self._resident_unchecked = not checked.all()
         stale = known[episodes] != generations
         if stale.any():
             rows, index = np.unique(episodes[stale], return_index=True)
@@ -905,11 +912,17 @@ class ChunkedArray:
         return True
 
     def _gather_resident(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray) -> np.ndarray:
-        """Small arrays are held whole in RAM; rows are read when first used or stale. The
-        fancy index is the batch's only copy (assigning it into a preallocated array doubled
-        the time of a frame batch)."""
+        """Small arrays are held whole in RAM; rows are read when first used or stale. One
+        ``take`` of flat positions is the batch's only copy (assigning it into a preallocated
+        array doubled the time of a frame batch; a two-axis fancy index of vector rows took
+        ~3x as long)."""
         self._current_rows(episodes, generations)
-        return self._resident_copy()[0][episodes, timesteps]
+        resident = self._resident_copy()[0]
+        try:
+            flat = np.ravel_multi_index((episodes, timesteps), resident.shape[:2])
+        except ValueError:  # negative (counted from the end) or out of range: numpy's answer
+            return resident[episodes, timesteps]
+        return resident.reshape(-1, *resident.shape[2:]).take(flat, axis=0)
 
     def _row_keys(self, episode: int) -> list[str]:
         """The stored objects holding episode ``episode``'s row."""
@@ -986,13 +999,15 @@ class ChunkedArray:
         writer elsewhere updates a committed episode in place, so a row is kept only while
         its stored objects' fingerprints are unchanged (``_recheck``)."""
         _cache.discard_namespace(self._namespace)
-        if self._resident_checked is not None:
-            self._resident_checked[:] = False
+        with self._resident_lock:  # not between a batch's look at the flag and its reset
+            if self._resident_checked is not None:
+                self._resident_checked[:] = False
+                self._resident_unchecked = True
 
     def __getstate__(self) -> dict:
         # The resident copy stays in the process that read it; a spawned worker loads its own.
         resident = ("_resident", "_resident_generations", "_resident_prints", "_resident_checked", "_resident_lock")
-        return {**self.__dict__, **dict.fromkeys(resident), "resident_rows_read": 0}
+        return {**self.__dict__, **dict.fromkeys(resident), "_resident_unchecked": False, "resident_rows_read": 0}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -316,7 +316,10 @@ class MapIndex:
                 return None
             if self.confirmed[k].min() <= time.monotonic() - TRUST_S:
                 return None
-            rows = self.rows[k, timesteps]
+            try:  # one flat take (a two-axis fancy index took ~2x as long)
+                rows = self.rows.take(np.ravel_multi_index((k, timesteps), self.rows.shape))
+            except ValueError:  # a step outside the rows: the usual read path answers
+                return None
             if rows.min() < 0:
                 return None
             maps = self.maps  # a reset makes a new list: this one keeps the maps alive for the copy
