@@ -288,6 +288,7 @@ class ChunkedArray:
         self._resident_checked: np.ndarray | None = None
         # whether some resident row awaits that comparison (spares each batch its look)
         self._resident_unchecked = False
+        self._too_large_to_hold = False  # set once _make_resident finds the array not small
         # the resident copy is made and brought to generations by one thread at a time: reads of
         # several episode runs of one array run in parallel (get_all_data's dask tasks)
         self._resident_lock = threading.Lock()
@@ -822,6 +823,8 @@ class ChunkedArray:
         is left of the process's resident budget."""
         if self._resident is not None:
             return True
+        if self._too_large_to_hold:  # a frame array: asked per batch, without the lock
+            return False
         with self._resident_lock:
             return self._make_resident()
 
@@ -839,7 +842,10 @@ class ChunkedArray:
             step = math.prod(self.shape[2:]) * self.dtype.itemsize
             nbytes = math.prod(self.shape) * self.dtype.itemsize
             small = step <= RESIDENT_STEP_BYTES or nbytes <= SMALL_ARRAY_BYTES
-            if self.grid_axes != 2 or not small or not _cache.take_resident(nbytes):
+            if self.grid_axes != 2 or not small:
+                self._too_large_to_hold = True  # for good: the shape never changes
+                return False
+            if not _cache.take_resident(nbytes):  # the budget may free up later
                 return False
             weakref.finalize(self, _cache.release_resident, nbytes)
             self._resident = np.zeros(self.shape, dtype=self.dtype)
