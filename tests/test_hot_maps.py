@@ -311,6 +311,12 @@ def test_a_batch_the_map_index_serves_is_exact_and_lapses_with_the_maps(tmp_path
         assert np.array_equal(got, _expected(stored, "image", slots, steps)), round
     index = _hotmap._index_of(array)
     assert index.version == shard_maps().version and sorted(np.flatnonzero(index.where >= 0)) == [0, 1]
+    # steps counted from the end read as numpy reads them; a step past the rows is refused
+    slots = np.array([0, 1, 1])
+    got = reader.storage.gather("image", slots, np.array([-1, 0, -STEPS]), planned[slots])
+    assert np.array_equal(got, _expected(stored, "image", slots, np.array([STEPS - 1, 0, 0])))
+    with pytest.raises(IndexError):
+        reader.storage.gather("image", slots, np.array([0, STEPS, 1]), planned[slots])
     writer.store_episode(**episode(5))  # slot 0 reused by this process: its map dropped
     assert index.version != shard_maps().version
     stored[0] = episode(5)

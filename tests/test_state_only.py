@@ -329,3 +329,20 @@ def test_making_a_loader_does_not_import_dask(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_resident_gather_indexes_as_numpy(tmp_path):
+    """Steps counted from the end read as numpy reads them, a step past the rows is refused,
+    from the resident copy as from the chunks."""
+    path = str(tmp_path / "buffer")
+    write(path)
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    storage, values = reader.storage, expected(path)
+    generations = storage.read_meta_rows("_generation", np.arange(EPISODES))
+    slots = np.array([0, 2, 5])
+    for steps in ([-1, 0, -STEPS], [4, 3, 2]):
+        got = storage.gather("state", slots, np.array(steps), generations[slots])
+        assert np.array_equal(got, values["state"][slots, steps])
+    assert storage.array("state")._resident is not None
+    with pytest.raises(IndexError):
+        storage.gather("state", slots, np.array([0, STEPS, 1]), generations[slots])
