@@ -195,6 +195,69 @@ def test_a_failing_task_returns_only_after_the_others_stopped(monkeypatch):
     assert running[0] == 0 and 1 in finished
 
 
+def test_planned_items_run_while_the_plan_is_still_being_made(monkeypatch):
+    """``in_pool_as_planned``: items of the first group run on another thread while the caller
+    is still planning (the plan waits for one of them), every item runs once."""
+    monkeypatch.setattr(_kv, "CORES", 2)
+    first_done = threading.Event()
+    ran: dict[int, int] = {}
+
+    def plan():
+        yield [0, 1]
+        assert first_done.wait(10), "no item ran while the plan was being made"
+        yield [2, 3, 4]
+        yield []
+        yield [5]
+
+    def task(item: int) -> None:
+        ran[item] = ran.get(item, 0) + 1
+        if item in (0, 1):
+            first_done.set()
+
+    _kv.in_pool_as_planned(plan(), task)
+    assert ran == dict.fromkeys(range(6), 1)
+
+
+def test_a_failed_plan_raises_after_the_items_handed_out_finished(monkeypatch):
+    monkeypatch.setattr(_kv, "CORES", 2)
+    finished: list[int] = []
+    started = threading.Event()
+
+    def plan():
+        yield [0, 1, 2]
+        started.wait(10)
+        raise ValueError("shard index damaged")
+
+    def task(item: int) -> None:
+        started.set()
+        time.sleep(0.003)
+        finished.append(item)
+
+    with pytest.raises(ValueError, match="shard index damaged"):
+        _kv.in_pool_as_planned(plan(), task)
+    assert sorted(finished) == [0, 1, 2]  # none still writing when the caller sees the error
+
+
+def test_planned_items_run_inline_in_a_loader_worker_and_from_a_busy_pool(monkeypatch):
+    monkeypatch.setattr(_kv, "CORES", 2)
+    threads: list[int] = []
+    monkeypatch.setattr(_kv, "_in_loader_worker", lambda: True)
+    _kv.in_pool_as_planned(iter([[0, 1], [2]]), lambda item: threads.append(threading.get_ident()))
+    assert threads == [threading.get_ident()] * 3
+    monkeypatch.setattr(_kv, "_in_loader_worker", lambda: False)
+    # every pool thread busy: the caller does the work itself instead of waiting for a helper
+    release = threading.Event()
+    blockers = [_kv.thread_pool().submit(release.wait, 10) for _ in range(_kv.thread_pool()._max_workers)]
+    try:
+        done: list[int] = []
+        _kv.in_pool_as_planned(iter([[0, 1], [2]]), done.append)
+        assert sorted(done) == [0, 1, 2]
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result()
+
+
 # ---- whole-object reads -----------------------------------------------------------------------
 
 

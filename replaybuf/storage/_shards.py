@@ -11,7 +11,7 @@ a compaction replaced the shard in between.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ import numpy as np
 from ._chunks import ABSENT, ChunkedArray, _per_pair, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c
 from ._hotmap import gather_mapped, read_mapped_spans, shard_maps
-from ._kv import CORES, LocalKV, in_pool, thread_pool
+from ._kv import CORES, LocalKV, in_pool, in_pool_as_planned, thread_pool
 from .base import CorruptChunkError
 
 if TYPE_CHECKING:
@@ -381,30 +381,32 @@ class ShardedArray(ChunkedArray):
         of ``out``: parts, not shards, so the last shards do not leave a core idle. Only blosc
         shards are mapped: they are only ever replaced whole, by a rename (``_write_box``), so a
         map sees one complete file version."""
-        parts: list[tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         frame_nbytes = self.item_nbytes * self.chunks[1]
-        for span in spans:
-            episode = span[1]
-            mapped = kv.map(self.shard_key(episode))
-            view = None if mapped is None else mapped.data
-            index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
-            chunks = self._span_chunks(view, 0, index, span, out, starts, lengths)
-            if view is None or chunks is None:
-                continue
-            ranges, row, offsets, indices = chunks
-            count = max(1, min(len(ranges), len(ranges) * frame_nbytes // max(SPREAD_BYTES, 1)))
-            bounds = np.linspace(0, len(ranges), count + 1).astype(int).tolist()
-            parts.extend((view, ranges[a:b], row, offsets[a:b], indices[a:b]) for a, b in pairwise(bounds))
+        Part = tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
-        def decode(k: int) -> None:
-            self._decode_many_into(*parts[k])
+        def plan() -> Iterator[list[Part]]:
+            for span in spans:
+                episode = span[1]
+                mapped = kv.map(self.shard_key(episode))
+                view = None if mapped is None else mapped.data
+                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
+                chunks = self._span_chunks(view, 0, index, span, out, starts, lengths)
+                if view is None or chunks is None:
+                    continue
+                ranges, row, offsets, indices = chunks
+                count = max(1, min(len(ranges), len(ranges) * frame_nbytes // max(SPREAD_BYTES, 1)))
+                bounds = np.linspace(0, len(ranges), count + 1).astype(int).tolist()
+                yield [(view, ranges[a:b], row, offsets[a:b], indices[a:b]) for a, b in pairwise(bounds)]
 
-        if parallel:
-            nbytes = sum(len(part[1]) for part in parts) * frame_nbytes
-            in_pool(len(parts), decode, spread=nbytes >= SPREAD_BYTES * len(parts))
+        def decode(part: Part) -> None:
+            self._decode_many_into(*part)
+
+        if parallel:  # each shard's parts decoded on the pool while the next shard is planned
+            in_pool_as_planned(plan(), decode)
         else:
-            for k in range(len(parts)):
-                decode(k)
+            for parts in plan():
+                for part in parts:
+                    decode(part)
 
     def _read_ranged(
         self,
