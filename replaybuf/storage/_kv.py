@@ -107,18 +107,8 @@ def in_pool(count: int, task: Callable[[int], None], spread: bool = False) -> No
         while (i := next(pending)) < count:
             task(i)
 
-    threads = min(count, CORES) if spread else min(count, CORES, max(2, count // 8))
-    helpers = [thread_pool().submit(run) for _ in range(threads - 1)]
-    try:
-        run()
-    finally:
-        # a helper not started yet (the pool busy elsewhere) has nothing left to take; one that
-        # started writes into the caller's arrays: it finishes before the caller goes on
-        started = [helper for helper in helpers if not helper.cancel()]
-        for helper in started:
-            helper.exception()
-    for helper in started:
-        helper.result()
+    with _helped(run, min(count, CORES) if spread else min(count, CORES, max(2, count // 8))):
+        pass
 
 
 def in_pool_as_planned(plan: Iterable[Sequence[T]], task: Callable[[T], None]) -> None:
@@ -138,33 +128,39 @@ def in_pool_as_planned(plan: Iterable[Sequence[T]], task: Callable[[T], None]) -
     planned = False
     ready = threading.Condition()
 
-    def next_item() -> tuple[bool, T | None]:
-        nonlocal handed
-        with ready:
-            while handed == len(items) and not planned:
-                ready.wait()
-            if handed == len(items):
-                return False, None
-            handed += 1
-            return True, items[handed - 1]
-
     def run() -> None:
+        nonlocal handed
         while True:
-            found, item = next_item()
-            if not found:
-                return
-            task(item)  # type: ignore[arg-type]
-
-    helpers = [thread_pool().submit(run) for _ in range(CORES - 1)]
-    try:
-        for group in plan:
             with ready:
-                items.extend(group)
+                while handed == len(items) and not planned:
+                    ready.wait()
+                if handed == len(items):
+                    return
+                item = items[handed]
+                handed += 1
+            task(item)
+
+    with _helped(run, CORES):
+        try:
+            for group in plan:
+                with ready:
+                    items.extend(group)
+                    ready.notify_all()
+        finally:
+            with ready:
+                planned = True
                 ready.notify_all()
+
+
+@contextlib.contextmanager
+def _helped(run: Callable[[], None], threads: int) -> Iterator[None]:
+    """``threads - 1`` copies of ``run`` on the pool from the start of the block, and one in
+    the calling thread at its end (after the block, whether or not it raised): the caller goes
+    on only once every copy that started is done."""
+    helpers = [thread_pool().submit(run) for _ in range(threads - 1)]
+    try:
+        yield
     finally:
-        with ready:
-            planned = True
-            ready.notify_all()
         try:
             run()
         finally:
