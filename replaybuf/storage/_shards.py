@@ -399,12 +399,17 @@ class ShardedArray(ChunkedArray):
         def decode(k: int) -> None:
             self._decode_many_into(*parts[k])
 
-        if parallel:
-            nbytes = sum(len(part[1]) for part in parts) * frame_nbytes
-            in_pool(len(parts), decode, spread=nbytes >= SPREAD_BYTES * len(parts))
-        else:
-            for k in range(len(parts)):
-                decode(k)
+        try:
+            if parallel:
+                nbytes = sum(len(part[1]) for part in parts) * frame_nbytes
+                in_pool(len(parts), decode, spread=nbytes >= SPREAD_BYTES * len(parts))
+            else:
+                for k in range(len(parts)):
+                    decode(k)
+        finally:
+            # the maps go now: a pool thread's finished work item still holds ``decode`` (so
+            # ``parts``) for a moment after the read returns, which kept the maps alive with it
+            parts.clear()
 
     def _read_ranged(
         self,
