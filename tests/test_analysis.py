@@ -283,6 +283,7 @@ def check_on_cluster(client, buffer: ReplayBuffer, stored: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dask_cluster")  # one xdist worker: one cluster (cluster_client) for both
 def test_local_zarr_on_a_two_process_cluster(tmp_path, cluster_client):
     buffer = ReplayBuffer(
         tmp_path / "cluster", max_episodes=5, max_timesteps=16, fields=FIELDS, meta_fields=META, circular=True
@@ -291,6 +292,7 @@ def test_local_zarr_on_a_two_process_cluster(tmp_path, cluster_client):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dask_cluster")
 def test_s3_buffer_on_a_two_process_cluster(s3_server, cluster_client):
     buffer = ReplayBuffer(
         s3_server.url("analysis-cluster"),

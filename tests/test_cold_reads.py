@@ -6,6 +6,7 @@ is named as before."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -479,6 +480,31 @@ def test_whole_blosc_shards_decode_from_maps_in_parts(cold, path, parallel, monk
     assert not [key for key in read if key.startswith("data/frame/")]
     if os.path.exists("/proc/self/maps"):
         assert not mapped_under(location)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="maps are listed in /proc/self/maps (Linux)")
+def test_a_pool_thread_that_still_holds_the_read_task_keeps_no_map(cold, monkeypatch):
+    """A pool thread's finished work item holds the task it ran a moment after the read returns
+    (concurrent.futures drops it after setting the result): the maps are let go all the same.
+    They outlived the read by that moment on a loaded machine (xdist) and failed the test above."""
+    lingering = []
+    helped = _kv._helped
+
+    @contextlib.contextmanager
+    def holding(run, threads):
+        with helped(run, threads):
+            yield
+        lingering.append(run)  # as the work item of a helper not yet deleted
+
+    monkeypatch.setattr(_kv, "_helped", holding)
+    monkeypatch.setattr(_shards, "SPREAD_BYTES", 5 * int(np.prod(FRAME)))
+    location, episodes = cold
+    storage = ReplayBuffer.from_folder(location, read_only=True).storage
+    out = np.zeros((2, STEPS, *FRAME), np.uint8)
+    storage.read_spans("frame", np.array([0, 2]), np.array([0, 0]), np.array([STEPS, STEPS]), out, parallel=True)
+    np.testing.assert_array_equal(out, np.stack([episodes[0], episodes[2]]))
+    assert lingering, "the read did not go through the pool"
+    assert not mapped_under(location)
 
 
 def test_shards_of_other_codecs_are_read_not_mapped(tmp_path, monkeypatch):

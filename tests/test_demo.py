@@ -23,6 +23,10 @@ def run(*argv: str, cwd) -> subprocess.CompletedProcess:
     )
 
 
+# one xdist worker runs the module, so the demo (its fixture, a few seconds) runs once
+pytestmark = pytest.mark.xdist_group("demo")
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("demo")

@@ -34,7 +34,9 @@ import torch
 
 from tests._compare import assert_same
 
-pytestmark = pytest.mark.slow  # the seed msyncs on every store(), and the CLI starts two interpreters
+# slow: the seed msyncs on every store(), and the CLI starts two interpreters; one xdist worker
+# runs the module, so the README runs (the ``runs`` fixture, ~12 s) are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("seed_readme")]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = Path(__file__).parent / "data" / "memmap-replay-buffer-README.txt"  # the seed's PyPI page, verbatim

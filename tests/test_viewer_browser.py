@@ -27,6 +27,8 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 WAIT_MS = 20_000
+# one xdist worker runs the module, so Chromium and the buffer (module fixtures) start once
+pytestmark = pytest.mark.xdist_group("viewer_browser")
 # H.264 at the viewer's quality keeps flat grays within a few levels
 GRAY_TOLERANCE = 6
 

@@ -140,16 +140,21 @@ def in_pool_as_planned(plan: Iterable[Sequence[T]], task: Callable[[T], None]) -
                 handed += 1
             task(item)
 
-    with _helped(run, CORES):
-        try:
-            for group in plan:
+    try:
+        with _helped(run, CORES):
+            try:
+                for group in plan:
+                    with ready:
+                        items.extend(group)
+                        ready.notify_all()
+            finally:
                 with ready:
-                    items.extend(group)
+                    planned = True
                     ready.notify_all()
-        finally:
-            with ready:
-                planned = True
-                ready.notify_all()
+    finally:
+        # the items go now (they may hold maps of files): a pool thread's finished work item
+        # still holds ``run``, so ``items``, for a moment after the caller goes on
+        items.clear()
 
 
 @contextlib.contextmanager
