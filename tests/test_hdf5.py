@@ -43,6 +43,30 @@ def test_one_file_with_gzip(tmp_path):
     assert type(ReplayBuffer.from_folder(tmp_path / "b")).__name__ == "ReplayBuffer"
 
 
+def test_other_buffers_open_without_loading_h5py(tmp_path):
+    """Detecting the backend of a zarr or memmap buffer (or of a new location) never imports
+    h5py; an hdf5 buffer is still found by its data.h5, also through a file:// URL."""
+    ReplayBufferH5PY(tmp_path / "h", 4, 10, fields=FIELDS).close()
+    script = textwrap.dedent(
+        """
+        import sys
+        from replaybuf import ReplayBuffer
+        from replaybuf.storage import detect_backend
+        root = sys.argv[1]
+        for backend in ("zarr", "memmap"):
+            ReplayBuffer(f"{root}/{backend}", 2, 3, fields={"x": "float"}, backend=backend).close()
+            assert detect_backend(f"{root}/{backend}") == backend
+            ReplayBuffer.from_folder(f"{root}/{backend}", read_only=True)
+        assert detect_backend(f"{root}/nothing") is None and detect_backend("memory://nothing") is None
+        assert "h5py" not in sys.modules
+        assert detect_backend(f"file://{root}/h") == detect_backend(f"{root}/h") == "hdf5"
+        assert "h5py" in sys.modules
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_uncompressed_is_contiguous(tmp_path):
     ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS).close()
     with h5py.File(tmp_path / "b" / "data.h5", "r") as f:

@@ -1150,8 +1150,10 @@ def register_backend(
     name: str, target: str, install_hint: str = "", clobber: bool = False, marker: str | None = None
 ) -> None:
     """Register a backend as ``"module:Class"``; refuses to replace an existing name unless
-    ``clobber``. ``marker``: a file name inside a local buffer folder that only this backend
-    writes, so a buffer of it is recognised (and the install hint given) when it cannot be imported."""
+    ``clobber``. ``marker``: for a backend of local folders only, a file name inside a buffer
+    folder that only this backend writes: its buffers are recognised by it without importing
+    the backend (which ``detect_backend`` then imports only for a folder holding it), and the
+    install hint given when it cannot be imported."""
     if name in _registry and not clobber:
         raise ValueError(f"backend {name!r} is already registered as {_registry[name][0]!r}")
     _registry[name] = (target, install_hint)
@@ -1175,19 +1177,32 @@ def backend_class(name: str) -> type[Storage]:
 
 def detect_backend(location: str, storage_options: dict | None = None) -> str | None:
     """The name of the backend whose buffer is at ``location``, or None when there is none.
-    Raises ImportError with the install hint when the buffer there belongs to a registered
-    backend that cannot be imported (its marker file is present)."""
+    A backend registered with a marker is asked (and imported) only where a local folder holds
+    its marker: opening any other buffer need not load, e.g., h5py and the HDF5 library
+    (~130 ms, and exit hooks of their own). Raises ImportError with the install hint when the
+    buffer there belongs to a registered backend that cannot be imported (its marker is present)."""
     for name in _registry:
+        marker = _markers.get(name)
+        if marker is not None and not _holds_marker(location, marker):
+            continue
         try:
             cls = backend_class(name)
         except ImportError:
-            marker = _markers.get(name)
-            if marker is not None and "://" not in location and os.path.isfile(os.path.join(location, marker)):
+            if marker is not None:
                 raise
             continue
         if cls.can_open(location, storage_options):
             return name
     return None
+
+
+def _holds_marker(location: str, marker: str) -> bool:
+    """Whether ``location`` is a local folder (a path or ``file://`` URL) holding file ``marker``."""
+    if location.startswith("file://"):
+        location = location[len("file://") :]
+    elif "://" in location:
+        return False
+    return os.path.isfile(os.path.join(location, marker))
 
 
 def make_storage(
