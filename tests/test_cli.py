@@ -283,10 +283,23 @@ def test_commands_register_once_unless_clobbered():
 # serving, as a user runs it
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def start_cli(args, cwd, temp_dir):
+    """The command in a child started with SIGINT ignored, as a shell without job control starts
+    a background job (its Python then installs no Ctrl-C handler): ``stop_cli``'s SIGINT must
+    stop it all the same."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "TMPDIR": str(temp_dir)}
     process = subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint,
     )
     lines = []
     for line in process.stdout:

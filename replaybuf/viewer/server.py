@@ -312,10 +312,13 @@ class ViewerServer:
     def serve_forever(self, open_browser: bool = True) -> None:
         """Block serving until interrupted (Ctrl-C / SIGINT), then stop. SIGTERM (``kill``, a
         service manager) stops it the same way, so the app's temp files go either way; the
-        process then exits with status 143, as a process killed by SIGTERM does."""
-        # the handler goes in before the line that tells a supervisor the server is up
+        process then exits with status 143, as a process killed by SIGTERM does. SIGINT stops it
+        also where the process started with it ignored (a job a shell put in the background
+        without job control, whose Python installs no Ctrl-C handler)."""
+        # the handlers go in before the line that tells a supervisor the server is up
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
         try:  # a SIGTERM right after the line below (a supervisor acting on it) still stops
             print(f"serving {self.url} (ctrl-c to stop)", flush=True)
             if open_browser:
@@ -327,6 +330,7 @@ class ViewerServer:
             self.stop()
             if in_main_thread:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+                signal.signal(signal.SIGINT, signal.SIG_DFL if previous_int is None else previous_int)
 
     def __enter__(self) -> ViewerServer:
         return self.start()
