@@ -12,7 +12,7 @@ were read once (warm page cache for everyone). Rows:
 - replaybuf zarr **cold**: after ``compact()`` and ``close()``; each kind timed over one epoch
   as the first read of a fresh process (nothing decoded resident), beside the decode bound that
   process measures right after its read (the frame codec's decode alone: us per frame x frames
-  read / cores, us on one thread, and on every core decoding at once);
+  read / cores);
 - replaybuf zarr **warm**: ``cache='disk'``, timed after one epoch of its reader filled the cache;
 - replaybuf memmap (reference), the seed, TorchRL LazyMemmapStorage (its files mapped by the
   reader), TorchRL CompressedListStorage (zstd-3 in RAM: it lives in one process, so its reader
@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -265,9 +264,7 @@ def child(spec: dict) -> dict[str, Any]:
         except Exception as error:  # report and continue: one kind must not hide the others
             result["errors"][kind] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     if spec["cold"] and spec.get("codec"):  # the bound, in the same minutes as the read it bounds
-        codec, frames = frame_codec(spec["codec"]), make_episode(size, 0)["frame"]
-        result["decode_us"], _ = decode_us_per_frame(codec, frames)
-        result["decode_us_all"], _ = decode_us_per_frame(codec, frames, threads=CORES)
+        result["decode_us"], _ = decode_us_per_frame(frame_codec(spec["codec"]), make_episode(size, 0)["frame"])
     return result
 
 
@@ -375,28 +372,20 @@ def frame_codec(label: str) -> Any:
     return {"zstd": numcodecs.Zstd, "gzip": numcodecs.GZip}[name](level=int(level))
 
 
-def decode_us_per_frame(codec: Any, frames: np.ndarray, repeats: int = 5, threads: int = 1) -> tuple[float, float]:
-    """(best us to decode one frame with ``codec`` alone, compression ratio) over ``frames``, on
-    each of ``threads`` threads decoding them at once (``CORES``: the rate a read using every
-    core can reach; on this VM the two vCPUs share one physical core). The threads are never
-    the main one, where numcodecs hands blosc its global context and threads instead."""
+def decode_us_per_frame(codec: Any, frames: np.ndarray, repeats: int = 5) -> tuple[float, float]:
+    """(best us to decode one frame with ``codec`` alone, compression ratio) over ``frames``."""
     if codec is None:
         return 0.0, 1.0
     encoded = [codec.encode(np.ascontiguousarray(frame)) for frame in frames]
+    out = np.empty_like(frames[0])
     # blosc's module function skips the codec object's argument checks, as replaybuf's reads do
     decode = numcodecs.blosc.decompress if isinstance(codec, numcodecs.Blosc) else codec.decode
-
-    def decode_all(out: np.ndarray) -> None:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
         for data in encoded:
             decode(data, out)
-
-    outs = [np.empty_like(frames[0]) for _ in range(threads)]
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            list(pool.map(decode_all, outs))
-            best = min(best, time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)
     return best / len(frames) * 1e6, frames.nbytes / sum(len(data) for data in encoded)
 
 
@@ -639,20 +628,19 @@ def report(run: Run) -> None:
         f"frame codec {extra.get('codec')} (ratio {extra.get('codec_ratio', float('nan')):.2f}x on episode 0). "
         f"Bound = us x frames read / {CORES} cores, us = the best time to decode one frame with numcodecs alone "
         "(episode 0's frames into one reused frame, best of 5), measured by each cold process right after its "
-        f"read: on one thread (the bound), and on each of {CORES} threads decoding at once (what every core "
-        f"decoding together reaches). This process, after the writes: {extra.get('decode_us', float('nan')):.1f} "
-        "us on one thread. Figures of the fastest process; last column: figure / bound of each process.\n"
+        f"read (this process, after the writes: {extra.get('decode_us', float('nan')):.1f} us). Figures of the "
+        "fastest process; last column: figure / its own bound of each process.\n"
     )
     bound_rows, bound_ratio = [], {}
     for kind, cold in extra.get("cold", {}).items():
         frames = frames_read(kind, cold["samples"], size)
 
-        def bound(figures: dict, key: str = "decode_us", frames: int = frames) -> float:
-            return figures.get(key, 0.0) * 1e-6 * frames / CORES
+        def bound(figures: dict, frames: int = frames) -> float:
+            return figures.get("decode_us", 0.0) * 1e-6 * frames / CORES
 
         label = "get_all_data (first call)" if kind == "get_all_data" else f"{kind}, one epoch"
         if not bound(cold):  # a frame field stored raw has no decode to bound it
-            bound_rows.append([label, f"{cold['seconds']:.3f}", f"{frames:,}", "-", "-", "-", "-", "-"])
+            bound_rows.append([label, f"{cold['seconds']:.3f}", f"{frames:,}", "-", "-", "-", "-"])
             continue
         bound_ratio[kind] = cold["seconds"] / bound(cold)
         every = [figures["seconds"] / bound(figures) for figures in cold["runs"] if bound(figures)]
@@ -661,10 +649,9 @@ def report(run: Run) -> None:
                 label,
                 f"{cold['seconds']:.3f}",
                 f"{frames:,}",
-                f"{cold['decode_us']:.1f} / {cold['decode_us_all']:.1f}",
+                f"{cold['decode_us']:.1f}",
                 f"{bound(cold):.3f}",
                 f"{bound_ratio[kind]:.2f}x",
-                f"{cold['seconds'] / bound(cold, 'decode_us_all'):.2f}x",
                 " ".join(f"{value:.2f}x" for value in every),
             ]
         )
@@ -672,10 +659,9 @@ def report(run: Run) -> None:
         "cold read",
         "seconds",
         "frames read",
-        f"us a frame (1 / {CORES} threads)",
+        "us a frame",
         "decode bound s",
         "figure / bound",
-        f"figure / bound at {CORES} threads' us",
         "each process",
     ]
     print(markdown_table(header, bound_rows))
