@@ -65,12 +65,15 @@ def map_file(fd: int, size: int) -> np.ndarray:
 
 
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; an older kernel refuses it, and the pages fault in as written
 
 
 def map_anonymous(size: int) -> int | None:
     """The address of ``size`` bytes of fresh private memory (huge pages asked for, as numpy asks
-    for its large arrays), or None where libc cannot be called or the kernel refuses; the
-    caller unmaps it (``unmap``)."""
+    for its large arrays) whose pages are made present at once, or None where libc cannot be
+    called or the kernel refuses; the caller unmaps it (``unmap``). The caller writes all of it:
+    one populating call cost less than the page faults of those writes (a cold 213 MB
+    ``get_all_data``: 90 against 106 ms median, 147 against 193 ms of CPU)."""
     if _LIBC is None:
         return None
     prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -78,6 +81,7 @@ def map_anonymous(size: int) -> int | None:
     if address is None or address == _FAILED:
         return None
     _LIBC.madvise(address, size, _MADV_HUGEPAGE)  # a refusal costs speed only
+    _LIBC.madvise(address, size, _MADV_POPULATE_WRITE)  # so does this one (or too little memory)
     return address
 
 
