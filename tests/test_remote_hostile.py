@@ -114,11 +114,29 @@ if sys.argv[3] != "plain":
 """
 
 
-@pytest.mark.parametrize("how", ["plain", "exception", "in-episode"])
+# obstore's Rust threads hand each result to the event loop (``call_soon_threadsafe``), and give
+# up the GIL while writing its wake-up byte; here they keep it given up 0.3 s after writing it, so
+# the loop completes the request and the process reaches its end before they take it back
+SLOW_DELIVERY = """
+import asyncio.selector_events, threading, time
+write_to_self = asyncio.selector_events.BaseSelectorEventLoop._write_to_self
+def slow_write_to_self(self):
+    write_to_self(self)
+    if isinstance(threading.current_thread(), threading._DummyThread):  # a thread Python did not start
+        time.sleep(0.3)
+asyncio.selector_events.BaseSelectorEventLoop._write_to_self = slow_write_to_self
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "exception", "in-episode", "slow-delivery"])
 def test_a_writer_process_exiting_without_close_gives_its_s3_lease_back(s3_server, how):
+    """slow-delivery: a native thread still delivering the last request's result when the
+    interpreter would finalize aborted the process (SIGABRT, -6) without the exit hook of
+    ``storage._settle``, which waits for it."""
     url, options = new_url(s3_server), s3_server.storage_options
+    script = SLOW_DELIVERY + CHILD if how == "slow-delivery" else CHILD
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, url, repr(options), how], env=ENV, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script, url, repr(options), how], env=ENV, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == (0 if how == "plain" else 1), done.stderr
     writer = ReplayBuffer.from_folder(url, storage_options=options)  # not BufferLockedError
