@@ -114,16 +114,55 @@ if sys.argv[3] != "plain":
 """
 
 
-@pytest.mark.parametrize("how", ["plain", "exception", "in-episode"])
+# obstore's Rust threads hand each result to the event loop (``call_soon_threadsafe``), and give
+# up the GIL while writing its wake-up byte; here they keep it given up 0.3 s after writing it, so
+# the loop completes the request and the interpreter finalizes (for 0.6 s at least, then says
+# so) before they take it back: the process aborted, or ended before it finalized
+SLOW_DELIVERY = """
+import asyncio.selector_events, os, threading, time
+write_to_self = asyncio.selector_events.BaseSelectorEventLoop._write_to_self
+def slow_write_to_self(self):
+    write_to_self(self)
+    if isinstance(threading.current_thread(), threading._DummyThread):  # a thread Python did not start
+        time.sleep(0.3)
+asyncio.selector_events.BaseSelectorEventLoop._write_to_self = slow_write_to_self
+class SlowFinalization:
+    def __del__(self, sleep=time.sleep, write=os.write):  # the module's globals are gone by now
+        sleep(0.6)
+        write(2, b"finalized")
+slow_finalization = SlowFinalization()
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "exception", "in-episode", "slow-delivery"])
 def test_a_writer_process_exiting_without_close_gives_its_s3_lease_back(s3_server, how):
+    """slow-delivery: a native thread still delivering the last request's result when the
+    interpreter would finalize aborted the process (SIGABRT, -6) without the exit hook of
+    ``storage._settle``, which waits for it."""
     url, options = new_url(s3_server), s3_server.storage_options
+    script = SLOW_DELIVERY + CHILD if how == "slow-delivery" else CHILD
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, url, repr(options), how], env=ENV, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script, url, repr(options), how], env=ENV, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == (0 if how == "plain" else 1), done.stderr
+    assert how != "slow-delivery" or done.stderr.endswith("finalized"), done.stderr
     writer = ReplayBuffer.from_folder(url, storage_options=options)  # not BufferLockedError
     assert writer.storage.kv.get(LEASE_KEY) is not None
     writer.close()
+
+
+def test_a_process_writing_through_zarr_alone_exits_while_a_native_thread_delivers_a_result(s3_server):
+    """A ``ProcessLocalStore`` used through zarr's API alone (no replaybuf request) is guarded too."""
+    url, options = new_url(s3_server), s3_server.storage_options
+    script = SLOW_DELIVERY + (
+        "import sys, zarr\n"
+        "from replaybuf.storage._remote import ProcessLocalStore\n"
+        "zarr.create_array(ProcessLocalStore(sys.argv[1], eval(sys.argv[2])), shape=(4,), dtype='f4')[:] = 1\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, url, repr(options)], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stderr.endswith("finalized"), done.stderr
 
 
 @pytest.mark.parametrize(

@@ -963,10 +963,10 @@ class StoreKV(KeyValue):
         return f"{self.name.rstrip('/')}/{key}"
 
     def _run(self, coro):
-        from zarr.core.sync import sync
+        from ._settle import run
 
         try:
-            return sync(coro)
+            return run(coro)
         except (OSError, ConnectionError, TimeoutError) as e:
             raise StorageError(f"store {self.name!r} failed: {e}") from e
 

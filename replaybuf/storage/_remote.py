@@ -82,6 +82,8 @@ from urllib.parse import urlsplit
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, ObjectStore, WrapperStore
 
+from ._settle import guarded_loop
+
 if TYPE_CHECKING:
     from zarr.abc.store import ByteRequest
     from zarr.core.buffer import Buffer, BufferPrototype
@@ -269,6 +271,7 @@ def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
     parts = urlsplit(url)
     store = S3Store(parts.netloc, prefix=parts.path.strip("/") or None, **_s3_options_to_obstore(options))
     _obstore_opened_in_pid = os.getpid()
+    guarded_loop()  # its requests run on zarr's loop, also through zarr's API (``ProcessLocalStore``)
     return ObjectStore(store, read_only=read_only)
 
 

@@ -937,10 +937,10 @@ class ZarrStorage(KVBlobs, Storage):
         if isinstance(self.kv, LocalKV):
             folder = os.path.join(self.kv.root, *prefix.rstrip("/").split("/"))
             return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
-        from zarr.core.sync import sync
+        from ._settle import run
 
         assert isinstance(self.kv, StoreKV)  # a zarr buffer's objects are local files or a zarr Store
-        return int(sync(self.kv.store.getsize_prefix(prefix)))
+        return int(run(self.kv.store.getsize_prefix(prefix)))
 
 
 _COMPRESSOR_CODECS = ("zstd", "blosc", "gzip")
@@ -1040,11 +1040,11 @@ def list_children(location: str, storage_options: dict | None = None) -> list[st
     if "://" not in location or location.startswith("file://"):
         path = location.removeprefix("file://")
         return os.listdir(path) if os.path.isdir(path) else []
-    from zarr.core.sync import sync
+    from ._settle import run
 
     store = _open_zarr_store(location, storage_options or {}, True)
 
     async def listing() -> list[str]:
         return [name.rstrip("/") async for name in store.list_dir("")]
 
-    return sync(listing())
+    return run(listing())
