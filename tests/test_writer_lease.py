@@ -554,3 +554,35 @@ def test_recovery_commits_only_the_last_episode_of_a_step_log_two_objects_wrote(
         slots = recovered.valid_episodes()
         assert recovered.episode_lens[slots].tolist() == [2]
         np.testing.assert_array_equal(recovered.storage.read_rows("x", slots, 0, 2), 2)
+
+
+def test_a_broken_holders_renewal_over_the_take_over_is_written_over(s3_location):
+    """``break_lock`` while the holder is alive: a renewal of the holder that lands on the
+    take-over's record in the same moment (it read its own record just before) is written over,
+    and the holder sees the new token at its next renewal and stops."""
+    from replaybuf.storage.lease import ObjectLease
+
+    url, options = s3_location
+    old = _open(url, storage_options=options)
+    holder = old.storage._lease
+    record = old.storage.kv.get(LEASE_KEY)  # what the holder's renewal read, then writes back
+    kv = make_storage(url, storage_options=options).kv  # a second handle on the same store
+    set_once, clobbered = kv.set, []
+
+    def set_then_renewed_over(key, data):
+        set_once(key, data)
+        if key == LEASE_KEY and not clobbered:
+            clobbered.append(True)
+            set_once(key, record)
+
+    kv.set = set_then_renewed_over
+    lease = ObjectLease(kv, url, seconds=60)
+    lease.acquire(break_lock=True)
+    try:
+        assert clobbered and json.loads(kv.get(LEASE_KEY))["token"] == lease.token
+        holder.renew()
+        assert holder.lost is not None
+    finally:
+        lease.release()
+        old.storage._lease = None  # lost: its close has no lease to give back
+        old.close()

@@ -46,6 +46,9 @@ LEASE_KEY = "replaybuf/writer.lock"
 # the most bytes of a lease record read (one is ~100): a larger file or object is damage
 RECORD_BYTES = 1 << 16
 DEFAULT_LEASE_SECONDS = 60.0
+# writes of a take-over that the holder it breaks may overwrite by a renewal in the same moment
+TAKE_OVER_TRIES = 3
+TAKE_OVER_PAUSE_S = 0.05
 LEASE_SECONDS_ENV = "REPLAYBUF_LEASE_SECONDS"
 
 logger = logging.getLogger(__name__)
@@ -406,10 +409,18 @@ class ObjectLease(WriterLease):
             )
         if holder is not None:
             logger.warning("taking over the writer lease of %s from %s", self.location, describe_holder(holder))
-        self.kv.set(LEASE_KEY, self._new_record())
-        now = self._read_record()
-        if not now or now.get("token") != self.token:
-            raise self._locked_error(now, "Another writer took the expired lease at the same time.")
+        broken = None if holder is None else holder.get("token")
+        for _ in range(TAKE_OVER_TRIES):
+            self.kv.set(LEASE_KEY, self._new_record())
+            now = self._read_record()
+            if now and now.get("token") == self.token:
+                return
+            # the holder broken (``break_lock``: alive) renewed over ours in the same moment: it
+            # rereads the token at its next renewal, so ours written again, it sees ours and stops
+            if not (break_lock and broken is not None and now and now.get("token") == broken):
+                break
+            time.sleep(TAKE_OVER_PAUSE_S)
+        raise self._locked_error(now, "Another writer took the expired lease at the same time.")
 
     def renew(self) -> None:
         """Extend the lease, or mark it ``lost`` when another writer holds it now."""
