@@ -127,7 +127,7 @@ TARGETS = (
     ("cold trajectory >= 1x seed", "trajectory", SEED, 1.0, (COLD,)),
 )
 COLD_BOUND_TARGET = 1.3  # cold get_all_data within 1.3x of the decode bound
-PAIRED_ROUNDS = 12  # rounds of the paired timestep readers (hot, warm)
+PAIRED_ROUNDS = 24  # rounds of the paired timestep readers (hot, warm): one round's ratio swings 0.4-3x here
 BYTES_TARGET = 0.5  # bytes at rest after compaction <= 0.5x raw
 
 
@@ -622,6 +622,9 @@ def report(run: Run) -> None:
         ]
         print(markdown_table(["reader", "timestep samples/s"], readers))
         print(f"\nratio of the medians: {medians[GATHER] / medians[row]:.2f}x the gather")
+        rounds = np.asarray(seconds[GATHER]) / np.asarray(seconds[row])
+        quartiles = " / ".join(f"{q:.2f}x" for q in np.percentile(rounds, [25, 50, 75]))
+        print(f"each round's ratio (its gather's seconds / its reader's), quartiles: {quartiles}")
 
     print("\n## Cold reads against the decode bound\n")
     print(
