@@ -23,13 +23,13 @@ import pytest
 from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
 from replaybuf.actors import shard_location
 from replaybuf.cli import main as cli_main
-from replaybuf.storage import make_storage
-from replaybuf.storage.lease import LEASE_KEY, LEASE_SECONDS_ENV
+from replaybuf.storage import StorageError, make_storage
+from replaybuf.storage.lease import LEASE_KEY, LEASE_SECONDS_ENV, TAKE_OVER_TRIES, ObjectLease
 from tests._backends import snapshot
 from tests._data import seed_buffer
 from tests._lease_child import FIELDS, META
 
-pytest_plugins = ["tests._servers"]  # fixtures: s3_server
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server, gcs_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = ["zarr", "memmap", "hdf5"]
@@ -557,16 +557,17 @@ def test_recovery_commits_only_the_last_episode_of_a_step_log_two_objects_wrote(
 
 
 def test_a_broken_holders_renewal_over_the_take_over_is_written_over(s3_location):
-    """``break_lock`` while the holder is alive: a renewal of the holder that lands on the
-    take-over's record in the same moment (it read its own record just before) is written over,
-    and the holder sees the new token at its next renewal and stops."""
-    from replaybuf.storage.lease import ObjectLease
-
+    """``break_lock`` while the holder is alive, on a store without a conditional replace (s3fs):
+    a renewal of the holder that lands on the take-over's record in the same moment (it read its
+    own record just before) is written over, and the holder sees the new token at its next
+    renewal and stops."""
     url, options = s3_location
+    options = {**options, "config_kwargs": {}}  # no obstore equivalent: s3fs
     old = _open(url, storage_options=options)
     holder = old.storage._lease
     record = old.storage.kv.get(LEASE_KEY)  # what the holder's renewal read, then writes back
     kv = make_storage(url, storage_options=options).kv  # a second handle on the same store
+    assert not kv.replaces_conditionally
     set_once, clobbered = kv.set, []
 
     def set_then_renewed_over(key, data):
@@ -586,3 +587,182 @@ def test_a_broken_holders_renewal_over_the_take_over_is_written_over(s3_location
         lease.release()
         old.storage._lease = None  # lost: its close has no lease to give back
         old.close()
+
+
+# ---- conditional replace (S3 through obstore): renewals and take-overs write over what they read ------
+
+
+def _kv(url: str, options: dict):
+    """A handle of its own on the store at ``url``, as another writer process has."""
+    return make_storage(url, storage_options=options).kv
+
+
+def _token(url: str, options: dict) -> str | None:
+    raw = _kv(url, options).get(LEASE_KEY)
+    return None if raw is None else json.loads(raw)["token"]
+
+
+def test_replace_if_takes_the_current_version_only(s3_location):
+    url, options = s3_location
+    kv = _kv(url, options)
+    assert kv.replaces_conditionally
+    assert kv.get_versioned("k", 100) is None
+    kv.set("k", b"one")
+    first = kv.get_versioned("k", 100)
+    assert first is not None and first.data == b"one"
+    assert kv.replace_if("k", b"two", first.version)
+    assert not kv.replace_if("k", b"three", first.version)  # stale: changed since read
+    assert kv.get("k") == b"two"
+    over = kv.get_versioned("k", 2)  # over the limit: left unread, yet replaceable
+    assert over is not None and over.data is None and over.version != first.version
+    assert kv.replace_if("k", b"four", over.version)
+    assert kv.get("k") == b"four"
+    current = kv.get_versioned("k", 100)
+    assert current is not None
+    kv.delete_many(["k"])
+    assert not kv.replace_if("k", b"five", current.version)  # vanished
+    assert kv.get("k") is None
+
+
+@pytest.mark.parametrize("store", ["memory", "s3fs", "gcs"])
+def test_stores_without_a_conditional_replace_say_so_and_refuse_it(store, request):
+    if store == "memory":
+        url, options = f"memory://replaybuf-lease/{uuid.uuid4().hex}", {}
+    elif store == "s3fs":
+        url, options = request.getfixturevalue("s3_location")
+        options = {**options, "config_kwargs": {}}
+    else:
+        server = request.getfixturevalue("gcs_server")
+        url, options = server.url(f"lease-{uuid.uuid4().hex[:8]}"), server.storage_options
+    kv = _kv(url, options)
+    assert not kv.replaces_conditionally
+    with pytest.raises(StorageError, match="offers no conditional replace"):
+        kv.get_versioned("k", 100)
+    with pytest.raises(StorageError, match="offers no conditional replace"):
+        kv.replace_if("k", b"x", {"e_tag": '"x"'})
+    assert kv.get("k") is None
+
+
+def test_a_renewal_racing_a_take_over_never_overwrites_it(s3_location):
+    """``break_lock`` lands between the holder's renewal reading its record and writing it back:
+    the renewal is refused, and the holder finds the new token and stops."""
+    url, options = s3_location
+    holder, breaker = ObjectLease(_kv(url, options), url, 60), ObjectLease(_kv(url, options), url, 60)
+    holder.acquire()
+    read = holder._read_versioned
+
+    def read_then_taken_over():
+        got = read()
+        if breaker.token is None:
+            breaker.acquire(break_lock=True)
+        return got
+
+    holder._read_versioned = read_then_taken_over
+    try:
+        holder.renew()
+        assert breaker.token is not None and holder.lost is not None
+        assert f"was taken over by pid {os.getpid()}" in holder.lost
+        assert _token(url, options) == breaker.token
+    finally:
+        holder.release()  # not its record: left alone
+        assert _token(url, options) == breaker.token
+        breaker.release()
+    assert _token(url, options) is None
+
+
+def test_two_take_overs_of_one_expired_lease_exactly_one_wins(s3_location):
+    """Both read the expired record before either writes: the second write is refused, and its
+    writer finds the first's live lease and is refused as by any live holder."""
+    url, options = s3_location
+    dead = {"host": "gone", "pid": 1, "since": "2026-01-01T00:00:00+00:00", "expires": 0, "token": "dead"}
+    _kv(url, options).set(LEASE_KEY, json.dumps(dead).encode())
+    first, second = ObjectLease(_kv(url, options), url, 60), ObjectLease(_kv(url, options), url, 60)
+    read = first._read_versioned
+
+    def read_then_second_takes_over():
+        got = read()
+        if second.token is None:
+            second.acquire()
+        return got
+
+    first._read_versioned = read_then_second_takes_over
+    try:
+        with pytest.raises(BufferLockedError, match="lease expires at") as caught:
+            first.acquire()
+        assert caught.value.holder is not None and caught.value.holder["token"] == second.token
+        assert first.token is None and first._thread is None
+        assert _token(url, options) == second.token
+    finally:
+        second.release()
+    assert _token(url, options) is None
+
+
+def test_a_renewal_between_a_break_lock_reading_and_writing_makes_it_read_again(s3_location):
+    """The holder renews between ``break_lock`` reading its record and writing: the take-over's
+    write is refused, it reads the renewed record, breaks that, and the holder stops."""
+    url, options = s3_location
+    holder, breaker = ObjectLease(_kv(url, options), url, 60), ObjectLease(_kv(url, options), url, 60)
+    holder.acquire()
+    read, renewed = breaker._read_versioned, []
+
+    def read_then_renewed():
+        got = read()
+        if not renewed:
+            holder.renew()
+            renewed.append(True)
+        return got
+
+    breaker._read_versioned = read_then_renewed
+    try:
+        breaker.acquire(break_lock=True)
+        assert renewed and holder.lost is None and _token(url, options) == breaker.token
+        holder.renew()
+        assert holder.lost is not None and _token(url, options) == breaker.token
+    finally:
+        holder.release()
+        breaker.release()
+    assert _token(url, options) is None
+
+
+def test_a_take_over_refused_at_every_try_gives_up_locked(s3_location):
+    """The record changes before each of the take-over's writes (here: every write refused):
+    after ``TAKE_OVER_TRIES`` it is refused, holding nothing and leaving the record as it was."""
+    url, options = s3_location
+    dead = {"host": "gone", "pid": 1, "since": "2026-01-01T00:00:00+00:00", "expires": 0, "token": "dead"}
+    _kv(url, options).set(LEASE_KEY, json.dumps(dead).encode())
+    lease, tries = ObjectLease(_kv(url, options), url, 60), []
+    lease.kv.replace_if = lambda key, data, version: tries.append(key) and False
+    with pytest.raises(BufferLockedError, match="took the expired lease at the same time") as caught:
+        lease.acquire()
+    assert len(tries) == TAKE_OVER_TRIES and caught.value.holder == dead
+    assert lease.token is None and lease._thread is None and _token(url, options) == "dead"
+
+
+@pytest.mark.parametrize("how", ["renew", "take_over"])
+def test_a_conditional_write_that_landed_though_refused_is_recognised_as_ours(s3_location, how):
+    """A PUT whose answer was lost lands, and the client's retry of it is refused: the lease
+    reads its own token back and goes on, renewed or taken."""
+    url, options = s3_location
+    if how == "take_over":
+        dead = {"host": "gone", "pid": 1, "since": "2026-01-01T00:00:00+00:00", "expires": 0, "token": "dead"}
+        _kv(url, options).set(LEASE_KEY, json.dumps(dead).encode())
+    lease = ObjectLease(_kv(url, options), url, 60)
+    replace_if, landed = lease.kv.replace_if, []
+
+    def landed_but_refused(key, data, version):
+        assert replace_if(key, data, version)
+        landed.append(json.loads(data)["expires"])
+        return False
+
+    lease.kv.replace_if = landed_but_refused
+    try:
+        if how == "renew":
+            lease.acquire()
+            lease.renew()
+        else:
+            lease.acquire()
+        assert len(landed) == 1 and json.loads(lease.kv.get(LEASE_KEY))["expires"] == landed[0]
+        assert lease.lost is None and _token(url, options) == lease.token
+    finally:
+        lease.release()
+    assert _token(url, options) is None

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,10 @@ from ._mapping import map_file
 from .base import ANY_SIZE, LOG_PREFIX, StorageError, document_limit, document_too_large
 
 if TYPE_CHECKING:
+    # what identifies one version of an object for a conditional replace: its ETag, and its
+    # version id where the bucket keeps versions; opaque to callers
+    from obstore import UpdateVersion as ObjectVersion
+
     from .base import Storage as _StorageMixin  # KVBlobs is mixed in before Storage
 else:
     _StorageMixin = object
@@ -45,6 +49,15 @@ ReadInto = tuple[str, int, memoryview]
 Consume = Callable[[int, bytes | None], None]
 #: what a write takes: hot shards are built in place and handed over as a view
 Blob = bytes | memoryview
+
+
+class Versioned(NamedTuple):
+    """An object read with its version (``StoreKV.get_versioned``): ``data`` is None when the
+    object is over the limit asked (left unread: damage), so it can still be replaced."""
+
+    data: bytes | None
+    version: ObjectVersion
+
 
 # keys whose file paths a LocalKV remembers
 _MAX_PATHS = 1 << 20
@@ -1023,14 +1036,12 @@ class StoreKV(KeyValue):
         # first ``limit + 1`` bytes (then a HEAD for the error's size)
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
-        from zarr.storage import ObjectStore, WrapperStore
+        from zarr.storage import ObjectStore
 
         from ._remote import NamedErrorStore
 
         store, proto, most = self.store, default_buffer_prototype(), document_limit(limit)
-        inner = store
-        while isinstance(inner, WrapperStore):
-            inner = inner._store
+        inner = self._innermost()
 
         named = store._named if isinstance(store, NamedErrorStore) else lambda _, __: contextlib.nullcontext()
 
@@ -1078,11 +1089,9 @@ class StoreKV(KeyValue):
 
         zarr's ``set_if_not_exists`` hides whether it wrote, and on fsspec stores checks then
         writes (two requests: a race), so the clients are called directly."""
-        from zarr.storage import FsspecStore, ObjectStore, WrapperStore
+        from zarr.storage import FsspecStore, ObjectStore
 
-        store = self.store
-        while isinstance(store, WrapperStore):
-            store = store._store
+        store = self._innermost()
 
         async def put() -> bool:
             if isinstance(store, ObjectStore):
@@ -1104,6 +1113,78 @@ class StoreKV(KeyValue):
             raise StorageError(f"store {self.name!r} ({type(store).__name__}) offers no conditional write")
 
         return self._run(put())
+
+    def _innermost(self) -> Any:
+        """The store under every wrapper (NamedErrorStore, zarr's own)."""
+        from zarr.storage import WrapperStore
+
+        store = self.store
+        while isinstance(store, WrapperStore):
+            store = store._store
+        return store
+
+    @property
+    def replaces_conditionally(self) -> bool:
+        """Whether ``get_versioned`` and ``replace_if`` work here: on obstore stores (S3), whose
+        PUT takes ``If-Match``. fsspec's filesystems offer no read that returns the object's
+        version with its bytes nor a write conditional on it (gcsfs writes ``ifGenerationMatch``
+        only as 0, for ``create``), so gs://, s3fs and memory:// stores say False."""
+        from zarr.storage import ObjectStore
+
+        return isinstance(self._innermost(), ObjectStore)
+
+    def get_versioned(self, key: str, limit: int) -> Versioned | None:
+        """``key`` and its version, in one GET; None when absent. The body is read only when
+        within ``limit`` bytes. StorageError where not ``replaces_conditionally``."""
+        store = self._conditional_store()
+
+        async def get() -> Versioned | None:
+            import obstore
+
+            try:
+                got = await obstore.get_async(store, key)
+            except (FileNotFoundError, obstore.exceptions.NotFoundError):
+                return None
+            except obstore.exceptions.BaseError as e:
+                raise StorageError(f"GET {key!r} on {self.name!r} failed: {e}") from e
+            version: ObjectVersion = {}  # obstore refuses a None in a PUT's mode
+            if got.meta["e_tag"] is not None:
+                version["e_tag"] = got.meta["e_tag"]
+            if got.meta["version"] is not None:
+                version["version"] = got.meta["version"]
+            if not version:  # nothing to make a PUT conditional on
+                raise StorageError(f"GET {key!r} on {self.name!r} returned neither an ETag nor a version")
+            data = bytes(await got.bytes_async()) if int(got.meta["size"]) <= limit else None
+            return Versioned(data, version)
+
+        return self._run(get())
+
+    def replace_if(self, key: str, data: bytes, version: ObjectVersion) -> bool:
+        """Write ``key`` only if it is still at ``version`` (from ``get_versioned``), in one
+        conditional PUT (``If-Match``); False when it changed or vanished since. A PUT whose
+        answer was lost and that the client retried is refused too (its first try changed the
+        object): a caller tells that case by reading the object again.
+        StorageError where not ``replaces_conditionally``."""
+        store = self._conditional_store()
+
+        async def put() -> bool:
+            import obstore
+
+            try:
+                await obstore.put_async(store, key, data, mode=version)
+            except (FileNotFoundError, obstore.exceptions.NotFoundError, obstore.exceptions.PreconditionError):
+                return False
+            except obstore.exceptions.BaseError as e:
+                raise StorageError(f"conditional PUT {key!r} on {self.name!r} failed: {e}") from e
+            return True
+
+        return self._run(put())
+
+    def _conditional_store(self) -> Any:
+        """The obstore store under ``store``, or StorageError when there is none."""
+        if not self.replaces_conditionally:
+            raise StorageError(f"store {self.name!r} offers no conditional replace")
+        return self._innermost().store
 
     def size(self, key: str) -> int | None:
         # docstring inherited: one HEAD

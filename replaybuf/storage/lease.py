@@ -15,6 +15,16 @@ since, ...}`` that names the holder for the error a second writer gets.
   ``break_lock=True`` / ``replaybuf unlock``. A writer whose lease was taken over notices at its
   next renewal and refuses every further write.
 
+  Where the store replaces an object conditionally (``StoreKV.replaces_conditionally``: S3
+  through obstore, a PUT with ``If-Match`` on the ETag read), renewals and take-overs write
+  only over the record they read: a renewal never overwrites a take-over, and of two writers
+  taking over one expired lease at once exactly one wins. gcsfs (``gs://``) and s3fs (``s3://``
+  with options obstore lacks, or in a forked child) offer no such write: there a take-over
+  writes unconditionally and reads back, and a renewal reads the token then writes, so two
+  writers may overlap until the loser's next renewal (at most a quarter of the expiry).
+  Release reads the record and deletes it unconditionally everywhere (obstore's DELETE takes no
+  ``If-Match``).
+
 Expiry comes from ``REPLAYBUF_LEASE_SECONDS`` (default 60 s) in the writer's environment, read
 when the lease is taken; an object-store writer must renew within that time or lose the lease.
 """
@@ -37,17 +47,19 @@ import uuid
 import weakref
 from abc import ABC, abstractmethod
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 if TYPE_CHECKING:
-    from ._kv import StoreKV
+    from ._kv import ObjectVersion, StoreKV
 
 LEASE_KEY = "replaybuf/writer.lock"
 # the most bytes of a lease record read (one is ~100): a larger file or object is damage
 RECORD_BYTES = 1 << 16
 DEFAULT_LEASE_SECONDS = 60.0
-# writes of a take-over that the holder it breaks may overwrite by a renewal in the same moment
+# tries of a take-over: the record it read changed before its conditional write landed, or
+# (stores without one) the holder it breaks renewed over its write in the same moment
 TAKE_OVER_TRIES = 3
+# the pause between those tries on stores without a conditional write
 TAKE_OVER_PAUSE_S = 0.05
 LEASE_SECONDS_ENV = "REPLAYBUF_LEASE_SECONDS"
 
@@ -328,6 +340,17 @@ def _expiry(holder: dict) -> float:
     return expires if math.isfinite(expires) else 0.0
 
 
+def _parse_record(raw: bytes | None) -> dict:
+    """The lease record in ``raw``; {} where damaged (not a JSON object, or None: too large)."""
+    if raw is None:
+        return {}
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 class ObjectLease(WriterLease):
     """A lease object on an object store, created with ``If-None-Match: *`` and renewed by a
     heartbeat thread; it holds ``{host, pid, since, expires, token}`` (``expires`` in Unix time).
@@ -355,12 +378,19 @@ class ObjectLease(WriterLease):
     def _read_record(self) -> dict | None:
         try:  # a record is ~100 bytes: a larger object is damage, refused unread (a ValueError)
             raw = self.kv.get_document(LEASE_KEY, RECORD_BYTES)
-            if raw is None:
-                return None
-            record = json.loads(raw)
         except ValueError:
             return {}
-        return record if isinstance(record, dict) else {}
+        return None if raw is None else _parse_record(raw)
+
+    def _read_versioned(self) -> tuple[dict, ObjectVersion] | None:
+        """The record and its version, in one GET (stores that replace conditionally); None
+        when there is no lease object."""
+        got = self.kv.get_versioned(LEASE_KEY, RECORD_BYTES)
+        return None if got is None else (_parse_record(got.data), got.version)
+
+    def _ours(self, record: dict | None) -> TypeGuard[dict]:
+        """Whether ``record`` is this lease's (its token)."""
+        return record is not None and self.token is not None and record.get("token") == self.token
 
     def _new_record(self) -> bytes:
         return json.dumps(_record(expires=time.time() + self.seconds, token=self.token)).encode()
@@ -387,7 +417,36 @@ class ObjectLease(WriterLease):
         atexit.register(_release_at_exit)
 
     def _take_over(self, break_lock: bool) -> None:
-        """Replace an expired (or, with ``break_lock``, any) lease and check that ours stands.
+        """Replace an expired (or, with ``break_lock``, any) lease by ours, or raise
+        BufferLockedError naming the holder."""
+        if self.kv.replaces_conditionally:
+            self._take_over_if_unchanged(break_lock)
+        else:
+            self._take_over_unconditionally(break_lock)
+
+    def _take_over_if_unchanged(self, break_lock: bool) -> None:
+        """Write ours over the record read, conditional on its version: a renewal or another
+        take-over landing in between refuses ours, and the record is read and judged again
+        (two writers taking over one expired lease: the first write wins, the other is refused
+        as by a live holder)."""
+        holder = None
+        for _ in range(TAKE_OVER_TRIES):
+            got = self._read_versioned()
+            if got is None:  # released meanwhile
+                if self.kv.create(LEASE_KEY, self._new_record()):
+                    return
+                continue
+            holder, version = got
+            if self._ours(holder):  # our write landed; the client's retry of it was refused
+                return
+            self._check_takeable(holder, break_lock)
+            if self.kv.replace_if(LEASE_KEY, self._new_record(), version):
+                return
+        raise self._locked_error(holder, "Another writer took the expired lease at the same time.")
+
+    def _take_over_unconditionally(self, break_lock: bool) -> None:
+        """Write ours over the record read, then check that ours stands (stores without a
+        conditional replace).
 
         Two writers taking over the same expired lease at once may both write theirs, and the
         re-read below cannot tell which write lands last if both read back before the other
@@ -395,9 +454,25 @@ class ObjectLease(WriterLease):
         stops writing at its next renewal: two writers overlap for at most ``seconds / 4``.
         """
         holder = self._read_record()
-        expires = 0.0 if holder is None else _expiry(holder)
-        expired = holder is not None and not expires > time.time()
-        if holder is not None and not expired and not break_lock:
+        if holder is not None:
+            self._check_takeable(holder, break_lock)
+        broken = None if holder is None else holder.get("token")
+        for _ in range(TAKE_OVER_TRIES):
+            self.kv.set(LEASE_KEY, self._new_record())
+            now = self._read_record()
+            if self._ours(now):
+                return
+            # the holder broken (``break_lock``: alive) renewed over ours in the same moment: it
+            # rereads the token at its next renewal, so ours written again, it sees ours and stops
+            if not (break_lock and broken is not None and now and now.get("token") == broken):
+                break
+            time.sleep(TAKE_OVER_PAUSE_S)
+        raise self._locked_error(now, "Another writer took the expired lease at the same time.")
+
+    def _check_takeable(self, holder: dict, break_lock: bool) -> None:
+        """BufferLockedError naming ``holder`` unless its lease has expired or ``break_lock``."""
+        expires = _expiry(holder)
+        if expires > time.time() and not break_lock:
             try:
                 until = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
             except (OverflowError, ValueError, OSError):  # a damaged record: far beyond any date
@@ -407,30 +482,38 @@ class ObjectLease(WriterLease):
                 f"If that writer stopped without closing, its lease expires at {until}; to take it now, "
                 f"pass break_lock=True or run `replaybuf unlock {self.location}`.",
             )
-        if holder is not None:
-            logger.warning("taking over the writer lease of %s from %s", self.location, describe_holder(holder))
-        broken = None if holder is None else holder.get("token")
-        for _ in range(TAKE_OVER_TRIES):
-            self.kv.set(LEASE_KEY, self._new_record())
-            now = self._read_record()
-            if now and now.get("token") == self.token:
-                return
-            # the holder broken (``break_lock``: alive) renewed over ours in the same moment: it
-            # rereads the token at its next renewal, so ours written again, it sees ours and stops
-            if not (break_lock and broken is not None and now and now.get("token") == broken):
-                break
-            time.sleep(TAKE_OVER_PAUSE_S)
-        raise self._locked_error(now, "Another writer took the expired lease at the same time.")
+        logger.warning("taking over the writer lease of %s from %s", self.location, describe_holder(holder))
 
     def renew(self) -> None:
-        """Extend the lease, or mark it ``lost`` when another writer holds it now."""
-        record = self._read_record()
-        if not record or record.get("token") != self.token:
-            self.lost = f"the writer lease of {self.location!r} was taken over by {describe_holder(record)}"
-            logger.error("%s; this writer stops writing", self.lost)
-            self._stop.set()
+        """Extend the lease, or mark it ``lost`` when another writer holds it now. Where the store
+        replaces conditionally, the extension is written over the record read only, so a
+        take-over landing in between refuses it instead of being overwritten."""
+        if not self.kv.replaces_conditionally:
+            record = self._read_record()
+            if self._ours(record):
+                self.kv.set(LEASE_KEY, self._extended(record))
+            else:
+                self._lose(record)
             return
-        self.kv.set(LEASE_KEY, json.dumps({**record, "expires": time.time() + self.seconds}).encode())
+        got = self._read_versioned()
+        if got is not None and self._ours(got[0]):
+            if self.kv.replace_if(LEASE_KEY, self._extended(got[0]), got[1]):
+                return
+            # refused, so changed since read: taken over, or our PUT landed and the client's
+            # retry of it (its answer lost) was refused, which leaves ours extended
+            got = self._read_versioned()
+            if got is not None and self._ours(got[0]):
+                return
+        self._lose(None if got is None else got[0])
+
+    def _extended(self, record: dict) -> bytes:
+        return json.dumps({**record, "expires": time.time() + self.seconds}).encode()
+
+    def _lose(self, holder: dict | None) -> None:
+        """The lease was taken over by ``holder``: stop renewing, and refuse every write."""
+        self.lost = f"the writer lease of {self.location!r} was taken over by {describe_holder(holder)}"
+        logger.error("%s; this writer stops writing", self.lost)
+        self._stop.set()
 
     def _heartbeat(self) -> None:
         """Renew every quarter of the expiry until released; a renewal that fails (store down)
@@ -457,6 +540,8 @@ class ObjectLease(WriterLease):
             token, self.token = self.token, None
             if token is not None and self._pid == os.getpid():
                 with contextlib.suppress(Exception):  # the store is down: the lease expires instead
+                    # read, then deleted unconditionally: obstore's DELETE takes no If-Match. Only a
+                    # ``break_lock`` take-over can land in between (ours is live), and loses its record
                     record = self._read_record()
                     if record and record.get("token") == token:
                         self.kv.delete_many([LEASE_KEY])
