@@ -116,7 +116,7 @@ def test_a_symlinked_cache_folder_is_never_used(written, expected, tmp_path, lin
     assert len(unusable) == 1 and link in str(unusable[0].message) and "symlink" in str(unusable[0].message)
 
 
-@pytest.mark.parametrize("target", ["valid file", "short file", "missing file", "fifo"])
+@pytest.mark.parametrize("target", ["valid file", "short file", "missing file", "fifo", "fifo in place"])
 def test_a_cache_file_replaced_by_a_symlink_is_never_served_or_written(written, expected, tmp_path, target):
     cache = tmp_path / "cache"
     first = reader(written, cache)
@@ -132,12 +132,15 @@ def test_a_cache_file_replaced_by_a_symlink_is_never_served_or_written(written, 
     elif target == "fifo":
         os.mkfifo(pointed)
     os.unlink(path)
-    os.symlink(pointed, path)
+    if target == "fifo in place":  # no symlink: the cache file itself is a FIFO
+        os.mkfifo(path)
+    else:
+        os.symlink(pointed, path)
     before = snapshot(user)
-    with no_hang(pointed if target == "fifo" else None):
+    with no_hang(pointed if target == "fifo" else path if target == "fifo in place" else None):
         assert_reads_right(reader(written, cache), expected)
     assert snapshot(user) == before
-    assert os.path.isfile(path) and not os.path.islink(path)  # refilled in place of the link
+    assert os.path.isfile(path) and not os.path.islink(path)  # refilled in its place
 
 
 def test_a_symlink_at_a_fillers_temp_name_is_never_written_through(written, expected, tmp_path):
