@@ -37,6 +37,14 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
   file is refilled on its next open.
 
+- **Its own files only.** The folders under ``cache_dir`` (the buffer's, its fields', ``.locks``)
+  must be plain directories, and a cache, temp or lock file a plain file, opened without
+  following a symlink and without blocking (a FIFO): a symlinked folder, or a ``cache_dir`` the
+  process cannot write, makes the reads go to the wrapped storage (warned once, tried again
+  after ``FULL_RETRY_S``), an odd cache file is never served, an odd lock entry leaves its
+  episode filled unlocked, and no write, touch or delete reaches outside those files. A folder
+  deleted meanwhile (by another process) only leaves that read uncached.
+
 Only a storage opened read-only is cached (a writer's rows change under it), or a writer's for
 a dataset's snapshot reads (``snapshot=True``); steps past an episode's length are read from
 the wrapped storage.
@@ -55,12 +63,14 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 import uuid as uuid_module
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
 
@@ -98,8 +108,28 @@ OLD_SUFFIX = ".raw"
 CHECK_BYTES = 4
 #: errors of a cache folder with no room left: the rows are then read from the store
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-#: seconds a process reads past a full cache folder before it tries to fill it again
+#: seconds a process reads past a full (or unusable) cache folder before it tries to fill it again
 FULL_RETRY_S = 10.0
+#: how the cache opens its files: never through a symlink, never blocked by a FIFO
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class CacheFolderError(Exception):
+    """A file operation on the cache folder failed (``error``): the reads it served go to the
+    wrapped storage instead (an error of the wrapped storage is never one of these)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+@contextmanager
+def _in_cache_folder() -> Iterator[None]:
+    """Raise the OSErrors of the cache folder's file operations within as ``CacheFolderError``."""
+    try:
+        yield
+    except OSError as e:
+        raise CacheFolderError(e) from e
 
 
 class DenseRows:
@@ -329,8 +359,8 @@ class CachedStorage(Storage):
         self._used: int | None = None
         self._root: tuple[Schema, str] | None = None  # (the schema it was derived from, the folder)
         self._identity_checked = False  # ``load_state`` skips its identity check once after ``open``
-        self._warned_full = False  # a full cache folder is reported once per process
-        self._full_until = 0.0  # time.monotonic() until which fills are skipped (a full folder)
+        self._warned = False  # a full or unusable cache folder is reported once per process
+        self._skip_fills_until = 0.0  # time.monotonic() until which fills are skipped (``_cannot_fill``)
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
@@ -344,8 +374,8 @@ class CachedStorage(Storage):
             "_lock",
             "_used",
             "_root",
-            "_warned_full",
-            "_full_until",
+            "_warned",
+            "_skip_fills_until",
         ):
             state.pop(key)
         return state
@@ -587,16 +617,11 @@ class CachedStorage(Storage):
                 out[slot, generation], touched[slot, generation] = entry
         opened = [(*version, self._map(name, *version)) for version in missing]
         absent = [version for *version, rows in opened if rows is None]
-        if absent and now >= self._full_until:
+        if absent and now >= self._skip_fills_until:
             try:
                 self._fill(name, *(np.array(column, dtype=np.int64) for column in zip(*absent)))
-            except OSError as e:
-                if e.errno not in NO_ROOM:
-                    raise
-                # the slots left absent are read from the wrapped storage, and so are the next
-                # reads' for a while: each fill would write until the disk refuses, for nothing
-                self._full_until = time.monotonic() + FULL_RETRY_S
-                self._report_full(e)
+            except CacheFolderError as e:
+                self._cannot_fill(e.error)
             opened += [(*version, self._map(name, *version)) for version in absent]
         mapped = self._mapped_rows(name)
         with self._lock:
@@ -615,16 +640,24 @@ class CachedStorage(Storage):
                 dense.put(slot, generation, revisions[slot], rows)
         return out
 
-    def _report_full(self, error: OSError) -> None:
-        """Warn, once per process, that the cache folder has no room: a full cache never fails
-        a read, it only stops caching."""
-        if not self._warned_full:
-            self._warned_full = True
-            warnings.warn(
-                f"the read cache {self.root!r} is full ({error.strerror}): episodes it could not hold are read "
-                "from the store; free space there or pass a smaller cache_size",
-                stacklevel=4,
-            )
+    def _cannot_fill(self, error: OSError) -> None:
+        """After a fill the cache folder refused with ``error``: its slots are read from the
+        wrapped storage. A folder deleted meanwhile (another process clearing the cache) is
+        filled again by the next read; any other error (no room, a symlinked folder, one the
+        process may not write) skips fills for ``FULL_RETRY_S`` (each would fail the same way,
+        for nothing) and is warned once per process: a cache never fails a read."""
+        if error.errno == errno.ENOENT:
+            return
+        self._skip_fills_until = time.monotonic() + FULL_RETRY_S
+        if not self._warned:
+            self._warned = True
+            if error.errno in NO_ROOM:
+                why = f"is full ({error.strerror}): episodes it could not hold are read from the store; free "
+                hint = "space there or pass a smaller cache_size"
+            else:
+                why = f"cannot be used ({error}): episodes are read from the store; "
+                hint = "pass a cache_dir this process may write, or cache=False"
+            warnings.warn(f"the read cache {self.root!r} {why}{hint}", stacklevel=4)
 
     def _verified(self, read: Callable[[], Any], episodes: np.ndarray, generations: np.ndarray | None) -> Any:
         """``read()`` from the wrapped storage; with ``generations`` (one per episode), the
@@ -647,25 +680,55 @@ class CachedStorage(Storage):
 
     def _touch(self, name: str, slot: int, generation: int, revision: int) -> None:
         try:
-            os.utime(self._path(name, slot, generation, revision))
-        except FileNotFoundError:
-            pass  # evicted meanwhile; this process keeps its map
+            os.utime(self._path(name, slot, generation, revision), follow_symlinks=False)
+        except OSError:
+            pass  # evicted meanwhile (this process keeps its map), or the folder is gone
+
+    def _folder(self, name: str, make: bool = True) -> str:
+        """This buffer's cache folder ``name`` (a field's, ``.locks``), made with the buffer's
+        folder where absent (``make``); OSError when either is not a plain directory (a symlink
+        to a user's folder, say: the cache writes, touches and deletes only in folders it made)."""
+        if make:
+            os.makedirs(self.cache_dir, exist_ok=True)  # the user's: a symlink there is theirs to make
+        path = os.path.join(self.root, name)
+        for folder in (self.root, path):
+            if make:
+                try:
+                    os.mkdir(folder)
+                except FileExistsError:
+                    pass
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                raise OSError(
+                    errno.ENOTDIR, "not a plain directory (a symlink?): the cache uses only folders it made", folder
+                )
+        return path
 
     def _map(self, name: str, slot: int, generation: int, revision: int) -> np.ndarray | None:
         """The cached rows of the slot's generation and revision, mapped read-only; None when
         not cached."""
         field = self._field(name)
+        assert self.schema is not None  # as in ``_field``
+        most = self.schema.max_timesteps * field.step_nbytes  # the bytes of the longest episode
         path = self._path(name, slot, generation, revision)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                size = st.st_size - CHECK_BYTES
-                if size <= 0 or size % field.step_nbytes:
-                    _unlink(path)  # damaged (a healthy file is whole rows and a checksum)
-                    return None
-                mapped = map_file(f.fileno(), size + CHECK_BYTES)
-        except FileNotFoundError:
+            self._folder(name, make=False)
+            fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+        except OSError as e:  # absent, or in no folder of the cache's own (the fill says so)
+            if e.errno == errno.ELOOP:
+                _unlink(path)  # a symlink: removed, never followed
             return None
+        try:
+            st = os.fstat(fd)
+            size = st.st_size - CHECK_BYTES
+            # a healthy file is a plain file of whole rows (at most max_timesteps) and a checksum
+            if not stat.S_ISREG(st.st_mode) or not 0 < size <= most or size % field.step_nbytes:
+                _unlink(path)  # damaged: fetched again by the caller
+                return None
+            mapped = map_file(fd, size + CHECK_BYTES)
+        except (OSError, ValueError):  # not mappable, or cut meanwhile
+            return None
+        finally:
+            os.close(fd)
         # a plain array over the map (it keeps the map alive): indexing an np.memmap costs a
         # subclass round trip per call, paid once per sampled episode per field
         rows = mapped[:size]
@@ -683,18 +746,19 @@ class CachedStorage(Storage):
     def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Fetch and publish the slots no other filler is fetching now, then wait for the others
         (their files are mapped by the caller; a filler that died leaves them to a later read)."""
-        locks = os.path.join(self.root, ".locks")
-        os.makedirs(locks, exist_ok=True)
+        with _in_cache_folder():
+            locks = self._folder(".locks")
         held, busy, mine = [], [], []
         try:
             for i, slot in enumerate(slots.tolist()):
-                fd = os.open(os.path.join(locks, f"{name}-{slot}"), os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    busy.append(fd)
-                    continue
-                held.append(fd)
+                fd = _open_lock(os.path.join(locks, f"{name}-{slot}"))
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        busy.append(fd)
+                        continue
+                    held.append(fd)
                 if not os.path.exists(self._path(name, slot, int(generations[i]), int(revisions[i]))):
                     mine.append(i)  # not published by a filler that held the lock before
             if mine:
@@ -724,28 +788,30 @@ class CachedStorage(Storage):
         out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
         self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, generations=generations)
         after = self._versions(slots)
-        folder = os.path.join(self.root, name)
-        os.makedirs(folder, exist_ok=True)
-        written = 0
-        try:
-            for i in np.flatnonzero((after == (generations, revisions)).all(axis=0)):
-                slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
-                temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
-                rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
-                try:
-                    with open(temp, "wb") as f:
-                        f.write(rows.data)
-                        f.write(crc32c(rows).to_bytes(CHECK_BYTES, "little"))
-                except BaseException:
-                    _unlink(temp)  # a file the disk had no room for is never left behind
-                    raise
-                written_file = os.stat(temp)
-                path = self._path(name, slot, generation, revision)
-                os.replace(temp, path)
-                self._checked[path] = (written_file.st_ino, written_file.st_size)  # its map needs no check
-                written += rows.nbytes + CHECK_BYTES
-        finally:
-            self._account(written)
+        with _in_cache_folder():  # from here on only the cache folder's files are written
+            folder = self._folder(name)
+            written = 0
+            try:
+                for i in np.flatnonzero((after == (generations, revisions)).all(axis=0)):
+                    slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
+                    temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
+                    rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
+                    _unlink(temp)  # one left by a killed process of the same id: made anew, never followed
+                    try:
+                        with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644), "wb") as f:
+                            f.write(rows.data)
+                            f.write(crc32c(rows).to_bytes(CHECK_BYTES, "little"))
+                            f.flush()
+                            written_file = os.fstat(f.fileno())
+                        path = self._path(name, slot, generation, revision)
+                        os.replace(temp, path)
+                    except BaseException:
+                        _unlink(temp)  # a file the disk had no room for is never left behind
+                        raise
+                    self._checked[path] = (written_file.st_ino, written_file.st_size)  # its map needs no check
+                    written += rows.nbytes + CHECK_BYTES
+            finally:
+                self._account(written)
 
     def _versions(self, slots: np.ndarray) -> np.ndarray:
         """(2, len(slots)): the slots' generations and revisions as stored now (both remembered)."""
@@ -762,21 +828,23 @@ class CachedStorage(Storage):
             if self._used <= self.cache_size:
                 return
         files, now = [], time.time()
-        for folder in os.scandir(self.root):
-            if not folder.is_dir():
-                continue
-            for entry in os.scandir(folder.path):
+        for folder in _entries(self.root):  # checked a plain directory by the fill (``_folder``)
+            if not folder.is_dir(follow_symlinks=False):
+                continue  # a symlinked folder is not the cache's: never scanned
+            for entry in _entries(folder.path):
                 try:
-                    stat = entry.stat()
+                    found = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if not stat.S_ISREG(found.st_mode):
+                    continue  # never one of the cache's files
                 if entry.name.startswith(".tmp-"):
-                    if now - stat.st_mtime > STALE_TEMP_S:
+                    if now - found.st_mtime > STALE_TEMP_S:
                         _unlink(entry.path)
                 elif entry.name.endswith(OLD_SUFFIX):
                     _unlink(entry.path)
                 elif entry.name.endswith(SUFFIX):
-                    files.append((stat.st_mtime, stat.st_size, entry.path))
+                    files.append((found.st_mtime, found.st_size, entry.path))
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.cache_size:
@@ -889,10 +957,35 @@ class CachedStorage(Storage):
 
 
 def _unlink(path: str) -> None:
+    """Remove the cache's entry ``path`` (never what a symlink there points to), as far as it can:
+    one left behind is never served (``_map`` checks each file it maps)."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
+
+
+def _entries(folder: str) -> list[os.DirEntry]:
+    """The entries of ``folder``; none when it was deleted meanwhile."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
+
+
+def _open_lock(path: str) -> int | None:
+    """A descriptor of the lock file ``path`` (made when absent), or None when the entry there is
+    no plain file (a symlink, a FIFO, a directory) or cannot be opened: its episode is then
+    filled unlocked (a lock only spares a second fetch of the same episode)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
+    except OSError:
+        return None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
 
 
 _FORWARDED = (
