@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +84,14 @@ def checked_file(rows: bytes) -> bytes:
     return rows + crc32c(np.frombuffer(rows, np.uint8)).to_bytes(CHECK_BYTES, "little")
 
 
+def user_file_folder(tmp_path) -> Path:
+    """A user's folder holding one file, ``file``: what a hostile link points at."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "file").write_bytes(b"user data")
+    return user
+
+
 def user_folder(tmp_path, step_nbytes: int) -> str:
     """A user's folder of files named like cache files (valid checksums over wrong rows, old temp
     files, files of the old layout), flat and under ``image/``."""
@@ -147,9 +156,7 @@ def test_a_symlink_at_a_fillers_temp_name_is_never_written_through(written, expe
     probe = reader(written, tmp_path / "cache")
     folder = os.path.join(probe.storage.root, "image")
     os.makedirs(folder)
-    user = tmp_path / "user"
-    user.mkdir()
-    (user / "file").write_bytes(b"user data")
+    user = user_file_folder(tmp_path)
     before = snapshot(user)
     # the temp name a fill of this thread uses (pid and thread id are easy to guess)
     os.symlink(user / "file", os.path.join(folder, f".tmp-{SLOT}-{GENERATION}-{os.getpid()}-{threading.get_ident()}"))
@@ -191,9 +198,7 @@ def test_an_odd_lock_entry_never_hangs_or_fails_a_read(written, expected, tmp_pa
     probe = reader(written, tmp_path / "cache")
     locks = os.path.join(probe.storage.root, ".locks")
     os.makedirs(locks)
-    user = tmp_path / "user"
-    user.mkdir()
-    (user / "file").write_bytes(b"user data")
+    user = user_file_folder(tmp_path)
     before = snapshot(user)
     for name in probe.schema.fields:
         lock = os.path.join(locks, f"{name}-{SLOT}")
