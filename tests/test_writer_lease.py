@@ -697,6 +697,29 @@ def test_two_take_overs_of_one_expired_lease_exactly_one_wins(s3_location):
     assert _token(url, options) is None
 
 
+def test_a_take_over_on_a_server_ignoring_if_match_reads_back_and_yields(s3_location):
+    """A server that ignores If-Match accepts both take-overs of one expired lease: the first,
+    whose write the second overwrote, reads the record back and is refused instead of writing
+    beside the second until its next renewal."""
+    url, options = s3_location
+    dead = {"host": "gone", "pid": 1, "since": "2026-01-01T00:00:00+00:00", "expires": 0, "token": "dead"}
+    _kv(url, options).set(LEASE_KEY, json.dumps(dead).encode())
+    first, second = ObjectLease(_kv(url, options), url, 60), ObjectLease(_kv(url, options), url, 60)
+
+    def ignoring_if_match(key, data, version):  # as such a server answers: written, whatever changed
+        first.kv.set(key, data)
+        second.token = "second"
+        first.kv.set(key, json.dumps({**dead, "expires": time.time() + 60, "token": "second"}).encode())
+        return True
+
+    first.kv.replace_if = ignoring_if_match
+    with pytest.raises(BufferLockedError, match="at the same time") as caught:
+        first.acquire()
+    assert caught.value.holder is not None and caught.value.holder["token"] == "second"
+    assert first.token is None and first._thread is None
+    assert _token(url, options) == "second"
+
+
 def test_a_renewal_between_a_break_lock_reading_and_writing_makes_it_read_again(s3_location):
     """The holder renews between ``break_lock`` reading its record and writing: the take-over's
     write is refused, it reads the renewed record, breaks that, and the holder stops."""

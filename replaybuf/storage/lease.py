@@ -18,7 +18,8 @@ since, ...}`` that names the holder for the error a second writer gets.
   Where the store replaces an object conditionally (``StoreKV.replaces_conditionally``: S3
   through obstore, a PUT with ``If-Match`` on the ETag read), renewals and take-overs write
   only over the record they read: a renewal never overwrites a take-over, and of two writers
-  taking over one expired lease at once exactly one wins. gcsfs (``gs://``) and s3fs (``s3://``
+  taking over one expired lease at once exactly one wins (a take-over reads its record back,
+  in case an S3-compatible server ignores If-Match). gcsfs (``gs://``) and s3fs (``s3://``
   with options obstore lacks, or in a forked child) offer no such write: there a take-over
   writes unconditionally and reads back, and a renewal reads the token then writes, so two
   writers may overlap until the loser's next renewal (at most a quarter of the expiry).
@@ -441,7 +442,13 @@ class ObjectLease(WriterLease):
                 return
             self._check_takeable(holder, break_lock)
             if self.kv.replace_if(LEASE_KEY, self._new_record(), version):
-                return
+                # read back: an S3-compatible server that ignores If-Match wrote ours
+                # unconditionally, and another take-over may have landed over it
+                now = self._read_record()
+                if self._ours(now):
+                    return
+                holder = now
+                break
         raise self._locked_error(holder, "Another writer took the expired lease at the same time.")
 
     def _take_over_unconditionally(self, break_lock: bool) -> None:
