@@ -98,8 +98,9 @@ class PrioritizedBatchSampler(Sampler):
         return self.num_batches
 
     def load(self) -> None:
-        """Read the priorities of every sample from the buffer."""
-        raw = self.dataset.fetcher.gather(self.priority_field, *self.dataset.pairs())
+        """Read the priorities of every sample from the buffer, as of the dataset's snapshot
+        (``gather_live``): the samples of a slot a writer reused since get priority 0."""
+        raw = self.dataset.gather_live(self.priority_field, *self.dataset.pairs())
         self._set(np.arange(len(self._keys)), raw.reshape(-1).astype(np.float64))
 
     def _set(self, positions: np.ndarray, priorities: np.ndarray) -> None:
