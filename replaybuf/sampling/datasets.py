@@ -238,6 +238,11 @@ class _SnapshotDataset(Dataset):
         positions[stale] = alive[self.rng().integers(0, len(alive), int(stale.sum()))]
         return positions
 
+    def in_snapshot(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, whether it still holds its episode of the snapshot as far as this dataset's
+        reads found (a slot found reused since is never drawn again)."""
+        return self._generations[slots] > 0
+
     def rng(self) -> np.random.Generator:
         """A generator seeded from torch's: DataLoader workers differ, and ``torch.manual_seed``
         makes random windows and redraws reproducible."""

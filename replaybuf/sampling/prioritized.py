@@ -128,6 +128,12 @@ class PrioritizedBatchSampler(Sampler):
 
     def __iter__(self) -> Iterator[WeightedIndices]:
         self.load()
+        if not self.dataset.in_snapshot(self.dataset.pairs()[0]).any():
+            # a writer reused every slot of the snapshot: the batches are empty, as a uniform
+            # sampler's are once the dataset dropped every sample (not "every priority is 0")
+            for _ in range(self.num_batches):
+                yield WeightedIndices([], np.zeros(0, np.float32))
+            return
         for _ in range(self.num_batches):
             yield self._draw()
 
