@@ -3,9 +3,14 @@ empty, never mixed, and no unnamed error (issue 13, section 1).
 
 A spawned writer wraps a 4-slot circular buffer (``store()`` step by step with a step-log
 flush, alternating with ``store_episode``) while this process loops ``refresh()`` and one read
-path after another. Episode ``uid`` holds values that are a function of ``uid`` and ``t``
-(``tests/_workloads.py``), so every row is checked without asking the writer. Each backend runs
-for ``REPLAYBUF_SOAK_SECONDS`` (default 2) and every path at least ``MIN_ROUNDS`` times.
+path after another: whole-episode reads, and trajectory, timestep, n-step, time-window and
+prioritized batches (a sample's ``step`` names its (uid, t)), on zarr and memmap also through a
+second reader with the read cache (``cache='disk'``: loaders, ``get_all_data``, ``warm_cache``
+and the cache files it leaves). The zarr writer keeps about one episode of frames hot, so its
+compaction runs beside the readers. Episode ``uid`` holds values that are a function of ``uid``
+and ``t`` (``tests/_workloads.py``), so every row is checked without asking the writer. Each
+backend runs for ``REPLAYBUF_SOAK_SECONDS`` (default 2) and every path at least ``MIN_ROUNDS``
+times (a DataLoader with worker processes once).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -22,6 +28,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ConcatReplayBuffer, ConcurrentWriteError, ReplayBuffer, StorageError, staging
+from replaybuf.sampling import ReplayDatasetTimeWindow
 from replaybuf.viewer.apps import BufferApp
 
 from ._workloads import FIELDS, MAX_TIMESTEPS, buffer_kwargs, check_episode, episode, episode_length, writer_loop
@@ -170,6 +177,150 @@ def read_dataloader(reader) -> int:
     return len(batch["uid"])
 
 
+def check_steps(batch: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(uids, timesteps) of a batch of single steps, after checking that every sample's fields
+    are episode uid's at step t and its meta uid's (``step`` holds uid*100 + t)."""
+    uids, steps = np.divmod(batch["step"].numpy().astype(np.int64), 100)
+    for i, (uid, t) in enumerate(zip(uids.tolist(), steps.tolist())):
+        assert t < episode_length(uid), f"step {t} past the end of uid {uid}"
+        expected = episode(uid)
+        for name in FIELDS:
+            if name in batch:
+                np.testing.assert_array_equal(batch[name][i].numpy(), expected[name][t], err_msg=f"uid {uid} {name}")
+        assert int(batch["uid"][i]) == uid and float(batch["score"][i]) == uid / 4, f"meta of another uid than {uid}"
+    return uids, steps
+
+
+def nothing_to_sample(error: ValueError) -> bool:
+    """Whether a loader refused a snapshot with no episode to sample (all being rewritten, or
+    only 1-step episodes for n-step transitions)."""
+    return "empty" in str(error) or "no episode has at least" in str(error)
+
+
+def first_batch(reader, **kwargs) -> dict | None:
+    """The first batch of ``reader.dataloader(**kwargs)``; None when nothing is committed."""
+    if len(reader) == 0:
+        return None
+    try:
+        return next(iter(reader.dataloader(**kwargs)))
+    except ValueError as error:
+        assert nothing_to_sample(error), error
+        return None
+
+
+def read_timesteps(reader) -> int:
+    batch = first_batch(reader, batch_size=16, timestep_level=True, shuffle=True, return_indices=True)
+    if batch is None:
+        return 0
+    _, steps = check_steps(batch)
+    assert batch["_indices"][:, 1].tolist() == steps.tolist(), "_indices name other steps than the samples'"
+    return len(steps)
+
+
+def read_prioritized(reader) -> int:
+    batch = first_batch(
+        reader, batch_size=16, timestep_level=True, sampler="prioritized", priority_field="step", num_batches=1
+    )
+    if batch is None:
+        return 0
+    _, steps = check_steps(batch)
+    assert batch["_indices"][:, 1].tolist() == steps.tolist(), "_indices name other steps than the samples'"
+    assert (batch["_weights"] > 0).all() and (batch["_weights"] <= 1 + 1e-6).all()
+    return len(steps)
+
+
+def read_workers(reader) -> int:
+    """Timesteps through a DataLoader with two worker processes (once per soak: they are slow to start)."""
+    batch = first_batch(reader, batch_size=16, timestep_level=True, shuffle=True, num_workers=2)
+    return 0 if batch is None else len(check_steps(batch)[0])
+
+
+def read_n_step(reader) -> int:
+    """n-step transitions: current fields at t, next_ at t + n_step_lens, seq_ from t, zero-padded."""
+    n = 3
+    batch = first_batch(
+        reader,
+        batch_size=16,
+        n_steps=n,
+        current_fields=("step", "obs", "frame"),
+        next_fields=("step", "img"),
+        sequence_fields=("step", "obs"),
+        shuffle=True,
+        return_indices=True,
+    )
+    if batch is None:
+        return 0
+    uids, steps = check_steps(batch)
+    assert batch["_indices"][:, 1].tolist() == steps.tolist(), "_indices name other steps than the samples'"
+    for i, (uid, t) in enumerate(zip(uids.tolist(), steps.tolist())):
+        actual = min(n, episode_length(uid) - t - 1)
+        assert actual >= 1 and int(batch["n_step_lens"][i]) == actual, f"uid {uid} t {t}"
+        expected = episode(uid)
+        for name in ("step", "img"):
+            np.testing.assert_array_equal(batch[f"next_{name}"][i].numpy(), expected[name][t + actual])
+        for name in ("step", "obs"):
+            sequence = batch[f"seq_{name}"][i].numpy()
+            assert len(sequence) == n and not np.any(sequence[actual:]), f"uid {uid} seq_{name} padding"
+            np.testing.assert_array_equal(sequence[:actual], expected[name][t : t + actual])
+    return len(uids)
+
+
+def read_time_window(reader) -> int:
+    """Random windows of 5 steps: one episode's consecutive steps from ``_start``, zero-padded."""
+    width = 5
+    if len(reader) == 0:
+        return 0
+    try:
+        dataset = ReplayDatasetTimeWindow(reader, window_length=width, return_indices=True)
+    except ValueError as error:
+        assert nothing_to_sample(error), error
+        return 0
+    batch = next(iter(reader.dataloader(batch_size=8, dataset=dataset, shuffle=True)))
+    uids = batch["step"][:, 0].numpy().astype(np.int64) // 100
+    for i, uid in enumerate(uids.tolist()):
+        start, actual, length = int(batch["_start"][i]), int(batch["_lens"][i]), episode_length(uid)
+        assert actual == min(width, length) and 0 <= start <= length - actual, f"uid {uid}: window {start}+{actual}"
+        assert bool(batch["_reaches_episode_end"][i]) == (start + actual >= length)
+        expected = episode(uid)
+        for name in FIELDS:
+            window = batch[name][i].numpy()
+            assert len(window) == width and not np.any(window[actual:]), f"uid {uid} {name} padding"
+            np.testing.assert_array_equal(window[:actual], expected[name][start : start + actual], err_msg=name)
+        assert int(batch["uid"][i]) == uid and float(batch["score"][i]) == uid / 4
+    return len(uids)
+
+
+WARM_CHECKED: set[str] = set()  # cache files read_warm_cache checked (published files never change)
+
+
+def read_warm_cache(reader) -> int:
+    """``warm_cache()``, then every cached ``step`` file not checked before holds one whole
+    episode, the episode the reader's bookkeeping names for its (slot, generation) when it
+    still holds it, and the ``frame`` file of the same key holds that episode's frames."""
+    reader.warm_cache(fields=["step", "frame"])
+    root = reader.storage.root
+    if not os.path.isdir(os.path.join(root, "step")):
+        return 0  # nothing committed yet
+    generations, uids = reader.generations, reader.meta_data["uid"][:]
+    checked = 0
+    for entry in os.scandir(os.path.join(root, "step")):
+        if not entry.name.endswith(".rows") or entry.path in WARM_CHECKED:
+            continue  # a filler's temp file, or checked
+        WARM_CHECKED.add(entry.path)
+        slot, generation, *_ = (int(part) for part in entry.name.removesuffix(".rows").split("-"))
+        steps = np.frombuffer(pathlib.Path(entry.path).read_bytes()[:-4], np.int32)
+        uid = int(steps[0]) // 100
+        check_episode(uid, len(steps), {"step": steps})
+        if generations[slot] == generation:
+            assert uids[slot] == uid, f"cache file {entry.name} holds uid {uid}, slot {slot} holds uid {uids[slot]}"
+        frames = pathlib.Path(root, "frame", entry.name)
+        if frames.exists():
+            rows = np.frombuffer(frames.read_bytes()[:-4], np.uint8).reshape(-1, *FIELDS["frame"]["shape"])
+            np.testing.assert_array_equal(rows, episode(uid)["frame"], err_msg=f"frames of {entry.name}")
+        checked += 1
+    return checked
+
+
 PATHS = {
     "get_all_data": read_get_all_data,
     "to_dask": read_to_dask,
@@ -179,6 +330,32 @@ PATHS = {
     "viewer": read_viewer,
     "concat": read_concat,
     "dataloader": read_dataloader,
+    "timesteps": read_timesteps,
+    "n_step": read_n_step,
+    "time_window": read_time_window,
+    "prioritized": read_prioritized,
+}
+# paths that read whole episodes (the others sample batches)
+WHOLE_EPISODE_PATHS = (
+    "get_all_data",
+    "to_dask",
+    "stats",
+    "data_views",
+    "episode_frames",
+    "viewer",
+    "concat",
+    "dataloader",
+)
+# paths read once a soak has checked an episode through them (slow to start)
+ONCE = {"workers"}
+# paths of a second reader opened with the read cache (cache='disk', its own cache_dir)
+CACHED_PATHS = {
+    "cached_get_all_data": read_get_all_data,
+    "cached_trajectories": read_dataloader,
+    "cached_timesteps": read_timesteps,
+    "cached_n_step": read_n_step,
+    "cached_time_window": read_time_window,
+    "cached_warm_cache": read_warm_cache,
 }
 
 
@@ -188,13 +365,18 @@ def soak(
     backend: str | None = None,
     storage_options: dict | None = None,
     named=ConcurrentWriteError,
-    checking: tuple[str, ...] = tuple(PATHS),
+    checking: tuple[str, ...] | None = None,
     rounds: int = MIN_ROUNDS,
+    paths: dict | None = None,
+    cached_paths: dict | None = None,
+    writer_options: dict | None = None,
 ) -> dict:
-    """Write with a spawned process and read through every path; returns per-path counts.
+    """Write with a spawned process and read through every path (``paths``, default ``PATHS``,
+    and ``cached_paths`` through a second reader with the read cache); returns per-path counts.
     Errors of the ``named`` types are counted (the next round retries); any other fails. Paths
-    ``checking`` read on past the soak until each has checked an episode (the callers assert it);
-    every path reads at least ``rounds`` times."""
+    ``checking`` (default: all) read on past the soak until each has checked an episode (the
+    callers assert it); every path reads at least ``rounds`` times, those of ``ONCE`` until
+    they checked an episode. ``writer_options`` go to the writer's open (``hot_bytes``)."""
     kwargs = buffer_kwargs(SLOTS, circular=True)
     ReplayBuffer(location, **kwargs, backend=backend, storage_options=storage_options).close()
     other = ReplayBuffer(
@@ -206,13 +388,32 @@ def soak(
     stop = SPAWN.Event()
     writer = SPAWN.Process(
         target=writer_loop,
-        args=(location, list(range(100_000)), "mixed", kwargs, str(tmp_path / "progress")),
+        args=(
+            location,
+            list(range(100_000)),
+            "mixed",
+            {**kwargs, **(writer_options or {})},
+            str(tmp_path / "progress"),
+        ),
         kwargs={"span_bytes": 256, "storage_options": storage_options, "stop": stop},
     )
     writer.start()
     reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=storage_options)
-    counts = {name: [0, 0] for name in PATHS}  # [rounds, episodes checked]
+    walks = {name: (path, reader) for name, path in (PATHS if paths is None else paths).items()}
+    if cached_paths:
+        cached = ReplayBuffer.from_folder(
+            location, read_only=True, storage_options=storage_options, cache="disk", cache_dir=tmp_path / "cache"
+        )
+        walks.update({name: (path, cached) for name, path in cached_paths.items()})
+    checking = tuple(walks) if checking is None else checking
+    counts = {name: [0, 0] for name in walks}  # [rounds, episodes checked]
     retryable = 0
+
+    def done(name: str) -> bool:
+        if name in ONCE:  # until it has checked an episode, within the last call
+            return counts[name][0] > 0 and (counts[name][1] > 0 or time.monotonic() >= last_call)
+        return counts[name][0] >= rounds
+
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "progress").exists() or not (tmp_path / "progress").read_text():
@@ -224,13 +425,15 @@ def soak(
         last_call = end + LAST_CALL_S
         while (
             time.monotonic() < end
-            or min(c[0] for c in counts.values()) < rounds
+            or not all(done(name) for name in walks)
             or (time.monotonic() < last_call and min(counts[name][1] for name in checking) == 0)
         ):
-            for name, path in PATHS.items():
+            for name, (path, source) in walks.items():
+                if name in ONCE and counts[name][1]:
+                    continue
                 try:
-                    reader.refresh()
-                    counts[name][1] += path(reader, other) if name == "concat" else path(reader)
+                    source.refresh()
+                    counts[name][1] += path(source, other) if name == "concat" else path(source)
                 except named:  # named and retryable: the next round retries
                     retryable += 1
                 counts[name][0] += 1
@@ -247,12 +450,23 @@ def soak(
 
 
 def test_live_reads_zarr(tmp_path):
-    counts = soak(str(tmp_path / "buffer"), tmp_path)
+    """Beside a writer whose hot tier holds about one episode of frames (the older ones are
+    compacted in the background while the readers read), through the read cache too, and
+    through DataLoader workers: forked, they serve the snapshot's episodes from the resident
+    copies the loader loaded (elsewhere the writer has reused every slot of a 4-slot snapshot
+    by the time they start, and their batches are empty: redrawn from nothing, as documented)."""
+    counts = soak(
+        str(tmp_path / "buffer"),
+        tmp_path,
+        paths={**PATHS, "workers": read_workers},
+        cached_paths=CACHED_PATHS,
+        writer_options={"hot_bytes": 100_000},
+    )
     assert all(checked > 0 for _, checked in counts.values()), counts
 
 
 def test_live_reads_memmap(tmp_path):
-    counts = soak(str(tmp_path / "buffer"), tmp_path, backend="memmap")
+    counts = soak(str(tmp_path / "buffer"), tmp_path, backend="memmap", cached_paths=CACHED_PATHS)
     assert all(checked > 0 for _, checked in counts.values()), counts
 
 
@@ -314,11 +528,16 @@ def test_hdf5_compressed_refuses_a_reader_beside_a_live_writer(tmp_path):
 
 def test_live_reads_s3(s3_server, tmp_path):
     location = s3_server.url(f"live/{uuid.uuid4().hex[:12]}")
+    # one round of every path is ~8 s over moto beside the writer: one round, then as long as it
+    # takes, of the whole-episode paths only (this reader has the read cache, whose batch paths
+    # the zarr and memmap soaks walk)
+    paths = {name: PATHS[name] for name in WHOLE_EPISODE_PATHS}
     # over moto on a loaded machine, ConcatReplayBuffer's whole-buffer read can meet a rewrite
     # in every round (each a retryable error, which soak allows): the other paths must check
-    checking = tuple(name for name in PATHS if name != "concat")
-    # one round of every path is ~8 s over moto beside the writer: one round, then as long as it takes
-    counts = soak(location, tmp_path, storage_options=s3_server.storage_options, checking=checking, rounds=1)
+    checking = tuple(name for name in paths if name != "concat")
+    counts = soak(
+        location, tmp_path, storage_options=s3_server.storage_options, checking=checking, rounds=1, paths=paths
+    )
     assert all(counts[name][1] > 0 for name in checking), counts
 
 

@@ -261,3 +261,31 @@ def test_an_edit_of_a_damaged_episode_is_refused_not_sealed(backend, tmp_path):
     assert np.asarray(buffer.data["priority"][0]).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "nothing written"
     buffer.close()
     assert any("slot 2" in p or "slots [2]" in p for p in verify(location))
+
+
+def test_a_slot_reused_after_the_loader_was_made_is_never_drawn(tmp_path):
+    """A cached reader's loader whose snapshot slot a writer reuses before the first batch reads
+    the priorities as of the snapshot: the reused slot's samples get priority 0 and are never
+    drawn, nothing raises (the read cache refuses that slot's read, GenerationMismatchError,
+    which reached the caller unhandled before), and the other samples keep their weights. Once
+    every slot was reused, its batches are empty (as a uniform loader's), not an error."""
+    fields = {"ident": "int", "priority": "float"}
+    writer = ReplayBuffer(tmp_path / "b", max_episodes=3, max_timesteps=4, fields=fields, circular=True)
+    for index in range(3):
+        writer.store_episode(ident=np.arange(4) + 10 * index, priority=np.ones(4))
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    loader = make_dataloader(reader, 8, timestep_level=True, sampler="prioritized", num_batches=4)
+    # a second reader's, whose cache holds no file yet (the first's keeps serving the snapshot's
+    # episodes it cached, after their slots are reused)
+    other = ReplayBuffer.from_folder(tmp_path / "b", read_only=True, cache="disk", cache_dir=tmp_path / "other")
+    gone = make_dataloader(other, 8, timestep_level=True, sampler="prioritized", num_batches=2)
+    writer.store_episode(ident=np.arange(4) + 30, priority=np.full(4, 100.0))  # reuses slot 0
+    batches = list(loader)
+    pairs = drawn(batches)
+    assert len(pairs) == 32 and {slot for slot, _ in pairs} == {1, 2}
+    for batch in batches:
+        assert (batch["ident"] == batch["_indices"][:, 0] * 10 + batch["_indices"][:, 1]).all()
+        assert torch.allclose(batch["_weights"], torch.ones(8))
+    for index in (4, 5):  # slots 1 and 2: every slot of the snapshot is reused
+        writer.store_episode(ident=np.arange(4) + 10 * index, priority=np.ones(4))
+    assert [len(batch["ident"]) for batch in gone] == [0, 0]

@@ -238,6 +238,11 @@ class _SnapshotDataset(Dataset):
         positions[stale] = alive[self.rng().integers(0, len(alive), int(stale.sum()))]
         return positions
 
+    def in_snapshot(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, whether it still holds its episode of the snapshot as far as this dataset's
+        reads found (a slot found reused since is never drawn again)."""
+        return self._generations[slots] > 0
+
     def rng(self) -> np.random.Generator:
         """A generator seeded from torch's: DataLoader workers differ, and ``torch.manual_seed``
         makes random windows and redraws reproducible."""
@@ -445,7 +450,7 @@ class _TimepointDataset(_SnapshotDataset):
             shape = self.replay_buffer.schema.fields[name].shape
             if shape not in ((), (1,)):
                 raise ValueError(f"filter_fields only supports scalar fields, got shape {shape} for {name!r}")
-            data = self._gather_live(name, episodes, timesteps).reshape(len(episodes))
+            data = self.gather_live(name, episodes, timesteps).reshape(len(episodes))
             if isinstance(value, bool):
                 data = data.astype(bool)
             if torch.is_tensor(value):
@@ -453,19 +458,24 @@ class _TimepointDataset(_SnapshotDataset):
             keep &= np.asarray(data == value)
         return keep & (self._generations[episodes] > 0)
 
-    def _gather_live(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
-        """``fetcher.gather`` of the pairs whose slot is still in the snapshot (zeros for the
-        others); a slot a verifying storage finds reused since is dropped from the snapshot."""
-        while True:
-            live = np.flatnonzero(self._generations[episodes] > 0)
-            try:
-                values = self.fetcher.gather(name, episodes[live], timesteps[live])
-            except GenerationMismatchError as error:
-                self._generations[error.slots] = -1
-                continue
-            out = np.zeros((len(episodes), *values.shape[1:]), values.dtype)
-            out[live] = values
-            return out
+    def gather_live(self, name: str, episodes: np.ndarray, timesteps: np.ndarray) -> np.ndarray:
+        """``fetcher.gather`` of the pairs, each read while its slot held the snapshot's episode
+        (``consistency.read_consistent``), zeros for the pairs of slots no longer in it: a slot
+        found reused since the snapshot leaves it (never drawn), as a batch would drop it."""
+        field = self.replay_buffer.schema.fields[name]
+        out = np.zeros((len(episodes), *field.shape), field.dtype)
+        slots, inverse = np.unique(episodes, return_inverse=True)
+        inverse = inverse.reshape(-1)
+
+        def read(items: np.ndarray) -> None:
+            pick = slice(None) if len(items) == len(slots) else np.isin(inverse, items)
+            out[pick] = self.fetcher.gather(name, episodes[pick], timesteps[pick])
+
+        generations = self._generations[slots]
+        kept = read_consistent(self.replay_buffer, slots.copy(), generations, read, verified=self.fetcher.verified())
+        self._generations[slots[~kept & (self._generations[slots] > 0)]] = -1
+        out[~kept[inverse]] = 0
+        return out
 
     def __len__(self) -> int:
         return len(self._index)

@@ -98,8 +98,9 @@ class PrioritizedBatchSampler(Sampler):
         return self.num_batches
 
     def load(self) -> None:
-        """Read the priorities of every sample from the buffer."""
-        raw = self.dataset.fetcher.gather(self.priority_field, *self.dataset.pairs())
+        """Read the priorities of every sample from the buffer, as of the dataset's snapshot
+        (``gather_live``): the samples of a slot a writer reused since get priority 0."""
+        raw = self.dataset.gather_live(self.priority_field, *self.dataset.pairs())
         self._set(np.arange(len(self._keys)), raw.reshape(-1).astype(np.float64))
 
     def _set(self, positions: np.ndarray, priorities: np.ndarray) -> None:
@@ -127,6 +128,12 @@ class PrioritizedBatchSampler(Sampler):
 
     def __iter__(self) -> Iterator[WeightedIndices]:
         self.load()
+        if not self.dataset.in_snapshot(self.dataset.pairs()[0]).any():
+            # a writer reused every slot of the snapshot: the batches are empty, as a uniform
+            # sampler's are once the dataset dropped every sample (not "every priority is 0")
+            for _ in range(self.num_batches):
+                yield WeightedIndices([], np.zeros(0, np.float32))
+            return
         for _ in range(self.num_batches):
             yield self._draw()
 

@@ -81,7 +81,14 @@ from ._codecs import crc32c
 from ._kv import copy_spans
 from ._mapping import map_file
 from ._strided import gather_addresses, take_at
-from .base import ArrayLike, BufferNotFoundError, GenerationMismatchError, Storage, StorageError
+from .base import (
+    ArrayLike,
+    BufferNotFoundError,
+    BufferReplacedError,
+    GenerationMismatchError,
+    Storage,
+    StorageError,
+)
 from .spans import Spans
 
 #: default bound of one buffer's cache folder (``cache_size``)
@@ -777,7 +784,9 @@ class CachedStorage(Storage):
     def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Read the committed rows of ``slots`` (expected at ``generations`` and even
         ``revisions``) from the wrapped storage in one bulk read and publish each as a file
-        (temp file, then rename) when its slot held both before and after the read."""
+        (temp file, then rename) when its slot held both before and after the read. A slot
+        the writer reuses during the read is left out, the others read again: a verifying read
+        names it (GenerationMismatchError), another read may fail to decode it."""
         before = self._versions(slots)
         lens = np.asarray(self.inner.read_meta_rows("episode_lens", slots), dtype=np.int64)
         ok = (before == (generations, revisions)).all(axis=0) & (lens > 0)
@@ -786,7 +795,23 @@ class CachedStorage(Storage):
             return
         field = self._field(name)
         out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
-        self.inner.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, generations=generations)
+        while True:  # each pass leaves out at least one slot
+            try:
+                starts = np.zeros(len(slots), np.int64)
+                self.inner.read_spans(name, slots, starts, lens, out[: len(slots)], generations=generations)
+                break
+            except BufferReplacedError:
+                raise
+            except Exception as error:
+                if isinstance(error, GenerationMismatchError):
+                    moved = np.isin(slots, error.slots)
+                else:  # an error with no slot moved is the store's: raised
+                    moved = (self._versions(slots) != (generations, revisions)).any(axis=0)
+                if not moved.any():
+                    raise
+                slots, generations, revisions, lens = (a[~moved] for a in (slots, generations, revisions, lens))
+                if not len(slots):
+                    return
         after = self._versions(slots)
         with _in_cache_folder():  # from here on only the cache folder's files are written
             folder = self._folder(name)
