@@ -5,6 +5,7 @@ own files is created, changed or deleted."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import ReplayBuffer
+from replaybuf.storage import _cache
 from replaybuf.storage._cache import CHECK_BYTES, CachedStorage
 from replaybuf.storage._codecs import crc32c
 from tests._data import SAMPLING_LENGTHS as LENGTHS
@@ -213,6 +215,37 @@ def test_an_odd_lock_entry_never_hangs_or_fails_a_read(written, expected, tmp_pa
         assert_reads_right(probe, expected)
     assert snapshot(user) == before
     assert os.path.isfile(os.path.join(probe.storage.root, "image", NAME))  # still cached
+
+
+def test_a_fill_lock_held_forever_delays_a_read_but_never_hangs_it(written, expected, tmp_path, monkeypatch):
+    """Another process's filler stuck with the episode's locks held: the reader waits
+    ``FILL_WAIT_S`` for it, then reads the episode from the store, uncached."""
+    monkeypatch.setattr(_cache, "FILL_WAIT_S", 0.2)
+    probe = reader(written, tmp_path / "cache")
+    locks = os.path.join(probe.storage.root, ".locks")
+    os.makedirs(locks)
+    held = []
+    for name in probe.schema.fields:  # flock conflicts between open files, in one process too
+        fd = os.open(os.path.join(locks, f"{name}-{SLOT}"), os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.append(fd)
+    try:
+        done = threading.Event()
+
+        def read() -> None:
+            assert_reads_right(probe, expected)
+            done.set()
+
+        worker = threading.Thread(target=read, daemon=True)
+        worker.start()
+        worker.join(120)
+        assert done.is_set(), "the read hung on a fill lock held by another filler"
+        assert not os.path.exists(os.path.join(probe.storage.root, "image", NAME))  # read uncached
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert_reads_right(probe, expected)  # the locks free: the episode is cached again
+    assert os.path.isfile(os.path.join(probe.storage.root, "image", NAME))
 
 
 def damage_cases() -> st.SearchStrategy:

@@ -31,7 +31,8 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
   released by the kernel if it dies) while it fetches; another filler wanting the same episode
-  waits for it instead of fetching it again.
+  waits for it instead of fetching it again, for at most ``FILL_WAIT_S`` (a filler stopped
+  with its lock held, say): then it reads the episode from the wrapped storage, uncached.
 - **Bounded.** ``cache_size`` bytes per buffer, least recently used files evicted first (use is
   the file's mtime, touched when a process maps it and at most every ``TOUCH_S`` after). A
   process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
@@ -102,6 +103,9 @@ MAX_CHECKED = 1 << 20
 TOUCH_S = 30.0
 #: a temp file older than this was left by a killed filler; eviction deletes it
 STALE_TEMP_S = 3600.0
+#: seconds a filler waits for another process's fill of the same episode before it reads the
+#: episode from the wrapped storage itself (uncached this time)
+FILL_WAIT_S = 60.0
 #: episodes fetched per ``warm`` step
 WARM_BATCH = 16
 #: a field whose whole (max_episodes, max_timesteps) array is at most this many bytes is also
@@ -752,7 +756,8 @@ class CachedStorage(Storage):
 
     def _fill(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Fetch and publish the slots no other filler is fetching now, then wait for the others
-        (their files are mapped by the caller; a filler that died leaves them to a later read)."""
+        (their files are mapped by the caller; a filler that died or is stuck past
+        ``FILL_WAIT_S`` leaves them to be read from the wrapped storage)."""
         with _in_cache_folder():
             locks = self._folder(".locks")
         held, busy, mine = [], [], []
@@ -777,9 +782,12 @@ class CachedStorage(Storage):
         finally:
             for fd in held:
                 os.close(fd)
+        deadline = time.monotonic() + FILL_WAIT_S
         for fd in busy:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.close(fd)
+            try:
+                _wait_for_lock(fd, deadline)
+            finally:
+                os.close(fd)
 
     def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Read the committed rows of ``slots`` (expected at ``generations`` and even
@@ -997,6 +1005,21 @@ def _entries(folder: str) -> list[os.DirEntry]:
             return list(entries)
     except FileNotFoundError:
         return []
+
+
+def _wait_for_lock(fd: int, deadline: float) -> None:
+    """Wait until the lock on ``fd`` is free (another filler finished) or ``deadline``
+    (``time.monotonic``) passes, whichever comes first."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def _open_lock(path: str) -> int | None:
