@@ -127,7 +127,9 @@ class _SnapshotDataset(Dataset):
             raise ValueError(f"min_episode_len must be an int >= 1, got {min_episode_len!r}")
         buffer = as_buffer(replay_buffer)
         self.replay_buffer = buffer
-        self.fields = check_names(fields, buffer.fieldnames, "fields") or tuple(buffer.schema.fields)
+        names = check_names(fields, buffer.fieldnames, "fields")
+        # None: every field; an empty list: none (meta fields only), as the seed's datasets
+        self.fields = tuple(buffer.schema.fields) if names is None else names
         if fieldname_map is not None and not isinstance(fieldname_map, dict):
             raise TypeError(f"fieldname_map must be a dict of name -> new name, got {type(fieldname_map).__name__}")
         self.fieldname_map = dict(fieldname_map or {})
@@ -139,10 +141,30 @@ class _SnapshotDataset(Dataset):
         self._cache_mode = cache
 
     def _make_fetcher(self, fields: Iterable[str]) -> None:
+        """The reader of ``fields``, made once the dataset's outputs are set (checked first)."""
+        self._check_output_names()
         self.fetcher = Fetcher(self.replay_buffer, fields, self._slots, self._lens, self._generations, self._cache_mode)
 
     def out_name(self, name: str) -> str:
         return self.fieldname_map.get(name, name)
+
+    def _check_output_names(self) -> None:
+        """A ValueError when ``fieldname_map`` gives two outputs one name: one of them would be
+        dropped from every batch without a word."""
+        mapping, self.fieldname_map = self.fieldname_map, {}
+        try:
+            names = list(dict.fromkeys(self.output_keys()))  # a field asked twice is one output
+        finally:
+            self.fieldname_map = mapping
+        source: dict[str, str] = {}
+        for name in names:
+            out = self.out_name(name)
+            if out in source:
+                raise ValueError(
+                    f"fieldname_map: {source[out]!r} and {name!r} would both be returned as {out!r} - "
+                    "map them to distinct names"
+                )
+            source[out] = name
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -150,8 +172,12 @@ class _SnapshotDataset(Dataset):
     # ---- per-sample and per-batch access ------------------------------------------------------
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if isinstance(index, torch.Tensor):
+        if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.is_floating_point():
             index = int(index)
+        if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
+            # a float would be truncated, a slice or mask read as something else: the seed's
+            # datasets also take one int (or a 0-d integer tensor), and torch's DataLoader asks so
+            raise TypeError(f"a dataset index must be an int, got {index!r} ({type(index).__name__})")
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)}")
         return self.__getitems__([index % len(self)])[0]
@@ -164,6 +190,7 @@ class _SnapshotDataset(Dataset):
             positions = np.fromiter(indices, np.int64, len(indices))
         else:
             positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
+        positions = self._in_range(positions)
         weights = getattr(indices, "weights", None)
         slots = self._slots_of(positions)
         dead = self._generations[slots] <= 0  # slots earlier batches saw reused
@@ -215,6 +242,19 @@ class _SnapshotDataset(Dataset):
             columns["_weights"] = np.asarray(weights, dtype=np.float32)[items][keep]
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in columns.items()}
         return CollatedSamples(batch, lens, self.time_keys)
+
+    def _in_range(self, positions: np.ndarray) -> np.ndarray:
+        """``positions`` with negative ones counted from the end, as ``__getitem__`` takes them,
+        or an IndexError naming those outside the dataset: a custom sampler's position past the
+        end must not read a timestep past an episode's end (padding) or another episode's step."""
+        if not len(positions):
+            return positions
+        size = len(self)
+        low, high = int(positions.min()), int(positions.max())
+        if low < -size or high >= size:
+            bad = positions[(positions < -size) | (positions >= size)]
+            raise IndexError(f"indices {bad[:8].tolist()} out of range for a dataset of {size} samples")
+        return positions % size if low < 0 else positions
 
     def _check_meta_rows(self, slots: np.ndarray) -> None:
         """Meta columns come from the buffer's mirror, which a later ``refresh()`` may have

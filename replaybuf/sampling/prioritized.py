@@ -9,8 +9,10 @@ priorities into the buffer and into every live sampler over it.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterator
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -78,8 +80,13 @@ class PrioritizedBatchSampler(Sampler):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         for name, value in (("alpha", alpha), ("beta", beta)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            # NaN or inf would make every weight NaN, or every draw the same sample
+            if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a number >= 0, and finite, got {value!r}")
+        if num_batches is not None and (
+            isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1
+        ):
+            raise ValueError(f"num_batches must be an int >= 1 (None: one dataset's worth), got {num_batches!r}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.priority_field = priority_field
@@ -100,8 +107,16 @@ class PrioritizedBatchSampler(Sampler):
     def load(self) -> None:
         """Read the priorities of every sample from the buffer, as of the dataset's snapshot
         (``gather_live``): the samples of a slot a writer reused since get priority 0."""
-        raw = self.dataset.gather_live(self.priority_field, *self.dataset.pairs())
-        self._set(np.arange(len(self._keys)), raw.reshape(-1).astype(np.float64))
+        raw = self.dataset.gather_live(self.priority_field, *self.dataset.pairs()).reshape(-1).astype(np.float64)
+        bad = np.flatnonzero(~np.isfinite(raw))
+        if len(bad):  # NaN would stop every later sample being drawn, inf make the weights NaN
+            episodes, timesteps = self.dataset.pairs(bad[:8])
+            raise ValueError(
+                f"priority_field {self.priority_field!r} holds {len(bad)} NaN or infinite value(s), at "
+                f"(episode, timestep) {list(zip(episodes.tolist(), timesteps.tolist()))}: priorities must be "
+                "finite and >= 0 (set them with update_priorities)"
+            )
+        self._set(np.arange(len(self._keys)), raw)
 
     def _set(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         if self._scaled is None:
@@ -144,7 +159,7 @@ class PrioritizedBatchSampler(Sampler):
             self._cumulative = np.cumsum(scaled)
             positive = scaled[scaled > 0]
             if len(positive) == 0:
-                raise ValueError(f"every priority in {self.priority_field!r} is 0: nothing can be drawn")
+                raise ValueError(f"every priority in {self.priority_field!r} is 0 (or below): nothing can be drawn")
             self._max_weight = (len(scaled) * positive.min() / self._cumulative[-1]) ** -self.beta
         total = self._cumulative[-1]
         draws = self._generator.random(self.batch_size) * total

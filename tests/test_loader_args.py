@@ -1,0 +1,136 @@
+"""Hostile arguments to the read side: dataset positions, indices, fields, fieldname_map and
+the prioritized sampler's numbers. Each must read the samples asked for or raise a clear error,
+never read past an episode's end, drop an output or draw from NaN priorities."""
+
+from __future__ import annotations
+
+import memmap_replay_buffer as seed
+import numpy as np
+import pytest
+import torch
+
+from replaybuf import ReplayBuffer
+from replaybuf.sampling import make_dataloader, make_dataset
+from tests._backends import make_place
+from tests._data import SAMPLING_FIELDS as FIELDS
+from tests._data import SAMPLING_META_FIELDS as META_FIELDS
+from tests._data import fill_sampling_buffer as fill
+
+LENGTHS = (4, 2, 3)
+
+
+@pytest.fixture
+def buffer(tmp_path):
+    place = make_place("zarr", tmp_path)
+    fields = {**FIELDS, "priority": ("float", (), 1.0)}
+    buffer = ReplayBuffer(
+        place.location, **place.kwargs, max_episodes=4, max_timesteps=6, fields=fields, meta_fields=META_FIELDS
+    )
+    fill(buffer, LENGTHS)
+    yield buffer
+    buffer.close()
+
+
+def idents(batch) -> list:
+    return batch["ident"].tolist()
+
+
+@pytest.mark.parametrize("kind", [{}, {"timestep_level": True}, {"n_steps": 2}])
+def test_positions_outside_the_dataset_are_refused_not_read_as_padding(buffer, kind):
+    dataset = make_dataset(buffer, **kind)
+    size = len(dataset)
+    for position in (size, size + 1, -size - 1):
+        with pytest.raises(IndexError, match=f"indices \\[{position}\\] out of range for a dataset of {size}"):
+            dataset.__getitems__([0, position])
+    # negative positions count from the end, as dataset[-1] and a list do
+    assert idents(dataset.__getitems__([-1, -size]).batch) == idents(dataset.__getitems__([size - 1, 0]).batch)
+    # a custom sampler's positions reach __getitems__ the same way
+    with pytest.raises(IndexError, match="out of range"):
+        next(iter(make_dataloader(buffer, 2, sampler=[0, size], **kind)))
+    last = next(iter(make_dataloader(buffer, 1, sampler=[-1], **kind)))
+    assert idents(last) == idents(dataset.__getitems__([size - 1]).batch)
+
+
+def test_a_dataset_index_must_be_an_int(buffer):
+    dataset = make_dataset(buffer, timestep_level=True)
+    for index in (1.0, 1.5, slice(0, 2), np.array([True, False]), True, "1", torch.tensor(1.0)):
+        with pytest.raises(TypeError, match="a dataset index must be an int"):
+            dataset[index]
+    assert dataset[np.int64(5)]["ident"] == dataset[torch.tensor(5)]["ident"] == dataset[5]["ident"] == 1001
+
+
+def test_empty_fields_give_the_meta_fields_only_as_the_seed(buffer, tmp_path):
+    theirs = seed.ReplayBuffer(
+        str(tmp_path / "seed"), max_episodes=4, max_timesteps=6, fields={"x": "float"}, meta_fields={"task": "int"}
+    )
+    ours = ReplayBuffer(
+        str(tmp_path / "ours"), max_episodes=4, max_timesteps=6, fields={"x": "float"}, meta_fields={"task": "int"}
+    )
+    for b in (theirs, ours):
+        for n in LENGTHS:
+            b.store_episode(x=np.arange(n, dtype=np.float32), task=n)
+    for kind in ({}, {"timestep_level": True}, {"return_mask": True}):
+        expected = next(iter(theirs.dataloader(2, fields=(), **kind)))
+        got = next(iter(ours.dataloader(2, fields=(), **kind)))
+        assert sorted(got) == sorted(expected), kind
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), (kind, key)
+    ours.close()
+
+
+@pytest.mark.parametrize(
+    "kind, mapping, names",
+    [
+        ({}, {"state": "reward"}, "'reward' and 'state'|'state' and 'reward'"),
+        ({"timestep_level": True}, {"task": "ident"}, "'ident' and 'task'"),
+        ({"n_steps": 2}, {"state": "next_state"}, "'state' and 'next_state'"),
+        ({"n_steps": 2}, {"seq_reward": "n_step_lens"}, "'seq_reward' and 'n_step_lens'"),
+        ({}, {"reward": "_lens"}, "'reward' and '_lens'"),
+    ],
+)
+def test_a_fieldname_map_giving_two_outputs_one_name_is_refused(buffer, kind, mapping, names):
+    if kind.get("n_steps"):
+        kind = {**kind, "sequence_fields": ("reward",)}
+    with pytest.raises(ValueError, match=f"fieldname_map: ({names}) would both be returned as"):
+        make_dataloader(buffer, 2, fieldname_map=mapping, **kind)
+
+
+def test_a_fieldname_map_swapping_names_keeps_both(buffer):
+    plain = next(iter(make_dataloader(buffer, 3)))
+    swapped = next(iter(make_dataloader(buffer, 3, fieldname_map={"state": "reward", "reward": "state"})))
+    assert torch.equal(swapped["reward"], plain["state"]) and torch.equal(swapped["state"], plain["reward"])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_prioritized_refuses_stored_priorities_that_are_not_finite(buffer, bad):
+    buffer.update_steps([1], [1], priority=[bad])
+    loader = make_dataloader(buffer, 2, timestep_level=True, sampler="prioritized")
+    with pytest.raises(
+        ValueError, match=r"'priority' holds 1 NaN or infinite value\(s\), at \(episode, timestep\) \[\(1, 1\)\]"
+    ):
+        next(iter(loader))
+    buffer.update_steps([1], [1], priority=[2.0])
+    assert torch.isfinite(next(iter(loader))["_weights"]).all()
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ({"alpha": float("nan")}, "alpha must be a number >= 0, and finite, got nan"),
+        ({"beta": float("inf")}, "beta must be a number >= 0, and finite, got inf"),
+        ({"alpha": True}, "alpha must be a number >= 0"),
+        ({"num_batches": 0}, "num_batches must be an int >= 1"),
+        ({"num_batches": -1}, "num_batches must be an int >= 1"),
+        ({"num_batches": 1.5}, "num_batches must be an int >= 1"),
+    ],
+)
+def test_prioritized_refuses_bad_numbers(buffer, case, message):
+    with pytest.raises(ValueError, match=message):
+        make_dataloader(buffer, 2, timestep_level=True, sampler="prioritized", **case)
+
+
+def test_prioritized_takes_numpy_numbers(buffer):
+    loader = make_dataloader(
+        buffer, 2, timestep_level=True, sampler="prioritized", alpha=np.float32(0.5), num_batches=np.int64(3)
+    )
+    assert len(list(loader)) == 3
