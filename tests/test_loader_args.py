@@ -134,3 +134,32 @@ def test_prioritized_takes_numpy_numbers(buffer):
         buffer, 2, timestep_level=True, sampler="prioritized", alpha=np.float32(0.5), num_batches=np.int64(3)
     )
     assert len(list(loader)) == 3
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            {"filter_meta": {"task": [0, 1]}},
+            r"filter_meta\['task'\]: a value of shape \(2,\) for a field of shape \(\)",
+        ),
+        (
+            {"timestep_level": True, "filter_fields": {"reward": [0.5, 1.0]}},
+            r"filter_fields\['reward'\]: a value of shape \(2,\) for a field of shape \(\)",
+        ),
+        ({"to_named_tuple": ("state", "state")}, r"to_named_tuple \('state', 'state'\): .*duplicate field name"),
+        ({"device": "nope"}, "device: 'nope' is not a torch device"),
+    ],
+)
+def test_bad_filters_names_and_devices_are_refused_when_the_loader_is_made(buffer, case, message):
+    with pytest.raises(ValueError, match=message):
+        make_dataloader(buffer, 2, **case)
+
+
+def test_filters_take_one_value_in_any_container(buffer):
+    kept = [
+        sorted(batch["task"].tolist())
+        for value in (1, [1], np.array([1]), torch.tensor(1))
+        for batch in make_dataloader(buffer, 8, filter_meta={"task": value})
+    ]
+    assert kept == [[1]] * 4

@@ -51,6 +51,21 @@ def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: s
     return names
 
 
+def check_filter_value(argument: str, name: str, value: Any, shape: tuple[int, ...]) -> None:
+    """A ValueError naming ``argument[name]`` when ``value`` cannot be compared with each row of a
+    field of ``shape`` (a list of several values for a scalar field, a vector of the wrong length)."""
+    given = np.shape(value)
+    try:
+        fits = np.size(value) == 1 or np.broadcast_shapes(given, shape) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{argument}[{name!r}]: a value of shape {given} for a field of shape {shape} - "
+            "give one value of the field's shape (episodes or steps equal to it are kept)"
+        )
+
+
 def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
     """(lens, generations) of every slot, committed and mutually consistent.
 
@@ -93,6 +108,7 @@ def episode_filter(
                 data = data.astype(bool)
             if torch.is_tensor(value):
                 value = value.cpu().numpy()
+            check_filter_value("filter_meta", name, value, data.shape[1:])
             match = np.asarray(data == value)
             keep &= match.reshape(len(keep), -1).all(axis=1)
         if not keep.any():
@@ -490,11 +506,12 @@ class _TimepointDataset(_SnapshotDataset):
             shape = self.replay_buffer.schema.fields[name].shape
             if shape not in ((), (1,)):
                 raise ValueError(f"filter_fields only supports scalar fields, got shape {shape} for {name!r}")
+            if torch.is_tensor(value):
+                value = value.cpu().numpy()
+            check_filter_value("filter_fields", name, value, shape)
             data = self.gather_live(name, episodes, timesteps).reshape(len(episodes))
             if isinstance(value, bool):
                 data = data.astype(bool)
-            if torch.is_tensor(value):
-                value = value.cpu().numpy()
             keep &= np.asarray(data == value)
         return keep & (self._generations[episodes] > 0)
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from ..view import BufferView
-from .collate import Collator, named_tuple_fields
+from .collate import Collator, named_batch_class, named_tuple_fields
 from .datasets import (
     ReplayDatasetNStep,
     ReplayDatasetTimestep,
@@ -237,10 +237,20 @@ def make_dataloader(
     time_keys = {(fieldname_map or {}).get(f, f) for f in buffer.fieldnames} if trajectories else None
     if to_named_tuple is not None:
         to_named_tuple = tuple(to_named_tuple)
-        named_tuple_fields(to_named_tuple)
         if hasattr(dataset, "output_keys"):
             available = dataset.output_keys() + ["_mask"] * return_mask + ["_weights"] * prioritized
             check_names(to_named_tuple, available, "to_named_tuple")
+        try:  # made now, so names a namedtuple refuses fail here and not at the first batch
+            named_batch_class(named_tuple_fields(to_named_tuple))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"to_named_tuple {to_named_tuple!r}: {e} (a leading underscore is dropped: '_lens' is 'lens')"
+            ) from None
+    if device is not None:
+        try:
+            torch.device(device)
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"device: {device!r} is not a torch device ({e})") from None
     collate = Collator(time_keys, return_mask, to_named_tuple, device)
     if prioritized:
         for name in ("batch_sampler", "drop_last"):
