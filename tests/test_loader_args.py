@@ -163,3 +163,25 @@ def test_filters_take_one_value_in_any_container(buffer):
         for batch in make_dataloader(buffer, 8, filter_meta={"task": value})
     ]
     assert kept == [[1]] * 4
+
+
+def prioritized_draws(buffer, **kwargs) -> list:
+    loader = make_dataloader(buffer, 4, timestep_level=True, sampler="prioritized", num_batches=3, **kwargs)
+    return [batch["_indices"].tolist() for batch in loader]
+
+
+def test_prioritized_draws_follow_the_seed_and_differ_between_ranks(buffer):
+    draws = {}
+    for rank in (0, 1):
+        torch.manual_seed(0)  # every DDP rank seeds torch alike
+        draws[rank] = prioritized_draws(buffer, rank=rank, world_size=2)
+    assert draws[0] != draws[1]
+    torch.manual_seed(1)
+    first = prioritized_draws(buffer, seed=5)
+    torch.manual_seed(2)
+    assert prioritized_draws(buffer, seed=5) == first
+    assert prioritized_draws(buffer, seed=5, rank=1, world_size=2) != first
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        prioritized_draws(buffer, seed=-1)
+    with pytest.raises(ValueError, match="rank must be in \\[0, world_size=2\\), got 2"):
+        prioritized_draws(buffer, rank=2, world_size=2)

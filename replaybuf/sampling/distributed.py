@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Sampler
 _SETTINGS = ("seed", "shuffle", "drop_last", "world_size")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int, or a ValueError naming ``name`` unless it is an int >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
@@ -38,8 +39,8 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
         world_size = dist.get_world_size() if initialized else 1
     if rank is None:
         rank = dist.get_rank() if initialized else 0
-    world_size = _check_int("world_size", world_size, 1)
-    rank = _check_int("rank", rank, 0)
+    world_size = check_int("world_size", world_size, 1)
+    rank = check_int("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     return rank, world_size
@@ -86,13 +87,13 @@ class ResumableDistributedSampler(Sampler[int]):
                 f"data_source must be a dataset with len() or an int length, got {type(data_source).__name__}"
             )
         if isinstance(data_source, (int, np.integer)):
-            _check_int("data_source length", data_source, 0)
+            check_int("data_source length", data_source, 0)
         self.data_source = data_source
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.shuffle = bool(shuffle)
         if seed is None:
             seed = 0 if self.world_size > 1 else int(torch.randint(0, 2**62, ()).item())
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = check_int("seed", seed, 0)
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._next: tuple[int, int] | None = None  # (position, length) the next pass of self.epoch starts at
@@ -124,7 +125,7 @@ class ResumableDistributedSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning at the next pass (keeps a loaded position when the
         epoch is the one already set)."""
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch = epoch
             self._next = None
@@ -182,12 +183,12 @@ class ResumableDistributedSampler(Sampler[int]):
                 + "\n  ".join(differing)
                 + "\nCreate the sampler with the saved settings."
             )
-        epoch = _check_int("epoch", state["epoch"], 0)
-        position = _check_int("position", state["position"], 0)
+        epoch = check_int("epoch", state["epoch"], 0)
+        position = check_int("position", state["position"], 0)
         length = (
             self._current_length()
             if state["epoch_length"] is None
-            else _check_int("epoch_length", state["epoch_length"], 0)
+            else check_int("epoch_length", state["epoch_length"], 0)
         )
         if length > self._current_length():
             raise ValueError(

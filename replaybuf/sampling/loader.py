@@ -143,8 +143,8 @@ def make_dataloader(
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
-    (``alpha``, ``beta``; ``num_batches`` per pass, default one dataset's worth) and adds
-    ``_indices`` and ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and
+    (``alpha``, ``beta``; ``num_batches`` per pass, default one dataset's worth; draws seeded by
+    ``seed`` and the rank, so DDP ranks draw differently) and adds ``_indices`` and ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and
     ``cache`` go to the dataset; any other ``sampler`` and every other keyword go to torch's
     DataLoader (``num_workers``, ``drop_last``, ``pin_memory``, ...).
 
@@ -257,7 +257,14 @@ def make_dataloader(
             if name in kwargs:
                 raise ValueError(f"{name} cannot be combined with sampler='prioritized'")
         batches = PrioritizedBatchSampler(
-            dataset, batch_size, priority_field, alpha, beta, num_batches=kwargs.pop("num_batches", None)
+            dataset,
+            batch_size,
+            priority_field,
+            alpha,
+            beta,
+            num_batches=kwargs.pop("num_batches", None),
+            seed=seed,
+            rank=resolve_rank(rank, world_size)[0],
         )
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
     if weighted is not None:

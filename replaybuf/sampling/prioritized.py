@@ -22,6 +22,7 @@ from torch.utils.data import Sampler
 from ..buffer import as_writer
 from ..view import BufferView
 from .datasets import draws_timepoints
+from .distributed import check_int
 
 _samplers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -63,6 +64,10 @@ class PrioritizedBatchSampler(Sampler):
         Priority exponent and importance-weight exponent.
     num_batches
         Batches per iteration (default: as many as one pass over the dataset).
+    seed, rank
+        The draws come from a generator seeded by ``(seed, rank)``: reproducible from ``seed``
+        (default: drawn from torch's generator, so ``torch.manual_seed`` fixes it) and different
+        on each DDP rank, even when every rank seeds torch the same.
     """
 
     def __init__(
@@ -73,6 +78,8 @@ class PrioritizedBatchSampler(Sampler):
         alpha: float = 0.6,
         beta: float = 0.4,
         num_batches: int | None = None,
+        seed: int | None = None,
+        rank: int = 0,
     ):
         if not draws_timepoints(dataset):
             raise ValueError("sampler='prioritized' draws timesteps: use timestep_level=True or n_steps")
@@ -98,7 +105,9 @@ class PrioritizedBatchSampler(Sampler):
         self._keys = episodes * max_t + timesteps
         self._scaled: np.ndarray | None = None
         self._cumulative: np.ndarray | None = None
-        self._generator = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        self._generator = np.random.default_rng([check_int("seed", seed, 0), check_int("rank", rank, 0)])
         _samplers.setdefault(dataset.replay_buffer, weakref.WeakSet()).add(self)
 
     def __len__(self) -> int:
