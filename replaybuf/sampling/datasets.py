@@ -12,6 +12,7 @@ copy of the episode the snapshot named, when one is kept, even after the slot wa
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -49,6 +50,18 @@ def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: s
     if unknown:
         raise ValueError(f"{argument}: invalid field names {unknown} - must be among {sorted(allowed)}")
     return names
+
+
+def sample_index(index: Any) -> int:
+    """``index`` as an int (numpy's, a 0-d array or tensor too, as the seed's datasets and torch's
+    DataLoader take it), or a TypeError: a float would be truncated, a flag, slice or mask read
+    as something else."""
+    if not isinstance(index, bool) and getattr(index, "dtype", None) not in (torch.bool, np.bool_):
+        try:
+            return operator.index(index)
+        except TypeError:
+            pass
+    raise TypeError(f"a dataset index must be an int, got {index!r} ({type(index).__name__})")
 
 
 def check_filter_value(argument: str, name: str, value: Any, shape: tuple[int, ...]) -> None:
@@ -188,12 +201,7 @@ class _SnapshotDataset(Dataset):
     # ---- per-sample and per-batch access ------------------------------------------------------
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.is_floating_point():
-            index = int(index)
-        if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
-            # a float would be truncated, a slice or mask read as something else: the seed's
-            # datasets also take one int (or a 0-d integer tensor), and torch's DataLoader asks so
-            raise TypeError(f"a dataset index must be an int, got {index!r} ({type(index).__name__})")
+        index = sample_index(index)
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)}")
         return self.__getitems__([index % len(self)])[0]
