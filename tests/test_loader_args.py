@@ -150,11 +150,19 @@ def test_prioritized_takes_numpy_numbers(buffer):
         ),
         ({"to_named_tuple": ("state", "state")}, r"to_named_tuple \('state', 'state'\): .*duplicate field name"),
         ({"device": "nope"}, "device: 'nope' is not a torch device"),
+        ({"return_mask": True, "return_episode_lens": False}, "return_mask builds _mask .* no _lens"),
+        ({"return_mask": True, "dataset_kwargs": {"return_episode_lens": False}}, "return_mask builds _mask"),
     ],
 )
 def test_bad_filters_names_and_devices_are_refused_when_the_loader_is_made(buffer, case, message):
     with pytest.raises(ValueError, match=message):
         make_dataloader(buffer, 2, **case)
+
+
+def test_return_mask_over_a_given_timestep_dataset_is_refused_when_the_loader_is_made(buffer):
+    dataset = make_dataset(buffer, timestep_level=True)
+    with pytest.raises(ValueError, match="return_mask builds _mask .* no _lens \\(ReplayDatasetTimestep\\)"):
+        make_dataloader(buffer, 2, dataset=dataset, return_mask=True)
 
 
 def test_filters_take_one_value_in_any_container(buffer):

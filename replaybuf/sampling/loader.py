@@ -233,6 +233,12 @@ def make_dataloader(
             fieldname_map=fieldname_map,
             **dataset_kwargs,
         )
+    if return_mask and hasattr(dataset, "output_keys") and "_lens" not in dataset.output_keys():
+        kind = type(dataset).__name__ + (", return_episode_lens=False" * hasattr(dataset, "return_episode_lens"))
+        raise ValueError(
+            f"return_mask builds _mask from each sample's length, and this dataset returns no _lens ({kind}); "
+            "return_mask is only supported for trajectory-level data with episode lengths"
+        )
     trajectories = n_steps is None and not timestep_level and not draws_timepoints(dataset)
     time_keys = {(fieldname_map or {}).get(f, f) for f in buffer.fieldnames} if trajectories else None
     if to_named_tuple is not None:
