@@ -96,6 +96,16 @@ def test_a_fieldname_map_giving_two_outputs_one_name_is_refused(buffer, kind, ma
         make_dataloader(buffer, 2, fieldname_map=mapping, **kind)
 
 
+def test_a_fieldname_map_onto_the_loaders_own_keys_or_not_to_a_name_is_refused(buffer):
+    with pytest.raises(ValueError, match=r"fieldname_map: \['_mask'\] would be overwritten"):
+        make_dataloader(buffer, 2, return_mask=True, fieldname_map={"state": "_mask"})
+    with pytest.raises(ValueError, match=r"fieldname_map: \['_weights'\] would be overwritten"):
+        make_dataloader(buffer, 2, timestep_level=True, sampler="prioritized", fieldname_map={"reward": "_weights"})
+    for mapping in ({"state": 3}, {"state": ""}, {"state": None}):
+        with pytest.raises(TypeError, match="fieldname_map: new names must be non-empty strings"):
+            make_dataloader(buffer, 2, fieldname_map=mapping)
+
+
 def test_a_fieldname_map_swapping_names_keeps_both(buffer):
     plain = next(iter(make_dataloader(buffer, 3)))
     swapped = next(iter(make_dataloader(buffer, 3, fieldname_map={"state": "reward", "reward": "state"})))

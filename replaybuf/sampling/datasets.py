@@ -161,6 +161,9 @@ class _SnapshotDataset(Dataset):
         self.fields = tuple(buffer.schema.fields) if names is None else names
         if fieldname_map is not None and not isinstance(fieldname_map, dict):
             raise TypeError(f"fieldname_map must be a dict of name -> new name, got {type(fieldname_map).__name__}")
+        odd = {k: v for k, v in (fieldname_map or {}).items() if not isinstance(v, str) or not v}
+        if odd:
+            raise TypeError(f"fieldname_map: new names must be non-empty strings, got {odd!r}")
         self.fieldname_map = dict(fieldname_map or {})
         self.meta_names = tuple(buffer.schema.meta_fields) if include_metadata else ()
         self.return_indices = bool(return_indices)

@@ -233,6 +233,12 @@ def make_dataloader(
             fieldname_map=fieldname_map,
             **dataset_kwargs,
         )
+    added = ["_mask"] * return_mask + ["_weights"] * prioritized  # the loader's own keys
+    taken = [key for key in added if hasattr(dataset, "output_keys") and key in dataset.output_keys()]
+    if taken:
+        raise ValueError(
+            f"fieldname_map: {taken} would be overwritten by the loader's own {taken} - map to other names"
+        )
     if return_mask and hasattr(dataset, "output_keys") and "_lens" not in dataset.output_keys():
         kind = type(dataset).__name__ + (", return_episode_lens=False" * hasattr(dataset, "return_episode_lens"))
         raise ValueError(
@@ -244,7 +250,7 @@ def make_dataloader(
     if to_named_tuple is not None:
         to_named_tuple = tuple(to_named_tuple)
         if hasattr(dataset, "output_keys"):
-            available = dataset.output_keys() + ["_mask"] * return_mask + ["_weights"] * prioritized
+            available = dataset.output_keys() + added
             check_names(to_named_tuple, available, "to_named_tuple")
         try:  # made now, so names a namedtuple refuses fail here and not at the first batch
             named_batch_class(named_tuple_fields(to_named_tuple))
