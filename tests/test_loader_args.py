@@ -49,6 +49,11 @@ def test_positions_outside_the_dataset_are_refused_not_read_as_padding(buffer, k
         next(iter(make_dataloader(buffer, 2, sampler=[0, size], **kind)))
     last = next(iter(make_dataloader(buffer, 1, sampler=[-1], **kind)))
     assert idents(last) == idents(dataset.__getitems__([size - 1]).batch)
+    # a batch of floats or flags (a custom batch sampler's) is refused, not truncated
+    for batch in ([1.0, 2.0], np.array([1.5]), [True, False]):
+        with pytest.raises(TypeError, match="a dataset index must be an int"):
+            dataset.__getitems__(batch)
+    assert idents(dataset.__getitems__(torch.tensor([1, 0])).batch) == idents(dataset.__getitems__([1, 0]).batch)
 
 
 def test_a_dataset_index_must_be_an_int(buffer):

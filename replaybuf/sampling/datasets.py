@@ -213,11 +213,11 @@ class _SnapshotDataset(Dataset):
         """The whole batch ``indices``, read with one grouped read per field, consistently
         (``consistency.read_consistent``): samples whose slot a writer reused are redrawn,
         and dropped after the bounded retries."""
-        if isinstance(indices, list):  # a batch sampler's (~2x as fast as through a list copy)
-            positions = np.fromiter(indices, np.int64, len(indices))
-        else:
-            positions = np.asarray(list(indices), dtype=np.int64).reshape(-1)
-        positions = self._in_range(positions)
+        listed = indices if isinstance(indices, list) else list(indices)
+        if listed:  # a float or flag batch (a custom sampler's) would be truncated or read as positions
+            sample_index(listed[0])
+        # a batch sampler's list: ~2x as fast as through a list copy
+        positions = self._in_range(np.fromiter(listed, np.int64, len(listed)))
         weights = getattr(indices, "weights", None)
         slots = self._slots_of(positions)
         dead = self._generations[slots] <= 0  # slots earlier batches saw reused
