@@ -144,9 +144,10 @@ def make_dataloader(
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
     (``alpha``, ``beta``; ``num_batches`` per pass, default one dataset's worth; draws seeded by
-    ``seed`` and the rank, so DDP ranks draw differently) and adds ``_indices`` and ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and
-    ``cache`` go to the dataset; any other ``sampler`` and every other keyword go to torch's
-    DataLoader (``num_workers``, ``drop_last``, ``pin_memory``, ...).
+    ``seed`` and the rank, so DDP ranks draw differently) and adds ``_indices`` and
+    ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and ``cache`` go to the
+    dataset; any other ``sampler`` and every other keyword go to torch's DataLoader
+    (``num_workers``, ``drop_last``, ``pin_memory``, ...).
 
     ``rank`` / ``world_size`` (default: torch.distributed's when it is initialized) shard the
     samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
