@@ -699,3 +699,132 @@ def test_cli_errors_are_usage_messages(tmp_path, capsys):
     assert exit_info.value.code == 2 and "missing.hdf5" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"unknown format 'rlds': expected one of \['d4rl', "):
         imp.load("rlds", "x", tmp_path / "dst")
+
+
+# ---- hostile, damaged and absurd sources; destinations that are not the import's -----------------
+
+
+def _flip_bytes(path, at: float = 0.5, count: int = 8) -> None:
+    raw = bytearray(path.read_bytes())
+    start = int(len(raw) * at)
+    raw[start : start + count] = bytes(b ^ 0xFF for b in raw[start : start + count])
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("ends", "extra", "message"),
+    [
+        # a lying end made the destination reserve it: 2.4 GB of memmap (51 GB as hdf5) for 20 rows
+        ((5, 12, 10**8), {}, r"meta/episode_ends: episode 2 has 99999988 steps, more than the 20 rows"),
+        ((5, 12), {}, r"\{'data/action': 20, 'data/img': 20, 'data/state': 20\} have more rows than .* \(12\)"),
+        (DP_ENDS, {"scale": np.array(2.0)}, r"data/scale is 0-d; expected one row per step"),  # a bare IndexError
+    ],
+    ids=["lying-end", "rows-past-the-last-end", "0-d-array"],
+)
+def test_diffusion_policy_ends_its_arrays_contradict_are_refused_before_a_destination(tmp_path, ends, extra, message):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays(), ends=ends)
+    for name, value in extra.items():
+        zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").create_array(f"data/{name}", data=value)
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr.*" + message):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", backend="memmap", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_robomimic_num_samples_its_datasets_do_not_hold_is_refused_before_a_destination(tmp_path):
+    """A demo past the first claiming 10**8 steps made a memmap destination reserve 16.8 GB."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data/demo_1"].attrs["num_samples"] = 10**8
+    with pytest.raises(
+        imp.ImportSourceError, match=r"data/demo_1: num_samples is 100000000, but its datasets hold at most 7"
+    ):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", backend="memmap", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_episode_longer_than_its_data_file_is_refused_before_a_destination(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=False)
+    path = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    rows[1]["length"] = 10**8
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(
+        imp.ImportSourceError, match=rf"episode 1 has length 100000000, more than the {sum(LENGTHS)} rows"
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", backend="memmap", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_d4rl_flags_that_are_not_one_per_step_are_refused(tmp_path):
+    """(N, 2) terminals were read as 2 N flags by np.flatnonzero; timeouts of another length
+    than terminals raised a bare broadcast error."""
+    with require("h5py").File(tmp_path / "d4rl.hdf5", "w") as f:
+        f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+        f.create_dataset("terminals", data=np.ones((6, 2), bool))
+    with pytest.raises(imp.ImportSourceError, match=r"\{'terminals': \(6, 2\)\}: expected one flag per step"):
+        imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_damaged_zarr_chunk_names_file_and_episode_and_keeps_what_was_committed(tmp_path):
+    """blosc's RuntimeError came out bare, naming neither the file nor the episode."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    (tmp_path / "dp.zarr" / "data" / "state" / "2.0").write_bytes(b"\0" * 5)  # steps 8..11: episode 1
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr: episode 1: .*blosc") as error:
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert isinstance(error.value.__cause__, RuntimeError)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
+
+
+def test_resume_from_another_source_is_refused_and_leaves_the_buffer(tmp_path):
+    """Both were skipped as 'already there': the buffer claimed to hold a source it never read."""
+    write_diffusion_policy(tmp_path / "a.zarr", dp_arrays())
+    imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    before = episodes_by_source(tmp_path / "dst")
+    other = {name: values[::-1].copy() for name, values in dp_arrays().items()}
+    write_diffusion_policy(tmp_path / "b.zarr", other)  # same fields and lengths, other data
+    with pytest.raises(ValueError, match=r"dst: holds episodes imported from diffusion_policy .*a\.zarr'.*b\.zarr'"):
+        imp.diffusion_policy(tmp_path / "b.zarr", tmp_path / "dst", progress=False)
+    # the same file, rewritten with other episode lengths (the longest the same: the schema matches)
+    write_diffusion_policy(tmp_path / "a.zarr", dp_arrays(), ends=(6, 12, 20))
+    with pytest.raises(ValueError, match=r"source episodes \[0, 1\] were imported with other lengths"):
+        imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    assert_same(episodes_by_source(tmp_path / "dst"), before)
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs
+    assert attrs["imported_from"]["path"] == str(tmp_path / "a.zarr")
+
+
+@pytest.mark.parametrize(
+    ("dst", "message"), [("dp.zarr", "are the same location"), ("dp.zarr/data/out", "is inside the source")]
+)
+def test_import_into_its_own_source_is_refused(tmp_path, dst, message):
+    """An import into dp.zarr/data/out wrote a zarr v3 group inside the user's dataset."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "dp.zarr").rglob("*"))
+    with pytest.raises(ValueError, match=f"import: .*{message}"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / dst, progress=False)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "dp.zarr").rglob("*")) == before
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "empty-folder"])
+def test_failed_export_leaves_nothing_that_passes_for_a_dataset(tmp_path, format, existing):
+    """A diffusion_policy export stopped by a damaged episode left a complete-looking zarr whose
+    unwritten episodes imported as zeros."""
+    from replaybuf import CorruptChunkError
+
+    with ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=10, fields={"x": ("float32", (3,))}) as buffer:
+        for episode in range(4):
+            buffer.store_episode(x=np.full((10, 3), episode + 1, np.float32))
+    _flip_bytes(tmp_path / "buf" / "data" / "x" / "c.0.0.0")
+    if existing:
+        (tmp_path / "out").mkdir()
+    with pytest.raises(CorruptChunkError):
+        imp.export(format, tmp_path / "buf", tmp_path / "out")
+    if existing:
+        assert list((tmp_path / "out").iterdir()) == []  # the user's folder stays, as empty as it was
+    else:
+        assert not (tmp_path / "out").exists()

@@ -9,9 +9,11 @@ episode whatever the source's size.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from ..attrs import encode_attrs
 from ..buffer import ReplayBuffer
+from ..maintenance import check_apart
 from ..progress import progress_bar
 from ..schema import Schema
 from ..storage.base import Storage, make_storage
@@ -31,6 +34,7 @@ __all__ = [
     "check_new_folder",
     "exported_episodes",
     "is_plain_json",
+    "new_folder",
     "run_import",
 ]
 
@@ -133,7 +137,7 @@ def _read_episode(source: Source, position: int, episode: int, length: int) -> t
     try:
         data, meta = source.read(position)
         _check_episode(source, data, length)
-    except (OSError, KeyError, ValueError, EOFError) as error:
+    except Exception as error:  # whatever a damaged file makes its reader raise (blosc: RuntimeError)
         raise ImportSourceError(f"{source.where(position)}: episode {episode}: {error}") from error
     return data, meta
 
@@ -145,6 +149,9 @@ def destination_config(source: Source) -> dict[str, Any]:
     lengths = source.lengths()
     if not lengths:
         raise ImportSourceError(f"{source.path}: no episodes to import")
+    negative = {episode: length for episode, length in zip(source.episode_ids(), lengths) if length < 0}
+    if negative:
+        raise ImportSourceError(f"{source.path}: episodes with a negative length {negative}")
     config: dict[str, Any] = {
         "max_episodes": len(lengths),
         "max_timesteps": max(lengths),
@@ -166,6 +173,34 @@ def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBu
     return buffer, done
 
 
+def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
+    """Refuse to resume into ``dst`` when its episodes came from another source: another format
+    or file (``imported_from``), or committed episodes whose length the source now gives
+    differently (the file changed since). Skipping them would mix two datasets in one buffer."""
+    origin = buffer.attrs.get("imported_from")
+    if isinstance(origin, dict) and (
+        origin.get("format") != source.format
+        or os.path.realpath(str(origin.get("path"))) != os.path.realpath(source.path)
+    ):
+        raise ValueError(
+            f"{os.fspath(dst)}: holds episodes imported from {origin.get('format')} {origin.get('path')!r}, "
+            f"not from {source.format} {source.path!r}; import into a new destination"
+        )
+    claimed = dict(zip(source.episode_ids(), source.lengths()))
+    changed = {
+        episode: (int(buffer.episode_lens[slot]), claimed[episode])
+        for slot in buffer.valid_episodes()
+        if (episode := int(buffer.meta_data[SOURCE_EPISODE][slot])) in claimed
+        and claimed[episode] != int(buffer.episode_lens[slot])
+    }
+    if changed:
+        raise ValueError(
+            f"{os.fspath(dst)}: source episodes {sorted(changed)} were imported with other lengths than "
+            f"{source.path!r} now gives ((imported, now): {changed}); the source changed since: import "
+            "into a new destination"
+        )
+
+
 def run_import(
     source: Source,
     dst: Any,
@@ -178,6 +213,8 @@ def run_import(
     """Copy every episode of ``source`` not yet in ``dst`` (see ``replaybuf.importers.load``)."""
     try:
         config, ids, lengths = destination_config(source), source.episode_ids(), source.lengths()
+        if os.path.exists(source.path):  # not a Minari id: a folder or file
+            check_apart(source.path, None, dst, storage_options, command="import")
         storage = make_storage(dst, backend, storage_options)
         # a new destination is created once the first episode has read well, so that a source
         # refused at once (a missing column, a truncated file) leaves nothing behind
@@ -186,6 +223,7 @@ def run_import(
         imported = frames = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
+            check_resume(buffer, source, dst)
             buffer.attrs.update({**source.attrs(), "imported_from": {"format": source.format, "path": source.path}})
             bar.update(sum(1 for episode in ids if episode in done))
             for position, (episode, length) in enumerate(zip(ids, lengths)):
@@ -221,6 +259,26 @@ def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
                 f"{os.fspath(dst)}: the export destination is inside the source buffer {os.fspath(src)!r}; "
                 "choose a folder outside it"
             )
+
+
+@contextmanager
+def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
+    """``check_new_folder``, then, when the export fails, remove what it wrote: a half-written
+    export must not pass for a dataset (a diffusion_policy zarr's unwritten chunks read as zeros)."""
+    check_new_folder(dst, src)
+    existed = os.path.isdir(dst)
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(dst, ignore_errors=True)
+        elif os.path.isdir(dst):  # it was empty: everything in it is the export's
+            for entry in os.scandir(os.fspath(dst)):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        raise
 
 
 def exported_episodes(

@@ -74,6 +74,11 @@ class RobomimicSource(Source):
                 if name not in self._fields:
                     self._fields[name] = key
                     self._specs[name] = _spec(self._file[f"data/{demo}/{key}"])
+        try:
+            self._lengths = [self._length(demo) for demo in self._demos]
+        except ImportSourceError:
+            self.close()
+            raise
 
     def _paths(self, demo: str) -> dict[str, str]:
         """field name -> dataset path inside ``data/<demo>``."""
@@ -109,13 +114,29 @@ class RobomimicSource(Source):
     def episode_ids(self) -> list[int]:
         return [int(demo.split("_")[1]) for demo in self._demos]
 
+    def _length(self, demo: str) -> int:
+        """Steps of ``demo``: its ``num_samples`` attribute (else the rows of ``actions``), refused
+        where no dataset of the demo holds that many rows (a lying count would reserve its size in
+        the destination); a dataset holding fewer is a truncated demo, which fails when read."""
+        where = f"{self.path}:data/{demo}"
+        group = self._file[f"data/{demo}"]
+        count = group.attrs.get("num_samples")
+        rows = [self._file[f"data/{demo}/{key}"].shape[:1] for key in self._paths(demo).values()]
+        most = max((int(shape[0]) for shape in rows if shape), default=0)
+        if count is None:
+            if "actions" not in group:
+                raise ImportSourceError(f"{where}: neither a num_samples attribute nor an actions dataset")
+            return int(group["actions"].shape[0])
+        try:
+            length = int(count)
+        except (TypeError, ValueError) as error:
+            raise ImportSourceError(f"{where}: num_samples {count!r} is not a step count") from error
+        if length > most:
+            raise ImportSourceError(f"{where}: num_samples is {length}, but its datasets hold at most {most} rows")
+        return length
+
     def lengths(self) -> list[int]:
-        lengths = []
-        for demo in self._demos:
-            group = self._file[f"data/{demo}"]
-            count = group.attrs.get("num_samples")
-            lengths.append(int(count) if count is not None else int(group["actions"].shape[0]))
-        return lengths
+        return self._lengths
 
     def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         group = self._file[f"data/{self._demos[position]}"]
@@ -156,9 +177,14 @@ class D4RLSource(Source):
                 f"{self.path}: {longer} have more rows than the {steps} steps of 'observations'; "
                 "expected one row per step"
             )
-        ends = np.asarray(f["terminals"][()], dtype=bool)
-        if "timeouts" in f:
-            ends = ends | np.asarray(f["timeouts"][()], dtype=bool)
+        flags = [key for key in ("terminals", "timeouts") if key in f]
+        not_flat = {key: f[key].shape for key in flags if f[key].ndim != 1}
+        if not_flat:  # np.flatnonzero would read (N, 2) flags as 2 N steps
+            self.close()
+            raise ImportSourceError(f"{self.path}: {not_flat}: expected one flag per step, shape (steps,)")
+        ends = np.zeros(steps, dtype=bool)
+        for key in flags:
+            ends[: f[key].shape[0]] |= np.asarray(f[key][:steps], dtype=bool)
         stops = (np.flatnonzero(ends) + 1).tolist()
         if steps and (not stops or stops[-1] != steps):  # an empty file: no episode, not one of 0 steps
             stops.append(steps)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..video import is_image_field
-from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
+from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["LeRobotSource", "export_lerobot"]
 
@@ -176,6 +176,7 @@ class LeRobotSource(Source):
                 "feature's 'dtype' and 'shape'"
             ) from error
         self._episodes = self._read_episodes()
+        self._check_lengths()
         self._tasks = self._read_tasks()
 
     def _read_features(self, info_path: Path) -> None:
@@ -245,6 +246,28 @@ class LeRobotSource(Source):
         empty = [name for name in columns if table.column(name).null_count]
         if empty:
             raise ImportSourceError(f"{file}: LeRobot episode columns with empty cells {empty}")
+
+    def _check_lengths(self) -> None:
+        """Refuse an episode whose length is more than its data file's rows (read from the
+        parquet footer) before a destination is sized from it: a lying length would reserve its
+        size there. A data file that cannot be read fails its episodes when they are read."""
+        rows: dict[Path, int | None] = {}
+        for row in self._episodes:
+            try:
+                file = self._data_file(row)
+            except (KeyError, ValueError):  # a malformed or escaping data_path: named when read
+                continue
+            if file not in rows:
+                try:
+                    rows[file] = self._pa.parquet.read_metadata(file).num_rows
+                except (OSError, self._pa.ArrowException):
+                    rows[file] = None
+            held = rows[file]
+            if held is not None and int(row["length"]) > held:
+                raise ImportSourceError(
+                    f"{self.root / 'meta' / 'episodes'}: episode {row['episode_index']} has length {row['length']}, "
+                    f"more than the {held} rows of its data file {str(file)!r}"
+                )
 
     def _read_tasks(self) -> dict[str, str]:
         """task_index (as a str, a JSON key) -> task text, from ``meta/tasks.parquet``, where
@@ -436,12 +459,16 @@ def export_lerobot(
     ``fps`` meta field, else 30. Feature names, task texts and the robot type come from the
     ``lerobot`` attributes of an imported buffer (module docstring); without them tasks are
     ``task_<task_index>``. Meta fields other than ``task_index`` and ``fps`` are left out.
-    Returns the number of episodes."""
+    A failed export removes what it wrote. Returns the number of episodes."""
+    with new_folder(dst, src):
+        return _write_lerobot(src, Path(dst), video, fps, storage_options)
+
+
+def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage_options: dict | None) -> int:
+    """The body of ``export_lerobot``."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
-    check_new_folder(dst, src)
-    root = Path(dst)
     buffer, episodes = exported_episodes(src, storage_options)
     with buffer:
         images = _image_features(buffer, video)
@@ -543,7 +570,8 @@ def _write_meta(
     total: int,
     fps: float,
 ) -> None:
-    """``meta/info.json``, ``meta/tasks.parquet`` and the episodes file of an export."""
+    """The episodes file, ``meta/tasks.parquet`` and, last (an export killed before it is no
+    LeRobot dataset), ``meta/info.json`` of an export."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
@@ -574,7 +602,6 @@ def _write_meta(
     }
     meta = root / "meta"
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
-    (meta / "info.json").write_text(json.dumps(info, indent=4))
     for row in rows:
         row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
     pq.write_table(pa.Table.from_pylist(rows), root / EPISODES_PATH.format(chunk_index=0, file_index=0))
@@ -583,3 +610,4 @@ def _write_meta(
 
     frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([names.task(t) for t in tasks], name="task"))
     frame.to_parquet(meta / "tasks.parquet")
+    (meta / "info.json").write_text(json.dumps(info, indent=4))
