@@ -828,3 +828,13 @@ def test_failed_export_leaves_nothing_that_passes_for_a_dataset(tmp_path, format
         assert list((tmp_path / "out").iterdir()) == []  # the user's folder stays, as empty as it was
     else:
         assert not (tmp_path / "out").exists()
+
+
+def test_an_episode_index_given_twice_is_refused(tmp_path):
+    """demo_1 and demo_01 were both source_episode 1: a resume would skip the one not yet copied."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f.copy(f["data/demo_1"], f["data"], name="demo_01")
+    with pytest.raises(imp.ImportSourceError, match=r"demo\.hdf5: episode indices \[1\] name more than one episode"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()

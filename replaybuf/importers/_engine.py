@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -144,14 +145,18 @@ def _read_episode(source: Source, position: int, episode: int, length: int) -> t
 
 def destination_config(source: Source) -> dict[str, Any]:
     """The ``ReplayBuffer`` arguments of a buffer sized for ``source``; ImportSourceError naming
-    the source when it has no episodes, or fields or lengths no buffer can hold (checked before
-    anything is read or created)."""
+    the source when it has no episodes, negative lengths, an episode index given twice, or fields
+    or lengths no buffer can hold (checked before anything is read or created)."""
     lengths = source.lengths()
     if not lengths:
         raise ImportSourceError(f"{source.path}: no episodes to import")
-    negative = {episode: length for episode, length in zip(source.episode_ids(), lengths) if length < 0}
+    ids = source.episode_ids()
+    negative = {episode: length for episode, length in zip(ids, lengths) if length < 0}
     if negative:
         raise ImportSourceError(f"{source.path}: episodes with a negative length {negative}")
+    twice = sorted(episode for episode, count in Counter(ids).items() if count > 1)
+    if twice:  # source_episode would not tell them apart, and a resume would skip the second
+        raise ImportSourceError(f"{source.path}: episode indices {twice} name more than one episode")
     config: dict[str, Any] = {
         "max_episodes": len(lengths),
         "max_timesteps": max(lengths),
