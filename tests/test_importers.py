@@ -838,3 +838,26 @@ def test_an_episode_index_given_twice_is_refused(tmp_path):
     with pytest.raises(imp.ImportSourceError, match=r"demo\.hdf5: episode indices \[1\] name more than one episode"):
         imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+def test_source_episodes_without_steps_are_left_out_and_counted(tmp_path, capsys):
+    """An empty demo stopped every import (and every resume) at it with a bare store_episode
+    error; diffusion_policy ends repeated for an empty episode were refused as malformed."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays(), ends=(5, 5, 12, 20))
+    assert main(["import", "diffusion_policy", str(tmp_path / "dp.zarr"), str(tmp_path / "dst"), "--quiet"]) == 0
+    assert "1 source episodes have no steps and were left out" in capsys.readouterr().out
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 2, 3]
+    result = imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert result == imp.ImportResult(imported=0, skipped=3, frames=0, empty=1)
+
+    write_robomimic(tmp_path / "demo.hdf5", lengths=(4, 0, 3))
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data/demo_1"].attrs["num_samples"] = 0
+        del f["data/demo_1/actions"]
+        f["data/demo_1"].create_dataset("actions", data=np.zeros((2, 7)))  # 0 steps said, 2 rows held
+    with pytest.raises(imp.ImportSourceError, match=r"data/demo_1: episode 1: field 'actions' has shape \(2, 7\)"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "rm", progress=False)
+    write_diffusion_policy(tmp_path / "none.zarr", {"x": np.zeros((0, 2))}, ends=(0, 0))
+    with pytest.raises(imp.ImportSourceError, match=r"none\.zarr: none of its 2 episodes has a step"):
+        imp.diffusion_policy(tmp_path / "none.zarr", tmp_path / "none", progress=False)
+    assert not (tmp_path / "none").exists()

@@ -49,8 +49,8 @@ class DiffusionPolicySource(Source):
                 f"got {ends.dtype} of shape {ends.shape}"
             )
         ends = ends.astype(np.int64)
-        if len(ends) and (np.any(np.diff(ends) <= 0) or ends[0] <= 0):
-            raise ImportSourceError(f"{self.path}/meta/episode_ends: expected strictly increasing ends, got {ends}")
+        if len(ends) and (np.any(np.diff(ends) < 0) or ends[0] < 0):  # equal ends: an episode of 0 steps
+            raise ImportSourceError(f"{self.path}/meta/episode_ends: expected non-decreasing ends >= 0, got {ends}")
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._ends = ends
         self._check_rows()

@@ -104,11 +104,13 @@ def is_plain_json(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ImportResult:
-    """What an import did: episodes copied, episodes found already committed, steps copied."""
+    """What an import did: episodes copied, episodes found already committed, steps copied, and
+    source episodes without steps (left out: a buffer episode holds at least one step)."""
 
     imported: int
     skipped: int
     frames: int
+    empty: int = 0
 
 
 def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> None:
@@ -154,6 +156,8 @@ def destination_config(source: Source) -> dict[str, Any]:
     negative = {episode: length for episode, length in zip(ids, lengths) if length < 0}
     if negative:
         raise ImportSourceError(f"{source.path}: episodes with a negative length {negative}")
+    if max(lengths) == 0:
+        raise ImportSourceError(f"{source.path}: none of its {len(lengths)} episodes has a step; nothing to import")
     twice = sorted(episode for episode, count in Counter(ids).items() if count > 1)
     if twice:  # source_episode would not tell them apart, and a resume would skip the second
         raise ImportSourceError(f"{source.path}: episode indices {twice} name more than one episode")
@@ -225,7 +229,7 @@ def run_import(
         # refused at once (a missing column, a truncated file) leaves nothing behind
         first = None if storage.exists() else _read_episode(source, 0, ids[0], lengths[0])
         buffer, done = open_destination(config, storage)
-        imported = frames = 0
+        imported = frames = empty = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
             check_resume(buffer, source, dst)
@@ -238,6 +242,10 @@ def run_import(
                     (data, meta), first = first, None
                 else:
                     data, meta = _read_episode(source, position, episode, length)
+                if length == 0:  # read, so checked empty; a buffer episode holds at least one step
+                    empty += 1
+                    bar.update()
+                    continue
                 meta = {SOURCE_EPISODE: episode, **meta}
                 slot = buffer.episode_index
                 buffer.store_episode(**data, **meta)
@@ -249,7 +257,7 @@ def run_import(
                 bar.set_postfix(frames_per_s=f"{frames / max(time.monotonic() - started, 1e-9):.0f}")
     finally:
         source.close()
-    return ImportResult(imported=imported, skipped=len(done), frames=frames)
+    return ImportResult(imported=imported, skipped=len(done), frames=frames, empty=empty)
 
 
 def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
