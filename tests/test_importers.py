@@ -861,3 +861,18 @@ def test_source_episodes_without_steps_are_left_out_and_counted(tmp_path, capsys
     with pytest.raises(imp.ImportSourceError, match=r"none\.zarr: none of its 2 episodes has a step"):
         imp.diffusion_policy(tmp_path / "none.zarr", tmp_path / "none", progress=False)
     assert not (tmp_path / "none").exists()
+
+
+def test_source_metadata_a_buffer_cannot_hold_is_kept_as_text_or_refused_before_a_destination(tmp_path):
+    """A NaN in a zarr's root attributes failed after the destination was made: an empty buffer
+    was left, and every resume failed the same way."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").attrs.update(gain={"kp": float("nan")}, robot="pusht")
+    assert imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False).imported == 3
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs
+    assert attrs["gain"] == '{"kp": NaN}' and attrs["robot"] == "pusht"
+
+    zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").attrs["notes"] = "x" * (1 << 20)
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr: its metadata cannot be kept in buffer\.attrs: .*bytes"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "other", progress=False)
+    assert not (tmp_path / "other").exists()

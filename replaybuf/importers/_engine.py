@@ -8,6 +8,7 @@ episode whatever the source's size.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -100,6 +101,22 @@ def is_plain_json(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def destination_attrs(source: Source) -> dict[str, Any]:
+    """What the import adds to ``buffer.attrs``: the source's attributes, each value that is not
+    plain JSON (a NaN in a zarr's root attributes) kept as its JSON text, and ``imported_from``;
+    ImportSourceError naming the source where they cannot be kept (too large), checked before
+    the destination is created (an empty buffer was left, and every resume failed the same)."""
+    attrs = {
+        key: value if is_plain_json(value) else json.dumps(value, default=str) for key, value in source.attrs().items()
+    }
+    attrs["imported_from"] = {"format": source.format, "path": source.path}
+    try:
+        encode_attrs(attrs)
+    except (TypeError, ValueError) as error:
+        raise ImportSourceError(f"{source.path}: its metadata cannot be kept in buffer.attrs: {error}") from error
+    return attrs
 
 
 @dataclass(frozen=True)
@@ -222,6 +239,7 @@ def run_import(
     """Copy every episode of ``source`` not yet in ``dst`` (see ``replaybuf.importers.load``)."""
     try:
         config, ids, lengths = destination_config(source), source.episode_ids(), source.lengths()
+        attrs = destination_attrs(source)
         if os.path.exists(source.path):  # not a Minari id: a folder or file
             check_apart(source.path, None, dst, storage_options, command="import")
         storage = make_storage(dst, backend, storage_options)
@@ -233,7 +251,7 @@ def run_import(
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
             check_resume(buffer, source, dst)
-            buffer.attrs.update({**source.attrs(), "imported_from": {"format": source.format, "path": source.path}})
+            buffer.attrs.update(attrs)
             bar.update(sum(1 for episode in ids if episode in done))
             for position, (episode, length) in enumerate(zip(ids, lengths)):
                 if episode in done:
