@@ -876,3 +876,29 @@ def test_source_metadata_a_buffer_cannot_hold_is_kept_as_text_or_refused_before_
     with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr: its metadata cannot be kept in buffer\.attrs: .*bytes"):
         imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "other", progress=False)
     assert not (tmp_path / "other").exists()
+
+
+def test_an_episode_overwritten_during_an_export_is_refused_not_mixed(tmp_path):
+    """Exports read each field as the slot held it at that moment: a writer overwriting a slot
+    mid-export gave another episode's steps under the planned length (15 of 15 exports of a busy
+    circular buffer were wrong)."""
+    from replaybuf import ConcurrentWriteError
+    from replaybuf.importers._engine import exported_episodes
+
+    def episode(value: float, length: int) -> dict[str, np.ndarray]:
+        return {"x": np.full((length, 2), value, np.float32)}
+
+    config = {"max_episodes": 3, "max_timesteps": 9, "fields": {"x": ("float32", (2,))}, "circular": True}
+    with ReplayBuffer(tmp_path / "buf", **config) as buffer:
+        for value in range(3):
+            buffer.store_episode(**episode(value, 4 + value))
+    reader, lengths, episodes = exported_episodes(tmp_path / "buf")
+    with reader:
+        assert lengths.tolist() == [4, 5, 6]
+        slot, data, _meta = next(episodes)
+        np.testing.assert_array_equal(data["x"], episode(0, 4)["x"])
+        with ReplayBuffer.from_folder(tmp_path / "buf") as writer:
+            writer.store_episode(**episode(7, 9))  # slot 0, exported already
+            writer.store_episode(**episode(8, 9))  # slot 1, not yet
+        with pytest.raises(ConcurrentWriteError, match=r"slots \[1\]"):
+            next(episodes)

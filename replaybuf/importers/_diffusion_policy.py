@@ -118,10 +118,8 @@ def _write_diffusion_policy(src: Any, dst: str | os.PathLike, storage_options: d
     export killed half-way is no diffusion_policy zarr (its unwritten chunks would read as zeros)."""
     import zarr
 
-    buffer, episodes = exported_episodes(src, storage_options)
+    buffer, lengths, episodes = exported_episodes(src, storage_options)
     with buffer:
-        slots = buffer.valid_episodes()
-        lengths = buffer.episode_lens[slots].astype(np.int64)
         total = int(lengths.sum())
         root = zarr.open_group(os.fspath(dst), mode="w", zarr_format=2, attributes=dict(buffer.attrs))
         arrays = {
@@ -134,10 +132,9 @@ def _write_diffusion_policy(src: Any, dst: str | os.PathLike, storage_options: d
             for name, field in buffer.schema.fields.items()
         }
         start = 0
-        for _slot, data, _meta in episodes:
-            length = len(next(iter(data.values())))
+        for (_slot, data, _meta), length in zip(episodes, lengths.tolist()):
             for name, array in arrays.items():
                 array[start : start + length] = data[name]
             start += length
         root.create_array("meta/episode_ends", data=np.cumsum(lengths))
-    return len(slots)
+    return len(lengths)

@@ -23,10 +23,11 @@ import numpy as np
 
 from ..attrs import encode_attrs
 from ..buffer import ReplayBuffer
+from ..consistency import read_episodes_consistent
 from ..maintenance import check_apart
 from ..progress import progress_bar
 from ..schema import Schema
-from ..storage.base import Storage, make_storage
+from ..storage.base import ConcurrentWriteError, Storage, make_storage
 
 __all__ = [
     "ImportResult",
@@ -314,16 +315,23 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
 
 def exported_episodes(
     src: Any, storage_options: dict | None = None
-) -> tuple[ReplayBuffer, Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]]:
-    """A buffer opened read-only and an iterator of (slot, per-step arrays, meta values) over
-    its committed episodes, oldest first, one at a time (what exporters write)."""
+) -> tuple[ReplayBuffer, np.ndarray, Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]]:
+    """A buffer opened read-only, the lengths of its committed episodes (oldest first) as of
+    opening, and an iterator of (slot, per-step arrays, meta values) over those episodes, one at
+    a time, each read whole as it was planned: an episode a writer overwrote or dropped since
+    raises ``ConcurrentWriteError`` (retryable) rather than exporting another episode's steps
+    under the planned length (what exporters write)."""
     buffer = ReplayBuffer.from_folder(src, read_only=True, storage_options=storage_options)
+    slots = buffer.valid_episodes()
+    lens = np.asarray(buffer.episode_lens, np.int64)[slots]
+    generations = np.asarray(buffer.generations, np.int64)[slots]
 
     def episodes() -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
-        for slot in buffer.valid_episodes():
-            length = int(buffer.episode_lens[slot])
-            data = {name: buffer.data[name][int(slot), :length] for name in buffer.schema.fields}
-            meta = {name: buffer.meta_data[name][int(slot)] for name in buffer.schema.meta_fields}
-            yield int(slot), data, meta
+        for slot, length, generation in zip(slots.tolist(), lens.tolist(), generations.tolist()):
+            read = read_episodes_consistent(buffer, [slot], generations=[generation])
+            if len(read) == 0:
+                raise ConcurrentWriteError(buffer.storage.location, [slot], 0)
+            data = {name: values[0, :length] for name, values in read.data.items()}
+            yield slot, data, {name: values[0] for name, values in read.meta.items()}
 
-    return buffer, episodes()
+    return buffer, lens, episodes()

@@ -469,7 +469,7 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
-    buffer, episodes = exported_episodes(src, storage_options)
+    buffer, _lengths, episodes = exported_episodes(src, storage_options)
     with buffer:
         images = _image_features(buffer, video)
         attrs = dict(buffer.attrs)
