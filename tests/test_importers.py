@@ -902,3 +902,43 @@ def test_an_episode_overwritten_during_an_export_is_refused_not_mixed(tmp_path):
             writer.store_episode(**episode(8, 9))  # slot 1, not yet
         with pytest.raises(ConcurrentWriteError, match=r"slots \[1\]"):
             next(episodes)
+
+
+def _frames_of_another_layout(table, column):
+    """The data file's ``column`` with frames 0 and 1 holding 2 and 4 state values, or frame 2 an
+    image of 32 x 8 pixels: as many values as the feature's shape, in another layout."""
+    import io
+
+    import pyarrow as pa
+    from PIL import Image
+
+    cells = table.column(column).to_pylist()
+    if column == "observation.state":
+        cells[0], cells[1] = cells[0][:2], [*cells[1], cells[0][2]]
+        kind = pa.list_(pa.float32())
+    else:
+        png = io.BytesIO()
+        Image.fromarray(np.zeros((8, 32, 3), np.uint8)).save(png, format="PNG")
+        cells[2], kind = {"bytes": png.getvalue(), "path": None}, table.schema.field(column).type
+    return table.set_column(table.schema.get_field_index(column), column, pa.array(cells, kind))
+
+
+@pytest.mark.parametrize(
+    ("column", "message"),
+    [
+        (
+            "observation.state",
+            r"column 'observation.state': frame 0 holds 2 values, the feature's shape \(3,\) holds 3",
+        ),
+        ("observation.images.top", r"an image of 32 x 8 pixels, the feature's shape is \(16, 16, 3\)"),
+    ],
+)
+def test_lerobot_frames_of_another_layout_are_named_not_reshaped(tmp_path, column, message):
+    """A reshape moved values across frames (and rows of pixels across an image) and --verify passed."""
+    write_lerobot(tmp_path / "src", video=False)
+    _edit_parquet(
+        tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet", lambda t: _frames_of_another_layout(t, column)
+    )
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 0: " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", verify=True, progress=False)
+    assert not (tmp_path / "dst").exists()

@@ -103,10 +103,21 @@ def _image_shape(feature: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """A (possibly nested list) parquet column as a (rows, *shape) array."""
+    """A (possibly nested list) parquet column as a (rows, *shape) array; ValueError where a row
+    holds another number of values than ``shape`` (a reshape would shift values across rows)."""
+    import pyarrow.compute as pc
+
     array = table.column(name).combine_chunks()
+    rows = np.arange(len(table))  # the row each value of the current nesting level belongs to
     while hasattr(array, "flatten") and hasattr(array.type, "value_type"):
+        rows = rows[pc.list_parent_indices(array).to_numpy(zero_copy_only=False)]
         array = array.flatten()
+    counts = np.bincount(rows, minlength=len(table))
+    if (counts != math.prod(shape)).any():
+        bad = int(np.flatnonzero(counts != math.prod(shape))[0])
+        raise ValueError(
+            f"column {name!r}: frame {bad} holds {counts[bad]} values, the feature's shape {shape} holds {math.prod(shape)}"
+        )
     return np.asarray(array.to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(table), *shape)
 
 
@@ -145,6 +156,8 @@ def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...
     source = cell.get("bytes")
     with Image.open(io.BytesIO(source) if source else _inside(root, cell["path"], "image path")) as image:
         array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
+    if array.reshape(*array.shape[:2], -1).shape != tuple(shape):  # a reshape would scramble another H x W
+        raise ValueError(f"an image of {array.shape[1]} x {array.shape[0]} pixels, the feature's shape is {shape}")
     return array.reshape(shape)
 
 
