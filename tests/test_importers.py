@@ -942,3 +942,18 @@ def test_lerobot_frames_of_another_layout_are_named_not_reshaped(tmp_path, colum
     with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 0: " + message):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", verify=True, progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_export_refuses_a_frame_rate_timestamps_cannot_divide_by(tmp_path):
+    """fps=0 raised ZeroDivisionError with the data file half written; -1 wrote negative timestamps;
+    a 0 fps meta value was taken as the default."""
+    with ReplayBuffer(
+        tmp_path / "buf", max_episodes=2, max_timesteps=4, fields={"x": "float32"}, meta_fields={"fps": "float64"}
+    ) as buffer:
+        buffer.store_episode(x=np.arange(4, dtype=np.float32), fps=0.0)
+    for fps in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=r"fps must be a number > 0 and finite, got"):
+            imp.export_lerobot(tmp_path / "buf", tmp_path / "out", fps=fps)
+        assert not (tmp_path / "out").exists()
+    imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["fps"] == 30.0

@@ -473,6 +473,8 @@ def export_lerobot(
     ``lerobot`` attributes of an imported buffer (module docstring); without them tasks are
     ``task_<task_index>``. Meta fields other than ``task_index`` and ``fps`` are left out.
     A failed export removes what it wrote. Returns the number of episodes."""
+    if fps is not None and not _is_fps(fps):
+        raise ValueError(f"fps must be a number > 0 and finite, got {fps!r}")
     with new_folder(dst, src):
         return _write_lerobot(src, Path(dst), video, fps, storage_options)
 
@@ -564,13 +566,20 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
     return len(rows)
 
 
+def _is_fps(value: Any) -> bool:
+    """Whether ``value`` is a frame rate: a number > 0 and finite (timestamps divide by it)."""
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and bool(0 < value < math.inf)
+
+
 def _default_fps(buffer: Any, attrs: dict[str, Any]) -> float:
-    """The buffer's ``fps`` attribute, else the ``fps`` meta field of its first episode, else 30."""
-    fps = attrs.get("fps")
-    if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0:
-        return fps
+    """The buffer's ``fps`` attribute, else the ``fps`` meta field of its first episode, else 30
+    (each where it is a frame rate: a 0 or negative ``fps`` meta value is no default)."""
+    fps: Any = attrs.get("fps")
+    if _is_fps(fps):
+        return fps  # as stored: LeRobot writes an int
     valid = buffer.valid_episodes()
-    return float(buffer.meta_data["fps"][valid[0]]) if "fps" in buffer.schema.meta_fields and len(valid) else 30.0
+    stored: Any = buffer.meta_data["fps"][valid[0]] if "fps" in buffer.schema.meta_fields and len(valid) else None
+    return float(stored) if _is_fps(stored) else 30.0
 
 
 def _write_meta(
