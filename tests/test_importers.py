@@ -957,3 +957,43 @@ def test_lerobot_export_refuses_a_frame_rate_timestamps_cannot_divide_by(tmp_pat
         assert not (tmp_path / "out").exists()
     imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["fps"] == 30.0
+
+
+def _obs_group_in_obs(f):
+    f.create_group("data/demo_0/obs/nested")
+
+
+def _obs_as_dataset(f):
+    del f["data/demo_0/obs"]
+    f["data/demo_0/obs"] = np.zeros((4, 2))
+
+
+@pytest.mark.parametrize(
+    ("format", "edit", "message"),
+    [
+        ("robomimic", _obs_group_in_obs, r"data/demo_0/obs/nested is a group, expected a dataset"),
+        ("robomimic", _obs_as_dataset, r"data/demo_0/obs is a dataset, expected a group of datasets"),
+        ("d4rl", lambda f: f.create_dataset("infos", data=np.zeros(6)), r"'infos' is a dataset, expected a group"),
+        ("d4rl", lambda f: f.create_dataset("observations", data=np.float32(1)), r"'observations' is a group or 0-d"),
+    ],
+    ids=["robomimic-nested-obs", "robomimic-obs-dataset", "d4rl-infos-dataset", "d4rl-0-d-observations"],
+)
+def test_hdf5_layouts_of_another_shape_name_the_file(tmp_path, format, edit, message):
+    """A group where a dataset belongs (or the reverse) raised a bare AttributeError, KeyError or IndexError."""
+    h5py = require("h5py")
+    path = tmp_path / "src.hdf5"
+    if format == "robomimic":
+        write_robomimic(path)
+    else:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("terminals", data=np.arange(6) == 2)
+            if "observations" not in message:
+                f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+    with h5py.File(path, "a") as f:
+        edit(f)
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=rf"src\.hdf5: not a {'robomimic' if format == 'robomimic' else 'D4RL'} file .*{message}",
+    ):
+        imp.load(format, path, tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from abc import abstractmethod
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -54,14 +55,38 @@ def _spec(dataset: Any) -> dict[str, Any]:
     return {"dtype": str(dataset.dtype), "shape": tuple(dataset.shape[1:])}
 
 
-class RobomimicSource(Source):
-    format = "robomimic"
+class _HDF5Source(Source):
+    """An HDF5 file, indexed when opened: ImportSourceError naming the file where its layout is
+    not the format's (a group where a dataset belongs raised a bare AttributeError)."""
+
+    layout: ClassVar[str]
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self._file = _open(self.path)
-        if "data" not in self._file:
+        try:
+            self._index()
+        except ImportSourceError:
             self.close()
+            raise
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError, OSError) as error:
+            self.close()
+            raise ImportSourceError(f"{self.path}: not {self.layout}: {error}") from error
+
+    @abstractmethod
+    def _index(self) -> None:
+        """Read the file's layout (its episodes and fields)."""
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RobomimicSource(_HDF5Source):
+    format = "robomimic"
+    layout = "a robomimic file (data/demo_N groups of datasets, obs/ and next_obs/ groups of datasets)"
+
+    def _index(self) -> None:
+        if not hasattr(self._file.get("data"), "keys"):
             raise ImportSourceError(f"{self.path}: not a robomimic file (no 'data' group)")
         demos = [name for name in self._file["data"] if re.fullmatch(r"demo_\d+", name)]
         self._demos = sorted(demos, key=lambda name: int(name.split("_")[1]))
@@ -74,18 +99,20 @@ class RobomimicSource(Source):
                 if name not in self._fields:
                     self._fields[name] = key
                     self._specs[name] = _spec(self._file[f"data/{demo}/{key}"])
-        try:
-            self._lengths = [self._length(demo) for demo in self._demos]
-        except ImportSourceError:
-            self.close()
-            raise
+        self._lengths = [self._length(demo) for demo in self._demos]
 
     def _paths(self, demo: str) -> dict[str, str]:
-        """field name -> dataset path inside ``data/<demo>``."""
+        """field name -> dataset path inside ``data/<demo>``; ValueError where ``obs`` or
+        ``next_obs`` is not a group of datasets."""
         group = self._file[f"data/{demo}"]
         paths = {}
         for key, item in group.items():
             if key in ("obs", "next_obs"):
+                if not hasattr(item, "keys"):
+                    raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
+                nested = [sub for sub, value in item.items() if hasattr(value, "keys")]
+                if nested:
+                    raise ValueError(f"data/{demo}/{key}/{nested[0]} is a group, expected a dataset")
                 paths.update({f"{key}_{sub}": f"{key}/{sub}" for sub in item})
             elif not hasattr(item, "keys"):
                 paths[key] = key
@@ -150,29 +177,35 @@ class RobomimicSource(Source):
     def where(self, position: int) -> str:
         return f"{self.path}:data/{self._demos[position]}"
 
-    def close(self) -> None:
-        self._file.close()
 
-
-class D4RLSource(Source):
+class D4RLSource(_HDF5Source):
     format = "d4rl"
+    layout = "a D4RL file (one row per step in 'observations', 'terminals', ...; 'infos/' a group of datasets)"
 
-    def __init__(self, path: str | os.PathLike):
-        super().__init__(path)
-        self._file = f = _open(self.path)
+    def _index(self) -> None:
+        f = self._file
         missing = [key for key in ("observations", "terminals") if key not in f]
         if missing:
-            self.close()
             raise ImportSourceError(f"{self.path}: not a D4RL file, missing {missing}")
+        if hasattr(f["observations"], "keys") or f["observations"].ndim == 0:
+            raise ValueError("'observations' is a group or 0-d, expected an array with one row per step")
+        if "infos" in f and not hasattr(f["infos"], "keys"):
+            raise ValueError("'infos' is a dataset, expected a group of datasets")
         steps = f["observations"].shape[0]
-        # every per-step array; one shorter than ``observations`` fails the episodes past its end
+        # every per-step array (groups and scalars are not); one shorter than ``observations``
+        # fails the episodes past its end
         self._paths = {key: key for key, item in f.items() if not hasattr(item, "keys") and item.ndim >= 1}
         if "infos" in f:
-            self._paths.update({f"infos_{key}": f"infos/{key}" for key, item in f["infos"].items() if item.ndim >= 1})
+            self._paths.update(
+                {
+                    f"infos_{key}": f"infos/{key}"
+                    for key, item in f["infos"].items()
+                    if not hasattr(item, "keys") and item.ndim >= 1
+                }
+            )
         self._specs = {name: _spec(f[key]) for name, key in self._paths.items()}
         longer = {key: f[key].shape[0] for key in self._paths.values() if f[key].shape[0] > steps}
         if longer:  # their rows past the last step would be dropped without a word
-            self.close()
             raise ImportSourceError(
                 f"{self.path}: {longer} have more rows than the {steps} steps of 'observations'; "
                 "expected one row per step"
@@ -180,7 +213,6 @@ class D4RLSource(Source):
         flags = [key for key in ("terminals", "timeouts") if key in f]
         not_flat = {key: f[key].shape for key in flags if f[key].ndim != 1}
         if not_flat:  # np.flatnonzero would read (N, 2) flags as 2 N steps
-            self.close()
             raise ImportSourceError(f"{self.path}: {not_flat}: expected one flag per step, shape (steps,)")
         ends = np.zeros(steps, dtype=bool)
         for key in flags:
@@ -212,6 +244,3 @@ class D4RLSource(Source):
     def where(self, position: int) -> str:
         start, stop = self._bounds[position]
         return f"{self.path} (steps {start}..{stop})"
-
-    def close(self) -> None:
-        self._file.close()
