@@ -780,17 +780,23 @@ def test_damaged_zarr_chunk_names_file_and_episode_and_keeps_what_was_committed(
 
 
 def test_resume_from_another_source_is_refused_and_leaves_the_buffer(tmp_path):
-    """Both were skipped as 'already there': the buffer claimed to hold a source it never read."""
-    write_diffusion_policy(tmp_path / "a.zarr", dp_arrays())
-    imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    """Another file, or the same file rewritten, resumed as 'already there': two datasets in one buffer."""
+    arrays = dp_arrays()
+    write_diffusion_policy(tmp_path / "a.zarr", {k: v[:15] for k, v in arrays.items()})  # episode 2 cut short
+    with pytest.raises(imp.ImportSourceError, match="episode 2"):
+        imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
     before = episodes_by_source(tmp_path / "dst")
-    other = {name: values[::-1].copy() for name, values in dp_arrays().items()}
+    assert sorted(before) == [0, 1]
+    other = {name: values[::-1].copy() for name, values in arrays.items()}
     write_diffusion_policy(tmp_path / "b.zarr", other)  # same fields and lengths, other data
     with pytest.raises(ValueError, match=r"dst: holds episodes imported from diffusion_policy .*a\.zarr'.*b\.zarr'"):
         imp.diffusion_policy(tmp_path / "b.zarr", tmp_path / "dst", progress=False)
     # the same file, rewritten with other episode lengths (the longest the same: the schema matches)
-    write_diffusion_policy(tmp_path / "a.zarr", dp_arrays(), ends=(6, 12, 20))
+    write_diffusion_policy(tmp_path / "a.zarr", arrays, ends=(6, 12, 20))
     with pytest.raises(ValueError, match=r"source episodes \[0, 1\] were imported with other lengths"):
+        imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    write_diffusion_policy(tmp_path / "a.zarr", other)  # the same file and lengths, other data
+    with pytest.raises(ValueError, match=r"source episode 1 was imported with other values than .*a\.zarr' now holds"):
         imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
     assert_same(episodes_by_source(tmp_path / "dst"), before)
     attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs

@@ -202,8 +202,10 @@ def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBu
 
 def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
     """Refuse to resume into ``dst`` when its episodes came from another source: another format
-    or file (``imported_from``), or committed episodes whose length the source now gives
-    differently (the file changed since). Skipping them would mix two datasets in one buffer."""
+    or file (``imported_from``), committed episodes whose length the source now gives
+    differently, or, when episodes are left to add, a newest committed episode whose values
+    differ from the source's (the file changed since). Adding to them would mix two datasets
+    in one buffer."""
     origin = buffer.attrs.get("imported_from")
     if isinstance(origin, dict) and (
         origin.get("format") != source.format
@@ -213,12 +215,15 @@ def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
             f"{os.fspath(dst)}: holds episodes imported from {origin.get('format')} {origin.get('path')!r}, "
             f"not from {source.format} {source.path!r}; import into a new destination"
         )
-    claimed = dict(zip(source.episode_ids(), source.lengths()))
+    ids = source.episode_ids()
+    claimed = dict(zip(ids, source.lengths()))
+    slots = buffer.valid_episodes()
+    episodes = np.asarray(buffer.meta_data[SOURCE_EPISODE][:], np.int64)[slots].tolist()
+    lens = np.asarray(buffer.episode_lens, np.int64)[slots].tolist()
     changed = {
-        episode: (int(buffer.episode_lens[slot]), claimed[episode])
-        for slot in buffer.valid_episodes()
-        if (episode := int(buffer.meta_data[SOURCE_EPISODE][slot])) in claimed
-        and claimed[episode] != int(buffer.episode_lens[slot])
+        episode: (length, claimed[episode])
+        for episode, length in zip(episodes, lens)
+        if episode in claimed and claimed[episode] != length
     }
     if changed:
         raise ValueError(
@@ -226,6 +231,20 @@ def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
             f"{source.path!r} now gives ((imported, now): {changed}); the source changed since: import "
             "into a new destination"
         )
+    # the newest committed episode read again (a source rewritten with the same lengths), when
+    # episodes are left to add to it
+    held = [(slot, episode) for slot, episode in zip(slots.tolist(), episodes) if episode in claimed]
+    if held and len(held) < len(ids):
+        slot, episode = held[-1]
+        position = ids.index(episode)
+        data, meta = _read_episode(source, position, episode, claimed[episode])
+        try:
+            _verify(buffer, slot, data, {SOURCE_EPISODE: episode, **meta})
+        except ImportVerifyError as error:
+            raise ValueError(
+                f"{os.fspath(dst)}: source episode {episode} was imported with other values than {source.path!r} "
+                f"now holds ({error}); the source changed since: import into a new destination"
+            ) from error
 
 
 def run_import(
