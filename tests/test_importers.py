@@ -1003,3 +1003,20 @@ def test_hdf5_layouts_of_another_shape_name_the_file(tmp_path, format, edit, mes
     ):
         imp.load(format, path, tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "d4rl"])
+def test_big_endian_source_arrays_are_stored_in_native_order(tmp_path, format):
+    """A '>f4' source array made a buffer that refused to reopen (it held float32, its config said >f4)."""
+    values = np.arange(20, dtype=">f4").reshape(10, 2)
+    if format == "diffusion_policy":
+        write_diffusion_policy(tmp_path / "src", {"x": values}, ends=(4, 10))
+    else:
+        with require("h5py").File(tmp_path / "src", "w") as f:
+            f.create_dataset("observations", data=values)
+            f.create_dataset("terminals", data=np.arange(10) == 3)
+    assert imp.load(format, tmp_path / "src", tmp_path / "dst", verify=True, progress=False).imported == 2
+    buffer = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True)
+    field = "x" if format == "diffusion_policy" else "observations"
+    assert buffer.dtypes[field] == np.float32
+    np.testing.assert_array_equal(buffer.data[field][1, :6], values[4:])

@@ -163,6 +163,16 @@ def _read_episode(source: Source, position: int, episode: int, length: int) -> t
     return data, meta
 
 
+def _native(dtype: str) -> str:
+    """A numeric ``dtype`` in this machine's byte order: a big-endian source array ('>f4', as
+    HDF5 and zarr may hold) is stored as float32 (a buffer holds native order only)."""
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        return dtype
+    return parsed.newbyteorder("=").name if parsed.kind in "biuf" and parsed.byteorder not in "=|" else dtype
+
+
 def destination_config(source: Source) -> dict[str, Any]:
     """The ``ReplayBuffer`` arguments of a buffer sized for ``source``; ImportSourceError naming
     the source when it has no episodes, negative lengths, an episode index given twice, or fields
@@ -182,7 +192,10 @@ def destination_config(source: Source) -> dict[str, Any]:
     config: dict[str, Any] = {
         "max_episodes": len(lengths),
         "max_timesteps": max(lengths),
-        "fields": {name: dict(spec, shape=tuple(spec["shape"])) for name, spec in source.fields().items()},
+        "fields": {
+            name: dict(spec, dtype=_native(spec["dtype"]), shape=tuple(spec["shape"]))
+            for name, spec in source.fields().items()
+        },
         "meta_fields": {SOURCE_EPISODE: "int64", **source.meta_fields()},
     }
     try:
