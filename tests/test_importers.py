@@ -1020,3 +1020,23 @@ def test_big_endian_source_arrays_are_stored_in_native_order(tmp_path, format):
     field = "x" if format == "diffusion_policy" else "observations"
     assert buffer.dtypes[field] == np.float32
     np.testing.assert_array_equal(buffer.data[field][1, :6], values[4:])
+
+
+def test_lerobot_episode_with_a_frame_twice_and_one_missing_is_named(tmp_path):
+    """The frame count matched, so the duplicate was stored in the missing frame's place."""
+    import pyarrow as pa
+
+    def repeat_frame_1(table):
+        index = table.column("frame_index").to_pylist()
+        episode = table.column("episode_index").to_pylist()
+        row = next(i for i, (e, f) in enumerate(zip(episode, index)) if e == 0 and f == 2)
+        index[row] = 1
+        return table.set_column(table.schema.get_field_index("frame_index"), "frame_index", pa.array(index, pa.int64()))
+
+    write_lerobot(tmp_path / "src", video=False)
+    _edit_parquet(tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet", repeat_frame_1)
+    with pytest.raises(
+        imp.ImportSourceError, match=r"episode 0: frame_index is not 0 \.\. 5: frames \[2\] are missing"
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()

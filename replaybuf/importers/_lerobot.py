@@ -359,6 +359,10 @@ class LeRobotSource(Source):
         table = table.sort_by("frame_index")
         if len(table) != length:
             raise ValueError(f"{len(table)} frames in the data file, the episode index says {length} (truncated?)")
+        frames = np.asarray(table.column("frame_index").to_numpy(zero_copy_only=False))
+        if not np.array_equal(frames, np.arange(length)):  # a frame twice, and another missing
+            missing = sorted(set(range(length)) - set(frames.tolist()))[:5]
+            raise ValueError(f"frame_index is not 0 .. {length - 1}: frames {missing} are missing")
         data = {}
         for name, spec in self._fields.items():
             feature = self._features[name]
