@@ -245,9 +245,9 @@ def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
             "into a new destination"
         )
     # the newest committed episode read again (a source rewritten with the same lengths), when
-    # episodes are left to add to it
+    # episodes with steps are left to add to it
     held = [(slot, episode) for slot, episode in zip(slots.tolist(), episodes) if episode in claimed]
-    if held and len(held) < len(ids):
+    if held and len(held) < sum(1 for length in claimed.values() if length > 0):
         slot, episode = held[-1]
         position = ids.index(episode)
         data, meta = _read_episode(source, position, episode, claimed[episode])
