@@ -1041,3 +1041,38 @@ def test_lerobot_episode_with_a_frame_twice_and_one_missing_is_named(tmp_path):
     ):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_features_that_map_to_one_field_are_refused(tmp_path):
+    """'observation.state' and 'observation_state' both became field observation_state: one was dropped."""
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation_state"] = info["features"]["observation.state"]
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"info\.json: features 'observation\.state' and 'observation_state' map to one field",
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "mapping", "message"),
+    [
+        (("a", "b"), {"a": "x", "b": "x"}, r"fields 'a' and 'b' would both be exported as feature 'x'"),
+        (("a",), {"a": "timestamp"}, r"field 'a' would be exported as 'timestamp', a column LeRobot adds"),
+        (("index",), {}, r"field 'index' would be exported as 'index', a column LeRobot adds"),
+    ],
+)
+def test_lerobot_export_refuses_fields_that_would_share_a_column(tmp_path, fields, mapping, message):
+    """The second column of a name replaced the first in the data file: a field lost without a word."""
+    with ReplayBuffer(
+        tmp_path / "buf", max_episodes=1, max_timesteps=3, fields={n: "float32" for n in fields}
+    ) as buffer:
+        buffer.store_episode(**{n: np.zeros(3, np.float32) for n in fields})
+        buffer.attrs.update(lerobot={"fields": mapping})
+    with pytest.raises(ValueError, match=message):
+        imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -205,6 +205,10 @@ class LeRobotSource(Source):
             name = _field_name(feature)
             if not name.isidentifier():
                 raise ImportSourceError(f"{info_path}: feature {feature!r} does not map to a field name ({name!r})")
+            if name in self._features:  # one of the two would be dropped without a word
+                raise ImportSourceError(
+                    f"{info_path}: features {self._features[name]!r} and {feature!r} map to one field name {name!r}"
+                )
             if spec["dtype"] in ("image", "video"):
                 self._fields[name] = {"dtype": "uint8", "shape": _image_shape(spec)}
             elif _numeric(spec["dtype"]):
@@ -458,6 +462,24 @@ class _ExportNames:
         return spec["names"]
 
 
+def _check_feature_names(names: _ExportNames, fields: list[str]) -> None:
+    """ValueError where two fields would be written as one feature, or a field as one of the
+    columns LeRobot adds to every frame (one column would be lost without a word)."""
+    hint = "rename the field, or fix buffer.attrs['lerobot']['fields']"
+    taken: dict[str, str] = {}
+    for field in fields:
+        feature = names.feature(field)
+        if feature in FRAME_COLUMNS:
+            raise ValueError(
+                f"field {field!r} would be exported as {feature!r}, a column LeRobot adds to every frame; {hint}"
+            )
+        if feature in taken:
+            raise ValueError(
+                f"fields {taken[feature]!r} and {field!r} would both be exported as feature {feature!r}; {hint}"
+            )
+        taken[feature] = field
+
+
 def _dict_or_empty(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -493,6 +515,7 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
         images = _image_features(buffer, video)
         attrs = dict(buffer.attrs)
         names = _ExportNames(attrs)
+        _check_feature_names(names, list(buffer.schema.fields))
         if fps is None:
             fps = _default_fps(buffer, attrs)
         fields = {name: f for name, f in buffer.schema.fields.items()}
