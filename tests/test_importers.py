@@ -982,8 +982,28 @@ def _obs_as_dataset(f):
         ("robomimic", _obs_as_dataset, r"data/demo_0/obs is a dataset, expected a group of datasets"),
         ("d4rl", lambda f: f.create_dataset("infos", data=np.zeros(6)), r"'infos' is a dataset, expected a group"),
         ("d4rl", lambda f: f.create_dataset("observations", data=np.float32(1)), r"'observations' is a group or 0-d"),
+        (
+            "robomimic",
+            lambda f: f.create_dataset("data/demo_0/obs_eef_pos", data=np.zeros((4, 3))),
+            r"datasets data/demo_0/obs/eef_pos and data/demo_0/obs_eef_pos map to one field name 'obs_eef_pos'",
+        ),
+        (
+            "d4rl",
+            lambda f: (
+                f.create_dataset("infos/qpos", data=np.zeros(6)),
+                f.create_dataset("infos_qpos", data=np.ones(6)),
+            ),
+            r"datasets infos_qpos and infos/qpos map to one field name 'infos_qpos'",
+        ),
     ],
-    ids=["robomimic-nested-obs", "robomimic-obs-dataset", "d4rl-infos-dataset", "d4rl-0-d-observations"],
+    ids=[
+        "robomimic-nested-obs",
+        "robomimic-obs-dataset",
+        "d4rl-infos-dataset",
+        "d4rl-0-d-observations",
+        "robomimic-one-field-name",
+        "d4rl-one-field-name",
+    ],
 )
 def test_hdf5_layouts_of_another_shape_name_the_file(tmp_path, format, edit, message):
     """A group where a dataset belongs (or the reverse) raised a bare AttributeError, KeyError or IndexError."""

@@ -55,6 +55,17 @@ def _spec(dataset: Any) -> dict[str, Any]:
     return {"dtype": str(dataset.dtype), "shape": tuple(dataset.shape[1:])}
 
 
+def _unique(found: list[tuple[str, str]], prefix: str = "") -> dict[str, str]:
+    """field name -> dataset path of ``found`` (pairs); ValueError where two datasets map to one
+    field name (``obs/x`` and a dataset ``obs_x``): one of them would be dropped without a word."""
+    paths: dict[str, str] = {}
+    for name, path in found:
+        if name in paths:
+            raise ValueError(f"datasets {prefix}{paths[name]} and {prefix}{path} map to one field name {name!r}")
+        paths[name] = path
+    return paths
+
+
 class _HDF5Source(Source):
     """An HDF5 file, indexed when opened: ImportSourceError naming the file where its layout is
     not the format's (a group where a dataset belongs raised a bare AttributeError)."""
@@ -105,7 +116,7 @@ class RobomimicSource(_HDF5Source):
         """field name -> dataset path inside ``data/<demo>``; ValueError where ``obs`` or
         ``next_obs`` is not a group of datasets."""
         group = self._file[f"data/{demo}"]
-        paths = {}
+        found = []
         for key, item in group.items():
             if key in ("obs", "next_obs"):
                 if not hasattr(item, "keys"):
@@ -113,10 +124,10 @@ class RobomimicSource(_HDF5Source):
                 nested = [sub for sub, value in item.items() if hasattr(value, "keys")]
                 if nested:
                     raise ValueError(f"data/{demo}/{key}/{nested[0]} is a group, expected a dataset")
-                paths.update({f"{key}_{sub}": f"{key}/{sub}" for sub in item})
+                found += [(f"{key}_{sub}", f"{key}/{sub}") for sub in item]
             elif not hasattr(item, "keys"):
-                paths[key] = key
-        return paths
+                found.append((key, key))
+        return _unique(found, f"data/{demo}/")
 
     @property
     def env_args(self) -> dict[str, Any] | None:
@@ -194,15 +205,14 @@ class D4RLSource(_HDF5Source):
         steps = f["observations"].shape[0]
         # every per-step array (groups and scalars are not); one shorter than ``observations``
         # fails the episodes past its end
-        self._paths = {key: key for key, item in f.items() if not hasattr(item, "keys") and item.ndim >= 1}
+        found = [(key, key) for key, item in f.items() if not hasattr(item, "keys") and item.ndim >= 1]
         if "infos" in f:
-            self._paths.update(
-                {
-                    f"infos_{key}": f"infos/{key}"
-                    for key, item in f["infos"].items()
-                    if not hasattr(item, "keys") and item.ndim >= 1
-                }
-            )
+            found += [
+                (f"infos_{key}", f"infos/{key}")
+                for key, item in f["infos"].items()
+                if not hasattr(item, "keys") and item.ndim >= 1
+            ]
+        self._paths = _unique(found)
         self._specs = {name: _spec(f[key]) for name, key in self._paths.items()}
         longer = {key: f[key].shape[0] for key in self._paths.values() if f[key].shape[0] > steps}
         if longer:  # their rows past the last step would be dropped without a word
