@@ -1096,3 +1096,15 @@ def test_lerobot_export_refuses_fields_that_would_share_a_column(tmp_path, field
     with pytest.raises(ValueError, match=message):
         imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_minari_space_parts_that_map_to_one_field_are_refused():
+    """Dict keys 'a_b' and 'a' holding 'b' both became observations_a_b: one was dropped."""
+    from replaybuf.importers._minari import _flatten
+
+    flat = _flatten("observations", {"a": {"b": np.zeros(2)}, "c": (np.ones(2), np.zeros(2))})
+    assert sorted(flat) == ["observations_a_b", "observations_c_0", "observations_c_1"]
+    with pytest.raises(
+        ValueError, match=r"two parts of the 'observations' space map to one field name 'observations_a_b'"
+    ):
+        _flatten("observations", {"a": {"b": np.zeros(2)}, "a_b": np.ones(2)})
