@@ -176,24 +176,29 @@ def _resolved(location: str | os.PathLike, options: dict | None) -> str:
     return f"{scheme}://" + "/".join(parts + [part for part in rest.split("/") if part])
 
 
-def _check_apart(
-    src: str | os.PathLike, src_options: dict | None, dst: str | os.PathLike, dst_options: dict | None
+def check_apart(
+    src: str | os.PathLike,
+    src_options: dict | None,
+    dst: str | os.PathLike,
+    dst_options: dict | None,
+    command: str = "convert",
 ) -> None:
     """Refuse a destination that is the source, or inside it, or that holds it: creating the
-    destination would erase or overwrite the source (checked before anything is written)."""
+    destination would erase or overwrite the source (checked before anything is written).
+    ``command`` leads the message (``convert``, ``import``)."""
     source, target = _resolved(src, src_options), _resolved(dst, dst_options)
     spelled = f"({os.fspath(src)!r} -> {os.fspath(dst)!r})"
     if source == target:
         raise ValueError(
-            f"convert: source and destination are the same location {source!r} {spelled}; choose another destination"
+            f"{command}: source and destination are the same location {source!r} {spelled}; choose another destination"
         )
     if target.startswith(source.rstrip("/") + "/"):
         raise ValueError(
-            f"convert: the destination {target!r} is inside the source {source!r} {spelled}; choose a destination outside it"
+            f"{command}: the destination {target!r} is inside the source {source!r} {spelled}; choose a destination outside it"
         )
     if source.startswith(target.rstrip("/") + "/"):
         raise ValueError(
-            f"convert: the source {source!r} is inside the destination {target!r} {spelled}, which creating the "
+            f"{command}: the source {source!r} is inside the destination {target!r} {spelled}, which creating the "
             "copy would erase; choose a destination outside it"
         )
 
@@ -236,7 +241,7 @@ def convert(
     from .progress import check_progress
 
     check_progress(progress)
-    _check_apart(src, storage_options, dst, dst_storage_options)
+    check_apart(src, storage_options, dst, dst_storage_options)
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
     if target_schema.uuid is None:  # a buffer of a format before uuids gets one, as a new buffer does

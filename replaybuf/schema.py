@@ -53,6 +53,11 @@ def parse_dtype(name: str, spec: Any) -> np.dtype:
             f"field {name!r}: unknown dtype {spec!r}; expected one of {tuple(SHORT_DTYPES)} "
             "or a numeric numpy dtype name such as 'float16' or 'int64'"
         )
+    if dtype.byteorder not in "=|":  # every backend stores native order: the buffer would not reopen
+        raise TypeError(
+            f"field {name!r}: dtype {spec!r} is not in this machine's byte order; "
+            f"use {dtype.newbyteorder('=').name!r} (values are converted when stored)"
+        )
     return dtype
 
 

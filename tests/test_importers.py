@@ -699,3 +699,412 @@ def test_cli_errors_are_usage_messages(tmp_path, capsys):
     assert exit_info.value.code == 2 and "missing.hdf5" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"unknown format 'rlds': expected one of \['d4rl', "):
         imp.load("rlds", "x", tmp_path / "dst")
+
+
+# ---- hostile, damaged and absurd sources; destinations that are not the import's -----------------
+
+
+def _flip_bytes(path, at: float = 0.5, count: int = 8) -> None:
+    raw = bytearray(path.read_bytes())
+    start = int(len(raw) * at)
+    raw[start : start + count] = bytes(b ^ 0xFF for b in raw[start : start + count])
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("ends", "extra", "message"),
+    [
+        # a lying end made the destination reserve it: 2.4 GB of memmap (51 GB as hdf5) for 20 rows
+        ((5, 12, 10**8), {}, r"meta/episode_ends: episode 2 has 99999988 steps, more than the 20 rows"),
+        ((5, 12), {}, r"\{'data/action': 20, 'data/img': 20, 'data/state': 20\} have more rows than .* \(12\)"),
+        (DP_ENDS, {"scale": np.array(2.0)}, r"data/scale is 0-d; expected one row per step"),  # a bare IndexError
+    ],
+    ids=["lying-end", "rows-past-the-last-end", "0-d-array"],
+)
+def test_diffusion_policy_ends_its_arrays_contradict_are_refused_before_a_destination(tmp_path, ends, extra, message):
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays(), ends=ends)
+    for name, value in extra.items():
+        zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").create_array(f"data/{name}", data=value)
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr.*" + message):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", backend="memmap", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_robomimic_num_samples_its_datasets_do_not_hold_is_refused_before_a_destination(tmp_path):
+    """A demo past the first claiming 10**8 steps made a memmap destination reserve 16.8 GB."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data/demo_1"].attrs["num_samples"] = 10**8
+    with pytest.raises(
+        imp.ImportSourceError, match=r"data/demo_1: num_samples is 100000000, but its datasets hold at most 7"
+    ):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", backend="memmap", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_episode_longer_than_its_data_file_is_refused_before_a_destination(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=False)
+    path = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    rows[1]["length"] = 10**8
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(
+        imp.ImportSourceError, match=rf"episode 1 has length 100000000, more than the {sum(LENGTHS)} rows"
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", backend="memmap", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_d4rl_flags_that_are_not_one_per_step_are_refused(tmp_path):
+    """(N, 2) terminals were read as 2 N flags by np.flatnonzero; timeouts of another length
+    than terminals raised a bare broadcast error."""
+    with require("h5py").File(tmp_path / "d4rl.hdf5", "w") as f:
+        f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+        f.create_dataset("terminals", data=np.ones((6, 2), bool))
+    with pytest.raises(imp.ImportSourceError, match=r"\{'terminals': \(6, 2\)\}: expected one flag per step"):
+        imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_damaged_zarr_chunk_names_file_and_episode_and_keeps_what_was_committed(tmp_path):
+    """blosc's RuntimeError came out bare, naming neither the file nor the episode."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    (tmp_path / "dp.zarr" / "data" / "state" / "2.0").write_bytes(b"\0" * 5)  # steps 8..11: episode 1
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr: episode 1: .*blosc") as error:
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert isinstance(error.value.__cause__, RuntimeError)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
+
+
+def test_resume_from_another_source_is_refused_and_leaves_the_buffer(tmp_path):
+    """Another file, or the same file rewritten, resumed as 'already there': two datasets in one buffer."""
+    arrays = dp_arrays()
+    write_diffusion_policy(tmp_path / "a.zarr", {k: v[:15] for k, v in arrays.items()})  # episode 2 cut short
+    with pytest.raises(imp.ImportSourceError, match="episode 2"):
+        imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    before = episodes_by_source(tmp_path / "dst")
+    assert sorted(before) == [0, 1]
+    other = {name: values[::-1].copy() for name, values in arrays.items()}
+    write_diffusion_policy(tmp_path / "b.zarr", other)  # same fields and lengths, other data
+    with pytest.raises(ValueError, match=r"dst: holds episodes imported from diffusion_policy .*a\.zarr'.*b\.zarr'"):
+        imp.diffusion_policy(tmp_path / "b.zarr", tmp_path / "dst", progress=False)
+    # the same file, rewritten with other episode lengths (the longest the same: the schema matches)
+    write_diffusion_policy(tmp_path / "a.zarr", arrays, ends=(6, 12, 20))
+    with pytest.raises(ValueError, match=r"source episodes \[0, 1\] were imported with other lengths"):
+        imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    write_diffusion_policy(tmp_path / "a.zarr", other)  # the same file and lengths, other data
+    with pytest.raises(ValueError, match=r"source episode 1 was imported with other values than .*a\.zarr' now holds"):
+        imp.diffusion_policy(tmp_path / "a.zarr", tmp_path / "dst", progress=False)
+    assert_same(episodes_by_source(tmp_path / "dst"), before)
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs
+    assert attrs["imported_from"]["path"] == str(tmp_path / "a.zarr")
+
+
+@pytest.mark.parametrize(
+    ("dst", "message"), [("dp.zarr", "are the same location"), ("dp.zarr/data/out", "is inside the source")]
+)
+def test_import_into_its_own_source_is_refused(tmp_path, dst, message):
+    """An import into dp.zarr/data/out wrote a zarr v3 group inside the user's dataset."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "dp.zarr").rglob("*"))
+    with pytest.raises(ValueError, match=f"import: .*{message}"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / dst, progress=False)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "dp.zarr").rglob("*")) == before
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "empty-folder"])
+def test_failed_export_leaves_nothing_that_passes_for_a_dataset(tmp_path, format, existing):
+    """A diffusion_policy export stopped by a damaged episode left a complete-looking zarr whose
+    unwritten episodes imported as zeros."""
+    from replaybuf import CorruptChunkError
+
+    with ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=10, fields={"x": ("float32", (3,))}) as buffer:
+        for episode in range(4):
+            buffer.store_episode(x=np.full((10, 3), episode + 1, np.float32))
+    _flip_bytes(tmp_path / "buf" / "data" / "x" / "c.0.0.0")
+    if existing:
+        (tmp_path / "out").mkdir()
+    with pytest.raises(CorruptChunkError):
+        imp.export(format, tmp_path / "buf", tmp_path / "out")
+    if existing:
+        assert list((tmp_path / "out").iterdir()) == []  # the user's folder stays, as empty as it was
+    else:
+        assert not (tmp_path / "out").exists()
+
+
+def test_an_episode_index_given_twice_is_refused(tmp_path):
+    """demo_1 and demo_01 were both source_episode 1: a resume would skip the one not yet copied."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f.copy(f["data/demo_1"], f["data"], name="demo_01")
+    with pytest.raises(imp.ImportSourceError, match=r"demo\.hdf5: episode indices \[1\] name more than one episode"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_source_episodes_without_steps_are_left_out_and_counted(tmp_path, capsys):
+    """An empty demo stopped every import (and every resume) at it with a bare store_episode
+    error; diffusion_policy ends repeated for an empty episode were refused as malformed."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays(), ends=(5, 5, 12, 20))
+    assert main(["import", "diffusion_policy", str(tmp_path / "dp.zarr"), str(tmp_path / "dst"), "--quiet"]) == 0
+    assert "1 source episodes have no steps and were left out" in capsys.readouterr().out
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 2, 3]
+    (tmp_path / "dp.zarr" / "data" / "state" / "4.0").write_bytes(b"\0" * 5)  # the newest: not read again
+    result = imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert result == imp.ImportResult(imported=0, skipped=3, frames=0, empty=1)
+
+    write_robomimic(tmp_path / "demo.hdf5", lengths=(4, 0, 3))
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data/demo_1"].attrs["num_samples"] = 0
+        del f["data/demo_1/actions"]
+        f["data/demo_1"].create_dataset("actions", data=np.zeros((2, 7)))  # 0 steps said, 2 rows held
+    with pytest.raises(imp.ImportSourceError, match=r"data/demo_1: episode 1: field 'actions' has shape \(2, 7\)"):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "rm", progress=False)
+    write_diffusion_policy(tmp_path / "none.zarr", {"x": np.zeros((0, 2))}, ends=(0, 0))
+    with pytest.raises(imp.ImportSourceError, match=r"none\.zarr: none of its 2 episodes has a step"):
+        imp.diffusion_policy(tmp_path / "none.zarr", tmp_path / "none", progress=False)
+    assert not (tmp_path / "none").exists()
+
+
+def test_source_metadata_a_buffer_cannot_hold_is_kept_as_text_or_refused_before_a_destination(tmp_path):
+    """A NaN in a zarr's root attributes failed after the destination was made: an empty buffer
+    was left, and every resume failed the same way."""
+    write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
+    zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").attrs.update(gain={"kp": float("nan")}, robot="pusht")
+    assert imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False).imported == 3
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs
+    assert attrs["gain"] == '{"kp": NaN}' and attrs["robot"] == "pusht"
+
+    zarr.open_group(str(tmp_path / "dp.zarr"), mode="a").attrs["notes"] = "x" * (1 << 20)
+    with pytest.raises(imp.ImportSourceError, match=r"dp\.zarr: its metadata cannot be kept in buffer\.attrs: .*bytes"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "other", progress=False)
+    assert not (tmp_path / "other").exists()
+
+
+def test_an_episode_overwritten_during_an_export_is_refused_not_mixed(tmp_path):
+    """Exports read each field as the slot held it at that moment: a writer overwriting a slot
+    mid-export gave another episode's steps under the planned length (15 of 15 exports of a busy
+    circular buffer were wrong)."""
+    from replaybuf import ConcurrentWriteError
+    from replaybuf.importers._engine import exported_episodes
+
+    def episode(value: float, length: int) -> dict[str, np.ndarray]:
+        return {"x": np.full((length, 2), value, np.float32)}
+
+    config = {"max_episodes": 3, "max_timesteps": 9, "fields": {"x": ("float32", (2,))}, "circular": True}
+    with ReplayBuffer(tmp_path / "buf", **config) as buffer:
+        for value in range(3):
+            buffer.store_episode(**episode(value, 4 + value))
+    reader, lengths, episodes = exported_episodes(tmp_path / "buf")
+    with reader:
+        assert lengths.tolist() == [4, 5, 6]
+        slot, data, _meta = next(episodes)
+        np.testing.assert_array_equal(data["x"], episode(0, 4)["x"])
+        with ReplayBuffer.from_folder(tmp_path / "buf") as writer:
+            writer.store_episode(**episode(7, 9))  # slot 0, exported already
+            writer.store_episode(**episode(8, 9))  # slot 1, not yet
+        with pytest.raises(ConcurrentWriteError, match=r"slots \[1\]"):
+            next(episodes)
+
+
+def _frames_of_another_layout(table, column):
+    """The data file's ``column`` with frames 0 and 1 holding 2 and 4 state values, or frame 2 an
+    image of 32 x 8 pixels: as many values as the feature's shape, in another layout."""
+    import io
+
+    import pyarrow as pa
+    from PIL import Image
+
+    cells = table.column(column).to_pylist()
+    if column == "observation.state":
+        cells[0], cells[1] = cells[0][:2], [*cells[1], cells[0][2]]
+        kind = pa.list_(pa.float32())
+    else:
+        png = io.BytesIO()
+        Image.fromarray(np.zeros((8, 32, 3), np.uint8)).save(png, format="PNG")
+        cells[2], kind = {"bytes": png.getvalue(), "path": None}, table.schema.field(column).type
+    return table.set_column(table.schema.get_field_index(column), column, pa.array(cells, kind))
+
+
+@pytest.mark.parametrize(
+    ("column", "message"),
+    [
+        (
+            "observation.state",
+            r"column 'observation.state': frame 0 holds 2 values, the feature's shape \(3,\) holds 3",
+        ),
+        ("observation.images.top", r"an image of 32 x 8 pixels, the feature's shape is \(16, 16, 3\)"),
+    ],
+)
+def test_lerobot_frames_of_another_layout_are_named_not_reshaped(tmp_path, column, message):
+    """A reshape moved values across frames (and rows of pixels across an image) and --verify passed."""
+    write_lerobot(tmp_path / "src", video=False)
+    _edit_parquet(
+        tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet", lambda t: _frames_of_another_layout(t, column)
+    )
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 0: " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", verify=True, progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_export_refuses_a_frame_rate_timestamps_cannot_divide_by(tmp_path):
+    """fps=0 raised ZeroDivisionError with the data file half written; -1 wrote negative timestamps;
+    a 0 fps meta value was taken as the default."""
+    with ReplayBuffer(
+        tmp_path / "buf", max_episodes=2, max_timesteps=4, fields={"x": "float32"}, meta_fields={"fps": "float64"}
+    ) as buffer:
+        buffer.store_episode(x=np.arange(4, dtype=np.float32), fps=0.0)
+    for fps in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=r"fps must be a number > 0 and finite, got"):
+            imp.export_lerobot(tmp_path / "buf", tmp_path / "out", fps=fps)
+        assert not (tmp_path / "out").exists()
+    imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["fps"] == 30.0
+
+
+def _obs_group_in_obs(f):
+    f.create_group("data/demo_0/obs/nested")
+
+
+def _obs_as_dataset(f):
+    del f["data/demo_0/obs"]
+    f["data/demo_0/obs"] = np.zeros((4, 2))
+
+
+@pytest.mark.parametrize(
+    ("format", "edit", "message"),
+    [
+        ("robomimic", _obs_group_in_obs, r"data/demo_0/obs/nested is a group, expected a dataset"),
+        ("robomimic", _obs_as_dataset, r"data/demo_0/obs is a dataset, expected a group of datasets"),
+        ("d4rl", lambda f: f.create_dataset("infos", data=np.zeros(6)), r"'infos' is a dataset, expected a group"),
+        ("d4rl", lambda f: f.create_dataset("observations", data=np.float32(1)), r"'observations' is a group or 0-d"),
+        (
+            "robomimic",
+            lambda f: f.create_dataset("data/demo_0/obs_eef_pos", data=np.zeros((4, 3))),
+            r"datasets data/demo_0/obs/eef_pos and data/demo_0/obs_eef_pos map to one field name 'obs_eef_pos'",
+        ),
+        (
+            "d4rl",
+            lambda f: (
+                f.create_dataset("infos/qpos", data=np.zeros(6)),
+                f.create_dataset("infos_qpos", data=np.ones(6)),
+            ),
+            r"datasets infos_qpos and infos/qpos map to one field name 'infos_qpos'",
+        ),
+    ],
+    ids=[
+        "robomimic-nested-obs",
+        "robomimic-obs-dataset",
+        "d4rl-infos-dataset",
+        "d4rl-0-d-observations",
+        "robomimic-one-field-name",
+        "d4rl-one-field-name",
+    ],
+)
+def test_hdf5_layouts_of_another_shape_name_the_file(tmp_path, format, edit, message):
+    """A group where a dataset belongs (or the reverse) raised a bare AttributeError, KeyError or IndexError."""
+    h5py = require("h5py")
+    path = tmp_path / "src.hdf5"
+    if format == "robomimic":
+        write_robomimic(path)
+    else:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("terminals", data=np.arange(6) == 2)
+            if "observations" not in message:
+                f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+    with h5py.File(path, "a") as f:
+        edit(f)
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=rf"src\.hdf5: not a {'robomimic' if format == 'robomimic' else 'D4RL'} file .*{message}",
+    ):
+        imp.load(format, path, tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "d4rl"])
+def test_big_endian_source_arrays_are_stored_in_native_order(tmp_path, format):
+    """A '>f4' source array made a buffer that refused to reopen (it held float32, its config said >f4)."""
+    values = np.arange(20, dtype=">f4").reshape(10, 2)
+    if format == "diffusion_policy":
+        write_diffusion_policy(tmp_path / "src", {"x": values}, ends=(4, 10))
+    else:
+        with require("h5py").File(tmp_path / "src", "w") as f:
+            f.create_dataset("observations", data=values)
+            f.create_dataset("terminals", data=np.arange(10) == 3)
+    assert imp.load(format, tmp_path / "src", tmp_path / "dst", verify=True, progress=False).imported == 2
+    buffer = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True)
+    field = "x" if format == "diffusion_policy" else "observations"
+    assert buffer.dtypes[field] == np.float32
+    np.testing.assert_array_equal(buffer.data[field][1, :6], values[4:])
+
+
+def test_lerobot_episode_with_a_frame_twice_and_one_missing_is_named(tmp_path):
+    """The frame count matched, so the duplicate was stored in the missing frame's place."""
+    import pyarrow as pa
+
+    def repeat_frame_1(table):
+        index = table.column("frame_index").to_pylist()
+        episode = table.column("episode_index").to_pylist()
+        row = next(i for i, (e, f) in enumerate(zip(episode, index)) if e == 0 and f == 2)
+        index[row] = 1
+        return table.set_column(table.schema.get_field_index("frame_index"), "frame_index", pa.array(index, pa.int64()))
+
+    write_lerobot(tmp_path / "src", video=False)
+    _edit_parquet(tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet", repeat_frame_1)
+    with pytest.raises(
+        imp.ImportSourceError, match=r"episode 0: frame_index is not 0 \.\. 5: frames \[2\] are missing"
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_lerobot_features_that_map_to_one_field_are_refused(tmp_path):
+    """'observation.state' and 'observation_state' both became field observation_state: one was dropped."""
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation_state"] = info["features"]["observation.state"]
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"info\.json: features 'observation\.state' and 'observation_state' map to one field",
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "mapping", "message"),
+    [
+        (("a", "b"), {"a": "x", "b": "x"}, r"fields 'a' and 'b' would both be exported as feature 'x'"),
+        (("a",), {"a": "timestamp"}, r"field 'a' would be exported as 'timestamp', a column LeRobot adds"),
+        (("index",), {}, r"field 'index' would be exported as 'index', a column LeRobot adds"),
+    ],
+)
+def test_lerobot_export_refuses_fields_that_would_share_a_column(tmp_path, fields, mapping, message):
+    """The second column of a name replaced the first in the data file: a field lost without a word."""
+    with ReplayBuffer(
+        tmp_path / "buf", max_episodes=1, max_timesteps=3, fields={n: "float32" for n in fields}
+    ) as buffer:
+        buffer.store_episode(**{n: np.zeros(3, np.float32) for n in fields})
+        buffer.attrs.update(lerobot={"fields": mapping})
+    with pytest.raises(ValueError, match=message):
+        imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_minari_space_parts_that_map_to_one_field_are_refused():
+    """Dict keys 'a_b' and 'a' holding 'b' both became observations_a_b: one was dropped."""
+    from replaybuf.importers._minari import _flatten
+
+    flat = _flatten("observations", {"a": {"b": np.zeros(2)}, "c": (np.ones(2), np.zeros(2))})
+    assert sorted(flat) == ["observations_a_b", "observations_c_0", "observations_c_1"]
+    with pytest.raises(
+        ValueError, match=r"two parts of the 'observations' space map to one field name 'observations_a_b'"
+    ):
+        _flatten("observations", {"a": {"b": np.zeros(2)}, "a_b": np.ones(2)})

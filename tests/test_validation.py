@@ -558,3 +558,17 @@ def test_the_store_flags_merge_into_the_json_options():
     )
     assert store_options(args) == {"anon": True, "key": "k", "endpoint_url": "http://h:1"}
     assert store_options(build_parser().parse_args(["info", "/tmp/x"])) is None
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_dtype_of_the_other_byte_order_is_refused_before_anything_is_made(tmp_path, backend):
+    """'>f4' was taken, and every backend stored float32 and then refused to reopen the buffer it
+    made (BufferDamagedError): the episodes committed to it could not be read again."""
+    with pytest.raises(TypeError, match=r"field 'x': dtype '>f4' is not in this machine's byte order; use 'float32'"):
+        ReplayBuffer(tmp_path / "buf", max_episodes=2, max_timesteps=3, fields={"x": ">f4"}, backend=backend)
+    assert not (tmp_path / "buf").exists()
+    with ReplayBuffer(
+        tmp_path / "buf", max_episodes=2, max_timesteps=3, fields={"x": "float32"}, backend=backend
+    ) as buffer:
+        buffer.store_episode(x=np.arange(3, dtype=">f4"))  # values of either order are converted
+    np.testing.assert_array_equal(ReplayBuffer.from_folder(tmp_path / "buf", read_only=True).data["x"][0], [0, 1, 2])

@@ -42,6 +42,8 @@ def _run_import(args: argparse.Namespace) -> int:
         f"imported {result.imported} episodes ({result.frames} steps) into {args.dst}{checked}; "
         f"{result.skipped} were already there"
     )
+    if result.empty:
+        print(f"{result.empty} source episodes have no steps and were left out (a buffer episode holds at least one)")
     return 0
 
 

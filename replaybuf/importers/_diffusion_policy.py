@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
+from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["DiffusionPolicySource", "export_diffusion_policy"]
 
@@ -40,19 +40,45 @@ class DiffusionPolicySource(Source):
             ) from error
         if not self._arrays:
             raise ImportSourceError(f"{self.path}: data/ holds no arrays")
+        scalars = sorted(name for name, array in self._arrays.items() if array.ndim == 0)
+        if scalars:
+            raise ImportSourceError(f"{self.path}: data/{scalars[0]} is 0-d; expected one row per step")
         if ends.ndim != 1 or (len(ends) and ends.dtype.kind not in "iu"):
             raise ImportSourceError(
                 f"{self.path}/meta/episode_ends: expected a 1-d array of integer step counts, "
                 f"got {ends.dtype} of shape {ends.shape}"
             )
         ends = ends.astype(np.int64)
-        if len(ends) and (np.any(np.diff(ends) <= 0) or ends[0] <= 0):
-            raise ImportSourceError(f"{self.path}/meta/episode_ends: expected strictly increasing ends, got {ends}")
+        if len(ends) and (np.any(np.diff(ends) < 0) or ends[0] < 0):  # equal ends: an episode of 0 steps
+            raise ImportSourceError(f"{self.path}/meta/episode_ends: expected non-decreasing ends >= 0, got {ends}")
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._ends = ends
+        self._check_rows()
         self._fields = {
             name: {"dtype": str(array.dtype), "shape": tuple(array.shape[1:])} for name, array in self._arrays.items()
         }
+
+    def _check_rows(self) -> None:
+        """Refuse ends that the data arrays contradict, before a destination is sized from them:
+        rows past the last end (they would be dropped without a word), or an episode longer than
+        the arrays hold (a lying end would reserve its size in the destination). Ends past the
+        arrays' rows but within them are a truncated source: its episodes there fail when read."""
+        rows = {name: int(array.shape[0]) for name, array in self._arrays.items()}
+        last = int(self._ends[-1]) if len(self._ends) else 0
+        longer = {f"data/{name}": rows[name] for name in sorted(rows) if rows[name] > last}
+        if longer:
+            raise ImportSourceError(
+                f"{self.path}: {longer} have more rows than meta/episode_ends covers ({last}); expected one row "
+                "per step of its episodes"
+            )
+        lengths = self._ends - self._starts
+        too_long = np.flatnonzero(lengths > max(rows.values()))
+        if len(too_long):
+            episode = int(too_long[0])
+            raise ImportSourceError(
+                f"{self.path}/meta/episode_ends: episode {episode} has {int(lengths[episode])} steps, more than "
+                f"the {max(rows.values())} rows of the data arrays"
+            )
 
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._fields
@@ -81,14 +107,19 @@ def export_diffusion_policy(
 ) -> int:
     """Write the committed episodes of buffer ``src`` (oldest first) as a diffusion_policy zarr
     (format 2) at ``dst``, a new or empty folder; returns the number of episodes. The buffer's
-    attributes become the zarr root's; meta fields are not part of that layout and are left out."""
+    attributes become the zarr root's; meta fields are not part of that layout and are left out.
+    A failed export removes what it wrote."""
+    with new_folder(dst, src):
+        return _write_diffusion_policy(src, dst, storage_options, chunk_steps)
+
+
+def _write_diffusion_policy(src: Any, dst: str | os.PathLike, storage_options: dict | None, chunk_steps: int) -> int:
+    """The body of ``export_diffusion_policy``; ``meta/episode_ends`` is written last, so an
+    export killed half-way is no diffusion_policy zarr (its unwritten chunks would read as zeros)."""
     import zarr
 
-    check_new_folder(dst, src)
-    buffer, episodes = exported_episodes(src, storage_options)
+    buffer, lengths, episodes = exported_episodes(src, storage_options)
     with buffer:
-        slots = buffer.valid_episodes()
-        lengths = buffer.episode_lens[slots].astype(np.int64)
         total = int(lengths.sum())
         root = zarr.open_group(os.fspath(dst), mode="w", zarr_format=2, attributes=dict(buffer.attrs))
         arrays = {
@@ -100,11 +131,10 @@ def export_diffusion_policy(
             )
             for name, field in buffer.schema.fields.items()
         }
-        root.create_array("meta/episode_ends", data=np.cumsum(lengths))
         start = 0
-        for _slot, data, _meta in episodes:
-            length = len(next(iter(data.values())))
+        for (_slot, data, _meta), length in zip(episodes, lengths.tolist()):
             for name, array in arrays.items():
                 array[start : start + length] = data[name]
             start += length
-    return len(slots)
+        root.create_array("meta/episode_ends", data=np.cumsum(lengths))
+    return len(lengths)

@@ -8,10 +8,14 @@ episode whatever the source's size.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,9 +23,11 @@ import numpy as np
 
 from ..attrs import encode_attrs
 from ..buffer import ReplayBuffer
+from ..consistency import read_episodes_consistent
+from ..maintenance import check_apart
 from ..progress import progress_bar
 from ..schema import Schema
-from ..storage.base import Storage, make_storage
+from ..storage.base import ConcurrentWriteError, Storage, make_storage
 
 __all__ = [
     "ImportResult",
@@ -31,6 +37,7 @@ __all__ = [
     "check_new_folder",
     "exported_episodes",
     "is_plain_json",
+    "new_folder",
     "run_import",
 ]
 
@@ -97,13 +104,31 @@ def is_plain_json(value: Any) -> bool:
     return True
 
 
+def destination_attrs(source: Source) -> dict[str, Any]:
+    """What the import adds to ``buffer.attrs``: the source's attributes, each value that is not
+    plain JSON (a NaN in a zarr's root attributes) kept as its JSON text, and ``imported_from``;
+    ImportSourceError naming the source where they cannot be kept (too large), checked before
+    the destination is created (an empty buffer was left, and every resume failed the same)."""
+    attrs = {
+        key: value if is_plain_json(value) else json.dumps(value, default=str) for key, value in source.attrs().items()
+    }
+    attrs["imported_from"] = {"format": source.format, "path": source.path}
+    try:
+        encode_attrs(attrs)
+    except (TypeError, ValueError) as error:
+        raise ImportSourceError(f"{source.path}: its metadata cannot be kept in buffer.attrs: {error}") from error
+    return attrs
+
+
 @dataclass(frozen=True)
 class ImportResult:
-    """What an import did: episodes copied, episodes found already committed, steps copied."""
+    """What an import did: episodes copied, episodes found already committed, steps copied, and
+    source episodes without steps (left out: a buffer episode holds at least one step)."""
 
     imported: int
     skipped: int
     frames: int
+    empty: int = 0
 
 
 def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> None:
@@ -133,22 +158,44 @@ def _read_episode(source: Source, position: int, episode: int, length: int) -> t
     try:
         data, meta = source.read(position)
         _check_episode(source, data, length)
-    except (OSError, KeyError, ValueError, EOFError) as error:
+    except Exception as error:  # whatever a damaged file makes its reader raise (blosc: RuntimeError)
         raise ImportSourceError(f"{source.where(position)}: episode {episode}: {error}") from error
     return data, meta
 
 
+def _native(dtype: str) -> str:
+    """A numeric ``dtype`` in this machine's byte order: a big-endian source array ('>f4', as
+    HDF5 and zarr may hold) is stored as float32 (a buffer holds native order only)."""
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        return dtype
+    return parsed.newbyteorder("=").name if parsed.kind in "biuf" and parsed.byteorder not in "=|" else dtype
+
+
 def destination_config(source: Source) -> dict[str, Any]:
     """The ``ReplayBuffer`` arguments of a buffer sized for ``source``; ImportSourceError naming
-    the source when it has no episodes, or fields or lengths no buffer can hold (checked before
-    anything is read or created)."""
+    the source when it has no episodes, negative lengths, an episode index given twice, or fields
+    or lengths no buffer can hold (checked before anything is read or created)."""
     lengths = source.lengths()
     if not lengths:
         raise ImportSourceError(f"{source.path}: no episodes to import")
+    ids = source.episode_ids()
+    negative = {episode: length for episode, length in zip(ids, lengths) if length < 0}
+    if negative:
+        raise ImportSourceError(f"{source.path}: episodes with a negative length {negative}")
+    if max(lengths) == 0:
+        raise ImportSourceError(f"{source.path}: none of its {len(lengths)} episodes has a step; nothing to import")
+    twice = sorted(episode for episode, count in Counter(ids).items() if count > 1)
+    if twice:  # source_episode would not tell them apart, and a resume would skip the second
+        raise ImportSourceError(f"{source.path}: episode indices {twice} name more than one episode")
     config: dict[str, Any] = {
         "max_episodes": len(lengths),
         "max_timesteps": max(lengths),
-        "fields": {name: dict(spec, shape=tuple(spec["shape"])) for name, spec in source.fields().items()},
+        "fields": {
+            name: dict(spec, dtype=_native(spec["dtype"]), shape=tuple(spec["shape"]))
+            for name, spec in source.fields().items()
+        },
         "meta_fields": {SOURCE_EPISODE: "int64", **source.meta_fields()},
     }
     try:
@@ -166,6 +213,53 @@ def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBu
     return buffer, done
 
 
+def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
+    """Refuse to resume into ``dst`` when its episodes came from another source: another format
+    or file (``imported_from``), committed episodes whose length the source now gives
+    differently, or, when episodes are left to add, a newest committed episode whose values
+    differ from the source's (the file changed since). Adding to them would mix two datasets
+    in one buffer."""
+    origin = buffer.attrs.get("imported_from")
+    if isinstance(origin, dict) and (
+        origin.get("format") != source.format
+        or os.path.realpath(str(origin.get("path"))) != os.path.realpath(source.path)
+    ):
+        raise ValueError(
+            f"{os.fspath(dst)}: holds episodes imported from {origin.get('format')} {origin.get('path')!r}, "
+            f"not from {source.format} {source.path!r}; import into a new destination"
+        )
+    ids = source.episode_ids()
+    claimed = dict(zip(ids, source.lengths()))
+    slots = buffer.valid_episodes()
+    episodes = np.asarray(buffer.meta_data[SOURCE_EPISODE][:], np.int64)[slots].tolist()
+    lens = np.asarray(buffer.episode_lens, np.int64)[slots].tolist()
+    changed = {
+        episode: (length, claimed[episode])
+        for episode, length in zip(episodes, lens)
+        if episode in claimed and claimed[episode] != length
+    }
+    if changed:
+        raise ValueError(
+            f"{os.fspath(dst)}: source episodes {sorted(changed)} were imported with other lengths than "
+            f"{source.path!r} now gives ((imported, now): {changed}); the source changed since: import "
+            "into a new destination"
+        )
+    # the newest committed episode read again (a source rewritten with the same lengths), when
+    # episodes with steps are left to add to it
+    held = [(slot, episode) for slot, episode in zip(slots.tolist(), episodes) if episode in claimed]
+    if held and len(held) < sum(1 for length in claimed.values() if length > 0):
+        slot, episode = held[-1]
+        position = ids.index(episode)
+        data, meta = _read_episode(source, position, episode, claimed[episode])
+        try:
+            _verify(buffer, slot, data, {SOURCE_EPISODE: episode, **meta})
+        except ImportVerifyError as error:
+            raise ValueError(
+                f"{os.fspath(dst)}: source episode {episode} was imported with other values than {source.path!r} "
+                f"now holds ({error}); the source changed since: import into a new destination"
+            ) from error
+
+
 def run_import(
     source: Source,
     dst: Any,
@@ -178,15 +272,19 @@ def run_import(
     """Copy every episode of ``source`` not yet in ``dst`` (see ``replaybuf.importers.load``)."""
     try:
         config, ids, lengths = destination_config(source), source.episode_ids(), source.lengths()
+        attrs = destination_attrs(source)
+        if os.path.exists(source.path):  # not a Minari id: a folder or file
+            check_apart(source.path, None, dst, storage_options, command="import")
         storage = make_storage(dst, backend, storage_options)
         # a new destination is created once the first episode has read well, so that a source
         # refused at once (a missing column, a truncated file) leaves nothing behind
         first = None if storage.exists() else _read_episode(source, 0, ids[0], lengths[0])
         buffer, done = open_destination(config, storage)
-        imported = frames = 0
+        imported = frames = empty = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
-            buffer.attrs.update({**source.attrs(), "imported_from": {"format": source.format, "path": source.path}})
+            check_resume(buffer, source, dst)
+            buffer.attrs.update(attrs)
             bar.update(sum(1 for episode in ids if episode in done))
             for position, (episode, length) in enumerate(zip(ids, lengths)):
                 if episode in done:
@@ -195,6 +293,10 @@ def run_import(
                     (data, meta), first = first, None
                 else:
                     data, meta = _read_episode(source, position, episode, length)
+                if length == 0:  # read, so checked empty; a buffer episode holds at least one step
+                    empty += 1
+                    bar.update()
+                    continue
                 meta = {SOURCE_EPISODE: episode, **meta}
                 slot = buffer.episode_index
                 buffer.store_episode(**data, **meta)
@@ -206,7 +308,7 @@ def run_import(
                 bar.set_postfix(frames_per_s=f"{frames / max(time.monotonic() - started, 1e-9):.0f}")
     finally:
         source.close()
-    return ImportResult(imported=imported, skipped=len(done), frames=frames)
+    return ImportResult(imported=imported, skipped=len(done), frames=frames, empty=empty)
 
 
 def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
@@ -223,18 +325,45 @@ def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
             )
 
 
+@contextmanager
+def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
+    """``check_new_folder``, then, when the export fails, remove what it wrote: a half-written
+    export must not pass for a dataset (a diffusion_policy zarr's unwritten chunks read as zeros)."""
+    check_new_folder(dst, src)
+    existed = os.path.isdir(dst)
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(dst, ignore_errors=True)
+        elif os.path.isdir(dst):  # it was empty: everything in it is the export's
+            for entry in os.scandir(os.fspath(dst)):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        raise
+
+
 def exported_episodes(
     src: Any, storage_options: dict | None = None
-) -> tuple[ReplayBuffer, Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]]:
-    """A buffer opened read-only and an iterator of (slot, per-step arrays, meta values) over
-    its committed episodes, oldest first, one at a time (what exporters write)."""
+) -> tuple[ReplayBuffer, np.ndarray, Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]]:
+    """A buffer opened read-only, the lengths of its committed episodes (oldest first) as of
+    opening, and an iterator of (slot, per-step arrays, meta values) over those episodes, one at
+    a time, each read whole as it was planned: an episode a writer overwrote or dropped since
+    raises ``ConcurrentWriteError`` (retryable) rather than exporting another episode's steps
+    under the planned length (what exporters write)."""
     buffer = ReplayBuffer.from_folder(src, read_only=True, storage_options=storage_options)
+    slots = buffer.valid_episodes()
+    lens = np.asarray(buffer.episode_lens, np.int64)[slots]
+    generations = np.asarray(buffer.generations, np.int64)[slots]
 
     def episodes() -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
-        for slot in buffer.valid_episodes():
-            length = int(buffer.episode_lens[slot])
-            data = {name: buffer.data[name][int(slot), :length] for name in buffer.schema.fields}
-            meta = {name: buffer.meta_data[name][int(slot)] for name in buffer.schema.meta_fields}
-            yield int(slot), data, meta
+        for slot, length, generation in zip(slots.tolist(), lens.tolist(), generations.tolist()):
+            read = read_episodes_consistent(buffer, [slot], generations=[generation])
+            if len(read) == 0:
+                raise ConcurrentWriteError(buffer.storage.location, [slot], 0)
+            data = {name: values[0, :length] for name, values in read.data.items()}
+            yield slot, data, {name: values[0] for name, values in read.meta.items()}
 
-    return buffer, episodes()
+    return buffer, lens, episodes()

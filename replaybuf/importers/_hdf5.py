@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from abc import abstractmethod
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -54,14 +55,49 @@ def _spec(dataset: Any) -> dict[str, Any]:
     return {"dtype": str(dataset.dtype), "shape": tuple(dataset.shape[1:])}
 
 
-class RobomimicSource(Source):
-    format = "robomimic"
+def _unique(found: list[tuple[str, str]], prefix: str = "") -> dict[str, str]:
+    """field name -> dataset path of ``found`` (pairs); ValueError where two datasets map to one
+    field name (``obs/x`` and a dataset ``obs_x``): one of them would be dropped without a word."""
+    paths: dict[str, str] = {}
+    for name, path in found:
+        if name in paths:
+            raise ValueError(f"datasets {prefix}{paths[name]} and {prefix}{path} map to one field name {name!r}")
+        paths[name] = path
+    return paths
+
+
+class _HDF5Source(Source):
+    """An HDF5 file, indexed when opened: ImportSourceError naming the file where its layout is
+    not the format's (a group where a dataset belongs raised a bare AttributeError)."""
+
+    layout: ClassVar[str]
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self._file = _open(self.path)
-        if "data" not in self._file:
+        try:
+            self._index()
+        except ImportSourceError:
             self.close()
+            raise
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError, OSError) as error:
+            self.close()
+            raise ImportSourceError(f"{self.path}: not {self.layout}: {error}") from error
+
+    @abstractmethod
+    def _index(self) -> None:
+        """Read the file's layout (its episodes and fields)."""
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RobomimicSource(_HDF5Source):
+    format = "robomimic"
+    layout = "a robomimic file (data/demo_N groups of datasets, obs/ and next_obs/ groups of datasets)"
+
+    def _index(self) -> None:
+        if not hasattr(self._file.get("data"), "keys"):
             raise ImportSourceError(f"{self.path}: not a robomimic file (no 'data' group)")
         demos = [name for name in self._file["data"] if re.fullmatch(r"demo_\d+", name)]
         self._demos = sorted(demos, key=lambda name: int(name.split("_")[1]))
@@ -74,17 +110,24 @@ class RobomimicSource(Source):
                 if name not in self._fields:
                     self._fields[name] = key
                     self._specs[name] = _spec(self._file[f"data/{demo}/{key}"])
+        self._lengths = [self._length(demo) for demo in self._demos]
 
     def _paths(self, demo: str) -> dict[str, str]:
-        """field name -> dataset path inside ``data/<demo>``."""
+        """field name -> dataset path inside ``data/<demo>``; ValueError where ``obs`` or
+        ``next_obs`` is not a group of datasets."""
         group = self._file[f"data/{demo}"]
-        paths = {}
+        found = []
         for key, item in group.items():
             if key in ("obs", "next_obs"):
-                paths.update({f"{key}_{sub}": f"{key}/{sub}" for sub in item})
+                if not hasattr(item, "keys"):
+                    raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
+                nested = [sub for sub, value in item.items() if hasattr(value, "keys")]
+                if nested:
+                    raise ValueError(f"data/{demo}/{key}/{nested[0]} is a group, expected a dataset")
+                found += [(f"{key}_{sub}", f"{key}/{sub}") for sub in item]
             elif not hasattr(item, "keys"):
-                paths[key] = key
-        return paths
+                found.append((key, key))
+        return _unique(found, f"data/{demo}/")
 
     @property
     def env_args(self) -> dict[str, Any] | None:
@@ -109,13 +152,29 @@ class RobomimicSource(Source):
     def episode_ids(self) -> list[int]:
         return [int(demo.split("_")[1]) for demo in self._demos]
 
+    def _length(self, demo: str) -> int:
+        """Steps of ``demo``: its ``num_samples`` attribute (else the rows of ``actions``), refused
+        where no dataset of the demo holds that many rows (a lying count would reserve its size in
+        the destination); a dataset holding fewer is a truncated demo, which fails when read."""
+        where = f"{self.path}:data/{demo}"
+        group = self._file[f"data/{demo}"]
+        count = group.attrs.get("num_samples")
+        rows = [self._file[f"data/{demo}/{key}"].shape[:1] for key in self._paths(demo).values()]
+        most = max((int(shape[0]) for shape in rows if shape), default=0)
+        if count is None:
+            if "actions" not in group:
+                raise ImportSourceError(f"{where}: neither a num_samples attribute nor an actions dataset")
+            return int(group["actions"].shape[0])
+        try:
+            length = int(count)
+        except (TypeError, ValueError) as error:
+            raise ImportSourceError(f"{where}: num_samples {count!r} is not a step count") from error
+        if length > most:
+            raise ImportSourceError(f"{where}: num_samples is {length}, but its datasets hold at most {most} rows")
+        return length
+
     def lengths(self) -> list[int]:
-        lengths = []
-        for demo in self._demos:
-            group = self._file[f"data/{demo}"]
-            count = group.attrs.get("num_samples")
-            lengths.append(int(count) if count is not None else int(group["actions"].shape[0]))
-        return lengths
+        return self._lengths
 
     def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         group = self._file[f"data/{self._demos[position]}"]
@@ -129,36 +188,45 @@ class RobomimicSource(Source):
     def where(self, position: int) -> str:
         return f"{self.path}:data/{self._demos[position]}"
 
-    def close(self) -> None:
-        self._file.close()
 
-
-class D4RLSource(Source):
+class D4RLSource(_HDF5Source):
     format = "d4rl"
+    layout = "a D4RL file (one row per step in 'observations', 'terminals', ...; 'infos/' a group of datasets)"
 
-    def __init__(self, path: str | os.PathLike):
-        super().__init__(path)
-        self._file = f = _open(self.path)
+    def _index(self) -> None:
+        f = self._file
         missing = [key for key in ("observations", "terminals") if key not in f]
         if missing:
-            self.close()
             raise ImportSourceError(f"{self.path}: not a D4RL file, missing {missing}")
+        if hasattr(f["observations"], "keys") or f["observations"].ndim == 0:
+            raise ValueError("'observations' is a group or 0-d, expected an array with one row per step")
+        if "infos" in f and not hasattr(f["infos"], "keys"):
+            raise ValueError("'infos' is a dataset, expected a group of datasets")
         steps = f["observations"].shape[0]
-        # every per-step array; one shorter than ``observations`` fails the episodes past its end
-        self._paths = {key: key for key, item in f.items() if not hasattr(item, "keys") and item.ndim >= 1}
+        # every per-step array (groups and scalars are not); one shorter than ``observations``
+        # fails the episodes past its end
+        found = [(key, key) for key, item in f.items() if not hasattr(item, "keys") and item.ndim >= 1]
         if "infos" in f:
-            self._paths.update({f"infos_{key}": f"infos/{key}" for key, item in f["infos"].items() if item.ndim >= 1})
+            found += [
+                (f"infos_{key}", f"infos/{key}")
+                for key, item in f["infos"].items()
+                if not hasattr(item, "keys") and item.ndim >= 1
+            ]
+        self._paths = _unique(found)
         self._specs = {name: _spec(f[key]) for name, key in self._paths.items()}
         longer = {key: f[key].shape[0] for key in self._paths.values() if f[key].shape[0] > steps}
         if longer:  # their rows past the last step would be dropped without a word
-            self.close()
             raise ImportSourceError(
                 f"{self.path}: {longer} have more rows than the {steps} steps of 'observations'; "
                 "expected one row per step"
             )
-        ends = np.asarray(f["terminals"][()], dtype=bool)
-        if "timeouts" in f:
-            ends = ends | np.asarray(f["timeouts"][()], dtype=bool)
+        flags = [key for key in ("terminals", "timeouts") if key in f]
+        not_flat = {key: f[key].shape for key in flags if f[key].ndim != 1}
+        if not_flat:  # np.flatnonzero would read (N, 2) flags as 2 N steps
+            raise ImportSourceError(f"{self.path}: {not_flat}: expected one flag per step, shape (steps,)")
+        ends = np.zeros(steps, dtype=bool)
+        for key in flags:
+            ends[: f[key].shape[0]] |= np.asarray(f[key][:steps], dtype=bool)
         stops = (np.flatnonzero(ends) + 1).tolist()
         if steps and (not stops or stops[-1] != steps):  # an empty file: no episode, not one of 0 steps
             stops.append(steps)
@@ -186,6 +254,3 @@ class D4RLSource(Source):
     def where(self, position: int) -> str:
         start, stop = self._bounds[position]
         return f"{self.path} (steps {start}..{stop})"
-
-    def close(self) -> None:
-        self._file.close()

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..video import is_image_field
-from ._engine import ImportSourceError, Source, check_new_folder, exported_episodes
+from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["LeRobotSource", "export_lerobot"]
 
@@ -103,10 +103,21 @@ def _image_shape(feature: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """A (possibly nested list) parquet column as a (rows, *shape) array."""
+    """A (possibly nested list) parquet column as a (rows, *shape) array; ValueError where a row
+    holds another number of values than ``shape`` (a reshape would shift values across rows)."""
+    import pyarrow.compute as pc
+
     array = table.column(name).combine_chunks()
+    rows = np.arange(len(table))  # the row each value of the current nesting level belongs to
     while hasattr(array, "flatten") and hasattr(array.type, "value_type"):
+        rows = rows[pc.list_parent_indices(array).to_numpy(zero_copy_only=False)]
         array = array.flatten()
+    counts = np.bincount(rows, minlength=len(table))
+    if (counts != math.prod(shape)).any():
+        bad = int(np.flatnonzero(counts != math.prod(shape))[0])
+        raise ValueError(
+            f"column {name!r}: frame {bad} holds {counts[bad]} values, the feature's shape {shape} holds {math.prod(shape)}"
+        )
     return np.asarray(array.to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(table), *shape)
 
 
@@ -145,6 +156,8 @@ def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...
     source = cell.get("bytes")
     with Image.open(io.BytesIO(source) if source else _inside(root, cell["path"], "image path")) as image:
         array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
+    if array.reshape(*array.shape[:2], -1).shape != tuple(shape):  # a reshape would scramble another H x W
+        raise ValueError(f"an image of {array.shape[1]} x {array.shape[0]} pixels, the feature's shape is {shape}")
     return array.reshape(shape)
 
 
@@ -176,6 +189,7 @@ class LeRobotSource(Source):
                 "feature's 'dtype' and 'shape'"
             ) from error
         self._episodes = self._read_episodes()
+        self._check_lengths()
         self._tasks = self._read_tasks()
 
     def _read_features(self, info_path: Path) -> None:
@@ -191,6 +205,10 @@ class LeRobotSource(Source):
             name = _field_name(feature)
             if not name.isidentifier():
                 raise ImportSourceError(f"{info_path}: feature {feature!r} does not map to a field name ({name!r})")
+            if name in self._features:  # one of the two would be dropped without a word
+                raise ImportSourceError(
+                    f"{info_path}: features {self._features[name]!r} and {feature!r} map to one field name {name!r}"
+                )
             if spec["dtype"] in ("image", "video"):
                 self._fields[name] = {"dtype": "uint8", "shape": _image_shape(spec)}
             elif _numeric(spec["dtype"]):
@@ -245,6 +263,28 @@ class LeRobotSource(Source):
         empty = [name for name in columns if table.column(name).null_count]
         if empty:
             raise ImportSourceError(f"{file}: LeRobot episode columns with empty cells {empty}")
+
+    def _check_lengths(self) -> None:
+        """Refuse an episode whose length is more than its data file's rows (read from the
+        parquet footer) before a destination is sized from it: a lying length would reserve its
+        size there. A data file that cannot be read fails its episodes when they are read."""
+        rows: dict[Path, int | None] = {}
+        for row in self._episodes:
+            try:
+                file = self._data_file(row)
+            except (KeyError, ValueError):  # a malformed or escaping data_path: named when read
+                continue
+            if file not in rows:
+                try:
+                    rows[file] = self._pa.parquet.read_metadata(file).num_rows
+                except (OSError, self._pa.ArrowException):
+                    rows[file] = None
+            held = rows[file]
+            if held is not None and int(row["length"]) > held:
+                raise ImportSourceError(
+                    f"{self.root / 'meta' / 'episodes'}: episode {row['episode_index']} has length {row['length']}, "
+                    f"more than the {held} rows of its data file {str(file)!r}"
+                )
 
     def _read_tasks(self) -> dict[str, str]:
         """task_index (as a str, a JSON key) -> task text, from ``meta/tasks.parquet``, where
@@ -323,6 +363,10 @@ class LeRobotSource(Source):
         table = table.sort_by("frame_index")
         if len(table) != length:
             raise ValueError(f"{len(table)} frames in the data file, the episode index says {length} (truncated?)")
+        frames = np.asarray(table.column("frame_index").to_numpy(zero_copy_only=False))
+        if not np.array_equal(frames, np.arange(length)):  # a frame twice, and another missing
+            missing = sorted(set(range(length)) - set(frames.tolist()))[:5]
+            raise ValueError(f"frame_index is not 0 .. {length - 1}: frames {missing} are missing")
         data = {}
         for name, spec in self._fields.items():
             feature = self._features[name]
@@ -418,6 +462,24 @@ class _ExportNames:
         return spec["names"]
 
 
+def _check_feature_names(names: _ExportNames, fields: list[str]) -> None:
+    """ValueError where two fields would be written as one feature, or a field as one of the
+    columns LeRobot adds to every frame (one column would be lost without a word)."""
+    hint = "rename the field, or fix buffer.attrs['lerobot']['fields']"
+    taken: dict[str, str] = {}
+    for field in fields:
+        feature = names.feature(field)
+        if feature in FRAME_COLUMNS:
+            raise ValueError(
+                f"field {field!r} would be exported as {feature!r}, a column LeRobot adds to every frame; {hint}"
+            )
+        if feature in taken:
+            raise ValueError(
+                f"fields {taken[feature]!r} and {field!r} would both be exported as feature {feature!r}; {hint}"
+            )
+        taken[feature] = field
+
+
 def _dict_or_empty(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -436,17 +498,24 @@ def export_lerobot(
     ``fps`` meta field, else 30. Feature names, task texts and the robot type come from the
     ``lerobot`` attributes of an imported buffer (module docstring); without them tasks are
     ``task_<task_index>``. Meta fields other than ``task_index`` and ``fps`` are left out.
-    Returns the number of episodes."""
+    A failed export removes what it wrote. Returns the number of episodes."""
+    if fps is not None and not _is_fps(fps):
+        raise ValueError(f"fps must be a number > 0 and finite, got {fps!r}")
+    with new_folder(dst, src):
+        return _write_lerobot(src, Path(dst), video, fps, storage_options)
+
+
+def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage_options: dict | None) -> int:
+    """The body of ``export_lerobot``."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
-    check_new_folder(dst, src)
-    root = Path(dst)
-    buffer, episodes = exported_episodes(src, storage_options)
+    buffer, _lengths, episodes = exported_episodes(src, storage_options)
     with buffer:
         images = _image_features(buffer, video)
         attrs = dict(buffer.attrs)
         names = _ExportNames(attrs)
+        _check_feature_names(names, list(buffer.schema.fields))
         if fps is None:
             fps = _default_fps(buffer, attrs)
         fields = {name: f for name, f in buffer.schema.fields.items()}
@@ -524,13 +593,20 @@ def export_lerobot(
     return len(rows)
 
 
+def _is_fps(value: Any) -> bool:
+    """Whether ``value`` is a frame rate: a number > 0 and finite (timestamps divide by it)."""
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and bool(0 < value < math.inf)
+
+
 def _default_fps(buffer: Any, attrs: dict[str, Any]) -> float:
-    """The buffer's ``fps`` attribute, else the ``fps`` meta field of its first episode, else 30."""
-    fps = attrs.get("fps")
-    if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0:
-        return fps
+    """The buffer's ``fps`` attribute, else the ``fps`` meta field of its first episode, else 30
+    (each where it is a frame rate: a 0 or negative ``fps`` meta value is no default)."""
+    fps: Any = attrs.get("fps")
+    if _is_fps(fps):
+        return fps  # as stored: LeRobot writes an int
     valid = buffer.valid_episodes()
-    return float(buffer.meta_data["fps"][valid[0]]) if "fps" in buffer.schema.meta_fields and len(valid) else 30.0
+    stored: Any = buffer.meta_data["fps"][valid[0]] if "fps" in buffer.schema.meta_fields and len(valid) else None
+    return float(stored) if _is_fps(stored) else 30.0
 
 
 def _write_meta(
@@ -543,7 +619,8 @@ def _write_meta(
     total: int,
     fps: float,
 ) -> None:
-    """``meta/info.json``, ``meta/tasks.parquet`` and the episodes file of an export."""
+    """The episodes file, ``meta/tasks.parquet`` and, last (an export killed before it is no
+    LeRobot dataset), ``meta/info.json`` of an export."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
@@ -574,7 +651,6 @@ def _write_meta(
     }
     meta = root / "meta"
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
-    (meta / "info.json").write_text(json.dumps(info, indent=4))
     for row in rows:
         row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
     pq.write_table(pa.Table.from_pylist(rows), root / EPISODES_PATH.format(chunk_index=0, file_index=0))
@@ -583,3 +659,4 @@ def _write_meta(
 
     frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([names.task(t) for t in tasks], name="task"))
     frame.to_parquet(meta / "tasks.parquet")
+    (meta / "info.json").write_text(json.dumps(info, indent=4))

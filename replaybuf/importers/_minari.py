@@ -27,12 +27,18 @@ INSTALL_HINT = "Minari datasets need the minari package: pip install 'replaybuf[
 
 
 def _flatten(prefix: str, value: Any) -> dict[str, np.ndarray]:
-    """Arrays of a (nested) dict or tuple space value, keyed ``prefix_<key>``."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flatten(f"{prefix}_{key}", item).items()}
-    if isinstance(value, tuple):
-        return {k: v for i, item in enumerate(value) for k, v in _flatten(f"{prefix}_{i}", item).items()}
-    return {prefix: np.asarray(value)}
+    """Arrays of a (nested) dict or tuple space value, keyed ``prefix_<key>``; ValueError where
+    two map to one name (keys ``a_b`` and ``a`` holding ``b``): one would be dropped."""
+    if not isinstance(value, (dict, tuple)):
+        return {prefix: np.asarray(value)}
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    out: dict[str, np.ndarray] = {}
+    for key, item in items:
+        for name, array in _flatten(f"{prefix}_{key}", item).items():
+            if name in out:
+                raise ValueError(f"two parts of the {prefix!r} space map to one field name {name!r}")
+            out[name] = array
+    return out
 
 
 def _steps(episode: Any) -> dict[str, np.ndarray]:
@@ -69,7 +75,10 @@ class MinariSource(Source):
         self._ids = [int(i) for i in self._dataset.episode_indices]
         metadata = self._dataset.storage.get_episode_metadata(self._ids)
         self._lengths = [int(row["total_steps"]) for row in metadata]
-        first = _steps(next(self._dataset.iterate_episodes(self._ids[:1]))) if self._ids else {}
+        try:
+            first = _steps(next(self._dataset.iterate_episodes(self._ids[:1]))) if self._ids else {}
+        except ValueError as error:
+            raise ImportSourceError(f"{self.path}: {error}") from error
         self._fields = {name: {"dtype": str(v.dtype), "shape": tuple(v.shape[1:])} for name, v in first.items()}
 
     def fields(self) -> dict[str, dict[str, Any]]:
