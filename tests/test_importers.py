@@ -88,6 +88,18 @@ def test_truncated_source_names_file_and_episode_keeps_committed_then_resumes(tm
     np.testing.assert_array_equal(episodes_by_source(tmp_path / "dst")[2]["state"], arrays["state"][12:20])
 
 
+def test_a_source_moved_since_resumes(tmp_path):
+    """The resume check compares the episodes, not the path: the same dataset moved resumes."""
+    arrays = dp_arrays()
+    write_diffusion_policy(tmp_path / "dp.zarr", {k: v[:15] for k, v in arrays.items()})  # episode 2 cut short
+    with pytest.raises(imp.ImportSourceError, match="episode 2"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    write_diffusion_policy(tmp_path / "moved.zarr", arrays)
+    result = imp.diffusion_policy(tmp_path / "moved.zarr", tmp_path / "dst", verify=True, progress=False)
+    assert result == imp.ImportResult(imported=1, skipped=2, frames=8)
+    np.testing.assert_array_equal(episodes_by_source(tmp_path / "dst")[2]["state"], arrays["state"][12:20])
+
+
 def test_resume_into_a_buffer_of_another_schema_is_refused(tmp_path):
     write_diffusion_policy(tmp_path / "dp.zarr", dp_arrays())
     ReplayBuffer(tmp_path / "dst", max_episodes=3, max_timesteps=8, fields={"x": "float"}).close()
@@ -789,7 +801,7 @@ def test_resume_from_another_source_is_refused_and_leaves_the_buffer(tmp_path):
     assert sorted(before) == [0, 1]
     other = {name: values[::-1].copy() for name, values in arrays.items()}
     write_diffusion_policy(tmp_path / "b.zarr", other)  # same fields and lengths, other data
-    with pytest.raises(ValueError, match=r"dst: holds episodes imported from diffusion_policy .*a\.zarr'.*b\.zarr'"):
+    with pytest.raises(ValueError, match=r"source episode 1 was imported with other values than .*b\.zarr' now holds"):
         imp.diffusion_policy(tmp_path / "b.zarr", tmp_path / "dst", progress=False)
     # the same file, rewritten with other episode lengths (the longest the same: the schema matches)
     write_diffusion_policy(tmp_path / "a.zarr", arrays, ends=(6, 12, 20))

@@ -215,15 +215,12 @@ def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBu
 
 def check_resume(buffer: ReplayBuffer, source: Source, dst: Any) -> None:
     """Refuse to resume into ``dst`` when its episodes came from another source: another format
-    or file (``imported_from``), committed episodes whose length the source now gives
-    differently, or, when episodes are left to add, a newest committed episode whose values
-    differ from the source's (the file changed since). Adding to them would mix two datasets
-    in one buffer."""
+    (``imported_from``), committed episodes whose length the source now gives differently, or,
+    when episodes are left to add, a newest committed episode whose values differ from the
+    source's (another dataset, or the file changed since). Adding to them would mix two
+    datasets in one buffer. The path is not compared: a source moved or copied since resumes."""
     origin = buffer.attrs.get("imported_from")
-    if isinstance(origin, dict) and (
-        origin.get("format") != source.format
-        or os.path.realpath(str(origin.get("path"))) != os.path.realpath(source.path)
-    ):
+    if isinstance(origin, dict) and origin.get("format") != source.format:
         raise ValueError(
             f"{os.fspath(dst)}: holds episodes imported from {origin.get('format')} {origin.get('path')!r}, "
             f"not from {source.format} {source.path!r}; import into a new destination"
