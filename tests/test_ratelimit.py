@@ -165,3 +165,36 @@ def test_writer_in_another_process(where, tmp_path, request):
     # pass's last batch may hold 1, depending on what was committed when the pass began)
     assert 27.5 < loader.limiter.sampled <= 29.5
     assert len({inserted for _, inserted in observations}) > 1, "sampling overlapped the writes"
+
+
+SEEDED = {
+    "timestep": {"timestep_level": True, "shuffle": True},
+    "prioritized": {"timestep_level": True, "sampler": "prioritized", "num_batches": 4},
+    "mixture": {"timestep_level": True, "num_batches": 4},
+}
+
+
+@pytest.mark.parametrize("kind", SEEDED)
+def test_a_seeded_loader_draws_anew_each_pass_and_resumes_the_pass(tmp_path, kind):
+    """Each pass builds its loader anew: seeded, every pass drew the very batches of the first."""
+    from replaybuf import ConcatReplayBuffer
+
+    members = []
+    for member in range(2):
+        buffer = ReplayBuffer(tmp_path / f"b{member}", max_episodes=4, max_timesteps=LENGTH, fields=FIELDS)
+        for index in range(4):
+            store(buffer, 4 * member + index)
+        members.append(buffer)
+    source = ConcatReplayBuffer([m.folder for m in members], weights=[1, 1]) if kind == "mixture" else members[0]
+    options = dict(samples_per_insert=float("inf"), seed=3, rate_timeout=0.05, return_indices=True, **SEEDED[kind])
+
+    def passes(loader, count):
+        return [[batch["_indices"].tolist() for batch in loader] for _ in range(count)]
+
+    first, second = passes(source.dataloader(4, **options), 2)
+    assert first != second, "the second pass drew the first pass's batches"
+    again = source.dataloader(4, **options)
+    assert passes(again, 2) == [first, second], "a seed gives the same passes"
+    resumed = source.dataloader(4, **options)
+    resumed.load_state_dict(again.state_dict())
+    assert passes(resumed, 1)[0] not in (first, second), "a resumed loader starts at the third pass"

@@ -76,6 +76,11 @@ class MixtureBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.num_batches
 
+    def set_epoch(self, epoch: int) -> None:
+        """Start at pass ``epoch``, batch 0 (a loader made anew for each pass, as a rate-limited
+        one is, would otherwise draw pass 0 each time)."""
+        self.next_pass, self.start = int(epoch), 0
+
     def draw(self, pass_index: int, batch: int) -> list[int]:
         """Positions of batch ``batch`` of pass ``pass_index``."""
         rng = np.random.default_rng([self.seed, self.rank, pass_index, batch])
@@ -111,6 +116,11 @@ class MixtureDataLoader(DataLoader):
             self._delivered = (pass_index, batch)
             yield item
         self._delivered = (pass_index + 1, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next pass is pass ``epoch`` (``MixtureBatchSampler.set_epoch``)."""
+        self._mixture.set_epoch(epoch)
+        self._delivered = (self._mixture.next_pass, 0)
 
     def state_dict(self) -> dict[str, int]:
         """Seed, pass and batch to continue from."""

@@ -107,8 +107,14 @@ class PrioritizedBatchSampler(Sampler):
         self._cumulative: np.ndarray | None = None
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        self._generator = np.random.default_rng([check_int("seed", seed, 0), check_int("rank", rank, 0)])
+        self.seed, self.rank = check_int("seed", seed, 0), check_int("rank", rank, 0)
+        self.set_epoch(0)
         _samplers.setdefault(dataset.replay_buffer, weakref.WeakSet()).add(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next batches as pass ``epoch`` of this seed and rank does (a loader made anew
+        for each pass, as a rate-limited one is, would otherwise draw the same ones each pass)."""
+        self._generator = np.random.default_rng([self.seed, self.rank, check_int("epoch", epoch, 0)])
 
     def __len__(self) -> int:
         return self.num_batches

@@ -142,6 +142,16 @@ def batch_length(batch: Any) -> int:
     return len(first)
 
 
+def _set_epoch(loader: Any, epoch: int) -> None:
+    """Tell ``loader`` (or its sampler, or its batch sampler) which pass it serves, where it
+    takes one (``set_epoch``: the seeded samplers)."""
+    for target in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        set_epoch = getattr(target, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+            return
+
+
 class PassLoader(Protocol):
     """What ``RateLimitedLoader`` iterates each pass: a DataLoader (or a loader wrapping one)."""
 
@@ -163,10 +173,12 @@ class RateLimitedLoader:
         self.limiter = limiter
         self.loader: PassLoader | None = None
         self._inner_state: dict | None = None
+        self.passes = 0  # passes completed: the epoch of the next pass's loader
 
     def __iter__(self) -> Iterator[Any]:
         self.limiter.wait(0)
         loader = self.loader = self.build()
+        _set_epoch(loader, self.passes)  # a seeded order differs from pass to pass, as one loader's does
         if self._inner_state is not None:
             if not hasattr(loader, "load_state_dict"):
                 raise AttributeError(
@@ -177,6 +189,7 @@ class RateLimitedLoader:
         for batch in loader:
             self.limiter.acquire(batch_length(batch))
             yield batch
+        self.passes += 1
 
     def __len__(self) -> int:
         """Batches of the current (or last) pass; the next pass may have more."""
@@ -185,14 +198,17 @@ class RateLimitedLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rate_limiter": self.limiter.state_dict()}
+        state: dict[str, Any] = {"rate_limiter": self.limiter.state_dict(), "passes": self.passes}
         if self.loader is not None and hasattr(self.loader, "state_dict"):
             state["loader"] = self.loader.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        passes = state.get("passes", 0)  # a state saved before passes were counted: 0
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
+            raise ValueError(f"state['passes'] must be an int >= 0, got {passes!r}")
         self.limiter.load_state_dict(state["rate_limiter"])
-        self._inner_state = state.get("loader")
+        self.passes, self._inner_state = passes, state.get("loader")
 
     def __getattr__(self, name: str) -> Any:
         # batch_size, dataset, sampler, ... of the current pass's loader
