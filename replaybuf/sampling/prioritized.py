@@ -65,7 +65,7 @@ class PrioritizedBatchSampler(Sampler):
     num_batches
         Batches per iteration (default: as many as one pass over the dataset).
     seed, rank
-        The draws come from a generator seeded by ``(seed, rank)``: reproducible from ``seed``
+        Pass ``p``'s draws come from a generator seeded by ``(seed, rank, p)``: reproducible from ``seed``
         (default: drawn from torch's generator, so ``torch.manual_seed`` fixes it) and different
         on each DDP rank, even when every rank seeds torch the same.
     """
@@ -108,13 +108,13 @@ class PrioritizedBatchSampler(Sampler):
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self.seed, self.rank = check_int("seed", seed, 0), check_int("rank", rank, 0)
-        self.set_epoch(0)
+        self.epoch = 0  # the next pass's: its draws come from a generator seeded (seed, rank, epoch)
         _samplers.setdefault(dataset.replay_buffer, weakref.WeakSet()).add(self)
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw the next batches as pass ``epoch`` of this seed and rank does (a loader made anew
-        for each pass, as a rate-limited one is, would otherwise draw the same ones each pass)."""
-        self._generator = np.random.default_rng([self.seed, self.rank, check_int("epoch", epoch, 0)])
+        """Make the next pass pass ``epoch`` (a loader made anew for each pass, as a rate-limited
+        one is, would otherwise draw pass 0 each time)."""
+        self.epoch = check_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -157,6 +157,8 @@ class PrioritizedBatchSampler(Sampler):
         return scaled / scaled.sum()
 
     def __iter__(self) -> Iterator[WeightedIndices]:
+        self._generator = np.random.default_rng([self.seed, self.rank, self.epoch])
+        self.epoch += 1
         self.load()
         if not self.dataset.in_snapshot(self.dataset.pairs()[0]).any():
             # a writer reused every slot of the snapshot: the batches are empty, as a uniform
