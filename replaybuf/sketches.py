@@ -21,9 +21,12 @@ every value, so the blob would be larger than the episode's data (a 20-step epis
 floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at every
 ``stats()``.
 
-Blob layout (no pickle): ``b"RBSK"``, a little-endian uint32 header length, a JSON header
-``{"generation", "length", "fields": {name: {"count", "sum", "m2", "min", "max", "kll"}}}``
-(``kll``: byte lengths of the per-feature sketches) and the sketches' bytes, in order.
+Blob layout (no pickle): ``b"RBS2"``, the little-endian uint32 crc32c of all that follows it, a
+little-endian uint32 header length, a JSON header ``{"generation", "length", "fields": {name:
+{"count", "sum", "m2", "min", "max", "kll"}}}`` (``kll``: byte lengths of the per-feature
+sketches) and the sketches' bytes, in order. A blob that fails its crc32c (a flipped byte in a
+sum would otherwise shift the mean silently) or its layout, or an older release's ``b"RBSK"``
+blob (no checksum), is ignored and its episode sketched again.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np
 from .consistency import read_episodes_consistent
 from .schema import Field
 from .storage import SKETCHES_PREFIX
+from .storage._codecs import crc32c
 from .storage.base import Storage, StorageError
 
 if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
@@ -53,7 +57,7 @@ PREFIX = SKETCHES_PREFIX
 # the most bytes of episodes read at once to sketch them from their data (RAM stays bounded
 # when a first stats() sketches a whole buffer)
 READ_BYTES = 64 << 20
-_MAGIC = b"RBSK"
+_MAGIC = b"RBS2"
 
 
 def _kll():
@@ -120,22 +124,29 @@ def encode(generation: int, episode: dict[str, np.ndarray]) -> bytes:
         payload += blobs
     length = len(next(iter(episode.values()))) if episode else 0
     header = json.dumps({"generation": int(generation), "length": length, "fields": fields}).encode()
-    return _MAGIC + struct.pack("<I", len(header)) + header + b"".join(payload)
+    body = struct.pack("<I", len(header)) + header + b"".join(payload)
+    return _MAGIC + struct.pack("<I", crc32c(body)) + body
 
 
 def decode(blob: bytes) -> dict[str, Any]:
-    """The header of a blob with each field's ``kll`` replaced by its sketches' bytes."""
+    """The header of a blob with each field's ``kll`` replaced by its sketches' bytes; ValueError
+    when it is not a current blob, fails its crc32c or its sketches do not fill it exactly."""
     if blob[:4] != _MAGIC:
-        raise ValueError(f"not a replaybuf sketch blob (starts with {blob[:4]!r})")
-    (size,) = struct.unpack("<I", blob[4:8])
-    header = json.loads(blob[8 : 8 + size])
-    position = 8 + size
+        raise ValueError(f"not a current replaybuf sketch blob (starts with {blob[:4]!r})")
+    (crc,) = struct.unpack("<I", blob[4:8])
+    if crc32c(blob[8:]) != crc:
+        raise ValueError("sketch blob fails its crc32c")
+    (size,) = struct.unpack("<I", blob[8:12])
+    header = json.loads(blob[12 : 12 + size])
+    position = 12 + size
     for field in header["fields"].values():
         parts = []
         for length in field["kll"]:
             parts.append(blob[position : position + length])
             position += length
         field["kll"] = parts
+    if position != len(blob):
+        raise ValueError(f"sketch blob holds {len(blob)} bytes, its header describes {position}")
     return header
 
 
@@ -225,7 +236,7 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
         try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
             blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
-        except (ValueError, KeyError, TypeError, struct.error):
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error):
             header = None  # a damaged blob: derived data, sketched again from the episode
         # a blob of another episode, or of an older release (no m2), is sketched again
         fresh = (

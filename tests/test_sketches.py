@@ -146,6 +146,31 @@ def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
         assert set(decode(buffer.storage.read_blob(f"{PREFIX}{slot}"))["fields"]["state"]) >= {"m2", "kll"}
 
 
+@pytest.mark.parametrize("damage", ["sum digit", "kll byte", "truncated"])
+def test_a_damaged_blob_is_never_served(tmp_path, damage):
+    """A blob whose bytes changed on disk (a digit of a sum, a byte of a KLL sketch, a lost
+    tail) fails its crc32c and is sketched again: before, a changed digit of a sum moved the
+    mean silently and a truncated blob made quantile() fail."""
+    buffer = make(tmp_path / "b", 2)
+    buffer.stats(["state"])
+    blob = bytearray(buffer.storage.read_blob(f"{PREFIX}0"))
+    if damage == "truncated":
+        del blob[-50:]
+    else:
+        at = blob.index(b'"sum": [') + 9 if damage == "sum digit" else len(blob) - 100
+        blob[at] = ord("7") if blob[at] != ord("7") else ord("3")
+    buffer.storage.write_blob(f"{PREFIX}0", bytes(blob))
+    values = np.concatenate([episode(i)["state"] for i in range(2)]).astype(np.float64)
+    for reader in (ReplayBuffer.from_folder(tmp_path / "b", read_only=True), buffer):
+        stats = reader.stats(["state"])["state"]
+        np.testing.assert_allclose(stats.mean.numpy(), values.mean(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(stats.std.numpy(), values.std(0), rtol=1e-4, atol=1e-5)
+        assert_within_rank_error(stats, values)
+    assert decode(buffer.storage.read_blob(f"{PREFIX}0"))["generation"] == 1, "the writer stored it again"
+    with pytest.raises(ValueError, match="crc32c|not a current"):
+        decode(bytes(blob))
+
+
 def fail_on_data_reads(buffer, monkeypatch) -> None:
     for name in ("read_rows", "read_spans", "gather"):
         monkeypatch.setattr(buffer.storage, name, lambda *a, **k: pytest.fail("read data"))
