@@ -93,6 +93,17 @@ def test_bad_arguments(tmp_path, bad, message):
         buffer.dataloader(2, **bad)
 
 
+@pytest.mark.parametrize("sampled", [-100, 2.5, "10"])
+def test_a_bad_sample_count_in_a_state_is_refused(tmp_path, sampled):
+    """A negative count would let the loader hand out that many samples beyond the ratio."""
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=LENGTH, fields=FIELDS)
+    store(buffer, 0)
+    loader = buffer.dataloader(2, timestep_level=True, samples_per_insert=1, rate_timeout=0.05)
+    with pytest.raises(ValueError, match=r"state\['rate_limiter'\]\['sampled'\] must be an int >= 0"):
+        loader.load_state_dict({"rate_limiter": {"sampled": sampled}})
+    assert loader.state_dict()["rate_limiter"] == {"sampled": 0}
+
+
 def test_infinite_ratio_waits_for_min_size_only(tmp_path):
     """samples_per_insert=inf is Reverb's MinSize: nothing before min_size steps, then no limit
     (at exactly min_size steps inf * 0 made the bound nan and it blocked)."""

@@ -79,7 +79,7 @@ class RateLimiter:
         return {"sampled": self.sampled}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampled = int(state["sampled"])
+        self.sampled = int(_check_number("state['rate_limiter']['sampled']", state["sampled"], 0, integer=True))
 
     def update(self) -> int:
         """Reread the committed bookkeeping and add the steps of newly committed episodes."""
