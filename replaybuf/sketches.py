@@ -236,7 +236,7 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
         try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
             blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
-        except (ValueError, KeyError, TypeError, AttributeError, struct.error):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, struct.error):
             header = None  # a damaged blob: derived data, sketched again from the episode
         # a blob of another episode, or of an older release (no m2), is sketched again
         fresh = (

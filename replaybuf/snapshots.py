@@ -141,7 +141,7 @@ def decode(raw: bytes, name: str, schema: Schema, where: str) -> Snapshot:
         created = doc.get("created")
         if not isinstance(created, (int, float)):
             raise ValueError("'created' must be a number")
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         raise SnapshotError(f"snapshot {name!r} is damaged ({where}): {error}") from None
     keys = ("num_episodes", "episode_index", "total_episodes")
     return Snapshot(name, slots, generations, lengths, {k: state[k] for k in keys}, float(created))
@@ -192,7 +192,7 @@ def holding(storage: Storage) -> list[str]:
         try:  # one over MAX_DOCUMENT_BYTES (BufferDamagedError, unread) counts as damaged
             doc = json.loads(storage.read_blob(key(name)) or b"{}")
             held = not isinstance(doc, dict) or not isinstance(doc.get("slots"), list) or len(doc["slots"]) > 0
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             held = True
         if held:
             found.append(name)

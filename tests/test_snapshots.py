@@ -264,6 +264,7 @@ def test_snapshot_refused_while_an_episode_in_progress_reuses_a_slot(tmp_path):
     [
         (b"\x00garbage", "Expecting value|Unicode|JSON"),
         (b"[1, 2]", "expected a JSON object with format 1"),
+        (b"[" * 5000 + b"]" * 5000, "recursion"),  # raised RecursionError
         (json.dumps({"format": 1, "name": "other"}).encode(), "it names snapshot 'other'"),
         (
             json.dumps({"format": 1, "name": "s", "slots": [0, 99], "generations": [1, 2], "lengths": [1, 1]}).encode(),
@@ -288,6 +289,7 @@ def test_snapshot_refused_while_an_episode_in_progress_reuses_a_slot(tmp_path):
             "not distinct and ascending",
         ),
     ],
+    ids=["garbage", "list", "deep", "other-name", "slot-range", "length-range", "unsorted"],
 )
 def test_damaged_snapshot_file_is_named(tmp_path, content, problem):
     location = str(tmp_path / "b")
