@@ -90,8 +90,12 @@ def exists(storage: Storage, name: str) -> bool:
 
 
 def names(storage: Storage) -> list[str]:
-    """The names of the snapshots stored in ``storage``, sorted."""
-    return sorted({k[len(PREFIX) :].split("/")[0] for k in storage.list_blobs(PREFIX) if k.endswith("/snapshot.json")})
+    """The names of the snapshots stored in ``storage``, sorted. A folder whose name no snapshot
+    can have (``check_name``), or a ``snapshot.json`` deeper down, holds none: ``snapshot()``
+    never wrote it, and it would otherwise block every overwrite with an error that no
+    ``drop_snapshot`` call can clear."""
+    found = {k[len(PREFIX) :].partition("/") for k in storage.list_blobs(PREFIX)}
+    return sorted(n for n, _, rest in found if rest == "snapshot.json" and _NAME.fullmatch(n) and len(n) <= MAX_NAME)
 
 
 def encode(snapshot: Snapshot) -> bytes:
