@@ -489,7 +489,8 @@ class FieldStats:
 
     def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
         """Quantiles per feature (shape ``(len(q), *shape)``, or the field's shape for one ``q``)
-        from the merged sketches, within their rank error (``rank_error``)."""
+        from the merged sketches, within their rank error (``rank_error``); 0 and 1 give the
+        exact ``min`` and ``max``."""
         if not self.sketches:
             raise ValueError(
                 "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "
@@ -500,6 +501,9 @@ class FieldStats:
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
         values = values.reshape(len(qs), *self.mean.shape)
+        # the ends are known exactly: a merged KLL sketch may have dropped the extreme values
+        values[qs == 0] = self.min.numpy()
+        values[qs == 1] = self.max.numpy()
         # values[0] of a scalar field is a numpy scalar: keep it a 0-d array
         return torch.from_numpy(np.asarray(values[0]) if np.ndim(q) == 0 else values)
 

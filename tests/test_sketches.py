@@ -296,6 +296,20 @@ def test_errors(tmp_path):
         normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
 
 
+def test_quantiles_0_and_1_are_the_exact_min_and_max(tmp_path):
+    """A merged KLL sketch keeps a sample of the values: its 0 and 1 quantiles were the least
+    and largest values it kept, not the data's."""
+    buffer = make(tmp_path / "b", 4)
+    for name in ("state", "reward"):
+        values = np.concatenate([episode(i)[name] for i in range(4)]).astype(np.float32)
+        stats = buffer.stats([name])[name]
+        ends = stats.quantile([0.0, 0.5, 1.0])
+        np.testing.assert_array_equal(ends[0].numpy(), values.min(0))
+        np.testing.assert_array_equal(ends[2].numpy(), values.max(0))
+        np.testing.assert_array_equal(stats.quantile(1.0).numpy(), values.max(0))
+        assert_within_rank_error(stats, values)
+
+
 def test_quantile_of_a_scalar_field(tmp_path):
     """One q of a scalar field (rewards) is a 0-d tensor; it raised TypeError (a numpy scalar)."""
     buffer = make(tmp_path / "b", 2)
