@@ -319,7 +319,10 @@ def merge(buffer: Any, names: list[str], slots: np.ndarray) -> tuple[np.ndarray,
 def chosen_episodes(buffer: Any, episodes: Sequence[int] | np.ndarray | None, call: str) -> np.ndarray:
     """The committed slots ``episodes`` names (default: all, oldest first), checked."""
     valid = np.asarray(buffer.valid_episodes(), np.int64)
-    slots = valid if episodes is None else np.asarray(episodes, np.int64).reshape(-1)
+    given = None if episodes is None else np.asarray(episodes).reshape(-1)
+    if given is not None and given.dtype.kind not in "iu" and len(given):  # 0.5 would read as slot 0
+        raise ValueError(f"{call}: episodes must be slots (ints), got {given.tolist()}")
+    slots = valid if given is None else given.astype(np.int64)
     values, counts = np.unique(slots, return_counts=True)
     if (counts > 1).any():  # each would count twice
         raise ValueError(f"{call}: episodes lists slot(s) {values[counts > 1].tolist()} more than once")

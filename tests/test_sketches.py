@@ -294,6 +294,9 @@ def test_errors(tmp_path):
         buffer.stats(["state"], episodes=[0, 0, 1])  # slot 0 was counted twice
     with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got \(0.99, 0.01\)"):
         normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
+    for slots in ([0.5, 1], [True], ["0"]):  # 0.5 and True were read as slots 0 and 1
+        with pytest.raises(ValueError, match=r"stats: episodes must be slots \(ints\), got "):
+            buffer.stats(["state"], episodes=slots)
 
 
 def test_quantiles_0_and_1_are_the_exact_min_and_max(tmp_path):
