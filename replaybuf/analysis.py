@@ -32,7 +32,7 @@ from dask.utils import parse_bytes
 from . import sketches
 from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
 from .progress import dask_progress, progress_bar
-from .storage import GenerationMismatchError, fill_beyond, recycled_empty
+from .storage import BufferReplacedError, GenerationMismatchError, fill_beyond, recycled_empty
 from .view import BufferView
 
 if TYPE_CHECKING:
@@ -696,6 +696,8 @@ def stats(
         kept[np.flatnonzero(kept)[~sketch_kept]] = False
     lens = plan.lens[kept]
     if len(lens) == 0:
+        if buffer.storage.replaced():  # every episode gone with the buffer, not being rewritten
+            raise BufferReplacedError(buffer.storage.location)
         raise ConcurrentWriteError(buffer.storage.location, plan.slots, RETRIES)
     counts, edges = _lens_histogram(lens)
     return BufferStats(
