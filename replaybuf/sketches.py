@@ -5,8 +5,9 @@ rewards; not images), an episode of at least ``KLL_K`` steps gets one side blob
 ``replaybuf/sketches/<slot>``: per feature, count, sum, the sum of squared deviations from the
 episode mean (``m2``), min, max and an Apache DataSketches KLL quantile sketch
 (``kll_floats_sketch``, k = ``KLL_K``: normalized rank error about 1.3 % for a merge of any
-number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation, so a
-blob outliving its episode (slot reused) is ignored. ``buffer.stats()`` / ``summary()`` of any
+number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation and
+revision, so a blob outliving its episode (slot reused) or its values (edited in place:
+``update``, ``store_datapoint``, ``data[...] = ...``) is ignored. ``buffer.stats()`` / ``summary()`` of any
 set of episodes, or of a ``ConcatReplayBuffer``, merge the blobs without reading data; an
 episode without a valid blob is read and sketched then, and a writable buffer stores its blob
 (every sketched field) so that the next call reads no data. A read-only reader stores nothing.
@@ -22,7 +23,7 @@ floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at 
 ``stats()``.
 
 Blob layout (no pickle): ``b"RBS2"``, the little-endian uint32 crc32c of all that follows it, a
-little-endian uint32 header length, a JSON header ``{"generation", "length", "fields": {name:
+little-endian uint32 header length, a JSON header ``{"generation", "revision", "length", "fields": {name:
 {"count", "sum", "m2", "min", "max", "kll"}}}`` (``kll``: byte lengths of the per-feature
 sketches) and the sketches' bytes, in order. A blob that fails its crc32c (a flipped byte in a
 sum would otherwise shift the mean silently) or its layout, or an older release's ``b"RBSK"``
@@ -116,14 +117,16 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
     return header, blobs
 
 
-def encode(generation: int, episode: dict[str, np.ndarray]) -> bytes:
+def encode(generation: int, revision: int, episode: dict[str, np.ndarray]) -> bytes:
     """The blob of one episode: ``episode`` maps field -> (T, *shape) committed steps."""
     fields, payload = {}, []
     for name, steps in episode.items():
         fields[name], blobs = _field_sketch(np.asarray(steps).reshape(len(steps), -1))
         payload += blobs
     length = len(next(iter(episode.values()))) if episode else 0
-    header = json.dumps({"generation": int(generation), "length": length, "fields": fields}).encode()
+    header = json.dumps(
+        {"generation": int(generation), "revision": int(revision), "length": length, "fields": fields}
+    ).encode()
     body = struct.pack("<I", len(header)) + header + b"".join(payload)
     return _MAGIC + struct.pack("<I", crc32c(body)) + body
 
@@ -231,32 +234,36 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
                 out[row] = header
         return out
     headers: list[dict[str, Any] | None] = []
-    generations = buffer._meta["_generation"][slots]
-    for slot, generation in zip(slots.tolist(), generations.tolist()):
+    generations, revisions = buffer._meta["_generation"][slots], buffer._meta["_revision"][slots]
+    for slot, generation, revision in zip(slots.tolist(), generations.tolist(), revisions.tolist()):
         try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
             blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError, struct.error):
             header = None  # a damaged blob: derived data, sketched again from the episode
-        # a blob of another episode, or of an older release (no m2), is sketched again
+        # a blob of another episode, of values since edited, or of an older release (no m2),
+        # is sketched again
         fresh = (
             header is not None
             and header["generation"] == generation
+            and header.get("revision") == revision
             and all("m2" in header["fields"].get(n, {}) for n in names)
         )
         headers.append(header if fresh else None)
     missing = np.asarray([i for i, h in enumerate(headers) if h is None], np.int64)
-    for i, header in zip(missing.tolist(), _sketch_from_data(buffer, slots[missing], generations[missing], names)):
+    sketched = _sketch_from_data(buffer, slots[missing], generations[missing], revisions[missing], names)
+    for i, header in zip(missing.tolist(), sketched):
         headers[i] = header
     return headers
 
 
 def _sketch_from_data(
-    buffer: Any, slots: np.ndarray, generations: np.ndarray, names: list[str]
+    buffer: Any, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray, names: list[str]
 ) -> list[dict[str, Any] | None]:
-    """The headers of ``slots`` (holding ``generations``) sketched from their data, read
-    ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable buffer stores
-    the blobs of episodes of at least ``KLL_K`` steps, of every sketched field (read for them)."""
+    """The headers of ``slots`` (holding ``generations`` at ``revisions``) sketched from their
+    data, read ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable
+    buffer stores the blobs of episodes of at least ``KLL_K`` steps, of every sketched field
+    (read for them)."""
     stored = (buffer._meta["episode_lens"][slots] >= KLL_K) & (not buffer.read_only)
     headers: list[dict[str, Any] | None] = [None] * len(slots)
     storing = True  # until the storage refuses a blob
@@ -272,7 +279,7 @@ def _sketch_from_data(
                 i = read.get(int(slots[row]))
                 if i is None:
                     continue  # rewritten meanwhile
-                blob = encode(generations[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
+                blob = encode(generations[row], revisions[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
                 if store and storing:
                     storing = _store(buffer.storage, int(slots[row]), blob)
                 headers[row] = decode(blob)

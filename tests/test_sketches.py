@@ -171,6 +171,30 @@ def test_a_damaged_blob_is_never_served(tmp_path, damage):
         decode(bytes(blob))
 
 
+@pytest.mark.parametrize("edit", ["update", "store_datapoint", "data[...]", "update_steps"])
+def test_an_episode_edited_in_place_is_sketched_again(tmp_path, edit):
+    """A blob named its episode's generation only: after an in-place edit stats() kept
+    merging the blob of the values before it (the mean of the old rewards), in the writer and
+    in every reader."""
+    buffer = make(tmp_path / "b", 2)
+    buffer.stats(["reward"])
+    if edit == "update":
+        buffer.update(1, reward=np.full(200, 50.0, np.float32))
+    elif edit == "store_datapoint":
+        buffer.store_datapoint(1, 3, "reward", 50.0)
+    elif edit == "data[...]":
+        buffer.data["reward"][1, 3] = 50.0
+    else:
+        buffer.update_steps([1], [3], reward=np.array([50.0], np.float32))
+    values = np.concatenate([buffer.data["reward"][slot, :200] for slot in range(2)]).astype(np.float64)
+    assert values.max() == 50.0
+    for reader in (buffer, ReplayBuffer.from_folder(tmp_path / "b", read_only=True)):
+        stats = reader.stats(["reward"])["reward"]
+        np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-6)
+        assert float(stats.max) == 50.0
+        assert_within_rank_error(stats, values)
+
+
 def fail_on_data_reads(buffer, monkeypatch) -> None:
     for name in ("read_rows", "read_spans", "gather"):
         monkeypatch.setattr(buffer.storage, name, lambda *a, **k: pytest.fail("read data"))
