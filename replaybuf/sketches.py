@@ -105,12 +105,14 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
     total = ordered.sum(axis=1, dtype=np.float64)
     deviations = ordered.astype(np.float64)
     deviations -= (total / count)[:, None]
-    high = ordered[:, -1].astype(np.float64)  # NaN sorts last: NaN in a column, as np.max
+    low, high = ordered[:, 0], ordered[:, -1]  # in the field's dtype: int64 beyond 2**53 stays exact
+    if ordered.dtype.kind == "f":  # NaN sorts last: NaN in a column, as np.min and np.max
+        low = np.where(np.isnan(high), high, low)
     header = {
         "count": count,
         "sum": total.tolist(),
         "m2": np.einsum("ij,ij->i", deviations, deviations).tolist(),
-        "min": np.where(np.isnan(high), high, ordered[:, 0]).tolist(),
+        "min": low.tolist(),
         "max": high.tolist(),
         "kll": [len(b) for b in blobs],
     }
@@ -185,7 +187,8 @@ class _Accumulator:
 
     def __init__(self, features: int):
         self.count, self.mean, self.m2 = 0, np.zeros(features), np.zeros(features)
-        self.min, self.max = np.full(features, np.inf), np.full(features, -np.inf)
+        self.lows: list[list[Any]] = []  # each episode's, reduced in the field's dtype by ``result``
+        self.highs: list[list[Any]] = []
         self.parts: list[list[bytes]] = [[] for _ in range(features)]
 
     def add(self, field: dict[str, Any]) -> None:
@@ -196,8 +199,8 @@ class _Accumulator:
         self.m2 = self.m2 + np.asarray(field["m2"]) + delta * delta * (self.count * count / total)
         self.mean = self.mean + delta * (count / total)
         self.count = total
-        self.min = np.minimum(self.min, field["min"])
-        self.max = np.maximum(self.max, field["max"])
+        self.lows.append(field["min"])
+        self.highs.append(field["max"])
         for parts, part in zip(self.parts, field["kll"]):
             parts.append(part)
 
@@ -214,8 +217,8 @@ class _Accumulator:
         return FieldStats(
             mean=tensor(self.mean, real),
             std=tensor(np.sqrt(self.m2 / self.count), real),
-            min=tensor(self.min, field.dtype),
-            max=tensor(self.max, field.dtype),
+            min=tensor(np.min(np.asarray(self.lows, field.dtype), axis=0), field.dtype),
+            max=tensor(np.max(np.asarray(self.highs, field.dtype), axis=0), field.dtype),
             count=int(self.count),
             sketches=MergedSketches(self.parts),
         )
