@@ -639,11 +639,18 @@ def _block_stats(
     valid = np.arange(length)[None, :] < lens[:, None]
     moments = {n: _block_moments(block, lens) for n, block in blocks.items()}
     sums = {
-        n: np.where(valid, block, 0).sum(axis=1, dtype=np.float64 if block.dtype.kind in "fc" else np.int64)
+        n: np.where(valid, block, 0).sum(axis=1, dtype=_sum_dtype(block.dtype))
         for n, block in blocks.items()
         if fields[n].shape == ()
     }
     return kept, moments, sums
+
+
+def _sum_dtype(dtype: np.dtype) -> type[np.number]:
+    """The dtype of an episode's sum of ``dtype`` values: int64 for ints of up to 4 bytes (exact,
+    and 2**32 values of any length fit), float64 for floats and for 8-byte ints (an int64 sum of
+    nanosecond timestamps wraps past 5 steps; float64 is what the sketches sum in)."""
+    return np.int64 if dtype.kind in "iub" and dtype.itemsize <= 4 else np.float64
 
 
 def _merge_stats(parts: list[tuple]) -> tuple:

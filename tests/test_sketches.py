@@ -195,19 +195,24 @@ def test_an_episode_edited_in_place_is_sketched_again(tmp_path, edit):
         assert_within_rank_error(stats, values)
 
 
-def test_min_and_max_of_int64_beyond_2_53_are_exact(tmp_path):
-    """Nanosecond timestamps (~1.7e18) went through float64 in the sketches: min and max came
-    back rounded to a multiple of 256, unlike stats(exact=True)."""
-    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=KLL_K, fields={"stamp": ("int64", (2,))})
+def test_min_max_and_sums_of_int64_beyond_2_53(tmp_path):
+    """Nanosecond timestamps (~1.7e18): the sketches' min and max went through float64 (rounded
+    to a multiple of 256, unlike stats(exact=True)), and exact=True summed each episode in int64,
+    which wrapped around to a negative 'return'."""
+    fields = {"stamp": ("int64", (2,)), "t": ("int64", ())}
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=KLL_K, fields=fields)
     stamps = [
         1_700_000_000_123_456_789 + np.arange(KLL_K * 2, dtype=np.int64).reshape(KLL_K, 2) * 7 + i for i in (1, 3)
     ]
     for values in (stamps[0], stamps[1][:50]):  # a stored blob, and an episode sketched from its data
-        buffer.store_episode(stamp=values)
+        buffer.store_episode(stamp=values, t=values[:, 0])
     every = np.concatenate([stamps[0], stamps[1][:50]])
+    sums = [float(stamps[0][:, 0].astype(np.float64).sum()), float(stamps[1][:50, 0].astype(np.float64).sum())]
     for exact in (False, True):
-        stats = buffer.stats(["stamp"], exact=exact)["stamp"]
-        assert stats.min.tolist() == every.min(0).tolist() and stats.max.tolist() == every.max(0).tolist()
+        stats = buffer.stats(["stamp", "t"], exact=exact)
+        assert stats["stamp"].min.tolist() == every.min(0).tolist()
+        assert stats["stamp"].max.tolist() == every.max(0).tolist()
+        np.testing.assert_allclose(stats.episode_sums["t"].numpy(), sums, rtol=1e-12)
 
 
 def fail_on_data_reads(buffer, monkeypatch) -> None:
