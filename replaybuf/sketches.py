@@ -22,10 +22,10 @@ every value, so the blob would be larger than the episode's data (a 20-step epis
 floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at every
 ``stats()``.
 
-Blob layout (no pickle): ``b"RBS2"``, the little-endian uint32 crc32c of all that follows it, a
+Blob layout (no pickle): ``b"RBS2"``, the little-endian uint32 crc32 of all that follows it, a
 little-endian uint32 header length, a JSON header ``{"generation", "revision", "length", "fields": {name:
 {"count", "sum", "m2", "min", "max", "kll"}}}`` (``kll``: byte lengths of the per-feature
-sketches) and the sketches' bytes, in order. A blob that fails its crc32c (a flipped byte in a
+sketches) and the sketches' bytes, in order. A blob that fails its crc32 (a flipped byte in a
 sum would otherwise shift the mean silently) or its layout, or an older release's ``b"RBSK"``
 blob (no checksum), is ignored and its episode sketched again.
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,6 @@ import numpy as np
 from .consistency import read_episodes_consistent
 from .schema import Field
 from .storage import SKETCHES_PREFIX
-from .storage._codecs import crc32c
 from .storage.base import Storage, StorageError
 
 if TYPE_CHECKING:  # torch loads with the first summary, not at commit time
@@ -130,17 +130,17 @@ def encode(generation: int, revision: int, episode: dict[str, np.ndarray]) -> by
         {"generation": int(generation), "revision": int(revision), "length": length, "fields": fields}
     ).encode()
     body = struct.pack("<I", len(header)) + header + b"".join(payload)
-    return _MAGIC + struct.pack("<I", crc32c(body)) + body
+    return _MAGIC + struct.pack("<I", zlib.crc32(body)) + body
 
 
 def decode(blob: bytes) -> dict[str, Any]:
     """The header of a blob with each field's ``kll`` replaced by its sketches' bytes; ValueError
-    when it is not a current blob, fails its crc32c or its sketches do not fill it exactly."""
+    when it is not a current blob, fails its crc32 or its sketches do not fill it exactly."""
     if blob[:4] != _MAGIC:
         raise ValueError(f"not a current replaybuf sketch blob (starts with {blob[:4]!r})")
     (crc,) = struct.unpack("<I", blob[4:8])
-    if crc32c(blob[8:]) != crc:
-        raise ValueError("sketch blob fails its crc32c")
+    if zlib.crc32(blob[8:]) != crc:
+        raise ValueError("sketch blob fails its crc32")
     (size,) = struct.unpack("<I", blob[8:12])
     header = json.loads(blob[12 : 12 + size])
     position = 12 + size
