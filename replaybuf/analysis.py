@@ -32,7 +32,7 @@ from dask.utils import parse_bytes
 from . import sketches
 from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
 from .progress import dask_progress, progress_bar
-from .storage import GenerationMismatchError, fill_beyond, recycled_empty
+from .storage import BufferReplacedError, GenerationMismatchError, fill_beyond, recycled_empty
 from .view import BufferView
 
 if TYPE_CHECKING:
@@ -489,7 +489,8 @@ class FieldStats:
 
     def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
         """Quantiles per feature (shape ``(len(q), *shape)``, or the field's shape for one ``q``)
-        from the merged sketches, within their rank error (``rank_error``)."""
+        from the merged sketches, within their rank error (``rank_error``); 0 and 1 give the
+        exact ``min`` and ``max``."""
         if not self.sketches:
             raise ValueError(
                 "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "
@@ -500,6 +501,9 @@ class FieldStats:
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
         values = values.reshape(len(qs), *self.mean.shape)
+        # the ends are known exactly: a merged KLL sketch may have dropped the extreme values
+        values[qs == 0] = self.min.numpy()
+        values[qs == 1] = self.max.numpy()
         # values[0] of a scalar field is a numpy scalar: keep it a 0-d array
         return torch.from_numpy(np.asarray(values[0]) if np.ndim(q) == 0 else values)
 
@@ -635,11 +639,18 @@ def _block_stats(
     valid = np.arange(length)[None, :] < lens[:, None]
     moments = {n: _block_moments(block, lens) for n, block in blocks.items()}
     sums = {
-        n: np.where(valid, block, 0).sum(axis=1, dtype=np.float64 if block.dtype.kind in "fc" else np.int64)
+        n: np.where(valid, block, 0).sum(axis=1, dtype=_sum_dtype(block.dtype))
         for n, block in blocks.items()
         if fields[n].shape == ()
     }
     return kept, moments, sums
+
+
+def _sum_dtype(dtype: np.dtype) -> type[np.number]:
+    """The dtype of an episode's sum of ``dtype`` values: int64 for ints of up to 4 bytes (exact,
+    and 2**32 values of any length fit), float64 for floats and for 8-byte ints (an int64 sum of
+    nanosecond timestamps wraps past 5 steps; float64 is what the sketches sum in)."""
+    return np.int64 if dtype.kind in "iub" and dtype.itemsize <= 4 else np.float64
 
 
 def _merge_stats(parts: list[tuple]) -> tuple:
@@ -692,6 +703,8 @@ def stats(
         kept[np.flatnonzero(kept)[~sketch_kept]] = False
     lens = plan.lens[kept]
     if len(lens) == 0:
+        if buffer.storage.replaced():  # every episode gone with the buffer, not being rewritten
+            raise BufferReplacedError(buffer.storage.location)
         raise ConcurrentWriteError(buffer.storage.location, plan.slots, RETRIES)
     counts, edges = _lens_histogram(lens)
     return BufferStats(

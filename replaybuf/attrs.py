@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-from .storage.base import ATTRS_KEY, Storage, parse_json
+from .storage.base import ATTRS_KEY, BufferDamagedError, Storage, parse_json
 
 __all__ = ["ATTRS_KEY", "MAX_ATTRS_BYTES", "BufferAttrs", "encode_attrs", "load_attrs"]
 
@@ -74,9 +74,20 @@ def encode_attrs(attrs: Mapping[str, Any]) -> bytes:
 
 
 def load_attrs(storage: Storage) -> dict[str, Any]:
-    """The attributes stored with the buffer of ``storage`` (empty when it has none)."""
-    raw = storage.read_blob(ATTRS_KEY)
-    return {} if raw is None else parse_json(raw, storage.describe_key(ATTRS_KEY))
+    """The attributes stored with the buffer of ``storage`` (empty when it has none);
+    BufferDamagedError naming the object when it holds what ``encode_attrs`` never writes (over
+    ``MAX_ATTRS_BYTES``, refused unread; NaN or infinity, too deep a nesting)."""
+    raw = storage.read_blob(ATTRS_KEY, limit=MAX_ATTRS_BYTES)
+    if raw is None:
+        return {}
+    where = storage.describe_key(ATTRS_KEY)
+    attrs = parse_json(raw, where)
+    try:
+        for key, value in attrs.items():
+            _check_value(value, f"attrs[{key!r}]")
+    except ValueError as error:
+        raise BufferDamagedError(f"{where}: {error}") from None
+    return attrs
 
 
 class BufferAttrs(MutableMapping[str, Any]):

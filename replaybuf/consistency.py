@@ -247,7 +247,8 @@ def read_episodes_consistent(
     Returns the slots that held one committed episode throughout the read, with their data
     (``(n, T, *shape)``, zero past each length, ``T`` the longest kept length, or ``t1 - t0``),
     meta fields and lengths as stored; ``dropped`` lists the slots left out (empty, being
-    rewritten, or no longer holding ``generations`` when a batch plan passes them). A slot
+    rewritten, or no longer holding ``generations`` when a batch plan passes them); when the
+    buffer itself was deleted or created again, ``BufferReplacedError`` instead. A slot
     that changed during the read is read again as the episode it holds now when no
     ``generations`` are passed. A snapshot view reads its recorded episodes (a slot outside it
     is empty) and raises ``SnapshotError`` for one no longer stored. ``with_meta=False``
@@ -300,6 +301,8 @@ def read_episodes_consistent(
 
     replan = replanner(storage, slots, lens, {n: plan[n] for n in meta_names})
     kept = read_consistent(buffer, slots, gens, read, None if generations is not None else replan)
+    if not kept.all() and storage.replaced():  # left out as gone: of a buffer deleted or created again
+        raise BufferReplacedError(storage.location)
     cut = width() if t1 is not None else int(lens[kept].max(initial=0))
     empty = {n: np.zeros((0, cut, *f.shape), f.dtype) for n, f in buffer.schema.fields.items() if n in fields}
     return ConsistentEpisodes(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import metasums, snapshots
-from .attrs import load_attrs
+from .attrs import encode_attrs, load_attrs
 from .commit import catch_up
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
@@ -255,6 +255,7 @@ def convert(
     # slots and generations are kept, so snapshots stay true as they are; a damaged one is
     # refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
+    attrs = load_attrs(source)  # damaged ones are refused here too
     made = _new_local_folder(target.location)
     try:
         target.acquire_writer(erase=True)
@@ -266,9 +267,8 @@ def convert(
         every_slot = np.arange(schema.max_episodes)
         for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
             target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
-        attrs = source.read_blob(ATTRS_KEY)
-        if attrs is not None:
-            target.write_blob(ATTRS_KEY, attrs)
+        if attrs:
+            target.write_blob(ATTRS_KEY, encode_attrs(attrs))
         for name, snapshot in held.items():
             target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
         target.commit_state(state)

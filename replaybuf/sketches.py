@@ -5,8 +5,9 @@ rewards; not images), an episode of at least ``KLL_K`` steps gets one side blob
 ``replaybuf/sketches/<slot>``: per feature, count, sum, the sum of squared deviations from the
 episode mean (``m2``), min, max and an Apache DataSketches KLL quantile sketch
 (``kll_floats_sketch``, k = ``KLL_K``: normalized rank error about 1.3 % for a merge of any
-number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation, so a
-blob outliving its episode (slot reused) is ignored. ``buffer.stats()`` / ``summary()`` of any
+number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation and
+revision, so a blob outliving its episode (slot reused) or its values (edited in place:
+``update``, ``store_datapoint``, ``data[...] = ...``) is ignored. ``buffer.stats()`` / ``summary()`` of any
 set of episodes, or of a ``ConcatReplayBuffer``, merge the blobs without reading data; an
 episode without a valid blob is read and sketched then, and a writable buffer stores its blob
 (every sketched field) so that the next call reads no data. A read-only reader stores nothing.
@@ -21,9 +22,12 @@ every value, so the blob would be larger than the episode's data (a 20-step epis
 floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at every
 ``stats()``.
 
-Blob layout (no pickle): ``b"RBSK"``, a little-endian uint32 header length, a JSON header
-``{"generation", "length", "fields": {name: {"count", "sum", "m2", "min", "max", "kll"}}}``
-(``kll``: byte lengths of the per-feature sketches) and the sketches' bytes, in order.
+Blob layout (no pickle): ``b"RBS2"``, the little-endian uint32 crc32 of all that follows it, a
+little-endian uint32 header length, a JSON header ``{"generation", "revision", "length", "fields": {name:
+{"count", "sum", "m2", "min", "max", "kll"}}}`` (``kll``: byte lengths of the per-feature
+sketches) and the sketches' bytes, in order. A blob that fails its crc32 (a flipped byte in a
+sum would otherwise shift the mean silently) or its layout, or an older release's ``b"RBSK"``
+blob (no checksum), is ignored and its episode sketched again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,7 +58,7 @@ PREFIX = SKETCHES_PREFIX
 # the most bytes of episodes read at once to sketch them from their data (RAM stays bounded
 # when a first stats() sketches a whole buffer)
 READ_BYTES = 64 << 20
-_MAGIC = b"RBSK"
+_MAGIC = b"RBS2"
 
 
 def _kll():
@@ -100,42 +105,53 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
     total = ordered.sum(axis=1, dtype=np.float64)
     deviations = ordered.astype(np.float64)
     deviations -= (total / count)[:, None]
-    high = ordered[:, -1].astype(np.float64)  # NaN sorts last: NaN in a column, as np.max
+    low, high = ordered[:, 0], ordered[:, -1]  # in the field's dtype: int64 beyond 2**53 stays exact
+    if ordered.dtype.kind == "f":  # NaN sorts last: NaN in a column, as np.min and np.max
+        low = np.where(np.isnan(high), high, low)
     header = {
         "count": count,
         "sum": total.tolist(),
         "m2": np.einsum("ij,ij->i", deviations, deviations).tolist(),
-        "min": np.where(np.isnan(high), high, ordered[:, 0]).tolist(),
+        "min": low.tolist(),
         "max": high.tolist(),
         "kll": [len(b) for b in blobs],
     }
     return header, blobs
 
 
-def encode(generation: int, episode: dict[str, np.ndarray]) -> bytes:
+def encode(generation: int, revision: int, episode: dict[str, np.ndarray]) -> bytes:
     """The blob of one episode: ``episode`` maps field -> (T, *shape) committed steps."""
     fields, payload = {}, []
     for name, steps in episode.items():
         fields[name], blobs = _field_sketch(np.asarray(steps).reshape(len(steps), -1))
         payload += blobs
     length = len(next(iter(episode.values()))) if episode else 0
-    header = json.dumps({"generation": int(generation), "length": length, "fields": fields}).encode()
-    return _MAGIC + struct.pack("<I", len(header)) + header + b"".join(payload)
+    header = json.dumps(
+        {"generation": int(generation), "revision": int(revision), "length": length, "fields": fields}
+    ).encode()
+    body = struct.pack("<I", len(header)) + header + b"".join(payload)
+    return _MAGIC + struct.pack("<I", zlib.crc32(body)) + body
 
 
 def decode(blob: bytes) -> dict[str, Any]:
-    """The header of a blob with each field's ``kll`` replaced by its sketches' bytes."""
+    """The header of a blob with each field's ``kll`` replaced by its sketches' bytes; ValueError
+    when it is not a current blob, fails its crc32 or its sketches do not fill it exactly."""
     if blob[:4] != _MAGIC:
-        raise ValueError(f"not a replaybuf sketch blob (starts with {blob[:4]!r})")
-    (size,) = struct.unpack("<I", blob[4:8])
-    header = json.loads(blob[8 : 8 + size])
-    position = 8 + size
+        raise ValueError(f"not a current replaybuf sketch blob (starts with {blob[:4]!r})")
+    (crc,) = struct.unpack("<I", blob[4:8])
+    if zlib.crc32(blob[8:]) != crc:
+        raise ValueError("sketch blob fails its crc32")
+    (size,) = struct.unpack("<I", blob[8:12])
+    header = json.loads(blob[12 : 12 + size])
+    position = 12 + size
     for field in header["fields"].values():
         parts = []
         for length in field["kll"]:
             parts.append(blob[position : position + length])
             position += length
         field["kll"] = parts
+    if position != len(blob):
+        raise ValueError(f"sketch blob holds {len(blob)} bytes, its header describes {position}")
     return header
 
 
@@ -171,7 +187,8 @@ class _Accumulator:
 
     def __init__(self, features: int):
         self.count, self.mean, self.m2 = 0, np.zeros(features), np.zeros(features)
-        self.min, self.max = np.full(features, np.inf), np.full(features, -np.inf)
+        self.lows: list[list[Any]] = []  # each episode's, reduced in the field's dtype by ``result``
+        self.highs: list[list[Any]] = []
         self.parts: list[list[bytes]] = [[] for _ in range(features)]
 
     def add(self, field: dict[str, Any]) -> None:
@@ -182,8 +199,8 @@ class _Accumulator:
         self.m2 = self.m2 + np.asarray(field["m2"]) + delta * delta * (self.count * count / total)
         self.mean = self.mean + delta * (count / total)
         self.count = total
-        self.min = np.minimum(self.min, field["min"])
-        self.max = np.maximum(self.max, field["max"])
+        self.lows.append(field["min"])
+        self.highs.append(field["max"])
         for parts, part in zip(self.parts, field["kll"]):
             parts.append(part)
 
@@ -200,8 +217,8 @@ class _Accumulator:
         return FieldStats(
             mean=tensor(self.mean, real),
             std=tensor(np.sqrt(self.m2 / self.count), real),
-            min=tensor(self.min, field.dtype),
-            max=tensor(self.max, field.dtype),
+            min=tensor(np.min(np.asarray(self.lows, field.dtype), axis=0), field.dtype),
+            max=tensor(np.max(np.asarray(self.highs, field.dtype), axis=0), field.dtype),
             count=int(self.count),
             sketches=MergedSketches(self.parts),
         )
@@ -220,32 +237,36 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
                 out[row] = header
         return out
     headers: list[dict[str, Any] | None] = []
-    generations = buffer._meta["_generation"][slots]
-    for slot, generation in zip(slots.tolist(), generations.tolist()):
+    generations, revisions = buffer._meta["_generation"][slots], buffer._meta["_revision"][slots]
+    for slot, generation, revision in zip(slots.tolist(), generations.tolist(), revisions.tolist()):
         try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
             blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
-        except (ValueError, KeyError, TypeError, struct.error):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, struct.error):
             header = None  # a damaged blob: derived data, sketched again from the episode
-        # a blob of another episode, or of an older release (no m2), is sketched again
+        # a blob of another episode, of values since edited, or of an older release (no m2),
+        # is sketched again
         fresh = (
             header is not None
             and header["generation"] == generation
+            and header.get("revision") == revision
             and all("m2" in header["fields"].get(n, {}) for n in names)
         )
         headers.append(header if fresh else None)
     missing = np.asarray([i for i, h in enumerate(headers) if h is None], np.int64)
-    for i, header in zip(missing.tolist(), _sketch_from_data(buffer, slots[missing], generations[missing], names)):
+    sketched = _sketch_from_data(buffer, slots[missing], generations[missing], revisions[missing], names)
+    for i, header in zip(missing.tolist(), sketched):
         headers[i] = header
     return headers
 
 
 def _sketch_from_data(
-    buffer: Any, slots: np.ndarray, generations: np.ndarray, names: list[str]
+    buffer: Any, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray, names: list[str]
 ) -> list[dict[str, Any] | None]:
-    """The headers of ``slots`` (holding ``generations``) sketched from their data, read
-    ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable buffer stores
-    the blobs of episodes of at least ``KLL_K`` steps, of every sketched field (read for them)."""
+    """The headers of ``slots`` (holding ``generations`` at ``revisions``) sketched from their
+    data, read ``READ_BYTES`` at a time; None for one a writer rewrote meanwhile. A writable
+    buffer stores the blobs of episodes of at least ``KLL_K`` steps, of every sketched field
+    (read for them)."""
     stored = (buffer._meta["episode_lens"][slots] >= KLL_K) & (not buffer.read_only)
     headers: list[dict[str, Any] | None] = [None] * len(slots)
     storing = True  # until the storage refuses a blob
@@ -261,7 +282,7 @@ def _sketch_from_data(
                 i = read.get(int(slots[row]))
                 if i is None:
                     continue  # rewritten meanwhile
-                blob = encode(generations[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
+                blob = encode(generations[row], revisions[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
                 if store and storing:
                     storing = _store(buffer.storage, int(slots[row]), blob)
                 headers[row] = decode(blob)
@@ -308,7 +329,10 @@ def merge(buffer: Any, names: list[str], slots: np.ndarray) -> tuple[np.ndarray,
 def chosen_episodes(buffer: Any, episodes: Sequence[int] | np.ndarray | None, call: str) -> np.ndarray:
     """The committed slots ``episodes`` names (default: all, oldest first), checked."""
     valid = np.asarray(buffer.valid_episodes(), np.int64)
-    slots = valid if episodes is None else np.asarray(episodes, np.int64).reshape(-1)
+    given = None if episodes is None else np.asarray(episodes).reshape(-1)
+    if given is not None and given.dtype.kind not in "iu" and len(given):  # 0.5 would read as slot 0
+        raise ValueError(f"{call}: episodes must be slots (ints), got {given.tolist()}")
+    slots = valid if given is None else given.astype(np.int64)
     values, counts = np.unique(slots, return_counts=True)
     if (counts > 1).any():  # each would count twice
         raise ValueError(f"{call}: episodes lists slot(s) {values[counts > 1].tolist()} more than once")

@@ -90,8 +90,12 @@ def exists(storage: Storage, name: str) -> bool:
 
 
 def names(storage: Storage) -> list[str]:
-    """The names of the snapshots stored in ``storage``, sorted."""
-    return sorted({k[len(PREFIX) :].split("/")[0] for k in storage.list_blobs(PREFIX) if k.endswith("/snapshot.json")})
+    """The names of the snapshots stored in ``storage``, sorted. A folder whose name no snapshot
+    can have (``check_name``), or a ``snapshot.json`` deeper down, holds none: ``snapshot()``
+    never wrote it, and it would otherwise block every overwrite with an error that no
+    ``drop_snapshot`` call can clear."""
+    found = {k[len(PREFIX) :].partition("/") for k in storage.list_blobs(PREFIX)}
+    return sorted(n for n, _, rest in found if rest == "snapshot.json" and _NAME.fullmatch(n) and len(n) <= MAX_NAME)
 
 
 def encode(snapshot: Snapshot) -> bytes:
@@ -141,7 +145,7 @@ def decode(raw: bytes, name: str, schema: Schema, where: str) -> Snapshot:
         created = doc.get("created")
         if not isinstance(created, (int, float)):
             raise ValueError("'created' must be a number")
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         raise SnapshotError(f"snapshot {name!r} is damaged ({where}): {error}") from None
     keys = ("num_episodes", "episode_index", "total_episodes")
     return Snapshot(name, slots, generations, lengths, {k: state[k] for k in keys}, float(created))
@@ -192,7 +196,7 @@ def holding(storage: Storage) -> list[str]:
         try:  # one over MAX_DOCUMENT_BYTES (BufferDamagedError, unread) counts as damaged
             doc = json.loads(storage.read_blob(key(name)) or b"{}")
             held = not isinstance(doc, dict) or not isinstance(doc.get("slots"), list) or len(doc["slots"]) > 0
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             held = True
         if held:
             found.append(name)

@@ -151,6 +151,32 @@ def test_damaged_attrs_object_names_it(tmp_path):
     assert [p for p in verify(tmp_path / "b") if "replaybuf/attrs.json" in p and "not valid JSON" in p]
 
 
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b'{"fps": NaN}', r"attrs\['fps'\] is nan: JSON has no NaN"),
+        (b'{"a": [1, -Infinity]}', r"attrs\['a'\]\[1\] is -inf"),
+        (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "not valid JSON .*recursion"),
+        (b'{"a": "' + b"x" * MAX_ATTRS_BYTES + b'"}', "over the 1,048,576-byte limit"),
+    ],
+    ids=["nan", "infinity", "deep", "large"],
+)
+def test_attrs_object_holding_what_no_write_stores_is_damaged(tmp_path, content, problem):
+    """NaN and infinity were read back as floats (and then made every change fail), a deep
+    nesting raised RecursionError, a 64 MiB object was read whole, and convert copied each
+    as it was; each is now refused naming the object, by buffer.attrs, verify and convert
+    (before it writes anything)."""
+    new_buffer(tmp_path / "b").close()
+    (tmp_path / "b" / "replaybuf" / "attrs.json").write_bytes(content)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    with pytest.raises(BufferDamagedError, match=r"replaybuf/attrs.json.*" + problem):
+        dict(reader.attrs)
+    assert [p for p in verify(tmp_path / "b") if "replaybuf/attrs.json" in p]
+    with pytest.raises(BufferDamagedError, match=r"replaybuf/attrs.json.*" + problem):
+        convert(tmp_path / "b", tmp_path / "copy", progress=False)  # copied the bytes as they were
+    assert not (tmp_path / "copy").exists()
+
+
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
 def test_buffers_of_the_released_format_have_no_attrs(backend):
     assert stored(os.path.join(DATA, "format-v1", backend)) == {}

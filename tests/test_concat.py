@@ -284,6 +284,32 @@ def test_refresh_sees_new_episodes(tmp_path):
     assert len(live.refresh()) == 3
 
 
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("how", ["deleted", "created again"])
+def test_stats_of_a_member_gone_raise_instead_of_leaving_it_out(tmp_path, exact, how):
+    """A member deleted (or created again) after the concatenation opened: stats() from
+    sketches answered for the other members only (its episodes dropped as 'rewritten'), and
+    stats(exact=True) of one created again said 'rewritten by a concurrent writer; retryable'."""
+    import shutil
+
+    from replaybuf.storage import BufferReplacedError
+
+    make_members(tmp_path)
+    concat = ConcatReplayBuffer([tmp_path / "a", tmp_path / "b"])
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    if how == "deleted":
+        shutil.rmtree(tmp_path / "b")
+    else:  # overwrite=True: the same slots and generations, of new episodes
+        with ReplayBuffer(
+            tmp_path / "b", max_episodes=3, max_timesteps=20, fields=FIELDS, meta_fields=META, overwrite=True
+        ) as new:
+            for index in range(3):
+                new.store_episode(**episode(10 + index, 20), task=0)
+    for buffer in (concat, reader):
+        with pytest.raises(BufferReplacedError, match=r"b' was replaced"):
+            buffer.stats(["obs"], exact=exact)
+
+
 def test_pickles_as_a_read_only_view(concat):
     buffer, stored = concat
     copy = pickle.loads(pickle.dumps(buffer))

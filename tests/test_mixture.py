@@ -66,6 +66,37 @@ def test_zero_weight_source_never_drawn(members):
     assert 0 not in np.concatenate([sources_of(b) for b in loader])
 
 
+def test_weights_near_the_float_maximum_are_proportions_like_any_other(members):
+    """Three weights of 1e308 sum to inf: they were accepted, then every batch failed in numpy
+    ('probabilities do not sum to 1')."""
+    huge = as_lists(ConcatReplayBuffer(members, weights=[1e308] * 3).dataloader(8, timestep_level=True, seed=1))
+    assert huge == as_lists(ConcatReplayBuffer(members, weights=[1, 1, 1]).dataloader(8, timestep_level=True, seed=1))
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "7", True])
+def test_a_bad_seed_is_refused_by_name(members, seed):
+    """seed=1.5 was truncated to 1, seed=-1 failed at the first batch in numpy."""
+    with pytest.raises(ValueError, match=rf"seed must be an int >= 0, got {seed!r}"):
+        ConcatReplayBuffer(members, weights=WEIGHTS).dataloader(8, timestep_level=True, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"seed": 5, "pass": 0, "batch": -1}, r"batch must be an int >= 0, got -1"),
+        ({"seed": 5, "pass": 1.5, "batch": 0}, r"pass must be an int >= 0, got 1.5"),
+        ({"seed": "x", "pass": 0, "batch": 0}, r"seed must be an int >= 0, got 'x'"),
+        ({"seed": 5}, r"mixture loader state is missing keys \['batch', 'pass'\]"),
+    ],
+)
+def test_a_bad_state_is_refused_and_the_loader_keeps_its_own(members, state, message):
+    loader = ConcatReplayBuffer(members, weights=WEIGHTS).dataloader(8, timestep_level=True, num_batches=3, seed=5)
+    before = loader.state_dict()
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(state)
+    assert loader.state_dict() == before
+
+
 def as_lists(loader) -> list:
     return [(b["source"].tolist(), b["obs"].tolist()) for b in loader]
 

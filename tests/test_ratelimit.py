@@ -84,6 +84,7 @@ def test_state_dict_keeps_the_count(tmp_path):
         ({"samples_per_insert": 1, "min_size": 2.5}, "min_size must be an int"),
         ({"samples_per_insert": 1, "error_buffer": -1}, "error_buffer must be a number >= 0"),
         ({"samples_per_insert": 1, "rate_timeout": -1}, "rate_timeout must be a number >= 0"),
+        ({"samples_per_insert": 1, "min_size": 2 * LENGTH + 1}, rf"min_size={2 * LENGTH + 1}: more steps than .* can"),
     ],
 )
 def test_bad_arguments(tmp_path, bad, message):
@@ -91,6 +92,28 @@ def test_bad_arguments(tmp_path, bad, message):
     store(buffer, 0)
     with pytest.raises(ValueError, match=message):
         buffer.dataloader(2, **bad)
+
+
+@pytest.mark.parametrize("sampled", [-100, 2.5, "10"])
+def test_a_bad_sample_count_in_a_state_is_refused(tmp_path, sampled):
+    """A negative count would let the loader hand out that many samples beyond the ratio."""
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=LENGTH, fields=FIELDS)
+    store(buffer, 0)
+    loader = buffer.dataloader(2, timestep_level=True, samples_per_insert=1, rate_timeout=0.05)
+    with pytest.raises(ValueError, match=r"state\['rate_limiter'\]\['sampled'\] must be an int >= 0"):
+        loader.load_state_dict({"rate_limiter": {"sampled": sampled}})
+    assert loader.state_dict()["rate_limiter"] == {"sampled": 0}
+
+
+def test_min_size_beyond_what_a_circular_buffer_holds_is_accepted(tmp_path):
+    """A circular buffer counts every commit, overwritten or not: min_size may exceed its
+    capacity there (and only there: elsewhere the loader would wait forever)."""
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=LENGTH, fields=FIELDS, circular=True)
+    loader = buffer.dataloader(2, timestep_level=True, samples_per_insert=1, min_size=3 * LENGTH, rate_timeout=0)
+    for index in range(3):
+        store(buffer, index)
+        loader.limiter.update()  # as a waiting loader rereads the store between commits
+    assert len(next(iter(loader))["state"]) == 2
 
 
 def test_infinite_ratio_waits_for_min_size_only(tmp_path):

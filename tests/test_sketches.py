@@ -146,6 +146,75 @@ def test_damaged_and_older_blobs_are_sketched_again(tmp_path):
         assert set(decode(buffer.storage.read_blob(f"{PREFIX}{slot}"))["fields"]["state"]) >= {"m2", "kll"}
 
 
+@pytest.mark.parametrize("damage", ["sum digit", "kll byte", "truncated"])
+def test_a_damaged_blob_is_never_served(tmp_path, damage):
+    """A blob whose bytes changed on disk (a digit of a sum, a byte of a KLL sketch, a lost
+    tail) fails its crc32 and is sketched again: before, a changed digit of a sum moved the
+    mean silently and a truncated blob made quantile() fail."""
+    buffer = make(tmp_path / "b", 2)
+    buffer.stats(["state"])
+    blob = bytearray(buffer.storage.read_blob(f"{PREFIX}0"))
+    if damage == "truncated":
+        del blob[-50:]
+    else:
+        at = blob.index(b'"sum": [') + 9 if damage == "sum digit" else len(blob) - 100
+        blob[at] = ord("7") if blob[at] != ord("7") else ord("3")
+    buffer.storage.write_blob(f"{PREFIX}0", bytes(blob))
+    values = np.concatenate([episode(i)["state"] for i in range(2)]).astype(np.float64)
+    for reader in (ReplayBuffer.from_folder(tmp_path / "b", read_only=True), buffer):
+        stats = reader.stats(["state"])["state"]
+        np.testing.assert_allclose(stats.mean.numpy(), values.mean(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(stats.std.numpy(), values.std(0), rtol=1e-4, atol=1e-5)
+        assert_within_rank_error(stats, values)
+    assert decode(buffer.storage.read_blob(f"{PREFIX}0"))["generation"] == 1, "the writer stored it again"
+    with pytest.raises(ValueError, match="crc32|not a current"):
+        decode(bytes(blob))
+
+
+@pytest.mark.parametrize("edit", ["update", "store_datapoint", "data[...]", "update_steps"])
+def test_an_episode_edited_in_place_is_sketched_again(tmp_path, edit):
+    """A blob named its episode's generation only: after an in-place edit stats() kept
+    merging the blob of the values before it (the mean of the old rewards), in the writer and
+    in every reader."""
+    buffer = make(tmp_path / "b", 2)
+    buffer.stats(["reward"])
+    if edit == "update":
+        buffer.update(1, reward=np.full(200, 50.0, np.float32))
+    elif edit == "store_datapoint":
+        buffer.store_datapoint(1, 3, "reward", 50.0)
+    elif edit == "data[...]":
+        buffer.data["reward"][1, 3] = 50.0
+    else:
+        buffer.update_steps([1], [3], reward=np.array([50.0], np.float32))
+    values = np.concatenate([buffer.data["reward"][slot, :200] for slot in range(2)]).astype(np.float64)
+    assert values.max() == 50.0
+    for reader in (buffer, ReplayBuffer.from_folder(tmp_path / "b", read_only=True)):
+        stats = reader.stats(["reward"])["reward"]
+        np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-6)
+        assert float(stats.max) == 50.0
+        assert_within_rank_error(stats, values)
+
+
+def test_min_max_and_sums_of_int64_beyond_2_53(tmp_path):
+    """Nanosecond timestamps (~1.7e18): the sketches' min and max went through float64 (rounded
+    to a multiple of 256, unlike stats(exact=True)), and exact=True summed each episode in int64,
+    which wrapped around to a negative 'return'."""
+    fields = {"stamp": ("int64", (2,)), "t": ("int64", ())}
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=KLL_K, fields=fields)
+    stamps = [
+        1_700_000_000_123_456_789 + np.arange(KLL_K * 2, dtype=np.int64).reshape(KLL_K, 2) * 7 + i for i in (1, 3)
+    ]
+    for values in (stamps[0], stamps[1][:50]):  # a stored blob, and an episode sketched from its data
+        buffer.store_episode(stamp=values, t=values[:, 0])
+    every = np.concatenate([stamps[0], stamps[1][:50]])
+    sums = [float(stamps[0][:, 0].astype(np.float64).sum()), float(stamps[1][:50, 0].astype(np.float64).sum())]
+    for exact in (False, True):
+        stats = buffer.stats(["stamp", "t"], exact=exact)
+        assert stats["stamp"].min.tolist() == every.min(0).tolist()
+        assert stats["stamp"].max.tolist() == every.max(0).tolist()
+        np.testing.assert_allclose(stats.episode_sums["t"].numpy(), sums, rtol=1e-12)
+
+
 def fail_on_data_reads(buffer, monkeypatch) -> None:
     for name in ("read_rows", "read_spans", "gather"):
         monkeypatch.setattr(buffer.storage, name, lambda *a, **k: pytest.fail("read data"))
@@ -269,6 +338,23 @@ def test_errors(tmp_path):
         buffer.stats(["state"], episodes=[0, 0, 1])  # slot 0 was counted twice
     with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got \(0.99, 0.01\)"):
         normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
+    for slots in ([0.5, 1], [True], ["0"]):  # 0.5 and True were read as slots 0 and 1
+        with pytest.raises(ValueError, match=r"stats: episodes must be slots \(ints\), got "):
+            buffer.stats(["state"], episodes=slots)
+
+
+def test_quantiles_0_and_1_are_the_exact_min_and_max(tmp_path):
+    """A merged KLL sketch keeps a sample of the values: its 0 and 1 quantiles were the least
+    and largest values it kept, not the data's."""
+    buffer = make(tmp_path / "b", 4)
+    for name in ("state", "reward"):
+        values = np.concatenate([episode(i)[name] for i in range(4)]).astype(np.float32)
+        stats = buffer.stats([name])[name]
+        ends = stats.quantile([0.0, 0.5, 1.0])
+        np.testing.assert_array_equal(ends[0].numpy(), values.min(0))
+        np.testing.assert_array_equal(ends[2].numpy(), values.max(0))
+        np.testing.assert_array_equal(stats.quantile(1.0).numpy(), values.max(0))
+        assert_within_rank_error(stats, values)
 
 
 def test_quantile_of_a_scalar_field(tmp_path):

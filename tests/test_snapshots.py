@@ -249,6 +249,27 @@ def test_names_and_misuse(tmp_path):
     assert writer.snapshots() == ["v1.2_final"]
 
 
+def test_a_folder_no_snapshot_could_write_holds_nothing(tmp_path):
+    """A copy of a snapshot under a name snapshot() refuses (or one level deeper) made every
+    overwrite fail with 'invalid snapshot name' (or 'no snapshot'), and drop_snapshot could not
+    remove it; it is not a snapshot: not listed, holding nothing, left where it is."""
+    location = tmp_path / "b"
+    writer = make(str(location), max_episodes=2)
+    write(writer, range(2))
+    writer.snapshot("good")
+    folder = location / "replaybuf" / "snapshots"
+    for copy in ("bad name", "a/b"):
+        (folder / copy).mkdir(parents=True)
+        (folder / copy / "snapshot.json").write_bytes((folder / "good" / "snapshot.json").read_bytes())
+    assert writer.snapshots() == ["good"]
+    with pytest.raises(SnapshotHeldError, match=r"held by snapshot\(s\) \['good'\]"):
+        write(writer, [2])
+    writer.drop_snapshot("good")
+    write(writer, [2])
+    assert uids_of(ReplayBuffer.from_folder(str(location), read_only=True)) == {0: 2, 1: 1}
+    assert sorted(p.name for p in folder.iterdir()) == ["a", "bad name"]
+
+
 def test_snapshot_refused_while_an_episode_in_progress_reuses_a_slot(tmp_path):
     writer = make(str(tmp_path / "b"), max_episodes=2)
     write(writer, range(2))
@@ -264,6 +285,7 @@ def test_snapshot_refused_while_an_episode_in_progress_reuses_a_slot(tmp_path):
     [
         (b"\x00garbage", "Expecting value|Unicode|JSON"),
         (b"[1, 2]", "expected a JSON object with format 1"),
+        (b"[" * 5000 + b"]" * 5000, "recursion"),  # raised RecursionError
         (json.dumps({"format": 1, "name": "other"}).encode(), "it names snapshot 'other'"),
         (
             json.dumps({"format": 1, "name": "s", "slots": [0, 99], "generations": [1, 2], "lengths": [1, 1]}).encode(),
@@ -288,6 +310,7 @@ def test_snapshot_refused_while_an_episode_in_progress_reuses_a_slot(tmp_path):
             "not distinct and ascending",
         ),
     ],
+    ids=["garbage", "list", "deep", "other-name", "slot-range", "length-range", "unsorted"],
 )
 def test_damaged_snapshot_file_is_named(tmp_path, content, problem):
     location = str(tmp_path / "b")

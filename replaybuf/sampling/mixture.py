@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from .distributed import _check_int
+
 
 def check_weights(weights: Any, sources: int) -> np.ndarray | None:
     """``weights`` as float64 probabilities (summing to 1), or a ValueError saying what is wrong."""
@@ -33,8 +35,9 @@ def check_weights(weights: Any, sources: int) -> np.ndarray | None:
         raise ValueError(f"weights has {len(values)} entries for {sources} buffers; give one per buffer")
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError(f"weights must be finite numbers >= 0, got {list(weights)}")
-    if values.sum() == 0:
+    if values.max() == 0:
         raise ValueError(f"weights are all 0: no buffer could be sampled, got {list(weights)}")
+    values = values / values.max()  # weights near the float64 maximum would sum to inf
     return values / values.sum()
 
 
@@ -68,7 +71,7 @@ class MixtureBatchSampler(Sampler[list[int]]):
         self.batch_size = batch_size
         self.probabilities = probabilities
         self.num_batches = max(1, len(dataset) // batch_size) if num_batches is None else num_batches
-        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
+        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else _check_int("seed", seed, 0)
         self.rank = rank
         self.next_pass = 0
         self.start = 0
@@ -131,6 +134,9 @@ class MixtureDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a state saved by ``state_dict()``: the next pass starts at its batch."""
+        missing = sorted({"seed", "pass", "batch"} - set(state))
+        if missing:
+            raise ValueError(f"mixture loader state is missing keys {missing}")
         sampler = self._mixture
-        sampler.seed, sampler.next_pass, sampler.start = int(state["seed"]), int(state["pass"]), int(state["batch"])
+        sampler.seed, sampler.next_pass, sampler.start = (_check_int(k, state[k], 0) for k in ("seed", "pass", "batch"))
         self._delivered = (sampler.next_pass, sampler.start)

@@ -65,6 +65,14 @@ class RateLimiter:
     ):
         self.samples_per_insert = float(_check_number("samples_per_insert", samples_per_insert, 0.0, above=True))
         self.min_size = int(_check_number("min_size", min_size, 1, integer=True))
+        members = getattr(buffer, "buffers", [buffer])  # a ConcatReplayBuffer's, or the buffer
+        if not any(m.circular for m in members):  # committed steps never exceed the capacity
+            capacity = sum(m.max_episodes * m.max_timesteps for m in members)
+            if self.min_size > capacity:
+                raise ValueError(
+                    f"min_size={min_size}: more steps than {buffer!r} can hold ({capacity}: max_episodes x "
+                    "max_timesteps, not circular); the loader would wait for them forever"
+                )
         self.error_buffer = float(_check_number("error_buffer", error_buffer, 0.0))
         if timeout is not None:
             _check_number("rate_timeout", timeout, 0.0)
@@ -79,7 +87,7 @@ class RateLimiter:
         return {"sampled": self.sampled}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampled = int(state["sampled"])
+        self.sampled = int(_check_number("state['rate_limiter']['sampled']", state["sampled"], 0, integer=True))
 
     def update(self) -> int:
         """Reread the committed bookkeeping and add the steps of newly committed episodes."""

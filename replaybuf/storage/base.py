@@ -413,7 +413,7 @@ def parse_json(raw: bytes, where: str) -> dict:
     """The JSON object in ``raw``, or BufferDamagedError naming ``where`` (a file or key)."""
     try:
         value = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise BufferDamagedError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise BufferDamagedError(f"{where}: expected a JSON object, got {type(value).__name__}")
