@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .distributed import _check_int
+from .distributed import check_int
 
 
 def check_weights(weights: Any, sources: int) -> np.ndarray | None:
@@ -71,7 +71,7 @@ class MixtureBatchSampler(Sampler[list[int]]):
         self.batch_size = batch_size
         self.probabilities = probabilities
         self.num_batches = max(1, len(dataset) // batch_size) if num_batches is None else num_batches
-        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else _check_int("seed", seed, 0)
+        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else check_int("seed", seed, 0)
         self.rank = rank
         self.next_pass = 0
         self.start = 0
@@ -138,5 +138,5 @@ class MixtureDataLoader(DataLoader):
         if missing:
             raise ValueError(f"mixture loader state is missing keys {missing}")
         sampler = self._mixture
-        sampler.seed, sampler.next_pass, sampler.start = (_check_int(k, state[k], 0) for k in ("seed", "pass", "batch"))
+        sampler.seed, sampler.next_pass, sampler.start = (check_int(k, state[k], 0) for k in ("seed", "pass", "batch"))
         self._delivered = (sampler.next_pass, sampler.start)
