@@ -411,6 +411,7 @@ def test_side_objects_over_the_limit_are_refused_or_set_aside(tmp_path, monkeypa
     refused by name where it carries the user's data, and treated as damaged where it is the
     writer's own record or derived data."""
     monkeypatch.setattr("replaybuf.storage.base.MAX_DOCUMENT_BYTES", 1 << 16)  # a root zarr.json: ~7 kB
+    monkeypatch.setattr("replaybuf.attrs.MAX_ATTRS_BYTES", 1 << 16)  # attributes have their own, lower, limit
     location = str(tmp_path / "b")
     with ReplayBuffer(location, 4, 250, fields={"x": "float"}, backend=backend) as buffer:
         buffer.store_episode(x=np.arange(220, dtype=np.float32))  # long enough for a sketch (KLL_K)

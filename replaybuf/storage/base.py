@@ -403,9 +403,10 @@ def document_limit(limit: int | None = None) -> int:
 
 def document_too_large(where: str, size: int, limit: int) -> BufferDamagedError:
     """The error for the metadata object ``where`` of ``size`` bytes, over ``limit`` (unread)."""
+    setting = " (replaybuf.storage.MAX_DOCUMENT_BYTES)" if limit == MAX_DOCUMENT_BYTES else ""
     return BufferDamagedError(
-        f"{where}: {size:,} bytes, over the {limit:,}-byte limit of this metadata object "
-        "(replaybuf.storage.MAX_DOCUMENT_BYTES); not read: damaged, or not written by replaybuf"
+        f"{where}: {size:,} bytes, over the {limit:,}-byte limit of this metadata object{setting}; "
+        "not read: damaged, or not written by replaybuf"
     )
 
 
