@@ -215,9 +215,18 @@ class DataView(ArrayBase):
         """Write in place through ``Committer.update_rows``: the rows ``key`` touches are read,
         assigned with numpy's semantics and written back whole."""
         buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")
-        slots, t0, t1, local = self._block(key)
+        # checked as every write is (no NaN into ints, no wrapping out-of-range values): numpy's
+        # assignment would cast them silently; the block read after holds this dtype already
+        array = cast_values(to_numpy(value, self._name), buffer.schema.fields[self._name])
+        try:
+            slots, t0, t1, local = self._block(key)
+        except IndexError as e:
+            raise IndexError(f"data[{self._name!r}][{key!r}]: {e} (shape {self.shape})") from None
         rows = self._read(slots, t0, t1)
-        rows[local] = value
+        try:
+            rows[local] = array
+        except ValueError as e:
+            raise ValueError(f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e}") from None
         if len(slots) and t1 > t0:
             buffer._commit.update_rows(self._name, slots, t0, rows)
 
@@ -846,10 +855,11 @@ class ReplayBuffer(CommittedViews):
         final: dict[str, Any] = {}
         try:
             yield final
+            # bad final meta is refused as an exception in the block is: the episode is rolled back
+            final_values = self._meta_values(final, 1, "one_episode (final meta)")
         except BaseException:
             self._abort_group()
             raise
-        final_values = self._meta_values(final, 1, "one_episode (final meta)")
         group = self._group
         if group is not None and group.length == 0:
             for name, value in final_values.items():

@@ -21,6 +21,11 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
         array = np.asarray(value)
     except (ValueError, TypeError) as e:
         raise TypeError(f"field {name!r}: cannot turn {type(value).__name__} into an array ({e})") from e
+    if array.dtype == object and array.size and all(type(x) is int for x in array.flat):
+        # Python ints beyond 64 bits, which numpy keeps as objects
+        raise ValueError(
+            f"field {name!r}: integers in [{min(array.flat)}, {max(array.flat)}] do not fit any numpy integer dtype"
+        )
     if array.dtype.kind not in "biuf":
         raise TypeError(f"field {name!r}: expected numbers or bools, got dtype {array.dtype} ({type(value).__name__})")
     return array
@@ -28,7 +33,8 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
 
 def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
     """``array`` in the field's dtype, refusing casts that would corrupt values (NaN into ints,
-    out-of-range integers, fractional floats stay allowed as the seed truncates them)."""
+    out-of-range integers, finite floats that would become infinite; fractional floats stay
+    allowed as the seed truncates them)."""
     target = f.dtype
     if array.dtype == target:
         return array
@@ -41,7 +47,27 @@ def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
             raise ValueError(
                 f"field {f.name!r}: values in [{lo}, {hi}] do not fit dtype {target} (range [{info.min}, {info.max}])"
             )
-    return array.astype(target)
+    if target.kind != "f" or not array.size or not _may_overflow(array.dtype, target):
+        return array.astype(target)
+    with np.errstate(over="ignore"):
+        out = array.astype(target)
+    infinite = np.isinf(out)
+    overflow = infinite & np.isfinite(array) if infinite.any() else infinite
+    if overflow.any():
+        largest = np.abs(array[overflow]).max()
+        raise ValueError(
+            f"field {f.name!r}: values up to {largest} do not fit dtype {target} (largest {np.finfo(target).max}); "
+            "they would be stored as infinity"
+        )
+    return out
+
+
+def _may_overflow(source: np.dtype, target: np.dtype) -> bool:
+    """Whether finite values of dtype ``source`` can become infinite cast to the float ``target``:
+    a narrower float (float64 into float32), or ints into float16."""
+    if source.kind == "f":
+        return source.itemsize > target.itemsize
+    return source.kind in "iu" and target.itemsize < 4
 
 
 def fit_shape(array: np.ndarray, f: Field, leading: int) -> np.ndarray:

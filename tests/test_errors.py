@@ -89,6 +89,30 @@ BAD_WRITES = [
     ("update empty", lambda b: b.update(), ValueError, "no data"),
     ("update bad index type", lambda b: b.update([0.5], reward=np.ones((1, 2))), TypeError, "indices"),
     ("meta datapoint unknown", lambda b: b.store_meta_datapoint(0, "nope", 1), ValueError, "nope"),
+    ("store float overflow", lambda b: b.store(reward=1e300), ValueError, r"'reward'.*1e\+300.*float32"),
+    ("store int beyond 64 bits", lambda b: b.store(action=[2**64, 0]), ValueError, r"'action'.*18446744073709551616"),
+    # data[...] = is checked as every write is: numpy's assignment would wrap or cast NaN silently
+    (
+        "data[] out of range",
+        lambda b: b.data["action"].__setitem__((0, 0), np.array([2**40, 1])),
+        ValueError,
+        "'action'.*do not fit",
+    ),
+    (
+        "data[] NaN into int",
+        lambda b: b.data["action"].__setitem__((0, 1), np.array([np.nan, 1.0])),
+        ValueError,
+        "'action'.*non-finite",
+    ),
+    (
+        "data[] float overflow",
+        lambda b: b.data["reward"].__setitem__(0, np.full(12, 1e39)),
+        ValueError,
+        "'reward'.*float32",
+    ),
+    ("data[] string", lambda b: b.data["reward"].__setitem__((0, 0), "high"), TypeError, "'reward'"),
+    ("data[] wrong shape", lambda b: b.data["action"].__setitem__((0, 0), [1, 2, 3]), ValueError, r"'action'.*\(3,\)"),
+    ("data[] out of bounds", lambda b: b.data["action"].__setitem__((9, 0), [1, 2]), IndexError, "'action'.*9"),
 ]
 
 
@@ -128,3 +152,18 @@ def test_meta_names_in_store_are_rejected(make_location):
     with pytest.raises(ValueError, match="task_id"):
         buffer.store(task_id=1)
     assert set(META) <= buffer.meta_fieldnames
+
+
+def test_bad_final_meta_of_one_episode_rolls_it_back(make_location):
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 3, task=1)
+    before = snapshot(buffer)
+    with pytest.raises(TypeError, match="'task_id'"):
+        with buffer.one_episode(task_id=2) as final:
+            buffer.store(reward=5.0)
+            final["task_id"] = "two"
+    assert buffer.timestep_index == 0
+    assert_same_snapshot(before, snapshot(buffer))
+    fill_episode(buffer, 2, task=3)  # the next episode holds only its own steps
+    assert buffer.episode_lens[:2].tolist() == [3, 2]
+    assert buffer.data["reward"][1, :2].tolist() == [0.0, 1.0]
