@@ -190,6 +190,8 @@ class DataView(ArrayBase):
         if not buffer.read_only:
             if len(slots):
                 out[:] = storage.read_rows(self._name, slots, t0, t1)
+                if isinstance(buffer, ReplayBuffer):  # a writer's episode in progress
+                    buffer._overlay_staged(self._name, slots, t0, out)
             return out
 
         def read(items: np.ndarray) -> None:
@@ -212,8 +214,9 @@ class DataView(ArrayBase):
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """Write in place through ``Committer.update_rows``: the rows ``key`` touches are read,
-        assigned with numpy's semantics and written back whole."""
+        """Write in place through ``Committer.update_rows``: ``value`` is checked as every write
+        is, then the rows ``key`` touches are read, assigned with numpy's indexing and
+        broadcasting and written back whole (and into the steps of an episode in progress)."""
         buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")
         # checked as every write is (no NaN into ints, no wrapping out-of-range values): numpy's
         # assignment would cast them silently; the block read after holds this dtype already
@@ -228,6 +231,7 @@ class DataView(ArrayBase):
         except ValueError as e:
             raise ValueError(f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e}") from None
         if len(slots) and t1 > t0:
+            buffer._edit_staged(self._name, slots, t0, rows)
             buffer._commit.update_rows(self._name, slots, t0, rows)
 
     def __repr__(self) -> str:
@@ -1235,10 +1239,49 @@ class ReplayBuffer(CommittedViews):
             values = [(name, array) for name, array in writes if name not in self.fieldnames]
             for name, array in values:
                 self._commit.write_meta(name, episodes, array)
+                self._edit_staged_meta(name, episodes, array)
             if values:
                 self._commit.reseal_meta(episodes)
             for name, array in rows:
+                self._edit_staged(name, episodes, 0, array)
                 self.storage.update_rows(name, episodes, 0, array)
+
+    def _overlay_staged(self, name: str, episodes: np.ndarray, t0: int, rows: np.ndarray) -> None:
+        """Put into ``rows`` (of ``episodes`` from step ``t0``, as read from storage) the steps of
+        the episodes in progress still staged in RAM: the writer sees its episode in progress
+        (and ``data[...] = ...`` keeps the staged steps it does not assign)."""
+        group = self._group
+        if group is None:
+            return
+        start, staged = group.staged(name)
+        lo, hi = max(t0, start), min(t0 + rows.shape[1], start + staged.shape[1])
+        if lo >= hi:
+            return
+        for i in np.flatnonzero(np.isin(episodes, group.slots)):
+            row = int(np.flatnonzero(group.slots == episodes[i])[0])
+            rows[i, lo - t0 : hi - t0] = staged[row, lo - start : hi - start]
+
+    def _edit_staged(self, name: str, episodes: np.ndarray, t0: int, rows: np.ndarray) -> None:
+        """An in-place edit (``rows`` of ``episodes`` from step ``t0``) applied to the steps of the
+        episodes in progress that are still staged in RAM, as ``store_datapoint`` does: their
+        commit writes the staged values, so an edit written to storage only would be lost (in
+        the seed the edit lands on the step ``store`` wrote)."""
+        group = self._group
+        if group is None:
+            return
+        for i in np.flatnonzero(np.isin(episodes, group.slots)):
+            row = int(np.flatnonzero(group.slots == episodes[i])[0])
+            for t in range(t0, min(t0 + rows.shape[1], group.length)):
+                group.set_step(name, row, t, rows[i, t - t0])
+
+    def _edit_staged_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        """An in-place edit of meta field ``name`` applied to the episodes in progress too: their
+        commit writes the staged meta values."""
+        group = self._group
+        if group is None:
+            return
+        for i in np.flatnonzero(np.isin(episodes, group.slots)):
+            group.meta[name][np.flatnonzero(group.slots == episodes[i])[0]] = values[i]
 
     def update_steps(self, episodes: Any, timesteps: Any, **data: Any) -> None:
         """Overwrite single steps of committed episodes in place: ``data[name]`` holds one value

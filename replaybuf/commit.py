@@ -315,6 +315,8 @@ class Committer:
         (``check_edit_room``)."""
         slots = np.unique(np.asarray(episodes, dtype=np.int64))
         self.check_edit_room(slots, names, steps)
+        if names:  # rows past a slot's committed end are zeroed when its next episode commits
+            self.dirty_slots.update(slots[self.meta["episode_lens"][slots] < steps].tolist())
         editing = self.meta["_revision"][slots] | 1
         if len(slots):
             self.write_meta("_revision", slots, editing)

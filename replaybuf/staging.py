@@ -112,6 +112,14 @@ class EpisodeGroup:
             self._rows[name], self._row_start[name] = np.array(rows), start
         self.length -= 1
 
+    def staged(self, name: str) -> tuple[int, np.ndarray]:
+        """(first step, rows (batch, steps, *shape)) of field ``name``'s steps still in RAM:
+        those from the first step up to ``length`` are not in storage yet."""
+        start, rows = self._row_start[name], self._rows[name]
+        if rows is None:
+            return start, np.zeros((self.batch_size, 0, *self.fields[name].shape), self.fields[name].dtype)
+        return start, rows[:, : max(self.length - start, 0)]
+
     def set_step(self, name: str, row: int, t: int, value: np.ndarray) -> bool:
         """Overwrite a staged value; False when that step already left RAM."""
         offset = t - self._row_start[name]

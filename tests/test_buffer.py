@@ -402,3 +402,35 @@ def test_refresh_of_a_writer_keeps_its_last_episodes_counted(tmp_path):
     writer.close()
     reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
     assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [0, 1, 2, 3]
+
+
+def test_edits_of_the_episode_in_progress_are_committed_with_it(make_location):
+    # as in the seed, where store() writes each step in place: a relabel before the commit stays
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 2, task=1)
+    buffer.store(reward=1.0)
+    buffer.store(reward=2.0)
+    slot = buffer.episode_index
+    assert buffer.data["reward"][slot, :3].tolist() == [1.0, 2.0, 0.0]  # the writer sees its steps
+    buffer.data["reward"][slot, 0] = 10.0
+    buffer.update([slot], action=np.array([[[3, 4], [5, 6]]]), task_id=7)
+    buffer.data["action"][slot, 1, 0] = 9  # the other values of the step stay
+    buffer.store(reward=3.0)
+    buffer.advance_episode()
+    assert buffer.data["reward"][slot, :3].tolist() == [10.0, 2.0, 3.0]
+    assert buffer.data["action"][slot, :3].tolist() == [[3, 4], [9, 6], [0, 0]]
+    assert buffer.meta_data["task_id"][slot] == 7
+    assert buffer.data["reward"][0, :2].tolist() == [0.0, 1.0]  # the committed episode is untouched
+
+
+def test_rows_edited_past_an_episode_end_do_not_show_under_the_next_episode(make_location):
+    # an edit may write past a slot's committed end (the seed's padded update arrays): those rows
+    # are zeroed when the slot's next, shorter episode commits, on every backend
+    buffer, *_ = make(make_location, max_episodes=2, circular=True)
+    fill_episode(buffer, 3, task=1)
+    buffer.update([0], reward=np.full((1, 6), 7.0))  # past the end of episode 0
+    buffer.update([1], reward=np.full((1, 6), 6.0))  # an empty slot
+    fill_episode(buffer, 2, task=2)  # slot 1
+    fill_episode(buffer, 2, task=3)  # slot 0 reused
+    reader = ReplayBuffer.from_folder(buffer.storage.location, read_only=True, backend=buffer.storage.backend_name)
+    assert reader.data["reward"][:, :6].tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]] * 2
