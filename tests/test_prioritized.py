@@ -102,8 +102,10 @@ def test_bad_input(buffer):
         update_priorities(buffer, [0, 1], [1.0, 1.0])
     with pytest.raises(ValueError, match="2 values for 1 indices"):
         update_priorities(buffer, [[0, 1]], [1.0, 1.0])
-    with pytest.raises(ValueError, match="finite and >= 0"):
+    with pytest.raises(ValueError, match=r"finite and >= 0, got \[-1.0\] for \(episode, timestep\) \[\[0, 1\]\]"):
         update_priorities(buffer, [[0, 1]], [-1.0])
+    with pytest.raises(ValueError, match=r"got \[nan\] for \(episode, timestep\) \[\[0, 2\]\]"):
+        update_priorities(buffer, [[0, 1], [0, 2]], [1.0, float("nan")])
     with pytest.raises(ValueError, match="outside the committed episodes"):
         update_priorities(buffer, [[1, 3]], [1.0])
 

@@ -200,8 +200,12 @@ def update_priorities(buffer: BufferView, indices: Any, priorities: Any, priorit
     values = values.astype(np.float64).reshape(-1)
     if len(values) != len(pairs):
         raise ValueError(f"priorities has {len(values)} values for {len(pairs)} indices")
-    if not np.isfinite(values).all() or (values < 0).any():
-        raise ValueError("priorities must be finite and >= 0")
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        raise ValueError(
+            f"priorities must be finite and >= 0, got {values[bad][:5].tolist()} for (episode, timestep) "
+            f"{pairs[bad][:5].tolist()}{' ...' if bad.sum() > 5 else ''}"
+        )
     episodes, timesteps = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
     as_writer(buffer, "update_priorities").update_steps(episodes, timesteps, **{priority_field: values})
     for sampler in list(_samplers.get(buffer, ())):
