@@ -147,12 +147,13 @@ class ReplayBufferH5PY(ReplayBuffer):
             if not pending or not (force_flush or len(next(iter(pending.values()))) >= flush_freq):
                 return
             counts = {name: len(values) for name, values in pending.items()}
-            if len(set(counts.values())) > 1:
-                raise ValueError(f"buffered_storer: fields hold different numbers of episodes {counts}")
-            episodes = [
-                {name: values[i] for name, values in pending.items()} for i in range(next(iter(counts.values())))
-            ]
+            batch = dict(pending)
             pending.clear()  # a rejected batch is dropped, not retried on every later call
+            if len(set(counts.values())) > 1:
+                raise ValueError(
+                    f"buffered_storer: fields hold different numbers of episodes {counts}; the batch is dropped"
+                )
+            episodes = [{name: values[i] for name, values in batch.items()} for i in range(max(counts.values()))]
             checked = [self._episode_values(self._cut_to_length(episode), "buffered_storer") for episode in episodes]
             self._check_room(len(checked))
             for steps, meta, length in checked:

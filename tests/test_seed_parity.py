@@ -193,6 +193,18 @@ def test_h5py_buffered_storer(tmp_path):
         ours.get_buffered_storer(0)
 
 
+def test_h5py_buffered_storer_drops_a_batch_of_mismatched_fields(tmp_path):
+    buffer = ReplayBufferH5PY(tmp_path / "b", max_episodes=4, max_timesteps=5, fields=FIELDS, meta_fields=META)
+    store = buffer.get_buffered_storer(2)
+    store(state=np.ones((3, 2)), label=1)
+    with pytest.raises(ValueError, match=r"different numbers of episodes \{'state': 2, 'label': 1\}"):
+        store(state=np.ones((3, 2)))
+    assert buffer.num_episodes == 0
+    store(state=np.ones((2, 2)), label=2)  # the storer works again: the bad batch was dropped
+    store(state=np.ones((4, 2)), label=3)
+    assert buffer.episode_lens.tolist() == [2, 4, 0, 0] and buffer.meta_data["label"][:2].tolist() == [2, 3]
+
+
 def test_plain_h5py_reads_next_to_an_open_h5py_buffer(tmp_path):
     seed_buffer, ours = make_pair(tmp_path, "plain", h5=True)
     for buffer in (seed_buffer, ours):
