@@ -930,6 +930,8 @@ class ReplayBuffer(CommittedViews):
             if not known:
                 raise ValueError("store_batch: values need a leading batch dimension")
             batch = known[0]
+            if batch < 1:
+                raise ValueError(f"store_batch: values have batch size 0 ({sizes}), expected at least 1 episode")
         for name, size in sizes.items():
             if size is not None and size != batch:
                 raise ValueError(f"store_batch: field {name!r} has batch size {size}, expected {batch}")
@@ -968,6 +970,11 @@ class ReplayBuffer(CommittedViews):
         if batch is None:
             first = next(iter(data.values()))
             batch = int(first.shape[0]) if first.ndim else 1
+            if batch < 1:
+                raise ValueError(
+                    f"store_meta_batch: values have batch size 0 ({ {n: v.shape for n, v in data.items()} }), "
+                    "expected at least 1 episode"
+                )
         values = self._meta_values(data, batch, "store_meta_batch")
         if group is None or group.batch_size != batch:
             self._begin_group(batch, values)

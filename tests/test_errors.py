@@ -86,6 +86,8 @@ BAD_WRITES = [
         "'action' has batch size 3",
     ),
     ("store_batch empty", lambda b: b.store_batch(), ValueError, "no data"),
+    ("store_batch batch 0", lambda b: b.store_batch(reward=np.ones(0)), ValueError, "batch size 0"),
+    ("store_meta_batch batch 0", lambda b: b.store_meta_batch(task_id=np.ones(0, int)), ValueError, "batch size 0"),
     ("update empty", lambda b: b.update(), ValueError, "no data"),
     ("update bad index type", lambda b: b.update([0.5], reward=np.ones((1, 2))), TypeError, "indices"),
     ("meta datapoint unknown", lambda b: b.store_meta_datapoint(0, "nope", 1), ValueError, "nope"),
