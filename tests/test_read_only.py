@@ -120,6 +120,7 @@ _CHILD = textwrap.dedent(
     import pytest
     from replaybuf import ReplayBuffer, verify
     from replaybuf.cli import main as cli_main
+    from replaybuf.storage import make_storage
 
     for location in sys.argv[1:]:
         reader = ReplayBuffer.from_folder(location, read_only=True)
@@ -129,6 +130,8 @@ _CHILD = textwrap.dedent(
         reader.stats()
         assert verify(location) == []
         assert cli_main(["info", location]) == 0
+        assert make_storage(location).writer_lease().holder() is None
+        assert cli_main(["unlock", location]) == 0
         with pytest.raises(PermissionError, match="read-only to this process.*read_only=True") as refused:
             ReplayBuffer.from_folder(location)
         assert repr(location) in str(refused.value)
@@ -163,7 +166,13 @@ def test_a_folder_this_process_may_not_write_reads_and_a_writable_open_is_refuse
     locations = []
     for backend in LOCAL_BACKENDS:
         location = str(tmp_path / backend)
-        _make(location, backend).close()
+        writer = _make(location, backend)
+        lock = os.path.join(location, "replaybuf", "writer.lock")
+        with open(lock, "rb") as f:
+            record = f.read()
+        writer.close()
+        with open(lock, "wb") as f:  # the lock file a killed writer leaves, held by no process
+            f.write(record)
         locations.append(location)
     before = {location: _tree(location) for location in locations}
     for location in locations:

@@ -298,15 +298,21 @@ class FileLease(WriterLease):
         super()._after_fork()
 
     def holder(self) -> dict | None:
-        # docstring inherited
+        # docstring inherited: probed through a read-only descriptor with a shared lock, which
+        # a writer's exclusive one refuses, so asking creates and writes nothing (a killed
+        # writer's lock file on a folder this process may not write is read as well)
         if self._fd is not None:
             return self._read_record()
-        if not os.path.exists(self.path):
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
             return None
         try:
-            os.close(self._lock())
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return self._read_record() or {}
+        finally:
+            os.close(fd)
         return None
 
     def unlock(self) -> dict | None:
