@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from ._kv import ObjectVersion, StoreKV
 
 LEASE_KEY = "replaybuf/writer.lock"
+# the errors of a folder this process may not write (permissions, a read-only file system)
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 # the most bytes of a lease record read (one is ~100): a larger file or object is damage
 RECORD_BYTES = 1 << 16
 DEFAULT_LEASE_SECONDS = 60.0
@@ -227,8 +229,8 @@ class FileLease(WriterLease):
             return
         folders = [os.path.dirname(self.path), self.location]
         self._created = [folder for folder in folders if not os.path.isdir(folder)]
-        os.makedirs(folders[0], exist_ok=True)
         try:
+            os.makedirs(folders[0], exist_ok=True)
             fd = self._lock()
         except BlockingIOError:
             self._remove_created()
@@ -237,6 +239,11 @@ class FileLease(WriterLease):
                 "The lock is released when that process exits; it cannot be stale, so break_lock "
                 "does not apply: stop that process to take over.",
             ) from None
+        except OSError as e:
+            if e.errno not in _NOT_WRITABLE:
+                raise
+            self._remove_created()
+            raise type(e)(e.errno, self._not_writable_message(e), e.filename) from e
         try:
             os.ftruncate(fd, 0)
             record = json.dumps(_record()).encode()
@@ -267,6 +274,14 @@ class FileLease(WriterLease):
             self._remove_created()
         os.close(fd)  # closing the last descriptor of the open file drops the flock
 
+    def _not_writable_message(self, error: OSError) -> str:
+        """Why a writable open of a folder this process may not write failed, and how to read it."""
+        return (
+            f"cannot write to {self.location!r}: its writer lease cannot be taken "
+            f"({error.strerror or error}: the folder or its file system is read-only to this process). "
+            "Nothing was written; open an existing buffer there with read_only=True to read it"
+        )
+
     def _remove_created(self) -> None:
         """Remove the folders ``acquire`` created, where still empty."""
         for folder in self._created:
@@ -283,15 +298,21 @@ class FileLease(WriterLease):
         super()._after_fork()
 
     def holder(self) -> dict | None:
-        # docstring inherited
+        # docstring inherited: probed through a read-only descriptor with a shared lock, which
+        # a writer's exclusive one refuses, so asking creates and writes nothing (a killed
+        # writer's lock file on a folder this process may not write is read as well)
         if self._fd is not None:
             return self._read_record()
-        if not os.path.exists(self.path):
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
             return None
         try:
-            os.close(self._lock())
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return self._read_record() or {}
+        finally:
+            os.close(fd)
         return None
 
     def unlock(self) -> dict | None:
