@@ -506,6 +506,38 @@ def test_local_backends_serve_their_checked_copy_never_a_later_flip(tmp_path, ba
     buffer.close()
 
 
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_sampled_steps_of_a_small_field_are_checked_then_served_from_the_copy(tmp_path, backend):
+    """Timestep batches read single steps: a flipped byte in a sampled episode was returned as
+    data. Each sampled episode of a field with a private copy is now checked whole once and its
+    steps served from the copy: a flip before the check raises, one after it is never seen."""
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5  # slot 1, step 17
+    _xor_byte(target, offset)
+    damaged = ReplayBuffer.from_folder(path, read_only=True)
+    episodes, steps = np.array([0, 1, 2]), np.array([3, 4, 5])  # step 4 of slot 1 is intact
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
+        damaged.storage.gather("frame", episodes, steps)
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+        for _ in damaged.dataloader(batch_size=16, timestep_level=True):
+            pass
+    np.testing.assert_array_equal(damaged.storage.gather("frame", np.array([0]), np.array([3])), frames[0][3:4])
+    damaged.close()
+    _xor_byte(target, offset)  # undone: checked and kept, then flipped again
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    every = np.concatenate([np.full(len(f), slot) for slot, f in enumerate(frames)])
+    steps = np.concatenate([np.arange(len(f)) for f in frames])
+    expected = np.concatenate(frames)
+    batches = list(buffer.dataloader(batch_size=16, timestep_level=True))
+    assert sum(len(batch["frame"]) for batch in batches) == len(expected)
+    np.testing.assert_array_equal(buffer.storage.gather("frame", every, steps), expected)
+    _xor_byte(target, offset)
+    np.testing.assert_array_equal(buffer.storage.gather("frame", every, steps), expected)
+    buffer.close()
+
+
 def test_zarr_trajectories_of_a_resident_array_serve_the_checked_copy(originals, tmp_path):
     """A zarr array held in RAM (small) serves trajectory batches from its resident copy: its
     rows were checked against their chunks' crc32c when loaded and live in this process's own

@@ -528,6 +528,47 @@ class EpisodeChecksums:
             served[fresh] = True
         return served
 
+    def gather(
+        self, name: str, mapped: np.ndarray, episodes: np.ndarray, timesteps: np.ndarray, lengths: np.ndarray
+    ) -> np.ndarray | None:
+        """``mapped[episodes, timesteps]`` (single steps, a sampled batch's) from the field's
+        private copy: the first batch that samples an episode not kept yet checks every
+        committed episode not kept (``lengths`` as published now) against its stored checksum
+        and keeps it (one pass over the field, as a zarr loader loads its small fields; damage
+        raises CorruptChunkError); steps outside a committed episode come from ``mapped``.
+        None where the field has no private copy (over CHECKED_COPY_BYTES): checking whole
+        episodes for single steps would read each sampled episode whole on every batch."""
+        copy = self._copy_of(name, mapped)
+        if copy is None or name not in self.columns:
+            return None
+        lengths = np.asarray(lengths)
+        committed = lengths[episodes]
+        stored = self.sums[episodes, self.columns[name]]
+        if not ((copy.sums[episodes] == stored) & (copy.lens[episodes] == committed)).all():
+            self._keep_committed(name, mapped, copy, lengths)
+            stored = self.sums[episodes, self.columns[name]]
+        kept = (stored != 0) & (copy.sums[episodes] == stored) & (timesteps < copy.lens[episodes])
+        if kept.all():  # the usual batch
+            return copy.rows[episodes, timesteps]
+        out = np.empty((len(episodes), *mapped.shape[2:]), mapped.dtype)
+        out[kept] = copy.rows[episodes[kept], timesteps[kept]]
+        out[~kept] = mapped[episodes[~kept], timesteps[~kept]]
+        return out
+
+    def _keep_committed(self, name: str, mapped: np.ndarray, copy: CheckedCopy, lengths: np.ndarray) -> None:
+        """Check each committed episode of ``name`` that ``copy`` does not keep under its stored
+        checksum now, and keep it: copied whole with one fancy index, then one crc32c each."""
+        slots = np.flatnonzero(lengths > 0)
+        expected = np.asarray(self.expected(name, slots, lengths[slots], lengths[slots]), np.uint64)
+        fresh = (expected != 0) & ((copy.sums[slots] != expected) | (copy.lens[slots] != lengths[slots]))
+        slots, expected = slots[fresh], expected[fresh]
+        copy.sums[slots] = 0  # not served while written
+        copy.rows[slots] = mapped[slots]
+        for slot, n, value in zip(slots.tolist(), lengths[slots].tolist(), expected.tolist()):
+            if crc32c(copy.rows[slot, :n]) != value & 0xFFFFFFFF:
+                self._fail(name, slot, n, value)
+            copy.lens[slot], copy.sums[slot] = n, value
+
     def _copy_of(self, name: str, mapped: np.ndarray) -> CheckedCopy | None:
         """The field's private copy, made on first use when the whole field fits in
         CHECKED_COPY_BYTES and in the process's resident budget (shared with zarr's)."""

@@ -436,8 +436,13 @@ class MemmapStorage(LocalFolderStorage):
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
     ) -> np.ndarray:
-        # docstring inherited
-        return self.array(name).plain[np.asarray(episodes), np.asarray(timesteps)]
+        # docstring inherited: fields with a private checked copy are served from it
+        mapped, episodes, timesteps = self.array(name).plain, np.asarray(episodes), np.asarray(timesteps)
+        if self._checksums is not None:
+            checked = self._checksums.gather(name, mapped, episodes, timesteps, self._lens_now())
+            if checked is not None:
+                return checked
+        return mapped[episodes, timesteps]
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
