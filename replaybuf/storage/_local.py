@@ -544,10 +544,15 @@ class EpisodeChecksums:
         lengths = np.asarray(lengths)
         committed = lengths[episodes]
         stored = self.sums[episodes, self.columns[name]]
-        if not ((copy.sums[episodes] == stored) & (copy.lens[episodes] == committed)).all():
+        # an episode with no entry to check (0: a slot being rewritten, a seed folder's) reads the map
+        unkept = (
+            (stored != 0) & (committed > 0) & ((copy.sums[episodes] != stored) | (copy.lens[episodes] != committed))
+        )
+        if unkept.any():
             self._keep_committed(name, mapped, copy, lengths)
             stored = self.sums[episodes, self.columns[name]]
-        kept = (stored != 0) & (copy.sums[episodes] == stored) & (timesteps < copy.lens[episodes])
+        held = copy.lens[episodes]
+        kept = (stored != 0) & (copy.sums[episodes] == stored) & (held == committed) & (timesteps < held)
         if kept.all():  # the usual batch
             return copy.rows[episodes, timesteps]
         out = np.empty((len(episodes), *mapped.shape[2:]), mapped.dtype)
