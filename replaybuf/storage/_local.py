@@ -549,7 +549,7 @@ class EpisodeChecksums:
             (stored != 0) & (committed > 0) & ((copy.sums[episodes] != stored) | (copy.lens[episodes] != committed))
         )
         if unkept.any():
-            self._keep_committed(name, mapped, copy, lengths)
+            self._keep_committed(name, mapped, copy, lengths, episodes)
             stored = self.sums[episodes, self.columns[name]]
         held = copy.lens[episodes]
         kept = (stored != 0) & (copy.sums[episodes] == stored) & (held == committed) & (timesteps < held)
@@ -560,19 +560,25 @@ class EpisodeChecksums:
         out[~kept] = mapped[episodes[~kept], timesteps[~kept]]
         return out
 
-    def _keep_committed(self, name: str, mapped: np.ndarray, copy: CheckedCopy, lengths: np.ndarray) -> None:
+    def _keep_committed(
+        self, name: str, mapped: np.ndarray, copy: CheckedCopy, lengths: np.ndarray, sampled: np.ndarray
+    ) -> None:
         """Check each committed episode of ``name`` that ``copy`` does not keep under its stored
-        checksum now, and keep it: copied whole with one fancy index, then one crc32c each."""
+        checksum now, and keep it: copied whole with one fancy index, then one crc32c each. One
+        failing its check raises when ``sampled`` (the batch's slots) names it; any other is left
+        unkept (a slot a writer is rewriting now), to be checked when a batch samples it."""
         slots = np.flatnonzero(lengths > 0)
         expected = np.asarray(self.expected(name, slots, lengths[slots], lengths[slots]), np.uint64)
         fresh = (expected != 0) & ((copy.sums[slots] != expected) | (copy.lens[slots] != lengths[slots]))
         slots, expected = slots[fresh], expected[fresh]
         copy.sums[slots] = 0  # not served while written
         copy.rows[slots] = mapped[slots]
+        wanted = set(np.asarray(sampled).tolist())
         for slot, n, value in zip(slots.tolist(), lengths[slots].tolist(), expected.tolist()):
-            if crc32c(copy.rows[slot, :n]) != value & 0xFFFFFFFF:
+            if crc32c(copy.rows[slot, :n]) == value & 0xFFFFFFFF:
+                copy.lens[slot], copy.sums[slot] = n, value
+            elif slot in wanted:
                 self._fail(name, slot, n, value)
-            copy.lens[slot], copy.sums[slot] = n, value
 
     def _copy_of(self, name: str, mapped: np.ndarray) -> CheckedCopy | None:
         """The field's private copy, made on first use when the whole field fits in
