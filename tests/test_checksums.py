@@ -538,6 +538,26 @@ def test_sampled_steps_of_a_small_field_are_checked_then_served_from_the_copy(tm
     buffer.close()
 
 
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_damaged_entry_fails_only_the_batches_that_sample_its_slot(tmp_path, backend):
+    """The first batch checks every committed episode of the field: a damaged checksum entry of
+    a slot it does not sample must not fail it (nor hide the damage from one that does)."""
+    path = str(tmp_path / backend)
+    with ReplayBuffer(path, 4, 10, {"x": ("float32", (3,))}, backend=backend) as buffer:
+        for episode in range(4):
+            buffer.store_episode(x=np.full((10, 3), episode + 1, np.float32))
+    sums = np.load(os.path.join(path, "replaybuf", "checksums.npy"), mmap_mode="r+")
+    sums[2, 0] ^= np.uint64(1 << 40)
+    sums.flush()
+    del sums
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    values = reader.storage.gather("x", np.array([0, 1, 3]), np.array([1, 2, 3]))
+    np.testing.assert_array_equal(values[:, 0], [1, 2, 4])
+    with pytest.raises(ChecksumEntryError, match="data/x: slot 2: its checksum entry"):
+        reader.storage.gather("x", np.array([0, 2]), np.array([1, 2]))
+    reader.close()
+
+
 def test_zarr_trajectories_of_a_resident_array_serve_the_checked_copy(originals, tmp_path):
     """A zarr array held in RAM (small) serves trajectory batches from its resident copy: its
     rows were checked against their chunks' crc32c when loaded and live in this process's own

@@ -568,12 +568,21 @@ class EpisodeChecksums:
         failing its check raises when ``sampled`` (the batch's slots) names it; any other is left
         unkept (a slot a writer is rewriting now), to be checked when a batch samples it."""
         slots = np.flatnonzero(lengths > 0)
-        expected = np.asarray(self.expected(name, slots, lengths[slots], lengths[slots]), np.uint64)
+        wanted = set(np.asarray(sampled).tolist())
+        try:
+            expected = np.asarray(self.expected(name, slots, lengths[slots], lengths[slots]), np.uint64)
+        except ChecksumEntryError:  # a damaged entry: raised for a sampled slot, others left unkept
+            expected = np.zeros(len(slots), np.uint64)
+            for k, slot in enumerate(slots.tolist()):
+                try:
+                    expected[k] = self.expected(name, slots[k : k + 1], lengths[[slot]], lengths[[slot]])[0]
+                except ChecksumEntryError:
+                    if slot in wanted:
+                        raise
         fresh = (expected != 0) & ((copy.sums[slots] != expected) | (copy.lens[slots] != lengths[slots]))
         slots, expected = slots[fresh], expected[fresh]
         copy.sums[slots] = 0  # not served while written
         copy.rows[slots] = mapped[slots]
-        wanted = set(np.asarray(sampled).tolist())
         for slot, n, value in zip(slots.tolist(), lengths[slots].tolist(), expected.tolist()):
             if crc32c(copy.rows[slot, :n]) == value & 0xFFFFFFFF:
                 copy.lens[slot], copy.sums[slot] = n, value
