@@ -1055,6 +1055,19 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
     return problems
 
 
+def _rows_past_lengths(storage: Storage, name: str, slots: np.ndarray, lens: np.ndarray, steps: int) -> np.ndarray:
+    """Rows ``min(lens) .. steps`` of ``slots``, each slot's read from its own length on (zeros
+    before it): the committed steps are checked on their own, and a read of them here would
+    report their damage twice."""
+    start = int(lens.min())
+    field = storage.read_rows(name, slots[:1], start, start)  # the step shape and dtype, no data
+    rows = np.zeros((len(slots), steps - start, *field.shape[2:]), field.dtype)
+    for length in np.unique(lens).tolist():
+        group = np.flatnonzero(lens == length)
+        rows[group, length - start :] = storage.read_rows(name, slots[group], length, steps)
+    return rows
+
+
 def _check_beyond_length(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None
 ) -> tuple[list[tuple[int | None, str]], dict[str, list[int]]]:
@@ -1074,7 +1087,7 @@ def _check_beyond_length(
             start = int(lens[slab].min())
             for name in names:
                 try:
-                    rows = storage.read_rows(name, slab, start, schema.max_timesteps)
+                    rows = _rows_past_lengths(storage, name, slab, lens[slab], schema.max_timesteps)
                 except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
                     found[name].append(
                         (None, f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")

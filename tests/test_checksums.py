@@ -14,7 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replaybuf import ChecksumEntryError, CorruptChunkError, EpisodeLengthError, ReplayBuffer, StorageError
+from replaybuf import (
+    ChecksumEntryError,
+    CorruptChunkError,
+    EpisodeLengthError,
+    ReplayBuffer,
+    ReplayDatasetTimeWindow,
+    StorageError,
+)
 from replaybuf.cli import main
 from replaybuf.maintenance import verify
 from replaybuf.storage import _local
@@ -536,6 +543,51 @@ def test_sampled_steps_of_a_small_field_are_checked_then_served_from_the_copy(tm
     _xor_byte(target, offset)
     np.testing.assert_array_equal(buffer.storage.gather("frame", every, steps), expected)
     buffer.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_sampled_steps_and_windows_of_a_large_field_are_checked_once_per_process(tmp_path, backend, monkeypatch):
+    """A field too large for a private copy (frames) returned a flipped byte to timestep and
+    window batches. Each sampled episode is now checked whole once per process under its stored
+    entry: a flip before the check raises for every per-step path; a slot rewritten in place
+    (a new entry) is checked again; a new process checks again."""
+    monkeypatch.setattr(_local, "CHECKED_COPY_BYTES", 0)
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5  # slot 1, step 17
+    _xor_byte(target, offset)
+    damaged = ReplayBuffer.from_folder(path, read_only=True)
+    slots = np.array([1])
+    reads = [
+        lambda: damaged.storage.gather("frame", np.array([0, 1]), np.array([3, 4])),  # step 4 is intact
+        lambda: damaged.storage.read_rows("frame", slots, 2, 6),
+        lambda: damaged.storage.read_spans(
+            "frame", slots, np.array([2]), np.array([BIG_STEPS - 2]), np.zeros((1, BIG_STEPS - 2, *BIG_FRAME), np.uint8)
+        ),
+        lambda: list(damaged.dataloader(batch_size=16, timestep_level=True)),
+        lambda: list(ReplayDatasetTimeWindow(damaged, window_length=BIG_STEPS // 2)),
+    ]
+    for read in reads:
+        with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
+            read()
+    np.testing.assert_array_equal(damaged.storage.gather("frame", np.array([0]), np.array([3])), frames[0][3:4])
+    damaged.close()
+    _xor_byte(target, offset)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    np.testing.assert_array_equal(buffer.storage.gather("frame", np.array([1]), np.array([4])), frames[1][4:5])
+    if backend == "memmap":  # slot 1 rewritten in place, then damaged: its new entry is checked again
+        writer = ReplayBuffer.from_folder(path)
+        writer.store_datapoint(1, 3, "frame", np.full(BIG_FRAME, 77, np.uint8))
+        writer.close()
+        _xor_byte(target, offset)
+        with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+            buffer.storage.gather("frame", np.array([1]), np.array([4]))
+        _xor_byte(target, offset)
+    buffer.close()
+    _xor_byte(target, offset)  # a new process (reader) checks again
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+        ReplayBuffer.from_folder(path, read_only=True).storage.gather("frame", np.array([1]), np.array([4]))
 
 
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])

@@ -283,8 +283,9 @@ class EpisodeChecksums:
     of the crc of the committed rows ``[0, length)`` of each field (0: never committed). It
     is written before the length is published, and recomputed when a committed episode's rows
     are rewritten in place, so a reader can check every whole-episode read (read_rows /
-    read_spans from step 0 to at least the length). Per-step gathers are not checked: they
-    would read the whole episode for one step. Each entry a check uses is checked first: one
+    read_spans from step 0 to at least the length). Reads of some steps of an episode (sampled
+    steps, windows) check it whole once per process and entry (``gather``, ``check_once``). Each
+    entry a check uses is checked first: one
     that is not what its low 32 bits make (0 included: a committed episode always has one) is
     ``ChecksumEntryError`` naming checksums.npy. Format 2's entries hold no tag, so there only
     the kept bit and bits 33-63 (0) are checked; a flipped crc bit reads as damaged data.
@@ -297,6 +298,9 @@ class EpisodeChecksums:
         self.tagged = tagged
         self._sums: np.memmap | None = None
         self._copies: dict[str, CheckedCopy | None] = {}
+        # per field without a private copy: per slot, the (entry, length) its mapped steps last
+        # passed under in this process (``check_once``)
+        self._checked: dict[str, np.ndarray] = {}
         # per cell, the entry last seen to pass its own check (this process's memory: the same
         # value in the same cell passes again, so a batch recomputes only entries that changed)
         self._passed: np.ndarray | None = None
@@ -536,13 +540,17 @@ class EpisodeChecksums:
         committed episode not kept (``lengths`` as published now) against its stored checksum
         and keeps it (one pass over the field, as a zarr loader loads its small fields; damage
         raises CorruptChunkError); steps outside a committed episode come from ``mapped``.
-        None where the field has no private copy (over CHECKED_COPY_BYTES): checking whole
-        episodes for single steps would read each sampled episode whole on every batch."""
+        None where the field has no private copy (over CHECKED_COPY_BYTES): its sampled episodes
+        are then checked once (``check_once``) and the caller reads ``mapped``."""
         copy = self._copy_of(name, mapped)
-        if copy is None or name not in self.columns:
+        if name not in self.columns:
             return None
         lengths = np.asarray(lengths)
         committed = lengths[episodes]
+        if copy is None:
+            touched = timesteps < committed
+            self.check_once(name, mapped, episodes[touched], committed[touched])
+            return None
         stored = self.sums[episodes, self.columns[name]]
         # an episode with no entry to check (0: a slot being rewritten, a seed folder's) reads the map
         unkept = (
@@ -559,6 +567,34 @@ class EpisodeChecksums:
         out[kept] = copy.rows[episodes[kept], timesteps[kept]]
         out[~kept] = mapped[episodes[~kept], timesteps[~kept]]
         return out
+
+    def check_once(self, name: str, mapped: np.ndarray, episodes: np.ndarray, committed: np.ndarray) -> None:
+        """Before committed steps of ``episodes`` (``committed[i]``: ``episodes[i]``'s length as
+        published now) are read part by part from ``mapped`` (single steps, windows): check each committed
+        episode this process has not checked under its stored entry and length, reading it
+        whole once (CorruptChunkError, or ChecksumEntryError for a damaged entry). Reading it
+        whole on every batch would cost one episode per sampled step (a 2 MB episode of frames
+        for one 21 kB frame), so a field too large for a private copy trusts its mapped bytes
+        once checked, as zarr's hot maps trust a shard they checked: a rewrite or a new episode
+        in the slot changes the entry and is checked again; damage after the check is found by
+        the next process, whole-episode reads and ``verify``."""
+        if name not in self.columns:
+            return
+        episodes, committed = np.asarray(episodes, dtype=np.int64).reshape(-1), np.asarray(committed).reshape(-1)
+        slots, first = np.unique(episodes, return_index=True)
+        lengths = committed[first].astype(np.uint64)
+        checked = self._checked.get(name)
+        if checked is None:
+            checked = self._checked.setdefault(name, np.zeros((self.sums.shape[0], 2), np.uint64))
+        stored = self.sums[slots, self.columns[name]]
+        todo = (lengths > 0) & ((stored == 0) | (checked[slots, 0] != stored) | (checked[slots, 1] != lengths))
+        if not todo.any():
+            return
+        slots, lengths = slots[todo], lengths[todo].astype(np.int64)
+        for slot, n, value in zip(slots.tolist(), lengths.tolist(), self.expected(name, slots, lengths, lengths)):
+            if crc32c(np.ascontiguousarray(mapped[slot, :n])) != value & 0xFFFFFFFF:
+                self._fail(name, slot, n, value)
+            checked[slot] = (value, n)
 
     def _keep_committed(
         self, name: str, mapped: np.ndarray, copy: CheckedCopy, lengths: np.ndarray, sampled: np.ndarray
@@ -610,6 +646,9 @@ class EpisodeChecksums:
         out = np.empty((len(episodes), max(t1 - t0, 0), *mapped.shape[2:]), dtype=mapped.dtype)
         read = np.full(len(episodes), t1 if t0 == 0 else 0)
         expected = self.expected(name, episodes, read, lengths)
+        # steps of the episode, not all of them
+        partial = (np.asarray(expected) == 0) & (t0 < np.asarray(lengths)) & (t0 < t1)
+        self.check_once(name, mapped, episodes[partial], np.asarray(lengths)[partial])
         for i, (episode, n, value) in enumerate(zip(episodes.tolist(), np.asarray(lengths).tolist(), expected)):
             self.copy_row(name, mapped, episode, t0, out[i], n, value)
         return out
@@ -651,11 +690,12 @@ class EpisodeChecksums:
     def release(self) -> None:
         self._sums = None
         self._copies = {}
+        self._checked = {}
         self._passed = None
 
     def __getstate__(self) -> dict:
         # a spawned process checks and keeps its own copies
-        return {**self.__dict__, "_sums": None, "_copies": {}, "_passed": None}
+        return {**self.__dict__, "_sums": None, "_copies": {}, "_checked": {}, "_passed": None}
 
 
 class CheckedCopy:

@@ -423,6 +423,9 @@ class MemmapStorage(LocalFolderStorage):
             rest = np.flatnonzero(~served).tolist()
             rows = [rows[k] for k in rest]
             committed, expected = now[rest].tolist(), [expected[k] for k in rest]
+            # windows holding steps of an episode, not all of it: checked once
+            partial = [k for k, value in enumerate(expected) if not value and rows[k][2] < committed[k]]
+            checksums.check_once(name, memmap, picked[rest][partial], now[rest][partial])
 
         def copy(k: int) -> None:
             i, e, s, n = rows[k]
