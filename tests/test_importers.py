@@ -675,6 +675,31 @@ def test_minari_dataset_written_by_minari(tmp_path, monkeypatch):
     assert_same(episodes_by_source(tmp_path / "by-path"), source)
 
 
+def test_minari_total_steps_that_lie_are_refused_before_anything_is_created(tmp_path, monkeypatch):
+    """The longest claimed episode sizes the destination: a total_steps of 1e8 over 18 steps
+    would have reserved gigabytes (memmap); it is now refused naming the episode."""
+    minari = pytest.importorskip("minari")
+    gym = pytest.importorskip("gymnasium")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    env = gym.make("CartPole-v1")
+    env.action_space.seed(0)
+    with pytest.warns(UserWarning):
+        minari.create_dataset_from_buffers(
+            "cartpole/lying-v0", [cartpole_episode(env, seed) for seed in range(3)], env, algorithm_name="random"
+        )
+    with require("h5py").File(tmp_path / "minari" / "cartpole" / "lying-v0" / "data" / "main_data.hdf5", "r+") as f:
+        held = len(f["episode_1"]["rewards"])
+        f["episode_1"].attrs["total_steps"] = 100_000_000
+    for backend in ("memmap", "hdf5", "zarr"):
+        dst = tmp_path / backend
+        with pytest.raises(
+            imp.ImportSourceError,
+            match=f"episode 1: its metadata says total_steps=100000000, but it holds {held} steps",
+        ):
+            imp.minari("cartpole/lying-v0", dst, backend=backend, progress=False)
+        assert not dst.exists()
+
+
 def test_minari_unknown_dataset(tmp_path, monkeypatch):
     pytest.importorskip("minari")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))

@@ -75,11 +75,19 @@ class MinariSource(Source):
         self._ids = [int(i) for i in self._dataset.episode_indices]
         metadata = self._dataset.storage.get_episode_metadata(self._ids)
         self._lengths = [int(row["total_steps"]) for row in metadata]
+        # the longest episode sizes the destination: its claimed length is checked against the
+        # steps it holds before anything is created (a total_steps of 1e8 would reserve terabytes)
+        longest = int(np.argmax(self._lengths)) if self._ids else 0
         try:
-            first = _steps(next(self._dataset.iterate_episodes(self._ids[:1]))) if self._ids else {}
+            steps = _steps(next(self._dataset.iterate_episodes(self._ids[longest : longest + 1]))) if self._ids else {}
         except ValueError as error:
             raise ImportSourceError(f"{self.path}: {error}") from error
-        self._fields = {name: {"dtype": str(v.dtype), "shape": tuple(v.shape[1:])} for name, v in first.items()}
+        if steps and len(steps["rewards"]) != self._lengths[longest]:
+            raise ImportSourceError(
+                f"{self.path}: episode {self._ids[longest]}: its metadata says total_steps="
+                f"{self._lengths[longest]}, but it holds {len(steps['rewards'])} steps"
+            )
+        self._fields = {name: {"dtype": str(v.dtype), "shape": tuple(v.shape[1:])} for name, v in steps.items()}
 
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._fields
