@@ -591,6 +591,33 @@ def test_sampled_steps_and_windows_of_a_large_field_are_checked_once_per_process
 
 
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_forked_workers_share_the_checks_of_a_large_field(tmp_path, backend, monkeypatch):
+    """Each sampled episode of a field too large to copy is read whole for its check: DataLoader
+    workers forked after a check do not read it again (the record lives in shared memory)."""
+    monkeypatch.setattr(_local, "CHECKED_COPY_BYTES", 0)
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    log = tmp_path / "checks.log"
+    crc32c = _local.crc32c
+
+    def logged(data, *args):  # forked workers inherit it and append their pid
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()}\n")
+        return crc32c(data, *args)
+
+    monkeypatch.setattr(_local, "crc32c", logged)
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    slots = np.arange(len(frames))
+    buffer.storage.gather("frame", slots, np.zeros_like(slots))  # the parent checks every episode
+    assert log.read_text().split() == [str(os.getpid())] * len(frames)
+    log.unlink()
+    loader = buffer.dataloader(batch_size=8, timestep_level=True, num_workers=2, multiprocessing_context="fork")
+    assert sum(len(batch["frame"]) for batch in loader) == sum(BIG_LENGTHS)
+    assert not log.exists()
+    buffer.close()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
 def test_a_damaged_entry_fails_only_the_batches_that_sample_its_slot(tmp_path, backend):
     """The first batch checks every committed episode of the field: a damaged checksum entry of
     a slot it does not sample must not fail it (nor hide the damage from one that does)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import weakref
@@ -298,9 +299,10 @@ class EpisodeChecksums:
         self.tagged = tagged
         self._sums: np.memmap | None = None
         self._copies: dict[str, CheckedCopy | None] = {}
-        # per field without a private copy: per slot, the (entry, length) its mapped steps last
-        # passed under in this process (``check_once``)
-        self._checked: dict[str, np.ndarray] = {}
+        # per (slot, column) of a field without a private copy, the check its mapped steps last
+        # passed (``check_once``): memory shared with the DataLoader workers forked after
+        # ``share_checks``, so a worker does not read again an episode another one checked
+        self._checked: np.ndarray | None = None
         # per cell, the entry last seen to pass its own check (this process's memory: the same
         # value in the same cell passes again, so a batch recomputes only entries that changed)
         self._passed: np.ndarray | None = None
@@ -345,6 +347,7 @@ class EpisodeChecksums:
             )
         if not storage.read_only:
             reserve(self.path)  # a file an earlier release created sparse
+        self.share_checks()  # before DataLoader workers fork
         return self
 
     @property
@@ -578,23 +581,33 @@ class EpisodeChecksums:
         once checked, as zarr's hot maps trust a shard they checked: a rewrite or a new episode
         in the slot changes the entry and is checked again; damage after the check is found by
         the next process, whole-episode reads and ``verify``."""
-        if name not in self.columns:
+        if name not in self.columns or not len(episodes):
             return
         episodes, committed = np.asarray(episodes, dtype=np.int64).reshape(-1), np.asarray(committed).reshape(-1)
         slots, first = np.unique(episodes, return_index=True)
         lengths = committed[first].astype(np.uint64)
-        checked = self._checked.get(name)
-        if checked is None:
-            checked = self._checked.setdefault(name, np.zeros((self.sums.shape[0], 2), np.uint64))
-        stored = self.sums[slots, self.columns[name]]
-        todo = (lengths > 0) & ((stored == 0) | (checked[slots, 0] != stored) | (checked[slots, 1] != lengths))
+        column = self.columns[name]
+        checked = self._checked if self._checked is not None else self.share_checks()
+        stored = self.sums[slots, column]
+        # one 8-byte word per check, written at once (another process reads it any time): the
+        # crc, which with the slot and column makes the whole entry, over the length
+        marks = (stored << np.uint64(32)) | lengths
+        todo = (lengths > 0) & ((stored == 0) | (checked[slots, column] != marks))
         if not todo.any():
             return
         slots, lengths = slots[todo], lengths[todo].astype(np.int64)
         for slot, n, value in zip(slots.tolist(), lengths.tolist(), self.expected(name, slots, lengths, lengths)):
             if crc32c(np.ascontiguousarray(mapped[slot, :n])) != value & 0xFFFFFFFF:
                 self._fail(name, slot, n, value)
-            checked[slot] = (value, n)
+            checked[slot, column] = (value << 32 | n) & 0xFFFFFFFFFFFFFFFF
+
+    def share_checks(self) -> np.ndarray:
+        """Keep ``check_once``'s record in memory that processes forked from now on share
+        (DataLoader workers): anonymous shared pages, taken only as checks are recorded."""
+        shape = self.sums.shape
+        memory = mmap.mmap(-1, max(1, shape[0] * shape[1] * 8))  # MAP_SHARED | MAP_ANONYMOUS
+        self._checked = np.frombuffer(memory, np.uint64, shape[0] * shape[1]).reshape(shape)
+        return self._checked
 
     def _keep_committed(
         self, name: str, mapped: np.ndarray, copy: CheckedCopy, lengths: np.ndarray, sampled: np.ndarray
@@ -690,12 +703,11 @@ class EpisodeChecksums:
     def release(self) -> None:
         self._sums = None
         self._copies = {}
-        self._checked = {}
-        self._passed = None
+        self._passed = None  # ``_checked`` stays: checks of content (crc, length), shared with forks
 
     def __getstate__(self) -> dict:
         # a spawned process checks and keeps its own copies
-        return {**self.__dict__, "_sums": None, "_copies": {}, "_checked": {}, "_passed": None}
+        return {**self.__dict__, "_sums": None, "_copies": {}, "_checked": None, "_passed": None}
 
 
 class CheckedCopy:
