@@ -322,6 +322,7 @@ class EpisodeChecksums:
         except StorageError:
             os.unlink(self.path)
             raise
+        self.share_checks()  # before DataLoader workers fork
         return self
 
     @classmethod
