@@ -632,9 +632,9 @@ class ReplayBuffer(CommittedViews):
             self._pending_steps = value
             return
         if value < group.length:
+            if self.flush_every_store_step > 0:  # written first, as an edit is: a kill after it replays the cut
+                self._commit.log_edit([self._commit.step_log.truncate(value)], durable=True)
             group.rewind(value, lambda name, t0, t1: self._read_rows(name, group.slots, t0, t1))
-            if self.flush_every_store_step > 0:
-                self._commit.log_pending.append(self._commit.step_log.truncate(value))
         while group.length < value:
             self._stage({})
 
@@ -1288,7 +1288,7 @@ class ReplayBuffer(CommittedViews):
 
         def hits(episodes: np.ndarray) -> dict[int, int]:
             """Row of the group -> the last index of ``episodes`` naming its slot."""
-            return {rows_of[int(episodes[i])]: int(i) for i in np.flatnonzero(np.isin(episodes, group.slots))}
+            return {rows_of[e]: i for i, e in enumerate(np.asarray(episodes).tolist()) if e in rows_of}
 
         parts = []
         for name, episodes, t0, rows in steps:
@@ -1301,7 +1301,8 @@ class ReplayBuffer(CommittedViews):
         if self.flush_every_store_step > 0 and (parts or edited_meta):
             records = [self._commit.step_log.meta(edited_meta)] if edited_meta else []
             records += [self._commit.step_log.edit(parts)] if parts else []
-            self._commit.log_edit(records, durable=group.length > 0)
+            # written now once the log holds steps to replay (until then nothing is replayed)
+            self._commit.log_edit(records, durable=group.length > 0 or self._commit.log_written)
         for name, values in edited_meta.items():
             group.meta[name][:] = values
         for name, row, t0, values in parts:

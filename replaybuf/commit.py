@@ -417,9 +417,10 @@ class Committer:
             self.log_pending = []
 
     def log_edit(self, records: list[bytes], durable: bool) -> None:
-        """Log an edit of the episodes in progress (``records``), before it is applied: after the
-        records pending, in an append of its own (within ``StepLog.segment_bound``), written now
-        when ``durable`` (steps are logged: the edit must survive a kill as a step does; with
+        """Log an edit of the episodes in progress (``records``: new values, or its steps cut
+        back by ``timestep_index = n``) before it is applied: after the records pending, in an
+        append of its own (within ``StepLog.segment_bound``), written now when ``durable`` (the
+        log holds steps: the edit must survive a kill as a step does; with
         ``flush_every_store_step`` > 1 the steps pending go with it). Raises StorageError, the
         edit left out of the log, when the log cannot be written."""
         if not durable:

@@ -60,6 +60,8 @@ def edit(buffer: ReplayBuffer, how: str) -> None:
     elif how == "meta":
         buffer.store_meta_datapoint(0, "uid", 99)
         buffer.store_meta_batch(score=4.0)
+    elif how == "cut":  # steps cut back, nothing stored since: the replay ends there too
+        buffer.timestep_index = 4
     elif how == "rewind":  # an edit of a step stored again after a rewind, then of its new value
         buffer.timestep_index = 6
         buffer.data["obs"][0, 5] = -3
@@ -119,7 +121,7 @@ def assert_same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> 
         np.testing.assert_array_equal(got[name], values, err_msg=name)
 
 
-@pytest.mark.parametrize("how", ["update", "setitem", "datapoint", "meta", "rewind"])
+@pytest.mark.parametrize("how", ["update", "setitem", "datapoint", "meta", "cut", "rewind"])
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
 def test_a_killed_writer_keeps_the_edits_of_its_episode_in_progress(tmp_path, backend, how):
     """The episode replayed after the kill equals the one the writer would have committed:
