@@ -172,6 +172,39 @@ def test_an_object_store_keeps_the_edit_in_a_log_segment_of_its_own(tmp_path):
     assert (got["obs"] == -1).all() and (int(got["episode_lens"]), int(got["uid"]), float(got["score"])) == (10, 3, 2)
 
 
+def write_batch(location: str, kill: bool) -> None:
+    """A group of 3 episodes in lockstep (slots 0..2), two of them edited, then SIGKILLed or ended."""
+    from replaybuf import staging
+
+    staging.WRITE_SPAN_BYTES = SPAN_BYTES
+    buffer = ReplayBuffer(location, **KWARGS, overwrite=False)
+    buffer.store_meta_batch(uid=[1, 2, 3])
+    for t in range(STEPS):
+        buffer.store_batch(**{n: np.stack([v + k for k in range(3)]).astype(v.dtype) for n, v in step(t).items()})
+    buffer.update([2, 1], r=np.stack([np.full(STEPS, -2), np.full(STEPS, -1)]).astype(np.float32), score=[2, 1])
+    buffer.store_batch_datapoint([0, 2], 9, "img", np.full((2, 2), 200, np.uint8))
+    buffer.data["obs"][1:, 3] = -3
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    buffer.advance_episode(3)
+    buffer.close()
+
+
+def test_a_killed_writer_keeps_the_edits_of_each_episode_of_a_batched_group(tmp_path):
+    """Edits name episodes of a group by slot, in any order: each reaches its own row."""
+    found = {}
+    for kill in (False, True):
+        location = str(tmp_path / f"batch-{kill}")
+        ReplayBuffer(location, **KWARGS).close()
+        run_child(write_batch, location, kill, exitcode=-signal.SIGKILL if kill else 0)
+        with ReplayBuffer(location, **KWARGS, overwrite=False) as buffer:
+            found[kill] = [episode_in_slot(buffer, slot) for slot in range(3)]
+    assert [float(e["r"][0]) for e in found[False]] == [0, -1, -2]
+    assert [float(e["score"]) for e in found[False]] == [0, 1, 2]
+    for got, expected in zip(found[True], found[False]):
+        assert_same(got, expected)
+
+
 def meta_edited_before_any_step(location: str) -> None:
     buffer = ReplayBuffer(location, **KWARGS, overwrite=False)
     buffer.store_meta_batch(uid=7)  # starts the group (and its log header, not yet written)
@@ -311,6 +344,11 @@ def damaged_edits() -> list[tuple[str, bytes, str | None]]:
         ("steps", raw(_EDIT_PART.pack(1, 0, 2, 2) + r_values * 2), "an edit of steps 2 to 3, the log holds 3 steps"),
         ("field", raw(_EDIT_PART.pack(3, 0, 0, 1) + r_values), "an edit of field number 3, the log has 3 fields"),
         ("short", raw(_EDIT_PART.pack(1, 0, 0, 2) + r_values), "an edit of 'r' holding 4 bytes, expected 8"),
+        (  # a valid part (r of step 1) is not applied when a later one is damaged
+            "second part",
+            raw(_EDIT_PART.pack(1, 0, 1, 1) + r_values + _EDIT_PART.pack(1, 2, 0, 1) + r_values),
+            "an edit of row 2, the log's group has 1 episode",
+        ),
         ("empty", raw(b""), "an edit record of 0 bytes, expected 14 to 102 after 3 steps"),
         (  # refused by its size, before its payload is read
             "huge",
