@@ -33,7 +33,8 @@ KWARGS = dict(
     meta_fields={"uid": "int", "score": "float"},
     circular=False,
 )
-# obs and img spans are 4 steps: steps 0..7 of an episode of 10 have left RAM, 8 and 9 are staged
+# obs spans are 4 steps (steps 0..7 of an episode of 10 leave RAM, 8 and 9 stay staged), r and
+# img spans 12 (all staged): each edit below reaches steps of both kinds
 SPAN_BYTES = 48
 
 
