@@ -231,8 +231,9 @@ class DataView(ArrayBase):
         except ValueError as e:
             raise ValueError(f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e}") from None
         if len(slots) and t1 > t0:
-            buffer._edit_staged(self._name, slots, t0, rows)
-            buffer._commit.update_rows(self._name, slots, t0, rows)
+            with buffer._commit.editing(slots, [self._name], t1):
+                buffer._edit_staged(steps=[(self._name, slots, t0, rows)])
+                buffer.storage.update_rows(self._name, slots, t0, rows)
 
     def __repr__(self) -> str:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
@@ -631,9 +632,9 @@ class ReplayBuffer(CommittedViews):
             self._pending_steps = value
             return
         if value < group.length:
+            if self.flush_every_store_step > 0:  # written first, as an edit is: a kill after it replays the cut
+                self._commit.log_edit([self._commit.step_log.truncate(value)], durable=True)
             group.rewind(value, lambda name, t0, t1: self._read_rows(name, group.slots, t0, t1))
-            if self.flush_every_store_step > 0:
-                self._commit.log_pending.append(self._commit.step_log.truncate(value))
         while group.length < value:
             self._stage({})
 
@@ -979,10 +980,7 @@ class ReplayBuffer(CommittedViews):
         if group is None or group.batch_size != batch:
             self._begin_group(batch, values)
             return
-        for name, value in values.items():
-            group.meta[name][:] = value
-        if self.flush_every_store_step > 0:
-            self._commit.log_pending.append(self._commit.step_log.meta(values))
+        self._edit_staged(meta=[(name, group.slots, value) for name, value in values.items()])
 
     def store_episode(self, **data: Any) -> None:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
@@ -1129,13 +1127,14 @@ class ReplayBuffer(CommittedViews):
         episode = check_index(episode_index, self.max_episodes, "episode_index", "store_datapoint")
         check_index(timestep_index, self.max_timesteps, "timestep_index", "store_datapoint")
         self._check_names([name], self.fieldnames, "field", "store_datapoint")
-        value = step_value(datapoint, self.schema.fields[name])
-        group = self._group
-        if group is not None and episode in group.slots:
-            row = int(np.flatnonzero(group.slots == episode)[0])
-            if group.set_step(name, row, int(timestep_index), value):
-                return
-        self._commit.update_rows(name, np.array([episode]), int(timestep_index), value[None, None])
+        value, t = step_value(datapoint, self.schema.fields[name]), int(timestep_index)
+        group, edit = self._group, [(name, np.array([episode]), t, value[None, None])]
+        if group is not None and episode in group.slots and group.holds(name, t):
+            self._edit_staged(steps=edit)  # a step in RAM: written at its commit
+            return
+        with self._commit.editing(np.array([episode]), [name], t + 1):
+            self._edit_staged(steps=edit)  # a step of the episode in progress that left RAM: logged
+            self.storage.update_rows(name, np.array([episode]), t, value[None, None])
 
     def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
         """Write one meta value of an episode."""
@@ -1192,8 +1191,7 @@ class ReplayBuffer(CommittedViews):
         staged = np.zeros(len(episodes), bool)
         if group is not None:
             staged = np.isin(episodes, group.slots)
-            for episode, value in zip(episodes[staged], values[staged]):
-                group.meta[name][np.flatnonzero(group.slots == episode)[0]] = value
+            self._edit_staged(meta=[(name, episodes[staged], values[staged])])
         if not staged.all():
             self._commit.edit_meta(name, episodes[~staged], values[~staged])
 
@@ -1244,13 +1242,15 @@ class ReplayBuffer(CommittedViews):
         # one edit of every field's rows and the meta values (with their checksums)
         with self._commit.editing(episodes, edited, steps):
             values = [(name, array) for name, array in writes if name not in self.fieldnames]
+            self._edit_staged(
+                steps=[(name, episodes, 0, array) for name, array in rows],
+                meta=[(name, episodes, array) for name, array in values],
+            )
             for name, array in values:
                 self._commit.write_meta(name, episodes, array)
-                self._edit_staged_meta(name, episodes, array)
             if values:
                 self._commit.reseal_meta(episodes)
             for name, array in rows:
-                self._edit_staged(name, episodes, 0, array)
                 self.storage.update_rows(name, episodes, 0, array)
 
     def _overlay_staged(self, name: str, episodes: np.ndarray, t0: int, rows: np.ndarray) -> None:
@@ -1268,27 +1268,46 @@ class ReplayBuffer(CommittedViews):
             row = int(np.flatnonzero(group.slots == episodes[i])[0])
             rows[i, lo - t0 : hi - t0] = staged[row, lo - start : hi - start]
 
-    def _edit_staged(self, name: str, episodes: np.ndarray, t0: int, rows: np.ndarray) -> None:
-        """An in-place edit (``rows`` of ``episodes`` from step ``t0``) applied to the steps of the
-        episodes in progress that are still staged in RAM, as ``store_datapoint`` does: their
-        commit writes the staged values, so an edit written to storage only would be lost (in
-        the seed the edit lands on the step ``store`` wrote)."""
+    def _edit_staged(
+        self,
+        steps: Sequence[tuple[str, np.ndarray, int, np.ndarray]] = (),
+        meta: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+    ) -> None:
+        """One edit call's part in the episodes in progress: ``steps`` as (field, episodes, first
+        step, rows (episodes, steps, *shape)), ``meta`` as (field, episodes, values). The step
+        log records it first (``Committer.log_edit``: a StorageError there leaves everything as
+        it was), so a killed writer's episode is replayed with the edit; then the steps staged
+        in RAM and the meta values take it: their commit writes them, so an edit written to
+        storage only would be lost (in the seed the edit lands on the step ``store`` wrote).
+        Steps that left RAM are the caller's to write to storage. An episode given twice keeps
+        its last value, as numpy assignment does."""
         group = self._group
         if group is None:
             return
-        for i in np.flatnonzero(np.isin(episodes, group.slots)):
-            row = int(np.flatnonzero(group.slots == episodes[i])[0])
-            for t in range(t0, min(t0 + rows.shape[1], group.length)):
-                group.set_step(name, row, t, rows[i, t - t0])
+        rows_of = {int(slot): row for row, slot in enumerate(group.slots)}
 
-    def _edit_staged_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
-        """An in-place edit of meta field ``name`` applied to the episodes in progress too: their
-        commit writes the staged meta values."""
-        group = self._group
-        if group is None:
-            return
-        for i in np.flatnonzero(np.isin(episodes, group.slots)):
-            group.meta[name][np.flatnonzero(group.slots == episodes[i])[0]] = values[i]
+        def hits(episodes: np.ndarray) -> dict[int, int]:
+            """Row of the group -> the last index of ``episodes`` naming its slot."""
+            return {rows_of[e]: i for i, e in enumerate(np.asarray(episodes).tolist()) if e in rows_of}
+
+        parts = []
+        for name, episodes, t0, rows in steps:
+            end = min(t0 + rows.shape[1], group.length)
+            parts += [(name, row, t0, rows[i, : end - t0]) for row, i in sorted(hits(episodes).items()) if end > t0]
+        edited_meta: dict[str, np.ndarray] = {}
+        for name, episodes, values in meta:
+            for row, i in hits(episodes).items():
+                edited_meta.setdefault(name, group.meta[name].copy())[row] = values[i]
+        if self.flush_every_store_step > 0 and (parts or edited_meta):
+            records = [self._commit.step_log.meta(edited_meta)] if edited_meta else []
+            records += [self._commit.step_log.edit(parts)] if parts else []
+            # written now once the log holds steps to replay (until then nothing is replayed)
+            self._commit.log_edit(records, durable=group.length > 0 or self._commit.log_written)
+        for name, values in edited_meta.items():
+            group.meta[name][:] = values
+        for name, row, t0, values in parts:
+            for t, value in enumerate(values, t0):
+                group.set_step(name, row, t, value)
 
     def update_steps(self, episodes: Any, timesteps: Any, **data: Any) -> None:
         """Overwrite single steps of committed episodes in place: ``data[name]`` holds one value

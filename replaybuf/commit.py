@@ -416,6 +416,28 @@ class Committer:
             self.storage.append_log(LOG_NAME, b"".join(self.log_pending))
             self.log_pending = []
 
+    def log_edit(self, records: list[bytes], durable: bool) -> None:
+        """Log an edit of the episodes in progress (``records``: new values, or its steps cut
+        back by ``timestep_index = n``) before it is applied: after the records pending, in an
+        append of its own (within ``StepLog.segment_bound``), written now when ``durable`` (the
+        log holds steps: the edit must survive a kill as a step does; with
+        ``flush_every_store_step`` > 1 the steps pending go with it). Raises StorageError, the
+        edit left out of the log, when the log cannot be written."""
+        if not durable:
+            self.log_pending.extend(records)
+            return
+        try:
+            self.flush_log()  # the steps pending (kept pending when this fails)
+            self.log_pending = records
+            self.flush_log()
+        except StorageError as e:
+            if self.log_pending is records:
+                self.log_pending = []  # the log on disk ends at its last whole record
+            raise StorageError(
+                f"{e}; the edit was not made: the episode in progress keeps its values, edit it again once the "
+                "store can be written"
+            ) from e
+
     def discard_log(self) -> None:
         self.log_pending = []
         if self.log_written:
@@ -502,7 +524,7 @@ class Committer:
         if log.damage is not None:
             # the copy keeps the valid prefix and the most a valid record past it could hold,
             # no more than a valid log holds without rewinds (its memory is bounded too)
-            keep = min(log.end + self.step_log.record_bound(log.header), limit)
+            keep = min(log.end + self.step_log.record_bound(log.header, self.max_timesteps), limit)
             aside, dropped = self.storage.copy_log_aside(LOG_NAME, keep, limit)
             left_out = f" (its last {dropped:,} bytes, past what a valid log could hold, left out)" if dropped else ""
             warnings.warn(

@@ -2,10 +2,12 @@
 
 ``store()`` copies a step into an ``EpisodeGroup`` (one row per episode of a batched group);
 rows reach storage as chunk-aligned slabs once a write span fills and at commit. The step log
-records each step as it is staged so a killed writer loses at most the steps it had not yet
-flushed: on the next writable open the log is replayed and its episodes are committed,
-truncated where the log ends. Records carry a crc32; a log damaged past its first records is
-recovered up to the damage and copied aside (``commit.Committer.recover_step_log``).
+records each step as it is staged, and each edit of those steps and of their meta values
+(``update``, ``data[...] = ...``, ``store_datapoint``, ``store_meta_datapoint``) before it is
+applied, so a killed writer loses at most what it had not yet flushed: on the next writable
+open the log is replayed and its episodes are committed, truncated where the log ends. Records
+carry a crc32; a log damaged past its first records is recovered up to the damage and copied
+aside (``commit.Committer.recover_step_log``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ WRITE_SPAN_BYTES = 1 << 20
 # the first release have no crc and upper-case kinds, so the first byte of a log says its format
 _RECORD = struct.Struct("<cII")
 _LEGACY_RECORD = struct.Struct("<cI")
-HEADER, STEPS, META, TRUNCATE = b"h", b"s", b"m", b"t"
+HEADER, STEPS, META, TRUNCATE, EDIT = b"h", b"s", b"m", b"t", b"e"
+# an edit record holds parts, each (field number, row of the group, first step, steps) then the
+# field's values of those steps of that row; a log without edits is read as before they existed
+_EDIT_PART = struct.Struct("<HIII")
 _LEGACY_KINDS = {b"H": HEADER, b"S": STEPS, b"M": META, b"T": TRUNCATE}
 
 
@@ -120,12 +125,15 @@ class EpisodeGroup:
             return start, np.zeros((self.batch_size, 0, *self.fields[name].shape), self.fields[name].dtype)
         return start, rows[:, : max(self.length - start, 0)]
 
+    def holds(self, name: str, t: int) -> bool:
+        """Whether step ``t`` of field ``name`` is staged in RAM (not yet written to storage)."""
+        return 0 <= t - self._row_start[name] < self.spans[name] and t < self.length
+
     def set_step(self, name: str, row: int, t: int, value: np.ndarray) -> bool:
         """Overwrite a staged value; False when that step already left RAM."""
-        offset = t - self._row_start[name]
-        if not 0 <= offset < self.spans[name] or t >= self.length:
+        if not self.holds(name, t):
             return False
-        self._span_rows(name)[row, offset] = value
+        self._span_rows(name)[row, t - self._row_start[name]] = value
         return True
 
     def rewind(self, t: int, read_back: Callable[[str, int, int], np.ndarray]) -> None:
@@ -171,9 +179,9 @@ class EpisodeGroup:
 
 @dataclass
 class ParsedLog:
-    """What a step log holds: its header, the steps and meta values of its valid prefix, where
-    that prefix ends (``end``, bytes) and what is wrong with the rest (None when nothing is: a
-    torn last record is a kill's normal residue, not damage)."""
+    """What a step log holds: its header, the steps (edits applied) and meta values of its valid
+    prefix, where that prefix ends (``end``, bytes) and what is wrong with the rest (None when
+    nothing is: a torn last record is a kill's normal residue, not damage)."""
 
     header: dict | None = None
     steps: list[dict[str, np.ndarray]] = field(default_factory=list)
@@ -211,7 +219,9 @@ class _Stream:
 class StepLog:
     """Encodes and parses the step log: checksummed, length-prefixed records ``h`` (header
     JSON), ``s`` (one step of every field for every episode of the group, raw bytes), ``m``
-    (meta JSON) and ``t`` (steps cut back to a length, ``timestep_index = n``)."""
+    (meta JSON), ``t`` (steps cut back to a length, ``timestep_index = n``) and ``e`` (one
+    edit call's new values of logged steps: parts of one field and row each, ``_EDIT_PART``).
+    An edit is one record so that replay applies it whole or, torn by a kill, not at all."""
 
     def __init__(self, fields: dict[str, Field], meta_fields: dict[str, Field]):
         self.fields = fields
@@ -237,9 +247,21 @@ class StepLog:
     def meta(self, meta: dict[str, np.ndarray]) -> bytes:
         return self.record(META, json.dumps({k: np.asarray(v).tolist() for k, v in meta.items()}).encode())
 
-    def _records(self, stream: _Stream, header: Callable[[], dict | None]) -> Iterator[tuple[int, bytes, bytes]]:
-        """(offset, kind, payload) of every whole record, ``header()`` being the log's header
-        so far. Each record's size is checked (``_refused_size``) before its payload is read,
+    def edit(self, parts: list[tuple[str, int, int, np.ndarray]]) -> bytes:
+        """A record of new values of logged steps: ``parts`` are (field, row of the group, first
+        step, values (steps, *shape)), each (field, row) at most once."""
+        numbers = {name: i for i, name in enumerate(self.fields)}
+        return self.record(
+            EDIT,
+            b"".join(
+                _EDIT_PART.pack(numbers[name], row, t0, len(values)) + np.ascontiguousarray(values).tobytes()
+                for name, row, t0, values in parts
+            ),
+        )
+
+    def _records(self, stream: _Stream, log: ParsedLog) -> Iterator[tuple[int, bytes, bytes]]:
+        """(offset, kind, payload) of every whole record, ``log`` holding what was parsed so
+        far. Each record's size is checked (``_refused_size``) before its payload is read,
         so a damaged size never asks for more than a valid record holds; a record cut short
         with a valid size ends the log (a kill mid-append). Raises ValueError at a damaged
         record."""
@@ -255,9 +277,9 @@ class StepLog:
                 kind = _LEGACY_KINDS.get(kind, b"?")
             else:
                 kind, size, crc = layout.unpack(prefix)
-            if kind not in (HEADER, STEPS, META, TRUNCATE):
+            if kind not in (HEADER, STEPS, META, TRUNCATE, EDIT):
                 raise ValueError(f"record at byte {pos:,}: unknown kind {kind!r}")
-            why = self._refused_size(kind, size, header())
+            why = self._refused_size(kind, size, log.header, len(log.steps))
             if why is not None:
                 raise ValueError(f"record at byte {pos:,}: {why}; the log from there on is dropped")
             payload = stream.take(size)
@@ -270,34 +292,48 @@ class StepLog:
     def _step_nbytes(self, header: dict) -> int:
         return len(header["slots"]) * sum(f.step_nbytes for f in self.fields.values())
 
-    def _refused_size(self, kind: bytes, size: int, header: dict | None) -> str | None:
-        """Why no writer wrote a record of ``kind`` and ``size`` after ``header``, or None
-        when one may have: a log starts with a header, a step's size is fixed by it, a
-        truncate's is 4, and a header or meta record (JSON) is a metadata object
-        (``MAX_DOCUMENT_BYTES``)."""
+    def _edit_nbytes(self, batch: int, steps: int) -> int:
+        """The most bytes an edit record of a group of ``batch`` episodes holding ``steps`` steps
+        may hold: every step of every field of every row, each (field, row) one part."""
+        return batch * (steps * sum(f.step_nbytes for f in self.fields.values()) + len(self.fields) * _EDIT_PART.size)
+
+    def _refused_size(self, kind: bytes, size: int, header: dict | None, steps: int) -> str | None:
+        """Why no writer wrote a record of ``kind`` and ``size`` after ``header`` and ``steps``
+        logged steps, or None when one may have: a log starts with a header, a step's size is
+        fixed by it, a truncate's is 4, an edit's is at most every logged step of every row,
+        and a header or meta record (JSON) is a metadata object (``MAX_DOCUMENT_BYTES``)."""
         if kind != HEADER and header is None:
             return "the log does not start with a header"
         if kind == TRUNCATE and size != 4:
             return f"a truncate record of {size:,} bytes, expected 4"
-        if kind == STEPS and header is not None:
-            if header.get("fields") != list(self.fields):
-                return f"the log holds fields {header.get('fields')}, the buffer {list(self.fields)}"
-            if size != self._step_nbytes(header):
-                return f"a step record of {size:,} bytes, expected {self._step_nbytes(header):,}"
+        if kind in (STEPS, EDIT) and header is not None and header.get("fields") != list(self.fields):
+            return f"the log holds fields {header.get('fields')}, the buffer {list(self.fields)}"
+        if kind == STEPS and header is not None and size != self._step_nbytes(header):
+            return f"a step record of {size:,} bytes, expected {self._step_nbytes(header):,}"
+        if kind == EDIT and header is not None:
+            most = self._edit_nbytes(len(header["slots"]), steps)
+            if not _EDIT_PART.size <= size <= most:
+                return f"an edit record of {size:,} bytes, expected {_EDIT_PART.size} to {most:,} after {steps} steps"
         if kind in (HEADER, META) and size > document_limit():
             return f"a {'header' if kind == HEADER else 'meta'} record of {size:,} bytes, over {document_limit():,}"
         return None
 
-    def record_bound(self, header: dict | None) -> int:
-        """The most bytes one record after ``header`` may hold (a header or meta document, or a
-        step): what a valid log can hold past the end of its valid prefix."""
-        return _RECORD.size + max(document_limit(), self._step_nbytes(header) if header is not None else 0)
+    def record_bound(self, header: dict | None, max_steps: int = 0) -> int:
+        """The most bytes one record after ``header`` may hold (a header or meta document, a step,
+        or an edit of up to ``max_steps`` steps): what a valid log can hold past the end of its
+        valid prefix."""
+        if header is None:
+            return _RECORD.size + document_limit()
+        edit = self._edit_nbytes(len(header["slots"]), max_steps)
+        return _RECORD.size + max(document_limit(), self._step_nbytes(header), edit)
 
     def segment_bound(self, max_episodes: int, max_timesteps: int) -> int:
         """The most bytes one append of a writer holds without a rewind: a header, a meta record
-        and ``max_timesteps`` steps of ``max_episodes`` episodes (the largest group)."""
+        and ``max_timesteps`` steps of ``max_episodes`` episodes (the largest group), or one
+        edit of those steps and a meta record (an edit is appended on its own: ``Committer.log_edit``)."""
         step = _RECORD.size + max_episodes * sum(f.step_nbytes for f in self.fields.values())
-        return 2 * self.record_bound(None) + max_timesteps * step
+        edit = self.record_bound(None) + _RECORD.size + self._edit_nbytes(max_episodes, max_timesteps)
+        return max(2 * self.record_bound(None) + max_timesteps * step, edit)
 
     def truncate(self, length: int) -> bytes:
         """A record cutting the logged steps back to ``length`` (``timestep_index = length``)."""
@@ -314,7 +350,7 @@ class StepLog:
         log = ParsedLog()
         stream = _Stream([pieces] if isinstance(pieces, bytes) else pieces)
         try:
-            for pos, kind, payload in self._records(stream, lambda: log.header):
+            for pos, kind, payload in self._records(stream, log):
                 try:
                     if kind == HEADER:
                         header = json.loads(payload)
@@ -332,6 +368,8 @@ class StepLog:
                         log.meta.update(self._meta_values(json.loads(payload), log.header))
                     elif kind == TRUNCATE:
                         del log.steps[struct.unpack("<I", payload)[0] :]
+                    elif kind == EDIT:
+                        self._apply_edit(payload, log)
                     elif max_steps is not None and len(log.steps) >= max_steps:
                         raise ValueError(f"more than max_timesteps ({max_steps}) steps")
                     else:
@@ -352,6 +390,37 @@ class StepLog:
             for n, v in meta.items()
             if n in self.meta_fields
         }
+
+    def _apply_edit(self, payload: bytes, log: ParsedLog) -> None:
+        """Put an edit record's values into the logged steps: every part is checked first, so a
+        damaged record changes nothing."""
+        assert log.header is not None, "checked by _refused_size"
+        names, batch = list(self.fields), len(log.header["slots"])
+        parts, pos = [], 0
+        while pos < len(payload):
+            if len(payload) - pos < _EDIT_PART.size:
+                raise ValueError(f"an edit part cut short at its byte {pos:,}")
+            number, row, t0, steps = _EDIT_PART.unpack_from(payload, pos)
+            pos += _EDIT_PART.size
+            if number >= len(names):
+                raise ValueError(f"an edit of field number {number}, the log has {len(names)} fields")
+            if row >= batch:
+                raise ValueError(f"an edit of row {row}, the log's group has {batch} episode(s)")
+            if steps < 1 or t0 + steps > len(log.steps):
+                raise ValueError(f"an edit of steps {t0} to {t0 + steps - 1}, the log holds {len(log.steps)} steps")
+            f = self.fields[names[number]]
+            size = steps * f.step_nbytes
+            if len(payload) - pos < size:
+                raise ValueError(f"an edit of {f.name!r} holding {len(payload) - pos:,} bytes, expected {size:,}")
+            values = np.frombuffer(payload[pos : pos + size], dtype=f.dtype).reshape(steps, *f.shape)
+            parts.append((f.name, row, t0, values))
+            pos += size
+        for name, row, t0, values in parts:
+            for t, value in enumerate(values, t0):
+                step = log.steps[t]
+                if not step[name].flags.writeable:  # a view of the record's bytes
+                    step[name] = step[name].copy()
+                step[name][row] = value
 
     def _split_step(self, payload: bytes, header: dict) -> dict[str, np.ndarray]:
         """The values of a step record (its size checked by ``_refused_size``)."""

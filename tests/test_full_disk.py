@@ -415,3 +415,31 @@ def test_a_circular_buffer_keeps_its_oldest_episode_when_the_next_has_no_room(di
         assert_holds(reader, expected)
     buffer.close()
     assert verify(folder) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+@pytest.mark.parametrize("how", ["update", "store_datapoint"])
+def test_an_edit_of_the_episode_in_progress_that_cannot_be_logged_is_not_made(disk, backend, how):
+    """An edit of steps in progress is logged before it is applied: when the log cannot be
+    written it is refused whole, the log cut back to its last record and the staged steps as
+    they were (zarr's room check may refuse it first, nothing written either)."""
+    folder = disk / "buf"
+    buffer = new(folder, backend)
+    values = episode(1)
+    for t in range(6):
+        buffer.store(image=values["image"][t], state=values["state"][t])
+    log = buffer.storage.read_log("episode")
+    fill(disk)
+    with pytest.raises(StorageError) as error:
+        if how == "update":
+            buffer.update(0, image=np.zeros((6, *IMAGE), np.uint8))
+        else:
+            buffer.store_datapoint(0, 2, "image", np.zeros(IMAGE, np.uint8))
+    assert_disk_full(error, folder)
+    assert buffer.storage.read_log("episode") == log
+    np.testing.assert_array_equal(buffer.data["image"][0, :6], values["image"])
+    free(disk)
+    buffer.advance_episode()
+    assert_holds(buffer, [values])
+    buffer.close()
+    assert verify(folder) == []
