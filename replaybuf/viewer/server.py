@@ -154,9 +154,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _from_another_origin(self) -> bool:
         """Whether a browser says a page of another origin (another site, or another port of
         this host) made this request other than by navigating to it: a ``<video>``, ``<img>``,
-        ``<script>`` or ``fetch`` there would load episode data or start a render here."""
+        ``<script>`` or ``fetch`` there would load episode data or start a render here. Browsers
+        that send no ``Sec-Fetch-Site`` (Safari before 16.4) still name the page's origin in
+        ``Origin`` on a ``fetch``; one other than this server's own (``null`` too: a sandboxed
+        frame or a local file) is refused."""
         site = self.headers.get("Sec-Fetch-Site")
-        return site in FOREIGN_SITES and self.headers.get("Sec-Fetch-Mode") != "navigate"
+        if site in FOREIGN_SITES and self.headers.get("Sec-Fetch-Mode") != "navigate":
+            return True
+        origin = self.headers.get("Origin")
+        port = self.server.server_address[1]
+        return origin is not None and origin not in (f"http://{HOST}:{port}", f"http://localhost:{port}")
 
     def _send_common_headers(self) -> None:
         """What every answer carries: no other origin may embed it, nor sniff it as another type."""
