@@ -26,6 +26,8 @@ __all__ = [
     "FFMPEG_SUFFIXES",
     "MAX_SHEET_PIXELS",
     "VIDEO_SUFFIXES",
+    "MAX_H264_SIDE",
+    "check_encodable",
     "check_fps",
     "check_sheet_size",
     "check_output_path",
@@ -62,6 +64,9 @@ CONVERT_BLOCK_ELEMENTS = 1 << 22
 # a contact sheet holds at most this many pixels (64 Mi: 192 MiB of RGB, e.g. 256 x 256 frames of
 # 32x32, or 85 of 1024x768); a larger one is refused before any frame is read or the sheet is built
 MAX_SHEET_PIXELS = 1 << 26
+# libx264, imageio's codec for every ffmpeg suffix but .webm, refuses frames wider or taller than
+# this ("invalid width x height") and writes nothing
+MAX_H264_SIDE = 16384
 
 
 # frames
@@ -175,6 +180,21 @@ def check_fps(fps: Any) -> None:
         raise ValueError(f"fps: expected a finite positive number, got {fps!r}")
 
 
+def check_encodable(height: int, width: int, suffix: str, codec: str | None = None, what: str = "frames") -> None:
+    """Raise ValueError for frames of ``height`` x ``width`` that the encoder of ``suffix`` (or
+    ``codec``) cannot take, before any frame is read or converted (ffmpeg would only say it
+    wrote nothing). Sizes are those written: odd ones are padded to even for ffmpeg formats."""
+    if suffix.lower() not in FFMPEG_SUFFIXES:
+        return
+    codec = codec or ("libvpx-vp9" if suffix.lower() == ".webm" else "libx264")
+    height, width = height + height % 2, width + width % 2
+    if codec == "libx264" and max(height, width) > MAX_H264_SIDE:
+        raise ValueError(
+            f"{what}: {width}x{height} frames are larger than the {MAX_H264_SIDE} pixels a side that libx264 "
+            f"(the {suffix} encoder) takes; render a smaller scale, or write .webm (vp9) or .gif"
+        )
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write`` on a temp file beside ``path`` (same suffix, so that writers pick the same
     format) and rename it over ``path`` once complete: a failed or interrupted write leaves no
@@ -263,6 +283,7 @@ def trajectory_to_video(
     bar = f"rendering {path.name}" if progress else None  # the bar's text, None for no bar
     if suffix == ".gif":
         return write_atomically(path, lambda temp: _write_gif(frames, temp, fps, bar, dict(kwargs)))
+    check_encodable(frames.shape[1], frames.shape[2], suffix, kwargs.get("codec"))
     padded = _pad_to_even(frames)
     return write_atomically(path, lambda temp: _write_ffmpeg(padded, temp, suffix, fps, bar, dict(kwargs)))
 

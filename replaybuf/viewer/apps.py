@@ -17,7 +17,15 @@ from typing import Any
 import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.video import check_fps, episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.video import (
+    check_encodable,
+    check_fps,
+    episode_slots,
+    frame_size,
+    image_fields,
+    to_rgb_uint8,
+    trajectory_to_video,
+)
 from replaybuf.view import BufferView
 from replaybuf.viewer.cache import DEFAULT_CACHE_BYTES, VideoCache
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
@@ -234,6 +242,8 @@ class BufferApp:
         """``render``'s video, kept from deletion until ``self._cache.release(path)``."""
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
+        height, width = frame_size(self.buffer.schema.fields[field].shape)
+        check_encodable(-(-height // self.scale), -(-width // self.scale), ".mp4", what=f"field {field!r}")
         cached = self._rendered(index, field)
         if cached is not None:
             return cached
