@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ __all__ = [
     "FFMPEG_SUFFIXES",
     "MAX_SHEET_PIXELS",
     "VIDEO_SUFFIXES",
+    "blocks_to_video",
     "MAX_H264_SIDE",
     "check_encodable",
     "check_fps",
@@ -236,7 +237,7 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
 
 
 def _write_ffmpeg(
-    frames: np.ndarray, path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
+    frames: Iterable[np.ndarray], path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
 ) -> None:
     import imageio.v2 as imageio
 
@@ -286,6 +287,30 @@ def trajectory_to_video(
     check_encodable(frames.shape[1], frames.shape[2], suffix, kwargs.get("codec"))
     padded = _pad_to_even(frames)
     return write_atomically(path, lambda temp: _write_ffmpeg(padded, temp, suffix, fps, bar, dict(kwargs)))
+
+
+def blocks_to_video(blocks: Iterable[Any], path: str | os.PathLike, fps: float = 30, **kwargs: Any) -> Path:
+    """``trajectory_to_video`` for the ffmpeg formats, from frames that come block by block (each
+    a ``(t, ...)`` array that ``trajectory_to_video`` takes): one block at a time is converted and
+    held, so an episode of any length renders in the memory of a block, not of the episode. A
+    block that raises stops the render and leaves nothing at ``path``. Returns the path written."""
+    path = Path(path)
+    suffix = _check_video_path(path)
+    if suffix not in FFMPEG_SUFFIXES:
+        raise ValueError(
+            f"path: {str(path)!r}: frames given in blocks are written to {FFMPEG_SUFFIXES} only; "
+            "a gif's palette needs every frame at once (trajectory_to_video)"
+        )
+    check_fps(fps)
+    check_output_path(path)
+
+    def frames() -> Iterable[np.ndarray]:
+        for block in blocks:
+            rgb = to_rgb_uint8(block)
+            check_encodable(rgb.shape[1], rgb.shape[2], suffix, kwargs.get("codec"))
+            yield from _pad_to_even(rgb)
+
+    return write_atomically(path, lambda temp: _write_ffmpeg(frames(), temp, suffix, fps, None, dict(kwargs)))
 
 
 def frame_size(shape: Sequence[int]) -> tuple[int, int]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import tracemalloc
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
-from replaybuf.viewer import BufferApp, ViewerServer
+from replaybuf.viewer import BufferApp, ViewerServer, apps
 from tests._viewer_data import make_image_buffer
 
 
@@ -83,3 +85,64 @@ def test_trajectory_to_video_names_the_encoders_limit_and_writes_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == []
     assert trajectory_to_video(np.zeros((2, 2, 16384, 3), np.uint8), tmp_path / "edge.mp4").stat().st_size > 0
     assert trajectory_to_video(np.zeros((2, 2, 16385, 3), np.uint8), tmp_path / "wide.webm").stat().st_size > 0
+
+
+# a long episode renders in the memory of a block of frames, not of the episode
+
+
+def red_levels(video: bytes) -> list[int]:
+    return [int(frame[4, 4, 0]) for frame in iio.imread(video, extension=".mp4")]
+
+
+def ramp_episode(length: int, offset: float = 0.0) -> np.ndarray:
+    """Channel-first float frames whose red level climbs with the step (0 .. 1 - offset)."""
+    frames = np.zeros((length, 3, 64, 64), np.float32)
+    frames[:, 0] = (np.arange(length) / (length - 1) * (1 - offset))[:, None, None]
+    return frames
+
+
+def test_a_long_episode_renders_block_by_block_within_a_blocks_memory(tmp_path, monkeypatch):
+    length, frame_bytes = 480, 3 * 64 * 64 * 4  # 23.6 MB of float frames, rendered 10 (0.5 MB) at a time
+    # room for 8 episodes: over the 64 MiB the buffer keeps in RAM whole (SMALL_ARRAY_BYTES)
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=8, max_timesteps=length, fields={"cam": ("float", (3, 64, 64))})
+    buffer.store_episode(cam=ramp_episode(length))
+    monkeypatch.setattr(apps, "RENDER_BLOCK_BYTES", 10 * frame_bytes)
+    app = BufferApp(buffer)
+    try:
+        tracemalloc.start()
+        try:
+            video = app.render(0, "cam").read_bytes()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < length * frame_bytes // 4, f"peak {peak} bytes"  # measured: ~5 blocks
+        expected = np.round(np.arange(length) / (length - 1) * 255)
+        assert np.abs(np.array(red_levels(video)) - expected).max() <= 3  # every block, in order
+    finally:
+        app.close()
+        buffer.close()
+
+
+def test_a_slot_rewritten_mid_render_is_refused_and_the_next_request_renders_the_new_episode(tmp_path, monkeypatch):
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=1, max_timesteps=60, fields={"cam": ("float", (3, 64, 64))}, circular=True
+    )
+    writer.store_episode(cam=ramp_episode(60))
+    monkeypatch.setattr(apps, "RENDER_BLOCK_BYTES", 20 * 3 * 64 * 64 * 4)
+    reads, read = [], apps.read_episodes_consistent
+
+    def rewritten_after_the_first_block(*args, **kwargs):
+        if len(reads) == 1:
+            writer.store_episode(cam=ramp_episode(60, offset=0.5))  # into slot 0, mid-render
+        reads.append(kwargs.get("t0", 0))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(apps, "read_episodes_consistent", rewritten_after_the_first_block)
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True))) as server:
+        status, _, body = request(server, "/video/episodes/0/cam.mp4")
+        assert (status, reads) == (400, [0, 20])
+        assert "episode 0 was rewritten while its 'cam' video was rendered" in json.loads(body)["error"]
+        assert list(server.app.cache_dir.iterdir()) == [server.app.cache_dir / ".lock"]
+        status, _, video = request(server, "/video/episodes/0/cam.mp4")
+        assert status == 200 and abs(red_levels(video)[-1] - 128) <= 3  # the new episode, whole
+    writer.close()

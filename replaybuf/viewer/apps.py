@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Iterator
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,13 @@ import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.video import (
+    blocks_to_video,
     check_encodable,
     check_fps,
     episode_slots,
     frame_size,
     image_fields,
     to_rgb_uint8,
-    trajectory_to_video,
 )
 from replaybuf.view import BufferView
 from replaybuf.viewer.cache import DEFAULT_CACHE_BYTES, VideoCache
@@ -36,8 +38,11 @@ __all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
 MAX_PLOT_DIMS = 32
 # meta values with up to this many elements are shown in the episode list
 MAX_META_ELEMENTS = 8
-# videos rendered at once: each holds its episode's frames in memory and runs an encoder
+# videos rendered at once: each holds a block of its episode's frames and runs an encoder
 MAX_RENDERS = 4
+# a render reads its episode's frames this many stored bytes at a time (at least one frame), so
+# that memory does not grow with the episode (3,000 float frames of 3x128x128 read whole: 1.2 GB)
+RENDER_BLOCK_BYTES = 32 << 20
 # locks that keep two requests from rendering one video at once (a video takes one by its path)
 RENDER_LOCKS = 64
 
@@ -247,29 +252,52 @@ class BufferApp:
         cached = self._rendered(index, field)
         if cached is not None:
             return cached
-        with self._renders:  # a burst of requests holds at most MAX_RENDERS episodes' frames
+        step = min(
+            max(1, RENDER_BLOCK_BYTES // self.buffer.schema.fields[field].step_nbytes), self.buffer.max_timesteps
+        )
+        with self._renders:  # a burst of requests holds at most MAX_RENDERS blocks of frames
             with self._read_lock:
                 buffer = self._current()
                 self._length(index)
-                got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
-                path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
-            if len(got) == 0:
+                opened = self._reopened
+                first = read_episodes_consistent(buffer, [index], [field], t1=step, with_meta=False)
+                path = self._video_path(index, int(first.generations[0]) if len(first) else 0, field)
+            if len(first) == 0:
                 raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
             with self._render_locks[hash(path) % RENDER_LOCKS]:
                 if not self._cache.acquire(path):
-                    frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
+                    generation, length = int(first.generations[0]), int(first.lens[0])
+                    blocks = self._frame_blocks(index, field, generation, opened, length, step)
                     # near-lossless, with a keyframe every second so that stepping backwards stays
                     # quick; written whole or not at all, so a failed render is retried next time
-                    trajectory_to_video(
-                        frames,
+                    blocks_to_video(
+                        chain([self._scaled(first.data[field][0, :length])], blocks),
                         path,
                         fps=self.fps,
-                        progress=False,
                         quality=8,
                         output_params=["-g", str(max(1, round(self.fps)))],
                     )
                     self._cache.add(path)
         return path
+
+    def _frame_blocks(
+        self, index: int, field: str, generation: int, opened: int, length: int, step: int
+    ) -> Iterator[np.ndarray]:
+        """The frames of episode ``generation`` of slot ``index`` past its first ``step``, read
+        ``step`` at a time (scaled): a render holds one block of an episode of any length.
+        Raises ValueError once the slot holds another episode, or another buffer is open."""
+        for t0 in range(step, length, step):
+            with self._read_lock:
+                buffer = self._current()
+                got = read_episodes_consistent(
+                    buffer, [index], [field], [generation], t0=t0, t1=min(t0 + step, length), with_meta=False
+                )
+            if len(got) == 0 or self._reopened != opened:
+                raise ValueError(f"episode {index} was rewritten while its {field!r} video was rendered; ask again")
+            yield self._scaled(got.data[field][0])
+
+    def _scaled(self, frames: np.ndarray) -> np.ndarray:
+        return to_rgb_uint8(frames)[:, :: self.scale, :: self.scale]
 
     def close(self) -> None:
         self._cache.close()
