@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import tracemalloc
 
 import imageio.v3 as iio
@@ -146,3 +147,21 @@ def test_a_slot_rewritten_mid_render_is_refused_and_the_next_request_renders_the
         status, _, video = request(server, "/video/episodes/0/cam.mp4")
         assert status == 200 and abs(red_levels(video)[-1] - 128) <= 3  # the new episode, whole
     writer.close()
+
+
+# the video cache's folder holds files that are not the viewer's
+
+
+def test_a_stopping_server_deletes_only_its_own_files_from_its_cache_folder(buffer, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the viewer's")
+    server = ViewerServer(BufferApp(buffer)).start()
+    folder = server.app.cache_dir
+    assert request(server, "/video/episodes/0/front.mp4")[0] == 200
+    (folder / "notes.txt").write_text("someone's")  # put there while it served
+    link = folder / "episode-9-gen-1-open-0.front.mp4"  # a viewer's name, but a link it never made
+    link.symlink_to(outside)
+    server.stop()
+    assert sorted(path.name for path in folder.iterdir()) == [link.name, "notes.txt"]
+    assert outside.read_text() == "not the viewer's"
+    shutil.rmtree(folder)
