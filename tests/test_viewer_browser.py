@@ -280,3 +280,64 @@ def test_view_page_without_image_fields_steps_and_plays_the_plots(page, tmp_path
         wait_counter(page, "11 / 12")
         assert page.locator('.plot[data-field="reward"] .legend span').inner_text() == "reward = 1"
     assert page.errors == []
+
+
+# hostile buffers: strings that are markup, names outside ASCII, values JSON has no word for
+
+PAYLOAD = '<img src=x onerror="window.pwned=1">\'"</title><script>window.pwned=2</script>\u202e\u0000'
+
+
+def test_markup_in_the_location_and_names_outside_ascii_show_as_text_and_run_nothing(page, tmp_path):
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(
+        tmp_path / "b",
+        max_episodes=1,
+        max_timesteps=4,
+        fields={"前方": ("uint8", (16, 16, 3)), "ŝtep": "float"},
+        meta_fields={"é": "float"},
+    )
+    buffer.store_episode(
+        **{"前方": np.full((4, 16, 16, 3), 90, np.uint8), "ŝtep": np.array([1, np.nan, np.inf, -np.inf], np.float32)},
+        é=np.nan,
+    )
+    with ViewerServer(BufferApp(buffer, location=PAYLOAD, fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        wait_videos_ready(page, 1)
+        assert page.evaluate("window.pwned") is None
+        assert page.evaluate("document.querySelectorAll('img, script:not([src])').length") == 0
+        assert page.inner_text("#location").startswith(PAYLOAD.replace("\u0000", "\ufffd")[:60])
+        assert page.locator("#videos video").evaluate_all("videos => videos.map(v => v.dataset.field)") == ["前方"]
+        assert page.locator("#episode-columns th").all_inner_texts() == ["#", "len", "é"]
+        assert page.locator('.plot[data-field="ŝtep"]').count() == 1
+        assert page.title() == "replaybuf view"
+    videos = {"前方": trajectory_to_video(np.full((4, 16, 16, 3), 90, np.uint8), tmp_path / "replay.mp4")}
+    info = {"location": PAYLOAD, "episodes": [0], "frames": 4, "fps": 10, "scale": 1}
+    with ViewerServer(ReplayApp(videos, info)) as server:
+        page.goto(server.url)
+        wait_videos_ready(page, 1)
+        assert page.evaluate("window.pwned") is None
+        assert PAYLOAD[:40] in page.inner_text("#stats")
+    assert page.errors == []
+
+
+def test_a_damaged_image_field_shows_the_servers_error_naming_field_and_slot(page, tmp_path):
+    from replaybuf import ReplayBuffer
+
+    make_image_buffer(tmp_path / "b").close()
+    shard = tmp_path / "b" / "data" / "front" / "c.0.0.0.0.0"  # one shard: 5 slots of 20 frames
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # in slot 2's frames
+    shard.write_bytes(bytes(damaged))
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True), fps=10)) as server:
+        page.goto(server.url + "#episode=2")
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '2'", timeout=WAIT_MS)
+        page.wait_for_selector("#videos figure.failed figcaption", timeout=WAIT_MS)
+        page.wait_for_function(
+            "document.querySelector('#videos figure.failed figcaption').textContent.includes('slot 2')",
+            timeout=WAIT_MS,
+        )
+        caption = page.inner_text("#videos figure.failed figcaption")
+        assert caption.startswith("front: CorruptChunkError: data/front: slot 2") and "crc32c" in caption
+        assert page.locator("#videos figure.failed").count() == 1  # wrist and depth play
