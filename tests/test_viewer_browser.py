@@ -341,3 +341,30 @@ def test_a_damaged_image_field_shows_the_servers_error_naming_field_and_slot(pag
         caption = page.inner_text("#videos figure.failed figcaption")
         assert caption.startswith("front: CorruptChunkError: data/front: slot 2") and "crc32c" in caption
         assert page.locator("#videos figure.failed").count() == 1  # wrist and depth play
+
+
+def test_a_long_episodes_thinned_plot_follows_the_episodes_steps(page, tmp_path, monkeypatch):
+    from replaybuf import ReplayBuffer
+    from replaybuf.viewer import apps
+
+    monkeypatch.setattr(apps, "MAX_SERIES_POINTS", 50)
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=1001, fields={"reward": "float"})
+    buffer.store_episode(reward=np.arange(1001, dtype=np.float32))  # 21 steps a point
+    with ViewerServer(BufferApp(buffer, fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        assert page.text_content('.plot[data-field="reward"] h2') == "reward (one point per 21 steps)"
+        legend = page.locator('.plot[data-field="reward"] .legend span')
+        assert legend.inner_text() == "reward @0 = 0"
+        for _ in range(5):
+            page.keyboard.press("Shift+ArrowRight")
+        wait_counter(page, "50 / 1001")
+        assert legend.inner_text() == "reward @42 = 42"  # the step kept at or before 50
+        page.keyboard.press("End")
+        wait_counter(page, "1000 / 1001")
+        assert legend.inner_text() == "reward @987 = 987"
+        plot = page.locator('.plot[data-field="reward"] .plot-canvas')
+        box = plot.bounding_box()
+        plot.click(position={"x": 44 + (box["width"] - 52) / 2, "y": box["height"] / 2})
+        wait_counter(page, "500 / 1001")  # a click seeks in the episode's steps, not the points'
+    assert page.errors == []

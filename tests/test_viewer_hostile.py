@@ -165,3 +165,32 @@ def test_a_stopping_server_deletes_only_its_own_files_from_its_cache_folder(buff
     assert sorted(path.name for path in folder.iterdir()) == [link.name, "notes.txt"]
     assert outside.read_text() == "not the viewer's"
     shutil.rmtree(folder)
+
+
+# a long episode's series are thinned to what a plot can show
+
+
+def long_series_buffer(folder, length: int) -> ReplayBuffer:
+    buffer = ReplayBuffer(
+        folder, max_episodes=1, max_timesteps=length, fields={"reward": "float", "action": ("float", 3)}
+    )
+    steps = np.arange(length, dtype=np.float32)
+    buffer.store_episode(reward=steps, action=np.stack([steps, -steps, steps * 2], axis=1))
+    return buffer
+
+
+def test_a_long_episodes_series_hold_every_nth_step_up_to_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(apps, "MAX_SERIES_POINTS", 50)
+    buffer = long_series_buffer(tmp_path / "b", 1001)  # 21 steps a point: 48 points
+    with ViewerServer(BufferApp(buffer)) as server:
+        status, _, body = request(server, "/api/episodes/0")
+        episode = json.loads(body)
+        assert (status, episode["length"], episode["series_stride"]) == (200, 1001, 21)
+        assert episode["series"]["reward"] == list(range(0, 1001, 21))
+        assert episode["series"]["action"][-1] == [987, -987, 1974]
+    buffer.close()
+    short = long_series_buffer(tmp_path / "short", 50)  # at the bound: every step
+    with ViewerServer(BufferApp(short)) as server:
+        episode = json.loads(request(server, "/api/episodes/0")[2])
+        assert (episode["series_stride"], episode["series"]["reward"]) == (1, list(range(50)))
+    short.close()
