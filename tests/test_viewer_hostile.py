@@ -194,3 +194,24 @@ def test_a_long_episodes_series_hold_every_nth_step_up_to_the_bound(tmp_path, mo
         episode = json.loads(request(server, "/api/episodes/0")[2])
         assert (episode["series_stride"], episode["series"]["reward"]) == (1, list(range(50)))
     short.close()
+
+
+def test_inspect_refuses_frames_too_large_for_mp4_before_reading_and_renders_them_to_webm(
+    tmp_path, capsys, monkeypatch
+):
+    from replaybuf import cli
+    from replaybuf.cli import inspect_main
+
+    read, episodes_read = cli.episode_frames, []
+    monkeypatch.setattr(cli, "episode_frames", lambda *args: episodes_read.append(args[1]) or read(*args))
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=2, fields={"strip": ("uint8", (2, 16385))})
+    buffer.store_episode(strip=np.full((2, 2, 16385), 9, np.uint8))
+    buffer.close()
+    with pytest.raises(SystemExit) as exit_info:
+        inspect_main([str(tmp_path / "b"), "--output", str(tmp_path / "strip.mp4")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error
+    assert "--field strip: 16386x2 frames are larger than the 16384 pixels a side" in error
+    assert episodes_read == []
+    assert inspect_main([str(tmp_path / "b"), "--output", str(tmp_path / "strip.webm"), "--scale", "2"]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["b", "strip.webm"]
