@@ -54,13 +54,27 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
+def new_page(browser, bypass_csp: bool):
+    context = browser.new_context(viewport={"width": 1280, "height": 860}, bypass_csp=bypass_csp)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda error: page.errors.append(str(error)))
     page.on("console", lambda message: message.type == "error" and page.errors.append(message.text))
+    return context, page
+
+
+@pytest.fixture
+def page(browser):
+    """A page whose tests may wait on script predicates, which the viewer's Content-Security-Policy
+    (no eval) would refuse; ``strict_page`` keeps the policy."""
+    context, page = new_page(browser, bypass_csp=True)
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def strict_page(browser):
+    context, page = new_page(browser, bypass_csp=False)
     yield page
     context.close()
 
@@ -368,3 +382,31 @@ def test_a_long_episodes_thinned_plot_follows_the_episodes_steps(page, tmp_path,
         plot.click(position={"x": 44 + (box["width"] - 52) / 2, "y": box["height"] / 2})
         wait_counter(page, "500 / 1001")  # a click seeks in the episode's steps, not the points'
     assert page.errors == []
+
+
+def test_the_view_page_works_under_its_content_security_policy(strict_page, buffer):
+    """Every script, style, video and API call the page makes is one the policy allows: a
+    violation would be a console error (the page's own requests), and the page would not play."""
+    page = strict_page
+    with ViewerServer(BufferApp(buffer, location="strict", fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_selector('#episode-header[data-episode="0"]', timeout=WAIT_MS)
+        page.wait_for_selector('.plot[data-field="reward"] canvas.lines', timeout=WAIT_MS)
+        ready = "[...document.querySelectorAll('#videos video')].map(v => v.readyState >= 2 && v.videoWidth > 0)"
+        for _ in range(WAIT_MS // 100):  # polled from here: the policy refuses wait_for_function's eval
+            if page.evaluate(ready) == [True, True, True]:
+                break
+            page.wait_for_timeout(100)
+        assert page.evaluate(ready) == [True, True, True]
+        assert page.evaluate("typeof window.viewer.player.seek") == "function"
+        page.keyboard.press("ArrowRight")
+        page.wait_for_selector('#frame-counter[data-frame="1"]', timeout=WAIT_MS)
+        assert page.errors == []
+        # markup that slipped into the page as HTML could not run a script
+        page.evaluate("document.body.insertAdjacentHTML('beforeend', '<img src=data:, onerror=\"window.ran = 1\">')")
+        page.evaluate(
+            "document.body.append(Object.assign(document.createElement('script'), {textContent: 'window.ran = 2'}))"
+        )
+        page.wait_for_selector('img[src="data:,"]', state="attached")
+        assert page.evaluate("window.ran") is None
+    assert page.errors and all("Content Security Policy" in error for error in page.errors)

@@ -215,3 +215,17 @@ def test_inspect_refuses_frames_too_large_for_mp4_before_reading_and_renders_the
     assert episodes_read == []
     assert inspect_main([str(tmp_path / "b"), "--output", str(tmp_path / "strip.webm"), "--scale", "2"]) == 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["b", "strip.webm"]
+
+
+@pytest.mark.parametrize("destination", ["iframe", "frame", "embed", "object"])
+def test_another_sites_page_cannot_frame_the_viewer(server, destination):
+    framed = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": destination}
+    for path in ("/", "/video/episodes/0/front.mp4"):
+        status, _, body = request(server, path, headers=framed)
+        assert status == 403 and "another site" in json.loads(body)["error"], path
+    assert list(server.app.cache_dir.glob("*.mp4")) == []
+    opened = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    status, headers, _ = request(server, "/", headers=opened)
+    assert status == 200 and headers["X-Frame-Options"] == "DENY"
+    policy = headers["Content-Security-Policy"]
+    assert "frame-ancestors 'none'" in policy and "script-src 'self';" in policy and "unsafe" not in policy
