@@ -229,3 +229,38 @@ def test_another_sites_page_cannot_frame_the_viewer(server, destination):
     assert status == 200 and headers["X-Frame-Options"] == "DENY"
     policy = headers["Content-Security-Policy"]
     assert "frame-ancestors 'none'" in policy and "script-src 'self';" in policy and "unsafe" not in policy
+
+
+# malformed requests
+
+
+def raw_request(server, data: bytes) -> tuple[int, dict, bytes]:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+        connection.sendall(data)
+        response = http.client.HTTPResponse(connection)
+        response.begin()
+        return response.status, dict(response.getheaders()), response.read()
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "message"),
+    [
+        (
+            b"POST /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n",
+            501,
+            "Unsupported method ('POST')",
+        ),
+        (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414, "Request-URI Too Long"),
+        (b"GET /api/info HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431, "Too many headers"),
+        (b"GET /api/ info HTTP/1.1\r\n\r\n", 400, "Bad request syntax"),
+    ],
+    ids=["POST", "a 70 kB path", "101 headers", "a space in the path"],
+)
+def test_malformed_requests_are_refused_in_json_with_the_usual_headers(server, data, status, message):
+    got, headers, body = raw_request(server, data)
+    assert (got, headers["Content-Type"]) == (status, "application/json")
+    assert json.loads(body)["error"].startswith(message)
+    assert headers["X-Content-Type-Options"] == "nosniff" and "Content-Security-Policy" in headers
+    assert request(server, "/api/info")[0] == 200  # and the server goes on

@@ -129,6 +129,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature inherited
         pass
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Malformed requests (a request line over 64 KiB, too many headers, a method other than
+        GET and HEAD) are answered in JSON with the usual headers, as every other refusal is,
+        not with the standard library's HTML page; the connection is closed after."""
+        self.close_connection = True
+        text = message or HTTPStatus(code).phrase
+        self._send_json(
+            JsonResponse({"error": f"{text}: {explain}" if explain else text}, code), self.command != "HEAD"
+        )
+
     def do_GET(self) -> None:
         self._dispatch(send_body=True)
 
