@@ -264,3 +264,39 @@ def test_malformed_requests_are_refused_in_json_with_the_usual_headers(server, d
     assert json.loads(body)["error"].startswith(message)
     assert headers["X-Content-Type-Options"] == "nosniff" and "Content-Security-Policy" in headers
     assert request(server, "/api/info")[0] == 200  # and the server goes on
+
+
+def test_blocks_to_video_writes_blocks_in_order_and_nothing_when_one_fails(tmp_path):
+    from replaybuf.video import blocks_to_video
+
+    def blocks(fail_after: int | None = None):
+        for index in range(3):
+            if index == fail_after:
+                raise OSError(f"block {index} could not be read")
+            yield np.full((4, 8, 8, 3), 40 * (index + 1), np.uint8)
+
+    video = blocks_to_video(blocks(), tmp_path / "ok.mp4", fps=10)
+    expected = np.repeat([40, 80, 120], 4)
+    assert np.abs(np.array(red_levels(video.read_bytes())) - expected).max() <= 3  # H.264 keeps flat grays close
+    with pytest.raises(OSError, match="block 2 could not be read"):
+        blocks_to_video(blocks(fail_after=2), tmp_path / "failed.mp4")
+    with pytest.raises(ValueError, match=r"sheet\.gif': frames given in blocks are written to \('\.mp4'"):
+        blocks_to_video(blocks(fail_after=0), tmp_path / "sheet.gif")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ok.mp4"]
+
+
+def test_two_servers_on_one_temp_dir_keep_apart_and_stopping_one_leaves_the_others_videos(buffer):
+    first, second = ViewerServer(BufferApp(buffer)).start(), ViewerServer(BufferApp(buffer)).start()
+    try:
+        assert first.app.cache_dir.parent == second.app.cache_dir.parent
+        videos = [request(server, "/video/episodes/1/front.mp4") for server in (first, second)]
+        assert [status for status, _, _ in videos] == [200, 200] and videos[0][2] == videos[1][2]
+        kept = sorted(second.app.cache_dir.iterdir())
+        first.stop()
+        ViewerServer(BufferApp(buffer)).stop()  # a third starts (sweeping the temp dir) and stops
+        assert not first.app.cache_dir.exists() and sorted(second.app.cache_dir.iterdir()) == kept
+        status, _, video = request(second, "/video/episodes/1/front.mp4", headers={"Range": "bytes=0-"})
+        assert (status, video) == (206, videos[1][2])
+    finally:
+        first.stop()
+        second.stop()
