@@ -304,6 +304,7 @@ class BufferApp:
             yield self._scaled(got.data[field][0])
 
     def _scaled(self, frames: np.ndarray) -> np.ndarray:
+        """Frames as the video holds them: RGB uint8, every ``scale``-th pixel."""
         return to_rgb_uint8(frames)[:, :: self.scale, :: self.scale]
 
     def close(self) -> None:
