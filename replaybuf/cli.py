@@ -27,6 +27,7 @@ from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, Cor
 from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
+    check_encodable,
     check_output_path,
     check_sheet_size,
     episode_frames,
@@ -314,6 +315,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         slug = "-".join(str(episode) for episode in args.episode)
         base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
 
+    for field in fields:  # frames the encoder cannot take fail before any episode is read
+        height, width = frame_size(buffer.shapes[field])
+        check_encodable(-(-height // args.scale), -(-width // args.scale), base.suffix, what=f"--field {field}")
     outputs = [_suffixed(base, field, several) for field in fields]
     if args.sheet is not None:
         outputs += [_suffixed(args.sheet, field, several) for field in fields]

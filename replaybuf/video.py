@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,9 @@ __all__ = [
     "FFMPEG_SUFFIXES",
     "MAX_SHEET_PIXELS",
     "VIDEO_SUFFIXES",
+    "blocks_to_video",
+    "MAX_H264_SIDE",
+    "check_encodable",
     "check_fps",
     "check_sheet_size",
     "check_output_path",
@@ -62,6 +65,9 @@ CONVERT_BLOCK_ELEMENTS = 1 << 22
 # a contact sheet holds at most this many pixels (64 Mi: 192 MiB of RGB, e.g. 256 x 256 frames of
 # 32x32, or 85 of 1024x768); a larger one is refused before any frame is read or the sheet is built
 MAX_SHEET_PIXELS = 1 << 26
+# libx264, imageio's codec for every ffmpeg suffix but .webm, refuses frames wider or taller than
+# this ("invalid width x height") and writes nothing
+MAX_H264_SIDE = 16384
 
 
 # frames
@@ -175,6 +181,21 @@ def check_fps(fps: Any) -> None:
         raise ValueError(f"fps: expected a finite positive number, got {fps!r}")
 
 
+def check_encodable(height: int, width: int, suffix: str, codec: str | None = None, what: str = "frames") -> None:
+    """Raise ValueError for frames of ``height`` x ``width`` that the encoder of ``suffix`` (or
+    ``codec``) cannot take, before any frame is read or converted (ffmpeg would only say it
+    wrote nothing). Sizes are those written: odd ones are padded to even for ffmpeg formats."""
+    if suffix.lower() not in FFMPEG_SUFFIXES:
+        return
+    codec = codec or ("libvpx-vp9" if suffix.lower() == ".webm" else "libx264")
+    height, width = height + height % 2, width + width % 2
+    if codec == "libx264" and max(height, width) > MAX_H264_SIDE:
+        raise ValueError(
+            f"{what}: {width}x{height} frames are larger than the {MAX_H264_SIDE} pixels a side that libx264 "
+            f"(the {suffix} encoder) takes; render a smaller scale, or write .webm (vp9) or .gif"
+        )
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write`` on a temp file beside ``path`` (same suffix, so that writers pick the same
     format) and rename it over ``path`` once complete: a failed or interrupted write leaves no
@@ -216,7 +237,7 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
 
 
 def _write_ffmpeg(
-    frames: np.ndarray, path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
+    frames: Iterable[np.ndarray], path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
 ) -> None:
     import imageio.v2 as imageio
 
@@ -263,8 +284,33 @@ def trajectory_to_video(
     bar = f"rendering {path.name}" if progress else None  # the bar's text, None for no bar
     if suffix == ".gif":
         return write_atomically(path, lambda temp: _write_gif(frames, temp, fps, bar, dict(kwargs)))
+    check_encodable(frames.shape[1], frames.shape[2], suffix, kwargs.get("codec"))
     padded = _pad_to_even(frames)
     return write_atomically(path, lambda temp: _write_ffmpeg(padded, temp, suffix, fps, bar, dict(kwargs)))
+
+
+def blocks_to_video(blocks: Iterable[Any], path: str | os.PathLike, fps: float = 30, **kwargs: Any) -> Path:
+    """``trajectory_to_video`` for the ffmpeg formats, from frames that come block by block (each
+    a ``(t, ...)`` array that ``trajectory_to_video`` takes): one block at a time is converted and
+    held, so an episode of any length renders in the memory of a block, not of the episode. A
+    block that raises stops the render and leaves nothing at ``path``. Returns the path written."""
+    path = Path(path)
+    suffix = _check_video_path(path)
+    if suffix not in FFMPEG_SUFFIXES:
+        raise ValueError(
+            f"path: {str(path)!r}: frames given in blocks are written to {FFMPEG_SUFFIXES} only; "
+            "a gif's palette needs every frame at once (trajectory_to_video)"
+        )
+    check_fps(fps)
+    check_output_path(path)
+
+    def frames() -> Iterable[np.ndarray]:
+        for block in blocks:
+            rgb = to_rgb_uint8(block)
+            check_encodable(rgb.shape[1], rgb.shape[2], suffix, kwargs.get("codec"))
+            yield from _pad_to_even(rgb)
+
+    return write_atomically(path, lambda temp: _write_ffmpeg(frames(), temp, suffix, fps, None, dict(kwargs)))
 
 
 def frame_size(shape: Sequence[int]) -> tuple[int, int]:

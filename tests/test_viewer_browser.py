@@ -54,13 +54,27 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
+def new_page(browser, bypass_csp: bool):
+    context = browser.new_context(viewport={"width": 1280, "height": 860}, bypass_csp=bypass_csp)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda error: page.errors.append(str(error)))
     page.on("console", lambda message: message.type == "error" and page.errors.append(message.text))
+    return context, page
+
+
+@pytest.fixture
+def page(browser):
+    """A page whose tests may wait on script predicates, which the viewer's Content-Security-Policy
+    (no eval) would refuse; ``strict_page`` keeps the policy."""
+    context, page = new_page(browser, bypass_csp=True)
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def strict_page(browser):
+    context, page = new_page(browser, bypass_csp=False)
     yield page
     context.close()
 
@@ -280,3 +294,119 @@ def test_view_page_without_image_fields_steps_and_plays_the_plots(page, tmp_path
         wait_counter(page, "11 / 12")
         assert page.locator('.plot[data-field="reward"] .legend span').inner_text() == "reward = 1"
     assert page.errors == []
+
+
+# hostile buffers: strings that are markup, names outside ASCII, values JSON has no word for
+
+PAYLOAD = '<img src=x onerror="window.pwned=1">\'"</title><script>window.pwned=2</script>\u202e\u0000'
+
+
+def test_markup_in_the_location_and_names_outside_ascii_show_as_text_and_run_nothing(page, tmp_path):
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(
+        tmp_path / "b",
+        max_episodes=1,
+        max_timesteps=4,
+        fields={"前方": ("uint8", (16, 16, 3)), "ŝtep": "float"},
+        meta_fields={"é": "float"},
+    )
+    buffer.store_episode(
+        **{"前方": np.full((4, 16, 16, 3), 90, np.uint8), "ŝtep": np.array([1, np.nan, np.inf, -np.inf], np.float32)},
+        é=np.nan,
+    )
+    with ViewerServer(BufferApp(buffer, location=PAYLOAD, fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        wait_videos_ready(page, 1)
+        assert page.evaluate("window.pwned") is None
+        assert page.evaluate("document.querySelectorAll('img, script:not([src])').length") == 0
+        assert page.inner_text("#location").startswith(PAYLOAD.replace("\u0000", "\ufffd")[:60])
+        assert page.locator("#videos video").evaluate_all("videos => videos.map(v => v.dataset.field)") == ["前方"]
+        assert page.locator("#episode-columns th").all_inner_texts() == ["#", "len", "é"]
+        assert page.locator('.plot[data-field="ŝtep"]').count() == 1
+        assert page.title() == "replaybuf view"
+    videos = {"前方": trajectory_to_video(np.full((4, 16, 16, 3), 90, np.uint8), tmp_path / "replay.mp4")}
+    info = {"location": PAYLOAD, "episodes": [0], "frames": 4, "fps": 10, "scale": 1}
+    with ViewerServer(ReplayApp(videos, info)) as server:
+        page.goto(server.url)
+        wait_videos_ready(page, 1)
+        assert page.evaluate("window.pwned") is None
+        assert PAYLOAD[:40] in page.inner_text("#stats")
+    assert page.errors == []
+
+
+def test_a_damaged_image_field_shows_the_servers_error_naming_field_and_slot(page, tmp_path):
+    from replaybuf import ReplayBuffer
+
+    make_image_buffer(tmp_path / "b").close()
+    shard = tmp_path / "b" / "data" / "front" / "c.0.0.0.0.0"  # one shard: 5 slots of 20 frames
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # in slot 2's frames
+    shard.write_bytes(bytes(damaged))
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True), fps=10)) as server:
+        page.goto(server.url + "#episode=2")
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '2'", timeout=WAIT_MS)
+        page.wait_for_selector("#videos figure.failed figcaption", timeout=WAIT_MS)
+        page.wait_for_function(
+            "document.querySelector('#videos figure.failed figcaption').textContent.includes('slot 2')",
+            timeout=WAIT_MS,
+        )
+        caption = page.inner_text("#videos figure.failed figcaption")
+        assert caption.startswith("front: CorruptChunkError: data/front: slot 2") and "crc32c" in caption
+        assert page.locator("#videos figure.failed").count() == 1  # wrist and depth play
+
+
+def test_a_long_episodes_thinned_plot_follows_the_episodes_steps(page, tmp_path, monkeypatch):
+    from replaybuf import ReplayBuffer
+    from replaybuf.viewer import apps
+
+    monkeypatch.setattr(apps, "MAX_SERIES_POINTS", 50)
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=1001, fields={"reward": "float"})
+    buffer.store_episode(reward=np.arange(1001, dtype=np.float32))  # 21 steps a point
+    with ViewerServer(BufferApp(buffer, fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('episode-header').dataset.episode === '0'", timeout=WAIT_MS)
+        assert page.text_content('.plot[data-field="reward"] h2') == "reward (one point per 21 steps)"
+        legend = page.locator('.plot[data-field="reward"] .legend span')
+        assert legend.inner_text() == "reward @0 = 0"
+        for _ in range(5):
+            page.keyboard.press("Shift+ArrowRight")
+        wait_counter(page, "50 / 1001")
+        assert legend.inner_text() == "reward @42 = 42"  # the step kept at or before 50
+        page.keyboard.press("End")
+        wait_counter(page, "1000 / 1001")
+        assert legend.inner_text() == "reward @987 = 987"
+        plot = page.locator('.plot[data-field="reward"] .plot-canvas')
+        box = plot.bounding_box()
+        plot.click(position={"x": 44 + (box["width"] - 52) / 2, "y": box["height"] / 2})
+        wait_counter(page, "500 / 1001")  # a click seeks in the episode's steps, not the points'
+    assert page.errors == []
+
+
+def test_the_view_page_works_under_its_content_security_policy(strict_page, buffer):
+    """Every script, style, video and API call the page makes is one the policy allows: a
+    violation would be a console error (the page's own requests), and the page would not play."""
+    page = strict_page
+    with ViewerServer(BufferApp(buffer, location="strict", fps=10)) as server:
+        page.goto(server.url)
+        page.wait_for_selector('#episode-header[data-episode="0"]', timeout=WAIT_MS)
+        page.wait_for_selector('.plot[data-field="reward"] canvas.lines', timeout=WAIT_MS)
+        ready = "[...document.querySelectorAll('#videos video')].map(v => v.readyState >= 2 && v.videoWidth > 0)"
+        for _ in range(WAIT_MS // 100):  # polled from here: the policy refuses wait_for_function's eval
+            if page.evaluate(ready) == [True, True, True]:
+                break
+            page.wait_for_timeout(100)
+        assert page.evaluate(ready) == [True, True, True]
+        assert page.evaluate("typeof window.viewer.player.seek") == "function"
+        page.keyboard.press("ArrowRight")
+        page.wait_for_selector('#frame-counter[data-frame="1"]', timeout=WAIT_MS)
+        assert page.errors == []
+        # markup that slipped into the page as HTML could not run a script
+        page.evaluate("document.body.insertAdjacentHTML('beforeend', '<img src=data:, onerror=\"window.ran = 1\">')")
+        page.evaluate(
+            "document.body.append(Object.assign(document.createElement('script'), {textContent: 'window.ran = 2'}))"
+        )
+        page.wait_for_selector('img[src="data:,"]', state="attached")
+        assert page.evaluate("window.ran") is None
+    assert page.errors and all("Content Security Policy" in error for error in page.errors)

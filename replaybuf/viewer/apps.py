@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Iterator
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.video import check_fps, episode_slots, image_fields, to_rgb_uint8, trajectory_to_video
+from replaybuf.video import (
+    blocks_to_video,
+    check_encodable,
+    check_fps,
+    episode_slots,
+    frame_size,
+    image_fields,
+    to_rgb_uint8,
+)
 from replaybuf.view import BufferView
 from replaybuf.viewer.cache import DEFAULT_CACHE_BYTES, VideoCache
 from replaybuf.viewer.server import FileResponse, JsonResponse, NotFound, remove_tree
@@ -26,10 +36,17 @@ __all__ = ["BufferApp", "ReplayApp", "series_fields", "meta_columns"]
 
 # vectors up to this many dims are plotted (one line per dim); larger ones are only listed
 MAX_PLOT_DIMS = 32
+# steps of an episode's series sent to the page, at most (every n-th step of a longer one): plots
+# are a few thousand pixels wide, and 200,000 steps of a 32-dim field and a scalar were 133 MB of
+# JSON, built in 0.5 GB and 5 s per request
+MAX_SERIES_POINTS = 10_000
 # meta values with up to this many elements are shown in the episode list
 MAX_META_ELEMENTS = 8
-# videos rendered at once: each holds its episode's frames in memory and runs an encoder
+# videos rendered at once: each holds a block of its episode's frames and runs an encoder
 MAX_RENDERS = 4
+# a render reads its episode's frames this many stored bytes at a time (at least one frame), so
+# that memory does not grow with the episode (3,000 float frames of 3x128x128 read whole: 1.2 GB)
+RENDER_BLOCK_BYTES = 32 << 20
 # locks that keep two requests from rendering one video at once (a video takes one by its path)
 RENDER_LOCKS = 64
 
@@ -199,7 +216,8 @@ class BufferApp:
 
     def episode(self, index: int) -> dict[str, Any]:
         """One episode: its length, meta values and the series of its plottable fields, read in
-        one consistent read (an episode being rewritten shows as empty, never mixed)."""
+        one consistent read (an episode being rewritten shows as empty, never mixed). Series of
+        episodes over ``MAX_SERIES_POINTS`` steps hold every ``series_stride``-th step."""
         with self._read_lock:
             buffer = self._current()
             self._length(index)
@@ -209,9 +227,10 @@ class BufferApp:
             name: _json_values(got.meta[name][0] if len(got) else buffer.schema.meta_fields[name].fill)
             for name in self.meta_columns
         }
+        stride = max(1, -(-length // MAX_SERIES_POINTS))
         series = {
             name: _json_values(
-                got.data[name][0, :length] if len(got) else np.zeros((0, *buffer.schema.fields[name].shape))
+                got.data[name][0, :length:stride] if len(got) else np.zeros((0, *buffer.schema.fields[name].shape))
             )
             for name in self.series_fields
         }
@@ -220,6 +239,7 @@ class BufferApp:
             "length": length,
             "meta": meta,
             "series": series,
+            "series_stride": stride,
             "videos": {name: f"/video/episodes/{index}/{name}.mp4" for name in self.image_fields} if length else {},
         }
 
@@ -234,32 +254,58 @@ class BufferApp:
         """``render``'s video, kept from deletion until ``self._cache.release(path)``."""
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
+        height, width = frame_size(self.buffer.schema.fields[field].shape)
+        check_encodable(-(-height // self.scale), -(-width // self.scale), ".mp4", what=f"field {field!r}")
         cached = self._rendered(index, field)
         if cached is not None:
             return cached
-        with self._renders:  # a burst of requests holds at most MAX_RENDERS episodes' frames
+        step = min(
+            max(1, RENDER_BLOCK_BYTES // self.buffer.schema.fields[field].step_nbytes), self.buffer.max_timesteps
+        )
+        with self._renders:  # a burst of requests holds at most MAX_RENDERS blocks of frames
             with self._read_lock:
                 buffer = self._current()
                 self._length(index)
-                got = read_episodes_consistent(buffer, [index], [field], with_meta=False)
-                path = self._video_path(index, int(got.generations[0]) if len(got) else 0, field)
-            if len(got) == 0:
+                opened = self._reopened
+                first = read_episodes_consistent(buffer, [index], [field], t1=step, with_meta=False)
+                path = self._video_path(index, int(first.generations[0]) if len(first) else 0, field)
+            if len(first) == 0:
                 raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
             with self._render_locks[hash(path) % RENDER_LOCKS]:
                 if not self._cache.acquire(path):
-                    frames = to_rgb_uint8(got.data[field][0, : int(got.lens[0])])[:, :: self.scale, :: self.scale]
+                    generation, length = int(first.generations[0]), int(first.lens[0])
+                    blocks = self._frame_blocks(index, field, generation, opened, length, step)
                     # near-lossless, with a keyframe every second so that stepping backwards stays
                     # quick; written whole or not at all, so a failed render is retried next time
-                    trajectory_to_video(
-                        frames,
+                    blocks_to_video(
+                        chain([self._scaled(first.data[field][0, :length])], blocks),
                         path,
                         fps=self.fps,
-                        progress=False,
                         quality=8,
                         output_params=["-g", str(max(1, round(self.fps)))],
                     )
                     self._cache.add(path)
         return path
+
+    def _frame_blocks(
+        self, index: int, field: str, generation: int, opened: int, length: int, step: int
+    ) -> Iterator[np.ndarray]:
+        """The frames of episode ``generation`` of slot ``index`` past its first ``step``, read
+        ``step`` at a time (scaled): a render holds one block of an episode of any length.
+        Raises ValueError once the slot holds another episode, or another buffer is open."""
+        for t0 in range(step, length, step):
+            with self._read_lock:
+                buffer = self._current()
+                got = read_episodes_consistent(
+                    buffer, [index], [field], [generation], t0=t0, t1=min(t0 + step, length), with_meta=False
+                )
+            if len(got) == 0 or self._reopened != opened:
+                raise ValueError(f"episode {index} was rewritten while its {field!r} video was rendered; ask again")
+            yield self._scaled(got.data[field][0])
+
+    def _scaled(self, frames: np.ndarray) -> np.ndarray:
+        """Frames as the video holds them: RGB uint8, every ``scale``-th pixel."""
+        return to_rgb_uint8(frames)[:, :: self.scale, :: self.scale]
 
     def close(self) -> None:
         self._cache.close()

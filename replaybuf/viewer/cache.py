@@ -19,8 +19,6 @@ import threading
 from collections import Counter, OrderedDict
 from pathlib import Path
 
-from replaybuf.viewer.server import remove_tree
-
 __all__ = ["CACHE_PREFIX", "DEFAULT_CACHE_BYTES", "VideoCache", "remove_stale_folders"]
 
 CACHE_PREFIX = "replaybuf-view-"
@@ -100,8 +98,13 @@ class VideoCache:
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Delete the folder and everything in it, then let the lock go (again: nothing)."""
-        remove_tree(self.folder)
+        """Delete the files a viewer writes in the folder, then the folder unless something
+        else was put there (kept, as the sweep of a killed server's folder keeps it), then let
+        the lock go (again: nothing)."""
+        try:
+            _remove_own_files(self.folder)
+        except OSError:  # already gone, or not ours to clean: the next sweep retries
+            pass
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -134,14 +137,20 @@ def _remove_if_stale(folder: Path) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # its server runs
             return False
-        for entry in os.scandir(folder):
-            if _OWN_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                os.unlink(entry.path)
-        with_others = any(True for _ in os.scandir(folder))
-        if not with_others:
-            folder.rmdir()
-        return not with_others
+        return _remove_own_files(folder)
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def _remove_own_files(folder: Path) -> bool:
+    """Delete the files a viewer writes in ``folder`` (never a link's target), then the folder
+    if nothing else is left; whether it was."""
+    for entry in os.scandir(folder):
+        if _OWN_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+    with_others = any(True for _ in os.scandir(folder))
+    if not with_others:
+        folder.rmdir()
+    return not with_others

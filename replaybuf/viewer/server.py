@@ -5,8 +5,9 @@ The server knows nothing about buffers: an *app* object answers ``/api/...`` and
 served at ``/``. Files are sent with HTTP range support so that ``<video>`` elements can
 seek. Only 127.0.0.1 is ever bound, requests naming another host are refused (DNS
 rebinding), and a page of another origin may open the viewer but not fetch or embed what it
-serves (``Sec-Fetch-Site``, ``Cross-Origin-Resource-Policy``; no CORS header is ever sent), so
-a page elsewhere on the web can neither read the buffer through the viewer nor start renders.
+serves (``Sec-Fetch-Site``, ``Origin``, ``Cross-Origin-Resource-Policy``; no CORS header is ever
+sent) nor frame it, so a page elsewhere on the web can neither read the buffer through the viewer
+nor start renders. The pages run only the viewer's own scripts (``Content-Security-Policy``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ POLL_INTERVAL = 0.05  # seconds between shutdown checks of a background server
 IDLE_TIMEOUT = 60  # seconds a connection may wait on a socket before it is closed
 # Sec-Fetch-Site values of requests another origin's page made; only its navigations are served
 FOREIGN_SITES = ("cross-site", "same-site")
+# what the pages may load and who may frame them: their own scripts, styles, videos and API, no
+# inline script (markup that slipped into a page could not run), no frame on another page
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; media-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 CONTENT_TYPES = {
     ".js": "text/javascript",
     ".css": "text/css",
@@ -122,6 +129,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature inherited
         pass
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Malformed requests (a request line over 64 KiB, too many headers, a method other than
+        GET and HEAD) are answered in JSON with the usual headers, as every other refusal is,
+        not with the standard library's HTML page; the connection is closed after."""
+        self.close_connection = True
+        text = message or HTTPStatus(code).phrase
+        self._send_json(
+            JsonResponse({"error": f"{text}: {explain}" if explain else text}, code), self.command != "HEAD"
+        )
+
     def do_GET(self) -> None:
         self._dispatch(send_body=True)
 
@@ -154,14 +171,25 @@ class _Handler(BaseHTTPRequestHandler):
     def _from_another_origin(self) -> bool:
         """Whether a browser says a page of another origin (another site, or another port of
         this host) made this request other than by navigating to it: a ``<video>``, ``<img>``,
-        ``<script>`` or ``fetch`` there would load episode data or start a render here."""
+        ``<script>`` or ``fetch`` there would load episode data or start a render here. Browsers
+        that send no ``Sec-Fetch-Site`` (Safari before 16.4) still name the page's origin in
+        ``Origin`` on a ``fetch``; one other than this server's own (``null`` too: a sandboxed
+        frame or a local file) is refused."""
         site = self.headers.get("Sec-Fetch-Site")
-        return site in FOREIGN_SITES and self.headers.get("Sec-Fetch-Mode") != "navigate"
+        navigating = self.headers.get("Sec-Fetch-Mode") == "navigate"
+        if site in FOREIGN_SITES and not (navigating and self.headers.get("Sec-Fetch-Dest", "document") == "document"):
+            return True  # a top-level navigation opens the viewer; a frame there does not
+        origin = self.headers.get("Origin")
+        port = self.server.server_address[1]
+        return origin is not None and origin not in (f"http://{HOST}:{port}", f"http://localhost:{port}")
 
     def _send_common_headers(self) -> None:
-        """What every answer carries: no other origin may embed it, nor sniff it as another type."""
+        """What every answer carries: no other origin may embed or frame it, nor sniff it as
+        another type, and a page runs only the viewer's own scripts."""
         self.send_header("Cross-Origin-Resource-Policy", "same-origin")
         self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        self.send_header("X-Frame-Options", "DENY")
 
     def _route(self, path: str) -> JsonResponse | FileResponse:
         app = self.server.app

@@ -158,7 +158,9 @@ class Browser {
     this.plots.forEach((plot) => plot.remove());
     const series = episode.length ? Object.entries(episode.series) : [];
     this.plots = series.map(([name, values]) =>
-      new SeriesPlot($('plots'), name, values, { onSeek: (frame) => this.player.seek(frame) }));
+      new SeriesPlot($('plots'), name, values, {
+        onSeek: (frame) => this.player.seek(frame), stride: episode.series_stride ?? 1, steps: episode.length,
+      }));
     const sources = Object.entries(episode.videos).map(([name, src]) => ({ name, src }));
     this.player.load(sources, episode.length);
   }

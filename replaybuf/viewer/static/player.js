@@ -45,6 +45,9 @@ export class Player {
       video.addEventListener('error', () => {
         figure.classList.add('failed');
         caption.textContent = `${name}: the video could not be loaded (see the server's output)`;
+        explainFailure(src).then((reason) => {
+          if (reason && video.error) caption.textContent = `${name}: ${reason}`;
+        });
       });
       video.src = src;
       figure.append(video, caption);
@@ -207,6 +210,18 @@ export function playerElements(root = document) {
     counter: get('frame-counter'),
     speed: get('speed'),
   };
+}
+
+// Why the server refused a video (a damaged episode, frames the encoder cannot take): asked
+// for its first byte only, so a video that does load now is not sent whole. null if unknown.
+async function explainFailure(src) {
+  try {
+    const response = await fetch(src, { headers: { Range: 'bytes=0-0' } });
+    if (response.ok || !response.headers.get('Content-Type')?.startsWith('application/json')) return null;
+    return (await response.json()).error ?? null;
+  } catch {
+    return null;
+  }
 }
 
 export async function fetchJson(url) {

@@ -27,8 +27,12 @@ function formatValue(value) {
 }
 
 export class SeriesPlot {
-  constructor(parent, name, values, { onSeek = () => {} } = {}) {
+  // values: the series of every `stride`-th step of an episode of `steps` steps (a long
+  // episode's is thinned by the server); the cursor and seeks count the episode's steps
+  constructor(parent, name, values, { onSeek = () => {}, stride = 1, steps = values.length } = {}) {
     this.name = name;
+    this.stride = stride;
+    this.steps = steps;
     this.columns = columnsOf(values).map((column) => column.map(asNumber));
     this.raw = columnsOf(values);
     // booleans (done, success) hold their value until the next step: draw them as steps
@@ -41,7 +45,9 @@ export class SeriesPlot {
     this.root.className = 'plot';
     this.root.dataset.field = name;
     const title = document.createElement('h2');
-    title.textContent = this.columns.length > 1 ? `${name} (${this.columns.length} dims)` : name;
+    const notes = [this.columns.length > 1 ? `${this.columns.length} dims` : '', stride > 1 ? `one point per ${stride} steps` : '']
+      .filter(Boolean);
+    title.textContent = notes.length ? `${name} (${notes.join(', ')})` : name;
     title.style.margin = '0 0 4px';
     this.area = document.createElement('div');
     this.area.className = 'plot-canvas';
@@ -86,7 +92,12 @@ export class SeriesPlot {
   }
 
   x(frame, width) {
-    return PAD.left + (this.length > 1 ? (frame / (this.length - 1)) * (width - PAD.left - PAD.right) : 0);
+    return PAD.left + (this.steps > 1 ? (frame / (this.steps - 1)) * (width - PAD.left - PAD.right) : 0);
+  }
+
+  // the position in `values` of the step shown for episode step `frame`
+  pointAt(frame) {
+    return Math.max(0, Math.min(Math.floor(frame / this.stride), this.length - 1));
   }
 
   y(value, height) {
@@ -96,7 +107,7 @@ export class SeriesPlot {
   seekAt(event) {
     const box = this.area.getBoundingClientRect();
     const fraction = (event.clientX - box.left - PAD.left) / Math.max(box.width - PAD.left - PAD.right, 1);
-    this.onSeek(Math.round(Math.max(0, Math.min(1, fraction)) * (this.length - 1)));
+    this.onSeek(Math.round(Math.max(0, Math.min(1, fraction)) * (this.steps - 1)));
   }
 
   sizeCanvas(canvas) {
@@ -128,7 +139,7 @@ export class SeriesPlot {
     context.textAlign = 'left';
     context.fillText('0', PAD.left, height - 3);
     context.textAlign = 'right';
-    context.fillText(String(this.length - 1), width - PAD.right, height - 3);
+    context.fillText(String(this.steps - 1), width - PAD.right, height - 3);
 
     this.columns.forEach((column, dim) => {
       context.strokeStyle = COLORS[dim % COLORS.length];
@@ -136,9 +147,9 @@ export class SeriesPlot {
       context.beginPath();
       let drawing = false;
       let previousY = 0;
-      column.forEach((value, frame) => {
+      column.forEach((value, point) => {
         if (value === null || !Number.isFinite(value)) { drawing = false; return; }
-        const x = this.x(frame, width);
+        const x = this.x(point * this.stride, width);
         const y = this.y(value, height);
         if (drawing && this.stepped[dim]) context.lineTo(x, previousY);
         if (drawing) context.lineTo(x, y); else context.moveTo(x, y);
@@ -152,11 +163,13 @@ export class SeriesPlot {
   }
 
   setCursor(frame) {
-    this.cursor = Math.max(0, Math.min(frame, this.length - 1));
+    this.cursor = Math.max(0, Math.min(frame, this.steps - 1));
     this.drawCursor();
+    const point = this.pointAt(this.cursor);
+    const step = this.stride > 1 ? ` @${point * this.stride}` : '';
     this.labels.forEach((label, dim) => {
       const name = this.columns.length > 1 ? `${this.name}[${dim}]` : this.name;
-      label.textContent = `${name} = ${formatValue(this.raw[dim][this.cursor])}`;
+      label.textContent = `${name}${step} = ${formatValue(this.raw[dim][point])}`;
     });
   }
 
@@ -172,7 +185,7 @@ export class SeriesPlot {
     context.stroke();
     context.globalAlpha = 1;
     this.columns.forEach((column, dim) => {
-      const value = column[this.cursor];
+      const value = column[this.pointAt(this.cursor)];
       if (value === null || !Number.isFinite(value)) return;
       context.fillStyle = COLORS[dim % COLORS.length];
       context.beginPath();
