@@ -15,7 +15,7 @@ from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
-from ._seed import seed_h5_hint
+from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
 from .base import (
     STATE_KEY,
     BufferDamagedError,
@@ -352,7 +352,7 @@ class EpisodeChecksums:
                     raise ValueError("not a regular file")
                 with NPY_HEADERS:
                     sums = np.load(self.path, mmap_mode=mode, allow_pickle=False)
-            except (OSError, ValueError, EOFError) as e:  # a damaged header or a file cut short
+            except NPY_HEADER_ERRORS as e:  # a damaged header or a file cut short
                 self.storage.check_not_replaced()  # or erased with the buffer, by an overwrite
                 raise BufferDamagedError(f"{self.path}: not a readable checksum array ({e})") from None
             if not isinstance(sums, np.memmap):
