@@ -415,13 +415,47 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
     return dead, others
 
 
+def _remove_marked(path: str) -> None:
+    """Delete an upgrade's folder ``path`` with its marker last, so a kill part-way leaves it
+    still provably an upgrade's (``upgrade_leftovers``) for the next upgrade to finish."""
+    marker = os.path.join(path, *UPGRADE_MARKER.split("/"))
+    for entry in os.scandir(path):
+        if entry.name == os.path.dirname(UPGRADE_MARKER):
+            for inner in os.scandir(entry.path):
+                if inner.path != marker:
+                    _remove_entry(inner)
+        else:
+            _remove_entry(entry)
+    shutil.rmtree(path)
+
+
+def _remove_entry(entry: os.DirEntry) -> None:
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path)
+    else:
+        os.unlink(entry.path)
+
+
 def _remove_dead_upgrades(folder: str) -> list[str]:
     """Delete the copies of killed upgrades of ``folder`` (``upgrade_leftovers``: the process
     named in each one's marker is gone) and return them."""
     dead = upgrade_leftovers(folder)[0]
     for path in dead:
-        shutil.rmtree(path)
+        _remove_marked(path)
     return dead
+
+
+def _discard_original(folder: str, backup: str, marked: str) -> None:
+    """Delete the original of an upgraded ``folder``, moved to ``backup``: first marked and
+    renamed as an upgrade's copy (``marked``, free once the copy was swapped in), so that a kill
+    while it is deleted leaves a folder ``info`` reports and the next upgrade removes, never a
+    hidden full-size one."""
+    marker = os.path.join(backup, *UPGRADE_MARKER.split("/"))
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    with open(marker, "w") as f:
+        json.dump(_upgrade_record(folder), f)
+    os.rename(backup, marked)
+    _remove_marked(marked)
 
 
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
@@ -441,7 +475,9 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     deleted otherwise). A kill between the two renames leaves both folders next to ``path``
     under those names: rename the backup back to retry. A kill during the copy leaves the
     copy as ``.<name>.upgrading-<pid>`` (with a marker naming the buffer and process inside):
-    the next upgrade deletes such copies once their process is gone, never another folder.
+    the next upgrade deletes such copies once their process is gone, never another folder. The
+    original, unless kept, is marked and renamed so before it is deleted: a kill then leaves
+    the same kind of leftover, never a hidden copy nothing reports.
     Returns what it did: location, backend, ``upgraded``, the format versions, episodes
     copied, the backup's path and the killed upgrades' copies it removed.
     """
@@ -509,7 +545,7 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     finally:
         owner.release_writer()  # its lock file moved with the original folder
     if not keep_backup:
-        shutil.rmtree(backup)
+        _discard_original(folder, backup, staging)
     return {
         **facts,
         "upgraded": True,

@@ -32,3 +32,56 @@ def test_a_npy_header_whose_quote_became_a_comment_is_damage_not_a_traceback(tmp
     assert run_cli([command, tmp_path / "b"]) == 1
     err = capsys.readouterr().err
     assert str(path) in err and "not a readable" in err
+
+
+def _upgrade_killed_deleting_the_original(path: str) -> None:
+    """Child: upgrade ``path``, SIGKILLed once the copy is swapped in, as it starts deleting
+    the original (any folder of the upgrade beside ``path``)."""
+    import os
+    import shutil
+    import signal
+    import types
+
+    import replaybuf.maintenance as maintenance
+
+    name = os.path.basename(path)
+
+    def rmtree(target, *args, **kwargs):
+        if f"/.{name}." in str(target):
+            os.kill(os.getpid(), signal.SIGKILL)
+        shutil.rmtree(target, *args, **kwargs)
+
+    maintenance.shutil = types.SimpleNamespace(rmtree=rmtree)
+    maintenance.upgrade(path, progress=False)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "hdf5"])
+def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_names_and_upgrade_removes(
+    tmp_path, capsys, backend
+):
+    import multiprocessing
+    import os
+    import shutil
+    import signal
+
+    from replaybuf import ReplayBuffer
+    from replaybuf.maintenance import upgrade
+
+    from .test_format_fixtures import DATA, _check_contents, _stored_version
+
+    path = tmp_path / "buf"
+    shutil.copytree(os.path.join(DATA, "format-v1", backend), path)
+    child = multiprocessing.get_context("fork").Process(target=_upgrade_killed_deleting_the_original, args=(str(path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert _stored_version(path, backend) == 4  # swapped in before the kill
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    (left,) = [entry for entry in os.listdir(tmp_path) if entry != "buf"]
+    # not a hidden copy of the original that nothing reports
+    assert run_cli(["info", path]) == 0
+    assert f"leftover   {tmp_path / left}: the copy of a killed upgrade" in capsys.readouterr().out
+    done = upgrade(path, progress=False)
+    assert not done["upgraded"] and done["removed"] == [str(tmp_path / left)]
+    assert os.listdir(tmp_path) == ["buf"]
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
