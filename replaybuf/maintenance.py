@@ -1139,17 +1139,20 @@ def _check_beyond_length(
 # ---- unlock ---------------------------------------------------------------------------------------------
 
 
-def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> dict | None:
-    """Remove the writer lease of the buffer at ``location``, whoever holds it: for an object-store
-    writer that stopped without closing, when waiting for its lease to expire is too long.
+def unlock(location: str | os.PathLike, storage_options: dict | None = None, force: bool = False) -> dict | None:
+    """Remove the writer lease of the buffer at ``location``: for an object-store writer that
+    stopped without closing, when waiting for its lease to expire is too long.
 
     Returns the removed holder's record (host, pid, since, ...), None when no lease was held.
-    A local lock is released by the kernel when its process exits, so a held one belongs to a
-    running process: that raises BufferLockedError naming it (stop the process instead).
+    A lease that has not expired may belong to a writer still renewing it: that raises
+    BufferLockedError naming the holder and the expiry, removing nothing, unless ``force``
+    (a live writer then refuses every further write from its next renewal). A local lock is
+    released by the kernel when its process exits, so a held one belongs to a running process:
+    that raises BufferLockedError naming it, ``force`` or not (stop the process instead).
     FileNotFoundError when the location holds neither a buffer nor a lease (a mistyped path).
     """
     storage = make_storage(location, None, storage_options)
-    holder = storage.writer_lease().unlock()
+    holder = storage.writer_lease().unlock(force=force)
     if holder is None and not storage.exists():
         raise FileNotFoundError(f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}")
     return holder
@@ -1271,6 +1274,12 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _add_unlock_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("location", help="buffer folder or URL")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="remove an object-store lease that has not expired yet (its writer may be alive: it then stops "
+        "writing); a local lock is never removed",
+    )
     add_store_arguments(parser)
 
 
@@ -1278,7 +1287,7 @@ def _run_unlock(args: argparse.Namespace) -> int:
     from .cli import store_options
 
     try:
-        holder = unlock(args.location, store_options(args))
+        holder = unlock(args.location, store_options(args), force=args.force)
     except BufferLockedError as error:
         print(error, file=sys.stderr)
         return 1

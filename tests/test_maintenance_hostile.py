@@ -4,11 +4,15 @@ would run them: a message and an exit status, never a traceback, and nothing com
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from replaybuf.cli import main
 
 from .test_maintenance import filled
+
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server
 
 
 def run_cli(argv) -> int:
@@ -85,3 +89,36 @@ def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_nam
     assert not done["upgraded"] and done["removed"] == [str(tmp_path / left)]
     assert os.listdir(tmp_path) == ["buf"]
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def test_unlock_refuses_an_unexpired_object_store_lease_unless_forced(s3_server, capsys):
+    import json
+    import time
+
+    from replaybuf import ReplayBuffer
+    from replaybuf.storage.lease import LEASE_KEY
+
+    url, options = s3_server.url("unlock-live"), s3_server.storage_options
+    writer = ReplayBuffer(url, 4, 3, fields={"x": "float"}, storage_options=options)
+    writer.store_episode(x=[1.0, 2.0])
+    flags = ["--storage-options", json.dumps(options)]
+    record = writer.storage.kv.get(LEASE_KEY)
+    # renewed while its writer runs: it may be alive, so it is refused, naming holder and expiry
+    assert run_cli(["unlock", url, *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()}" in err and "runs until" in err and "--force" in err and "Nothing was removed" in err
+    assert writer.storage.kv.get(LEASE_KEY) == record and writer.storage._lease.lost is None
+    writer.store_episode(x=[3.0])  # still its writer's
+    assert run_cli(["unlock", "--force", url, *flags]) == 0
+    assert f"removed the writer lease of pid {os.getpid()}" in capsys.readouterr().out
+    assert writer.storage.kv.get(LEASE_KEY) is None
+    writer.storage._lease.renew()  # its next renewal: the writer learns it lost the lease
+    assert writer.storage._lease.lost is not None
+    writer.close()
+    # an expired lease (a writer killed a minute ago) goes without --force
+    expired = {**json.loads(record), "expires": time.time() - 1}
+    writer.storage.kv.set(LEASE_KEY, json.dumps(expired).encode())
+    assert run_cli(["unlock", url, *flags]) == 0
+    assert writer.storage.kv.get(LEASE_KEY) is None
+    with ReplayBuffer.from_folder(url, read_only=True, storage_options=options) as reader:
+        assert reader.episode_lens[reader.valid_episodes()].tolist() == [2, 1]
