@@ -64,8 +64,25 @@ def _open_read_only(
     """A storage opened read-only (nothing written, whatever the backend) and its schema."""
     storage = make_storage(location, None, storage_options)
     if not storage.exists():
-        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}")
+        raise FileNotFoundError(
+            f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}" + _stranded_hint(storage)
+        )
     return storage, storage.open(read_only=True)
+
+
+def _stranded_hint(storage: Storage) -> str:
+    """Where an upgrade killed between its two renames left the original of the missing local
+    buffer ``storage`` (``.<name>.format<N>-<pid>`` beside it), as the end of a message."""
+    if not storage.is_local:
+        return ""
+    parent, name = os.path.split(os.path.realpath(storage.location.removeprefix("file://")))
+    left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
+    if not left:
+        return ""
+    return (
+        f"; an upgrade stopped between its renames left the original at {left[-1]!r}: rename it back to "
+        f"{os.path.join(parent, name)!r} (and run the upgrade again)"
+    )
 
 
 def _lens(storage: Storage) -> np.ndarray:
@@ -489,13 +506,6 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         )
     folder = os.path.realpath(text.removeprefix("file://"))
     parent, name = os.path.split(folder)
-    if not os.path.exists(folder):
-        left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
-        if left:
-            raise FileNotFoundError(
-                f"upgrade: no buffer at {folder!r}; an upgrade stopped between its renames left the original "
-                f"at {left[-1]!r}: rename it back to {folder!r} and run the upgrade again"
-            )
     storage, _ = _open_read_only(folder)
     backend, version, newest = storage.backend_name, storage.format_version, storage.newest_format_version
     storage.close()
@@ -1262,8 +1272,11 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_verify(args: argparse.Namespace) -> int:
     from .cli import store_options
 
-    if not make_storage(args.path, None, store_options(args)).exists():  # a mistyped path: a usage error
-        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}")
+    storage = make_storage(args.path, None, store_options(args))
+    if not storage.exists():  # a mistyped path (or one a killed upgrade moved): a usage error
+        raise FileNotFoundError(
+            f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}" + _stranded_hint(storage)
+        )
     problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)

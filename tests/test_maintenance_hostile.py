@@ -122,3 +122,16 @@ def test_unlock_refuses_an_unexpired_object_store_lease_unless_forced(s3_server,
     assert writer.storage.kv.get(LEASE_KEY) is None
     with ReplayBuffer.from_folder(url, read_only=True, storage_options=options) as reader:
         assert reader.episode_lens[reader.valid_episodes()].tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "convert"])
+def test_a_buffer_an_upgrade_left_between_its_renames_is_pointed_to_by_every_command(tmp_path, capsys, command):
+    # what a kill between the two renames leaves: the original beside the missing folder
+    filled(tmp_path / ".buf.format1-999999999", "zarr")
+    argv = [command, tmp_path / "buf"] + ([tmp_path / "copy"] if command == "convert" else [])
+    with pytest.raises(SystemExit) as usage:
+        run_cli(argv)
+    assert usage.value.code == 2
+    err = capsys.readouterr().err
+    assert f"left the original at '{tmp_path / '.buf.format1-999999999'}': rename it back" in err
+    assert sorted(os.listdir(tmp_path)) == [".buf.format1-999999999"]  # nothing made or moved
