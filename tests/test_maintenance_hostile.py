@@ -135,3 +135,25 @@ def test_a_buffer_an_upgrade_left_between_its_renames_is_pointed_to_by_every_com
     err = capsys.readouterr().err
     assert f"left the original at '{tmp_path / '.buf.format1-999999999'}': rename it back" in err
     assert sorted(os.listdir(tmp_path)) == [".buf.format1-999999999"]  # nothing made or moved
+
+
+def test_a_lease_released_after_its_folder_moved_leaves_the_new_folders_writer_locked(tmp_path):
+    # upgrade holds the original's lease across its swap and gives it back after: by then its
+    # path names the upgraded folder, where a writer may have opened meanwhile
+    from replaybuf import ReplayBuffer
+    from replaybuf.storage import make_storage
+    from replaybuf.storage.lease import BufferLockedError, FileLease
+
+    folder = tmp_path / "buf"
+    filled(folder, "memmap")
+    lease = FileLease(str(folder))
+    lease.acquire()
+    os.rename(folder, tmp_path / "backup")
+    filled(tmp_path / "copy", "memmap")
+    os.rename(tmp_path / "copy", folder)
+    writer = ReplayBuffer.from_folder(folder)  # opened in between
+    lease.release()
+    assert (folder / "replaybuf" / "writer.lock").exists()
+    with pytest.raises(BufferLockedError):  # a second writer is still refused
+        make_storage(str(folder)).writer_lease().acquire()
+    writer.close()

@@ -188,7 +188,7 @@ class FileLease(WriterLease):
     flock belongs to an open file description: a second open of the file is refused even in
     the same process (``take`` shares one lease among a process's opens instead), and a forked
     child shares its parent's lock (so a child closes its copy at fork). Release deletes the
-    lock file, and the folders that taking it created, so a refused or failed open leaves a
+    lock file (where its path still names it), and the folders that taking it created, so a refused or failed open leaves a
     folder as it was; taking the lock checks that the file it locked is still the one at the
     path, so deleting it races with no other writer.
     """
@@ -272,7 +272,11 @@ class FileLease(WriterLease):
             return
         if self._pid == os.getpid():
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                # only the file it locked: the folder may have moved (``upgrade`` swaps another
+                # in), and the path then names the lock file of a writer of that folder
+                locked, named = os.fstat(fd), os.stat(self.path)
+                if (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino):
+                    os.unlink(self.path)
             self._remove_created()
         os.close(fd)  # closing the last descriptor of the open file drops the flock
 
