@@ -188,9 +188,9 @@ class FileLease(WriterLease):
     flock belongs to an open file description: a second open of the file is refused even in
     the same process (``take`` shares one lease among a process's opens instead), and a forked
     child shares its parent's lock (so a child closes its copy at fork). Release deletes the
-    lock file (where its path still names it), and the folders that taking it created, so a refused or failed open leaves a
-    folder as it was; taking the lock checks that the file it locked is still the one at the
-    path, so deleting it races with no other writer.
+    lock file (where its path still names it), and the folders that taking it created, so a
+    refused or failed open leaves a folder as it was; taking the lock checks that the file it
+    locked is still the one at the path, so deleting it races with no other writer.
     """
 
     def __init__(self, root: str):
