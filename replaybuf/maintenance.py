@@ -274,8 +274,15 @@ def convert(
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     attrs = load_attrs(source)  # damaged ones are refused here too
     made = _new_local_folder(target.location)
+    # outside the try: a refusal (another process writes there) deletes nothing of its
     try:
         target.acquire_writer(erase=True)
+    except BaseException:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(made)  # still empty: the other process did not take it
+        raise
+    try:
         target.create(target_schema, overwrite=True)
         plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
         # the checksums of the values as copied (checked in the source, where it keeps them)
@@ -314,12 +321,20 @@ def convert(
 
 
 def _new_local_folder(location: str) -> str | None:
-    """The folder of a local ``location`` that does not exist yet (convert makes it, so all of
-    it is convert's own), else None."""
+    """Make the folder of a local ``location`` that does not exist yet and return it (all of
+    it is then convert's own: made by one ``mkdir``, so a second convert racing to the same
+    new destination does not count it as its own too); None when it exists or is remote."""
     if "://" in location and not location.startswith("file://"):
         return None
     folder = os.path.abspath(location.removeprefix("file://"))
-    return None if os.path.lexists(folder) else folder
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        os.mkdir(folder)
+    except FileExistsError:  # a folder, a file, or a link (dangling too)
+        return None
+    except OSError:  # not writable here: taking the writer lease says so, naming the folder
+        return None
+    return folder
 
 
 # rounds of copying the episodes a live writer replaced meanwhile before ``convert`` gives up

@@ -157,3 +157,50 @@ def test_a_lease_released_after_its_folder_moved_leaves_the_new_folders_writer_l
     with pytest.raises(BufferLockedError):  # a second writer is still refused
         make_storage(str(folder)).writer_lease().acquire()
     writer.close()
+
+
+def test_a_convert_refused_by_a_writer_that_took_its_new_destination_deletes_nothing_of_it(tmp_path, monkeypatch):
+    # two processes aiming at one new folder: the other one creates its buffer there after this
+    # convert found the folder missing, and holds it; the refused convert must not erase it
+    import subprocess
+    import sys
+
+    import replaybuf.maintenance as maintenance
+    from replaybuf import ReplayBuffer
+    from replaybuf.storage.lease import BufferLockedError
+
+    filled(tmp_path / "src", "zarr")
+    dst = tmp_path / "dst"
+    script = (
+        "import sys\nfrom replaybuf import ReplayBuffer\n"
+        f"b = ReplayBuffer({str(dst)!r}, 4, 3, fields={{'x': 'float'}})\n"
+        "b.store_episode(x=[1.0, 2.0])\nb.flush()\nprint('ready', flush=True)\nsys.stdin.read()\nb.close()\n"
+    )
+    other: list[subprocess.Popen] = []
+    found_missing = maintenance._new_local_folder
+
+    def then_taken(location):
+        made = found_missing(location)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's replaybuf
+        process = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": root},
+        )
+        other.append(process)
+        assert process.stdout.readline().strip() == "ready"
+        return made
+
+    monkeypatch.setattr(maintenance, "_new_local_folder", then_taken)
+    try:
+        with pytest.raises(BufferLockedError, match="it is being written by pid") as refused:
+            maintenance.convert(tmp_path / "src", dst, progress=False)
+        assert f"pid {other[0].pid} " in str(refused.value)
+    finally:
+        for process in other:
+            process.stdin.close()
+            assert process.wait(60) == 0  # it kept writing, and closed its buffer
+    with ReplayBuffer.from_folder(dst, read_only=True) as kept:
+        assert kept.episode_lens[kept.valid_episodes()].tolist() == [2]
