@@ -204,3 +204,47 @@ def test_a_convert_refused_by_a_writer_that_took_its_new_destination_deletes_not
             assert process.wait(60) == 0  # it kept writing, and closed its buffer
     with ReplayBuffer.from_folder(dst, read_only=True) as kept:
         assert kept.episode_lens[kept.valid_episodes()].tolist() == [2]
+
+
+def _flip(path, offset: int, mask: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_crc_bit_of_a_zarr_packed_checksum_entry_is_resealed_not_the_episode_dropped(tmp_path):
+    # local zarr packs small fields and keeps an untagged 1 << 32 | crc32c entry per (episode,
+    # field) in replaybuf/checksums: a bit flipped in the crc read as damaged data, and repair
+    # dropped the sound episode
+    import numpy as np
+
+    from replaybuf import ChecksumEntryError, CorruptChunkError, ReplayBuffer
+    from replaybuf.maintenance import verify
+
+    folder = tmp_path / "b"
+    filled(folder, "zarr")
+    with ReplayBuffer.from_folder(folder, read_only=True) as before:
+        packed = before.storage._packed
+        assert packed == ["state", "action", "reward"]
+        rows = {s: before.storage.read_rows("state", np.array([s]), 0, 12).copy() for s in before.valid_episodes()}
+    _flip(folder / "replaybuf" / "checksums", 8 * (1 * len(packed) + 0) + 2, 0x10)  # slot 1, state
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader, pytest.raises(ChecksumEntryError) as caught:
+        reader.storage.read_rows("state", np.array([1]), 0, int(reader.episode_lens[1]))
+    assert caught.value.data_verified and "replaybuf/checksums" in str(caught.value)
+    found = verify(folder, repair=True, progress=False)
+    assert any("slot 1: its checksum entry" in line and "one bit away" in line for line in found)
+    assert any(
+        line.startswith("repaired: re-sealed the damaged checksum entries of data/state in slots [1]") for line in found
+    )
+    assert not any("dropped" in line for line in found)
+    assert verify(folder, progress=False) == []
+    with ReplayBuffer.from_folder(folder, read_only=True) as after:
+        assert sorted(after.valid_episodes().tolist()) == sorted(rows)
+        for slot, stored in rows.items():
+            np.testing.assert_array_equal(after.storage.read_rows("state", np.array([slot]), 0, 12), stored)
+    # a flipped bit of the data itself still fails as damaged data, and is dropped on repair
+    _flip(folder / "data" / "reward" / "c.0.0", 4 * (2 * 12 + 1) + 1, 0x10)  # slot 2, step 1
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader, pytest.raises(CorruptChunkError) as caught:
+        reader.storage.read_rows("reward", np.array([2]), 0, int(reader.episode_lens[2]))
+    assert not isinstance(caught.value, ChecksumEntryError)
+    assert any("repaired: dropped the damaged episodes in slots [2]" in line for line in verify(folder, repair=True))

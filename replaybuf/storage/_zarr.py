@@ -108,6 +108,10 @@ _SEALED = 1 << 32
 # a crc32c mismatch is read again this many times before it is damage: a writer reusing the
 # slot between the row read and the checksum read is not
 _CHECK_READS = 3
+# rows below this many bytes tell a flipped bit of their (untagged) checksum entry from damaged
+# data: crc32c detects every 2-bit error in codewords under 2**31 bits (Hamming distance 4), so
+# one flipped data bit never moves the crc by a single bit, while a flipped crc bit always does
+_ONE_BIT_SYNDROME_BYTES = (2**31 - 64) // 8
 
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
@@ -642,7 +646,30 @@ class ZarrStorage(KVBlobs, Storage):
         slot = int(episodes[picked[0]])
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
+        self._check_entry_bit(name, slot, n, int(sums[bad[0]]), out[picked[0], :n])
         raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
+
+    def _check_entry_bit(self, name: str, slot: int, n: int, entry: int, row: np.ndarray) -> None:
+        """Raise ChecksumEntryError when the crc32c of ``row`` (slot ``slot`` of packed field
+        ``name``, ``n`` steps) differs from its checksum entry ``entry`` in exactly one bit: the
+        entry has a flipped bit and the data matches it otherwise (``_ONE_BIT_SYNDROME_BYTES``),
+        so ``verify --repair`` re-seals the entry rather than dropping a sound episode."""
+        row = np.ascontiguousarray(row)
+        computed = crc32c(row)
+        if row.nbytes >= _ONE_BIT_SYNDROME_BYTES or (computed ^ entry & 0xFFFFFFFF).bit_count() != 1:
+            return
+        where = self.kv.where(CHECKSUMS_KEY)
+        raise ChecksumEntryError(
+            f"data/{name}: slot {slot}: its checksum entry in {where} is damaged (it holds {entry:#018x}, one "
+            f"bit away from the crc32c {computed:#010x} of the episode's data, which damaged data cannot "
+            "cause), so the episode cannot be checked; its data matches the entry but for that bit. "
+            "`replaybuf verify --repair` re-seals the entry from the data",
+            field=f"data/{name}",
+            slot=slot,
+            steps=(0, n),
+            location=where,
+            data_verified=True,
+        )
 
     def _check_entries(
         self, name: str, slots: np.ndarray, committed: np.ndarray, sums: np.ndarray, out: np.ndarray, items: np.ndarray
