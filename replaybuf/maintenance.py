@@ -438,6 +438,7 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
             record = None
         ours = (
             not os.path.islink(path)
+            and not os.path.islink(os.path.join(path, os.path.dirname(UPGRADE_MARKER)))
             and os.path.isdir(path)
             and isinstance(record, dict)
             and pid.isdigit()
@@ -452,7 +453,7 @@ def _remove_marked(path: str) -> None:
     still provably an upgrade's (``upgrade_leftovers``) for the next upgrade to finish."""
     marker = os.path.join(path, *UPGRADE_MARKER.split("/"))
     for entry in os.scandir(path):
-        if entry.name == os.path.dirname(UPGRADE_MARKER):
+        if entry.name == os.path.dirname(UPGRADE_MARKER) and entry.is_dir(follow_symlinks=False):
             for inner in os.scandir(entry.path):
                 if inner.path != marker:
                     _remove_entry(inner)

@@ -248,3 +248,28 @@ def test_a_flipped_crc_bit_of_a_zarr_packed_checksum_entry_is_resealed_not_the_e
         reader.storage.read_rows("reward", np.array([2]), 0, int(reader.episode_lens[2]))
     assert not isinstance(caught.value, ChecksumEntryError)
     assert any("repaired: dropped the damaged episodes in slots [2]" in line for line in verify(folder, repair=True))
+
+
+def test_a_dead_upgrade_copy_whose_replaybuf_folder_is_a_link_is_not_followed(tmp_path):
+    # a look-alike of a killed upgrade's copy whose replaybuf/ links to a user's folder that
+    # holds a matching marker: removing leftovers must never delete through the link
+    import json
+    import shutil
+
+    from replaybuf.maintenance import UPGRADE_MARKER, _upgrade_record, upgrade, upgrade_leftovers
+
+    from .test_format_fixtures import DATA
+
+    path = tmp_path / "buf"
+    shutil.copytree(os.path.join(DATA, "format-v4", "zarr"), path)
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "thesis.txt").write_text("mine")
+    record = {**_upgrade_record(os.path.realpath(path)), "pid": 999999999}
+    (users / os.path.basename(UPGRADE_MARKER)).write_text(json.dumps(record))
+    look_alike = tmp_path / ".buf.upgrading-999999999"
+    look_alike.mkdir()
+    (look_alike / "replaybuf").symlink_to(users)
+    assert upgrade_leftovers(os.path.realpath(path)) == ([], [str(look_alike)])
+    assert upgrade(path, progress=False)["removed"] == []
+    assert (users / "thesis.txt").read_text() == "mine" and look_alike.is_dir()
