@@ -273,3 +273,32 @@ def test_a_dead_upgrade_copy_whose_replaybuf_folder_is_a_link_is_not_followed(tm
     assert upgrade_leftovers(os.path.realpath(path)) == ([], [str(look_alike)])
     assert upgrade(path, progress=False)["removed"] == []
     assert (users / "thesis.txt").read_text() == "mine" and look_alike.is_dir()
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_flipped_crc_bit_of_a_format_2_entry_is_resealed_not_the_episode_dropped(tmp_path, backend):
+    # format 2's entries carry no tag to check themselves: one bit away from the data's crc32c
+    # is still provably the entry's damage (a flipped data bit moves the crc by more)
+    import shutil
+
+    import numpy as np
+
+    from replaybuf import ChecksumEntryError, ReplayBuffer
+    from replaybuf.maintenance import verify
+
+    from .test_format_fixtures import DATA, _check_contents, _stored_version
+
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "format-v2", backend), path)
+    sums_file = path / "replaybuf" / "checksums.npy"
+    sums = np.load(sums_file, mmap_mode="r+")
+    sums[1, 0] ^= np.uint64(1 << 7)  # a crc bit of slot 1's first field
+    sums.flush()
+    del sums
+    with pytest.raises(ChecksumEntryError, match=r"slot 1: its checksum entry in .*checksums\.npy.*one bit away"):
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    problems = verify(path, repair=True)
+    assert any(p.startswith("repaired: re-sealed the damaged checksum entries") for p in problems)
+    assert "dropped" not in " ".join(problems) and verify(path) == []
+    assert _stored_version(path, backend) == 2
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..schema import FORMAT_NAME, Field, Schema
 from ._chunks import ChunkedArray, nearby_spans
-from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
+from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c, crc_bit_flipped
 from ._hot import HotTier, find_hot
 from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
@@ -108,10 +108,6 @@ _SEALED = 1 << 32
 # a crc32c mismatch is read again this many times before it is damage: a writer reusing the
 # slot between the row read and the checksum read is not
 _CHECK_READS = 3
-# rows below this many bytes tell a flipped bit of their (untagged) checksum entry from damaged
-# data: crc32c detects every 2-bit error in codewords under 2**31 bits (Hamming distance 4), so
-# one flipped data bit never moves the crc by a single bit, while a flipped crc bit always does
-_ONE_BIT_SYNDROME_BYTES = (2**31 - 64) // 8
 
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
@@ -652,11 +648,11 @@ class ZarrStorage(KVBlobs, Storage):
     def _check_entry_bit(self, name: str, slot: int, n: int, entry: int, row: np.ndarray) -> None:
         """Raise ChecksumEntryError when the crc32c of ``row`` (slot ``slot`` of packed field
         ``name``, ``n`` steps) differs from its checksum entry ``entry`` in exactly one bit: the
-        entry has a flipped bit and the data matches it otherwise (``_ONE_BIT_SYNDROME_BYTES``),
+        entry has a flipped bit and the data matches it otherwise (``crc_bit_flipped``),
         so ``verify --repair`` re-seals the entry rather than dropping a sound episode."""
         row = np.ascontiguousarray(row)
         computed = crc32c(row)
-        if row.nbytes >= _ONE_BIT_SYNDROME_BYTES or (computed ^ entry & 0xFFFFFFFF).bit_count() != 1:
+        if not crc_bit_flipped(computed, entry, row.nbytes):
             return
         where = self.kv.where(CHECKSUMS_KEY)
         raise ChecksumEntryError(
