@@ -551,6 +551,11 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
                 f"upgrade: {staging!r}, where this upgrade copies {folder!r}, already exists; it is left as "
                 "it is: remove it if no upgrade is running"
             )
+        if os.path.lexists(backup):  # an earlier --keep-backup by a process of the same pid
+            raise FileExistsError(
+                f"upgrade: {backup!r}, where this upgrade would move the original of {folder!r}, already exists "
+                "(the backup of an earlier upgrade?); nothing was changed: move it away and run the upgrade again"
+            )
         removed = _remove_dead_upgrades(folder)
         marker = os.path.join(staging, *UPGRADE_MARKER.split("/"))
         os.makedirs(os.path.dirname(marker))

@@ -302,3 +302,24 @@ def test_a_flipped_crc_bit_of_a_format_2_entry_is_resealed_not_the_episode_dropp
     assert "dropped" not in " ".join(problems) and verify(path) == []
     assert _stored_version(path, backend) == 2
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def test_an_upgrade_whose_backup_name_is_taken_refuses_before_copying(tmp_path):
+    # a backup an earlier --keep-backup left under this process's pid: the rename would fail
+    # after the whole copy, with a bare "Directory not empty"
+    import shutil
+
+    from replaybuf.maintenance import upgrade
+
+    from .test_format_fixtures import DATA, _stored_version
+
+    path = tmp_path / "buf"
+    shutil.copytree(os.path.join(DATA, "format-v1", "memmap"), path)
+    earlier = tmp_path / f".buf.format1-{os.getpid()}"
+    earlier.mkdir()
+    (earlier / "kept.txt").write_text("an earlier backup")
+    with pytest.raises(FileExistsError, match="move it away and run the upgrade again") as refused:
+        upgrade(path, progress=False)
+    assert str(earlier) in str(refused.value)
+    assert sorted(os.listdir(tmp_path)) == [earlier.name, "buf"] and _stored_version(path, "memmap") == 1
+    assert (earlier / "kept.txt").read_text() == "an earlier backup"
