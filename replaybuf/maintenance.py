@@ -52,7 +52,13 @@ from .storage.lease import BufferLockedError, describe_holder
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
 
-__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "unlock", "upgrade", "verify"]
+
+class WriterOutpacedError(RuntimeError):
+    """A live writer changed the buffer faster than a command could read it, through every
+    bounded retry; nothing was written. Retry, or stop the writer (the command line exits 1)."""
+
+
+__all__ = ["CLI_COMMANDS", "WriterOutpacedError", "convert", "format_info", "info", "unlock", "upgrade", "verify"]
 
 
 # ---- opening ----------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarra
         time.sleep(0.01)
     else:
         if _live_writer(storage) is not None:  # caught midway every time: not damage
-            raise RuntimeError(
+            raise WriterOutpacedError(
                 f"a writer committed to {storage.location!r} faster than its lengths could be read "
                 f"({_BOOKKEEPING_READS} reads); nothing was written: retry"
             )
@@ -389,7 +395,7 @@ def _copy_episodes(
                 copied.update((int(s), keys[int(s)]) for s in slab)
                 bar.update(len(slab))
         else:
-            raise RuntimeError(
+            raise WriterOutpacedError(
                 f"convert: a writer replaced episodes of {source.location!r} faster than they could be copied "
                 f"({CONVERT_ROUNDS} rounds); nothing was published in {target.location!r}: stop the writer "
                 "(or copy when it commits less often) and run convert again with overwrite=True"

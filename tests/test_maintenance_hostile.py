@@ -323,3 +323,22 @@ def test_an_upgrade_whose_backup_name_is_taken_refuses_before_copying(tmp_path):
     assert str(earlier) in str(refused.value)
     assert sorted(os.listdir(tmp_path)) == [earlier.name, "buf"] and _stored_version(path, "memmap") == 1
     assert (earlier / "kept.txt").read_text() == "an earlier backup"
+
+
+@pytest.mark.parametrize("command", ["convert", "info"])
+def test_a_writer_outpacing_a_command_is_a_message_and_status_1_not_a_traceback(tmp_path, capsys, monkeypatch, command):
+    import replaybuf.maintenance as maintenance
+
+    filled(tmp_path / "src", "memmap")
+    if command == "convert":  # every read of the source finds a slot its writer is replacing
+        read_bookkeeping = maintenance._read_bookkeeping
+        monkeypatch.setattr(maintenance, "_read_bookkeeping", lambda *a: (*read_bookkeeping(*a)[:2], {0}))
+    else:  # every read of the lengths catches a commit midway
+        monkeypatch.setattr(maintenance, "_midway", lambda lens, generations: True)
+        monkeypatch.setattr(maintenance, "_BOOKKEEPING_READS", 2)
+    monkeypatch.setattr(maintenance, "_live_writer", lambda storage: {"pid": 1, "host": "h", "since": "now"})
+    argv = [command, tmp_path / "src"] + ([tmp_path / "dst", "--quiet"] if command == "convert" else [])
+    assert run_cli(argv) == 1
+    err = capsys.readouterr().err
+    assert "faster than" in err and "Traceback" not in err
+    assert not (tmp_path / "dst").exists()  # nothing published, the folder it made removed
