@@ -574,7 +574,15 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
         os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
         os.rename(folder, backup)
-        os.rename(staging, folder)
+        made = False  # from here the copy is kept whatever happens: the original has moved
+        try:
+            os.rename(staging, folder)
+        except OSError as e:  # another process made a folder there in between
+            raise FileExistsError(
+                f"upgrade: {folder!r} was created by another process while the upgrade swapped its copy in "
+                f"({e.strerror}); nothing is lost: the original is at {backup!r} and its upgraded copy at "
+                f"{staging!r}. Move the new {folder!r} away, then rename one of them to {folder!r}"
+            ) from e
     except BaseException:
         if made and os.path.isdir(staging) and os.path.isdir(folder):
             shutil.rmtree(staging, ignore_errors=True)

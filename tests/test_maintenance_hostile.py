@@ -342,3 +342,36 @@ def test_a_writer_outpacing_a_command_is_a_message_and_status_1_not_a_traceback(
     err = capsys.readouterr().err
     assert "faster than" in err and "Traceback" not in err
     assert not (tmp_path / "dst").exists()  # nothing published, the folder it made removed
+
+
+def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_them(tmp_path, monkeypatch):
+    # a writer (or anyone) creating the buffer's folder while it is moved aside: the second
+    # rename fails; the verified copy was deleted and a bare "Directory not empty" hid the original
+    import shutil
+
+    from replaybuf import ReplayBuffer
+    from replaybuf.maintenance import upgrade
+
+    from .test_format_fixtures import DATA, _check_contents, _stored_version
+
+    path = tmp_path / "buf"
+    shutil.copytree(os.path.join(DATA, "format-v1", "memmap"), path)
+    rename = os.rename
+
+    def then_recreated(src, dst):
+        rename(src, dst)
+        if str(src) == str(path):  # the original moved aside: someone makes the folder anew
+            path.mkdir()
+            (path / "notes.txt").write_text("theirs")
+
+    monkeypatch.setattr(os, "rename", then_recreated)
+    with pytest.raises(FileExistsError, match="nothing is lost") as refused:
+        upgrade(path, progress=False)
+    monkeypatch.undo()
+    backup = tmp_path / f".buf.format1-{os.getpid()}"
+    copy = tmp_path / f".buf.upgrading-{os.getpid()}"
+    assert str(backup) in str(refused.value) and str(copy) in str(refused.value)
+    assert (path / "notes.txt").read_text() == "theirs"
+    assert _stored_version(backup, "memmap") == 1 and _stored_version(copy, "memmap") == 4
+    _check_contents(ReplayBuffer.from_folder(backup, read_only=True))
+    _check_contents(ReplayBuffer.from_folder(copy, read_only=True))
