@@ -375,3 +375,21 @@ def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_
     assert _stored_version(backup, "memmap") == 1 and _stored_version(copy, "memmap") == 4
     _check_contents(ReplayBuffer.from_folder(backup, read_only=True))
     _check_contents(ReplayBuffer.from_folder(copy, read_only=True))
+
+
+@pytest.mark.parametrize("flags", [[], ["--force"]])
+def test_unlock_of_a_live_local_writer_says_what_it_refused_and_why(tmp_path, capsys, flags):
+    from replaybuf import ReplayBuffer
+
+    folder = tmp_path / "b"
+    writer = ReplayBuffer(folder, 4, 3, fields={"x": "float"})
+    writer.store_episode(x=[1.0])
+    assert run_cli(["unlock", *flags, folder]) == 1
+    err = capsys.readouterr().err
+    # not "cannot open ... for writing": unlock opens nothing
+    assert err.startswith(f"unlock: {str(folder)!r} is being written by pid {os.getpid()} ")
+    assert "never stale" in err and "--force does not apply" in err and "Nothing was changed" in err
+    writer.store_episode(x=[2.0])  # still its writer's
+    writer.close()
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+        assert len(reader) == 2

@@ -325,10 +325,11 @@ class FileLease(WriterLease):
         # docstring inherited
         holder = self.holder()
         if holder is not None:
-            raise self._locked_error(
+            raise BufferLockedError(
+                f"unlock: {self.location!r} is being written by {describe_holder(holder)}, which is running: a "
+                "local lock is released when its process exits, so it is never stale and is not removed "
+                "(--force does not apply). Nothing was changed; stop that process instead",
                 holder,
-                "A local lock is released when its process exits, so it is never stale (--force does not "
-                "apply); stop that process instead.",
             )
         return None
 
