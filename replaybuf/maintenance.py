@@ -490,9 +490,13 @@ def _discard_original(folder: str, backup: str, marked: str) -> None:
     while it is deleted leaves a folder ``info`` reports and the next upgrade removes, never a
     hidden full-size one."""
     marker = os.path.join(backup, *UPGRADE_MARKER.split("/"))
-    os.makedirs(os.path.dirname(marker), exist_ok=True)
-    with open(marker, "w") as f:
-        json.dump(_upgrade_record(folder), f)
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w") as f:
+            json.dump(_upgrade_record(folder), f)
+    except OSError:  # a full disk (the copy took the space): the upgrade is done, delete it as it is
+        shutil.rmtree(backup)
+        return
     os.rename(backup, marked)
     _remove_marked(marked)
 

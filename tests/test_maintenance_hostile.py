@@ -393,3 +393,33 @@ def test_unlock_of_a_live_local_writer_says_what_it_refused_and_why(tmp_path, ca
     writer.close()
     with ReplayBuffer.from_folder(folder, read_only=True) as reader:
         assert len(reader) == 2
+
+
+def test_an_upgrade_whose_disk_fills_as_it_deletes_the_original_still_succeeds(tmp_path, monkeypatch):
+    # the copy doubled the space used: marking the original for deletion can hit a full disk
+    # once the swap is done, which must not turn a finished upgrade into an error
+    import errno
+    import json
+    import shutil
+    import types
+
+    import replaybuf.maintenance as maintenance
+    from replaybuf import ReplayBuffer
+
+    from .test_format_fixtures import DATA, _check_contents, _stored_version
+
+    path = tmp_path / "buf"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
+    writes = []
+
+    def dump(record, f):
+        writes.append(record)
+        if len(writes) > 1:  # the first marks the copy, the second the original
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        json.dump(record, f)
+
+    monkeypatch.setattr(maintenance, "json", types.SimpleNamespace(dump=dump, loads=json.loads))
+    done = maintenance.upgrade(path, progress=False)
+    assert done["upgraded"] and len(writes) == 2
+    assert os.listdir(tmp_path) == ["buf"] and _stored_version(path, "zarr") == 4
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
