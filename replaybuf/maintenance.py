@@ -51,6 +51,9 @@ from .storage.lease import BufferLockedError, describe_holder
 
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
+# inside a destination while ``convert`` copies into it, deleted once the copy is complete: a
+# killed convert leaves it, so ``info`` and ``verify`` say the buffer is an unfinished copy
+CONVERT_MARKER = "replaybuf/converting/record.json"
 
 
 class WriterOutpacedError(RuntimeError):
@@ -88,6 +91,22 @@ def _stranded_hint(storage: Storage) -> str:
     return (
         f"; an upgrade stopped between its renames left the original at {left[-1]!r}: rename it back to "
         f"{os.path.join(parent, name)!r} (and run the upgrade again)"
+    )
+
+
+def _unfinished_copy(storage: Storage) -> str | None:
+    """The problem of a buffer a killed ``convert`` left unfinished (``CONVERT_MARKER``), else None."""
+    if not storage.list_blobs(os.path.dirname(CONVERT_MARKER) + "/"):
+        return None
+    try:
+        record = json.loads(storage.read_blob(CONVERT_MARKER) or b"{}")
+    except (ValueError, BufferDamagedError):
+        record = {}
+    source = record.get("from") if isinstance(record, dict) else None
+    return (
+        f"{storage.location!r} is an unfinished copy: a `replaybuf convert`"
+        + (f" from {source!r}" if source else "")
+        + " stopped before it published every episode; run that convert again with --overwrite"
     )
 
 
@@ -290,6 +309,8 @@ def convert(
         raise
     try:
         target.create(target_schema, overwrite=True)
+        record = {"from": os.fspath(src), "host": socket.gethostname(), "pid": os.getpid()}
+        target.write_blob(CONVERT_MARKER, json.dumps(record).encode())
         plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
         # the checksums of the values as copied (checked in the source, where it keeps them)
         plan[META_SUM] = metasums.entries(np.arange(schema.max_episodes), plan["_generation"], plan, schema.meta_fields)
@@ -303,6 +324,7 @@ def convert(
             target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
         target.commit_state(state)
         target.flush()
+        target.delete_blobs(os.path.dirname(CONVERT_MARKER) + "/")  # complete
         target.close()
     except BaseException:
         # a copy cut short (a full disk, an interrupt) leaves no half buffer in a folder it made
@@ -655,6 +677,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
+    unfinished = _unfinished_copy(storage)
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
     dead, others = upgrade_leftovers(os.path.realpath(storage.location)) if storage.is_local else ([], [])
@@ -678,6 +701,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "hot_episodes": len(hot),
         "hot_bytes": sum(hot.values()),
         "attrs": attrs,
+        "unfinished_copy": unfinished,
         "killed_upgrades": dead,
         "other_upgrade_copies": others,
     }
@@ -721,6 +745,7 @@ def format_info(facts: dict) -> str:
             else []
         ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
+        *([f"unfinished {facts['unfinished_copy']}"] if facts.get("unfinished_copy") else []),
         *(
             f"leftover   {path}: the copy of a killed upgrade; the next `replaybuf upgrade` removes it"
             for path in facts.get("killed_upgrades", ())
@@ -851,6 +876,9 @@ def verify(
     }
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
     values = {slot: found for slot, found in values.items() if slot not in changed}
+    unfinished = _unfinished_copy(storage)
+    if unfinished is not None:
+        problems.append(unfinished)
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "

@@ -423,3 +423,47 @@ def test_an_upgrade_whose_disk_fills_as_it_deletes_the_original_still_succeeds(t
     assert done["upgraded"] and len(writes) == 2
     assert os.listdir(tmp_path) == ["buf"] and _stored_version(path, "zarr") == 4
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def _convert_killed_before_publishing(src: str, dst: str, backend: str) -> None:
+    """Child: convert ``src`` to ``dst``, SIGKILLed once the episodes' rows are copied, before
+    their lengths publish them."""
+    import signal
+
+    import replaybuf.maintenance as maintenance
+
+    copy_episodes = maintenance._copy_episodes
+
+    def then_killed(*args, **kwargs):
+        copy_episodes(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    maintenance._copy_episodes = then_killed
+    maintenance.convert(src, dst, backend=backend, progress=False)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_killed_convert_leaves_a_copy_info_and_verify_call_unfinished(tmp_path, capsys, backend):
+    # it opened as a valid, empty buffer: info showed "episodes 0" and nothing else
+    import multiprocessing
+    import signal
+
+    from replaybuf import ReplayBuffer
+    from replaybuf.maintenance import info, verify
+
+    filled(tmp_path / "src", "memmap")
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    child = multiprocessing.get_context("fork").Process(
+        target=_convert_killed_before_publishing, args=(src, dst, backend)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert run_cli(["info", dst]) == 0
+    said = capsys.readouterr().out
+    assert f"unfinished {dst!r} is an unfinished copy: a `replaybuf convert` from {src!r} stopped" in said
+    assert any("unfinished copy" in problem and "--overwrite" in problem for problem in verify(dst))
+    assert run_cli(["convert", "--quiet", "--overwrite", "--backend", backend, src, dst]) == 0
+    assert info(dst)["unfinished_copy"] is None and verify(dst) == []
+    with ReplayBuffer.from_folder(dst, read_only=True) as copy:
+        assert len(copy) == 4
