@@ -516,10 +516,10 @@ def _discard_original(folder: str, backup: str, marked: str) -> None:
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         with open(marker, "w") as f:
             json.dump(_upgrade_record(folder), f)
+        os.rename(backup, marked)
     except OSError:  # a full disk (the copy took the space): the upgrade is done, delete it as it is
         shutil.rmtree(backup)
         return
-    os.rename(backup, marked)
     _remove_marked(marked)
 
 
