@@ -418,7 +418,7 @@ def test_an_upgrade_whose_disk_fills_as_it_deletes_the_original_still_succeeds(t
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         json.dump(record, f)
 
-    monkeypatch.setattr(maintenance, "json", types.SimpleNamespace(dump=dump, loads=json.loads))
+    monkeypatch.setattr(maintenance, "json", types.SimpleNamespace(dump=dump, dumps=json.dumps, loads=json.loads))
     done = maintenance.upgrade(path, progress=False)
     assert done["upgraded"] and len(writes) == 2
     assert os.listdir(tmp_path) == ["buf"] and _stored_version(path, "zarr") == 4
