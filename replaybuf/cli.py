@@ -3,8 +3,8 @@
 ``replaybuf`` is a table of subcommands filled with ``register_command``: ``inspect`` (the same
 as ``inspect-replay-buffer``) and ``view`` here, ``convert``, ``info`` and ``verify`` from
 ``replaybuf.maintenance``, ``import`` and ``export`` from ``replaybuf.importers``. Bad input ends with an argparse-style
-message and exit status 2, a damaged buffer or one another process holds (a live writer) or
-replaced with status 1, never a traceback.
+message and exit status 2, a damaged buffer or one another process holds (a live writer),
+replaced or kept changing faster than it could be read with status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
-from replaybuf.maintenance import CLI_COMMANDS
+from replaybuf.maintenance import CLI_COMMANDS, WriterOutpacedError
 from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, CorruptChunkError, StorageError
 from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
@@ -433,7 +433,8 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
     except (BufferDamagedError, CorruptChunkError) as error:  # a finding about the buffer, not a usage error
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
         return 1
-    except (BufferLockedError, ConcurrentWriteError) as error:  # refused: another process writes or replaced it
+    # refused: another process writes it, replaced it, or kept changing it faster than it was read
+    except (BufferLockedError, ConcurrentWriteError, WriterOutpacedError) as error:
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:

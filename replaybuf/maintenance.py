@@ -51,8 +51,17 @@ from .storage.lease import BufferLockedError, describe_holder
 
 # episodes copied per slab: about this many bytes of one field in RAM at a time
 CONVERT_SLAB_BYTES = 64 << 20
+# inside a destination while ``convert`` copies into it, deleted once the copy is complete: a
+# killed convert leaves it, so ``info`` and ``verify`` say the buffer is an unfinished copy
+CONVERT_MARKER = "replaybuf/converting/record.json"
 
-__all__ = ["CLI_COMMANDS", "convert", "format_info", "info", "unlock", "upgrade", "verify"]
+
+class WriterOutpacedError(RuntimeError):
+    """A live writer changed the buffer faster than a command could read it, through every
+    bounded retry; nothing was written. Retry, or stop the writer (the command line exits 1)."""
+
+
+__all__ = ["CLI_COMMANDS", "WriterOutpacedError", "convert", "format_info", "info", "unlock", "upgrade", "verify"]
 
 
 # ---- opening ----------------------------------------------------------------------------------
@@ -64,8 +73,41 @@ def _open_read_only(
     """A storage opened read-only (nothing written, whatever the backend) and its schema."""
     storage = make_storage(location, None, storage_options)
     if not storage.exists():
-        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}")
+        raise FileNotFoundError(
+            f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}" + _stranded_hint(storage)
+        )
     return storage, storage.open(read_only=True)
+
+
+def _stranded_hint(storage: Storage) -> str:
+    """Where an upgrade killed between its two renames left the original of the missing local
+    buffer ``storage`` (``.<name>.format<N>-<pid>`` beside it), as the end of a message."""
+    if not storage.is_local:
+        return ""
+    parent, name = os.path.split(os.path.realpath(storage.location.removeprefix("file://")))
+    left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
+    if not left:
+        return ""
+    return (
+        f"; an upgrade stopped between its renames left the original at {left[-1]!r}: rename it back to "
+        f"{os.path.join(parent, name)!r} (and run the upgrade again)"
+    )
+
+
+def _unfinished_copy(storage: Storage) -> str | None:
+    """The problem of a buffer a killed ``convert`` left unfinished (``CONVERT_MARKER``), else None."""
+    if not storage.list_blobs(os.path.dirname(CONVERT_MARKER) + "/"):
+        return None
+    try:
+        record = json.loads(storage.read_blob(CONVERT_MARKER) or b"{}")
+    except (ValueError, BufferDamagedError):
+        record = {}
+    source = record.get("from") if isinstance(record, dict) else None
+    return (
+        f"{storage.location!r} is an unfinished copy: a `replaybuf convert`"
+        + (f" from {source!r}" if source else "")
+        + " stopped before it published every episode; run that convert again with --overwrite"
+    )
 
 
 def _lens(storage: Storage) -> np.ndarray:
@@ -82,7 +124,7 @@ def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarra
         time.sleep(0.01)
     else:
         if _live_writer(storage) is not None:  # caught midway every time: not damage
-            raise RuntimeError(
+            raise WriterOutpacedError(
                 f"a writer committed to {storage.location!r} faster than its lengths could be read "
                 f"({_BOOKKEEPING_READS} reads); nothing was written: retry"
             )
@@ -257,9 +299,18 @@ def convert(
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     attrs = load_attrs(source)  # damaged ones are refused here too
     made = _new_local_folder(target.location)
+    # outside the try: a refusal (another process writes there) deletes nothing of its
     try:
         target.acquire_writer(erase=True)
+    except BaseException:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(made)  # still empty: the other process did not take it
+        raise
+    try:
         target.create(target_schema, overwrite=True)
+        record = {"from": os.fspath(src), "host": socket.gethostname(), "pid": os.getpid()}
+        target.write_blob(CONVERT_MARKER, json.dumps(record).encode())
         plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
         # the checksums of the values as copied (checked in the source, where it keeps them)
         plan[META_SUM] = metasums.entries(np.arange(schema.max_episodes), plan["_generation"], plan, schema.meta_fields)
@@ -273,6 +324,7 @@ def convert(
             target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
         target.commit_state(state)
         target.flush()
+        target.delete_blobs(os.path.dirname(CONVERT_MARKER) + "/")  # complete
         target.close()
     except BaseException:
         # a copy cut short (a full disk, an interrupt) leaves no half buffer in a folder it made
@@ -297,12 +349,20 @@ def convert(
 
 
 def _new_local_folder(location: str) -> str | None:
-    """The folder of a local ``location`` that does not exist yet (convert makes it, so all of
-    it is convert's own), else None."""
+    """Make the folder of a local ``location`` that does not exist yet and return it (all of
+    it is then convert's own: made by one ``mkdir``, so a second convert racing to the same
+    new destination does not count it as its own too); None when it exists or is remote."""
     if "://" in location and not location.startswith("file://"):
         return None
     folder = os.path.abspath(location.removeprefix("file://"))
-    return None if os.path.lexists(folder) else folder
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        os.mkdir(folder)
+    except FileExistsError:  # a folder, a file, or a link (dangling too)
+        return None
+    except OSError:  # not writable here: taking the writer lease says so, naming the folder
+        return None
+    return folder
 
 
 # rounds of copying the episodes a live writer replaced meanwhile before ``convert`` gives up
@@ -357,7 +417,7 @@ def _copy_episodes(
                 copied.update((int(s), keys[int(s)]) for s in slab)
                 bar.update(len(slab))
         else:
-            raise RuntimeError(
+            raise WriterOutpacedError(
                 f"convert: a writer replaced episodes of {source.location!r} faster than they could be copied "
                 f"({CONVERT_ROUNDS} rounds); nothing was published in {target.location!r}: stop the writer "
                 "(or copy when it commits less often) and run convert again with overwrite=True"
@@ -406,6 +466,7 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
             record = None
         ours = (
             not os.path.islink(path)
+            and not os.path.islink(os.path.join(path, os.path.dirname(UPGRADE_MARKER)))
             and os.path.isdir(path)
             and isinstance(record, dict)
             and pid.isdigit()
@@ -415,13 +476,51 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
     return dead, others
 
 
+def _remove_marked(path: str) -> None:
+    """Delete an upgrade's folder ``path`` with its marker last, so a kill part-way leaves it
+    still provably an upgrade's (``upgrade_leftovers``) for the next upgrade to finish."""
+    marker = os.path.join(path, *UPGRADE_MARKER.split("/"))
+    for entry in os.scandir(path):
+        if entry.name == os.path.dirname(UPGRADE_MARKER) and entry.is_dir(follow_symlinks=False):
+            for inner in os.scandir(entry.path):
+                if inner.path != marker:
+                    _remove_entry(inner)
+        else:
+            _remove_entry(entry)
+    shutil.rmtree(path)
+
+
+def _remove_entry(entry: os.DirEntry) -> None:
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path)
+    else:
+        os.unlink(entry.path)
+
+
 def _remove_dead_upgrades(folder: str) -> list[str]:
     """Delete the copies of killed upgrades of ``folder`` (``upgrade_leftovers``: the process
     named in each one's marker is gone) and return them."""
     dead = upgrade_leftovers(folder)[0]
     for path in dead:
-        shutil.rmtree(path)
+        _remove_marked(path)
     return dead
+
+
+def _discard_original(folder: str, backup: str, marked: str) -> None:
+    """Delete the original of an upgraded ``folder``, moved to ``backup``: first marked and
+    renamed as an upgrade's copy (``marked``, free once the copy was swapped in), so that a kill
+    while it is deleted leaves a folder ``info`` reports and the next upgrade removes, never a
+    hidden full-size one."""
+    marker = os.path.join(backup, *UPGRADE_MARKER.split("/"))
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w") as f:
+            json.dump(_upgrade_record(folder), f)
+        os.rename(backup, marked)
+    except OSError:  # a full disk (the copy took the space): the upgrade is done, delete it as it is
+        shutil.rmtree(backup)
+        return
+    _remove_marked(marked)
 
 
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
@@ -441,7 +540,9 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     deleted otherwise). A kill between the two renames leaves both folders next to ``path``
     under those names: rename the backup back to retry. A kill during the copy leaves the
     copy as ``.<name>.upgrading-<pid>`` (with a marker naming the buffer and process inside):
-    the next upgrade deletes such copies once their process is gone, never another folder.
+    the next upgrade deletes such copies once their process is gone, never another folder. The
+    original, unless kept, is marked and renamed so before it is deleted: a kill then leaves
+    the same kind of leftover, never a hidden copy nothing reports.
     Returns what it did: location, backend, ``upgraded``, the format versions, episodes
     copied, the backup's path and the killed upgrades' copies it removed.
     """
@@ -453,13 +554,6 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         )
     folder = os.path.realpath(text.removeprefix("file://"))
     parent, name = os.path.split(folder)
-    if not os.path.exists(folder):
-        left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
-        if left:
-            raise FileNotFoundError(
-                f"upgrade: no buffer at {folder!r}; an upgrade stopped between its renames left the original "
-                f"at {left[-1]!r}: rename it back to {folder!r} and run the upgrade again"
-            )
     storage, _ = _open_read_only(folder)
     backend, version, newest = storage.backend_name, storage.format_version, storage.newest_format_version
     storage.close()
@@ -489,6 +583,11 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
                 f"upgrade: {staging!r}, where this upgrade copies {folder!r}, already exists; it is left as "
                 "it is: remove it if no upgrade is running"
             )
+        if os.path.lexists(backup):  # an earlier --keep-backup by a process of the same pid
+            raise FileExistsError(
+                f"upgrade: {backup!r}, where this upgrade would move the original of {folder!r}, already exists "
+                "(the backup of an earlier upgrade?); nothing was changed: move it away and run the upgrade again"
+            )
         removed = _remove_dead_upgrades(folder)
         marker = os.path.join(staging, *UPGRADE_MARKER.split("/"))
         os.makedirs(os.path.dirname(marker))
@@ -501,7 +600,15 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
         os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
         os.rename(folder, backup)
-        os.rename(staging, folder)
+        made = False  # from here the copy is kept whatever happens: the original has moved
+        try:
+            os.rename(staging, folder)
+        except OSError as e:  # another process made a folder there in between
+            raise FileExistsError(
+                f"upgrade: {folder!r} was created by another process while the upgrade swapped its copy in "
+                f"({e.strerror}); nothing is lost: the original is at {backup!r} and its upgraded copy at "
+                f"{staging!r}. Move the new {folder!r} away, then rename one of them to {folder!r}"
+            ) from e
     except BaseException:
         if made and os.path.isdir(staging) and os.path.isdir(folder):
             shutil.rmtree(staging, ignore_errors=True)
@@ -509,7 +616,7 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     finally:
         owner.release_writer()  # its lock file moved with the original folder
     if not keep_backup:
-        shutil.rmtree(backup)
+        _discard_original(folder, backup, staging)
     return {
         **facts,
         "upgraded": True,
@@ -570,6 +677,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
             }
             stored_total += stored or 0
             data_total += data_bytes
+    unfinished = _unfinished_copy(storage)
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
     dead, others = upgrade_leftovers(os.path.realpath(storage.location)) if storage.is_local else ([], [])
@@ -593,6 +701,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "hot_episodes": len(hot),
         "hot_bytes": sum(hot.values()),
         "attrs": attrs,
+        "unfinished_copy": unfinished,
         "killed_upgrades": dead,
         "other_upgrade_copies": others,
     }
@@ -636,6 +745,7 @@ def format_info(facts: dict) -> str:
             else []
         ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
+        *([f"unfinished {facts['unfinished_copy']}"] if facts.get("unfinished_copy") else []),
         *(
             f"leftover   {path}: the copy of a killed upgrade; the next `replaybuf upgrade` removes it"
             for path in facts.get("killed_upgrades", ())
@@ -766,6 +876,9 @@ def verify(
     }
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
     values = {slot: found for slot, found in values.items() if slot not in changed}
+    unfinished = _unfinished_copy(storage)
+    if unfinished is not None:
+        problems.append(unfinished)
     if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
@@ -1116,17 +1229,20 @@ def _check_beyond_length(
 # ---- unlock ---------------------------------------------------------------------------------------------
 
 
-def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> dict | None:
-    """Remove the writer lease of the buffer at ``location``, whoever holds it: for an object-store
-    writer that stopped without closing, when waiting for its lease to expire is too long.
+def unlock(location: str | os.PathLike, storage_options: dict | None = None, force: bool = False) -> dict | None:
+    """Remove the writer lease of the buffer at ``location``: for an object-store writer that
+    stopped without closing, when waiting for its lease to expire is too long.
 
     Returns the removed holder's record (host, pid, since, ...), None when no lease was held.
-    A local lock is released by the kernel when its process exits, so a held one belongs to a
-    running process: that raises BufferLockedError naming it (stop the process instead).
+    A lease that has not expired may belong to a writer still renewing it: that raises
+    BufferLockedError naming the holder and the expiry, removing nothing, unless ``force``
+    (a live writer then refuses every further write from its next renewal). A local lock is
+    released by the kernel when its process exits, so a held one belongs to a running process:
+    that raises BufferLockedError naming it, ``force`` or not (stop the process instead).
     FileNotFoundError when the location holds neither a buffer nor a lease (a mistyped path).
     """
     storage = make_storage(location, None, storage_options)
-    holder = storage.writer_lease().unlock()
+    holder = storage.writer_lease().unlock(force=force)
     if holder is None and not storage.exists():
         raise FileNotFoundError(f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}")
     return holder
@@ -1236,8 +1352,11 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_verify(args: argparse.Namespace) -> int:
     from .cli import store_options
 
-    if not make_storage(args.path, None, store_options(args)).exists():  # a mistyped path: a usage error
-        raise FileNotFoundError(f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}")
+    storage = make_storage(args.path, None, store_options(args))
+    if not storage.exists():  # a mistyped path (or one a killed upgrade moved): a usage error
+        raise FileNotFoundError(
+            f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}" + _stranded_hint(storage)
+        )
     problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:
         print(problem, file=sys.stderr)
@@ -1248,6 +1367,12 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _add_unlock_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("location", help="buffer folder or URL")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="remove an object-store lease that has not expired yet (its writer may be alive: it then stops "
+        "writing); a local lock is never removed",
+    )
     add_store_arguments(parser)
 
 
@@ -1255,7 +1380,7 @@ def _run_unlock(args: argparse.Namespace) -> int:
     from .cli import store_options
 
     try:
-        holder = unlock(args.location, store_options(args))
+        holder = unlock(args.location, store_options(args), force=args.force)
     except BufferLockedError as error:
         print(error, file=sys.stderr)
         return 1

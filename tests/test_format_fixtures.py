@@ -326,8 +326,8 @@ def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_the_next_removes_its_c
 def test_format_2_entries_are_checked_as_far_as_they_hold_and_stay_format_2(backend, tmp_path):
     """Format 2's entries carry no tag: a flipped kept bit or high bit, or a zeroed entry of a
     committed episode, is still ChecksumEntryError naming checksums.npy; --repair re-seals it
-    in format 2's form and the buffer stays format 2 (a flipped crc bit reads as damaged data
-    there: what `replaybuf upgrade` adds)."""
+    in format 2's form and the buffer stays format 2 (a flipped crc bit is told apart by being
+    one bit away from the data's crc: tests/test_maintenance_hostile.py)."""
     path = tmp_path / backend
     shutil.copytree(os.path.join(DATA, "format-v2", backend), path)
     sums_file = path / "replaybuf" / "checksums.npy"

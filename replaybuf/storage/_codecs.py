@@ -296,6 +296,18 @@ class ChunkCodec:
             raise ChunkDamage(f"cannot decode ({e})") from None
 
 
+# crc32c detects every 2-bit error in codewords under 2**31 bits (Hamming distance 4 up to
+# 2,147,483,615 bits), so over data shorter than this a flipped data bit never moves the crc by
+# a single bit, while a flipped bit of a stored crc always does
+_ONE_BIT_APART_BYTES = (2**31 - 64) // 8
+
+
+def crc_bit_flipped(computed: int, stored: int, nbytes: int) -> bool:
+    """Whether a stored crc32c that fails against the crc ``computed`` over ``nbytes`` of data
+    is itself damaged (one of its bits flipped), not the data: the two differ in exactly one bit."""
+    return nbytes < _ONE_BIT_APART_BYTES and ((computed ^ stored) & 0xFFFFFFFF).bit_count() == 1
+
+
 def _numcodec(compressor: dict):
     name, config = compressor["name"], compressor.get("configuration", {})
     if name == "zstd":

@@ -13,10 +13,10 @@ import numpy as np
 from numpy.lib.format import open_memmap
 
 from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
-from ._codecs import crc32c
+from ._codecs import crc32c, crc_bit_flipped
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
-from ._seed import seed_h5_hint
+from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
 from .base import (
     STATE_KEY,
     BufferDamagedError,
@@ -360,7 +360,7 @@ class EpisodeChecksums:
                     raise ValueError("not a regular file")
                 with NPY_HEADERS:
                     sums = np.load(self.path, mmap_mode=mode, allow_pickle=False)
-            except (OSError, ValueError, EOFError) as e:  # a damaged header or a file cut short
+            except NPY_HEADER_ERRORS as e:  # a damaged header or a file cut short
                 self.storage.check_not_replaced()  # or erased with the buffer, by an overwrite
                 raise BufferDamagedError(f"{self.path}: not a readable checksum array ({e})") from None
             if not isinstance(sums, np.memmap):
@@ -670,7 +670,11 @@ class EpisodeChecksums:
     def _fail(self, name: str, episode: int, steps: int, expected: int) -> None:
         """Raise for committed ``episode`` failing its entry ``expected`` over ``steps`` steps:
         EpisodeLengthError when its data matches the entry at another length (the length is
-        damaged, not the data), else CorruptChunkError naming the data file."""
+        damaged, not the data), ChecksumEntryError when a format-2 entry (no tag to check
+        itself) is one flipped bit away from the data's crc, else CorruptChunkError naming the
+        data file."""
+        if not self.tagged:
+            self._check_entry_bit(name, episode, steps, expected)
         matches = [n for n in self._lengths_matching(name, episode, expected) if n != steps]
         if matches:
             raise EpisodeLengthError(
@@ -686,6 +690,28 @@ class EpisodeChecksums:
         raise CorruptChunkError.at(
             f"data/{name}", episode, (0, steps), self.storage.data_file(name), "episode fails its crc32c"
         )
+
+    def _check_entry_bit(self, name: str, episode: int, steps: int, expected: int) -> None:
+        """Raise ChecksumEntryError when the crc32c of ``episode``'s ``steps`` stored steps is
+        one bit away from its untagged entry ``expected`` (``crc_bit_flipped``): the entry is
+        damaged, and the data matches it but for that bit."""
+        try:
+            row = np.ascontiguousarray(self.storage.unchecked_rows(name, np.array([episode]), 0, steps)[0])
+        except (OSError, ValueError, CorruptChunkError):  # unreadable data (hdf5): not the entry's fault
+            return
+        computed = crc32c(row)
+        if crc_bit_flipped(computed, expected, row.nbytes):
+            raise ChecksumEntryError(
+                f"data/{name}: slot {episode}: its checksum entry in {self.path} is damaged (it holds "
+                f"{expected:#018x}, one bit away from the crc32c {computed:#010x} of the episode's data, which "
+                "damaged data cannot cause), so the episode cannot be checked; its data matches the entry but "
+                "for that bit. `replaybuf verify --repair` re-seals the entry from the data",
+                field=f"data/{name}",
+                slot=episode,
+                steps=(0, steps),
+                location=self.path,
+                data_verified=True,
+            )
 
     def _lengths_matching(self, name: str, episode: int, expected: int) -> list[int]:
         """The lengths at which ``episode``'s steps of field ``name``, as stored, match its

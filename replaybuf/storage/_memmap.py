@@ -76,7 +76,7 @@ def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
             )
             shape, fortran, dtype = read_header(f)
             offset = f.tell()
-    except (ValueError, OSError, SyntaxError) as e:
+    except _seed.NPY_HEADER_ERRORS as e:
         raise BufferDamagedError(f"{path}: not a readable .npy file ({e})") from None
     if fortran or dtype.hasobject:
         raise BufferDamagedError(f"{path}: holds a Fortran-ordered or object array, replaybuf writes neither")

@@ -20,12 +20,17 @@ import io
 import os
 import pickle
 import pickletools
+import tokenize
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..schema import Schema
 from .base import BufferDamagedError
+
+# what reading a damaged .npy header raises: numpy turns most parse failures into ValueError,
+# but a header whose quote became '#' leaves a bracket open and escapes as tokenize.TokenError
+NPY_HEADER_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError)
 
 METADATA_FILE = "metadata.pkl"
 STATE_NAMES = ("num_episodes", "episode_index", "timestep_index")
@@ -209,7 +214,7 @@ class SeedState:
                 value = np.load(path, mmap_mode="r")
                 if value.shape != () or value.dtype.kind not in "iu" or int(value) < 0:
                     raise ValueError(f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int >= 0")
-            except (ValueError, OSError, EOFError) as e:
+            except NPY_HEADER_ERRORS as e:
                 raise BufferDamagedError(f"{path}: not a memmap-replay-buffer counter ({e})") from None
             values.append(int(value))
         return cls(*values)

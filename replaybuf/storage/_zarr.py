@@ -45,7 +45,7 @@ import numpy as np
 
 from ..schema import FORMAT_NAME, Field, Schema
 from ._chunks import ChunkedArray, nearby_spans
-from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c
+from ._codecs import ChunkCodec, compression_ratio, compressor_codec, crc32c, crc_bit_flipped
 from ._hot import HotTier, find_hot
 from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
@@ -642,7 +642,30 @@ class ZarrStorage(KVBlobs, Storage):
         slot = int(episodes[picked[0]])
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
+        self._check_entry_bit(name, slot, n, int(sums[bad[0]]), out[picked[0], :n])
         raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
+
+    def _check_entry_bit(self, name: str, slot: int, n: int, entry: int, row: np.ndarray) -> None:
+        """Raise ChecksumEntryError when the crc32c of ``row`` (slot ``slot`` of packed field
+        ``name``, ``n`` steps) differs from its checksum entry ``entry`` in exactly one bit: the
+        entry has a flipped bit and the data matches it otherwise (``crc_bit_flipped``),
+        so ``verify --repair`` re-seals the entry rather than dropping a sound episode."""
+        row = np.ascontiguousarray(row)
+        computed = crc32c(row)
+        if not crc_bit_flipped(computed, entry, row.nbytes):
+            return
+        where = self.kv.where(CHECKSUMS_KEY)
+        raise ChecksumEntryError(
+            f"data/{name}: slot {slot}: its checksum entry in {where} is damaged (it holds {entry:#018x}, one "
+            f"bit away from the crc32c {computed:#010x} of the episode's data, which damaged data cannot "
+            "cause), so the episode cannot be checked; its data matches the entry but for that bit. "
+            "`replaybuf verify --repair` re-seals the entry from the data",
+            field=f"data/{name}",
+            slot=slot,
+            steps=(0, n),
+            location=where,
+            data_verified=True,
+        )
 
     def _check_entries(
         self, name: str, slots: np.ndarray, committed: np.ndarray, sums: np.ndarray, out: np.ndarray, items: np.ndarray

@@ -12,7 +12,7 @@ since, ...}`` that names the holder for the error a second writer gets.
 - ``ObjectLease`` (zarr on ``s3://``, ``gs://``): an object created with a
   conditional write (``If-None-Match: *``) that a daemon thread renews every quarter of its
   expiry. A crashed writer's lease can be taken over once it has expired, or at once with
-  ``break_lock=True`` / ``replaybuf unlock``. A writer whose lease was taken over notices at its
+  ``break_lock=True`` / ``replaybuf unlock --force``. A writer whose lease was taken over notices at its
   next renewal and refuses every further write.
 
   Where the store replaces an object conditionally (``StoreKV.replaces_conditionally``: S3
@@ -167,8 +167,10 @@ class WriterLease(ABC):
         """The current holder's record, or None when nobody holds the lease."""
 
     @abstractmethod
-    def unlock(self) -> dict | None:
-        """Remove the lease whoever holds it (``replaybuf unlock``); returns the removed record."""
+    def unlock(self, force: bool = False) -> dict | None:
+        """Remove the lease (``replaybuf unlock``) and return the removed record. A lease a
+        writer may still be renewing (not expired) is refused unless ``force``; a local lock,
+        whose holder is always alive, is refused even then."""
 
     def _locked_error(self, holder: dict | None, how_to_break: str) -> BufferLockedError:
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
@@ -186,9 +188,9 @@ class FileLease(WriterLease):
     flock belongs to an open file description: a second open of the file is refused even in
     the same process (``take`` shares one lease among a process's opens instead), and a forked
     child shares its parent's lock (so a child closes its copy at fork). Release deletes the
-    lock file, and the folders that taking it created, so a refused or failed open leaves a
-    folder as it was; taking the lock checks that the file it locked is still the one at the
-    path, so deleting it races with no other writer.
+    lock file (where its path still names it), and the folders that taking it created, so a
+    refused or failed open leaves a folder as it was; taking the lock checks that the file it
+    locked is still the one at the path, so deleting it races with no other writer.
     """
 
     def __init__(self, root: str):
@@ -270,7 +272,11 @@ class FileLease(WriterLease):
             return
         if self._pid == os.getpid():
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                # only the file it locked: the folder may have moved (``upgrade`` swaps another
+                # in), and the path then names the lock file of a writer of that folder
+                locked, named = os.fstat(fd), os.stat(self.path)
+                if (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino):
+                    os.unlink(self.path)
             self._remove_created()
         os.close(fd)  # closing the last descriptor of the open file drops the flock
 
@@ -315,12 +321,15 @@ class FileLease(WriterLease):
             os.close(fd)
         return None
 
-    def unlock(self) -> dict | None:
+    def unlock(self, force: bool = False) -> dict | None:
         # docstring inherited
         holder = self.holder()
         if holder is not None:
-            raise self._locked_error(
-                holder, "A local lock is released when its process exits; stop that process instead."
+            raise BufferLockedError(
+                f"unlock: {self.location!r} is being written by {describe_holder(holder)}, which is running: a "
+                "local lock is released when its process exits, so it is never stale and is not removed "
+                "(--force does not apply). Nothing was changed; stop that process instead",
+                holder,
             )
         return None
 
@@ -347,7 +356,7 @@ class ProcessLease(WriterLease):
         held = _in_process.get(self.key, self)
         return getattr(held, "_record", None)
 
-    def unlock(self) -> dict | None:
+    def unlock(self, force: bool = False) -> dict | None:
         # docstring inherited: the holder is this process, which gives it back by closing
         return self.holder()
 
@@ -360,6 +369,14 @@ def _expiry(holder: dict) -> float:
     except (TypeError, ValueError):
         return 0.0
     return expires if math.isfinite(expires) else 0.0
+
+
+def _moment(unix_time: float) -> str:
+    """``unix_time`` as an ISO date for messages (a damaged record's may be beyond any date)."""
+    try:
+        return datetime.fromtimestamp(unix_time, UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return f"Unix time {unix_time:g}"
 
 
 def _parse_record(raw: bytes | None) -> dict:
@@ -501,14 +518,10 @@ class ObjectLease(WriterLease):
         """BufferLockedError naming ``holder`` unless its lease has expired or ``break_lock``."""
         expires = _expiry(holder)
         if expires > time.time() and not break_lock:
-            try:
-                until = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
-            except (OverflowError, ValueError, OSError):  # a damaged record: far beyond any date
-                until = f"Unix time {expires:g}"
             raise self._locked_error(
                 holder,
-                f"If that writer stopped without closing, its lease expires at {until}; to take it now, "
-                f"pass break_lock=True or run `replaybuf unlock {self.location}`.",
+                f"If that writer stopped without closing, its lease expires at {_moment(expires)}; to take it "
+                f"now, pass break_lock=True or run `replaybuf unlock --force {self.location}`.",
             )
         logger.warning("taking over the writer lease of %s from %s", self.location, describe_holder(holder))
 
@@ -586,11 +599,22 @@ class ObjectLease(WriterLease):
         # docstring inherited
         return self._read_record()
 
-    def unlock(self) -> dict | None:
+    def unlock(self, force: bool = False) -> dict | None:
         # docstring inherited
         holder = self._read_record()
-        if holder is not None:
-            self.kv.delete_many([LEASE_KEY])
+        if holder is None:
+            return None
+        expires = _expiry(holder)
+        if expires > time.time() and not force:
+            raise BufferLockedError(
+                f"unlock: the writer lease of {self.location!r} is held by {describe_holder(holder)} and runs "
+                f"until {_moment(expires)}; its writer renews it while it runs, so it may be alive. Nothing was "
+                "removed: if that writer stopped without closing, wait until then (the next writer takes the "
+                "lease over) or pass --force (force=True) to remove it now (a live writer then refuses every "
+                "further write from its next renewal)",
+                holder,
+            )
+        self.kv.delete_many([LEASE_KEY])
         return holder
 
 
