@@ -174,6 +174,23 @@ def test_a_location_that_is_not_a_folder_is_named_and_kept(tmp_path, what, backe
     assert (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes()) == before
 
 
+@pytest.mark.parametrize("backend", [None, "memmap", "hdf5"])
+def test_a_location_under_a_file_is_named_before_anything_is_made(tmp_path, backend):
+    """A folder below a file (``notes.txt/run1/a``) can never be made: the error names the file
+    above it, not ``[Errno 20]`` on some file inside the buffer, and the file is kept."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    path = notes / "run1" / "a"
+    for attempt in (
+        lambda: ReplayBuffer(path, 2, 3, fields={"x": "float"}, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, read_only=True, backend=backend),
+    ):
+        with pytest.raises(NotADirectoryError, match=rf"'{path}' cannot be a folder: '{notes}' above it is a file"):
+            attempt()
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"] and notes.read_text() == "mine"
+
+
 # ---- trajectory batches of short episodes are checked too --------------------------------------------
 
 

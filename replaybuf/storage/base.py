@@ -1230,6 +1230,14 @@ def make_storage(
             f"{location!r} is {what}, not a folder: a buffer is stored as a folder "
             "(pass a new or empty folder to create one, or the folder of an existing buffer)"
         )
+    if "://" not in local:  # a folder under a file can never be made
+        parent = os.path.dirname(os.path.abspath(local))
+        while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(
+                f"{location!r} cannot be a folder: {parent!r} above it is a file (or a link to none), not a folder"
+            )
     if backend is None:
         backend = detect_backend(location, storage_options) or "zarr"
     return backend_class(backend)(location, storage_options, **kwargs)
