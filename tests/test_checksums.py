@@ -434,6 +434,16 @@ def _xor_byte(target: str, offset: int) -> None:
         os.close(fd)
 
 
+def _flipped_big_buffer(tmp_path, backend: str) -> tuple[str, list[np.ndarray], str, int]:
+    """``_big_buffer`` with one byte of slot 1's step 17 flipped: (path, frames, file, offset)."""
+    path = str(tmp_path / backend)
+    frames = _big_buffer(path, backend)
+    target, base = _frame_file_offset(path, backend)
+    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5
+    _xor_byte(target, offset)
+    return path, frames, target, offset
+
+
 def _big_reads(buffer: ReplayBuffer) -> list:
     """A trajectory batch's path (one parallel copy per episode), get_all_data's, a DataLoader's."""
     slots = np.arange(len(BIG_LENGTHS))
@@ -518,11 +528,7 @@ def test_sampled_steps_of_a_small_field_are_checked_then_served_from_the_copy(tm
     """Timestep batches read single steps: a flipped byte in a sampled episode was returned as
     data. Each sampled episode of a field with a private copy is now checked whole once and its
     steps served from the copy: a flip before the check raises, one after it is never seen."""
-    path = str(tmp_path / backend)
-    frames = _big_buffer(path, backend)
-    target, base = _frame_file_offset(path, backend)
-    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5  # slot 1, step 17
-    _xor_byte(target, offset)
+    path, frames, target, offset = _flipped_big_buffer(tmp_path, backend)
     damaged = ReplayBuffer.from_folder(path, read_only=True)
     episodes, steps = np.array([0, 1, 2]), np.array([3, 4, 5])  # step 4 of slot 1 is intact
     with pytest.raises(CorruptChunkError, match="data/frame: slot 1, timesteps 0..36"):
@@ -552,11 +558,7 @@ def test_sampled_steps_and_windows_of_a_large_field_are_checked_once_per_process
     entry: a flip before the check raises for every per-step path; a slot rewritten in place
     (a new entry) is checked again; a new process checks again."""
     monkeypatch.setattr(_local, "CHECKED_COPY_BYTES", 0)
-    path = str(tmp_path / backend)
-    frames = _big_buffer(path, backend)
-    target, base = _frame_file_offset(path, backend)
-    offset = base + (BIG_STEPS + 17) * frames[0][0].nbytes + 5  # slot 1, step 17
-    _xor_byte(target, offset)
+    path, frames, target, offset = _flipped_big_buffer(tmp_path, backend)
     damaged = ReplayBuffer.from_folder(path, read_only=True)
     slots = np.array([1])
     reads = [

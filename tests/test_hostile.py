@@ -152,6 +152,15 @@ def test_counters_missing_a_key_are_damage_not_an_empty_buffer(tmp_path, backend
 # ---- a location that is not a folder ----------------------------------------------------------------
 
 
+def _opens(path, backend: str | None) -> list:
+    """A create, a writable open and a read-only open of ``path``."""
+    return [
+        lambda: ReplayBuffer(path, 2, 3, fields={"x": "float"}, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, backend=backend),
+        lambda: ReplayBuffer.from_folder(path, read_only=True, backend=backend),
+    ]
+
+
 @pytest.mark.parametrize("what", ["hdf5 file", "text file", "dangling link", "link loop"])
 @pytest.mark.parametrize("backend", [None, "memmap", "hdf5"])
 def test_a_location_that_is_not_a_folder_is_named_and_kept(tmp_path, what, backend):
@@ -164,11 +173,7 @@ def test_a_location_that_is_not_a_folder_is_named_and_kept(tmp_path, what, backe
         os.symlink(path if what == "link loop" else tmp_path / "nowhere", path)
     before = (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes())
     kind = "a file" if "file" in what else "a dangling or looping link"
-    for attempt in (
-        lambda: ReplayBuffer(path, 2, 3, fields={"x": "float"}, backend=backend),
-        lambda: ReplayBuffer.from_folder(path, backend=backend),
-        lambda: ReplayBuffer.from_folder(path, read_only=True, backend=backend),
-    ):
+    for attempt in _opens(path, backend):
         with pytest.raises(NotADirectoryError, match=rf"'{path}' is {kind}, not a folder"):
             attempt()
     assert (os.listdir(tmp_path), os.readlink(path) if os.path.islink(path) else path.read_bytes()) == before
@@ -181,11 +186,7 @@ def test_a_location_under_a_file_is_named_before_anything_is_made(tmp_path, back
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
     path = notes / "run1" / "a"
-    for attempt in (
-        lambda: ReplayBuffer(path, 2, 3, fields={"x": "float"}, backend=backend),
-        lambda: ReplayBuffer.from_folder(path, backend=backend),
-        lambda: ReplayBuffer.from_folder(path, read_only=True, backend=backend),
-    ):
+    for attempt in _opens(path, backend):
         with pytest.raises(NotADirectoryError, match=rf"'{path}' cannot be a folder: '{notes}' above it is a file"):
             attempt()
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"] and notes.read_text() == "mine"
