@@ -283,3 +283,38 @@ def test_a_writer_dropped_without_close_leaves_no_file_open(tmp_path):
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
     assert mark not in [os.path.realpath(os.path.join("/proc/self/fd", fd)) for fd in os.listdir("/proc/self/fd")]
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_sampled_steps_of_compressed_fields_are_checked(tmp_path, monkeypatch, small):
+    """lzf keeps no checksum: a step rewritten behind replaybuf's back (its checksum not resealed)
+    was returned to timestep batches. Each sampled episode of a chunked field is now checked
+    whole once, from the reader's copy in RAM (small fields) or from the file; an in-place
+    rewrite by replaybuf after the reader loaded its copy is read again, not refused."""
+    from replaybuf import CorruptChunkError
+    from replaybuf.storage import _hdf5
+
+    if not small:
+        monkeypatch.setattr(_hdf5, "SMALL_FIELD_BYTES", 0)
+    path = tmp_path / "b"
+    with ReplayBufferH5PY(path, 3, 8, fields={"x": ("float32", (4,))}, h5py_compression="lzf") as writer:
+        for i in range(3):
+            writer.store_episode(x=np.full((8, 4), i, np.float32))
+    reader = ReplayBufferH5PY.from_folder(path, read_only=True)
+    np.testing.assert_array_equal(reader.storage.gather("x", np.array([0, 1]), np.array([2, 5]))[:, 0], [0, 1])
+    writer = ReplayBufferH5PY.from_folder(path)
+    writer.store_datapoint(1, 5, "x", np.full(4, 9, np.float32))  # resealed: a new entry
+    writer.close()
+    np.testing.assert_array_equal(reader.storage.gather("x", np.array([1]), np.array([5]))[:, 0], [9])
+    reader.close()
+    with h5py.File(path / "data.h5", "r+") as f:  # behind replaybuf's back: the checksum is stale
+        f["data/x"][2, 6] = 7
+    damaged = ReplayBufferH5PY.from_folder(path, read_only=True)
+    np.testing.assert_array_equal(damaged.storage.gather("x", np.array([0]), np.array([6]))[:, 0], [0])
+    with pytest.raises(CorruptChunkError, match="data/x: slot 2, timesteps 0..7"):
+        damaged.storage.gather("x", np.array([0, 2]), np.array([1, 1]))
+    with pytest.raises(CorruptChunkError, match="data/x: slot 2"):
+        list(damaged.dataloader(batch_size=4, timestep_level=True))
+    with pytest.raises(CorruptChunkError, match="data/x: slot 2"):
+        damaged.storage.read_rows("x", np.array([2]), 3, 5)
+    damaged.close()

@@ -609,11 +609,25 @@ class HDF5Storage(LocalFolderStorage):
             checked = self._checksums.gather(name, fast, episodes, timesteps, self._lens_now())
             if checked is not None:
                 return checked
-        if fast is None:
-            fast = self._small_field(name)
         if fast is not None:
             return fast[episodes, timesteps]
-        # chunked (compressed) data: one hyperslab read per step decodes only the chunk it needs
+        # chunked (compressed) data, each sampled episode checked whole once first (lzf keeps no
+        # checksum of its own): a small field from a copy in RAM, else one hyperslab read per step
+        # decodes only the chunk it needs
+        fast = self._small_field(name)
+        if self._checksums is not None:
+            committed = self._lens_now()[episodes]
+            sampled, lengths = episodes[timesteps < committed], committed[timesteps < committed]
+            try:
+                self._checksums.check_once(name, fast, sampled, lengths)
+            except CorruptChunkError:
+                if fast is None:
+                    raise
+                self._ram.pop(name, None)  # a copy older than an in-place rewrite: loaded again
+                fast = self._small_field(name)
+                self._checksums.check_once(name, fast, sampled, lengths)
+        if fast is not None:
+            return fast[episodes, timesteps]
         dataset = self._dataset(name)
         pairs, inverse = np.unique(np.stack([episodes, timesteps], axis=1), axis=0, return_inverse=True)
         rows = np.empty((len(pairs), *dataset.shape[2:]), dtype=dataset.dtype)

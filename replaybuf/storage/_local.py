@@ -174,6 +174,8 @@ class LocalFolderStorage(KVBlobs, Storage):
         mapped = self._row_map(name)
         if mapped is not None:  # checked as copied out of the map
             return self._checksums.read_rows(name, mapped, episodes, t0, t1, lens)
+        partial = (t0 < lens) & (t0 < t1) & ((t0 > 0) | (t1 < lens))  # some steps of an episode: checked once
+        self._checksums.check_once(name, None, episodes[partial], lens[partial])
         rows = self.unchecked_rows(name, episodes, t0, t1)
         if t0 == 0:
             self._checksums.check(name, episodes, rows, t1, lens)
@@ -572,9 +574,10 @@ class EpisodeChecksums:
         out[~kept] = mapped[episodes[~kept], timesteps[~kept]]
         return out
 
-    def check_once(self, name: str, mapped: np.ndarray, episodes: np.ndarray, committed: np.ndarray) -> None:
+    def check_once(self, name: str, mapped: np.ndarray | None, episodes: np.ndarray, committed: np.ndarray) -> None:
         """Before committed steps of ``episodes`` (``committed[i]``: ``episodes[i]``'s length as
-        published now) are read part by part from ``mapped`` (single steps, windows): check each committed
+        published now) are read part by part from ``mapped`` (single steps, windows; None: a
+        chunked HDF5 dataset, read through ``unchecked_rows``): check each committed
         episode this process has not checked under its stored entry and length, reading it
         whole once (CorruptChunkError, or ChecksumEntryError for a damaged entry). Reading it
         whole on every batch would cost one episode per sampled step (a 2 MB episode of frames
@@ -598,7 +601,10 @@ class EpisodeChecksums:
             return
         slots, lengths = slots[todo], lengths[todo].astype(np.int64)
         for slot, n, value in zip(slots.tolist(), lengths.tolist(), self.expected(name, slots, lengths, lengths)):
-            if crc32c(np.ascontiguousarray(mapped[slot, :n])) != value & 0xFFFFFFFF:
+            rows = (
+                mapped[slot, :n] if mapped is not None else self.storage.unchecked_rows(name, np.array([slot]), 0, n)[0]
+            )
+            if crc32c(np.ascontiguousarray(rows)) != value & 0xFFFFFFFF:
                 self._fail(name, slot, n, value)
             checked[slot, column] = (value << 32 | n) & 0xFFFFFFFFFFFFFFFF
 
