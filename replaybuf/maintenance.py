@@ -36,6 +36,7 @@ from .storage.base import (
     STATE_KEY,
     BufferDamagedError,
     ChecksumEntryError,
+    ChunkChecksumError,
     CorruptChunkError,
     EpisodeLengthError,
     GenerationMismatchError,
@@ -791,12 +792,14 @@ def verify(
     or their field's default beyond their length, no step log of an unfinished episode is
     left, and no symbolic link is inside the folder. On memmap and hdf5, a damaged checksum
     entry (``ChecksumEntryError``) or a damaged length (``EpisodeLengthError``: the data
-    matches its checksum at another length) is reported as such, not as damaged data; a slot
+    matches its checksum at another length) is reported as such, not as damaged data, and so
+    is a zarr chunk whose own crc32c alone is damaged (``ChunkChecksumError``); a slot
     whose length is outside ``[0, max_timesteps]`` is reported and not read. Beside a live
     writer, a slot it replaces while it is checked is not reported. Changes nothing unless
     ``repair``: then the damaged episodes are dropped (``ReplayBuffer.drop_episodes``) so the
     rest stays usable, damaged checksum entries of the others are re-sealed from their data as
-    stored (each line says whether that data could be verified), damaged lengths are restored
+    stored (each line says whether that data could be verified), chunks whose own crc32c alone
+    is damaged are rewritten with it recomputed (each line names them), damaged lengths are restored
     to the length every field's data matches, steps past an episode's length that hold data
     are reset to the field's default (through ``update``), and a last line says what was done;
     a buffer a writer holds is refused at once (BufferLockedError naming it), and slots a
@@ -854,7 +857,7 @@ def verify(
     # a slot whose length is outside [0, max_timesteps] (reported above) is not read: the
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
-    damage, damaged, entries, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    damage, damaged, entries, chunks, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
     # meta values failing their checksum (reported by _read_bookkeeping): a repair writes back
     # the value one flipped bit explains, else drops the episode, as one with damaged data is
     # (which value is wrong cannot be told)
@@ -863,7 +866,9 @@ def verify(
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
     values = {slot: found for slot, found in diagnosed.items() if found is not None}
-    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore]), 0, readable)
+    # slots with a damaged chunk crc32c do not read past their lengths either until re-sealed
+    sealing = [slot for slots in chunks.values() for slot in slots]
+    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore, *sealing]), 0, readable)
     beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
     # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
@@ -874,6 +879,7 @@ def verify(
     entries = {
         n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in changed})
     }
+    chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in changed})}
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
     values = {slot: found for slot, found in values.items() if slot not in changed}
     unfinished = _unfinished_copy(storage)
@@ -885,7 +891,7 @@ def verify(
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries or restore or values):
+    if repair and (damaged or stray or entries or chunks or restore or values):
         from .buffer import ReplayBuffer
 
         # the buffer opens with the meta values it is to repair (their slots left out of its
@@ -902,6 +908,9 @@ def verify(
             entries = {
                 n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in moved})
             }
+            chunks = {
+                n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in moved})
+            }
             restore = {slot: length for slot, length in restore.items() if slot not in moved}
             for slot in sorted(set(values) - moved):
                 name, value = values[slot]
@@ -916,6 +925,7 @@ def verify(
                     f"repaired: dropped the damaged episodes in slots {dropped}; {len(buffer)} episodes remain"
                 )
             problems += _reseal_entries(buffer, entries, damaged)
+            problems += _reseal_chunks(buffer, chunks)
             if restore:
                 slots = sorted(restore)
                 buffer._commit.write_meta(
@@ -956,6 +966,27 @@ def _reseal_entries(buffer: Any, entries: dict[str, dict[int, bool]], dropped: l
                 if text
             )
         )
+    return lines
+
+
+def _reseal_chunks(buffer: Any, chunks: dict[str, dict[int, list[str]]]) -> list[str]:
+    """Re-seal in place the chunks whose own crc32c alone is damaged (``chunks``: field -> slot
+    -> where they lie), the episodes kept as they are; a line per slot saying what was done."""
+    lines = []
+    for name, slots in chunks.items():
+        for slot in sorted(slots):
+            try:
+                done = buffer.storage.reseal_chunks(name, np.array([slot])).get(slot, [])
+            except CorruptChunkError as e:  # damaged otherwise since the check
+                lines.append(
+                    f"not repaired: data/{name} of slot {slot} is damaged otherwise now ({e}); run verify again"
+                )
+                continue
+            lines.append(
+                f"repaired: re-sealed in place the damaged crc32c of data/{name}, slot {slot}: "
+                f"{'; '.join(done) or 'none left'} (rewritten with the crc32c of its bytes as stored, which matched "
+                "the damaged one but for one bit); the episode is kept"
+            )
     return lines
 
 
@@ -1069,17 +1100,21 @@ def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
 
 def _check_episodes(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
-) -> tuple[list[tuple[int | None, str]], list, dict[str, dict[int, bool]], dict[int, int]]:
+) -> tuple[
+    list[tuple[int | None, str]], list, dict[str, dict[int, bool]], dict[str, dict[int, list[str]]], dict[int, int]
+]:
     """Read every committed episode whole, field by field; a slab that fails is read again slot
     by slot so each damaged episode is reported. Returns ((slot, problem)s, damaged slots,
     damaged checksum entries: field -> slot -> whether the data matches what the entry still
-    held, damaged lengths: slot -> the length at which every field's data matches its checksum)."""
+    held, chunks whose own crc32c alone is damaged: field -> slot -> where they lie, damaged
+    lengths: slot -> the length at which every field's data matches its checksum)."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
     found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
     damaged: set[int] = set()
     entries: dict[str, dict[int, bool]] = {}
+    chunks: dict[str, dict[int, list[str]]] = {}
     matches: dict[int, set[int]] = {}
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
@@ -1094,6 +1129,15 @@ def _check_episodes(
                 for slot in slab.tolist():
                     try:
                         _read_episodes(storage, name, field, np.array([slot]), lens[[slot]])
+                    except ChunkChecksumError as e:  # a chunk's own crc32c: the chunks re-sealed on repair
+                        try:  # every chunk of the episode, for damage past the one the read stopped at
+                            sealable = storage.reseal_chunks(name, np.array([slot]), write=False)
+                        except CorruptChunkError as other:
+                            found[name].append((slot, str(other)))
+                            damaged.add(slot)
+                        else:
+                            found[name].append((slot, str(e)))
+                            chunks.setdefault(name, {})[slot] = sealable.get(slot, [])
                     except ChecksumEntryError as e:  # the data is not blamed: re-sealed on repair
                         found[name].append((slot, str(e)))
                         entries.setdefault(name, {})[slot] = e.data_verified
@@ -1116,7 +1160,8 @@ def _check_episodes(
     # a length every field of the slot agrees on, the slot's data otherwise sound
     restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in damaged and len(agreed) == 1}
     damaged.update(slot for slot in matches if slot not in restore)
-    return [p for n in names for p in found[n]], sorted(damaged), entries, restore
+    chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in damaged})}
+    return [p for n in names for p in found[n]], sorted(damaged), entries, chunks, restore
 
 
 def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from replaybuf import (
     ChecksumEntryError,
+    ChunkChecksumError,
     CorruptChunkError,
     EpisodeLengthError,
     ReplayBuffer,
@@ -25,6 +26,7 @@ from replaybuf import (
 from replaybuf.cli import main
 from replaybuf.maintenance import verify
 from replaybuf.storage import _local
+from replaybuf.storage._codecs import ChunkCodec, ChunkDamage, crc32c
 
 from ._backends import LOCAL_BACKENDS, require
 from ._data import random_episode
@@ -925,3 +927,148 @@ def test_verify_compares_steps_past_a_length_as_bytes(tmp_path):
     assert verify(path) == ["data/x: slot 0 (length 5) holds data beyond its length at timesteps 6..6"]
     assert verify(path, repair=True)[-1].startswith("repaired: set the steps beyond the lengths of slots [0]")
     assert verify(path) == []
+
+
+# ---- a chunk's own crc32c damaged, its data sound ----------------------------------------------
+
+# image: sharded, compressible (a compacted shard is blosc-lz4; one a writer still holds is hot,
+# stored raw); raw: a chunk file per episode; each stored chunk ends with its crc32c
+TRAILED_FIELDS = {
+    "image": {"dtype": "uint8", "shape": (32, 32, 4), "compressor": "blosc-lz4:9"},
+    "raw": {"dtype": "float", "shape": (2,), "compressor": "none"},
+}
+
+
+def _trailed_episode(i: int) -> dict[str, np.ndarray]:
+    image = np.zeros((LENGTHS[i], 32, 32, 4), np.uint8)
+    image[:, :8, :8] = np.arange(1, LENGTHS[i] + 1, dtype=np.uint8)[:, None, None, None] + 10 * i
+    return {"image": image, "raw": random_episode(TRAILED_FIELDS, LENGTHS[i], i)["raw"]}
+
+
+@pytest.fixture(scope="module")
+def trailed(tmp_path_factory):
+    """Two copies of a zarr buffer of three episodes: 'hot', taken while its writer still held
+    the episodes' shards raw, and 'compacted', the buffer once closed."""
+    root = tmp_path_factory.mktemp("trailed")
+    buffer = ReplayBuffer(str(root / "compacted"), 4, MAX_TIMESTEPS, TRAILED_FIELDS, circular=True)
+    for i in range(len(LENGTHS)):
+        buffer.store_episode(**_trailed_episode(i))
+    shutil.copytree(root / "compacted", root / "hot")
+    buffer.close()
+    return root
+
+
+def _shard_index(path: str) -> np.ndarray:
+    data = open(path, "rb").read()
+    return np.frombuffer(data[-(16 * MAX_TIMESTEPS + 4) : -4], "<u8").reshape(MAX_TIMESTEPS, 2)
+
+
+def _flip_bit(path: str, offset: int, bit: int) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 1 << bit
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _trailer_offset(path: str, where: str) -> int:
+    """The offset in ``path`` of a byte of the crc32c named by ``where``."""
+    if where == "inner chunk 2":
+        offset, nbytes = _shard_index(path)[2]
+        return int(offset + nbytes) - 3
+    return os.path.getsize(path) - 2  # the shard index's crc32c, or the chunk file's
+
+
+@pytest.mark.parametrize("state", ["hot", "compacted"])
+@pytest.mark.parametrize(
+    ("field", "key", "where"),
+    [("image", "c.1.0.0.0.0", "inner chunk 2"), ("image", "c.1.0.0.0.0", "shard index"), ("raw", "c.1.0.0", "chunk")],
+)
+def test_zarr_a_flipped_bit_of_a_chunk_s_own_crc32c_is_resealed_not_the_episode_dropped(
+    trailed, tmp_path, capsys, state, field, key, where
+):
+    """A bit flipped in the crc32c a stored chunk (an inner chunk of a shard, a shard index, a
+    chunk file) carries read as damaged data, and ``verify --repair`` dropped the sound
+    episode: reads name the damaged checksum, the repair rewrites the chunk with its crc32c."""
+    path = str(tmp_path / "b")
+    shutil.copytree(trailed / state, path)
+    chunk = os.path.join(path, "data", field, key)
+    if field == "image":
+        assert (open(chunk, "rb").read(3)[2] & 0x02 != 0) == (state == "hot")  # blosc's MEMCPYED flag
+    _flip_bit(chunk, _trailer_offset(chunk, where), 5)
+    before = open(chunk, "rb").read()
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    for read in (buffer.get_all_data, lambda: np.asarray(buffer.data[field][1])):
+        with pytest.raises(ChunkChecksumError, match=r"data/\w+: slot 1, timesteps .*stored crc32c is damaged") as e:
+            read()
+        assert isinstance(e.value, CorruptChunkError) and isinstance(e.value, ChecksumEntryError)
+        assert e.value.data_verified and e.value.slot == 1 and e.value.location.startswith(chunk)
+        assert "one bit away" in str(e.value) and "verify --repair" in str(e.value)
+    buffer.close()
+    found = verify(path)
+    assert len(found) == 1 and "data/" + field in found[0] and chunk in found[0]
+    assert open(chunk, "rb").read() == before  # verify alone changes nothing
+    assert main(["verify", "--repair", path]) == 1
+    said = capsys.readouterr().err
+    assert f"repaired: re-sealed in place the damaged crc32c of data/{field}, slot 1: {chunk}" in said
+    assert "the episode is kept" in said and "dropped" not in said
+    assert verify(path) == []
+    after = open(chunk, "rb").read()
+    if field == "image" and state == "hot":  # the repair's writer compacted the re-sealed shard as it closed
+        assert not after[2] & 0x02 and len(after) < len(before)
+    else:
+        assert len(after) == len(before) and sum(a != b for a, b in zip(after, before)) == 1  # only that byte
+    buffer = ReplayBuffer.from_folder(path, read_only=True)
+    assert buffer.valid_episodes().tolist() == [0, 1, 2]
+    values = buffer.get_all_data()
+    for slot in range(3):
+        for name in TRAILED_FIELDS:
+            np.testing.assert_array_equal(np.asarray(values[name][slot, : LENGTHS[slot]]), _trailed_episode(slot)[name])
+    buffer.close()
+
+
+@pytest.mark.parametrize("other", ["data", "missing chunk", "two crc bits"])
+def test_zarr_a_chunk_s_crc32c_damaged_beside_other_damage_drops_the_episode(trailed, tmp_path, other):
+    """Only damage the data cannot explain is re-sealed: a second flipped bit in the crc32c, a
+    flipped data bit in a later chunk of the episode (past the chunk a read stops at) or a
+    missing chunk is damaged data, and the episode is dropped as before."""
+    path = str(tmp_path / "b")
+    shutil.copytree(trailed / "compacted", path)
+    chunk = os.path.join(path, "data", "image", "c.1.0.0.0.0")
+    _flip_bit(chunk, _trailer_offset(chunk, "inner chunk 2"), 5)
+    if other == "data":
+        offset, nbytes = _shard_index(chunk)[5]
+        _flip_bit(chunk, int(offset + nbytes // 2), 0)
+    elif other == "missing chunk":  # inner chunk 5 of 7 committed steps left out of a sealed index
+        index = _shard_index(chunk).copy()
+        index[5] = 2**64 - 1
+        data = open(chunk, "rb").read()[: -(16 * MAX_TIMESTEPS + 4)] + index.tobytes()
+        with open(chunk, "wb") as f:
+            f.write(data + crc32c(index.tobytes()).to_bytes(4, "little"))
+    else:
+        _flip_bit(chunk, _trailer_offset(chunk, "inner chunk 2"), 6)
+    problems = verify(path, repair=True)
+    assert problems[-1] == "repaired: dropped the damaged episodes in slots [1]; 2 episodes remain"
+    assert not any("re-sealed" in line for line in problems)
+    assert verify(path) == []
+
+
+@pytest.mark.parametrize("compressor", [None, {"name": "blosc", "configuration": {"cname": "lz4", "clevel": 5}}])
+def test_only_a_flipped_bit_of_a_chunk_s_crc32c_is_called_checksum_damage(compressor):
+    """Every single-bit flip of a checksummed chunk fails its decode (one by one and in runs,
+    ``decode_many_into``): as checksum damage for the 32 bits of its crc32c, as damaged data
+    for every bit before it."""
+    codec = ChunkCodec(np.dtype("uint8"), compressor, checksum=True)
+    chunk = np.arange(48, dtype=np.uint8).reshape(1, 48)
+    stored = codec.encode(chunk)
+    for bit in range(8 * len(stored)):
+        flipped = bytearray(stored)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        in_crc = bit >= 8 * (len(stored) - 4)
+        with pytest.raises(ChunkDamage) as one:
+            codec.decode(bytes(flipped), chunk.shape)
+        run = bytes(stored) + bytes(flipped)
+        out = np.zeros((2, 48), np.uint8)
+        with pytest.raises(ChunkDamage) as many:
+            codec.decode_many_into(run, [(0, len(stored)), (len(stored), len(run))], out, [0, 48], 48)
+        assert many.value.item == 1
+        assert one.value.checksum_only == many.value.checksum_only == in_crc, bit

@@ -467,3 +467,44 @@ def test_a_killed_convert_leaves_a_copy_info_and_verify_call_unfinished(tmp_path
     assert info(dst)["unfinished_copy"] is None and verify(dst) == []
     with ReplayBuffer.from_folder(dst, read_only=True) as copy:
         assert len(copy) == 4
+
+
+def test_a_flipped_bit_of_a_chunk_s_crc32c_on_s3_is_resealed_not_the_episode_dropped(s3_server):
+    # an object store: no packed fields, a chunk object per episode of a small field and a shard
+    # object per episode of an image field, each stored chunk ending with its crc32c
+    import numpy as np
+
+    from replaybuf import ChunkChecksumError, ReplayBuffer
+    from replaybuf.maintenance import verify
+
+    url, options = s3_server.url("chunk-crc-bit"), s3_server.storage_options
+    fields = {"image": {"dtype": "uint8", "shape": (32, 32, 4), "compressor": "blosc-lz4"}, "x": ("float", 3)}
+    episodes = [
+        {"image": np.full((n, 32, 32, 4), 7 * n, np.uint8), "x": np.arange(3 * n, dtype=np.float32).reshape(n, 3)}
+        for n in (4, 6)
+    ]
+    with ReplayBuffer(url, 3, 8, fields=fields, storage_options=options) as writer:
+        for values in episodes:
+            writer.store_episode(**values)
+        kv = writer.storage.kv
+        keys = [writer.storage.array(name).chunk_key((1, 0)) for name in fields]
+    for key in keys:  # a bit of the last chunk's crc32c: the shard index's, the x chunk's
+        data = bytearray(kv.get(key))
+        data[-1] ^= 0x04
+        kv.set(key, bytes(data))
+    with ReplayBuffer.from_folder(url, read_only=True, storage_options=options) as reader:
+        with pytest.raises(ChunkChecksumError, match="stored crc32c is damaged") as caught:
+            np.asarray(reader.data["x"][1])
+        assert caught.value.location.endswith(keys[1])
+    found = verify(url, storage_options=options, repair=True, progress=False)
+    assert not any("dropped" in line for line in found)
+    for name in fields:
+        assert any(
+            line.startswith(f"repaired: re-sealed in place the damaged crc32c of data/{name}, slot 1") for line in found
+        )
+    assert verify(url, storage_options=options, progress=False) == []
+    with ReplayBuffer.from_folder(url, read_only=True, storage_options=options) as reader:
+        assert reader.valid_episodes().tolist() == [0, 1]
+        for slot, values in enumerate(episodes):
+            for name, stored in values.items():
+                np.testing.assert_array_equal(np.asarray(reader.data[name][slot, : len(stored)]), stored)

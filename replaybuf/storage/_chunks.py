@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ._codecs import ChunkCodec, ChunkDamage
+from ._codecs import ChunkCodec, ChunkDamage, crc32c
 from ._kv import KeyValue, ReadInto, copy_spans, thread_pool
-from .base import CorruptChunkError, GenerationMismatchError, last_occurrences
+from .base import ChunkChecksumError, CorruptChunkError, GenerationMismatchError, last_occurrences
 
 _PARALLEL_DECODE_BYTES = 1 << 20
 _PACKED_READ_BYTES = 16 << 20
@@ -327,19 +327,24 @@ class ChunkedArray:
         sep = self.separator
         return f"{self.path}/c{sep}" + sep.join(str(i) for i in full)
 
-    def _damage(self, index: tuple, reason: str, slot: int | None = None) -> CorruptChunkError:
-        """The error for chunk ``index`` (grid position), naming its slots (``slot``: the one
+    def _damage(
+        self, index: tuple, reason: str, slot: int | None = None, error: type[CorruptChunkError] = CorruptChunkError
+    ) -> CorruptChunkError:
+        """The ``error`` for chunk ``index`` (grid position), naming its slots (``slot``: the one
         read from a packed chunk), steps and file."""
         where = self.kv.where(self.chunk_key(index))
         lo = int(index[0]) * self.chunks[0] if slot is None else slot
         if self.grid_axes == 1 or (self.chunks[0] > 1 and slot is None):
             hi = min(lo + self.chunks[0], self.shape[0])
-            return CorruptChunkError(
-                f"{self.path}: slots {lo}..{hi - 1}: {reason} ({where})", field=self.path, location=where
-            )
+            return error(f"{self.path}: slots {lo}..{hi - 1}: {reason} ({where})", field=self.path, location=where)
         ct = self.chunks[1]
         steps = (int(index[1]) * ct, min((int(index[1]) + 1) * ct, self.shape[1]))
-        return CorruptChunkError.at(self.path, lo, steps, where, reason)
+        return error.at(self.path, lo, steps, where, reason)
+
+    def _chunk_damage(self, index: tuple, damage: ChunkDamage) -> CorruptChunkError:
+        """The error for chunk ``index`` failing its codec with ``damage``: ChunkChecksumError
+        when only its stored crc32c is damaged."""
+        return self._damage(index, str(damage), error=ChunkChecksumError if damage.checksum_only else CorruptChunkError)
 
     def _check_stored(self, data: bytes | memoryview, index: tuple) -> None:
         if len(data) > self.max_stored:
@@ -351,14 +356,14 @@ class ChunkedArray:
         try:
             return self.codec.decode(data, self.chunks)
         except ChunkDamage as e:
-            raise self._damage(index, str(e)) from None
+            raise self._chunk_damage(index, e) from None
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray, index: tuple) -> None:
         self._check_stored(data, index)
         try:
             self.codec.decode_into(data, out)
         except ChunkDamage as e:
-            raise self._damage(index, str(e)) from None
+            raise self._chunk_damage(index, e) from None
 
     def _decode_many_into(
         self,
@@ -374,7 +379,7 @@ class ChunkedArray:
         try:
             self.codec.decode_many_into(data, ranges, out, offsets, self.item_nbytes * self.chunks[1])
         except ChunkDamage as e:
-            raise self._damage(tuple(int(i) for i in indices[e.item]), str(e)) from None
+            raise self._chunk_damage(tuple(int(i) for i in indices[e.item]), e) from None
 
     def _absent(self, index: tuple, slot: int | None = None) -> None:
         """A chunk that is not stored reads as zeros, unless it lies in a committed episode
@@ -1146,6 +1151,40 @@ class ChunkedArray:
             self._forget_rows(slots)
             if published and self.rows_written is not None:
                 self.rows_written(slots, None)
+
+    def _sealed(self, data: bytes | memoryview, index: tuple) -> bytes | None:
+        """Chunk ``index`` stored as ``data`` with its crc32c recomputed when only that crc is
+        damaged (ChunkChecksumError; the payload then still has to decode), None when the chunk
+        is sound; any other damage raises CorruptChunkError."""
+        try:
+            self._decode(data, index)
+            return None
+        except ChunkChecksumError:
+            payload = bytes(memoryview(data)[:-4])
+        sealed = payload + crc32c(payload).to_bytes(4, "little")
+        self._decode(sealed, index)
+        return sealed
+
+    def reseal_chunks(self, episode: int, write: bool) -> list[str]:
+        """The stored chunks of ``episode`` (an array of one episode per chunk, checksummed)
+        whose own crc32c alone is damaged, re-sealed in place (``write``: each file replaced
+        whole, atomically) or only found; any other damage (a chunk of the committed steps
+        missing included) raises CorruptChunkError, and nothing is written then. Returns where
+        each one lies."""
+        indices = [(episode, t) for t in range(-(-self.shape[1] // self.chunks[1]))]
+        keys = [self.chunk_key(index) for index in indices]
+        sealed = {}
+        for index, key, data in zip(indices, keys, self.kv.get_many(keys, self.max_stored)):
+            if data is None:
+                self._absent(index)
+            elif (fixed := self._sealed(data, index)) is not None:
+                sealed[key] = fixed
+        if write and sealed:
+            if self.check_writable is not None:
+                self.check_writable()
+            self.kv.set_many(sealed, atomic=True)
+            self._forget(dict.fromkeys(indices))
+        return [self.kv.where(key) for key in sealed]
 
     def _stale_damage(self, error: CorruptChunkError) -> bool:
         """Whether damage lies in a slot that holds no committed episode (being rewritten): its

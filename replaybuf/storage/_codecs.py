@@ -40,11 +40,29 @@ _SHORT, _CRC_MISMATCH, _UNDECODABLE = 1, 2, 3
 
 class ChunkDamage(Exception):
     """A chunk's bytes fail their checksum or do not decode; the array adds where it lies.
-    ``item``: which chunk of a ``decode_many_into`` call."""
+    ``item``: which chunk of a ``decode_many_into`` call; ``checksum_only``: the stored crc32c
+    is one bit away from the payload's (``crc_bit_flipped``): the checksum is damaged, not the
+    data."""
 
-    def __init__(self, reason: str, item: int = 0):
+    def __init__(self, reason: str, item: int = 0, checksum_only: bool = False):
         super().__init__(reason)
         self.item = item
+        self.checksum_only = checksum_only
+
+
+def crc_mismatch(payload: bytes | memoryview, stored: int, item: int = 0) -> ChunkDamage:
+    """The ``ChunkDamage`` of a chunk whose ``payload`` fails the crc32c ``stored`` after it:
+    ``checksum_only`` (and said so) when the two crcs differ in one bit."""
+    computed = crc32c(payload)
+    if crc_bit_flipped(computed, stored, memoryview(payload).nbytes):
+        return ChunkDamage(
+            f"its stored crc32c is damaged, not its data (it holds {stored:#010x}, one bit away from the "
+            f"crc32c {computed:#010x} of the chunk's bytes, which damaged data cannot cause); "
+            "`replaybuf verify --repair` re-seals the chunk",
+            item,
+            checksum_only=True,
+        )
+    return ChunkDamage("crc32c mismatch", item)
 
 
 @functools.cache
@@ -163,8 +181,9 @@ class ChunkCodec:
         if len(data) < 4:
             raise ChunkDamage(f"{len(data)} bytes, too short to hold a crc32c")
         view = memoryview(data)
-        if crc32c(view[:-4]) != int.from_bytes(view[-4:], "little"):
-            raise ChunkDamage("crc32c mismatch")
+        stored = int.from_bytes(view[-4:], "little")
+        if crc32c(view[:-4]) != stored:
+            raise crc_mismatch(view[:-4], stored)
         return view[:-4]
 
     def decode(self, data: bytes | memoryview, shape: tuple[int, ...]) -> np.ndarray:
@@ -257,7 +276,7 @@ class ChunkCodec:
         if code == _SHORT:
             return ChunkDamage(f"{max(0, min(stop, len(data)) - start)} bytes, too short for a blosc chunk", k)
         if code == _CRC_MISMATCH:
-            return ChunkDamage("crc32c mismatch", k)
+            return crc_mismatch(memoryview(data)[start : stop - 4], _CRC.unpack_from(data, stop - 4)[0], k)
         payload = stop - start - (4 if self.checksum else 0)
         decoded, stored = _BLOSC_SIZES.unpack_from(data, start) if stop - start >= BLOSC_HEADER else (0, 0)
         return ChunkDamage(f"cannot decode (blosc: {stored} bytes to {decoded}; expected {payload} to {nbytes})", k)
@@ -276,7 +295,7 @@ class ChunkCodec:
             try:
                 self.decode_into(view[start:stop], flat[offset : offset + nbytes].view(out.dtype))
             except ChunkDamage as e:
-                raise ChunkDamage(str(e), k) from None
+                raise ChunkDamage(str(e), k, e.checksum_only) from None
 
     def decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         """Decode a chunk into the contiguous array ``out`` of the same number of bytes."""

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, _per_pair, chunk_cache
-from ._codecs import BLOSC_HEADER, crc32c
+from ._codecs import BLOSC_HEADER, crc32c, crc_bit_flipped
 from ._hotmap import gather_mapped, read_mapped_spans, shard_maps
 from ._kv import CORES, LocalKV, in_pool, in_pool_as_planned, thread_pool
-from .base import CorruptChunkError
+from .base import ChunkChecksumError, CorruptChunkError
 
 if TYPE_CHECKING:
     from ._hot import HotTier
@@ -96,22 +96,32 @@ class ShardedArray(ChunkedArray):
 
     # ---- reads --------------------------------------------------------------------------
 
-    def _damage(self, index: tuple, reason: str, slot: int | None = None) -> CorruptChunkError:
+    def _damage(
+        self, index: tuple, reason: str, slot: int | None = None, error: type[CorruptChunkError] = CorruptChunkError
+    ) -> CorruptChunkError:
         # docstring inherited: the file is the episode's shard
         e, ti = int(index[0]), int(index[1])
         ct = self.chunks[1]
         where = f"{self.kv.where(self.shard_key(e))}, inner chunk {ti}"
-        return CorruptChunkError.at(self.path, e, (ti * ct, min((ti + 1) * ct, self.shape[1])), where, reason)
+        return error.at(self.path, e, (ti * ct, min((ti + 1) * ct, self.shape[1])), where, reason)
 
     def _parse_index(self, raw: bytes | None, episode: int) -> np.ndarray | None:
         """The (offset, nbytes) rows of a shard index read from the shard's end, checked against
         its crc32c and the shard's size (``shard_nbytes`` when the whole shard is at hand)."""
         if raw is None:
             return None
+        error: type[CorruptChunkError] = CorruptChunkError
         if len(raw) != self.index_nbytes:
             reason = f"shard index is {len(raw)} bytes, expected {self.index_nbytes} (truncated shard)"
-        elif self.index_crc and crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        elif self.index_crc and (computed := crc32c(raw[:-4])) != (stored := int.from_bytes(raw[-4:], "little")):
             reason = "shard index fails its crc32c"
+            if crc_bit_flipped(computed, stored, len(raw) - 4):
+                error = ChunkChecksumError
+                reason = (
+                    f"the shard index's stored crc32c is damaged, not the index (it holds {stored:#010x}, one bit "
+                    f"away from the crc32c {computed:#010x} of the index, which damaged data cannot cause); "
+                    "`replaybuf verify --repair` re-seals the shard"
+                )
         else:
             body = raw[:-4] if self.index_crc else raw
             index = np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
@@ -122,9 +132,7 @@ class ShardedArray(ChunkedArray):
                 reason = f"shard index names a chunk over the {self.max_stored:,} bytes any encoding of it takes"
             else:
                 return index
-        raise CorruptChunkError.at(
-            self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason
-        )
+        raise error.at(self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason)
 
     def read_indexes(
         self, episodes: Sequence[int], generations: dict[int, Any] | None = None
@@ -678,6 +686,54 @@ class ShardedArray(ChunkedArray):
         span = (0, episode, 0, self.inner_per_shard)
         self._decode_span(memoryview(data), 0, index, span, rows, np.zeros(1, np.int64), np.full(1, self.shape[1]))
         return self.encode_shard(rows[0], present)
+
+    def reseal_chunks(self, episode: int, write: bool) -> list[str]:
+        # docstring inherited: the episode's shard, its index's crc32c and its inner chunks',
+        # replaced whole by a rename under the hot tier's lock (a compaction never replaces it
+        # meanwhile, and compacts it later if it is hot)
+        tier = self.hot
+        if tier is None:
+            return self._reseal_shard(episode, write)
+        with tier.lock:
+            return self._reseal_shard(episode, write)
+
+    def _reseal_shard(self, episode: int, write: bool) -> list[str]:
+        """``reseal_chunks`` of the episode's shard (the hot tier's lock held, if any)."""
+        key = self.shard_key(episode)
+        data = self.kv.get(key)
+        if data is None:
+            self._absent((episode, 0))
+            return []
+        shard = bytearray(data)
+        where = self.kv.where(key)
+        found = []
+        raw_index = bytes(shard[-self.index_nbytes :])
+        try:
+            index = self._parse_index(raw_index, episode)
+        except ChunkChecksumError:
+            shard[-4:] = crc32c(raw_index[:-4]).to_bytes(4, "little")
+            index = self._parse_index(bytes(shard[-self.index_nbytes :]), episode)
+            found.append(f"{where}, shard index")
+        assert index is not None  # data is not None
+        for ti in range(self.inner_per_shard):
+            if index[ti, 0] == _MISSING:
+                self._absent((episode, ti))
+                continue
+            offset, nbytes = int(index[ti, 0]), int(index[ti, 1])
+            if offset + nbytes > len(shard) - self.index_nbytes:
+                raise self._damage((episode, ti), f"the shard ends before the chunk ({len(shard)} bytes)")
+            sealed = self._sealed(bytes(shard[offset : offset + nbytes]), (episode, ti))
+            if sealed is not None:
+                shard[offset : offset + nbytes] = sealed
+                found.append(f"{where}, inner chunk {ti}")
+        if write and found:
+            if self.check_writable is not None:
+                self.check_writable()
+            self.kv.set_many({key: bytes(shard)}, atomic=True)
+            self._forget_episodes([episode])
+            if self.hot is not None:
+                self.hot.written(self.path, [episode], [len(shard) if self.codec.is_hot(bytes(shard[:3])) else 0])
+        return found
 
     def hot_sizes(self, episodes: Sequence[int]) -> list[int]:
         """Per episode, the stored size of its shard when the shard is hot (its first stored

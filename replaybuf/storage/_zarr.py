@@ -785,6 +785,16 @@ class ZarrStorage(KVBlobs, Storage):
         if packed:
             self._seal(episodes, lengths, packed)
 
+    def reseal_chunks(self, name: str, slots: np.ndarray, write: bool = True) -> dict[int, list[str]]:
+        # docstring inherited: the chunks (or shard) of each slot of a checksummed field
+        if write:
+            self._check_writable()
+        array = self.array(name)
+        if array.packed or not array.codec.checksum:
+            return {}
+        found = {int(slot): array.reseal_chunks(int(slot), write) for slot in np.asarray(slots).reshape(-1)}
+        return {slot: where for slot, where in found.items() if where}
+
     def _update_steps(self, name: str, episodes: np.ndarray, timesteps: np.ndarray, values: np.ndarray) -> None:
         # docstring inherited: packed fields in place, one read and write per span of nearby rows
         if not self.array(name).write_steps(episodes, timesteps, values):

@@ -171,6 +171,17 @@ class ChecksumEntryError(CorruptChunkError):
         self.data_verified = data_verified
 
 
+class ChunkChecksumError(ChecksumEntryError):
+    """A stored zarr chunk's own crc32c (the 4 bytes after its payload, or a shard index's) is
+    damaged, not its data: it is one bit away from the crc32c of the bytes it covers, which
+    damaged data cannot cause (``_codecs.crc_bit_flipped``). Reads still raise it; ``location``
+    names the chunk's file (and inner chunk), ``data_verified`` is always True, and
+    ``replaybuf verify --repair`` re-seals the chunk in place instead of dropping the episode."""
+
+    def __init__(self, message: str, *, data_verified: bool = True, **facts: Any):
+        super().__init__(message, data_verified=data_verified, **facts)
+
+
 class EpisodeLengthError(CorruptChunkError):
     """A committed episode's stored length is damaged, not its data: the data fails its
     checksum at the length ``meta/episode_lens`` holds and matches it at ``matches`` steps (0:
@@ -892,6 +903,14 @@ class Storage(ABC):
         edit of them may have died between rows and checksums (``Committer.finish_edits``), or
         ``verify --repair`` re-seals damaged checksum entries. Backends without such checksums
         do nothing (the default)."""
+
+    def reseal_chunks(self, name: str, slots: np.ndarray, write: bool = True) -> dict[int, list[str]]:
+        """Per slot of ``slots``, where the stored chunks of data field ``name`` lie whose own
+        checksum alone is damaged (``ChunkChecksumError``), each re-sealed in place from its bytes
+        as stored (``write``: replaced whole, atomically) or only found (``write=False``, for
+        ``verify``); a chunk damaged otherwise raises CorruptChunkError. Backends whose chunks
+        carry no checksum of their own find none (the default)."""
+        return {}
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``, episodes in any
