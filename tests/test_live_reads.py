@@ -29,6 +29,7 @@ import pytest
 
 from replaybuf import ConcatReplayBuffer, ConcurrentWriteError, ReplayBuffer, StorageError, staging
 from replaybuf.sampling import ReplayDatasetTimeWindow
+from replaybuf.storage import _local
 from replaybuf.viewer.apps import BufferApp
 
 from ._workloads import FIELDS, MAX_TIMESTEPS, buffer_kwargs, check_episode, episode, episode_length, writer_loop
@@ -465,7 +466,12 @@ def test_live_reads_zarr(tmp_path):
     assert all(checked > 0 for _, checked in counts.values()), counts
 
 
-def test_live_reads_memmap(tmp_path):
+@pytest.mark.parametrize("copied", [True, False], ids=["checked-copies", "checked-once"])
+def test_live_reads_memmap(tmp_path, monkeypatch, copied):
+    """``checked-once``: no field has a private checked copy, so every per-step read checks its
+    sampled episodes once in the file a writer is rewriting (``EpisodeChecksums.check_once``)."""
+    if not copied:
+        monkeypatch.setattr(_local, "CHECKED_COPY_BYTES", 0)
     counts = soak(str(tmp_path / "buffer"), tmp_path, backend="memmap", cached_paths=CACHED_PATHS)
     assert all(checked > 0 for _, checked in counts.values()), counts
 
