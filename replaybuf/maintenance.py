@@ -1274,20 +1274,19 @@ def _check_beyond_length(
 # ---- unlock ---------------------------------------------------------------------------------------------
 
 
-def unlock(location: str | os.PathLike, storage_options: dict | None = None, force: bool = False) -> dict | None:
+def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> dict | None:
     """Remove the writer lease of the buffer at ``location``: for an object-store writer that
     stopped without closing, when waiting for its lease to expire is too long.
 
     Returns the removed holder's record (host, pid, since, ...), None when no lease was held.
-    A lease that has not expired may belong to a writer still renewing it: that raises
-    BufferLockedError naming the holder and the expiry, removing nothing, unless ``force``
-    (a live writer then refuses every further write from its next renewal). A local lock is
+    A lease that has not expired may belong to a writer still renewing it, which then refuses
+    every further write from its next renewal (``format_unlocked`` says so). A local lock is
     released by the kernel when its process exits, so a held one belongs to a running process:
-    that raises BufferLockedError naming it, ``force`` or not (stop the process instead).
+    that raises BufferLockedError naming it (stop the process instead).
     FileNotFoundError when the location holds neither a buffer nor a lease (a mistyped path).
     """
     storage = make_storage(location, None, storage_options)
-    holder = storage.writer_lease().unlock(force=force)
+    holder = storage.writer_lease().unlock()
     if holder is None and not storage.exists():
         raise FileNotFoundError(f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}")
     return holder
@@ -1412,12 +1411,6 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _add_unlock_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("location", help="buffer folder or URL")
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="remove an object-store lease that has not expired yet (its writer may be alive: it then stops "
-        "writing); a local lock is never removed",
-    )
     add_store_arguments(parser)
 
 
@@ -1425,15 +1418,23 @@ def _run_unlock(args: argparse.Namespace) -> int:
     from .cli import store_options
 
     try:
-        holder = unlock(args.location, store_options(args), force=args.force)
+        holder = unlock(args.location, store_options(args))
     except BufferLockedError as error:
         print(error, file=sys.stderr)
         return 1
     if holder is None:
         print(f"{args.location}: no writer lease held")
     else:
-        print(f"{args.location}: removed the writer lease of {describe_holder(holder)}")
+        print(format_unlocked(args.location, holder))
     return 0
+
+
+def format_unlocked(location: str, holder: dict) -> str:
+    """What ``unlock`` removed, and what it means for a writer still running."""
+    return (
+        f"{location}: removed the writer lease of {describe_holder(holder)} (if that writer is still running, it "
+        "refuses every further write from its next renewal)"
+    )
 
 
 # (name, help, add_arguments, run): the fields of replaybuf.cli.Command, in order

@@ -4,10 +4,12 @@ would run them: a message and an exit status, never a traceback, and nothing com
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 
+from replaybuf import BufferLockedError
 from replaybuf.cli import main
 
 from .test_maintenance import filled
@@ -91,7 +93,9 @@ def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_nam
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 
-def test_unlock_refuses_an_unexpired_object_store_lease_unless_forced(s3_server, capsys):
+def test_unlock_takes_an_object_store_lease_at_once_and_its_live_writer_stops(s3_server, capsys):
+    """``replaybuf unlock`` is for the impatient (issue 12): it removes a lease that has not
+    expired, says that a writer still running stops writing, and that writer then refuses."""
     import json
     import time
 
@@ -103,19 +107,18 @@ def test_unlock_refuses_an_unexpired_object_store_lease_unless_forced(s3_server,
     writer.store_episode(x=[1.0, 2.0])
     flags = ["--storage-options", json.dumps(options)]
     record = writer.storage.kv.get(LEASE_KEY)
-    # renewed while its writer runs: it may be alive, so it is refused, naming holder and expiry
-    assert run_cli(["unlock", url, *flags]) == 1
-    err = capsys.readouterr().err
-    assert f"pid {os.getpid()}" in err and "runs until" in err and "--force" in err and "Nothing was removed" in err
-    assert writer.storage.kv.get(LEASE_KEY) == record and writer.storage._lease.lost is None
-    writer.store_episode(x=[3.0])  # still its writer's
-    assert run_cli(["unlock", "--force", url, *flags]) == 0
-    assert f"removed the writer lease of pid {os.getpid()}" in capsys.readouterr().out
+    writer.store_episode(x=[3.0])
+    assert run_cli(["unlock", url, *flags]) == 0
+    said = capsys.readouterr().out
+    assert f"removed the writer lease of pid {os.getpid()}" in said and "if that writer is still running" in said
     assert writer.storage.kv.get(LEASE_KEY) is None
     writer.storage._lease.renew()  # its next renewal: the writer learns it lost the lease
     assert writer.storage._lease.lost is not None
-    writer.close()
-    # an expired lease (a writer killed a minute ago) goes without --force
+    with pytest.raises(BufferLockedError, match="was taken over"):
+        writer.store_episode(x=[4.0])
+    with contextlib.suppress(BufferLockedError):  # its counters may be pending: not written either
+        writer.close()
+    # an expired lease (a writer killed a minute ago) goes as well
     expired = {**json.loads(record), "expires": time.time() - 1}
     writer.storage.kv.set(LEASE_KEY, json.dumps(expired).encode())
     assert run_cli(["unlock", url, *flags]) == 0
@@ -377,18 +380,17 @@ def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_
     _check_contents(ReplayBuffer.from_folder(copy, read_only=True))
 
 
-@pytest.mark.parametrize("flags", [[], ["--force"]])
-def test_unlock_of_a_live_local_writer_says_what_it_refused_and_why(tmp_path, capsys, flags):
+def test_unlock_of_a_live_local_writer_says_what_it_refused_and_why(tmp_path, capsys):
     from replaybuf import ReplayBuffer
 
     folder = tmp_path / "b"
     writer = ReplayBuffer(folder, 4, 3, fields={"x": "float"})
     writer.store_episode(x=[1.0])
-    assert run_cli(["unlock", *flags, folder]) == 1
+    assert run_cli(["unlock", folder]) == 1
     err = capsys.readouterr().err
     # not "cannot open ... for writing": unlock opens nothing
     assert err.startswith(f"unlock: {str(folder)!r} is being written by pid {os.getpid()} ")
-    assert "never stale" in err and "--force does not apply" in err and "Nothing was changed" in err
+    assert "never stale" in err and "Nothing was changed" in err
     writer.store_episode(x=[2.0])  # still its writer's
     writer.close()
     with ReplayBuffer.from_folder(folder, read_only=True) as reader:

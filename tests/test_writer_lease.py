@@ -169,9 +169,7 @@ def test_second_writer_process_is_refused_even_with_overwrite_and_erases_nothing
     assert attempts["opened"] == 0 and attempts["refused"] > 0
     _assert_names_holder(attempts["message"], os.getpid())
     if backend == "s3":
-        assert (
-            "break_lock=True" in attempts["message"] and f"replaybuf unlock --force {location}" in attempts["message"]
-        )
+        assert "break_lock=True" in attempts["message"] and f"replaybuf unlock {location}" in attempts["message"]
     assert _stored(holder) == before
     _store(holder, 2)
     holder.close()
@@ -446,7 +444,7 @@ def test_breaking_an_object_store_lease_stops_the_old_writer(s3_location, monkey
     _store(old, 1)
     kwargs = {"max_episodes": 200, "max_timesteps": 3, "storage_options": options}
     if how == "unlock":
-        assert cli_main(["unlock", "--force", url, "--storage-options", json.dumps(options)]) == 0
+        assert cli_main(["unlock", url, "--storage-options", json.dumps(options)]) == 0
         assert f"removed the writer lease of pid {os.getpid()}" in capsys.readouterr().out
     else:
         kwargs["break_lock"] = True

@@ -12,7 +12,7 @@ since, ...}`` that names the holder for the error a second writer gets.
 - ``ObjectLease`` (zarr on ``s3://``, ``gs://``): an object created with a
   conditional write (``If-None-Match: *``) that a daemon thread renews every quarter of its
   expiry. A crashed writer's lease can be taken over once it has expired, or at once with
-  ``break_lock=True`` / ``replaybuf unlock --force``. A writer whose lease was taken over notices at its
+  ``break_lock=True`` / ``replaybuf unlock``. A writer whose lease was taken over notices at its
   next renewal and refuses every further write.
 
   Where the store replaces an object conditionally (``StoreKV.replaces_conditionally``: S3
@@ -167,10 +167,10 @@ class WriterLease(ABC):
         """The current holder's record, or None when nobody holds the lease."""
 
     @abstractmethod
-    def unlock(self, force: bool = False) -> dict | None:
-        """Remove the lease (``replaybuf unlock``) and return the removed record. A lease a
-        writer may still be renewing (not expired) is refused unless ``force``; a local lock,
-        whose holder is always alive, is refused even then."""
+    def unlock(self) -> dict | None:
+        """Remove the lease whoever holds it (``replaybuf unlock``: the writer it was taken from
+        refuses every further write from its next renewal) and return the removed record; a
+        local lock, whose holder is always alive, is refused."""
 
     def _locked_error(self, holder: dict | None, how_to_break: str) -> BufferLockedError:
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
@@ -321,14 +321,14 @@ class FileLease(WriterLease):
             os.close(fd)
         return None
 
-    def unlock(self, force: bool = False) -> dict | None:
+    def unlock(self) -> dict | None:
         # docstring inherited
         holder = self.holder()
         if holder is not None:
             raise BufferLockedError(
                 f"unlock: {self.location!r} is being written by {describe_holder(holder)}, which is running: a "
-                "local lock is released when its process exits, so it is never stale and is not removed "
-                "(--force does not apply). Nothing was changed; stop that process instead",
+                "local lock is released when its process exits, so it is never stale and is not removed. "
+                "Nothing was changed; stop that process instead",
                 holder,
             )
         return None
@@ -356,7 +356,7 @@ class ProcessLease(WriterLease):
         held = _in_process.get(self.key, self)
         return getattr(held, "_record", None)
 
-    def unlock(self, force: bool = False) -> dict | None:
+    def unlock(self) -> dict | None:
         # docstring inherited: the holder is this process, which gives it back by closing
         return self.holder()
 
@@ -521,7 +521,7 @@ class ObjectLease(WriterLease):
             raise self._locked_error(
                 holder,
                 f"If that writer stopped without closing, its lease expires at {_moment(expires)}; to take it "
-                f"now, pass break_lock=True or run `replaybuf unlock --force {self.location}`.",
+                f"now, pass break_lock=True or run `replaybuf unlock {self.location}`.",
             )
         logger.warning("taking over the writer lease of %s from %s", self.location, describe_holder(holder))
 
@@ -599,22 +599,11 @@ class ObjectLease(WriterLease):
         # docstring inherited
         return self._read_record()
 
-    def unlock(self, force: bool = False) -> dict | None:
+    def unlock(self) -> dict | None:
         # docstring inherited
         holder = self._read_record()
-        if holder is None:
-            return None
-        expires = _expiry(holder)
-        if expires > time.time() and not force:
-            raise BufferLockedError(
-                f"unlock: the writer lease of {self.location!r} is held by {describe_holder(holder)} and runs "
-                f"until {_moment(expires)}; its writer renews it while it runs, so it may be alive. Nothing was "
-                "removed: if that writer stopped without closing, wait until then (the next writer takes the "
-                "lease over) or pass --force (force=True) to remove it now (a live writer then refuses every "
-                "further write from its next renewal)",
-                holder,
-            )
-        self.kv.delete_many([LEASE_KEY])
+        if holder is not None:
+            self.kv.delete_many([LEASE_KEY])
         return holder
 
 
