@@ -155,7 +155,7 @@ class DataView(ArrayBase):
     On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
     holds its committed episode (zero past its length) or, when empty or being rewritten, zeros,
     never parts of two episodes (``consistency.py``). On a writable buffer reads are the
-    storage's (the writer sees its episode in progress); writes go through ``Committer.update_rows``.
+    storage's (the writer sees its episode in progress); writes go through ``Committer.editing``.
     """
 
     def __init__(self, buffer: BufferView, name: str):
@@ -214,7 +214,7 @@ class DataView(ArrayBase):
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """Write in place through ``Committer.update_rows``: ``value`` is checked as every write
+        """Write in place inside ``Committer.editing``: ``value`` is checked as every write
         is, then the rows ``key`` touches are read, assigned with numpy's indexing and
         broadcasting and written back whole (and into the steps of an episode in progress)."""
         buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")

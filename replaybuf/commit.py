@@ -20,7 +20,7 @@ is lost by the delay: the counters are derived from the published lengths and ge
 (``reconcile_state``) when a writer opens the buffer after a kill, and a reader catches the
 counters it loads up with the episodes published since (``caught_up``).
 
-In-place edits of committed rows (``update_rows``) and meta values (``edit_meta``) keep the
+In-place edits of committed rows (``editing``) and meta values (``edit_meta``) keep the
 generation; they bracket the rows with the slots' ``_revision``, odd while the edit runs and
 even once done, which keys every cached copy of decoded rows with the generation. A writable
 open closes the edits a killed writer left odd (``finish_edits``). Step 3 writes each slot's
@@ -306,7 +306,8 @@ class Committer:
     @contextmanager
     def editing(self, episodes: np.ndarray, names: Sequence[str], steps: int) -> Iterator[None]:
         """Bracket in-place edits of the rows of data fields ``names`` of ``episodes``, each
-        through its step ``steps`` - 1 (``update_rows``), with the slots' ``_revision``: odd
+        through its step ``steps`` - 1 (``Storage.update_rows``: ``update``, ``store_datapoint``,
+        ``data[...] = ...``), with the slots' ``_revision``: odd
         while the block runs, the next even value once it is done. Every copy of decoded rows is
         keyed by (generation, revision) and none is taken at an odd revision, so no reader is
         served the rows from before (or halfway through) the edit once it has refreshed. A block
@@ -333,13 +334,6 @@ class Committer:
         self.storage.check_room(
             names, written, f"an edit of {', '.join(names) or 'meta values'} in {len(slots)} episode(s)"
         )
-
-    def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
-        """Edit rows of data field ``name`` of committed ``episodes`` in place
-        (``Storage.update_rows``: ``update``, ``store_datapoint``, ``data[...] = ...``), as one
-        edit (``editing``)."""
-        with self.editing(episodes, [name], t0 + values.shape[1]):
-            self.storage.update_rows(name, episodes, t0, values)
 
     def commit_state(self, **changes: Any) -> None:
         """Commit the counters with ``changes``."""
