@@ -299,14 +299,12 @@ def convert(
     # refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     attrs = load_attrs(source)  # damaged ones are refused here too
-    made = _new_local_folder(target.location)
+    made = _new_local_folders(target.location)
     # outside the try: a refusal (another process writes there) deletes nothing of its
     try:
         target.acquire_writer(erase=True)
     except BaseException:
-        if made is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(made)  # still empty: the other process did not take it
+        _remove_empty(made)  # still empty: the other process did not take them
         raise
     try:
         target.create(target_schema, overwrite=True)
@@ -331,8 +329,9 @@ def convert(
         # a copy cut short (a full disk, an interrupt) leaves no half buffer in a folder it made
         with contextlib.suppress(Exception):
             target.close()
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
+        if made:
+            shutil.rmtree(made[0], ignore_errors=True)
+            _remove_empty(made[1:])
         raise
     finally:
         target.release_writer()
@@ -349,21 +348,42 @@ def convert(
     }
 
 
-def _new_local_folder(location: str) -> str | None:
-    """Make the folder of a local ``location`` that does not exist yet and return it (all of
-    it is then convert's own: made by one ``mkdir``, so a second convert racing to the same
-    new destination does not count it as its own too); None when it exists or is remote."""
+def _new_local_folders(location: str) -> list[str]:
+    """Make the folder of a local ``location`` that does not exist yet, and its missing
+    parents; return the folders made, the destination first and then its parents upwards (all
+    of them convert's own: each made by one ``mkdir``, so a second convert racing to the same
+    new destination does not count one as its own too). Empty when the destination exists or
+    is remote, or a folder cannot be made here (taking the writer lease then says so, naming
+    the folder)."""
     if "://" in location and not location.startswith("file://"):
-        return None
+        return []
     folder = os.path.abspath(location.removeprefix("file://"))
+    missing = []
+    parent = os.path.dirname(folder)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    made: list[str] = []
     try:
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        os.mkdir(folder)
-    except FileExistsError:  # a folder, a file, or a link (dangling too)
-        return None
-    except OSError:  # not writable here: taking the writer lease says so, naming the folder
-        return None
-    return folder
+        for path in [*reversed(missing), folder]:
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # made meanwhile by another process: not ours
+                if path == folder:
+                    raise
+                continue
+            made.insert(0, path)
+    except OSError:  # the destination exists (a folder, a file, a link), or not writable here
+        _remove_empty(made)
+        return []
+    return made
+
+
+def _remove_empty(folders: Sequence[str]) -> None:
+    """Remove each of ``folders`` (deepest first) that is still empty; keep the others."""
+    for path in folders:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 # rounds of copying the episodes a live writer replaced meanwhile before ``convert`` gives up

@@ -180,7 +180,7 @@ def test_a_convert_refused_by_a_writer_that_took_its_new_destination_deletes_not
         "b.store_episode(x=[1.0, 2.0])\nb.flush()\nprint('ready', flush=True)\nsys.stdin.read()\nb.close()\n"
     )
     other: list[subprocess.Popen] = []
-    found_missing = maintenance._new_local_folder
+    found_missing = maintenance._new_local_folders
 
     def then_taken(location):
         made = found_missing(location)
@@ -196,7 +196,7 @@ def test_a_convert_refused_by_a_writer_that_took_its_new_destination_deletes_not
         assert process.stdout.readline().strip() == "ready"
         return made
 
-    monkeypatch.setattr(maintenance, "_new_local_folder", then_taken)
+    monkeypatch.setattr(maintenance, "_new_local_folders", then_taken)
     try:
         with pytest.raises(BufferLockedError, match="it is being written by pid") as refused:
             maintenance.convert(tmp_path / "src", dst, progress=False)
@@ -207,6 +207,26 @@ def test_a_convert_refused_by_a_writer_that_took_its_new_destination_deletes_not
             assert process.wait(60) == 0  # it kept writing, and closed its buffer
     with ReplayBuffer.from_folder(dst, read_only=True) as kept:
         assert kept.episode_lens[kept.valid_episodes()].tolist() == [2]
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_a_convert_cut_short_removes_the_parent_folders_it_made_and_no_others(tmp_path, monkeypatch, backend):
+    # convert made the destination's missing parents and left them behind, empty, when the
+    # copy failed; a folder that was there before (with the user's file) is kept as it was
+    import replaybuf.maintenance as maintenance
+
+    filled(tmp_path / "src", "zarr")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(maintenance, "_copy_episodes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        maintenance.convert(tmp_path / "src", tmp_path / "mine" / "new" / "deeper" / "dst", backend, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["mine", "src"]
+    assert sorted(os.listdir(tmp_path / "mine")) == ["notes.txt"]
 
 
 def _flip(path, offset: int, mask: int) -> None:
