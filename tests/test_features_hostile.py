@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, sketches
+from replaybuf.sketches import KLL_K
 
 PRIORITY_FIELDS = {"ident": "int", "priority": "float"}
 
@@ -52,3 +54,82 @@ def test_bad_generations_and_priorities_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"priorities must be numbers, got a <U1 array"):
         buffer.update_priorities(pairs, ["a", "b"])
     np.testing.assert_array_equal(buffer.get_all_data()["priority"].numpy(), np.ones((1, 4))), "nothing written"
+
+
+STEPS = KLL_K  # the shortest episode that gets a stored sketch blob
+QS = [0.01, 0.25, 0.5, 0.75, 0.99]
+
+
+def assert_quantiles_within_rank_error(stats_field, values: np.ndarray) -> None:
+    """Each sketch quantile's rank among ``values`` (compared exactly, in float64) is within the
+    stated rank error of q."""
+    got = stats_field.quantile(QS).numpy().astype(np.float64)
+    column = np.sort(values.astype(np.float64))
+    for q, estimate in zip(QS, got):
+        low = np.searchsorted(column, estimate, side="left") / len(column)
+        high = np.searchsorted(column, estimate, side="right") / len(column)
+        assert low - stats_field.rank_error <= q <= high + stats_field.rank_error, (q, estimate, low, high)
+
+
+def wide_episode(index: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(index)
+    return {
+        "huge": rng.uniform(-1e300, 1e300, STEPS),  # finite float64 beyond float32's range
+        "stamp": 1_700_000_000_000_000_000 + rng.integers(0, 10**6, STEPS),  # int64 ns timestamps
+        "count": rng.integers(16_777_216, 16_777_316, STEPS),  # int32 beyond float32's 2**24
+    }
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_quantiles_of_values_float32_would_round(tmp_path, backend, monkeypatch):
+    """float64 beyond float32's range, int64 timestamps and int32 counts above 2**24: a float32
+    sketch made every quantile inf or the same rounded value; each is within the rank error,
+    from the data (first call), from the stored blobs, and after blobs of float32 sketches (an
+    older release's) are sketched again."""
+    fields = {"huge": "float64", "stamp": "int64", "count": "int32"}
+    episodes = [wide_episode(i) for i in range(3)]
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=3, max_timesteps=STEPS, fields=fields, backend=backend)
+    with monkeypatch.context() as patch:  # an older release's blobs: float32 sketches of every field
+        patch.setattr(sketches, "sketch_kind", lambda dtype: "kll_floats", raising=False)
+        for episode in episodes:
+            buffer.store_episode(**episode)
+        buffer.stats()
+    assert len(buffer.storage.list_blobs(sketches.PREFIX)) == 3
+    for call in ("older blobs sketched again", "from the stored blobs"):
+        stats = buffer.stats()
+        for name in fields:
+            assert stats[name].quantile(QS).dtype == torch.float64, (call, name)
+            assert_quantiles_within_rank_error(stats[name], np.concatenate([e[name] for e in episodes]))
+        stored = sketches.decode(buffer.storage.read_blob(f"{sketches.PREFIX}0"))
+        assert {f["sketch"] for f in stored["fields"].values()} == {"kll_doubles"}, "stored again, as doubles"
+
+
+def test_quantiles_of_features_holding_nan_are_nan(tmp_path):
+    """A feature holding NaN has NaN quantiles, as its mean, min and max (np.quantile's answer),
+    and one holding only NaN too: its sketch is empty, which raised a bare RuntimeError."""
+    rng = np.random.default_rng(0)
+    state = rng.standard_normal((STEPS, 3)).astype(np.float32)
+    state[::10, 1] = np.nan
+    state[:, 2] = np.nan
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=STEPS, fields={"state": ("float", (3,))})
+    buffer.store_episode(state=state)
+    with np.errstate(invalid="ignore"):
+        stats = buffer.stats()["state"]
+    quantiles = stats.quantile(QS).numpy()
+    assert np.isnan(quantiles[:, 1:]).all()
+    assert np.isnan(stats.quantile(0.5).numpy()[1:]).all()
+    assert_quantiles_within_rank_error(stats_of_feature(stats, 0), state[:, 0])
+    np.testing.assert_array_equal(np.isnan(stats.mean.numpy()), [False, True, True])
+
+
+def stats_of_feature(stats_field, feature: int):
+    """A view of one feature of a (features,) field's statistics, for the rank check."""
+
+    class One:
+        rank_error = stats_field.rank_error
+
+        @staticmethod
+        def quantile(qs):
+            return stats_field.quantile(qs)[:, feature]
+
+    return One
