@@ -4,12 +4,15 @@ beyond float32's range, int64 timestamps)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer, sketches
+from replaybuf import ReplayBuffer, sketches, snapshots
 from replaybuf.sketches import KLL_K
+from replaybuf.snapshots import SnapshotError
 
 PRIORITY_FIELDS = {"ident": "int", "priority": "float"}
 
@@ -133,3 +136,44 @@ def stats_of_feature(stats_field, feature: int):
             return stats_field.quantile(qs)[:, feature]
 
     return One
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_an_episode_stored_after_a_reopen_recounted_fewer_is_listed(tmp_path, backend):
+    """A circular writer drops its only episode and is reopened: the open recounted num_episodes
+    as 0 (the next slot still 1), so the episodes stored next, in slots 1 and 2, counted 1 and 2
+    commits and get_all_data, and a snapshot of them, listed slots 0 .. 1 and hid one. The
+    dropped slot stays a row of padding, as before the reopen."""
+    options = dict(max_episodes=4, max_timesteps=5, fields={"x": "float"}, circular=True, backend=backend)
+    buffer = ReplayBuffer(tmp_path / "b", **options)
+    buffer.store_episode(x=np.zeros(3))
+    buffer.drop_episodes([0])
+    buffer.close()
+    buffer = ReplayBuffer.from_folder(tmp_path / "b")
+    buffer.store_episode(x=np.full(3, 1.0))
+    buffer.store_episode(x=np.full(3, 2.0))
+    assert buffer.valid_episodes().tolist() == [1, 2]
+    buffer.snapshot("s")
+    view = ReplayBuffer.from_folder(tmp_path / "b", snapshot="s")
+    for reader in (buffer, view):
+        rows = reader.get_all_data()["x"].numpy()
+        assert sorted(rows[:, 0].tolist()) == [0.0, 1.0, 2.0], "slot 0 is a row of padding; slots 1, 2 listed"
+
+
+@pytest.mark.parametrize(
+    ("state", "problem"),
+    [
+        ({"num_episodes": 10**18}, r"num_episodes is 1000000000000000000, expected at most max_episodes 3"),
+        ({"episode_index": 3}, r"episode_index is 3, expected below max_episodes 3"),
+    ],
+)
+def test_a_snapshot_with_absurd_counters_is_named_damaged(tmp_path, state, problem):
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=3, max_timesteps=5, fields={"x": "float"})
+    buffer.store_episode(x=np.zeros(3))
+    buffer.snapshot("s")
+    key = snapshots.key("s")
+    document = json.loads(buffer.storage.read_blob(key))
+    document["state"].update(state)
+    buffer.storage.write_blob(key, json.dumps(document).encode())
+    with pytest.raises(SnapshotError, match=rf"snapshot 's' is damaged \(.*snapshot.json.*\): 'state' {problem}"):
+        ReplayBuffer.from_folder(tmp_path / "b", snapshot="s")
