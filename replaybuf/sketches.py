@@ -28,7 +28,7 @@ little-endian uint32 header length, a JSON header ``{"generation", "revision", "
 {"count", "sum", "m2", "min", "max", "kll", "sketch"}}}`` (``kll``: byte lengths of the
 per-feature sketches; ``sketch``: their ``sketch_kind``, ``kll_floats`` when absent) and the
 sketches' bytes, in order. A blob that fails its crc32 (a flipped byte in a sum would otherwise
-shift the mean silently) or its layout, an older release's ``b"RBSK"`` blob (no checksum), or
+shift the mean silently), its layout, or a header that does not describe its episode (``_fits``), an older release's ``b"RBSK"`` blob (no checksum), or
 one of float sketches for a field that now gets double ones, is ignored and its episode
 sketched again.
 """
@@ -252,8 +252,12 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
         return out
     headers: list[dict[str, Any] | None] = []
     kinds = {n: sketch_kind(buffer.schema.fields[n].dtype) for n in names}
+    features = {n: int(np.prod(buffer.schema.fields[n].shape, dtype=np.int64)) for n in names}
     generations, revisions = buffer._meta["_generation"][slots], buffer._meta["_revision"][slots]
-    for slot, generation, revision in zip(slots.tolist(), generations.tolist(), revisions.tolist()):
+    lengths = buffer._meta["episode_lens"][slots]
+    for slot, generation, revision, length in zip(
+        slots.tolist(), generations.tolist(), revisions.tolist(), lengths.tolist()
+    ):
         try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
             blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
@@ -265,8 +269,7 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
             header is not None
             and header["generation"] == generation
             and header.get("revision") == revision
-            and all("m2" in header["fields"].get(n, {}) for n in names)
-            and all(header["fields"][n].get("sketch", "kll_floats") == kinds[n] for n in names)
+            and all(_fits(header["fields"].get(n), length, features[n], kinds[n]) for n in names)
         )
         headers.append(header if fresh else None)
     missing = np.asarray([i for i, h in enumerate(headers) if h is None], np.int64)
@@ -274,6 +277,26 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
     for i, header in zip(missing.tolist(), sketched):
         headers[i] = header
     return headers
+
+
+def _fits(field: Any, length: int, features: int, kind: str) -> bool:
+    """Whether ``field`` (a blob's header of one field) describes ``length`` steps of ``features``
+    values each in sketches of ``kind``: one from an older release (no ``m2``, float sketches of
+    a field that now gets double ones), or one whose checksum was recomputed over a changed
+    header (a count of 0 would divide by zero, another one weigh the episode wrongly), is not."""
+    if not isinstance(field, dict) or field.get("count") != length or field.get("sketch", "kll_floats") != kind:
+        return False
+    numbers = [field.get(key) for key in ("sum", "m2", "min", "max")]
+    return (
+        all(
+            isinstance(values, list)
+            and len(values) == features
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            for values in numbers
+        )
+        and isinstance(field.get("kll"), list)
+        and len(field["kll"]) == features
+    )
 
 
 def _sketch_from_data(

@@ -5,6 +5,8 @@ beyond float32's range, int64 timestamps)."""
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -177,3 +179,41 @@ def test_a_snapshot_with_absurd_counters_is_named_damaged(tmp_path, state, probl
     buffer.storage.write_blob(key, json.dumps(document).encode())
     with pytest.raises(SnapshotError, match=rf"snapshot 's' is damaged \(.*snapshot.json.*\): 'state' {problem}"):
         ReplayBuffer.from_folder(tmp_path / "b", snapshot="s")
+
+
+def reencode(blob: bytes, change) -> bytes:
+    """``blob`` with ``change`` applied to its header and its crc32 recomputed: damage that the
+    checksum cannot see."""
+    (size,) = struct.unpack("<I", blob[8:12])
+    header = json.loads(blob[12 : 12 + size])
+    change(header["fields"]["state"])
+    encoded = json.dumps(header).encode()
+    body = struct.pack("<I", len(encoded)) + encoded + blob[12 + size :]
+    return blob[:4] + struct.pack("<I", zlib.crc32(body)) + body
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda field: field.update(count=0),  # ZeroDivisionError
+        lambda field: field.update(count=field["count"] * 1000),  # the mean weighted 1000x, silently
+        lambda field: field.update(min=["a"] * len(field["min"])),  # ValueError from numpy
+        lambda field: field.update(sum=field["sum"][:1]),  # one feature's sum broadcast to all
+        lambda field: field.update(m2=None),
+    ],
+    ids=["count 0", "count x1000", "min strings", "sum short", "m2 null"],
+)
+def test_a_sketch_header_that_does_not_fit_its_episode_is_sketched_again(tmp_path, change):
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=STEPS, fields={"state": ("float", (2,))})
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        buffer.store_episode(state=rng.standard_normal((STEPS, 2)) + 5)
+    exact = buffer.stats(exact=True)["state"]
+    key = f"{sketches.PREFIX}0"
+    buffer.stats()  # stores the blobs
+    buffer.storage.write_blob(key, reencode(buffer.storage.read_blob(key), change))
+    got = buffer.stats()["state"]
+    assert got.count == exact.count
+    np.testing.assert_allclose(got.mean.numpy(), exact.mean.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got.std.numpy(), exact.std.numpy(), rtol=1e-5)
+    assert sketches.decode(buffer.storage.read_blob(key))["fields"]["state"]["count"] == STEPS, "stored again"
