@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer, sketches, snapshots
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, sketches, snapshots
 from replaybuf.sketches import KLL_K
 from replaybuf.snapshots import SnapshotError
 
@@ -217,3 +217,29 @@ def test_a_sketch_header_that_does_not_fit_its_episode_is_sketched_again(tmp_pat
     np.testing.assert_allclose(got.mean.numpy(), exact.mean.numpy(), rtol=1e-6)
     np.testing.assert_allclose(got.std.numpy(), exact.std.numpy(), rtol=1e-5)
     assert sketches.decode(buffer.storage.read_blob(key))["fields"]["state"]["count"] == STEPS, "stored again"
+
+
+@pytest.mark.parametrize("weights", [["1", "2"], [[1, 1]], np.array([[0.5], [0.5]])], ids=["strings", "nested", "2-D"])
+def test_mixture_weights_that_are_not_one_number_per_buffer_are_refused(tmp_path, weights):
+    """Strings were parsed as numbers and nested weights flattened, as if one per buffer."""
+    for name in ("a", "b"):
+        buffer = ReplayBuffer(tmp_path / name, max_episodes=1, max_timesteps=2, fields={"x": "float"})
+        buffer.store_episode(x=np.zeros(2))
+    with pytest.raises(TypeError, match=r"weights must be a sequence of 2 numbers, got"):
+        ConcatReplayBuffer([tmp_path / "a", tmp_path / "b"], weights=weights)
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({}, r"state must be a rate-limited loader's state_dict\(\) \(a dict with 'rate_limiter'\), got \{\}"),
+        ({"rate_limiter": {}}, r"state\['rate_limiter'\] must be a dict with 'sampled' \(from state_dict\(\)\)"),
+    ],
+)
+def test_a_rate_limited_loader_state_without_its_keys_is_named(tmp_path, state, message):
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=4, fields={"x": "float"})
+    buffer.store_episode(x=np.zeros(4))
+    loader = buffer.dataloader(batch_size=2, timestep_level=True, samples_per_insert=1.0)
+    with pytest.raises(ValueError, match=message):  # was a bare KeyError
+        loader.load_state_dict(state)
+    assert loader.state_dict()["rate_limiter"] == {"sampled": 0}, "nothing loaded"
