@@ -86,6 +86,8 @@ def wide_episode(index: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the std of +-1e300 values
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_quantiles_of_values_float32_would_round(tmp_path, backend, monkeypatch):
     """float64 beyond float32's range, int64 timestamps and int32 counts above 2**24: a float32
     sketch made every quantile inf or the same rounded value; each is within the rank error,
