@@ -490,7 +490,8 @@ class FieldStats:
     def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
         """Quantiles per feature (shape ``(len(q), *shape)``, or the field's shape for one ``q``)
         from the merged sketches, within their rank error (``rank_error``); 0 and 1 give the
-        exact ``min`` and ``max``."""
+        exact ``min`` and ``max``; NaN for a feature holding NaN. float64 for float64 fields and
+        ints of 4 bytes or more, float32 otherwise."""
         if not self.sketches:
             raise ValueError(
                 "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "
@@ -499,7 +500,15 @@ class FieldStats:
         qs = np.atleast_1d(np.asarray(q, np.float64))
         if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():  # NaN fails too
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
-        values = np.array([[s.get_quantile(float(x)) for s in self.sketches] for x in qs], np.float32)
+        # a feature holding NaN has NaN quantiles, as np.quantile and its NaN min, max and mean
+        # (the sketches skip NaN: one of only NaN is empty and has no quantile at all)
+        nan = np.isnan(self.min.numpy().astype(np.float64)).reshape(-1)
+        # float64 where the sketches are (float64 and wide int fields: float32 would round them)
+        wide = getattr(self.sketches, "kind", "kll_floats") == "kll_doubles"
+        values = np.array(
+            [[np.nan if n else s.get_quantile(float(x)) for s, n in zip(self.sketches, nan)] for x in qs],
+            np.float64 if wide else np.float32,
+        )
         values = values.reshape(len(qs), *self.mean.shape)
         # the ends are known exactly: a merged KLL sketch may have dropped the extreme values
         values[qs == 0] = self.min.numpy()

@@ -1404,12 +1404,15 @@ class ReplayBuffer(CommittedViews):
 
     # ---- reading back: dataset() and dataloader() are CommittedViews' (replaybuf.sampling) --------
 
-    def update_priorities(self, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
+    def update_priorities(
+        self, indices: Any, priorities: Any, priority_field: str = "priority", generations: Any = None
+    ) -> int:
         """Write new priorities for a prioritized batch's ``_indices`` (B, 2) into
-        ``priority_field`` and into the live prioritized loaders of this buffer."""
+        ``priority_field`` and into the live prioritized loaders of this buffer; with the batch's
+        ``_generations``, pairs whose slot was reused since are skipped. Returns the pairs written."""
         from .sampling import update_priorities
 
-        update_priorities(self, indices, priorities, priority_field)
+        return update_priorities(self, indices, priorities, priority_field, generations)
 
     def image_fields(self) -> list[str]:
         """Fields holding one frame per step ((H, W), (H, W, C) or (C, H, W)), in declaration order."""

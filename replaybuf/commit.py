@@ -483,6 +483,10 @@ class Committer:
                 # seed's do: length-0 episodes committed since, an ``episode_index`` set by hand
                 state["episode_index"] = (newest + 1) % self.max_episodes
             state["total_episodes"] = max(int(state["total_episodes"]), int(generations[newest]))
+        # nor below the stored count up to the next slot: the episodes committed next go there
+        # and after it, and a recount of fewer (the last episodes dropped) would hide them
+        stored = min(int(self.state["num_episodes"]), int(state["episode_index"]))
+        state["num_episodes"] = max(state["num_episodes"], stored)
         if state != self.state:
             self.state = state
             self.store_state(state)

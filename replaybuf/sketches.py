@@ -4,7 +4,8 @@ For every numeric field with at most ``MAX_FEATURES`` values per step (states, a
 rewards; not images), an episode of at least ``KLL_K`` steps gets one side blob
 ``replaybuf/sketches/<slot>``: per feature, count, sum, the sum of squared deviations from the
 episode mean (``m2``), min, max and an Apache DataSketches KLL quantile sketch
-(``kll_floats_sketch``, k = ``KLL_K``: normalized rank error about 1.3 % for a merge of any
+(``kll_floats_sketch``, or ``kll_doubles_sketch`` where float32 would round the field's values:
+``sketch_kind``; k = ``KLL_K``: normalized rank error about 1.3 % for a merge of any
 number of sketches, measured ~0.35 % on 1e6 floats). The blob names the slot's generation and
 revision, so a blob outliving its episode (slot reused) or its values (edited in place:
 ``update``, ``store_datapoint``, ``data[...] = ...``) is ignored. ``buffer.stats()`` / ``summary()`` of any
@@ -24,10 +25,12 @@ floats: a 7.9 kB blob for 3.1 kB of data); they are sketched from their data at 
 
 Blob layout (no pickle): ``b"RBS2"``, the little-endian uint32 crc32 of all that follows it, a
 little-endian uint32 header length, a JSON header ``{"generation", "revision", "length", "fields": {name:
-{"count", "sum", "m2", "min", "max", "kll"}}}`` (``kll``: byte lengths of the per-feature
-sketches) and the sketches' bytes, in order. A blob that fails its crc32 (a flipped byte in a
-sum would otherwise shift the mean silently) or its layout, or an older release's ``b"RBSK"``
-blob (no checksum), is ignored and its episode sketched again.
+{"count", "sum", "m2", "min", "max", "kll", "sketch"}}}`` (``kll``: byte lengths of the
+per-feature sketches; ``sketch``: their ``sketch_kind``, ``kll_floats`` when absent) and the
+sketches' bytes, in order. A blob that fails its crc32 (a flipped byte in a sum would otherwise
+shift the mean silently), its layout, or a header that does not describe its episode (``_fits``), an older release's ``b"RBSK"`` blob (no checksum), or
+one of float sketches for a field that now gets double ones, is ignored and its episode
+sketched again.
 """
 
 from __future__ import annotations
@@ -61,12 +64,20 @@ READ_BYTES = 64 << 20
 _MAGIC = b"RBS2"
 
 
-def _kll():
+def sketch_kind(dtype: np.dtype) -> str:
+    """The KLL sketch of a field of ``dtype``: ``kll_doubles`` where float32 would round its values
+    (float64, and ints of 4 bytes or more: 1e300 would be inf, an int64 timestamp off by minutes),
+    ``kll_floats`` (half the bytes) otherwise."""
+    wide = dtype.itemsize >= 4 if dtype.kind in "iu" else dtype.kind == "f" and dtype.itemsize > 4
+    return "kll_doubles" if wide else "kll_floats"
+
+
+def _kll(kind: str = "kll_floats"):
     try:
-        from datasketches import kll_floats_sketch
+        from datasketches import kll_doubles_sketch, kll_floats_sketch
     except ImportError as error:
         raise ImportError("statistics sketches need Apache DataSketches: pip install 'replaybuf[sketches]'") from error
-    return kll_floats_sketch
+    return kll_doubles_sketch if kind == "kll_doubles" else kll_floats_sketch
 
 
 def available() -> bool:
@@ -95,9 +106,10 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
     # input and sorted values compact ~3x faster; moments along rows are faster too
     # (1,000 steps x 32 float32 features: 1.6 -> 0.64 ms)
     ordered = np.sort(np.asarray(values).T, axis=1)
-    sketch = _kll()
+    kind = sketch_kind(ordered.dtype)
+    sketch = _kll(kind)
     blobs = []
-    for column in np.asarray(ordered, np.float32):
+    for column in np.asarray(ordered, np.float64 if kind == "kll_doubles" else np.float32):
         kll = sketch(KLL_K)
         kll.update(column)
         blobs.append(kll.serialize())
@@ -115,6 +127,7 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
         "min": low.tolist(),
         "max": high.tolist(),
         "kll": [len(b) for b in blobs],
+        "sketch": kind,
     }
     return header, blobs
 
@@ -160,13 +173,14 @@ class MergedSketches(Sequence):
     used (``quantile()``): statistics that need only the moments never pay for the merge
     (~25 us per episode and feature)."""
 
-    def __init__(self, parts: list[list[bytes]]):
+    def __init__(self, parts: list[list[bytes]], kind: str = "kll_floats"):
         self._parts: list[list[bytes]] | None = parts
         self._merged: list[Any] = []
+        self.kind = kind  # sketch_kind's: the sketches' class
 
     def _sketches(self) -> list[Any]:
         if self._parts is not None:
-            sketch = _kll()
+            sketch = _kll(self.kind)
             for parts in self._parts:
                 merged = sketch(KLL_K)
                 for part in parts:
@@ -220,7 +234,7 @@ class _Accumulator:
             min=tensor(np.min(np.asarray(self.lows, field.dtype), axis=0), field.dtype),
             max=tensor(np.max(np.asarray(self.highs, field.dtype), axis=0), field.dtype),
             count=int(self.count),
-            sketches=MergedSketches(self.parts),
+            sketches=MergedSketches(self.parts, sketch_kind(field.dtype)),
         )
 
 
@@ -237,20 +251,25 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
                 out[row] = header
         return out
     headers: list[dict[str, Any] | None] = []
+    kinds = {n: sketch_kind(buffer.schema.fields[n].dtype) for n in names}
+    features = {n: int(np.prod(buffer.schema.fields[n].shape, dtype=np.int64)) for n in names}
     generations, revisions = buffer._meta["_generation"][slots], buffer._meta["_revision"][slots]
-    for slot, generation, revision in zip(slots.tolist(), generations.tolist(), revisions.tolist()):
+    lengths = buffer._meta["episode_lens"][slots]
+    for slot, generation, revision, length in zip(
+        slots.tolist(), generations.tolist(), revisions.tolist(), lengths.tolist()
+    ):
         try:  # one over MAX_DOCUMENT_BYTES is refused unread (BufferDamagedError, a ValueError)
             blob = buffer.storage.read_blob(f"{PREFIX}{slot}")
             header = decode(blob) if blob is not None else None
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError, struct.error):
             header = None  # a damaged blob: derived data, sketched again from the episode
-        # a blob of another episode, of values since edited, or of an older release (no m2),
-        # is sketched again
+        # a blob of another episode, of values since edited, or of an older release (no m2,
+        # or float sketches of a field that now gets double ones), is sketched again
         fresh = (
             header is not None
             and header["generation"] == generation
             and header.get("revision") == revision
-            and all("m2" in header["fields"].get(n, {}) for n in names)
+            and all(_fits(header["fields"].get(n), length, features[n], kinds[n]) for n in names)
         )
         headers.append(header if fresh else None)
     missing = np.asarray([i for i, h in enumerate(headers) if h is None], np.int64)
@@ -258,6 +277,26 @@ def _episode_headers(buffer: Any, slots: np.ndarray, names: list[str]) -> list[d
     for i, header in zip(missing.tolist(), sketched):
         headers[i] = header
     return headers
+
+
+def _fits(field: Any, length: int, features: int, kind: str) -> bool:
+    """Whether ``field`` (a blob's header of one field) describes ``length`` steps of ``features``
+    values each in sketches of ``kind``: one from an older release (no ``m2``, float sketches of
+    a field that now gets double ones), or one whose checksum was recomputed over a changed
+    header (a count of 0 would divide by zero, another one weigh the episode wrongly), is not."""
+    if not isinstance(field, dict) or field.get("count") != length or field.get("sketch", "kll_floats") != kind:
+        return False
+    numbers = [field.get(key) for key in ("sum", "m2", "min", "max")]
+    return (
+        all(
+            isinstance(values, list)
+            and len(values) == features
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            for values in numbers
+        )
+        and isinstance(field.get("kll"), list)
+        and len(field["kll"]) == features
+    )
 
 
 def _sketch_from_data(

@@ -142,6 +142,14 @@ def decode(raw: bytes, name: str, schema: Schema, where: str) -> Snapshot:
             type(state.get(k)) is int and state[k] >= 0 for k in ("num_episodes", "episode_index", "total_episodes")
         ):
             raise ValueError("'state' must hold ints num_episodes, episode_index, total_episodes >= 0")
+        if state["num_episodes"] > schema.max_episodes:
+            raise ValueError(
+                f"'state' num_episodes is {state['num_episodes']}, expected at most max_episodes {schema.max_episodes}"
+            )
+        if state["episode_index"] >= schema.max_episodes:
+            raise ValueError(
+                f"'state' episode_index is {state['episode_index']}, expected below max_episodes {schema.max_episodes}"
+            )
         created = doc.get("created")
         if not isinstance(created, (int, float)):
             raise ValueError("'created' must be a number")

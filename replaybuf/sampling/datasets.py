@@ -265,8 +265,10 @@ class _SnapshotDataset(Dataset):
         if not keep.all():
             columns = {k: v[keep] for k, v in columns.items()}
             lens = None if lens is None else lens[keep]
-        if weights is not None:
+        if weights is not None:  # a prioritized batch: its weights, and the generation each
+            # sample was read at, so that ``update_priorities`` skips a slot reused since
             columns["_weights"] = np.asarray(weights, dtype=np.float32)[items][keep]
+            columns["_generations"] = self._generations[self._slots_of(positions[items])[keep]]
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in columns.items()}
         return CollatedSamples(batch, lens, self.time_keys)
 

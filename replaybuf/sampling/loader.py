@@ -144,8 +144,8 @@ def make_dataloader(
 
     ``sampler='prioritized'`` draws timesteps or n-step starts by ``priority_field``
     (``alpha``, ``beta``; ``num_batches`` per pass, default one dataset's worth; draws seeded by
-    ``seed`` and the rank, so DDP ranks draw differently) and adds ``_indices`` and
-    ``_weights``; ``slice_by_episode_len``, ``return_episode_lens`` and ``cache`` go to the
+    ``seed`` and the rank, so DDP ranks draw differently) and adds ``_indices``, ``_weights``
+    and ``_generations`` (what ``update_priorities`` takes); ``slice_by_episode_len``, ``return_episode_lens`` and ``cache`` go to the
     dataset; any other ``sampler`` and every other keyword go to torch's DataLoader
     (``num_workers``, ``drop_last``, ``pin_memory``, ...).
 
@@ -234,7 +234,7 @@ def make_dataloader(
             fieldname_map=fieldname_map,
             **dataset_kwargs,
         )
-    added = ["_mask"] * return_mask + ["_weights"] * prioritized  # the loader's own keys
+    added = ["_mask"] * return_mask + ["_weights", "_generations"] * prioritized  # the loader's own keys
     taken = [key for key in added if hasattr(dataset, "output_keys") and key in dataset.output_keys()]
     if taken:
         raise ValueError(

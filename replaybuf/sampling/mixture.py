@@ -28,9 +28,13 @@ def check_weights(weights: Any, sources: int) -> np.ndarray | None:
     if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, np.ndarray, torch.Tensor)):
         raise TypeError(f"weights must be a sequence of {sources} numbers, got {weights!r}")
     try:
-        values = np.asarray(weights, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
+        given = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+    except (TypeError, ValueError):  # ragged nesting
         raise TypeError(f"weights must be a sequence of {sources} numbers, got {weights!r}") from None
+    # strings would be parsed as numbers, nested lists flattened
+    if given.dtype.kind not in "biuf" or given.ndim != 1:
+        raise TypeError(f"weights must be a sequence of {sources} numbers, got {weights!r}")
+    values = given.astype(np.float64)
     if len(values) != sources:
         raise ValueError(f"weights has {len(values)} entries for {sources} buffers; give one per buffer")
     if not np.isfinite(values).all() or (values < 0).any():

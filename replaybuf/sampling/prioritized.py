@@ -139,13 +139,18 @@ class PrioritizedBatchSampler(Sampler):
         self._scaled[positions] = np.power(np.maximum(priorities, 0.0), self.alpha)
         self._cumulative = None
 
-    def update(self, episodes: np.ndarray, timesteps: np.ndarray, priorities: np.ndarray) -> None:
-        """New priorities for (episode, timestep) pairs; pairs outside this sampler are ignored."""
+    def update(
+        self, episodes: np.ndarray, timesteps: np.ndarray, priorities: np.ndarray, generations: np.ndarray | None = None
+    ) -> None:
+        """New priorities for (episode, timestep) pairs; pairs outside this sampler, or (given
+        their ``generations``) of another episode than this sampler's slot holds, are ignored."""
         if self._scaled is None:
             return
         keys = episodes * self.dataset.replay_buffer.max_timesteps + timesteps
         positions = np.searchsorted(self._keys, keys)
         found = (positions < len(self._keys)) & (self._keys[np.minimum(positions, len(self._keys) - 1)] == keys)
+        if generations is not None:
+            found &= self.dataset._generations[episodes] == generations
         self._set(positions[found], priorities[found])
 
     def probabilities(self) -> np.ndarray:
@@ -186,17 +191,30 @@ class PrioritizedBatchSampler(Sampler):
         return WeightedIndices(positions.tolist(), weights.astype(np.float32))
 
 
-def update_priorities(buffer: BufferView, indices: Any, priorities: Any, priority_field: str = "priority") -> None:
+def update_priorities(
+    buffer: BufferView,
+    indices: Any,
+    priorities: Any,
+    priority_field: str = "priority",
+    generations: Any = None,
+) -> int:
     """Write ``priorities`` for the (episode, timestep) pairs ``indices`` (a batch's ``_indices``,
-    shape (B, 2)) into ``priority_field`` of ``buffer`` and into its live prioritized samplers."""
+    shape (B, 2)) into ``priority_field`` of ``buffer`` and into its live prioritized samplers.
+
+    ``generations`` (a prioritized batch's ``_generations``, shape (B,)) names the episode each
+    pair was drawn from: a pair whose slot a circular writer has reused since is skipped, so a
+    late update never lands on the newer episode. Without it every pair is written. Returns the
+    number of pairs written."""
     check_priority_field(buffer, priority_field)
-    pairs = indices.detach().cpu().numpy() if torch.is_tensor(indices) else np.asarray(indices)
-    values = priorities.detach().cpu().numpy() if torch.is_tensor(priorities) else np.asarray(priorities)
+    pairs = _as_numpy(indices)
+    values = _as_numpy(priorities)
     if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu":
         raise ValueError(
             f"indices must be (episode, timestep) int pairs of shape (B, 2) as in `_indices`, "
             f"got {pairs.dtype} array of shape {pairs.shape}"
         )
+    if values.dtype.kind not in "biuf":
+        raise ValueError(f"priorities must be numbers, got a {values.dtype} array")
     values = values.astype(np.float64).reshape(-1)
     if len(values) != len(pairs):
         raise ValueError(f"priorities has {len(values)} values for {len(pairs)} indices")
@@ -207,6 +225,24 @@ def update_priorities(buffer: BufferView, indices: Any, priorities: Any, priorit
             f"{pairs[bad][:5].tolist()}{' ...' if bad.sum() > 5 else ''}"
         )
     episodes, timesteps = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
-    as_writer(buffer, "update_priorities").update_steps(episodes, timesteps, **{priority_field: values})
+    writer = as_writer(buffer, "update_priorities")
+    if generations is not None:
+        drawn = _as_numpy(generations)
+        if drawn.shape != (len(pairs),) or drawn.dtype.kind not in "iu":
+            raise ValueError(
+                f"generations must be one int per pair, shape ({len(pairs)},) as in `_generations`, "
+                f"got {drawn.dtype} array of shape {drawn.shape}"
+            )
+        inside = (episodes >= 0) & (episodes < writer.max_episodes)  # update_steps names the others
+        current = np.zeros(len(pairs), np.int64)
+        current[inside] = writer.generations[episodes[inside]]
+        live = ~inside | (current == drawn)
+        episodes, timesteps, values, drawn = episodes[live], timesteps[live], values[live], drawn[live]
+    writer.update_steps(episodes, timesteps, **{priority_field: values})
     for sampler in list(_samplers.get(buffer, ())):
-        sampler.update(episodes, timesteps, values)
+        sampler.update(episodes, timesteps, values, None if generations is None else drawn)
+    return len(episodes)
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    return value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)

@@ -87,6 +87,8 @@ class RateLimiter:
         return {"sampled": self.sampled}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if not isinstance(state, dict) or "sampled" not in state:
+            raise ValueError(f"state['rate_limiter'] must be a dict with 'sampled' (from state_dict()), got {state!r}")
         self.sampled = int(_check_number("state['rate_limiter']['sampled']", state["sampled"], 0, integer=True))
 
     def update(self) -> int:
@@ -212,6 +214,10 @@ class RateLimitedLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "rate_limiter" not in state:
+            raise ValueError(
+                f"state must be a rate-limited loader's state_dict() (a dict with 'rate_limiter'), got {state!r}"
+            )
         passes = state.get("passes", 0)  # a state saved before passes were counted: 0
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
             raise ValueError(f"state['passes'] must be an int >= 0, got {passes!r}")
