@@ -32,12 +32,17 @@ class DiffusionPolicySource(Source):
                     f"data is a {type(data).__name__} and meta/episode_ends a {type(stored_ends).__name__}"
                 )
             self._arrays = {name: array for name, array in data.arrays()}
+            groups = sorted(name for name, _group in data.groups())
             self._attrs = dict(root.attrs)
             ends = np.asarray(stored_ends[:])
         except (KeyError, FileNotFoundError, ValueError) as error:
             raise ImportSourceError(
                 f"{self.path}: not a diffusion_policy zarr (expected data/<key> arrays and meta/episode_ends): {error}"
             ) from error
+        if groups:  # their arrays were left out without a word
+            raise ImportSourceError(
+                f"{self.path}: data/{groups[0]} is a group; expected only arrays under data/ (one per key)"
+            )
         if not self._arrays:
             raise ImportSourceError(f"{self.path}: data/ holds no arrays")
         scalars = sorted(name for name, array in self._arrays.items() if array.ndim == 0)

@@ -26,7 +26,7 @@ from ..buffer import ReplayBuffer
 from ..consistency import read_episodes_consistent
 from ..maintenance import check_apart
 from ..progress import progress_bar
-from ..schema import Schema
+from ..schema import MAX_EPISODE_BYTES, Schema
 from ..storage.base import ConcurrentWriteError, Storage, make_storage
 
 __all__ = [
@@ -198,11 +198,37 @@ def destination_config(source: Source) -> dict[str, Any]:
         },
         "meta_fields": {SOURCE_EPISODE: "int64", **source.meta_fields()},
     }
+    _check_episode_bytes(source, config["fields"], ids, lengths)
     try:
         Schema.build(**config)
     except (ValueError, TypeError) as error:
         raise ImportSourceError(f"{source.path}: no buffer can hold this dataset: {error}") from error
     return config
+
+
+def _check_episode_bytes(source: Source, fields: dict[str, dict], ids: list[int], lengths: list[int]) -> None:
+    """ImportSourceError naming the longest episode where one of its fields is over the
+    ``MAX_EPISODE_BYTES`` an episode may take in RAM: an import reads one episode whole, so no
+    option of it helps (the buffer's own message said to lower max_timesteps, which an import
+    has not); the episode has to be split in the source."""
+    longest = int(np.argmax(lengths))
+    for name, spec in fields.items():
+        try:
+            step_nbytes = np.dtype(spec["dtype"]).itemsize * int(np.prod(spec["shape"], dtype=np.int64))
+        except TypeError:  # a dtype no buffer holds: Schema.build names it
+            continue
+        size = step_nbytes * lengths[longest]
+        if size > MAX_EPISODE_BYTES:
+            fits = MAX_EPISODE_BYTES // step_nbytes
+            advice = (
+                f"split it into episodes of at most {fits} steps in the source" if fits else "one step alone is over it"
+            )
+            raise ImportSourceError(
+                f"{source.path}: no buffer can hold this dataset: episode {ids[longest]} has {lengths[longest]} "
+                f"steps of field {name!r}, {step_nbytes} bytes each: {size / 2**30:,.0f} GiB per episode, over "
+                f"the {MAX_EPISODE_BYTES // 2**30} GiB an import reads at once (one episode, "
+                f"replaybuf.schema.MAX_EPISODE_BYTES); {advice}"
+            )
 
 
 def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBuffer, set[int]]:

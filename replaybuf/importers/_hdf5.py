@@ -2,7 +2,8 @@
 
 robomimic: ``data/demo_N/{obs/<key>, next_obs/<key>, actions, rewards, dones, states}``, each
 demo's length in its ``num_samples`` attribute. ``obs/<key>`` becomes field ``obs_<key>``
-(``next_obs_<key>`` likewise), the others keep their names. Demos are read in order of N.
+(``next_obs_<key>``, ``action_dict/<key>`` and any group's datasets likewise, their path joined
+by ``_``), the others keep their names. Demos are read in order of N; ``data/`` holds nothing else.
 ``buffer.attrs["robomimic"]`` keeps ``env_args`` (the environment's metadata, parsed; its text
 when it is not plain JSON, e.g. holds NaN) and ``fields`` (field -> dataset path).
 
@@ -100,6 +101,11 @@ class RobomimicSource(_HDF5Source):
         if not hasattr(self._file.get("data"), "keys"):
             raise ImportSourceError(f"{self.path}: not a robomimic file (no 'data' group)")
         demos = [name for name in self._file["data"] if re.fullmatch(r"demo_\d+", name)]
+        others = sorted(set(self._file["data"]) - set(demos))
+        if others:  # they were left out without a word
+            raise ImportSourceError(
+                f"{self.path}: data/ holds {others}, expected only demo_N groups (N a number, as robomimic writes)"
+            )
         self._demos = sorted(demos, key=lambda name: int(name.split("_")[1]))
         # the datasets of every demo: one that only some demos hold is missing from the others
         # (an error naming it), not dropped from all of them
@@ -113,20 +119,18 @@ class RobomimicSource(_HDF5Source):
         self._lengths = [self._length(demo) for demo in self._demos]
 
     def _paths(self, demo: str) -> dict[str, str]:
-        """field name -> dataset path inside ``data/<demo>``; ValueError where ``obs`` or
-        ``next_obs`` is not a group of datasets."""
+        """field name -> dataset path inside ``data/<demo>``, the datasets of its groups (``obs``,
+        ``next_obs``, ``action_dict``, MimicGen's ``datagen_info``, at any depth) with their path
+        joined by ``_``: those other than obs and next_obs were dropped without a word. ValueError
+        where ``obs`` or ``next_obs`` is not a group."""
         group = self._file[f"data/{demo}"]
-        found = []
-        for key, item in group.items():
-            if key in ("obs", "next_obs"):
-                if not hasattr(item, "keys"):
-                    raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
-                nested = [sub for sub, value in item.items() if hasattr(value, "keys")]
-                if nested:
-                    raise ValueError(f"data/{demo}/{key}/{nested[0]} is a group, expected a dataset")
-                found += [(f"{key}_{sub}", f"{key}/{sub}") for sub in item]
-            elif not hasattr(item, "keys"):
-                found.append((key, key))
+        for key in ("obs", "next_obs"):
+            if key in group and not hasattr(group[key], "keys"):
+                raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
+        found: list[tuple[str, str]] = []
+        group.visititems(
+            lambda path, item: None if hasattr(item, "keys") else found.append((path.replace("/", "_"), path))
+        )
         return _unique(found, f"data/{demo}/")
 
     @property

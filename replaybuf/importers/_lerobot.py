@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from ..video import is_image_field
 from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["LeRobotSource", "export_lerobot"]
@@ -103,8 +102,12 @@ def _image_shape(feature: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """A (possibly nested list) parquet column as a (rows, *shape) array; ValueError where a row
-    holds another number of values than ``shape`` (a reshape would shift values across rows)."""
+    """A (possibly nested list) parquet column as a (rows, *shape) array of the feature's
+    ``dtype``; ValueError where a row holds another number of values than ``shape`` (a reshape
+    would shift values across rows), an empty value (it read as NaN, or as -2**63 in an integer
+    feature), or a value ``dtype`` cannot hold (0.5 in an int64 feature read as 0, 1e300 in a
+    float32 one as inf, 300 in a uint8 one as 44)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     array = table.column(name).combine_chunks()
@@ -118,7 +121,23 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
         raise ValueError(
             f"column {name!r}: frame {bad} holds {counts[bad]} values, the feature's shape {shape} holds {math.prod(shape)}"
         )
-    return np.asarray(array.to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(table), *shape)
+    if array.null_count:
+        bad = int(rows[np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0]])
+        raise ValueError(f"column {name!r}: frame {bad} holds an empty value; a field holds numbers only")
+    try:
+        cast = pc.cast(array, pa.from_numpy_dtype(np.dtype(dtype)), safe=True)
+    except pa.ArrowInvalid as error:
+        raise ValueError(f"column {name!r} of type {array.type}: {error}; the feature's dtype is {dtype}") from error
+    values = np.asarray(cast.to_numpy(zero_copy_only=False), dtype=dtype)
+    if values.dtype.kind == "f":  # a float narrowed: arrow's safe cast lets a finite value become inf
+        grown = np.isinf(values) & np.isfinite(np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64))
+        if grown.any():
+            bad = int(np.flatnonzero(grown)[0])
+            raise ValueError(
+                f"column {name!r}: frame {int(rows[bad])} holds {array[bad].as_py()!r}, out of the range of "
+                f"the feature's dtype {dtype}"
+            )
+    return values.reshape(len(table), *shape)
 
 
 def decode_frames(path: Path, start_s: float, count: int, fps: float) -> np.ndarray:
@@ -345,21 +364,31 @@ class LeRobotSource(Source):
     def where(self, position: int) -> str:
         return str(self.root / self._data_path(self._episodes[position]))
 
+    def _missing_columns(self, row: dict[str, Any], wanted: list[str]) -> str:
+        """What a data file lacks of the columns ``wanted`` (features info.json declares), as a
+        message; empty where it has them all or cannot be read (arrow's message says more)."""
+        try:
+            held = set(self._pa.parquet.read_schema(self._data_file(row)).names)
+        except (OSError, self._pa.ArrowException):
+            return ""
+        missing = [column for column in [*wanted, "episode_index"] if column not in held]
+        expected = "one per feature of meta/info.json, and frame_index, task_index and episode_index"
+        return f"it has no columns {missing}; expected {expected}" if missing else ""
+
     def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         row = self._episodes[position]
         episode, length = int(row["episode_index"]), int(row["length"])
         video = {name for name, feature in self._features.items() if self.info["features"][feature]["dtype"] == "video"}
         columns = [self._features[name] for name in self._fields if name not in video]
         try:
+            wanted = [*columns, "frame_index", "task_index"]
             table = self._pa.parquet.read_table(
-                self._data_file(row),
-                columns=[*columns, "frame_index", "task_index"],
-                filters=[("episode_index", "=", episode)],
+                self._data_file(row), columns=wanted, filters=[("episode_index", "=", episode)]
             )
         except FileNotFoundError as error:
             raise ValueError(f"cannot read its frames: no such file {str(self._data_file(row))!r}") from error
         except self._pa.ArrowException as error:
-            raise ValueError(f"cannot read its frames: {error}") from error
+            raise ValueError(f"cannot read its frames: {self._missing_columns(row, wanted) or error}") from error
         table = table.sort_by("frame_index")
         if len(table) != length:
             raise ValueError(f"{len(table)} frames in the data file, the episode index says {length} (truncated?)")
@@ -422,10 +451,12 @@ def encode_frames(path: Path, frames: np.ndarray, fps: float) -> None:
 
 
 def _image_features(buffer: Any, video: bool) -> dict[str, str]:
-    """image field -> 'video' or 'image', for (H, W, C) uint8 fields."""
+    """image field -> 'video' or 'image', for (H, W, C) uint8 fields of 1 or 3 channels: what a
+    PNG (and LeRobot's image features) hold as they are. Other frames ((C, H, W), (H, W), 2 or 4
+    channels) are exported as arrays: as images they failed in PIL or read back with another shape."""
     out = {}
     for name, field in buffer.schema.fields.items():
-        if field.dtype == np.uint8 and is_image_field(field.shape, field.dtype):
+        if field.dtype == np.uint8 and len(field.shape) == 3 and field.shape[-1] in (1, 3):
             if video and (field.shape[-1] != 3 or field.shape[0] % 2 or field.shape[1] % 2):
                 raise ValueError(
                     f"field {name!r}: video mode needs (H, W, 3) frames with even H and W, got {field.shape}"

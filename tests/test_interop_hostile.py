@@ -1,0 +1,269 @@
+"""Importers and exporters attacked as a user and an attacker would: values a format cannot hold,
+parts of a source an import left out without a word, exports that could not be read back,
+sizes no import can read, and an import killed at a random moment."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from replaybuf import ReplayBuffer
+from replaybuf import importers as imp
+
+from ._backends import require
+from ._lerobot_fixture import write_lerobot
+from .test_importers import assert_same, episodes_by_source, write_diffusion_policy, write_robomimic
+
+# ---- LeRobot: a data file's values against the features info.json declares ---------------------
+
+
+def _lerobot_with_column(root, feature: str, dtype: str, values) -> None:
+    """The fixture dataset with one more feature: declared ``dtype``, its column holding ``values``
+    (one per frame, 15 frames) as they are, whatever their type."""
+    pa = require("pyarrow")
+    import pyarrow.parquet as pq
+
+    write_lerobot(root, video=False)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"][feature] = {"dtype": dtype, "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info))
+    data = root / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(data)
+    pq.write_table(table.append_column(feature, pa.array(values)), data)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values", "message"),
+    [
+        ("float32", [None] + [0.5] * 14, r"column 'observation\.x': frame 0 holds an empty value"),
+        ("int64", [1, 2, None] + [0] * 12, r"column 'observation\.x': frame 2 holds an empty value"),
+        ("int64", [0.5] * 15, r"column 'observation\.x' of type double: Float value 0\.5.* truncated.*dtype is int64"),
+        ("uint8", list(range(250, 265)), r"column 'observation\.x' of type int64: Integer value 256 not in range"),
+        ("float32", [1.0, 1e300] + [0.0] * 13, r"column 'observation\.x': frame 1 holds 1e\+300, out of the range"),
+    ],
+    ids=["null-float", "null-int", "fraction-in-int", "uint8-overflow", "float32-overflow"],
+)
+def test_lerobot_values_the_feature_cannot_hold_are_refused_not_changed(tmp_path, dtype, values, message):
+    """They were stored changed without a word: an empty value as NaN (or -2**63 in an int64
+    feature), 0.5 as 0, 256 as 0 in uint8, 1e300 as inf in float32."""
+    _lerobot_with_column(tmp_path / "src", "observation.x", dtype, values)
+    with pytest.raises(imp.ImportSourceError, match=rf"file-000\.parquet: episode \d: {message}"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+
+
+def test_lerobot_values_that_fit_the_feature_dtype_are_kept(tmp_path):
+    """The checks refuse values changed by the cast, not casts: integral floats into int64, NaN."""
+    values = [float(i) for i in range(15)]
+    _lerobot_with_column(tmp_path / "src", "observation.x", "int64", values)
+    imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    steps = np.concatenate([episode["observation_x"] for episode in episodes_by_source(tmp_path / "dst").values()])
+    np.testing.assert_array_equal(steps, np.arange(15))
+    _lerobot_with_column(tmp_path / "nan", "observation.x", "float32", [float("nan")] * 15)
+    imp.lerobot(tmp_path / "nan", tmp_path / "nan-dst", progress=False)
+    assert all(
+        np.isnan(episode["observation_x"]).all() for episode in episodes_by_source(tmp_path / "nan-dst").values()
+    )
+
+
+def test_lerobot_feature_without_a_column_names_it(tmp_path):
+    """Arrow's 'No match for FieldRef.Nested(...)' and the file's whole schema said which column only in passing."""
+    write_lerobot(tmp_path / "src", video=False)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.gone"] = {"dtype": "float32", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"file-000\.parquet: episode 0: cannot read its frames: it has no columns \['observation\.gone'\]; "
+        r"expected one per feature of meta/info\.json",
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+# ---- LeRobot export: frames PNG cannot hold as they are -------------------------------------------
+
+FRAME_SHAPES = {"rgba": (8, 8, 4), "two_channels": (8, 6, 2), "chw": (3, 8, 8), "plain": (8, 8), "gray": (8, 8, 1)}
+
+
+def test_lerobot_export_round_trips_frames_of_any_layout(tmp_path):
+    """(C, H, W), (H, W), 2- and 4-channel uint8 fields were written as PNG images: the export
+    failed in PIL ('Cannot handle this data type', naming no field) or wrote images that read back
+    with another shape. Only (H, W, 1) and (H, W, 3) are images now, the others arrays."""
+    require("pyarrow")
+    rng = np.random.default_rng(0)
+    fields = {name: {"dtype": "uint8", "shape": shape} for name, shape in FRAME_SHAPES.items()}
+    fields["state"] = {"dtype": "float16", "shape": (2,)}
+    written = {}
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=3, max_timesteps=5, fields=fields) as buffer:
+        for episode, length in enumerate((3, 5)):
+            values = {
+                name: rng.integers(0, 256, (length, *spec["shape"])).astype(spec["dtype"])
+                for name, spec in fields.items()
+            }
+            buffer.store_episode(**values)
+            written[episode] = values
+    assert imp.export_lerobot(tmp_path / "buf", tmp_path / "out") == 2
+    features = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["features"]
+    assert features["gray"]["dtype"] == "image" and features["rgba"]["dtype"] == "uint8"
+    imp.lerobot(tmp_path / "out", tmp_path / "back", verify=True, progress=False)
+    assert_same(episodes_by_source(tmp_path / "back"), written)
+
+
+# ---- robomimic and diffusion_policy: parts of the source left out without a word ------------------
+
+
+def test_robomimic_groups_beside_obs_are_imported(tmp_path):
+    """robomimic's action_dict (and MimicGen's nested datagen_info) were left out without a word:
+    only obs and next_obs were read as groups."""
+    written = write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        for n, values in written.items():
+            length = len(values["actions"])
+            values["action_dict_abs_pos"] = np.full((length, 3), n, np.float32)
+            values["datagen_info_object_poses_cube"] = np.full((length, 4, 4), -n, np.float64)
+            f.create_dataset(f"data/demo_{n}/action_dict/abs_pos", data=values["action_dict_abs_pos"])
+            f.create_dataset(
+                f"data/demo_{n}/datagen_info/object_poses/cube", data=values["datagen_info_object_poses_cube"]
+            )
+    imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", verify=True, progress=False)
+    assert_same(episodes_by_source(tmp_path / "dst"), written)
+    fields = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["robomimic"]["fields"]
+    assert fields["datagen_info_object_poses_cube"] == "datagen_info/object_poses/cube"
+
+
+def test_robomimic_entries_under_data_that_are_not_demos_are_refused(tmp_path):
+    """demo_1a, Demo_2 or a dataset under data/ were skipped without a word."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data/demo_1a"] = f["data/demo_1"]
+        f.create_dataset("data/notes", data=np.zeros(3))
+    with pytest.raises(
+        imp.ImportSourceError, match=r"demo\.hdf5: data/ holds \['demo_1a', 'notes'\], expected only demo_N groups"
+    ):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_diffusion_policy_group_under_data_is_refused(tmp_path):
+    """data/obs/pos (a group under data/) was left out without a word: only data/'s arrays were read."""
+    write_diffusion_policy(tmp_path / "src.zarr", {"state": np.zeros((20, 2), np.float32)})
+    zarr.open_group(str(tmp_path / "src.zarr"), mode="a").create_array("data/obs/pos", data=np.ones((20, 3)))
+    with pytest.raises(
+        imp.ImportSourceError, match=r"src\.zarr: data/obs is a group; expected only arrays under data/"
+    ):
+        imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+# ---- sizes and dtypes ---------------------------------------------------------------------------
+
+
+def test_an_episode_too_large_to_read_at_once_names_it_and_what_to_do(tmp_path):
+    """One D4RL episode of 10**6 image steps (no terminal in the file) was refused with 'lower
+    max_timesteps', an option an import has not: it reads one episode whole."""
+    h5py = require("h5py")
+    with h5py.File(tmp_path / "big.hdf5", "w") as f:  # chunked and never written: a few KiB on disk
+        f.create_dataset("observations", shape=(10**6, 84, 84, 3), dtype=np.uint8, chunks=(64, 84, 84, 3))
+        f.create_dataset("terminals", data=np.zeros(10**6, bool))
+    with pytest.raises(imp.ImportSourceError) as caught:
+        imp.d4rl(tmp_path / "big.hdf5", tmp_path / "dst", progress=False)
+    message = str(caught.value)
+    assert "big.hdf5: no buffer can hold this dataset: episode 0 has 1000000 steps of field 'observations'" in message
+    assert "21168 bytes each: 20 GiB per episode" in message and "max_timesteps" not in message
+    assert message.endswith("split it into episodes of at most 811596 steps in the source")
+    assert not (tmp_path / "dst").exists()
+
+
+ROUND_TRIP_DTYPES = [
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint64",
+    "bool",
+]
+
+
+def _values(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Values spanning ``dtype``: its extremes, and NaN and infinities for floats."""
+    if dtype == "bool":
+        return rng.random(shape) > 0.5
+    kind = np.dtype(dtype)
+    if kind.kind == "f":
+        values = rng.normal(size=shape).astype(dtype)
+        values.flat[:4] = [np.nan, np.inf, -np.inf, np.finfo(kind).max]
+        return values
+    info = np.iinfo(kind)
+    values = rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    values.flat[:2] = [info.min, info.max]
+    return values
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+def test_import_export_import_is_exact_for_every_dtype(tmp_path, format):
+    if format == "lerobot":
+        require("pyarrow")
+    rng = np.random.default_rng(3)
+    fields = {f"observation_{dtype}": {"dtype": dtype, "shape": (2, 3)} for dtype in ROUND_TRIP_DTYPES}
+    written = {}
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=4, max_timesteps=7, fields=fields) as buffer:
+        for episode, length in enumerate((7, 1, 4)):
+            values = {name: _values(spec["dtype"], (length, *spec["shape"]), rng) for name, spec in fields.items()}
+            buffer.store_episode(**values)
+            written[episode] = values
+    imp.export(format, tmp_path / "buf", tmp_path / "out")
+    imp.load(format, tmp_path / "out", tmp_path / "back", verify=True, progress=False)
+    back = episodes_by_source(tmp_path / "back")
+    for episode, values in written.items():
+        for name, expected in values.items():
+            assert back[episode][name].dtype == expected.dtype, name
+            np.testing.assert_array_equal(back[episode][name], expected, err_msg=f"{episode} {name}")
+
+
+# ---- an import killed at a random moment ----------------------------------------------------------
+
+
+def test_import_killed_at_a_random_moment_holds_whole_episodes_and_resumes(tmp_path):
+    """SIGKILL during an import: the destination is absent or opens with whole source episodes
+    only, and the same command run again completes it, equal to the source."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 40, 150)
+    ends = np.cumsum(lengths)
+    arrays = {
+        "img": rng.integers(0, 256, (int(ends[-1]), 16, 16, 3), dtype=np.uint8),
+        "state": rng.normal(size=(int(ends[-1]), 4)).astype(np.float32),
+    }
+    write_diffusion_policy(tmp_path / "src.zarr", arrays, ends=ends)
+    starts = np.concatenate([[0], ends[:-1]])
+    expected = {e: {k: v[starts[e] : ends[e]] for k, v in arrays.items()} for e in range(len(ends))}
+    code = (
+        "from replaybuf import importers; "
+        f"importers.diffusion_policy({str(tmp_path / 'src.zarr')!r}, {str(tmp_path / 'dst')!r}, progress=False)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", code], env=env)
+    time.sleep(random.uniform(1.0, 3.0))  # anywhere from before the first episode to after the last
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    if (tmp_path / "dst").exists():
+        held = episodes_by_source(tmp_path / "dst")
+        assert_same(held, {episode: expected[episode] for episode in held})
+    result = imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", verify=True, progress=False)
+    assert result.imported + result.skipped == len(ends)
+    assert_same(episodes_by_source(tmp_path / "dst"), expected)
