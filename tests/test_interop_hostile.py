@@ -267,3 +267,24 @@ def test_import_killed_at_a_random_moment_holds_whole_episodes_and_resumes(tmp_p
     result = imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", verify=True, progress=False)
     assert result.imported + result.skipped == len(ends)
     assert_same(episodes_by_source(tmp_path / "dst"), expected)
+
+
+# ---- resuming into a destination sized for another dataset ----------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_resume_from_a_source_that_gained_an_episode_says_what_differs(tmp_path, backend):
+    """The buffer's own message ('pass overwrite=True ... or ReplayBuffer.from_folder') named
+    options an import has not; the destination is left as it was."""
+    arrays = {"state": np.arange(30, dtype=np.float32)}
+    write_diffusion_policy(tmp_path / "src.zarr", {"state": arrays["state"][:20]}, ends=(5, 20))
+    imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", backend=backend, progress=False)
+    before = episodes_by_source(tmp_path / "dst")
+    write_diffusion_policy(tmp_path / "src.zarr", arrays, ends=(5, 20, 30))
+    with pytest.raises(ValueError) as caught:
+        imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", backend=backend, progress=False)
+    message = str(caught.value)
+    assert "dst: holds a buffer of another config than importing" in message
+    assert "max_episodes: stored 2 vs needed 3" in message and message.endswith("import into a new destination")
+    assert "overwrite" not in message
+    assert_same(episodes_by_source(tmp_path / "dst"), before)

@@ -231,6 +231,22 @@ def _check_episode_bytes(source: Source, fields: dict[str, dict], ids: list[int]
             )
 
 
+def check_config(source: Source, dst: Any, storage: Storage, config: dict[str, Any]) -> None:
+    """Refuse to resume into the buffer at ``dst`` (``storage``, which exists) when it was made
+    with another config than ``source`` needs, listing the differences: a source that gained an
+    episode since, or a buffer not made by this import. The buffer's own message offered
+    ``overwrite=True`` and ``from_folder``, which an import has not."""
+    with ReplayBuffer(storage, overwrite=False, read_only=True) as held:
+        lines = [line.replace(" vs passed ", " vs needed ") for line in held.schema.differences(Schema.build(**config))]
+    if lines:
+        raise ValueError(
+            f"{os.fspath(dst)}: holds a buffer of another config than importing {source.path!r} needs:\n"
+            + "\n".join(lines)
+            + "\nan import resumes only into the buffer it made from the same dataset (not one that gained "
+            "episodes since): import into a new destination"
+        )
+
+
 def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBuffer, set[int]]:
     """The destination buffer of ``config`` (created, or reopened to resume) and the source
     episode indices it already holds."""
@@ -299,6 +315,8 @@ def run_import(
         if os.path.exists(source.path):  # not a Minari id: a folder or file
             check_apart(source.path, None, dst, storage_options, command="import")
         storage = make_storage(dst, backend, storage_options)
+        if storage.exists():
+            check_config(source, dst, make_storage(dst, backend, storage_options), config)
         # a new destination is created once the first episode has read well, so that a source
         # refused at once (a missing column, a truncated file) leaves nothing behind
         first = None if storage.exists() else _read_episode(source, 0, ids[0], lengths[0])
