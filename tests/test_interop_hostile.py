@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import zarr
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, StorageError
 from replaybuf import importers as imp
 
-from ._backends import require
+from ._backends import require, tmpfs
 from ._lerobot_fixture import write_lerobot
 from .test_importers import assert_same, episodes_by_source, write_diffusion_policy, write_robomimic
 
@@ -288,3 +288,34 @@ def test_resume_from_a_source_that_gained_an_episode_says_what_differs(tmp_path,
     assert "max_episodes: stored 2 vs needed 3" in message and message.endswith("import into a new destination")
     assert "overwrite" not in message
     assert_same(episodes_by_source(tmp_path / "dst"), before)
+
+
+# ---- a destination the disk cannot hold -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_destination_the_disk_cannot_hold_says_how_it_was_sized_and_leaves_nothing(tmp_path, backend):
+    """Three 1-step episodes beside one of 1000 make four slots of 1000 steps: two 4 MB fields
+    on a 6 MB disk. The error said 'No space left on device' alone, and the memmap field
+    allocated before the one that failed was left behind (4 MB of a half buffer)."""
+    if backend == "hdf5":
+        require("h5py")
+    arrays = {name: np.ones((1003, 250), np.float32) for name in ("a", "b")}
+    write_diffusion_policy(tmp_path / "src.zarr", arrays, ends=(1, 2, 3, 1003))
+    (tmp_path / "disk").mkdir()
+    with tmpfs(tmp_path / "disk", "6m") as disk:
+        with pytest.raises(StorageError) as caught:
+            imp.diffusion_policy(tmp_path / "src.zarr", disk / "dst", backend=backend, progress=False)
+        assert "no space left" in str(caught.value).lower()
+        assert str(caught.value).endswith(
+            "the destination holds 4 episodes of up to 1000 steps (one slot per source episode, each as long as "
+            "the longest, episode 3; the source has 1003 steps in all): the memmap and hdf5 backends reserve all "
+            "of it on disk, the zarr backend (the default) stores only the steps written"
+        )
+        left = [os.path.join(d, f) for d, _, fs in os.walk(disk) for f in fs]
+        assert not left, left
+        imp.diffusion_policy(tmp_path / "src.zarr", disk / "dst", progress=False)  # zarr: what is written
+        assert_same(
+            episodes_by_source(disk / "dst"),
+            {e: {k: v[a:b] for k, v in arrays.items()} for e, (a, b) in enumerate([(0, 1), (1, 2), (2, 3), (3, 1003)])},
+        )

@@ -27,7 +27,7 @@ from ..consistency import read_episodes_consistent
 from ..maintenance import check_apart
 from ..progress import progress_bar
 from ..schema import MAX_EPISODE_BYTES, Schema
-from ..storage.base import ConcurrentWriteError, Storage, make_storage
+from ..storage.base import ConcurrentWriteError, Storage, StorageError, make_storage
 
 __all__ = [
     "ImportResult",
@@ -231,6 +231,18 @@ def _check_episode_bytes(source: Source, fields: dict[str, dict], ids: list[int]
             )
 
 
+def _sizing(config: dict[str, Any], ids: list[int], lengths: list[int]) -> str:
+    """How a new destination was sized, for a failure to create it (a disk too small for what the
+    memmap and hdf5 backends reserve: every slot as long as the longest episode)."""
+    longest = int(np.argmax(lengths))
+    return (
+        f"the destination holds {config['max_episodes']} episodes of up to {config['max_timesteps']} steps "
+        f"(one slot per source episode, each as long as the longest, episode {ids[longest]}; the source has "
+        f"{sum(lengths)} steps in all): the memmap and hdf5 backends reserve all of it on disk, the zarr "
+        "backend (the default) stores only the steps written"
+    )
+
+
 def check_config(source: Source, dst: Any, storage: Storage, config: dict[str, Any]) -> None:
     """Refuse to resume into the buffer at ``dst`` (``storage``, which exists) when it was made
     with another config than ``source`` needs, listing the differences: a source that gained an
@@ -320,7 +332,12 @@ def run_import(
         # a new destination is created once the first episode has read well, so that a source
         # refused at once (a missing column, a truncated file) leaves nothing behind
         first = None if storage.exists() else _read_episode(source, 0, ids[0], lengths[0])
-        buffer, done = open_destination(config, storage)
+        try:
+            buffer, done = open_destination(config, storage)
+        except StorageError as error:
+            if first is None:  # an existing destination: not a matter of its size
+                raise
+            raise StorageError(f"{error}; {_sizing(config, ids, lengths)}") from error
         imported = frames = empty = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
