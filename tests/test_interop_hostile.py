@@ -21,7 +21,13 @@ from replaybuf import importers as imp
 
 from ._backends import require, tmpfs
 from ._lerobot_fixture import write_lerobot
-from .test_importers import assert_same, episodes_by_source, write_diffusion_policy, write_robomimic
+from .test_importers import (
+    assert_same,
+    cartpole_episode,
+    episodes_by_source,
+    write_diffusion_policy,
+    write_robomimic,
+)
 
 # ---- LeRobot: a data file's values against the features info.json declares ---------------------
 
@@ -319,3 +325,22 @@ def test_a_destination_the_disk_cannot_hold_says_how_it_was_sized_and_leaves_not
             episodes_by_source(disk / "dst"),
             {e: {k: v[a:b] for k, v in arrays.items()} for e, (a, b) in enumerate([(0, 1), (1, 2), (2, 3), (3, 1003)])},
         )
+
+
+def test_minari_import_by_id_into_the_dataset_folder_is_refused(tmp_path, monkeypatch):
+    """The source-and-destination check ran only for a source given as a path: an id's dataset
+    folder under MINARI_DATASETS_PATH took a buffer inside its data/."""
+    minari = pytest.importorskip("minari")
+    gym = pytest.importorskip("gymnasium")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    env = gym.make("CartPole-v1")
+    env.action_space.seed(0)
+    with pytest.warns(UserWarning):
+        minari.create_dataset_from_buffers(
+            "cartpole/apart-v0", [cartpole_episode(env, seed) for seed in range(2)], env, algorithm_name="random"
+        )
+    folder = tmp_path / "minari" / "cartpole" / "apart-v0"
+    before = sorted(p.name for p in folder.rglob("*"))
+    with pytest.raises(ValueError, match=r"import: the destination .*apart-v0/data/buf' is inside the source"):
+        imp.minari("cartpole/apart-v0", folder / "data" / "buf", progress=False)
+    assert sorted(p.name for p in folder.rglob("*")) == before

@@ -90,6 +90,11 @@ class Source(ABC):
         """The file holding the episode at ``position``, for error messages."""
         return self.path
 
+    def location(self) -> str | None:
+        """The local file or folder the source reads (None where it has none), which a
+        destination may not be, be inside, or hold."""
+        return self.path if os.path.exists(self.path) else None
+
     def close(self) -> None:
         """Release open files."""
 
@@ -324,8 +329,9 @@ def run_import(
     try:
         config, ids, lengths = destination_config(source), source.episode_ids(), source.lengths()
         attrs = destination_attrs(source)
-        if os.path.exists(source.path):  # not a Minari id: a folder or file
-            check_apart(source.path, None, dst, storage_options, command="import")
+        location = source.location()
+        if location is not None:
+            check_apart(location, None, dst, storage_options, command="import")
         storage = make_storage(dst, backend, storage_options)
         if storage.exists():
             check_config(source, dst, make_storage(dst, backend, storage_options), config)
