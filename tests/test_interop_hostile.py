@@ -344,3 +344,34 @@ def test_minari_import_by_id_into_the_dataset_folder_is_refused(tmp_path, monkey
     with pytest.raises(ValueError, match=r"import: the destination .*apart-v0/data/buf' is inside the source"):
         imp.minari("cartpole/apart-v0", folder / "data" / "buf", progress=False)
     assert sorted(p.name for p in folder.rglob("*")) == before
+
+
+@pytest.mark.parametrize("tasks_column", [True, False], ids=["episodes-file-says", "data-file-says"])
+def test_lerobot_episode_with_more_than_one_task_is_refused(tmp_path, tasks_column):
+    """An episode whose frames change task (LeRobot takes a task per frame) was stored with its
+    first frame's task_index alone: which frames had which task was lost without a word."""
+    pa = require("pyarrow")
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=False)
+    data = tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(data)
+    tasks = table.column("task_index").to_numpy().copy()
+    episode = table.column("episode_index").to_numpy()
+    tasks[np.flatnonzero(episode == 1)[2:]] = 0  # episode 1 (task 1) does task 0 from its third frame on
+    pq.write_table(table.set_column(table.column_names.index("task_index"), "task_index", pa.array(tasks)), data)
+    episodes = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    rows = pq.read_table(episodes)
+    if tasks_column:
+        names = rows.column("tasks").to_pylist()
+        names[1] = ["place", "pick"]
+        rows = rows.set_column(rows.column_names.index("tasks"), "tasks", pa.array(names))
+        message = r"file-000\.parquet: episodes \[1\] have more than one task; a buffer keeps one task_index"
+    else:
+        rows = rows.drop_columns(["tasks"])
+        message = r"file-000\.parquet: episode 1: its frames have task_index \[0, 1\]; a buffer keeps one task_index"
+    pq.write_table(rows, episodes)
+    with pytest.raises(imp.ImportSourceError, match=message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    held = sorted(episodes_by_source(tmp_path / "dst")) if (tmp_path / "dst").exists() else []
+    assert held == ([] if tasks_column else [0])

@@ -48,6 +48,10 @@ DATA_PATH = "data/" + CHUNK_FILE + ".parquet"
 VIDEO_PATH = "videos/{video_key}/" + CHUNK_FILE + ".mp4"
 EPISODES_PATH = "meta/episodes/" + CHUNK_FILE + ".parquet"
 CHUNK_SIZE = 1000
+ONE_TASK = (
+    "a buffer keeps one task_index per episode, so which frames had which task would be lost: "
+    "split such episodes at their task changes in the source"
+)
 
 
 def _pyarrow() -> Any:
@@ -244,14 +248,31 @@ class LeRobotSource(Source):
         rows = []
         for file in files:
             try:
+                names = self._pa.parquet.read_schema(file).names
                 table = self._pa.parquet.read_table(
-                    file, columns=[c for c in self._pa.parquet.read_schema(file).names if _episode_column(c)]
+                    file, columns=[c for c in names if _episode_column(c) or c == "tasks"]
                 )
             except (OSError, self._pa.ArrowException) as error:
                 raise ImportSourceError(f"{file}: cannot read LeRobot episodes: {error}") from error
             self._check_episode_columns(file, table)
+            if "tasks" in table.column_names:
+                self._check_one_task(file, table)
+                table = table.drop_columns(["tasks"])
             rows.extend(table.to_pylist())
         return sorted(rows, key=lambda row: row["episode_index"])
+
+    def _check_one_task(self, file: Path, table: Any) -> None:
+        """Refuse episodes whose ``tasks`` name more than one task, before a destination is
+        created: a buffer keeps one ``task_index`` per episode (its first frame's), so which
+        frames had which task would be lost without a word."""
+        import pyarrow.compute as pc
+
+        if not self._pa.types.is_list(table.schema.field("tasks").type):
+            return
+        counts = pc.fill_null(pc.list_value_length(table.column("tasks")), 0).to_numpy(zero_copy_only=False)
+        several = table.column("episode_index").to_numpy(zero_copy_only=False)[counts > 1].tolist()
+        if several:
+            raise ImportSourceError(f"{file}: episodes {several[:10]} have more than one task; {ONE_TASK}")
 
     def _check_episode_columns(self, file: Path, table: Any) -> None:
         """The columns of an episodes file that an import reads are there, numbers, and
@@ -408,8 +429,10 @@ class LeRobotSource(Source):
                 data[name] = np.stack([_decode_image(cell, self.root, spec["shape"]) for cell in cells])
             else:
                 data[name] = _column(table, feature, spec["shape"], spec["dtype"])
-        task = int(table.column("task_index")[0].as_py()) if length else 0
-        return data, {"task_index": task, "fps": self.fps}
+        tasks = np.unique(np.asarray(table.column("task_index").to_numpy(zero_copy_only=False)))
+        if len(tasks) > 1:  # an episodes file without a tasks column does not say so
+            raise ValueError(f"its frames have task_index {tasks[:10].tolist()}; {ONE_TASK}")
+        return data, {"task_index": int(tasks[0]) if length else 0, "fps": self.fps}
 
 
 # ---- export -----------------------------------------------------------------------------------
