@@ -22,6 +22,7 @@ from replaybuf import importers as imp
 from ._backends import require, tmpfs
 from ._lerobot_fixture import write_lerobot
 from .test_importers import (
+    _flip_bytes,
     assert_same,
     cartpole_episode,
     episodes_by_source,
@@ -397,3 +398,18 @@ def test_diffusion_policy_export_chunks_hold_about_2_mb_of_large_frames(tmp_path
     assert root["data/state"].chunks == (120, 2)  # small steps: every step in one chunk, as before
     imp.diffusion_policy(tmp_path / "out.zarr", tmp_path / "back", verify=True, progress=False)
     assert_same(episodes_by_source(tmp_path / "back"), written)
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+def test_failed_export_removes_the_parent_folders_it_made(tmp_path, format):
+    """A failed export into new/deeper/out removed out and left new/deeper behind (empty)."""
+    from replaybuf import CorruptChunkError
+
+    with ReplayBuffer(tmp_path / "buf", max_episodes=2, max_timesteps=10, fields={"x": ("float32", (3,))}) as buffer:
+        for episode in range(2):
+            buffer.store_episode(x=np.full((10, 3), episode + 1, np.float32))
+    _flip_bytes(tmp_path / "buf" / "data" / "x" / "c.0.0.0")
+    (tmp_path / "keep").mkdir()
+    with pytest.raises(CorruptChunkError):
+        imp.export(format, tmp_path / "buf", tmp_path / "keep" / "new" / "deeper" / "out")
+    assert list((tmp_path / "keep").iterdir()) == []  # the folder that was there stays

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -395,6 +395,7 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
     export must not pass for a dataset (a diffusion_policy zarr's unwritten chunks read as zeros)."""
     check_new_folder(dst, src)
     existed = os.path.isdir(dst)
+    missing = _missing_parents(dst)
     try:
         yield
     except BaseException:
@@ -406,7 +407,20 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     os.unlink(entry.path)
+        for parent in missing:  # the parents the export made (they were left), while still empty
+            with suppress(OSError):
+                os.rmdir(parent)
         raise
+
+
+def _missing_parents(dst: str | os.PathLike) -> list[str]:
+    """The parent folders of ``dst`` that do not exist yet, nearest first."""
+    missing = []
+    parent = os.path.dirname(os.path.abspath(dst))
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    return missing
 
 
 def exported_episodes(
