@@ -413,3 +413,21 @@ def test_failed_export_removes_the_parent_folders_it_made(tmp_path, format):
     with pytest.raises(CorruptChunkError):
         imp.export(format, tmp_path / "buf", tmp_path / "keep" / "new" / "deeper" / "out")
     assert list((tmp_path / "keep").iterdir()) == []  # the folder that was there stays
+
+
+def test_d4rl_datasets_that_are_no_field_are_listed(tmp_path):
+    """D4RL's metadata/ (the policy's weights, the algorithm's name), a 0-d dataset or a group
+    under infos/ were left out without a word."""
+    h5py = require("h5py")
+    with h5py.File(tmp_path / "d4rl.hdf5", "w") as f:
+        f.create_dataset("observations", data=np.zeros((6, 2), np.float32))
+        f.create_dataset("terminals", data=np.arange(6) == 2)
+        f.create_dataset("infos/qpos", data=np.zeros((6, 3)))
+        f.create_dataset("infos/goal/xy", data=np.zeros((6, 2)))
+        f.create_dataset("infos/scale", data=2.0)
+        f.create_dataset("metadata/algorithm", data="SAC")
+        f.create_dataset("metadata/policy/fc0/weight", data=np.zeros((3, 3)))
+    imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["d4rl"]
+    assert sorted(attrs["source_keys"].values()) == ["infos/qpos", "observations", "terminals"]
+    assert attrs["left_out"] == ["infos/goal/xy", "infos/scale", "metadata/algorithm", "metadata/policy/fc0/weight"]

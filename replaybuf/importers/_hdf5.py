@@ -11,7 +11,8 @@ D4RL: ``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts`` (a
 top-level array with one row per step, ``infos/<key>`` as ``infos_<key>``); an episode ends at
 each step where ``terminals | timeouts``, and steps after the last end form a final episode.
 ``buffer.attrs["d4rl"]`` keeps ``source_keys`` (field -> dataset path), ``episode_ends`` (the
-keys that ended episodes) and the file's root attributes that are plain JSON.
+keys that ended episodes), the file's root attributes that are plain JSON and ``left_out``: the
+datasets that are no field (``metadata/*``, 0-d ones, groups under ``infos/``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import numpy as np
 from ._engine import ImportSourceError, Source, is_plain_json
 
 __all__ = ["D4RLSource", "RobomimicSource"]
+
+# the most dataset paths ``buffer.attrs["d4rl"]["left_out"]`` lists (attributes hold 1 MiB)
+LEFT_OUT_LISTED = 1000
 
 
 def _open(path: str) -> Any:
@@ -243,7 +247,24 @@ class D4RLSource(_HDF5Source):
         ends = [key for key in ("terminals", "timeouts") if key in self._file]
         root = {key: _plain(value) for key, value in self._file.attrs.items()}
         file_attrs = {key: value for key, value in root.items() if is_plain_json(value)}
-        return {"d4rl": {"source_keys": dict(self._paths), "episode_ends": ends, "file_attrs": file_attrs}}
+        return {
+            "d4rl": {
+                "source_keys": dict(self._paths),
+                "episode_ends": ends,
+                "file_attrs": file_attrs,
+                "left_out": self._left_out(),
+            }
+        }
+
+    def _left_out(self) -> list[str]:
+        """The file's datasets that are no field (``metadata/*``, 0-d ones, groups under
+        ``infos/``), at most ``LEFT_OUT_LISTED``: they were left out without a word."""
+        imported = set(self._paths.values())
+        found: list[str] = []
+        self._file.visititems(
+            lambda path, item: None if hasattr(item, "keys") or path in imported else found.append(path)
+        )
+        return sorted(found)[:LEFT_OUT_LISTED]
 
     def episode_ids(self) -> list[int]:
         return list(range(len(self._bounds)))
