@@ -431,3 +431,17 @@ def test_d4rl_datasets_that_are_no_field_are_listed(tmp_path):
     attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["d4rl"]
     assert sorted(attrs["source_keys"].values()) == ["infos/qpos", "observations", "terminals"]
     assert attrs["left_out"] == ["infos/goal/xy", "infos/scale", "metadata/algorithm", "metadata/policy/fc0/weight"]
+
+
+def test_robomimic_demo_holding_more_rows_than_num_samples_is_not_called_truncated(tmp_path):
+    """A num_samples under its datasets' rows was reported as '(truncated?)', sending the user to
+    look for a cut file."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data/demo_1"].attrs["num_samples"] = 5  # its datasets hold 7 rows
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"data/demo_1: episode 1: field '\w+' has shape \(7, ?\d*,?\), expected \(5, ?\d*,?\) "
+        r"\(more steps than the source's index gives the episode\)",
+    ):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)

@@ -143,8 +143,15 @@ def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> 
         raise ValueError(f"fields {missing} are missing")
     for name, spec in fields.items():
         shape = (length, *spec["shape"])
-        if data[name].shape != shape:
-            raise ValueError(f"field {name!r} has shape {data[name].shape}, expected {shape} (truncated?)")
+        got = data[name].shape
+        if got != shape:
+            # more steps than the index gives: not a truncated file (robomimic's num_samples under its rows)
+            why = (
+                "more steps than the source's index gives the episode"
+                if got[1:] == shape[1:] and got[:1] > shape[:1]
+                else "truncated?"
+            )
+            raise ValueError(f"field {name!r} has shape {got}, expected {shape} ({why})")
 
 
 def _verify(buffer: ReplayBuffer, slot: int, data: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
