@@ -445,3 +445,16 @@ def test_robomimic_demo_holding_more_rows_than_num_samples_is_not_called_truncat
         r"\(more steps than the source's index gives the episode\)",
     ):
         imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+
+
+def test_lerobot_columns_no_field_holds_are_listed(tmp_path):
+    """A data file's column that info.json does not declare (or a text feature) was left out
+    without a word."""
+    _lerobot_with_column(tmp_path / "src", "observation.extra", "float32", [0.5] * 15)
+    info_path = tmp_path / "src" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    del info["features"]["observation.extra"]  # in the data file, not declared
+    info_path.write_text(json.dumps(info))
+    imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["lerobot"]
+    assert attrs["left_out"] == ["observation.extra"]

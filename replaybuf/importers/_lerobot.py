@@ -14,8 +14,9 @@ Mapping: each feature becomes a field named with ``.`` replaced by ``_``
 the episode's first frame) and ``fps`` become meta fields, LeRobot's ``episode_index`` is
 ``source_episode``. What holds for the whole dataset goes to ``buffer.attrs``: ``fps`` and
 ``lerobot`` (``codebase_version``, ``robot_type``, ``features`` as in ``info.json``, ``fields``:
-field -> feature name, ``tasks``: task_index -> task text). Non-numeric per-frame features are
-not kept: replaybuf fields store numbers only.
+field -> feature name, ``tasks``: task_index -> task text, ``left_out``: the data files' columns
+no field holds). Non-numeric per-frame features are not kept: replaybuf fields store numbers
+only; nor are columns ``info.json`` does not declare.
 
 The exporter takes feature names, their ``names`` entries, task texts, robot type and fps from
 those attributes when the buffer has them; otherwise it maps field names back
@@ -309,6 +310,7 @@ class LeRobotSource(Source):
         parquet footer) before a destination is sized from it: a lying length would reserve its
         size there. A data file that cannot be read fails its episodes when they are read."""
         rows: dict[Path, int | None] = {}
+        self._columns: set[str] = set()  # of every data file: the columns no field holds are listed
         for row in self._episodes:
             try:
                 file = self._data_file(row)
@@ -316,7 +318,9 @@ class LeRobotSource(Source):
                 continue
             if file not in rows:
                 try:
-                    rows[file] = self._pa.parquet.read_metadata(file).num_rows
+                    footer = self._pa.parquet.read_metadata(file)
+                    rows[file] = footer.num_rows
+                    self._columns.update(footer.schema.to_arrow_schema().names)
                 except (OSError, self._pa.ArrowException):
                     rows[file] = None
             held = rows[file]
@@ -357,6 +361,7 @@ class LeRobotSource(Source):
                 "features": self.info["features"],
                 "fields": dict(self._features),
                 "tasks": self._tasks,
+                "left_out": sorted(self._columns - set(self._features.values()) - set(FRAME_COLUMNS)),
             },
         }
 
