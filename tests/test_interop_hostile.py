@@ -458,3 +458,19 @@ def test_lerobot_columns_no_field_holds_are_listed(tmp_path):
     imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
     attrs = ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["lerobot"]
     assert attrs["left_out"] == ["observation.extra"]
+
+
+def test_ragged_shapes_between_episodes_are_named_not_called_truncated(tmp_path):
+    """obs/eef_pos of (7, 4) in demo_1 beside (n, 3) in the others: '(truncated?)' sent the user
+    looking for a cut file; the episodes before it stay, as for any source error."""
+    written = write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        del f["data/demo_1/obs/eef_pos"]
+        f.create_dataset("data/demo_1/obs/eef_pos", data=np.zeros((7, 4)))
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"data/demo_1: episode 1: field 'obs_eef_pos' has shape \(7, 4\), expected \(7, 3\) "
+        r"\(another shape per step than the source declares\)",
+    ):
+        imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert_same(episodes_by_source(tmp_path / "dst"), {0: written[0]})

@@ -146,11 +146,12 @@ def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> 
         got = data[name].shape
         if got != shape:
             # more steps than the index gives: not a truncated file (robomimic's num_samples under its rows)
-            why = (
-                "more steps than the source's index gives the episode"
-                if got[1:] == shape[1:] and got[:1] > shape[:1]
-                else "truncated?"
-            )
+            if got[1:] != shape[1:]:
+                why = "another shape per step than the source declares"
+            elif got[:1] > shape[:1]:
+                why = "more steps than the source's index gives the episode"
+            else:
+                why = "truncated?"
             raise ValueError(f"field {name!r} has shape {got}, expected {shape} ({why})")
 
 
