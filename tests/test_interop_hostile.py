@@ -474,3 +474,15 @@ def test_ragged_shapes_between_episodes_are_named_not_called_truncated(tmp_path)
     ):
         imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
     assert_same(episodes_by_source(tmp_path / "dst"), {0: written[0]})
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+def test_export_of_a_buffer_without_episodes_is_refused(tmp_path, format):
+    """It wrote a dataset of none: LeRobot's episodes file without columns (no reader opens
+    it), a zarr the importers refuse ('no episodes to import')."""
+    if format == "lerobot":
+        require("pyarrow")
+    ReplayBuffer(str(tmp_path / "buf"), max_episodes=2, max_timesteps=4, fields={"x": "float"}).close()
+    with pytest.raises(ValueError, match=r"buf: the buffer holds no committed episodes; nothing to export"):
+        imp.export(format, tmp_path / "buf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

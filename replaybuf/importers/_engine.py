@@ -441,6 +441,9 @@ def exported_episodes(
     under the planned length (what exporters write)."""
     buffer = ReplayBuffer.from_folder(src, read_only=True, storage_options=storage_options)
     slots = buffer.valid_episodes()
+    if not len(slots):  # a LeRobot folder of none had no episode columns: no reader opened it
+        buffer.close()
+        raise ValueError(f"{os.fspath(src)}: the buffer holds no committed episodes; nothing to export")
     lens = np.asarray(buffer.episode_lens, np.int64)[slots]
     generations = np.asarray(buffer.generations, np.int64)[slots]
 
