@@ -486,3 +486,20 @@ def test_export_of_a_buffer_without_episodes_is_refused(tmp_path, format):
     with pytest.raises(ValueError, match=r"buf: the buffer holds no committed episodes; nothing to export"):
         imp.export(format, tmp_path / "buf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("feature", ["../../escaped", "..", "a/b"])
+def test_lerobot_export_never_writes_outside_its_folder(tmp_path, feature):
+    """A diffusion_policy zarr's root attributes become the buffer's: {"lerobot": {"fields":
+    {"img": "../../escaped"}}} made a video export write videos/../../escaped/... outside the
+    export's folder."""
+    require("pyarrow")
+    require("av")
+    arrays = {"img": np.zeros((20, 16, 16, 3), np.uint8)}
+    write_diffusion_policy(tmp_path / "src.zarr", arrays)
+    zarr.open_group(str(tmp_path / "src.zarr"), mode="a").attrs["lerobot"] = {"fields": {"img": feature}}
+    imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "buf", progress=False)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match=r"field 'img' would be exported as feature .*, which is no folder name"):
+        imp.export_lerobot(tmp_path / "buf", tmp_path / "out" / "inner" / "export", video=True)
+    assert list((tmp_path / "out").iterdir()) == []

@@ -528,6 +528,12 @@ def _check_feature_names(names: _ExportNames, fields: list[str]) -> None:
     taken: dict[str, str] = {}
     for field in fields:
         feature = names.feature(field)
+        if not isinstance(feature, str) or feature in ("", ".", "..") or "/" in feature or "\\" in feature:
+            # a video's feature name is a folder of the export: '../../x' wrote outside it
+            raise ValueError(
+                f"field {field!r} would be exported as feature {feature!r}, which is no folder name inside the "
+                f"export (LeRobot keeps videos under videos/<feature>/); {hint}"
+            )
         if feature in FRAME_COLUMNS:
             raise ValueError(
                 f"field {field!r} would be exported as {feature!r}, a column LeRobot adds to every frame; {hint}"
