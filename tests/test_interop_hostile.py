@@ -503,3 +503,13 @@ def test_lerobot_export_never_writes_outside_its_folder(tmp_path, feature):
     with pytest.raises(ValueError, match=r"field 'img' would be exported as feature .*, which is no folder name"):
         imp.export_lerobot(tmp_path / "buf", tmp_path / "out" / "inner" / "export", video=True)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_diffusion_policy_array_metadata_of_another_type_names_the_source(tmp_path):
+    """meta/episode_ends/.zarray holding a JSON list: zarr's TypeError reached the user as
+    'unsupported operand type(s) for |: 'list' and 'dict'', naming no file."""
+    write_diffusion_policy(tmp_path / "src.zarr", {"state": np.zeros((20, 2), np.float32)})
+    (tmp_path / "src.zarr" / "meta" / "episode_ends" / ".zarray").write_text("[]")
+    with pytest.raises(imp.ImportSourceError, match=r"src\.zarr: not a diffusion_policy zarr \(expected data/<key>"):
+        imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()

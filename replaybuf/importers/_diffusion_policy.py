@@ -35,7 +35,7 @@ class DiffusionPolicySource(Source):
             groups = sorted(name for name, _group in data.groups())
             self._attrs = dict(root.attrs)
             ends = np.asarray(stored_ends[:])
-        except (KeyError, FileNotFoundError, ValueError) as error:
+        except (KeyError, FileNotFoundError, ValueError, TypeError, AttributeError) as error:  # zarr on bad metadata
             raise ImportSourceError(
                 f"{self.path}: not a diffusion_policy zarr (expected data/<key> arrays and meta/episode_ends): {error}"
             ) from error
