@@ -513,3 +513,58 @@ def test_diffusion_policy_array_metadata_of_another_type_names_the_source(tmp_pa
     with pytest.raises(imp.ImportSourceError, match=r"src\.zarr: not a diffusion_policy zarr \(expected data/<key>"):
         imp.diffusion_policy(tmp_path / "src.zarr", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+def _external_file(tmp_path) -> str:
+    """An HDF5 file outside the source, one a crafted source could link to."""
+    with require("h5py").File(tmp_path / "outside.hdf5", "w") as f:
+        f.create_dataset("secret", data=np.arange(7 * 2, dtype=np.float64).reshape(7, 2))
+    return str(tmp_path / "outside.hdf5")
+
+
+@pytest.mark.parametrize("format", ["robomimic", "d4rl"])
+def test_hdf5_links_out_of_the_source_or_to_nothing_are_refused(tmp_path, format):
+    """An external link pulled a dataset of another file of this machine into the buffer (or,
+    in robomimic's groups, was skipped without a word, as was a link to nothing)."""
+    h5py = require("h5py")
+    outside = _external_file(tmp_path)
+    path = tmp_path / "src.hdf5"
+    if format == "robomimic":
+        write_robomimic(path)
+        where = "data/demo_1/obs/leak"
+    else:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("observations", data=np.zeros((7, 2)))
+            f.create_dataset("terminals", data=np.arange(7) == 3)
+        where = "infos/leak"
+    with h5py.File(path, "a") as f:
+        f[where] = h5py.ExternalLink(outside, "/secret")
+    with pytest.raises(imp.ImportSourceError, match=rf"{where} is an external link to .*outside\.hdf5:/secret"):
+        imp.load(format, path, tmp_path / "dst", progress=False)
+    with h5py.File(path, "a") as f:
+        del f[where]
+        f[where] = h5py.SoftLink("/nowhere")
+    with pytest.raises(imp.ImportSourceError, match=rf"{where} is a link to nothing \(/nowhere\)"):
+        imp.load(format, path, tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_robomimic_soft_links_inside_the_file_are_read(tmp_path):
+    """A soft link to a dataset of the same file is that dataset (visiting groups skipped them)."""
+    h5py = require("h5py")
+    written = write_robomimic(tmp_path / "demo.hdf5")
+    with h5py.File(tmp_path / "demo.hdf5", "a") as f:
+        for n in written:
+            f[f"data/demo_{n}/action_dict/copy"] = h5py.SoftLink(f"/data/demo_{n}/actions")
+            written[n]["action_dict_copy"] = written[n]["actions"]
+    imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", verify=True, progress=False)
+    assert_same(episodes_by_source(tmp_path / "dst"), written)
+
+
+def test_robomimic_env_args_that_are_not_utf8_are_kept_escaped(tmp_path):
+    """Bytes that are not UTF-8 raised UnicodeDecodeError, naming no file."""
+    write_robomimic(tmp_path / "demo.hdf5")
+    with require("h5py").File(tmp_path / "demo.hdf5", "a") as f:
+        f["data"].attrs["env_args"] = np.bytes_(b'\xff{"env"')
+    imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
+    assert ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["robomimic"]["env_args"] == '\\xff{"env"'

@@ -43,8 +43,9 @@ def _open(path: str) -> Any:
 
 
 def _text(value: Any) -> str:
-    """An HDF5 string attribute (str, or bytes from fixed-length strings) as str."""
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """An HDF5 string attribute (str, or bytes from fixed-length strings) as str; bytes that are
+    not UTF-8 as escapes (they raised UnicodeDecodeError, naming no file)."""
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
 
 
 def _plain(value: Any) -> Any:
@@ -58,6 +59,22 @@ def _plain(value: Any) -> Any:
 
 def _spec(dataset: Any) -> dict[str, Any]:
     return {"dtype": str(dataset.dtype), "shape": tuple(dataset.shape[1:])}
+
+
+def _resolved(group: Any, name: str, link: Any, prefix: str = "") -> Any:
+    """The group or dataset the link ``name`` of ``group`` leads to; ValueError where it leads
+    nowhere, or to another file (an external link: an import reads only the source file, as a
+    LeRobot import only its folder; it pulled any HDF5 file of this machine into the buffer)."""
+    import h5py
+
+    if isinstance(link, h5py.ExternalLink):
+        raise ValueError(
+            f"{prefix}{name} is an external link to {link.filename}:{link.path}; an import reads only the source file"
+        )
+    item = group.get(name)
+    if item is None:
+        raise ValueError(f"{prefix}{name} is a link to nothing ({getattr(link, 'path', link)})")
+    return item
 
 
 def _unique(found: list[tuple[str, str]], prefix: str = "") -> dict[str, str]:
@@ -131,10 +148,15 @@ class RobomimicSource(_HDF5Source):
         for key in ("obs", "next_obs"):
             if key in group and not hasattr(group[key], "keys"):
                 raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
-        found: list[tuple[str, str]] = []
-        group.visititems(
-            lambda path, item: None if hasattr(item, "keys") else found.append((path.replace("/", "_"), path))
-        )
+        links: list[tuple[str, Any]] = []
+        # soft links too (visititems skips them); checked after the visit (an exception raised
+        # inside h5py's callback came out as SystemError)
+        group.visititems_links(lambda path, link: links.append((path, link)))
+        found = [
+            (path.replace("/", "_"), path)
+            for path, link in links
+            if not hasattr(_resolved(group, path, link, f"data/{demo}/"), "keys")
+        ]
         return _unique(found, f"data/{demo}/")
 
     @property
@@ -210,6 +232,9 @@ class D4RLSource(_HDF5Source):
             raise ValueError("'observations' is a group or 0-d, expected an array with one row per step")
         if "infos" in f and not hasattr(f["infos"], "keys"):
             raise ValueError("'infos' is a dataset, expected a group of datasets")
+        for group, prefix in ((f, ""), (f.get("infos"), "infos/")):
+            for name in group if hasattr(group, "keys") else ():
+                _resolved(group, name, group.get(name, getlink=True), prefix)
         steps = f["observations"].shape[0]
         # every per-step array (groups and scalars are not); one shorter than ``observations``
         # fails the episodes past its end
