@@ -134,7 +134,9 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     except pa.ArrowInvalid as error:
         raise ValueError(f"column {name!r} of type {array.type}: {error}; the feature's dtype is {dtype}") from error
     values = np.asarray(cast.to_numpy(zero_copy_only=False), dtype=dtype)
-    if values.dtype.kind == "f":  # a float narrowed: arrow's safe cast lets a finite value become inf
+    # a number narrowed: arrow's safe cast lets a finite value become inf (the source is read again
+    # only where the result holds an inf)
+    if values.dtype.kind == "f" and np.isinf(values).any():
         grown = np.isinf(values) & np.isfinite(np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64))
         if grown.any():
             bad = int(np.flatnonzero(grown)[0])
