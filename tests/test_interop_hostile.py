@@ -568,3 +568,44 @@ def test_robomimic_env_args_that_are_not_utf8_are_kept_escaped(tmp_path):
         f["data"].attrs["env_args"] = np.bytes_(b'\xff{"env"')
     imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
     assert ReplayBuffer.from_folder(tmp_path / "dst", read_only=True).attrs["robomimic"]["env_args"] == '\\xff{"env"'
+
+
+@pytest.mark.parametrize("format", ["diffusion_policy", "lerobot"])
+def test_export_killed_at_a_random_moment_leaves_no_dataset_and_names_the_leftovers(tmp_path, format):
+    """SIGKILL during an export: what it left is no dataset an import takes (its marker file is
+    written last), a second export says what the folder holds rather than only that it is not
+    empty, and one into a new folder completes."""
+    if format == "lerobot":
+        require("pyarrow")
+    rng = np.random.default_rng(6)
+    with ReplayBuffer(
+        str(tmp_path / "buf"), max_episodes=200, max_timesteps=30, fields={"img": ("uint8", (32, 32, 3))}
+    ) as buffer:
+        for _ in range(200):
+            buffer.store_episode(img=rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8))
+    out = tmp_path / "out"
+    code = f"from replaybuf import importers; importers.export({format!r}, {str(tmp_path / 'buf')!r}, {str(out)!r})"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", code], env=env)
+    time.sleep(random.uniform(1.0, 4.0))  # anywhere from before the first file to after the last
+    child.send_signal(signal.SIGKILL)
+    finished = child.wait() == 0
+    if out.exists() and not finished:
+        with pytest.raises(imp.ImportSourceError):
+            imp.load(format, out, tmp_path / "back", progress=False)
+        if any(out.iterdir()):
+            with pytest.raises(FileExistsError, match=r"out: .*; it holds \[.*\] \(an export interrupted there"):
+                imp.export(format, tmp_path / "buf", out)
+    assert imp.export(format, tmp_path / "buf", tmp_path / "again") == 200
+
+
+def test_export_into_a_folder_that_holds_files_says_which(tmp_path):
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=1, max_timesteps=2, fields={"x": "float"}) as buffer:
+        buffer.store_episode(x=np.zeros(2, np.float32))
+    (tmp_path / "out" / "data").mkdir(parents=True)
+    (tmp_path / "out" / ".zgroup").write_text("{}")
+    with pytest.raises(
+        FileExistsError, match=r"out: .* new or empty folder; it holds \['\.zgroup', 'data'\] \(an export"
+    ):
+        imp.export_diffusion_policy(tmp_path / "buf", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".zgroup", "data"]

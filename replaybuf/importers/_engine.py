@@ -386,8 +386,14 @@ def run_import(
 def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
     """Refuse an export into a folder that holds anything (an export never overwrites), or
     inside the folder of the source buffer ``src`` (it would add files to the buffer)."""
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder, not a file")
+    held = sorted(os.listdir(dst)) if os.path.isdir(dst) else []
+    if held:  # what it holds, so that the leftovers of an export killed part way are recognised
+        raise FileExistsError(
+            f"{os.fspath(dst)}: the export destination must be a new or empty folder; it holds {held[:5]}"
+            f"{' ...' if len(held) > 5 else ''} (an export interrupted there? remove the folder first)"
+        )
     if isinstance(src, str | os.PathLike) and "://" not in os.fspath(src):
         source, target = os.path.realpath(src), os.path.realpath(dst)
         if target.startswith(source.rstrip(os.sep) + os.sep):
