@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -29,6 +30,9 @@ from .test_importers import (
     write_diffusion_policy,
     write_robomimic,
 )
+
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
+
 
 # ---- LeRobot: a data file's values against the features info.json declares ---------------------
 
@@ -609,3 +613,18 @@ def test_export_into_a_folder_that_holds_files_says_which(tmp_path):
     ):
         imp.export_diffusion_policy(tmp_path / "buf", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".zgroup", "data"]
+
+
+def test_import_into_s3_resumes_and_refuses_another_config(tmp_path, s3_server):
+    """The config check before a resume opens the destination a second time: on an object store
+    too (moto on 127.0.0.1)."""
+    arrays = {"state": np.arange(30, dtype=np.float32)}
+    write_diffusion_policy(tmp_path / "src.zarr", {"state": arrays["state"][:20]}, ends=(5, 20))
+    url, options = s3_server.url(f"interop-{uuid.uuid4().hex}"), s3_server.storage_options
+    imp.diffusion_policy(tmp_path / "src.zarr", url, storage_options=options, progress=False)
+    again = imp.diffusion_policy(tmp_path / "src.zarr", url, storage_options=options, verify=True, progress=False)
+    assert (again.imported, again.skipped) == (0, 2)
+    write_diffusion_policy(tmp_path / "src.zarr", arrays, ends=(5, 20, 30))
+    with pytest.raises(ValueError, match=r"(?s)holds a buffer of another config .*max_episodes: stored 2 vs needed 3"):
+        imp.diffusion_policy(tmp_path / "src.zarr", url, storage_options=options, progress=False)
+    assert ReplayBuffer.from_folder(url, read_only=True, storage_options=options).num_episodes == 2
