@@ -628,3 +628,19 @@ def test_import_into_s3_resumes_and_refuses_another_config(tmp_path, s3_server):
     with pytest.raises(ValueError, match=r"(?s)holds a buffer of another config .*max_episodes: stored 2 vs needed 3"):
         imp.diffusion_policy(tmp_path / "src.zarr", url, storage_options=options, progress=False)
     assert ReplayBuffer.from_folder(url, read_only=True, storage_options=options).num_episodes == 2
+
+
+@pytest.mark.parametrize("value", [np.nan, 0.5, 2.0])
+def test_d4rl_flags_other_than_0_or_1_are_refused(tmp_path, value):
+    """A NaN (or 0.5, 2) in 'timeouts' read as True: an episode ended there without a word."""
+    h5py = require("h5py")
+    timeouts = np.zeros(8, np.float32)
+    timeouts[[3, 7]] = 1.0
+    timeouts[5] = value
+    with h5py.File(tmp_path / "d4rl.hdf5", "w") as f:
+        f.create_dataset("observations", data=np.zeros((8, 2), np.float32))
+        f.create_dataset("terminals", data=np.zeros(8, bool))
+        f.create_dataset("timeouts", data=timeouts)
+    with pytest.raises(imp.ImportSourceError, match=r"d4rl\.hdf5: 'timeouts' holds .* at step 5; expected 0 or 1"):
+        imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()

@@ -259,7 +259,16 @@ class D4RLSource(_HDF5Source):
             raise ImportSourceError(f"{self.path}: {not_flat}: expected one flag per step, shape (steps,)")
         ends = np.zeros(steps, dtype=bool)
         for key in flags:
-            ends[: f[key].shape[0]] |= np.asarray(f[key][:steps], dtype=bool)
+            values = np.asarray(f[key][:steps])
+            if values.dtype.kind not in "biuf":
+                raise ImportSourceError(f"{self.path}: '{key}' holds {values.dtype}, expected a flag per step (0 or 1)")
+            other = np.flatnonzero((values != 0) & (values != 1))  # NaN and 0.5 read as an episode's end
+            if len(other):
+                raise ImportSourceError(
+                    f"{self.path}: '{key}' holds {values[other[0]]!r} at step {int(other[0])}; expected 0 or 1 "
+                    "(where an episode ends)"
+                )
+            ends[: len(values)] |= values.astype(bool)
         stops = (np.flatnonzero(ends) + 1).tolist()
         if steps and (not stops or stops[-1] != steps):  # an empty file: no episode, not one of 0 steps
             stops.append(steps)
