@@ -1003,10 +1003,6 @@ def test_lerobot_export_refuses_a_frame_rate_timestamps_cannot_divide_by(tmp_pat
     assert json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["fps"] == 30.0
 
 
-def _obs_group_in_obs(f):
-    f.create_group("data/demo_0/obs/nested")
-
-
 def _obs_as_dataset(f):
     del f["data/demo_0/obs"]
     f["data/demo_0/obs"] = np.zeros((4, 2))
@@ -1015,7 +1011,6 @@ def _obs_as_dataset(f):
 @pytest.mark.parametrize(
     ("format", "edit", "message"),
     [
-        ("robomimic", _obs_group_in_obs, r"data/demo_0/obs/nested is a group, expected a dataset"),
         ("robomimic", _obs_as_dataset, r"data/demo_0/obs is a dataset, expected a group of datasets"),
         ("d4rl", lambda f: f.create_dataset("infos", data=np.zeros(6)), r"'infos' is a dataset, expected a group"),
         ("d4rl", lambda f: f.create_dataset("observations", data=np.float32(1)), r"'observations' is a group or 0-d"),
@@ -1034,7 +1029,6 @@ def _obs_as_dataset(f):
         ),
     ],
     ids=[
-        "robomimic-nested-obs",
         "robomimic-obs-dataset",
         "d4rl-infos-dataset",
         "d4rl-0-d-observations",

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,8 +26,8 @@ from ..buffer import ReplayBuffer
 from ..consistency import read_episodes_consistent
 from ..maintenance import check_apart
 from ..progress import progress_bar
-from ..schema import Schema
-from ..storage.base import ConcurrentWriteError, Storage, make_storage
+from ..schema import MAX_EPISODE_BYTES, Schema
+from ..storage.base import ConcurrentWriteError, Storage, StorageError, make_storage
 
 __all__ = [
     "ImportResult",
@@ -90,6 +90,11 @@ class Source(ABC):
         """The file holding the episode at ``position``, for error messages."""
         return self.path
 
+    def location(self) -> str | None:
+        """The local file or folder the source reads (None where it has none), which a
+        destination may not be, be inside, or hold."""
+        return self.path if os.path.exists(self.path) else None
+
     def close(self) -> None:
         """Release open files."""
 
@@ -138,8 +143,16 @@ def _check_episode(source: Source, data: dict[str, np.ndarray], length: int) -> 
         raise ValueError(f"fields {missing} are missing")
     for name, spec in fields.items():
         shape = (length, *spec["shape"])
-        if data[name].shape != shape:
-            raise ValueError(f"field {name!r} has shape {data[name].shape}, expected {shape} (truncated?)")
+        got = data[name].shape
+        if got != shape:
+            # more steps than the index gives: not a truncated file (robomimic's num_samples under its rows)
+            if got[1:] != shape[1:]:
+                why = "another shape per step than the source declares"
+            elif got[:1] > shape[:1]:
+                why = "more steps than the source's index gives the episode"
+            else:
+                why = "truncated?"
+            raise ValueError(f"field {name!r} has shape {got}, expected {shape} ({why})")
 
 
 def _verify(buffer: ReplayBuffer, slot: int, data: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
@@ -198,11 +211,65 @@ def destination_config(source: Source) -> dict[str, Any]:
         },
         "meta_fields": {SOURCE_EPISODE: "int64", **source.meta_fields()},
     }
+    _check_episode_bytes(source, config["fields"], ids, lengths)
     try:
         Schema.build(**config)
     except (ValueError, TypeError) as error:
         raise ImportSourceError(f"{source.path}: no buffer can hold this dataset: {error}") from error
     return config
+
+
+def _check_episode_bytes(source: Source, fields: dict[str, dict], ids: list[int], lengths: list[int]) -> None:
+    """ImportSourceError naming the longest episode where one of its fields is over the
+    ``MAX_EPISODE_BYTES`` an episode may take in RAM: an import reads one episode whole, so no
+    option of it helps (the buffer's own message said to lower max_timesteps, which an import
+    has not); the episode has to be split in the source."""
+    longest = int(np.argmax(lengths))
+    for name, spec in fields.items():
+        try:
+            step_nbytes = np.dtype(spec["dtype"]).itemsize * int(np.prod(spec["shape"], dtype=np.int64))
+        except TypeError:  # a dtype no buffer holds: Schema.build names it
+            continue
+        size = step_nbytes * lengths[longest]
+        if size > MAX_EPISODE_BYTES:
+            fits = MAX_EPISODE_BYTES // step_nbytes
+            advice = (
+                f"split it into episodes of at most {fits} steps in the source" if fits else "one step alone is over it"
+            )
+            raise ImportSourceError(
+                f"{source.path}: no buffer can hold this dataset: episode {ids[longest]} has {lengths[longest]} "
+                f"steps of field {name!r}, {step_nbytes} bytes each: {size / 2**30:,.0f} GiB per episode, over "
+                f"the {MAX_EPISODE_BYTES // 2**30} GiB an import reads at once (one episode, "
+                f"replaybuf.schema.MAX_EPISODE_BYTES); {advice}"
+            )
+
+
+def _sizing(config: dict[str, Any], ids: list[int], lengths: list[int]) -> str:
+    """How a new destination was sized, for a failure to create it (a disk too small for what the
+    memmap and hdf5 backends reserve: every slot as long as the longest episode)."""
+    longest = int(np.argmax(lengths))
+    return (
+        f"the destination holds {config['max_episodes']} episodes of up to {config['max_timesteps']} steps "
+        f"(one slot per source episode, each as long as the longest, episode {ids[longest]}; the source has "
+        f"{sum(lengths)} steps in all): the memmap and hdf5 backends reserve all of it on disk, the zarr "
+        "backend (the default) stores only the steps written"
+    )
+
+
+def check_config(source: Source, dst: Any, storage: Storage, config: dict[str, Any]) -> None:
+    """Refuse to resume into the buffer at ``dst`` (``storage``, which exists) when it was made
+    with another config than ``source`` needs, listing the differences: a source that gained an
+    episode since, or a buffer not made by this import. The buffer's own message offered
+    ``overwrite=True`` and ``from_folder``, which an import has not."""
+    with ReplayBuffer(storage, overwrite=False, read_only=True) as held:
+        lines = [line.replace(" vs passed ", " vs needed ") for line in held.schema.differences(Schema.build(**config))]
+    if lines:
+        raise ValueError(
+            f"{os.fspath(dst)}: holds a buffer of another config than importing {source.path!r} needs:\n"
+            + "\n".join(lines)
+            + "\nan import resumes only into the buffer it made from the same dataset (not one that gained "
+            "episodes since): import into a new destination"
+        )
 
 
 def open_destination(config: dict[str, Any], storage: Storage) -> tuple[ReplayBuffer, set[int]]:
@@ -270,13 +337,21 @@ def run_import(
     try:
         config, ids, lengths = destination_config(source), source.episode_ids(), source.lengths()
         attrs = destination_attrs(source)
-        if os.path.exists(source.path):  # not a Minari id: a folder or file
-            check_apart(source.path, None, dst, storage_options, command="import")
+        location = source.location()
+        if location is not None:
+            check_apart(location, None, dst, storage_options, command="import")
         storage = make_storage(dst, backend, storage_options)
+        if storage.exists():
+            check_config(source, dst, make_storage(dst, backend, storage_options), config)
         # a new destination is created once the first episode has read well, so that a source
         # refused at once (a missing column, a truncated file) leaves nothing behind
         first = None if storage.exists() else _read_episode(source, 0, ids[0], lengths[0])
-        buffer, done = open_destination(config, storage)
+        try:
+            buffer, done = open_destination(config, storage)
+        except StorageError as error:
+            if first is None:  # an existing destination: not a matter of its size
+                raise
+            raise StorageError(f"{error}; {_sizing(config, ids, lengths)}") from error
         imported = frames = empty = 0
         started = time.monotonic()
         with buffer, progress_bar(progress, desc=f"import {source.format}", unit="episode", total=len(ids)) as bar:
@@ -311,8 +386,14 @@ def run_import(
 def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
     """Refuse an export into a folder that holds anything (an export never overwrites), or
     inside the folder of the source buffer ``src`` (it would add files to the buffer)."""
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder, not a file")
+    held = sorted(os.listdir(dst)) if os.path.isdir(dst) else []
+    if held:  # what it holds, so that the leftovers of an export killed part way are recognised
+        raise FileExistsError(
+            f"{os.fspath(dst)}: the export destination must be a new or empty folder; it holds {held[:5]}"
+            f"{' ...' if len(held) > 5 else ''} (an export interrupted there? remove the folder first)"
+        )
     if isinstance(src, str | os.PathLike) and "://" not in os.fspath(src):
         source, target = os.path.realpath(src), os.path.realpath(dst)
         if target.startswith(source.rstrip(os.sep) + os.sep):
@@ -328,6 +409,7 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
     export must not pass for a dataset (a diffusion_policy zarr's unwritten chunks read as zeros)."""
     check_new_folder(dst, src)
     existed = os.path.isdir(dst)
+    missing = _missing_parents(dst)
     try:
         yield
     except BaseException:
@@ -339,7 +421,20 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     os.unlink(entry.path)
+        for parent in missing:  # the parents the export made (they were left), while still empty
+            with suppress(OSError):
+                os.rmdir(parent)
         raise
+
+
+def _missing_parents(dst: str | os.PathLike) -> list[str]:
+    """The parent folders of ``dst`` that do not exist yet, nearest first."""
+    missing = []
+    parent = os.path.dirname(os.path.abspath(dst))
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    return missing
 
 
 def exported_episodes(
@@ -352,6 +447,9 @@ def exported_episodes(
     under the planned length (what exporters write)."""
     buffer = ReplayBuffer.from_folder(src, read_only=True, storage_options=storage_options)
     slots = buffer.valid_episodes()
+    if not len(slots):  # a LeRobot folder of none had no episode columns: no reader opened it
+        buffer.close()
+        raise ValueError(f"{os.fspath(src)}: the buffer holds no committed episodes; nothing to export")
     lens = np.asarray(buffer.episode_lens, np.int64)[slots]
     generations = np.asarray(buffer.generations, np.int64)[slots]
 

@@ -2,7 +2,8 @@
 
 robomimic: ``data/demo_N/{obs/<key>, next_obs/<key>, actions, rewards, dones, states}``, each
 demo's length in its ``num_samples`` attribute. ``obs/<key>`` becomes field ``obs_<key>``
-(``next_obs_<key>`` likewise), the others keep their names. Demos are read in order of N.
+(``next_obs_<key>``, ``action_dict/<key>`` and any group's datasets likewise, their path joined
+by ``_``), the others keep their names. Demos are read in order of N; ``data/`` holds nothing else.
 ``buffer.attrs["robomimic"]`` keeps ``env_args`` (the environment's metadata, parsed; its text
 when it is not plain JSON, e.g. holds NaN) and ``fields`` (field -> dataset path).
 
@@ -10,7 +11,8 @@ D4RL: ``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts`` (a
 top-level array with one row per step, ``infos/<key>`` as ``infos_<key>``); an episode ends at
 each step where ``terminals | timeouts``, and steps after the last end form a final episode.
 ``buffer.attrs["d4rl"]`` keeps ``source_keys`` (field -> dataset path), ``episode_ends`` (the
-keys that ended episodes) and the file's root attributes that are plain JSON.
+keys that ended episodes), the file's root attributes that are plain JSON and ``left_out``: the
+datasets that are no field (``metadata/*``, 0-d ones, groups under ``infos/``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from ._engine import ImportSourceError, Source, is_plain_json
 
 __all__ = ["D4RLSource", "RobomimicSource"]
 
+# the most dataset paths ``buffer.attrs["d4rl"]["left_out"]`` lists (attributes hold 1 MiB)
+LEFT_OUT_LISTED = 1000
+
 
 def _open(path: str) -> Any:
     import h5py
@@ -38,8 +43,9 @@ def _open(path: str) -> Any:
 
 
 def _text(value: Any) -> str:
-    """An HDF5 string attribute (str, or bytes from fixed-length strings) as str."""
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """An HDF5 string attribute (str, or bytes from fixed-length strings) as str; bytes that are
+    not UTF-8 as escapes (they raised UnicodeDecodeError, naming no file)."""
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
 
 
 def _plain(value: Any) -> Any:
@@ -53,6 +59,22 @@ def _plain(value: Any) -> Any:
 
 def _spec(dataset: Any) -> dict[str, Any]:
     return {"dtype": str(dataset.dtype), "shape": tuple(dataset.shape[1:])}
+
+
+def _resolved(group: Any, name: str, link: Any, prefix: str = "") -> Any:
+    """The group or dataset the link ``name`` of ``group`` leads to; ValueError where it leads
+    nowhere, or to another file (an external link: an import reads only the source file, as a
+    LeRobot import only its folder; it pulled any HDF5 file of this machine into the buffer)."""
+    import h5py
+
+    if isinstance(link, h5py.ExternalLink):
+        raise ValueError(
+            f"{prefix}{name} is an external link to {link.filename}:{link.path}; an import reads only the source file"
+        )
+    item = group.get(name)
+    if item is None:
+        raise ValueError(f"{prefix}{name} is a link to nothing ({getattr(link, 'path', link)})")
+    return item
 
 
 def _unique(found: list[tuple[str, str]], prefix: str = "") -> dict[str, str]:
@@ -100,6 +122,11 @@ class RobomimicSource(_HDF5Source):
         if not hasattr(self._file.get("data"), "keys"):
             raise ImportSourceError(f"{self.path}: not a robomimic file (no 'data' group)")
         demos = [name for name in self._file["data"] if re.fullmatch(r"demo_\d+", name)]
+        others = sorted(set(self._file["data"]) - set(demos))
+        if others:  # they were left out without a word
+            raise ImportSourceError(
+                f"{self.path}: data/ holds {others}, expected only demo_N groups (N a number, as robomimic writes)"
+            )
         self._demos = sorted(demos, key=lambda name: int(name.split("_")[1]))
         # the datasets of every demo: one that only some demos hold is missing from the others
         # (an error naming it), not dropped from all of them
@@ -113,20 +140,23 @@ class RobomimicSource(_HDF5Source):
         self._lengths = [self._length(demo) for demo in self._demos]
 
     def _paths(self, demo: str) -> dict[str, str]:
-        """field name -> dataset path inside ``data/<demo>``; ValueError where ``obs`` or
-        ``next_obs`` is not a group of datasets."""
+        """field name -> dataset path inside ``data/<demo>``, the datasets of its groups (``obs``,
+        ``next_obs``, ``action_dict``, MimicGen's ``datagen_info``, at any depth) with their path
+        joined by ``_``: those other than obs and next_obs were dropped without a word. ValueError
+        where ``obs`` or ``next_obs`` is not a group."""
         group = self._file[f"data/{demo}"]
-        found = []
-        for key, item in group.items():
-            if key in ("obs", "next_obs"):
-                if not hasattr(item, "keys"):
-                    raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
-                nested = [sub for sub, value in item.items() if hasattr(value, "keys")]
-                if nested:
-                    raise ValueError(f"data/{demo}/{key}/{nested[0]} is a group, expected a dataset")
-                found += [(f"{key}_{sub}", f"{key}/{sub}") for sub in item]
-            elif not hasattr(item, "keys"):
-                found.append((key, key))
+        for key in ("obs", "next_obs"):
+            if key in group and not hasattr(group[key], "keys"):
+                raise ValueError(f"data/{demo}/{key} is a dataset, expected a group of datasets")
+        links: list[tuple[str, Any]] = []
+        # soft links too (visititems skips them); checked after the visit (an exception raised
+        # inside h5py's callback came out as SystemError)
+        group.visititems_links(lambda path, link: links.append((path, link)))
+        found = [
+            (path.replace("/", "_"), path)
+            for path, link in links
+            if not hasattr(_resolved(group, path, link, f"data/{demo}/"), "keys")
+        ]
         return _unique(found, f"data/{demo}/")
 
     @property
@@ -202,6 +232,9 @@ class D4RLSource(_HDF5Source):
             raise ValueError("'observations' is a group or 0-d, expected an array with one row per step")
         if "infos" in f and not hasattr(f["infos"], "keys"):
             raise ValueError("'infos' is a dataset, expected a group of datasets")
+        for group, prefix in ((f, ""), (f.get("infos"), "infos/")):
+            for name in group if hasattr(group, "keys") else ():
+                _resolved(group, name, group.get(name, getlink=True), prefix)
         steps = f["observations"].shape[0]
         # every per-step array (groups and scalars are not); one shorter than ``observations``
         # fails the episodes past its end
@@ -226,7 +259,16 @@ class D4RLSource(_HDF5Source):
             raise ImportSourceError(f"{self.path}: {not_flat}: expected one flag per step, shape (steps,)")
         ends = np.zeros(steps, dtype=bool)
         for key in flags:
-            ends[: f[key].shape[0]] |= np.asarray(f[key][:steps], dtype=bool)
+            values = np.asarray(f[key][:steps])
+            if values.dtype.kind not in "biuf":
+                raise ImportSourceError(f"{self.path}: '{key}' holds {values.dtype}, expected a flag per step (0 or 1)")
+            other = np.flatnonzero((values != 0) & (values != 1))  # NaN and 0.5 read as an episode's end
+            if len(other):
+                raise ImportSourceError(
+                    f"{self.path}: '{key}' holds {values[other[0]]!r} at step {int(other[0])}; expected 0 or 1 "
+                    "(where an episode ends)"
+                )
+            ends[: len(values)] |= values.astype(bool)
         stops = (np.flatnonzero(ends) + 1).tolist()
         if steps and (not stops or stops[-1] != steps):  # an empty file: no episode, not one of 0 steps
             stops.append(steps)
@@ -239,7 +281,24 @@ class D4RLSource(_HDF5Source):
         ends = [key for key in ("terminals", "timeouts") if key in self._file]
         root = {key: _plain(value) for key, value in self._file.attrs.items()}
         file_attrs = {key: value for key, value in root.items() if is_plain_json(value)}
-        return {"d4rl": {"source_keys": dict(self._paths), "episode_ends": ends, "file_attrs": file_attrs}}
+        return {
+            "d4rl": {
+                "source_keys": dict(self._paths),
+                "episode_ends": ends,
+                "file_attrs": file_attrs,
+                "left_out": self._left_out(),
+            }
+        }
+
+    def _left_out(self) -> list[str]:
+        """The file's datasets that are no field (``metadata/*``, 0-d ones, groups under
+        ``infos/``), at most ``LEFT_OUT_LISTED``: they were left out without a word."""
+        imported = set(self._paths.values())
+        found: list[str] = []
+        self._file.visititems(
+            lambda path, item: None if hasattr(item, "keys") or path in imported else found.append(path)
+        )
+        return sorted(found)[:LEFT_OUT_LISTED]
 
     def episode_ids(self) -> list[int]:
         return list(range(len(self._bounds)))

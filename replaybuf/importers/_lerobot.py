@@ -14,8 +14,9 @@ Mapping: each feature becomes a field named with ``.`` replaced by ``_``
 the episode's first frame) and ``fps`` become meta fields, LeRobot's ``episode_index`` is
 ``source_episode``. What holds for the whole dataset goes to ``buffer.attrs``: ``fps`` and
 ``lerobot`` (``codebase_version``, ``robot_type``, ``features`` as in ``info.json``, ``fields``:
-field -> feature name, ``tasks``: task_index -> task text). Non-numeric per-frame features are
-not kept: replaybuf fields store numbers only.
+field -> feature name, ``tasks``: task_index -> task text, ``left_out``: the data files' columns
+no field holds). Non-numeric per-frame features are not kept: replaybuf fields store numbers
+only; nor are columns ``info.json`` does not declare.
 
 The exporter takes feature names, their ``names`` entries, task texts, robot type and fps from
 those attributes when the buffer has them; otherwise it maps field names back
@@ -36,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from ..video import is_image_field
 from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["LeRobotSource", "export_lerobot"]
@@ -49,6 +49,10 @@ DATA_PATH = "data/" + CHUNK_FILE + ".parquet"
 VIDEO_PATH = "videos/{video_key}/" + CHUNK_FILE + ".mp4"
 EPISODES_PATH = "meta/episodes/" + CHUNK_FILE + ".parquet"
 CHUNK_SIZE = 1000
+ONE_TASK = (
+    "a buffer keeps one task_index per episode, so which frames had which task would be lost: "
+    "split such episodes at their task changes in the source"
+)
 
 
 def _pyarrow() -> Any:
@@ -103,8 +107,12 @@ def _image_shape(feature: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """A (possibly nested list) parquet column as a (rows, *shape) array; ValueError where a row
-    holds another number of values than ``shape`` (a reshape would shift values across rows)."""
+    """A (possibly nested list) parquet column as a (rows, *shape) array of the feature's
+    ``dtype``; ValueError where a row holds another number of values than ``shape`` (a reshape
+    would shift values across rows), an empty value (it read as NaN, or as -2**63 in an integer
+    feature), or a value ``dtype`` cannot hold (0.5 in an int64 feature read as 0, 1e300 in a
+    float32 one as inf, 300 in a uint8 one as 44)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     array = table.column(name).combine_chunks()
@@ -118,7 +126,25 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
         raise ValueError(
             f"column {name!r}: frame {bad} holds {counts[bad]} values, the feature's shape {shape} holds {math.prod(shape)}"
         )
-    return np.asarray(array.to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(table), *shape)
+    if array.null_count:
+        bad = int(rows[np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0]])
+        raise ValueError(f"column {name!r}: frame {bad} holds an empty value; a field holds numbers only")
+    try:
+        cast = pc.cast(array, pa.from_numpy_dtype(np.dtype(dtype)), safe=True)
+    except pa.ArrowInvalid as error:
+        raise ValueError(f"column {name!r} of type {array.type}: {error}; the feature's dtype is {dtype}") from error
+    values = np.asarray(cast.to_numpy(zero_copy_only=False), dtype=dtype)
+    # a number narrowed: arrow's safe cast lets a finite value become inf (the source is read again
+    # only where the result holds an inf)
+    if values.dtype.kind == "f" and np.isinf(values).any():
+        grown = np.isinf(values) & np.isfinite(np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64))
+        if grown.any():
+            bad = int(np.flatnonzero(grown)[0])
+            raise ValueError(
+                f"column {name!r}: frame {int(rows[bad])} holds {array[bad].as_py()!r}, out of the range of "
+                f"the feature's dtype {dtype}"
+            )
+    return values.reshape(len(table), *shape)
 
 
 def decode_frames(path: Path, start_s: float, count: int, fps: float) -> np.ndarray:
@@ -225,14 +251,31 @@ class LeRobotSource(Source):
         rows = []
         for file in files:
             try:
+                names = self._pa.parquet.read_schema(file).names
                 table = self._pa.parquet.read_table(
-                    file, columns=[c for c in self._pa.parquet.read_schema(file).names if _episode_column(c)]
+                    file, columns=[c for c in names if _episode_column(c) or c == "tasks"]
                 )
             except (OSError, self._pa.ArrowException) as error:
                 raise ImportSourceError(f"{file}: cannot read LeRobot episodes: {error}") from error
             self._check_episode_columns(file, table)
+            if "tasks" in table.column_names:
+                self._check_one_task(file, table)
+                table = table.drop_columns(["tasks"])
             rows.extend(table.to_pylist())
         return sorted(rows, key=lambda row: row["episode_index"])
+
+    def _check_one_task(self, file: Path, table: Any) -> None:
+        """Refuse episodes whose ``tasks`` name more than one task, before a destination is
+        created: a buffer keeps one ``task_index`` per episode (its first frame's), so which
+        frames had which task would be lost without a word."""
+        import pyarrow.compute as pc
+
+        if not self._pa.types.is_list(table.schema.field("tasks").type):
+            return
+        counts = pc.fill_null(pc.list_value_length(table.column("tasks")), 0).to_numpy(zero_copy_only=False)
+        several = table.column("episode_index").to_numpy(zero_copy_only=False)[counts > 1].tolist()
+        if several:
+            raise ImportSourceError(f"{file}: episodes {several[:10]} have more than one task; {ONE_TASK}")
 
     def _check_episode_columns(self, file: Path, table: Any) -> None:
         """The columns of an episodes file that an import reads are there, numbers, and
@@ -269,6 +312,7 @@ class LeRobotSource(Source):
         parquet footer) before a destination is sized from it: a lying length would reserve its
         size there. A data file that cannot be read fails its episodes when they are read."""
         rows: dict[Path, int | None] = {}
+        self._columns: set[str] = set()  # of every data file: the columns no field holds are listed
         for row in self._episodes:
             try:
                 file = self._data_file(row)
@@ -276,7 +320,9 @@ class LeRobotSource(Source):
                 continue
             if file not in rows:
                 try:
-                    rows[file] = self._pa.parquet.read_metadata(file).num_rows
+                    footer = self._pa.parquet.read_metadata(file)
+                    rows[file] = footer.num_rows
+                    self._columns.update(footer.schema.to_arrow_schema().names)
                 except (OSError, self._pa.ArrowException):
                     rows[file] = None
             held = rows[file]
@@ -317,6 +363,7 @@ class LeRobotSource(Source):
                 "features": self.info["features"],
                 "fields": dict(self._features),
                 "tasks": self._tasks,
+                "left_out": sorted(self._columns - set(self._features.values()) - set(FRAME_COLUMNS)),
             },
         }
 
@@ -345,21 +392,31 @@ class LeRobotSource(Source):
     def where(self, position: int) -> str:
         return str(self.root / self._data_path(self._episodes[position]))
 
+    def _missing_columns(self, row: dict[str, Any], wanted: list[str]) -> str:
+        """What a data file lacks of the columns ``wanted`` (features info.json declares), as a
+        message; empty where it has them all or cannot be read (arrow's message says more)."""
+        try:
+            held = set(self._pa.parquet.read_schema(self._data_file(row)).names)
+        except (OSError, self._pa.ArrowException):
+            return ""
+        missing = [column for column in [*wanted, "episode_index"] if column not in held]
+        expected = "one per feature of meta/info.json, and frame_index, task_index and episode_index"
+        return f"it has no columns {missing}; expected {expected}" if missing else ""
+
     def read(self, position: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         row = self._episodes[position]
         episode, length = int(row["episode_index"]), int(row["length"])
         video = {name for name, feature in self._features.items() if self.info["features"][feature]["dtype"] == "video"}
         columns = [self._features[name] for name in self._fields if name not in video]
         try:
+            wanted = [*columns, "frame_index", "task_index"]
             table = self._pa.parquet.read_table(
-                self._data_file(row),
-                columns=[*columns, "frame_index", "task_index"],
-                filters=[("episode_index", "=", episode)],
+                self._data_file(row), columns=wanted, filters=[("episode_index", "=", episode)]
             )
         except FileNotFoundError as error:
             raise ValueError(f"cannot read its frames: no such file {str(self._data_file(row))!r}") from error
         except self._pa.ArrowException as error:
-            raise ValueError(f"cannot read its frames: {error}") from error
+            raise ValueError(f"cannot read its frames: {self._missing_columns(row, wanted) or error}") from error
         table = table.sort_by("frame_index")
         if len(table) != length:
             raise ValueError(f"{len(table)} frames in the data file, the episode index says {length} (truncated?)")
@@ -379,8 +436,10 @@ class LeRobotSource(Source):
                 data[name] = np.stack([_decode_image(cell, self.root, spec["shape"]) for cell in cells])
             else:
                 data[name] = _column(table, feature, spec["shape"], spec["dtype"])
-        task = int(table.column("task_index")[0].as_py()) if length else 0
-        return data, {"task_index": task, "fps": self.fps}
+        tasks = np.unique(np.asarray(table.column("task_index").to_numpy(zero_copy_only=False)))
+        if len(tasks) > 1:  # an episodes file without a tasks column does not say so
+            raise ValueError(f"its frames have task_index {tasks[:10].tolist()}; {ONE_TASK}")
+        return data, {"task_index": int(tasks[0]) if length else 0, "fps": self.fps}
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -422,10 +481,12 @@ def encode_frames(path: Path, frames: np.ndarray, fps: float) -> None:
 
 
 def _image_features(buffer: Any, video: bool) -> dict[str, str]:
-    """image field -> 'video' or 'image', for (H, W, C) uint8 fields."""
+    """image field -> 'video' or 'image', for (H, W, C) uint8 fields of 1 or 3 channels: what a
+    PNG (and LeRobot's image features) hold as they are. Other frames ((C, H, W), (H, W), 2 or 4
+    channels) are exported as arrays: as images they failed in PIL or read back with another shape."""
     out = {}
     for name, field in buffer.schema.fields.items():
-        if field.dtype == np.uint8 and is_image_field(field.shape, field.dtype):
+        if field.dtype == np.uint8 and len(field.shape) == 3 and field.shape[-1] in (1, 3):
             if video and (field.shape[-1] != 3 or field.shape[0] % 2 or field.shape[1] % 2):
                 raise ValueError(
                     f"field {name!r}: video mode needs (H, W, 3) frames with even H and W, got {field.shape}"
@@ -469,6 +530,12 @@ def _check_feature_names(names: _ExportNames, fields: list[str]) -> None:
     taken: dict[str, str] = {}
     for field in fields:
         feature = names.feature(field)
+        if not isinstance(feature, str) or feature in ("", ".", "..") or "/" in feature or "\\" in feature:
+            # a video's feature name is a folder of the export: '../../x' wrote outside it
+            raise ValueError(
+                f"field {field!r} would be exported as feature {feature!r}, which is no folder name inside the "
+                f"export (LeRobot keeps videos under videos/<feature>/); {hint}"
+            )
         if feature in FRAME_COLUMNS:
             raise ValueError(
                 f"field {field!r} would be exported as {feature!r}, a column LeRobot adds to every frame; {hint}"

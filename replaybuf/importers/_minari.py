@@ -92,6 +92,11 @@ class MinariSource(Source):
     def fields(self) -> dict[str, dict[str, Any]]:
         return self._fields
 
+    def location(self) -> str | None:
+        """The dataset's folder (the one holding ``data/``), also for a dataset id: a destination
+        inside Minari's root was written into the dataset."""
+        return os.path.dirname(os.path.abspath(self._dataset.storage.data_path))
+
     def attrs(self) -> dict[str, Any]:
         from minari.serialization import serialize_space
 

@@ -222,8 +222,19 @@ class MemmapStorage(LocalFolderStorage):
             )
         os.makedirs(self.root, exist_ok=True)
         self._arrays = {}
-        for (name, meta), (shape, dtype) in expected_layouts(schema).items():
-            self._allocate(name, meta, shape, dtype)
+        made: list[str] = []
+        try:
+            for (name, meta), (shape, dtype) in expected_layouts(schema).items():
+                self._allocate(name, meta, shape, dtype)
+                made.append(os.path.join(self.root, array_filename(name, meta)))
+        except BaseException:
+            # the arrays allocated before the one that failed (a full disk) were left behind: a
+            # half buffer no open reads, holding their space (a 154 MB field beside a 123 GB one)
+            self._arrays = {}
+            for path in made:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
         self.commit_state(empty_state())
         self._write_config(schema)
