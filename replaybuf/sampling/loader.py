@@ -18,6 +18,8 @@ from .datasets import (
     ReplayDatasetTrajectory,
     check_names,
     draws_timepoints,
+    empty_buffer_error,
+    refresh_for_snapshot,
 )
 from .distributed import ResumableDataLoader, ResumableDistributedSampler, resolve_rank
 from .mixture import MixtureBatchSampler, MixtureDataLoader
@@ -74,10 +76,10 @@ def make_dataset(
     default: read through the storage, whose decoded-chunk cache
     ``replaybuf.sampling.chunk_cache()`` can be resized).
     """
-    if len(buffer) == 0 and buffer.read_only:
-        buffer.refresh()
     if len(buffer) == 0:
-        raise ValueError("replay buffer is empty")
+        refresh_for_snapshot(buffer)
+    if len(buffer) == 0:
+        raise empty_buffer_error(buffer)
     if n_steps is not None and timestep_level:
         raise ValueError("cannot specify both n_steps and timestep_level")
     common = dict(filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
@@ -189,10 +191,10 @@ def make_dataloader(
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:
             dataset_kwargs[name] = kwargs.pop(name)
-    if len(buffer) == 0 and buffer.read_only:
-        buffer.refresh()
     if len(buffer) == 0:
-        raise ValueError("replay buffer is empty")
+        refresh_for_snapshot(buffer)
+    if len(buffer) == 0:
+        raise empty_buffer_error(buffer)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if to_named_tuple is not None and fields is not None:
