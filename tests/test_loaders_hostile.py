@@ -10,6 +10,7 @@ import multiprocessing
 
 import numpy as np
 import pytest
+import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.consistency import RETRIES, committed_generations, read_consistent
@@ -274,3 +275,45 @@ def test_a_buffer_of_empty_episodes_says_what_it_holds(tmp_path):
     with pytest.raises(ValueError, match=r"^replay buffer is empty$"):
         make_dataloader(empty, 2)
     writer.close()
+
+
+@pytest.fixture
+def small(tmp_path):
+    place = make_place("zarr", tmp_path)
+    buffer = ReplayBuffer(
+        place.location, **place.kwargs, max_episodes=4, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META
+    )
+    for k in range(3):
+        buffer.store_episode(**episode(k), task=k)
+    yield buffer
+    buffer.close()
+
+
+def test_a_numpy_batch_size_is_taken(small):
+    """Before: ValueError "batch_size must be an int >= 1, got np.int64(2)"."""
+    batch = next(iter(make_dataloader(small, np.int64(2), timestep_level=True)))
+    assert len(batch["ident"]) == 2
+    with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got np.int64\(0\)"):
+        make_dataloader(small, np.int64(0))
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_when_the_loader_is_made(small):
+    """Before: the loader was made, and its first batch failed inside torch (an AssertionError
+    "Torch not compiled with CUDA enabled", or an invalid device ordinal)."""
+    with pytest.raises(ValueError, match=r"device: 'cuda:99', but (no CUDA device is available|this machine has)"):
+        make_dataloader(small, 2, device="cuda:99")
+
+
+def test_a_sampler_that_is_not_iterable_is_refused_when_the_loader_is_made(small):
+    """Before: TypeError "'object' object is not iterable" from inside torch at the first batch."""
+    with pytest.raises(TypeError, match=r"sampler must be one of \['uniform', 'prioritized'\] or a torch Sampler"):
+        make_dataloader(small, 2, sampler=object())
+
+
+def test_a_sampler_of_numpy_positions_is_taken_as_torch_takes_it(small):
+    """Before: ValueError "The truth value of an array with more than one element is ambiguous"
+    from comparing the array with the sampler names."""
+    order = [2, 0, 1]
+    for positions in (np.array(order), torch.tensor(order), order):
+        batches = make_dataloader(small, 2, sampler=positions)
+        assert [batch["task"].tolist() for batch in batches] == [[2, 0], [1]]
