@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
+from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import RETRIES, committed_generations, read_consistent
 from replaybuf.sampling import ReplayDatasetTimeWindow, SnapshotOverwrittenError, make_dataloader
 from tests._backends import LOCAL_BACKENDS, make_place
@@ -150,6 +151,46 @@ def test_loaders_beside_a_writer_reusing_every_slot_read_whole_episodes_and_neve
     reader.refresh()
     assert sorted(reader.meta_data["task"][:]) == list(range(WRITTEN, WRITTEN + MAX_EPISODES))
     assert read_every_kind(reader) > 0
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_a_weighted_mixture_beside_a_writer_reusing_every_slot_of_one_member_is_made_every_time(tmp_path, backend):
+    """Before: a snapshot that found every slot of the live member being rewritten left that
+    member without samples (the refresh was retried only for a whole buffer found empty), and
+    a weighted loader was refused: "weights: buffers [0] have a weight > 0 but no sample to
+    draw (after filter_meta)"."""
+    folders = []
+    for name, first in (("live", 0), ("static", 100)):
+        place = make_place(backend, tmp_path, name)
+        writer = ReplayBuffer(
+            place.location,
+            **place.kwargs,
+            max_episodes=MAX_EPISODES,
+            max_timesteps=MAX_TIMESTEPS,
+            fields=FIELDS,
+            meta_fields=META,
+            circular=True,
+        )
+        for k in range(first, first + MAX_EPISODES):
+            writer.store_episode(**episode(k), task=k)
+        writer.close()
+        folders.append(place.location)
+    process = multiprocessing.get_context("fork").Process(target=_write, args=(folders[0], MAX_EPISODES, 2 * WRITTEN))
+    readers = [ReplayBuffer.from_folder(folder, read_only=True) for folder in folders]
+    process.start()
+    loaders = 0
+    try:
+        while process.is_alive():
+            mixture = ConcatReplayBuffer(readers, weights=[0.5, 0.5])
+            try:
+                for batch in make_dataloader(mixture, 8, timestep_level=True, num_batches=2):
+                    check_timesteps(batch)
+            except SnapshotOverwrittenError:
+                pass
+            loaders += 1
+    finally:
+        process.join(timeout=120)
+    assert process.exitcode == 0 and loaders > 0
 
 
 class ReusedDuringTheCopy(np.ndarray):

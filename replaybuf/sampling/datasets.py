@@ -88,15 +88,18 @@ def check_filter_value(argument: str, name: str, value: Any, shape: tuple[int, .
 def refresh_for_snapshot(buffer: BufferView) -> None:
     """Refresh a read-only ``buffer``, flush a writable one. ``refresh()`` leaves out a slot a
     writer changed while it was loaded (``consistency.stored_bookkeeping``): when that left no
-    episode with steps although the buffer counts committed ones (a writer rewriting every slot
-    of a small circular buffer), it is loaded again, up to ``RETRIES`` times, rather than
-    handing a loader an empty buffer."""
+    episode with steps although the buffer (or a member of a ConcatReplayBuffer) counts
+    committed ones (a writer rewriting every slot of a small circular buffer), it is loaded
+    again, up to ``RETRIES`` times, rather than handing a loader an empty buffer."""
     if not buffer.read_only:
         buffer.flush()
         return
+    from ..concat import ConcatReplayBuffer
+
+    members = buffer.buffers if isinstance(buffer, ConcatReplayBuffer) else [buffer]
     for _ in range(RETRIES + 1):
         buffer.refresh()
-        if len(buffer) or not buffer.num_episodes:
+        if all(len(member) or not member.num_episodes for member in members):
             return
 
 
