@@ -1,8 +1,9 @@
 """The read loaders attacked as a training user and a racing writer would: a writer process
 reusing every slot of a small circular buffer while read-only loaders of every kind iterate,
-a loader whose whole snapshot a writer overwrote, a buffer holding only empty episodes, and
-the optimistic read's last retry. Every sample must be one whole committed episode's data, and
-every failure a clear error, never a decode error the writer caused or an empty batch."""
+a loader whose whole snapshot a writer overwrote, a buffer holding only empty episodes, the
+optimistic read's last retry, and arguments torch only failed on at the first batch. Every
+sample must be one whole committed episode's data, and every failure a clear error made when
+the loader is, never a decode error the writer caused or an empty batch."""
 
 from __future__ import annotations
 
@@ -240,20 +241,22 @@ def test_the_last_retry_dropping_every_item_returns_them_dropped_not_an_error(tm
     writer.store_episode(**episode(0), task=0)
     reader = ReplayBuffer.from_folder(place.location, read_only=True)
     stored = int(committed_generations(reader, np.array([0]))[0])
-    plans = iter([stored + 1] * RETRIES + [-1])  # the slot moves on every read; the last re-plan has none left
 
     def read(items: np.ndarray) -> None:
         raise OSError("a decode error of a slot being rewritten")
 
-    def replan(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros(len(items), np.int64), np.full(len(items), next(plans))
-
     for exhausted in ("drop", "raise"):
+        # the slot moves under every read (a planned generation it no longer holds); the re-plan
+        # after the last read has no episode left to draw
         plans = iter([stored + 1] * RETRIES + [-1])
+
+        def replan(items: np.ndarray, plans=plans) -> tuple[np.ndarray, np.ndarray]:
+            return np.zeros(len(items), np.int64), np.full(len(items), next(plans))
+
         kept = read_consistent(
             reader, np.array([0]), np.array([stored + 1]), read, replan, whole=True, exhausted=exhausted
         )
-        assert kept.tolist() == [False]
+        assert kept.tolist() == [False] and next(plans, None) is None  # every retry was made
     writer.close()
 
 
