@@ -29,9 +29,10 @@ from .fetch import Fetcher
 
 
 class SnapshotOverwrittenError(RuntimeError):
-    """A batch found every episode of its dataset's snapshot overwritten by a writer since the
-    dataset was made: nothing is left to sample (instead of a batch of no samples). Not
-    retryable with the same loader: make a new one, which sees the episodes committed then."""
+    """A batch found every episode of its dataset's snapshot overwritten or dropped by a writer
+    since the dataset was made (slots reused, ``clear()``, ``drop_episodes``): nothing is left
+    to sample (instead of a batch of no samples). Not retryable with the same loader: make a
+    new one, which sees the episodes committed then."""
 
 
 def as_buffer(replay_buffer: BufferView | str | os.PathLike) -> BufferView:
@@ -297,7 +298,7 @@ class _SnapshotDataset(Dataset):
         if len(positions) and not keep.any() and not self.in_snapshot(self._slots).any():
             raise SnapshotOverwrittenError(
                 f"every one of the {len(self._slots)} episodes this loader's snapshot of "
-                f"{self.replay_buffer.storage.location!r} holds was overwritten by a writer since the "
+                f"{self.replay_buffer.storage.location!r} holds was overwritten or dropped by a writer since the "
                 "loader was made: none is left to sample; make a new loader (it sees the episodes "
                 "committed then)"
             )
