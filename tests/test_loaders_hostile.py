@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import EpisodeLengthError, ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import RETRIES, committed_generations, read_consistent
+from replaybuf.maintenance import verify
 from replaybuf.sampling import ReplayDatasetTimeWindow, SnapshotOverwrittenError, make_dataloader
 from tests._backends import LOCAL_BACKENDS, make_place
 from tests._data import SAMPLING_FIELDS, SAMPLING_META_FIELDS
@@ -319,6 +320,35 @@ def test_a_buffer_of_empty_episodes_says_what_it_holds(tmp_path):
     with pytest.raises(ValueError, match=r"^replay buffer is empty$"):
         make_dataloader(empty, 2)
     writer.close()
+
+
+@pytest.mark.parametrize("damaged", [2, MAX_TIMESTEPS])
+def test_a_damaged_length_on_zarr_is_named_and_restored_not_blamed_on_the_data(tmp_path, damaged):
+    """Before: on zarr, a length changed within [1, max_timesteps] made the loader raise
+    CorruptChunkError "data/reward: slot 1 ... episode fails its crc32c", and `verify --repair`
+    dropped the sound episode; memmap and hdf5 named the length and restored it."""
+    import zarr
+
+    place = make_place("zarr", tmp_path)
+    writer = ReplayBuffer(
+        place.location, **place.kwargs, max_episodes=4, max_timesteps=MAX_TIMESTEPS, fields=FIELDS, meta_fields=META
+    )
+    for k in (1, 2, 3):  # lengths 8, 3, 10: slot 1 holds 3 steps
+        writer.store_episode(**episode(k), task=k)
+    writer.close()
+    zarr.open_group(place.location, mode="r+")["meta/episode_lens"][1] = damaged
+    reader = ReplayBuffer.from_folder(place.location, read_only=True)
+    with pytest.raises(EpisodeLengthError, match=rf"slot 1 holds {damaged} steps, but its data/\w+ matches") as e:
+        next(iter(make_dataloader(reader, 4)))
+    assert (e.value.slot, e.value.matches, e.value.field) == (1, length_of(2), "meta/episode_lens")
+    problems = verify(place.location, repair=True)
+    assert problems[-1] == (
+        f"repaired: restored the lengths of slots [1] to [{length_of(2)}], where every field's data matches its checksum"
+    )
+    reader.refresh()
+    batch = next(iter(make_dataloader(reader, 4)))
+    check_trajectories(batch)
+    assert sorted(batch["task"].tolist()) == [1, 2, 3]
 
 
 @pytest.fixture
