@@ -202,7 +202,8 @@ def read_consistent(
         if not changed.any():
             return kept
         todo = np.flatnonzero(generations > 0) if whole else moved[generations[moved] > 0]
-    if exhausted == "drop" and failed is None:
+    # the last read's failure came with every item left dropped (their slots moved): nothing unread
+    if len(todo) == 0 or (exhausted == "drop" and failed is None):
         return kept
     raise ConcurrentWriteError(_storage(source).location, np.unique(slots[todo]), retries) from failed
 

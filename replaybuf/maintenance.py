@@ -810,9 +810,10 @@ def verify(
     every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
     damaged field and slot, naming its timesteps and file), committed episodes hold only zeros
     or their field's default beyond their length, no step log of an unfinished episode is
-    left, and no symbolic link is inside the folder. On memmap and hdf5, a damaged checksum
-    entry (``ChecksumEntryError``) or a damaged length (``EpisodeLengthError``: the data
-    matches its checksum at another length) is reported as such, not as damaged data, and so
+    left, and no symbolic link is inside the folder. On memmap and hdf5 (and zarr's packed
+    small fields), a damaged checksum entry (``ChecksumEntryError``) or a damaged length
+    (``EpisodeLengthError``: the data matches its checksum at another length) is reported as
+    such, not as damaged data, and so
     is a zarr chunk whose own crc32c alone is damaged (``ChunkChecksumError``); a slot
     whose length is outside ``[0, max_timesteps]`` is reported and not read. Beside a live
     writer, a slot it replaces while it is checked is not reported. Changes nothing unless

@@ -303,8 +303,9 @@ def test_reader_process_while_writer_reuses_slots_on_s3(s3_server, tmp_path):
 
 def test_a_trajectory_batch_whose_reads_fail_under_a_rewriting_writer_drops_those_samples(location):
     """Every read of the batch fails (a writer rewrites the slot under it and the reader finds
-    damage): the samples are dropped after the bounded retries, never half served."""
-    from replaybuf.sampling import make_dataloader
+    damage): the samples are dropped after the bounded retries, never half served, and with the
+    snapshot's only episode gone the loader says so rather than return batches of no samples."""
+    from replaybuf.sampling import SnapshotOverwrittenError, make_dataloader
     from replaybuf.storage import CorruptChunkError
 
     writer = ReplayBuffer(location, **buffer_kwargs(1, circular=True))
@@ -321,6 +322,6 @@ def test_a_trajectory_batch_whose_reads_fail_under_a_rewriting_writer_drops_thos
         raise CorruptChunkError("data/obs: slot 0 damaged while rewritten")
 
     dataset._read = rewritten_under_every_read
-    batches = list(loader)
-    assert batches and all(len(values) == 0 for batch in batches for values in batch.values())
+    with pytest.raises(SnapshotOverwrittenError, match="make a new loader"):
+        list(loader)
     writer.close()

@@ -18,6 +18,7 @@ from replaybuf.sampling import (
     ReplayDatasetTimestep,
     ReplayDatasetTimeWindow,
     ReplayDatasetTrajectory,
+    SnapshotOverwrittenError,
     chunk_cache,
     make_dataloader,
     make_dataset,
@@ -407,12 +408,15 @@ def test_reader_beside_a_writer_process_sees_only_whole_episodes(tmp_path):
     checked = 0
     try:
         while process.is_alive() or checked == 0:
-            for batch in make_dataloader(reader, 4):
-                for idents, length in zip(batch["ident"].tolist(), batch["_lens"].tolist()):
-                    index = idents[0] // 1000
-                    assert length == 3 + index % 6
-                    assert idents[:length] == [1000 * index + t for t in range(length)]
-                    checked += 1
+            try:
+                for batch in make_dataloader(reader, 4):
+                    for idents, length in zip(batch["ident"].tolist(), batch["_lens"].tolist()):
+                        index = idents[0] // 1000
+                        assert length == 3 + index % 6
+                        assert idents[:length] == [1000 * index + t for t in range(length)]
+                        checked += 1
+            except SnapshotOverwrittenError:  # the writer reused every slot of the pass's snapshot: a new pass
+                pass
     finally:
         process.join(timeout=60)
     assert process.exitcode == 0 and checked > 0

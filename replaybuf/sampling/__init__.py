@@ -8,6 +8,7 @@ from .datasets import (
     ReplayDatasetTimestep,
     ReplayDatasetTimeWindow,
     ReplayDatasetTrajectory,
+    SnapshotOverwrittenError,
 )
 from .loader import make_dataloader, make_dataset
 from .prioritized import PrioritizedBatchSampler, update_priorities
@@ -19,6 +20,7 @@ __all__ = [
     "ReplayDatasetTimestep",
     "ReplayDatasetNStep",
     "ReplayDatasetTimeWindow",
+    "SnapshotOverwrittenError",
     "make_dataset",
     "make_dataloader",
     "update_priorities",

@@ -6,7 +6,7 @@ the episodes committed up to then and never a half-written one. ``__getitems__``
 DataLoader calls with a whole batch) reads every field once for the batch, naming the snapshot's
 generations, through the one optimistic read (``consistency.read_consistent``): samples whose
 slot a writer reused in the meantime are replaced by fresh draws (or dropped when nothing is
-left). On a storage that ``verifies_generations`` (the read cache) a sample is served from the
+left; a batch finding every episode of the snapshot overwritten raises SnapshotOverwrittenError). On a storage that ``verifies_generations`` (the read cache) a sample is served from the
 copy of the episode the snapshot named, when one is kept, even after the slot was reused.
 """
 
@@ -21,11 +21,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..consistency import read_consistent
+from ..consistency import RETRIES, read_consistent
 from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
 from ..view import BufferView
 from .collate import CollatedSamples
 from .fetch import Fetcher
+
+
+class SnapshotOverwrittenError(RuntimeError):
+    """A batch found every episode of its dataset's snapshot overwritten or dropped by a writer
+    since the dataset was made (slots reused, ``clear()``, ``drop_episodes``): nothing is left
+    to sample (instead of a batch of no samples). Not retryable with the same loader: make a
+    new one, which sees the episodes committed then."""
 
 
 def as_buffer(replay_buffer: BufferView | str | os.PathLike) -> BufferView:
@@ -79,16 +86,42 @@ def check_filter_value(argument: str, name: str, value: Any, shape: tuple[int, .
         )
 
 
-def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
-    """(lens, generations) of every slot, committed and mutually consistent.
-
-    A read-only buffer is refreshed first (``refresh()`` leaves out a slot a writer changed
-    while it was loaded: ``consistency.stored_bookkeeping``); a writable one is flushed.
-    """
-    if buffer.read_only:
-        buffer.refresh()
-    else:
+def refresh_for_snapshot(buffer: BufferView) -> None:
+    """Refresh a read-only ``buffer``, flush a writable one. ``refresh()`` leaves out a slot a
+    writer changed while it was loaded (``consistency.stored_bookkeeping``): when that left no
+    episode with steps although the buffer (or a member of a ConcatReplayBuffer) counts
+    committed ones (a writer rewriting every slot of a small circular buffer), it is loaded
+    again, up to ``RETRIES`` times, rather than handing a loader an empty buffer."""
+    if not buffer.read_only:
         buffer.flush()
+        return
+    from ..concat import ConcatReplayBuffer
+
+    members = buffer.buffers if isinstance(buffer, ConcatReplayBuffer) else [buffer]
+    for _ in range(RETRIES + 1):
+        buffer.refresh()
+        if all(len(member) or not member.num_episodes for member in members):
+            return
+
+
+def empty_buffer_error(buffer: BufferView) -> ValueError:
+    """The error for a buffer with no episode to sample, saying why when it counts some."""
+    if not buffer.num_episodes:
+        return ValueError("replay buffer is empty")
+    return ValueError(
+        f"replay buffer is empty: of its {buffer.num_episodes} committed episodes none has a step "
+        + (
+            f"(each empty, or rewritten by a writer during each of {RETRIES + 1} loads; retry)"
+            if buffer.read_only
+            else "(each empty)"
+        )
+    )
+
+
+def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
+    """(lens, generations) of every slot, committed and mutually consistent
+    (``refresh_for_snapshot`` first)."""
+    refresh_for_snapshot(buffer)
     lens = np.array(buffer.episode_lens, dtype=np.int64)
     generations = np.array(buffer.generations, dtype=np.int64)
     lens[generations <= 0] = 0
@@ -107,7 +140,7 @@ def episode_filter(
             raise TypeError("filter_meta as a list (one dict per source) needs a ConcatReplayBuffer")
         return buffer.filter_episodes(filter_meta, lens, min_episode_len)
     if len(buffer) == 0 or not (lens > 0).any():
-        raise ValueError("replay buffer is empty")
+        raise empty_buffer_error(buffer)
     keep = lens >= min_episode_len
     if not keep.any():
         raise ValueError(f"no episode has at least {min_episode_len} timesteps (longest: {int(lens.max())})")
@@ -262,6 +295,13 @@ class _SnapshotDataset(Dataset):
             read(np.zeros(0, np.int64))
         items, columns, lens = last["items"], last["columns"], last["lens"]
         keep = kept[items]
+        if len(positions) and not keep.any() and not self.in_snapshot(self._slots).any():
+            raise SnapshotOverwrittenError(
+                f"every one of the {len(self._slots)} episodes this loader's snapshot of "
+                f"{self.replay_buffer.storage.location!r} holds was overwritten or dropped by a writer since the "
+                "loader was made: none is left to sample; make a new loader (it sees the episodes "
+                "committed then)"
+            )
         if not keep.all():
             columns = {k: v[keep] for k, v in columns.items()}
             lens = None if lens is None else lens[keep]

@@ -18,8 +18,10 @@ from .datasets import (
     ReplayDatasetTrajectory,
     check_names,
     draws_timepoints,
+    empty_buffer_error,
+    refresh_for_snapshot,
 )
-from .distributed import ResumableDataLoader, ResumableDistributedSampler, resolve_rank
+from .distributed import ResumableDataLoader, ResumableDistributedSampler, check_int, resolve_rank
 from .mixture import MixtureBatchSampler, MixtureDataLoader
 from .prioritized import PrioritizedBatchSampler
 from .ratelimit import RateLimitedLoader, RateLimiter
@@ -50,6 +52,24 @@ class ShuffledSampler(RandomSampler):
             yield from order[start : start + _ORDER_PIECE].tolist()
 
 
+def check_device(device: torch.device | str) -> None:
+    """A ValueError naming ``device`` when it is not a torch device or is a CUDA device this
+    machine lacks (torch would fail at the first batch, deep in its own code)."""
+    try:
+        parsed = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"device: {device!r} is not a torch device ({e})") from None
+    if parsed.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(
+            f"device: {device!r}, but no CUDA device is available here (torch.cuda.is_available() is False)"
+        )
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"device: {device!r}, but this machine has {count} CUDA device(s): cuda:0 .. cuda:{count - 1}")
+
+
 def make_dataset(
     buffer: BufferView,
     n_steps: int | None = None,
@@ -74,10 +94,10 @@ def make_dataset(
     default: read through the storage, whose decoded-chunk cache
     ``replaybuf.sampling.chunk_cache()`` can be resized).
     """
-    if len(buffer) == 0 and buffer.read_only:
-        buffer.refresh()
     if len(buffer) == 0:
-        raise ValueError("replay buffer is empty")
+        refresh_for_snapshot(buffer)
+    if len(buffer) == 0:
+        raise empty_buffer_error(buffer)
     if n_steps is not None and timestep_level:
         raise ValueError("cannot specify both n_steps and timestep_level")
     common = dict(filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
@@ -189,12 +209,11 @@ def make_dataloader(
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:
             dataset_kwargs[name] = kwargs.pop(name)
-    if len(buffer) == 0 and buffer.read_only:
-        buffer.refresh()
     if len(buffer) == 0:
-        raise ValueError("replay buffer is empty")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        refresh_for_snapshot(buffer)
+    if len(buffer) == 0:
+        raise empty_buffer_error(buffer)
+    batch_size = check_int("batch_size", batch_size, 1)  # a numpy int too, passed on as int (torch refuses it)
     if to_named_tuple is not None and fields is not None:
         raise ValueError("cannot specify both fields and to_named_tuple")
     if to_named_tuple is not None and isinstance(to_named_tuple, str):
@@ -203,10 +222,17 @@ def make_dataloader(
         raise ValueError("return_mask is only supported for trajectory-level data")
     if n_steps is not None and timestep_level:
         raise ValueError("cannot specify both n_steps and timestep_level")
-    prioritized = isinstance(sampler, str)
-    if prioritized and sampler not in SAMPLERS:
+    named = sampler if isinstance(sampler, str) else None
+    if named is not None and named not in SAMPLERS:
         raise ValueError(f"sampler must be one of {list(SAMPLERS)} or a torch Sampler, got {sampler!r}")
-    prioritized = sampler == "prioritized"
+    # a torch Sampler or any iterable of positions (a list, a numpy array, a tensor), as torch takes
+    custom = sampler is not None and named is None
+    if custom and not hasattr(sampler, "__iter__"):
+        raise TypeError(
+            f"sampler must be one of {list(SAMPLERS)} or a torch Sampler (an iterable of dataset positions), "
+            f"got {type(sampler).__name__}"
+        )
+    prioritized = named == "prioritized"
     if prioritized and shuffle:
         raise ValueError("shuffle cannot be combined with sampler='prioritized' (it draws its own order)")
     from ..concat import ConcatReplayBuffer
@@ -215,7 +241,7 @@ def make_dataloader(
     weighted: tuple[np.ndarray, np.ndarray] | None = None
     if isinstance(buffer, ConcatReplayBuffer) and buffer.weights is not None:
         weighted = (buffer.weights, buffer.storage.offsets)
-    if weighted is not None and (prioritized or sampler not in (None, "uniform")):
+    if weighted is not None and (prioritized or custom):
         raise ValueError(
             f"sampler={sampler!r} cannot be combined with a ConcatReplayBuffer's weights (they draw the batches)"
         )
@@ -260,10 +286,7 @@ def make_dataloader(
                 f"to_named_tuple {to_named_tuple!r}: {e} (a leading underscore is dropped: '_lens' is 'lens')"
             ) from None
     if device is not None:
-        try:
-            torch.device(device)
-        except (TypeError, RuntimeError) as e:
-            raise ValueError(f"device: {device!r} is not a torch device ({e})") from None
+        check_device(device)
     collate = Collator(time_keys, return_mask, to_named_tuple, device)
     if prioritized:
         for name in ("batch_sampler", "drop_last"):
@@ -293,7 +316,7 @@ def make_dataloader(
             rank=resolve_rank(rank, world_size)[0],
         )
         return MixtureDataLoader(dataset, mixture, collate_fn=collate, **kwargs)
-    if sampler not in (None, "uniform"):
+    if custom:
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:
         order = ResumableDistributedSampler(

@@ -623,23 +623,28 @@ class EpisodeChecksums:
         checksum now, and keep it: copied whole with one fancy index, then one crc32c each. One
         failing its check raises when ``sampled`` (the batch's slots) names it; any other is left
         unkept (a slot a writer is rewriting now), to be checked when a batch samples it."""
+        # one copy: ``lengths`` may be the live map, which a writer reusing a slot zeroes before
+        # its generation, so a second look could check the old episode at length 0 (reported
+        # as a damaged length) while the slot's generation still reads unchanged
+        lengths = np.array(lengths)
         slots = np.flatnonzero(lengths > 0)
+        committed = lengths[slots]
         wanted = set(np.asarray(sampled).tolist())
         try:
-            expected = np.asarray(self.expected(name, slots, lengths[slots], lengths[slots]), np.uint64)
+            expected = np.asarray(self.expected(name, slots, committed, committed), np.uint64)
         except ChecksumEntryError:  # a damaged entry: raised for a sampled slot, others left unkept
             expected = np.zeros(len(slots), np.uint64)
             for k, slot in enumerate(slots.tolist()):
                 try:
-                    expected[k] = self.expected(name, slots[k : k + 1], lengths[[slot]], lengths[[slot]])[0]
+                    expected[k] = self.expected(name, slots[k : k + 1], committed[k : k + 1], committed[k : k + 1])[0]
                 except ChecksumEntryError:
                     if slot in wanted:
                         raise
-        fresh = (expected != 0) & ((copy.sums[slots] != expected) | (copy.lens[slots] != lengths[slots]))
-        slots, expected = slots[fresh], expected[fresh]
+        fresh = (expected != 0) & ((copy.sums[slots] != expected) | (copy.lens[slots] != committed))
+        slots, committed, expected = slots[fresh], committed[fresh], expected[fresh]
         copy.sums[slots] = 0  # not served while written
         copy.rows[slots] = mapped[slots]
-        for slot, n, value in zip(slots.tolist(), lengths[slots].tolist(), expected.tolist()):
+        for slot, n, value in zip(slots.tolist(), committed.tolist(), expected.tolist()):
             if crc32c(copy.rows[slot, :n]) == value & 0xFFFFFFFF:
                 copy.lens[slot], copy.sums[slot] = n, value
             elif slot in wanted:

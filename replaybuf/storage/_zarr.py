@@ -59,6 +59,7 @@ from .base import (
     ChecksumEntryError,
     CompactionSummary,
     CorruptChunkError,
+    EpisodeLengthError,
     Storage,
     StorageError,
     bookkeeping_fields,
@@ -643,7 +644,41 @@ class ZarrStorage(KVBlobs, Storage):
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
         self._check_entry_bit(name, slot, n, int(sums[bad[0]]), out[picked[0], :n])
+        self._check_length(name, slot, n, int(sums[bad[0]]))
         raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
+
+    def _check_length(self, name: str, slot: int, n: int, entry: int) -> None:
+        """Raise EpisodeLengthError when the stored steps of ``slot`` of packed field ``name``
+        match its checksum entry ``entry`` at another length than the ``n`` its stored length
+        says: the length is damaged, not the data, and ``verify --repair`` restores it instead
+        of dropping a sound episode (the memmap and hdf5 backends tell it apart the same way).
+        One read of the whole row: the error path only."""
+        array = self.array(name)
+        steps = array.shape[1]
+        row = np.zeros((1, steps, *array.shape[2:]), array.dtype)
+        try:
+            array.read_into(row, np.array([slot]), np.zeros(1, np.int64), np.array([steps]), check=False)
+        except (OSError, ValueError, CorruptChunkError):  # unreadable: the data is blamed
+            return
+        crc, matches = 0, []
+        for step in range(steps):
+            crc = crc32c(np.ascontiguousarray(row[0, step]), crc)
+            if crc == entry & 0xFFFFFFFF and step + 1 != n:
+                matches.append(step + 1)
+        if not matches:
+            return
+        lens = self.array("episode_lens", meta=True)
+        where = self.kv.where(lens.chunk_key((slot // lens.chunks[0],)))
+        raise EpisodeLengthError(
+            f"meta/episode_lens: slot {slot} holds {n} steps, but its data/{name} matches its checksum at "
+            f"{matches[0]} steps: the length is damaged, not the data ({where}). `replaybuf verify --repair` "
+            "restores it",
+            field="meta/episode_lens",
+            slot=slot,
+            steps=(0, n),
+            location=where,
+            matches=matches[0],
+        )
 
     def _check_entry_bit(self, name: str, slot: int, n: int, entry: int, row: np.ndarray) -> None:
         """Raise ChecksumEntryError when the crc32c of ``row`` (slot ``slot`` of packed field
