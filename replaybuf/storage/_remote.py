@@ -259,6 +259,7 @@ def _scheme(url: str) -> str:
 
 
 def _check_bucket(url: str, pattern: re.Pattern[str], service: str) -> None:
+    _check_object_path(url)
     bucket = urlsplit(url).netloc
     if not bucket:
         raise ValueError(f"url {url!r} names no bucket; expected {url.split('://')[0]}://<bucket>/<path>")
@@ -267,6 +268,27 @@ def _check_bucket(url: str, pattern: re.Pattern[str], service: str) -> None:
             f"url {url!r}: {bucket!r} is not a valid {service} bucket name "
             "(3-63 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit)"
         )
+
+
+def _check_object_path(url: str) -> None:
+    """Refuse an object-store path the clients read differently, so it could name another prefix:
+    obstore drops a ``?query`` or ``#fragment`` (``overwrite=True`` at ``s3://b/x#run2`` replaced
+    the buffer at ``s3://b/x``) and refuses ``//``, ``.`` and ``..`` segments, which s3fs keeps
+    as key characters (a buffer its forked workers write there, obstore cannot open)."""
+    path = url.split("://", 1)[1].partition("/")[2]
+    if "?" in path or "#" in path:
+        found = "a '?' (query)" if "?" in path else "a '#' (fragment)"
+    elif path.startswith("/") or "//" in path:
+        found = "an empty segment ('//')"
+    elif any(segment in (".", "..") for segment in path.split("/")):
+        found = "a '.' or '..' segment"
+    else:
+        return
+    raise ValueError(
+        f"url {url!r}: the path {path!r} has {found}, which object-store clients read differently "
+        "(some drop or resolve it, others keep it), so the buffer could land on another prefix; "
+        "expected segments of other characters, e.g. 's3://bucket/runs/run1'"
+    )
 
 
 def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
