@@ -48,7 +48,8 @@ no credentials, but ``AWS_PROFILE``/``~/.aws``       the same: botocore's chain,
 
 Any other key (e.g. ``config_kwargs``, ``use_ssl``, ``session``) has no obstore equivalent and
 sends the URL to s3fs with the options as given (minus the obstore-only keys, with a warning;
-plus ``max_concurrency=1`` unless given, which saves a HEAD request before every GET).
+plus ``max_concurrency=1`` unless given, which saves a HEAD request before every GET, and the
+timeouts and tries of `S3FS_CONFIG_DEFAULTS` where ``config_kwargs`` does not set them).
 Options not given come from the environment exactly as each library reads it (``AWS_*`` for
 obstore and botocore, ``GOOGLE_APPLICATION_CREDENTIALS`` etc. for gcsfs). Secrets are never
 logged: `store_key` and every repr here hide them.
@@ -108,6 +109,19 @@ DEFAULT_RETRY_CONFIG: dict[str, Any] = {
 }
 """obstore retries for transient errors (5xx, dropped connections): 4 tries, 0.1 s doubling to 2 s,
 at most 30 s in all, so a stopped server surfaces as an error within about a second."""
+
+S3FS_RETRIES = 1
+S3FS_CONFIG_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 20,
+    "retries": {"mode": "standard", "total_max_attempts": 3},
+}
+"""s3fs's tries of a request and botocore's settings (unless ``config_kwargs`` in
+``storage_options`` give them): a request that gets no answer fails after 3 tries of 20 s, near
+obstore's minute. s3fs's own tries (5) nest (a read retries a call that retries itself) around
+botocore's (5 attempts with a 60 s read timeout), so against a server that accepts connections
+and never answers, an open through s3fs was still waiting after 7 minutes (measured; 123 s with
+these, obstore 60 s). botocore alone retries 5xx, throttling and dropped connections."""
 
 _S3_SCHEMES = frozenset({"s3", "s3a"})
 _GCS_SCHEMES = frozenset({"gs", "gcs"})
@@ -245,6 +259,7 @@ def _scheme(url: str) -> str:
 
 
 def _check_bucket(url: str, pattern: re.Pattern[str], service: str) -> None:
+    _check_object_path(url)
     bucket = urlsplit(url).netloc
     if not bucket:
         raise ValueError(f"url {url!r} names no bucket; expected {url.split('://')[0]}://<bucket>/<path>")
@@ -253,6 +268,27 @@ def _check_bucket(url: str, pattern: re.Pattern[str], service: str) -> None:
             f"url {url!r}: {bucket!r} is not a valid {service} bucket name "
             "(3-63 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit)"
         )
+
+
+def _check_object_path(url: str) -> None:
+    """Refuse an object-store path the clients read differently, so it could name another prefix:
+    obstore drops a ``?query`` or ``#fragment`` (``overwrite=True`` at ``s3://b/x#run2`` replaced
+    the buffer at ``s3://b/x``) and refuses ``//``, ``.`` and ``..`` segments, which s3fs keeps
+    as key characters (a buffer its forked workers write there, obstore cannot open)."""
+    path = url.split("://", 1)[1].partition("/")[2]
+    if "?" in path or "#" in path:
+        found = "a '?' (query)" if "?" in path else "a '#' (fragment)"
+    elif path.startswith("/") or "//" in path:
+        found = "an empty segment ('//')"
+    elif any(segment in (".", "..") for segment in path.split("/")):
+        found = "a '.' or '..' segment"
+    else:
+        return
+    raise ValueError(
+        f"url {url!r}: the path {path!r} has {found}, which object-store clients read differently "
+        "(some drop or resolve it, others keep it), so the buffer could land on another prefix; "
+        "expected segments of other characters, e.g. 's3://bucket/runs/run1'"
+    )
 
 
 def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
@@ -265,7 +301,9 @@ def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
         logger.info("opening %s with s3fs: %s", store_key(url, options), reason)
         # s3fs's default max_concurrency=10 sends a HEAD before every whole-object GET (2 requests
         # per chunk); chunks are fetched concurrently by the caller, so one GET each is enough.
-        return _open_fsspec(url, {"max_concurrency": 1, **_without_obstore_only(options)}, read_only)
+        s3fs_store = _open_fsspec(url, _s3fs_options(_without_obstore_only(options)), read_only)
+        s3fs_store.fs.retries = S3FS_RETRIES  # a class attribute of s3fs, no constructor argument
+        return s3fs_store
     from obstore.store import S3Store
 
     parts = urlsplit(url)
@@ -273,6 +311,15 @@ def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
     _obstore_opened_in_pid = os.getpid()
     guarded_loop()  # its requests run on zarr's loop, also through zarr's API (``ProcessLocalStore``)
     return ObjectStore(store, read_only=read_only)
+
+
+def _s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for s3fs with ``max_concurrency=1`` and `S3FS_CONFIG_DEFAULTS` where not given."""
+    given = options.get("config_kwargs") or {}
+    if not isinstance(given, Mapping):
+        raise TypeError(f"storage_options['config_kwargs'] must be a dict, got {type(given).__name__}: {given!r}")
+    config = {**S3FS_CONFIG_DEFAULTS, **given}
+    return {"max_concurrency": 1, **options, "config_kwargs": config}
 
 
 def _obstore_unavailable_reason() -> str | None:
@@ -391,7 +438,7 @@ def _open_gcs(url: str, options: dict[str, Any], read_only: bool) -> Store:
     return FsspecStore(fs=fs, path=url.split("://", 1)[1].rstrip("/"), read_only=read_only)
 
 
-def _open_fsspec(url: str, options: dict[str, Any], read_only: bool) -> Store:
+def _open_fsspec(url: str, options: dict[str, Any], read_only: bool) -> FsspecStore:
     try:
         return FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as error:
