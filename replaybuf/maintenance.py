@@ -1249,9 +1249,9 @@ def _rows_past_lengths(storage: Storage, name: str, slots: np.ndarray, lens: np.
 
 def _check_beyond_length(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None
-) -> tuple[list[tuple[int | None, str]], dict[str, list[int]]]:
+) -> tuple[list[tuple[int, str]], dict[str, list[int]]]:
     """Committed slots whose timesteps past their length hold values other than 0 or the
-    default: ((slot or None for a slab, problem)s, field -> those slots)."""
+    default, or cannot be read there: ((slot, problem)s, field -> the slots holding data)."""
     from .progress import progress_bar
 
     slots = np.flatnonzero(lens > 0)
@@ -1259,37 +1259,54 @@ def _check_beyond_length(
     if not len(short):
         return [], {}
     names = [n for n in schema.fields if n not in skip]
-    found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
+    found: dict[str, list[tuple[int, str]]] = {n: [] for n in names}
     stray: dict[str, list[int]] = {}
     with progress_bar(progress, total=len(short), unit="episode", desc="verify") as bar:
         for slab in _slabs(short, np.full(len(short), schema.max_timesteps), schema):
-            start = int(lens[slab].min())
             for name in names:
-                try:
-                    rows = _rows_past_lengths(storage, name, slab, lens[slab], schema.max_timesteps)
-                except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
-                    found[name].append(
-                        (None, f"data/{name}: slots {slab.tolist()} cannot be read past their lengths ({e})")
-                    )
-                    continue
-                # compared as bytes: a flipped sign bit (-0.0) or a NaN default is no value match
-                item = rows.dtype.itemsize
-                raw = np.ascontiguousarray(rows).view(np.uint8).reshape(*rows.shape[:2], -1, item)
-                fill = np.frombuffer(np.asarray(schema.fields[name].fill, dtype=rows.dtype).tobytes(), np.uint8)
-                odd = (raw.any(axis=3) & ~(raw == fill).all(axis=3)).any(axis=2)
-                odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
-                for row in np.flatnonzero(odd.any(axis=1)):
-                    steps = start + np.flatnonzero(odd[row])
-                    found[name].append(
-                        (
-                            int(slab[row]),
-                            f"data/{name}: slot {int(slab[row])} (length {int(lens[slab[row]])}) holds data "
-                            f"beyond its length at timesteps {_ranges(steps)}",
-                        )
-                    )
-                    stray.setdefault(name, []).append(int(slab[row]))
+                for slot, message, holds_data in _stray_rows(storage, schema, name, slab, lens):
+                    found[name].append((slot, message))
+                    if holds_data:
+                        stray.setdefault(name, []).append(slot)
             bar.update(len(slab))
     return [p for n in names for p in found[n]], stray
+
+
+def _stray_rows(
+    storage: Storage, schema: Schema, name: str, slab: np.ndarray, lens: np.ndarray
+) -> list[tuple[int, str, bool]]:
+    """``_check_beyond_length`` of one field over ``slab``: (slot, problem, whether it is data
+    past the length)s. A read that fails is made again slot by slot, so each failure names its
+    slot: beside a live writer, a slot it replaced during the read fails its checksum there,
+    and only a slot it did not replace is damage."""
+    start = int(lens[slab].min())
+    try:
+        rows = _rows_past_lengths(storage, name, slab, lens[slab], schema.max_timesteps)
+    except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
+        if len(slab) > 1:
+            return [
+                found for k in range(len(slab)) for found in _stray_rows(storage, schema, name, slab[k : k + 1], lens)
+            ]
+        return [(int(slab[0]), f"data/{name}: slot {int(slab[0])} cannot be read past its length ({e})", False)]
+    # compared as bytes: a flipped sign bit (-0.0) or a NaN default is no value match
+    item = rows.dtype.itemsize
+    raw = np.ascontiguousarray(rows).view(np.uint8).reshape(*rows.shape[:2], -1, item)
+    fill = np.frombuffer(np.asarray(schema.fields[name].fill, dtype=rows.dtype).tobytes(), np.uint8)
+    odd = (raw.any(axis=3) & ~(raw == fill).all(axis=3)).any(axis=2)
+    odd &= np.arange(start, schema.max_timesteps)[None, :] >= lens[slab][:, None]
+    problems = []
+    for row in np.flatnonzero(odd.any(axis=1)):
+        steps = start + np.flatnonzero(odd[row])
+        slot = int(slab[row])
+        problems.append(
+            (
+                slot,
+                f"data/{name}: slot {slot} (length {int(lens[slot])}) holds data beyond its length at "
+                f"timesteps {_ranges(steps)}",
+                True,
+            )
+        )
+    return problems
 
 
 # ---- unlock ---------------------------------------------------------------------------------------------

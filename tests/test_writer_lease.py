@@ -504,7 +504,8 @@ def test_maintenance_beside_a_live_writer_process_is_refused_or_safe(backend, tm
         for attempt in range(1000):
             if time.monotonic() > deadline and copies:
                 break
-            assert verify(location, progress=False) == [], "a slot the writer replaced was reported"
+            found = verify(location, progress=False)
+            assert found == [], f"a slot the writer replaced was reported: {found}"
             destination = str(tmp_path / f"copy-{attempt}")
             try:
                 convert(location, destination, backend=backend, progress=False)
