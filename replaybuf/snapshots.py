@@ -33,7 +33,7 @@ import numpy as np
 from .inputs import fill_value
 from .schema import Schema
 from .storage import SNAPSHOTS_PREFIX, BufferDamagedError, document_limit
-from .storage.base import Storage
+from .storage.base import COUNTERS, Storage, check_state
 
 PREFIX = SNAPSHOTS_PREFIX
 FORMAT = 1
@@ -138,25 +138,15 @@ def decode(raw: bytes, name: str, schema: Schema, where: str) -> Snapshot:
         if len(slots) and (np.diff(slots) <= 0).any():
             raise ValueError("slots are not distinct and ascending")
         state = doc.get("state")
-        if not isinstance(state, dict) or not all(
-            type(state.get(k)) is int and state[k] >= 0 for k in ("num_episodes", "episode_index", "total_episodes")
-        ):
-            raise ValueError("'state' must hold ints num_episodes, episode_index, total_episodes >= 0")
-        if state["num_episodes"] > schema.max_episodes:
-            raise ValueError(
-                f"'state' num_episodes is {state['num_episodes']}, expected at most max_episodes {schema.max_episodes}"
-            )
-        if state["episode_index"] >= schema.max_episodes:
-            raise ValueError(
-                f"'state' episode_index is {state['episode_index']}, expected below max_episodes {schema.max_episodes}"
-            )
+        if not isinstance(state, dict) or not all(k in state for k in COUNTERS):
+            raise ValueError(f"'state' must hold {', '.join(COUNTERS)}")
+        check_state(state, schema, "'state'")
         created = doc.get("created")
         if not isinstance(created, (int, float)):
             raise ValueError("'created' must be a number")
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         raise SnapshotError(f"snapshot {name!r} is damaged ({where}): {error}") from None
-    keys = ("num_episodes", "episode_index", "total_episodes")
-    return Snapshot(name, slots, generations, lengths, {k: state[k] for k in keys}, float(created))
+    return Snapshot(name, slots, generations, lengths, {k: state[k] for k in COUNTERS}, float(created))
 
 
 def load(storage: Storage, name: str, schema: Schema) -> Snapshot:

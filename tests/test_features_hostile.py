@@ -167,8 +167,8 @@ def test_an_episode_stored_after_a_reopen_recounted_fewer_is_listed(tmp_path, ba
 @pytest.mark.parametrize(
     ("state", "problem"),
     [
-        ({"num_episodes": 10**18}, r"num_episodes is 1000000000000000000, expected at most max_episodes 3"),
-        ({"episode_index": 3}, r"episode_index is 3, expected below max_episodes 3"),
+        ({"num_episodes": 10**18}, r"num_episodes is 1000000000000000000, over max_episodes 3"),
+        ({"episode_index": 3}, r"episode_index is 3, expected < max_episodes 3"),
     ],
 )
 def test_a_snapshot_with_absurd_counters_is_named_damaged(tmp_path, state, problem):
@@ -179,7 +179,7 @@ def test_a_snapshot_with_absurd_counters_is_named_damaged(tmp_path, state, probl
     document = json.loads(buffer.storage.read_blob(key))
     document["state"].update(state)
     buffer.storage.write_blob(key, json.dumps(document).encode())
-    with pytest.raises(SnapshotError, match=rf"snapshot 's' is damaged \(.*snapshot.json.*\): 'state' {problem}"):
+    with pytest.raises(SnapshotError, match=rf"snapshot 's' is damaged \(.*snapshot.json.*\): 'state': {problem}"):
         ReplayBuffer.from_folder(tmp_path / "b", snapshot="s")
 
 

@@ -120,14 +120,8 @@ def read_every_kind(reader: ReplayBuffer) -> int:
     return samples + len(batch["task"])
 
 
-@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
-def test_loaders_beside_a_writer_reusing_every_slot_read_whole_episodes_and_never_fail(tmp_path, backend):
-    """A writer process cycles a 5-slot circular buffer thousands of times while read-only
-    loaders of every kind iterate. Before: the memmap backend raised EpisodeLengthError
-    ("slot 1 holds 0 steps ... the length is damaged") for a slot the writer was reusing, or
-    ConcurrentWriteError naming no slot ("slots []") on the batch read's last retry; every
-    backend raised "replay buffer is empty" when a snapshot found every slot being rewritten."""
-    place = make_place(backend, tmp_path)
+def filled_circular(place, first: int) -> None:
+    """A full circular buffer at ``place``: episodes ``first ..`` with ``task`` their number."""
     writer = ReplayBuffer(
         place.location,
         **place.kwargs,
@@ -137,9 +131,20 @@ def test_loaders_beside_a_writer_reusing_every_slot_read_whole_episodes_and_neve
         meta_fields=META,
         circular=True,
     )
-    for k in range(MAX_EPISODES):
+    for k in range(first, first + MAX_EPISODES):
         writer.store_episode(**episode(k), task=k)
     writer.close()
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_loaders_beside_a_writer_reusing_every_slot_read_whole_episodes_and_never_fail(tmp_path, backend):
+    """A writer process cycles a 5-slot circular buffer thousands of times while read-only
+    loaders of every kind iterate. Before: the memmap backend raised EpisodeLengthError
+    ("slot 1 holds 0 steps ... the length is damaged") for a slot the writer was reusing, or
+    ConcurrentWriteError naming no slot ("slots []") on the batch read's last retry; every
+    backend raised "replay buffer is empty" when a snapshot found every slot being rewritten."""
+    place = make_place(backend, tmp_path)
+    filled_circular(place, first=0)
     process = multiprocessing.get_context("fork").Process(target=_write, args=(place.location, MAX_EPISODES, WRITTEN))
     reader = ReplayBuffer.from_folder(place.location, read_only=True)
     process.start()
@@ -164,18 +169,7 @@ def test_a_weighted_mixture_beside_a_writer_reusing_every_slot_of_one_member_is_
     folders = []
     for name, first in (("live", 0), ("static", 100)):
         place = make_place(backend, tmp_path, name)
-        writer = ReplayBuffer(
-            place.location,
-            **place.kwargs,
-            max_episodes=MAX_EPISODES,
-            max_timesteps=MAX_TIMESTEPS,
-            fields=FIELDS,
-            meta_fields=META,
-            circular=True,
-        )
-        for k in range(first, first + MAX_EPISODES):
-            writer.store_episode(**episode(k), task=k)
-        writer.close()
+        filled_circular(place, first)
         folders.append(place.location)
     process = multiprocessing.get_context("fork").Process(target=_write, args=(folders[0], MAX_EPISODES, 2 * WRITTEN))
     readers = [ReplayBuffer.from_folder(folder, read_only=True) for folder in folders]
