@@ -501,6 +501,13 @@ class ReplayBuffer(CommittedViews):
                 damaged = metasums.damaged(meta, self.schema.meta_fields, self._unverified(meta, checked))
             if not len(damaged):
                 break
+        unpublished = unpublished_slots(meta["episode_lens"], meta["_generation"])
+        if len(unpublished) and self.read_only and self.storage.writer_lease().live_holder() is not None:
+            # a live writer between a reuse's (or a drop's) two writes, slower than the re-reads
+            # (an hdf5 flush on a loaded machine): those slots read as empty, as a slot changed
+            # during the reads does; with no writer running, a length without a generation stays
+            # damage (a lost _generation chunk), refused below
+            meta["episode_lens"] = np.where(np.isin(np.arange(self.max_episodes), unpublished), 0, meta["episode_lens"])
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
         state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
         check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state)

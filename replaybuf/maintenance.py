@@ -124,7 +124,7 @@ def _checked_lens_and_state(storage: Storage, schema: Schema) -> tuple[np.ndarra
             break
         time.sleep(0.01)
     else:
-        if _live_writer(storage) is not None:  # caught midway every time: not damage
+        if storage.writer_lease().live_holder() is not None:  # caught midway every time: not damage
             raise WriterOutpacedError(
                 f"a writer committed to {storage.location!r} faster than its lengths could be read "
                 f"({_BOOKKEEPING_READS} reads); nothing was written: retry"
@@ -834,7 +834,7 @@ def verify(
         storage, schema = _open_read_only(path, storage_options)
     except (OSError, ValueError, KeyError) as e:
         return [f"cannot open the buffer: {e}"]
-    holder = _live_writer(storage) if repair else None
+    holder = storage.writer_lease().live_holder() if repair else None
     if holder is not None:  # checked first: its repair would be refused after the whole check
         storage.close()
         raise BufferLockedError(
@@ -1076,15 +1076,6 @@ def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int]) -
         settled &= meta["_revision"] % 2 == 0
     slots = np.setdiff1d(np.flatnonzero(settled), np.fromiter(flux, np.int64, len(flux)))
     return metasums.damaged(meta, schema.meta_fields, slots)
-
-
-def _live_writer(storage: Storage) -> dict | None:
-    """The record of the writer holding the buffer's lease, None when none does (an object-store
-    lease past its expiry is a stopped writer's)."""
-    holder = storage.writer_lease().holder()
-    if holder is not None and "expires" in holder and not float(holder["expires"]) > time.time():
-        return None
-    return holder
 
 
 def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:

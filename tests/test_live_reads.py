@@ -655,3 +655,26 @@ def test_in_place_edits_reach_resident_copies_and_the_writers_loaders(tmp_path, 
     if where == "zarr":  # forked workers start from the writer's copy in RAM
         assert sampled(writer, num_workers=2) == {0, 2, 7, 8}
     writer.close()
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_refresh_finding_a_live_writer_between_a_drops_two_writes_reads_the_slot_as_empty(tmp_path, backend):
+    """A drop (as a reuse) zeroes a slot's generation, then its length. A reader whose re-reads
+    all fell in between (an hdf5 flush on a loaded machine) raised BufferDamagedError ("a lost
+    or zeroed _generation chunk") beside a writer that was only slower than them. With the
+    writer running the slot reads as empty; with no writer left, it is damage."""
+    from replaybuf.storage import BufferDamagedError
+
+    location = tmp_path / "buffer"
+    writer = ReplayBuffer(location, max_episodes=3, max_timesteps=4, fields={"x": "float"}, backend=backend)
+    for value in (1.0, 2.0, 3.0):
+        writer.store_episode(x=np.full(2, value))
+    writer.flush()
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    writer._commit.write_meta("_generation", np.array([1]), np.zeros(1, np.int64))  # a drop's first write
+    reader.refresh()
+    assert reader.valid_episodes().tolist() == [0, 2]
+    assert reader.get_all_data()["x"][:, :2].tolist() == [[1.0, 1.0], [0.0, 0.0], [3.0, 3.0]]
+    writer.close()  # stopped there: the length without its generation stays
+    with pytest.raises(BufferDamagedError, match=r"committed slots \[1\] have generation 0"):
+        reader.refresh()

@@ -84,7 +84,8 @@ def test_read_only_open_sends_no_write_request(request, server_name):
 )
 def test_concurrent_gets_send_one_request_per_object(request, server_name, extra_options, client):
     server = request.getfixturevalue(server_name)
-    store = open_store(server.url(_unique("concurrent")), {**server.storage_options, **extra_options})
+    name = _unique("concurrent")
+    store = open_store(server.url(name), {**server.storage_options, **extra_options})
     assert client in (type(store._store).__name__, type(getattr(store._store, "fs", None)).__name__)
     keys = [f"c/{i}" for i in range(48)]
     prototype = default_buffer_prototype()
@@ -105,7 +106,10 @@ def test_concurrent_gets_send_one_request_per_object(request, server_name, extra
     with server.record() as requests:
         values = sync(get_all(16))
     assert [value.to_bytes() for value in values] == [key.encode() * 10 for key in keys]
-    assert requests.count() == requests.count("GET") == len(keys)
+    # this store's requests only: the server is shared, and a lease another test's writer still
+    # renews may land in the window on a loaded machine
+    ours = [(method, path) for method, path in requests.requests if name in path]
+    assert [method for method, _ in ours] == ["GET"] * len(keys), ours
 
 
 def test_options_translate_to_obstore(s3_server):

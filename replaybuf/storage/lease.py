@@ -166,6 +166,14 @@ class WriterLease(ABC):
     def holder(self) -> dict | None:
         """The current holder's record, or None when nobody holds the lease."""
 
+    def live_holder(self) -> dict | None:
+        """``holder`` when it is a running writer's: None when nobody holds the lease or an
+        object-store lease is past its expiry (a stopped writer's)."""
+        holder = self.holder()
+        if holder is not None and "expires" in holder and not float(holder["expires"]) > time.time():
+            return None
+        return holder
+
     @abstractmethod
     def unlock(self) -> dict | None:
         """Remove the lease whoever holds it (``replaybuf unlock``: the writer it was taken from
