@@ -32,8 +32,8 @@ import numpy as np
 
 from .inputs import fill_value
 from .schema import Schema
-from .storage import SNAPSHOTS_PREFIX, BufferDamagedError, document_limit
-from .storage.base import COUNTERS, Storage, check_state
+from .storage import SNAPSHOTS_PREFIX, BufferDamagedError, check_state, document_limit, empty_state
+from .storage.base import Storage
 
 PREFIX = SNAPSHOTS_PREFIX
 FORMAT = 1
@@ -138,15 +138,15 @@ def decode(raw: bytes, name: str, schema: Schema, where: str) -> Snapshot:
         if len(slots) and (np.diff(slots) <= 0).any():
             raise ValueError("slots are not distinct and ascending")
         state = doc.get("state")
-        if not isinstance(state, dict) or not all(k in state for k in COUNTERS):
-            raise ValueError(f"'state' must hold {', '.join(COUNTERS)}")
+        if not isinstance(state, dict) or not all(k in state for k in empty_state()):
+            raise ValueError(f"'state' must hold {', '.join(empty_state())}")
         check_state(state, schema, "'state'")
         created = doc.get("created")
         if not isinstance(created, (int, float)):
             raise ValueError("'created' must be a number")
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         raise SnapshotError(f"snapshot {name!r} is damaged ({where}): {error}") from None
-    return Snapshot(name, slots, generations, lengths, {k: state[k] for k in COUNTERS}, float(created))
+    return Snapshot(name, slots, generations, lengths, {k: state[k] for k in empty_state()}, float(created))
 
 
 def load(storage: Storage, name: str, schema: Schema) -> Snapshot:

@@ -359,7 +359,9 @@ def test_a_writer_outpacing_a_command_is_a_message_and_status_1_not_a_traceback(
     else:  # every read of the lengths catches a commit midway
         monkeypatch.setattr(maintenance, "_midway", lambda lens, generations: True)
         monkeypatch.setattr(maintenance, "_BOOKKEEPING_READS", 2)
-    monkeypatch.setattr(maintenance, "_live_writer", lambda storage: {"pid": 1, "host": "h", "since": "now"})
+    from replaybuf.storage.lease import WriterLease
+
+    monkeypatch.setattr(WriterLease, "live_holder", lambda lease: {"pid": 1, "host": "h", "since": "now"})
     argv = [command, tmp_path / "src"] + ([tmp_path / "dst", "--quiet"] if command == "convert" else [])
     assert run_cli(argv) == 1
     err = capsys.readouterr().err
