@@ -640,15 +640,24 @@ def cartpole_episode(env, seed: int):
     return EpisodeBuffer(id=seed, seed=seed, **steps)
 
 
-def test_minari_dataset_written_by_minari(tmp_path, monkeypatch):
+def cartpole_dataset(tmp_path, monkeypatch, dataset_id: str, count: int):
+    """A minari dataset ``dataset_id`` of ``count`` random CartPole episodes, written by minari
+    under ``tmp_path / 'minari'`` (MINARI_DATASETS_PATH); returns its episodes and dataset."""
     minari = pytest.importorskip("minari")
     gym = pytest.importorskip("gymnasium")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
     env = gym.make("CartPole-v1")
     env.action_space.seed(0)
-    episodes = [cartpole_episode(env, seed) for seed in range(3)]
+    episodes = [cartpole_episode(env, seed) for seed in range(count)]
     with pytest.warns(UserWarning):  # no description / eval_env: fine for a fixture
-        dataset = minari.create_dataset_from_buffers("cartpole/fixture-v0", episodes, env, algorithm_name="random")
+        dataset = minari.create_dataset_from_buffers(dataset_id, episodes, env, algorithm_name="random")
+    return episodes, dataset
+
+
+def test_minari_dataset_written_by_minari(tmp_path, monkeypatch):
+    episodes, dataset = cartpole_dataset(tmp_path, monkeypatch, "cartpole/fixture-v0", 3)
+    import gymnasium as gym
+
     source = {
         e.id: {
             "observations": e.observations[:-1],
@@ -678,15 +687,7 @@ def test_minari_dataset_written_by_minari(tmp_path, monkeypatch):
 def test_minari_total_steps_that_lie_are_refused_before_anything_is_created(tmp_path, monkeypatch):
     """The longest claimed episode sizes the destination: a total_steps of 1e8 over 18 steps
     would have reserved gigabytes (memmap); it is now refused naming the episode."""
-    minari = pytest.importorskip("minari")
-    gym = pytest.importorskip("gymnasium")
-    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
-    env = gym.make("CartPole-v1")
-    env.action_space.seed(0)
-    with pytest.warns(UserWarning):
-        minari.create_dataset_from_buffers(
-            "cartpole/lying-v0", [cartpole_episode(env, seed) for seed in range(3)], env, algorithm_name="random"
-        )
+    cartpole_dataset(tmp_path, monkeypatch, "cartpole/lying-v0", 3)
     with require("h5py").File(tmp_path / "minari" / "cartpole" / "lying-v0" / "data" / "main_data.hdf5", "r+") as f:
         held = len(f["episode_1"]["rewards"])
         f["episode_1"].attrs["total_steps"] = 100_000_000

@@ -25,7 +25,7 @@ from ._lerobot_fixture import write_lerobot
 from .test_importers import (
     _flip_bytes,
     assert_same,
-    cartpole_episode,
+    cartpole_dataset,
     episodes_by_source,
     write_diffusion_policy,
     write_robomimic,
@@ -335,15 +335,7 @@ def test_a_destination_the_disk_cannot_hold_says_how_it_was_sized_and_leaves_not
 def test_minari_import_by_id_into_the_dataset_folder_is_refused(tmp_path, monkeypatch):
     """The source-and-destination check ran only for a source given as a path: an id's dataset
     folder under MINARI_DATASETS_PATH took a buffer inside its data/."""
-    minari = pytest.importorskip("minari")
-    gym = pytest.importorskip("gymnasium")
-    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
-    env = gym.make("CartPole-v1")
-    env.action_space.seed(0)
-    with pytest.warns(UserWarning):
-        minari.create_dataset_from_buffers(
-            "cartpole/apart-v0", [cartpole_episode(env, seed) for seed in range(2)], env, algorithm_name="random"
-        )
+    cartpole_dataset(tmp_path, monkeypatch, "cartpole/apart-v0", 2)
     folder = tmp_path / "minari" / "cartpole" / "apart-v0"
     before = sorted(p.name for p in folder.rglob("*"))
     with pytest.raises(ValueError, match=r"import: the destination .*apart-v0/data/buf' is inside the source"):
