@@ -507,7 +507,8 @@ class ReplayBuffer(CommittedViews):
             # (an hdf5 flush on a loaded machine): those slots read as empty, as a slot changed
             # during the reads does; with no writer running, a length without a generation stays
             # damage (a lost _generation chunk), refused below
-            meta["episode_lens"] = np.where(np.isin(np.arange(self.max_episodes), unpublished), 0, meta["episode_lens"])
+            meta["episode_lens"] = lens = meta["episode_lens"].copy()
+            lens[unpublished] = 0
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
         state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
         check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state)
