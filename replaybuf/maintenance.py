@@ -304,7 +304,7 @@ def convert(
     try:
         target.acquire_writer(erase=True)
     except BaseException:
-        _remove_empty(made)  # still empty: the other process did not take them
+        remove_empty(made)  # still empty: the other process did not take them
         raise
     try:
         target.create(target_schema, overwrite=True)
@@ -331,7 +331,7 @@ def convert(
             target.close()
         if made:
             shutil.rmtree(made[0], ignore_errors=True)
-            _remove_empty(made[1:])
+            remove_empty(made[1:])
         raise
     finally:
         target.release_writer()
@@ -358,14 +358,9 @@ def _new_local_folders(location: str) -> list[str]:
     if "://" in location and not location.startswith("file://"):
         return []
     folder = os.path.abspath(location.removeprefix("file://"))
-    missing = []
-    parent = os.path.dirname(folder)
-    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
-        missing.append(parent)
-        parent = os.path.dirname(parent)
     made: list[str] = []
     try:
-        for path in [*reversed(missing), folder]:
+        for path in [*reversed(missing_parents(folder)), folder]:
             try:
                 os.mkdir(path)
             except FileExistsError:  # made meanwhile by another process: not ours
@@ -374,12 +369,22 @@ def _new_local_folders(location: str) -> list[str]:
                 continue
             made.insert(0, path)
     except OSError:  # the destination exists (a folder, a file, a link), or not writable here
-        _remove_empty(made)
+        remove_empty(made)
         return []
     return made
 
 
-def _remove_empty(folders: Sequence[str]) -> None:
+def missing_parents(path: str | os.PathLike) -> list[str]:
+    """The parent folders of ``path`` that do not exist yet, nearest first."""
+    missing = []
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    return missing
+
+
+def remove_empty(folders: Sequence[str]) -> None:
     """Remove each of ``folders`` (deepest first) that is still empty; keep the others."""
     for path in folders:
         with contextlib.suppress(OSError):

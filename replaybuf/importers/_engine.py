@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,7 +24,7 @@ import numpy as np
 from ..attrs import encode_attrs
 from ..buffer import ReplayBuffer
 from ..consistency import read_episodes_consistent
-from ..maintenance import check_apart
+from ..maintenance import check_apart, missing_parents, remove_empty
 from ..progress import progress_bar
 from ..schema import MAX_EPISODE_BYTES, Schema
 from ..storage.base import ConcurrentWriteError, Storage, StorageError, make_storage
@@ -409,7 +409,7 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
     export must not pass for a dataset (a diffusion_policy zarr's unwritten chunks read as zeros)."""
     check_new_folder(dst, src)
     existed = os.path.isdir(dst)
-    missing = _missing_parents(dst)
+    missing = missing_parents(dst)
     try:
         yield
     except BaseException:
@@ -421,20 +421,8 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     os.unlink(entry.path)
-        for parent in missing:  # the parents the export made (they were left), while still empty
-            with suppress(OSError):
-                os.rmdir(parent)
+        remove_empty(missing)  # the parents the export made (they were left), while still empty
         raise
-
-
-def _missing_parents(dst: str | os.PathLike) -> list[str]:
-    """The parent folders of ``dst`` that do not exist yet, nearest first."""
-    missing = []
-    parent = os.path.dirname(os.path.abspath(dst))
-    while not os.path.exists(parent) and parent != os.path.dirname(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
-    return missing
 
 
 def exported_episodes(
