@@ -30,7 +30,14 @@ from dask.base import tokenize
 from dask.utils import parse_bytes
 
 from . import sketches
-from .consistency import RETRIES, ConcurrentWriteError, committed_generations, read_consistent, replanner
+from .consistency import (
+    RETRIES,
+    ConcurrentWriteError,
+    check_same_buffer,
+    committed_generations,
+    read_consistent,
+    replanner,
+)
 from .progress import dask_progress, progress_bar
 from .storage import BufferReplacedError, GenerationMismatchError, fill_beyond, recycled_empty
 from .view import BufferView
@@ -152,6 +159,7 @@ class EpisodeRows:
         kept = read_consistent(
             self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read, snapshot=self.snapshot
         )
+        check_same_buffer(self.storage)
         fill_beyond(rows, np.where(kept, lengths, 0), self.fill)
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
@@ -238,7 +246,8 @@ def to_dask(
     The rows are the episodes committed as of the buffer's last ``refresh()``; blocks are read
     when computed, each checked against a writer in another process: a row whose slot was
     rewritten since reads as padding throughout (its meta values and ``episode_mask`` row stay
-    as planned), never as parts of two episodes.
+    as planned), never as parts of two episodes; a block of a buffer replaced since (created
+    again at its location) raises ``BufferReplacedError``.
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
     if episodes_per_chunk is not None and (
@@ -441,6 +450,7 @@ def _read_rows(
 
     replan = replanner(storage, plan.slots, plan.lens, plan.meta)
     kept = read_consistent(buffer, plan.slots, plan.generations, read, replan)
+    check_same_buffer(storage)
     plan.lens[~kept] = 0
     lost = ~kept & ~np.isin(plan.slots, buffer.empty_episodes())  # length-0 episodes keep their meta
     for name, values in plan.meta.items():
@@ -644,6 +654,7 @@ def _block_stats(
                 )
 
     kept = read_consistent(storage, slots.copy(), generations.copy(), read, snapshot=snapshot)
+    check_same_buffer(storage)
     lens = np.where(kept, lens, 0)
     valid = np.arange(length)[None, :] < lens[:, None]
     moments = {n: _block_moments(block, lens) for n, block in blocks.items()}

@@ -70,6 +70,16 @@ def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarra
     return generations
 
 
+def check_same_buffer(storage: Storage) -> None:
+    """``BufferReplacedError`` when the buffer ``storage`` opened is no longer at its location:
+    the last step of a read planned before it (a dask graph, ``get_all_data``, ``stats``). The
+    planned generations cannot tell alone: an overwrite counts on from the old buffer's (every
+    planned row would read as padding), and a buffer deleted and created again counts from 1
+    again (on an object store, where no stat tells, they would name the new buffer's episodes)."""
+    if storage.replaced():
+        raise BufferReplacedError(storage.location)
+
+
 def stored_bookkeeping(
     storage: Storage, names: Iterable[str], slots: np.ndarray | None = None, as_read: dict | None = None
 ) -> dict[str, np.ndarray]:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .consistency import read_episodes_consistent
+from .consistency import check_same_buffer, read_episodes_consistent
 from .schema import Field
 from .storage import SKETCHES_PREFIX
 from .storage.base import Storage, StorageError
@@ -348,6 +348,7 @@ def merge(buffer: Any, names: list[str], slots: np.ndarray) -> tuple[np.ndarray,
     ``slots`` of a ReplayBuffer or ConcatReplayBuffer, merged from their sketches; ``kept``:
     False for an episode a writer rewrote while it was being sketched from its data."""
     headers = _episode_headers(buffer, slots, names)
+    check_same_buffer(buffer.storage)  # the blobs of a buffer created again name the same generations
     kept = np.array([h is not None for h in headers], bool)
     fields = {n: buffer.schema.fields[n] for n in names}
     totals = {n: _Accumulator(int(np.prod(f.shape, dtype=np.int64))) for n, f in fields.items()}

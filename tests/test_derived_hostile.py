@@ -1,0 +1,88 @@
+"""The derived read paths (to_dask, get_all_data, to_xarray, stats, ConcatReplayBuffer) attacked:
+buffers replaced under a planned read, and statistics of awkward values."""
+
+from __future__ import annotations
+
+import shutil
+
+import fsspec
+import numpy as np
+import pytest
+
+from replaybuf import ConcatReplayBuffer, ReplayBuffer
+from replaybuf.storage import BufferReplacedError
+
+FIELDS = {"x": ("float32", (3,)), "k": "int64"}
+META = {"ident": "int"}
+
+
+def make(location: str, first: int, overwrite: bool = False, **kwargs) -> None:
+    """A buffer of three episodes ``first .. first + 2``: episode ``i`` holds ``i`` at every step."""
+    with ReplayBuffer(
+        location, max_episodes=4, max_timesteps=10, fields=FIELDS, meta_fields=META, overwrite=overwrite, **kwargs
+    ) as buffer:
+        for index in range(first, first + 3):
+            length = index % 10 + 2
+            buffer.store_episode(x=np.full((length, 3), index, np.float32), k=np.full(length, index), ident=index)
+
+
+def delete(location: str) -> None:
+    if "://" in location:
+        fs, path = fsspec.core.url_to_fs(location)
+        fs.rm(path, recursive=True)
+    else:
+        shutil.rmtree(location)
+
+
+READS = {
+    "to_dask": lambda reader: reader.to_dask(["k"], [])["k"],
+    "lazy get_all_data": lambda reader: reader.get_all_data(["k"], [], lazy=True)["k"],
+    "to_xarray": lambda reader: reader.to_xarray(["k"], []).k.data,
+}
+
+
+@pytest.mark.parametrize("how", ["overwrite", "deleted and created"])
+@pytest.mark.parametrize("read", list(READS))
+def test_a_graph_computed_after_its_buffer_was_replaced_raises(make_location, read, how):
+    """A dask graph planned on a buffer, computed after another buffer took its place: zarr on
+    disk gave every row as padding (an overwrite counts generations on), and on memory:// (as on
+    an object store, where no stat tells) a buffer deleted and created again gave the new
+    buffer's episodes under the old plan's meta rows, e.g. ``k`` 100 in the row of ident 0."""
+    location, kwargs = make_location()
+    make(location, 0, **kwargs)
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    graph = READS[read](reader)
+    if how == "deleted and created":
+        delete(location)
+    make(location, 100, overwrite=True, **kwargs)
+    with pytest.raises(BufferReplacedError):
+        graph.compute()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_reads_of_a_buffer_deleted_and_created_again_raise(make_location, exact):
+    """get_all_data and stats of a reader whose buffer was deleted and created again, before its
+    next refresh(): on memory:// they returned the new buffer's data (stats: its mean, 101.2)."""
+    location, kwargs = make_location()
+    make(location, 0, **kwargs)
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    delete(location)
+    make(location, 100, **kwargs)
+    with pytest.raises(BufferReplacedError):
+        reader.get_all_data(["k"])
+    with pytest.raises(BufferReplacedError):
+        reader.stats(["k"], exact=exact)
+    np.testing.assert_array_equal(reader.refresh().get_all_data(["k"], ["ident"])["ident"].numpy(), [100, 101, 102])
+
+
+def test_a_concat_graph_computed_after_a_member_was_replaced_raises(tmp_path):
+    """The same through a ConcatReplayBuffer: one member replaced, the graph raises."""
+    first, second = str(tmp_path / "a"), f"memory://derived-{tmp_path.name}/b"
+    make(first, 0)
+    make(second, 10)
+    concat = ConcatReplayBuffer([first, second])
+    graph = concat.to_dask(["k"], [])["k"]
+    delete(second)
+    make(second, 100)
+    with pytest.raises(BufferReplacedError):
+        graph.compute()
