@@ -22,7 +22,7 @@ import numpy as np
 from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
 from .sampling.mixture import check_weights
-from .schema import Schema
+from .schema import Field, Schema
 from .storage import ArrayBase, BufferReplacedError, GenerationMismatchError, Spans, Storage
 from .view import CommittedViews, read_only_message
 
@@ -287,8 +287,14 @@ def _read_only_message(call: str) -> str:
     return read_only_message("ConcatReplayBuffer", call)
 
 
+def _same_fill(a: Field, b: Field) -> bool:
+    """Whether fields ``a`` and ``b`` pad with the same value (NaN equal to NaN)."""
+    return bool(np.array_equal(np.array(a.fill, a.dtype), np.array(b.fill, b.dtype), equal_nan=a.dtype.kind in "fc"))
+
+
 def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
-    """Every member must store the same data and meta fields (names, dtypes, shapes)."""
+    """Every member must store the same data and meta fields (names, dtypes, shapes, defaults):
+    the concatenation pads every member's rows with one default per field."""
     first = buffers[0]
     problems = []
     for index, buffer in enumerate(buffers[1:], start=1):
@@ -308,6 +314,11 @@ def _check_same_fields(buffers: Sequence[ReplayBuffer]) -> None:
                         f"  buffer {index} ({buffer.storage.location!r}) {group[:-1]} {name!r} is "
                         f"{b.dtype.name}{list(b.shape)}, buffer 0 has {a.dtype.name}{list(a.shape)}"
                     )
+                elif not _same_fill(a, b):
+                    problems.append(
+                        f"  buffer {index} ({buffer.storage.location!r}) {group[:-1]} {name!r} has default "
+                        f"{b.fill!r}, buffer 0 has {a.fill!r} (rows are padded with one default)"
+                    )
     if problems:
         raise ValueError(
             f"ConcatReplayBuffer: all buffers must have the same fields as buffer 0 "
@@ -321,7 +332,8 @@ class ConcatReplayBuffer(CommittedViews):
     ``buffers`` are paths or URLs (opened read-only with ``storage_options``, one dict for all
     or one per entry) or ``ReplayBuffer`` objects. Episodes are the members' committed
     episodes, member by member, each oldest first; data is time-padded with zeros to the
-    longest member's ``max_timesteps``. All members must store the same fields.
+    longest member's ``max_timesteps``. All members must store the same fields (names, dtypes,
+    shapes, defaults).
 
     ``weights`` (one number >= 0 per buffer) makes its loaders draw each sample's buffer with
     those probabilities (``sampling.mixture``); ``filter_meta`` may then be one dict per buffer.

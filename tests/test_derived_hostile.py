@@ -86,3 +86,16 @@ def test_a_concat_graph_computed_after_a_member_was_replaced_raises(tmp_path):
     make(second, 100)
     with pytest.raises(BufferReplacedError):
         graph.compute()
+
+
+def test_members_with_different_defaults_are_refused(tmp_path):
+    """A member whose field pads with another default: the concatenation padded its rows with
+    buffer 0's (``get_all_data`` of [b, a] gave a's 1-step episode as [1, -1, -1], alone [1])."""
+    for name, default in (("a", None), ("b", -1.0), ("c", float("nan")), ("d", float("nan"))):
+        with ReplayBuffer(tmp_path / name, max_episodes=2, max_timesteps=3, fields={"x": ("float32", (), default)}):
+            pass
+    with pytest.raises(ValueError, match=r"buffer 1 \(.*/a'\) field 'x' has default 0, buffer 0 has -1.0"):
+        ConcatReplayBuffer([tmp_path / "b", tmp_path / "a"])
+    with pytest.raises(ValueError, match="field 'x' has default nan, buffer 0 has 0"):
+        ConcatReplayBuffer([tmp_path / "a", tmp_path / "c"])
+    assert len(ConcatReplayBuffer([tmp_path / "c", tmp_path / "d"]).buffers) == 2  # NaN pads as NaN
