@@ -4,6 +4,7 @@ buffers replaced under a planned read, and statistics of awkward values."""
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -12,11 +13,13 @@ import pytest
 from replaybuf import ConcatReplayBuffer, ReplayBuffer
 from replaybuf.storage import BufferReplacedError
 
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
+
 FIELDS = {"x": ("float32", (3,)), "k": "int64"}
 META = {"ident": "int"}
 
 
-def make(location: str, first: int, overwrite: bool = False, **kwargs) -> None:
+def make(location: str, first: int, overwrite: bool = False, **kwargs: Any) -> None:
     """A buffer of three episodes ``first .. first + 2``: episode ``i`` holds ``i`` at every step."""
     with ReplayBuffer(
         location, max_episodes=4, max_timesteps=10, fields=FIELDS, meta_fields=META, overwrite=overwrite, **kwargs
@@ -26,9 +29,9 @@ def make(location: str, first: int, overwrite: bool = False, **kwargs) -> None:
             buffer.store_episode(x=np.full((length, 3), index, np.float32), k=np.full(length, index), ident=index)
 
 
-def delete(location: str) -> None:
+def delete(location: str, storage_options: dict | None = None) -> None:
     if "://" in location:
-        fs, path = fsspec.core.url_to_fs(location)
+        fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
         fs.rm(path, recursive=True)
     else:
         shutil.rmtree(location)
@@ -75,17 +78,24 @@ def test_reads_of_a_buffer_deleted_and_created_again_raise(make_location, exact)
     np.testing.assert_array_equal(reader.refresh().get_all_data(["k"], ["ident"])["ident"].numpy(), [100, 101, 102])
 
 
-def test_a_concat_graph_computed_after_a_member_was_replaced_raises(tmp_path):
-    """The same through a ConcatReplayBuffer: one member replaced, the graph raises."""
-    first, second = str(tmp_path / "a"), f"memory://derived-{tmp_path.name}/b"
+def test_a_concat_graph_computed_after_an_s3_member_was_deleted_and_created_raises(tmp_path, s3_server):
+    """The same through a ConcatReplayBuffer whose member on S3 (moto) was deleted and created
+    again: the graph, get_all_data and stats read the new member's episodes, e.g. ``k`` 100 in
+    the row of ident 10."""
+    first, second, options = str(tmp_path / "a"), s3_server.url(f"derived-{tmp_path.name}"), s3_server.storage_options
     make(first, 0)
-    make(second, 10)
-    concat = ConcatReplayBuffer([first, second])
+    make(second, 10, storage_options=options)
+    concat = ConcatReplayBuffer([first, second], storage_options=[{}, options])
     graph = concat.to_dask(["k"], [])["k"]
-    delete(second)
-    make(second, 100)
+    delete(second, options)
+    make(second, 100, storage_options=options)
     with pytest.raises(BufferReplacedError):
         graph.compute()
+    with pytest.raises(BufferReplacedError):
+        concat.get_all_data(["k"])
+    with pytest.raises(BufferReplacedError):
+        concat.stats(["k"])
+    assert concat.refresh().get_all_data(["k"], ["ident"])["ident"].tolist() == [0, 1, 2, 100, 101, 102]
 
 
 def test_members_with_different_defaults_are_refused(tmp_path):
