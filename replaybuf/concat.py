@@ -233,7 +233,8 @@ class ConcatStorage(Storage):
     def preload(self, name: str, episodes: np.ndarray, generations: np.ndarray) -> None:
         # docstring inherited
         for member, rows, local in self._route(episodes):
-            self.members[member].preload(name, local, np.asarray(generations)[rows])
+            with self._member(member) as storage:  # a reused slot is named by its global index
+                storage.preload(name, local, np.asarray(generations)[rows])
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited

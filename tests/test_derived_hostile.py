@@ -3,6 +3,7 @@ buffers replaced under a planned read, and statistics of awkward values."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from typing import Any
 
@@ -109,3 +110,27 @@ def test_members_with_different_defaults_are_refused(tmp_path):
     with pytest.raises(ValueError, match="field 'x' has default nan, buffer 0 has 0"):
         ConcatReplayBuffer([tmp_path / "a", tmp_path / "c"])
     assert len(ConcatReplayBuffer([tmp_path / "c", tmp_path / "d"]).buffers) == 2  # NaN pads as NaN
+
+
+def test_a_concat_loader_unpickled_after_a_member_reused_a_slot_keeps_the_other_members(tmp_path):
+    """A dataset over [a, b] sent to a worker (pickled: the worker preloads its resident rows)
+    after b's writer reused b's slot 0: the preload's GenerationMismatchError named b's local
+    slot 0, so the worker dropped a's intact episode 0 (global slot 0) and never drew it, and
+    kept drawing b's reused slot (global 4) to find it reused at each batch; with a
+    writer reusing slots fast, every episode of a was dropped and the loader raised
+    SnapshotOverwrittenError with a's three episodes intact."""
+    make(str(tmp_path / "a"), 0)
+    with ReplayBuffer(
+        tmp_path / "b", max_episodes=3, max_timesteps=10, fields=FIELDS, meta_fields=META, circular=True
+    ) as writer:
+        for index in range(10, 13):
+            writer.store_episode(x=np.full((2, 3), index, np.float32), k=np.full(2, index), ident=index)
+        concat = ConcatReplayBuffer([tmp_path / "a", tmp_path / "b"])
+        dataset = concat.dataset(fields=["k"])
+        writer.store_episode(x=np.full((2, 3), 13, np.float32), k=np.full(2, 13), ident=13)  # into b's slot 0
+    worker = pickle.loads(pickle.dumps(dataset))
+    # a's slots 0..3 (3: empty), b's 4..6: b's slot 0 is global slot 4
+    np.testing.assert_array_equal(worker.in_snapshot(np.arange(7)), [True, True, True, False, False, True, True])
+    for position, ident in enumerate([0, 1, 2]):  # a's episodes, read as they are
+        sample = worker[position]
+        assert int(sample["ident"]) == ident and sample["k"].tolist() == [ident] * (ident + 2)
