@@ -39,6 +39,7 @@ from .consistency import (
     replanner,
 )
 from .progress import dask_progress, progress_bar
+from .schema import Field
 from .storage import BufferReplacedError, GenerationMismatchError, fill_beyond, recycled_empty
 from .view import BufferView
 
@@ -318,7 +319,8 @@ def to_xarray(
     (``Field.dimension_names``: ``frame_height``, ``action_dim0``, ...), the names the zarr
     backend stores. Coordinates: ``slot`` (the buffer slot of each episode), ``episode_lens``,
     ``valid`` (episode, time: the steps each episode has, ``episode_mask``), ``time`` and the
-    meta fields. Nothing is read until computed.
+    meta fields; a field named as one of these coordinates or dims is refused (ValueError):
+    leave it out with ``fields``/``meta_fields``. Nothing is read until computed.
     """
     try:
         import xarray
@@ -328,6 +330,10 @@ def to_xarray(
 
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_xarray")
     meta_names = sorted({*meta_fields, "episode_lens"})
+    _check_xarray_names(
+        [buffer.schema.fields[n] for n in fields],
+        [buffer.schema.meta_fields[n] for n in meta_fields if n != "episode_lens"],
+    )
     arrays = to_dask(buffer, fields, meta_names, order=order)
     plan = _committed(buffer, order)
     slots, length = plan.slots, plan.length
@@ -341,6 +347,22 @@ def to_xarray(
     coords.update({n: (meta_schema[n].dimension_names(per_episode=True), np.asarray(arrays[n])) for n in meta_names})
     variables = {n: (buffer.schema.fields[n].dimension_names(), arrays[n]) for n in fields}
     return xarray.Dataset(variables, coords=coords, attrs={"source": buffer.storage.location})
+
+
+def _check_xarray_names(data: Sequence[Field], meta: Sequence[Field]) -> None:
+    """Refuse fields named as a coordinate or dimension of ``to_xarray``'s Dataset: xarray
+    would put the field in its place (a meta field ``valid`` as the valid-step mask) or fail."""
+    taken = {"episode", "time", "slot", "valid", "episode_lens"}
+    for f in data:
+        taken.update(f.dimension_names())
+    for f in meta:
+        taken.update(f.dimension_names(per_episode=True))
+    clashes = sorted(f.name for f in (*data, *meta) if f.name in taken)
+    if clashes:
+        raise ValueError(
+            f"to_xarray: field names {clashes} are also names of the Dataset's coordinates or dimensions "
+            f"{sorted(taken)}; leave them out with fields=... and meta_fields=..., or read them with to_dask()"
+        )
 
 
 # ---- get_all_data ------------------------------------------------------------------------------

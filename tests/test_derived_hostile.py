@@ -134,3 +134,28 @@ def test_a_concat_loader_unpickled_after_a_member_reused_a_slot_keeps_the_other_
     for position, ident in enumerate([0, 1, 2]):  # a's episodes, read as they are
         sample = worker[position]
         assert int(sample["ident"]) == ident and sample["k"].tolist() == [ident] * (ident + 2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "meta_fields", "clash"),
+    [
+        ({"x": "float32"}, {"valid": "int"}, "valid"),  # replaced the valid-step mask with its values
+        ({"x": "float32"}, {"slot": "int"}, "slot"),  # replaced the slot coordinate
+        ({"x": "float32"}, {"time": "int"}, "time"),  # replaced the time axis's coordinate
+        ({"episode": "float32"}, {}, "episode"),  # became a coordinate: no data variable left
+        ({"time": "float32"}, {}, "time"),  # xarray: "variables {'time'} are found in both ..."
+        ({"x": ("float32", (2,))}, {"x_dim0": "int"}, "x_dim0"),  # a coordinate named as x's axis
+    ],
+)
+def test_to_xarray_refuses_fields_named_as_its_coordinates_or_dims(tmp_path, fields, meta_fields, clash):
+    """A field named as one of the Dataset's coordinates or dimensions replaced it silently
+    (a meta field ``valid`` became the mask that ``ds.x.where(ds.valid)`` uses) or failed in
+    xarray; it is refused naming the field, and the rest converts without it."""
+    pytest.importorskip("xarray")
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=3, max_timesteps=4, fields=fields, meta_fields=meta_fields)
+    buffer.store_episode(**{n: np.ones((2, *buffer.schema.fields[n].shape), np.float32) for n in fields})
+    with pytest.raises(ValueError, match=rf"to_xarray: field names \['{clash}'\] .* coordinates or dimensions"):
+        buffer.to_xarray()
+    others = [n for n in fields if n != clash]
+    ds = buffer.to_xarray(others, [n for n in meta_fields if n != clash])
+    assert ds.valid.values.tolist() == [[True, True]] and ds.slot.values.tolist() == [0]
