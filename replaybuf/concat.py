@@ -21,6 +21,7 @@ import numpy as np
 
 from .attrs import BufferAttrs
 from .buffer import DataView, MetaView, ReplayBuffer
+from .consistency import snapshot_gone
 from .sampling.mixture import check_weights
 from .schema import Field, Schema
 from .storage import ArrayBase, BufferReplacedError, GenerationMismatchError, Spans, Storage
@@ -93,6 +94,10 @@ class ConcatStorage(Storage):
         self.offsets = np.cumsum([0] + [b.max_episodes for b in buffers])
         self.schema = schema
         self.read_only = True
+        # per member: its snapshot's name and recorded generations (None: the whole buffer), so
+        # that a member opened at a snapshot reads exactly that snapshot, as the view alone does
+        self.snapshots = [b.snapshot_name for b in buffers]
+        self.recorded = [None if b.snapshot_name is None else np.array(b.generations, np.int64) for b in buffers]
 
     def _route(self, episodes: np.ndarray):
         """(member index, rows of ``episodes`` in it, local slots) for each member touched."""
@@ -106,11 +111,29 @@ class ConcatStorage(Storage):
 
     @contextlib.contextmanager
     def _member(self, member: int) -> Iterator[Storage]:
-        """Member ``member``'s storage; a GenerationMismatchError it raises names global slots."""
+        """Member ``member``'s storage; a GenerationMismatchError it raises names global slots,
+        or, from a member opened at a snapshot, is the SnapshotError of its episodes gone."""
         try:
             yield self.members[member]
         except GenerationMismatchError as error:
-            raise GenerationMismatchError(self.location, np.asarray(error.slots) + self.offsets[member]) from None
+            slots = np.asarray(error.slots)
+            name = self.snapshots[member]
+            if name is not None:
+                raise snapshot_gone(name, self.members[member].location, slots) from None
+            raise GenerationMismatchError(self.location, slots + self.offsets[member]) from None
+
+    def _snapshot_generations(self, member: int, local: np.ndarray, stored: np.ndarray) -> np.ndarray:
+        """``stored`` generations of a member's ``local`` slots as its snapshot sees them: 0
+        outside the snapshot (an empty slot, as to the view alone), SnapshotError where a
+        recorded episode was overwritten; a whole buffer's as stored."""
+        recorded, name = self.recorded[member], self.snapshots[member]
+        if recorded is None or name is None:
+            return stored
+        recorded = recorded[local]
+        gone = (recorded > 0) & (stored != recorded)
+        if gone.any():
+            raise snapshot_gone(name, self.members[member].location, np.asarray(local)[gone])
+        return np.where(recorded > 0, stored, 0)
 
     def _empty(self, name: str, leading: tuple[int, ...]) -> np.ndarray:
         field = self.schema.fields[name]
@@ -238,12 +261,20 @@ class ConcatStorage(Storage):
 
     def read_meta(self, name: str) -> np.ndarray:
         # docstring inherited
-        return np.concatenate([m.read_meta(name) for m in self.members])
+        parts = [m.read_meta(name) for m in self.members]
+        if name == "_generation":
+            parts = [self._snapshot_generations(k, np.arange(len(p)), p) for k, p in enumerate(parts)]
+        return np.concatenate(parts)
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         """Each member's own entries, read from that member (generations are per member)."""
         episodes = np.asarray(episodes, np.int64).reshape(-1)
         parts = [(rows, self.members[m].read_meta_rows(name, local)) for m, rows, local in self._route(episodes)]
+        if name == "_generation":
+            parts = [
+                (rows, self._snapshot_generations(m, local, values))
+                for (m, _, local), (rows, values) in zip(self._route(episodes), parts)
+            ]
         if not parts:
             return self.members[0].read_meta(name)[:0]
         out = np.empty((len(episodes), *parts[0][1].shape[1:]), parts[0][1].dtype)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ConcatReplayBuffer, ReplayBuffer
+from replaybuf.snapshots import SnapshotError
 from replaybuf.storage import BufferReplacedError
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server (moto's S3 on 127.0.0.1)
@@ -159,3 +160,57 @@ def test_to_xarray_refuses_fields_named_as_its_coordinates_or_dims(tmp_path, fie
     others = [n for n in fields if n != clash]
     ds = buffer.to_xarray(others, [n for n in meta_fields if n != clash])
     assert ds.valid.values.tolist() == [[True, True]] and ds.slot.values.tolist() == [0]
+
+
+@pytest.fixture
+def snapshot_and_whole(tmp_path):
+    """A writer on ``a`` (4 slots) with snapshot 's' of its 2 episodes; a whole buffer ``b``;
+    a ConcatReplayBuffer of a's view at 's' and b (members at different snapshots)."""
+    writer = ReplayBuffer(
+        tmp_path / "a",
+        max_episodes=4,
+        max_timesteps=4,
+        fields={"k": "int64"},
+        meta_fields=META,
+        circular=True,
+        drop_snapshots_on_overwrite=True,
+    )
+    for index in range(2):
+        writer.store_episode(k=np.full(2, index + 1), ident=index)
+    writer.snapshot("s")
+    with ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=4, fields={"k": "int64"}, meta_fields=META) as b:
+        b.store_episode(k=np.full(2, 50), ident=50)
+    concat = ConcatReplayBuffer([ReplayBuffer.from_folder(tmp_path / "a", snapshot="s"), tmp_path / "b"])
+    yield writer, concat
+    writer.close()
+
+
+def test_a_concat_member_at_a_snapshot_never_reads_episodes_outside_it(snapshot_and_whole):
+    """An episode the writer added after the snapshot (slot 2): data[...] of the concatenation
+    returned it (k 9) where the view alone reads an empty slot."""
+    writer, concat = snapshot_and_whole
+    writer.store_episode(k=np.full(3, 9), ident=9)
+    assert concat.data["k"][:, :2].tolist() == [[1, 1], [2, 2], [0, 0], [0, 0], [50, 50], [0, 0]]
+    assert concat.get_all_data(["k"], ["ident"])["ident"].tolist() == [0, 1, 50]
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda concat: concat.get_all_data(["k"]),
+        lambda concat: concat.to_dask(["k"], [])["k"].compute(),
+        lambda concat: concat.stats(["k"], exact=True),
+        lambda concat: concat.data["k"][:],
+    ],
+    ids=["get_all_data", "to_dask", "stats", "data"],
+)
+def test_a_concat_member_at_a_snapshot_raises_for_its_episodes_overwritten(snapshot_and_whole, read):
+    """A snapshot episode overwritten (its snapshot dropped by the writer): the view alone raises
+    SnapshotError, the concatenation read the new episode in its place (get_all_data, data[...]),
+    a row of padding (to_dask) or left it out of stats."""
+    writer, concat = snapshot_and_whole
+    with pytest.warns(UserWarning, match=r"snapshot\(s\) \['s'\] .* dropped"):
+        for _ in range(3):  # the third reuses slot 0, recorded in the snapshot
+            writer.store_episode(k=np.full(3, 9), ident=9)
+    with pytest.raises(SnapshotError, match=r"snapshot 's' of .*a': the recorded episode\(s\) in slot\(s\) \[0\]"):
+        read(concat)
