@@ -127,7 +127,7 @@ class ConcatStorage(Storage):
         outside the snapshot (an empty slot, as to the view alone), SnapshotError where a
         recorded episode was overwritten; a whole buffer's as stored."""
         recorded, name = self.recorded[member], self.snapshots[member]
-        if recorded is None or name is None:
+        if recorded is None or name is None:  # both or neither
             return stored
         recorded = recorded[local]
         gone = (recorded > 0) & (stored != recorded)
@@ -269,12 +269,10 @@ class ConcatStorage(Storage):
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         """Each member's own entries, read from that member (generations are per member)."""
         episodes = np.asarray(episodes, np.int64).reshape(-1)
-        parts = [(rows, self.members[m].read_meta_rows(name, local)) for m, rows, local in self._route(episodes)]
-        if name == "_generation":
-            parts = [
-                (rows, self._snapshot_generations(m, local, values))
-                for (m, _, local), (rows, values) in zip(self._route(episodes), parts)
-            ]
+        parts = []
+        for m, rows, local in self._route(episodes):
+            values = self.members[m].read_meta_rows(name, local)
+            parts.append((rows, self._snapshot_generations(m, local, values) if name == "_generation" else values))
         if not parts:
             return self.members[0].read_meta(name)[:0]
         out = np.empty((len(episodes), *parts[0][1].shape[1:]), parts[0][1].dtype)
