@@ -686,7 +686,8 @@ class Storage(ABC):
         if version > newest:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {version}; "
-                f"this replaybuf reads up to {newest}: upgrade replaybuf to open it"
+                f"this replaybuf reads formats up to {newest}: install a newer replaybuf "
+                "(`pip install --upgrade replaybuf`) to open it; `replaybuf upgrade` only rewrites earlier formats"
             )
         self.format_version = version
         try:
