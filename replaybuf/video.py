@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm  # not tqdm.auto: it warns in every Jupyter kernel without ipywidgets
 
+from ._lazy import feature_imports
 from .consistency import read_episodes_consistent
 
 __all__ = [
@@ -239,8 +240,8 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
 def _write_ffmpeg(
     frames: Iterable[np.ndarray], path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
 ) -> None:
-    import imageio.v2 as imageio
-
+    with feature_imports(f"writing {suffix} videos"):
+        import imageio.v2 as imageio
     try:
         import imageio_ffmpeg  # noqa: F401
     except ImportError as error:

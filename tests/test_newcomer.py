@@ -54,3 +54,70 @@ def test_a_buffer_of_a_newer_format_names_a_newer_replaybuf_not_the_upgrade_comm
     assert str(path) in said and "format version 99" in said and "pip install --upgrade replaybuf" in said, said
     assert "Traceback" not in done.stderr
     assert sorted((p.relative_to(path), p.read_bytes()) for p in path.rglob("*") if p.is_file()) == before
+
+
+# hides packages as an environment without them would: importing one (or a module in it) raises
+# ModuleNotFoundError naming it
+HIDE = """
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None
+"""
+
+WITHOUT_OPTIONAL_PACKAGES = (
+    HIDE
+    + """
+import numpy as np
+import replaybuf
+from replaybuf import ReplayBuffer
+
+for name in ("torch", "dask", "imageio", "h5py"):
+    assert sys.modules[name] is None, name  # import replaybuf imported none of them
+buffer = ReplayBuffer("core", max_episodes=4, max_timesteps=5, fields={"x": "float", "frame": ("uint8", (8, 8, 3))})
+buffer.store_episode(x=np.arange(5, dtype=np.float32), frame=np.zeros((5, 8, 8, 3), np.uint8))
+buffer.close()
+reader = ReplayBuffer.from_folder("core", read_only=True)
+assert reader.num_episodes == 1 and reader.data["x"][0, :5].tolist() == [0, 1, 2, 3, 4]
+uses = {
+    "dataloader": lambda: reader.dataloader(batch_size=2),
+    "dataset": lambda: reader.dataset(),
+    "get_all_data": lambda: reader.get_all_data(),
+    "to_dask": lambda: reader.to_dask(),
+    "episode_mask": lambda: reader.episode_mask(),
+    "stats": lambda: reader.stats(),
+    "ConcatReplayBuffer": lambda: replaybuf.ConcatReplayBuffer,
+    "save_video": lambda: reader.save_video("episode.mp4", episode_index=0),
+    "hdf5": lambda: ReplayBuffer("h5", max_episodes=2, max_timesteps=2, fields={"x": "float"}, backend="hdf5"),
+    "s3": lambda: ReplayBuffer.from_folder("s3://bucket/run", storage_options={"endpoint_url": "http://127.0.0.1:9"}),
+    "gs": lambda: ReplayBuffer.from_folder("gs://bucket/run"),
+}
+for use, call in uses.items():
+    try:
+        call()
+    except ImportError as error:
+        print(f"{use}: {error}")
+    else:
+        print(f"{use}: ran")
+"""
+)
+
+
+def test_without_the_packages_only_some_features_use_the_core_works_and_each_feature_names_its_install(tmp_path):
+    """``import replaybuf``, writing and reading need none of torch, dask, imageio, h5py, s3fs,
+    obstore or gcsfs; a feature that needs a missing one says which ``pip install`` brings it
+    (torch, dask and imageio said only "No module named ...", S3 "Install s3fs to access S3")."""
+    hidden = "torch,dask,imageio,h5py,s3fs,obstore,gcsfs"
+    done = run_python(WITHOUT_OPTIONAL_PACKAGES, hidden, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    said = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    torch_hint = "needs torch, a dependency of replaybuf that is not installed: pip install torch"
+    for use in ("dataloader", "dataset", "ConcatReplayBuffer"):
+        assert use in said[use] and torch_hint in said[use], said[use]
+    for use in ("get_all_data", "to_dask", "episode_mask", "stats"):
+        assert said[use].startswith(f"{use} needs ") and "a dependency of replaybuf that is not installed" in said[use]
+        assert "pip install torch" in said[use] or "pip install 'dask[array]'" in said[use], said[use]
+    assert "writing .mp4 videos needs imageio" in said["save_video"] and "pip install imageio" in said["save_video"]
+    assert "pip install 'replaybuf[h5py]'" in said["hdf5"]
+    assert "pip install 'replaybuf[s3]'" in said["s3"], said["s3"]
+    assert "pip install 'replaybuf[gcs]'" in said["gs"], said["gs"]
+    assert not (tmp_path / "episode.mp4").exists() and not (tmp_path / "h5").exists()
