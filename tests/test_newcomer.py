@@ -69,7 +69,7 @@ WITHOUT_OPTIONAL_PACKAGES = (
     + """
 import numpy as np
 import replaybuf
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, importers
 
 for name in ("torch", "dask", "imageio", "h5py"):
     assert sys.modules[name] is None, name  # import replaybuf imported none of them
@@ -90,6 +90,8 @@ uses = {
     "hdf5": lambda: ReplayBuffer("h5", max_episodes=2, max_timesteps=2, fields={"x": "float"}, backend="hdf5"),
     "s3": lambda: ReplayBuffer.from_folder("s3://bucket/run", storage_options={"endpoint_url": "http://127.0.0.1:9"}),
     "gs": lambda: ReplayBuffer.from_folder("gs://bucket/run"),
+    "d4rl": lambda: importers.load("d4rl", "source.hdf5", "d4rl"),
+    "robomimic": lambda: importers.load("robomimic", "source.hdf5", "robomimic"),
 }
 for use, call in uses.items():
     try:
@@ -107,6 +109,7 @@ def test_without_the_packages_only_some_features_use_the_core_works_and_each_fea
     obstore or gcsfs; a feature that needs a missing one says which ``pip install`` brings it
     (torch, dask and imageio said only "No module named ...", S3 "Install s3fs to access S3")."""
     hidden = "torch,dask,imageio,h5py,s3fs,obstore,gcsfs"
+    (tmp_path / "source.hdf5").write_bytes(b"\x89HDF\r\n\x1a\n")
     done = run_python(WITHOUT_OPTIONAL_PACKAGES, hidden, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     said = dict(line.split(": ", 1) for line in done.stdout.splitlines())
@@ -120,4 +123,6 @@ def test_without_the_packages_only_some_features_use_the_core_works_and_each_fea
     assert "pip install 'replaybuf[h5py]'" in said["hdf5"]
     assert "pip install 'replaybuf[s3]'" in said["s3"], said["s3"]
     assert "pip install 'replaybuf[gcs]'" in said["gs"], said["gs"]
-    assert not (tmp_path / "episode.mp4").exists() and not (tmp_path / "h5").exists()
+    for use in ("d4rl", "robomimic"):  # said "No module named 'h5py'"
+        assert "pip install 'replaybuf[h5py]'" in said[use], said[use]
+    assert not any((tmp_path / name).exists() for name in ("episode.mp4", "h5", "d4rl", "robomimic"))
