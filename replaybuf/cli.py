@@ -179,7 +179,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, prefix: str = "", what:
         f"--{prefix}anon",
         dest=f"{dest}anon",
         action="store_true",
-        help=f"read {what} object store without credentials (storage option anon=true)",
+        help=f"access {what} object store without credentials (storage option anon=true)",
     )
     parser.add_argument(
         f"--{prefix}endpoint-url",

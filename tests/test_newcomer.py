@@ -14,6 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+from replaybuf import StorageError, verify
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 
@@ -48,7 +53,7 @@ def test_a_buffer_of_a_newer_format_names_a_newer_replaybuf_not_the_upgrade_comm
     root["attributes"]["version"] = 99
     (path / "zarr.json").write_text(json.dumps(root))
     before = sorted((p.relative_to(path), p.read_bytes()) for p in path.rglob("*") if p.is_file())
-    done = run_python("from replaybuf.cli import main; main()", "upgrade", str(path))
+    done = run_python("import sys; from replaybuf.cli import main; sys.exit(main())", "upgrade", str(path))
     assert done.returncode == 2 and done.stdout == ""
     said = done.stderr.strip().splitlines()[-1]
     assert str(path) in said and "format version 99" in said and "pip install --upgrade replaybuf" in said, said
@@ -126,3 +131,154 @@ def test_without_the_packages_only_some_features_use_the_core_works_and_each_fea
     for use in ("d4rl", "robomimic"):  # said "No module named 'h5py'"
         assert "pip install 'replaybuf[h5py]'" in said[use], said[use]
     assert not any((tmp_path / name).exists() for name in ("episode.mp4", "h5", "d4rl", "robomimic"))
+
+
+# ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------
+
+OLDER_FORMATS = [(version, backend) for version in ("format-v1", "format-v3") for backend in ("zarr", "memmap", "hdf5")]
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def frame_file(buffer: Path, backend: str) -> Path:
+    """The largest file holding the ``frame`` field's bytes (hdf5: the one data file)."""
+    if backend == "hdf5":
+        return buffer / "data.h5"
+    files = [
+        p for p in buffer.rglob("*") if p.is_file() and "frame" in str(p.relative_to(buffer)) and p.suffix != ".json"
+    ]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+# format 1 keeps no checksums: only a truncation of its frames can be seen, not a flipped byte
+DAMAGED = [
+    (version, backend, damage)
+    for version, backend in OLDER_FORMATS
+    for damage in ("flipped byte", "truncated")
+    if (version, damage) != ("format-v1", "flipped byte")
+]
+
+
+@pytest.mark.parametrize(("version", "backend", "damage"), DAMAGED)
+def test_upgrade_refuses_a_damaged_source_and_changes_nothing(tmp_path, version, backend, damage):
+    """A source whose frames fail their checks is refused naming the file, left byte for byte,
+    and no copy stays beside it."""
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / version / backend, path)
+    target = frame_file(path, backend)
+    stored = bytearray(target.read_bytes())
+    if damage == "truncated":
+        del stored[len(stored) // 2 :]
+    else:  # hdf5: a byte of the last dataset's rows (its layout puts the metadata first)
+        stored[len(stored) - 50 if backend == "hdf5" else len(stored) // 2] ^= 0xFF
+    target.write_bytes(bytes(stored))
+    before = contents(path)
+    done = run_python("import sys; from replaybuf.cli import main; sys.exit(main())", "upgrade", "--quiet", str(path))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert str(path) in done.stderr, done.stderr
+    assert contents(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["buffer"]
+
+
+@pytest.fixture(scope="module")
+def small_disk(tmp_path_factory):
+    from ._backends import tmpfs
+
+    with tmpfs(tmp_path_factory.mktemp("small-disk"), "3m") as folder:
+        yield Path(folder)
+
+
+def release(disk: Path) -> None:
+    """Let go of this process's maps and kept handles of files on ``disk``: deleted files keep
+    their space while mapped or open, and would free it while the disk is meant to be full."""
+    import gc
+
+    from replaybuf.storage import _kv
+    from replaybuf.storage._hotmap import shard_maps
+
+    shard_maps().drop_under(str(disk))
+    _kv._read_handles.drop_under(str(disk))
+    gc.collect()
+
+
+def fill_but(disk: Path, spare: int) -> None:
+    """Take all but ``spare`` free bytes of ``disk`` with a ballast file."""
+    ballast = disk / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for block in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    os.truncate(ballast, max(0, ballast.stat().st_size - spare))
+
+
+@pytest.mark.parametrize("spare", [0, 8 << 10, 32 << 10, 100 << 10])
+@pytest.mark.parametrize(("version", "backend"), OLDER_FORMATS)
+def test_upgrade_on_a_full_disk_leaves_the_buffer_as_it_was_and_nothing_beside_it(small_disk, version, backend, spare):
+    """Whether the disk fills at the lease, the copy's creation or its data, the upgrade fails
+    naming the disk, the buffer is byte for byte as it was, no copy is left, and once space is
+    freed the same upgrade goes through."""
+    from replaybuf.maintenance import upgrade
+
+    release(small_disk)
+    for entry in small_disk.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    path = small_disk / "buffer"
+    shutil.copytree(DATA / version / backend, path)
+    before = contents(path)
+    fill_but(small_disk, spare)
+    with pytest.raises(StorageError, match="No space left on device"):
+        upgrade(path, progress=False)
+    assert contents(path) == before
+    assert sorted(os.listdir(small_disk)) == ["ballast", "buffer"]
+    (small_disk / "ballast").unlink()
+    assert upgrade(path, progress=False)["upgraded"]
+    assert verify(path) == []
+    assert sorted(os.listdir(small_disk)) == ["buffer"]
+
+
+@pytest.mark.parametrize(("version", "backend"), OLDER_FORMATS)
+def test_a_second_upgrade_changes_nothing_and_the_upgraded_buffer_holds_what_the_original_did(
+    tmp_path, version, backend
+):
+    from replaybuf import ReplayBuffer
+    from replaybuf.maintenance import upgrade
+
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / version / backend, path)
+    original = ReplayBuffer.from_folder(path, read_only=True)
+    expected = {name: np.asarray(original.data[name][:]) for name in original.fieldnames}
+    expected_meta = {name: np.asarray(original.meta_data[name][:]) for name in original.meta_fieldnames}
+    order, counters = original.valid_episodes().tolist(), (original.episode_index, original.num_episodes)
+    original.close()
+    assert upgrade(path, progress=False)["upgraded"]
+    upgraded = contents(path)
+    again = upgrade(path, progress=False)
+    assert again["upgraded"] is False and again["from_version"] == again["to_version"] == 4
+    assert contents(path) == upgraded
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    assert reader.valid_episodes().tolist() == order and (reader.episode_index, reader.num_episodes) == counters
+    for name, values in expected.items():
+        np.testing.assert_array_equal(np.asarray(reader.data[name][:]), values, err_msg=name)
+    for name, values in expected_meta.items():
+        np.testing.assert_array_equal(np.asarray(reader.meta_data[name][:]), values, err_msg=name)
+
+
+def test_the_anon_options_of_a_destination_do_not_say_read(capsys):
+    """``convert --dst-anon`` and ``import --anon`` are for stores written to: their help said
+    "read the destination's object store without credentials"."""
+    from replaybuf.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for command, flag in (("convert", "--dst-anon"), ("import", "--anon"), ("convert", "--anon")):
+        action = next(a for a in subparsers[command]._actions if flag in a.option_strings)
+        assert action.help.startswith("access ") and "without credentials" in action.help, (command, action.help)
