@@ -282,3 +282,21 @@ def test_the_anon_options_of_a_destination_do_not_say_read(capsys):
     for command, flag in (("convert", "--dst-anon"), ("import", "--anon"), ("convert", "--anon")):
         action = next(a for a in subparsers[command]._actions if flag in a.option_strings)
         assert action.help.startswith("access ") and "without credentials" in action.help, (command, action.help)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--bogus"], ["a", "b"]])
+def test_the_demo_takes_its_options_as_options_not_as_a_folder(tmp_path, argv):
+    """``python -m replaybuf.demo --help`` wrote a buffer into a folder named "--help"; now it
+    prints the usage, and an unknown option or a second folder is a usage error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "replaybuf.demo", *argv],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "usage: python -m replaybuf.demo [-h] [folder]" in done.stdout + done.stderr
+    assert done.returncode == (0 if argv[0] in ("--help", "-h") else 2)
+    assert "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
