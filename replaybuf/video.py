@@ -204,6 +204,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
     encoder that could not open its output) is an error, not a success."""
     path = check_output_path(path)
     temp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
+    try:  # before rendering: a folder it may not write in is refused naming the output
+        temp.open("xb").close()
+        temp.unlink()
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write {str(path)!r}: {error.strerror}") from None
     try:
         write(temp)
         if not temp.is_file() or temp.stat().st_size == 0:

@@ -300,3 +300,23 @@ def test_the_demo_takes_its_options_as_options_not_as_a_folder(tmp_path, argv):
     assert done.returncode == (0 if argv[0] in ("--help", "-h") else 2)
     assert "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_rendering(tmp_path, capsys):
+    """``inspect --output`` / ``--sheet`` into a read-only folder: one line naming the file asked
+    for (it named the hidden temp file beside it, after rendering every frame)."""
+    from replaybuf.cli import main
+
+    from ._backends import tmpfs
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    with tmpfs(folder, "1m"):
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        for option, name in (("--output", "episode.gif"), ("--sheet", "sheet.png")):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["inspect", str(DATA / "format-v4" / "zarr"), option, str(folder / name)])
+            said = capsys.readouterr().err.strip().splitlines()[-1]
+            assert exit_info.value.code == 2
+            assert f"cannot write {str(folder / name)!r}: Read-only file system" in said, said
+            assert ".partial" not in said
