@@ -320,3 +320,36 @@ def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_renderin
             assert exit_info.value.code == 2
             assert f"cannot write {str(folder / name)!r}: Read-only file system" in said, said
             assert ".partial" not in said
+
+
+def without_file_permission_override() -> list[str]:
+    """The command prefix that runs a child under the file permissions (root bypasses them:
+    setpriv drops the capabilities that do)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: the file permissions cannot be made to apply")
+    dropped = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--bounding-set={dropped}", f"--inh-caps={dropped}"]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "inspect"])
+def test_a_buffer_folder_it_may_not_read_is_named_as_such(tmp_path, command):
+    """A folder without read permission: one line naming the folder and that it must be
+    readable (it named replaybuf.json, the memmap backend's marker, for any buffer)."""
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / "format-v4" / "zarr", path)
+    path.chmod(0)
+    try:
+        done = subprocess.run(
+            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", command, str(path)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        path.chmod(0o755)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"cannot read {str(path)!r}: Permission denied" in said and "must be readable" in said, said

@@ -1259,7 +1259,14 @@ def make_storage(
                 f"{location!r} cannot be a folder: {parent!r} above it is a file (or a link to none), not a folder"
             )
     if backend is None:
-        backend = detect_backend(location, storage_options) or "zarr"
+        try:
+            backend = detect_backend(location, storage_options) or "zarr"
+        except PermissionError as error:  # named the marker file of whichever backend was asked first
+            raise PermissionError(
+                error.errno,
+                f"cannot read {location!r}: {error.strerror} ({error.filename}); a buffer's folder and files "
+                "must be readable to open it",
+            ) from None
     return backend_class(backend)(location, storage_options, **kwargs)
 
 
