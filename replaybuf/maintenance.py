@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import glob
 import json
 import os
@@ -549,6 +550,26 @@ def _discard_original(folder: str, backup: str, marked: str) -> None:
     _remove_marked(marked)
 
 
+def _check_upgrade_writable(folder: str) -> None:
+    """PermissionError, before anything is written, where this process may not write in the
+    folder holding ``folder`` or in any folder of the buffer: an upgrade writes its lease in the
+    buffer, its copy beside it, renames both and deletes the original's files. Found by a
+    failing write instead, the error named a lock file or the hidden copy; found by the
+    deletion, the upgrade had swapped its copy in, and reported failure leaving the whole
+    original behind as ``.<name>.upgrading-<pid>``."""
+    folders = [os.path.dirname(folder), folder]
+    for root, subfolders, _ in os.walk(folder):
+        folders.extend(os.path.join(root, sub) for sub in subfolders)
+    for where in folders:
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError(
+                errno.EACCES,
+                f"upgrade: cannot write in {where!r}; an upgrade copies {folder!r} into a new folder beside it "
+                "and swaps the two, so it needs write permission on the buffer's folder and on the folder "
+                "holding it. Nothing was changed",
+            )
+
+
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
     """Rewrite the local buffer at ``path``, written in an earlier on-disk format, in the newest
     format its backend writes (checksums, packed small fields, a buffer uuid), in place.
@@ -598,6 +619,7 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         raise BufferLockedError(
             f"upgrade: {folder!r} is being written by {describe_holder(holder)}; close that writer first"
         )
+    _check_upgrade_writable(folder)
     owner.acquire_writer()  # none starts meanwhile
     staging = os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
     backup = os.path.join(parent, f".{name}.format{version}-{os.getpid()}")

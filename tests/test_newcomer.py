@@ -353,3 +353,32 @@ def test_a_buffer_folder_it_may_not_read_is_named_as_such(tmp_path, command):
     said = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"cannot read {str(path)!r}: Permission denied" in said and "must be readable" in said, said
+
+
+@pytest.mark.parametrize("read_only", ["buffer", "parent", "replaybuf"])
+def test_upgrade_where_it_may_not_write_says_where_and_why_and_changes_nothing(tmp_path, read_only):
+    """An upgrade writes beside the buffer and deletes the original's files: a read-only folder
+    holding it, or of it, is refused before anything is written, naming that folder. A read-only
+    buffer folder was upgraded, then reported as a failure (deleting the original's files was
+    refused) with the whole original left as a hidden ``.buffer.upgrading-<pid>``; a read-only
+    parent named that hidden copy."""
+    parent = tmp_path / "runs"
+    path = parent / "buffer"
+    shutil.copytree(DATA / "format-v2" / "memmap", path)
+    before = contents(path)
+    locked = {"buffer": path, "parent": parent, "replaybuf": path / "replaybuf"}[read_only]
+    locked.chmod(0o555)
+    try:
+        done = subprocess.run(
+            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", "upgrade", str(path)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        locked.chmod(0o755)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"upgrade: cannot write in {str(locked)!r}" in said and "Nothing was changed" in said, said
+    assert contents(path) == before and sorted(os.listdir(parent)) == ["buffer"]
