@@ -272,6 +272,22 @@ def test_a_second_upgrade_changes_nothing_and_the_upgraded_buffer_holds_what_the
         np.testing.assert_array_equal(np.asarray(reader.meta_data[name][:]), values, err_msg=name)
 
 
+def test_export_help_says_an_empty_folder_is_a_destination(tmp_path, capsys):
+    """``export --help`` said "a new one" while an empty folder is taken as well (README:
+    Importing and exporting)."""
+    from replaybuf import ReplayBuffer
+    from replaybuf.cli import build_parser, main
+
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices
+    dst = next(a for a in subparsers["export"]._actions if a.dest == "dst")
+    assert "new or empty" in dst.help, dst.help
+    source = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    source.store_episode(x=np.ones(3, np.float32))
+    source.close()
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "diffusion_policy", str(tmp_path / "buffer"), str(tmp_path / "empty")]) == 0
+
+
 def test_the_anon_options_of_a_destination_do_not_say_read(capsys):
     """``convert --dst-anon`` and ``import --anon`` are for stores written to: their help said
     "read the destination's object store without credentials"."""
