@@ -30,7 +30,7 @@ from .attrs import encode_attrs, load_attrs
 from .commit import catch_up
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
-from .storage import new_uuid
+from .storage import new_uuid, seed_h5_hint
 from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
@@ -76,9 +76,15 @@ def _open_read_only(
     storage = make_storage(location, None, storage_options)
     if not storage.exists():
         raise FileNotFoundError(
-            f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}" + _stranded_hint(storage)
+            f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}" + _not_found_hint(storage)
         )
     return storage, storage.open(read_only=True)
+
+
+def _not_found_hint(storage: Storage) -> str:
+    """What a location holding no buffer may hold instead, as the end of a message: the
+    original of a buffer an upgrade left, or a folder of the seed's ReplayBufferH5PY."""
+    return _stranded_hint(storage) + seed_h5_hint(storage.location)
 
 
 def _stranded_hint(storage: Storage) -> str:
@@ -1344,7 +1350,9 @@ def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> 
     storage = make_storage(location, None, storage_options)
     holder = storage.writer_lease().unlock()
     if holder is None and not storage.exists():
-        raise FileNotFoundError(f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}")
+        raise FileNotFoundError(
+            f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}" + _not_found_hint(storage)
+        )
     return holder
 
 
@@ -1455,7 +1463,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     storage = make_storage(args.path, None, store_options(args))
     if not storage.exists():  # a mistyped path (or one a killed upgrade moved): a usage error
         raise FileNotFoundError(
-            f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}" + _stranded_hint(storage)
+            f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}" + _not_found_hint(storage)
         )
     problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:

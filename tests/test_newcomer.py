@@ -398,3 +398,28 @@ def test_upgrade_where_it_may_not_write_says_where_and_why_and_changes_nothing(t
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"upgrade: cannot write in {str(locked)!r}" in said and "Nothing was changed" in said, said
     assert contents(path) == before and sorted(os.listdir(parent)) == ["buffer"]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "convert", "unlock"])
+def test_every_command_on_a_folder_of_the_seeds_hdf5_buffer_names_copy_seed_h5(tmp_path, command, capsys):
+    """A memmap-replay-buffer ReplayBufferH5PY folder: ``view`` and ``from_folder`` said what it
+    is and how to copy it, these said only "no replaybuf or memmap-replay-buffer buffer"."""
+    import memmap_replay_buffer as seed
+
+    from replaybuf.cli import main
+
+    from ._backends import require
+
+    require("h5py")
+    folder = tmp_path / "seed-h5"
+    written = seed.ReplayBufferH5PY(folder, max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    written.store_episode(x=np.ones(3, np.float32))
+    written._close_storage()  # the seed's file, closed as its process would at exit
+    before = contents(folder)
+    argv = [command, str(folder)] + ([str(tmp_path / "copy")] if command == "convert" else [])
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert "ReplayBufferH5PY folder" in said and "replaybuf.copy_seed_h5(src, dst)" in said, said
+    assert contents(folder) == before and sorted(os.listdir(tmp_path)) == ["seed-h5"]
