@@ -124,6 +124,51 @@ def test_the_migration_blocks_run_on_the_seeds_folders(tmp_path, monkeypatch):
     assert ReplayBuffer.from_folder("replay_zarr", read_only=True).num_episodes == 1
 
 
+def test_the_import_and_export_command_lines_run(tmp_path, monkeypatch):
+    """The command lines of "Importing and exporting" as a shell runs them, on small sources of
+    each format made here under the README's names; Minari's names a dataset id to download, and
+    is left to tests/test_importers.py. ``[--video]`` runs as written without it."""
+    import shlex
+
+    import h5py
+
+    from replaybuf.cli import main
+
+    from ._lerobot_fixture import write_lerobot
+    from .test_importers import write_diffusion_policy, write_robomimic
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    write_diffusion_policy(
+        "pusht.zarr",
+        {"img": rng.integers(0, 255, (12, 8, 8, 3), dtype=np.uint8), "state": rng.normal(size=(12, 2))},
+        ends=[4, 9, 12],
+    )
+    write_robomimic("demo.hdf5")
+    with h5py.File("hopper-medium-v2.hdf5", "w") as f:
+        for name, value in {
+            "observations": rng.normal(size=(8, 3)),
+            "actions": rng.normal(size=(8, 2)),
+            "rewards": rng.normal(size=8),
+            "terminals": np.arange(8) == 3,
+            "timeouts": np.zeros(8, bool),
+        }.items():
+            f.create_dataset(name, data=value)
+    write_lerobot(tmp_path / "lerobot" / "pusht", video=False)
+
+    lines = bash_block("Importing and exporting")
+    assert sum("replaybuf import minari" in line for line in lines) == 1
+    for line in lines:
+        if "replaybuf import minari" in line:
+            continue
+        argv = shlex.split(line.replace("[--video]", ""))
+        assert argv[0] == "replaybuf" and main(argv[1:]) in (0, None), line
+    assert ReplayBuffer.from_folder("pusht", read_only=True).num_episodes == 3
+    assert ReplayBuffer.from_folder("hopper", read_only=True).num_episodes == 2
+    assert (tmp_path / "pusht-out.zarr" / "meta" / "episode_ends").exists()
+    assert (tmp_path / "pusht-lerobot" / "meta" / "info.json").exists()
+
+
 def test_every_python_block_is_accounted_for():
     """A new README block must be run above or listed here with the test that covers it."""
     covered_elsewhere = {
