@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -432,8 +433,10 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         sys.stdout.flush()  # here, so that a reader that stopped early is seen below, not at exit
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # the output's reader stopped (`replaybuf info ... | head`): not an error of ours
-        _discard_stdout()
+    except BrokenPipeError as error:
+        if not _stdout_reader_gone():  # another pipe or socket: an error like any other
+            parser.error(str(error))
+        _discard_stdout()  # the output's reader stopped (`replaybuf info ... | head`): not an error of ours
         return 141  # as a shell reports a process ended by SIGPIPE
     except (BufferDamagedError, CorruptChunkError) as error:  # a finding about the buffer, not a usage error
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
@@ -446,6 +449,16 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
         parser.error(message or type(error).__name__)
     return 0 if status is None else int(status)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed (poll reports POLLERR for it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is no file
+        return False
 
 
 def _discard_stdout() -> None:

@@ -44,6 +44,23 @@ def test_a_command_piped_into_a_reader_that_stops_early_ends_quietly():
     assert stderr == ""
 
 
+def test_a_broken_pipe_that_is_not_stdouts_is_still_an_error(capsys):
+    """Only a closed stdout ends a command quietly: a pipe or socket of its own work breaking is
+    reported as any other error."""
+    import argparse
+
+    from replaybuf.cli import Command, _run
+
+    def lose_a_connection(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe", "a worker's pipe")
+
+    parser = argparse.ArgumentParser(prog="replaybuf work")
+    with pytest.raises(SystemExit) as exit_info:
+        _run(Command("work", "", lambda parser: None, lose_a_connection), argparse.Namespace(), parser)
+    assert exit_info.value.code == 2
+    assert 'Broken pipe: "a worker\'s pipe"' in capsys.readouterr().err
+
+
 def test_a_buffer_of_a_newer_format_names_a_newer_replaybuf_not_the_upgrade_command(tmp_path):
     """``replaybuf upgrade`` on a buffer a newer release wrote cannot help: the message says to
     install a newer replaybuf, and the folder is left as it was."""
