@@ -440,3 +440,32 @@ def test_every_command_on_a_folder_of_the_seeds_hdf5_buffer_names_copy_seed_h5(t
     assert exit_info.value.code == 2
     assert "ReplayBufferH5PY folder" in said and "replaybuf.copy_seed_h5(src, dst)" in said, said
     assert contents(folder) == before and sorted(os.listdir(tmp_path)) == ["seed-h5"]
+
+
+def set_format_version(path: Path, backend: str, version: int) -> None:
+    """Make the buffer at ``path`` claim format ``version``, as a newer release would write."""
+    if backend == "hdf5":
+        from ._backends import require
+
+        with require("h5py").File(path / "data.h5", "r+") as f:
+            f.attrs["replaybuf"] = json.dumps({**json.loads(f.attrs["replaybuf"]), "version": version})
+        return
+    document = path / ("zarr.json" if backend == "zarr" else "replaybuf.json")
+    stored = json.loads(document.read_text())
+    (stored["attributes"] if backend == "zarr" else stored)["version"] = version
+    document.write_text(json.dumps(stored))
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_overwrite_refuses_to_erase_a_buffer_of_a_newer_format(tmp_path, backend):
+    """``ReplayBuffer(path, ...)`` (overwrite=True, the default) on a buffer a newer replaybuf
+    wrote: it cannot open it, and erased it. Now refused, naming both versions, nothing written."""
+    from replaybuf import ReplayBuffer
+
+    path = tmp_path / "newer"
+    shutil.copytree(DATA / "format-v4" / backend, path)
+    set_format_version(path, backend, 99)
+    before = contents(path)
+    with pytest.raises(ValueError, match="has format version 99; this replaybuf reads formats up to 4 and does not"):
+        ReplayBuffer(path, max_episodes=2, max_timesteps=3, fields={"x": "float"}, backend=backend)
+    assert contents(path) == before
