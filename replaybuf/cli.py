@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -178,7 +180,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, prefix: str = "", what:
         f"--{prefix}anon",
         dest=f"{dest}anon",
         action="store_true",
-        help=f"read {what} object store without credentials (storage option anon=true)",
+        help=f"access {what} object store without credentials (storage option anon=true)",
     )
     parser.add_argument(
         f"--{prefix}endpoint-url",
@@ -428,8 +430,14 @@ for _spec in (*CLI_COMMANDS, *IMPORT_COMMANDS):
 def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         status = command.run(args)
+        sys.stdout.flush()  # here, so that a reader that stopped early is seen below, not at exit
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError as error:
+        if not _stdout_reader_gone():  # another pipe or socket: an error like any other
+            parser.error(str(error))
+        _discard_stdout()  # the output's reader stopped (`replaybuf info ... | head`): not an error of ours
+        return 141  # as a shell reports a process ended by SIGPIPE
     except (BufferDamagedError, CorruptChunkError) as error:  # a finding about the buffer, not a usage error
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
         return 1
@@ -441,6 +449,24 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
         parser.error(message or type(error).__name__)
     return 0 if status is None else int(status)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed (poll reports POLLERR for it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is no file
+        return False
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's flush at exit does not fail
+    again on the closed pipe (and print an "Exception ignored" traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:

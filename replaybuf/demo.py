@@ -9,6 +9,7 @@ commands. A rerun replaces its own earlier buffer, and refuses a folder holding 
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 import time
@@ -79,9 +80,26 @@ def next_steps(folder: str) -> str:
     )
 
 
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The demo's one optional argument, the folder; ``--help`` and anything else are the
+    parser's (a folder named "--help" was written)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m replaybuf.demo",
+        description="Write a small buffer with an image field, sample it, and print what it did and "
+        "the commands to look at it next.",
+    )
+    parser.add_argument(
+        "folder",
+        nargs="?",
+        default=DEFAULT_FOLDER,
+        help=f"where the buffer is kept (default {DEFAULT_FOLDER}); a rerun replaces its own earlier buffer "
+        "and refuses a folder holding anything else",
+    )
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    name = argv[0] if argv else DEFAULT_FOLDER
+    name = parse_arguments(argv).folder
     folder = Path(name)
     problem = foreign_content(folder)
     if problem is not None:

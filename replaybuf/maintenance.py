@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import glob
 import json
 import os
@@ -29,7 +30,7 @@ from .attrs import encode_attrs, load_attrs
 from .commit import catch_up
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
-from .storage import new_uuid
+from .storage import new_uuid, seed_h5_hint
 from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
@@ -75,9 +76,15 @@ def _open_read_only(
     storage = make_storage(location, None, storage_options)
     if not storage.exists():
         raise FileNotFoundError(
-            f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}" + _stranded_hint(storage)
+            f"no replaybuf or memmap-replay-buffer buffer at {storage.location!r}" + _not_found_hint(storage)
         )
     return storage, storage.open(read_only=True)
+
+
+def _not_found_hint(storage: Storage) -> str:
+    """What a location holding no buffer may hold instead, as the end of a message: the
+    original of a buffer an upgrade left, or a folder of the seed's ReplayBufferH5PY."""
+    return _stranded_hint(storage) + seed_h5_hint(storage.location)
 
 
 def _stranded_hint(storage: Storage) -> str:
@@ -549,6 +556,26 @@ def _discard_original(folder: str, backup: str, marked: str) -> None:
     _remove_marked(marked)
 
 
+def _check_upgrade_writable(folder: str) -> None:
+    """PermissionError, before anything is written, where this process may not write in the
+    folder holding ``folder`` or in any folder of the buffer: an upgrade writes its lease in the
+    buffer, its copy beside it, renames both and deletes the original's files. Found by a
+    failing write instead, the error named a lock file or the hidden copy; found by the
+    deletion, the upgrade had swapped its copy in, and reported failure leaving the whole
+    original behind as ``.<name>.upgrading-<pid>``."""
+    folders = [os.path.dirname(folder), folder]
+    for root, subfolders, _ in os.walk(folder):
+        folders.extend(os.path.join(root, sub) for sub in subfolders)
+    for where in folders:
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError(
+                errno.EACCES,
+                f"upgrade: cannot write in {where!r}; an upgrade copies {folder!r} into a new folder beside it "
+                "and swaps the two, so it needs write permission on the buffer's folder and on the folder "
+                "holding it. Nothing was changed",
+            )
+
+
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
     """Rewrite the local buffer at ``path``, written in an earlier on-disk format, in the newest
     format its backend writes (checksums, packed small fields, a buffer uuid), in place.
@@ -598,6 +625,7 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         raise BufferLockedError(
             f"upgrade: {folder!r} is being written by {describe_holder(holder)}; close that writer first"
         )
+    _check_upgrade_writable(folder)
     owner.acquire_writer()  # none starts meanwhile
     staging = os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
     backup = os.path.join(parent, f".{name}.format{version}-{os.getpid()}")
@@ -1322,7 +1350,9 @@ def unlock(location: str | os.PathLike, storage_options: dict | None = None) -> 
     storage = make_storage(location, None, storage_options)
     holder = storage.writer_lease().unlock()
     if holder is None and not storage.exists():
-        raise FileNotFoundError(f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}")
+        raise FileNotFoundError(
+            f"no replaybuf buffer (nor writer lease) at {os.fspath(location)!r}" + _not_found_hint(storage)
+        )
     return holder
 
 
@@ -1433,7 +1463,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     storage = make_storage(args.path, None, store_options(args))
     if not storage.exists():  # a mistyped path (or one a killed upgrade moved): a usage error
         raise FileNotFoundError(
-            f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}" + _stranded_hint(storage)
+            f"no replaybuf or memmap-replay-buffer buffer at {args.path!r}" + _not_found_hint(storage)
         )
     problems = verify(args.path, store_options(args), repair=args.repair, progress=False if args.quiet else None)
     for problem in problems:

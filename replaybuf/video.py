@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm  # not tqdm.auto: it warns in every Jupyter kernel without ipywidgets
 
+from ._lazy import feature_imports
 from .consistency import read_episodes_consistent
 
 __all__ = [
@@ -203,6 +204,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
     encoder that could not open its output) is an error, not a success."""
     path = check_output_path(path)
     temp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
+    try:  # before rendering: a folder it may not write in is refused naming the output
+        temp.open("xb").close()
+        temp.unlink()
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write {str(path)!r}: {error.strerror}") from None
     try:
         write(temp)
         if not temp.is_file() or temp.stat().st_size == 0:
@@ -239,8 +245,8 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
 def _write_ffmpeg(
     frames: Iterable[np.ndarray], path: Path, suffix: str, fps: float, bar: str | None, kwargs: dict[str, Any]
 ) -> None:
-    import imageio.v2 as imageio
-
+    with feature_imports(f"writing {suffix} videos"):
+        import imageio.v2 as imageio
     try:
         import imageio_ffmpeg  # noqa: F401
     except ImportError as error:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
+from ._lazy import feature_imports
 from .schema import Field, Schema
 from .storage import Storage, bookkeeping_fields
 
@@ -212,7 +213,8 @@ class CommittedViews(SchemaAttributes):
         def dataset(self, *args, **kwargs):
             """A trajectory, timestep (``timestep_level``) or n-step (``n_steps``) dataset of the
             episodes committed now: ``replaybuf.sampling.make_dataset`` of this buffer."""
-            from .sampling import make_dataset
+            with feature_imports("dataset"):
+                from .sampling import make_dataset
 
             return make_dataset(self, *args, **kwargs)
 
@@ -220,7 +222,8 @@ class CommittedViews(SchemaAttributes):
             """A torch DataLoader over the episodes committed now (``sampler='prioritized'`` for
             prioritized timesteps; over all members of a ConcatReplayBuffer):
             ``replaybuf.sampling.make_dataloader`` of this buffer."""
-            from .sampling import make_dataloader
+            with feature_imports("dataloader"):
+                from .sampling import make_dataloader
 
             return make_dataloader(self, batch_size, *args, **kwargs)
 
@@ -254,7 +257,8 @@ class CommittedViews(SchemaAttributes):
         arrays instead. ``progress``: a tqdm bar (default: on a terminal, for reads longer than two
         seconds).
         """
-        from .analysis import get_all_data
+        with feature_imports("get_all_data"):
+            from .analysis import get_all_data
 
         return get_all_data(self._view(), fields, meta_fields, device=device, lazy=lazy, progress=progress)
 
@@ -265,7 +269,8 @@ class CommittedViews(SchemaAttributes):
         order: str = "chronological",
     ):
         """Committed episodes as dask arrays: data (episodes, time, *shape), meta (episodes, *shape)."""
-        from .analysis import to_dask
+        with feature_imports("to_dask"):
+            from .analysis import to_dask
 
         return to_dask(self._view(), fields, meta_fields, order=order)
 
@@ -277,13 +282,15 @@ class CommittedViews(SchemaAttributes):
     ):
         """Committed episodes as a lazy ``xarray.Dataset``: the ``to_dask`` arrays with named dims,
         lengths, the valid-step mask and meta fields as coordinates (``pip install 'replaybuf[xarray]'``)."""
-        from .analysis import to_xarray
+        with feature_imports("to_xarray"):
+            from .analysis import to_xarray
 
         return to_xarray(self._view(), fields, meta_fields, order=order)
 
     def episode_mask(self):
         """Dask bool array (episodes, time): True where a committed episode has a step."""
-        from .analysis import episode_mask
+        with feature_imports("episode_mask"):
+            from .analysis import episode_mask
 
         return episode_mask(self._view())
 
@@ -300,6 +307,7 @@ class CommittedViews(SchemaAttributes):
         a writer's first ``stats()`` stored (a concatenation's across its members) without
         reading data, sketching from the data the episodes without one, or
         ``exact=True`` recomputed from the data with dask (``analysis.stats``)."""
-        from .analysis import stats
+        with feature_imports("stats"):
+            from .analysis import stats
 
         return stats(self._view(), fields, progress=progress, episodes=episodes, exact=exact)

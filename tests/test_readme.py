@@ -88,12 +88,93 @@ def test_the_readme_python_blocks_run(tmp_path, monkeypatch):
     assert namespace["buffer"].snapshots() == []
 
 
+def bash_block(heading: str) -> list[str]:
+    """The command lines of the README's bash block under ``heading``, without their comments."""
+    text = README.read_text()
+    block = re.search(rf"^#+ {re.escape(heading)}\n.*?^```bash\n(.*?)^```", text, re.M | re.S)
+    assert block is not None, heading
+    return [line.split("  #", 1)[0].strip() for line in block[1].splitlines() if line.strip()]
+
+
+def test_the_migration_blocks_run_on_the_seeds_folders(tmp_path, monkeypatch):
+    """The Python block (after "Use": only ``ReplayBuffer`` is bound) on folders the seed
+    memmap-replay-buffer 0.2.3 wrote, then its command lines as a shell runs them; the one on an
+    object store names a local buffer instead, and ``./old_run`` is a buffer of format 1."""
+    import shlex
+    import shutil
+
+    import memmap_replay_buffer as seed
+
+    from replaybuf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = dict(max_episodes=3, max_timesteps=4, fields={"state": ("float", 2)})
+    for seed_cls, folder in ((seed.ReplayBuffer, "replay_data"), (seed.ReplayBufferH5PY, "h5_data")):
+        written = seed_cls(folder, **args)
+        written.store_episode(state=np.ones((4, 2), np.float32))
+    shutil.copytree(README.parent / "tests" / "data" / "format-v1" / "zarr", "old_run")
+
+    namespace = {"ReplayBuffer": ReplayBuffer}  # what the blocks before bound; not `replaybuf`
+    run(python_blocks()["Migrating from memmap-replay-buffer"], namespace, "Migrating")
+    assert ReplayBuffer.from_folder("h5_new", read_only=True).num_episodes == 1
+
+    for line in bash_block("Migrating from memmap-replay-buffer"):
+        argv = shlex.split(line.replace("s3://bucket/run1", "./replay_zarr"))
+        assert argv[0] == "replaybuf" and main(argv[1:]) in (0, None), line
+    assert ReplayBuffer.from_folder("replay_zarr", read_only=True).num_episodes == 1
+
+
+def test_the_import_and_export_command_lines_run(tmp_path, monkeypatch):
+    """The command lines of "Importing and exporting" as a shell runs them, on small sources of
+    each format made here under the README's names; Minari's names a dataset id to download, and
+    is left to tests/test_importers.py. ``[--video]`` runs as written without it."""
+    import shlex
+
+    import h5py
+
+    from replaybuf.cli import main
+
+    from ._lerobot_fixture import write_lerobot
+    from .test_importers import write_diffusion_policy, write_robomimic
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    write_diffusion_policy(
+        "pusht.zarr",
+        {"img": rng.integers(0, 255, (12, 8, 8, 3), dtype=np.uint8), "state": rng.normal(size=(12, 2))},
+        ends=[4, 9, 12],
+    )
+    write_robomimic("demo.hdf5")
+    with h5py.File("hopper-medium-v2.hdf5", "w") as f:
+        for name, value in {
+            "observations": rng.normal(size=(8, 3)),
+            "actions": rng.normal(size=(8, 2)),
+            "rewards": rng.normal(size=8),
+            "terminals": np.arange(8) == 3,
+            "timeouts": np.zeros(8, bool),
+        }.items():
+            f.create_dataset(name, data=value)
+    write_lerobot(tmp_path / "lerobot" / "pusht", video=False)
+
+    lines = bash_block("Importing and exporting")
+    assert sum("replaybuf import minari" in line for line in lines) == 1
+    for line in lines:
+        if "replaybuf import minari" in line:
+            continue
+        argv = shlex.split(line.replace("[--video]", ""))
+        assert argv[0] == "replaybuf" and main(argv[1:]) in (0, None), line
+    assert ReplayBuffer.from_folder("pusht", read_only=True).num_episodes == 3
+    assert ReplayBuffer.from_folder("hopper", read_only=True).num_episodes == 2
+    assert (tmp_path / "pusht-out.zarr" / "meta" / "episode_ends").exists()
+    assert (tmp_path / "pusht-lerobot" / "meta" / "info.json").exists()
+
+
 def test_every_python_block_is_accounted_for():
     """A new README block must be run above or listed here with the test that covers it."""
     covered_elsewhere = {
         "Rate-limited sampling (online RL)": "tests/test_ratelimit.py",
         "Backends and locations": "tests/test_storage_conformance.py",
-        "Migrating from memmap-replay-buffer": "tests/test_seed_parity.py",
+        "Migrating from memmap-replay-buffer": "test_the_migration_blocks_run_on_the_seeds_folders",
     }
     run_here = {
         "Use",

@@ -204,7 +204,7 @@ def test_counters_disagreeing_with_the_lengths_roll_to_the_lengths(tmp_path, bac
 @pytest.mark.parametrize(
     "version, complaint",
     [
-        (99, r"buffer at .* has format version 99; this replaybuf reads up to \d: upgrade replaybuf"),
+        (99, r"buffer at .* has format version 99; this replaybuf reads formats up to \d: install a newer replaybuf"),
         ("2", r"(replaybuf.json|data.h5|zarr.json.*): format version is '2', expected an int"),
     ],
 )

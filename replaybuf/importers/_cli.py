@@ -52,7 +52,7 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("format", choices=EXPORT_FORMATS, help="the format to write")
     parser.add_argument("src", help="source buffer folder or URL")
-    parser.add_argument("dst", help="destination folder (a new one)")
+    parser.add_argument("dst", help="destination folder: a new or empty one (an export writes into nothing else)")
     parser.add_argument(
         "--video", action="store_true", help="lerobot: image fields as H.264 mp4 videos (lossy) instead of PNG"
     )

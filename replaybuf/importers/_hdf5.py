@@ -29,13 +29,16 @@ from ._engine import ImportSourceError, Source, is_plain_json
 
 __all__ = ["D4RLSource", "RobomimicSource"]
 
+INSTALL_HINT = "robomimic and D4RL datasets (HDF5) need h5py: pip install 'replaybuf[h5py]'"
 # the most dataset paths ``buffer.attrs["d4rl"]["left_out"]`` lists (attributes hold 1 MiB)
 LEFT_OUT_LISTED = 1000
 
 
 def _open(path: str) -> Any:
-    import h5py
-
+    try:
+        import h5py
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
     try:
         return h5py.File(path, "r")
     except OSError as error:

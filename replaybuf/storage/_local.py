@@ -93,6 +93,10 @@ class LocalFolderStorage(KVBlobs, Storage):
         # a pickled reader (a DataLoader worker) keeps the identity; the opener's process pins it
         return {**super().__getstate__(), "_pin": None}
 
+    def _config(self) -> dict | None:
+        """The stored config (None where there is none): each backend reads its own."""
+        raise NotImplementedError
+
     def identity_file(self) -> str:
         """The file whose inode is the buffer's: only a create or an upgrade puts a new one at
         its path (memmap: episode_lens' array; hdf5: data.h5); the files a reader maps or
@@ -196,6 +200,7 @@ class LocalFolderStorage(KVBlobs, Storage):
     def check_creatable(self) -> list[str]:
         # docstring inherited
         refuse_foreign_buffer(self)
+        self._refuse_erasing_a_newer_format(self._config())
         # the names are this backend's only in a buffer (or in a create cut short after its
         # counters): a user's own data.h5, foo.data.npy or metadata.pkl is not ours to erase
         ours = self.exists() or os.path.isfile(os.path.join(self.root, STATE_KEY))

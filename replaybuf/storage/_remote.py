@@ -438,11 +438,17 @@ def _open_gcs(url: str, options: dict[str, Any], read_only: bool) -> Store:
     return FsspecStore(fs=fs, path=url.split("://", 1)[1].rstrip("/"), read_only=read_only)
 
 
+# the extra of replaybuf that installs what a scheme's store needs (README: Backends and locations)
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
 def _open_fsspec(url: str, options: dict[str, Any], read_only: bool) -> FsspecStore:
     try:
         return FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as error:
-        raise ImportError(f"url {url!r} needs an extra package: {error}") from error
+        extra = _EXTRAS.get(_scheme(url))
+        install = f"pip install 'replaybuf[{extra}]'" if extra else "install the fsspec implementation of its scheme"
+        raise ImportError(f"url {url!r} needs an extra package: {install} ({error})") from error
     except ValueError as error:
         if "Protocol not known" in str(error):
             import fsspec

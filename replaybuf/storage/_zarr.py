@@ -280,7 +280,9 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         if not _is_url(self.location):
             refuse_foreign_buffer(self)
-        owned = (ROOT_DOCUMENT, "data", "meta") if self.exists() else ()  # a user's data/ is not ours
+        attributes = self._root_attributes()  # what exists() reads: one request on object stores
+        self._refuse_erasing_a_newer_format(attributes)
+        owned = (ROOT_DOCUMENT, "data", "meta") if attributes is not None else ()  # a user's data/ is not ours
         return check_owned(self.kv, self.location, owned.__contains__)
 
     def create(self, schema: Schema, overwrite: bool) -> None:

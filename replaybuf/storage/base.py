@@ -674,6 +674,19 @@ class Storage(ABC):
         """Sorted keys of the side objects starting with ``prefix`` (empty or ending in ``/``);
         keys of a temp file a write has not yet renamed into place are never listed."""
 
+    def _refuse_erasing_a_newer_format(self, config: Mapping[str, Any] | None) -> None:
+        """ValueError where the stored ``config`` (None: no buffer) is of a format newer than
+        this replaybuf reads: ``overwrite=True`` (the default) erased a buffer it could not even
+        open, which a newer release wrote. For the backends' ``check_creatable``."""
+        version = None if config is None else config.get("version")
+        newest = self.newest_format_version
+        if isinstance(version, int) and not isinstance(version, bool) and version > newest:
+            raise ValueError(
+                f"buffer at {self.location!r} has format version {version}; this replaybuf reads formats up "
+                f"to {newest} and does not erase a buffer it cannot read (overwrite=True): install a newer "
+                "replaybuf (`pip install --upgrade replaybuf`), or delete the buffer yourself. Nothing was written"
+            )
+
     def _schema_from_config(self, config: dict, where: str) -> Schema:
         """The Schema stored in ``config`` (read from ``where``), checked as a new one would be
         (sizes included), after its format ``version``: an int, at most
@@ -686,7 +699,8 @@ class Storage(ABC):
         if version > newest:
             raise ValueError(
                 f"buffer at {self.location!r} has format version {version}; "
-                f"this replaybuf reads up to {newest}: upgrade replaybuf to open it"
+                f"this replaybuf reads formats up to {newest}: install a newer replaybuf "
+                "(`pip install --upgrade replaybuf`) to open it; `replaybuf upgrade` only rewrites earlier formats"
             )
         self.format_version = version
         try:
@@ -1258,7 +1272,14 @@ def make_storage(
                 f"{location!r} cannot be a folder: {parent!r} above it is a file (or a link to none), not a folder"
             )
     if backend is None:
-        backend = detect_backend(location, storage_options) or "zarr"
+        try:
+            backend = detect_backend(location, storage_options) or "zarr"
+        except PermissionError as error:  # named the marker file of whichever backend was asked first
+            raise PermissionError(
+                error.errno,
+                f"cannot read {location!r}: {error.strerror} ({error.filename}); a buffer's folder and files "
+                "must be readable to open it",
+            ) from None
     return backend_class(backend)(location, storage_options, **kwargs)
 
 

@@ -1,0 +1,471 @@
+"""What a newcomer meets first: the commands run as a shell runs them (piped, on wrong paths),
+without the optional packages, and on buffers of other formats.
+
+Each test runs the current interpreter in a subprocess where the behaviour depends on the
+process (its stdout, its imports), and hides a package with a meta path finder rather than
+building a virtual environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replaybuf import StorageError, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+
+
+def run_python(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter importing this checkout's replaybuf."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_command_piped_into_a_reader_that_stops_early_ends_quietly():
+    """``replaybuf info BUF | head -1``: the reader closes the pipe; the command ends with the
+    shell's SIGPIPE status and says nothing (it said "error: [Errno 32] Broken pipe" with its
+    usage, status 2)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "replaybuf.cli", "info", str(DATA / "format-v4" / "zarr")]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before the child writes a byte: its first write meets a closed pipe
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=300) == 141
+    assert stderr == ""
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_still_an_error(capsys):
+    """Only a closed stdout ends a command quietly: a pipe or socket of its own work breaking is
+    reported as any other error."""
+    import argparse
+
+    from replaybuf.cli import Command, _run
+
+    def lose_a_connection(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe", "a worker's pipe")
+
+    parser = argparse.ArgumentParser(prog="replaybuf work")
+    with pytest.raises(SystemExit) as exit_info:
+        _run(Command("work", "", lambda parser: None, lose_a_connection), argparse.Namespace(), parser)
+    assert exit_info.value.code == 2
+    assert 'Broken pipe: "a worker\'s pipe"' in capsys.readouterr().err
+
+
+def test_a_buffer_of_a_newer_format_names_a_newer_replaybuf_not_the_upgrade_command(tmp_path):
+    """``replaybuf upgrade`` on a buffer a newer release wrote cannot help: the message says to
+    install a newer replaybuf, and the folder is left as it was."""
+    path = tmp_path / "newer"
+    shutil.copytree(DATA / "format-v4" / "zarr", path)
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"]["version"] = 99
+    (path / "zarr.json").write_text(json.dumps(root))
+    before = sorted((p.relative_to(path), p.read_bytes()) for p in path.rglob("*") if p.is_file())
+    done = run_python("import sys; from replaybuf.cli import main; sys.exit(main())", "upgrade", str(path))
+    assert done.returncode == 2 and done.stdout == ""
+    said = done.stderr.strip().splitlines()[-1]
+    assert str(path) in said and "format version 99" in said and "pip install --upgrade replaybuf" in said, said
+    assert "Traceback" not in done.stderr
+    assert sorted((p.relative_to(path), p.read_bytes()) for p in path.rglob("*") if p.is_file()) == before
+
+
+# hides packages as an environment without them would: importing one (or a module in it) raises
+# ModuleNotFoundError naming it
+HIDE = """
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None
+"""
+
+WITHOUT_OPTIONAL_PACKAGES = (
+    HIDE
+    + """
+import numpy as np
+import replaybuf
+from replaybuf import ReplayBuffer, importers
+
+for name in ("torch", "dask", "imageio", "h5py"):
+    assert sys.modules[name] is None, name  # import replaybuf imported none of them
+buffer = ReplayBuffer("core", max_episodes=4, max_timesteps=5, fields={"x": "float", "frame": ("uint8", (8, 8, 3))})
+buffer.store_episode(x=np.arange(5, dtype=np.float32), frame=np.zeros((5, 8, 8, 3), np.uint8))
+buffer.close()
+reader = ReplayBuffer.from_folder("core", read_only=True)
+assert reader.num_episodes == 1 and reader.data["x"][0, :5].tolist() == [0, 1, 2, 3, 4]
+uses = {
+    "dataloader": lambda: reader.dataloader(batch_size=2),
+    "dataset": lambda: reader.dataset(),
+    "get_all_data": lambda: reader.get_all_data(),
+    "to_dask": lambda: reader.to_dask(),
+    "episode_mask": lambda: reader.episode_mask(),
+    "stats": lambda: reader.stats(),
+    "ConcatReplayBuffer": lambda: replaybuf.ConcatReplayBuffer,
+    "save_video": lambda: reader.save_video("episode.mp4", episode_index=0),
+    "hdf5": lambda: ReplayBuffer("h5", max_episodes=2, max_timesteps=2, fields={"x": "float"}, backend="hdf5"),
+    "s3": lambda: ReplayBuffer.from_folder("s3://bucket/run", storage_options={"endpoint_url": "http://127.0.0.1:9"}),
+    "gs": lambda: ReplayBuffer.from_folder("gs://bucket/run"),
+    "d4rl": lambda: importers.load("d4rl", "source.hdf5", "d4rl"),
+    "robomimic": lambda: importers.load("robomimic", "source.hdf5", "robomimic"),
+}
+for use, call in uses.items():
+    try:
+        call()
+    except ImportError as error:
+        print(f"{use}: {error}")
+    else:
+        print(f"{use}: ran")
+"""
+)
+
+
+def test_without_the_packages_only_some_features_use_the_core_works_and_each_feature_names_its_install(tmp_path):
+    """``import replaybuf``, writing and reading need none of torch, dask, imageio, h5py, s3fs,
+    obstore or gcsfs; a feature that needs a missing one says which ``pip install`` brings it
+    (torch, dask and imageio said only "No module named ...", S3 "Install s3fs to access S3")."""
+    hidden = "torch,dask,imageio,h5py,s3fs,obstore,gcsfs"
+    (tmp_path / "source.hdf5").write_bytes(b"\x89HDF\r\n\x1a\n")
+    done = run_python(WITHOUT_OPTIONAL_PACKAGES, hidden, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    said = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    torch_hint = "needs torch, a dependency of replaybuf that is not installed: pip install torch"
+    for use in ("dataloader", "dataset", "ConcatReplayBuffer"):
+        assert use in said[use] and torch_hint in said[use], said[use]
+    for use in ("get_all_data", "to_dask", "episode_mask", "stats"):
+        assert said[use].startswith(f"{use} needs ") and "a dependency of replaybuf that is not installed" in said[use]
+        assert "pip install torch" in said[use] or "pip install 'dask[array]'" in said[use], said[use]
+    assert "writing .mp4 videos needs imageio" in said["save_video"] and "pip install imageio" in said["save_video"]
+    assert "pip install 'replaybuf[h5py]'" in said["hdf5"]
+    assert "pip install 'replaybuf[s3]'" in said["s3"], said["s3"]
+    assert "pip install 'replaybuf[gcs]'" in said["gs"], said["gs"]
+    for use in ("d4rl", "robomimic"):  # said "No module named 'h5py'"
+        assert "pip install 'replaybuf[h5py]'" in said[use], said[use]
+    assert not any((tmp_path / name).exists() for name in ("episode.mp4", "h5", "d4rl", "robomimic"))
+
+
+# ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------
+
+OLDER_FORMATS = [(version, backend) for version in ("format-v1", "format-v3") for backend in ("zarr", "memmap", "hdf5")]
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def frame_file(buffer: Path, backend: str) -> Path:
+    """The largest file holding the ``frame`` field's bytes (hdf5: the one data file)."""
+    if backend == "hdf5":
+        return buffer / "data.h5"
+    files = [
+        p for p in buffer.rglob("*") if p.is_file() and "frame" in str(p.relative_to(buffer)) and p.suffix != ".json"
+    ]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+# format 1 keeps no checksums: only a truncation of its frames can be seen, not a flipped byte
+DAMAGED = [
+    (version, backend, damage)
+    for version, backend in OLDER_FORMATS
+    for damage in ("flipped byte", "truncated")
+    if (version, damage) != ("format-v1", "flipped byte")
+]
+
+
+@pytest.mark.parametrize(("version", "backend", "damage"), DAMAGED)
+def test_upgrade_refuses_a_damaged_source_and_changes_nothing(tmp_path, version, backend, damage):
+    """A source whose frames fail their checks is refused naming the file, left byte for byte,
+    and no copy stays beside it."""
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / version / backend, path)
+    target = frame_file(path, backend)
+    stored = bytearray(target.read_bytes())
+    if damage == "truncated":
+        del stored[len(stored) // 2 :]
+    else:  # hdf5: a byte of the last dataset's rows (its layout puts the metadata first)
+        stored[len(stored) - 50 if backend == "hdf5" else len(stored) // 2] ^= 0xFF
+    target.write_bytes(bytes(stored))
+    before = contents(path)
+    done = run_python("import sys; from replaybuf.cli import main; sys.exit(main())", "upgrade", "--quiet", str(path))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert str(path) in done.stderr, done.stderr
+    assert contents(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["buffer"]
+
+
+@pytest.fixture(scope="module")
+def small_disk(tmp_path_factory):
+    from ._backends import tmpfs
+
+    with tmpfs(tmp_path_factory.mktemp("small-disk"), "3m") as folder:
+        yield Path(folder)
+
+
+def release(disk: Path) -> None:
+    """Let go of this process's maps and kept handles of files on ``disk``: deleted files keep
+    their space while mapped or open, and would free it while the disk is meant to be full."""
+    import gc
+
+    from replaybuf.storage import _kv
+    from replaybuf.storage._hotmap import shard_maps
+
+    shard_maps().drop_under(str(disk))
+    _kv._read_handles.drop_under(str(disk))
+    gc.collect()
+
+
+def fill_but(disk: Path, spare: int) -> None:
+    """Take all but ``spare`` free bytes of ``disk`` with a ballast file."""
+    ballast = disk / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for block in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    os.truncate(ballast, max(0, ballast.stat().st_size - spare))
+
+
+@pytest.mark.parametrize("spare", [0, 8 << 10, 32 << 10, 100 << 10])
+@pytest.mark.parametrize(("version", "backend"), OLDER_FORMATS)
+def test_upgrade_on_a_full_disk_leaves_the_buffer_as_it_was_and_nothing_beside_it(small_disk, version, backend, spare):
+    """Whether the disk fills at the lease, the copy's creation or its data, the upgrade fails
+    naming the disk, the buffer is byte for byte as it was, no copy is left, and once space is
+    freed the same upgrade goes through."""
+    from replaybuf.maintenance import upgrade
+
+    release(small_disk)
+    for entry in small_disk.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    path = small_disk / "buffer"
+    shutil.copytree(DATA / version / backend, path)
+    before = contents(path)
+    fill_but(small_disk, spare)
+    with pytest.raises(StorageError, match="No space left on device"):
+        upgrade(path, progress=False)
+    assert contents(path) == before
+    assert sorted(os.listdir(small_disk)) == ["ballast", "buffer"]
+    (small_disk / "ballast").unlink()
+    assert upgrade(path, progress=False)["upgraded"]
+    assert verify(path) == []
+    assert sorted(os.listdir(small_disk)) == ["buffer"]
+
+
+@pytest.mark.parametrize(("version", "backend"), OLDER_FORMATS)
+def test_a_second_upgrade_changes_nothing_and_the_upgraded_buffer_holds_what_the_original_did(
+    tmp_path, version, backend
+):
+    from replaybuf import ReplayBuffer
+    from replaybuf.maintenance import upgrade
+
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / version / backend, path)
+    original = ReplayBuffer.from_folder(path, read_only=True)
+    expected = {name: np.asarray(original.data[name][:]) for name in original.fieldnames}
+    expected_meta = {name: np.asarray(original.meta_data[name][:]) for name in original.meta_fieldnames}
+    order, counters = original.valid_episodes().tolist(), (original.episode_index, original.num_episodes)
+    original.close()
+    assert upgrade(path, progress=False)["upgraded"]
+    upgraded = contents(path)
+    again = upgrade(path, progress=False)
+    assert again["upgraded"] is False and again["from_version"] == again["to_version"] == 4
+    assert contents(path) == upgraded
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    assert reader.valid_episodes().tolist() == order and (reader.episode_index, reader.num_episodes) == counters
+    for name, values in expected.items():
+        np.testing.assert_array_equal(np.asarray(reader.data[name][:]), values, err_msg=name)
+    for name, values in expected_meta.items():
+        np.testing.assert_array_equal(np.asarray(reader.meta_data[name][:]), values, err_msg=name)
+
+
+def test_export_help_says_an_empty_folder_is_a_destination(tmp_path, capsys):
+    """``export --help`` said "a new one" while an empty folder is taken as well (README:
+    Importing and exporting)."""
+    from replaybuf import ReplayBuffer
+    from replaybuf.cli import build_parser, main
+
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices
+    dst = next(a for a in subparsers["export"]._actions if a.dest == "dst")
+    assert "new or empty" in dst.help, dst.help
+    source = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    source.store_episode(x=np.ones(3, np.float32))
+    source.close()
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "diffusion_policy", str(tmp_path / "buffer"), str(tmp_path / "empty")]) == 0
+
+
+def test_the_anon_options_of_a_destination_do_not_say_read(capsys):
+    """``convert --dst-anon`` and ``import --anon`` are for stores written to: their help said
+    "read the destination's object store without credentials"."""
+    from replaybuf.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for command, flag in (("convert", "--dst-anon"), ("import", "--anon"), ("convert", "--anon")):
+        action = next(a for a in subparsers[command]._actions if flag in a.option_strings)
+        assert action.help.startswith("access ") and "without credentials" in action.help, (command, action.help)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--bogus"], ["a", "b"]])
+def test_the_demo_takes_its_options_as_options_not_as_a_folder(tmp_path, argv):
+    """``python -m replaybuf.demo --help`` wrote a buffer into a folder named "--help"; now it
+    prints the usage, and an unknown option or a second folder is a usage error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "replaybuf.demo", *argv],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "usage: python -m replaybuf.demo [-h] [folder]" in done.stdout + done.stderr
+    assert done.returncode == (0 if argv[0] in ("--help", "-h") else 2)
+    assert "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_rendering(tmp_path, capsys):
+    """``inspect --output`` / ``--sheet`` into a read-only folder: one line naming the file asked
+    for (it named the hidden temp file beside it, after rendering every frame)."""
+    from replaybuf.cli import main
+
+    from ._backends import tmpfs
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    with tmpfs(folder, "1m"):
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        for option, name in (("--output", "episode.gif"), ("--sheet", "sheet.png")):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["inspect", str(DATA / "format-v4" / "zarr"), option, str(folder / name)])
+            said = capsys.readouterr().err.strip().splitlines()[-1]
+            assert exit_info.value.code == 2
+            assert f"cannot write {str(folder / name)!r}: Read-only file system" in said, said
+            assert ".partial" not in said
+
+
+def without_file_permission_override() -> list[str]:
+    """The command prefix that runs a child under the file permissions (root bypasses them:
+    setpriv drops the capabilities that do)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: the file permissions cannot be made to apply")
+    dropped = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--bounding-set={dropped}", f"--inh-caps={dropped}"]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "inspect"])
+def test_a_buffer_folder_it_may_not_read_is_named_as_such(tmp_path, command):
+    """A folder without read permission: one line naming the folder and that it must be
+    readable (it named replaybuf.json, the memmap backend's marker, for any buffer)."""
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / "format-v4" / "zarr", path)
+    path.chmod(0)
+    try:
+        done = subprocess.run(
+            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", command, str(path)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        path.chmod(0o755)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"cannot read {str(path)!r}: Permission denied" in said and "must be readable" in said, said
+
+
+@pytest.mark.parametrize("read_only", ["buffer", "parent", "replaybuf"])
+def test_upgrade_where_it_may_not_write_says_where_and_why_and_changes_nothing(tmp_path, read_only):
+    """An upgrade writes beside the buffer and deletes the original's files: a read-only folder
+    holding it, or of it, is refused before anything is written, naming that folder. A read-only
+    buffer folder was upgraded, then reported as a failure (deleting the original's files was
+    refused) with the whole original left as a hidden ``.buffer.upgrading-<pid>``; a read-only
+    parent named that hidden copy."""
+    parent = tmp_path / "runs"
+    path = parent / "buffer"
+    shutil.copytree(DATA / "format-v2" / "memmap", path)
+    before = contents(path)
+    locked = {"buffer": path, "parent": parent, "replaybuf": path / "replaybuf"}[read_only]
+    locked.chmod(0o555)
+    try:
+        done = subprocess.run(
+            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", "upgrade", str(path)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        locked.chmod(0o755)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"upgrade: cannot write in {str(locked)!r}" in said and "Nothing was changed" in said, said
+    assert contents(path) == before and sorted(os.listdir(parent)) == ["buffer"]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "convert", "unlock"])
+def test_every_command_on_a_folder_of_the_seeds_hdf5_buffer_names_copy_seed_h5(tmp_path, command, capsys):
+    """A memmap-replay-buffer ReplayBufferH5PY folder: ``view`` and ``from_folder`` said what it
+    is and how to copy it, these said only "no replaybuf or memmap-replay-buffer buffer"."""
+    import memmap_replay_buffer as seed
+
+    from replaybuf.cli import main
+
+    from ._backends import require
+
+    require("h5py")
+    folder = tmp_path / "seed-h5"
+    written = seed.ReplayBufferH5PY(folder, max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    written.store_episode(x=np.ones(3, np.float32))
+    written._close_storage()  # the seed's file, closed as its process would at exit
+    before = contents(folder)
+    argv = [command, str(folder)] + ([str(tmp_path / "copy")] if command == "convert" else [])
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert "ReplayBufferH5PY folder" in said and "replaybuf.copy_seed_h5(src, dst)" in said, said
+    assert contents(folder) == before and sorted(os.listdir(tmp_path)) == ["seed-h5"]
+
+
+def set_format_version(path: Path, backend: str, version: int) -> None:
+    """Make the buffer at ``path`` claim format ``version``, as a newer release would write."""
+    if backend == "hdf5":
+        from ._backends import require
+
+        with require("h5py").File(path / "data.h5", "r+") as f:
+            f.attrs["replaybuf"] = json.dumps({**json.loads(f.attrs["replaybuf"]), "version": version})
+        return
+    document = path / ("zarr.json" if backend == "zarr" else "replaybuf.json")
+    stored = json.loads(document.read_text())
+    (stored["attributes"] if backend == "zarr" else stored)["version"] = version
+    document.write_text(json.dumps(stored))
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_overwrite_refuses_to_erase_a_buffer_of_a_newer_format(tmp_path, backend):
+    """``ReplayBuffer(path, ...)`` (overwrite=True, the default) on a buffer a newer replaybuf
+    wrote: it cannot open it, and erased it. Now refused, naming both versions, nothing written."""
+    from replaybuf import ReplayBuffer
+
+    path = tmp_path / "newer"
+    shutil.copytree(DATA / "format-v4" / backend, path)
+    set_format_version(path, backend, 99)
+    before = contents(path)
+    with pytest.raises(ValueError, match="has format version 99; this replaybuf reads formats up to 4 and does not"):
+        ReplayBuffer(path, max_episodes=2, max_timesteps=3, fields={"x": "float"}, backend=backend)
+    assert contents(path) == before
