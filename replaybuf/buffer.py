@@ -45,6 +45,7 @@ from .storage import (
     BufferReplacedError,
     CachedStorage,
     CompactionSummary,
+    NoBufferError,
     Storage,
     StorageError,
     WrappedArray,
@@ -416,9 +417,7 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
-            raise FileNotFoundError(
-                f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
-            )
+            raise NoBufferError(f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location))
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
     @staticmethod
@@ -994,6 +993,9 @@ class ReplayBuffer(CommittedViews):
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")
         steps, meta_values, length = self._episode_values(data, "store_episode")
+        if length == 0:  # as in the seed, which skips it too: an empty trajectory is no episode
+            warnings.warn("store_episode: the fields given have 0 timesteps; nothing is stored", stacklevel=2)
+            return
         self._check_room(1)
         if self.timestep_index > 0:
             warnings.warn(
@@ -1007,7 +1009,8 @@ class ReplayBuffer(CommittedViews):
         self._commit.commit_episode(steps, meta_values, length)
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
-        """Checked (steps, meta values, length) of one whole episode given as ``data``."""
+        """Checked (steps, meta values, length) of one whole episode given as ``data``; the
+        length may be 0 (the caller decides what an empty episode means)."""
         if not data:
             raise ValueError(f"{call}: no data provided")
         self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", call)
@@ -1028,8 +1031,6 @@ class ReplayBuffer(CommittedViews):
                 meta[name] = value
         if length is None:
             raise ValueError(f"{call}: at least one time-varying field is needed, got only meta fields {sorted(meta)}")
-        if length == 0:
-            raise ValueError(f"{call}: an episode needs at least one timestep, got 0")
         if length > self.max_timesteps:
             raise ValueError(f"{call}: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
         return steps, self._meta_values(meta, 1, call), length

@@ -157,7 +157,16 @@ def parse_field(name: str, spec: Any) -> Field:
         raise ValueError(f"field {name!r}: chunks must be a positive number of timesteps, got {chunks!r}")
     if compressor is not None:
         parse_compressor(compressor, name)
-    return Field(name, dtype, shape, default, chunks, compressor, spec)
+    parsed = Field(name, dtype, shape, default, chunks, compressor, spec)
+    if default is not None:
+        from .inputs import cast_values  # inputs imports this module
+
+        try:  # the value stored for every step not given: held as the writes' values are
+            cast_values(np.asarray(default), parsed)
+        except ValueError as e:
+            reason = str(e).removeprefix(f"field {name!r}: ")
+            raise ValueError(f"field {name!r}: default {default!r} is refused: {reason}") from None
+    return parsed
 
 
 COMPRESSORS = ("zstd", "blosc-lz4", "blosc-zstd", "gzip", "none")
