@@ -102,11 +102,14 @@ class MetaView(WrappedArray):
                 f"meta_data[{self._name!r}] is read-only: a slot's length is published by committing "
                 "an episode (store / store_episode) and reset by clear()"
             )
+        field = buffer.schema.meta_fields[self._name]
+        if _reaches_features(key):
+            buffer._set_meta(self._name, *self._assigned_rows(buffer, field, key, value))
+            return
         try:
             episodes = np.atleast_1d(np.arange(buffer.max_episodes)[key])
         except IndexError as e:
             raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (max_episodes {buffer.max_episodes})") from None
-        field = buffer.schema.meta_fields[self._name]
         array = to_numpy(value, self._name)
         # one value for every episode, as store_meta_datapoint takes it, or one per episode
         array = step_value(array, field)[None] if array.ndim <= len(field.shape) else fit_shape(array, field, 1)
@@ -119,8 +122,31 @@ class MetaView(WrappedArray):
             ) from None
         buffer._set_meta(self._name, episodes, cast_values(values, field))
 
+    def _assigned_rows(self, buffer: ReplayBuffer, field: Field, key: Any, value: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(the episodes, their whole new rows) of ``meta_data[name][key] = value`` for a key into
+        the feature axes (``[:, 0]``, ``[..., 1]``), with numpy's semantics: the other items of
+        each row keep their values (the staged ones for episodes in progress)."""
+        rows = np.array(self._wrapped())
+        group = buffer._group
+        if group is not None and self._name in group.meta:
+            rows[group.slots] = group.meta[self._name]
+        episode_of = np.broadcast_to(np.arange(len(rows)).reshape(-1, *[1] * len(field.shape)), rows.shape)
+        array = cast_values(to_numpy(value, self._name), field)
+        try:
+            episodes = np.unique(episode_of[key])
+            rows[key] = array
+        except (IndexError, ValueError) as e:
+            raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (meta shape {rows.shape})") from None
+        return episodes, rows[episodes]
+
     def __repr__(self) -> str:
         return f"<meta {self._name} {self._wrapped()!r}>"
+
+
+def _reaches_features(key: Any) -> bool:
+    """Whether an index of ``meta_data[name]`` reaches past the episode axis (``[:, 0]``, ``[..., 1]``)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return len(keys) > 1 or any(k is Ellipsis or k is None for k in keys)
 
 
 def _episode_index(key: Any, size: int) -> tuple[np.ndarray, Any]:

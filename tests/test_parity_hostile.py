@@ -293,3 +293,91 @@ def test_defaults_the_seed_stores_are_stored_alike(tmp_path, spec):
     assert_same(buffers[1].get_all_data(), buffers[0].get_all_data(), "defaults")
     buffers[1].close()
     assert os.path.isdir(buffers[1].folder)
+
+
+# meta_data[name][...] = ... into the feature axes, and 0-d tensors as indices
+
+META_ARGS = dict(max_episodes=4, max_timesteps=2, fields={"a": "int"}, meta_fields={"s": ("float", 2), "k": "int"})
+
+
+@pytest.fixture
+def meta_pair(tmp_path):
+    """The seed's buffer and ours with three episodes of distinct meta."""
+    buffers = seed.ReplayBuffer(tmp_path / "seed", **META_ARGS), replaybuf.ReplayBuffer(tmp_path / "ours", **META_ARGS)
+    for buffer in buffers:
+        for e in range(3):
+            buffer.store_episode(a=[e], s=[e, 10 * e], k=e)
+    yield buffers
+    buffers[1].close()
+
+
+@pytest.mark.parametrize(
+    "assign",
+    [
+        lambda m: m["s"].__setitem__((slice(None), 0), 1.5),
+        lambda m: m["s"].__setitem__((Ellipsis, 1), [5, 6, 7, 8]),
+        lambda m: m["s"].__setitem__(([0, 2], 1), torch.tensor([9.0, 8.0])),
+        lambda m: m["s"].__setitem__((1, slice(None)), np.array([3.0, 4.0])),
+        lambda m: m["s"].__setitem__((slice(0, 2), slice(None, 1)), [[7.0], [6.0]]),
+        lambda m: m["k"].__setitem__(Ellipsis, 4),
+    ],
+    ids=["[:, 0]", "[..., 1]", "[[0, 2], 1]", "[1, :]", "[:2, :1]", "k[...]"],
+)
+def test_meta_data_assignment_into_the_feature_axes_matches_the_seed(meta_pair, assign):
+    """``meta_data['s'][:, 0] = x`` raised 'too many indices' (only episode-axis keys were taken)."""
+    theirs, ours = meta_pair
+    for buffer in (theirs, ours):
+        assign(buffer.meta_data)
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    ours.close()
+    reopened = replaybuf.ReplayBuffer.from_folder(ours.folder, read_only=True)
+    assert_same(reopened.get_all_data(), theirs.get_all_data(), "reopened")
+
+
+@pytest.mark.parametrize(
+    "assign, match",
+    [
+        (lambda m: m["s"].__setitem__((slice(None), 5), 1.0), r"meta_data\['s'\].*index 5 is out of bounds"),
+        (lambda m: m["s"].__setitem__((slice(None), 0), [1.0, 2.0]), r"could not broadcast .* \(meta shape \(4, 2\)\)"),
+        (lambda m: m["k"].__setitem__((slice(None), 0), 1), r"meta_data\['k'\].*too many indices"),
+        (lambda m: m["k"].__setitem__((Ellipsis,), 2**40), "field 'k': values in .* do not fit dtype int32"),
+        (lambda m: m["s"].__setitem__((0, 0), "x"), "field 's': expected numbers"),
+    ],
+)
+def test_meta_data_assignment_into_the_feature_axes_refuses_bad_input_and_changes_nothing(meta_pair, assign, match):
+    _, ours = meta_pair
+    before = ours.get_all_data()
+    with pytest.raises((ValueError, TypeError), match=match):
+        assign(ours.meta_data)
+    assert_same(ours.get_all_data(), before, "after a refused assignment")
+
+
+def test_meta_data_assignment_into_the_feature_axes_keeps_the_staged_meta(meta_pair):
+    """An episode in progress keeps its staged meta in the items the key does not reach."""
+    _, ours = meta_pair
+    with ours.one_episode(s=[5.0, 6.0]):
+        ours.store(a=1)
+        ours.meta_data["s"][:, 0] = -1.0
+        assert ours.meta_data["s"][3].tolist() == [0.0, 0.0]  # readers see committed episodes only
+    assert ours.get_all_data()["s"].tolist() == [[-1.0, 0.0], [-1.0, 10.0], [-1.0, 20.0], [-1.0, 6.0]]
+
+
+@pytest.mark.parametrize("index", [torch.tensor(1), np.array(1), np.int16(1)], ids=["tensor", "0-d array", "int16"])
+def test_0d_integer_indices_write_where_the_seed_writes(meta_pair, index):
+    """The seed indexes with a 0-d integer tensor; it was refused here as 'out of range'."""
+    theirs, ours = meta_pair
+    for buffer in (theirs, ours):
+        buffer.store_datapoint(index, index - 1, "a", 7)
+        buffer.store_meta_datapoint(index, "k", 9)
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+
+
+@pytest.mark.parametrize("index", [torch.tensor(True), np.True_, torch.tensor(1.0), torch.tensor([1]), 1.0])
+def test_bool_float_and_1d_indices_stay_refused(meta_pair, index):
+    _, ours = meta_pair
+    before = ours.get_all_data()
+    with pytest.raises(ValueError, match=r"store_datapoint: episode_index .* out of range - must be in \[0, 4\)"):
+        ours.store_datapoint(index, 0, "a", 7)
+    with pytest.raises(ValueError, match=r"store_meta_datapoint: episode_index .* out of range"):
+        ours.store_meta_datapoint(index, "k", 7)
+    assert_same(ours.get_all_data(), before, "after refused writes")
