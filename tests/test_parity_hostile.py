@@ -105,12 +105,18 @@ def scenarios(draw):
     max_episodes, max_timesteps = draw(st.integers(2, 3)), draw(st.integers(2, 4))
     calls = []
     for _ in range(draw(st.integers(1, 5))):
-        kind = draw(st.sampled_from(["store_episode", "one_episode", "update"]))
+        kind = draw(st.sampled_from(["store_episode", "one_episode", "batched_episode", "update"]))
         length = draw(st.integers(1, max_timesteps))
         if kind == "store_episode":
             names = draw(st.sets(st.sampled_from(sorted(fields)), min_size=1))
             args = {n: as_user_value(draw, fields[n][0], (length, *fields[n][1])) for n in sorted(names)}
             args |= {n: as_user_value(draw, k, s) for n, (k, s, _) in meta.items() if draw(st.booleans())}
+        elif kind == "batched_episode":
+            # every field and meta field given: the seed keeps a slot's old rows and meta where a
+            # batch is wider than the last commit (README: a new episode starts from the defaults)
+            batch = draw(st.integers(1, max_episodes))
+            rows = [{n: as_user_value(draw, k, (batch, *s)) for n, (k, s, _) in fields.items()} for _ in range(length)]
+            args = (batch, rows, {n: as_user_value(draw, k, (batch, *s)) for n, (k, s, _) in meta.items()})
         elif kind == "one_episode":
             rows = [
                 {n: as_user_value(draw, k, s) for n, (k, s, _) in fields.items() if draw(st.booleans())}
@@ -130,6 +136,12 @@ def batches(buffer, options: dict) -> list:
     return list(buffer.dataloader(2, **options))
 
 
+def batched_episode(buffer, batch_size, rows, meta):
+    with buffer.batched_episode(batch_size, **meta):
+        for row in rows:
+            buffer.store_batch(**row)
+
+
 def one_episode(buffer, rows, meta):
     returned = []
     with buffer.one_episode(**meta):
@@ -139,7 +151,7 @@ def one_episode(buffer, rows, meta):
 
 
 @settings(
-    max_examples=25,
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
@@ -163,6 +175,8 @@ def test_random_schemas_and_value_forms_store_and_read_as_the_seed(tmp_path_fact
                 call = lambda b, a=call_args: b.store_episode(**a)  # noqa: E731
             elif kind == "one_episode":
                 call = lambda b, a=call_args: one_episode(b, *a)  # noqa: E731
+            elif kind == "batched_episode":
+                call = lambda b, a=call_args: batched_episode(b, *a)  # noqa: E731
             else:
                 slot, name, value_kind, shape, data = call_args
                 length = int(theirs.episode_lens[slot])
