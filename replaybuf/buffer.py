@@ -1160,9 +1160,9 @@ class ReplayBuffer(CommittedViews):
         """Write one value of a data field at (episode, timestep)."""
         self._check_writable("store_datapoint")
         episode = check_index(episode_index, self.max_episodes, "episode_index", "store_datapoint")
-        check_index(timestep_index, self.max_timesteps, "timestep_index", "store_datapoint")
+        t = check_index(timestep_index, self.max_timesteps, "timestep_index", "store_datapoint")
         self._check_names([name], self.fieldnames, "field", "store_datapoint")
-        value, t = step_value(datapoint, self.schema.fields[name]), int(timestep_index)
+        value = step_value(datapoint, self.schema.fields[name])
         group, edit = self._group, [(name, np.array([episode]), t, value[None, None])]
         if group is not None and episode in group.slots and group.holds(name, t):
             self._edit_staged(steps=edit)  # a step in RAM: written at its commit
