@@ -404,6 +404,7 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
+        schema.check_defaults()
         return schema
 
     def _create(self, wanted: Schema | None) -> Schema:

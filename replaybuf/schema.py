@@ -157,16 +157,7 @@ def parse_field(name: str, spec: Any) -> Field:
         raise ValueError(f"field {name!r}: chunks must be a positive number of timesteps, got {chunks!r}")
     if compressor is not None:
         parse_compressor(compressor, name)
-    parsed = Field(name, dtype, shape, default, chunks, compressor, spec)
-    if default is not None:
-        from .inputs import cast_values  # inputs imports this module
-
-        try:  # the value stored for every step not given: held as the writes' values are
-            cast_values(np.asarray(default), parsed)
-        except ValueError as e:
-            reason = str(e).removeprefix(f"field {name!r}: ")
-            raise ValueError(f"field {name!r}: default {default!r} is refused: {reason}") from None
-    return parsed
+    return Field(name, dtype, shape, default, chunks, compressor, spec)
 
 
 COMPRESSORS = ("zstd", "blosc-lz4", "blosc-zstd", "gzip", "none")
@@ -227,6 +218,21 @@ class Schema:
         )
         schema._check_episode_size()
         return schema
+
+    def check_defaults(self) -> None:
+        """Refuse, for a new buffer, a default its field's dtype cannot hold, by the rule for
+        written values (the value stored for every step not given); a stored config is not
+        checked again, so a buffer opens as it was created."""
+        from .inputs import cast_values  # inputs imports this module
+
+        for f in (*self.fields.values(), *self.meta_fields.values()):
+            if f.default is None:
+                continue
+            try:
+                cast_values(np.asarray(f.default), f)
+            except ValueError as e:
+                reason = str(e).removeprefix(f"field {f.name!r}: ")
+                raise ValueError(f"field {f.name!r}: default {f.default!r} is refused: {reason}") from None
 
     def _check_episode_size(self) -> None:
         """Refuse sizes no storage can hold, before anything is created or loaded."""

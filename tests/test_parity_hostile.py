@@ -298,6 +298,20 @@ def test_a_default_the_dtype_cannot_hold_is_refused_before_anything_is_written(t
     assert not path.exists()
 
 
+def test_a_stored_config_with_such_a_default_still_opens(tmp_path):
+    """Only a new buffer's defaults are checked: a folder the seed wrote with a default of 1e300
+    for a float32 field (stored as infinity) opens and reads as the seed reads it."""
+    theirs = seed.ReplayBuffer(tmp_path / "seed", 2, 3, {"x": ("float", (), 1e300), "y": "int"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numpy's overflow warning in the seed's fill
+        theirs.store(y=1)
+    theirs.advance_episode()
+    theirs.flush()
+    ours = replaybuf.ReplayBuffer.from_folder(tmp_path / "seed", read_only=True)
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    assert ours.get_all_data()["x"].tolist() == [[float("inf")]]
+
+
 @pytest.mark.parametrize("spec", [("bool", (), 2), ("int", (), 2.5), ("float", 2, float("inf")), ("float", (), -0.0)])
 def test_defaults_the_seed_stores_are_stored_alike(tmp_path, spec):
     args = dict(max_episodes=2, max_timesteps=2, fields={"x": spec, "y": "int"})
