@@ -109,6 +109,16 @@ def batch_value(value: Any, f: Field, batch: int) -> np.ndarray:
 
 
 def fill_value(f: Field) -> np.ndarray:
+    """One step of the field's default. A stored default an int or bool dtype cannot hold (a seed
+    folder's ``('uint8', (), -1)``, NaN for an int) raises a ValueError naming the field, where
+    numpy raised OverflowError or stored INT_MIN; a float default is cast as the seed cast it
+    (1e300 is infinity in float32)."""
+    if f.dtype.kind != "f":
+        try:
+            cast_values(np.asarray(f.fill), f)
+        except ValueError as e:
+            reason = str(e).removeprefix(f"field {f.name!r}: ")
+            raise ValueError(f"field {f.name!r}: the stored default {f.default!r} does not fit: {reason}") from None
     return np.full(f.shape, f.fill, dtype=f.dtype)
 
 

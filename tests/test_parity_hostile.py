@@ -312,6 +312,19 @@ def test_a_stored_config_with_such_a_default_still_opens(tmp_path):
     assert ours.get_all_data()["x"].tolist() == [[float("inf")]]
 
 
+@pytest.mark.parametrize("spec, meta", [(("uint8", (), -1), False), (("int", 2, float("nan")), True)])
+def test_a_stored_default_the_dtype_cannot_hold_is_named_on_open(tmp_path, spec, meta):
+    """The seed creates such a folder (and fails at its first store); opening it (a data field)
+    or storing into it (a meta field) raised numpy's OverflowError or ValueError, naming no field."""
+    fields, meta_fields = ({"y": "int"}, {"x": spec}) if meta else ({"x": spec, "y": "int"}, None)
+    seed.ReplayBuffer(tmp_path / "seed", 2, 3, fields, meta_fields).flush()
+    with pytest.raises(ValueError, match=r"field 'x': the stored default .* does not fit: (values in|non-finite)"):
+        with replaybuf.ReplayBuffer.from_folder(tmp_path / "seed") as ours:
+            ours.store_episode(y=[1])
+    if meta:  # the stored meta (zeros) stays readable
+        assert replaybuf.ReplayBuffer.from_folder(tmp_path / "seed", read_only=True).num_episodes == 0
+
+
 @pytest.mark.parametrize("spec", [("bool", (), 2), ("int", (), 2.5), ("float", 2, float("inf")), ("float", (), -0.0)])
 def test_defaults_the_seed_stores_are_stored_alike(tmp_path, spec):
     args = dict(max_episodes=2, max_timesteps=2, fields={"x": spec, "y": "int"})
