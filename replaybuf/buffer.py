@@ -45,6 +45,7 @@ from .storage import (
     BufferReplacedError,
     CachedStorage,
     CompactionSummary,
+    NoBufferError,
     Storage,
     StorageError,
     WrappedArray,
@@ -101,11 +102,14 @@ class MetaView(WrappedArray):
                 f"meta_data[{self._name!r}] is read-only: a slot's length is published by committing "
                 "an episode (store / store_episode) and reset by clear()"
             )
+        field = buffer.schema.meta_fields[self._name]
+        if _reaches_features(key):
+            buffer._set_meta(self._name, *self._assigned_rows(buffer, field, key, value))
+            return
         try:
             episodes = np.atleast_1d(np.arange(buffer.max_episodes)[key])
         except IndexError as e:
             raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (max_episodes {buffer.max_episodes})") from None
-        field = buffer.schema.meta_fields[self._name]
         array = to_numpy(value, self._name)
         # one value for every episode, as store_meta_datapoint takes it, or one per episode
         array = step_value(array, field)[None] if array.ndim <= len(field.shape) else fit_shape(array, field, 1)
@@ -118,8 +122,31 @@ class MetaView(WrappedArray):
             ) from None
         buffer._set_meta(self._name, episodes, cast_values(values, field))
 
+    def _assigned_rows(self, buffer: ReplayBuffer, field: Field, key: Any, value: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(the episodes, their whole new rows) of ``meta_data[name][key] = value`` for a key into
+        the feature axes (``[:, 0]``, ``[..., 1]``), with numpy's semantics: the other items of
+        each row keep their values (the staged ones for episodes in progress)."""
+        rows = np.array(self._wrapped())
+        group = buffer._group
+        if group is not None and self._name in group.meta:
+            rows[group.slots] = group.meta[self._name]
+        episode_of = np.broadcast_to(np.arange(len(rows)).reshape(-1, *[1] * len(field.shape)), rows.shape)
+        array = cast_values(to_numpy(value, self._name), field)
+        try:
+            episodes = np.unique(episode_of[key])
+            rows[key] = array
+        except (IndexError, ValueError) as e:
+            raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (meta shape {rows.shape})") from None
+        return episodes, rows[episodes]
+
     def __repr__(self) -> str:
         return f"<meta {self._name} {self._wrapped()!r}>"
+
+
+def _reaches_features(key: Any) -> bool:
+    """Whether an index of ``meta_data[name]`` reaches past the episode axis (``[:, 0]``, ``[..., 1]``)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return len(keys) > 1 or any(k is Ellipsis or k is None for k in keys)
 
 
 def _episode_index(key: Any, size: int) -> tuple[np.ndarray, Any]:
@@ -377,6 +404,7 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
+        schema.check_defaults()
         return schema
 
     def _create(self, wanted: Schema | None) -> Schema:
@@ -416,9 +444,7 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
-            raise FileNotFoundError(
-                f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
-            )
+            raise NoBufferError(f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location))
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
     @staticmethod
@@ -994,6 +1020,9 @@ class ReplayBuffer(CommittedViews):
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")
         steps, meta_values, length = self._episode_values(data, "store_episode")
+        if length == 0:  # as in the seed, which skips it too: an empty trajectory is no episode
+            warnings.warn("store_episode: the fields given have 0 timesteps; nothing is stored", stacklevel=2)
+            return
         self._check_room(1)
         if self.timestep_index > 0:
             warnings.warn(
@@ -1007,7 +1036,8 @@ class ReplayBuffer(CommittedViews):
         self._commit.commit_episode(steps, meta_values, length)
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
-        """Checked (steps, meta values, length) of one whole episode given as ``data``."""
+        """Checked (steps, meta values, length) of one whole episode given as ``data``; the
+        length may be 0 (the caller decides what an empty episode means)."""
         if not data:
             raise ValueError(f"{call}: no data provided")
         self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", call)
@@ -1028,8 +1058,6 @@ class ReplayBuffer(CommittedViews):
                 meta[name] = value
         if length is None:
             raise ValueError(f"{call}: at least one time-varying field is needed, got only meta fields {sorted(meta)}")
-        if length == 0:
-            raise ValueError(f"{call}: an episode needs at least one timestep, got 0")
         if length > self.max_timesteps:
             raise ValueError(f"{call}: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
         return steps, self._meta_values(meta, 1, call), length
@@ -1133,9 +1161,9 @@ class ReplayBuffer(CommittedViews):
         """Write one value of a data field at (episode, timestep)."""
         self._check_writable("store_datapoint")
         episode = check_index(episode_index, self.max_episodes, "episode_index", "store_datapoint")
-        check_index(timestep_index, self.max_timesteps, "timestep_index", "store_datapoint")
+        t = check_index(timestep_index, self.max_timesteps, "timestep_index", "store_datapoint")
         self._check_names([name], self.fieldnames, "field", "store_datapoint")
-        value, t = step_value(datapoint, self.schema.fields[name]), int(timestep_index)
+        value = step_value(datapoint, self.schema.fields[name])
         group, edit = self._group, [(name, np.array([episode]), t, value[None, None])]
         if group is not None and episode in group.slots and group.holds(name, t):
             self._edit_staged(steps=edit)  # a step in RAM: written at its commit

@@ -368,16 +368,25 @@ class ConcatReplayBuffer(CommittedViews):
     ``weights`` (one number >= 0 per buffer) makes its loaders draw each sample's buffer with
     those probabilities (``sampling.mixture``); ``filter_meta`` may then be one dict per buffer.
     ``snapshot``: open every member at its named snapshot (``ReplayBuffer.snapshot``), e.g. the
-    shards of a parallel collection each frozen under one name.
+    shards of a parallel collection each frozen under one name. ``folders`` is memmap-replay-buffer's
+    name for ``buffers``.
     """
 
     def __init__(
         self,
-        buffers: Sequence[Member] | str | os.PathLike,
+        buffers: Sequence[Member] | str | os.PathLike | None = None,
         storage_options: dict | Sequence[dict | None] | None = None,
         weights: Sequence[float] | None = None,
         snapshot: str | None = None,
+        *,
+        folders: Sequence[Member] | None = None,
     ):
+        members = folders if buffers is None else buffers
+        if members is None or (buffers is not None and folders is not None):
+            raise TypeError(
+                "ConcatReplayBuffer takes its members as buffers (or folders, the seed's name): one of them"
+            )
+        buffers = members
         if isinstance(buffers, (str, os.PathLike)):
             from .actors import discover_shards
 

@@ -155,6 +155,8 @@ class ReplayBufferH5PY(ReplayBuffer):
                 )
             episodes = [{name: values[i] for name, values in batch.items()} for i in range(max(counts.values()))]
             checked = [self._episode_values(self._cut_to_length(episode), "buffered_storer") for episode in episodes]
+            if any(length == 0 for _, _, length in checked):
+                raise ValueError("buffered_storer: an episode needs at least one timestep, got 0; the batch is dropped")
             self._check_room(len(checked))
             for steps, meta, length in checked:
                 self._commit.commit_episode(steps, meta, length)

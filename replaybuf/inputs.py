@@ -6,6 +6,7 @@ was expected.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -108,12 +109,33 @@ def batch_value(value: Any, f: Field, batch: int) -> np.ndarray:
 
 
 def fill_value(f: Field) -> np.ndarray:
+    """One step of the field's default. A stored default an int or bool dtype cannot hold (a seed
+    folder's ``('uint8', (), -1)``, NaN for an int) raises a ValueError naming the field, where
+    numpy raised OverflowError or stored INT_MIN; a float default is cast as the seed cast it
+    (1e300 is infinity in float32)."""
+    if f.dtype.kind != "f":
+        try:
+            cast_values(np.asarray(f.fill), f)
+        except ValueError as e:
+            reason = str(e).removeprefix(f"field {f.name!r}: ")
+            raise ValueError(f"field {f.name!r}: the stored default {f.default!r} does not fit: {reason}") from None
     return np.full(f.shape, f.fill, dtype=f.dtype)
 
 
 def check_index(value: Any, size: int, name: str, call: str) -> int:
     """``value`` as an int index in ``[0, size)``; ValueError naming ``call`` and ``name`` otherwise
-    (a bool or a float is refused, not taken as 0, 1 or truncated)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < size:
+    (a bool or a float is refused, not taken as 0, 1 or truncated; a 0-d integer tensor or array
+    is its int, as the seed indexes with it)."""
+    index = None
+    if np.ndim(value) == 0 and str(getattr(value, "dtype", type(value).__name__)) not in BOOL_NAMES:
+        try:
+            index = operator.index(value)
+        except TypeError:
+            pass
+    if index is None or not 0 <= index < size:
         raise ValueError(f"{call}: {name} {value!r} out of range - must be in [0, {size})")
-    return int(value)
+    return index
+
+
+# how a bool, a numpy bool, a bool array and a torch bool tensor name their type
+BOOL_NAMES = ("bool", "torch.bool")

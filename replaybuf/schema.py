@@ -219,6 +219,21 @@ class Schema:
         schema._check_episode_size()
         return schema
 
+    def check_defaults(self) -> None:
+        """Refuse, for a new buffer, a default its field's dtype cannot hold, by the rule for
+        written values (the value stored for every step not given); a stored config is not
+        checked again, so a buffer opens as it was created."""
+        from .inputs import cast_values  # inputs imports this module
+
+        for f in (*self.fields.values(), *self.meta_fields.values()):
+            if f.default is None:
+                continue
+            try:
+                cast_values(np.asarray(f.default), f)
+            except ValueError as e:
+                reason = str(e).removeprefix(f"field {f.name!r}: ")
+                raise ValueError(f"field {f.name!r}: default {f.default!r} is refused: {reason}") from None
+
     def _check_episode_size(self) -> None:
         """Refuse sizes no storage can hold, before anything is created or loaded."""
         meta_bytes = self.max_episodes * (_BOOKKEEPING_BYTES + sum(f.step_nbytes for f in self.meta_fields.values()))

@@ -115,6 +115,11 @@ class BufferNotFoundError(FileNotFoundError):
     """No replaybuf buffer exists at the given location."""
 
 
+class NoBufferError(BufferNotFoundError, ValueError):
+    """``from_folder`` found no buffer at the location. Also a ValueError: memmap-replay-buffer's
+    ``from_folder`` raised one ('metadata.pkl not found'), and code catching it keeps working."""
+
+
 class BufferDamagedError(ValueError):
     """A stored file or object of the buffer cannot be parsed or contradicts the config; the
     message names the file, what it holds and what was expected."""
