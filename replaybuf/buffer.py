@@ -42,10 +42,10 @@ from .storage import (
     STATE_KEY,
     ArrayBase,
     BufferLockedError,
+    BufferNotFoundError,
     BufferReplacedError,
     CachedStorage,
     CompactionSummary,
-    NoBufferError,
     Storage,
     StorageError,
     WrappedArray,
@@ -444,7 +444,9 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
-            raise NoBufferError(f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location))
+            raise BufferNotFoundError(
+                f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
+            )
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
     @staticmethod

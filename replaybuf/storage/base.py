@@ -111,12 +111,8 @@ ANY_SIZE = -1
 _ArrayT = TypeVar("_ArrayT")
 
 
-class BufferNotFoundError(FileNotFoundError):
-    """No replaybuf buffer exists at the given location."""
-
-
-class NoBufferError(BufferNotFoundError, ValueError):
-    """``from_folder`` found no buffer at the location. Also a ValueError: memmap-replay-buffer's
+class BufferNotFoundError(FileNotFoundError, ValueError):
+    """No replaybuf buffer exists at the given location. Also a ValueError: memmap-replay-buffer's
     ``from_folder`` raised one ('metadata.pkl not found'), and code catching it keeps working."""
 
 
