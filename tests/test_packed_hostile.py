@@ -4,7 +4,10 @@ raises an error naming the file and slot, and ``verify --repair`` keeps what can
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ MAX_TIMESTEPS = 24  # as _workloads: episode(uid) fits
 FIELDS = {"obs": ("float32", 3), "step": "int32"}  # no chunks/compressor spec: packed
 SLOTS = 8
 CHECKSUMS = os.path.join("replaybuf", "checksums")
+FORK = multiprocessing.get_context("fork")
 
 
 def make(path, count: int = SLOTS) -> None:
@@ -64,3 +68,94 @@ def test_lost_checksum_entries_are_resealed_not_the_episodes_dropped(tmp_path, d
     assert not any("dropped" in line for line in report), report
     assert check_all(tmp_path) == list(range(SLOTS))
     assert verify(tmp_path) == []
+
+
+# ---- a writer killed at random moments of store, compaction, close and reopen ------------------
+
+CHURN_SLOTS, CHURN_STEPS = 12, 6
+CHURN_FIELDS = {
+    "state": ("float32", 4),
+    "tag": "int64",
+    "done": "bool",
+    "zero": ("float32", ()),
+    "frame": ("uint8", (48, 48, 3)),
+}
+
+
+def churn_episode(uid: int) -> dict[str, np.ndarray]:
+    """Episode ``uid``: 1..CHURN_STEPS steps, every value derived from ``uid`` (a frame of
+    noise, so it is stored hot and compacted)."""
+    n = 1 + uid % CHURN_STEPS
+    return {
+        "state": np.full((n, 4), uid, np.float32),
+        "tag": np.full(n, uid, np.int64),
+        "done": np.full(n, uid % 2 == 1),
+        "zero": np.zeros(n, np.float32),
+        "frame": np.random.default_rng(uid).integers(0, 256, (n, 48, 48, 3), dtype=np.uint8),
+    }
+
+
+def churn_kwargs() -> dict:
+    return dict(
+        max_episodes=CHURN_SLOTS,
+        max_timesteps=CHURN_STEPS,
+        fields=CHURN_FIELDS,
+        meta_fields={"uid": "int"},
+        circular=True,
+        hot_bytes=20_000,  # a few episodes: the background thread compacts while the writer stores
+    )
+
+
+def churn(location: str, first: int, progress: str) -> None:
+    """Child: store episodes from uid ``first`` on, each uid appended to ``progress`` once
+    ``store_episode`` returned; every 5th a ``compact()``, every 7th a close and reopen."""
+    buffer = ReplayBuffer(location, **churn_kwargs(), overwrite=False)
+    with open(progress, "a") as log:
+        for uid in range(first, first + 100_000):
+            buffer.store_episode(uid=uid, **churn_episode(uid))
+            log.write(f"{uid}\n")
+            log.flush()
+            if uid % 5 == 0:
+                buffer.compact()
+            if uid % 7 == 0:
+                buffer.close()
+                buffer = ReplayBuffer(location, **churn_kwargs(), overwrite=False)
+
+
+def check_churned(location: str, returned: list[int]) -> None:
+    """Every committed episode whole and exactly itself, zero past its length, and every
+    episode whose ``store_episode`` returned still there unless newer ones took its slot."""
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    found = set()
+    for slot in reader.valid_episodes().tolist():
+        uid, length = int(reader.meta_data["uid"][slot]), int(reader.episode_lens[slot])
+        expected = churn_episode(uid)
+        assert length == len(expected["tag"]), (slot, uid, length)
+        for name in CHURN_FIELDS:
+            rows = np.asarray(reader.data[name][slot])
+            np.testing.assert_array_equal(rows[:length], expected[name], err_msg=f"slot {slot} uid {uid} {name}")
+            assert not rows[length:].any(), f"slot {slot} uid {uid} {name}: data past the length"
+        found.add(uid)
+    # the episode in flight at the kill may have committed too, taking one more slot
+    assert set(returned[-(CHURN_SLOTS - 1) :]) <= found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_writer_killed_at_random_moments_of_store_compaction_and_close(tmp_path, seed):
+    location, progress = str(tmp_path / "buffer"), str(tmp_path / "progress")
+    ReplayBuffer(location, **churn_kwargs()).close()
+    open(progress, "w").close()
+    rng = np.random.default_rng(seed)
+    first = 0
+    for _ in range(3):
+        child = FORK.Process(target=churn, args=(location, first, progress))
+        child.start()
+        time.sleep(rng.uniform(0.3, 1.5))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(60)
+        returned = [int(uid) for uid in open(progress).read().split()]
+        assert returned and returned[-1] >= first, "the writer stored nothing before the kill"
+        check_churned(location, returned)
+        assert verify(location) == []
+        first = returned[-1] + 2  # the one in flight may be stored: uids are never reused
