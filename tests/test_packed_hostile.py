@@ -159,3 +159,19 @@ def test_a_writer_killed_at_random_moments_of_store_compaction_and_close(tmp_pat
         check_churned(location, returned)
         assert verify(location) == []
         first = returned[-1] + 2  # the one in flight may be stored: uids are never reused
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_from_folder_with_the_wrong_backend_names_the_one_there(tmp_path, backend):
+    """A zarr buffer opened with another backend: the error names the backend the folder
+    holds (it said "no replaybuf buffer found", as for an empty folder), and nothing changes."""
+    if backend == "hdf5":
+        pytest.importorskip("h5py")
+    make(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(
+        FileNotFoundError, match=f"no '{backend}' buffer at .*: it holds a 'zarr' buffer; open it with backend='zarr'"
+    ):
+        ReplayBuffer.from_folder(tmp_path, backend=backend, read_only=True)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert check_all(tmp_path) == list(range(SLOTS))
