@@ -175,3 +175,45 @@ def test_from_folder_with_the_wrong_backend_names_the_one_there(tmp_path, backen
         ReplayBuffer.from_folder(tmp_path, backend=backend, read_only=True)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert check_all(tmp_path) == list(range(SLOTS))
+
+
+def _die_between_generation_and_length(location: str) -> None:
+    """Child: after episodes 0..2 (counters written), store episode 3 and die once its
+    generation is published, before its length is."""
+    buffer = ReplayBuffer(location, overwrite=False)
+    for uid in range(3):
+        data = episode(uid)
+        buffer.store_episode(obs=data["obs"], step=data["step"], uid=uid)
+    buffer.flush()
+    write_meta = buffer._commit.write_meta
+
+    def dying(name: str, episodes: np.ndarray, values: np.ndarray) -> None:
+        if name == "episode_lens" and np.any(values > 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_meta(name, episodes, values)
+
+    buffer._commit.write_meta = dying
+    data = episode(3)
+    buffer.store_episode(obs=data["obs"], step=data["step"], uid=3)
+    os._exit(3)
+
+
+def test_verify_is_clean_after_a_commit_killed_between_its_generation_and_length(tmp_path):
+    """A kill between the two bookkeeping writes of a commit leaves an empty slot with a
+    generation the counters do not count yet (the next writable open clears it): verify said
+    "_generation: empty slots [3] still carry an ordinal", as for damage. The ordinal of a slot
+    the counters do count (its length lost) is still reported."""
+    make(tmp_path, count=0)
+    child = FORK.Process(target=_die_between_generation_and_length, args=(str(tmp_path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert check_all(tmp_path) == [0, 1, 2]
+    assert verify(tmp_path) == []
+    ReplayBuffer.from_folder(tmp_path).close()  # clears the ordinal
+    assert verify(tmp_path) == [] and check_all(tmp_path) == [0, 1, 2]
+
+    lengths = np.fromfile(tmp_path / "meta" / "episode_lens" / "c.0", "<i4")
+    lengths[1] = 0  # a committed episode's length lost: damage
+    lengths.tofile(tmp_path / "meta" / "episode_lens" / "c.0")
+    assert "_generation: empty slots [1] still carry an ordinal" in verify(tmp_path)
