@@ -1213,9 +1213,15 @@ def _check_counters(
         problems.append(f"_generation: committed slots {valid[generations[valid] <= 0][:10].tolist()} have no ordinal")
     if len(np.unique(generations[valid])) != len(valid):
         problems.append("_generation: two committed slots share an ordinal")
-    # an empty slot with an ordinal the counters do not count yet is a commit killed between
-    # publishing its generation and its length (commit.py), which the next writable open clears
+    # an empty slot with an ordinal is left by a kill between a slot's two bookkeeping writes
+    # (commit.py), which the next writable open clears: a commit's (an ordinal the counters do
+    # not count yet), or a reuse's (the next slots to write, their lengths cleared first)
     stale = np.flatnonzero((lens == 0) & (generations != 0) & (generations <= counted))
+    reusing, slot = set(), int(state["episode_index"]) % schema.max_episodes
+    while slot in stale and slot not in reusing:
+        reusing.add(slot)
+        slot = (slot + 1) % schema.max_episodes
+    stale = np.setdiff1d(stale, np.fromiter(reusing, np.int64, len(reusing)))
     if len(stale):
         problems.append(f"_generation: empty slots {stale[:10].tolist()} still carry an ordinal")
     if len(valid):
