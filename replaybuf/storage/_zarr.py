@@ -37,7 +37,6 @@ import contextlib
 import functools
 import json
 import os
-import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -59,7 +58,6 @@ from .base import (
     BufferNotFoundError,
     ChecksumEntryError,
     CompactionSummary,
-    ConcurrentWriteError,
     CorruptChunkError,
     EpisodeLengthError,
     Storage,
@@ -111,10 +109,6 @@ _SEALED = 1 << 32
 # a crc32c mismatch is read again this many times before it is damage: a writer reusing the
 # slot between the row read and the checksum read is not
 _CHECK_READS = 3
-# a mismatch read while an in-place edit of the slot runs is read again up to this many times,
-# _EDIT_WAIT_S apart, before the reader gives up (ConcurrentWriteError: retryable)
-_EDIT_READS = 200
-_EDIT_WAIT_S = 0.001
 
 
 # chunk keys "c.0.3" rather than "c/0/3": one file per chunk, not a directory tree of them
@@ -623,17 +617,12 @@ class ZarrStorage(KVBlobs, Storage):
         """Check rows of packed field ``name`` just read into ``out`` (``read_into``'s
         arguments): each one read from step 0 through its whole committed length is compared
         with its checksum; a mismatch is read again (a writer reusing the slot meanwhile, or
-        rewriting it in place), the new read replacing the row in ``out``. A mismatch is
-        ``CorruptChunkError`` once it stayed through ``_CHECK_READS`` reads, every one after the
-        first made while the slot's ``_revision`` stood still and even (no in-place edit ran:
-        ``Committer.editing``); a slot edited through ``_EDIT_READS`` reads is
-        ``ConcurrentWriteError`` (retryable), never damage."""
+        rewriting it in place), the new read replacing the row in ``out``, and one that stays
+        is ``CorruptChunkError``."""
         array = self.array(name)
         column = self._packed.index(name)
         target, rows = out, np.arange(len(episodes))  # the caller's row of each item checked
-        seen: dict[int, int] = {}  # slot -> its revision read after the previous read
-        settled = 0  # reads of a mismatch that no in-place edit raced
-        for _ in range(_EDIT_READS):
+        for attempt in range(_CHECK_READS):
             picked = np.flatnonzero(starts == 0)
             committed = self._stored_meta_rows("episode_lens", episodes[picked])
             whole = (committed > 0) & (committed <= lengths[picked])
@@ -650,34 +639,18 @@ class ZarrStorage(KVBlobs, Storage):
             if not bad:
                 return
             picked = picked[bad]
-            slots = episodes[picked].tolist()
-            revisions = self._stored_revisions(episodes[picked])
-            if revisions is None or all(r % 2 == 0 and seen.get(s) == r for s, r in zip(slots, revisions)):
-                settled += 1
-            else:
-                time.sleep(_EDIT_WAIT_S)  # an edit in place is running: let it finish
-            if settled == _CHECK_READS:
-                break
-            seen = dict(zip(slots, revisions or []))
-            episodes, starts, lengths, rows = episodes[picked], starts[picked], lengths[picked], rows[picked]
-            out = np.zeros((len(picked), *out.shape[1:]), out.dtype)
-            array.read_into(out, episodes, starts, lengths, check=False)
-            for k, (row, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
-                target[row, :n] = out[k, :n]
-        else:
-            raise ConcurrentWriteError(self.location, episodes.tolist(), _EDIT_READS - 1)
+            if attempt + 1 < _CHECK_READS:
+                episodes, starts, lengths, rows = episodes[picked], starts[picked], lengths[picked], rows[picked]
+                out = np.zeros((len(picked), *out.shape[1:]), out.dtype)
+                array.read_into(out, episodes, starts, lengths, check=False)
+                for k, (row, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
+                    target[row, :n] = out[k, :n]
         slot = int(episodes[picked[0]])
         where = self.kv.where(array.chunk_key((slot // array.chunks[0], 0)))
         n = int(committed[bad[0]])
         self._check_entry_bit(name, slot, n, int(sums[bad[0]]), out[picked[0], :n])
         self._check_length(name, slot, n, int(sums[bad[0]]))
         raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
-
-    def _stored_revisions(self, slots: np.ndarray) -> list[int] | None:
-        """The ``_revision`` of ``slots`` as stored now, None for a buffer that keeps none."""
-        if ("_revision", True) not in self._arrays or not isinstance(self._arrays["_revision", True], ChunkedArray):
-            return None
-        return self._stored_meta_rows("_revision", slots).tolist()
 
     def _check_length(self, name: str, slot: int, n: int, entry: int) -> None:
         """Raise EpisodeLengthError when the stored steps of ``slot`` of packed field ``name``
