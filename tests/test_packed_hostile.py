@@ -1,6 +1,8 @@
-"""Hostile cases for packed (state-only) zarr buffers: damaged files of the packed layout, killed
-writers and readers racing reuse of circular slots. Every committed episode reads back exactly or
-raises an error naming the file and slot, and ``verify --repair`` keeps what can be kept."""
+"""Hostile cases for packed (state-only) zarr buffers and the hot tier: a damaged checksums file,
+writers killed at random moments of store, compaction and close (and between a commit's
+bookkeeping writes), readers racing in-place edits (every backend), a wrong backend named. Every
+committed episode reads back exactly or raises an error naming the file and slot, ``verify`` is
+clean after a kill, and ``verify --repair`` keeps what can be kept."""
 
 from __future__ import annotations
 
