@@ -53,6 +53,7 @@ from .storage import (
     check_bookkeeping,
     check_lost_lengths,
     check_state,
+    detect_backend,
     empty_state,
     make_storage,
     new_uuid,
@@ -444,6 +445,12 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
+            other = detect_backend(storage.location, storage_options) if backend is not None else None
+            if other is not None and other != storage.backend_name:  # the backend named is the wrong one
+                raise BufferNotFoundError(
+                    f"no {storage.backend_name!r} buffer at {os.fspath(folder)!r}: it holds a {other!r} buffer; "
+                    f"open it with backend={other!r}, or leave backend out"
+                )
             raise BufferNotFoundError(
                 f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
             )

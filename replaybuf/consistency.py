@@ -28,6 +28,7 @@ changed is raised as it is; when slots keep changing through every retry,
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .snapshots import SnapshotError
-from .storage import BufferReplacedError, ConcurrentWriteError, GenerationMismatchError
+from .storage import BufferReplacedError, ConcurrentWriteError, CorruptChunkError, GenerationMismatchError
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -44,6 +45,37 @@ if TYPE_CHECKING:
 # rereads of the slots that changed during a read; a writer would have to commit into the same
 # slot during each of them to exhaust this
 RETRIES = 4
+# a slot failing its checksum while an in-place edit of it runs is read again, EDIT_WAIT_S apart,
+# up to this many times in all before the read gives up (ConcurrentWriteError: retryable)
+EDIT_WAITS = 200
+EDIT_WAIT_S = 0.001
+
+
+class _EditWatch:
+    """Tells a checksum failure of a slot another process is editing in place (``update``:
+    its rows and checksum rewritten inside a ``_revision`` bracket, odd while the edit runs)
+    from damage: a failure counts as damage once the slot's revision read after it is even and
+    the same as after the previous failure of that slot, so no edit ran in between."""
+
+    def __init__(self, storage: Storage):
+        self.storage, self.waits = storage, 0
+        self.seen: dict[int, int] = {}  # slot -> its revision read after its last failure
+
+    def racing(self, error: Exception) -> bool:
+        """Whether ``error`` may be a read racing an edit (then waits ``EDIT_WAIT_S``)."""
+        slot = getattr(error, "slot", None)
+        if not isinstance(error, CorruptChunkError) or slot is None:
+            return False
+        try:
+            revision = int(self.storage.read_meta_rows("_revision", np.array([slot], np.int64))[0])
+        except Exception:  # noqa: BLE001 - a buffer that keeps no revisions: no edit to wait for
+            return False
+        racing = revision % 2 == 1 or self.seen.get(slot) != revision
+        self.seen[slot] = revision
+        if racing:
+            self.waits += 1
+            time.sleep(EDIT_WAIT_S)
+        return racing
 
 
 def _storage(source: Any) -> Storage:
@@ -176,7 +208,10 @@ def read_consistent(
     kept = np.zeros(len(slots), dtype=bool)
     todo = np.flatnonzero(generations > 0)
     failed: Exception | None = None
-    for _ in range(retries + 1):
+    edits = _EditWatch(_storage(source))
+    attempt = 0
+    while attempt <= retries:
+        attempt += 1
         if len(todo) == 0:
             return kept
         try:
@@ -195,7 +230,12 @@ def read_consistent(
         else:
             changed = committed_generations(source, slots[todo]) != generations[todo]
         if failed is not None and not changed.any():
-            raise failed
+            if not edits.racing(failed):
+                raise failed
+            if edits.waits >= EDIT_WAITS:
+                raise ConcurrentWriteError(_storage(source).location, list(edits.seen), retries) from failed
+            attempt -= 1  # an edit's wait is no retry
+            continue
         moved = todo[changed]
         if snapshot is not None and len(moved):
             raise snapshot_gone(snapshot, _storage(source).location, slots[moved]) from failed

@@ -897,10 +897,11 @@ def verify(
     lens = meta["episode_lens"].astype(np.int64)
     try:
         state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
+        counted = int(state["total_episodes"])  # the generations the stored counters count
         if "_generation" in meta:  # a live writer's counters lag its published episodes by design
             check_lost_lengths(storage, lens, meta["_generation"], state)
             state = catch_up(state, lens, meta["_generation"], schema.max_episodes)
-        problems += _check_counters(state, lens, meta.get("_generation"), schema)
+        problems += _check_counters(state, lens, meta.get("_generation"), schema, counted)
     except BufferDamagedError as e:
         problems.append(str(e))
     try:
@@ -1215,7 +1216,11 @@ def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray,
     storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, parallel=False)
 
 
-def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema) -> list[str]:
+def _check_counters(
+    state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema, counted: int
+) -> list[str]:
+    """Problems of the counters and per-slot bookkeeping (``state`` caught up with the published
+    episodes; ``counted``: the total_episodes the stored counters hold)."""
     problems = []
     out_of_range = np.flatnonzero((lens < 0) | (lens > schema.max_timesteps))
     if len(out_of_range):
@@ -1236,7 +1241,15 @@ def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | Non
         problems.append(f"_generation: committed slots {valid[generations[valid] <= 0][:10].tolist()} have no ordinal")
     if len(np.unique(generations[valid])) != len(valid):
         problems.append("_generation: two committed slots share an ordinal")
-    stale = np.flatnonzero((lens == 0) & (generations != 0))
+    # an empty slot with an ordinal is left by a kill between a slot's two bookkeeping writes
+    # (commit.py), which the next writable open clears: a commit's (an ordinal the counters do
+    # not count yet), or a reuse's (the next slots to write, their lengths cleared first)
+    stale = np.flatnonzero((lens == 0) & (generations != 0) & (generations <= counted))
+    reusing, slot = set(), int(state["episode_index"]) % schema.max_episodes
+    while slot in stale and slot not in reusing:
+        reusing.add(slot)
+        slot = (slot + 1) % schema.max_episodes
+    stale = np.setdiff1d(stale, np.fromiter(reusing, np.int64, len(reusing)))
     if len(stale):
         problems.append(f"_generation: empty slots {stale[:10].tolist()} still carry an ordinal")
     if len(valid):

@@ -502,28 +502,33 @@ class ZarrStorage(KVBlobs, Storage):
     # ---- per-episode checksums of packed fields (format 3) ------------------------------------
 
     def _read_sums(self, slots: np.ndarray) -> np.ndarray:
-        """Rows of ``CHECKSUMS_KEY`` for ``slots``: (len(slots), packed fields) uint64."""
+        """Rows of ``CHECKSUMS_KEY`` for ``slots``: (len(slots), packed fields) uint64. A row the
+        file does not hold (the file missing or truncated) reads as entries of 0, which a
+        committed episode never has (``_check_entries``: a damaged entry, re-sealed by
+        ``verify --repair``, not damaged data)."""
         width = 8 * len(self._packed)
         max_episodes = self.array(self._packed[0]).shape[0]
         whole = len(slots) * 64 > max_episodes
-        where = self.kv.where(CHECKSUMS_KEY)
         if whole:
+            where = self.kv.where(CHECKSUMS_KEY)
             try:  # never more than its size: a damaged object of any size must not reach memory
-                raw = [self.kv.get_document(CHECKSUMS_KEY, width * max_episodes)]
+                raw = self.kv.get_document(CHECKSUMS_KEY, width * max_episodes) or b""
             except BufferDamagedError:
                 raise CorruptChunkError(
                     f"{where}: the checksums of packed fields hold more than the {width * max_episodes} bytes "
                     "the config gives them",
                     location=where,
                 ) from None
-            sizes = [width * max_episodes]
-        else:
-            raw = self.kv.get_ranges([(CHECKSUMS_KEY, width * s, width * (s + 1)) for s in slots.tolist()])
-            sizes = [width] * len(slots)
-        if any(r is None or len(r) != n for r, n in zip(raw, sizes)):
-            raise CorruptChunkError(f"{where}: the checksums of packed fields are missing or truncated", location=where)
-        sums = np.frombuffer(b"".join(r for r in raw if r is not None), "<u8").reshape(-1, len(self._packed))
-        return sums[slots] if whole else sums
+            table = np.zeros((max_episodes, len(self._packed)), "<u8")
+            kept = len(raw) // width
+            table[:kept] = np.frombuffer(raw[: kept * width], "<u8").reshape(kept, len(self._packed))
+            return table[slots]
+        raws = self.kv.get_ranges([(CHECKSUMS_KEY, width * s, width * (s + 1)) for s in slots.tolist()])
+        sums = np.zeros((len(slots), len(self._packed)), "<u8")
+        for k, row in enumerate(raws):
+            if row is not None and len(row) == width:
+                sums[k] = np.frombuffer(row, "<u8")
+        return sums
 
     def _write_sums(self, slots: np.ndarray, sums: np.ndarray) -> None:
         """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows (one read and write
@@ -547,7 +552,7 @@ class ZarrStorage(KVBlobs, Storage):
                 if gap:
                     raw = next(read)
                     if raw is None or len(raw) != hi - lo:
-                        break  # missing or truncated: the rewrite below raises
+                        break  # missing or truncated: the table is rewritten below
                     span[:] = np.frombuffer(raw, "<u8").reshape(span.shape)
                 span[slots[a:b] - lo // width] = sums[a:b]
                 if not self.kv.write_at(key, lo, span.tobytes()):
@@ -719,9 +724,14 @@ class ZarrStorage(KVBlobs, Storage):
         slot, n, entry = int(slots[k]), int(committed[k]), int(sums[k])
         verified = crc32c(np.ascontiguousarray(out[items[k], :n])) == entry & 0xFFFFFFFF
         where = self.kv.where(CHECKSUMS_KEY)
+        held = (
+            "it is missing or 0: the file is missing, truncated or zeroed"
+            if entry == 0
+            else f"it holds {entry:#018x}, not 1 << 32 | crc32c"
+        )
         raise ChecksumEntryError(
-            f"data/{name}: slot {slot}: its checksum entry in {where} is damaged (it holds {entry:#018x}, "
-            "not 1 << 32 | crc32c), so the episode cannot be checked; "
+            f"data/{name}: slot {slot}: its checksum entry in {where} is damaged ({held}), so the episode cannot "
+            "be checked; "
             + ("its data still matches the crc32c the entry holds" if verified else "its data cannot be verified")
             + ". `replaybuf verify --repair` re-seals the entry from the data",
             field=f"data/{name}",
