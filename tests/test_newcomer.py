@@ -366,23 +366,29 @@ def without_file_permission_override() -> list[str]:
     return ["setpriv", f"--bounding-set={dropped}", f"--inh-caps={dropped}"]
 
 
-@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "inspect"])
-def test_a_buffer_folder_it_may_not_read_is_named_as_such(tmp_path, command):
-    """A folder without read permission: one line naming the folder and that it must be
-    readable (it named replaybuf.json, the memmap backend's marker, for any buffer)."""
-    path = tmp_path / "buffer"
-    shutil.copytree(DATA / "format-v4" / "zarr", path)
-    path.chmod(0)
+def cli_without_permission(locked: Path, mode: int, *args: str) -> subprocess.CompletedProcess:
+    """``python -m replaybuf.cli *args`` under the file permissions, ``locked`` set to ``mode``
+    meanwhile (0: unreadable, 0o555: read-only)."""
+    locked.chmod(mode)
     try:
-        done = subprocess.run(
-            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", command, str(path)],
+        return subprocess.run(
+            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", *args],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
             timeout=300,
         )
     finally:
-        path.chmod(0o755)
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "upgrade", "inspect"])
+def test_a_buffer_folder_it_may_not_read_is_named_as_such(tmp_path, command):
+    """A folder without read permission: one line naming the folder and that it must be
+    readable (it named replaybuf.json, the memmap backend's marker, for any buffer)."""
+    path = tmp_path / "buffer"
+    shutil.copytree(DATA / "format-v4" / "zarr", path)
+    done = cli_without_permission(path, 0, command, str(path))
     said = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"cannot read {str(path)!r}: Permission denied" in said and "must be readable" in said, said
@@ -400,17 +406,7 @@ def test_upgrade_where_it_may_not_write_says_where_and_why_and_changes_nothing(t
     shutil.copytree(DATA / "format-v2" / "memmap", path)
     before = contents(path)
     locked = {"buffer": path, "parent": parent, "replaybuf": path / "replaybuf"}[read_only]
-    locked.chmod(0o555)
-    try:
-        done = subprocess.run(
-            [*without_file_permission_override(), sys.executable, "-m", "replaybuf.cli", "upgrade", str(path)],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        locked.chmod(0o755)
+    done = cli_without_permission(locked, 0o555, "upgrade", str(path))
     said = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"upgrade: cannot write in {str(locked)!r}" in said and "Nothing was changed" in said, said
