@@ -509,16 +509,8 @@ class ZarrStorage(KVBlobs, Storage):
         width = 8 * len(self._packed)
         max_episodes = self.array(self._packed[0]).shape[0]
         whole = len(slots) * 64 > max_episodes
-        if whole:
-            where = self.kv.where(CHECKSUMS_KEY)
-            try:  # never more than its size: a damaged object of any size must not reach memory
-                raw = self.kv.get_document(CHECKSUMS_KEY, width * max_episodes) or b""
-            except BufferDamagedError:
-                raise CorruptChunkError(
-                    f"{where}: the checksums of packed fields hold more than the {width * max_episodes} bytes "
-                    "the config gives them",
-                    location=where,
-                ) from None
+        if whole:  # the rows the config gives, never more: an oversize file is ``excess_bookkeeping``
+            raw = self.kv.get_ranges([(CHECKSUMS_KEY, 0, width * max_episodes)])[0] or b""
             table = np.zeros((max_episodes, len(self._packed)), "<u8")
             kept = len(raw) // width
             table[:kept] = np.frombuffer(raw[: kept * width], "<u8").reshape(kept, len(self._packed))
@@ -529,6 +521,25 @@ class ZarrStorage(KVBlobs, Storage):
             if row is not None and len(row) == width:
                 sums[k] = np.frombuffer(row, "<u8")
         return sums
+
+    def excess_bookkeeping(self, trim: bool = False) -> list[str]:
+        # docstring inherited: ``CHECKSUMS_KEY`` past the rows of its ``max_episodes`` slots
+        if not self._packed:
+            return []
+        expected = 8 * len(self._packed) * self.array(self._packed[0]).shape[0]
+        size = self.kv.size(CHECKSUMS_KEY)
+        if size is None or size <= expected:
+            return []
+        where = self.kv.where(CHECKSUMS_KEY)
+        if not trim:
+            return [
+                f"{where}: the checksums of packed fields hold {size} bytes, more than the {expected} bytes the "
+                f"config gives them; the {size - expected} bytes past them are not read"
+            ]
+        self._check_writable()
+        table = self._read_sums(np.arange(self.array(self._packed[0]).shape[0]))
+        self.kv.set(CHECKSUMS_KEY, np.ascontiguousarray(table, "<u8").tobytes())
+        return [f"repaired: cut {where} to the {expected} bytes the config gives it (removed {size - expected})"]
 
     def _write_sums(self, slots: np.ndarray, sums: np.ndarray) -> None:
         """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows (one read and write
