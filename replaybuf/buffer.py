@@ -238,6 +238,10 @@ class DataView(ArrayBase):
                 raise snapshot_gone(snapshot, storage.location, slots[gone])
             generations[recorded == 0] = 0
         kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots))
+        # a buffer deleted and created again counts generations from 1 again, so they can name
+        # its episodes: only this tells (a stat on a local folder, a GET on an object store)
+        if storage.replaced(cheap_only=storage.is_local):
+            raise BufferReplacedError(storage.location)
         out[~kept] = 0
         return out
 
