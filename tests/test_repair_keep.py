@@ -1,7 +1,8 @@
 """Damaged bookkeeping never costs intact episodes: a zarr buffer's per-episode checksums file
 holding more than its config gives it is read no further than that, reported by ``verify`` and
 cut back by ``verify --repair``, dropping nothing; ``data[]`` of a reader whose buffer was
-replaced raises BufferReplacedError as every other read path does."""
+replaced raises BufferReplacedError as every other read path does; ``stats`` of a reader
+that found every slot changing under a writer raises ConcurrentWriteError, not "empty"."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer, verify
-from replaybuf.storage import BufferReplacedError
+from replaybuf.storage import BufferReplacedError, ConcurrentWriteError
 
 from .test_derived_hostile import delete
 from .test_derived_hostile import make as make_three
@@ -72,3 +73,37 @@ def test_data_of_a_buffer_deleted_and_created_again_raises(tmp_path, s3_server, 
     with pytest.raises(BufferReplacedError):
         reader.data["x"][:, :2]
     assert np.asarray(reader.refresh().data["k"][0, 0]).tolist() == 100
+
+
+def test_stats_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_path, monkeypatch):
+    """A writer committing into every slot while a reader's ``refresh()`` reads the bookkeeping
+    (here: at each read of the lengths, each refresh re-reading it) left every slot unstable, and
+    ``stats()`` said "the buffer has no committed episodes": it raises ConcurrentWriteError
+    (retryable) naming the slots; once the writer lets a refresh through, stats answers; a
+    buffer whose episodes were all dropped is still empty."""
+    location = str(tmp_path / "b")
+    writer = ReplayBuffer(location, max_episodes=2, max_timesteps=4, fields={"x": "float32"}, circular=True)
+    for value in (1, 2):
+        writer.store_episode(x=np.full(3, value, np.float32))
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    storage = reader.storage
+    read_meta = storage.read_meta
+
+    def read_beside_writer(name):
+        if name == "episode_lens":  # between the two reads of the generations
+            for value in (3, 4):
+                writer.store_episode(x=np.full(3, value, np.float32))
+        return read_meta(name)
+
+    monkeypatch.setattr(storage, "read_meta", read_beside_writer)
+    assert len(reader.refresh()) == 0
+    with pytest.raises(ConcurrentWriteError, match=r"slots \[0, 1\] of .* concurrent writer") as e:
+        reader.stats()
+    assert not isinstance(e.value, BufferReplacedError)
+    monkeypatch.setattr(storage, "read_meta", read_meta)
+    assert float(reader.refresh().stats().fields["x"].mean) == 3.5
+    writer.drop_episodes([0, 1])
+    writer.flush()
+    with pytest.raises(ValueError, match="the buffer has no committed episodes"):
+        reader.refresh().stats()
+    writer.close()
