@@ -2,16 +2,21 @@
 holding more than its config gives it is read no further than that, reported by ``verify`` and
 cut back by ``verify --repair``, dropping nothing; ``data[]`` of a reader whose buffer was
 replaced raises BufferReplacedError as every other read path does; ``stats`` of a reader
-that found every slot changing under a writer raises ConcurrentWriteError, not "empty"."""
+that found every slot changing under a writer raises ConcurrentWriteError, not "empty"; an
+array document whose chunk shape differs from the one the buffer was created with is refused
+on open, so repair drops nothing."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
+import fsspec
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer, verify
+from replaybuf import BufferDamagedError, ReplayBuffer, verify
 from replaybuf.storage import BufferReplacedError, ConcurrentWriteError
 
 from .test_derived_hostile import delete
@@ -107,3 +112,42 @@ def test_stats_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_p
     with pytest.raises(ValueError, match="the buffer has no committed episodes"):
         reader.refresh().stats()
     writer.close()
+
+
+@pytest.mark.parametrize(("where", "created", "edited"), [("folder", 8, 1), ("s3", 1, 8)])
+def test_a_chunk_shape_edited_in_an_array_document_is_refused_not_the_episodes_dropped(
+    tmp_path, s3_server, where, created, edited
+):
+    """A packed field's chunk shape edited in its zarr.json (8 -> 1 in a folder; on S3, where
+    chunk shape 1 is what a buffer is created with, 1 -> 8) passed the layout check: in the
+    folder, reads failed and ``verify --repair`` dropped all 3 intact episodes. Opening names the document,
+    the shape it holds and the one the buffer was created with; verify --repair changes
+    nothing; the document restored, every episode reads back."""
+    if where == "s3":
+        location, options = s3_server.url(f"chunks-{tmp_path.name}"), s3_server.storage_options
+    else:
+        location, options = str(tmp_path / "b"), {}
+    fields = {"x": ("float32", 3), "k": "int64"}
+    with ReplayBuffer(location, max_episodes=8, max_timesteps=6, fields=fields, storage_options=options) as buffer:
+        for i in range(3):
+            buffer.store_episode(x=np.full((i + 2, 3), i, np.float32), k=np.full(i + 2, i))
+    fs, root = fsspec.core.url_to_fs(location, **options)
+    key = f"{root}/data/x/zarr.json"
+    original = fs.cat_file(key)
+    document = json.loads(original)
+    assert document["chunk_grid"]["configuration"]["chunk_shape"] == [created, 6, 3]
+    document["chunk_grid"]["configuration"]["chunk_shape"] = [edited, 6, 3]
+    fs.pipe_file(key, json.dumps(document).encode())
+    refused = (
+        rf"data/x/zarr.json.*: chunk shape \[{edited}, 6, 3\], but the buffer was created with \[{created}, 6, 3\]"
+    )
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=refused):
+            ReplayBuffer.from_folder(location, read_only=read_only, storage_options=options)
+    report = verify(location, storage_options=options, repair=True)
+    assert len(report) == 1 and re.search(refused, report[0]), report
+    fs.pipe_file(key, original)
+    reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=options)
+    assert reader.valid_episodes().tolist() == [0, 1, 2]
+    assert [int(np.asarray(reader.data["x"][i, 0, 0])) for i in range(3)] == [0, 1, 2]
+    assert verify(location, storage_options=options) == []
