@@ -31,7 +31,7 @@ import numpy as np
 from . import metasums, snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer, CountersNotWritten
-from .consistency import read_consistent, replanner, snapshot_gone, stored_bookkeeping
+from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
 from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
 from .metasums import META_SUM
 from .schema import Field, Schema
@@ -69,9 +69,6 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
 _SUMMED = ("_generation", META_SUM)
-# a reader that sees a slot with a length but no generation (between a commit's two writes)
-# reads the bookkeeping again before calling it damage
-_REREADS = 3
 
 
 def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
@@ -238,6 +235,10 @@ class DataView(ArrayBase):
                 raise snapshot_gone(snapshot, storage.location, slots[gone])
             generations[recorded == 0] = 0
         kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots))
+        # a buffer deleted and created again counts generations from 1 again, so they can name
+        # its episodes: only this tells (a stat on a local folder, a GET on an object store)
+        if storage.replaced(cheap_only=storage.is_local):
+            raise BufferReplacedError(storage.location)
         out[~kept] = 0
         return out
 
@@ -478,6 +479,8 @@ class ReplayBuffer(CommittedViews):
         )
         # the per-episode values the last refresh found matching their checksums, and where
         self._verified: tuple[dict[str, np.ndarray], np.ndarray] | None = None
+        # the slots the last refresh found a writer changing, when it found no episode besides
+        self._unsettled = np.zeros(0, np.int64)
         self._fills = {n: fill_value(f) for n, f in schema.fields.items()}
         for fill in self._fills.values():
             fill.flags.writeable = False
@@ -517,7 +520,7 @@ class ReplayBuffer(CommittedViews):
         names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields, *((META_SUM,) if summed else ()))
         as_read: dict[str, np.ndarray] = {}
         damaged, checked = np.zeros(0, np.int64), np.zeros(self.max_episodes, bool)
-        for _ in range(_REREADS):
+        for _ in range(REFRESH_READS):
             damaged = np.zeros(0, np.int64)
             if self.read_only:
                 # a slot a writer changed while it was loaded reads as empty until the next refresh
@@ -531,6 +534,8 @@ class ReplayBuffer(CommittedViews):
             # moment; one that stays is damage (a lost _generation chunk), refused below
             if len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
                 continue
+            if self.read_only and not (meta["episode_lens"] > 0).any() and as_read["moved"].any():
+                continue  # a writer changed every slot it holds while they were read
             checked = (meta["episode_lens"] > 0) & ~edited
             if summed:
                 damaged = metasums.damaged(meta, self.schema.meta_fields, self._unverified(meta, checked))
@@ -544,6 +549,8 @@ class ReplayBuffer(CommittedViews):
             # damage (a lost _generation chunk), refused below
             meta["episode_lens"] = lens = meta["episode_lens"].copy()
             lens[unpublished] = 0
+        moving = np.union1d(np.flatnonzero(as_read.get("moved", ())), unpublished) if self.read_only else ()
+        self._unsettled = np.zeros(0, np.int64) if (meta["episode_lens"] > 0).any() else np.asarray(moving, np.int64)
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
         state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
         check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state)
@@ -704,6 +711,13 @@ class ReplayBuffer(CommittedViews):
         """Slots holding a committed episode, oldest first."""
         valid = np.flatnonzero(self._meta["episode_lens"] > 0)
         return valid[np.argsort(self._meta["_generation"][valid], kind="stable")]
+
+    def unsettled_slots(self) -> np.ndarray:
+        """The slots the last ``refresh()`` of a reader found a writer changing while it loaded
+        them, when it found no committed episode besides (they read as empty until the next
+        refresh): the buffer looks empty without being so, and ``stats`` raises
+        ``ConcurrentWriteError`` (retryable) for them instead of saying it is empty."""
+        return self._unsettled
 
     def __len__(self) -> int:
         return int((self._meta["episode_lens"] > 0).sum())

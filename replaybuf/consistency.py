@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 # rereads of the slots that changed during a read; a writer would have to commit into the same
 # slot during each of them to exhaust this
 RETRIES = 4
+# reads of the bookkeeping by a refresh that saw a slot with a length but no generation
+# (between a commit's two writes) before calling it damage, or every slot changed by a writer
+REFRESH_READS = 3
 # a slot failing its checksum while an in-place edit of it runs is read again, EDIT_WAIT_S apart,
 # up to this many times in all before the read gives up (ConcurrentWriteError: retryable)
 EDIT_WAITS = 200
@@ -121,7 +124,8 @@ def stored_bookkeeping(
     Generations are read before and after the rest; a slot whose generation moved in between
     (or that has no published length) comes back with generation 0 and length 0: its length
     and meta rows are not trusted. What ``refresh()`` loads and every re-plan reads.
-    ``as_read`` (a dict) receives the generations as first read, before any was set to 0."""
+    ``as_read`` (a dict) receives the generations as first read, before any was set to 0, and
+    under ``"moved"`` the mask of slots whose generation moved during the reads."""
 
     def read(name: str) -> np.ndarray:
         return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
@@ -134,6 +138,8 @@ def stored_bookkeeping(
     after = np.asarray(read("_generation"), dtype=np.int64)
     # a length with generation 0 both times is kept as read: no commit leaves that for long,
     # so ``refresh`` reports it as damage (a lost _generation chunk) instead of hiding episodes
+    if as_read is not None:
+        as_read["moved"] = after != before
     unstable = (after != before) | (out["episode_lens"] == 0)  # a negative length is damage, kept
     out["_generation"] = np.where(unstable, 0, before)
     out["episode_lens"][unstable] = 0

@@ -937,6 +937,8 @@ def verify(
     chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in changed})}
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
     values = {slot: found for slot, found in values.items() if slot not in changed}
+    excess = storage.excess_bookkeeping()
+    problems += excess
     unfinished = _unfinished_copy(storage)
     if unfinished is not None:
         problems.append(unfinished)
@@ -946,7 +948,7 @@ def verify(
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries or chunks or restore or values):
+    if repair and (damaged or stray or entries or chunks or restore or values or excess):
         from .buffer import ReplayBuffer
 
         # the buffer opens with the meta values it is to repair (their slots left out of its
@@ -967,6 +969,8 @@ def verify(
                 n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in moved})
             }
             restore = {slot: length for slot, length in restore.items() if slot not in moved}
+            if excess:  # first: the rewrites below keep the file at its size
+                problems += buffer.storage.excess_bookkeeping(trim=True)
             for slot in sorted(set(values) - moved):
                 name, value = values[slot]
                 buffer._commit.write_meta(name, np.array([slot]), np.asarray(value)[None])

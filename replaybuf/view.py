@@ -94,6 +94,10 @@ class BufferView(Protocol):
 
     def valid_episodes(self) -> np.ndarray: ...
 
+    def unsettled_slots(self) -> np.ndarray:
+        """Slots a writer was changing while the last ``refresh()`` found no episode besides."""
+        ...
+
     def refresh(self) -> BufferView:
         """Reload the snapshot from storage: pick up what writers committed since."""
         ...

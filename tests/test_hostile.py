@@ -326,8 +326,9 @@ def test_a_refused_writable_open_leaves_the_hdf5_file_closed(tmp_path):
 def test_a_file_of_absurd_size_is_refused_by_name_in_bounded_memory(tmp_path):
     """A sparse 10 GB file in place of a metadata file or a chunk is refused by its size, unread:
     opening, ``replaybuf info`` and ``verify`` name it (metadata: its size and the limit), in a
-    process whose address space could not hold it; and a zarr buffer's per-episode checksums,
-    read whole, likewise."""
+    process whose address space could not hold it; a zarr buffer's per-episode checksums are
+    read no further than the rows the config gives, and ``verify --repair`` cuts the file back
+    to them, dropping no episode."""
     too_large = r"{path}: 10,737,418,240 bytes, over the 67,108,864-byte limit of this metadata object"
     damaged = [
         ("zarr", "zarr.json", too_large),
@@ -359,10 +360,11 @@ for path, key in zip({paths!r}, {[key for _, key, _ in damaged]!r}):
     except (BufferDamagedError, CorruptChunkError) as e:
         print("open:", e)
     print("exit codes:", main(["info", location]), main(["verify", location]))
-try:
-    ReplayBuffer.from_folder({os.path.dirname(os.path.dirname(sums))!r}, read_only=True).get_all_data()
-except CorruptChunkError as e:
-    print("read:", e)
+from replaybuf.maintenance import verify
+location = {os.path.dirname(os.path.dirname(sums))!r}
+print("read:", ReplayBuffer.from_folder(location, read_only=True).get_all_data()["episode_lens"].tolist())
+print("repair:", verify(location, repair=True))
+print("size:", os.path.getsize({sums!r}))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
     assert run.returncode == 0, run.stderr
@@ -371,7 +373,10 @@ except CorruptChunkError as e:
         assert re.search(f"open: .*{line}", run.stdout), run.stdout
         assert len(re.findall(line, run.stderr)) == 2, run.stderr  # info, then verify
     assert run.stdout.count("exit codes: 1 1") == len(paths)
-    assert f"read: {sums}: the checksums of packed fields hold more than the " in run.stdout
+    assert "read: [5, 3]" in run.stdout  # the rows the config gives, read as they are
+    assert f"repair: ['{sums}: the checksums of packed fields hold 10737418240 bytes, more than the " in run.stdout
+    assert f"'repaired: cut {sums} to the " in run.stdout and "dropped" not in run.stdout
+    assert "size: 96" in run.stdout  # 4 slots x 3 packed fields x 8 bytes
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])

@@ -253,11 +253,16 @@ class ZarrStorage(KVBlobs, Storage):
 
     # ---- discovery ------------------------------------------------------------------------
 
-    def _root_attributes(self) -> dict | None:
+    def _root_document(self) -> dict | None:
         raw = self.kv.get_document(ROOT_DOCUMENT)
-        if raw is None:
+        return None if raw is None else parse_json(raw, self.describe_key(ROOT_DOCUMENT))
+
+    def _root_attributes(self, document: dict | None = None) -> dict | None:
+        """The replaybuf attributes of the root ``document`` (None: read it now)."""
+        document = self._root_document() if document is None else document
+        if document is None:
             return None
-        attributes = parse_json(raw, self.describe_key("zarr.json")).get("attributes", {})
+        attributes = document.get("attributes", {})
         return attributes if isinstance(attributes, dict) and attributes.get("format") == FORMAT_NAME else None
 
     @classmethod
@@ -358,7 +363,8 @@ class ZarrStorage(KVBlobs, Storage):
     def open(self, read_only: bool) -> Schema:
         # docstring inherited
         root_stat = self._stat_root()  # before the read: a document replaced after it differs
-        attributes = self._root_attributes()
+        document = self._root_document()
+        attributes = self._root_attributes(document or {})
         if attributes is None:
             raise BufferNotFoundError(
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
@@ -381,7 +387,9 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
         if not read_only:
             self._create_optional_meta(schema)
-        self._load_arrays(schema)
+        consolidated = (document or {}).get("consolidated_metadata")
+        recorded = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+        self._load_arrays(schema, recorded if isinstance(recorded, dict) else None)
         self._unmeasured = _unmeasured(attributes, schema, where)
         return schema
 
@@ -399,7 +407,9 @@ class ZarrStorage(KVBlobs, Storage):
             _create_meta_array(meta, bookkeeping_fields(schema)[name], schema.max_episodes)
         _consolidate(store)
 
-    def _load_arrays(self, schema: Schema) -> None:
+    def _load_arrays(self, schema: Schema, recorded: dict | None = None) -> None:
+        """Open and check every array of ``schema``; ``recorded``: the root document's copies of
+        their documents (zarr's consolidated metadata), whose chunk shapes each must have."""
         layouts = self.stored_layouts(schema)
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in layouts]
         documents = self.kv.get_documents([f"{p}/zarr.json" for p in paths])
@@ -409,12 +419,18 @@ class ZarrStorage(KVBlobs, Storage):
                 continue  # an earlier release's buffer, opened read-only: reads as zeros (``array``)
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
-            self._arrays[name, meta] = self._checked_array(path, doc, layouts[name, meta])
+            self._arrays[name, meta] = self._checked_array(path, doc, layouts[name, meta], (recorded or {}).get(path))
         self._packed = [n for n in schema.fields if self._arrays[n, False].packed]
 
-    def _checked_array(self, path: str, doc: bytes, expected: tuple[tuple[int, ...], np.dtype]) -> ChunkedArray:
+    def _checked_array(
+        self, path: str, doc: bytes, expected: tuple[tuple[int, ...], np.dtype], recorded: Any = None
+    ) -> ChunkedArray:
         """The array stored at ``path`` (its document ``doc``), checked against its ``expected``
-        layout."""
+        layout and the chunk shapes of ``recorded`` (the root document's copy of ``doc``, where
+        it has one): chunk shapes never change after a buffer is created, and the chunk files
+        hold the chunks of the shape it was created with, so a document edited or damaged to
+        another shape is refused by name rather than every episode read failing (and ``verify
+        --repair`` dropping them all)."""
         where = self.describe_key(f"{path}/zarr.json")
         try:
             parsed = parse_json(doc, where)
@@ -424,6 +440,13 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
+        held, created = _chunk_layout(parsed), _chunk_layout(recorded)
+        if held is not None and created is not None and held != created:
+            raise BufferDamagedError(
+                f"{where}: chunk shape {_describe_layout(held)}, but the buffer was created with "
+                f"{_describe_layout(created)} (the copy in {self.describe_key(ROOT_DOCUMENT)}), which its chunk files "
+                "hold: the array document was edited or damaged; restore its chunk shape"
+            )
         return array
 
     def _probe_optional_meta(self) -> None:
@@ -509,16 +532,8 @@ class ZarrStorage(KVBlobs, Storage):
         width = 8 * len(self._packed)
         max_episodes = self.array(self._packed[0]).shape[0]
         whole = len(slots) * 64 > max_episodes
-        if whole:
-            where = self.kv.where(CHECKSUMS_KEY)
-            try:  # never more than its size: a damaged object of any size must not reach memory
-                raw = self.kv.get_document(CHECKSUMS_KEY, width * max_episodes) or b""
-            except BufferDamagedError:
-                raise CorruptChunkError(
-                    f"{where}: the checksums of packed fields hold more than the {width * max_episodes} bytes "
-                    "the config gives them",
-                    location=where,
-                ) from None
+        if whole:  # the rows the config gives, never more: an oversize file is ``excess_bookkeeping``
+            raw = self.kv.get_ranges([(CHECKSUMS_KEY, 0, width * max_episodes)])[0] or b""
             table = np.zeros((max_episodes, len(self._packed)), "<u8")
             kept = len(raw) // width
             table[:kept] = np.frombuffer(raw[: kept * width], "<u8").reshape(kept, len(self._packed))
@@ -529,6 +544,25 @@ class ZarrStorage(KVBlobs, Storage):
             if row is not None and len(row) == width:
                 sums[k] = np.frombuffer(row, "<u8")
         return sums
+
+    def excess_bookkeeping(self, trim: bool = False) -> list[str]:
+        # docstring inherited: ``CHECKSUMS_KEY`` past the rows of its ``max_episodes`` slots
+        if not self._packed:
+            return []
+        expected = 8 * len(self._packed) * self.array(self._packed[0]).shape[0]
+        size = self.kv.size(CHECKSUMS_KEY)
+        if size is None or size <= expected:
+            return []
+        where = self.kv.where(CHECKSUMS_KEY)
+        if not trim:
+            return [
+                f"{where}: the checksums of packed fields hold {size} bytes, more than the {expected} bytes the "
+                f"config gives them; the {size - expected} bytes past them are not read"
+            ]
+        self._check_writable()
+        table = self._read_sums(np.arange(self.array(self._packed[0]).shape[0]))
+        self.kv.set(CHECKSUMS_KEY, np.ascontiguousarray(table, "<u8").tobytes())
+        return [f"repaired: cut {where} to the {expected} bytes the config gives it (removed {size - expected})"]
 
     def _write_sums(self, slots: np.ndarray, sums: np.ndarray) -> None:
         """Store rows of ``CHECKSUMS_KEY``: in place where the medium allows (one read and write
@@ -1074,6 +1108,22 @@ def _check_document(where: str, doc: dict) -> None:
         problems.append(f"the shard index location is {inner.get('index_location')!r}, expected 'end'")
     if problems:
         raise BufferDamagedError(f"{where}: {'; '.join(problems)} (damaged, or not written by replaybuf)")
+
+
+def _chunk_layout(document: Any) -> tuple[list, list | None] | None:
+    """(chunk shape, inner chunk shape of a shard or None) of an array ``document``; None where
+    it does not say (not a document replaybuf writes)."""
+    try:
+        codecs = document["codecs"]
+        inner = codecs[0]["configuration"]["chunk_shape"] if codecs[0]["name"] == "sharding_indexed" else None
+        return list(document["chunk_grid"]["configuration"]["chunk_shape"]), None if inner is None else list(inner)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _describe_layout(layout: tuple[list, list | None]) -> str:
+    chunks, inner = layout
+    return str(chunks) if inner is None else f"{chunks} (shards of chunks {inner})"
 
 
 def _check_chunks(where: str, array: ChunkedArray) -> None:

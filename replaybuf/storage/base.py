@@ -919,6 +919,14 @@ class Storage(ABC):
         ``verify --repair`` re-seals damaged checksum entries. Backends without such checksums
         do nothing (the default)."""
 
+    def excess_bookkeeping(self, trim: bool = False) -> list[str]:
+        """One line per bookkeeping file of the backend holding more bytes than the config gives
+        it (naming it, its size and the size expected): reads take only the bytes expected, so
+        the excess is a finding of ``verify`` and costs no episode; ``trim``: the file is cut to
+        that size (``verify --repair``) and the lines say so. Backends without such files find
+        none (the default)."""
+        return []
+
     def reseal_chunks(self, name: str, slots: np.ndarray, write: bool = True) -> dict[int, list[str]]:
         """Per slot of ``slots``, where the stored chunks of data field ``name`` lie whose own
         checksum alone is damaged (``ChunkChecksumError``), each re-sealed in place from its bytes
