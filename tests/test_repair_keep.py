@@ -58,6 +58,39 @@ def test_junk_appended_to_the_checksums_is_cut_not_the_episodes_dropped(tmp_path
     )
 
 
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_junk_appended_to_a_local_checksums_file_is_reported_and_cut(tmp_path, backend):
+    """Junk appended to a memmap or hdf5 buffer's ``replaybuf/checksums.npy`` was read past
+    silently and ``verify`` reported nothing: it names the file, its size and the size its
+    header and config give it; repair cuts the file to that size, dropping no episode."""
+    location = str(tmp_path / "b")
+    buffer = ReplayBuffer(location, backend=backend, max_episodes=4, max_timesteps=5, fields={"x": "float32"})
+    for value in range(4):
+        buffer.store_episode(x=np.full(value + 2, value, np.float32))
+    buffer.close()
+    sums = os.path.join(location, "replaybuf", "checksums.npy")
+    expected = os.path.getsize(sums)
+    with open(sums, "ab") as f:
+        f.write(b"junk" * 10)
+    excess = (
+        f"{sums}: the per-episode checksums hold {expected + 40} bytes, more than the {expected} bytes its "
+        "header and the config give them; the 40 bytes past them are not read"
+    )
+    assert verify(location) == [excess]
+    assert verify(location, repair=True) == [
+        excess,
+        f"repaired: cut {sums} to the {expected} bytes its header and the config give it (removed 40)",
+    ]
+    assert os.path.getsize(sums) == expected
+    assert verify(location) == []
+    with ReplayBuffer.from_folder(location, read_only=True) as reader:
+        assert np.asarray(reader.valid_episodes()).tolist() == [0, 1, 2, 3]
+        assert [np.asarray(reader.data["x"][value, : value + 2]).tolist() for value in range(4)] == [
+            [float(value)] * (value + 2) for value in range(4)
+        ]
+        assert np.asarray(reader.episode_lens).tolist() == [2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("where", ["s3", "folder"])
 def test_data_of_a_buffer_deleted_and_created_again_raises(tmp_path, s3_server, where):
     """``data[name][...]`` of a read-only reader on S3 (moto) whose buffer was deleted and

@@ -145,6 +145,14 @@ class LocalFolderStorage(KVBlobs, Storage):
             if (st.st_dev, st.st_ino) != self._identity:
                 raise BufferReplacedError(self.location)
 
+    def excess_bookkeeping(self, trim: bool = False) -> list[str]:
+        # docstring inherited: ``replaybuf/checksums.npy`` past the array its header gives
+        if self._checksums is None:
+            return []
+        if trim:
+            self._check_writable()
+        return self._checksums.excess(trim)
+
     @staticmethod
     def _owns(name: str) -> bool:
         """Whether the top-level entry ``name`` of the folder belongs to a buffer of this backend."""
@@ -375,6 +383,28 @@ class EpisodeChecksums:
             self.storage.check_not_replaced()  # mapped by its path: a new buffer's file, then
             self._sums = sums
         return self._sums
+
+    def excess(self, trim: bool) -> list[str]:
+        """``excess_bookkeeping`` of the file: bytes past the (max_episodes, fields) array its
+        header gives (checked at open) are never mapped nor read; ``trim`` cuts them off."""
+        sums = self.sums
+        expected, size = sums.offset + sums.nbytes, os.path.getsize(self.path)
+        if size <= expected:
+            return []
+        if not trim:
+            return [
+                f"{self.path}: the per-episode checksums hold {size} bytes, more than the {expected} bytes its "
+                f"header and the config give them; the {size - expected} bytes past them are not read"
+            ]
+        # in place: what a reader maps ends at ``expected``, so no mapped page is cut
+        with open(self.path, "r+b") as f:
+            f.truncate(expected)
+            if self.storage.fsync:
+                os.fsync(f.fileno())
+        return [
+            f"repaired: cut {self.path} to the {expected} bytes its header and the config give it "
+            f"(removed {size - expected})"
+        ]
 
     def seal(self, slots: np.ndarray, lengths: np.ndarray, names: list[str] | None = None) -> None:
         """Compute and store the checksums of ``slots`` committed at ``lengths``. A slot being
