@@ -31,10 +31,10 @@ from dask.utils import parse_bytes
 
 from . import sketches
 from .consistency import (
-    REFRESH_READS,
     RETRIES,
     ConcurrentWriteError,
     check_same_buffer,
+    check_settled,
     committed_generations,
     read_consistent,
     replanner,
@@ -729,9 +729,7 @@ def stats(
     names = list(buffer.schema.fields) if fields is None else _names(fields, "fields", "stats")
     _check_known(names, set(buffer.schema.fields), "field", "stats")
     if not len(buffer.valid_episodes()):
-        unsettled = buffer.unsettled_slots()
-        if len(unsettled):  # not empty: a writer kept changing every slot it holds while it was loaded
-            raise ConcurrentWriteError(buffer.storage.location, unsettled, REFRESH_READS - 1)
+        check_settled(buffer)  # not empty: a writer kept changing every slot it holds while it was loaded
         raise ValueError("stats: the buffer has no committed episodes")
     chosen_slots = sketches.chosen_episodes(buffer, episodes, "stats")
     plan = _plan(buffer, chosen_slots)

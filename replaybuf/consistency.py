@@ -41,6 +41,7 @@ from .storage import BufferReplacedError, ConcurrentWriteError, CorruptChunkErro
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
     from .storage.base import Storage
+    from .view import BufferView
 
 # rereads of the slots that changed during a read; a writer would have to commit into the same
 # slot during each of them to exhaust this
@@ -262,6 +263,15 @@ def read_consistent(
     if len(todo) == 0 or (exhausted == "drop" and failed is None):
         return kept
     raise ConcurrentWriteError(_storage(source).location, np.unique(slots[todo]), retries) from failed
+
+
+def check_settled(buffer: BufferView) -> None:
+    """For a buffer with no committed episode to read: ``ConcurrentWriteError`` (retryable)
+    naming the slots its last ``refresh()`` found a writer changing (``unsettled_slots``), as
+    it only looks empty; nothing when it is empty indeed."""
+    unsettled = buffer.unsettled_slots()
+    if len(unsettled):
+        raise ConcurrentWriteError(buffer.storage.location, unsettled, REFRESH_READS - 1)
 
 
 def snapshot_gone(name: str, location: str, slots: np.ndarray) -> SnapshotError:

@@ -147,6 +147,40 @@ def test_stats_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_p
     writer.close()
 
 
+@pytest.mark.parametrize("make_loader", ["dataset", "dataloader", "timesteps"])
+def test_a_loader_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_path, monkeypatch, make_loader):
+    """As ``stats`` above: creating a dataset or dataloader while a writer commits into every
+    slot at each refresh said "replay buffer is empty"; it raises ConcurrentWriteError
+    (retryable) naming the slots, and works once the writer lets a refresh through."""
+    location = str(tmp_path / "b")
+    writer = ReplayBuffer(location, max_episodes=2, max_timesteps=4, fields={"x": "float32"}, circular=True)
+    for value in (1, 2):
+        writer.store_episode(x=np.full(3, value, np.float32))
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    storage = reader.storage
+    read_meta = storage.read_meta
+
+    def read_beside_writer(name):
+        if name == "episode_lens":  # between the two reads of the generations
+            for value in (3, 4):
+                writer.store_episode(x=np.full(3, value, np.float32))
+        return read_meta(name)
+
+    def load():
+        if make_loader == "dataloader":
+            return reader.dataloader(2)
+        return reader.dataset(timestep_level=make_loader == "timesteps")
+
+    monkeypatch.setattr(storage, "read_meta", read_beside_writer)
+    assert len(reader.refresh()) == 0
+    with pytest.raises(ConcurrentWriteError, match=r"slots \[0, 1\] of .* concurrent writer") as e:
+        load()
+    assert not isinstance(e.value, BufferReplacedError)
+    monkeypatch.setattr(storage, "read_meta", read_meta)
+    assert len(load()) == (6 if make_loader == "timesteps" else 2 if make_loader == "dataset" else 1)
+    writer.close()
+
+
 @pytest.mark.parametrize(("where", "created", "edited"), [("folder", 8, 1), ("s3", 1, 8)])
 def test_a_chunk_shape_edited_in_an_array_document_is_refused_not_the_episodes_dropped(
     tmp_path, s3_server, where, created, edited

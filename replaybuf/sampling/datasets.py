@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..consistency import RETRIES, read_consistent
+from ..consistency import RETRIES, check_settled, read_consistent
 from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
 from ..view import BufferView
 from .collate import CollatedSamples
@@ -105,7 +105,10 @@ def refresh_for_snapshot(buffer: BufferView) -> None:
 
 
 def empty_buffer_error(buffer: BufferView) -> ValueError:
-    """The error for a buffer with no episode to sample, saying why when it counts some."""
+    """The error for a buffer with no episode to sample, saying why when it counts some; a
+    reader whose last refresh found a writer changing every slot raises ConcurrentWriteError
+    (retryable, ``check_settled``) instead: it is not empty."""
+    check_settled(buffer)
     if not buffer.num_episodes:
         return ValueError("replay buffer is empty")
     return ValueError(
