@@ -41,6 +41,7 @@ from .storage.base import (
     CorruptChunkError,
     EpisodeLengthError,
     GenerationMismatchError,
+    NewerFormatError,
     Storage,
     backend_class,
     bookkeeping_fields,
@@ -837,7 +838,8 @@ def verify(
     """Problems found in the buffer at ``path`` (empty when consistent).
 
     Damaged metadata (unparseable config or counters, sizes or shapes the config does not
-    allow) is reported as a problem, never raised. Checks that every array is present with its
+    allow) is reported as a problem, never raised; a buffer of a format newer than this
+    replaybuf reads raises ``NewerFormatError`` (install a newer replaybuf), as every open does. Checks that every array is present with its
     configured shape and dtype, lengths are within
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
     every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
@@ -865,6 +867,8 @@ def verify(
     check_progress(progress)
     try:
         storage, schema = _open_read_only(path, storage_options)
+    except NewerFormatError:
+        raise  # not a finding about the buffer: this replaybuf cannot read it
     except (OSError, ValueError, KeyError) as e:
         return [f"cannot open the buffer: {e}"]
     holder = storage.writer_lease().live_holder() if repair else None

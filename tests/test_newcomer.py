@@ -465,3 +465,34 @@ def test_overwrite_refuses_to_erase_a_buffer_of_a_newer_format(tmp_path, backend
     with pytest.raises(ValueError, match="has format version 99; this replaybuf reads formats up to 4 and does not"):
         ReplayBuffer(path, max_episodes=2, max_timesteps=3, fields={"x": "float"}, backend=backend)
     assert contents(path) == before
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+@pytest.mark.parametrize("argv", [["info"], ["inspect"], ["verify"], ["verify", "--repair"]])
+def test_every_command_on_a_buffer_of_a_newer_format_exits_2_with_the_same_message(tmp_path, backend, argv, capsys):
+    """``replaybuf verify`` on a buffer a newer replaybuf wrote exited 1 ("cannot open the
+    buffer", as for damage) where the other commands exit 2 (a refusal): it exits 2 with the
+    message they give, and ``verify()`` raises NewerFormatError; nothing is written."""
+    from replaybuf import NewerFormatError, verify
+    from replaybuf.cli import main
+
+    if backend == "hdf5":
+        from ._backends import require
+
+        require("h5py")
+    path = tmp_path / "newer"
+    shutil.copytree(DATA / "format-v4" / backend, path)
+    set_format_version(path, backend, 99)
+    before = contents(path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, str(path)])
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert said == (
+        f"replaybuf {argv[0]}: error: buffer at {str(path)!r} has format version 99; this replaybuf reads formats "
+        "up to 4: install a newer replaybuf (`pip install --upgrade replaybuf`) to open it; `replaybuf upgrade` "
+        "only rewrites earlier formats"
+    ), said
+    with pytest.raises(NewerFormatError, match="has format version 99"):
+        verify(path)
+    assert contents(path) == before

@@ -121,6 +121,11 @@ class BufferDamagedError(ValueError):
     message names the file, what it holds and what was expected."""
 
 
+class NewerFormatError(ValueError):
+    """The buffer is of a format newer than this replaybuf reads (a newer release wrote it):
+    not damage, a refusal; the message says to install a newer replaybuf."""
+
+
 class StorageError(RuntimeError):
     """The backing store failed (disk full, connection lost, ...) while reading or writing."""
 
@@ -698,7 +703,7 @@ class Storage(ABC):
             raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
         newest = self.newest_format_version
         if version > newest:
-            raise ValueError(
+            raise NewerFormatError(
                 f"buffer at {self.location!r} has format version {version}; "
                 f"this replaybuf reads formats up to {newest}: install a newer replaybuf "
                 "(`pip install --upgrade replaybuf`) to open it; `replaybuf upgrade` only rewrites earlier formats"
