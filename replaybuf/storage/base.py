@@ -681,13 +681,13 @@ class Storage(ABC):
         keys of a temp file a write has not yet renamed into place are never listed."""
 
     def _refuse_erasing_a_newer_format(self, config: Mapping[str, Any] | None) -> None:
-        """ValueError where the stored ``config`` (None: no buffer) is of a format newer than
+        """NewerFormatError (a ValueError) where the stored ``config`` (None: no buffer) is of a format newer than
         this replaybuf reads: ``overwrite=True`` (the default) erased a buffer it could not even
         open, which a newer release wrote. For the backends' ``check_creatable``."""
         version = None if config is None else config.get("version")
         newest = self.newest_format_version
         if isinstance(version, int) and not isinstance(version, bool) and version > newest:
-            raise ValueError(
+            raise NewerFormatError(
                 f"buffer at {self.location!r} has format version {version}; this replaybuf reads formats up "
                 f"to {newest} and does not erase a buffer it cannot read (overwrite=True): install a newer "
                 "replaybuf (`pip install --upgrade replaybuf`), or delete the buffer yourself. Nothing was written"
