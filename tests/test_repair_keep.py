@@ -113,12 +113,11 @@ def test_data_of_a_buffer_deleted_and_created_again_raises(tmp_path, s3_server, 
     assert np.asarray(reader.refresh().data["k"][0, 0]).tolist() == 100
 
 
-def test_stats_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_path, monkeypatch):
-    """A writer committing into every slot while a reader's ``refresh()`` reads the bookkeeping
-    (here: at each read of the lengths, each refresh re-reading it) left every slot unstable, and
-    ``stats()`` said "the buffer has no committed episodes": it raises ConcurrentWriteError
-    (retryable) naming the slots; once the writer lets a refresh through, stats answers; a
-    buffer whose episodes were all dropped is still empty."""
+def writer_in_every_slot(tmp_path, monkeypatch):
+    """(writer, reader, let_through) over a 2-slot circular buffer of episodes x = 1 and 2, where
+    the writer commits into both slots between the reader's two reads of the generations at
+    each of its bookkeeping reads, so every refresh finds every slot changing; ``let_through()``
+    lets the reader's refreshes through again."""
     location = str(tmp_path / "b")
     writer = ReplayBuffer(location, max_episodes=2, max_timesteps=4, fields={"x": "float32"}, circular=True)
     for value in (1, 2):
@@ -134,11 +133,21 @@ def test_stats_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_p
         return read_meta(name)
 
     monkeypatch.setattr(storage, "read_meta", read_beside_writer)
+    return writer, reader, lambda: monkeypatch.setattr(storage, "read_meta", read_meta)
+
+
+def test_stats_beside_a_writer_changing_every_slot_raises_concurrent_write(tmp_path, monkeypatch):
+    """A writer committing into every slot while a reader's ``refresh()`` reads the bookkeeping
+    (here: at each read of the lengths, each refresh re-reading it) left every slot unstable, and
+    ``stats()`` said "the buffer has no committed episodes": it raises ConcurrentWriteError
+    (retryable) naming the slots; once the writer lets a refresh through, stats answers; a
+    buffer whose episodes were all dropped is still empty."""
+    writer, reader, let_through = writer_in_every_slot(tmp_path, monkeypatch)
     assert len(reader.refresh()) == 0
     with pytest.raises(ConcurrentWriteError, match=r"slots \[0, 1\] of .* concurrent writer") as e:
         reader.stats()
     assert not isinstance(e.value, BufferReplacedError)
-    monkeypatch.setattr(storage, "read_meta", read_meta)
+    let_through()
     assert float(reader.refresh().stats().fields["x"].mean) == 3.5
     writer.drop_episodes([0, 1])
     writer.flush()
@@ -152,31 +161,18 @@ def test_a_loader_beside_a_writer_changing_every_slot_raises_concurrent_write(tm
     """As ``stats`` above: creating a dataset or dataloader while a writer commits into every
     slot at each refresh said "replay buffer is empty"; it raises ConcurrentWriteError
     (retryable) naming the slots, and works once the writer lets a refresh through."""
-    location = str(tmp_path / "b")
-    writer = ReplayBuffer(location, max_episodes=2, max_timesteps=4, fields={"x": "float32"}, circular=True)
-    for value in (1, 2):
-        writer.store_episode(x=np.full(3, value, np.float32))
-    reader = ReplayBuffer.from_folder(location, read_only=True)
-    storage = reader.storage
-    read_meta = storage.read_meta
-
-    def read_beside_writer(name):
-        if name == "episode_lens":  # between the two reads of the generations
-            for value in (3, 4):
-                writer.store_episode(x=np.full(3, value, np.float32))
-        return read_meta(name)
+    writer, reader, let_through = writer_in_every_slot(tmp_path, monkeypatch)
 
     def load():
         if make_loader == "dataloader":
             return reader.dataloader(2)
         return reader.dataset(timestep_level=make_loader == "timesteps")
 
-    monkeypatch.setattr(storage, "read_meta", read_beside_writer)
     assert len(reader.refresh()) == 0
     with pytest.raises(ConcurrentWriteError, match=r"slots \[0, 1\] of .* concurrent writer") as e:
         load()
     assert not isinstance(e.value, BufferReplacedError)
-    monkeypatch.setattr(storage, "read_meta", read_meta)
+    let_through()
     assert len(load()) == (6 if make_loader == "timesteps" else 2 if make_loader == "dataset" else 1)
     writer.close()
 
