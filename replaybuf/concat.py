@@ -199,6 +199,11 @@ class ConcatStorage(Storage):
         names = tuple(names)
         return all(m.verifies_reads(names) for m in self.members)
 
+    def verifies_gathers(self, names: Iterable[str]) -> bool:
+        # docstring inherited: when every member's are
+        names = tuple(names)
+        return all(m.verifies_gathers(names) for m in self.members)
+
     def read_rows(
         self, name: str, episodes: np.ndarray, t0: int, t1: int, generations: np.ndarray | None = None
     ) -> np.ndarray:

@@ -16,7 +16,8 @@ before and after a read, the slot held episode ``g`` during the whole read, and 
 3. reads the generations of only those slots again, keeps the slots that did not change, and
    re-plans (rereads) or drops the others, a bounded number of times. A storage that
    ``verifies_generations`` (the read cache) did that check itself in step 2, so step 3 reads
-   nothing: a batch served from local copies costs no request to the backing store. It reports
+   nothing: a batch served from local copies costs no request to the backing store; so did the
+   zarr backend's gathers (``Storage.verifies_gathers``: a timestep batch). It reports
    the slots that moved with ``GenerationMismatchError`` instead, and so may the caller for
    what it read besides the storage (a dataset's meta rows from the buffer's mirror).
 

@@ -471,6 +471,27 @@ class StorageTests:
                 read()
             assert caught.value.slots == [2], (call, caught.value.slots)
 
+    def test_verified_gathers_refuse_a_generation_not_held(self, filled: tuple) -> None:
+        """On a storage that ``verifies_gathers`` a field, a gather naming a generation a slot
+        does not hold raises GenerationMismatchError naming that slot only, before and after
+        gathers naming the held generations (whatever those left cached or verified)."""
+        reader, rows, meta = filled
+        names = [name for name in rows if reader.verifies_gathers([name])]
+        if not names:
+            pytest.skip(f"{type(reader).__name__} verifies no gathers")
+        episodes, steps = np.array([0, 2, 3, 2]), np.array([0, 1, 0, self.max_timesteps - 1])
+        planned = meta["_generation"][episodes].copy()
+        wrong = planned.copy()
+        wrong[episodes == 2] += 1000
+        for name in names:
+            for attempt in ("first", "after a sound gather"):
+                with pytest.raises(GenerationMismatchError) as caught:
+                    reader.gather(name, episodes, steps, wrong)
+                assert caught.value.slots == [2], (name, attempt, caught.value.slots)
+                np.testing.assert_array_equal(
+                    reader.gather(name, episodes, steps, planned), rows[name][episodes, steps], err_msg=name
+                )
+
     def test_update_rows_in_committed_episodes(self, writable: Storage) -> None:
         """``update_rows`` edits committed episodes in place; whole-episode reads (which check
         checksums where a backend keeps them) return the edit."""

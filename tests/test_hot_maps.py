@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replaybuf import ReplayBuffer
-from replaybuf.storage import CorruptChunkError, _hotmap, _strided, chunk_cache
+from replaybuf import ReplayBuffer, consistency
+from replaybuf.storage import CorruptChunkError, GenerationMismatchError, _hotmap, _strided, chunk_cache
 from replaybuf.storage._hotmap import shard_maps
 
 from .test_hot_tier import FIELDS, STEPS, WAIT_S, episode, is_hot, shard_file
@@ -239,10 +239,12 @@ def test_a_shard_replaced_between_batches_is_never_served_stale(tmp_path):
     writer.close()
 
 
-def test_a_batch_naming_its_generations_reuses_a_confirmed_map_until_the_slot_moves_or_a_refresh(tmp_path, monkeypatch):
-    """A read naming each slot's planned generation uses a map confirmed for it without a stat
-    of the file; a new generation, a refresh (``drop_caches``) or this process's own write of
-    the slot makes the next read look at the file again."""
+def test_a_batch_naming_its_generations_reuses_a_verified_map_until_the_slot_moves_or_a_refresh(tmp_path, monkeypatch):
+    """A read naming each slot's planned generation checks the slots' generations once per new
+    map (the map then holds that generation: ``verifies_gathers``) and uses a verified map
+    without a stat of its file; a new generation, a refresh (``drop_caches``) or this process's
+    own write of the slot makes the next read look at the file again, and a generation the
+    slot does not hold is refused."""
     # this process's maps as new: after an eviction (earlier tests) maps are checked frame by
     # frame, and only maps checked whole are indexed
     monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))
@@ -251,43 +253,58 @@ def test_a_batch_naming_its_generations_reuses_a_confirmed_map_until_the_slot_mo
     for seed in range(2):
         writer.store_episode(**episode(seed))
     reader = open_reader(location)
+    assert reader.storage.verifies_gathers(["image"])
     slots, steps = np.array([0, 1, 0, 1]), np.array([3, 2, 1, 0])
-    stats = []
+    stats, checks = [], []  # stats of shard files; reads of the slots' generations
     real_stat = os.stat
-    monkeypatch.setattr(_hotmap.os, "stat", lambda path, *a, **k: stats.append(path) or real_stat(path, *a, **k))
+    monkeypatch.setattr(
+        _hotmap.os,
+        "stat",
+        lambda path, *a, **k: ("_generation" not in path and stats.append(path)) or real_stat(path, *a, **k),
+    )
+    array = reader.storage.array("image")
+    real_check = array.generations_of
+    monkeypatch.setattr(array, "generations_of", lambda rows: checks.append(sorted(rows.tolist())) or real_check(rows))
 
     def gather(generations=None):
         stats.clear()
+        checks.clear()
         return reader.storage.gather("image", slots, steps, generations)
 
     planned = reader.storage.read_meta_rows("_generation", [0, 1])[slots]
     stored = {0: episode(0), 1: episode(1)}
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and len(stats) == 2
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == []
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps))
+    assert len(stats) == 2 and checks == [[0, 1]]  # new maps: verified once
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == checks == []
     assert np.array_equal(gather(), _expected(stored, "image", slots, steps)) and len(stats) == 2  # none named
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == []
+    assert checks == []
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == checks == []
 
     # another process's edit in place: a new file at slot 0's path, the same generation
     path = shard_file(writer, 0)
     os.replace(_copy(shard_file(writer, 1), path + ".new"), path)
     edited = {0: episode(1), 1: episode(1)}
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == []
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == checks == []
     reader.storage.drop_caches()  # refresh(): the edit is seen
-    assert np.array_equal(gather(planned), _expected(edited, "image", slots, steps)) and len(stats) == 2
+    assert np.array_equal(gather(planned), _expected(edited, "image", slots, steps))
+    assert len(stats) == 2 and checks == [[0]]  # slot 1's map is the same file version: still verified
 
     writer.store_episode(**episode(2))  # slot 0 reused (a new generation) by this process's writer
     assert path not in shard_maps()._entries  # its own write dropped the map
     stored = {0: episode(2), 1: episode(1)}
     planned = reader.storage.read_meta_rows("_generation", [0, 1])[slots]
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps))
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and checks == [[0]]
     entry = shard_maps()._entries[path]
     entry.confirmed -= _hotmap.TRUST_S  # the trust lapses: the next read stats the file again
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == [path]
-    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == []
-    # a read planning another generation for slot 0 (a plan newer than the map) stats its file
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps))
+    assert stats == [path] and checks == []  # the same file version: verified already
+    assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == checks == []
+    # a read planning a generation slot 0 does not hold stats its file and is refused
     other = planned.copy()
     other[slots == 0] += 7
-    assert np.array_equal(gather(other), _expected(stored, "image", slots, steps)) and stats == [path]
+    with pytest.raises(GenerationMismatchError) as refused:
+        gather(other)
+    assert refused.value.slots == [0] and stats == [path] and checks == [[0]]
     writer.close()
 
 
@@ -327,6 +344,42 @@ def test_a_batch_the_map_index_serves_is_exact_and_lapses_with_the_maps(tmp_path
         assert np.array_equal(got, _expected(stored, "image", slots, steps)), round
     reader.storage.drop_caches()
     assert index.version != shard_maps().version  # refreshed: looked up (and stat'ed) again
+    writer.close()
+
+
+def test_timestep_batches_need_no_recheck_and_keep_their_snapshot_when_a_slot_is_reused(tmp_path, monkeypatch):
+    """A read-only reader's timestep batches are verified by their gathers (``verifies_gathers``):
+    no batch re-reads its slots' generations (``committed_generations``), and after the writer
+    reuses a slot every sample still holds the snapshot's episode of its slot, never the new one."""
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    stored = {seed: episode(seed) for seed in range(2)}
+    for seed in range(2):
+        writer.store_episode(**stored[seed])
+    reader = open_reader(location)
+    rechecks = []
+    real = consistency.committed_generations
+    monkeypatch.setattr(consistency, "committed_generations", lambda *a: rechecks.append(a) or real(*a))
+    loader = reader.dataloader(timestep_level=True, batch_size=16, shuffle=True, return_indices=True)
+
+    def check_epoch() -> int:
+        samples = 0
+        for batch in loader:
+            for (slot, step), image, state in zip(batch["_indices"].tolist(), batch["image"], batch["state"]):
+                assert np.array_equal(image.numpy(), stored[slot]["image"][step]), (slot, step)
+                assert np.array_equal(state.numpy(), stored[slot]["state"][step]), (slot, step)
+                samples += 1
+        return samples
+
+    assert check_epoch() == 2 * STEPS and rechecks == []
+    writer.store_episode(**episode(7))  # slot 0 reused while the loader's snapshot names its old episode
+    for lapse in (False, True):
+        if lapse:  # the maps' trust lapses: the reader stats slot 0's shard, finds the new file
+            for entry in shard_maps()._entries.values():
+                entry.confirmed -= _hotmap.TRUST_S
+        samples = check_epoch()
+        assert 0 < samples <= 2 * STEPS and rechecks == []
     writer.close()
 
 

@@ -292,7 +292,7 @@ class _SnapshotDataset(Dataset):
             redraw,
             whole=True,
             exhausted="drop",
-            verified=self.fetcher.verified(),
+            verified=self.fetcher.verified(gathers_only=self.reads_by_gather),
         )
         if "items" not in last:
             read(np.zeros(0, np.int64))
@@ -366,6 +366,11 @@ class _SnapshotDataset(Dataset):
         return {self.out_name(n): np.asarray(self.replay_buffer.meta_data[n][slots]) for n in self.meta_names}
 
     # ---- to implement ------------------------------------------------------------------------
+
+    @property
+    def reads_by_gather(self) -> bool:
+        """Whether ``_read`` reads through ``Fetcher.gather`` alone (``Fetcher.verified``)."""
+        return False
 
     def _slots_of(self, positions: np.ndarray) -> np.ndarray:
         return self._slots[positions]
@@ -585,7 +590,9 @@ class _TimepointDataset(_SnapshotDataset):
             out[pick] = self.fetcher.gather(name, episodes[pick], timesteps[pick])
 
         generations = self._generations[slots]
-        kept = read_consistent(self.replay_buffer, slots.copy(), generations, read, verified=self.fetcher.verified())
+        kept = read_consistent(
+            self.replay_buffer, slots.copy(), generations, read, verified=self.fetcher.verified(gathers_only=True)
+        )
         self._generations[slots[~kept & (self._generations[slots] > 0)]] = -1
         out[~kept[inverse]] = 0
         return out
@@ -621,6 +628,8 @@ class ReplayDatasetTimestep(_TimepointDataset):
         )
         self._make_fetcher(self.fields)
         self._set_timepoints(filter_fields)
+
+    reads_by_gather = True
 
     def _read(self, positions):
         episodes, timesteps = self._index.pairs(positions)
@@ -672,6 +681,10 @@ class ReplayDatasetNStep(_TimepointDataset):
         self.sequence_fields = () if sequence is None else sequence
         self._make_fetcher((*self.current_fields, *self.next_fields, *self.sequence_fields))
         self._set_timepoints(filter_fields)
+
+    @property
+    def reads_by_gather(self) -> bool:
+        return not self.sequence_fields or self.fetcher.gathers_windows(self.n_steps)
 
     def _read(self, positions):
         episodes, timesteps = self._index.pairs(positions)

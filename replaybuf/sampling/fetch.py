@@ -101,10 +101,18 @@ class Fetcher:
             except Exception:  # noqa: BLE001 - retried, checked, by the batch reads
                 return
 
-    def verified(self) -> bool:
+    def verified(self, gathers_only: bool = False) -> bool:
         """Whether every read of this fetcher returns rows of the generations it names only
-        (``Storage.verifies_reads``): a batch then needs no re-check of its slots."""
+        (``Storage.verifies_reads``; ``gathers_only``: the caller reads with ``gather`` and
+        ``windows`` that ``gathers_windows`` alone, ``Storage.verifies_gathers``): a batch
+        then needs no re-check of its slots."""
+        if gathers_only:
+            return self.storage.verifies_gathers(self.fields)
         return self.storage.verifies_reads(self.fields)
+
+    def gathers_windows(self, width: int) -> bool:
+        """Whether ``windows`` of at most ``width`` steps are always read with ``gather``."""
+        return width < _BULK_MIN_STEPS and not self.storage.checks_whole_episodes
 
     def _fill_cache(self) -> None:
         """The snapshot's episodes of every field into the read cache, a few at a time; a slot

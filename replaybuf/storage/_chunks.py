@@ -485,12 +485,37 @@ class ChunkedArray:
 
         ``generations`` (one per pair: the generation of the episode's slot, as the reader knows
         it) lets the read use the resident copy and the chunk cache; without it every chunk
-        is read from the store.
+        is read from the store. With ``generations_of`` the read is verified
+        (``verifies_gathers``): rows of the generations named, else GenerationMismatchError.
         """
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
         if len(episodes) and generations is not None and self.grid_axes == 2 and self._resident_enabled():
             return self._gather_resident(episodes, timesteps, _per_pair(generations, len(episodes)))
+        out = self._gather_stored(episodes, timesteps, generations)
+        if len(episodes) and generations is not None and self.verifies_gathers:
+            self._check_generations(episodes, _per_pair(generations, len(episodes)))
+        return out
+
+    @property
+    def verifies_gathers(self) -> bool:
+        """Whether ``gather`` given generations returns rows of those generations only (else
+        GenerationMismatchError): rows from the resident copy (``verifies_resident``) or read
+        and then found still at the generations named (``_check_generations``)."""
+        return self.generations_of is not None and self.grid_axes == 2
+
+    def _check_generations(self, episodes: np.ndarray, generations: np.ndarray) -> None:
+        """GenerationMismatchError naming the slots among ``episodes`` that do not hold their
+        ``generations`` now, after a read of their rows: the others held them through the read
+        (planned before it; generations never return)."""
+        assert self.generations_of is not None
+        slots, first = np.unique(episodes, return_index=True)
+        moved = np.asarray(self.generations_of(slots), np.int64) != generations[first]
+        if moved.any():
+            raise GenerationMismatchError(self.kv.where(self.path), slots[moved])
+
+    def _gather_stored(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None) -> np.ndarray:
+        """``gather`` from the stored chunks (through the chunk cache when ``generations`` are given)."""
         out = np.empty((len(episodes), *self.shape[2:]), dtype=self.dtype)
         if len(episodes) == 0:
             return out

@@ -12,13 +12,16 @@ shard mapped again would otherwise be checked whole to serve a few frames).
 
 A map serves only the file version it was made from, and the file is stat'ed before a read
 uses the map: a new inode, size, mtime or ctime drops the map, and the next read maps and checks
-it again. A timestep batch names the generation it planned for each slot
-(``consistency.read_consistent``); a map it confirmed for that generation serves the same
-generation again without a stat for ``TRUST_S`` (a stat of each sampled shard was a fifth of a
-batch's time). That is safe because every new version of a shard comes with a new generation
-(a reused slot, checked before the map is used) or is an in-place edit, which a reader sees
-after its next ``drop_caches`` (``refresh()``), as it sees them from the read cache, and here
-within ``TRUST_S`` anyway; this process's own writes drop their maps at once. An edit in place
+it again. A map's frames are of one episode: a read naming the generation it planned for the
+slot (``consistency.read_consistent``) that finds the slot still at that generation after
+mapping the file (``ShardedArray.gather``) knows the map holds that generation, and says so
+(``HotMap.generation``). Such a verified map serves reads naming its generation without a stat
+for ``TRUST_S`` (a stat of each sampled shard was a fifth of a batch's time), and without the
+batch's re-read of its slots' generations (``Storage.verifies_gathers``): the file version it
+maps never changes, and a writer reusing the slot puts a new inode at the path. An in-place
+edit (same generation, a new inode) is seen after the reader's next ``drop_caches``
+(``refresh()``), as it is from the read cache, and here within ``TRUST_S`` anyway; this
+process's own writes drop their maps at once. An edit in place
 within the kernel's timestamp tick (a few ms) of the file's write leaves all four unchanged
 and is not seen by a reader that checked the file before it; a page the kernel evicts and reads
 again from a failing disk is not checked again either.
@@ -39,12 +42,13 @@ version a writer put in place meanwhile).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -60,7 +64,7 @@ if TYPE_CHECKING:
 #: the kernel's per-process mappings (65530 by default) and ~3 KB here, and holds no file
 #: descriptor (``_mapping.map_file``); a buffer of short episodes keeps thousands hot
 MAX_MAPS = 4096
-#: seconds a map confirmed for a slot's generation serves reads planned for that generation
+#: seconds a map verified to hold a slot's generation serves reads planned for that generation
 #: without a stat of its file (see above)
 TRUST_S = 1.0
 _MISSING = 2**64 - 1
@@ -70,9 +74,10 @@ class HotMap:
     """One mapped version of a hot shard file: ``payloads[rows[ti]]`` holds inner chunk ``ti``'s
     raw bytes (``rows[ti]`` -1: not stored), checked against its crc32c once ``checked`` (all
     of them once ``whole``); it lies at memory ``address + rows[ti] * payloads.strides[0]``
-    (for ``_strided.take_at``)."""
+    (for ``_strided.take_at``). ``generation``: the slot generation a read verified this
+    version holds (0: not verified yet)."""
 
-    __slots__ = ("fingerprint", "rows", "payloads", "address", "checked", "whole", "_bodies", "_sums")
+    __slots__ = ("fingerprint", "rows", "payloads", "address", "checked", "whole", "generation", "_bodies", "_sums")
 
     def __init__(self, fingerprint: tuple[int, ...], items: np.ndarray, rows: np.ndarray, nbytes: int, checksum: bool):
         self.fingerprint = fingerprint
@@ -81,6 +86,7 @@ class HotMap:
         self.address: int = self.payloads.__array_interface__["data"][0]
         self.checked = np.full(len(items), not checksum)
         self.whole = not checksum
+        self.generation = 0
         self._bodies = items[:, :-4]  # what each crc32c covers: header and payload
         self._sums = items[:, -4:].copy().view("<u4").reshape(-1) if checksum else np.empty(0, np.uint32)
 
@@ -142,21 +148,19 @@ def _map_shard(path: str, array: ShardedArray) -> tuple[tuple[int, ...], HotMap 
 
 
 class _Entry:
-    """A path's map (None: the file is not a hot shard) as of the file version ``fingerprint``;
-    ``generation``: the slot's generation a read last confirmed it for (0: none), at
-    ``confirmed`` (``time.monotonic``)."""
+    """A path's map (None: the file is not a hot shard) as of the file version ``fingerprint``,
+    last found at the path at ``confirmed`` (``time.monotonic``; -inf: look again)."""
 
-    __slots__ = ("fingerprint", "map", "generation", "confirmed")
+    __slots__ = ("fingerprint", "map", "confirmed")
 
     def __init__(self, fingerprint: tuple[int, ...], map: HotMap | None):
-        self.fingerprint, self.map = fingerprint, map
-        self.generation, self.confirmed = 0, 0.0
+        self.fingerprint, self.map, self.confirmed = fingerprint, map, -math.inf
 
 
 class ShardMaps:
     """The hot shard files this process keeps mapped, by path, at most ``limit``, each used
     while a stat of its path gives the same fingerprint (or, for a read naming the generation
-    it planned, while ``TRUST_S`` has not passed since a read confirmed it for it)."""
+    its map was verified to hold, while ``TRUST_S`` has not passed since the last stat)."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -177,8 +181,8 @@ class ShardMaps:
     ) -> list[HotMap | None]:
         """``get`` of each path, one lock for all the lookups (a timestep batch asks for every
         sampled episode's shard). Each path is stat'ed (a map never serves a replaced file),
-        except where ``generations`` (the slot's planned generation, per path) names the one a
-        read confirmed the map for less than ``TRUST_S`` ago."""
+        except where ``generations`` (the slot's planned generation, per path) names the one
+        the map was verified to hold and the last stat is less than ``TRUST_S`` old."""
         now = time.monotonic()
         found: list[HotMap | None] = [None] * len(paths)
         todo = []
@@ -188,7 +192,8 @@ class ShardMaps:
                 if (
                     generations is not None
                     and entry is not None
-                    and entry.generation == generations[i] > 0
+                    and entry.map is not None
+                    and entry.map.generation == generations[i] > 0
                     and now - entry.confirmed < TRUST_S
                 ):
                     self._entries.move_to_end(path)
@@ -210,7 +215,6 @@ class ShardMaps:
                 entry = self._entries.get(path)
                 if entry is not None and entry.fingerprint == fingerprint:
                     self._entries.move_to_end(path)
-                    entry.generation = 0 if generations is None else generations[i]
                     entry.confirmed = now
                     found[i] = entry.map
                 elif fingerprint is None:
@@ -218,12 +222,12 @@ class ShardMaps:
                 else:
                     unmapped.append(i)
         for i in unmapped:
-            found[i] = self._map(paths[i], array, 0 if generations is None else generations[i], now)
+            found[i] = self._map(paths[i], array, now)
         return found
 
-    def _map(self, path: str, array: ShardedArray, generation: int = 0, now: float = 0.0) -> HotMap | None:
+    def _map(self, path: str, array: ShardedArray, now: float) -> HotMap | None:
         """Map the file at ``path`` as it is now and keep the map (``get`` found none for it),
-        confirmed for ``generation`` at ``now``."""
+        found there at ``now``."""
         mapped = _map_shard(path, array)
         if mapped is not None and mapped[1] is not None and not self._evicted:
             # while every map fits, a shard is checked whole when mapped (one tight pass, then
@@ -239,7 +243,7 @@ class ShardMaps:
                 self._entries.pop(path, None)
                 return None
             entry = self._entries[path] = _Entry(*mapped)
-            entry.generation, entry.confirmed = generation, now
+            entry.confirmed = now
             self.version += 1
             self._entries.move_to_end(path)
             while len(self._entries) > self.limit:
@@ -253,10 +257,11 @@ class ShardMaps:
             self.version += 1
 
     def trusted(self, path: str) -> tuple[int, float] | None:
-        """(generation, time) a read last confirmed the map of ``path`` for, None without one."""
+        """(the generation the map of ``path`` was verified to hold, the time of its last stat),
+        None without a map."""
         with self._lock:
             entry = self._entries.get(path)
-            return None if entry is None or entry.map is None else (entry.generation, entry.confirmed)
+            return None if entry is None or entry.map is None else (entry.map.generation, entry.confirmed)
 
     def drop_under(self, folder: str) -> None:
         """Unmap the files under ``folder`` (a buffer closed: its replaced files are freed)."""
@@ -271,7 +276,7 @@ class ShardMaps:
         with self._lock:
             for path, entry in self._entries.items():
                 if path.startswith(folder):
-                    entry.generation = 0
+                    entry.confirmed = -math.inf
             self.version += 1
 
     def clear(self) -> None:
@@ -288,9 +293,9 @@ os.register_at_fork(after_in_child=_maps._after_fork)
 
 
 class MapIndex:
-    """The maps of one array's hot shards that timestep batches confirmed, by slot, in arrays
+    """The maps of one array's hot shards that timestep batches verified, by slot, in arrays
     (``gather_mapped``'s fast path): a batch whose every pair names a slot here at the
-    generation confirmed less than ``TRUST_S`` ago, and a stored, checked frame, is served with
+    generation its map holds, stat'ed less than ``TRUST_S`` ago, and a stored, checked frame, is served with
     a few numpy operations and one fancy index, without a lookup per sampled episode (a set of
     the batch's episodes, a dict lookup each and a table of their rows cost as much as the copy).
     Valid while ``ShardMaps.version`` stays as it was when built; any other batch takes the
@@ -335,7 +340,7 @@ class MapIndex:
         self, version: int, episodes: list[int], shards: list[HotMap | None], paths: list[str], planned: list[int]
     ) -> None:
         """Index the whole-checked maps a batch used (``episodes``: its distinct slots) that
-        ``ShardMaps`` confirmed for the ``planned`` generations, as of ``version`` (the maps'
+        ``ShardMaps`` verified for the ``planned`` generations, as of ``version`` (the maps'
         version when the batch looked them up: a map gone since is never indexed)."""
         with self.lock:
             if self.version != version:
@@ -399,12 +404,23 @@ def _shard_map(array: ShardedArray, episode: int) -> HotMap | None:
     return _maps.get(array.shard_path(episode), array)
 
 
+class Mapped(NamedTuple):
+    """What ``gather_mapped`` read: ``frames`` (the pairs in ``left`` not filled), the indices
+    of the pairs ``left`` to the usual read path, and the (slot, planned generation, map) of
+    each map that served pairs without being verified to hold that generation (the caller
+    checks the slots' generations, then marks the maps verified: ``ShardedArray.gather``)."""
+
+    frames: np.ndarray
+    left: np.ndarray
+    unverified: list[tuple[int, int, HotMap]]
+
+
 def gather_mapped(
     array: ShardedArray, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray] | None:
+) -> Mapped | None:
     """One frame per (episode, timestep) pair (int64 arrays) from the maps of hot shards, as
-    ``ChunkedArray.gather`` returns them: (the frames, the indices of the pairs left to the
-    usual read path), or None when the array cannot be mapped or none of the shards is hot.
+    ``ChunkedArray.gather`` returns them (``Mapped``), or None when the array cannot be mapped
+    or none of the shards is hot.
 
     Each distinct episode's map is looked up once, the pairs' rows and checked flags found with
     numpy, and the frames copied with one fancy index over all the maps (``_strided.take_at``;
@@ -412,14 +428,14 @@ def gather_mapped(
     and a lookup or two) cost ~1 us a frame more than the copy itself. The references in
     ``shards`` keep the maps alive while they are indexed. ``generations``: per pair, the
     generation the read planned for the slot (``ShardMaps.get_many``); a batch naming them is
-    first offered to the array's ``MapIndex``, which learns the maps this path confirms."""
+    first offered to the array's ``MapIndex``, which serves only maps verified for them."""
     if not len(episodes) or not _mappable(array, array.dtype):
         return None
     index = None if generations is None else _index_of(array)
     if index is not None and generations is not None:
         frames = index.take(episodes, timesteps, generations)
         if frames is not None:
-            return frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), np.empty(0, np.int64)
+            return Mapped(frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), np.empty(0, np.int64), [])
     version = _maps.version
     distinct, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
     paths = [array.shard_path(episode) for episode in distinct.tolist()]
@@ -431,6 +447,11 @@ def gather_mapped(
     if not live:  # none hot (compacted): the usual path reads the whole batch
         return None
     maps = [shard for shard in shards if shard is not None]
+    unverified: list[tuple[int, int, HotMap]] = []
+    if planned is not None:
+        for k, shard in enumerate(shards):
+            if shard is not None and shard.generation != planned[k]:
+                unverified.append((int(distinct[k]), planned[k], shard))
     which = np.full(len(shards), -1, np.int64)
     which[live] = np.arange(len(maps))
     which = which[inverse]  # each pair's map in ``maps``; -1: none
@@ -462,7 +483,7 @@ def gather_mapped(
         anchor = maps[int(which[stored[lowest]])].payloads[int(rows[stored[lowest]]) :]
         frames = take_at(anchor, addresses - addresses[lowest])
         if frames is not None and len(stored) == len(episodes):
-            return frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), left
+            return Mapped(frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), left, unverified)
     out = np.empty((len(episodes), *array.shape[2:]), array.dtype)
     flat = out.reshape(len(out), -1).view(np.uint8)
     if frames is not None:
@@ -471,7 +492,7 @@ def gather_mapped(
         for k in stored.tolist():
             flat[k] = maps[int(which[k])].payloads[int(rows[k])]
     flat[absent] = 0
-    return out, left
+    return Mapped(out, left, unverified)
 
 
 def read_mapped_spans(

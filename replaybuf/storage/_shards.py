@@ -19,9 +19,9 @@ import numpy as np
 
 from ._chunks import ABSENT, ChunkedArray, _per_pair, chunk_cache
 from ._codecs import BLOSC_HEADER, crc32c, crc_bit_flipped
-from ._hotmap import gather_mapped, read_mapped_spans, shard_maps
+from ._hotmap import HotMap, gather_mapped, read_mapped_spans, shard_maps
 from ._kv import CORES, LocalKV, in_pool, in_pool_as_planned, thread_pool
-from .base import ChunkChecksumError, CorruptChunkError
+from .base import ChunkChecksumError, CorruptChunkError, GenerationMismatchError
 
 if TYPE_CHECKING:
     from ._hot import HotTier
@@ -229,7 +229,8 @@ class ShardedArray(ChunkedArray):
     def gather(self, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None) -> np.ndarray:
         # docstring inherited: hot shards on local disk from their maps (``_hotmap.py``), at a
         # gather's speed (the chunk cache would only add its lookups and copies); the resident
-        # copy of a small array first
+        # copy of a small array first. Maps not yet verified to hold the generations named are
+        # verified after the copy (``verifies_gathers``)
         episodes = np.asarray(episodes, dtype=np.int64).reshape(-1)
         timesteps = np.asarray(timesteps, dtype=np.int64).reshape(-1)
         planned = None if generations is None else _per_pair(generations, len(episodes))
@@ -240,11 +241,28 @@ class ShardedArray(ChunkedArray):
         )
         if mapped is None:
             return super().gather(episodes, timesteps, generations)
-        out, left = mapped
+        out, left, unverified = mapped
         if len(left):
             kept = None if planned is None else planned[left]
             out[left] = super().gather(episodes[left], timesteps[left], kept)
+        if unverified and self.generations_of is not None:
+            self._verify_maps(unverified)
         return out
+
+    def _verify_maps(self, unverified: list[tuple[int, int, HotMap]]) -> None:
+        """Mark each map verified for the generation a read named for its slot, where the slot
+        holds it now (read after the map was found at its path, which was after the read was
+        planned: generations never return, so the slot held it all along and the map's file
+        version is that episode's); GenerationMismatchError names the other slots."""
+        slots = np.array([slot for slot, _, _ in unverified], np.int64)
+        named = np.array([generation for _, generation, _ in unverified], np.int64)
+        assert self.generations_of is not None
+        held = named == np.asarray(self.generations_of(slots), np.int64)
+        for (_, generation, shard), ok in zip(unverified, held.tolist()):
+            if ok:
+                shard.generation = generation
+        if not held.all():
+            raise GenerationMismatchError(self.kv.where(self.path), slots[~held])
 
     def _read_whole_into(
         self, grid: list[tuple[int, int]], rows: list[int], out: np.ndarray, generations: list | None

@@ -485,7 +485,8 @@ class ZarrStorage(KVBlobs, Storage):
             separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"),
             # format 2 data arrays and packed ones keep every chunk they write: a missing one is damage
             committed=self._committed_length if (checksum or chunks[0] > 1) and grid_axes == 2 else None,
-            generations_of=functools.partial(self._stored_meta_rows, "_generation") if grid_axes == 2 else None,
+            # what a reader's re-check reads (``consistency.committed_generations``)
+            generations_of=functools.partial(self.read_meta_rows, "_generation") if grid_axes == 2 else None,
         )
         if grid_axes == 2 and chunks[0] > 1 and not compressors and not checksum:
             name = path.split("/", 1)[1]
@@ -964,6 +965,11 @@ class ZarrStorage(KVBlobs, Storage):
     def verifies_reads(self, names: Iterable[str]) -> bool:
         # docstring inherited: fields held resident are checked when their rows are loaded
         return all(self.array(name).verifies_resident for name in names)
+
+    def verifies_gathers(self, names: Iterable[str]) -> bool:
+        # docstring inherited: resident rows were checked when loaded, others after each read
+        # (the maps of hot shards once each)
+        return all(self.array(name).verifies_gathers for name in names)
 
     def drop_caches(self) -> None:
         # docstring inherited

@@ -51,6 +51,9 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   ``verifies_reads(names)`` tells per field: the zarr backend verifies the fields it holds
   resident (each row checked against its slot's stored generation after it was loaded), and
   its reads of them raise GenerationMismatchError as a verifying storage's do.
+  ``verifies_gathers(names)`` tells the same of ``gather`` alone: the zarr backend verifies
+  every gather given generations (the slots read are checked after the read, the maps of hot
+  shards once per map), so a timestep batch needs no re-check of its own.
 - **Replacement.** Generations never return at a location: a buffer created over another
   (``overwrite=True``) counts on from the highest generation the old one published
   (``ReplayBuffer._create``), so a generation planned in the old buffer never matches a slot of
@@ -1065,6 +1068,12 @@ class Storage(ABC):
         some fields only."""
         del names
         return self.verifies_generations
+
+    def verifies_gathers(self, names: Iterable[str]) -> bool:
+        """``verifies_reads`` for ``gather`` alone (what timestep and short-window batches
+        read): the zarr backend verifies every gather given generations. The default:
+        ``verifies_reads``."""
+        return self.verifies_reads(names)
 
     def stored_uuid(self) -> str | None:
         """The uuid of the config stored at the location now, read afresh (None: no config with a
