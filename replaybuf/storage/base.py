@@ -91,6 +91,9 @@ from .lease import take as take_lease
 from .spans import Spans, read_spans_by_rows
 
 STATE_KEY = "replaybuf/state.json"
+# inside an upgrade's copy (``.<name>.upgrading-<pid>``) until it is swapped in: which buffer it
+# copies, from which process; written before the copy's create (``maintenance.upgrade``)
+UPGRADE_MARKER = "replaybuf/upgrading.json"
 # the slots a writer is writing in place before publishing them (``Storage.mark_writing``)
 WRITING_KEY = "replaybuf/writing"
 # the buffer-level attributes (``replaybuf.attrs``)

@@ -1,0 +1,122 @@
+"""The write side attacked as a hostile user would: a buffer writes only what it owns and never
+through a link (the writer lease's file included), and a user's own ``replaybuf/`` folder is not
+a buffer's to erase or write into."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError
+
+from ._backends import LOCAL_BACKENDS as LOCAL
+from ._backends import snapshot
+
+FIELDS = {"state": ("float", 3), "reward": "float"}
+
+
+def new(location, backend=None, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(location, max_episodes=3, max_timesteps=4, fields=FIELDS, backend=backend, **kwargs)
+
+
+def store(buffer: ReplayBuffer, value: float = 1.0) -> None:
+    buffer.store_episode(state=np.full((3, 3), value, np.float32), reward=np.full(3, value, np.float32))
+
+
+def stored_buffer(path, backend) -> None:
+    buffer = new(path, backend)
+    store(buffer)
+    buffer.close()
+
+
+# ---- the writer lease never writes through a link ----------------------------------------------
+
+
+@pytest.mark.parametrize("open_for_writing", ["from_folder", "overwrite"])
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_linked_lease_file_is_refused_and_its_target_kept(tmp_path, backend, open_for_writing):
+    stored_buffer(tmp_path / "buf", backend)
+    theirs = tmp_path / "notes.txt"
+    theirs.write_text("precious")
+    lock = tmp_path / "buf" / "replaybuf" / "writer.lock"
+    lock.unlink(missing_ok=True)
+    os.symlink(theirs, lock)
+    with pytest.raises(StorageError, match="writer.lock' is a symbolic link"):
+        if open_for_writing == "from_folder":
+            ReplayBuffer.from_folder(tmp_path / "buf")
+        else:
+            new(tmp_path / "buf", backend)
+    assert theirs.read_text() == "precious" and os.path.islink(lock)
+    assert len(ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)) == 1
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_linked_blob_folder_is_refused_before_the_lease_writes_into_it(tmp_path, backend):
+    stored_buffer(tmp_path / "buf", backend)
+    target = tmp_path / "elsewhere"
+    os.rename(tmp_path / "buf" / "replaybuf", target)
+    (target / "writer.lock").write_text("precious")
+    os.symlink(target, tmp_path / "buf" / "replaybuf")
+    before = snapshot(str(target))
+    with pytest.raises(StorageError, match="replaybuf' is a symbolic link"):
+        ReplayBuffer.from_folder(tmp_path / "buf")
+    assert snapshot(str(target)) == before  # the old lease deleted the user's writer.lock here
+
+
+# ---- a user's own replaybuf/ folder is not a buffer's -------------------------------------------
+
+
+def user_folder(path, backend) -> None:
+    """A folder of the user's: files a buffer of ``backend`` would own by name, and a
+    ``replaybuf/`` folder of their own, with a ``state.json`` that is no buffer's counters."""
+    (path / "replaybuf" / "snapshots").mkdir(parents=True)
+    (path / "replaybuf" / "state.json").write_text('{"num_episodes": 7}')
+    (path / "replaybuf" / "snapshots" / "best.txt").write_text("mine")
+    if backend == "memmap":
+        (path / "obs.data.npy").write_bytes(np.arange(4).tobytes())
+        (path / "metadata.pkl").write_bytes(b"mine")
+    elif backend == "hdf5":
+        import h5py
+
+        with h5py.File(path / "data.h5", "w") as f:
+            f["obs"] = np.arange(4)
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_users_replaybuf_folder_is_refused_and_kept(tmp_path, backend):
+    user_folder(tmp_path, backend)
+    before = snapshot(str(tmp_path))
+    with pytest.raises(ForeignEntriesError, match="'replaybuf/'"):
+        new(tmp_path, backend)
+    assert snapshot(str(tmp_path)) == before
+
+
+def test_a_users_replaybuf_prefix_on_an_object_store_is_refused_and_kept():
+    import fsspec
+
+    location = f"memory://hostile-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{location}/replaybuf/snapshots/best.txt", b"mine")
+    with pytest.raises(ForeignEntriesError, match="'replaybuf/'"):
+        new(location)
+    assert fs.cat(f"{location}/replaybuf/snapshots/best.txt") == b"mine"
+    assert sorted(fs.find(location)) == [f"/{location.removeprefix('memory://')}/replaybuf/snapshots/best.txt"]
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_what_a_killed_open_or_create_leaves_is_still_overwritten(tmp_path, backend):
+    # a writable open killed holding its lease, before its create wrote anything
+    (tmp_path / "lease-only" / "replaybuf").mkdir(parents=True)
+    (tmp_path / "lease-only" / "replaybuf" / "writer.lock").write_text('{"pid": 1}')
+    store(new(tmp_path / "lease-only", backend))
+    assert len(ReplayBuffer.from_folder(tmp_path / "lease-only", read_only=True)) == 1
+    if backend == "zarr":
+        return  # zarr's create writes its root document first: there is a buffer from then on
+    # a create killed after its counters, before its config
+    stored_buffer(tmp_path / "cut", backend)
+    os.unlink(tmp_path / "cut" / ("replaybuf.json" if backend == "memmap" else "data.h5"))
+    store(new(tmp_path / "cut", backend))
+    assert len(ReplayBuffer.from_folder(tmp_path / "cut", read_only=True)) == 1
