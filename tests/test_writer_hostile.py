@@ -1,16 +1,20 @@
 """The write side attacked as a hostile user would: a buffer writes only what it owns and never
-through a link (the writer lease's file included), and a user's own ``replaybuf/`` folder is not
-a buffer's to erase or write into."""
+through a link (the writer lease's file included), a user's own ``replaybuf/`` folder is not a
+buffer's to erase or write into, and a write that fails (a file size limit: EFBIG) raises, never
+returning as if it were stored."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import resource
+import signal
 import uuid
 
 import numpy as np
 import pytest
 
-from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError
+from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError, verify
 
 from ._backends import LOCAL_BACKENDS as LOCAL
 from ._backends import snapshot
@@ -120,3 +124,65 @@ def test_what_a_killed_open_or_create_leaves_is_still_overwritten(tmp_path, back
     os.unlink(tmp_path / "cut" / ("replaybuf.json" if backend == "memmap" else "data.h5"))
     store(new(tmp_path / "cut", backend))
     assert len(ReplayBuffer.from_folder(tmp_path / "cut", read_only=True)) == 1
+
+
+# ---- a write that fails raises; one that returned is stored ------------------------------------
+
+EPISODES = [np.full((3, 3), value, np.float32) for value in (1.0, 2.0, 3.0)]
+EDITS = {
+    "store_episode": lambda buffer: buffer.store_episode(state=np.full((3, 3), 9.0, np.float32), reward=np.zeros(3)),
+    "update": lambda buffer: buffer.update(0, state=np.full((3, 3), 7.0, np.float32)),
+    "drop_episodes": lambda buffer: buffer.drop_episodes([1]),
+    "clear": lambda buffer: buffer.clear(),
+}
+# each edit's states of slots 0-3 once made (None: an empty slot)
+MADE = {
+    "store_episode": [*EPISODES, np.full((3, 3), 9.0, np.float32)],
+    "update": [np.full((3, 3), 7.0, np.float32), *EPISODES[1:], None],
+    "drop_episodes": [EPISODES[0], None, EPISODES[2], None],
+    "clear": [None] * 4,
+}
+
+
+def _edit_under_a_file_size_limit(path: str, edit: str, results) -> None:
+    """In a child: open the buffer, then make ``edit`` with every write past 1 KiB of a file
+    failing (EFBIG), and say how it ended."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the failing write returns EFBIG instead
+    buffer = ReplayBuffer.from_folder(path)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+    try:
+        EDITS[edit](buffer)
+        buffer.close()
+        results.send("returned")
+    except StorageError as e:
+        results.send(f"StorageError: {e}")
+    finally:
+        os._exit(0)  # no exit hooks: the lease dies with the process
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+@pytest.mark.parametrize("backend", LOCAL)
+def test_an_edit_whose_writes_fail_raises_or_is_stored(tmp_path, backend, edit):
+    buffer = ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=4, fields=FIELDS, backend=backend)
+    for state in EPISODES:
+        buffer.store_episode(state=state, reward=np.zeros(3, np.float32))
+    buffer.close()
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=_edit_under_a_file_size_limit, args=(str(tmp_path / "buf"), edit, sender)
+    )
+    child.start()
+    child.join(60)
+    outcome = receiver.recv()
+    expected = MADE[edit] if outcome == "returned" else [*EPISODES, None]
+    if backend == "hdf5":  # data.h5 is larger than the limit: every write of an edit fails
+        assert outcome.startswith("StorageError") and "data.h5" in outcome, outcome
+    reopened = ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)
+    lens = np.asarray(reopened.meta_data["episode_lens"])
+    for slot, state in enumerate(expected):
+        if state is None:
+            assert lens[slot] == 0, (outcome, slot)
+        else:
+            assert lens[slot] == 3, (outcome, slot)
+            np.testing.assert_array_equal(np.asarray(reopened.data["state"][slot])[:3], state, err_msg=outcome)
+    assert verify(tmp_path / "buf") == []
