@@ -374,7 +374,13 @@ class Committer:
             "total_episodes": int(self.state["total_episodes"]),
             "cleared": True,
         }
-        self.store_state(self.state)
+        try:
+            self.store_state(self.state)
+        except CountersNotWritten as e:  # not "every episode is kept": none is published now
+            raise CountersNotWritten(
+                f"clear: every episode was erased (no slot is published any more), but {e.__cause__}; the "
+                "counters are written again by the next commit, flush() or close()"
+            ) from e.__cause__
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then

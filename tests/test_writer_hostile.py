@@ -144,38 +144,45 @@ MADE = {
 }
 
 
-def _edit_under_a_file_size_limit(path: str, edit: str, results) -> None:
-    """In a child: open the buffer, then make ``edit`` with every write past 1 KiB of a file
-    failing (EFBIG), and say how it ended."""
+def _edit_under_a_file_size_limit(path: str, edit: str, limit: int, results) -> None:
+    """In a child: open the buffer, then make ``edit`` with every write past ``limit`` bytes of
+    a file failing (EFBIG), and say how it ended."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the failing write returns EFBIG instead
     buffer = ReplayBuffer.from_folder(path)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     try:
         EDITS[edit](buffer)
         buffer.close()
         results.send("returned")
-    except StorageError as e:
-        results.send(f"StorageError: {e}")
+    except BaseException as e:  # anything but a StorageError fails the test
+        results.send(f"{type(e).__name__}: {e}")
     finally:
         os._exit(0)  # no exit hooks: the lease dies with the process
 
 
+@pytest.mark.parametrize("limit", [0, 1024])  # 0: the counters cannot be written either
 @pytest.mark.parametrize("edit", list(EDITS))
 @pytest.mark.parametrize("backend", LOCAL)
-def test_an_edit_whose_writes_fail_raises_or_is_stored(tmp_path, backend, edit):
+def test_an_edit_whose_writes_fail_raises_or_is_stored(tmp_path, backend, edit, limit):
     buffer = ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=4, fields=FIELDS, backend=backend)
     for state in EPISODES:
         buffer.store_episode(state=state, reward=np.zeros(3, np.float32))
     buffer.close()
     receiver, sender = multiprocessing.Pipe(duplex=False)
     child = multiprocessing.get_context("fork").Process(
-        target=_edit_under_a_file_size_limit, args=(str(tmp_path / "buf"), edit, sender)
+        target=_edit_under_a_file_size_limit, args=(str(tmp_path / "buf"), edit, limit, sender)
     )
     child.start()
     child.join(60)
+    assert receiver.poll(), f"the child ended ({child.exitcode}) without saying how the edit went"
     outcome = receiver.recv()
-    expected = MADE[edit] if outcome == "returned" else [*EPISODES, None]
-    if backend == "hdf5":  # data.h5 is larger than the limit: every write of an edit fails
+    assert outcome == "returned" or outcome.startswith(("StorageError: ", "CountersNotWritten: ")), outcome
+    # CountersNotWritten comes after the edit was made: its message must say so
+    made = outcome == "returned" or outcome.startswith("CountersNotWritten")
+    if made and edit == "clear" and outcome != "returned":
+        assert "every episode was erased" in outcome, outcome
+    expected = MADE[edit] if made else [*EPISODES, None]
+    if backend == "hdf5" and limit:  # data.h5 is larger than 1 KiB, the other files smaller
         assert outcome.startswith("StorageError") and "data.h5" in outcome, outcome
     reopened = ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)
     lens = np.asarray(reopened.meta_data["episode_lens"])
