@@ -1143,7 +1143,7 @@ class ReplayBuffer(CommittedViews):
 
     def drop_episodes(self, slots: int | Sequence[int] | np.ndarray) -> list[int]:
         """Empty the slots of committed episodes (damaged ones ``replaybuf verify`` found): each
-        is unpublished as a reused slot is (generation, then length set to 0). ``num_episodes``
+        is unpublished as a reused slot is (length, then generation set to 0). ``num_episodes``
         stays, so ``get_all_data`` lists a dropped slot as a row of padding (length 0) and never
         hides the episodes after it; ``len(buffer)`` counts the episodes left. Other episodes are
         untouched. Returns the slots dropped (those that held a committed episode)."""

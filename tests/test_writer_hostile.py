@@ -193,3 +193,46 @@ def test_an_edit_whose_writes_fail_raises_or_is_stored(tmp_path, backend, edit, 
             assert lens[slot] == 3, (outcome, slot)
             np.testing.assert_array_equal(np.asarray(reopened.data["state"][slot])[:3], state, err_msg=outcome)
     assert verify(tmp_path / "buf") == []
+
+
+# ---- a kill at any point of a drop leaves the buffer readable ----------------------------------
+
+
+def _drop_killed_at_its_second_bookkeeping_write(path: str) -> None:
+    """In a child: drop slot 1, killed (SIGKILL) as it writes the second of the slot's length
+    and generation."""
+    buffer = ReplayBuffer.from_folder(path)
+    write_meta, writes = buffer.storage.write_meta, []
+
+    def write_then_die(name, *args, **kwargs):
+        writes.append(name)
+        if len(writes) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_meta(name, *args, **kwargs)
+
+    buffer.storage.write_meta = write_then_die
+    buffer.drop_episodes([1])
+    os._exit(0)  # not reached
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_drop_killed_between_its_two_writes_leaves_every_other_episode_readable(tmp_path, backend):
+    buffer = ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=4, fields=FIELDS, backend=backend)
+    for state in EPISODES:
+        buffer.store_episode(state=state, reward=np.zeros(3, np.float32))
+    buffer.close()
+    child = multiprocessing.get_context("fork").Process(
+        target=_drop_killed_at_its_second_bookkeeping_write, args=(str(tmp_path / "buf"),)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    # the old order (generation first) left slot 1 with a length and no generation: every open,
+    # read-only ones included, refused the whole buffer as damaged
+    assert len(ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)) == 2
+    reopened = ReplayBuffer.from_folder(tmp_path / "buf")
+    assert np.asarray(reopened.meta_data["episode_lens"]).tolist() == [3, 0, 3, 0]
+    for slot in (0, 2):
+        np.testing.assert_array_equal(np.asarray(reopened.data["state"][slot])[:3], EPISODES[slot])
+    reopened.close()
+    assert verify(tmp_path / "buf") == []
