@@ -9,10 +9,14 @@ import multiprocessing
 import os
 import resource
 import signal
+import tempfile
 import uuid
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError, verify
 
@@ -236,3 +240,71 @@ def test_a_drop_killed_between_its_two_writes_leaves_every_other_episode_readabl
         np.testing.assert_array_equal(np.asarray(reopened.data["state"][slot])[:3], EPISODES[slot])
     reopened.close()
     assert verify(tmp_path / "buf") == []
+
+
+# ---- a rejected call leaves the buffer byte-identical ------------------------------------------
+
+CALLS = {
+    "store_episode": lambda buffer, value: buffer.store_episode(state=value, reward=np.zeros(3, np.float32), task=1),
+    "store_episode meta": lambda buffer, value: buffer.store_episode(
+        state=np.zeros((3, 3), np.float32), reward=np.zeros(3, np.float32), task=value
+    ),
+    "store": lambda buffer, value: buffer.store(state=value, reward=1.0),
+    "update": lambda buffer, value: buffer.update(0, state=value),
+    "update meta": lambda buffer, value: buffer.update(0, task=value),
+    "data[...] =": lambda buffer, value: buffer.data["state"].__setitem__((0, slice(0, 3)), value),
+    "meta_data[...] =": lambda buffer, value: buffer.meta_data["task"].__setitem__(0, value),
+    "meta_data[name] =": lambda buffer, value: buffer.meta_data.__setitem__("task", value),
+    "data[name] =": lambda buffer, value: buffer.data.__setitem__("state", value),
+}
+ODD_VALUES = st.sampled_from(
+    ["abc", None, {"x": 1}, [[1.0, 2.0], [3.0]], 1e300, np.nan, np.array([object()] * 3), np.zeros((3, 3), complex)]
+)
+ARRAYS = hnp.arrays(
+    st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_]),
+    hnp.array_shapes(min_dims=0, max_dims=3, max_side=5),
+)
+
+
+@pytest.fixture(scope="module")
+def buffers():
+    """One buffer per backend, each with a committed episode and one in progress (its step log
+    written), shared by the examples: a rejected call must leave each as it was."""
+    with tempfile.TemporaryDirectory() as root:
+        made = {}
+        for backend in LOCAL:
+            buffer = ReplayBuffer(
+                os.path.join(root, backend),
+                max_episodes=4,
+                max_timesteps=4,
+                fields=FIELDS,
+                meta_fields={"task": "int"},
+                backend=backend,
+            )
+            buffer.store_episode(state=np.ones((3, 3), np.float32), reward=np.ones(3, np.float32), task=3)
+            buffer.store(state=np.ones(3, np.float32), reward=1.0)
+            buffer.flush()
+            made[backend] = buffer
+        yield made
+        for buffer in made.values():
+            buffer.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(backend=st.sampled_from(LOCAL), call=st.sampled_from(list(CALLS)), value=ODD_VALUES | ARRAYS)
+def test_a_rejected_call_leaves_the_buffer_byte_identical(buffers, backend, call, value):
+    buffer = buffers[backend]
+    before, task, state = (
+        snapshot(buffer.storage.location),
+        buffer.meta_data["task"][0],
+        np.asarray(buffer.data["state"][0]),
+    )
+    try:
+        CALLS[call](buffer, value)
+    except (ValueError, TypeError, IndexError) as e:
+        assert snapshot(buffer.storage.location) == before, f"{call} of {value!r} was refused ({e}) but wrote"
+        assert buffer.meta_data["task"][0] == task
+        np.testing.assert_array_equal(np.asarray(buffer.data["state"][0]), state)
+    else:  # accepted: made as a write (put back, so later examples start from the same values)
+        assert call not in ("meta_data[name] =", "data[name] ="), "assigning a field's name writes nothing"
+        buffer.update(0, state=state, task=task)
