@@ -308,3 +308,43 @@ def test_a_rejected_call_leaves_the_buffer_byte_identical(buffers, backend, call
     else:  # accepted: made as a write (put back, so later examples start from the same values)
         assert call not in ("meta_data[name] =", "data[name] ="), "assigning a field's name writes nothing"
         buffer.update(0, state=state, task=task)
+
+
+# ---- reopening with another config changes nothing ---------------------------------------------
+
+
+def contents(path) -> dict[str, bytes]:
+    """Every file's bytes under ``path`` (mtimes left out: a refused writable open takes and
+    gives back the writer lease)."""
+    out = {}
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                out[os.path.relpath(os.path.join(folder, name), path)] = f.read()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"fields": {"state": ("int", 3), "reward": "float"}}, "fields.state"),
+        ({"fields": {"state": ("float", 4), "reward": "float"}}, "fields.state"),
+        ({"fields": {**FIELDS, "extra": "int"}}, "fields.extra"),
+        ({"max_episodes": 5}, "max_episodes: stored 3 vs passed 5"),
+        ({"max_timesteps": 9}, "max_timesteps: stored 4 vs passed 9"),
+    ],
+)
+@pytest.mark.parametrize("backend", LOCAL)
+def test_reopening_with_another_config_is_refused_naming_it_and_changes_no_byte(tmp_path, backend, change, named):
+    stored_buffer(tmp_path / "buf", backend)
+    before = contents(tmp_path / "buf")
+    config = {"max_episodes": 3, "max_timesteps": 4, "fields": FIELDS, **change}
+    with pytest.raises(ValueError, match=named):
+        ReplayBuffer(tmp_path / "buf", backend=backend, overwrite=False, **config)
+    other = "zarr" if backend != "zarr" else "memmap"
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=f"holds a '{backend}' buffer"):
+            ReplayBuffer(
+                tmp_path / "buf", max_episodes=3, max_timesteps=4, fields=FIELDS, backend=other, overwrite=overwrite
+            )
+    assert contents(tmp_path / "buf") == before
