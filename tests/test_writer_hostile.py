@@ -348,3 +348,19 @@ def test_reopening_with_another_config_is_refused_naming_it_and_changes_no_byte(
                 tmp_path / "buf", max_episodes=3, max_timesteps=4, fields=FIELDS, backend=other, overwrite=overwrite
             )
     assert contents(tmp_path / "buf") == before
+
+
+# ---- an empty location names no folder ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("location", ["", "file://"])
+def test_an_empty_location_is_refused_not_taken_as_the_current_folder(tmp_path, monkeypatch, location):
+    monkeypatch.chdir(tmp_path)
+    stored_buffer(".", "zarr")  # the user's buffer in the current folder
+    before = snapshot(str(tmp_path))
+    # an unset setting (os.environ.get("BUFFER", "")) erased it: "" is the current folder to os.path
+    with pytest.raises(ValueError, match=r"the location '(file://)?' is empty: it names no folder"):
+        new(location)
+    with pytest.raises(ValueError, match="is empty"):
+        ReplayBuffer.from_folder(location)
+    assert snapshot(str(tmp_path)) == before

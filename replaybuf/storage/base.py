@@ -1274,6 +1274,11 @@ def make_storage(
         return location
     location = os.fspath(location)
     local = location.removeprefix("file://")
+    if not local:  # os.path reads "" as the current folder, which the user did not name
+        raise ValueError(
+            f"the location {location!r} is empty: it names no folder (it would be the current one, "
+            f"{os.getcwd()!r}, where a buffer would be created or erased); pass '.' to mean that folder"
+        )
     if "://" not in local and os.path.lexists(local) and not os.path.isdir(local):
         what = "a dangling or looping link" if os.path.islink(local) and not os.path.exists(local) else "a file"
         raise NotADirectoryError(
