@@ -5,11 +5,14 @@ returning as if it were stored."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import os
 import resource
 import signal
 import tempfile
+import time
 import uuid
 
 import numpy as np
@@ -364,3 +367,115 @@ def test_an_empty_location_is_refused_not_taken_as_the_current_folder(tmp_path, 
     with pytest.raises(ValueError, match="is empty"):
         ReplayBuffer.from_folder(location)
     assert snapshot(str(tmp_path)) == before
+
+
+# ---- SIGKILL at random points of every kind of write -------------------------------------------
+
+KILLS_PER_BACKEND = 25
+
+
+def _model(buffer: ReplayBuffer) -> list[list[float] | None]:
+    """Each slot's episode as (its reward value, length, its state value), None where empty:
+    every stored episode holds one value per field (an update rewrites the state's)."""
+    lens = np.asarray(buffer.meta_data["episode_lens"]).tolist()
+    return [
+        [float(buffer.data["reward"][slot][0]), n, float(buffer.data["state"][slot][0, 0])] if n else None
+        for slot, n in enumerate(lens)
+    ]
+
+
+def _write(path: str, record: object) -> None:
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(f"{path}.tmp", path)
+
+
+def _write_until_killed(path: str, journal: str, seed: int, ready) -> None:
+    """In a child: random writes, each recorded before it starts (``pending``: its kind, the
+    slots it may change, its value) and after it returned (``done``: every slot's episode)."""
+    rng = np.random.default_rng(seed)
+    buffer = ReplayBuffer.from_folder(path)
+    _write(f"{journal}/done.json", _model(buffer))
+    ready.send(True)
+    value = 1000.0 * seed
+    while True:
+        value += 1
+        model = _model(buffer)
+        committed = [slot for slot, episode in enumerate(model) if episode]
+        kinds = ["store_episode", "steps", "update", "drop", "clear"] if committed else ["store_episode"]
+        kind = str(rng.choice(kinds, p=[0.3, 0.25, 0.2, 0.15, 0.1] if committed else None))
+        slots = {
+            "store_episode": [buffer.episode_index],
+            "steps": [buffer.episode_index],
+            "clear": list(range(len(model))),
+        }.get(kind) or [int(rng.choice(committed))]
+        _write(f"{journal}/pending.json", {"kind": kind, "slots": slots, "value": value})
+        steps = int(rng.integers(1, 5))
+        if kind == "store_episode":
+            buffer.store_episode(state=np.full((steps, 3), value, np.float32), reward=np.full(steps, value, np.float32))
+        elif kind == "steps":
+            for _ in range(steps):
+                buffer.store(state=np.full(3, value, np.float32), reward=value)
+            buffer.advance_episode()
+        elif kind == "update":
+            buffer.update(slots[0], state=np.full((model[slots[0]][1], 3), value, np.float32))
+        elif kind == "drop":
+            buffer.drop_episodes(slots)
+        else:
+            buffer.clear()
+        _write(f"{journal}/done.json", _model(buffer))
+
+
+def _allowed(episode, before, pending, state, reward) -> bool:
+    """Whether a slot holding ``state`` and ``reward`` (its length theirs) is what it held when
+    the last write returned (``before``), or what the write in flight (``pending``) may leave."""
+    n = len(reward)
+    if before is None and n == 0:
+        return True
+    if before is not None and n == before[1] and (state == before[2]).all() and (reward == before[0]).all():
+        return True
+    if pending is None or episode not in pending["slots"]:
+        return False
+    kind, value = pending["kind"], pending["value"]
+    if n == 0:  # emptied by the write in flight: a reused slot, a drop, a clear
+        return True
+    if kind in ("store_episode", "steps"):  # (steps: committed from the step log at the reopen)
+        return bool((state == value).all() and (reward == value).all())
+    # an update killed part way leaves each row old or new, its checksums resealed on reopen
+    return kind == "update" and before is not None and n == before[1] and bool(np.isin(state, [before[2], value]).all())
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_writer_killed_at_random_points_keeps_every_committed_episode(tmp_path, backend):
+    path, journal = str(tmp_path / "buf"), str(tmp_path)
+    buffer = ReplayBuffer(path, max_episodes=4, max_timesteps=4, fields=FIELDS, backend=backend, circular=True)
+    buffer.store_episode(state=np.ones((2, 3), np.float32), reward=np.ones(2, np.float32))
+    buffer.close()
+    rng = np.random.default_rng(7)
+    for kill in range(KILLS_PER_BACKEND):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{journal}/pending.json")
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        child = multiprocessing.get_context("fork").Process(
+            target=_write_until_killed, args=(path, journal, kill + 1, sender)
+        )
+        child.start()
+        assert receiver.poll(60), "the writer did not start"
+        receiver.recv()
+        time.sleep(float(rng.uniform(0.0, 0.15)))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(60)
+        with open(f"{journal}/done.json") as f:
+            done = json.load(f)
+        pending = None
+        if os.path.exists(f"{journal}/pending.json"):
+            with open(f"{journal}/pending.json") as f:
+                pending = json.load(f)
+        reopened = ReplayBuffer.from_folder(path)  # a writable open: recovers what the kill left
+        lens = np.asarray(reopened.meta_data["episode_lens"])
+        for episode, before in enumerate(done):
+            state = np.asarray(reopened.data["state"][episode])[: lens[episode], 0]
+            reward = np.asarray(reopened.data["reward"][episode])[: lens[episode]]
+            assert _allowed(episode, before, pending, state, reward), (kill, episode, before, pending, state, reward)
+        reopened.close()
+        assert verify(path) == [], (kill, pending)
