@@ -22,9 +22,12 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError, verify
+from replaybuf.storage._zarr import ZarrStorage
 
 from ._backends import LOCAL_BACKENDS as LOCAL
 from ._backends import snapshot
+
+pytest_plugins = ["tests._servers"]  # fixtures: s3_server
 
 FIELDS = {"state": ("float", 3), "reward": "float"}
 
@@ -115,6 +118,18 @@ def test_a_users_replaybuf_prefix_on_an_object_store_is_refused_and_kept():
         new(location)
     assert fs.cat(f"{location}/replaybuf/snapshots/best.txt") == b"mine"
     assert sorted(fs.find(location)) == [f"/{location.removeprefix('memory://')}/replaybuf/snapshots/best.txt"]
+
+
+def test_a_users_replaybuf_prefix_on_s3_is_refused_unwritten(s3_server):
+    location = f"s3://{s3_server.bucket}/hostile-{uuid.uuid4().hex[:8]}"
+    kv = ZarrStorage(location, s3_server.storage_options).kv
+    kv.set_many({"replaybuf/state.json": b'{"mine": 1}', "replaybuf/snapshots/best": b"mine"})
+    with s3_server.record() as requests:
+        with pytest.raises(ForeignEntriesError, match="'replaybuf/'"):
+            new(location, storage_options=s3_server.storage_options)
+    assert requests.writes() == []
+    assert kv.list_prefix("") == ["replaybuf/snapshots/best", "replaybuf/state.json"]
+    assert kv.get("replaybuf/state.json") == b'{"mine": 1}'
 
 
 @pytest.mark.parametrize("backend", LOCAL)
