@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from replaybuf import ForeignEntriesError, ReplayBuffer, StorageError, verify
+from replaybuf import BufferLockedError, ForeignEntriesError, ReplayBuffer, StorageError, verify
 from replaybuf.storage._zarr import ZarrStorage
 
 from ._backends import LOCAL_BACKENDS as LOCAL
@@ -130,6 +130,35 @@ def test_a_users_replaybuf_prefix_on_s3_is_refused_unwritten(s3_server):
     assert requests.writes() == []
     assert kv.list_prefix("") == ["replaybuf/snapshots/best", "replaybuf/state.json"]
     assert kv.get("replaybuf/state.json") == b'{"mine": 1}'
+
+
+@pytest.mark.parametrize(
+    ("record", "taken"),
+    [
+        (b"\x00\xff not json", True),
+        (b"[1, 2]", True),
+        (b'{"expires": "soon"}', True),
+        (b'{"expires": 1e400}', True),  # not finite: damage, expired
+        (b"x" * 5000, True),  # larger than any record: damage, refused unread
+        (b'{"host": "elsewhere", "pid": 1, "expires": 99999999999}', False),  # a live lease, as far as it says
+    ],
+)
+def test_a_hand_edited_s3_lease_is_taken_over_when_damaged_and_refused_while_live(s3_server, record, taken):
+    location = f"s3://{s3_server.bucket}/hostile-{uuid.uuid4().hex[:8]}"
+    buffer = new(location, storage_options=s3_server.storage_options)
+    store(buffer)
+    buffer.close()
+    ZarrStorage(location, s3_server.storage_options).kv.set_many({"replaybuf/writer.lock": record})
+    if taken:
+        writer = ReplayBuffer.from_folder(location, storage_options=s3_server.storage_options)
+        assert len(writer) == 1
+        writer.close()
+    else:
+        with pytest.raises(BufferLockedError, match="elsewhere"):
+            ReplayBuffer.from_folder(location, storage_options=s3_server.storage_options)
+        writer = ReplayBuffer.from_folder(location, storage_options=s3_server.storage_options, break_lock=True)
+        assert len(writer) == 1
+        writer.close()
 
 
 @pytest.mark.parametrize("backend", LOCAL)
