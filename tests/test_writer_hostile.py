@@ -161,6 +161,36 @@ def test_a_hand_edited_s3_lease_is_taken_over_when_damaged_and_refused_while_liv
         writer.close()
 
 
+def _memmap_create_killed_allocating(path: str) -> None:
+    """In a child: create a memmap buffer, killed (SIGKILL) as it allocates its second array."""
+    from replaybuf.storage._memmap import MemmapStorage
+
+    allocate, allocated = MemmapStorage._allocate, []
+
+    def allocate_then_die(self, *args, **kwargs):
+        allocated.append(args[0])
+        if len(allocated) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return allocate(self, *args, **kwargs)
+
+    MemmapStorage._allocate = allocate_then_die
+    new(path, "memmap")
+    os._exit(0)  # not reached
+
+
+def test_a_memmap_create_killed_allocating_its_arrays_is_overwritten_not_refused(tmp_path):
+    child = multiprocessing.get_context("fork").Process(
+        target=_memmap_create_killed_allocating, args=(str(tmp_path / "buf"),)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert any(name.endswith(".npy") for name in os.listdir(tmp_path / "buf"))  # its first array
+    # the arrays were refused as the user's (ForeignEntriesError) by every later create
+    store(new(tmp_path / "buf", "memmap"))
+    assert len(ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)) == 1
+
+
 @pytest.mark.parametrize("backend", LOCAL)
 def test_what_a_killed_open_or_create_leaves_is_still_overwritten(tmp_path, backend):
     # a writable open killed holding its lease, before its create wrote anything
