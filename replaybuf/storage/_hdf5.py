@@ -735,9 +735,13 @@ class HDF5Storage(LocalFolderStorage):
 
     def close(self) -> None:
         # docstring inherited
+        failed: Exception | None = None
         if self._file is not None and self._pid == os.getpid() and self._file.id.valid:
             self.flush()
-            self._file.close()
+            try:
+                self._file.close()
+            except (OSError, RuntimeError) as e:  # HDF5 writes the file's superblock as it closes
+                failed = e
         self._file = None
         self._ram, self._maps = {}, {}
         if self._checksums is not None:
@@ -746,6 +750,10 @@ class HDF5Storage(LocalFolderStorage):
             self._writer_mark()  # closes the mark's descriptor: releases the lock
             self._writer_mark = None
         self.kv.close()
+        if failed is not None:
+            raise StorageError(
+                f"closing {self.path!r} failed: {failed}; every episode committed before is kept"
+            ) from failed
 
     def describe(self) -> dict:
         # docstring inherited
