@@ -61,7 +61,7 @@ from .storage import (
     unpublished_slots,
     with_cache,
 )
-from .view import BufferView, CommittedViews, read_only_message
+from .view import BufferView, CommittedViews, FieldViews, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
     from .collector import EpisodeCollector
@@ -471,7 +471,7 @@ class ReplayBuffer(CommittedViews):
         self.schema = schema
         self._bookkeeping = bookkeeping_fields(schema)
         self._meta_fields = {**schema.meta_fields, **self._bookkeeping}
-        self.data = {n: DataView(self, n) for n in schema.fields}
+        self.data = FieldViews("data", {n: DataView(self, n) for n in schema.fields})
         self._commit: Committer = Committer(self.storage, schema, self.flush_every_store_step)
         self._commit.held.drop_on_overwrite = self.drop_snapshots_on_overwrite
         self._snapshot = (
@@ -488,7 +488,9 @@ class ReplayBuffer(CommittedViews):
         self._store_step = 0
         self._pending_steps = 0  # ``timestep_index = n`` set before the group it applies to began
         self.refresh()
-        self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+        self.meta_data = FieldViews(
+            "meta_data", {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+        )
 
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
@@ -1143,7 +1145,7 @@ class ReplayBuffer(CommittedViews):
 
     def drop_episodes(self, slots: int | Sequence[int] | np.ndarray) -> list[int]:
         """Empty the slots of committed episodes (damaged ones ``replaybuf verify`` found): each
-        is unpublished as a reused slot is (generation, then length set to 0). ``num_episodes``
+        is unpublished as a reused slot is (length, then generation set to 0). ``num_episodes``
         stays, so ``get_all_data`` lists a dropped slot as a row of padding (length 0) and never
         hides the episodes after it; ``len(buffer)`` counts the episodes left. Other episodes are
         untouched. Returns the slots dropped (those that held a committed episode)."""
@@ -1523,7 +1525,9 @@ class ReplayBuffer(CommittedViews):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage.read_only = True
-        self.meta_data = {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+        self.meta_data = FieldViews(
+            "meta_data", {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
+        )
 
     def compact(self) -> CompactionSummary:
         """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced

@@ -374,11 +374,17 @@ class Committer:
             "total_episodes": int(self.state["total_episodes"]),
             "cleared": True,
         }
-        self.store_state(self.state)
+        try:
+            self.store_state(self.state)
+        except CountersNotWritten as e:  # not "every episode is kept": none is published now
+            raise CountersNotWritten(
+                f"clear: every episode was erased (no slot is published any more), but {e.__cause__}; the "
+                "counters are written again by the next commit, flush() or close()"
+            ) from e.__cause__
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
-        """Unpublish the committed episodes among ``slots`` as a reused slot is (generation, then
-        length), then zero their rows where rows are not written whole: a later, shorter episode
+        """Unpublish the committed episodes among ``slots`` as a reused slot is (length, then
+        generation), then zero their rows where rows are not written whole: a later, shorter episode
         in the slot zeroes only what the slot's published length says was written (0 once
         dropped), so the dropped steps past its end would stay (in this session or a later
         one). Returns the slots dropped. ``num_episodes`` stays: a dropped slot lists as a row
@@ -387,8 +393,11 @@ class Committer:
         self.held.check(dropped, self.meta["_generation"][dropped], "drop", drop=True)
         if len(dropped):
             lengths = self.meta["episode_lens"][dropped].tolist()
-            self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
+            # the length first, as ``invalidate`` does: a kill in between leaves an empty slot
+            # with a stale generation (cleared on reopen), never a committed slot without one,
+            # which every open refuses as damage
             self.write_meta("episode_lens", dropped, np.zeros(len(dropped), np.int32))
+            self.write_meta("_generation", dropped, np.zeros(len(dropped), np.int64))
             if not self.rows_written_whole:
                 for slot, length in zip(dropped.tolist(), lengths):
                     for name, field in self.schema.fields.items():

@@ -25,7 +25,7 @@ from .consistency import snapshot_gone
 from .sampling.mixture import check_weights
 from .schema import Field, Schema
 from .storage import ArrayBase, BufferReplacedError, GenerationMismatchError, Spans, Storage
-from .view import CommittedViews, read_only_message
+from .view import CommittedViews, FieldViews, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
 
@@ -427,8 +427,8 @@ class ConcatReplayBuffer(CommittedViews):
         self.snapshot_name = names.pop() if len(names) == 1 else None
         self.folder = [b.folder for b in self.buffers]
         self.storage = ConcatStorage(self.buffers, self.schema)
-        self.data = {n: DataView(self, n) for n in self.schema.fields}
-        self.meta_data = {n: MetaView(self, n) for n in self.meta_shapes}
+        self.data = FieldViews("data", {n: DataView(self, n) for n in self.schema.fields})
+        self.meta_data = FieldViews("meta_data", {n: MetaView(self, n) for n in self.meta_shapes})
         self.refresh()
 
     @staticmethod
@@ -545,7 +545,7 @@ class ConcatReplayBuffer(CommittedViews):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.meta_data = {n: MetaView(self, n) for n in self.meta_shapes}
+        self.meta_data = FieldViews("meta_data", {n: MetaView(self, n) for n in self.meta_shapes})
 
     if not TYPE_CHECKING:  # to a type checker a concatenation has no write method at all
 

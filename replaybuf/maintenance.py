@@ -35,6 +35,7 @@ from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
     STATE_KEY,
+    UPGRADE_MARKER,
     BufferDamagedError,
     ChecksumEntryError,
     ChunkChecksumError,
@@ -462,11 +463,6 @@ def _copy_episodes(
 def _slot_key(meta: dict[str, np.ndarray], slot: int) -> tuple[int, ...]:
     """A slot's bookkeeping (``_SLOT_KEYS``): it changes whenever a writer replaces or edits it."""
     return tuple(int(meta[name][slot]) for name in _SLOT_KEYS if name in meta)
-
-
-# inside an upgrade's copy (``.<name>.upgrading-<pid>``) until it is swapped in: which buffer it
-# copies, from which process; ``replaybuf/`` holds what a buffer owns, so ``convert`` keeps it
-UPGRADE_MARKER = "replaybuf/upgrading.json"
 
 
 def _upgrade_record(folder: str) -> dict:

@@ -12,9 +12,9 @@ and ``CommittedViews`` adds the snapshot's read-only views and the analyses (``g
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
@@ -180,6 +180,41 @@ def read_only_message(kind: str, call: str) -> str:
         f"{kind} is read-only: `{call}` is not allowed; "
         "write to one of its member buffers (ReplayBuffer.from_folder(path)) instead"
     )
+
+
+V = TypeVar("V")
+
+
+class FieldViews(Mapping[str, V]):
+    """``buffer.data`` / ``buffer.meta_data``: each field's view by name. Assigning a name
+    (``buffer.meta_data["task"] = values``) would only replace the view in this mapping, the
+    stored values unchanged and later reads returning the assigned object, so it raises,
+    saying how to write the values."""
+
+    def __init__(self, attribute: str, views: dict[str, V]):
+        self._attribute = attribute
+        self._views = views
+
+    def __getitem__(self, name: str) -> V:
+        return self._views[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        raise TypeError(
+            f"{self._attribute}[{name!r}] = ... would replace the field's view, not its stored values, so "
+            f"nothing was written; write them with {self._attribute}[{name!r}][...] = values (or buffer.update)"
+        )
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError(f"del {self._attribute}[{name!r}]: a buffer's fields are fixed when it is created")
+
+    def __repr__(self) -> str:
+        return f"{self._attribute}{self._views!r}"
 
 
 def frozen(array: np.ndarray) -> np.ndarray:

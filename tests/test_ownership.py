@@ -257,18 +257,19 @@ def test_a_buffer_reached_through_a_linked_root_is_writable(tmp_path):
 
 
 @pytest.mark.parametrize("backend", LOCAL)
-def test_overwrite_removes_links_never_their_targets(tmp_path, backend):
+def test_overwrite_refuses_a_linked_blob_folder_and_keeps_its_target(tmp_path, backend):
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "state.json").write_text("theirs")
-    (target / "keep.txt").write_text("theirs")
+    (target / "writer.lock").write_text("theirs")  # the lease's file name: never written through the link
     store(new(tmp_path / "buf", backend))
     blobs = tmp_path / "buf" / "replaybuf"
     os.rename(blobs, tmp_path / "old-blobs")
     os.symlink(target, blobs)  # replaybuf/ -> a folder outside
-    store(new(tmp_path / "buf", backend))
-    assert not os.path.islink(blobs)
-    assert (target / "state.json").read_text() == "theirs" and (target / "keep.txt").read_text() == "theirs"
+    before = snapshot(str(target))
+    with pytest.raises(StorageError, match="replaybuf' is a symbolic link"):
+        new(tmp_path / "buf", backend)
+    assert os.path.islink(blobs) and snapshot(str(target)) == before
 
 
 def test_zarr_overwrite_unlinks_a_linked_array_folder(tmp_path):

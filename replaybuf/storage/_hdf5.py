@@ -158,6 +158,18 @@ def reading(storage: HDF5Storage, dataset: str) -> Iterator[None]:
     storage.refuse_live_writer()
 
 
+def written_to(dataset: h5py.Dataset, key: Any, values: np.ndarray, path: str) -> None:
+    """``dataset[key] = values``, flushed while ``dataset`` is open: HDF5 keeps a small write's
+    bytes until the dataset is closed (its h5py object freed), where a failed write (a full
+    disk, a file size limit: EFBIG) is only printed and the bytes are lost, the call that
+    wrote them having returned. Flushed here, it raises a StorageError naming the file."""
+    try:
+        dataset[key] = values
+        dataset.flush()
+    except (OSError, RuntimeError) as e:
+        raise StorageError(f"writing {dataset.name} into {path!r} failed: {e}") from e
+
+
 def open_h5(path: str, mode: str) -> h5py.File:
     """``h5py.File(path, mode)`` with the default locking a plain h5py open uses; without
     locking when another process holds a lock on the file or this process opened it so."""
@@ -205,13 +217,15 @@ class H5Array(WrappedArray):
         if _is_simple(key):
             target = np.broadcast_to(np.zeros((), bool), dataset.shape)[key].shape
             self._storage._check_room(int(np.prod(target)) * dataset.dtype.itemsize, self.path)
-            dataset[key] = np.broadcast_to(np.asarray(value, dtype=dataset.dtype), target)
+            written_to(
+                dataset, key, np.broadcast_to(np.asarray(value, dtype=dataset.dtype), target), self._storage.path
+            )
         else:
             box, relative = _bounding_box(key)
             block = np.asarray(dataset[box])
             block[relative] = value
             self._storage._check_room(block.nbytes, self.path)
-            dataset[box] = block
+            written_to(dataset, box, block, self._storage.path)
         self._storage.flush()  # visible at once to memmap readers of the file
         if self.path.startswith("data/"):
             self._storage.rows_rewritten(self.path[len("data/") :], written)
@@ -537,7 +551,12 @@ class HDF5Storage(LocalFolderStorage):
         self._check_room(np.asarray(values).nbytes, f"data/{name}")
         episodes = np.asarray(episodes)
         order = np.argsort(episodes, kind="stable")
-        self._dataset(name)[episodes[order], t0 : t0 + values.shape[1]] = np.asarray(values)[order]
+        written_to(
+            self._dataset(name),
+            (episodes[order], slice(t0, t0 + values.shape[1])),
+            np.asarray(values)[order],
+            self.path,
+        )
         self._dirty = True
 
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
@@ -549,9 +568,8 @@ class HDF5Storage(LocalFolderStorage):
             self._checksums.seal(episodes, values)  # before the length publishes the episode
         order = np.argsort(episodes, kind="stable")
         dataset = self._dataset(name, meta=True)
-        dataset[episodes[order]] = np.broadcast_to(
-            np.asarray(values, dataset.dtype), (len(episodes), *dataset.shape[1:])
-        )[order]
+        values = np.broadcast_to(np.asarray(values, dataset.dtype), (len(episodes), *dataset.shape[1:]))[order]
+        written_to(dataset, episodes[order], values, self.path)
         self._dirty = True
 
     def data_file(self, name: str, meta: bool = False) -> str:
@@ -696,7 +714,10 @@ class HDF5Storage(LocalFolderStorage):
         # docstring inherited
         if self.read_only or self._file is None or not self._file.id.valid:
             return
-        self._file.flush()
+        try:
+            self._file.flush()
+        except (OSError, RuntimeError) as e:  # HDF5's failed writes (a full disk, a file size limit)
+            raise StorageError(f"writing {self.path!r} failed: {e}") from e
         self._dirty = False
         if self.fsync:
             with open(self.path, "rb") as f:
@@ -714,9 +735,13 @@ class HDF5Storage(LocalFolderStorage):
 
     def close(self) -> None:
         # docstring inherited
+        failed: Exception | None = None
         if self._file is not None and self._pid == os.getpid() and self._file.id.valid:
             self.flush()
-            self._file.close()
+            try:
+                self._file.close()
+            except (OSError, RuntimeError) as e:  # HDF5 writes the file's superblock as it closes
+                failed = e
         self._file = None
         self._ram, self._maps = {}, {}
         if self._checksums is not None:
@@ -725,6 +750,10 @@ class HDF5Storage(LocalFolderStorage):
             self._writer_mark()  # closes the mark's descriptor: releases the lock
             self._writer_mark = None
         self.kv.close()
+        if failed is not None:
+            raise StorageError(
+                f"closing {self.path!r} failed: {failed}; every episode committed before is kept"
+            ) from failed
 
     def describe(self) -> dict:
         # docstring inherited

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import threading
@@ -18,7 +19,10 @@ from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
 from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
 from .base import (
+    COUNTERS,
+    STATE_CHECKSUM,
     STATE_KEY,
+    STATE_KEYS,
     BufferDamagedError,
     BufferReplacedError,
     ChecksumEntryError,
@@ -28,6 +32,7 @@ from .base import (
     StorageError,
     detect_backend,
     edited_rows,
+    state_body,
 )
 
 
@@ -210,9 +215,21 @@ class LocalFolderStorage(KVBlobs, Storage):
         refuse_foreign_buffer(self)
         self._refuse_erasing_a_newer_format(self._config())
         # the names are this backend's only in a buffer (or in a create cut short after its
-        # counters): a user's own data.h5, foo.data.npy or metadata.pkl is not ours to erase
-        ours = self.exists() or os.path.isfile(os.path.join(self.root, STATE_KEY))
-        return check_owned(self.kv, self.location, self._owns if ours else _owns_nothing)
+        # counters): a user's own data.h5, foo.data.npy or metadata.pkl is not ours to erase,
+        # nor is a folder whose replaybuf/state.json is not counters a create wrote
+        ours = self.exists() or self._holds_created_counters()
+        return check_owned(self.kv, self.location, self._owns if ours else _owns_nothing, holds_buffer=ours)
+
+    def _holds_created_counters(self) -> bool:
+        """Whether ``replaybuf/state.json`` holds counters sealed as a create writes them (with
+        their crc32c): what a create cut short after its counters leaves."""
+        try:
+            state = json.loads(self.kv.get_document(STATE_KEY) or b"null")
+        except ValueError:  # not JSON, or too large to be counters (BufferDamagedError)
+            return False
+        if not isinstance(state, dict) or not set(COUNTERS) <= set(state) <= STATE_KEYS:
+            return False
+        return state.get(STATE_CHECKSUM) == crc32c(state_body(state))
 
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited

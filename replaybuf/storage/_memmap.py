@@ -41,6 +41,7 @@ from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
 from .base import (
     OPTIONAL_META,
+    STATE_KEY,
     AbsentMeta,
     BufferDamagedError,
     BufferNotFoundError,
@@ -221,17 +222,21 @@ class MemmapStorage(LocalFolderStorage):
                 first=(os.path.basename(self.identity_file()),),
             )
         os.makedirs(self.root, exist_ok=True)
+        # the counters first: a create killed while allocating (seconds for a large buffer)
+        # leaves arrays the next overwrite recognises as a create's (``check_creatable``),
+        # instead of refusing them as the user's
+        self.commit_state(empty_state())
         self._arrays = {}
         made: list[str] = []
         try:
             for (name, meta), (shape, dtype) in expected_layouts(schema).items():
-                self._allocate(name, meta, shape, dtype)
                 made.append(os.path.join(self.root, array_filename(name, meta)))
+                self._allocate(name, meta, shape, dtype)
         except BaseException:
             # the arrays allocated before the one that failed (a full disk) were left behind: a
             # half buffer no open reads, holding their space (a 154 MB field beside a 123 GB one)
             self._arrays = {}
-            for path in made:
+            for path in [*made, os.path.join(self.root, STATE_KEY)]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise

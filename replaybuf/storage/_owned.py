@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._kv import KeyValue
-from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY, WRITING_KEY
+from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY, UPGRADE_MARKER, WRITING_KEY
+from .lease import LEASE_KEY
 
 BLOB_DIR = "replaybuf"
 # blob folders of what a buffer derived from or recorded about its episodes, by slot and
@@ -34,17 +35,33 @@ def is_temp_file(name: str) -> bool:
     return name.startswith(".") and name.endswith(".partial")
 
 
-def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool]) -> list[str]:
+# what replaybuf writes under ``replaybuf/`` before a create: the writer lease of the open (left
+# by one killed there), and the record of the upgrade whose copy the create makes
+BEFORE_CREATE = (LEASE_KEY, UPGRADE_MARKER)
+
+
+def _blob_dir_is_a_leftover(kv: KeyValue) -> bool:
+    """Whether ``replaybuf/`` at a location holding no buffer holds only what replaybuf writes
+    there before a create (``BEFORE_CREATE``, and temp files)."""
+    return all(key in BEFORE_CREATE or is_temp_file(key.rsplit("/", 1)[-1]) for key in kv.list_prefix(f"{BLOB_DIR}/"))
+
+
+def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool], holds_buffer: bool) -> list[str]:
     """The top-level entries of ``kv`` (``KeyValue.list_top``), all owned by the buffer; raise
     ForeignEntriesError naming those ``owns`` (given a name without the trailing ``/`` of a
-    folder) does not claim. Temp files of interrupted writes and the blob folder ``replaybuf/``
-    always belong to the buffer."""
+    folder) does not claim. Temp files of interrupted writes always belong to the buffer, and
+    so does the blob folder ``replaybuf/`` where the location ``holds_buffer`` (a user's own
+    ``replaybuf/`` folder elsewhere is not ours to erase, nor to write into) or where it holds
+    only a killed open's writer lease."""
     entries = kv.list_top()
-    foreign = [
-        entry
-        for entry in entries
-        if not (is_temp_file(entry) or entry.rstrip("/") == BLOB_DIR or owns(entry.rstrip("/")))
-    ]
+
+    def owned(entry: str) -> bool:
+        name = entry.rstrip("/")
+        if name == BLOB_DIR:
+            return holds_buffer or _blob_dir_is_a_leftover(kv)
+        return is_temp_file(entry) or owns(name)
+
+    foreign = [entry for entry in entries if not owned(entry)]
     if not foreign:
         return entries
     named = ", ".join(repr(entry) for entry in foreign[:NAMED_ENTRIES])

@@ -288,7 +288,7 @@ class ZarrStorage(KVBlobs, Storage):
         attributes = self._root_attributes()  # what exists() reads: one request on object stores
         self._refuse_erasing_a_newer_format(attributes)
         owned = (ROOT_DOCUMENT, "data", "meta") if attributes is not None else ()  # a user's data/ is not ours
-        return check_owned(self.kv, self.location, owned.__contains__)
+        return check_owned(self.kv, self.location, owned.__contains__, holds_buffer=attributes is not None)
 
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited

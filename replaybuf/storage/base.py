@@ -94,6 +94,9 @@ from .lease import take as take_lease
 from .spans import Spans, read_spans_by_rows
 
 STATE_KEY = "replaybuf/state.json"
+# inside an upgrade's copy (``.<name>.upgrading-<pid>``) until it is swapped in: which buffer it
+# copies, from which process; written before the copy's create (``maintenance.upgrade``)
+UPGRADE_MARKER = "replaybuf/upgrading.json"
 # the slots a writer is writing in place before publishing them (``Storage.mark_writing``)
 WRITING_KEY = "replaybuf/writing"
 # the buffer-level attributes (``replaybuf.attrs``)
@@ -1280,6 +1283,11 @@ def make_storage(
         return location
     location = os.fspath(location)
     local = location.removeprefix("file://")
+    if not local:  # os.path reads "" as the current folder, which the user did not name
+        raise ValueError(
+            f"the location {location!r} is empty: it names no folder (it would be the current one, "
+            f"{os.getcwd()!r}, where a buffer would be created or erased); pass '.' to mean that folder"
+        )
     if "://" not in local and os.path.lexists(local) and not os.path.isdir(local):
         what = "a dangling or looping link" if os.path.islink(local) and not os.path.exists(local) else "a file"
         raise NotADirectoryError(

@@ -48,7 +48,7 @@ import uuid
 import weakref
 from abc import ABC, abstractmethod
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard
 
 if TYPE_CHECKING:
     from ._kv import ObjectVersion, StoreKV
@@ -220,9 +220,19 @@ class FileLease(WriterLease):
             return None
 
     def _lock(self) -> int:
-        """An open descriptor of the lock file holding the flock; BlockingIOError when held."""
+        """An open descriptor of the lock file holding the flock; BlockingIOError when held.
+        StorageError naming a symbolic link at the lock file's path or its folder's: taking
+        the lease truncates and writes the file, which must be the buffer's own."""
+        folder = os.path.dirname(self.path)
+        if os.path.islink(folder):
+            self._refuse_link(folder)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    self._refuse_link(self.path)
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 with contextlib.suppress(FileNotFoundError):  # deleted by the holder releasing it
@@ -287,6 +297,15 @@ class FileLease(WriterLease):
                     os.unlink(self.path)
             self._remove_created()
         os.close(fd)  # closing the last descriptor of the open file drops the flock
+
+    def _refuse_link(self, path: str) -> NoReturn:
+        from .base import StorageError  # base imports this module
+
+        raise StorageError(
+            f"refusing to open {self.location!r} for writing: {path!r} is a symbolic link (to "
+            f"{os.readlink(path)!r}), and taking the writer lease would write through it. Nothing was "
+            "written; remove the link (a buffer's replaybuf/ folder and its files are its own)"
+        )
 
     def _not_writable_message(self, error: OSError) -> str:
         """Why a writable open of a folder this process may not write failed, and how to read it."""
