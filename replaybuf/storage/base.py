@@ -116,6 +116,11 @@ class BufferNotFoundError(FileNotFoundError, ValueError):
     ``from_folder`` raised one ('metadata.pkl not found'), and code catching it keeps working."""
 
 
+class UnfinishedCreateError(BufferNotFoundError):
+    """The location holds the start of a buffer whose create never finished (killed, or still
+    under way in another process): it holds no episode, so ``overwrite=True`` loses nothing."""
+
+
 class BufferDamagedError(ValueError):
     """A stored file or object of the buffer cannot be parsed or contradicts the config; the
     message names the file, what it holds and what was expected."""
