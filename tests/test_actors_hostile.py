@@ -76,3 +76,33 @@ def test_a_shard_that_lost_an_array_is_damage_not_an_unfinished_create(tmp_path)
             open_it()
         assert not isinstance(raised.value, UnfinishedCreateError)
     assert chunks and sorted(p.name for p in (location / "data" / "x").rglob("*")) == chunks, "nothing erased"
+
+
+def _prioritized_loader(buffer, **kwargs):
+    return buffer.dataloader(
+        batch_size=64, timestep_level=True, sampler="prioritized", priority_field="priority", seed=0, **kwargs
+    )
+
+
+@pytest.mark.parametrize(("dtype", "huge", "alpha"), [("float64", 1e308, 1.0), ("float32", 3e38, 12.0)])
+def test_huge_finite_priorities_draw_by_their_ratios(tmp_path, dtype, huge, alpha):
+    """Priorities whose powers or sum overflow float64 (1e308 twice; 3e38 ** 12) were accepted
+    and then gave every weight NaN and every draw the last sample."""
+    buffer = ReplayBuffer(
+        str(tmp_path / "b"), max_episodes=2, max_timesteps=4, fields=dict(x="float", priority=(dtype, (), 1.0))
+    )
+    for _ in range(2):
+        buffer.store_episode(x=np.zeros(4), priority=np.ones(4))
+    loader = _prioritized_loader(buffer, alpha=alpha, beta=0.4)
+    pairs = np.array([(e, t) for e in range(2) for t in range(4)])
+    priorities = np.full(8, huge)
+    priorities[0] = huge / 2
+    assert buffer.update_priorities(pairs, priorities) == 8
+
+    sampler = loader.batch_sampler
+    expected = np.power(priorities / huge, alpha)
+    np.testing.assert_allclose(sampler.probabilities(), expected / expected.sum())
+    drawn = np.concatenate([batch["_indices"].numpy() for batch in loader])
+    weights = np.concatenate([batch["_weights"].numpy() for batch in loader])
+    assert np.isfinite(weights).all() and (weights > 0).all() and weights.max() <= 1.0
+    assert len(np.unique(drawn[:, 0] * 4 + drawn[:, 1])) > 4, "draws spread over the samples"
