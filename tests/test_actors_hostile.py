@@ -106,3 +106,15 @@ def test_huge_finite_priorities_draw_by_their_ratios(tmp_path, dtype, huge, alph
     weights = np.concatenate([batch["_weights"].numpy() for batch in loader])
     assert np.isfinite(weights).all() and (weights > 0).all() and weights.max() <= 1.0
     assert len(np.unique(drawn[:, 0] * 4 + drawn[:, 1])) > 4, "draws spread over the samples"
+
+
+@pytest.mark.parametrize("given", [dict(rank=1, world_size=2), dict(world_size=2), dict(seed=3)])
+def test_ddp_arguments_beside_a_custom_sampler_are_refused_not_ignored(tmp_path, given):
+    """Every rank read all of a custom sampler's positions: rank and world_size were dropped."""
+    buffer = ReplayBuffer(str(tmp_path / "b"), max_episodes=4, max_timesteps=3, fields=dict(x="float"))
+    for value in range(3):
+        buffer.store_episode(x=np.full(2, float(value)))
+    with pytest.raises(ValueError, match=f"{next(iter(given))}=.*cannot be combined with a custom sampler"):
+        buffer.dataloader(batch_size=1, sampler=[0, 1, 2], **given)
+    plain = buffer.dataloader(batch_size=1, sampler=[2, 0])
+    assert [batch["x"][0, 0].item() for batch in plain] == [2.0, 0.0]

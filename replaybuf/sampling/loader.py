@@ -172,7 +172,8 @@ def make_dataloader(
     ``rank`` / ``world_size`` (default: torch.distributed's when it is initialized) shard the
     samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
     loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
-    resume mid-epoch.
+    resume mid-epoch. Beside a custom ``sampler`` (which picks the positions itself) ``rank``,
+    ``world_size`` and ``seed`` are refused rather than ignored.
 
     ``samples_per_insert=R`` rate-limits the loader (``ratelimit.RateLimiter``, Reverb's
     SampleToInsertRatio): a batch is handed out only once ``min_size`` steps are committed and
@@ -231,6 +232,13 @@ def make_dataloader(
         raise TypeError(
             f"sampler must be one of {list(SAMPLERS)} or a torch Sampler (an iterable of dataset positions), "
             f"got {type(sampler).__name__}"
+        )
+    sharding = [f"{n}={v!r}" for n, v in (("rank", rank), ("world_size", world_size), ("seed", seed)) if v is not None]
+    if custom and sharding:
+        # they would be ignored: every rank would read the sampler's positions, the same ones
+        raise ValueError(
+            f"{', '.join(sharding)} cannot be combined with a custom sampler, which picks the positions "
+            "itself: shard them in the sampler (e.g. torch's DistributedSampler), or leave sampler out"
         )
     prioritized = named == "prioritized"
     if prioritized and shuffle:
