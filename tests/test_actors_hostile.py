@@ -3,6 +3,7 @@ shards, readers listing a root meanwhile, runaway priorities, DDP arguments that
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -118,3 +119,32 @@ def test_ddp_arguments_beside_a_custom_sampler_are_refused_not_ignored(tmp_path,
         buffer.dataloader(batch_size=1, sampler=[0, 1, 2], **given)
     plain = buffer.dataloader(batch_size=1, sampler=[2, 0])
     assert [batch["x"][0, 0].item() for batch in plain] == [2.0, 0.0]
+
+
+@pytest.mark.parametrize("record", ["header", "meta"])
+def test_a_step_log_of_json_nested_too_deep_is_damage_not_a_crash(tmp_path, record):
+    """A header or meta record (checksum valid) of JSON nested 200,000 deep raised RecursionError
+    from every writable open: the buffer could not be opened for writing at all."""
+    from replaybuf.staging import HEADER, META, StepLog
+
+    location = tmp_path / "b"
+    kwargs = dict(max_episodes=3, max_timesteps=4, fields=dict(x="float"), meta_fields=dict(score="float"))
+    with ReplayBuffer(str(location), **kwargs) as buffer:
+        buffer.store_episode(x=np.ones(3), score=1.0)
+    deep = b"[" * 200_000 + b"]" * 200_000
+    header = {"slots": [1], "generation_base": 1, "fields": ["x"], "meta": {}}
+    log = (
+        StepLog.record(
+            HEADER, b'{"slots": [1], "generation_base": 1, "fields": ["x"], "meta": {"score": ' + deep + b"}}"
+        )
+        if record == "header"
+        else StepLog.record(HEADER, json.dumps(header).encode()) + StepLog.record(META, b'{"score": ' + deep + b"}")
+    )
+    (location / "replaybuf" / "steplog" / "episode").mkdir(parents=True, exist_ok=True)
+    (location / "replaybuf" / "steplog" / "episode" / "log").write_bytes(log)
+    with pytest.warns(UserWarning, match="step log .* is damaged .*recursion.* copied to"):
+        reopened = ReplayBuffer(str(location), **kwargs, overwrite=False)
+    assert reopened.episode_lens.tolist() == [3, 0, 0]
+    assert reopened.meta_data["score"][0] == 1.0
+    reopened.close()
+    assert list((location / "replaybuf").glob("steplog-damaged-*")), "the damaged log is kept aside"
