@@ -75,7 +75,10 @@ def _shape(value: Any) -> tuple[int, ...]:
 
 
 def _check_numeric(name: str, value: ArrayLike) -> None:
-    """Reject strings and objects before they reach the rollout (torch tensors are always numeric)."""
+    """Reject strings, objects and complex numbers (which no field stores) before they reach
+    the rollout."""
+    if isinstance(value, torch.Tensor) and value.is_complex():
+        raise TypeError(f"field {name!r}: got a tensor of dtype {value.dtype}; expected numbers or bools")
     if isinstance(value, np.ndarray) and value.dtype.kind not in "biuf":
         raise TypeError(f"field {name!r}: got values of dtype {value.dtype}; expected numbers or bools")
 

@@ -148,3 +148,24 @@ def test_a_step_log_of_json_nested_too_deep_is_damage_not_a_crash(tmp_path, reco
     assert reopened.meta_data["score"][0] == 1.0
     reopened.close()
     assert list((location / "replaybuf").glob("steplog-damaged-*")), "the damaged log is kept aside"
+
+
+def test_a_collector_refuses_complex_tensors_when_given_not_at_store(tmp_path):
+    """Complex torch tensors were taken by append/extend (numpy ones were refused), so the
+    rollout failed only at store."""
+    import torch
+
+    buffer = ReplayBuffer(str(tmp_path / "b"), max_episodes=4, max_timesteps=3, fields=dict(x="float", a="int"))
+    collector = buffer.create_collector(2)
+    collector.append(x=torch.tensor([1.0, 2.0]), a=torch.tensor([1, 2]))
+    calls = [
+        lambda: collector.append(x=torch.tensor([1 + 2j, 3 + 0j]), a=torch.tensor([1, 2])),
+        lambda: collector.append(x=[torch.tensor(1 + 1j), torch.tensor(2.0)], a=[1, 2]),
+        lambda: collector.extend(x=torch.zeros(1, 2, dtype=torch.complex64), a=torch.zeros(1, 2, dtype=torch.int64)),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="field 'x': got a tensor of dtype torch.complex"):
+            call()
+    assert len(collector) == 1, "a refused call changes nothing"
+    collector.store()
+    assert buffer.episode_lens.tolist()[:2] == [1, 1]
