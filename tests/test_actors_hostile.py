@@ -169,3 +169,26 @@ def test_a_collector_refuses_complex_tensors_when_given_not_at_store(tmp_path):
     assert len(collector) == 1, "a refused call changes nothing"
     collector.store()
     assert buffer.episode_lens.tolist()[:2] == [1, 1]
+
+
+@pytest.mark.parametrize("sampler", [None, "prioritized"])
+def test_world_size_without_rank_outside_torch_distributed_is_refused(tmp_path, sampler):
+    """Every process took rank 0 and read the same samples as every other."""
+    buffer = ReplayBuffer(
+        str(tmp_path / "b"), max_episodes=4, max_timesteps=3, fields=dict(x="float", priority=("float", (), 1.0))
+    )
+    for value in range(4):
+        buffer.store_episode(x=np.full(2, float(value)))
+    kwargs = dict(batch_size=1, timestep_level=True, sampler=sampler, seed=0, return_indices=True)
+    with pytest.raises(ValueError, match=r"world_size=2 given without rank.*pass each process its own rank"):
+        buffer.dataloader(**kwargs, world_size=2)
+    seen = [
+        {
+            (int(e), int(t))
+            for batch in buffer.dataloader(**kwargs, rank=rank, world_size=2)
+            for e, t in batch["_indices"]
+        }
+        for rank in (0, 1)
+    ]
+    if sampler is None:
+        assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 8, "ranks read disjoint halves"
