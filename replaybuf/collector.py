@@ -417,7 +417,8 @@ class EpisodeCollector:
         ``meta_data`` sets meta fields for every group (one value) or per group
         (``(num_groups, *shape)``), overriding collected meta values. Everything is validated
         before the first write; the groups are written through the buffer's
-        ``batched_episode`` + ``store_batch``, as they share one length.
+        ``batched_episode`` + ``store_batch``, as they share one length, without the step log:
+        a process killed inside ``store`` leaves none of the rollout's episodes, never some cut short.
         """
         arrays = self._episode_data()
         meta = {name: _to_numpy(value) for name, value in self._meta.items()}
@@ -428,7 +429,9 @@ class EpisodeCollector:
                 raise UnknownFieldError(f"store: unknown meta field {name!r}; valid are {sorted(self.meta_fieldnames)}")
         buffer = self.replay_buffer
         num_steps = next(iter(arrays.values())).shape[0]
-        with buffer.batched_episode(self.num_groups, **meta):
+        # the rollout is whole in RAM until this returns: a kill midway must not leave its
+        # episodes committed cut short, as replaying a step log would
+        with buffer._unlogged(), buffer.batched_episode(self.num_groups, **meta):
             for t in range(num_steps):
                 buffer.store_batch(**{name: array[t] for name, array in arrays.items()})
         self.clear()

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -192,3 +193,44 @@ def test_world_size_without_rank_outside_torch_distributed_is_refused(tmp_path, 
     ]
     if sampler is None:
         assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 8, "ranks read disjoint halves"
+
+
+def _collector_killed_in_store(location: str, kwargs: dict, shape: tuple, kill_at: int) -> None:
+    """Child: an actor storing a 2-group rollout of 8 steps, SIGKILLed at its ``kill_at``-th
+    ``store_batch`` (steps before it written: to the step log, and a full span to the store)."""
+    buffer = ReplayBuffer(location, **kwargs, overwrite=False)
+    collector = buffer.create_collector(2)
+    for t in range(8):
+        collector.append(x=np.full((2, *shape), float(t + 1), np.float32))
+    real, calls = buffer.store_batch, []
+
+    def store_batch(**data):
+        calls.append(None)
+        if len(calls) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(**data)
+
+    buffer.store_batch = store_batch
+    collector.store(score=1.0)
+
+
+@pytest.mark.parametrize("shape", [(), (64, 1024)], ids=["scalar", "span-written"])
+def test_an_actor_killed_inside_collector_store_leaves_no_cut_episode(tmp_path, shape):
+    """A kill after 6 of 8 steps of collector.store() left both episodes committed at 5 steps
+    (replayed from the step log): episodes the caller never got stored."""
+    location = str(tmp_path / "shard")
+    kwargs = dict(max_episodes=6, max_timesteps=8, fields=dict(x=("float32", shape)), meta_fields=dict(score="float"))
+    with ReplayBuffer(location, **kwargs) as buffer:
+        buffer.store_episode(x=np.full((3, *shape), 9.0, np.float32), score=2.0)
+    child = FORK.Process(target=_collector_killed_in_store, args=(location, kwargs, shape, 6))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    reopened = ReplayBuffer(location, **kwargs, overwrite=False)
+    assert reopened.episode_lens.tolist() == [3, 0, 0, 0, 0, 0]
+    assert (np.asarray(reopened.data["x"][0, :3]) == 9.0).all() and reopened.meta_data["score"][0] == 2.0
+    assert not np.asarray(reopened.data["x"][1:3]).any(), "rows written before the kill are cleared"
+    collector = reopened.create_collector(2)
+    collector.append(x=np.ones((2, *shape), np.float32))
+    collector.store(score=3.0)
+    assert reopened.episode_lens.tolist()[:3] == [3, 1, 1]
