@@ -234,3 +234,20 @@ def test_an_actor_killed_inside_collector_store_leaves_no_cut_episode(tmp_path, 
     collector.append(x=np.ones((2, *shape), np.float32))
     collector.store(score=3.0)
     assert reopened.episode_lens.tolist()[:3] == [3, 1, 1]
+
+
+def test_a_shard_whose_overwrite_was_killed_is_left_out_then_created_again(tmp_path):
+    """An overwrite=True marks the root document "replacing" before it erases: killed there,
+    the shard made ConcatReplayBuffer(root) and a restarted open_shard raise for ever."""
+    for index in (0, 1):
+        with open_shard(tmp_path, index, **SHARD) as shard:
+            shard.store_episode(x=np.full(2, float(index)))
+    root_document = tmp_path / "actor-001" / "zarr.json"
+    document = json.loads(root_document.read_text())
+    document["attributes"]["replacing"] = True
+    root_document.write_text(json.dumps(document))
+    assert ConcatReplayBuffer(str(tmp_path)).get_all_data()["x"][:, :2].tolist() == [[0.0, 0.0]]
+    with open_shard(tmp_path, 1, **SHARD) as shard:
+        assert len(shard) == 0
+        shard.store_episode(x=np.full(3, 5.0))
+    assert ConcatReplayBuffer(str(tmp_path)).num_episodes == 2

@@ -372,7 +372,7 @@ class ZarrStorage(KVBlobs, Storage):
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
         if attributes.get(REPLACING):
-            raise BufferNotFoundError(
+            raise UnfinishedCreateError(
                 f"the buffer at {self.location!r} is being replaced: an overwrite=True erases it now (or was "
                 "stopped while it did; create the buffer again with overwrite=True)"
             )

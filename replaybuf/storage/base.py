@@ -118,7 +118,8 @@ class BufferNotFoundError(FileNotFoundError, ValueError):
 
 class UnfinishedCreateError(BufferNotFoundError):
     """The location holds the start of a buffer whose create never finished (killed, or still
-    under way in another process): it holds no episode, so ``overwrite=True`` loses nothing."""
+    under way in another process; an ``overwrite=True`` erasing the buffer before it counts):
+    it holds no episode to keep, so ``overwrite=True`` loses nothing."""
 
 
 class BufferDamagedError(ValueError):
