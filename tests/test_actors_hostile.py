@@ -251,3 +251,36 @@ def test_a_shard_whose_overwrite_was_killed_is_left_out_then_created_again(tmp_p
         assert len(shard) == 0
         shard.store_episode(x=np.full(3, 5.0))
     assert ConcatReplayBuffer(str(tmp_path)).num_episodes == 2
+
+
+def _memmap_create_killed_at_allocation(location: str, kwargs: dict, allocations: int) -> None:
+    """Child: create a memmap shard and die (as under SIGKILL) before its allocation number
+    ``allocations`` of an array file."""
+    from replaybuf.storage import _memmap
+
+    real, done = _memmap.MemmapStorage._allocate, []
+
+    def allocate(self, *args):
+        if len(done) == allocations:
+            os._exit(9)
+        done.append(args)
+        return real(self, *args)
+
+    _memmap.MemmapStorage._allocate = allocate
+    ReplayBuffer(location, **kwargs)
+
+
+@pytest.mark.parametrize("allocations", [0, 2])
+def test_a_memmap_actor_killed_while_creating_its_shard_restarts(tmp_path, allocations):
+    """The array files a killed memmap create left (no config yet) were refused as a user's
+    own (ForeignEntriesError) by every later open_shard: the actor could never restart."""
+    kwargs = dict(SHARD, backend="memmap", fields=dict(x="float", y="int"))
+    child = FORK.Process(
+        target=_memmap_create_killed_at_allocation, args=(shard_location(tmp_path, 0), kwargs, allocations)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    with open_shard(tmp_path, 0, **kwargs) as shard:
+        shard.store_episode(x=np.ones(2), y=np.arange(2))
+    assert ConcatReplayBuffer(str(tmp_path)).get_all_data()["y"][:, :2].tolist() == [[0, 1]]

@@ -41,6 +41,7 @@ from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
 from .base import (
     OPTIONAL_META,
+    STATE_KEY,
     AbsentMeta,
     BufferDamagedError,
     BufferNotFoundError,
@@ -222,7 +223,11 @@ class MemmapStorage(LocalFolderStorage):
             )
         os.makedirs(self.root, exist_ok=True)
         self._arrays = {}
-        made: list[str] = []
+        # the counters go first: they make a create killed while it allocates ours
+        # (``check_creatable``), so the next create replaces its arrays instead of refusing
+        # them as a user's own (the config, written last, is what makes the folder a buffer)
+        self.commit_state(empty_state())
+        made: list[str] = [os.path.join(self.root, STATE_KEY)]
         try:
             for (name, meta), (shape, dtype) in expected_layouts(schema).items():
                 self._allocate(name, meta, shape, dtype)
@@ -236,7 +241,6 @@ class MemmapStorage(LocalFolderStorage):
                     os.unlink(path)
             raise
         self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
-        self.commit_state(empty_state())
         self._write_config(schema)
 
     def _allocate(self, name: str, meta: bool, shape: tuple[int, ...], dtype: np.dtype) -> None:
