@@ -18,6 +18,7 @@ write path after validating everything, so a bad rollout never leaves half its e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -429,9 +430,13 @@ class EpisodeCollector:
                 raise UnknownFieldError(f"store: unknown meta field {name!r}; valid are {sorted(self.meta_fieldnames)}")
         buffer = self.replay_buffer
         num_steps = next(iter(arrays.values())).shape[0]
+        from .buffer import ReplayBuffer
+
         # the rollout is whole in RAM until this returns: a kill midway must not leave its
-        # episodes committed cut short, as replaying a step log would
-        with buffer._unlogged(), buffer.batched_episode(self.num_groups, **meta):
+        # episodes committed cut short, as replaying a step log would (a buffer of another
+        # kind, read-only, refuses batched_episode with its own message)
+        unlogged = buffer._unlogged() if isinstance(buffer, ReplayBuffer) else contextlib.nullcontext()
+        with unlogged, buffer.batched_episode(self.num_groups, **meta):
             for t in range(num_steps):
                 buffer.store_batch(**{name: array[t] for name, array in arrays.items()})
         self.clear()
