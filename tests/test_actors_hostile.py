@@ -284,3 +284,14 @@ def test_a_memmap_actor_killed_while_creating_its_shard_restarts(tmp_path, alloc
     with open_shard(tmp_path, 0, **kwargs) as shard:
         shard.store_episode(x=np.ones(2), y=np.arange(2))
     assert ConcatReplayBuffer(str(tmp_path)).get_all_data()["y"][:, :2].tolist() == [[0, 1]]
+
+
+def test_a_collector_over_a_concatenation_is_refused_as_read_only_at_store(tmp_path):
+    from replaybuf import EpisodeCollector
+
+    with open_shard(tmp_path, 0, **SHARD) as shard:
+        shard.store_episode(x=np.ones(2))
+    collector = EpisodeCollector(ConcatReplayBuffer(str(tmp_path)), 1)
+    collector.append(x=np.ones(1))
+    with pytest.raises(NotImplementedError, match="read-only: `batched_episode` is not allowed"):
+        collector.store()
