@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import uuid
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from ._workloads import buffer_kwargs, write_episode
 from .test_crash import _create_killed_after_writes
 
 FORK = multiprocessing.get_context("fork")
+
+pytest_plugins = ["tests._servers"]
 
 SHARD = dict(max_episodes=4, max_timesteps=6, fields=dict(x="float"))
 
@@ -295,3 +298,20 @@ def test_a_collector_over_a_concatenation_is_refused_as_read_only_at_store(tmp_p
     collector.append(x=np.ones(1))
     with pytest.raises(NotImplementedError, match="read-only: `batched_episode` is not allowed"):
         collector.store()
+
+
+def test_an_unfinished_shard_on_s3_is_left_out_then_created_again(s3_server):
+    root = s3_server.url(f"unfinished/{uuid.uuid4().hex[:12]}")
+    options = s3_server.storage_options
+    for index in (0, 1):
+        with open_shard(root, index, **SHARD, storage_options=options) as shard:
+            shard.store_episode(x=np.full(2, float(index)))
+    kv = shard.storage.kv  # shard 1's, its lease given back
+    kv.delete_many([key for key in kv.list_prefix("") if key != "zarr.json"])  # a create killed after its first PUT
+
+    together = ConcatReplayBuffer(root, storage_options=options)
+    assert together.get_all_data()["x"][:, :2].tolist() == [[0.0, 0.0]]
+    with open_shard(root, 1, **SHARD, storage_options=options) as shard:
+        assert len(shard) == 0
+        shard.store_episode(x=np.full(2, 7.0))
+    assert ConcatReplayBuffer(root, storage_options=options).num_episodes == 2
