@@ -17,6 +17,7 @@ from .storage import UnfinishedCreateError, detect_backend, list_children
 
 SHARD_PREFIX = "actor-"
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}(\d{{3,}})$")
+_CONFIG = ("max_episodes", "max_timesteps", "fields")  # what a create needs
 
 
 def _is_url(location: str) -> bool:
@@ -48,6 +49,8 @@ def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuff
     try:
         return ReplayBuffer(location, **kwargs)
     except UnfinishedCreateError:
+        if kwargs.get("read_only") or any(kwargs.get(name) is None for name in _CONFIG):
+            raise  # only a writer given the config can create it again
         # the actor was killed while it created its shard: nothing was ever committed there (and
         # a create still under way in another process holds the lease: overwrite is refused)
         return ReplayBuffer(location, **{**kwargs, "overwrite": True})

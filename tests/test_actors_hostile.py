@@ -59,6 +59,9 @@ def test_an_actor_killed_while_creating_its_shard_restarts(tmp_path, writes):
     assert child.exitcode == 9
     with pytest.raises(BufferNotFoundError, match="no shard under .* holds a finished buffer"):
         ConcatReplayBuffer(str(root))
+    for without_config in (dict(), dict(read_only=True)):  # nothing to create it again from
+        with pytest.raises(UnfinishedCreateError, match="never fully created"):
+            open_shard(root, 2, **without_config)
     kwargs = buffer_kwargs(3, circular=False)
     with open_shard(root, 2, **kwargs) as shard:  # the default overwrite=False
         write_episode(shard, 5, "whole")
