@@ -318,3 +318,15 @@ def test_an_unfinished_shard_on_s3_is_left_out_then_created_again(s3_server):
         assert len(shard) == 0
         shard.store_episode(x=np.full(2, 7.0))
     assert ConcatReplayBuffer(root, storage_options=options).num_episodes == 2
+
+
+def test_a_rate_limited_loader_refuses_lost_ddp_arguments_when_made(tmp_path):
+    """A rate-limited loader makes its loaders pass by pass: the refusals came only at the
+    first iteration (after waiting for min_size steps)."""
+    buffer = ReplayBuffer(str(tmp_path / "b"), max_episodes=4, max_timesteps=3, fields=dict(x="float"))
+    buffer.store_episode(x=np.ones(2))
+    rate = dict(batch_size=1, timestep_level=True, samples_per_insert=4.0)
+    with pytest.raises(ValueError, match="world_size=2 given without rank"):
+        buffer.dataloader(**rate, world_size=2)
+    with pytest.raises(ValueError, match="rank=0, world_size=2 cannot be combined with a custom sampler"):
+        buffer.dataloader(**rate, sampler=[0, 1], rank=0, world_size=2)
