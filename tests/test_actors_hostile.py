@@ -13,9 +13,8 @@ import uuid
 import numpy as np
 import pytest
 
-from replaybuf import BufferNotFoundError, ConcatReplayBuffer, ReplayBuffer
+from replaybuf import BufferNotFoundError, ConcatReplayBuffer, ReplayBuffer, UnfinishedCreateError
 from replaybuf.actors import open_shard, shard_location
-from replaybuf.storage import UnfinishedCreateError
 
 from ._workloads import buffer_kwargs, write_episode
 from .test_crash import _create_killed_after_writes
