@@ -26,6 +26,7 @@ from .storage import (
     NewerFormatError,
     Storage,
     StorageError,
+    UnfinishedCreateError,
     make_storage,
 )
 from .video import frames_to_sheet, trajectory_to_video
@@ -57,6 +58,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "BufferNotFoundError",
+    "UnfinishedCreateError",
     "ForeignEntriesError",
     "BufferDamagedError",
     "NewerFormatError",

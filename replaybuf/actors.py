@@ -13,10 +13,11 @@ import re
 from typing import Any
 
 from .buffer import ReplayBuffer
-from .storage import detect_backend, list_children
+from .storage import UnfinishedCreateError, detect_backend, list_children
 
 SHARD_PREFIX = "actor-"
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}(\d{{3,}})$")
+_CONFIG = ("max_episodes", "max_timesteps", "fields")  # what a create needs
 
 
 def _is_url(location: str) -> bool:
@@ -39,10 +40,20 @@ def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuff
 
     ``kwargs`` are ``ReplayBuffer``'s (``max_episodes``, ``fields``, ``storage_options``, ...).
     Unlike ``ReplayBuffer``, ``overwrite`` defaults to False here: an actor restarted after a
-    crash reopens its shard, recovering its last episode, instead of erasing it.
+    crash reopens its shard, recovering its last episode, instead of erasing it; a shard whose
+    create never finished (the actor was killed while it created it) holds no episode and is
+    created again.
     """
     kwargs.setdefault("overwrite", False)
-    return ReplayBuffer(shard_location(root, index), **kwargs)
+    location = shard_location(root, index)
+    try:
+        return ReplayBuffer(location, **kwargs)
+    except UnfinishedCreateError:
+        if kwargs.get("read_only") or any(kwargs.get(name) is None for name in _CONFIG):
+            raise  # only a writer given the config can create it again
+        # the actor was killed while it created its shard: nothing was ever committed there (and
+        # a create still under way in another process holds the lease: overwrite is refused)
+        return ReplayBuffer(location, **{**kwargs, "overwrite": True})
 
 
 def discover_shards(root: str | os.PathLike, storage_options: dict | None = None) -> list[str]:

@@ -948,6 +948,18 @@ class ReplayBuffer(CommittedViews):
             raise
         self.advance_episode(int(batch_size))
 
+    @contextmanager
+    def _unlogged(self) -> Iterator[None]:
+        """Store the block's episodes without the step log, whatever ``flush_every_store_step``
+        says: for a caller holding them whole (``EpisodeCollector.store``), a kill then loses them
+        all, never leaving them committed cut short at the step the log reached."""
+        every = self.flush_every_store_step
+        self.flush_every_store_step = 0
+        try:
+            yield
+        finally:
+            self.flush_every_store_step = every
+
     def store(self, **data: Any):
         """Store one timestep of the episode in progress; missing fields (and fields given as
         None, as in the seed) get their default.

@@ -18,6 +18,7 @@ write path after validating everything, so a bad rollout never leaves half its e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -75,7 +76,10 @@ def _shape(value: Any) -> tuple[int, ...]:
 
 
 def _check_numeric(name: str, value: ArrayLike) -> None:
-    """Reject strings and objects before they reach the rollout (torch tensors are always numeric)."""
+    """Reject strings, objects and complex numbers (which no field stores) before they reach
+    the rollout."""
+    if isinstance(value, torch.Tensor) and value.is_complex():
+        raise TypeError(f"field {name!r}: got a tensor of dtype {value.dtype}; expected numbers or bools")
     if isinstance(value, np.ndarray) and value.dtype.kind not in "biuf":
         raise TypeError(f"field {name!r}: got values of dtype {value.dtype}; expected numbers or bools")
 
@@ -414,7 +418,8 @@ class EpisodeCollector:
         ``meta_data`` sets meta fields for every group (one value) or per group
         (``(num_groups, *shape)``), overriding collected meta values. Everything is validated
         before the first write; the groups are written through the buffer's
-        ``batched_episode`` + ``store_batch``, as they share one length.
+        ``batched_episode`` + ``store_batch``, as they share one length, without the step log:
+        a process killed inside ``store`` leaves none of the rollout's episodes, never some cut short.
         """
         arrays = self._episode_data()
         meta = {name: _to_numpy(value) for name, value in self._meta.items()}
@@ -425,7 +430,13 @@ class EpisodeCollector:
                 raise UnknownFieldError(f"store: unknown meta field {name!r}; valid are {sorted(self.meta_fieldnames)}")
         buffer = self.replay_buffer
         num_steps = next(iter(arrays.values())).shape[0]
-        with buffer.batched_episode(self.num_groups, **meta):
+        from .buffer import ReplayBuffer
+
+        # the rollout is whole in RAM until this returns: a kill midway must not leave its
+        # episodes committed cut short, as replaying a step log would (a buffer of another
+        # kind, read-only, refuses batched_episode with its own message)
+        unlogged = buffer._unlogged() if isinstance(buffer, ReplayBuffer) else contextlib.nullcontext()
+        with unlogged, buffer.batched_episode(self.num_groups, **meta):
             for t in range(num_steps):
                 buffer.store_batch(**{name: array[t] for name, array in arrays.items()})
         self.clear()

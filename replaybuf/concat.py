@@ -24,7 +24,15 @@ from .buffer import DataView, MetaView, ReplayBuffer
 from .consistency import snapshot_gone
 from .sampling.mixture import check_weights
 from .schema import Field, Schema
-from .storage import ArrayBase, BufferReplacedError, GenerationMismatchError, Spans, Storage
+from .storage import (
+    ArrayBase,
+    BufferNotFoundError,
+    BufferReplacedError,
+    GenerationMismatchError,
+    Spans,
+    Storage,
+    UnfinishedCreateError,
+)
 from .view import CommittedViews, FieldViews, read_only_message
 
 __all__ = ["ConcatReplayBuffer", "ConcatStorage", "WRITE_METHODS"]
@@ -392,6 +400,10 @@ class ConcatReplayBuffer(CommittedViews):
                 "ConcatReplayBuffer takes its members as buffers (or folders, the seed's name): one of them"
             )
         buffers = members
+        # shards of a root whose create never finished (an actor creating it now, or killed
+        # while it did) hold no episode and are left out, unless weights or per-shard options
+        # are given one per shard found
+        skip_unfinished, root = False, None
         if isinstance(buffers, (str, os.PathLike)):
             from .actors import discover_shards
 
@@ -399,6 +411,7 @@ class ConcatReplayBuffer(CommittedViews):
             # per-buffer options (a list) apply to the shards found, not to finding them
             found = discover_shards(root, storage_options if isinstance(storage_options, dict) else None)
             buffers = found or [root]
+            skip_unfinished = bool(found) and weights is None and not isinstance(storage_options, Sequence)
         if isinstance(buffers, ReplayBuffer) or not isinstance(buffers, Sequence):
             raise TypeError(
                 f"ConcatReplayBuffer takes a shard root or a list of paths, URLs or ReplayBuffers, got {buffers!r}"
@@ -412,7 +425,15 @@ class ConcatReplayBuffer(CommittedViews):
                 "pass one dict for all or one per buffer"
             )
         self.weights = check_weights(weights, len(buffers))
-        self.buffers = [self._open(b, o, snapshot) for b, o in zip(buffers, options)]
+        self.buffers = []
+        for buffer, options_of_buffer in zip(buffers, options):
+            try:
+                self.buffers.append(self._open(buffer, options_of_buffer, snapshot))
+            except UnfinishedCreateError:
+                if not skip_unfinished:
+                    raise
+        if not self.buffers:
+            raise BufferNotFoundError(f"no shard under {root!r} holds a finished buffer yet (each is being created)")
         _check_same_fields(self.buffers)
         first = self.buffers[0].schema
         self.schema = Schema(

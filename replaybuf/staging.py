@@ -374,7 +374,7 @@ class StepLog:
                         raise ValueError(f"more than max_timesteps ({max_steps}) steps")
                     else:
                         log.steps.append(self._split_step(payload, log.header))
-                except (ValueError, TypeError, KeyError) as e:
+                except (ValueError, TypeError, KeyError, RecursionError) as e:  # RecursionError: JSON nested too deep
                     raise ValueError(f"record at byte {pos:,}: {e}") from None
                 log.end = stream.pos
         except (ValueError, BufferDamagedError) as e:

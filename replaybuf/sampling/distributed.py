@@ -33,8 +33,17 @@ def check_int(name: str, value: Any, minimum: int) -> int:
 
 def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """``(rank, world_size)``: the given values, else torch.distributed's when it is initialized,
-    else ``(0, 1)``."""
+    else ``(0, 1)``; a ``world_size`` above 1 needs a ``rank`` then."""
     initialized = dist.is_available() and dist.is_initialized()
+    if world_size is not None:
+        world_size = check_int("world_size", world_size, 1)
+    if rank is None and not initialized and world_size is not None and world_size > 1:
+        # every process would be rank 0 and read the same samples (torch's DistributedSampler
+        # refuses this too)
+        raise ValueError(
+            f"world_size={world_size!r} given without rank, and torch.distributed is not initialized: "
+            "pass each process its own rank (e.g. int(os.environ['RANK']))"
+        )
     if world_size is None:
         world_size = dist.get_world_size() if initialized else 1
     if rank is None:

@@ -128,6 +128,19 @@ def make_dataset(
     )
 
 
+def _check_sharding(sampler: Any, rank: int | None, world_size: int | None, seed: int | None) -> None:
+    """Refuse DDP arguments that would be lost: a ``world_size`` without a ``rank`` outside
+    torch.distributed (``resolve_rank``), and any of them beside a custom sampler, which picks
+    the positions itself (every rank would read the same ones)."""
+    sharding = [f"{n}={v!r}" for n, v in (("rank", rank), ("world_size", world_size), ("seed", seed)) if v is not None]
+    if sampler is not None and not isinstance(sampler, str) and sharding:
+        raise ValueError(
+            f"{', '.join(sharding)} cannot be combined with a custom sampler, which picks the positions "
+            "itself: shard them in the sampler (e.g. torch's DistributedSampler), or leave sampler out"
+        )
+    resolve_rank(rank, world_size)
+
+
 def make_dataloader(
     buffer: BufferView,
     batch_size: int,
@@ -172,7 +185,8 @@ def make_dataloader(
     ``rank`` / ``world_size`` (default: torch.distributed's when it is initialized) shard the
     samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
     loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
-    resume mid-epoch.
+    resume mid-epoch. Beside a custom ``sampler`` (which picks the positions itself) ``rank``,
+    ``world_size`` and ``seed`` are refused rather than ignored.
 
     ``samples_per_insert=R`` rate-limits the loader (``ratelimit.RateLimiter``, Reverb's
     SampleToInsertRatio): a batch is handed out only once ``min_size`` steps are committed and
@@ -197,6 +211,7 @@ def make_dataloader(
                 "pass samples_per_insert=R too (samples_per_insert=float('inf') waits for min_size steps, "
                 "then samples freely)"
             )
+    _check_sharding(sampler, rank, world_size, seed)  # here: a rate-limited loader makes its loaders later
     if samples_per_insert is not None:
         # every argument but the rate's, for the loader of each pass (locals(): the parameters only, here)
         options = {name: value for name, value in locals().items() if name not in _RATE_ARGUMENTS}

@@ -103,7 +103,11 @@ class PrioritizedBatchSampler(Sampler):
         max_t = dataset.replay_buffer.max_timesteps
         episodes, timesteps = dataset.pairs()
         self._keys = episodes * max_t + timesteps
+        # priority ** alpha of every sample, each priority divided by ``_top`` first (the largest
+        # seen so far, 1 at least) so that neither the power nor the sum of any finite
+        # priorities overflows to inf, which would make every weight NaN
         self._scaled: np.ndarray | None = None
+        self._top = 1.0
         self._cumulative: np.ndarray | None = None
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -134,9 +138,14 @@ class PrioritizedBatchSampler(Sampler):
         self._set(np.arange(len(self._keys)), raw)
 
     def _set(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        priorities = np.maximum(priorities, 0.0)
         if self._scaled is None:
             self._scaled = np.zeros(len(self._keys), dtype=np.float64)
-        self._scaled[positions] = np.power(np.maximum(priorities, 0.0), self.alpha)
+        top = float(priorities.max()) if len(priorities) else 0.0
+        if top > self._top:  # scale the others down to the new largest (the probabilities stay)
+            self._scaled *= (self._top / top) ** self.alpha
+            self._top = top
+        self._scaled[positions] = np.power(priorities / self._top, self.alpha)
         self._cumulative = None
 
     def update(

@@ -241,7 +241,6 @@ class MemmapStorage(LocalFolderStorage):
                     os.unlink(path)
             raise
         self._checksums = EpisodeChecksums.create(self, self.root, list(schema.fields), schema.max_episodes)
-        self.commit_state(empty_state())
         self._write_config(schema)
 
     def _allocate(self, name: str, meta: bool, shape: tuple[int, ...], dtype: np.dtype) -> None:

@@ -54,6 +54,7 @@ from ._owned import BLOB_DIR, check_owned, erase_owned
 from ._shards import ShardedArray
 from .base import (
     OPTIONAL_META,
+    STATE_KEY,
     BufferDamagedError,
     BufferNotFoundError,
     ChecksumEntryError,
@@ -62,6 +63,7 @@ from .base import (
     EpisodeLengthError,
     Storage,
     StorageError,
+    UnfinishedCreateError,
     bookkeeping_fields,
     check_layout,
     empty_state,
@@ -370,7 +372,7 @@ class ZarrStorage(KVBlobs, Storage):
                 f"no replaybuf buffer at {self.location!r} (no zarr group with replaybuf attributes)"
             )
         if attributes.get(REPLACING):
-            raise BufferNotFoundError(
+            raise UnfinishedCreateError(
                 f"the buffer at {self.location!r} is being replaced: an overwrite=True erases it now (or was "
                 "stopped while it did; create the buffer again with overwrite=True)"
             )
@@ -389,9 +391,28 @@ class ZarrStorage(KVBlobs, Storage):
             self._create_optional_meta(schema)
         consolidated = (document or {}).get("consolidated_metadata")
         recorded = consolidated.get("metadata") if isinstance(consolidated, dict) else None
-        self._load_arrays(schema, recorded if isinstance(recorded, dict) else None)
+        try:
+            self._load_arrays(schema, recorded if isinstance(recorded, dict) else None)
+        except BufferNotFoundError:
+            if self._create_unfinished():
+                raise UnfinishedCreateError(
+                    f"the buffer at {self.location!r} was never fully created (its create was killed, or "
+                    "another process is creating it now): it holds no episode; create it again with "
+                    "overwrite=True"
+                ) from None
+            # a create in another process may have finished since the arrays were read; else the
+            # missing array is damage, raised again
+            self._load_arrays(schema, recorded if isinstance(recorded, dict) else None)
         self._unmeasured = _unmeasured(attributes, schema, where)
         return schema
+
+    def _create_unfinished(self) -> bool:
+        """Whether the location is a create cut short: no counters object (a create writes it
+        last) and nothing under ``data/`` or ``meta/`` but array documents (no chunk of any
+        episode was ever written)."""
+        if self.read_blob(STATE_KEY) is not None:
+            return False
+        return all(key.endswith("zarr.json") for prefix in ("data/", "meta/") for key in self.kv.list_prefix(prefix))
 
     def _create_optional_meta(self, schema: Schema) -> None:
         """A writable open of a buffer an earlier release wrote creates the ``OPTIONAL_META``

@@ -122,6 +122,12 @@ class BufferNotFoundError(FileNotFoundError, ValueError):
     ``from_folder`` raised one ('metadata.pkl not found'), and code catching it keeps working."""
 
 
+class UnfinishedCreateError(BufferNotFoundError):
+    """The location holds the start of a buffer whose create never finished (killed, or still
+    under way in another process; an ``overwrite=True`` erasing the buffer before it counts):
+    it holds no episode to keep, so ``overwrite=True`` loses nothing."""
+
+
 class BufferDamagedError(ValueError):
     """A stored file or object of the buffer cannot be parsed or contradicts the config; the
     message names the file, what it holds and what was expected."""
