@@ -214,7 +214,7 @@ def test_batches_of_resident_fields_read_no_generations(tmp_path, monkeypatch):
     """Resident rows were checked against their slots' stored generations when loaded, so a
     batch served from them skips the re-check of its slots (a read of the _generation array
     whose cost grew with the buffer: 3x slower batches at 100,000 episodes); a field that is
-    not resident is re-checked as before."""
+    not resident is checked by its gathers, once per batch."""
     path = str(tmp_path / "buffer")
     fields = {**FIELDS, "frame": ("uint8", (48, 48, 3))}
     buffer = ReplayBuffer(path, max_episodes=EPISODES, max_timesteps=STEPS, fields=fields)
@@ -228,15 +228,21 @@ def test_batches_of_resident_fields_read_no_generations(tmp_path, monkeypatch):
     monkeypatch.setattr(
         reader.storage, "read_meta_rows", lambda name, slots: rechecks.append(name) or read_meta_rows(name, slots)
     )
+    frame = reader.storage.array("frame")
+    generations_of = frame.generations_of
+    monkeypatch.setattr(frame, "generations_of", lambda slots: rechecks.append("frame") or generations_of(slots))
     resident = make_dataloader(reader, 8, timestep_level=True, return_indices=True, fields=list(FIELDS))
     batches = list(resident)
     assert rechecks == [] and resident.dataset.fetcher.verified()
     values = expected(path)
     for batch in batches:
         check_batch(batch, values)
+    # a field on disk: its gathers check the slots' generations after reading them, so the
+    # batch is verified without a re-check of its own (``verifies_gathers``)
     on_disk = make_dataloader(reader, 8, timestep_level=True, fields=["state", "frame"])
     next(iter(on_disk))
-    assert rechecks == ["_generation"] and not on_disk.dataset.fetcher.verified()
+    assert rechecks == ["frame"] and not on_disk.dataset.fetcher.verified()
+    assert on_disk.dataset.fetcher.verified(gathers_only=True)
 
 
 def test_resident_rows_of_a_reused_slot_are_not_kept(tmp_path):
