@@ -308,17 +308,22 @@ def test_a_batch_naming_its_generations_reuses_a_verified_map_until_the_slot_mov
     writer.close()
 
 
+def _two_hot_episodes(tmp_path, monkeypatch) -> tuple[ReplayBuffer, dict[int, dict], ReplayBuffer]:
+    """A writer of two hot episodes (circular, 2 slots), what it stored by slot, and a reader;
+    this process's maps as new (none evicted yet: maps are checked whole, and indexed)."""
+    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))
+    writer = make(str(tmp_path / "buffer"))
+    stored = {seed: episode(seed) for seed in range(2)}
+    for seed in range(2):
+        writer.store_episode(**stored[seed])
+    return writer, stored, open_reader(str(tmp_path / "buffer"))
+
+
 def test_a_batch_the_map_index_serves_is_exact_and_lapses_with_the_maps(tmp_path, monkeypatch):
     """Batches over slots whose maps are confirmed are served by the per-array index
     (``MapIndex``) with the stored frames; a write of this process, a refresh or a new map makes
     the next batch look the maps up again."""
-    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))  # none evicted yet
-    location = str(tmp_path / "buffer")
-    writer = make(location)
-    stored = {seed: episode(seed) for seed in range(2)}
-    for seed in range(2):
-        writer.store_episode(**stored[seed])
-    reader = open_reader(location)
+    writer, stored, reader = _two_hot_episodes(tmp_path, monkeypatch)
     array = reader.storage.array("image")
     rng = np.random.default_rng(1)
     planned = reader.storage.read_meta_rows("_generation", [0, 1])
@@ -351,13 +356,7 @@ def test_timestep_batches_need_no_recheck_and_keep_their_snapshot_when_a_slot_is
     """A read-only reader's timestep batches are verified by their gathers (``verifies_gathers``):
     no batch re-reads its slots' generations (``committed_generations``), and after the writer
     reuses a slot every sample still holds the snapshot's episode of its slot, never the new one."""
-    monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(_hotmap.MAX_MAPS))
-    location = str(tmp_path / "buffer")
-    writer = make(location)
-    stored = {seed: episode(seed) for seed in range(2)}
-    for seed in range(2):
-        writer.store_episode(**stored[seed])
-    reader = open_reader(location)
+    writer, stored, reader = _two_hot_episodes(tmp_path, monkeypatch)
     rechecks = []
     real = consistency.committed_generations
     monkeypatch.setattr(consistency, "committed_generations", lambda *a: rechecks.append(a) or real(*a))
