@@ -318,3 +318,29 @@ def test_sampled_steps_of_compressed_fields_are_checked(tmp_path, monkeypatch, s
     with pytest.raises(CorruptChunkError, match="data/x: slot 2"):
         damaged.storage.read_rows("x", np.array([2]), 3, 5)
     damaged.close()
+
+
+def test_a_close_whose_flush_fails_still_lets_the_file_and_lease_go(tmp_path, monkeypatch):
+    """A close whose final flush fails (a full disk) raises StorageError naming data.h5, and
+    still closes the file and releases the writer lease: the buffer opens for writing again
+    with every committed episode."""
+    require("h5py")
+    from replaybuf.storage import StorageError
+
+    path = str(tmp_path / "b")
+    buffer = ReplayBuffer(path, max_episodes=4, max_timesteps=10, fields=FIELDS, backend="hdf5")
+    buffer.store_episode(**episode(10, seed=1))
+    h5file = buffer.storage._file
+    monkeypatch.setattr(buffer.storage, "_dirty", True)
+
+    def fail() -> None:
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(h5file, "flush", fail)
+    with pytest.raises(StorageError, match="data.h5"):
+        buffer.close()
+    assert not h5file.id.valid
+    monkeypatch.undo()
+    again = ReplayBuffer.from_folder(path)
+    assert len(again) == 1
+    again.close()

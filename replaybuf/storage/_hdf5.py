@@ -737,11 +737,14 @@ class HDF5Storage(LocalFolderStorage):
         # docstring inherited
         failed: Exception | None = None
         if self._file is not None and self._pid == os.getpid() and self._file.id.valid:
-            self.flush()
+            try:  # a failed flush still closes the file and releases the lease below
+                self.flush()
+            except StorageError as e:
+                failed = e
             try:
                 self._file.close()
             except (OSError, RuntimeError) as e:  # HDF5 writes the file's superblock as it closes
-                failed = e
+                failed = failed or e
         self._file = None
         self._ram, self._maps = {}, {}
         if self._checksums is not None:
