@@ -367,6 +367,8 @@ class ReplayBuffer(CommittedViews):
             self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
             if overwrite and self.storage.exists():
                 held = snapshots.check_overwrite(self.storage, self.drop_snapshots_on_overwrite)
+        elif wanted is not None:
+            self._refuse_another_config(wanted)  # before the lease: a refused reopen writes nothing
         self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
@@ -394,6 +396,20 @@ class ReplayBuffer(CommittedViews):
         if wanted is not None:
             schema.check_matches(wanted, self.storage.location)
         return schema
+
+    def _refuse_another_config(self, wanted: Schema) -> None:
+        """ValueError when the config stored here is not ``wanted``, read through a read-only
+        open of a new storage object, so that a refused reopen takes no lease and touches no
+        file. Any other failure of that open is left to the writable open, which reports it."""
+        probe = self.storage.fresh()
+        try:
+            stored = probe.open(read_only=True)
+        except Exception:
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                probe.close()
+        stored.check_matches(wanted, self.storage.location)
 
     def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:

@@ -110,7 +110,7 @@ def _unfinished_copy(storage: Storage) -> str | None:
         return None
     try:
         record = json.loads(storage.read_blob(CONVERT_MARKER) or b"{}")
-    except (ValueError, BufferDamagedError):
+    except (ValueError, RecursionError, BufferDamagedError):  # RecursionError: nested too deep
         record = {}
     source = record.get("from") if isinstance(record, dict) else None
     return (
@@ -492,7 +492,7 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
         try:
             with open(os.path.join(path, *UPGRADE_MARKER.split("/")), "rb") as f:
                 record = json.loads(f.read(1 << 16))  # a marker is ~100 bytes: more is not one
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             record = None
         ours = (
             not os.path.islink(path)

@@ -50,9 +50,10 @@ StorageFactory = Callable[..., Storage]
 PICKLE_BYTES = 32 << 10
 
 
-def snapshot(location: str) -> dict[str, tuple]:
+def snapshot(location: str | os.PathLike) -> dict[str, tuple]:
     """Everything stored at a local folder (path -> size, mtime, content hash) or a
     ``memory://`` location (key -> content hash): equal snapshots mean nothing was written."""
+    location = os.fspath(location)
     if location.startswith("memory://"):
         import fsspec
 

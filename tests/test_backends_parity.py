@@ -159,8 +159,12 @@ def test_reopen_for_writing_continues(place):
     assert_holds(ReplayBuffer.from_folder(place.location, read_only=True), stored)
 
 
-def test_mismatched_config_lists_the_differences(place):
-    new_buffer(place).store_episode(**episode(2, 0))
+def test_mismatched_config_lists_the_differences_and_touches_nothing(place):
+    """The config is checked before the writer lease is taken: a refused reopen changes no
+    file, no folder and no modification time (the lease file is not even created)."""
+    with new_buffer(place) as buffer:
+        buffer.store_episode(**episode(2, 0))
+    before = snapshot(place.location)
     with pytest.raises(ValueError, match=r"max_episodes: stored 6 vs passed 7(.|\n)*fields.reward"):
         ReplayBuffer(
             place.location,
@@ -171,6 +175,7 @@ def test_mismatched_config_lists_the_differences(place):
             overwrite=False,
             **place.kwargs,
         )
+    assert snapshot(place.location) == before
 
 
 def test_clear_erases_episodes(place):

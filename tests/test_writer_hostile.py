@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from replaybuf import BufferLockedError, ForeignEntriesError, ReplayBuffer, StorageError, verify
+from replaybuf.storage._codecs import crc32c
 from replaybuf.storage._zarr import ZarrStorage
 
 from ._backends import LOCAL_BACKENDS as LOCAL
@@ -389,18 +390,24 @@ def test_a_rejected_call_leaves_the_buffer_byte_identical(buffers, backend, call
         buffer.update(0, state=state, task=task)
 
 
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_record_of_slots_nested_too_deep_is_damage_not_a_crash(tmp_path, backend):
+    """A record of the slots being written that passes its checksum but holds JSON nested past
+    the parser's recursion limit is a damaged record (every empty slot is then zeroed when
+    reused), not a RecursionError out of the open."""
+    stored_buffer(tmp_path / "buf", backend)
+    body = b"[" * 100_000
+    record = (crc32c(body).to_bytes(4, "little") + len(body).to_bytes(4, "little")) + body
+    (tmp_path / "buf" / "replaybuf" / "writing").write_bytes(record)
+    with pytest.warns(UserWarning, match="replaybuf/writing.*damaged"):
+        buffer = ReplayBuffer.from_folder(tmp_path / "buf", backend=backend)
+    with buffer:
+        assert len(buffer) == 1
+        store(buffer, 2.0)
+        assert len(buffer) == 2
+
+
 # ---- reopening with another config changes nothing ---------------------------------------------
-
-
-def contents(path) -> dict[str, bytes]:
-    """Every file's bytes under ``path`` (mtimes left out: a refused writable open takes and
-    gives back the writer lease)."""
-    out = {}
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                out[os.path.relpath(os.path.join(folder, name), path)] = f.read()
-    return out
 
 
 @pytest.mark.parametrize(
@@ -416,7 +423,7 @@ def contents(path) -> dict[str, bytes]:
 @pytest.mark.parametrize("backend", LOCAL)
 def test_reopening_with_another_config_is_refused_naming_it_and_changes_no_byte(tmp_path, backend, change, named):
     stored_buffer(tmp_path / "buf", backend)
-    before = contents(tmp_path / "buf")
+    before = snapshot(tmp_path / "buf")
     config = {"max_episodes": 3, "max_timesteps": 4, "fields": FIELDS, **change}
     with pytest.raises(ValueError, match=named):
         ReplayBuffer(tmp_path / "buf", backend=backend, overwrite=False, **config)
@@ -426,7 +433,7 @@ def test_reopening_with_another_config_is_refused_naming_it_and_changes_no_byte(
             ReplayBuffer(
                 tmp_path / "buf", max_episodes=3, max_timesteps=4, fields=FIELDS, backend=other, overwrite=overwrite
             )
-    assert contents(tmp_path / "buf") == before
+    assert snapshot(tmp_path / "buf") == before, "a refused reopen changed a file or a modification time"
 
 
 # ---- an empty location names no folder ---------------------------------------------------------

@@ -225,7 +225,7 @@ class LocalFolderStorage(KVBlobs, Storage):
         their crc32c): what a create cut short after its counters leaves."""
         try:
             state = json.loads(self.kv.get_document(STATE_KEY) or b"null")
-        except ValueError:  # not JSON, or too large to be counters (BufferDamagedError)
+        except (ValueError, RecursionError):  # not JSON, nested too deep, or too large (BufferDamagedError)
             return False
         if not isinstance(state, dict) or not set(COUNTERS) <= set(state) <= STATE_KEYS:
             return False

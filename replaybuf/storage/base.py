@@ -803,7 +803,7 @@ class Storage(ABC):
         body = _unchecked(raw)
         try:
             slots = json.loads(body) if body is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             return None
         if not isinstance(slots, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in slots):
             return None

@@ -216,7 +216,7 @@ class FileLease(WriterLease):
         try:
             with open(self.path, "rb") as f:
                 return json.loads(f.read(RECORD_BYTES) or b"null")
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
             return None
 
     def _lock(self) -> int:
@@ -412,7 +412,7 @@ def _parse_record(raw: bytes | None) -> dict:
         return {}
     try:
         record = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         return {}
     return record if isinstance(record, dict) else {}
 
