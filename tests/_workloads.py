@@ -7,9 +7,12 @@ any episode it sees without talking to the writer.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 MAX_TIMESTEPS = 24
+PACED_S = 0.3  # a paced writer's pause after each episode (``writer_loop``)
 # short time chunks so one episode spans several chunk objects and can tear between them
 FIELDS = {
     "obs": {"dtype": "float32", "shape": [3], "chunks": 4},
@@ -90,9 +93,12 @@ def writer_loop(
     span_bytes: int | None = None,
     storage_options: dict | None = None,
     stop=None,
+    pace=None,
 ) -> None:
     """Child-process body: write ``uids`` into the buffer at ``location`` (reopened, not erased),
-    appending each committed uid to ``progress_path``, until ``stop`` (an Event) is set.
+    appending each committed uid to ``progress_path``, until ``stop`` (an Event) is set; while
+    ``pace`` (an Event) is set, it pauses ``PACED_S`` after each episode (still writing, but
+    letting a slow reader finish a read before every slot it read is reused).
     ``how`` is 'steps', 'whole' or 'mixed'."""
     from replaybuf import ReplayBuffer, staging
 
@@ -107,6 +113,8 @@ def writer_loop(
         if progress:
             progress.write(f"{uid}\n")
             progress.flush()
+        if pace is not None and pace.is_set():
+            time.sleep(PACED_S)
     buffer.close()
     if progress:
         progress.close()

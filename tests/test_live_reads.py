@@ -40,6 +40,7 @@ SPAWN = multiprocessing.get_context("spawn")
 SOAK_SECONDS = float(os.environ.get("REPLAYBUF_SOAK_SECONDS", "2"))
 MIN_ROUNDS = 2
 LAST_CALL_S = 30  # the longest a soak reads on for a path that has not checked an episode yet
+LAST_ROUNDS = 4  # the fewest rounds it reads on for one (a round over moto on a loaded machine: ~15 s)
 SLOTS = 4
 
 
@@ -394,7 +395,7 @@ def soak(
     for uid in (900, 901):
         other.store_episode(**episode(uid), uid=uid, score=uid / 4)
     other = ReplayBuffer.from_folder(tmp_path / "other", read_only=True)
-    stop = SPAWN.Event()
+    stop, pace = SPAWN.Event(), SPAWN.Event()
     writer = SPAWN.Process(
         target=writer_loop,
         args=(
@@ -404,7 +405,7 @@ def soak(
             {**kwargs, **(writer_options or {})},
             str(tmp_path / "progress"),
         ),
-        kwargs={"span_bytes": 256, "storage_options": storage_options, "stop": stop},
+        kwargs={"span_bytes": 256, "storage_options": storage_options, "stop": stop, "pace": pace},
     )
     writer.start()
     reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=storage_options)
@@ -429,14 +430,22 @@ def soak(
             assert writer.is_alive() and time.monotonic() < deadline, "the writer never committed"
             time.sleep(0.05)
         end = time.monotonic() + SOAK_SECONDS
-        # on a loaded machine a path may keep meeting rewrites: it reads on (at most
-        # LAST_CALL_S more) until it has checked an episode, which the callers assert
-        last_call = end + LAST_CALL_S
+        # on a loaded machine a path may keep meeting rewrites: past the soak the writer is
+        # paced (it writes on, pausing between episodes) and the path reads on (at most
+        # LAST_CALL_S more, and LAST_ROUNDS rounds whatever they take) until it has checked an
+        # episode, which the callers assert
+        last_call, paced_rounds = end + LAST_CALL_S, 0
         while (
             time.monotonic() < end
             or not all(done(name) for name in walks)
-            or (time.monotonic() < last_call and min(counts[name][1] for name in checking) == 0)
+            or (
+                (time.monotonic() < last_call or paced_rounds < LAST_ROUNDS)
+                and min(counts[name][1] for name in checking) == 0
+            )
         ):
+            if time.monotonic() >= end and min(counts[name][1] for name in checking) == 0:
+                pace.set()
+                paced_rounds += 1
             for name, (path, source) in walks.items():
                 if name in ONCE and counts[name][1]:
                     continue
