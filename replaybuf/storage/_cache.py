@@ -460,6 +460,11 @@ class CachedStorage(Storage):
         # docstring inherited: the wrapped storage's (only the layer's reads use the cache)
         return self.inner.array(name, meta)
 
+    def data_file(self, name: str, meta: bool = False) -> str:
+        """The file the wrapped storage keeps field ``name`` in, for error messages (memmap and
+        hdf5); AttributeError where it keeps none (zarr: messages name the array's keys)."""
+        return self.inner.data_file(name, meta)  # type: ignore[attr-defined]
+
     def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
         return self.inner.read_blob(key, limit)
 

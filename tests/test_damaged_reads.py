@@ -1,0 +1,452 @@
+"""Reads that never lie: one file of a committed buffer is damaged (a flipped bit, a truncation,
+junk appended, zeros written over it, or swapped with another file of its array), then one
+public read path runs on a fresh read-only reader. It either returns exactly the committed
+values or raises a replaybuf error naming the damaged file or key; never a wrong value, an
+unrelated exception or an allocation sized by a damaged length.
+
+Each backend's clean buffer is built once (for zarr: three episodes compacted into shards, one
+still hot, i.e. raw, and a warm read cache filled by a ``cache='disk'`` reader); each example
+copies it to the same place, so the cache's folder, keyed by the location, still belongs to it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replaybuf import (
+    BufferDamagedError,
+    BufferNotFoundError,
+    ConcatReplayBuffer,
+    ConcurrentWriteError,
+    MetaChecksumError,
+    NewerFormatError,
+    ReplayBuffer,
+    ReplayDatasetTimeWindow,
+    SnapshotError,
+    StorageError,
+    verify,
+)
+from replaybuf.consistency import read_episodes_consistent
+from replaybuf.sampling.datasets import SnapshotOverwrittenError
+from replaybuf.viewer import BufferApp
+
+from ._backends import LOCAL_BACKENDS, require
+from .test_hot_tier import is_hot_file
+
+h5py = require("h5py")
+
+FIELDS = {
+    "frame": {"dtype": "uint8", "shape": (32, 32, 4), "compressor": "blosc-lz4"},
+    "state": ("float", 3),
+    "priority": ("float", (), 1.0),
+}
+META_FIELDS = {"task": "int", "score": "float"}
+COLD_LENGTHS = [6, 5, 7]
+HOT_LENGTH = 4  # zarr only: the episode a live writer left hot
+MAX_EPISODES, MAX_TIMESTEPS = 5, 8
+SNAPSHOT = "fuzz"
+REPLAYBUF_ERRORS = (
+    StorageError,
+    BufferDamagedError,
+    BufferNotFoundError,
+    NewerFormatError,
+    SnapshotError,
+    ConcurrentWriteError,
+    SnapshotOverwrittenError,
+)
+DAMAGES = ["flip", "truncate", "extend", "zeros", "swap"]
+
+
+def _episode(slot: int, length: int) -> dict:
+    """Episode ``slot``: each frame a coloured square on black, compressible (so the hot and
+    compacted shards differ) and distinct per step."""
+    rng = np.random.default_rng(slot)
+    frame = np.zeros((length, 32, 32, 4), np.uint8)
+    frame[:, :16, :16] = rng.integers(1, 256, (length, 1, 1, 4), dtype=np.uint8)
+    return {
+        "frame": frame,
+        "state": rng.standard_normal((length, 3)).astype(np.float32),
+        "priority": rng.uniform(0.5, 2.0, length).astype(np.float32),
+        "task": slot + 10,
+        "score": slot + 0.25,
+    }
+
+
+def _lengths(backend: str) -> list[int]:
+    return COLD_LENGTHS + [HOT_LENGTH] if backend == "zarr" else COLD_LENGTHS
+
+
+def _frames_hot(buffer: ReplayBuffer, slot: int) -> bool:
+    array = buffer.storage.array("frame")
+    return is_hot_file(array.kv.where(array.shard_key(slot)))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """backend -> (template folder holding ``buffer`` and ``cache``, the folder examples use)."""
+    root = tmp_path_factory.mktemp("damaged_reads")
+    made = {}
+    for backend in LOCAL_BACKENDS:
+        work, template = root / f"{backend}-work", root / f"{backend}-template"
+        location = str(work / "buffer")
+        writer = ReplayBuffer(location, MAX_EPISODES, MAX_TIMESTEPS, FIELDS, META_FIELDS, backend=backend)
+        for slot, length in enumerate(COLD_LENGTHS):
+            writer.store_episode(**_episode(slot, length))
+        if backend == "zarr":
+            writer.compact()  # the frames so far into compressed shards
+            writer.store_episode(**_episode(len(COLD_LENGTHS), HOT_LENGTH))
+            assert _frames_hot(writer, len(COLD_LENGTHS)) and not _frames_hot(writer, 0)
+        writer.snapshot(SNAPSHOT)
+        writer.flush()
+        if backend == "zarr":
+            reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=str(work / "cache"))
+            reader.warm_cache()
+            reader.close()
+            assert any(path.is_file() for path in (work / "cache").rglob("*"))
+        shutil.copytree(work, template)  # as a writer killed now leaves it: the last episode hot
+        writer.close()
+        made[backend] = (template, work)
+    return made
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+def _damage(target: Path, how: str, where: float, bit: int, files: list[Path]) -> Path | None:
+    """Damage ``target``; returns the file it was swapped with, if any."""
+    data = bytearray(target.read_bytes())
+    position = min(int(where * len(data)), max(len(data) - 1, 0))
+    if how == "swap":
+        partners = [path for path in files if path.parent == target.parent and path != target]
+        if not partners:
+            how = "zeros"
+        else:
+            partner = partners[int(where * len(partners))]
+            other = partner.read_bytes()
+            partner.write_bytes(bytes(data))
+            target.write_bytes(other)
+            return partner
+    if how == "flip" and data:
+        data[position] ^= 1 << bit
+    elif how == "truncate":
+        data = data[:position]
+    elif how == "extend":
+        data += np.random.default_rng(bit).integers(0, 256, 1 + int(where * 5000), dtype=np.uint8).tobytes()
+    elif how == "zeros":
+        data = bytearray(len(data))
+    target.write_bytes(bytes(data))
+    return None
+
+
+# ---- what a reader must return -------------------------------------------------------------
+
+
+class Expected:
+    """The committed values of a backend's clean buffer, by slot."""
+
+    def __init__(self, backend: str):
+        self.lengths = _lengths(backend)
+        self.episodes = [_episode(slot, length) for slot, length in enumerate(self.lengths)]
+
+    def steps(self, name: str, slot: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.episodes[slot][name][start:stop]
+
+    def check_rows(self, name: str, rows, slots=None) -> None:
+        """``rows[i]`` is slot ``slots[i]`` (default: i), padded past its length."""
+        rows = np.asarray(rows)
+        slots = range(len(self.lengths)) if slots is None else slots
+        for row, slot in zip(rows, slots):
+            length = self.lengths[slot]
+            np.testing.assert_array_equal(row[:length], self.steps(name, slot), err_msg=f"{name} slot {slot}")
+
+    def check_all_data(self, everything, fields=tuple(FIELDS), meta=tuple(META_FIELDS)) -> None:
+        assert np.asarray(everything["episode_lens"]).tolist() == self.lengths
+        for name in fields:
+            self.check_rows(name, everything[name])
+        for name in meta:
+            assert np.asarray(everything[name]).tolist() == [e[name] for e in self.episodes], name
+
+    def check_trajectories(self, batch) -> None:
+        for i, slot in enumerate(batch["_index"].tolist()):
+            assert int(batch["_lens"][i]) == self.lengths[slot]
+            for name in FIELDS:
+                np.testing.assert_array_equal(batch[name][i].numpy()[: self.lengths[slot]], self.steps(name, slot))
+            self.check_meta(batch, i, slot)
+
+    def check_meta(self, batch, i: int, slot: int) -> None:
+        for name in META_FIELDS:
+            assert np.asarray(batch[name])[i] == self.episodes[slot][name], name
+
+    def check_timesteps(self, batch, names=tuple(FIELDS)) -> None:
+        for i, (slot, t) in enumerate(batch["_indices"].tolist()):
+            for name in names:
+                np.testing.assert_array_equal(batch[name][i].numpy(), self.steps(name, slot)[t])
+            self.check_meta(batch, i, slot)
+
+
+# ---- the read paths ------------------------------------------------------------------------
+
+
+def _open(location: str, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer.from_folder(location, read_only=True, **kwargs)
+
+
+def _all_data(location, expected, tmp):
+    expected.check_all_data(_open(location).get_all_data())
+
+
+def _some_data(location, expected, tmp):
+    expected.check_all_data(
+        _open(location).get_all_data(fields=["state"], meta_fields=["task", "episode_lens"]), ["state"], ["task"]
+    )
+
+
+def _cached_data(location, expected, tmp):
+    reader = _open(location, cache="disk", cache_dir=str(Path(location).parent / "cache"))
+    expected.check_all_data(reader.get_all_data())
+    batch = next(iter(reader.dataloader(batch_size=64, timestep_level=True, return_indices=True)))
+    expected.check_timesteps(batch)
+
+
+def _views(location, expected, tmp):
+    reader = _open(location)
+    for name in FIELDS:
+        for slot, length in enumerate(expected.lengths):
+            np.testing.assert_array_equal(np.asarray(reader.data[name][slot, :length]), expected.steps(name, slot))
+        expected.check_rows(name, reader.data[name][: len(expected.lengths)])
+    slots = len(expected.lengths)
+    assert np.asarray(reader.episode_lens[:slots]).tolist() == expected.lengths
+    for name in META_FIELDS:
+        assert np.asarray(reader.meta_data[name][:slots]).tolist() == [e[name] for e in expected.episodes]
+
+
+def _episodes(location, expected, tmp):
+    reader = _open(location)
+    got = read_episodes_consistent(reader, list(range(len(expected.lengths))))
+    assert got.slots.tolist() == list(range(len(expected.lengths)))
+    for name in FIELDS:
+        expected.check_rows(name, got.data[name])
+    for slot in range(len(expected.lengths)):
+        np.testing.assert_array_equal(reader.episode_frames(slot, "frame"), expected.steps("frame", slot))
+
+
+def _trajectories(location, expected, tmp):
+    for batch in _open(location).dataloader(batch_size=2, return_indices=True):
+        expected.check_trajectories(batch)
+
+
+def _timesteps(location, expected, tmp):
+    for batch in _open(location).dataloader(batch_size=16, timestep_level=True, return_indices=True):
+        expected.check_timesteps(batch)
+
+
+def _n_steps(location, expected, tmp):
+    loader = _open(location).dataloader(
+        batch_size=16,
+        n_steps=2,
+        current_fields=("state", "frame"),
+        next_fields=("state",),
+        sequence_fields=("priority",),
+        return_indices=True,
+    )
+    for batch in loader:
+        for i, (slot, t) in enumerate(batch["_indices"].tolist()):
+            n = int(batch["n_step_lens"][i])
+            np.testing.assert_array_equal(batch["state"][i].numpy(), expected.steps("state", slot)[t])
+            np.testing.assert_array_equal(batch["frame"][i].numpy(), expected.steps("frame", slot)[t])
+            np.testing.assert_array_equal(batch["next_state"][i].numpy(), expected.steps("state", slot)[t + n])
+            np.testing.assert_array_equal(
+                batch["seq_priority"][i].numpy()[:n], expected.steps("priority", slot, t, t + n)
+            )
+
+
+def _windows(location, expected, tmp):
+    windows = ReplayDatasetTimeWindow(_open(location), 3, return_indices=True)
+    for i in range(len(windows)):
+        window = windows[i]
+        slot, start, length = int(window["_index"]), int(window["_start"]), int(window["_lens"])
+        for name in FIELDS:
+            np.testing.assert_array_equal(
+                np.asarray(window[name])[:length], expected.steps(name, slot, start, start + length)
+            )
+
+
+def _prioritized(location, expected, tmp):
+    loader = _open(location).dataloader(
+        batch_size=16,
+        timestep_level=True,
+        sampler="prioritized",
+        priority_field="priority",
+        return_indices=True,
+        seed=0,
+    )
+    expected.check_timesteps(next(iter(loader)))
+
+
+def _dask(location, expected, tmp):
+    reader = _open(location)
+    arrays = {name: array.compute() for name, array in reader.to_dask().items()}
+    order = np.argsort(reader.generations[: len(expected.lengths)], kind="stable").tolist()
+    for name in FIELDS:
+        expected.check_rows(name, arrays[name], order)
+    assert np.asarray(reader.episode_mask().compute()).sum() == sum(expected.lengths)
+
+
+def _xarray(location, expected, tmp):
+    dataset = _open(location).to_xarray().compute()
+    slots = dataset["slot"].values.tolist()
+    assert dataset["episode_lens"].values.tolist() == [expected.lengths[s] for s in slots]
+    for name in FIELDS:
+        expected.check_rows(name, dataset[name].values, slots)
+    for name in META_FIELDS:
+        assert dataset[name].values.tolist() == [expected.episodes[s][name] for s in slots]
+
+
+def _concat(location, expected, tmp):
+    mixture = ConcatReplayBuffer([location])
+    expected.check_all_data(mixture.get_all_data())
+    for batch in mixture.dataloader(batch_size=16, timestep_level=True, return_indices=True):
+        expected.check_timesteps(batch)
+
+
+def _snapshot(location, expected, tmp):
+    view = _open(location, snapshot=SNAPSHOT)
+    expected.check_all_data(view.get_all_data())
+    for batch in view.dataloader(batch_size=2, return_indices=True):
+        expected.check_trajectories(batch)
+
+
+def _video(location, expected, tmp):
+    reader = _open(location)
+    for slot in range(len(expected.lengths)):
+        path = reader.save_video(os.path.join(tmp, f"{slot}.mp4"), slot, "frame", fps=10)
+        assert os.path.getsize(path) > 0
+
+
+def _viewer(location, expected, tmp):
+    app = BufferApp(_open(location), location="fuzz", fps=10)
+    try:
+        listed = app.respond("/api/episodes").body
+        assert listed["lengths"][: len(expected.lengths)] == expected.lengths
+        for name in META_FIELDS:
+            assert listed["meta"][name][: len(expected.lengths)] == pytest.approx([e[name] for e in expected.episodes])
+        for slot in range(len(expected.lengths)):
+            episode = app.respond(f"/api/episodes/{slot}").body
+            assert episode["length"] == expected.lengths[slot]
+            for name in ("state", "priority"):
+                np.testing.assert_array_equal(
+                    np.asarray(episode["series"][name], np.float32), expected.steps(name, slot)
+                )
+        app.render(0, "frame")
+    finally:
+        app.close()
+
+
+def _verify(location, expected, tmp):
+    problems = verify(location)
+    assert isinstance(problems, list) and all(isinstance(problem, str) for problem in problems)
+
+
+PATHS: dict[str, Callable] = {
+    "get_all_data": _all_data,
+    "get_all_data(fields)": _some_data,
+    "cache='disk'": _cached_data,
+    "data[...]/meta_data": _views,
+    "episodes": _episodes,
+    "trajectories": _trajectories,
+    "timesteps": _timesteps,
+    "n-step": _n_steps,
+    "windows": _windows,
+    "prioritized": _prioritized,
+    "dask": _dask,
+    "xarray": _xarray,
+    "concat": _concat,
+    "snapshot": _snapshot,
+    "video": _video,
+    "viewer": _viewer,
+    "verify": _verify,
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_every_read_path_returns_the_committed_values_of_an_undamaged_buffer(clean, tmp_path, backend, path):
+    template, work = clean[backend]
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(template, work)
+    PATHS[path](str(work / "buffer"), Expected(backend), str(tmp_path))
+
+
+def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
+    """Whether ``message`` names one of the damaged files: its path, or its array's folder (a
+    message about one slot's chunk names the array and the slot)."""
+    for path in damaged:
+        relative = os.path.relpath(path, location / os.path.relpath(path, location).split(os.sep)[0])
+        array = os.path.dirname(relative)
+        if str(path) in message or relative in message or (os.sep in array and array in message):
+            return True
+    return False
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
+)
+@given(
+    backend=st.sampled_from(LOCAL_BACKENDS),
+    pick=st.integers(0, 10**6),
+    how=st.sampled_from(DAMAGES),
+    where=st.floats(0, 1, exclude_max=True),
+    bit=st.integers(0, 7),
+    path=st.sampled_from(sorted(PATHS)),
+)
+def test_every_read_path_returns_the_committed_values_or_names_the_damage(
+    clean, tmp_path, backend, pick, how, where, bit, path
+):
+    template, work = clean[backend]
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(template, work)
+    files = _files(work)
+    target = files[pick % len(files)]
+    partner = _damage(target, how, where, bit, files)
+    damaged = [target] if partner is None else [target, partner]
+    location = str(work / "buffer")
+    try:
+        PATHS[path](location, Expected(backend), tempfile.mkdtemp(dir=tmp_path))
+    except REPLAYBUF_ERRORS as error:
+        assert _names_damage(str(error), work, damaged), (
+            f"{path}: {type(error).__name__} names no damaged file: {error}"
+        )
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_cached_reader_names_the_file_of_a_damaged_meta_value(tmp_path, backend):
+    """Before: a ``cache='disk'`` reader's MetaChecksumError named only ``meta/score in <folder>``:
+    the read cache did not pass on its storage's ``data_file``."""
+    location = str(tmp_path / "buffer")
+    writer = ReplayBuffer(location, MAX_EPISODES, MAX_TIMESTEPS, FIELDS, META_FIELDS, backend=backend)
+    for slot, length in enumerate(COLD_LENGTHS):
+        writer.store_episode(**_episode(slot, length))
+    writer.close()
+    plain = _open(location)
+    damaged_file = plain.storage.data_file("score", meta=True)
+    plain.close()
+    flipped = np.float32(_episode(1, 1)["score"]).view(np.uint32) ^ np.uint32(1)
+    if backend == "memmap":
+        np.load(damaged_file, mmap_mode="r+")[1] = flipped.view(np.float32)
+    else:
+        file, dataset = damaged_file.split(":")
+        with h5py.File(file, "r+") as f:
+            f[dataset][1] = flipped.view(np.float32)
+    with pytest.raises(MetaChecksumError, match=f"one flipped bit.*{re.escape(damaged_file)}"):
+        _open(location, cache="disk", cache_dir=str(tmp_path / "cache")).get_all_data()
