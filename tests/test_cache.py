@@ -757,11 +757,13 @@ def test_a_writers_loader_cache_serves_its_snapshot_whole(tmp_path, monkeypatch)
 
 
 def test_a_file_is_checked_once_per_process(written, tmp_path, monkeypatch):
-    import replaybuf.storage._cache as cache_module
+    from replaybuf.storage._cache import CachedStorage
 
     checked = []
-    real = cache_module.crc32c
-    monkeypatch.setattr(cache_module, "crc32c", lambda data: checked.append(len(data)) or real(data))
+    real = CachedStorage._check_value
+    monkeypatch.setattr(
+        CachedStorage, "_check_value", lambda self, path, rows: checked.append(path) or real(self, path, rows)
+    )
     reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
     reader.warm_cache(episodes=[1], fields=["image"], progress=False)
     assert len(checked) == 1  # the filler's checksum, written: its own map reads no file again

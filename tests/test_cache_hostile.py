@@ -81,9 +81,16 @@ def snapshot(folder) -> dict[str, tuple]:
     return out
 
 
-def checked_file(rows: bytes) -> bytes:
-    """A cache file's bytes: ``rows`` then their crc32c."""
-    return rows + crc32c(np.frombuffer(rows, np.uint8)).to_bytes(CHECK_BYTES, "little")
+def checked_file(rows: bytes, served_as: str) -> bytes:
+    """A cache file's bytes: ``rows`` then the crc32c of ``served_as`` (its name in the cache
+    folder) and the rows, valid where it would be served."""
+    check = crc32c(np.frombuffer(rows, np.uint8), crc32c(served_as.encode()))
+    return rows + check.to_bytes(CHECK_BYTES, "little")
+
+
+def served_name(storage: CachedStorage) -> str:
+    """The name in the cache folder of the file of ``SLOT``'s image rows."""
+    return os.path.join(os.path.basename(storage.root), "image", NAME)
 
 
 def user_file_folder(tmp_path) -> Path:
@@ -94,13 +101,13 @@ def user_file_folder(tmp_path) -> Path:
     return user
 
 
-def user_folder(tmp_path, step_nbytes: int) -> str:
+def user_folder(tmp_path, step_nbytes: int, served_as: str) -> str:
     """A user's folder of files named like cache files (valid checksums over wrong rows, old temp
     files, files of the old layout), flat and under ``image/``."""
     user = tmp_path / "user"
     for sub in (user, user / "image"):
         sub.mkdir(parents=True)
-        (sub / NAME).write_bytes(checked_file(b"\xab" * (LENGTHS[SLOT] * step_nbytes)))
+        (sub / NAME).write_bytes(checked_file(b"\xab" * (LENGTHS[SLOT] * step_nbytes), served_as))
         (sub / "0-1.raw").write_bytes(b"user data")
         (sub / ".tmp-1-2-3-4").write_bytes(b"user data")
         os.utime(sub / ".tmp-1-2-3-4", (1, 1))
@@ -111,7 +118,7 @@ def user_folder(tmp_path, step_nbytes: int) -> str:
 @pytest.mark.parametrize("linked", ["identity", "field", ".locks"])
 def test_a_symlinked_cache_folder_is_never_used(written, expected, tmp_path, linked):
     probe = reader(written, tmp_path / "cache", cache_size=1)  # cache_size=1: every fill evicts
-    user = user_folder(tmp_path, probe.schema.fields["image"].step_nbytes)
+    user = user_folder(tmp_path, probe.schema.fields["image"].step_nbytes, served_name(probe.storage))
     before = snapshot(user)
     root = probe.storage.root
     os.makedirs(root if linked != "identity" else os.path.dirname(root), exist_ok=True)
@@ -137,7 +144,7 @@ def test_a_cache_file_replaced_by_a_symlink_is_never_served_or_written(written, 
     user.mkdir()
     pointed = user / "file"
     if target == "valid file":  # the right size and a valid checksum, over rows that are not the episode's
-        pointed.write_bytes(checked_file(bytes(os.path.getsize(path) - CHECK_BYTES)))
+        pointed.write_bytes(checked_file(bytes(os.path.getsize(path) - CHECK_BYTES), served_name(first.storage)))
     elif target == "short file":
         pointed.write_bytes(b"user data")
     elif target == "fifo":
@@ -286,6 +293,23 @@ def test_a_damaged_cache_file_is_never_served(written, expected, warm, case):
     np.testing.assert_array_equal(rows[0], expected["image"][SLOT, : LENGTHS[SLOT]].numpy())
     with open(path, "rb") as f:
         assert f.read() == whole  # refetched and published again
+
+
+def test_another_episode_s_cache_file_moved_into_place_is_never_served(written, expected, warm):
+    """Before: the check covered the rows only, so slot 2's file (whole, its checksum valid)
+    renamed to slot 1's name was served as slot 1's rows."""
+    cache, whole = warm
+    fresh = reader(written, cache)
+    folder = os.path.join(fresh.storage.root, "image")
+    others = sorted(name for name in os.listdir(folder) if name.endswith(".rows") and name != NAME)
+    assert others
+    for other in others:
+        shutil.copyfile(os.path.join(folder, other), os.path.join(folder, NAME))
+        fresh = reader(written, cache)  # a new reader checks each file it maps
+        rows = fresh.storage.read_rows("image", np.array([SLOT]), 0, LENGTHS[SLOT])
+        np.testing.assert_array_equal(rows[0], expected["image"][SLOT, : LENGTHS[SLOT]].numpy(), err_msg=other)
+        with open(os.path.join(folder, NAME), "rb") as f:
+            assert f.read() == whole  # refetched and published again
 
 
 def test_an_absurdly_large_cache_file_is_never_read(written, expected, tmp_path):

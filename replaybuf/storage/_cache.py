@@ -21,9 +21,10 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   ``generations`` serves the generation this process last saw for the slot (loaded lazily,
   refreshed by ``drop_caches`` and by every ``_generation`` read passing through it); every read
   serves the revision this process last saw (the same way, from ``_revision``).
-- **Checked.** A file holds the rows, then their crc32c (4 bytes, little-endian), checked when a
-  process maps the file: one that fails (a flipped byte, a truncation) is deleted and its episode
-  fetched again from the wrapped storage, never served. Each process checks a file (an inode)
+- **Checked.** A file holds the rows, then the crc32c (4 bytes, little-endian) of its name in the
+  cache folder followed by the rows, checked when a process maps the file: one that fails (a
+  flipped byte, a truncation, another episode's file renamed or copied into its place) is
+  deleted and its episode fetched again from the wrapped storage, never served. Each process checks a file (an inode)
   once, the first time it maps it. Damage done to a file after that is not seen by that
   process, and a truncation from outside then faults it (SIGBUS) as it would any np.memmap:
   replaybuf itself only ever replaces whole files.
@@ -694,6 +695,12 @@ class CachedStorage(Storage):
         version = f"{generation}-{revision}" if revision else f"{generation}"
         return os.path.join(self.root, name, f"{slot}-{version}{SUFFIX}")
 
+    def _check_value(self, path: str, rows: np.ndarray) -> int:
+        """The crc32c a cache file ends with: of its name within the cache (buffer, field, slot,
+        generation, revision), then its rows, so the file of another episode, field or buffer
+        moved or copied into its place fails the check like a damaged one."""
+        return crc32c(rows, crc32c(os.path.relpath(path, self.cache_dir).encode()))
+
     def _touch(self, name: str, slot: int, generation: int, revision: int) -> None:
         try:
             os.utime(self._path(name, slot, generation, revision), follow_symlinks=False)
@@ -750,7 +757,7 @@ class CachedStorage(Storage):
         rows = mapped[:size]
         identity = (st.st_ino, st.st_size)
         if self._checked.get(path) != identity:  # a file is checked once per process (maps come and go)
-            if crc32c(rows) != int.from_bytes(mapped[size:].tobytes(), "little"):
+            if self._check_value(path, rows) != int.from_bytes(mapped[size:].tobytes(), "little"):
                 _unlink(path)  # damaged: fetched again by the caller
                 return None
             if len(self._checked) >= MAX_CHECKED:
@@ -834,14 +841,14 @@ class CachedStorage(Storage):
                     slot, generation, revision = int(slots[i]), int(generations[i]), int(revisions[i])
                     temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
                     rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
+                    path = self._path(name, slot, generation, revision)
                     _unlink(temp)  # one left by a killed process of the same id: made anew, never followed
                     try:
                         with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644), "wb") as f:
                             f.write(rows.data)
-                            f.write(crc32c(rows).to_bytes(CHECK_BYTES, "little"))
+                            f.write(self._check_value(path, rows).to_bytes(CHECK_BYTES, "little"))
                             f.flush()
                             written_file = os.fstat(f.fileno())
-                        path = self._path(name, slot, generation, revision)
                         os.replace(temp, path)
                     except BaseException:
                         _unlink(temp)  # a file the disk had no room for is never left behind
