@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import (
@@ -28,6 +28,7 @@ from replaybuf import (
     BufferNotFoundError,
     ConcatReplayBuffer,
     ConcurrentWriteError,
+    CorruptChunkError,
     MetaChecksumError,
     NewerFormatError,
     ReplayBuffer,
@@ -399,6 +400,18 @@ def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
     return False
 
 
+def _known_gap(location: str, backend: str, damaged: list[Path]) -> bool:
+    """Damage no read path sees yet (the xfail tests below): zarr frame shards of two slots
+    swapped, or a committed episode's length zeroed (its slot then reads as one being rewritten)."""
+    if len(damaged) == 2 and all(path.parent.name == "frame" and path.name.startswith("c.") for path in damaged):
+        return True
+    try:
+        lens = np.asarray(_open(location).episode_lens[: len(_lengths(backend))])
+    except REPLAYBUF_ERRORS:
+        return False
+    return bool((lens == 0).any())
+
+
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
 )
@@ -421,6 +434,7 @@ def test_every_read_path_returns_the_committed_values_or_names_the_damage(
     partner = _damage(target, how, where, bit, files)
     damaged = [target] if partner is None else [target, partner]
     location = str(work / "buffer")
+    assume(not _known_gap(location, backend, damaged))
     try:
         PATHS[path](location, Expected(backend), tempfile.mkdtemp(dir=tmp_path))
     except REPLAYBUF_ERRORS as error:
@@ -450,3 +464,51 @@ def test_a_cached_reader_names_the_file_of_a_damaged_meta_value(tmp_path, backen
             f[dataset][1] = flipped.view(np.float32)
     with pytest.raises(MetaChecksumError, match=f"one flipped bit.*{re.escape(damaged_file)}"):
         _open(location, cache="disk", cache_dir=str(tmp_path / "cache")).get_all_data()
+
+
+def _committed(location: str, backend: str, lengths: list[int]) -> None:
+    writer = ReplayBuffer(location, MAX_EPISODES, MAX_TIMESTEPS, FIELDS, META_FIELDS, backend=backend)
+    for slot, length in enumerate(lengths):
+        writer.store_episode(**_episode(slot, length))
+    writer.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: a length of 0 with a generation reads as a slot being rewritten (stored_bookkeeping); "
+    "telling damage apart needs episode_lens under the meta checksum (a format change) or verify's counter check",
+)
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_committed_length_flipped_to_zero_is_damage_not_an_empty_slot(tmp_path, backend):
+    location = str(tmp_path / "buffer")
+    _committed(location, backend, [6, 4, 7])
+    reader = _open(location)
+    if backend == "hdf5":
+        file, dataset = reader.storage.data_file("episode_lens", meta=True).split(":")
+        reader.close()
+        with h5py.File(file, "r+") as f:
+            f[dataset][1] ^= 4
+    elif backend == "memmap":
+        np.load(reader.storage.data_file("episode_lens", meta=True), mmap_mode="r+")[1] ^= 4
+    else:
+        chunk = Path(location) / "meta" / "episode_lens" / "c.0"
+        stored = bytearray(chunk.read_bytes())
+        stored[4] ^= 4  # slot 1's int32 length, 4 -> 0
+        chunk.write_bytes(bytes(stored))
+    assert verify(location)  # verify sees it ("empty slots [1] still carry an ordinal")
+    with pytest.raises(StorageError, match="episode_lens"):
+        _open(location).get_all_data()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: a zarr shard's inner chunks carry crc32c of their bytes only, nothing binds a shard to "
+    "its slot and generation (a format change: e.g. a per-episode entry in replaybuf/checksums for sharded fields)",
+)
+def test_a_zarr_frame_shard_moved_to_another_slot_is_damage(tmp_path):
+    location = str(tmp_path / "buffer")
+    _committed(location, "zarr", [5, 5])
+    shards = Path(location) / "data" / "frame"
+    (shards / "c.1.0.0.0.0").write_bytes((shards / "c.0.0.0.0.0").read_bytes())
+    with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+        _open(location).get_all_data()
