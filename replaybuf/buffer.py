@@ -525,7 +525,7 @@ class ReplayBuffer(CommittedViews):
             return self._reopen()
         self._state, self._meta = state, meta
         if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
-            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, repr(self.storage.location))
+            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, self.storage)
         elif self.read_only:  # the counters of a live writer's last episodes may still wait
             self._state = self._commit.caught_up(self._state)
         return self

@@ -242,13 +242,25 @@ def held_episodes(storage: Storage, schema: Schema) -> dict[int, tuple[int, list
 
 
 def view(
-    snapshot: Snapshot, schema: Schema, meta: dict[str, np.ndarray], where: str
+    snapshot: Snapshot, schema: Schema, meta: dict[str, np.ndarray], storage: Storage
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """(bookkeeping mirror, counters) showing only ``snapshot``'s episodes, from ``meta`` as just
     loaded: other slots are empty, with their meta fields at the defaults. ``SnapshotError`` when
-    a recorded episode is no longer in its slot (``where``: the buffer)."""
+    a recorded episode is no longer in its slot; ``BufferDamagedError`` when it is but with
+    another length (a committed episode's length never changes: the stored length or the
+    snapshot's record is damaged)."""
+    where = repr(storage.location)
     generations, lengths = meta["_generation"][snapshot.slots], meta["episode_lens"][snapshot.slots]
-    changed = np.flatnonzero((generations != snapshot.generations) | (lengths != snapshot.lengths))
+    damaged = np.flatnonzero((generations == snapshot.generations) & (lengths != snapshot.lengths))
+    if len(damaged):
+        i = int(damaged[0])
+        raise BufferDamagedError(
+            f"meta/episode_lens of {where} or snapshot {snapshot.name!r} ({storage.describe_key(key(snapshot.name))}) "
+            f"is damaged: slot {int(snapshot.slots[i])} holds generation {int(generations[i])} with length "
+            f"{int(lengths[i])}, the snapshot recorded that episode with length {int(snapshot.lengths[i])} "
+            "(a committed episode's length never changes)"
+        )
+    changed = np.flatnonzero(generations != snapshot.generations)
     if len(changed):
         i = int(changed[0])
         raise SnapshotError(

@@ -390,11 +390,15 @@ def test_every_read_path_returns_the_committed_values_of_an_undamaged_buffer(cle
 
 
 def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
-    """Whether ``message`` names one of the damaged files: its path, or its array's folder (a
-    message about one slot's chunk names the array and the slot)."""
+    """Whether ``message`` names one of the damaged files: its path, or its array (``data/x``,
+    ``meta/x``: a zarr array's folder, a memmap array's file ``x.data.npy``, ``x.data.meta.npy``)."""
     for path in damaged:
         relative = os.path.relpath(path, location / os.path.relpath(path, location).split(os.sep)[0])
         array = os.path.dirname(relative)
+        if path.name.endswith(".data.meta.npy"):
+            array = f"meta/{path.name.removesuffix('.data.meta.npy')}"
+        elif path.name.endswith(".data.npy"):
+            array = f"data/{path.name.removesuffix('.data.npy')}"
         if str(path) in message or relative in message or (os.sep in array and array in message):
             return True
     return False
@@ -473,6 +477,38 @@ def _committed(location: str, backend: str, lengths: list[int]) -> None:
     writer.close()
 
 
+def _flip_length_bit(location: str, backend: str, slot: int, bit: int) -> None:
+    """Flip bit ``bit`` of ``slot``'s stored length (an int32) in its file."""
+    if backend == "zarr":
+        chunk = Path(location) / "meta" / "episode_lens" / "c.0"
+        stored = bytearray(chunk.read_bytes())
+        stored[4 * slot + bit // 8] ^= 1 << bit % 8
+        chunk.write_bytes(bytes(stored))
+        return
+    reader = _open(location)
+    where = reader.storage.data_file("episode_lens", meta=True)
+    reader.close()
+    if backend == "memmap":
+        np.load(where, mmap_mode="r+")[slot] ^= 1 << bit
+    else:
+        file, dataset = where.split(":")
+        with h5py.File(file, "r+") as f:
+            f[dataset][slot] ^= 1 << bit
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_snapshot_view_calls_a_changed_length_of_its_episode_damage_not_an_overwrite(tmp_path, backend):
+    """Before: SnapshotError said the episode was overwritten or dropped, naming no damaged file."""
+    location = str(tmp_path / "buffer")
+    _committed(location, backend, [6, 4, 7])
+    writer = ReplayBuffer.from_folder(location)
+    writer.snapshot(SNAPSHOT)
+    writer.close()
+    _flip_length_bit(location, backend, 0, 0)  # 6 -> 7
+    with pytest.raises(BufferDamagedError, match=r"meta/episode_lens .* or snapshot 'fuzz' \(replaybuf/snapshots/fuzz"):
+        _open(location, snapshot=SNAPSHOT)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="known gap: a length of 0 with a generation reads as a slot being rewritten (stored_bookkeeping); "
@@ -482,19 +518,7 @@ def _committed(location: str, backend: str, lengths: list[int]) -> None:
 def test_a_committed_length_flipped_to_zero_is_damage_not_an_empty_slot(tmp_path, backend):
     location = str(tmp_path / "buffer")
     _committed(location, backend, [6, 4, 7])
-    reader = _open(location)
-    if backend == "hdf5":
-        file, dataset = reader.storage.data_file("episode_lens", meta=True).split(":")
-        reader.close()
-        with h5py.File(file, "r+") as f:
-            f[dataset][1] ^= 4
-    elif backend == "memmap":
-        np.load(reader.storage.data_file("episode_lens", meta=True), mmap_mode="r+")[1] ^= 4
-    else:
-        chunk = Path(location) / "meta" / "episode_lens" / "c.0"
-        stored = bytearray(chunk.read_bytes())
-        stored[4] ^= 4  # slot 1's int32 length, 4 -> 0
-        chunk.write_bytes(bytes(stored))
+    _flip_length_bit(location, backend, 1, 2)  # 4 -> 0
     assert verify(location)  # verify sees it ("empty slots [1] still carry an ordinal")
     with pytest.raises(StorageError, match="episode_lens"):
         _open(location).get_all_data()
