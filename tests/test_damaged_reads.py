@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import (
@@ -29,6 +29,7 @@ from replaybuf import (
     ConcatReplayBuffer,
     ConcurrentWriteError,
     CorruptChunkError,
+    EpisodeLengthError,
     MetaChecksumError,
     NewerFormatError,
     ReplayBuffer,
@@ -405,19 +406,21 @@ def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
 
 
 def _known_gap(location: str, backend: str, damaged: list[Path]) -> bool:
-    """Damage no read path sees yet (the xfail tests below): zarr frame shards of two slots
-    swapped, or a committed episode's length zeroed (its slot then reads as one being rewritten)."""
+    """Damage no read path sees or names yet (the xfail tests below): zarr frame shards of two
+    slots swapped, a committed episode's length zeroed (its slot then reads as one being
+    rewritten), or grown on zarr (the frames' missing chunks are blamed, not the length)."""
     if len(damaged) == 2 and all(path.parent.name == "frame" and path.name.startswith("c.") for path in damaged):
         return True
+    committed = np.array(_lengths(backend))
     try:
-        lens = np.asarray(_open(location).episode_lens[: len(_lengths(backend))])
+        lens = np.asarray(_open(location).episode_lens[: len(committed)])
     except REPLAYBUF_ERRORS:
         return False
-    return bool((lens == 0).any())
+    return bool((lens == 0).any() or (backend == "zarr" and (lens > committed).any()))
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
 )
 @given(
     backend=st.sampled_from(LOCAL_BACKENDS),
@@ -442,9 +445,12 @@ def test_every_read_path_returns_the_committed_values_or_names_the_damage(
     try:
         PATHS[path](location, Expected(backend), tempfile.mkdtemp(dir=tmp_path))
     except REPLAYBUF_ERRORS as error:
+        event("a named error")
         assert _names_damage(str(error), work, damaged), (
             f"{path}: {type(error).__name__} names no damaged file: {error}"
         )
+    else:
+        event("the committed values")
 
 
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])
@@ -536,3 +542,18 @@ def test_a_zarr_frame_shard_moved_to_another_slot_is_damage(tmp_path):
     (shards / "c.1.0.0.0.0").write_bytes((shards / "c.0.0.0.0.0").read_bytes())
     with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
         _open(location).get_all_data()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: a zarr frame shard holding fewer steps than a grown length reads as 'chunk missing from a "
+    "committed episode' (data damage), so the length is not blamed and verify --repair drops a sound episode",
+)
+def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_dropped(tmp_path):
+    location = str(tmp_path / "buffer")
+    _committed(location, "zarr", [6, 5, 7])
+    _flip_length_bit(location, "zarr", 0, 0)  # 6 -> 7
+    with pytest.raises(EpisodeLengthError, match="slot 0 holds 7 steps"):
+        _open(location).get_all_data()
+    verify(location, repair=True)
+    assert _open(location).episode_lens[:3].tolist() == [6, 5, 7]
