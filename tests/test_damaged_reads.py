@@ -406,9 +406,8 @@ def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
 
 
 def _known_gap(location: str, backend: str, damaged: list[Path]) -> bool:
-    """Damage no read path sees or names yet (the xfail tests below): zarr frame shards of two
-    slots swapped, a committed episode's length zeroed (its slot then reads as one being
-    rewritten), or grown on zarr (the frames' missing chunks are blamed, not the length)."""
+    """Damage no read path sees yet (the xfail tests below): zarr frame shards of two slots
+    swapped, or a committed episode's length zeroed (its slot then reads as one being rewritten)."""
     if len(damaged) == 2 and all(path.parent.name == "frame" and path.name.startswith("c.") for path in damaged):
         return True
     committed = np.array(_lengths(backend))
@@ -416,7 +415,7 @@ def _known_gap(location: str, backend: str, damaged: list[Path]) -> bool:
         lens = np.asarray(_open(location).episode_lens[: len(committed)])
     except REPLAYBUF_ERRORS:
         return False
-    return bool((lens == 0).any() or (backend == "zarr" and (lens > committed).any()))
+    return bool((lens == 0).any())
 
 
 @settings(
@@ -544,16 +543,25 @@ def test_a_zarr_frame_shard_moved_to_another_slot_is_damage(tmp_path):
         _open(location).get_all_data()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a zarr frame shard holding fewer steps than a grown length reads as 'chunk missing from a "
-    "committed episode' (data damage), so the length is not blamed and verify --repair drops a sound episode",
-)
-def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_dropped(tmp_path):
+@pytest.mark.parametrize("fields", [FIELDS, {"frame": FIELDS["frame"]}])
+def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_dropped(tmp_path, fields):
+    """Before: the frames' shard, one frame short of the grown length, read as 'chunk missing from
+    a committed episode', so the data was blamed and ``verify --repair`` dropped a sound episode."""
     location = str(tmp_path / "buffer")
-    _committed(location, "zarr", [6, 5, 7])
+    writer = ReplayBuffer(location, MAX_EPISODES, MAX_TIMESTEPS, fields, META_FIELDS)
+    for slot, length in enumerate([6, 5, 7]):
+        writer.store_episode(
+            **{name: values for name, values in _episode(slot, length).items() if name in fields or name in META_FIELDS}
+        )
+    writer.close()
     _flip_length_bit(location, "zarr", 0, 0)  # 6 -> 7
-    with pytest.raises(EpisodeLengthError, match="slot 0 holds 7 steps"):
-        _open(location).get_all_data()
-    verify(location, repair=True)
-    assert _open(location).episode_lens[:3].tolist() == [6, 5, 7]
+    reader = _open(location)
+    blamed = "slot 0 holds 7 steps, but its data/frame holds whole frames of 6 steps: the length is damaged"
+    for read in (reader.get_all_data, lambda: reader.data["frame"][0, :7], lambda: reader.episode_frames(0, "frame")):
+        with pytest.raises(EpisodeLengthError, match=blamed) as error:
+            read()
+        assert error.value.matches == 6 and error.value.location.endswith(os.path.join("episode_lens", "c.0"))
+    assert verify(location, repair=True)[-1] == (
+        "repaired: restored the lengths of slots [0] to [6], where every field's data matches its checksum"
+    )
+    assert _open(location).episode_lens[:3].tolist() == [6, 5, 7] and verify(location) == []

@@ -61,8 +61,15 @@ class ShardedArray(ChunkedArray):
     ``chunks`` are the inner chunks ``(1, T_inner, *shape)``; the shard spans the whole time axis.
     """
 
-    def __init__(self, *args, index_crc: bool = True, **kwargs):
+    def __init__(
+        self,
+        *args,
+        index_crc: bool = True,
+        length_error: Callable[[str, int, int, int], CorruptChunkError] | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
+        self.length_error = length_error  # (path, slot, stored length, frames held): a length blamed
         self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
         self.index_crc = index_crc
         self.index_nbytes = 16 * self.inner_per_shard + (4 if index_crc else 0)
@@ -104,6 +111,34 @@ class ShardedArray(ChunkedArray):
         ct = self.chunks[1]
         where = f"{self.kv.where(self.shard_key(e))}, inner chunk {ti}"
         return error.at(self.path, e, (ti * ct, min((ti + 1) * ct, self.shape[1])), where, reason)
+
+    def _absent(self, index: tuple, slot: int | None = None) -> None:
+        """``ChunkedArray._absent``, but a shard whose frames stop short of the episode's stored
+        length, every frame before present and none after, blames the length
+        (``length_error``): ``verify --repair`` then restores it instead of dropping the episode."""
+        try:
+            super()._absent(index, slot)
+        except CorruptChunkError as error:
+            blamed = self._length_blamed(int(index[0]))
+            raise (error if blamed is None else blamed) from None
+
+    def _length_blamed(self, episode: int) -> CorruptChunkError | None:
+        """The ``length_error`` for ``episode`` when its shard holds fewer whole frames than its
+        stored length (one frame per inner chunk); else None."""
+        if self.length_error is None or self.committed is None or self.chunks[1] != 1:
+            return None
+        try:
+            stored = self.read_indexes([episode])[episode]
+        except CorruptChunkError:
+            return None
+        if stored is None:
+            return None
+        present = stored[:, 0] != _MISSING
+        frames = int(np.argmin(present)) if not present.all() else len(present)
+        length = self.committed(episode)
+        if not 0 < frames < length or present[frames:].any():
+            return None
+        return self.length_error(self.path, episode, length, frames)
 
     def _parse_index(self, raw: bytes | None, episode: int) -> np.ndarray | None:
         """The (offset, nbytes) rows of a shard index read from the shard's end, checked against

@@ -519,7 +519,7 @@ class ZarrStorage(KVBlobs, Storage):
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
-        return ShardedArray(*args, index_crc=index_crc, **options)
+        return ShardedArray(*args, index_crc=index_crc, length_error=self._length_error, **options)
 
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now (0 when absent)."""
@@ -728,19 +728,24 @@ class ZarrStorage(KVBlobs, Storage):
             crc = crc32c(np.ascontiguousarray(row[0, step]), crc)
             if crc == entry & 0xFFFFFFFF and step + 1 != n:
                 matches.append(step + 1)
-        if not matches:
-            return
+        if matches:
+            raise self._length_error(f"data/{name}", slot, n, matches[0], "matches its checksum at")
+
+    def _length_error(
+        self, path: str, slot: int, n: int, matches: int, how: str = "holds whole frames of"
+    ) -> EpisodeLengthError:
+        """The error for ``slot``'s stored length ``n`` where the data of array ``path`` says
+        ``matches`` steps: the length is damaged, not the data."""
         lens = self.array("episode_lens", meta=True)
         where = self.kv.where(lens.chunk_key((slot // lens.chunks[0],)))
-        raise EpisodeLengthError(
-            f"meta/episode_lens: slot {slot} holds {n} steps, but its data/{name} matches its checksum at "
-            f"{matches[0]} steps: the length is damaged, not the data ({where}). `replaybuf verify --repair` "
-            "restores it",
+        return EpisodeLengthError(
+            f"meta/episode_lens: slot {slot} holds {n} steps, but its {path} {how} {matches} steps: the length "
+            f"is damaged, not the data ({where}). `replaybuf verify --repair` restores it",
             field="meta/episode_lens",
             slot=slot,
             steps=(0, n),
             location=where,
-            matches=matches[0],
+            matches=matches,
         )
 
     def _check_entry_bit(self, name: str, slot: int, n: int, entry: int, row: np.ndarray) -> None:
