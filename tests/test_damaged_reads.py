@@ -565,3 +565,19 @@ def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_droppe
         "repaired: restored the lengths of slots [0] to [6], where every field's data matches its checksum"
     )
     assert _open(location).episode_lens[:3].tolist() == [6, 5, 7] and verify(location) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_warm_cache_never_serves_an_episode_shortened_by_a_damaged_length(tmp_path, backend):
+    """Before: a ``cache='disk'`` reader served the first 4 of the 6 cached rows of slot 0 once
+    its stored length had a bit flipped (6 -> 4): a silently shortened episode."""
+    location, cache = str(tmp_path / "buffer"), str(tmp_path / "cache")
+    _committed(location, backend, [6, 5, 7])
+    warming = _open(location, cache="disk", cache_dir=cache)
+    warming.warm_cache()
+    warming.close()
+    _flip_length_bit(location, backend, 0, 1)  # 6 -> 4
+    reader = _open(location, cache="disk", cache_dir=cache)
+    for read in (reader.get_all_data, lambda: reader.data["state"][0, :4]):
+        with pytest.raises(EpisodeLengthError, match="slot 0 holds 4 steps, but its data/"):
+            read()

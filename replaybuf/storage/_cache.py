@@ -24,10 +24,12 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
 - **Checked.** A file holds the rows, then the crc32c (4 bytes, little-endian) of its name in the
   cache folder followed by the rows, checked when a process maps the file: one that fails (a
   flipped byte, a truncation, another episode's file renamed or copied into its place) is
-  deleted and its episode fetched again from the wrapped storage, never served. Each process checks a file (an inode)
-  once, the first time it maps it. Damage done to a file after that is not seen by that
-  process, and a truncation from outside then faults it (SIGBUS) as it would any np.memmap:
-  replaybuf itself only ever replaces whole files.
+  deleted and its episode fetched again from the wrapped storage, never served. Each process
+  checks a file (an inode) once, the first time it maps it. Damage done to a file after that is
+  not seen by that process, and a truncation from outside then faults it (SIGBUS) as it would
+  any np.memmap: replaybuf itself only ever replaces whole files. Nor is a file served whose row
+  count differs from the slot's stored length as last read under that generation (a damaged
+  length): the read goes to the wrapped storage, whose checks name it.
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
   whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
   eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
@@ -363,6 +365,9 @@ class CachedStorage(Storage):
     def _reset(self) -> None:
         self._generations: np.ndarray | None = None
         self._revisions: np.ndarray | None = None
+        # (2, max_episodes): each slot's stored length as last read through this layer, under the
+        # generation this process then knew for the slot (-1: none known)
+        self._lengths: np.ndarray | None = None
         self._maps: OrderedDict[tuple[str, int, int, int], tuple[np.ndarray, float]] = OrderedDict()
         self._checked: dict[str, tuple[int, int]] = {}  # path -> (inode, size) that passed its crc32c
         self._dense: dict[str, DenseRows | None] = {}
@@ -379,6 +384,7 @@ class CachedStorage(Storage):
         for key in (
             "_generations",
             "_revisions",
+            "_lengths",
             "_maps",
             "_checked",
             "_dense",
@@ -482,13 +488,34 @@ class CachedStorage(Storage):
         values = self.inner.read_meta(name)
         if name in _VIEWS:
             setattr(self, _VIEWS[name], np.asarray(values, dtype=np.int64).copy())
+        elif name == "episode_lens":
+            self._remember_lengths(np.arange(len(values)), values)
         return values
 
     def read_meta_rows(self, name: str, episodes: np.ndarray) -> np.ndarray:
         values = self.inner.read_meta_rows(name, episodes)
         if name in _VIEWS:
             self._remember(np.asarray(episodes, dtype=np.int64).reshape(-1), values, name)
+        elif name == "episode_lens":
+            self._remember_lengths(np.asarray(episodes, dtype=np.int64).reshape(-1), values)
         return values
+
+    def _remember_lengths(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """Keep the stored lengths of ``slots`` with the generations this process knows for them
+        now (none known: nothing kept), for ``_map`` to check a file's rows against."""
+        if self._generations is None:
+            return
+        if self._lengths is None:
+            self._lengths = np.full((2, len(self._generations)), -1, np.int64)
+        self._lengths[0, slots] = self._generations[slots]
+        self._lengths[1, slots] = np.asarray(values, dtype=np.int64).reshape(-1)
+
+    def _stored_length(self, slot: int, generation: int) -> int | None:
+        """The length stored for ``slot`` as last read through this layer, when the generation
+        known then was ``generation`` (an episode's length never changes); else None."""
+        if self._lengths is None or self._lengths[0, slot] != generation:
+            return None
+        return int(self._lengths[1, slot])
 
     def _remember(self, slots: np.ndarray, values: np.ndarray, name: str = "_generation") -> None:
         """Update this process's view of the slots' generations (``name``: or revisions; none
@@ -763,6 +790,8 @@ class CachedStorage(Storage):
             if len(self._checked) >= MAX_CHECKED:
                 self._checked.clear()
             self._checked[path] = identity
+        if self._stored_length(slot, generation) not in (None, size // field.step_nbytes):
+            return None  # the stored length disagrees with the episode's rows: the wrapped storage's read names it
         self._touch(name, slot, generation, revision)
         return rows.view(field.dtype).reshape(size // field.step_nbytes, *field.shape)
 
