@@ -91,6 +91,25 @@ def test_reset_is_clear_and_internal_meta_fieldnames_names_the_bookkeeping(tmp_p
     assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data after reset_")
 
 
+@pytest.mark.parametrize("every", [0, 1, 2])
+def test_store_step_and_should_flush_count_as_the_seed(tmp_path, every):
+    """``store_step`` counts the ``store()`` calls made through the object (not batches, whole
+    episodes or a clear); ``should_flush`` says whether stores are flushed at all."""
+    theirs, ours = pair(tmp_path, flush_every_store_step=every, circular=True)
+    seen = []
+    for buffer in (theirs, ours):
+        counts = [buffer.store_step, buffer.should_flush]
+        buffer.store_episode(act=np.arange(2))
+        buffer.store_batch(act=np.array([1, 2]))
+        buffer.advance_episode(2)
+        counts.append(buffer.store_step)
+        buffer.clear()
+        buffer.store(act=3)
+        counts.append(buffer.store_step)
+        seen.append(counts)
+    assert seen[1] == seen[0] == [9, every > 0, 9, 10]
+
+
 @pytest.fixture(scope="module")
 def filled(tmp_path_factory):
     """One pair for the tests that only read."""
