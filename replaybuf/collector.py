@@ -176,6 +176,11 @@ class EpisodeCollector:
     def __len__(self) -> int:
         return self._num_steps
 
+    @property
+    def step_count(self) -> int:
+        """Steps collected so far (``len(collector)``), under the seed's name."""
+        return self._num_steps
+
     def __repr__(self) -> str:
         return (
             f"EpisodeCollector(num_groups={self.num_groups}, steps={len(self)}, "

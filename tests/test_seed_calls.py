@@ -143,6 +143,38 @@ def test_min_episode_len_must_be_a_positive_int(filled, value):
         ours.dataset(min_episode_len=value)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda lib, b: b.dataset(),
+        lambda lib, b: b.dataset(timestep_level=True, fieldname_map={"label": "task"}),
+        lambda lib, b: lib.ReplayDatasetNStep(b, n_steps=1, include_metadata=False),
+        lambda lib, b: lib.ReplayDatasetTimeWindow(b, window_length=2),
+    ],
+)
+def test_datasets_meta_data_holds_the_meta_fields_they_return(filled, make):
+    theirs, ours = filled
+    expected = {name: np.asarray(values) for name, values in make(seed, theirs).meta_data.items()}
+    assert_same({name: np.asarray(values) for name, values in make(replaybuf, ours).meta_data.items()}, expected)
+
+
+def test_collector_step_count_counts_the_steps_as_the_seed(tmp_path):
+    counts = []
+    for lib in (seed, replaybuf):
+        buffer = lib.ReplayBuffer(tmp_path / lib.__name__, max_episodes=4, max_timesteps=5, fields=FIELDS)
+        collector = buffer.create_collector(2)
+        seen = [collector.step_count]
+        collector.append(act=torch.tensor([1, 2]))
+        collector.append(act=torch.tensor([3, 4]))
+        seen.append(collector.step_count)
+        collector.store()
+        seen.append(collector.step_count)
+        collector.extend(act=torch.zeros(3, 2))
+        seen.append(collector.step_count)
+        counts.append(seen)
+    assert counts[1] == counts[0] == [0, 2, 0, 3]
+
+
 def test_h5py_buffer_attributes_match_the_seed(tmp_path):
     require("h5py")
     import h5py
