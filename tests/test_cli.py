@@ -74,7 +74,11 @@ def test_report_lines_are_the_seeds(tmp_path, monkeypatch, capsys):
         monkeypatch.chdir(tmp_path / name)
         entry(argv)
         printed.append(capsys.readouterr().out)
-    assert printed[1] == printed[0] == "wrote out.gif (4 frames of (4, 3, 3) at 5 fps)\nwrote sheet.png (2x5 contact sheet)\n"
+    assert (
+        printed[1]
+        == printed[0]
+        == "wrote out.gif (4 frames of (4, 3, 3) at 5 fps)\nwrote sheet.png (2x5 contact sheet)\n"
+    )
 
 
 def test_several_fields_write_one_video_and_sheet_each(buffer_folder, workdir):
