@@ -175,6 +175,23 @@ def test_collector_step_count_counts_the_steps_as_the_seed(tmp_path):
     assert counts[1] == counts[0] == [0, 2, 0, 3]
 
 
+def test_a_dataset_reads_its_snapshot_where_the_seed_reads_its_slots_live(tmp_path):
+    """README: a sample whose slot was reused after the dataset was made is another episode of
+    the snapshot (``_index`` names it); the seed's gives the slot's new episode."""
+    args = dict(max_episodes=3, max_timesteps=5, fields=FIELDS, circular=True)
+    read = {}
+    for lib in (seed, replaybuf):
+        buffer = lib.ReplayBuffer(tmp_path / lib.__name__, **args)
+        for e in range(3):
+            buffer.store_episode(act=np.full(e + 1, e))
+        dataset = buffer.dataset(fields=("act",), return_indices=True)
+        buffer.store_episode(act=np.full(5, 9))  # into slot 0
+        read[lib] = [(int(item["_index"]), item["act"].tolist()) for item in items(dataset)]
+    assert read[seed] == [(0, [9] * 5), (1, [1, 1]), (2, [2, 2, 2])]
+    assert read[replaybuf][1:] == read[seed][1:]
+    assert read[replaybuf][0] in read[seed][1:]
+
+
 def test_h5py_buffer_attributes_match_the_seed(tmp_path):
     require("h5py")
     import h5py
