@@ -339,6 +339,7 @@ class ReplayBuffer(CommittedViews):
         self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)
         self.drop_snapshots_on_overwrite = bool(drop_snapshots_on_overwrite)
         self.flush_every_store_step = flush_every_store_step
+        self.store_step = 0  # ``store()`` calls made through this object, as the seed counts them
         self.storage = with_cache(
             make_storage(folder, backend, storage_options, fsync=fsync) if not isinstance(folder, Storage) else folder,
             self.read_only,
@@ -650,6 +651,11 @@ class ReplayBuffer(CommittedViews):
         stored with the buffer, written through on each change (``attrs.py``); read-only buffers
         refuse changes."""
         return BufferAttrs(self.storage, self._check_writable)
+
+    @property
+    def should_flush(self) -> bool:
+        """Whether stores are logged as they are made (``flush_every_store_step > 0``), as the seed names it."""
+        return self.flush_every_store_step > 0
 
     @property
     def num_episodes(self) -> int:
@@ -999,6 +1005,7 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(f"store: a batched episode of {group.batch_size} is in progress; use store_batch")
         full = {n: values[n] if n in values else self._fills[n] for n in self.schema.fields}
         self._stage({n: v[None] for n, v in full.items()})
+        self.store_step += 1
         return self.memory_namedtuple(
             **{n: data[n] if n in data and not np.isscalar(data[n]) else full[n].copy() for n in full}
         )

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from replaybuf.inputs import tensor_to_numpy
 from replaybuf.sampling.collate import named_batch_class
 from replaybuf.schema import RESERVED_META_FIELDS
 
@@ -65,9 +66,9 @@ def _concat(blocks: list[ArrayLike]) -> ArrayLike:
     return np.concatenate([np.asarray(b) for b in blocks], axis=0)
 
 
-def _to_numpy(value: Any) -> np.ndarray:
+def _to_numpy(value: Any, name: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        return tensor_to_numpy(value, name)
     return np.asarray(value)
 
 
@@ -174,6 +175,11 @@ class EpisodeCollector:
         self.clear()
 
     def __len__(self) -> int:
+        return self._num_steps
+
+    @property
+    def step_count(self) -> int:
+        """Steps collected so far (``len(collector)``), under the seed's name."""
         return self._num_steps
 
     def __repr__(self) -> str:
@@ -400,7 +406,7 @@ class EpisodeCollector:
         """
         if not self._steps:
             raise ValueError("nothing to store: the collector holds no data field; append or extend steps first")
-        arrays = {name: _to_numpy(self.time_major(name)) for name in self._steps}
+        arrays = {name: _to_numpy(self.time_major(name), name) for name in self._steps}
         lengths = {name: array.shape[0] for name, array in arrays.items()}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"data fields were collected for different numbers of steps: {lengths}")
@@ -422,10 +428,10 @@ class EpisodeCollector:
         a process killed inside ``store`` leaves none of the rollout's episodes, never some cut short.
         """
         arrays = self._episode_data()
-        meta = {name: _to_numpy(value) for name, value in self._meta.items()}
+        meta = {name: _to_numpy(value, name) for name, value in self._meta.items()}
         for name, value in meta_data.items():
             if name in self.meta_fieldnames:
-                meta[name] = _to_numpy(self._per_group_meta(name, value, "store"))
+                meta[name] = _to_numpy(self._per_group_meta(name, value, "store"), name)
             elif self.strict:
                 raise UnknownFieldError(f"store: unknown meta field {name!r}; valid are {sorted(self.meta_fieldnames)}")
         buffer = self.replay_buffer

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from .buffer import ReplayBuffer
+from .inputs import to_numpy
 from .storage.base import Storage
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class ReplayBufferH5PY(ReplayBuffer):
                 f"buffered_storer: episode_lens must be an int in [1, {self.max_timesteps}], got {length!r}"
             )
         for name in self.fieldnames & set(episode):
-            array = np.asarray(episode[name].detach().cpu() if hasattr(episode[name], "detach") else episode[name])
+            array = to_numpy(episode[name], name)
             if array.ndim and array.shape[0] < length:
                 raise ValueError(
                     f"buffered_storer: field {name!r} has {array.shape[0]} timesteps, episode_lens is {int(length)}"

@@ -13,11 +13,27 @@ import numpy as np
 
 from .schema import Field
 
+# the torch float dtypes numpy has; the others (bfloat16, the float8s) are read as float32
+NUMPY_FLOAT_TENSORS = ("torch.float16", "torch.float32", "torch.float64")
+
+
+def tensor_to_numpy(tensor: Any, name: str) -> np.ndarray:
+    """A numpy view of a torch tensor (on any device). Floats numpy has no dtype for (bfloat16,
+    float8) come as float32, which holds each of their values exactly; a tensor numpy cannot
+    take at all (quantized, sparse) is a TypeError naming the field."""
+    tensor = tensor.detach().cpu()
+    if tensor.is_floating_point() and str(tensor.dtype) not in NUMPY_FLOAT_TENSORS:
+        tensor = tensor.float()
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"field {name!r}: cannot turn a tensor of dtype {tensor.dtype} into an array ({e})") from e
+
 
 def to_numpy(value: Any, name: str) -> np.ndarray:
     """A numpy view of a tensor / array / list / scalar; rejects strings and objects."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().cpu().numpy()
+        value = tensor_to_numpy(value, name)
     try:
         array = np.asarray(value)
     except (ValueError, TypeError) as e:

@@ -5,7 +5,8 @@ a buffer (``image_fields``, ``episode_frames``, ``save_video``); ``ReplayBuffer`
 latter as methods. Frames may be uint8 or float in [0, 1] (bool is read as 0 / 255), laid out
 channel-last ``(T, H, W, C)``, channel-first ``(T, C, H, W)`` or grayscale ``(T, H, W)``
 with C in {1, 3, 4}. Videos go through imageio: ``.mp4`` / ``.webm`` / ``.mkv`` / ``.mov``
-need the ffmpeg plugin (``pip install replaybuf[video]``), ``.gif`` does not.
+need the ffmpeg plugin (``pip install replaybuf[video]``); ``.gif`` and the animated images
+``.webp`` / ``.png`` / ``.apng`` (which the seed wrote through imageio too) go through Pillow.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ._lazy import feature_imports
 from .consistency import read_episodes_consistent
 
 __all__ = [
+    "ANIMATED_IMAGE_FORMATS",
     "FFMPEG_SUFFIXES",
     "MAX_SHEET_PIXELS",
     "VIDEO_SUFFIXES",
@@ -55,7 +57,9 @@ __all__ = [
 
 CHANNEL_COUNTS = (1, 3, 4)
 FFMPEG_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
-VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif")
+# animated images Pillow writes whole, as the seed's imageio call did: suffix -> Pillow format
+ANIMATED_IMAGE_FORMATS = {".webp": "WEBP", ".png": "PNG", ".apng": "PNG"}
+VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif", *ANIMATED_IMAGE_FORMATS)
 
 # pixels (from all frames) that a gif's single palette is built from
 GIF_PALETTE_PIXELS = 1 << 18
@@ -237,9 +241,17 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
         Image.fromarray(frame).quantize(palette=palette, dither=Image.Dither.NONE)
         for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False)
     ]
-    kwargs.setdefault("duration", 1000.0 / fps)
-    kwargs.setdefault("loop", 0)
+    kwargs.setdefault("duration", 1000.0 / fps)  # no ``loop``: it plays once, as the seed's gifs
     images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
+
+
+def _write_animated_image(frames: np.ndarray, path: Path, suffix: str, fps: float, kwargs: dict[str, Any]) -> None:
+    """Write an animated webp / png with Pillow, one frame every ``1000 / fps`` ms, looping."""
+    from PIL import Image
+
+    kwargs.setdefault("duration", round(1000.0 / fps))
+    images = [Image.fromarray(frame) for frame in frames]
+    images[0].save(path, format=ANIMATED_IMAGE_FORMATS[suffix], save_all=True, append_images=images[1:], **kwargs)
 
 
 def _write_ffmpeg(
@@ -271,11 +283,13 @@ def trajectory_to_video(
     progress: bool | None = None,
     **kwargs: Any,
 ) -> Path:
-    """Write a trajectory of frames to a video or animated gif; the format follows the suffix.
+    """Write a trajectory of frames to a video, animated gif or animated webp / png; the format
+    follows the suffix (``VIDEO_SUFFIXES``).
 
     ``frames`` is (T, H, W, C), (T, C, H, W) or (T, H, W), uint8 or float in [0, 1]. Extra
     keyword arguments go to the writer: imageio's ffmpeg writer (e.g. ``codec``, ``quality``)
-    or, for gifs, Pillow's ``save`` (e.g. ``duration`` in ms, ``loop``). Odd frame sizes
+    or, for the others, Pillow's ``save`` (e.g. ``duration`` in ms, ``loop``: a gif plays once
+    unless given ``loop=0``, a webp / png loops, as the seed wrote them). Odd frame sizes
     are padded by one edge pixel for ffmpeg formats. ``progress=None`` shows a tqdm bar for
     renders of at least 300 frames. The file appears whole or not at all (``write_atomically``);
     a file already at ``path`` is replaced. Returns the path written.
@@ -290,6 +304,8 @@ def trajectory_to_video(
     bar = f"rendering {path.name}" if progress else None  # the bar's text, None for no bar
     if suffix == ".gif":
         return write_atomically(path, lambda temp: _write_gif(frames, temp, fps, bar, dict(kwargs)))
+    if suffix in ANIMATED_IMAGE_FORMATS:
+        return write_atomically(path, lambda temp: _write_animated_image(frames, temp, suffix, fps, dict(kwargs)))
     check_encodable(frames.shape[1], frames.shape[2], suffix, kwargs.get("codec"))
     padded = _pad_to_even(frames)
     return write_atomically(path, lambda temp: _write_ffmpeg(padded, temp, suffix, fps, bar, dict(kwargs)))

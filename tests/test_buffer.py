@@ -372,6 +372,33 @@ def test_collector_style_numpy_scalars_and_tensors(make_location):
     assert buffer.data["reward"][0, 0] == 0.5
 
 
+def test_tensors_of_floats_numpy_lacks_are_stored_as_their_values(tmp_path):
+    """bfloat16 and float8 tensors (a policy's outputs) go through every write as the float32
+    values they hold; numpy has no such dtype."""
+    buffer = ReplayBuffer(tmp_path / "b", 6, 4, fields=dict(x=("float", 2), a="int"), meta_fields=dict(m="float"))
+    half = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    buffer.store(x=half, a=torch.tensor(3.75, dtype=torch.bfloat16))
+    buffer.advance_episode()
+    buffer.store_episode(x=half.expand(2, 2), m=torch.tensor(0.5, dtype=torch.float8_e4m3fn))
+    buffer.store_batch(x=half.expand(2, 2))
+    buffer.advance_episode(2)
+    collector = buffer.create_collector(2)
+    collector.append(x=half.expand(2, 2), m=torch.tensor([1, 2], dtype=torch.bfloat16))
+    collector.store()
+    buffer.update([1], m=torch.tensor([4.0], dtype=torch.bfloat16))
+    data = buffer.get_all_data()
+    assert data["episode_lens"].tolist() == [1, 2, 1, 1, 1, 1]
+    assert (data["x"][:, 0] == torch.tensor([1.5, -2.25])).all()
+    assert data["a"][0, 0] == 3 and data["m"].tolist() == [0, 4, 0, 0, 1, 2]
+
+
+def test_a_tensor_numpy_cannot_take_is_refused_naming_the_field(tmp_path):
+    buffer = ReplayBuffer(tmp_path / "b", 2, 4, fields=dict(x=("float", 2)))
+    with pytest.raises(TypeError, match="field 'x': cannot turn a tensor of dtype torch.float32 into an array"):
+        buffer.store(x=torch.tensor([1.0, 0.0]).to_sparse())
+    assert buffer.timestep_index == 0
+
+
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])
 def test_arrays_given_to_store_episode_are_not_kept(tmp_path, backend):
     """A whole span of a stored episode is written from the caller's array without a copy:

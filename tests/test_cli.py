@@ -58,6 +58,29 @@ def test_default_output_is_named_after_the_buffer_and_episodes(buffer_folder, wo
     assert np.abs(decoded[:, 16, 16, 0].astype(int) - expected).max() <= 4
 
 
+def test_report_lines_are_the_seeds(tmp_path, monkeypatch, capsys):
+    """What ``inspect-replay-buffer`` prints for each file matches memmap-replay-buffer's lines."""
+    seed = pytest.importorskip("memmap_replay_buffer")
+    from memmap_replay_buffer.video import main as seed_main
+
+    folder = tmp_path / "images"
+    images = seed.ReplayBuffer(folder, max_episodes=2, max_timesteps=4, fields=dict(front=("uint8", (8, 6, 3))))
+    images.store_episode(front=np.zeros((4, 8, 6, 3), np.uint8))
+    images.flush()
+    argv = [str(folder), "-f", "front", "-o", "out.gif", "--fps", "5", "--scale", "2", "--sheet", "sheet.png"]
+    printed = []
+    for name, entry in (("seed", seed_main), ("ours", inspect_main)):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        entry(argv)
+        printed.append(capsys.readouterr().out)
+    assert (
+        printed[1]
+        == printed[0]
+        == "wrote out.gif (4 frames of (4, 3, 3) at 5 fps)\nwrote sheet.png (2x5 contact sheet)\n"
+    )
+
+
 def test_several_fields_write_one_video_and_sheet_each(buffer_folder, workdir):
     argv = [
         str(buffer_folder),

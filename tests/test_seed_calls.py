@@ -91,6 +91,25 @@ def test_reset_is_clear_and_internal_meta_fieldnames_names_the_bookkeeping(tmp_p
     assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data after reset_")
 
 
+@pytest.mark.parametrize("every", [0, 1, 2])
+def test_store_step_and_should_flush_count_as_the_seed(tmp_path, every):
+    """``store_step`` counts the ``store()`` calls made through the object (not batches, whole
+    episodes or a clear); ``should_flush`` says whether stores are flushed at all."""
+    theirs, ours = pair(tmp_path, flush_every_store_step=every, circular=True)
+    seen = []
+    for buffer in (theirs, ours):
+        counts = [buffer.store_step, buffer.should_flush]
+        buffer.store_episode(act=np.arange(2))
+        buffer.store_batch(act=np.array([1, 2]))
+        buffer.advance_episode(2)
+        counts.append(buffer.store_step)
+        buffer.clear()
+        buffer.store(act=3)
+        counts.append(buffer.store_step)
+        seen.append(counts)
+    assert seen[1] == seen[0] == [9, every > 0, 9, 10]
+
+
 @pytest.fixture(scope="module")
 def filled(tmp_path_factory):
     """One pair for the tests that only read."""
@@ -122,6 +141,55 @@ def test_min_episode_len_must_be_a_positive_int(filled, value):
     _, ours = filled
     with pytest.raises(ValueError, match=f"min_episode_len must be an int >= 1, got {value!r}"):
         ours.dataset(min_episode_len=value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda lib, b: b.dataset(),
+        lambda lib, b: b.dataset(timestep_level=True, fieldname_map={"label": "task"}),
+        lambda lib, b: lib.ReplayDatasetNStep(b, n_steps=1, include_metadata=False),
+        lambda lib, b: lib.ReplayDatasetTimeWindow(b, window_length=2),
+    ],
+)
+def test_datasets_meta_data_holds_the_meta_fields_they_return(filled, make):
+    theirs, ours = filled
+    expected = {name: np.asarray(values) for name, values in make(seed, theirs).meta_data.items()}
+    assert_same({name: np.asarray(values) for name, values in make(replaybuf, ours).meta_data.items()}, expected)
+
+
+def test_collector_step_count_counts_the_steps_as_the_seed(tmp_path):
+    counts = []
+    for lib in (seed, replaybuf):
+        buffer = lib.ReplayBuffer(tmp_path / lib.__name__, max_episodes=4, max_timesteps=5, fields=FIELDS)
+        collector = buffer.create_collector(2)
+        seen = [collector.step_count]
+        collector.append(act=torch.tensor([1, 2]))
+        collector.append(act=torch.tensor([3, 4]))
+        seen.append(collector.step_count)
+        collector.store()
+        seen.append(collector.step_count)
+        collector.extend(act=torch.zeros(3, 2))
+        seen.append(collector.step_count)
+        counts.append(seen)
+    assert counts[1] == counts[0] == [0, 2, 0, 3]
+
+
+def test_a_dataset_reads_its_snapshot_where_the_seed_reads_its_slots_live(tmp_path):
+    """README: a sample whose slot was reused after the dataset was made is another episode of
+    the snapshot (``_index`` names it); the seed's gives the slot's new episode."""
+    args = dict(max_episodes=3, max_timesteps=5, fields=FIELDS, circular=True)
+    read = {}
+    for lib in (seed, replaybuf):
+        buffer = lib.ReplayBuffer(tmp_path / lib.__name__, **args)
+        for e in range(3):
+            buffer.store_episode(act=np.full(e + 1, e))
+        dataset = buffer.dataset(fields=("act",), return_indices=True)
+        buffer.store_episode(act=np.full(5, 9))  # into slot 0
+        read[lib] = [(int(item["_index"]), item["act"].tolist()) for item in items(dataset)]
+    assert read[seed] == [(0, [9] * 5), (1, [1, 1]), (2, [2, 2, 2])]
+    assert read[replaybuf][1:] == read[seed][1:]
+    assert read[replaybuf][0] in read[seed][1:]
 
 
 def test_h5py_buffer_attributes_match_the_seed(tmp_path):

@@ -118,6 +118,27 @@ def test_gif_frame_duration_follows_fps(tmp_path):
     assert iio.immeta(path, index=0)["duration"] == 250
 
 
+def _animation(path) -> tuple:
+    from PIL import Image, ImageSequence
+
+    with Image.open(path) as image:
+        colours = [np.asarray(frame.convert("RGB"))[0, 0].tolist() for frame in ImageSequence.Iterator(image)]
+        return image.format, image.info.get("duration"), image.info.get("loop"), colours
+
+
+@pytest.mark.parametrize(
+    ("suffix", "kwargs"), [(".gif", {}), (".gif", {"loop": 0}), (".webp", {}), (".png", {}), (".apng", {})]
+)
+def test_animated_images_are_written_as_the_seed_writes_them(tmp_path, suffix, kwargs):
+    """Frames, frame duration and looping match memmap-replay-buffer's: a gif plays once unless
+    told ``loop=0``; a webp or (a)png, which the seed wrote through imageio as well, loops."""
+    seed_video = pytest.importorskip("memmap_replay_buffer.video")
+    frames = gray_frames([0, 50, 100, 150])
+    expected = _animation(seed_video.trajectory_to_video(frames, tmp_path / f"seed{suffix}", fps=20, **kwargs))
+    assert _animation(trajectory_to_video(frames, tmp_path / f"ours{suffix}", fps=20, **kwargs)) == expected
+    assert expected[3] == [[level] * 3 for level in (0, 50, 100, 150)]
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "message"),
     [

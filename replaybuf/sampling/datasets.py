@@ -213,6 +213,12 @@ class _SnapshotDataset(Dataset):
         self._check_output_names()
         self.fetcher = Fetcher(self.replay_buffer, fields, self._slots, self._lens, self._generations, self._cache_mode)
 
+    @property
+    def meta_data(self) -> dict[str, Any]:
+        """The buffer's views of the meta fields this dataset returns, by stored name, as the
+        seed's datasets hold them (none with ``include_metadata=False``)."""
+        return {name: self.replay_buffer.meta_data[name] for name in self.meta_names}
+
     def out_name(self, name: str) -> str:
         return self.fieldname_map.get(name, name)
 
