@@ -514,7 +514,9 @@ class ReplayBuffer(CommittedViews):
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since. A reader whose buffer another
-        process replaced (``overwrite=True``, an upgrade) since opens the new one (``_reopen``)."""
+        process replaced (``overwrite=True``, an upgrade) since opens the new one when its config
+        is the reader's (``_reopen``); another config, or a buffer erased, raises
+        ``BufferReplacedError``."""
         if not self.read_only:  # the counters of this writer's last episodes may still wait
             self._commit.flush_counters()
         try:
