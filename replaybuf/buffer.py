@@ -430,7 +430,7 @@ class ReplayBuffer(CommittedViews):
                     f"{where!r} holds a buffer: reopen it with ReplayBuffer.from_folder({where!r}) (or pass "
                     "overwrite=False); creating a new one there needs max_episodes, max_timesteps and fields"
                 )
-            raise ValueError(
+            raise BufferNotFoundError(
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
         schema.check_defaults()

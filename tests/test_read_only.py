@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from replaybuf import BufferNotFoundError, ConcatReplayBuffer, ReplayBuffer, verify
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, verify
 from replaybuf.cli import main as cli_main
 from tests._backends import LOCAL_BACKENDS
 
@@ -192,22 +192,3 @@ def test_a_folder_this_process_may_not_write_reads_and_a_writable_open_is_refuse
     for location in locations:
         assert _tree(location) == before[location]
         assert not os.path.exists(location + "/new")
-
-
-def test_a_read_only_open_where_no_buffer_is_raises_buffer_not_found_as_from_folder_does(tmp_path):
-    """``ReplayBuffer(path, read_only=True)`` of a missing or empty folder, or with a ``backend``
-    the folder does not hold, raises ``BufferNotFoundError`` (it raised a bare
-    ``FileNotFoundError``, which ``except BufferNotFoundError`` missed), naming the backend
-    there as ``from_folder`` does, and creates nothing."""
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    for place in (tmp_path / "missing", empty):
-        with pytest.raises(BufferNotFoundError, match="no replaybuf buffer found at .*nothing to open read-only"):
-            ReplayBuffer(place, read_only=True)
-    assert not (tmp_path / "missing").exists() and list(empty.iterdir()) == []
-    zarr = tmp_path / "zarr"
-    ReplayBuffer(zarr, max_episodes=2, max_timesteps=3, fields={"state": "float"}).close()
-    before = _tree(str(zarr))
-    with pytest.raises(BufferNotFoundError, match="no 'memmap' buffer at .*: it holds a 'zarr' buffer"):
-        ReplayBuffer(zarr, read_only=True, backend="memmap")
-    assert _tree(str(zarr)) == before
