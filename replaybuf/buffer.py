@@ -268,6 +268,20 @@ class DataView(ArrayBase):
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
 
 
+def _no_buffer_error(
+    storage: Storage, shown: str, backend: str | None, storage_options: dict | None, detail: str = ""
+) -> BufferNotFoundError:
+    """The error for an open of ``shown`` (as the caller named it) where ``storage`` finds no
+    buffer: naming the backend the folder does hold when ``backend`` named another one."""
+    other = detect_backend(storage.location, storage_options) if backend is not None else None
+    if other is not None and other != storage.backend_name:  # the backend named is the wrong one
+        return BufferNotFoundError(
+            f"no {storage.backend_name!r} buffer at {shown!r}: it holds a {other!r} buffer; "
+            f"open it with backend={other!r}, or leave backend out"
+        )
+    return BufferNotFoundError(f"no replaybuf buffer found at {shown!r}{detail}" + seed_h5_hint(storage.location))
+
+
 class ReplayBuffer(CommittedViews):
     """An episode store: write steps or whole episodes, read them back as tensors and batches.
 
@@ -356,10 +370,7 @@ class ReplayBuffer(CommittedViews):
 
         if self.read_only:
             if not self.storage.exists():
-                raise FileNotFoundError(
-                    f"no replaybuf buffer at {self.storage.location!r}; nothing to open read-only"
-                    + seed_h5_hint(self.storage.location)
-                )
+                raise _no_buffer_error(self.storage, location, backend, storage_options, "; nothing to open read-only")
             self._setup(self._open(wanted))
             return
         held: list[str] = []  # overwrite=True: snapshots erased with the episodes they hold
@@ -420,7 +431,7 @@ class ReplayBuffer(CommittedViews):
                     f"{where!r} holds a buffer: reopen it with ReplayBuffer.from_folder({where!r}) (or pass "
                     "overwrite=False); creating a new one there needs max_episodes, max_timesteps and fields"
                 )
-            raise ValueError(
+            raise BufferNotFoundError(
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
         schema.check_defaults()
@@ -463,15 +474,7 @@ class ReplayBuffer(CommittedViews):
         a read-only view of exactly the episodes that snapshot recorded."""
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
-            other = detect_backend(storage.location, storage_options) if backend is not None else None
-            if other is not None and other != storage.backend_name:  # the backend named is the wrong one
-                raise BufferNotFoundError(
-                    f"no {storage.backend_name!r} buffer at {os.fspath(folder)!r}: it holds a {other!r} buffer; "
-                    f"open it with backend={other!r}, or leave backend out"
-                )
-            raise BufferNotFoundError(
-                f"no replaybuf buffer found at {os.fspath(folder)!r}" + seed_h5_hint(storage.location)
-            )
+            raise _no_buffer_error(storage, os.fspath(folder), backend, storage_options)
         return cls(storage, overwrite=False, read_only=read_only, **kwargs)
 
     @staticmethod
@@ -512,7 +515,9 @@ class ReplayBuffer(CommittedViews):
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since. A reader whose buffer another
-        process replaced (``overwrite=True``, an upgrade) since opens the new one (``_reopen``)."""
+        process replaced (``overwrite=True``, an upgrade) since opens the new one when its config
+        is the reader's (``_reopen``); another config, or a buffer erased, raises
+        ``BufferReplacedError``."""
         if not self.read_only:  # the counters of this writer's last episodes may still wait
             self._commit.flush_counters()
         try:

@@ -374,8 +374,8 @@ class ConcatReplayBuffer(CommittedViews):
 
     ``buffers`` are paths or URLs (opened read-only with ``storage_options``, one dict for all
     or one per entry) or ``ReplayBuffer`` objects. Episodes are the members' committed
-    episodes, member by member, each oldest first; data is time-padded with zeros to the
-    longest member's ``max_timesteps``. All members must store the same fields (names, dtypes,
+    episodes, member by member, each oldest first; data is time-padded with the fields' default
+    (else zeros) to the longest member's ``max_timesteps``. All members must store the same fields (names, dtypes,
     shapes, defaults).
 
     ``weights`` (one number >= 0 per buffer) makes its loaders draw each sample's buffer with

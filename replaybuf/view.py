@@ -290,10 +290,11 @@ class CommittedViews(SchemaAttributes):
         progress: bool | None = None,
     ):
         """One row per slot ``0 .. num_episodes - 1`` (row i = slot i, as the seed; a concatenation
-        member by member) as tensors, time-padded to the longest; an empty slot, or one a writer in
-        another process is rewriting, is a row of padding with length 0. Read consistently and
-        decoded in parallel through dask (``analysis.get_all_data``); ``lazy=True`` returns the dask
-        arrays instead. ``progress``: a tqdm bar (default: on a terminal, for reads longer than two
+        member by member) as tensors, time-padded to the longest with the field's default (else
+        zeros); an empty slot, or one a writer in another process is rewriting, is a row of padding
+        with length 0. Read consistently and decoded on the storage's thread pool straight into
+        the results, through dask where a ``dask.distributed`` client is active
+        (``analysis.get_all_data``); ``lazy=True`` returns the dask arrays instead. ``progress``: a tqdm bar (default: on a terminal, for reads longer than two
         seconds).
         """
         with feature_imports("get_all_data"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import BufferNotFoundError, ReplayBuffer
 
 from .test_buffer import FIELDS, META, assert_same_snapshot, fill_episode, make, snapshot
 
@@ -170,3 +170,27 @@ def test_bad_final_meta_of_one_episode_rolls_it_back(make_location):
     fill_episode(buffer, 2, task=3)  # the next episode holds only its own steps
     assert buffer.episode_lens[:2].tolist() == [3, 2]
     assert buffer.data["reward"][1, :2].tolist() == [0.0, 1.0]
+
+
+def test_an_open_where_no_buffer_is_raises_buffer_not_found_and_creates_nothing(tmp_path):
+    """``ReplayBuffer(path, read_only=True)`` of a missing or empty folder, or with a ``backend``
+    the folder does not hold, and a writable open without a config where no buffer is, raise
+    ``BufferNotFoundError`` as ``from_folder`` does (they raised a bare ``FileNotFoundError`` or
+    ``ValueError``, which ``except BufferNotFoundError`` missed), naming the backend there, and
+    create nothing."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for place in (tmp_path / "missing", empty):
+        with pytest.raises(BufferNotFoundError, match="no replaybuf buffer found at .*nothing to open read-only"):
+            ReplayBuffer(place, read_only=True)
+        with pytest.raises(
+            BufferNotFoundError, match="no buffer exists at .*pass max_episodes, max_timesteps and fields"
+        ):
+            ReplayBuffer(place, overwrite=False)
+    assert not (tmp_path / "missing").exists() and list(empty.iterdir()) == []
+    zarr = tmp_path / "zarr"
+    ReplayBuffer(zarr, max_episodes=2, max_timesteps=3, fields={"state": "float"}).close()
+    before = {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()}
+    with pytest.raises(BufferNotFoundError, match="no 'memmap' buffer at .*: it holds a 'zarr' buffer"):
+        ReplayBuffer(zarr, read_only=True, backend="memmap")
+    assert {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()} == before

@@ -260,8 +260,11 @@ def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
     _, ours = filled
     view = ours.data["act"]
     before = ours.get_all_data()
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"<data act .*in-place operator \(add into the view\).*nothing was written"):
         view += 1
+    with pytest.raises(TypeError, match=r"<meta label .*in-place operator \(multiply into the view\)"):
+        label = ours.meta_data["label"]
+        label *= 2
     with pytest.raises(AttributeError, match="'DataView' object has no attribute 'nope'"):
         view.nope  # noqa: B018
     assert_same(ours.get_all_data(), before, "after a refused in-place add")

@@ -331,7 +331,10 @@ class ArrayBase(np.lib.mixins.NDArrayOperatorsMixin):
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
         """A ufunc of the contents; never in place (``view += 1``): writes go through indexing."""
         if any(isinstance(x, ArrayBase) for x in kwargs.get("out", ())):
-            return NotImplemented
+            raise TypeError(
+                f"{self!r}: an in-place operator ({ufunc.__name__} into the view) is not supported and "
+                "nothing was written; write the stored values through indexing, e.g. view[...] = view[...] + 1"
+            )
         inputs = tuple(np.asarray(x) if isinstance(x, ArrayBase) else x for x in inputs)
         return getattr(ufunc, method)(*inputs, **kwargs)
 
