@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,7 +22,9 @@ import numpy as np
 import psutil
 import pytest
 
+import replaybuf.storage._cache as read_cache
 from replaybuf import ReplayBuffer
+from replaybuf.storage._cache import CHECK_BYTES
 
 pytest_plugins = ["tests._servers"]
 
@@ -144,3 +147,69 @@ def test_writer_dropped_without_close_gives_the_lease_back_and_ends_its_compacto
 
     assert_no_growth(write_and_drop, tmp_path, loops=30)
     assert other_process_can_write(location) == "opened"
+
+
+# ---- the read cache -----------------------------------------------------------------------------
+
+EPISODE_STEPS = 20
+IMAGE_EPISODE_BYTES = EPISODE_STEPS * 3 * 64 * 64
+
+
+def cache_bytes_on_disk(cache: Path) -> tuple[int, int]:
+    """Bytes the cache's files take: (in the folder, deleted but still mapped by this process),
+    the blocks of a deleted file being freed only when its last map goes."""
+    in_folder = sum(path.stat().st_size for path in cache.rglob("*.rows"))
+    deleted = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if _mapped_path(line).startswith(str(cache)) and line.rstrip().endswith("(deleted)"):
+                start, end = (int(address, 16) for address in line.split()[0].split("-"))
+                deleted += end - start
+    return in_folder, deleted
+
+
+@pytest.fixture
+def image_buffer(tmp_path) -> Path:
+    """A local buffer of 40 full episodes whose images (one cache file each) are 240 KiB."""
+    location = tmp_path / "images"
+    buffer = ReplayBuffer(str(location), max_episodes=40, max_timesteps=EPISODE_STEPS, fields=FIELDS)
+    for episode in range(40):
+        buffer.store_episode(
+            state=np.zeros((EPISODE_STEPS, 4), np.float32),
+            image=np.full((EPISODE_STEPS, 3, 64, 64), episode, np.uint8),
+            reward=np.zeros(EPISODE_STEPS, np.float32),
+        )
+    buffer.close()
+    return location
+
+
+def read_everything(buffer: ReplayBuffer) -> None:
+    assert buffer.get_all_data()["image"].shape[0] == 40
+    batches = iter(buffer.dataloader(batch_size=16, timestep_level=True, shuffle=True))
+    for _ in range(10):
+        next(batches)
+
+
+def test_read_cache_gives_the_disk_space_of_evicted_files_back(image_buffer):
+    cache = Path(os.environ["REPLAYBUF_CACHE_DIR"])
+    cache_size = 5 * IMAGE_EPISODE_BYTES
+    reader = ReplayBuffer.from_folder(str(image_buffer), read_only=True, cache="disk", cache_size=cache_size)
+    for _ in range(3):
+        read_everything(reader)
+        gc.collect()
+        in_folder, deleted = cache_bytes_on_disk(cache)
+        assert (deleted, in_folder <= cache_size + 5 * CHECK_BYTES) == (0, True)
+
+
+def test_read_cache_drops_its_maps_of_files_deleted_by_others(image_buffer, monkeypatch):
+    cache = Path(os.environ["REPLAYBUF_CACHE_DIR"])
+    reader = ReplayBuffer.from_folder(str(image_buffer), read_only=True, cache="disk")
+    reader.get_all_data()  # maps every file (a new loader forgets the maps: not made here)
+    for folder in cache.iterdir():  # another process's eviction, or the user clearing the cache
+        shutil.rmtree(folder)
+    monkeypatch.setattr(read_cache, "TOUCH_S", 0.0)  # each use checks the file (else every 30 s)
+    reader.get_all_data()
+    gc.collect()
+    in_folder, deleted = cache_bytes_on_disk(cache)
+    assert deleted == 0
+    assert in_folder > 40 * IMAGE_EPISODE_BYTES  # filled again: nothing served from the deleted maps

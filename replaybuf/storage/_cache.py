@@ -35,8 +35,10 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   with its lock held, say): then it reads the episode from the wrapped storage, uncached.
 - **Bounded.** ``cache_size`` bytes per buffer, least recently used files evicted first (use is
   the file's mtime, touched when a process maps it and at most every ``TOUCH_S`` after). A
-  process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
-  file is refilled on its next open.
+  deleted file's blocks stay taken while any map holds it, so a process drops its maps of the
+  files gone from the folder at each of its eviction scans and, for one it keeps using, at its
+  next touch (then maps it again or refills it): what the cache takes on disk stays near
+  ``cache_size``, not that plus every file each reader ever mapped.
 
 - **Its own files only.** The folders under ``cache_dir`` (the buffer's, its fields', ``.locks``)
   must be plain directories, and a cache, temp or lock file a plain file, opened without
@@ -623,7 +625,10 @@ class CachedStorage(Storage):
                     continue
                 self._maps.move_to_end(key)
                 if now - entry[1] > TOUCH_S:
-                    self._touch(*key)
+                    if not self._touch(*key):  # evicted by another process: mapped again or filled
+                        self._forget_map(key)
+                        missing.append(key[1:])
+                        continue
                     entry = self._maps[key] = (entry[0], now)
                 out[slot, generation], touched[slot, generation] = entry
         opened = [(*version, self._map(name, *version)) for version in missing]
@@ -643,13 +648,18 @@ class CachedStorage(Storage):
             for (slot, generation), rows in out.items():
                 mapped.put(slot, generation, revisions[slot], rows, touched[slot, generation])
             while len(self._maps) > MAX_OPEN_MAPS:
-                (evicted, slot, _, _), (rows, _) = self._maps.popitem(last=False)
-                self._mapped[evicted].drop(slot, rows)
+                self._forget_map(next(iter(self._maps)))
         dense = self._dense_rows(name)
         if dense is not None:
             for (slot, generation), rows in out.items():
                 dense.put(slot, generation, revisions[slot], rows)
         return out
+
+    def _forget_map(self, key: tuple[str, int, int, int]) -> None:
+        """Stop serving the map of ``key`` (name, slot, generation, revision); ``_lock`` held.
+        The map closes once no batch uses it: an evicted file's disk space is given back then."""
+        rows, _ = self._maps.pop(key)
+        self._mapped[key[0]].drop(key[1], rows)
 
     def _cannot_fill(self, error: OSError) -> None:
         """After a fill the cache folder refused with ``error``: its slots are read from the
@@ -689,11 +699,14 @@ class CachedStorage(Storage):
         version = f"{generation}-{revision}" if revision else f"{generation}"
         return os.path.join(self.root, name, f"{slot}-{version}{SUFFIX}")
 
-    def _touch(self, name: str, slot: int, generation: int, revision: int) -> None:
+    def _touch(self, name: str, slot: int, generation: int, revision: int) -> bool:
+        """Mark the file used now (its LRU clock); False when it is gone (evicted, the folder
+        deleted)."""
         try:
             os.utime(self._path(name, slot, generation, revision), follow_symlinks=False)
         except OSError:
-            pass  # evicted meanwhile (this process keeps its map), or the folder is gone
+            return False
+        return True
 
     def _folder(self, name: str, make: bool = True) -> str:
         """This buffer's cache folder ``name`` (a field's, ``.locks``), made with the buffer's
@@ -879,12 +892,19 @@ class CachedStorage(Storage):
                 elif entry.name.endswith(SUFFIX):
                     files.append((found.st_mtime, found.st_size, entry.path))
         total = sum(size for _, size, _ in files)
+        kept = {path for _, _, path in files}
         for _, size, path in sorted(files):
             if total <= self.cache_size:
                 break
             _unlink(path)
+            kept.discard(path)
             total -= size
         self._used = total
+        # a deleted file's blocks stay taken while a map holds it: this process's maps of the
+        # files gone (evicted now, or by another process) go, or cache_size would bound nothing
+        with self._lock:
+            for key in [key for key in self._maps if self._path(*key) not in kept]:
+                self._forget_map(key)
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
