@@ -9,6 +9,7 @@ is back where it was: a leak grows with the loop count, a process-wide constant 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import gc
 import os
 import shutil
@@ -231,6 +232,22 @@ def test_read_cache_drops_its_maps_of_files_deleted_by_others(image_buffer, monk
     in_folder, deleted = cache_bytes_on_disk(cache)
     assert deleted == 0
     assert in_folder > 40 * IMAGE_EPISODE_BYTES  # filled again: nothing served from the deleted maps
+
+
+def test_next_filler_deletes_the_temp_files_of_a_killed_filler_not_a_live_one(image_buffer):
+    first = ReplayBuffer.from_folder(str(image_buffer), read_only=True, cache="disk")
+    first.storage.warm(np.array([0]), ["image"])
+    root = Path(first.storage.root)
+    killed, live = root / "image" / ".tmp-1-1-4000000-1", root / "image" / ".tmp-2-1-4000001-1"
+    killed.write_bytes(b"rows a killed filler wrote")
+    live.write_bytes(b"rows a filler is writing")
+    lock = os.open(root / ".locks" / "image-2", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the live filler's
+        ReplayBuffer.from_folder(str(image_buffer), read_only=True, cache="disk").storage.warm(np.array([3]), ["image"])
+        assert (killed.exists(), live.exists()) == (False, True)
+    finally:
+        os.close(lock)
 
 
 # ---- many opens, reads and refusals -------------------------------------------------------------

@@ -28,8 +28,8 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   process, and a truncation from outside then faults it (SIGBUS) as it would any np.memmap:
   replaybuf itself only ever replaces whole files.
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
-  whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
-  eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
+  whole (a filler killed mid-write leaves only a temp file, never served, deleted by the next
+  eviction scan, which every process runs at its first fill, once nobody holds its slot's lock). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
   released by the kernel if it dies) while it fetches; another filler wanting the same episode
   waits for it instead of fetching it again, for at most ``FILL_WAIT_S`` (a filler stopped
   with its lock held, say): then it reads the episode from the wrapped storage, uncached.
@@ -885,7 +885,7 @@ class CachedStorage(Storage):
                 if not stat.S_ISREG(found.st_mode):
                     continue  # never one of the cache's files
                 if entry.name.startswith(".tmp-"):
-                    if now - found.st_mtime > STALE_TEMP_S:
+                    if now - found.st_mtime > STALE_TEMP_S or self._filler_died(folder.name, entry.name):
                         _unlink(entry.path)
                 elif entry.name.endswith(OLD_SUFFIX):
                     _unlink(entry.path)
@@ -905,6 +905,22 @@ class CachedStorage(Storage):
         with self._lock:
             for key in [key for key in self._maps if self._path(*key) not in kept]:
                 self._forget_map(key)
+
+    def _filler_died(self, name: str, temp: str) -> bool:
+        """Whether the temp file ``temp`` of field ``name`` was left by a filler that died: a live
+        one holds its slot's lock from its fetch to its rename (this process's own fills too, on
+        another descriptor), so a lock nobody holds means nobody will finish the file."""
+        slot = temp.split("-")[1]  # .tmp-<slot>-<generation>-<pid>-<thread>
+        fd = _open_lock(os.path.join(self.root, ".locks", f"{name}-{slot}"))
+        if fd is None:  # no lock to ask (filled unlocked): left to STALE_TEMP_S
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return True
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None
