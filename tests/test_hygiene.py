@@ -393,6 +393,10 @@ def test_loaders_with_workers_dropped_midway_leave_no_process_or_handle(tmp_path
 # ---- object storage ------------------------------------------------------------------------------
 
 
+def lease_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("replaybuf-lease")]
+
+
 @pytest.mark.slow  # ~50 s on moto
 def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_path):
     location = s3_server.url(f"hygiene-{uuid.uuid4().hex[:8]}")
@@ -403,7 +407,10 @@ def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_pa
     def write_read_and_drop() -> None:
         with new_buffer(location, **options) as buffer:
             store_episodes(buffer, 2)
-        store_episodes(new_buffer(location, **options), 1)  # dropped without close
+        store_episodes(new_buffer(location, **options), 1)  # dropped without close: collected,
+        gc.collect()  # its lease is deleted by its heartbeat thread, which then ends
+        for heartbeat in lease_threads():
+            heartbeat.join(60)
         reader = ReplayBuffer.from_folder(location, read_only=True, **options)
         reader.warm_cache()
         reader.get_all_data()
@@ -413,7 +420,7 @@ def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_pa
     # server's: 14-17 descriptors over 40 rounds here); the read cache's new files are the new
     # episodes' (bounded by cache_size: see the read cache tests), so its folder is not watched
     assert_no_growth(write_read_and_drop, loops=20, pooled={"socket": 8})
-    assert [thread.name for thread in threading.enumerate() if thread.name.startswith("replaybuf-lease")] == []
+    assert lease_threads() == []
 
 
 # ---- memory ------------------------------------------------------------------------------------
