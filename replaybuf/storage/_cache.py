@@ -31,15 +31,17 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   count differs from the slot's stored length as last read under that generation (a damaged
   length): the read goes to the wrapped storage, whose checks name it.
 - **Atomic, once.** A filler writes a temp file and renames it into place: a file that exists is
-  whole (a filler killed mid-write leaves only a temp file, never served, swept by a later
-  eviction). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
+  whole (a filler killed mid-write leaves only a temp file, never served, deleted by the next
+  eviction scan, which every process runs at its first fill, once nobody holds its slot's lock). A filler holds a lock per (field, slot) (``flock`` on ``.locks/<field>-<slot>``,
   released by the kernel if it dies) while it fetches; another filler wanting the same episode
   waits for it instead of fetching it again, for at most ``FILL_WAIT_S`` (a filler stopped
   with its lock held, say): then it reads the episode from the wrapped storage, uncached.
 - **Bounded.** ``cache_size`` bytes per buffer, least recently used files evicted first (use is
   the file's mtime, touched when a process maps it and at most every ``TOUCH_S`` after). A
-  process keeps serving a map whose file was evicted (unlinking a mapped file is safe); a deleted
-  file is refilled on its next open.
+  deleted file's blocks stay taken while any map holds it, so a process drops its maps of the
+  files gone from the folder at each of its eviction scans and, for one it keeps using, at its
+  next touch (then maps it again or refills it): what the cache takes on disk stays near
+  ``cache_size``, not that plus every file each reader ever mapped.
 
 - **Its own files only.** The folders under ``cache_dir`` (the buffer's, its fields', ``.locks``)
   must be plain directories, and a cache, temp or lock file a plain file, opened without
@@ -656,7 +658,10 @@ class CachedStorage(Storage):
                     continue
                 self._maps.move_to_end(key)
                 if now - entry[1] > TOUCH_S:
-                    self._touch(*key)
+                    if not self._touch(*key):  # evicted by another process: mapped again or filled
+                        self._forget_map(key)
+                        missing.append(key[1:])
+                        continue
                     entry = self._maps[key] = (entry[0], now)
                 out[slot, generation], touched[slot, generation] = entry
         opened = [(*version, self._map(name, *version)) for version in missing]
@@ -676,13 +681,18 @@ class CachedStorage(Storage):
             for (slot, generation), rows in out.items():
                 mapped.put(slot, generation, revisions[slot], rows, touched[slot, generation])
             while len(self._maps) > MAX_OPEN_MAPS:
-                (evicted, slot, _, _), (rows, _) = self._maps.popitem(last=False)
-                self._mapped[evicted].drop(slot, rows)
+                self._forget_map(next(iter(self._maps)))
         dense = self._dense_rows(name)
         if dense is not None:
             for (slot, generation), rows in out.items():
                 dense.put(slot, generation, revisions[slot], rows)
         return out
+
+    def _forget_map(self, key: tuple[str, int, int, int]) -> None:
+        """Stop serving the map of ``key`` (name, slot, generation, revision); ``_lock`` held.
+        The map closes once no batch uses it: an evicted file's disk space is given back then."""
+        rows, _ = self._maps.pop(key)
+        self._mapped[key[0]].drop(key[1], rows)
 
     def _cannot_fill(self, error: OSError) -> None:
         """After a fill the cache folder refused with ``error``: its slots are read from the
@@ -728,11 +738,14 @@ class CachedStorage(Storage):
         moved or copied into its place fails the check like a damaged one."""
         return crc32c(rows, crc32c(os.path.relpath(path, self.cache_dir).encode()))
 
-    def _touch(self, name: str, slot: int, generation: int, revision: int) -> None:
+    def _touch(self, name: str, slot: int, generation: int, revision: int) -> bool:
+        """Mark the file used now (its LRU clock); False when it is gone (evicted, the folder
+        deleted)."""
         try:
             os.utime(self._path(name, slot, generation, revision), follow_symlinks=False)
         except OSError:
-            pass  # evicted meanwhile (this process keeps its map), or the folder is gone
+            return False
+        return True
 
     def _folder(self, name: str, make: bool = True) -> str:
         """This buffer's cache folder ``name`` (a field's, ``.locks``), made with the buffer's
@@ -913,19 +926,42 @@ class CachedStorage(Storage):
                 if not stat.S_ISREG(found.st_mode):
                     continue  # never one of the cache's files
                 if entry.name.startswith(".tmp-"):
-                    if now - found.st_mtime > STALE_TEMP_S:
+                    if now - found.st_mtime > STALE_TEMP_S or self._filler_died(folder.name, entry.name):
                         _unlink(entry.path)
                 elif entry.name.endswith(OLD_SUFFIX):
                     _unlink(entry.path)
                 elif entry.name.endswith(SUFFIX):
                     files.append((found.st_mtime, found.st_size, entry.path))
         total = sum(size for _, size, _ in files)
+        kept = {path for _, _, path in files}
         for _, size, path in sorted(files):
             if total <= self.cache_size:
                 break
             _unlink(path)
+            kept.discard(path)
             total -= size
         self._used = total
+        # a deleted file's blocks stay taken while a map holds it: this process's maps of the
+        # files gone (evicted now, or by another process) go, or cache_size would bound nothing
+        with self._lock:
+            for key in [key for key in self._maps if self._path(*key) not in kept]:
+                self._forget_map(key)
+
+    def _filler_died(self, name: str, temp: str) -> bool:
+        """Whether the temp file ``temp`` of field ``name`` was left by a filler that died: a live
+        one holds its slot's lock from its fetch to its rename (this process's own fills too, on
+        another descriptor), so a lock nobody holds means nobody will finish the file."""
+        slot = temp.split("-")[1]  # .tmp-<slot>-<generation>-<pid>-<thread>
+        fd = _open_lock(os.path.join(self.root, ".locks", f"{name}-{slot}"))
+        if fd is None:  # no lock to ask (filled unlocked): left to STALE_TEMP_S
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return True
 
     def gather(
         self, name: str, episodes: np.ndarray, timesteps: np.ndarray, generations: np.ndarray | None = None

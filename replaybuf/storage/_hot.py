@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -197,25 +198,30 @@ class HotTier:
         self._wakeup.set()
         if self._thread is None or not self._thread.is_alive():
             self._stopped = False
-            self._thread = threading.Thread(target=self._run, name="replaybuf-compactor", daemon=True)
+            # the thread holds the tier only while it compacts: a writer dropped without close()
+            # (the tier's arrays refer to its storage) is then collected, its lease given back,
+            # and the tier's death wakes the thread to end
+            wakeup = self._wakeup
+            tier = weakref.ref(self, lambda _: wakeup.set())
+            self._thread = threading.Thread(
+                target=_compact_in_background, args=(tier, wakeup), name="replaybuf-compactor", daemon=True
+            )
             self._thread.start()
 
-    def _run(self) -> None:
+    def _compact_pending(self) -> bool:
         """Compact leftovers of a killed writer, then the oldest committed hot episodes while
-        their bytes exceed ``hot_bytes``; sleep until woken."""
-        while True:
-            self._wakeup.wait()
-            self._wakeup.clear()
-            if self._stopped:
-                return
-            try:
-                leftovers = not self.scanned
-                self._scan()
-                while not self._stopped and (slot := self._next(everything=leftovers)) is not None:
-                    self._compact_slot(slot, self.done)
-            except Exception as e:  # noqa: BLE001 - a shard left hot reads back the same
-                warnings.warn(f"background compaction of {self.kv.where('')!r} stopped: {e}", stacklevel=1)
-                return
+        their bytes exceed ``hot_bytes``; False once the thread should end (stopped, or failed)."""
+        if self._stopped:
+            return False
+        try:
+            leftovers = not self.scanned
+            self._scan()
+            while not self._stopped and (slot := self._next(everything=leftovers)) is not None:
+                self._compact_slot(slot, self.done)
+        except Exception as e:  # noqa: BLE001 - a shard left hot reads back the same
+            warnings.warn(f"background compaction of {self.kv.where('')!r} stopped: {e}", stacklevel=1)
+            return False
+        return True
 
     def stop(self) -> None:
         """Stop the background thread after the shard it is compacting (it restarts when work
@@ -226,3 +232,14 @@ class HotTier:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         self._thread = None
+
+
+def _compact_in_background(tier: weakref.ref[HotTier], wakeup: threading.Event) -> None:
+    """The background thread of a `HotTier`: compact when woken, until the tier stops or is gone."""
+    while True:
+        wakeup.wait()
+        wakeup.clear()
+        alive = tier()
+        if alive is None or not alive._compact_pending():
+            return
+        del alive

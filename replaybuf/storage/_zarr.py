@@ -37,7 +37,6 @@ import contextlib
 import functools
 import json
 import os
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -836,7 +835,6 @@ class ZarrStorage(KVBlobs, Storage):
         if self._hot is not None:
             self._hot.stop()
         self._hot = HotTier(self.kv, arrays, generations, hot_bytes)
-        weakref.finalize(self, self._hot.stop)
 
     def compact(self) -> CompactionSummary:
         # docstring inherited: each replacement checks the lease first (``HotTier``)
