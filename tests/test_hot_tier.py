@@ -16,7 +16,7 @@ import zarr
 
 from replaybuf import ReplayBuffer
 from replaybuf.maintenance import format_info, info
-from replaybuf.storage import BufferLockedError, CorruptChunkError, chunk_cache
+from replaybuf.storage import BufferLockedError, CorruptChunkError, _hot, chunk_cache
 from replaybuf.storage._codecs import BLOSC_MEMCPYED
 
 FORK = multiprocessing.get_context("fork")
@@ -129,6 +129,40 @@ def test_background_compaction_keeps_hot_bytes_under_the_bound_and_close_compact
     reader = ReplayBuffer.from_folder(str(tmp_path / "buffer"), read_only=True)
     assert hot_slots(reader) == [] and info(str(tmp_path / "buffer"))["hot_episodes"] == 0
     check_reads(reader, stored)
+
+
+def test_a_reopened_writer_s_own_episodes_stay_hot_when_its_compactor_scans_after_them(tmp_path, monkeypatch):
+    """A writable open's background thread first looks for shards a killed writer left hot
+    and compacts those whatever the hot bytes; episodes this writer stored before that scan
+    stay hot until they exceed ``hot_bytes`` (they were compacted with the leftovers: the
+    newest episodes, the most sampled, went cold at once)."""
+    with make(tmp_path) as buffer:
+        buffer.store_episode(**episode(0))
+    scan, passed = threading.Event(), threading.Event()
+    find_hot, compact_pending = _hot.find_hot, _hot.HotTier._compact_pending
+
+    def find_hot_later(*args):
+        scan.wait(WAIT_S)
+        return find_hot(*args)
+
+    def compact_pending_then_say(self):
+        try:
+            return compact_pending(self)
+        finally:
+            passed.set()
+
+    monkeypatch.setattr(_hot, "find_hot", find_hot_later)
+    monkeypatch.setattr(_hot.HotTier, "_compact_pending", compact_pending_then_say)
+    buffer = ReplayBuffer.from_folder(str(tmp_path / "buffer"))
+    stored = {slot: episode(slot) for slot in range(3)}
+    buffer.store_episode(**stored[1])
+    buffer.store_episode(**stored[2])
+    scan.set()
+    assert passed.wait(WAIT_S), "the compactor's first pass never ended"
+    assert hot_slots(buffer) == [1, 2]
+    check_reads(buffer, stored)
+    buffer.close()
+    assert hot_slots(ReplayBuffer.from_folder(str(tmp_path / "buffer"), read_only=True)) == []
 
 
 def test_hot_bytes_zero_writes_compressed(tmp_path):

@@ -119,17 +119,19 @@ class HotTier:
         summary.seconds = time.perf_counter() - started
         return summary
 
-    def _next(self, everything: bool) -> int | None:
+    def _next(self, everything: bool = False, leftovers: bool = False) -> int | None:
         """The oldest committed hot slot nobody compacts (marked busy), when ``everything`` or
-        the hot bytes exceed ``hot_bytes``; else None."""
+        the hot bytes exceed ``hot_bytes``; with ``leftovers``, only among the slots not written
+        since the open (a killed writer's, whatever the hot bytes); else None."""
         with self.lock:
-            if not everything and self.committed_bytes() <= self.hot_bytes:
+            if not (everything or leftovers) and self.committed_bytes() <= self.hot_bytes:
                 return None
             candidates = [
                 slot
                 for slot, sizes in self.hot.items()
                 if sizes
                 and self.generations[slot] > 0
+                and not (leftovers and self.versions[slot])
                 and slot not in self.busy
                 and (slot, int(self.versions[slot])) not in self.skipped
             ]
@@ -214,9 +216,13 @@ class HotTier:
         if self._stopped:
             return False
         try:
-            leftovers = not self.scanned
-            self._scan()
-            while not self._stopped and (slot := self._next(everything=leftovers)) is not None:
+            # a killed writer's leftovers go first, whatever the hot bytes; this writer's own
+            # episodes stay hot until they exceed them (the thread may scan after it wrote some)
+            if not self.scanned:
+                self._scan()
+                while not self._stopped and (slot := self._next(leftovers=True)) is not None:
+                    self._compact_slot(slot, self.done)
+            while not self._stopped and (slot := self._next()) is not None:
                 self._compact_slot(slot, self.done)
         except Exception as e:  # noqa: BLE001 - a shard left hot reads back the same
             warnings.warn(f"background compaction of {self.kv.where('')!r} stopped: {e}", stacklevel=1)
