@@ -339,9 +339,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                 "shape": " x ".join(map(str, buffer.shapes[field])),
                 "dtype": str(np.dtype(buffer.dtypes[field])),
             }
-            print(
-                f"wrote {path} ({len(frames)} frames of {frames.shape[1:]} at {args.fps} fps)"
-            )  # as the seed words it
+            # as the seed words it: frames of (H, W, C)
+            print(f"wrote {path} ({len(frames)} frames of {frames.shape[1:]} at {args.fps} fps)")
             if args.sheet is not None:
                 import imageio.v3 as iio
 
