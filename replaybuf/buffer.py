@@ -46,6 +46,7 @@ from .storage import (
     BufferReplacedError,
     CachedStorage,
     CompactionSummary,
+    LostLengthError,
     Storage,
     StorageError,
     WrappedArray,
@@ -53,6 +54,7 @@ from .storage import (
     check_bookkeeping,
     check_lost_lengths,
     check_state,
+    committed_without_length,
     detect_backend,
     empty_state,
     make_storage,
@@ -538,7 +540,8 @@ class ReplayBuffer(CommittedViews):
 
     def _load_bookkeeping(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The counters and per-episode arrays as stored now, checked (``refresh``)."""
-        state = self.storage.load_state()
+        # the counters first: a commit publishes its length before it counts its generation
+        state = check_state(self.storage.load_state(), self.schema, self.storage.describe_key(STATE_KEY))
         self.storage.drop_caches()
         summed = self.storage.keeps_meta_sums  # an earlier format's meta values are not checksummed
         names = ("_generation", "episode_lens", "_revision", *self.schema.meta_fields, *((META_SUM,) if summed else ()))
@@ -558,6 +561,10 @@ class ReplayBuffer(CommittedViews):
             # moment; one that stays is damage (a lost _generation chunk), refused below
             if len(unpublished_slots(meta["episode_lens"], meta["_generation"])):
                 continue
+            # as is a slot's length cleared before its generation (a reuse, a drop); one that
+            # stays without a live writer is damage (a zeroed length), refused below
+            if self.read_only and len(committed_without_length(meta["episode_lens"], as_read["_generation"], state)):
+                continue
             if self.read_only and not (meta["episode_lens"] > 0).any() and as_read["moved"].any():
                 continue  # a writer changed every slot it holds while they were read
             checked = (meta["episode_lens"] > 0) & ~edited
@@ -566,7 +573,13 @@ class ReplayBuffer(CommittedViews):
             if not len(damaged):
                 break
         unpublished = unpublished_slots(meta["episode_lens"], meta["_generation"])
-        if len(unpublished) and self.read_only and self.storage.writer_lease().live_holder() is not None:
+        unsettled = committed_without_length(meta["episode_lens"], as_read["_generation"], state)
+        beside_writer = (
+            self.read_only
+            and bool(len(unpublished) or len(unsettled))
+            and self.storage.writer_lease().live_holder() is not None
+        )
+        if len(unpublished) and beside_writer:
             # a live writer between a reuse's (or a drop's) two writes, slower than the re-reads
             # (an hdf5 flush on a loaded machine): those slots read as empty, as a slot changed
             # during the reads does; with no writer running, a length without a generation stays
@@ -576,8 +589,12 @@ class ReplayBuffer(CommittedViews):
         moving = np.union1d(np.flatnonzero(as_read.get("moved", ())), unpublished) if self.read_only else ()
         self._unsettled = np.zeros(0, np.int64) if (meta["episode_lens"] > 0).any() else np.asarray(moving, np.int64)
         check_bookkeeping(meta["episode_lens"], meta["_generation"], self.schema, self.storage.location)
-        state = check_state(state, self.schema, self.storage.describe_key(STATE_KEY))
-        check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state)
+        try:
+            check_lost_lengths(self.storage, meta["episode_lens"], as_read["_generation"], state, beside_writer)
+        except LostLengthError as e:
+            if metasums.checking():
+                raise
+            self._commit.lost = np.asarray(e.slots, np.int64)  # kept for verify --repair to restore
         if len(damaged) and metasums.checking():
             raise metasums.error(self.storage, int(damaged[0]), self.schema.meta_fields, meta)
         self._commit.suspect = damaged

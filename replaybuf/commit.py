@@ -91,6 +91,9 @@ class Committer:
         # slots whose meta values fail their checksum, loaded by an open that does not raise for
         # them (``metasums.unchecked``: verify --repair): their generations are not trusted
         self.suspect = np.zeros(0, np.int64)
+        # committed slots whose lengths read 0, loaded by such an open (``LostLengthError``):
+        # their generations are kept for the lengths verify --repair restores
+        self.lost = np.zeros(0, np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -366,6 +369,7 @@ class Committer:
         """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
         self.held.check(np.arange(self.max_episodes), self.meta["_generation"], "clear", drop=True)
         self.discard_log()
+        self.mark_unpublishing(np.flatnonzero(self.meta["episode_lens"] > 0))
         for name in ("episode_lens", "_generation"):
             self.write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self.meta[name].dtype))
         self.state = {
@@ -382,6 +386,13 @@ class Committer:
                 "counters are written again by the next commit, flush() or close()"
             ) from e.__cause__
 
+    def mark_unpublishing(self, slots: np.ndarray) -> None:
+        """Record ``slots`` in the writing record (with the rows in flight) before their lengths,
+        then generations, are cleared: a writer killed in between leaves committed generations
+        without lengths there, which opens take for its leftovers, not for lost lengths
+        (``stopped_writer_leftovers``)."""
+        self.storage.mark_writing(sorted(self.dirty_slots | set(np.asarray(slots).tolist())))
+
     def drop(self, slots: np.ndarray) -> np.ndarray:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (length, then
         generation), then zero their rows where rows are not written whole: a later, shorter episode
@@ -393,6 +404,7 @@ class Committer:
         self.held.check(dropped, self.meta["_generation"][dropped], "drop", drop=True)
         if len(dropped):
             lengths = self.meta["episode_lens"][dropped].tolist()
+            self.mark_unpublishing(dropped)
             # the length first, as ``invalidate`` does: a kill in between leaves an empty slot
             # with a stale generation (cleared on reopen), never a committed slot without one,
             # which every open refuses as damage
@@ -477,7 +489,7 @@ class Committer:
         was published (else it stands), and generations of empty slots (a commit killed between
         its two bookkeeping writes) are cleared."""
         lens, generations = self.meta["episode_lens"], self.meta["_generation"]
-        stale = np.flatnonzero((lens == 0) & (generations != 0))
+        stale = np.setdiff1d(np.flatnonzero((lens == 0) & (generations != 0)), self.lost)
         if len(stale):
             self.write_meta("_generation", stale, np.zeros(len(stale), np.int64))
         valid = np.setdiff1d(np.flatnonzero(lens > 0), self.suspect)

@@ -42,6 +42,7 @@ from .storage.base import (
     CorruptChunkError,
     EpisodeLengthError,
     GenerationMismatchError,
+    LostLengthError,
     NewerFormatError,
     Storage,
     backend_class,
@@ -49,6 +50,7 @@ from .storage.base import (
     check_bookkeeping,
     check_lost_lengths,
     check_state,
+    committed_without_length,
     make_storage,
 )
 from .storage.lease import BufferLockedError, describe_holder
@@ -895,13 +897,15 @@ def verify(
         storage.close()
         return problems
     lens = meta["episode_lens"].astype(np.int64)
+    lost: list[int] = []
     try:
         state = check_state(storage.load_state(), schema, storage.describe_key(STATE_KEY))
-        counted = int(state["total_episodes"])  # the generations the stored counters count
-        if "_generation" in meta:  # a live writer's counters lag its published episodes by design
-            check_lost_lengths(storage, lens, meta["_generation"], state)
+        if "_generation" in meta:
+            lost, found = _lost_lengths(storage, lens, meta["_generation"], state)
+            problems += found
+            # a live writer's counters lag its published episodes by design
             state = catch_up(state, lens, meta["_generation"], schema.max_episodes)
-        problems += _check_counters(state, lens, meta.get("_generation"), schema, counted)
+        problems += _check_counters(state, lens, meta.get("_generation"), schema)
     except BufferDamagedError as e:
         problems.append(str(e))
     try:
@@ -913,6 +917,10 @@ def verify(
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
     damage, damaged, entries, chunks, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    # lost lengths (reading 0): restored where the data's checksums tell one, else the episode is gone
+    told = _lengths_told(storage, schema, lost)
+    restore.update(told)
+    untold = [slot for slot in lost if slot not in told]
     # meta values failing their checksum (reported by _read_bookkeeping): a repair writes back
     # the value one flipped bit explains, else drops the episode, as one with damaged data is
     # (which value is wrong cannot be told)
@@ -936,6 +944,7 @@ def verify(
     }
     chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in changed})}
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
+    untold = [slot for slot in untold if slot not in changed]
     values = {slot: found for slot, found in values.items() if slot not in changed}
     excess = storage.excess_bookkeeping()
     problems += excess
@@ -948,7 +957,7 @@ def verify(
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries or chunks or restore or values or excess):
+    if repair and (damaged or stray or entries or chunks or restore or values or excess or untold):
         from .buffer import ReplayBuffer
 
         # the buffer opens with the meta values it is to repair (their slots left out of its
@@ -969,6 +978,7 @@ def verify(
                 n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in moved})
             }
             restore = {slot: length for slot, length in restore.items() if slot not in moved}
+            untold = [slot for slot in untold if slot not in moved]
             if excess:  # first: the rewrites below keep the file at its size
                 problems += buffer.storage.excess_bookkeeping(trim=True)
             for slot in sorted(set(values) - moved):
@@ -993,6 +1003,12 @@ def verify(
                 problems.append(
                     f"repaired: restored the lengths of slots {slots} to {[restore[s] for s in slots]}, where every "
                     "field's data matches its checksum"
+                )
+            if untold:
+                buffer._commit.write_meta("_generation", np.array(untold), np.zeros(len(untold), np.int64))
+                problems.append(
+                    f"repaired: slots {untold} lost their lengths and no checksum tells them: their generations "
+                    "are cleared, so the slots read as empty (the episodes are dropped)"
                 )
             if stray:
                 _clear_beyond_length(buffer, stray)
@@ -1220,11 +1236,37 @@ def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray,
     storage.read_spans(name, slots, np.zeros(len(slots), np.int64), lens, out, parallel=False)
 
 
-def _check_counters(
-    state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema, counted: int
-) -> list[str]:
+def _lost_lengths(
+    storage: Storage, lens: np.ndarray, generations: np.ndarray, state: dict
+) -> tuple[list[int], list[str]]:
+    """``check_lost_lengths`` (the stored counters ``state``): the slots whose lengths are lost
+    and the problem found (lengths of 0 a live writer may be unpublishing are not)."""
+    beside = len(committed_without_length(lens, generations, state)) and storage.writer_lease().live_holder()
+    try:
+        check_lost_lengths(storage, lens, generations, state, beside_writer=bool(beside))
+    except LostLengthError as e:
+        return e.slots, [str(e)]
+    return [], []
+
+
+def _lengths_told(storage: Storage, schema: Schema, slots: list[int]) -> dict[int, int]:
+    """Per slot of ``slots``, the one length at which every field whose checksums tell
+    (``Storage.lengths_matching``) matches its stored steps; slots without one are left out."""
+    told = {}
+    for slot in slots:
+        agreed: set[int] | None = None
+        for name in schema.fields:
+            lengths = storage.lengths_matching(name, slot)
+            if lengths is not None:
+                agreed = set(lengths) if agreed is None else agreed & set(lengths)
+        if agreed is not None and len(agreed) == 1:
+            told[slot] = agreed.pop()
+    return told
+
+
+def _check_counters(state: dict, lens: np.ndarray, generations: np.ndarray | None, schema: Schema) -> list[str]:
     """Problems of the counters and per-slot bookkeeping (``state`` caught up with the published
-    episodes; ``counted``: the total_episodes the stored counters hold)."""
+    episodes)."""
     problems = []
     out_of_range = np.flatnonzero((lens < 0) | (lens > schema.max_timesteps))
     if len(out_of_range):
@@ -1245,17 +1287,6 @@ def _check_counters(
         problems.append(f"_generation: committed slots {valid[generations[valid] <= 0][:10].tolist()} have no ordinal")
     if len(np.unique(generations[valid])) != len(valid):
         problems.append("_generation: two committed slots share an ordinal")
-    # an empty slot with an ordinal is left by a kill between a slot's two bookkeeping writes
-    # (commit.py), which the next writable open clears: a commit's (an ordinal the counters do
-    # not count yet), or a reuse's (the next slots to write, their lengths cleared first)
-    stale = np.flatnonzero((lens == 0) & (generations != 0) & (generations <= counted))
-    reusing, slot = set(), int(state["episode_index"]) % schema.max_episodes
-    while slot in stale and slot not in reusing:
-        reusing.add(slot)
-        slot = (slot + 1) % schema.max_episodes
-    stale = np.setdiff1d(stale, np.fromiter(reusing, np.int64, len(reusing)))
-    if len(stale):
-        problems.append(f"_generation: empty slots {stale[:10].tolist()} still carry an ordinal")
     if len(valid):
         newest = int(valid[np.argmax(generations[valid])])
         if int(generations[newest]) > int(state.get("total_episodes", 0)):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .schema import Field
-from .storage.base import BufferDamagedError, CorruptChunkError
+from .storage.base import BufferDamagedError, CorruptChunkError, meta_file
 
 META_SUM = "_meta_sum"
 _KEPT = np.uint64((1 << 63) | 1)
@@ -200,14 +200,6 @@ def _matching(
     return int(found[0]) if len(found) == 1 else None
 
 
-def meta_file(storage: Any, name: str) -> str:
-    """Where meta array ``name`` of ``storage`` is stored (its file, or its key and location)."""
-    try:
-        return str(storage.data_file(name, meta=True))
-    except (AttributeError, NotImplementedError, KeyError):
-        return str(storage.describe_key(f"meta/{name}"))
-
-
 def error(storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[str, np.ndarray]) -> MetaChecksumError:
     """The ``MetaChecksumError`` for ``slot`` of ``storage`` (``meta``: its arrays as loaded),
     naming the damaged value and its file when one flipped bit explains it (``diagnose``),
@@ -254,8 +246,8 @@ _UNCHECKED = threading.local()
 
 @contextmanager
 def unchecked() -> Iterator[None]:
-    """Opens (refreshes) in this thread within the block do not raise ``MetaChecksumError``:
-    ``verify --repair`` opens the buffer to drop the episodes it found damaged."""
+    """Opens (refreshes) in this thread within the block do not raise ``MetaChecksumError``
+    or ``LostLengthError``: ``verify --repair`` opens the buffer to repair what it found."""
     depth = getattr(_UNCHECKED, "depth", 0)
     _UNCHECKED.depth = depth + 1
     try:

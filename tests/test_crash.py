@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -331,3 +332,69 @@ def test_a_create_killed_part_way_is_created_again_by_an_overwrite(tmp_path, wri
     assert len(reader) == 1
     length = int(reader.episode_lens[0])
     check_episode(1, length, {name: np.asarray(reader.data[name][0]) for name in reader.fieldnames})
+
+
+def _kill_during_unpublish(location, kwargs, how, at):
+    """Child: drop slot 2 (``how="drop"``) or clear the buffer, SIGKILLed before its ``at``-th
+    ``write_meta`` (1: the lengths, 2: the generations)."""
+    buffer = ReplayBuffer(location, **kwargs, overwrite=False)
+    storage, writes = buffer.storage, []
+    write_meta = storage.write_meta
+
+    def dying(*args):
+        writes.append(args[0])
+        if len(writes) == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_meta(*args)
+
+    storage.write_meta = dying
+    if how == "drop":
+        buffer.drop_episodes([2])
+    else:
+        buffer.clear()
+
+
+@pytest.mark.parametrize("how", ["drop", "clear"])
+def test_a_drop_or_clear_killed_between_lengths_and_generations_is_a_leftover_not_lost_lengths(tmp_path, how):
+    """A kill after a drop (or clear) cleared lengths but not generations leaves committed
+    generations without lengths: readers take them for the killed writer's leftovers (empty
+    slots) until a writable open clears them, and verify reports nothing lost."""
+    from replaybuf.maintenance import verify
+
+    location = str(tmp_path / "buffer")
+    kwargs = buffer_kwargs(5, circular=True)
+    with ReplayBuffer(location, **kwargs) as buffer:
+        for uid in range(4):
+            write_episode(buffer, uid, "whole")
+    _run_child(_kill_during_unpublish, location, kwargs, how, 2)
+    kept = [0, 1, 3] if how == "drop" else []
+    with ReplayBuffer(location, read_only=True) as reader:
+        assert sorted(stored_episodes(reader)) == kept
+    assert verify(location) == []
+    with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
+        assert sorted(stored_episodes(buffer)) == kept
+    with ReplayBuffer(location, read_only=True) as reader:  # recovered: the leftovers are gone
+        assert sorted(stored_episodes(reader)) == kept
+
+
+def test_a_killed_writer_excuses_only_its_own_leftovers(tmp_path):
+    """A length zeroed in a slot no killed writer was unpublishing is refused even while that
+    writer's leftovers (the slot it was reusing) are excused."""
+    from replaybuf import LostLengthError
+
+    location = str(tmp_path / "buffer")
+    kwargs = buffer_kwargs(5, circular=True)
+    with ReplayBuffer(location, **kwargs) as buffer:
+        for uid in range(5):
+            write_episode(buffer, uid, "whole")
+    _run_child(_kill_during_reuse, location, kwargs, 5, 2)  # slot 0: length cleared, generation kept
+    with ReplayBuffer(location, read_only=True) as reader:
+        assert sorted(stored_episodes(reader)) == [1, 2, 3, 4]
+    chunk = Path(location) / "meta" / "episode_lens" / "c.0"  # int32 lengths, uncompressed
+    lengths = bytearray(chunk.read_bytes())
+    lengths[12:16] = bytes(4)  # slot 3
+    chunk.write_bytes(bytes(lengths))
+    with pytest.raises(LostLengthError, match=r"committed slots \[3\] hold length 0"):
+        ReplayBuffer(location, read_only=True)
+    with pytest.raises(LostLengthError, match=r"committed slots \[3\]"):
+        ReplayBuffer(location, **kwargs, overwrite=False)

@@ -30,6 +30,7 @@ from replaybuf import (
     ConcurrentWriteError,
     CorruptChunkError,
     EpisodeLengthError,
+    LostLengthError,
     MetaChecksumError,
     NewerFormatError,
     ReplayBuffer,
@@ -40,6 +41,7 @@ from replaybuf import (
 )
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.sampling.datasets import SnapshotOverwrittenError
+from replaybuf.storage import make_storage
 from replaybuf.viewer import BufferApp
 
 from ._backends import LOCAL_BACKENDS, require
@@ -405,17 +407,9 @@ def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
     return False
 
 
-def _known_gap(location: str, backend: str, damaged: list[Path]) -> bool:
-    """Damage no read path sees yet (the xfail tests below): zarr frame shards of two slots
-    swapped, or a committed episode's length zeroed (its slot then reads as one being rewritten)."""
-    if len(damaged) == 2 and all(path.parent.name == "frame" and path.name.startswith("c.") for path in damaged):
-        return True
-    committed = np.array(_lengths(backend))
-    try:
-        lens = np.asarray(_open(location).episode_lens[: len(committed)])
-    except REPLAYBUF_ERRORS:
-        return False
-    return bool((lens == 0).any())
+def _known_gap(damaged: list[Path]) -> bool:
+    """Damage no read path sees yet (the xfail test below): zarr frame shards of two slots swapped."""
+    return len(damaged) == 2 and all(path.parent.name == "frame" and path.name.startswith("c.") for path in damaged)
 
 
 @settings(
@@ -440,7 +434,7 @@ def test_every_read_path_returns_the_committed_values_or_names_the_damage(
     partner = _damage(target, how, where, bit, files)
     damaged = [target] if partner is None else [target, partner]
     location = str(work / "buffer")
-    assume(not _known_gap(location, backend, damaged))
+    assume(not _known_gap(damaged))
     try:
         PATHS[path](location, Expected(backend), tempfile.mkdtemp(dir=tmp_path))
     except REPLAYBUF_ERRORS as error:
@@ -514,19 +508,78 @@ def test_a_snapshot_view_calls_a_changed_length_of_its_episode_damage_not_an_ove
         _open(location, snapshot=SNAPSHOT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a length of 0 with a generation reads as a slot being rewritten (stored_bookkeeping); "
-    "telling damage apart needs episode_lens under the meta checksum (a format change) or verify's counter check",
-)
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_a_committed_length_flipped_to_zero_is_damage_not_an_empty_slot(tmp_path, backend):
+    """Before: the slot read as one being rewritten, and the episode vanished from every read."""
     location = str(tmp_path / "buffer")
     _committed(location, backend, [6, 4, 7])
     _flip_length_bit(location, backend, 1, 2)  # 4 -> 0
-    assert verify(location)  # verify sees it ("empty slots [1] still carry an ordinal")
-    with pytest.raises(StorageError, match="episode_lens"):
+    with pytest.raises(LostLengthError, match=r"committed slots \[1\] hold length 0") as caught:
         _open(location).get_all_data()
+    assert caught.value.slots == [1] and "episode_lens" in caught.value.location
+    assert isinstance(caught.value, BufferDamagedError) and isinstance(caught.value, StorageError)
+    assert any("slots [1] hold length 0" in line for line in verify(location))
+
+
+def _zero_lengths(location: str, backend: str) -> None:
+    """Overwrite every stored length with 0, in place."""
+    if backend == "zarr":
+        chunk = Path(location) / "meta" / "episode_lens" / "c.0"
+        chunk.write_bytes(bytes(len(chunk.read_bytes())))
+        return
+    storage = make_storage(location, backend=backend)
+    storage.open(read_only=True)
+    where = storage.data_file("episode_lens", meta=True)
+    storage.close()
+    if backend == "memmap":
+        np.load(where, mmap_mode="r+")[:] = 0
+    else:
+        file, dataset = where.split(":")
+        with h5py.File(file, "r+") as f:
+            f[dataset][:] = 0
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_zeroed_lengths_file_is_refused_and_repair_restores_every_length(tmp_path, backend):
+    """Before: every episode read as empty (get_all_data returned rows of length 0)."""
+    location = str(tmp_path / "buffer")
+    _committed(location, backend, COLD_LENGTHS)
+    with _open(location) as reader:
+        before = reader.get_all_data()
+    _zero_lengths(location, backend)
+    with pytest.raises(LostLengthError, match=r"committed slots \[0, 1, 2\] hold length 0"):
+        _open(location)
+    with pytest.raises(LostLengthError):
+        ReplayBuffer.from_folder(location)  # nor a writer, whose recovery would clear the generations
+    assert any("slots [0, 1, 2] hold length 0" in line for line in verify(location))
+    report = verify(location, repair=True)
+    assert f"restored the lengths of slots [0, 1, 2] to {COLD_LENGTHS}" in report[-1]
+    assert verify(location) == []
+    with _open(location) as reader:
+        after = reader.get_all_data()
+    assert after.keys() == before.keys()
+    for name, values in before.items():
+        np.testing.assert_array_equal(np.asarray(after[name]), np.asarray(values), err_msg=name)
+
+
+def test_lost_lengths_no_checksum_tells_are_dropped_by_repair_not_guessed(tmp_path):
+    """Zarr fields kept compressed one chunk per episode hold no checksum that depends on the
+    length: verify --repair cannot tell the lengths, so it empties those slots (the buffer opens
+    again) instead of restoring a guess; a slot whose length was not lost is kept."""
+    location = str(tmp_path / "buffer")
+    writer = ReplayBuffer(
+        location, MAX_EPISODES, MAX_TIMESTEPS, {"state": {"dtype": "float", "shape": (3,), "compressor": "zstd"}}
+    )
+    for length in COLD_LENGTHS:
+        writer.store_episode(state=np.ones((length, 3)))
+    writer.close()
+    _flip_length_bit(location, "zarr", 1, 0)  # 5 -> 4: still told apart? no, and not lost: kept
+    _flip_length_bit(location, "zarr", 1, 2)  # 4 -> 0: lost
+    with pytest.raises(LostLengthError, match=r"slots \[1\]"):
+        _open(location)
+    assert "generations are cleared" in verify(location, repair=True)[-1]
+    reader = _open(location)
+    assert reader.episode_lens[:3].tolist() == [6, 0, 7] and len(reader) == 2
 
 
 @pytest.mark.xfail(

@@ -231,6 +231,12 @@ class LocalFolderStorage(KVBlobs, Storage):
             return False
         return state.get(STATE_CHECKSUM) == crc32c(state_body(state))
 
+    def lengths_matching(self, name: str, slot: int) -> list[int] | None:
+        # docstring inherited: the crc32c of the episode's steps from step 0
+        if self._checksums is None:
+            return None
+        return self._checksums.lengths_matching(name, slot)
+
     def update_rows(self, name: str, episodes: np.ndarray, t0: int, values: np.ndarray) -> None:
         # docstring inherited
         self.write_rows(name, episodes, t0, values)
@@ -775,6 +781,18 @@ class EpisodeChecksums:
                 location=self.path,
                 data_verified=True,
             )
+
+    def lengths_matching(self, name: str, episode: int) -> list[int] | None:
+        """``Storage.lengths_matching``: the lengths at which ``episode``'s stored steps match its
+        entry, None when it holds none or one that fails its own check."""
+        if name not in self.columns:
+            return None
+        stored = int(self.sums[episode, self.columns[name]])
+        if not stored or stored != int(
+            entries(np.array([stored & _CRC_BITS], np.uint64), np.array([episode]), self.columns[name], self.tagged)[0]
+        ):
+            return None
+        return self._lengths_matching(name, episode, stored)
 
     def _lengths_matching(self, name: str, episode: int, expected: int) -> list[int]:
         """The lengths at which ``episode``'s steps of field ``name``, as stored, match its

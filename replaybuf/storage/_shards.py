@@ -125,7 +125,18 @@ class ShardedArray(ChunkedArray):
     def _length_blamed(self, episode: int) -> CorruptChunkError | None:
         """The ``length_error`` for ``episode`` when its shard holds fewer whole frames than its
         stored length (one frame per inner chunk); else None."""
-        if self.length_error is None or self.committed is None or self.chunks[1] != 1:
+        if self.length_error is None or self.committed is None:
+            return None
+        held, length = self.frames_held(episode), self.committed(episode)
+        if not held or not held[0] < length:
+            return None
+        return self.length_error(self.path, episode, length, held[0])
+
+    def frames_held(self, episode: int) -> list[int] | None:
+        """``[frames]`` when ``episode``'s shard holds frames for steps ``0 .. frames - 1`` and
+        none after (a writer stores a shard whole, the frames of its episode's steps), else None
+        (no shard, an unreadable index, or inner chunks of several frames)."""
+        if self.chunks[1] != 1:
             return None
         try:
             stored = self.read_indexes([episode])[episode]
@@ -135,10 +146,7 @@ class ShardedArray(ChunkedArray):
             return None
         present = stored[:, 0] != _MISSING
         frames = int(np.argmin(present)) if not present.all() else len(present)
-        length = self.committed(episode)
-        if not 0 < frames < length or present[frames:].any():
-            return None
-        return self.length_error(self.path, episode, length, frames)
+        return [frames] if frames and not present[frames:].any() else None
 
     def _parse_index(self, raw: bytes | None, episode: int) -> np.ndarray | None:
         """The (offset, nbytes) rows of a shard index read from the shard's end, checked against

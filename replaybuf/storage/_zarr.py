@@ -715,20 +715,37 @@ class ZarrStorage(KVBlobs, Storage):
         says: the length is damaged, not the data, and ``verify --repair`` restores it instead
         of dropping a sound episode (the memmap and hdf5 backends tell it apart the same way).
         One read of the whole row: the error path only."""
+        matches = [length for length in self._prefixes_matching(name, slot, entry) if length != n]
+        if matches:
+            raise self._length_error(f"data/{name}", slot, n, matches[0], "matches its checksum at")
+
+    def _prefixes_matching(self, name: str, slot: int, entry: int) -> list[int]:
+        """The lengths at which the stored steps of ``slot`` of packed field ``name``, from step
+        0, match the crc32c of checksum entry ``entry`` ([] when the row is unreadable)."""
         array = self.array(name)
         steps = array.shape[1]
         row = np.zeros((1, steps, *array.shape[2:]), array.dtype)
         try:
             array.read_into(row, np.array([slot]), np.zeros(1, np.int64), np.array([steps]), check=False)
         except (OSError, ValueError, CorruptChunkError):  # unreadable: the data is blamed
-            return
+            return []
         crc, matches = 0, []
         for step in range(steps):
             crc = crc32c(np.ascontiguousarray(row[0, step]), crc)
-            if crc == entry & 0xFFFFFFFF and step + 1 != n:
+            if crc == entry & 0xFFFFFFFF:
                 matches.append(step + 1)
-        if matches:
-            raise self._length_error(f"data/{name}", slot, n, matches[0], "matches its checksum at")
+        return matches
+
+    def lengths_matching(self, name: str, slot: int) -> list[int] | None:
+        # docstring inherited: a packed field's entry in ``CHECKSUMS_KEY``; an image field's
+        # shard holds the frames of its episode's steps only (one inner chunk each)
+        array = self.array(name)
+        if name in self._packed:
+            entry = int(self._read_sums(np.array([slot]))[0, self._packed.index(name)])
+            return self._prefixes_matching(name, slot, entry) if entry & _SEALED else None
+        if isinstance(array, ShardedArray):
+            return array.frames_held(slot)
+        return None
 
     def _length_error(
         self, path: str, slot: int, n: int, matches: int, how: str = "holds whole frames of"

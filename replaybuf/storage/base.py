@@ -212,6 +212,17 @@ class EpisodeLengthError(CorruptChunkError):
         self.matches = matches
 
 
+class LostLengthError(EpisodeLengthError, BufferDamagedError):
+    """Committed slots' stored lengths read 0 (a zeroed or damaged ``meta/episode_lens``):
+    their generations are ones the counters count, and no writer is unpublishing them. Every
+    open refuses it, so no episode silently vanishes; ``slots`` lists them (``slot``: the
+    first) and ``replaybuf verify --repair`` restores each length its data shows."""
+
+    def __init__(self, message: str, *, slots: list[int], **facts: Any):
+        super().__init__(message, slot=slots[0], **facts)
+        self.slots = slots
+
+
 class GenerationMismatchError(RuntimeError):
     """A read given ``generations`` by a storage that ``verifies_generations`` found slots
     holding other generations: a writer reused them since the caller planned the read.
@@ -554,13 +565,55 @@ def check_bookkeeping(lens: np.ndarray, generations: np.ndarray, schema: Schema,
         )
 
 
-def check_lost_lengths(storage: Storage, lens: np.ndarray, generations: np.ndarray, state: dict) -> None:
-    """Refuse committed slots whose ``episode_lens`` chunk is not stored at all (deleted, or a
-    dangling link): it reads as zeros, which would make every episode in it vanish, and a
-    writable open would then clear their generations for good. A slot counts as committed when
-    its generation is one the counters already count (a commit publishes its generation, then its
-    length, then the counters): a commit cut short, or a live one, has a newer generation."""
-    committed = np.flatnonzero((lens == 0) & (generations > 0) & (generations <= int(state["total_episodes"])))
+def meta_file(storage: Storage, name: str) -> str:
+    """Where meta array ``name`` of ``storage`` is stored (its file, or its key and location)."""
+    try:
+        return str(storage.data_file(name, meta=True))  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError, KeyError):
+        return str(storage.describe_key(f"meta/{name}"))
+
+
+def committed_without_length(lens: np.ndarray, generations: np.ndarray, state: dict) -> np.ndarray:
+    """Slots whose length reads 0 although their generation is one the counters count (a
+    commit publishes its generation, then its length, then the counters: a commit cut short,
+    or a live one, has a newer generation). Only a writer unpublishing them leaves that, for
+    a moment: a circular reuse or a drop clears the length, then the generation."""
+    return np.flatnonzero((lens == 0) & (generations > 0) & (generations <= int(state["total_episodes"])))
+
+
+def stopped_writer_leftovers(storage: Storage, lens: np.ndarray, generations: np.ndarray, state: dict) -> np.ndarray:
+    """The slots among ``committed_without_length`` that a writer killed while unpublishing
+    them may have left so: the next slots to write (a circular reuse clears them from there on),
+    and the slots of its writing record (a drop or clear marks them first; a torn record:
+    every one)."""
+    suspects = committed_without_length(lens, generations, state)
+    writing = storage.writing_slots()
+    if writing is None:
+        return suspects
+    max_episodes = len(lens)
+    newest = int(generations.max()) if len(generations) else 0
+    slot = int(np.argmax(generations) + 1) if newest > int(state["total_episodes"]) else int(state["episode_index"])
+    reusing = set(writing)
+    for _ in range(max_episodes):
+        slot %= max_episodes
+        if slot not in suspects:
+            break
+        reusing.add(slot)
+        slot += 1
+    return suspects[np.isin(suspects, np.fromiter(reusing, np.int64, len(reusing)))]
+
+
+def check_lost_lengths(
+    storage: Storage, lens: np.ndarray, generations: np.ndarray, state: dict, beside_writer: bool = False
+) -> None:
+    """Refuse committed slots (``committed_without_length``) whose length is lost: their
+    ``episode_lens`` chunk is not stored at all (deleted, or a dangling link), or it holds 0
+    for them (zeroed, damaged). Either would make every episode in it vanish, and a writable
+    open would then clear their generations for good. Lengths of 0 are left alone
+    ``beside_writer`` (a live writer may be unpublishing them: the caller read again, and reads
+    them as empty), and where a killed writer may have left them half unpublished
+    (``stopped_writer_leftovers``, until the next writable open recovers them)."""
+    committed = committed_without_length(lens, generations, state)
     if not len(committed):
         return
     lost = storage.unstored_meta_slots("episode_lens", committed)
@@ -569,6 +622,21 @@ def check_lost_lengths(storage: Storage, lens: np.ndarray, generations: np.ndarr
             f"meta/episode_lens of {storage.location}: the chunk holding the lengths of committed slots "
             f"{lost[:10].tolist()} is missing (they have generations, the counters count them); "
             "restore it from a backup, or copy the buffer"
+        )
+    if beside_writer:
+        return
+    if storage.writer_stopped():
+        committed = np.setdiff1d(committed, stopped_writer_leftovers(storage, lens, generations, state))
+    if len(committed):
+        where = meta_file(storage, "episode_lens")
+        raise LostLengthError(
+            f"meta/episode_lens of {storage.location}: committed slots {committed[:10].tolist()} hold length 0, "
+            f"but their generations {generations[committed[:10]].tolist()} are ones the counters count "
+            f"(total_episodes {int(state['total_episodes'])}) and no writer is unpublishing them: their lengths "
+            f"are damaged ({where}). `replaybuf verify --repair` restores each length its data shows",
+            field="meta/episode_lens",
+            slots=committed.tolist(),
+            location=where,
         )
 
 
@@ -947,6 +1015,13 @@ class Storage(ABC):
         none (the default)."""
         return []
 
+    def lengths_matching(self, name: str, slot: int) -> list[int] | None:
+        """The lengths at which ``slot``'s stored steps of data field ``name`` match what its
+        stored checksums say (one read of the field's row: the repair path only), or None where
+        they do not tell (no checksum kept, or one that does not depend on the length):
+        ``verify --repair`` restores a lost length from them."""
+        return None
+
     def reseal_chunks(self, name: str, slots: np.ndarray, write: bool = True) -> dict[int, list[str]]:
         """Per slot of ``slots``, where the stored chunks of data field ``name`` lie whose own
         checksum alone is damaged (``ChunkChecksumError``), each re-sealed in place from its bytes
@@ -1047,6 +1122,14 @@ class Storage(ABC):
         """The writer lease this open holds, None when none or when a later ``overwrite=True``
         open in this process erased the buffer it wrote to."""
         return self._lease if self._lease is not None and self._lease.epoch == self._lease_epoch else None
+
+    def writer_stopped(self) -> bool:
+        """Whether a writer stopped without giving the lease back (killed), leaving what it was
+        doing half done: the lease's record is left and nobody holds it, or (while this open
+        holds the lease) taking it found such a record."""
+        if self._lease is not None:
+            return self._lease.inherited
+        return self.writer_lease().stopped()
 
     @property
     def writer_shared(self) -> bool:

@@ -139,6 +139,9 @@ class WriterLease(ABC):
         # the buffer object of this process that wrote last through the lease: another one
         # reloads what it committed before writing (``ReplayBuffer._take_turn``)
         self.turn: weakref.ref | None = None
+        # taking it found a stopped writer's record (``stopped``): what that writer was doing
+        # may be half done, until this writer's open recovers it (``Committer.recover``)
+        self.inherited = False
 
     @property
     def key(self) -> str:
@@ -173,6 +176,11 @@ class WriterLease(ABC):
         if holder is not None and "expires" in holder and not float(holder["expires"]) > time.time():
             return None
         return holder
+
+    def stopped(self) -> bool:
+        """Whether a writer stopped without giving the lease back (killed): its record is
+        left and nobody holds it. None of this process's opens holds it either."""
+        return self.holder() is not None and self.live_holder() is None
 
     @abstractmethod
     def unlock(self) -> dict | None:
@@ -251,6 +259,7 @@ class FileLease(WriterLease):
         self._created = [folder for folder in folders if not os.path.isdir(folder)]
         try:
             os.makedirs(folders[0], exist_ok=True)
+            found = os.path.lexists(self.path)  # a killed writer's (a live one's refuses below)
             fd = self._lock()
         except BlockingIOError:
             self._remove_created()
@@ -279,7 +288,7 @@ class FileLease(WriterLease):
             from .base import StorageError  # base imports this module
 
             raise StorageError(f"cannot write the writer lease {self.path!r}: {e.strerror or e}") from e
-        self._fd, self._pid = fd, os.getpid()
+        self._fd, self._pid, self.inherited = fd, os.getpid(), found
         _held.add(self)
 
     def release(self) -> None:
@@ -329,6 +338,10 @@ class FileLease(WriterLease):
         if fd is not None:
             os.close(fd)
         super()._after_fork()
+
+    def stopped(self) -> bool:
+        # docstring inherited: a lock file nobody locks (a release deletes it)
+        return self._fd is None and os.path.lexists(self.path) and self.holder() is None
 
     def holder(self) -> dict | None:
         # docstring inherited: probed through a read-only descriptor with a shared lock, which
@@ -469,6 +482,7 @@ class ObjectLease(WriterLease):
         try:
             if not self.kv.create(LEASE_KEY, self._new_record()):
                 self._take_over(break_lock)
+                self.inherited = True
         except BaseException:
             self.token = None
             raise
