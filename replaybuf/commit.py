@@ -481,6 +481,9 @@ class Committer:
         )
         if step_log:
             self.recover_step_log()
+        lease = self.storage.held_lease
+        if lease is not None:  # a killed writer's leftovers are gone: none is excused any more
+            lease.inherited = False
 
     def reconcile_state(self) -> None:
         """Make the counters agree with the published lengths and generations, the truth after

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -817,12 +818,15 @@ def test_a_slot_being_emptied_keeps_its_entry_for_readers_that_saw_its_length(or
     path = _copy(originals, backend, tmp_path)
     reader = ReplayBuffer.from_folder(path, read_only=True)
     writer = ReplayBuffer.from_folder(path)
-    writer.storage.write_meta("episode_lens", np.array([1]), np.zeros(1, np.int32))  # step 1 of a reuse
+    writer.storage.mark_writing([1])  # a drop of slot 1: its record, then its length
+    writer.storage.write_meta("episode_lens", np.array([1]), np.zeros(1, np.int32))
     checksums = reader.storage._checksums
     expected = checksums.expected("state", np.array([1]), np.array([MAX_TIMESTEPS]), np.array([LENGTHS[1]]))
     rows = writer.storage.unchecked_rows("state", np.array([1]), 0, LENGTHS[1])
     checksums.check_row("state", 1, rows[0], expected[0])
     writer.close()
+    # as a kill leaves it: the lock file nobody holds (a closed writer deletes it)
+    Path(path, "replaybuf", "writer.lock").write_text("{}")
     writer = ReplayBuffer.from_folder(path)  # the killed reuse's stale generation cleared
     for i in (0, 2, 1):  # slots 3, 0, then 1 again: sealed anew
         writer.store_episode(**_episode(i))
