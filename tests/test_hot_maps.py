@@ -282,7 +282,10 @@ def test_a_batch_naming_its_generations_reuses_a_verified_map_until_the_slot_mov
 
     # another process's edit in place: a new file at slot 0's path, the same generation
     path = shard_file(writer, 0)
-    os.replace(_copy(shard_file(writer, 1), path + ".new"), path)
+    edit = writer.storage.array("image").encode_shard(0, episode(1)["image"], hot=True)
+    with open(path + ".new", "wb") as f:
+        f.write(edit)
+    os.replace(path + ".new", path)
     edited = {0: episode(1), 1: episode(1)}
     assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == checks == []
     reader.storage.drop_caches()  # refresh(): the edit is seen
