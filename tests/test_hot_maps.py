@@ -519,6 +519,37 @@ def test_a_byte_flipped_in_a_mapped_frame_is_named(tmp_path, monkeypatch, limit)
     writer.close()
 
 
+def test_a_hot_shard_copied_over_another_slot_s_is_never_served_from_a_map(tmp_path):
+    """The maps check a shard's binding to its slot when they map it: slot 0's hot shard copied
+    over slot 1's (after slot 1 was mapped) is left to the usual path, which names it; slot 0's
+    own map still serves."""
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    stored = [episode(seed) for seed in range(2)]
+    for data in stored:
+        writer.store_episode(**data)
+    assert is_hot(writer, 0) and is_hot(writer, 1)
+    reader = open_reader(location)
+    assert np.array_equal(frames(reader, 1)["gather"], stored[1]["image"])
+    time.sleep(CLOCK_TICK_S)
+    path = shard_file(writer, 1)
+    os.replace(_copy(shard_file(writer, 0), path + ".new"), path)
+    for read in (
+        lambda: reader.storage.gather("image", np.array([1]), np.array([5])),
+        lambda: reader.storage.gather("image", np.array([0, 1, 0, 1]), np.array([5, 4, 2, 5])),  # mixed batch
+        lambda: frames(reader, 1),
+        reader.get_all_data,
+    ):
+        with pytest.raises(CorruptChunkError, match="data/image: slot 1, .*holds slot 0's data, not slot 1's") as raised:
+            read()
+        assert path in str(raised.value)
+    assert shard_maps()._entries[path].map is None
+    for how, values in frames(reader, 0).items():
+        assert np.array_equal(values, stored[0]["image"]), how
+    writer.drop_episodes(1)
+    writer.close()
+
+
 def _read_truncated(location: str, path: str, ready, go, results) -> None:
     """Child: map the shard, wait while the parent truncates it in place, read it again."""
     reader = open_reader(location)
