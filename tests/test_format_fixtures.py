@@ -284,7 +284,8 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("version", "backend"), [("format-v1", "hdf5"), ("format-v3", "zarr"), ("format-v3", "memmap"), ("format-v4", "zarr")]
+    ("version", "backend"),
+    [("format-v1", "hdf5"), ("format-v3", "zarr"), ("format-v3", "memmap"), ("format-v4", "zarr")],
 )
 def test_info_points_an_earlier_format_to_upgrade(version, backend, capsys):
     assert cli_main(["info", os.path.join(DATA, version, backend)]) == 0

@@ -540,7 +540,9 @@ def test_a_hot_shard_copied_over_another_slot_s_is_never_served_from_a_map(tmp_p
         lambda: frames(reader, 1),
         reader.get_all_data,
     ):
-        with pytest.raises(CorruptChunkError, match="data/image: slot 1, .*holds slot 0's data, not slot 1's") as raised:
+        with pytest.raises(
+            CorruptChunkError, match="data/image: slot 1, .*holds slot 0's data, not slot 1's"
+        ) as raised:
             read()
         assert path in str(raised.value)
     assert shard_maps()._entries[path].map is None

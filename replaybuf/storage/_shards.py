@@ -74,10 +74,14 @@ class ShardBinding:
         held, field_sum = struct.unpack("<II", raw[4:12])
         if field_sum != self._field_sum:
             other = self._names.get(field_sum)
-            owner = "another buffer's field" if other is None else f"data/{other}"
-            return f"the shard holds slot {held}'s data of {owner}, not of data/{self.field}: it was copied or moved here"
+            owner = "a field this buffer does not have" if other is None else f"data/{other}"
+            return (
+                f"the shard holds slot {held}'s data of {owner}, not of data/{self.field}: it was copied or moved here"
+            )
         if held != slot:
-            return f"the shard holds slot {held}'s data, not slot {slot}'s: it was copied or moved here from slot {held}"
+            return (
+                f"the shard holds slot {held}'s data, not slot {slot}'s: it was copied or moved here from slot {held}"
+            )
         return None
 
 
@@ -709,8 +713,8 @@ class ShardedArray(ChunkedArray):
     def _hot_shard(self, slot: int, chunks: np.ndarray, stored: np.ndarray) -> memoryview:
         """A hot shard of ``slot`` of ``chunks`` (inner chunks ``stored``) built in one buffer: per
         chunk the blosc header ``encode(hot=True)`` writes (the same for every chunk of one size),
-        the raw bytes and the crc32c, then the binding and the index. One copy of the frames and their checksums,
-        none of the per-chunk allocations and joins of ``encode``."""
+        the raw bytes and the crc32c, then the binding and the index. One copy of the frames and
+        their checksums, none of the per-chunk allocations and joins of ``encode``."""
         count = len(chunks)
         raw = np.ascontiguousarray(chunks, dtype=self.codec.dtype).reshape(count, -1).view(np.uint8)
         header = self.codec.encode(chunks[0], hot=True)[:BLOSC_HEADER]
