@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import (
@@ -407,11 +407,6 @@ def _names_damage(message: str, location: Path, damaged: list[Path]) -> bool:
     return False
 
 
-def _known_gap(damaged: list[Path]) -> bool:
-    """Damage no read path sees yet (the xfail test below): zarr frame shards of two slots swapped."""
-    return len(damaged) == 2 and all(path.parent.name == "frame" and path.name.startswith("c.") for path in damaged)
-
-
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
 )
@@ -434,7 +429,6 @@ def test_every_read_path_returns_the_committed_values_or_names_the_damage(
     partner = _damage(target, how, where, bit, files)
     damaged = [target] if partner is None else [target, partner]
     location = str(work / "buffer")
-    assume(not _known_gap(damaged))
     try:
         PATHS[path](location, Expected(backend), tempfile.mkdtemp(dir=tmp_path))
     except REPLAYBUF_ERRORS as error:
@@ -582,17 +576,97 @@ def test_lost_lengths_no_checksum_tells_are_dropped_by_repair_not_guessed(tmp_pa
     assert reader.episode_lens[:3].tolist() == [6, 0, 7] and len(reader) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a zarr shard's inner chunks carry crc32c of their bytes only, nothing binds a shard to "
-    "its slot and generation (a format change: e.g. a per-episode entry in replaybuf/checksums for sharded fields)",
-)
-def test_a_zarr_frame_shard_moved_to_another_slot_is_damage(tmp_path):
-    location = str(tmp_path / "buffer")
-    _committed(location, "zarr", [5, 5])
-    shards = Path(location) / "data" / "frame"
-    (shards / "c.1.0.0.0.0").write_bytes((shards / "c.0.0.0.0.0").read_bytes())
-    with pytest.raises(CorruptChunkError, match="data/frame: slot 1"):
+# ---- zarr shards bound to their field and slot (format 5) ----------------------------------------
+
+SHARD_HOT = [True, False]
+SHARD_STATES = ["hot", "compacted"]
+
+
+def _bound_shards(tmp_path: Path, hot: bool, fields: dict = FIELDS) -> str:
+    """A zarr buffer of the ``COLD_LENGTHS`` episodes, their frame shards hot (copied while its
+    writer runs, as a writer killed before compacting leaves them) or compacted (by its close)."""
+    written, location = tmp_path / "written", tmp_path / "buffer"
+    writer = ReplayBuffer(str(written), MAX_EPISODES, MAX_TIMESTEPS, fields, META_FIELDS)
+    for slot, length in enumerate(COLD_LENGTHS):
+        writer.store_episode(**_episode(slot, length))
+    writer.flush()
+    if hot:
+        shutil.copytree(written, location)
+    writer.close()
+    if not hot:
+        shutil.copytree(written, location)
+    assert [is_hot_file(str(_shard(str(location), slot))) for slot in range(3)] == [hot] * 3
+    return str(location)
+
+
+def _shard(location: str, slot: int, field: str = "frame") -> Path:
+    return Path(location) / "data" / field / f"c.{slot}.0.0.0.0"
+
+
+def _move_shard(location: str, source: int, target: int) -> None:
+    """Copy ``source``'s frame shard over ``target``'s, whole and intact."""
+    _shard(location, target).write_bytes(_shard(location, source).read_bytes())
+
+
+MOVED = r"data/frame: slot 1, .*: the shard holds slot 0's data, not slot 1's: it was copied or moved here from slot 0"
+READS_OF_SLOT_1: dict[str, Callable[[str, str], object]] = {
+    "get_all_data": lambda location, cache: _open(location).get_all_data(),
+    "data[...]": lambda location, cache: _open(location).data["frame"][1, :2],
+    "trajectories": lambda location, cache: list(_open(location).dataloader(batch_size=3)),
+    "timesteps": lambda location, cache: list(_open(location).dataloader(batch_size=64, timestep_level=True)),
+    "gather": lambda location, cache: _open(location).storage.gather("frame", np.array([0, 1]), np.array([0, 2])),
+    "cache fill": lambda location, cache: _open(location, cache="disk", cache_dir=cache).warm_cache(),
+}
+
+
+@pytest.mark.parametrize("read", sorted(READS_OF_SLOT_1))
+@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
+def test_a_zarr_frame_shard_moved_to_another_slot_is_damage(tmp_path, hot, read):
+    """Before: slot 0's shard copied over slot 1's read back as slot 1's episode, and verify
+    passed it. Each read path that reaches slot 1 names the file and the slot it came from."""
+    location = _bound_shards(tmp_path, hot)
+    _move_shard(location, 0, 1)
+    with pytest.raises(CorruptChunkError, match=MOVED) as error:
+        READS_OF_SLOT_1[read](location, str(tmp_path / "cache"))
+    assert error.value.slot == 1 and str(_shard(location, 1)) in str(error.value)
+
+
+@pytest.mark.filterwarnings("ignore:compaction left the shard")  # the repair's writer finds slot 1 hot
+@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
+def test_verify_names_a_moved_zarr_shard_and_repair_drops_that_episode_alone(tmp_path, hot):
+    location = _bound_shards(tmp_path, hot)
+    _move_shard(location, 0, 1)
+    assert [re.search(MOVED, line) is not None for line in verify(location) if "data/frame" in line] == [True]
+    assert "repaired: dropped the damaged episodes in slots [1]" in "\n".join(verify(location, repair=True))
+    assert verify(location) == []
+    reader = _open(location)
+    assert reader.valid_episodes().tolist() == [0, 2]
+    for slot in (0, 2):
+        np.testing.assert_array_equal(reader.episode_frames(slot, "frame"), _episode(slot, COLD_LENGTHS[slot])["frame"])
+
+
+@pytest.mark.parametrize("bit", [3, 37, 71, 125], ids=["tag", "slot", "field", "crc32c"])
+@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
+def test_a_flipped_bit_in_a_zarr_shard_s_binding_is_damage(tmp_path, hot, bit):
+    location = _bound_shards(tmp_path, hot)
+    reader = _open(location)
+    index_nbytes = reader.storage.array("frame").index_nbytes  # the binding, then the index and its crc32c
+    reader.close()
+    shard = _shard(location, 1)
+    data = bytearray(shard.read_bytes())
+    data[len(data) - index_nbytes + bit // 8] ^= 1 << bit % 8
+    shard.write_bytes(bytes(data))
+    damaged = r"data/frame: slot 1, .*: the shard's binding to its field and slot .* is damaged or absent"
+    with pytest.raises(CorruptChunkError, match=damaged):
+        _open(location).get_all_data()
+    assert [re.search(damaged, line) is not None for line in verify(location)] == [True]
+
+
+def test_a_zarr_shard_of_another_field_is_damage_naming_that_field(tmp_path):
+    fields = {**FIELDS, "depth": FIELDS["frame"]}  # a second image field, sharded as the frames
+    location = _bound_shards(tmp_path, hot=False, fields=fields)
+    _shard(location, 1).write_bytes(_shard(location, 1, "depth").read_bytes())
+    with pytest.raises(CorruptChunkError, match=r"data/frame: slot 1, .*holds slot 1's data of data/depth, not of"):
         _open(location).get_all_data()
 
 

@@ -15,6 +15,7 @@ import torch
 from replaybuf import (
     BufferDamagedError,
     ChecksumEntryError,
+    CorruptChunkError,
     ForeignEntriesError,
     MetaChecksumError,
     ReplayBuffer,
@@ -24,6 +25,7 @@ from replaybuf.cli import main as cli_main
 from replaybuf.maintenance import upgrade
 from replaybuf.metasums import META_SUM
 from replaybuf.storage import make_storage
+from replaybuf.storage._shards import ShardBinding
 from replaybuf.storage.lease import BufferLockedError
 
 from .data.make_fixtures import expected_episode
@@ -77,6 +79,20 @@ def test_released_format_writes(version, backend, tmp_path):
     assert _stored_version(path, backend) == stored
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
     assert _keeps_meta_sums(path) == (stored >= 4)
+    if backend == "zarr":  # the new episode's shard, as every other, bound to no slot: format 5 binds them
+        assert [_shard_bound(path, slot) for slot in range(3)] == [False] * 3
+
+
+def _shard_bound(path: Path, slot: int) -> bool:
+    """Whether the zarr buffer at ``path`` holds a frame shard for ``slot`` bound to data/frame
+    and that slot (the 16 bytes before its index: ``ShardBinding``)."""
+    storage = make_storage(str(path))
+    storage.open(read_only=True)
+    array = storage.array("frame")
+    data = array.kv.get(array.shard_key(slot))
+    storage.close()
+    index = 16 * array.inner_per_shard + 4
+    return data is not None and ShardBinding("frame").problem(data[-index - ShardBinding.NBYTES : -index], slot) is None
 
 
 def _keeps_meta_sums(path: Path) -> bool:
@@ -158,7 +174,7 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 
 # ---- replaybuf upgrade ---------------------------------------------------------------------------
 
-NEWEST = {"zarr": 4, "memmap": 4, "hdf5": 4}
+NEWEST = {"zarr": 5, "memmap": 5, "hdf5": 5}
 
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
@@ -179,6 +195,8 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
     assert verify(path) == []
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (backend != "zarr")  # format 2 checks reads
     assert _keeps_meta_sums(path)  # format 4: every committed slot's meta values checked from now on
+    if backend == "zarr":  # format 5: each shard bound to its slot (the copy goes through the write path)
+        assert all(_shard_bound(path, slot) for slot in range(3))
     writer = ReplayBuffer.from_folder(path)
     writer.store_episode(**expected_episode(0))  # continues where the original stood: slot 1
     assert writer.valid_episodes().tolist() == [2, 0, 1]
@@ -191,14 +209,36 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
         _write_meta(path, "task", slot, task)
 
 
+def _newest(backend: str, tmp_path: Path) -> Path:
+    """A copy of the newest released fixture, upgraded into the format this release writes."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "format-v4", backend), path)
+    assert upgrade(path, progress=False)["upgraded"]
+    return path
+
+
 def test_upgrade_of_the_newest_format_changes_nothing(tmp_path, capsys):
-    path = tmp_path / "zarr"
-    shutil.copytree(os.path.join(DATA, "format-v4", "zarr"), path)
+    path = _newest("zarr", tmp_path)
     files = {p: p.stat().st_mtime_ns for p in path.rglob("*")}
     assert upgrade(path)["upgraded"] is False
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == files
     assert cli_main(["upgrade", str(path)]) == 0
-    assert "already in format 4" in capsys.readouterr().out
+    assert "already in format 5" in capsys.readouterr().out
+
+
+def test_an_upgraded_zarr_buffer_calls_a_shard_moved_to_another_slot_damage(tmp_path):
+    """Format 4 binds no shard to its slot; once upgraded, a shard copied over another slot's
+    is named, and ``verify --repair`` drops that episode alone."""
+    path = _newest("zarr", tmp_path)
+    frames = path / "data" / "frame"
+    (frames / "c.2.0.0.0.0").write_bytes((frames / "c.0.0.0.0.0").read_bytes())
+    with pytest.raises(CorruptChunkError, match=r"data/frame: slot 2, .*holds slot 0's data, not slot 2's"):
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    problems = verify(path, repair=True)
+    assert any("data/frame: slot 2" in line for line in problems) and "dropped the damaged episodes in slots [2]" in (
+        " ".join(problems)
+    )
+    assert verify(path) == [] and ReplayBuffer.from_folder(path, read_only=True).valid_episodes().tolist() == [1, 0]
 
 
 def test_upgrade_keeps_a_backup_when_asked(tmp_path):
@@ -244,19 +284,20 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("version", "backend"), [("format-v1", "hdf5"), ("format-v3", "zarr"), ("format-v3", "memmap")]
+    ("version", "backend"),
+    [("format-v1", "hdf5"), ("format-v3", "zarr"), ("format-v3", "memmap"), ("format-v4", "zarr")],
 )
 def test_info_points_an_earlier_format_to_upgrade(version, backend, capsys):
     assert cli_main(["info", os.path.join(DATA, version, backend)]) == 0
     stored = version.rsplit("v", 1)[1]
-    assert f"format     {stored}, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 4" in (
+    assert f"format     {stored}, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 5" in (
         capsys.readouterr().out
     )
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
-def test_info_of_the_newest_format_names_no_upgrade(backend, capsys):
-    assert cli_main(["info", os.path.join(DATA, "format-v4", backend)]) == 0
+def test_info_of_the_newest_format_names_no_upgrade(backend, tmp_path, capsys):
+    assert cli_main(["info", str(_newest(backend, tmp_path))]) == 0
     said = capsys.readouterr().out
     assert "replaybuf upgrade" not in said and "format     " not in said
 
@@ -266,7 +307,7 @@ def test_upgrade_through_a_link_rewrites_the_folder_it_names(tmp_path):
     shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), real)
     (tmp_path / "link").symlink_to(real)
     assert upgrade(tmp_path / "link", progress=False)["upgraded"]
-    assert (tmp_path / "link").is_symlink() and _stored_version(tmp_path / "link", "zarr") == 4
+    assert (tmp_path / "link").is_symlink() and _stored_version(tmp_path / "link", "zarr") == NEWEST["zarr"]
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
     _check_contents(ReplayBuffer.from_folder(tmp_path / "link", read_only=True))
 
@@ -315,7 +356,7 @@ def test_a_killed_upgrade_leaves_the_buffer_as_it_was_and_the_next_removes_its_c
     assert done["upgraded"] and done["removed"] == [str(left)]
     assert sorted(os.listdir(tmp_path)) == [alive.name, unmarked.name, "hdf5"]
     assert (unmarked / "mine.txt").read_text() == "not an upgrade's"
-    assert _stored_version(path, "hdf5") == 4 and verify(path) == []
+    assert _stored_version(path, "hdf5") == NEWEST["hdf5"] and verify(path) == []
     assert not (path / "replaybuf" / "upgrading.json").exists()
     assert cli_main(["info", str(path)]) == 0
     said = capsys.readouterr().out
@@ -350,7 +391,7 @@ def test_format_2_entries_are_checked_as_far_as_they_hold_and_stay_format_2(back
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 
-# ---- meta checksums: format 4 only ------------------------------------------------------------
+# ---- meta checksums: format 4 and later -------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
@@ -358,7 +399,7 @@ def test_format_3_stays_format_3_and_its_meta_values_are_not_checked(backend, tm
     """An earlier release still writes format 3, and would leave meta checksums stale: this
     release opens, reads and writes a format-3 buffer as it was, adds no meta/_meta_sum and no
     crc32c to its counters, and does not check its meta values (a value changed behind its back
-    reads as stored); ``replaybuf upgrade`` rewrites it in format 4, which checks them."""
+    reads as stored); ``replaybuf upgrade`` rewrites it in the newest format, which checks them."""
     path = tmp_path / backend
     shutil.copytree(os.path.join(DATA, "format-v3", backend), path)
     with ReplayBuffer.from_folder(path) as writer:
@@ -371,7 +412,7 @@ def test_format_3_stays_format_3_and_its_meta_values_are_not_checked(backend, tm
         assert reader.meta_data["task"][:3].tolist() == [5, 10, 77]
     assert verify(path) == []
     assert upgrade(path, progress=False)["upgraded"]
-    assert _stored_version(path, backend) == 4 and _keeps_meta_sums(path)
+    assert _stored_version(path, backend) == NEWEST[backend] and _keeps_meta_sums(path)
     _write_meta(path, "task", 0, 4)  # one flipped bit, caught now
     with pytest.raises(MetaChecksumError, match=r"meta/task: slot 0: holds 4, .* matches 5"):
         ReplayBuffer.from_folder(path, read_only=True)

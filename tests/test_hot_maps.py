@@ -282,7 +282,10 @@ def test_a_batch_naming_its_generations_reuses_a_verified_map_until_the_slot_mov
 
     # another process's edit in place: a new file at slot 0's path, the same generation
     path = shard_file(writer, 0)
-    os.replace(_copy(shard_file(writer, 1), path + ".new"), path)
+    edit = writer.storage.array("image").encode_shard(0, episode(1)["image"], hot=True)
+    with open(path + ".new", "wb") as f:
+        f.write(edit)
+    os.replace(path + ".new", path)
     edited = {0: episode(1), 1: episode(1)}
     assert np.array_equal(gather(planned), _expected(stored, "image", slots, steps)) and stats == checks == []
     reader.storage.drop_caches()  # refresh(): the edit is seen
@@ -512,6 +515,39 @@ def test_a_byte_flipped_in_a_mapped_frame_is_named(tmp_path, monkeypatch, limit)
             read()
         assert shard_file(writer, 1) in str(raised.value)
     assert np.array_equal(frames(reader, 0)["spans"], stored[0]["image"])  # the other slot still reads
+    writer.drop_episodes(1)
+    writer.close()
+
+
+def test_a_hot_shard_copied_over_another_slot_s_is_never_served_from_a_map(tmp_path):
+    """The maps check a shard's binding to its slot when they map it: slot 0's hot shard copied
+    over slot 1's (after slot 1 was mapped) is left to the usual path, which names it; slot 0's
+    own map still serves."""
+    location = str(tmp_path / "buffer")
+    writer = make(location)
+    stored = [episode(seed) for seed in range(2)]
+    for data in stored:
+        writer.store_episode(**data)
+    assert is_hot(writer, 0) and is_hot(writer, 1)
+    reader = open_reader(location)
+    assert np.array_equal(frames(reader, 1)["gather"], stored[1]["image"])
+    time.sleep(CLOCK_TICK_S)
+    path = shard_file(writer, 1)
+    os.replace(_copy(shard_file(writer, 0), path + ".new"), path)
+    for read in (
+        lambda: reader.storage.gather("image", np.array([1]), np.array([5])),
+        lambda: reader.storage.gather("image", np.array([0, 1, 0, 1]), np.array([5, 4, 2, 5])),  # mixed batch
+        lambda: frames(reader, 1),
+        reader.get_all_data,
+    ):
+        with pytest.raises(
+            CorruptChunkError, match="data/image: slot 1, .*holds slot 0's data, not slot 1's"
+        ) as raised:
+            read()
+        assert path in str(raised.value)
+    assert shard_maps()._entries[path].map is None
+    for how, values in frames(reader, 0).items():
+        assert np.array_equal(values, stored[0]["image"]), how
     writer.drop_episodes(1)
     writer.close()
 

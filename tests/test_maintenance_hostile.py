@@ -73,7 +73,7 @@ def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_nam
     from replaybuf import ReplayBuffer
     from replaybuf.maintenance import upgrade
 
-    from .test_format_fixtures import DATA, _check_contents, _stored_version
+    from .test_format_fixtures import DATA, NEWEST, _check_contents, _stored_version
 
     path = tmp_path / "buf"
     shutil.copytree(os.path.join(DATA, "format-v1", backend), path)
@@ -81,7 +81,7 @@ def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_nam
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
-    assert _stored_version(path, backend) == 4  # swapped in before the kill
+    assert _stored_version(path, backend) == NEWEST[backend]  # swapped in before the kill
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
     (left,) = [entry for entry in os.listdir(tmp_path) if entry != "buf"]
     # not a hidden copy of the original that nothing reports
@@ -377,7 +377,7 @@ def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_
     from replaybuf import ReplayBuffer
     from replaybuf.maintenance import upgrade
 
-    from .test_format_fixtures import DATA, _check_contents, _stored_version
+    from .test_format_fixtures import DATA, NEWEST, _check_contents, _stored_version
 
     path = tmp_path / "buf"
     shutil.copytree(os.path.join(DATA, "format-v1", "memmap"), path)
@@ -397,7 +397,7 @@ def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_
     copy = tmp_path / f".buf.upgrading-{os.getpid()}"
     assert str(backup) in str(refused.value) and str(copy) in str(refused.value)
     assert (path / "notes.txt").read_text() == "theirs"
-    assert _stored_version(backup, "memmap") == 1 and _stored_version(copy, "memmap") == 4
+    assert _stored_version(backup, "memmap") == 1 and _stored_version(copy, "memmap") == NEWEST["memmap"]
     _check_contents(ReplayBuffer.from_folder(backup, read_only=True))
     _check_contents(ReplayBuffer.from_folder(copy, read_only=True))
 
@@ -430,7 +430,7 @@ def test_an_upgrade_whose_disk_fills_as_it_deletes_the_original_still_succeeds(t
     import replaybuf.maintenance as maintenance
     from replaybuf import ReplayBuffer
 
-    from .test_format_fixtures import DATA, _check_contents, _stored_version
+    from .test_format_fixtures import DATA, NEWEST, _check_contents, _stored_version
 
     path = tmp_path / "buf"
     shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
@@ -445,7 +445,7 @@ def test_an_upgrade_whose_disk_fills_as_it_deletes_the_original_still_succeeds(t
     monkeypatch.setattr(maintenance, "json", types.SimpleNamespace(dump=dump, dumps=json.dumps, loads=json.loads))
     done = maintenance.upgrade(path, progress=False)
     assert done["upgraded"] and len(writes) == 2
-    assert os.listdir(tmp_path) == ["buf"] and _stored_version(path, "zarr") == 4
+    assert os.listdir(tmp_path) == ["buf"] and _stored_version(path, "zarr") == NEWEST["zarr"]
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from replaybuf import ForeignEntriesError, ReplayBuffer
+from replaybuf import BufferDamagedError, ForeignEntriesError, ReplayBuffer
 from replaybuf.storage import detect_backend
 from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 
@@ -36,6 +36,18 @@ def test_files_are_plain_npy_and_json(tmp_path):
     assert config["backend"] == "memmap" and list(config["fields"]) == ["state", "action", "reward"]
     assert json.loads((folder / "replaybuf" / "state.json").read_text())["num_episodes"] == 1
     assert detect_backend(str(folder)) == "memmap"
+
+
+@pytest.mark.parametrize(("before", "after"), [("replaybuf", "replaycuf"), ("memmap", "memmaq")])
+def test_a_config_naming_another_format_or_backend_is_damage_naming_it(tmp_path, before, after):
+    """Before: a flipped bit in replaybuf.json's format name read as 'no replaybuf buffer found'
+    naming only the folder."""
+    path = tmp_path / "buffer"
+    ReplayBuffer(str(path), 3, 4, fields=FIELDS, meta_fields=META_FIELDS, backend="memmap").close()
+    config = path / "replaybuf.json"
+    config.write_text(config.read_text().replace(f'"{before}"', f'"{after}"', 1))
+    with pytest.raises(BufferDamagedError, match=f"{config}: names .*'{after}'.*expected 'replaybuf' and 'memmap'"):
+        ReplayBuffer.from_folder(str(path), read_only=True)
 
 
 def test_overwrite_replaces_only_buffer_files(tmp_path):

@@ -418,6 +418,11 @@ class CachedStorage(Storage):
         return self.inner.keeps_meta_sums
 
     @property
+    def binds_shards(self) -> bool:
+        # docstring inherited: the wrapped storage's
+        return self.inner.binds_shards
+
+    @property
     def root(self) -> str:
         """This buffer's cache folder (known once the storage is opened)."""
         schema = self.schema

@@ -1,10 +1,11 @@
 """Reads of hot shards (``_hot.py``) from memory maps of their files, at a plain gather's speed.
 
 A hot shard on local disk holds each inner chunk raw behind blosc's 16-byte header, followed by
-its crc32c, one after another from offset 0, with the zarr shard index at the end. Reading it
+its crc32c, one after another from offset 0, with its binding (format 5) and the zarr shard index at the end. Reading it
 frame by frame through ``pread`` cost ~17 us a frame (index lookup, read, crc32c, copy), 0.2-0.4x
 an ``np.memmap`` gather of the same frames. Here a reader maps each hot shard file once and
-checks its index, the headers of its chunks and every chunk's crc32c once (~2.5 us a frame
+checks its index (and, from format 5, its binding to the slot it is read for: a shard copied
+from another slot is never mapped), the headers of its chunks and every chunk's crc32c once (~2.5 us a frame
 here, as much as copying it), then copies frames straight from the maps: one fancy index over
 all of them for a timestep batch (``_strided.take_at``), one copy per episode for trajectories. While the maps fit (``MAX_MAPS``) a
 shard is checked whole when mapped; once maps are evicted, frame by frame as first read (a
@@ -109,10 +110,11 @@ def _fingerprint(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _map_shard(path: str, array: ShardedArray) -> tuple[tuple[int, ...], HotMap | None] | None:
-    """(fingerprint, map) of the file at ``path`` as it is now; map None where the file is not
-    a hot shard as ``ShardedArray._hot_shard`` writes it (the usual read path takes it); None
-    when the file is absent."""
+def _map_shard(path: str, slot: int, array: ShardedArray) -> tuple[tuple[int, ...], HotMap | None] | None:
+    """(fingerprint, map) of the file at ``path`` (``slot``'s shard) as it is now; map None
+    where the file is not a hot shard of that slot as ``ShardedArray._hot_shard`` writes it (the
+    usual read path takes it, and names a shard bound to another slot or field); None when the
+    file is absent."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -130,7 +132,9 @@ def _map_shard(path: str, array: ShardedArray) -> tuple[tuple[int, ...], HotMap 
         whole = map_file(fd, st.st_size)
     finally:
         os.close(fd)
-    raw_index = whole[body:]
+    binding, raw_index = whole[body : body + array.binding_nbytes], whole[body + array.binding_nbytes :]
+    if array.binding_problem(binding.tobytes(), slot) is not None:
+        return fingerprint, None
     if array.index_crc and crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:].tobytes(), "little"):
         return fingerprint, None
     index = raw_index[: 16 * array.inner_per_shard].view("<u8").reshape(-1, 2)
@@ -171,18 +175,19 @@ class ShardMaps:
         # version is stale
         self.version = 0
 
-    def get(self, path: str, array: ShardedArray) -> HotMap | None:
-        """The map of the hot shard at ``path`` as the file is now; None when it is absent or
-        not a hot shard."""
-        return self.get_many([path], array)[0]
+    def get(self, array: ShardedArray, slot: int) -> HotMap | None:
+        """The map of ``slot``'s hot shard of ``array`` as the file is now; None when it is
+        absent or not a hot shard of that slot."""
+        return self.get_many(array, [slot])[0]
 
     def get_many(
-        self, paths: list[str], array: ShardedArray, generations: list[int] | None = None
+        self, array: ShardedArray, slots: list[int], generations: list[int] | None = None
     ) -> list[HotMap | None]:
-        """``get`` of each path, one lock for all the lookups (a timestep batch asks for every
-        sampled episode's shard). Each path is stat'ed (a map never serves a replaced file),
-        except where ``generations`` (the slot's planned generation, per path) names the one
-        the map was verified to hold and the last stat is less than ``TRUST_S`` old."""
+        """``get`` of each slot, one lock for all the lookups (a timestep batch asks for every
+        sampled episode's shard). Each shard's path is stat'ed (a map never serves a replaced
+        file), except where ``generations`` (the slot's planned generation, per slot) names the
+        one the map was verified to hold and the last stat is less than ``TRUST_S`` old."""
+        paths = [array.shard_path(slot) for slot in slots]
         now = time.monotonic()
         found: list[HotMap | None] = [None] * len(paths)
         todo = []
@@ -222,13 +227,13 @@ class ShardMaps:
                 else:
                     unmapped.append(i)
         for i in unmapped:
-            found[i] = self._map(paths[i], array, now)
+            found[i] = self._map(paths[i], slots[i], array, now)
         return found
 
-    def _map(self, path: str, array: ShardedArray, now: float) -> HotMap | None:
-        """Map the file at ``path`` as it is now and keep the map (``get`` found none for it),
-        found there at ``now``."""
-        mapped = _map_shard(path, array)
+    def _map(self, path: str, slot: int, array: ShardedArray, now: float) -> HotMap | None:
+        """Map the file at ``path`` (``slot``'s shard) as it is now and keep the map (``get``
+        found none for it), found there at ``now``."""
+        mapped = _map_shard(path, slot, array)
         if mapped is not None and mapped[1] is not None and not self._evicted:
             # while every map fits, a shard is checked whole when mapped (one tight pass, then
             # its frames copy at a gather's speed); once maps are evicted, frame by frame as
@@ -400,10 +405,6 @@ def _mappable(array: ShardedArray, dtype: np.dtype) -> bool:
     )
 
 
-def _shard_map(array: ShardedArray, episode: int) -> HotMap | None:
-    return _maps.get(array.shard_path(episode), array)
-
-
 class Mapped(NamedTuple):
     """What ``gather_mapped`` read: ``frames`` (the pairs in ``left`` not filled), the indices
     of the pairs ``left`` to the usual read path, and the (slot, planned generation, map) of
@@ -438,11 +439,12 @@ def gather_mapped(
             return Mapped(frames.view(array.dtype).reshape(len(episodes), *array.shape[2:]), np.empty(0, np.int64), [])
     version = _maps.version
     distinct, first, inverse = np.unique(episodes, return_index=True, return_inverse=True)
-    paths = [array.shard_path(episode) for episode in distinct.tolist()]
+    slots = distinct.tolist()
+    paths = [array.shard_path(slot) for slot in slots]
     planned = None if generations is None else generations[first].tolist()
-    shards = _maps.get_many(paths, array, planned)
+    shards = _maps.get_many(array, slots, planned)
     if index is not None and planned is not None:
-        index.learn(version, distinct.tolist(), shards, paths, planned)
+        index.learn(version, slots, shards, paths, planned)
     live = [k for k, shard in enumerate(shards) if shard is not None]
     if not live:  # none hot (compacted): the usual path reads the whole batch
         return None
@@ -509,7 +511,7 @@ def read_mapped_spans(
     for i, (episode, start, length) in enumerate(zip(episodes.tolist(), starts.tolist(), lengths.tolist())):
         if length <= 0:
             continue
-        shard = _shard_map(array, episode)
+        shard = _maps.get(array, episode)
         if shard is None:
             continue
         stored = shard.rows[start : start + length]

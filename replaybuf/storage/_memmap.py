@@ -190,7 +190,13 @@ class MemmapStorage(LocalFolderStorage):
         if len(raw) > MAX_CONFIG_BYTES:
             raise BufferDamagedError(f"{path}: over {MAX_CONFIG_BYTES} bytes, not a buffer config")
         config = parse_json(raw, path)
-        return config if config.get("format") == FORMAT_NAME and config.get("backend") == self.backend_name else None
+        if config.get("format") != FORMAT_NAME or config.get("backend") != self.backend_name:
+            # the file's name is this backend's config's: naming another format or backend, it is damaged
+            raise BufferDamagedError(
+                f"{path}: names format {config.get('format')!r} and backend {config.get('backend')!r}, expected "
+                f"{FORMAT_NAME!r} and {self.backend_name!r} (a damaged config)"
+            )
+        return config
 
     def stored_uuid(self) -> str | None:
         # docstring inherited

@@ -7,11 +7,16 @@ module writes such shards whole (all frames encoded in parallel, or copied raw a
 for a writer's hot tier, ``_hot.py``; all-zero frames left out) and reads single frames with two
 small range reads (the index, then the coalesced frame bytes), once more with a fresh index when
 a compaction replaced the shard in between.
+
+From format 5 each shard is bound to its field and slot (``ShardBinding``): 16 bytes just before
+its index, read with it, so a shard copied or moved to another slot or field is damage naming
+where it came from, at no cost per frame (a checked index is cached as before).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +41,48 @@ SPREAD_BYTES = 1 << 20
 # whole shards one ``read_into`` keeps mapped at a time (``_read_mapped``): each map is one of
 # the kernel's per-process mappings (65530 by default)
 MAPPED_SHARDS = 256
+
+
+class ShardBinding:
+    """What binds a shard to the field and slot it was written for (format 5 and later): 16
+    bytes just before the shard's index, which no zarr reader reads (no index entry points at
+    them): a tag, the slot (uint32: ``schema.MAX_META_BYTES`` keeps max_episodes under 2**28),
+    the crc32c of the field's name, and the crc32c of those 12 bytes. No generation: a shard is
+    written before its episode's generation is published."""
+
+    NBYTES = 16
+    TAG = b"rbSB"
+
+    def __init__(self, field: str, fields: Iterable[str] = ()):
+        self.field = field
+        self._field_sum = crc32c(field.encode())
+        # the fields a shard's binding may name: a shard of another field is named by it
+        self._names = {crc32c(name.encode()): name for name in fields}
+
+    def of(self, slot: int) -> bytes:
+        """The binding a shard of ``slot`` holds."""
+        head = self.TAG + struct.pack("<II", slot, self._field_sum)
+        return head + crc32c(head).to_bytes(4, "little")
+
+    def problem(self, raw: bytes, slot: int) -> str | None:
+        """None when ``raw`` (``NBYTES``) binds a shard to this field's ``slot``, else what is wrong."""
+        if raw[:4] != self.TAG or crc32c(raw[:12]) != int.from_bytes(raw[12:16], "little"):
+            return (
+                f"the shard's binding to its field and slot (the {self.NBYTES} bytes before its index) is damaged "
+                f"or absent (it holds {bytes(raw).hex()})"
+            )
+        held, field_sum = struct.unpack("<II", raw[4:12])
+        if field_sum != self._field_sum:
+            other = self._names.get(field_sum)
+            owner = "a field this buffer does not have" if other is None else f"data/{other}"
+            return (
+                f"the shard holds slot {held}'s data of {owner}, not of data/{self.field}: it was copied or moved here"
+            )
+        if held != slot:
+            return (
+                f"the shard holds slot {held}'s data, not slot {slot}'s: it was copied or moved here from slot {held}"
+            )
+        return None
 
 
 def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
@@ -65,6 +112,7 @@ class ShardedArray(ChunkedArray):
         self,
         *args,
         index_crc: bool = True,
+        binding: ShardBinding | None = None,
         length_error: Callable[[str, int, int, int], CorruptChunkError] | None = None,
         **kwargs,
     ):
@@ -72,7 +120,10 @@ class ShardedArray(ChunkedArray):
         self.length_error = length_error  # (path, slot, stored length, frames held): a length blamed
         self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
         self.index_crc = index_crc
-        self.index_nbytes = 16 * self.inner_per_shard + (4 if index_crc else 0)
+        # format 5: the shard's binding (``ShardBinding``) lies just before its index and is read with it
+        self.binding = binding
+        self.binding_nbytes = 0 if binding is None else ShardBinding.NBYTES
+        self.index_nbytes = self.binding_nbytes + 16 * self.inner_per_shard + (4 if index_crc else 0)
         self._shard_keys: dict[int, str] = {}
         self._shard_paths: dict[int, str] = {}
         self.hot: HotTier | None = None  # a writer's hot tier (``_hot.py``), set by the storage
@@ -149,24 +200,28 @@ class ShardedArray(ChunkedArray):
         return [frames] if frames and not present[frames:].any() else None
 
     def _parse_index(self, raw: bytes | None, episode: int) -> np.ndarray | None:
-        """The (offset, nbytes) rows of a shard index read from the shard's end, checked against
-        its crc32c and the shard's size (``shard_nbytes`` when the whole shard is at hand)."""
+        """The (offset, nbytes) rows of a shard index read from the shard's end (with the
+        shard's binding before it, from format 5), checked against the index's crc32c, then the
+        binding (a shard cut short fails the crc32c first), and the sizes any encoding takes."""
         if raw is None:
             return None
         error: type[CorruptChunkError] = CorruptChunkError
+        skip = self.binding_nbytes
         if len(raw) != self.index_nbytes:
             reason = f"shard index is {len(raw)} bytes, expected {self.index_nbytes} (truncated shard)"
-        elif self.index_crc and (computed := crc32c(raw[:-4])) != (stored := int.from_bytes(raw[-4:], "little")):
+        elif self.index_crc and (computed := crc32c(raw[skip:-4])) != (stored := int.from_bytes(raw[-4:], "little")):
             reason = "shard index fails its crc32c"
-            if crc_bit_flipped(computed, stored, len(raw) - 4):
+            if crc_bit_flipped(computed, stored, len(raw) - skip - 4):
                 error = ChunkChecksumError
                 reason = (
                     f"the shard index's stored crc32c is damaged, not the index (it holds {stored:#010x}, one bit "
                     f"away from the crc32c {computed:#010x} of the index, which damaged data cannot cause); "
                     "`replaybuf verify --repair` re-seals the shard"
                 )
+        elif (problem := self.binding_problem(raw[:skip], episode)) is not None:
+            reason = problem  # a sound index of a shard written for another slot or field
         else:
-            body = raw[:-4] if self.index_crc else raw
+            body = raw[skip:-4] if self.index_crc else raw[skip:]
             index = np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
             # a read is sized by these: a chunk no encoding makes, or one past the end of any
             # shard this array writes, is damage (an index without a crc32c, or one forged)
@@ -176,6 +231,11 @@ class ShardedArray(ChunkedArray):
             else:
                 return index
         raise error.at(self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason)
+
+    def binding_problem(self, raw: bytes, episode: int) -> str | None:
+        """None when the binding bytes ``raw`` bind the shard to this field's ``episode`` (or
+        the format binds none), else what is wrong (``ShardBinding.problem``)."""
+        return None if self.binding is None else self.binding.problem(raw, episode)
 
     def read_indexes(
         self, episodes: Sequence[int], generations: dict[int, Any] | None = None
@@ -603,9 +663,9 @@ class ShardedArray(ChunkedArray):
     # ---- writes -------------------------------------------------------------------------
 
     def encode_shard(
-        self, rows: np.ndarray, keep: np.ndarray | None = None, hot: bool = False
+        self, slot: int, rows: np.ndarray, keep: np.ndarray | None = None, hot: bool = False
     ) -> bytes | memoryview | None:
-        """One episode's (time, *shape) rows as shard bytes; None when all zero.
+        """The shard of ``slot`` holding one episode's (time, *shape) rows; None when all zero.
 
         All-zero inner chunks are left out (they read back as zero) unless ``keep`` (one bool
         per inner chunk) marks them: format 2 stores every chunk of a written span, so a missing
@@ -631,7 +691,7 @@ class ShardedArray(ChunkedArray):
             first, last = int(nonzero[0]), int(nonzero[-1])
             # a run of chunks (the usual episode) is a view: no copy before the shard's own
             chosen = pieces[first : last + 1] if last - first + 1 == len(nonzero) else pieces[nonzero]
-            return self._hot_shard(chosen, nonzero)
+            return self._hot_shard(slot, chosen, nonzero)
 
         def encode_run(run):
             return [self.codec.encode(pieces[i][None]) for i in run]
@@ -644,29 +704,30 @@ class ShardedArray(ChunkedArray):
         for future in others:
             blobs.extend(future.result())
         sizes = np.array([len(b) for b in blobs], dtype="<u8")
-        return b"".join(blobs) + self._index_bytes(nonzero, sizes)
+        return b"".join(blobs) + self._tail_bytes(slot, nonzero, sizes)
 
-    def _index_bytes(self, stored: np.ndarray, sizes: np.ndarray) -> bytes:
-        """The shard index (and its crc32c) of inner chunks ``stored`` of ``sizes`` bytes, laid
-        out one after another from offset 0."""
+    def _tail_bytes(self, slot: int, stored: np.ndarray, sizes: np.ndarray) -> bytes:
+        """What follows the inner chunks of ``slot``'s shard: its binding (format 5), then its
+        index (and the index's crc32c) of inner chunks ``stored`` of ``sizes`` bytes, laid out
+        one after another from offset 0."""
         index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
         index[stored, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype("<u8")
         index[stored, 1] = sizes
         index_bytes = index.tobytes()
         if self.index_crc:
             index_bytes += crc32c(index_bytes).to_bytes(4, "little")
-        return index_bytes
+        return index_bytes if self.binding is None else self.binding.of(slot) + index_bytes
 
-    def _hot_shard(self, chunks: np.ndarray, stored: np.ndarray) -> memoryview:
-        """A hot shard of ``chunks`` (inner chunks ``stored``) built in one buffer: per chunk the
-        blosc header ``encode(hot=True)`` writes (the same for every chunk of one size), the
-        raw bytes and the crc32c, then the index. One copy of the frames and their checksums,
-        none of the per-chunk allocations and joins of ``encode``."""
+    def _hot_shard(self, slot: int, chunks: np.ndarray, stored: np.ndarray) -> memoryview:
+        """A hot shard of ``slot`` of ``chunks`` (inner chunks ``stored``) built in one buffer: per
+        chunk the blosc header ``encode(hot=True)`` writes (the same for every chunk of one size),
+        the raw bytes and the crc32c, then the binding and the index. One copy of the frames and
+        their checksums, none of the per-chunk allocations and joins of ``encode``."""
         count = len(chunks)
         raw = np.ascontiguousarray(chunks, dtype=self.codec.dtype).reshape(count, -1).view(np.uint8)
         header = self.codec.encode(chunks[0], hot=True)[:BLOSC_HEADER]
         width = BLOSC_HEADER + raw.shape[1] + (4 if self.codec.checksum else 0)
-        index = self._index_bytes(stored, np.full(count, width, dtype="<u8"))
+        index = self._tail_bytes(slot, stored, np.full(count, width, dtype="<u8"))
         out = np.empty(count * width + len(index), np.uint8)
         items = out[: count * width].reshape(count, width)
         items[:, :BLOSC_HEADER] = np.frombuffer(header, np.uint8)
@@ -715,7 +776,7 @@ class ShardedArray(ChunkedArray):
                     keep[i] |= present
             rows[:, t0 : t0 + length] = values
         shards = {
-            self.shard_key(e0 + i): self.encode_shard(rows[i], None if keep is None else keep[i], hot)
+            self.shard_key(e0 + i): self.encode_shard(e0 + i, rows[i], None if keep is None else keep[i], hot)
             for i in range(count)
         }
         written = {k: v for k, v in shards.items() if v is not None}
@@ -746,7 +807,7 @@ class ShardedArray(ChunkedArray):
         rows = np.empty((1, *self.shape[1:]), self.dtype)
         span = (0, episode, 0, self.inner_per_shard)
         self._decode_span(memoryview(data), 0, index, span, rows, np.zeros(1, np.int64), np.full(1, self.shape[1]))
-        return self.encode_shard(rows[0], present)
+        return self.encode_shard(episode, rows[0], present)
 
     def reseal_chunks(self, episode: int, write: bool) -> list[str]:
         # docstring inherited: the episode's shard, its index's crc32c and its inner chunks',
@@ -772,7 +833,7 @@ class ShardedArray(ChunkedArray):
         try:
             index = self._parse_index(raw_index, episode)
         except ChunkChecksumError:
-            shard[-4:] = crc32c(raw_index[:-4]).to_bytes(4, "little")
+            shard[-4:] = crc32c(raw_index[self.binding_nbytes : -4]).to_bytes(4, "little")
             index = self._parse_index(bytes(shard[-self.index_nbytes :]), episode)
             found.append(f"{where}, shard index")
         assert index is not None  # data is not None

@@ -50,7 +50,7 @@ from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import BLOB_DIR, check_owned, erase_owned
-from ._shards import ShardedArray
+from ._shards import ShardBinding, ShardedArray
 from .base import (
     OPTIONAL_META,
     STATE_KEY,
@@ -98,8 +98,12 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
-# zarr buffers are format 4 (3: packed small fields; 4: meta checksums, as memmap and hdf5)
-ZARR_FORMAT_VERSION = 4
+# zarr buffers are format 5 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
+# 5: each shard bound to its field and slot)
+ZARR_FORMAT_VERSION = 5
+# the first format whose shards hold a binding to their field and slot (``_shards.ShardBinding``):
+# an earlier release writes shards without one, so an earlier format neither writes nor checks it
+SHARD_BINDING_FORMAT = 5
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
@@ -427,6 +431,11 @@ class ZarrStorage(KVBlobs, Storage):
             _create_meta_array(meta, bookkeeping_fields(schema)[name], schema.max_episodes)
         _consolidate(store)
 
+    @property
+    def binds_shards(self) -> bool:
+        # docstring inherited
+        return self.format_version is not None and self.format_version >= SHARD_BINDING_FORMAT
+
     def _load_arrays(self, schema: Schema, recorded: dict | None = None) -> None:
         """Open and check every array of ``schema``; ``recorded``: the root document's copies of
         their documents (zarr's consolidated metadata), whose chunk shapes each must have."""
@@ -439,11 +448,18 @@ class ZarrStorage(KVBlobs, Storage):
                 continue  # an earlier release's buffer, opened read-only: reads as zeros (``array``)
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
-            self._arrays[name, meta] = self._checked_array(path, doc, layouts[name, meta], (recorded or {}).get(path))
+            self._arrays[name, meta] = self._checked_array(
+                path, doc, layouts[name, meta], (recorded or {}).get(path), tuple(schema.fields)
+            )
         self._packed = [n for n in schema.fields if self._arrays[n, False].packed]
 
     def _checked_array(
-        self, path: str, doc: bytes, expected: tuple[tuple[int, ...], np.dtype], recorded: Any = None
+        self,
+        path: str,
+        doc: bytes,
+        expected: tuple[tuple[int, ...], np.dtype],
+        recorded: Any = None,
+        fields: tuple[str, ...] = (),
     ) -> ChunkedArray:
         """The array stored at ``path`` (its document ``doc``), checked against its ``expected``
         layout and the chunk shapes of ``recorded`` (the root document's copy of ``doc``, where
@@ -455,7 +471,7 @@ class ZarrStorage(KVBlobs, Storage):
         try:
             parsed = parse_json(doc, where)
             _check_document(where, parsed)
-            array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2)
+            array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2, fields)
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
@@ -480,7 +496,9 @@ class ZarrStorage(KVBlobs, Storage):
                 expected = (self._arrays["episode_lens", True].shape, OPTIONAL_META[name])
                 self._arrays[name, True] = self._checked_array(f"meta/{name}", doc, expected)
 
-    def _chunked_array(self, path: str, doc: dict, grid_axes: int) -> ChunkedArray:
+    def _chunked_array(self, path: str, doc: dict, grid_axes: int, fields: tuple[str, ...] = ()) -> ChunkedArray:
+        """The array stored at ``path`` as its document ``doc`` lays it out; ``fields``: the
+        buffer's data fields, which a shard bound to another one is named by."""
         codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
         sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
         if sharding is not None:
@@ -518,7 +536,8 @@ class ZarrStorage(KVBlobs, Storage):
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
-        return ShardedArray(*args, index_crc=index_crc, length_error=self._length_error, **options)
+        binding = ShardBinding(path.split("/", 1)[1], fields) if self.binds_shards else None
+        return ShardedArray(*args, index_crc=index_crc, binding=binding, length_error=self._length_error, **options)
 
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now (0 when absent)."""

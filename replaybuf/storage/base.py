@@ -697,6 +697,12 @@ class Storage(ABC):
         ``META_SUMS_FORMAT`` and later; a backend's ``create`` writes its newest format)."""
         return self.format_version is not None and self.format_version >= META_SUMS_FORMAT
 
+    @property
+    def binds_shards(self) -> bool:
+        """Whether each shard of the buffer's sharded arrays (zarr image fields) holds a binding
+        to its field and slot, written and checked (zarr format 5 and later: ``_shards.ShardBinding``)."""
+        return False
+
     def stored_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
         """``expected_layouts`` of the opened buffer's format: what an open loads."""
         return expected_layouts(schema, meta_sums=self.keeps_meta_sums)
