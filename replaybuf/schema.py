@@ -21,7 +21,7 @@ FORMAT_NAME = "replaybuf"
 # fields; memmap and hdf5 checksum entries check themselves (a tag in bits 33-63). 4: every
 # backend keeps a checksum of each committed slot's meta values (meta/_meta_sum) and a crc32c
 # in its counters. 1, 2 and 3 open, read and write as they were.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 # the seed's short names, kept exactly: 'int' is int32, 'float' float32
 SHORT_DTYPES = {"int": "int32", "float": "float32", "bool": "bool", "uint8": "uint8"}

@@ -99,7 +99,7 @@ MEASURED_CODECS = "measured_codecs"
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
 # zarr buffers are format 4 (3: packed small fields; 4: meta checksums, as memmap and hdf5)
-ZARR_FORMAT_VERSION = 4
+ZARR_FORMAT_VERSION = 5
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
