@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
-_SUMMED = ("_generation", META_SUM)
+_SUMMED = ("_generation", "episode_lens", META_SUM)
 
 
 def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
@@ -569,7 +569,7 @@ class ReplayBuffer(CommittedViews):
                 continue  # a writer changed every slot it holds while they were read
             checked = (meta["episode_lens"] > 0) & ~edited
             if summed:
-                damaged = metasums.damaged(meta, self.schema.meta_fields, self._unverified(meta, checked))
+                damaged = metasums.damaged(meta, self._commit.summed, self._unverified(meta, checked))
             if not len(damaged):
                 break
         unpublished = unpublished_slots(meta["episode_lens"], meta["_generation"])
@@ -596,7 +596,7 @@ class ReplayBuffer(CommittedViews):
                 raise
             self._commit.lost = np.asarray(e.slots, np.int64)  # kept for verify --repair to restore
         if len(damaged) and metasums.checking():
-            raise metasums.error(self.storage, int(damaged[0]), self.schema.meta_fields, meta)
+            raise metasums.error(self.storage, int(damaged[0]), self._commit.summed, meta)
         self._commit.suspect = damaged
         if summed and not len(damaged):  # a writer's mirror changes as it writes: its values are copied
             kept = {n: meta[n] if self.read_only else meta[n].copy() for n in (*self.schema.meta_fields, *_SUMMED)}

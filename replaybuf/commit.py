@@ -45,7 +45,7 @@ import numpy as np
 from . import metasums
 from .inputs import fill_value
 from .metasums import META_SUM
-from .schema import Schema
+from .schema import Field, Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage import WRITING_KEY
@@ -250,7 +250,7 @@ class Committer:
         # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
         ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
         if self.storage.keeps_meta_sums:  # the checksum of what is about to be published, before it publishes
-            self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals))
+            self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals, length))
         self.write_meta("_generation", slots, ordinals)
         self.write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         previous = self.state
@@ -280,15 +280,23 @@ class Committer:
         self.storage.write_meta(name, episodes, values)
         self.meta[name][episodes] = values
 
-    def meta_entries(self, slots: np.ndarray, generations: Any = None) -> np.ndarray:
-        """The ``_meta_sum`` entries of ``slots`` for their meta values in the mirror and
-        ``generations`` (None: the mirror's)."""
+    @property
+    def summed(self) -> dict[str, Field]:
+        """The per-episode arrays the storage's ``_meta_sum`` entries cover (``summed_fields``)."""
+        return metasums.summed_fields(self.schema.meta_fields, self.storage.sums_lengths)
+
+    def meta_entries(self, slots: np.ndarray, generations: Any = None, length: int | None = None) -> np.ndarray:
+        """The ``_meta_sum`` entries of ``slots`` for their values in the mirror, ``generations``
+        and ``length`` (None: the mirror's)."""
         slots = np.asarray(slots, dtype=np.int64)
+        values = {name: self.meta[name][slots] for name in self.summed}
+        if length is not None:
+            values["episode_lens"] = np.full(len(slots), length, np.int32)
         return metasums.entries(
             slots,
             self.meta["_generation"][slots] if generations is None else generations,
-            {name: self.meta[name][slots] for name in self.schema.meta_fields},
-            self.schema.meta_fields,
+            values,
+            self.summed,
         )
 
     def reseal_meta(self, slots: np.ndarray) -> None:

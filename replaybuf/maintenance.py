@@ -323,7 +323,10 @@ def convert(
         target.write_blob(CONVERT_MARKER, json.dumps(record).encode())
         plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
         # the checksums of the values as copied (checked in the source, where it keeps them)
-        plan[META_SUM] = metasums.entries(np.arange(schema.max_episodes), plan["_generation"], plan, schema.meta_fields)
+        summed = metasums.summed_fields(schema.meta_fields, target.sums_lengths)
+        plan[META_SUM] = metasums.entries(
+            np.arange(schema.max_episodes), plan["_generation"], {**plan, "episode_lens": lens}, summed
+        )
         meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
         every_slot = np.arange(schema.max_episodes)
         for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
@@ -918,14 +921,15 @@ def verify(
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
     damage, damaged, entries, chunks, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
     # lost lengths (reading 0): restored where the data's checksums tell one, else the episode is gone
-    told = _lengths_told(storage, schema, lost)
+    told = _lengths_told(storage, schema, lost, meta)
     restore.update(told)
     untold = [slot for slot in lost if slot not in told]
     # meta values failing their checksum (reported by _read_bookkeeping): a repair writes back
     # the value one flipped bit explains, else drops the episode, as one with damaged data is
     # (which value is wrong cannot be told)
     diagnosed = {
-        int(s): metasums.diagnose(meta, schema.meta_fields, int(s)) for s in _damaged_meta(meta, schema, set())
+        int(s): metasums.diagnose(meta, _summed(storage, schema), int(s))
+        for s in _damaged_meta(meta, schema, set(), _summed(storage, schema))
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
     values = {slot: found for slot, found in diagnosed.items() if found is not None}
@@ -1102,7 +1106,7 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         lens, generations = meta.get("episode_lens"), meta.get("_generation")
         # values that fail their checksum are read again too: an edit of them may have landed
         # between the reads of the values and of their checksums
-        damaged = _damaged_meta(meta, schema, flux)
+        damaged = _damaged_meta(meta, schema, flux, _summed(storage, schema))
         if (
             not flux
             and not len(damaged)
@@ -1115,11 +1119,16 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         if name in meta and slots:
             meta[name] = meta[name].copy()
             meta[name][slots] = 0
-    problems += [str(metasums.error(storage, int(slot), schema.meta_fields, meta)) for slot in damaged]
+    problems += [str(metasums.error(storage, int(slot), _summed(storage, schema), meta)) for slot in damaged]
     return meta, problems, flux
 
 
-def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int]) -> np.ndarray:
+def _summed(storage: Storage, schema: Schema) -> dict[str, Field]:
+    """The per-episode arrays ``storage``'s ``_meta_sum`` entries cover."""
+    return metasums.summed_fields(schema.meta_fields, storage.sums_lengths)
+
+
+def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], summed: dict[str, Field]) -> np.ndarray:
     """The committed slots, not in ``flux`` nor being edited (an odd ``_revision``: a writer's
     edit, or one a killed writer left for the next writable open to close), whose meta values
     fail their ``_meta_sum`` entry (``metasums.damaged``); none when an array did not read."""
@@ -1129,7 +1138,7 @@ def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int]) -
     if "_revision" in meta:
         settled &= meta["_revision"] % 2 == 0
     slots = np.setdiff1d(np.flatnonzero(settled), np.fromiter(flux, np.int64, len(flux)))
-    return metasums.damaged(meta, schema.meta_fields, slots)
+    return metasums.damaged(meta, summed, slots)
 
 
 def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:
@@ -1249,14 +1258,18 @@ def _lost_lengths(
     return [], []
 
 
-def _lengths_told(storage: Storage, schema: Schema, slots: list[int]) -> dict[int, int]:
-    """Per slot of ``slots``, the one length at which every field whose checksums tell
-    (``Storage.lengths_matching``) matches its stored steps; slots without one are left out."""
+def _lengths_told(storage: Storage, schema: Schema, slots: list[int], meta: dict[str, np.ndarray]) -> dict[int, int]:
+    """Per slot of ``slots``, the one length at which its ``_meta_sum`` entry (where it covers
+    lengths, ``meta``: the arrays as read) and every field whose checksums tell
+    (``Storage.lengths_matching``) match; slots without one are left out."""
     told = {}
+    summed = _summed(storage, schema)
     for slot in slots:
         agreed: set[int] | None = None
-        for name in schema.fields:
-            lengths = storage.lengths_matching(name, slot)
+        for lengths in (
+            metasums.lengths_matching(meta, summed, slot, schema.max_timesteps) if META_SUM in meta else None,
+            *(storage.lengths_matching(name, slot) for name in schema.fields),
+        ):
             if lengths is not None:
                 agreed = set(lengths) if agreed is None else agreed & set(lengths)
         if agreed is not None and len(agreed) == 1:

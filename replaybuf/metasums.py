@@ -3,10 +3,10 @@
 A committed slot's user meta values and ``_generation`` are raw bytes in place on every
 backend (a commit writes a few bytes of each), so nothing on the read path would notice a
 flipped bit in them. ``_meta_sum`` (uint64, one entry per slot) holds a hash of the slot
-number, its generation and every meta value's bytes (``entries``). The length is left out: a
-damaged length is told apart by the data's checksums (``EpisodeLengthError``), which
-``verify --repair`` restores. A commit writes the entry with the meta values, before the
-generation and the length publish the episode (one more in-place write of 8 bytes); an edit
+number, its generation, every meta value's bytes and, from format 5, its length (``entries``
+over ``summed_fields``). A commit writes the entry with the meta values, before the
+generation and the length publish the episode (one more in-place write of 8 bytes), so a
+slot being published or unpublished (its length 0) is never checked against it; an edit
 of meta values in place rewrites it inside the slots' ``_revision`` bracket
 (``Committer.edit_meta``). Every ``refresh`` checks the entries of the committed slots
 (``damaged``) and raises ``MetaChecksumError`` for one that does not match, naming the value
@@ -32,6 +32,14 @@ from .storage.base import BufferDamagedError, CorruptChunkError, meta_file
 META_SUM = "_meta_sum"
 _KEPT = np.uint64((1 << 63) | 1)
 _SEED = np.uint64(0x9E3779B97F4A7C15)
+_LENGTH = Field("episode_lens", np.dtype("int32"))
+
+
+def summed_fields(meta_fields: Mapping[str, Field], lengths: bool) -> dict[str, Field]:
+    """The per-episode arrays an entry covers besides the slot and its generation: the meta
+    fields, and ``episode_lens`` where the format's entries cover lengths
+    (``Storage.sums_lengths``). Every function below takes them as ``fields``."""
+    return {**meta_fields, "episode_lens": _LENGTH} if lengths else dict(meta_fields)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -190,6 +198,23 @@ def diagnose(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: 
         if found is not None:
             return name, shaped[found]
     return None
+
+
+def lengths_matching(
+    meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int, max_timesteps: int
+) -> list[int] | None:
+    """The lengths in ``[1, max_timesteps]`` at which ``slot``'s entry matches its values as
+    loaded (``meta``): what a lost length was. None where the entries do not cover lengths
+    (``fields`` without ``episode_lens``) or the slot's entry is not kept."""
+    stored = int(np.asarray(meta[META_SUM])[slot])
+    if "episode_lens" not in fields or not stored:
+        return None
+    lengths = np.arange(1, max_timesteps + 1, dtype=np.int32)
+    values = {name: np.repeat(np.asarray(meta[name])[slot : slot + 1], len(lengths), axis=0) for name in fields}
+    values["episode_lens"] = lengths
+    generations = np.full(len(lengths), int(np.asarray(meta["_generation"])[slot]))
+    computed = entries(np.full(len(lengths), slot), generations, values, fields)
+    return (lengths[computed == np.uint64(stored)]).tolist()
 
 
 def _matching(

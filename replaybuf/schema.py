@@ -21,7 +21,8 @@ FORMAT_NAME = "replaybuf"
 # fields; memmap and hdf5 checksum entries check themselves (a tag in bits 33-63). 4: every
 # backend keeps a checksum of each committed slot's meta values (meta/_meta_sum) and a crc32c
 # in its counters. 5: each zarr shard (image fields) holds a binding to its field and slot
-# (storage/_shards.py, ShardBinding). 1 to 4 open, read and write as they were.
+# (storage/_shards.py, ShardBinding), and each slot's meta checksum covers its length too
+# (metasums.py). 1 to 4 open, read and write as they were.
 FORMAT_VERSION = 5
 
 # the seed's short names, kept exactly: 'int' is int32, 'float' float32

@@ -121,7 +121,7 @@ class StorageTests:
             storage.create(self.schema(), overwrite=False)
         for name, values in rows.items():
             storage.write_rows(name, episodes, 0, values)
-        fields = self.schema().meta_fields
+        fields = metasums.summed_fields(self.schema().meta_fields, storage.sums_lengths)
         meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, fields)
         for name, values in meta.items():
             storage.write_meta(name, episodes, values)

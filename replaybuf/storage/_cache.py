@@ -423,6 +423,11 @@ class CachedStorage(Storage):
         return self.inner.binds_shards
 
     @property
+    def sums_lengths(self) -> bool:
+        # docstring inherited: the wrapped storage's
+        return self.inner.sums_lengths
+
+    @property
     def root(self) -> str:
         """This buffer's cache folder (known once the storage is opened)."""
         schema = self.schema

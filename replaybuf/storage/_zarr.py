@@ -99,7 +99,7 @@ MEASURED_CODECS = "measured_codecs"
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
 # zarr buffers are format 5 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
-# 5: each shard bound to its field and slot)
+# 5: each shard bound to its field and slot, lengths under the meta checksums)
 ZARR_FORMAT_VERSION = 5
 # the first format whose shards hold a binding to their field and slot (``_shards.ShardBinding``):
 # an earlier release writes shards without one, so an earlier format neither writes nor checks it

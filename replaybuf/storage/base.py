@@ -399,6 +399,9 @@ OPTIONAL_META: dict[str, np.dtype] = {"_revision": np.dtype("int64")}
 # writes earlier formats and would leave them stale (a false damage report): a buffer of an
 # earlier format neither keeps nor checks them, and stays in its format
 META_SUMS_FORMAT = 4
+# the first format whose ``_meta_sum`` covers each slot's length too: an earlier one's entries
+# do not, and a buffer keeps the entries of its format
+LENGTH_SUMS_FORMAT = 5
 # bookkeeping arrays a buffer of a format before ``META_SUMS_FORMAT`` does not keep: read as
 # zeros (``AbsentMeta``) whether or not a file is there, never created nor written
 UNKEPT_META: dict[str, np.dtype] = {"_meta_sum": np.dtype("uint64")}
@@ -702,6 +705,12 @@ class Storage(ABC):
         """Whether each shard of the buffer's sharded arrays (zarr image fields) holds a binding
         to its field and slot, written and checked (zarr format 5 and later: ``_shards.ShardBinding``)."""
         return False
+
+    @property
+    def sums_lengths(self) -> bool:
+        """Whether ``_meta_sum`` covers each slot's length too (format ``LENGTH_SUMS_FORMAT``
+        and later): a damaged length is then found by every open, before any data is read."""
+        return self.keeps_meta_sums and self.format_version is not None and self.format_version >= LENGTH_SUMS_FORMAT
 
     def stored_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
         """``expected_layouts`` of the opened buffer's format: what an open loads."""
