@@ -33,7 +33,7 @@ from .data.make_fixtures import expected_episode
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMATS = [
     (version, backend)
-    for version in ("format-v1", "format-v2", "format-v3", "format-v4")
+    for version in ("format-v1", "format-v2", "format-v3", "format-v4", "format-v5")
     for backend in ("zarr", "memmap", "hdf5")
 ]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
@@ -79,8 +79,8 @@ def test_released_format_writes(version, backend, tmp_path):
     assert _stored_version(path, backend) == stored
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
     assert _keeps_meta_sums(path) == (stored >= 4)
-    if backend == "zarr":  # the new episode's shard, as every other, bound to no slot: format 5 binds them
-        assert [_shard_bound(path, slot) for slot in range(3)] == [False] * 3
+    if backend == "zarr":  # the new episode's shard, as every other, bound to its slot from format 5 only
+        assert [_shard_bound(path, slot) for slot in range(3)] == [stored >= 5] * 3
 
 
 def _shard_bound(path: Path, slot: int) -> bool:
@@ -210,10 +210,9 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
 
 
 def _newest(backend: str, tmp_path: Path) -> Path:
-    """A copy of the newest released fixture, upgraded into the format this release writes."""
+    """A copy of the newest released fixture (the format this release writes)."""
     path = tmp_path / backend
-    shutil.copytree(os.path.join(DATA, "format-v4", backend), path)
-    assert upgrade(path, progress=False)["upgraded"]
+    shutil.copytree(os.path.join(DATA, "format-v5", backend), path)
     return path
 
 

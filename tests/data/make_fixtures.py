@@ -5,7 +5,9 @@ every zarr data chunk, replaybuf/checksums.npy for memmap and hdf5; format-v3: z
 fields packed, many episodes to a raw chunk, a crc32c per episode in replaybuf/checksums (zarr
 written first), then memmap and hdf5 whose checksum entries carry a tag that checks them
 (written later, ``format-v3 memmap hdf5``); format-v4: a checksum of each slot's meta values
-(meta/_meta_sum) and a crc32c in replaybuf/state.json, every backend. Run with the worktree's
+(meta/_meta_sum) and a crc32c in replaybuf/state.json, every backend; format-v5: each zarr
+shard bound to its field and slot (16 bytes before its index), and each slot's length under its
+meta checksum. Run with the worktree's
 replaybuf first on the path (``PYTHONPATH=.``). Kept to show how the fixtures were made; the
 tests only read them. Expected values come from ``expected_episode``."""
 
