@@ -933,6 +933,8 @@ def verify(
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
     values = {slot: found for slot, found in diagnosed.items() if found is not None}
+    # a length the meta checksum restores (format 5) is restored once, as that value
+    restore = {slot: length for slot, length in restore.items() if values.get(slot, ("",))[0] != "episode_lens"}
     # slots with a damaged chunk crc32c do not read past their lengths either until re-sealed
     sealing = [slot for slots in chunks.values() for slot in slots]
     unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore, *sealing]), 0, readable)

@@ -10,8 +10,10 @@ test needs other fields keeps its own spec and builds its episodes with ``random
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -140,3 +142,14 @@ def fill_sampling_buffer(buffer, lengths=SAMPLING_LENGTHS, start: int = 0) -> No
     for offset, length in enumerate(lengths):
         index = start + offset
         buffer.store_episode(**sampling_episode(index, length, image_shape), task=index % 3, success=index % 2 == 0)
+
+
+RELEASED = Path(__file__).parent / "data"
+
+
+def released_copy(version: str, backend: str, folder: Path) -> str:
+    """A copy, in ``folder``, of the buffer released format ``version`` ("format-v4") wrote on
+    ``backend`` (``tests/data/make_fixtures.py``: 3 slots holding episodes of 4, 3 and 6 steps)."""
+    path = Path(folder) / f"{version}-{backend}"
+    shutil.copytree(RELEASED / version / backend, path)
+    return str(path)

@@ -30,7 +30,7 @@ from replaybuf.storage import _local
 from replaybuf.storage._codecs import ChunkCodec, ChunkDamage, crc32c
 
 from ._backends import LOCAL_BACKENDS, require
-from ._data import random_episode
+from ._data import random_episode, released_copy
 
 h5py = require("h5py")  # every test reads a buffer of each local backend
 
@@ -850,26 +850,31 @@ def _set_length(path: str, backend: str, slot: int, length: int) -> str:
 
 
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])
-@pytest.mark.parametrize("length", [3, 6, MAX_TIMESTEPS])
-def test_a_damaged_length_is_named_and_restored_not_blamed_on_the_data(originals, tmp_path, backend, length):
+@pytest.mark.parametrize("length", [1, 5, 6])
+def test_a_damaged_length_is_named_and_restored_not_blamed_on_the_data(tmp_path, backend, length):
     """A length changed within [1, max_timesteps] makes every field fail its checksum: the data
     matches at the committed length, so the error names episode_lens (EpisodeLengthError) and
-    --repair restores the length instead of dropping the episode."""
-    path = _copy(originals, backend, tmp_path)
+    --repair restores the length instead of dropping the episode. (Format 4, whose meta
+    checksums leave lengths out: from format 5 every open finds a changed length first.)"""
+    path = released_copy("format-v4", backend, tmp_path)
+    with ReplayBuffer.from_folder(path, read_only=True) as buffer:
+        before = {name: np.asarray(values) for name, values in buffer.get_all_data().items()}
     target = _set_length(path, backend, 1, length)
     buffer = ReplayBuffer.from_folder(path, read_only=True)
     for read in (buffer.get_all_data, lambda: np.asarray(buffer.data["frame"][1])):
         with pytest.raises(EpisodeLengthError, match=rf"slot 1 holds {length} steps, but its data/\w+ matches") as e:
             read()
-        assert (e.value.location, e.value.matches, e.value.slot) == (target, LENGTHS[1], 1)
+        assert (e.value.location, e.value.matches, e.value.slot) == (target, 3, 1)
     buffer.close()
     problems = verify(path, repair=True)
-    assert len(problems) == len(FIELDS) + 1 and all(target in p for p in problems[:-1])
+    assert len(problems) == len(buffer.schema.fields) + 1 and all(target in p for p in problems[:-1])
     assert problems[-1] == (
-        f"repaired: restored the lengths of slots [1] to [{LENGTHS[1]}], where every field's data matches its checksum"
+        "repaired: restored the lengths of slots [1] to [3], where every field's data matches its checksum"
     )
     assert verify(path) == []
-    _check_all_kept(path)
+    with ReplayBuffer.from_folder(path, read_only=True) as buffer:
+        for name, values in buffer.get_all_data().items():
+            np.testing.assert_array_equal(np.asarray(values), before[name], err_msg=name)
 
 
 @pytest.mark.parametrize("backend", ["memmap", "hdf5"])

@@ -45,6 +45,7 @@ from replaybuf.storage import make_storage
 from replaybuf.viewer import BufferApp
 
 from ._backends import LOCAL_BACKENDS, require
+from ._data import released_copy
 from .test_hot_tier import is_hot_file
 
 h5py = require("h5py")
@@ -491,15 +492,45 @@ def _flip_length_bit(location: str, backend: str, slot: int, bit: int) -> None:
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_a_snapshot_view_calls_a_changed_length_of_its_episode_damage_not_an_overwrite(tmp_path, backend):
-    """Before: SnapshotError said the episode was overwritten or dropped, naming no damaged file."""
+    """Before: SnapshotError said the episode was overwritten or dropped, naming no damaged file.
+    (Format 4: from format 5 every open finds a changed length first, as below.)"""
+    location = released_copy("format-v4", backend, tmp_path)
+    writer = ReplayBuffer.from_folder(location)
+    writer.snapshot(SNAPSHOT)
+    writer.close()
+    _flip_length_bit(location, backend, 0, 0)  # 4 -> 5
+    with pytest.raises(BufferDamagedError, match=r"meta/episode_lens .* or snapshot 'fuzz' \(replaybuf/snapshots/fuzz"):
+        _open(location, snapshot=SNAPSHOT)
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_flipped_length_bit_is_refused_by_every_open_naming_the_length_it_was(tmp_path, backend):
+    """Format 5: each slot's length is under its meta checksum, so a length damaged within
+    [1, max_timesteps] is found by every open (a snapshot's, a cached reader's, a writer's)
+    before any data is read, naming the length the checksum matches; before, the episode
+    listed with the damaged length until its data was read."""
     location = str(tmp_path / "buffer")
     _committed(location, backend, [6, 4, 7])
     writer = ReplayBuffer.from_folder(location)
     writer.snapshot(SNAPSHOT)
     writer.close()
     _flip_length_bit(location, backend, 0, 0)  # 6 -> 7
-    with pytest.raises(BufferDamagedError, match=r"meta/episode_lens .* or snapshot 'fuzz' \(replaybuf/snapshots/fuzz"):
-        _open(location, snapshot=SNAPSHOT)
+    blamed = r"meta/episode_lens: slot 0: holds 7, but the slot's checksum in meta/_meta_sum matches 6"
+    opens = (
+        lambda: _open(location),
+        lambda: _open(location, snapshot=SNAPSHOT),
+        lambda: _open(location, cache="disk", cache_dir=str(tmp_path / "cache")),
+        lambda: ReplayBuffer.from_folder(location),
+    )
+    for open_ in opens:
+        with pytest.raises(MetaChecksumError, match=blamed) as caught:
+            open_()
+        assert caught.value.restore == ("episode_lens", 6)
+    report = verify(location, repair=True)
+    assert [line for line in report if line.startswith("repaired")] == [
+        "repaired: restored meta/episode_lens of slot 0 to 6, which its checksum matches"
+    ]
+    assert _open(location).episode_lens[:3].tolist() == [6, 4, 7] and verify(location) == []
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
@@ -556,10 +587,9 @@ def test_a_zeroed_lengths_file_is_refused_and_repair_restores_every_length(tmp_p
         np.testing.assert_array_equal(np.asarray(after[name]), np.asarray(values), err_msg=name)
 
 
-def test_lost_lengths_no_checksum_tells_are_dropped_by_repair_not_guessed(tmp_path):
-    """Zarr fields kept compressed one chunk per episode hold no checksum that depends on the
-    length: verify --repair cannot tell the lengths, so it empties those slots (the buffer opens
-    again) instead of restoring a guess; a slot whose length was not lost is kept."""
+def test_a_lost_length_no_data_checksum_tells_is_restored_from_the_meta_checksum(tmp_path):
+    """Zarr fields kept compressed one chunk per episode hold no data checksum that depends on
+    the length; from format 5 the slot's meta checksum does, and verify --repair restores it."""
     location = str(tmp_path / "buffer")
     writer = ReplayBuffer(
         location, MAX_EPISODES, MAX_TIMESTEPS, {"state": {"dtype": "float", "shape": (3,), "compressor": "zstd"}}
@@ -567,13 +597,26 @@ def test_lost_lengths_no_checksum_tells_are_dropped_by_repair_not_guessed(tmp_pa
     for length in COLD_LENGTHS:
         writer.store_episode(state=np.ones((length, 3)))
     writer.close()
-    _flip_length_bit(location, "zarr", 1, 0)  # 5 -> 4: still told apart? no, and not lost: kept
+    _flip_length_bit(location, "zarr", 1, 0)  # 5 -> 4
     _flip_length_bit(location, "zarr", 1, 2)  # 4 -> 0: lost
     with pytest.raises(LostLengthError, match=r"slots \[1\]"):
         _open(location)
-    assert "generations are cleared" in verify(location, repair=True)[-1]
+    assert verify(location, repair=True)[-1].startswith("repaired: restored the lengths of slots [1] to [5]")
+    assert _open(location).episode_lens[:3].tolist() == COLD_LENGTHS
+
+
+def test_lost_lengths_nothing_tells_are_dropped_by_repair_not_guessed(tmp_path):
+    """A format-1 buffer keeps no checksum at all: verify --repair cannot tell its lost lengths,
+    so it empties those slots (the buffer opens again) instead of restoring a guess; the slots
+    whose lengths were not lost are kept."""
+    location = released_copy("format-v1", "memmap", tmp_path)
+    _flip_length_bit(location, "memmap", 1, 0)
+    _flip_length_bit(location, "memmap", 1, 1)  # 3 -> 0: lost
+    with pytest.raises(LostLengthError, match=r"slots \[1\]"):
+        _open(location)
+    assert "slots [1] lost their lengths and no checksum tells them" in verify(location, repair=True)[-1]
     reader = _open(location)
-    assert reader.episode_lens[:3].tolist() == [6, 0, 7] and len(reader) == 2
+    assert reader.episode_lens.tolist() == [4, 0, 6] and len(reader) == 2
 
 
 # ---- zarr shards bound to their field and slot (format 5) ----------------------------------------
@@ -670,41 +713,35 @@ def test_a_zarr_shard_of_another_field_is_damage_naming_that_field(tmp_path):
         _open(location).get_all_data()
 
 
-@pytest.mark.parametrize("fields", [FIELDS, {"frame": FIELDS["frame"]}])
-def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_dropped(tmp_path, fields):
+def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_dropped(tmp_path):
     """Before: the frames' shard, one frame short of the grown length, read as 'chunk missing from
-    a committed episode', so the data was blamed and ``verify --repair`` dropped a sound episode."""
-    location = str(tmp_path / "buffer")
-    writer = ReplayBuffer(location, MAX_EPISODES, MAX_TIMESTEPS, fields, META_FIELDS)
-    for slot, length in enumerate([6, 5, 7]):
-        writer.store_episode(
-            **{name: values for name, values in _episode(slot, length).items() if name in fields or name in META_FIELDS}
-        )
-    writer.close()
-    _flip_length_bit(location, "zarr", 0, 0)  # 6 -> 7
+    a committed episode', so the data was blamed and ``verify --repair`` dropped a sound episode.
+    (Format 4: from format 5 every open finds a changed length first.)"""
+    location = released_copy("format-v4", "zarr", tmp_path)
+    _flip_length_bit(location, "zarr", 0, 0)  # 4 -> 5
     reader = _open(location)
-    blamed = "slot 0 holds 7 steps, but its data/frame holds whole frames of 6 steps: the length is damaged"
-    for read in (reader.get_all_data, lambda: reader.data["frame"][0, :7], lambda: reader.episode_frames(0, "frame")):
+    blamed = r"slot 0 holds 5 steps, but its data/\w+ (holds whole frames of|matches its checksum at) 4 steps"
+    for read in (reader.get_all_data, lambda: reader.data["frame"][0, :5], lambda: reader.episode_frames(0, "frame")):
         with pytest.raises(EpisodeLengthError, match=blamed) as error:
             read()
-        assert error.value.matches == 6 and error.value.location.endswith(os.path.join("episode_lens", "c.0"))
+        assert error.value.matches == 4 and error.value.location.endswith(os.path.join("episode_lens", "c.0"))
     assert verify(location, repair=True)[-1] == (
-        "repaired: restored the lengths of slots [0] to [6], where every field's data matches its checksum"
+        "repaired: restored the lengths of slots [0] to [4], where every field's data matches its checksum"
     )
-    assert _open(location).episode_lens[:3].tolist() == [6, 5, 7] and verify(location) == []
+    assert _open(location).episode_lens.tolist() == [4, 3, 6] and verify(location) == []
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_a_warm_cache_never_serves_an_episode_shortened_by_a_damaged_length(tmp_path, backend):
     """Before: a ``cache='disk'`` reader served the first 4 of the 6 cached rows of slot 0 once
-    its stored length had a bit flipped (6 -> 4): a silently shortened episode."""
-    location, cache = str(tmp_path / "buffer"), str(tmp_path / "cache")
-    _committed(location, backend, [6, 5, 7])
+    its stored length had a bit flipped (6 -> 4): a silently shortened episode. (Format 4: from
+    format 5 the open refuses it first.)"""
+    location, cache = released_copy("format-v4", backend, tmp_path), str(tmp_path / "cache")
     warming = _open(location, cache="disk", cache_dir=cache)
     warming.warm_cache()
     warming.close()
-    _flip_length_bit(location, backend, 0, 1)  # 6 -> 4
+    _flip_length_bit(location, backend, 2, 1)  # 6 -> 4
     reader = _open(location, cache="disk", cache_dir=cache)
-    for read in (reader.get_all_data, lambda: reader.data["state"][0, :4]):
-        with pytest.raises(EpisodeLengthError, match="slot 0 holds 4 steps, but its data/"):
+    for read in (reader.get_all_data, lambda: reader.data["state"][2, :4]):
+        with pytest.raises(EpisodeLengthError, match="slot 2 holds 4 steps, but its data/"):
             read()
