@@ -594,7 +594,7 @@ class ReplayBuffer(CommittedViews):
         except LostLengthError as e:
             if metasums.checking():
                 raise
-            self._commit.lost = np.asarray(e.slots, np.int64)  # kept for verify --repair to restore
+            self._commit.lost = tuple(e.slots)  # kept for verify --repair to restore
         if len(damaged) and metasums.checking():
             raise metasums.error(self.storage, int(damaged[0]), self._commit.summed, meta)
         self._commit.suspect = damaged
@@ -1574,7 +1574,9 @@ class ReplayBuffer(CommittedViews):
         """A pickled buffer (e.g. sent to a DataLoader worker) is a read-only view of what was
         committed; it carries no open handle and reopens its store lazily in the new process."""
         state = dict(self.__dict__)
-        state.update(_group=None, read_only=True)
+        # the copy checks every committed slot's meta checksum at its first refresh (a few ms a
+        # million slots) rather than carrying the values this one checked
+        state.update(_group=None, read_only=True, _verified=None)
         del state["meta_data"]
         state.pop("memory_namedtuple", None)
         return state

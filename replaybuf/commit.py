@@ -93,7 +93,7 @@ class Committer:
         self.suspect = np.zeros(0, np.int64)
         # committed slots whose lengths read 0, loaded by such an open (``LostLengthError``):
         # their generations are kept for the lengths verify --repair restores
-        self.lost = np.zeros(0, np.int64)
+        self.lost: tuple[int, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -500,7 +500,7 @@ class Committer:
         was published (else it stands), and generations of empty slots (a commit killed between
         its two bookkeeping writes) are cleared."""
         lens, generations = self.meta["episode_lens"], self.meta["_generation"]
-        stale = np.setdiff1d(np.flatnonzero((lens == 0) & (generations != 0)), self.lost)
+        stale = np.setdiff1d(np.flatnonzero((lens == 0) & (generations != 0)), np.asarray(self.lost, np.int64))
         if len(stale):
             self.write_meta("_generation", stale, np.zeros(len(stale), np.int64))
         valid = np.setdiff1d(np.flatnonzero(lens > 0), self.suspect)

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from .schema import Field
-from .storage.base import BufferDamagedError, CorruptChunkError, meta_file
+from .storage import meta_file
+from .storage.base import BufferDamagedError, CorruptChunkError
 
 META_SUM = "_meta_sum"
 _KEPT = np.uint64((1 << 63) | 1)
