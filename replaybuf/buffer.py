@@ -494,6 +494,7 @@ class ReplayBuffer(CommittedViews):
         self.schema = schema
         self._bookkeeping = bookkeeping_fields(schema)
         self._meta_fields = {**schema.meta_fields, **self._bookkeeping}
+        self._listed_meta_names = tuple(name for name in self._meta_fields if name not in _HIDDEN_META)
         self._commit: Committer = Committer(self.storage, schema, self.flush_every_store_step)
         self._commit.held.drop_on_overwrite = self.drop_snapshots_on_overwrite
         self._snapshot = (
@@ -519,8 +520,7 @@ class ReplayBuffer(CommittedViews):
     @property
     def meta_data(self) -> FieldViews[MetaView]:
         """Each meta field's view by name (``episode_lens`` included): ``buffer.meta_data["task"][slot]``."""
-        listed = (name for name in self._meta_fields if name not in _HIDDEN_META)
-        return FieldViews("meta_data", listed, functools.partial(MetaView, self))
+        return FieldViews("meta_data", self._listed_meta_names, functools.partial(MetaView, self))
 
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a

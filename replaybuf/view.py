@@ -12,7 +12,7 @@ and ``CommittedViews`` adds the snapshot's read-only views and the analyses (``g
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -193,9 +193,9 @@ class FieldViews(Mapping[str, V]):
     stored values unchanged and later reads returning the assigned object, so it raises,
     saying how to write the values."""
 
-    def __init__(self, attribute: str, names: Iterable[str], view: Callable[[str], V]):
+    def __init__(self, attribute: str, names: Collection[str], view: Callable[[str], V]):
         self._attribute = attribute
-        self._names = tuple(names)
+        self._names = names
         self._view = view
 
     def __getitem__(self, name: str) -> V:
