@@ -149,17 +149,6 @@ def compactor_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "replaybuf-compactor"]
 
 
-@pytest.fixture
-def no_gc():
-    """Garbage collection off for the test: what it checks is given back by reference counting
-    alone, when the last reference goes (as a dropped Python file object is closed)."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 @pytest.mark.parametrize("hot_bytes", [1 << 30, 1], ids=["idle-compactor", "busy-compactor"])
 def test_writer_dropped_without_close_gives_the_lease_back_and_ends_its_compactor_at_once(tmp_path, hot_bytes, no_gc):
     location = tmp_path / "buffer"

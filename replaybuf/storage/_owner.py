@@ -42,17 +42,18 @@ class Owner(Generic[T]):
 
 
 class OwnerMethod:
-    """``method`` (bound to the owner of a part) called through a weak reference to its owner:
-    a callback a part keeps without keeping its owner alive."""
+    """A method bound to the owner of a part, the owner held weakly: a callback the part keeps
+    without keeping its owner alive. Like the bound method it replaces, it calls the function
+    the method had when bound."""
 
-    __slots__ = ("_owner", "_name")
+    __slots__ = ("_owner", "_function")
 
     def __init__(self, method: Callable[..., Any]):
         self._owner = Owner(method.__self__)  # type: ignore[attr-defined]
-        self._name: str = method.__name__
+        self._function: Callable[..., Any] = method.__func__  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._owner(), self._name)(*args, **kwargs)
+        return self._function(self._owner(), *args, **kwargs)
 
     def __reduce__(self) -> tuple[type[OwnerMethod], tuple[Callable[..., Any]]]:
-        return OwnerMethod, (getattr(self._owner(), self._name),)
+        return OwnerMethod, (self._function.__get__(self._owner()),)
