@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -390,7 +392,7 @@ class ReplayBuffer(CommittedViews):
             # the step log of an open sharing the lease is a live writer's episode in progress
             # (an erasing open's is its own new buffer: the opens before it may not write)
             if self.storage.writer_shared and not overwrite:
-                gc.collect()  # an object the user dropped (``del``) but a reference cycle keeps
+                gc.collect()  # an object dropped (``del``) that a cycle of the user's keeps
             shared = self.storage.writer_shared and not overwrite
             self._commit.recover(step_log=not shared)
             if not shared:
@@ -400,6 +402,7 @@ class ReplayBuffer(CommittedViews):
         except BaseException:
             # a refused open holds no file: an HDF5 file left open for writing stays locked
             # against every other process (and marked open) while the exception lives
+            self._closed = True  # nothing for ``__del__`` to flush
             with contextlib.suppress(Exception):
                 self.storage.close()
             self.storage.release_writer()
@@ -493,7 +496,7 @@ class ReplayBuffer(CommittedViews):
         self.schema = schema
         self._bookkeeping = bookkeeping_fields(schema)
         self._meta_fields = {**schema.meta_fields, **self._bookkeeping}
-        self.data = FieldViews("data", {n: DataView(self, n) for n in schema.fields})
+        self._listed_meta_names = tuple(name for name in self._meta_fields if name not in _HIDDEN_META)
         self._commit: Committer = Committer(self.storage, schema, self.flush_every_store_step)
         self._commit.held.drop_on_overwrite = self.drop_snapshots_on_overwrite
         self._snapshot = (
@@ -510,9 +513,16 @@ class ReplayBuffer(CommittedViews):
         self._store_step = 0
         self._pending_steps = 0  # ``timestep_index = n`` set before the group it applies to began
         self.refresh()
-        self.meta_data = FieldViews(
-            "meta_data", {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
-        )
+
+    @property
+    def data(self) -> FieldViews[DataView]:
+        """Each data field's numpy-style view by name: ``buffer.data["obs"][episode, t]``."""
+        return FieldViews("data", self.schema.fields, functools.partial(DataView, self))
+
+    @property
+    def meta_data(self) -> FieldViews[MetaView]:
+        """Each meta field's view by name (``episode_lens`` included): ``buffer.meta_data["task"][slot]``."""
+        return FieldViews("meta_data", self._listed_meta_names, functools.partial(MetaView, self))
 
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
@@ -807,8 +817,9 @@ class ReplayBuffer(CommittedViews):
         if lease.turn is not None:
             previous = lease.turn()
             if previous is not None and previous._writing_episode():
-                # before refusing: an object the user dropped (``del``) but a reference cycle
-                # keeps is collected (only here: a full collection takes seconds in a large heap)
+                # before refusing: an object dropped (``del``) that a cycle of the user's keeps
+                # (replaybuf's own objects make none) is collected; only here: a full
+                # collection takes seconds in a large heap
                 del previous
                 gc.collect()
                 previous = lease.turn()
@@ -1577,16 +1588,12 @@ class ReplayBuffer(CommittedViews):
         # the copy checks every committed slot's meta checksum at its first refresh (a few ms a
         # million slots) rather than carrying the values this one checked
         state.update(_group=None, read_only=True, _verified=None)
-        del state["meta_data"]
         state.pop("memory_namedtuple", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage.read_only = True
-        self.meta_data = FieldViews(
-            "meta_data", {n: MetaView(self, n) for n in self._meta_fields if n not in _HIDDEN_META}
-        )
 
     def compact(self) -> CompactionSummary:
         """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced
@@ -1599,12 +1606,17 @@ class ReplayBuffer(CommittedViews):
         """Flush, compress what the hot tier holds raw (``compact``), release the storage
         handles and give the writer lease back. Reads still work after it; writes raise (open
         the buffer again to write). Closing again does nothing."""
+        self._release(compact=True)
+
+    def _release(self, compact: bool) -> None:
+        """``close()``; ``compact`` False leaves the hot episodes hot (for the next writer's
+        compactor), as a dropped buffer does."""
         if self._closed:
             return
         try:
             try:
                 self.flush()
-                if not self.read_only:
+                if compact and not self.read_only:
                     self.storage.compact()
             finally:
                 # closed even when the flush failed (a full disk): nothing committed needs the
@@ -1620,19 +1632,21 @@ class ReplayBuffer(CommittedViews):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self):
-        # a writer dropped without close(): write what is pending, on local disk only. Object-store
-        # writes go through an event loop and a thread pool whose locks the collecting thread
-        # may hold (a hang); their counters are caught up from the published episodes anyway
-        try:
-            if (
-                not self.read_only
-                and not getattr(self, "_closed", True)
-                and getattr(self, "_commit", None) is not None
-                and self.storage.is_local
-            ):
-                self._commit.flush_counters()
-                if self._commit.log_pending:
-                    self._commit.flush_log()
-        except Exception:
-            pass
+    def __del__(self) -> None:
+        # dropped without close() (``del``, a function returning, a name bound again): no
+        # reference cycle holds a buffer (``storage/_owner.py``), so this runs at once and gives
+        # back what close() does, compacting nothing (README, Durability). Object stores are left
+        # to their storage's finalizer, which gives the lease back: their writes go through an
+        # event loop and a thread pool whose locks a garbage-collecting thread may hold (a hang),
+        # and their counters are caught up from the published episodes anyway
+        if getattr(self, "_closed", True):
+            return
+        with contextlib.suppress(Exception):  # a failed open may not have made its storage
+            if not self.storage.is_local:
+                return
+            if sys.is_finalizing():
+                # the interpreter exiting: its exit hook gave the lease back and its daemon
+                # threads are frozen (a compactor is not joined); what is pending is written
+                self.flush()
+            else:
+                self._release(compact=False)

@@ -12,6 +12,7 @@ methods (``WRITE_METHODS``) raise NotImplementedError naming the call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -448,9 +449,17 @@ class ConcatReplayBuffer(CommittedViews):
         self.snapshot_name = names.pop() if len(names) == 1 else None
         self.folder = [b.folder for b in self.buffers]
         self.storage = ConcatStorage(self.buffers, self.schema)
-        self.data = FieldViews("data", {n: DataView(self, n) for n in self.schema.fields})
-        self.meta_data = FieldViews("meta_data", {n: MetaView(self, n) for n in self.meta_shapes})
         self.refresh()
+
+    @property
+    def data(self) -> FieldViews[DataView]:
+        """Each data field's numpy-style view by name, reading across the members."""
+        return FieldViews("data", self.schema.fields, functools.partial(DataView, self))
+
+    @property
+    def meta_data(self) -> FieldViews[MetaView]:
+        """Each meta field's view by name, reading across the members."""
+        return FieldViews("meta_data", self.meta_shapes, functools.partial(MetaView, self))
 
     @staticmethod
     def _open(buffer: Member, storage_options: dict | None, snapshot: str | None) -> ReplayBuffer:
@@ -560,13 +569,8 @@ class ConcatReplayBuffer(CommittedViews):
     def __getstate__(self) -> dict[str, Any]:
         """Pickles (to DataLoader or dask workers) as the members do: no open handle."""
         state = dict(self.__dict__)
-        del state["meta_data"]
         state.pop("memory_namedtuple", None)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.meta_data = FieldViews("meta_data", {n: MetaView(self, n) for n in self.meta_shapes})
 
     if not TYPE_CHECKING:  # to a type checker a concatenation has no write method at all
 

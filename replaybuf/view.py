@@ -12,7 +12,7 @@ and ``CommittedViews`` adds the snapshot's read-only views and the analyses (``g
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -186,23 +186,28 @@ V = TypeVar("V")
 
 
 class FieldViews(Mapping[str, V]):
-    """``buffer.data`` / ``buffer.meta_data``: each field's view by name. Assigning a name
+    """``buffer.data`` / ``buffer.meta_data``: each field's view by name, made when asked for.
+    A view refers to its buffer and the buffer keeps no view, so dropping the buffer frees it
+    at once (no reference cycle for garbage collection to find). Assigning a name
     (``buffer.meta_data["task"] = values``) would only replace the view in this mapping, the
     stored values unchanged and later reads returning the assigned object, so it raises,
     saying how to write the values."""
 
-    def __init__(self, attribute: str, views: dict[str, V]):
+    def __init__(self, attribute: str, names: Collection[str], view: Callable[[str], V]):
         self._attribute = attribute
-        self._views = views
+        self._names = names
+        self._view = view
 
     def __getitem__(self, name: str) -> V:
-        return self._views[name]
+        if name not in self._names:
+            raise KeyError(name)
+        return self._view(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._views)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._views)
+        return len(self._names)
 
     def __setitem__(self, name: str, value: Any) -> None:
         raise TypeError(
@@ -214,7 +219,7 @@ class FieldViews(Mapping[str, V]):
         raise TypeError(f"del {self._attribute}[{name!r}]: a buffer's fields are fixed when it is created")
 
     def __repr__(self) -> str:
-        return f"{self._attribute}{self._views!r}"
+        return f"{self._attribute}{dict(self)!r}"
 
 
 def frozen(array: np.ndarray) -> np.ndarray:

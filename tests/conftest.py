@@ -3,6 +3,7 @@ tests run on every backend, and the check that no optional backend is missing.""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 
@@ -59,6 +60,17 @@ def _read_cache_dir(tmp_path_factory, monkeypatch):
 
 
 _counter = itertools.count()
+
+
+@pytest.fixture
+def no_gc():
+    """Garbage collection off for the test: what it checks is given back by reference counting
+    alone, when the last reference goes (as a dropped Python file object is closed)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -26,6 +26,7 @@ import pytest
 
 import replaybuf.storage._cache as read_cache
 from replaybuf import BufferLockedError, ReplayBuffer
+from replaybuf.h5py_buffer import ReplayBufferH5PY
 from replaybuf.storage._cache import CHECK_BYTES
 
 pytest_plugins = ["tests._servers"]
@@ -47,8 +48,10 @@ class Held:
     files: frozenset[str]
 
     @classmethod
-    def now(cls, *watched: Path) -> Held:
-        gc.collect()
+    def now(cls, *watched: Path, collect: bool = True) -> Held:
+        """``collect`` False: what reference counting alone gave back (no garbage collection)."""
+        if collect:
+            gc.collect()
         fds = set()
         for fd in os.listdir("/proc/self/fd"):
             try:
@@ -102,15 +105,16 @@ def assert_no_growth(
     loops: int = LOOPS,
     warm_up: int = 3,
     pooled: dict[str, int] | None = None,
+    collect: bool = True,
 ) -> None:
     """Run ``scenario`` ``warm_up`` times, then ``loops`` times more: what the process holds is
-    then what it held after the warm-up."""
+    then what it held after the warm-up (``collect`` False: without a garbage collection)."""
     for _ in range(warm_up):
         scenario()
-    before = Held.now(*watched)
+    before = Held.now(*watched, collect=collect)
     for _ in range(loops):
         scenario()
-    assert before.growth(Held.now(*watched), pooled) == {}
+    assert before.growth(Held.now(*watched, collect=collect), pooled) == {}
 
 
 def store_episodes(buffer: ReplayBuffer, count: int, steps: int = 10) -> None:
@@ -128,10 +132,11 @@ def new_buffer(location: str | Path, **options) -> ReplayBuffer:
 
 
 def other_process_can_write(location: str | Path) -> str:
-    """Try a writable open of ``location`` in a fresh process: 'opened' or the error it raised."""
+    """Try a writable open of ``location`` in a fresh process: 'opened <episodes it holds>' or
+    the error it raised."""
     probe = (
         "import sys\nfrom replaybuf import ReplayBuffer\n"
-        "try:\n    ReplayBuffer.from_folder(sys.argv[1]).close()\n    print('opened')\n"
+        "try:\n    with ReplayBuffer.from_folder(sys.argv[1]) as buffer:\n        print('opened', len(buffer))\n"
         "except Exception as error:\n    print(type(error).__name__, error)\n"
     )
     done = subprocess.run(
@@ -144,28 +149,56 @@ def compactor_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "replaybuf-compactor"]
 
 
-def collect_until_compactors_end() -> None:
-    """Collect garbage until no compactor thread runs: a thread busy with a shard holds its
-    writer until the shard is done (bounded: a stuck thread fails the test, never hangs it)."""
-    for _ in range(600):
-        gc.collect()
-        threads = compactor_threads()
-        if not threads:
-            return
-        threads[0].join(0.1)
-    assert compactor_threads() == []
-
-
 @pytest.mark.parametrize("hot_bytes", [1 << 30, 1], ids=["idle-compactor", "busy-compactor"])
-def test_writer_dropped_without_close_gives_the_lease_back_and_ends_its_compactor(tmp_path, hot_bytes):
+def test_writer_dropped_without_close_gives_the_lease_back_and_ends_its_compactor_at_once(tmp_path, hot_bytes, no_gc):
     location = tmp_path / "buffer"
 
     def write_and_drop():
         store_episodes(new_buffer(location, hot_bytes=hot_bytes), 4)
-        collect_until_compactors_end()
+        assert compactor_threads() == []  # ended after the shard in hand, before the lease went
 
-    assert_no_growth(write_and_drop, tmp_path, loops=30)
-    assert other_process_can_write(location) == "opened"
+    assert_no_growth(write_and_drop, tmp_path, loops=30, collect=False)
+    assert other_process_can_write(location) == "opened 4"
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:  # hot or compacted: the same
+        images = reader.get_all_data()["image"]
+        assert [np.unique(image[:10]).tolist() for image in images] == [[0], [1], [2], [3]]
+
+
+WRITERS = {
+    "zarr": lambda location: new_buffer(location),
+    "memmap": lambda location: new_buffer(location, backend="memmap"),
+    "hdf5": lambda location: new_buffer(location, backend="hdf5"),
+    "ReplayBufferH5PY": lambda location: ReplayBufferH5PY(
+        str(location), max_episodes=8, max_timesteps=20, fields=FIELDS, meta_fields=META
+    ),
+}
+
+
+@pytest.mark.parametrize("open_writer", WRITERS.values(), ids=WRITERS.keys())
+def test_writer_dropped_without_close_lets_another_process_write_at_once(tmp_path, open_writer, no_gc):
+    location = tmp_path / "buffer"
+    writer = open_writer(location)
+    store_episodes(writer, 1)
+    writer.store(state=np.ones(4, np.float32), image=np.ones((3, 64, 64), np.uint8), reward=1.0)
+    del writer  # an episode in progress: left in the step log, as close() leaves it
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
+        assert len(reader) == 1  # the drop committed nothing
+    assert other_process_can_write(location) == "opened 2"  # the writable open replays the log
+
+
+@pytest.mark.parametrize("options", [{}, {"backend": "memmap"}, {"backend": "hdf5"}], ids=["zarr", "memmap", "hdf5"])
+def test_reader_dropped_holds_nothing_without_garbage_collection(tmp_path, options, no_gc):
+    location = tmp_path / "buffer"
+    with new_buffer(location, **options) as writer:
+        store_episodes(writer, 3)
+
+    def read_and_drop() -> None:
+        reader = ReplayBuffer.from_folder(str(location), read_only=True)
+        assert reader.data["image"][2, 0, 0, 0, 0] == 2
+        assert reader.meta_data["task"][:3].tolist() == [0, 1, 2]
+        next(iter(reader.dataloader(batch_size=4, timestep_level=True, shuffle=True)))
+
+    assert_no_growth(read_and_drop, tmp_path, loops=10, collect=False)
 
 
 # ---- the read cache -----------------------------------------------------------------------------
@@ -314,7 +347,7 @@ def test_repeated_use_holds_no_more_than_once(stored, scenario, tmp_path):
     if scenario is read_through_the_disk_cache and options:
         pytest.skip("the disk cache serves compressed (zarr) buffers")
     assert_no_growth(lambda: scenario(location, options), tmp_path, Path(os.environ["REPLAYBUF_CACHE_DIR"]))
-    assert other_process_can_write(location) == "opened"
+    assert other_process_can_write(location).startswith("opened ")
 
 
 def test_refused_opens_of_a_locked_buffer_hold_nothing(stored, tmp_path):
@@ -338,7 +371,7 @@ def test_refused_opens_of_a_locked_buffer_hold_nothing(stored, tmp_path):
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(60)
-    assert other_process_can_write(location) == "opened"
+    assert other_process_can_write(location).startswith("opened ")
 
 
 HOLD_WRITER = (
@@ -387,7 +420,7 @@ def test_loaders_with_workers_dropped_midway_leave_no_process_or_handle(tmp_path
     # as 0 or 2 extra pipes over 40 rounds, never more)
     assert_no_growth(iterate_partly, tmp_path, loops=2, warm_up=1, pooled={"pipe": 2})
     buffer.close()
-    assert other_process_can_write(location) == "opened"
+    assert other_process_can_write(location).startswith("opened ")
 
 
 # ---- object storage ------------------------------------------------------------------------------
@@ -398,7 +431,7 @@ def lease_threads() -> list[threading.Thread]:
 
 
 @pytest.mark.slow  # ~30 s on moto
-def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_path):
+def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_path, no_gc):
     location = s3_server.url(f"hygiene-{uuid.uuid4().hex[:8]}")
     options = {"storage_options": s3_server.storage_options}
     with new_buffer(location, **options) as writer:
@@ -407,10 +440,12 @@ def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_pa
     def write_read_and_drop() -> None:
         with new_buffer(location, **options) as buffer:
             store_episodes(buffer, 2)
-        store_episodes(new_buffer(location, **options), 1)  # dropped without close: collected,
-        gc.collect()  # its lease is deleted by its heartbeat thread, which then ends
+        # dropped without close (no garbage collection): its lease is deleted by its heartbeat
+        # thread, which then ends
+        store_episodes(new_buffer(location, **options), 1)
         for heartbeat in lease_threads():
             heartbeat.join(60)
+        assert lease_threads() == []
         reader = ReplayBuffer.from_folder(location, read_only=True, **options)
         reader.warm_cache()
         reader.get_all_data()

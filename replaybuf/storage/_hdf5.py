@@ -54,6 +54,7 @@ import numpy as np
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._owned import erase_owned
+from ._owner import Owner
 from ._zarr import default_time_chunk
 from .base import (
     OPTIONAL_META,
@@ -190,8 +191,12 @@ class H5Array(WrappedArray):
     """
 
     def __init__(self, storage: HDF5Storage, path: str):
-        self._storage = storage
+        self._owner = Owner(storage)  # the storage owns this: no cycle (``_owner.py``)
         self.path = path
+
+    @property
+    def _storage(self) -> HDF5Storage:
+        return self._owner()
 
     @property
     def dataset(self) -> h5py.Dataset:

@@ -17,6 +17,7 @@ from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c, crc_bit_flipped
 from ._kv import KVBlobs, LocalKV
 from ._owned import check_owned
+from ._owner import Owner
 from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
 from .base import (
     COUNTERS,
@@ -331,7 +332,7 @@ class EpisodeChecksums:
     """
 
     def __init__(self, storage: LocalFolderStorage, root: str, fields: list[str], tagged: bool):
-        self.storage = storage
+        self._storage = Owner(storage)  # the storage owns this: no cycle (``_owner.py``)
         self.path = os.path.join(root, CHECKSUM_FILE)
         self.columns = {name: i for i, name in enumerate(fields)}
         self.tagged = tagged
@@ -344,6 +345,10 @@ class EpisodeChecksums:
         # per cell, the entry last seen to pass its own check (this process's memory: the same
         # value in the same cell passes again, so a batch recomputes only entries that changed)
         self._passed: np.ndarray | None = None
+
+    @property
+    def storage(self) -> LocalFolderStorage:
+        return self._storage()
 
     @classmethod
     def create(cls, storage: LocalFolderStorage, root: str, fields: list[str], max_episodes: int) -> EpisodeChecksums:

@@ -39,6 +39,7 @@ from ._kv import copy_spans
 from ._local import NPY_HEADERS as _OPENING
 from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
+from ._owner import Owner
 from .base import (
     OPTIONAL_META,
     STATE_KEY,
@@ -96,11 +97,15 @@ class MemmapArray(WrappedArray):
     """
 
     def __init__(self, storage: MemmapStorage, path: str, name: str | None = None):
-        self._storage = storage
+        self._owner = Owner(storage)  # the storage owns this: no cycle (``_owner.py``)
         self.path = path
         self.name = name  # a data field's name: in-place writes recompute its checksums
         self._memmap: np.memmap | None = None
         self._plain: np.ndarray | None = None
+
+    @property
+    def _storage(self) -> MemmapStorage:
+        return self._owner()
 
     @property
     def writable(self) -> bool:

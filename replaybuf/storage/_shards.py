@@ -16,6 +16,7 @@ where it came from, at no cost per frame (a checked index is cached as before).
 from __future__ import annotations
 
 import struct
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -126,7 +127,17 @@ class ShardedArray(ChunkedArray):
         self.index_nbytes = self.binding_nbytes + 16 * self.inner_per_shard + (4 if index_crc else 0)
         self._shard_keys: dict[int, str] = {}
         self._shard_paths: dict[int, str] = {}
-        self.hot: HotTier | None = None  # a writer's hot tier (``_hot.py``), set by the storage
+        self._hot_tier: weakref.ref[HotTier] | None = None
+
+    @property
+    def hot(self) -> HotTier | None:
+        """A writer's hot tier (``_hot.py``), which sets itself here; held weakly, since the
+        tier refers to its arrays (the storage owns both: no cycle, ``_owner.py``)."""
+        return None if self._hot_tier is None else self._hot_tier()
+
+    @hot.setter
+    def hot(self, tier: HotTier | None) -> None:
+        self._hot_tier = None if tier is None else weakref.ref(tier)
 
     def shard_key(self, episode: int) -> str:
         # built once per slot: sampling asks for it once per sampled frame's episode
@@ -871,7 +882,7 @@ class ShardedArray(ChunkedArray):
 
     def __getstate__(self) -> dict:
         # the hot tier (its lock and thread) stays with the writer
-        return {**super().__getstate__(), "hot": None}
+        return {**super().__getstate__(), "_hot_tier": None}
 
     def _old_shard(self, episode: int, out: np.ndarray, skip: tuple[int, int]) -> np.ndarray | None:
         """Decode the episode's stored inner chunks into ``out`` (time, *shape), except those

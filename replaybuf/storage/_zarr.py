@@ -50,6 +50,7 @@ from ._hotmap import shard_maps
 from ._kv import KeyValue, KVBlobs, LocalKV, StoreKV
 from ._local import refuse_foreign_buffer
 from ._owned import BLOB_DIR, check_owned, erase_owned
+from ._owner import OwnerMethod
 from ._shards import ShardBinding, ShardedArray
 from .base import (
     OPTIONAL_META,
@@ -518,26 +519,31 @@ class ZarrStorage(KVBlobs, Storage):
         codec = ChunkCodec(dtype, compressors[0] if compressors else None, checksum=checksum)
         args = (self.kv, path, tuple(doc["shape"]), chunks, dtype, codec, grid_axes)
         options = dict(
-            zarr_array=functools.partial(self._open_zarr_array, path),
-            check_writable=self._check_writable,
+            # the storage's methods through weak references: it owns the array (``_owner.py``)
+            zarr_array=functools.partial(OwnerMethod(self._open_zarr_array), path),
+            check_writable=OwnerMethod(self._check_writable),
             separator=doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/"),
             # format 2 data arrays and packed ones keep every chunk they write: a missing one is damage
-            committed=self._committed_length if (checksum or chunks[0] > 1) and grid_axes == 2 else None,
+            committed=OwnerMethod(self._committed_length) if (checksum or chunks[0] > 1) and grid_axes == 2 else None,
             # what a reader's re-check reads (``consistency.committed_generations``)
-            generations_of=functools.partial(self.read_meta_rows, "_generation") if grid_axes == 2 else None,
+            generations_of=functools.partial(OwnerMethod(self.read_meta_rows), "_generation")
+            if grid_axes == 2
+            else None,
         )
         if grid_axes == 2 and chunks[0] > 1 and not compressors and not checksum:
             name = path.split("/", 1)[1]
             options.update(
-                check_rows=functools.partial(self._check_rows, name),
-                rows_written=functools.partial(self._rows_written, name),
-                row_prints=functools.partial(self._row_prints, name),
+                check_rows=functools.partial(OwnerMethod(self._check_rows), name),
+                rows_written=functools.partial(OwnerMethod(self._rows_written), name),
+                row_prints=functools.partial(OwnerMethod(self._row_prints), name),
             )
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
         binding = ShardBinding(path.split("/", 1)[1], fields) if self.binds_shards else None
-        return ShardedArray(*args, index_crc=index_crc, binding=binding, length_error=self._length_error, **options)
+        return ShardedArray(
+            *args, index_crc=index_crc, binding=binding, length_error=OwnerMethod(self._length_error), **options
+        )
 
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now (0 when absent)."""
