@@ -20,6 +20,7 @@ import functools
 import gc
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -73,6 +74,16 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
 _SUMMED = ("_generation", "episode_lens", META_SUM)
+# the threads running a garbage collection now (``gc.callbacks``): ``ReplayBuffer.__del__``
+# called by one takes no lock
+_collecting: set[int] = set()
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    (_collecting.add if phase == "start" else _collecting.discard)(threading.get_ident())
+
+
+gc.callbacks.append(_note_collection)
 
 
 def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
@@ -1644,7 +1655,14 @@ class ReplayBuffer(CommittedViews):
         with contextlib.suppress(Exception):  # a failed open may not have made its storage
             if not self.storage.is_local:
                 return
-            if sys.is_finalizing():
+            if threading.get_ident() in _collecting:
+                # freed by a garbage collection (a cycle of the user's held it), which may run at
+                # any allocation, inside a lock of the map or file pools that close() takes: only
+                # what is pending is written; the storage's finalizer gives the lease back
+                self._commit.flush_counters()
+                if self._commit.log_pending:
+                    self._commit.flush_log()
+            elif sys.is_finalizing():
                 # the interpreter exiting: its exit hook gave the lease back and its daemon
                 # threads are frozen (a compactor is not joined); what is pending is written
                 self.flush()

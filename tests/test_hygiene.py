@@ -186,6 +186,36 @@ def test_writer_dropped_without_close_lets_another_process_write_at_once(tmp_pat
     assert other_process_can_write(location) == "opened 2"  # the writable open replays the log
 
 
+COLLECTED_INSIDE_A_POOL_LOCK = """
+import gc, sys
+import numpy as np
+from replaybuf import ReplayBuffer
+from replaybuf.storage._hotmap import shard_maps
+
+location = sys.argv[1]
+writer = ReplayBuffer(location, 4, 8, {"image": ("uint8", (3, 64, 64))})
+writer.store_episode(image=np.ones((5, 3, 64, 64), np.uint8))
+writer.cycle = writer  # a reference cycle of the user's: only a collection frees it
+del writer
+with shard_maps()._lock:  # a collection may run at any allocation, inside a lock close() takes
+    gc.collect()
+print("collected")
+"""
+
+
+def test_a_writer_freed_by_a_collection_inside_a_pool_lock_gives_its_lease_back_without_a_hang(tmp_path):
+    """A writer only a user's reference cycle keeps is freed by a garbage collection, which runs
+    at any allocation, also inside the locks of the process-wide pools that close() takes: its
+    ``__del__`` writes what is pending and leaves the lease to its storage's finalizer instead
+    of closing there (a hang)."""
+    location = tmp_path / "buffer"
+    done = subprocess.run(
+        [sys.executable, "-c", COLLECTED_INSIDE_A_POOL_LOCK, str(location)], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "collected", done.stderr[-2000:]
+    assert other_process_can_write(location) == "opened 1"
+
+
 @pytest.mark.parametrize("options", [{}, {"backend": "memmap"}, {"backend": "hdf5"}], ids=["zarr", "memmap", "hdf5"])
 def test_reader_dropped_holds_nothing_without_garbage_collection(tmp_path, options, no_gc):
     location = tmp_path / "buffer"
