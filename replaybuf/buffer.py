@@ -20,7 +20,6 @@ import functools
 import gc
 import os
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -57,6 +56,7 @@ from .storage import (
     check_bookkeeping,
     check_lost_lengths,
     check_state,
+    collecting,
     committed_without_length,
     detect_backend,
     empty_state,
@@ -74,16 +74,6 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
 _SUMMED = ("_generation", "episode_lens", META_SUM)
-# the threads running a garbage collection now (``gc.callbacks``): ``ReplayBuffer.__del__``
-# called by one takes no lock
-_collecting: set[int] = set()
-
-
-def _note_collection(phase: str, info: dict) -> None:
-    (_collecting.add if phase == "start" else _collecting.discard)(threading.get_ident())
-
-
-gc.callbacks.append(_note_collection)
 
 
 def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
@@ -617,7 +607,7 @@ class ReplayBuffer(CommittedViews):
                 raise
             self._commit.lost = tuple(e.slots)  # kept for verify --repair to restore
         if len(damaged) and metasums.checking():
-            raise metasums.error(self.storage, int(damaged[0]), self._commit.summed, meta)
+            raise metasums.error(self.storage, int(damaged[0]), self._commit.summed, meta, self.max_timesteps)
         self._commit.suspect = damaged
         if summed and not len(damaged):  # a writer's mirror changes as it writes: its values are copied
             kept = {n: meta[n] if self.read_only else meta[n].copy() for n in (*self.schema.meta_fields, *_SUMMED)}
@@ -1646,25 +1636,18 @@ class ReplayBuffer(CommittedViews):
     def __del__(self) -> None:
         # dropped without close() (``del``, a function returning, a name bound again): no
         # reference cycle holds a buffer (``storage/_owner.py``), so this runs at once and gives
-        # back what close() does, compacting nothing (README, Durability). Object stores are left
-        # to their storage's finalizer, which gives the lease back: their writes go through an
-        # event loop and a thread pool whose locks a garbage-collecting thread may hold (a hang),
-        # and their counters are caught up from the published episodes anyway
+        # back what close() does, compacting nothing (README, Durability)
         if getattr(self, "_closed", True):
             return
         with contextlib.suppress(Exception):  # a failed open may not have made its storage
-            if not self.storage.is_local:
-                return
-            if threading.get_ident() in _collecting:
+            if collecting() or sys.is_finalizing():
                 # freed by a garbage collection (a cycle of the user's held it), which may run at
-                # any allocation, inside a lock of the map or file pools that close() takes: only
-                # what is pending is written; the storage's finalizer gives the lease back
-                self._commit.flush_counters()
-                if self._commit.log_pending:
-                    self._commit.flush_log()
-            elif sys.is_finalizing():
-                # the interpreter exiting: its exit hook gave the lease back and its daemon
-                # threads are frozen (a compactor is not joined); what is pending is written
-                self.flush()
+                # any allocation, inside a lock close() takes (a map pool's, an event loop's), or
+                # at exit, whose hook gave the lease back (daemon threads frozen): only what is
+                # pending on local disk is written; the storage's finalizer gives the lease back
+                if self.storage.is_local:
+                    self._commit.flush_counters()
+                    if self._commit.log_pending:
+                        self._commit.flush_log()
             else:
                 self._release(compact=False)

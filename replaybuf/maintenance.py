@@ -928,7 +928,7 @@ def verify(
     # the value one flipped bit explains, else drops the episode, as one with damaged data is
     # (which value is wrong cannot be told)
     diagnosed = {
-        int(s): metasums.diagnose(meta, _summed(storage, schema), int(s))
+        int(s): metasums.diagnose(meta, _summed(storage, schema), int(s), schema.max_timesteps)
         for s in _damaged_meta(meta, schema, set(), _summed(storage, schema))
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
@@ -937,7 +937,9 @@ def verify(
     restore = {slot: length for slot, length in restore.items() if values.get(slot, ("",))[0] != "episode_lens"}
     # slots with a damaged chunk crc32c do not read past their lengths either until re-sealed
     sealing = [slot for slots in chunks.values() for slot in slots]
-    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *restore, *sealing]), 0, readable)
+    # nor do slots whose length is restored (from the data's checksums, or its meta checksum)
+    lengths_back = [*restore, *(slot for slot, (name, _) in values.items() if name == "episode_lens")]
+    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *lengths_back, *sealing]), 0, readable)
     beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
     # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
@@ -1121,7 +1123,8 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         if name in meta and slots:
             meta[name] = meta[name].copy()
             meta[name][slots] = 0
-    problems += [str(metasums.error(storage, int(slot), _summed(storage, schema), meta)) for slot in damaged]
+    summed = _summed(storage, schema)
+    problems += [str(metasums.error(storage, int(slot), summed, meta, schema.max_timesteps)) for slot in damaged]
     return meta, problems, flux
 
 
@@ -1136,7 +1139,8 @@ def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], s
     fail their ``_meta_sum`` entry (``metasums.damaged``); none when an array did not read."""
     if any(name not in meta for name in (*schema.meta_fields, "episode_lens", "_generation")):
         return np.zeros(0, np.int64)
-    settled = meta["episode_lens"] > 0
+    # a length outside [0, max_timesteps] is reported as such (``_check_counters``), not again here
+    settled = (meta["episode_lens"] > 0) & (meta["episode_lens"] <= schema.max_timesteps)
     if "_revision" in meta:
         settled &= meta["_revision"] % 2 == 0
     slots = np.setdiff1d(np.flatnonzero(settled), np.fromiter(flux, np.int64, len(flux)))

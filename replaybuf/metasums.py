@@ -172,11 +172,14 @@ def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: 
     return slots[expected != np.asarray(sums)[slots].astype(np.uint64)]
 
 
-def diagnose(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int) -> tuple[str, Any] | None:
+def diagnose(
+    meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int, max_timesteps: int = 0
+) -> tuple[str, Any] | None:
     """(name, value) of the one per-episode value of damaged ``slot`` whose single flipped bit
     explains its failed ``_meta_sum`` entry (``_meta_sum`` itself when only the entry is off by
-    one bit, or is 0: lost), else None. The entry has 63 bits of hash: a wrong value matching
-    it by chance is ~2**-56 over every candidate."""
+    one bit, or is 0: lost), or, where the entry covers the length, the one length in
+    ``[1, max_timesteps]`` that does (a length damaged in several bits); else None. The entry has
+    63 bits of hash: a wrong value matching it by chance is ~2**-56 over every candidate."""
     stored = int(np.asarray(meta[META_SUM])[slot])
     generation = int(np.asarray(meta["_generation"])[slot])
     values = {name: np.asarray(meta[name])[slot : slot + 1] for name in fields}
@@ -198,7 +201,8 @@ def diagnose(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: 
         found = _matching(slot, stored, np.full(len(flips), generation), trial, fields)
         if found is not None:
             return name, shaped[found]
-    return None
+    lengths = lengths_matching(meta, fields, slot, max_timesteps) if max_timesteps else None
+    return ("episode_lens", np.int32(lengths[0])) if lengths is not None and len(lengths) == 1 else None
 
 
 def lengths_matching(
@@ -226,11 +230,12 @@ def _matching(
     return int(found[0]) if len(found) == 1 else None
 
 
-def error(storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[str, np.ndarray]) -> MetaChecksumError:
+def error(
+    storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[str, np.ndarray], max_timesteps: int = 0
+) -> MetaChecksumError:
     """The ``MetaChecksumError`` for ``slot`` of ``storage`` (``meta``: its arrays as loaded),
-    naming the damaged value and its file when one flipped bit explains it (``diagnose``),
-    else every file involved."""
-    found = diagnose(meta, fields, slot)
+    naming the damaged value and its file when ``diagnose`` finds it, else every file involved."""
+    found = diagnose(meta, fields, slot, max_timesteps)
     if found is not None and found[0] == META_SUM and not int(np.asarray(meta[META_SUM])[slot]):
         where = meta_file(storage, META_SUM)
         return MetaChecksumError(
@@ -247,9 +252,11 @@ def error(storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[st
         where = meta_file(storage, name)
         held = np.asarray(meta[name])[slot]
         what = "the checksum entry" if name == META_SUM else "the value"
+        flipped = name != "episode_lens" or bin(int(held) ^ int(value)).count("1") == 1
         return MetaChecksumError(
             f"meta/{name}: slot {slot}: holds {held.tolist()!r}, but the slot's checksum in meta/{META_SUM} "
-            f"matches {np.asarray(value).tolist()!r} (one flipped bit): {what} is damaged ({where}). "
+            f"matches {np.asarray(value).tolist()!r}{' (one flipped bit)' if flipped else ''}: {what} is damaged "
+            f"({where}). "
             "`replaybuf verify --repair` restores it",
             field=f"meta/{name}",
             slot=slot,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import EpisodeLengthError, ReplayBuffer
+from replaybuf import MetaChecksumError, ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import RETRIES, committed_generations, read_consistent
 from replaybuf.maintenance import verify
@@ -320,7 +320,8 @@ def test_a_buffer_of_empty_episodes_says_what_it_holds(tmp_path):
 def test_a_damaged_length_on_zarr_is_named_and_restored_not_blamed_on_the_data(tmp_path, damaged):
     """Before: on zarr, a length changed within [1, max_timesteps] made the loader raise
     CorruptChunkError "data/reward: slot 1 ... episode fails its crc32c", and `verify --repair`
-    dropped the sound episode; memmap and hdf5 named the length and restored it."""
+    dropped the sound episode; memmap and hdf5 named the length and restored it. From format 5
+    the open refuses it first, naming the length the slot's meta checksum matches."""
     import zarr
 
     place = make_place("zarr", tmp_path)
@@ -331,15 +332,12 @@ def test_a_damaged_length_on_zarr_is_named_and_restored_not_blamed_on_the_data(t
         writer.store_episode(**episode(k), task=k)
     writer.close()
     zarr.open_group(place.location, mode="r+")["meta/episode_lens"][1] = damaged
-    reader = ReplayBuffer.from_folder(place.location, read_only=True)
-    with pytest.raises(EpisodeLengthError, match=rf"slot 1 holds {damaged} steps, but its data/\w+ matches") as e:
-        next(iter(make_dataloader(reader, 4)))
-    assert (e.value.slot, e.value.matches, e.value.field) == (1, length_of(2), "meta/episode_lens")
+    with pytest.raises(MetaChecksumError, match=rf"meta/episode_lens: slot 1: holds {damaged}, but .* matches 3") as e:
+        ReplayBuffer.from_folder(place.location, read_only=True)
+    assert (e.value.slot, e.value.restore, e.value.field) == (1, ("episode_lens", length_of(2)), "meta/episode_lens")
     problems = verify(place.location, repair=True)
-    assert problems[-1] == (
-        f"repaired: restored the lengths of slots [1] to [{length_of(2)}], where every field's data matches its checksum"
-    )
-    reader.refresh()
+    assert problems[-1].startswith(f"repaired: restored meta/episode_lens of slot 1 to {length_of(2)}, which its")
+    reader = ReplayBuffer.from_folder(place.location, read_only=True)
     batch = next(iter(make_dataloader(reader, 4)))
     check_trajectories(batch)
     assert sorted(batch["task"].tolist()) == [1, 2, 3]

@@ -9,7 +9,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer, StorageError
+from replaybuf import LostLengthError, ReplayBuffer, StorageError, verify
 
 from ._data import fields, random_episode
 
@@ -139,3 +139,26 @@ def test_server_outage_mid_write_then_recovery(s3_server, s3_outage):
     np.testing.assert_array_equal(again.data["frame"][0, :5], kept["frame"])
     again.store_episode(**episode(2, 9))
     assert again.episode_lens[:2].tolist() == [5, 2]
+
+
+def test_lengths_zeroed_on_an_object_store_are_refused_and_restored(server):
+    """A lengths chunk overwritten with zeros (a bad upload, a restore gone wrong) hid every
+    episode; every open refuses it naming the chunk, and verify --repair restores the lengths
+    from the slots' meta checksums."""
+    url = new_location(server)
+    options = server.storage_options
+    writer = ReplayBuffer(url, 4, 12, fields=FIELDS, storage_options=options)
+    for length in (7, 5, 9):
+        writer.store_episode(**episode(length, length))
+    kv, key = writer.storage.kv, "meta/episode_lens/c.0"
+    stored = kv.get(key)
+    writer.close()
+    kv.set(key, bytes(len(stored)))
+    with pytest.raises(LostLengthError, match=r"committed slots \[0, 1, 2\] hold length 0"):
+        ReplayBuffer(url, read_only=True, storage_options=options)
+    assert verify(url, storage_options=options, repair=True)[-1].startswith(
+        "repaired: restored the lengths of slots [0, 1, 2] to [7, 5, 9]"
+    )
+    reader = ReplayBuffer(url, read_only=True, storage_options=options)
+    assert reader.episode_lens[:3].tolist() == [7, 5, 9]
+    np.testing.assert_array_equal(reader.data["reward"][1, :5], np.arange(5))

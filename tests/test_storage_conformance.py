@@ -14,7 +14,7 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatStorage
-from replaybuf.metasums import META_SUM, entries
+from replaybuf.metasums import META_SUM, entries, summed_fields
 from replaybuf.schema import Schema
 from replaybuf.storage import Storage, make_storage
 from replaybuf.testing import StorageFactory, StorageTests, snapshot
@@ -129,12 +129,13 @@ class TestConcat(StorageTests):
             for name, values in rows.items():
                 storage.write_rows(name, episodes[mine] - first, 0, values[mine, :timesteps])
                 stored[name][mine, timesteps:] = 0
+            # a member refuses lengths past its own time axis, and readers expect them so
+            meta["episode_lens"][mine] = np.minimum(meta["episode_lens"][mine], timesteps)
             # a member's checksums are of its own slots
             member = {n: v[mine] for n, v in meta.items()}
-            meta[META_SUM][mine] = entries(episodes[mine] - first, member["_generation"], member, schema.meta_fields)
+            summed = summed_fields(schema.meta_fields, storage.sums_lengths)
+            meta[META_SUM][mine] = entries(episodes[mine] - first, member["_generation"], member, summed)
             for name, values in meta.items():
-                if name == "episode_lens":  # a member refuses lengths past its own time axis
-                    values[mine] = np.minimum(values[mine], timesteps)  # and readers expect them so
                 storage.write_meta(name, episodes[mine] - first, values[mine])
             storage.close()
             first += count

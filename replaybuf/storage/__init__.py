@@ -56,7 +56,7 @@ from .base import (
     registry,
     unpublished_slots,
 )
-from .lease import BufferLockedError, describe_holder
+from .lease import BufferLockedError, collecting, describe_holder
 from .spans import Spans, fill_beyond
 
 if TYPE_CHECKING:
@@ -114,6 +114,7 @@ __all__ = [
     "bookkeeping_fields",
     "check_bookkeeping",
     "check_lost_lengths",
+    "collecting",
     "committed_without_length",
     "meta_file",
     "check_state",

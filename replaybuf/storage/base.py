@@ -88,7 +88,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 
 from ..schema import FORMAT_VERSION, Field, Schema
-from .lease import BufferLockedError, FileLease, WriterLease
+from .lease import BufferLockedError, FileLease, WriterLease, give_back_dropped
 from .lease import give_back as give_back_lease
 from .lease import take as take_lease
 from .spans import Spans, read_spans_by_rows
@@ -1127,7 +1127,7 @@ class Storage(ABC):
         if self._lease is not None:
             return
         lease = take_lease(self.writer_lease(), break_lock, erase)
-        self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_lease, lease, True)
+        self._lease, self._lease_finalizer = lease, weakref.finalize(self, give_back_dropped, lease)
         # at exit the lease module releases it in this thread; this would hand it to a daemon thread
         self._lease_finalizer.atexit = False
         self._lease_epoch = lease.epoch

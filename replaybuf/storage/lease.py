@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import errno
 import fcntl
+import gc
 import json
 import logging
 import math
@@ -686,6 +687,30 @@ def give_back(lease: WriterLease, soon: bool = False) -> None:
         lease.release_soon()
     else:
         lease.release()
+
+
+def give_back_dropped(lease: WriterLease) -> None:
+    """``give_back`` for the finalizer of an open dropped without closing: at once, unless this
+    thread is running a garbage collection (``collecting``), then ``soon``."""
+    give_back(lease, soon=collecting())
+
+
+# the threads running a garbage collection now (``gc.callbacks``): a finalizer or ``__del__``
+# run by one may be inside any lock (an event loop's, a thread pool's, a map pool's), so what it
+# releases must wait on none
+_collecting: set[int] = set()
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    (_collecting.add if phase == "start" else _collecting.discard)(threading.get_ident())
+
+
+gc.callbacks.append(_note_collection)
+
+
+def collecting() -> bool:
+    """Whether this thread is running a garbage collection."""
+    return threading.get_ident() in _collecting
 
 
 _held: weakref.WeakSet[WriterLease] = weakref.WeakSet()
