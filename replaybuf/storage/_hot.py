@@ -112,10 +112,16 @@ class HotTier:
         started = time.perf_counter()
         summary = CompactionSummary()
         self._scan()
-        while (slot := self._next(everything=True)) is not None:
+        while True:
+            while (slot := self._next(everything=True)) is not None:
+                self._compact_slot(slot, summary)
+            with self._idle:
+                self._idle.wait_for(lambda: not self.busy)
+            # the background thread gives up a slot a write overtook while it compacted it (a
+            # repair's re-seal): compacted here once it is done, not left hot
+            if (slot := self._next(everything=True)) is None:
+                break
             self._compact_slot(slot, summary)
-        with self._idle:
-            self._idle.wait_for(lambda: not self.busy)
         summary.seconds = time.perf_counter() - started
         return summary
 
