@@ -18,6 +18,7 @@ from replaybuf import ReplayBuffer
 from replaybuf.maintenance import format_info, info
 from replaybuf.storage import BufferLockedError, CorruptChunkError, _hot, chunk_cache
 from replaybuf.storage._codecs import BLOSC_MEMCPYED
+from replaybuf.storage._shards import ShardedArray
 
 FORK = multiprocessing.get_context("fork")
 # two sharded fields: bytes (blosc without shuffle) and floats (blosc with shuffle)
@@ -422,6 +423,44 @@ def test_an_edit_in_place_is_written_hot_and_compacted_again(tmp_path):
     assert buffer.compact().episodes == 1 and hot_slots(buffer) == []
     check_reads(buffer, stored)
     buffer.close()
+
+
+def test_close_compacts_a_slot_its_compactor_gave_up_to_a_write_that_overtook_it(tmp_path, monkeypatch):
+    """The background thread compacting a killed writer's hot shard gives it up when a write
+    overtakes it (an edit, a repair's re-seal); close() waited for the thread, then returned
+    with that shard still hot, as its compact() had skipped the slot the thread held."""
+    buffer = make(tmp_path)
+    stored = {slot: episode(slot) for slot in range(2)}
+    for data in stored.values():
+        buffer.store_episode(**data)
+    del buffer  # dropped without close(): its shards stay hot, the next writer's leftovers
+    compacting, go = threading.Event(), threading.Event()
+    compacted = ShardedArray.compacted
+
+    def compacted_when_told(self, episode, data):
+        if threading.current_thread().name == "replaybuf-compactor" and episode == 0:
+            compacting.set()
+            go.wait(WAIT_S)
+        return compacted(self, episode, data)
+
+    monkeypatch.setattr(ShardedArray, "compacted", compacted_when_told)
+    buffer = ReplayBuffer.from_folder(str(tmp_path / "buffer"))
+    assert compacting.wait(WAIT_S), "the compactor never took the leftover shard"
+    frame = np.full((40, 40, 3), 7, np.uint8)
+    buffer.data["image"][0, 3] = frame  # overtakes the compaction in hand: written hot again
+    stored[0]["image"][3] = frame
+    idle = buffer.storage._hot._idle
+    wait_for = idle.wait_for
+
+    def let_the_compactor_finish(predicate, timeout=None):  # close() waits for the thread here
+        go.set()
+        return wait_for(predicate, timeout)
+
+    idle.wait_for = let_the_compactor_finish
+    buffer.close()
+    reader = ReplayBuffer.from_folder(str(tmp_path / "buffer"), read_only=True)
+    assert hot_slots(reader) == []
+    check_reads(reader, stored)
 
 
 def test_a_field_measured_raw_is_never_hot(tmp_path):
