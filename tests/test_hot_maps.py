@@ -57,12 +57,18 @@ def frames(reader: ReplayBuffer, slot: int) -> dict[str, np.ndarray]:
     }
 
 
-def test_hot_frames_are_served_from_maps_and_match(tmp_path):
-    location = str(tmp_path / "buffer")
+def two_hot_episodes(location: str) -> tuple[ReplayBuffer, list[dict]]:
+    """A writer at ``location`` holding two stored episodes (hot), and their values."""
     writer = make(location)
     stored = [episode(seed) for seed in range(2)]
     for data in stored:
         writer.store_episode(**data)
+    return writer, stored
+
+
+def test_hot_frames_are_served_from_maps_and_match(tmp_path):
+    location = str(tmp_path / "buffer")
+    writer, stored = two_hot_episodes(location)
     assert is_hot(writer, 0) and is_hot(writer, 1)
     reader = open_reader(location)
     shard_maps().clear()
@@ -496,10 +502,7 @@ def test_a_byte_flipped_in_a_mapped_frame_is_named(tmp_path, monkeypatch, limit)
     after a clean read raises CorruptChunkError naming the file and the slot."""
     monkeypatch.setattr(_hotmap, "_maps", _hotmap.ShardMaps(limit))
     location = str(tmp_path / "buffer")
-    writer = make(location)
-    stored = [episode(seed) for seed in range(2)]
-    for data in stored:
-        writer.store_episode(**data)
+    writer, stored = two_hot_episodes(location)
     reader = open_reader(location)
     for slot in (1, 0, 1):
         assert np.array_equal(frames(reader, slot)["gather"], stored[slot]["image"])
@@ -524,10 +527,7 @@ def test_a_hot_shard_copied_over_another_slot_s_is_never_served_from_a_map(tmp_p
     over slot 1's (after slot 1 was mapped) is left to the usual path, which names it; slot 0's
     own map still serves."""
     location = str(tmp_path / "buffer")
-    writer = make(location)
-    stored = [episode(seed) for seed in range(2)]
-    for data in stored:
-        writer.store_episode(**data)
+    writer, stored = two_hot_episodes(location)
     assert is_hot(writer, 0) and is_hot(writer, 1)
     reader = open_reader(location)
     assert np.array_equal(frames(reader, 1)["gather"], stored[1]["image"])
