@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +93,8 @@ class Field:
 
     @property
     def step_nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        # math.prod: np.prod costs ~7 us a call, and cache reads ask this for every map they open
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def dimension_names(self, per_episode: bool = False) -> tuple[str, ...]:
         """Axis names of the stored array: ``episode``, ``time`` (data fields only), then the
