@@ -101,7 +101,7 @@ from .spans import Spans
 DEFAULT_CACHE_SIZE = 20 << 30
 #: maps a process keeps open per cached storage (no file descriptor each: ``_mapping.map_file``)
 MAX_OPEN_MAPS = 4096
-#: files whose check a process remembers (``CachedStorage._checked``): a map evicted and made
+#: files whose check a layer remembers (``CachedStorage._checked``): a map evicted and made
 #: again is not checked again
 MAX_CHECKED = 1 << 20
 #: seconds between two touches of a file a process keeps using (its LRU clock)
@@ -806,7 +806,9 @@ class CachedStorage(Storage):
         # subclass round trip per call, paid once per sampled episode per field
         rows = mapped[:size]
         identity = (st.st_ino, st.st_size)
-        if self._checked.get(path) != identity:  # a file is checked once per process (maps come and go)
+        # a file is checked once per layer (maps come and go), so each new layer (a loader's own
+        # cache='ram' one) checks it again: damage made since another layer's check is caught
+        if self._checked.get(path) != identity:
             if self._check_value(path, rows) != int.from_bytes(mapped[size:].tobytes(), "little"):
                 _unlink(path)  # damaged: fetched again by the caller
                 return None
