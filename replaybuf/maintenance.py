@@ -920,6 +920,12 @@ def verify(
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
     damage, damaged, entries, chunks, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    # a length some fields' data blame is restored only where every field that tells a length
+    # and the meta checksum (format 5) agree on it: a data file copied in from another buffer or
+    # an older copy blames a sound length, which the others still match
+    confirmed = _lengths_told(storage, schema, sorted(restore), meta)
+    damaged = sorted({*damaged, *(slot for slot, length in restore.items() if confirmed.get(slot) != length)})
+    restore = {slot: length for slot, length in restore.items() if confirmed.get(slot) == length}
     # lost lengths (reading 0): restored where the data's checksums tell one, else the episode is gone
     told = _lengths_told(storage, schema, lost, meta)
     restore.update(told)
