@@ -1093,7 +1093,9 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
     bookkeeping (``_SLOT_KEYS``) stays the same across two reads and no slot is caught between a
     commit's two writes (a state a killed writer leaves stays: it is returned as read). Slots
     still changing after ``_BOOKKEEPING_READS`` reads are returned as empty (length and
-    generation 0): their episode is being replaced, and is no damage."""
+    generation 0): their episode is being replaced, and is no damage. Damaged values or a
+    commit caught midway are read again only while a live writer holds the buffer: else they
+    stay as they are."""
     # the slots' keys first, the values they guard after, then the keys again (``_changed_slots``):
     # a commit or an edit writing a slot's values or checksum meanwhile moves its keys
     stored = bookkeeping_fields(schema)
@@ -1117,10 +1119,9 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         # values that fail their checksum are read again too: an edit of them may have landed
         # between the reads of the values and of their checksums
         damaged = _damaged_meta(meta, schema, flux, _summed(storage, schema))
-        if (
-            not flux
-            and not len(damaged)
-            and not (lens is not None and generations is not None and _midway(lens, generations))
+        if not flux and (
+            not (len(damaged) or (lens is not None and generations is not None and _midway(lens, generations)))
+            or storage.writer_lease().live_holder() is None  # no writer to finish what reads damaged
         ):
             break
         time.sleep(0.01)
