@@ -52,6 +52,7 @@ from .storage.base import (
     check_state,
     committed_without_length,
     make_storage,
+    unpublished_slots,
 )
 from .storage.lease import BufferLockedError, describe_holder
 
@@ -938,6 +939,8 @@ def verify(
         for s in _damaged_meta(meta, schema, set(), _summed(storage, schema))
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
+    if "_generation" in meta:  # a lost generation (read as 0): the episode's order is unknown
+        damaged = sorted({*damaged, *unpublished_slots(lens, meta["_generation"]).tolist()})
     values = {slot: found for slot, found in diagnosed.items() if found is not None}
     # a length the meta checksum restores (format 5) is restored once, as that value
     restore = {slot: length for slot, length in restore.items() if values.get(slot, ("",))[0] != "episode_lens"}

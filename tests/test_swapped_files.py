@@ -392,3 +392,28 @@ def test_a_zarr_frame_shard_of_another_length_blames_neither_the_length_nor_the_
         np.testing.assert_array_equal(
             reader.get_all_data()["frame"][2, :5], _committed("a", built.case, (5, 7, 5))[2]["frame"]
         )
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_verify_repair_drops_the_episode_whose_generation_an_older_copy_lost(buffers, tmp_path, backend):
+    """A's generations restored from the copy taken before slot 2 was written: slot 2 holds a
+    length but no generation. Before: ``verify --repair`` raised that BufferDamagedError from
+    its own writable open and repaired nothing, so the buffer stayed unreadable."""
+    built = buffers[backend, "images"]
+    location = tmp_path / "a"
+    shutil.copytree(built.a, location)
+    generations = "meta/_generation/c.0" if backend == "zarr" else "_generation.data.meta.npy"
+    shutil.copyfile(built.older / generations, location / generations)
+    with pytest.raises(BufferDamagedError, match=r"committed slots \[2\] have generation 0"):
+        ReplayBuffer.from_folder(str(location), read_only=True)
+    assert (
+        verify(str(location), repair=True)[-1]
+        == "repaired: dropped the damaged episodes in slots [2]; 2 episodes remain"
+    )
+    expected = _committed("a", built.case, built.case.a_lengths)
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
+        everything = reader.get_all_data()
+    assert np.asarray(everything["episode_lens"]).tolist() == [5, 7, 0]
+    for slot in (0, 1):
+        for name in built.case.fields:
+            _check_rows(everything[name][slot], slot, expected[slot], name)
