@@ -52,6 +52,7 @@ from .storage.base import (
     check_state,
     committed_without_length,
     make_storage,
+    unpublished_slots,
 )
 from .storage.lease import BufferLockedError, describe_holder
 
@@ -920,6 +921,12 @@ def verify(
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
     damage, damaged, entries, chunks, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    # a length some fields' data blame is restored only where every field that tells a length
+    # and the meta checksum (format 5) agree on it: a data file copied in from another buffer or
+    # an older copy blames a sound length, which the others still match
+    confirmed = _lengths_told(storage, schema, sorted(restore), meta)
+    damaged = sorted({*damaged, *(slot for slot, length in restore.items() if confirmed.get(slot) != length)})
+    restore = {slot: length for slot, length in restore.items() if confirmed.get(slot) == length}
     # lost lengths (reading 0): restored where the data's checksums tell one, else the episode is gone
     told = _lengths_told(storage, schema, lost, meta)
     restore.update(told)
@@ -932,6 +939,8 @@ def verify(
         for s in _damaged_meta(meta, schema, set(), _summed(storage, schema))
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
+    if "_generation" in meta:  # a lost generation (read as 0): the episode's order is unknown
+        damaged = sorted({*damaged, *unpublished_slots(lens, meta["_generation"]).tolist()})
     values = {slot: found for slot, found in diagnosed.items() if found is not None}
     # a length the meta checksum restores (format 5) is restored once, as that value
     restore = {slot: length for slot, length in restore.items() if values.get(slot, ("",))[0] != "episode_lens"}
@@ -1087,7 +1096,9 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
     bookkeeping (``_SLOT_KEYS``) stays the same across two reads and no slot is caught between a
     commit's two writes (a state a killed writer leaves stays: it is returned as read). Slots
     still changing after ``_BOOKKEEPING_READS`` reads are returned as empty (length and
-    generation 0): their episode is being replaced, and is no damage."""
+    generation 0): their episode is being replaced, and is no damage. Damaged values or a
+    commit caught midway are read again only while a live writer holds the buffer: else they
+    stay as they are."""
     # the slots' keys first, the values they guard after, then the keys again (``_changed_slots``):
     # a commit or an edit writing a slot's values or checksum meanwhile moves its keys
     stored = bookkeeping_fields(schema)
@@ -1111,10 +1122,9 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         # values that fail their checksum are read again too: an edit of them may have landed
         # between the reads of the values and of their checksums
         damaged = _damaged_meta(meta, schema, flux, _summed(storage, schema))
-        if (
-            not flux
-            and not len(damaged)
-            and not (lens is not None and generations is not None and _midway(lens, generations))
+        if not flux and (
+            not (len(damaged) or (lens is not None and generations is not None and _midway(lens, generations)))
+            or storage.writer_lease().live_holder() is None  # no writer to finish what reads damaged
         ):
             break
         time.sleep(0.01)

@@ -744,25 +744,26 @@ class EpisodeChecksums:
     def _fail(self, name: str, episode: int, steps: int, expected: int) -> None:
         """Raise for committed ``episode`` failing its entry ``expected`` over ``steps`` steps:
         EpisodeLengthError when its data matches the entry at another length (the length is
-        damaged, not the data), ChecksumEntryError when a format-2 entry (no tag to check
-        itself) is one flipped bit away from the data's crc, else CorruptChunkError naming the
-        data file."""
+        damaged, or, from format 5, maybe the data file is another episode's), ChecksumEntryError
+        when a format-2 entry (no tag to check itself) is one flipped bit away from the data's
+        crc, else CorruptChunkError naming the data file and checksums.npy (either may be the
+        one copied in from elsewhere)."""
         if not self.tagged:
             self._check_entry_bit(name, episode, steps, expected)
         matches = [n for n in self._lengths_matching(name, episode, expected) if n != steps]
         if matches:
-            raise EpisodeLengthError(
-                f"meta/episode_lens: slot {episode} holds {steps} steps, but its data/{name} matches its "
-                f"checksum at {matches[0]} steps: the length is damaged, not the data "
-                f"({self.storage.data_file('episode_lens', meta=True)}). `replaybuf verify --repair` restores it",
-                field="meta/episode_lens",
-                slot=episode,
-                steps=(0, steps),
-                location=self.storage.data_file("episode_lens", meta=True),
-                matches=matches[0],
+            raise EpisodeLengthError.found(
+                f"data/{name}",
+                episode,
+                steps,
+                "matches its checksum at",
+                matches[0],
+                self.storage.data_file("episode_lens", meta=True),
+                self.storage.data_file(name),
+                self.storage.sums_lengths,
             )
-        raise CorruptChunkError.at(
-            f"data/{name}", episode, (0, steps), self.storage.data_file(name), "episode fails its crc32c"
+        raise CorruptChunkError.against_kept(
+            f"data/{name}", episode, (0, steps), self.storage.data_file(name), self.path
         )
 
     def _check_entry_bit(self, name: str, episode: int, steps: int, expected: int) -> None:

@@ -732,7 +732,7 @@ class ZarrStorage(KVBlobs, Storage):
         n = int(committed[bad[0]])
         self._check_entry_bit(name, slot, n, int(sums[bad[0]]), out[picked[0], :n])
         self._check_length(name, slot, n, int(sums[bad[0]]))
-        raise CorruptChunkError.at(f"data/{name}", slot, (0, n), where, "episode fails its crc32c")
+        raise CorruptChunkError.against_kept(f"data/{name}", slot, (0, n), where, self.kv.where(CHECKSUMS_KEY))
 
     def _check_length(self, name: str, slot: int, n: int, entry: int) -> None:
         """Raise EpisodeLengthError when the stored steps of ``slot`` of packed field ``name``
@@ -776,17 +776,21 @@ class ZarrStorage(KVBlobs, Storage):
         self, path: str, slot: int, n: int, matches: int, how: str = "holds whole frames of"
     ) -> EpisodeLengthError:
         """The error for ``slot``'s stored length ``n`` where the data of array ``path`` says
-        ``matches`` steps: the length is damaged, not the data."""
+        ``matches`` steps (``EpisodeLengthError.found``)."""
         lens = self.array("episode_lens", meta=True)
-        where = self.kv.where(lens.chunk_key((slot // lens.chunks[0],)))
-        return EpisodeLengthError(
-            f"meta/episode_lens: slot {slot} holds {n} steps, but its {path} {how} {matches} steps: the length "
-            f"is damaged, not the data ({where}). `replaybuf verify --repair` restores it",
-            field="meta/episode_lens",
-            slot=slot,
-            steps=(0, n),
-            location=where,
-            matches=matches,
+        array = self.array(path.split("/", 1)[1])
+        key = (
+            array.shard_key(slot) if isinstance(array, ShardedArray) else array.chunk_key((slot // array.chunks[0], 0))
+        )
+        return EpisodeLengthError.found(
+            path,
+            slot,
+            n,
+            how,
+            matches,
+            self.kv.where(lens.chunk_key((slot // lens.chunks[0],))),
+            self.kv.where(key),
+            self.sums_lengths,
         )
 
     def _check_entry_bit(self, name: str, slot: int, n: int, entry: int, row: np.ndarray) -> None:

@@ -175,6 +175,22 @@ class CorruptChunkError(StorageError):
             location=location,
         )
 
+    @classmethod
+    def against_kept(
+        cls, field: str, slot: int, steps: tuple[int, int], location: str, checksums: str
+    ) -> CorruptChunkError:
+        """The error for an episode whose data at ``location`` fails the crc32c kept apart from
+        it in ``checksums``: its data is damaged, or one of the two files was copied in from
+        another buffer or an older copy, which neither file alone can tell; both are named."""
+        return cls.at(
+            field,
+            slot,
+            steps,
+            location,
+            f"episode fails its crc32c kept in {checksums} (its data is damaged, or this data file or that "
+            "checksum file was copied in from another buffer or an older copy)",
+        )
+
 
 class ChecksumEntryError(CorruptChunkError):
     """The stored checksum of an episode is damaged, not (as far as can be told) its data: an
@@ -205,11 +221,35 @@ class EpisodeLengthError(CorruptChunkError):
     checksum at the length ``meta/episode_lens`` holds and matches it at ``matches`` steps (0:
     unknown; memmap, hdf5: the checksum entries do not depend on the length). ``location`` names the
     lengths' file; ``replaybuf verify --repair`` restores the length instead of dropping the
-    episode."""
+    episode. From format 5, where the meta checksum covers the length, the data file may be
+    the one that is not the episode's (``found``)."""
 
     def __init__(self, message: str, *, matches: int = 0, **facts: Any):
         super().__init__(message, **facts)
         self.matches = matches
+
+    @classmethod
+    def found(
+        cls, field: str, slot: int, length: int, data_says: str, matches: int, lengths: str, data: str, summed: bool
+    ) -> EpisodeLengthError:
+        """The error for ``slot`` stored with ``length`` steps (in file ``lengths``) whose data
+        of array ``field`` (file ``data``) ``data_says`` ``matches`` steps. Where ``_meta_sum``
+        covers lengths (``summed``: format 5), every open checked the length there, so a data
+        file copied in from another buffer or an older copy is as likely as a damaged length:
+        both files are named and neither is blamed; ``verify --repair`` restores the length
+        only where the meta checksum and every field agree on one, else drops the episode."""
+        said = f"meta/episode_lens: slot {slot} holds {length} steps, but its {field} {data_says} {matches} steps"
+        if summed:
+            message = (
+                f"{said}: the length, or that data file, is damaged or not this episode's (copied in from another "
+                f"buffer or an older copy) ({lengths}; {data}). `replaybuf verify --repair` restores the length "
+                "where the slot's meta checksum and every field agree on one, else drops the episode"
+            )
+        else:
+            message = (
+                f"{said}: the length is damaged, not the data ({lengths}). `replaybuf verify --repair` restores it"
+            )
+        return cls(message, field="meta/episode_lens", slot=slot, steps=(0, length), location=lengths, matches=matches)
 
 
 class LostLengthError(EpisodeLengthError, BufferDamagedError):
