@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -274,6 +275,27 @@ def test_a_format_6_zarr_config_without_its_uuid_is_refused_by_name(tmp_path):
     for read_only in (True, False):
         with pytest.raises(BufferDamagedError, match=binds):
             ReplayBuffer.from_folder(path, read_only=read_only)
+
+
+@pytest.mark.parametrize("document", ["zarr.json", "data/frame/zarr.json"])
+def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_drops_nothing(tmp_path, document):
+    """Each shard is bound to the config's uuid: one flipped character of it read every shard as
+    another buffer's, and ``verify --repair`` would drop every episode. The sharded arrays'
+    documents keep a second copy: the open refuses the disagreement, naming both documents."""
+    path = _newest("zarr", tmp_path)
+    stored = json.loads((path / document).read_text())
+    uuid = stored["attributes"]["uuid" if document == "zarr.json" else "shards_bound_to"]
+    flipped = uuid[:5] + ("0" if uuid[5] != "0" else "1") + uuid[6:]
+    (path / document).write_text((path / document).read_text().replace(uuid, flipped))
+    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    disagree = (
+        r"data/frame/zarr\.json in .*: its shards are bound to the buffer uuid .*, but the config in .*zarr\.json"
+    )
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=disagree):
+            ReplayBuffer.from_folder(path, read_only=read_only)
+    assert any(re.search(disagree, line) for line in verify(path, repair=True))
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
 
 
 def test_upgrade_keeps_a_backup_when_asked(tmp_path):

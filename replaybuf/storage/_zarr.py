@@ -109,6 +109,10 @@ SHARD_BINDING_FORMAT = 5
 # the first format whose shards' bindings name their buffer too (its uuid): a format-5 buffer's
 # bindings name only the field and slot, and it keeps them so (an earlier release writes it)
 BUFFER_BINDING_FORMAT = 6
+# the attribute of a sharded array's document (format 6) holding the uuid its shards are bound
+# to: a second copy of the config's, so that a damaged config uuid is refused by name at the
+# open, never every shard read as another buffer's (which ``verify --repair`` would drop)
+SHARDS_BOUND_TO = "shards_bound_to"
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
@@ -352,6 +356,7 @@ class ZarrStorage(KVBlobs, Storage):
                     fill_value=0,
                     chunk_key_encoding=FLAT_KEYS,
                     dimension_names=field.dimension_names(),
+                    attributes={SHARDS_BOUND_TO: schema.uuid} if is_sharded(field) else None,
                 )
             for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
                 _create_meta_array(meta, field, schema.max_episodes)
@@ -496,6 +501,7 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
+        _check_bound_to(where, parsed, array, self.describe_key(ROOT_DOCUMENT))
         held, created = _chunk_layout(parsed), _chunk_layout(recorded)
         if held is not None and created is not None and held != created:
             raise BufferDamagedError(
@@ -1176,6 +1182,22 @@ def _unmeasured(attributes: dict, schema: Schema | None, where: str) -> set[str]
 # the chunk key encoding replaybuf writes (``FLAT_KEYS``) as a zarr v3 document holds it
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
 _LITTLE_ENDIAN = {"endian": "little"}
+
+
+def _check_bound_to(where: str, doc: dict, array: ChunkedArray, root: str) -> None:
+    """Refuse a sharded array whose document ``doc`` names another uuid than the config's
+    (``root``), which its shards are bound to (format 6: ``SHARDS_BOUND_TO``)."""
+    binding = array.binding if isinstance(array, ShardedArray) else None
+    if binding is None or binding.buffer is None:
+        return
+    attributes = doc.get("attributes")
+    held = attributes.get(SHARDS_BOUND_TO) if isinstance(attributes, dict) else None
+    if held != binding.buffer:
+        raise BufferDamagedError(
+            f"{where}: its shards are bound to the buffer uuid {held!r}, but the config in {root} holds "
+            f"{binding.buffer!r}: one of the two was damaged or edited; restore it (a shard's binding holds the "
+            "crc32c of the uuid it was written under and its field's name)"
+        )
 
 
 def _check_document(where: str, doc: dict) -> None:
