@@ -272,7 +272,8 @@ def convert(
     """Copy the buffer at ``src`` (any backend, or a memmap-replay-buffer folder) to ``dst``.
 
     Every committed episode keeps its slot, meta values and chronological order, and the
-    counters are carried over, so the copy continues exactly where the source stood. Episodes
+    counters are carried over, so the copy continues exactly where the source stood; the copy
+    is a buffer of its own (a new uuid, which zarr binds its shards to). Episodes
     stream in slabs of about 64 MB; the copy is checked (episodes, lengths, order) at the end.
 
     Parameters
@@ -299,8 +300,9 @@ def convert(
     check_apart(src, storage_options, dst, dst_storage_options)
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)
-    if target_schema.uuid is None:  # a buffer of a format before uuids gets one, as a new buffer does
-        target_schema = dataclasses.replace(target_schema, uuid=new_uuid())
+    # the copy is a buffer of its own, as any new one: zarr binds its shards to this uuid, so
+    # neither the source's shards nor those of another copy of it read as the copy's
+    target_schema = dataclasses.replace(target_schema, uuid=new_uuid())
     target = make_storage(dst, backend, dst_storage_options)
     if not overwrite and target.exists():
         raise FileExistsError(
@@ -581,7 +583,8 @@ def _check_upgrade_writable(folder: str) -> None:
 
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
     """Rewrite the local buffer at ``path``, written in an earlier on-disk format, in the newest
-    format its backend writes (checksums, packed small fields, a buffer uuid), in place.
+    format its backend writes (checksums, packed small fields, shards bound to the buffer), in
+    place; the upgraded buffer has a new uuid (readers of the original see it replaced).
 
     Earlier formats open and write as they are; upgrading adds what they lack (a format 1
     buffer's reads are not checked against checksums). The buffer is copied with ``convert``

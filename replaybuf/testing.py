@@ -25,6 +25,7 @@ This module imports pytest; ``import replaybuf`` does not import this module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -36,6 +37,7 @@ import pytest
 from . import metasums
 from .metasums import META_SUM
 from .schema import Schema
+from .storage import new_uuid
 from .storage.base import (
     BufferNotFoundError,
     GenerationMismatchError,
@@ -101,7 +103,9 @@ class StorageTests:
         raise NotImplementedError("a StorageTests subclass defines the storage_factory fixture")
 
     def schema(self) -> Schema:
-        return Schema.build(self.fields, self.meta_fields, self.max_episodes, self.max_timesteps)
+        """The suite's schema, with a new uuid, as ``ReplayBuffer`` gives every buffer it creates."""
+        schema = Schema.build(self.fields, self.meta_fields, self.max_episodes, self.max_timesteps)
+        return dataclasses.replace(schema, uuid=new_uuid())
 
     def write(
         self,

@@ -45,7 +45,8 @@ from replaybuf.storage import make_storage
 from replaybuf.viewer import BufferApp
 
 from ._backends import LOCAL_BACKENDS, require
-from ._data import released_copy
+from ._data import random_episode, released_copy
+from .data.make_fixtures import expected_episode
 from .test_hot_tier import is_hot_file
 
 h5py = require("h5py")
@@ -625,13 +626,14 @@ SHARD_HOT = [True, False]
 SHARD_STATES = ["hot", "compacted"]
 
 
-def _bound_shards(tmp_path: Path, hot: bool, fields: dict = FIELDS) -> str:
-    """A zarr buffer of the ``COLD_LENGTHS`` episodes, their frame shards hot (copied while its
-    writer runs, as a writer killed before compacting leaves them) or compacted (by its close)."""
+def _bound_shards(tmp_path: Path, hot: bool, fields: dict = FIELDS, first: int = 0) -> str:
+    """A zarr buffer of the ``COLD_LENGTHS`` episodes (``_episode(first + slot, ...)``), their
+    frame shards hot (copied while its writer runs, as a writer killed before compacting leaves
+    them) or compacted (by its close)."""
     written, location = tmp_path / "written", tmp_path / "buffer"
     writer = ReplayBuffer(str(written), MAX_EPISODES, MAX_TIMESTEPS, fields, META_FIELDS)
     for slot, length in enumerate(COLD_LENGTHS):
-        writer.store_episode(**_episode(slot, length))
+        writer.store_episode(**_episode(first + slot, length))
     writer.flush()
     if hot:
         shutil.copytree(written, location)
@@ -657,6 +659,9 @@ READS_OF_SLOT_1: dict[str, Callable[[str, str], object]] = {
     "data[...]": lambda location, cache: _open(location).data["frame"][1, :2],
     "trajectories": lambda location, cache: list(_open(location).dataloader(batch_size=3)),
     "timesteps": lambda location, cache: list(_open(location).dataloader(batch_size=64, timestep_level=True)),
+    "n-steps": lambda location, cache: list(
+        _open(location).dataloader(batch_size=64, n_steps=2, current_fields=("frame",), next_fields=("frame",))
+    ),
     "gather": lambda location, cache: _open(location).storage.gather("frame", np.array([0, 1]), np.array([0, 2])),
     "cache fill": lambda location, cache: _open(location, cache="disk", cache_dir=cache).warm_cache(),
 }
@@ -711,6 +716,87 @@ def test_a_zarr_shard_of_another_field_is_damage_naming_that_field(tmp_path):
     _shard(location, 1).write_bytes(_shard(location, 1, "depth").read_bytes())
     with pytest.raises(CorruptChunkError, match=r"data/frame: slot 1, .*holds slot 1's data of data/depth, not of"):
         _open(location).get_all_data()
+
+
+# ---- zarr shards bound to their buffer (format 6) -------------------------------------------------
+
+FOREIGN = (
+    r"data/frame: slot 1, .*: the shard holds slot 1's data of another buffer \(or of a field this buffer does "
+    r"not have\), not of data/frame: it was copied or moved here"
+)
+
+
+def _copy_shard(source: str, target: str, slot: int) -> None:
+    """Copy the buffer at ``source``'s frame shard of ``slot`` over that of the buffer at ``target``."""
+    _shard(target, slot).write_bytes(_shard(source, slot).read_bytes())
+
+
+def _two_buffers(tmp_path: Path, hot: bool) -> tuple[str, str]:
+    """Two zarr buffers of the same config and lengths holding other episodes, each its own uuid."""
+    return _bound_shards(tmp_path / "a", hot), _bound_shards(tmp_path / "b", hot, first=len(COLD_LENGTHS))
+
+
+@pytest.mark.parametrize("read", sorted(READS_OF_SLOT_1))
+@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
+def test_a_zarr_frame_shard_of_another_buffer_is_damage(tmp_path, hot, read):
+    """Before: buffer B's shard of slot 1 copied over buffer A's read back as A's episode (B's
+    frames beside A's states): its binding named only field and slot. Each read path that
+    reaches slot 1 names the file and says the shard is another buffer's."""
+    a, b = _two_buffers(tmp_path, hot)
+    _copy_shard(b, a, 1)
+    with pytest.raises(CorruptChunkError, match=FOREIGN) as error:
+        READS_OF_SLOT_1[read](a, str(tmp_path / "cache"))
+    assert error.value.slot == 1 and str(_shard(a, 1)) in str(error.value)
+
+
+@pytest.mark.filterwarnings("ignore:compaction left the shard")  # the repair's writer finds slot 1 hot
+@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
+def test_verify_names_a_zarr_shard_of_another_buffer_and_repair_drops_that_episode_alone(tmp_path, hot):
+    """``verify --repair`` never re-seals a shard of another buffer into place: the episode goes."""
+    a, b = _two_buffers(tmp_path, hot)
+    _copy_shard(b, a, 1)
+    assert [re.search(FOREIGN, line) is not None for line in verify(a) if "data/frame" in line] == [True]
+    assert "repaired: dropped the damaged episodes in slots [1]" in "\n".join(verify(a, repair=True))
+    assert verify(a) == []
+    reader = _open(a)
+    assert reader.valid_episodes().tolist() == [0, 2]
+    for slot in (0, 2):
+        np.testing.assert_array_equal(reader.episode_frames(slot, "frame"), _episode(slot, COLD_LENGTHS[slot])["frame"])
+
+
+def test_frame_shards_swapped_between_two_buffers_are_refused(tmp_path):
+    """The lead's report: two buffers of one config, two episodes each; B's frame shards of
+    slots 0 and 1 copied over A's. ``get_all_data`` returned B's frames beside A's actions."""
+    fields = {"frame": ("uint8", (84, 84, 3)), "action": ("float", 2), "reward": "float"}
+    locations = [str(tmp_path / name) for name in ("a", "b")]
+    for seed, location in enumerate(locations):
+        with ReplayBuffer(location, 4, 20, fields) as writer:
+            for episode in range(2):
+                writer.store_episode(**random_episode(fields, 10, 2 * seed + episode))
+    for slot in (0, 1):
+        _copy_shard(locations[1], locations[0], slot)
+    with pytest.raises(CorruptChunkError, match=r"data/frame: slot 0, .*holds slot 0's data of another buffer"):
+        _open(locations[0]).get_all_data()
+    assert len([line for line in verify(locations[0]) if "of another buffer" in line]) == 2
+
+
+def test_a_format_5_zarr_shard_of_another_buffer_still_reads_as_that_slot_s(tmp_path):
+    """The documented limit of format 5 (kept as it was: an earlier release writes it): its
+    bindings name field and slot only, so another format-5 buffer's shard of the slot reads as
+    the slot's frames; a shard moved to another slot is still named."""
+    a, b = released_copy("format-v5", "zarr", tmp_path / "a"), released_copy("format-v5", "zarr", tmp_path / "b")
+    other = expected_episode(1)  # what a's slot 1 holds (3 steps), other frames
+    other["frame"] = 255 - other["frame"]
+    with ReplayBuffer.from_folder(b) as writer:  # into slot 1, the oldest
+        writer.store_episode(**other)
+    _copy_shard(b, a, 1)
+    reader = _open(a)
+    assert reader.storage.format_version == 5
+    np.testing.assert_array_equal(reader.episode_frames(1, "frame"), other["frame"])
+    assert verify(a) == []
+    _shard(a, 2).write_bytes(_shard(a, 0).read_bytes())
+    with pytest.raises(CorruptChunkError, match=r"data/frame: slot 2, .*holds slot 0's data, not slot 2's"):
+        _open(a).get_all_data()
 
 
 def test_a_zarr_length_grown_by_a_flipped_bit_is_restored_not_the_episode_dropped(tmp_path):

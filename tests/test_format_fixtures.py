@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,7 +36,7 @@ FORMATS = [
     (version, backend)
     for version in ("format-v1", "format-v2", "format-v3", "format-v4", "format-v5")
     for backend in ("zarr", "memmap", "hdf5")
-]
+] + [("format-v6", "zarr")]  # format 6 binds zarr shards to their buffer: memmap and hdf5 stay format 5
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -79,20 +80,24 @@ def test_released_format_writes(version, backend, tmp_path):
     assert _stored_version(path, backend) == stored
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
     assert _keeps_meta_sums(path) == (stored >= 4)
-    if backend == "zarr":  # the new episode's shard, as every other, bound to its slot from format 5 only
-        assert [_shard_bound(path, slot) for slot in range(3)] == [stored >= 5] * 3
+    if backend == "zarr":  # the new episode's shard, as every other, bound to its slot from format 5 only,
+        # to its buffer too from format 6 only
+        assert [_shard_bound(path, slot) for slot in range(3)] == [stored == 5] * 3
+        assert [_shard_bound(path, slot, to_buffer=True) for slot in range(3)] == [stored >= 6] * 3
 
 
-def _shard_bound(path: Path, slot: int) -> bool:
+def _shard_bound(path: Path, slot: int, to_buffer: bool = False) -> bool:
     """Whether the zarr buffer at ``path`` holds a frame shard for ``slot`` bound to data/frame
-    and that slot (the 16 bytes before its index: ``ShardBinding``)."""
+    and that slot (the 16 bytes before its index: ``ShardBinding``), and with ``to_buffer`` to
+    the buffer's uuid too (format 6)."""
     storage = make_storage(str(path))
-    storage.open(read_only=True)
+    schema = storage.open(read_only=True)
     array = storage.array("frame")
     data = array.kv.get(array.shard_key(slot))
     storage.close()
     index = 16 * array.inner_per_shard + 4
-    return data is not None and ShardBinding("frame").problem(data[-index - ShardBinding.NBYTES : -index], slot) is None
+    binding = ShardBinding("frame", buffer=schema.uuid if to_buffer else None)
+    return data is not None and binding.problem(data[-index - ShardBinding.NBYTES : -index], slot) is None
 
 
 def _keeps_meta_sums(path: Path) -> bool:
@@ -174,7 +179,7 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 
 # ---- replaybuf upgrade ---------------------------------------------------------------------------
 
-NEWEST = {"zarr": 5, "memmap": 5, "hdf5": 5}
+NEWEST = {"zarr": 6, "memmap": 5, "hdf5": 5}
 
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
@@ -195,8 +200,8 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
     assert verify(path) == []
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (backend != "zarr")  # format 2 checks reads
     assert _keeps_meta_sums(path)  # format 4: every committed slot's meta values checked from now on
-    if backend == "zarr":  # format 5: each shard bound to its slot (the copy goes through the write path)
-        assert all(_shard_bound(path, slot) for slot in range(3))
+    if backend == "zarr":  # format 6: each shard bound to its slot and buffer (the copy goes through the write path)
+        assert all(_shard_bound(path, slot, to_buffer=True) for slot in range(3))
     writer = ReplayBuffer.from_folder(path)
     writer.store_episode(**expected_episode(0))  # continues where the original stood: slot 1
     assert writer.valid_episodes().tolist() == [2, 0, 1]
@@ -210,9 +215,9 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
 
 
 def _newest(backend: str, tmp_path: Path) -> Path:
-    """A copy of the newest released fixture (the format this release writes)."""
+    """A copy of the newest released fixture of ``backend`` (the format this release writes)."""
     path = tmp_path / backend
-    shutil.copytree(os.path.join(DATA, "format-v5", backend), path)
+    shutil.copytree(os.path.join(DATA, f"format-v{NEWEST[backend]}", backend), path)
     return path
 
 
@@ -222,7 +227,7 @@ def test_upgrade_of_the_newest_format_changes_nothing(tmp_path, capsys):
     assert upgrade(path)["upgraded"] is False
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == files
     assert cli_main(["upgrade", str(path)]) == 0
-    assert "already in format 5" in capsys.readouterr().out
+    assert "already in format 6" in capsys.readouterr().out
 
 
 def test_an_upgraded_zarr_buffer_calls_a_shard_moved_to_another_slot_damage(tmp_path):
@@ -238,6 +243,59 @@ def test_an_upgraded_zarr_buffer_calls_a_shard_moved_to_another_slot_damage(tmp_
         " ".join(problems)
     )
     assert verify(path) == [] and ReplayBuffer.from_folder(path, read_only=True).valid_episodes().tolist() == [1, 0]
+
+
+def test_an_upgraded_zarr_buffer_is_another_buffer_whose_shards_its_original_s_are_not(tmp_path):
+    """The upgraded buffer has a uuid of its own (a reader of the original sees it replaced) and
+    binds its shards to it: a shard of the format-5 original (kept as the backup) copied into it
+    is refused, naming the file."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v5", "zarr"), path)
+    backup = Path(upgrade(path, keep_backup=True, progress=False)["backup"])
+    uuids = [json.loads((p / "zarr.json").read_text())["attributes"]["uuid"] for p in (path, backup)]
+    assert uuids[0] != uuids[1]
+    shard = path / "data" / "frame" / "c.1.0.0.0.0"
+    shard.write_bytes((backup / "data" / "frame" / "c.1.0.0.0.0").read_bytes())
+    with pytest.raises(
+        CorruptChunkError, match=r"data/frame: slot 1, .*holds slot 1's data of another buffer"
+    ) as error:
+        ReplayBuffer.from_folder(path, read_only=True).get_all_data()
+    assert str(shard) in str(error.value)
+
+
+def test_a_format_6_zarr_config_without_its_uuid_is_refused_by_name(tmp_path):
+    """Format 6 binds each shard to the uuid: a config that lost it is damage named at the open
+    (not every shard read as another buffer's)."""
+    path = _newest("zarr", tmp_path)
+    root = path / "zarr.json"
+    document = json.loads(root.read_text())
+    del document["attributes"]["uuid"]
+    root.write_text(json.dumps(document))
+    binds = r"zarr\.json in .*: invalid buffer config: format 6 binds each shard to the buffer's uuid, and the config holds none"
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=binds):
+            ReplayBuffer.from_folder(path, read_only=read_only)
+
+
+@pytest.mark.parametrize("document", ["zarr.json", "data/frame/zarr.json"])
+def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_drops_nothing(tmp_path, document):
+    """Each shard is bound to the config's uuid: one flipped character of it read every shard as
+    another buffer's, and ``verify --repair`` would drop every episode. The sharded arrays'
+    documents keep a second copy: the open refuses the disagreement, naming both documents."""
+    path = _newest("zarr", tmp_path)
+    stored = json.loads((path / document).read_text())
+    uuid = stored["attributes"]["uuid" if document == "zarr.json" else "shards_bound_to"]
+    flipped = uuid[:5] + ("0" if uuid[5] != "0" else "1") + uuid[6:]
+    (path / document).write_text((path / document).read_text().replace(uuid, flipped))
+    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    disagree = (
+        r"data/frame/zarr\.json in .*: its shards are bound to the buffer uuid .*, but the config in .*zarr\.json"
+    )
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=disagree):
+            ReplayBuffer.from_folder(path, read_only=read_only)
+    assert any(re.search(disagree, line) for line in verify(path, repair=True))
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
 
 
 def test_upgrade_keeps_a_backup_when_asked(tmp_path):
@@ -284,14 +342,19 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
 
 @pytest.mark.parametrize(
     ("version", "backend"),
-    [("format-v1", "hdf5"), ("format-v3", "zarr"), ("format-v3", "memmap"), ("format-v4", "zarr")],
+    [
+        ("format-v1", "hdf5"),
+        ("format-v3", "zarr"),
+        ("format-v3", "memmap"),
+        ("format-v4", "zarr"),
+        ("format-v5", "zarr"),
+    ],
 )
 def test_info_points_an_earlier_format_to_upgrade(version, backend, capsys):
     assert cli_main(["info", os.path.join(DATA, version, backend)]) == 0
     stored = version.rsplit("v", 1)[1]
-    assert f"format     {stored}, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format 5" in (
-        capsys.readouterr().out
-    )
+    said = f"format     {stored}, written by an earlier replaybuf: `replaybuf upgrade` rewrites it in format"
+    assert f"{said} {NEWEST[backend]}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])

@@ -522,27 +522,34 @@ def test_a_byte_flipped_in_a_mapped_frame_is_named(tmp_path, monkeypatch, limit)
     writer.close()
 
 
-def test_a_hot_shard_copied_over_another_slot_s_is_never_served_from_a_map(tmp_path):
-    """The maps check a shard's binding to its slot when they map it: slot 0's hot shard copied
-    over slot 1's (after slot 1 was mapped) is left to the usual path, which names it; slot 0's
-    own map still serves."""
+# where the shard copied over slot 1's comes from -> what the usual path says of it
+COPIED_FROM = {
+    "slot 0": "holds slot 0's data, not slot 1's",
+    "another buffer": "holds slot 1's data of another buffer \\(or of a field this buffer does not have\\)",
+}
+
+
+@pytest.mark.parametrize("source", sorted(COPIED_FROM))
+def test_a_hot_shard_copied_from_another_slot_or_buffer_is_never_served_from_a_map(tmp_path, source):
+    """The maps check a shard's binding to its slot (and, format 6, its buffer) when they map
+    it: slot 0's hot shard, or slot 1's of another buffer, copied over slot 1's (after slot 1
+    was mapped) is left to the usual path, which names it; slot 0's own map still serves."""
     location = str(tmp_path / "buffer")
     writer, stored = two_hot_episodes(location)
+    other, _ = two_hot_episodes(str(tmp_path / "other")) if source == "another buffer" else (writer, stored)
     assert is_hot(writer, 0) and is_hot(writer, 1)
     reader = open_reader(location)
     assert np.array_equal(frames(reader, 1)["gather"], stored[1]["image"])
     time.sleep(CLOCK_TICK_S)
     path = shard_file(writer, 1)
-    os.replace(_copy(shard_file(writer, 0), path + ".new"), path)
+    os.replace(_copy(shard_file(other, 0 if source == "slot 0" else 1), path + ".new"), path)
     for read in (
         lambda: reader.storage.gather("image", np.array([1]), np.array([5])),
         lambda: reader.storage.gather("image", np.array([0, 1, 0, 1]), np.array([5, 4, 2, 5])),  # mixed batch
         lambda: frames(reader, 1),
         reader.get_all_data,
     ):
-        with pytest.raises(
-            CorruptChunkError, match="data/image: slot 1, .*holds slot 0's data, not slot 1's"
-        ) as raised:
+        with pytest.raises(CorruptChunkError, match=f"data/image: slot 1, .*{COPIED_FROM[source]}") as raised:
             read()
         assert path in str(raised.value)
     assert shard_maps()._entries[path].map is None
@@ -550,6 +557,7 @@ def test_a_hot_shard_copied_over_another_slot_s_is_never_served_from_a_map(tmp_p
         assert np.array_equal(values, stored[0]["image"]), how
     writer.drop_episodes(1)
     writer.close()
+    other.close()
 
 
 def _read_truncated(location: str, path: str, ready, go, results) -> None:

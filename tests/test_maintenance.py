@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer
+from replaybuf import CorruptChunkError, ReplayBuffer
 from replaybuf.cli import main
 from replaybuf.maintenance import CLI_COMMANDS, convert, format_info, info, verify
 
@@ -289,3 +289,21 @@ def test_verify_repair_leaves_a_slot_a_writer_replaced_after_the_check(tmp_path,
     assert verify(folder) == []
     with ReplayBuffer.from_folder(folder, read_only=True) as after:
         assert after.valid_episodes().tolist() == [0, 2, 1] and int(after.meta_data["task_id"][1]) == 99
+
+
+def test_a_converted_copy_is_a_buffer_of_its_own_whose_shards_its_source_refuses(tmp_path):
+    """Before: the copy kept its source's uuid, so each read the other's frame shards as its own
+    (the same slot and field). Now the copy has a uuid of its own, which its shards are bound to."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    fields = {"frame": ("uint8", (32, 32, 4))}
+    with ReplayBuffer(src, 4, 6, fields=fields) as writer:
+        for i in range(2):
+            writer.store_episode(frame=np.full((3, 32, 32, 4), i + 1, np.uint8))
+    convert(src, dst, progress=False)
+    source, copy = (ReplayBuffer.from_folder(location, read_only=True) for location in (src, dst))
+    assert copy.schema.uuid is not None and copy.schema.uuid != source.schema.uuid
+    shard = os.path.join("data", "frame", "c.1.0.0.0.0")
+    with open(os.path.join(dst, shard), "rb") as f, open(os.path.join(src, shard), "wb") as out:
+        out.write(f.read())
+    with pytest.raises(CorruptChunkError, match=r"data/frame: slot 1, .*holds slot 1's data of another buffer"):
+        ReplayBuffer.from_folder(src, read_only=True).get_all_data()

@@ -24,6 +24,7 @@ from replaybuf import (
     StorageError,
 )
 from replaybuf.cli import main
+from replaybuf.storage import make_storage
 from replaybuf.storage.lease import LEASE_KEY
 
 pytest_plugins = ["tests._servers"]
@@ -236,3 +237,22 @@ def test_a_step_log_segment_over_what_a_writer_appends_is_refused_by_its_size(s3
     aside = re.search(r"copied to '([^']+)'", message)
     assert aside and buffer.storage.read_blob(aside.group(1)) == first
     buffer.close()
+
+
+def test_a_frame_shard_copied_from_another_buffer_is_refused_on_s3(s3_server):
+    """Buffer B's frame shard of slot 1 copied over buffer A's (same config, same slot) on S3:
+    the cached reader's fill names the object and says it is another buffer's (format 6)."""
+    options, urls = s3_server.storage_options, [new_url(s3_server) for _ in range(2)]
+    fields = {"frame": ("uint8", (32, 32, 4))}
+    for first, url in zip((1, 50), urls):
+        with ReplayBuffer(url, 4, 5, fields=fields, storage_options=options) as buffer:
+            for i in range(2):
+                buffer.store_episode(frame=np.full((3, 32, 32, 4), first + i, np.uint8))
+    a, b = (make_storage(url, storage_options=options).kv for url in urls)
+    key = "data/frame/c.1.0.0.0.0"
+    a.set(key, b.get(key))
+    with pytest.raises(
+        CorruptChunkError, match=r"data/frame: slot 1, .*holds slot 1's data of another buffer"
+    ) as error:
+        reader(urls[0], options).get_all_data()
+    assert key in str(error.value)

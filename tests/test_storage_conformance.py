@@ -16,7 +16,7 @@ from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatStorage
 from replaybuf.metasums import META_SUM, entries, summed_fields
 from replaybuf.schema import Schema
-from replaybuf.storage import Storage, make_storage
+from replaybuf.storage import Storage, make_storage, new_uuid
 from replaybuf.testing import StorageFactory, StorageTests, snapshot
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server, gcs_server
@@ -116,7 +116,9 @@ class TestConcat(StorageTests):
             if storage.exists():
                 storage.open(read_only=False)
             else:
-                storage.create(Schema(schema.fields, schema.meta_fields, count, timesteps), overwrite=False)
+                storage.create(
+                    Schema(schema.fields, schema.meta_fields, count, timesteps, uuid=new_uuid()), overwrite=False
+                )
             out.append(storage)
         return out
 

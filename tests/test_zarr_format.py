@@ -11,7 +11,8 @@ import zarr
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import chunk_cache
-from replaybuf.storage import _zarr
+from replaybuf.schema import Schema
+from replaybuf.storage import _zarr, make_storage
 
 
 @pytest.mark.parametrize("compressor", ["zstd", "zstd:7", "blosc-lz4", "blosc-zstd:3", "gzip:4", "none"])
@@ -108,7 +109,7 @@ def test_config_is_json_and_no_pickle_anywhere(tmp_path):
         x=np.ones((2, 2)), m=1
     )
     attributes = json.loads((path / "zarr.json").read_text())["attributes"]
-    assert attributes["version"] == 5 and attributes["fields"]["x"] == {
+    assert attributes["version"] == 6 and attributes["fields"]["x"] == {
         "dtype": "float32",
         "shape": [2],
         "default": 0.5,
@@ -177,3 +178,12 @@ def test_meta_rows_read_only_the_chunks_holding_them(tmp_path, monkeypatch):
         np.testing.assert_array_equal(storage.read_meta_rows("episode_lens", np.array(slots)), lens[slots])
     with pytest.raises(IndexError, match=r"meta/_generation: slots \[10, -1\] out of range - must be in \[0, 10\)"):
         storage.read_meta_rows("_generation", np.array([3, 10, -1]))
+
+
+def test_a_zarr_create_without_a_uuid_is_refused_before_anything_is_written(tmp_path):
+    """Each shard is bound to the buffer's uuid (format 6): a storage-level create of a schema
+    without one (ReplayBuffer and convert always give one) writes nothing."""
+    storage = make_storage(str(tmp_path / "b"), backend="zarr")
+    with pytest.raises(ValueError, match=r"its schema has no uuid, which each of its shards is bound to"):
+        storage.create(Schema.build({"frame": ("uint8", (32, 32, 4))}, None, 2, 4), overwrite=False)
+    assert not (tmp_path / "b").exists()

@@ -161,6 +161,10 @@ class HotTier:
                 try:
                     shard = None if data is None else array.compacted(slot, data)
                 except CorruptChunkError as e:
+                    if array.check_writable is not None:
+                        # a writer whose buffer was created again here read the new buffer's
+                        # shard (bound to another uuid): it is told so (BufferLockedError)
+                        array.check_writable()
                     with self.lock:
                         if (int(self.generations[slot]), int(self.versions[slot])) == (generation, version):
                             self.skipped.add((slot, version))

@@ -4,8 +4,8 @@ A hot shard on local disk holds each inner chunk raw behind blosc's 16-byte head
 its crc32c, one after another from offset 0, with its binding (format 5) and the zarr shard index at the end. Reading it
 frame by frame through ``pread`` cost ~17 us a frame (index lookup, read, crc32c, copy), 0.2-0.4x
 an ``np.memmap`` gather of the same frames. Here a reader maps each hot shard file once and
-checks its index (and, from format 5, its binding to the slot it is read for: a shard copied
-from another slot is never mapped), the headers of its chunks and every chunk's crc32c once (~2.5 us a frame
+checks its index (and, from format 5, its binding to the slot it is read for, from format 6 to
+the buffer too: a shard copied from another slot or buffer is never mapped), the headers of its chunks and every chunk's crc32c once (~2.5 us a frame
 here, as much as copying it), then copies frames straight from the maps: one fancy index over
 all of them for a timestep batch (``_strided.take_at``), one copy per episode for trajectories. While the maps fit (``MAX_MAPS``) a
 shard is checked whole when mapped; once maps are evicted, frame by frame as first read (a

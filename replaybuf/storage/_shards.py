@@ -8,9 +8,10 @@ for a writer's hot tier, ``_hot.py``; all-zero frames left out) and reads single
 small range reads (the index, then the coalesced frame bytes), once more with a fresh index when
 a compaction replaced the shard in between.
 
-From format 5 each shard is bound to its field and slot (``ShardBinding``): 16 bytes just before
-its index, read with it, so a shard copied or moved to another slot or field is damage naming
-where it came from, at no cost per frame (a checked index is cached as before).
+From format 5 each shard is bound to its field and slot (``ShardBinding``), from format 6 to its
+buffer too: 16 bytes just before its index, read with it, so a shard copied or moved to another
+slot, field or buffer is damage naming where it came from, at no cost per frame (a checked index
+is cached as before).
 """
 
 from __future__ import annotations
@@ -45,20 +46,26 @@ MAPPED_SHARDS = 256
 
 
 class ShardBinding:
-    """What binds a shard to the field and slot it was written for (format 5 and later): 16
-    bytes just before the shard's index, which no zarr reader reads (no index entry points at
-    them): a tag, the slot (uint32: ``schema.MAX_META_BYTES`` keeps max_episodes under 2**28),
-    the crc32c of the field's name, and the crc32c of those 12 bytes. No generation: a shard is
+    """What binds a shard to the field and slot it was written for (format 5 and later), and to
+    its buffer (format 6 and later): 16 bytes just before the shard's index, which no zarr reader
+    reads (no index entry points at them): a tag, the slot (uint32: ``schema.MAX_META_BYTES``
+    keeps max_episodes under 2**28), the crc32c of the field's name (format 6: of the buffer's
+    uuid, a ``/`` and the name), and the crc32c of those 12 bytes. No generation: a shard is
     written before its episode's generation is published."""
 
     NBYTES = 16
     TAG = b"rbSB"
 
-    def __init__(self, field: str, fields: Iterable[str] = ()):
+    def __init__(self, field: str, fields: Iterable[str] = (), buffer: str | None = None):
         self.field = field
-        self._field_sum = crc32c(field.encode())
+        self.buffer = buffer  # the buffer's uuid (format 6), or None (format 5: no buffer bound)
+        self._field_sum = self.field_sum(field)
         # the fields a shard's binding may name: a shard of another field is named by it
-        self._names = {crc32c(name.encode()): name for name in fields}
+        self._names = {self.field_sum(name): name for name in fields}
+
+    def field_sum(self, name: str) -> int:
+        """The crc32c a binding holds for field ``name`` (of this buffer, from format 6)."""
+        return crc32c(name.encode() if self.buffer is None else f"{self.buffer}/{name}".encode())
 
     def of(self, slot: int) -> bytes:
         """The binding a shard of ``slot`` holds."""
@@ -75,7 +82,12 @@ class ShardBinding:
         held, field_sum = struct.unpack("<II", raw[4:12])
         if field_sum != self._field_sum:
             other = self._names.get(field_sum)
-            owner = "a field this buffer does not have" if other is None else f"data/{other}"
+            if other is not None:
+                owner = f"data/{other}"
+            elif self.buffer is None:
+                owner = "a field this buffer does not have"
+            else:
+                owner = "another buffer (or of a field this buffer does not have)"
             return (
                 f"the shard holds slot {held}'s data of {owner}, not of data/{self.field}: it was copied or moved here"
             )
@@ -121,7 +133,7 @@ class ShardedArray(ChunkedArray):
         self.length_error = length_error  # (path, slot, stored length, frames held): a length blamed
         self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
         self.index_crc = index_crc
-        # format 5: the shard's binding (``ShardBinding``) lies just before its index and is read with it
+        # format 5 and later: the shard's binding (``ShardBinding``) lies just before its index, read with it
         self.binding = binding
         self.binding_nbytes = 0 if binding is None else ShardBinding.NBYTES
         self.index_nbytes = self.binding_nbytes + 16 * self.inner_per_shard + (4 if index_crc else 0)

@@ -99,12 +99,20 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
-# zarr buffers are format 5 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
-# 5: each shard bound to its field and slot, lengths under the meta checksums)
-ZARR_FORMAT_VERSION = 5
+# zarr buffers are format 6 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
+# 5: each shard bound to its field and slot, lengths under the meta checksums; 6: each shard
+# bound to its buffer too)
+ZARR_FORMAT_VERSION = 6
 # the first format whose shards hold a binding to their field and slot (``_shards.ShardBinding``):
 # an earlier release writes shards without one, so an earlier format neither writes nor checks it
 SHARD_BINDING_FORMAT = 5
+# the first format whose shards' bindings name their buffer too (its uuid): a format-5 buffer's
+# bindings name only the field and slot, and it keeps them so (an earlier release writes it)
+BUFFER_BINDING_FORMAT = 6
+# the attribute of a sharded array's document (format 6) holding the uuid its shards are bound
+# to: a second copy of the config's, so that a damaged config uuid is refused by name at the
+# open, never every shard read as another buffer's (which ``verify --repair`` would drop)
+SHARDS_BOUND_TO = "shards_bound_to"
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
@@ -297,10 +305,15 @@ class ZarrStorage(KVBlobs, Storage):
         return check_owned(self.kv, self.location, owned.__contains__, holds_buffer=attributes is not None)
 
     def create(self, schema: Schema, overwrite: bool) -> None:
-        # docstring inherited
+        # docstring inherited: ``schema.uuid`` is required, the identity the shards are bound to
         import zarr
         from zarr.core.buffer import default_buffer_prototype
 
+        if schema.uuid is None:
+            raise ValueError(
+                f"creating the zarr buffer at {self.location!r}: its schema has no uuid, which each of its shards "
+                "is bound to (format 6); ReplayBuffer and convert give every new buffer one (storage.new_uuid())"
+            )
         entries = self.check_creatable()
         self.read_only = False
         self._reading = None
@@ -343,6 +356,7 @@ class ZarrStorage(KVBlobs, Storage):
                     fill_value=0,
                     chunk_key_encoding=FLAT_KEYS,
                     dimension_names=field.dimension_names(),
+                    attributes={SHARDS_BOUND_TO: schema.uuid} if is_sharded(field) else None,
                 )
             for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
                 _create_meta_array(meta, field, schema.max_episodes)
@@ -382,6 +396,11 @@ class ZarrStorage(KVBlobs, Storage):
             )
         where = self.describe_key("zarr.json")
         schema = self._schema_from_config(attributes, where)
+        if self.binds_buffer and schema.uuid is None:
+            raise BufferDamagedError(
+                f"{where}: invalid buffer config: format {self.format_version} binds each shard to the buffer's "
+                "uuid, and the config holds none (key 'uuid')"
+            )
         self.read_only = read_only
         self._reading = (schema.uuid,) if read_only else None
         self._root_stat = root_stat if read_only else None
@@ -437,6 +456,11 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         return self.format_version is not None and self.format_version >= SHARD_BINDING_FORMAT
 
+    @property
+    def binds_buffer(self) -> bool:
+        """Whether each shard's binding names the buffer too, by its uuid (format 6 and later)."""
+        return self.format_version is not None and self.format_version >= BUFFER_BINDING_FORMAT
+
     def _load_arrays(self, schema: Schema, recorded: dict | None = None) -> None:
         """Open and check every array of ``schema``; ``recorded``: the root document's copies of
         their documents (zarr's consolidated metadata), whose chunk shapes each must have."""
@@ -450,7 +474,7 @@ class ZarrStorage(KVBlobs, Storage):
             if doc is None:
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the array {path!r}")
             self._arrays[name, meta] = self._checked_array(
-                path, doc, layouts[name, meta], (recorded or {}).get(path), tuple(schema.fields)
+                path, doc, layouts[name, meta], (recorded or {}).get(path), schema
             )
         self._packed = [n for n in schema.fields if self._arrays[n, False].packed]
 
@@ -460,7 +484,7 @@ class ZarrStorage(KVBlobs, Storage):
         doc: bytes,
         expected: tuple[tuple[int, ...], np.dtype],
         recorded: Any = None,
-        fields: tuple[str, ...] = (),
+        schema: Schema | None = None,
     ) -> ChunkedArray:
         """The array stored at ``path`` (its document ``doc``), checked against its ``expected``
         layout and the chunk shapes of ``recorded`` (the root document's copy of ``doc``, where
@@ -472,11 +496,12 @@ class ZarrStorage(KVBlobs, Storage):
         try:
             parsed = parse_json(doc, where)
             _check_document(where, parsed)
-            array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2, fields)
+            array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2, schema)
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
+        _check_bound_to(where, parsed, array, self.describe_key(ROOT_DOCUMENT))
         held, created = _chunk_layout(parsed), _chunk_layout(recorded)
         if held is not None and created is not None and held != created:
             raise BufferDamagedError(
@@ -497,9 +522,10 @@ class ZarrStorage(KVBlobs, Storage):
                 expected = (self._arrays["episode_lens", True].shape, OPTIONAL_META[name])
                 self._arrays[name, True] = self._checked_array(f"meta/{name}", doc, expected)
 
-    def _chunked_array(self, path: str, doc: dict, grid_axes: int, fields: tuple[str, ...] = ()) -> ChunkedArray:
-        """The array stored at ``path`` as its document ``doc`` lays it out; ``fields``: the
-        buffer's data fields, which a shard bound to another one is named by."""
+    def _chunked_array(self, path: str, doc: dict, grid_axes: int, schema: Schema | None = None) -> ChunkedArray:
+        """The array stored at ``path`` as its document ``doc`` lays it out; ``schema``: the
+        buffer's, whose uuid its shards are bound to and whose fields a shard bound to another
+        one is named by (``_shard_binding``)."""
         codecs, chunks = doc["codecs"], tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
         sharding = codecs[0]["configuration"] if codecs[0]["name"] == "sharding_indexed" else None
         if sharding is not None:
@@ -540,10 +566,18 @@ class ZarrStorage(KVBlobs, Storage):
         if sharding is None:
             return ChunkedArray(*args, **options)
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
-        binding = ShardBinding(path.split("/", 1)[1], fields) if self.binds_shards else None
+        binding = self._shard_binding(path.split("/", 1)[1], schema)
         return ShardedArray(
             *args, index_crc=index_crc, binding=binding, length_error=OwnerMethod(self._length_error), **options
         )
+
+    def _shard_binding(self, field: str, schema: Schema | None) -> ShardBinding | None:
+        """The binding the shards of data field ``field`` hold in this buffer's format: none
+        before format 5, to field and slot in format 5, to the buffer too (its uuid) from 6;
+        none either for an array read for its codec alone (``schema`` None: ``_reload_measured``)."""
+        if schema is None or not self.binds_shards:
+            return None
+        return ShardBinding(field, schema.fields, schema.uuid if self.binds_buffer else None)
 
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now (0 when absent)."""
@@ -1152,6 +1186,22 @@ def _unmeasured(attributes: dict, schema: Schema | None, where: str) -> set[str]
 # the chunk key encoding replaybuf writes (``FLAT_KEYS``) as a zarr v3 document holds it
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
 _LITTLE_ENDIAN = {"endian": "little"}
+
+
+def _check_bound_to(where: str, doc: dict, array: ChunkedArray, root: str) -> None:
+    """Refuse a sharded array whose document ``doc`` names another uuid than the config's
+    (``root``), which its shards are bound to (format 6: ``SHARDS_BOUND_TO``)."""
+    binding = array.binding if isinstance(array, ShardedArray) else None
+    if binding is None or binding.buffer is None:
+        return
+    attributes = doc.get("attributes")
+    held = attributes.get(SHARDS_BOUND_TO) if isinstance(attributes, dict) else None
+    if held != binding.buffer:
+        raise BufferDamagedError(
+            f"{where}: its shards are bound to the buffer uuid {held!r}, but the config in {root} holds "
+            f"{binding.buffer!r}: one of the two was damaged or edited; restore it (a shard's binding holds the "
+            "crc32c of the uuid it was written under and its field's name)"
+        )
 
 
 def _check_document(where: str, doc: dict) -> None:

@@ -743,7 +743,8 @@ class Storage(ABC):
     @property
     def binds_shards(self) -> bool:
         """Whether each shard of the buffer's sharded arrays (zarr image fields) holds a binding
-        to its field and slot, written and checked (zarr format 5 and later: ``_shards.ShardBinding``)."""
+        to its field and slot (and from zarr format 6 to its buffer), written and checked (zarr
+        format 5 and later: ``_shards.ShardBinding``)."""
         return False
 
     @property
