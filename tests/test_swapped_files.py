@@ -273,9 +273,6 @@ def _same(one: Path, other: Path) -> bool:
 # Swaps that still read silently, each with what would close it (the audit skips them; the
 # strict xfail below fails once one is refused, so its entry is then removed):
 KNOWN_GAPS = {
-    ("zarr", "B", "data/frame/*"): "a zarr image shard binds its field and slot, not its buffer "
-    "(format 6 adds the buffer: branch `binding`); with the folder, verify --repair drops the slot whose "
-    "length differs and keeps B's frames in the others",
     ("zarr", "older", "data/frame/*"): "an older version of the same slot's shard: nothing binds a shard "
     "to its episode (README, Integrity); with the folder, verify --repair keeps it",
     ("zarr", "B", "meta/"): "B's meta folder, lengths all equal: _meta_sum hashes slot, generation, values and "
@@ -370,28 +367,33 @@ def test_a_checksum_file_of_another_buffer_is_named_beside_the_data_it_fails(buf
     assert str(location / checksums) in str(e.value) and "copied in from another buffer" in str(e.value)
 
 
-def test_a_zarr_frame_shard_of_another_length_blames_neither_the_length_nor_the_shard(buffers, tmp_path):
-    """B's slot-1 shard holds 6 frames where A's episode has 7 (and its length, 7, matches its
-    meta checksum and the other fields). Before: the error said the length was damaged, not the
-    data, and ``verify --repair`` restored it to 6, keeping B's frames as A's episode."""
-    built = buffers["zarr", "images"]
-    location = tmp_path / "a"
-    shutil.copytree(built.a, location)
-    shard = "data/frame/c.1.0.0.0.0"
-    shutil.copyfile(built.b / shard, location / shard)
+def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_nor_the_shard(tmp_path):
+    """Slot 0's shard restored from an older copy holds its first episode's 3 frames where the
+    episode a circular writer put in the slot since has 5 (and its length, 5, matches its meta
+    checksum and the other fields). Before: the error said the length was damaged, not the data,
+    and ``verify --repair`` restored it to 3, keeping the older episode's frames as the newer's.
+    (A shard of another buffer is refused before any length is looked at: format 6 binds it to
+    its buffer.)"""
+    case, location, older = CASES["wrap"], tmp_path / "a", tmp_path / "older"
+    config = dict(fields=case.fields, meta_fields=META_FIELDS, circular=True)
+    with ReplayBuffer(str(location), 2, MAX_TIMESTEPS, **config) as writer:
+        _write(writer, "a", case, (3,))
+    shutil.copytree(location, older)
+    with ReplayBuffer.from_folder(str(location)) as writer:
+        _write(writer, "a", case, (7, 5), first=1)  # the second reuses slot 0
+    shard = "data/frame/c.0.0.0.0.0"
+    shutil.copyfile(older / shard, location / shard)
     with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
         with pytest.raises(
-            EpisodeLengthError, match="slot 1 holds 7 steps, but its data/frame holds whole frames of 6"
+            EpisodeLengthError, match="slot 0 holds 5 steps, but its data/frame holds whole frames of 3"
         ) as e:
             reader.get_all_data()
     message = str(e.value)
     assert str(location / shard) in message and "not this episode's" in message and "not the data" not in message
     assert verify(str(location), repair=True)[-1].startswith("repaired: dropped")
     with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
-        assert reader.episode_lens[:3].tolist() == [5, 0, 5]
-        np.testing.assert_array_equal(
-            reader.get_all_data()["frame"][2, :5], _committed("a", built.case, (5, 7, 5))[2]["frame"]
-        )
+        assert reader.episode_lens.tolist() == [0, 7]
+        np.testing.assert_array_equal(reader.get_all_data()["frame"][1, :7], _episode("a", 1, 7, case)["frame"])
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])
