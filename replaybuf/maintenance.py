@@ -923,7 +923,9 @@ def verify(
     # a slot whose length is outside [0, max_timesteps] (reported above) is not read: the
     # length would size the read (2**31 - 1 steps of a frame field: terabytes)
     readable = np.where((lens >= 0) & (lens <= schema.max_timesteps), lens, 0)
-    damage, damaged, entries, chunks, restore = _check_episodes(storage, schema, readable, skip=bad, progress=progress)
+    damage, damaged, entries, chunks, restore, wholesale = _check_episodes(
+        storage, schema, readable, skip=bad, progress=progress
+    )
     # a length some fields' data blame is restored only where every field that tells a length
     # and the meta checksum (format 5) agree on it: a data file copied in from another buffer or
     # an older copy blames a sound length, which the others still match
@@ -966,6 +968,14 @@ def verify(
     restore = {slot: length for slot, length in restore.items() if slot not in changed}
     untold = [slot for slot in untold if slot not in changed]
     values = {slot: found for slot, found in values.items() if slot not in changed}
+    for (name, checksums), slots in wholesale.items():
+        problems.append(
+            f"data/{name}: every episode ({len(slots)}) fails its crc32c kept in {checksums}: the data or that "
+            "checksum file was replaced whole (copied in from another buffer or an older copy), and which one "
+            "cannot be told; --repair drops none of them: put the right file back (or clear() the buffer)"
+        )
+    whole = {slot for slots in wholesale.values() for slot in slots}
+    damaged = [slot for slot in damaged if slot not in whole]
     excess = storage.excess_bookkeeping()
     problems += excess
     unfinished = _unfinished_copy(storage)
@@ -1195,13 +1205,19 @@ def _clear_beyond_length(buffer: Any, stray: dict[str, list[int]]) -> None:
 def _check_episodes(
     storage: Storage, schema: Schema, lens: np.ndarray, skip: Sequence[str], progress: bool | None = None
 ) -> tuple[
-    list[tuple[int | None, str]], list, dict[str, dict[int, bool]], dict[str, dict[int, list[str]]], dict[int, int]
+    list[tuple[int | None, str]],
+    list,
+    dict[str, dict[int, bool]],
+    dict[str, dict[int, list[str]]],
+    dict[int, int],
+    dict[tuple[str, str], list[int]],
 ]:
     """Read every committed episode whole, field by field; a slab that fails is read again slot
     by slot so each damaged episode is reported. Returns ((slot, problem)s, damaged slots,
     damaged checksum entries: field -> slot -> whether the data matches what the entry still
     held, chunks whose own crc32c alone is damaged: field -> slot -> where they lie, damaged
-    lengths: slot -> the length at which every field's data matches its checksum)."""
+    lengths: slot -> the length at which every field's data matches its checksum, and the
+    fields whose every episode fails the checksum file kept apart: (field, that file) -> slots)."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
@@ -1210,6 +1226,7 @@ def _check_episodes(
     entries: dict[str, dict[int, bool]] = {}
     chunks: dict[str, dict[int, list[str]]] = {}
     matches: dict[int, set[int]] = {}
+    against: dict[tuple[str, str], set[int]] = {}  # (field, checksum file) -> slots failing it
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
         for slab in _slabs(slots, lens[slots], schema):
@@ -1241,6 +1258,8 @@ def _check_episodes(
                     except CorruptChunkError as e:
                         found[name].append((slot, str(e)))
                         damaged.add(slot)
+                        if e.checksums is not None:
+                            against.setdefault((name, e.checksums), set()).add(slot)
                     except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
                         found[name].append(
                             (
@@ -1255,7 +1274,15 @@ def _check_episodes(
     restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in damaged and len(agreed) == 1}
     damaged.update(slot for slot in matches if slot not in restore)
     chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in damaged})}
-    return [p for n in names for p in found[n]], sorted(damaged), entries, chunks, restore
+    # every episode (two or more) of a field failing the checksums kept apart from its data: one
+    # of the two files was replaced whole (copied in from another buffer or an older copy), and
+    # which one cannot be told, so a repair drops none of them (``verify``)
+    wholesale = {
+        (name, checksums): sorted(failed)
+        for (name, checksums), failed in against.items()
+        if len(slots) >= 2 and len(failed) == len(slots)
+    }
+    return [p for n in names for p in found[n]], sorted(damaged), entries, chunks, restore, wholesale
 
 
 def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:

@@ -367,6 +367,31 @@ def test_a_checksum_file_of_another_buffer_is_named_beside_the_data_it_fails(buf
     assert str(location / checksums) in str(e.value) and "copied in from another buffer" in str(e.value)
 
 
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_repair_drops_no_episode_when_every_one_fails_a_checksum_file_copied_in(buffers, tmp_path, backend):
+    """Before: ``verify --repair`` dropped all 3 sound episodes, B's checksums file having been
+    copied over A's. Every episode failing the checksums kept apart is one of two whole files
+    replaced, and which cannot be told: nothing is dropped, and putting A's file back is
+    enough."""
+    built = buffers[backend, "images"]
+    location = tmp_path / "a"
+    shutil.copytree(built.a, location)
+    checksums = "replaybuf/checksums" if backend == "zarr" else "replaybuf/checksums.npy"
+    shutil.copyfile(built.b / checksums, location / checksums)
+    report = verify(str(location), repair=True)
+    assert any(
+        line.startswith("data/vec: every episode (3) fails its crc32c kept in") and str(location / checksums) in line
+        for line in report
+    ), report
+    assert not any(line.startswith("repaired: dropped") for line in report), report
+    shutil.copyfile(built.a / checksums, location / checksums)
+    expected = _committed("a", built.case, built.case.a_lengths)
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
+        assert reader.episode_lens.tolist()[:3] == list(built.case.a_lengths)
+        _read_everything(reader, expected, list(built.case.fields))
+    assert verify(str(location)) == []
+
+
 def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_nor_the_shard(tmp_path):
     """Slot 0's shard restored from an older copy holds its first episode's 3 frames where the
     episode a circular writer put in the slot since has 5 (and its length, 5, matches its meta

@@ -163,6 +163,7 @@ class CorruptChunkError(StorageError):
     ):
         super().__init__(message)
         self.field, self.slot, self.steps, self.location = field, slot, steps, location
+        self.checksums: str | None = None  # the file of the checksum it failed, kept apart from the data
 
     @classmethod
     def at(cls, field: str, slot: int, steps: tuple[int, int], location: str, reason: str) -> CorruptChunkError:
@@ -181,8 +182,9 @@ class CorruptChunkError(StorageError):
     ) -> CorruptChunkError:
         """The error for an episode whose data at ``location`` fails the crc32c kept apart from
         it in ``checksums``: its data is damaged, or one of the two files was copied in from
-        another buffer or an older copy, which neither file alone can tell; both are named."""
-        return cls.at(
+        another buffer or an older copy, which neither file alone can tell; both are named
+        (``checksums`` is an attribute too)."""
+        error = cls.at(
             field,
             slot,
             steps,
@@ -190,6 +192,8 @@ class CorruptChunkError(StorageError):
             f"episode fails its crc32c kept in {checksums} (its data is damaged, or this data file or that "
             "checksum file was copied in from another buffer or an older copy)",
         )
+        error.checksums = checksums
+        return error
 
 
 class ChecksumEntryError(CorruptChunkError):
