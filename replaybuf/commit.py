@@ -45,7 +45,7 @@ import numpy as np
 from . import metasums
 from .inputs import fill_value
 from .metasums import META_SUM
-from .schema import Field, Schema
+from .schema import Schema
 from .snapshots import HeldEpisodes
 from .staging import EpisodeGroup, ParsedLog, StepLog, write_span
 from .storage import WRITING_KEY
@@ -281,22 +281,22 @@ class Committer:
         self.meta[name][episodes] = values
 
     @property
-    def summed(self) -> dict[str, Field]:
-        """The per-episode arrays the storage's ``_meta_sum`` entries cover (``summed_fields``)."""
-        return metasums.summed_fields(self.schema.meta_fields, self.storage.sums_lengths)
+    def summed(self) -> metasums.Summed:
+        """What the storage's ``_meta_sum`` entries cover (``metasums.summed``)."""
+        return metasums.summed(self.schema, self.storage)
 
     def meta_entries(self, slots: np.ndarray, generations: Any = None, length: int | None = None) -> np.ndarray:
         """The ``_meta_sum`` entries of ``slots`` for their values in the mirror, ``generations``
         and ``length`` (None: the mirror's)."""
-        slots = np.asarray(slots, dtype=np.int64)
-        values = {name: self.meta[name][slots] for name in self.summed}
+        slots, summed = np.asarray(slots, dtype=np.int64), self.summed
+        values = {name: self.meta[name][slots] for name in summed.fields}
         if length is not None:
             values["episode_lens"] = np.full(len(slots), length, np.int32)
         return metasums.entries(
             slots,
             self.meta["_generation"][slots] if generations is None else generations,
             values,
-            self.summed,
+            summed,
         )
 
     def reseal_meta(self, slots: np.ndarray) -> None:

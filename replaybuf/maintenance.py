@@ -326,7 +326,8 @@ def convert(
         target.write_blob(CONVERT_MARKER, json.dumps(record).encode())
         plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
         # the checksums of the values as copied (checked in the source, where it keeps them)
-        summed = metasums.summed_fields(schema.meta_fields, target.sums_lengths)
+        # (the copy's own: its uuid, which zarr binds them to, is new)
+        summed = metasums.summed(target_schema, target)
         plan[META_SUM] = metasums.entries(
             np.arange(schema.max_episodes), plan["_generation"], {**plan, "episode_lens": lens}, summed
         )
@@ -583,8 +584,9 @@ def _check_upgrade_writable(folder: str) -> None:
 
 def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool | None = None) -> dict:
     """Rewrite the local buffer at ``path``, written in an earlier on-disk format, in the newest
-    format its backend writes (checksums, packed small fields, shards bound to the buffer), in
-    place; the upgraded buffer has a new uuid (readers of the original see it replaced).
+    format its backend writes (checksums, packed small fields, shards and meta checksums bound to
+    the buffer), in place; the upgraded buffer has a new uuid (readers of the original see it
+    replaced).
 
     Earlier formats open and write as they are; upgrading adds what they lack (a format 1
     buffer's reads are not checked against checksums). The buffer is copied with ``convert``
@@ -939,9 +941,10 @@ def verify(
     # meta values failing their checksum (reported by _read_bookkeeping): a repair writes back
     # the value one flipped bit explains, else drops the episode, as one with damaged data is
     # (which value is wrong cannot be told)
+    summed = metasums.summed(schema, storage)
     diagnosed = {
-        int(s): metasums.diagnose(meta, _summed(storage, schema), int(s), schema.max_timesteps)
-        for s in _damaged_meta(meta, schema, set(), _summed(storage, schema))
+        int(s): metasums.diagnose(meta, summed, int(s), schema.max_timesteps)
+        for s in _damaged_meta(meta, schema, set(), summed)
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
     if "_generation" in meta:  # a lost generation (read as 0): the episode's order is unknown
@@ -1134,7 +1137,7 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         lens, generations = meta.get("episode_lens"), meta.get("_generation")
         # values that fail their checksum are read again too: an edit of them may have landed
         # between the reads of the values and of their checksums
-        damaged = _damaged_meta(meta, schema, flux, _summed(storage, schema))
+        damaged = _damaged_meta(meta, schema, flux, metasums.summed(schema, storage))
         if not flux and (
             not (len(damaged) or (lens is not None and generations is not None and _midway(lens, generations)))
             or storage.writer_lease().live_holder() is None  # no writer to finish what reads damaged
@@ -1146,17 +1149,12 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         if name in meta and slots:
             meta[name] = meta[name].copy()
             meta[name][slots] = 0
-    summed = _summed(storage, schema)
+    summed = metasums.summed(schema, storage)
     problems += [str(metasums.error(storage, int(slot), summed, meta, schema.max_timesteps)) for slot in damaged]
     return meta, problems, flux
 
 
-def _summed(storage: Storage, schema: Schema) -> dict[str, Field]:
-    """The per-episode arrays ``storage``'s ``_meta_sum`` entries cover."""
-    return metasums.summed_fields(schema.meta_fields, storage.sums_lengths)
-
-
-def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], summed: dict[str, Field]) -> np.ndarray:
+def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], summed: metasums.Summed) -> np.ndarray:
     """The committed slots, not in ``flux`` nor being edited (an odd ``_revision``: a writer's
     edit, or one a killed writer left for the next writable open to close), whose meta values
     fail their ``_meta_sum`` entry (``metasums.damaged``); none when an array did not read."""
@@ -1309,7 +1307,7 @@ def _lengths_told(storage: Storage, schema: Schema, slots: list[int], meta: dict
     lengths, ``meta``: the arrays as read) and every field whose checksums tell
     (``Storage.lengths_matching``) match; slots without one are left out."""
     told = {}
-    summed = _summed(storage, schema)
+    summed = metasums.summed(schema, storage)
     for slot in slots:
         agreed: set[int] | None = None
         for lengths in (

@@ -3,8 +3,14 @@
 A committed slot's user meta values and ``_generation`` are raw bytes in place on every
 backend (a commit writes a few bytes of each), so nothing on the read path would notice a
 flipped bit in them. ``_meta_sum`` (uint64, one entry per slot) holds a hash of the slot
-number, its generation, every meta value's bytes and, from format 5, its length (``entries``
-over ``summed_fields``). A commit writes the entry with the meta values, before the
+number, its generation, every meta value's bytes, from format 5 its length, and from zarr
+format 6 its buffer: the slot word is hashed with a 64-bit word of the buffer's uuid
+(``buffer_word``), so entries copied in with their values from another buffer (its meta chunk
+files, equal lengths and all) fail here as damaged ones do. ``Summed`` is what a storage's
+entries cover (``summed``), passed to every function below. The uuid they are bound to is kept
+a second time in ``meta/_meta_sum``'s zarr.json (``storage._zarr.BOUND_TO``), checked at every
+open: another buffer's whole ``meta/`` folder, or a damaged config uuid, is refused there by
+name, never every slot read as damaged (which ``verify --repair`` would drop). A commit writes the entry with the meta values, before the
 generation and the length publish the episode (one more in-place write of 8 bytes), so a
 slot being published or unpublished (its length 0) is never checked against it; an edit
 of meta values in place rewrites it inside the slots' ``_revision`` bracket
@@ -19,28 +25,52 @@ keeps none, checks none, and stays in its format until ``replaybuf upgrade`` rew
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from .schema import Field
+from .schema import Field, Schema
 from .storage import meta_file
-from .storage.base import BufferDamagedError, CorruptChunkError
+from .storage.base import META_SUM, BufferDamagedError, CorruptChunkError, Storage
 
-META_SUM = "_meta_sum"
 _KEPT = np.uint64((1 << 63) | 1)
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _LENGTH = Field("episode_lens", np.dtype("int32"))
 
 
-def summed_fields(meta_fields: Mapping[str, Field], lengths: bool) -> dict[str, Field]:
-    """The per-episode arrays an entry covers besides the slot and its generation: the meta
-    fields, and ``episode_lens`` where the format's entries cover lengths
-    (``Storage.sums_lengths``). Every function below takes them as ``fields``."""
-    return {**meta_fields, "episode_lens": _LENGTH} if lengths else dict(meta_fields)
+@dataclass(frozen=True)
+class Summed:
+    """What a storage's ``_meta_sum`` entries cover besides each slot and its generation:
+    ``fields``, the per-episode arrays (the meta fields, and ``episode_lens`` where the format's
+    entries cover lengths: ``Storage.sums_lengths``), and ``buffer``, the word of the buffer's
+    uuid hashed with each slot's (``buffer_word``; 0 where the format binds none:
+    ``Storage.binds_meta_sums``, which leaves the entries as they were before). Every function
+    below takes it, so a commit, a refresh, ``verify`` and ``convert`` agree."""
+
+    fields: dict[str, Field]
+    buffer: int = 0
+
+
+def summed(schema: Schema, storage: Storage) -> Summed:
+    """What the ``_meta_sum`` entries of ``storage`` (opened or created, with ``schema``) cover."""
+    fields = {**schema.meta_fields, "episode_lens": _LENGTH} if storage.sums_lengths else dict(schema.meta_fields)
+    if not storage.binds_meta_sums:
+        return Summed(fields)
+    assert schema.uuid is not None, "a format that binds its entries refuses a config without a uuid at the open"
+    return Summed(fields, buffer_word(schema.uuid))
+
+
+@lru_cache(maxsize=64)
+def buffer_word(uuid: str) -> int:
+    """The 64-bit word of buffer ``uuid`` its slots are hashed with: the first 8 bytes
+    (little-endian) of its blake2b."""
+    return int.from_bytes(hashlib.blake2b(uuid.encode(), digest_size=8).digest(), "little")
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -89,34 +119,37 @@ def entries(
     slots: np.ndarray,
     generations: np.ndarray,
     values: Mapping[str, np.ndarray],
-    fields: Mapping[str, Field],
+    summed: Summed,
 ) -> np.ndarray:
-    """The ``_meta_sum`` entries of ``slots`` holding ``generations`` and the meta values ``values[name]`` (one row per slot) of every field in ``fields``. Vectorized: a few
-    µs per commit, a few ms per million slots at a refresh."""
+    """The ``_meta_sum`` entries of ``slots`` holding ``generations`` and the values
+    ``values[name]`` (one row per slot) of every field ``summed`` covers, in its buffer.
+    Vectorized: a few µs per commit, a few ms per million slots at a refresh."""
     slots = np.asarray(slots, dtype=np.int64).reshape(-1)
     count = len(slots)
     if not count:
         return np.zeros(0, np.uint64)
     if count <= _SMALL:
-        return _entries_int(slots, generations, values, fields)
+        return _entries_int(slots, generations, values, summed)
     with np.errstate(over="ignore"):
-        h = _mix(slots.astype(np.uint64))
+        h = slots.astype(np.uint64)
+        h ^= np.uint64(summed.buffer)
+        h = _mix(h)
         h = _mix(h ^ np.broadcast_to(np.asarray(generations, dtype=np.int64), (count,)).astype(np.uint64))
-        for name, field in fields.items():
+        for name, field in summed.fields.items():
             for word in _words(values[name], field, count).T:
                 h = _mix(h ^ word)
     return h | _KEPT
 
 
 def _entries_int(
-    slots: np.ndarray, generations: np.ndarray, values: Mapping[str, np.ndarray], fields: Mapping[str, Field]
+    slots: np.ndarray, generations: np.ndarray, values: Mapping[str, np.ndarray], summed: Summed
 ) -> np.ndarray:
     """``entries`` of a few slots, hashed with Python ints over each value's bytes."""
     count = len(slots)
     gens = np.asarray(generations, dtype=np.int64).reshape(-1).tolist()
     gens = gens * count if len(gens) == 1 else gens  # one generation for every slot
     blobs = []
-    for name, field in fields.items():
+    for name, field in summed.fields.items():
         stored = field.dtype.newbyteorder("<")
         array = np.asarray(values[name])
         data = (array if array.dtype == stored else array.astype(stored)).tobytes()  # C order
@@ -124,7 +157,7 @@ def _entries_int(
         blobs.append((data, size, -size % 8))
     out = []
     for i, slot in enumerate(slots.tolist()):
-        h = _mix_int(_mix_int(slot & _M64) ^ (gens[i] & _M64))
+        h = _mix_int(_mix_int((slot & _M64) ^ summed.buffer) ^ (gens[i] & _M64))
         for data, size, pad in blobs:
             row = data[i * size : (i + 1) * size] + bytes(pad)
             for k in range(0, len(row), 8):
@@ -146,7 +179,7 @@ class MetaChecksumError(CorruptChunkError, BufferDamagedError):
         self.restore = restore
 
 
-def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: np.ndarray | None = None) -> np.ndarray:
+def damaged(meta: Mapping[str, np.ndarray], summed: Summed, slots: np.ndarray | None = None) -> np.ndarray:
     """The slots among ``slots`` (None: those with a published length), their revision even
     (no edit in progress), whose ``_meta_sum`` entry (0 too: lost) does not match the values in
     ``meta`` (the per-episode arrays as loaded; none without ``_meta_sum``: a format that keeps
@@ -166,14 +199,14 @@ def damaged(meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slots: 
     expected = entries(
         slots,
         np.asarray(meta["_generation"])[slots],
-        {name: np.asarray(meta[name])[slots] for name in fields},
-        fields,
+        {name: np.asarray(meta[name])[slots] for name in summed.fields},
+        summed,
     )
     return slots[expected != np.asarray(sums)[slots].astype(np.uint64)]
 
 
 def diagnose(
-    meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int, max_timesteps: int = 0
+    meta: Mapping[str, np.ndarray], summed: Summed, slot: int, max_timesteps: int = 0
 ) -> tuple[str, Any] | None:
     """(name, value) of the one per-episode value of damaged ``slot`` whose single flipped bit
     explains its failed ``_meta_sum`` entry (``_meta_sum`` itself when only the entry is off by
@@ -182,60 +215,58 @@ def diagnose(
     63 bits of hash: a wrong value matching it by chance is ~2**-56 over every candidate."""
     stored = int(np.asarray(meta[META_SUM])[slot])
     generation = int(np.asarray(meta["_generation"])[slot])
-    values = {name: np.asarray(meta[name])[slot : slot + 1] for name in fields}
-    computed = int(entries(np.array([slot]), np.array([generation]), values, fields)[0])
+    values = {name: np.asarray(meta[name])[slot : slot + 1] for name in summed.fields}
+    computed = int(entries(np.array([slot]), np.array([generation]), values, summed)[0])
     if stored == 0 or bin(stored ^ computed).count("1") == 1:
         return META_SUM, computed
     bits = np.uint64(1) << np.arange(63, dtype=np.uint64)
     candidates = (np.uint64(generation) ^ bits).astype(np.int64)
-    found = _matching(slot, stored, candidates, {n: np.repeat(v, 63, axis=0) for n, v in values.items()}, fields)
+    found = _matching(slot, stored, candidates, {n: np.repeat(v, 63, axis=0) for n, v in values.items()}, summed)
     if found is not None:
         return "_generation", int(candidates[found])
-    for name, field in fields.items():
+    for name, field in summed.fields.items():
         raw = _raw(values[name], field, 1)[0]
         flips = np.repeat(raw[None], raw.size * 8, axis=0)
         index = np.arange(raw.size * 8)
         flips[index, index // 8] ^= (1 << (index % 8)).astype(np.uint8)
         shaped = flips.view(field.dtype.newbyteorder("<")).reshape(len(flips), *field.shape).astype(field.dtype)
         trial = {n: shaped if n == name else np.repeat(v, len(flips), axis=0) for n, v in values.items()}
-        found = _matching(slot, stored, np.full(len(flips), generation), trial, fields)
+        found = _matching(slot, stored, np.full(len(flips), generation), trial, summed)
         if found is not None:
             return name, shaped[found]
-    lengths = lengths_matching(meta, fields, slot, max_timesteps) if max_timesteps else None
+    lengths = lengths_matching(meta, summed, slot, max_timesteps) if max_timesteps else None
     return ("episode_lens", np.int32(lengths[0])) if lengths is not None and len(lengths) == 1 else None
 
 
-def lengths_matching(
-    meta: Mapping[str, np.ndarray], fields: Mapping[str, Field], slot: int, max_timesteps: int
-) -> list[int] | None:
+def lengths_matching(meta: Mapping[str, np.ndarray], summed: Summed, slot: int, max_timesteps: int) -> list[int] | None:
     """The lengths in ``[1, max_timesteps]`` at which ``slot``'s entry matches its values as
     loaded (``meta``): what a lost length was. None where the entries do not cover lengths
-    (``fields`` without ``episode_lens``) or the slot's entry is not kept."""
+    (``summed.fields`` without ``episode_lens``) or the slot's entry is not kept."""
     stored = int(np.asarray(meta[META_SUM])[slot])
-    if "episode_lens" not in fields or not stored:
+    if "episode_lens" not in summed.fields or not stored:
         return None
     lengths = np.arange(1, max_timesteps + 1, dtype=np.int32)
-    values = {name: np.repeat(np.asarray(meta[name])[slot : slot + 1], len(lengths), axis=0) for name in fields}
+    values = {name: np.repeat(np.asarray(meta[name])[slot : slot + 1], len(lengths), axis=0) for name in summed.fields}
     values["episode_lens"] = lengths
     generations = np.full(len(lengths), int(np.asarray(meta["_generation"])[slot]))
-    computed = entries(np.full(len(lengths), slot), generations, values, fields)
+    computed = entries(np.full(len(lengths), slot), generations, values, summed)
     return (lengths[computed == np.uint64(stored)]).tolist()
 
 
 def _matching(
-    slot: int, stored: int, generations: np.ndarray, values: Mapping[str, np.ndarray], fields: Mapping[str, Field]
+    slot: int, stored: int, generations: np.ndarray, values: Mapping[str, np.ndarray], summed: Summed
 ) -> int | None:
     """The only candidate (row of ``generations`` and ``values``) whose entry is ``stored``."""
-    found = np.flatnonzero(entries(np.full(len(generations), slot), generations, values, fields) == np.uint64(stored))
+    found = np.flatnonzero(entries(np.full(len(generations), slot), generations, values, summed) == np.uint64(stored))
     return int(found[0]) if len(found) == 1 else None
 
 
 def error(
-    storage: Any, slot: int, fields: Mapping[str, Field], meta: Mapping[str, np.ndarray], max_timesteps: int = 0
+    storage: Any, slot: int, summed: Summed, meta: Mapping[str, np.ndarray], max_timesteps: int = 0
 ) -> MetaChecksumError:
     """The ``MetaChecksumError`` for ``slot`` of ``storage`` (``meta``: its arrays as loaded),
     naming the damaged value and its file when ``diagnose`` finds it, else every file involved."""
-    found = diagnose(meta, fields, slot, max_timesteps)
+    found = diagnose(meta, summed, slot, max_timesteps)
     if found is not None and found[0] == META_SUM and not int(np.asarray(meta[META_SUM])[slot]):
         where = meta_file(storage, META_SUM)
         return MetaChecksumError(
@@ -263,11 +294,12 @@ def error(
             location=where,
             restore=(name, value),
         )
-    names = [*fields, "_generation"]
+    names = [*summed.fields, "_generation"]
     files = ", ".join(meta_file(storage, name) for name in [*names, META_SUM])
     return MetaChecksumError(
         f"meta: slot {slot}: its per-episode values ({', '.join(names)}) do not match their checksum in "
-        f"meta/{META_SUM}: one of them is damaged ({files}). `replaybuf verify --repair` drops the episode",
+        f"meta/{META_SUM}: one of them is damaged or was copied in from another buffer ({files}). "
+        "`replaybuf verify --repair` drops the episode",
         field="meta/" + ",".join(names),
         slot=slot,
         location=files,

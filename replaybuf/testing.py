@@ -120,13 +120,13 @@ class StorageTests:
         (as a commit writes them). Returns the rows as a reader should now see them."""
         storage = factory()
         if storage.exists():
-            storage.open(read_only=False)
+            schema = storage.open(read_only=False)
         else:
-            storage.create(self.schema(), overwrite=False)
+            schema = self.schema()
+            storage.create(schema, overwrite=False)
         for name, values in rows.items():
             storage.write_rows(name, episodes, 0, values)
-        fields = metasums.summed_fields(self.schema().meta_fields, storage.sums_lengths)
-        meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, fields)
+        meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, metasums.summed(schema, storage))
         for name, values in meta.items():
             storage.write_meta(name, episodes, values)
         storage.commit_state({**storage.load_state(), "total_episodes": int(meta["_generation"].max())})

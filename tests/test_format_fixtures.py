@@ -20,11 +20,12 @@ from replaybuf import (
     ForeignEntriesError,
     MetaChecksumError,
     ReplayBuffer,
+    metasums,
     verify,
 )
 from replaybuf.cli import main as cli_main
 from replaybuf.maintenance import upgrade
-from replaybuf.metasums import META_SUM
+from replaybuf.metasums import META_SUM, Summed, buffer_word
 from replaybuf.storage import make_storage
 from replaybuf.storage._shards import ShardBinding
 from replaybuf.storage.lease import BufferLockedError
@@ -84,6 +85,25 @@ def test_released_format_writes(version, backend, tmp_path):
         # to its buffer too from format 6 only
         assert [_shard_bound(path, slot) for slot in range(3)] == [stored == 5] * 3
         assert [_shard_bound(path, slot, to_buffer=True) for slot in range(3)] == [stored >= 6] * 3
+    if stored >= 4:  # each slot's meta checksum too (zarr only): a format-5 buffer's entries stay unbound
+        bound = stored >= 6
+        assert _meta_sums_match(path, to_buffer=bound) and not _meta_sums_match(path, to_buffer=not bound)
+        if backend == "zarr":
+            document = json.loads((path / "meta" / META_SUM / "zarr.json").read_text())
+            assert ("bound_to" in document["attributes"]) == bound
+
+
+def _meta_sums_match(path: Path, to_buffer: bool) -> bool:
+    """Whether every committed slot's ``_meta_sum`` entry of the buffer at ``path`` matches its
+    values hashed bound to the buffer's uuid (``to_buffer``: zarr format 6) or to none."""
+    storage = make_storage(str(path))
+    schema = storage.open(read_only=True)
+    meta = {name: np.asarray(storage.read_meta(name)) for name in ("task", "episode_lens", "_generation", META_SUM)}
+    summed = Summed(metasums.summed(schema, storage).fields, buffer_word(schema.uuid) if to_buffer else 0)
+    storage.close()
+    slots = np.flatnonzero(meta["episode_lens"] > 0)
+    expected = metasums.entries(slots, meta["_generation"][slots], {n: v[slots] for n, v in meta.items()}, summed)
+    return bool((expected == meta[META_SUM][slots]).all())
 
 
 def _shard_bound(path: Path, slot: int, to_buffer: bool = False) -> bool:
@@ -284,7 +304,7 @@ def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_
     documents keep a second copy: the open refuses the disagreement, naming both documents."""
     path = _newest("zarr", tmp_path)
     stored = json.loads((path / document).read_text())
-    uuid = stored["attributes"]["uuid" if document == "zarr.json" else "shards_bound_to"]
+    uuid = stored["attributes"]["uuid" if document == "zarr.json" else "bound_to"]
     flipped = uuid[:5] + ("0" if uuid[5] != "0" else "1") + uuid[6:]
     (path / document).write_text((path / document).read_text().replace(uuid, flipped))
     files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}

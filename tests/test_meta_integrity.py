@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -15,7 +16,7 @@ import pytest
 
 from replaybuf import BufferDamagedError, CorruptChunkError, MetaChecksumError, ReplayBuffer
 from replaybuf.maintenance import convert, verify
-from replaybuf.metasums import META_SUM
+from replaybuf.metasums import META_SUM, Summed, buffer_word, entries
 from replaybuf.storage import make_storage
 
 from ._backends import LOCAL_BACKENDS, require
@@ -344,10 +345,10 @@ def test_the_meta_checksum_array_is_hidden_and_reserved(tmp_path):
     assert json.loads(open(os.path.join(path, "replaybuf", "state.json")).read())["crc32c"] > 0
 
 
-def test_entries_of_a_few_slots_and_of_many_agree():
+@pytest.mark.parametrize("buffer", [0, buffer_word("d363077d46ac48cbb72bde037c3f1d31")])
+def test_entries_of_a_few_slots_and_of_many_agree(buffer):
     """A commit's few slots are hashed with Python ints, a refresh's many with numpy: the same
-    entries, whatever the values' byte order."""
-    from replaybuf.metasums import entries
+    entries, whatever the values' byte order, bound to a buffer (zarr format 6) or not."""
     from replaybuf.schema import parse_field
 
     fields = {
@@ -364,14 +365,15 @@ def test_entries_of_a_few_slots_and_of_many_agree():
         "d": rng.integers(0, 255, (40, 11)).astype(np.uint8),
     }
     slots, generations = rng.permutation(40), rng.integers(0, 1 << 62, 40)
-    many = entries(slots, generations, values, fields)
+    summed = Summed(fields, buffer)
+    many = entries(slots, generations, values, summed)
     few = [
-        entries(slots[i : i + 4], generations[i : i + 4], {k: v[i : i + 4] for k, v in values.items()}, fields)
+        entries(slots[i : i + 4], generations[i : i + 4], {k: v[i : i + 4] for k, v in values.items()}, summed)
         for i in range(0, 40, 4)
     ]
     swapped = {k: v[:3].astype(v.dtype.newbyteorder(">")) for k, v in values.items()}
     assert (np.concatenate(few) == many).all() and (
-        entries(slots[:3], generations[:3], swapped, fields) == many[:3]
+        entries(slots[:3], generations[:3], swapped, summed) == many[:3]
     ).all()
     assert len(np.unique(many)) == 40 and ((many >> np.uint64(63)) & (many & np.uint64(1)) == 1).all()
 
@@ -384,3 +386,80 @@ def test_a_reader_hashes_only_changed_slots_and_still_sees_damage_after_it_opene
         write_raw(path, name, [2], [value])
         with pytest.raises(MetaChecksumError, match="slot 2"):
             reader.refresh()
+
+
+def build_state_only(path, tasks) -> str:
+    """A zarr buffer of state fields only (no shard, so no data document holds its uuid), one
+    episode of 4 steps per value of ``tasks`` (the same steps in every buffer built so)."""
+    path = str(path)
+    with ReplayBuffer(path, 4, 8, fields={"s": ("float", 3)}, meta_fields={"task": "int"}) as buffer:
+        for task in tasks:
+            buffer.store_episode(s=np.full((4, 3), 0.5, np.float32), task=task)
+    return path
+
+
+def files_of(path) -> dict[str, bytes]:
+    return {
+        name: open(name, "rb").read()
+        for name in glob.glob(os.path.join(path, "**"), recursive=True)
+        if os.path.isfile(name)
+    }
+
+
+def test_zarr_meta_chunks_of_another_buffer_fail_their_checksums_and_repair_drops_them(tmp_path):
+    """B holds episodes of A's lengths and steps, with other task values, and B's meta chunk
+    files (values, generations, lengths and their checksums, all whole and agreeing) are copied
+    over A's. Before format 6 bound each entry to its buffer, A read B's task values silently.
+    Now every slot fails its entry, none is "restored" to fit (no flipped bit explains it), and
+    ``verify --repair`` drops the slots rather than keeping B's values."""
+    a = build_state_only(tmp_path / "a", [1, 2, 3])
+    b = build_state_only(tmp_path / "b", [7, 8, 9])
+    for chunk in glob.glob(os.path.join(b, "meta", "*", "c.*")):
+        shutil.copyfile(chunk, os.path.join(a, os.path.relpath(chunk, b)))
+    with pytest.raises(MetaChecksumError, match=r"meta: slot 0: .*damaged or was copied in from another buffer") as e:
+        read(a)
+    assert e.value.restore is None and all(f"meta/{name} in {a}" in str(e.value) for name in ("task", META_SUM))
+    problems = verify(a)
+    assert len(problems) == 3 and all("copied in from another buffer" in line for line in problems)
+    assert verify(a, repair=True)[-1] == "repaired: dropped the damaged episodes in slots [0, 1, 2]; 0 episodes remain"
+    assert read(a)["lens"].tolist() == [] and verify(a) == []
+
+
+@pytest.mark.parametrize("document", ["zarr.json", f"meta/{META_SUM}/zarr.json"])
+def test_a_flipped_uuid_in_a_state_only_zarr_buffer_is_refused_by_name_and_repair_writes_nothing(tmp_path, document):
+    """Each meta checksum entry is bound to the config's uuid (format 6): one flipped character
+    of it, in a buffer with no sharded array to keep a second copy, would fail every slot's
+    entry, and ``verify --repair`` would drop every episode. ``meta/_meta_sum``'s document keeps
+    the second copy: the open refuses the disagreement, naming both documents."""
+    path = build_state_only(tmp_path / "b", [1, 2, 3])
+    target = os.path.join(path, document)
+    with open(target) as f:
+        text = f.read()
+    uuid = json.loads(text)["attributes"]["uuid" if document == "zarr.json" else "bound_to"]
+    flipped = uuid[:5] + ("0" if uuid[5] != "0" else "1") + uuid[6:]
+    with open(target, "w") as f:
+        f.write(text.replace(uuid, flipped))
+    files = files_of(path)
+    disagree = (
+        rf"meta/{META_SUM}/zarr\.json in .*: the checksum entries of its slots' meta values are bound to the buffer "
+        r"uuid .*, but the config in .*zarr\.json .* holds .*: the slots' meta values \(meta/\) are another buffer's"
+    )
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=disagree):
+            ReplayBuffer.from_folder(path, read_only=read_only)
+    problems = verify(path, repair=True)
+    assert len(problems) == 1 and re.search(disagree, problems[0]) and "verify --repair` changes nothing" in problems[0]
+    assert files_of(path) == files
+
+
+def test_convert_binds_the_copy_s_meta_checksums_to_its_own_uuid(tmp_path):
+    """A copy is a buffer of its own (a new uuid): its entries are computed for it, so it reads
+    and verifies, and the source's meta checksums copied over the copy's fail there."""
+    source = build_state_only(tmp_path / "a", [1, 2, 3])
+    copy = str(tmp_path / "copy")
+    convert(source, copy, backend="zarr")
+    assert same(read(copy), read(source)) and verify(copy) == []
+    sums = os.path.join("meta", META_SUM, "c.0")
+    shutil.copyfile(os.path.join(source, sums), os.path.join(copy, sums))
+    with pytest.raises(MetaChecksumError, match="slot 0"):
+        read(copy)

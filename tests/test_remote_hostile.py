@@ -20,6 +20,7 @@ from replaybuf import (
     BufferNotFoundError,
     BufferReplacedError,
     CorruptChunkError,
+    MetaChecksumError,
     ReplayBuffer,
     StorageError,
 )
@@ -256,3 +257,23 @@ def test_a_frame_shard_copied_from_another_buffer_is_refused_on_s3(s3_server):
     ) as error:
         reader(urls[0], options).get_all_data()
     assert key in str(error.value)
+
+
+def test_meta_values_copied_from_another_buffer_are_refused_on_s3(s3_server):
+    """Buffer B's meta objects copied over A's on S3 (same config and lengths, other task
+    values): its chunks alone fail every slot's checksum, each bound to its buffer (format 6);
+    with their documents too, the open refuses the ``meta/_meta_sum`` document, which names the
+    uuid B's entries are bound to. Never B's task values read as A's."""
+    options, urls = s3_server.storage_options, [new_url(s3_server) for _ in range(2)]
+    for first, url in zip((1, 50), urls):
+        with ReplayBuffer(url, 4, 5, fields=FIELDS, meta_fields={"task": "int"}, storage_options=options) as buffer:
+            for i in range(2):
+                buffer.store_episode(x=np.full((3, 3), i, np.float32), task=first + i)
+    a, b = (make_storage(url, storage_options=options).kv for url in urls)
+    chunks = [key for key in b.list_prefix("meta/") if not key.endswith("zarr.json")]
+    a.set_many({key: b.get(key) for key in chunks})
+    with pytest.raises(MetaChecksumError, match=r"meta: slot 0: .*damaged or was copied in from another buffer"):
+        reader(urls[0], options)
+    a.set_many({key: b.get(key) for key in b.list_prefix("meta/") if key.endswith("zarr.json")})
+    with pytest.raises(BufferDamagedError, match=r"meta/_meta_sum/zarr\.json in .*: .* another buffer's"):
+        reader(urls[0], options)

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, metasums
 from replaybuf.concat import ConcatStorage
-from replaybuf.metasums import META_SUM, entries, summed_fields
+from replaybuf.metasums import META_SUM
 from replaybuf.schema import Schema
 from replaybuf.storage import Storage, make_storage, new_uuid
 from replaybuf.testing import StorageFactory, StorageTests, snapshot
@@ -98,7 +98,7 @@ class TestConcat(StorageTests):
 
         def factory(name: str = "buffer") -> ConcatStorage:
             if not all(os.path.isdir(path) for path in self.member_paths(name)):
-                for storage in self.open_members(name):  # empty members where none exist yet
+                for storage, _ in self.open_members(name):  # empty members where none exist yet
                     storage.close()
             buffers = [ReplayBuffer.from_folder(path, read_only=True) for path in self.member_paths(name)]
             return ConcatStorage(buffers, self.schema())
@@ -108,25 +108,24 @@ class TestConcat(StorageTests):
     def member_paths(self, name: str) -> list[str]:
         return [str(self.root / f"{name}-{k}") for k in range(len(self.members))]
 
-    def open_members(self, name: str) -> list[Storage]:
-        """The members' storages opened for writing, created where absent."""
+    def open_members(self, name: str) -> list[tuple[Storage, Schema]]:
+        """The members' storages opened for writing, created where absent, with their schemas."""
         schema, out = self.schema(), []
         for path, (backend, count, timesteps, options) in zip(self.member_paths(name), self.members):
             storage = make_storage(path, backend=backend, storage_options=options)
             if storage.exists():
-                storage.open(read_only=False)
+                member = storage.open(read_only=False)
             else:
-                storage.create(
-                    Schema(schema.fields, schema.meta_fields, count, timesteps, uuid=new_uuid()), overwrite=False
-                )
-            out.append(storage)
+                member = Schema(schema.fields, schema.meta_fields, count, timesteps, uuid=new_uuid())
+                storage.create(member, overwrite=False)
+            out.append((storage, member))
         return out
 
     def write(self, factory, episodes, rows, meta):
         # docstring inherited: each member writes its own episodes, cut to its time axis
         stored = {n: r.copy() for n, r in rows.items()}
-        schema, first = self.schema(), 0
-        for storage, (_, count, timesteps, _) in zip(self.open_members("buffer"), self.members):
+        first = 0
+        for (storage, schema), (_, count, timesteps, _) in zip(self.open_members("buffer"), self.members):
             mine = np.flatnonzero((episodes >= first) & (episodes < first + count))
             for name, values in rows.items():
                 storage.write_rows(name, episodes[mine] - first, 0, values[mine, :timesteps])
@@ -135,8 +134,8 @@ class TestConcat(StorageTests):
             meta["episode_lens"][mine] = np.minimum(meta["episode_lens"][mine], timesteps)
             # a member's checksums are of its own slots
             member = {n: v[mine] for n, v in meta.items()}
-            summed = summed_fields(schema.meta_fields, storage.sums_lengths)
-            meta[META_SUM][mine] = entries(episodes[mine] - first, member["_generation"], member, summed)
+            summed = metasums.summed(schema, storage)
+            meta[META_SUM][mine] = metasums.entries(episodes[mine] - first, member["_generation"], member, summed)
             for name, values in meta.items():
                 storage.write_meta(name, episodes[mine] - first, values[mine])
             storage.close()

@@ -275,9 +275,6 @@ def _same(one: Path, other: Path) -> bool:
 KNOWN_GAPS = {
     ("zarr", "older", "data/frame/*"): "an older version of the same slot's shard: nothing binds a shard "
     "to its episode (README, Integrity); with the folder, verify --repair keeps it",
-    ("zarr", "B", "meta/"): "B's meta folder, lengths all equal: _meta_sum hashes slot, generation, values and "
-    "length, nothing of the buffer, and nothing ties the meta values to the data (format change: the "
-    "buffer's uuid in each _meta_sum entry)",
     ("zarr", "older", "meta/"): "an older meta folder: the newest episode's slot reads empty, as after "
     "drop_episodes (which leaves counters, data and checksum entries as they were); format change: "
     "counters that record the published episodes (a count or digest of (slot, generation))",

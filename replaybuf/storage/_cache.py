@@ -428,6 +428,11 @@ class CachedStorage(Storage):
         return self.inner.sums_lengths
 
     @property
+    def binds_meta_sums(self) -> bool:
+        # docstring inherited: the wrapped storage's
+        return self.inner.binds_meta_sums
+
+    @property
     def root(self) -> str:
         """This buffer's cache folder (known once the storage is opened)."""
         schema = self.schema

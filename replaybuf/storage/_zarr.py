@@ -53,6 +53,7 @@ from ._owned import BLOB_DIR, check_owned, erase_owned
 from ._owner import OwnerMethod
 from ._shards import ShardBinding, ShardedArray
 from .base import (
+    META_SUM,
     OPTIONAL_META,
     STATE_KEY,
     BufferDamagedError,
@@ -101,18 +102,20 @@ MEASURED_CODECS = "measured_codecs"
 META_CHUNK_EPISODES = 16384
 # zarr buffers are format 6 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
 # 5: each shard bound to its field and slot, lengths under the meta checksums; 6: each shard
-# bound to its buffer too)
+# and each slot's meta checksum bound to its buffer too)
 ZARR_FORMAT_VERSION = 6
 # the first format whose shards hold a binding to their field and slot (``_shards.ShardBinding``):
 # an earlier release writes shards without one, so an earlier format neither writes nor checks it
 SHARD_BINDING_FORMAT = 5
-# the first format whose shards' bindings name their buffer too (its uuid): a format-5 buffer's
-# bindings name only the field and slot, and it keeps them so (an earlier release writes it)
+# the first format whose shards' bindings and meta checksums name their buffer too (its uuid): a
+# format-5 buffer's name neither, and it keeps them so (an earlier release writes it)
 BUFFER_BINDING_FORMAT = 6
-# the attribute of a sharded array's document (format 6) holding the uuid its shards are bound
-# to: a second copy of the config's, so that a damaged config uuid is refused by name at the
-# open, never every shard read as another buffer's (which ``verify --repair`` would drop)
-SHARDS_BOUND_TO = "shards_bound_to"
+# the attribute of the documents of a sharded array and of ``meta/_meta_sum`` (format 6) holding
+# the uuid their contents are bound to (each shard's binding, each slot's meta checksum): a
+# second copy of the config's, so that a damaged config uuid (or another buffer's meta folder,
+# copied in whole) is refused by name at the open, never every shard read as another buffer's
+# or every slot's meta values as damaged (which ``verify --repair`` would drop)
+BOUND_TO = "bound_to"
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
@@ -176,9 +179,9 @@ def default_time_chunk(field: Field, max_timesteps: int) -> int:
     return int(min(max_timesteps, max(1, SMALL_CHUNK_BYTES // max(field.step_nbytes, 1))))
 
 
-def _create_meta_array(group: Any, field: Field, max_episodes: int) -> None:
+def _create_meta_array(group: Any, field: Field, max_episodes: int, attributes: dict | None = None) -> None:
     """Create the per-episode array of ``field`` in zarr group ``group`` (uncompressed: a
-    commit writes a few bytes of it in place)."""
+    commit writes a few bytes of it in place), its document holding ``attributes``."""
     group.create_array(
         field.name,
         shape=(max_episodes, *field.shape),
@@ -188,6 +191,7 @@ def _create_meta_array(group: Any, field: Field, max_episodes: int) -> None:
         fill_value=0,
         chunk_key_encoding=FLAT_KEYS,
         dimension_names=field.dimension_names(per_episode=True),
+        attributes=attributes,
     )
 
 
@@ -356,10 +360,11 @@ class ZarrStorage(KVBlobs, Storage):
                     fill_value=0,
                     chunk_key_encoding=FLAT_KEYS,
                     dimension_names=field.dimension_names(),
-                    attributes={SHARDS_BOUND_TO: schema.uuid} if is_sharded(field) else None,
+                    attributes={BOUND_TO: schema.uuid} if is_sharded(field) else None,
                 )
             for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
-                _create_meta_array(meta, field, schema.max_episodes)
+                bound = {BOUND_TO: schema.uuid} if field.name == META_SUM else None
+                _create_meta_array(meta, field, schema.max_episodes, bound)
             state_node = json.dumps(STATE_NODE).encode()
             documents[STATE_NODE_KEY] = default_buffer_prototype().buffer.from_bytes(state_node)
             _consolidate(root.store)
@@ -461,6 +466,11 @@ class ZarrStorage(KVBlobs, Storage):
         """Whether each shard's binding names the buffer too, by its uuid (format 6 and later)."""
         return self.format_version is not None and self.format_version >= BUFFER_BINDING_FORMAT
 
+    @property
+    def binds_meta_sums(self) -> bool:
+        # docstring inherited: from format 6, as the shards
+        return self.binds_buffer
+
     def _load_arrays(self, schema: Schema, recorded: dict | None = None) -> None:
         """Open and check every array of ``schema``; ``recorded``: the root document's copies of
         their documents (zarr's consolidated metadata), whose chunk shapes each must have."""
@@ -501,7 +511,7 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
-        _check_bound_to(where, parsed, array, self.describe_key(ROOT_DOCUMENT))
+        _check_bound_to(path, where, parsed, self._bound_to(path, array, schema), self.describe_key(ROOT_DOCUMENT))
         held, created = _chunk_layout(parsed), _chunk_layout(recorded)
         if held is not None and created is not None and held != created:
             raise BufferDamagedError(
@@ -510,6 +520,17 @@ class ZarrStorage(KVBlobs, Storage):
                 "hold: the array document was edited or damaged; restore its chunk shape"
             )
         return array
+
+    def _bound_to(self, path: str, array: ChunkedArray, schema: Schema | None) -> str | None:
+        """The uuid the contents of the array at ``path`` are bound to, which its document keeps a
+        copy of (``BOUND_TO``): a sharded array's shards (their binding), ``meta/_meta_sum``'s
+        entries (``binds_meta_sums``, ``schema``: the buffer's); None for any other array, or
+        an earlier format's."""
+        if isinstance(array, ShardedArray):
+            return None if array.binding is None else array.binding.buffer
+        if path == f"meta/{META_SUM}" and self.binds_meta_sums and schema is not None:
+            return schema.uuid
+        return None
 
     def _probe_optional_meta(self) -> None:
         """A reader of a buffer an earlier release wrote takes the ``OPTIONAL_META`` arrays a
@@ -1188,20 +1209,34 @@ _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
 _LITTLE_ENDIAN = {"endian": "little"}
 
 
-def _check_bound_to(where: str, doc: dict, array: ChunkedArray, root: str) -> None:
-    """Refuse a sharded array whose document ``doc`` names another uuid than the config's
-    (``root``), which its shards are bound to (format 6: ``SHARDS_BOUND_TO``)."""
-    binding = array.binding if isinstance(array, ShardedArray) else None
-    if binding is None or binding.buffer is None:
+def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: str) -> None:
+    """Refuse the array at ``path`` (``where``) whose contents are bound to the config's uuid
+    ``bound`` (``_bound_to``; None: none) and whose document ``doc`` names another
+    (``BOUND_TO``; ``root``: the config's document). Which of the two is wrong cannot be told,
+    so ``verify --repair`` writes nothing."""
+    if bound is None:
         return
     attributes = doc.get("attributes")
-    held = attributes.get(SHARDS_BOUND_TO) if isinstance(attributes, dict) else None
-    if held != binding.buffer:
-        raise BufferDamagedError(
-            f"{where}: its shards are bound to the buffer uuid {held!r}, but the config in {root} holds "
-            f"{binding.buffer!r}: one of the two was damaged or edited; restore it (a shard's binding holds the "
-            "crc32c of the uuid it was written under and its field's name)"
+    held = attributes.get(BOUND_TO) if isinstance(attributes, dict) else None
+    if held == bound:
+        return
+    if path == f"meta/{META_SUM}":
+        what = "the checksum entries of its slots' meta values are"
+        cause = (
+            "the slots' meta values (meta/) are another buffer's (its meta folder copied in over this one's), or "
+            "one of the two documents was damaged or edited; restore meta/ from this buffer (each entry hashes its "
+            "slot with the uuid it was written under)"
         )
+    else:
+        what = "its shards are"
+        cause = (
+            "one of the two was damaged or edited; restore it (a shard's binding holds the crc32c of the uuid it "
+            "was written under and its field's name)"
+        )
+    raise BufferDamagedError(
+        f"{where}: {what} bound to the buffer uuid {held!r}, but the config in {root} holds {bound!r}: {cause}. "
+        "`replaybuf verify --repair` changes nothing: which of the two is wrong cannot be told"
+    )
 
 
 def _check_document(where: str, doc: dict) -> None:

@@ -415,6 +415,10 @@ class WrappedArray(ArrayBase):
         return self._wrapped().dtype
 
 
+# the per-episode array of each slot's meta checksum (``replaybuf/metasums.py``)
+META_SUM = "_meta_sum"
+
+
 def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
     """Per-episode arrays every backend stores besides the user's meta fields.
 
@@ -432,7 +436,7 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
         "episode_lens": Field("episode_lens", np.dtype("int32")),
         "_generation": Field("_generation", np.dtype("int64")),
         "_revision": Field("_revision", np.dtype("int64")),
-        "_meta_sum": Field("_meta_sum", np.dtype("uint64")),
+        META_SUM: Field(META_SUM, np.dtype("uint64")),
     }
 
 
@@ -448,7 +452,7 @@ META_SUMS_FORMAT = 4
 LENGTH_SUMS_FORMAT = 5
 # bookkeeping arrays a buffer of a format before ``META_SUMS_FORMAT`` does not keep: read as
 # zeros (``AbsentMeta``) whether or not a file is there, never created nor written
-UNKEPT_META: dict[str, np.dtype] = {"_meta_sum": np.dtype("uint64")}
+UNKEPT_META: dict[str, np.dtype] = {META_SUM: np.dtype("uint64")}
 
 
 class AbsentMeta(ArrayBase):
@@ -756,6 +760,13 @@ class Storage(ABC):
         """Whether ``_meta_sum`` covers each slot's length too (format ``LENGTH_SUMS_FORMAT``
         and later): a damaged length is then found by every open, before any data is read."""
         return self.keeps_meta_sums and self.format_version is not None and self.format_version >= LENGTH_SUMS_FORMAT
+
+    @property
+    def binds_meta_sums(self) -> bool:
+        """Whether ``_meta_sum`` binds each slot to the buffer too, by its uuid (zarr format 6
+        and later, whose ``meta/_meta_sum`` document keeps a second copy of it): the values of
+        another buffer's slots, copied in with their entries, fail them."""
+        return False
 
     def stored_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
         """``expected_layouts`` of the opened buffer's format: what an open loads."""
