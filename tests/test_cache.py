@@ -231,10 +231,14 @@ def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, 
     for timesteps in ([4, 0], [-1, 0]):
         expected = plain.storage.gather("ident", np.array([1, 1]), np.array(timesteps), np.array([2, 2]))
         assert gather([1, 1], timesteps, [2, 2]) == expected.tolist()
-    # the old episode's file gone and its map dropped: a plan naming it is refused
-    os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
+    # a refresh keeps the maps (each serves its one version): no file is mapped again
     storage.drop_caches()
-    assert not mapped.maps and not mapped.held.any()
+    assert sorted(mapped.maps) == [0, 1, 2]
+    assert gather([1, 0], [0, 2], [2, 1]) == [1000, 2]
+    # the old episode's file gone (evicted by another process): the map's next touch finds it,
+    # and a plan naming it is refused
+    os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
+    monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", -1.0)
     with pytest.raises(GenerationMismatchError) as caught:
         gather([1, 0], [0, 2], [2, 1])
     assert caught.value.slots == [0]
@@ -242,7 +246,7 @@ def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, 
     writer.close()
 
 
-def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path):
+def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path, monkeypatch):
     writer, plain, cached = ring_of_three(tmp_path)
     storage = cached.storage
 
@@ -266,8 +270,10 @@ def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path):
         [7004, 7005, -1, -1, -1, -1],
     ]
     assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]  # the old episode's file
+    storage.drop_caches()  # a refresh keeps the maps: the old episode is still served from its own
+    assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]
     os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
-    storage.drop_caches()
+    monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", -1.0)  # its next touch finds the file gone
     with pytest.raises(GenerationMismatchError) as caught:
         read_spans([1, 0], [0, 0], [2, 2], np.array([2, 1]))
     assert caught.value.slots == [0]

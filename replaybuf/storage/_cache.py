@@ -550,14 +550,14 @@ class CachedStorage(Storage):
         return self.inner.replaced(cheap_only)
 
     def drop_caches(self) -> None:
-        """Forget the slots' generations and revisions and the maps this process holds (files
-        and in-RAM copies stay: keyed by both, they are never served for another version)."""
+        """Forget the slots' generations and revisions this process knows. The maps it holds
+        stay, as the files and in-RAM copies do: each is one version's (slot, generation and
+        revision), never served for another, and a map's file evicted by another process is
+        found by its touch (``TOUCH_S``). Mapping every file again at each refresh (each loader a
+        reader makes) cost its page tables again: 213 MB of frames, ~15 ms an epoch."""
         self.inner.drop_caches()
         with self._lock:
             self._generations = self._revisions = None
-            self._maps.clear()  # the in-RAM copies stay: like the files, each is one revision's
-            for mapped in self._mapped.values():
-                mapped.clear()
 
     def close(self) -> None:
         self.inner.close()
