@@ -243,6 +243,10 @@ def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, 
         gather([1, 0], [0, 2], [2, 1])
     assert caught.value.slots == [0]
     assert gather([1, 0], [0, 2], [2, 4]) == [1000, 7002]
+    # a refresh drops the maps of files gone, whose disk space they would hold
+    os.unlink(os.path.join(storage.root, "ident", "0-4.rows"))
+    storage.drop_caches()
+    assert sorted(mapped.maps) == [1, 2] and mapped.held[0] == 0
     writer.close()
 
 

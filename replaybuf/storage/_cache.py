@@ -550,14 +550,17 @@ class CachedStorage(Storage):
         return self.inner.replaced(cheap_only)
 
     def drop_caches(self) -> None:
-        """Forget the slots' generations and revisions this process knows. The maps it holds
-        stay, as the files and in-RAM copies do: each is one version's (slot, generation and
-        revision), never served for another, and a map's file evicted by another process is
-        found by its touch (``TOUCH_S``). Mapping every file again at each refresh (each loader a
-        reader makes) cost its page tables again: 213 MB of frames, ~15 ms an epoch."""
+        """Forget the slots' generations and revisions this process knows, and the maps whose
+        files are gone (evicted by another process: their disk space is given back once
+        unmapped). The other maps stay, as the files and in-RAM copies do: each is one
+        version's (slot, generation and revision), never served for another. Mapping every file
+        again at each refresh (each loader a reader makes) cost its page tables again: warm
+        timestep batches with a new loader every 35 ran at 0.6-0.8x the speed of kept maps."""
         self.inner.drop_caches()
         with self._lock:
             self._generations = self._revisions = None
+            for key in [key for key in self._maps if not os.path.exists(self._path(*key))]:
+                self._forget_map(key)
 
     def close(self) -> None:
         self.inner.close()
