@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 
 from .schema import Field, Schema
-from .storage import meta_file
-from .storage.base import META_SUM, BufferDamagedError, CorruptChunkError, Storage
+from .storage import META_SUM, BufferDamagedError, CorruptChunkError, Storage, meta_file
 
 _KEPT = np.uint64((1 << 63) | 1)
 _SEED = np.uint64(0x9E3779B97F4A7C15)
