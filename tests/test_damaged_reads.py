@@ -667,32 +667,6 @@ READS_OF_SLOT_1: dict[str, Callable[[str, str], object]] = {
 }
 
 
-@pytest.mark.parametrize("read", sorted(READS_OF_SLOT_1))
-@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
-def test_a_zarr_frame_shard_moved_to_another_slot_is_damage(tmp_path, hot, read):
-    """Before: slot 0's shard copied over slot 1's read back as slot 1's episode, and verify
-    passed it. Each read path that reaches slot 1 names the file and the slot it came from."""
-    location = _bound_shards(tmp_path, hot)
-    _move_shard(location, 0, 1)
-    with pytest.raises(CorruptChunkError, match=MOVED) as error:
-        READS_OF_SLOT_1[read](location, str(tmp_path / "cache"))
-    assert error.value.slot == 1 and str(_shard(location, 1)) in str(error.value)
-
-
-@pytest.mark.filterwarnings("ignore:compaction left the shard")  # the repair's writer finds slot 1 hot
-@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
-def test_verify_names_a_moved_zarr_shard_and_repair_drops_that_episode_alone(tmp_path, hot):
-    location = _bound_shards(tmp_path, hot)
-    _move_shard(location, 0, 1)
-    assert [re.search(MOVED, line) is not None for line in verify(location) if "data/frame" in line] == [True]
-    assert "repaired: dropped the damaged episodes in slots [1]" in "\n".join(verify(location, repair=True))
-    assert verify(location) == []
-    reader = _open(location)
-    assert reader.valid_episodes().tolist() == [0, 2]
-    for slot in (0, 2):
-        np.testing.assert_array_equal(reader.episode_frames(slot, "frame"), _episode(slot, COLD_LENGTHS[slot])["frame"])
-
-
 @pytest.mark.parametrize("bit", [3, 37, 71, 125], ids=["tag", "slot", "field", "crc32c"])
 @pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
 def test_a_flipped_bit_in_a_zarr_shard_s_binding_is_damage(tmp_path, hot, bit):
@@ -736,29 +710,53 @@ def _two_buffers(tmp_path: Path, hot: bool) -> tuple[str, str]:
     return _bound_shards(tmp_path / "a", hot), _bound_shards(tmp_path / "b", hot, first=len(COLD_LENGTHS))
 
 
-@pytest.mark.parametrize("read", sorted(READS_OF_SLOT_1))
-@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
-def test_a_zarr_frame_shard_of_another_buffer_is_damage(tmp_path, hot, read):
-    """Before: buffer B's shard of slot 1 copied over buffer A's read back as A's episode (B's
-    frames beside A's states): its binding named only field and slot. Each read path that
-    reaches slot 1 names the file and says the shard is another buffer's."""
+def _shard_moved(tmp_path: Path, hot: bool) -> str:
+    """A buffer whose slot 1 holds slot 0's frame shard, whole and intact."""
+    location = _bound_shards(tmp_path, hot)
+    _move_shard(location, 0, 1)
+    return location
+
+
+def _shard_of_another_buffer(tmp_path: Path, hot: bool) -> str:
+    """Buffer A whose slot 1 holds buffer B's frame shard of slot 1 (same config and lengths)."""
     a, b = _two_buffers(tmp_path, hot)
     _copy_shard(b, a, 1)
-    with pytest.raises(CorruptChunkError, match=FOREIGN) as error:
-        READS_OF_SLOT_1[read](a, str(tmp_path / "cache"))
-    assert error.value.slot == 1 and str(_shard(a, 1)) in str(error.value)
+    return a
+
+
+# how slot 1's shard came to hold another one: the buffer made so, what the error says
+MISPLACED_SHARDS: dict[str, tuple[Callable[[Path, bool], str], str]] = {
+    "moved": (_shard_moved, MOVED),
+    "another-buffer": (_shard_of_another_buffer, FOREIGN),
+}
+
+
+@pytest.mark.parametrize("read", sorted(READS_OF_SLOT_1))
+@pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
+@pytest.mark.parametrize("how", sorted(MISPLACED_SHARDS))
+def test_a_zarr_frame_shard_of_another_slot_or_buffer_is_damage(tmp_path, how, hot, read):
+    """Before: slot 0's shard copied over slot 1's (format 5), or buffer B's shard of slot 1
+    copied over buffer A's (format 6: its binding named only field and slot), read back as slot
+    1's episode, and verify passed it. Each read path that reaches slot 1 names the file and
+    where the shard came from."""
+    make, says = MISPLACED_SHARDS[how]
+    location = make(tmp_path, hot)
+    with pytest.raises(CorruptChunkError, match=says) as error:
+        READS_OF_SLOT_1[read](location, str(tmp_path / "cache"))
+    assert error.value.slot == 1 and str(_shard(location, 1)) in str(error.value)
 
 
 @pytest.mark.filterwarnings("ignore:compaction left the shard")  # the repair's writer finds slot 1 hot
 @pytest.mark.parametrize("hot", SHARD_HOT, ids=SHARD_STATES)
-def test_verify_names_a_zarr_shard_of_another_buffer_and_repair_drops_that_episode_alone(tmp_path, hot):
-    """``verify --repair`` never re-seals a shard of another buffer into place: the episode goes."""
-    a, b = _two_buffers(tmp_path, hot)
-    _copy_shard(b, a, 1)
-    assert [re.search(FOREIGN, line) is not None for line in verify(a) if "data/frame" in line] == [True]
-    assert "repaired: dropped the damaged episodes in slots [1]" in "\n".join(verify(a, repair=True))
-    assert verify(a) == []
-    reader = _open(a)
+@pytest.mark.parametrize("how", sorted(MISPLACED_SHARDS))
+def test_verify_names_a_misplaced_zarr_shard_and_repair_drops_that_episode_alone(tmp_path, how, hot):
+    """``verify --repair`` never re-seals a shard of another slot or buffer into place: the episode goes."""
+    make, says = MISPLACED_SHARDS[how]
+    location = make(tmp_path, hot)
+    assert [re.search(says, line) is not None for line in verify(location) if "data/frame" in line] == [True]
+    assert "repaired: dropped the damaged episodes in slots [1]" in "\n".join(verify(location, repair=True))
+    assert verify(location) == []
+    reader = _open(location)
     assert reader.valid_episodes().tolist() == [0, 2]
     for slot in (0, 2):
         np.testing.assert_array_equal(reader.episode_frames(slot, "frame"), _episode(slot, COLD_LENGTHS[slot])["frame"])
