@@ -956,7 +956,9 @@ def verify(
     sealing = [slot for slots in chunks.values() for slot in slots]
     # nor do slots whose length is restored (from the data's checksums, or its meta checksum)
     lengths_back = [*restore, *(slot for slot, (name, _) in values.items() if name == "episode_lens")]
-    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *lengths_back, *sealing]), 0, readable)
+    # nor do the slots held back where a whole field fails the checksums kept apart from it
+    whole = [slot for slots in wholesale.values() for slot in slots]
+    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *lengths_back, *sealing, *whole]), 0, readable)
     beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
     # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
@@ -977,8 +979,6 @@ def verify(
             "checksum file was replaced whole (copied in from another buffer or an older copy), and which one "
             "cannot be told; --repair drops none of them: put the right file back (or clear() the buffer)"
         )
-    whole = {slot for slots in wholesale.values() for slot in slots}
-    damaged = [slot for slot in damaged if slot not in whole]
     excess = storage.excess_bookkeeping()
     problems += excess
     unfinished = _unfinished_copy(storage)
@@ -1215,16 +1215,18 @@ def _check_episodes(
     damaged checksum entries: field -> slot -> whether the data matches what the entry still
     held, chunks whose own crc32c alone is damaged: field -> slot -> where they lie, damaged
     lengths: slot -> the length at which every field's data matches its checksum, and the
-    fields whose every episode fails the checksum file kept apart: (field, that file) -> slots)."""
+    fields whose every episode fails the checksum file kept apart: (field, that file) -> slots).
+    A slot whose only failures are such fields' is held back: not among the damaged slots."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
     found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
-    damaged: set[int] = set()
+    # slot -> what failed: (field, the checksum file kept apart from its data it failed), or
+    # None for any other damage
+    failed: dict[int, set[tuple[str, str] | None]] = {}
     entries: dict[str, dict[int, bool]] = {}
     chunks: dict[str, dict[int, list[str]]] = {}
     matches: dict[int, set[int]] = {}
-    against: dict[tuple[str, str], set[int]] = {}  # (field, checksum file) -> slots failing it
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
         for slab in _slabs(slots, lens[slots], schema):
@@ -1243,7 +1245,7 @@ def _check_episodes(
                             sealable = storage.reseal_chunks(name, np.array([slot]), write=False)
                         except CorruptChunkError as other:
                             found[name].append((slot, str(other)))
-                            damaged.add(slot)
+                            failed.setdefault(slot, set()).add(None)
                         else:
                             found[name].append((slot, str(e)))
                             chunks.setdefault(name, {})[slot] = sealable.get(slot, [])
@@ -1255,9 +1257,7 @@ def _check_episodes(
                         matches.setdefault(slot, set()).add(e.matches)
                     except CorruptChunkError as e:
                         found[name].append((slot, str(e)))
-                        damaged.add(slot)
-                        if e.checksums is not None:
-                            against.setdefault((name, e.checksums), set()).add(slot)
+                        failed.setdefault(slot, set()).add(None if e.checksums is None else (name, e.checksums))
                     except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
                         found[name].append(
                             (
@@ -1266,21 +1266,25 @@ def _check_episodes(
                                 f"({type(e).__name__}: {e})",
                             )
                         )
-                        damaged.add(slot)
+                        failed.setdefault(slot, set()).add(None)
             bar.update(len(slab))
     # a length every field of the slot agrees on, the slot's data otherwise sound
-    restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in damaged and len(agreed) == 1}
-    damaged.update(slot for slot in matches if slot not in restore)
-    chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in damaged})}
+    restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in failed and len(agreed) == 1}
+    for slot in matches.keys() - restore.keys():
+        failed.setdefault(slot, set()).add(None)
+    chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in failed})}
     # every episode (two or more) of a field failing the checksums kept apart from its data: one
     # of the two files was replaced whole (copied in from another buffer or an older copy), and
     # which one cannot be told, so a repair drops none of them (``verify``)
-    wholesale = {
-        (name, checksums): sorted(failed)
-        for (name, checksums), failed in against.items()
-        if len(slots) >= 2 and len(failed) == len(slots)
-    }
-    return [p for n in names for p in found[n]], sorted(damaged), entries, chunks, restore, wholesale
+    against: dict[tuple[str, str], list[int]] = {}
+    for slot, causes in sorted(failed.items()):
+        for cause in sorted(causes - {None}, key=lambda cause: (names.index(cause[0]), cause[1])):
+            against.setdefault(cause, []).append(slot)
+    wholesale = {cause: held for cause, held in against.items() if len(slots) >= 2 and len(held) == len(slots)}
+    # only those fields' failures are held back: a slot with damage of its own (another field, a
+    # length, a chunk) is damaged as ever
+    damaged = sorted(slot for slot, causes in failed.items() if not causes <= wholesale.keys())
+    return [p for n in names for p in found[n]], damaged, entries, chunks, restore, wholesale
 
 
 def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:
