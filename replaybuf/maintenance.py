@@ -97,13 +97,13 @@ def _stranded_hint(storage: Storage) -> str:
     buffer ``storage`` (``.<name>.format<N>-<pid>`` beside it), as the end of a message."""
     if not storage.is_local:
         return ""
-    parent, name = os.path.split(os.path.realpath(storage.location.removeprefix("file://")))
-    left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
+    folder = os.path.realpath(storage.location.removeprefix("file://"))
+    left = upgrade_backups(folder)
     if not left:
         return ""
     return (
         f"; an upgrade stopped between its renames left the original at {left[-1]!r}: rename it back to "
-        f"{os.path.join(parent, name)!r} (and run the upgrade again)"
+        f"{folder!r} (and run the upgrade again)"
     )
 
 
@@ -515,6 +515,15 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
     return dead, others
 
 
+def upgrade_backups(folder: str) -> list[str]:
+    """The originals upgrades of ``folder`` moved aside beside it (``.<name>.format<N>-<pid>``
+    folders): kept by ``keep_backup``, or left by an upgrade killed after its first rename and
+    before it marked the original for deletion (``_discard_original``)."""
+    parent, name = os.path.split(folder)
+    found = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*"))
+    return sorted(path for path in found if os.path.isdir(path) and not os.path.islink(path))
+
+
 def _remove_marked(path: str) -> None:
     """Delete an upgrade's folder ``path`` with its marker last, so a kill part-way leaves it
     still provably an upgrade's (``upgrade_leftovers``) for the next upgrade to finish."""
@@ -742,7 +751,9 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     unfinished = _unfinished_copy(storage)
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
-    dead, others = upgrade_leftovers(os.path.realpath(storage.location)) if storage.is_local else ([], [])
+    folder = os.path.realpath(storage.location.removeprefix("file://"))
+    dead, others = upgrade_leftovers(folder) if storage.is_local else ([], [])
+    backups = upgrade_backups(folder) if storage.is_local else []
     storage.close()
     return {
         "location": storage.location,
@@ -766,6 +777,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "unfinished_copy": unfinished,
         "killed_upgrades": dead,
         "other_upgrade_copies": others,
+        "upgrade_backups": backups,
     }
 
 
@@ -816,6 +828,11 @@ def format_info(facts: dict) -> str:
             f"leftover   {path}: an upgrade's copy, of a running upgrade or not provably one's; "
             "remove it by hand if no upgrade is running"
             for path in facts.get("other_upgrade_copies", ())
+        ),
+        *(
+            f"leftover   {path}: the original of an upgrade, moved aside (kept by --keep-backup, or left by an "
+            "upgrade killed before deleting it); delete it once the upgraded buffer is checked"
+            for path in facts.get("upgrade_backups", ())
         ),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +92,43 @@ def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_nam
     assert not done["upgraded"] and done["removed"] == [str(tmp_path / left)]
     assert os.listdir(tmp_path) == ["buf"]
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def _upgrade_killed_after_its_swap(path: str) -> None:
+    """Child: upgrade ``path``, SIGKILLed once the copy is swapped in, before the original moved
+    aside is marked for deletion."""
+    import os
+    import signal
+
+    import replaybuf.maintenance as maintenance
+
+    maintenance._discard_original = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    maintenance.upgrade(path, progress=False)
+
+
+def test_an_upgrade_killed_after_its_swap_leaves_an_original_that_info_names(tmp_path, capsys):
+    """Before: the full-size original left as ``.buf.format5-<pid>`` was reported by nothing
+    (not an upgrade's marked copy), though the upgrade's promise is no hidden copy."""
+    import multiprocessing
+    import signal
+
+    from replaybuf import ReplayBuffer
+
+    from ._data import released_copy
+    from .test_format_fixtures import NEWEST, _check_contents, _stored_version
+
+    path = Path(released_copy("format-v5", "zarr", tmp_path))
+    child = multiprocessing.get_context("fork").Process(target=_upgrade_killed_after_its_swap, args=(str(path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert _stored_version(path, "zarr") == NEWEST["zarr"]
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    backup = tmp_path / f".{path.name}.format5-{child.pid}"
+    assert sorted(os.listdir(tmp_path)) == [backup.name, path.name]
+    assert _stored_version(backup, "zarr") == 5
+    assert run_cli(["info", path]) == 0
+    assert f"leftover   {backup}: the original of an upgrade, moved aside" in capsys.readouterr().out
 
 
 def test_unlock_takes_an_object_store_lease_at_once_and_its_live_writer_stops(s3_server, capsys):
