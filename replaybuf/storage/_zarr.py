@@ -512,7 +512,12 @@ class ZarrStorage(KVBlobs, Storage):
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
         _check_bound_to(
-            path, where, parsed, self._bound_to(path, array, schema), self.describe_key(ROOT_DOCUMENT), self.format_version
+            path,
+            where,
+            parsed,
+            self._bound_to(path, array, schema),
+            self.describe_key(ROOT_DOCUMENT),
+            self.format_version,
         )
         held, created = _chunk_layout(parsed), _chunk_layout(recorded)
         if held is not None and created is not None and held != created:
