@@ -1295,7 +1295,8 @@ def _check_episodes(
     # which one cannot be told, so a repair drops none of them (``verify``)
     against: dict[tuple[str, str], list[int]] = {}
     for slot, causes in sorted(failed.items()):
-        for cause in sorted(causes - {None}, key=lambda cause: (names.index(cause[0]), cause[1])):
+        kept_apart = [cause for cause in causes if cause is not None]
+        for cause in sorted(kept_apart, key=lambda cause: (names.index(cause[0]), cause[1])):
             against.setdefault(cause, []).append(slot)
     wholesale = {cause: held for cause, held in against.items() if len(slots) >= 2 and len(held) == len(slots)}
     # only those fields' failures are held back: a slot with damage of its own (another field, a
