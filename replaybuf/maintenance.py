@@ -571,6 +571,30 @@ def _discard_original(folder: str, backup: str, marked: str) -> None:
     _remove_marked(marked)
 
 
+# renameat2's flag swapping two paths atomically (Linux 3.15+, glibc 2.28+; local file systems)
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(one: str, other: str) -> bool:
+    """Swap the folders ``one`` and ``other`` in one atomic step (``renameat2`` with
+    ``RENAME_EXCHANGE``); False, with nothing changed, where the system or file system has no
+    such call (then two renames swap them, leaving neither name for an instant)."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(one), _AT_FDCWD, os.fsencode(other), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"upgrade: swapping {one!r} and {other!r}: {os.strerror(code)}", one)
+
+
 def _check_upgrade_writable(folder: str) -> None:
     """PermissionError, before anything is written, where this process may not write in the
     folder holding ``folder`` or in any folder of the buffer: an upgrade writes its lease in the
@@ -600,19 +624,21 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     Earlier formats open and write as they are; upgrading adds what they lack (a format 1
     buffer's reads are not checked against checksums). The buffer is copied with ``convert``
     (slots, order, meta values, counters, attributes and snapshots kept; codecs and chunking
-    as stored) into a sibling folder, verified, and swapped in by two renames, all under the
+    as stored) into a sibling folder, verified, and swapped in by one atomic exchange of the
+    two folders (``renameat2``; two renames where the system has none), all under the
     buffer's writer lease: a writer holding it refuses the upgrade, and none can start
     meanwhile. Readers of the buffer must reopen it afterwards. A folder holding files that
     are not the buffer's is refused (they would be left behind in the backup). A buffer
     already in the newest format is left as it is.
 
     ``keep_backup``: keep the original folder as ``.<name>.format<N>-<pid>`` next to it (it is
-    deleted otherwise). A kill between the two renames leaves both folders next to ``path``
-    under those names: rename the backup back to retry. A kill during the copy leaves the
+    deleted otherwise). Swapped by two renames, a kill between them leaves both folders next
+    to ``path`` under those names: rename the backup back to retry. A kill during the copy leaves the
     copy as ``.<name>.upgrading-<pid>`` (with a marker naming the buffer and process inside):
     the next upgrade deletes such copies once their process is gone, never another folder. The
     original, unless kept, is marked and renamed so before it is deleted: a kill then leaves
-    the same kind of leftover, never a hidden copy nothing reports.
+    the same kind of leftover (unmarked, if killed just after the swap), never a hidden copy
+    nothing reports (``info`` lists them all).
     Returns what it did: location, backend, ``upgraded``, the format versions, episodes
     copied, the backup's path and the killed upgrades' copies it removed.
     """
@@ -670,10 +696,16 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         if problems:
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
         os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
-        os.rename(folder, backup)
+        # one atomic swap where the system has it: ``folder`` holds the original or the copy at
+        # every instant, and the original is at ``staging`` after it
+        swapped = _exchange(staging, folder)
+        moved = staging if swapped else backup
+        if not swapped:  # two renames: a kill between them leaves no folder (the hints name the original)
+            os.rename(folder, backup)
         made = False  # from here the copy is kept whatever happens: the original has moved
         try:
-            os.rename(staging, folder)
+            if not swapped:
+                os.rename(staging, folder)
         except OSError as e:  # another process made a folder there in between
             raise FileExistsError(
                 f"upgrade: {folder!r} was created by another process while the upgrade swapped its copy in "
@@ -686,8 +718,10 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         raise
     finally:
         owner.release_writer()  # its lock file moved with the original folder
-    if not keep_backup:
-        _discard_original(folder, backup, staging)
+    if keep_backup and moved != backup:
+        os.rename(moved, backup)
+    elif not keep_backup:
+        _discard_original(folder, moved, staging)
     return {
         **facts,
         "upgraded": True,
