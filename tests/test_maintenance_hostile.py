@@ -136,15 +136,20 @@ def test_an_upgrade_killed_after_its_swap_leaves_an_original_that_info_names(tmp
     assert f"leftover   {left}: " in capsys.readouterr().out
 
 
-# the file operations an upgrade's child counts (audit events): a kill lands before the n-th
+# the file operations an upgrade's child counts (audit events), besides opens for writing
 _WRITES = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}
 
 
-def _counting(kill_at: int, seen: list) -> None:
-    """Audit hook: list each file operation (and each write open) in ``seen``, SIGKILL the
-    process before the ``kill_at``-th."""
+def _upgrade_killed_at(path: str, copying: int, swapping: int) -> None:
+    """Child: upgrade ``path``, SIGKILLed before its ``copying``-th file operation (or write
+    open), or before the ``swapping``-th after the one removing its copy's marker (0: that
+    one; the swap follows it); -1: not counted."""
     import signal
     import sys
+
+    import replaybuf.maintenance as maintenance
+
+    count = {"all": 0, "swap": -1}
 
     def hook(event: str, args: tuple) -> None:
         if event == "open":
@@ -153,62 +158,44 @@ def _counting(kill_at: int, seen: list) -> None:
                 return
         elif event not in _WRITES:
             return
-        seen.append(f"{event} {args[0]}")
-        if len(seen) == kill_at:
+        count["all"] += 1
+        if count["swap"] >= 0:
+            count["swap"] += 1
+        elif event == "os.remove" and str(args[0]).endswith("upgrading.json"):
+            count["swap"] = 0
+        if count["all"] == copying or count["swap"] == swapping:
             os.kill(os.getpid(), signal.SIGKILL)
 
     sys.addaudithook(hook)
-
-
-def _upgrade_killed_at(path: str, kill_at: int, pipe) -> None:
-    """Child: upgrade ``path``, SIGKILLed before its ``kill_at``-th file operation (-1: none);
-    sends the operations it made through ``pipe``."""
-    import replaybuf.maintenance as maintenance
-
-    seen: list = []
-    _counting(kill_at, seen)
     maintenance.upgrade(path, progress=False)
-    pipe.send(seen)
 
 
-def test_an_upgrade_killed_at_any_step_leaves_the_old_or_the_new_buffer_and_the_next_one_finishes(tmp_path):
-    """SIGKILLed before a file operation spread over the whole upgrade (the copy, the swap, the
-    deletion of the original): the folder holds the intact old buffer or the intact new one,
-    never neither (a kill between the two renames of a swap left no folder at all), and the
-    next upgrade finishes the job."""
+@pytest.mark.parametrize(("copying", "swapping"), [(25, -1), (-1, 0), (-1, 1), (-1, 2), (-1, 4)])
+def test_an_upgrade_killed_at_any_step_leaves_the_old_or_the_new_buffer_and_the_next_one_finishes(
+    tmp_path, copying, swapping
+):
+    """SIGKILLed during the copy, or before one of the file operations around the swap: the
+    folder holds the intact old buffer or the intact new one, never neither (killed between the
+    two renames of the swap, the upgrade left no folder at all), and the next upgrade finishes."""
     import multiprocessing
-    import shutil
+    import signal
 
     from replaybuf import ReplayBuffer
     from replaybuf.maintenance import upgrade, verify
 
-    from .test_format_fixtures import DATA, NEWEST, _check_contents, _stored_version
+    from ._data import released_copy
+    from .test_format_fixtures import NEWEST, _check_contents, _stored_version
 
-    context = multiprocessing.get_context("fork")
-
-    def run(kill_at: int, folder: Path) -> list:
-        path = folder / "buf"
-        shutil.copytree(os.path.join(DATA, "format-v5", "zarr"), path)
-        receiving, sending = context.Pipe(duplex=False)
-        child = context.Process(target=_upgrade_killed_at, args=(str(path), kill_at, sending))
-        child.start()
-        child.join(60)
-        return receiving.recv() if child.exitcode == 0 else []
-
-    everything = run(-1, tmp_path / "traced")
-    # the copy's marker is removed just before the swap: kill before each of the next operations
-    swap = (
-        next(i for i, op in enumerate(everything) if op.startswith("os.remove") and op.endswith("upgrading.json")) + 2
-    )
-    for kill_at in sorted({len(everything) // 4, swap, swap + 1, swap + 2, len(everything) - 1}):
-        folder = tmp_path / f"killed-{kill_at}"
-        assert run(kill_at, folder) == []
-        path = folder / "buf"
-        assert _stored_version(path, "zarr") in (5, NEWEST["zarr"]), kill_at
-        _check_contents(ReplayBuffer.from_folder(path, read_only=True))
-        upgrade(path, progress=False)
-        assert _stored_version(path, "zarr") == NEWEST["zarr"] and verify(path) == []
-        _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    path = Path(released_copy("format-v5", "zarr", tmp_path))
+    child = multiprocessing.get_context("fork").Process(target=_upgrade_killed_at, args=(str(path), copying, swapping))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert _stored_version(path, "zarr") in (5, NEWEST["zarr"])
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    upgrade(path, progress=False)
+    assert _stored_version(path, "zarr") == NEWEST["zarr"] and verify(path) == []
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 
 def test_unlock_takes_an_object_store_lease_at_once_and_its_live_writer_stops(s3_server, capsys):
