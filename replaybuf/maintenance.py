@@ -97,13 +97,13 @@ def _stranded_hint(storage: Storage) -> str:
     buffer ``storage`` (``.<name>.format<N>-<pid>`` beside it), as the end of a message."""
     if not storage.is_local:
         return ""
-    parent, name = os.path.split(os.path.realpath(storage.location.removeprefix("file://")))
-    left = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*")))
+    folder = os.path.realpath(storage.location.removeprefix("file://"))
+    left = upgrade_backups(folder)
     if not left:
         return ""
     return (
         f"; an upgrade stopped between its renames left the original at {left[-1]!r}: rename it back to "
-        f"{os.path.join(parent, name)!r} (and run the upgrade again)"
+        f"{folder!r} (and run the upgrade again)"
     )
 
 
@@ -515,6 +515,15 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
     return dead, others
 
 
+def upgrade_backups(folder: str) -> list[str]:
+    """The originals upgrades of ``folder`` moved aside beside it (``.<name>.format<N>-<pid>``
+    folders): kept by ``keep_backup``, or left by an upgrade killed after its first rename and
+    before it marked the original for deletion (``_discard_original``)."""
+    parent, name = os.path.split(folder)
+    found = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*"))
+    return sorted(path for path in found if os.path.isdir(path) and not os.path.islink(path))
+
+
 def _remove_marked(path: str) -> None:
     """Delete an upgrade's folder ``path`` with its marker last, so a kill part-way leaves it
     still provably an upgrade's (``upgrade_leftovers``) for the next upgrade to finish."""
@@ -562,6 +571,30 @@ def _discard_original(folder: str, backup: str, marked: str) -> None:
     _remove_marked(marked)
 
 
+# renameat2's flag swapping two paths atomically (Linux 3.15+, glibc 2.28+; local file systems)
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(one: str, other: str) -> bool:
+    """Swap the folders ``one`` and ``other`` in one atomic step (``renameat2`` with
+    ``RENAME_EXCHANGE``); False, with nothing changed, where the system or file system has no
+    such call (then two renames swap them, leaving neither name for an instant)."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(one), _AT_FDCWD, os.fsencode(other), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"upgrade: swapping {one!r} and {other!r}: {os.strerror(code)}", one)
+
+
 def _check_upgrade_writable(folder: str) -> None:
     """PermissionError, before anything is written, where this process may not write in the
     folder holding ``folder`` or in any folder of the buffer: an upgrade writes its lease in the
@@ -591,19 +624,21 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     Earlier formats open and write as they are; upgrading adds what they lack (a format 1
     buffer's reads are not checked against checksums). The buffer is copied with ``convert``
     (slots, order, meta values, counters, attributes and snapshots kept; codecs and chunking
-    as stored) into a sibling folder, verified, and swapped in by two renames, all under the
+    as stored) into a sibling folder, verified, and swapped in by one atomic exchange of the
+    two folders (``renameat2``; two renames where the system has none), all under the
     buffer's writer lease: a writer holding it refuses the upgrade, and none can start
     meanwhile. Readers of the buffer must reopen it afterwards. A folder holding files that
     are not the buffer's is refused (they would be left behind in the backup). A buffer
     already in the newest format is left as it is.
 
     ``keep_backup``: keep the original folder as ``.<name>.format<N>-<pid>`` next to it (it is
-    deleted otherwise). A kill between the two renames leaves both folders next to ``path``
-    under those names: rename the backup back to retry. A kill during the copy leaves the
+    deleted otherwise). Swapped by two renames, a kill between them leaves both folders next
+    to ``path`` under those names: rename the backup back to retry. A kill during the copy leaves the
     copy as ``.<name>.upgrading-<pid>`` (with a marker naming the buffer and process inside):
     the next upgrade deletes such copies once their process is gone, never another folder. The
     original, unless kept, is marked and renamed so before it is deleted: a kill then leaves
-    the same kind of leftover, never a hidden copy nothing reports.
+    the same kind of leftover (unmarked, if killed just after the swap), never a hidden copy
+    nothing reports (``info`` lists them all).
     Returns what it did: location, backend, ``upgraded``, the format versions, episodes
     copied, the backup's path and the killed upgrades' copies it removed.
     """
@@ -661,10 +696,16 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         if problems:
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
         os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
-        os.rename(folder, backup)
+        # one atomic swap where the system has it: ``folder`` holds the original or the copy at
+        # every instant, and the original is at ``staging`` after it
+        swapped = _exchange(staging, folder)
+        moved = staging if swapped else backup
+        if not swapped:  # two renames: a kill between them leaves no folder (the hints name the original)
+            os.rename(folder, backup)
         made = False  # from here the copy is kept whatever happens: the original has moved
         try:
-            os.rename(staging, folder)
+            if not swapped:
+                os.rename(staging, folder)
         except OSError as e:  # another process made a folder there in between
             raise FileExistsError(
                 f"upgrade: {folder!r} was created by another process while the upgrade swapped its copy in "
@@ -677,8 +718,10 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         raise
     finally:
         owner.release_writer()  # its lock file moved with the original folder
-    if not keep_backup:
-        _discard_original(folder, backup, staging)
+    if keep_backup and moved != backup:
+        os.rename(moved, backup)
+    elif not keep_backup:
+        _discard_original(folder, moved, staging)
     return {
         **facts,
         "upgraded": True,
@@ -742,7 +785,9 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     unfinished = _unfinished_copy(storage)
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
-    dead, others = upgrade_leftovers(os.path.realpath(storage.location)) if storage.is_local else ([], [])
+    folder = os.path.realpath(storage.location.removeprefix("file://"))
+    dead, others = upgrade_leftovers(folder) if storage.is_local else ([], [])
+    backups = upgrade_backups(folder) if storage.is_local else []
     storage.close()
     return {
         "location": storage.location,
@@ -766,6 +811,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "unfinished_copy": unfinished,
         "killed_upgrades": dead,
         "other_upgrade_copies": others,
+        "upgrade_backups": backups,
     }
 
 
@@ -816,6 +862,11 @@ def format_info(facts: dict) -> str:
             f"leftover   {path}: an upgrade's copy, of a running upgrade or not provably one's; "
             "remove it by hand if no upgrade is running"
             for path in facts.get("other_upgrade_copies", ())
+        ),
+        *(
+            f"leftover   {path}: the original of an upgrade, moved aside (kept by --keep-backup, or left by an "
+            "upgrade killed before deleting it); delete it once the upgraded buffer is checked"
+            for path in facts.get("upgrade_backups", ())
         ),
         "",
         f"{'field':<24} {'dtype':<8} {'shape':<14} {'chunks (in shards)':<26} {'compressor':<10} {'data':>10} "
@@ -956,7 +1007,9 @@ def verify(
     sealing = [slot for slots in chunks.values() for slot in slots]
     # nor do slots whose length is restored (from the data's checksums, or its meta checksum)
     lengths_back = [*restore, *(slot for slot, (name, _) in values.items() if name == "episode_lens")]
-    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *lengths_back, *sealing]), 0, readable)
+    # nor do the slots held back where a whole field fails the checksums kept apart from it
+    whole = [slot for slots in wholesale.values() for slot in slots]
+    unharmed = np.where(np.isin(np.arange(len(lens)), [*damaged, *lengths_back, *sealing, *whole]), 0, readable)
     beyond, stray = _check_beyond_length(storage, schema, unharmed, skip=bad, progress=progress)
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
     # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
@@ -977,8 +1030,6 @@ def verify(
             "checksum file was replaced whole (copied in from another buffer or an older copy), and which one "
             "cannot be told; --repair drops none of them: put the right file back (or clear() the buffer)"
         )
-    whole = {slot for slots in wholesale.values() for slot in slots}
-    damaged = [slot for slot in damaged if slot not in whole]
     excess = storage.excess_bookkeeping()
     problems += excess
     unfinished = _unfinished_copy(storage)
@@ -1215,16 +1266,18 @@ def _check_episodes(
     damaged checksum entries: field -> slot -> whether the data matches what the entry still
     held, chunks whose own crc32c alone is damaged: field -> slot -> where they lie, damaged
     lengths: slot -> the length at which every field's data matches its checksum, and the
-    fields whose every episode fails the checksum file kept apart: (field, that file) -> slots)."""
+    fields whose every episode fails the checksum file kept apart: (field, that file) -> slots).
+    A slot whose only failures are such fields' is held back: not among the damaged slots."""
     from .progress import progress_bar
 
     names = [n for n in schema.fields if n not in skip]
     found: dict[str, list[tuple[int | None, str]]] = {n: [] for n in names}
-    damaged: set[int] = set()
+    # slot -> what failed: (field, the checksum file kept apart from its data it failed), or
+    # None for any other damage
+    failed: dict[int, set[tuple[str, str] | None]] = {}
     entries: dict[str, dict[int, bool]] = {}
     chunks: dict[str, dict[int, list[str]]] = {}
     matches: dict[int, set[int]] = {}
-    against: dict[tuple[str, str], set[int]] = {}  # (field, checksum file) -> slots failing it
     slots = np.flatnonzero(lens > 0)
     with progress_bar(progress, total=len(slots), unit="episode", desc="verify episodes") as bar:
         for slab in _slabs(slots, lens[slots], schema):
@@ -1243,7 +1296,7 @@ def _check_episodes(
                             sealable = storage.reseal_chunks(name, np.array([slot]), write=False)
                         except CorruptChunkError as other:
                             found[name].append((slot, str(other)))
-                            damaged.add(slot)
+                            failed.setdefault(slot, set()).add(None)
                         else:
                             found[name].append((slot, str(e)))
                             chunks.setdefault(name, {})[slot] = sealable.get(slot, [])
@@ -1255,9 +1308,7 @@ def _check_episodes(
                         matches.setdefault(slot, set()).add(e.matches)
                     except CorruptChunkError as e:
                         found[name].append((slot, str(e)))
-                        damaged.add(slot)
-                        if e.checksums is not None:
-                            against.setdefault((name, e.checksums), set()).add(slot)
+                        failed.setdefault(slot, set()).add(None if e.checksums is None else (name, e.checksums))
                     except Exception as e:  # noqa: BLE001 - verify reports damage, whatever the error
                         found[name].append(
                             (
@@ -1266,21 +1317,26 @@ def _check_episodes(
                                 f"({type(e).__name__}: {e})",
                             )
                         )
-                        damaged.add(slot)
+                        failed.setdefault(slot, set()).add(None)
             bar.update(len(slab))
     # a length every field of the slot agrees on, the slot's data otherwise sound
-    restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in damaged and len(agreed) == 1}
-    damaged.update(slot for slot in matches if slot not in restore)
-    chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in damaged})}
+    restore = {slot: min(agreed) for slot, agreed in matches.items() if slot not in failed and len(agreed) == 1}
+    for slot in matches.keys() - restore.keys():
+        failed.setdefault(slot, set()).add(None)
+    chunks = {n: left for n, slots in chunks.items() if (left := {s: w for s, w in slots.items() if s not in failed})}
     # every episode (two or more) of a field failing the checksums kept apart from its data: one
     # of the two files was replaced whole (copied in from another buffer or an older copy), and
     # which one cannot be told, so a repair drops none of them (``verify``)
-    wholesale = {
-        (name, checksums): sorted(failed)
-        for (name, checksums), failed in against.items()
-        if len(slots) >= 2 and len(failed) == len(slots)
-    }
-    return [p for n in names for p in found[n]], sorted(damaged), entries, chunks, restore, wholesale
+    against: dict[tuple[str, str], list[int]] = {}
+    for slot, causes in sorted(failed.items()):
+        kept_apart = [cause for cause in causes if cause is not None]
+        for cause in sorted(kept_apart, key=lambda cause: (names.index(cause[0]), cause[1])):
+            against.setdefault(cause, []).append(slot)
+    wholesale = {cause: held for cause, held in against.items() if len(slots) >= 2 and len(held) == len(slots)}
+    # only those fields' failures are held back: a slot with damage of its own (another field, a
+    # length, a chunk) is damaged as ever
+    damaged = sorted(slot for slot, causes in failed.items() if not causes <= wholesale.keys())
+    return [p for n in names for p in found[n]], damaged, entries, chunks, restore, wholesale
 
 
 def _read_episodes(storage: Storage, name: str, field: Field, slots: np.ndarray, lens: np.ndarray) -> None:

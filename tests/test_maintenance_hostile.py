@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,110 @@ def test_an_upgrade_killed_deleting_the_original_leaves_a_leftover_that_info_nam
     done = upgrade(path, progress=False)
     assert not done["upgraded"] and done["removed"] == [str(tmp_path / left)]
     assert os.listdir(tmp_path) == ["buf"]
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def _upgrade_killed_after_its_swap(path: str) -> None:
+    """Child: upgrade ``path``, SIGKILLed once the copy is swapped in, before the original moved
+    aside is marked for deletion."""
+    import os
+    import signal
+
+    import replaybuf.maintenance as maintenance
+
+    maintenance._discard_original = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    maintenance.upgrade(path, progress=False)
+
+
+def _fork_upgrade(path: str, child) -> int:
+    """The exit status of ``child(path)`` run in a forked process (SIGKILLed: minus SIGKILL)."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("fork").Process(target=child, args=(path,))
+    process.start()
+    process.join(60)
+    return process.exitcode
+
+
+def test_an_upgrade_killed_after_its_swap_leaves_an_original_that_info_names(tmp_path, capsys):
+    """Before: a kill there left the full-size original as ``.buf.format5-<pid>``, which nothing
+    reported (not an upgrade's marked copy), though an upgrade promises no hidden copy."""
+    import signal
+
+    from replaybuf import ReplayBuffer
+
+    from ._data import released_copy
+    from .test_format_fixtures import NEWEST, _check_contents, _stored_version
+
+    path = Path(released_copy("format-v5", "zarr", tmp_path))
+    assert _fork_upgrade(str(path), _upgrade_killed_after_its_swap) == -signal.SIGKILL
+    assert _stored_version(path, "zarr") == NEWEST["zarr"]
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    (left,) = [tmp_path / entry for entry in os.listdir(tmp_path) if entry != path.name]
+    assert _stored_version(left, "zarr") == 5
+    assert run_cli(["info", path]) == 0
+    assert f"leftover   {left}: " in capsys.readouterr().out
+
+
+# the file operations an upgrade's child counts (audit events), besides opens for writing
+_WRITES = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}
+
+
+def _upgrade_killed_at(path: str, copying: int, swapping: int) -> None:
+    """Child: upgrade ``path``, SIGKILLed before its ``copying``-th file operation (or write
+    open), or before the ``swapping``-th after the one removing its copy's marker (0: that
+    one; the swap follows it); -1: not counted."""
+    import signal
+    import sys
+
+    import replaybuf.maintenance as maintenance
+
+    count = {"all": 0, "swap": -1}
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            mode, flags = args[1], args[2]
+            if not (any(c in str(mode) for c in "wax+") if mode is not None else flags & (os.O_WRONLY | os.O_RDWR)):
+                return
+        elif event not in _WRITES:
+            return
+        count["all"] += 1
+        if count["swap"] >= 0:
+            count["swap"] += 1
+        elif event == "os.remove" and str(args[0]).endswith("upgrading.json"):
+            count["swap"] = 0
+        if count["all"] == copying or count["swap"] == swapping:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+    maintenance.upgrade(path, progress=False)
+
+
+@pytest.mark.parametrize(("copying", "swapping"), [(25, -1), (-1, 0), (-1, 1), (-1, 2), (-1, 4)])
+def test_an_upgrade_killed_at_any_step_leaves_the_old_or_the_new_buffer_and_the_next_one_finishes(
+    tmp_path, copying, swapping
+):
+    """SIGKILLed during the copy, or before one of the file operations around the swap: the
+    folder holds the intact old buffer or the intact new one, never neither (killed between the
+    two renames of the swap, the upgrade left no folder at all), and the next upgrade finishes."""
+    import multiprocessing
+    import signal
+
+    from replaybuf import ReplayBuffer
+    from replaybuf.maintenance import upgrade, verify
+
+    from ._data import released_copy
+    from .test_format_fixtures import NEWEST, _check_contents, _stored_version
+
+    path = Path(released_copy("format-v5", "zarr", tmp_path))
+    child = multiprocessing.get_context("fork").Process(target=_upgrade_killed_at, args=(str(path), copying, swapping))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert _stored_version(path, "zarr") in (5, NEWEST["zarr"])
+    _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+    upgrade(path, progress=False)
+    assert _stored_version(path, "zarr") == NEWEST["zarr"] and verify(path) == []
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 
@@ -372,8 +477,10 @@ def test_a_writer_outpacing_a_command_is_a_message_and_status_1_not_a_traceback(
 def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_them(tmp_path, monkeypatch):
     # a writer (or anyone) creating the buffer's folder while it is moved aside: the second
     # rename fails; the verified copy was deleted and a bare "Directory not empty" hid the original
+    # (on a system without an atomic exchange of the two folders: Linux swaps them in one step)
     import shutil
 
+    import replaybuf.maintenance as maintenance
     from replaybuf import ReplayBuffer
     from replaybuf.maintenance import upgrade
 
@@ -389,6 +496,7 @@ def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_
             path.mkdir()
             (path / "notes.txt").write_text("theirs")
 
+    monkeypatch.setattr(maintenance, "_exchange", lambda one, other: False)
     monkeypatch.setattr(os, "rename", then_recreated)
     with pytest.raises(FileExistsError, match="nothing is lost") as refused:
         upgrade(path, progress=False)

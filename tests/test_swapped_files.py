@@ -389,6 +389,44 @@ def test_repair_drops_no_episode_when_every_one_fails_a_checksum_file_copied_in(
     assert verify(str(location)) == []
 
 
+@pytest.mark.parametrize(
+    ("backend", "damage"), [("zarr", "generation"), ("memmap", "generation"), ("zarr", "frame shard")]
+)
+def test_repair_still_drops_an_episode_damaged_of_its_own_beside_a_checksum_file_copied_in(
+    buffers, tmp_path, backend, damage
+):
+    """B's checksums file copied over A's holds back every episode's failure of it (which of the
+    two files is wrong cannot be told), but no other damage: before, slot 2 having lost its
+    generation (A's generations of the older copy) or slot 0 a damaged frame shard, ``verify
+    --repair`` kept the episode too, and the buffer stayed unreadable (or read damaged frames)."""
+    built = buffers[backend, "images"]
+    location = tmp_path / "a"
+    shutil.copytree(built.a, location)
+    checksums = "replaybuf/checksums" if backend == "zarr" else "replaybuf/checksums.npy"
+    shutil.copyfile(built.b / checksums, location / checksums)
+    if damage == "generation":
+        generations = "meta/_generation/c.0" if backend == "zarr" else "_generation.data.meta.npy"
+        shutil.copyfile(built.older / generations, location / generations)
+        dropped = 2
+    else:
+        shard = location / "data" / "frame" / "c.0.0.0.0.0"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        dropped = 0
+    report = verify(str(location), repair=True)
+    assert any(line.startswith("data/vec: every episode (3) fails its crc32c kept in") for line in report), report
+    assert report[-1] == f"repaired: dropped the damaged episodes in slots [{dropped}]; 2 episodes remain", report
+    shutil.copyfile(built.a / checksums, location / checksums)
+    expected = _committed("a", built.case, built.case.a_lengths)
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
+        assert reader.valid_episodes().tolist() == [slot for slot in (0, 1, 2) if slot != dropped]
+        everything = reader.get_all_data()
+    for slot in {0, 1, 2} - {dropped}:
+        for name in built.case.fields:
+            _check_rows(everything[name][slot], slot, expected[slot], name)
+
+
 def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_nor_the_shard(tmp_path):
     """Slot 0's shard restored from an older copy holds its first episode's 3 frames where the
     episode a circular writer put in the slot since has 5 (and its length, 5, matches its meta

@@ -511,7 +511,14 @@ class ZarrStorage(KVBlobs, Storage):
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
         check_layout(where, array.shape, array.dtype, expected)
         _check_chunks(where, array)
-        _check_bound_to(path, where, parsed, self._bound_to(path, array, schema), self.describe_key(ROOT_DOCUMENT))
+        _check_bound_to(
+            path,
+            where,
+            parsed,
+            self._bound_to(path, array, schema),
+            self.describe_key(ROOT_DOCUMENT),
+            self.format_version,
+        )
         held, created = _chunk_layout(parsed), _chunk_layout(recorded)
         if held is not None and created is not None and held != created:
             raise BufferDamagedError(
@@ -1209,15 +1216,25 @@ _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
 _LITTLE_ENDIAN = {"endian": "little"}
 
 
-def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: str) -> None:
+def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: str, version: int | None) -> None:
     """Refuse the array at ``path`` (``where``) whose contents are bound to the config's uuid
     ``bound`` (``_bound_to``; None: none) and whose document ``doc`` names another
     (``BOUND_TO``; ``root``: the config's document). Which of the two is wrong cannot be told,
-    so ``verify --repair`` writes nothing."""
-    if bound is None:
-        return
+    so ``verify --repair`` writes nothing. A document naming a uuid in a buffer whose config
+    says a format (``version``) that binds none was written by format 6 or later: the config's
+    version was damaged or edited, and read in that format every shard and meta checksum
+    would fail (``verify --repair`` dropping every episode)."""
     attributes = doc.get("attributes")
     held = attributes.get(BOUND_TO) if isinstance(attributes, dict) else None
+    if bound is None:
+        if held is not None and (version or 0) < BUFFER_BINDING_FORMAT:
+            raise BufferDamagedError(
+                f"{where} keeps the uuid its contents are bound to ({BOUND_TO!r}), which only format "
+                f"{BUFFER_BINDING_FORMAT} and later write, but the config in {root} says format {version}: its "
+                "version was damaged or edited (read in that format, every shard and meta checksum would fail); "
+                f"restore the version in {root}. `replaybuf verify --repair` changes nothing"
+            )
+        return
     if held == bound:
         return
     if path == f"meta/{META_SUM}":
