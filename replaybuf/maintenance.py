@@ -590,7 +590,7 @@ def _exchange(one: str, other: str) -> bool:
     if renameat2(_AT_FDCWD, os.fsencode(one), _AT_FDCWD, os.fsencode(other), _RENAME_EXCHANGE) == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):  # EPERM: a sandbox refusing the call
         return False
     raise OSError(code, f"upgrade: swapping {one!r} and {other!r}: {os.strerror(code)}", one)
 
