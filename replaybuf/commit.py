@@ -176,6 +176,7 @@ class Committer:
             return
         try:
             self.invalidate(group)
+            self.plan_generations(group)
             for name, t0, rows in slabs:
                 if tail:
                     self.storage.write_tail_rows(name, group.slots, t0, rows, group.length)
@@ -223,8 +224,23 @@ class Committer:
         self.commit(group, batch_counters=True)
         return group.slots
 
+    def plan_generations(self, group: EpisodeGroup) -> None:
+        """Tell the storage the generations ``group`` publishes (``publish``), before its data
+        is written (``Storage.plan_generations``): a group's generations are fixed once it is
+        invalidated, since no other commit runs before its own (an episode in progress is
+        aborted, or refused, by every other commit)."""
+        self.storage.plan_generations(group.slots, self.ordinals(len(group.slots), group.length))
+
+    def ordinals(self, count: int, length: int) -> np.ndarray:
+        """The generations the next ``count`` episodes committed with ``length`` steps publish:
+        the global ordinals after ``total_episodes`` (an empty slot carries none, length-0
+        episodes included: replaybuf verify checks it)."""
+        base = int(self.state["total_episodes"])
+        return base + 1 + np.arange(count, dtype=np.int64) if length else np.zeros(count, np.int64)
+
     def clear_stale(self, group: EpisodeGroup) -> None:
         """Zero chunks a previous, longer episode left in a reused slot beyond the new end."""
+        self.plan_generations(group)
         longest = int(group.previous_lens.max()) if group.previous_lens is not None and len(group.previous_lens) else 0
         for name, chunk in self.time_chunks.items():
             start = -(-group.length // chunk) * chunk
@@ -247,8 +263,7 @@ class Committer:
         for name, values in meta.items():
             self.write_meta(name, slots, values)
         base = int(self.state["total_episodes"])
-        # an empty slot carries no ordinal, length-0 episodes included (replaybuf verify checks it)
-        ordinals = base + 1 + np.arange(len(slots), dtype=np.int64) if length else np.zeros(len(slots), np.int64)
+        ordinals = self.ordinals(len(slots), length)
         if self.storage.keeps_meta_sums:  # the checksum of what is about to be published, before it publishes
             self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals, length))
         self.write_meta("_generation", slots, ordinals)

@@ -450,6 +450,7 @@ def _copy_episodes(
                 longest = int(np.maximum(lens[slab], widths[slab]).max())
                 widths[slab] = np.maximum(widths[slab], longest)
                 try:
+                    target.plan_generations(slab, plan["_generation"][slab])  # the copies are of those episodes
                     for name in schema.fields:
                         chunk = time_chunks[name]
                         stop = min(-(-longest // chunk) * chunk, schema.max_timesteps)

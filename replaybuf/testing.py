@@ -124,6 +124,7 @@ class StorageTests:
         else:
             schema = self.schema()
             storage.create(schema, overwrite=False)
+        storage.plan_generations(episodes, meta["_generation"])  # a commit's step 2: data bound to its episodes
         for name, values in rows.items():
             storage.write_rows(name, episodes, 0, values)
         meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, metasums.summed(schema, storage))
@@ -504,6 +505,7 @@ class StorageTests:
         rows = self.random_rows(2, seed=12)
         meta = self.random_meta(2, seed=13)
         meta["episode_lens"][:] = self.max_timesteps
+        writable.plan_generations(episodes, meta["_generation"])
         for name, values in rows.items():
             writable.write_rows(name, episodes, 0, values)
         for name, values in meta.items():
@@ -528,6 +530,7 @@ class StorageTests:
         rows = self.random_rows(3, seed=15)
         meta = self.random_meta(3, seed=16)
         meta["episode_lens"][:] = self.max_timesteps
+        writable.plan_generations(episodes, meta["_generation"])
         for name, values in rows.items():
             writable.write_rows(name, episodes, 0, values)
         for name, values in meta.items():

@@ -259,10 +259,10 @@ def test_in_place_rewrites_keep_checksums_valid(originals, tmp_path, backend):
     assert (np.asarray(data["state"][2, :4]) == 7).all() and (np.asarray(data["frame"][1, 6]) == 9).all()
 
 
-def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_6_on_zarr_5_elsewhere(originals):
+def test_corrupt_chunk_error_is_a_storage_error_and_new_buffers_are_format_7_on_zarr_5_elsewhere(originals):
     assert issubclass(ChecksumEntryError, CorruptChunkError) and issubclass(CorruptChunkError, StorageError)
     attributes = json.loads((originals / "zarr" / "zarr.json").read_text())["attributes"]
-    assert attributes["version"] == 6
+    assert attributes["version"] == 7
     assert json.loads((originals / "memmap" / "replaybuf.json").read_text())["version"] == 5
     assert os.path.isfile(originals / "hdf5" / "replaybuf" / "checksums.npy")
 

@@ -37,7 +37,10 @@ FORMATS = [
     (version, backend)
     for version in ("format-v1", "format-v2", "format-v3", "format-v4", "format-v5")
     for backend in ("zarr", "memmap", "hdf5")
-] + [("format-v6", "zarr")]  # format 6 binds zarr shards to their buffer: memmap and hdf5 stay format 5
+] + [
+    ("format-v6", "zarr"),  # format 6 binds zarr shards to their buffer: memmap and hdf5 stay format 5
+    ("format-v7", "zarr"),  # format 7 binds zarr shards to their episode's generation too
+]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -82,9 +85,10 @@ def test_released_format_writes(version, backend, tmp_path):
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
     assert _keeps_meta_sums(path) == (stored >= 4)
     if backend == "zarr":  # the new episode's shard, as every other, bound to its slot from format 5 only,
-        # to its buffer too from format 6 only
+        # to its buffer too from format 6 only, to its episode's generation too from format 7 only
         assert [_shard_bound(path, slot) for slot in range(3)] == [stored == 5] * 3
-        assert [_shard_bound(path, slot, to_buffer=True) for slot in range(3)] == [stored >= 6] * 3
+        assert [_shard_bound(path, slot, to_buffer=True) for slot in range(3)] == [stored == 6] * 3
+        assert [_shard_bound(path, slot, to_buffer=True, to_episode=True) for slot in range(3)] == [stored >= 7] * 3
     if stored >= 4:  # each slot's meta checksum too (zarr only): a format-5 buffer's entries stay unbound
         bound = stored >= 6
         assert _meta_sums_match(path, to_buffer=bound) and not _meta_sums_match(path, to_buffer=not bound)
@@ -106,18 +110,20 @@ def _meta_sums_match(path: Path, to_buffer: bool) -> bool:
     return bool((expected == meta[META_SUM][slots]).all())
 
 
-def _shard_bound(path: Path, slot: int, to_buffer: bool = False) -> bool:
+def _shard_bound(path: Path, slot: int, to_buffer: bool = False, to_episode: bool = False) -> bool:
     """Whether the zarr buffer at ``path`` holds a frame shard for ``slot`` bound to data/frame
-    and that slot (the 16 bytes before its index: ``ShardBinding``), and with ``to_buffer`` to
-    the buffer's uuid too (format 6)."""
+    and that slot (the 16 bytes before its index: ``ShardBinding``), with ``to_buffer`` to the
+    buffer's uuid too (format 6), with ``to_episode`` to the generation the slot holds too (format 7)."""
     storage = make_storage(str(path))
     schema = storage.open(read_only=True)
     array = storage.array("frame")
     data = array.kv.get(array.shard_key(slot))
+    generation = int(storage.read_meta_rows("_generation", np.array([slot]))[0])
     storage.close()
     index = 16 * array.inner_per_shard + 4
-    binding = ShardBinding("frame", buffer=schema.uuid if to_buffer else None)
-    return data is not None and binding.problem(data[-index - ShardBinding.NBYTES : -index], slot) is None
+    binding = ShardBinding("frame", buffer=schema.uuid if to_buffer else None, generations=to_episode)
+    raw = None if data is None else data[-index - ShardBinding.NBYTES : -index]
+    return raw is not None and binding.problem(raw, slot, generation) is None and (not to_episode or generation > 0)
 
 
 def _keeps_meta_sums(path: Path) -> bool:
@@ -199,7 +205,7 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 
 # ---- replaybuf upgrade ---------------------------------------------------------------------------
 
-NEWEST = {"zarr": 6, "memmap": 5, "hdf5": 5}
+NEWEST = {"zarr": 7, "memmap": 5, "hdf5": 5}
 
 
 @pytest.mark.parametrize(("version", "backend"), FORMATS)
@@ -220,8 +226,9 @@ def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_
     assert verify(path) == []
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (backend != "zarr")  # format 2 checks reads
     assert _keeps_meta_sums(path)  # format 4: every committed slot's meta values checked from now on
-    if backend == "zarr":  # format 6: each shard bound to its slot and buffer (the copy goes through the write path)
-        assert all(_shard_bound(path, slot, to_buffer=True) for slot in range(3))
+    if backend == "zarr":  # format 7: each shard bound to its slot, buffer and episode (the copy goes through the
+        # write path, the generations kept)
+        assert all(_shard_bound(path, slot, to_buffer=True, to_episode=True) for slot in range(3))
     writer = ReplayBuffer.from_folder(path)
     writer.store_episode(**expected_episode(0))  # continues where the original stood: slot 1
     assert writer.valid_episodes().tolist() == [2, 0, 1]
@@ -247,7 +254,7 @@ def test_upgrade_of_the_newest_format_changes_nothing(tmp_path, capsys):
     assert upgrade(path)["upgraded"] is False
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == files
     assert cli_main(["upgrade", str(path)]) == 0
-    assert "already in format 6" in capsys.readouterr().out
+    assert "already in format 7" in capsys.readouterr().out
 
 
 def test_an_upgraded_zarr_buffer_calls_a_shard_moved_to_another_slot_damage(tmp_path):
@@ -283,15 +290,17 @@ def test_an_upgraded_zarr_buffer_is_another_buffer_whose_shards_its_original_s_a
     assert str(shard) in str(error.value)
 
 
-def test_a_format_6_zarr_config_without_its_uuid_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("version", [6, 7])
+def test_a_format_6_or_later_zarr_config_without_its_uuid_is_refused_by_name(tmp_path, version):
     """Format 6 binds each shard to the uuid: a config that lost it is damage named at the open
     (not every shard read as another buffer's)."""
-    path = _newest("zarr", tmp_path)
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, f"format-v{version}", "zarr"), path)
     root = path / "zarr.json"
     document = json.loads(root.read_text())
     del document["attributes"]["uuid"]
     root.write_text(json.dumps(document))
-    binds = r"zarr\.json in .*: invalid buffer config: format 6 binds each shard to the buffer's uuid, and the config holds none"
+    binds = rf"zarr\.json in .*: invalid buffer config: format {version} binds each shard to the buffer's uuid, and the config holds none"
     for read_only in (True, False):
         with pytest.raises(BufferDamagedError, match=binds):
             ReplayBuffer.from_folder(path, read_only=read_only)
@@ -318,31 +327,54 @@ def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_
     assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
 
 
-@pytest.mark.parametrize("version", [5, 3, None])
-def test_a_format_6_zarr_config_whose_version_was_edited_down_is_refused_by_name_and_repair_drops_nothing(
+@pytest.mark.parametrize("version", [6, 5, 3, None])
+def test_a_format_7_zarr_config_whose_version_was_edited_down_is_refused_by_name_and_repair_drops_nothing(
     tmp_path, version
 ):
-    """Read as format 5 or 4, every shard binding and meta checksum of a format-6 buffer fails
-    (``verify --repair`` dropped all 3 episodes over one edited digit); as format 3 or earlier it
-    read unchecked, and a writer would add unbound shards. Its array documents keep the uuid
-    (``bound_to``), which no earlier format writes: the open refuses the config by name."""
+    """Read as format 6, every shard binding of a format-7 buffer fails; as format 5 or 4, every
+    meta checksum too (``verify --repair`` dropped all 3 episodes over one edited digit); as
+    format 3 or earlier it read unchecked, and a writer would add unbound shards. Its sharded
+    arrays' documents say their shards are bound to their episodes (``binds_generations``) and
+    keep the uuid (``bound_to``), which no earlier format writes: the open refuses the config
+    by name."""
     path = _newest("zarr", tmp_path)
     root = path / "zarr.json"
-    document = json.loads(root.read_text())
+    original = root.read_text()
+    document = json.loads(original)
     if version is None:
         del document["attributes"]["version"]
     else:
         document["attributes"]["version"] = version
     root.write_text(json.dumps(document))
     files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
-    edited = r"data/frame/zarr\.json in .* keeps the uuid its contents are bound to .* config in zarr\.json in .* says format"
+    edited = (
+        r"data/frame/zarr\.json in .* (keeps the uuid its contents are bound to|says its shards are bound to their "
+        r"episodes' generations) .* config in zarr\.json in .* says (format|an earlier format)"
+    )
     for read_only in (True, False):
         with pytest.raises(BufferDamagedError, match=edited):
             ReplayBuffer.from_folder(path, read_only=read_only)
     assert any(re.search(edited, line) for line in verify(path, repair=True))
     assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
-    shutil.copy(os.path.join(DATA, "format-v6", "zarr", "zarr.json"), root)
+    root.write_text(original)
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
+
+
+def test_a_format_6_zarr_config_whose_version_was_edited_up_is_refused_by_name_and_repair_drops_nothing(tmp_path):
+    """Read as format 7, every shard binding of a format-6 buffer would fail: its sharded arrays'
+    documents lack ``binds_generations``, which format 7 writes, so the open refuses the config
+    by name and ``verify --repair`` changes nothing."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v6", "zarr"), path)
+    root = path / "zarr.json"
+    root.write_text(root.read_text().replace('"version": 6', '"version": 7'))
+    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    edited = r"data/frame/zarr\.json in .* lacks 'binds_generations', which format 7 and later write, but the config"
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=edited):
+            ReplayBuffer.from_folder(path, read_only=read_only)
+    assert any(re.search(edited, line) for line in verify(path, repair=True))
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
 
 
 def test_upgrade_keeps_a_backup_when_asked(tmp_path):

@@ -154,7 +154,7 @@ def test_without_the_packages_only_some_features_use_the_core_works_and_each_fea
 
 OLDER_FORMATS = [(version, backend) for version in ("format-v1", "format-v3") for backend in ("zarr", "memmap", "hdf5")]
 # the format this release writes, per backend (zarr's 6 binds shards to their buffer)
-NEWEST = {"zarr": 6, "memmap": 5, "hdf5": 5}
+NEWEST = {"zarr": 7, "memmap": 5, "hdf5": 5}
 
 
 def contents(folder: Path) -> dict[str, bytes]:

@@ -127,6 +127,7 @@ class TestConcat(StorageTests):
         first = 0
         for (storage, schema), (_, count, timesteps, _) in zip(self.open_members("buffer"), self.members):
             mine = np.flatnonzero((episodes >= first) & (episodes < first + count))
+            storage.plan_generations(episodes[mine] - first, meta["_generation"][mine])
             for name, values in rows.items():
                 storage.write_rows(name, episodes[mine] - first, 0, values[mine, :timesteps])
                 stored[name][mine, timesteps:] = 0

@@ -273,8 +273,6 @@ def _same(one: Path, other: Path) -> bool:
 # Swaps that still read silently, each with what would close it (the audit skips them; the
 # strict xfail below fails once one is refused, so its entry is then removed):
 KNOWN_GAPS = {
-    ("zarr", "older", "data/frame/*"): "an older version of the same slot's shard: nothing binds a shard "
-    "to its episode (README, Integrity); with the folder, verify --repair keeps it",
     ("zarr", "older", "meta/"): "an older meta folder: the newest episode's slot reads empty, as after "
     "drop_episodes (which leaves counters, data and checksum entries as they were); format change: "
     "counters that record the published episodes (a count or digest of (slot, generation))",
@@ -432,8 +430,8 @@ def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_n
     episode a circular writer put in the slot since has 5 (and its length, 5, matches its meta
     checksum and the other fields). Before: the error said the length was damaged, not the data,
     and ``verify --repair`` restored it to 3, keeping the older episode's frames as the newer's.
-    (A shard of another buffer is refused before any length is looked at: format 6 binds it to
-    its buffer.)"""
+    Format 7 binds the shard to its episode's generation: it is refused as the older episode's,
+    before any length is looked at (as a shard of another buffer is, format 6)."""
     case, location, older = CASES["wrap"], tmp_path / "a", tmp_path / "older"
     config = dict(fields=case.fields, meta_fields=META_FIELDS, circular=True)
     with ReplayBuffer(str(location), 2, MAX_TIMESTEPS, **config) as writer:
@@ -445,11 +443,11 @@ def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_n
     shutil.copyfile(older / shard, location / shard)
     with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
         with pytest.raises(
-            EpisodeLengthError, match="slot 0 holds 5 steps, but its data/frame holds whole frames of 3"
+            CorruptChunkError,
+            match="the shard holds slot 0's episode of generation 1, not generation 3: restored from an older copy",
         ) as e:
             reader.get_all_data()
-    message = str(e.value)
-    assert str(location / shard) in message and "not this episode's" in message and "not the data" not in message
+    assert str(location / shard) in str(e.value) and not isinstance(e.value, EpisodeLengthError)
     assert verify(str(location), repair=True)[-1].startswith("repaired: dropped")
     with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
         assert reader.episode_lens.tolist() == [0, 7]

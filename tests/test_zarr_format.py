@@ -109,7 +109,7 @@ def test_config_is_json_and_no_pickle_anywhere(tmp_path):
         x=np.ones((2, 2)), m=1
     )
     attributes = json.loads((path / "zarr.json").read_text())["attributes"]
-    assert attributes["version"] == 6 and attributes["fields"]["x"] == {
+    assert attributes["version"] == 7 and attributes["fields"]["x"] == {
         "dtype": "float32",
         "shape": [2],
         "default": 0.5,

@@ -1144,6 +1144,7 @@ _FORWARDED = (
     "clear_log",
     "copy_log_aside",
     "time_chunk",
+    "plan_generations",
     "write_rows",
     "write_tail_rows",
     "update_rows",

@@ -76,11 +76,31 @@ class HotMap:
     raw bytes (``rows[ti]`` -1: not stored), checked against its crc32c once ``checked`` (all
     of them once ``whole``); it lies at memory ``address + rows[ti] * payloads.strides[0]``
     (for ``_strided.take_at``). ``generation``: the slot generation a read verified this
-    version holds (0: not verified yet)."""
+    version holds (0: not verified yet). ``bound``: the generation (low 32 bits) its binding
+    names (format 7), None before."""
 
-    __slots__ = ("fingerprint", "rows", "payloads", "address", "checked", "whole", "generation", "_bodies", "_sums")
+    __slots__ = (
+        "fingerprint",
+        "rows",
+        "payloads",
+        "address",
+        "checked",
+        "whole",
+        "generation",
+        "bound",
+        "_bodies",
+        "_sums",
+    )
 
-    def __init__(self, fingerprint: tuple[int, ...], items: np.ndarray, rows: np.ndarray, nbytes: int, checksum: bool):
+    def __init__(
+        self,
+        fingerprint: tuple[int, ...],
+        items: np.ndarray,
+        rows: np.ndarray,
+        nbytes: int,
+        checksum: bool,
+        bound: int | None = None,
+    ):
         self.fingerprint = fingerprint
         self.rows = rows
         self.payloads = items[:, BLOSC_HEADER : BLOSC_HEADER + nbytes]
@@ -88,8 +108,14 @@ class HotMap:
         self.checked = np.full(len(items), not checksum)
         self.whole = not checksum
         self.generation = 0
+        self.bound = bound
         self._bodies = items[:, :-4]  # what each crc32c covers: header and payload
         self._sums = items[:, -4:].copy().view("<u4").reshape(-1) if checksum else np.empty(0, np.uint32)
+
+    def holds(self, generation: int) -> bool:
+        """Whether this version may be of the slot's episode of ``generation`` (0: not known):
+        its binding names it (format 7), or names none."""
+        return self.bound is None or not generation or self.bound == generation & 0xFFFFFFFF
 
     def verified(self, rows: np.ndarray) -> bool:
         """Whether the stored items ``rows`` match their crc32c (each checked once per map)."""
@@ -132,9 +158,10 @@ def _map_shard(path: str, slot: int, array: ShardedArray) -> tuple[tuple[int, ..
         whole = map_file(fd, st.st_size)
     finally:
         os.close(fd)
-    binding, raw_index = whole[body : body + array.binding_nbytes], whole[body + array.binding_nbytes :]
-    if array.binding_problem(binding.tobytes(), slot) is not None:
+    binding, raw_index = whole[body : body + array.binding_nbytes].tobytes(), whole[body + array.binding_nbytes :]
+    if array.binding_problem(binding, slot) is not None:
         return fingerprint, None
+    bound = None if array.binding is None else array.binding.held_generation(binding)
     if array.index_crc and crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:].tobytes(), "little"):
         return fingerprint, None
     index = raw_index[: 16 * array.inner_per_shard].view("<u8").reshape(-1, 2)
@@ -148,7 +175,7 @@ def _map_shard(path: str, slot: int, array: ShardedArray) -> tuple[tuple[int, ..
     headers = items[rows[present], :8]
     if not ((headers[:, 2] & BLOSC_MEMCPYED).all() and (headers[:, 4:8].copy().view("<u4") == nbytes).all()):
         return fingerprint, None
-    return fingerprint, HotMap(fingerprint, items, rows, nbytes, array.codec.checksum)
+    return fingerprint, HotMap(fingerprint, items, rows, nbytes, array.codec.checksum, bound)
 
 
 class _Entry:
@@ -443,6 +470,9 @@ def gather_mapped(
     paths = [array.shard_path(slot) for slot in slots]
     planned = None if generations is None else generations[first].tolist()
     shards = _maps.get_many(array, slots, planned)
+    if any(shard is not None for shard in shards):  # a map of another episode's shard (format 7) is
+        expected = array.expected_generations(slots, planned)  # left to the usual path, which names it
+        shards = [shard if shard is None or shard.holds(expected[slot]) else None for slot, shard in zip(slots, shards)]
     if index is not None and planned is not None:
         index.learn(version, slots, shards, paths, planned)
     live = [k for k, shard in enumerate(shards) if shard is not None]
@@ -498,11 +528,18 @@ def gather_mapped(
 
 
 def read_mapped_spans(
-    array: ShardedArray, out: np.ndarray, episodes: np.ndarray, starts: np.ndarray, lengths: np.ndarray, parallel: bool
+    array: ShardedArray,
+    out: np.ndarray,
+    episodes: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    parallel: bool,
+    expected: dict[int, int],
 ) -> np.ndarray:
     """Steps ``starts[i] .. starts[i] + lengths[i]`` of hot shards into ``out[i]`` from their
     maps (as ``ChunkedArray.read_into``); returns ``lengths`` with 0 for every span done, the
-    others left to the usual read path."""
+    others left to the usual read path: among them those whose map's binding names another
+    generation than ``expected`` (per episode, ``ShardedArray.expected_generations``)."""
     if not out.size or not out.flags.c_contiguous or not _mappable(array, out.dtype):
         return lengths
     left = lengths.copy()
@@ -512,7 +549,7 @@ def read_mapped_spans(
         if length <= 0:
             continue
         shard = _maps.get(array, episode)
-        if shard is None:
+        if shard is None or not shard.holds(expected[episode]):
             continue
         stored = shard.rows[start : start + length]
         absent = stored < 0

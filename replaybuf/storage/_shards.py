@@ -46,19 +46,25 @@ MAPPED_SHARDS = 256
 
 
 class ShardBinding:
-    """What binds a shard to the field and slot it was written for (format 5 and later), and to
-    its buffer (format 6 and later): 16 bytes just before the shard's index, which no zarr reader
-    reads (no index entry points at them): a tag, the slot (uint32: ``schema.MAX_META_BYTES``
-    keeps max_episodes under 2**28), the crc32c of the field's name (format 6: of the buffer's
-    uuid, a ``/`` and the name), and the crc32c of those 12 bytes. No generation: a shard is
-    written before its episode's generation is published."""
+    """What binds a shard to the field and slot it was written for (format 5 and later), to its
+    buffer (format 6 and later) and to its episode (format 7): 16 bytes just before the shard's
+    index, which no zarr reader reads (no index entry points at them). Formats 5 and 6: a tag,
+    the slot (uint32: ``schema.MAX_META_BYTES`` keeps max_episodes under 2**28), the crc32c of
+    the field's name (format 6: of the buffer's uuid, a ``/`` and the name), and the crc32c of
+    those 12 bytes. Format 7 (``generations``): the slot, that field crc32c, the low 32 bits of
+    the generation the slot's episode publishes (``commit.py``: fixed before its data is written,
+    ``Storage.plan_generations``), and the crc32c of the tag and those 12 bytes; an older shard
+    of the same slot (a partial backup restore) names an older generation."""
 
     NBYTES = 16
     TAG = b"rbSB"
 
-    def __init__(self, field: str, fields: Iterable[str] = (), buffer: str | None = None):
+    def __init__(
+        self, field: str, fields: Iterable[str] = (), buffer: str | None = None, generations: bool = False
+    ):
         self.field = field
         self.buffer = buffer  # the buffer's uuid (format 6), or None (format 5: no buffer bound)
+        self.generations = generations  # format 7: the episode's generation bound too
         self._field_sum = self.field_sum(field)
         # the fields a shard's binding may name: a shard of another field is named by it
         self._names = {self.field_sum(name): name for name in fields}
@@ -67,19 +73,45 @@ class ShardBinding:
         """The crc32c a binding holds for field ``name`` (of this buffer, from format 6)."""
         return crc32c(name.encode() if self.buffer is None else f"{self.buffer}/{name}".encode())
 
-    def of(self, slot: int) -> bytes:
-        """The binding a shard of ``slot`` holds."""
+    def of(self, slot: int, generation: int = 0) -> bytes:
+        """The binding a shard of ``slot`` holds (format 7: of the episode of ``generation``)."""
+        if self.generations:
+            head = struct.pack("<III", slot, self._field_sum, generation & 0xFFFFFFFF)
+            return head + crc32c(self.TAG + head).to_bytes(4, "little")
         head = self.TAG + struct.pack("<II", slot, self._field_sum)
         return head + crc32c(head).to_bytes(4, "little")
 
-    def problem(self, raw: bytes, slot: int) -> str | None:
-        """None when ``raw`` (``NBYTES``) binds a shard to this field's ``slot``, else what is wrong."""
-        if raw[:4] != self.TAG or crc32c(raw[:12]) != int.from_bytes(raw[12:16], "little"):
+    def held_generation(self, raw: bytes) -> int | None:
+        """The generation (low 32 bits) a sound format-7 binding ``raw`` holds; None before format 7."""
+        return struct.unpack("<I", raw[8:12])[0] if self.generations else None
+
+    def _earlier_format(self, raw: bytes) -> bool:
+        """Whether ``raw`` is a sound binding of format 5 or 6 (a tag first, which no format-7
+        binding starts with: its slot would be over 2**30)."""
+        return raw[:4] == self.TAG and crc32c(raw[:12]) == int.from_bytes(raw[12:16], "little")
+
+    def problem(self, raw: bytes, slot: int, generation: int | None = None) -> str | None:
+        """None when ``raw`` (``NBYTES``) binds a shard to this field's ``slot`` (format 7: to
+        its episode of ``generation``, unless None or 0: not known, or no episode published),
+        else what is wrong."""
+        if self.generations:
+            sound = crc32c(self.TAG + bytes(raw[:12])) == int.from_bytes(raw[12:16], "little")
+            held, field_sum, held_generation = struct.unpack("<III", raw[:12])
+        else:
+            sound = self._earlier_format(raw)
+            (held, field_sum), held_generation = struct.unpack("<II", raw[4:12]), None
+        if not sound and self.generations and self._earlier_format(raw):
+            held = struct.unpack("<I", raw[4:8])[0]
+            return (
+                f"the shard holds slot {held}'s data of another buffer (its binding is an earlier format's, which "
+                "names no episode: a buffer written before format 7, or this one's original before `replaybuf "
+                "upgrade`): it was copied here"
+            )
+        if not sound:
             return (
                 f"the shard's binding to its field and slot (the {self.NBYTES} bytes before its index) is damaged "
                 f"or absent (it holds {bytes(raw).hex()})"
             )
-        held, field_sum = struct.unpack("<II", raw[4:12])
         if field_sum != self._field_sum:
             other = self._names.get(field_sum)
             if other is not None:
@@ -94,6 +126,16 @@ class ShardBinding:
         if held != slot:
             return (
                 f"the shard holds slot {held}'s data, not slot {slot}'s: it was copied or moved here from slot {held}"
+            )
+        if held_generation is not None and generation and held_generation != generation & 0xFFFFFFFF:
+            origin = (
+                "restored from an older copy"
+                if held_generation < generation & 0xFFFFFFFF
+                else "a later episode's, written after the read was planned, or copied from a newer copy"
+            )
+            return (
+                f"the shard holds slot {slot}'s episode of generation {held_generation}, not generation "
+                f"{generation}: {origin}"
             )
         return None
 
@@ -127,10 +169,13 @@ class ShardedArray(ChunkedArray):
         index_crc: bool = True,
         binding: ShardBinding | None = None,
         length_error: Callable[[str, int, int, int], CorruptChunkError] | None = None,
+        writing_generation: Callable[[int], int] | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.length_error = length_error  # (path, slot, stored length, frames held): a length blamed
+        # format 7: the generation a shard of a slot written now is bound to (``Storage.plan_generations``)
+        self.writing_generation = writing_generation
         self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
         self.index_crc = index_crc
         # format 5 and later: the shard's binding (``ShardBinding``) lies just before its index, read with it
@@ -140,6 +185,30 @@ class ShardedArray(ChunkedArray):
         self._shard_keys: dict[int, str] = {}
         self._shard_paths: dict[int, str] = {}
         self._hot_tier: weakref.ref[HotTier] | None = None
+
+    @property
+    def binds_generations(self) -> bool:
+        """Whether each shard's binding names its episode's generation (format 7)."""
+        return self.binding is not None and self.binding.generations and self.generations_of is not None
+
+    def expected_generations(self, episodes: Sequence[int], planned: Sequence[int] | None = None) -> dict[int, int]:
+        """Per episode, the generation its shard's binding must name (format 7; 0: none
+        checked): the one the read planned (``planned``, per episode), else the slot's as
+        stored now (one read for all of them). Before format 7: 0 for every episode, unread."""
+        episodes = [int(e) for e in episodes]
+        if not self.binds_generations or not episodes:
+            return dict.fromkeys(episodes, 0)
+        if planned is None:
+            assert self.generations_of is not None  # binds_generations
+            planned = np.asarray(self.generations_of(np.array(episodes, np.int64)), np.int64).tolist()
+        return {e: int(g) for e, g in zip(episodes, planned)}
+
+    def _planned_per_episode(self, episodes: np.ndarray, generations: np.ndarray | None) -> dict[int, int]:
+        """``expected_generations`` of the distinct ``episodes`` of a read given ``generations``
+        (one per item, or one for all, or None)."""
+        distinct, first = np.unique(episodes, return_index=True)
+        planned = None if generations is None else _per_pair(generations, len(episodes))[first].tolist()
+        return self.expected_generations(distinct.tolist(), planned)
 
     @property
     def hot(self) -> HotTier | None:
@@ -222,10 +291,11 @@ class ShardedArray(ChunkedArray):
         frames = int(np.argmin(present)) if not present.all() else len(present)
         return [frames] if frames and not present[frames:].any() else None
 
-    def _parse_index(self, raw: bytes | None, episode: int) -> np.ndarray | None:
+    def _parse_index(self, raw: bytes | None, episode: int, generation: int = 0) -> np.ndarray | None:
         """The (offset, nbytes) rows of a shard index read from the shard's end (with the
         shard's binding before it, from format 5), checked against the index's crc32c, then the
-        binding (a shard cut short fails the crc32c first), and the sizes any encoding takes."""
+        binding (a shard cut short fails the crc32c first; format 7: to the episode of
+        ``generation``, unless 0), and the sizes any encoding takes."""
         if raw is None:
             return None
         error: type[CorruptChunkError] = CorruptChunkError
@@ -241,8 +311,9 @@ class ShardedArray(ChunkedArray):
                     f"away from the crc32c {computed:#010x} of the index, which damaged data cannot cause); "
                     "`replaybuf verify --repair` re-seals the shard"
                 )
-        elif (problem := self.binding_problem(raw[:skip], episode)) is not None:
-            reason = problem  # a sound index of a shard written for another slot or field
+        elif (problem := self.binding_problem(raw[:skip], episode, generation)) is not None:
+            reason = problem  # a sound index of a shard written for another slot, field or episode
+            self._check_not_moved(raw[:skip], episode, generation)
         else:
             body = raw[skip:-4] if self.index_crc else raw[skip:]
             index = np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
@@ -255,19 +326,37 @@ class ShardedArray(ChunkedArray):
                 return index
         raise error.at(self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason)
 
-    def binding_problem(self, raw: bytes, episode: int) -> str | None:
-        """None when the binding bytes ``raw`` bind the shard to this field's ``episode`` (or
-        the format binds none), else what is wrong (``ShardBinding.problem``)."""
-        return None if self.binding is None else self.binding.problem(raw, episode)
+    def _check_not_moved(self, raw: bytes, episode: int, generation: int) -> None:
+        """GenerationMismatchError when the binding ``raw`` fails only for naming another
+        generation than ``generation`` (format 7) and the slot no longer holds ``generation``: a
+        writer reused it since the read was planned (its new shard is written before its
+        generation publishes), which is a retry, not damage."""
+        if not generation or self.binding_problem(raw, episode) is not None:
+            return
+        assert self.generations_of is not None  # a generation is checked: binds_generations
+        if int(self.generations_of(np.array([episode], np.int64))[0]) != generation:
+            raise GenerationMismatchError(self.kv.where(self.path), [episode])
+
+    def binding_problem(self, raw: bytes, episode: int, generation: int = 0) -> str | None:
+        """None when the binding bytes ``raw`` bind the shard to this field's ``episode`` (format
+        7: of ``generation``, unless 0), or the format binds none; else what is wrong
+        (``ShardBinding.problem``)."""
+        return None if self.binding is None else self.binding.problem(raw, episode, generation)
 
     def read_indexes(
-        self, episodes: Sequence[int], generations: dict[int, Any] | None = None
+        self,
+        episodes: Sequence[int],
+        generations: dict[int, Any] | None = None,
+        expected: dict[int, int] | None = None,
     ) -> dict[int, np.ndarray | None]:
         """The shard index (offset, nbytes per inner chunk) of each episode's shard; with
         ``generations`` (per episode) through the files the store keeps open under them, the
         ones the frames are then read from: index and frames come from one file even when a
-        compaction renames another into place in between."""
+        compaction renames another into place in between. Format 7: each shard's binding must
+        name ``expected`` (per episode; default: ``expected_generations`` of ``generations``)."""
         unique = list(dict.fromkeys(int(e) for e in episodes))
+        if expected is None:
+            expected = self.expected_generations(unique, None if generations is None else [generations[e] for e in unique])
         requests = [(self.shard_key(e), -self.index_nbytes, None) for e in unique]
         if generations is None:
             raws = self.kv.get_ranges(requests)
@@ -278,7 +367,7 @@ class ShardedArray(ChunkedArray):
                 raws[i] = data
 
             self.kv.get_ranges_each(requests, keep, [generations[e] for e in unique])
-        return {e: self._parse_index(r, e) for e, r in zip(unique, raws)}
+        return {e: self._parse_index(r, e, expected[e]) for e, r in zip(unique, raws)}
 
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
         # docstring inherited
@@ -328,16 +417,19 @@ class ShardedArray(ChunkedArray):
         chunk_cache().discard(self._namespace, [self.index_cache_key(e) for e in episodes])
         self.kv.drop_read_handles([self.shard_key(e) for e in episodes])
 
-    def _indexes_cached(self, episodes: list[int], generations: list | None) -> dict[int, np.ndarray | None]:
-        """Shard indexes, kept in the chunk cache under the slot generation when one is given."""
+    def _indexes_cached(
+        self, episodes: list[int], generations: list | None, expected: dict[int, int] | None = None
+    ) -> dict[int, np.ndarray | None]:
+        """Shard indexes, kept in the chunk cache under the slot generation when one is given
+        (``expected``: as ``read_indexes``)."""
         if generations is None:
-            return self.read_indexes(episodes)
+            return self.read_indexes(episodes, expected=expected)
         cache = chunk_cache()
         keys = [self.index_cache_key(e) for e in episodes]
         found = dict(zip(episodes, cache.get_many(self._namespace, keys, generations)))
         missing = {e for e in episodes if found[e] is None}
         if missing:
-            found.update(self.read_indexes(sorted(missing), dict(zip(episodes, generations))))
+            found.update(self.read_indexes(sorted(missing), dict(zip(episodes, generations)), expected))
             cache.put_many(
                 self._namespace,
                 [
@@ -491,7 +583,11 @@ class ShardedArray(ChunkedArray):
         self._check_out(out, episodes, starts, lengths)
         if self._read_resident_into(out, episodes, starts, lengths, generations, parallel):
             return
-        lengths = read_mapped_spans(self, out, episodes, starts, lengths, parallel)  # hot shards (``_hotmap.py``)
+        live = lengths > 0
+        expected = self._planned_per_episode(
+            episodes[live], None if generations is None else _per_pair(generations, len(episodes))[live]
+        )
+        lengths = read_mapped_spans(self, out, episodes, starts, lengths, parallel, expected)  # hot shards (``_hotmap.py``)
         ct = self.chunks[1]
         spans = [
             (i, e, s // ct, (s + n - 1) // ct + 1)
@@ -502,20 +598,24 @@ class ShardedArray(ChunkedArray):
         ranged = [span for span in spans if 2 * (span[3] - span[2]) < self.inner_per_shard]
         if whole and isinstance(self.kv, LocalKV) and self.codec.writes_hot:
             for k in range(0, len(whole), MAPPED_SHARDS):
-                self._read_mapped(self.kv, whole[k : k + MAPPED_SHARDS], out, starts, lengths, parallel)
+                self._read_mapped(self.kv, whole[k : k + MAPPED_SHARDS], out, starts, lengths, parallel, expected)
         elif whole:
 
             def decode_shard(k: int, data: bytes | None) -> None:
                 view = None if data is None else memoryview(data)
                 episode = whole[k][1]
-                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
+                index = (
+                    None
+                    if view is None
+                    else self._parse_index(bytes(view[-self.index_nbytes :]), episode, expected[episode])
+                )
                 self._decode_span(view, 0, index, whole[k], out, starts, lengths)
 
             keys = [self.shard_key(e) for _, e, _, _ in whole]
             nbytes = int(lengths[[i for i, _, _, _ in whole]].sum()) * self.item_nbytes
             self._each(keys, decode_shard, parallel, ranges=False, nbytes=nbytes)
         if ranged:
-            self._read_ranged(ranged, out, starts, lengths, generations, parallel)
+            self._read_ranged(ranged, out, starts, lengths, generations, parallel, expected)
 
     def _read_mapped(
         self,
@@ -525,6 +625,7 @@ class ShardedArray(ChunkedArray):
         starts: np.ndarray,
         lengths: np.ndarray,
         parallel: bool,
+        expected: dict[int, int],
     ) -> None:
         """Spans read from whole shards on local disk, from maps of their files: the bytes are
         decoded where the page cache holds them (a pread copied each shard first, ~10% of a cold
@@ -541,7 +642,11 @@ class ShardedArray(ChunkedArray):
                 episode = span[1]
                 mapped = kv.map(self.shard_key(episode))
                 view = None if mapped is None else mapped.data
-                index = None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode)
+                index = (
+                    None
+                    if view is None
+                    else self._parse_index(bytes(view[-self.index_nbytes :]), episode, expected[episode])
+                )
                 chunks = self._span_chunks(view, 0, index, span, out, starts, lengths)
                 if view is None or chunks is None:
                     continue
@@ -568,8 +673,10 @@ class ShardedArray(ChunkedArray):
         lengths: np.ndarray,
         generations: np.ndarray | None,
         parallel: bool,
+        expected: dict[int, int],
     ) -> None:
-        """Spans needing under half of their shard: the index, then one range per episode."""
+        """Spans needing under half of their shard: the index, then one range per episode
+        (``expected``: the generation each shard's binding must name, ``read_indexes``)."""
         episodes = list(dict.fromkeys(e for _, e, _, _ in spans))
         per_episode = None
         if generations is not None:
@@ -579,7 +686,7 @@ class ShardedArray(ChunkedArray):
                 generation_of.setdefault(e, int(all_generations[i]))
             per_episode = [generation_of[e] for e in episodes]
         self._fresh_on_damage(
-            episodes, lambda: self._read_ranges(spans, episodes, per_episode, out, starts, lengths, parallel)
+            episodes, lambda: self._read_ranges(spans, episodes, per_episode, out, starts, lengths, parallel, expected)
         )
 
     def _read_ranges(
@@ -591,9 +698,10 @@ class ShardedArray(ChunkedArray):
         starts: np.ndarray,
         lengths: np.ndarray,
         parallel: bool,
+        expected: dict[int, int],
     ) -> None:
         """``_read_ranged`` given the distinct episodes and their generations (or None)."""
-        indexes = self._indexes_cached(episodes, generations)
+        indexes = self._indexes_cached(episodes, generations, expected)
         requests, todo = [], []
         for span in spans:
             _, e, first, stop = span
@@ -686,9 +794,10 @@ class ShardedArray(ChunkedArray):
     # ---- writes -------------------------------------------------------------------------
 
     def encode_shard(
-        self, slot: int, rows: np.ndarray, keep: np.ndarray | None = None, hot: bool = False
+        self, slot: int, rows: np.ndarray, keep: np.ndarray | None = None, hot: bool = False, generation: int = 0
     ) -> bytes | memoryview | None:
-        """The shard of ``slot`` holding one episode's (time, *shape) rows; None when all zero.
+        """The shard of ``slot`` holding one episode's (time, *shape) rows, bound to the episode
+        of ``generation`` (format 7); None when all zero.
 
         All-zero inner chunks are left out (they read back as zero) unless ``keep`` (one bool
         per inner chunk) marks them: format 2 stores every chunk of a written span, so a missing
@@ -714,7 +823,7 @@ class ShardedArray(ChunkedArray):
             first, last = int(nonzero[0]), int(nonzero[-1])
             # a run of chunks (the usual episode) is a view: no copy before the shard's own
             chosen = pieces[first : last + 1] if last - first + 1 == len(nonzero) else pieces[nonzero]
-            return self._hot_shard(slot, chosen, nonzero)
+            return self._hot_shard(slot, chosen, nonzero, generation)
 
         def encode_run(run):
             return [self.codec.encode(pieces[i][None]) for i in run]
@@ -727,10 +836,11 @@ class ShardedArray(ChunkedArray):
         for future in others:
             blobs.extend(future.result())
         sizes = np.array([len(b) for b in blobs], dtype="<u8")
-        return b"".join(blobs) + self._tail_bytes(slot, nonzero, sizes)
+        return b"".join(blobs) + self._tail_bytes(slot, nonzero, sizes, generation)
 
-    def _tail_bytes(self, slot: int, stored: np.ndarray, sizes: np.ndarray) -> bytes:
-        """What follows the inner chunks of ``slot``'s shard: its binding (format 5), then its
+    def _tail_bytes(self, slot: int, stored: np.ndarray, sizes: np.ndarray, generation: int) -> bytes:
+        """What follows the inner chunks of ``slot``'s shard: its binding (format 5; format 7:
+        to the episode of ``generation``), then its
         index (and the index's crc32c) of inner chunks ``stored`` of ``sizes`` bytes, laid out
         one after another from offset 0."""
         index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
@@ -739,9 +849,9 @@ class ShardedArray(ChunkedArray):
         index_bytes = index.tobytes()
         if self.index_crc:
             index_bytes += crc32c(index_bytes).to_bytes(4, "little")
-        return index_bytes if self.binding is None else self.binding.of(slot) + index_bytes
+        return index_bytes if self.binding is None else self.binding.of(slot, generation) + index_bytes
 
-    def _hot_shard(self, slot: int, chunks: np.ndarray, stored: np.ndarray) -> memoryview:
+    def _hot_shard(self, slot: int, chunks: np.ndarray, stored: np.ndarray, generation: int) -> memoryview:
         """A hot shard of ``slot`` of ``chunks`` (inner chunks ``stored``) built in one buffer: per
         chunk the blosc header ``encode(hot=True)`` writes (the same for every chunk of one size),
         the raw bytes and the crc32c, then the binding and the index. One copy of the frames and
@@ -750,7 +860,7 @@ class ShardedArray(ChunkedArray):
         raw = np.ascontiguousarray(chunks, dtype=self.codec.dtype).reshape(count, -1).view(np.uint8)
         header = self.codec.encode(chunks[0], hot=True)[:BLOSC_HEADER]
         width = BLOSC_HEADER + raw.shape[1] + (4 if self.codec.checksum else 0)
-        index = self._tail_bytes(slot, stored, np.full(count, width, dtype="<u8"))
+        index = self._tail_bytes(slot, stored, np.full(count, width, dtype="<u8"), generation)
         out = np.empty(count * width + len(index), np.uint8)
         items = out[: count * width].reshape(count, width)
         items[:, :BLOSC_HEADER] = np.frombuffer(header, np.uint8)
@@ -784,6 +894,7 @@ class ShardedArray(ChunkedArray):
         count, length = values.shape[0], values.shape[1]
         whole = t0 == 0 and length >= self.shape[1]
         keep = None
+        bound = [self._binding_generation(e0 + i) for i in range(count)]  # format 7: each shard's episode
         if self.committed is not None:
             step = self.chunks[1]
             keep = np.zeros((count, self.inner_per_shard), bool)
@@ -794,12 +905,14 @@ class ShardedArray(ChunkedArray):
         else:
             rows = np.empty((count, self.shape[1], *self.shape[2:]), self.dtype)
             for i in range(count):
-                present = self._old_shard(e0 + i, rows[i], (t0, t0 + length))
+                present = self._old_shard(e0 + i, rows[i], (t0, t0 + length), bound[i])
                 if keep is not None and present is not None:
                     keep[i] |= present
             rows[:, t0 : t0 + length] = values
         shards = {
-            self.shard_key(e0 + i): self.encode_shard(e0 + i, rows[i], None if keep is None else keep[i], hot)
+            self.shard_key(e0 + i): self.encode_shard(
+                e0 + i, rows[i], None if keep is None else keep[i], hot, bound[i]
+            )
             for i in range(count)
         }
         written = {k: v for k, v in shards.items() if v is not None}
@@ -815,10 +928,17 @@ class ShardedArray(ChunkedArray):
             sizes = [len(shard) if hot and shard is not None else 0 for shard in shards.values()]
             self.hot.written(self.path, range(e0, e0 + count), sizes)
 
+    def _binding_generation(self, slot: int) -> int:
+        """The generation a shard of ``slot`` written now is bound to (format 7; else 0)."""
+        if not self.binds_generations or self.writing_generation is None:
+            return 0
+        return int(self.writing_generation(slot))
+
     def compacted(self, episode: int, data: bytes) -> bytes | memoryview | None:
         """Episode's shard ``data`` re-encoded at the codec's level, or None when it is not hot
         (its first stored inner chunk is not raw). Every inner chunk is checked (crc32c) and
-        decoded first: damage raises ``CorruptChunkError`` and is never re-encoded."""
+        decoded first: damage raises ``CorruptChunkError`` and is never re-encoded. The new shard
+        keeps the binding's generation (format 7): it is the same episode's."""
         index = self._parse_index(data[-self.index_nbytes :], episode)
         assert index is not None  # data is not None
         present = index[:, 0] != _MISSING
@@ -830,7 +950,8 @@ class ShardedArray(ChunkedArray):
         rows = np.empty((1, *self.shape[1:]), self.dtype)
         span = (0, episode, 0, self.inner_per_shard)
         self._decode_span(memoryview(data), 0, index, span, rows, np.zeros(1, np.int64), np.full(1, self.shape[1]))
-        return self.encode_shard(episode, rows[0], present)
+        bound = None if self.binding is None else self.binding.held_generation(data[-self.index_nbytes :])
+        return self.encode_shard(episode, rows[0], present, generation=bound or 0)
 
     def reseal_chunks(self, episode: int, write: bool) -> list[str]:
         # docstring inherited: the episode's shard, its index's crc32c and its inner chunks',
@@ -896,14 +1017,18 @@ class ShardedArray(ChunkedArray):
         # the hot tier (its lock and thread) stays with the writer
         return {**super().__getstate__(), "_hot_tier": None}
 
-    def _old_shard(self, episode: int, out: np.ndarray, skip: tuple[int, int]) -> np.ndarray | None:
+    def _old_shard(
+        self, episode: int, out: np.ndarray, skip: tuple[int, int], generation: int
+    ) -> np.ndarray | None:
         """Decode the episode's stored inner chunks into ``out`` (time, *shape), except those
         inside the steps ``skip`` that the write replaces, for a partial write to merge into;
-        return which inner chunks the shard stores. A damaged shard of a slot that holds no
-        committed episode (being rewritten) reads as empty."""
+        return which inner chunks the shard stores. The shard must be bound to the episode of
+        ``generation`` (format 7), the one the write binds its shard to (an edit's, or the episode
+        being written's). A damaged shard of a slot that holds no committed episode (being
+        rewritten) reads as empty."""
         out[...] = 0
         try:
-            index = self.read_indexes([episode])[episode]
+            index = self.read_indexes([episode], expected={episode: generation})[episode]
             if index is None:
                 return None
             ct = self.chunks[1]

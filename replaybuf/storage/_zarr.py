@@ -100,22 +100,30 @@ MEASURED_CODECS = "measured_codecs"
 # Per-episode arrays are stored uncompressed so that publishing one episode's length or meta
 # value is a single in-place write of a few bytes, as a memmap would do, not a chunk rewrite.
 META_CHUNK_EPISODES = 16384
-# zarr buffers are format 6 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
+# zarr buffers are format 7 (3: packed small fields; 4: meta checksums, as memmap and hdf5;
 # 5: each shard bound to its field and slot, lengths under the meta checksums; 6: each shard
-# and each slot's meta checksum bound to its buffer too)
-ZARR_FORMAT_VERSION = 6
+# and each slot's meta checksum bound to its buffer too; 7: each shard bound to its episode's
+# generation too)
+ZARR_FORMAT_VERSION = 7
 # the first format whose shards hold a binding to their field and slot (``_shards.ShardBinding``):
 # an earlier release writes shards without one, so an earlier format neither writes nor checks it
 SHARD_BINDING_FORMAT = 5
 # the first format whose shards' bindings and meta checksums name their buffer too (its uuid): a
 # format-5 buffer's name neither, and it keeps them so (an earlier release writes it)
 BUFFER_BINDING_FORMAT = 6
+# the first format whose shards' bindings name their episode's generation: an older shard of the
+# same slot (a partial backup restore) is refused even at the same length
+GENERATION_BINDING_FORMAT = 7
 # the attribute of the documents of a sharded array and of ``meta/_meta_sum`` (format 6) holding
 # the uuid their contents are bound to (each shard's binding, each slot's meta checksum): a
 # second copy of the config's, so that a damaged config uuid (or another buffer's meta folder,
 # copied in whole) is refused by name at the open, never every shard read as another buffer's
 # or every slot's meta values as damaged (which ``verify --repair`` would drop)
 BOUND_TO = "bound_to"
+# the attribute (true) of a sharded array's document from format 7: its shards' bindings name their
+# episodes' generations, so a config whose version says otherwise (edited down to 6, or up to 7
+# over a format-6 buffer) is refused by name, never every shard read as damage
+BINDS_GENERATIONS = "binds_generations"
 # Raw bytes of one packed chunk: a 100,000 x 20-step f32[32] field is ~250 files, not 100,000,
 # and creating a chunk (written whole, once) costs ~1 ms spread over the episodes it holds.
 PACKED_CHUNK_BYTES = 1 << 20
@@ -241,6 +249,8 @@ class ZarrStorage(KVBlobs, Storage):
         self._unmeasured: set[str] = set()  # fields whose codec is chosen at their first write
         self._packed: list[str] = []  # the packed fields: the columns of CHECKSUMS_KEY
         self._hot: HotTier | None = None  # a local writer's hot tier (``_hot.py``)
+        # slot -> the generation its episode being written will publish (``plan_generations``)
+        self._planned: dict[int, int] = {}
         # a reader's buffer: the uuid in the root attributes it opened (None: an earlier format's)
         self._reading: tuple[str | None] | None = None
         # a local reader's root document as it stat()ed it then (``replaced(cheap_only=True)``)
@@ -360,7 +370,7 @@ class ZarrStorage(KVBlobs, Storage):
                     fill_value=0,
                     chunk_key_encoding=FLAT_KEYS,
                     dimension_names=field.dimension_names(),
-                    attributes={BOUND_TO: schema.uuid} if is_sharded(field) else None,
+                    attributes={BOUND_TO: schema.uuid, BINDS_GENERATIONS: True} if is_sharded(field) else None,
                 )
             for field in {**schema.meta_fields, **bookkeeping_fields(schema)}.values():
                 bound = {BOUND_TO: schema.uuid} if field.name == META_SUM else None
@@ -467,6 +477,11 @@ class ZarrStorage(KVBlobs, Storage):
         return self.format_version is not None and self.format_version >= BUFFER_BINDING_FORMAT
 
     @property
+    def binds_generations(self) -> bool:
+        """Whether each shard's binding names its episode's generation (format 7 and later)."""
+        return self.format_version is not None and self.format_version >= GENERATION_BINDING_FORMAT
+
+    @property
     def binds_meta_sums(self) -> bool:
         # docstring inherited: from format 6, as the shards
         return self.binds_buffer
@@ -519,6 +534,8 @@ class ZarrStorage(KVBlobs, Storage):
             self.describe_key(ROOT_DOCUMENT),
             self.format_version,
         )
+        if isinstance(array, ShardedArray) and array.binding is not None:
+            _check_binds_generations(where, parsed, array.binding.generations, self.describe_key(ROOT_DOCUMENT))
         held, created = _chunk_layout(parsed), _chunk_layout(recorded)
         if held is not None and created is not None and held != created:
             raise BufferDamagedError(
@@ -596,16 +613,34 @@ class ZarrStorage(KVBlobs, Storage):
         index_crc = any(c["name"] == "crc32c" for c in sharding["index_codecs"])
         binding = self._shard_binding(path.split("/", 1)[1], schema)
         return ShardedArray(
-            *args, index_crc=index_crc, binding=binding, length_error=OwnerMethod(self._length_error), **options
+            *args,
+            index_crc=index_crc,
+            binding=binding,
+            length_error=OwnerMethod(self._length_error),
+            writing_generation=OwnerMethod(self._writing_generation),
+            **options,
         )
 
     def _shard_binding(self, field: str, schema: Schema | None) -> ShardBinding | None:
         """The binding the shards of data field ``field`` hold in this buffer's format: none
-        before format 5, to field and slot in format 5, to the buffer too (its uuid) from 6;
-        none either for an array read for its codec alone (``schema`` None: ``_reload_measured``)."""
+        before format 5, to field and slot in format 5, to the buffer too (its uuid) from 6, to
+        the episode's generation too from 7; none either for an array read for its codec alone
+        (``schema`` None: ``_reload_measured``)."""
         if schema is None or not self.binds_shards:
             return None
-        return ShardBinding(field, schema.fields, schema.uuid if self.binds_buffer else None)
+        return ShardBinding(
+            field, schema.fields, schema.uuid if self.binds_buffer else None, generations=self.binds_generations
+        )
+
+    def plan_generations(self, episodes: np.ndarray, generations: np.ndarray) -> None:
+        # docstring inherited: kept until the slot's ``_generation`` is written (``write_meta``)
+        self._planned.update(zip(np.asarray(episodes, np.int64).tolist(), np.asarray(generations, np.int64).tolist()))
+
+    def _writing_generation(self, slot: int) -> int:
+        """The generation a shard of ``slot`` written now is bound to: the one planned for the
+        episode being written there, else the slot's as stored (an in-place edit keeps it)."""
+        planned = self._planned.get(slot)
+        return planned if planned is not None else int(self.read_meta_rows("_generation", np.array([slot]))[0])
 
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now (0 when absent)."""
@@ -1043,6 +1078,9 @@ class ZarrStorage(KVBlobs, Storage):
         episodes = np.asarray(episodes, np.int64).reshape(-1)
         if name == "episode_lens" and self._packed:
             self._seal(episodes, values)  # before the length publishes the episode
+        if name == "_generation":  # published or cleared: a plan for the slot is spent
+            for slot in episodes.tolist():
+                self._planned.pop(slot, None)
         array = self.array(name, meta=True)
         array.write_rows(
             episodes, 0, np.broadcast_to(np.asarray(values, array.dtype), (len(episodes), *array.shape[1:]))
@@ -1253,6 +1291,28 @@ def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: s
     raise BufferDamagedError(
         f"{where}: {what} bound to the buffer uuid {held!r}, but the config in {root} holds {bound!r}: {cause}. "
         "`replaybuf verify --repair` changes nothing: which of the two is wrong cannot be told"
+    )
+
+
+def _check_binds_generations(where: str, doc: dict, binds: bool, root: str) -> None:
+    """Refuse the sharded array whose document ``doc`` (``where``) says its shards' bindings name
+    their episodes' generations (``BINDS_GENERATIONS``) where the config in ``root`` says a format
+    that binds none (``binds`` False), or the reverse: the config's version was damaged or edited,
+    and read in that format every shard's binding would fail (``verify --repair`` dropping every
+    episode)."""
+    attributes = doc.get("attributes")
+    held = isinstance(attributes, dict) and attributes.get(BINDS_GENERATIONS) is True
+    if held == binds:
+        return
+    if held:
+        said = f"says its shards are bound to their episodes' generations ({BINDS_GENERATIONS!r}), which only format"
+        said += f" {GENERATION_BINDING_FORMAT} and later write, but the config in {root} says an earlier format"
+    else:
+        said = f"lacks {BINDS_GENERATIONS!r}, which format {GENERATION_BINDING_FORMAT} and later write, but the config"
+        said += f" in {root} says such a format"
+    raise BufferDamagedError(
+        f"{where} {said}: the config's version or this document was damaged or edited (read so, every shard's "
+        f"binding would fail); restore the version in {root}. `replaybuf verify --repair` changes nothing"
     )
 
 

@@ -1101,6 +1101,13 @@ class Storage(ABC):
         carry no checksum of their own find none (the default)."""
         return {}
 
+    def plan_generations(self, episodes: np.ndarray, generations: np.ndarray) -> None:
+        """The generations ``episodes``' slots will publish, given before their data is written
+        (commit step 2, ``convert``'s copies): a backend that binds each written object to its
+        episode (zarr format 7: ``_shards.ShardBinding``) binds the slot's objects to it, until
+        the slot's ``_generation`` is written (published or cleared); without a plan, to the
+        generation the slot holds (an in-place edit). The default binds nothing."""
+
     def write_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` (len(episodes), *shape) into ``meta/name[episodes]``, episodes in any
         order; each element in place (``episode_lens`` and ``_generation`` publish a slot)."""

@@ -8,7 +8,8 @@ written first), then memmap and hdf5 whose checksum entries carry a tag that che
 (meta/_meta_sum) and a crc32c in replaybuf/state.json, every backend; format-v5: each zarr
 shard bound to its field and slot (16 bytes before its index), and each slot's length under its
 meta checksum; format-v6 (zarr only: memmap and hdf5 stay format 5): each zarr shard's
-binding and each slot's meta checksum name its buffer (the uuid in its config) too. Run with the worktree's
+binding and each slot's meta checksum name its buffer (the uuid in its config) too; format-v7
+(zarr only): each zarr shard's binding names its episode's generation too. Run with the worktree's
 replaybuf first on the path (``PYTHONPATH=.``). Kept to show how the fixtures were made; the
 tests only read them. Expected values come from ``expected_episode``."""
 
