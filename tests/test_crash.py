@@ -398,3 +398,49 @@ def test_a_killed_writer_excuses_only_its_own_leftovers(tmp_path):
         ReplayBuffer(location, read_only=True)
     with pytest.raises(LostLengthError, match=r"committed slots \[3\]"):
         ReplayBuffer(location, **kwargs, overwrite=False)
+
+
+def _kill_at_publish(location, kwargs, uid, how):
+    """Child: store episode ``uid`` (``how``: whole or step by step) into a reused slot,
+    SIGKILLed once its rows and shards are written, as it publishes its generation."""
+    buffer = ReplayBuffer(location, **kwargs, overwrite=False)
+    write_meta = buffer.storage.write_meta
+
+    def dying(name, episodes, values):
+        if name == "_generation" and np.asarray(values).any():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_meta(name, episodes, values)
+
+    buffer.storage.write_meta = dying
+    write_episode(buffer, uid, how)
+
+
+@pytest.mark.parametrize("how", ["whole", "steps"])
+def test_a_writer_killed_between_its_shards_and_their_generation_leaves_nothing_torn(tmp_path, how):
+    """Zarr format 7 binds each image shard to the generation its episode publishes, which a
+    commit writes after the shards (steps 2, then 3). A writer killed in between leaves its
+    slot empty (a whole episode: no step log), or its step log, which the next writable open
+    commits with a generation its replayed shards name; either way every committed episode
+    reads whole, ``verify`` finds nothing, and the slot is reused cleanly."""
+    from replaybuf import verify
+
+    location = str(tmp_path / "buffer")
+    kwargs = buffer_kwargs(3, circular=True, flush_every_store_step=1)
+    with ReplayBuffer(location, **kwargs) as buffer:
+        for uid in range(3):
+            write_episode(buffer, uid, "whole")
+    _run_child(_kill_at_publish, location, kwargs, 3, how)
+    kept = [1, 2, 3] if how == "steps" else [1, 2]
+    with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
+        episodes = stored_episodes(buffer)
+        assert sorted(episodes) == kept
+        for uid, (length, rows) in episodes.items():
+            check_episode(uid, length, rows)
+    assert verify(location) == []
+    with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
+        write_episode(buffer, 4, "steps")
+        episodes = stored_episodes(buffer)
+        assert sorted(episodes) == ([2, 3, 4] if how == "steps" else [1, 2, 4])
+        for uid, (length, rows) in episodes.items():
+            check_episode(uid, length, rows)
+    assert verify(location) == []

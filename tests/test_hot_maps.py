@@ -391,6 +391,47 @@ def test_timestep_batches_need_no_recheck_and_keep_their_snapshot_when_a_slot_is
     writer.close()
 
 
+def test_a_hot_shard_of_an_earlier_episode_of_its_slot_is_never_served_from_a_map(tmp_path):
+    """Format 7 binds a shard to its episode's generation: slot 1's hot shard of an earlier
+    episode, as long as the one there now (a partial backup restore of a circular buffer),
+    put back over the current one's after slot 1 was mapped is left to the usual path, which
+    names it, on reads naming the slots' generations or not; slot 0's map still serves. Before:
+    its frames were served as the current episode's."""
+    location = str(tmp_path / "buffer")
+    writer, _ = two_hot_episodes(location)
+    older = _copy(shard_file(writer, 1), str(tmp_path / "older"))
+    stored = [episode(seed) for seed in (2, 3)]
+    for data in stored:  # slots 0 and 1 reused by episodes of the same length
+        writer.store_episode(**data)
+    assert is_hot(writer, 0) and is_hot(writer, 1)
+    reader = open_reader(location)
+    planned = reader.storage.read_meta_rows("_generation", [0, 1])
+    assert planned.tolist() == [3, 4]
+    assert np.array_equal(frames(reader, 1)["gather"], stored[1]["image"])
+    time.sleep(CLOCK_TICK_S)
+    path = shard_file(writer, 1)
+    os.replace(_copy(older, path + ".new"), path)
+    slots, steps = np.array([0, 1, 0, 1]), np.array([5, 4, 2, 5])
+    for read in (
+        lambda: reader.storage.gather("image", slots, steps),
+        lambda: reader.storage.gather("image", slots, steps, planned[slots]),
+        lambda: reader.storage.read_spans("image", [1], [0], [STEPS], np.zeros((1, STEPS, 40, 40, 3), np.uint8)),
+        lambda: frames(reader, 1),
+        reader.get_all_data,
+    ):
+        with pytest.raises(
+            CorruptChunkError,
+            match="data/image: slot 1, .*the shard holds slot 1's episode of generation 2, not generation 4: "
+            "restored from an older copy",
+        ) as raised:
+            read()
+        assert path in str(raised.value)
+    for how, values in frames(reader, 0).items():
+        assert np.array_equal(values, stored[0]["image"]), how
+    writer.drop_episodes(1)
+    writer.close()
+
+
 def _copy(source: str, target: str) -> str:
     with open(source, "rb") as f, open(target, "wb") as out:
         out.write(f.read())

@@ -15,6 +15,7 @@ in ``KNOWN_GAPS`` with what would close it.
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -452,6 +453,52 @@ def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_n
     with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
         assert reader.episode_lens.tolist() == [0, 7]
         np.testing.assert_array_equal(reader.get_all_data()["frame"][1, :7], _episode("a", 1, 7, case)["frame"])
+
+
+def test_an_older_zarr_frame_shard_of_the_same_length_is_refused_on_every_read_path_and_dropped(tmp_path):
+    """A circular buffer of fixed-length episodes (the common RL case): slot 0's shard restored
+    from an older copy holds the slot's first episode, as long as the one there now, so no length
+    tells them apart. Before format 7 every read path served its frames as the newer episode's
+    and ``verify`` found nothing; the shard's binding now names its episode's generation."""
+    case, location, older = CASES["wrap"], tmp_path / "a", tmp_path / "older"
+    config = dict(fields=case.fields, meta_fields=META_FIELDS, circular=True)
+    with ReplayBuffer(str(location), 2, MAX_TIMESTEPS, **config) as writer:
+        _write(writer, "a", case, (5,))
+    shutil.copytree(location, older)
+    with ReplayBuffer.from_folder(str(location)) as writer:
+        _write(writer, "a", case, (5, 5), first=1)  # the second reuses slot 0
+    shard = "data/frame/c.0.0.0.0.0"
+    shutil.copyfile(older / shard, location / shard)
+    said = "data/frame: slot 0, .*the shard holds slot 0's episode of generation 1, not generation 3: restored from"
+
+    def refused(read) -> None:
+        with pytest.raises(CorruptChunkError, match=said) as raised:
+            read()
+        assert str(location / shard) in str(raised.value)
+
+    def every_read(buffer: ReplayBuffer) -> None:
+        refused(buffer.get_all_data)
+        refused(lambda: read_episodes_consistent(buffer, [0]))
+        refused(lambda: next(iter(buffer.dataloader(batch_size=2))))
+        refused(lambda: buffer.data["frame"][0, 2])
+        planned = buffer.storage.read_meta_rows("_generation", [0])
+        refused(lambda: buffer.storage.gather("frame", np.array([0, 0]), np.array([4, 1]), np.repeat(planned, 2)))
+
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
+        every_read(reader)
+    with ReplayBuffer.from_folder(str(location), read_only=True, cache="disk", cache_dir=tmp_path / "cache") as cached:
+        every_read(cached)
+    with ReplayBuffer.from_folder(str(location)) as writer:
+        every_read(writer)
+    assert any(re.search(said, problem) for problem in verify(str(location)))
+    assert (
+        verify(str(location), repair=True)[-1]
+        == "repaired: dropped the damaged episodes in slots [0]; 1 episodes remain"
+    )
+    with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
+        assert reader.episode_lens.tolist() == [0, 5]
+        np.testing.assert_array_equal(reader.get_all_data()["frame"][1, :5], _episode("a", 1, 5, case)["frame"])
+    assert verify(str(location)) == []
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap"])

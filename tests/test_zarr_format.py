@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zarr
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, verify
 from replaybuf.sampling import chunk_cache
 from replaybuf.schema import Schema
 from replaybuf.storage import _zarr, make_storage
@@ -187,3 +187,78 @@ def test_a_zarr_create_without_a_uuid_is_refused_before_anything_is_written(tmp_
     with pytest.raises(ValueError, match=r"its schema has no uuid, which each of its shards is bound to"):
         storage.create(Schema.build({"frame": ("uint8", (32, 32, 4))}, None, 2, 4), overwrite=False)
     assert not (tmp_path / "b").exists()
+
+
+def _bound_generations(buffer: ReplayBuffer) -> dict[int, int]:
+    """Slot -> the generation the binding of its frame shard names (format 7), for every slot
+    holding an episode."""
+    array = buffer.storage.array("frame")
+    bound = {}
+    for slot in buffer.valid_episodes().tolist():
+        shard = array.kv.get(array.shard_key(slot))
+        bound[slot] = array.binding.held_generation(shard[-array.index_nbytes :])
+    return bound
+
+
+def _published_generations(buffer: ReplayBuffer) -> dict[int, int]:
+    slots = buffer.valid_episodes()
+    return dict(zip(slots.tolist(), buffer.storage.read_meta_rows("_generation", slots).tolist()))
+
+
+def test_every_shard_is_bound_to_the_generation_its_episode_publishes(tmp_path):
+    """Format 7: a shard is written before its episode's generation publishes, so the generation
+    is fixed when the group starts writing (``Committer.plan_generations``). Whatever the API
+    interleaves with an episode stored step by step (edits of committed episodes, meta edits,
+    flushes, a whole episode that discards the steps, batches cut short, drops, reuse), each
+    committed slot's shard names the generation its slot publishes, and an edit keeps it."""
+    path = str(tmp_path / "b")
+    fields = dict(frame=("uint8", (40, 40, 3)), reward="float")
+    buffer = ReplayBuffer(path, 3, 6, fields=fields, meta_fields=dict(task="int"), circular=True)
+    rng = np.random.default_rng(0)
+
+    def frames(n: int, batch: int | None = None) -> np.ndarray:
+        shape = (n, 40, 40, 3) if batch is None else (n, batch, 40, 40, 3)
+        return rng.integers(1, 255, shape, dtype=np.uint8)
+
+    def check() -> None:
+        assert _bound_generations(buffer) == _published_generations(buffer)
+
+    for _ in range(2):
+        buffer.store_episode(frame=frames(4), reward=np.zeros(4))
+    check()
+    steps = frames(5)
+    for t in range(3):  # slot 2, step by step, with edits of the committed slots in between
+        buffer.store(frame=steps[t], reward=float(t))
+        buffer.store_datapoint(0, 1, "frame", steps[t])
+        buffer.update([1], frame=frames(4)[None])
+        buffer.store_meta_datapoint(1, "task", t)
+        buffer.flush()
+        check()
+    for t in range(3, 5):
+        buffer.store(frame=steps[t], reward=float(t))
+    buffer.advance_episode()
+    check()
+    np.testing.assert_array_equal(buffer.data["frame"][0, 1], steps[2])
+    batch = frames(6, 2)
+    with buffer.batched_episode(2):  # slots 0 and 1 reused
+        for t in range(6):
+            buffer.store_batch(frame=batch[t], reward=np.full(2, float(t)))
+    check()
+    buffer.store(frame=steps[0], reward=0.0)
+    with pytest.warns(UserWarning, match="its steps are discarded"):
+        buffer.store_episode(frame=frames(3), reward=np.zeros(3))  # slot 2, over the steps begun there
+    check()
+    buffer.store_batch(frame=frames(1, 2)[0], reward=np.zeros(2))  # slots 0 and 1; only the first is kept
+    buffer.advance_episode(batch_size=1)
+    check()
+    assert buffer.drop_episodes([2]) == [2]
+    buffer.store_episode(frame=frames(2), reward=np.zeros(2))  # slot 1
+    buffer.store_episode(frame=frames(6), reward=np.zeros(6))  # slot 2, dropped before
+    check()
+    expected = buffer.get_all_data()
+    buffer.close()
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    for name, values in reader.get_all_data().items():
+        np.testing.assert_array_equal(np.asarray(values), np.asarray(expected[name]), err_msg=name)
+    assert _bound_generations(reader) == _published_generations(reader) and len(reader.valid_episodes()) == 3
+    assert verify(path) == []

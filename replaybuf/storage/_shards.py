@@ -59,9 +59,7 @@ class ShardBinding:
     NBYTES = 16
     TAG = b"rbSB"
 
-    def __init__(
-        self, field: str, fields: Iterable[str] = (), buffer: str | None = None, generations: bool = False
-    ):
+    def __init__(self, field: str, fields: Iterable[str] = (), buffer: str | None = None, generations: bool = False):
         self.field = field
         self.buffer = buffer  # the buffer's uuid (format 6), or None (format 5: no buffer bound)
         self.generations = generations  # format 7: the episode's generation bound too
@@ -356,7 +354,9 @@ class ShardedArray(ChunkedArray):
         name ``expected`` (per episode; default: ``expected_generations`` of ``generations``)."""
         unique = list(dict.fromkeys(int(e) for e in episodes))
         if expected is None:
-            expected = self.expected_generations(unique, None if generations is None else [generations[e] for e in unique])
+            expected = self.expected_generations(
+                unique, None if generations is None else [generations[e] for e in unique]
+            )
         requests = [(self.shard_key(e), -self.index_nbytes, None) for e in unique]
         if generations is None:
             raws = self.kv.get_ranges(requests)
@@ -587,7 +587,9 @@ class ShardedArray(ChunkedArray):
         expected = self._planned_per_episode(
             episodes[live], None if generations is None else _per_pair(generations, len(episodes))[live]
         )
-        lengths = read_mapped_spans(self, out, episodes, starts, lengths, parallel, expected)  # hot shards (``_hotmap.py``)
+        lengths = read_mapped_spans(
+            self, out, episodes, starts, lengths, parallel, expected
+        )  # hot shards (``_hotmap.py``)
         ct = self.chunks[1]
         spans = [
             (i, e, s // ct, (s + n - 1) // ct + 1)
@@ -910,9 +912,7 @@ class ShardedArray(ChunkedArray):
                     keep[i] |= present
             rows[:, t0 : t0 + length] = values
         shards = {
-            self.shard_key(e0 + i): self.encode_shard(
-                e0 + i, rows[i], None if keep is None else keep[i], hot, bound[i]
-            )
+            self.shard_key(e0 + i): self.encode_shard(e0 + i, rows[i], None if keep is None else keep[i], hot, bound[i])
             for i in range(count)
         }
         written = {k: v for k, v in shards.items() if v is not None}
@@ -1017,15 +1017,13 @@ class ShardedArray(ChunkedArray):
         # the hot tier (its lock and thread) stays with the writer
         return {**super().__getstate__(), "_hot_tier": None}
 
-    def _old_shard(
-        self, episode: int, out: np.ndarray, skip: tuple[int, int], generation: int
-    ) -> np.ndarray | None:
+    def _old_shard(self, episode: int, out: np.ndarray, skip: tuple[int, int], generation: int) -> np.ndarray | None:
         """Decode the episode's stored inner chunks into ``out`` (time, *shape), except those
         inside the steps ``skip`` that the write replaces, for a partial write to merge into;
         return which inner chunks the shard stores. The shard must be bound to the episode of
         ``generation`` (format 7), the one the write binds its shard to (an edit's, or the episode
         being written's). A damaged shard of a slot that holds no committed episode (being
-        rewritten) reads as empty."""
+        rewritten), or bound to an episode it no longer holds, reads as empty."""
         out[...] = 0
         try:
             index = self.read_indexes([episode], expected={episode: generation})[episode]
@@ -1045,8 +1043,9 @@ class ShardedArray(ChunkedArray):
                     offset, nbytes = int(index[ti, 0]) - lo, int(index[ti, 1])
                     a, b = ti * ct, min((ti + 1) * ct, self.shape[1])
                     out[a:b] = self._decode(view[offset : offset + nbytes], (episode, ti))[0, : b - a]
-        except CorruptChunkError as e:
-            if not self._stale_damage(e):
+        except (CorruptChunkError, GenerationMismatchError) as e:
+            # (format 7) a shard of an episode the slot no longer holds: the one being replaced
+            if isinstance(e, CorruptChunkError) and not self._stale_damage(e):
                 raise
             out[...] = 0
             return None
