@@ -25,7 +25,8 @@ FORMAT_NAME = "replaybuf"
 # (storage/_shards.py, ShardBinding), and each slot's meta checksum covers its length too
 # (metasums.py). 6, zarr only (storage/_zarr.py, ZARR_FORMAT_VERSION): each shard's binding
 # and each slot's meta checksum name its buffer (uuid) too; memmap and hdf5 keep their checksums apart from the data, so they
-# stay format 5, which an earlier release reads. 1 to 5 open, read and write as they were.
+# stay format 5, which an earlier release reads. 7, zarr only: each shard's binding names its
+# episode's generation too. Earlier formats open, read and write as they were.
 # The newest format memmap and hdf5 write:
 FORMAT_VERSION = 5
 

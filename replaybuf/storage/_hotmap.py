@@ -59,7 +59,7 @@ from ._mapping import map_file
 from ._strided import gather_addresses, take_at
 
 if TYPE_CHECKING:
-    from ._shards import ShardedArray
+    from ._shards import Expected, ShardedArray
 
 #: shard files a process keeps mapped, the least recently used going first: each map is one of
 #: the kernel's per-process mappings (65530 by default) and ~3 KB here, and holds no file
@@ -534,7 +534,7 @@ def read_mapped_spans(
     starts: np.ndarray,
     lengths: np.ndarray,
     parallel: bool,
-    expected: dict[int, int],
+    expected: Expected,
 ) -> np.ndarray:
     """Steps ``starts[i] .. starts[i] + lengths[i]`` of hot shards into ``out[i]`` from their
     maps (as ``ChunkedArray.read_into``); returns ``lengths`` with 0 for every span done, the

@@ -9,9 +9,10 @@ small range reads (the index, then the coalesced frame bytes), once more with a 
 a compaction replaced the shard in between.
 
 From format 5 each shard is bound to its field and slot (``ShardBinding``), from format 6 to its
-buffer too: 16 bytes just before its index, read with it, so a shard copied or moved to another
-slot, field or buffer is damage naming where it came from, at no cost per frame (a checked index
-is cached as before).
+buffer too, from format 7 to its episode (its generation): 16 bytes just before its index, read
+with it, so a shard copied or moved to another slot, field or buffer, or an older one of the
+same slot, is damage naming where it came from, at no cost per frame (a checked index is cached
+as before).
 """
 
 from __future__ import annotations
@@ -138,6 +139,24 @@ class ShardBinding:
         return None
 
 
+class Expected(dict[int, int]):
+    """Per episode, the generation its shard's binding must name (format 7; 0 for any episode
+    not listed: none checked). ``planned``: the read's own plan, so a shard of another episode
+    in a slot that no longer holds the planned one is a writer's reuse since the plan
+    (``GenerationMismatchError``, retried); else the slots' generations as found by the read
+    itself (a writer racing such a read fails it as damage, as any rewrite under it does)."""
+
+    def __init__(self, generations: Iterable[tuple[int, int]] = (), planned: bool = False):
+        super().__init__(generations)
+        self.planned = planned
+
+    def __missing__(self, episode: int) -> int:
+        return 0
+
+
+_UNCHECKED = Expected()  # a format binding no generation
+
+
 def _runs(spans: dict[int, list[tuple]]) -> list[tuple[int, list[tuple]]]:
     """Per episode, its (offset, nbytes, ...) items sorted and cut into runs of adjacent bytes
     (one range read each): ``[(episode, run), ...]``."""
@@ -189,21 +208,24 @@ class ShardedArray(ChunkedArray):
         """Whether each shard's binding names its episode's generation (format 7)."""
         return self.binding is not None and self.binding.generations and self.generations_of is not None
 
-    def expected_generations(self, episodes: Sequence[int], planned: Sequence[int] | None = None) -> dict[int, int]:
+    def expected_generations(self, episodes: Sequence[int], planned: Sequence[int] | None = None) -> Expected:
         """Per episode, the generation its shard's binding must name (format 7; 0: none
         checked): the one the read planned (``planned``, per episode), else the slot's as
-        stored now (one read for all of them). Before format 7: 0 for every episode, unread."""
+        stored now (one read for all of them). Before format 7: 0 for any episode, unread."""
+        if not self.binds_generations:
+            return _UNCHECKED
         episodes = [int(e) for e in episodes]
-        if not self.binds_generations or not episodes:
-            return dict.fromkeys(episodes, 0)
-        if planned is None:
+        generations = planned
+        if generations is None and episodes:
             assert self.generations_of is not None  # binds_generations
-            planned = np.asarray(self.generations_of(np.array(episodes, np.int64)), np.int64).tolist()
-        return {e: int(g) for e, g in zip(episodes, planned)}
+            generations = np.asarray(self.generations_of(np.array(episodes, np.int64)), np.int64).tolist()
+        return Expected(zip(episodes, (int(g) for g in generations or ())), planned=planned is not None)
 
-    def _planned_per_episode(self, episodes: np.ndarray, generations: np.ndarray | None) -> dict[int, int]:
+    def _planned_per_episode(self, episodes: np.ndarray, generations: np.ndarray | None) -> Expected:
         """``expected_generations`` of the distinct ``episodes`` of a read given ``generations``
         (one per item, or one for all, or None)."""
+        if not self.binds_generations:
+            return _UNCHECKED
         distinct, first = np.unique(episodes, return_index=True)
         planned = None if generations is None else _per_pair(generations, len(episodes))[first].tolist()
         return self.expected_generations(distinct.tolist(), planned)
@@ -289,11 +311,11 @@ class ShardedArray(ChunkedArray):
         frames = int(np.argmin(present)) if not present.all() else len(present)
         return [frames] if frames and not present[frames:].any() else None
 
-    def _parse_index(self, raw: bytes | None, episode: int, generation: int = 0) -> np.ndarray | None:
+    def _parse_index(self, raw: bytes | None, episode: int, expected: Expected = _UNCHECKED) -> np.ndarray | None:
         """The (offset, nbytes) rows of a shard index read from the shard's end (with the
         shard's binding before it, from format 5), checked against the index's crc32c, then the
-        binding (a shard cut short fails the crc32c first; format 7: to the episode of
-        ``generation``, unless 0), and the sizes any encoding takes."""
+        binding (a shard cut short fails the crc32c first; format 7: to the episode of the
+        generation ``expected`` names for ``episode``), and the sizes any encoding takes."""
         if raw is None:
             return None
         error: type[CorruptChunkError] = CorruptChunkError
@@ -309,9 +331,9 @@ class ShardedArray(ChunkedArray):
                     f"away from the crc32c {computed:#010x} of the index, which damaged data cannot cause); "
                     "`replaybuf verify --repair` re-seals the shard"
                 )
-        elif (problem := self.binding_problem(raw[:skip], episode, generation)) is not None:
+        elif (problem := self.binding_problem(raw[:skip], episode, expected[episode])) is not None:
             reason = problem  # a sound index of a shard written for another slot, field or episode
-            self._check_not_moved(raw[:skip], episode, generation)
+            self._check_not_moved(raw[:skip], episode, expected)
         else:
             body = raw[skip:-4] if self.index_crc else raw[skip:]
             index = np.frombuffer(body, dtype="<u8").reshape(self.inner_per_shard, 2)
@@ -324,12 +346,13 @@ class ShardedArray(ChunkedArray):
                 return index
         raise error.at(self.path, episode, (0, self.shape[1]), self.kv.where(self.shard_key(episode)), reason)
 
-    def _check_not_moved(self, raw: bytes, episode: int, generation: int) -> None:
+    def _check_not_moved(self, raw: bytes, episode: int, expected: Expected) -> None:
         """GenerationMismatchError when the binding ``raw`` fails only for naming another
-        generation than ``generation`` (format 7) and the slot no longer holds ``generation``: a
-        writer reused it since the read was planned (its new shard is written before its
-        generation publishes), which is a retry, not damage."""
-        if not generation or self.binding_problem(raw, episode) is not None:
+        generation than the read planned for ``episode`` (format 7) and the slot no longer holds
+        that one: a writer reused it since the read was planned (its new shard is written before
+        its generation publishes), which is a retry, not damage."""
+        generation = expected[episode]
+        if not expected.planned or not generation or self.binding_problem(raw, episode) is not None:
             return
         assert self.generations_of is not None  # a generation is checked: binds_generations
         if int(self.generations_of(np.array([episode], np.int64))[0]) != generation:
@@ -345,7 +368,7 @@ class ShardedArray(ChunkedArray):
         self,
         episodes: Sequence[int],
         generations: dict[int, Any] | None = None,
-        expected: dict[int, int] | None = None,
+        expected: Expected | None = None,
     ) -> dict[int, np.ndarray | None]:
         """The shard index (offset, nbytes per inner chunk) of each episode's shard; with
         ``generations`` (per episode) through the files the store keeps open under them, the
@@ -367,7 +390,7 @@ class ShardedArray(ChunkedArray):
                 raws[i] = data
 
             self.kv.get_ranges_each(requests, keep, [generations[e] for e in unique])
-        return {e: self._parse_index(r, e, expected[e]) for e, r in zip(unique, raws)}
+        return {e: self._parse_index(r, e, expected) for e, r in zip(unique, raws)}
 
     def fetch_chunks(self, indices: Sequence[tuple]) -> dict[tuple, np.ndarray | None]:
         # docstring inherited
@@ -418,7 +441,7 @@ class ShardedArray(ChunkedArray):
         self.kv.drop_read_handles([self.shard_key(e) for e in episodes])
 
     def _indexes_cached(
-        self, episodes: list[int], generations: list | None, expected: dict[int, int] | None = None
+        self, episodes: list[int], generations: list | None, expected: Expected | None = None
     ) -> dict[int, np.ndarray | None]:
         """Shard indexes, kept in the chunk cache under the slot generation when one is given
         (``expected``: as ``read_indexes``)."""
@@ -587,9 +610,8 @@ class ShardedArray(ChunkedArray):
         expected = self._planned_per_episode(
             episodes[live], None if generations is None else _per_pair(generations, len(episodes))[live]
         )
-        lengths = read_mapped_spans(
-            self, out, episodes, starts, lengths, parallel, expected
-        )  # hot shards (``_hotmap.py``)
+        # hot shards (``_hotmap.py``)
+        lengths = read_mapped_spans(self, out, episodes, starts, lengths, parallel, expected)
         ct = self.chunks[1]
         spans = [
             (i, e, s // ct, (s + n - 1) // ct + 1)
@@ -607,9 +629,7 @@ class ShardedArray(ChunkedArray):
                 view = None if data is None else memoryview(data)
                 episode = whole[k][1]
                 index = (
-                    None
-                    if view is None
-                    else self._parse_index(bytes(view[-self.index_nbytes :]), episode, expected[episode])
+                    None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode, expected)
                 )
                 self._decode_span(view, 0, index, whole[k], out, starts, lengths)
 
@@ -627,7 +647,7 @@ class ShardedArray(ChunkedArray):
         starts: np.ndarray,
         lengths: np.ndarray,
         parallel: bool,
-        expected: dict[int, int],
+        expected: Expected,
     ) -> None:
         """Spans read from whole shards on local disk, from maps of their files: the bytes are
         decoded where the page cache holds them (a pread copied each shard first, ~10% of a cold
@@ -645,9 +665,7 @@ class ShardedArray(ChunkedArray):
                 mapped = kv.map(self.shard_key(episode))
                 view = None if mapped is None else mapped.data
                 index = (
-                    None
-                    if view is None
-                    else self._parse_index(bytes(view[-self.index_nbytes :]), episode, expected[episode])
+                    None if view is None else self._parse_index(bytes(view[-self.index_nbytes :]), episode, expected)
                 )
                 chunks = self._span_chunks(view, 0, index, span, out, starts, lengths)
                 if view is None or chunks is None:
@@ -675,7 +693,7 @@ class ShardedArray(ChunkedArray):
         lengths: np.ndarray,
         generations: np.ndarray | None,
         parallel: bool,
-        expected: dict[int, int],
+        expected: Expected,
     ) -> None:
         """Spans needing under half of their shard: the index, then one range per episode
         (``expected``: the generation each shard's binding must name, ``read_indexes``)."""
@@ -700,7 +718,7 @@ class ShardedArray(ChunkedArray):
         starts: np.ndarray,
         lengths: np.ndarray,
         parallel: bool,
-        expected: dict[int, int],
+        expected: Expected,
     ) -> None:
         """``_read_ranged`` given the distinct episodes and their generations (or None)."""
         indexes = self._indexes_cached(episodes, generations, expected)
@@ -841,10 +859,9 @@ class ShardedArray(ChunkedArray):
         return b"".join(blobs) + self._tail_bytes(slot, nonzero, sizes, generation)
 
     def _tail_bytes(self, slot: int, stored: np.ndarray, sizes: np.ndarray, generation: int) -> bytes:
-        """What follows the inner chunks of ``slot``'s shard: its binding (format 5; format 7:
-        to the episode of ``generation``), then its
-        index (and the index's crc32c) of inner chunks ``stored`` of ``sizes`` bytes, laid out
-        one after another from offset 0."""
+        """What follows the inner chunks of ``slot``'s shard: its binding (format 5; format 7: to
+        the episode of ``generation``), then its index (and the index's crc32c) of inner chunks
+        ``stored`` of ``sizes`` bytes, laid out one after another from offset 0."""
         index = np.full((self.inner_per_shard, 2), _MISSING, dtype="<u8")
         index[stored, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype("<u8")
         index[stored, 1] = sizes
@@ -1023,10 +1040,10 @@ class ShardedArray(ChunkedArray):
         return which inner chunks the shard stores. The shard must be bound to the episode of
         ``generation`` (format 7), the one the write binds its shard to (an edit's, or the episode
         being written's). A damaged shard of a slot that holds no committed episode (being
-        rewritten), or bound to an episode it no longer holds, reads as empty."""
+        rewritten; format 7: a shard of the episode replaced there) reads as empty."""
         out[...] = 0
         try:
-            index = self.read_indexes([episode], expected={episode: generation})[episode]
+            index = self.read_indexes([episode], expected=Expected([(episode, generation)]))[episode]
             if index is None:
                 return None
             ct = self.chunks[1]
@@ -1043,9 +1060,8 @@ class ShardedArray(ChunkedArray):
                     offset, nbytes = int(index[ti, 0]) - lo, int(index[ti, 1])
                     a, b = ti * ct, min((ti + 1) * ct, self.shape[1])
                     out[a:b] = self._decode(view[offset : offset + nbytes], (episode, ti))[0, : b - a]
-        except (CorruptChunkError, GenerationMismatchError) as e:
-            # (format 7) a shard of an episode the slot no longer holds: the one being replaced
-            if isinstance(e, CorruptChunkError) and not self._stale_damage(e):
+        except CorruptChunkError as e:
+            if not self._stale_damage(e):
                 raise
             out[...] = 0
             return None
