@@ -7,7 +7,9 @@ fields), the counters object and the step log, and commits every episode group (
 committed episode intact through a crash:
 
 1. a reused circular slot is invalidated first (``episode_lens = 0``, ``_generation = 0``);
-2. the data slabs are written;
+2. the data slabs are written, bound to the generations step 3 publishes (zarr format 7's
+   shards: ``Storage.plan_generations``; no other commit runs between a group's first write
+   and its publish, so they are fixed by then);
 3. meta rows, then ``_generation`` and ``episode_lens`` are published;
 4. the counters object is committed; the step log of the episode is cleared.
 
