@@ -175,8 +175,9 @@ def pytest_without_h5py(*args: str, skip_missing: bool) -> subprocess.CompletedP
     if skip_missing:
         env[SKIP_MISSING] = "1"
     script = "import sys; sys.modules['h5py'] = None; import pytest; sys.exit(pytest.main(sys.argv[1:]))"
-    # -n 0: in this child, not in xdist workers (which would import h5py), h5py does not import
-    command = [sys.executable, "-c", script, "-q", "-rs", "-p", "no:cacheprovider", "-n", "0", *args]
+    # -n 0: in this child, not in xdist workers (which would import h5py), h5py does not import;
+    # --assert=plain: only outcomes are read, and rewriting every plugin's modules costs seconds
+    command = [sys.executable, "-c", script, "-q", "-rs", "-p", "no:cacheprovider", "-n", "0", "--assert=plain", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 

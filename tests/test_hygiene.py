@@ -460,7 +460,7 @@ def lease_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name.startswith("replaybuf-lease")]
 
 
-@pytest.mark.slow  # ~30 s on moto
+@pytest.mark.slow  # ~20 s on moto
 def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_path, no_gc):
     location = s3_server.url(f"hygiene-{uuid.uuid4().hex[:8]}")
     options = {"storage_options": s3_server.storage_options}
@@ -482,9 +482,10 @@ def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_pa
         next(iter(reader.dataloader(batch_size=4, timestep_level=True, shuffle=True)))
 
     # sockets come and go with the HTTP connection pools (the client's and the in-process moto
-    # server's: 14-17 descriptors over 40 rounds here); the read cache's new files are the new
-    # episodes' (bounded by cache_size: see the read cache tests), so its folder is not watched
-    assert_no_growth(write_read_and_drop, loops=10, pooled={"socket": 8})  # a socket a round: 10
+    # server's: 14-17 descriptors over 40 rounds here, 0-1 over 10 on an idle machine); the read
+    # cache's new files are the new episodes' (bounded by cache_size: see the read cache tests),
+    # so its folder is not watched
+    assert_no_growth(write_read_and_drop, loops=8, pooled={"socket": 6})  # a socket a round: 8
     assert lease_threads() == []
 
 
@@ -517,7 +518,7 @@ def sample(count):
 
 sample(1000)
 warm = resident_bytes()
-sample(10_000)
+sample(5_000)
 print(resident_bytes() - warm)
 """
 
@@ -535,5 +536,5 @@ def test_sampling_many_batches_keeps_memory_flat(tmp_path, cache):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    # a leak of even 5 KiB a batch would pass 50 MB; allocator noise stays far below it
-    assert int(done.stdout.split()[-1]) < 50 << 20
+    # a leak of even 5 KiB a batch would pass 25 MB; after the warm-up the resident size does not move
+    assert int(done.stdout.split()[-1]) < 25 << 20

@@ -154,14 +154,17 @@ def test_writer_in_another_process(where, tmp_path, request):
         location, options = str(tmp_path / "buffer"), None
     ReplayBuffer(location, storage_options=options, **buffer_kwargs()).close()
     episodes, rate, slack, batch = 12, 0.5, 2, 2
-    writer = multiprocessing.get_context("spawn").Process(target=slow_writer, args=(location, options, episodes, 0.05))
+    # a local writer is forked (no second torch import); an S3 one is spawned: this process runs
+    # the moto server's and the S3 clients' threads, which a forked child would inherit stopped
+    context = multiprocessing.get_context("fork" if where == "local" else "spawn")
+    writer = context.Process(target=slow_writer, args=(location, options, episodes, 0.05))
     writer.start()
     try:
         reader = ReplayBuffer.from_folder(location, read_only=True, storage_options=options)
         observer = ReplayBuffer.from_folder(location, read_only=True, storage_options=options)
         deadline = time.monotonic() + 120
         while committed_steps(observer) == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the spawned writer imports torch before its first commit
+            time.sleep(0.05)  # a spawned writer imports torch before its first commit
         loader = reader.dataloader(
             batch,
             timestep_level=True,

@@ -64,7 +64,7 @@ def test_a_server_that_never_answers_fails_an_open_through_s3fs_naming_the_key(s
     buffer = ReplayBuffer(url, 4, 5, fields={"x": ("float", 3)}, storage_options=s3_server.storage_options)
     buffer.store_episode(x=np.ones((3, 3), np.float32))
     buffer.close()
-    options = {**s3_server.storage_options, "endpoint_url": silent_endpoint, "config_kwargs": {"read_timeout": 1}}
+    options = {**s3_server.storage_options, "endpoint_url": silent_endpoint, "config_kwargs": {"read_timeout": 0.2}}
     with pytest.raises(StorageError, match=r"GET 'zarr.json' on s3://.*ReadTimeoutError"):
         ReplayBuffer.from_folder(url, read_only=True, storage_options=options)
 
