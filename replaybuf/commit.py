@@ -386,9 +386,7 @@ class Committer:
         at least up to the highest slot holding one (an emptied slot before it, dropped or
         unpublished by a killed commit, lists as a row of padding): ``get_all_data`` lists slots
         ``0 .. num_episodes - 1``, and none of them may hide a committed episode."""
-        lens = self.meta["episode_lens"]
-        held = np.concatenate([np.flatnonzero(lens > 0), empty_episodes(self.state, lens)])
-        return min(max(self.count_episodes(), int(held.max(initial=-1)) + 1), self.max_episodes)
+        return listed_count(self.state, self.meta["episode_lens"], self.max_episodes)
 
     def clear(self) -> None:
         """Unpublish every slot and reset the counters (the arrays keep their data until reused)."""
@@ -619,17 +617,25 @@ class Committer:
 
 def catch_up(state: dict[str, Any], lens: np.ndarray, generations: np.ndarray, max_episodes: int) -> dict[str, Any]:
     """The counters ``state`` caught up with the episodes published after it was written: a
-    live writer's batched step 4 (``COUNTERS_INTERVAL``), or a killed one's. Counts the slots
-    holding an episode plus the committed length-0 episodes the counters list."""
+    live writer's batched step 4 (``COUNTERS_INTERVAL``), or a killed one's. Lists the slots up
+    to the highest holding an episode (``listed_count``), as the writer does."""
     newest = int(generations.max()) if len(generations) else 0
     if newest <= int(state["total_episodes"]):
         return state
     return {
         **state,
-        "num_episodes": max(int(state["num_episodes"]), count_episodes(state, lens, max_episodes)),
+        "num_episodes": max(int(state["num_episodes"]), listed_count(state, lens, max_episodes)),
         "episode_index": int((np.argmax(generations) + 1) % max_episodes),
         "total_episodes": newest,
     }
+
+
+def listed_count(state: dict[str, Any], lens: np.ndarray, max_episodes: int) -> int:
+    """The episodes the published lengths show (``count_episodes``), and at least up to the
+    highest slot holding one: an emptied slot before it (dropped, or unpublished by a killed
+    commit) lists as a row of padding, never hiding a committed episode from ``get_all_data``."""
+    held = np.concatenate([np.flatnonzero(lens > 0), empty_episodes(state, lens)])
+    return min(max(count_episodes(state, lens, max_episodes), int(held.max(initial=-1)) + 1), max_episodes)
 
 
 def empty_episodes(state: dict[str, Any], lens: np.ndarray) -> np.ndarray:

@@ -687,3 +687,20 @@ def test_a_refresh_finding_a_live_writer_between_a_drops_two_writes_reads_the_sl
     writer.close()  # stopped there: the length without its generation stays
     with pytest.raises(BufferDamagedError, match=r"committed slots \[1\] have generation 0"):
         reader.refresh()
+
+
+def test_a_reader_lists_an_episode_stored_after_a_dropped_one_while_the_counters_wait(tmp_path, monkeypatch):
+    """A reader catches the counters it loads up with episodes published since (the writer
+    batches them, ``COUNTERS_INTERVAL``): it lists the slots up to the highest holding an episode,
+    as a writable open does, never hiding the episode stored after a dropped slot."""
+    monkeypatch.setattr("replaybuf.commit.COUNTERS_INTERVAL", 3600.0)  # the counters wait
+    writer = ReplayBuffer(tmp_path / "b", 3, 4, fields={"x": "float"}, circular=True)
+    writer.store_episode(x=np.ones(2))
+    writer.drop_episodes([0])
+    writer.store_episode(x=np.full(3, 2.0))
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    assert reader.listed_slots().tolist() == [0, 1] and reader.valid_episodes().tolist() == [1]
+    data = reader.get_all_data()
+    assert data["episode_lens"].tolist() == [0, 3]
+    np.testing.assert_array_equal(data["x"][1].numpy(), np.full(3, 2.0))
+    writer.close()

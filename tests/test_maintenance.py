@@ -307,3 +307,14 @@ def test_a_converted_copy_is_a_buffer_of_its_own_whose_shards_its_source_refuses
         out.write(f.read())
     with pytest.raises(CorruptChunkError, match=r"data/frame: slot 1, .*holds slot 1's data of another buffer"):
         ReplayBuffer.from_folder(src, read_only=True).get_all_data()
+
+
+def test_verify_accepts_an_episode_index_set_by_hand(tmp_path):
+    """``episode_index = k`` (the seed's way to choose the next slot) is kept by the counters and
+    by every writable open, so it is no damage: here it points back at the newest episode's slot."""
+    with ReplayBuffer(tmp_path / "b", 3, 4, fields={"x": "float"}, circular=True) as buffer:
+        buffer.store_episode(x=np.ones(2))
+        buffer.episode_index = 0
+    assert verify(tmp_path / "b") == []
+    with ReplayBuffer(tmp_path / "b", 3, 4, fields={"x": "float"}, circular=True, overwrite=False) as buffer:
+        assert buffer.episode_index == 0
