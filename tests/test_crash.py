@@ -444,3 +444,66 @@ def test_a_writer_killed_between_its_shards_and_their_generation_leaves_nothing_
         for uid, (length, rows) in episodes.items():
             check_episode(uid, length, rows)
     assert verify(location) == []
+
+
+def _edit_and_compact_until_killed(location, kwargs, first_uid, progress, seed):
+    """Child: store episodes from ``first_uid`` on (step by step and whole, every frame leaving
+    RAM at once), reporting each to ``progress``; between them rewrite a committed episode's
+    frames with its own values (``store_datapoint``, ``update``: its shards rewritten in place)
+    or compact the hot tier, until killed."""
+    from replaybuf import staging
+
+    staging.WRITE_SPAN_BYTES = 4096
+    rng = np.random.default_rng(seed)
+    buffer = ReplayBuffer(location, **kwargs, overwrite=False, hot_bytes=int(rng.choice([0, 1 << 14, 1 << 30])))
+    with open(progress, "a") as report:
+        for uid in range(first_uid, first_uid + 10_000):
+            write_episode(buffer, uid, ("steps", "whole")[uid % 2])
+            report.write(f"{uid}\n")
+            report.flush()
+            slot = int(rng.choice(buffer.valid_episodes()))
+            stored = episode(int(buffer.meta_data["uid"][slot]))["frame"][: int(buffer.episode_lens[slot])]
+            what = int(rng.integers(0, 3))
+            if what == 0:
+                t = int(rng.integers(0, len(stored)))
+                buffer.store_datapoint(slot, t, "frame", stored[t])
+            elif what == 1:
+                buffer.update([slot], frame=stored[None])
+            else:
+                buffer.compact()
+
+
+def test_sigkill_beside_edits_and_compaction_leaves_every_episode_bound_to_its_generation(tmp_path):
+    """Zarr format 7: a writer killed anywhere in a commit, an in-place edit or a compaction of a
+    circular buffer (hot tier off, small or large) leaves every committed episode reading back
+    whole through get_all_data and a timestep loader after the next writable open (which
+    commits its step log), and ``verify`` finds nothing."""
+    from replaybuf import verify
+
+    location = str(tmp_path / "buffer")
+    kwargs = buffer_kwargs(4, circular=True, flush_every_store_step=1)
+    ReplayBuffer(location, **kwargs).close()
+    rng = np.random.default_rng(7)
+    first_uid = 0
+    for round_ in range(6):
+        progress = tmp_path / f"progress-{round_}"
+        writer = FORK.Process(
+            target=_edit_and_compact_until_killed, args=(location, kwargs, first_uid, str(progress), round_)
+        )
+        writer.start()
+        while not committed(progress) and writer.is_alive():
+            time.sleep(0.002)
+        time.sleep(float(rng.uniform(0, 0.15)))
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(30)
+        assert writer.exitcode == -signal.SIGKILL
+        reported = committed(progress)
+        with ReplayBuffer(location, **kwargs, overwrite=False) as buffer:
+            for uid, (length, rows) in stored_episodes(buffer).items():
+                check_episode(uid, length, rows, full=uid in reported)
+            loader = buffer.dataloader(batch_size=8, timestep_level=True, return_indices=True, seed=round_)
+            for batch in loader:
+                for (slot, t), frame in zip(batch["_indices"].tolist(), batch["frame"].numpy()):
+                    np.testing.assert_array_equal(frame, episode(int(buffer.meta_data["uid"][slot]))["frame"][t])
+        assert verify(location) == []
+        first_uid = reported[-1] + 3  # uids are never reused
