@@ -162,3 +162,21 @@ def test_lengths_zeroed_on_an_object_store_are_refused_and_restored(server):
     reader = ReplayBuffer(url, read_only=True, storage_options=options)
     assert reader.episode_lens[:3].tolist() == [7, 5, 9]
     np.testing.assert_array_equal(reader.data["reward"][1, :5], np.arange(5))
+
+
+def test_an_in_place_update_of_many_image_episodes_reads_their_generations_once(s3_server):
+    """Format 7 binds each rewritten shard to its episode's generation, as stored: an update of
+    16 episodes reads ``meta/_generation`` in one GET, not one per episode, and the rewritten
+    shards read back."""
+    url = new_location(s3_server)
+    frame = {"frame": ("uint8", (32, 32, 4))}
+    writer = ReplayBuffer(url, 16, 2, fields=frame, circular=True, storage_options=s3_server.storage_options)
+    for i in range(16):
+        writer.store_episode(frame=np.full((2, 32, 32, 4), i, np.uint8))
+    values = np.arange(16, dtype=np.uint8)[:, None, None, None, None] + np.zeros((16, 2, 32, 32, 4), np.uint8) + 100
+    with s3_server.record() as requests:
+        writer.update(list(range(16)), frame=values)
+    assert sum(method == "GET" and "meta/_generation" in path for method, path in requests.requests) == 1
+    np.testing.assert_array_equal(writer.get_all_data()["frame"].numpy(), values)
+    writer.close()
+    assert verify(url, storage_options=s3_server.storage_options) == []

@@ -186,13 +186,13 @@ class ShardedArray(ChunkedArray):
         index_crc: bool = True,
         binding: ShardBinding | None = None,
         length_error: Callable[[str, int, int, int], CorruptChunkError] | None = None,
-        writing_generation: Callable[[int], int] | None = None,
+        writing_generations: Callable[[np.ndarray], np.ndarray] | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.length_error = length_error  # (path, slot, stored length, frames held): a length blamed
-        # format 7: the generation a shard of a slot written now is bound to (``Storage.plan_generations``)
-        self.writing_generation = writing_generation
+        # format 7: the generations shards of slots written now are bound to (``Storage.plan_generations``)
+        self.writing_generations = writing_generations
         self.inner_per_shard = -(-self.shape[1] // self.chunks[1])
         self.index_crc = index_crc
         # format 5 and later: the shard's binding (``ShardBinding``) lies just before its index, read with it
@@ -913,7 +913,7 @@ class ShardedArray(ChunkedArray):
         count, length = values.shape[0], values.shape[1]
         whole = t0 == 0 and length >= self.shape[1]
         keep = None
-        bound = [self._binding_generation(e0 + i) for i in range(count)]  # format 7: each shard's episode
+        bound = self._binding_generations(np.arange(e0, e0 + count))  # format 7: each shard's episode
         if self.committed is not None:
             step = self.chunks[1]
             keep = np.zeros((count, self.inner_per_shard), bool)
@@ -945,11 +945,11 @@ class ShardedArray(ChunkedArray):
             sizes = [len(shard) if hot and shard is not None else 0 for shard in shards.values()]
             self.hot.written(self.path, range(e0, e0 + count), sizes)
 
-    def _binding_generation(self, slot: int) -> int:
-        """The generation a shard of ``slot`` written now is bound to (format 7; else 0)."""
-        if not self.binds_generations or self.writing_generation is None:
-            return 0
-        return int(self.writing_generation(slot))
+    def _binding_generations(self, slots: np.ndarray) -> list[int]:
+        """The generations shards of ``slots`` written now are bound to (format 7; else 0s)."""
+        if not self.binds_generations or self.writing_generations is None:
+            return [0] * len(slots)
+        return np.asarray(self.writing_generations(slots), np.int64).tolist()
 
     def compacted(self, episode: int, data: bytes) -> bytes | memoryview | None:
         """Episode's shard ``data`` re-encoded at the codec's level, or None when it is not hot

@@ -617,7 +617,7 @@ class ZarrStorage(KVBlobs, Storage):
             index_crc=index_crc,
             binding=binding,
             length_error=OwnerMethod(self._length_error),
-            writing_generation=OwnerMethod(self._writing_generation),
+            writing_generations=OwnerMethod(self._writing_generations),
             **options,
         )
 
@@ -636,11 +636,15 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited: kept until the slot's ``_generation`` is written (``write_meta``)
         self._planned.update(zip(np.asarray(episodes, np.int64).tolist(), np.asarray(generations, np.int64).tolist()))
 
-    def _writing_generation(self, slot: int) -> int:
-        """The generation a shard of ``slot`` written now is bound to: the one planned for the
-        episode being written there, else the slot's as stored (an in-place edit keeps it)."""
-        planned = self._planned.get(slot)
-        return planned if planned is not None else int(self.read_meta_rows("_generation", np.array([slot]))[0])
+    def _writing_generations(self, slots: np.ndarray) -> np.ndarray:
+        """The generations shards of ``slots`` written now are bound to: per slot, the one planned
+        for the episode being written there, else the slot's as stored (an in-place edit keeps
+        it), read once for all of them (an object store's GET, not one per slot)."""
+        generations = np.array([self._planned.get(int(slot), -1) for slot in slots], np.int64)
+        unplanned = generations < 0
+        if unplanned.any():
+            generations[unplanned] = self.read_meta_rows("_generation", np.asarray(slots, np.int64)[unplanned])
+        return generations
 
     def _committed_length(self, slot: int) -> int:
         """The published length of ``slot`` as stored now (0 when absent)."""
