@@ -426,6 +426,21 @@ def test_repair_still_drops_an_episode_damaged_of_its_own_beside_a_checksum_file
             _check_rows(everything[name][slot], slot, expected[slot], name)
 
 
+def _restore_an_older_shard_0(location: Path, first: int, later: tuple[int, int]) -> None:
+    """A circular 2-slot buffer at ``location``: an episode of ``first`` steps, a copy of the
+    folder, then episodes of ``later`` steps (the second reusing slot 0), and slot 0's frame
+    shard put back from the copy (a partial backup restore)."""
+    case, older = CASES["wrap"], location.parent / "older"
+    config = dict(fields=case.fields, meta_fields=META_FIELDS, circular=True)
+    with ReplayBuffer(str(location), 2, MAX_TIMESTEPS, **config) as writer:
+        _write(writer, "a", case, (first,))
+    shutil.copytree(location, older)
+    with ReplayBuffer.from_folder(str(location)) as writer:
+        _write(writer, "a", case, later, first=1)
+    shard = "data/frame/c.0.0.0.0.0"
+    shutil.copyfile(older / shard, location / shard)
+
+
 def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_nor_the_shard(tmp_path):
     """Slot 0's shard restored from an older copy holds its first episode's 3 frames where the
     episode a circular writer put in the slot since has 5 (and its length, 5, matches its meta
@@ -433,15 +448,8 @@ def test_an_older_zarr_frame_shard_of_another_length_blames_neither_the_length_n
     and ``verify --repair`` restored it to 3, keeping the older episode's frames as the newer's.
     Format 7 binds the shard to its episode's generation: it is refused as the older episode's,
     before any length is looked at (as a shard of another buffer is, format 6)."""
-    case, location, older = CASES["wrap"], tmp_path / "a", tmp_path / "older"
-    config = dict(fields=case.fields, meta_fields=META_FIELDS, circular=True)
-    with ReplayBuffer(str(location), 2, MAX_TIMESTEPS, **config) as writer:
-        _write(writer, "a", case, (3,))
-    shutil.copytree(location, older)
-    with ReplayBuffer.from_folder(str(location)) as writer:
-        _write(writer, "a", case, (7, 5), first=1)  # the second reuses slot 0
-    shard = "data/frame/c.0.0.0.0.0"
-    shutil.copyfile(older / shard, location / shard)
+    case, location, shard = CASES["wrap"], tmp_path / "a", "data/frame/c.0.0.0.0.0"
+    _restore_an_older_shard_0(location, 3, (7, 5))
     with ReplayBuffer.from_folder(str(location), read_only=True) as reader:
         with pytest.raises(
             CorruptChunkError,
@@ -460,15 +468,8 @@ def test_an_older_zarr_frame_shard_of_the_same_length_is_refused_on_every_read_p
     from an older copy holds the slot's first episode, as long as the one there now, so no length
     tells them apart. Before format 7 every read path served its frames as the newer episode's
     and ``verify`` found nothing; the shard's binding now names its episode's generation."""
-    case, location, older = CASES["wrap"], tmp_path / "a", tmp_path / "older"
-    config = dict(fields=case.fields, meta_fields=META_FIELDS, circular=True)
-    with ReplayBuffer(str(location), 2, MAX_TIMESTEPS, **config) as writer:
-        _write(writer, "a", case, (5,))
-    shutil.copytree(location, older)
-    with ReplayBuffer.from_folder(str(location)) as writer:
-        _write(writer, "a", case, (5, 5), first=1)  # the second reuses slot 0
-    shard = "data/frame/c.0.0.0.0.0"
-    shutil.copyfile(older / shard, location / shard)
+    case, location, shard = CASES["wrap"], tmp_path / "a", "data/frame/c.0.0.0.0.0"
+    _restore_an_older_shard_0(location, 5, (5, 5))
     said = "data/frame: slot 0, .*the shard holds slot 0's episode of generation 1, not generation 3: restored from"
 
     def refused(read) -> None:
