@@ -306,6 +306,17 @@ def test_a_format_6_or_later_zarr_config_without_its_uuid_is_refused_by_name(tmp
             ReplayBuffer.from_folder(path, read_only=read_only)
 
 
+def _refused_at_every_open_and_left_as_it_was(path: Path, said: str) -> None:
+    """Every open of ``path`` (read-only and writable) raises BufferDamagedError matching
+    ``said``, ``verify --repair`` reports it, and no file changes."""
+    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    for read_only in (True, False):
+        with pytest.raises(BufferDamagedError, match=said):
+            ReplayBuffer.from_folder(path, read_only=read_only)
+    assert any(re.search(said, line) for line in verify(path, repair=True))
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
+
+
 @pytest.mark.parametrize("document", ["zarr.json", "data/frame/zarr.json"])
 def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_drops_nothing(tmp_path, document):
     """Each shard is bound to the config's uuid: one flipped character of it read every shard as
@@ -316,15 +327,10 @@ def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_
     uuid = stored["attributes"]["uuid" if document == "zarr.json" else "bound_to"]
     flipped = uuid[:5] + ("0" if uuid[5] != "0" else "1") + uuid[6:]
     (path / document).write_text((path / document).read_text().replace(uuid, flipped))
-    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
     disagree = (
         r"data/frame/zarr\.json in .*: its shards are bound to the buffer uuid .*, but the config in .*zarr\.json"
     )
-    for read_only in (True, False):
-        with pytest.raises(BufferDamagedError, match=disagree):
-            ReplayBuffer.from_folder(path, read_only=read_only)
-    assert any(re.search(disagree, line) for line in verify(path, repair=True))
-    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
+    _refused_at_every_open_and_left_as_it_was(path, disagree)
 
 
 @pytest.mark.parametrize("version", [6, 5, 3, None])
@@ -346,16 +352,11 @@ def test_a_format_7_zarr_config_whose_version_was_edited_down_is_refused_by_name
     else:
         document["attributes"]["version"] = version
     root.write_text(json.dumps(document))
-    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
     edited = (
         r"data/frame/zarr\.json in .* (keeps the uuid its contents are bound to|says its shards are bound to their "
         r"episodes' generations) .* config in zarr\.json in .* says (format|an earlier format)"
     )
-    for read_only in (True, False):
-        with pytest.raises(BufferDamagedError, match=edited):
-            ReplayBuffer.from_folder(path, read_only=read_only)
-    assert any(re.search(edited, line) for line in verify(path, repair=True))
-    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
+    _refused_at_every_open_and_left_as_it_was(path, edited)
     root.write_text(original)
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
@@ -368,13 +369,8 @@ def test_a_format_6_zarr_config_whose_version_was_edited_up_is_refused_by_name_a
     shutil.copytree(os.path.join(DATA, "format-v6", "zarr"), path)
     root = path / "zarr.json"
     root.write_text(root.read_text().replace('"version": 6', '"version": 7'))
-    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
     edited = r"data/frame/zarr\.json in .* lacks 'binds_generations', which format 7 and later write, but the config"
-    for read_only in (True, False):
-        with pytest.raises(BufferDamagedError, match=edited):
-            ReplayBuffer.from_folder(path, read_only=read_only)
-    assert any(re.search(edited, line) for line in verify(path, repair=True))
-    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
+    _refused_at_every_open_and_left_as_it_was(path, edited)
 
 
 def test_upgrade_keeps_a_backup_when_asked(tmp_path):
