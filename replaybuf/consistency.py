@@ -366,6 +366,7 @@ def read_episodes_consistent(
                     grown[:, : rows[name].shape[1]] = rows[name]
                 rows[name] = grown
             rows[name][items, : values.shape[1]] = values
+            rows[name][items, values.shape[1] :] = 0  # an earlier, wider read's rows of another episode
 
     replan = replanner(storage, slots, lens, {n: plan[n] for n in meta_names})
     kept = read_consistent(buffer, slots, gens, read, None if generations is not None else replan)

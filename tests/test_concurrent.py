@@ -125,6 +125,30 @@ def test_consistent_read_rereads_a_slot_reused_during_the_read(location):
         assert calls[-1] == [0], "only the slot that changed is read again"
 
 
+def test_a_slot_read_again_narrower_keeps_no_rows_of_its_earlier_episode(location):
+    """A slot re-read with a narrower read than before, then widened by another slot re-read
+    after it: the first slot's rows past the narrower read are zero, not its earlier episode's."""
+    writer = ReplayBuffer(location, **buffer_kwargs(3, circular=True))
+    for uid in (0, 1, 2, 4, 3):  # slot 0 holds uid 4 (24 steps), slot 1 uid 3, slot 2 uid 2
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, widths = reader.storage.read_rows, []
+    rewrites = {1: (25, 26), 2: (27, 13)}  # after a read: slots 2 and 0 (3 and 2 steps), then 1 and 2 (15)
+
+    def rewrite_after_each_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        if name == list(reader.schema.fields)[-1]:
+            widths.append((list(map(int, episodes)), t1))
+            for uid in rewrites.get(len(widths), ()):
+                write_episode(writer, uid, "whole")
+        return rows
+
+    reader.storage.read_rows = rewrite_after_each_read
+    got = read_episodes_consistent(reader, [0, 1, 2])
+    assert widths == [([0, 1, 2], 24), ([0, 2], 3), ([2], 15)]
+    assert sorted(verify(got)) == [3, 13, 26], "slot 0's rows 3..14 are uid 26's padding, not uid 4's steps"
+
+
 def test_a_slot_rewritten_during_every_read_raises_a_retryable_error(location):
     writer = ReplayBuffer(location, **buffer_kwargs(1, circular=True))
     write_episode(writer, 1, "whole")
