@@ -247,9 +247,10 @@ def to_dask(
 
     The rows are the episodes committed as of the buffer's last ``refresh()``; blocks are read
     when computed, each checked against a writer in another process: a row whose slot was
-    rewritten since reads as padding throughout (its meta values and ``episode_mask`` row stay
-    as planned), never as parts of two episodes; a block of a buffer replaced since (created
-    again at its location) raises ``BufferReplacedError``.
+    rewritten since reads as padding in every block read after the rewrite (blocks of other
+    fields read before it hold the planned episode; meta values and the ``episode_mask`` row
+    stay as planned), never as parts of two episodes; a block of a buffer replaced since
+    (created again at its location) raises ``BufferReplacedError``.
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
     if episodes_per_chunk is not None and (
