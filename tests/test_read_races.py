@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 from replaybuf import ConcurrentWriteError, ReplayBuffer
 from replaybuf.analysis import get_all_data
 from replaybuf.consistency import read_episodes_consistent
-from replaybuf.sampling.datasets import ReplayDatasetTimestep, ReplayDatasetTrajectory
+from replaybuf.sampling.datasets import (
+    ReplayDatasetNStep,
+    ReplayDatasetTimestep,
+    ReplayDatasetTimeWindow,
+    ReplayDatasetTrajectory,
+)
 
 from ._workloads import buffer_kwargs, check_episode, episode, episode_length, write_episode
 
@@ -112,6 +117,37 @@ def read_timesteps(reader: ReplayBuffer) -> None:
             np.testing.assert_array_equal(batch[name][i], expected[name][t], err_msg=f"uid {uid} step {t} {name}")
 
 
+def read_nsteps(reader: ReplayBuffer) -> None:
+    dataset = ReplayDatasetNStep(reader.refresh(), n_steps=3, sequence_fields=["obs", "frame"], return_indices=True)
+    if len(dataset) == 0:
+        return
+    batch = numpy(dataset.__getitems__(list(range(len(dataset)))).batch)
+    for i, (uid, (_, t), n) in enumerate(zip(batch["uid"].tolist(), batch["_indices"].tolist(), batch["n_step_lens"])):
+        expected = episode(int(uid))
+        assert 1 <= n and t + n < len(expected["step"]), f"uid {uid}: steps {t} + {n} past its length"
+        for name in reader.schema.fields:
+            np.testing.assert_array_equal(batch[name][i], expected[name][t], err_msg=f"uid {uid} step {t} {name}")
+            np.testing.assert_array_equal(batch[f"next_{name}"][i], expected[name][t + n], err_msg=f"uid {uid} {name}")
+        for name in ("obs", "frame"):
+            sequence = batch[f"seq_{name}"][i]
+            np.testing.assert_array_equal(sequence[:n], expected[name][t : t + n], err_msg=f"uid {uid} seq_{name}")
+            assert not np.any(sequence[n:]), f"uid {uid} seq_{name}: data past its {n} steps"
+
+
+def read_windows(reader: ReplayBuffer) -> None:
+    dataset = ReplayDatasetTimeWindow(reader.refresh(), window_length=5, return_indices=True)
+    if len(dataset) == 0:
+        return
+    batch = numpy(dataset.__getitems__(list(range(len(dataset)))).batch)
+    for i, (uid, start, n) in enumerate(zip(batch["uid"].tolist(), batch["_start"].tolist(), batch["_lens"].tolist())):
+        expected = episode(int(uid))
+        assert start + n <= len(expected["step"]), f"uid {uid}: window {start} + {n} past its length"
+        for name in reader.schema.fields:
+            window = batch[name][i]
+            np.testing.assert_array_equal(window[:n], expected[name][start : start + n], err_msg=f"uid {uid} {name}")
+            assert not np.any(window[n:]), f"uid {uid} {name}: data past its {n} steps"
+
+
 def read_trajectories(reader: ReplayBuffer) -> None:
     dataset = ReplayDatasetTrajectory(reader.refresh())
     if len(dataset) == 0:
@@ -127,6 +163,8 @@ PATHS = {
     "get_all_data lazy": lambda reader: read_all_data(reader, lazy=True),
     "data[...]": read_data_rows,
     "timestep batch": read_timesteps,
+    "n-step batch": read_nsteps,
+    "time-window batch": read_windows,
     "trajectory batch": read_trajectories,
 }
 
