@@ -7,6 +7,7 @@ padding zero, never rows of another; a slot that keeps changing is the retryable
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -189,8 +190,8 @@ def test_a_read_beside_a_writer_returns_whole_committed_episodes(tmp_path_factor
         PATHS[path](reader)
     except ConcurrentWriteError:
         pass  # a slot rewritten at every retry: the retryable error, never a wrong answer
-    except ValueError as error:  # a dataset over a buffer the writer emptied
-        assert "replay buffer is empty" in str(error) and path.endswith("batch"), error
+    except ValueError as error:  # a dataset over a buffer the writer emptied, or left no long episode
+        assert path.endswith("batch") and re.search("replay buffer is empty|no episode has at least", str(error)), error
     finally:
         reader.close()
         writer.close()
