@@ -223,7 +223,36 @@ def test_consistent_read_bad_arguments(location):
         read_episodes_consistent(reader, [0, 1], generations=[1])
     with pytest.raises(ValueError, match="1-d"):
         read_episodes_consistent(reader, [[0]])
+    for t0, t1 in ((-1, None), (25, None), (3, 2), (0, 25)):
+        with pytest.raises(ValueError, match=rf"t0={t0} .. t1={t1} must satisfy 0 <= t0 <= t1 <= max_timesteps \(24\)"):
+            read_episodes_consistent(reader, [0], t0=t0, t1=t1)
     assert len(read_episodes_consistent(reader, [])) == 0
+
+
+def test_steps_from_t0_run_to_the_longest_episode_kept_across_a_narrower_reread(location):
+    """``t0`` without ``t1``: each episode's steps from ``t0``, as wide as the longest kept
+    episode's from there; slot 0 re-read after a rewrite from 24 steps to 12 narrows the read."""
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (4, 10):  # 24 and 18 steps
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, calls = reader.storage.read_rows, []
+
+    def rewrite_after_the_first_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        calls.append((list(map(int, episodes)), t0, t1))
+        if len(calls) == 1:
+            write_episode(writer, 16, "whole")  # 12 steps, into slot 0
+        return rows
+
+    reader.storage.read_rows = rewrite_after_the_first_read
+    got = read_episodes_consistent(reader, [0, 1], ["step"], t0=3)
+    assert calls == [([0, 1], 3, 24), ([0], 3, 18)]
+    assert got.lens.tolist() == [12, 18] and got.data["step"].shape == (2, 15)
+    for row, uid in enumerate((16, 10)):
+        steps = episode(uid)["step"][3:]
+        assert got.data["step"][row, : len(steps)].tolist() == steps.tolist()
+        assert not got.data["step"][row, len(steps) :].any()
 
 
 def run_reader_against_writer(location, progress, kwargs, circular, storage_options=None, rounds=READ_ROUNDS):
