@@ -149,6 +149,35 @@ def test_a_slot_read_again_narrower_keeps_no_rows_of_its_earlier_episode(locatio
     assert sorted(verify(got)) == [3, 13, 26], "slot 0's rows 3..14 are uid 26's padding, not uid 4's steps"
 
 
+def test_a_data_view_row_is_one_episode_as_stored_through_rewrites_and_a_drop_between_reads(location):
+    """``reader.data[name][...]`` beside a writer that rewrites slots 0 and 1 after the first
+    read (slot 0 24 steps -> 12) and drops slot 1 after the second: row 0 is the new episode
+    (zero past it, as stored), row 1 zeros, row 2 its episode read first; never a mix."""
+    writer = ReplayBuffer(location, **buffer_kwargs(3, circular=True))
+    for uid in (4, 5, 6):  # 24, 23 and 22 steps
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, reads = reader.storage.read_rows, []
+
+    def rewrite_after_each_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        reads.append(list(map(int, episodes)))
+        if len(reads) == 1:
+            write_episode(writer, 16, "whole")  # 12 steps, into slot 0
+            write_episode(writer, 13, "whole")  # 15 steps, into slot 1
+        if len(reads) == 2:
+            writer.drop_episodes([1])
+        return rows
+
+    reader.storage.read_rows = rewrite_after_each_read
+    steps = reader.data["step"][:, 2:]
+    assert reads == [[0, 1, 2], [0, 1]]
+    expected = np.zeros((3, 24), np.int32)
+    for row, uid in ((0, 16), (2, 6)):
+        expected[row, : episode_length(uid)] = episode(uid)["step"]
+    np.testing.assert_array_equal(steps, expected[:, 2:])
+
+
 def test_a_slot_rewritten_during_every_read_raises_a_retryable_error(location):
     writer = ReplayBuffer(location, **buffer_kwargs(1, circular=True))
     write_episode(writer, 1, "whole")
