@@ -7,6 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
 
 from replaybuf import ConcurrentWriteError, ReplayBuffer
 from replaybuf.consistency import committed_generations, read_consistent, read_episodes_consistent, stored_bookkeeping
@@ -407,3 +408,40 @@ def test_a_trajectory_batch_whose_reads_fail_under_a_rewriting_writer_drops_thos
     with pytest.raises(SnapshotOverwrittenError, match="make a new loader"):
         list(loader)
     writer.close()
+
+
+def test_a_trajectory_batch_redrawn_through_narrower_rereads_pads_each_sample_to_its_own_episode(location):
+    """A writer reuses slot 0 after the batch's first read and slot 1 after its second: their
+    samples are redrawn and the whole batch read again, narrower each time (24, then at most
+    18 steps). Every sample is then one episode of a slot still in the snapshot, with its own
+    length, meta and zeros past it. memmap: zarr's in-RAM copies would serve the snapshot."""
+    from replaybuf.sampling.datasets import ReplayDatasetTrajectory
+
+    writer = ReplayBuffer(location, **buffer_kwargs(4, circular=True), backend="memmap")
+    for uid in (4, 16, 10, 3):  # 24, 12, 18 and 1 steps
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    dataset = ReplayDatasetTrajectory(reader, ["step", "obs"], return_indices=True)
+    reads = []
+
+    def reusing_a_slot_after_each_read(read):
+        def wrapped(name, episodes, *args, **kwargs):
+            rows = read(name, episodes, *args, **kwargs)
+            if name == "obs":
+                reads.append(sorted(set(map(int, episodes))))
+                if len(reads) <= 2:
+                    write_episode(writer, 20 + len(reads), "whole")  # into slot 0, then slot 1
+            return rows
+
+        return wrapped
+
+    for method in ("gather", "read_spans"):  # short windows gather steps, whole episodes read spans
+        setattr(reader.storage, method, reusing_a_slot_after_each_read(getattr(reader.storage, method)))
+    torch.manual_seed(0)
+    batch = dataset.__getitems__([0, 1, 2, 3]).batch
+    assert len(reads) == 3 and reads[0] == [0, 1, 2, 3] and set(reads[2]) <= {2, 3}
+    assert set(batch["_index"].tolist()) <= {2, 3} and len(batch["_index"]) == 4
+    assert batch["step"].shape[1] == int(batch["_lens"].max()) == 18, "padded to the longest kept sample"
+    for row, uid in enumerate(batch["uid"].tolist()):
+        length = int(batch["_lens"][row])
+        check_episode(uid, length, {name: batch[name][row].numpy() for name in ("step", "obs")})
