@@ -306,7 +306,7 @@ class _SnapshotDataset(Dataset):
             read(np.zeros(0, np.int64))
         items, columns, lens = last["items"], last["columns"], last["lens"]
         keep = kept[items]
-        if len(positions) and not keep.any() and not self.in_snapshot(self._slots).any():
+        if len(positions) and not keep.any() and not self._drawable(self._slots).any():
             raise SnapshotOverwrittenError(
                 f"every one of the {len(self._slots)} episodes this loader's snapshot of "
                 f"{self.replay_buffer.storage.location!r} holds was overwritten or dropped by a writer since the "
@@ -369,6 +369,13 @@ class _SnapshotDataset(Dataset):
                 rng = rng or self.rng()
                 positions[picked] = pool[rng.integers(0, len(pool), len(picked))]
         return positions
+
+    def _drawable(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, whether a batch may still hold its samples: it holds its snapshot episode
+        (``in_snapshot``) and, in a weighted mixture, belongs to a member of weight > 0."""
+        live = self.in_snapshot(slots)
+        weights = getattr(self.replay_buffer, "weights", None)
+        return live if weights is None else live & (weights[self._sources(slots)] > 0)
 
     def _sources(self, slots: np.ndarray) -> np.ndarray:
         """Per slot, the member of a weighted mixture holding it (its loader draws each sample's
