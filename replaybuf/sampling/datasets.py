@@ -374,16 +374,26 @@ class _SnapshotDataset(Dataset):
         """Per slot, whether a batch may still hold its samples: it holds its snapshot episode
         (``in_snapshot``) and, in a weighted mixture, belongs to a member of weight > 0."""
         live = self.in_snapshot(slots)
-        weights = getattr(self.replay_buffer, "weights", None)
-        return live if weights is None else live & (weights[self._sources(slots)] > 0)
+        mixture = self._mixture()
+        return live if mixture is None else live & (mixture[0][self._sources(slots)] > 0)
 
     def _sources(self, slots: np.ndarray) -> np.ndarray:
         """Per slot, the member of a weighted mixture holding it (its loader draws each sample's
         member first, ``sampling.mixture``); 0 for every slot of any other buffer."""
-        buffer = self.replay_buffer
-        if getattr(buffer, "weights", None) is None:
+        mixture = self._mixture()
+        if mixture is None:
             return np.zeros(len(slots), np.int64)
-        return np.searchsorted(buffer.storage.offsets, slots, side="right") - 1
+        return np.searchsorted(mixture[1], slots, side="right") - 1
+
+    def _mixture(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(member weights, member offsets) of a weighted mixture (``ConcatReplayBuffer(weights=...)``),
+        else None."""
+        from ..concat import ConcatReplayBuffer
+
+        buffer = self.replay_buffer
+        if not isinstance(buffer, ConcatReplayBuffer) or buffer.weights is None:
+            return None
+        return buffer.weights, buffer.storage.offsets
 
     def in_snapshot(self, slots: np.ndarray) -> np.ndarray:
         """Per slot, whether it still holds its episode of the snapshot as far as this dataset's
