@@ -354,3 +354,35 @@ def test_get_all_data_rows_stay_whole_episodes_while_reads_are_replanned_wider_n
         length = int(got["episode_lens"][row])
         assert got["step"][row, :length].tolist() == (100 * uid + np.arange(length)).tolist()
         assert (got["step"][row, length:] == -1).all(), f"row {row}: padding is the field's default"
+
+
+def test_to_dask_rows_rewritten_after_planning_or_during_their_block_read_as_padding_the_rest_whole(tmp_path):
+    """A lazy array planned before slot 0 was reused, computed in blocks of one episode, slot 1
+    reused between its block's read and its re-check: rows 0 and 1 read as the field's default
+    throughout (their planned lengths and meta stay), row 2 whole; nothing of the new episodes."""
+    writer = ReplayBuffer(
+        tmp_path / "b",
+        max_episodes=3,
+        max_timesteps=24,
+        fields={"step": ("int", (), -1)},
+        meta_fields={"uid": "int"},
+        circular=True,
+    )
+    for uid, length in ((1, 4), (2, 3), (3, 2)):
+        _store_steps(writer, uid, length)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    arrays = to_dask(reader, ["step"], ["uid", "episode_lens"], episodes_per_chunk=1, order="slot")
+    _store_steps(writer, 4, 24)  # into slot 0
+    read_spans, reads = reader.storage.read_spans, []
+
+    def reuse_slot_1_after_its_read(name, episodes, *args, **kwargs):
+        read_spans(name, episodes, *args, **kwargs)
+        reads.append(list(map(int, episodes)))
+        if reads[-1] == [1]:
+            _store_steps(writer, 5, 9)  # into slot 1
+
+    reader.storage.read_spans = reuse_slot_1_after_its_read
+    step, uid, lens = dask.compute(arrays["step"], arrays["uid"], arrays["episode_lens"], scheduler="sync")
+    assert reads.count([1]) == reads.count([2]) == 1, "a row whose slot moved is padding, not read again"
+    assert uid.tolist() == [1, 2, 3] and lens.tolist() == [4, 3, 2] and step.shape == (3, 4)
+    assert step.tolist() == [[-1] * 4, [-1] * 4, [300, 301, -1, -1]]
