@@ -255,8 +255,9 @@ class _SnapshotDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> CollatedSamples:
         """The whole batch ``indices``, read with one grouped read per field, consistently
-        (``consistency.read_consistent``): samples whose slot a writer reused are redrawn,
-        and dropped after the bounded retries."""
+        (``consistency.read_consistent``): samples whose slot a writer reused are redrawn as
+        the batch's sampler could have drawn them (``_redraw``; left out of a prioritized
+        batch), and dropped after the bounded retries."""
         listed = indices if isinstance(indices, list) else list(indices)
         if listed:  # a float or flag batch (a custom sampler's) would be truncated or read as positions
             sample_index(listed[0])
