@@ -313,7 +313,8 @@ def read_episodes_consistent(
     process may be writing.
 
     Returns the slots that held one committed episode throughout the read, with their data
-    (``(n, T, *shape)``, zero past each length, ``T`` the longest kept length, or ``t1 - t0``),
+    (``(n, T, *shape)``, zero past each length, ``T`` the longest kept length less ``t0``, or
+    ``t1 - t0``; ``0 <= t0 <= t1 <= max_timesteps``, else ValueError before anything is read),
     meta fields and lengths as stored; ``dropped`` lists the slots left out (empty, being
     rewritten, or no longer holding ``generations`` when a batch plan passes them); when the
     buffer itself was deleted or created again, ``BufferReplacedError`` instead. A slot
@@ -334,6 +335,12 @@ def read_episodes_consistent(
         raise ValueError(
             f"read_episodes_consistent: invalid field names {unknown} - must be among {sorted(buffer.schema.fields)}"
         )
+    stop = buffer.max_timesteps if t1 is None else t1
+    if not 0 <= t0 <= stop <= buffer.max_timesteps:
+        raise ValueError(
+            f"read_episodes_consistent: steps t0={t0} .. t1={t1} must satisfy 0 <= t0 <= t1 <= max_timesteps "
+            f"({buffer.max_timesteps})"
+        )
     storage, meta_names = buffer.storage, list(buffer.schema.meta_fields) if with_meta else []
     plan = stored_bookkeeping(storage, meta_names, slots)
     snapshot = getattr(buffer, "snapshot_name", None)
@@ -349,14 +356,14 @@ def read_episodes_consistent(
             raise ValueError(f"generations has shape {generations.shape}, slots {slots.shape}: pass one per slot")
         plan["_generation"] = np.where(plan["_generation"] == generations, generations, 0)
     gens, lens = plan["_generation"], plan["episode_lens"].astype(np.int64)
-    stop = buffer.max_timesteps if t1 is None else t1
     rows: dict[str, np.ndarray] = {}
 
-    def width() -> int:
-        return (stop - t0) if t1 is not None else int(lens[gens > 0].max(initial=0))
+    def width(items: np.ndarray) -> int:
+        """Steps read of each item: ``t1 - t0``, or up to the longest of ``items`` (a mask)."""
+        return (stop - t0) if t1 is not None else max(0, int(lens[items].max(initial=0)) - t0)
 
     def read(items: np.ndarray) -> None:
-        end = t0 + width()
+        end = t0 + width(gens > 0)
         for name in fields:
             values = storage.read_rows(name, slots[items], t0, end, gens[items])
             values[np.arange(t0, end)[None, :] >= lens[items][:, None]] = 0
@@ -372,7 +379,7 @@ def read_episodes_consistent(
     kept = read_consistent(buffer, slots, gens, read, None if generations is not None else replan)
     if not kept.all() and storage.replaced():  # left out as gone: of a buffer deleted or created again
         raise BufferReplacedError(storage.location)
-    cut = width() if t1 is not None else int(lens[kept].max(initial=0))
+    cut = width(kept)
     empty = {n: np.zeros((0, cut, *f.shape), f.dtype) for n, f in buffer.schema.fields.items() if n in fields}
     return ConsistentEpisodes(
         slots=slots[kept],

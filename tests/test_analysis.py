@@ -308,3 +308,81 @@ def test_s3_buffer_on_a_two_process_cluster(s3_server, cluster_client):
         s3_server.url("analysis-cluster"), read_only=True, storage_options=s3_server.storage_options
     )
     check_on_cluster(cluster_client, reader, stored)
+
+
+def _store_steps(writer: ReplayBuffer, uid: int, length: int) -> None:
+    writer.store_episode(step=100 * uid + np.arange(length), uid=uid)
+
+
+@pytest.mark.parametrize(("scheduler", "slot_2"), [("sync", 3), ("threads", 3), (dask.get, 6)], ids=str)
+def test_get_all_data_rows_stay_whole_episodes_while_reads_are_replanned_wider_narrower_and_dropped(
+    tmp_path, scheduler, slot_2
+):
+    """A writer rewrites slots after each read: slots 0 and 1 (re-planned 24 and 1 steps long:
+    the rows grow), then slots 2 and 0 (9 steps: narrower) and a drop of slot 1. Each row is one
+    whole episode its slot held, padded with the field's default, or a dropped slot's row of
+    padding with length 0 and default meta values. Through dask (a scheduler elsewhere) a read
+    naming a moved slot is read whole again, so it sees slot 2's rewrite too."""
+    writer = ReplayBuffer(
+        tmp_path / "b",
+        max_episodes=3,
+        max_timesteps=24,
+        fields={"step": ("int", (), -1)},
+        meta_fields={"uid": "int"},
+        circular=True,
+    )
+    for uid, length in ((1, 4), (2, 3), (3, 2)):
+        _store_steps(writer, uid, length)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    read_spans, reads = reader.storage.read_spans, []
+    lengths = {4: 24, 5: 1, 6: 5, 7: 9}
+
+    def rewrite_after_each_read(name, episodes, *args, **kwargs):
+        read_spans(name, episodes, *args, **kwargs)
+        reads.append(sorted(map(int, episodes)))
+        for uid in {1: (4, 5), 2: (6, 7)}.get(len(reads), ()):  # circular: slots 0, 1, then 2, 0
+            _store_steps(writer, uid, lengths[uid])
+        if len(reads) == 2:
+            writer.drop_episodes([1])
+
+    reader.storage.read_spans = rewrite_after_each_read
+    got = get_all_data(reader, ["step"], ["uid", "episode_lens"], scheduler=scheduler)
+    assert len(reads) == 3 and reads[:2] == [[0, 1, 2], [0, 1] if slot_2 == 3 else [0, 1, 2]]
+    assert got["uid"].tolist() == [7, 0, slot_2] and got["step"].shape == (3, 9)
+    assert got["episode_lens"].tolist() == [9, 0, lengths.get(slot_2, 2)]
+    for row, uid in enumerate(got["uid"].tolist()):
+        length = int(got["episode_lens"][row])
+        assert got["step"][row, :length].tolist() == (100 * uid + np.arange(length)).tolist()
+        assert (got["step"][row, length:] == -1).all(), f"row {row}: padding is the field's default"
+
+
+def test_to_dask_rows_rewritten_after_planning_or_during_their_block_read_as_padding_the_rest_whole(tmp_path):
+    """A lazy array planned before slot 0 was reused, computed in blocks of one episode, slot 1
+    reused between its block's read and its re-check: rows 0 and 1 read as the field's default
+    throughout (their planned lengths and meta stay), row 2 whole; nothing of the new episodes."""
+    writer = ReplayBuffer(
+        tmp_path / "b",
+        max_episodes=3,
+        max_timesteps=24,
+        fields={"step": ("int", (), -1)},
+        meta_fields={"uid": "int"},
+        circular=True,
+    )
+    for uid, length in ((1, 4), (2, 3), (3, 2)):
+        _store_steps(writer, uid, length)
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    arrays = to_dask(reader, ["step"], ["uid", "episode_lens"], episodes_per_chunk=1, order="slot")
+    _store_steps(writer, 4, 24)  # into slot 0
+    read_spans, reads = reader.storage.read_spans, []
+
+    def reuse_slot_1_after_its_read(name, episodes, *args, **kwargs):
+        read_spans(name, episodes, *args, **kwargs)
+        reads.append(list(map(int, episodes)))
+        if reads[-1] == [1]:
+            _store_steps(writer, 5, 9)  # into slot 1
+
+    reader.storage.read_spans = reuse_slot_1_after_its_read
+    step, uid, lens = dask.compute(arrays["step"], arrays["uid"], arrays["episode_lens"], scheduler="sync")
+    assert reads.count([1]) == reads.count([2]) == 1, "a row whose slot moved is padding, not read again"
+    assert uid.tolist() == [1, 2, 3] and lens.tolist() == [4, 3, 2] and step.shape == (3, 4)
+    assert step.tolist() == [[-1] * 4, [-1] * 4, [300, 301, -1, -1]]

@@ -345,3 +345,45 @@ def test_dataloader_samples_across_buffers(concat):
     trajectories = next(iter(buffer.dataloader(batch_size=5)))
     assert trajectories["obs"].shape == (5, 20, 3)
     np.testing.assert_array_equal(trajectories["obs"].numpy(), padded(stored, "obs"))
+
+
+def test_concat_reads_rewritten_member_slots_again_by_their_global_index(tmp_path):
+    """Between member b's reads of two fields a writer reuses its slot 0 (global slot 2) and
+    drops member a's slot 1: the frame shards, bound to their episode, refuse the reads naming
+    local slots, which the concatenation reports as global ones; the read is repeated until
+    global slot 2 is read as its new episode, row 1 is padding and the other rows are whole."""
+    from replaybuf.storage import GenerationMismatchError
+    from tests._workloads import buffer_kwargs, check_episode, write_episode
+
+    writers = [ReplayBuffer(tmp_path / name, **buffer_kwargs(2, circular=True)) for name in ("a", "b")]
+    for writer, uids in zip(writers, ((4, 5), (6, 7))):  # 24, 23, 22 and 21 steps
+        for uid in uids:
+            write_episode(writer, uid, "whole")
+    concat = ConcatReplayBuffer([ReplayBuffer.from_folder(tmp_path / name, read_only=True) for name in ("a", "b")])
+    member, reads = concat.storage.members[1], []
+    read_spans = member.read_spans
+
+    def rewrite_between_two_fields(name, episodes, *args, **kwargs):
+        try:
+            read_spans(name, episodes, *args, **kwargs)
+        except GenerationMismatchError as error:
+            reads.append((name, "refused", list(map(int, error.slots))))
+            raise
+        reads.append((name, sorted(map(int, episodes))))
+        if len(reads) == 3:  # obs, step and img read
+            write_episode(writers[1], 16, "whole")  # 12 steps, into b's slot 0
+            writers[0].drop_episodes([1])
+
+    member.read_spans = rewrite_between_two_fields
+    got = concat.get_all_data()
+    fields = ["obs", "step", "img"]
+    # a's frame read refuses its dropped slot first (b's is not reached), then b's its slot 0
+    assert [read[0] for read in reads] == fields + fields + ["frame"] + fields + ["frame"]
+    assert reads[6] == ("frame", "refused", [0])
+    assert got["uid"].tolist() == [4, 0, 16, 7] and got["episode_lens"].tolist() == [24, 0, 12, 21]
+    for row, uid in enumerate(got["uid"].tolist()):
+        rows = {name: got[name][row].numpy() for name in ("obs", "step", "img", "frame")}
+        if uid:
+            check_episode(uid, int(got["episode_lens"][row]), rows)
+        else:
+            assert not any(values.any() for values in rows.values()), "a dropped slot's row is padding"

@@ -7,6 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
 
 from replaybuf import ConcurrentWriteError, ReplayBuffer
 from replaybuf.consistency import committed_generations, read_consistent, read_episodes_consistent, stored_bookkeeping
@@ -149,6 +150,35 @@ def test_a_slot_read_again_narrower_keeps_no_rows_of_its_earlier_episode(locatio
     assert sorted(verify(got)) == [3, 13, 26], "slot 0's rows 3..14 are uid 26's padding, not uid 4's steps"
 
 
+def test_a_data_view_row_is_one_episode_as_stored_through_rewrites_and_a_drop_between_reads(location):
+    """``reader.data[name][...]`` beside a writer that rewrites slots 0 and 1 after the first
+    read (slot 0 24 steps -> 12) and drops slot 1 after the second: row 0 is the new episode
+    (zero past it, as stored), row 1 zeros, row 2 its episode read first; never a mix."""
+    writer = ReplayBuffer(location, **buffer_kwargs(3, circular=True))
+    for uid in (4, 5, 6):  # 24, 23 and 22 steps
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, reads = reader.storage.read_rows, []
+
+    def rewrite_after_each_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        reads.append(list(map(int, episodes)))
+        if len(reads) == 1:
+            write_episode(writer, 16, "whole")  # 12 steps, into slot 0
+            write_episode(writer, 13, "whole")  # 15 steps, into slot 1
+        if len(reads) == 2:
+            writer.drop_episodes([1])
+        return rows
+
+    reader.storage.read_rows = rewrite_after_each_read
+    steps = reader.data["step"][:, 2:]
+    assert reads == [[0, 1, 2], [0, 1]]
+    expected = np.zeros((3, 24), np.int32)
+    for row, uid in ((0, 16), (2, 6)):
+        expected[row, : episode_length(uid)] = episode(uid)["step"]
+    np.testing.assert_array_equal(steps, expected[:, 2:])
+
+
 def test_a_slot_rewritten_during_every_read_raises_a_retryable_error(location):
     writer = ReplayBuffer(location, **buffer_kwargs(1, circular=True))
     write_episode(writer, 1, "whole")
@@ -223,7 +253,36 @@ def test_consistent_read_bad_arguments(location):
         read_episodes_consistent(reader, [0, 1], generations=[1])
     with pytest.raises(ValueError, match="1-d"):
         read_episodes_consistent(reader, [[0]])
+    for t0, t1 in ((-1, None), (25, None), (3, 2), (0, 25)):
+        with pytest.raises(ValueError, match=rf"t0={t0} .. t1={t1} must satisfy 0 <= t0 <= t1 <= max_timesteps \(24\)"):
+            read_episodes_consistent(reader, [0], t0=t0, t1=t1)
     assert len(read_episodes_consistent(reader, [])) == 0
+
+
+def test_steps_from_t0_run_to_the_longest_episode_kept_across_a_narrower_reread(location):
+    """``t0`` without ``t1``: each episode's steps from ``t0``, as wide as the longest kept
+    episode's from there; slot 0 re-read after a rewrite from 24 steps to 12 narrows the read."""
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (4, 10):  # 24 and 18 steps
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    read_rows, calls = reader.storage.read_rows, []
+
+    def rewrite_after_the_first_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        calls.append((list(map(int, episodes)), t0, t1))
+        if len(calls) == 1:
+            write_episode(writer, 16, "whole")  # 12 steps, into slot 0
+        return rows
+
+    reader.storage.read_rows = rewrite_after_the_first_read
+    got = read_episodes_consistent(reader, [0, 1], ["step"], t0=3)
+    assert calls == [([0, 1], 3, 24), ([0], 3, 18)]
+    assert got.lens.tolist() == [12, 18] and got.data["step"].shape == (2, 15)
+    for row, uid in enumerate((16, 10)):
+        steps = episode(uid)["step"][3:]
+        assert got.data["step"][row, : len(steps)].tolist() == steps.tolist()
+        assert not got.data["step"][row, len(steps) :].any()
 
 
 def run_reader_against_writer(location, progress, kwargs, circular, storage_options=None, rounds=READ_ROUNDS):
@@ -349,3 +408,40 @@ def test_a_trajectory_batch_whose_reads_fail_under_a_rewriting_writer_drops_thos
     with pytest.raises(SnapshotOverwrittenError, match="make a new loader"):
         list(loader)
     writer.close()
+
+
+def test_a_trajectory_batch_redrawn_through_narrower_rereads_pads_each_sample_to_its_own_episode(location):
+    """A writer reuses slot 0 after the batch's first read and slot 1 after its second: their
+    samples are redrawn and the whole batch read again, narrower each time (24, then at most
+    18 steps). Every sample is then one episode of a slot still in the snapshot, with its own
+    length, meta and zeros past it. memmap: zarr's in-RAM copies would serve the snapshot."""
+    from replaybuf.sampling.datasets import ReplayDatasetTrajectory
+
+    writer = ReplayBuffer(location, **buffer_kwargs(4, circular=True), backend="memmap")
+    for uid in (4, 16, 10, 3):  # 24, 12, 18 and 1 steps
+        write_episode(writer, uid, "whole")
+    reader = ReplayBuffer.from_folder(location, read_only=True)
+    dataset = ReplayDatasetTrajectory(reader, ["step", "obs"], return_indices=True)
+    reads = []
+
+    def reusing_a_slot_after_each_read(read):
+        def wrapped(name, episodes, *args, **kwargs):
+            rows = read(name, episodes, *args, **kwargs)
+            if name == "obs":
+                reads.append(sorted(set(map(int, episodes))))
+                if len(reads) <= 2:
+                    write_episode(writer, 20 + len(reads), "whole")  # into slot 0, then slot 1
+            return rows
+
+        return wrapped
+
+    for method in ("gather", "read_spans"):  # short windows gather steps, whole episodes read spans
+        setattr(reader.storage, method, reusing_a_slot_after_each_read(getattr(reader.storage, method)))
+    torch.manual_seed(0)
+    batch = dataset.__getitems__([0, 1, 2, 3]).batch
+    assert len(reads) == 3 and reads[0] == [0, 1, 2, 3] and set(reads[2]) <= {2, 3}
+    assert set(batch["_index"].tolist()) <= {2, 3} and len(batch["_index"]) == 4
+    assert batch["step"].shape[1] == int(batch["_lens"].max()) == 18, "padded to the longest kept sample"
+    for row, uid in enumerate(batch["uid"].tolist()):
+        length = int(batch["_lens"][row])
+        check_episode(uid, length, {name: batch[name][row].numpy() for name in ("step", "obs")})

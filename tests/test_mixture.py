@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
+from replaybuf.sampling import SnapshotOverwrittenError
 
 FIELDS = {"obs": ("float", (2,)), "source": "int", "priority": "float"}
 META = {"task": "int"}
@@ -193,3 +194,36 @@ def test_weights_with_rate_limit(members):
         for _ in loader:
             pass
     assert loader.limiter.sampled == 40 == (committed - 7) // 4 * 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sample_whose_slot_is_reused_is_redrawn_from_its_own_source(tmp_path, kind):
+    """Samples of source 0 whose slot a writer reused since the loader was made are drawn again
+    from source 0's other episode, never from source 1 (weight 0: it was drawn from when any
+    live sample was); once source 0 has none left, the loader says so rather than return
+    batches of no samples. memmap: zarr's in-RAM copies would serve the snapshot's episode."""
+    writers = []
+    for k, episodes in enumerate((2, 6)):
+        writer = ReplayBuffer(
+            tmp_path / f"s{k}",
+            max_episodes=episodes,
+            max_timesteps=4,
+            fields=FIELDS,
+            meta_fields=META,
+            circular=True,
+            backend="memmap",
+        )
+        for e in range(episodes):
+            writer.store_episode(obs=np.full((4, 2), e, np.float32), source=np.full(4, k, np.int32), task=e)
+        writers.append(writer)
+    readers = [ReplayBuffer.from_folder(tmp_path / f"s{k}", read_only=True) for k in range(2)]
+    loader = ConcatReplayBuffer(readers, weights=[1, 0]).dataloader(16, num_batches=2, seed=3, **KINDS[kind])
+    writers[0].store_episode(obs=np.full((4, 2), 9, np.float32), source=np.full(4, 9, np.int32), task=9)  # slot 0
+    batches = list(loader)
+    assert [len(sources_of(b)) for b in batches] == [16, 16]
+    for batch in batches:
+        assert (sources_of(batch) == 0).all()
+        assert (batch["task"] == 1).all(), "episode 0 of source 0 was reused: only its episode 1 is left"
+    writers[0].store_episode(obs=np.full((4, 2), 9, np.float32), source=np.full(4, 9, np.int32), task=9)  # slot 1
+    with pytest.raises(SnapshotOverwrittenError, match="make a new loader"):  # not batches of no samples
+        next(iter(loader))

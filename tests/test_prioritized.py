@@ -8,6 +8,8 @@ import torch
 
 from replaybuf import ReplayBuffer, verify
 from replaybuf.sampling import make_dataloader, update_priorities
+from replaybuf.sampling.datasets import ReplayDatasetTimestep
+from replaybuf.sampling.prioritized import WeightedIndices
 from tests._backends import make_place
 from tests._data import SAMPLING_FIELDS as FIELDS
 from tests._data import SAMPLING_META_FIELDS as META_FIELDS
@@ -291,3 +293,25 @@ def test_a_slot_reused_after_the_loader_was_made_is_never_drawn(tmp_path):
     for index in (4, 5):  # slots 1 and 2: every slot of the snapshot is reused
         writer.store_episode(ident=np.arange(4) + 10 * index, priority=np.ones(4))
     assert [len(batch["ident"]) for batch in gone] == [0, 0]
+
+
+def test_a_prioritized_sample_whose_slot_is_reused_during_its_batch_is_left_out_not_replaced(tmp_path):
+    """A sample of a prioritized batch whose slot a writer reuses while the batch is read is left
+    out: one drawn in its place (uniformly) carried its importance weight, and could be a sample
+    of priority 0. (memmap: zarr's in-RAM copies of the snapshot would serve the batch as of the
+    snapshot, reading nothing again.)"""
+    fields = {"ident": "int", "priority": "float"}
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=3, max_timesteps=4, fields=fields, circular=True, backend="memmap"
+    )
+    for index in range(3):
+        writer.store_episode(ident=np.arange(2) + 10 * index, priority=np.full(2, 2.0**index))
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    dataset = ReplayDatasetTimestep(reader, return_indices=True)
+    writer.store_episode(ident=np.arange(2) + 30, priority=np.zeros(2))  # reuses slot 0
+    # positions 0 and 2: steps (0, 0) and (1, 0), drawn with these weights
+    batch = dataset.__getitems__(WeightedIndices([0, 2], np.array([0.25, 1.0], np.float32))).batch
+    assert batch["_indices"].tolist() == [[1, 0]] and batch["ident"].tolist() == [10]
+    assert batch["_weights"].tolist() == [1.0] and batch["_generations"].tolist() == [2]
+    again = dataset.__getitems__(WeightedIndices([1, 3], np.array([0.25, 1.0], np.float32))).batch
+    assert again["_indices"].tolist() == [[1, 1]], "a slot found reused is left out of later batches too"

@@ -394,6 +394,31 @@ def test_read_only_reader_sketches_from_data_and_stores_nothing(tmp_path):
     assert len(reader.storage.list_blobs(PREFIX)) == 3
 
 
+def test_a_readers_stats_leave_out_an_episode_rewritten_while_it_is_sketched(tmp_path):
+    """Slot 0 reused after the reader's read of the data it sketches from: its figures, length
+    and return are left out together; the other episodes' are exact."""
+    writer = ReplayBuffer(tmp_path / "b", max_episodes=3, max_timesteps=200, fields={"reward": "float"}, circular=True)
+    for index in range(3):
+        writer.store_episode(reward=episode(index)["reward"])
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    read_rows, reads = reader.storage.read_rows, []
+
+    def reuse_slot_0_after_the_first_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        reads.append(sorted(map(int, episodes)))
+        if len(reads) == 1:
+            writer.store_episode(reward=episode(9, 50)["reward"])
+        return rows
+
+    reader.storage.read_rows = reuse_slot_0_after_the_first_read
+    got = reader.stats(["reward"])
+    assert reads == [[0, 1, 2]] and got.episode_lens.tolist() == [200, 200]
+    rewards = [episode(i)["reward"] for i in (1, 2)]
+    np.testing.assert_allclose(got.episode_sums["reward"].numpy(), [r.sum() for r in rewards], rtol=1e-5)
+    assert got["reward"].count == 400
+    np.testing.assert_allclose(got["reward"].mean.numpy(), np.concatenate(rewards).mean(), rtol=1e-5)
+
+
 def test_a_refused_blob_write_warns_once_and_stats_goes_on(tmp_path, monkeypatch):
     buffer = make(tmp_path / "b", 3)
     write_blob = buffer.storage.write_blob

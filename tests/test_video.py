@@ -247,6 +247,34 @@ def test_episode_frames_reads_stored_steps_and_concatenates_in_time(buffer):
     assert episode_frames(buffer, np.int64(0), "wrist").shape == (STEPS[0], 3, 32, 32)
 
 
+def test_episode_frames_of_a_slot_rewritten_shorter_during_the_read_are_its_new_episode_alone(tmp_path):
+    """Slot 0 reused by a shorter episode after the first read: its frames are the new
+    episode's, as many as it has, between slot 1's; none of the first episode's trail after."""
+    from replaybuf import ReplayBuffer
+
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=2, max_timesteps=6, fields={"img": ("uint8", (4, 4, 3))}, circular=True
+    )
+    for level, steps in ((10, 6), (20, 4)):
+        writer.store_episode(
+            img=np.full((steps, 4, 4, 3), level, np.uint8) + np.arange(steps, dtype=np.uint8)[:, None, None, None]
+        )
+    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    read_rows, reads = reader.storage.read_rows, []
+
+    def reuse_slot_0_after_the_first_read(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        reads.append((list(map(int, episodes)), t1))
+        if len(reads) == 1:
+            writer.store_episode(img=np.full((2, 4, 4, 3), 30, np.uint8))
+        return rows
+
+    reader.storage.read_rows = reuse_slot_0_after_the_first_read
+    frames = episode_frames(reader, [1, 0, 1], "img")
+    assert reads == [([0, 1], 6), ([0], 4)]
+    assert frames[:, 0, 0, 0].tolist() == [20, 21, 22, 23, 30, 30, 20, 21, 22, 23]
+
+
 @pytest.mark.parametrize(
     ("episodes", "field", "error", "message"),
     [

@@ -332,6 +332,37 @@ def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_
     writer.close()
 
 
+def test_a_slot_rewritten_between_the_blocks_of_its_render_fails_that_render_and_the_next_renders_anew(
+    tmp_path, monkeypatch
+):
+    """A render reads its episode a block of frames at a time, each naming the episode the first
+    block read: the slot reused after the first two blocks fails the render (nothing cached,
+    never a video of two episodes), and the next request renders the episode it holds now."""
+    monkeypatch.setattr(apps, "RENDER_BLOCK_BYTES", 2 * 8 * 8 * 3)  # 2 frames a block
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=1, max_timesteps=8, fields={"img": ("uint8", (8, 8, 3))}, circular=True
+    )
+    writer.store_episode(img=np.full((8, 8, 8, 3), 50, np.uint8))
+    app = BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True))
+    read_rows, blocks = app.buffer.storage.read_rows, []
+
+    def reuse_the_slot_during_the_second_block(name, episodes, t0, t1, generations=None):
+        rows = read_rows(name, episodes, t0, t1, generations)
+        blocks.append((t0, t1))
+        if len(blocks) == 2:
+            writer.store_episode(img=np.full((6, 8, 8, 3), 200, np.uint8))
+        return rows
+
+    app.buffer.storage.read_rows = reuse_the_slot_during_the_second_block
+    with pytest.raises(ValueError, match="episode 0 was rewritten while its 'img' video was rendered; ask again"):
+        app.render(0, "img")
+    assert blocks == [(0, 2), (2, 4)] and list(app.cache_dir.glob("*.mp4")) == []
+    video = iio.imread(app.render(0, "img"), extension=".mp4")
+    assert video[:, 4, 4, 0].tolist() == [200] * 6 and blocks[2:] == [(0, 2), (2, 4), (4, 6)]
+    app.close()
+    writer.close()
+
+
 def test_a_buffer_created_again_at_the_location_is_served_not_the_old_ones_videos(tmp_path):
     folder = tmp_path / "buffer"
     make_image_buffer(folder).close()

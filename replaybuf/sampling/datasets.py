@@ -5,8 +5,10 @@ Each dataset fixes, at creation, the slots it uses with their lengths and genera
 the episodes committed up to then and never a half-written one. ``__getitems__`` (what torch's
 DataLoader calls with a whole batch) reads every field once for the batch, naming the snapshot's
 generations, through the one optimistic read (``consistency.read_consistent``): samples whose
-slot a writer reused in the meantime are replaced by fresh draws (or dropped when nothing is
-left; a batch finding every episode of the snapshot overwritten raises SnapshotOverwrittenError). On a storage that ``verifies_generations`` (the read cache) a sample is served from the
+slot a writer reused in the meantime are replaced by fresh draws among those the batch's sampler
+could have drawn in their place (the same member's in a weighted mixture), or dropped (in a
+prioritized batch, whose importance weights are its samples' own, or when nothing is left; a
+batch finding every episode of the snapshot overwritten raises SnapshotOverwrittenError). On a storage that ``verifies_generations`` (the read cache) a sample is served from the
 copy of the episode the snapshot named, when one is kept, even after the slot was reused.
 """
 
@@ -253,8 +255,9 @@ class _SnapshotDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> CollatedSamples:
         """The whole batch ``indices``, read with one grouped read per field, consistently
-        (``consistency.read_consistent``): samples whose slot a writer reused are redrawn,
-        and dropped after the bounded retries."""
+        (``consistency.read_consistent``): samples whose slot a writer reused are redrawn as
+        the batch's sampler could have drawn them (``_redraw``; left out of a prioritized
+        batch), and dropped after the bounded retries."""
         listed = indices if isinstance(indices, list) else list(indices)
         if listed:  # a float or flag batch (a custom sampler's) would be truncated or read as positions
             sample_index(listed[0])
@@ -264,7 +267,7 @@ class _SnapshotDataset(Dataset):
         slots = self._slots_of(positions)
         dead = self._generations[slots] <= 0  # slots earlier batches saw reused
         if dead.any():
-            positions = self._redraw(positions, dead)
+            positions = self._redraw(positions, dead, weighted=weights is not None)
             slots = self._slots_of(positions)
         last: dict[str, Any] = {}
         # a reader's re-check of the batch (``read_consistent``) asks its buffer's storage
@@ -286,7 +289,7 @@ class _SnapshotDataset(Dataset):
                 raise BufferReplacedError(storage.location)
             stale = np.zeros(len(positions), dtype=bool)
             stale[items] = True
-            positions[:] = self._redraw(positions, stale)
+            positions[:] = self._redraw(positions, stale, weighted=weights is not None)
             slots = self._slots_of(positions[items])
             return slots, self._generations[slots]
 
@@ -304,7 +307,7 @@ class _SnapshotDataset(Dataset):
             read(np.zeros(0, np.int64))
         items, columns, lens = last["items"], last["columns"], last["lens"]
         keep = kept[items]
-        if len(positions) and not keep.any() and not self.in_snapshot(self._slots).any():
+        if len(positions) and not keep.any() and not self._drawable(self._slots).any():
             raise SnapshotOverwrittenError(
                 f"every one of the {len(self._slots)} episodes this loader's snapshot of "
                 f"{self.replay_buffer.storage.location!r} holds was overwritten or dropped by a writer since the "
@@ -345,16 +348,53 @@ class _SnapshotDataset(Dataset):
         if len(moved):
             raise GenerationMismatchError(self.replay_buffer.storage.location, moved)
 
-    def _redraw(self, positions: np.ndarray, stale: np.ndarray) -> np.ndarray:
-        """Forget slots reused by a writer and draw other samples for the stale ones."""
-        gone = np.unique(self._slots_of(positions)[stale])
-        self._generations[gone] = -1
-        alive = np.flatnonzero(self._generations[self._slots_of(np.arange(len(self)))] >= 0)
-        if len(alive) == 0:
+    def _redraw(self, positions: np.ndarray, stale: np.ndarray, weighted: bool = False) -> np.ndarray:
+        """Forget slots reused by a writer and draw other samples for the stale ones, each among
+        the live samples the batch's sampler could have drawn in its place: the same member's
+        in a weighted mixture (a member of weight 0 is never drawn, and the members keep their
+        shares), any otherwise; none in a prioritized batch (``weighted``): a sample drawn in
+        its place would carry the stale one's importance weight, and could have priority 0. A
+        stale sample left without a replacement keeps its position: it is dropped."""
+        slots = self._slots_of(positions)
+        self._generations[np.unique(slots[stale])] = -1
+        if weighted:
             return positions
-        positions = positions.copy()
-        positions[stale] = alive[self.rng().integers(0, len(alive), int(stale.sum()))]
+        every = self._slots_of(np.arange(len(self)))
+        alive = self._generations[every] >= 0
+        sources = self._sources(every)
+        positions, rng = positions.copy(), None
+        for source in np.unique(sources[positions[stale]]):
+            pool = np.flatnonzero(alive & (sources == source))
+            picked = np.flatnonzero(stale & (sources[positions] == source))
+            if len(pool):
+                rng = rng or self.rng()
+                positions[picked] = pool[rng.integers(0, len(pool), len(picked))]
         return positions
+
+    def _drawable(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, whether a batch may still hold its samples: it holds its snapshot episode
+        (``in_snapshot``) and, in a weighted mixture, belongs to a member of weight > 0."""
+        live = self.in_snapshot(slots)
+        mixture = self._mixture()
+        return live if mixture is None else live & (mixture[0][self._sources(slots)] > 0)
+
+    def _sources(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, the member of a weighted mixture holding it (its loader draws each sample's
+        member first, ``sampling.mixture``); 0 for every slot of any other buffer."""
+        mixture = self._mixture()
+        if mixture is None:
+            return np.zeros(len(slots), np.int64)
+        return np.searchsorted(mixture[1], slots, side="right") - 1
+
+    def _mixture(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(member weights, member offsets) of a weighted mixture (``ConcatReplayBuffer(weights=...)``),
+        else None."""
+        from ..concat import ConcatReplayBuffer
+
+        buffer = self.replay_buffer
+        if not isinstance(buffer, ConcatReplayBuffer) or buffer.weights is None:
+            return None
+        return buffer.weights, buffer.storage.offsets
 
     def in_snapshot(self, slots: np.ndarray) -> np.ndarray:
         """Per slot, whether it still holds its episode of the snapshot as far as this dataset's
