@@ -314,7 +314,9 @@ def _store_steps(writer: ReplayBuffer, uid: int, length: int) -> None:
     writer.store_episode(step=100 * uid + np.arange(length), uid=uid)
 
 
-@pytest.mark.parametrize(("scheduler", "slot_2"), [("sync", 3), ("threads", 3), (dask.get, 6)], ids=str)
+@pytest.mark.parametrize(
+    ("scheduler", "slot_2"), [("sync", 3), ("threads", 3), (dask.get, 6)], ids=["sync", "threads", "dask.get"]
+)
 def test_get_all_data_rows_stay_whole_episodes_while_reads_are_replanned_wider_narrower_and_dropped(
     tmp_path, scheduler, slot_2
 ):
