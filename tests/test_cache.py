@@ -20,7 +20,7 @@ import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.sampling import make_dataloader, make_dataset
-from replaybuf.storage import GenerationMismatchError, make_storage
+from replaybuf.storage import GenerationMismatchError, _cache, make_storage
 from replaybuf.storage._cache import CHECK_BYTES, CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
 from tests._data import SAMPLING_FIELDS as FIELDS
@@ -501,17 +501,24 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     assert not isinstance(off.storage, CachedStorage)
 
 
-def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path):
+def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path, monkeypatch):
     reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
     storage, expected = reader.storage, ReplayBuffer.from_folder(written, read_only=True).data["state"][:2, :4]
     os.makedirs(os.path.join(storage.root, ".locks"))
     other = os.open(os.path.join(storage.root, ".locks", "state-0"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(other, fcntl.LOCK_EX)  # another filler is fetching slot 0
+    waiting, wait_for_lock = threading.Event(), _cache._wait_for_lock
+
+    def wait_for_the_other_filler(fd, deadline):
+        waiting.set()
+        wait_for_lock(fd, deadline)
+
+    monkeypatch.setattr(_cache, "_wait_for_lock", wait_for_the_other_filler)
     result = {}
     thread = threading.Thread(target=lambda: result.update(rows=storage.read_rows("state", np.array([0, 1]), 0, 4)))
     thread.start()
-    thread.join(timeout=1.0)
     try:
+        assert waiting.wait(timeout=60), "the filler never waited for the one fetching slot 0"
         assert thread.is_alive()  # waiting for the other filler, not fetching slot 0 again
         assert sorted(cache_files(storage.root)) == [os.path.join("state", "1-2.rows")]
     finally:

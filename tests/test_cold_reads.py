@@ -162,15 +162,23 @@ def test_native_functions_agree_with_the_modules():
 def test_spread_tasks_use_the_pool_even_on_two_cores(monkeypatch):
     monkeypatch.setattr(_kv, "CORES", 2)
     threads: dict[int, int] = {}
+    both_took_one = threading.Event()
 
     def task(i: int) -> None:
-        time.sleep(0.002)  # long enough that both threads take some
         threads[i] = threading.get_ident()
+        if len(set(threads.values())) == 2:
+            both_took_one.set()
 
     _kv.in_pool(8, task)
     assert set(threads.values()) == {threading.get_ident()}  # small tasks: inline on 2 cores
     threads.clear()
-    _kv.in_pool(8, task, spread=True)
+
+    def first_waits_for_the_other_thread(i: int) -> None:
+        task(i)
+        if i == 0:  # else, on a loaded machine, one thread may take all 8 before the other starts
+            assert both_took_one.wait(60), "no second thread took a task"
+
+    _kv.in_pool(8, first_waits_for_the_other_thread, spread=True)
     assert sorted(threads) == list(range(8)) and len(set(threads.values())) == 2
 
 
@@ -205,7 +213,7 @@ def test_planned_items_run_while_the_plan_is_still_being_made(monkeypatch):
 
     def plan():
         yield [0, 1]
-        assert first_done.wait(10), "no item ran while the plan was being made"
+        assert first_done.wait(60), "no item ran while the plan was being made"
         yield [2, 3, 4]
         yield []
         yield [5]
@@ -226,7 +234,7 @@ def test_a_failed_plan_raises_after_the_items_handed_out_finished(monkeypatch):
 
     def plan():
         yield [0, 1, 2]
-        started.wait(10)
+        started.wait(60)
         raise ValueError("shard index damaged")
 
     def task(item: int) -> None:

@@ -438,9 +438,10 @@ def _copy(source: str, target: str) -> str:
     return target
 
 
-def _read_until(location: str, stop, results) -> None:
-    """Child: read both slots until ``stop``; each read must be one whole stored episode
-    (never a mix of two versions, never a torn frame); report (reads, bad reads)."""
+def _read_until(location: str, stop, rounds, results) -> None:
+    """Child: read both slots until ``stop``, counting ``rounds`` of both; each read must be one
+    whole stored episode (never a mix of two versions, never a torn frame); report (reads, bad
+    reads, maps held)."""
     reader = open_reader(location)
     expected = [episode(seed)["image"] for seed in range(SEEDS)]
     reads = bad = 0
@@ -453,14 +454,24 @@ def _read_until(location: str, stop, results) -> None:
             for values in got.values():
                 reads += 1
                 bad += not any(np.array_equal(values, e) for e in expected)
+        with rounds.get_lock():
+            rounds.value += 1
     results.put((reads, bad, sum(entry.map is not None for entry in shard_maps()._entries.values())))
 
 
 def _run_reader(location: str):
-    stop, results = FORK.Event(), FORK.Queue()
-    child = FORK.Process(target=_read_until, args=(location, stop, results))
+    stop, rounds, results = FORK.Event(), FORK.Value("i", 0), FORK.Queue()
+    child = FORK.Process(target=_read_until, args=(location, stop, rounds, results))
     child.start()
-    return child, stop, results
+    return child, stop, rounds, results
+
+
+def _wait_for_rounds(child, rounds, more: int) -> None:
+    """Wait until the reader ``child`` has read both slots ``more`` times more than now."""
+    target, deadline = rounds.value + more, time.monotonic() + WAIT_S
+    while rounds.value < target:
+        assert child.is_alive() and time.monotonic() < deadline, f"the reader stopped at round {rounds.value}"
+        time.sleep(0.01)
 
 
 def _finish_reader(child, stop, results) -> tuple[int, int, int]:
@@ -475,9 +486,9 @@ def test_a_reader_holding_maps_survives_slot_reuse_and_compaction(tmp_path):
     writer = make(location)
     for seed in range(2):
         writer.store_episode(**episode(seed))
-    child, stop, results = _run_reader(location)
+    child, stop, rounds, results = _run_reader(location)
     try:
-        time.sleep(0.2)  # the reader maps both hot shards
+        _wait_for_rounds(child, rounds, 1)  # the reader maps both hot shards
         for seed in range(2, 4 * SEEDS):  # each slot rewritten 23 times, compacted every third episode
             writer.store_episode(**episode(seed % SEEDS))
             if seed % 3 == 0:
@@ -504,17 +515,18 @@ def test_a_killed_writer_and_its_temp_files_never_disturb_a_mapping_reader(tmp_p
         writer.store_episode(**episode(seed))
     writer.storage._hot.stop()  # left hot, for the reader to map
     writer.storage.release_writer()
-    child, stop, results = _run_reader(location)
+    child, stop, rounds, results = _run_reader(location)
     killed = FORK.Process(target=_write_forever, args=(location,))
     killed.start()
     try:
-        time.sleep(0.5)
+        _wait_for_rounds(child, rounds, 1)  # the reader maps both hot shards
+        time.sleep(0.5)  # the writer is killed wherever it is then
         os.kill(killed.pid, signal.SIGKILL)
         killed.join(WAIT_S)
         folder = os.path.dirname(shard_file(writer, 0))
         with open(os.path.join(folder, ".left-by-a-killed-writer.partial"), "wb") as f:
             f.write(b"\x02\x01" * 100)  # a temp file cut short, as a kill mid-write leaves one
-        time.sleep(0.2)
+        _wait_for_rounds(child, rounds, 2)  # a whole round begun after the temp file was left
     finally:
         reads, bad, mapped = _finish_reader(child, stop, results)
     assert reads and not bad and mapped

@@ -18,6 +18,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -80,12 +81,29 @@ class Held:
                 new_fds = [fd for fd in new_fds if f"->{kind}:" not in fd]
         grown: dict[str, object] = {
             "fds": new_fds,
-            "threads": [name for name in later.threads if later.threads.count(name) > self.threads.count(name)],
+            "threads": [
+                name
+                for name in later.threads
+                if later.threads.count(name) > self.threads.count(name) and not _next_worker_of(name, self.threads)
+            ],
             "children": sorted(later.children - self.children),
             "maps": sorted(set(later.maps) - set(self.maps)) if len(later.maps) > len(self.maps) else [],
             "files": sorted(later.files - self.files),
         }
         return {kind: what for kind, what in grown.items() if what}
+
+
+def _next_worker_of(name: str, before: tuple[str, ...]) -> bool:
+    """Whether thread ``name`` is a new worker (``<prefix>_<index>``) of a thread pool already
+    running in ``before``: a pool starts its workers as its load asks, up to its bound (dask's
+    pool of one per core may start its second only after the warm-up, on a loaded machine), so
+    that is no leak. A pool made per use still shows: a new prefix, or a name held twice."""
+    prefix, _, index = name.rpartition("_")
+    return (
+        index.isdigit()
+        and name not in before
+        and any(other.rpartition("_")[0] == prefix and other.rpartition("_")[2].isdigit() for other in before)
+    )
 
 
 def _serving(thread: threading.Thread) -> bool:
@@ -115,6 +133,25 @@ def assert_no_growth(
     for _ in range(loops):
         scenario()
     assert before.growth(Held.now(*watched, collect=collect), pooled) == {}
+
+
+def test_a_pool_starting_its_next_worker_is_no_growth_but_a_pool_made_per_use_is(tmp_path):
+    """A bounded pool that starts its second worker after the snapshot (its load, the machine's)
+    is not counted as growth; a second pool, or a thread of its own, is."""
+    pool, pools, release = ThreadPoolExecutor(2), [], threading.Event()
+    try:
+        pool.submit(lambda: None).result()  # one worker started, idle
+        before = Held.now(tmp_path)
+        busy = [pool.submit(release.wait) for _ in range(2)]  # the first worker busy: the second starts
+        assert before.growth(Held.now(tmp_path)) == {}
+        pools.append(ThreadPoolExecutor(1))
+        pools[-1].submit(release.wait)
+        assert list(before.growth(Held.now(tmp_path))) == ["threads"]
+    finally:
+        release.set()
+        for executor in (pool, *pools):
+            executor.shutdown()
+    assert all(future.done() for future in busy)
 
 
 def store_episodes(buffer: ReplayBuffer, count: int, steps: int = 10) -> None:
