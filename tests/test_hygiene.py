@@ -521,8 +521,10 @@ def test_s3_buffers_written_read_and_dropped_hold_nothing_more(s3_server, tmp_pa
     # sockets come and go with the HTTP connection pools (the client's and the in-process moto
     # server's: 14-17 descriptors over 40 rounds here, 0-1 over 10 on an idle machine); the read
     # cache's new files are the new episodes' (bounded by cache_size: see the read cache tests),
-    # so its folder is not watched
-    assert_no_growth(write_read_and_drop, loops=8, pooled={"socket": 6})  # a socket a round: 8
+    # so its folder is not watched; one event poll may start late (the object-store clients'
+    # process-wide runtimes hold three: once, on a loaded CI machine, a fourth came during the
+    # rounds), while a poll leaked per round would show 8
+    assert_no_growth(write_read_and_drop, loops=8, pooled={"socket": 6, "anon_inode": 1})  # a socket a round: 8
     assert lease_threads() == []
 
 
