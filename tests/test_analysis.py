@@ -314,6 +314,22 @@ def _store_steps(writer: ReplayBuffer, uid: int, length: int) -> None:
     writer.store_episode(step=100 * uid + np.arange(length), uid=uid)
 
 
+def _three_episodes_and_a_reader(location) -> tuple[ReplayBuffer, ReplayBuffer]:
+    """A circular writer of 3 slots holding uids 1, 2, 3 (4, 3 and 2 steps; padding -1), and a
+    read-only reader of it."""
+    writer = ReplayBuffer(
+        location,
+        max_episodes=3,
+        max_timesteps=24,
+        fields={"step": ("int", (), -1)},
+        meta_fields={"uid": "int"},
+        circular=True,
+    )
+    for uid, length in ((1, 4), (2, 3), (3, 2)):
+        _store_steps(writer, uid, length)
+    return writer, ReplayBuffer.from_folder(location, read_only=True)
+
+
 @pytest.mark.parametrize(
     ("scheduler", "slot_2"), [("sync", 3), ("threads", 3), (dask.get, 6)], ids=["sync", "threads", "dask.get"]
 )
@@ -325,17 +341,7 @@ def test_get_all_data_rows_stay_whole_episodes_while_reads_are_replanned_wider_n
     whole episode its slot held, padded with the field's default, or a dropped slot's row of
     padding with length 0 and default meta values. Through dask (a scheduler elsewhere) a read
     naming a moved slot is read whole again, so it sees slot 2's rewrite too."""
-    writer = ReplayBuffer(
-        tmp_path / "b",
-        max_episodes=3,
-        max_timesteps=24,
-        fields={"step": ("int", (), -1)},
-        meta_fields={"uid": "int"},
-        circular=True,
-    )
-    for uid, length in ((1, 4), (2, 3), (3, 2)):
-        _store_steps(writer, uid, length)
-    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    writer, reader = _three_episodes_and_a_reader(tmp_path / "b")
     read_spans, reads = reader.storage.read_spans, []
     lengths = {4: 24, 5: 1, 6: 5, 7: 9}
 
@@ -362,17 +368,7 @@ def test_to_dask_rows_rewritten_after_planning_or_during_their_block_read_as_pad
     """A lazy array planned before slot 0 was reused, computed in blocks of one episode, slot 1
     reused between its block's read and its re-check: rows 0 and 1 read as the field's default
     throughout (their planned lengths and meta stay), row 2 whole; nothing of the new episodes."""
-    writer = ReplayBuffer(
-        tmp_path / "b",
-        max_episodes=3,
-        max_timesteps=24,
-        fields={"step": ("int", (), -1)},
-        meta_fields={"uid": "int"},
-        circular=True,
-    )
-    for uid, length in ((1, 4), (2, 3), (3, 2)):
-        _store_steps(writer, uid, length)
-    reader = ReplayBuffer.from_folder(tmp_path / "b", read_only=True)
+    writer, reader = _three_episodes_and_a_reader(tmp_path / "b")
     arrays = to_dask(reader, ["step"], ["uid", "episode_lens"], episodes_per_chunk=1, order="slot")
     _store_steps(writer, 4, 24)  # into slot 0
     read_spans, reads = reader.storage.read_spans, []
