@@ -256,3 +256,45 @@ def test_buffer_dataloader_shards_across_ranks_and_resumes(tmp_path):
     assert first + [v for b in rest for v in b] == seen[0]
     with pytest.raises(ValueError, match="rank"):
         buffer.dataloader(batch_size=4, timestep_level=True, rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ranks_redraw_samples_of_reused_slots_within_their_own_share(tmp_path, num_workers):
+    """Before: a sample whose slot a writer reused after the loaders were made was redrawn from
+    every live sample, so one rank could return another's within the epoch."""
+    from replaybuf import ReplayBuffer
+
+    path = str(tmp_path / "b")
+    writer = ReplayBuffer(path, 12, 3, fields=dict(x="float"), circular=True, backend="memmap")
+    for episode in range(12):
+        writer.store_episode(x=np.full(3, float(episode)))
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    loaders = [
+        reader.dataloader(batch_size=6, shuffle=True, rank=rank, world_size=2, seed=5, num_workers=num_workers)
+        for rank in range(2)
+    ]
+    shares = [set(loader.sampler.epoch_indices(0, 12).tolist()) for loader in loaders]
+    for episode in range(12, 17):  # slots 0-4 hold other episodes now
+        writer.store_episode(x=np.full(3, float(episode)))
+    torch.manual_seed(0)
+    seen = [{int(row[0]) for batch in loader for row in batch["x"].tolist()} for loader in loaders]
+    live = set(range(5, 12))
+    for rank in range(2):
+        assert seen[rank] and seen[rank] <= shares[rank] & live, (rank, seen[rank], shares[rank])
+    assert not seen[0] & seen[1]
+
+
+def test_a_rank_whose_share_is_all_reused_draws_the_live_samples_left(tmp_path):
+    """A rank with no live sample left in its share draws the other ranks' rather than return
+    batches of no samples."""
+    from replaybuf import ReplayBuffer
+
+    path = str(tmp_path / "b")
+    writer = ReplayBuffer(path, 12, 3, fields=dict(x="float"), circular=True, backend="memmap")
+    for episode in range(12):
+        writer.store_episode(x=np.full(3, float(episode)))
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    loader = reader.dataloader(batch_size=6, shuffle=False, rank=0, world_size=2, seed=5)  # positions 0, 2, .., 10
+    for episode in range(12, 23):  # slots 0-10: only slot 11 (rank 1's) holds its snapshot episode
+        writer.store_episode(x=np.full(3, float(episode)))
+    assert [batch["x"][:, 0].tolist() for batch in loader] == [[11.0] * 6]

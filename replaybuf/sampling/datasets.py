@@ -6,7 +6,8 @@ the episodes committed up to then and never a half-written one. ``__getitems__``
 DataLoader calls with a whole batch) reads every field once for the batch, naming the snapshot's
 generations, through the one optimistic read (``consistency.read_consistent``): samples whose
 slot a writer reused in the meantime are replaced by fresh draws among those the batch's sampler
-could have drawn in their place (the same member's in a weighted mixture), or dropped (in a
+could have drawn in their place (the same member's in a weighted mixture, the rank's share of the
+epoch under DDP), or dropped (in a
 prioritized batch, whose importance weights are its samples' own, or when nothing is left; a
 batch finding every episode of the snapshot overwritten raises SnapshotOverwrittenError). On a storage that ``verifies_generations`` (the read cache) a sample is served from the
 copy of the episode the snapshot named, when one is kept, even after the slot was reused.
@@ -27,6 +28,7 @@ from ..consistency import RETRIES, check_settled, read_consistent
 from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
 from ..view import BufferView
 from .collate import CollatedSamples
+from .distributed import Shard
 from .fetch import Fetcher
 
 
@@ -264,10 +266,11 @@ class _SnapshotDataset(Dataset):
         # a batch sampler's list: ~2x as fast as through a list copy
         positions = self._in_range(np.fromiter(listed, np.int64, len(listed)))
         weights = getattr(indices, "weights", None)
+        shard = getattr(indices, "shard", None)  # a DDP rank's share (``ShardIndices``)
         slots = self._slots_of(positions)
         dead = self._generations[slots] <= 0  # slots earlier batches saw reused
         if dead.any():
-            positions = self._redraw(positions, dead, weighted=weights is not None)
+            positions = self._redraw(positions, dead, weights is not None, shard)
             slots = self._slots_of(positions)
         last: dict[str, Any] = {}
         # a reader's re-check of the batch (``read_consistent``) asks its buffer's storage
@@ -289,7 +292,7 @@ class _SnapshotDataset(Dataset):
                 raise BufferReplacedError(storage.location)
             stale = np.zeros(len(positions), dtype=bool)
             stale[items] = True
-            positions[:] = self._redraw(positions, stale, weighted=weights is not None)
+            positions[:] = self._redraw(positions, stale, weights is not None, shard)
             slots = self._slots_of(positions[items])
             return slots, self._generations[slots]
 
@@ -348,23 +351,32 @@ class _SnapshotDataset(Dataset):
         if len(moved):
             raise GenerationMismatchError(self.replay_buffer.storage.location, moved)
 
-    def _redraw(self, positions: np.ndarray, stale: np.ndarray, weighted: bool = False) -> np.ndarray:
+    def _redraw(
+        self, positions: np.ndarray, stale: np.ndarray, weighted: bool = False, shard: Shard | None = None
+    ) -> np.ndarray:
         """Forget slots reused by a writer and draw other samples for the stale ones, each among
         the live samples the batch's sampler could have drawn in its place: the same member's
         in a weighted mixture (a member of weight 0 is never drawn, and the members keep their
-        shares), any otherwise; none in a prioritized batch (``weighted``): a sample drawn in
-        its place would carry the stale one's importance weight, and could have priority 0. A
-        stale sample left without a replacement keeps its position: it is dropped."""
+        shares), the DDP rank's share of the epoch (``shard``: ranks do not overlap while the
+        share holds a live sample), any otherwise; none in a prioritized batch (``weighted``): a sample drawn in its place
+        would carry the stale one's importance weight, and could have priority 0. A stale
+        sample left without a replacement keeps its position: it is dropped."""
         slots = self._slots_of(positions)
         self._generations[np.unique(slots[stale])] = -1
         if weighted:
             return positions
         every = self._slots_of(np.arange(len(self)))
         alive = self._generations[every] >= 0
+        if shard is not None:
+            share = shard.positions()
+            shared = alive & np.isin(np.arange(len(self)), share[share < len(self)])
         sources = self._sources(every)
         positions, rng = positions.copy(), None
         for source in np.unique(sources[positions[stale]]):
-            pool = np.flatnonzero(alive & (sources == source))
+            drawable = alive & (sources == source)
+            if shard is not None and (shared & drawable).any():
+                drawable &= shared
+            pool = np.flatnonzero(drawable)
             picked = np.flatnonzero(stale & (sources[positions] == source))
             if len(pool):
                 rng = rng or self.rng()

@@ -8,18 +8,21 @@ cover every index. It also records how far the current epoch went, so ``state_di
 
 A DataLoader asks its sampler for indices ahead of the training loop (prefetching), so the
 sampler alone overcounts what the loop received; ``ResumableDataLoader`` counts delivered
-batches and reports that position instead.
+batches and reports that position instead. Its batches carry their rank's share of the epoch
+(``ShardIndices``), so that a sample redrawn in place of one whose slot a writer reused is
+drawn within that share and the ranks still never overlap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 _SETTINGS = ("seed", "shuffle", "drop_last", "world_size")
 
@@ -53,6 +56,44 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     if rank >= world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     return rank, world_size
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's share of one epoch of a ``ResumableDistributedSampler``: what it needs to list
+    the share again (a few ints, not the indices, which a batch would carry to every worker)."""
+
+    length: int
+    epoch: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    rank: int
+    world_size: int
+
+    def positions(self) -> np.ndarray:
+        """The share's indices, in order."""
+        if self.length == 0:
+            return np.zeros(0, dtype=np.int64)
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.length) if self.shuffle else None
+        order = np.arange(self.length) if order is None else order
+        share = self.length // self.world_size if self.drop_last else -(-self.length // self.world_size)
+        total = share * self.world_size
+        if total > self.length:
+            order = np.resize(order, total)
+        return order[self.rank : total : self.world_size]
+
+
+class ShardIndices(list):
+    """A batch of dataset positions with the ``Shard`` they were drawn from (what
+    ``__getitems__`` gets from a ``ResumableDataLoader``)."""
+
+    def __init__(self, positions: list[int], shard: Shard):
+        super().__init__(positions)
+        self.shard = shard
+
+    def __reduce__(self):
+        return ShardIndices, (list(self), self.shard)
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -105,6 +146,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.seed = check_int("seed", seed, 0)
         self.drop_last = bool(drop_last)
         self.epoch = 0
+        self.current: Shard | None = None  # the share of the pass being iterated
         self._next: tuple[int, int] | None = None  # (position, length) the next pass of self.epoch starts at
         self._pass: dict[str, int] | None = None  # the pass being iterated
 
@@ -121,15 +163,13 @@ class ResumableDistributedSampler(Sampler[int]):
         length = self._next[1] if self._next is not None else self._current_length()
         return self.num_samples(length)
 
+    def shard(self, epoch: int, length: int) -> Shard:
+        """This rank's share of ``epoch`` over ``length`` items."""
+        return Shard(length, epoch, self.seed, self.shuffle, self.drop_last, self.rank, self.world_size)
+
     def epoch_indices(self, epoch: int, length: int) -> np.ndarray:
         """This rank's indices of ``epoch`` over ``length`` items, in order."""
-        if length == 0:
-            return np.zeros(0, dtype=np.int64)
-        order = np.random.default_rng([self.seed, epoch]).permutation(length) if self.shuffle else np.arange(length)
-        total = self.num_samples(length) * self.world_size
-        if total > length:
-            order = np.resize(order, total)
-        return order[self.rank : total : self.world_size]
+        return self.shard(epoch, length).positions()
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning at the next pass (keeps a loaded position when the
@@ -149,7 +189,8 @@ class ResumableDistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         epoch, start, length = self.plan_pass()
         self._next = None
-        order = self.epoch_indices(epoch, length)
+        self.current = self.shard(epoch, length)
+        order = self.current.positions()
         self._pass = {"epoch": epoch, "position": start, "length": length}
         return self._iterate(order, self._pass)
 
@@ -211,10 +252,24 @@ class ResumableDistributedSampler(Sampler[int]):
         self._next = (position, length)
 
 
+class ShardBatchSampler(BatchSampler):
+    """torch's ``BatchSampler`` over a ``ResumableDistributedSampler``, each batch a
+    ``ShardIndices`` naming the share it was drawn from."""
+
+    sampler: ResumableDistributedSampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in super().__iter__():
+            assert self.sampler.current is not None  # set by the sampler's __iter__
+            yield ShardIndices(batch, self.sampler.current)
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader over a ``ResumableDistributedSampler`` whose ``state_dict()`` records the
     batches the training loop actually received (not those prefetched), so that
-    ``load_state_dict()`` on a fresh loader continues with the next undelivered batch."""
+    ``load_state_dict()`` on a fresh loader continues with the next undelivered batch. Its
+    batches name their rank's share (``ShardIndices``): a dataset redraws a sample whose slot a
+    writer reused within that share."""
 
     sampler: ResumableDistributedSampler
 
@@ -232,6 +287,9 @@ class ResumableDataLoader(DataLoader):
         super().__init__(dataset, batch_size, shuffle, sampler=sampler, **kwargs)
         if self.batch_size is None:
             raise ValueError("ResumableDataLoader needs a batch_size to count delivered samples")
+        # torch makes a plain BatchSampler and forbids setting it after __init__ (its batch_size
+        # and drop_last stay the loader's, as with any batch_size loader)
+        object.__setattr__(self, "batch_sampler", ShardBatchSampler(sampler, self.batch_size, self.drop_last))
         self._delivering: dict[str, int] | None = None
 
     # a generator, to count the batches delivered; the base's _BaseDataLoaderIter is torch-internal
