@@ -373,6 +373,30 @@ def test_bad_input(shared_buffer, case, message):
         make_dataloader(shared_buffer, 2, **case)
 
 
+def test_filter_fields_matching_only_episodes_overwritten_while_filtered_says_so(tmp_path):
+    """Before: "matches no timestep", though the matching episode was overwritten by a writer
+    during the filter's read (it is left out, as a batch would drop it)."""
+    path = tmp_path / "b"
+    writer = ReplayBuffer(path, 2, 3, fields={"flag": "int"}, circular=True, backend="memmap")
+    writer.store_episode(flag=np.ones(3, np.int64))
+    writer.store_episode(flag=np.zeros(3, np.int64))
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    gather, calls = reader.storage.gather, []
+
+    def overwrite_then_gather(*args, **kwargs):
+        if not calls:
+            writer.store_episode(flag=np.ones(3, np.int64))  # into slot 0, matching too
+        calls.append(args)
+        return gather(*args, **kwargs)
+
+    reader.storage.gather = overwrite_then_gather
+    with pytest.raises(ValueError, match=r"matches no timestep of the episodes left \(1 of the snapshot's"):
+        make_dataloader(reader, 2, timestep_level=True, filter_fields={"flag": 1})
+    reader.storage.gather = gather
+    reader.refresh()
+    assert len(make_dataloader(reader, 2, timestep_level=True, filter_fields={"flag": 1}).dataset) == 3
+
+
 def test_bad_input_outside_the_loader(buffer, tmp_path):
     with pytest.raises(ValueError, match="window_length must be an int >= 1"):
         ReplayDatasetTimeWindow(buffer, window_length=0)

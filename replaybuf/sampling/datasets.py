@@ -604,7 +604,16 @@ class _TimepointDataset(_SnapshotDataset):
         if filter_fields is not None:
             self._index.keep(self._filter_fields_mask(filter_fields, *self._index.pairs()))
             if len(self._index) == 0:
-                raise ValueError(f"filter_fields {filter_fields!r} matches no timestep")
+                reused = int((self._generations[self._slots] < 0).sum())
+                raise ValueError(
+                    f"filter_fields {filter_fields!r} matches no timestep"
+                    + (
+                        f" of the episodes left ({reused} of the snapshot's were overwritten by a writer while "
+                        "filtered: make the loader again)"
+                        if reused
+                        else ""
+                    )
+                )
 
     @property
     def timepoints(self) -> torch.Tensor:
