@@ -117,12 +117,14 @@ def test_a_fieldname_map_swapping_names_keeps_both(buffer):
     assert torch.equal(swapped["reward"], plain["state"]) and torch.equal(swapped["state"], plain["reward"])
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_prioritized_refuses_stored_priorities_that_are_not_finite(buffer, bad):
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_prioritized_refuses_stored_priorities_that_are_not_finite_or_negative(buffer, bad):
+    """A negative stored priority (a signed TD error) was drawn as 0, never, without a word."""
     buffer.update_steps([1], [1], priority=[bad])
     loader = make_dataloader(buffer, 2, timestep_level=True, sampler="prioritized")
     with pytest.raises(
-        ValueError, match=r"'priority' holds 1 NaN or infinite value\(s\), at \(episode, timestep\) \[\(1, 1\)\]"
+        ValueError,
+        match=r"'priority' holds 1 NaN, infinite or negative value\(s\), at \(episode, timestep\) \[\(1, 1\)\]",
     ):
         next(iter(loader))
     buffer.update_steps([1], [1], priority=[2.0])

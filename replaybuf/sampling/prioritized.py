@@ -127,11 +127,13 @@ class PrioritizedBatchSampler(Sampler):
         """Read the priorities of every sample from the buffer, as of the dataset's snapshot
         (``gather_live``): the samples of a slot a writer reused since get priority 0."""
         raw = self.dataset.gather_live(self.priority_field, *self.dataset.pairs()).reshape(-1).astype(np.float64)
-        bad = np.flatnonzero(~np.isfinite(raw))
-        if len(bad):  # NaN would stop every later sample being drawn, inf make the weights NaN
+        # NaN would stop every later sample being drawn, inf make the weights NaN, and a negative
+        # one (a signed TD error stored as it is) would be drawn as 0: never, without a word
+        bad = np.flatnonzero(~np.isfinite(raw) | (raw < 0))
+        if len(bad):
             episodes, timesteps = self.dataset.pairs(bad[:8])
             raise ValueError(
-                f"priority_field {self.priority_field!r} holds {len(bad)} NaN or infinite value(s), at "
+                f"priority_field {self.priority_field!r} holds {len(bad)} NaN, infinite or negative value(s), at "
                 f"(episode, timestep) {list(zip(episodes.tolist(), timesteps.tolist()))}: priorities must be "
                 "finite and >= 0 (set them with update_priorities)"
             )
