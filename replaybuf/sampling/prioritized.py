@@ -177,11 +177,10 @@ class PrioritizedBatchSampler(Sampler):
         self.epoch += 1
         self.load()
         if not self.dataset.in_snapshot(self.dataset.pairs()[0]).any():
-            # a writer reused every slot of the snapshot: the batches are empty, as a uniform
-            # sampler's are once the dataset dropped every sample (not "every priority is 0")
-            for _ in range(self.num_batches):
-                yield WeightedIndices([], np.zeros(0, np.float32))
-            return
+            # a writer reused or dropped every slot of the snapshot: SnapshotOverwrittenError, as a
+            # uniform loader's batch raises (not "every priority is 0"; it yielded batches of no
+            # samples for every pass, forever)
+            raise self.dataset.overwritten_error()
         for _ in range(self.num_batches):
             yield self._draw()
 
