@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
-from replaybuf.sampling import make_dataloader, make_dataset
+from replaybuf.sampling import ReplayDatasetTimeWindow, make_dataloader, make_dataset
 from tests._backends import make_place
 from tests._data import SAMPLING_FIELDS as FIELDS
 from tests._data import SAMPLING_META_FIELDS as META_FIELDS
@@ -117,12 +117,14 @@ def test_a_fieldname_map_swapping_names_keeps_both(buffer):
     assert torch.equal(swapped["reward"], plain["state"]) and torch.equal(swapped["state"], plain["reward"])
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_prioritized_refuses_stored_priorities_that_are_not_finite(buffer, bad):
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_prioritized_refuses_stored_priorities_that_are_not_finite_or_negative(buffer, bad):
+    """A negative stored priority (a signed TD error) was drawn as 0, never, without a word."""
     buffer.update_steps([1], [1], priority=[bad])
     loader = make_dataloader(buffer, 2, timestep_level=True, sampler="prioritized")
     with pytest.raises(
-        ValueError, match=r"'priority' holds 1 NaN or infinite value\(s\), at \(episode, timestep\) \[\(1, 1\)\]"
+        ValueError,
+        match=r"'priority' holds 1 NaN, infinite or negative value\(s\), at \(episode, timestep\) \[\(1, 1\)\]",
     ):
         next(iter(loader))
     buffer.update_steps([1], [1], priority=[2.0])
@@ -209,3 +211,20 @@ def test_prioritized_draws_follow_the_seed_and_differ_between_ranks(buffer):
         prioritized_draws(buffer, seed=-1)
     with pytest.raises(ValueError, match="rank must be in \\[0, world_size=2\\), got 2"):
         prioritized_draws(buffer, rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("kind", ["window", "whole rows"])
+def test_return_mask_is_as_wide_as_the_batch_s_time_axis(buffer, kind):
+    """Windows longer than every episode (5 > 4) and whole rows (max_timesteps 6) are padded past
+    the longest sample: ``_mask`` was only 4 wide (the seed's), so ``data[mask]`` failed."""
+    if kind == "window":
+        dataset = ReplayDatasetTimeWindow(buffer, window_length=5)
+        batch = next(iter(make_dataloader(buffer, 3, dataset=dataset, return_mask=True)))
+    else:
+        batch = next(iter(make_dataloader(buffer, 3, return_mask=True, slice_by_episode_len=False)))
+    width = 5 if kind == "window" else 6
+    assert batch["ident"].shape == (3, width) and batch["_lens"].tolist() == list(LENGTHS)
+    assert torch.equal(batch["_mask"], torch.arange(width)[None] < torch.tensor(LENGTHS)[:, None])
+    if kind == "window":  # a window is zero past its steps
+        assert (batch["ident"][~batch["_mask"]] == 0).all()
+    assert batch["ident"][batch["_mask"]].shape == (sum(LENGTHS),)

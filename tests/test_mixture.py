@@ -81,6 +81,16 @@ def test_a_bad_seed_is_refused_by_name(members, seed):
         ConcatReplayBuffer(members, weights=WEIGHTS).dataloader(8, timestep_level=True, seed=seed)
 
 
+def test_num_batches_takes_a_numpy_int_and_refuses_others_by_name(members):
+    """np.int64(3) (a count computed with numpy) was refused as "not an int >= 1, got 3"; the
+    prioritized sampler takes it."""
+    mixture = ConcatReplayBuffer(members, weights=WEIGHTS)
+    assert len(mixture.dataloader(8, timestep_level=True, num_batches=np.int64(3), seed=0)) == 3
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"num_batches must be an int >= 1, got {bad!r}"):
+            mixture.dataloader(8, timestep_level=True, num_batches=bad, seed=0)
+
+
 @pytest.mark.parametrize(
     "state, message",
     [

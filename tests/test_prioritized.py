@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer, verify
-from replaybuf.sampling import make_dataloader, update_priorities
+from replaybuf.sampling import SnapshotOverwrittenError, make_dataloader, update_priorities
 from replaybuf.sampling.datasets import ReplayDatasetTimestep
 from replaybuf.sampling.prioritized import WeightedIndices
 from tests._backends import make_place
@@ -272,7 +272,8 @@ def test_a_slot_reused_after_the_loader_was_made_is_never_drawn(tmp_path):
     the priorities as of the snapshot: the reused slot's samples get priority 0 and are never
     drawn, nothing raises (the read cache refuses that slot's read, GenerationMismatchError,
     which reached the caller unhandled before), and the other samples keep their weights. Once
-    every slot was reused, its batches are empty (as a uniform loader's), not an error."""
+    every slot was reused, it raises SnapshotOverwrittenError, as a uniform loader's batch does
+    (not "every priority is 0"; it gave batches of no samples, every pass)."""
     fields = {"ident": "int", "priority": "float"}
     writer = ReplayBuffer(tmp_path / "b", max_episodes=3, max_timesteps=4, fields=fields, circular=True)
     for index in range(3):
@@ -292,7 +293,8 @@ def test_a_slot_reused_after_the_loader_was_made_is_never_drawn(tmp_path):
         assert torch.allclose(batch["_weights"], torch.ones(8))
     for index in (4, 5):  # slots 1 and 2: every slot of the snapshot is reused
         writer.store_episode(ident=np.arange(4) + 10 * index, priority=np.ones(4))
-    assert [len(batch["ident"]) for batch in gone] == [0, 0]
+    with pytest.raises(SnapshotOverwrittenError, match="make a new loader"):
+        list(gone)
 
 
 def test_a_prioritized_sample_whose_slot_is_reused_during_its_batch_is_left_out_not_replaced(tmp_path):

@@ -125,7 +125,12 @@ class Collator:
         if self.return_mask:
             lens = batch["_lens"]
             longest = int(lens.max()) if len(lens) else 0
-            batch["_mask"] = torch.arange(longest, device=lens.device)[None] < lens[:, None]
+            # as wide as the batch's time axis, which a batch of windows (``window_length``) or of
+            # whole rows (``slice_by_episode_len=False``) pads past its longest sample: the seed's
+            # mask, ``longest`` wide, cannot be applied to such data
+            widths = [batch[k].shape[1] for k in self.time_keys or () if k in batch and batch[k].ndim > 1]
+            width = max([longest, *widths])
+            batch["_mask"] = torch.arange(width, device=lens.device)[None] < lens[:, None]
         if self.named_tuple is not None:
             missing = [k for k in self.named_tuple if k not in batch]
             if missing:

@@ -311,12 +311,7 @@ class _SnapshotDataset(Dataset):
         items, columns, lens = last["items"], last["columns"], last["lens"]
         keep = kept[items]
         if len(positions) and not keep.any() and not self._drawable(self._slots).any():
-            raise SnapshotOverwrittenError(
-                f"every one of the {len(self._slots)} episodes this loader's snapshot of "
-                f"{self.replay_buffer.storage.location!r} holds was overwritten or dropped by a writer since the "
-                "loader was made: none is left to sample; make a new loader (it sees the episodes "
-                "committed then)"
-            )
+            raise self.overwritten_error()
         if not keep.all():
             columns = {k: v[keep] for k, v in columns.items()}
             lens = None if lens is None else lens[keep]
@@ -326,6 +321,16 @@ class _SnapshotDataset(Dataset):
             columns["_generations"] = self._generations[self._slots_of(positions[items])[keep]]
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in columns.items()}
         return CollatedSamples(batch, lens, self.time_keys)
+
+    def overwritten_error(self) -> SnapshotOverwrittenError:
+        """The error of a batch finding every episode of this dataset's snapshot overwritten or
+        dropped (a prioritized sampler's pass finding so raises it too)."""
+        return SnapshotOverwrittenError(
+            f"every one of the {len(self._slots)} episodes this loader's snapshot of "
+            f"{self.replay_buffer.storage.location!r} holds was overwritten or dropped by a writer since the "
+            "loader was made: none is left to sample; make a new loader (it sees the episodes "
+            "committed then)"
+        )
 
     def _in_range(self, positions: np.ndarray) -> np.ndarray:
         """``positions`` with negative ones counted from the end, as ``__getitem__`` takes them,

@@ -68,13 +68,12 @@ class MixtureBatchSampler(Sampler[list[int]]):
         empty = [k for k, p in enumerate(probabilities) if p > 0 and len(self.positions[k]) == 0]
         if empty:
             raise ValueError(f"weights: buffers {empty} have a weight > 0 but no sample to draw (after filter_meta)")
-        if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)):
-            raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
-        if num_batches is not None and num_batches < 1:
-            raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
+        # a numpy int too, as the prioritized sampler takes it (it was refused as "not an int >= 1, got 3")
+        self.num_batches = (
+            max(1, len(dataset) // batch_size) if num_batches is None else check_int("num_batches", num_batches, 1)
+        )
         self.batch_size = batch_size
         self.probabilities = probabilities
-        self.num_batches = max(1, len(dataset) // batch_size) if num_batches is None else num_batches
         self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else check_int("seed", seed, 0)
         self.rank = rank
         self.next_pass = 0

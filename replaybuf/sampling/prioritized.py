@@ -127,11 +127,13 @@ class PrioritizedBatchSampler(Sampler):
         """Read the priorities of every sample from the buffer, as of the dataset's snapshot
         (``gather_live``): the samples of a slot a writer reused since get priority 0."""
         raw = self.dataset.gather_live(self.priority_field, *self.dataset.pairs()).reshape(-1).astype(np.float64)
-        bad = np.flatnonzero(~np.isfinite(raw))
-        if len(bad):  # NaN would stop every later sample being drawn, inf make the weights NaN
+        # NaN would stop every later sample being drawn, inf make the weights NaN, and a negative
+        # one (a signed TD error stored as it is) would be drawn as 0: never, without a word
+        bad = np.flatnonzero(~np.isfinite(raw) | (raw < 0))
+        if len(bad):
             episodes, timesteps = self.dataset.pairs(bad[:8])
             raise ValueError(
-                f"priority_field {self.priority_field!r} holds {len(bad)} NaN or infinite value(s), at "
+                f"priority_field {self.priority_field!r} holds {len(bad)} NaN, infinite or negative value(s), at "
                 f"(episode, timestep) {list(zip(episodes.tolist(), timesteps.tolist()))}: priorities must be "
                 "finite and >= 0 (set them with update_priorities)"
             )
@@ -175,11 +177,10 @@ class PrioritizedBatchSampler(Sampler):
         self.epoch += 1
         self.load()
         if not self.dataset.in_snapshot(self.dataset.pairs()[0]).any():
-            # a writer reused every slot of the snapshot: the batches are empty, as a uniform
-            # sampler's are once the dataset dropped every sample (not "every priority is 0")
-            for _ in range(self.num_batches):
-                yield WeightedIndices([], np.zeros(0, np.float32))
-            return
+            # a writer reused or dropped every slot of the snapshot: SnapshotOverwrittenError, as a
+            # uniform loader's batch raises (not "every priority is 0"; it yielded batches of no
+            # samples for every pass, forever)
+            raise self.dataset.overwritten_error()
         for _ in range(self.num_batches):
             yield self._draw()
 
