@@ -347,12 +347,10 @@ class ReplayBuffer(CommittedViews):
     ):
         if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, (int, np.integer)) or hot_bytes < 0:
             raise ValueError(f"hot_bytes must be a number of bytes >= 0 (0: no hot tier), got {hot_bytes!r}")
-        if (
-            isinstance(flush_every_store_step, bool)
-            or not isinstance(flush_every_store_step, int)
-            or flush_every_store_step < 0
-        ):
+        # True / False read as the flag the name suggests, as in the seed: 1 (every step) / 0 (never)
+        if not isinstance(flush_every_store_step, int) or flush_every_store_step < 0:
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
+        flush_every_store_step = int(flush_every_store_step)
         self.read_only = bool(read_only) or snapshot is not None
         self._closed = False  # by close(): the writer lease is given back, writes are refused
         self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)

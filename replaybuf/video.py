@@ -223,11 +223,18 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
     return path
 
 
+def _pack_rgb(pixels: np.ndarray) -> np.ndarray:
+    """RGB values (..., 3) as one uint32 each, for exact colour lookups."""
+    pixels = pixels.astype(np.uint32, copy=False)
+    return (pixels[..., 0] << 16) | (pixels[..., 1] << 8) | pixels[..., 2]
+
+
 def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwargs: dict[str, Any]) -> None:
     """Write an animated gif with Pillow, using one palette for the whole clip.
 
     The palette comes from pixels of every frame (subsampled to at most ~262k pixels,
-    median cut, ~0.2 s) and each frame is mapped onto it without dithering: no colour
+    median cut, ~0.2 s) and each frame is mapped onto it without dithering (exactly where all
+    its colours are in the palette, as in a clip of at most 256 colours): no colour
     flicker between frames, and far faster than quantizing every frame on its own
     (measured: 500 frames of 128x128 noise, ~3 s against 148 s through imageio). Consecutive
     frames that come out identical are merged by Pillow into one longer frame.
@@ -237,10 +244,24 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
     step = max(1, int(np.ceil(np.sqrt(frames[..., 0].size / GIF_PALETTE_PIXELS))))
     mosaic = frames[:, ::step, ::step].reshape(-1, frames[:, ::step, ::step].shape[2], 3)
     palette = Image.fromarray(np.ascontiguousarray(mosaic)).quantize(256, method=Image.Quantize.MEDIANCUT)
-    images = [
-        Image.fromarray(frame).quantize(palette=palette, dither=Image.Dither.NONE)
-        for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False)
-    ]
+    entries = palette.getpalette()
+    assert entries is not None, "a quantized image has a palette"
+    keys, first = np.unique(_pack_rgb(np.asarray(entries, np.uint32).reshape(-1, 3)), return_index=True)
+    first = first.astype(np.uint8)
+
+    def to_palette(frame: np.ndarray) -> Any:
+        # Pillow's palette mapping looks colours up at reduced precision (a 256-gray frame comes
+        # back up to ~4 levels off); a frame whose colours are all in the palette is mapped
+        # exactly, as the seed's per-frame gifs kept every frame of at most 256 colours
+        packed = _pack_rgb(frame)
+        at = np.searchsorted(keys, packed).clip(max=len(keys) - 1)
+        if not (keys[at] == packed).all():
+            return Image.fromarray(frame).quantize(palette=palette, dither=Image.Dither.NONE)
+        image = Image.frombytes("P", (frame.shape[1], frame.shape[0]), first[at].tobytes())
+        image.putpalette(entries)
+        return image
+
+    images = [to_palette(frame) for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False)]
     kwargs.setdefault("duration", 1000.0 / fps)  # no ``loop``: it plays once, as the seed's gifs
     images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
 

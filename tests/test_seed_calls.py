@@ -91,14 +91,15 @@ def test_reset_is_clear_and_internal_meta_fieldnames_names_the_bookkeeping(tmp_p
     assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data after reset_")
 
 
-@pytest.mark.parametrize("every", [0, 1, 2])
+@pytest.mark.parametrize("every", [0, 1, 2, True, False])
 def test_store_step_and_should_flush_count_as_the_seed(tmp_path, every):
     """``store_step`` counts the ``store()`` calls made through the object (not batches, whole
-    episodes or a clear); ``should_flush`` says whether stores are flushed at all."""
+    episodes or a clear); ``should_flush`` says whether stores are flushed at all (True / False
+    for ``flush_every_store_step`` are the seed's 1 / 0)."""
     theirs, ours = pair(tmp_path, flush_every_store_step=every, circular=True)
     seen = []
     for buffer in (theirs, ours):
-        counts = [buffer.store_step, buffer.should_flush]
+        counts = [buffer.store_step, buffer.should_flush, buffer.flush_every_store_step]
         buffer.store_episode(act=np.arange(2))
         buffer.store_batch(act=np.array([1, 2]))
         buffer.advance_episode(2)
@@ -107,7 +108,7 @@ def test_store_step_and_should_flush_count_as_the_seed(tmp_path, every):
         buffer.store(act=3)
         counts.append(buffer.store_step)
         seen.append(counts)
-    assert seen[1] == seen[0] == [9, every > 0, 9, 10]
+    assert seen[1] == seen[0] == [9, every > 0, every, 9, 10]
 
 
 @pytest.fixture(scope="module")

@@ -239,6 +239,20 @@ def test_to_uint8_and_frames_to_sheet_match_the_seed(case):
         np.testing.assert_array_equal(video.frames_to_sheet(frames, rows, columns), expected)
 
 
+@pytest.mark.parametrize("case", ["uint8 rgb", "uint8 gray", "256 grays"])
+def test_gif_frames_of_at_most_256_colours_decode_as_the_seeds(tmp_path, case):
+    """The seed's gifs keep every frame of at most 256 colours exactly; so do these (Pillow's
+    palette lookup returned a frame of all 256 grays up to 4 levels off)."""
+    iio = pytest.importorskip("imageio.v3")
+    frames = np.arange(256, dtype=np.uint8).reshape(1, 16, 16)[[0, 0]] if case == "256 grays" else FRAME_CASES[case]
+    frames = frames.copy()
+    frames[-1] = frames[-1][::-1]  # two frames that differ, so neither is merged into the other
+    expected = iio.imread(seed_video.trajectory_to_video(frames, tmp_path / "seed.gif"))
+    decoded = iio.imread(video.trajectory_to_video(frames, tmp_path / "ours.gif"))
+    np.testing.assert_array_equal(decoded[..., :3], expected[..., :3])
+    np.testing.assert_array_equal(decoded[..., :3], video.to_rgb_uint8(frames))
+
+
 def test_to_uint8_refuses_what_the_seed_refuses():
     for module in (video, seed_video):
         with pytest.raises(TypeError, match="int64"):
