@@ -1525,18 +1525,28 @@ class ReplayBuffer(CommittedViews):
     ) -> None:
         """Decode ``episodes`` (slots; None: every committed one) of ``fields`` (None: all data
         fields) into the read cache now, ahead of training, instead of on their first reads.
-        Needs a cached buffer (``cache='disk'``, or a read-only one on an object store)."""
+        Needs a cached buffer (``cache='disk'``, or a read-only one on an object store). Slots
+        named one by one must hold committed episodes (a slice takes the committed ones in it):
+        an empty or dropped slot named would otherwise be skipped without a word."""
         if not isinstance(self.storage, CachedStorage):
             raise ValueError(
                 f"warm_cache: {self.storage.location!r} has no read cache; open it with read_only=True and "
                 "cache='disk' (object stores have one by default)"
             )
         slots, _ = self._episode_indices(episodes)
+        if isinstance(fields, str):  # list('image') would name its letters
+            raise TypeError(f"warm_cache: fields must be a sequence of field names, got the string {fields!r}")
         fields = list(self.schema.fields) if fields is None else list(fields)
         unknown = sorted(set(fields) - set(self.schema.fields))
         if unknown:
             raise ValueError(f"warm_cache: invalid field names {unknown} - must be among {sorted(self.schema.fields)}")
-        self.storage.warm(slots[self._meta["episode_lens"][slots] > 0], fields, progress)
+        committed = self._meta["episode_lens"][slots] > 0
+        if episodes is not None and not isinstance(episodes, slice) and not committed.all():
+            raise ValueError(
+                f"warm_cache: episodes {np.unique(slots[~committed]).tolist()} hold no committed episode "
+                f"({len(self.valid_episodes())} committed: see valid_episodes())"
+            )
+        self.storage.warm(slots[committed], fields, progress)
 
     # ---- reading back: dataset() and dataloader() are CommittedViews' (replaybuf.sampling) --------
 

@@ -115,6 +115,26 @@ def test_warm_cache_fills_every_committed_episode(written, tmp_path):
         cached.warm_cache(fields=["nope"])
 
 
+def test_warm_cache_names_episodes_and_fields_it_cannot_warm(written, tmp_path):
+    """A slot named that holds no episode (never written, dropped) is refused by name, not
+    skipped without a word; a field name given as a string is not read as its letters."""
+    writer = ReplayBuffer.from_folder(written)
+    writer.drop_episodes(2)
+    writer.close()
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    empty = len(LENGTHS)  # never written
+    for episodes, match in [([0, 2], r"episodes \[2\] hold no committed"), (empty, rf"episodes \[{empty}\] hold no")]:
+        with pytest.raises(ValueError, match=match):
+            cached.warm_cache(episodes=episodes, progress=False)
+    with pytest.raises(ValueError, match=r"episode indices \[-1\] out of range"):
+        cached.warm_cache(episodes=[-1], progress=False)
+    with pytest.raises(TypeError, match="got the string 'state'"):
+        cached.warm_cache(episodes=[0], fields="state", progress=False)
+    assert not cache_files(tmp_path / "cache")  # a refused call fills nothing
+    cached.warm_cache(episodes=slice(None), fields=["state"], progress=False)  # a slice: the committed ones
+    assert len(cache_files(cached.storage.root)) == len(LENGTHS) - 1
+
+
 def test_cache_arguments_refused(written, tmp_path):
     with pytest.raises(ValueError, match="read_only=True"):
         ReplayBuffer.from_folder(written, cache="disk")
