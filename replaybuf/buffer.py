@@ -802,6 +802,11 @@ class ReplayBuffer(CommittedViews):
         )
 
     def _check_writable(self, call: str) -> None:
+        self._refuse_unwritable(call)
+        self._take_turn(call)
+
+    def _refuse_unwritable(self, call: str) -> None:
+        """ValueError for ``call`` on a read-only or closed object."""
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
         if self._closed:
@@ -810,17 +815,18 @@ class ReplayBuffer(CommittedViews):
                 f"cannot call `{call}` on {self.storage.location!r}: this ReplayBuffer was closed (its writer "
                 "lease given back); open the buffer again to write: ReplayBuffer.from_folder(path)"
             )
-        self._take_turn(call)
 
-    def _take_turn(self, call: str) -> None:
+    def _take_turn(self, call: str) -> CompactionSummary | None:
         """Make this object the one writing among the writable opens of this buffer in this
         process (which share its lease): after another one wrote, this one reloads what it
         committed (its pending counters written and its hot episodes compacted first), so
         neither overwrites the other's episodes. Refused while the other has an episode in
-        progress: both would write its slot, and this object's open must not commit it early."""
+        progress: both would write its slot, and this object's open must not commit it early.
+        Returns what compacting the other object's hot episodes did (None: no other's turn ended)."""
         lease = self.storage.held_lease
+        compacted = None
         if lease is None or (lease.turn is not None and lease.turn() is self):
-            return
+            return compacted
         if lease.turn is not None:
             previous = lease.turn()
             if previous is not None and previous._writing_episode():
@@ -842,7 +848,7 @@ class ReplayBuffer(CommittedViews):
                     )
                 # its compactor sees only its own writes: nothing of it stays hot to be
                 # compacted over a shard this object writes
-                previous.storage.compact()
+                compacted = previous.storage.compact()
                 previous._commit.flush_counters()
                 previous._commit.log_pending = []  # its group holds only meta: rebuilt on its turn
             self.refresh()
@@ -853,6 +859,7 @@ class ReplayBuffer(CommittedViews):
                 if self.flush_every_store_step > 0:
                     self._commit.log_header(group)
         lease.turn = weakref.ref(self)
+        return compacted
 
     def _writing_episode(self) -> bool:
         """Whether this object has an episode in progress (steps stored, not yet ended)."""
@@ -1615,9 +1622,19 @@ class ReplayBuffer(CommittedViews):
     def compact(self) -> CompactionSummary:
         """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced
         atomically, and return when done: episodes compacted, their bytes before and after,
-        seconds. ``close()`` does it too; ``flush()`` does not."""
-        self._check_writable("compact")
-        return self.storage.compact()
+        seconds. ``close()`` does it too; ``flush()`` does not. Counted with them: the hot episodes
+        of another writable object of this buffer in this process, compacted as this one takes
+        its turn (only the first object opened keeps a hot tier)."""
+        started = time.perf_counter()
+        self._refuse_unwritable("compact")
+        handed = self._take_turn("compact")
+        summary = self.storage.compact()
+        if handed is not None:
+            summary.episodes += handed.episodes
+            summary.bytes_before += handed.bytes_before
+            summary.bytes_after += handed.bytes_after
+            summary.seconds = time.perf_counter() - started
+        return summary
 
     def close(self) -> None:
         """Flush, compress what the hot tier holds raw (``compact``), release the storage

@@ -512,3 +512,18 @@ def test_a_second_writer_object_in_the_process_leaves_nothing_hot_behind_the_fir
     first.close()
     second.close()
     check_reads(ReplayBuffer.from_folder(tmp_path / "buffer", read_only=True), episodes)
+
+
+def test_compact_through_a_second_writer_object_counts_the_first_s_episodes_it_compacts(tmp_path):
+    # the second object has no hot tier of its own: its compact() compacts the first's hot
+    # episodes as it takes its turn, and says so instead of reporting nothing done
+    first = make(tmp_path)
+    for seed in range(2):
+        first.store_episode(**episode(seed))
+    second = ReplayBuffer.from_folder(tmp_path / "buffer")
+    summary = second.compact()
+    assert hot_slots(first) == []
+    assert summary.episodes == 2 and summary.bytes_before > summary.bytes_after > 0
+    assert second.compact().episodes == 0  # its turn already: nothing left
+    second.close()
+    first.close()
