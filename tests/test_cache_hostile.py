@@ -388,3 +388,21 @@ def test_a_cache_folder_deleted_in_a_loop_never_fails_a_read(written, expected, 
     assert child.wait(timeout=120) == 0
     shutil.rmtree(cache, ignore_errors=True)
     assert isinstance(storage, CachedStorage) and rounds > 0
+
+
+def test_a_relative_cache_dir_stays_where_it_was_when_the_process_changes_directory(
+    written, expected, tmp_path, monkeypatch
+):
+    # resolved at open: a chdir later (a training script's, a library's) never starts a second
+    # cache under the new working directory, and the buffer keeps its one folder
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    relative = os.path.relpath(written, start)
+    opened = reader(relative, "cache")
+    monkeypatch.chdir(elsewhere)  # before its first read
+    assert_reads_right(opened, expected)
+    opened.warm_cache(progress=False)
+    assert os.listdir(elsewhere) == []
+    assert os.listdir(start / "cache") == [os.path.basename(reader(written, start / "cache").storage.root)]

@@ -358,7 +358,9 @@ class CachedStorage(Storage):
             raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
         self.inner = inner
         self.location, self.storage_options, self.fsync = inner.location, inner.storage_options, inner.fsync
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        # absolute now: a process that changes its directory later keeps the same folders, never
+        # caches into new ones under its new working directory
+        self.cache_dir = os.path.abspath(os.fspath(cache_dir) if cache_dir is not None else default_cache_dir())
         self.cache_size = int(cache_size)
         self.snapshot = snapshot
         self.schema: Schema | None = None
