@@ -406,3 +406,16 @@ def test_a_relative_cache_dir_stays_where_it_was_when_the_process_changes_direct
     opened.warm_cache(progress=False)
     assert os.listdir(elsewhere) == []
     assert os.listdir(start / "cache") == [os.path.basename(reader(written, start / "cache").storage.root)]
+
+
+@pytest.mark.parametrize("inside", ["", "data", os.path.join("data", "image")])
+def test_a_cache_dir_in_the_buffer_s_own_folder_is_never_written(written, expected, inside):
+    # a reader writes nothing in the buffer's folder: its writer would find the cache's files
+    # there as entries not its own (overwrite=True refused them as the user's)
+    before = snapshot(written)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_reads_right(reader(written, os.path.join(written, inside)), expected)
+    assert snapshot(written) == before
+    unusable = [w for w in caught if "read cache" in str(w.message)]
+    assert len(unusable) == 1 and "in the folder of the buffer" in str(unusable[0].message)
