@@ -149,6 +149,15 @@ def test_cache_arguments_refused(written, tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("cache_dir", ["", b"cache", 3])
+def test_a_cache_dir_naming_no_folder_is_refused_at_open(written, tmp_path, monkeypatch, cache_dir):
+    # '' cached into the working directory; bytes failed the first fill without naming cache_dir
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"cache_dir must name a folder .*, got {re.escape(repr(cache_dir))}"):
+        ReplayBuffer.from_folder(written, read_only=True, cache_dir=cache_dir).get_all_data()
+    assert sorted(os.listdir(tmp_path)) == ["buffer"]
+
+
 def test_uuid_is_stored_and_never_a_config_difference(written, tmp_path):
     reader = ReplayBuffer.from_folder(written, read_only=True)
     assert reader.schema.uuid and len(reader.schema.uuid) == 32

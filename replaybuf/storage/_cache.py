@@ -356,11 +356,15 @@ class CachedStorage(Storage):
     ):
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
             raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+        folder = os.fspath(cache_dir) if isinstance(cache_dir, (str, os.PathLike)) else None
+        if cache_dir is not None and (not isinstance(folder, str) or not folder):
+            # '' would cache into the working directory, bytes fail a first fill unnamed
+            raise ValueError(f"cache_dir must name a folder (a str or os.PathLike), got {cache_dir!r}")
         self.inner = inner
         self.location, self.storage_options, self.fsync = inner.location, inner.storage_options, inner.fsync
         # absolute now: a process that changes its directory later keeps the same folders, never
         # caches into new ones under its new working directory
-        self.cache_dir = os.path.abspath(os.fspath(cache_dir) if cache_dir is not None else default_cache_dir())
+        self.cache_dir = os.path.abspath(folder if folder is not None else default_cache_dir())
         self.cache_size = int(cache_size)
         self.snapshot = snapshot
         self.schema: Schema | None = None
