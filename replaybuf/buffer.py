@@ -800,6 +800,11 @@ class ReplayBuffer(CommittedViews):
         )
 
     def _check_writable(self, call: str) -> None:
+        self._refuse_unwritable(call)
+        self._take_turn(call)
+
+    def _refuse_unwritable(self, call: str) -> None:
+        """ValueError for ``call`` on a read-only or closed object."""
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
         if self._closed:
@@ -808,17 +813,18 @@ class ReplayBuffer(CommittedViews):
                 f"cannot call `{call}` on {self.storage.location!r}: this ReplayBuffer was closed (its writer "
                 "lease given back); open the buffer again to write: ReplayBuffer.from_folder(path)"
             )
-        self._take_turn(call)
 
-    def _take_turn(self, call: str) -> None:
+    def _take_turn(self, call: str) -> CompactionSummary | None:
         """Make this object the one writing among the writable opens of this buffer in this
         process (which share its lease): after another one wrote, this one reloads what it
         committed (its pending counters written and its hot episodes compacted first), so
         neither overwrites the other's episodes. Refused while the other has an episode in
-        progress: both would write its slot, and this object's open must not commit it early."""
+        progress: both would write its slot, and this object's open must not commit it early.
+        Returns what compacting the other object's hot episodes did (None: no other's turn ended)."""
         lease = self.storage.held_lease
+        compacted = None
         if lease is None or (lease.turn is not None and lease.turn() is self):
-            return
+            return compacted
         if lease.turn is not None:
             previous = lease.turn()
             if previous is not None and previous._writing_episode():
@@ -840,7 +846,7 @@ class ReplayBuffer(CommittedViews):
                     )
                 # its compactor sees only its own writes: nothing of it stays hot to be
                 # compacted over a shard this object writes
-                previous.storage.compact()
+                compacted = previous.storage.compact()
                 previous._commit.flush_counters()
                 previous._commit.log_pending = []  # its group holds only meta: rebuilt on its turn
             self.refresh()
@@ -851,6 +857,7 @@ class ReplayBuffer(CommittedViews):
                 if self.flush_every_store_step > 0:
                     self._commit.log_header(group)
         lease.turn = weakref.ref(self)
+        return compacted
 
     def _writing_episode(self) -> bool:
         """Whether this object has an episode in progress (steps stored, not yet ended)."""
@@ -1523,18 +1530,28 @@ class ReplayBuffer(CommittedViews):
     ) -> None:
         """Decode ``episodes`` (slots; None: every committed one) of ``fields`` (None: all data
         fields) into the read cache now, ahead of training, instead of on their first reads.
-        Needs a cached buffer (``cache='disk'``, or a read-only one on an object store)."""
+        Needs a cached buffer (``cache='disk'``, or a read-only one on an object store). Slots
+        named one by one must hold committed episodes (a slice takes the committed ones in it):
+        an empty or dropped slot named would otherwise be skipped without a word."""
         if not isinstance(self.storage, CachedStorage):
             raise ValueError(
                 f"warm_cache: {self.storage.location!r} has no read cache; open it with read_only=True and "
                 "cache='disk' (object stores have one by default)"
             )
         slots, _ = self._episode_indices(episodes)
+        if isinstance(fields, str):  # list('image') would name its letters
+            raise TypeError(f"warm_cache: fields must be a sequence of field names, got the string {fields!r}")
         fields = list(self.schema.fields) if fields is None else list(fields)
         unknown = sorted(set(fields) - set(self.schema.fields))
         if unknown:
             raise ValueError(f"warm_cache: invalid field names {unknown} - must be among {sorted(self.schema.fields)}")
-        self.storage.warm(slots[self._meta["episode_lens"][slots] > 0], fields, progress)
+        committed = self._meta["episode_lens"][slots] > 0
+        if episodes is not None and not isinstance(episodes, slice) and not committed.all():
+            raise ValueError(
+                f"warm_cache: episodes {np.unique(slots[~committed]).tolist()} hold no committed episode "
+                f"({len(self.valid_episodes())} committed: see valid_episodes())"
+            )
+        self.storage.warm(slots[committed], fields, progress)
 
     # ---- reading back: dataset() and dataloader() are CommittedViews' (replaybuf.sampling) --------
 
@@ -1603,9 +1620,19 @@ class ReplayBuffer(CommittedViews):
     def compact(self) -> CompactionSummary:
         """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced
         atomically, and return when done: episodes compacted, their bytes before and after,
-        seconds. ``close()`` does it too; ``flush()`` does not."""
-        self._check_writable("compact")
-        return self.storage.compact()
+        seconds. ``close()`` does it too; ``flush()`` does not. Counted with them: the hot episodes
+        of another writable object of this buffer in this process, compacted as this one takes
+        its turn (only the first object opened keeps a hot tier)."""
+        started = time.perf_counter()
+        self._refuse_unwritable("compact")
+        handed = self._take_turn("compact")
+        summary = self.storage.compact()
+        if handed is not None:
+            summary.episodes += handed.episodes
+            summary.bytes_before += handed.bytes_before
+            summary.bytes_after += handed.bytes_after
+            summary.seconds = time.perf_counter() - started
+        return summary
 
     def close(self) -> None:
         """Flush, compress what the hot tier holds raw (``compact``), release the storage

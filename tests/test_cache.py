@@ -115,6 +115,26 @@ def test_warm_cache_fills_every_committed_episode(written, tmp_path):
         cached.warm_cache(fields=["nope"])
 
 
+def test_warm_cache_names_episodes_and_fields_it_cannot_warm(written, tmp_path):
+    """A slot named that holds no episode (never written, dropped) is refused by name, not
+    skipped without a word; a field name given as a string is not read as its letters."""
+    writer = ReplayBuffer.from_folder(written)
+    writer.drop_episodes(2)
+    writer.close()
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    empty = len(LENGTHS)  # never written
+    for episodes, match in [([0, 2], r"episodes \[2\] hold no committed"), (empty, rf"episodes \[{empty}\] hold no")]:
+        with pytest.raises(ValueError, match=match):
+            cached.warm_cache(episodes=episodes, progress=False)
+    with pytest.raises(ValueError, match=r"episode indices \[-1\] out of range"):
+        cached.warm_cache(episodes=[-1], progress=False)
+    with pytest.raises(TypeError, match="got the string 'state'"):
+        cached.warm_cache(episodes=[0], fields="state", progress=False)
+    assert not cache_files(tmp_path / "cache")  # a refused call fills nothing
+    cached.warm_cache(episodes=slice(None), fields=["state"], progress=False)  # a slice: the committed ones
+    assert len(cache_files(cached.storage.root)) == len(LENGTHS) - 1
+
+
 def test_cache_arguments_refused(written, tmp_path):
     with pytest.raises(ValueError, match="read_only=True"):
         ReplayBuffer.from_folder(written, cache="disk")
@@ -127,6 +147,15 @@ def test_cache_arguments_refused(written, tmp_path):
     with pytest.raises(ValueError, match="no read cache"):
         ReplayBuffer.from_folder(written, read_only=True).warm_cache()
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("cache_dir", ["", b"cache", 3])
+def test_a_cache_dir_naming_no_folder_is_refused_at_open(written, tmp_path, monkeypatch, cache_dir):
+    # '' cached into the working directory; bytes failed the first fill without naming cache_dir
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"cache_dir must name a folder .*, got {re.escape(repr(cache_dir))}"):
+        ReplayBuffer.from_folder(written, read_only=True, cache_dir=cache_dir).get_all_data()
+    assert sorted(os.listdir(tmp_path)) == ["buffer"]
 
 
 def test_uuid_is_stored_and_never_a_config_difference(written, tmp_path):

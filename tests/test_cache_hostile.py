@@ -388,3 +388,34 @@ def test_a_cache_folder_deleted_in_a_loop_never_fails_a_read(written, expected, 
     assert child.wait(timeout=120) == 0
     shutil.rmtree(cache, ignore_errors=True)
     assert isinstance(storage, CachedStorage) and rounds > 0
+
+
+def test_a_relative_cache_dir_stays_where_it_was_when_the_process_changes_directory(
+    written, expected, tmp_path, monkeypatch
+):
+    # resolved at open: a chdir later (a training script's, a library's) never starts a second
+    # cache under the new working directory, and the buffer keeps its one folder
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    relative = os.path.relpath(written, start)
+    opened = reader(relative, "cache")
+    monkeypatch.chdir(elsewhere)  # before its first read
+    assert_reads_right(opened, expected)
+    opened.warm_cache(progress=False)
+    assert os.listdir(elsewhere) == []
+    assert os.listdir(start / "cache") == [os.path.basename(reader(written, start / "cache").storage.root)]
+
+
+@pytest.mark.parametrize("inside", ["", "data", os.path.join("data", "image")])
+def test_a_cache_dir_in_the_buffer_s_own_folder_is_never_written(written, expected, inside):
+    # a reader writes nothing in the buffer's folder: its writer would find the cache's files
+    # there as entries not its own (overwrite=True refused them as the user's)
+    before = snapshot(written)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_reads_right(reader(written, os.path.join(written, inside)), expected)
+    assert snapshot(written) == before
+    unusable = [w for w in caught if "read cache" in str(w.message)]
+    assert len(unusable) == 1 and "in the folder of the buffer" in str(unusable[0].message)

@@ -512,3 +512,57 @@ def test_a_second_writer_object_in_the_process_leaves_nothing_hot_behind_the_fir
     first.close()
     second.close()
     check_reads(ReplayBuffer.from_folder(tmp_path / "buffer", read_only=True), episodes)
+
+
+def test_compact_through_a_second_writer_object_counts_the_first_s_episodes_it_compacts(tmp_path):
+    # the second object has no hot tier of its own: its compact() compacts the first's hot
+    # episodes as it takes its turn, and says so instead of reporting nothing done
+    first = make(tmp_path)
+    for seed in range(2):
+        first.store_episode(**episode(seed))
+    second = ReplayBuffer.from_folder(tmp_path / "buffer")
+    summary = second.compact()
+    assert hot_slots(first) == []
+    assert summary.episodes == 2 and summary.bytes_before > summary.bytes_after > 0
+    assert second.compact().episodes == 0  # its turn already: nothing left
+    second.close()
+    first.close()
+
+
+@pytest.mark.parametrize("hot", [True, False], ids=["hot", "compacted"])
+def test_a_fifo_at_a_shard_s_name_is_named_by_every_read_never_waited_on(tmp_path, hot):
+    # a plain open of a FIFO waits forever for a writer to it: a reader hung on its first read
+    buffer = make(tmp_path)
+    buffer.store_episode(**episode(0))
+    buffer.store_episode(**episode(1))
+    if hot:
+        buffer._release(compact=False)  # as a killed writer leaves it: hot
+    else:
+        buffer.close()
+    path = shard_file(buffer, 1)
+    os.unlink(path)
+    os.mkfifo(path)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        reader = ReplayBuffer.from_folder(tmp_path / "buffer", read_only=True)
+        steps = reader.dataset(timestep_level=True)
+        for call in (
+            lambda: reader.data["image"][1],
+            reader.get_all_data,
+            lambda: steps.__getitems__(list(range(len(steps)))),
+            lambda: reader.dataset().__getitems__([1]),
+        ):
+            try:
+                call()
+            except OSError as e:
+                errors.append(e)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    if thread.is_alive():  # the fix is missing: let the open waiting on the FIFO go
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(WAIT_S)
+        pytest.fail("a read waited on the FIFO")
+    assert len(errors) == 4 and all("not a regular file" in str(e) and path in str(e) for e in errors)

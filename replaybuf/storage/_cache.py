@@ -46,7 +46,7 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
 - **Its own files only.** The folders under ``cache_dir`` (the buffer's, its fields', ``.locks``)
   must be plain directories, and a cache, temp or lock file a plain file, opened without
   following a symlink and without blocking (a FIFO): a symlinked folder, or a ``cache_dir`` the
-  process cannot write, makes the reads go to the wrapped storage (warned once, tried again
+  process cannot write or in a local buffer's own folder, makes the reads go to the wrapped storage (warned once, tried again
   after ``FULL_RETRY_S``), an odd cache file is never served, an odd lock entry leaves its
   episode filled unlocked, and no write, touch or delete reaches outside those files. A folder
   deleted meanwhile (by another process) only leaves that read uncached.
@@ -356,9 +356,15 @@ class CachedStorage(Storage):
     ):
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
             raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+        folder = os.fspath(cache_dir) if isinstance(cache_dir, (str, os.PathLike)) else None
+        if cache_dir is not None and (not isinstance(folder, str) or not folder):
+            # '' would cache into the working directory, bytes fail a first fill unnamed
+            raise ValueError(f"cache_dir must name a folder (a str or os.PathLike), got {cache_dir!r}")
         self.inner = inner
         self.location, self.storage_options, self.fsync = inner.location, inner.storage_options, inner.fsync
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        # absolute now: a process that changes its directory later keeps the same folders, never
+        # caches into new ones under its new working directory
+        self.cache_dir = os.path.abspath(folder if folder is not None else default_cache_dir())
         self.cache_size = int(cache_size)
         self.snapshot = snapshot
         self.schema: Schema | None = None
@@ -770,6 +776,7 @@ class CachedStorage(Storage):
         folder where absent (``make``); OSError when either is not a plain directory (a symlink
         to a user's folder, say: the cache writes, touches and deletes only in folders it made)."""
         if make:
+            self._check_outside_buffer()
             os.makedirs(self.cache_dir, exist_ok=True)  # the user's: a symlink there is theirs to make
         path = os.path.join(self.root, name)
         for folder in (self.root, path):
@@ -783,6 +790,18 @@ class CachedStorage(Storage):
                     errno.ENOTDIR, "not a plain directory (a symlink?): the cache uses only folders it made", folder
                 )
         return path
+
+    def _check_outside_buffer(self) -> None:
+        """OSError when the cache folder lies in a local buffer's own folder (``cache_dir`` the
+        buffer's path, or one under it): a reader writes nothing in the buffer's folder, whose
+        writer would find the cache's files there as entries not its own."""
+        if "://" in self.location and not self.location.startswith("file://"):
+            return
+        buffer = os.path.realpath(self.location.removeprefix("file://"))
+        if os.path.commonpath([buffer, os.path.realpath(self.cache_dir)]) == buffer:
+            raise OSError(
+                errno.EINVAL, f"it is in the folder of the buffer {buffer!r}, which readers never write", self.cache_dir
+            )
 
     def _map(self, name: str, slot: int, generation: int, revision: int) -> np.ndarray | None:
         """The cached rows of the slot's generation and revision, mapped read-only; None when

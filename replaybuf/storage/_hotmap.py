@@ -142,7 +142,7 @@ def _map_shard(path: str, slot: int, array: ShardedArray) -> tuple[tuple[int, ..
     usual read path takes it, and names a shard bound to another slot or field); None when the
     file is absent."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there: unmapped (size 0), never waited on
     except FileNotFoundError:
         return None
     try:

@@ -396,7 +396,7 @@ class _ReadHandles:
                 self._entries.move_to_end(path)
                 return entry[1]
         try:
-            handle = _ReadHandle(os.open(path, os.O_RDONLY))
+            handle = _ReadHandle(open_stored(path))
         except FileNotFoundError:
             return None
         with self._lock:
@@ -490,6 +490,19 @@ def _open_no_follow(path: str, flags: int) -> int:
         raise
 
 
+def open_stored(path: str) -> int:
+    """A read-only descriptor of the stored file ``path`` (FileNotFoundError when absent), opened
+    without blocking: a FIFO or a device at a stored object's name (never one a buffer writes)
+    is refused naming it, where a plain open of a FIFO would wait forever for a writer to it. A
+    folder there is left to the read, which names it (EISDIR)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device where a stored object belongs)", path)
+    return fd
+
+
 class LocalKV(KeyValue):
     """Files under a root folder; the layout zarr's LocalStore uses."""
 
@@ -537,7 +550,7 @@ class LocalKV(KeyValue):
                         fd = handle.fd
                 else:
                     with contextlib.suppress(FileNotFoundError):
-                        fd = os.open(self._path(key), os.O_RDONLY)
+                        fd = open_stored(self._path(key))
                         opened.append(fd)
                 fds.extend(fd for _ in run)
             return _read_ranges(fds, requests, out, self._path)
@@ -618,7 +631,7 @@ class LocalKV(KeyValue):
         """The bytes of ``request``; the whole file (``stop`` None) no further than ``limit + 1``."""
         key, start, stop = request
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = open_stored(self._path(key))
         except FileNotFoundError:
             return None
         # one pread of the size fstat gives: a file object's read() of a 2 MB shard cost ~4x
@@ -644,7 +657,7 @@ class LocalKV(KeyValue):
     def _read_document(self, key: str, limit: int) -> bytes | None:
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_stored(path)
         except FileNotFoundError:
             return None
         try:
@@ -667,7 +680,7 @@ class LocalKV(KeyValue):
     def _read_into(self, request: ReadInto) -> int | None:
         key, start, out = request
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = open_stored(self._path(key))
         except FileNotFoundError:
             return None
         try:
@@ -700,7 +713,7 @@ class LocalKV(KeyValue):
         the page cache (~10% of a cold ``get_all_data``). Only for files replaced whole by a
         rename, never written in place: a map of a file truncated under it faults (SIGBUS)."""
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = open_stored(self._path(key))
         except FileNotFoundError:
             return None
         try:
