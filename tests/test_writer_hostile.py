@@ -109,6 +109,18 @@ def test_a_users_replaybuf_folder_is_refused_and_kept(tmp_path, backend):
     assert snapshot(str(tmp_path)) == before
 
 
+@pytest.mark.parametrize("overwrite", [True, False])
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_users_file_named_replaybuf_is_foreign_not_an_os_error(tmp_path, backend, overwrite):
+    # taken for the blob folder a killed open leaves, it got past the check: the lease then
+    # failed with a bare "[Errno 17] File exists" (zarr) or "[Errno 20] Not a directory" (memmap, hdf5)
+    (tmp_path / "replaybuf").write_text("mine")
+    before = snapshot(str(tmp_path))
+    with pytest.raises(ForeignEntriesError, match="not part of a replaybuf buffer: 'replaybuf'. .*nothing was deleted"):
+        ReplayBuffer(tmp_path, max_episodes=3, max_timesteps=4, fields=FIELDS, backend=backend, overwrite=overwrite)
+    assert snapshot(str(tmp_path)) == before
+
+
 def test_a_users_replaybuf_prefix_on_an_object_store_is_refused_and_kept():
     import fsspec
 

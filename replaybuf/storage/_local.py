@@ -260,8 +260,8 @@ class LocalFolderStorage(KVBlobs, Storage):
         their crc32c): what a create cut short after its counters leaves."""
         try:
             state = json.loads(self.kv.get_document(STATE_KEY) or b"null")
-        except (ValueError, RecursionError):  # not JSON, nested too deep, or too large (BufferDamagedError)
-            return False
+        except (ValueError, RecursionError, NotADirectoryError):  # not JSON, nested too deep, or too large
+            return False  # (BufferDamagedError), or replaybuf/ is a file of the user's
         if not isinstance(state, dict) or not set(COUNTERS) <= set(state) <= STATE_KEYS:
             return False
         return state.get(STATE_CHECKSUM) == crc32c(state_body(state))
