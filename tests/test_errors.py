@@ -150,6 +150,16 @@ def test_error_messages_name_expected_values(make_location):
     assert all(name in str(info.value) for name in FIELDS)
 
 
+def test_an_unknown_field_name_in_data_or_meta_data_names_the_fields(make_location):
+    buffer, *_ = make(make_location)
+    # was a bare KeyError('bogus'), naming neither where it was looked up nor what exists
+    with pytest.raises(KeyError, match=r"data\['bogus'\]: no such field; the fields are \['action', "):
+        buffer.data["bogus"]
+    with pytest.raises(KeyError, match=r"meta_data\['bogus'\]: no such field; the fields are \[.*'task_id'"):
+        buffer.meta_data["bogus"]
+    assert "bogus" not in buffer.data and buffer.meta_data.get("bogus") is None  # still a Mapping's misses
+
+
 def test_meta_names_in_store_are_rejected(make_location):
     buffer, *_ = make(make_location)
     with pytest.raises(ValueError, match="task_id"):
