@@ -1341,7 +1341,7 @@ class ReplayBuffer(CommittedViews):
         if not data:
             raise ValueError("update: no data provided")
         self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", "update")
-        episodes, scalar = self._episode_indices(indices)
+        episodes, scalar = self._episode_indices(indices, "update")
         writes = []
         for name, value in data.items():
             f = self._field(name)
@@ -1501,7 +1501,8 @@ class ReplayBuffer(CommittedViews):
             for name, array in writes:
                 self.storage.update_steps(name, episodes, timesteps, array)
 
-    def _episode_indices(self, indices: Any) -> tuple[np.ndarray, bool]:
+    def _episode_indices(self, indices: Any, call: str) -> tuple[np.ndarray, bool]:
+        """(the slots ``indices`` names, whether it is one int); errors name ``call``."""
         if indices is None:
             return np.flatnonzero(self._meta["episode_lens"] > 0), False
         if isinstance(indices, slice):
@@ -1510,12 +1511,14 @@ class ReplayBuffer(CommittedViews):
             indices = indices.detach().cpu().numpy()
         array = np.asarray(indices)
         if array.dtype.kind not in "iu":
-            raise TypeError(f"indices must be ints, a slice or None, got {indices!r}")
+            raise TypeError(f"{call}: indices must be ints, a slice or None, got {indices!r}")
         scalar = array.ndim == 0
         array = np.atleast_1d(array)
         bad = array[(array < 0) | (array >= self.max_episodes)]
         if len(bad):
-            raise ValueError(f"episode indices {bad.tolist()} out of range - must be in [0, {self.max_episodes})")
+            raise ValueError(
+                f"{call}: episode indices {bad.tolist()} out of range - must be in [0, {self.max_episodes})"
+            )
         return array, scalar
 
     # ---- reads ---------------------------------------------------------------------------------
@@ -1531,7 +1534,7 @@ class ReplayBuffer(CommittedViews):
                 f"warm_cache: {self.storage.location!r} has no read cache; open it with read_only=True and "
                 "cache='disk' (object stores have one by default)"
             )
-        slots, _ = self._episode_indices(episodes)
+        slots, _ = self._episode_indices(episodes, "warm_cache")
         fields = list(self.schema.fields) if fields is None else list(fields)
         unknown = sorted(set(fields) - set(self.schema.fields))
         if unknown:

@@ -160,6 +160,14 @@ def test_an_unknown_field_name_in_data_or_meta_data_names_the_fields(make_locati
     assert "bogus" not in buffer.data and buffer.meta_data.get("bogus") is None  # still a Mapping's misses
 
 
+def test_bad_update_indices_name_the_call(make_location):
+    buffer, *_ = make(make_location)
+    with pytest.raises(TypeError, match=r"^update: indices must be ints, a slice or None, got True"):
+        buffer.update(True, reward=np.zeros((1, 2)))
+    with pytest.raises(ValueError, match=r"^update: episode indices \[9\] out of range - must be in \[0, "):
+        buffer.update(9, reward=np.zeros((1, 2)))
+
+
 def test_meta_names_in_store_are_rejected(make_location):
     buffer, *_ = make(make_location)
     with pytest.raises(ValueError, match="task_id"):
