@@ -36,7 +36,7 @@ from .commit import Committer, CountersNotWritten
 from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
 from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
 from .metasums import META_SUM
-from .schema import Field, Schema
+from .schema import Field, Schema, parse_field
 from .staging import EpisodeGroup
 from .storage import (
     DEFAULT_CACHE_SIZE,
@@ -74,6 +74,23 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
 _SUMMED = ("_generation", "episode_lens", META_SUM)
+
+
+def _given_settings(max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool) -> dict[str, Any]:
+    """The config settings a call passed without ``fields`` (None and ``circular=False`` are
+    the defaults), as ``Schema`` attributes."""
+    given: dict[str, Any] = {}
+    if max_episodes is not None:
+        given["max_episodes"] = max_episodes
+    if max_timesteps is not None:
+        given["max_timesteps"] = max_timesteps
+    if circular:
+        given["circular"] = True
+    if meta_fields is not None:
+        if not isinstance(meta_fields, dict):
+            raise TypeError(f"meta_fields must be a dict of name -> spec, got {meta_fields!r}")
+        given["meta_fields"] = {n: parse_field(n, s) for n, s in meta_fields.items()}
+    return given
 
 
 def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
@@ -372,6 +389,8 @@ class ReplayBuffer(CommittedViews):
         wanted = (
             None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
         )
+        # settings passed without fields (a reopen) must be the stored ones, not silently ignored
+        self._given = {} if fields is not None else _given_settings(max_episodes, max_timesteps, meta_fields, circular)
 
         if self.read_only:
             if not self.storage.exists():
@@ -384,7 +403,7 @@ class ReplayBuffer(CommittedViews):
             self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
             if overwrite and self.storage.exists():
                 held = snapshots.check_overwrite(self.storage, self.drop_snapshots_on_overwrite)
-        elif wanted is not None:
+        elif wanted is not None or self._given:
             self._refuse_another_config(wanted)  # before the lease: a refused reopen writes nothing
         self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
@@ -413,10 +432,20 @@ class ReplayBuffer(CommittedViews):
         schema = self.storage.open(read_only=self.read_only)
         if wanted is not None:
             schema.check_matches(wanted, self.storage.location)
+        self._check_given(schema)
         return schema
 
-    def _refuse_another_config(self, wanted: Schema) -> None:
-        """ValueError when the config stored here is not ``wanted``, read through a read-only
+    def _check_given(self, stored: Schema) -> None:
+        """ValueError when a setting passed without ``fields`` (``from_folder(path, circular=True)``,
+        ``ReplayBuffer(path, max_episodes=n, overwrite=False)``) is not the stored one: opening
+        with the stored value instead ignored what the caller asked for. ``circular=False``, the
+        default, is not told from an omitted one."""
+        if self._given:
+            stored.check_matches(dataclasses.replace(stored, **self._given), self.storage.location)
+
+    def _refuse_another_config(self, wanted: Schema | None) -> None:
+        """ValueError when the config stored here is not ``wanted`` (or the settings given
+        without fields, ``_check_given``), read through a read-only
         open of a new storage object, so that a refused reopen takes no lease and touches no
         file. Any other failure of that open is left to the writable open, which reports it."""
         probe = self.storage.fresh()
@@ -427,7 +456,9 @@ class ReplayBuffer(CommittedViews):
         finally:
             with contextlib.suppress(Exception):
                 probe.close()
-        stored.check_matches(wanted, self.storage.location)
+        if wanted is not None:
+            stored.check_matches(wanted, self.storage.location)
+        self._check_given(stored)
 
     def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:

@@ -452,6 +452,31 @@ def test_reopening_with_another_config_is_refused_naming_it_and_changes_no_byte(
     assert snapshot(tmp_path / "buf") == before, "a refused reopen changed a file or a modification time"
 
 
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"max_episodes": 5}, "max_episodes: stored 3 vs passed 5"),
+        ({"max_timesteps": 9}, "max_timesteps: stored 4 vs passed 9"),
+        ({"circular": True}, "circular: stored False vs passed True"),
+        ({"meta_fields": {"task": "int"}}, "meta_fields.task: stored .absent. vs passed"),
+    ],
+)
+@pytest.mark.parametrize("backend", LOCAL)
+def test_settings_given_without_fields_are_checked_not_ignored(tmp_path, backend, given, named):
+    # from_folder(path, circular=True) or ReplayBuffer(path, max_episodes=n, overwrite=False)
+    # opened with the stored settings, silently ignoring the ones asked for
+    stored_buffer(tmp_path / "buf", backend)
+    before = snapshot(tmp_path / "buf")
+    for read_only in (False, True):
+        with pytest.raises(ValueError, match=named):
+            ReplayBuffer.from_folder(tmp_path / "buf", read_only=read_only, **given)
+        with pytest.raises(ValueError, match=named):
+            ReplayBuffer(tmp_path / "buf", overwrite=False, read_only=read_only, **given)
+    assert snapshot(tmp_path / "buf") == before
+    with ReplayBuffer.from_folder(tmp_path / "buf", max_episodes=3, max_timesteps=4) as buffer:  # the stored ones
+        assert len(buffer) == 1
+
+
 # ---- an empty location names no folder ---------------------------------------------------------
 
 
