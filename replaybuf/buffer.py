@@ -34,7 +34,7 @@ from . import metasums, snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer, CountersNotWritten
 from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
-from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
+from .inputs import batch_value, cast_values, check_flag, check_index, fill_value, fit_shape, step_value, to_numpy
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_field
 from .staging import EpisodeGroup
@@ -370,6 +370,10 @@ class ReplayBuffer(CommittedViews):
             or flush_every_store_step < 0
         ):
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
+        flags = {"overwrite": overwrite, "read_only": read_only, "circular": circular, "fsync": fsync}
+        flags |= {"break_lock": break_lock, "drop_snapshots_on_overwrite": drop_snapshots_on_overwrite}
+        for name, value in flags.items():
+            check_flag(name, value)
         self.read_only = bool(read_only) or snapshot is not None
         self._closed = False  # by close(): the writer lease is given back, writes are refused
         self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)

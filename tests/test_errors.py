@@ -48,6 +48,31 @@ def test_bad_flush_setting(tmp_path):
         ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), flush_every_store_step=-1)
 
 
+@pytest.mark.parametrize("flag", ["overwrite", "read_only", "circular", "fsync", "break_lock"])
+def test_a_flag_given_as_a_string_is_refused_before_anything_is_erased(tmp_path, flag):
+    # overwrite="false" (from a config file or the command line) is true to Python: it erased the buffer
+    buffer = ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"))
+    buffer.store_episode(x=np.ones(2))
+    buffer.close()
+    for value in ("false", None, 2):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got {value!r}"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), **{flag: value})
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+    kept = {"overwrite": np.False_, flag: 0} if flag != "overwrite" else {"overwrite": 0}
+    assert len(ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), **kept)) == 1
+
+
+def test_convert_refuses_overwrite_given_as_a_string(tmp_path):
+    from replaybuf import convert
+
+    for name in ("src", "dst"):
+        with ReplayBuffer(str(tmp_path / name), 2, 3, fields=dict(x="float")) as buffer:
+            buffer.store_episode(x=np.ones(2))
+    with pytest.raises(TypeError, match="overwrite must be True or False, got 'false'"):
+        convert(str(tmp_path / "src"), str(tmp_path / "dst"), overwrite="false")
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "dst"), read_only=True)) == 1
+
+
 def test_numpy_dtype_names_are_accepted(tmp_path):
     buffer = ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float16", y=("int64", 2), z="uint8"))
     assert buffer.dtypes == {"x": np.float16, "y": np.int64, "z": np.uint8}
