@@ -476,6 +476,7 @@ class ReplayBuffer(CommittedViews):
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
         schema.check_defaults()
+        schema.check_names()
         return schema
 
     def _create(self, wanted: Schema | None) -> Schema:

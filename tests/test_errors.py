@@ -9,6 +9,7 @@ import torch
 
 from replaybuf import BufferNotFoundError, ReplayBuffer
 
+from ._backends import snapshot as snapshot_of_folder
 from .test_buffer import FIELDS, META, assert_same_snapshot, fill_episode, make, snapshot
 
 
@@ -71,6 +72,23 @@ def test_convert_refuses_overwrite_given_as_a_string(tmp_path):
     with pytest.raises(TypeError, match="overwrite must be True or False, got 'false'"):
         convert(str(tmp_path / "src"), str(tmp_path / "dst"), overwrite="false")
     assert len(ReplayBuffer.from_folder(str(tmp_path / "dst"), read_only=True)) == 1
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_field_name_too_long_for_a_file_is_refused_before_the_overwrite(tmp_path, backend):
+    # zarr and memmap failed creating its files only after erasing the buffer being replaced
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    for name in ("y" * 300, "é" * 101):
+        with pytest.raises(ValueError, match=r"bytes long \(UTF-8\): a new buffer takes names of at most 200 bytes"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={name: "float"}, backend=backend)
+        with pytest.raises(ValueError, match="at most 200 bytes"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), meta_fields={name: "int"}, backend=backend)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"y" * 200: "float"}, backend=backend) as buffer:
+        buffer.store_episode(**{"y" * 200: np.ones(2)})
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
 
 
 def test_numpy_dtype_names_are_accepted(tmp_path):
