@@ -173,6 +173,10 @@ def parse_field(name: str, spec: Any) -> Field:
 
 
 COMPRESSORS = ("zstd", "blosc-lz4", "blosc-zstd", "gzip", "none")
+# the levels each compressor takes (zstd's negative ones are its fast levels): a level outside
+# them failed in the codec, at the create after an overwrite had erased the buffer it replaced
+# (zstd, gzip), or at every write (blosc)
+COMPRESSOR_LEVELS = {"zstd": (-131072, 22), "blosc-lz4": (0, 9), "blosc-zstd": (0, 9), "gzip": (0, 9)}
 
 
 def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
@@ -186,7 +190,12 @@ def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
             f"{where}unknown compressor {text!r}; expected one of {COMPRESSORS}, "
             "optionally with ':LEVEL' (e.g. 'zstd:5')"
         )
-    return kind, int(level) if level else None
+    if not level:
+        return kind, None
+    low, high = COMPRESSOR_LEVELS[kind]
+    if not low <= int(level) <= high:
+        raise ValueError(f"{where}compressor {text!r}: {kind} takes levels {low} to {high}, got {int(level)}")
+    return kind, int(level)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,24 @@ def test_a_field_name_too_long_for_a_file_is_refused_before_the_overwrite(tmp_pa
     assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
 
 
+def test_a_compressor_level_out_of_range_is_refused_before_the_overwrite(tmp_path):
+    # zstd:23 and gzip:10 failed in the codec after the old buffer was erased; blosc at every write
+    from replaybuf import convert
+
+    for name in ("b", "dst"):
+        with ReplayBuffer(str(tmp_path / name), 2, 3, fields=dict(x="float")) as buffer:
+            buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b"), snapshot_of_folder(tmp_path / "dst")
+    for spec, levels in (("zstd:23", "-131072 to 22"), ("gzip:10", "0 to 9"), ("blosc-lz4:10", "0 to 9")):
+        with pytest.raises(ValueError, match=f"field 'x': compressor '{spec}': .* takes levels {levels}, got"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"x": {"dtype": "float", "compressor": spec}})
+        with pytest.raises(ValueError, match=f"compressor '{spec}'"):
+            convert(str(tmp_path / "b"), str(tmp_path / "dst"), compressor=spec, overwrite=True)
+    assert (snapshot_of_folder(tmp_path / "b"), snapshot_of_folder(tmp_path / "dst")) == before
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"x": {"dtype": "float", "compressor": "zstd:-5"}}) as buffer:
+        buffer.store_episode(x=np.ones(2))
+
+
 def test_numpy_dtype_names_are_accepted(tmp_path):
     buffer = ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float16", y=("int64", 2), z="uint8"))
     assert buffer.dtypes == {"x": np.float16, "y": np.int64, "z": np.uint8}
