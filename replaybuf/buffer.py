@@ -34,9 +34,9 @@ from . import metasums, snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer, CountersNotWritten
 from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
-from .inputs import batch_value, cast_values, check_index, fill_value, fit_shape, step_value, to_numpy
+from .inputs import batch_value, cast_values, check_flag, check_index, fill_value, fit_shape, step_value, to_numpy
 from .metasums import META_SUM
-from .schema import Field, Schema
+from .schema import Field, Schema, parse_field
 from .staging import EpisodeGroup
 from .storage import (
     DEFAULT_CACHE_SIZE,
@@ -74,6 +74,23 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
 _SUMMED = ("_generation", "episode_lens", META_SUM)
+
+
+def _given_settings(max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool) -> dict[str, Any]:
+    """The config settings a call passed without ``fields`` (None and ``circular=False`` are
+    the defaults), as ``Schema`` attributes."""
+    given: dict[str, Any] = {}
+    if max_episodes is not None:
+        given["max_episodes"] = max_episodes
+    if max_timesteps is not None:
+        given["max_timesteps"] = max_timesteps
+    if circular:
+        given["circular"] = True
+    if meta_fields is not None:
+        if not isinstance(meta_fields, dict):
+            raise TypeError(f"meta_fields must be a dict of name -> spec, got {meta_fields!r}")
+        given["meta_fields"] = {n: parse_field(n, s) for n, s in meta_fields.items()}
+    return given
 
 
 def as_writer(buffer: BufferView, call: str) -> ReplayBuffer:
@@ -351,6 +368,10 @@ class ReplayBuffer(CommittedViews):
         if not isinstance(flush_every_store_step, int) or flush_every_store_step < 0:
             raise ValueError(f"flush_every_store_step must be an int >= 0, got {flush_every_store_step!r}")
         flush_every_store_step = int(flush_every_store_step)
+        flags = {"overwrite": overwrite, "read_only": read_only, "circular": circular, "fsync": fsync}
+        flags |= {"break_lock": break_lock, "drop_snapshots_on_overwrite": drop_snapshots_on_overwrite}
+        for name, value in flags.items():
+            check_flag(name, value)
         self.read_only = bool(read_only) or snapshot is not None
         self._closed = False  # by close(): the writer lease is given back, writes are refused
         self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)
@@ -370,6 +391,8 @@ class ReplayBuffer(CommittedViews):
         wanted = (
             None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
         )
+        # settings passed without fields (a reopen) must be the stored ones, not silently ignored
+        self._given = {} if fields is not None else _given_settings(max_episodes, max_timesteps, meta_fields, circular)
 
         if self.read_only:
             if not self.storage.exists():
@@ -382,7 +405,7 @@ class ReplayBuffer(CommittedViews):
             self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
             if overwrite and self.storage.exists():
                 held = snapshots.check_overwrite(self.storage, self.drop_snapshots_on_overwrite)
-        elif wanted is not None:
+        elif wanted is not None or self._given:
             self._refuse_another_config(wanted)  # before the lease: a refused reopen writes nothing
         self.storage.acquire_writer(break_lock, erase=overwrite)
         try:
@@ -411,10 +434,20 @@ class ReplayBuffer(CommittedViews):
         schema = self.storage.open(read_only=self.read_only)
         if wanted is not None:
             schema.check_matches(wanted, self.storage.location)
+        self._check_given(schema)
         return schema
 
-    def _refuse_another_config(self, wanted: Schema) -> None:
-        """ValueError when the config stored here is not ``wanted``, read through a read-only
+    def _check_given(self, stored: Schema) -> None:
+        """ValueError when a setting passed without ``fields`` (``from_folder(path, circular=True)``,
+        ``ReplayBuffer(path, max_episodes=n, overwrite=False)``) is not the stored one: opening
+        with the stored value instead ignored what the caller asked for. ``circular=False``, the
+        default, is not told from an omitted one."""
+        if self._given:
+            stored.check_matches(dataclasses.replace(stored, **self._given), self.storage.location)
+
+    def _refuse_another_config(self, wanted: Schema | None) -> None:
+        """ValueError when the config stored here is not ``wanted`` (or the settings given
+        without fields, ``_check_given``), read through a read-only
         open of a new storage object, so that a refused reopen takes no lease and touches no
         file. Any other failure of that open is left to the writable open, which reports it."""
         probe = self.storage.fresh()
@@ -425,7 +458,9 @@ class ReplayBuffer(CommittedViews):
         finally:
             with contextlib.suppress(Exception):
                 probe.close()
-        stored.check_matches(wanted, self.storage.location)
+        if wanted is not None:
+            stored.check_matches(wanted, self.storage.location)
+        self._check_given(stored)
 
     def _check_creatable(self, schema: Schema | None) -> Schema:
         if schema is None:
@@ -439,6 +474,7 @@ class ReplayBuffer(CommittedViews):
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )
         schema.check_defaults()
+        schema.check_names()
         return schema
 
     def _create(self, wanted: Schema | None) -> Schema:
@@ -1346,7 +1382,7 @@ class ReplayBuffer(CommittedViews):
         if not data:
             raise ValueError("update: no data provided")
         self._check_names(data, self.fieldnames | set(self.schema.meta_fields), "field", "update")
-        episodes, scalar = self._episode_indices(indices)
+        episodes, scalar = self._episode_indices(indices, "update")
         writes = []
         for name, value in data.items():
             f = self._field(name)
@@ -1506,7 +1542,8 @@ class ReplayBuffer(CommittedViews):
             for name, array in writes:
                 self.storage.update_steps(name, episodes, timesteps, array)
 
-    def _episode_indices(self, indices: Any) -> tuple[np.ndarray, bool]:
+    def _episode_indices(self, indices: Any, call: str) -> tuple[np.ndarray, bool]:
+        """(the slots ``indices`` names, whether it is one int); errors name ``call``."""
         if indices is None:
             return np.flatnonzero(self._meta["episode_lens"] > 0), False
         if isinstance(indices, slice):
@@ -1515,12 +1552,14 @@ class ReplayBuffer(CommittedViews):
             indices = indices.detach().cpu().numpy()
         array = np.asarray(indices)
         if array.dtype.kind not in "iu":
-            raise TypeError(f"indices must be ints, a slice or None, got {indices!r}")
+            raise TypeError(f"{call}: indices must be ints, a slice or None, got {indices!r}")
         scalar = array.ndim == 0
         array = np.atleast_1d(array)
         bad = array[(array < 0) | (array >= self.max_episodes)]
         if len(bad):
-            raise ValueError(f"episode indices {bad.tolist()} out of range - must be in [0, {self.max_episodes})")
+            raise ValueError(
+                f"{call}: episode indices {bad.tolist()} out of range - must be in [0, {self.max_episodes})"
+            )
         return array, scalar
 
     # ---- reads ---------------------------------------------------------------------------------
@@ -1538,7 +1577,7 @@ class ReplayBuffer(CommittedViews):
                 f"warm_cache: {self.storage.location!r} has no read cache; open it with read_only=True and "
                 "cache='disk' (object stores have one by default)"
             )
-        slots, _ = self._episode_indices(episodes)
+        slots, _ = self._episode_indices(episodes, "warm_cache")
         if isinstance(fields, str):  # list('image') would name its letters
             raise TypeError(f"warm_cache: fields must be a sequence of field names, got the string {fields!r}")
         fields = list(self.schema.fields) if fields is None else list(fields)

@@ -138,6 +138,15 @@ def fill_value(f: Field) -> np.ndarray:
     return np.full(f.shape, f.fill, dtype=f.dtype)
 
 
+def check_flag(name: str, value: Any) -> None:
+    """TypeError unless ``value`` of the flag argument ``name`` is a bool (or 0 / 1): a string
+    such as "false" from a config file or the command line is true to Python, and
+    ``overwrite="false"`` erased the buffer it was meant to keep."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); nothing was done")
+
+
 def check_index(value: Any, size: int, name: str, call: str) -> int:
     """``value`` as an int index in ``[0, size)``; ValueError naming ``call`` and ``name`` otherwise
     (a bool or a float is refused, not taken as 0, 1 or truncated; a 0-d integer tensor or array

@@ -28,6 +28,7 @@ import numpy as np
 from . import metasums, snapshots
 from .attrs import encode_attrs, load_attrs
 from .commit import catch_up
+from .inputs import check_flag
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
 from .storage import new_uuid, seed_h5_hint
@@ -297,6 +298,7 @@ def convert(
     from .progress import check_progress
 
     check_progress(progress)
+    check_flag("overwrite", overwrite)
     check_apart(src, storage_options, dst, dst_storage_options)
     source, schema = _open_read_only(src, storage_options)
     target_schema = _destination_schema(schema, backend, _parse_chunks(chunks, schema), compressor)

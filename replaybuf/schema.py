@@ -41,6 +41,10 @@ MAX_EPISODE_BYTES = 16 * 2**30
 # max_episodes of 10**9 would otherwise take 12 GB before failing). 4 GiB is 214 million
 # episodes with no meta fields.
 MAX_META_BYTES = 4 * 2**30
+# the longest field name a new buffer takes, in bytes of UTF-8: the backends name files and
+# folders after the fields (memmap ``<name>.data.meta.npy``, zarr ``data/<name>/``), and most
+# file systems take names of at most 255 bytes
+MAX_NAME_BYTES = 200
 # bytes per episode of the bookkeeping arrays (episode_lens int32, _generation and _revision
 # int64, _meta_sum uint64)
 _BOOKKEEPING_BYTES = 28
@@ -169,6 +173,10 @@ def parse_field(name: str, spec: Any) -> Field:
 
 
 COMPRESSORS = ("zstd", "blosc-lz4", "blosc-zstd", "gzip", "none")
+# the levels each compressor takes (zstd's negative ones are its fast levels): a level outside
+# them failed in the codec, at the create after an overwrite had erased the buffer it replaced
+# (zstd, gzip), or at every write (blosc)
+COMPRESSOR_LEVELS = {"zstd": (-131072, 22), "blosc-lz4": (0, 9), "blosc-zstd": (0, 9), "gzip": (0, 9)}
 
 
 def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
@@ -182,7 +190,12 @@ def parse_compressor(text: str, name: str = "") -> tuple[str, int | None]:
             f"{where}unknown compressor {text!r}; expected one of {COMPRESSORS}, "
             "optionally with ':LEVEL' (e.g. 'zstd:5')"
         )
-    return kind, int(level) if level else None
+    if not level:
+        return kind, None
+    low, high = COMPRESSOR_LEVELS[kind]
+    if not low <= int(level) <= high:
+        raise ValueError(f"{where}compressor {text!r}: {kind} takes levels {low} to {high}, got {int(level)}")
+    return kind, int(level)
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,18 @@ class Schema:
             except ValueError as e:
                 reason = str(e).removeprefix(f"field {f.name!r}: ")
                 raise ValueError(f"field {f.name!r}: default {f.default!r} is refused: {reason}") from None
+
+    def check_names(self) -> None:
+        """Refuse, for a new buffer, a field name too long to name its files (``MAX_NAME_BYTES``):
+        the create failed on it only after an overwrite had erased the buffer it replaced. A
+        stored config is not checked again, so a buffer opens as it was created."""
+        for name in (*self.fields, *self.meta_fields):
+            size = len(name.encode())
+            if size > MAX_NAME_BYTES:
+                raise ValueError(
+                    f"field name {name[:32]!r}... is {size} bytes long (UTF-8): a new buffer takes names of at most "
+                    f"{MAX_NAME_BYTES} bytes, as its files are named after its fields"
+                )
 
     def _check_episode_size(self) -> None:
         """Refuse sizes no storage can hold, before anything is created or loaded."""

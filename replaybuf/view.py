@@ -199,8 +199,8 @@ class FieldViews(Mapping[str, V]):
         self._view = view
 
     def __getitem__(self, name: str) -> V:
-        if name not in self._names:
-            raise KeyError(name)
+        if name not in self._names:  # a KeyError still (``get``, ``in``), naming what there is
+            raise KeyError(f"{self._attribute}[{name!r}]: no such field; the fields are {sorted(self._names)}")
         return self._view(name)
 
     def __iter__(self) -> Iterator[str]:

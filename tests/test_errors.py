@@ -9,6 +9,7 @@ import torch
 
 from replaybuf import BufferNotFoundError, ReplayBuffer
 
+from ._backends import snapshot as snapshot_of_folder
 from .test_buffer import FIELDS, META, assert_same_snapshot, fill_episode, make, snapshot
 
 
@@ -46,6 +47,66 @@ def test_bad_sizes(tmp_path, arg, value):
 def test_bad_flush_setting(tmp_path):
     with pytest.raises(ValueError, match="flush_every_store_step"):
         ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), flush_every_store_step=-1)
+
+
+@pytest.mark.parametrize("flag", ["overwrite", "read_only", "circular", "fsync", "break_lock"])
+def test_a_flag_given_as_a_string_is_refused_before_anything_is_erased(tmp_path, flag):
+    # overwrite="false" (from a config file or the command line) is true to Python: it erased the buffer
+    buffer = ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"))
+    buffer.store_episode(x=np.ones(2))
+    buffer.close()
+    for value in ("false", None, 2):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got {value!r}"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), **{flag: value})
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+    kept = {"overwrite": np.False_, flag: 0} if flag != "overwrite" else {"overwrite": 0}
+    assert len(ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), **kept)) == 1
+
+
+def test_convert_refuses_overwrite_given_as_a_string(tmp_path):
+    from replaybuf import convert
+
+    for name in ("src", "dst"):
+        with ReplayBuffer(str(tmp_path / name), 2, 3, fields=dict(x="float")) as buffer:
+            buffer.store_episode(x=np.ones(2))
+    with pytest.raises(TypeError, match="overwrite must be True or False, got 'false'"):
+        convert(str(tmp_path / "src"), str(tmp_path / "dst"), overwrite="false")
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "dst"), read_only=True)) == 1
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_field_name_too_long_for_a_file_is_refused_before_the_overwrite(tmp_path, backend):
+    # zarr and memmap failed creating its files only after erasing the buffer being replaced
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    for name in ("y" * 300, "é" * 101):
+        with pytest.raises(ValueError, match=r"bytes long \(UTF-8\): a new buffer takes names of at most 200 bytes"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={name: "float"}, backend=backend)
+        with pytest.raises(ValueError, match="at most 200 bytes"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), meta_fields={name: "int"}, backend=backend)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"y" * 200: "float"}, backend=backend) as buffer:
+        buffer.store_episode(**{"y" * 200: np.ones(2)})
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+
+
+def test_a_compressor_level_out_of_range_is_refused_before_the_overwrite(tmp_path):
+    # zstd:23 and gzip:10 failed in the codec after the old buffer was erased; blosc at every write
+    from replaybuf import convert
+
+    for name in ("b", "dst"):
+        with ReplayBuffer(str(tmp_path / name), 2, 3, fields=dict(x="float")) as buffer:
+            buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b"), snapshot_of_folder(tmp_path / "dst")
+    for spec, levels in (("zstd:23", "-131072 to 22"), ("gzip:10", "0 to 9"), ("blosc-lz4:10", "0 to 9")):
+        with pytest.raises(ValueError, match=f"field 'x': compressor '{spec}': .* takes levels {levels}, got"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"x": {"dtype": "float", "compressor": spec}})
+        with pytest.raises(ValueError, match=f"compressor '{spec}'"):
+            convert(str(tmp_path / "b"), str(tmp_path / "dst"), compressor=spec, overwrite=True)
+    assert (snapshot_of_folder(tmp_path / "b"), snapshot_of_folder(tmp_path / "dst")) == before
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"x": {"dtype": "float", "compressor": "zstd:-5"}}) as buffer:
+        buffer.store_episode(x=np.ones(2))
 
 
 def test_numpy_dtype_names_are_accepted(tmp_path):
@@ -148,6 +209,24 @@ def test_error_messages_name_expected_values(make_location):
     with pytest.raises(ValueError) as info:
         buffer.store(bogus=1)
     assert all(name in str(info.value) for name in FIELDS)
+
+
+def test_an_unknown_field_name_in_data_or_meta_data_names_the_fields(make_location):
+    buffer, *_ = make(make_location)
+    # was a bare KeyError('bogus'), naming neither where it was looked up nor what exists
+    with pytest.raises(KeyError, match=r"data\['bogus'\]: no such field; the fields are \['action', "):
+        buffer.data["bogus"]
+    with pytest.raises(KeyError, match=r"meta_data\['bogus'\]: no such field; the fields are \[.*'task_id'"):
+        buffer.meta_data["bogus"]
+    assert "bogus" not in buffer.data and buffer.meta_data.get("bogus") is None  # still a Mapping's misses
+
+
+def test_bad_update_indices_name_the_call(make_location):
+    buffer, *_ = make(make_location)
+    with pytest.raises(TypeError, match=r"^update: indices must be ints, a slice or None, got True"):
+        buffer.update(True, reward=np.zeros((1, 2)))
+    with pytest.raises(ValueError, match=r"^update: episode indices \[9\] out of range - must be in \[0, "):
+        buffer.update(9, reward=np.zeros((1, 2)))
 
 
 def test_meta_names_in_store_are_rejected(make_location):

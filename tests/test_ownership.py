@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,24 @@ def test_a_buffer_with_a_foreign_file_beside_it_is_kept_whole(tmp_path, backend)
         new(tmp_path / "buf", backend)
     assert snapshot(str(tmp_path / "buf")) == before
     assert len(ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)) == 1
+
+
+@pytest.mark.parametrize("inner", ["data/inner", "replaybuf/snapshots/inner", "inner"])
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_buffer_inside_another_buffers_folder_is_refused_before_writing(tmp_path, backend, inner):
+    # a buffer created at buf/data/inner (zarr) or buf/replaybuf/snapshots/inner (every backend)
+    # was accepted, and the next overwrite of buf erased it with its episodes
+    buffer = new(tmp_path / "buf", backend)
+    store(buffer)
+    buffer.close()
+    os.symlink(tmp_path / "buf", tmp_path / "link")
+    before, enclosing = snapshot(str(tmp_path / "buf")), re.escape(repr(os.path.realpath(tmp_path / "buf")))
+    for location in (tmp_path / "buf" / inner, tmp_path / "link" / inner):
+        for other in LOCAL:
+            with pytest.raises(ValueError, match=f"inside the '{backend}' buffer at {enclosing}.*outside"):
+                new(location, other)
+    assert snapshot(str(tmp_path / "buf")) == before
+    assert len(new(tmp_path / "buf", backend)) == 0  # its own overwrite still works
 
 
 @pytest.mark.parametrize("backend", LOCAL)

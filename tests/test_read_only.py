@@ -122,7 +122,8 @@ _CHILD = textwrap.dedent(
     from replaybuf.cli import main as cli_main
     from replaybuf.storage import make_storage
 
-    for location in sys.argv[1:]:
+    plain, *locations = sys.argv[1:]
+    for location in locations:
         reader = ReplayBuffer.from_folder(location, read_only=True)
         assert reader.get_all_data()["state"].shape[0] == 3
         for _ in reader.dataloader(batch_size=4, timestep_level=True, shuffle=True):
@@ -135,8 +136,8 @@ _CHILD = textwrap.dedent(
         with pytest.raises(PermissionError, match="read-only to this process.*read_only=True") as refused:
             ReplayBuffer.from_folder(location)
         assert repr(location) in str(refused.value)
-        with pytest.raises(PermissionError, match="read_only=True"):
-            ReplayBuffer(location + "/new", 2, 2, fields=dict(x="float"))
+    with pytest.raises(PermissionError, match="read_only=True"):  # not inside a buffer: that is refused first
+        ReplayBuffer(plain + "/new", 2, 2, fields=dict(x="float"))
     print("read")
     """
 )
@@ -174,12 +175,15 @@ def test_a_folder_this_process_may_not_write_reads_and_a_writable_open_is_refuse
         with open(lock, "wb") as f:  # the lock file a killed writer leaves, held by no process
             f.write(record)
         locations.append(location)
+    plain = str(tmp_path / "plain")  # a folder of no buffer, where a create is refused too
+    os.mkdir(plain)
     before = {location: _tree(location) for location in locations}
+    locations.append(plain)
     for location in locations:
         _set_writable(location, False)
     try:
         done = subprocess.run(
-            [*prefix, sys.executable, "-c", _CHILD, *locations],
+            [*prefix, sys.executable, "-c", _CHILD, plain, *locations[:-1]],
             capture_output=True,
             text=True,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -189,6 +193,6 @@ def test_a_folder_this_process_may_not_write_reads_and_a_writable_open_is_refuse
         for location in locations:
             _set_writable(location, True)
     assert done.returncode == 0 and "read" in done.stdout, done.stderr[-3000:]
-    for location in locations:
+    for location in locations[:-1]:
         assert _tree(location) == before[location]
-        assert not os.path.exists(location + "/new")
+    assert os.listdir(plain) == []

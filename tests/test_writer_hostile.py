@@ -109,6 +109,18 @@ def test_a_users_replaybuf_folder_is_refused_and_kept(tmp_path, backend):
     assert snapshot(str(tmp_path)) == before
 
 
+@pytest.mark.parametrize("overwrite", [True, False])
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_users_file_named_replaybuf_is_foreign_not_an_os_error(tmp_path, backend, overwrite):
+    # taken for the blob folder a killed open leaves, it got past the check: the lease then
+    # failed with a bare "[Errno 17] File exists" (zarr) or "[Errno 20] Not a directory" (memmap, hdf5)
+    (tmp_path / "replaybuf").write_text("mine")
+    before = snapshot(str(tmp_path))
+    with pytest.raises(ForeignEntriesError, match="not part of a replaybuf buffer: 'replaybuf'. .*nothing was deleted"):
+        ReplayBuffer(tmp_path, max_episodes=3, max_timesteps=4, fields=FIELDS, backend=backend, overwrite=overwrite)
+    assert snapshot(str(tmp_path)) == before
+
+
 def test_a_users_replaybuf_prefix_on_an_object_store_is_refused_and_kept():
     import fsspec
 
@@ -438,6 +450,31 @@ def test_reopening_with_another_config_is_refused_naming_it_and_changes_no_byte(
                 tmp_path / "buf", max_episodes=3, max_timesteps=4, fields=FIELDS, backend=other, overwrite=overwrite
             )
     assert snapshot(tmp_path / "buf") == before, "a refused reopen changed a file or a modification time"
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"max_episodes": 5}, "max_episodes: stored 3 vs passed 5"),
+        ({"max_timesteps": 9}, "max_timesteps: stored 4 vs passed 9"),
+        ({"circular": True}, "circular: stored False vs passed True"),
+        ({"meta_fields": {"task": "int"}}, "meta_fields.task: stored .absent. vs passed"),
+    ],
+)
+@pytest.mark.parametrize("backend", LOCAL)
+def test_settings_given_without_fields_are_checked_not_ignored(tmp_path, backend, given, named):
+    # from_folder(path, circular=True) or ReplayBuffer(path, max_episodes=n, overwrite=False)
+    # opened with the stored settings, silently ignoring the ones asked for
+    stored_buffer(tmp_path / "buf", backend)
+    before = snapshot(tmp_path / "buf")
+    for read_only in (False, True):
+        with pytest.raises(ValueError, match=named):
+            ReplayBuffer.from_folder(tmp_path / "buf", read_only=read_only, **given)
+        with pytest.raises(ValueError, match=named):
+            ReplayBuffer(tmp_path / "buf", overwrite=False, read_only=read_only, **given)
+    assert snapshot(tmp_path / "buf") == before
+    with ReplayBuffer.from_folder(tmp_path / "buf", max_episodes=3, max_timesteps=4) as buffer:  # the stored ones
+        assert len(buffer) == 1
 
 
 # ---- an empty location names no folder ---------------------------------------------------------

@@ -59,6 +59,40 @@ def refuse_foreign_buffer(storage: Storage) -> None:
         raise ValueError(
             f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
         )
+    refuse_enclosing_buffer(storage)
+
+
+def enclosing_buffer(location: str) -> tuple[str, str] | None:
+    """(folder, backend) of the buffer whose folder holds local ``location`` (at any depth,
+    links resolved: where its files would be), or None. A folder whose buffer cannot be read
+    (damaged, its backend not installed) is left to the open of that folder."""
+    folder = os.path.realpath(location.removeprefix("file://"))
+    while True:
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+        try:
+            backend = detect_backend(folder)
+        except Exception:
+            continue
+        if backend is not None:
+            return folder, backend
+
+
+def refuse_enclosing_buffer(storage: Storage) -> None:
+    """Raise before creating a buffer inside another buffer's folder (``buf/data/x``,
+    ``buf/replaybuf/steplog/x``): an overwrite of that buffer erases its own folders with what
+    they hold, the new buffer's episodes too, and elsewhere in it (``buf/x``) the new buffer's
+    files are foreign entries that make the other's overwrite refused."""
+    found = enclosing_buffer(storage.location)
+    if found is not None:
+        folder, backend = found
+        raise ValueError(
+            f"cannot create a buffer at {storage.location!r}: it is inside the {backend!r} buffer at "
+            f"{folder!r}, whose overwrite would erase it; nothing was written. Choose a folder outside "
+            "that buffer"
+        )
 
 
 # one .npy header parse at a time: np.load's (ast.literal_eval) is not thread-safe on Python
@@ -226,8 +260,8 @@ class LocalFolderStorage(KVBlobs, Storage):
         their crc32c): what a create cut short after its counters leaves."""
         try:
             state = json.loads(self.kv.get_document(STATE_KEY) or b"null")
-        except (ValueError, RecursionError):  # not JSON, nested too deep, or too large (BufferDamagedError)
-            return False
+        except (ValueError, RecursionError, NotADirectoryError):  # not JSON, nested too deep, or too large
+            return False  # (BufferDamagedError), or replaybuf/ is a file of the user's
         if not isinstance(state, dict) or not set(COUNTERS) <= set(state) <= STATE_KEYS:
             return False
         return state.get(STATE_CHECKSUM) == crc32c(state_body(state))

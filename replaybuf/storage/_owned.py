@@ -52,11 +52,13 @@ def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool], holds_
     folder) does not claim. Temp files of interrupted writes always belong to the buffer, and
     so does the blob folder ``replaybuf/`` where the location ``holds_buffer`` (a user's own
     ``replaybuf/`` folder elsewhere is not ours to erase, nor to write into) or where it holds
-    only a killed open's writer lease."""
+    only a killed open's writer lease; a file ``replaybuf`` there is the user's."""
     entries = kv.list_top()
 
     def owned(entry: str) -> bool:
         name = entry.rstrip("/")
+        if entry == BLOB_DIR and not holds_buffer:  # a file (or a link) named like our folder: the user's
+            return False
         if name == BLOB_DIR:
             return holds_buffer or _blob_dir_is_a_leftover(kv)
         return is_temp_file(entry) or owns(name)
