@@ -237,3 +237,24 @@ def test_a_sample_whose_slot_is_reused_is_redrawn_from_its_own_source(tmp_path, 
     writers[0].store_episode(obs=np.full((4, 2), 9, np.float32), source=np.full(4, 9, np.int32), task=9)  # slot 1
     with pytest.raises(SnapshotOverwrittenError, match="make a new loader"):  # not batches of no samples
         next(iter(loader))
+
+
+def test_a_member_whose_every_episode_is_overwritten_is_named_not_left_out_of_the_shares(tmp_path):
+    """Before: its samples were dropped from every batch, which shrank and held the other
+    member's alone (the 50/50 mixture asked for became 0/100) without a word."""
+    writers = []
+    for k in range(2):
+        writer = ReplayBuffer(
+            tmp_path / f"s{k}", 2, 4, fields=FIELDS, meta_fields=META, circular=True, backend="memmap"
+        )
+        for e in range(2):
+            writer.store_episode(obs=np.full((4, 2), e, np.float32), source=np.full(4, k, np.int32), task=e)
+        writers.append(writer)
+    readers = [ReplayBuffer.from_folder(tmp_path / f"s{k}", read_only=True) for k in range(2)]
+    loader = ConcatReplayBuffer(readers, weights=[1, 1]).dataloader(16, num_batches=3, seed=3, timestep_level=True)
+    first = next(iter(loader))
+    assert set(sources_of(first)) == {0, 1}
+    for _ in range(2):  # every episode of member 0
+        writers[0].store_episode(obs=np.full((4, 2), 9, np.float32), source=np.full(4, 9, np.int32), task=9)
+    with pytest.raises(SnapshotOverwrittenError, match=r"members \[0\] of this loader's weighted mixture"):
+        next(iter(loader))

@@ -312,6 +312,8 @@ class _SnapshotDataset(Dataset):
         keep = kept[items]
         if len(positions) and not keep.any() and not self._drawable(self._slots).any():
             raise self.overwritten_error()
+        if not kept.all():  # samples dropped (items holds the kept ones when the last read left some out)
+            self._check_members()
         if not keep.all():
             columns = {k: v[keep] for k, v in columns.items()}
             lens = None if lens is None else lens[keep]
@@ -331,6 +333,24 @@ class _SnapshotDataset(Dataset):
             "loader was made: none is left to sample; make a new loader (it sees the episodes "
             "committed then)"
         )
+
+    def _check_members(self) -> None:
+        """SnapshotOverwrittenError naming the members of a weighted mixture (weight > 0) left
+        with no episode of the snapshot: their samples would be dropped from every batch, and the
+        batches would shrink and hold the other members' alone, not the shares asked for."""
+        mixture = self._mixture()
+        if mixture is None:
+            return
+        weights = mixture[0]
+        live = np.bincount(self._sources(self._slots[self.in_snapshot(self._slots)]), minlength=len(weights)) > 0
+        gone = np.flatnonzero((weights > 0) & ~live)
+        if len(gone):
+            raise SnapshotOverwrittenError(
+                f"members {gone.tolist()} of this loader's weighted mixture (shares "
+                f"{[round(float(w), 6) for w in weights[gone]]}) have none of their episodes of the loader's snapshot left: a writer "
+                "overwrote or dropped every one since the loader was made, and the batches can no longer hold "
+                "the shares asked for; make a new loader (it sees the episodes committed then)"
+            )
 
     def _in_range(self, positions: np.ndarray) -> np.ndarray:
         """``positions`` with negative ones counted from the end, as ``__getitem__`` takes them,
