@@ -39,9 +39,11 @@ goes stale (reads fail, or return other bytes). So a writer holds a shared ``flo
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import stat
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
@@ -52,6 +54,7 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
+from ._kv import open_stored
 from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._owned import erase_owned
 from ._owner import Owner
@@ -325,7 +328,10 @@ class HDF5Storage(LocalFolderStorage):
         compressed file can tell a writer is live."""
         path = os.path.join(self.root, WRITER_MARK)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: no file to lock and write
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device where the writer mark belongs)", path)
         self._writer_mark = weakref.finalize(self, os.close, fd)
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.ftruncate(fd, 0)
@@ -337,7 +343,7 @@ class HDF5Storage(LocalFolderStorage):
         path = os.path.join(self.root, WRITER_MARK)
         if not (self.read_only and self._compressed and os.path.exists(path)):
             return
-        with open(path) as mark:
+        with open(open_stored(path)) as mark:  # a FIFO there is refused, never waited on
             try:
                 fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
