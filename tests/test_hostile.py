@@ -27,7 +27,7 @@ from replaybuf.cli import main
 from replaybuf.snapshots import SnapshotError, SnapshotHeldError
 
 from ._backends import require, snapshot
-from ._data import FIELDS, episode
+from ._data import FIELDS, episode, seed_buffer
 
 ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
 
@@ -491,7 +491,7 @@ WAIT_S = 30  # bound on waiting for the calls' thread (never reached when it wor
 
 
 def refused_never_waited_on(fifo: str, calls: list) -> None:
-    """Each call raises OSError naming ``fifo`` ("not a regular file"): run in a thread, and when
+    """Each call raises OSError (or BufferDamagedError) naming ``fifo`` ("not a regular file"): run in a thread, and when
     one blocks on opening the FIFO (a plain open waits forever for a writer to it), the FIFO is
     opened for writing to let it go and the test fails."""
     errors: list[BaseException] = []
@@ -500,7 +500,7 @@ def refused_never_waited_on(fifo: str, calls: list) -> None:
         for call in calls:
             try:
                 call()
-            except OSError as e:
+            except (OSError, BufferDamagedError) as e:
                 errors.append(e)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -564,3 +564,19 @@ def test_a_fifo_at_the_hdf5_writer_mark_is_refused_naming_it_never_waited_on(tmp
 
 def stat_is_fifo(path: str) -> bool:
     return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+def test_a_fifo_at_a_seed_counter_of_an_adopted_folder_is_refused_naming_it_never_waited_on(tmp_path):
+    """Before: every open of a memmap-replay-buffer folder replaybuf adopted waited forever on a
+    FIFO at one of the seed's counters (``<name>.state.npy``, read by np.load's plain open)."""
+    pytest.importorskip("memmap_replay_buffer")
+    location = str(tmp_path / "seed")
+    seed_buffer(location)
+    ReplayBuffer.from_folder(location).close()  # adopted
+    fifo = os.path.join(location, "num_episodes.state.npy")
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    refused_never_waited_on(
+        fifo, [lambda: ReplayBuffer.from_folder(location, read_only=True), lambda: ReplayBuffer.from_folder(location)]
+    )
+    assert stat_is_fifo(fifo)
