@@ -3,11 +3,14 @@ and damage to a local backend's side files is refused by name, never read unchec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
+import stat
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -24,7 +27,7 @@ from replaybuf.cli import main
 from replaybuf.snapshots import SnapshotError, SnapshotHeldError
 
 from ._backends import require, snapshot
-from ._data import FIELDS, episode
+from ._data import FIELDS, episode, seed_buffer
 
 ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
 
@@ -239,11 +242,23 @@ def test_a_lost_lengths_chunk_is_damage_not_an_empty_buffer(tmp_path, capsys, ho
     assert "committed slots [0, 1] is missing" in out.out + out.err
 
 
-def test_a_memmap_config_linked_to_an_endless_file_is_refused_in_bounded_memory(tmp_path):
+@pytest.mark.parametrize(
+    "endless, refusal",
+    [
+        # a device is refused before a byte is read (as a FIFO there, which a read would wait on)
+        ("/dev/zero", r"OSError: .*not a regular file .*replaybuf.json"),
+        ("sparse file", r"BufferDamagedError: .*replaybuf.json: over \d+ bytes, not a buffer config"),
+    ],
+)
+def test_a_memmap_config_linked_to_an_endless_file_is_refused_in_bounded_memory(tmp_path, endless, refusal):
     location = filled(tmp_path / "b", "memmap")
     path = os.path.join(location, "replaybuf.json")
     os.remove(path)
-    os.symlink("/dev/zero", path)
+    if endless == "sparse file":
+        with open(tmp_path / "sparse", "wb") as f:
+            f.truncate(1 << 40)
+        endless = str(tmp_path / "sparse")
+    os.symlink(endless, path)
     code = f"""
 import resource
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression is a MemoryError, not the machine's RAM
@@ -252,9 +267,7 @@ ReplayBuffer.from_folder({location!r}, read_only=True)
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
     assert run.returncode == 1
-    assert re.search(r"BufferDamagedError: .*replaybuf.json: over \d+ bytes, not a buffer config", run.stderr), (
-        run.stderr
-    )
+    assert re.search(refusal, run.stderr), run.stderr
 
 
 @pytest.mark.parametrize(
@@ -470,3 +483,100 @@ def test_side_objects_over_the_limit_are_refused_or_set_aside(tmp_path, monkeypa
     pad("state.json")
     with pytest.raises(BufferDamagedError, match=r"state\.json: 70,000 bytes, over the 65,536-byte limit"):
         ReplayBuffer.from_folder(location, read_only=True)
+
+
+# ---- a FIFO at the name of a file a local backend opens ---------------------------------------------
+
+WAIT_S = 30  # bound on waiting for the calls' thread (never reached when it works)
+
+
+def refused_never_waited_on(fifo: str, calls: list) -> None:
+    """Each call raises OSError (or BufferDamagedError) naming ``fifo`` ("not a regular file"): run in a thread, and when
+    one blocks on opening the FIFO (a plain open waits forever for a writer to it), the FIFO is
+    opened for writing to let it go and the test fails."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        for call in calls:
+            try:
+                call()
+            except (OSError, BufferDamagedError) as e:
+                errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    while thread.is_alive():  # the fix is missing: let each open waiting on the FIFO go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(1)
+        errors.append(AssertionError(f"a call waited on the FIFO {fifo}"))
+    assert len(errors) == len(calls) and all("not a regular file" in str(e) and fifo in str(e) for e in errors), errors
+
+
+@pytest.mark.parametrize("name", ["replaybuf.json", "episode_lens.data.meta.npy"])
+def test_a_fifo_at_a_memmap_file_s_name_is_refused_naming_it_never_waited_on(tmp_path, capsys, name):
+    """Before: opening the buffer waited forever: its config was read with a plain open, and a
+    reader's open of episode_lens (the file that pins the buffer's identity) was one too."""
+    location = filled(tmp_path / "b", "memmap")
+    fifo = os.path.join(location, name)
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    calls = [lambda: ReplayBuffer.from_folder(location, read_only=True)]
+    if name == "replaybuf.json":  # a writable open of a FIFO'd episode_lens says it is missing
+        calls.append(lambda: ReplayBuffer.from_folder(location))
+
+    def verify() -> None:
+        try:
+            code = main(["verify", location])
+        except SystemExit as e:  # argparse's error exit
+            code = e.code
+        out = capsys.readouterr()
+        assert code != 0
+        raise OSError(out.out + out.err)  # its message is checked like the others'
+
+    refused_never_waited_on(fifo, [*calls, verify])
+    assert stat_is_fifo(fifo)
+
+
+def test_a_fifo_at_the_hdf5_writer_mark_is_refused_naming_it_never_waited_on(tmp_path):
+    """Before: a reader of a compressed file waited forever opening the mark (a plain open), and
+    a writer failed with a bare "[Errno 22] Invalid argument" naming no file."""
+    require("h5py")
+    location = str(tmp_path / "b")
+    with ReplayBuffer(
+        location, 2, 4, fields={"x": "float"}, backend="hdf5", storage_options={"compression": "gzip"}
+    ) as b:
+        b.store_episode(x=np.ones(3, np.float32))
+    fifo = os.path.join(location, "replaybuf", "hdf5-writer.lock")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(fifo)
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with ReplayBuffer.from_folder(location) as buffer:
+            buffer.store_episode(x=np.ones(3, np.float32))
+
+    refused_never_waited_on(fifo, [lambda: ReplayBuffer.from_folder(location, read_only=True).get_all_data(), write])
+    assert stat_is_fifo(fifo)
+    os.unlink(fifo)  # the refused writer left the buffer as it was
+    assert ReplayBuffer.from_folder(location, read_only=True).num_episodes == 1
+
+
+def stat_is_fifo(path: str) -> bool:
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+def test_a_fifo_at_a_seed_counter_of_an_adopted_folder_is_refused_naming_it_never_waited_on(tmp_path):
+    """Before: every open of a memmap-replay-buffer folder replaybuf adopted waited forever on a
+    FIFO at one of the seed's counters (``<name>.state.npy``, read by np.load's plain open)."""
+    pytest.importorskip("memmap_replay_buffer")
+    location = str(tmp_path / "seed")
+    seed_buffer(location)
+    ReplayBuffer.from_folder(location).close()  # adopted
+    fifo = os.path.join(location, "num_episodes.state.npy")
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    refused_never_waited_on(
+        fifo, [lambda: ReplayBuffer.from_folder(location, read_only=True), lambda: ReplayBuffer.from_folder(location)]
+    )
+    assert stat_is_fifo(fifo)

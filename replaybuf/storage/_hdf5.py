@@ -39,9 +39,11 @@ goes stale (reads fail, or return other bytes). So a writer holds a shared ``flo
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import stat
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
@@ -52,6 +54,7 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
+from ._kv import open_stored
 from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._owned import erase_owned
 from ._owner import Owner
@@ -239,6 +242,35 @@ class H5Array(WrappedArray):
         return f"H5Array({self._storage.location!r}, {self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
+def _refuse_outside_storage(file: h5py.File, path: str, where: str) -> None:
+    """BufferDamagedError naming ``path`` when that dataset (or its group) is a link (external, or
+    soft: another field's dataset) or keeps its bytes in other files (external storage, a virtual
+    dataset); replaybuf creates none, and through one a writer would write to files outside the
+    buffer (a user's), a reader read them. Checked before the path is resolved, which would
+    open an external link's file. An absent dataset is left to the caller."""
+    group = file
+    for part in path.split("/"):
+        link = group.get(part, getlink=True)
+        if link is None:
+            return
+        if not isinstance(link, h5py.HardLink):
+            raise BufferDamagedError(
+                f"{where}: {path!r} is reached through {type(link).__name__} {getattr(link, 'path', '')!r}"
+                f"{' in ' + repr(link.filename) if isinstance(link, h5py.ExternalLink) else ''}, "
+                "where replaybuf stores a dataset of this file"
+            )
+        group = group[part]
+    if not isinstance(group, h5py.Dataset):
+        return  # a group where a dataset belongs: the layout check names it
+    plist = group.id.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count():
+        raise BufferDamagedError(
+            f"{where}: dataset {path!r} keeps its data in other files "
+            f"({'a virtual dataset' if plist.get_layout() == h5py.h5d.VIRTUAL else 'external storage'}), "
+            "where replaybuf stores it in this file"
+        )
+
+
 def _check_storage_options(options: dict) -> None:
     unknown = sorted(set(options) - set(STORAGE_OPTIONS))
     if unknown:
@@ -325,7 +357,10 @@ class HDF5Storage(LocalFolderStorage):
         compressed file can tell a writer is live."""
         path = os.path.join(self.root, WRITER_MARK)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: no file to lock and write
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device where the writer mark belongs)", path)
         self._writer_mark = weakref.finalize(self, os.close, fd)
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.ftruncate(fd, 0)
@@ -337,7 +372,7 @@ class HDF5Storage(LocalFolderStorage):
         path = os.path.join(self.root, WRITER_MARK)
         if not (self.read_only and self._compressed and os.path.exists(path)):
             return
-        with open(path) as mark:
+        with open(open_stored(path)) as mark:  # a FIFO there is refused, never waited on
             try:
                 fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -476,6 +511,7 @@ class HDF5Storage(LocalFolderStorage):
         self._arrays = {}
         for (name, meta), expected in self.stored_layouts(schema).items():
             path = f"{'meta' if meta else 'data'}/{name}"
+            _refuse_outside_storage(self.h5file, path, self.path)
             if path not in self.h5file and meta and name in OPTIONAL_META:
                 # an earlier release's buffer: created by a writable open, zeros (``array``) read-only
                 if self.read_only:

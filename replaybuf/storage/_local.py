@@ -15,7 +15,7 @@ from numpy.lib.format import open_memmap
 
 from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c, crc_bit_flipped
-from ._kv import KVBlobs, LocalKV
+from ._kv import KVBlobs, LocalKV, open_stored
 from ._owned import check_owned
 from ._owner import Owner
 from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
@@ -153,7 +153,7 @@ class LocalFolderStorage(KVBlobs, Storage):
         if not read_only:
             return
         try:
-            fd = os.open(self.identity_file(), os.O_RDONLY)
+            fd = open_stored(self.identity_file())  # a FIFO there is refused, never waited on
         except FileNotFoundError:
             # no buffer (the open says so), or one created since: read as replaced
             self._identity = _NO_FILE

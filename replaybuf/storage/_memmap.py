@@ -35,7 +35,7 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import copy_spans
+from ._kv import copy_spans, open_stored
 from ._local import NPY_HEADERS as _OPENING
 from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
@@ -188,7 +188,7 @@ class MemmapStorage(LocalFolderStorage):
     def _config(self) -> dict | None:
         path = os.path.join(self.root, CONFIG_FILE)
         try:
-            with open(path, "rb") as f:
+            with open(open_stored(path), "rb") as f:  # a FIFO there is refused, never waited on
                 raw = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             return None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..schema import Schema
+from ._kv import open_stored
 from .base import BufferDamagedError
 
 # what reading a damaged .npy header raises: numpy turns most parse failures into ValueError,
@@ -211,6 +212,7 @@ class SeedState:
         for name in STATE_NAMES:
             path = state_path(folder, name)
             try:
+                os.close(open_stored(path))  # a FIFO there is refused, never waited on (np.load's open would)
                 value = np.load(path, mmap_mode="r")
                 if value.shape != () or value.dtype.kind not in "iu" or int(value) < 0:
                     raise ValueError(f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int >= 0")
