@@ -401,8 +401,9 @@ class ReplayBuffer(CommittedViews):
             return
         held: list[str] = []  # overwrite=True: snapshots erased with the episodes they hold
         if overwrite or not self.storage.exists():
-            self._check_creatable(wanted)
+            creating = self._check_creatable(wanted)
             self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
+            self.storage.check_schema(creating)
             if overwrite and self.storage.exists():
                 held = snapshots.check_overwrite(self.storage, self.drop_snapshots_on_overwrite)
         elif wanted is not None or self._given:

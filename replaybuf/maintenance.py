@@ -310,6 +310,7 @@ def convert(
         raise FileExistsError(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
         )
+    target.check_schema(target_schema)  # before the lease: a copy the backend cannot create writes nothing
     lens, state = _checked_lens_and_state(source, schema)
     # slots and generations are kept, so snapshots stay true as they are; a damaged one is
     # refused here, before anything is written

@@ -69,7 +69,9 @@ def parse_dtype(name: str, spec: Any) -> np.dtype:
             f"field {name!r}: dtype {spec!r} is not in this machine's byte order; "
             f"use {dtype.newbyteorder('=').name!r} (values are converted when stored)"
         )
-    return dtype
+    # the canonical dtype of its name: 'longlong' ('q') is int64 of another numpy type, which zarr
+    # has no data type for, so its create failed after an overwrite had erased the old buffer
+    return np.dtype(dtype.name)
 
 
 def _parse_shape(name: str, shape: Any) -> tuple[int, ...]:

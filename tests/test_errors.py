@@ -3,11 +3,13 @@ before anything is written; the buffer is unchanged afterwards."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from replaybuf import BufferNotFoundError, ReplayBuffer
+from replaybuf import BufferNotFoundError, ReplayBuffer, StorageError
 
 from ._backends import snapshot as snapshot_of_folder
 from .test_buffer import FIELDS, META, assert_same_snapshot, fill_episode, make, snapshot
@@ -107,6 +109,85 @@ def test_a_compressor_level_out_of_range_is_refused_before_the_overwrite(tmp_pat
     assert (snapshot_of_folder(tmp_path / "b"), snapshot_of_folder(tmp_path / "dst")) == before
     with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={"x": {"dtype": "float", "compressor": "zstd:-5"}}) as buffer:
         buffer.store_episode(x=np.ones(2))
+
+
+# 1.6 EiB of arrays, reserved up front by memmap and uncompressed hdf5: more than any disk has free
+TOO_LARGE_FOR_THE_DISK = dict(max_episodes=10**8, max_timesteps=2**20, fields={"x": ("float", 4096)})
+NO_ROOM = r"reserves [\d,]+ bytes of disk up front \(the largest, field 'x': float32\[100000000, 1048576, 4096\], "
+
+
+@pytest.mark.parametrize(
+    "backend, settings, error, pattern",
+    [
+        ("zarr", dict(fields={"x": "longdouble"}), TypeError, "field 'x': dtype 'float128' has no zarr data type"),
+        (
+            "zarr",
+            dict(fields={"x": "float"}, meta_fields={"m": "longdouble"}),
+            TypeError,
+            "field 'm': dtype 'float128'",
+        ),
+        ("memmap", TOO_LARGE_FOR_THE_DISK, StorageError, NO_ROOM),
+        ("hdf5", TOO_LARGE_FOR_THE_DISK, StorageError, NO_ROOM),
+    ],
+)
+def test_a_buffer_its_backend_cannot_create_is_refused_before_the_overwrite(
+    tmp_path, backend, settings, error, pattern
+):
+    # each failed in the create (zarr's codec, the disk full), after the buffer being replaced was erased
+    from replaybuf import convert
+
+    if backend == "zarr" and np.dtype("longdouble").itemsize <= 8:
+        pytest.skip("long double is float64 on this platform")
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    with pytest.raises(error, match=pattern):
+        ReplayBuffer(str(tmp_path / "b"), **{"max_episodes": 2, "max_timesteps": 3, **settings}, backend=backend)
+    if backend == "zarr":  # a memmap buffer of that dtype converted to zarr
+        with ReplayBuffer(str(tmp_path / "src"), 2, 3, **settings, backend="memmap") as buffer:
+            buffer.store_episode(x=np.ones(2))
+        with pytest.raises(error, match=pattern):
+            convert(str(tmp_path / "src"), str(tmp_path / "b"), backend="zarr", overwrite=True)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+
+
+@pytest.mark.parametrize("folder", ["data", "data/x"])
+def test_an_overwrite_that_cannot_erase_a_folder_is_refused_before_erasing(tmp_path, folder):
+    # the erase skipped the files it could not delete, then deleted the rest: zarr's root
+    # document went, and with it the buffer (memmap's and hdf5's only folder holds the lease)
+    backend = "zarr"
+    import subprocess
+
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    locked = tmp_path / "b" / folder
+    if os.geteuid() != 0:  # root bypasses the permissions, never a read-only mount
+        locked.chmod(0o555)
+    elif subprocess.run(["mount", "--bind", "-o", "ro", str(locked), str(locked)], capture_output=True).returncode:
+        pytest.skip("cannot mount a folder read-only here")
+    try:
+        with pytest.raises(PermissionError, match=f"may not delete entries in '{locked}' .*; nothing was erased"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(y="float"), backend=backend)
+    finally:
+        if os.geteuid() != 0:
+            locked.chmod(0o755)
+        else:
+            subprocess.run(["umount", str(locked)], check=True)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+
+
+def test_a_numpy_alias_of_a_dtype_creates_it(tmp_path):
+    # 'longlong' is int64 of another numpy type, which zarr has no data type for: its create
+    # failed after erasing the buffer being replaced
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float")) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="longlong"), meta_fields=dict(m="Q")) as buffer:
+        buffer.store_episode(x=np.ones(2, dtype=np.int64), m=1)
+    reopened = ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)
+    assert reopened.dtypes["x"] == np.int64 and len(reopened) == 1
 
 
 def test_numpy_dtype_names_are_accepted(tmp_path):

@@ -24,6 +24,7 @@ from replaybuf.storage._hotmap import shard_maps
 from replaybuf.storage._kv import LocalKV
 
 from ._backends import LOCAL_BACKENDS as LOCAL
+from ._backends import snapshot as snapshot_of_folder
 from ._backends import tmpfs
 
 IMAGE = (64, 64, 3)  # a frame over 4 KiB: zarr stores it in its own shard per slot, hot
@@ -294,13 +295,36 @@ def test_a_create_on_a_full_disk_leaves_no_half_buffer(disk, backend, room):
     folder = disk / "buf"
     fill(disk)
     os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
-    with pytest.raises(StorageError, match="(?i)no space left"):
+    # memmap and hdf5 reserve their arrays: refused before anything is written (``check_schema``)
+    with pytest.raises(StorageError, match="(?i)no space left|bytes of disk up front"):
         ReplayBuffer(folder, max_episodes=64, max_timesteps=100, fields=FIELDS, backend=backend)
     left = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs] if folder.exists() else []
     assert not left, left
     free(disk)
     with new(folder, backend) as buffer:
         buffer.store_episode(**episode(1))
+    assert verify(folder) == []
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_an_overwrite_the_disk_has_no_room_for_keeps_the_buffer_it_replaces(disk, backend):
+    # memmap and hdf5 reserve every array at the create: one that ran out of room failed only
+    # after erasing the buffer it replaced
+    folder = disk / "buf"
+    with new(folder, backend) as buffer:
+        buffer.store_episode(**episode(1))
+    fill(disk)
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - (256 << 10))
+    before = snapshot_of_folder(folder)
+    with pytest.raises(StorageError, match=r"reserves [\d,]+ bytes of disk up front \(the largest, field 'image'"):
+        ReplayBuffer(folder, max_episodes=16, max_timesteps=8, fields=FIELDS, backend=backend)
+    assert snapshot_of_folder(folder) == before
+    with ReplayBuffer(folder, read_only=True) as buffer:
+        assert_holds(buffer, [episode(1)])
+    del buffer  # a reader pins the file it opened, which keeps its space after the erase unlinks it
+    release(disk)
+    with new(folder, backend) as buffer:  # as large again: the space of the buffer it erases counts
+        buffer.store_episode(**episode(2))
     assert verify(folder) == []
 
 

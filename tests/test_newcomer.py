@@ -254,7 +254,8 @@ def test_upgrade_on_a_full_disk_leaves_the_buffer_as_it_was_and_nothing_beside_i
     shutil.copytree(DATA / version / backend, path)
     before = contents(path)
     fill_but(small_disk, spare)
-    with pytest.raises(StorageError, match="No space left on device"):
+    # memmap and hdf5 copies reserve their arrays: refused before they are written (``check_schema``)
+    with pytest.raises(StorageError, match="No space left on device|bytes of disk up front"):
         upgrade(path, progress=False)
     assert contents(path) == before
     assert sorted(os.listdir(small_disk)) == ["ballast", "buffer"]

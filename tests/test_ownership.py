@@ -406,7 +406,8 @@ def small_tmpfs(tmp_path):
 
 
 def test_memmap_on_a_full_disk_fails_at_create_naming_the_file(small_tmpfs):
-    with pytest.raises(StorageError, match=r"state\.data\.npy.*No space left"):
+    # refused before anything is written (``check_schema``), naming the field
+    with pytest.raises(StorageError, match=r"reserves [\d,]+ bytes of disk up front \(the largest, field 'state'"):
         ReplayBuffer(small_tmpfs / "buf", max_episodes=4, max_timesteps=64, fields=BIG, backend="memmap")
     # the refused create left nothing: the folder it made is gone with it
     assert not (small_tmpfs / "buf").exists() or "state.data.npy" not in os.listdir(small_tmpfs / "buf")
@@ -438,7 +439,8 @@ def test_memmap_over_the_file_size_limit_fails_at_create(tmp_path):
         env={**os.environ, "PYTHONPATH": REPO},
     )
     assert result.returncode == 0, result.stderr
-    assert "StorageError:" in result.stdout and "state.data.npy" in result.stdout
+    assert "StorageError:" in result.stdout and "over this process's file size limit" in result.stdout
+    assert "field 'state': float32[4, 64, 4096]" in result.stdout
 
 
 # ---- 6. the viewer removes its temp folder on SIGTERM ------------------------------------------

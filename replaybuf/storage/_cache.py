@@ -1154,6 +1154,7 @@ def _open_lock(path: str) -> int | None:
 
 _FORWARDED = (
     "check_creatable",
+    "check_schema",
     "commit_state",
     "append_log",
     "read_log",

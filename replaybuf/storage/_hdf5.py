@@ -71,6 +71,7 @@ from .base import (
     bookkeeping_fields,
     check_layout,
     empty_state,
+    expected_layouts,
     parse_json,
 )
 from .spans import Spans, read_spans_by_rows
@@ -421,9 +422,17 @@ class HDF5Storage(LocalFolderStorage):
     def _owns(name: str) -> bool:
         return name == DATA_FILE
 
+    reserves_one_file = True  # docstring inherited
+
+    def reserved_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
+        # docstring inherited: every dataset of an uncompressed file (``reserve``); a compressed
+        # one's chunks are placed as they are written
+        return {} if self.storage_options.get("compression") else expected_layouts(schema)
+
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         entries = self.check_creatable()
+        self.check_schema(schema)
         self.read_only = False
         self.format_version = FORMAT_VERSION
         self.pin_identity(read_only=False)

@@ -336,6 +336,10 @@ class KeyValue(ABC):
     def delete_prefix(self, prefix: str) -> None:
         self.delete_many(self.list_prefix(prefix))
 
+    def check_erasable(self, entries: Sequence[str]) -> None:
+        """PermissionError naming where the top-level ``entries`` (``list_top``) could not all
+        be deleted; a no-op where that is only known by trying (an object store)."""
+
     def append(self, key: str, data: bytes) -> bool:
         """Append to an object in place where the medium allows; False when it does not."""
         return False
@@ -360,6 +364,14 @@ class KeyValue(ABC):
         """Per key, a value that changes whenever the object is written or replaced (absent:
         an empty tuple), or None where that costs as much as reading the object."""
         return None
+
+
+def _read_only_mount(folder: str) -> bool:
+    """Whether ``folder`` is on a file system mounted read-only (False where unknown)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs on Windows
+        return False
 
 
 class _ReadHandle:
@@ -815,6 +827,25 @@ class LocalKV(KeyValue):
             shutil.rmtree(path, ignore_errors=True)  # removes links inside, never follows them
         else:
             super().delete_prefix(prefix)
+
+    def check_erasable(self, entries: Sequence[str]) -> None:
+        # docstring inherited: every folder among the entries, and under them, must be writable
+        # (their permissions, a read-only file system): the erase of a folder skips what it
+        # cannot delete, and went on to delete the rest of the buffer. (A root that may not be
+        # written refuses the writer lease, before any erase.)
+        folders: list[str] = []
+        for entry in entries:
+            top = self._path(entry.rstrip("/"))
+            if entry.endswith("/") and not os.path.islink(top):
+                folders += [folder for folder, _, _ in os.walk(top)]  # links are not followed
+        for folder in folders:
+            if not os.access(folder, os.W_OK | os.X_OK):
+                reason = "read-only file system" if _read_only_mount(folder) else "permissions"
+                raise PermissionError(
+                    errno.EACCES,
+                    f"cannot erase the buffer at {self.root!r}: this process may not delete entries in {folder!r} "
+                    f"({reason}); nothing was erased",
+                )
 
     def list_top(self) -> list[str]:
         # docstring inherited: empty folders count, a link counts as a file

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
+import shutil
+import stat
 import threading
 import weakref
 from typing import Any, Literal
@@ -13,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.lib.format import open_memmap
 
+from ..schema import Schema
 from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c, crc_bit_flipped
 from ._kv import KVBlobs, LocalKV, open_stored
@@ -35,6 +39,21 @@ from .base import (
     edited_rows,
     state_body,
 )
+
+# room a create takes beyond its arrays (``check_schema``): the counters, the config and the
+# file system's own, and a block per array (its .npy header, its HDF5 object header)
+CREATE_MARGIN_BYTES = 64 << 10
+ARRAY_MARGIN_BYTES = 4 << 10
+
+
+def _file_size_limit() -> int | None:
+    """This process's limit on the size of a file it writes (RLIMIT_FSIZE), None where none."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def local_root(storage: Storage) -> str:
@@ -254,6 +273,67 @@ class LocalFolderStorage(KVBlobs, Storage):
         # nor is a folder whose replaybuf/state.json is not counters a create wrote
         ours = self.exists() or self._holds_created_counters()
         return check_owned(self.kv, self.location, self._owns if ours else _owns_nothing, holds_buffer=ours)
+
+    #: whether a create writes every array into one file (hdf5), else one file each (memmap)
+    reserves_one_file = False
+
+    def reserved_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
+        """(name, meta) -> (shape, dtype) of the arrays a create of ``schema`` reserves on disk
+        up front (``expected_layouts``), every block of them: none by default."""
+        return {}
+
+    def check_schema(self, schema: Schema) -> None:
+        # docstring inherited: the arrays reserved up front must fit in the disk's free space,
+        # with that of the buffer the create erases, and each file in this process's file size
+        # limit; a create that ran out of either failed only after erasing it
+        layouts = self.reserved_layouts(schema)
+        sizes = {key: math.prod(shape) * np.dtype(dtype).itemsize for key, (shape, dtype) in layouts.items()}
+        if not sizes:
+            return
+        # and the checksum of each (field, episode) (``EpisodeChecksums``), 8 bytes
+        needed = sum(sizes.values()) + 8 * schema.max_episodes * len(schema.fields)
+        (name, meta), size = max(sizes.items(), key=lambda item: item[1])
+        shape, dtype = layouts[name, meta]
+        kind = "meta field" if meta and name in schema.meta_fields else "field" if not meta else "bookkeeping array"
+        largest = f"the largest, {kind} {name!r}: {np.dtype(dtype)}{list(shape)}, {size:,} bytes"
+        where = f"creating the {self.backend_name} buffer at {self.location!r}"
+        file_bytes = (sum(sizes.values()) if self.reserves_one_file else size) + ARRAY_MARGIN_BYTES
+        limit = _file_size_limit()
+        if limit is not None and file_bytes > limit:
+            raise StorageError(
+                f"{where} writes a file of about {file_bytes:,} bytes ({largest}), over this process's file size "
+                f"limit (RLIMIT_FSIZE, `ulimit -f`) of {limit:,} bytes; nothing was erased. Lower max_episodes or "
+                "max_timesteps, or raise the limit"
+            )
+        folder = self.root
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        erased = self._bytes_erased()
+        room = shutil.disk_usage(folder).free + erased
+        if needed + CREATE_MARGIN_BYTES + ARRAY_MARGIN_BYTES * len(layouts) <= room:
+            return
+        raise StorageError(
+            f"{where} reserves {needed:,} bytes of disk up front ({largest}), and its file system has {room:,} "
+            f"free ({erased:,} of them held by the buffer it replaces); nothing was erased. Lower max_episodes "
+            "or max_timesteps, free disk space, or use a backend that stores only what is written (zarr, or hdf5 "
+            "with compression)"
+        )
+
+    def _bytes_erased(self) -> int:
+        """The disk space of the files a create here erases (``check_creatable``): those with
+        no other link, which the erase frees (unless a reader still holds one open)."""
+        total = 0
+        for entry in self.check_creatable():
+            path = os.path.join(self.root, entry.rstrip("/"))
+            paths = [path]
+            if entry.endswith("/"):
+                paths = [os.path.join(d, f) for d, _, files in os.walk(path) for f in files]
+            for file in paths:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(file)
+                    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                        total += getattr(st, "st_blocks", st.st_size // 512) * 512
+        return total
 
     def _holds_created_counters(self) -> bool:
         """Whether ``replaybuf/state.json`` holds counters sealed as a create writes them (with

@@ -219,9 +219,14 @@ class MemmapStorage(LocalFolderStorage):
         # a file of a replaybuf memmap buffer or of a seed folder
         return name.endswith(_OWNED_SUFFIXES) or name in (CONFIG_FILE, _seed.METADATA_FILE)
 
+    def reserved_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
+        # docstring inherited: every array, allocated whole (``_allocate``)
+        return expected_layouts(schema)
+
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         entries = self.check_creatable()
+        self.check_schema(schema)
         self.read_only = False
         self.format_version = FORMAT_VERSION
         self.pin_identity(read_only=False)

@@ -52,7 +52,8 @@ def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool], holds_
     folder) does not claim. Temp files of interrupted writes always belong to the buffer, and
     so does the blob folder ``replaybuf/`` where the location ``holds_buffer`` (a user's own
     ``replaybuf/`` folder elsewhere is not ours to erase, nor to write into) or where it holds
-    only a killed open's writer lease; a file ``replaybuf`` there is the user's."""
+    only a killed open's writer lease; a file ``replaybuf`` there is the user's. PermissionError
+    where they could not all be erased (``KeyValue.check_erasable``)."""
     entries = kv.list_top()
 
     def owned(entry: str) -> bool:
@@ -65,6 +66,7 @@ def check_owned(kv: KeyValue, location: str, owns: Callable[[str], bool], holds_
 
     foreign = [entry for entry in entries if not owned(entry)]
     if not foreign:
+        kv.check_erasable(entries)
         return entries
     named = ", ".join(repr(entry) for entry in foreign[:NAMED_ENTRIES])
     if len(foreign) > NAMED_ENTRIES:

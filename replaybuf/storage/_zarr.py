@@ -318,6 +318,20 @@ class ZarrStorage(KVBlobs, Storage):
         owned = (ROOT_DOCUMENT, "data", "meta") if attributes is not None else ()  # a user's data/ is not ours
         return check_owned(self.kv, self.location, owned.__contains__, holds_buffer=attributes is not None)
 
+    def check_schema(self, schema: Schema) -> None:
+        # docstring inherited: a dtype zarr has no data type for (float128, numpy's long double)
+        from zarr.core.dtype import get_data_type_from_native_dtype
+
+        for field in (*schema.fields.values(), *schema.meta_fields.values()):
+            try:
+                get_data_type_from_native_dtype(field.dtype)
+            except ValueError:
+                raise TypeError(
+                    f"field {field.name!r}: dtype {field.dtype.name!r} has no zarr data type; the zarr backend "
+                    "stores bool, int8 to int64, uint8 to uint64 and float16 to float64 (or use backend='memmap' "
+                    "or 'hdf5'); nothing was erased"
+                ) from None
+
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited: ``schema.uuid`` is required, the identity the shards are bound to
         import zarr
@@ -329,6 +343,7 @@ class ZarrStorage(KVBlobs, Storage):
                 "is bound to (format 6); ReplayBuffer and convert give every new buffer one (storage.new_uuid())"
             )
         entries = self.check_creatable()
+        self.check_schema(schema)
         self.read_only = False
         self._reading = None
         self.format_version = ZARR_FORMAT_VERSION

@@ -800,6 +800,13 @@ class Storage(ABC):
         lease, so a refused create writes nothing at all."""
         return []
 
+    def check_schema(self, schema: Schema) -> None:
+        """Refuse a new buffer's ``schema`` that this backend cannot create here (a dtype it has
+        no type for, arrays reserved up front that the disk has no room for), naming the field,
+        before ``create`` erases the buffer it replaces: failing in the create itself, it lost
+        that buffer for nothing. Reads only; ``create`` calls it before erasing, the buffer
+        before taking the writer lease."""
+
     @abstractmethod
     def open(self, read_only: bool) -> Schema:
         """Open an existing buffer and return its stored schema; raise BufferNotFoundError if none.
