@@ -547,6 +547,39 @@ def test_hdf5_links_out_of_the_source_or_to_nothing_are_refused(tmp_path, format
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.parametrize("how", ["virtual", "external storage"])
+@pytest.mark.parametrize("format", ["robomimic", "d4rl"])
+def test_hdf5_datasets_kept_in_other_files_are_refused(tmp_path, format, how):
+    """A virtual dataset or one in HDF5 external storage read another file of this machine into
+    the buffer, as an external link did (which was refused)."""
+    h5py = require("h5py")
+    outside = _external_file(tmp_path)
+    before = open(outside, "rb").read()
+    path = tmp_path / "src.hdf5"
+    if format == "robomimic":
+        write_robomimic(path)
+        where = "data/demo_1/obs/leak"
+    else:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("observations", data=np.zeros((7, 2)))
+            f.create_dataset("terminals", data=np.arange(7) == 3)
+        where = "infos/leak"
+    with h5py.File(path, "a") as f:
+        if how == "virtual":
+            layout = h5py.VirtualLayout((7, 2), np.float64)
+            layout[:] = h5py.VirtualSource(outside, "secret", shape=(7, 2))
+            f.create_virtual_dataset(where, layout)
+        else:
+            f.create_dataset(where, (7, 2), np.float64, external=[(outside, 0, h5py.h5f.UNLIMITED)])
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=rf"{where} keeps its data in other files \({'a virtual dataset' if how == 'virtual' else how}\)",
+    ):
+        imp.load(format, path, tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+    assert open(outside, "rb").read() == before
+
+
 def test_robomimic_soft_links_inside_the_file_are_read(tmp_path):
     """A soft link to a dataset of the same file is that dataset (visiting groups skipped them)."""
     h5py = require("h5py")

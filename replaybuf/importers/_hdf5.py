@@ -66,8 +66,9 @@ def _spec(dataset: Any) -> dict[str, Any]:
 
 def _resolved(group: Any, name: str, link: Any, prefix: str = "") -> Any:
     """The group or dataset the link ``name`` of ``group`` leads to; ValueError where it leads
-    nowhere, or to another file (an external link: an import reads only the source file, as a
-    LeRobot import only its folder; it pulled any HDF5 file of this machine into the buffer)."""
+    nowhere, or to another file (an external link, or a dataset kept in other files: a virtual
+    dataset, external storage; an import reads only the source file, as a LeRobot import only
+    its folder; it pulled any file of this machine into the buffer)."""
     import h5py
 
     if isinstance(link, h5py.ExternalLink):
@@ -77,6 +78,14 @@ def _resolved(group: Any, name: str, link: Any, prefix: str = "") -> Any:
     item = group.get(name)
     if item is None:
         raise ValueError(f"{prefix}{name} is a link to nothing ({getattr(link, 'path', link)})")
+    if isinstance(item, h5py.Dataset):
+        from ..storage._hdf5 import stored_elsewhere
+
+        elsewhere = stored_elsewhere(item)
+        if elsewhere:  # as an external link: it reads any file of this machine into the buffer
+            raise ValueError(
+                f"{prefix}{name} keeps its data in other files ({elsewhere}); an import reads only the source file"
+            )
     return item
 
 

@@ -243,12 +243,13 @@ class H5Array(WrappedArray):
         return f"H5Array({self._storage.location!r}, {self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
-def _refuse_outside_storage(file: h5py.File, path: str, where: str) -> None:
+def _refuse_outside_storage(file: h5py.File, path: str, where: str, writer: str = "replaybuf") -> None:
     """BufferDamagedError naming ``path`` when that dataset (or its group) is a link (external, or
     soft: another field's dataset) or keeps its bytes in other files (external storage, a virtual
     dataset); replaybuf creates none, and through one a writer would write to files outside the
     buffer (a user's), a reader read them. Checked before the path is resolved, which would
-    open an external link's file. An absent dataset is left to the caller."""
+    open an external link's file. An absent dataset is left to the caller. ``writer`` names
+    who wrote the file (a seed file's is memmap-replay-buffer, which creates none either)."""
     group = file
     for part in path.split("/"):
         link = group.get(part, getlink=True)
@@ -258,18 +259,26 @@ def _refuse_outside_storage(file: h5py.File, path: str, where: str) -> None:
             raise BufferDamagedError(
                 f"{where}: {path!r} is reached through {type(link).__name__} {getattr(link, 'path', '')!r}"
                 f"{' in ' + repr(link.filename) if isinstance(link, h5py.ExternalLink) else ''}, "
-                "where replaybuf stores a dataset of this file"
+                f"where {writer} stores a dataset of this file"
             )
         group = group[part]
     if not isinstance(group, h5py.Dataset):
         return  # a group where a dataset belongs: the layout check names it
-    plist = group.id.get_create_plist()
-    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count():
+    elsewhere = stored_elsewhere(group)
+    if elsewhere:
         raise BufferDamagedError(
-            f"{where}: dataset {path!r} keeps its data in other files "
-            f"({'a virtual dataset' if plist.get_layout() == h5py.h5d.VIRTUAL else 'external storage'}), "
-            "where replaybuf stores it in this file"
+            f"{where}: dataset {path!r} keeps its data in other files ({elsewhere}), "
+            f"where {writer} stores it in this file"
         )
+
+
+def stored_elsewhere(dataset: h5py.Dataset) -> str | None:
+    """'a virtual dataset' or 'external storage' where ``dataset`` keeps its bytes in other
+    files (reading it reads them, writing it writes them), else None."""
+    plist = dataset.id.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL:
+        return "a virtual dataset"
+    return "external storage" if plist.get_external_count() else None
 
 
 def _check_storage_options(options: dict) -> None:
