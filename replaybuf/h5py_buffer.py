@@ -197,7 +197,7 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
     """
     _require_h5py()
     from .storage import DATA_FILE, open_h5, read_seed_schema
-    from .storage._hdf5 import _refuse_outside_storage
+    from .storage._hdf5 import refuse_outside_storage
 
     src, dst = os.fspath(src), os.fspath(dst)
     schema = read_seed_schema(src)
@@ -205,7 +205,7 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
     with open_h5(path, "r") as file:
         names = [f"data_{n}" for n in schema.fields] + [f"meta_{n}" for n in (*schema.meta_fields, "episode_lens")]
         for name in names:  # a link or external storage read another file into the copy
-            _refuse_outside_storage(file, name, path, writer="memmap-replay-buffer")
+            refuse_outside_storage(file, name, path, writer="memmap-replay-buffer")
         missing = [n for n in names if n not in file]
         if missing:
             raise ValueError(

@@ -243,7 +243,7 @@ class H5Array(WrappedArray):
         return f"H5Array({self._storage.location!r}, {self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
-def _refuse_outside_storage(file: h5py.File, path: str, where: str, writer: str = "replaybuf") -> None:
+def refuse_outside_storage(file: h5py.File, path: str, where: str, writer: str = "replaybuf") -> None:
     """BufferDamagedError naming ``path`` when that dataset (or its group) is a link (external, or
     soft: another field's dataset) or keeps its bytes in other files (external storage, a virtual
     dataset); replaybuf creates none, and through one a writer would write to files outside the
@@ -529,7 +529,7 @@ class HDF5Storage(LocalFolderStorage):
         self._arrays = {}
         for (name, meta), expected in self.stored_layouts(schema).items():
             path = f"{'meta' if meta else 'data'}/{name}"
-            _refuse_outside_storage(self.h5file, path, self.path)
+            refuse_outside_storage(self.h5file, path, self.path)
             if path not in self.h5file and meta and name in OPTIONAL_META:
                 # an earlier release's buffer: created by a writable open, zeros (``array``) read-only
                 if self.read_only:
