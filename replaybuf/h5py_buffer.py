@@ -196,8 +196,7 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
     buffer (``fsync``). Returns it, open for writing.
     """
     _require_h5py()
-    from .storage import DATA_FILE, open_h5, read_seed_schema
-    from .storage._hdf5 import refuse_outside_storage
+    from .storage import DATA_FILE, open_h5, read_seed_schema, refuse_outside_storage
 
     src, dst = os.fspath(src), os.fspath(dst)
     schema = read_seed_schema(src)

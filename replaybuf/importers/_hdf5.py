@@ -79,7 +79,7 @@ def _resolved(group: Any, name: str, link: Any, prefix: str = "") -> Any:
     if item is None:
         raise ValueError(f"{prefix}{name} is a link to nothing ({getattr(link, 'path', link)})")
     if isinstance(item, h5py.Dataset):
-        from ..storage._hdf5 import stored_elsewhere
+        from ..storage import stored_elsewhere
 
         elsewhere = stored_elsewhere(item)
         if elsewhere:  # as an external link: it reads any file of this machine into the buffer

@@ -62,7 +62,7 @@ from .spans import Spans, fill_beyond
 
 if TYPE_CHECKING:
     from ._chunks import chunk_cache
-    from ._hdf5 import DATA_FILE, HDF5Storage, open_h5
+    from ._hdf5 import DATA_FILE, HDF5Storage, open_h5, refuse_outside_storage, stored_elsewhere
     from ._zarr import list_children
 
 _LAZY = {
@@ -71,6 +71,8 @@ _LAZY = {
     "DATA_FILE": "._hdf5",
     "HDF5Storage": "._hdf5",
     "open_h5": "._hdf5",
+    "refuse_outside_storage": "._hdf5",
+    "stored_elsewhere": "._hdf5",
 }
 
 
@@ -129,6 +131,8 @@ __all__ = [
     "open_h5",
     "read_seed_schema",
     "recycled_empty",
+    "refuse_outside_storage",
+    "stored_elsewhere",
     "seed_h5_hint",
     "list_children",
     "make_storage",
