@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import MetaChecksumError, ReplayBuffer
+from replaybuf import ConcurrentWriteError, MetaChecksumError, ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import RETRIES, committed_generations, read_consistent
 from replaybuf.maintenance import verify
@@ -185,7 +185,9 @@ def test_a_weighted_mixture_beside_a_writer_reusing_every_slot_of_one_member_is_
             try:
                 for batch in make_dataloader(mixture, 8, timestep_level=True, num_batches=2):
                     check_timesteps(batch)
-            except SnapshotOverwrittenError:
+            # a batch whose redraws within the live member (its share) land on slots the writer
+            # is rewriting, read after read, is retryable; seen once in ~10 runs under load
+            except (SnapshotOverwrittenError, ConcurrentWriteError):
                 pass
             loaders += 1
     finally:
