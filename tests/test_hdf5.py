@@ -18,6 +18,8 @@ from replaybuf.storage import detect_backend
 
 from ._backends import SKIP_MISSING, require
 from ._data import FIELDS, META_FIELDS, episode
+from ._h5outside import KINDS as OUTSIDE_KINDS
+from ._h5outside import replace_with_outside
 
 h5py = require("h5py")
 REPO = Path(__file__).resolve().parents[1]
@@ -345,7 +347,7 @@ def test_a_close_whose_flush_fails_still_lets_the_file_and_lease_go(tmp_path, mo
     again.close()
 
 
-@pytest.mark.parametrize("how", ["external storage", "virtual", "external link", "soft link"])
+@pytest.mark.parametrize("how", OUTSIDE_KINDS)
 def test_a_dataset_stored_outside_data_h5_is_refused_naming_it_and_that_file_never_written(tmp_path, how):
     """Before: a dataset of data.h5 kept in another file (HDF5 external storage, a virtual
     dataset, an external link) was opened as the field's: a writer's store_episode wrote into
@@ -355,24 +357,7 @@ def test_a_dataset_stored_outside_data_h5_is_refused_naming_it_and_that_file_nev
     with ReplayBuffer(location, 2, 4, fields={"x": ("float", 3), "y": ("float", 3)}, backend="hdf5") as buffer:
         buffer.store_episode(x=np.ones((3, 3), np.float32), y=np.ones((3, 3), np.float32))
     outside = tmp_path / "users"
-    if how == "external storage":
-        outside.write_bytes(bytes(2 * 4 * 3 * 4))
-    else:
-        with h5py.File(outside, "w") as f:
-            f["v"] = np.zeros((2, 4, 3), np.float32)
-    before = outside.read_bytes()
-    with h5py.File(os.path.join(location, "data.h5"), "r+") as f:
-        del f["data/y"]
-        if how == "external storage":
-            f.create_dataset("data/y", (2, 4, 3), np.float32, external=[(str(outside), 0, h5py.h5f.UNLIMITED)])
-        elif how == "virtual":
-            layout = h5py.VirtualLayout((2, 4, 3), np.float32)
-            layout[:] = h5py.VirtualSource(str(outside), "v", shape=(2, 4, 3))
-            f.create_virtual_dataset("data/y", layout)
-        elif how == "external link":
-            f["data/y"] = h5py.ExternalLink(str(outside), "v")
-        else:
-            f["data/y"] = h5py.SoftLink("/data/x")
+    before = replace_with_outside(Path(location) / "data.h5", "data/y", how, outside, (2, 4, 3), 0, "/data/x")
     refusal = (
         r"data\.h5: dataset 'data/y' keeps its data in other files"
         if how in ("external storage", "virtual")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -520,21 +521,27 @@ def _external_file(tmp_path) -> str:
     return str(tmp_path / "outside.hdf5")
 
 
+def _hdf5_source(tmp_path, format: str) -> tuple[Path, str]:
+    """A robomimic or D4RL source file, and where in it a test puts a dataset of its own."""
+    path = tmp_path / "src.hdf5"
+    if format == "robomimic":
+        write_robomimic(path)
+        return path, "data/demo_1/obs/leak"
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.create_dataset("observations", data=np.zeros((7, 2)))
+        f.create_dataset("terminals", data=np.arange(7) == 3)
+    return path, "infos/leak"
+
+
 @pytest.mark.parametrize("format", ["robomimic", "d4rl"])
 def test_hdf5_links_out_of_the_source_or_to_nothing_are_refused(tmp_path, format):
     """An external link pulled a dataset of another file of this machine into the buffer (or,
     in robomimic's groups, was skipped without a word, as was a link to nothing)."""
     h5py = require("h5py")
     outside = _external_file(tmp_path)
-    path = tmp_path / "src.hdf5"
-    if format == "robomimic":
-        write_robomimic(path)
-        where = "data/demo_1/obs/leak"
-    else:
-        with h5py.File(path, "w") as f:
-            f.create_dataset("observations", data=np.zeros((7, 2)))
-            f.create_dataset("terminals", data=np.arange(7) == 3)
-        where = "infos/leak"
+    path, where = _hdf5_source(tmp_path, format)
     with h5py.File(path, "a") as f:
         f[where] = h5py.ExternalLink(outside, "/secret")
     with pytest.raises(imp.ImportSourceError, match=rf"{where} is an external link to .*outside\.hdf5:/secret"):
@@ -555,15 +562,7 @@ def test_hdf5_datasets_kept_in_other_files_are_refused(tmp_path, format, how):
     h5py = require("h5py")
     outside = _external_file(tmp_path)
     before = open(outside, "rb").read()
-    path = tmp_path / "src.hdf5"
-    if format == "robomimic":
-        write_robomimic(path)
-        where = "data/demo_1/obs/leak"
-    else:
-        with h5py.File(path, "w") as f:
-            f.create_dataset("observations", data=np.zeros((7, 2)))
-            f.create_dataset("terminals", data=np.arange(7) == 3)
-        where = "infos/leak"
+    path, where = _hdf5_source(tmp_path, format)
     with h5py.File(path, "a") as f:
         if how == "virtual":
             layout = h5py.VirtualLayout((7, 2), np.float64)

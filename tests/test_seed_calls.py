@@ -16,6 +16,8 @@ import replaybuf
 
 from ._backends import require
 from ._compare import assert_same
+from ._h5outside import KINDS as OUTSIDE_KINDS
+from ._h5outside import replace_with_outside
 
 FIELDS = {"obs": ("float", 2, 1.5), "act": "int", "done": "bool"}
 META = {"label": ("int", (), 3)}
@@ -310,36 +312,18 @@ def test_copy_seed_h5_keeps_config_slots_and_order(tmp_path, circular, episodes,
         replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
 
 
-@pytest.mark.parametrize("how", ["external storage", "virtual", "external link", "soft link"])
+@pytest.mark.parametrize("how", OUTSIDE_KINDS)
 def test_copy_seed_h5_refuses_a_dataset_kept_outside_the_seed_file_naming_it(tmp_path, how):
     """Before: a dataset of the seed's data.h5 kept in another file (HDF5 external storage, a
     virtual dataset, an external link) was copied into the new buffer: any file of this
     machine read into it; a soft link made a field another dataset's. Nothing is written."""
-    h5py = require("h5py")
+    require("h5py")
     theirs = seed.ReplayBufferH5PY(tmp_path / "seed", max_episodes=2, max_timesteps=3, fields={"obs": ("float", 2)})
     theirs.store(obs=[1.0, 2.0])
     theirs.advance_episode()
     theirs.flush()
     outside = tmp_path / "users"
-    if how == "external storage":
-        outside.write_bytes(bytes(2 * 3 * 2 * 4))
-    else:
-        with h5py.File(outside, "w") as f:
-            f["v"] = np.full((2, 3, 2), 7, np.float32)
-    before = outside.read_bytes()
-    with h5py.File(tmp_path / "seed" / "data.h5", "r+") as f:
-        del f["data_obs"]
-        if how == "external storage":
-            f.create_dataset("data_obs", (2, 3, 2), np.float32, external=[(str(outside), 0, h5py.h5f.UNLIMITED)])
-        elif how == "virtual":
-            layout = h5py.VirtualLayout((2, 3, 2), np.float32)
-            layout[:] = h5py.VirtualSource(str(outside), "v", shape=(2, 3, 2))
-            f.create_virtual_dataset("data_obs", layout)
-        elif how == "external link":
-            f["data_obs"] = h5py.ExternalLink(str(outside), "v")
-        else:
-            f["v"] = np.full((2, 3, 2), 7, np.float32)
-            f["data_obs"] = h5py.SoftLink("/v")
+    before = replace_with_outside(tmp_path / "seed" / "data.h5", "data_obs", how, outside, (2, 3, 2), 7, "/v")
     refusal = (
         r"data\.h5: dataset 'data_obs' keeps its data in other files"
         if how in ("external storage", "virtual")
