@@ -1089,7 +1089,7 @@ class ReplayBuffer(CommittedViews):
         self._stage({n: v[None] for n, v in full.items()})
         self.store_step += 1
         return self.memory_namedtuple(
-            **{n: data[n] if n in data and not np.isscalar(data[n]) else full[n].copy() for n in full}
+            *(data[n] if n in data and not np.isscalar(data[n]) else full[n].copy() for n in full)
         )
 
     def store_batch(self, **data: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,8 +260,17 @@ class Schema:
 
     def check_names(self) -> None:
         """Refuse, for a new buffer, a field name too long to name its files (``MAX_NAME_BYTES``):
-        the create failed on it only after an overwrite had erased the buffer it replaced. A
-        stored config is not checked again, so a buffer opens as it was created."""
+        the create failed on it only after an overwrite had erased the buffer it replaced; and a
+        data field name ``store()``'s namedtuple cannot hold (a Python keyword, a leading
+        underscore), refused at creation as memmap-replay-buffer does. A stored config is not
+        checked again, so a buffer opens as it was created."""
+        for name in self.fields:
+            if keyword.iskeyword(name) or name.startswith("_"):
+                what = "is a Python keyword" if keyword.iskeyword(name) else "starts with an underscore"
+                raise ValueError(
+                    f"field name {name!r} {what}: store() returns a namedtuple of the data fields, which "
+                    "cannot hold it (memmap-replay-buffer refuses it too); rename the field"
+                )
         for name in (*self.fields, *self.meta_fields):
             size = len(name.encode())
             if size > MAX_NAME_BYTES:

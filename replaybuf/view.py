@@ -170,8 +170,10 @@ class SchemaAttributes:
     @cached_property
     def memory_namedtuple(self) -> Any:
         """The namedtuple ``store()`` returns: one value per data field (made at run time, so
-        not pickled: ``__getstate__`` drops it and it is made again on first use)."""
-        return namedtuple("Memory", list(self.schema.fields))
+        not pickled: ``__getstate__`` drops it and it is made again on first use). A name it
+        cannot hold (a keyword, a leading underscore: refused for new buffers, kept by older
+        ones) is renamed positionally (``_0``)."""
+        return namedtuple("Memory", list(self.schema.fields), rename=True)
 
 
 def read_only_message(kind: str, call: str) -> str:

@@ -93,6 +93,37 @@ def test_a_field_name_too_long_for_a_file_is_refused_before_the_overwrite(tmp_pa
     assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_data_field_name_stores_namedtuple_cannot_hold_is_refused_as_the_seed_does(tmp_path, backend, monkeypatch):
+    # accepted at creation, store() then failed inside collections.namedtuple on every step
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    for name, what in (
+        ("class", "is a Python keyword"),
+        ("_x", "starts with an underscore"),
+        ("_mask", "starts with an underscore"),
+    ):
+        with pytest.raises(ValueError, match=f"field name '{name}' {what}.*namedtuple.*rename the field"):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields={name: "float"}, backend=backend)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    # meta fields are no part of that namedtuple: accepted, as by the seed
+    with ReplayBuffer(
+        str(tmp_path / "m"), 2, 3, fields=dict(x="float"), meta_fields={"class": "int"}, backend=backend
+    ) as buffer:
+        buffer.store_episode(x=np.ones(2), **{"class": 3})
+        assert buffer.get_all_data()["class"].tolist() == [3]
+    # a buffer that holds such a name (written before the check) still takes store(): renamed positionally
+    from replaybuf.schema import Schema
+
+    monkeypatch.setattr(Schema, "check_names", lambda self: None)
+    with ReplayBuffer(str(tmp_path / "old"), 2, 3, fields={"class": "float", "x": "int"}, backend=backend) as buffer:
+        memory = buffer.store(**{"class": 1.5, "x": 2})
+        buffer.advance_episode()
+        assert memory._fields == ("_0", "x") and float(memory[0]) == 1.5 and int(memory.x) == 2
+        assert buffer.get_all_data()["class"][0, 0] == 1.5
+
+
 def test_a_compressor_level_out_of_range_is_refused_before_the_overwrite(tmp_path):
     # zstd:23 and gzip:10 failed in the codec after the old buffer was erased; blosc at every write
     from replaybuf import convert
