@@ -404,6 +404,7 @@ class ReplayBuffer(CommittedViews):
             creating = self._check_creatable(wanted)
             self.storage.check_creatable()  # a refused create takes no lease: it writes nothing
             self.storage.check_schema(creating)
+            self._check_codecs(creating)
             if overwrite and self.storage.exists():
                 held = snapshots.check_overwrite(self.storage, self.drop_snapshots_on_overwrite)
         elif wanted is not None or self._given:
@@ -477,6 +478,27 @@ class ReplayBuffer(CommittedViews):
         schema.check_defaults()
         schema.check_names()
         return schema
+
+    def _check_codecs(self, schema: Schema) -> None:
+        """Warn, for a new buffer, of a per-field ``compressor`` its backend does not apply: the
+        memmap and hdf5 backends store every field as one raw (or whole-file compressed) array,
+        so it is kept in the config (a reopen with the same fields matches) and not applied."""
+        if self.storage.supports_field_codecs:
+            return
+        ignored = {f.name: f.compressor for f in (*schema.fields.values(), *schema.meta_fields.values())}
+        ignored = {n: c for n, c in ignored.items() if c not in (None, "none")}
+        if ignored:
+            how = (
+                "compresses every field alike (storage_options={'compression': 'gzip'} or h5py_compression=)"
+                if self.storage.backend_name == "hdf5"
+                else "stores fields raw"
+            )
+            warnings.warn(
+                f"per-field compressors {ignored} are not applied by the {self.storage.backend_name!r} backend, "
+                f"which {how}; the zarr backend (the default) applies them",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _create(self, wanted: Schema | None) -> Schema:
         schema = self._check_creatable(wanted)

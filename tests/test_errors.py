@@ -4,6 +4,7 @@ before anything is written; the buffer is unchanged afterwards."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -122,6 +123,26 @@ def test_a_data_field_name_stores_namedtuple_cannot_hold_is_refused_as_the_seed_
         buffer.advance_episode()
         assert memory._fields == ("_0", "x") and float(memory[0]) == 1.5 and int(memory.x) == 2
         assert buffer.get_all_data()["class"][0, 0] == 1.5
+
+
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_per_field_compressor_a_raw_backend_does_not_apply_is_warned_of(tmp_path, backend):
+    # it was accepted, recorded in the config and never applied, without a word
+    fields = {"x": {"dtype": "float", "compressor": "zstd:3"}, "y": "int"}
+    meta = {"m": {"dtype": "int", "compressor": "blosc-lz4"}}
+    with pytest.warns(
+        UserWarning, match=rf"compressors {{'x': 'zstd:3', 'm': 'blosc-lz4'}} are not applied by the '{backend}'"
+    ):
+        buffer = ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=fields, meta_fields=meta, backend=backend)
+    with buffer:
+        buffer.store_episode(x=np.ones(2), y=np.ones(2, int), m=1)
+    with ReplayBuffer(
+        str(tmp_path / "b"), 2, 3, fields=fields, meta_fields=meta, overwrite=False, backend=backend
+    ) as again:
+        assert len(again) == 1  # the config kept matches
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ReplayBuffer(str(tmp_path / "c"), 2, 3, fields={"x": {"dtype": "float", "compressor": "none"}}, backend=backend)
 
 
 def test_a_compressor_level_out_of_range_is_refused_before_the_overwrite(tmp_path):
