@@ -228,6 +228,26 @@ def test_a_source_whose_meta_fail_their_checksums_is_refused_before_an_erase_in_
     assert tree(dst) == before
 
 
+def test_a_source_whose_meta_fail_their_checksums_is_refused_before_erasing_a_url_destination(tmp_path):
+    # an fsspec URL (as S3/GCS) is erased in place: the refusal comes first, not after the erase
+    import uuid
+
+    from replaybuf.testing import snapshot
+
+    src, dst = tmp_path / "src", f"memory://convert-overwrite-{uuid.uuid4().hex[:8]}"
+    filled(src, "memmap")
+    filled(dst, "zarr", lengths=(2, 3), max_episodes=6, circular=False)
+    before = snapshot(dst)
+    assert before
+    values = np.load(src / "task_id.data.meta.npy", mmap_mode="r+")
+    values[-1] += 1  # no longer its checksum's
+    values.flush()
+    del values
+    with pytest.raises(BufferDamagedError, match="nothing was written"):
+        convert(src, dst, progress=False, overwrite=True)
+    assert snapshot(dst) == before
+
+
 def test_only_an_existing_local_folder_is_built_beside_and_swapped(tmp_path):
     from replaybuf.maintenance import _swappable_folder
 
