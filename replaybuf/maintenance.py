@@ -1726,7 +1726,11 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="timesteps per chunk of a data field (repeatable), e.g. --chunks state=10",
     )
     parser.add_argument("--compressor", default=None, help="compressor of every field (zarr), e.g. zstd:5 or none")
-    parser.add_argument("--overwrite", action="store_true", help="replace a buffer already at DST")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a buffer already at DST (a local one only once the copy is complete; on S3/GCS it is erased first)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
     add_store_arguments(parser, what="the source's")
     add_store_arguments(parser, "dst-", what="the destination's")
