@@ -13,11 +13,13 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import glob
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -46,6 +48,7 @@ from .storage.base import (
     LostLengthError,
     NewerFormatError,
     Storage,
+    StorageError,
     backend_class,
     bookkeeping_fields,
     check_bookkeeping,
@@ -103,8 +106,8 @@ def _stranded_hint(storage: Storage) -> str:
     if not left:
         return ""
     return (
-        f"; an upgrade stopped between its renames left the original at {left[-1]!r}: rename it back to "
-        f"{folder!r} (and run the upgrade again)"
+        f"; an upgrade (or convert --overwrite) stopped between its renames left the original at {left[-1]!r}: "
+        f"rename it back to {folder!r} (and run the upgrade again)"
     )
 
 
@@ -288,7 +291,11 @@ def convert(
     storage_options, dst_storage_options
         Options of the source and destination stores (endpoints, credentials, hdf5 compression).
     overwrite
-        Replace a buffer already at ``dst``; otherwise an existing destination is an error.
+        Replace a buffer already at ``dst``; otherwise an existing destination is an error. A
+        local folder's buffer is replaced only once the copy is complete (built beside it and
+        swapped in, ``_convert_beside``): a copy that fails leaves it as it was. On an object
+        store (no atomic swap) it is erased when the copy is created, after every check that
+        can be made before.
     progress
         A tqdm bar over the episodes copied: ``None`` shows it on a terminal for copies longer
         than two seconds, ``True`` always, ``False`` never (``replaybuf.progress``).
@@ -310,12 +317,106 @@ def convert(
         raise FileExistsError(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"
         )
-    target.check_schema(target_schema)  # before the lease: a copy the backend cannot create writes nothing
+    # what creating the copy there would erase, refused (another backend's buffer, foreign
+    # entries, a buffer around it) before the lease and before anything is erased or written
+    target.check_creatable()
+    folder = _swappable_folder(target.location) if overwrite else None
+    staging = None if folder is None else _staging_folder(folder)
+    writer = target if staging is None else make_storage(staging, backend, dst_storage_options)
+    try:
+        # before the lease: a copy the backend cannot create writes nothing (a copy built beside
+        # the destination needs room beside the buffer it replaces, which it deletes only after)
+        writer.check_schema(target_schema)
+    except StorageError as e:
+        if staging is None:
+            raise
+        raise StorageError(
+            f"{e} (convert --overwrite builds the copy beside {folder!r} and deletes the buffer there only once "
+            "the copy is complete, so the two must fit at once; or delete that buffer first and convert without "
+            "--overwrite)"
+        ) from e
     lens, state = _checked_lens_and_state(source, schema)
-    # slots and generations are kept, so snapshots stay true as they are; a damaged one is
-    # refused here, before anything is written
+    # slots and generations are kept, so snapshots stay true as they are; damaged ones, and
+    # per-episode values that fail their checksums, are refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     attrs = load_attrs(source)  # damaged ones are refused here too
+    found = _read_bookkeeping(source, schema)[1]
+    if found:
+        raise BufferDamagedError(f"convert: {source.location!r}: " + "; ".join(found) + "; nothing was written")
+    copy = functools.partial(
+        _write_copy, source, schema=schema, target_schema=target_schema, held=held, attrs=attrs, src=src
+    )
+    if folder is not None and staging is not None:
+        plan, lens, state, copied = _convert_beside(
+            copy, target, writer, folder, staging, dst_storage_options, lens, state, progress
+        )
+    else:
+        plan, lens, state, copied = _convert_in_place(copy, target, dst, dst_storage_options, lens, state, progress)
+    slots = np.flatnonzero(lens > 0)
+    source.close()
+    return {
+        "destination": target.location,
+        "backend": backend,
+        "episodes": int(len(slots)),
+        "timesteps": int(lens[slots].sum()),
+        "snapshots": sorted(held),
+        **copied,
+    }
+
+
+def _write_copy(
+    source: Storage,
+    target: Storage,
+    lens: np.ndarray,
+    state: dict,
+    progress: bool | None,
+    *,
+    schema: Schema,
+    target_schema: Schema,
+    held: dict,
+    attrs: dict,
+    src: str | os.PathLike,
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
+    """Create the copy in ``target`` (whose writer lease the caller holds) and write every
+    committed episode of ``source``, its meta values, attributes, snapshots and counters, the
+    lengths (which publish the episodes) last; ``_copy_episodes``'s plan, lengths and counters."""
+    target.create(target_schema, overwrite=True)
+    record = {"from": os.fspath(src), "host": socket.gethostname(), "pid": os.getpid()}
+    target.write_blob(CONVERT_MARKER, json.dumps(record).encode())
+    plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
+    # the checksums of the values as copied (checked in the source, where it keeps them)
+    # (the copy's own: its uuid, which zarr binds them to, is new)
+    summed = metasums.summed(target_schema, target)
+    plan[META_SUM] = metasums.entries(
+        np.arange(schema.max_episodes), plan["_generation"], {**plan, "episode_lens": lens}, summed
+    )
+    meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
+    every_slot = np.arange(schema.max_episodes)
+    for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
+        target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
+    if attrs:
+        target.write_blob(ATTRS_KEY, encode_attrs(attrs))
+    for name, snapshot in held.items():
+        target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
+    target.commit_state(state)
+    target.flush()
+    target.delete_blobs(os.path.dirname(CONVERT_MARKER) + "/")  # complete
+    target.close()
+    return plan, lens, state
+
+
+def _convert_in_place(
+    copy: Any,
+    target: Storage,
+    dst: str | os.PathLike,
+    options: dict | None,
+    lens: np.ndarray,
+    state: dict,
+    progress: bool | None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict, dict]:
+    """Write the copy straight into ``target``, erasing the buffer there first: a new
+    destination, a remote one (an object store has no atomic swap) or a local folder that
+    cannot be swapped (``_swappable_folder``). Returns ``copy``'s results and ``_check_copy``'s."""
     made = _new_local_folders(target.location)
     # outside the try: a refusal (another process writes there) deletes nothing of its
     try:
@@ -324,28 +425,7 @@ def convert(
         remove_empty(made)  # still empty: the other process did not take them
         raise
     try:
-        target.create(target_schema, overwrite=True)
-        record = {"from": os.fspath(src), "host": socket.gethostname(), "pid": os.getpid()}
-        target.write_blob(CONVERT_MARKER, json.dumps(record).encode())
-        plan, lens, state = _copy_episodes(source, target, schema, lens, state, progress)
-        # the checksums of the values as copied (checked in the source, where it keeps them)
-        # (the copy's own: its uuid, which zarr binds them to, is new)
-        summed = metasums.summed(target_schema, target)
-        plan[META_SUM] = metasums.entries(
-            np.arange(schema.max_episodes), plan["_generation"], {**plan, "episode_lens": lens}, summed
-        )
-        meta_names = list(schema.meta_fields) + [n for n in bookkeeping_fields(schema) if n != "episode_lens"]
-        every_slot = np.arange(schema.max_episodes)
-        for name in [*meta_names, "episode_lens"]:  # the lengths last: the episodes are published
-            target.write_meta(name, every_slot, plan[name] if name in plan else source.read_meta(name))
-        if attrs:
-            target.write_blob(ATTRS_KEY, encode_attrs(attrs))
-        for name, snapshot in held.items():
-            target.write_blob(snapshots.key(name), snapshots.encode(snapshot))
-        target.commit_state(state)
-        target.flush()
-        target.delete_blobs(os.path.dirname(CONVERT_MARKER) + "/")  # complete
-        target.close()
+        plan, lens, state = copy(target, lens, state, progress)
     except BaseException:
         # a copy cut short (a full disk, an interrupt) leaves no half buffer in a folder it made
         with contextlib.suppress(Exception):
@@ -356,17 +436,120 @@ def convert(
         raise
     finally:
         target.release_writer()
-    slots = np.flatnonzero(lens > 0)
-    copied = _check_copy(dst, backend, dst_storage_options, lens, plan["_generation"], state)
-    source.close()
-    return {
-        "destination": target.location,
-        "backend": backend,
-        "episodes": int(len(slots)),
-        "timesteps": int(lens[slots].sum()),
-        "snapshots": sorted(held),
-        **copied,
-    }
+    checked = _check_copy(dst, target.backend_name, options, lens, plan["_generation"], state)
+    return plan, lens, state, checked
+
+
+def _swappable_folder(location: str) -> str | None:
+    """The real path of the existing local folder ``location``, where ``convert --overwrite``
+    builds its copy in a folder beside it and swaps the two (``_convert_beside``), else None: a
+    remote location, a new folder (nothing to keep), a mount point (a folder beside it is on
+    another file system) or one in a folder this process may not write in."""
+    if "://" in location and not location.startswith("file://"):
+        return None
+    folder = os.path.realpath(location.removeprefix("file://"))
+    parent = os.path.dirname(folder)
+    try:
+        if parent == folder or not os.path.isdir(folder) or os.stat(folder).st_dev != os.stat(parent).st_dev:
+            return None
+    except OSError:
+        return None
+    return folder if os.access(parent, os.W_OK | os.X_OK) else None
+
+
+def _staging_folder(folder: str) -> str:
+    """Where ``convert --overwrite`` builds the copy that replaces ``folder``: an upgrade's copy
+    (``.<name>.upgrading-<pid>`` beside it, marked), so ``info`` reports the copy a killed
+    convert leaves and the next convert or upgrade of ``folder`` deletes it."""
+    parent, name = os.path.split(folder)
+    return os.path.join(parent, f".{name}.upgrading-{os.getpid()}")
+
+
+def _convert_beside(
+    copy: Any,
+    target: Storage,
+    writer: Storage,
+    folder: str,
+    staging: str,
+    options: dict | None,
+    lens: np.ndarray,
+    state: dict,
+    progress: bool | None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict, dict]:
+    """Replace the local ``folder`` (``target``) by its copy without erasing it first: the copy
+    is built in ``staging`` beside it (through ``writer``), checked, swapped in by one atomic
+    exchange of the two folders (``_exchange``; two renames where the system has none) and the
+    old buffer deleted after (``_discard_original``), all under ``target``'s writer lease, as
+    ``upgrade`` does. A copy that fails at any point (a damaged source episode, a full disk, an
+    interrupt) leaves ``folder`` as it was and deletes ``staging`` (a killed one leaves it
+    marked, for the next convert or upgrade of ``folder`` to delete)."""
+    parent, name = os.path.split(folder)
+    backup = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
+    marker = os.path.join(staging, *UPGRADE_MARKER.split("/"))
+    target.acquire_writer(erase=True)  # a live writer refuses the convert, and none starts meanwhile
+    made = False  # the copy's folder is this convert's: only then is it deleted on failure
+    try:
+        _remove_dead_upgrades(folder)
+        for path in (staging, backup):
+            if os.path.lexists(path):
+                raise FileExistsError(
+                    f"convert: {path!r}, where this convert would build or move aside the buffer at {folder!r}, "
+                    "already exists; nothing was changed: remove it if no convert or upgrade is running"
+                )
+        os.makedirs(os.path.dirname(marker))
+        made = True
+        with contextlib.suppress(OSError):  # the copy keeps the folder's permissions
+            os.chmod(staging, stat.S_IMODE(os.stat(folder).st_mode))
+        with open(marker, "w") as f:
+            json.dump(_upgrade_record(folder), f)
+        writer.acquire_writer(erase=True)
+        try:
+            plan, lens, state = copy(writer, lens, state, progress)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                writer.close()
+            raise
+        finally:
+            writer.release_writer()  # before the swap: its lock file is not left in the new buffer
+        checked = _check_copy(staging, writer.backend_name, options, lens, plan["_generation"], state)
+        os.unlink(marker)  # the copy becomes the buffer: nothing of the convert stays in it
+        swapped = _exchange(staging, folder, "convert")
+        moved = staging if swapped else backup
+        if not swapped:  # two renames: a kill between them leaves the buffer at ``backup`` (the hints name it)
+            os.rename(folder, backup)
+        made = False  # from here the copy is kept whatever happens: the original has moved
+        try:
+            if not swapped:
+                os.rename(staging, folder)
+        except OSError as e:  # another process made a folder there in between
+            raise FileExistsError(
+                f"convert: {folder!r} was created by another process while the convert swapped its copy in "
+                f"({e.strerror}); nothing is lost: the buffer it replaced is at {backup!r} and the copy at "
+                f"{staging!r}. Move the new {folder!r} away, then rename one of them to {folder!r}"
+            ) from e
+    except BaseException:
+        if made and os.path.isdir(staging) and os.path.isdir(folder):
+            with contextlib.suppress(OSError):
+                _remove_marked(staging)
+        raise
+    finally:
+        target.release_writer()  # its lock file moved with the replaced buffer
+    # (the destination as spelled too: a link to ``folder`` keys its files under the link)
+    _forget_open_files(folder, staging, os.path.abspath(target.location.removeprefix("file://")))
+    _discard_original(folder, moved, staging)
+    return plan, lens, state, checked
+
+
+def _forget_open_files(*folders: str) -> None:
+    """Let go of the files under ``folders`` that this process keeps open or mapped for reads
+    (keyed by path), as erasing a buffer in place does: once two folders are swapped their paths
+    name other files, and a deleted file's space is freed only when nothing holds it."""
+    from .storage._hotmap import shard_maps
+    from .storage._kv import LocalKV
+
+    for folder in {os.path.join(folder, "") for folder in folders}:  # its files only, not a sibling's
+        LocalKV(folder).drop_read_handles()
+        shard_maps().drop_under(folder)
 
 
 def _new_local_folders(location: str) -> list[str]:
@@ -521,10 +704,15 @@ def upgrade_leftovers(folder: str) -> tuple[list[str], list[str]]:
 
 def upgrade_backups(folder: str) -> list[str]:
     """The originals upgrades of ``folder`` moved aside beside it (``.<name>.format<N>-<pid>``
-    folders): kept by ``keep_backup``, or left by an upgrade killed after its first rename and
-    before it marked the original for deletion (``_discard_original``)."""
+    folders; ``.<name>.replaced-<pid>`` for a ``convert --overwrite``): kept by ``keep_backup``,
+    or left by an upgrade (or convert) killed after its first rename and before it marked the
+    original for deletion (``_discard_original``)."""
     parent, name = os.path.split(folder)
-    found = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.format*-*"))
+    found = [
+        path
+        for pattern in (f".{glob.escape(name)}.format*-*", f".{glob.escape(name)}.replaced-*")
+        for path in glob.glob(os.path.join(glob.escape(parent), pattern))
+    ]
     return sorted(path for path in found if os.path.isdir(path) and not os.path.islink(path))
 
 
@@ -580,7 +768,7 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _exchange(one: str, other: str) -> bool:
+def _exchange(one: str, other: str, command: str = "upgrade") -> bool:
     """Swap the folders ``one`` and ``other`` in one atomic step (``renameat2`` with
     ``RENAME_EXCHANGE``); False, with nothing changed, where the system or file system has no
     such call (then two renames swap them, leaving neither name for an instant)."""
@@ -596,7 +784,7 @@ def _exchange(one: str, other: str) -> bool:
     code = ctypes.get_errno()
     if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):  # EPERM: a sandbox refusing the call
         return False
-    raise OSError(code, f"upgrade: swapping {one!r} and {other!r}: {os.strerror(code)}", one)
+    raise OSError(code, f"{command}: swapping {one!r} and {other!r}: {os.strerror(code)}", one)
 
 
 def _check_upgrade_writable(folder: str) -> None:
@@ -859,7 +1047,8 @@ def format_info(facts: dict) -> str:
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
         *([f"unfinished {facts['unfinished_copy']}"] if facts.get("unfinished_copy") else []),
         *(
-            f"leftover   {path}: the copy of a killed upgrade; the next `replaybuf upgrade` removes it"
+            f"leftover   {path}: the copy of a killed upgrade or convert --overwrite; the next `replaybuf upgrade` "
+            "or `convert --overwrite` of this buffer removes it"
             for path in facts.get("killed_upgrades", ())
         ),
         *(
@@ -1537,7 +1726,11 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="timesteps per chunk of a data field (repeatable), e.g. --chunks state=10",
     )
     parser.add_argument("--compressor", default=None, help="compressor of every field (zarr), e.g. zstd:5 or none")
-    parser.add_argument("--overwrite", action="store_true", help="replace a buffer already at DST")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a buffer already at DST (a local one only once the copy is complete; on S3/GCS it is erased first)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
     add_store_arguments(parser, what="the source's")
     add_store_arguments(parser, "dst-", what="the destination's")

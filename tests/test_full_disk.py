@@ -467,3 +467,23 @@ def test_an_edit_of_the_episode_in_progress_that_cannot_be_logged_is_not_made(di
     assert_holds(buffer, [values])
     buffer.close()
     assert verify(folder) == []
+
+
+def test_a_convert_overwrite_that_fits_only_in_place_of_the_old_buffer_is_refused_keeping_it(disk, tmp_path):
+    # the copy is built beside the old buffer and swapped in once complete, so both take their
+    # room at once: counting the old buffer's space as free, the copy ran out of disk part way
+    # (memmap reserves its files) after the old buffer was erased
+    def memmap(location) -> ReplayBuffer:
+        return ReplayBuffer(location, max_episodes=36, max_timesteps=8, fields=FIELDS, backend="memmap")
+
+    with memmap(tmp_path / "src") as buffer:
+        buffer.store_episode(**episode(1))
+    with memmap(disk / "dst") as buffer:
+        buffer.store_episode(**episode(2))
+    before = snapshot_of_folder(disk / "dst")
+    with pytest.raises(StorageError, match="must fit at once") as error:
+        convert(tmp_path / "src", disk / "dst", backend="memmap", progress=False, overwrite=True)
+    assert "nothing was erased" in str(error.value)
+    assert snapshot_of_folder(disk / "dst") == before and os.listdir(disk) == ["dst"]
+    with ReplayBuffer.from_folder(disk / "dst", read_only=True) as kept:
+        assert_holds(kept, [episode(2)])
