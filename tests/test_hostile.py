@@ -537,6 +537,27 @@ def test_a_fifo_at_the_hdf5_writer_mark_is_refused_naming_it_never_waited_on(tmp
     assert ReplayBuffer.from_folder(location, read_only=True).num_episodes == 1
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder", "broken link"])
+@pytest.mark.parametrize("backend", ["memmap", "hdf5"])
+def test_a_fifo_folder_or_broken_link_at_a_raw_backends_data_file_is_named_as_damage(tmp_path, backend, kind):
+    """Before: "no replaybuf buffer found" (hdf5's data.h5) or "missing x.data.npy" (memmap): a
+    buffer whose file was there, in another kind, reported as no buffer at all."""
+    if backend == "hdf5":
+        require("h5py")
+    location = filled(tmp_path / "b", backend)
+    path = os.path.join(location, "data.h5" if backend == "hdf5" else "state.data.npy")
+    os.unlink(path)
+    {"fifo": os.mkfifo, "folder": os.mkdir, "broken link": lambda p: os.symlink(str(tmp_path / "gone"), p)}[kind](path)
+    with pytest.raises(BufferDamagedError, match=f"{re.escape(path)}: not a regular file"):
+        ReplayBuffer.from_folder(location, read_only=True)
+    # a writer refuses it the same way, or (memmap) as a symbolic link it would write through
+    with pytest.raises(
+        (BufferDamagedError, StorageError), match=f"{re.escape(path)}(: not a regular file|'\\), and a write through)"
+    ):
+        ReplayBuffer.from_folder(location)
+    assert os.path.lexists(path)
+
+
 def stat_is_fifo(path: str) -> bool:
     return stat.S_ISFIFO(os.lstat(path).st_mode)
 

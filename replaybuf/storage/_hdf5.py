@@ -401,6 +401,10 @@ class HDF5Storage(LocalFolderStorage):
 
     def _config(self) -> dict | None:
         if not os.path.isfile(self.path):
+            if os.path.lexists(self.path):  # a FIFO, a device or a folder: no buffer file, nor one to erase
+                raise BufferDamagedError(
+                    f"{self.path}: not a regular file (a FIFO, a device, a folder or a broken link) where the buffer's HDF5 file belongs"
+                )
             return None
         try:
             with open_h5(self.path, "r") as f:

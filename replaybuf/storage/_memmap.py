@@ -357,6 +357,10 @@ class MemmapStorage(LocalFolderStorage):
                     self._allocate(name, meta, *expected)
                 continue
             if not os.path.isfile(path):
+                if os.path.lexists(path):  # a FIFO, a device or a folder: damage, not a missing file
+                    raise BufferDamagedError(
+                        f"{path}: not a regular file (a FIFO, a device, a folder or a broken link) where the buffer's array belongs"
+                    )
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing {os.path.basename(path)!r}")
             check_layout(path, *_npy_layout(path), expected)
             self._arrays[name, meta] = MemmapArray(self, path, None if meta else name)

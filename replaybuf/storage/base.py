@@ -1434,12 +1434,13 @@ def detect_backend(location: str, storage_options: dict | None = None) -> str | 
 
 
 def _holds_marker(location: str, marker: str) -> bool:
-    """Whether ``location`` is a local folder (a path or ``file://`` URL) holding file ``marker``."""
+    """Whether ``location`` is a local folder (a path or ``file://`` URL) holding an entry named
+    ``marker`` (any kind: a FIFO or a folder there is the backend's to name as damage)."""
     if location.startswith("file://"):
         location = location[len("file://") :]
     elif "://" in location:
         return False
-    return os.path.isfile(os.path.join(location, marker))
+    return os.path.lexists(os.path.join(location, marker))
 
 
 def make_storage(
