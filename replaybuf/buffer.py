@@ -302,7 +302,10 @@ class DataView(ArrayBase):
         try:
             rows[local] = array
         except ValueError as e:
-            raise ValueError(f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e}") from None
+            raise ValueError(
+                f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e} "
+                f"(expected a value that broadcasts to the selection's shape {np.shape(rows[local])})"
+            ) from None
         if len(slots) and t1 > t0:
             with buffer._commit.editing(slots, [self._name], t1):
                 buffer._edit_staged(steps=[(self._name, slots, t0, rows)])

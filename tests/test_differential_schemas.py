@@ -457,3 +457,24 @@ def test_data_reads_past_an_episodes_length_give_the_default_as_the_seed(tmp_pat
     with replaybuf.ReplayBuffer.from_folder(ours.folder, read_only=True) as reopened:
         for key in keys:
             assert_same(reopened.data["x"][key], theirs.data["x"][key], f"read-only data['x'][{key}]")
+
+
+def test_a_sequence_into_one_bool_item_is_refused_naming_the_shapes(tmp_path):
+    """difference (README): the seed's memmap stores a list's truth value, True for [0, 0]."""
+    theirs = seed.ReplayBuffer(tmp_path / "seed", 2, 2, {"x": "bool"}, {"m": "bool"})
+    theirs.store_episode(x=[False, False], m=False)
+    theirs.data["x"][0, 1] = [0, 0]
+    theirs.meta_data["m"][0] = [0, 0]
+    assert theirs.data["x"][0].tolist() == [False, True] and bool(theirs.meta_data["m"][0])
+    ours = replaybuf.ReplayBuffer(tmp_path / "ours", 2, 2, {"x": "bool", "y": ("float", 2)}, {"m": "bool"})
+    ours.store_episode(x=[False, False], m=False)
+    before = ours.get_all_data()
+    match = r"data\['x'\]\[\(0, 1\)\] = value of shape \(2,\): .* broadcasts to the selection's shape \(\)"
+    with pytest.raises(ValueError, match=match):
+        ours.data["x"][0, 1] = [0, 0]
+    with pytest.raises(ValueError, match=r"data\['y'\]\[0\] = value of shape \(3, 2\): .* selection's shape \(2, 2\)"):
+        ours.data["y"][0] = np.ones((3, 2))
+    with pytest.raises(ValueError, match=r"meta_data\['m'\]\[0\]: value of shape \(2,\) does not fit 1 episode"):
+        ours.meta_data["m"][0] = [0, 0]
+    assert_same(ours.get_all_data(), before, "after refused assignments")
+    ours.close()
