@@ -478,3 +478,24 @@ def test_a_sequence_into_one_bool_item_is_refused_naming_the_shapes(tmp_path):
         ours.meta_data["m"][0] = [0, 0]
     assert_same(ours.get_all_data(), before, "after refused assignments")
     ours.close()
+
+
+def test_filters_compare_values_of_the_fields_shape_and_dtype(tmp_path):
+    """difference (README): the seed's filter matches nothing for a list (a vector meta field),
+    raises for a (1,) field, and compares 259 as 3 in a uint8 field."""
+    args = dict(
+        max_episodes=3, max_timesteps=3, fields={"u": "uint8", "i1": ("int", (1,))}, meta_fields={"mv": ("int", 2)}
+    )
+    theirs, ours = seed.ReplayBuffer(tmp_path / "seed", **args), replaybuf.ReplayBuffer(tmp_path / "ours", **args)
+    for buffer in (theirs, ours):
+        buffer.store_episode(u=[1, 3, 3], i1=[[1], [2], [1]], mv=[1, 2])
+        buffer.store_episode(u=[3], i1=[[0]], mv=[2, 2])
+    assert len(theirs.dataset(filter_meta={"mv": [1, 2]})) == 0
+    assert ours.dataset(filter_meta={"mv": [1, 2]}, return_indices=True)[0]["_index"].item() == 0
+    with pytest.raises(ValueError, match="only supports scalar fields"):
+        theirs.dataset(timestep_level=True, filter_fields={"i1": 1})
+    assert len(ours.dataset(timestep_level=True, filter_fields={"i1": 1})) == 2
+    assert len(theirs.dataset(timestep_level=True, filter_fields={"u": 259})) == 3
+    with pytest.raises(ValueError, match=r"filter_fields \{'u': 259\} matches no timestep"):
+        ours.dataset(timestep_level=True, filter_fields={"u": 259})
+    ours.close()
