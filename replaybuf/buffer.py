@@ -131,15 +131,20 @@ class MetaView(WrappedArray):
         except IndexError as e:
             raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (max_episodes {buffer.max_episodes})") from None
         array = to_numpy(value, self._name)
-        # one value for every episode, as store_meta_datapoint takes it, or one per episode
-        array = step_value(array, field)[None] if array.ndim <= len(field.shape) else fit_shape(array, field, 1)
-        try:
-            values = np.broadcast_to(array, (len(episodes), *field.shape))
-        except ValueError as e:
-            raise ValueError(
-                f"meta_data[{self._name!r}][{key!r}]: value of shape {np.shape(value)} does not fit "
-                f"{len(episodes)} episode(s) of shape {field.shape} ({e})"
-            ) from None
+        try:  # one value for every episode, as store_meta_datapoint takes it, or one per episode
+            fitted = fit_shape(array, field, 0)[None] if array.ndim <= len(field.shape) else fit_shape(array, field, 1)
+            values = np.broadcast_to(fitted, (len(episodes), *field.shape))
+        except ValueError:
+            # else by numpy's rules, as the seed's memmap takes it: [1, 2] into each row of a
+            # (2, 2) field, a scalar into every item
+            target = (*np.shape(np.arange(buffer.max_episodes)[key]), *field.shape)
+            try:
+                values = np.broadcast_to(array, target).reshape(len(episodes), *field.shape)
+            except ValueError as e:
+                raise ValueError(
+                    f"meta_data[{self._name!r}][{key!r}]: value of shape {np.shape(value)} does not fit "
+                    f"{len(episodes)} episode(s) of shape {field.shape} ({e})"
+                ) from None
         buffer._set_meta(self._name, episodes, cast_values(values, field))
 
     def _assigned_rows(self, buffer: ReplayBuffer, field: Field, key: Any, value: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -200,7 +205,7 @@ class DataView(ArrayBase):
     """``buffer.data[name]``: numpy-style indexing of (episode, time, *shape).
 
     On a read-only buffer (a reader beside a writer) every read is consistent: each slot read
-    holds its committed episode (zero past its length) or, when empty or being rewritten, zeros,
+    holds its committed episode (the default past its length) or, when empty or being rewritten, zeros,
     never parts of two episodes (``consistency.py``). On a writable buffer reads are the
     storage's (the writer sees its episode in progress); writes go through ``Committer.editing``.
     """
@@ -231,12 +236,14 @@ class DataView(ArrayBase):
 
     def _read(self, slots: np.ndarray, t0: int, t1: int) -> np.ndarray:
         """Steps ``t0 .. t1`` of ``slots`` (sorted, unique) as (len(slots), t1 - t0, *shape):
-        as stored for a committed episode (its padding included), zeros for an empty slot."""
+        a committed episode's steps then the field's default past its length, zeros for an
+        empty slot."""
         buffer, storage = self._buffer, self._buffer.storage
         out = np.zeros((len(slots), t1 - t0, *self.shape[2:]), self.dtype)
         if not buffer.read_only:
             if len(slots):
                 out[:] = storage.read_rows(self._name, slots, t0, t1)
+                self._fill_past_lengths(out, np.asarray(buffer.episode_lens)[slots], t0)
                 if isinstance(buffer, ReplayBuffer):  # a writer's episode in progress
                     buffer._overlay_staged(self._name, slots, t0, out)
             return out
@@ -244,7 +251,8 @@ class DataView(ArrayBase):
         def read(items: np.ndarray) -> None:
             out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
-        generations = stored_bookkeeping(storage, (), slots)["_generation"]
+        planned = stored_bookkeeping(storage, (), slots)
+        generations, lens = planned["_generation"], np.array(planned["episode_lens"], np.int64)
         if (generations > buffer.generations.max(initial=0)).any() and storage.replaced():
             # episodes newer than the last refresh may be another buffer's (every backend
             # checks here; memmap and hdf5 also at each read's re-check)
@@ -256,13 +264,27 @@ class DataView(ArrayBase):
             if gone.any():
                 raise snapshot_gone(snapshot, storage.location, slots[gone])
             generations[recorded == 0] = 0
-        kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots))
+        kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots, lens))
         # a buffer deleted and created again counts generations from 1 again, so they can name
         # its episodes: only this tells (a stat on a local folder, a GET on an object store)
         if storage.replaced(cheap_only=storage.is_local):
             raise BufferReplacedError(storage.location)
         out[~kept] = 0
+        self._fill_past_lengths(out, np.where(kept, lens, 0), t0)
         return out
+
+    def _fill_past_lengths(self, out: np.ndarray, lens: np.ndarray, t0: int) -> None:
+        """Set the steps of ``out`` (read from step ``t0``) at or past each committed episode's
+        length to the field's default, as ``get_all_data`` and the datasets give them and the
+        seed's slots hold them: memmap and hdf5 store zeros there, zarr the default up to its
+        chunk's end only. Empty slots (length 0) stay zeros."""
+        lens = np.asarray(lens, np.int64)
+        ends = lens - t0
+        short = np.flatnonzero((lens > 0) & (ends < out.shape[1]))
+        if len(short):
+            fill = self._buffer.schema.fields[self._name].fill
+            for i in short.tolist():
+                out[i, max(int(ends[i]), 0) :] = fill
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """Write in place inside ``Committer.editing``: ``value`` is checked as every write
@@ -280,7 +302,10 @@ class DataView(ArrayBase):
         try:
             rows[local] = array
         except ValueError as e:
-            raise ValueError(f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e}") from None
+            raise ValueError(
+                f"data[{self._name!r}][{key!r}] = value of shape {array.shape}: {e} "
+                f"(expected a value that broadcasts to the selection's shape {np.shape(rows[local])})"
+            ) from None
         if len(slots) and t1 > t0:
             with buffer._commit.editing(slots, [self._name], t1):
                 buffer._edit_staged(steps=[(self._name, slots, t0, rows)])

@@ -232,7 +232,10 @@ class Schema:
             raise ValueError(f"fields and meta_fields must not share names; both define {shared}")
         reserved = sorted((set(fields) | set(meta_fields)) & set(RESERVED_META_FIELDS))
         if reserved:
-            raise ValueError(f"field names {reserved} are reserved for the buffer's own bookkeeping")
+            raise ValueError(
+                f"field names {reserved} are reserved for the buffer's own bookkeeping "
+                f"(the names {list(RESERVED_META_FIELDS)}); name the field otherwise"
+            )
         schema = cls(
             {n: parse_field(n, s) for n, s in fields.items()},
             {n: parse_field(n, s) for n, s in meta_fields.items()},

@@ -782,25 +782,20 @@ class ReplayDatasetNStep(_TimepointDataset):
         episodes, timesteps = self._index.pairs(positions)
         actual = np.minimum(self.n_steps, self._lens[episodes] - timesteps - 1)
         later = timesteps + actual
-        columns = {}
-        both = [f for f in self.current_fields if f in self.next_fields]
-        for f in both:
+        now, following = {}, {}
+        for f in (f for f in self.current_fields if f in self.next_fields):
             pair = self.fetcher.gather(f, np.concatenate([episodes, episodes]), np.concatenate([timesteps, later]))
-            columns[self.out_name(f)], columns[self.out_name(f"next_{f}")] = (
-                pair[: len(episodes)],
-                pair[len(episodes) :],
-            )
-        for f in self.current_fields:
-            if f not in both:
-                columns[self.out_name(f)] = self.fetcher.gather(f, episodes, timesteps)
-        for f in self.next_fields:
-            if f not in both:
-                columns[self.out_name(f"next_{f}")] = self.fetcher.gather(f, episodes, later)
+            now[f], following[f] = pair[: len(episodes)], pair[len(episodes) :]
+        # every current field, then every next_ one, as the seed: where a field is itself named
+        # next_<other> (fields obs and next_obs), the next_ output of <other> is the one returned,
+        # whatever the order the fields were declared in
         columns = {
-            k: columns[k]
-            for k in [self.out_name(f) for f in self.current_fields]
-            + [self.out_name(f"next_{f}") for f in self.next_fields]
+            self.out_name(f): now[f] if f in now else self.fetcher.gather(f, episodes, timesteps)
+            for f in self.current_fields
         }
+        for f in self.next_fields:
+            data = following[f] if f in following else self.fetcher.gather(f, episodes, later)
+            columns[self.out_name(f"next_{f}")] = data
         for f in self.sequence_fields:
             columns[self.out_name(f"seq_{f}")] = self.fetcher.windows(f, episodes, timesteps, actual, self.n_steps)
         columns[self.out_name("n_step_lens")] = actual

@@ -277,9 +277,19 @@ def make_dataloader(
         )
     added = ["_mask"] * return_mask + ["_weights", "_generations"] * prioritized  # the loader's own keys
     taken = [key for key in added if hasattr(dataset, "output_keys") and key in dataset.output_keys()]
+    mapped = [key for key in taken if key in (getattr(dataset, "fieldname_map", None) or {}).values()]
+    if mapped:
+        raise ValueError(
+            f"fieldname_map: {mapped} would be overwritten by the loader's own {mapped} - map to other names"
+        )
+    # a field named _mask is replaced by the loader's _mask, as the seed replaces a meta field so
+    # named (and as the dataset's _lens replaces a field named _lens); the prioritized sampler's
+    # keys have no such precedent
+    taken = [key for key in taken if key != "_mask"]
     if taken:
         raise ValueError(
-            f"fieldname_map: {taken} would be overwritten by the loader's own {taken} - map to other names"
+            f"field(s) {taken} would be overwritten by the prioritized sampler's own {taken} - "
+            "return them under other names with fieldname_map"
         )
     if return_mask and hasattr(dataset, "output_keys") and "_lens" not in dataset.output_keys():
         kind = type(dataset).__name__ + (", return_episode_lens=False" * hasattr(dataset, "return_episode_lens"))
