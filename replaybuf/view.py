@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from .buffer import MetaView
     from .sampling.loader import make_dataloader, make_dataset
 
-__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "read_only_message"]
+__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "mirror_lock", "read_only_message"]
 
 
 @runtime_checkable
@@ -220,6 +221,16 @@ class FieldViews(Mapping[str, V]):
 
     def __repr__(self) -> str:
         return f"{self._attribute}{dict(self)!r}"
+
+
+def mirror_lock(buffer: Any) -> AbstractContextManager[Any]:
+    """The lock a writable ``ReplayBuffer`` holds while it writes (``buffer._serialized``): a
+    read of it holding the lock plans lengths, generations and meta rows of one state and
+    reads rows no commit, edit or close() of another thread of the process changes meanwhile.
+    No lock for other buffers (a reader's mirror changes only by its own refresh, and its reads
+    are checked against writers elsewhere: ``consistency.py``)."""
+    lock = getattr(buffer, "_lock", None)
+    return lock if lock is not None and not buffer.read_only else nullcontext()
 
 
 def frozen(array: np.ndarray) -> np.ndarray:
