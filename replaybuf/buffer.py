@@ -258,7 +258,7 @@ class DataView(ArrayBase):
         out = np.zeros((len(slots), t1 - t0, *self.shape[2:]), self.dtype)
         if not buffer.read_only:
             if len(slots):
-                with mirror_lock(buffer):  # no commit of another thread rewrites them meanwhile
+                with mirror_lock(buffer, writer_only=True):  # no commit of another thread meanwhile
                     out[:] = storage.read_rows(self._name, slots, t0, t1)
                     if isinstance(buffer, ReplayBuffer):  # a writer's episode in progress
                         buffer._overlay_staged(self._name, slots, t0, out)
@@ -1742,8 +1742,9 @@ class ReplayBuffer(CommittedViews):
 
     @property
     def _lock(self) -> threading.RLock:
-        """The lock every write of this object and every read of it by a writable object hold
-        (``_serialized``, ``view.mirror_lock``), so threads of this process share the object.
+        """The lock every write and ``refresh()`` of this object hold, and the plans of its
+        reads (and, of a writable object, the reads: ``_serialized``, ``view.mirror_lock``), so
+        threads of this process share the object.
         A forked child (a DataLoader worker) makes its own: a thread of the parent holding it
         at the fork does not run there, and would hold it forever."""
         if self._lock_pid != os.getpid():

@@ -212,7 +212,7 @@ def read_consistent(
     if exhausted not in ("raise", "drop"):
         raise ValueError(f"exhausted must be 'raise' or 'drop', got {exhausted!r}")
     # a writable buffer's own reads: no commit, edit or close() of another thread runs meanwhile
-    with mirror_lock(source):
+    with mirror_lock(source, writer_only=True):
         return _read_consistent(source, slots, generations, read, replan, whole, exhausted, retries, verified, snapshot)
 
 

@@ -223,14 +223,15 @@ class FieldViews(Mapping[str, V]):
         return f"{self._attribute}{dict(self)!r}"
 
 
-def mirror_lock(buffer: Any) -> AbstractContextManager[Any]:
-    """The lock a writable ``ReplayBuffer`` holds while it writes (``buffer._serialized``): a
-    read of it holding the lock plans lengths, generations and meta rows of one state and
-    reads rows no commit, edit or close() of another thread of the process changes meanwhile.
-    No lock for other buffers (a reader's mirror changes only by its own refresh, and its reads
-    are checked against writers elsewhere: ``consistency.py``)."""
+def mirror_lock(buffer: Any, writer_only: bool = False) -> AbstractContextManager[Any]:
+    """The lock of a ``ReplayBuffer`` object (``buffer._serialized``), held by every write and
+    ``refresh()`` of it: a plan holding it copies lengths, generations and meta rows of one
+    state of the mirror, though another thread of the process commits or refreshes through
+    the same object. ``writer_only``: only a writable object's, for a whole read (rows no
+    commit, edit or close() of another thread changes meanwhile); a reader's reads are checked
+    against writers anywhere (``consistency.py``). No lock for other buffers."""
     lock = getattr(buffer, "_lock", None)
-    return lock if lock is not None and not buffer.read_only else nullcontext()
+    return lock if lock is not None and not (writer_only and buffer.read_only) else nullcontext()
 
 
 def frozen(array: np.ndarray) -> np.ndarray:

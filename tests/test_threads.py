@@ -9,6 +9,7 @@ that returned early, or a call that ran inside the other's write, is what fails)
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -282,3 +283,38 @@ def test_forked_loader_workers_read_while_a_thread_holds_the_lock(place):
         holder.join()
     assert not errors, errors
     assert sorted(np.asarray(batches[0]["ep"]).tolist()) == [1, 2, 3]
+
+
+def test_a_plan_never_straddles_a_refresh_of_another_thread(place):
+    """A read-only object sampled by one thread and refreshed by another: a loader's plan copies
+    lengths and generations of one refresh (before: a refresh landing between the two copies
+    paired a slot's old length with its new episode's generation, whose rows then came back
+    with the old episode's length)."""
+    writer = make(place, 2, circular=True)
+    for e in (1, 2):
+        writer.store_episode(**steps(e, 5), ep=e)
+    reader = ReplayBuffer.from_folder(place.location, read_only=True, **place.kwargs)
+    refreshed, errors = threading.Event(), []
+    original = reader._committed
+    calls = []
+
+    def planning() -> Any:  # the loader's plan copied the lengths, now the generations
+        caller, plan = sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name
+        if not calls and (caller, plan) == ("generations", "take_snapshot"):
+            calls.append(1)
+            writer.store_episode(**steps(3, 2), ep=3)  # into slot 0, episode 1's
+            run(lambda: (reader.refresh(), refreshed.set()), errors)
+            refreshed.wait(WAIT_S)
+        return original()
+
+    reader._committed = planning  # type: ignore[method-assign]
+    batches = list(make_dataloader(reader, 2))
+    del reader._committed
+    assert not errors, errors
+    assert calls, "the plan was reached"
+    for batch in batches:
+        for row, (n, e) in enumerate(zip(np.asarray(batch["_lens"]), np.asarray(batch["ep"]))):
+            length = {1: 5, 2: 5, 3: 2}[int(e)]
+            assert n == length, f"episode {int(e)} read with {int(n)} steps, it has {length}"
+            assert np.array_equal(np.asarray(batch["obs"])[row, :n], steps(int(e), length)["obs"])
+    writer.close()

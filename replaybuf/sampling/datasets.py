@@ -128,7 +128,7 @@ def empty_buffer_error(buffer: BufferView) -> ValueError:
 def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
     """(lens, generations) of every slot, committed and mutually consistent
     (``refresh_for_snapshot`` first)."""
-    with mirror_lock(buffer):  # a writer's commit in another thread of this process waits
+    with mirror_lock(buffer):  # a commit or refresh of another thread through this object waits
         refresh_for_snapshot(buffer)
         lens = np.array(buffer.episode_lens, dtype=np.int64)
         generations = np.array(buffer.generations, dtype=np.int64)
