@@ -42,7 +42,7 @@ from .consistency import (
 from .progress import dask_progress, progress_bar
 from .schema import Field
 from .storage import BufferReplacedError, GenerationMismatchError, fill_beyond, recycled_empty
-from .view import BufferView
+from .view import BufferView, mirror_lock
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -203,6 +203,11 @@ class _Plan:
 
 
 def _plan(buffer: BufferView, slots: np.ndarray, meta_fields: Sequence[str] = ()) -> _Plan:
+    with mirror_lock(buffer):  # lengths, generations and meta rows of one state of a writer's mirror
+        return _planned(buffer, slots, meta_fields)
+
+
+def _planned(buffer: BufferView, slots: np.ndarray, meta_fields: Sequence[str]) -> _Plan:
     slots = np.asarray(slots, np.int64)
     lens = np.asarray(buffer.episode_lens, np.int64)[slots]
     generations = np.asarray(buffer.generations, np.int64)[slots]
@@ -223,9 +228,12 @@ def _committed(buffer: BufferView, order: str = "chronological", meta_fields: Se
     """The committed episodes: valid slots (oldest first, or by slot index), as planned."""
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {list(_ORDERS)}, got {order!r}")
-    all_lens = np.asarray(buffer.episode_lens, np.int64)
-    slots = np.asarray(buffer.valid_episodes() if order == "chronological" else np.flatnonzero(all_lens > 0), np.int64)
-    return _plan(buffer, slots, meta_fields)
+    with mirror_lock(buffer):
+        all_lens = np.asarray(buffer.episode_lens, np.int64)
+        slots = np.asarray(
+            buffer.valid_episodes() if order == "chronological" else np.flatnonzero(all_lens > 0), np.int64
+        )
+        return _plan(buffer, slots, meta_fields)
 
 
 def to_dask(

@@ -20,13 +20,14 @@ import functools
 import gc
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import numpy as np
 
@@ -66,7 +67,7 @@ from .storage import (
     unpublished_slots,
     with_cache,
 )
-from .view import BufferView, CommittedViews, FieldViews, read_only_message
+from .view import BufferView, CommittedViews, FieldViews, mirror_lock, read_only_message
 
 if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods that use them
     from .collector import EpisodeCollector
@@ -74,6 +75,23 @@ if TYPE_CHECKING:  # torch, dask and the loaders are imported by the methods tha
 _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 # the bookkeeping arrays a slot's ``_meta_sum`` entry covers (with its meta fields), and the entry
 _SUMMED = ("_generation", "episode_lens", META_SUM)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _serialized(method: _Method) -> _Method:
+    """``method`` runs holding its object's lock (``ReplayBuffer._lock``): one object shared by
+    threads (an actor storing, a learner sampling, updating priorities or closing it) runs one
+    write at a time, and no read of it beside (``view.mirror_lock``). Unlocked, two commits took
+    the same slot and counters (episodes lost, slots left failing their checksums), a read
+    returned rows of two episodes, and close() closed an HDF5 file under a read."""
+
+    @functools.wraps(method)
+    def locked(self: ReplayBuffer, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, locked)
 
 
 def _given_settings(max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool) -> dict[str, Any]:
@@ -117,6 +135,10 @@ class MetaView(WrappedArray):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         buffer = as_writer(self._buffer, f"meta_data[{self._name!r}][...] = ...")
+        with buffer._lock:
+            self._assign(buffer, key, value)
+
+    def _assign(self, buffer: ReplayBuffer, key: Any, value: Any) -> None:
         if self._name in buffer._bookkeeping:
             raise ValueError(
                 f"meta_data[{self._name!r}] is read-only: a slot's length is published by committing "
@@ -242,10 +264,11 @@ class DataView(ArrayBase):
         out = np.zeros((len(slots), t1 - t0, *self.shape[2:]), self.dtype)
         if not buffer.read_only:
             if len(slots):
-                out[:] = storage.read_rows(self._name, slots, t0, t1)
-                self._fill_past_lengths(out, np.asarray(buffer.episode_lens)[slots], t0)
-                if isinstance(buffer, ReplayBuffer):  # a writer's episode in progress
-                    buffer._overlay_staged(self._name, slots, t0, out)
+                with mirror_lock(buffer, writer_only=True):  # no commit of another thread meanwhile
+                    out[:] = storage.read_rows(self._name, slots, t0, t1)
+                    self._fill_past_lengths(out, np.asarray(buffer.episode_lens)[slots], t0)
+                    if isinstance(buffer, ReplayBuffer):  # a writer's episode in progress
+                        buffer._overlay_staged(self._name, slots, t0, out)
             return out
 
         def read(items: np.ndarray) -> None:
@@ -291,6 +314,10 @@ class DataView(ArrayBase):
         is, then the rows ``key`` touches are read, assigned with numpy's indexing and
         broadcasting and written back whole (and into the steps of an episode in progress)."""
         buffer = as_writer(self._buffer, f"data[{self._name!r}][...] = ...")
+        with buffer._lock:
+            self._assign(buffer, key, value)
+
+    def _assign(self, buffer: ReplayBuffer, key: Any, value: Any) -> None:
         # checked as every write is (no NaN into ints, no wrapping out-of-range values): numpy's
         # assignment would cast them silently; the block read after holds this dtype already
         array = cast_values(to_numpy(value, self._name), buffer.schema.fields[self._name])
@@ -398,6 +425,7 @@ class ReplayBuffer(CommittedViews):
         for name, value in flags.items():
             check_flag(name, value)
         self.read_only = bool(read_only) or snapshot is not None
+        self._rlock, self._lock_pid = threading.RLock(), os.getpid()  # ``_lock``
         self._closed = False  # by close(): the writer lease is given back, writes are refused
         self.snapshot_name = None if snapshot is None else snapshots.check_name(snapshot)
         self.drop_snapshots_on_overwrite = bool(drop_snapshots_on_overwrite)
@@ -593,6 +621,8 @@ class ReplayBuffer(CommittedViews):
         for fill in self._fills.values():
             fill.flags.writeable = False
         self._group: EpisodeGroup | None = None
+        self._group_thread = threading.get_ident()  # the thread that began ``_group``
+        self._group_scoped = False  # ``_group`` was begun by a one_episode/batched_episode block
         self._store_step = 0
         self._pending_steps = 0  # ``timestep_index = n`` set before the group it applies to began
         self.refresh()
@@ -607,6 +637,7 @@ class ReplayBuffer(CommittedViews):
         """Each meta field's view by name (``episode_lens`` included): ``buffer.meta_data["task"][slot]``."""
         return FieldViews("meta_data", self._listed_meta_names, functools.partial(MetaView, self))
 
+    @_serialized
     def refresh(self) -> ReplayBuffer:
         """Reload counters and per-episode arrays, and drop this process's cached reads: a
         reader picks up what writers committed or updated since. A reader whose buffer another
@@ -789,9 +820,11 @@ class ReplayBuffer(CommittedViews):
         return int(self._group.slots[0]) if self._group is not None else int(self._state["episode_index"])
 
     @episode_index.setter
+    @_serialized
     def episode_index(self, value: int) -> None:
         """Choose the slot the next episode goes to, as the seed allows (not while steps are staged)."""
         self._check_writable("episode_index = ...")
+        self._check_episode_thread("episode_index = ...")
         slot = check_index(value, self.max_episodes, "episode_index", "episode_index")
         group = self._group
         if group is not None and group.length > 0:
@@ -815,11 +848,13 @@ class ReplayBuffer(CommittedViews):
         return self._pending_steps if self._group is None else self._group.length
 
     @timestep_index.setter
+    @_serialized
     def timestep_index(self, value: int) -> None:
         """Move the write position of the episode in progress, as the seed allows: the next store
         writes step ``value``: steps after it keep their values until stored again (as in the seed),
         skipped ones hold the default."""
         self._check_writable("timestep_index = ...")
+        self._check_episode_thread("timestep_index = ...")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= self.max_timesteps:
             raise ValueError(f"timestep_index: expected an int in [0, {self.max_timesteps}], got {value!r}")
         value, group = int(value), self._group
@@ -943,6 +978,28 @@ class ReplayBuffer(CommittedViews):
         lease.turn = weakref.ref(self)
         return compacted
 
+    def _check_episode_thread(self, call: str, discards: bool = False) -> None:
+        """BufferLockedError for ``call`` from another thread than the one that began the episode
+        in progress, where that would be lost or mixed: a call that ``discards`` it (a whole
+        episode stored, ``clear()``, a new episode block), or a step into an episode begun by a
+        ``one_episode``/``batched_episode`` block (the block's thread owns it: another thread's
+        steps would make one episode of both). The lock keeps each call whole; steps handed from
+        thread to thread (an executor's) without a block extend the episode in progress, as one
+        thread's would."""
+        group = self._group
+        if group is None or self._group_thread == threading.get_ident():
+            return
+        if not discards and not self._group_scoped:
+            return
+        raise BufferLockedError(
+            f"cannot call `{call}` on {self.storage.location!r} from this thread: another thread has an episode "
+            f"in progress in this ReplayBuffer ({group.length} steps in slots {group.slots.tolist()} not yet ended). "
+            "One object collects one episode at a time: end it in that thread first (leave its one_episode block, "
+            "advance_episode()), store whole episodes with store_episode() (safe from several threads), or give "
+            "each actor thread a buffer of its own: ReplayBuffer.shard(root, i), read together with "
+            "ConcatReplayBuffer(root)"
+        )
+
     def _writing_episode(self) -> bool:
         """Whether this object has an episode in progress (steps stored, not yet ended)."""
         return self._group is not None and self._group.length > 0
@@ -982,7 +1039,7 @@ class ReplayBuffer(CommittedViews):
                 group.meta[name][:shared] = values[:shared]
         for name, values in meta.items():
             group.meta[name][:] = values
-        self._group = group
+        self._group, self._group_thread, self._group_scoped = group, threading.get_ident(), False
         self._store_step = 0
         if self.flush_every_store_step > 0:
             self._commit.log_header(group)
@@ -1062,40 +1119,50 @@ class ReplayBuffer(CommittedViews):
         A block that stored no step commits nothing; its meta waits for the next episode, as in
         the seed.
         """
-        self._check_writable("one_episode")
-        values = self._meta_values(meta, 1, "one_episode")
-        if self._group is not None and self._group.length > 0:
-            raise RuntimeError("an episode is already in progress: finish it before starting one_episode")
-        self._begin_group(1, values)
+        with self._lock:  # not held inside the block: other threads read (and update) meanwhile
+            self._check_writable("one_episode")
+            self._check_episode_thread("one_episode", discards=True)
+            values = self._meta_values(meta, 1, "one_episode")
+            if self._group is not None and self._group.length > 0:
+                raise RuntimeError("an episode is already in progress: finish it before starting one_episode")
+            self._begin_group(1, values)
+            self._group_scoped = True
         final: dict[str, Any] = {}
         try:
             yield final
             # bad final meta is refused as an exception in the block is: the episode is rolled back
             final_values = self._meta_values(final, 1, "one_episode (final meta)")
         except BaseException:
-            self._abort_group()
+            with self._lock:
+                self._abort_group()
             raise
-        group = self._group
-        if group is not None and group.length == 0:
-            for name, value in final_values.items():
-                group.meta[name][:] = value
-            return
-        self._commit_group(final_values)
+        with self._lock:
+            group = self._group
+            if group is not None and group.length == 0:
+                for name, value in final_values.items():
+                    group.meta[name][:] = value
+                self._group_scoped = False  # the block ended: its meta waits for any thread's next episode
+                return
+            self._commit_group(final_values)
 
     @contextmanager
     def batched_episode(self, batch_size: int, **meta_batch: Any) -> Iterator[None]:
         """Collect ``batch_size`` episodes in lockstep with ``store_batch``; committed on exit."""
-        self._check_writable("batched_episode")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        values = self._meta_values(meta_batch, int(batch_size), "batched_episode")
-        if self._group is not None and self._group.length > 0:
-            raise RuntimeError("an episode is already in progress: finish it before starting batched_episode")
-        self._begin_group(int(batch_size), values)
+        with self._lock:
+            self._check_writable("batched_episode")
+            self._check_episode_thread("batched_episode", discards=True)
+            if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+                raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            values = self._meta_values(meta_batch, int(batch_size), "batched_episode")
+            if self._group is not None and self._group.length > 0:
+                raise RuntimeError("an episode is already in progress: finish it before starting batched_episode")
+            self._begin_group(int(batch_size), values)
+            self._group_scoped = True
         try:
             yield
         except BaseException:
-            self._abort_group()
+            with self._lock:
+                self._abort_group()
             raise
         self.advance_episode(int(batch_size))
 
@@ -1111,6 +1178,7 @@ class ReplayBuffer(CommittedViews):
         finally:
             self.flush_every_store_step = every
 
+    @_serialized
     def store(self, **data: Any):
         """Store one timestep of the episode in progress; missing fields (and fields given as
         None, as in the seed) get their default.
@@ -1119,6 +1187,7 @@ class ReplayBuffer(CommittedViews):
         tensor or list is returned as given, a scalar or a default as an array of the field.
         """
         self._check_writable("store")
+        self._check_episode_thread("store")
         self._check_names(data, self.fieldnames, "field", "store")
         data = {n: v for n, v in data.items() if v is not None}
         values = {n: step_value(v, self.schema.fields[n]) for n, v in data.items()}
@@ -1139,9 +1208,11 @@ class ReplayBuffer(CommittedViews):
             *(data[n] if n in data and not np.isscalar(data[n]) else full[n].copy() for n in full)
         )
 
+    @_serialized
     def store_batch(self, **data: Any) -> None:
         """Store one timestep for every episode of the batched group in progress."""
         self._check_writable("store_batch")
+        self._check_episode_thread("store_batch")
         if not data:
             raise ValueError("store_batch: no data provided")
         self._check_names(data, self.fieldnames, "field", "store_batch")
@@ -1182,9 +1253,11 @@ class ReplayBuffer(CommittedViews):
             n: a[:room] if a.ndim and a.shape[0] > room and a.shape != fields[n].shape else a for n, a in arrays.items()
         }
 
+    @_serialized
     def store_meta_batch(self, **data: Any) -> None:
         """Set meta fields for every episode of the group in progress (or the next group)."""
         self._check_writable("store_meta_batch")
+        self._check_episode_thread("store_meta_batch")
         if not data:
             raise ValueError("store_meta_batch: no data provided")
         self._check_names(data, set(self.schema.meta_fields), "meta field", "store_meta_batch")
@@ -1205,9 +1278,11 @@ class ReplayBuffer(CommittedViews):
             return
         self._edit_staged(meta=[(name, group.slots, value) for name, value in values.items()])
 
+    @_serialized
     def store_episode(self, **data: Any) -> None:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")
+        self._check_episode_thread("store_episode", discards=True)
         steps, meta_values, length = self._episode_values(data, "store_episode")
         if length == 0:  # as in the seed, which skips it too: an empty trajectory is no episode
             warnings.warn("store_episode: the fields given have 0 timesteps; nothing is stored", stacklevel=2)
@@ -1251,6 +1326,7 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(f"{call}: {length} timesteps exceed max_timesteps ({self.max_timesteps})")
         return steps, self._meta_values(meta, 1, call), length
 
+    @_serialized
     def advance_episode(self, batch_size: int | None = None) -> None:
         """Commit the episode(s) in progress (what ``one_episode`` does on exit).
 
@@ -1259,6 +1335,7 @@ class ReplayBuffer(CommittedViews):
         stored yet, n episodes of length 0 that count in ``num_episodes`` (n == 1: nothing).
         """
         self._check_writable("advance_episode")
+        self._check_episode_thread("advance_episode")
         group = self._group
         if batch_size is None:
             if group is not None and group.length > 0:
@@ -1288,6 +1365,7 @@ class ReplayBuffer(CommittedViews):
         self._group = None
         self._commit.commit_empty(group)
 
+    @_serialized
     def flush(self) -> None:
         """Push buffered step-log records and batched counters, and make written data durable
         as configured."""
@@ -1297,9 +1375,11 @@ class ReplayBuffer(CommittedViews):
         self._commit.flush_log()
         self.storage.flush()
 
+    @_serialized
     def clear(self) -> None:
         """Erase every episode (the arrays keep their shape and config)."""
         self._check_writable("clear")
+        self._check_episode_thread("clear", discards=True)
         self._abort_group()
         self._commit.clear()
 
@@ -1307,6 +1387,7 @@ class ReplayBuffer(CommittedViews):
         """The seed's name for ``clear()``."""
         self.clear()
 
+    @_serialized
     def drop_episodes(self, slots: int | Sequence[int] | np.ndarray) -> list[int]:
         """Empty the slots of committed episodes (damaged ones ``replaybuf verify`` found): each
         is unpublished as a reused slot is (length, then generation set to 0). ``num_episodes``
@@ -1319,6 +1400,7 @@ class ReplayBuffer(CommittedViews):
             raise ValueError(f"drop_episodes: slots must be ints in [0, {self.max_episodes}), got {slots.tolist()}")
         return self._commit.drop(slots).tolist()
 
+    @_serialized
     def snapshot(self, name: str) -> None:
         """Record the committed episodes (slots, generations, lengths) and counters as snapshot
         ``name``: ``from_folder(path, snapshot=name)`` reads exactly them later, and this buffer
@@ -1340,12 +1422,14 @@ class ReplayBuffer(CommittedViews):
         """The names of this buffer's snapshots, sorted."""
         return snapshots.names(self.storage)
 
+    @_serialized
     def drop_snapshot(self, name: str) -> None:
         """Delete snapshot ``name``: its episodes may be overwritten again."""
         self._check_writable("drop_snapshot")
         snapshots.drop(self.storage, name)
         self._commit.held.reset()
 
+    @_serialized
     def store_datapoint(self, episode_index: int, timestep_index: int, name: str, datapoint: Any) -> None:
         """Write one value of a data field at (episode, timestep)."""
         self._check_writable("store_datapoint")
@@ -1361,6 +1445,7 @@ class ReplayBuffer(CommittedViews):
             self._edit_staged(steps=edit)  # a step of the episode in progress that left RAM: logged
             self.storage.update_rows(name, np.array([episode]), t, value[None, None])
 
+    @_serialized
     def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
         """Write one meta value of an episode."""
         self._check_writable("store_meta_datapoint")
@@ -1368,6 +1453,7 @@ class ReplayBuffer(CommittedViews):
         self._check_names([name], set(self.schema.meta_fields), "meta field", "store_meta_datapoint")
         self._set_meta(name, np.array([episode]), step_value(datapoint, self.schema.meta_fields[name])[None])
 
+    @_serialized
     def store_batch_datapoint(self, episode_indices: Any, timestep_index: int, name: str, datapoints: Any) -> None:
         """``store_datapoint`` for several episodes at one timestep (the seed's batched form):
         ``datapoints`` holds one value per episode, or one value for all. Everything is checked
@@ -1380,6 +1466,7 @@ class ReplayBuffer(CommittedViews):
         for episode, value in zip(episodes, values):
             self.store_datapoint(int(episode), timestep_index, name, value)
 
+    @_serialized
     def store_batch_meta_datapoint(self, episode_indices: Any, name: str, datapoints: Any) -> None:
         """``store_meta_datapoint`` for several episodes (the seed's batched form)."""
         self._check_writable("store_batch_meta_datapoint")
@@ -1420,6 +1507,7 @@ class ReplayBuffer(CommittedViews):
         if not staged.all():
             self._commit.edit_meta(name, episodes[~staged], values[~staged])
 
+    @_serialized
     def update(self, indices: int | Sequence[int] | np.ndarray | slice | None = None, **data: Any) -> None:
         """Overwrite stored episodes in place (all committed ones when ``indices`` is None).
 
@@ -1534,6 +1622,7 @@ class ReplayBuffer(CommittedViews):
             for t, value in enumerate(values, t0):
                 group.set_step(name, row, t, value)
 
+    @_serialized
     def update_steps(self, episodes: Any, timesteps: Any, **data: Any) -> None:
         """Overwrite single steps of committed episodes in place: ``data[name]`` holds one value
         per (``episodes[i]``, ``timesteps[i]``) pair, (N, *shape) or broadcast to it; a pair given
@@ -1642,6 +1731,7 @@ class ReplayBuffer(CommittedViews):
 
     # ---- reading back: dataset() and dataloader() are CommittedViews' (replaybuf.sampling) --------
 
+    @_serialized
     def update_priorities(
         self, indices: Any, priorities: Any, priority_field: str = "priority", generations: Any = None
     ) -> int:
@@ -1698,12 +1788,26 @@ class ReplayBuffer(CommittedViews):
         # million slots) rather than carrying the values this one checked
         state.update(_group=None, read_only=True, _verified=None)
         state.pop("memory_namedtuple", None)
+        state.pop("_rlock", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._rlock, self._lock_pid = threading.RLock(), os.getpid()
         self.storage.read_only = True
 
+    @property
+    def _lock(self) -> threading.RLock:
+        """The lock every write and ``refresh()`` of this object hold, and the plans of its
+        reads (and, of a writable object, the reads: ``_serialized``, ``view.mirror_lock``), so
+        threads of this process share the object.
+        A forked child (a DataLoader worker) makes its own: a thread of the parent holding it
+        at the fork does not run there, and would hold it forever."""
+        if self._lock_pid != os.getpid():
+            self._rlock, self._lock_pid = threading.RLock(), os.getpid()
+        return self._rlock
+
+    @_serialized
     def compact(self) -> CompactionSummary:
         """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced
         atomically, and return when done: episodes compacted, their bytes before and after,
@@ -1721,6 +1825,7 @@ class ReplayBuffer(CommittedViews):
             summary.seconds = time.perf_counter() - started
         return summary
 
+    @_serialized
     def close(self) -> None:
         """Flush, compress what the hot tier holds raw (``compact``), release the storage
         handles and give the writer lease back. Reads still work after it; writes raise (open

@@ -38,6 +38,7 @@ import numpy as np
 
 from .snapshots import SnapshotError
 from .storage import BufferReplacedError, ConcurrentWriteError, CorruptChunkError, GenerationMismatchError
+from .view import mirror_lock
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -208,9 +209,27 @@ def read_consistent(
     snapshot's episodes, so an item whose slot no longer holds its planned episode raises
     ``SnapshotError`` instead of being re-planned or dropped.
     """
-    snapshot = snapshot if snapshot is not None else getattr(source, "snapshot_name", None)
     if exhausted not in ("raise", "drop"):
         raise ValueError(f"exhausted must be 'raise' or 'drop', got {exhausted!r}")
+    # a writable buffer's own reads: no commit, edit or close() of another thread runs meanwhile
+    with mirror_lock(source, writer_only=True):
+        return _read_consistent(source, slots, generations, read, replan, whole, exhausted, retries, verified, snapshot)
+
+
+def _read_consistent(
+    source: ReplayBuffer | Storage | Any,
+    slots: np.ndarray,
+    generations: np.ndarray,
+    read: Callable[[np.ndarray], Any],
+    replan: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None,
+    whole: bool,
+    exhausted: str,
+    retries: int,
+    verified: bool | None,
+    snapshot: str | None,
+) -> np.ndarray:
+    """``read_consistent`` (its arguments checked)."""
+    snapshot = snapshot if snapshot is not None else getattr(source, "snapshot_name", None)
     if verified is None:
         verified = _storage(source).verifies_generations
     kept = np.zeros(len(slots), dtype=bool)

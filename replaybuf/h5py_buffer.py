@@ -141,27 +141,33 @@ class ReplayBufferH5PY(ReplayBuffer):
         allowed = self.fieldnames | self.meta_fieldnames
 
         def buffered_storer(force_flush: bool = False, **data: Any) -> None:
-            self._check_writable("buffered_storer")
-            self._check_names(data, allowed, "field", "buffered_storer")
-            for name, value in data.items():
-                pending.setdefault(name, []).append(value)
-            if not pending or not (force_flush or len(next(iter(pending.values()))) >= flush_freq):
-                return
-            counts = {name: len(values) for name, values in pending.items()}
-            batch = dict(pending)
-            pending.clear()  # a rejected batch is dropped, not retried on every later call
-            if len(set(counts.values())) > 1:
-                raise ValueError(
-                    f"buffered_storer: fields hold different numbers of episodes {counts}; the batch is dropped"
-                )
-            episodes = [{name: values[i] for name, values in batch.items()} for i in range(max(counts.values()))]
-            checked = [self._episode_values(self._cut_to_length(episode), "buffered_storer") for episode in episodes]
-            if any(length == 0 for _, _, length in checked):
-                raise ValueError("buffered_storer: an episode needs at least one timestep, got 0; the batch is dropped")
-            self._check_room(len(checked))
-            for steps, meta, length in checked:
-                self._commit.commit_episode(steps, meta, length)
-            self.flush()
+            with self._lock:  # one object shared by threads: their batches commit one after another
+                self._check_writable("buffered_storer")
+                self._check_episode_thread("buffered_storer")
+                self._check_names(data, allowed, "field", "buffered_storer")
+                for name, value in data.items():
+                    pending.setdefault(name, []).append(value)
+                if not pending or not (force_flush or len(next(iter(pending.values()))) >= flush_freq):
+                    return
+                counts = {name: len(values) for name, values in pending.items()}
+                batch = dict(pending)
+                pending.clear()  # a rejected batch is dropped, not retried on every later call
+                if len(set(counts.values())) > 1:
+                    raise ValueError(
+                        f"buffered_storer: fields hold different numbers of episodes {counts}; the batch is dropped"
+                    )
+                episodes = [{name: values[i] for name, values in batch.items()} for i in range(max(counts.values()))]
+                checked = [
+                    self._episode_values(self._cut_to_length(episode), "buffered_storer") for episode in episodes
+                ]
+                if any(length == 0 for _, _, length in checked):
+                    raise ValueError(
+                        "buffered_storer: an episode needs at least one timestep, got 0; the batch is dropped"
+                    )
+                self._check_room(len(checked))
+                for steps, meta, length in checked:
+                    self._commit.commit_episode(steps, meta, length)
+                self.flush()
 
         return buffered_storer
 

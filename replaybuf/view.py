@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from .buffer import MetaView
     from .sampling.loader import make_dataloader, make_dataset
 
-__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "read_only_message"]
+__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "mirror_lock", "read_only_message"]
 
 
 @runtime_checkable
@@ -222,6 +223,17 @@ class FieldViews(Mapping[str, V]):
 
     def __repr__(self) -> str:
         return f"{self._attribute}{dict(self)!r}"
+
+
+def mirror_lock(buffer: Any, writer_only: bool = False) -> AbstractContextManager[Any]:
+    """The lock of a ``ReplayBuffer`` object (``buffer._serialized``), held by every write and
+    ``refresh()`` of it: a plan holding it copies lengths, generations and meta rows of one
+    state of the mirror, though another thread of the process commits or refreshes through
+    the same object. ``writer_only``: only a writable object's, for a whole read (rows no
+    commit, edit or close() of another thread changes meanwhile); a reader's reads are checked
+    against writers anywhere (``consistency.py``). No lock for other buffers."""
+    lock = getattr(buffer, "_lock", None)
+    return lock if lock is not None and not (writer_only and buffer.read_only) else nullcontext()
 
 
 def frozen(array: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ..consistency import RETRIES, check_settled, read_consistent
 from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
-from ..view import BufferView
+from ..view import BufferView, mirror_lock
 from .collate import CollatedSamples
 from .distributed import Shard
 from .fetch import Fetcher
@@ -128,9 +128,10 @@ def empty_buffer_error(buffer: BufferView) -> ValueError:
 def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
     """(lens, generations) of every slot, committed and mutually consistent
     (``refresh_for_snapshot`` first)."""
-    refresh_for_snapshot(buffer)
-    lens = np.array(buffer.episode_lens, dtype=np.int64)
-    generations = np.array(buffer.generations, dtype=np.int64)
+    with mirror_lock(buffer):  # a commit or refresh of another thread through this object waits
+        refresh_for_snapshot(buffer)
+        lens = np.array(buffer.episode_lens, dtype=np.int64)
+        generations = np.array(buffer.generations, dtype=np.int64)
     lens[generations <= 0] = 0
     return lens, generations
 
