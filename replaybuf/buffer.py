@@ -1051,10 +1051,12 @@ class ReplayBuffer(CommittedViews):
     def _stage(self, values: dict[str, np.ndarray]) -> None:
         group = self._group
         assert group is not None, "a step is staged into the group in progress"
-        filled = group.append(values)
+        before, logged = group.checkpoint(), False
         try:
+            filled = group.append(values)
             self._commit.write_slabs(group, filled)
             if self.flush_every_store_step > 0:
+                logged = True
                 self._commit.log_pending.append(
                     self._commit.step_log.steps(
                         {
@@ -1079,6 +1081,15 @@ class ReplayBuffer(CommittedViews):
                 f"{e}; this step was not stored, the episode in progress keeps its {group.length} earlier "
                 "step(s): store the step again once the store can be written"
             ) from e
+        except BaseException:
+            # interrupted (a KeyboardInterrupt, a MemoryError), even part way through staging
+            # it: the step is taken back as above, so the call stored nothing and may be made
+            # again; whether the step log took its record is unknown, so this episode is logged
+            # no more (``abandon_log``)
+            group.restore(before)
+            if logged:
+                self._commit.abandon_log()
+            raise
         self._store_step += 1
 
     def _commit_group(self, final_meta: dict[str, np.ndarray] | None = None) -> None:
@@ -1090,10 +1101,13 @@ class ReplayBuffer(CommittedViews):
             self._commit.commit(group, final_meta)
         except CountersNotWritten:
             raise  # the episode is committed
-        except StorageError as e:
+        except BaseException as e:
             # not published: rolled back whole, its log too (this object's next episode
-            # starts a new log, which must not follow this one's records)
+            # starts a new log, which must not follow this one's records). An interrupted
+            # commit (a KeyboardInterrupt) may have published it: kept then, never replayed
             self._commit.discard_log()
+            if not isinstance(e, StorageError):
+                raise
             raise StorageError(
                 f"{e}; the episode in slot(s) {group.slots.tolist()} ({group.length} steps) was not committed "
                 "and is discarded: store it again once the store can be written"
@@ -1132,18 +1146,20 @@ class ReplayBuffer(CommittedViews):
             yield final
             # bad final meta is refused as an exception in the block is: the episode is rolled back
             final_values = self._meta_values(final, 1, "one_episode (final meta)")
+            with self._lock:
+                group = self._group
+                if group is not None and group.length == 0:
+                    for name, value in final_values.items():
+                        group.meta[name][:] = value
+                    self._group_scoped = False  # the block ended: its meta waits for any thread's next episode
+                    return
+                self._commit_group(final_values)
         except BaseException:
+            # and a commit interrupted (a KeyboardInterrupt) before it took the episode: not
+            # left in progress, where the next store() would add steps to it
             with self._lock:
                 self._abort_group()
             raise
-        with self._lock:
-            group = self._group
-            if group is not None and group.length == 0:
-                for name, value in final_values.items():
-                    group.meta[name][:] = value
-                self._group_scoped = False  # the block ended: its meta waits for any thread's next episode
-                return
-            self._commit_group(final_values)
 
     @contextmanager
     def batched_episode(self, batch_size: int, **meta_batch: Any) -> Iterator[None]:
@@ -1160,11 +1176,11 @@ class ReplayBuffer(CommittedViews):
             self._group_scoped = True
         try:
             yield
+            self.advance_episode(int(batch_size))
         except BaseException:
-            with self._lock:
+            with self._lock:  # and a commit interrupted before it took the group (as above)
                 self._abort_group()
             raise
-        self.advance_episode(int(batch_size))
 
     @contextmanager
     def _unlogged(self) -> Iterator[None]:
@@ -1202,11 +1218,13 @@ class ReplayBuffer(CommittedViews):
         elif group.batch_size != 1:
             raise ValueError(f"store: a batched episode of {group.batch_size} is in progress; use store_batch")
         full = {n: values[n] if n in values else self._fills[n] for n in self.schema.fields}
-        self._stage({n: v[None] for n, v in full.items()})
-        self.store_step += 1
-        return self.memory_namedtuple(
+        # made first: a call interrupted (a KeyboardInterrupt) after its step is staged is rarer
+        stored = self.memory_namedtuple(
             *(data[n] if n in data and not np.isscalar(data[n]) else full[n].copy() for n in full)
         )
+        self._stage({n: v[None] for n, v in full.items()})
+        self.store_step += 1
+        return stored
 
     @_serialized
     def store_batch(self, **data: Any) -> None:
@@ -1371,6 +1389,7 @@ class ReplayBuffer(CommittedViews):
         as configured."""
         if self.read_only or self._closed:  # a closed writer's close() flushed (or its next open derives)
             return
+        self._commit.finish_unpublishing()
         self._commit.flush_counters()
         self._commit.flush_log()
         self.storage.flush()

@@ -85,8 +85,13 @@ class Committer:
         self.state: dict[str, Any] = {}
         self.meta: dict[str, np.ndarray] = {}
         self.dirty_slots: set[int] = set()
+        # slots whose lengths a clear or drop is clearing, until their generations are cleared
+        # too: one interrupted in between (a KeyboardInterrupt) is finished by the next commit
+        # or flush (``finish_unpublishing``)
+        self.unpublishing: set[int] = set()
         self.log_pending: list[bytes] = []
         self.log_written = False
+        self.log_abandoned = False  # ``abandon_log``: the group in progress is logged no more
         self.held = HeldEpisodes(storage, schema)  # episodes named snapshots hold: never reused
         self.counters_pending = False  # self.state holds commits whose counters wait (step 4)
         self.batched_at = 0.0  # time.monotonic() of the last counters write of a batch (0: none)
@@ -144,6 +149,7 @@ class Committer:
         """Commit step 1: a reused slot stops being an episode before its data is overwritten."""
         if group.invalidated:
             return
+        self.finish_unpublishing()
         reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
         if len(reused) and group.length:
             # before anything is written or dropped: a circular buffer's oldest episodes go only
@@ -393,8 +399,13 @@ class Committer:
         self.held.check(np.arange(self.max_episodes), self.meta["_generation"], "clear", drop=True)
         self.discard_log()
         self.mark_unpublishing(np.flatnonzero(self.meta["episode_lens"] > 0))
+        # before the lengths: a clear interrupted part way (a KeyboardInterrupt) still has every
+        # slot's next episode zero the rows it may have left, through the counters written at close
+        self.state = {**self.state, "cleared": True}
+        self.counters_pending = True
         for name in ("episode_lens", "_generation"):
             self.write_meta(name, np.arange(self.max_episodes), np.zeros(self.max_episodes, self.meta[name].dtype))
+        self.unpublishing.clear()
         self.state = {
             "num_episodes": 0,
             "episode_index": 0,
@@ -413,8 +424,30 @@ class Committer:
         """Record ``slots`` in the writing record (with the rows in flight) before their lengths,
         then generations, are cleared: a writer killed in between leaves committed generations
         without lengths there, which opens take for its leftovers, not for lost lengths
-        (``stopped_writer_leftovers``)."""
-        self.storage.mark_writing(sorted(self.dirty_slots | set(np.asarray(slots).tolist())))
+        (``stopped_writer_leftovers``). They stay in every record (``unpublishing``) until
+        their generations are cleared."""
+        self.unpublishing.update(np.asarray(slots).tolist())
+        self.storage.mark_writing(sorted(self.dirty_slots | self.unpublishing))
+
+    def finish_unpublishing(self) -> None:
+        """Clear the generations of the slots a clear or drop stopped unpublishing part way
+        (``unpublishing``: a KeyboardInterrupt between their two writes), as it would have: a
+        slot whose length storage holds as 0 loses its generation, the others stay committed.
+        Run before the next commit and by ``flush()`` (so ``close()``): a writer that closed
+        leaves no generation without its length, which the next open refuses as a lost one."""
+        if not self.unpublishing:
+            return
+        slots = np.array(sorted(self.unpublishing), np.int64)
+        lens = self.storage.read_meta_rows("episode_lens", slots)
+        self.meta["episode_lens"][slots] = lens  # the mirror may not have taken the write
+        emptied = slots[lens == 0]
+        if len(emptied):
+            self.write_meta("_generation", emptied, np.zeros(len(emptied), np.int64))
+            # their rows stay (a drop zeroes them last): the next episode of every slot zeroes
+            # them past its end, as after a clear, in this session and the next ones
+            self.state = {**self.state, "cleared": True}
+            self.counters_pending = True
+        self.unpublishing.clear()
 
     def drop(self, slots: np.ndarray) -> np.ndarray:
         """Unpublish the committed episodes among ``slots`` as a reused slot is (length, then
@@ -438,6 +471,7 @@ class Committer:
                     for name, field in self.schema.fields.items():
                         zeros = np.zeros((1, length, *field.shape), field.dtype)
                         self.storage.write_rows(name, np.array([slot]), 0, zeros)
+            self.unpublishing.difference_update(dropped.tolist())
         return dropped
 
     # ---- the step log -------------------------------------------------------------------------
@@ -445,8 +479,11 @@ class Committer:
     def log_header(self, group: EpisodeGroup) -> None:
         """Start the step log of ``group`` (replacing whatever was pending)."""
         self.log_pending = [self.step_log.header(group.slots, group.generation_base, group.meta)]
+        self.log_abandoned = False
 
     def flush_log(self) -> None:
+        if self.log_abandoned:
+            self.log_pending = []
         if self.log_pending:
             # set first: a failed append (a full disk) may have created the log, which an
             # aborted episode must still delete, or the next writable open would commit it
@@ -475,6 +512,18 @@ class Committer:
                 f"{e}; the edit was not made: the episode in progress keeps its values, edit it again once the "
                 "store can be written"
             ) from e
+        except BaseException:
+            self.abandon_log()  # interrupted: whether the log took the records is unknown
+            raise
+
+    def abandon_log(self) -> None:
+        """Stop logging the group in progress and delete its log: a write to it was interrupted
+        (a KeyboardInterrupt), so whether it holds the last records is unknown, and a log
+        replayed with a step missing or twice would commit another episode than the one stored.
+        A writer killed before the group's commit then loses it, as with
+        ``flush_every_store_step=0``; the next group is logged again (``log_header``)."""
+        self.log_abandoned = True
+        self.discard_log()
 
     def discard_log(self) -> None:
         self.log_pending = []

@@ -117,6 +117,17 @@ class EpisodeGroup:
             self._rows[name], self._row_start[name] = np.array(rows), start
         self.length -= 1
 
+    def checkpoint(self) -> tuple[int, dict[str, np.ndarray | None], dict[str, int]]:
+        """What ``restore`` takes the group back to: an ``append`` interrupted part way (a
+        KeyboardInterrupt) may have moved some fields' spans on and not others."""
+        return self.length, dict(self._rows), dict(self._row_start)
+
+    def restore(self, checkpoint: tuple[int, dict[str, np.ndarray | None], dict[str, int]]) -> None:
+        """Take the group back to ``checkpoint``: the steps staged since are gone (their values
+        past ``length`` in a span are overwritten by the next steps)."""
+        self.length, rows, starts = checkpoint
+        self._rows, self._row_start = dict(rows), dict(starts)
+
     def staged(self, name: str) -> tuple[int, np.ndarray]:
         """(first step, rows (batch, steps, *shape)) of field ``name``'s steps still in RAM:
         those from the first step up to ``length`` are not in storage yet."""

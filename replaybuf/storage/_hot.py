@@ -68,7 +68,7 @@ class HotTier:
         self.generations = np.array(generations, dtype=np.int64)
         self.versions = np.zeros(len(self.generations), np.int64)  # shard writes per slot
         self.hot: dict[int, dict[str, int]] = {}  # slot -> array path -> bytes of its hot shard
-        self.busy: set[int] = set()  # slots being compacted
+        self.busy: dict[int, int] = {}  # slots being compacted -> the thread compacting it (ident)
         self.skipped: set[tuple[int, int]] = set()  # (slot, version) left hot as damaged
         self.scanned = not self.generations.any()  # nothing committed: nothing left hot
         self.done = CompactionSummary()  # what the background thread compacted
@@ -112,16 +112,25 @@ class HotTier:
         started = time.perf_counter()
         summary = CompactionSummary()
         self._scan()
-        while True:
-            while (slot := self._next(everything=True)) is not None:
+        try:
+            while True:
+                while (slot := self._next(everything=True)) is not None:
+                    self._compact_slot(slot, summary)
+                with self._idle:
+                    self._idle.wait_for(lambda: not self.busy)
+                # the background thread gives up a slot a write overtook while it compacted it (a
+                # repair's re-seal): compacted here once it is done, not left hot
+                if (slot := self._next(everything=True)) is None:
+                    break
                 self._compact_slot(slot, summary)
+        except BaseException:
+            # interrupted (a KeyboardInterrupt) between marking a slot busy and compacting it:
+            # left busy, it would have every later compact() (and close()) wait for it forever
             with self._idle:
-                self._idle.wait_for(lambda: not self.busy)
-            # the background thread gives up a slot a write overtook while it compacted it (a
-            # repair's re-seal): compacted here once it is done, not left hot
-            if (slot := self._next(everything=True)) is None:
-                break
-            self._compact_slot(slot, summary)
+                for slot in [s for s, owner in self.busy.items() if owner == threading.get_ident()]:
+                    del self.busy[slot]
+                self._idle.notify_all()
+            raise
         summary.seconds = time.perf_counter() - started
         return summary
 
@@ -144,7 +153,7 @@ class HotTier:
             if not candidates:
                 return None
             slot = min(candidates, key=lambda s: self.generations[s])
-            self.busy.add(slot)
+            self.busy[slot] = threading.get_ident()
             return slot
 
     def _compact_slot(self, slot: int, summary: CompactionSummary) -> None:
@@ -186,7 +195,7 @@ class HotTier:
                 summary.bytes_after += after
         finally:
             with self._idle:
-                self.busy.discard(slot)
+                self.busy.pop(slot, None)
                 if not self.hot.get(slot, True):
                     del self.hot[slot]
                 self._idle.notify_all()
