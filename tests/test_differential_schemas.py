@@ -22,7 +22,6 @@ differences being the listed ones), and the cases this comparison found.
 from __future__ import annotations
 
 import os
-import warnings
 
 import memmap_replay_buffer as seed
 import numpy as np
@@ -35,6 +34,7 @@ import replaybuf
 
 from ._backends import require
 from ._compare import assert_same
+from .test_parity_hostile import outcome
 
 KINDS = {"int": np.int32, "float": np.float32, "bool": np.bool_, "uint8": np.uint8}
 SHAPES = [(), (1,), 1, 2, (2,), (2, 3)]
@@ -144,16 +144,6 @@ def apply(buffer, kind: str, args) -> None:
         with buffer.batched_episode(batch, **meta):
             for row in rows:
                 buffer.store_batch(**row)
-
-
-def outcome(fn, *args):
-    """(result, None) or (None, exception) of ``fn(*args)``, warnings silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            return fn(*args), None
-        except Exception as e:  # noqa: BLE001 - which calls raise is what is compared
-            return None, e
 
 
 def loader_options(fields: dict, meta: dict, max_timesteps: int) -> list[dict]:
