@@ -383,10 +383,12 @@ def test_vectorized_gather_copies_per_item_when_the_maps_span_too_wide(tmp_path,
 def test_processes_and_workers_share_one_copy(written, tmp_path):
     cache = tmp_path / "cache"
     reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
-    for context in ("fork", "spawn"):
+    # fork: two workers fill the cache at once; spawn: one, which maps what they filled (each
+    # spawned worker imports torch anew, and a second would only map the same files again)
+    for context, workers in (("fork", 2), ("spawn", 1)):
         batches = list(
             make_dataloader(
-                reader, batch_size=4, num_workers=2, multiprocessing_context=context, persistent_workers=False
+                reader, batch_size=4, num_workers=workers, multiprocessing_context=context, persistent_workers=False
             )
         )
         assert batches

@@ -218,9 +218,12 @@ def release(disk: Path) -> None:
     from replaybuf.storage import _kv
     from replaybuf.storage._hotmap import shard_maps
 
+    from ._backends import holds_files_under
+
     shard_maps().drop_under(str(disk))
     _kv._read_handles.drop_under(str(disk))
-    gc.collect()
+    if holds_files_under(disk):  # else a collection frees nothing there
+        gc.collect()
 
 
 def fill_but(disk: Path, spare: int) -> None:
