@@ -535,21 +535,11 @@ def _convert_beside(
     finally:
         target.release_writer()  # its lock file moved with the replaced buffer
     # (the destination as spelled too: a link to ``folder`` keys its files under the link)
-    _forget_open_files(folder, staging, os.path.abspath(target.location.removeprefix("file://")))
+    from .storage import forget_files_under  # (imports the hot tier's maps only here)
+
+    forget_files_under(folder, staging, os.path.abspath(target.location.removeprefix("file://")))
     _discard_original(folder, moved, staging)
     return plan, lens, state, checked
-
-
-def _forget_open_files(*folders: str) -> None:
-    """Let go of the files under ``folders`` that this process keeps open or mapped for reads
-    (keyed by path), as erasing a buffer in place does: once two folders are swapped their paths
-    name other files, and a deleted file's space is freed only when nothing holds it."""
-    from .storage._hotmap import shard_maps
-    from .storage._kv import LocalKV
-
-    for folder in {os.path.join(folder, "") for folder in folders}:  # its files only, not a sibling's
-        LocalKV(folder).drop_read_handles()
-        shard_maps().drop_under(folder)
 
 
 def _new_local_folders(location: str) -> list[str]:

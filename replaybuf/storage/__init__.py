@@ -63,10 +63,12 @@ from .spans import Spans, fill_beyond
 if TYPE_CHECKING:
     from ._chunks import chunk_cache
     from ._hdf5 import DATA_FILE, HDF5Storage, open_h5, refuse_outside_storage, stored_elsewhere
+    from ._hotmap import forget_files_under
     from ._zarr import list_children
 
 _LAZY = {
     "chunk_cache": "._chunks",
+    "forget_files_under": "._hotmap",
     "list_children": "._zarr",
     "DATA_FILE": "._hdf5",
     "HDF5Storage": "._hdf5",
@@ -117,6 +119,7 @@ __all__ = [
     "backend_class",
     "bookkeeping_fields",
     "check_bookkeeping",
+    "forget_files_under",
     "check_lost_lengths",
     "collecting",
     "committed_without_length",

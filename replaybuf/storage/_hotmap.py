@@ -571,3 +571,13 @@ def read_mapped_spans(
 
     copy_spans(len(copies), copy, int(lengths.sum() - left.sum()) * flat.shape[2], parallel)
     return left
+
+
+def forget_files_under(*folders: str) -> None:
+    """Let go of the files under ``folders`` that this process keeps open or mapped for reads
+    (keyed by path), as erasing a buffer in place does: once two folders are swapped (``convert
+    --overwrite``) their paths name other files, and a deleted file's space is freed only when
+    nothing holds it."""
+    for folder in {os.path.join(folder, "") for folder in folders}:  # its files only, not a sibling's
+        LocalKV(folder).drop_read_handles()
+        shard_maps().drop_under(folder)
