@@ -513,20 +513,12 @@ def _convert_beside(
             writer.release_writer()  # before the swap: its lock file is not left in the new buffer
         checked = _check_copy(staging, writer.backend_name, options, lens, plan["_generation"], state)
         os.unlink(marker)  # the copy becomes the buffer: nothing of the convert stays in it
-        swapped = _exchange(staging, folder, "convert")
-        moved = staging if swapped else backup
-        if not swapped:  # two renames: a kill between them leaves the buffer at ``backup`` (the hints name it)
-            os.rename(folder, backup)
-        made = False  # from here the copy is kept whatever happens: the original has moved
         try:
-            if not swapped:
-                os.rename(staging, folder)
-        except OSError as e:  # another process made a folder there in between
-            raise FileExistsError(
-                f"convert: {folder!r} was created by another process while the convert swapped its copy in "
-                f"({e.strerror}); nothing is lost: the buffer it replaced is at {backup!r} and the copy at "
-                f"{staging!r}. Move the new {folder!r} away, then rename one of them to {folder!r}"
-            ) from e
+            moved = _swap_in(staging, folder, backup, "convert", ("the buffer it replaced", "the copy"))
+        except _CopyKept:
+            made = False
+            raise
+        made = False  # from here the copy is kept whatever happens: the original has moved
     except BaseException:
         if made and os.path.isdir(staging) and os.path.isdir(folder):
             with contextlib.suppress(OSError):
@@ -777,6 +769,32 @@ def _exchange(one: str, other: str, command: str = "upgrade") -> bool:
     raise OSError(code, f"{command}: swapping {one!r} and {other!r}: {os.strerror(code)}", one)
 
 
+class _CopyKept(FileExistsError):
+    """``_swap_in`` stopped after the original moved aside: the copy is kept, never deleted."""
+
+
+def _swap_in(staging: str, folder: str, backup: str, command: str, names: tuple[str, str]) -> str:
+    """Put the finished copy ``staging`` at ``folder`` (``upgrade``, ``convert --overwrite``):
+    one atomic swap where the system has it (``folder`` holds the original or the copy at every
+    instant, the original at ``staging`` after it), else two renames through ``backup`` (a kill
+    between them leaves no folder; the hints name the original there). Returns where the
+    original is now. ``names``: the original's and the copy's, for the error when another process
+    made ``folder`` between the renames (``_CopyKept``: both are kept)."""
+    if _exchange(staging, folder, command):
+        return staging
+    os.rename(folder, backup)
+    try:
+        os.rename(staging, folder)
+    except OSError as e:
+        original, copy = names
+        raise _CopyKept(
+            f"{command}: {folder!r} was created by another process while the {command} swapped its copy in "
+            f"({e.strerror}); nothing is lost: {original} is at {backup!r} and {copy} at "
+            f"{staging!r}. Move the new {folder!r} away, then rename one of them to {folder!r}"
+        ) from e
+    return backup
+
+
 def _check_upgrade_writable(folder: str) -> None:
     """PermissionError, before anything is written, where this process may not write in the
     folder holding ``folder`` or in any folder of the buffer: an upgrade writes its lease in the
@@ -878,22 +896,12 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         if problems:
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
         os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
-        # one atomic swap where the system has it: ``folder`` holds the original or the copy at
-        # every instant, and the original is at ``staging`` after it
-        swapped = _exchange(staging, folder)
-        moved = staging if swapped else backup
-        if not swapped:  # two renames: a kill between them leaves no folder (the hints name the original)
-            os.rename(folder, backup)
-        made = False  # from here the copy is kept whatever happens: the original has moved
         try:
-            if not swapped:
-                os.rename(staging, folder)
-        except OSError as e:  # another process made a folder there in between
-            raise FileExistsError(
-                f"upgrade: {folder!r} was created by another process while the upgrade swapped its copy in "
-                f"({e.strerror}); nothing is lost: the original is at {backup!r} and its upgraded copy at "
-                f"{staging!r}. Move the new {folder!r} away, then rename one of them to {folder!r}"
-            ) from e
+            moved = _swap_in(staging, folder, backup, "upgrade", ("the original", "its upgraded copy"))
+        except _CopyKept:
+            made = False
+            raise
+        made = False  # from here the copy is kept whatever happens: the original has moved
     except BaseException:
         if made and os.path.isdir(staging) and os.path.isdir(folder):
             shutil.rmtree(staging, ignore_errors=True)

@@ -496,7 +496,7 @@ def test_a_folder_made_between_the_upgrades_renames_keeps_both_copies_and_names_
             path.mkdir()
             (path / "notes.txt").write_text("theirs")
 
-    monkeypatch.setattr(maintenance, "_exchange", lambda one, other: False)
+    monkeypatch.setattr(maintenance, "_exchange", lambda *args: False)
     monkeypatch.setattr(os, "rename", then_recreated)
     with pytest.raises(FileExistsError, match="nothing is lost") as refused:
         upgrade(path, progress=False)
