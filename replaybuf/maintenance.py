@@ -513,14 +513,10 @@ def _convert_beside(
             writer.release_writer()  # before the swap: its lock file is not left in the new buffer
         checked = _check_copy(staging, writer.backend_name, options, lens, plan["_generation"], state)
         os.unlink(marker)  # the copy becomes the buffer: nothing of the convert stays in it
-        try:
-            moved = _swap_in(staging, folder, backup, "convert", ("the buffer it replaced", "the copy"))
-        except _CopyKept:
-            made = False
-            raise
+        moved = _swap_in(staging, folder, backup, "convert", ("the buffer it replaced", "the copy"))
         made = False  # from here the copy is kept whatever happens: the original has moved
-    except BaseException:
-        if made and os.path.isdir(staging) and os.path.isdir(folder):
+    except BaseException as error:
+        if made and not isinstance(error, _CopyKept) and os.path.isdir(staging) and os.path.isdir(folder):
             with contextlib.suppress(OSError):
                 _remove_marked(staging)
         raise
@@ -770,7 +766,8 @@ def _exchange(one: str, other: str, command: str = "upgrade") -> bool:
 
 
 class _CopyKept(FileExistsError):
-    """``_swap_in`` stopped after the original moved aside: the copy is kept, never deleted."""
+    """``_swap_in`` stopped after the original moved aside: the copy is kept, never deleted
+    (its callers delete a copy they made only on other failures)."""
 
 
 def _swap_in(staging: str, folder: str, backup: str, command: str, names: tuple[str, str]) -> str:
@@ -896,14 +893,10 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         if problems:
             raise BufferDamagedError(f"upgrade: the copy of {folder!r} failed its check: " + "; ".join(problems))
         os.unlink(marker)  # the copy becomes the buffer: nothing of the upgrade stays in it
-        try:
-            moved = _swap_in(staging, folder, backup, "upgrade", ("the original", "its upgraded copy"))
-        except _CopyKept:
-            made = False
-            raise
+        moved = _swap_in(staging, folder, backup, "upgrade", ("the original", "its upgraded copy"))
         made = False  # from here the copy is kept whatever happens: the original has moved
-    except BaseException:
-        if made and os.path.isdir(staging) and os.path.isdir(folder):
+    except BaseException as error:
+        if made and not isinstance(error, _CopyKept) and os.path.isdir(staging) and os.path.isdir(folder):
             shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
