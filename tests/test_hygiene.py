@@ -490,8 +490,17 @@ def test_loaders_with_workers_dropped_midway_leave_no_process_or_handle(tmp_path
         next(batches)
 
     # a worker queue's pipe pair is now and then still open as torch's shutdown returns (seen
-    # as 0 or 2 extra pipes over 40 rounds, never more)
-    assert_no_growth(iterate_partly, tmp_path, loops=2, warm_up=1, pooled={"pipe": 2})
+    # as 0 or 2 extra pipes over 40 rounds, never more). A spawned worker now and then aborts in
+    # torch's C++ teardown ("terminate called without an active exception", about 1 run in 7
+    # here) and torch's error path then keeps that worker's pipes: measured once more, a leak
+    # of every use still shows, that sporadic abort does not
+    for attempt in range(2 if start_method == "spawn" else 1):
+        try:
+            assert_no_growth(iterate_partly, tmp_path, loops=2, warm_up=1, pooled={"pipe": 2})
+            break
+        except AssertionError:
+            if attempt or start_method != "spawn":
+                raise
     buffer.close()
     assert other_process_can_write(location).startswith("opened ")
 
