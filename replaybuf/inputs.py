@@ -113,15 +113,25 @@ def step_value(value: Any, f: Field) -> np.ndarray:
 
 
 def batch_value(value: Any, f: Field, batch: int) -> np.ndarray:
-    """A (batch, *shape) value; a scalar or one unbatched value broadcasts over the batch."""
+    """A (batch, *shape) value; a scalar or one unbatched value broadcasts over the batch, and a
+    (batch, ...) value's feature axes of size 1 over the field's shape (one value per episode:
+    ``(batch, 1)`` for a ``(3,)`` field), as the seed's numpy assignment broadcasts them."""
     array = to_numpy(value, f.name)
+    target = (batch, *f.shape)
     if array.ndim == 0:
-        array = np.full((batch, *f.shape), array)
+        array = np.full(target, array)
     elif array.shape == f.shape and (array.ndim == 0 or array.shape[0] != batch):
-        array = np.broadcast_to(array, (batch, *f.shape))
+        array = np.broadcast_to(array, target)
+    elif array.ndim == len(target) and array.shape[0] == batch and _broadcasts(array.shape[1:], f.shape):
+        array = np.broadcast_to(array, target)
     if array.shape[0] != batch:
         raise ValueError(f"field {f.name!r}: batch size {array.shape[0]} does not match the group's {batch}")
     return cast_values(fit_shape(array, f, 1), f)
+
+
+def _broadcasts(feature: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether each axis of ``feature`` is 1 or the field ``shape``'s own (same rank)."""
+    return all(size in (1, full) for size, full in zip(feature, shape, strict=True))
 
 
 def fill_value(f: Field) -> np.ndarray:

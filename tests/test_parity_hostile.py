@@ -503,3 +503,43 @@ def test_every_seed_call_takes_the_seeds_arguments_in_the_seeds_order(name):
             if missing:
                 problems.append(f"{call}: no keyword {missing}")
     assert problems == [], f"{name}: {problems}"
+
+
+BATCH_ARGS = dict(
+    max_episodes=4, max_timesteps=3, fields={"x": ("float", 3), "y": ("int", (2, 3))}, meta_fields={"m": ("float", 3)}
+)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_store_batch_broadcasts_feature_axes_of_size_one_per_episode_as_the_seed(tmp_path, backend):
+    """``store_batch(x=(batch, 1))`` for a ``(3,)`` field: the seed's numpy assignment gives each
+    episode its own value in every item; it was refused here as a wrong feature shape."""
+    theirs = seed.ReplayBuffer(tmp_path / "seed", **BATCH_ARGS)
+    ours = replaybuf.ReplayBuffer(tmp_path / "ours", backend=backend, **BATCH_ARGS)
+    for buffer in (theirs, ours):
+        with buffer.batched_episode(2, m=np.array([[5.0], [6.0]])):
+            buffer.store_batch(x=np.array([[1.0], [2.0]]), y=np.array([[[1], [2]], [[3], [4]]]))
+            buffer.store_batch(x=torch.tensor([[3.0], [4.0]]), y=np.array([[[5, 6, 7]], [[8, 9, 0]]]))
+            buffer.store_meta_batch(m=np.array([[7.0], [8.0]]))
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    assert ours.get_all_data()["x"][:, 1].tolist() == [[3.0] * 3, [4.0] * 3]
+    ours.close()
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (np.ones((2, 2)), r"got shape \(2, 2\)"),  # an axis neither 1 nor the field's
+        (np.ones((2, 3, 1)), r"got shape \(2, 3, 1\)"),  # one axis too many
+        (np.ones((2, 1, 1)), r"got shape \(2, 1, 1\)"),
+    ],
+)
+def test_store_batch_refuses_feature_axes_that_do_not_broadcast_and_changes_nothing(tmp_path, value, match):
+    ours = replaybuf.ReplayBuffer(tmp_path / "ours", **BATCH_ARGS)
+    with ours.batched_episode(2):
+        ours.store_batch(x=np.ones((2, 3)))
+        with pytest.raises(ValueError, match=match):
+            ours.store_batch(x=value)
+        assert ours.timestep_index == 1
+    assert ours.get_all_data()["episode_lens"].tolist() == [1, 1]
+    ours.close()
