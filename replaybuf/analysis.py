@@ -408,6 +408,10 @@ def get_all_data(
             f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
             "Call .compute() and move the tensors, or pass lazy=False"
         )
+    if device is not None:  # before any read: torch would refuse it only once every row is decoded
+        from .sampling.loader import check_device
+
+        check_device(device)
     fields, meta_fields = _select(buffer, fields, meta_fields, "get_all_data")
     plan = _plan(buffer, buffer.listed_slots(), meta_fields)
     if lazy:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, analysis
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
 from ._data import fields, random_episode
@@ -129,6 +129,17 @@ def test_get_all_data_lazy_and_device(circular):
     assert torch.equal(eager["reward"], torch.from_numpy(lazy["reward"].compute()))
     with pytest.raises(ValueError, match="lazy=True.*device='cpu'"):
         get_all_data(buffer, lazy=True, device="cpu")
+
+
+def test_get_all_data_refuses_a_bad_device_before_reading(circular, monkeypatch):
+    # torch refused it only after every row was decoded: a RuntimeError ("Expected one of cpu,
+    # cuda, ...") or, for a CUDA device on a machine without one, an AssertionError from torch
+    buffer, _ = circular
+    monkeypatch.setattr(analysis, "_read_rows", lambda *args: pytest.fail("read before the device was checked"))
+    with pytest.raises(ValueError, match="device: 'tpu' is not a torch device"):
+        get_all_data(buffer, device="tpu")
+    with pytest.raises(ValueError, match="device: 'cuda:99'"):
+        get_all_data(buffer, device="cuda:99")
 
 
 @pytest.mark.parametrize("call", [to_dask, get_all_data])
