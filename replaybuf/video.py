@@ -262,17 +262,44 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
         return image
 
     images = [to_palette(frame) for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False)]
+    given = "duration" in kwargs
     kwargs.setdefault("duration", 1000.0 / fps)  # no ``loop``: it plays once, as the seed's gifs
-    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
+    try:
+        images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
+    except OverflowError as error:  # Pillow's 16-bit delay field, deep in its writer
+        raise _duration_error(".gif", fps, given, error) from None
+
+
+def _duration_error(suffix: str, fps: float, given: bool, error: Exception) -> ValueError:
+    """The ValueError for a frame longer than Pillow can store in ``suffix`` (a GIF frame at most
+    655.35 s, a WebP frame 16777.215 s, an APNG frame's delay a 16-bit fraction of a second),
+    naming ``fps`` (or the ``duration`` given instead): Pillow fails deep inside its writer
+    (OverflowError: int too big to convert) only once every frame is converted. Identical
+    consecutive frames are merged into one frame of their summed duration, so a static stretch
+    of an episode can pass the bound at an fps whose single frames fit."""
+    what = "the duration given" if given else f"fps={fps!r} ({1000.0 / fps:.6g} ms a frame)"
+    return ValueError(
+        f"fps: {what} makes a frame longer than {suffix} can store (identical consecutive frames "
+        f"are stored as one, their durations summed); expected a higher fps, or write .mp4 / .webm "
+        f"({type(error).__name__}: {error})"
+    )
 
 
 def _write_animated_image(frames: np.ndarray, path: Path, suffix: str, fps: float, kwargs: dict[str, Any]) -> None:
     """Write an animated webp / png with Pillow, one frame every ``1000 / fps`` ms, looping."""
     from PIL import Image
 
+    given = "duration" in kwargs
     kwargs.setdefault("duration", round(1000.0 / fps))
     images = [Image.fromarray(frame) for frame in frames]
-    images[0].save(path, format=ANIMATED_IMAGE_FORMATS[suffix], save_all=True, append_images=images[1:], **kwargs)
+    try:
+        images[0].save(path, format=ANIMATED_IMAGE_FORMATS[suffix], save_all=True, append_images=images[1:], **kwargs)
+    except (OverflowError, ValueError, RuntimeError) as error:
+        # Pillow's messages: OverflowError (webp), "cannot write duration" (png),
+        # "timestamps must be non-decreasing" (webp, libwebp's int timestamps overflowing)
+        if isinstance(error, OverflowError) or "duration" in str(error) or "timestamps" in str(error):
+            raise _duration_error(suffix, fps, given, error) from None
+        raise
 
 
 def _write_ffmpeg(

@@ -118,6 +118,22 @@ def test_gif_frame_duration_follows_fps(tmp_path):
     assert iio.immeta(path, index=0)["duration"] == 250
 
 
+@pytest.mark.parametrize(
+    ("suffix", "levels", "fps"),
+    [
+        (".gif", [0, 100, 200], 0.001),  # 1,000 s a frame: a gif's delay is 16-bit centiseconds
+        (".gif", [0] * 700, 1),  # a static stretch: Pillow merges it into one frame of 700 s
+        (".webp", [0, 100], 1e-5),
+        (".png", [0, 100], 1e-5),
+    ],
+)
+def test_frames_longer_than_the_format_stores_are_refused_naming_fps(tmp_path, suffix, levels, fps):
+    # Pillow raised OverflowError("int too big to convert") from deep in its writer
+    with pytest.raises(ValueError, match=rf"fps: fps={fps!r} .* makes a frame longer than \{suffix} can store"):
+        trajectory_to_video(gray_frames(levels), tmp_path / f"slow{suffix}", fps=fps, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _animation(path) -> tuple:
     from PIL import Image, ImageSequence
 
