@@ -543,7 +543,10 @@ class FieldStats:
                 "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "
                 f"that is not sketched: more than {sketches.MAX_FEATURES} values per step, or not numeric)"
             )
-        qs = np.atleast_1d(np.asarray(q, np.float64))
+        try:  # a string or None: "could not convert string to float", naming neither q nor quantile
+            qs = np.atleast_1d(np.asarray(q, np.float64))
+        except (TypeError, ValueError):
+            qs = np.array([np.nan])
         if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():  # NaN fails too
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         # a feature holding NaN has NaN quantiles, as np.quantile and its NaN min, max and mean

@@ -427,7 +427,11 @@ def normalizer(
     ``'quantile'`` (the quantiles ``q`` map to -1 and 1)."""
     if kind not in ("meanstd", "quantile"):
         raise ValueError(f"normalizer: kind must be 'meanstd' or 'quantile', got {kind!r}")
-    if kind == "quantile" and not (len(q) == 2 and 0 <= q[0] < q[1] <= 1):
+    try:  # a single number or strings fail len() or the comparisons
+        fits = kind != "quantile" or (len(q) == 2 and 0 <= q[0] < q[1] <= 1)
+    except TypeError:
+        fits = False
+    if not fits:
         raise ValueError(f"normalizer: q must be two quantiles 0 <= low < high <= 1, got {q!r}")
     stats = summary(buffer, [field], episodes)[field]
     if kind == "meanstd":

@@ -4,6 +4,8 @@ never read past an episode's end, drop an output or draw from NaN priorities."""
 
 from __future__ import annotations
 
+import re
+
 import memmap_replay_buffer as seed
 import numpy as np
 import pytest
@@ -239,3 +241,12 @@ def test_loader_flags_take_a_bool_and_refuse_other_values_by_name(buffer, name):
             make_dataloader(buffer, 2, **{name: flag})
     batch = next(iter(make_dataloader(buffer, 2, **{name: np.bool_(True)})))
     assert batch.keys() == next(iter(make_dataloader(buffer, 2, **{name: True}))).keys()
+
+
+def test_dataset_kwargs_must_be_a_dict(buffer):
+    for given in ([1], "ab"):  # dict() of them failed: "cannot convert dictionary update sequence ..."
+        with pytest.raises(
+            TypeError,
+            match=re.escape(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {given!r}"),
+        ):
+            make_dataloader(buffer, 2, dataset_kwargs=given)

@@ -338,6 +338,10 @@ def test_errors(tmp_path):
         buffer.stats(["state"], episodes=[0, 0, 1])  # slot 0 was counted twice
     with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got \(0.99, 0.01\)"):
         normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
+    with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got 0.5"):
+        normalizer(buffer, "state", kind="quantile", q=0.5)  # was TypeError: object of type 'float' has no len()
+    with pytest.raises(ValueError, match=r"quantile: q must be in \[0, 1\], got 'x'"):
+        summary(buffer)["state"].quantile("x")  # was: could not convert string to float: 'x'
     for slots in ([0.5, 1], [True], ["0"]):  # 0.5 and True were read as slots 0 and 1
         with pytest.raises(ValueError, match=r"stats: episodes must be slots \(ints\), got "):
             buffer.stats(["state"], episodes=slots)

@@ -223,6 +223,8 @@ def make_dataloader(
             buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
         )
         return RateLimitedLoader(lambda: make_dataloader(**options), limiter)
+    if dataset_kwargs is not None and not isinstance(dataset_kwargs, dict):  # dict() of it fails obscurely
+        raise TypeError(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {dataset_kwargs!r}")
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:
