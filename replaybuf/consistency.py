@@ -342,12 +342,19 @@ def read_episodes_consistent(
     is empty) and raises ``SnapshotError`` for one no longer stored. ``with_meta=False``
     leaves meta fields out (``meta`` is empty).
     """
-    slots = np.asarray(slots, dtype=np.int64)
+    given = np.asarray(slots)
+    if given.size and given.dtype.kind not in "iu":  # a cast read 0.5 and True as slots 0 and 1
+        raise TypeError(f"read_episodes_consistent: slots must be episode indices (ints), got {slots!r}")
+    slots = given.astype(np.int64)
     if slots.ndim != 1:
         raise ValueError(f"slots must be a 1-d sequence of episode indices, got shape {slots.shape}")
     bad = slots[(slots < 0) | (slots >= buffer.max_episodes)]
     if len(bad):
         raise ValueError(f"slots {bad.tolist()} out of range - must be in [0, {buffer.max_episodes})")
+    if isinstance(fields, str):  # its letters would be taken as the names
+        raise TypeError(
+            f"read_episodes_consistent: fields must be a sequence of field names, got the string {fields!r}"
+        )
     fields = list(buffer.schema.fields) if fields is None else list(fields)
     unknown = sorted(set(fields) - set(buffer.schema.fields))
     if unknown:
