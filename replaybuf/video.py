@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
 
 CHANNEL_COUNTS = (1, 3, 4)
 FFMPEG_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+FFMPEG_MAX_RATE = 2**31 - 1  # ffmpeg's AVRational holds ints
 # animated images Pillow writes whole, as the seed's imageio call did: suffix -> Pillow format
 ANIMATED_IMAGE_FORMATS = {".webp": "WEBP", ".png": "PNG", ".apng": "PNG"}
 VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif", *ANIMATED_IMAGE_FORMATS)
@@ -179,11 +181,21 @@ def check_output_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def check_fps(fps: Any) -> None:
-    """Raise ValueError unless ``fps`` is a finite number > 0 (not a bool)."""
+def check_fps(fps: Any, suffix: str | None = None) -> None:
+    """Raise ValueError unless ``fps`` is a finite number > 0 (not a bool) and, for an ffmpeg
+    ``suffix``, a frame rate ffmpeg takes: imageio-ffmpeg passes it as a fraction of
+    denominator at most 10**6 (below 5e-7 that is 0) and ffmpeg's rationals hold 32-bit ints;
+    out of that, ffmpeg only said "the encoder wrote nothing", once every frame was read."""
     number = isinstance(fps, int | float | np.integer | np.floating) and not isinstance(fps, bool | np.bool_)
     if not (number and 0 < fps and math.isfinite(fps)):
         raise ValueError(f"fps: expected a finite positive number, got {fps!r}")
+    if suffix is not None and suffix.lower() in FFMPEG_SUFFIXES:
+        rate = Fraction(float(fps)).limit_denominator()  # as imageio-ffmpeg passes it to ffmpeg's -r
+        if not 0 < rate.numerator <= FFMPEG_MAX_RATE:
+            raise ValueError(
+                f"fps: {fps!r} is outside the frame rates ffmpeg takes for {suffix} "
+                f"(expected 1e-06 .. {FFMPEG_MAX_RATE})"
+            )
 
 
 def check_encodable(height: int, width: int, suffix: str, codec: str | None = None, what: str = "frames") -> None:
@@ -344,7 +356,7 @@ def trajectory_to_video(
     """
     path = Path(path)
     suffix = _check_video_path(path)
-    check_fps(fps)
+    check_fps(fps, suffix)
     check_output_path(path)
     frames = to_rgb_uint8(frames)
     if progress is None:
@@ -371,7 +383,7 @@ def blocks_to_video(blocks: Iterable[Any], path: str | os.PathLike, fps: float =
             f"path: {str(path)!r}: frames given in blocks are written to {FFMPEG_SUFFIXES} only; "
             "a gif's palette needs every frame at once (trajectory_to_video)"
         )
-    check_fps(fps)
+    check_fps(fps, suffix)
     check_output_path(path)
 
     def frames() -> Iterable[np.ndarray]:
@@ -530,8 +542,7 @@ def save_video(
     **kwargs: Any,
 ) -> Path:
     """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
-    _check_video_path(Path(path))  # the path and fps before reading any frame
-    check_fps(fps)
+    check_fps(fps, _check_video_path(Path(path)))  # the path and fps before reading any frame
     check_output_path(path)
     candidates = image_fields(buffer)
     if field is not None and field in buffer.fieldnames and field not in candidates:  # before reading it

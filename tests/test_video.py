@@ -164,6 +164,10 @@ def test_animated_images_are_written_as_the_seed_writes_them(tmp_path, suffix, k
         ("clip.mp4", {"fps": float("inf")}, "finite positive number, got inf"),
         ("clip.gif", {"fps": float("nan")}, "fps"),
         ("clip.gif", {"fps": True}, "got True"),
+        # imageio-ffmpeg passes 1e-9 as the fraction 0, 1e300 overflows ffmpeg's ints: ffmpeg
+        # said only "the encoder wrote nothing"
+        ("clip.mp4", {"fps": 1e-9}, r"fps: 1e-09 is outside the frame rates ffmpeg takes for \.mp4"),
+        ("clip.webm", {"fps": 1e300}, r"fps: 1e\+300 is outside the frame rates ffmpeg takes for \.webm"),
     ],
 )
 def test_bad_paths_and_fps_raise_before_writing(tmp_path, name, kwargs, message):
