@@ -156,6 +156,9 @@ def test_unknown_field_names_are_refused(circular, call):
 def test_episodes_per_chunk_must_be_positive(circular):
     with pytest.raises(ValueError, match="episodes_per_chunk must be a positive int, got 0"):
         to_dask(circular[0], episodes_per_chunk=0)
+    for bad in (0, -1, 1.5, "x"):  # dask took 0 and -1 as one chunk, and named neither for 1.5 or 'x'
+        with pytest.raises(ValueError, match=f"episode_mask: episodes_per_chunk must be a positive int, got {bad!r}"):
+            episode_mask(circular[0], episodes_per_chunk=bad)
 
 
 def test_empty_buffer(tmp_path):
