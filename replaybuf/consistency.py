@@ -361,6 +361,11 @@ def read_episodes_consistent(
         raise ValueError(
             f"read_episodes_consistent: invalid field names {unknown} - must be among {sorted(buffer.schema.fields)}"
         )
+    for name, step in (("t0", t0), ("t1", t1)):  # a float failed in range(), a string in the comparison
+        if step is not None and (isinstance(step, bool | np.bool_) or not isinstance(step, int | np.integer)):
+            raise TypeError(f"read_episodes_consistent: {name} must be an int step, got {step!r}")
+    if generations is not None and np.size(generations) and np.asarray(generations).dtype.kind not in "iu":
+        raise TypeError(f"read_episodes_consistent: generations must be ints, got {generations!r}")  # 1.5 was 1
     stop = buffer.max_timesteps if t1 is None else t1
     if not 0 <= t0 <= stop <= buffer.max_timesteps:
         raise ValueError(

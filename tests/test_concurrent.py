@@ -107,6 +107,11 @@ def test_consistent_read_refuses_slots_that_are_not_ints_and_a_string_of_fields(
     with pytest.raises(TypeError, match="fields must be a sequence of field names, got the string"):
         read_episodes_consistent(writer, [0], "obs")  # its letters were taken as field names
     assert read_episodes_consistent(writer, np.array([1], np.uint8)).slots.tolist() == [1]
+    for steps in ({"t0": 0.5}, {"t1": 2.5}, {"t0": "1"}, {"t0": True}):  # True was step 1
+        with pytest.raises(TypeError, match=r"read_episodes_consistent: t[01] must be an int step"):
+            read_episodes_consistent(writer, [0], **steps)
+    with pytest.raises(TypeError, match="generations must be ints, got"):
+        read_episodes_consistent(writer, [0], generations=[1.5])  # read as generation 1
     assert read_episodes_consistent(writer, []).slots.tolist() == []
 
 
