@@ -36,6 +36,7 @@ sketched again.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import warnings
 import zlib
@@ -433,6 +434,9 @@ def normalizer(
         fits = False
     if not fits:
         raise ValueError(f"normalizer: q must be two quantiles 0 <= low < high <= 1, got {q!r}")
+    number = isinstance(eps, int | float | np.integer | np.floating) and not isinstance(eps, bool | np.bool_)
+    if not (number and 0 < eps < math.inf):  # NaN made every value NaN, <= 0 a constant feature inf
+        raise ValueError(f"normalizer: eps must be a finite number > 0, got {eps!r}")
     stats = summary(buffer, [field], episodes)[field]
     if kind == "meanstd":
         return Normalizer(stats.mean, stats.std.clamp_min(eps))
