@@ -261,10 +261,7 @@ def to_dask(
     (created again at its location) raises ``BufferReplacedError``.
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
-    if episodes_per_chunk is not None and (
-        isinstance(episodes_per_chunk, bool) or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1
-    ):
-        raise ValueError(f"to_dask: episodes_per_chunk must be a positive int, got {episodes_per_chunk!r}")
+    _check_episodes_per_chunk("to_dask", episodes_per_chunk)
     return _dask_arrays(buffer, fields, meta_fields, _committed(buffer, order, meta_fields), episodes_per_chunk)
 
 
@@ -308,8 +305,18 @@ def _dask_arrays(
     return out
 
 
+def _check_episodes_per_chunk(call: str, episodes_per_chunk: Any) -> None:
+    """A ValueError naming ``call`` unless ``episodes_per_chunk`` is None or an int >= 1 (dask
+    took 0 or -1 as one chunk, and failed on 1.5 or 'x' naming neither argument)."""
+    if episodes_per_chunk is not None and (
+        isinstance(episodes_per_chunk, bool) or not isinstance(episodes_per_chunk, int) or episodes_per_chunk < 1
+    ):
+        raise ValueError(f"{call}: episodes_per_chunk must be a positive int, got {episodes_per_chunk!r}")
+
+
 def episode_mask(buffer: BufferView, episodes_per_chunk: int | None = None, order: str = "chronological") -> da.Array:
     """Dask bool array (episodes, time): True where a committed episode has a step (rows as ``to_dask``)."""
+    _check_episodes_per_chunk("episode_mask", episodes_per_chunk)
     plan = _committed(buffer, order)
     lens, length = plan.lens, plan.length
     chunk = episodes_per_chunk or max(1, len(lens))
@@ -408,6 +415,10 @@ def get_all_data(
             f"get_all_data: lazy=True returns dask arrays, which have no device; got device={device!r}. "
             "Call .compute() and move the tensors, or pass lazy=False"
         )
+    if device is not None:  # before any read: torch would refuse it only once every row is decoded
+        from .sampling.loader import check_device
+
+        check_device(device)
     fields, meta_fields = _select(buffer, fields, meta_fields, "get_all_data")
     plan = _plan(buffer, buffer.listed_slots(), meta_fields)
     if lazy:
@@ -539,7 +550,10 @@ class FieldStats:
                 "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "
                 f"that is not sketched: more than {sketches.MAX_FEATURES} values per step, or not numeric)"
             )
-        qs = np.atleast_1d(np.asarray(q, np.float64))
+        try:  # a string or None: "could not convert string to float", naming neither q nor quantile
+            qs = np.atleast_1d(np.asarray(q, np.float64))
+        except (TypeError, ValueError):
+            qs = np.array([np.nan])
         if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():  # NaN fails too
             raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
         # a feature holding NaN has NaN quantiles, as np.quantile and its NaN min, max and mean

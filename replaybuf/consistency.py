@@ -342,18 +342,30 @@ def read_episodes_consistent(
     is empty) and raises ``SnapshotError`` for one no longer stored. ``with_meta=False``
     leaves meta fields out (``meta`` is empty).
     """
-    slots = np.asarray(slots, dtype=np.int64)
+    given = np.asarray(slots)
+    if given.size and given.dtype.kind not in "iu":  # a cast read 0.5 and True as slots 0 and 1
+        raise TypeError(f"read_episodes_consistent: slots must be episode indices (ints), got {slots!r}")
+    slots = given.astype(np.int64)
     if slots.ndim != 1:
         raise ValueError(f"slots must be a 1-d sequence of episode indices, got shape {slots.shape}")
     bad = slots[(slots < 0) | (slots >= buffer.max_episodes)]
     if len(bad):
         raise ValueError(f"slots {bad.tolist()} out of range - must be in [0, {buffer.max_episodes})")
+    if isinstance(fields, str):  # its letters would be taken as the names
+        raise TypeError(
+            f"read_episodes_consistent: fields must be a sequence of field names, got the string {fields!r}"
+        )
     fields = list(buffer.schema.fields) if fields is None else list(fields)
     unknown = sorted(set(fields) - set(buffer.schema.fields))
     if unknown:
         raise ValueError(
             f"read_episodes_consistent: invalid field names {unknown} - must be among {sorted(buffer.schema.fields)}"
         )
+    for name, step in (("t0", t0), ("t1", t1)):  # a float failed in range(), a string in the comparison
+        if step is not None and (isinstance(step, bool | np.bool_) or not isinstance(step, int | np.integer)):
+            raise TypeError(f"read_episodes_consistent: {name} must be an int step, got {step!r}")
+    if generations is not None and np.size(generations) and np.asarray(generations).dtype.kind not in "iu":
+        raise TypeError(f"read_episodes_consistent: generations must be ints, got {generations!r}")  # 1.5 was 1
     stop = buffer.max_timesteps if t1 is None else t1
     if not 0 <= t0 <= stop <= buffer.max_timesteps:
         raise ValueError(

@@ -36,6 +36,7 @@ sketched again.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import warnings
 import zlib
@@ -427,8 +428,15 @@ def normalizer(
     ``'quantile'`` (the quantiles ``q`` map to -1 and 1)."""
     if kind not in ("meanstd", "quantile"):
         raise ValueError(f"normalizer: kind must be 'meanstd' or 'quantile', got {kind!r}")
-    if kind == "quantile" and not (len(q) == 2 and 0 <= q[0] < q[1] <= 1):
+    try:  # a single number or strings fail len() or the comparisons
+        fits = kind != "quantile" or (len(q) == 2 and 0 <= q[0] < q[1] <= 1)
+    except TypeError:
+        fits = False
+    if not fits:
         raise ValueError(f"normalizer: q must be two quantiles 0 <= low < high <= 1, got {q!r}")
+    number = isinstance(eps, int | float | np.integer | np.floating) and not isinstance(eps, bool | np.bool_)
+    if not (number and 0 < eps < math.inf):  # NaN made every value NaN, <= 0 a constant feature inf
+        raise ValueError(f"normalizer: eps must be a finite number > 0, got {eps!r}")
     stats = summary(buffer, [field], episodes)[field]
     if kind == "meanstd":
         return Normalizer(stats.mean, stats.std.clamp_min(eps))

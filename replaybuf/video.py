@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
 
 CHANNEL_COUNTS = (1, 3, 4)
 FFMPEG_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+FFMPEG_MAX_RATE = 2**31 - 1  # ffmpeg's AVRational holds ints
 # animated images Pillow writes whole, as the seed's imageio call did: suffix -> Pillow format
 ANIMATED_IMAGE_FORMATS = {".webp": "WEBP", ".png": "PNG", ".apng": "PNG"}
 VIDEO_SUFFIXES = (*FFMPEG_SUFFIXES, ".gif", *ANIMATED_IMAGE_FORMATS)
@@ -179,11 +181,21 @@ def check_output_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def check_fps(fps: Any) -> None:
-    """Raise ValueError unless ``fps`` is a finite number > 0 (not a bool)."""
+def check_fps(fps: Any, suffix: str | None = None) -> None:
+    """Raise ValueError unless ``fps`` is a finite number > 0 (not a bool) and, for an ffmpeg
+    ``suffix``, a frame rate ffmpeg takes: imageio-ffmpeg passes it as a fraction of
+    denominator at most 10**6 (below 5e-7 that is 0) and ffmpeg's rationals hold 32-bit ints;
+    out of that, ffmpeg only said "the encoder wrote nothing", once every frame was read."""
     number = isinstance(fps, int | float | np.integer | np.floating) and not isinstance(fps, bool | np.bool_)
     if not (number and 0 < fps and math.isfinite(fps)):
         raise ValueError(f"fps: expected a finite positive number, got {fps!r}")
+    if suffix is not None and suffix.lower() in FFMPEG_SUFFIXES:
+        rate = Fraction(float(fps)).limit_denominator()  # as imageio-ffmpeg passes it to ffmpeg's -r
+        if not 0 < rate.numerator <= FFMPEG_MAX_RATE:
+            raise ValueError(
+                f"fps: {fps!r} is outside the frame rates ffmpeg takes for {suffix} "
+                f"(expected 1e-06 .. {FFMPEG_MAX_RATE})"
+            )
 
 
 def check_encodable(height: int, width: int, suffix: str, codec: str | None = None, what: str = "frames") -> None:
@@ -262,17 +274,44 @@ def _write_gif(frames: np.ndarray, path: Path, fps: float, bar: str | None, kwar
         return image
 
     images = [to_palette(frame) for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False)]
+    given = "duration" in kwargs
     kwargs.setdefault("duration", 1000.0 / fps)  # no ``loop``: it plays once, as the seed's gifs
-    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
+    try:
+        images[0].save(path, format="GIF", save_all=True, append_images=images[1:], **kwargs)
+    except OverflowError as error:  # Pillow's 16-bit delay field, deep in its writer
+        raise _duration_error(".gif", fps, given, error) from None
+
+
+def _duration_error(suffix: str, fps: float, given: bool, error: Exception) -> ValueError:
+    """The ValueError for a frame longer than Pillow can store in ``suffix`` (a GIF frame at most
+    655.35 s, a WebP frame 16777.215 s, an APNG frame's delay a 16-bit fraction of a second),
+    naming ``fps`` (or the ``duration`` given instead): Pillow fails deep inside its writer
+    (OverflowError: int too big to convert) only once every frame is converted. Identical
+    consecutive frames are merged into one frame of their summed duration, so a static stretch
+    of an episode can pass the bound at an fps whose single frames fit."""
+    what = "the duration given" if given else f"fps={fps!r} ({1000.0 / fps:.6g} ms a frame)"
+    return ValueError(
+        f"fps: {what} makes a frame longer than {suffix} can store (identical consecutive frames "
+        f"are stored as one, their durations summed); expected a higher fps, or write .mp4 / .webm "
+        f"({type(error).__name__}: {error})"
+    )
 
 
 def _write_animated_image(frames: np.ndarray, path: Path, suffix: str, fps: float, kwargs: dict[str, Any]) -> None:
     """Write an animated webp / png with Pillow, one frame every ``1000 / fps`` ms, looping."""
     from PIL import Image
 
+    given = "duration" in kwargs
     kwargs.setdefault("duration", round(1000.0 / fps))
     images = [Image.fromarray(frame) for frame in frames]
-    images[0].save(path, format=ANIMATED_IMAGE_FORMATS[suffix], save_all=True, append_images=images[1:], **kwargs)
+    try:
+        images[0].save(path, format=ANIMATED_IMAGE_FORMATS[suffix], save_all=True, append_images=images[1:], **kwargs)
+    except (OverflowError, ValueError, RuntimeError) as error:
+        # Pillow's messages: OverflowError (webp), "cannot write duration" (png),
+        # "timestamps must be non-decreasing" (webp, libwebp's int timestamps overflowing)
+        if isinstance(error, OverflowError) or "duration" in str(error) or "timestamps" in str(error):
+            raise _duration_error(suffix, fps, given, error) from None
+        raise
 
 
 def _write_ffmpeg(
@@ -317,7 +356,7 @@ def trajectory_to_video(
     """
     path = Path(path)
     suffix = _check_video_path(path)
-    check_fps(fps)
+    check_fps(fps, suffix)
     check_output_path(path)
     frames = to_rgb_uint8(frames)
     if progress is None:
@@ -344,7 +383,7 @@ def blocks_to_video(blocks: Iterable[Any], path: str | os.PathLike, fps: float =
             f"path: {str(path)!r}: frames given in blocks are written to {FFMPEG_SUFFIXES} only; "
             "a gif's palette needs every frame at once (trajectory_to_video)"
         )
-    check_fps(fps)
+    check_fps(fps, suffix)
     check_output_path(path)
 
     def frames() -> Iterable[np.ndarray]:
@@ -503,8 +542,7 @@ def save_video(
     **kwargs: Any,
 ) -> Path:
     """Render episode(s) of ``buffer`` to ``path`` (several episodes play one after another)."""
-    _check_video_path(Path(path))  # the path and fps before reading any frame
-    check_fps(fps)
+    check_fps(fps, _check_video_path(Path(path)))  # the path and fps before reading any frame
     check_output_path(path)
     candidates = image_fields(buffer)
     if field is not None and field in buffer.fieldnames and field not in candidates:  # before reading it

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer
+from replaybuf import ReplayBuffer, analysis
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
 from ._data import fields, random_episode
@@ -131,6 +131,17 @@ def test_get_all_data_lazy_and_device(circular):
         get_all_data(buffer, lazy=True, device="cpu")
 
 
+def test_get_all_data_refuses_a_bad_device_before_reading(circular, monkeypatch):
+    # torch refused it only after every row was decoded: a RuntimeError ("Expected one of cpu,
+    # cuda, ...") or, for a CUDA device on a machine without one, an AssertionError from torch
+    buffer, _ = circular
+    monkeypatch.setattr(analysis, "_read_rows", lambda *args: pytest.fail("read before the device was checked"))
+    with pytest.raises(ValueError, match="device: 'tpu' is not a torch device"):
+        get_all_data(buffer, device="tpu")
+    with pytest.raises(ValueError, match="device: 'cuda:99'"):
+        get_all_data(buffer, device="cuda:99")
+
+
 @pytest.mark.parametrize("call", [to_dask, get_all_data])
 def test_unknown_field_names_are_refused(circular, call):
     buffer, _ = circular
@@ -145,6 +156,9 @@ def test_unknown_field_names_are_refused(circular, call):
 def test_episodes_per_chunk_must_be_positive(circular):
     with pytest.raises(ValueError, match="episodes_per_chunk must be a positive int, got 0"):
         to_dask(circular[0], episodes_per_chunk=0)
+    for bad in (0, -1, 1.5, "x"):  # dask took 0 and -1 as one chunk, and named neither for 1.5 or 'x'
+        with pytest.raises(ValueError, match=f"episode_mask: episodes_per_chunk must be a positive int, got {bad!r}"):
+            episode_mask(circular[0], episodes_per_chunk=bad)
 
 
 def test_empty_buffer(tmp_path):

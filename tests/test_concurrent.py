@@ -97,6 +97,24 @@ def test_refresh_pairs_lengths_with_meta_under_a_concurrent_commit(location):
         assert reader.episode_lens[slot] == episode_length(uid), f"slot {slot}: length of another episode"
 
 
+def test_consistent_read_refuses_slots_that_are_not_ints_and_a_string_of_fields(location):
+    writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
+    for uid in (1, 2):
+        write_episode(writer, uid, "whole")
+    for slots in ([0.5], [True], ["x"], None):  # 0.5 and True were cast to slots 0 and 1 and read
+        with pytest.raises(TypeError, match=r"read_episodes_consistent: slots must be episode indices \(ints\)"):
+            read_episodes_consistent(writer, slots)
+    with pytest.raises(TypeError, match="fields must be a sequence of field names, got the string"):
+        read_episodes_consistent(writer, [0], "obs")  # its letters were taken as field names
+    assert read_episodes_consistent(writer, np.array([1], np.uint8)).slots.tolist() == [1]
+    for steps in ({"t0": 0.5}, {"t1": 2.5}, {"t0": "1"}, {"t0": True}):  # True was step 1
+        with pytest.raises(TypeError, match=r"read_episodes_consistent: t[01] must be an int step"):
+            read_episodes_consistent(writer, [0], **steps)
+    with pytest.raises(TypeError, match="generations must be ints, got"):
+        read_episodes_consistent(writer, [0], generations=[1.5])  # read as generation 1
+    assert read_episodes_consistent(writer, []).slots.tolist() == []
+
+
 def test_consistent_read_rereads_a_slot_reused_during_the_read(location):
     writer = ReplayBuffer(location, **buffer_kwargs(2, circular=True))
     for uid in (1, 2):

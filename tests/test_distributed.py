@@ -128,6 +128,8 @@ def test_load_state_rejects_mismatches():
         ResumableDistributedSampler(10, world_size=2, rank=0, seed=9).load_state_dict(state)
     with pytest.raises(ValueError, match="missing keys"):
         ResumableDistributedSampler(10).load_state_dict({"epoch": 0})
+    with pytest.raises(TypeError, match=r"state must be a sampler's state_dict\(\) \(a dict\), got None"):
+        ResumableDistributedSampler(10).load_state_dict(None)  # was: 'NoneType' object is not iterable
     grown = {**state, "epoch_length": 11}
     with pytest.raises(ValueError, match="now has 10"):
         ResumableDistributedSampler(10, world_size=2, rank=0, seed=1).load_state_dict(grown)

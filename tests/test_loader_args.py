@@ -4,6 +4,8 @@ never read past an episode's end, drop an output or draw from NaN priorities."""
 
 from __future__ import annotations
 
+import re
+
 import memmap_replay_buffer as seed
 import numpy as np
 import pytest
@@ -228,3 +230,23 @@ def test_return_mask_is_as_wide_as_the_batch_s_time_axis(buffer, kind):
     if kind == "window":  # a window is zero past its steps
         assert (batch["ident"][~batch["_mask"]] == 0).all()
     assert batch["ident"][batch["_mask"]].shape == (sum(LENGTHS),)
+
+
+@pytest.mark.parametrize("name", ["return_mask", "return_episode_lens", "slice_by_episode_len"])
+def test_loader_flags_take_a_bool_and_refuse_other_values_by_name(buffer, name):
+    # they were multiplied into the lists of output names: "yes" or None gave TypeError "can't
+    # multiply sequence by non-int of type 'str'" from inside, np.True_ the same for numpy's bool
+    for flag in (None, "yes", 2):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got {flag!r}"):
+            make_dataloader(buffer, 2, **{name: flag})
+    batch = next(iter(make_dataloader(buffer, 2, **{name: np.bool_(True)})))
+    assert batch.keys() == next(iter(make_dataloader(buffer, 2, **{name: True}))).keys()
+
+
+def test_dataset_kwargs_must_be_a_dict(buffer):
+    for given in ([1], "ab"):  # dict() of them failed: "cannot convert dictionary update sequence ..."
+        with pytest.raises(
+            TypeError,
+            match=re.escape(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {given!r}"),
+        ):
+            make_dataloader(buffer, 2, dataset_kwargs=given)

@@ -108,6 +108,12 @@ def test_a_bad_state_is_refused_and_the_loader_keeps_its_own(members, state, mes
     assert loader.state_dict() == before
 
 
+def test_a_state_that_is_no_dict_is_refused_by_name(members):
+    loader = ConcatReplayBuffer(members, weights=WEIGHTS).dataloader(8, timestep_level=True, num_batches=3, seed=5)
+    with pytest.raises(TypeError, match=r"state must be a mixture loader's state_dict\(\) \(a dict\), got None"):
+        loader.load_state_dict(None)  # was: 'NoneType' object is not iterable
+
+
 def as_lists(loader) -> list:
     return [(b["source"].tolist(), b["obs"].tolist()) for b in loader]
 

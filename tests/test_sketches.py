@@ -338,6 +338,13 @@ def test_errors(tmp_path):
         buffer.stats(["state"], episodes=[0, 0, 1])  # slot 0 was counted twice
     with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got \(0.99, 0.01\)"):
         normalizer(buffer, "state", kind="quantile", q=(0.99, 0.01))  # was a scale of eps: values x 1e8
+    with pytest.raises(ValueError, match=r"q must be two quantiles 0 <= low < high <= 1, got 0.5"):
+        normalizer(buffer, "state", kind="quantile", q=0.5)  # was TypeError: object of type 'float' has no len()
+    for eps in (float("nan"), 0, -1.0, "x"):  # NaN gave all-NaN values, 0 or less inf for a constant feature
+        with pytest.raises(ValueError, match=f"normalizer: eps must be a finite number > 0, got {eps!r}"):
+            normalizer(buffer, "state", eps=eps)
+    with pytest.raises(ValueError, match=r"quantile: q must be in \[0, 1\], got 'x'"):
+        summary(buffer)["state"].quantile("x")  # was: could not convert string to float: 'x'
     for slots in ([0.5, 1], [True], ["0"]):  # 0.5 and True were read as slots 0 and 1
         with pytest.raises(ValueError, match=r"stats: episodes must be slots \(ints\), got "):
             buffer.stats(["state"], episodes=slots)

@@ -118,6 +118,22 @@ def test_gif_frame_duration_follows_fps(tmp_path):
     assert iio.immeta(path, index=0)["duration"] == 250
 
 
+@pytest.mark.parametrize(
+    ("suffix", "levels", "fps"),
+    [
+        (".gif", [0, 100, 200], 0.001),  # 1,000 s a frame: a gif's delay is 16-bit centiseconds
+        (".gif", [0] * 700, 1),  # a static stretch: Pillow merges it into one frame of 700 s
+        (".webp", [0, 100], 1e-5),
+        (".png", [0, 100], 1e-5),
+    ],
+)
+def test_frames_longer_than_the_format_stores_are_refused_naming_fps(tmp_path, suffix, levels, fps):
+    # Pillow raised OverflowError("int too big to convert") from deep in its writer
+    with pytest.raises(ValueError, match=rf"fps: fps={fps!r} .* makes a frame longer than \{suffix} can store"):
+        trajectory_to_video(gray_frames(levels), tmp_path / f"slow{suffix}", fps=fps, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _animation(path) -> tuple:
     from PIL import Image, ImageSequence
 
@@ -148,6 +164,10 @@ def test_animated_images_are_written_as_the_seed_writes_them(tmp_path, suffix, k
         ("clip.mp4", {"fps": float("inf")}, "finite positive number, got inf"),
         ("clip.gif", {"fps": float("nan")}, "fps"),
         ("clip.gif", {"fps": True}, "got True"),
+        # imageio-ffmpeg passes 1e-9 as the fraction 0, 1e300 overflows ffmpeg's ints: ffmpeg
+        # said only "the encoder wrote nothing"
+        ("clip.mp4", {"fps": 1e-9}, r"fps: 1e-09 is outside the frame rates ffmpeg takes for \.mp4"),
+        ("clip.webm", {"fps": 1e300}, r"fps: 1e\+300 is outside the frame rates ffmpeg takes for \.webm"),
     ],
 )
 def test_bad_paths_and_fps_raise_before_writing(tmp_path, name, kwargs, message):

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..consistency import RETRIES, check_settled, read_consistent
+from ..inputs import check_flag
 from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
 from ..view import BufferView, mirror_lock
 from .collate import CollatedSamples
@@ -488,13 +489,15 @@ class ReplayDatasetTrajectory(_SnapshotDataset):
     ):
         if filter_fields is not None:
             raise ValueError("filter_fields is only supported for timestep-level and n-step datasets")
+        check_flag("slice_by_episode_len", slice_by_episode_len)  # output_keys multiplies lists by them
+        check_flag("return_episode_lens", return_episode_lens)
         if not slice_by_episode_len and not return_episode_lens:
             raise ValueError("cannot turn off return_episode_lens if slice_by_episode_len is also turned off")
         super().__init__(
             replay_buffer, fields, fieldname_map, include_metadata, filter_meta, return_indices, cache, min_episode_len
         )
-        self.slice_by_episode_len = slice_by_episode_len
-        self.return_episode_lens = return_episode_lens
+        self.slice_by_episode_len = bool(slice_by_episode_len)
+        self.return_episode_lens = bool(return_episode_lens)
         self.time_keys = frozenset(self.out_name(f) for f in self.fields) if slice_by_episode_len else frozenset()
         self._make_fetcher(self.fields)
 

@@ -219,6 +219,8 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next pass yields the rest of the recorded epoch."""
+        if not isinstance(state, dict):  # set(None) would fail with "'NoneType' object is not iterable"
+            raise TypeError(f"state must be a sampler's state_dict() (a dict), got {state!r}")
         missing = sorted({"epoch", "position", "epoch_length", *_SETTINGS} - set(state))
         if missing:
             raise ValueError(f"sampler state is missing keys {missing}")

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+from ..inputs import check_flag
 from ..view import BufferView
 from .collate import Collator, named_batch_class, named_tuple_fields
 from .datasets import (
@@ -212,6 +213,8 @@ def make_dataloader(
                 "then samples freely)"
             )
     _check_sharding(sampler, rank, world_size, seed)  # here: a rate-limited loader makes its loaders later
+    check_flag("return_mask", return_mask)  # the seed's beartype refuses a non-bool too
+    return_mask = bool(return_mask)
     if samples_per_insert is not None:
         # every argument but the rate's, for the loader of each pass (locals(): the parameters only, here)
         options = {name: value for name, value in locals().items() if name not in _RATE_ARGUMENTS}
@@ -220,6 +223,8 @@ def make_dataloader(
             buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
         )
         return RateLimitedLoader(lambda: make_dataloader(**options), limiter)
+    if dataset_kwargs is not None and not isinstance(dataset_kwargs, dict):  # dict() of it fails obscurely
+        raise TypeError(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {dataset_kwargs!r}")
     dataset_kwargs = dict(dataset_kwargs or {})
     for name in ("slice_by_episode_len", "return_episode_lens", "cache"):
         if name in kwargs:

@@ -137,6 +137,8 @@ class MixtureDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a state saved by ``state_dict()``: the next pass starts at its batch."""
+        if not isinstance(state, dict):  # set(None) would fail with "'NoneType' object is not iterable"
+            raise TypeError(f"state must be a mixture loader's state_dict() (a dict), got {state!r}")
         missing = sorted({"seed", "pass", "batch"} - set(state))
         if missing:
             raise ValueError(f"mixture loader state is missing keys {missing}")

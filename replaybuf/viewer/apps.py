@@ -146,7 +146,7 @@ class BufferApp:
         scale: int = 1,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
-        check_fps(fps)
+        check_fps(fps, ".mp4")  # the videos it renders
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
             raise ValueError(f"scale: expected a positive integer, got {scale!r}")
         self.buffer = buffer
