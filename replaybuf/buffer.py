@@ -149,8 +149,9 @@ class MetaView(WrappedArray):
             buffer._set_meta(self._name, *self._assigned_rows(buffer, field, key, value))
             return
         try:
-            episodes = np.atleast_1d(np.arange(buffer.max_episodes)[key])
-        except IndexError as e:
+            # flat: a key of more dimensions ([[0, 1]], True) names its slots in numpy's order
+            episodes = np.arange(buffer.max_episodes)[key].reshape(-1)
+        except (IndexError, OverflowError) as e:  # OverflowError: an index past 2**63 - 1
             raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (max_episodes {buffer.max_episodes})") from None
         array = to_numpy(value, self._name)
         try:  # one value for every episode, as store_meta_datapoint takes it, or one per episode
@@ -323,7 +324,7 @@ class DataView(ArrayBase):
         array = cast_values(to_numpy(value, self._name), buffer.schema.fields[self._name])
         try:
             slots, t0, t1, local = self._block(key)
-        except IndexError as e:
+        except (IndexError, OverflowError) as e:  # OverflowError: an index past 2**63 - 1
             raise IndexError(f"data[{self._name!r}][{key!r}]: {e} (shape {self.shape})") from None
         rows = self._read(slots, t0, t1)
         try:
@@ -1709,6 +1710,8 @@ class ReplayBuffer(CommittedViews):
         array = np.asarray(indices)
         if array.dtype.kind not in "iu":
             raise TypeError(f"{call}: indices must be ints, a slice or None, got {indices!r}")
+        if array.ndim > 1:  # numpy would give (*index shape, ...) values; the backends take a list of slots
+            raise ValueError(f"{call}: indices must be an int or a 1-D sequence of ints, got shape {array.shape}")
         scalar = array.ndim == 0
         array = np.atleast_1d(array)
         bad = array[(array < 0) | (array >= self.max_episodes)]
