@@ -1416,6 +1416,8 @@ class ReplayBuffer(CommittedViews):
         untouched. Returns the slots dropped (those that held a committed episode)."""
         self._check_writable("drop_episodes")
         slots = np.unique(np.atleast_1d(np.asarray(slots)))
+        if slots.size == 0:  # [] is float64 to numpy: no slot to drop (a verify that found none)
+            slots = slots.astype(np.int64)
         if slots.dtype.kind not in "iu" or ((slots < 0) | (slots >= self.max_episodes)).any():
             raise ValueError(f"drop_episodes: slots must be ints in [0, {self.max_episodes}), got {slots.tolist()}")
         return self._commit.drop(slots).tolist()

@@ -397,6 +397,18 @@ def test_a_float16_into_an_int_field_warns_of_no_overflow(make_location):
     assert buffer.data["action"][0, 0].tolist() == [1, 2] and buffer.meta_data["task_id"][0] == 3
 
 
+def test_drop_episodes_of_no_slot_drops_nothing(make_location):
+    # [] is float64 to numpy: refused as "slots must be ints", so dropping what a check found
+    # (none) raised; non-int slots are still refused
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 3, task=1)
+    before = snapshot(buffer)
+    assert buffer.drop_episodes([]) == [] and buffer.drop_episodes(np.array([])) == []
+    with pytest.raises(ValueError, match=r"drop_episodes: slots must be ints in \[0, 6\), got \[0\.5\]"):
+        buffer.drop_episodes([0.5])
+    assert_same_snapshot(before, snapshot(buffer))
+
+
 def test_store_batch_wrong_size_inside_group(make_location):
     buffer, *_ = make(make_location)
     with pytest.raises(ValueError, match="batch size 3"):
