@@ -182,7 +182,9 @@ def _ascending_last(episodes: np.ndarray) -> np.ndarray:
     last value given (``update([0, 0], ...)``, ``meta_data['x'][[0, 0]] = ...``)."""
     order = np.argsort(episodes, kind="stable")
     ordered = episodes[order]
-    return order[np.append(ordered[1:] != ordered[:-1], True)]
+    last = np.ones(len(ordered), bool)  # empty for no episode
+    last[:-1] = ordered[1:] != ordered[:-1]
+    return order[last]
 
 
 def open_h5(path: str, mode: str) -> h5py.File:
