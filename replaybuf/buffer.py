@@ -35,7 +35,17 @@ from . import metasums, snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer, CountersNotWritten
 from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
-from .inputs import batch_value, cast_values, check_flag, check_index, fill_value, fit_shape, step_value, to_numpy
+from .inputs import (
+    batch_value,
+    cast_values,
+    check_flag,
+    check_index,
+    fill_value,
+    fit_shape,
+    step_value,
+    tensor_to_numpy,
+    to_numpy,
+)
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_field
 from .staging import EpisodeGroup
@@ -1707,9 +1717,8 @@ class ReplayBuffer(CommittedViews):
             return np.flatnonzero(self._meta["episode_lens"] > 0), False
         if isinstance(indices, slice):
             return np.arange(self.max_episodes)[indices], False
-        if hasattr(indices, "detach") and hasattr(indices, "cpu"):  # a torch tensor
-            indices = indices.detach().cpu().numpy()
-        array = np.asarray(indices)
+        is_tensor = hasattr(indices, "detach") and hasattr(indices, "cpu")  # bfloat16, meta device: named
+        array = tensor_to_numpy(indices, "indices") if is_tensor else np.asarray(indices)
         if array.dtype.kind not in "iu":
             raise TypeError(f"{call}: indices must be ints, a slice or None, got {indices!r}")
         if array.ndim > 1:  # numpy would give (*index shape, ...) values; the backends take a list of slots

@@ -344,6 +344,19 @@ BAD_WRITES = [
         TypeError,
         "'task_id'.*meta",
     ),
+    # tensor indices: torch's NotImplementedError (meta) and bare "unsupported ScalarType BFloat16"
+    (
+        "update meta-device indices",
+        lambda b: b.update(torch.zeros(1, dtype=torch.long, device="meta"), reward=1.0),
+        TypeError,
+        "'indices'.*meta",
+    ),
+    (
+        "update bfloat16 indices",
+        lambda b: b.update(torch.zeros(1, dtype=torch.bfloat16), reward=1.0),
+        TypeError,
+        r"update: indices must be ints, a slice or None, got tensor\(\[0\.\], dtype=torch\.bfloat16\)",
+    ),
 ]
 
 
