@@ -536,6 +536,12 @@ class ReplayBuffer(CommittedViews):
                     f"{where!r} holds a buffer: reopen it with ReplayBuffer.from_folder({where!r}) (or pass "
                     "overwrite=False); creating a new one there needs max_episodes, max_timesteps and fields"
                 )
+            other = detect_backend(where, self.storage.storage_options)
+            if other is not None and other != self.storage.backend_name:  # backend= named the wrong one
+                raise BufferNotFoundError(
+                    f"no {self.storage.backend_name!r} buffer at {where!r}: it holds a {other!r} buffer; "
+                    f"open it with backend={other!r}, or leave backend out"
+                )
             raise BufferNotFoundError(
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
             )

@@ -503,4 +503,7 @@ def test_an_open_where_no_buffer_is_raises_buffer_not_found_and_creates_nothing(
     before = {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()}
     with pytest.raises(BufferNotFoundError, match="no 'memmap' buffer at .*: it holds a 'zarr' buffer"):
         ReplayBuffer(zarr, read_only=True, backend="memmap")
+    # a writable reopen said "no buffer exists at ...", silent on the zarr buffer there
+    with pytest.raises(BufferNotFoundError, match="no 'hdf5' buffer at .*: it holds a 'zarr' buffer; open it with"):
+        ReplayBuffer(zarr, overwrite=False, backend="hdf5")
     assert {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()} == before
