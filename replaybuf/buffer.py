@@ -35,7 +35,17 @@ from . import metasums, snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer, CountersNotWritten
 from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
-from .inputs import batch_value, cast_values, check_flag, check_index, fill_value, fit_shape, step_value, to_numpy
+from .inputs import (
+    batch_value,
+    cast_values,
+    check_flag,
+    check_index,
+    fill_value,
+    fit_shape,
+    step_value,
+    tensor_to_numpy,
+    to_numpy,
+)
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_field
 from .staging import EpisodeGroup
@@ -149,8 +159,9 @@ class MetaView(WrappedArray):
             buffer._set_meta(self._name, *self._assigned_rows(buffer, field, key, value))
             return
         try:
-            episodes = np.atleast_1d(np.arange(buffer.max_episodes)[key])
-        except IndexError as e:
+            # flat: a key of more dimensions ([[0, 1]], True) names its slots in numpy's order
+            episodes = np.arange(buffer.max_episodes)[key].reshape(-1)
+        except (IndexError, OverflowError) as e:  # OverflowError: an index past 2**63 - 1
             raise ValueError(f"meta_data[{self._name!r}][{key!r}]: {e} (max_episodes {buffer.max_episodes})") from None
         array = to_numpy(value, self._name)
         try:  # one value for every episode, as store_meta_datapoint takes it, or one per episode
@@ -323,7 +334,7 @@ class DataView(ArrayBase):
         array = cast_values(to_numpy(value, self._name), buffer.schema.fields[self._name])
         try:
             slots, t0, t1, local = self._block(key)
-        except IndexError as e:
+        except (IndexError, OverflowError) as e:  # OverflowError: an index past 2**63 - 1
             raise IndexError(f"data[{self._name!r}][{key!r}]: {e} (shape {self.shape})") from None
         rows = self._read(slots, t0, t1)
         try:
@@ -524,6 +535,12 @@ class ReplayBuffer(CommittedViews):
                 raise ValueError(
                     f"{where!r} holds a buffer: reopen it with ReplayBuffer.from_folder({where!r}) (or pass "
                     "overwrite=False); creating a new one there needs max_episodes, max_timesteps and fields"
+                )
+            other = detect_backend(where, self.storage.storage_options)
+            if other is not None and other != self.storage.backend_name:  # backend= named the wrong one
+                raise BufferNotFoundError(
+                    f"no {self.storage.backend_name!r} buffer at {where!r}: it holds a {other!r} buffer; "
+                    f"open it with backend={other!r}, or leave backend out"
                 )
             raise BufferNotFoundError(
                 f"no buffer exists at {where!r}: pass max_episodes, max_timesteps and fields to create one"
@@ -1415,6 +1432,8 @@ class ReplayBuffer(CommittedViews):
         untouched. Returns the slots dropped (those that held a committed episode)."""
         self._check_writable("drop_episodes")
         slots = np.unique(np.atleast_1d(np.asarray(slots)))
+        if slots.size == 0:  # [] is float64 to numpy: no slot to drop (a verify that found none)
+            slots = slots.astype(np.int64)
         if slots.dtype.kind not in "iu" or ((slots < 0) | (slots >= self.max_episodes)).any():
             raise ValueError(f"drop_episodes: slots must be ints in [0, {self.max_episodes}), got {slots.tolist()}")
         return self._commit.drop(slots).tolist()
@@ -1704,11 +1723,12 @@ class ReplayBuffer(CommittedViews):
             return np.flatnonzero(self._meta["episode_lens"] > 0), False
         if isinstance(indices, slice):
             return np.arange(self.max_episodes)[indices], False
-        if hasattr(indices, "detach") and hasattr(indices, "cpu"):  # a torch tensor
-            indices = indices.detach().cpu().numpy()
-        array = np.asarray(indices)
+        is_tensor = hasattr(indices, "detach") and hasattr(indices, "cpu")  # bfloat16, meta device: named
+        array = tensor_to_numpy(indices, "indices") if is_tensor else np.asarray(indices)
         if array.dtype.kind not in "iu":
             raise TypeError(f"{call}: indices must be ints, a slice or None, got {indices!r}")
+        if array.ndim > 1:  # numpy would give (*index shape, ...) values; the backends take a list of slots
+            raise ValueError(f"{call}: indices must be an int or a 1-D sequence of ints, got shape {array.shape}")
         scalar = array.ndim == 0
         array = np.atleast_1d(array)
         bad = array[(array < 0) | (array >= self.max_episodes)]

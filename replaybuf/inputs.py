@@ -21,7 +21,13 @@ def tensor_to_numpy(tensor: Any, name: str) -> np.ndarray:
     """A numpy view of a torch tensor (on any device). Floats numpy has no dtype for (bfloat16,
     float8) come as float32, which holds each of their values exactly; a tensor numpy cannot
     take at all (quantized, sparse) is a TypeError naming the field."""
-    tensor = tensor.detach().cpu()
+    try:
+        tensor = tensor.detach().cpu()
+    except (NotImplementedError, RuntimeError) as e:  # a tensor on the meta device holds no values
+        raise TypeError(
+            f"field {name!r}: cannot read the values of a tensor on device {tensor.device} ({e}); "
+            "expected a tensor holding data"
+        ) from e
     if tensor.is_floating_point() and str(tensor.dtype) not in NUMPY_FLOAT_TENSORS:
         tensor = tensor.float()
     try:
@@ -59,7 +65,9 @@ def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
         raise ValueError(f"field {f.name!r}: non-finite values (NaN/inf) cannot be stored in a {target} field")
     if target.kind in "iu" and array.dtype.kind in "iuf" and array.size:
         info = np.iinfo(target)
-        lo, hi = array.min(), array.max()
+        # compared as Python numbers: numpy compares a float16 with int32's bounds in float16,
+        # which overflows (a RuntimeWarning, an error under -W error)
+        lo, hi = array.min().item(), array.max().item()
         if lo < info.min or hi > info.max:
             raise ValueError(
                 f"field {f.name!r}: values in [{lo}, {hi}] do not fit dtype {target} (range [{info.min}, {info.max}])"

@@ -66,6 +66,22 @@ def test_a_flag_given_as_a_string_is_refused_before_anything_is_erased(tmp_path,
     assert len(ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), **kept)) == 1
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_location_or_storage_options_of_the_wrong_type_is_named(tmp_path, backend):
+    # were Python's "a bytes-like object is required, not 'str'", dict()'s "dictionary update
+    # sequence element #0 has length 1" and "'int' object is not iterable", naming neither
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    with pytest.raises(TypeError, match=r"the location must be a str or os.PathLike of str, got bytes b'"):
+        ReplayBuffer(os.fsencode(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend)
+    for options in ("gzip", 1, [("compression", "gzip")]):
+        with pytest.raises(TypeError, match=r"storage_options must be a dict of options \(or None\), got "):
+            ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend, storage_options=options)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+
+
 def test_convert_refuses_overwrite_given_as_a_string(tmp_path):
     from replaybuf import convert
 
@@ -310,6 +326,37 @@ BAD_WRITES = [
     ("data[] string", lambda b: b.data["reward"].__setitem__((0, 0), "high"), TypeError, "'reward'"),
     ("data[] wrong shape", lambda b: b.data["action"].__setitem__((0, 0), [1, 2, 3]), ValueError, r"'action'.*\(3,\)"),
     ("data[] out of bounds", lambda b: b.data["action"].__setitem__((9, 0), [1, 2]), IndexError, "'action'.*9"),
+    # an index past int64 was numpy's bare OverflowError, naming nothing
+    ("data[] index past int64", lambda b: b.data["reward"].__setitem__(2**63, 1.0), IndexError, r"data\['reward'\]"),
+    ("meta_data[] index past int64", lambda b: b.meta_data["task_id"].__setitem__(2**63, 1), ValueError, "'task_id'"),
+    # 2-D indices: zarr and hdf5 failed inside the write (after moving the slot's revision), memmap wrote
+    (
+        "update 2-D indices",
+        lambda b: b.update(np.array([[0, 0]]), reward=np.ones((1, 2))),
+        ValueError,
+        r"update: indices must be an int or a 1-D sequence of ints, got shape \(1, 2\)",
+    ),
+    # a tensor on the meta device holds no values: torch's NotImplementedError came through
+    ("store meta-device tensor", lambda b: b.store(reward=torch.empty((), device="meta")), TypeError, "'reward'.*meta"),
+    (
+        "update meta-device tensor",
+        lambda b: b.update(0, task_id=torch.empty((), device="meta")),
+        TypeError,
+        "'task_id'.*meta",
+    ),
+    # tensor indices: torch's NotImplementedError (meta) and bare "unsupported ScalarType BFloat16"
+    (
+        "update meta-device indices",
+        lambda b: b.update(torch.zeros(1, dtype=torch.long, device="meta"), reward=1.0),
+        TypeError,
+        "'indices'.*meta",
+    ),
+    (
+        "update bfloat16 indices",
+        lambda b: b.update(torch.zeros(1, dtype=torch.bfloat16), reward=1.0),
+        TypeError,
+        r"update: indices must be ints, a slice or None, got tensor\(\[0\.\], dtype=torch\.bfloat16\)",
+    ),
 ]
 
 
@@ -321,6 +368,57 @@ def test_bad_writes_leave_buffer_unchanged(make_location, label, call, error, pa
     with pytest.raises(error, match=pattern):
         call(buffer)
     assert buffer.timestep_index == 0
+    assert_same_snapshot(before, snapshot(buffer))
+
+
+def test_repeated_slots_keep_the_last_value_given_on_every_backend(make_location):
+    # hdf5 raised h5py's "Indexing elements must be in increasing order" (after moving the slot's
+    # revision); numpy's assignment, as memmap, zarr and the seed take it, keeps the last value
+    buffer, *_ = make(make_location)
+    for task in (1, 2):
+        fill_episode(buffer, 3, task=task)
+    buffer.update([1, 0, 1], reward=np.array([[5.0, 5, 5], [6, 6, 6], [7, 7, 7]]), task_id=[5, 6, 7])
+    assert buffer.data["reward"][:2, :3].tolist() == [[6, 6, 6], [7, 7, 7]]
+    buffer.meta_data["task_id"][[0, 0]] = [8, 9]
+    buffer.store_batch_meta_datapoint([1, 1], "task_id", [3, 4])
+    assert buffer.meta_data["task_id"][:2].tolist() == [9, 4]
+    buffer.close()
+    reopened = ReplayBuffer.from_folder(buffer.storage.location, read_only=True, backend=buffer.storage.backend_name)
+    assert reopened.get_all_data()["task_id"].tolist() == [9, 4]
+
+
+def test_meta_data_keys_of_more_dimensions_assign_as_numpy_does(make_location):
+    # hdf5 failed inside the write (IndexError / "Only 1D arrays allowed"), the slot's revision moved
+    buffer, *_ = make(make_location)
+    for task in (1, 2):
+        fill_episode(buffer, 3, task=task)
+    buffer.meta_data["task_id"][True] = 4  # numpy: every slot
+    assert buffer.meta_data["task_id"][:].tolist() == [4] * 6
+    buffer.meta_data["task_id"][np.array([[1, 0]])] = [[5, 6]]
+    assert buffer.meta_data["task_id"][:2].tolist() == [6, 5]
+
+
+def test_a_float16_into_an_int_field_warns_of_no_overflow(make_location):
+    # the range check compared float16 values with int32's bounds in float16: a RuntimeWarning
+    # "overflow encountered in cast" on every such write, an error under -W error
+    buffer, *_ = make(make_location)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buffer.store(action=np.array([1.5, 2], dtype=np.float16))
+        buffer.advance_episode()
+        buffer.meta_data["task_id"][0] = np.float16(3)
+    assert buffer.data["action"][0, 0].tolist() == [1, 2] and buffer.meta_data["task_id"][0] == 3
+
+
+def test_drop_episodes_of_no_slot_drops_nothing(make_location):
+    # [] is float64 to numpy: refused as "slots must be ints", so dropping what a check found
+    # (none) raised; non-int slots are still refused
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 3, task=1)
+    before = snapshot(buffer)
+    assert buffer.drop_episodes([]) == [] and buffer.drop_episodes(np.array([])) == []
+    with pytest.raises(ValueError, match=r"drop_episodes: slots must be ints in \[0, 6\), got \[0\.5\]"):
+        buffer.drop_episodes([0.5])
     assert_same_snapshot(before, snapshot(buffer))
 
 
@@ -405,4 +503,7 @@ def test_an_open_where_no_buffer_is_raises_buffer_not_found_and_creates_nothing(
     before = {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()}
     with pytest.raises(BufferNotFoundError, match="no 'memmap' buffer at .*: it holds a 'zarr' buffer"):
         ReplayBuffer(zarr, read_only=True, backend="memmap")
+    # a writable reopen said "no buffer exists at ...", silent on the zarr buffer there
+    with pytest.raises(BufferNotFoundError, match="no 'hdf5' buffer at .*: it holds a 'zarr' buffer; open it with"):
+        ReplayBuffer(zarr, overwrite=False, backend="hdf5")
     assert {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()} == before

@@ -175,6 +175,18 @@ def written_to(dataset: h5py.Dataset, key: Any, values: np.ndarray, path: str) -
         raise StorageError(f"writing {dataset.name} into {path!r} failed: {e}") from e
 
 
+def _ascending_last(episodes: np.ndarray) -> np.ndarray:
+    """The positions of ``episodes`` in ascending order of episode, each episode once at the
+    position it is last given: h5py refuses a repeated index ("Indexing elements must be in
+    increasing order"), where numpy assignment (memmap, zarr, the base ``write_rows``) keeps the
+    last value given (``update([0, 0], ...)``, ``meta_data['x'][[0, 0]] = ...``)."""
+    order = np.argsort(episodes, kind="stable")
+    ordered = episodes[order]
+    last = np.ones(len(ordered), bool)  # empty for no episode
+    last[:-1] = ordered[1:] != ordered[:-1]
+    return order[last]
+
+
 def open_h5(path: str, mode: str) -> h5py.File:
     """``h5py.File(path, mode)`` with the default locking a plain h5py open uses; without
     locking when another process holds a lock on the file or this process opened it so."""
@@ -613,7 +625,7 @@ class HDF5Storage(LocalFolderStorage):
         self._check_writable()
         self._check_room(np.asarray(values).nbytes, f"data/{name}")
         episodes = np.asarray(episodes)
-        order = np.argsort(episodes, kind="stable")
+        order = _ascending_last(episodes)
         written_to(
             self._dataset(name),
             (episodes[order], slice(t0, t0 + values.shape[1])),
@@ -629,7 +641,7 @@ class HDF5Storage(LocalFolderStorage):
         episodes = np.asarray(episodes)
         if name == "episode_lens" and self._checksums is not None:
             self._checksums.seal(episodes, values)  # before the length publishes the episode
-        order = np.argsort(episodes, kind="stable")
+        order = _ascending_last(episodes)
         dataset = self._dataset(name, meta=True)
         values = np.broadcast_to(np.asarray(values, dataset.dtype), (len(episodes), *dataset.shape[1:]))[order]
         written_to(dataset, episodes[order], values, self.path)

@@ -1460,6 +1460,13 @@ def make_storage(
     if isinstance(location, Storage):
         return location
     location = os.fspath(location)
+    if not isinstance(location, str):  # bytes: every path and URL here is handled as text
+        raise TypeError(f"the location must be a str or os.PathLike of str, got bytes {location!r}; decode it first")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"storage_options must be a dict of options (or None), got {type(storage_options).__name__} "
+            f"{storage_options!r}"
+        )
     local = location.removeprefix("file://")
     if not local:  # os.path reads "" as the current folder, which the user did not name
         raise ValueError(
