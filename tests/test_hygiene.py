@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import gc
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ import replaybuf.storage._cache as read_cache
 from replaybuf import BufferLockedError, ReplayBuffer
 from replaybuf.h5py_buffer import ReplayBufferH5PY
 from replaybuf.storage._cache import CHECK_BYTES
+from tests import _probe
 
 pytest_plugins = ["tests._servers"]
 
@@ -38,6 +40,7 @@ META = {"task": "int"}
 # a leak of one handle per use shows as 10 (every kind is compared exactly, so one round would
 # show it; 10 also catch a leak of one use in a few); a bounded pool does not grow
 LOOPS = 10
+PROBES = multiprocessing.get_context("forkserver")  # other_process_can_write's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,17 +175,27 @@ def new_buffer(location: str | Path, **options) -> ReplayBuffer:
 
 
 def other_process_can_write(location: str | Path) -> str:
-    """Try a writable open of ``location`` in a fresh process: 'opened <episodes it holds>' or
-    the error it raised."""
-    probe = (
-        "import sys\nfrom replaybuf import ReplayBuffer\n"
-        "try:\n    with ReplayBuffer.from_folder(sys.argv[1]) as buffer:\n        print('opened', len(buffer))\n"
-        "except Exception as error:\n    print(type(error).__name__, error)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe, str(location)], capture_output=True, text=True, cwd=Path(__file__).parents[1]
-    )
-    return done.stdout.strip() or done.stderr.strip()[-500:]
+    """Try a writable open of ``location`` in another process: 'opened <episodes it holds>' or
+    the error it raised. The process is forked from multiprocessing's fork server, started once
+    from a process that had imported replaybuf and opened nothing: it shares no lock, lease or
+    descriptor with this one, as a new interpreter would not, without importing anew."""
+    PROBES.set_forkserver_preload(["tests._probe"])
+    receive, send = PROBES.Pipe(duplex=False)
+    child = PROBES.Process(target=_probe.try_write, args=(str(location), dict(os.environ), send))
+    child.start()
+    send.close()
+    try:
+        return receive.recv() if receive.poll(120) else "no answer in 120 s"
+    except EOFError:
+        child.join(60)
+        return f"the probe exited with code {child.exitcode} without an answer"
+    finally:
+        receive.close()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        child.close()
 
 
 def compactor_threads() -> list[threading.Thread]:
