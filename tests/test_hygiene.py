@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import torch
+from torch.utils.data._utils.worker import WorkerInfo
 
 import replaybuf.storage._cache as read_cache
 from replaybuf import BufferLockedError, ReplayBuffer
@@ -526,6 +528,32 @@ def test_loaders_with_workers_dropped_midway_leave_no_process_or_handle(tmp_path
                 raise
     buffer.close()
     assert other_process_can_write(location).startswith("opened ")
+
+
+def tensors(batch: dict | tuple) -> list:
+    return list(batch.values() if isinstance(batch, dict) else batch)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"timestep_level": True}, {"return_mask": True}, {"n_steps": 2, "to_named_tuple": ["state", "next_state"]}],
+    ids=["timesteps", "masked trajectories", "n-step named tuple"],
+)
+def test_a_worker_hands_its_batches_over_in_shared_memory(tmp_path, monkeypatch, options):
+    # the queue's feeder thread copies a tensor not in shared memory there with the GIL released;
+    # a spawned worker stopped midway then aborted in finalization now and then ("terminate called
+    # without an active exception"): the worker copies them itself (the feeder's freeing of the
+    # batch can still abort it now and then: see in_shared_memory)
+    buffer = new_buffer(tmp_path / "buffer")
+    store_episodes(buffer, 3)
+    loader = buffer.dataloader(batch_size=2, shuffle=True, **options)
+    in_parent = next(iter(loader))
+    worker = WorkerInfo(id=0, num_workers=1, seed=0, dataset=loader.dataset)
+    monkeypatch.setattr(torch.utils.data._utils.worker, "_worker_info", worker)  # as in a worker
+    in_worker = next(iter(loader))
+    assert not any(tensor.is_shared() for tensor in tensors(in_parent))
+    assert all(tensor.is_shared() for tensor in tensors(in_worker))
+    buffer.close()
 
 
 # ---- object storage ------------------------------------------------------------------------------

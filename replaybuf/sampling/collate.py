@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 
 class CollatedSamples(Sequence):
@@ -87,6 +87,27 @@ def to_device(batch: Any, device: torch.device | str | None) -> Any:
     return type(batch)(*(v.to(device) if torch.is_tensor(v) else v for v in batch))
 
 
+def in_shared_memory(batch: Any) -> Any:
+    """``batch`` with its CPU tensors moved into shared memory when this is a DataLoader worker
+    (as torch's ``default_collate`` stacks them there); unchanged elsewhere.
+
+    A worker hands its batches to a queue whose feeder thread pickles them, and pickling a CPU
+    tensor not yet in shared memory copies it there with the GIL released. A spawned worker told
+    to stop (a loader dropped midway) runs interpreter finalization while that daemon thread may
+    still be copying a prefetched batch; taking the GIL back then ends the thread by unwinding
+    through torch's C++ GIL guard, which aborts the worker ("terminate called without an active
+    exception") and keeps its pipes open in the parent. Copied here, in the worker's own thread,
+    the feeder only hands out the shared memory's handle. The feeder still drops the last
+    reference to the batch once pickled, and torch lets go of the GIL while it destroys a
+    tensor: that can abort a finalizing worker the same way, less often (not ours to fix here)."""
+    if get_worker_info() is None:
+        return batch
+    for value in batch.values() if isinstance(batch, dict) else batch:
+        if torch.is_tensor(value) and value.device.type == "cpu":
+            value.share_memory_()
+    return batch
+
+
 class Collator:
     """The ``collate_fn`` of replaybuf loaders (a plain object, so spawn workers can pickle it).
 
@@ -139,4 +160,4 @@ class Collator:
                 )
             cls = named_batch_class(named_tuple_fields(self.named_tuple))
             batch = cls(*(batch[k] for k in self.named_tuple))
-        return to_device(batch, self.device)
+        return in_shared_memory(to_device(batch, self.device))
