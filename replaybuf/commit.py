@@ -23,9 +23,14 @@ is lost by the delay: the counters are derived from the published lengths and ge
 counters it loads up with the episodes published since (``caught_up``).
 
 In-place edits of committed rows (``editing``) and meta values (``edit_meta``) keep the
-generation; they bracket the rows with the slots' ``_revision``, odd while the edit runs and
-even once done, which keys every cached copy of decoded rows with the generation. A writable
-open closes the edits a killed writer left odd (``finish_edits``). Step 3 writes each slot's
+generation; they bracket the rows with the slots' ``_revision``, odd while the edit runs and a
+new random even value once done, which keys every cached copy of decoded rows with the
+generation. Step 3 first gives each slot this writer session's random even revision
+(``stamp_revisions``), so no two commits, nor two edits, share a (generation, revision) key even
+across copies of one buffer: a folder put back from a backup and written again publishes the
+generations of the episodes written after the backup, but never their revisions, so no cache of
+those discarded episodes serves them. A writable open closes the edits a killed writer left odd
+(``finish_edits``). Step 3 writes each slot's
 ``_meta_sum`` (``metasums.py``) with its meta rows, before the generation and length (format 4
 and later: ``Storage.keeps_meta_sums``).
 
@@ -36,6 +41,7 @@ those of the episodes committed since (``sketches.py``), off the ``store_episode
 
 from __future__ import annotations
 
+import secrets
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -58,6 +64,18 @@ LOG_NAME = "episode"
 EMPTY_EPISODES = "empty_episodes"
 # the longest the counters of committed whole episodes wait to be written (see above)
 COUNTERS_INTERVAL = 0.05
+# empty slots after a stamped one given the session's revision in the same write, so that a
+# buffer filled slot after slot writes its slots' revisions once per this many episodes
+REVISION_RUN_AHEAD = 1024
+
+
+def new_revision(old: np.ndarray | None = None) -> int:
+    """A random even ``_revision`` in [2, 2**62], unlike every value in ``old``: what keys the
+    cached copies of a slot's rows with its generation, unique to one commit or edit."""
+    while True:
+        revision = 2 * (secrets.randbits(61) + 1)
+        if old is None or not (np.asarray(old) == revision).any():
+            return revision
 
 
 class CountersNotWritten(StorageError):
@@ -101,6 +119,7 @@ class Committer:
         # committed slots whose lengths read 0, loaded by such an open (``LostLengthError``):
         # their generations are kept for the lengths verify --repair restores
         self.lost: tuple[int, ...] = ()
+        self.revision = new_revision()  # what this session's commits publish (``stamp_revisions``)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -266,8 +285,10 @@ class Committer:
         meta: dict[str, np.ndarray],
         batch_counters: bool = False,
     ) -> None:
-        """Commit steps 3 and 4: meta rows, generation and length, then the counters (with
-        ``batch_counters``, only when ``COUNTERS_INTERVAL`` has passed since the last write)."""
+        """Commit steps 3 and 4: the session's revision, meta rows, generation and length, then
+        the counters (with ``batch_counters``, only when ``COUNTERS_INTERVAL`` has passed since
+        the last write)."""
+        self.stamp_revisions(slots)
         for name, values in meta.items():
             self.write_meta(name, slots, values)
         base = int(self.state["total_episodes"])
@@ -294,6 +315,24 @@ class Committer:
             self.counters_pending = True
         else:
             self.store_state(self.state, batched=batch_counters)
+
+    def stamp_revisions(self, slots: np.ndarray) -> None:
+        """Give ``slots``, before they publish, this session's revision where they hold another
+        (a slot last committed or edited by an earlier session, or edited since), and with it
+        the next ``REVISION_RUN_AHEAD`` empty slots after them that hold another too: a writer
+        filling slot after slot writes revisions once per that many episodes, and one reusing
+        circular slots once per slot. Empty slots hold nothing cached, so their revisions may
+        move; committed ones keep theirs until reused or edited."""
+        revisions = self.meta["_revision"]
+        stale = np.asarray(slots, dtype=np.int64)
+        stale = stale[revisions[stale] != self.revision]
+        if not len(stale):
+            return
+        ahead = (int(stale.max()) + 1 + np.arange(min(REVISION_RUN_AHEAD, self.max_episodes))) % self.max_episodes
+        empty = (self.meta["episode_lens"][ahead] == 0) & (self.meta["_generation"][ahead] == 0)
+        ahead = ahead[empty & (revisions[ahead] != self.revision)]
+        stamped = np.union1d(stale, ahead)
+        self.write_meta("_revision", stamped, np.full(len(stamped), self.revision, np.int64))
 
     # ---- bookkeeping --------------------------------------------------------------------------
 
@@ -342,7 +381,8 @@ class Committer:
         """Bracket in-place edits of the rows of data fields ``names`` of ``episodes``, each
         through its step ``steps`` - 1 (``Storage.update_rows``: ``update``, ``store_datapoint``,
         ``data[...] = ...``), with the slots' ``_revision``: odd
-        while the block runs, the next even value once it is done. Every copy of decoded rows is
+        while the block runs, a new random even value once it is done (``new_revision``: two
+        copies of a buffer edited apart never share one). Every copy of decoded rows is
         keyed by (generation, revision) and none is taken at an odd revision, so no reader is
         served the rows from before (or halfway through) the edit once it has refreshed. A block
         that raises leaves its slots odd (uncached) until the next edit of them or the next
@@ -357,7 +397,7 @@ class Committer:
             self.write_meta("_revision", slots, editing)
         yield
         if len(slots):
-            self.write_meta("_revision", slots, editing + 1)
+            self.write_meta("_revision", slots, np.full(len(slots), new_revision(editing - 1), np.int64))
 
     def check_edit_room(self, slots: np.ndarray, names: Sequence[str], steps: int) -> None:
         """``Storage.check_room`` for an edit of data fields ``names`` of ``slots`` through step
@@ -590,12 +630,13 @@ class Committer:
     def finish_edits(self) -> None:
         """Close the in-place edits a killed writer left open (an odd ``_revision``): their rows
         are whatever it wrote, now stable, so their checksums are recomputed from them (it may
-        have died between rows and checksums) and the revision moves to the next even value."""
+        have died between rows and checksums) and the revision moves to a new random even value."""
         odd = np.flatnonzero(self.meta["_revision"] % 2)
         if len(odd):
             self.storage.reseal(odd, self.meta["episode_lens"][odd])
             self.reseal_meta(odd)
-            self.write_meta("_revision", odd, self.meta["_revision"][odd] + 1)
+            revision = new_revision(self.meta["_revision"][odd] - 1)
+            self.write_meta("_revision", odd, np.full(len(odd), revision, np.int64))
 
     def recover_step_log(self) -> None:
         """Commit, truncated, the episodes a killed writer left in its step log; then clear it.

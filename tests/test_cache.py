@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,17 @@ def cache_files(cache_dir) -> dict[str, int]:
     return out
 
 
+def rows_file(field: str, slot: int, generation: int, revision: int) -> str:
+    """The path, under its buffer's cache folder, of the file of ``field``'s rows of ``slot`` at
+    ``generation`` and ``revision`` (``CachedStorage._path``)."""
+    return os.path.join(field, f"{slot}-{generation}-{revision}.rows" if revision else f"{slot}-{generation}.rows")
+
+
+def revisions(location: str) -> np.ndarray:
+    """The slots' revisions as stored (every commit of a writer session stamps its own)."""
+    return ReplayBuffer.from_folder(location, read_only=True)._meta["_revision"]
+
+
 def expected_bytes(buffer: ReplayBuffer, fields=None) -> int:
     """One raw copy of the committed rows of ``fields``, and a checksum per file."""
     lens = buffer._meta["episode_lens"]
@@ -106,8 +118,8 @@ def test_get_all_data_and_views_cached(written, tmp_path):
 def test_warm_cache_fills_every_committed_episode(written, tmp_path):
     cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
     cached.warm_cache(episodes=[0, 2], fields=["state"], progress=False)
-    root = cached.storage.root
-    assert sorted(cache_files(root)) == [os.path.join("state", "0-1.rows"), os.path.join("state", "2-3.rows")]
+    root, revision = cached.storage.root, cached._meta["_revision"]
+    assert sorted(cache_files(root)) == [rows_file("state", 0, 1, revision[0]), rows_file("state", 2, 3, revision[2])]
     cached.warm_cache(progress=False)
     files = cache_files(root)
     assert len(files) == len(LENGTHS) * len(FIELDS) and sum(files.values()) == expected_bytes(cached)
@@ -203,8 +215,8 @@ def test_reused_slot_is_refetched(tmp_path):
     assert reader.data["ident"][0, 0] == 7000
     reader.refresh()
     np.testing.assert_array_equal(reader.get_all_data(fields=["ident"])["ident"][0, :5].numpy(), 7000 + np.arange(5))
-    names = sorted(cache_files(reader.storage.root))
-    assert os.path.join("ident", "0-1.rows") in names and os.path.join("ident", "0-4.rows") in names
+    names, first = sorted(cache_files(reader.storage.root)), revisions(location)[1]  # the ring's first writer's
+    assert rows_file("ident", 0, 1, first) in names and rows_file("ident", 0, 4, reader._meta["_revision"][0]) in names
 
 
 @pytest.mark.parametrize("dense_bytes", [0, 64 << 20], ids=["mapped", "dense"])
@@ -266,14 +278,15 @@ def test_vectorized_gather_serves_each_item_at_its_planned_generation(tmp_path, 
     assert gather([1, 0], [0, 2], [2, 1]) == [1000, 2]
     # the old episode's file gone (evicted by another process): the map's next touch finds it,
     # and a plan naming it is refused
-    os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
+    revision = writer._commit.revision  # every episode's: one writer session wrote them all
+    os.unlink(os.path.join(storage.root, rows_file("ident", 0, 1, revision)))
     monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", -1.0)
     with pytest.raises(GenerationMismatchError) as caught:
         gather([1, 0], [0, 2], [2, 1])
     assert caught.value.slots == [0]
     assert gather([1, 0], [0, 2], [2, 4]) == [1000, 7002]
     # a refresh drops the maps of files gone, whose disk space they would hold
-    os.unlink(os.path.join(storage.root, "ident", "0-4.rows"))
+    os.unlink(os.path.join(storage.root, rows_file("ident", 0, 4, revision)))
     storage.drop_caches()
     assert sorted(mapped.maps) == [1, 2] and mapped.held[0] == 0
     writer.close()
@@ -305,7 +318,7 @@ def test_spans_are_copied_from_the_maps_of_their_planned_generation(tmp_path, mo
     assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]  # the old episode's file
     storage.drop_caches()  # a refresh keeps the maps: the old episode is still served from its own
     assert read_spans([0], [0], [2], np.array([1])) == [[0, 1, -1, -1, -1, -1]]
-    os.unlink(os.path.join(storage.root, "ident", "0-1.rows"))
+    os.unlink(os.path.join(storage.root, rows_file("ident", 0, 1, writer._commit.revision)))
     monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", -1.0)  # its next touch finds the file gone
     with pytest.raises(GenerationMismatchError) as caught:
         read_spans([1, 0], [0, 0], [2, 2], np.array([2, 1]))
@@ -318,7 +331,7 @@ def test_vectorized_gather_keeps_the_map_bound_and_the_lru_clock(tmp_path, monke
     monkeypatch.setattr("replaybuf.storage._cache.MAX_OPEN_MAPS", 2)
     writer, plain, cached = ring_of_three(tmp_path)
     writer.close()
-    storage, generations = cached.storage, np.array([1, 2, 3])
+    storage, generations, revision = cached.storage, np.array([1, 2, 3]), writer._commit.revision
     episodes, timesteps = np.array([0, 1, 2, 2, 0]), np.array([3, 0, 1, 2, 0])
     expected = plain.storage.gather("ident", episodes, timesteps, generations[episodes])
     for _ in range(2):  # three slots, two maps: the evicted ones are read from the buffer
@@ -327,7 +340,7 @@ def test_vectorized_gather_keeps_the_map_bound_and_the_lru_clock(tmp_path, monke
     # a gather served from the maps still touches their files once TOUCH_S has passed
     monkeypatch.setattr("replaybuf.storage._cache.TOUCH_S", 0.0)
     held = sorted(storage._mapped["ident"].maps)
-    paths = [os.path.join(storage.root, "ident", f"{slot}-{slot + 1}.rows") for slot in held]
+    paths = [os.path.join(storage.root, rows_file("ident", slot, slot + 1, revision)) for slot in held]
     for path in paths:
         os.utime(path, (1e9, 1e9))
     picked = np.array(held)
@@ -417,16 +430,16 @@ def test_lru_eviction_and_refill(written, tmp_path):
     storage.drop_caches()
     storage.rows("state", [0])  # slot 0 used again: slot 1 is now the least recently used
     storage.rows("state", [3])
-    names = sorted(cache_files(storage.root))
-    assert os.path.join("state", "1-2.rows") not in names
-    assert os.path.join("state", "0-1.rows") in names and os.path.join("state", "3-4.rows") in names
+    names, revision = sorted(cache_files(storage.root)), probe._meta["_revision"]
+    assert rows_file("state", 1, 2, revision[1]) not in names
+    assert rows_file("state", 0, 1, revision[0]) in names and rows_file("state", 3, 4, revision[3]) in names
     assert sum(cache_files(storage.root).values()) <= size
     np.testing.assert_array_equal(storage.read_rows("state", np.array([1]), 0, 4), probe.data["state"][1:2, :4])
     for path in cache_files(storage.root):
         os.unlink(os.path.join(storage.root, path))
     storage.drop_caches()
     np.testing.assert_array_equal(storage.read_rows("state", np.array([2]), 0, 7), probe.data["state"][2:3, :7])
-    assert os.path.join("state", "2-3.rows") in cache_files(storage.root)
+    assert rows_file("state", 2, 3, revision[2]) in cache_files(storage.root)
 
 
 @pytest.mark.parametrize("damage", ["flip rows", "flip checksum", "cut one byte", "cut one step", "empty"])
@@ -435,7 +448,8 @@ def test_damaged_cache_file_is_fetched_again_never_served(written, tmp_path, dam
     plain = ReplayBuffer.from_folder(written, read_only=True)
     first = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
     first.warm_cache(progress=False)
-    path = os.path.join(first.storage.root, "image", "1-2.rows")
+    name = rows_file("image", 1, 2, plain._meta["_revision"][1])
+    path = os.path.join(first.storage.root, name)
     data = bytearray(open(path, "rb").read())
     step = plain.schema.fields["image"].step_nbytes
     if damage == "flip rows":
@@ -450,9 +464,7 @@ def test_damaged_cache_file_is_fetched_again_never_served(written, tmp_path, dam
     again = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache)
     for loaded, expected in zip(again.get_all_data().values(), plain.get_all_data().values()):
         assert torch.equal(loaded, expected)
-    assert cache_files(again.storage.root)[os.path.join("image", "1-2.rows")] == (
-        int(plain._meta["episode_lens"][1]) * step + CHECK_BYTES
-    )
+    assert cache_files(again.storage.root)[name] == (int(plain._meta["episode_lens"][1]) * step + CHECK_BYTES)
 
 
 def test_files_of_the_unchecked_layout_are_swept(written, tmp_path):
@@ -551,13 +563,13 @@ def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path, monkey
     try:
         assert waiting.wait(timeout=60), "the filler never waited for the one fetching slot 0"
         assert thread.is_alive()  # waiting for the other filler, not fetching slot 0 again
-        assert sorted(cache_files(storage.root)) == [os.path.join("state", "1-2.rows")]
+        assert sorted(cache_files(storage.root)) == [rows_file("state", 1, 2, reader._meta["_revision"][1])]
     finally:
         os.close(other)  # that filler dies without publishing
     thread.join(timeout=60)
     np.testing.assert_array_equal(result["rows"], expected)  # slot 0 read from the buffer this time
     storage.rows("state", [0])
-    assert os.path.join("state", "0-1.rows") in cache_files(storage.root)
+    assert rows_file("state", 0, 1, reader._meta["_revision"][0]) in cache_files(storage.root)
 
 
 def slot_of_key(path: str) -> int:
@@ -620,13 +632,14 @@ def test_fill_racing_a_writer_publishes_nothing_and_the_read_is_replanned(tmp_pa
         storage.read_rows("ident", np.array([0, 1]), 0, 4, np.array([1, 2]))
     assert caught.value.slots == [0] and rewrites
     files = sorted(cache_files(storage.root))
-    assert os.path.join("ident", "0-1.rows") not in files, "a fill that raced a writer published"
+    revision = writer._commit.revision  # one writer session wrote every episode
+    assert rows_file("ident", 0, 1, revision) not in files, "a fill that raced a writer published"
     # the wrapped zarr storage verifies its resident fields: its read raised for slot 0 before
     # the fill got slot 1's rows, which a next read fills from the inner resident copy
     assert storage.inner.verifies_reads(["ident"])
     loaded = storage.inner.array("ident").resident_rows_read
     storage.read_rows("ident", np.array([1]), 0, 4, np.array([2]))
-    assert os.path.join("ident", "1-2.rows") in cache_files(storage.root)
+    assert rows_file("ident", 1, 2, revision) in cache_files(storage.root)
     assert storage.inner.array("ident").resident_rows_read == loaded
     # the dataset planned slot 0 at generation 1: its samples are redrawn from slots 1 and 2
     batches = list(dataset_loader)
@@ -638,7 +651,7 @@ def test_fill_racing_a_writer_publishes_nothing_and_the_read_is_replanned(tmp_pa
         )
     # a read planned now (data[...] plans from the store) gets the new episode, then cached
     assert reader.data["ident"][0, :5].tolist() == [7000, 7001, 7002, 7003, 7004]
-    assert os.path.join("ident", "0-4.rows") in cache_files(storage.root)
+    assert rows_file("ident", 0, 4, revision) in cache_files(storage.root)
     writer.close()
 
 
@@ -717,9 +730,10 @@ def test_in_place_edits_are_never_served_stale(tmp_path, monkeypatch, backend, d
     # a reader opened now (another process) maps the same folder: no file of the old rows is served
     fresh = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
     assert fresh.get_all_data(fields=["ident"])["ident"][1:4, 0].tolist() == [5, 6, 7]
-    np.testing.assert_array_equal(writer._meta["_revision"][:5], [0, 2, 2, 2, 0])
+    now = writer._meta["_revision"]
+    assert (now[[0, 4]] == writer._commit.revision).all() and (now[1:4] != writer._commit.revision).all()
     files = cache_files(reader.storage.root)
-    assert os.path.join("ident", "1-2.rows") in files and os.path.join("ident", "1-2-2.rows") in files
+    assert rows_file("ident", 1, 2, writer._commit.revision) in files and rows_file("ident", 1, 2, now[1]) in files
     writer.close()
 
 
@@ -733,10 +747,98 @@ def test_an_edit_left_open_is_never_cached_and_closed_by_the_next_writer(written
     assert reader.data["ident"][2, 0] == 9  # read through, never cached while the edit is open
     assert not any(name.startswith(os.path.join("ident", "2-")) for name in cache_files(cache))
     ReplayBuffer.from_folder(written).close()  # a writable open closes the edit
-    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][2] == 2
+    revision = revisions(written)[2]
+    assert revision % 2 == 0 and revision > 1
     reader.refresh()
     assert reader.data["ident"][2, 0] == 9
-    assert os.path.join("ident", "2-3-2.rows") in cache_files(reader.storage.root)
+    assert rows_file("ident", 2, 3, revision) in cache_files(reader.storage.root)
+
+
+def test_each_writer_session_stamps_its_commits_and_keeps_the_committed_revisions(tmp_path, monkeypatch):
+    """A writer session publishes its own random even revision with each episode it commits, in
+    one write with the empty slots ahead (``REVISION_RUN_AHEAD``, so a buffer filled in order
+    writes revisions once per that many episodes); episodes committed before keep theirs, so an
+    actor restarted beside a reader leaves the reader's cached files served."""
+    monkeypatch.setattr("replaybuf.commit.REVISION_RUN_AHEAD", 4)
+    location, cache = str(tmp_path / "buffer"), tmp_path / "cache"
+
+    def session(indices, writer=None) -> tuple[ReplayBuffer, list[np.ndarray]]:
+        writer = writer or ReplayBuffer.from_folder(location)
+        stamped, write_meta = [], writer._commit.write_meta
+
+        def recorded(name, slots, values):
+            if name == "_revision":
+                stamped.append(np.asarray(slots).tolist())
+            write_meta(name, slots, values)
+
+        monkeypatch.setattr(writer._commit, "write_meta", recorded)
+        for index in indices:
+            writer.store_episode(**episode(index, 4), task=0, success=False)
+        writer.close()
+        return writer, stamped
+
+    first, stamped = session(range(3), ReplayBuffer(location, **OPTIONS))
+    assert stamped == [[0, 1, 2, 3, 4]]  # slot 0 and the 4 empty slots after it, in one write
+    assert (revisions(location)[:5] == first._commit.revision).all() and not revisions(location)[5:].any()
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    reader.warm_cache(progress=False)
+    files = cache_files(cache)
+    second, stamped = session(range(3, 6))
+    assert second._commit.revision != first._commit.revision
+    assert stamped == [[3, 4, 5, 6, 7]]
+    assert revisions(location).tolist() == [first._commit.revision] * 3 + [second._commit.revision] * 5
+    reader.refresh()
+    assert reader.get_all_data(fields=["ident"])["ident"][:, 0].tolist() == [1000 * index for index in range(6)]
+    reader.warm_cache(progress=False)
+    now = cache_files(cache)
+    assert set(files) < set(now) and len(now) == 6 * len(FIELDS)  # slots 0-2 kept their files
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_buffer_put_back_from_a_copy_is_never_served_the_discarded_episodes(tmp_path, backend):
+    """A folder put back from a backup keeps its uuid, and a writer writing it again publishes the
+    generations of the episodes written after the backup (and edits them from the same
+    revisions): the cached rows of those discarded episodes are never served for the new ones,
+    appended, written into a reused circular slot or edited in place, by a later run's reader
+    or by one that read them and refreshes."""
+    location, backup, cache = str(tmp_path / "buffer"), str(tmp_path / "backup"), tmp_path / "cache"
+    writer = ReplayBuffer(location, backend=backend, **{**OPTIONS, "max_episodes": 4}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    writer.close()
+    shutil.copytree(location, backup)
+
+    def write_after_the_copy(index: int) -> list[list[int]]:
+        """Episodes ``index`` (slot 3, empty in the copy) and ``index + 1`` (slot 0, reused), then
+        slot 1 edited to ``index``: the first steps each slot then holds."""
+        again = ReplayBuffer.from_folder(location)
+        again.store_episode(**episode(index, 4), task=0, success=False)
+        again.store_episode(**episode(index + 1, 4), task=0, success=False)
+        again.update([1], ident=np.full((1, 4), index))
+        again.close()
+        return [
+            [1000 * (index + 1), 1000 * (index + 1) + 1],
+            [index, index],
+            [2000, 2001],
+            [1000 * index, 1000 * index + 1],
+        ]
+
+    discarded = write_after_the_copy(10)
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    reader.warm_cache(progress=False)
+    assert reader.get_all_data(fields=["ident"])["ident"][:, :2].tolist() == discarded
+    shutil.rmtree(location)
+    shutil.copytree(backup, location)  # put back, and written again
+    kept = write_after_the_copy(20)
+    reader.refresh()
+    assert reader.get_all_data(fields=["ident"])["ident"][:, :2].tolist() == kept
+    later = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    assert later.get_all_data(fields=["ident"])["ident"][:, :2].tolist() == kept
+    assert [later.data["ident"][slot, :2].tolist() for slot in range(4)] == kept
+    loader = make_dataloader(later, batch_size=16, timestep_level=True, return_indices=True, seed=0)
+    for batch in loader:
+        for (slot, step), value in zip(batch["_indices"].tolist(), batch["ident"].reshape(-1).tolist()):
+            assert value == kept[slot][0] + (step if slot != 1 else 0), (slot, step)
 
 
 def test_fill_racing_an_edit_publishes_nothing(written, tmp_path):
@@ -754,13 +856,13 @@ def test_fill_racing_an_edit_publishes_nothing(written, tmp_path):
     rows = storage.read_rows("ident", np.array([1, 2]), 0, 4, np.array([2, 3]))
     assert edits and rows[1, :2].tolist() == [2000, 2001]
     files = cache_files(storage.root)
-    assert os.path.join("ident", "2-3.rows") in files
+    assert rows_file("ident", 2, 3, reader._meta["_revision"][2]) in files
     assert not any(name.startswith(os.path.join("ident", "1-")) for name in files), (
         "a fill that raced an edit published"
     )
     reader.refresh()
     assert reader.data["ident"][1, :4].tolist() == [5, 5, 5, 5]
-    assert os.path.join("ident", "1-2-2.rows") in cache_files(storage.root)
+    assert rows_file("ident", 1, 2, writer._meta["_revision"][1]) in cache_files(storage.root)
     writer.close()
 
 
@@ -770,13 +872,19 @@ def test_revisions_move_once_per_edit_and_never_for_rejected_ones(written):
         writer.update([1, 2], ident=np.zeros((3, 4)), task=[1, 2])
     with pytest.raises(ValueError, match="invalid field"):
         writer.store_datapoint(1, 0, "nope", 1)
-    assert not writer._meta["_revision"].any()
+    committed = revisions(written)[:4].copy()  # the session that wrote them all stamped its own
+    assert (committed == committed[0]).all() and committed[0] % 2 == 0 and committed[0] > 0
+    assert (writer._meta["_revision"][:4] == committed).all()
     assert "_revision" not in writer.meta_data and "_revision" not in writer.meta_fieldnames
     writer.update([1], task=[7])  # meta values are edited with their checksums (``_meta_sum``)
-    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][:4].tolist() == [0, 2, 0, 0]
+    first = revisions(written)[:4].copy()
+    assert (first != committed).tolist() == [False, True, False, False] and first[1] % 2 == 0
     writer.update([1, 2], ident=np.zeros((2, 4)), reward=np.ones((2, 4)), task=[3, 4])  # one edit of all of them
+    second = revisions(written)[:4].copy()
+    assert (second != first).tolist() == [False, True, True, False]
     writer.store_datapoint(2, 1, "ident", 5)
-    assert ReplayBuffer.from_folder(written, read_only=True)._meta["_revision"][:4].tolist() == [0, 4, 4, 0]
+    third = revisions(written)[:4]
+    assert (third != second).tolist() == [False, False, True, False] and (third % 2 == 0).all()
     writer.close()
     with pytest.raises(ValueError, match="_revision"):
         ReplayBuffer(

@@ -5,10 +5,13 @@ reader of the machine maps: DataLoader workers (fork or spawn), other processes,
 One file per (field, slot, generation, revision), holding the episode's ``episode_lens`` steps:
 
 - **Keyed by generation and revision.** A slot's ``_generation`` only grows, so a reused slot
-  gets a new file and is refetched, never served stale; its ``_revision`` grows by two with each
-  in-place edit of its rows (odd while the edit runs: such a slot is neither cached nor served
-  from the cache), so an edited episode is refetched once a reader's view (``drop_caches``,
-  ``refresh``) has the new revision. A fill publishes a file only when the slot held the same
+  gets a new file and is refetched, never served stale; its ``_revision`` takes a new random
+  even value with each in-place edit of its rows (odd while the edit runs: such a slot is
+  neither cached nor served from the cache), so an edited episode is refetched once a reader's
+  view (``drop_caches``, ``refresh``) has the new revision. Each commit publishes its writer
+  session's random revision too, so a buffer put back from a copy and written again, whose new
+  episodes take the generations of those written after the copy, never has them served from
+  the discarded episodes' files (``commit.py``). A fill publishes a file only when the slot held the same
   generation and revision before and after reading its rows, so a file holds the bytes of one
   committed episode as of one revision, never a torn mix.
 - **Verified reads.** A read given ``generations`` (what the consistent reads of

@@ -24,8 +24,9 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
   reading such a slot meanwhile may see a mix of old and new steps, so readers check
   ``episode_lens`` and ``_generation`` after reading. ``update_rows`` is the one write into
   committed episodes (the API's in-place edits), without a new generation: the buffer brackets
-  it with writes of the slots' ``_revision`` (odd while the edit runs, the next even value once
-  done), which caches key their copies by with the generation. ``write_meta`` writes each
+  it with writes of the slots' ``_revision`` (odd while the edit runs, a new random even value
+  once done; each commit publishes its writer session's), which caches key their copies by
+  with the generation. ``write_meta`` writes each
   element in place; ``episode_lens`` and ``_generation`` of a slot are its publication.
 - **Reads.** ``read_rows``, ``gather``, ``read_spans`` and ``read_meta`` return the stored
   values (never-written steps read as 0; a reader may serve them from its caches until its next
@@ -425,9 +426,11 @@ def bookkeeping_fields(schema: Schema) -> dict[str, Field]:
     ``episode_lens`` (int32, as the seed) is the published length of each slot: 0 means the slot
     holds no committed episode. ``_generation`` (int64) is the 1-based ordinal of the commit that
     filled the slot, so readers can order a circular buffer chronologically and notice reuse.
-    ``_revision`` (int64) counts the in-place edits of the slot's rows, two per edit (odd while
-    one runs): a cached copy is keyed by (generation, revision), so an edit is never served
-    stale (``storage/_cache.py``). ``_meta_sum`` (uint64) checksums each committed slot's
+    ``_revision`` (int64) is a random even value that each commit (its writer session's) and
+    each in-place edit of the slot's rows (odd while one runs) gives the slot anew: a cached
+    copy is keyed by (generation, revision), so neither an edit nor an episode written again
+    into a copy of the buffer restored from a backup is served stale (``storage/_cache.py``;
+    ``commit.py``). ``_meta_sum`` (uint64) checksums each committed slot's
     meta values and generation (``replaybuf/metasums.py``), from format ``META_SUMS_FORMAT``.
     Buffers written before them lack them (``OPTIONAL_META``, ``UNKEPT_META``).
     """
