@@ -1410,16 +1410,29 @@ def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:
 
 
 def _changed_slots(storage: Storage, meta: dict[str, np.ndarray]) -> set[int]:
-    """Slots whose bookkeeping (``_SLOT_KEYS``) in storage differs from ``meta`` now."""
-    changed: set[int] = set()
+    """Slots whose bookkeeping (``_SLOT_KEYS``) in storage differs from ``meta`` now. The
+    revision of a slot empty now is no change: a commit stamps the empty slots ahead of it
+    with its revision (``Committer.stamp_revisions``)."""
+    now: dict[str, np.ndarray] = {}
     for name in _SLOT_KEYS:
         if name in meta:
             try:
-                now = storage.read_meta(name)
+                values = storage.read_meta(name)
             except (OSError, KeyError, ValueError):
                 continue
-            if now.shape == meta[name].shape:
-                changed.update(np.flatnonzero(now != meta[name]).tolist())
+            if values.shape == meta[name].shape:
+                now[name] = values
+    empty = (
+        (now["episode_lens"] == 0) & (now["_generation"] == 0)
+        if {"episode_lens", "_generation"} <= now.keys()
+        else None
+    )
+    changed: set[int] = set()
+    for name, values in now.items():
+        moved = values != meta[name]
+        if name == "_revision" and empty is not None:
+            moved &= ~empty
+        changed.update(np.flatnonzero(moved).tolist())
     return changed
 
 

@@ -28,6 +28,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -218,14 +219,11 @@ class GCSTestServer:
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
-        # http.server's listen backlog of 5 drops the connections of a burst of concurrent
-        # requests, which the client retries after 1 s: a backlog of 128 answers them at once
+        # the emulator with a listen backlog for bursts and multipart uploads read byte for byte
         self._process = subprocess.Popen(
             [
                 sys.executable,
-                "-c",
-                "import socketserver, sys; socketserver.TCPServer.request_queue_size = 128; "
-                "from gcp_storage_emulator.__main__ import main; main(sys.argv[1:])",
+                str(Path(__file__).with_name("_gcs_emulator.py")),
                 "start",
                 "--host=127.0.0.1",
                 f"--port={self.port}",

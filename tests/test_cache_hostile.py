@@ -36,6 +36,7 @@ NAME = f"{SLOT}-{GENERATION}.rows"
 def written(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("hostile") / "buffer"
     buffer = ReplayBuffer(folder, **OPTIONS)
+    buffer._commit.revision = 0  # stamped by none, as by an earlier replaybuf: each file is NAMEd slot-generation
     fill(buffer)
     buffer.close()
     return str(folder)

@@ -38,6 +38,19 @@ def episode(length: int, seed: int) -> dict:
     )
 
 
+def test_objects_ending_in_any_byte_read_back_whole(server):
+    """A meta chunk ends in its last slot's last byte: endings a multipart upload's framing could
+    take for its own line end (0x0d, 0x0a, 0x0d 0x0a) read back whole."""
+    url = new_location(server)
+    options = dict(storage_options=server.storage_options)
+    buffer = ReplayBuffer(url, 1, 2, fields={"x": "float"}, meta_fields=dict(tag="int64"), circular=True, **options)
+    for end in (b"\r", b"\n", b"\r\n", b"\n\r", b" "):
+        tag = int(np.frombuffer(end.rjust(8, b"\x01"), "<i8")[0])  # little-endian: its last bytes end the chunk
+        buffer.store_episode(x=np.zeros(2), tag=tag)
+        assert ReplayBuffer.from_folder(url, read_only=True, **options).meta_data["tag"][0] == tag, end
+    buffer.close()
+
+
 def test_write_reopen_and_read_in_place(server):
     url = new_location(server)
     buffer = ReplayBuffer(
