@@ -91,12 +91,13 @@ def check_filter_value(argument: str, name: str, value: Any, shape: tuple[int, .
         )
 
 
-def refresh_for_snapshot(buffer: BufferView) -> None:
+def refresh_for_snapshot(buffer: BufferView, min_episode_len: int = 1) -> None:
     """Refresh a read-only ``buffer``, flush a writable one. ``refresh()`` leaves out a slot a
     writer changed while it was loaded (``consistency.stored_bookkeeping``): when that left no
-    episode with steps although the buffer (or a member of a ConcatReplayBuffer) counts
-    committed ones (a writer rewriting every slot of a small circular buffer), it is loaded
-    again, up to ``RETRIES`` times, rather than handing a loader an empty buffer."""
+    episode of ``min_episode_len`` steps although the buffer (or a member of a
+    ConcatReplayBuffer) counts more committed episodes than it lists (a writer rewriting the
+    slots of a small circular buffer), it is loaded again, up to ``RETRIES`` times, rather than
+    handing a loader an empty buffer, or a dataset none of the episodes it needs."""
     if not buffer.read_only:
         buffer.flush()
         return
@@ -105,8 +106,16 @@ def refresh_for_snapshot(buffer: BufferView) -> None:
     members = buffer.buffers if isinstance(buffer, ConcatReplayBuffer) else [buffer]
     for _ in range(RETRIES + 1):
         buffer.refresh()
-        if all(len(member) or not member.num_episodes for member in members):
+        if not any(_left_out_all_it_needs(member, min_episode_len) for member in members):
             return
+
+
+def _left_out_all_it_needs(member: BufferView, min_episode_len: int) -> bool:
+    """Whether ``member`` lists no episode of ``min_episode_len`` steps and fewer episodes than
+    its counters count: its last refresh may have left out, as a writer was changing them, the
+    episodes a snapshot needs."""
+    lens = np.asarray(member.episode_lens)
+    return not (lens >= min_episode_len).any() and len(member) < member.num_episodes
 
 
 def empty_buffer_error(buffer: BufferView) -> ValueError:
@@ -126,11 +135,11 @@ def empty_buffer_error(buffer: BufferView) -> ValueError:
     )
 
 
-def take_snapshot(buffer: BufferView) -> tuple[np.ndarray, np.ndarray]:
+def take_snapshot(buffer: BufferView, min_episode_len: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(lens, generations) of every slot, committed and mutually consistent
     (``refresh_for_snapshot`` first)."""
     with mirror_lock(buffer):  # a commit or refresh of another thread through this object waits
-        refresh_for_snapshot(buffer)
+        refresh_for_snapshot(buffer, min_episode_len)
         lens = np.array(buffer.episode_lens, dtype=np.int64)
         generations = np.array(buffer.generations, dtype=np.int64)
     lens[generations <= 0] = 0
@@ -209,7 +218,7 @@ class _SnapshotDataset(Dataset):
         self.fieldname_map = dict(fieldname_map or {})
         self.meta_names = tuple(buffer.schema.meta_fields) if include_metadata else ()
         self.return_indices = bool(return_indices)
-        self._lens, self._generations = take_snapshot(buffer)
+        self._lens, self._generations = take_snapshot(buffer, min_episode_len)
         self._slots = episode_filter(buffer, self._lens, filter_meta, min_episode_len)
         self.indices = torch.from_numpy(self._slots.copy())
         self._cache_mode = cache
