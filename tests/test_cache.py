@@ -429,6 +429,28 @@ def test_lru_eviction_and_refill(written, tmp_path):
     assert os.path.join("state", "2-3.rows") in cache_files(storage.root)
 
 
+def test_fillers_in_several_processes_keep_the_folder_within_cache_size(written, tmp_path):
+    # each process counted only its own writes since its last scan: two processes filling in
+    # turns left ~2x cache_size on disk (N processes or loader workers, ~N x)
+    cache = tmp_path / "cache"
+    probe = ReplayBuffer.from_folder(written, read_only=True)
+    lens, step = probe._meta["episode_lens"], probe.schema.fields["state"].step_nbytes
+    size = int(np.sort(lens)[-3:].sum()) * step + 3 * CHECK_BYTES  # the 3 longest episodes fit
+    readers = [
+        ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache, cache_size=size).storage
+        for _ in range(2)
+    ]  # one layer per process: each keeps its own count
+    for slot in range(len(LENGTHS)):
+        readers[slot % 2].rows("state", [slot])
+        assert sum(cache_files(readers[0].root).values()) <= size
+    for reader in readers:  # what is kept is still served
+        for slot in range(len(LENGTHS)):
+            np.testing.assert_array_equal(
+                reader.read_rows("state", np.array([slot]), 0, LENGTHS[slot]),
+                probe.data["state"][slot : slot + 1, : LENGTHS[slot]],
+            )
+
+
 @pytest.mark.parametrize("damage", ["flip rows", "flip checksum", "cut one byte", "cut one step", "empty"])
 def test_damaged_cache_file_is_fetched_again_never_served(written, tmp_path, damage):
     cache = tmp_path / "cache"
