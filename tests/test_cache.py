@@ -149,6 +149,15 @@ def test_cache_arguments_refused(written, tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("cache", [None, False], ids=["local default", "off"])
+@pytest.mark.parametrize("read_only", [True, False], ids=["reader", "writer"])
+def test_a_bad_cache_size_is_refused_where_no_cache_is_made(written, cache, read_only):
+    # it was ignored unchecked: a typo'd size surfaced only once the cache was turned on
+    for size in (-1, 1.5e9, "20GB"):
+        with pytest.raises(ValueError, match=f"cache_size must be a number of bytes >= 0, got {re.escape(repr(size))}"):
+            ReplayBuffer.from_folder(written, read_only=read_only, cache=cache, cache_size=size)
+
+
 @pytest.mark.parametrize("cache_dir", ["", b"cache", 3])
 def test_a_cache_dir_naming_no_folder_is_refused_at_open(written, tmp_path, monkeypatch, cache_dir):
     # '' cached into the working directory; bytes failed the first fill without naming cache_dir

@@ -301,6 +301,12 @@ class MappedRows:
         return held | (lengths == 0), copies
 
 
+def check_cache_size(cache_size: Any) -> None:
+    """ValueError unless ``cache_size`` is a number of bytes >= 0 (an int, not a bool)."""
+    if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
+        raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+
+
 def default_cache_dir() -> str:
     """``$REPLAYBUF_CACHE_DIR`` when set, else the user's cache folder for replaybuf:
     platformdirs' when installed, else ``$XDG_CACHE_HOME/replaybuf`` or ``~/.cache/replaybuf``."""
@@ -362,8 +368,7 @@ class CachedStorage(Storage):
         cache_size: int = DEFAULT_CACHE_SIZE,
         snapshot: bool = False,
     ):
-        if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
-            raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+        check_cache_size(cache_size)
         folder = os.fspath(cache_dir) if isinstance(cache_dir, (str, os.PathLike)) else None
         if cache_dir is not None and (not isinstance(folder, str) or not folder):
             # '' would cache into the working directory, bytes fail a first fill unnamed
@@ -1248,6 +1253,7 @@ def with_cache(
     (``cache=None``) for read-only buffers on object stores; never with ``cache=False``."""
     if cache not in (None, True, False, "disk"):
         raise ValueError(f"cache must be 'disk', True, False or None (automatic), got {cache!r}")
+    check_cache_size(cache_size)  # refused even where no cache is made: never silently ignored
     asked = cache in (True, "disk") or (cache is None and cache_dir is not None)
     if asked and not read_only:
         raise ValueError(
