@@ -351,6 +351,8 @@ def test_a_cache_dir_that_is_a_file_leaves_reads_uncached(written, expected, tmp
     assert blocker.read_bytes() == b"user data"
     unusable = [w for w in caught if "read cache" in str(w.message)]
     assert len(unusable) == 1 and "cannot be used" in str(unusable[0].message)
+    # named as such ("[Errno 17] File exists" said nothing of cache_dir), with the folder given
+    assert f"cache_dir is a file or lies under one, not a folder: {str(cache)!r}" in str(unusable[0].message)
 
 
 def test_an_unwritable_cache_dir_leaves_reads_uncached(written, expected, tmp_path, monkeypatch):

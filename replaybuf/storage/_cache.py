@@ -790,7 +790,12 @@ class CachedStorage(Storage):
         to a user's folder, say: the cache writes, touches and deletes only in folders it made)."""
         if make:
             self._check_outside_buffer()
-            os.makedirs(self.cache_dir, exist_ok=True)  # the user's: a symlink there is theirs to make
+            try:
+                os.makedirs(self.cache_dir, exist_ok=True)  # the user's: a symlink there is theirs to make
+            except (FileExistsError, NotADirectoryError):  # said as "File exists": named here
+                raise NotADirectoryError(
+                    errno.ENOTDIR, "cache_dir is a file or lies under one, not a folder", self.cache_dir
+                ) from None
         path = os.path.join(self.root, name)
         for folder in (self.root, path):
             if make:
