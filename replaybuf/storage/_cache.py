@@ -1177,9 +1177,11 @@ def _wait_for_lock(fd: int, deadline: float) -> bool:
 
 
 def _read_count(fd: int) -> int | None:
-    """The byte count held by the usage file ``fd``; None when it holds none (made just now,
-    or damaged: a scan counts the folder again)."""
-    data = os.pread(fd, 9, 0)
+    """The byte count held by the usage file ``fd`` (its first 8 bytes); None when it holds
+    none (made just now, or cut short: a scan counts the folder again). A damaged count is
+    corrected by the scan it sets off (too high) or by the first scan of the next process to
+    fill (too low)."""
+    data = os.pread(fd, 8, 0)
     return int.from_bytes(data, "little") if len(data) == 8 else None
 
 
