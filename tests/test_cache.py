@@ -161,6 +161,15 @@ def test_cache_arguments_refused(written, tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("cache", [None, False], ids=["local default", "off"])
+@pytest.mark.parametrize("read_only", [True, False], ids=["reader", "writer"])
+def test_a_bad_cache_size_is_refused_where_no_cache_is_made(written, cache, read_only):
+    # it was ignored unchecked: a typo'd size surfaced only once the cache was turned on
+    for size in (-1, 1.5e9, "20GB"):
+        with pytest.raises(ValueError, match=f"cache_size must be a number of bytes >= 0, got {re.escape(repr(size))}"):
+            ReplayBuffer.from_folder(written, read_only=read_only, cache=cache, cache_size=size)
+
+
 @pytest.mark.parametrize("cache_dir", ["", b"cache", 3])
 def test_a_cache_dir_naming_no_folder_is_refused_at_open(written, tmp_path, monkeypatch, cache_dir):
     # '' cached into the working directory; bytes failed the first fill without naming cache_dir
@@ -440,6 +449,28 @@ def test_lru_eviction_and_refill(written, tmp_path):
     storage.drop_caches()
     np.testing.assert_array_equal(storage.read_rows("state", np.array([2]), 0, 7), probe.data["state"][2:3, :7])
     assert rows_file("state", 2, 3, revision[2]) in cache_files(storage.root)
+
+
+def test_fillers_in_several_processes_keep_the_folder_within_cache_size(written, tmp_path):
+    # each process counted only its own writes since its last scan: two processes filling in
+    # turns left ~2x cache_size on disk (N processes or loader workers, ~N x)
+    cache = tmp_path / "cache"
+    probe = ReplayBuffer.from_folder(written, read_only=True)
+    lens, step = probe._meta["episode_lens"], probe.schema.fields["state"].step_nbytes
+    size = int(np.sort(lens)[-3:].sum()) * step + 3 * CHECK_BYTES  # the 3 longest episodes fit
+    readers = [
+        ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache, cache_size=size).storage
+        for _ in range(2)
+    ]  # one layer per process: each keeps its own count
+    for slot in range(len(LENGTHS)):
+        readers[slot % 2].rows("state", [slot])
+        assert sum(cache_files(readers[0].root).values()) <= size
+    for reader in readers:  # what is kept is still served
+        for slot in range(len(LENGTHS)):
+            np.testing.assert_array_equal(
+                reader.read_rows("state", np.array([slot]), 0, LENGTHS[slot]),
+                probe.data["state"][slot : slot + 1, : LENGTHS[slot]],
+            )
 
 
 @pytest.mark.parametrize("damage", ["flip rows", "flip checksum", "cut one byte", "cut one step", "empty"])

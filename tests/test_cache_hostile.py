@@ -210,8 +210,8 @@ def test_an_odd_lock_entry_never_hangs_or_fails_a_read(written, expected, tmp_pa
     os.makedirs(locks)
     user = user_file_folder(tmp_path)
     before = snapshot(user)
-    for name in probe.schema.fields:
-        lock = os.path.join(locks, f"{name}-{SLOT}")
+    for name in [*probe.schema.fields, _cache.USAGE_FILE]:  # the fill locks and the byte count
+        lock = os.path.join(locks, name if name == _cache.USAGE_FILE else f"{name}-{SLOT}")
         if entry == "fifo":
             os.mkfifo(lock)
         elif entry == "directory":
@@ -254,6 +254,22 @@ def test_a_fill_lock_held_forever_delays_a_read_but_never_hangs_it(written, expe
             os.close(fd)
     assert_reads_right(probe, expected)  # the locks free: the episode is cached again
     assert os.path.isfile(os.path.join(probe.storage.root, "image", NAME))
+
+
+def test_a_byte_count_lock_held_forever_never_hangs_a_fill(written, expected, tmp_path, monkeypatch):
+    """Another process stopped holding the lock of the folder's byte count (``USAGE_FILE``): a
+    filler waits ``USAGE_WAIT_S`` for it, then counts its own writes; its episodes are cached."""
+    monkeypatch.setattr(_cache, "USAGE_WAIT_S", 0.1)
+    probe = reader(written, tmp_path / "cache")
+    locks = os.path.join(probe.storage.root, ".locks")
+    os.makedirs(locks)
+    fd = os.open(os.path.join(locks, _cache.USAGE_FILE), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # conflicts with the reader's own open file, in one process too
+    try:
+        assert_reads_right(probe, expected)
+        assert os.path.isfile(os.path.join(probe.storage.root, "image", NAME))
+    finally:
+        os.close(fd)
 
 
 def damage_cases() -> st.SearchStrategy:
@@ -336,6 +352,8 @@ def test_a_cache_dir_that_is_a_file_leaves_reads_uncached(written, expected, tmp
     assert blocker.read_bytes() == b"user data"
     unusable = [w for w in caught if "read cache" in str(w.message)]
     assert len(unusable) == 1 and "cannot be used" in str(unusable[0].message)
+    # named as such ("[Errno 17] File exists" said nothing of cache_dir), with the folder given
+    assert f"cache_dir is a file or lies under one, not a folder: {str(cache)!r}" in str(unusable[0].message)
 
 
 def test_an_unwritable_cache_dir_leaves_reads_uncached(written, expected, tmp_path, monkeypatch):

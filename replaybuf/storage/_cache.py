@@ -44,7 +44,9 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   deleted file's blocks stay taken while any map holds it, so a process drops its maps of the
   files gone from the folder at each of its eviction scans and, for one it keeps using, at its
   next touch (then maps it again or refills it): what the cache takes on disk stays near
-  ``cache_size``, not that plus every file each reader ever mapped.
+  ``cache_size``, not that plus every file each reader ever mapped. The bytes are counted in
+  one file per buffer folder (``USAGE_FILE``) that every filling process adds to, so the bound
+  holds for all of them together, give or take the fills being written at that moment.
 
 - **Its own files only.** The folders under ``cache_dir`` (the buffer's, its fields', ``.locks``)
   must be plain directories, and a cache, temp or lock file a plain file, opened without
@@ -129,6 +131,12 @@ CHECK_BYTES = 4
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 #: seconds a process reads past a full (or unusable) cache folder before it tries to fill it again
 FULL_RETRY_S = 10.0
+#: the file in a buffer's ``.locks`` folder holding the bytes of its cache files, as its
+#: fillers count them (8 bytes, little-endian; a field's lock is ``<field>-<slot>``)
+USAGE_FILE = ".used"
+#: seconds a filler waits for the usage file's lock (held for a count, or a scan) before it
+#: counts its own writes alone (a process stopped with the lock held delays no fill for long)
+USAGE_WAIT_S = 2.0
 #: how the cache opens its files: never through a symlink, never blocked by a FIFO
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -296,6 +304,12 @@ class MappedRows:
         return held | (lengths == 0), copies
 
 
+def check_cache_size(cache_size: Any) -> None:
+    """ValueError unless ``cache_size`` is a number of bytes >= 0 (an int, not a bool)."""
+    if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
+        raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+
+
 def default_cache_dir() -> str:
     """``$REPLAYBUF_CACHE_DIR`` when set, else the user's cache folder for replaybuf:
     platformdirs' when installed, else ``$XDG_CACHE_HOME/replaybuf`` or ``~/.cache/replaybuf``."""
@@ -357,8 +371,7 @@ class CachedStorage(Storage):
         cache_size: int = DEFAULT_CACHE_SIZE,
         snapshot: bool = False,
     ):
-        if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 0:
-            raise ValueError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+        check_cache_size(cache_size)
         folder = os.fspath(cache_dir) if isinstance(cache_dir, (str, os.PathLike)) else None
         if cache_dir is not None and (not isinstance(folder, str) or not folder):
             # '' would cache into the working directory, bytes fail a first fill unnamed
@@ -780,7 +793,12 @@ class CachedStorage(Storage):
         to a user's folder, say: the cache writes, touches and deletes only in folders it made)."""
         if make:
             self._check_outside_buffer()
-            os.makedirs(self.cache_dir, exist_ok=True)  # the user's: a symlink there is theirs to make
+            try:
+                os.makedirs(self.cache_dir, exist_ok=True)  # the user's: a symlink there is theirs to make
+            except (FileExistsError, NotADirectoryError):  # said as "File exists": named here
+                raise NotADirectoryError(
+                    errno.ENOTDIR, "cache_dir is a file or lies under one, not a folder", self.cache_dir
+                ) from None
         path = os.path.join(self.root, name)
         for folder in (self.root, path):
             if make:
@@ -950,12 +968,32 @@ class CachedStorage(Storage):
         return versions
 
     def _account(self, written: int) -> None:
-        """Count ``written`` bytes and evict least recently used files while over ``cache_size``
-        (a whole scan of the folder only when the running count says it may be over)."""
-        if self._used is not None:
-            self._used += written
-            if self._used <= self.cache_size:
-                return
+        """Count ``written`` bytes and evict least recently used files while over ``cache_size``.
+        The count is the folder's, shared by every process filling it (``USAGE_FILE``, read and
+        written under its ``flock``): a count of this process's own writes alone let N fillers
+        (processes, loader workers) take ~N x ``cache_size``. A whole scan of the folder runs at
+        this process's first fill (it also sweeps the temp files of killed fillers) and when the
+        count says the folder may be over; where the usage file cannot be used (an odd entry,
+        held past ``USAGE_WAIT_S``) this process counts its own writes."""
+        fd = _open_lock(os.path.join(self.root, ".locks", USAGE_FILE))
+        if fd is not None and not _wait_for_lock(fd, time.monotonic() + USAGE_WAIT_S):
+            os.close(fd)
+            fd = None
+        try:
+            counted = self._used if fd is None else _read_count(fd)
+            if self._used is not None and counted is not None and counted + written <= self.cache_size:
+                self._used = counted + written
+            else:
+                self._used = self._evict()
+            if fd is not None:
+                os.pwrite(fd, self._used.to_bytes(8, "little"), 0)
+        finally:
+            if fd is not None:
+                os.close(fd)  # the lock goes with it
+
+    def _evict(self) -> int:
+        """Scan the folder, evict least recently used files while over ``cache_size`` and
+        return the bytes of the files kept."""
         files, now = [], time.time()
         for folder in _entries(self.root):  # checked a plain directory by the fill (``_folder``)
             if not folder.is_dir(follow_symlinks=False):
@@ -982,12 +1020,12 @@ class CachedStorage(Storage):
             _unlink(path)
             kept.discard(path)
             total -= size
-        self._used = total
         # a deleted file's blocks stay taken while a map holds it: this process's maps of the
         # files gone (evicted now, or by another process) go, or cache_size would bound nothing
         with self._lock:
             for key in [key for key in self._maps if self._path(*key) not in kept]:
                 self._forget_map(key)
+        return total
 
     def _filler_died(self, name: str, temp: str) -> bool:
         """Whether the temp file ``temp`` of field ``name`` was left by a filler that died: a live
@@ -1126,19 +1164,28 @@ def _entries(folder: str) -> list[os.DirEntry]:
         return []
 
 
-def _wait_for_lock(fd: int, deadline: float) -> None:
+def _wait_for_lock(fd: int, deadline: float) -> bool:
     """Wait until the lock on ``fd`` is free (another filler finished) or ``deadline``
-    (``time.monotonic``) passes, whichever comes first."""
+    (``time.monotonic``) passes, whichever comes first; whether it was taken."""
     pause = 0.001
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                return
+                return False
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
+
+
+def _read_count(fd: int) -> int | None:
+    """The byte count held by the usage file ``fd`` (its first 8 bytes); None when it holds
+    none (made just now, or cut short: a scan counts the folder again). A damaged count is
+    corrected by the scan it sets off (too high) or by the first scan of the next process to
+    fill (too low)."""
+    data = os.pread(fd, 8, 0)
+    return int.from_bytes(data, "little") if len(data) == 8 else None
 
 
 def _open_lock(path: str) -> int | None:
@@ -1216,6 +1263,7 @@ def with_cache(
     (``cache=None``) for read-only buffers on object stores; never with ``cache=False``."""
     if cache not in (None, True, False, "disk"):
         raise ValueError(f"cache must be 'disk', True, False or None (automatic), got {cache!r}")
+    check_cache_size(cache_size)  # refused even where no cache is made: never silently ignored
     asked = cache in (True, "disk") or (cache is None and cache_dir is not None)
     if asked and not read_only:
         raise ValueError(
