@@ -246,19 +246,22 @@ def test_a_read_racing_an_edit_in_place_waits_for_it_instead_of_calling_it_damag
     length = int(writer.episode_lens[3])
     edited = np.full((1, MAX_TIMESTEPS, 3), -7.0, np.float32)
     edited[:, length:] = 0
-    go = threading.Event()
+    sealing, go = threading.Event(), threading.Event()
     hook = "_seal" if backend == "zarr" else "rows_rewritten"  # what stores the checksum after the rows
     seal = getattr(writer.storage, hook)
 
     def seal_when_told(*args, **kwargs):  # the new rows are stored, their checksum not yet
+        sealing.set()
         go.wait(10)
         return seal(*args, **kwargs)
 
     setattr(writer.storage, hook, seal_when_told)
     edit = threading.Thread(target=writer.update, args=([3],), kwargs={"obs": edited})
     edit.start()
-    while int(reader.storage.read_meta_rows("_revision", np.array([3]))[0]) % 2 == 0:
-        time.sleep(0.001)  # until the edit has begun
+    # read once the new rows are stored and their checksum not yet (a read as soon as the revision
+    # turned odd could come before the rows, and read the old ones whole)
+    assert sealing.wait(10)
+    assert int(reader.storage.read_meta_rows("_revision", np.array([3]))[0]) % 2
     threading.Timer(0.05, go.set).start()
     rows = np.asarray(reader.data["obs"][3])
     edit.join(10)
