@@ -269,7 +269,8 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     assert (status, headers["Content-Type"], headers["Accept-Ranges"]) == (200, "video/mp4", "bytes")
     cached = list(browse_server.app.cache_dir.glob("*.mp4"))
     generation = int(browse_server.app.buffer._meta["_generation"][2])
-    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-open-0.front.mp4"]
+    revision = int(browse_server.app.buffer._meta["_revision"][2])
+    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-rev-{revision}-open-0.front.mp4"]
     modified = cached[0].stat().st_mtime_ns
 
     status, headers, part = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=10-19"})
@@ -329,6 +330,25 @@ def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_
         writer.store_episode(img=np.full((2, 8, 8, 3), 200, np.uint8))  # into slot 0, the reader not refreshed
         status, _, video = request(server, "/video/episodes/0/img.mp4")
         assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [200] * 2
+    writer.close()
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+def test_an_episode_edited_in_place_is_rendered_again_not_served_from_the_cache(tmp_path, backend):
+    """Videos were keyed by generation alone: frames a writer edited in place (same episode,
+    same generation) kept showing as rendered before the edit."""
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=2, max_timesteps=4, fields={"img": ("uint8", (8, 8, 3))}, backend=backend
+    )
+    writer.store_episode(img=np.full((4, 8, 8, 3), 50, np.uint8))
+    writer.flush()
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True))) as server:
+        status, _, video = request(server, "/video/episodes/0/img.mp4")
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [50] * 4
+        writer.update([0], img=np.full((1, 4, 8, 8, 3), 150, np.uint8))  # the reader not refreshed
+        status, _, video = request(server, "/video/episodes/0/img.mp4")
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [150] * 4
+        assert len(list(server.app.cache_dir.glob("episode-0-*.img.mp4"))) == 2
     writer.close()
 
 

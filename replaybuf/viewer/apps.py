@@ -264,11 +264,14 @@ class BufferApp:
         )
         with self._renders:  # a burst of requests holds at most MAX_RENDERS blocks of frames
             with self._read_lock:
-                buffer = self._current()
+                # refreshed: the decoded chunks a reader keeps may hold frames from before an
+                # in-place edit, which its next refresh() drops
+                buffer = self._current(refresh=True)
                 self._length(index)
                 opened = self._reopened
+                revision = self._revision(index)  # before the frames: an edit meanwhile keys them older
                 first = read_episodes_consistent(buffer, [index], [field], t1=step, with_meta=False)
-                path = self._video_path(index, int(first.generations[0]) if len(first) else 0, field)
+                path = self._video_path(index, int(first.generations[0]) if len(first) else 0, revision, field)
             if len(first) == 0:
                 raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
             with self._render_locks[hash(path) % RENDER_LOCKS]:
@@ -339,12 +342,18 @@ class BufferApp:
             buffer = self._current()
             self._length(index)
             generation = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
-            path = self._video_path(index, generation, field)
+            path = self._video_path(index, generation, self._revision(index), field)
         return path if generation and self._cache.acquire(path) else None
 
-    def _video_path(self, index: int, generation: int, field: str) -> Path:
+    def _revision(self, index: int) -> int:
+        """Slot ``index``'s ``_revision`` as stored now: a new one with each in-place edit of its
+        rows (``update``, ``data[...] = ...``). Called under the read lock."""
+        return int(self.buffer.storage.read_meta_rows("_revision", np.array([index]))[0])
+
+    def _video_path(self, index: int, generation: int, revision: int, field: str) -> Path:
         """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
-        keyed by the generation (a slot a writer reused renders its new episode) and by the
-        buffer opened (a buffer created again at the location counts generations from 1 again).
-        Called under the read lock."""
-        return self.cache_dir / f"episode-{index}-gen-{generation}-open-{self._reopened}.{field}.mp4"
+        keyed by the generation (a slot a writer reused renders its new episode), the revision
+        (an episode edited in place renders its new frames) and the buffer opened (a buffer
+        created again at the location counts generations from 1 again). Called under the read
+        lock."""
+        return self.cache_dir / f"episode-{index}-gen-{generation}-rev-{revision}-open-{self._reopened}.{field}.mp4"

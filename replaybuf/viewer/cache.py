@@ -28,9 +28,10 @@ LOCK_NAME = ".lock"
 
 # a server's folder: the prefix, its pid (for people reading the temp dir) and mkdtemp's suffix
 _FOLDER = re.compile(re.escape(CACHE_PREFIX) + r"[0-9]+-[A-Za-z0-9_]+")
-# what a server writes in its folder: videos (``BufferApp._video_path``; ``replay[.field].mp4``
+# what a server writes in its folder: videos (``BufferApp._video_path``, an earlier release's
+# without ``-rev-N``; ``replay[.field].mp4``
 # of ``inspect --serve``), the temp files ``write_atomically`` writes them to, and the lock
-_VIDEO = r"(episode-[0-9]+-gen-[0-9]+-open-[0-9]+\.[^/]+|replay(\.[^/]+)?)"
+_VIDEO = r"(episode-[0-9]+-gen-[0-9]+(-rev-[0-9]+)?-open-[0-9]+\.[^/]+|replay(\.[^/]+)?)"
 _OWN_FILE = re.compile(_VIDEO + r"\.mp4|\." + _VIDEO + r"\.[0-9a-f]{8}\.partial\.mp4|" + re.escape(LOCK_NAME))
 
 
