@@ -10,7 +10,8 @@ committed episode intact through a crash:
 2. the data slabs are written, bound to the generations step 3 publishes (zarr format 7's
    shards: ``Storage.plan_generations``; no other commit runs between a group's first write
    and its publish, so they are fixed by then);
-3. meta rows, then ``_generation`` and ``episode_lens`` are published;
+3. the session's ``_revision`` (below), meta rows, then ``_generation`` and ``episode_lens``
+   are published;
 4. the counters object is committed; the step log of the episode is cleared.
 
 Step 4 of whole episodes stored one after another (``store_episode``: length > 0, no step log)
