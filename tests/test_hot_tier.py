@@ -557,3 +557,27 @@ def test_a_fifo_at_a_shard_s_name_is_named_by_every_read_never_waited_on(tmp_pat
             lambda: reader().dataset().__getitems__([1]),
         ],
     )
+
+
+def test_compact_counts_the_fields_it_compacted_before_a_write_overtook_the_slot(tmp_path, monkeypatch):
+    """A write overtaking a slot between its fields' compactions made the summary leave out the
+    fields compacted before it (their shards were compacted all the same)."""
+    buffer = make(tmp_path)
+    buffer.store_episode(**episode(0))
+    sizes = {
+        name: os.path.getsize(buffer.storage.array(name).kv.where(buffer.storage.array(name).shard_key(0)))
+        for name in SHARDED
+    }
+    tier, compacted, calls = buffer.storage._hot, ShardedArray.compacted, []
+
+    def overtaken_at_the_second_field(self, episode, data):
+        calls.append(self.path)
+        if len(calls) == 2:
+            with tier.lock:
+                tier.versions[episode] += 1  # as a write of the slot's next field would
+        return compacted(self, episode, data)
+
+    monkeypatch.setattr(ShardedArray, "compacted", overtaken_at_the_second_field)
+    summary = buffer.compact()
+    assert summary.bytes_before == sum(sizes.values()) and hot_slots(buffer) == []
+    buffer.close()

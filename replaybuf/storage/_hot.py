@@ -178,10 +178,10 @@ class HotTier:
                         if (int(self.generations[slot]), int(self.versions[slot])) == (generation, version):
                             self.skipped.add((slot, version))
                             warnings.warn(f"compaction left the shard of {path}, slot {slot} hot: {e}", stacklevel=2)
-                    return
+                    break  # the fields compacted before it still count
                 with self.lock:
                     if (int(self.generations[slot]), int(self.versions[slot])) != (generation, version):
-                        return  # rewritten or invalidated meanwhile: the new write decides
+                        break  # rewritten or invalidated meanwhile: the new write decides
                     if shard is not None:
                         if array.check_writable is not None:
                             array.check_writable()
