@@ -66,6 +66,7 @@ class _EditWatch:
     def __init__(self, storage: Storage):
         self.storage, self.waits = storage, 0
         self.seen: dict[int, int] = {}  # slot -> its revision read after its last failure
+        self.alive: bool | None = None  # whether a live writer holds the buffer (``_writer_alive``)
 
     def racing(self, error: Exception) -> bool:
         """Whether ``error`` may be a read racing an edit (then waits ``EDIT_WAIT_S``)."""
@@ -73,15 +74,42 @@ class _EditWatch:
         if not isinstance(error, CorruptChunkError) or slot is None:
             return False
         try:
-            revision = int(self.storage.read_meta_rows("_revision", np.array([slot], np.int64))[0])
+            revision = self._revision(slot)
         except Exception:  # noqa: BLE001 - a buffer that keeps no revisions: no edit to wait for
             return False
+        if revision % 2 == 1 and not self._writer_alive() and self._revision(slot) == revision:
+            # no edit runs without a live writer (one that finished and closed since moved the
+            # revision, read again after the lease): a killed one left it, and no wait helps
+            raise CorruptChunkError(
+                f"{error}; slot {slot} was left mid-edit (odd meta/_revision) by a writer that stopped: its "
+                "rows fail their checksum until the next writable open re-seals them from the rows as stored "
+                "(ReplayBuffer.from_folder(path) once)",
+                field=error.field,
+                slot=slot,
+                steps=error.steps,
+                location=error.location,
+            ) from error
         racing = revision % 2 == 1 or self.seen.get(slot) != revision
         self.seen[slot] = revision
         if racing:
             self.waits += 1
             time.sleep(EDIT_WAIT_S)
         return racing
+
+    def _revision(self, slot: int) -> int:
+        """Slot ``slot``'s ``_revision`` as stored now."""
+        return int(self.storage.read_meta_rows("_revision", np.array([slot], np.int64))[0])
+
+    def _writer_alive(self) -> bool:
+        """Whether a live writer holds the buffer (asked once: an odd revision without one is a
+        killed writer's edit, which the reader would otherwise wait out as ``ConcurrentWriteError``,
+        retryable, although no retry can succeed); True when the lease cannot be read."""
+        if self.alive is None:
+            try:
+                self.alive = self.storage.writer_lease().live_holder() is not None
+            except Exception:  # noqa: BLE001 - an unreadable lease: wait as for a live edit
+                self.alive = True
+        return self.alive
 
 
 def _storage(source: Any) -> Storage:

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
+from replaybuf.consistency import read_episodes_consistent
 from replaybuf.sampling import make_dataloader, make_dataset
-from replaybuf.storage import GenerationMismatchError, _cache, make_storage
+from replaybuf.storage import CorruptChunkError, GenerationMismatchError, _cache, make_storage
 from replaybuf.storage._cache import CHECK_BYTES, CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
 from tests._data import SAMPLING_FIELDS as FIELDS
@@ -783,6 +784,26 @@ def test_an_edit_left_open_is_never_cached_and_closed_by_the_next_writer(written
     reader.refresh()
     assert reader.data["ident"][2, 0] == 9
     assert rows_file("ident", 2, 3, revision) in cache_files(reader.storage.root)
+
+
+def test_an_edit_a_killed_writer_left_half_written_is_refused_by_name_not_waited_out(tmp_path):
+    """A slot a killed writer left mid-edit (odd revision) whose rows fail their checksum is no
+    edit running once no live writer holds the buffer: a read names the unfinished edit and the
+    writable open that re-seals it, instead of waiting ~0.2 s and raising ConcurrentWriteError
+    (retryable, though no retry can succeed); that open makes the slot read again."""
+    location = str(tmp_path / "buffer")
+    writer = ReplayBuffer(location, backend="memmap", **OPTIONS)
+    fill(writer)
+    writer._commit.write_meta("_revision", np.array([2]), np.array([1]))  # as a writer killed mid-edit leaves it
+    writer.storage.array("ident").memmap[2, 0] = 9  # its rows written, their checksum not yet
+    writer.storage.release_writer()  # dropped without close(): the lease is given back only
+    for cache in ("disk", False):
+        reader = ReplayBuffer.from_folder(location, read_only=True, cache=cache, cache_dir=tmp_path / "cache")
+        with pytest.raises(CorruptChunkError, match=r"slot 2 was left mid-edit .* by a writer that stopped"):
+            read_episodes_consistent(reader, [1, 2], ["ident"])
+    ReplayBuffer.from_folder(location).close()  # re-seals the slot from its rows as stored
+    reader.refresh()
+    assert read_episodes_consistent(reader, [2], ["ident"]).data["ident"][0, :2].tolist() == [9, 2001]
 
 
 def test_each_writer_session_stamps_its_commits_and_keeps_the_committed_revisions(tmp_path, monkeypatch):
