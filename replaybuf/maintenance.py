@@ -1198,8 +1198,18 @@ def verify(
     # a slot a live writer replaced (or edited) while it was read is not damaged: its reads
     # mixed two episodes; only the slots that stayed as planned are reported (and repaired)
     changed = _changed_slots(storage, meta)
-    problems += [message for slot, message in damage + beyond if slot not in changed]
-    damaged = [slot for slot in damaged if slot not in changed]
+    # slots a writer that stopped left mid-edit (an odd revision, no live writer): their rows are
+    # as it left them, sealed by the next writable open, not damage (beside a live writer they
+    # are its edit running, which ``changed`` takes out once it is done)
+    unsealed = _unfinished_edits(storage, meta, lens)
+    problems += [message for slot, message in damage + beyond if slot not in changed and slot not in unsealed]
+    problems += [
+        f"slot {slot}: an in-place edit a writer that stopped left unfinished (odd meta/_revision): its rows are as "
+        "that writer left them and fail their checksums until the next writable open re-seals them (verify --repair "
+        "does)"
+        for slot in unsealed
+    ]
+    damaged = [slot for slot in damaged if slot not in changed and slot not in unsealed]
     stray = {n: kept for n, slots in stray.items() if (kept := [s for s in slots if s not in changed])}
     entries = {
         n: held for n, slots in entries.items() if (held := {s: v for s, v in slots.items() if s not in changed})
@@ -1225,14 +1235,19 @@ def verify(
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
-    if repair and (damaged or stray or entries or chunks or restore or values or excess or untold):
+    if repair and (damaged or stray or entries or chunks or restore or values or excess or untold or unsealed):
         from .buffer import ReplayBuffer
 
         # the buffer opens with the meta values it is to repair (their slots left out of its
         # counters: Committer.suspect)
         with metasums.unchecked(), ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
             # what was checked is repaired only as it was: a slot a writer replaced since is not
-            moved = _changed_slots(buffer.storage, meta)
+            moved = _changed_slots(buffer.storage, meta) - set(unsealed)  # sealed by the open itself
+            if unsealed:
+                problems.append(
+                    f"repaired: re-sealed slots {unsealed}, whose unfinished edit the writable open closed (each "
+                    "step holds its old or its new value)"
+                )
             if moved:
                 problems.append(
                     f"not repaired: slots {sorted(moved)} changed since they were checked; run verify again"
@@ -1407,6 +1422,18 @@ def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:
     """Whether a slot has a length without a generation or the reverse: read between a
     commit's two bookkeeping writes (a live writer's, or a killed one's)."""
     return bool(((lens == 0) != (generations == 0)).any())
+
+
+def _unfinished_edits(storage: Storage, meta: dict[str, np.ndarray], lens: np.ndarray) -> list[int]:
+    """The committed slots whose ``_revision`` is odd when no live writer holds the buffer: a
+    writer killed inside an in-place edit left them (``Committer.finish_edits`` closes them)."""
+    revisions = meta.get("_revision")
+    if revisions is None:
+        return []
+    odd = np.flatnonzero((np.asarray(revisions) % 2 == 1) & (lens > 0)).tolist()
+    if not odd or storage.writer_lease().live_holder() is not None:
+        return []
+    return odd
 
 
 def _changed_slots(storage: Storage, meta: dict[str, np.ndarray]) -> set[int]:
