@@ -3,7 +3,7 @@
 A buffer of ``--episodes`` x ``--steps`` with ``state`` f32[8] and ``priority`` f32 is filled
 with ``store_episode``; then ``--calls`` calls of ``update_priorities`` each write ``--batch``
 random (episode, timestep) pairs (repeats included, as a sampler draws them). Reported per
-backend: the median and the best ms per call (the first call, which opens the files it writes,
+backend: the median and the best ms per call (the first call, a warm-up,
 is left out). The local zarr buffer packs both fields (one chunk file each), so a call is one
 read and one write per span of nearby rows plus the two revision writes and the checksums.
 TorchRL's ``PrioritizedSampler`` keeps its sum tree in RAM (no store to write); its C++
