@@ -1,4 +1,4 @@
-"""gcp-storage-emulator as the GCS tests run it: ``python -m tests._gcs_emulator start ...``.
+"""gcp-storage-emulator as the GCS tests run it: ``python tests/_gcs_emulator.py start ...``.
 
 Two changes to the emulator, both to how it serves, none to what it stores:
 
