@@ -5,6 +5,7 @@ refilled, never torn; on S3 the second epoch issues no data GETs."""
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import torch
 
 from replaybuf import ReplayBuffer
 from replaybuf.consistency import read_episodes_consistent
+from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader, make_dataset
 from replaybuf.storage import CorruptChunkError, GenerationMismatchError, _cache, make_storage
 from replaybuf.storage._cache import CHECK_BYTES, CachedStorage, buffer_identity
@@ -844,6 +846,52 @@ def test_each_writer_session_stamps_its_commits_and_keeps_the_committed_revision
     reader.warm_cache(progress=False)
     now = cache_files(cache)
     assert set(files) < set(now) and len(now) == 6 * len(FIELDS)  # slots 0-2 kept their files
+
+
+def _die_after_stamping(location: str) -> None:
+    """Child: a new writer session reusing circular slot 0, killed once it stamped its revision
+    there, before the episode's meta rows, generation and length are published."""
+    buffer = ReplayBuffer.from_folder(location)
+    write_meta = buffer._commit.write_meta
+
+    def dying(name, episodes, values):
+        write_meta(name, episodes, values)
+        if name == "_revision":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    buffer._commit.write_meta = dying
+    buffer.store_episode(**episode(7, 5), task=7, success=True)
+    os._exit(3)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_a_writer_killed_after_stamping_a_revision_loses_and_serves_nothing(tmp_path, backend):
+    """The revision stamp is the first write of a commit's step 3: a kill right after it leaves
+    the reused slot empty (its old episode was invalidated first), every other episode whole and
+    served from the cache as before, and a buffer the next writable open takes as it is."""
+    location, cache = str(tmp_path / "ring"), tmp_path / "cache"
+    writer = ReplayBuffer(location, backend=backend, **{**OPTIONS, "max_episodes": 3}, circular=True)
+    for index in range(3):
+        writer.store_episode(**episode(index, 4), task=index, success=False)
+    writer.close()
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)
+    reader.warm_cache(progress=False)
+    child = multiprocessing.get_context("fork").Process(target=_die_after_stamping, args=(location,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    reader.refresh()
+    assert reader.episode_lens.tolist() == [0, 4, 4]
+    assert reader.get_all_data(fields=["ident"])["ident"][1:, :4].tolist() == [
+        [1000 + t for t in range(4)],
+        [2000 + t for t in range(4)],
+    ]
+    assert verify(location) == []
+    with ReplayBuffer.from_folder(location) as again:
+        again.store_episode(**episode(8, 5), task=8, success=True)  # slot 0 again
+    reader.refresh()
+    assert reader.get_all_data(fields=["ident"])["ident"][:, 0].tolist() == [8000, 1000, 2000]
+    assert verify(location) == []
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
