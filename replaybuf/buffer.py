@@ -35,6 +35,7 @@ from . import metasums, snapshots, video
 from .attrs import BufferAttrs
 from .commit import Committer, CountersNotWritten
 from .consistency import REFRESH_READS, read_consistent, replanner, snapshot_gone, stored_bookkeeping
+from .editlog import Write
 from .inputs import (
     batch_value,
     cast_values,
@@ -345,9 +346,10 @@ class DataView(ArrayBase):
                 f"(expected a value that broadcasts to the selection's shape {np.shape(rows[local])})"
             ) from None
         if len(slots) and t1 > t0:
-            with buffer._commit.editing(slots, [self._name], t1):
-                buffer._edit_staged(steps=[(self._name, slots, t0, rows)])
-                buffer.storage.update_rows(self._name, slots, t0, rows)
+            buffer._commit.edit(
+                [Write("rows", self._name, slots, rows, t0)],
+                staged=lambda: buffer._edit_staged(steps=[(self._name, slots, t0, rows)]),
+            )
 
     def __repr__(self) -> str:
         return f"<data {self._name} shape={self.shape} dtype={self.dtype}>"
@@ -1407,6 +1409,7 @@ class ReplayBuffer(CommittedViews):
         if self.read_only or self._closed:  # a closed writer's close() flushed (or its next open derives)
             return
         self._commit.finish_unpublishing()
+        self._commit.finish_interrupted_edit()
         self._commit.flush_counters()
         self._commit.flush_log()
         self.storage.flush()
@@ -1479,9 +1482,10 @@ class ReplayBuffer(CommittedViews):
         if group is not None and episode in group.slots and group.holds(name, t):
             self._edit_staged(steps=edit)  # a step in RAM: written at its commit
             return
-        with self._commit.editing(np.array([episode]), [name], t + 1):
-            self._edit_staged(steps=edit)  # a step of the episode in progress that left RAM: logged
-            self.storage.update_rows(name, np.array([episode]), t, value[None, None])
+        # a step of the episode in progress that left RAM is logged in the step log too
+        self._commit.edit(
+            [Write("rows", name, np.array([episode]), value[None, None], t)], lambda: self._edit_staged(steps=edit)
+        )
 
     @_serialized
     def store_meta_datapoint(self, episode_index: int, name: str, datapoint: Any) -> None:
@@ -1589,20 +1593,16 @@ class ReplayBuffer(CommittedViews):
                 ) from None
             writes.append((name, cast_values(array, f)))
         rows = [(name, array) for name, array in writes if name in self.fieldnames]
-        edited, steps = [name for name, _ in rows], max((array.shape[1] for _, array in rows), default=0)
         # one edit of every field's rows and the meta values (with their checksums)
-        with self._commit.editing(episodes, edited, steps):
-            values = [(name, array) for name, array in writes if name not in self.fieldnames]
-            self._edit_staged(
+        values = [(name, array) for name, array in writes if name not in self.fieldnames]
+        self._commit.edit(
+            [Write("meta", name, episodes, array) for name, array in values]
+            + [Write("rows", name, episodes, array, 0) for name, array in rows],
+            staged=lambda: self._edit_staged(
                 steps=[(name, episodes, 0, array) for name, array in rows],
                 meta=[(name, episodes, array) for name, array in values],
-            )
-            for name, array in values:
-                self._commit.write_meta(name, episodes, array)
-            if values:
-                self._commit.reseal_meta(episodes)
-            for name, array in rows:
-                self.storage.update_rows(name, episodes, 0, array)
+            ),
+        )
 
     def _overlay_staged(self, name: str, episodes: np.ndarray, t0: int, rows: np.ndarray) -> None:
         """Put into ``rows`` (of ``episodes`` from step ``t0``, as read from storage) the steps of
@@ -1713,9 +1713,7 @@ class ReplayBuffer(CommittedViews):
         if not len(episodes):
             return
         # one edit of every field's steps
-        with self._commit.editing(episodes, [name for name, _ in writes], int(timesteps.max()) + 1):
-            for name, array in writes:
-                self.storage.update_steps(name, episodes, timesteps, array)
+        self._commit.edit([Write("steps", name, episodes, array, timesteps) for name, array in writes])
 
     def _episode_indices(self, indices: Any, call: str) -> tuple[np.ndarray, bool]:
         """(the slots ``indices`` names, whether it is one int); errors name ``call``."""

@@ -23,15 +23,16 @@ is lost by the delay: the counters are derived from the published lengths and ge
 (``reconcile_state``) when a writer opens the buffer after a kill, and a reader catches the
 counters it loads up with the episodes published since (``caught_up``).
 
-In-place edits of committed rows (``editing``) and meta values (``edit_meta``) keep the
-generation; they bracket the rows with the slots' ``_revision``, odd while the edit runs and a
-new random even value once done, which keys every cached copy of decoded rows with the
+In-place edits of committed rows and meta values (``edit``) keep the generation; each is
+logged whole before it is applied (``editlog.py``), so a killed writer's edit is applied again
+by the next writable open, and brackets its writes with the slots' ``_revision``, odd while the
+edit runs and a new random even value once done, which keys every cached copy of decoded rows with the
 generation. Step 3 first gives each slot this writer session's random even revision
 (``stamp_revisions``), so no two commits, nor two edits, share a (generation, revision) key even
 across copies of one buffer: a folder put back from a backup and written again publishes the
 generations of the episodes written after the backup, but never their revisions, so no cache of
-those discarded episodes serves them. A writable open closes the edits a killed writer left odd
-(``finish_edits``). Step 3 writes each slot's
+those discarded episodes serves them. A writable open finishes the edits a killed writer left
+odd (``finish_edits``). Step 3 writes each slot's
 ``_meta_sum`` (``metasums.py``) with its meta rows, before the generation and length (format 4
 and later: ``Storage.keeps_meta_sums``).
 
@@ -45,13 +46,13 @@ from __future__ import annotations
 import secrets
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import metasums
+from . import editlog, metasums
+from .editlog import EDIT_LOG, Edit, Write
 from .inputs import fill_value
 from .metasums import META_SUM
 from .schema import Schema
@@ -121,6 +122,7 @@ class Committer:
         # their generations are kept for the lengths verify --repair restores
         self.lost: tuple[int, ...] = ()
         self.revision = new_revision()  # what this session's commits publish (``stamp_revisions``)
+        self.edit_interrupted = False  # an edit logged but not done (``finish_interrupted_edit``)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled committer (inside a pickled, read-only buffer) carries no pending log."""
@@ -170,6 +172,7 @@ class Committer:
         if group.invalidated:
             return
         self.finish_unpublishing()
+        self.finish_interrupted_edit()
         reused = group.slots[(self.meta["episode_lens"][group.slots] > 0) | (self.meta["_generation"][group.slots] > 0)]
         if len(reused) and group.length:
             # before anything is written or dropped: a circular buffer's oldest episodes go only
@@ -370,44 +373,109 @@ class Committer:
             self.write_meta(META_SUM, slots, self.meta_entries(slots))
 
     def edit_meta(self, name: str, episodes: np.ndarray, values: np.ndarray) -> None:
-        """Edit meta field ``name`` of ``episodes`` in place (``update``, ``store_meta_datapoint``),
-        with their ``_meta_sum`` entries, as one edit (``editing``): a reader meanwhile sees an
-        odd revision (or one that moved) and does not check the slots against their entries."""
-        with self.editing(episodes, [], 0):
-            self.write_meta(name, episodes, values)
-            self.reseal_meta(episodes)
+        """Edit meta field ``name`` of ``episodes`` in place (``store_meta_datapoint``,
+        ``meta_data[...] = ...``), with their ``_meta_sum`` entries, as one edit (``edit``)."""
+        self.edit([Write("meta", name, np.asarray(episodes, np.int64), values)])
 
-    @contextmanager
-    def editing(self, episodes: np.ndarray, names: Sequence[str], steps: int) -> Iterator[None]:
-        """Bracket in-place edits of the rows of data fields ``names`` of ``episodes``, each
-        through its step ``steps`` - 1 (``Storage.update_rows``: ``update``, ``store_datapoint``,
-        ``data[...] = ...``), with the slots' ``_revision``: odd
-        while the block runs, a new random even value once it is done (``new_revision``: two
-        copies of a buffer edited apart never share one). Every copy of decoded rows is
+    def edit(self, writes: Sequence[Write], staged: Callable[[], None] | None = None) -> None:
+        """One in-place edit of committed episodes (``update``, ``update_steps``,
+        ``data[...] = ...``, ``store_datapoint``, meta values), whole or not at all through a
+        kill. ``staged()`` first puts the edit into the episodes in progress (RAM and step
+        log; when it raises nothing else is done). Then the writes are appended to the edit log
+        as one record (``editlog.py``), the slots' ``_revision`` made odd, the writes applied in
+        order, the revision moved to a new random even value (``new_revision``: two copies of a
+        buffer edited apart never share one) and the log cleared. Every copy of decoded rows is
         keyed by (generation, revision) and none is taken at an odd revision, so no reader is
-        served the rows from before (or halfway through) the edit once it has refreshed. A block
-        that raises leaves its slots odd (uncached) until the next edit of them or the next
-        writable open (``finish_edits``). An edit the disk may have no room for is refused first
+        served the rows from before (or halfway through) the edit once it has refreshed. A
+        writer killed after the append has the edit applied again by the next writable open
+        (``finish_edits``); one interrupted in this process (a KeyboardInterrupt) by its next
+        edit, commit or ``flush()`` (``finish_interrupted_edit``). A write that raises (a
+        damaged row refused, a failed write) ends the edit there, as applying it again would
+        fail again. An edit the disk may have no room for is refused first
         (``check_edit_room``)."""
-        slots = np.unique(np.asarray(episodes, dtype=np.int64))
+        slots = np.unique(np.concatenate([w.episodes for w in writes])).astype(np.int64)
+        names = list(dict.fromkeys(w.name for w in writes if w.kind != "meta"))
+        ends = [int(w.at) + w.steps for w in writes if w.kind == "rows"]
+        ends += [int(np.max(w.at)) + 1 for w in writes if w.kind == "steps" and len(w.episodes)]
+        steps = max(ends, default=0)
         self.check_edit_room(slots, names, steps)
-        if names:  # rows past a slot's committed end are zeroed when its next episode commits
+        self.finish_interrupted_edit()
+        if staged is not None:
+            staged()
+        if not len(slots):
+            return
+        revisions = self.meta["_revision"][slots] | 1
+        record = editlog.encode(
+            Edit(slots, self.meta["_generation"][slots].copy(), revisions, list(writes)), self.schema
+        )
+        # from here until done, a BaseException (a KeyboardInterrupt) leaves the edit to be
+        # finished from the log, or the log cleared (``finish_interrupted_edit``)
+        self.edit_interrupted = True
+        try:
+            self.storage.append_log(EDIT_LOG, record)
+        except StorageError as e:  # nothing applied: no record, torn or whole, is left for the next
+            self._clear_edit_log()
+            self.edit_interrupted = False
+            raise StorageError(
+                f"{e}; nothing was written: the edit was not made, the episodes keep their values"
+            ) from e
+        if ends:  # rows past a slot's committed end are zeroed when its next episode commits
             self.dirty_slots.update(slots[self.meta["episode_lens"][slots] < steps].tolist())
-        editing = self.meta["_revision"][slots] | 1
-        if len(slots):
-            self.write_meta("_revision", slots, editing)
-        yield
-        if len(slots):
-            self.write_meta("_revision", slots, np.full(len(slots), new_revision(editing - 1), np.int64))
+        try:
+            self.write_meta("_revision", slots, revisions)
+            self.apply(writes)
+        except Exception:
+            # a write refused (a damaged row) or failed (a full disk): applying it again would
+            # fail again, so the log goes, and the slots stay odd, uncached, each step old or
+            # new, until the next edit of them or writable open seals them as they are
+            self.edit_interrupted = False
+            self._clear_edit_log()
+            raise
+        self.write_meta("_revision", slots, np.full(len(slots), new_revision(revisions - 1), np.int64))
+        self.edit_interrupted = False
+        self._clear_edit_log()
+
+    def apply(self, writes: Sequence[Write]) -> None:
+        """Apply an edit's writes in order, then reseal the meta checksums of the slots whose
+        meta values they set."""
+        for write in writes:
+            if write.kind == "rows":
+                self.storage.update_rows(write.name, write.episodes, int(write.at), write.values)
+            elif write.kind == "steps":
+                self.storage.update_steps(write.name, write.episodes, np.asarray(write.at), write.values)
+            else:
+                self.write_meta(write.name, write.episodes, write.values)
+        edited = [w.episodes for w in writes if w.kind == "meta"]
+        if edited:
+            self.reseal_meta(np.concatenate(edited))
+
+    def finish_interrupted_edit(self) -> None:
+        """Finish an edit of this session interrupted after its log record was written (a
+        KeyboardInterrupt, a failed write): its writes are applied again from the log and its
+        slots sealed (``finish_edits``). Run before the next edit and commit and by
+        ``flush()`` (so ``close()``)."""
+        if self.edit_interrupted:
+            self.finish_edits()
+            self.edit_interrupted = False
+
+    def _clear_edit_log(self) -> None:
+        """Delete the edit log. One left behind (the store refused the delete) holds finished
+        edits only, which nothing applies again (``replay_edits``): the next edit appends after
+        them and clears them with its own."""
+        try:
+            self.storage.clear_log(EDIT_LOG)
+        except StorageError:
+            pass
 
     def check_edit_room(self, slots: np.ndarray, names: Sequence[str], steps: int) -> None:
         """``Storage.check_room`` for an edit of data fields ``names`` of ``slots`` through step
         ``steps`` - 1: each slot's rows are rewritten whole, through its committed length or the
-        edit's end, whichever is further."""
+        edit's end, whichever is further, after the edit log's record of the new values (at
+        most as many bytes again)."""
         slots = np.unique(np.asarray(slots, dtype=np.int64))
         written = int(np.maximum(self.meta["episode_lens"][slots], steps).sum()) if len(slots) else 0
         self.storage.check_room(
-            names, written, f"an edit of {', '.join(names) or 'meta values'} in {len(slots)} episode(s)"
+            names, 2 * written, f"an edit of {', '.join(names) or 'meta values'} in {len(slots)} episode(s)"
         )
 
     def commit_state(self, **changes: Any) -> None:
@@ -629,15 +697,56 @@ class Committer:
             self.store_state(state)
 
     def finish_edits(self) -> None:
-        """Close the in-place edits a killed writer left open (an odd ``_revision``): their rows
-        are whatever it wrote, now stable, so their checksums are recomputed from them (it may
-        have died between rows and checksums) and the revision moves to a new random even value."""
+        """Finish the in-place edits a killed (or interrupted) writer left open (an odd
+        ``_revision``). Their rows are as it left them, now stable: their checksums are
+        recomputed from them first (it may have died between rows and checksums, and an edit
+        rewrites rows as read, which it refuses over a failing checksum). Then the edits its edit
+        log holds are applied again whole (``replay_edits``); a slot edited by none of them (an
+        earlier release logged no edit, or its record is damaged) keeps each step old or new.
+        Every such slot moves to a new random even revision."""
         odd = np.flatnonzero(self.meta["_revision"] % 2)
         if len(odd):
             self.storage.reseal(odd, self.meta["episode_lens"][odd])
             self.reseal_meta(odd)
+        self.replay_edits()
+        odd = np.flatnonzero(self.meta["_revision"] % 2)
+        if len(odd):
             revision = new_revision(self.meta["_revision"][odd] - 1)
             self.write_meta("_revision", odd, np.full(len(odd), revision, np.int64))
+
+    def replay_edits(self) -> None:
+        """Apply again each edit in the edit log that was running when its writer stopped: one
+        whose slots still hold the generations it edited and some of which the odd revision it
+        gave them (a finished edit moved them all to a new even one). Its slots are made odd
+        first, so that ``finish_edits`` gives them all a new revision. A damaged log is
+        copied aside with a warning naming the copy, its whole records before the damage
+        applied; then the log is cleared."""
+        if EDIT_LOG not in self.storage.log_names():
+            return
+        limit = editlog.bound(self.schema)
+        edits, damage = editlog.parse(self.storage.log_pieces(EDIT_LOG, limit), self.schema)
+        if damage is not None:
+            aside, _ = self.storage.copy_log_aside(EDIT_LOG, limit, limit)
+            warnings.warn(
+                f"the edit log of {self.storage.location!r} is damaged ({damage}); it was copied to {aside!r}. An "
+                "in-place edit in it past the damage is not applied again: its episodes keep what was written of it",
+                stacklevel=4,
+            )
+        for edit in edits:
+            kept = edit.slots[self.meta["_generation"][edit.slots] == edit.generations]
+            running = self.meta["_revision"][edit.slots] == edit.revisions
+            if not len(kept) or not running.any():
+                continue
+            self.write_meta("_revision", kept, self.meta["_revision"][kept] | 1)
+            try:
+                self.apply([write.only(kept) for write in edit.writes])
+            except (StorageError, ValueError) as e:  # CorruptChunkError is a StorageError
+                warnings.warn(
+                    f"an in-place edit of slots {kept.tolist()} in {self.storage.location!r} that a writer left "
+                    f"unfinished could not be applied again ({e}); each of its steps keeps its old or its new value",
+                    stacklevel=4,
+                )
+        self.storage.clear_log(EDIT_LOG)
 
     def recover_step_log(self) -> None:
         """Commit, truncated, the episodes a killed writer left in its step log; then clear it.

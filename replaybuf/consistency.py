@@ -82,8 +82,9 @@ class _EditWatch:
             # revision, read again after the lease): a killed one left it, and no wait helps
             raise CorruptChunkError(
                 f"{error}; slot {slot} was left mid-edit (odd meta/_revision) by a writer that stopped: its "
-                "rows fail their checksum until the next writable open re-seals them from the rows as stored "
-                "(ReplayBuffer.from_folder(path) once)",
+                "rows fail their checksum until the next writable open finishes the edit (applies it again whole "
+                "from the edit log; an earlier release's edit, which logged none, is re-sealed as stored): "
+                "ReplayBuffer.from_folder(path) once",
                 field=error.field,
                 slot=slot,
                 steps=error.steps,

@@ -30,6 +30,7 @@ import numpy as np
 from . import metasums, snapshots
 from .attrs import encode_attrs, load_attrs
 from .commit import catch_up
+from .editlog import EDIT_LOG
 from .inputs import check_flag
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
@@ -1205,8 +1206,8 @@ def verify(
     problems += [message for slot, message in damage + beyond if slot not in changed and slot not in unsealed]
     problems += [
         f"slot {slot}: an in-place edit a writer that stopped left unfinished (odd meta/_revision): its rows are as "
-        "that writer left them and fail their checksums until the next writable open re-seals them (verify --repair "
-        "does)"
+        "that writer left them and fail their checksums until the next writable open finishes the edit (verify "
+        "--repair does)"
         for slot in unsealed
     ]
     damaged = [slot for slot in damaged if slot not in changed and slot not in unsealed]
@@ -1229,7 +1230,13 @@ def verify(
     unfinished = _unfinished_copy(storage)
     if unfinished is not None:
         problems.append(unfinished)
-    if storage.list_blobs(LOG_PREFIX):
+    logs = storage.log_names()
+    if EDIT_LOG in logs:
+        problems.append(
+            "an in-place edit is in the edit log (a writer is running it, or was killed part way through it); "
+            "opening the buffer for writing applies it again whole"
+        )
+    if [name for name in logs if name != EDIT_LOG] or (not logs and storage.list_blobs(LOG_PREFIX)):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"
@@ -1245,8 +1252,8 @@ def verify(
             moved = _changed_slots(buffer.storage, meta) - set(unsealed)  # sealed by the open itself
             if unsealed:
                 problems.append(
-                    f"repaired: re-sealed slots {unsealed}, whose unfinished edit the writable open closed (each "
-                    "step holds its old or its new value)"
+                    f"repaired: the writable open finished the unfinished edit of slots {unsealed} (applied again "
+                    "whole from the edit log; one no log holds, an earlier release's, re-sealed as it was left)"
                 )
             if moved:
                 problems.append(

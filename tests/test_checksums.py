@@ -686,13 +686,14 @@ def test_a_writable_open_reseals_rows_a_killed_edit_left_unsealed(tmp_path, back
     buffer.close()
     unfinished = (
         "slot 1: an in-place edit a writer that stopped left unfinished (odd meta/_revision): its rows are as that "
-        "writer left them and fail their checksums until the next writable open re-seals them (verify --repair does)"
+        "writer left them and fail their checksums until the next writable open finishes the edit (verify --repair "
+        "does)"
     )
     assert verify(path) == [unfinished]  # not damage: dropped by no repair
     assert verify(path, repair=True) == [  # its writable open closes the edit, and says so
         unfinished,
-        "repaired: re-sealed slots [1], whose unfinished edit the writable open closed (each step holds its old "
-        "or its new value)",
+        "repaired: the writable open finished the unfinished edit of slots [1] (applied again whole from the edit "
+        "log; one no log holds, an earlier release's, re-sealed as it was left)",
     ]
     with ReplayBuffer.from_folder(path) as again:
         now = again._meta["_revision"]
