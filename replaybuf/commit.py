@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from . import editlog, metasums
-from .editlog import EDIT_LOG, Edit, Write
+from .editlog import Edit, Write
 from .inputs import fill_value
 from .metasums import META_SUM
 from .schema import Schema
@@ -412,7 +412,7 @@ class Committer:
         # finished from the log, or the log cleared (``finish_interrupted_edit``)
         self.edit_interrupted = True
         try:
-            self.storage.append_log(EDIT_LOG, record)
+            editlog.write(self.storage, record)
         except StorageError as e:  # nothing applied: no record, torn or whole, is left for the next
             self._clear_edit_log()
             self.edit_interrupted = False
@@ -459,11 +459,10 @@ class Committer:
             self.edit_interrupted = False
 
     def _clear_edit_log(self) -> None:
-        """Delete the edit log. One left behind (the store refused the delete) holds finished
-        edits only, which nothing applies again (``replay_edits``): the next edit appends after
-        them and clears them with its own."""
+        """Empty the edit log. One left full (the store refused the write) holds a finished
+        edit, which nothing applies again (``replay_edits``); the next edit replaces it."""
         try:
-            self.storage.clear_log(EDIT_LOG)
+            editlog.clear(self.storage)
         except StorageError:
             pass
 
@@ -715,28 +714,29 @@ class Committer:
             self.write_meta("_revision", odd, np.full(len(odd), revision, np.int64))
 
     def replay_edits(self) -> None:
-        """Apply again each edit in the edit log that was running when its writer stopped: one
-        whose slots still hold the generations it edited and some of which the odd revision it
+        """Apply again the edit the edit log holds if it was running when its writer stopped:
+        its slots still hold the generations it edited and some of them the odd revision it
         gave them (a finished edit moved them all to a new even one). Its slots are made odd
-        first, so that ``finish_edits`` gives them all a new revision. A damaged log is
-        copied aside with a warning naming the copy, its whole records before the damage
-        applied; then the log is cleared."""
-        if EDIT_LOG not in self.storage.log_names():
-            return
-        limit = editlog.bound(self.schema)
-        edits, damage = editlog.parse(self.storage.log_pieces(EDIT_LOG, limit), self.schema)
-        if damage is not None:
-            aside, _ = self.storage.copy_log_aside(EDIT_LOG, limit, limit)
+        first, so that ``finish_edits`` gives them all a new revision. A record that is no
+        edit (damaged, or cut short) is copied aside and named in a warning when a slot is odd
+        (``editlog.set_aside``); else no edit ran
+        (a kill cut the record's write short, before any slot was marked). Then the log is
+        emptied."""
+        edit, damage = editlog.read(self.storage, self.schema)
+        if damage is not None and (self.meta["_revision"] % 2).any():
+            aside = editlog.set_aside(self.storage, self.schema)
             warnings.warn(
-                f"the edit log of {self.storage.location!r} is damaged ({damage}); it was copied to {aside!r}. An "
-                "in-place edit in it past the damage is not applied again: its episodes keep what was written of it",
+                f"the edit log {self.storage.describe_key(editlog.KEY)} is damaged ({damage}); it was copied to "
+                f"{aside}. The in-place edit a writer left unfinished is not applied again: its episodes keep each "
+                "step old or new",
                 stacklevel=4,
             )
-        for edit in edits:
-            kept = edit.slots[self.meta["_generation"][edit.slots] == edit.generations]
-            running = self.meta["_revision"][edit.slots] == edit.revisions
-            if not len(kept) or not running.any():
-                continue
+        if edit is None:
+            if damage is not None:
+                self._clear_edit_log()
+            return
+        if edit.running(self.meta["_generation"], self.meta["_revision"]):
+            kept = edit.kept(self.meta["_generation"])
             self.write_meta("_revision", kept, self.meta["_revision"][kept] | 1)
             try:
                 self.apply([write.only(kept) for write in edit.writes])
@@ -746,7 +746,7 @@ class Committer:
                     f"unfinished could not be applied again ({e}); each of its steps keeps its old or its new value",
                     stacklevel=4,
                 )
-        self.storage.clear_log(EDIT_LOG)
+        self._clear_edit_log()
 
     def recover_step_log(self) -> None:
         """Commit, truncated, the episodes a killed writer left in its step log; then clear it.

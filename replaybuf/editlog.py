@@ -3,33 +3,38 @@
 An in-place edit of committed episodes (``update``, ``update_steps``, ``data[...] = ...``,
 ``store_datapoint``, meta values) is several writes: a field's rows of each episode, then the
 next field's. A writer killed between two of them would leave one call's values half applied.
-So ``Committer.edit`` first appends the whole edit to the edit log as one checksummed record,
-then applies it, then clears the log; a writable open finds the record of an edit a killed
-writer left running and applies it again (every write sets values, so applying one twice
-changes nothing), so each edit lands whole. A record torn by a kill was never applied: its
-slots were marked as being edited only after the append.
+So ``Committer.edit`` first writes the whole edit as one checksummed record to ``KEY`` (in
+place, ``Storage.write_record``: one write on local disk, one PUT remotely), then applies it,
+then empties the record; a writable open finds the record of an edit a killed writer left
+running and applies it again (every write sets values, so applying one twice changes
+nothing), so each edit lands whole. A record torn by a kill was never applied: its slots are
+marked as being edited only once it is written. One record at a time: an edit interrupted in
+the process is finished before the next one is written.
 
 A record: ``_RECORD`` (magic, payload size, crc32 of the payload), then the payload: the size
 of a JSON header, the header (the slots, their generations and the odd ``_revision`` the edit
 gives them, and each write's kind, field, count and steps), then each write's episodes (and
-timesteps) as int64 and its values as raw bytes of the field's dtype.
+timesteps) as int64 and its values as raw bytes of the field's dtype. Bytes after the record
+(an in-place write over a longer one, cut short before its truncation) are not read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .schema import Field, Schema
-from .storage import MAX_DOCUMENT_BYTES, BufferDamagedError
+from .storage import EDIT_KEY, LOG_PREFIX, MAX_DOCUMENT_BYTES, BufferDamagedError, Storage
 
-#: the name of the edit log among the store's logs (``Storage.append_log``)
-EDIT_LOG = "edit"
+#: where the record is kept: beside the step log's records, erased with the buffer
+KEY = EDIT_KEY
 _RECORD = struct.Struct("<4sQI")
 _MAGIC = b"RBE1"
 _HEADER_SIZE = struct.Struct("<I")
@@ -69,18 +74,32 @@ class Edit:
     revisions: np.ndarray
     writes: list[Write]
 
+    def kept(self, generations: np.ndarray) -> np.ndarray:
+        """The edit's slots that still hold the generations it edited (of ``generations``, every
+        slot's)."""
+        return self.slots[generations[self.slots] == self.generations]
 
-def encode(edit: Edit, schema: Schema) -> bytes:
-    """The log record of ``edit`` (each write's values as its field's dtype in ``schema``). A
-    ``steps`` write keeps one value per (episode, timestep), the last given, as applying it
-    does."""
+    def running(self, generations: np.ndarray, revisions: np.ndarray) -> bool:
+        """Whether the edit was running when its writer stopped, by every slot's ``generations``
+        and ``revisions`` now: a kept slot holds the odd revision it gave them (a finished edit
+        moved them all to a new even one; a refused one never marked them or left them odd
+        with its record emptied)."""
+        kept = self.kept(generations)
+        return bool(len(kept)) and bool((revisions[kept] == self.revisions[np.isin(self.slots, kept)]).any())
+
+
+def encode(edit: Edit, schema: Schema) -> bytearray:
+    """The log record of ``edit`` (each write's values as its field's dtype in ``schema``),
+    built in one buffer: the values are copied once. A ``steps`` write keeps one value per
+    (episode, timestep), the last given, as applying it does; values equal for every episode
+    (broadcast: ``update(None, reward=0.0)``) are stored once."""
     header: dict = {
         "slots": edit.slots.tolist(),
         "generations": edit.generations.tolist(),
         "revisions": edit.revisions.tolist(),
         "writes": [],
     }
-    raw: list[bytes] = []
+    arrays: list[np.ndarray] = []
     for write in edit.writes:
         episodes, values, at = write.episodes, write.values, write.at
         if write.kind == "steps":
@@ -88,17 +107,28 @@ def encode(edit: Edit, schema: Schema) -> bytes:
             pairs = episodes.astype(np.int64) * (1 << 32) + at.astype(np.int64)
             last = len(pairs) - 1 - np.unique(pairs[::-1], return_index=True)[1]
             episodes, values, at = episodes[last], values[last], at[last]
-            raw.append(np.ascontiguousarray(at, "<i8").tobytes())
+            arrays.append(np.asarray(at, "<i8"))
         entry = {"kind": write.kind, "field": write.name, "count": len(episodes)}
         if write.kind == "rows":
             entry.update(t0=int(at), steps=write.steps)
-        header["writes"].append(entry)
-        raw.append(np.ascontiguousarray(episodes, "<i8").tobytes())
         fields = schema.meta_fields if write.kind == "meta" else schema.fields
-        raw.append(np.ascontiguousarray(values, fields[write.name].dtype).tobytes())
+        values = np.asarray(values, fields[write.name].dtype)
+        if len(values) > 1 and values.strides[0] == 0:
+            entry["same"], values = True, values[:1]
+        header["writes"].append(entry)
+        arrays += [np.asarray(episodes, "<i8"), values]
     document = json.dumps(header).encode()
-    payload = b"".join([_HEADER_SIZE.pack(len(document)), document, *raw])
-    return _RECORD.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
+    start = _RECORD.size + _HEADER_SIZE.size + len(document)
+    record = bytearray(start + sum(array.nbytes for array in arrays))
+    _HEADER_SIZE.pack_into(record, _RECORD.size, len(document))
+    record[_RECORD.size + _HEADER_SIZE.size : start] = document
+    for array in arrays:
+        np.frombuffer(record, array.dtype, array.size, start).reshape(array.shape)[...] = array
+        start += array.nbytes
+    payload = memoryview(record)[_RECORD.size :]
+    _RECORD.pack_into(record, 0, _MAGIC, len(payload), zlib.crc32(payload))
+    payload.release()
+    return record
 
 
 def bound(schema: Schema) -> int:
@@ -110,43 +140,61 @@ def bound(schema: Schema) -> int:
     return _RECORD.size + _HEADER_SIZE.size + MAX_DOCUMENT_BYTES + rows + meta + 8 * episodes
 
 
-def parse(pieces: Iterable[bytes], schema: Schema) -> tuple[list[Edit], str | None]:
-    """The whole records of a log given in pieces, and what is damaged (None: nothing; a record
-    torn by a kill mid-append ends the log and is not damage). Every value is checked against
-    ``schema`` before it is kept, and no record larger than ``bound`` is read."""
-    limit, held, pos = bound(schema), bytearray(), 0
-    edits: list[Edit] = []
-    stream = iter(pieces)
+def write(storage: Storage, record: bytes | bytearray) -> None:
+    """Store ``record`` (``encode``) as the edit running; StorageError when it cannot be."""
+    storage.write_record(KEY, memoryview(record))
 
-    def fill(n: int) -> bool:
-        while len(held) < n:
-            piece = next(stream, None)
-            if piece is None:
-                return False
-            held.extend(piece)
-        return True
 
+def clear(storage: Storage) -> None:
+    """Mark no edit running: the record emptied in place (no delete, so an edit costs two small
+    writes of the log)."""
+    storage.write_record(KEY, b"")
+
+
+def set_aside(storage: Storage, schema: Schema) -> str:
+    """Copy the log (a damaged record, at most ``bound`` bytes) to
+    ``replaybuf/steplog-damaged-<UTC time>-<pid>/edit``, as a damaged step log is, for
+    inspection; returns the copy's description."""
     try:
-        while fill(_RECORD.size):
-            magic, size, crc = _RECORD.unpack_from(held)
-            if magic != _MAGIC:
-                return edits, f"record at byte {pos:,}: no edit record ({bytes(magic)!r})"
-            if size > limit:
-                return edits, f"record at byte {pos:,}: {size:,} bytes, more than an edit of this buffer holds"
-            if not fill(_RECORD.size + size):
-                return edits, None  # torn by a kill mid-append: never applied
-            payload = bytes(held[_RECORD.size : _RECORD.size + size])
-            if zlib.crc32(payload) != crc:
-                return edits, f"record at byte {pos:,}: checksum mismatch"
-            try:
-                edits.append(_decode(payload, schema))
-            except (ValueError, TypeError, KeyError, RecursionError) as e:
-                return edits, f"record at byte {pos:,}: {e}"
-            del held[: _RECORD.size + size]
-            pos += _RECORD.size + size
+        raw = storage.read_blob(KEY, bound(schema)) or b""
+    except BufferDamagedError:
+        raw = b""  # larger than any record: not copied
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/edit"
+    storage.write_blob(key, raw)
+    return storage.describe_key(key)
+
+
+def read(storage: Storage, schema: Schema) -> tuple[Edit | None, str | None]:
+    """(the edit the log holds, else None; why a record it holds is not one, else None: cut
+    short, which a kill mid-write leaves before the edit's slots are marked, or damaged).
+    Every value is checked against ``schema`` before it is kept, and no record larger than
+    ``bound`` is read."""
+    try:
+        raw = storage.read_blob(KEY, bound(schema))
     except BufferDamagedError as e:
-        return edits, str(e)
-    return edits, None
+        return None, str(e)
+    return parse(raw or b"", schema)
+
+
+def parse(raw: bytes, schema: Schema) -> tuple[Edit | None, str | None]:
+    """The edit of the record at the start of ``raw`` (as ``read``)."""
+    if not raw:
+        return None, None
+    if len(raw) < _RECORD.size:
+        return None, f"a record cut short ({len(raw)} bytes)"
+    magic, size, crc = _RECORD.unpack_from(raw)
+    if magic != _MAGIC:
+        return None, f"no edit record ({bytes(magic)!r})"
+    if _RECORD.size + size > len(raw):
+        return None, f"a record cut short ({len(raw):,} of {_RECORD.size + size:,} bytes)"
+    payload = raw[_RECORD.size : _RECORD.size + size]
+    if zlib.crc32(payload) != crc:
+        return None, "checksum mismatch"
+    try:
+        return _decode(payload, schema), None
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        return None, str(e)
 
 
 def _decode(payload: bytes, schema: Schema) -> Edit:
@@ -187,8 +235,13 @@ def _decode(payload: bytes, schema: Schema) -> Edit:
             if t0 + steps > schema.max_timesteps:
                 raise ValueError(f"field {name!r}: rows past max_timesteps ({schema.max_timesteps})")
             at, shape = t0, (steps, *f.shape)
-        values = _array(payload, pos, count, f.dtype, shape)
+        same = entry.get("same", False)
+        if not isinstance(same, bool) or (same and count < 2):
+            raise ValueError(f"field {name!r}: same {same!r} for {count} episodes")
+        values = _array(payload, pos, 1 if same else count, f.dtype, shape)
         pos += values.nbytes
+        if same:
+            values = np.broadcast_to(values, (count, *shape))
         writes.append(Write(kind, name, episodes, values, at))
     if pos != len(payload):
         raise ValueError(f"{len(payload) - pos:,} bytes past the last write")

@@ -27,10 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from . import metasums, snapshots
+from . import editlog, metasums, snapshots
 from .attrs import encode_attrs, load_attrs
 from .commit import catch_up
-from .editlog import EDIT_LOG
 from .inputs import check_flag
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
@@ -1230,13 +1229,13 @@ def verify(
     unfinished = _unfinished_copy(storage)
     if unfinished is not None:
         problems.append(unfinished)
-    logs = storage.log_names()
-    if EDIT_LOG in logs:
+    logged, _ = editlog.read(storage, schema)
+    if logged is not None and "_revision" in meta and logged.running(meta["_generation"], meta["_revision"]):
         problems.append(
             "an in-place edit is in the edit log (a writer is running it, or was killed part way through it); "
             "opening the buffer for writing applies it again whole"
         )
-    if [name for name in logs if name != EDIT_LOG] or (not logs and storage.list_blobs(LOG_PREFIX)):
+    if storage.list_blobs(LOG_PREFIX):
         problems.append(
             "an unfinished episode is in the step log (a writer is running or was killed); "
             "opening the buffer for writing commits what it holds"

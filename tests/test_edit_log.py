@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replaybuf import ReplayBuffer, editlog
-from replaybuf.editlog import EDIT_LOG, Edit, Write
+from replaybuf.editlog import Edit, Write
 from replaybuf.maintenance import verify
 
 from ._backends import BACKENDS, LOCAL_BACKENDS
@@ -111,7 +111,7 @@ def planted(buffer: ReplayBuffer, writes: list[Write], odd: bool = True) -> byte
     slots = np.unique(np.concatenate([w.episodes for w in writes]))
     revisions = buffer._meta["_revision"][slots] | 1
     record = editlog.encode(Edit(slots, buffer._meta["_generation"][slots].copy(), revisions, writes), buffer.schema)
-    buffer.storage.append_log(EDIT_LOG, record)
+    editlog.write(buffer.storage, record)
     if odd:
         buffer._commit.write_meta("_revision", slots, revisions)
     return record
@@ -147,7 +147,7 @@ def test_a_killed_writer_s_logged_edit_is_applied_whole_by_the_next_writable_ope
         assert version(again) == NEW
         revisions = again._meta["_revision"][:3]
         assert (revisions % 2 == 0).all() and not np.isin(revisions, before).any()
-        assert EDIT_LOG not in again.storage.log_names()
+        assert editlog.read(again.storage, again.schema) == (None, None)
     assert verify(place.location) == []
 
 
@@ -159,11 +159,11 @@ def test_a_record_torn_by_a_kill_is_dropped_and_the_episodes_keep_their_values(p
     record = editlog.encode(
         Edit(np.array([0]), buffer._meta["_generation"][:1].copy(), np.array([1]), seven([0])), buffer.schema
     )
-    buffer.storage.append_log(EDIT_LOG, record[: len(record) - 5])
+    editlog.write(buffer.storage, record[: len(record) - 5])
     buffer.close()
     with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
         assert version(again) == OLD
-        assert EDIT_LOG not in again.storage.log_names()
+        assert editlog.read(again.storage, again.schema) == (None, None)
     assert verify(place.location) == []
 
 
@@ -193,9 +193,7 @@ def test_a_running_edit_skips_a_slot_that_holds_another_episode_than_it_edited(p
     generations[1] += 100
     writes = seven([0, 1])
     revisions = buffer._meta["_revision"][[0, 1]] | 1
-    buffer.storage.append_log(
-        EDIT_LOG, editlog.encode(Edit(np.array([0, 1]), generations, revisions, writes), buffer.schema)
-    )
+    editlog.write(buffer.storage, editlog.encode(Edit(np.array([0, 1]), generations, revisions, writes), buffer.schema))
     buffer._commit.write_meta("_revision", np.array([0, 1]), revisions)
     buffer.close()
     with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
@@ -209,12 +207,13 @@ def test_a_running_edit_skips_a_slot_that_holds_another_episode_than_it_edited(p
 )
 def test_a_damaged_edit_log_is_copied_aside_named_and_the_buffer_opens(tmp_path, damage):
     """A flipped byte (checksum mismatch), a foreign magic, an absurd size (never read: no
-    allocation of it) or garbage: the writable open warns naming the copy, applies nothing of
-    it, keeps every episode and seals the slots it had marked."""
+    allocation of it) or garbage, with a slot marked mid-edit: the writable open copies it aside
+    and warns naming the copy, applies nothing of it, keeps every episode and seals the marked
+    slot."""
     path = str(tmp_path / "b")
     buffer = make(Place(path))
     record = bytearray(planted(buffer, seven([0]), odd=False))
-    buffer.storage.clear_log(EDIT_LOG)
+    editlog.clear(buffer.storage)
     if damage == "flip":
         record[-1] ^= 0x10
     elif damage == "magic":
@@ -223,10 +222,13 @@ def test_a_damaged_edit_log_is_copied_aside_named_and_the_buffer_opens(tmp_path,
         struct.pack_into("<Q", record, 4, 1 << 60)
     else:
         record = bytearray(b"\x00" * 7 + b"garbage" * 20)
-    buffer.storage.append_log(EDIT_LOG, bytes(record))
+    editlog.write(buffer.storage, bytes(record))
     buffer._commit.write_meta("_revision", np.array([0]), buffer._meta["_revision"][[0]] | 1)
     buffer.close()
-    with pytest.warns(UserWarning, match=r"the edit log of .* is damaged \(record at byte 0: .*\); it was copied to"):
+    with pytest.warns(
+        UserWarning,
+        match=r"the edit log replaybuf/edit in .* is damaged \(.+\); it was copied to replaybuf/steplog-damaged-.*/edit in",
+    ):
         again = ReplayBuffer.from_folder(path)
     with again:
         assert version(again) == OLD
@@ -244,9 +246,9 @@ def test_an_edit_refused_by_its_log_changes_nothing(place, monkeypatch):
     revisions = buffer._meta["_revision"].copy()
 
     def full(name, data):
-        raise StorageError("appending to the log failed: [Errno 28] No space left on device")
+        raise StorageError("writing the edit log failed: [Errno 28] No space left on device")
 
-    monkeypatch.setattr(buffer.storage, "append_log", full)
+    monkeypatch.setattr(buffer.storage, "write_record", full)
     with pytest.raises(
         StorageError, match="nothing was written: the edit was not made, the episodes keep their values"
     ):
@@ -263,8 +265,7 @@ def test_an_edit_refused_by_its_log_changes_nothing(place, monkeypatch):
 @given(data=st.data())
 def test_records_read_back_as_written_and_any_cut_or_flip_is_caught(tmp_path, data):
     """Random edits encode and parse back equal (a steps write keeps each pair's last value);
-    a record cut anywhere parses as nothing, with no damage (a torn append); a flipped byte
-    anywhere is damage or, in the size's high bytes, nothing read past the log."""
+    a record cut anywhere, or with a byte flipped anywhere, parses as no edit, and says why."""
     path = str(tmp_path / "h")
     with ReplayBuffer(
         path, max_episodes=5, max_timesteps=6, fields=FIELDS, meta_fields={"uid": "int"}, overwrite=True
@@ -286,7 +287,8 @@ def test_records_read_back_as_written_and_any_cut_or_flip_is_caught(tmp_path, da
             writes.append(Write("meta", "uid", episodes, np.arange(len(episodes), dtype=np.int64)))
     edit = Edit(slots, slots * 10, slots * 2 + 1, writes)
     record = editlog.encode(edit, schema)
-    (parsed,), damage = editlog.parse([record], schema)
+    parsed, damage = editlog.parse(record, schema)
+    assert parsed is not None
     assert damage is None and parsed.slots.tolist() == slots.tolist()
     for written, read in zip(writes, parsed.writes):
         assert (written.kind, written.name) == (read.kind, read.name)
@@ -299,12 +301,12 @@ def test_records_read_back_as_written_and_any_cut_or_flip_is_caught(tmp_path, da
             np.testing.assert_array_equal(read.episodes, written.episodes)
             np.testing.assert_array_equal(read.values, written.values)
     cut = data.draw(st.integers(0, len(record) - 1))
-    assert editlog.parse([record[:cut]], schema) == ([], None)
+    assert editlog.parse(record[:cut], schema)[0] is None
     at = data.draw(st.integers(0, len(record) - 1))
     flipped = bytearray(record)
     flipped[at] ^= 1 << data.draw(st.integers(0, 7))
-    edits, damage = editlog.parse([bytes(flipped)], schema)
-    assert edits == [] and (damage is not None or 4 <= at < 12)
+    edit, damage = editlog.parse(bytes(flipped), schema)
+    assert edit is None and damage is not None
 
 
 def test_the_record_s_checksum_covers_its_payload(tmp_path):
@@ -329,5 +331,23 @@ def test_a_killed_writer_s_logged_edit_is_applied_whole_on_object_stores(request
     buffer.close()
     with ReplayBuffer.from_folder(location, storage_options=options) as again:
         assert version(again) == NEW and (again._meta["_revision"][:3] % 2 == 0).all()
-        assert EDIT_LOG not in again.storage.log_names()
+        assert editlog.read(again.storage, again.schema) == (None, None)
     assert verify(location, storage_options=options) == []
+
+
+def test_values_equal_for_every_episode_are_stored_once(tmp_path):
+    """A broadcast value (``update(None, obs=...)`` over many episodes) is one row in the
+    record, not one per episode: the record stays small whatever the number of episodes, and
+    reads back as the same value for each."""
+    path = str(tmp_path / "b")
+    with ReplayBuffer(path, max_episodes=400, max_timesteps=50, fields={"obs": ("float32", (64,))}) as buffer:
+        schema = buffer.schema
+    episodes = np.arange(400)
+    row = np.arange(50 * 64, dtype=np.float32).reshape(50, 64)
+    write = Write("rows", "obs", episodes, np.broadcast_to(row, (400, 50, 64)), 0)
+    record = editlog.encode(Edit(episodes, episodes + 1, episodes * 2 + 1, [write]), schema)
+    assert len(record) < row.nbytes + 400 * 8 * 4 + 4096  # one row, the episodes, the slots' numbers
+    edit, damage = editlog.parse(bytes(record), schema)
+    assert damage is None and edit is not None
+    assert edit.writes[0].values.shape == (400, 50, 64)
+    np.testing.assert_array_equal(edit.writes[0].values[399], row)

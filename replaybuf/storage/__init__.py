@@ -16,6 +16,7 @@ from ._seed import read_seed_schema, seed_h5_hint
 from .base import (
     ATTRS_KEY,
     DEFAULT_HOT_BYTES,
+    EDIT_KEY,
     LOG_PREFIX,
     MAX_DOCUMENT_BYTES,
     META_SUM,
@@ -93,6 +94,7 @@ __all__ = [
     "SNAPSHOTS_PREFIX",
     "STATE_KEY",
     "UPGRADE_MARKER",
+    "EDIT_KEY",
     "WRITING_KEY",
     "ArrayBase",
     "BufferDamagedError",

@@ -594,7 +594,7 @@ class HDF5Storage(LocalFolderStorage):
         self.flush()
         super().commit_state(state)
 
-    def write_record(self, key: str, data: bytes) -> None:
+    def write_record(self, key: str, data: bytes | memoryview) -> None:
         # docstring inherited: after flushing the file, as every counters commit, so a writer
         # killed while writing rows leaves the file's structure as flushed
         self.flush()

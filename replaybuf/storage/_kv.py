@@ -1266,7 +1266,7 @@ class KVBlobs(_StorageMixin):
         self._check_writable()
         self.kv.set(key, data)
 
-    def write_record(self, key: str, data: bytes) -> None:
+    def write_record(self, key: str, data: bytes | memoryview) -> None:
         # docstring inherited: in place (one write, no rename, on local disk)
         self._check_writable()
         self.kv.set_many({key: data}, atomic=False)

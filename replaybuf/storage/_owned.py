@@ -14,7 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._kv import KeyValue
-from .base import ATTRS_KEY, LOG_PREFIX, SKETCHES_PREFIX, SNAPSHOTS_PREFIX, STATE_KEY, UPGRADE_MARKER, WRITING_KEY
+from .base import (
+    ATTRS_KEY,
+    EDIT_KEY,
+    LOG_PREFIX,
+    SKETCHES_PREFIX,
+    SNAPSHOTS_PREFIX,
+    STATE_KEY,
+    UPGRADE_MARKER,
+    WRITING_KEY,
+)
 from .lease import LEASE_KEY
 
 BLOB_DIR = "replaybuf"
@@ -95,7 +104,7 @@ def erase_owned(kv: KeyValue, entries: list[str], markers: tuple[str, ...], firs
             continue
         if entry == f"{BLOB_DIR}/":
             kv.delete_prefix(LOG_PREFIX)  # the counters, the attributes and the step log
-            kv.delete_many([STATE_KEY, ATTRS_KEY, WRITING_KEY])
+            kv.delete_many([STATE_KEY, ATTRS_KEY, WRITING_KEY, EDIT_KEY])
         elif entry.endswith("/"):
             kv.delete_prefix(entry)
         else:

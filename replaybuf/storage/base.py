@@ -100,6 +100,8 @@ STATE_KEY = "replaybuf/state.json"
 UPGRADE_MARKER = "replaybuf/upgrading.json"
 # the slots a writer is writing in place before publishing them (``Storage.mark_writing``)
 WRITING_KEY = "replaybuf/writing"
+# the in-place edit running, logged before its writes (``replaybuf.editlog``)
+EDIT_KEY = "replaybuf/edit"
 # the buffer-level attributes (``replaybuf.attrs``)
 ATTRS_KEY = "replaybuf/attrs.json"
 LOG_PREFIX = "replaybuf/steplog/"
@@ -961,10 +963,10 @@ class Storage(ABC):
             return None
         return slots
 
-    def write_record(self, key: str, data: bytes) -> None:
+    def write_record(self, key: str, data: bytes | memoryview) -> None:
         """Write a small side object the writer alone reads back, and checks itself: it need
         not be atomic. The default is ``write_blob``; local backends write it in place."""
-        self.write_blob(key, data)
+        self.write_blob(key, bytes(data))
 
     # ---- step log: the durability of episodes in progress --------------------------------
 
