@@ -381,13 +381,13 @@ class Committer:
         """One in-place edit of committed episodes (``update``, ``update_steps``,
         ``data[...] = ...``, ``store_datapoint``, meta values), whole or not at all through a
         kill. ``staged()`` first puts the edit into the episodes in progress (RAM and step
-        log; when it raises nothing else is done). Then the writes are appended to the edit log
+        log; when it raises nothing else is done). Then the writes are written to the edit log
         as one record (``editlog.py``), the slots' ``_revision`` made odd, the writes applied in
         order, the revision moved to a new random even value (``new_revision``: two copies of a
-        buffer edited apart never share one) and the log cleared. Every copy of decoded rows is
+        buffer edited apart never share one) and the log emptied. Every copy of decoded rows is
         keyed by (generation, revision) and none is taken at an odd revision, so no reader is
         served the rows from before (or halfway through) the edit once it has refreshed. A
-        writer killed after the append has the edit applied again by the next writable open
+        writer killed once the record is written has the edit applied again by the next writable open
         (``finish_edits``); one interrupted in this process (a KeyboardInterrupt) by its next
         edit, commit or ``flush()`` (``finish_interrupted_edit``). A write that raises (a
         damaged row refused, a failed write) ends the edit there, as applying it again would
@@ -413,7 +413,7 @@ class Committer:
         self.edit_interrupted = True
         try:
             editlog.write(self.storage, record)
-        except StorageError as e:  # nothing applied: no record, torn or whole, is left for the next
+        except StorageError as e:  # nothing applied: the record, whole or cut short, is emptied
             self._clear_edit_log()
             self.edit_interrupted = False
             raise StorageError(
@@ -450,9 +450,9 @@ class Committer:
             self.reseal_meta(np.concatenate(edited))
 
     def finish_interrupted_edit(self) -> None:
-        """Finish an edit of this session interrupted after its log record was written (a
-        KeyboardInterrupt, a failed write): its writes are applied again from the log and its
-        slots sealed (``finish_edits``). Run before the next edit and commit and by
+        """Finish an edit of this session interrupted (a KeyboardInterrupt) once its record may
+        have been written: its writes are applied again from the log and its slots sealed
+        (``finish_edits``), or a record cut short is dropped. Run before the next edit and commit and by
         ``flush()`` (so ``close()``)."""
         if self.edit_interrupted:
             self.finish_edits()
@@ -719,9 +719,8 @@ class Committer:
         gave them (a finished edit moved them all to a new even one). Its slots are made odd
         first, so that ``finish_edits`` gives them all a new revision. A record that is no
         edit (damaged, or cut short) is copied aside and named in a warning when a slot is odd
-        (``editlog.set_aside``); else no edit ran
-        (a kill cut the record's write short, before any slot was marked). Then the log is
-        emptied."""
+        (``editlog.set_aside``); else no edit ran (a kill cut the record's write short, before
+        any slot was marked). Then the log is emptied."""
         edit, damage = editlog.read(self.storage, self.schema)
         if damage is not None and (self.meta["_revision"] % 2).any():
             aside = editlog.set_aside(self.storage, self.schema)
