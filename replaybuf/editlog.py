@@ -193,7 +193,7 @@ def parse(raw: bytes, schema: Schema) -> tuple[Edit | None, str | None]:
         return None, "checksum mismatch"
     try:
         return _decode(payload, schema), None
-    except (ValueError, TypeError, KeyError, RecursionError) as e:
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as e:  # OverflowError: an int past int64
         return None, str(e)
 
 
@@ -207,6 +207,8 @@ def _decode(payload: bytes, schema: Schema) -> Edit:
     if not len(slots) == len(generations) == len(revisions):
         raise ValueError("slots, generations and revisions of unequal lengths")
     _check_slots(slots, schema.max_episodes, "slots")
+    if len(np.unique(slots)) != len(slots):  # each slot has one generation and revision (``Edit.running``)
+        raise ValueError("a slot named twice")
     pos, writes = _HEADER_SIZE.size + length, []
     for entry in header["writes"]:
         kind, name, count = entry["kind"], entry["field"], entry["count"]

@@ -1,0 +1,53 @@
+"""Hostile and careless edit logs (``editlog.py``): a planted record that passes its checksum
+but names what no edit could (a slot twice, an int past int64) is refused as damaged, copied
+aside and applied to nothing; neither ``verify`` nor a writable open raises for it."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from replaybuf import ReplayBuffer, editlog
+from replaybuf.maintenance import verify
+
+from .test_edit_log import OLD, Place, make, version
+
+
+def crafted(header: dict, body: bytes = b"") -> bytes:
+    """A record of ``header`` and ``body`` with a valid magic, size and checksum."""
+    document = json.dumps(header).encode()
+    payload = struct.pack("<I", len(document)) + document + body
+    return struct.pack("<4sQI", b"RBE1", len(payload), zlib.crc32(payload)) + payload
+
+
+@pytest.mark.parametrize("lie", ["slot twice", "slot past int64", "generation past int64", "revision past int64"])
+def test_a_planted_record_no_edit_could_write_is_refused_whole(tmp_path, lie):
+    """Slot 0 named twice (once with its generation, once with another: the slots kept and
+    their revisions differ in number), or an int past int64: ``verify`` reports, a writable
+    open warns, applies nothing and seals the odd slots."""
+    path = str(tmp_path / "b")
+    buffer = make(Place(path))
+    generations, revisions = buffer._meta["_generation"][:2].tolist(), (buffer._meta["_revision"][:2] | 1).tolist()
+    header = {"slots": [0, 1], "generations": [*generations], "revisions": [*revisions], "writes": []}
+    if lie == "slot twice":
+        header.update(
+            slots=[0, 0, 1], generations=[generations[0], 99, generations[1]], revisions=[revisions[0], *revisions]
+        )
+    else:
+        header[lie.split()[0] + "s"][0] = 1 << 70
+    uid = np.dtype(buffer.schema.meta_fields["uid"].dtype)
+    header["writes"] = [{"kind": "meta", "field": "uid", "count": 1}]
+    editlog.write(buffer.storage, crafted(header, np.array([0], "<i8").tobytes() + np.array([7], uid).tobytes()))
+    buffer._commit.write_meta("_revision", np.array([0, 1]), np.array(revisions))
+    buffer.close()
+    assert verify(path)  # the odd slots, named
+    with pytest.warns(UserWarning, match=r"the edit log replaybuf/edit in .* is damaged"):
+        again = ReplayBuffer.from_folder(path)
+    with again:
+        assert version(again) == OLD
+        assert (again._meta["_revision"] % 2 == 0).all()
+    assert verify(path) == []
