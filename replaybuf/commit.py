@@ -400,6 +400,8 @@ class Committer:
         steps = max(ends, default=0)
         self.check_edit_room(slots, names, steps)
         self.finish_interrupted_edit()
+        if len(slots):
+            self.check_no_other_edit()
         if staged is not None:
             staged()
         if not len(slots):
@@ -457,6 +459,25 @@ class Committer:
         if self.edit_interrupted:
             self.finish_edits()
             self.edit_interrupted = False
+
+    def check_no_other_edit(self) -> None:
+        """Refuse an edit, before anything is written, while the edit log holds the running edit
+        of another open of this buffer in this process (one sharing the writer lease, its edit
+        interrupted by a KeyboardInterrupt): this edit's record would replace that one, which
+        would then never be finished, its episodes left part old and part new. Judged by the
+        generations and revisions stored (the other open's mirror, not this one's); only while
+        the lease is shared, as no other writer can leave a running edit behind a live one."""
+        if not self.storage.writer_shared:
+            return
+        edit, _ = editlog.read(self.storage, self.schema)
+        if edit is not None and edit.running(
+            self.storage.read_meta("_generation"), self.storage.read_meta("_revision")
+        ):
+            raise StorageError(
+                f"another open of {self.storage.location!r} in this process was interrupted in an in-place edit of "
+                f"slots {edit.slots.tolist()}; its next edit, commit, flush() or close() finishes it: this edit was "
+                "not made, the episodes keep their values"
+            )
 
     def _clear_edit_log(self) -> None:
         """Empty the edit log. One left full (the store refused the write) holds a finished

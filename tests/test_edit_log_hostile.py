@@ -1,6 +1,7 @@
 """Hostile and careless edit logs (``editlog.py``): a planted record that passes its checksum
 but names what no edit could (a slot twice, an int past int64) is refused as damaged, copied
-aside and applied to nothing; neither ``verify`` nor a writable open raises for it."""
+aside and applied to nothing; neither ``verify`` nor a writable open raises for it. Two opens
+of one buffer in one process (sharing the lease) never replace each other's running edit."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 
 from replaybuf import ReplayBuffer, editlog
 from replaybuf.maintenance import verify
+from replaybuf.storage import StorageError
 
-from .test_edit_log import OLD, Place, make, version
+from ._backends import BACKENDS
+from .test_edit_log import OLD, Place, make, update, version
 
 
 def crafted(header: dict, body: bytes = b"") -> bytes:
@@ -51,3 +54,36 @@ def test_a_planted_record_no_edit_could_write_is_refused_whole(tmp_path, lie):
         assert version(again) == OLD
         assert (again._meta["_revision"] % 2 == 0).all()
     assert verify(path) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_edit_is_refused_while_another_open_s_interrupted_edit_is_running(place, monkeypatch):
+    """Two writable opens in one process share the lease. The first one's edit is interrupted
+    after its first write (a KeyboardInterrupt): the second one's edit is refused, as its record
+    would replace the running one's, leaving it half applied for good; it changes nothing. The
+    first one's close finishes its edit whole; then the second one edits."""
+    first = make(place)
+    second = ReplayBuffer.from_folder(place.location, **place.kwargs)
+    update_rows = first.storage.update_rows
+
+    def interrupted(*args, **kwargs):
+        update_rows(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(first.storage, "update_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        update(first)
+    monkeypatch.undo()
+    with pytest.raises(
+        StorageError, match=r"another open of .* was interrupted in an in-place edit of slots \[0, 1, 2\]"
+    ):
+        second.update([2], uid=9)
+    assert int(second.meta_data["uid"][2]) != 9
+    first.close()
+    second.update([2], uid=9)
+    second.close()
+    with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
+        assert version(again, [0, 1]) == {(7.0, 7, 7)}
+        assert version(again, [2]) == {(7.0, 7, 9)}
+    if place.name != "memory":
+        assert verify(place.location) == []
