@@ -1,11 +1,14 @@
 """Hostile and careless edit logs (``editlog.py``): a planted record that passes its checksum
 but names what no edit could (a slot twice, an int past int64) is refused as damaged, copied
 aside and applied to nothing; neither ``verify`` nor a writable open raises for it. Two opens
-of one buffer in one process (sharing the lease) never replace each other's running edit."""
+of one buffer in one process (sharing the lease) never replace each other's running edit. An
+edit killed in an earlier release's HDF5 buffer leaves it readable."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
 import zlib
 
@@ -17,6 +20,8 @@ from replaybuf.maintenance import verify
 from replaybuf.storage import StorageError
 
 from ._backends import BACKENDS
+from ._data import released_copy
+from .test_crash import FORK
 from .test_edit_log import OLD, Place, make, update, version
 
 
@@ -87,3 +92,33 @@ def test_an_edit_is_refused_while_another_open_s_interrupted_edit_is_running(pla
         assert version(again, [2]) == {(7.0, 7, 9)}
     if place.name != "memory":
         assert verify(place.location) == []
+
+
+def _edit_killed_at_its_first_row_write(location: str) -> None:
+    """Child: open the buffer writable and update the first step of its first slot, SIGKILLed as
+    the first rows are written (after the record and the odd ``_revision``)."""
+    buffer = ReplayBuffer.from_folder(location)
+
+    def dying(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    buffer.storage.update_rows = dying  # type: ignore[method-assign]
+    buffer.update([0], **{name: np.ones((1, 1, *f.shape), f.dtype) for name, f in buffer.schema.fields.items()})
+    os._exit(3)
+
+
+@pytest.mark.parametrize("version", ["format-v1", "format-v3"])
+def test_an_edit_killed_in_an_earlier_release_s_hdf5_buffer_leaves_it_readable(tmp_path, version):
+    """An earlier release's data.h5 holds a meta dataset not yet placed (meta/_revision: added
+    by the writable open, or created unplaced): placed at the edit's first write of it, a kill
+    before the next flush left data.h5 unreadable ("invalid dataset size"). The writable open
+    places it first: the reopen applies the edit whole, verify clean."""
+    path = released_copy(version, "hdf5", tmp_path)
+    child = FORK.Process(target=_edit_killed_at_its_first_row_write, args=(path,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    with ReplayBuffer.from_folder(path) as again:
+        for name in again.schema.fields:
+            assert (np.asarray(again.data[name][0][:1]) == 1).all()
+    assert verify(path) == []
