@@ -406,6 +406,11 @@ class Committer:
             staged()
         if not len(slots):
             return
+        past = slots[self.meta["episode_lens"][slots] < steps].tolist() if ends else []
+        if not self.rows_written_whole and set(past) - self.dirty_slots:
+            # rows past a slot's committed end are zeroed when its next episode commits: in a
+            # later session too, which takes the slots of the writing record (``recover``)
+            self.storage.mark_writing(sorted(self.dirty_slots | set(past) | self.unpublishing))
         revisions = self.meta["_revision"][slots] | 1
         record = editlog.encode(
             Edit(slots, self.meta["_generation"][slots].copy(), revisions, list(writes)), self.schema
@@ -421,8 +426,7 @@ class Committer:
             raise StorageError(
                 f"{e}; nothing was written: the edit was not made, the episodes keep their values"
             ) from e
-        if ends:  # rows past a slot's committed end are zeroed when its next episode commits
-            self.dirty_slots.update(slots[self.meta["episode_lens"][slots] < steps].tolist())
+        self.dirty_slots.update(past)  # rows past a slot's committed end: zeroed when its next episode commits
         try:
             self.write_meta("_revision", slots, revisions)
             self.apply(writes)
@@ -677,9 +681,8 @@ class Committer:
         writing = [*writing, *self.state.pop("writing", ())]  # earlier formats kept it in the counters
         self.reconcile_state()
         self.finish_edits()
-        self.dirty_slots.update(
-            int(s) for s in writing if 0 <= int(s) < self.max_episodes and self.meta["episode_lens"][int(s)] == 0
-        )
+        # committed ones too: an edit wrote rows past their ends (``edit``)
+        self.dirty_slots.update(int(s) for s in writing if 0 <= int(s) < self.max_episodes)
         if step_log:
             self.recover_step_log()
         lease = self.storage.held_lease

@@ -19,10 +19,10 @@ from replaybuf import ReplayBuffer, editlog
 from replaybuf.maintenance import verify
 from replaybuf.storage import StorageError
 
-from ._backends import BACKENDS
+from ._backends import BACKENDS, LOCAL_BACKENDS
 from ._data import released_copy
 from .test_crash import FORK
-from .test_edit_log import OLD, Place, make, update, version
+from .test_edit_log import LENGTH, OLD, Place, make, update, version
 
 
 def crafted(header: dict, body: bytes = b"") -> bytes:
@@ -122,3 +122,17 @@ def test_an_edit_killed_in_an_earlier_release_s_hdf5_buffer_leaves_it_readable(t
         for name in again.schema.fields:
             assert (np.asarray(again.data[name][0][:1]) == 1).all()
     assert verify(path) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_rows_an_edit_wrote_past_an_episode_s_end_are_zeroed_by_its_slot_s_next_episode_after_a_reopen(place):
+    """An update of every step of a 4-step episode (max_timesteps 6) writes rows past its end;
+    after a close and reopen, a 2-step episode reusing the slot zeroes them (backends that
+    write rows in pieces kept the slot to zero in RAM only): verify finds no data past it."""
+    buffer = make(place, circular=True)
+    buffer.store_episode(obs=np.full((LENGTH, 3), 3, np.float32), step=np.full(LENGTH, 3), uid=3)
+    buffer.update([0], obs=np.full((1, 6, 3), 7, np.float32))
+    buffer.close()
+    with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
+        again.store_episode(obs=np.full((2, 3), 9, np.float32), step=np.full(2, 9), uid=9)  # slot 0 again
+    assert verify(place.location) == []
