@@ -6,6 +6,7 @@ edit killed in an earlier release's HDF5 buffer leaves it readable."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -136,3 +137,26 @@ def test_rows_an_edit_wrote_past_an_episode_s_end_are_zeroed_by_its_slot_s_next_
     with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
         again.store_episode(obs=np.full((2, 3), 9, np.float32), step=np.full(2, 9), uid=9)  # slot 0 again
     assert verify(place.location) == []
+
+
+def test_a_planted_sparse_edit_log_is_judged_by_its_first_bytes(tmp_path):
+    """A sparse 16 MiB file at replaybuf/edit (within what a record of this buffer may hold)
+    whose header claims 2**62 bytes, beside a slot marked mid-edit: the writable open reads its
+    16 header bytes only, warns, and copies those aside (was: read whole into memory and
+    copied whole, a sparse file made dense on disk); verify reads no more."""
+    path = str(tmp_path / "b")
+    fields = {"obs": {"dtype": "float32", "shape": [1024]}}
+    with ReplayBuffer(path, max_episodes=128, max_timesteps=128, fields=fields) as buffer:
+        buffer.store_episode(obs=np.zeros((2, 1024), np.float32))
+        assert editlog.bound(buffer.schema) > 32 << 20
+        buffer._commit.write_meta("_revision", np.array([0]), buffer._meta["_revision"][[0]] | 1)
+    with open(os.path.join(path, "replaybuf", "edit"), "wb") as f:
+        f.write(struct.pack("<4sQI", b"RBE1", 1 << 62, 0))
+        f.truncate(16 << 20)
+    assert verify(path)  # the odd slot
+    with pytest.warns(UserWarning, match=r"is damaged \(a record of [\d,]+ bytes, more than any of this buffer"):
+        again = ReplayBuffer.from_folder(path)
+    again.close()
+    (aside,) = (os.path.join(d, "edit") for d in glob.glob(os.path.join(path, "replaybuf", "steplog-damaged-*")))
+    assert os.path.getsize(aside) == 16
+    assert verify(path) == []
