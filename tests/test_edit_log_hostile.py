@@ -160,3 +160,21 @@ def test_a_planted_sparse_edit_log_is_judged_by_its_first_bytes(tmp_path):
     (aside,) = (os.path.join(d, "edit") for d in glob.glob(os.path.join(path, "replaybuf", "steplog-damaged-*")))
     assert os.path.getsize(aside) == 16
     assert verify(path) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_hard_link_at_the_edit_log_is_never_written_through(place, tmp_path):
+    """replaybuf/edit made a hard link to a file outside the buffer: the record is written in
+    place, so the writable open (emptying a log that holds no record) and each edit wrote
+    into that file. The log is made a file of its own first; the file keeps its bytes."""
+    make(place).close()
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the buffer's")
+    log = os.path.join(place.location, "replaybuf", "edit")
+    if os.path.lexists(log):
+        os.unlink(log)
+    os.link(outside, log)
+    with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
+        again.update([0], uid=5)
+    assert outside.read_bytes() == b"not the buffer's"
+    assert verify(place.location) == []

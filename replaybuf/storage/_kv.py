@@ -765,6 +765,12 @@ class LocalKV(KeyValue):
         except FileNotFoundError:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT)
+        if os.fstat(fd).st_nlink > 1:
+            # a hard link (planted, or a copy made with ``cp -l``): its other names may be
+            # outside the buffer, so this name is made a file of its own, never written through
+            os.close(fd)
+            os.unlink(path)
+            fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
