@@ -461,6 +461,12 @@ class Committer:
         slots sealed (``finish_edits``). Run before the next edit and commit and by
         ``flush()`` (so ``close()``)."""
         if self.edit_interrupted:
+            if self.storage.writer_shared:
+                # another open sharing the lease may have committed to or edited the slots since
+                # (a reused slot holds its new episode, with its length and checksums): the edit
+                # is finished from what is stored, never from this open's mirror of before
+                for name, values in self.meta.items():
+                    values[...] = self.storage.read_meta(name)
             self.finish_edits()
             self.edit_interrupted = False
 

@@ -178,3 +178,32 @@ def test_a_hard_link_at_the_edit_log_is_never_written_through(place, tmp_path):
         again.update([0], uid=5)
     assert outside.read_bytes() == b"not the buffer's"
     assert verify(place.location) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_an_interrupted_edit_is_finished_from_what_is_stored_after_another_open_reused_its_slot(place, monkeypatch):
+    """Two writable opens in one process. The first one's edit of slots 0 and 1 is interrupted;
+    the second one then stores two episodes, the second reusing slot 0 (circular). The first
+    one's close finishes its edit from what is stored: slot 1 edited whole, slot 0 keeps the
+    new episode (was: resealed from the first open's mirror, slot 0's checksums computed at the
+    old length and its meta values, and the buffer refused as damaged at the next open)."""
+    first = make(place, circular=True)
+    second = ReplayBuffer.from_folder(place.location, **place.kwargs)
+    update_rows = first.storage.update_rows
+
+    def interrupted(*args, **kwargs):
+        update_rows(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(first.storage, "update_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        first.update([0, 1], obs=np.full((2, LENGTH, 3), 7, np.float32), step=np.full((2, LENGTH), 7), uid=7)
+    monkeypatch.undo()
+    for uid in (3, 4):
+        second.store_episode(obs=np.full((2, 3), uid, np.float32), step=np.full(2, uid), uid=uid)
+    first.close()
+    second.close()
+    assert verify(place.location) == []
+    with ReplayBuffer.from_folder(place.location, **place.kwargs) as again:
+        assert again._meta["episode_lens"][0] == 2 and int(again.meta_data["uid"][0]) == 4
+        assert version(again, [1]) == {(7.0, 7, 7)}
