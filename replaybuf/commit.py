@@ -400,10 +400,17 @@ class Committer:
         steps = max(ends, default=0)
         self.check_edit_room(slots, names, steps)
         self.finish_interrupted_edit()
+        if len(slots):
+            self.check_no_other_edit()
         if staged is not None:
             staged()
         if not len(slots):
             return
+        past = slots[self.meta["episode_lens"][slots] < steps].tolist() if ends else []
+        if not self.rows_written_whole and set(past) - self.dirty_slots:
+            # rows past a slot's committed end are zeroed when its next episode commits: in a
+            # later session too, which takes the slots of the writing record (``recover``)
+            self.storage.mark_writing(sorted(self.dirty_slots | set(past) | self.unpublishing))
         revisions = self.meta["_revision"][slots] | 1
         record = editlog.encode(
             Edit(slots, self.meta["_generation"][slots].copy(), revisions, list(writes)), self.schema
@@ -419,8 +426,7 @@ class Committer:
             raise StorageError(
                 f"{e}; nothing was written: the edit was not made, the episodes keep their values"
             ) from e
-        if ends:  # rows past a slot's committed end are zeroed when its next episode commits
-            self.dirty_slots.update(slots[self.meta["episode_lens"][slots] < steps].tolist())
+        self.dirty_slots.update(past)  # rows past a slot's committed end: zeroed when its next episode commits
         try:
             self.write_meta("_revision", slots, revisions)
             self.apply(writes)
@@ -455,8 +461,33 @@ class Committer:
         (``finish_edits``), or a record cut short is dropped. Run before the next edit and commit and by
         ``flush()`` (so ``close()``)."""
         if self.edit_interrupted:
+            if self.storage.writer_shared:
+                # another open sharing the lease may have committed to or edited the slots since
+                # (a reused slot holds its new episode, with its length and checksums): the edit
+                # is finished from what is stored, never from this open's mirror of before
+                for name, values in self.meta.items():
+                    values[...] = self.storage.read_meta(name)
             self.finish_edits()
             self.edit_interrupted = False
+
+    def check_no_other_edit(self) -> None:
+        """Refuse an edit, before anything is written, while the edit log holds the running edit
+        of another open of this buffer in this process (one sharing the writer lease, its edit
+        interrupted by a KeyboardInterrupt): this edit's record would replace that one, which
+        would then never be finished, its episodes left part old and part new. Judged by the
+        generations and revisions stored (the other open's mirror, not this one's); only while
+        the lease is shared, as no other writer can leave a running edit behind a live one."""
+        if not self.storage.writer_shared:
+            return
+        edit, _ = editlog.read(self.storage, self.schema)
+        if edit is not None and edit.running(
+            self.storage.read_meta("_generation"), self.storage.read_meta("_revision")
+        ):
+            raise StorageError(
+                f"another open of {self.storage.location!r} in this process was interrupted in an in-place edit of "
+                f"slots {edit.slots.tolist()}; its next edit, commit, flush() or close() finishes it: this edit was "
+                "not made, the episodes keep their values"
+            )
 
     def _clear_edit_log(self) -> None:
         """Empty the edit log. One left full (the store refused the write) holds a finished
@@ -656,9 +687,8 @@ class Committer:
         writing = [*writing, *self.state.pop("writing", ())]  # earlier formats kept it in the counters
         self.reconcile_state()
         self.finish_edits()
-        self.dirty_slots.update(
-            int(s) for s in writing if 0 <= int(s) < self.max_episodes and self.meta["episode_lens"][int(s)] == 0
-        )
+        # committed ones too: an edit wrote rows past their ends (``edit``)
+        self.dirty_slots.update(int(s) for s in writing if 0 <= int(s) < self.max_episodes)
         if step_log:
             self.recover_step_log()
         lease = self.storage.held_lease

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .schema import Field, Schema
-from .storage import EDIT_KEY, LOG_PREFIX, MAX_DOCUMENT_BYTES, BufferDamagedError, Storage
+from .storage import EDIT_KEY, LOG_PREFIX, MAX_DOCUMENT_BYTES, Storage
 
 #: where the record is kept: beside the step log's records, erased with the buffer
 KEY = EDIT_KEY
@@ -152,13 +152,10 @@ def clear(storage: Storage) -> None:
 
 
 def set_aside(storage: Storage, schema: Schema) -> str:
-    """Copy the log (a damaged record, at most ``bound`` bytes) to
+    """Copy the log (a damaged record: the bytes ``read`` reads of it) to
     ``replaybuf/steplog-damaged-<UTC time>-<pid>/edit``, as a damaged step log is, for
     inspection; returns the copy's description."""
-    try:
-        raw = storage.read_blob(KEY, bound(schema)) or b""
-    except BufferDamagedError:
-        raw = b""  # larger than any record: not copied
+    raw = _record_bytes(storage, schema) or b""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/edit"
     storage.write_blob(key, raw)
@@ -168,13 +165,28 @@ def set_aside(storage: Storage, schema: Schema) -> str:
 def read(storage: Storage, schema: Schema) -> tuple[Edit | None, str | None]:
     """(the edit the log holds, else None; why a record it holds is not one, else None: cut
     short, which a kill mid-write leaves before the edit's slots are marked, or damaged).
-    Every value is checked against ``schema`` before it is kept, and no record larger than
-    ``bound`` is read."""
-    try:
-        raw = storage.read_blob(KEY, bound(schema))
-    except BufferDamagedError as e:
-        return None, str(e)
+    Every value is checked against ``schema`` before it is kept, and no more is read than the
+    record says it holds, nor more than ``bound``: a planted or damaged log of any size (a
+    sparse file of terabytes) costs no more."""
+    raw = _record_bytes(storage, schema)
+    if raw is not None and len(raw) == _RECORD.size:
+        magic, size, _ = _RECORD.unpack(raw)
+        if magic == _MAGIC and _RECORD.size + size > bound(schema):
+            return None, f"a record of {_RECORD.size + size:,} bytes, more than any of this buffer ({bound(schema):,})"
     return parse(raw or b"", schema)
+
+
+def _record_bytes(storage: Storage, schema: Schema) -> bytes | None:
+    """The bytes of the log's record (None: no log): its magic, size and checksum, then as many
+    bytes as that size says when it says at most ``bound``; only those first bytes otherwise
+    (no record: another magic, or a size no record has)."""
+    head = storage.read_blob_head(KEY, _RECORD.size)
+    if head is None or len(head) < _RECORD.size:
+        return head
+    magic, size, _ = _RECORD.unpack(head)
+    if magic != _MAGIC or _RECORD.size + size > bound(schema):
+        return head
+    return storage.read_blob_head(KEY, _RECORD.size + size)
 
 
 def parse(raw: bytes, schema: Schema) -> tuple[Edit | None, str | None]:
@@ -193,7 +205,7 @@ def parse(raw: bytes, schema: Schema) -> tuple[Edit | None, str | None]:
         return None, "checksum mismatch"
     try:
         return _decode(payload, schema), None
-    except (ValueError, TypeError, KeyError, RecursionError) as e:
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as e:  # OverflowError: an int past int64
         return None, str(e)
 
 
@@ -207,6 +219,8 @@ def _decode(payload: bytes, schema: Schema) -> Edit:
     if not len(slots) == len(generations) == len(revisions):
         raise ValueError("slots, generations and revisions of unequal lengths")
     _check_slots(slots, schema.max_episodes, "slots")
+    if len(np.unique(slots)) != len(slots):  # each slot has one generation and revision (``Edit.running``)
+        raise ValueError("a slot named twice")
     pos, writes = _HEADER_SIZE.size + length, []
     for entry in header["writes"]:
         kind, name, count = entry["kind"], entry["field"], entry["count"]

@@ -514,6 +514,9 @@ class CachedStorage(Storage):
     def read_blob(self, key: str, limit: int | None = None) -> bytes | None:
         return self.inner.read_blob(key, limit)
 
+    def read_blob_head(self, key: str, nbytes: int) -> bytes | None:
+        return self.inner.read_blob_head(key, nbytes)
+
     def write_blob(self, key: str, data: bytes) -> None:
         self.inner.write_blob(key, data)
 

@@ -543,6 +543,7 @@ class HDF5Storage(LocalFolderStorage):
 
     def _load_arrays(self, schema: Schema) -> None:
         self._arrays = {}
+        placed = False
         for (name, meta), expected in self.stored_layouts(schema).items():
             path = f"{'meta' if meta else 'data'}/{name}"
             refuse_outside_storage(self.h5file, path, self.path)
@@ -555,7 +556,17 @@ class HDF5Storage(LocalFolderStorage):
                 raise BufferNotFoundError(f"buffer at {self.location!r} is missing the dataset {path!r}")
             dataset = self.h5file[path]
             check_layout(f"dataset {path!r} of {self.path}", dataset.shape, dataset.dtype, expected)
+            if meta and not self.read_only and dataset.chunks is None and dataset.id.get_offset() is None:
+                # a contiguous meta dataset not yet placed (created so by an earlier release, or
+                # just above): placed now, as the zeros it reads as, and flushed below. Placed at
+                # its first write instead, the file's metadata would change then, and a writer
+                # killed before its next flush (inside an in-place edit, whose first write is
+                # meta/_revision) would leave data.h5 unreadable
+                dataset[...] = np.zeros(dataset.shape, dataset.dtype)
+                placed = True
             self._arrays[name, meta] = H5Array(self, path)
+        if placed:
+            self.h5file.flush()
         self._compressed = any(array.dataset.compression for array in self._arrays.values())
         # uncompressed datasets of a file with every block on disk: a write needs no new space
         self._reserved = not self._compressed and _reserved(self.path)

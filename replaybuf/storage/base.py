@@ -831,6 +831,13 @@ class Storage(ABC):
         when it holds more than ``limit`` bytes (default ``MAX_DOCUMENT_BYTES``), judged before
         it is read. ``ANY_SIZE`` reads any size (a step log's segments)."""
 
+    def read_blob_head(self, key: str, nbytes: int) -> bytes | None:
+        """The first ``nbytes`` of a side object (all of it when shorter), or None when absent:
+        a record that says its own size is read in two steps, never more than it says (the
+        edit log). The default reads the whole object; backends with ranged reads read only those."""
+        raw = self.read_blob(key, ANY_SIZE)
+        return None if raw is None else raw[:nbytes]
+
     @abstractmethod
     def write_blob(self, key: str, data: bytes) -> None:
         """Write a small side object atomically (temp file + rename on disk, one PUT remotely):
