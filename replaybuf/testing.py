@@ -282,6 +282,15 @@ class StorageTests:
         writable.write_blob(key, b"")
         assert writable.read_blob(key) == b""
 
+    def test_blob_head_reads_only_the_start(self, writable: Storage) -> None:
+        key = "replaybuf/extra/head"
+        assert writable.read_blob_head(key, 4) is None
+        writable.write_blob(key, b"")
+        assert writable.read_blob_head(key, 4) == b""
+        writable.write_blob(key, b"0123456789")
+        assert writable.read_blob_head(key, 4) == b"0123"
+        assert writable.read_blob_head(key, 100) == b"0123456789"
+
     def test_list_blobs_sorted_by_prefix(self, writable: Storage) -> None:
         keys = ["replaybuf/t/b", "replaybuf/t/a", "replaybuf/t/c/d", "replaybuf/u/a", "replaybuf/tail"]
         for key in keys:
