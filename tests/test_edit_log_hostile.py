@@ -6,6 +6,7 @@ edit killed in an earlier release's HDF5 buffer leaves it readable."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -62,6 +63,20 @@ def test_a_planted_record_no_edit_could_write_is_refused_whole(tmp_path, lie):
     assert verify(path) == []
 
 
+@contextlib.contextmanager
+def interrupted_after_first_rows(buffer, monkeypatch):
+    """Within: the buffer's first write of an edit's rows is made, then a KeyboardInterrupt."""
+    update_rows = buffer.storage.update_rows
+
+    def interrupted(*args, **kwargs):
+        update_rows(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(buffer.storage, "update_rows", interrupted)
+        yield
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_edit_is_refused_while_another_open_s_interrupted_edit_is_running(place, monkeypatch):
     """Two writable opens in one process share the lease. The first one's edit is interrupted
@@ -70,16 +85,8 @@ def test_an_edit_is_refused_while_another_open_s_interrupted_edit_is_running(pla
     first one's close finishes its edit whole; then the second one edits."""
     first = make(place)
     second = ReplayBuffer.from_folder(place.location, **place.kwargs)
-    update_rows = first.storage.update_rows
-
-    def interrupted(*args, **kwargs):
-        update_rows(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(first.storage, "update_rows", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_after_first_rows(first, monkeypatch), pytest.raises(KeyboardInterrupt):
         update(first)
-    monkeypatch.undo()
     with pytest.raises(
         StorageError, match=r"another open of .* was interrupted in an in-place edit of slots \[0, 1, 2\]"
     ):
@@ -189,16 +196,8 @@ def test_an_interrupted_edit_is_finished_from_what_is_stored_after_another_open_
     old length and its meta values, and the buffer refused as damaged at the next open)."""
     first = make(place, circular=True)
     second = ReplayBuffer.from_folder(place.location, **place.kwargs)
-    update_rows = first.storage.update_rows
-
-    def interrupted(*args, **kwargs):
-        update_rows(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(first.storage, "update_rows", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_after_first_rows(first, monkeypatch), pytest.raises(KeyboardInterrupt):
         first.update([0, 1], obs=np.full((2, LENGTH, 3), 7, np.float32), step=np.full((2, LENGTH), 7), uid=7)
-    monkeypatch.undo()
     for uid in (3, 4):
         second.store_episode(obs=np.full((2, 3), uid, np.float32), step=np.full(2, uid), uid=uid)
     first.close()
