@@ -230,7 +230,7 @@ def _decode(payload: bytes, schema: Schema) -> Edit:
         if not isinstance(name, str) or name not in fields:
             raise ValueError(f"a {kind} write of unknown field {name!r}")
         f: Field = fields[name]
-        if not isinstance(count, int) or not 0 <= count <= len(payload):
+        if not _is_int(count) or not 0 <= count <= len(payload):
             raise ValueError(f"a write of {count!r} episodes")
         at: int | np.ndarray = 0
         if kind == "steps":
@@ -244,7 +244,7 @@ def _decode(payload: bytes, schema: Schema) -> Edit:
         shape = f.shape
         if kind == "rows":
             t0, steps = entry["t0"], entry["steps"]
-            if not (isinstance(t0, int) and isinstance(steps, int) and 0 <= t0 and 1 <= steps <= schema.max_timesteps):
+            if not (_is_int(t0) and _is_int(steps) and 0 <= t0 and 1 <= steps <= schema.max_timesteps):
                 raise ValueError(f"field {name!r}: rows of steps {t0!r} + {steps!r}")
             if t0 + steps > schema.max_timesteps:
                 raise ValueError(f"field {name!r}: rows past max_timesteps ({schema.max_timesteps})")
@@ -262,8 +262,13 @@ def _decode(payload: bytes, schema: Schema) -> Edit:
     return Edit(slots, generations, revisions, writes)
 
 
+def _is_int(value: object) -> bool:
+    """Whether a JSON value is an integer (``true`` is not, though Python's bool is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _ints(values: object, name: str) -> np.ndarray:
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not isinstance(values, list) or not all(_is_int(v) for v in values):
         raise ValueError(f"{name} is not a list of ints")
     return np.array(values, np.int64) if values else np.zeros(0, np.int64)
 

@@ -34,10 +34,13 @@ def crafted(header: dict, body: bytes = b"") -> bytes:
     return struct.pack("<4sQI", b"RBE1", len(payload), zlib.crc32(payload)) + payload
 
 
-@pytest.mark.parametrize("lie", ["slot twice", "slot past int64", "generation past int64", "revision past int64"])
+@pytest.mark.parametrize(
+    "lie", ["slot twice", "slot past int64", "generation past int64", "revision past int64", "t0 true"]
+)
 def test_a_planted_record_no_edit_could_write_is_refused_whole(tmp_path, lie):
     """Slot 0 named twice (once with its generation, once with another: the slots kept and
-    their revisions differ in number), or an int past int64: ``verify`` reports, a writable
+    their revisions differ in number), an int past int64, or JSON's ``true`` for the first step of rows
+    (an int to Python, not to JSON): ``verify`` reports, a writable
     open warns, applies nothing and seals the odd slots."""
     path = str(tmp_path / "b")
     buffer = make(Place(path))
@@ -47,11 +50,15 @@ def test_a_planted_record_no_edit_could_write_is_refused_whole(tmp_path, lie):
         header.update(
             slots=[0, 0, 1], generations=[generations[0], 99, generations[1]], revisions=[revisions[0], *revisions]
         )
-    else:
+    elif lie != "t0 true":
         header[lie.split()[0] + "s"][0] = 1 << 70
-    uid = np.dtype(buffer.schema.meta_fields["uid"].dtype)
-    header["writes"] = [{"kind": "meta", "field": "uid", "count": 1}]
-    editlog.write(buffer.storage, crafted(header, np.array([0], "<i8").tobytes() + np.array([7], uid).tobytes()))
+    if lie == "t0 true":
+        header["writes"] = [{"kind": "rows", "field": "step", "count": 1, "t0": True, "steps": 1}]
+        values = np.array([[7]], buffer.schema.fields["step"].dtype)
+    else:
+        header["writes"] = [{"kind": "meta", "field": "uid", "count": 1}]
+        values = np.array([7], buffer.schema.meta_fields["uid"].dtype)
+    editlog.write(buffer.storage, crafted(header, np.array([0], "<i8").tobytes() + values.tobytes()))
     buffer._commit.write_meta("_revision", np.array([0, 1]), np.array(revisions))
     buffer.close()
     assert verify(path)  # the odd slots, named
