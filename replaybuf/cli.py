@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
-from replaybuf.maintenance import CLI_COMMANDS, WriterOutpacedError
+from replaybuf.maintenance import CLI_COMMANDS, UnfinishedEditError, WriterOutpacedError
 from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, CorruptChunkError, StorageError
 from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
@@ -443,7 +443,7 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
         return 1
     # refused: another process writes it, replaced it, or kept changing it faster than it was read
-    except (BufferLockedError, ConcurrentWriteError, WriterOutpacedError) as error:
+    except (BufferLockedError, ConcurrentWriteError, UnfinishedEditError, WriterOutpacedError) as error:
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:
