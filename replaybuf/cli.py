@@ -24,8 +24,14 @@ from typing import Any
 import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
-from replaybuf.maintenance import CLI_COMMANDS, UnfinishedEditError, WriterOutpacedError
-from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, CorruptChunkError, StorageError
+from replaybuf.maintenance import CLI_COMMANDS, WriterOutpacedError
+from replaybuf.storage.base import (
+    BufferDamagedError,
+    ConcurrentWriteError,
+    CorruptChunkError,
+    StorageError,
+    UnfinishedEditError,
+)
 from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,

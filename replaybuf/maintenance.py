@@ -49,6 +49,7 @@ from .storage.base import (
     NewerFormatError,
     Storage,
     StorageError,
+    UnfinishedEditError,
     backend_class,
     bookkeeping_fields,
     check_bookkeeping,
@@ -70,13 +71,6 @@ CONVERT_MARKER = "replaybuf/converting/record.json"
 class WriterOutpacedError(RuntimeError):
     """A live writer changed the buffer faster than a command could read it, through every
     bounded retry; nothing was written. Retry, or stop the writer (the command line exits 1)."""
-
-
-class UnfinishedEditError(RuntimeError):
-    """The buffer holds an in-place edit that a stopped (killed) writer left part applied (odd
-    ``meta/_revision``): a copy (``convert``, ``upgrade``) would keep it so, as if whole, and
-    without the edit log that finishes it. Refused, nothing written: the next writable open (or
-    ``verify --repair``) finishes the edit; copy after it (the command line exits 1)."""
 
 
 __all__ = [

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer, verify
+from replaybuf import ConcatReplayBuffer, ReplayBuffer, UnfinishedEditError, verify
 from replaybuf.cli import main as cli_main
-from replaybuf.maintenance import UnfinishedEditError, WriterOutpacedError, convert, upgrade
+from replaybuf.maintenance import WriterOutpacedError, convert, upgrade
 
 from ._backends import LOCAL_BACKENDS
 
@@ -175,3 +175,40 @@ def test_upgrade_refuses_an_older_format_with_an_unfinished_edit(tmp_path, versi
         for name in fields:
             assert (np.asarray(reader.data[name][:3, :length]) == 1).all(), name
     assert verify(str(path)) == []
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_whole_buffer_reads_refuse_an_unfinished_edit_until_a_writable_open_finishes_it(tmp_path, backend):
+    """get_all_data, to_dask and a ConcatReplayBuffer's get_all_data of a read-only open of such
+    a buffer raise UnfinishedEditError naming the slots and what finishes the edit (they returned
+    the edit half applied, meta values new and rows old, as whole episodes); after the writable
+    open, the reader (not refreshed yet: the revisions it loaded are read again) and its
+    refresh() read it whole."""
+    src = str(tmp_path / "src")
+    make_buffer(src, backend)
+    kill_inside_update(src, update_values())
+    reader = ReplayBuffer.from_folder(src, read_only=True)
+    match = r"slots \[0, 2, 3\] hold an in-place edit that a writer stopped part way through.*verify --repair"
+    with pytest.raises(UnfinishedEditError, match=match):
+        reader.get_all_data()
+    with pytest.raises(UnfinishedEditError, match=match):
+        reader.to_dask()
+    with pytest.raises(UnfinishedEditError, match=r"slots \[4, 6, 7\]"):
+        ConcatReplayBuffer([str(make_other(tmp_path, backend)), src]).get_all_data()
+    ReplayBuffer.from_folder(src).close()
+    for refreshed in (False, True):
+        if refreshed:
+            reader.refresh()
+        data = reader.get_all_data()
+        for name in NEW:
+            for e in range(EPISODES):
+                want = NEW[name] if e in EDITED else 0
+                assert (data[name][e].numpy() == want).all(), f"{name!r} of episode {e} (refreshed: {refreshed})"
+    reader.close()
+
+
+def make_other(tmp_path: Path, backend: str) -> Path:
+    """A second buffer of EPISODES episodes, untouched."""
+    path = tmp_path / "other"
+    make_buffer(str(path), backend)
+    return path
