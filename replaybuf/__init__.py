@@ -28,6 +28,7 @@ from .storage import (
     Storage,
     StorageError,
     UnfinishedCreateError,
+    UnfinishedEditError,
     make_storage,
 )
 from .video import frames_to_sheet, trajectory_to_video
@@ -60,6 +61,7 @@ __all__ = [
     "StorageError",
     "BufferNotFoundError",
     "UnfinishedCreateError",
+    "UnfinishedEditError",
     "ForeignEntriesError",
     "BufferDamagedError",
     "NewerFormatError",

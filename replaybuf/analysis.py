@@ -41,7 +41,7 @@ from .consistency import (
 )
 from .progress import dask_progress, progress_bar
 from .schema import Field
-from .storage import BufferReplacedError, GenerationMismatchError, fill_beyond, recycled_empty
+from .storage import BufferReplacedError, GenerationMismatchError, UnfinishedEditError, fill_beyond, recycled_empty
 from .view import BufferView, mirror_lock
 
 if TYPE_CHECKING:
@@ -213,6 +213,7 @@ def _planned(buffer: BufferView, slots: np.ndarray, meta_fields: Sequence[str]) 
     generations = np.asarray(buffer.generations, np.int64)[slots]
     empty = (lens <= 0) | (generations <= 0)
     lens, generations = np.where(empty, 0, lens), np.where(empty, 0, generations)
+    check_no_unfinished_edit(buffer, slots[~empty])
     # committed length-0 episodes keep their meta values, as the seed returns them
     unset = empty & ~np.isin(slots, buffer.empty_episodes())
     meta = {}
@@ -222,6 +223,20 @@ def _planned(buffer: BufferView, slots: np.ndarray, meta_fields: Sequence[str]) 
             values[unset] = buffer.schema.meta_fields[name].fill
         meta[name] = values
     return _Plan(slots, generations, lens, meta)
+
+
+def check_no_unfinished_edit(buffer: BufferView, slots: np.ndarray) -> None:
+    """Refuse (``UnfinishedEditError``) to read ``slots`` as whole episodes when some hold an
+    in-place edit a stopped writer left part applied (``unfinished_edit_slots``): their values
+    are part old, part new until the next writable open finishes the edit from its log."""
+    unfinished = np.intersect1d(slots, buffer.unfinished_edit_slots())
+    if len(unfinished):
+        raise UnfinishedEditError(
+            f"{buffer.storage.location!r}: slots {unfinished.tolist()} hold an in-place edit that a writer stopped "
+            "part way through (odd meta/_revision): their values are part old, part new. Open the buffer for "
+            "writing once (ReplayBuffer.from_folder(...).close(), or `replaybuf verify --repair`), which finishes "
+            "it from the edit log, then refresh() and read again"
+        )
 
 
 def _committed(buffer: BufferView, order: str = "chronological", meta_fields: Sequence[str] = ()) -> _Plan:

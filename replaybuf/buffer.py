@@ -918,6 +918,20 @@ class ReplayBuffer(CommittedViews):
         ``ConcurrentWriteError`` (retryable) for them instead of saying it is empty."""
         return self._unsettled
 
+    def unfinished_edit_slots(self) -> np.ndarray:
+        """The committed slots (as last loaded) holding an in-place edit that a stopped writer left
+        part applied: an odd ``_revision`` while no live writer holds the buffer (a live one's
+        edit is running; the writer's own finishes by its next edit, commit or flush). Only
+        when a slot is odd are the lease and then its revision as stored now read (a writable
+        open may have finished the edit since the last load)."""
+        revisions = self._meta.get("_revision")
+        if revisions is None or not self.read_only:
+            return np.zeros(0, np.int64)
+        odd = np.flatnonzero((revisions % 2 == 1) & (self._meta["episode_lens"] > 0)).astype(np.int64)
+        if not len(odd) or self.storage.writer_lease().live_holder() is not None:
+            return np.zeros(0, np.int64)
+        return odd[self.storage.read_meta_rows("_revision", odd) == revisions[odd]]
+
     def __len__(self) -> int:
         return int((self._meta["episode_lens"] > 0).sum())
 

@@ -25,7 +25,13 @@ import numpy as np
 
 from replaybuf.importers._cli import CLI_COMMANDS as IMPORT_COMMANDS
 from replaybuf.maintenance import CLI_COMMANDS, WriterOutpacedError
-from replaybuf.storage.base import BufferDamagedError, ConcurrentWriteError, CorruptChunkError, StorageError
+from replaybuf.storage.base import (
+    BufferDamagedError,
+    ConcurrentWriteError,
+    CorruptChunkError,
+    StorageError,
+    UnfinishedEditError,
+)
 from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
@@ -443,7 +449,7 @@ def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentPa
         print(f"{parser.prog}: the buffer is damaged: {error}", file=sys.stderr)
         return 1
     # refused: another process writes it, replaced it, or kept changing it faster than it was read
-    except (BufferLockedError, ConcurrentWriteError, WriterOutpacedError) as error:
+    except (BufferLockedError, ConcurrentWriteError, UnfinishedEditError, WriterOutpacedError) as error:
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:

@@ -540,6 +540,13 @@ class ConcatReplayBuffer(CommittedViews):
         offsets = self.storage.offsets
         return np.concatenate([b.unsettled_slots() + offsets[k] for k, b in enumerate(self.buffers)]).astype(np.int64)
 
+    def unfinished_edit_slots(self) -> np.ndarray:
+        """Global slots of the members' ``unfinished_edit_slots``."""
+        offsets = self.storage.offsets
+        return np.concatenate([b.unfinished_edit_slots() + offsets[k] for k, b in enumerate(self.buffers)]).astype(
+            np.int64
+        )
+
     def filter_episodes(self, filter_meta: Sequence[dict | None], lens: np.ndarray, min_episode_len: int) -> np.ndarray:
         """Global slots of ``lens`` (a snapshot of ``episode_lens``) matching one filter per member
         (``None``: all of the member's episodes with at least ``min_episode_len`` steps)."""

@@ -49,6 +49,7 @@ from .storage.base import (
     NewerFormatError,
     Storage,
     StorageError,
+    UnfinishedEditError,
     backend_class,
     bookkeeping_fields,
     check_bookkeeping,
@@ -72,7 +73,17 @@ class WriterOutpacedError(RuntimeError):
     bounded retry; nothing was written. Retry, or stop the writer (the command line exits 1)."""
 
 
-__all__ = ["CLI_COMMANDS", "WriterOutpacedError", "convert", "format_info", "info", "unlock", "upgrade", "verify"]
+__all__ = [
+    "CLI_COMMANDS",
+    "UnfinishedEditError",
+    "WriterOutpacedError",
+    "convert",
+    "format_info",
+    "info",
+    "unlock",
+    "upgrade",
+    "verify",
+]
 
 
 # ---- opening ----------------------------------------------------------------------------------
@@ -279,6 +290,8 @@ def convert(
     counters are carried over, so the copy continues exactly where the source stood; the copy
     is a buffer of its own (a new uuid, which zarr binds its shards to). Episodes
     stream in slabs of about 64 MB; the copy is checked (episodes, lengths, order) at the end.
+    A buffer holding an in-place edit a stopped writer left unfinished is refused
+    (``UnfinishedEditError``, ``check_no_unfinished_edit``): the next writable open finishes it.
 
     Parameters
     ----------
@@ -340,9 +353,10 @@ def convert(
     # per-episode values that fail their checksums, are refused here, before anything is written
     held = {name: snapshots.load(source, name, schema) for name in snapshots.names(source)}
     attrs = load_attrs(source)  # damaged ones are refused here too
-    found = _read_bookkeeping(source, schema)[1]
+    bookkeeping, found, _ = _read_bookkeeping(source, schema)
     if found:
         raise BufferDamagedError(f"convert: {source.location!r}: " + "; ".join(found) + "; nothing was written")
+    check_no_unfinished_edit(source, schema, bookkeeping, lens, "convert", os.fspath(src))
     copy = functools.partial(
         _write_copy, source, schema=schema, target_schema=target_schema, held=held, attrs=attrs, src=src
     )
@@ -606,7 +620,15 @@ def _copy_episodes(
             lens = plan["episode_lens"].astype(np.int64)
             check_bookkeeping(lens, plan["_generation"], schema, source.location)
             keys = {int(s): _slot_key(plan, int(s)) for s in np.flatnonzero(lens > 0)}
-            todo = np.array([s for s, key in keys.items() if copied.get(s) != key], np.int64)
+            # a slot in the middle of an in-place edit (odd revision) is copied again until the
+            # live writer's edit is done; a stopped writer's is refused (it would stay half applied)
+            check_no_unfinished_edit(source, schema, plan, lens, "convert", source.location)
+            editing = (
+                set(np.flatnonzero((plan["_revision"] % 2 == 1) & (lens > 0)).tolist())
+                if "_revision" in plan
+                else set()
+            )
+            todo = np.array([s for s, key in keys.items() if copied.get(s) != key or s in editing], np.int64)
             if not len(todo) and not flux:  # every committed episode of this read is copied as it stands
                 break
             for slab in _slabs(todo, lens[todo], schema):
@@ -626,9 +648,10 @@ def _copy_episodes(
                 copied.update((int(s), keys[int(s)]) for s in slab)
                 bar.update(len(slab))
         else:
+            edited = f" (slots {sorted(editing)} were in the middle of an in-place edit)" if editing else ""
             raise WriterOutpacedError(
                 f"convert: a writer replaced episodes of {source.location!r} faster than they could be copied "
-                f"({CONVERT_ROUNDS} rounds); nothing was published in {target.location!r}: stop the writer "
+                f"({CONVERT_ROUNDS} rounds){edited}; nothing was published in {target.location!r}: stop the writer "
                 "(or copy when it commits less often) and run convert again with overwrite=True"
             )
     return plan, lens, catch_up(state, lens, plan["_generation"], schema.max_episodes)
@@ -847,8 +870,13 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
         )
     folder = os.path.realpath(text.removeprefix("file://"))
     parent, name = os.path.split(folder)
-    storage, _ = _open_read_only(folder)
+    storage, schema = _open_read_only(folder)
     backend, version, newest = storage.backend_name, storage.format_version, storage.newest_format_version
+    if version is not None and version < newest:
+        # before this upgrade takes the lease: under it, no writer reads as stopped (``_unfinished_edits``)
+        check_no_unfinished_edit(
+            storage, schema, _read_bookkeeping(storage, schema)[0], _lens(storage), "upgrade", text
+        )
     storage.close()
     facts = {"location": folder, "backend": backend, "from_version": version, "to_version": newest}
     if version is None:
@@ -1440,6 +1468,29 @@ def _unfinished_edits(storage: Storage, meta: dict[str, np.ndarray], lens: np.nd
     if not odd or storage.writer_lease().live_holder() is not None:
         return []
     return odd
+
+
+def check_no_unfinished_edit(
+    storage: Storage, schema: Schema, meta: dict[str, np.ndarray], lens: np.ndarray, command: str, path: str
+) -> None:
+    """Refuse (``UnfinishedEditError``) to copy a buffer holding an in-place edit a stopped
+    writer left part applied (``_unfinished_edits``): the copy would hold it as if whole, its
+    edit log left behind, and the copy's first writable open would seal it so."""
+    unfinished = _unfinished_edits(storage, meta, lens)
+    if not unfinished:
+        return
+    logged, _ = editlog.read(storage, schema)
+    where = (
+        f"the edit log {storage.describe_key(editlog.KEY)} holds it"
+        if logged is not None and logged.running(meta["_generation"], meta["_revision"])
+        else "no edit log holds it: the open seals each step as it was left"
+    )
+    raise UnfinishedEditError(
+        f"{command}: {storage.location!r}: slots {unfinished} hold an in-place edit that a writer stopped part way "
+        f"through (odd meta/_revision; {where}); a copy would keep it half applied. Open the buffer for writing "
+        f"once (ReplayBuffer.from_folder(...).close(), or `replaybuf verify --repair {path}`), which finishes it, "
+        f"then run {command} again; nothing was written"
+    )
 
 
 def _changed_slots(storage: Storage, meta: dict[str, np.ndarray]) -> set[int]:

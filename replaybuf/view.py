@@ -99,6 +99,10 @@ class BufferView(Protocol):
         """Slots a writer was changing while the last ``refresh()`` found no episode besides."""
         ...
 
+    def unfinished_edit_slots(self) -> np.ndarray:
+        """Committed slots holding an in-place edit a stopped writer left part applied."""
+        ...
+
     def refresh(self) -> BufferView:
         """Reload the snapshot from storage: pick up what writers committed since."""
         ...

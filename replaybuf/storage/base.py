@@ -145,6 +145,14 @@ class StorageError(RuntimeError):
     """The backing store failed (disk full, connection lost, ...) while reading or writing."""
 
 
+class UnfinishedEditError(StorageError):
+    """The buffer holds an in-place edit a stopped (killed) writer left part applied (slots at
+    an odd ``meta/_revision`` with no live writer): their rows and meta values are part old,
+    part new until the next writable open finishes the edit (from the edit log). Raised by what
+    would take them as whole: a copy (``convert``, ``upgrade``), ``get_all_data`` and the other
+    whole-buffer reads of ``analysis``. Not retryable: no writer is running to finish it."""
+
+
 class CorruptChunkError(StorageError):
     """Stored bytes of an episode fail their checksum, cannot be decoded, or are missing.
 
