@@ -14,7 +14,7 @@ import pytest
 from replaybuf import ReplayBuffer
 from replaybuf.maintenance import verify
 
-from .test_hot_tier import STEPS, WAIT_S
+from .test_hot_tier import STEPS, WAIT_S, hot_slots, wait_for
 
 FORK = multiprocessing.get_context("fork")
 FIELDS = {"image": ("uint8", (40, 40, 3)), "state": ("float", 4)}  # image: sharded, written hot
@@ -98,3 +98,25 @@ def test_a_cached_reader_never_fills_the_new_revision_with_rows_from_before_the_
         child.join(WAIT_S)
     writer.close()
     assert verify(location) == []
+
+
+def test_edits_rewriting_compacted_episodes_hot_are_compacted_past_hot_bytes(tmp_path):
+    """An edit rewrites a compacted episode's shard hot (raw): a pass editing every episode (a
+    relabelling) without committing any must still have the background thread compact them
+    once their bytes exceed ``hot_bytes``, not leave the whole buffer raw until close()."""
+    episode_bytes = STEPS * 40 * 40 * 3
+    writer = ReplayBuffer(
+        str(tmp_path / "buffer"), max_episodes=8, max_timesteps=STEPS, fields=FIELDS, hot_bytes=2 * episode_bytes
+    )
+    for value in range(8):
+        writer.store_episode(**episode(value))
+    writer.compact()
+    assert hot_slots(writer) == []
+    for slot in range(8):
+        writer.update([slot], image=episode(50 + slot)["image"][None])
+    tier = writer.storage._hot
+    wait_for(lambda: tier.committed_bytes() <= 2 * episode_bytes and not tier.busy)
+    assert sum(writer.storage.hot_shards(writer.valid_episodes()).values()) <= 2 * episode_bytes
+    assert [int(writer.data["image"][slot][0, 0, 0, 0]) for slot in range(8)] == [50 + slot for slot in range(8)]
+    writer.close()
+    assert verify(str(tmp_path / "buffer")) == []
