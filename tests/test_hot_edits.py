@@ -14,6 +14,7 @@ import pytest
 
 from replaybuf import ReplayBuffer
 from replaybuf.maintenance import verify
+from replaybuf.storage import ConcurrentWriteError
 
 from .test_hot_tier import STEPS, WAIT_S, hot_slots, wait_for
 
@@ -200,3 +201,61 @@ def test_a_writer_killed_editing_and_compacting_leaves_each_edit_whole_and_cache
         np.testing.assert_array_equal(values, found[name], err_msg=f"{name}: the cached reader after refresh()")
     for name, values in all_rows(ReplayBuffer.from_folder(location, **cache)).items():
         np.testing.assert_array_equal(values, found[name], err_msg=f"{name}: a new cached reader")
+
+
+def _read_beside_the_writer(location: str, cache: str | None, stop, results) -> None:
+    """Child: read every episode's image and state (refreshing every other pass) until told to
+    stop; report each frame or state row that is no whole version, and any error but a
+    retryable ConcurrentWriteError."""
+    options = {"cache": cache, "cache_dir": location + "-cache"} if cache else {}
+    reader = ReplayBuffer.from_folder(location, read_only=True, **options)
+    problems, reads, passes = [], 0, 0
+    try:
+        while not stop.is_set() or passes < 2:
+            passes += 1
+            if passes % 2:
+                reader.refresh()
+            for slot in range(4):
+                try:
+                    image, state = np.asarray(reader.data["image"][slot]), np.asarray(reader.data["state"][slot])
+                except ConcurrentWriteError:
+                    continue
+                reads += 1
+                frames = image.reshape(STEPS, -1)
+                if (frames != frames[:, :1]).any() or (state != state[:, :1]).any():
+                    problems.append(f"slot {slot}: a frame or state row mixes versions")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        problems.append(repr(e))
+    results.put((problems, reads))
+
+
+@pytest.mark.parametrize("cache", [None, "disk"])
+def test_readers_beside_a_writer_editing_and_compacting_the_same_slots_read_whole_versions(tmp_path, cache):
+    """A writer loops edits of slots 0-2 (whole episodes, a few steps, single steps) and
+    compact() of them, while a reader in another process reads them: every read returns whole
+    versions per step (or raises ConcurrentWriteError, retryable), never a damage error."""
+    location = str(tmp_path / "buffer")
+    writer = ReplayBuffer(location, max_episodes=4, max_timesteps=STEPS, fields=FIELDS)
+    for value in range(4):
+        writer.store_episode(**episode(value))
+    writer.flush()
+    stop, results = FORK.Event(), FORK.Queue()
+    child = FORK.Process(target=_read_beside_the_writer, args=(location, cache, stop, results))
+    child.start()
+    try:
+        for k in range(10, 130):
+            if k % 3 == 0:
+                writer.update([0, 1, 2], **{n: np.repeat(v[None], 3, 0) for n, v in episode(k).items()})
+            elif k % 3 == 1:
+                writer.data["image"][1, 3:9] = k
+            else:
+                writer.update_steps(np.array([0, 2, 2]), np.array([4, 1, 15]), image=k, state=float(k))
+            if k % 2:
+                writer.compact()
+    finally:
+        stop.set()
+        problems, reads = results.get(timeout=WAIT_S)
+        child.join(WAIT_S)
+    writer.close()
+    assert not problems, problems[:5]
+    assert reads > 0
