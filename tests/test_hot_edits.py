@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import pytest
 
-from replaybuf import ReplayBuffer
+from replaybuf import ConcatReplayBuffer, ReplayBuffer
 from replaybuf.maintenance import verify
 from replaybuf.storage import ConcurrentWriteError
 
@@ -259,3 +259,20 @@ def test_readers_beside_a_writer_editing_and_compacting_the_same_slots_read_whol
     writer.close()
     assert not problems, problems[:5]
     assert reads > 0
+
+
+def test_a_concatenated_buffer_forgets_the_rows_of_each_member_s_own_slots(tmp_path, monkeypatch):
+    """A loader's read cache over a ConcatReplayBuffer fills through its ConcatStorage: the
+    forgetting before a fill (``drop_cached_rows``) reaches each member, at its own slots."""
+    root = str(tmp_path / "shards")
+    for shard in range(2):
+        with ReplayBuffer.shard(root, shard, max_episodes=4, max_timesteps=STEPS, fields=FIELDS) as writer:
+            writer.store_episode(**episode(shard))
+    storage = ConcatReplayBuffer(root).storage
+    forgotten = []
+    for k, member in enumerate(storage.members):
+        monkeypatch.setattr(
+            member, "drop_cached_rows", lambda name, slots, k=k: forgotten.append((k, name, list(slots)))
+        )
+    storage.drop_cached_rows("image", np.array([1, 5, 6]))
+    assert forgotten == [(0, "image", [1]), (1, "image", [1, 2])]
