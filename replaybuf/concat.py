@@ -307,6 +307,11 @@ class ConcatStorage(Storage):
         for member in self.members:
             member.drop_caches()
 
+    def drop_cached_rows(self, name: str, slots: np.ndarray) -> None:
+        # docstring inherited: each member's own slots
+        for member, _, local in self._route(np.asarray(slots, np.int64).reshape(-1)):
+            self.members[member].drop_cached_rows(name, local)
+
     def replaced(self, cheap_only: bool = False) -> bool:
         """Whether any member's buffer was replaced since its storage here opened it (another
         process created it again): reads planned on this storage then raise instead of mixing."""

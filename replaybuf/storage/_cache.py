@@ -908,7 +908,8 @@ class CachedStorage(Storage):
 
     def _fetch(self, name: str, slots: np.ndarray, generations: np.ndarray, revisions: np.ndarray) -> None:
         """Read the committed rows of ``slots`` (expected at ``generations`` and even
-        ``revisions``) from the wrapped storage in one bulk read and publish each as a file
+        ``revisions``) from the wrapped storage in one bulk read, past every copy it kept of
+        them (``drop_cached_rows``), and publish each as a file
         (temp file, then rename) when its slot held both before and after the read. A slot
         the writer reuses during the read is left out, the others read again: a verifying read
         names it (GenerationMismatchError), another read may fail to decode it."""
@@ -918,6 +919,9 @@ class CachedStorage(Storage):
         slots, generations, revisions, lens = slots[ok], generations[ok], revisions[ok], lens[ok]
         if not len(slots):
             return
+        # what this process kept of the rows is keyed by generation: it may predate an edit
+        # (the revisions were learnt by another read since), and must not fill the new file
+        self.inner.drop_cached_rows(name, slots)
         field = self._field(name)
         out = np.empty((len(slots), int(lens.max()), *field.shape), dtype=field.dtype)
         while True:  # each pass leaves out at least one slot

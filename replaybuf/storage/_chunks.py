@@ -1029,6 +1029,18 @@ class ChunkedArray:
             lo = index[0] * self.chunks[0]
             self._resident_generations[lo : lo + self.chunks[0]] = _NEVER
 
+    def drop_cached_episodes(self, episodes: Sequence[int]) -> None:
+        """Forget what this process holds of ``episodes``' rows (decoded chunks, packed rows,
+        resident rows, open read handles), so their next read reads them as stored now: all are
+        keyed by generation, which a writer elsewhere editing them in place keeps."""
+        slots = sorted({int(e) for e in episodes})
+        steps = -(-self.shape[1] // self.chunks[1])
+        grid = dict.fromkeys((slot // self.chunks[0], ti) for slot in slots for ti in range(steps))
+        _cache.discard(self._namespace, [*grid, *slots])
+        self.kv.drop_read_handles([key for slot in slots for key in self._row_keys(slot)])
+        if self._resident_generations is not None:
+            self._resident_generations[slots] = _NEVER
+
     def drop_cached(self) -> None:
         """Forget what this process holds of the array (chunk cache, shard indexes) and mark
         the resident rows for a check: the generations they are keyed by do not change when a

@@ -84,13 +84,19 @@ class HotTier:
 
     def written(self, path: str, slots: Sequence[int], sizes: Sequence[int]) -> None:
         """Shards of array ``path`` in ``slots`` were written (``lock`` held): hot ones of
-        ``sizes`` bytes, cold ones 0."""
+        ``sizes`` bytes, cold ones 0. A committed episode rewritten hot (an in-place edit)
+        wakes the background thread when the hot bytes exceed ``hot_bytes``, as a commit does:
+        a pass editing every episode would otherwise leave them all raw until ``close()``."""
+        edited = False
         for slot, size in zip(slots, sizes):
             self.versions[slot] += 1
             if size:
                 self.hot.setdefault(slot, {})[path] = size
+                edited = edited or self.generations[slot] > 0
             elif slot in self.hot:
                 self.hot[slot].pop(path, None)
+        if edited and self.committed_bytes() > self.hot_bytes:
+            self._wake()
 
     def published(self, slots: np.ndarray, generations: np.ndarray) -> None:
         """The storage wrote ``_generation`` of ``slots`` (0: invalidated, before a reuse)."""

@@ -1067,6 +1067,11 @@ class ShardedArray(ChunkedArray):
             return None
         return present
 
+    def drop_cached_episodes(self, episodes: Sequence[int]) -> None:
+        # docstring inherited: the shards' cached indexes and maps too
+        self._forget_indexes(episodes)
+        self._forget_episodes(episodes)
+
     def _forget_episodes(self, episodes) -> None:
         """Drop what the cache and the resident copy hold of rewritten episodes."""
         keys = []

@@ -1171,6 +1171,10 @@ class ZarrStorage(KVBlobs, Storage):
         if self._unmeasured and self.read_only:
             self._reload_measured()
 
+    def drop_cached_rows(self, name: str, slots: np.ndarray) -> None:
+        # docstring inherited
+        self.array(name).drop_cached_episodes(np.asarray(slots, np.int64).reshape(-1).tolist())
+
     def replaced(self, cheap_only: bool = False) -> bool:
         # docstring inherited: the root attributes read again (a file read or a GET, so not
         # after every read's re-check: an overwrite counts generations on and erases ``meta/``

@@ -1325,6 +1325,13 @@ class Storage(ABC):
         """Forget decoded chunks and open files this process keeps for reading, so the next
         reads see what writers elsewhere changed (a no-op where reads are never cached)."""
 
+    def drop_cached_rows(self, name: str, slots: np.ndarray) -> None:
+        """Forget what this process keeps of data field ``name``'s rows in ``slots`` (decoded
+        chunks, shard indexes, open files, maps), so their next read reads them as stored now:
+        those copies are keyed by generation, which an in-place edit elsewhere keeps (the read
+        cache's fill, ``CachedStorage``, at a revision newer than the copies). A no-op where
+        reads are never cached."""
+
     def fresh(self) -> Storage:
         """A new, unopened object for the same location and settings."""
         return type(self)(self.location, self.storage_options, fsync=self.fsync)
