@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from replaybuf import BufferDamagedError, CorruptChunkError, MetaChecksumError, ReplayBuffer
+from replaybuf import BufferDamagedError, CorruptChunkError, MetaChecksumError, ReplayBuffer, UnfinishedEditError
 from replaybuf.maintenance import convert, verify
 from replaybuf.metasums import META_SUM, Summed, buffer_word, entries
 from replaybuf.storage import make_storage
@@ -189,14 +189,21 @@ def test_meta_edits_keep_their_checksums(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
-def test_a_meta_edit_killed_midway_is_read_as_stored_and_sealed_by_the_next_writer(tmp_path, backend):
+def test_a_meta_edit_killed_midway_is_refused_whole_until_the_next_writer_seals_it(tmp_path, backend):
+    """A writer killed inside a meta edit of an earlier release (no edit log): a reader's
+    meta values show it as stored, its whole-buffer reads refuse the slot as unfinished; the
+    next writable open seals it as stored."""
     if backend == "hdf5":
         require("h5py")
     path = build(tmp_path / "b", backend)
     # a writer killed inside the edit: the revision odd, the value written, its checksum not
     write_raw(path, "_revision", [1], [1])
     write_raw(path, "reward_sum", [1], [4.0])
-    assert read(path)["meta.reward_sum"].tolist() == [0.5, 4.0, 2.5]
+    with ReplayBuffer.from_folder(path, read_only=True) as reader:
+        assert np.asarray(reader.meta_data["reward_sum"])[reader.valid_episodes()].tolist() == [0.5, 4.0, 2.5]
+        assert reader.unfinished_edit_slots().tolist() == [1]
+        with pytest.raises(UnfinishedEditError, match=r"slots \[1\] hold an in-place edit"):
+            reader.get_all_data()
     with ReplayBuffer.from_folder(path) as buffer:  # closes the edit: the checksum is recomputed
         assert buffer._meta["_revision"][1] % 2 == 0 and buffer._meta["_revision"][1] > 1
     assert read(path)["meta.reward_sum"].tolist() == [0.5, 4.0, 2.5]
