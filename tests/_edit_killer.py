@@ -10,11 +10,30 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from replaybuf import ReplayBuffer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_killed(spec: dict) -> None:
+    """Run this module on ``spec`` in a new interpreter; it must die of its SIGKILL."""
+    child = subprocess.run(
+        [sys.executable, "-m", "tests._edit_killer", json.dumps(spec)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, (
+        f"the writer must die inside the edit: {child.returncode} {child.stderr}"
+    )
 
 
 def main(spec: dict) -> None:

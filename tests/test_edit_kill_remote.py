@@ -7,13 +7,8 @@ its ``refresh()`` serves the new values."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,13 +16,14 @@ import pytest
 from replaybuf import ReplayBuffer, UnfinishedEditError, verify
 from replaybuf.maintenance import WriterOutpacedError, convert
 
+from ._edit_killer import run_killed
+
 pytest_plugins = ["tests._servers"]
 
 EPISODES, STEPS = 4, 10
 FIELDS = {"frame": ("uint8", (8, 8, 3)), "state": ("float32", (4,)), "priority": ("float32", ())}
 META_FIELDS = {"score": "float"}
 EDITED = np.array([0, 2, 3])
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(params=["s3", "gcs"])
@@ -50,17 +46,7 @@ def make_buffer(server) -> str:
 def kill_inside(server, url: str, spec: dict) -> None:
     """Run ``tests._edit_killer`` on ``url`` with ``spec``; it must die of its SIGKILL."""
     spec = {"location": url, "storage_options": server.storage_options, "episodes": EDITED.tolist(), **spec}
-    child = subprocess.run(
-        [sys.executable, "-m", "tests._edit_killer", json.dumps(spec)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == -signal.SIGKILL, (
-        f"the writer must die inside the edit: {child.returncode} {child.stderr}"
-    )
+    run_killed(spec)
 
 
 def read_all(buffer: ReplayBuffer) -> dict[str, np.ndarray]:

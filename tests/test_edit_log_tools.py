@@ -6,12 +6,8 @@ it so; the source keeps its record, and its next writable open still finishes th
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +18,13 @@ from replaybuf.cli import main as cli_main
 from replaybuf.maintenance import WriterOutpacedError, convert, upgrade
 
 from ._backends import LOCAL_BACKENDS
+from ._edit_killer import run_killed
 
 EPISODES, STEPS = 4, 10
 FIELDS = {"frame": ("uint8", (8, 8, 3)), "state": ("float32", (4,))}
 META_FIELDS = {"score": "float"}
 EDITED = [0, 2, 3]
 NEW = {"frame": 7, "state": 1.5, "score": 3.5}
-ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -55,17 +51,7 @@ def kill_inside_update(location: str, values: dict, at: int = 2, steps: int = ST
         "names": list(values),
         "values": {n: np.asarray(v).tolist() for n, v in spec_values.items()},
     }
-    child = subprocess.run(
-        [sys.executable, "-m", "tests._edit_killer", json.dumps(spec)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == -signal.SIGKILL, (
-        f"the writer must die inside the edit: {child.returncode} {child.stderr}"
-    )
+    run_killed(spec)
 
 
 def update_values() -> dict:
