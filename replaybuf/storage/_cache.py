@@ -587,12 +587,6 @@ class CachedStorage(Storage):
             for key in [key for key in self._maps if not os.path.exists(self._path(*key))]:
                 self._forget_map(key)
 
-    def drop_cached_rows(self, name: str, slots: np.ndarray) -> None:
-        """The wrapped storage's copies of the rows (a cache over a cache forgets them too).
-        This cache's own files and in-RAM copies stay: each is keyed by a revision, which every
-        edit through a writer moves, so none is served for the rows after an edit."""
-        self.inner.drop_cached_rows(name, slots)
-
     def close(self) -> None:
         self.inner.close()
         with self._lock:
