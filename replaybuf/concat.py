@@ -332,6 +332,12 @@ def _part(generations: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None
     return None if generations is None else np.asarray(generations)[rows]
 
 
+def _is_remote(buffer: Any) -> bool:
+    """Whether a member given as a path or URL is a URL of a store other than local files."""
+    text = os.fspath(buffer) if isinstance(buffer, (str, os.PathLike)) else ""
+    return isinstance(text, str) and "://" in text and not text.startswith("file://")
+
+
 def _read_only_message(call: str) -> str:
     return read_only_message("ConcatReplayBuffer", call)
 
@@ -379,7 +385,8 @@ class ConcatReplayBuffer(CommittedViews):
     """Several stored buffers read as one, read-only: local paths, URLs and buffers mixed.
 
     ``buffers`` are paths or URLs (opened read-only with ``storage_options``, one dict for all
-    or one per entry) or ``ReplayBuffer`` objects. Episodes are the members' committed
+    or one per entry; one dict for all applies to the URLs only, so that local and remote
+    members mix) or ``ReplayBuffer`` objects. Episodes are the members' committed
     episodes, member by member, each oldest first; data is time-padded with the fields' default
     (else zeros) to the longest member's ``max_timesteps``. All members must store the same fields (names, dtypes,
     shapes, defaults).
@@ -424,7 +431,10 @@ class ConcatReplayBuffer(CommittedViews):
             )
         if len(buffers) == 0:
             raise ValueError("ConcatReplayBuffer requires at least one buffer")
-        options = list(storage_options) if isinstance(storage_options, Sequence) else [storage_options] * len(buffers)
+        if isinstance(storage_options, Sequence):
+            options = list(storage_options)
+        else:  # one dict for all: the URLs' (a local member takes none)
+            options = [storage_options if _is_remote(buffer) else None for buffer in buffers]
         if len(options) != len(buffers):
             raise ValueError(
                 f"storage_options has {len(options)} entries for {len(buffers)} buffers; "

@@ -161,6 +161,9 @@ def test_mixed_stores(tmp_path, s3_server):
     stored = [{**episode(i, n), "task": i} for i, n in enumerate([3, 10, 15, 4, 20])]
     buffer = ConcatReplayBuffer(list(urls.values()), storage_options=list(options.values()))
     assert [m.storage.location for m in buffer.buffers][1:] == [s3_server.url("concat-b"), "memory://concat-c"]
+    # one dict for all goes to the URLs only: a local folder refuses storage_options
+    shared = ConcatReplayBuffer([urls["a"], urls["b"]], storage_options=s3_server.storage_options)
+    assert len(shared) == len(MEMBERS[0][3]) + len(MEMBERS[1][3])
     np.testing.assert_array_equal(buffer.get_all_data(fields=["obs"])["obs"].numpy(), padded(stored, "obs"))
     np.testing.assert_allclose(
         buffer.stats(["reward"]).episode_sums["reward"].numpy(), [e["reward"].sum() for e in stored], rtol=1e-6

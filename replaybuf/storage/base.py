@@ -1470,6 +1470,18 @@ def _holds_marker(location: str, marker: str) -> bool:
     return os.path.lexists(os.path.join(location, marker))
 
 
+def refuse_local_options(location: str, storage_options: dict, backend: str) -> None:
+    """Refuse ``storage_options`` given with a local folder (zarr and memmap take none there):
+    ignored, they would hide a URL whose scheme was left out (``'bucket/run1'`` with an
+    endpoint and keys would become a local folder of that name)."""
+    if storage_options:
+        raise ValueError(
+            f"storage_options {sorted(storage_options)} were given with {location!r}, a local folder, where the "
+            f"{backend} backend takes none: they apply to object stores (s3://..., gs://...); pass a URL, or "
+            "no storage_options for a local buffer"
+        )
+
+
 def make_storage(
     location: str | os.PathLike | Storage,
     backend: str | None = None,
