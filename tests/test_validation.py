@@ -28,7 +28,7 @@ from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 from replaybuf.storage.base import STATE_CHECKSUM, state_body
 
 from ._backends import LOCAL_BACKENDS, require, snapshot
-from ._data import FIELDS, META_FIELDS, episode
+from ._data import FIELDS, META_FIELDS, episode, seed_buffer
 
 LENGTHS = (5, 7, 3)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,6 +371,25 @@ def test_cycles_depth_and_object_count_are_bounded(build, complaint):
         return
     with pytest.raises(UnsafePickleError, match=f"metadata.pkl: .*{complaint}"):
         load_plain_pickle(data, "metadata.pkl")
+
+
+@pytest.mark.parametrize(
+    "counter, value", [("episode_index", 4), ("episode_index", 10**9), ("num_episodes", 5), ("timestep_index", 11)]
+)
+def test_seed_counters_past_the_config_are_refused_not_wrapped(tmp_path, counter, value):
+    """memmap-replay-buffer keeps episode_index < max_episodes, num_episodes <= max_episodes and
+    timestep_index <= max_timesteps. A larger value is damage: an episode_index of 10**9 was taken
+    modulo max_episodes, and the next store_episode overwrote the committed episode in slot 0 of
+    a buffer that is not circular."""
+    seed_buffer(tmp_path / "seed", circular=False, lengths=(3, 4, 5), partial=0)
+    location = str(tmp_path / "seed")
+    before = {name: np.load(os.path.join(location, name)) for name in os.listdir(location) if name.endswith(".npy")}
+    np.save(os.path.join(location, f"{counter}.state.npy"), np.array(value, np.int32))
+    refused(location, f"{counter}.state.npy: .*expected an int in \\[0, ")
+    before[f"{counter}.state.npy"] = np.array(value, np.int32)
+    assert all(
+        np.array_equal(np.load(os.path.join(location, name)), before[name]) for name in before
+    )  # nothing written
 
 
 def test_an_oversized_pickle_is_refused_unread(tmp_path):

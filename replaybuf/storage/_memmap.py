@@ -181,6 +181,7 @@ class MemmapStorage(LocalFolderStorage):
         super().__init__(location, storage_options, fsync=fsync)
         self._arrays: dict[tuple[str, bool], MemmapArray] = {}
         self._seed_view: _seed.SeedState | None = None
+        self._seed_limits: tuple[int, int] = (0, 0)  # (max_episodes, max_timesteps), set by open
         self._seed_origin = False
 
     # ---- discovery ----------------------------------------------------------------------------
@@ -307,6 +308,7 @@ class MemmapStorage(LocalFolderStorage):
                 f"no replaybuf memmap buffer at {self.location!r} "
                 f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
             )
+        self._seed_limits = (schema.max_episodes, schema.max_timesteps)
         if not read_only:
             self.kv.prepare_writes()  # before adopting a seed folder writes anything
         self.read_only = read_only
@@ -325,7 +327,7 @@ class MemmapStorage(LocalFolderStorage):
             )
         )
         if adopting and read_only:
-            self._seed_view = _seed.SeedState.read(self.root)
+            self._seed_view = self._read_seed_state()
         elif adopting:
             self._adopt_seed_folder(schema)
         return schema
@@ -336,9 +338,13 @@ class MemmapStorage(LocalFolderStorage):
         # leave them stale)
         return super().keeps_meta_sums and not self._seed_origin
 
+    def _read_seed_state(self) -> _seed.SeedState:
+        """The seed's counters, checked against this folder's config (``open`` sets ``_seed_limits``)."""
+        return _seed.SeedState.read(self.root, *self._seed_limits)
+
     def _seed_wrote_since(self) -> bool:
         """Whether the seed library wrote to an adopted folder after replaybuf last committed."""
-        seed_state, state = _seed.SeedState.read(self.root), super().load_state()
+        seed_state, state = self._read_seed_state(), super().load_state()
         return (seed_state.timestep_index, seed_state.num_episodes, seed_state.episode_index) != (
             0,
             state["num_episodes"],
@@ -367,7 +373,7 @@ class MemmapStorage(LocalFolderStorage):
 
     def _adopt_seed_folder(self, schema: Schema) -> None:
         """Take over a seed folder for writing (see the module docstring); safe to redo if killed."""
-        seed_state = _seed.SeedState.read(self.root)
+        seed_state = self._read_seed_state()
         lens_array = self._arrays["episode_lens", True]
         lens = seed_state.episode_lens(lens_array[:])
         generations = seed_state.generations(lens, schema.max_episodes)
@@ -393,7 +399,7 @@ class MemmapStorage(LocalFolderStorage):
     def load_state(self) -> dict:
         # docstring inherited
         if self._seed_view is not None:
-            self._seed_view = _seed.SeedState.read(self.root)
+            self._seed_view = self._read_seed_state()
             return self._seed_view.replaybuf_state(self.read_meta("episode_lens"), self._max_episodes())
         return super().load_state()
 

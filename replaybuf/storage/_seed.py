@@ -207,15 +207,23 @@ class SeedState:
     timestep_index: int
 
     @classmethod
-    def read(cls, folder: str) -> SeedState:
+    def read(cls, folder: str, max_episodes: int, max_timesteps: int) -> SeedState:
+        """The counters of ``folder``, each checked against the config's bounds: the seed keeps
+        ``num_episodes <= max_episodes``, ``episode_index < max_episodes`` and ``timestep_index
+        <= max_timesteps``, so a value outside them is damage (trusted, an ``episode_index``
+        past the end was taken modulo ``max_episodes`` and the next episode overwrote a
+        committed one)."""
+        limits = {"num_episodes": max_episodes, "episode_index": max_episodes - 1, "timestep_index": max_timesteps}
         values = []
         for name in STATE_NAMES:
             path = state_path(folder, name)
             try:
                 os.close(open_stored(path))  # a FIFO there is refused, never waited on (np.load's open would)
                 value = np.load(path, mmap_mode="r")
-                if value.shape != () or value.dtype.kind not in "iu" or int(value) < 0:
-                    raise ValueError(f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int >= 0")
+                if value.shape != () or value.dtype.kind not in "iu" or not 0 <= int(value) <= limits[name]:
+                    raise ValueError(
+                        f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int in [0, {limits[name]}]"
+                    )
             except NPY_HEADER_ERRORS as e:
                 raise BufferDamagedError(f"{path}: not a memmap-replay-buffer counter ({e})") from None
             values.append(int(value))
