@@ -392,6 +392,27 @@ def test_seed_counters_past_the_config_are_refused_not_wrapped(tmp_path, counter
     )  # nothing written
 
 
+@pytest.mark.parametrize(
+    "damage, complaint",
+    [
+        (lambda path: np.save(path, np.array([None] * 4, dtype=object), allow_pickle=True), "object array"),
+        (lambda path: np.save(path, np.ones(2, bool)), "holds bool\\[2\\], the config expects bool\\[4\\]"),
+        (lambda path: os.truncate(path, 100), "not a readable .npy file"),
+    ],
+)
+def test_a_damaged_seed_flags_array_is_refused_before_a_writable_open_writes(tmp_path, damage, complaint):
+    """The seed's ``_initted`` flags, which each commit of an adopted seed folder updates: damaged,
+    a writable open raised numpy's unnamed ValueError or IndexError after half adopting the folder
+    (``_generation``, ``_revision`` and ``replaybuf/`` written); now nothing is written."""
+    seed_buffer(tmp_path / "seed", circular=False, lengths=(3, 4, 5), partial=0)
+    location = str(tmp_path / "seed")
+    damage(os.path.join(location, "_initted.data.meta.npy"))
+    listing = sorted(os.listdir(location))
+    refused(location, f"_initted.data.meta.npy:? .*{complaint}", read_only=(False,))
+    assert sorted(os.listdir(location)) == listing
+    assert ReplayBuffer.from_folder(location, read_only=True).episode_lens.tolist() == [3, 4, 5, 0]  # still read
+
+
 def test_an_oversized_pickle_is_refused_unread(tmp_path):
     with pytest.raises(UnsafePickleError, match="over the 1048576 of any seed config"):
         load_plain_pickle(pickle.dumps({"fields": "x" * (2 << 20)}), "metadata.pkl")

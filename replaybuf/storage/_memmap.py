@@ -309,6 +309,8 @@ class MemmapStorage(LocalFolderStorage):
                 f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
             )
         self._seed_limits = (schema.max_episodes, schema.max_timesteps)
+        if not read_only and self._seed_origin:
+            self._check_seed_flags(schema)
         if not read_only:
             self.kv.prepare_writes()  # before adopting a seed folder writes anything
         self.read_only = read_only
@@ -337,6 +339,17 @@ class MemmapStorage(LocalFolderStorage):
         # docstring inherited: a folder the seed library may write to keeps none (it would
         # leave them stale)
         return super().keeps_meta_sums and not self._seed_origin
+
+    def _check_seed_flags(self, schema: Schema) -> None:
+        """Refuse a damaged ``_initted`` array of a seed folder (object dtype, truncated, another
+        shape) before a writable open writes anything: each commit sets its flag of the next
+        slot (``write_seed_state``), which failed with numpy's unnamed error after the folder
+        was half adopted."""
+        path = os.path.join(self.root, _seed.SEED_FLAGS_FILE)
+        if os.path.lexists(path):  # the seed makes it; a folder without it is kept without
+            if not os.path.isfile(path):
+                raise BufferDamagedError(f"{path}: not a regular file (a FIFO, a device, a folder or a broken link)")
+            check_layout(path, *_npy_layout(path), ((schema.max_episodes,), np.dtype(bool)))
 
     def _read_seed_state(self) -> _seed.SeedState:
         """The seed's counters, checked against this folder's config (``open`` sets ``_seed_limits``)."""

@@ -36,6 +36,7 @@ NPY_HEADER_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenE
 METADATA_FILE = "metadata.pkl"
 STATE_NAMES = ("num_episodes", "episode_index", "timestep_index")
 SEED_INTERNAL_META = ("episode_lens", "_initted")
+SEED_FLAGS_FILE = "_initted.data.meta.npy"  # the seed's per-slot "initialised" flags (bool)
 _PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 
 
@@ -270,7 +271,7 @@ def write_seed_state(folder: str, state: dict) -> None:
         array[()] = value
         array.flush()
         del array
-    initted = os.path.join(folder, "_initted.data.meta.npy")
+    initted = os.path.join(folder, SEED_FLAGS_FILE)
     if os.path.isfile(initted):
         flags = np.load(initted, mmap_mode="r+")
         flags[state["episode_index"]] = False
