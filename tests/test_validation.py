@@ -413,6 +413,21 @@ def test_a_damaged_seed_flags_array_is_refused_before_a_writable_open_writes(tmp
     assert ReplayBuffer.from_folder(location, read_only=True).episode_lens.tolist() == [3, 4, 5, 0]  # still read
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [("max_episodes", 10**12), ("max_timesteps", 2.5), ("fields", {"x": ("float", (-3,))}), ("meta_fields", "a")],
+)
+def test_an_invalid_seed_config_names_its_metadata_pkl(tmp_path, key, value):
+    """A metadata.pkl of plain data whose values no config takes is damage naming the file, as a
+    replaybuf config's is (it raised the bare ValueError, TypeError or AttributeError of a bad
+    argument, naming no file)."""
+    seed_buffer(tmp_path / "seed", circular=False, lengths=(3,), partial=0)
+    path = tmp_path / "seed" / "metadata.pkl"
+    config = load_plain_pickle(path.read_bytes(), str(path))
+    path.write_bytes(pickle.dumps({**config, key: value}))
+    refused(str(tmp_path / "seed"), "metadata.pkl: invalid memmap-replay-buffer config: ")
+
+
 def test_an_oversized_pickle_is_refused_unread(tmp_path):
     with pytest.raises(UnsafePickleError, match="over the 1048576 of any seed config"):
         load_plain_pickle(pickle.dumps({"fields": "x" * (2 << 20)}), "metadata.pkl")

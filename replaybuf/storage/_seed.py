@@ -193,10 +193,15 @@ def read_seed_schema(folder: str) -> Schema:
     missing = [k for k in ("max_episodes", "max_timesteps", "fields") if k not in config]
     if missing:
         raise ValueError(f"{path}: config lacks {missing}; not a memmap-replay-buffer folder")
-    meta = {n: s for n, s in (config.get("meta_fields") or {}).items() if n not in SEED_INTERNAL_META}
-    return Schema.build(
-        config["fields"], meta, config["max_episodes"], config["max_timesteps"], bool(config.get("circular", False))
-    )
+    # checked as a new config is, its errors naming the file as a replaybuf config's do
+    # (``Storage._schema_from_config``): the values come from a file, not from the caller
+    try:
+        meta = {n: s for n, s in (config.get("meta_fields") or {}).items() if n not in SEED_INTERNAL_META}
+        return Schema.build(
+            config["fields"], meta, config["max_episodes"], config["max_timesteps"], bool(config.get("circular", False))
+        )
+    except (AttributeError, TypeError, ValueError) as e:
+        raise BufferDamagedError(f"{path}: invalid memmap-replay-buffer config: {e}") from None
 
 
 @dataclass(frozen=True)
