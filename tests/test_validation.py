@@ -403,13 +403,15 @@ def test_seed_counters_past_the_config_are_refused_not_wrapped(tmp_path, counter
 def test_a_damaged_seed_flags_array_is_refused_before_a_writable_open_writes(tmp_path, damage, complaint):
     """The seed's ``_initted`` flags, which each commit of an adopted seed folder updates: damaged,
     a writable open raised numpy's unnamed ValueError or IndexError after half adopting the folder
-    (``_generation``, ``_revision`` and ``replaybuf/`` written); now nothing is written."""
+    (``_generation``, ``_revision`` and ``replaybuf/`` written), and ``verify`` called the folder
+    consistent; now nothing is written and ``verify`` reports it."""
     seed_buffer(tmp_path / "seed", circular=False, lengths=(3, 4, 5), partial=0)
     location = str(tmp_path / "seed")
     damage(os.path.join(location, "_initted.data.meta.npy"))
     listing = sorted(os.listdir(location))
     refused(location, f"_initted.data.meta.npy:? .*{complaint}", read_only=(False,))
     assert sorted(os.listdir(location)) == listing
+    assert any("_initted.data.meta.npy" in problem for problem in verify(location))  # said "consistent"
     assert ReplayBuffer.from_folder(location, read_only=True).episode_lens.tolist() == [3, 4, 5, 0]  # still read
 
 

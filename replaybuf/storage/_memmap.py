@@ -310,7 +310,7 @@ class MemmapStorage(LocalFolderStorage):
             )
         self._seed_limits = (schema.max_episodes, schema.max_timesteps)
         if not read_only and self._seed_origin:
-            self._check_seed_flags(schema)
+            self._check_seed_flags()
         if not read_only:
             self.kv.prepare_writes()  # before adopting a seed folder writes anything
         self.read_only = read_only
@@ -340,7 +340,16 @@ class MemmapStorage(LocalFolderStorage):
         # leave them stale)
         return super().keeps_meta_sums and not self._seed_origin
 
-    def _check_seed_flags(self, schema: Schema) -> None:
+    def writable_open_refusals(self) -> list[str]:
+        # docstring inherited: a seed folder's ``_initted`` flags
+        try:
+            if self._seed_origin:
+                self._check_seed_flags()
+        except BufferDamagedError as e:
+            return [str(e)]
+        return []
+
+    def _check_seed_flags(self) -> None:
         """Refuse a damaged ``_initted`` array of a seed folder (object dtype, truncated, another
         shape) before a writable open writes anything: each commit sets its flag of the next
         slot (``write_seed_state``), which failed with numpy's unnamed error after the folder
@@ -349,7 +358,7 @@ class MemmapStorage(LocalFolderStorage):
         if os.path.lexists(path):  # the seed makes it; a folder without it is kept without
             if not os.path.isfile(path):
                 raise BufferDamagedError(f"{path}: not a regular file (a FIFO, a device, a folder or a broken link)")
-            check_layout(path, *_npy_layout(path), ((schema.max_episodes,), np.dtype(bool)))
+            check_layout(path, *_npy_layout(path), ((self._seed_limits[0],), np.dtype(bool)))
 
     def _read_seed_state(self) -> _seed.SeedState:
         """The seed's counters, checked against this folder's config (``open`` sets ``_seed_limits``)."""
