@@ -216,15 +216,14 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
             raise ValueError(
                 f"{src}: {DATA_FILE} lacks the datasets {missing}; not a memmap-replay-buffer ReplayBufferH5PY"
             )
-        lens = np.asarray(file["meta_episode_lens"][:], dtype=np.int64)
-        episode_index, num_episodes = (int(file.attrs.get(n, 0)) for n in ("episode_index", "num_episodes"))
+        lens, (episode_index, num_episodes, timestep_index) = _checked_seed_h5(file, path, schema)
         # slots oldest first: a full (or wrapped) buffer's oldest is where the next one goes
         start = episode_index if num_episodes >= schema.max_episodes else 0
         order = [(start + i) % schema.max_episodes for i in range(schema.max_episodes)]
-        if int(file.attrs.get("timestep_index", 0)) > 0:  # the episode in progress is the newest
+        if timestep_index > 0:  # the episode in progress is the newest
             order.remove(episode_index)
             order.append(episode_index)
-            lens[episode_index] = int(file.attrs["timestep_index"])
+            lens[episode_index] = timestep_index
         first = file[f"data_{next(iter(schema.fields))}"]
         buffer = ReplayBufferH5PY(
             dst,
@@ -241,7 +240,7 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
         if buffer.num_episodes:
             buffer.close()
             raise FileExistsError(f"copy_seed_h5: {dst!r} already holds a buffer; choose a new folder")
-        for slot in (s for s in order if 0 < lens[s] <= schema.max_timesteps):
+        for slot in (s for s in order if lens[s] > 0):
             length = int(lens[slot])
             buffer.episode_index = int(slot)  # the same slot: row i of get_all_data stays the seed's row i
             buffer.store_episode(
@@ -249,3 +248,41 @@ def copy_seed_h5(src: str | os.PathLike, dst: str | os.PathLike, **kwargs: Any) 
                 **{n: file[f"meta_{n}"][slot] for n in schema.meta_fields},
             )
     return buffer
+
+
+def _checked_seed_h5(file: Any, path: str, schema: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The lengths and counters (episode_index, num_episodes, timestep_index) of a seed
+    ``data.h5``, with every dataset's shape checked against ``metadata.pkl``'s config first, so
+    ``copy_seed_h5`` copies each episode whole or refuses, naming the file, before it creates
+    anything: a length outside ``[0, max_timesteps]`` left its episode out of the copy
+    silently, and a short dataset or an out-of-range counter failed with numpy's unnamed errors."""
+    from .storage.base import BufferDamagedError
+
+    expected = {f"data_{n}": (schema.max_episodes, schema.max_timesteps, *f.shape) for n, f in schema.fields.items()}
+    expected |= {f"meta_{n}": (schema.max_episodes, *f.shape) for n, f in schema.meta_fields.items()}
+    expected["meta_episode_lens"] = (schema.max_episodes,)
+    for name, shape in expected.items():
+        dataset = file[name]
+        if tuple(dataset.shape) != shape or dataset.dtype.kind not in "biuf":
+            raise BufferDamagedError(
+                f"{path}: dataset {name!r} holds {dataset.dtype}{list(dataset.shape)}, metadata.pkl's config "
+                f"expects numbers of shape {list(shape)}"
+            )
+    lens = np.asarray(file["meta_episode_lens"][:], dtype=np.int64)
+    bad = np.flatnonzero((lens < 0) | (lens > schema.max_timesteps))
+    if len(bad):
+        raise BufferDamagedError(
+            f"{path}: meta_episode_lens of slots {bad.tolist()} hold {lens[bad].tolist()}, "
+            f"outside [0, max_timesteps={schema.max_timesteps}]"
+        )
+    counters = []
+    for name, limit in (
+        ("episode_index", schema.max_episodes - 1),
+        ("num_episodes", schema.max_episodes),
+        ("timestep_index", schema.max_timesteps),
+    ):
+        value = file.attrs.get(name, 0)
+        if np.ndim(value) or np.asarray(value).dtype.kind not in "iu" or not 0 <= int(value) <= limit:
+            raise BufferDamagedError(f"{path}: attribute {name!r} is {value!r}, expected an int in [0, {limit}]")
+        counters.append(int(value))
+    return lens, (counters[0], counters[1], counters[2])

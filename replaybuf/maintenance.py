@@ -1153,6 +1153,7 @@ def verify(
         f"{link}: a symbolic link inside the buffer (a writable open refuses it; replace it by a copy)"
         for link in storage.links()
     ]
+    problems += storage.writable_open_refusals()
     meta, found, _ = _read_bookkeeping(storage, schema)
     problems += found
     for name, field in schema.fields.items():

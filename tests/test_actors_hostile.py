@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from replaybuf import BufferNotFoundError, ConcatReplayBuffer, ReplayBuffer, UnfinishedCreateError
+from replaybuf import BufferDamagedError, BufferNotFoundError, ConcatReplayBuffer, ReplayBuffer, UnfinishedCreateError
 from replaybuf.actors import open_shard, shard_location
 
 from ._workloads import buffer_kwargs, write_episode
@@ -83,6 +83,19 @@ def test_a_shard_that_lost_an_array_is_damage_not_an_unfinished_create(tmp_path)
             open_it()
         assert not isinstance(raised.value, UnfinishedCreateError)
     assert chunks and sorted(p.name for p in (location / "data" / "x").rglob("*")) == chunks, "nothing erased"
+
+
+@pytest.mark.parametrize("garbage", [b"{garbage", b"\x00\x00\x00\x00", b""])
+def test_a_shard_whose_root_document_is_garbage_is_damage_not_left_out(tmp_path, garbage):
+    """A zarr shard holding episodes whose root ``zarr.json`` no longer parses read as "no
+    buffer here": ``ConcatReplayBuffer(root)`` left it out silently and returned the other
+    shards' episodes only (a memmap or hdf5 shard's garbage config is refused)."""
+    for index in range(3):
+        with open_shard(tmp_path, index, **SHARD) as shard:
+            shard.store_episode(x=np.full(3, float(index)))
+    (tmp_path / "actor-001" / "zarr.json").write_bytes(garbage)
+    with pytest.raises(BufferDamagedError, match="zarr.json in .*actor-001: not valid JSON"):
+        ConcatReplayBuffer(str(tmp_path))
 
 
 def _prioritized_loader(buffer, **kwargs):

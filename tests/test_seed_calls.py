@@ -359,3 +359,45 @@ def test_a_reopen_keeps_the_next_slot_as_the_seed_does(tmp_path, after):
     kept = lens > 0  # (past an episode's end the seed returns what the slot held: README)
     for name in ("act", "obs"):
         assert_same(ours.data[name][kept], np.asarray(theirs.data[name][kept]), name)
+
+
+def _damage_h5(path, damage: str) -> None:
+    import h5py
+
+    with h5py.File(path, "r+") as file:
+        if damage == "length past max_timesteps":
+            file["meta_episode_lens"][1] = 100
+        elif damage == "negative length":
+            file["meta_episode_lens"][1] = -5
+        elif damage == "short dataset":
+            del file["data_obs"]
+            file["data_obs"] = np.zeros((1, 4, 2), np.float32)
+        else:  # an episode in progress in a slot past the end
+            file.attrs["episode_index"], file.attrs["timestep_index"] = 7, 1
+
+
+@pytest.mark.parametrize(
+    "damage, complaint",
+    [
+        ("length past max_timesteps", r"meta_episode_lens of slots \[1\] hold \[100\], outside \[0, max_timesteps=4\]"),
+        ("negative length", r"meta_episode_lens of slots \[1\] hold \[-5\]"),
+        ("short dataset", r"dataset 'data_obs' holds float32\[1, 4, 2\], .* expects numbers of shape \[3, 4, 2\]"),
+        ("counter past the end", r"attribute 'episode_index' is .*7.*, expected an int in \[0, 2\]"),
+    ],
+)
+def test_copy_seed_h5_refuses_damaged_lengths_shapes_and_counters_before_creating(tmp_path, damage, complaint):
+    """Before: a damaged length (past max_timesteps or negative) left its episode out of the copy
+    silently, and a short dataset or a counter past the end raised numpy's unnamed IndexError or
+    ValueError with the new buffer half written. Now: BufferDamagedError naming data.h5, nothing made."""
+    require("h5py")
+    theirs = seed.ReplayBufferH5PY(tmp_path / "seed", max_episodes=3, max_timesteps=4, fields=FIELDS, meta_fields=META)
+    for i in range(2):
+        theirs.store_episode(
+            obs=torch.full((3, 2), float(i)), act=torch.full((3,), i), done=torch.zeros(3, dtype=torch.bool), label=i
+        )
+    theirs.flush()
+    del theirs
+    _damage_h5(tmp_path / "seed" / "data.h5", damage)
+    with pytest.raises(replaybuf.BufferDamagedError, match=r"data\.h5: " + complaint):
+        replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()

@@ -28,7 +28,7 @@ from replaybuf.storage._seed import UnsafePickleError, load_plain_pickle
 from replaybuf.storage.base import STATE_CHECKSUM, state_body
 
 from ._backends import LOCAL_BACKENDS, require, snapshot
-from ._data import FIELDS, META_FIELDS, episode
+from ._data import FIELDS, META_FIELDS, episode, seed_buffer
 
 LENGTHS = (5, 7, 3)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,6 +371,63 @@ def test_cycles_depth_and_object_count_are_bounded(build, complaint):
         return
     with pytest.raises(UnsafePickleError, match=f"metadata.pkl: .*{complaint}"):
         load_plain_pickle(data, "metadata.pkl")
+
+
+@pytest.mark.parametrize(
+    "counter, value", [("episode_index", 4), ("episode_index", 10**9), ("num_episodes", 5), ("timestep_index", 11)]
+)
+def test_seed_counters_past_the_config_are_refused_not_wrapped(tmp_path, counter, value):
+    """memmap-replay-buffer keeps episode_index < max_episodes, num_episodes <= max_episodes and
+    timestep_index <= max_timesteps. A larger value is damage: an episode_index of 10**9 was taken
+    modulo max_episodes, and the next store_episode overwrote the committed episode in slot 0 of
+    a buffer that is not circular."""
+    seed_buffer(tmp_path / "seed", circular=False, lengths=(3, 4, 5), partial=0)
+    location = str(tmp_path / "seed")
+    before = {name: np.load(os.path.join(location, name)) for name in os.listdir(location) if name.endswith(".npy")}
+    np.save(os.path.join(location, f"{counter}.state.npy"), np.array(value, np.int32))
+    refused(location, f"{counter}.state.npy: .*expected an int in \\[0, ")
+    before[f"{counter}.state.npy"] = np.array(value, np.int32)
+    assert all(
+        np.array_equal(np.load(os.path.join(location, name)), before[name]) for name in before
+    )  # nothing written
+
+
+@pytest.mark.parametrize(
+    "damage, complaint",
+    [
+        (lambda path: np.save(path, np.array([None] * 4, dtype=object), allow_pickle=True), "object array"),
+        (lambda path: np.save(path, np.ones(2, bool)), "holds bool\\[2\\], the config expects bool\\[4\\]"),
+        (lambda path: os.truncate(path, 100), "not a readable .npy file"),
+    ],
+)
+def test_a_damaged_seed_flags_array_is_refused_before_a_writable_open_writes(tmp_path, damage, complaint):
+    """The seed's ``_initted`` flags, which each commit of an adopted seed folder updates: damaged,
+    a writable open raised numpy's unnamed ValueError or IndexError after half adopting the folder
+    (``_generation``, ``_revision`` and ``replaybuf/`` written), and ``verify`` called the folder
+    consistent; now nothing is written and ``verify`` reports it."""
+    seed_buffer(tmp_path / "seed", circular=False, lengths=(3, 4, 5), partial=0)
+    location = str(tmp_path / "seed")
+    damage(os.path.join(location, "_initted.data.meta.npy"))
+    listing = sorted(os.listdir(location))
+    refused(location, f"_initted.data.meta.npy:? .*{complaint}", read_only=(False,))
+    assert sorted(os.listdir(location)) == listing
+    assert any("_initted.data.meta.npy" in problem for problem in verify(location))  # said "consistent"
+    assert ReplayBuffer.from_folder(location, read_only=True).episode_lens.tolist() == [3, 4, 5, 0]  # still read
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("max_episodes", 10**12), ("max_timesteps", 2.5), ("fields", {"x": ("float", (-3,))}), ("meta_fields", "a")],
+)
+def test_an_invalid_seed_config_names_its_metadata_pkl(tmp_path, key, value):
+    """A metadata.pkl of plain data whose values no config takes is damage naming the file, as a
+    replaybuf config's is (it raised the bare ValueError, TypeError or AttributeError of a bad
+    argument, naming no file)."""
+    seed_buffer(tmp_path / "seed", circular=False, lengths=(3,), partial=0)
+    path = tmp_path / "seed" / "metadata.pkl"
+    config = load_plain_pickle(path.read_bytes(), str(path))
+    path.write_bytes(pickle.dumps({**config, key: value}))
+    refused(str(tmp_path / "seed"), "metadata.pkl: invalid memmap-replay-buffer config: ")
 
 
 def test_an_oversized_pickle_is_refused_unread(tmp_path):

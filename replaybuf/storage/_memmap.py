@@ -183,6 +183,7 @@ class MemmapStorage(LocalFolderStorage):
         super().__init__(location, storage_options, fsync=fsync)
         self._arrays: dict[tuple[str, bool], MemmapArray] = {}
         self._seed_view: _seed.SeedState | None = None
+        self._seed_limits: tuple[int, int] = (0, 0)  # (max_episodes, max_timesteps), set by open
         self._seed_origin = False
 
     # ---- discovery ----------------------------------------------------------------------------
@@ -309,6 +310,9 @@ class MemmapStorage(LocalFolderStorage):
                 f"no replaybuf memmap buffer at {self.location!r} "
                 f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
             )
+        self._seed_limits = (schema.max_episodes, schema.max_timesteps)
+        if not read_only and self._seed_origin:
+            self._check_seed_flags()
         if not read_only:
             self.kv.prepare_writes()  # before adopting a seed folder writes anything
         self.read_only = read_only
@@ -327,7 +331,7 @@ class MemmapStorage(LocalFolderStorage):
             )
         )
         if adopting and read_only:
-            self._seed_view = _seed.SeedState.read(self.root)
+            self._seed_view = self._read_seed_state()
         elif adopting:
             self._adopt_seed_folder(schema)
         return schema
@@ -338,9 +342,33 @@ class MemmapStorage(LocalFolderStorage):
         # leave them stale)
         return super().keeps_meta_sums and not self._seed_origin
 
+    def writable_open_refusals(self) -> list[str]:
+        # docstring inherited: a seed folder's ``_initted`` flags
+        try:
+            if self._seed_origin:
+                self._check_seed_flags()
+        except BufferDamagedError as e:
+            return [str(e)]
+        return []
+
+    def _check_seed_flags(self) -> None:
+        """Refuse a damaged ``_initted`` array of a seed folder (object dtype, truncated, another
+        shape) before a writable open writes anything: each commit sets its flag of the next
+        slot (``write_seed_state``), which failed with numpy's unnamed error after the folder
+        was half adopted."""
+        path = os.path.join(self.root, _seed.SEED_FLAGS_FILE)
+        if os.path.lexists(path):  # the seed makes it; a folder without it is kept without
+            if not os.path.isfile(path):
+                raise BufferDamagedError(f"{path}: not a regular file (a FIFO, a device, a folder or a broken link)")
+            check_layout(path, *_npy_layout(path), ((self._seed_limits[0],), np.dtype(bool)))
+
+    def _read_seed_state(self) -> _seed.SeedState:
+        """The seed's counters, checked against this folder's config (``open`` sets ``_seed_limits``)."""
+        return _seed.SeedState.read(self.root, *self._seed_limits)
+
     def _seed_wrote_since(self) -> bool:
         """Whether the seed library wrote to an adopted folder after replaybuf last committed."""
-        seed_state, state = _seed.SeedState.read(self.root), super().load_state()
+        seed_state, state = self._read_seed_state(), super().load_state()
         return (seed_state.timestep_index, seed_state.num_episodes, seed_state.episode_index) != (
             0,
             state["num_episodes"],
@@ -369,7 +397,7 @@ class MemmapStorage(LocalFolderStorage):
 
     def _adopt_seed_folder(self, schema: Schema) -> None:
         """Take over a seed folder for writing (see the module docstring); safe to redo if killed."""
-        seed_state = _seed.SeedState.read(self.root)
+        seed_state = self._read_seed_state()
         lens_array = self._arrays["episode_lens", True]
         lens = seed_state.episode_lens(lens_array[:])
         generations = seed_state.generations(lens, schema.max_episodes)
@@ -395,7 +423,7 @@ class MemmapStorage(LocalFolderStorage):
     def load_state(self) -> dict:
         # docstring inherited
         if self._seed_view is not None:
-            self._seed_view = _seed.SeedState.read(self.root)
+            self._seed_view = self._read_seed_state()
             return self._seed_view.replaybuf_state(self.read_meta("episode_lens"), self._max_episodes())
         return super().load_state()
 

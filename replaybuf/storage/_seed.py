@@ -36,6 +36,7 @@ NPY_HEADER_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenE
 METADATA_FILE = "metadata.pkl"
 STATE_NAMES = ("num_episodes", "episode_index", "timestep_index")
 SEED_INTERNAL_META = ("episode_lens", "_initted")
+SEED_FLAGS_FILE = "_initted.data.meta.npy"  # the seed's per-slot "initialised" flags (bool)
 _PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 
 
@@ -192,10 +193,15 @@ def read_seed_schema(folder: str) -> Schema:
     missing = [k for k in ("max_episodes", "max_timesteps", "fields") if k not in config]
     if missing:
         raise ValueError(f"{path}: config lacks {missing}; not a memmap-replay-buffer folder")
-    meta = {n: s for n, s in (config.get("meta_fields") or {}).items() if n not in SEED_INTERNAL_META}
-    return Schema.build(
-        config["fields"], meta, config["max_episodes"], config["max_timesteps"], bool(config.get("circular", False))
-    )
+    # checked as a new config is, its errors naming the file as a replaybuf config's do
+    # (``Storage._schema_from_config``): the values come from a file, not from the caller
+    try:
+        meta = {n: s for n, s in (config.get("meta_fields") or {}).items() if n not in SEED_INTERNAL_META}
+        return Schema.build(
+            config["fields"], meta, config["max_episodes"], config["max_timesteps"], bool(config.get("circular", False))
+        )
+    except (AttributeError, TypeError, ValueError) as e:
+        raise BufferDamagedError(f"{path}: invalid memmap-replay-buffer config: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -207,15 +213,23 @@ class SeedState:
     timestep_index: int
 
     @classmethod
-    def read(cls, folder: str) -> SeedState:
+    def read(cls, folder: str, max_episodes: int, max_timesteps: int) -> SeedState:
+        """The counters of ``folder``, each checked against the config's bounds: the seed keeps
+        ``num_episodes <= max_episodes``, ``episode_index < max_episodes`` and ``timestep_index
+        <= max_timesteps``, so a value outside them is damage (trusted, an ``episode_index``
+        past the end was taken modulo ``max_episodes`` and the next episode overwrote a
+        committed one)."""
+        limits = {"num_episodes": max_episodes, "episode_index": max_episodes - 1, "timestep_index": max_timesteps}
         values = []
         for name in STATE_NAMES:
             path = state_path(folder, name)
             try:
                 os.close(open_stored(path))  # a FIFO there is refused, never waited on (np.load's open would)
                 value = np.load(path, mmap_mode="r")
-                if value.shape != () or value.dtype.kind not in "iu" or int(value) < 0:
-                    raise ValueError(f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int >= 0")
+                if value.shape != () or value.dtype.kind not in "iu" or not 0 <= int(value) <= limits[name]:
+                    raise ValueError(
+                        f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int in [0, {limits[name]}]"
+                    )
             except NPY_HEADER_ERRORS as e:
                 raise BufferDamagedError(f"{path}: not a memmap-replay-buffer counter ({e})") from None
             values.append(int(value))
@@ -262,7 +276,7 @@ def write_seed_state(folder: str, state: dict) -> None:
         array[()] = value
         array.flush()
         del array
-    initted = os.path.join(folder, "_initted.data.meta.npy")
+    initted = os.path.join(folder, SEED_FLAGS_FILE)
     if os.path.isfile(initted):
         flags = np.load(initted, mmap_mode="r+")
         flags[state["episode_index"]] = False

@@ -1378,6 +1378,11 @@ class Storage(ABC):
         reports them); none for stores without links."""
         return []
 
+    def writable_open_refusals(self) -> list[str]:
+        """Damage a writable open refuses but a read-only open, which never reads it, lets
+        pass (``verify`` reports it); none for most backends."""
+        return []
+
     def describe_key(self, key: str) -> str:
         """``key`` and the buffer it belongs to, for error messages."""
         return f"{key} in {self.location}"
