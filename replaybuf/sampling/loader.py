@@ -222,6 +222,10 @@ def make_dataloader(
         limiter = RateLimiter(
             buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
         )
+        if len(buffer) > 0:
+            # one loader now, so a bad argument (a field name, batch_size, a DataLoader keyword)
+            # fails here and not when the first pass begins, after waiting for min_size steps
+            make_dataloader(**options)
         return RateLimitedLoader(lambda: make_dataloader(**options), limiter)
     if dataset_kwargs is not None and not isinstance(dataset_kwargs, dict):  # dict() of it fails obscurely
         raise TypeError(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {dataset_kwargs!r}")
