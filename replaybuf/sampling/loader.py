@@ -350,6 +350,12 @@ def make_dataloader(
             rank=resolve_rank(rank, world_size)[0],
         )
         return MixtureDataLoader(dataset, mixture, collate_fn=collate, **kwargs)
+    if "num_batches" in kwargs:  # torch would say only "unexpected keyword argument"
+        raise ValueError(
+            f"num_batches={kwargs['num_batches']!r} applies only to sampler='prioritized' or a ConcatReplayBuffer "
+            "made with weights, which draw that many batches a pass; other loaders make one pass over the dataset "
+            "(stop iterating after the batches you need)"
+        )
     if custom:
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:
