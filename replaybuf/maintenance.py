@@ -996,6 +996,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     unfinished = _unfinished_copy(storage)
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
+    held_names = snapshots.names(storage)
     folder = os.path.realpath(storage.location.removeprefix("file://"))
     dead, others = upgrade_leftovers(folder) if storage.is_local else ([], [])
     backups = upgrade_backups(folder) if storage.is_local else []
@@ -1019,6 +1020,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "hot_episodes": len(hot),
         "hot_bytes": sum(hot.values()),
         "attrs": attrs,
+        "snapshots": held_names,
         "unfinished_copy": unfinished,
         "killed_upgrades": dead,
         "other_upgrade_copies": others,
@@ -1064,6 +1066,7 @@ def format_info(facts: dict) -> str:
             else []
         ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
+        *([f"snapshots  {', '.join(facts['snapshots'])}"] if facts.get("snapshots") else []),
         *([f"unfinished {facts['unfinished_copy']}"] if facts.get("unfinished_copy") else []),
         *(
             f"leftover   {path}: the copy of a killed upgrade or convert --overwrite; the next `replaybuf upgrade` "
