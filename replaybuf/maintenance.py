@@ -236,6 +236,11 @@ def _resolved(location: str | os.PathLike, options: dict | None) -> str:
     path (``file://`` or not) as its real path, links and ``..`` resolved; a URL with its
     scheme's usual name (``s3a`` is ``s3``), no empty path parts (trailing or doubled ``/``),
     led by its endpoint when one is given."""
+    if not isinstance(location, str | bytes | os.PathLike):  # os.fspath names neither the argument nor a path
+        raise TypeError(
+            f"expected a folder path or URL (a str or os.PathLike) for source and destination, got "
+            f"{type(location).__name__} {location!r}"
+        )
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if sep else ""
