@@ -697,3 +697,24 @@ def test_a_location_that_is_no_path_is_named(tmp_path, call, message):
     with pytest.raises(TypeError, match=message):
         call(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["buf"]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda tmp: imp.diffusion_policy("s3://bucket/pusht.zarr", tmp / "dst"), r"import source .*local"),
+        (lambda tmp: imp.lerobot("gs://bucket/lerobot/pusht", tmp / "dst"), r"import source .*local"),
+        (lambda tmp: imp.export_diffusion_policy(tmp / "buf", "s3://bucket/out.zarr"), r"export destination .*local"),
+        (lambda tmp: imp.export_lerobot(tmp / "buf", "s3://bucket/out"), r"export destination .*local"),
+    ],
+)
+def test_a_url_where_an_import_or_export_reads_local_files_only_is_refused(tmp_path, call, message):
+    """Sources are local files and exports local folders (the storage options are the other
+    end's): an s3:// source ended in botocore's "created in a different Context" traceback, an
+    s3:// diffusion_policy export tried AWS itself, a lerobot one said "Missing bucket name"."""
+    buffer = ReplayBuffer(tmp_path / "buf", max_episodes=1, max_timesteps=2, fields={"x": "float"})
+    buffer.store_episode(x=np.zeros(2))
+    buffer.close()
+    with pytest.raises(ValueError, match=message):
+        call(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["buf"]
