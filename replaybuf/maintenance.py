@@ -104,7 +104,9 @@ def _open_read_only(
 def _not_found_hint(storage: Storage) -> str:
     """What a location holding no buffer may hold instead, as the end of a message: the
     original of a buffer an upgrade left, or a folder of the seed's ReplayBufferH5PY."""
-    return _stranded_hint(storage) + seed_h5_hint(storage.location)
+    from .actors import shards_hint  # actors imports the buffer, which imports this module
+
+    return _stranded_hint(storage) + seed_h5_hint(storage.location) + shards_hint(storage.location)
 
 
 def _stranded_hint(storage: Storage) -> str:
