@@ -56,6 +56,20 @@ def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuff
         return ReplayBuffer(location, **{**kwargs, "overwrite": True})
 
 
+def shards_hint(location: str) -> str:
+    """A hint for a local folder that holds no buffer but shards (``actor-NNN``, what
+    ``ReplayBuffer.shard`` writes), as the end of a "no buffer found" message; else ''."""
+    if "://" in location or not os.path.isdir(location):
+        return ""
+    names = sorted(name for name in os.listdir(location) if _SHARD_NAME.match(name))
+    if not names:
+        return ""
+    return (
+        f"; it holds the shards {names[:3]}{' ...' if len(names) > 3 else ''} (ReplayBuffer.shard): open one "
+        f"(e.g. {os.path.join(location, names[0])!r}), or read them together with ConcatReplayBuffer({location!r})"
+    )
+
+
 def discover_shards(root: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
     """Locations of the shards under ``root`` that hold a buffer, ordered by actor index.
 

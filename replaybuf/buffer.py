@@ -366,7 +366,11 @@ def _no_buffer_error(
             f"no {storage.backend_name!r} buffer at {shown!r}: it holds a {other!r} buffer; "
             f"open it with backend={other!r}, or leave backend out"
         )
-    return BufferNotFoundError(f"no replaybuf buffer found at {shown!r}{detail}" + seed_h5_hint(storage.location))
+    from .actors import shards_hint  # actors imports this module
+
+    return BufferNotFoundError(
+        f"no replaybuf buffer found at {shown!r}{detail}" + seed_h5_hint(storage.location) + shards_hint(shown)
+    )
 
 
 class ReplayBuffer(CommittedViews):

@@ -489,9 +489,12 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``replaybuf`` parser with one subparser per registered command."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="replaybuf", description="Inspect, browse and manage replaybuf episode stores."
     )
+    parser.add_argument("--version", action="version", version=f"replaybuf {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in _commands.values():
         subparser = subparsers.add_parser(command.name, help=command.help, description=command.help)

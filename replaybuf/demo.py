@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from replaybuf import ReplayBuffer
+from replaybuf import BufferLockedError, ReplayBuffer
 from replaybuf.schema import Schema
 
 DEFAULT_FOLDER = "./replaybuf-demo"
@@ -108,7 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    buffer = ReplayBuffer(str(folder), **CONFIG, flush_every_store_step=0)
+    try:
+        buffer = ReplayBuffer(str(folder), **CONFIG, flush_every_store_step=0)
+    except (OSError, BufferLockedError) as e:  # a path under a file, a read-only file system, another writer
+        print(
+            f"replaybuf.demo: cannot write to {name!r}: {e}\nName another folder: python -m replaybuf.demo FOLDER",
+            file=sys.stderr,
+        )
+        return 2
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     steps = 0

@@ -104,7 +104,9 @@ def _open_read_only(
 def _not_found_hint(storage: Storage) -> str:
     """What a location holding no buffer may hold instead, as the end of a message: the
     original of a buffer an upgrade left, or a folder of the seed's ReplayBufferH5PY."""
-    return _stranded_hint(storage) + seed_h5_hint(storage.location)
+    from .actors import shards_hint  # actors imports the buffer, which imports this module
+
+    return _stranded_hint(storage) + seed_h5_hint(storage.location) + shards_hint(storage.location)
 
 
 def _stranded_hint(storage: Storage) -> str:
@@ -236,6 +238,11 @@ def _resolved(location: str | os.PathLike, options: dict | None) -> str:
     path (``file://`` or not) as its real path, links and ``..`` resolved; a URL with its
     scheme's usual name (``s3a`` is ``s3``), no empty path parts (trailing or doubled ``/``),
     led by its endpoint when one is given."""
+    if not isinstance(location, str | bytes | os.PathLike):  # os.fspath names neither the argument nor a path
+        raise TypeError(
+            f"expected a folder path or URL (a str or os.PathLike) for source and destination, got "
+            f"{type(location).__name__} {location!r}"
+        )
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if sep else ""
@@ -996,6 +1003,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
     unfinished = _unfinished_copy(storage)
     hot = storage.hot_shards(np.flatnonzero(valid))
     attrs = load_attrs(storage)
+    held_names = snapshots.names(storage)
     folder = os.path.realpath(storage.location.removeprefix("file://"))
     dead, others = upgrade_leftovers(folder) if storage.is_local else ([], [])
     backups = upgrade_backups(folder) if storage.is_local else []
@@ -1019,6 +1027,7 @@ def info(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
         "hot_episodes": len(hot),
         "hot_bytes": sum(hot.values()),
         "attrs": attrs,
+        "snapshots": held_names,
         "unfinished_copy": unfinished,
         "killed_upgrades": dead,
         "other_upgrade_copies": others,
@@ -1064,6 +1073,7 @@ def format_info(facts: dict) -> str:
             else []
         ),
         *([f"attrs      {', '.join(facts['attrs'])}"] if facts["attrs"] else []),
+        *([f"snapshots  {', '.join(facts['snapshots'])}"] if facts.get("snapshots") else []),
         *([f"unfinished {facts['unfinished_copy']}"] if facts.get("unfinished_copy") else []),
         *(
             f"leftover   {path}: the copy of a killed upgrade or convert --overwrite; the next `replaybuf upgrade` "

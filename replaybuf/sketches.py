@@ -404,15 +404,21 @@ def summary(
 
 @dataclass
 class Normalizer:
-    """``(x - shift) / scale``, and back with ``unnormalize``."""
+    """``(x - shift) / scale``, and back with ``unnormalize``. A tensor comes back as a tensor on
+    its device; a numpy array (or a list or number: an observation from an environment, say)
+    as a numpy array, where torch's operators would refuse it."""
 
     shift: torch.Tensor
     scale: torch.Tensor
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        if not isinstance(x, type(self.shift)):  # not a tensor (torch is imported lazily here)
+            return (np.asarray(x) - self.shift.numpy()) / self.scale.numpy()
         return (x - self.shift.to(x.device)) / self.scale.to(x.device)
 
-    def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
+    def unnormalize(self, y: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        if not isinstance(y, type(self.shift)):
+            return np.asarray(y) * self.scale.numpy() + self.shift.numpy()
         return y * self.scale.to(y.device) + self.shift.to(y.device)
 
 

@@ -125,3 +125,21 @@ def test_buffer_shard_and_concat_of_a_shard_root(tmp_path):
     assert together.get_all_data()["x"].tolist() == [[0, 0, 0], [1, 1, 0], [2, 2, 2]]
     with pytest.raises(FileNotFoundError, match="no replaybuf buffer"):
         ConcatReplayBuffer(str(tmp_path / "empty"))
+
+
+def test_a_root_of_shards_opened_as_one_buffer_names_its_shards(tmp_path, capsys):
+    """`replaybuf view root` (info, verify, export, from_folder) of the layout the README
+    documents for parallel actors said only "no replaybuf buffer found"."""
+    from replaybuf.cli import main
+
+    for i in range(2):
+        with ReplayBuffer.shard(tmp_path, i, max_episodes=2, max_timesteps=2, fields={"x": "float"}) as shard:
+            shard.store_episode(x=np.zeros(2))
+    hint = rf"it holds the shards \['actor-000', 'actor-001'\].*ConcatReplayBuffer\({str(tmp_path)!r}\)"
+    with pytest.raises(FileNotFoundError, match=hint):
+        ReplayBuffer.from_folder(tmp_path)
+    for command in ("info", "view", "inspect"):
+        with pytest.raises(SystemExit):
+            main([command, str(tmp_path), "--no-browser"] if command == "view" else [command, str(tmp_path)])
+        assert "it holds the shards ['actor-000', 'actor-001']" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["actor-000", "actor-001"]

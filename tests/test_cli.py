@@ -456,3 +456,12 @@ def test_the_package_and_its_command_line_start_without_torch_or_dask(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+def test_version(capsys):
+    """`replaybuf --version` said "the following arguments are required: COMMAND"."""
+    import replaybuf
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"replaybuf {replaybuf.__version__}"

@@ -87,3 +87,14 @@ def test_demo_refuses_a_folder_holding_anything_else(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not the demo's" in err and "max_episodes: stored 2 vs passed 64" in err
     assert ReplayBuffer.from_folder(other, read_only=True).num_episodes == 1
+
+
+def test_demo_names_a_folder_it_cannot_create_without_a_traceback(tmp_path, capsys):
+    """A path under a file (or on a read-only file system, or held by another writer) raised
+    the buffer's error as a traceback, where a folder holding other files is refused in two lines."""
+    above = tmp_path / "notes.txt"
+    above.write_text("mine")
+    assert main([str(above / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write to {str(above / 'demo')!r}" in err and "above it is a file" in err
+    assert "Name another folder" in err and above.read_text() == "mine"

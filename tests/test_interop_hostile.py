@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zarr
 
-from replaybuf import ReplayBuffer, StorageError
+from replaybuf import ReplayBuffer, StorageError, convert
 from replaybuf import importers as imp
 
 from ._backends import require, tmpfs
@@ -675,3 +675,46 @@ def test_d4rl_flags_other_than_0_or_1_are_refused(tmp_path, value):
     with pytest.raises(imp.ImportSourceError, match=r"d4rl\.hdf5: 'timeouts' holds .* at step 5; expected 0 or 1"):
         imp.d4rl(tmp_path / "d4rl.hdf5", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda tmp: imp.diffusion_policy(["a"], tmp / "dst"), r"the import source must be a path .*got list \['a'\]"),
+        (lambda tmp: imp.minari(3, tmp / "dst"), r"the import source must be a path .*got int 3"),
+        (lambda tmp: convert(tmp / "buf", None), r"for source and destination, got NoneType None"),
+        (lambda tmp: imp.export_lerobot(tmp / "buf", 5), r"the export destination must be a folder path .*got int 5"),
+        (lambda tmp: imp.export_diffusion_policy(tmp / "buf", None), r"export destination must be .*got NoneType"),
+        (lambda tmp: ReplayBuffer.from_folder(None), r"the location must be a folder path or URL .*got NoneType None"),
+    ],
+)
+def test_a_location_that_is_no_path_is_named(tmp_path, call, message):
+    """os.fspath said only "expected str, bytes or os.PathLike object, not int", naming no
+    argument; and an int reached os.path.exists as a file descriptor."""
+    buffer = ReplayBuffer(tmp_path / "buf", max_episodes=1, max_timesteps=2, fields={"x": "float"})
+    buffer.store_episode(x=np.zeros(2))
+    buffer.close()
+    with pytest.raises(TypeError, match=message):
+        call(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["buf"]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda tmp: imp.diffusion_policy("s3://bucket/pusht.zarr", tmp / "dst"), r"import source .*local"),
+        (lambda tmp: imp.lerobot("gs://bucket/lerobot/pusht", tmp / "dst"), r"import source .*local"),
+        (lambda tmp: imp.export_diffusion_policy(tmp / "buf", "s3://bucket/out.zarr"), r"export destination .*local"),
+        (lambda tmp: imp.export_lerobot(tmp / "buf", "s3://bucket/out"), r"export destination .*local"),
+    ],
+)
+def test_a_url_where_an_import_or_export_reads_local_files_only_is_refused(tmp_path, call, message):
+    """Sources are local files and exports local folders (the storage options are the other
+    end's): an s3:// source ended in botocore's "created in a different Context" traceback, an
+    s3:// diffusion_policy export tried AWS itself, a lerobot one said "Missing bucket name"."""
+    buffer = ReplayBuffer(tmp_path / "buf", max_episodes=1, max_timesteps=2, fields={"x": "float"})
+    buffer.store_episode(x=np.zeros(2))
+    buffer.close()
+    with pytest.raises(ValueError, match=message):
+        call(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["buf"]

@@ -91,6 +91,17 @@ def test_num_batches_takes_a_numpy_int_and_refuses_others_by_name(members):
             mixture.dataloader(8, timestep_level=True, num_batches=bad, seed=0)
 
 
+@pytest.mark.parametrize("concat", [False, True])
+def test_num_batches_beside_a_loader_that_takes_none_is_refused_by_name(members, concat):
+    """Only weighted mixtures and the prioritized sampler draw a number of batches; elsewhere it
+    reached torch as "DataLoader.__init__() got an unexpected keyword argument 'num_batches'"."""
+    buffer = ConcatReplayBuffer(members) if concat else members[0]
+    with pytest.raises(
+        ValueError, match=r"num_batches=3 applies only to sampler='prioritized' or a ConcatReplayBuffer"
+    ):
+        buffer.dataloader(8, timestep_level=True, num_batches=3)
+
+
 @pytest.mark.parametrize(
     "state, message",
     [

@@ -94,6 +94,26 @@ def test_bad_arguments(tmp_path, bad, message):
         buffer.dataloader(2, **bad)
 
 
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"fields": ["nope"]}, "nope"),
+        ({"n_steps": 2, "timestep_level": True}, "cannot specify both n_steps and timestep_level"),
+        ({"sampler": "prioritized", "priority_field": "nope"}, "priority_field 'nope' is not a field"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_loader_arguments_are_checked_when_a_rate_limited_loader_is_made(tmp_path, bad, message):
+    """They were checked only when the first pass began, after waiting for min_size steps
+    (a learner would find its typo once the actors had filled the buffer)."""
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=4, max_timesteps=LENGTH, fields=FIELDS)
+    store(buffer, 0)
+    options = {"batch_size": 2, "timestep_level": True, **bad}
+    with pytest.raises((ValueError, TypeError), match=message):
+        buffer.dataloader(**options, samples_per_insert=1, min_size=3 * LENGTH)
+
+
 @pytest.mark.parametrize("sampled", [-100, 2.5, "10"])
 def test_a_bad_sample_count_in_a_state_is_refused(tmp_path, sampled):
     """A negative count would let the loader hand out that many samples beyond the ratio."""

@@ -322,6 +322,20 @@ def test_normalizers(tmp_path):
     torch.testing.assert_close(scaled.unnormalize(scaled(values)), values, atol=1e-3, rtol=1e-5)
 
 
+def test_normalizers_take_numpy_arrays(tmp_path):
+    """An observation from an environment is a numpy array: torch's operators refused it
+    ("unsupported operand type(s) for -: 'numpy.ndarray' and 'Tensor'")."""
+    buffer = make(tmp_path / "b", 4)
+    values = np.concatenate([episode(i)["state"] for i in range(4)])
+    for kind in ("meanstd", "quantile"):
+        norm = normalizer(buffer, "state", kind=kind)
+        out = norm(values[:5])
+        assert isinstance(out, np.ndarray)
+        np.testing.assert_allclose(out, norm(torch.from_numpy(values[:5])).numpy(), rtol=1e-6)
+        np.testing.assert_allclose(norm.unnormalize(out), values[:5], rtol=1e-5, atol=1e-5)
+        assert isinstance(norm(values[0].tolist()), np.ndarray)
+
+
 def test_errors(tmp_path):
     buffer = make(tmp_path / "b", 2, max_episodes=3)
     with pytest.raises(ValueError, match=r"fields \['image'\] have no sketches"):

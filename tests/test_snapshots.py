@@ -449,3 +449,17 @@ def test_a_cached_snapshot_view_serves_in_place_edits_and_convert_keeps_revision
     copy = ReplayBuffer.from_folder(tmp_path / "copy", snapshot="a")
     assert copy._meta["_revision"][:3].tolist() == revisions.tolist()
     assert copy.data["reward"][1, :4].tolist() == [9.0] * 4
+
+
+def test_info_lists_the_snapshots(tmp_path):
+    """`replaybuf info` listed attrs but not snapshots, which block overwrites and clear()."""
+    from replaybuf.maintenance import format_info, info
+
+    buffer = make(tmp_path / "b")
+    buffer.store_episode(**episode(0))
+    assert info(tmp_path / "b")["snapshots"] == [] and "\nsnapshots " not in format_info(info(tmp_path / "b"))
+    buffer.snapshot("run-2")
+    buffer.snapshot("run-1")
+    facts = info(tmp_path / "b")
+    assert facts["snapshots"] == ["run-1", "run-2"]
+    assert "snapshots  run-1, run-2" in format_info(facts)

@@ -59,7 +59,16 @@ class Source(ABC):
     format: ClassVar[str]
 
     def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, str | os.PathLike):  # os.fspath would not say which argument
+            raise TypeError(
+                f"the import source must be a path (a str or os.PathLike), got {type(path).__name__} {path!r}"
+            )
         self.path = os.fspath(path)
+        if "://" in self.path:  # the storage options are the destination's: nothing here reads a store
+            raise ValueError(
+                f"the import source must be a local file or folder, got the URL {self.path!r}; copy the dataset "
+                "here first (e.g. `aws s3 sync`, `gcloud storage cp -r`)"
+            )
 
     @abstractmethod
     def fields(self) -> dict[str, dict[str, Any]]:
@@ -386,6 +395,15 @@ def run_import(
 def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
     """Refuse an export into a folder that holds anything (an export never overwrites), or
     inside the folder of the source buffer ``src`` (it would add files to the buffer)."""
+    if not isinstance(dst, str | os.PathLike):  # an int is a file descriptor to os.path.exists
+        raise TypeError(
+            f"the export destination must be a folder path (a str or os.PathLike), got {type(dst).__name__} {dst!r}"
+        )
+    if "://" in os.fspath(dst):  # the storage options are the source's; a folder named "s3:" is no export
+        raise ValueError(
+            f"the export destination must be a local folder, got the URL {os.fspath(dst)!r}; export here, then copy "
+            "it (e.g. `aws s3 sync`)"
+        )
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise FileExistsError(f"{os.fspath(dst)}: the export destination must be a new or empty folder, not a file")
     held = sorted(os.listdir(dst)) if os.path.isdir(dst) else []

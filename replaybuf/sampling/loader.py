@@ -222,6 +222,10 @@ def make_dataloader(
         limiter = RateLimiter(
             buffer, samples_per_insert, min_size, batch_size if error_buffer is None else error_buffer, rate_timeout
         )
+        if len(buffer) > 0:
+            # one loader now, so a bad argument (a field name, batch_size, a DataLoader keyword)
+            # fails here and not when the first pass begins, after waiting for min_size steps
+            make_dataloader(**options)
         return RateLimitedLoader(lambda: make_dataloader(**options), limiter)
     if dataset_kwargs is not None and not isinstance(dataset_kwargs, dict):  # dict() of it fails obscurely
         raise TypeError(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {dataset_kwargs!r}")
@@ -346,6 +350,12 @@ def make_dataloader(
             rank=resolve_rank(rank, world_size)[0],
         )
         return MixtureDataLoader(dataset, mixture, collate_fn=collate, **kwargs)
+    if "num_batches" in kwargs:  # torch would say only "unexpected keyword argument"
+        raise ValueError(
+            f"num_batches={kwargs['num_batches']!r} applies only to sampler='prioritized' or a ConcatReplayBuffer "
+            "made with weights, which draw that many batches a pass; other loaders make one pass over the dataset "
+            "(stop iterating after the batches you need)"
+        )
     if custom:
         kwargs["sampler"] = sampler
     elif rank is not None or world_size is not None or seed is not None or resolve_rank()[1] > 1:

@@ -1503,6 +1503,11 @@ def make_storage(
     """
     if isinstance(location, Storage):
         return location
+    if not isinstance(location, str | bytes | os.PathLike):  # os.fspath names neither the argument nor a path
+        raise TypeError(
+            f"the location must be a folder path or URL (a str or os.PathLike), got {type(location).__name__} "
+            f"{location!r}"
+        )
     location = os.fspath(location)
     if not isinstance(location, str):  # bytes: every path and URL here is handled as text
         raise TypeError(f"the location must be a str or os.PathLike of str, got bytes {location!r}; decode it first")
