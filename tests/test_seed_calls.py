@@ -14,7 +14,7 @@ import torch
 
 import replaybuf
 
-from ._backends import require
+from ._backends import LOCAL_BACKENDS, require
 from ._compare import assert_same
 from ._h5outside import KINDS as OUTSIDE_KINDS
 from ._h5outside import replace_with_outside
@@ -272,6 +272,29 @@ def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
         view.nope  # noqa: B018
     assert_same(ours.get_all_data(), before, "after a refused in-place add")
     assert hash(view) == hash(view) and view in {view}  # still hashable (by identity)
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_view_reads_are_copies_and_one_index_writes_through(tmp_path, backend):
+    """README, Differences: what indexing ``data`` / ``meta_data`` returns is a copy, on every
+    backend (the seed's memmap slice writes through, its ReplayBufferH5PY copies), so a write
+    into it changes nothing stored; a write with one index reaches the buffer."""
+    if backend == "hdf5":
+        require("h5py")
+    buffer = replaybuf.ReplayBuffer(
+        tmp_path / backend, max_episodes=3, max_timesteps=4, fields=FIELDS, meta_fields=META, backend=backend
+    )
+    buffer.store_episode(obs=torch.zeros(3, 2), act=torch.arange(3), done=torch.zeros(3, dtype=torch.bool), label=5)
+    before = buffer.get_all_data()
+    row = buffer.data["act"][0]
+    row[1] = 99
+    buffer.data["obs"][0][1] = 7.0  # chained: the second index writes into the first's copy
+    buffer.meta_data["label"][:][0] = 1
+    assert row.tolist()[:3] == [0, 99, 2]
+    assert_same(buffer.get_all_data(), before, "after writes into copies")
+    buffer.data["act"][0, 1] = 99
+    assert buffer.data["act"][0].tolist()[:3] == [0, 99, 2]
+    assert replaybuf.ReplayBuffer.from_folder(tmp_path / backend, read_only=True).data["act"][0, 1] == 99
 
 
 @pytest.mark.parametrize("circular, episodes, in_progress", [(False, 2, False), (True, 5, True)])
