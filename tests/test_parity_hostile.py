@@ -273,6 +273,18 @@ def test_a_missing_buffer_raises_the_seeds_value_error(tmp_path, open_missing):
     assert repr(str(path)) in str(raised.value)
 
 
+@pytest.mark.parametrize("name", ["task-id", "task id", "1st", "../up", ""])
+def test_a_meta_field_name_that_is_no_identifier_is_refused_naming_it(tmp_path, name):
+    """README, Differences: meta field names must be identifiers as data field names must (they
+    name files and arrays); the seed takes any string for a meta field. Nothing is created."""
+    if "/" not in name:  # the seed takes it ('../up' it would write beside its folder)
+        seed.ReplayBuffer(tmp_path / "seed", 2, 3, {"x": "int"}, {name: "int"})
+    path = tmp_path / "ours"
+    with pytest.raises(ValueError, match=f"field name {name!r} is not a valid identifier"):
+        replaybuf.ReplayBuffer(path, 2, 3, {"x": "int"}, {name: "int"})
+    assert not path.exists()
+
+
 # field defaults the dtype cannot hold
 
 
