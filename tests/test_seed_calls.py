@@ -275,6 +275,25 @@ def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_second_object_in_the_process_is_seen_after_a_write_or_refresh(tmp_path, backend):
+    """README, Differences: the seed's README reopens with ``from_folder`` while the first object
+    keeps writing. Both take turns without overwriting each other; the first reads the
+    second's commits after its own next write or ``refresh()`` (the seed's at once)."""
+    if backend == "hdf5":
+        require("h5py")
+    first = replaybuf.ReplayBuffer(tmp_path / backend, max_episodes=4, max_timesteps=3, fields=FIELDS, backend=backend)
+    first.store_episode(act=torch.tensor([1]))
+    second = replaybuf.ReplayBuffer.from_folder(tmp_path / backend)
+    second.store_episode(act=torch.tensor([2]))
+    assert (first.num_episodes, second.num_episodes) == (1, 2)
+    first.refresh()
+    assert first.num_episodes == len(first) == 2 and first.get_all_data()["act"][:, 0].tolist() == [1, 2]
+    second.store_episode(act=torch.tensor([3]))
+    first.store_episode(act=torch.tensor([4]))  # reloads the second's commit first: slot 3, not 2
+    assert first.get_all_data()["act"][:, 0].tolist() == [1, 2, 3, 4] and first.episode_lens.tolist() == [1] * 4
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_view_reads_are_copies_and_one_index_writes_through(tmp_path, backend):
     """README, Differences: what indexing ``data`` / ``meta_data`` returns is a copy, on every
     backend (the seed's memmap slice writes through, its ReplayBufferH5PY copies), so a write
