@@ -274,6 +274,29 @@ def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
     assert hash(view) == hash(view) and view in {view}  # still hashable (by identity)
 
 
+@pytest.mark.parametrize("module", ["replay_buffer", "replay_buffer_h5py", "episode_collector", "concat_replay_buffer"])
+def test_the_seeds_submodules_import_under_replaybuf(module):
+    """``from memmap_replay_buffer.replay_buffer import ReplayBuffer`` (and the other submodules'
+    public classes) works after changing the package name alone: each name the seed's
+    submodule defines and ``replaybuf`` exports is the same object there."""
+    import importlib
+
+    theirs, ours = (
+        importlib.import_module(f"memmap_replay_buffer.{module}"),
+        importlib.import_module(f"replaybuf.{module}"),
+    )
+    names = [
+        name
+        for name, value in vars(theirs).items()
+        if not name.startswith("_")
+        and getattr(value, "__module__", None) == theirs.__name__
+        and name in replaybuf.__all__
+    ]
+    assert names and sorted(names) == sorted(ours.__all__), module
+    for name in names:
+        assert getattr(ours, name) is getattr(replaybuf, name), f"replaybuf.{module}.{name}"
+
+
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_a_second_object_in_the_process_is_seen_after_a_write_or_refresh(tmp_path, backend):
     """README, Differences: the seed's README reopens with ``from_folder`` while the first object
