@@ -175,7 +175,9 @@ def check_index(value: Any, size: int, name: str, call: str) -> int:
             index = operator.index(value)
         except TypeError:
             pass
-    if index is None or not 0 <= index < size:
+    if index is None:  # an array of several, a float, a bool: no index at all, whatever its values
+        raise ValueError(f"{call}: {name} must be one int in [0, {size}), got {value!r}")
+    if not 0 <= index < size:
         raise ValueError(f"{call}: {name} {value!r} out of range - must be in [0, {size})")
     return index
 

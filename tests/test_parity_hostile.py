@@ -429,10 +429,12 @@ def test_0d_integer_indices_write_where_the_seed_writes(meta_pair, index):
 def test_bool_float_and_1d_indices_stay_refused(meta_pair, index):
     _, ours = meta_pair
     before = ours.get_all_data()
-    with pytest.raises(ValueError, match=r"store_datapoint: episode_index .* out of range - must be in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"store_datapoint: episode_index must be one int in \[0, 4\), got "):
         ours.store_datapoint(index, 0, "a", 7)
-    with pytest.raises(ValueError, match=r"store_meta_datapoint: episode_index .* out of range"):
+    with pytest.raises(ValueError, match=r"store_meta_datapoint: episode_index must be one int in \[0, 4\)"):
         ours.store_meta_datapoint(index, "k", 7)
+    with pytest.raises(ValueError, match=r"store_batch_datapoint: timestep_index must be one int in \[0, 2\)"):
+        ours.store_batch_datapoint([0, 1], np.array([0, 2]), "a", [5, 6])  # the seed's int, one for all
     assert_same(ours.get_all_data(), before, "after refused writes")
 
 
