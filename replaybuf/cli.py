@@ -335,6 +335,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     videos: dict[str, Path] = {}
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
+    sheets: list[tuple[Path, np.ndarray]] = []  # written after every video, in the seed's order
     try:
         for field in fields:
             frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
@@ -347,14 +348,13 @@ def run_inspect(args: argparse.Namespace) -> int:
             }
             # as the seed words it: frames of (H, W, C)
             print(f"wrote {path} ({len(frames)} frames of {frames.shape[1:]} at {args.fps} fps)")
-            if args.sheet is not None:
-                import imageio.v3 as iio
+            if args.sheet is not None:  # a sheet, not the frames, is kept until the videos are done
+                sheets.append((_suffixed(args.sheet, field, several), frames_to_sheet(frames, args.rows, args.columns)))
+        for sheet_path, sheet in sheets:
+            import imageio.v3 as iio
 
-                sheet_path = _suffixed(args.sheet, field, several)
-                write_atomically(
-                    sheet_path, partial(iio.imwrite, image=frames_to_sheet(frames, args.rows, args.columns))
-                )
-                print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
+            write_atomically(sheet_path, partial(iio.imwrite, image=sheet))
+            print(f"wrote {sheet_path} ({args.rows}x{args.columns} contact sheet)")
     except BaseException:  # nothing to serve: the temp folder goes now
         if temp_dir is not None:
             temp_dir.close()

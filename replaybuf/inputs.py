@@ -6,6 +6,7 @@ was expected.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -68,7 +69,10 @@ def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
         # compared as Python numbers: numpy compares a float16 with int32's bounds in float16,
         # which overflows (a RuntimeWarning, an error under -W error)
         lo, hi = array.min().item(), array.max().item()
-        if lo < info.min or hi > info.max:
+        # the cast truncates floats toward zero, as the seed's does: 255.9 is stored as 255 in a
+        # uint8 field and -0.5 as 0, so the truncated values are the ones that must fit
+        low, high = (math.trunc(lo), math.trunc(hi)) if array.dtype.kind == "f" else (lo, hi)
+        if low < info.min or high > info.max:
             raise ValueError(
                 f"field {f.name!r}: values in [{lo}, {hi}] do not fit dtype {target} (range [{info.min}, {info.max}])"
             )
@@ -175,7 +179,9 @@ def check_index(value: Any, size: int, name: str, call: str) -> int:
             index = operator.index(value)
         except TypeError:
             pass
-    if index is None or not 0 <= index < size:
+    if index is None:  # an array of several, a float, a bool: no index at all, whatever its values
+        raise ValueError(f"{call}: {name} must be one int in [0, {size}), got {value!r}")
+    if not 0 <= index < size:
         raise ValueError(f"{call}: {name} {value!r} out of range - must be in [0, {size})")
     return index
 

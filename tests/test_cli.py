@@ -81,6 +81,46 @@ def test_report_lines_are_the_seeds(tmp_path, monkeypatch, capsys):
     )
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_two_cameras_render_as_the_seeds_on_every_backend(tmp_path, monkeypatch, capsys, backend):
+    """The seed README's multi-camera command on a buffer of each backend writes the files, the
+    report lines and the sheets (lossless PNG, every pixel) that memmap-replay-buffer writes for
+    the same episodes, and videos of the same frame counts and sizes."""
+    seed = pytest.importorskip("memmap_replay_buffer")
+    from memmap_replay_buffer.video import main as seed_main
+
+    import replaybuf
+
+    if backend == "hdf5":
+        pytest.importorskip("h5py")
+    rng = np.random.default_rng(0)
+    episodes = [rng.integers(0, 256, (n, 8, 6, 3), dtype=np.uint8) for n in (3, 5)]
+    args = dict(max_episodes=3, max_timesteps=5, fields=dict(front=("uint8", (8, 6, 3)), wrist=("uint8", (8, 6, 3))))
+    buffers = {
+        "seed": seed.ReplayBuffer(tmp_path / "b-seed", **args),
+        "ours": replaybuf.ReplayBuffer(tmp_path / "b-ours", backend=backend, **args),
+    }
+    for buffer in buffers.values():
+        for frames in episodes:
+            buffer.store_episode(front=frames, wrist=255 - frames)
+        buffer.flush()
+    written = {}
+    for name, entry in (("seed", seed_main), ("ours", inspect_main)):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        argv = [str(tmp_path / f"b-{name}"), "-e", "1,0", "-f", "front,wrist", "-o", "r.gif", "--sheet", "s.png"]
+        argv += ["--rows", "2", "--columns", "2"]
+        assert entry(argv) in (None, 0)
+        written[name] = (capsys.readouterr().out.replace(f"b-{name}", "b"), sorted(os.listdir(tmp_path / name)))
+    assert written["ours"] == written["seed"]
+    assert written["seed"][1] == ["r.front.gif", "r.wrist.gif", "s.front.png", "s.wrist.png"]
+    for file in written["seed"][1]:
+        theirs, ours = iio.imread(tmp_path / "seed" / file), iio.imread(tmp_path / "ours" / file)
+        assert ours.shape == theirs.shape, file
+        if file.endswith(".png"):
+            np.testing.assert_array_equal(ours, theirs, err_msg=file)
+
+
 def test_several_fields_write_one_video_and_sheet_each(buffer_folder, workdir):
     argv = [
         str(buffer_folder),

@@ -273,6 +273,43 @@ def test_a_missing_buffer_raises_the_seeds_value_error(tmp_path, open_missing):
     assert repr(str(path)) in str(raised.value)
 
 
+@pytest.mark.parametrize("name", ["task-id", "task id", "1st", "../up", ""])
+def test_a_meta_field_name_that_is_no_identifier_is_refused_naming_it(tmp_path, name):
+    """README, Differences: meta field names must be identifiers as data field names must (they
+    name files and arrays); the seed takes any string for a meta field. Nothing is created."""
+    if "/" not in name:  # the seed takes it ('../up' it would write beside its folder)
+        seed.ReplayBuffer(tmp_path / "seed", 2, 3, {"x": "int"}, {name: "int"})
+    path = tmp_path / "ours"
+    with pytest.raises(ValueError, match=f"field name {name!r} is not a valid identifier"):
+        replaybuf.ReplayBuffer(path, 2, 3, {"x": "int"}, {name: "int"})
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("backend", ["zarr", "memmap", "hdf5"])
+def test_fractional_floats_that_truncate_into_range_are_stored_as_the_seed(tmp_path, backend):
+    """255.9 into a uint8 field is 255 and -0.5 is 0 (the cast truncates toward zero, as the
+    seed's): they were refused as out of range, comparing the floats before truncation.
+    256.0 and -1.0 stay refused."""
+    if backend == "hdf5":
+        pytest.importorskip("h5py")
+    args = dict(max_episodes=3, max_timesteps=3, fields={"u": ("uint8", 2), "i": "int"}, meta_fields={"m": "uint8"})
+    ours = replaybuf.ReplayBuffer(tmp_path / "ours", backend=backend, **args)
+    theirs = seed.ReplayBuffer(tmp_path / "seed", **args)
+    for buffer in (ours, theirs):
+        with buffer.one_episode(m=255.99):
+            buffer.store(u=[255.9, -0.5], i=2147483647.5)
+            buffer.store(u=np.array([-0.99, 0.5], np.float32), i=-2147483648.9)
+        buffer.store_episode(u=np.full((2, 2), 255.5), i=[1.5, -1.5], m=-0.5)
+        buffer.update(0, m=np.float16(255.2))
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    assert ours.get_all_data()["u"][0].tolist() == [[255, 0], [0, 0]]
+    before = ours.get_all_data()
+    for value in (256.0, -1.0):
+        with pytest.raises(ValueError, match=r"field 'u': values in .* do not fit dtype uint8"):
+            ours.store_episode(u=[[value, 0.0]])
+    assert_same(ours.get_all_data(), before, "after refused writes")
+
+
 # field defaults the dtype cannot hold
 
 
@@ -417,10 +454,12 @@ def test_0d_integer_indices_write_where_the_seed_writes(meta_pair, index):
 def test_bool_float_and_1d_indices_stay_refused(meta_pair, index):
     _, ours = meta_pair
     before = ours.get_all_data()
-    with pytest.raises(ValueError, match=r"store_datapoint: episode_index .* out of range - must be in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"store_datapoint: episode_index must be one int in \[0, 4\), got "):
         ours.store_datapoint(index, 0, "a", 7)
-    with pytest.raises(ValueError, match=r"store_meta_datapoint: episode_index .* out of range"):
+    with pytest.raises(ValueError, match=r"store_meta_datapoint: episode_index must be one int in \[0, 4\)"):
         ours.store_meta_datapoint(index, "k", 7)
+    with pytest.raises(ValueError, match=r"store_batch_datapoint: timestep_index must be one int in \[0, 2\)"):
+        ours.store_batch_datapoint([0, 1], np.array([0, 2]), "a", [5, 6])  # the seed's int, one for all
     assert_same(ours.get_all_data(), before, "after refused writes")
 
 

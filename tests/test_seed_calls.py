@@ -14,7 +14,7 @@ import torch
 
 import replaybuf
 
-from ._backends import require
+from ._backends import LOCAL_BACKENDS, require
 from ._compare import assert_same
 from ._h5outside import KINDS as OUTSIDE_KINDS
 from ._h5outside import replace_with_outside
@@ -272,6 +272,71 @@ def test_views_refuse_in_place_operators_and_unknown_attributes(filled):
         view.nope  # noqa: B018
     assert_same(ours.get_all_data(), before, "after a refused in-place add")
     assert hash(view) == hash(view) and view in {view}  # still hashable (by identity)
+
+
+@pytest.mark.parametrize("module", ["replay_buffer", "replay_buffer_h5py", "episode_collector", "concat_replay_buffer"])
+def test_the_seeds_submodules_import_under_replaybuf(module):
+    """``from memmap_replay_buffer.replay_buffer import ReplayBuffer`` (and the other submodules'
+    public classes) works after changing the package name alone: each name the seed's
+    submodule defines and ``replaybuf`` exports is the same object there."""
+    import importlib
+
+    theirs, ours = (
+        importlib.import_module(f"memmap_replay_buffer.{module}"),
+        importlib.import_module(f"replaybuf.{module}"),
+    )
+    names = [
+        name
+        for name, value in vars(theirs).items()
+        if not name.startswith("_")
+        and getattr(value, "__module__", None) == theirs.__name__
+        and name in replaybuf.__all__
+    ]
+    assert names and sorted(names) == sorted(ours.__all__), module
+    for name in names:
+        assert getattr(ours, name) is getattr(replaybuf, name), f"replaybuf.{module}.{name}"
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_second_object_in_the_process_is_seen_after_a_write_or_refresh(tmp_path, backend):
+    """README, Differences: the seed's README reopens with ``from_folder`` while the first object
+    keeps writing. Both take turns without overwriting each other; the first reads the
+    second's commits after its own next write or ``refresh()`` (the seed's at once)."""
+    if backend == "hdf5":
+        require("h5py")
+    first = replaybuf.ReplayBuffer(tmp_path / backend, max_episodes=4, max_timesteps=3, fields=FIELDS, backend=backend)
+    first.store_episode(act=torch.tensor([1]))
+    second = replaybuf.ReplayBuffer.from_folder(tmp_path / backend)
+    second.store_episode(act=torch.tensor([2]))
+    assert (first.num_episodes, second.num_episodes) == (1, 2)
+    first.refresh()
+    assert first.num_episodes == len(first) == 2 and first.get_all_data()["act"][:, 0].tolist() == [1, 2]
+    second.store_episode(act=torch.tensor([3]))
+    first.store_episode(act=torch.tensor([4]))  # reloads the second's commit first: slot 3, not 2
+    assert first.get_all_data()["act"][:, 0].tolist() == [1, 2, 3, 4] and first.episode_lens.tolist() == [1] * 4
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_view_reads_are_copies_and_one_index_writes_through(tmp_path, backend):
+    """README, Differences: what indexing ``data`` / ``meta_data`` returns is a copy, on every
+    backend (the seed's memmap slice writes through, its ReplayBufferH5PY copies), so a write
+    into it changes nothing stored; a write with one index reaches the buffer."""
+    if backend == "hdf5":
+        require("h5py")
+    buffer = replaybuf.ReplayBuffer(
+        tmp_path / backend, max_episodes=3, max_timesteps=4, fields=FIELDS, meta_fields=META, backend=backend
+    )
+    buffer.store_episode(obs=torch.zeros(3, 2), act=torch.arange(3), done=torch.zeros(3, dtype=torch.bool), label=5)
+    before = buffer.get_all_data()
+    row = buffer.data["act"][0]
+    row[1] = 99
+    buffer.data["obs"][0][1] = 7.0  # chained: the second index writes into the first's copy
+    buffer.meta_data["label"][:][0] = 1
+    assert row.tolist()[:3] == [0, 99, 2]
+    assert_same(buffer.get_all_data(), before, "after writes into copies")
+    buffer.data["act"][0, 1] = 99
+    assert buffer.data["act"][0].tolist()[:3] == [0, 99, 2]
+    assert replaybuf.ReplayBuffer.from_folder(tmp_path / backend, read_only=True).data["act"][0, 1] == 99
 
 
 @pytest.mark.parametrize("circular, episodes, in_progress", [(False, 2, False), (True, 5, True)])
