@@ -1514,17 +1514,36 @@ class ReplayBuffer(CommittedViews):
         self._set_meta(name, np.array([episode]), step_value(datapoint, self.schema.meta_fields[name])[None])
 
     @_serialized
-    def store_batch_datapoint(self, episode_indices: Any, timestep_index: int, name: str, datapoints: Any) -> None:
-        """``store_datapoint`` for several episodes at one timestep (the seed's batched form):
-        ``datapoints`` holds one value per episode, or one value for all. Everything is checked
-        before anything is written."""
+    def store_batch_datapoint(
+        self, episode_indices: Any, timestep_index: int | Sequence[int], name: str, datapoints: Any
+    ) -> None:
+        """``store_datapoint`` for several episodes at one timestep (the seed's batched form), or
+        at one timestep each (a sequence of ``timestep_index``, as the seed's memmap indexing
+        takes): ``datapoints`` holds one value per episode, or one value for all. Everything is
+        checked before anything is written."""
         self._check_writable("store_batch_datapoint")
         episodes = self._datapoint_episodes(episode_indices, "store_batch_datapoint")
-        check_index(timestep_index, self.max_timesteps, "timestep_index", "store_batch_datapoint")
+        timesteps = self._datapoint_timesteps(timestep_index, len(episodes))
         self._check_names([name], self.fieldnames, "field", "store_batch_datapoint")
         values = self._broadcast(datapoints, self.schema.fields[name], len(episodes), "store_batch_datapoint")
-        for episode, value in zip(episodes, values):
-            self.store_datapoint(int(episode), timestep_index, name, value)
+        for episode, timestep, value in zip(episodes, timesteps, values):
+            self.store_datapoint(int(episode), timestep, name, value)
+
+    def _datapoint_timesteps(self, timestep_index: Any, count: int) -> list[int]:
+        """``store_batch_datapoint``'s timesteps: one int for all ``count`` episodes, or one each."""
+        call = "store_batch_datapoint"
+        if np.ndim(timestep_index) == 0:
+            check_index(timestep_index, self.max_timesteps, "timestep_index", call)
+            return [timestep_index] * count
+        timesteps = to_numpy(timestep_index, "timestep_index")
+        if timesteps.shape != (count,) or (count and timesteps.dtype.kind not in "iu"):
+            raise ValueError(
+                f"{call}: timestep_index must be one int, or one int per episode ({count}), "
+                f"got {timesteps.dtype} {list(timesteps.shape)}"
+            )
+        for timestep in timesteps.tolist():
+            check_index(timestep, self.max_timesteps, "timestep_index", call)
+        return timesteps.tolist()
 
     @_serialized
     def store_batch_meta_datapoint(self, episode_indices: Any, name: str, datapoints: Any) -> None:

@@ -458,8 +458,24 @@ def test_bool_float_and_1d_indices_stay_refused(meta_pair, index):
         ours.store_datapoint(index, 0, "a", 7)
     with pytest.raises(ValueError, match=r"store_meta_datapoint: episode_index must be one int in \[0, 4\)"):
         ours.store_meta_datapoint(index, "k", 7)
-    with pytest.raises(ValueError, match=r"store_batch_datapoint: timestep_index must be one int in \[0, 2\)"):
-        ours.store_batch_datapoint([0, 1], np.array([0, 2]), "a", [5, 6])  # the seed's int, one for all
+    with pytest.raises(ValueError, match=r"store_batch_datapoint: timestep_index 2 out of range - must be in \[0, 2\)"):
+        ours.store_batch_datapoint([0, 1], np.array([0, 2]), "a", [5, 6])  # one per episode, each checked
+    assert_same(ours.get_all_data(), before, "after refused writes")
+
+
+def test_store_batch_datapoint_takes_one_timestep_per_episode_as_the_seed(meta_pair):
+    """The seed's memmap indexing takes an array of timesteps, one per episode; it raised here."""
+    theirs, ours = meta_pair
+    for buffer in (theirs, ours):
+        buffer.store_batch_datapoint([0, 1], np.array([1, 0]), "a", [5, 6])
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    before = ours.get_all_data()
+    with pytest.raises(
+        ValueError, match=r"timestep_index must be one int, or one int per episode \(2\), got int64 \[3\]"
+    ):
+        ours.store_batch_datapoint([0, 1], np.array([0, 1, 1]), "a", [5, 6])
+    with pytest.raises(ValueError, match=r"one int per episode \(2\), got float64"):
+        ours.store_batch_datapoint([0, 1], np.array([0.0, 1.0]), "a", [5, 6])
     assert_same(ours.get_all_data(), before, "after refused writes")
 
 
