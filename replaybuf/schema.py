@@ -75,13 +75,20 @@ def parse_dtype(name: str, spec: Any) -> np.dtype:
     return np.dtype(dtype.name)
 
 
+class ShapeValueError(TypeError, ValueError):
+    """A field shape of ints not all positive: a malformed spec (``TypeError``, as every other
+    one here) and a bad value (``ValueError``, what the seed's numpy raises for a negative one)."""
+
+
 def _parse_shape(name: str, shape: Any) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (int(shape),)
-    if not isinstance(shape, (tuple, list)) or not all(
-        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape
-    ):
-        raise TypeError(f"field {name!r}: shape must be a positive int or a tuple of positive ints, got {shape!r}")
+    ints = isinstance(shape, (tuple, list)) and all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape
+    )
+    if not ints or not all(d > 0 for d in shape):
+        error = ShapeValueError if ints else TypeError
+        raise error(f"field {name!r}: shape must be a positive int or a tuple of positive ints, got {shape!r}")
     return tuple(int(d) for d in shape)
 
 

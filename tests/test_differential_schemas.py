@@ -317,6 +317,16 @@ def test_spec_forms_are_taken_or_refused_as_the_seed(tmp_path, spec, seed_takes,
         assert not (tmp_path / "replaybuf").exists()
 
 
+@pytest.mark.parametrize("shape", [-1, (2, -3)])
+def test_a_negative_shape_raises_what_the_seed_raises(tmp_path, shape):
+    """The seed's numpy raises ValueError; here it was a TypeError only (except ValueError missed it)."""
+    _, theirs = outcome(lambda: seed.ReplayBuffer(tmp_path / "seed", 2, 3, {"x": ("float", shape)}))
+    with pytest.raises(type(theirs), match="field 'x': shape must be a positive int") as ours:
+        replaybuf.ReplayBuffer(tmp_path / "ours", 2, 3, {"x": ("float", shape)})
+    assert isinstance(ours.value, TypeError)  # as every malformed spec here
+    assert not (tmp_path / "ours").exists()
+
+
 @pytest.mark.parametrize("name", ["episode_lens", "_generation", "_revision", "_meta_sum"])
 def test_the_buffers_own_names_are_refused_as_meta_fields_naming_them(tmp_path, name):
     """difference: the seed takes them (a meta field ``episode_lens`` becomes its lengths)."""
