@@ -476,6 +476,15 @@ class ReplayBuffer(CommittedViews):
         elif wanted is not None or self._given:
             self._refuse_another_config(wanted)  # before the lease: a refused reopen writes nothing
         self.storage.acquire_writer(break_lock, erase=overwrite)
+        lease = self.storage.held_lease
+        if lease is not None:  # one lock for the opens sharing the lease (``WriterLease.lock``)
+            self._rlock = lease.lock
+        with self._lock:
+            self._open_writable(wanted, overwrite, held, hot_bytes)
+
+    def _open_writable(self, wanted: Schema | None, overwrite: bool, held: list[str], hot_bytes: int) -> None:
+        """The rest of a writable open, once the writer lease is taken, holding the lock of
+        the opens sharing it: another object's write in another thread waits for it."""
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             snapshots.warn_dropped(self.storage.location, held)

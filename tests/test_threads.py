@@ -111,6 +111,28 @@ def test_two_threads_store_whole_episodes_each_once(place):
     assert verify(place.location) == []
 
 
+def test_two_opens_of_one_buffer_in_two_threads_store_each_episode_once(place):
+    """Two writable objects of one buffer in one process (``from_folder`` beside the first, as
+    the seed's README does: they share the writer lease) storing from two threads: the second
+    waits for the first's commit (before: each object held only its own lock, so both took
+    the same slot and counters, and episodes whose ``store_episode`` returned were lost)."""
+    buffer = make(place, 4)
+    again = ReplayBuffer.from_folder(place.location, **place.kwargs)
+    second_done, errors = threading.Event(), []
+    inside = held_inside(buffer, "obs", second_done)
+    first = run(lambda: buffer.store_episode(**steps(1), ep=1), errors)
+    assert inside.wait(30)
+    second = run(lambda: (again.store_episode(**steps(2), ep=2), second_done.set()), errors)
+    first.join(), second.join()
+    assert not errors, errors
+    buffer.close(), again.close()
+    found = committed(place.location, place.kwargs)
+    assert sorted(found) == [1, 2]
+    for e, rows in found.items():
+        assert all(np.array_equal(rows[n], steps(e)[n]) for n in rows), f"episode {e} is torn"
+    assert verify(place.location) == []
+
+
 def test_reads_of_another_thread_never_see_a_commit_half_done(place):
     """A learner thread reading the writer object while an actor thread reuses a circular slot:
     ``data[...]`` and ``get_all_data`` return each slot's rows of one whole episode (before:
