@@ -286,27 +286,29 @@ class DataView(ArrayBase):
         def read(items: np.ndarray) -> None:
             out[items] = storage.read_rows(self._name, slots[items], t0, t1, generations[items])
 
-        planned = stored_bookkeeping(storage, (), slots)
-        generations, lens = planned["_generation"], np.array(planned["episode_lens"], np.int64)
-        if (generations > buffer.generations.max(initial=0)).any() and storage.replaced():
-            # episodes newer than the last refresh may be another buffer's (every backend
-            # checks here; memmap and hdf5 also at each read's re-check)
-            raise BufferReplacedError(storage.location)
-        snapshot = getattr(buffer, "snapshot_name", None)
-        if snapshot is not None:  # a snapshot view reads its own episodes only, or raises
-            recorded = np.asarray(buffer.generations, np.int64)[slots]
-            gone = (recorded > 0) & (generations != recorded)
-            if gone.any():
-                raise snapshot_gone(snapshot, storage.location, slots[gone])
-            generations[recorded == 0] = 0
-        kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots, lens))
-        # a buffer deleted and created again counts generations from 1 again, so they can name
-        # its episodes: only this tells (a stat on a local folder, a GET on an object store)
-        if storage.replaced(cheap_only=storage.is_local):
-            raise BufferReplacedError(storage.location)
-        out[~kept] = 0
-        self._fill_past_lengths(out, np.where(kept, lens, 0), t0)
-        return out
+        # a reader whose refresh closes its file (hdf5): another thread's refresh waits for the read
+        with mirror_lock(buffer, writer_only=True):
+            planned = stored_bookkeeping(storage, (), slots)
+            generations, lens = planned["_generation"], np.array(planned["episode_lens"], np.int64)
+            if (generations > buffer.generations.max(initial=0)).any() and storage.replaced():
+                # episodes newer than the last refresh may be another buffer's (every backend
+                # checks here; memmap and hdf5 also at each read's re-check)
+                raise BufferReplacedError(storage.location)
+            snapshot = getattr(buffer, "snapshot_name", None)
+            if snapshot is not None:  # a snapshot view reads its own episodes only, or raises
+                recorded = np.asarray(buffer.generations, np.int64)[slots]
+                gone = (recorded > 0) & (generations != recorded)
+                if gone.any():
+                    raise snapshot_gone(snapshot, storage.location, slots[gone])
+                generations[recorded == 0] = 0
+            kept = read_consistent(buffer, slots.copy(), generations, read, replanner(storage, slots, lens))
+            # a buffer deleted and created again counts generations from 1 again, so they can name
+            # its episodes: only this tells (a stat on a local folder, a GET on an object store)
+            if storage.replaced(cheap_only=storage.is_local):
+                raise BufferReplacedError(storage.location)
+            out[~kept] = 0
+            self._fill_past_lengths(out, np.where(kept, lens, 0), t0)
+            return out
 
     def _fill_past_lengths(self, out: np.ndarray, lens: np.ndarray, t0: int) -> None:
         """Set the steps of ``out`` (read from step ``t0``) at or past each committed episode's
@@ -480,6 +482,15 @@ class ReplayBuffer(CommittedViews):
         elif wanted is not None or self._given:
             self._refuse_another_config(wanted)  # before the lease: a refused reopen writes nothing
         self.storage.acquire_writer(break_lock, erase=overwrite)
+        lease = self.storage.held_lease
+        if lease is not None:  # one lock for the opens sharing the lease (``WriterLease.lock``)
+            self._rlock = lease.lock
+        with self._lock:
+            self._open_writable(wanted, overwrite, held, hot_bytes)
+
+    def _open_writable(self, wanted: Schema | None, overwrite: bool, held: list[str], hot_bytes: int) -> None:
+        """The rest of a writable open, once the writer lease is taken, holding the lock of
+        the opens sharing it: another object's write in another thread waits for it."""
         try:
             self._setup(self._create(wanted) if overwrite or not self.storage.exists() else self._open(wanted))
             snapshots.warn_dropped(self.storage.location, held)

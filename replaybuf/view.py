@@ -234,10 +234,14 @@ def mirror_lock(buffer: Any, writer_only: bool = False) -> AbstractContextManage
     ``refresh()`` of it: a plan holding it copies lengths, generations and meta rows of one
     state of the mirror, though another thread of the process commits or refreshes through
     the same object. ``writer_only``: only a writable object's, for a whole read (rows no
-    commit, edit or close() of another thread changes meanwhile); a reader's reads are checked
+    commit, edit or close() of another thread changes meanwhile), and a reader's whose refresh
+    closes what its reads use (``Storage.closes_at_refresh``: hdf5); a reader's reads are checked
     against writers anywhere (``consistency.py``). No lock for other buffers."""
     lock = getattr(buffer, "_lock", None)
-    return lock if lock is not None and not (writer_only and buffer.read_only) else nullcontext()
+    closes = getattr(getattr(buffer, "storage", None), "closes_at_refresh", False)  # not of a Storage's own lock
+    if lock is None or (writer_only and buffer.read_only and not closes):
+        return nullcontext()
+    return lock
 
 
 def frozen(array: np.ndarray) -> np.ndarray:

@@ -173,6 +173,22 @@ def test_memory_prefix_with_a_foreign_object_is_refused(tmp_path):
     assert len(new(location)) == 0
 
 
+@pytest.mark.parametrize("inner", ["data/inner", "replaybuf/inner", "inner"])
+def test_a_buffer_inside_another_buffers_prefix_is_refused_on_object_stores(inner):
+    # on an object store (memory://, S3, GCS) a buffer created at buf/data/inner was accepted,
+    # and the next overwrite of buf erased it with its episodes (local folders refused it)
+    import fsspec
+
+    location = f"memory://nested-{uuid.uuid4().hex[:8]}"
+    store(new(location))
+    fs = fsspec.filesystem("memory")
+    before = {path: fs.cat(path) for path in fs.find(location)}
+    with pytest.raises(ValueError, match=f"inside the 'zarr' buffer at '{location}'.*outside"):
+        new(f"{location}/{inner}")
+    assert {path: fs.cat(path) for path in fs.find(location)} == before
+    assert len(new(location)) == 0  # its own overwrite still works
+
+
 def _bucket(s3_server) -> str:
     """A new, empty bucket on the moto server (the session bucket holds other tests' objects)."""
     import boto3
@@ -201,6 +217,8 @@ def test_s3_prefix_and_bucket_root_with_foreign_objects_are_refused(s3_server):
     assert kv.get("models/best.pt") == b"weights"
     buffer = new(f"s3://{bucket}/runs/b", storage_options=options)
     store(buffer)
+    with pytest.raises(ValueError, match=f"inside the 'zarr' buffer at 's3://{bucket}/runs/b'"):
+        new(f"s3://{bucket}/runs/b/data/inner", storage_options=options)
     assert len(new(f"s3://{bucket}/runs/b", storage_options=options)) == 0
     assert kv.get("runs/a/buf/other.txt") == b"keep"
     kv.delete_prefix("")

@@ -15,6 +15,7 @@ import pytest
 
 from replaybuf import ReplayBuffer, StorageError
 from replaybuf.storage._remote import S3FS_CONFIG_DEFAULTS, S3FS_RETRIES, open_store
+from replaybuf.storage._zarr import ZarrStorage
 
 pytest_plugins = ["tests._servers"]
 
@@ -89,7 +90,11 @@ def test_a_url_the_clients_read_differently_is_refused_and_erases_no_other_buffe
     options = {**s3_server.storage_options, **({"config_kwargs": {}} if client == "s3fs" else {})}
     base = s3_server.url(f"paths-{uuid.uuid4().hex[:10]}")
     one_episode_buffer(base, s3_server.storage_options, 1.0)
-    one_episode_buffer(f"{base}/x", s3_server.storage_options, 2.0)
+    # a buffer inside another's prefix cannot be created: one made beside is copied in
+    one_episode_buffer(f"{base}-x", s3_server.storage_options, 2.0)
+    source, nested = (ZarrStorage(url, s3_server.storage_options).kv for url in (f"{base}-x", f"{base}/x"))
+    keys = source.list_prefix("")
+    nested.set_many(dict(zip(keys, source.get_many(keys))))
     with pytest.raises(ValueError, match=rf"url '{re.escape(base)}/{re.escape(tail)}': the path .* has {found}"):
         ReplayBuffer(f"{base}/{tail}", 4, 5, fields={"x": ("float", 3)}, storage_options=options, overwrite=True)
     for url, value in ((base, 1.0), (f"{base}/x", 2.0)):

@@ -111,6 +111,60 @@ def test_two_threads_store_whole_episodes_each_once(place):
     assert verify(place.location) == []
 
 
+def test_two_opens_of_one_buffer_in_two_threads_store_each_episode_once(place):
+    """Two writable objects of one buffer in one process (``from_folder`` beside the first, as
+    the seed's README does: they share the writer lease) storing from two threads: the second
+    waits for the first's commit (before: each object held only its own lock, so both took
+    the same slot and counters, and episodes whose ``store_episode`` returned were lost)."""
+    buffer = make(place, 4)
+    again = ReplayBuffer.from_folder(place.location, **place.kwargs)
+    second_done, errors = threading.Event(), []
+    inside = held_inside(buffer, "obs", second_done)
+    first = run(lambda: buffer.store_episode(**steps(1), ep=1), errors)
+    assert inside.wait(30)
+    second = run(lambda: (again.store_episode(**steps(2), ep=2), second_done.set()), errors)
+    first.join(), second.join()
+    assert not errors, errors
+    buffer.close(), again.close()
+    found = committed(place.location, place.kwargs)
+    assert sorted(found) == [1, 2]
+    for e, rows in found.items():
+        assert all(np.array_equal(rows[n], steps(e)[n]) for n in rows), f"episode {e} is torn"
+    assert verify(place.location) == []
+
+
+@pytest.mark.parametrize("backend", ["hdf5"])
+def test_a_refresh_of_another_thread_waits_for_a_readers_read(place, monkeypatch):
+    """A read-only hdf5 object read by one thread and refreshed by another: the refresh closes
+    the file the read uses, so it waits for the read (before: h5py raised RuntimeError or
+    KeyError, "identifier is not of specified type", from data[...], get_all_data and
+    loader batches)."""
+    writer = make(place, 4)
+    for e in (1, 2):
+        writer.store_episode(**steps(e), ep=e)
+    reader = ReplayBuffer.from_folder(place.location, read_only=True, **place.kwargs)
+    refreshed, errors, calls = threading.Event(), [], []
+    cls = type(reader.storage)
+    h5file = cls.h5file
+
+    def held(storage: Any) -> Any:  # the read holds the file: another thread refreshes now
+        file = h5file.fget(storage)
+        if storage is reader.storage and not calls and threading.current_thread() is main:
+            calls.append(1)
+            writer.store_episode(**steps(3), ep=3)
+            run(lambda: (reader.refresh(), refreshed.set()), errors)
+            refreshed.wait(WAIT_S)
+        return file
+
+    main = threading.current_thread()
+    monkeypatch.setattr(cls, "h5file", property(held))
+    rows = np.asarray(reader.data["obs"][0:2])
+    assert refreshed.wait(30)
+    assert not errors, errors
+    assert all(np.array_equal(rows[e - 1, :4], steps(e)["obs"]) for e in (1, 2))
+    writer.close()
+
+
 def test_reads_of_another_thread_never_see_a_commit_half_done(place):
     """A learner thread reading the writer object while an actor thread reuses a circular slot:
     ``data[...]`` and ``get_all_data`` return each slot's rows of one whole episode (before:

@@ -377,6 +377,7 @@ class CachedStorage(Storage):
             # '' would cache into the working directory, bytes fail a first fill unnamed
             raise ValueError(f"cache_dir must name a folder (a str or os.PathLike), got {cache_dir!r}")
         self.inner = inner
+        self.closes_at_refresh = inner.closes_at_refresh  # its drop_caches drops the inner's
         self.location, self.storage_options, self.fsync = inner.location, inner.storage_options, inner.fsync
         # absolute now: a process that changes its directory later keeps the same folders, never
         # caches into new ones under its new working directory

@@ -448,6 +448,7 @@ class HDF5Storage(LocalFolderStorage):
         return name == DATA_FILE
 
     reserves_one_file = True  # docstring inherited
+    closes_at_refresh = True  # docstring inherited: ``drop_caches`` closes the file of a reader
 
     def reserved_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
         # docstring inherited: every dataset of an uncompressed file (``reserve``); a compressed

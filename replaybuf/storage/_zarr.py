@@ -322,9 +322,27 @@ class ZarrStorage(KVBlobs, Storage):
         if not _is_url(self.location):
             refuse_foreign_buffer(self)
         attributes = self._root_attributes()  # what exists() reads: one request on object stores
+        if _is_url(self.location):  # after the URL is checked (``open_store``)
+            self._refuse_enclosing_buffer()
         self._refuse_erasing_a_newer_format(attributes)
         owned = (ROOT_DOCUMENT, "data", "meta") if attributes is not None else ()  # a user's data/ is not ours
         return check_owned(self.kv, self.location, owned.__contains__, holds_buffer=attributes is not None)
+
+    def _refuse_enclosing_buffer(self) -> None:
+        """On an object store, raise before creating a buffer under another buffer's prefix
+        (``s3://b/run/data/x``, ``s3://b/run/x``), as ``refuse_enclosing_buffer`` does on local
+        disk: that buffer's overwrite erases its ``data/`` and ``meta/`` with what they hold, the
+        new buffer's episodes too. One read of each enclosing prefix's ``zarr.json``, up to the
+        bucket; a prefix whose buffer cannot be read is left to the open of that prefix."""
+        scheme, _, path = self.location.partition("://")
+        parts = path.rstrip("/").split("/")
+        for depth in range(len(parts) - 1, 0, -1):
+            parent = f"{scheme}://{'/'.join(parts[:depth])}"
+            if type(self).can_open(parent, self.storage_options):
+                raise ValueError(
+                    f"cannot create a buffer at {self.location!r}: it is inside the 'zarr' buffer at {parent!r}, "
+                    "whose overwrite would erase it; nothing was written. Choose a prefix outside that buffer"
+                )
 
     def check_schema(self, schema: Schema) -> None:
         # docstring inherited: a dtype zarr has no data type for (float128, numpy's long double)

@@ -735,6 +735,10 @@ class Storage(ABC):
     supports_writes: ClassVar[bool] = True
     #: takes URLs of object stores (``s3://``, ``gs://``, ``memory://``), not only local paths
     supports_remote: ClassVar[bool] = False
+    #: a reader's ``drop_caches`` (its ``refresh()``) closes what its reads use (HDF5's file):
+    #: a read-only ReplayBuffer holds its lock through each read (``view.mirror_lock``), so a
+    #: refresh of another thread waits for it instead of closing the file under it
+    closes_at_refresh: bool = False
     #: honours a field's ``compressor`` spec (``convert(compressor=...)`` refuses it otherwise)
     supports_field_codecs: ClassVar[bool] = False
     #: a read given ``generations`` returns only rows of those generations, else raises

@@ -140,6 +140,10 @@ class WriterLease(ABC):
         # the buffer object of this process that wrote last through the lease: another one
         # reloads what it committed before writing (``ReplayBuffer._take_turn``)
         self.turn: weakref.ref | None = None
+        # held by every write of the buffer objects of this process sharing the lease (their
+        # ``ReplayBuffer._lock``): taking turns reloads what the other committed, which two
+        # objects writing at once from two threads cannot (both took the same slots)
+        self.lock = threading.RLock()
         # taking it found a stopped writer's record (``stopped``): what that writer was doing
         # may be half done, until this writer's open recovers it (``Committer.recover``)
         self.inherited = False
