@@ -433,7 +433,7 @@ class ConcatReplayBuffer(CommittedViews):
             raise ValueError("ConcatReplayBuffer requires at least one buffer")
         if isinstance(storage_options, Sequence):
             options = list(storage_options)
-        else:  # one dict for all: the URLs' (a local member takes none)
+        else:  # one dict for all: the URLs' (a local member takes none, and would warn)
             options = [storage_options if _is_remote(buffer) else None for buffer in buffers]
         if len(options) != len(buffers):
             raise ValueError(

@@ -83,23 +83,21 @@ def test_a_location_or_storage_options_of_the_wrong_type_is_named(tmp_path, back
 
 
 @pytest.mark.parametrize("backend", ["zarr", "memmap", None])
-def test_storage_options_with_a_local_folder_are_refused_not_ignored(tmp_path, backend):
-    # were ignored: a URL whose scheme was left out became a local folder of that name
+def test_storage_options_with_a_local_folder_are_named_in_a_warning(tmp_path, backend):
+    # were ignored unsaid: a URL whose scheme was left out became a local folder of that name
     options = {"endpoint_url": "http://127.0.0.1:1", "key": "k"}
-    with pytest.raises(
-        ValueError, match=r"storage_options \['endpoint_url', 'key'\] were given with .*bucket.*a local"
-    ):
-        ReplayBuffer(
+    expected = r"storage_options \['endpoint_url', 'key'\] were given with .*bucket.*a local folder.*ignored"
+    with pytest.warns(UserWarning, match=expected):
+        buffer = ReplayBuffer(
             str(tmp_path / "bucket" / "run1"), 2, 3, fields=dict(x="float"), backend=backend, storage_options=options
         )
-    assert os.listdir(tmp_path) == []
-    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
-        buffer.store_episode(x=np.ones(2))
-    before = snapshot_of_folder(tmp_path / "b")
-    with pytest.raises(ValueError, match="a local folder"):
-        ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True, storage_options=options)
-    assert snapshot_of_folder(tmp_path / "b") == before
-    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True, storage_options={})) == 1
+    buffer.store_episode(x=np.ones(2))
+    buffer.close()
+    with pytest.warns(UserWarning, match="a local folder"):
+        assert len(ReplayBuffer.from_folder(str(tmp_path / "bucket" / "run1"), storage_options=options)) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(ReplayBuffer.from_folder(str(tmp_path / "bucket" / "run1"), read_only=True, storage_options={})) == 1
 
 
 def test_convert_refuses_overwrite_given_as_a_string(tmp_path):

@@ -52,7 +52,7 @@ from .base import (
     empty_state,
     expected_layouts,
     parse_json,
-    refuse_local_options,
+    warn_local_options,
 )
 from .spans import Spans
 
@@ -179,7 +179,7 @@ class MemmapStorage(LocalFolderStorage):
     backend_name = "memmap"
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
-        refuse_local_options(location, storage_options or {}, self.backend_name)
+        warn_local_options(location, storage_options or {}, self.backend_name)
         super().__init__(location, storage_options, fsync=fsync)
         self._arrays: dict[tuple[str, bool], MemmapArray] = {}
         self._seed_view: _seed.SeedState | None = None

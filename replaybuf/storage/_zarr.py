@@ -70,7 +70,7 @@ from .base import (
     empty_state,
     last_occurrences,
     parse_json,
-    refuse_local_options,
+    warn_local_options,
 )
 from .lease import ObjectLease, ProcessLease, WriterLease
 from .spans import Spans
@@ -246,7 +246,7 @@ class ZarrStorage(KVBlobs, Storage):
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         super().__init__(location, storage_options, fsync=fsync)
         if not _is_url(self.location):
-            refuse_local_options(self.location, self.storage_options, self.backend_name)
+            warn_local_options(self.location, self.storage_options, self.backend_name)
         self.kv = self._make_kv(self.location, self.storage_options, fsync)
         self._arrays: dict[tuple[str, bool], ChunkedArray] = {}
         self._unmeasured: set[str] = set()  # fields whose codec is chosen at their first write

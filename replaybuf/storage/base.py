@@ -81,6 +81,7 @@ import json
 import os
 import time
 import types
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1479,15 +1480,18 @@ def _holds_marker(location: str, marker: str) -> bool:
     return os.path.lexists(os.path.join(location, marker))
 
 
-def refuse_local_options(location: str, storage_options: dict, backend: str) -> None:
-    """Refuse ``storage_options`` given with a local folder (zarr and memmap take none there):
-    ignored, they would hide a URL whose scheme was left out (``'bucket/run1'`` with an
-    endpoint and keys would become a local folder of that name)."""
+def warn_local_options(location: str, storage_options: dict, backend: str) -> None:
+    """Warn of ``storage_options`` given with a local folder (zarr and memmap take none there):
+    silently ignored, they would hide a URL whose scheme was left out (``'bucket/run1'`` with an
+    endpoint and keys becomes a local folder of that name). A warning, not an error: code that
+    passes one dict to its local and remote buffers alike stays working."""
     if storage_options:
-        raise ValueError(
+        warnings.warn(
             f"storage_options {sorted(storage_options)} were given with {location!r}, a local folder, where the "
-            f"{backend} backend takes none: they apply to object stores (s3://..., gs://...); pass a URL, or "
-            "no storage_options for a local buffer"
+            f"{backend} backend takes none: they are ignored. They apply to object stores (s3://..., gs://...): "
+            "if a URL was meant, its scheme is missing",
+            UserWarning,
+            stacklevel=4,
         )
 
 
