@@ -91,18 +91,24 @@ def committed(location: str, backend_kwargs: dict) -> dict[int, dict[str, np.nda
     return found
 
 
+def store_from_two_threads(first: ReplayBuffer, second: ReplayBuffer) -> None:
+    """Episode 1 stored through ``first`` in one thread, held inside its write of "obs" until
+    episode 2, stored through ``second`` in another thread, is done; no thread may raise."""
+    second_done, errors = threading.Event(), []
+    inside = held_inside(first, "obs", second_done)
+    one = run(lambda: first.store_episode(**steps(1), ep=1), errors)
+    assert inside.wait(30)
+    two = run(lambda: (second.store_episode(**steps(2), ep=2), second_done.set()), errors)
+    one.join(), two.join()
+    assert not errors, errors
+
+
 def test_two_threads_store_whole_episodes_each_once(place):
     """Two actor threads storing whole episodes into one object: the second waits for the
     first's commit (before: both took the same slot, one episode was lost and the slot's meta
     checksum failed at the next open)."""
     buffer = make(place, 4)
-    second_done, errors = threading.Event(), []
-    inside = held_inside(buffer, "obs", second_done)
-    first = run(lambda: buffer.store_episode(**steps(1), ep=1), errors)
-    assert inside.wait(30)
-    second = run(lambda: (buffer.store_episode(**steps(2), ep=2), second_done.set()), errors)
-    first.join(), second.join()
-    assert not errors, errors
+    store_from_two_threads(buffer, buffer)
     buffer.close()
     found = committed(place.location, place.kwargs)
     assert sorted(found) == [1, 2]
@@ -118,13 +124,7 @@ def test_two_opens_of_one_buffer_in_two_threads_store_each_episode_once(place):
     the same slot and counters, and episodes whose ``store_episode`` returned were lost)."""
     buffer = make(place, 4)
     again = ReplayBuffer.from_folder(place.location, **place.kwargs)
-    second_done, errors = threading.Event(), []
-    inside = held_inside(buffer, "obs", second_done)
-    first = run(lambda: buffer.store_episode(**steps(1), ep=1), errors)
-    assert inside.wait(30)
-    second = run(lambda: (again.store_episode(**steps(2), ep=2), second_done.set()), errors)
-    first.join(), second.join()
-    assert not errors, errors
+    store_from_two_threads(buffer, again)
     buffer.close(), again.close()
     found = committed(place.location, place.kwargs)
     assert sorted(found) == [1, 2]
