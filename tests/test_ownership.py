@@ -485,3 +485,43 @@ def test_viewer_removes_its_temp_folder_on_sigterm(tmp_path):
             process.kill()
             process.wait()
     assert list(temp.iterdir()) == []
+
+
+def hard_link_copy(source, target) -> dict[str, bytes]:
+    """A copy of the folder ``source`` made of hard links (``cp -al``): each of its files a second
+    name of the same file; returns each copy's bytes."""
+    held = {}
+    for folder, _, names in os.walk(source):
+        into = os.path.join(target, os.path.relpath(folder, source))
+        os.makedirs(into, exist_ok=True)
+        for name in names:
+            os.link(os.path.join(folder, name), os.path.join(into, name))
+            with open(os.path.join(into, name), "rb") as f:
+                held[os.path.join(into, name)] = f.read()
+    return held
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_hard_linked_backup_is_never_written_through(tmp_path, backend):
+    """Files written in place (memmap arrays, data.h5, zarr meta and packed chunks, checksums)
+    changed the other names of a hard-linked file: a ``cp -al`` backup of the buffer changed
+    with every commit and edit, as would a user's file planted as a hard link in the folder."""
+    buffer = new(str(tmp_path / "b"), backend)
+    store(buffer, value=1.0)
+    buffer.close()
+    held = hard_link_copy(tmp_path / "b", tmp_path / "backup")
+    again = ReplayBuffer.from_folder(str(tmp_path / "b"))
+    store(again, value=2.0)
+    again.update(0, reward=np.full(3, 9.0, np.float32))
+    again.close()
+    changed = []
+    for path, content in held.items():
+        with open(path, "rb") as f:
+            if f.read() != content:
+                changed.append(os.path.relpath(path, tmp_path / "backup"))
+    assert changed == []
+    backup = ReplayBuffer.from_folder(str(tmp_path / "backup"), read_only=True)
+    assert backup.get_all_data()["reward"].tolist() == [[1.0, 1.0, 1.0]]
+    now = ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True).get_all_data()["reward"]
+    assert now[:, :3].tolist() == [[9.0, 9.0, 9.0], [2.0, 2.0, 2.0]]
+    assert verify(str(tmp_path / "b")) == [] and verify(str(tmp_path / "backup")) == []

@@ -54,7 +54,7 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
-from ._kv import open_stored
+from ._kv import open_stored, own_file
 from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._owned import erase_owned
 from ._owner import Owner
@@ -347,6 +347,8 @@ class HDF5Storage(LocalFolderStorage):
 
     def _open_file(self) -> h5py.File:
         mode = "r" if self.read_only else "r+"
+        if not self.read_only:  # HDF5 writes the file in place: never through a hard link
+            own_file(self.path)
         try:
             file = open_h5(self.path, mode)
         except OSError as e:

@@ -502,6 +502,27 @@ def _open_no_follow(path: str, flags: int) -> int:
         raise
 
 
+def own_file(path: str) -> None:
+    """Make the stored file ``path`` a file of its own before it is written in place, where it
+    has other names (hard links: planted, or a backup made with ``cp -al``), which may be
+    outside the buffer: its bytes are copied to a new file that replaces it by a rename, so the
+    other names keep what they held and no write of the buffer reaches them. A file with one
+    name (every file a buffer makes) costs one ``lstat``."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink <= 1:
+        return
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".partial")
+    try:
+        with open(path, "rb") as source, os.fdopen(fd, "wb") as copy:
+            shutil.copyfileobj(source, copy, 1 << 20)
+            os.fchmod(copy.fileno(), stat.S_IMODE(st.st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def open_stored(path: str) -> int:
     """A read-only descriptor of the stored file ``path`` (FileNotFoundError when absent), opened
     without blocking: a FIFO or a device at a stored object's name (never one a buffer writes)
@@ -918,6 +939,10 @@ class LocalKV(KeyValue):
             fd = _open_no_follow(self._path(key), os.O_WRONLY)
         except FileNotFoundError:
             return False
+        if os.fstat(fd).st_nlink > 1:  # never written through a hard link (``own_file``)
+            os.close(fd)
+            own_file(self._path(key))
+            fd = _open_no_follow(self._path(key), os.O_WRONLY)
         try:
             os.pwrite(fd, data, offset)
             if self.fsync:

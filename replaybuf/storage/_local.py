@@ -19,7 +19,7 @@ from numpy.lib.format import open_memmap
 from ..schema import Schema
 from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c, crc_bit_flipped
-from ._kv import KVBlobs, LocalKV, open_stored
+from ._kv import KVBlobs, LocalKV, open_stored, own_file
 from ._owned import check_owned
 from ._owner import Owner
 from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
@@ -515,6 +515,8 @@ class EpisodeChecksums:
             try:
                 if not os.path.isfile(self.path):  # a folder, a device, a dangling or looping link
                     raise ValueError("not a regular file")
+                if mode == "r+":  # written in place: never through a hard link
+                    own_file(self.path)
                 with NPY_HEADERS:
                     sums = np.load(self.path, mmap_mode=mode, allow_pickle=False)
             except NPY_HEADER_ERRORS as e:  # a damaged header or a file cut short
@@ -539,6 +541,7 @@ class EpisodeChecksums:
                 f"header and the config give them; the {size - expected} bytes past them are not read"
             ]
         # in place: what a reader maps ends at ``expected``, so no mapped page is cut
+        own_file(self.path)
         with open(self.path, "r+b") as f:
             f.truncate(expected)
             if self.storage.fsync:

@@ -35,7 +35,7 @@ from numpy.lib.format import open_memmap
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
-from ._kv import copy_spans, open_stored
+from ._kv import copy_spans, open_stored, own_file
 from ._local import NPY_HEADERS as _OPENING
 from ._local import EpisodeChecksums, LocalFolderStorage
 from ._owned import erase_owned
@@ -123,6 +123,8 @@ class MemmapArray(WrappedArray):
                 memmap = self._memmap
                 if memmap is None or (memmap.mode == "r") == self.writable:
                     try:
+                        if self.writable:  # a memmap writes in place: never through a hard link
+                            own_file(self.path)
                         memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
                     except FileNotFoundError:
                         self._storage.check_not_replaced()  # erased by an overwrite: say so

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..schema import Schema
-from ._kv import open_stored
+from ._kv import open_stored, own_file
 from .base import BufferDamagedError
 
 # what reading a damaged .npy header raises: numpy turns most parse failures into ValueError,
@@ -272,12 +272,14 @@ def write_seed_state(folder: str, state: dict) -> None:
     using a folder replaybuf wrote to (no episode in progress: ``timestep_index`` 0)."""
     values = {"num_episodes": state["num_episodes"], "episode_index": state["episode_index"], "timestep_index": 0}
     for name, value in values.items():
+        own_file(state_path(folder, name))  # written in place: never through a hard link
         array = np.load(state_path(folder, name), mmap_mode="r+")
         array[()] = value
         array.flush()
         del array
     initted = os.path.join(folder, SEED_FLAGS_FILE)
     if os.path.isfile(initted):
+        own_file(initted)
         flags = np.load(initted, mmap_mode="r+")
         flags[state["episode_index"]] = False
         flags.flush()
