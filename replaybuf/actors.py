@@ -13,15 +13,11 @@ import re
 from typing import Any
 
 from .buffer import ReplayBuffer
-from .storage import UnfinishedCreateError, detect_backend, list_children
+from .storage import UnfinishedCreateError, detect_backend, is_url, list_children
 
 SHARD_PREFIX = "actor-"
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}(\d{{3,}})$")
 _CONFIG = ("max_episodes", "max_timesteps", "fields")  # what a create needs
-
-
-def _is_url(location: str) -> bool:
-    return "://" in location and not location.startswith("file://")
 
 
 def shard_location(root: str | os.PathLike, index: int) -> str:
@@ -32,7 +28,7 @@ def shard_location(root: str | os.PathLike, index: int) -> str:
 
 
 def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}" if _is_url(root) else os.path.join(root, name)
+    return f"{root.rstrip('/')}/{name}" if is_url(root) else os.path.join(root, name)
 
 
 def open_shard(root: str | os.PathLike, index: int, **kwargs: Any) -> ReplayBuffer:

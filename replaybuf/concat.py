@@ -33,6 +33,7 @@ from .storage import (
     Spans,
     Storage,
     UnfinishedCreateError,
+    is_url,
 )
 from .view import CommittedViews, FieldViews, read_only_message
 
@@ -332,12 +333,6 @@ def _part(generations: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None
     return None if generations is None else np.asarray(generations)[rows]
 
 
-def _is_remote(buffer: Any) -> bool:
-    """Whether a member given as a path or URL is a URL of a store other than local files."""
-    text = os.fspath(buffer) if isinstance(buffer, (str, os.PathLike)) else ""
-    return isinstance(text, str) and "://" in text and not text.startswith("file://")
-
-
 def _read_only_message(call: str) -> str:
     return read_only_message("ConcatReplayBuffer", call)
 
@@ -434,7 +429,7 @@ class ConcatReplayBuffer(CommittedViews):
         if isinstance(storage_options, Sequence):
             options = list(storage_options)
         else:  # one dict for all: the URLs' (a local member takes none, and would warn)
-            options = [storage_options if _is_remote(buffer) else None for buffer in buffers]
+            options = [storage_options if is_url(str(buffer)) else None for buffer in buffers]
         if len(options) != len(buffers):
             raise ValueError(
                 f"storage_options has {len(options)} entries for {len(buffers)} buffers; "

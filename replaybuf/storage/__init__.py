@@ -52,6 +52,7 @@ from .base import (
     detect_backend,
     document_limit,
     empty_state,
+    is_url,
     make_storage,
     meta_file,
     parse_json,
@@ -84,6 +85,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
+    "is_url",
     "ATTRS_KEY",
     "DATA_FILE",
     "DEFAULT_CACHE_SIZE",

@@ -68,6 +68,7 @@ from .base import (
     bookkeeping_fields,
     check_layout,
     empty_state,
+    is_url,
     last_occurrences,
     parse_json,
     warn_local_options,
@@ -227,10 +228,6 @@ def default_compressor(field: Field) -> str:
     return DEFAULT_IMAGE_COMPRESSOR if is_sharded(field) else DEFAULT_COMPRESSOR
 
 
-def _is_url(location: str) -> bool:
-    return "://" in location and not location.startswith("file://")
-
-
 def _local_root(location: str) -> str:
     return os.path.abspath(location[len("file://") :] if location.startswith("file://") else location)
 
@@ -245,7 +242,7 @@ class ZarrStorage(KVBlobs, Storage):
 
     def __init__(self, location: str, storage_options: dict | None = None, *, fsync: bool = False):
         super().__init__(location, storage_options, fsync=fsync)
-        if not _is_url(self.location):
+        if not is_url(self.location):
             warn_local_options(self.location, self.storage_options, self.backend_name)
         self.kv = self._make_kv(self.location, self.storage_options, fsync)
         self._arrays: dict[tuple[str, bool], ChunkedArray] = {}
@@ -265,7 +262,7 @@ class ZarrStorage(KVBlobs, Storage):
 
     @staticmethod
     def _make_kv(location: str, storage_options: dict, fsync: bool, read_only: bool = False) -> KeyValue:
-        if not _is_url(location):
+        if not is_url(location):
             return LocalKV(_local_root(location), fsync=fsync)
         return StoreKV(functools.partial(_open_zarr_store, location, storage_options, read_only), location)
 
@@ -276,7 +273,7 @@ class ZarrStorage(KVBlobs, Storage):
         return ObjectLease(self.kv, self.location) if isinstance(self.kv, StoreKV) else super().writer_lease()
 
     def _zarr_store(self, read_only: bool):
-        if not _is_url(self.location):
+        if not is_url(self.location):
             import zarr
 
             return zarr.storage.LocalStore(_local_root(self.location), read_only=read_only)
@@ -299,7 +296,7 @@ class ZarrStorage(KVBlobs, Storage):
     @classmethod
     def can_open(cls, location: str, storage_options: dict | None = None) -> bool:
         # docstring inherited
-        if not _is_url(location) and not os.path.isfile(os.path.join(_local_root(location), ROOT_DOCUMENT)):
+        if not is_url(location) and not os.path.isfile(os.path.join(_local_root(location), ROOT_DOCUMENT)):
             return False
         try:
             return cls(location, storage_options).exists()
@@ -319,10 +316,10 @@ class ZarrStorage(KVBlobs, Storage):
 
     def check_creatable(self) -> list[str]:
         # docstring inherited
-        if not _is_url(self.location):
+        if not is_url(self.location):
             refuse_foreign_buffer(self)
         attributes = self._root_attributes()  # what exists() reads: one request on object stores
-        if _is_url(self.location):  # after the URL is checked (``open_store``)
+        if is_url(self.location):  # after the URL is checked (``open_store``)
             self._refuse_enclosing_buffer()
         self._refuse_erasing_a_newer_format(attributes)
         owned = (ROOT_DOCUMENT, "data", "meta") if attributes is not None else ()  # a user's data/ is not ours
@@ -460,7 +457,7 @@ class ZarrStorage(KVBlobs, Storage):
         self.read_only = read_only
         self._reading = (schema.uuid,) if read_only else None
         self._root_stat = root_stat if read_only else None
-        if read_only and _is_url(self.location):
+        if read_only and is_url(self.location):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
             self.kv.prepare_writes()

@@ -1480,6 +1480,12 @@ def _holds_marker(location: str, marker: str) -> bool:
     return os.path.lexists(os.path.join(location, marker))
 
 
+def is_url(location: str) -> bool:
+    """Whether ``location`` names an object store or other fsspec URL, not local files
+    (``file://`` paths are local)."""
+    return "://" in location and not location.startswith("file://")
+
+
 def warn_local_options(location: str, storage_options: dict, backend: str) -> None:
     """Warn of ``storage_options`` given with a local folder (zarr and memmap take none there):
     silently ignored, they would hide a URL whose scheme was left out (``'bucket/run1'`` with an
