@@ -41,7 +41,14 @@ from .consistency import (
 )
 from .progress import dask_progress, progress_bar
 from .schema import Field
-from .storage import BufferReplacedError, GenerationMismatchError, UnfinishedEditError, fill_beyond, recycled_empty
+from .storage import (
+    BufferReplacedError,
+    GenerationMismatchError,
+    StalePlanError,
+    UnfinishedEditError,
+    fill_beyond,
+    recycled_empty,
+)
 from .view import BufferView, mirror_lock
 
 if TYPE_CHECKING:
@@ -108,8 +115,8 @@ class EpisodeRows:
     Episode ``i`` is slot ``slots[i]`` as it held generation ``generations[i]`` when planned;
     time runs to ``length``; steps at or beyond an episode's length read as ``fill`` (the
     field's default, else zero, as the seed pads). Each block is read consistently when it is
-    computed (``consistency.read_consistent``): a row whose slot no longer holds the planned
-    episode, or was empty, reads as ``fill`` throughout. ``dask.array.from_array`` slices it
+    computed (``consistency.read_consistent``): a row planned empty reads as ``fill``
+    throughout, and one whose slot no longer holds the planned episode raises ``StalePlanError``. ``dask.array.from_array`` slices it
     block by block; it pickles with the storage (no open handle) for distributed workers.
     Rows of a snapshot view (``snapshot``: its name) raise ``SnapshotError`` instead.
     """
@@ -162,7 +169,10 @@ class EpisodeRows:
             self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read, snapshot=self.snapshot
         )
         check_same_buffer(self.storage)
-        fill_beyond(rows, np.where(kept, lengths, 0), self.fill)
+        gone = (lengths > 0) & ~kept
+        if gone.any():  # padding under the planned lengths and meta values would pass for data
+            raise StalePlanError(self.storage.location, slots[gone])
+        fill_beyond(rows, lengths, self.fill)
         if not (isinstance(key[1], slice) and key[1].step in (None, 1)):
             rows = rows[:, flat - t0]
         squeeze = tuple(0 if np.ndim(index) == 0 else slice(None) for index in (episodes, steps))
@@ -269,11 +279,11 @@ def to_dask(
     slot (the same unless a circular buffer wrapped).
 
     The rows are the episodes committed as of the buffer's last ``refresh()``; blocks are read
-    when computed, each checked against a writer in another process: a row whose slot was
-    rewritten since reads as padding in every block read after the rewrite (blocks of other
-    fields read before it hold the planned episode; meta values and the ``episode_mask`` row
-    stay as planned), never as parts of two episodes; a block of a buffer replaced since
-    (created again at its location) raises ``BufferReplacedError``.
+    when computed, each checked against a writer in another process: a block holding a row
+    whose slot was rewritten or dropped since raises ``StalePlanError`` (a retryable
+    ``ConcurrentWriteError``: ``refresh()`` and plan again), as padding under the planned
+    lengths and meta values would pass for data; a block of a buffer replaced since (created
+    again at its location) raises ``BufferReplacedError``.
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
     _check_episodes_per_chunk("to_dask", episodes_per_chunk)
@@ -483,11 +493,15 @@ def _read_rows(
         if bar is None:
             plan_items = _Plan(plan.slots[items], plan.generations[items], plan.lens[items], {})
             arrays = _dask_arrays(buffer, fields, (), plan_items)
-            for name, values in zip(arrays, dask.compute(*arrays.values(), scheduler=scheduler)):
+            try:
+                computed = dask.compute(*arrays.values(), scheduler=scheduler)
+            except StalePlanError as error:  # slots moved before their block's read: re-plan them
+                raise GenerationMismatchError(storage.location, error.slots) from error
+            for name, values in zip(arrays, computed):
                 out = results[name]
                 out[items, : values.shape[1]] = values
                 out[items, values.shape[1] :] = schema.fields[name].fill
-            # the dask arrays pad a row whose slot moved: name those slots to be re-planned
+            # slots that moved after their blocks' reads: re-plan them too
             moved = committed_generations(storage, plan.slots[items]) != plan.generations[items]
             if moved.any():
                 raise GenerationMismatchError(storage.location, plan.slots[items][moved])

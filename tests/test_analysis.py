@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaybuf import ReplayBuffer, analysis
+from replaybuf import ConcurrentWriteError, ReplayBuffer, StalePlanError, analysis
 from replaybuf.analysis import BufferStats, episode_mask, get_all_data, stats, to_dask
 
 from ._data import fields, random_episode
@@ -268,13 +268,20 @@ def test_dask_arrays_pickle_without_open_handles(circular):
 
 
 @pytest.fixture(scope="module")
-def cluster_client():
-    """A dask.distributed client on two worker processes of one thread each."""
+def cluster():
+    """A dask.distributed cluster of two worker processes of one thread each."""
     distributed = pytest.importorskip("distributed")
-    with (
-        distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster,
-        distributed.Client(cluster) as client,
-    ):
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_client(cluster):
+    """The default client of ``cluster`` for one test: a client left default would run the
+    module's later tests on this xdist worker on the cluster, where memory:// buffers are unseen."""
+    import distributed
+
+    with distributed.Client(cluster) as client:
         yield client
 
 
@@ -378,10 +385,13 @@ def test_get_all_data_rows_stay_whole_episodes_while_reads_are_replanned_wider_n
         assert (got["step"][row, length:] == -1).all(), f"row {row}: padding is the field's default"
 
 
-def test_to_dask_rows_rewritten_after_planning_or_during_their_block_read_as_padding_the_rest_whole(tmp_path):
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_to_dask_blocks_of_episodes_rewritten_after_planning_or_during_their_read_raise(tmp_path, scheduler):
     """A lazy array planned before slot 0 was reused, computed in blocks of one episode, slot 1
-    reused between its block's read and its re-check: rows 0 and 1 read as the field's default
-    throughout (their planned lengths and meta stay), row 2 whole; nothing of the new episodes."""
+    reused between its block's read and its re-check: each of their blocks raises
+    StalePlanError naming the slot (it used to read as padding under the planned length 4 and
+    uid 1, which passed for data); row 2's block still reads whole, and after refresh() a new
+    plan reads the new episodes."""
     writer, reader = _three_episodes_and_a_reader(tmp_path / "b")
     arrays = to_dask(reader, ["step"], ["uid", "episode_lens"], episodes_per_chunk=1, order="slot")
     _store_steps(writer, 4, 24)  # into slot 0
@@ -394,7 +404,13 @@ def test_to_dask_rows_rewritten_after_planning_or_during_their_block_read_as_pad
             _store_steps(writer, 5, 9)  # into slot 1
 
     reader.storage.read_spans = reuse_slot_1_after_its_read
-    step, uid, lens = dask.compute(arrays["step"], arrays["uid"], arrays["episode_lens"], scheduler="sync")
-    assert reads.count([1]) == reads.count([2]) == 1, "a row whose slot moved is padding, not read again"
-    assert uid.tolist() == [1, 2, 3] and lens.tolist() == [4, 3, 2] and step.shape == (3, 4)
-    assert step.tolist() == [[-1] * 4, [-1] * 4, [300, 301, -1, -1]]
+    with pytest.raises(StalePlanError, match=r"slots \[0\] of .* rewritten or dropped .* since these lazy arrays"):
+        arrays["step"][0].compute(scheduler=scheduler)
+    with pytest.raises(StalePlanError, match=r"slots \[1\]") as raised:
+        arrays["step"][1].compute(scheduler=scheduler)
+    assert isinstance(raised.value, ConcurrentWriteError) and raised.value.slots == [1]
+    assert pickle.loads(pickle.dumps(raised.value)).slots == [1]  # crosses a distributed worker's pipe
+    assert reads.count([1]) == 1, "a row whose slot moved is not read again as another episode"
+    assert arrays["step"][2].compute(scheduler=scheduler).tolist() == [300, 301, -1, -1]
+    step = to_dask(reader.refresh(), ["step"], [], order="slot")["step"].compute(scheduler=scheduler)
+    assert step[:, :2].tolist() == [[400, 401], [500, 501], [300, 301]]

@@ -88,9 +88,8 @@ def read_to_dask(reader) -> int:
     lens, uids = arrays["episode_lens"].compute(), arrays["uid"].compute()
     data = {n: arrays[n].compute() for n in FIELDS}
     for row in range(len(lens)):
-        for name, values in data.items():  # each field is computed on its own
-            dropped = not np.any(values[row])  # the slot was rewritten before this compute
-            check_row(int(uids[row]), 0 if dropped else int(lens[row]), {name: values[row]})
+        for name, values in data.items():  # each field is computed on its own (StalePlanError if rewritten)
+            check_row(int(uids[row]), int(lens[row]), {name: values[row]})
     return len(lens)
 
 

@@ -311,6 +311,26 @@ class ConcurrentWriteError(RuntimeError):
         return type(self), (self.location, self.slots, self.retries)
 
 
+class StalePlanError(ConcurrentWriteError):
+    """Lazy arrays (``to_dask``, ``get_all_data(lazy=True)``, ``to_xarray``) computed after a
+    writer rewrote or dropped some of the episodes they were planned with: their rows can no
+    longer be read as those episodes, and padding under the planned lengths and meta values
+    would pass for data. Retryable: ``refresh()`` and plan again."""
+
+    def __init__(self, location: str, slots: Iterable[int]):
+        self.location, self.slots, self.retries = location, sorted({int(s) for s in slots}), 0
+        RuntimeError.__init__(
+            self,
+            f"slots {self.slots} of {location!r} were rewritten or dropped by a writer since these lazy arrays were "
+            "planned (at the buffer's last refresh()); their rows can no longer be read as the planned episodes. "
+            "refresh() and plan again (to_dask(), get_all_data(lazy=True)); get_all_data() reads such slots again "
+            "as the episodes they hold now, and a snapshot (the writer's buffer.snapshot(name)) pins its episodes",
+        )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.location, self.slots)
+
+
 class BufferReplacedError(ConcurrentWriteError):
     """The buffer a reader opened is no longer the one at its location: another process
     created a new buffer there (``overwrite=True``) or upgraded it, so the files or objects the
