@@ -32,6 +32,7 @@ from tests._data import SAMPLING_LENGTHS as LENGTHS
 from tests._data import SAMPLING_META_FIELDS as META_FIELDS
 from tests._data import fill_sampling_buffer as fill
 from tests._data import sampling_episode as episode
+from tests._data import seed_buffer
 from tests.test_sampling import assert_same
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
@@ -1061,3 +1062,30 @@ def test_a_fill_leaves_out_a_slot_reused_during_its_read(tmp_path, monkeypatch, 
     reader.warm_cache()
     assert sorted(int(name.split("-")[0]) for name in os.listdir(folder)) == [0, 1, 2]
     assert reader.get_all_data()["ident"].tolist() == [[30, 31, 32, 33], [10, 11, 12, 13], [20, 21, 22, 23]]
+
+
+def test_a_folder_the_seed_library_writes_is_read_as_it_is_never_from_the_cache(tmp_path):
+    """memmap-replay-buffer writes its folders (and those replaybuf adopted) without moving any
+    slot's generation: after a whole turn of its ring every slot has the generation it had, so a
+    cached copy, the buffer's (``cache='disk'``) or a loader's (``cache='ram'``), would serve the
+    old episodes. Such a folder is read as it is (it is raw already), with a warning."""
+    seed = seed_buffer(tmp_path / "seed", lengths=(3, 4, 5, 6), partial=0)
+
+    def first_states() -> list[list[float]]:
+        """Step 0's state of each slot, as a cached reader and a cached loader read them."""
+        with pytest.warns(UserWarning, match="memmap-replay-buffer folder"):
+            reader = ReplayBuffer.from_folder(
+                tmp_path / "seed", read_only=True, cache="disk", cache_dir=tmp_path / "cache"
+            )
+        with pytest.raises(ValueError, match="never cached"):
+            reader.warm_cache()
+        loader = make_dataloader(ReplayBuffer.from_folder(tmp_path / "seed", read_only=True), 4, cache="ram")
+        return [reader.get_all_data()["state"][:, 0, 0].tolist(), next(iter(loader))["state"][:, 0, 0].tolist()]
+
+    assert first_states() == [[0.0, 1.0, 2.0, 3.0]] * 2
+    for i in range(4, 8):  # the seed's next turn: every slot rewritten
+        with seed.one_episode(task_id=i):
+            for t in range(3):
+                seed.store(state=np.full(3, i + t / 10, np.float32), action=np.array([t, i]), reward=0.0)
+    seed.flush()
+    assert first_states() == [[4.0, 5.0, 6.0, 7.0]] * 2

@@ -67,6 +67,8 @@ class Fetcher:
     ):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
+        if buffer.storage.seed_may_write:
+            cache = None  # a memmap-replay-buffer folder, read as it is: the seed's writes would leave a cache stale
         self.storage: Storage = buffer.storage if cache is None else read_cache(buffer, cache_dir)
         self.schema = buffer.schema
         self.fields = tuple(dict.fromkeys(fields))

@@ -385,6 +385,7 @@ class CachedStorage(Storage):
         self.cache_size = int(cache_size)
         self.snapshot = snapshot
         self.schema: Schema | None = None
+        self._seed_warned = False  # ``open`` says once that a memmap-replay-buffer folder is not cached
         self._reset()
 
     def _reset(self) -> None:
@@ -479,6 +480,14 @@ class CachedStorage(Storage):
         self.schema = self.inner.open(read_only)
         self._reset()
         self._identity_checked = True  # the schema was read just now
+        if self.inner.seed_may_write and not self._seed_warned:
+            self._seed_warned = True  # once, not again in each DataLoader worker of a pickled copy
+            warnings.warn(
+                f"{self.location!r} is a memmap-replay-buffer folder, which that library may write without "
+                "moving any slot's generation: its reads are not cached (its rows are raw files already); "
+                "pass cache=False to open it without this warning",
+                stacklevel=4,
+            )
         return self.schema
 
     def load_state(self) -> dict:
@@ -601,7 +610,12 @@ class CachedStorage(Storage):
     # ---- cached reads ------------------------------------------------------------------------
 
     def _cached(self, name: str) -> bool:
-        return (self.read_only or self.snapshot) and self.schema is not None and name in self.schema.fields
+        return (
+            (self.read_only or self.snapshot)
+            and self.schema is not None
+            and name in self.schema.fields
+            and not self.inner.seed_may_write  # a seed write would leave its files stale
+        )
 
     def _field(self, name: str) -> Field:
         """The data field ``name`` of the opened storage's schema."""
@@ -1247,7 +1261,7 @@ def _forward(name: str):
 
 
 # the wrapped storage's name and capabilities, read from it
-_FORWARDED_ATTRIBUTES = ("backend_name", "supports_remote", "supports_field_codecs", "is_local")
+_FORWARDED_ATTRIBUTES = ("backend_name", "supports_remote", "supports_field_codecs", "is_local", "seed_may_write")
 
 for _name in _FORWARDED:
     setattr(CachedStorage, _name, _forward(_name))

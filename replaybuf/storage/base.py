@@ -767,6 +767,13 @@ class Storage(ABC):
         return self.format_version is not None and self.format_version >= META_SUMS_FORMAT
 
     @property
+    def seed_may_write(self) -> bool:
+        """Whether the memmap-replay-buffer library may write this buffer (a folder of its own,
+        or one replaybuf adopted): its writes move no slot's generation or revision, so no
+        copy keyed by them may outlive this open (the read cache keeps none of its rows)."""
+        return False
+
+    @property
     def binds_shards(self) -> bool:
         """Whether each shard of the buffer's sharded arrays (zarr image fields) holds a binding
         to its field and slot (and from zarr format 6 to its buffer), written and checked (zarr
