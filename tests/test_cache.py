@@ -579,6 +579,27 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     assert not isinstance(off.storage, CachedStorage)
 
 
+def test_every_spelling_of_an_object_store_url_is_cached_by_default_in_one_folder(s3_server, tmp_path):
+    """``s3a://`` and ``S3://`` name the objects ``s3://`` does: a read-only open through any of
+    them is cached by default, in the one folder, so what one filled the others serve with no GET."""
+    location = s3_server.url(f"spelled-{uuid.uuid4().hex[:8]}")
+    writer = ReplayBuffer(location, storage_options=s3_server.storage_options, **OPTIONS)
+    fill(writer, lengths=(2, 3))
+    writer.close()
+    readers = [
+        ReplayBuffer.from_folder(
+            scheme + location.split("://", 1)[1], read_only=True, storage_options=s3_server.storage_options
+        )
+        for scheme in ("s3a://", "S3://", "s3://")
+    ]
+    assert all(isinstance(reader.storage, CachedStorage) for reader in readers)
+    assert len({reader.storage.root for reader in readers}) == 1
+    readers[0].warm_cache(progress=False)
+    with s3_server.record() as requests:
+        assert readers[1].data["ident"][1, 2] == 1002
+    assert [path for method, path in requests.requests if method == "GET" and "/data/" in path] == []
+
+
 def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path, monkeypatch):
     reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
     storage, expected = reader.storage, ReplayBuffer.from_folder(written, read_only=True).data["state"][:2, :4]

@@ -99,6 +99,8 @@ from .base import (
     GenerationMismatchError,
     Storage,
     StorageError,
+    is_url,
+    object_store_url,
 )
 from .spans import Spans
 
@@ -326,10 +328,9 @@ def default_cache_dir() -> str:
 def buffer_identity(location: str, schema: Schema) -> str:
     """The name of a buffer's cache folder: a hash of its resolved location and its uuid (or,
     for a buffer created before uuids were stored, its whole config)."""
-    where = (
-        location
-        if "://" in location and not location.startswith("file://")
-        else os.path.realpath(location.removeprefix("file://"))
+    # an object store's URL in one spelling: s3a:// and S3:// name the same objects as s3://
+    where = object_store_url(location) or (
+        location if is_url(location) else os.path.realpath(location.removeprefix("file://"))
     )
     what = schema.uuid if schema.uuid is not None else json.dumps(schema.to_json(), sort_keys=True)
     return hashlib.sha256(f"{where}\0{what}".encode()).hexdigest()[:24]
@@ -1269,10 +1270,6 @@ for _name in _FORWARDED_ATTRIBUTES:
     setattr(CachedStorage, _name, property(attrgetter(f"inner.{_name}"), doc=f"``{_name}`` of the wrapped storage."))
 
 
-#: URL schemes of object stores, whose read-only buffers are cached unless ``cache=False``
-CACHED_BY_DEFAULT = ("s3://", "gs://", "gcs://")
-
-
 def with_cache(
     storage: Storage,
     read_only: bool,
@@ -1292,7 +1289,7 @@ def with_cache(
             f"cache={cache!r}, cache_dir={cache_dir!r}: the read cache serves buffers opened with "
             f"read_only=True; {storage.location!r} is opened for writing"
         )
-    automatic = cache is None and storage.location.startswith(CACHED_BY_DEFAULT)
+    automatic = cache is None and object_store_url(storage.location) is not None  # s3a://, S3://... too
     if isinstance(storage, CachedStorage) or not read_only or not (asked or automatic):
         return storage
     return CachedStorage(storage, cache_dir, cache_size)

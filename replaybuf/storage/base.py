@@ -1493,6 +1493,18 @@ def is_url(location: str) -> bool:
     return "://" in location and not location.startswith("file://")
 
 
+#: the URL schemes of object stores (lowercase), each with the one name of its store
+OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
+
+
+def object_store_url(location: str) -> str | None:
+    """``location`` spelled one way when it names an object store (``S3://``, ``s3a://`` ->
+    ``s3://``; ``gcs://`` -> ``gs://``: the same objects), else None."""
+    scheme, separator, rest = location.partition("://")
+    store = OBJECT_STORE_SCHEMES.get(scheme.lower()) if separator else None
+    return None if store is None else f"{store}://{rest}"
+
+
 def warn_local_options(location: str, storage_options: dict, backend: str) -> None:
     """Warn of ``storage_options`` given with a local folder (zarr and memmap take none there):
     silently ignored, they would hide a URL whose scheme was left out (``'bucket/run1'`` with an
