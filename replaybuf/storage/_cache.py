@@ -405,6 +405,7 @@ class CachedStorage(Storage):
         self._identity_checked = False  # ``load_state`` skips its identity check once after ``open``
         self._warned = False  # a full or unusable cache folder is reported once per process
         self._skip_fills_until = 0.0  # time.monotonic() until which fills are skipped (``_cannot_fill``)
+        self._bounded = False  # ``_bound_once`` ran
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
@@ -421,6 +422,7 @@ class CachedStorage(Storage):
             "_root",
             "_warned",
             "_skip_fills_until",
+            "_bounded",
         ):
             state.pop(key)
         return state
@@ -703,6 +705,8 @@ class CachedStorage(Storage):
         generation > 0 that is (or, after a fill, has become) cached at the revision this
         process knows for the slot (a slot known at an odd revision, an edit running, is not);
         each is also indexed for gathers (``MappedRows``)."""
+        if not self._bounded:
+            self._bound_once()
         out, touched, missing = {}, {}, []
         revisions = dict(zip(slots.tolist(), self._known_revisions()[slots].tolist()))
         now = time.monotonic()
@@ -746,6 +750,26 @@ class CachedStorage(Storage):
             for (slot, generation), rows in out.items():
                 dense.put(slot, generation, revisions[slot], rows)
         return out
+
+    def _bound_once(self) -> None:
+        """Before this layer's first map: evict down to ``cache_size`` when the folder's count
+        says it holds more (filled by runs with a larger ``cache_size``). Only fills scan the
+        folder otherwise, so a reader whose episodes are all cached would leave it over the
+        bound for good. One read of the count; the scan only when over."""
+        self._bounded = True
+        try:
+            with _in_cache_folder():
+                self._folder(".locks", make=False)  # plain folders only, never followed
+                fd = os.open(os.path.join(self.root, ".locks", USAGE_FILE), os.O_RDONLY | OPEN_FLAGS)
+                try:
+                    counted = _read_count(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+                finally:
+                    os.close(fd)
+                if counted is not None and counted > self.cache_size:
+                    self._account(0)
+        except CacheFolderError as e:
+            if e.error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO):
+                self._cannot_fill(e.error)  # nothing counted yet (no folder, no file) is no error
 
     def _forget_map(self, key: tuple[str, int, int, int]) -> None:
         """Stop serving the map of ``key`` (name, slot, generation, revision); ``_lock`` held.
