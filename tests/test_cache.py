@@ -1050,6 +1050,17 @@ def test_a_writers_loader_cache_serves_its_snapshot_whole(tmp_path, monkeypatch)
     writer.close()
 
 
+@pytest.mark.parametrize("cache_size", [0, 600])
+def test_a_loader_filling_more_than_cache_size_still_draws_every_episode(written, tmp_path, cache_size):
+    # a loader's cache='ram' fill took each episode the cache did not keep (evicted at once) for
+    # one reused since its snapshot: never drawn (600 bytes: 1 of 6 episodes left), and with
+    # cache_size 0 the loader said a writer had overwritten them all
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path, cache_size=cache_size)
+    loader = make_dataloader(reader, 64, timestep_level=True, cache="ram")
+    ident = torch.cat([batch["ident"].reshape(-1) for batch in loader])
+    assert sorted(ident.tolist()) == [1000 * i + t for i, length in enumerate(LENGTHS) for t in range(length)]
+
+
 def test_a_file_is_checked_once_per_process(written, tmp_path, monkeypatch):
     from replaybuf.storage._cache import CachedStorage
 

@@ -118,7 +118,9 @@ class Fetcher:
 
     def _fill_cache(self) -> None:
         """The snapshot's episodes of every field into the read cache, a few at a time; a slot
-        whose fill finds another generation (reused since the snapshot) is never drawn."""
+        whose fill finds another generation (reused since the snapshot) is never drawn. A slot
+        the cache did not keep (evicted at once: more episodes than ``cache_size`` holds) is
+        drawn as ever, its rows read from the store."""
         assert isinstance(self.storage, CachedStorage)
         for name in self.fields:
             live = self.slots[(self.generations[self.slots] > 0) & (self.lens[self.slots] > 0)]
@@ -131,7 +133,10 @@ class Fetcher:
                         self.generations[error.slots] = -1
                         part = part[self.generations[part] > 0]
                         continue
-                    self.generations[part[~np.isin(part, list(filled))]] = -1
+                    left_out = part[~np.isin(part, list(filled))]
+                    if len(left_out):  # reused since the snapshot, or only not kept
+                        now = np.asarray(self.storage.read_meta_rows("_generation", left_out), dtype=np.int64)
+                        self.generations[left_out[now != self.generations[left_out]]] = -1
                     break
 
     # ---- reads -------------------------------------------------------------------------------
