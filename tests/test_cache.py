@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
+from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader, make_dataset
@@ -1115,8 +1116,8 @@ def test_a_fill_leaves_out_a_slot_reused_during_its_read(tmp_path, monkeypatch, 
 def test_a_folder_the_seed_library_writes_is_read_as_it_is_never_from_the_cache(tmp_path):
     """memmap-replay-buffer writes its folders (and those replaybuf adopted) without moving any
     slot's generation: after a whole turn of its ring every slot has the generation it had, so a
-    cached copy, the buffer's (``cache='disk'``) or a loader's (``cache='ram'``), would serve the
-    old episodes. Such a folder is read as it is (it is raw already), with a warning."""
+    cached copy, the buffer's (``cache='disk'``) or a loader's (``cache='ram'``, of the folder or
+    of a mixture holding it), would serve the old episodes. Such a folder is read as it is (it is raw already), with a warning."""
     seed = seed_buffer(tmp_path / "seed", lengths=(3, 4, 5, 6), partial=0)
 
     def first_states() -> list[list[float]]:
@@ -1128,12 +1129,15 @@ def test_a_folder_the_seed_library_writes_is_read_as_it_is_never_from_the_cache(
         with pytest.raises(ValueError, match="never cached"):
             reader.warm_cache()
         loader = make_dataloader(ReplayBuffer.from_folder(tmp_path / "seed", read_only=True), 4, cache="ram")
-        return [reader.data["state"][:, 0, 0].tolist(), next(iter(loader))["state"][:, 0, 0].tolist()]
+        mixture = ConcatReplayBuffer([tmp_path / "seed"]).dataloader(batch_size=4, shuffle=False, cache="ram")
+        return [reader.data["state"][:, 0, 0].tolist()] + [
+            sorted(next(iter(each))["state"][:, 0, 0].tolist()) for each in (loader, mixture)
+        ]
 
-    assert first_states() == [[0.0, 1.0, 2.0, 3.0]] * 2
+    assert first_states() == [[0.0, 1.0, 2.0, 3.0]] * 3
     for i in range(4, 8):  # the seed's next turn: every slot rewritten
         with seed.one_episode(task_id=i):
             for t in range(3):
                 seed.store(state=np.full(3, i + t / 10, np.float32), action=np.array([t, i]), reward=0.0)
     seed.flush()
-    assert first_states() == [[4.0, 5.0, 6.0, 7.0]] * 2
+    assert first_states() == [[4.0, 5.0, 6.0, 7.0]] * 3
