@@ -1799,6 +1799,11 @@ class ReplayBuffer(CommittedViews):
                 f"warm_cache: {self.storage.location!r} has no read cache; open it with read_only=True and "
                 "cache='disk' (object stores have one by default)"
             )
+        if self.storage.seed_may_write:
+            raise ValueError(
+                f"warm_cache: {self.storage.location!r} is a memmap-replay-buffer folder, whose reads are never "
+                "cached (that library writes it without moving any slot's generation)"
+            )
         slots, _ = self._episode_indices(episodes, "warm_cache")
         if isinstance(fields, str):  # list('image') would name its letters
             raise TypeError(f"warm_cache: fields must be a sequence of field names, got the string {fields!r}")

@@ -204,6 +204,11 @@ class ConcatStorage(Storage):
         # docstring inherited: when any member's does
         return any(m.checks_whole_episodes for m in self.members)
 
+    @property
+    def seed_may_write(self) -> bool:
+        # docstring inherited: when it may write any member
+        return any(m.seed_may_write for m in self.members)
+
     def verifies_reads(self, names: Iterable[str]) -> bool:
         # docstring inherited: when every member's are
         names = tuple(names)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from replaybuf import ReplayBuffer
+from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader, make_dataset
@@ -32,6 +33,7 @@ from tests._data import SAMPLING_LENGTHS as LENGTHS
 from tests._data import SAMPLING_META_FIELDS as META_FIELDS
 from tests._data import fill_sampling_buffer as fill
 from tests._data import sampling_episode as episode
+from tests._data import seed_buffer
 from tests.test_sampling import assert_same
 
 pytest_plugins = ["tests._servers"]  # fixture: s3_server
@@ -454,6 +456,20 @@ def test_lru_eviction_and_refill(written, tmp_path):
     assert rows_file("state", 2, 3, revision[2]) in cache_files(storage.root)
 
 
+def test_a_smaller_cache_size_bounds_a_folder_whose_episodes_are_all_cached(written, tmp_path):
+    # only fills scanned the folder: a run opening it with a smaller cache_size, every episode
+    # it read already cached, left it at the earlier runs' size for good
+    cache = tmp_path / "cache"
+    ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache).warm_cache(progress=False)
+    full = sum(cache_files(cache).values())
+    smaller = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=cache, cache_size=full // 3)
+    got = {name: smaller.data[name][:] for name in FIELDS}
+    assert 0 < sum(cache_files(cache).values()) <= full // 3
+    expected = ReplayBuffer.from_folder(written, read_only=True, cache=False).data
+    for name in FIELDS:
+        np.testing.assert_array_equal(got[name], expected[name][:])
+
+
 def test_fillers_in_several_processes_keep_the_folder_within_cache_size(written, tmp_path):
     # each process counted only its own writes since its last scan: two processes filling in
     # turns left ~2x cache_size on disk (N processes or loader workers, ~N x)
@@ -576,6 +592,29 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
     assert data_gets == []
     off = ReplayBuffer.from_folder(location, read_only=True, storage_options=s3_server.storage_options, cache=False)
     assert not isinstance(off.storage, CachedStorage)
+
+
+def test_every_spelling_of_an_object_store_url_is_cached_by_default_in_one_folder(s3_server, tmp_path):
+    """``s3a://`` and ``S3://`` name the objects ``s3://`` does: a read-only open through any of
+    them is cached by default, in the one folder, so what one filled the others serve with no GET."""
+    location = s3_server.url(f"spelled-{uuid.uuid4().hex[:8]}")
+    writer = ReplayBuffer(
+        location, max_episodes=2, max_timesteps=3, fields={"ident": "int"}, storage_options=s3_server.storage_options
+    )
+    writer.store_episode(ident=np.array([1000, 1001, 1002]))
+    writer.close()
+    readers = [
+        ReplayBuffer.from_folder(
+            scheme + location.split("://", 1)[1], read_only=True, storage_options=s3_server.storage_options
+        )
+        for scheme in ("s3a://", "S3://", "s3://")
+    ]
+    assert all(isinstance(reader.storage, CachedStorage) for reader in readers)
+    assert len({reader.storage.root for reader in readers}) == 1
+    readers[0].warm_cache(progress=False)
+    with s3_server.record() as requests:
+        assert readers[1].data["ident"][0, 2] == 1002
+    assert [path for method, path in requests.requests if method == "GET" and "/data/" in path] == []
 
 
 def test_filler_waits_for_the_one_fetching_the_episode(written, tmp_path, monkeypatch):
@@ -1012,6 +1051,17 @@ def test_a_writers_loader_cache_serves_its_snapshot_whole(tmp_path, monkeypatch)
     writer.close()
 
 
+@pytest.mark.parametrize("cache_size", [0, 600])
+def test_a_loader_filling_more_than_cache_size_still_draws_every_episode(written, tmp_path, cache_size):
+    # a loader's cache='ram' fill took each episode the cache did not keep (evicted at once) for
+    # one reused since its snapshot: never drawn (600 bytes: 1 of 6 episodes left), and with
+    # cache_size 0 the loader said a writer had overwritten them all
+    reader = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path, cache_size=cache_size)
+    loader = make_dataloader(reader, 64, timestep_level=True, cache="ram")
+    ident = torch.cat([batch["ident"].reshape(-1) for batch in loader])
+    assert sorted(ident.tolist()) == [1000 * i + t for i, length in enumerate(LENGTHS) for t in range(length)]
+
+
 def test_a_file_is_checked_once_per_process(written, tmp_path, monkeypatch):
     from replaybuf.storage._cache import CachedStorage
 
@@ -1061,3 +1111,33 @@ def test_a_fill_leaves_out_a_slot_reused_during_its_read(tmp_path, monkeypatch, 
     reader.warm_cache()
     assert sorted(int(name.split("-")[0]) for name in os.listdir(folder)) == [0, 1, 2]
     assert reader.get_all_data()["ident"].tolist() == [[30, 31, 32, 33], [10, 11, 12, 13], [20, 21, 22, 23]]
+
+
+def test_a_folder_the_seed_library_writes_is_read_as_it_is_never_from_the_cache(tmp_path):
+    """memmap-replay-buffer writes its folders (and those replaybuf adopted) without moving any
+    slot's generation: after a whole turn of its ring every slot has the generation it had, so a
+    cached copy, the buffer's (``cache='disk'``) or a loader's (``cache='ram'``, of the folder or
+    of a mixture holding it), would serve the old episodes. Such a folder is read as it is (it is raw already), with a warning."""
+    seed = seed_buffer(tmp_path / "seed", lengths=(3, 4, 5, 6), partial=0)
+
+    def first_states() -> list[list[float]]:
+        """Step 0's state of each slot, as a cached reader and a cached loader read them."""
+        with pytest.warns(UserWarning, match="memmap-replay-buffer folder"):
+            reader = ReplayBuffer.from_folder(
+                tmp_path / "seed", read_only=True, cache="disk", cache_dir=tmp_path / "cache"
+            )
+        with pytest.raises(ValueError, match="never cached"):
+            reader.warm_cache()
+        loader = make_dataloader(ReplayBuffer.from_folder(tmp_path / "seed", read_only=True), 4, cache="ram")
+        mixture = ConcatReplayBuffer([tmp_path / "seed"]).dataloader(batch_size=4, shuffle=False, cache="ram")
+        return [reader.data["state"][:, 0, 0].tolist()] + [
+            sorted(next(iter(each))["state"][:, 0, 0].tolist()) for each in (loader, mixture)
+        ]
+
+    assert first_states() == [[0.0, 1.0, 2.0, 3.0]] * 3
+    for i in range(4, 8):  # the seed's next turn: every slot rewritten
+        with seed.one_episode(task_id=i):
+            for t in range(3):
+                seed.store(state=np.full(3, i + t / 10, np.float32), action=np.array([t, i]), reward=0.0)
+    seed.flush()
+    assert first_states() == [[4.0, 5.0, 6.0, 7.0]] * 3

@@ -67,6 +67,8 @@ class Fetcher:
     ):
         if cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
+        if buffer.storage.seed_may_write:
+            cache = None  # a memmap-replay-buffer folder, read as it is: the seed's writes would leave a cache stale
         self.storage: Storage = buffer.storage if cache is None else read_cache(buffer, cache_dir)
         self.schema = buffer.schema
         self.fields = tuple(dict.fromkeys(fields))
@@ -116,7 +118,9 @@ class Fetcher:
 
     def _fill_cache(self) -> None:
         """The snapshot's episodes of every field into the read cache, a few at a time; a slot
-        whose fill finds another generation (reused since the snapshot) is never drawn."""
+        whose fill finds another generation (reused since the snapshot) is never drawn. A slot
+        the cache did not keep (evicted at once: more episodes than ``cache_size`` holds) is
+        drawn as ever, its rows read from the store."""
         assert isinstance(self.storage, CachedStorage)
         for name in self.fields:
             live = self.slots[(self.generations[self.slots] > 0) & (self.lens[self.slots] > 0)]
@@ -129,7 +133,10 @@ class Fetcher:
                         self.generations[error.slots] = -1
                         part = part[self.generations[part] > 0]
                         continue
-                    self.generations[part[~np.isin(part, list(filled))]] = -1
+                    left_out = part[~np.isin(part, list(filled))]
+                    if len(left_out):  # reused since the snapshot, or only not kept
+                        now = np.asarray(self.storage.read_meta_rows("_generation", left_out), dtype=np.int64)
+                        self.generations[left_out[now != self.generations[left_out]]] = -1
                     break
 
     # ---- reads -------------------------------------------------------------------------------

@@ -99,6 +99,8 @@ from .base import (
     GenerationMismatchError,
     Storage,
     StorageError,
+    is_url,
+    object_store_url,
 )
 from .spans import Spans
 
@@ -326,10 +328,9 @@ def default_cache_dir() -> str:
 def buffer_identity(location: str, schema: Schema) -> str:
     """The name of a buffer's cache folder: a hash of its resolved location and its uuid (or,
     for a buffer created before uuids were stored, its whole config)."""
-    where = (
-        location
-        if "://" in location and not location.startswith("file://")
-        else os.path.realpath(location.removeprefix("file://"))
+    # an object store's URL in one spelling: s3a:// and S3:// name the same objects as s3://
+    where = object_store_url(location) or (
+        location if is_url(location) else os.path.realpath(location.removeprefix("file://"))
     )
     what = schema.uuid if schema.uuid is not None else json.dumps(schema.to_json(), sort_keys=True)
     return hashlib.sha256(f"{where}\0{what}".encode()).hexdigest()[:24]
@@ -385,6 +386,7 @@ class CachedStorage(Storage):
         self.cache_size = int(cache_size)
         self.snapshot = snapshot
         self.schema: Schema | None = None
+        self._seed_warned = False  # ``open`` says once that a memmap-replay-buffer folder is not cached
         self._reset()
 
     def _reset(self) -> None:
@@ -403,6 +405,7 @@ class CachedStorage(Storage):
         self._identity_checked = False  # ``load_state`` skips its identity check once after ``open``
         self._warned = False  # a full or unusable cache folder is reported once per process
         self._skip_fills_until = 0.0  # time.monotonic() until which fills are skipped (``_cannot_fill``)
+        self._bounded = False  # ``_bound_once`` ran
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
@@ -419,6 +422,7 @@ class CachedStorage(Storage):
             "_root",
             "_warned",
             "_skip_fills_until",
+            "_bounded",
         ):
             state.pop(key)
         return state
@@ -479,6 +483,14 @@ class CachedStorage(Storage):
         self.schema = self.inner.open(read_only)
         self._reset()
         self._identity_checked = True  # the schema was read just now
+        if self.inner.seed_may_write and not self._seed_warned:
+            self._seed_warned = True  # once, not again in each DataLoader worker of a pickled copy
+            warnings.warn(
+                f"{self.location!r} is a memmap-replay-buffer folder, which that library may write without "
+                "moving any slot's generation: its reads are not cached (its rows are raw files already); "
+                "pass cache=False to open it without this warning",
+                stacklevel=4,
+            )
         return self.schema
 
     def load_state(self) -> dict:
@@ -601,7 +613,12 @@ class CachedStorage(Storage):
     # ---- cached reads ------------------------------------------------------------------------
 
     def _cached(self, name: str) -> bool:
-        return (self.read_only or self.snapshot) and self.schema is not None and name in self.schema.fields
+        return (
+            (self.read_only or self.snapshot)
+            and self.schema is not None
+            and name in self.schema.fields
+            and not self.inner.seed_may_write  # a seed write would leave its files stale
+        )
 
     def _field(self, name: str) -> Field:
         """The data field ``name`` of the opened storage's schema."""
@@ -688,6 +705,8 @@ class CachedStorage(Storage):
         generation > 0 that is (or, after a fill, has become) cached at the revision this
         process knows for the slot (a slot known at an odd revision, an edit running, is not);
         each is also indexed for gathers (``MappedRows``)."""
+        if not self._bounded:
+            self._bound_once()
         out, touched, missing = {}, {}, []
         revisions = dict(zip(slots.tolist(), self._known_revisions()[slots].tolist()))
         now = time.monotonic()
@@ -731,6 +750,26 @@ class CachedStorage(Storage):
             for (slot, generation), rows in out.items():
                 dense.put(slot, generation, revisions[slot], rows)
         return out
+
+    def _bound_once(self) -> None:
+        """Before this layer's first map: evict down to ``cache_size`` when the folder's count
+        says it holds more (filled by runs with a larger ``cache_size``). Only fills scan the
+        folder otherwise, so a reader whose episodes are all cached would leave it over the
+        bound for good. One read of the count; the scan only when over."""
+        self._bounded = True
+        try:
+            with _in_cache_folder():
+                self._folder(".locks", make=False)  # plain folders only, never followed
+                fd = os.open(os.path.join(self.root, ".locks", USAGE_FILE), os.O_RDONLY | OPEN_FLAGS)
+                try:
+                    counted = _read_count(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+                finally:
+                    os.close(fd)
+                if counted is not None and counted > self.cache_size:
+                    self._account(0)
+        except CacheFolderError as e:
+            if e.error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO):
+                self._cannot_fill(e.error)  # nothing counted yet (no folder, no file) is no error
 
     def _forget_map(self, key: tuple[str, int, int, int]) -> None:
         """Stop serving the map of ``key`` (name, slot, generation, revision); ``_lock`` held.
@@ -1247,16 +1286,12 @@ def _forward(name: str):
 
 
 # the wrapped storage's name and capabilities, read from it
-_FORWARDED_ATTRIBUTES = ("backend_name", "supports_remote", "supports_field_codecs", "is_local")
+_FORWARDED_ATTRIBUTES = ("backend_name", "supports_remote", "supports_field_codecs", "is_local", "seed_may_write")
 
 for _name in _FORWARDED:
     setattr(CachedStorage, _name, _forward(_name))
 for _name in _FORWARDED_ATTRIBUTES:
     setattr(CachedStorage, _name, property(attrgetter(f"inner.{_name}"), doc=f"``{_name}`` of the wrapped storage."))
-
-
-#: URL schemes of object stores, whose read-only buffers are cached unless ``cache=False``
-CACHED_BY_DEFAULT = ("s3://", "gs://", "gcs://")
 
 
 def with_cache(
@@ -1278,7 +1313,7 @@ def with_cache(
             f"cache={cache!r}, cache_dir={cache_dir!r}: the read cache serves buffers opened with "
             f"read_only=True; {storage.location!r} is opened for writing"
         )
-    automatic = cache is None and storage.location.startswith(CACHED_BY_DEFAULT)
+    automatic = cache is None and object_store_url(storage.location) is not None  # s3a://, S3://... too
     if isinstance(storage, CachedStorage) or not read_only or not (asked or automatic):
         return storage
     return CachedStorage(storage, cache_dir, cache_size)

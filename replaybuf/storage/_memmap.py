@@ -344,6 +344,11 @@ class MemmapStorage(LocalFolderStorage):
         # leave them stale)
         return super().keeps_meta_sums and not self._seed_origin
 
+    @property
+    def seed_may_write(self) -> bool:
+        # docstring inherited
+        return self._seed_origin
+
     def writable_open_refusals(self) -> list[str]:
         # docstring inherited: a seed folder's ``_initted`` flags
         try:

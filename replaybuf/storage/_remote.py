@@ -84,6 +84,7 @@ from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, ObjectStore, WrapperStore
 
 from ._settle import guarded_loop
+from .base import OBJECT_STORE_SCHEMES
 
 if TYPE_CHECKING:
     from zarr.abc.store import ByteRequest
@@ -123,8 +124,8 @@ botocore's (5 attempts with a 60 s read timeout), so against a server that accep
 and never answers, an open through s3fs was still waiting after 7 minutes (measured; 123 s with
 these, obstore 60 s). botocore alone retries 5xx, throttling and dropped connections."""
 
-_S3_SCHEMES = frozenset({"s3", "s3a"})
-_GCS_SCHEMES = frozenset({"gs", "gcs"})
+_S3_SCHEMES = frozenset(scheme for scheme, store in OBJECT_STORE_SCHEMES.items() if store == "s3")
+_GCS_SCHEMES = frozenset(scheme for scheme, store in OBJECT_STORE_SCHEMES.items() if store == "gs")
 _LOCAL_SCHEMES = frozenset({"", "file"})
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _GCS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")

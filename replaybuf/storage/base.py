@@ -787,6 +787,13 @@ class Storage(ABC):
         return self.format_version is not None and self.format_version >= META_SUMS_FORMAT
 
     @property
+    def seed_may_write(self) -> bool:
+        """Whether the memmap-replay-buffer library may write this buffer (a folder of its own,
+        or one replaybuf adopted): its writes move no slot's generation or revision, so no
+        copy keyed by them may outlive this open (the read cache keeps none of its rows)."""
+        return False
+
+    @property
     def binds_shards(self) -> bool:
         """Whether each shard of the buffer's sharded arrays (zarr image fields) holds a binding
         to its field and slot (and from zarr format 6 to its buffer), written and checked (zarr
@@ -1504,6 +1511,18 @@ def is_url(location: str) -> bool:
     """Whether ``location`` names an object store or other fsspec URL, not local files
     (``file://`` paths are local)."""
     return "://" in location and not location.startswith("file://")
+
+
+#: the URL schemes of object stores (lowercase), each with the one name of its store
+OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
+
+
+def object_store_url(location: str) -> str | None:
+    """``location`` spelled one way when it names an object store (``S3://``, ``s3a://`` ->
+    ``s3://``; ``gcs://`` -> ``gs://``: the same objects), else None."""
+    scheme, separator, rest = location.partition("://")
+    store = OBJECT_STORE_SCHEMES.get(scheme.lower()) if separator else None
+    return None if store is None else f"{store}://{rest}"
 
 
 def warn_local_options(location: str, storage_options: dict, backend: str) -> None:
