@@ -118,7 +118,7 @@ def _given_settings(max_episodes: Any, max_timesteps: Any, meta_fields: Any, cir
     if meta_fields is not None:
         if not isinstance(meta_fields, dict):
             raise TypeError(f"meta_fields must be a dict of name -> spec, got {meta_fields!r}")
-        given["meta_fields"] = {n: parse_field(n, s) for n, s in meta_fields.items()}
+        given["meta_fields"] = {n: parse_field(n, s, meta=True) for n, s in meta_fields.items()}
     return given
 
 

@@ -43,6 +43,7 @@ from replaybuf.video import (
     frame_size,
     frames_to_sheet,
     image_fields,
+    scaled_frame_shape,
     to_rgb_uint8,
     trajectory_to_video,
     write_atomically,
@@ -342,12 +343,9 @@ def run_inspect(args: argparse.Namespace) -> int:
             frame_count = len(frames)
             path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
             videos[field] = path
-            field_info[field] = {
-                "shape": " x ".join(map(str, buffer.shapes[field])),
-                "dtype": str(np.dtype(buffer.dtypes[field])),
-            }
-            # as the seed words it: frames of (H, W, C)
-            print(f"wrote {path} ({len(frames)} frames of {frames.shape[1:]} at {args.fps} fps)")
+            shape = scaled_frame_shape(buffer.shapes[field], args.scale)  # as stored: the seed's report
+            field_info[field] = {"shape": " x ".join(map(str, shape)), "dtype": str(np.dtype(buffer.dtypes[field]))}
+            print(f"wrote {path} ({len(frames)} frames of {shape} at {args.fps} fps)")
             if args.sheet is not None:  # a sheet, not the frames, is kept until the videos are done
                 sheets.append((_suffixed(args.sheet, field, several), frames_to_sheet(frames, args.rows, args.columns)))
         for sheet_path, sheet in sheets:

@@ -6,6 +6,7 @@ ImportError that says what to install.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -37,12 +38,46 @@ def _require_h5py() -> None:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
 
 
+def _check_stored_compression(folder: str | os.PathLike, compression: str | None, level: int | None) -> None:
+    """ValueError, as memmap-replay-buffer's config check raised, when the HDF5 buffer stored at
+    ``folder`` was created with another compression than a reopen passes: the reopen kept the
+    stored one, ignoring what was asked. Read through a read-only open that writes nothing; a
+    folder without a readable buffer is left to the open itself, which reports it."""
+    from .storage import make_storage
+
+    try:
+        probe = make_storage(folder, "hdf5", {})
+    except Exception:
+        return
+    try:
+        if not probe.exists():
+            return
+        probe.open(read_only=True)
+        stored = probe.compression()  # type: ignore[attr-defined]
+    except Exception:
+        return
+    finally:
+        with contextlib.suppress(Exception):
+            probe.close()
+    passed = (compression, 4 if compression == "gzip" and level is None else level)  # h5py's default gzip level
+    if stored != passed:
+        # the level only where the compression is the same
+        key, was, given = ("", stored[0], passed[0]) if stored[0] != passed[0] else ("_opts", stored[1], passed[1])
+        raise ValueError(
+            f"buffer at {os.fspath(folder)!r} was created with a different config:\n"
+            f"  h5py_compression{key}: stored {was!r} vs passed {given!r}\n"
+            "Open it with ReplayBufferH5PY.from_folder(...) to use the stored config, "
+            "or pass overwrite=True to recreate it (erasing its episodes)."
+        )
+
+
 class ReplayBufferH5PY(ReplayBuffer):
     """A ReplayBuffer stored in one HDF5 file (``<folder>/data.h5``), optionally compressed.
 
     ``h5py_compression`` is 'gzip', 'lzf' or None and ``h5py_compression_opts`` the gzip level,
-    as in memmap-replay-buffer; they apply when the buffer is created (a reopened file keeps the
-    compression it was created with). Everything else is ReplayBuffer's.
+    as in memmap-replay-buffer; they apply when the buffer is created, and a reopen that passes
+    a config (``overwrite=False``) must pass the compression it was created with, as there
+    (``from_folder`` takes the stored one). Everything else is ReplayBuffer's.
     """
 
     def __init__(
@@ -63,6 +98,8 @@ class ReplayBufferH5PY(ReplayBuffer):
         break_lock: bool = False,
     ):
         _require_h5py()
+        if fields is not None and (read_only or not overwrite) and not isinstance(folder, Storage):
+            _check_stored_compression(folder, h5py_compression, h5py_compression_opts)
         options: dict[str, Any] = {}
         if h5py_compression is not None:
             options["compression"] = h5py_compression

@@ -143,10 +143,35 @@ class Field:
         return parse_field(name, data)
 
 
-def parse_field(name: str, spec: Any) -> Field:
-    """Turn one user field spec into a Field, raising TypeError/ValueError that name the field."""
-    if not isinstance(name, str) or not name.isidentifier():
+# what a meta field name may hold besides what an identifier holds: memmap-replay-buffer takes
+# any string as a meta field name, and its folders hold names such as 'task-id', 'env.id' or
+# 'success rate'; these characters are safe in every backend's file, array and object names
+META_NAME_EXTRA_CHARACTERS = " -."
+
+
+def check_field_name(name: Any, meta: bool = False) -> None:
+    """Refuse a field name that cannot name the field's files and arrays: a data field's must be
+    an identifier (``store()`` returns a namedtuple of them); a meta field's may also hold
+    ``META_NAME_EXTRA_CHARACTERS``, but not start with ``.`` (a hidden file, ``..``)."""
+    if isinstance(name, str) and name.isidentifier():
+        return
+    if not meta:
         raise ValueError(f"field name {name!r} is not a valid identifier")
+    if not (
+        isinstance(name, str)
+        and name
+        and not name.startswith(".")
+        and all(c.isalnum() or c == "_" or c in META_NAME_EXTRA_CHARACTERS for c in name)
+    ):
+        raise ValueError(
+            f"meta field name {name!r} is refused: it names files and arrays, so it holds only letters, "
+            f"digits, '_', '-', '.' and spaces, and does not start with '.'"
+        )
+
+
+def parse_field(name: str, spec: Any, meta: bool = False) -> Field:
+    """Turn one user field spec into a Field, raising TypeError/ValueError that name the field."""
+    check_field_name(name, meta)
     chunks = compressor = None
     if isinstance(spec, dict):
         unknown = set(spec) - {"dtype", "shape", "default", "chunks", "compressor"}
@@ -245,7 +270,7 @@ class Schema:
             )
         schema = cls(
             {n: parse_field(n, s) for n, s in fields.items()},
-            {n: parse_field(n, s) for n, s in meta_fields.items()},
+            {n: parse_field(n, s, meta=True) for n, s in meta_fields.items()},
             int(max_episodes),
             int(max_timesteps),
             bool(circular),

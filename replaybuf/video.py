@@ -406,6 +406,16 @@ def frame_size(shape: Sequence[int]) -> tuple[int, int]:
     raise ValueError(f"frames: expected a frame shape (H, W), (H, W, C) or (C, H, W), got {shape}")
 
 
+def scaled_frame_shape(shape: Sequence[int], scale: int) -> tuple[int, ...]:
+    """Per-frame ``shape`` in its stored layout, its height and width downsampled by ``scale``:
+    what ``inspect-replay-buffer`` reports for a field, as memmap-replay-buffer's did."""
+    shape = tuple(int(n) for n in shape)
+    height, width = (-(-n // scale) for n in frame_size(shape))
+    if len(shape) == 3 and shape[-1] not in CHANNEL_COUNTS and shape[0] in CHANNEL_COUNTS:
+        return shape[0], height, width
+    return height, width, *shape[2:]
+
+
 def check_sheet_size(
     rows: int, columns: int, height: int, width: int, names: tuple[str, str] = ("rows", "columns")
 ) -> None:

@@ -8,6 +8,8 @@ what raises, what store() returns and what the reads give; then the edges found 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import warnings
 
 import memmap_replay_buffer as seed
@@ -273,14 +275,42 @@ def test_a_missing_buffer_raises_the_seeds_value_error(tmp_path, open_missing):
     assert repr(str(path)) in str(raised.value)
 
 
-@pytest.mark.parametrize("name", ["task-id", "task id", "1st", "../up", ""])
-def test_a_meta_field_name_that_is_no_identifier_is_refused_naming_it(tmp_path, name):
-    """README, Differences: meta field names must be identifiers as data field names must (they
-    name files and arrays); the seed takes any string for a meta field. Nothing is created."""
-    if "/" not in name:  # the seed takes it ('../up' it would write beside its folder)
-        seed.ReplayBuffer(tmp_path / "seed", 2, 3, {"x": "int"}, {name: "int"})
+def test_a_seed_folder_with_meta_names_that_are_no_identifiers_opens_and_reads_as_the_seed(tmp_path):
+    """The seed takes any string as a meta field name; its folders with 'task-id', 'success rate',
+    'env.id' or '1st' open here (they were refused as damaged), read and write as the seed's, and
+    a new buffer takes such names."""
+    meta = {"task-id": "int", "success rate": ("float", (), 0.5), "env.id": ("int", 2), "1st": "bool"}
+    theirs = seed.ReplayBuffer(tmp_path / "seed", 4, 3, {"x": "float"}, meta)
+    for episode in range(2):
+        with theirs.one_episode(**{"task-id": episode, "1st": episode == 0}) as final:
+            theirs.store(x=float(episode))
+            final["success rate"] = episode / 4
+    theirs.flush()
+    shutil.copytree(tmp_path / "seed", tmp_path / "copy")
+    ours = replaybuf.ReplayBuffer.from_folder(tmp_path / "copy")
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data")
+    for buffer in (ours, theirs):
+        with buffer.one_episode(**{"env.id": [1, 2]}):
+            buffer.store(x=3.0)
+    assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data after a write")
+    loader = dict(batch_size=2, filter_meta={"task-id": 1})
+    assert_same(list(ours.dataloader(**loader)), list(theirs.dataloader(**loader)), "dataloader")
+    ours.close()
+    created = replaybuf.ReplayBuffer(tmp_path / "zarr", 4, 3, {"x": "float"}, meta)
+    with created.one_episode(**{"env.id": [1, 2]}):
+        created.store(x=1.0)
+    created.close()
+    reopened = replaybuf.ReplayBuffer.from_folder(tmp_path / "zarr", read_only=True)
+    assert reopened.meta_data["env.id"][0].tolist() == [1, 2] and reopened.meta_data["success rate"][0] == 0.5
+
+
+@pytest.mark.parametrize("name", ["../up", "a/b", "", ".hidden", "..", "a:b", "tab\t"])
+def test_a_meta_field_name_that_cannot_name_a_file_is_refused_naming_it(tmp_path, name):
+    """README, Differences: a meta field name holds letters, digits, '_', '-', '.' and spaces,
+    not starting with '.' (it names files, arrays and object keys); the seed takes any string
+    (its '../up' writes beside its folder). Nothing is created."""
     path = tmp_path / "ours"
-    with pytest.raises(ValueError, match=f"field name {name!r} is not a valid identifier"):
+    with pytest.raises(ValueError, match=re.escape(f"meta field name {name!r} is refused")):
         replaybuf.ReplayBuffer(path, 2, 3, {"x": "int"}, {name: "int"})
     assert not path.exists()
 

@@ -14,7 +14,7 @@ import torch
 
 import replaybuf
 
-from ._backends import LOCAL_BACKENDS, require
+from ._backends import LOCAL_BACKENDS, require, snapshot
 from ._compare import assert_same
 from ._h5outside import KINDS as OUTSIDE_KINDS
 from ._h5outside import replace_with_outside
@@ -217,6 +217,41 @@ def test_h5py_buffer_attributes_match_the_seed(tmp_path):
     assert (plain.h5py_compression, plain.h5py_compression_opts) == (None, None)
 
 
+@pytest.mark.parametrize(
+    "created, reopened",
+    [
+        (dict(h5py_compression="gzip"), dict(h5py_compression="gzip")),
+        (dict(h5py_compression="lzf"), dict(h5py_compression="lzf", read_only=True)),
+        (dict(h5py_compression="gzip"), dict()),
+        (dict(), dict(h5py_compression="lzf")),
+        (
+            dict(h5py_compression="gzip", h5py_compression_opts=4),
+            dict(h5py_compression="gzip", h5py_compression_opts=5),
+        ),
+        (dict(h5py_compression="lzf"), dict(h5py_compression="gzip", read_only=True)),
+    ],
+)
+def test_a_reopen_with_another_h5py_compression_raises_as_the_seed(tmp_path, created, reopened):
+    """The seed's config holds the compression: ``ReplayBufferH5PY(path, ..., overwrite=False)``
+    with another one raises its ValueError; here it opened, silently keeping the stored one.
+    A refused reopen changes no file."""
+    require("h5py")
+    args = dict(max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    outcomes = []
+    for lib in (seed, replaybuf):
+        path = tmp_path / lib.__name__
+        lib.ReplayBufferH5PY(path, **args, **created).store_episode(x=np.ones(2))
+        before = snapshot(str(path))
+        try:
+            buffer = lib.ReplayBufferH5PY(path, **args, **reopened, overwrite=False)
+        except ValueError as error:
+            outcomes.append(str(error).splitlines()[1])
+            assert snapshot(str(path)) == before
+        else:
+            outcomes.append(buffer.num_episodes)
+    assert outcomes[1] == outcomes[0]
+
+
 @pytest.mark.parametrize("call", ["reset_", "store_batch_datapoint", "store_batch_meta_datapoint"])
 def test_concat_refuses_the_seed_write_calls_as_the_seed(filled, call):
     _, ours = filled
@@ -292,9 +327,13 @@ def test_the_seeds_submodules_import_under_replaybuf(module):
         and getattr(value, "__module__", None) == theirs.__name__
         and name in replaybuf.__all__
     ]
-    assert names and sorted(names) == sorted(ours.__all__), module
+    aliases = {"ReplayBufferBase": replaybuf.ReplayBuffer} if module == "replay_buffer" else {}
+    assert names and sorted(names) == sorted(set(ours.__all__) - set(aliases)), module
     for name in names:
         assert getattr(ours, name) is getattr(replaybuf, name), f"replaybuf.{module}.{name}"
+    for name, value in aliases.items():  # the seed's base class of its buffers: type hints, isinstance
+        assert name in vars(theirs) and getattr(ours, name) is value
+        assert issubclass(replaybuf.ReplayBufferH5PY, getattr(ours, name))
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
@@ -370,7 +409,8 @@ def test_copy_seed_h5_keeps_config_slots_and_order(tmp_path, circular, episodes,
     assert ours.num_episodes == theirs.num_episodes  # the circular one is full either way
     assert_same(ours.get_all_data(), theirs_data, "get_all_data")
     ours.close()
-    reopened = replaybuf.ReplayBufferH5PY(tmp_path / "ours", **args, overwrite=False)  # the seed's config
+    # the seed's config, its compression included
+    reopened = replaybuf.ReplayBufferH5PY(tmp_path / "ours", **args, h5py_compression="gzip", overwrite=False)
     assert_same(reopened.get_all_data(), theirs_data, "reopened")
     reopened.close()
     with pytest.raises(FileExistsError, match="already holds a buffer"):
