@@ -30,7 +30,15 @@ if TYPE_CHECKING:
     from .buffer import MetaView
     from .sampling.loader import make_dataloader, make_dataset
 
-__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "mirror_lock", "read_only_message"]
+__all__ = [
+    "BufferView",
+    "CommittedViews",
+    "RefreshLock",
+    "SchemaAttributes",
+    "frozen",
+    "mirror_lock",
+    "read_only_message",
+]
 
 
 @runtime_checkable
@@ -242,6 +250,26 @@ def mirror_lock(buffer: Any, writer_only: bool = False) -> AbstractContextManage
     if lock is None or (writer_only and buffer.read_only and not closes):
         return nullcontext()
     return lock
+
+
+class RefreshLock:
+    """What a read through a buffer's storage alone holds (each ``to_dask`` block, each
+    ``stats()`` task): the lock of a read-only ``ReplayBuffer`` whose ``refresh()`` closes what
+    its reads use (``Storage.closes_at_refresh``: hdf5), so a refresh of another thread waits
+    for the read (which then reopens the file) instead of closing the file under it; no lock
+    for other buffers, whose reads run in parallel. It pickles as no lock: a copy of the graph
+    in another process reads through a storage of its own, which no refresh of this one closes."""
+
+    def __init__(self, buffer: Any = None):
+        closes = getattr(getattr(buffer, "storage", None), "closes_at_refresh", False)
+        owned = closes and getattr(buffer, "read_only", False) and hasattr(buffer, "_lock")
+        self._buffer = buffer if owned else None
+
+    def __call__(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self._buffer is None else self._buffer._lock
+
+    def __reduce__(self) -> tuple[type[RefreshLock], tuple[()]]:
+        return RefreshLock, ()
 
 
 def frozen(array: np.ndarray) -> np.ndarray:
