@@ -1901,17 +1901,6 @@ class ReplayBuffer(CommittedViews):
         self._rlock, self._lock_pid = threading.RLock(), os.getpid()
         self.storage.read_only = True
 
-    @property
-    def _lock(self) -> threading.RLock:
-        """The lock every write and ``refresh()`` of this object hold, and the plans of its
-        reads (and, of a writable object, the reads: ``_serialized``, ``view.mirror_lock``), so
-        threads of this process share the object.
-        A forked child (a DataLoader worker) makes its own: a thread of the parent holding it
-        at the fork does not run there, and would hold it forever."""
-        if self._lock_pid != os.getpid():
-            self._rlock, self._lock_pid = threading.RLock(), os.getpid()
-        return self._rlock
-
     @_serialized
     def compact(self) -> CompactionSummary:
         """Compress every episode the hot tier holds raw (``hot_bytes``) now, each replaced

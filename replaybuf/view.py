@@ -11,6 +11,8 @@ and ``CommittedViews`` adds the snapshot's read-only views and the analyses (``g
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import namedtuple
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -286,6 +288,20 @@ class CommittedViews(SchemaAttributes):
     def _committed(self) -> Mapping[str, np.ndarray]:
         """Every slot's committed meta rows by name, ``episode_lens`` and ``_generation`` among them."""
         raise NotImplementedError
+
+    _rlock: threading.RLock
+    _lock_pid: int
+
+    @property
+    def _lock(self) -> threading.RLock:
+        """The lock every write and ``refresh()`` of this object hold, and the plans of its
+        reads (and, of a writable object or one whose refresh closes what its reads use, the
+        reads: ``buffer._serialized``, ``mirror_lock``), so threads of this process share the
+        object. A forked child (a DataLoader worker) or an unpickled copy makes its own: a
+        thread of the parent holding it at the fork does not run there, and would hold it forever."""
+        if self.__dict__.get("_lock_pid") != os.getpid() or "_rlock" not in self.__dict__:
+            self._rlock, self._lock_pid = threading.RLock(), os.getpid()
+        return self._rlock
 
     @property
     def episode_lens(self) -> np.ndarray:

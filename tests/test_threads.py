@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from replaybuf import BufferLockedError, ReplayBuffer
+from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
 from replaybuf.analysis import get_all_data  # noqa: F401 - torch and dask, imported at collection
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader
@@ -133,10 +133,13 @@ def test_two_opens_of_one_buffer_in_two_threads_store_each_episode_once(place):
     assert verify(place.location) == []
 
 
-def refresh_inside_first_read(reader: ReplayBuffer, writer: ReplayBuffer, monkeypatch, errors: list) -> threading.Event:
+def refresh_inside_first_read(
+    reader: ReplayBuffer, writer: ReplayBuffer, monkeypatch, errors: list, refreshing: Any = None
+) -> threading.Event:
     """Make the first use of ``reader``'s hdf5 file (a read) commit episode 3 through ``writer``
-    and refresh ``reader`` from another thread, waiting for that refresh (at most ``WAIT_S``:
-    it rightly waits for the read) before the read goes on. Returns the event set once refreshed."""
+    and refresh ``refreshing`` (default: ``reader``) from another thread, waiting for that
+    refresh (at most ``WAIT_S``: it rightly waits for the read) before the read goes on.
+    Returns the event set once refreshed."""
     refreshed, calls = threading.Event(), []
     cls = type(reader.storage)
     h5file = cls.h5file
@@ -146,7 +149,7 @@ def refresh_inside_first_read(reader: ReplayBuffer, writer: ReplayBuffer, monkey
         if storage is reader.storage and not calls:
             calls.append(1)
             writer.store_episode(**steps(3), ep=3)
-            run(lambda: (reader.refresh(), refreshed.set()), errors)
+            run(lambda: ((refreshing or reader).refresh(), refreshed.set()), errors)
             refreshed.wait(WAIT_S)
         return file
 
@@ -198,6 +201,25 @@ def test_a_refresh_of_another_thread_waits_for_a_dask_block_and_stats(place, mon
         assert np.allclose(summary.fields["obs"].mean.numpy(), every.mean(axis=0))
     assert refreshed.wait(30)
     assert not errors, errors
+    writer.close()
+
+
+@pytest.mark.parametrize("backend", ["hdf5"])
+def test_a_concat_refresh_of_another_thread_waits_for_its_read(place, monkeypatch):
+    """A ConcatReplayBuffer of hdf5 readers read by one thread and refreshed by another: its
+    refresh (which refreshes the members, closing their files) waits for the read (before:
+    every read path, get_all_data, data[...], to_dask, stats and loaders, raised h5py's
+    KeyError or RuntimeError, "invalid identifier type")."""
+    writer, reader = two_episodes_and_a_reader(place)
+    concat = ConcatReplayBuffer([reader])
+    errors: list = []
+    refreshed = refresh_inside_first_read(reader, writer, monkeypatch, errors, refreshing=concat)
+    data = concat.get_all_data(fields=["obs"], meta_fields=["ep"])
+    assert refreshed.wait(30)
+    assert not errors, errors
+    assert np.asarray(data["ep"]).tolist() == [1, 2]  # as planned before the refresh
+    assert np.array_equal(np.asarray(data["obs"])[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
+    assert len(concat) == 3
     writer.close()
 
 
