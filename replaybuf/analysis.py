@@ -49,7 +49,7 @@ from .storage import (
     fill_beyond,
     recycled_empty,
 )
-from .view import BufferView, mirror_lock
+from .view import BufferView, RefreshLock, mirror_lock
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -118,7 +118,8 @@ class EpisodeRows:
     computed (``consistency.read_consistent``): a row planned empty reads as ``fill``
     throughout, and one whose slot no longer holds the planned episode raises ``StalePlanError``. ``dask.array.from_array`` slices it
     block by block; it pickles with the storage (no open handle) for distributed workers.
-    Rows of a snapshot view (``snapshot``: its name) raise ``SnapshotError`` instead.
+    Rows of a snapshot view (``snapshot``: its name) raise ``SnapshotError`` instead. Each block
+    is read holding ``refresh_lock`` (an hdf5 reader's: its ``refresh()`` closes the file).
     """
 
     def __init__(
@@ -133,8 +134,10 @@ class EpisodeRows:
         fill: Any = 0,
         generations: np.ndarray | None = None,
         snapshot: str | None = None,
+        refresh_lock: RefreshLock | None = None,
     ):
         self.storage, self.name, self.fill, self.snapshot = storage, name, fill, snapshot
+        self.refresh_lock = refresh_lock or RefreshLock()
         self.slots, self.lens = np.asarray(slots, np.int64), np.asarray(lens, np.int64)
         self.generations = np.asarray(generations if generations is not None else np.ones(len(self.slots)), np.int64)
         self.shape = (len(self.slots), int(length), *field_shape)
@@ -165,10 +168,11 @@ class EpisodeRows:
                     generations=generations[lo:hi],
                 )
 
-        kept = read_consistent(
-            self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read, snapshot=self.snapshot
-        )
-        check_same_buffer(self.storage)
+        with self.refresh_lock():
+            kept = read_consistent(
+                self.storage, slots.copy(), np.where(lengths > 0, generations, 0), read, snapshot=self.snapshot
+            )
+            check_same_buffer(self.storage)
         gone = (lengths > 0) & ~kept
         if gone.any():  # padding under the planned lengths and meta values would pass for data
             raise StalePlanError(self.storage.location, slots[gone])
@@ -315,6 +319,7 @@ def _dask_arrays(
             field.fill,
             plan.generations,
             getattr(buffer, "snapshot_name", None),
+            RefreshLock(buffer),
         )
         per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
         out[name] = da.from_array(
@@ -708,10 +713,12 @@ def _block_stats(
     generations: np.ndarray,
     lens: np.ndarray,
     snapshot: str | None = None,
+    refresh_lock: RefreshLock | None = None,
 ) -> tuple:
     """(kept, moments per field, per-episode sums of scalar fields) of a few whole episodes,
     every field read in one consistent read: an episode a writer rewrote meanwhile is left out
-    (``kept`` False, sums 0), or raises ``SnapshotError`` in a ``snapshot`` view."""
+    (``kept`` False, sums 0), or raises ``SnapshotError`` in a ``snapshot`` view. The read
+    holds ``refresh_lock`` (an hdf5 reader's: its ``refresh()`` closes the file)."""
     length = int(lens.max(initial=0))
     blocks = {n: np.empty((len(slots), length, *f.shape), f.dtype) for n, f in fields.items()}
 
@@ -728,8 +735,9 @@ def _block_stats(
                     generations[lo:hi],
                 )
 
-    kept = read_consistent(storage, slots.copy(), generations.copy(), read, snapshot=snapshot)
-    check_same_buffer(storage)
+    with (refresh_lock or RefreshLock())():
+        kept = read_consistent(storage, slots.copy(), generations.copy(), read, snapshot=snapshot)
+        check_same_buffer(storage)
     lens = np.where(kept, lens, 0)
     valid = np.arange(length)[None, :] < lens[:, None]
     moments = {n: _block_moments(block, lens) for n, block in blocks.items()}
@@ -793,7 +801,8 @@ def stats(
     if from_data:
         kept, per_field, episode_sums = _data_stats(buffer, from_data, plan, scheduler, progress)
     if len(from_data) < len(names):
-        sketch_kept, merged, sums = sketches.merge(buffer, [n for n in names if n in sketched], plan.slots[kept])
+        with RefreshLock(buffer)():  # reads the sketch blobs through the storage, as a block does
+            sketch_kept, merged, sums = sketches.merge(buffer, [n for n in names if n in sketched], plan.slots[kept])
         per_field.update(merged)
         episode_sums = {n: v[sketch_kept] for n, v in episode_sums.items()} | sums
         kept[np.flatnonzero(kept)[~sketch_kept]] = False
@@ -828,6 +837,7 @@ def _data_stats(
             plan.generations[lo : lo + per_task],
             plan.lens[lo : lo + per_task],
             getattr(buffer, "snapshot_name", None),
+            RefreshLock(buffer),
         )
         for lo in range(0, len(plan.slots), per_task)
     ]

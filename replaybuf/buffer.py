@@ -72,6 +72,7 @@ from .storage import (
     committed_without_length,
     detect_backend,
     empty_state,
+    fill_beyond,
     make_storage,
     new_uuid,
     seed_h5_hint,
@@ -348,6 +349,7 @@ class DataView(ArrayBase):
                 f"(expected a value that broadcasts to the selection's shape {np.shape(rows[local])})"
             ) from None
         if len(slots) and t1 > t0:
+            rows = buffer._past_committed_ends(self._name, slots, t0, rows)
             buffer._commit.edit(
                 [Write("rows", self._name, slots, rows, t0)],
                 staged=lambda: buffer._edit_staged(steps=[(self._name, slots, t0, rows)]),
@@ -1640,7 +1642,11 @@ class ReplayBuffer(CommittedViews):
                     f"update: field {name!r} value of shape {array.shape} does not broadcast to {target}"
                 ) from None
             writes.append((name, cast_values(array, f)))
-        rows = [(name, array) for name, array in writes if name in self.fieldnames]
+        rows = [
+            (name, self._past_committed_ends(name, episodes, 0, array))
+            for name, array in writes
+            if name in self.fieldnames
+        ]
         # one edit of every field's rows and the meta values (with their checksums)
         values = [(name, array) for name, array in writes if name not in self.fieldnames]
         self._commit.edit(
@@ -1762,6 +1768,20 @@ class ReplayBuffer(CommittedViews):
             return
         # one edit of every field's steps
         self._commit.edit([Write("steps", name, episodes, array, timesteps) for name, array in writes])
+
+    def _past_committed_ends(self, name: str, slots: np.ndarray, t0: int, rows: np.ndarray) -> np.ndarray:
+        """``rows`` of an edit (of ``slots`` from step ``t0``) with the steps at or past each
+        committed episode's length (all of an empty slot's) set to the field's default: no read
+        shows values there, and ``verify`` would report them as damage. The episodes in progress
+        keep every step (their length is not known yet)."""
+        ends = self._meta["episode_lens"][slots].astype(np.int64) - t0
+        if self._group is not None:
+            ends[np.isin(slots, self._group.slots)] = rows.shape[1]
+        if not (ends < rows.shape[1]).any():
+            return rows
+        rows = np.array(rows)
+        fill_beyond(rows, np.clip(ends, 0, rows.shape[1]), self.schema.fields[name].fill)
+        return rows
 
     def _episode_indices(self, indices: Any, call: str) -> tuple[np.ndarray, bool]:
         """(the slots ``indices`` names, whether it is one int); errors name ``call``."""
@@ -1885,17 +1905,6 @@ class ReplayBuffer(CommittedViews):
         self.__dict__.update(state)
         self._rlock, self._lock_pid = threading.RLock(), os.getpid()
         self.storage.read_only = True
-
-    @property
-    def _lock(self) -> threading.RLock:
-        """The lock every write and ``refresh()`` of this object hold, and the plans of its
-        reads (and, of a writable object, the reads: ``_serialized``, ``view.mirror_lock``), so
-        threads of this process share the object.
-        A forked child (a DataLoader worker) makes its own: a thread of the parent holding it
-        at the fork does not run there, and would hold it forever."""
-        if self._lock_pid != os.getpid():
-            self._rlock, self._lock_pid = threading.RLock(), os.getpid()
-        return self._rlock
 
     @_serialized
     def compact(self) -> CompactionSummary:

@@ -100,6 +100,9 @@ class ConcatStorage(Storage):
     def __init__(self, buffers: Sequence[ReplayBuffer], schema: Schema):
         super().__init__(" + ".join(b.storage.location for b in buffers))
         self.members = [b.storage for b in buffers]
+        # a member's refresh closes what its reads use (hdf5): the concatenation's lock is then
+        # held by its reads and refreshes, as a ReplayBuffer's (``view.mirror_lock``)
+        self.closes_at_refresh = any(m.closes_at_refresh for m in self.members)
         self.member_timesteps = np.array([b.max_timesteps for b in buffers], np.int64)
         self.offsets = np.cumsum([0] + [b.max_episodes for b in buffers])
         self.schema = schema
@@ -497,7 +500,13 @@ class ConcatReplayBuffer(CommittedViews):
         ``ReplayBuffer.refresh`` does, and the concatenation then reads through a new
         ``ConcatStorage``: datasets and loaders made before keep raising ``BufferReplacedError``
         instead of reading the new member under their old plan. A replaced member of another
-        config raises ``BufferReplacedError`` naming it, and every read keeps raising."""
+        config raises ``BufferReplacedError`` naming it, and every read keeps raising.
+        A refresh of another thread waits for this object's reads (``_lock``)."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> ConcatReplayBuffer:
+        """``refresh``, holding the lock."""
         try:
             for k, buffer in enumerate(self.buffers):
                 if buffer.read_only:
@@ -592,6 +601,7 @@ class ConcatReplayBuffer(CommittedViews):
         """Pickles (to DataLoader or dask workers) as the members do: no open handle."""
         state = dict(self.__dict__)
         state.pop("memory_namedtuple", None)
+        state.pop("_rlock", None)
         return state
 
     if not TYPE_CHECKING:  # to a type checker a concatenation has no write method at all

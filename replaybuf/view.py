@@ -11,6 +11,8 @@ and ``CommittedViews`` adds the snapshot's read-only views and the analyses (``g
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import namedtuple
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -30,7 +32,15 @@ if TYPE_CHECKING:
     from .buffer import MetaView
     from .sampling.loader import make_dataloader, make_dataset
 
-__all__ = ["BufferView", "CommittedViews", "SchemaAttributes", "frozen", "mirror_lock", "read_only_message"]
+__all__ = [
+    "BufferView",
+    "CommittedViews",
+    "RefreshLock",
+    "SchemaAttributes",
+    "frozen",
+    "mirror_lock",
+    "read_only_message",
+]
 
 
 @runtime_checkable
@@ -244,6 +254,26 @@ def mirror_lock(buffer: Any, writer_only: bool = False) -> AbstractContextManage
     return lock
 
 
+class RefreshLock:
+    """What a read through a buffer's storage alone holds (each ``to_dask`` block, each
+    ``stats()`` task): the lock of a read-only ``ReplayBuffer`` whose ``refresh()`` closes what
+    its reads use (``Storage.closes_at_refresh``: hdf5), so a refresh of another thread waits
+    for the read (which then reopens the file) instead of closing the file under it; no lock
+    for other buffers, whose reads run in parallel. It pickles as no lock: a copy of the graph
+    in another process reads through a storage of its own, which no refresh of this one closes."""
+
+    def __init__(self, buffer: Any = None):
+        closes = getattr(getattr(buffer, "storage", None), "closes_at_refresh", False)
+        owned = closes and getattr(buffer, "read_only", False) and hasattr(buffer, "_lock")
+        self._buffer = buffer if owned else None
+
+    def __call__(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self._buffer is None else self._buffer._lock
+
+    def __reduce__(self) -> tuple[type[RefreshLock], tuple[()]]:
+        return RefreshLock, ()
+
+
 def frozen(array: np.ndarray) -> np.ndarray:
     """A read-only view of ``array``: how a buffer hands out its snapshot without a copy."""
     view = array.view()
@@ -258,6 +288,20 @@ class CommittedViews(SchemaAttributes):
     def _committed(self) -> Mapping[str, np.ndarray]:
         """Every slot's committed meta rows by name, ``episode_lens`` and ``_generation`` among them."""
         raise NotImplementedError
+
+    _rlock: threading.RLock
+    _lock_pid: int
+
+    @property
+    def _lock(self) -> threading.RLock:
+        """The lock every write and ``refresh()`` of this object hold, and the plans of its
+        reads (and, of a writable object or one whose refresh closes what its reads use, the
+        reads: ``buffer._serialized``, ``mirror_lock``), so threads of this process share the
+        object. A forked child (a DataLoader worker) or an unpickled copy makes its own: a
+        thread of the parent holding it at the fork does not run there, and would hold it forever."""
+        if self.__dict__.get("_lock_pid") != os.getpid() or "_rlock" not in self.__dict__:
+            self._rlock, self._lock_pid = threading.RLock(), os.getpid()
+        return self._rlock
 
     @property
     def episode_lens(self) -> np.ndarray:

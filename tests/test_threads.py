@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from replaybuf import BufferLockedError, ReplayBuffer
+from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
 from replaybuf.analysis import get_all_data  # noqa: F401 - torch and dask, imported at collection
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader
@@ -133,35 +133,93 @@ def test_two_opens_of_one_buffer_in_two_threads_store_each_episode_once(place):
     assert verify(place.location) == []
 
 
+def refresh_inside_first_read(
+    reader: ReplayBuffer, writer: ReplayBuffer, monkeypatch, errors: list, refreshing: Any = None
+) -> threading.Event:
+    """Make the first use of ``reader``'s hdf5 file (a read) commit episode 3 through ``writer``
+    and refresh ``refreshing`` (default: ``reader``) from another thread, waiting for that
+    refresh (at most ``WAIT_S``: it rightly waits for the read) before the read goes on.
+    Returns the event set once refreshed."""
+    refreshed, calls = threading.Event(), []
+    cls = type(reader.storage)
+    h5file = cls.h5file
+
+    def held(storage: Any) -> Any:  # the read holds the file: another thread refreshes now
+        file = h5file.fget(storage)
+        if storage is reader.storage and not calls:
+            calls.append(1)
+            writer.store_episode(**steps(3), ep=3)
+            run(lambda: ((refreshing or reader).refresh(), refreshed.set()), errors)
+            refreshed.wait(WAIT_S)
+        return file
+
+    monkeypatch.setattr(cls, "h5file", property(held))
+    return refreshed
+
+
+def two_episodes_and_a_reader(place) -> tuple[ReplayBuffer, ReplayBuffer]:
+    """A writer holding episodes 1 and 2, and a read-only object of its buffer."""
+    writer = make(place, 4)
+    for e in (1, 2):
+        writer.store_episode(**steps(e), ep=e)
+    return writer, ReplayBuffer.from_folder(place.location, read_only=True, **place.kwargs)
+
+
 @pytest.mark.parametrize("backend", ["hdf5"])
 def test_a_refresh_of_another_thread_waits_for_a_readers_read(place, monkeypatch):
     """A read-only hdf5 object read by one thread and refreshed by another: the refresh closes
     the file the read uses, so it waits for the read (before: h5py raised RuntimeError or
     KeyError, "identifier is not of specified type", from data[...], get_all_data and
     loader batches)."""
-    writer = make(place, 4)
-    for e in (1, 2):
-        writer.store_episode(**steps(e), ep=e)
-    reader = ReplayBuffer.from_folder(place.location, read_only=True, **place.kwargs)
-    refreshed, errors, calls = threading.Event(), [], []
-    cls = type(reader.storage)
-    h5file = cls.h5file
-
-    def held(storage: Any) -> Any:  # the read holds the file: another thread refreshes now
-        file = h5file.fget(storage)
-        if storage is reader.storage and not calls and threading.current_thread() is main:
-            calls.append(1)
-            writer.store_episode(**steps(3), ep=3)
-            run(lambda: (reader.refresh(), refreshed.set()), errors)
-            refreshed.wait(WAIT_S)
-        return file
-
-    main = threading.current_thread()
-    monkeypatch.setattr(cls, "h5file", property(held))
+    writer, reader = two_episodes_and_a_reader(place)
+    errors: list = []
+    refreshed = refresh_inside_first_read(reader, writer, monkeypatch, errors)
     rows = np.asarray(reader.data["obs"][0:2])
     assert refreshed.wait(30)
     assert not errors, errors
     assert all(np.array_equal(rows[e - 1, :4], steps(e)["obs"]) for e in (1, 2))
+    writer.close()
+
+
+@pytest.mark.parametrize("backend", ["hdf5"])
+@pytest.mark.parametrize("read", ["to_dask", "stats", "exact stats"])
+def test_a_refresh_of_another_thread_waits_for_a_dask_block_and_stats(place, monkeypatch, read):
+    """As above for the reads that go through the storage alone: a ``to_dask`` block computed
+    on dask's worker threads and ``stats()`` (sketched from the data, or ``exact``) each hold
+    the reader's lock through their read (before: the refresh closed the file under them, and
+    h5py raised KeyError or RuntimeError, "invalid identifier type")."""
+    writer, reader = two_episodes_and_a_reader(place)
+    errors: list = []
+    refreshed = refresh_inside_first_read(reader, writer, monkeypatch, errors)
+    if read == "to_dask":
+        obs = reader.to_dask(["obs"])["obs"].compute(scheduler="threads")
+        assert np.array_equal(obs[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
+    else:
+        summary = reader.stats(["obs"], exact=read == "exact stats")
+        assert summary.num_episodes == 2  # as planned before the refresh
+        every = np.concatenate([steps(e)["obs"] for e in (1, 2)])
+        assert np.allclose(summary.fields["obs"].mean.numpy(), every.mean(axis=0))
+    assert refreshed.wait(30)
+    assert not errors, errors
+    writer.close()
+
+
+@pytest.mark.parametrize("backend", ["hdf5"])
+def test_a_concat_refresh_of_another_thread_waits_for_its_read(place, monkeypatch):
+    """A ConcatReplayBuffer of hdf5 readers read by one thread and refreshed by another: its
+    refresh (which refreshes the members, closing their files) waits for the read (before:
+    every read path, get_all_data, data[...], to_dask, stats and loaders, raised h5py's
+    KeyError or RuntimeError, "invalid identifier type")."""
+    writer, reader = two_episodes_and_a_reader(place)
+    concat = ConcatReplayBuffer([reader])
+    errors: list = []
+    refreshed = refresh_inside_first_read(reader, writer, monkeypatch, errors, refreshing=concat)
+    data = concat.get_all_data(fields=["obs"], meta_fields=["ep"])
+    assert refreshed.wait(30)
+    assert not errors, errors
+    assert np.asarray(data["ep"]).tolist() == [1, 2]  # as planned before the refresh
+    assert np.array_equal(np.asarray(data["obs"])[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
+    assert len(concat) == 3
     writer.close()
 
 
