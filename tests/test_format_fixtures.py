@@ -318,6 +318,22 @@ def _refused_at_every_open_and_left_as_it_was(path: Path, said: str) -> None:
     assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
 
 
+def test_a_format_1_zarr_config_naming_another_layout_is_refused_before_its_first_writable_open_adds_revisions(
+    tmp_path,
+):
+    """A first writable open of an earlier release's buffer adds ``meta/_revision``: on zarr it
+    created the array and rewrote the root document before checking the stored arrays against
+    the config, so an open refused as damaged had written both (memmap and hdf5 check first)."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
+    config = path / "zarr.json"
+    config.write_text(json.dumps(json.loads(config.read_text())).replace('"shape": [3]', '"shape": [4]'))
+    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(BufferDamagedError, match=r"data/state/zarr\.json in .* the config expects float32\[3, 6, 4\]"):
+        ReplayBuffer.from_folder(path)
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
+
+
 @pytest.mark.parametrize("document", ["zarr.json", "data/frame/zarr.json"])
 def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_drops_nothing(tmp_path, document):
     """Each shard is bound to the config's uuid: one flipped character of it read every shard as
