@@ -881,13 +881,19 @@ class Storage(ABC):
 
     def _schema_from_config(self, config: dict, where: str) -> Schema:
         """The Schema stored in ``config`` (read from ``where``), checked as a new one would be
-        (sizes included), after its format ``version``: an int, at most
-        ``newest_format_version`` (what this replaybuf reads), kept as ``format_version``. For
+        (sizes included), after its format ``version``: an int, at least 1 (every release wrote
+        one) and at most ``newest_format_version`` (what this replaybuf reads), kept as
+        ``format_version``. A version missing or below 1 is damage: read as a format before
+        checksums, the buffer's checks would be skipped and its checksums read as damaged. For
         the backends' ``open``."""
-        version = config.get("version", 0)
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
+        version = config.get("version")
         newest = self.newest_format_version
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            stored = f"{version!r}" if "version" in config else "missing (key 'version')"
+            raise BufferDamagedError(
+                f"{where}: format version is {stored}, expected an int from 1 to {newest}: the config was "
+                "damaged or edited; restore its version"
+            )
         if version > newest:
             raise NewerFormatError(
                 f"buffer at {self.location!r} has format version {version}; "
