@@ -419,7 +419,7 @@ def test_upgrade_refuses_a_held_buffer_and_foreign_files_leaving_it_as_it_was(tm
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 
-def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
+def test_upgrade_names_what_it_cannot_upgrade(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="replaybuf convert"):
         upgrade("s3://bucket/run")
     seed = tmp_path / "seed"
@@ -431,6 +431,16 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
         upgrade(seed)
     with pytest.raises(FileNotFoundError):
         upgrade(tmp_path / "missing")
+    # an empty location (an unset setting) named the current folder, whose buffer it upgraded
+    shutil.copytree(os.path.join(DATA, "format-v1", "memmap"), tmp_path / "here")
+    monkeypatch.chdir(tmp_path / "here")
+    for empty in ("", "file://"):
+        with pytest.raises(ValueError, match=f"the location {empty!r} is empty: it names no folder"):
+            upgrade(empty)
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["upgrade", empty, "--quiet"])
+        assert exit_info.value.code == 2 and f"the location {empty!r} is empty" in capsys.readouterr().err
+    assert _stored_version(tmp_path / "here", "memmap") == 1
 
 
 @pytest.mark.parametrize(

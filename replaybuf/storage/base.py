@@ -1507,6 +1507,16 @@ def warn_local_options(location: str, storage_options: dict, backend: str) -> No
         )
 
 
+def refuse_empty_location(location: str) -> None:
+    """ValueError for an empty location (``''``, ``'file://'``: an unset setting), which
+    ``os.path`` reads as the current folder, one the user did not name."""
+    if not location.removeprefix("file://"):
+        raise ValueError(
+            f"the location {location!r} is empty: it names no folder (it would be the current one, "
+            f"{os.getcwd()!r}, where a buffer would be created or erased); pass '.' to mean that folder"
+        )
+
+
 def make_storage(
     location: str | os.PathLike | Storage,
     backend: str | None = None,
@@ -1536,12 +1546,8 @@ def make_storage(
             f"storage_options must be a dict of options (or None), got {type(storage_options).__name__} "
             f"{storage_options!r}"
         )
+    refuse_empty_location(location)
     local = location.removeprefix("file://")
-    if not local:  # os.path reads "" as the current folder, which the user did not name
-        raise ValueError(
-            f"the location {location!r} is empty: it names no folder (it would be the current one, "
-            f"{os.getcwd()!r}, where a buffer would be created or erased); pass '.' to mean that folder"
-        )
     if "://" not in local and os.path.lexists(local) and not os.path.isdir(local):
         what = "a dangling or looping link" if os.path.islink(local) and not os.path.exists(local) else "a file"
         raise NotADirectoryError(
