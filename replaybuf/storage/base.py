@@ -1343,6 +1343,10 @@ class Storage(ABC):
         cache's fill, ``CachedStorage``, at a revision newer than the copies). A no-op where
         reads are never cached."""
 
+    def warn_ignored_options(self) -> None:
+        """Warn of ``storage_options`` that an open of an existing buffer does not apply (the
+        stored settings win); called once per buffer a user opens, after ``open``."""
+
     def fresh(self) -> Storage:
         """A new, unopened object for the same location and settings."""
         return type(self)(self.location, self.storage_options, fsync=self.fsync)
