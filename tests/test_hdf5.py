@@ -47,11 +47,19 @@ def test_one_file_with_gzip(tmp_path):
 
 
 def test_a_reopen_with_another_compression_keeps_the_stored_one_and_says_so(tmp_path):
-    """The compression given to a reopen was ignored without a word (the stored one wins, as
-    in the seed's ReplayBufferH5PY): it is warned of, naming both; the same or none is not."""
+    """The compression given in ``storage_options`` to a reopen was ignored without a word (the
+    stored one wins): it is warned of, naming both; the same or none is not."""
     ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS, h5py_compression="gzip").close()
     for reopen in (
-        lambda: ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS, overwrite=False, h5py_compression="lzf"),
+        lambda: ReplayBuffer(
+            tmp_path / "b",
+            4,
+            10,
+            fields=FIELDS,
+            backend="hdf5",
+            overwrite=False,
+            storage_options={"compression": "lzf"},
+        ),
         lambda: ReplayBuffer.from_folder(
             tmp_path / "b", read_only=True, storage_options={"compression": "gzip", "compression_opts": 9}
         ),
@@ -62,7 +70,7 @@ def test_a_reopen_with_another_compression_keeps_the_stored_one_and_says_so(tmp_
         buffer.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS, overwrite=False, h5py_compression="gzip").close()
+        ReplayBuffer.from_folder(tmp_path / "b", storage_options={"compression": "gzip"}).close()
         ReplayBufferH5PY.from_folder(tmp_path / "b", read_only=True).close()
 
 

@@ -547,8 +547,8 @@ class HDF5Storage(LocalFolderStorage):
 
     def warn_ignored_options(self) -> None:
         """Warn where the ``compression`` / ``compression_opts`` given to an open differ from
-        those the buffer's fields were created with: the stored ones win (as in the seed's
-        ReplayBufferH5PY); a file's datasets keep their compression."""
+        those the buffer's fields were created with: the stored ones win, as a file's datasets
+        keep the compression they were created with."""
         stored = dict(zip(STORAGE_OPTIONS, self.compression()))
         given = {key: self.storage_options[key] for key in STORAGE_OPTIONS if key in self.storage_options}
         if "compression_opts" not in given and stored["compression"] == given.get("compression"):
