@@ -517,6 +517,7 @@ class ReplayBuffer(CommittedViews):
 
     def _open(self, wanted: Schema | None) -> Schema:
         schema = self.storage.open(read_only=self.read_only)
+        self.storage.warn_ignored_options()
         if wanted is not None:
             schema.check_matches(wanted, self.storage.location)
         self._check_given(schema)

@@ -57,6 +57,7 @@ from .storage.base import (
     check_state,
     committed_without_length,
     make_storage,
+    refuse_empty_location,
     unpublished_slots,
 )
 from .storage.lease import BufferLockedError, describe_holder
@@ -244,6 +245,7 @@ def _resolved(location: str | os.PathLike, options: dict | None) -> str:
             f"{type(location).__name__} {location!r}"
         )
     text = os.fspath(location)
+    refuse_empty_location(text)
     scheme, sep, rest = text.partition("://")
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if sep else ""
     if not scheme:
@@ -870,6 +872,7 @@ def upgrade(path: str | os.PathLike, keep_backup: bool = False, progress: bool |
     copied, the backup's path and the killed upgrades' copies it removed.
     """
     text = os.fspath(path)
+    refuse_empty_location(text)
     if "://" in text and not text.startswith("file://"):
         raise ValueError(
             f"upgrade: {text!r} is not a local folder; `replaybuf convert SRC DST` copies a remote buffer "

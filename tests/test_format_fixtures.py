@@ -318,6 +318,22 @@ def _refused_at_every_open_and_left_as_it_was(path: Path, said: str) -> None:
     assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
 
 
+def test_a_format_1_zarr_config_naming_another_layout_is_refused_before_its_first_writable_open_adds_revisions(
+    tmp_path,
+):
+    """A first writable open of an earlier release's buffer adds ``meta/_revision``: on zarr it
+    created the array and rewrote the root document before checking the stored arrays against
+    the config, so an open refused as damaged had written both (memmap and hdf5 check first)."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
+    config = path / "zarr.json"
+    config.write_text(json.dumps(json.loads(config.read_text())).replace('"shape": [3]', '"shape": [4]'))
+    files = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(BufferDamagedError, match=r"data/state/zarr\.json in .* the config expects float32\[3, 6, 4\]"):
+        ReplayBuffer.from_folder(path)
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
+
+
 @pytest.mark.parametrize("document", ["zarr.json", "data/frame/zarr.json"])
 def test_a_flipped_uuid_in_a_format_6_zarr_config_is_refused_by_name_and_repair_drops_nothing(tmp_path, document):
     """Each shard is bound to the config's uuid: one flipped character of it read every shard as
@@ -356,6 +372,7 @@ def test_a_format_7_zarr_config_whose_version_was_edited_down_is_refused_by_name
     edited = (
         r"data/frame/zarr\.json in .* (keeps the uuid its contents are bound to|says its shards are bound to their "
         r"episodes' generations) .* config in zarr\.json in .* says (format|an earlier format)"
+        r"|zarr\.json in .*: format version is missing \(key 'version'\), expected an int from 1 to 7"
     )
     _refused_at_every_open_and_left_as_it_was(path, edited)
     root.write_text(original)
@@ -402,7 +419,7 @@ def test_upgrade_refuses_a_held_buffer_and_foreign_files_leaving_it_as_it_was(tm
     _check_contents(ReplayBuffer.from_folder(path, read_only=True))
 
 
-def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
+def test_upgrade_names_what_it_cannot_upgrade(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="replaybuf convert"):
         upgrade("s3://bucket/run")
     seed = tmp_path / "seed"
@@ -414,6 +431,16 @@ def test_upgrade_names_what_it_cannot_upgrade(tmp_path):
         upgrade(seed)
     with pytest.raises(FileNotFoundError):
         upgrade(tmp_path / "missing")
+    # an empty location (an unset setting) named the current folder, whose buffer it upgraded
+    shutil.copytree(os.path.join(DATA, "format-v1", "memmap"), tmp_path / "here")
+    monkeypatch.chdir(tmp_path / "here")
+    for empty in ("", "file://"):
+        with pytest.raises(ValueError, match=f"the location {empty!r} is empty: it names no folder"):
+            upgrade(empty)
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["upgrade", empty, "--quiet"])
+        assert exit_info.value.code == 2 and f"the location {empty!r} is empty" in capsys.readouterr().err
+    assert _stored_version(tmp_path / "here", "memmap") == 1
 
 
 @pytest.mark.parametrize(

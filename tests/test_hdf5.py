@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,34 @@ def test_one_file_with_gzip(tmp_path):
     np.testing.assert_array_equal(reopened.data["reward"][0, :6], data["reward"])
     assert detect_backend(str(tmp_path / "b")) == "hdf5"
     assert type(ReplayBuffer.from_folder(tmp_path / "b")).__name__ == "ReplayBuffer"
+
+
+def test_a_reopen_with_another_compression_keeps_the_stored_one_and_says_so(tmp_path):
+    """The compression given in ``storage_options`` to a reopen was ignored without a word (the
+    stored one wins): it is warned of, naming both; the same or none is not."""
+    ReplayBufferH5PY(tmp_path / "b", 4, 10, fields=FIELDS, h5py_compression="gzip").close()
+    for reopen in (
+        lambda: ReplayBuffer(
+            tmp_path / "b",
+            4,
+            10,
+            fields=FIELDS,
+            backend="hdf5",
+            overwrite=False,
+            storage_options={"compression": "lzf"},
+        ),
+        lambda: ReplayBuffer.from_folder(
+            tmp_path / "b", read_only=True, storage_options={"compression": "gzip", "compression_opts": 9}
+        ),
+    ):
+        with pytest.warns(UserWarning, match=r"created with compression='gzip', compression_opts=4; the .* ignored"):
+            buffer = reopen()
+        assert buffer.storage.compression() == ("gzip", 4)
+        buffer.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ReplayBuffer.from_folder(tmp_path / "b", storage_options={"compression": "gzip"}).close()
+        ReplayBufferH5PY.from_folder(tmp_path / "b", read_only=True).close()
 
 
 def test_other_buffers_open_without_loading_h5py(tmp_path):

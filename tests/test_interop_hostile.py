@@ -646,6 +646,21 @@ def test_export_into_a_folder_that_holds_files_says_which(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".zgroup", "data"]
 
 
+@pytest.mark.parametrize("empty", ["", "file://"])
+def test_export_to_an_empty_destination_is_refused_and_erases_nothing(tmp_path, monkeypatch, empty):
+    """An empty destination (an unset setting) named the current folder: the diffusion_policy
+    export's zarr group opened with mode "w" there erased everything in it, the buffer included."""
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=1, max_timesteps=2, fields={"x": "float"}) as buffer:
+        buffer.store_episode(x=np.zeros(2, np.float32))
+    (tmp_path / "mine.txt").write_text("precious")
+    monkeypatch.chdir(tmp_path)
+    for format in ("diffusion_policy", "lerobot"):
+        with pytest.raises(ValueError, match=f"the location {empty!r} is empty: it names no folder"):
+            imp.export(format, "buf", empty)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["buf", "mine.txt"]
+    assert ReplayBuffer.from_folder("buf", read_only=True).num_episodes == 1
+
+
 def test_import_into_s3_resumes_and_refuses_another_config(tmp_path, s3_server):
     """The config check before a resume opens the destination a second time: on an object store
     too (moto on 127.0.0.1)."""

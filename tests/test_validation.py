@@ -206,6 +206,9 @@ def test_counters_disagreeing_with_the_lengths_roll_to_the_lengths(tmp_path, bac
     [
         (99, r"buffer at .* has format version 99; this replaybuf reads formats up to \d: install a newer replaybuf"),
         ("2", r"(replaybuf.json|data.h5|zarr.json.*): format version is '2', expected an int"),
+        # no release wrote a version below 1: read as one, a buffer opened with every check skipped
+        (0, r"(replaybuf.json|data.h5|zarr.json.*): format version is 0, expected an int from 1 to \d"),
+        (None, r"(replaybuf.json|data.h5|zarr.json.*): format version is None, expected an int from 1 to \d"),
     ],
 )
 def test_a_format_version_this_release_cannot_read_is_refused_before_writing(tmp_path, backend, version, complaint):

@@ -27,7 +27,7 @@ from ..consistency import read_episodes_consistent
 from ..maintenance import check_apart, missing_parents, remove_empty
 from ..progress import progress_bar
 from ..schema import MAX_EPISODE_BYTES, Schema
-from ..storage.base import ConcurrentWriteError, Storage, StorageError, make_storage
+from ..storage.base import ConcurrentWriteError, Storage, StorageError, make_storage, refuse_empty_location
 
 __all__ = [
     "ImportResult",
@@ -399,6 +399,7 @@ def check_new_folder(dst: str | os.PathLike, src: Any = None) -> None:
         raise TypeError(
             f"the export destination must be a folder path (a str or os.PathLike), got {type(dst).__name__} {dst!r}"
         )
+    refuse_empty_location(os.fspath(dst))  # os.path reads "" as the current folder, which zarr's mode="w" empties
     if "://" in os.fspath(dst):  # the storage options are the source's; a folder named "s3:" is no export
         raise ValueError(
             f"the export destination must be a local folder, got the URL {os.fspath(dst)!r}; export here, then copy "

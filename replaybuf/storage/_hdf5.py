@@ -45,6 +45,7 @@ import json
 import os
 import stat
 import uuid
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -543,6 +544,25 @@ class HDF5Storage(LocalFolderStorage):
         )
         self._load_arrays(schema)
         return schema
+
+    def warn_ignored_options(self) -> None:
+        """Warn where the ``compression`` / ``compression_opts`` given to an open differ from
+        those the buffer's fields were created with: the stored ones win, as a file's datasets
+        keep the compression they were created with."""
+        stored = dict(zip(STORAGE_OPTIONS, self.compression()))
+        given = {key: self.storage_options[key] for key in STORAGE_OPTIONS if key in self.storage_options}
+        if "compression_opts" not in given and stored["compression"] == given.get("compression"):
+            given["compression_opts"] = stored["compression_opts"]  # gzip's default level
+        differing = {key: value for key, value in given.items() if value != stored[key]}
+        if differing:
+            warnings.warn(
+                f"{self.path!r} was created with compression={stored['compression']!r}, "
+                f"compression_opts={stored['compression_opts']!r}; the {differing} given are ignored: an "
+                "existing buffer keeps its compression (convert it to recompress: `replaybuf convert "
+                "--backend hdf5 --dst-storage-options`)",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _load_arrays(self, schema: Schema) -> None:
         self._arrays = {}

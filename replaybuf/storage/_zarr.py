@@ -461,14 +461,11 @@ class ZarrStorage(KVBlobs, Storage):
             self.kv = self._make_kv(self.location, self.storage_options, self.fsync, read_only=True)
         if not read_only and isinstance(self.kv, LocalKV):
             self.kv.prepare_writes()
-        if not read_only and self.kv.get_document(STATE_NODE_KEY) is None:
-            self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
-        if not read_only:
-            self._create_optional_meta(schema)
         consolidated = (document or {}).get("consolidated_metadata")
         recorded = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+        recorded = recorded if isinstance(recorded, dict) else None
         try:
-            self._load_arrays(schema, recorded if isinstance(recorded, dict) else None)
+            self._load_arrays(schema, recorded)
         except BufferNotFoundError:
             if self._create_unfinished():
                 raise UnfinishedCreateError(
@@ -478,8 +475,13 @@ class ZarrStorage(KVBlobs, Storage):
                 ) from None
             # a create in another process may have finished since the arrays were read; else the
             # missing array is damage, raised again
-            self._load_arrays(schema, recorded if isinstance(recorded, dict) else None)
+            self._load_arrays(schema, recorded)
         self._unmeasured = _unmeasured(attributes, schema, where)
+        # only once every array checked out: a damaged buffer's refused open writes nothing
+        if not read_only and self.kv.get_document(STATE_NODE_KEY) is None:
+            self.kv.set(STATE_NODE_KEY, json.dumps(STATE_NODE).encode())
+        if not read_only and self._create_optional_meta(schema):
+            self._load_arrays(schema, recorded)
         return schema
 
     def _create_unfinished(self) -> bool:
@@ -490,12 +492,12 @@ class ZarrStorage(KVBlobs, Storage):
             return False
         return all(key.endswith("zarr.json") for prefix in ("data/", "meta/") for key in self.kv.list_prefix(prefix))
 
-    def _create_optional_meta(self, schema: Schema) -> None:
+    def _create_optional_meta(self, schema: Schema) -> bool:
         """A writable open of a buffer an earlier release wrote creates the ``OPTIONAL_META``
-        arrays it lacks (zeros), and their metadata."""
+        arrays it lacks (zeros), and their metadata; whether it created any."""
         absent = [n for n in OPTIONAL_META if self.kv.get_document(f"meta/{n}/zarr.json") is None]
         if not absent:
-            return
+            return False
         import zarr
 
         store = self._zarr_store(read_only=False)
@@ -503,6 +505,7 @@ class ZarrStorage(KVBlobs, Storage):
         for name in absent:
             _create_meta_array(meta, bookkeeping_fields(schema)[name], schema.max_episodes)
         _consolidate(store)
+        return True
 
     @property
     def binds_shards(self) -> bool:

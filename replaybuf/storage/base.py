@@ -908,13 +908,19 @@ class Storage(ABC):
 
     def _schema_from_config(self, config: dict, where: str) -> Schema:
         """The Schema stored in ``config`` (read from ``where``), checked as a new one would be
-        (sizes included), after its format ``version``: an int, at most
-        ``newest_format_version`` (what this replaybuf reads), kept as ``format_version``. For
+        (sizes included), after its format ``version``: an int, at least 1 (every release wrote
+        one) and at most ``newest_format_version`` (what this replaybuf reads), kept as
+        ``format_version``. A version missing or below 1 is damage: read as a format before
+        checksums, the buffer's checks would be skipped and its checksums read as damaged. For
         the backends' ``open``."""
-        version = config.get("version", 0)
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise BufferDamagedError(f"{where}: format version is {version!r}, expected an int")
+        version = config.get("version")
         newest = self.newest_format_version
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            stored = f"{version!r}" if "version" in config else "missing (key 'version')"
+            raise BufferDamagedError(
+                f"{where}: format version is {stored}, expected an int from 1 to {newest}: the config was "
+                "damaged or edited; restore its version"
+            )
         if version > newest:
             raise NewerFormatError(
                 f"buffer at {self.location!r} has format version {version}; "
@@ -1364,6 +1370,10 @@ class Storage(ABC):
         cache's fill, ``CachedStorage``, at a revision newer than the copies). A no-op where
         reads are never cached."""
 
+    def warn_ignored_options(self) -> None:
+        """Warn of ``storage_options`` that an open of an existing buffer does not apply (the
+        stored settings win); called once per buffer a user opens, after ``open``."""
+
     def fresh(self) -> Storage:
         """A new, unopened object for the same location and settings."""
         return type(self)(self.location, self.storage_options, fsync=self.fsync)
@@ -1540,6 +1550,16 @@ def warn_local_options(location: str, storage_options: dict, backend: str) -> No
         )
 
 
+def refuse_empty_location(location: str) -> None:
+    """ValueError for an empty location (``''``, ``'file://'``: an unset setting), which
+    ``os.path`` reads as the current folder, one the user did not name."""
+    if not location.removeprefix("file://"):
+        raise ValueError(
+            f"the location {location!r} is empty: it names no folder (it would be the current one, "
+            f"{os.getcwd()!r}, where a buffer would be created or erased); pass '.' to mean that folder"
+        )
+
+
 def make_storage(
     location: str | os.PathLike | Storage,
     backend: str | None = None,
@@ -1569,12 +1589,8 @@ def make_storage(
             f"storage_options must be a dict of options (or None), got {type(storage_options).__name__} "
             f"{storage_options!r}"
         )
+    refuse_empty_location(location)
     local = location.removeprefix("file://")
-    if not local:  # os.path reads "" as the current folder, which the user did not name
-        raise ValueError(
-            f"the location {location!r} is empty: it names no folder (it would be the current one, "
-            f"{os.getcwd()!r}, where a buffer would be created or erased); pass '.' to mean that folder"
-        )
     if "://" not in local and os.path.lexists(local) and not os.path.isdir(local):
         what = "a dangling or looping link" if os.path.islink(local) and not os.path.exists(local) else "a file"
         raise NotADirectoryError(
