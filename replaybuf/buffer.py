@@ -1453,7 +1453,7 @@ class ReplayBuffer(CommittedViews):
 
     def reset_(self) -> None:
         """The seed's name for ``clear()``."""
-        self._check_writable("reset_")  # a refusal names the call made
+        self._refuse_unwritable("reset_")  # a refusal names the call made
         self.clear()
 
     @_serialized
