@@ -1456,6 +1456,7 @@ class ReplayBuffer(CommittedViews):
 
     def reset_(self) -> None:
         """The seed's name for ``clear()``."""
+        self._refuse_unwritable("reset_")  # a refusal names the call made
         self.clear()
 
     @_serialized

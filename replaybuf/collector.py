@@ -441,6 +441,8 @@ class EpisodeCollector:
         # the rollout is whole in RAM until this returns: a kill midway must not leave its
         # episodes committed cut short, as replaying a step log would (a buffer of another
         # kind, read-only, refuses batched_episode with its own message)
+        if isinstance(buffer, ReplayBuffer):  # a refusal names this call, not the batched_episode it makes
+            buffer._refuse_unwritable("EpisodeCollector.store")
         unlogged = buffer._unlogged() if isinstance(buffer, ReplayBuffer) else contextlib.nullcontext()
         with unlogged, buffer.batched_episode(self.num_groups, **meta):
             for t in range(num_steps):

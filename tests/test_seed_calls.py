@@ -91,6 +91,15 @@ def test_reset_is_clear_and_internal_meta_fieldnames_names_the_bookkeeping(tmp_p
         buffer.advance_episode()
     assert (ours.num_episodes, ours.episode_index, len(ours)) == (theirs.num_episodes, theirs.episode_index, 1)
     assert_same(ours.get_all_data(), theirs.get_all_data(), "get_all_data after reset_")
+    ours.close()
+    reader = replaybuf.ReplayBuffer.from_folder(ours.folder, read_only=True)
+    with pytest.raises(ValueError, match="cannot call `reset_` on a buffer opened read-only"):  # not `clear`
+        reader.reset_()
+    collector = reader.create_collector(1)
+    collector.append(act=[1])
+    with pytest.raises(ValueError, match="cannot call `EpisodeCollector.store` on a buffer opened read-only"):
+        collector.store()  # it named the batched_episode it writes through
+    assert len(collector) == 1  # the rollout is kept
 
 
 @pytest.mark.parametrize("every", [0, 1, 2, True, False])
