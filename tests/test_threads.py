@@ -182,11 +182,12 @@ def test_a_refresh_of_another_thread_waits_for_a_readers_read(place, monkeypatch
 
 
 @pytest.mark.parametrize("backend", ["hdf5"])
-@pytest.mark.parametrize("read", ["to_dask", "stats", "exact stats"])
-def test_a_refresh_of_another_thread_waits_for_a_dask_block_and_stats(place, monkeypatch, read):
+@pytest.mark.parametrize("read", ["to_dask", "stats", "exact stats", "episode_frames"])
+def test_a_refresh_of_another_thread_waits_for_reads_through_the_storage(place, monkeypatch, read):
     """As above for the reads that go through the storage alone: a ``to_dask`` block computed
-    on dask's worker threads and ``stats()`` (sketched from the data, or ``exact``) each hold
-    the reader's lock through their read (before: the refresh closed the file under them, and
+    on dask's worker threads, ``stats()`` (sketched from the data, or ``exact``) and
+    ``episode_frames`` (its bookkeeping read) each hold the reader's lock through their read
+    (before: the refresh closed the file under them, and
     h5py raised KeyError or RuntimeError, "invalid identifier type")."""
     writer, reader = two_episodes_and_a_reader(place)
     errors: list = []
@@ -194,6 +195,8 @@ def test_a_refresh_of_another_thread_waits_for_a_dask_block_and_stats(place, mon
     if read == "to_dask":
         obs = reader.to_dask(["obs"])["obs"].compute(scheduler="threads")
         assert np.array_equal(obs[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
+    elif read == "episode_frames":
+        assert np.array_equal(reader.episode_frames(1, "obs"), steps(2)["obs"])
     else:
         summary = reader.stats(["obs"], exact=read == "exact stats")
         assert summary.num_episodes == 2  # as planned before the refresh
