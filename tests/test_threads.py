@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
-from replaybuf.analysis import get_all_data  # noqa: F401 - torch and dask, imported at collection
+from replaybuf.analysis import get_all_data  # torch and dask, imported at collection
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader
 
@@ -224,6 +224,25 @@ def test_a_concat_refresh_of_another_thread_waits_for_its_read(place, monkeypatc
     assert np.array_equal(np.asarray(data["obs"])[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
     assert len(concat) == 3
     writer.close()
+
+
+@pytest.mark.parametrize("backend", ["hdf5"])
+def test_get_all_data_of_an_hdf5_reader_on_a_thread_pool_scheduler_returns(place):
+    """get_all_data of an hdf5 reader on a scheduler of this process's threads that is not
+    dask's own (a ``ThreadPoolExecutor``: computed as dask blocks) holds the reader's lock
+    through the read, so its blocks take none (a block waiting for it on a worker thread
+    would wait forever)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    writer, reader = two_episodes_and_a_reader(place)
+    writer.close()
+    pool, found = ThreadPoolExecutor(2), []
+    reading = threading.Thread(target=lambda: found.append(get_all_data(reader, scheduler=pool)), daemon=True)
+    reading.start()
+    reading.join(30)
+    pool.shutdown(wait=False)  # a pool waiting for itself is left behind, not waited for
+    assert not reading.is_alive(), "get_all_data waits for itself"
+    assert np.array_equal(np.asarray(found[0]["obs"])[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
 
 
 def test_reads_of_another_thread_never_see_a_commit_half_done(place):
