@@ -291,7 +291,8 @@ def to_dask(
     """
     fields, meta_fields = _select(buffer, fields, meta_fields, "to_dask")
     _check_episodes_per_chunk("to_dask", episodes_per_chunk)
-    return _dask_arrays(buffer, fields, meta_fields, _committed(buffer, order, meta_fields), episodes_per_chunk)
+    plan = _committed(buffer, order, meta_fields)
+    return _dask_arrays(buffer, fields, meta_fields, plan, episodes_per_chunk, RefreshLock(buffer))
 
 
 def _dask_arrays(
@@ -300,8 +301,11 @@ def _dask_arrays(
     meta_fields: Sequence[str],
     plan: _Plan,
     episodes_per_chunk: int | None = None,
+    refresh_lock: RefreshLock | None = None,
 ) -> dict[str, da.Array]:
-    """Dask arrays of ``plan``'s rows: data read consistently when computed, meta as planned."""
+    """Dask arrays of ``plan``'s rows: data read consistently when computed, meta as planned;
+    each block's read holds ``refresh_lock`` (none for a caller that holds the buffer's lock
+    through the computation: a worker thread waiting for it would wait forever)."""
     slots, lens, length = plan.slots, plan.lens, plan.length
     # A fresh token per call: the same slots and lengths may hold other episodes later.
     token = tokenize(buffer.storage.location, slots, lens, uuid.uuid4().hex)
@@ -319,7 +323,7 @@ def _dask_arrays(
             field.fill,
             plan.generations,
             getattr(buffer, "snapshot_name", None),
-            RefreshLock(buffer),
+            refresh_lock,
         )
         per_chunk = episodes_per_chunk or _episodes_per_chunk(field.step_nbytes, length, len(slots))
         out[name] = da.from_array(
@@ -452,7 +456,7 @@ def get_all_data(
     fields, meta_fields = _select(buffer, fields, meta_fields, "get_all_data")
     plan = _plan(buffer, buffer.listed_slots(), meta_fields)
     if lazy:
-        return _dask_arrays(buffer, fields, meta_fields, plan)
+        return _dask_arrays(buffer, fields, meta_fields, plan, refresh_lock=RefreshLock(buffer))
     if len(plan.slots) == 0:
         return {}
     scheduler = scheduler or _default_scheduler()

@@ -1773,10 +1773,11 @@ class ReplayBuffer(CommittedViews):
 
     def _past_committed_ends(self, name: str, slots: np.ndarray, t0: int, rows: np.ndarray) -> np.ndarray:
         """``rows`` of an edit (of ``slots`` from step ``t0``) with the steps at or past each
-        committed episode's length (all of an empty slot's) set to the field's default: no read
-        shows values there, and ``verify`` would report them as damage. The episodes in progress
-        keep every step (their length is not known yet)."""
-        ends = self._meta["episode_lens"][slots].astype(np.int64) - t0
+        committed episode's length set to the field's default: no read shows values there, and
+        ``verify`` would report them as damage. Empty slots (stored as written, as the seed's
+        views show them) and the episodes in progress (their length not known yet) keep every step."""
+        lens = self._meta["episode_lens"][slots].astype(np.int64)
+        ends = np.where(lens > 0, lens - t0, rows.shape[1])
         if self._group is not None:
             ends[np.isin(slots, self._group.slots)] = rows.shape[1]
         if not (ends < rows.shape[1]).any():

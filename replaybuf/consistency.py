@@ -401,6 +401,22 @@ def read_episodes_consistent(
             f"read_episodes_consistent: steps t0={t0} .. t1={t1} must satisfy 0 <= t0 <= t1 <= max_timesteps "
             f"({buffer.max_timesteps})"
         )
+    # the bookkeeping read too: an hdf5 reader's refresh of another thread would close its file
+    with mirror_lock(buffer, writer_only=True):
+        return _read_episodes(buffer, slots, fields, generations, t0, t1, stop, with_meta)
+
+
+def _read_episodes(
+    buffer: ReplayBuffer | Any,
+    slots: np.ndarray,
+    fields: list[str],
+    generations: Sequence[int] | np.ndarray | None,
+    t0: int,
+    t1: int | None,
+    stop: int,
+    with_meta: bool,
+) -> ConsistentEpisodes:
+    """``read_episodes_consistent`` (its arguments checked)."""
     storage, meta_names = buffer.storage, list(buffer.schema.meta_fields) if with_meta else []
     plan = stored_bookkeeping(storage, meta_names, slots)
     snapshot = getattr(buffer, "snapshot_name", None)

@@ -79,16 +79,17 @@ def update(buffer: ReplayBuffer) -> None:
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_edits_given_steps_past_an_episodes_length_leave_a_buffer_verify_calls_clean(place):
     """``update`` of every timestep (episodes of length 4 in 6 steps, as the seed's README
-    passes values of the whole time axis), ``data[...] = ...`` over the whole width and an
-    update of empty slots: the values past each episode's length are never shown by a read,
-    so they are not stored (before: they were, and ``verify`` reported a clean buffer's
-    episodes as holding data beyond their length)."""
+    passes values of the whole time axis) and ``data[...] = ...`` over the whole width: the
+    values past each episode's length are never shown by a read, so they are not stored
+    (before: they were, and ``verify`` reported a clean buffer's episodes as holding data
+    beyond their length). An empty slot (3) takes what is written, as the seed's does."""
     buffer = make(place)
     buffer.update([0, 1], obs=np.full((2, 6, 3), 7, np.float32))
     buffer.data["step"][2] = np.arange(6)
     buffer.update(slice(0, 4), step=np.full((4, 6), 5))
     assert np.array_equal(np.asarray(buffer.data["obs"][0]), [[7] * 3] * LENGTH + [[0] * 3] * 2)
     assert np.array_equal(np.asarray(buffer.data["step"][2]), [5] * LENGTH + [0, 0])
+    assert np.array_equal(np.asarray(buffer.data["step"][3]), [5] * 6)
     buffer.close()
     assert verify(place.location) == []
 

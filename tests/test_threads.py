@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from replaybuf import BufferLockedError, ConcatReplayBuffer, ReplayBuffer
-from replaybuf.analysis import get_all_data  # noqa: F401 - torch and dask, imported at collection
+from replaybuf.analysis import get_all_data  # torch and dask, imported at collection
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader
 
@@ -182,11 +182,12 @@ def test_a_refresh_of_another_thread_waits_for_a_readers_read(place, monkeypatch
 
 
 @pytest.mark.parametrize("backend", ["hdf5"])
-@pytest.mark.parametrize("read", ["to_dask", "stats", "exact stats"])
-def test_a_refresh_of_another_thread_waits_for_a_dask_block_and_stats(place, monkeypatch, read):
+@pytest.mark.parametrize("read", ["to_dask", "stats", "exact stats", "episode_frames"])
+def test_a_refresh_of_another_thread_waits_for_reads_through_the_storage(place, monkeypatch, read):
     """As above for the reads that go through the storage alone: a ``to_dask`` block computed
-    on dask's worker threads and ``stats()`` (sketched from the data, or ``exact``) each hold
-    the reader's lock through their read (before: the refresh closed the file under them, and
+    on dask's worker threads, ``stats()`` (sketched from the data, or ``exact``) and
+    ``episode_frames`` (its bookkeeping read) each hold the reader's lock through their read
+    (before: the refresh closed the file under them, and
     h5py raised KeyError or RuntimeError, "invalid identifier type")."""
     writer, reader = two_episodes_and_a_reader(place)
     errors: list = []
@@ -194,6 +195,8 @@ def test_a_refresh_of_another_thread_waits_for_a_dask_block_and_stats(place, mon
     if read == "to_dask":
         obs = reader.to_dask(["obs"])["obs"].compute(scheduler="threads")
         assert np.array_equal(obs[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
+    elif read == "episode_frames":
+        assert np.array_equal(reader.episode_frames(1, "obs"), steps(2)["obs"])
     else:
         summary = reader.stats(["obs"], exact=read == "exact stats")
         assert summary.num_episodes == 2  # as planned before the refresh
@@ -221,6 +224,25 @@ def test_a_concat_refresh_of_another_thread_waits_for_its_read(place, monkeypatc
     assert np.array_equal(np.asarray(data["obs"])[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
     assert len(concat) == 3
     writer.close()
+
+
+@pytest.mark.parametrize("backend", ["hdf5"])
+def test_get_all_data_of_an_hdf5_reader_on_a_thread_pool_scheduler_returns(place):
+    """get_all_data of an hdf5 reader on a scheduler of this process's threads that is not
+    dask's own (a ``ThreadPoolExecutor``: computed as dask blocks) holds the reader's lock
+    through the read, so its blocks take none (a block waiting for it on a worker thread
+    would wait forever)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    writer, reader = two_episodes_and_a_reader(place)
+    writer.close()
+    pool, found = ThreadPoolExecutor(2), []
+    reading = threading.Thread(target=lambda: found.append(get_all_data(reader, scheduler=pool)), daemon=True)
+    reading.start()
+    reading.join(30)
+    pool.shutdown(wait=False)  # a pool waiting for itself is left behind, not waited for
+    assert not reading.is_alive(), "get_all_data waits for itself"
+    assert np.array_equal(np.asarray(found[0]["obs"])[:, :4], np.stack([steps(e)["obs"] for e in (1, 2)]))
 
 
 def test_reads_of_another_thread_never_see_a_commit_half_done(place):
