@@ -184,7 +184,9 @@ def make_dataloader(
     (``num_workers``, ``drop_last``, ``pin_memory``, ...).
 
     ``rank`` / ``world_size`` (default: torch.distributed's when it is initialized) shard the
-    samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
+    samples across ranks per epoch, with ``seed`` for a reproducible order (each share padded to
+    ``ceil(len / world_size)`` by repeating samples, as torch's DistributedSampler does, or with
+    ``drop_last`` cut to ``len // world_size``: then no sample is in two ranks' batches); the
     loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
     resume mid-epoch. Beside a custom ``sampler`` (which picks the positions itself) ``rank``,
     ``world_size`` and ``seed`` are refused rather than ignored.
