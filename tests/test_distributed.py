@@ -260,6 +260,26 @@ def test_buffer_dataloader_shards_across_ranks_and_resumes(tmp_path):
         buffer.dataloader(batch_size=4, timestep_level=True, rank=2, world_size=2)
 
 
+def test_buffer_dataloader_drop_last_shards_without_repeating_a_sample(tmp_path):
+    """15 timesteps over 2 ranks: with drop_last each rank's share was still padded to 8 by
+    repeating a sample, which then sat in both ranks' batches; the share is 7 now (the tail
+    dropped as the sampler's drop_last does), 3 whole batches of 2 on each rank."""
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(str(tmp_path / "b"), 4, 5, fields=dict(x="int"))
+    for episode, length in enumerate((3, 5, 5, 2)):
+        buffer.store_episode(x=np.arange(length) + 100 * episode)
+    seen = []
+    for rank in range(2):
+        loader = buffer.dataloader(
+            batch_size=2, timestep_level=True, shuffle=True, rank=rank, world_size=2, seed=3, drop_last=True
+        )
+        batches = [batch["x"].tolist() for batch in loader]
+        assert len(batches) == len(loader) == 3 and all(len(batch) == 2 for batch in batches)
+        seen.append([value for batch in batches for value in batch])
+    assert not set(seen[0]) & set(seen[1]) and len(set(seen[0] + seen[1])) == 12
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_ranks_redraw_samples_of_reused_slots_within_their_own_share(tmp_path, num_workers):
     """Before: a sample whose slot a writer reused after the loaders were made was redrawn from

@@ -215,21 +215,24 @@ def test_prioritized_draws_follow_the_seed_and_differ_between_ranks(buffer):
         prioritized_draws(buffer, rank=2, world_size=2)
 
 
-@pytest.mark.parametrize("kind", ["window", "whole rows"])
+@pytest.mark.parametrize("kind", ["window", "whole rows", "renamed window", "renamed whole rows"])
 def test_return_mask_is_as_wide_as_the_batch_s_time_axis(buffer, kind):
     """Windows longer than every episode (5 > 4) and whole rows (max_timesteps 6) are padded past
-    the longest sample: ``_mask`` was only 4 wide (the seed's), so ``data[mask]`` failed."""
-    if kind == "window":
-        dataset = ReplayDatasetTimeWindow(buffer, window_length=5)
-        batch = next(iter(make_dataloader(buffer, 3, dataset=dataset, return_mask=True)))
+    the longest sample: ``_mask`` was only 4 wide (the seed's), so ``data[mask]`` failed; and
+    still was when the dataset given renamed every field (its ``fieldname_map``, not the loader's)."""
+    renamed = {name: f"out_{name}" for name in buffer.fieldnames} if kind.startswith("renamed") else {}
+    if kind.endswith("window"):
+        dataset = ReplayDatasetTimeWindow(buffer, window_length=5, fieldname_map=renamed)
     else:
-        batch = next(iter(make_dataloader(buffer, 3, return_mask=True, slice_by_episode_len=False)))
-    width = 5 if kind == "window" else 6
-    assert batch["ident"].shape == (3, width) and batch["_lens"].tolist() == list(LENGTHS)
+        dataset = make_dataset(buffer, fieldname_map=renamed, slice_by_episode_len=False)
+    batch = next(iter(make_dataloader(buffer, 3, dataset=dataset, return_mask=True)))
+    ident = batch[renamed.get("ident", "ident")]
+    width = 5 if kind.endswith("window") else 6
+    assert ident.shape == (3, width) and batch["_lens"].tolist() == list(LENGTHS)
     assert torch.equal(batch["_mask"], torch.arange(width)[None] < torch.tensor(LENGTHS)[:, None])
-    if kind == "window":  # a window is zero past its steps
-        assert (batch["ident"][~batch["_mask"]] == 0).all()
-    assert batch["ident"][batch["_mask"]].shape == (sum(LENGTHS),)
+    if kind.endswith("window"):  # a window is zero past its steps
+        assert (ident[~batch["_mask"]] == 0).all()
+    assert ident[batch["_mask"]].shape == (sum(LENGTHS),)
 
 
 @pytest.mark.parametrize("name", ["return_mask", "return_episode_lens", "slice_by_episode_len"])

@@ -122,7 +122,48 @@ def test_a_bad_sample_count_in_a_state_is_refused(tmp_path, sampled):
     loader = buffer.dataloader(2, timestep_level=True, samples_per_insert=1, rate_timeout=0.05)
     with pytest.raises(ValueError, match=r"state\['rate_limiter'\]\['sampled'\] must be an int >= 0"):
         loader.load_state_dict({"rate_limiter": {"sampled": sampled}})
-    assert loader.state_dict()["rate_limiter"] == {"sampled": 0}
+    assert loader.state_dict()["rate_limiter"] == {"sampled": 0, "inserted": 0, "newest": [0]}
+
+
+@pytest.mark.parametrize(
+    "count",
+    [{"inserted": -1, "newest": [0]}, {"inserted": 5}, {"inserted": 5, "newest": [0, 1]}, {"inserted": 5, "newest": 3}],
+)
+def test_a_bad_insert_count_in_a_state_is_refused(tmp_path, count):
+    """An insert count, or the generation it covers, that would let the loader oversample."""
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=LENGTH, fields=FIELDS)
+    store(buffer, 0)
+    loader = buffer.dataloader(2, timestep_level=True, samples_per_insert=1, rate_timeout=0.05)
+    with pytest.raises(ValueError, match=r"state\['rate_limiter'\]\['(inserted|newest)'\] must be"):
+        loader.load_state_dict({"rate_limiter": {"sampled": 0, **count}})
+    assert loader.state_dict()["rate_limiter"] == {"sampled": 0, "inserted": 0, "newest": [0]}
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_a_resumed_count_keeps_the_inserts_a_circular_writer_overwrote(tmp_path, concat):
+    """Before: a state held the samples alone, and a resumed loader counted as inserted only the
+    steps the buffer holds now: after a circular writer's wrap (6 episodes of 5 steps through 2
+    slots: 30 inserted, 10 held) it was 20 inserts short and waited for 4 more episodes."""
+    from replaybuf.concat import ConcatReplayBuffer
+
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=2, max_timesteps=LENGTH, fields=FIELDS, circular=True)
+    options = dict(timestep_level=True, samples_per_insert=2, min_size=5, error_buffer=0, rate_timeout=0.05)
+    sampler = ConcatReplayBuffer([tmp_path / "buffer"]) if concat else buffer
+    loader = sampler.dataloader(1, **options)
+    sampled = 0
+    for index in range(6):
+        store(buffer, index)
+        if concat:
+            sampler.refresh()
+        sampled = drain(loader)
+    assert sampled == 50 and loader.state_dict()["rate_limiter"] == {"sampled": 50, "inserted": 30, "newest": [6]}
+    resumed = sampler.dataloader(1, **options)
+    resumed.load_state_dict(loader.state_dict())
+    assert drain(resumed) == 50, "nothing new committed: the resumed loader may hand out nothing more"
+    store(buffer, 6)
+    if concat:
+        sampler.refresh()
+    assert drain(resumed) == 60, "one episode of 5 steps more: 2 * 5 samples more"
 
 
 def test_min_size_beyond_what_a_circular_buffer_holds_is_accepted(tmp_path):

@@ -184,7 +184,9 @@ def make_dataloader(
     (``num_workers``, ``drop_last``, ``pin_memory``, ...).
 
     ``rank`` / ``world_size`` (default: torch.distributed's when it is initialized) shard the
-    samples across ranks without overlap per epoch, with ``seed`` for a reproducible order; the
+    samples across ranks per epoch, with ``seed`` for a reproducible order (each share padded to
+    ``ceil(len / world_size)`` by repeating samples, as torch's DistributedSampler does, or with
+    ``drop_last`` cut to ``len // world_size``: then no sample is in two ranks' batches); the
     loader then has ``sampler.set_epoch(e)`` and ``state_dict()`` / ``load_state_dict()`` to
     resume mid-epoch. Beside a custom ``sampler`` (which picks the positions itself) ``rank``,
     ``world_size`` and ``seed`` are refused rather than ignored.
@@ -307,7 +309,10 @@ def make_dataloader(
             "return_mask is only supported for trajectory-level data with episode lengths"
         )
     trajectories = n_steps is None and not timestep_level and not draws_timepoints(dataset)
-    time_keys = {(fieldname_map or {}).get(f, f) for f in buffer.fieldnames} if trajectories else None
+    # the names the fields have in a batch: under the loader's fieldname_map (the seed's padding)
+    # and under that of a dataset given (its own outputs), so ``_mask`` spans its time axis too
+    renames = (fieldname_map or {}, getattr(dataset, "fieldname_map", None) or {})
+    time_keys = {rename.get(f, f) for rename in renames for f in buffer.fieldnames} if trajectories else None
     if to_named_tuple is not None:
         to_named_tuple = tuple(to_named_tuple)
         if hasattr(dataset, "output_keys"):
@@ -365,6 +370,9 @@ def make_dataloader(
             world_size=world_size,
             shuffle=shuffle,
             seed=seed,
+            # each rank's share cut to len // world_size too: padding it by repeating samples
+            # would put them in two ranks' batches, which drop_last asked to avoid
+            drop_last=bool(kwargs.get("drop_last", False)),
         )
         return ResumableDataLoader(dataset, batch_size=batch_size, collate_fn=collate, sampler=order, **kwargs)
     if shuffle and "sampler" not in kwargs and "batch_sampler" not in kwargs:

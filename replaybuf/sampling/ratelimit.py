@@ -81,21 +81,68 @@ class RateLimiter:
         self.inserted = 0
         self.sampled = 0
         self._generations = np.zeros(0, np.int64)
+        # per member, the newest generation a resumed count covers: the next look counts only
+        # episodes committed after it (``load_state_dict``)
+        self._resumed_newest: np.ndarray | None = None
 
-    def state_dict(self) -> dict[str, int]:
-        """The samples handed out so far (to resume the count in a fresh loader)."""
-        return {"sampled": self.sampled}
+    def _members_of(self, slots: int) -> np.ndarray:
+        """Per slot of the buffer's ``generations``, the member holding it (0 unless a
+        ConcatReplayBuffer, whose members count their generations each on their own)."""
+        offsets = getattr(self.buffer.storage, "offsets", None)
+        if offsets is None:
+            return np.zeros(slots, np.int64)
+        return np.searchsorted(offsets, np.arange(slots), side="right") - 1
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def _newest(self) -> list[int]:
+        """Per member, the newest generation counted so far (0: none)."""
+        members = getattr(self.buffer, "buffers", [self.buffer])
+        newest = np.zeros(len(members), np.int64)
+        if self._resumed_newest is not None:
+            newest = self._resumed_newest.copy()
+        if len(self._generations):
+            np.maximum.at(newest, self._members_of(len(self._generations)), self._generations)
+        return newest.tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The samples handed out and the steps inserted so far, with the newest generation
+        counted (per member), to resume the count in a fresh loader: the buffer then holds fewer
+        steps than were inserted once a circular writer has reused slots."""
+        return {"sampled": self.sampled, "inserted": self.inserted, "newest": self._newest()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the counts of ``state``: episodes committed after its newest generation are
+        counted as inserted at the next look (a state with ``sampled`` alone, from an earlier
+        replaybuf, counts the steps the buffer holds, as a fresh limiter does)."""
         if not isinstance(state, dict) or "sampled" not in state:
             raise ValueError(f"state['rate_limiter'] must be a dict with 'sampled' (from state_dict()), got {state!r}")
-        self.sampled = int(_check_number("state['rate_limiter']['sampled']", state["sampled"], 0, integer=True))
+        sampled = int(_check_number("state['rate_limiter']['sampled']", state["sampled"], 0, integer=True))
+        inserted, newest = 0, None
+        if "inserted" in state or "newest" in state:
+            inserted = int(_check_number("state['rate_limiter']['inserted']", state.get("inserted"), 0, integer=True))
+            members = len(getattr(self.buffer, "buffers", [self.buffer]))
+            given = state.get("newest")
+            if (
+                not isinstance(given, (list, tuple))
+                or len(given) != members
+                or not all(isinstance(g, (int, np.integer)) and not isinstance(g, bool) and g >= 0 for g in given)
+            ):
+                raise ValueError(
+                    f"state['rate_limiter']['newest'] must be {members} int(s) >= 0 (one per buffer, from "
+                    f"state_dict()), got {given!r}"
+                )
+            newest = np.asarray(given, np.int64)
+        self.sampled, self.inserted, self._resumed_newest = sampled, inserted, newest
+        self._generations = np.zeros(0, np.int64)
 
     def update(self) -> int:
         """Reread the committed bookkeeping and add the steps of newly committed episodes."""
         lens, generations = take_snapshot(self.buffer)
         if len(self._generations) != len(generations):
             self._generations = np.zeros(len(generations), np.int64)
+            if self._resumed_newest is not None:  # what the resumed count covers is not new
+                self._generations = np.where(
+                    generations <= self._resumed_newest[self._members_of(len(generations))], generations, 0
+                )
         new = (generations != self._generations) & (generations > 0)
         self.inserted += int(lens[new].sum())
         self._generations = generations
