@@ -86,7 +86,7 @@ import time
 import uuid as uuid_module
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
@@ -367,7 +367,7 @@ def owner_record(location: str, storage_options: dict, schema: Schema) -> dict:
     if object_store_url(location) is not None:
         client = storage_options.get("client_kwargs")
         endpoint = storage_options.get("endpoint_url") or (
-            client.get("endpoint_url") if isinstance(client, dict) else None
+            client.get("endpoint_url") if isinstance(client, Mapping) else None
         )
         scope = f"endpoint {endpoint}" if endpoint else "endpoint default"
     elif not is_url(location):
