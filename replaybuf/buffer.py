@@ -1786,18 +1786,22 @@ class ReplayBuffer(CommittedViews):
         fill_beyond(rows, np.clip(ends, 0, rows.shape[1]), self.schema.fields[name].fill)
         return rows
 
-    def _episode_indices(self, indices: Any, call: str) -> tuple[np.ndarray, bool]:
-        """(the slots ``indices`` names, whether it is one int); errors name ``call``."""
+    def _episode_indices(self, indices: Any, call: str, argument: str = "indices") -> tuple[np.ndarray, bool]:
+        """(the slots ``indices`` names, whether it is one int); errors name ``call`` and its
+        ``argument``. An empty list or tuple names no slot, as a numpy index (``np.asarray([])`` is
+        float: it was refused as no ints)."""
         if indices is None:
             return np.flatnonzero(self._meta["episode_lens"] > 0), False
         if isinstance(indices, slice):
             return np.arange(self.max_episodes)[indices], False
+        if isinstance(indices, (list, tuple)) and not indices:
+            return np.zeros(0, np.int64), False
         is_tensor = hasattr(indices, "detach") and hasattr(indices, "cpu")  # bfloat16, meta device: named
-        array = tensor_to_numpy(indices, "indices") if is_tensor else np.asarray(indices)
+        array = tensor_to_numpy(indices, argument) if is_tensor else np.asarray(indices)
         if array.dtype.kind not in "iu":
-            raise TypeError(f"{call}: indices must be ints, a slice or None, got {indices!r}")
+            raise TypeError(f"{call}: {argument} must be ints, a slice or None, got {indices!r}")
         if array.ndim > 1:  # numpy would give (*index shape, ...) values; the backends take a list of slots
-            raise ValueError(f"{call}: indices must be an int or a 1-D sequence of ints, got shape {array.shape}")
+            raise ValueError(f"{call}: {argument} must be an int or a 1-D sequence of ints, got shape {array.shape}")
         scalar = array.ndim == 0
         array = np.atleast_1d(array)
         bad = array[(array < 0) | (array >= self.max_episodes)]
@@ -1827,7 +1831,7 @@ class ReplayBuffer(CommittedViews):
                 f"warm_cache: {self.storage.location!r} is a memmap-replay-buffer folder, whose reads are never "
                 "cached (that library writes it without moving any slot's generation)"
             )
-        slots, _ = self._episode_indices(episodes, "warm_cache")
+        slots, _ = self._episode_indices(episodes, "warm_cache", "episodes")
         if isinstance(fields, str):  # list('image') would name its letters
             raise TypeError(f"warm_cache: fields must be a sequence of field names, got the string {fields!r}")
         fields = list(self.schema.fields) if fields is None else list(fields)

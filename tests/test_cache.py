@@ -25,7 +25,7 @@ from replaybuf.concat import ConcatReplayBuffer
 from replaybuf.consistency import read_episodes_consistent
 from replaybuf.maintenance import verify
 from replaybuf.sampling import make_dataloader, make_dataset
-from replaybuf.storage import CorruptChunkError, GenerationMismatchError, _cache, make_storage
+from replaybuf.storage import BufferReplacedError, CorruptChunkError, GenerationMismatchError, _cache, make_storage
 from replaybuf.storage._cache import CHECK_BYTES, CachedStorage, buffer_identity
 from replaybuf.testing import StorageFactory, StorageTests
 from tests._data import SAMPLING_FIELDS as FIELDS
@@ -205,6 +205,80 @@ def test_buffer_without_uuid_is_cached_by_config(tmp_path):
     for key in plain:
         assert torch.equal(plain[key], cached[key]), key
     assert cache_files(tmp_path / "cache")
+
+
+def create_at(location) -> None:
+    """A buffer created (again) at ``location``: a new uuid each time, as an actor restarted each run."""
+    buffer = ReplayBuffer(location, overwrite=True, **OPTIONS)
+    fill(buffer)
+    buffer.close()
+
+
+def read_cached(location, cache_dir) -> ReplayBuffer:
+    """A reader of ``location`` that has read every row through the cache in ``cache_dir``."""
+    reader = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache_dir)
+    reader.get_all_data()
+    return reader
+
+
+def folder_name(reader: ReplayBuffer) -> str:
+    return os.path.basename(reader.storage.root)
+
+
+def test_a_buffer_created_again_removes_the_cache_folder_of_the_one_it_replaced(tmp_path):
+    # each buffer created again at a location left its full cache folder behind, never read again
+    cache, location = tmp_path / "cache", tmp_path / "buffer"
+    create_at(location)
+    replaced = folder_name(read_cached(location, cache))
+    shutil.copytree(location, tmp_path / "copy")
+    copy = folder_name(read_cached(tmp_path / "copy", cache))  # the same uuid elsewhere: another buffer
+    (cache / "mine").mkdir()  # a folder of the user's (no owner record, as one an older replaybuf made)
+    (cache / "mine" / "notes.txt").write_text("kept")
+    os.symlink(location, tmp_path / "link")
+    create_at(location)
+    new = folder_name(read_cached(tmp_path / "link", cache))  # the location spelt another way
+    assert replaced not in os.listdir(cache)
+    assert sorted(os.listdir(cache)) == sorted([new, copy, "mine"])
+    assert (cache / "mine" / "notes.txt").read_text() == "kept"
+    assert cache_files(cache / copy) and cache_files(cache / new)
+
+
+def test_a_reader_of_the_replaced_buffer_never_removes_the_new_one_s_folder(tmp_path, monkeypatch):
+    """A reader that opened the buffer before it was created again is told of the new buffer
+    (its maps of the removed files stay readable); the first read of its cache layer, after the
+    new buffer's, removes nothing (the location holds another uuid); what it left is removed by
+    the next process reading the new buffer."""
+    cache, location = tmp_path / "cache", tmp_path / "buffer"
+    create_at(location)
+    old = read_cached(location, cache)
+    stale = ReplayBuffer.from_folder(location, read_only=True, cache="disk", cache_dir=cache)  # no read yet
+    create_at(location)
+    new = read_cached(location, cache)
+    assert os.listdir(cache) == [folder_name(new)]
+    with pytest.raises(BufferReplacedError):
+        old.get_all_data()
+    filled = cache_files(new.storage.root)
+    monkeypatch.setattr(_cache, "_SWEPT", set())  # the stale reader in a process of its own
+    stale.storage.rows("state", [0])  # a read reaching its cache layer before the buffer's check
+    assert folder_name(new) in os.listdir(cache) and cache_files(new.storage.root) == filled != {}
+    monkeypatch.setattr(_cache, "_SWEPT", set())  # the next process
+    read_cached(location, cache)
+    assert os.listdir(cache) == [folder_name(new)]
+
+
+def test_warm_cache_of_no_episodes_warms_nothing(written, tmp_path):
+    # an empty list was refused by the shared index parser: "indices must be ints"
+    cached = ReplayBuffer.from_folder(written, read_only=True, cache="disk", cache_dir=tmp_path / "cache")
+    cached.warm_cache(episodes=[], progress=False)
+    assert not cache_files(tmp_path / "cache")
+    with pytest.raises(TypeError, match=r"warm_cache: episodes must be ints, a slice or None, got array\(\[\]"):
+        cached.warm_cache(episodes=np.array([]), progress=False)  # a float array, refused by numpy too
+    writer = ReplayBuffer.from_folder(written)
+    before = writer.get_all_data()
+    writer.update([], state=np.zeros((0, 10, 4)))  # the parser's other caller: no episode, nothing written
+    after = writer.get_all_data()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    writer.close()
 
 
 def test_reused_slot_is_refetched(tmp_path):
@@ -540,7 +614,10 @@ def test_killed_filler_leaves_nothing_served(written, tmp_path):
         f"""
         import os, sys, time
         from replaybuf import ReplayBuffer
-        def stop(*args):  # killed between writing the temp file and renaming it
+        publish = os.replace
+        def stop(temp, path):  # killed between writing a rows file's temp file and renaming it
+            if not path.endswith(".rows"):
+                return publish(temp, path)  # the folder's owner record
             print("filled", flush=True)
             time.sleep(60)
         os.replace = stop

@@ -6,6 +6,7 @@ own files is created, changed or deleted."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ from replaybuf.storage._cache import CHECK_BYTES, CachedStorage
 from replaybuf.storage._codecs import crc32c
 from tests._data import SAMPLING_LENGTHS as LENGTHS
 from tests._data import fill_sampling_buffer as fill
-from tests.test_cache import OPTIONS, run_python
+from tests.test_cache import OPTIONS, create_at, folder_name, read_cached, run_python
 
 #: the episode whose cache files the tests damage (slot 1 of ``written``: generation 2, 4 steps)
 SLOT, GENERATION = 1, 2
@@ -438,3 +439,33 @@ def test_a_cache_dir_in_the_buffer_s_own_folder_is_never_written(written, expect
     assert snapshot(written) == before
     unusable = [w for w in caught if "read cache" in str(w.message)]
     assert len(unusable) == 1 and "in the folder of the buffer" in str(unusable[0].message)
+
+
+def test_removing_a_replaced_buffer_s_folder_never_reaches_past_the_cache_s_own_files(tmp_path, monkeypatch):
+    """The folder of a buffer replaced at its location is removed file by file, only the
+    cache's own (rows, temp, lock files): a symlinked folder in ``cache_dir`` recording the same
+    location (a user's folder of files named like cache files behind it) is never followed,
+    and a user's file or a symlink named like a cache file in the replaced folder is left, with
+    the folder and its owner record, for a later sweep to finish once they are gone."""
+    cache, location = tmp_path / "cache", tmp_path / "buffer"
+    create_at(location)
+    replaced = Path(read_cached(location, cache).storage.root)
+    user = Path(user_folder(tmp_path, 1, "x"))
+    (user / ".locks").mkdir()
+    record = json.loads((replaced / ".locks" / _cache.OWNER_FILE).read_text())
+    (user / ".locks" / _cache.OWNER_FILE).write_text(json.dumps({**record, "folder": "linked"}))
+    os.symlink(user, cache / "linked")
+    (replaced / "state" / "notes.txt").write_text("mine")
+    os.symlink(user / NAME, replaced / "image" / NAME)
+    before = snapshot(user)
+    create_at(location)
+    new = folder_name(read_cached(location, cache))
+    assert snapshot(user) == before and os.readlink(cache / "linked") == str(user)
+    assert sorted(os.listdir(cache)) == sorted([new, "linked", replaced.name])
+    assert os.listdir(replaced / "state") == ["notes.txt"] and os.listdir(replaced / "image") == [NAME]
+    assert (replaced / "image" / NAME).is_symlink() and (replaced / ".locks" / _cache.OWNER_FILE).is_file()
+    os.unlink(replaced / "state" / "notes.txt")
+    os.unlink(replaced / "image" / NAME)
+    monkeypatch.setattr(_cache, "_SWEPT", set())  # as in the next process
+    read_cached(location, cache)
+    assert sorted(os.listdir(cache)) == sorted([new, "linked"]) and snapshot(user) == before

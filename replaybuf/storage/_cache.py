@@ -55,6 +55,10 @@ One file per (field, slot, generation, revision), holding the episode's ``episod
   after ``FULL_RETRY_S``), an odd cache file is never served, an odd lock entry leaves its
   episode filled unlocked, and no write, touch or delete reaches outside those files. A folder
   deleted meanwhile (by another process) only leaves that read uncached.
+- **Replaced buffers' folders removed.** A buffer's folder records whose it is (``OWNER_FILE``:
+  its location, host or endpoint, uuid); a process's first read of a buffer removes the folders
+  recorded for the same location and store under another uuid, the buffers created there before
+  it (``overwrite=True``), whose rows no reader can be served again (``_remove_replaced``).
 
 Only a storage opened read-only is cached (a writer's rows change under it), or a writer's for
 a dataset's snapshot reads (``snapshot=True``); steps past an episode's length are read from
@@ -74,13 +78,15 @@ import fcntl
 import hashlib
 import json
 import os
+import re
+import socket
 import stat
 import threading
 import time
 import uuid as uuid_module
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
@@ -141,6 +147,16 @@ USAGE_FILE = ".used"
 USAGE_WAIT_S = 2.0
 #: how the cache opens its files: never through a symlink, never blocked by a FIFO
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: how the sweep of replaced buffers' folders opens a folder: never through a symlink
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: the file in a buffer's ``.locks`` folder recording whose cache the folder is (JSON, see
+#: ``owner_record``): it marks the folder as the cache's own, and lets the first reader of a
+#: buffer created again at the same location remove the folder of the one it replaced
+OWNER_FILE = ".owner"
+#: the most bytes an owner record may take (a larger file is no record of the cache's)
+OWNER_MAX_BYTES = 1 << 16
+#: the names of the cache's lock files in ``.locks`` (``<field>-<slot>``)
+LOCK_NAME = re.compile(r".+-[0-9]+")
 
 
 class CacheFolderError(Exception):
@@ -325,15 +341,44 @@ def default_cache_dir() -> str:
     return platformdirs.user_cache_dir("replaybuf", appauthor=False)
 
 
+def cache_location(location: str) -> str:
+    """``location`` as the cache keys it: an object store's URL in one spelling (s3a:// and
+    S3:// name the same objects as s3://), a local path resolved (links, ``file://``)."""
+    return object_store_url(location) or (
+        location if is_url(location) else os.path.realpath(location.removeprefix("file://"))
+    )
+
+
 def buffer_identity(location: str, schema: Schema) -> str:
     """The name of a buffer's cache folder: a hash of its resolved location and its uuid (or,
     for a buffer created before uuids were stored, its whole config)."""
-    # an object store's URL in one spelling: s3a:// and S3:// name the same objects as s3://
-    where = object_store_url(location) or (
-        location if is_url(location) else os.path.realpath(location.removeprefix("file://"))
-    )
     what = schema.uuid if schema.uuid is not None else json.dumps(schema.to_json(), sort_keys=True)
-    return hashlib.sha256(f"{where}\0{what}".encode()).hexdigest()[:24]
+    return hashlib.sha256(f"{cache_location(location)}\0{what}".encode()).hexdigest()[:24]
+
+
+def owner_record(location: str, storage_options: dict, schema: Schema) -> dict:
+    """What a buffer's cache folder records of its buffer (``OWNER_FILE``): the folder's name,
+    the location as the cache keys it, the buffer's uuid, and the store the location is one
+    of: the host for a local path (the same path on another machine sharing ``cache_dir``, a
+    home folder on NFS, is another buffer), the endpoint for an object store (the same URL on
+    another S3-compatible server is another bucket); None for other URLs (``memory://``: one
+    per process), whose folders are never taken for replaced ones."""
+    scope: str | None = None
+    if object_store_url(location) is not None:
+        client = storage_options.get("client_kwargs")
+        endpoint = storage_options.get("endpoint_url") or (
+            client.get("endpoint_url") if isinstance(client, Mapping) else None
+        )
+        scope = f"endpoint {endpoint}" if endpoint else "endpoint default"
+    elif not is_url(location):
+        scope = f"host {socket.gethostname()}"
+    return {
+        "replaybuf_cache": 1,
+        "folder": buffer_identity(location, schema),
+        "location": cache_location(location),
+        "scope": scope,
+        "uuid": schema.uuid,
+    }
 
 
 def new_uuid() -> str:
@@ -406,6 +451,7 @@ class CachedStorage(Storage):
         self._warned = False  # a full or unusable cache folder is reported once per process
         self._skip_fills_until = 0.0  # time.monotonic() until which fills are skipped (``_cannot_fill``)
         self._bounded = False  # ``_bound_once`` ran
+        self._marked = False  # this layer found or wrote its folder's owner record (``_mark``)
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__}
@@ -423,6 +469,7 @@ class CachedStorage(Storage):
             "_warned",
             "_skip_fills_until",
             "_bounded",
+            "_marked",
         ):
             state.pop(key)
         return state
@@ -757,9 +804,14 @@ class CachedStorage(Storage):
         folder otherwise, so a reader whose episodes are all cached would leave it over the
         bound for good. One read of the count; the scan only when over."""
         self._bounded = True
+        self._remove_replaced()
         try:
             with _in_cache_folder():
                 self._folder(".locks", make=False)  # plain folders only, never followed
+                try:
+                    self._mark()  # a folder made before owner records: read, so marked as live
+                except OSError:
+                    pass  # a cache_dir this process may not write: its files are still served
                 fd = os.open(os.path.join(self.root, ".locks", USAGE_FILE), os.O_RDONLY | OPEN_FLAGS)
                 try:
                     counted = _read_count(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
@@ -843,17 +895,68 @@ class CachedStorage(Storage):
                     errno.ENOTDIR, "cache_dir is a file or lies under one, not a folder", self.cache_dir
                 ) from None
         path = os.path.join(self.root, name)
+        made = False
         for folder in (self.root, path):
             if make:
                 try:
                     os.mkdir(folder)
+                    made = True
                 except FileExistsError:
                     pass
             if not stat.S_ISDIR(os.lstat(folder).st_mode):
                 raise OSError(
                     errno.ENOTDIR, "not a plain directory (a symlink?): the cache uses only folders it made", folder
                 )
+        if make and (made or not self._marked):  # made again after a sweep: marked again
+            self._mark()
         return path
+
+    def _mark(self) -> None:
+        """Write the folder's owner record (``OWNER_FILE`` in ``.locks``, made where absent)
+        unless one is there: a temp file renamed into place, so a record is whole or absent."""
+        try:
+            os.mkdir(os.path.join(self.root, ".locks"))
+        except FileExistsError:
+            pass
+        locks = self._folder(".locks", make=False)  # plain folders only, never followed
+        path = os.path.join(locks, OWNER_FILE)
+        if not os.path.lexists(path):
+            assert self.schema is not None  # a folder is named once the storage is opened
+            temp = os.path.join(locks, f"{OWNER_FILE}.tmp-{os.getpid()}-{threading.get_ident()}")
+            _unlink(temp)  # one left by a killed process of the same id: made anew, never followed
+            try:
+                with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644), "w") as f:
+                    json.dump(owner_record(self.location, self.storage_options, self.schema), f)
+                os.replace(temp, path)
+            except BaseException:
+                _unlink(temp)
+                raise
+        self._marked = True
+
+    def _remove_replaced(self) -> None:
+        """Remove the cache folders of the buffers this one replaced: those whose owner record
+        names this buffer's location and store but another folder (another uuid: a buffer
+        created there before with ``overwrite=True``, whose rows nobody can be served again).
+        Once per process and folder, and only while the location holds this buffer (its uuid
+        read afresh: a reader opened before the buffer was created again never removes the
+        new one's folder); folders without a record (the user's, or made before records were
+        written) are left, as is any entry the cache did not make."""
+        schema = self.schema
+        assert schema is not None  # run by the first read of an opened storage
+        owner = owner_record(self.location, self.storage_options, schema)
+        key = (self.cache_dir, owner["folder"])
+        if owner["scope"] is None or schema.uuid is None or key in _SWEPT:
+            return
+        _SWEPT.add(key)
+        if self.inner.stored_uuid() != schema.uuid:
+            return  # replaced since this reader opened it: its next refresh says so
+        try:
+            entries = _entries(self.cache_dir)
+        except OSError:
+            return  # a cache_dir that is a file, or one this process may not list: nothing of ours
+        for entry in entries:
+            if entry.name != owner["folder"]:
+                _remove_if_replaced(self.cache_dir, entry.name, owner)
 
     def _check_outside_buffer(self) -> None:
         """OSError when the cache folder lies in a local buffer's own folder (``cache_dir`` the
@@ -1191,6 +1294,121 @@ class CachedStorage(Storage):
 
     def __repr__(self) -> str:
         return f"CachedStorage({self.inner!r}, cache_dir={self.cache_dir!r})"
+
+
+#: (cache_dir, folder) whose replaced siblings this process removed (``_remove_replaced``)
+_SWEPT: set[tuple[str, str]] = set()
+
+
+def _remove_if_replaced(cache_dir: str, name: str, owner: dict) -> None:
+    """Remove the cache folder ``name`` of ``cache_dir`` when its owner record names the
+    location and store of ``owner`` (the record of the buffer there now): its cache files
+    (``SUFFIX``, ``OLD_SUFFIX``, temp files) and field folders, its lock files, then its record
+    and itself. Every folder is opened without following a symlink and every entry removed
+    through it, so nothing outside the folder is reached even if it is swapped meanwhile; an
+    entry the cache did not make (a symlink, a user's file) keeps the folder and its record,
+    for the next sweep. A process still reading the replaced buffer keeps its maps (an unlinked
+    file stays readable) and reads the rest from the store, as from any deleted folder."""
+    try:
+        root = os.open(os.path.join(cache_dir, name), FOLDER_FLAGS)
+    except OSError:
+        return  # a symlink, a file, gone: never the cache's folder
+    try:
+        locks = _open_folder(root, ".locks")
+        if locks is None:
+            return
+        try:
+            record = _read_owner(locks)
+            if record is None or record.get("folder") != name:
+                return  # not a folder of the cache's (or its record was moved here)
+            if (record.get("location"), record.get("scope")) != (owner["location"], owner["scope"]):
+                return
+            for entry in _entries_of(root):
+                if entry.name != ".locks" and entry.is_dir(follow_symlinks=False):
+                    _remove_folder_of(root, entry.name, _is_cache_file)
+            if {entry.name for entry in _entries_of(root)} != {".locks"}:
+                return  # something the cache did not make is left: so are the folder and its record
+            _remove_files(locks, _is_lock_file)
+            if {entry.name for entry in _entries_of(locks)} != {OWNER_FILE}:
+                return
+            os.unlink(OWNER_FILE, dir_fd=locks)
+        finally:
+            os.close(locks)
+        os.rmdir(".locks", dir_fd=root)
+        os.rmdir(os.path.join(cache_dir, name))  # never a symlink's target: rmdir does not follow one
+    except OSError:
+        pass  # removed meanwhile, or filled again by a reader of the replaced buffer: left
+    finally:
+        os.close(root)
+
+
+def _entries_of(folder: int) -> list[os.DirEntry]:
+    """The entries of the folder ``folder`` (a descriptor)."""
+    with os.scandir(folder) as entries:
+        return list(entries)
+
+
+def _open_folder(parent: int, name: str) -> int | None:
+    """A descriptor of the plain folder ``name`` in the folder ``parent`` (a descriptor); None
+    when it is absent or no plain folder."""
+    try:
+        return os.open(name, FOLDER_FLAGS, dir_fd=parent)
+    except OSError:
+        return None
+
+
+def _read_owner(locks: int) -> dict | None:
+    """The owner record in the ``.locks`` folder ``locks`` (a descriptor); None when there is
+    none, or anything else than a plain file holding a JSON object."""
+    try:
+        fd = os.open(OWNER_FILE, os.O_RDONLY | OPEN_FLAGS, dir_fd=locks)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        record = json.loads(os.read(fd, OWNER_MAX_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return record if isinstance(record, dict) and record.get("replaybuf_cache") == 1 else None
+
+
+def _is_cache_file(name: str) -> bool:
+    """Whether ``name`` in a field's folder is one the cache writes (rows, temp files)."""
+    return name.endswith((SUFFIX, OLD_SUFFIX)) or name.startswith(".tmp-")
+
+
+def _is_lock_file(name: str) -> bool:
+    """Whether ``name`` in ``.locks`` is one the cache writes, besides its owner record."""
+    return name == USAGE_FILE or name.startswith(f"{OWNER_FILE}.tmp-") or LOCK_NAME.fullmatch(name) is not None
+
+
+def _remove_files(folder: int, ours: Callable[[str], bool]) -> None:
+    """Unlink the plain files of the folder ``folder`` (a descriptor) whose names are ``ours``."""
+    for entry in _entries_of(folder):
+        if ours(entry.name) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.name, dir_fd=folder)
+            except FileNotFoundError:
+                pass
+
+
+def _remove_folder_of(parent: int, name: str, ours: Callable[[str], bool]) -> None:
+    """Remove the plain folder ``name`` of ``parent`` (a descriptor) after its files that are
+    ``ours``; one that holds anything else stays."""
+    folder = _open_folder(parent, name)
+    if folder is None:
+        return
+    try:
+        _remove_files(folder, ours)
+    finally:
+        os.close(folder)
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except OSError:
+        pass
 
 
 def _unlink(path: str) -> None:
