@@ -249,6 +249,35 @@ def test_import_export_import_is_exact_for_every_dtype(tmp_path, format):
             np.testing.assert_array_equal(back[episode][name], expected, err_msg=f"{episode} {name}")
 
 
+def test_lerobot_export_keeps_one_value_fields_apart_from_scalars(tmp_path):
+    """A (1,) field (diffusion_policy's (T, 1) arrays) came back from a LeRobot round trip as a
+    scalar field, and was written as a list column, which LeRobot's reader (a value per frame for
+    shape [1]) cannot cast. Both are one value per frame now, and the (1,) shape comes back."""
+    require("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fields = {"reward": {"dtype": "float32", "shape": ()}, "gripper": {"dtype": "uint16", "shape": (1,)}}
+    written = {}
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=2, max_timesteps=3, fields=fields) as buffer:
+        for episode, length in enumerate((3, 1)):
+            values = {
+                "reward": np.arange(length, dtype=np.float32) + episode,
+                "gripper": np.arange(length, dtype=np.uint16).reshape(length, 1) + 7,
+            }
+            buffer.store_episode(**values)
+            written[episode] = values
+    imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    schema = pq.read_schema(tmp_path / "out" / "data" / "chunk-000" / "file-000.parquet")
+    assert (schema.field("reward").type, schema.field("gripper").type) == (pa.float32(), pa.uint16())
+    features = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["features"]
+    assert features["reward"]["shape"] == features["gripper"]["shape"] == [1]
+    imp.lerobot(tmp_path / "out", tmp_path / "back", verify=True, progress=False)
+    back = ReplayBuffer.from_folder(tmp_path / "back", read_only=True)
+    assert (back.shapes["reward"], back.shapes["gripper"]) == ((), (1,))
+    assert_same(episodes_by_source(tmp_path / "back"), written)
+
+
 # ---- an import killed at a random moment ----------------------------------------------------------
 
 
