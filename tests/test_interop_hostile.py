@@ -63,12 +63,14 @@ def _lerobot_with_column(root, feature: str, dtype: str, values) -> None:
         ("int64", [0.5] * 15, r"column 'observation\.x' of type double: Float value 0\.5.* truncated.*dtype is int64"),
         ("uint8", list(range(250, 265)), r"column 'observation\.x' of type int64: Integer value 256 not in range"),
         ("float32", [1.0, 1e300] + [0.0] * 13, r"column 'observation\.x': frame 1 holds 1e\+300, out of the range"),
+        ("bool", [0, 1, 2] + [0] * 12, r"column 'observation\.x': frame 2 holds 2, not a flag \(0 or 1\)"),
+        ("bool", [1.0, float("nan")] + [0.0] * 13, r"column 'observation\.x': frame 1 holds nan, not a flag"),
     ],
-    ids=["null-float", "null-int", "fraction-in-int", "uint8-overflow", "float32-overflow"],
+    ids=["null-float", "null-int", "fraction-in-int", "uint8-overflow", "float32-overflow", "2-in-bool", "nan-in-bool"],
 )
 def test_lerobot_values_the_feature_cannot_hold_are_refused_not_changed(tmp_path, dtype, values, message):
     """They were stored changed without a word: an empty value as NaN (or -2**63 in an int64
-    feature), 0.5 as 0, 256 as 0 in uint8, 1e300 as inf in float32."""
+    feature), 0.5 as 0, 256 as 0 in uint8, 1e300 as inf in float32, 2 and NaN as true in bool."""
     _lerobot_with_column(tmp_path / "src", "observation.x", dtype, values)
     with pytest.raises(imp.ImportSourceError, match=rf"file-000\.parquet: episode \d: {message}"):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)

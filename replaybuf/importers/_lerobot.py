@@ -115,7 +115,7 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     ``dtype``; ValueError where a row holds another number of values than ``shape`` (a reshape
     would shift values across rows), an empty value (it read as NaN, or as -2**63 in an integer
     feature), or a value ``dtype`` cannot hold (0.5 in an int64 feature read as 0, 1e300 in a
-    float32 one as inf, 300 in a uint8 one as 44)."""
+    float32 one as inf, 300 in a uint8 one as 44, 2, 0.5 or NaN in a bool one as true)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -138,6 +138,15 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     except pa.ArrowInvalid as error:
         raise ValueError(f"column {name!r} of type {array.type}: {error}; the feature's dtype is {dtype}") from error
     values = np.asarray(cast.to_numpy(zero_copy_only=False), dtype=dtype)
+    if values.dtype == np.bool_ and not pa.types.is_boolean(array.type):  # arrow reads any nonzero as true
+        raw = np.asarray(array.to_numpy(zero_copy_only=False))
+        other = np.flatnonzero((raw != 0) & (raw != 1))  # NaN too
+        if len(other):
+            bad = int(other[0])
+            raise ValueError(
+                f"column {name!r}: frame {int(rows[bad])} holds {array[bad].as_py()!r}, not a flag (0 or 1) "
+                f"the feature's dtype {dtype} holds as it is"
+            )
     # a number narrowed: arrow's safe cast lets a finite value become inf (the source is read again
     # only where the result holds an inf)
     if values.dtype.kind == "f" and np.isinf(values).any():
