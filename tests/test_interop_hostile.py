@@ -535,6 +535,19 @@ def test_lerobot_export_never_writes_outside_its_folder(tmp_path, feature):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [("lambda", "field name 'lambda' is a Python keyword"), ("x" * 201, "is 201 bytes long")],
+    ids=["keyword", "too-long"],
+)
+def test_source_keys_no_new_buffer_takes_name_the_source(tmp_path, key, message):
+    """A key the buffer's create refuses raised its bare ValueError, naming no source file."""
+    write_diffusion_policy(tmp_path / "dp.zarr", {key: np.zeros(20, np.float32)})
+    with pytest.raises(imp.ImportSourceError, match=rf"dp\.zarr: no buffer can hold this dataset: .*{message}"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
 def test_diffusion_policy_array_metadata_of_another_type_names_the_source(tmp_path):
     """meta/episode_ends/.zarray holding a JSON list: zarr's TypeError reached the user as
     'unsupported operand type(s) for |: 'list' and 'dict'', naming no file."""
