@@ -63,12 +63,14 @@ def _lerobot_with_column(root, feature: str, dtype: str, values) -> None:
         ("int64", [0.5] * 15, r"column 'observation\.x' of type double: Float value 0\.5.* truncated.*dtype is int64"),
         ("uint8", list(range(250, 265)), r"column 'observation\.x' of type int64: Integer value 256 not in range"),
         ("float32", [1.0, 1e300] + [0.0] * 13, r"column 'observation\.x': frame 1 holds 1e\+300, out of the range"),
+        ("bool", [0, 1, 2] + [0] * 12, r"column 'observation\.x': frame 2 holds 2, not a flag \(0 or 1\)"),
+        ("bool", [1.0, float("nan")] + [0.0] * 13, r"column 'observation\.x': frame 1 holds nan, not a flag"),
     ],
-    ids=["null-float", "null-int", "fraction-in-int", "uint8-overflow", "float32-overflow"],
+    ids=["null-float", "null-int", "fraction-in-int", "uint8-overflow", "float32-overflow", "2-in-bool", "nan-in-bool"],
 )
 def test_lerobot_values_the_feature_cannot_hold_are_refused_not_changed(tmp_path, dtype, values, message):
     """They were stored changed without a word: an empty value as NaN (or -2**63 in an int64
-    feature), 0.5 as 0, 256 as 0 in uint8, 1e300 as inf in float32."""
+    feature), 0.5 as 0, 256 as 0 in uint8, 1e300 as inf in float32, 2 and NaN as true in bool."""
     _lerobot_with_column(tmp_path / "src", "observation.x", dtype, values)
     with pytest.raises(imp.ImportSourceError, match=rf"file-000\.parquet: episode \d: {message}"):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
@@ -247,6 +249,35 @@ def test_import_export_import_is_exact_for_every_dtype(tmp_path, format):
         for name, expected in values.items():
             assert back[episode][name].dtype == expected.dtype, name
             np.testing.assert_array_equal(back[episode][name], expected, err_msg=f"{episode} {name}")
+
+
+def test_lerobot_export_keeps_one_value_fields_apart_from_scalars(tmp_path):
+    """A (1,) field (diffusion_policy's (T, 1) arrays) came back from a LeRobot round trip as a
+    scalar field, and was written as a list column, which LeRobot's reader (a value per frame for
+    shape [1]) cannot cast. Both are one value per frame now, and the (1,) shape comes back."""
+    require("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fields = {"reward": {"dtype": "float32", "shape": ()}, "gripper": {"dtype": "uint16", "shape": (1,)}}
+    written = {}
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=2, max_timesteps=3, fields=fields) as buffer:
+        for episode, length in enumerate((3, 1)):
+            values = {
+                "reward": np.arange(length, dtype=np.float32) + episode,
+                "gripper": np.arange(length, dtype=np.uint16).reshape(length, 1) + 7,
+            }
+            buffer.store_episode(**values)
+            written[episode] = values
+    imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    schema = pq.read_schema(tmp_path / "out" / "data" / "chunk-000" / "file-000.parquet")
+    assert (schema.field("reward").type, schema.field("gripper").type) == (pa.float32(), pa.uint16())
+    features = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())["features"]
+    assert features["reward"]["shape"] == features["gripper"]["shape"] == [1]
+    imp.lerobot(tmp_path / "out", tmp_path / "back", verify=True, progress=False)
+    back = ReplayBuffer.from_folder(tmp_path / "back", read_only=True)
+    assert (back.shapes["reward"], back.shapes["gripper"]) == ((), (1,))
+    assert_same(episodes_by_source(tmp_path / "back"), written)
 
 
 # ---- an import killed at a random moment ----------------------------------------------------------
@@ -502,6 +533,19 @@ def test_lerobot_export_never_writes_outside_its_folder(tmp_path, feature):
     with pytest.raises(ValueError, match=r"field 'img' would be exported as feature .*, which is no folder name"):
         imp.export_lerobot(tmp_path / "buf", tmp_path / "out" / "inner" / "export", video=True)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [("lambda", "field name 'lambda' is a Python keyword"), ("x" * 201, "is 201 bytes long")],
+    ids=["keyword", "too-long"],
+)
+def test_source_keys_no_new_buffer_takes_name_the_source(tmp_path, key, message):
+    """A key the buffer's create refuses raised its bare ValueError, naming no source file."""
+    write_diffusion_policy(tmp_path / "dp.zarr", {key: np.zeros(20, np.float32)})
+    with pytest.raises(imp.ImportSourceError, match=rf"dp\.zarr: no buffer can hold this dataset: .*{message}"):
+        imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
 
 
 def test_diffusion_policy_array_metadata_of_another_type_names_the_source(tmp_path):

@@ -222,7 +222,7 @@ def destination_config(source: Source) -> dict[str, Any]:
     }
     _check_episode_bytes(source, config["fields"], ids, lengths)
     try:
-        Schema.build(**config)
+        Schema.build(**config).check_names()  # a new buffer's names: a Python keyword, over MAX_NAME_BYTES
     except (ValueError, TypeError) as error:
         raise ImportSourceError(f"{source.path}: no buffer can hold this dataset: {error}") from error
     return config

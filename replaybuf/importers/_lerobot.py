@@ -9,7 +9,8 @@ episodes per file) and ``videos/<key>/chunk-XXX/file-YYY.mp4`` (several episodes
 Mapping: each feature becomes a field named with ``.`` replaced by ``_``
 (``observation.images.top`` -> ``observation_images_top``, ``next.reward`` -> ``next_reward``);
 ``image`` and ``video`` features become (H, W, C) uint8 image fields (videos decoded); shape
-``[1]`` features become scalar fields. ``timestamp``, ``frame_index``, ``index`` and
+``[1]`` features become scalar fields, except where the feature records a field of shape (1,)
+(``"replaybuf_shape": [1]``, written by the exporter). ``timestamp``, ``frame_index``, ``index`` and
 ``episode_index`` are not stored (they follow from the step and the slot); ``task_index`` (of
 the episode's first frame) and ``fps`` become meta fields, LeRobot's ``episode_index`` is
 ``source_episode``. What holds for the whole dataset goes to ``buffer.attrs``: ``fps`` and
@@ -49,6 +50,9 @@ DATA_PATH = "data/" + CHUNK_FILE + ".parquet"
 VIDEO_PATH = "videos/{video_key}/" + CHUNK_FILE + ".mp4"
 EPISODES_PATH = "meta/episodes/" + CHUNK_FILE + ".parquet"
 CHUNK_SIZE = 1000
+# the key of an exported feature of shape [1] that came from a field of shape (1,), not a scalar:
+# LeRobot stores both as one value per frame, so the shape a round trip gives back is kept here
+FIELD_SHAPE = "replaybuf_shape"
 ONE_TASK = (
     "a buffer keeps one task_index per episode, so which frames had which task would be lost: "
     "split such episodes at their task changes in the source"
@@ -111,7 +115,7 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     ``dtype``; ValueError where a row holds another number of values than ``shape`` (a reshape
     would shift values across rows), an empty value (it read as NaN, or as -2**63 in an integer
     feature), or a value ``dtype`` cannot hold (0.5 in an int64 feature read as 0, 1e300 in a
-    float32 one as inf, 300 in a uint8 one as 44)."""
+    float32 one as inf, 300 in a uint8 one as 44, 2, 0.5 or NaN in a bool one as true)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -134,6 +138,15 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     except pa.ArrowInvalid as error:
         raise ValueError(f"column {name!r} of type {array.type}: {error}; the feature's dtype is {dtype}") from error
     values = np.asarray(cast.to_numpy(zero_copy_only=False), dtype=dtype)
+    if values.dtype == np.bool_ and not pa.types.is_boolean(array.type):  # arrow reads any nonzero as true
+        raw = np.asarray(array.to_numpy(zero_copy_only=False))
+        other = np.flatnonzero((raw != 0) & (raw != 1))  # NaN too
+        if len(other):
+            bad = int(other[0])
+            raise ValueError(
+                f"column {name!r}: frame {int(rows[bad])} holds {array[bad].as_py()!r}, not a flag (0 or 1) "
+                f"the feature's dtype {dtype} holds as it is"
+            )
     # a number narrowed: arrow's safe cast lets a finite value become inf (the source is read again
     # only where the result holds an inf)
     if values.dtype.kind == "f" and np.isinf(values).any():
@@ -239,7 +252,8 @@ class LeRobotSource(Source):
                 self._fields[name] = {"dtype": "uint8", "shape": _image_shape(spec)}
             elif _numeric(spec["dtype"]):
                 shape = tuple(int(d) for d in spec["shape"])
-                self._fields[name] = {"dtype": spec["dtype"], "shape": () if shape == (1,) else shape}
+                scalar = shape == (1,) and spec.get(FIELD_SHAPE) != [1]
+                self._fields[name] = {"dtype": spec["dtype"], "shape": () if scalar else shape}
             else:
                 continue  # text features: a buffer stores numbers only
             self._features[name] = feature
@@ -445,9 +459,15 @@ class LeRobotSource(Source):
 # ---- export -----------------------------------------------------------------------------------
 
 
+def _column_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-frame shape of a field's column: (1,) fields as one value per frame, as LeRobot
+    stores every feature of shape [1] (a list column there fails its reader's cast to a value)."""
+    return () if shape == (1,) else shape
+
+
 def _arrow_type(pa: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
     kind = pa.from_numpy_dtype(dtype)
-    for size in reversed(shape):
+    for size in reversed(_column_shape(shape)):
         kind = pa.list_(kind, size)
     return kind
 
@@ -622,7 +642,8 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
                             [{"bytes": _png(frame), "path": None} for frame in data[name]], columns[feature]
                         )
                     elif name not in images:
-                        values[feature] = _arrow_column(pa, data[name], columns[feature])
+                        column = data[name].reshape(length, *_column_shape(fields[name].shape))
+                        values[feature] = _arrow_column(pa, column, columns[feature])
                 values.update(
                     timestamp=pa.array((steps / fps).astype(np.float32)),
                     frame_index=pa.array(steps),
@@ -698,6 +719,8 @@ def _write_meta(
             spec = {"dtype": images[name], "shape": list(field.shape), "names": ["height", "width", "channels"]}
         else:
             spec = {"dtype": str(field.dtype), "shape": list(field.shape) or [1], "names": None}
+            if field.shape == (1,):  # not a scalar: an import gives back (1,)
+                spec[FIELD_SHAPE] = [1]
         features[names.feature(name)] = {**spec, "names": names.names(name, spec)}
     for column, dtype in zip(FRAME_COLUMNS, ("float32", "int64", "int64", "int64", "int64")):
         features[column] = {"dtype": dtype, "shape": [1], "names": None}
