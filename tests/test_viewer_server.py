@@ -183,6 +183,15 @@ def test_info_lists_videos_plots_and_columns(browse_server):
     assert (info["num_episodes"], info["fps"], info["location"]) == (3, 10, "test-buffer")
 
 
+def test_numpy_fps_and_scale_are_served_as_json_numbers_and_render(buffer):
+    # values read from meta_data are numpy scalars, which json.dumps refuses: /api/info hung up
+    with ViewerServer(BufferApp(buffer, fps=np.float32(10), scale=np.int64(2))) as server:
+        status, info = get_json(server, "/api/info")
+        assert (status, info["fps"], info["scale"]) == (200, 10, 2)
+        status, headers, _ = request(server, "/video/episodes/0/front.mp4")
+        assert (status, headers["Content-Type"]) == (200, "video/mp4")
+
+
 def test_episode_list_has_lengths_and_meta(browse_server):
     _, episodes = get_json(browse_server, "/api/episodes")
     assert episodes["num_episodes"] == 3

@@ -147,12 +147,14 @@ class BufferApp:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
         check_fps(fps, ".mp4")  # the videos it renders
-        if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+        if isinstance(scale, bool) or not isinstance(scale, int | np.integer) or scale < 1:
             raise ValueError(f"scale: expected a positive integer, got {scale!r}")
         self.buffer = buffer
         self.location = location
-        self.fps = fps
-        self.scale = scale
+        # Python numbers: /api/info sends them as JSON, which has no numpy scalars (a value read
+        # from meta_data, np.float32(15), failed every /api/info request)
+        self.fps = float(fps)
+        self.scale = int(scale)
         self.image_fields = image_fields(buffer)
         self.series_fields = series_fields(buffer)
         self.meta_columns = meta_columns(buffer)
