@@ -121,7 +121,13 @@ def test_pages_of_other_origins_cannot_load_episode_data_or_start_renders(browse
         assert status == 403, path
         assert b"another site" in body
     assert list(browse_server.app.cache_dir.glob("*.mp4")) == []
-    # navigating to the viewer from elsewhere opens it; the page's own requests are same-origin
+    # navigating to the viewer from elsewhere opens it, but not a video (a link or window.open
+    # there rendered one) nor the API; the page's own requests are same-origin
+    navigation = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    for path in ("/video/episodes/0/front.mp4", "/api/episodes/0"):
+        assert request(browse_server, path, headers=navigation)[0] == 403, path
+    assert list(browse_server.app.cache_dir.glob("*.mp4")) == []
+    assert request(browse_server, "/", headers=navigation)[0] == 200
     assert request(browse_server, "/", headers={"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate"})[0] == 200
     own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
     status, headers, _ = request(browse_server, "/api/episodes/0", headers=own)
