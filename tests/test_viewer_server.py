@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
+from replaybuf.schema import MAX_NAME_BYTES
 from replaybuf.video import trajectory_to_video
 from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer, apps
 from replaybuf.viewer.server import parse_range
@@ -285,7 +286,7 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     cached = list(browse_server.app.cache_dir.glob("*.mp4"))
     generation = int(browse_server.app.buffer._meta["_generation"][2])
     revision = int(browse_server.app.buffer._meta["_revision"][2])
-    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-rev-{revision}-open-0.front.mp4"]
+    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-rev-{revision}-open-0.field-0.mp4"]
     modified = cached[0].stat().st_mtime_ns
 
     status, headers, part = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=10-19"})
@@ -363,7 +364,7 @@ def test_an_episode_edited_in_place_is_rendered_again_not_served_from_the_cache(
         writer.update([0], img=np.full((1, 4, 8, 8, 3), 150, np.uint8))  # the reader not refreshed
         status, _, video = request(server, "/video/episodes/0/img.mp4")
         assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [150] * 4
-        assert len(list(server.app.cache_dir.glob("episode-0-*.img.mp4"))) == 2
+        assert len(list(server.app.cache_dir.glob("episode-0-*.field-0.mp4"))) == 2
     writer.close()
 
 
@@ -421,6 +422,16 @@ def test_a_buffer_replaced_by_another_config_is_named_so_not_damaged(tmp_path):
             assert status == 500
             assert body["error"].startswith("BufferReplacedError: the buffer at"), body  # was CorruptChunkError
             assert "max_episodes: stored 3 vs passed 5" in body["error"]
+
+
+def test_a_field_with_the_longest_name_a_buffer_takes_is_rendered(tmp_path):
+    # its cached video was named after it, past the 255 bytes a file name may hold
+    name = "f" * MAX_NAME_BYTES
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=2, fields={name: ("uint8", (8, 8, 3))})
+    buffer.store_episode(**{name: np.zeros((2, 8, 8, 3), np.uint8)})
+    with ViewerServer(BufferApp(buffer)) as server:
+        status, headers, _ = request(server, f"/video/episodes/0/{name}.mp4")
+        assert (status, headers["Content-Type"]) == (200, "video/mp4")
 
 
 def test_unknown_video_fields_and_episodes_are_404(browse_server):

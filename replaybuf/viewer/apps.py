@@ -356,6 +356,12 @@ class BufferApp:
         """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
         keyed by the generation (a slot a writer reused renders its new episode), the revision
         (an episode edited in place renders its new frames) and the buffer opened (a buffer
-        created again at the location counts generations from 1 again). Called under the read
-        lock."""
-        return self.cache_dir / f"episode-{index}-gen-{generation}-rev-{revision}-open-{self._reopened}.{field}.mp4"
+        created again at the location counts generations from 1 again). The field goes by its
+        position among the image fields, not its name: a name of up to 200 bytes, which a buffer
+        takes, made the file's name longer than the 255 bytes a file system takes. Called under
+        the read lock."""
+        position = self.image_fields.index(field)
+        return (
+            self.cache_dir
+            / f"episode-{index}-gen-{generation}-rev-{revision}-open-{self._reopened}.field-{position}.mp4"
+        )
