@@ -263,6 +263,11 @@ def test_an_episode_after_a_dropped_one_is_listed_and_rendered(tmp_path, capsys)
         assert (listed["num_episodes"], listed["slots"], listed["lengths"]) == (3, 3, [4, 0, 5])
         assert get_json(server, "/api/episodes/2")[1]["length"] == 5
         assert request(server, "/video/episodes/2/front.mp4")[0] == 200
+        # the empty slot's meta values as the list shows them (a bool was sent as 0)
+        dropped = get_json(server, "/api/episodes/1")[1]
+        assert (dropped["length"], dropped["meta"]) == (0, {"success": False, "task_id": 0})
+        assert [type(listed["meta"][name][1]) for name in ("success", "task_id")] == [bool, int]
+        assert [type(dropped["meta"][name]) for name in ("success", "task_id")] == [bool, int]
     assert (
         main(["inspect", str(tmp_path / "b"), "--episode", "2", "--field", "front", "-o", str(tmp_path / "e.gif")]) == 0
     )

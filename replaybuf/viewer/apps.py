@@ -226,8 +226,7 @@ class BufferApp:
             got = read_episodes_consistent(buffer, [index], self.series_fields)
         length = int(got.lens[0]) if len(got) else 0
         meta = {
-            name: _json_values(got.meta[name][0] if len(got) else buffer.schema.meta_fields[name].fill)
-            for name in self.meta_columns
+            name: _json_values(got.meta[name][0] if len(got) else self._meta_fill(name)) for name in self.meta_columns
         }
         stride = max(1, -(-length // MAX_SERIES_POINTS))
         series = {
@@ -329,6 +328,12 @@ class BufferApp:
             self._storage = self.buffer.storage
             self._reopened += 1
         return self.buffer
+
+    def _meta_fill(self, name: str) -> np.ndarray:
+        """What an empty slot holds in meta field ``name``: its fill in the field's shape and
+        dtype, so that it reads as the episode list shows it (``false``, ``[0, 0]``; not ``0``)."""
+        field = self.buffer.schema.meta_fields[name]
+        return np.full(field.shape, field.fill, field.dtype)
 
     def _length(self, index: int) -> int:
         count = episode_slots(self.buffer)
