@@ -36,6 +36,7 @@ from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
     VIDEO_SUFFIXES,
     check_encodable,
+    check_fps,
     check_output_path,
     check_sheet_size,
     episode_frames,
@@ -59,6 +60,10 @@ __all__ = [
     "register_command",
     "store_options",
 ]
+
+# what the --serve page's <video> elements play (Chromium, Firefox); an --output in another format
+# (gif, webp, png, apng, avi) is served as an mp4 copy rendered into the viewer's temp folder
+BROWSER_VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov")
 
 # the errors a command turns into a usage message: bad values, missing files, unreachable stores
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, StorageError)
@@ -314,24 +319,28 @@ def run_inspect(args: argparse.Namespace) -> int:
             )
 
     several = len(fields) > 1
-    temp_dir = None
     if args.output is not None:
-        base = args.output
+        base: Path | None = args.output
     elif args.serve is not None:
-        temp_dir = VideoCache()  # a folder a later viewer cleans if this one is killed
-        base = temp_dir.folder / "replay.mp4"
+        base = None  # only the videos served are written, in the temp folder
     else:
         slug = "-".join(str(episode) for episode in args.episode)
         base = Path(f"{_location_name(args.location)}-episode-{slug}.mp4")
-
-    for field in fields:  # frames the encoder cannot take fail before any episode is read
-        height, width = frame_size(buffer.shapes[field])
-        check_encodable(-(-height // args.scale), -(-width // args.scale), base.suffix, what=f"--field {field}")
-    outputs = [_suffixed(base, field, several) for field in fields]
+    # the page's <video> elements play the outputs, or mp4s rendered beside them in a temp folder
+    # (a gif, webp, png or avi output showed as a video that could not be loaded)
+    serve_copies = args.serve is not None and (base is None or base.suffix.lower() not in BROWSER_VIDEO_SUFFIXES)
+    suffixes = ([base.suffix] if base is not None else []) + ([".mp4"] if serve_copies else [])
+    for suffix in suffixes:  # an fps or frames the encoder cannot take fail before any episode is read
+        check_fps(args.fps, suffix)
+        for field in fields:
+            height, width = frame_size(buffer.shapes[field])
+            check_encodable(-(-height // args.scale), -(-width // args.scale), suffix, what=f"--field {field}")
+    outputs = [_suffixed(base, field, several) for field in fields] if base is not None else []
     if args.sheet is not None:
         outputs += [_suffixed(args.sheet, field, several) for field in fields]
     for output in outputs:  # a bad output path fails before anything is rendered or written
         check_output_path(output)
+    temp_dir = VideoCache() if serve_copies else None  # a folder a later viewer cleans if this one is killed
 
     videos: dict[str, Path] = {}
     field_info: dict[str, dict[str, str]] = {}
@@ -341,11 +350,18 @@ def run_inspect(args: argparse.Namespace) -> int:
         for field in fields:
             frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
             frame_count = len(frames)
-            path = trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps)
-            videos[field] = path
+            written = []
+            if base is not None:
+                written.append(trajectory_to_video(frames, _suffixed(base, field, several), fps=args.fps))
+            if temp_dir is not None:
+                served = _suffixed(temp_dir.folder / "replay.mp4", field, several)
+                written.append(
+                    trajectory_to_video(frames, served, fps=args.fps, progress=None if base is None else False)
+                )
+            videos[field] = written[-1]
             shape = scaled_frame_shape(buffer.shapes[field], args.scale)  # as stored: the seed's report
             field_info[field] = {"shape": " x ".join(map(str, shape)), "dtype": str(np.dtype(buffer.dtypes[field]))}
-            print(f"wrote {path} ({len(frames)} frames of {shape} at {args.fps} fps)")
+            print(f"wrote {written[0]} ({len(frames)} frames of {shape} at {args.fps} fps)")
             if args.sheet is not None:  # a sheet, not the frames, is kept until the videos are done
                 sheets.append((_suffixed(args.sheet, field, several), frames_to_sheet(frames, args.rows, args.columns)))
         for sheet_path, sheet in sheets:

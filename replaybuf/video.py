@@ -323,7 +323,7 @@ def _write_ffmpeg(
         import imageio_ffmpeg  # noqa: F401
     except ImportError as error:
         raise ImportError(f"writing {suffix} videos needs imageio-ffmpeg: pip install 'replaybuf[video]'") from error
-    kwargs.setdefault("fps", fps)
+    kwargs.setdefault("fps", float(fps))  # imageio-ffmpeg asserts a Python float (not np.float32)
     kwargs.setdefault("macro_block_size", 1)
     kwargs.setdefault("ffmpeg_log_level", "error")
     if suffix == ".webm":

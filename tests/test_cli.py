@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -439,6 +440,26 @@ def test_inspect_serve_renders_to_a_temp_dir_serves_ranges_and_cleans_up(buffer_
     assert written[0].parent.parent == temp_dir
     assert list(temp_dir.iterdir()) == []
     assert [path.name for path in tmp_path.iterdir()] == ["tmp"]
+
+
+def test_inspect_serve_of_a_gif_writes_it_and_serves_an_mp4_the_page_can_play(buffer_folder, workdir, monkeypatch):
+    # a <video> cannot play a gif (nor webp, png, avi): the page showed "could not be loaded"
+    from replaybuf.viewer import ViewerServer
+
+    answers = []
+
+    def serve_once(server, open_browser=True):
+        answers.append(get(server.start().port, "/video/front"))
+        server.stop()
+
+    monkeypatch.setattr(ViewerServer, "serve_forever", serve_once)
+    monkeypatch.setattr(tempfile, "tempdir", str(workdir / "tmp"))
+    (workdir / "tmp").mkdir()
+    assert inspect_main([str(buffer_folder), "-f", "front", "-o", "out.gif", "--serve", "0"]) == 0
+    [(status, _, body)] = answers
+    assert (status, body[4:8]) == (200, b"ftyp")  # an mp4
+    assert len(iio.imread(body, extension=".mp4")) == len(iio.imread(workdir / "out.gif")) == STEPS[0]
+    assert list((workdir / "tmp").iterdir()) == []  # the mp4 went with the server
 
 
 def test_view_serves_the_buffer_until_interrupted_then_drops_its_cache(buffer_folder, tmp_path):

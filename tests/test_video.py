@@ -101,6 +101,12 @@ def test_video_round_trip_keeps_frame_count_and_content(tmp_path, suffix):
     assert np.abs(decoded[..., :3].astype(int).mean(axis=(1, 2, 3)) - levels).max() <= 4
 
 
+def test_numpy_fps_writes_an_mp4_at_that_rate(tmp_path):
+    # an fps read from meta_data is a numpy scalar; imageio-ffmpeg asserted a Python float
+    path = trajectory_to_video(gray_frames([0, 100, 200]), tmp_path / "clip.mp4", fps=np.int64(10))
+    assert iio.immeta(path, plugin="pyav")["fps"] == 10
+
+
 def test_odd_sizes_are_padded_for_ffmpeg_but_not_for_gif(tmp_path):
     frames = gray_frames([50] * 3, height=15, width=17)
     assert iio.imread(trajectory_to_video(frames, tmp_path / "odd.mp4")).shape[1:3] == (16, 18)

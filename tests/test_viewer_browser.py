@@ -309,11 +309,12 @@ def test_markup_in_the_location_and_names_outside_ascii_show_as_text_and_run_not
         max_episodes=1,
         max_timesteps=4,
         fields={"前方": ("uint8", (16, 16, 3)), "ŝtep": "float"},
-        meta_fields={"é": "float"},
+        meta_fields={"é": "float", "len": "int"},  # "len": also the name of the lengths' column
     )
     buffer.store_episode(
         **{"前方": np.full((4, 16, 16, 3), 90, np.uint8), "ŝtep": np.array([1, np.nan, np.inf, -np.inf], np.float32)},
         é=np.nan,
+        len=7,
     )
     with ViewerServer(BufferApp(buffer, location=PAYLOAD, fps=10)) as server:
         page.goto(server.url)
@@ -323,7 +324,8 @@ def test_markup_in_the_location_and_names_outside_ascii_show_as_text_and_run_not
         assert page.evaluate("document.querySelectorAll('img, script:not([src])').length") == 0
         assert page.inner_text("#location").startswith(PAYLOAD.replace("\u0000", "\ufffd")[:60])
         assert page.locator("#videos video").evaluate_all("videos => videos.map(v => v.dataset.field)") == ["前方"]
-        assert page.locator("#episode-columns th").all_inner_texts() == ["#", "len", "é"]
+        assert page.locator("#episode-columns th").all_inner_texts() == ["#", "len", "len", "é"]
+        assert page.locator("#episode-rows td").all_inner_texts() == ["0", "4", "7", "nan"]
         assert page.locator('.plot[data-field="ŝtep"]').count() == 1
         assert page.title() == "replaybuf view"
     videos = {"前方": trajectory_to_video(np.full((4, 16, 16, 3), 90, np.uint8), tmp_path / "replay.mp4")}

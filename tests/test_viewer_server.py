@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer
+from replaybuf.schema import MAX_NAME_BYTES
 from replaybuf.video import trajectory_to_video
 from replaybuf.viewer import BufferApp, ReplayApp, ViewerServer, apps
 from replaybuf.viewer.server import parse_range
@@ -121,7 +122,13 @@ def test_pages_of_other_origins_cannot_load_episode_data_or_start_renders(browse
         assert status == 403, path
         assert b"another site" in body
     assert list(browse_server.app.cache_dir.glob("*.mp4")) == []
-    # navigating to the viewer from elsewhere opens it; the page's own requests are same-origin
+    # navigating to the viewer from elsewhere opens it, but not a video (a link or window.open
+    # there rendered one) nor the API; the page's own requests are same-origin
+    navigation = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    for path in ("/video/episodes/0/front.mp4", "/api/episodes/0"):
+        assert request(browse_server, path, headers=navigation)[0] == 403, path
+    assert list(browse_server.app.cache_dir.glob("*.mp4")) == []
+    assert request(browse_server, "/", headers=navigation)[0] == 200
     assert request(browse_server, "/", headers={"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate"})[0] == 200
     own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
     status, headers, _ = request(browse_server, "/api/episodes/0", headers=own)
@@ -181,6 +188,15 @@ def test_info_lists_videos_plots_and_columns(browse_server):
     assert info["meta_columns"] == ["success", "task_id"]
     assert info["fields"]["wrist"] == {"shape": [3, 32, 32], "dtype": "float32"}
     assert (info["num_episodes"], info["fps"], info["location"]) == (3, 10, "test-buffer")
+
+
+def test_numpy_fps_and_scale_are_served_as_json_numbers_and_render(buffer):
+    # values read from meta_data are numpy scalars, which json.dumps refuses: /api/info hung up
+    with ViewerServer(BufferApp(buffer, fps=np.float32(10), scale=np.int64(2))) as server:
+        status, info = get_json(server, "/api/info")
+        assert (status, info["fps"], info["scale"]) == (200, 10, 2)
+        status, headers, _ = request(server, "/video/episodes/0/front.mp4")
+        assert (status, headers["Content-Type"]) == (200, "video/mp4")
 
 
 def test_episode_list_has_lengths_and_meta(browse_server):
@@ -247,6 +263,11 @@ def test_an_episode_after_a_dropped_one_is_listed_and_rendered(tmp_path, capsys)
         assert (listed["num_episodes"], listed["slots"], listed["lengths"]) == (3, 3, [4, 0, 5])
         assert get_json(server, "/api/episodes/2")[1]["length"] == 5
         assert request(server, "/video/episodes/2/front.mp4")[0] == 200
+        # the empty slot's meta values as the list shows them (a bool was sent as 0)
+        dropped = get_json(server, "/api/episodes/1")[1]
+        assert (dropped["length"], dropped["meta"]) == (0, {"success": False, "task_id": 0})
+        assert [type(listed["meta"][name][1]) for name in ("success", "task_id")] == [bool, int]
+        assert [type(dropped["meta"][name]) for name in ("success", "task_id")] == [bool, int]
     assert (
         main(["inspect", str(tmp_path / "b"), "--episode", "2", "--field", "front", "-o", str(tmp_path / "e.gif")]) == 0
     )
@@ -270,7 +291,7 @@ def test_videos_render_once_and_serve_byte_ranges(browse_server):
     cached = list(browse_server.app.cache_dir.glob("*.mp4"))
     generation = int(browse_server.app.buffer._meta["_generation"][2])
     revision = int(browse_server.app.buffer._meta["_revision"][2])
-    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-rev-{revision}-open-0.front.mp4"]
+    assert [path.name for path in cached] == [f"episode-2-gen-{generation}-rev-{revision}-open-0.field-0.mp4"]
     modified = cached[0].stat().st_mtime_ns
 
     status, headers, part = request(browse_server, "/video/episodes/2/front.mp4", headers={"Range": "bytes=10-19"})
@@ -348,7 +369,7 @@ def test_an_episode_edited_in_place_is_rendered_again_not_served_from_the_cache(
         writer.update([0], img=np.full((1, 4, 8, 8, 3), 150, np.uint8))  # the reader not refreshed
         status, _, video = request(server, "/video/episodes/0/img.mp4")
         assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [150] * 4
-        assert len(list(server.app.cache_dir.glob("episode-0-*.img.mp4"))) == 2
+        assert len(list(server.app.cache_dir.glob("episode-0-*.field-0.mp4"))) == 2
     writer.close()
 
 
@@ -406,6 +427,16 @@ def test_a_buffer_replaced_by_another_config_is_named_so_not_damaged(tmp_path):
             assert status == 500
             assert body["error"].startswith("BufferReplacedError: the buffer at"), body  # was CorruptChunkError
             assert "max_episodes: stored 3 vs passed 5" in body["error"]
+
+
+def test_a_field_with_the_longest_name_a_buffer_takes_is_rendered(tmp_path):
+    # its cached video was named after it, past the 255 bytes a file name may hold
+    name = "f" * MAX_NAME_BYTES
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=2, fields={name: ("uint8", (8, 8, 3))})
+    buffer.store_episode(**{name: np.zeros((2, 8, 8, 3), np.uint8)})
+    with ViewerServer(BufferApp(buffer)) as server:
+        status, headers, _ = request(server, f"/video/episodes/0/{name}.mp4")
+        assert (status, headers["Content-Type"]) == (200, "video/mp4")
 
 
 def test_unknown_video_fields_and_episodes_are_404(browse_server):

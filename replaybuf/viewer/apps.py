@@ -147,12 +147,14 @@ class BufferApp:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
         check_fps(fps, ".mp4")  # the videos it renders
-        if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+        if isinstance(scale, bool) or not isinstance(scale, int | np.integer) or scale < 1:
             raise ValueError(f"scale: expected a positive integer, got {scale!r}")
         self.buffer = buffer
         self.location = location
-        self.fps = fps
-        self.scale = scale
+        # Python numbers: /api/info sends them as JSON, which has no numpy scalars (a value read
+        # from meta_data, np.float32(15), failed every /api/info request)
+        self.fps = float(fps)
+        self.scale = int(scale)
         self.image_fields = image_fields(buffer)
         self.series_fields = series_fields(buffer)
         self.meta_columns = meta_columns(buffer)
@@ -224,8 +226,7 @@ class BufferApp:
             got = read_episodes_consistent(buffer, [index], self.series_fields)
         length = int(got.lens[0]) if len(got) else 0
         meta = {
-            name: _json_values(got.meta[name][0] if len(got) else buffer.schema.meta_fields[name].fill)
-            for name in self.meta_columns
+            name: _json_values(got.meta[name][0] if len(got) else self._meta_fill(name)) for name in self.meta_columns
         }
         stride = max(1, -(-length // MAX_SERIES_POINTS))
         series = {
@@ -328,6 +329,12 @@ class BufferApp:
             self._reopened += 1
         return self.buffer
 
+    def _meta_fill(self, name: str) -> np.ndarray:
+        """What an empty slot holds in meta field ``name``: its fill in the field's shape and
+        dtype, so that it reads as the episode list shows it (``false``, ``[0, 0]``; not ``0``)."""
+        field = self.buffer.schema.meta_fields[name]
+        return np.full(field.shape, field.fill, field.dtype)
+
     def _length(self, index: int) -> int:
         count = episode_slots(self.buffer)
         if not 0 <= index < count:
@@ -354,6 +361,12 @@ class BufferApp:
         """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
         keyed by the generation (a slot a writer reused renders its new episode), the revision
         (an episode edited in place renders its new frames) and the buffer opened (a buffer
-        created again at the location counts generations from 1 again). Called under the read
-        lock."""
-        return self.cache_dir / f"episode-{index}-gen-{generation}-rev-{revision}-open-{self._reopened}.{field}.mp4"
+        created again at the location counts generations from 1 again). The field goes by its
+        position among the image fields, not its name: a name of up to 200 bytes, which a buffer
+        takes, made the file's name longer than the 255 bytes a file system takes. Called under
+        the read lock."""
+        position = self.image_fields.index(field)
+        return (
+            self.cache_dir
+            / f"episode-{index}-gen-{generation}-rev-{revision}-open-{self._reopened}.field-{position}.mp4"
+        )

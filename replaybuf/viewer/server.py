@@ -30,6 +30,7 @@ from urllib.parse import unquote, urlsplit
 __all__ = ["FileResponse", "JsonResponse", "NotFound", "ViewerApp", "ViewerServer", "parse_range"]
 
 HOST = "127.0.0.1"
+PAGES = ("/", "/index.html")  # where the app's page is served
 STATIC_DIR = Path(__file__).parent / "static"
 COPY_CHUNK = 1 << 20
 POLL_INTERVAL = 0.05  # seconds between shutdown checks of a background server
@@ -149,10 +150,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if not self._host_allowed():
                 return self._send_json(JsonResponse({"error": "unknown host"}, HTTPStatus.FORBIDDEN), send_body)
-            if self._from_another_origin():
+            path = unquote(urlsplit(self.path).path)
+            if self._from_another_origin(path):
                 refused = JsonResponse({"error": "request from another site's page refused"}, HTTPStatus.FORBIDDEN)
                 return self._send_json(refused, send_body)
-            path = unquote(urlsplit(self.path).path)
             response = self._route(path)
             if isinstance(response, FileResponse):
                 try:
@@ -168,16 +169,19 @@ class _Handler(BaseHTTPRequestHandler):
         host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
         return host in ("127.0.0.1", "localhost", "")
 
-    def _from_another_origin(self) -> bool:
+    def _from_another_origin(self, path: str) -> bool:
         """Whether a browser says a page of another origin (another site, or another port of
-        this host) made this request other than by navigating to it: a ``<video>``, ``<img>``,
-        ``<script>`` or ``fetch`` there would load episode data or start a render here. Browsers
+        this host) made this request other than by navigating to the viewer's page: a ``<video>``,
+        ``<img>``, ``<script>`` or ``fetch`` there would load episode data or start a render here,
+        and so would a link or ``window.open`` of ``/video/...`` (the user's tab shows it, the
+        page that opened it cannot read it, but every one renders a video). Browsers
         that send no ``Sec-Fetch-Site`` (Safari before 16.4) still name the page's origin in
         ``Origin`` on a ``fetch``; one other than this server's own (``null`` too: a sandboxed
         frame or a local file) is refused."""
         site = self.headers.get("Sec-Fetch-Site")
         navigating = self.headers.get("Sec-Fetch-Mode") == "navigate"
-        if site in FOREIGN_SITES and not (navigating and self.headers.get("Sec-Fetch-Dest", "document") == "document"):
+        opens_the_page = navigating and self.headers.get("Sec-Fetch-Dest", "document") == "document" and path in PAGES
+        if site in FOREIGN_SITES and not opens_the_page:
             return True  # a top-level navigation opens the viewer; a frame there does not
         origin = self.headers.get("Origin")
         port = self.server.server_address[1]
@@ -194,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, path: str) -> JsonResponse | FileResponse:
         app = self.server.app
         try:
-            if path in ("/", "/index.html"):
+            if path in PAGES:
                 return FileResponse(STATIC_DIR / app.page)
             if path.startswith("/static/"):
                 name = path[len("/static/") :]

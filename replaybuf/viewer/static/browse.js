@@ -60,10 +60,11 @@ class Browser {
     this.buildTable();
   }
 
-  value(index, column) {
-    if (column === '#') return index;
-    if (column === 'len') return this.episodes.lengths[index];
-    return this.episodes.meta[column][index];
+  // by position, not name: a meta field may be called 'len' too
+  value(index, position) {
+    if (position === 0) return index;
+    if (position === 1) return this.episodes.lengths[index];
+    return this.episodes.meta[this.episodes.columns[position - 2]][index];
   }
 
   buildTable() {
@@ -95,7 +96,7 @@ class Browser {
     const count = this.episodes.slots;
     this.visible = [];
     for (let index = 0; index < count; index += 1) {
-      if (this.columns.every((column, position) => this.filters[position](this.value(index, column)))) {
+      if (this.filters.every((filter, position) => filter(this.value(index, position)))) {
         this.visible.push(index);
       }
     }
@@ -103,9 +104,9 @@ class Browser {
       const row = document.createElement('tr');
       row.dataset.index = String(index);
       row.classList.toggle('selected', index === this.selected);
-      for (const column of this.columns) {
+      for (const position of this.columns.keys()) {
         const cell = document.createElement('td');
-        cell.textContent = display(this.value(index, column));
+        cell.textContent = display(this.value(index, position));
         row.append(cell);
       }
       return row;
