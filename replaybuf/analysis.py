@@ -116,8 +116,9 @@ class EpisodeRows:
     time runs to ``length``; steps at or beyond an episode's length read as ``fill`` (the
     field's default, else zero, as the seed pads). Each block is read consistently when it is
     computed (``consistency.read_consistent``): a row planned empty reads as ``fill``
-    throughout, and one whose slot no longer holds the planned episode raises ``StalePlanError``. ``dask.array.from_array`` slices it
-    block by block; it pickles with the storage (no open handle) for distributed workers.
+    throughout, and one whose slot no longer holds the planned episode raises
+    ``StalePlanError``. ``dask.array.from_array`` slices it block by block; it pickles with the
+    storage (no open handle) for distributed workers.
     Rows of a snapshot view (``snapshot``: its name) raise ``SnapshotError`` instead. Each block
     is read holding ``refresh_lock`` (an hdf5 reader's: its ``refresh()`` closes the file).
     """
