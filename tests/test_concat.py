@@ -390,3 +390,31 @@ def test_concat_reads_rewritten_member_slots_again_by_their_global_index(tmp_pat
             check_episode(uid, int(got["episode_lens"][row]), rows)
         else:
             assert not any(values.any() for values in rows.values()), "a dropped slot's row is padding"
+
+
+@pytest.mark.parametrize("backend, shards", [("memmap", 12), ("hdf5", 12)])
+def test_a_reader_of_many_shards_holds_no_descriptor_per_array(tmp_path, backend, shards):
+    """A memmap shard's arrays, an hdf5 shard's field maps and checksums, and the file that pins
+    a reader's buffer are mapped without a descriptor each: ``ConcatReplayBuffer(root)`` over
+    ~130 memmap shards (8 descriptors each) ran out of the default open-file limit of 1024
+    (``OSError: Too many open files``). hdf5 keeps data.h5 open: one descriptor per shard."""
+    import os
+    import resource
+
+    for shard in range(shards):
+        with ReplayBuffer.shard(
+            tmp_path, shard, max_episodes=2, max_timesteps=4, fields={"obs": ("float", 3)}, backend=backend
+        ) as buffer:
+            buffer.store_episode(obs=np.full((4, 3), shard, np.float32))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 20, hard))
+    try:
+        reader = ConcatReplayBuffer(tmp_path)
+        rows = reader.get_all_data()["obs"][:, 0, 0]
+        reader.refresh()
+        batch = next(iter(reader.dataloader(batch_size=shards, timestep_level=True)))
+        reader.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sorted(rows.tolist()) == list(range(shards))
+    assert batch["obs"].shape == (shards, 3)

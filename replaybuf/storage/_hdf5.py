@@ -57,6 +57,7 @@ import numpy as np
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from ._kv import open_stored, own_file
 from ._local import EpisodeChecksums, LocalFolderStorage, reserve
+from ._mapping import map_array
 from ._owned import erase_owned
 from ._owner import Owner
 from ._zarr import default_time_chunk
@@ -330,7 +331,7 @@ class HDF5Storage(LocalFolderStorage):
         self._pid: int | None = None
         self._arrays: dict[tuple[str, bool], H5Array] = {}
         self._ram: dict[str, np.ndarray | None] = {}
-        self._maps: dict[str, np.memmap | None] = {}
+        self._maps: dict[str, np.ndarray | None] = {}
         self._dirty = False
         self._writer_mark: Any = None
         self._compressed = False
@@ -775,7 +776,7 @@ class HDF5Storage(LocalFolderStorage):
         return self._mapped(name)
 
     def _mapped(self, name: str) -> np.ndarray | None:
-        """A read-only numpy memmap of an uncompressed, contiguous data field's bytes in data.h5
+        """A read-only map of an uncompressed, contiguous data field's bytes in data.h5
         (HDF5 stores such a dataset as one C-order block at a fixed offset), or None."""
         if self._maps.get(name) is None:
             dataset = self._dataset(name)
@@ -783,11 +784,7 @@ class HDF5Storage(LocalFolderStorage):
                 return None
             offset = dataset.id.get_offset()  # None until the first write allocates the block
             try:
-                mapped = (
-                    None
-                    if offset is None
-                    else np.memmap(self.path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
-                )
+                mapped = None if offset is None else self._map_block(offset, dataset.dtype, dataset.shape)
             except (OSError, ValueError):  # erased, or another (shorter) file: replaced, said below
                 if self.read_only:
                     self.check_not_replaced()
@@ -796,6 +793,15 @@ class HDF5Storage(LocalFolderStorage):
                 self.check_not_replaced()
             self._maps[name] = mapped
         return self._maps[name]
+
+    def _map_block(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only map of data.h5's bytes at ``offset`` that holds no file descriptor: a
+        reader of hundreds of hdf5 shards kept one per field and ran out of the open-file limit."""
+        fd = open_stored(self.path)
+        try:
+            return map_array(fd, offset, dtype, shape)
+        finally:
+            os.close(fd)
 
     def _small_field(self, name: str) -> np.ndarray | None:
         """A reader's copy in RAM of a data field of at most SMALL_FIELD_BYTES (vectors, scalars):

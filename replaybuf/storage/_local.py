@@ -11,7 +11,7 @@ import shutil
 import stat
 import threading
 import weakref
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from numpy.lib.format import open_memmap
@@ -20,9 +20,10 @@ from ..schema import Schema
 from ._chunks import SMALL_ARRAY_BYTES, chunk_cache
 from ._codecs import crc32c, crc_bit_flipped
 from ._kv import KVBlobs, LocalKV, open_stored, own_file
+from ._mapping import map_array, map_file
 from ._owned import check_owned
 from ._owner import Owner
-from ._seed import NPY_HEADER_ERRORS, seed_h5_hint
+from ._seed import NPY_HEADER_ERRORS, out_of_descriptors, seed_h5_hint
 from .base import (
     COUNTERS,
     STATE_CHECKSUM,
@@ -120,6 +121,39 @@ NPY_HEADERS = threading.Lock()
 os.register_at_fork(before=NPY_HEADERS.acquire, after_in_parent=NPY_HEADERS.release, after_in_child=NPY_HEADERS.release)
 
 
+def _let_go(pin: object) -> None:
+    """A finalizer that only drops what it was given (the map pinning a reader's buffer)."""
+
+
+def read_npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) of the ``.npy`` file ``f``, left at its first data byte."""
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return read_header(f)
+
+
+def npy_data_offset(path: str) -> int:
+    """Where the data of the ``.npy`` file ``path`` begins (called holding ``NPY_HEADERS``)."""
+    with open(path, "rb") as f:
+        read_npy_header(f)
+        return f.tell()
+
+
+def map_npy(path: str, writable: bool) -> np.ndarray:
+    """``np.load(path, mmap_mode="r+" if writable else "r")`` (called holding ``NPY_HEADERS``),
+    except that a read-only map holds no file descriptor (``_mapping.map_file``): Python's mmap
+    keeps one per map, and a reader of a few hundred memmap or hdf5 shards
+    (``ConcatReplayBuffer(root)``, several arrays each) ran out of the process's open-file limit
+    (1024 by default) while opening them."""
+    if writable:
+        return np.load(path, mmap_mode="r+", allow_pickle=False)
+    with open(path, "rb") as f:
+        shape, fortran, dtype = read_npy_header(f)
+        if fortran or dtype.hasobject:  # never written by replaybuf: numpy's map (or its refusal)
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        return map_array(f.fileno(), f.tell(), dtype, shape)
+
+
 def _owns_nothing(name: str) -> bool:
     """``_owns`` of a folder that holds no buffer: every entry in it is the user's."""
     return False
@@ -178,7 +212,14 @@ class LocalFolderStorage(KVBlobs, Storage):
             self._identity = _NO_FILE
             return
         st = os.fstat(fd)
-        self._identity, self._pin = (st.st_dev, st.st_ino), weakref.finalize(self, os.close, fd)
+        self._identity = (st.st_dev, st.st_ino)
+        if st.st_size:  # a map of its first byte pins the inode without a descriptor (``map_file``)
+            try:
+                self._pin = weakref.finalize(self, _let_go, map_file(fd, 1))
+            finally:
+                os.close(fd)
+        else:
+            self._pin = weakref.finalize(self, os.close, fd)
 
     def replaced(self, cheap_only: bool = False) -> bool:
         # docstring inherited: one stat of ``identity_file``
@@ -450,7 +491,7 @@ class EpisodeChecksums:
         self.path = os.path.join(root, CHECKSUM_FILE)
         self.columns = {name: i for i, name in enumerate(fields)}
         self.tagged = tagged
-        self._sums: np.memmap | None = None
+        self._sums: np.ndarray | None = None
         self._copies: dict[str, CheckedCopy | None] = {}
         # per (slot, column) of a field without a private copy, the check its mapped steps last
         # passed (``check_once``): memory shared with the DataLoader workers forked after
@@ -509,21 +550,21 @@ class EpisodeChecksums:
         return self
 
     @property
-    def sums(self) -> np.memmap:
-        mode: Literal["r", "r+"] = "r" if self.storage.read_only else "r+"
-        if self._sums is None or (self._sums.mode == "r") != (mode == "r"):
+    def sums(self) -> np.ndarray:
+        writable = not self.storage.read_only
+        if self._sums is None or self._sums.flags.writeable != writable:
             try:
                 if not os.path.isfile(self.path):  # a folder, a device, a dangling or looping link
                     raise ValueError("not a regular file")
-                if mode == "r+":  # written in place: never through a hard link
+                if writable:  # written in place: never through a hard link
                     own_file(self.path)
                 with NPY_HEADERS:
-                    sums = np.load(self.path, mmap_mode=mode, allow_pickle=False)
+                    sums = map_npy(self.path, writable)
             except NPY_HEADER_ERRORS as e:  # a damaged header or a file cut short
+                if out_of_descriptors(e):
+                    raise
                 self.storage.check_not_replaced()  # or erased with the buffer, by an overwrite
                 raise BufferDamagedError(f"{self.path}: not a readable checksum array ({e})") from None
-            if not isinstance(sums, np.memmap):
-                raise BufferDamagedError(f"{self.path}: not a readable checksum array")
             self.storage.check_not_replaced()  # mapped by its path: a new buffer's file, then
             self._sums = sums
         return self._sums
@@ -532,7 +573,9 @@ class EpisodeChecksums:
         """``excess_bookkeeping`` of the file: bytes past the (max_episodes, fields) array its
         header gives (checked at open) are never mapped nor read; ``trim`` cuts them off."""
         sums = self.sums
-        expected, size = sums.offset + sums.nbytes, os.path.getsize(self.path)
+        with NPY_HEADERS:
+            expected = npy_data_offset(self.path) + sums.nbytes
+        size = os.path.getsize(self.path)
         if size <= expected:
             return []
         if not trim:
@@ -568,7 +611,8 @@ class EpisodeChecksums:
             rows = self.storage.unchecked_rows(name, picked, 0, int(lengths[committed].max()))
             crcs = [crc32c(np.ascontiguousarray(row[:n])) for row, n in zip(rows, lengths[committed].tolist())]
             sums[picked, column] = entries(np.array(crcs, np.uint64), picked, column, self.tagged)
-        if self.storage.fsync:  # other processes see the page cache; msync only for power loss (~2 ms)
+        # other processes see the page cache; msync only for power loss (~2 ms); a writer's is a memmap
+        if self.storage.fsync and isinstance(sums, np.memmap):
             sums.flush()
 
     def reseal_written(self, name: str, episodes: np.ndarray, lengths: np.ndarray) -> None:

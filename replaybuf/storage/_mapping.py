@@ -12,6 +12,7 @@ goes.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 from typing import Any
@@ -62,6 +63,15 @@ def map_file(fd: int, size: int) -> np.ndarray:
     if os.fstat(fd).st_size < size:  # as Python's mmap refuses: a page past the end would fault
         raise ValueError("mmap length is greater than file size")
     return mapped
+
+
+def map_array(fd: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only array of ``shape`` and ``dtype`` at byte ``offset`` of the open file ``fd``
+    (``map_file``: the caller may close ``fd`` at once)."""
+    end = offset + math.prod(shape) * dtype.itemsize
+    if end == offset:
+        return np.empty(shape, dtype)
+    return map_file(fd, end)[offset:end].view(dtype).reshape(shape)
 
 
 _MADV_HUGEPAGE = 14

@@ -37,7 +37,7 @@ from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
 from . import _seed
 from ._kv import copy_spans, open_stored, own_file
 from ._local import NPY_HEADERS as _OPENING
-from ._local import EpisodeChecksums, LocalFolderStorage
+from ._local import EpisodeChecksums, LocalFolderStorage, map_npy, read_npy_header
 from ._owned import erase_owned
 from ._owner import Owner
 from .base import (
@@ -73,13 +73,11 @@ def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype]:
     imply: mapping a short file for writing would zero-extend it silently."""
     try:
         with _OPENING, open(path, "rb") as f:  # the header parse is np.load's (see _OPENING)
-            version = np.lib.format.read_magic(f)
-            read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran, dtype = read_header(f)
+            shape, fortran, dtype = read_npy_header(f)
             offset = f.tell()
     except _seed.NPY_HEADER_ERRORS as e:
+        if _seed.out_of_descriptors(e):
+            raise
         raise BufferDamagedError(f"{path}: not a readable .npy file ({e})") from None
     if fortran or dtype.hasobject:
         raise BufferDamagedError(f"{path}: holds a Fortran-ordered or object array, replaybuf writes neither")
@@ -101,7 +99,7 @@ class MemmapArray(WrappedArray):
         self._owner = Owner(storage)  # the storage owns this: no cycle (``_owner.py``)
         self.path = path
         self.name = name  # a data field's name: in-place writes recompute its checksums
-        self._memmap: np.memmap | None = None
+        self._memmap: np.ndarray | None = None
         self._plain: np.ndarray | None = None
 
     @property
@@ -113,19 +111,21 @@ class MemmapArray(WrappedArray):
         return not self._storage.read_only
 
     @property
-    def memmap(self) -> np.memmap:
+    def memmap(self) -> np.ndarray:
+        """The array over the file: an ``np.memmap`` for a writer, a read-only map holding no file
+        descriptor for a reader (``map_npy``)."""
         memmap = self._memmap
-        if memmap is None or (memmap.mode == "r") == self.writable:
+        if memmap is None or memmap.flags.writeable != self.writable:
             # one open at a time: parallel read tasks open arrays lazily, and np.load's header
             # parse (ast.literal_eval) is not thread-safe on Python 3.11 ("AST constructor
             # recursion depth mismatch")
             with _OPENING:
                 memmap = self._memmap
-                if memmap is None or (memmap.mode == "r") == self.writable:
+                if memmap is None or memmap.flags.writeable != self.writable:
                     try:
                         if self.writable:  # a memmap writes in place: never through a hard link
                             own_file(self.path)
-                        memmap = np.load(self.path, mmap_mode="r+" if self.writable else "r")
+                        memmap = map_npy(self.path, self.writable)
                     except FileNotFoundError:
                         self._storage.check_not_replaced()  # erased by an overwrite: say so
                         raise
@@ -145,7 +145,7 @@ class MemmapArray(WrappedArray):
             plain = self._plain = memmap.view(np.ndarray)
         return plain
 
-    def _wrapped(self) -> np.memmap:
+    def _wrapped(self) -> np.ndarray:
         return self.memmap
 
     def __getitem__(self, key: Any) -> np.ndarray:
@@ -162,7 +162,7 @@ class MemmapArray(WrappedArray):
         return np.array(self.memmap, dtype=dtype)  # a copy: never a view that writes to the file
 
     def flush(self) -> None:
-        if self._memmap is not None and self._memmap.mode != "r":
+        if isinstance(self._memmap, np.memmap) and self._memmap.mode != "r":
             self._memmap.flush()
 
     def release(self) -> None:

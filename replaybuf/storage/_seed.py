@@ -16,6 +16,7 @@ is what the seed's own readers see.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -32,6 +33,13 @@ from .base import BufferDamagedError
 # what reading a damaged .npy header raises: numpy turns most parse failures into ValueError,
 # but a header whose quote became '#' leaves a bracket open and escapes as tokenize.TokenError
 NPY_HEADER_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError)
+
+
+def out_of_descriptors(error: BaseException) -> bool:
+    """Whether ``error`` is the process (or the system) out of file descriptors: a limit to
+    raise (``ulimit -n``), never damage of the file it failed to open."""
+    return isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE)
+
 
 METADATA_FILE = "metadata.pkl"
 STATE_NAMES = ("num_episodes", "episode_index", "timestep_index")
@@ -231,6 +239,8 @@ class SeedState:
                         f"holds {value.dtype}{list(value.shape)} {value!r}, expected an int in [0, {limits[name]}]"
                     )
             except NPY_HEADER_ERRORS as e:
+                if out_of_descriptors(e):
+                    raise
                 raise BufferDamagedError(f"{path}: not a memmap-replay-buffer counter ({e})") from None
             values.append(int(value))
         return cls(*values)
