@@ -277,3 +277,20 @@ def test_meta_values_copied_from_another_buffer_are_refused_on_s3(s3_server):
     a.set_many({key: b.get(key) for key in b.list_prefix("meta/") if key.endswith("zarr.json")})
     with pytest.raises(BufferDamagedError, match=r"meta/_meta_sum/zarr\.json in .*: .* another buffer's"):
         reader(urls[0], options)
+
+
+def test_a_chunk_far_over_its_size_is_read_no_further_than_the_limit_on_s3(s3_server):
+    """A chunk object replaced by a huge one (a bad upload, planted) reached memory whole on S3:
+    a 300 MB object raised a reader's peak memory by ~920 MB. obstore's GET gives the size
+    before the body, so only the first ``limit + 1`` bytes are read, and the read names the damage."""
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.close()
+    kv = writer.storage.kv
+    intact = kv.get("data/x/c.0.0.0")
+    kv.set("data/x/c.1.0.0", b"\1" * (4 << 20))
+    got = kv.get_many(["data/x/c.0.0.0", "data/x/c.1.0.0", "data/x/c.3.0.0"], limit=4096)
+    assert got[0] == intact and got[1] == b"\1" * 4097 and got[2] is None, [len(d or b"") for d in got]
+    with pytest.raises(CorruptChunkError, match=r"slot 1, .*more than the [\d,]+ bytes any encoding .* are stored"):
+        reader(url, options).data["x"][1]
