@@ -373,8 +373,25 @@ def _no_buffer_error(
     from .actors import shards_hint  # actors imports this module
 
     return BufferNotFoundError(
-        f"no replaybuf buffer found at {shown!r}{detail}" + seed_h5_hint(storage.location) + shards_hint(shown)
+        f"no replaybuf buffer found at {shown!r}{detail}"
+        + seed_h5_hint(storage.location)
+        + shards_hint(shown)
+        + _unlistable_hint(storage)
     )
+
+
+def _unlistable_hint(storage: Storage) -> str:
+    """Why an object-store location cannot be read at all (a missing bucket, a denied listing),
+    as the end of a "no buffer found" message; else ''. A GET of an absent key answers the same
+    for a missing bucket as for an empty prefix, so the listing tells them apart."""
+    kv = getattr(storage, "kv", None)
+    if kv is None or "://" not in storage.location or storage.location.startswith(("memory://", "file://")):
+        return ""
+    try:
+        kv.list_prefix("")
+    except StorageError as e:
+        return f"; listing it failed: {e}"
+    return ""
 
 
 class ReplayBuffer(CommittedViews):

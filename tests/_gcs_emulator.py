@@ -9,6 +9,10 @@ Two changes to the emulator, both to how it serves, none to what it stores:
   0x0d lost it (gcsfs frames its parts with ``\\n``, so ``data + \\n--boundary`` read as the
   line ``data[:-1]`` ended by ``\\r\\n``), and a meta chunk ending in that byte read back as
   damaged. GCS keeps every byte.
+
+And one to what it accepts: an upload with ``ifGenerationMatch=0`` (create only if absent, the
+writer lease's ``create``) of an object that exists is refused with 412, as GCS refuses it; the
+emulator ignored the condition, so a second writer's lease replaced the first's.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import json
 import re
 import socketserver
 import sys
+from http import HTTPStatus
 
 from gcp_storage_emulator import server
 from gcp_storage_emulator.__main__ import main
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
 
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?')
 _parsed = server._read_data
@@ -44,7 +51,33 @@ def _read_data(request_handler, query):
     }
 
 
+_insert = objects.insert
+
+
+def _insert_if_absent(request, response, storage, *args, **kwargs):
+    """The emulator's ``objects.insert``, an ``ifGenerationMatch=0`` upload of an object that
+    exists refused with 412 (conditionNotMet) as GCS refuses it."""
+    if request.query.get("ifGenerationMatch") == ["0"]:
+        name = request.query.get("name", [None])[0]
+        if name is None and isinstance(request.data, dict):
+            name = request.data.get("meta", {}).get("name")
+        try:
+            storage.get_file_obj(request.params["bucket_name"], name)
+        except NotFound:
+            pass
+        else:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+            return None
+    return _insert(request, response, storage, *args, **kwargs)
+
+
 if __name__ == "__main__":
     socketserver.TCPServer.request_queue_size = 128
     server._read_data = _read_data
+    objects.insert = _insert_if_absent
+    for _, handlers in server.HANDLERS:
+        for method, handler in handlers.items():
+            if handler is _insert:
+                handlers[method] = _insert_if_absent
     main(sys.argv[1:])

@@ -277,3 +277,29 @@ def test_meta_values_copied_from_another_buffer_are_refused_on_s3(s3_server):
     a.set_many({key: b.get(key) for key in b.list_prefix("meta/") if key.endswith("zarr.json")})
     with pytest.raises(BufferDamagedError, match=r"meta/_meta_sum/zarr\.json in .*: .* another buffer's"):
         reader(urls[0], options)
+
+
+def test_a_chunk_far_over_its_size_is_read_no_further_than_the_limit_on_s3(s3_server):
+    """A chunk object replaced by a huge one (a bad upload, planted) reached memory whole on S3:
+    a planted 300 MB one raised a reader's peak memory by ~920 MB. obstore's GET gives the size
+    before the body, so only the first ``limit + 1`` bytes are read, and the read names the damage."""
+    url, options = new_url(s3_server), s3_server.storage_options
+    filled(url, options, 1.0)
+    writer = ReplayBuffer.from_folder(url, storage_options=options)
+    writer.close()
+    kv = writer.storage.kv
+    intact = kv.get("data/x/c.0.0.0")
+    kv.set("data/x/c.1.0.0", b"\1" * (1 << 20))
+    got = kv.get_many(["data/x/c.0.0.0", "data/x/c.1.0.0", "data/x/c.3.0.0"], limit=4096)
+    assert got[0] == intact and got[1] == b"\1" * 4097 and got[2] is None, [len(d or b"") for d in got]
+    with pytest.raises(CorruptChunkError, match=r"slot 1, .*more than the [\d,]+ bytes any encoding .* are stored"):
+        reader(url, options).data["x"][1]
+
+
+def test_a_read_only_open_of_a_missing_bucket_says_its_listing_failed(s3_server):
+    """A bucket name mistyped read as an empty prefix ("no replaybuf buffer found"), as a GET
+    of an absent key answers alike for both; the listing that tells them apart is named."""
+    with pytest.raises(BufferNotFoundError, match=r"no-such-bucket/run'; listing it failed: .*LIST .*404 Not Found"):
+        ReplayBuffer.from_folder("s3://no-such-bucket/run", read_only=True, storage_options=s3_server.storage_options)
+    with pytest.raises(BufferNotFoundError, match=r"found at '[^']+'$"):  # an empty prefix: nothing to add
+        ReplayBuffer.from_folder(new_url(s3_server), read_only=True, storage_options=s3_server.storage_options)

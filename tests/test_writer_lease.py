@@ -643,6 +643,21 @@ def test_stores_without_a_conditional_replace_say_so_and_refuse_it(store, reques
     assert kv.get("k") is None
 
 
+def test_a_second_writer_on_gcs_is_refused_while_the_first_holds_the_lease(gcs_server):
+    """gcsfs creates the lease with ``ifGenerationMatch=0``; the test emulator ignored that
+    condition (tests/_gcs_emulator.py now honours it, as GCS does), so a second writer's
+    lease replaced the first's and no gs:// lease test could fail."""
+    url, options = gcs_server.url(f"lease-{uuid.uuid4().hex[:8]}"), gcs_server.storage_options
+    kv = _kv(url, options)
+    assert kv.create("k", b"first") and not kv.create("k", b"second")
+    assert kv.get("k") == b"first"
+    kv.delete_many(["k"])
+    writer = ReplayBuffer(url, 2, 3, fields=FIELDS, storage_options=options)
+    assert not kv.create(LEASE_KEY, b"{}")  # what another process's open tries first
+    assert json.loads(kv.get(LEASE_KEY))["pid"] == os.getpid()
+    writer.close()
+
+
 def test_a_renewal_racing_a_take_over_never_overwrites_it(s3_location):
     """``break_lock`` lands between the holder's renewal reading its record and writing it back:
     the renewal is refused, and the holder finds the new token and stops."""

@@ -222,9 +222,9 @@ class KeyValue(ABC):
     def get_many(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
         """The bytes of each key (None where absent), fetched concurrently where possible. With
         ``limit``, an object larger than that is read only to its first ``limit + 1`` bytes
-        where the store gives its size before its bytes (local files; object stores read it
-        whole): the caller's size check fails on it, and a damaged or planted multi-GB file
-        never reaches memory."""
+        where the store gives its size before its bytes (local files, S3 through obstore;
+        fsspec stores read it whole): the caller's size check fails on it, and a damaged or
+        planted multi-GB object never reaches memory."""
 
     @abstractmethod
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | None]:
@@ -1079,17 +1079,48 @@ class StoreKV(KeyValue):
         return list(self._run(every_call()))
 
     def get_many(self, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
-        # docstring inherited: whole objects, ``limit`` or not (bounding them would cost a HEAD
-        # per chunk on fsspec stores)
+        # docstring inherited: on obstore an object's size comes with the GET's response headers,
+        # so one over ``limit`` is read no further than its first ``limit + 1`` bytes (a second,
+        # ranged GET: damage only); other stores read whole objects, ``limit`` or not (bounding
+        # them would cost a HEAD per chunk on fsspec stores)
+        from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
+        from zarr.storage import ObjectStore
 
-        store, proto = self.store, default_buffer_prototype()
+        store, proto, inner = self.store, default_buffer_prototype(), self._innermost()
 
-        async def one(key):
+        async def whole(key: str) -> bytes | None:
             buf = await store.get(key, proto)
             return None if buf is None else buf.to_bytes()
 
+        async def bounded(key: str) -> bytes | None:
+            assert limit is not None
+            size = await self._obstore_size_or_bytes(inner, key, limit)
+            if not isinstance(size, int):
+                return size
+            buf = await store.get(key, proto, byte_range=RangeByteRequest(0, limit + 1))
+            return None if buf is None else buf.to_bytes()
+
+        one = bounded if limit is not None and isinstance(inner, ObjectStore) else whole
         return self._run_bounded([functools.partial(one, k) for k in keys])
+
+    async def _obstore_size_or_bytes(self, inner: Any, key: str, most: int) -> bytes | int | None:
+        """One GET of ``key`` on the obstore store ``inner``: None when absent, its bytes when
+        within ``most``, else its size (from the response headers; the body is left unread, so
+        a damaged or planted multi-GB object never reaches memory)."""
+        import obstore
+
+        from ._remote import NamedErrorStore
+
+        store = self.store
+        named = store._named if isinstance(store, NamedErrorStore) else lambda _, __: contextlib.nullcontext()
+        with named("GET", key):
+            try:
+                got = await obstore.get_async(inner.store, key)
+            except (FileNotFoundError, obstore.exceptions.NotFoundError):
+                return None
+            size = int(got.meta["size"])
+            return size if size > most else bytes(await got.bytes_async())
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | None]:
         from zarr.abc.store import RangeByteRequest, SuffixByteRequest
@@ -1113,23 +1144,11 @@ class StoreKV(KeyValue):
         from zarr.core.buffer import default_buffer_prototype
         from zarr.storage import ObjectStore
 
-        from ._remote import NamedErrorStore
-
         store, proto, most = self.store, default_buffer_prototype(), document_limit(limit)
         inner = self._innermost()
 
-        named = store._named if isinstance(store, NamedErrorStore) else lambda _, __: contextlib.nullcontext()
-
         async def via_obstore(key: str) -> bytes | int | None:
-            import obstore
-
-            with named("GET", key):
-                try:
-                    got = await obstore.get_async(inner.store, key)
-                except (FileNotFoundError, obstore.exceptions.NotFoundError):
-                    return None
-                size = int(got.meta["size"])
-                return size if size > most else bytes(await got.bytes_async())
+            return await self._obstore_size_or_bytes(inner, key, most)
 
         async def via_range(key: str) -> bytes | int | None:
             buf = await store.get(key, proto, byte_range=RangeByteRequest(0, most + 1))
