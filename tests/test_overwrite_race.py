@@ -294,6 +294,7 @@ def test_a_concat_refresh_reopens_a_replaced_member_and_names_one_of_another_con
     concat = ConcatReplayBuffer([tmp_path / "a", tmp_path / "b"])
     old_dataset, old_storage = concat.dataset(return_episode_lens=True), concat.storage
     app = BufferApp(concat)
+    app.image_fields = ["obs"]  # a video's cache key (this buffer has no image field)
     old_key = app._video_path(SLOTS, 1, 0, "obs")
     create(tmp_path / "b", backend, 2).close()  # overwrite=True by another writer object
     assert concat.storage.replaced()
