@@ -923,14 +923,8 @@ class CachedStorage(Storage):
         if not os.path.lexists(path):
             assert self.schema is not None  # a folder is named once the storage is opened
             temp = os.path.join(locks, f"{OWNER_FILE}.tmp-{os.getpid()}-{threading.get_ident()}")
-            _unlink(temp)  # one left by a killed process of the same id: made anew, never followed
-            try:
-                with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644), "w") as f:
-                    json.dump(owner_record(self.location, self.storage_options, self.schema), f)
-                os.replace(temp, path)
-            except BaseException:
-                _unlink(temp)
-                raise
+            record = json.dumps(owner_record(self.location, self.storage_options, self.schema)).encode()
+            _publish(temp, path, record)
         self._marked = True
 
     def _remove_replaced(self) -> None:
@@ -1094,17 +1088,8 @@ class CachedStorage(Storage):
                     temp = os.path.join(folder, f".tmp-{slot}-{generation}-{os.getpid()}-{threading.get_ident()}")
                     rows = np.ascontiguousarray(out[i, : lens[i]]).view(np.uint8).reshape(-1)
                     path = self._path(name, slot, generation, revision)
-                    _unlink(temp)  # one left by a killed process of the same id: made anew, never followed
-                    try:
-                        with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644), "wb") as f:
-                            f.write(rows.data)
-                            f.write(self._check_value(path, rows).to_bytes(CHECK_BYTES, "little"))
-                            f.flush()
-                            written_file = os.fstat(f.fileno())
-                        os.replace(temp, path)
-                    except BaseException:
-                        _unlink(temp)  # a file the disk had no room for is never left behind
-                        raise
+                    check = self._check_value(path, rows).to_bytes(CHECK_BYTES, "little")
+                    written_file = _publish(temp, path, rows.data, check)
                     self._checked[path] = (written_file.st_ino, written_file.st_size)  # its map needs no check
                     written += rows.nbytes + CHECK_BYTES
             finally:
@@ -1340,6 +1325,24 @@ def _remove_if_replaced(cache_dir: str, name: str, owner: dict) -> None:
         pass  # removed meanwhile, or filled again by a reader of the replaced buffer: left
     finally:
         os.close(root)
+
+
+def _publish(temp: str, path: str, *parts: bytes | memoryview) -> os.stat_result:
+    """Write ``parts`` to a new file ``temp`` and rename it to ``path``, so ``path`` is whole or
+    absent; returns the written file's stat. A ``temp`` left by a killed process of the same id
+    is made anew, never followed; one the disk had no room for is never left behind."""
+    _unlink(temp)
+    try:
+        with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644), "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            result = os.fstat(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        _unlink(temp)
+        raise
+    return result
 
 
 def _entries_of(folder: int) -> list[os.DirEntry]:
