@@ -222,7 +222,9 @@ class RateLimitedLoader:
     the pass starts), handing out a batch only when ``limiter`` allows its samples.
 
     The pass starts once ``min_size`` steps are committed. ``state_dict()`` holds the sample
-    count (and the inner loader's state where it has one) to resume a run with its ratio.
+    count (and the inner loader's state where it has one) to resume a run with its ratio. A
+    batch that timed out waiting is handed out first by the next iteration, which goes on with
+    its pass.
     """
 
     def __init__(self, build: Callable[[], PassLoader], limiter: RateLimiter):
@@ -231,8 +233,12 @@ class RateLimitedLoader:
         self.loader: PassLoader | None = None
         self._inner_state: dict | None = None
         self.passes = 0  # passes completed: the epoch of the next pass's loader
+        # a pass that a RateLimitTimeout interrupted: (its batches, the batch read but not handed
+        # out, the pass loader's state before it); the next iteration continues it
+        self._interrupted: tuple[Iterator[Any], Any, dict | None] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    def _start_pass(self) -> Iterator[Any]:
+        """The batches of a new pass, once ``min_size`` steps are committed."""
         self.limiter.wait(0)
         loader = self.loader = self.build()
         _set_epoch(loader, self.passes)  # a seeded order differs from pass to pass, as one loader's does
@@ -243,8 +249,30 @@ class RateLimitedLoader:
                 )
             loader.load_state_dict(self._inner_state)
             self._inner_state = None
-        for batch in loader:
-            self.limiter.acquire(batch_length(batch))
+        return iter(loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A batch is read before the limiter knows its size: one that times out waiting is kept,
+        # and handed out first when the loop iterates again (it had restarted the pass, repeating
+        # a seeded pass's batches), and state_dict() counts it as not received (it was skipped)
+        if self._interrupted is None:
+            batches, pending, before = self._start_pass(), None, None
+        else:
+            (batches, pending, before), self._interrupted = self._interrupted, None
+        stateful = hasattr(self.loader, "state_dict")
+        while True:
+            if pending is None:
+                before = self.loader.state_dict() if stateful else None  # type: ignore[union-attr]
+                try:
+                    pending = next(batches)
+                except StopIteration:
+                    break
+            try:
+                self.limiter.acquire(batch_length(pending))
+            except RateLimitTimeout:
+                self._interrupted = (batches, pending, before)
+                raise
+            batch, pending = pending, None
             yield batch
         self.passes += 1
 
@@ -256,7 +284,9 @@ class RateLimitedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rate_limiter": self.limiter.state_dict(), "passes": self.passes}
-        if self.loader is not None and hasattr(self.loader, "state_dict"):
+        if self._interrupted is not None and self._interrupted[2] is not None:
+            state["loader"] = self._interrupted[2]  # the batch that timed out was not received
+        elif self.loader is not None and hasattr(self.loader, "state_dict"):
             state["loader"] = self.loader.state_dict()
         return state
 
@@ -269,7 +299,7 @@ class RateLimitedLoader:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
             raise ValueError(f"state['passes'] must be an int >= 0, got {passes!r}")
         self.limiter.load_state_dict(state["rate_limiter"])
-        self.passes, self._inner_state = passes, state.get("loader")
+        self.passes, self._inner_state, self._interrupted = passes, state.get("loader"), None
 
     def __getattr__(self, name: str) -> Any:
         # batch_size, dataset, sampler, ... of the current pass's loader
