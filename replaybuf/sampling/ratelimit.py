@@ -233,8 +233,8 @@ class RateLimitedLoader:
         self.loader: PassLoader | None = None
         self._inner_state: dict | None = None
         self.passes = 0  # passes completed: the epoch of the next pass's loader
-        # a pass that a RateLimitTimeout interrupted: (its batches, the batch read but not handed
-        # out, the pass loader's state before it); the next iteration continues it
+        # a pass interrupted while a batch waited (RateLimitTimeout): (its batches, the batch read
+        # but not handed out, the pass loader's state before it); the next iteration continues it
         self._interrupted: tuple[Iterator[Any], Any, dict | None] | None = None
 
     def _start_pass(self) -> Iterator[Any]:
@@ -252,9 +252,10 @@ class RateLimitedLoader:
         return iter(loader)
 
     def __iter__(self) -> Iterator[Any]:
-        # A batch is read before the limiter knows its size: one that times out waiting is kept,
-        # and handed out first when the loop iterates again (it had restarted the pass, repeating
-        # a seeded pass's batches), and state_dict() counts it as not received (it was skipped)
+        # A batch is read before the limiter knows its size: one whose wait times out (or is
+        # interrupted) is kept and handed out first when the loop iterates again (it had restarted
+        # the pass, repeating a seeded pass's batches); state_dict() counts it as not received
+        # (a resumed run skipped it)
         if self._interrupted is None:
             batches, pending, before = self._start_pass(), None, None
         else:
@@ -269,7 +270,7 @@ class RateLimitedLoader:
                     break
             try:
                 self.limiter.acquire(batch_length(pending))
-            except RateLimitTimeout:
+            except BaseException:  # RateLimitTimeout, or a KeyboardInterrupt while waiting
                 self._interrupted = (batches, pending, before)
                 raise
             batch, pending = pending, None
