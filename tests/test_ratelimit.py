@@ -324,3 +324,30 @@ def test_a_batch_that_timed_out_is_handed_out_next_not_skipped_nor_its_pass_rest
         for batch in limited:
             received.append(batch["_indices"].tolist())
     assert received == whole_pass[:6], "the pass goes on with the batch that timed out"
+
+
+@pytest.mark.parametrize("kind", SEEDED)
+def test_a_loop_that_breaks_out_of_a_pass_goes_on_as_with_a_plain_loader(tmp_path, kind):
+    """A plain mixture or prioritized loader draws its next pass at each iteration; the
+    rate-limited one counted a pass only once it ended, so a loop that breaks after a few
+    batches drew the same first batches of the same pass at every iteration."""
+    from replaybuf import ConcatReplayBuffer
+
+    buffer = ReplayBuffer(tmp_path / "buffer", max_episodes=8, max_timesteps=LENGTH, fields=FIELDS)
+    for index in range(8):
+        store(buffer, index)
+    source = ConcatReplayBuffer([buffer], weights=[1]) if kind == "mixture" else buffer
+    options = dict(seed=3, return_indices=True, **SEEDED[kind])
+
+    def first_batches(loader) -> list:
+        firsts = []
+        for _ in range(3):
+            for batch in loader:
+                firsts.append(batch["_indices"].tolist())
+                break
+        return firsts
+
+    plain = first_batches(source.dataloader(4, **options))
+    limited = source.dataloader(4, samples_per_insert=float("inf"), rate_timeout=0.05, **options)
+    assert first_batches(limited) == plain
+    assert limited.state_dict()["passes"] == (0 if kind == "timestep" else 3)

@@ -25,6 +25,9 @@ import numpy as np
 
 from ..view import BufferView
 from .datasets import take_snapshot
+from .distributed import ResumableDistributedSampler
+from .mixture import MixtureBatchSampler
+from .prioritized import PrioritizedBatchSampler
 
 _FIRST_WAIT, _LONGEST_WAIT = 0.01, 0.5  # seconds between refreshes while blocked (doubling)
 
@@ -209,6 +212,19 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
+def _next_pass(loader: Any, default: int) -> int:
+    """The pass ``loader``'s seeded sampler draws when iterated again, as a plain loader does: a
+    mixture's or a prioritized sampler's next pass begins with each iteration (a loop that
+    breaks out of one moves on), a shuffled one's epoch with a whole pass (as torch's
+    DistributedSampler); ``default`` for any other loader."""
+    for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if isinstance(sampler, MixtureBatchSampler):
+            return sampler.next_pass
+        if isinstance(sampler, (PrioritizedBatchSampler, ResumableDistributedSampler)):
+            return sampler.epoch
+    return default
+
+
 class PassLoader(Protocol):
     """What ``RateLimitedLoader`` iterates each pass: a DataLoader (or a loader wrapping one)."""
 
@@ -232,7 +248,7 @@ class RateLimitedLoader:
         self.limiter = limiter
         self.loader: PassLoader | None = None
         self._inner_state: dict | None = None
-        self.passes = 0  # passes completed: the epoch of the next pass's loader
+        self.passes = 0  # the pass (epoch) the next iteration's loader draws
         # a pass interrupted while a batch waited (RateLimitTimeout): (its batches, the batch read
         # but not handed out, the pass loader's state before it); the next iteration continues it
         self._interrupted: tuple[Iterator[Any], Any, dict | None] | None = None
@@ -261,21 +277,28 @@ class RateLimitedLoader:
         else:
             (batches, pending, before), self._interrupted = self._interrupted, None
         stateful = hasattr(self.loader, "state_dict")
-        while True:
-            if pending is None:
-                before = self.loader.state_dict() if stateful else None  # type: ignore[union-attr]
+        ended = False
+        try:
+            while True:
+                if pending is None:
+                    before = self.loader.state_dict() if stateful else None  # type: ignore[union-attr]
+                    try:
+                        pending = next(batches)
+                    except StopIteration:
+                        break
                 try:
-                    pending = next(batches)
-                except StopIteration:
-                    break
-            try:
-                self.limiter.acquire(batch_length(pending))
-            except BaseException:  # RateLimitTimeout, or a KeyboardInterrupt while waiting
-                self._interrupted = (batches, pending, before)
-                raise
-            batch, pending = pending, None
-            yield batch
-        self.passes += 1
+                    self.limiter.acquire(batch_length(pending))
+                except BaseException:  # RateLimitTimeout, or a KeyboardInterrupt while waiting
+                    self._interrupted = (batches, pending, before)
+                    raise
+                batch, pending = pending, None
+                yield batch
+            ended = True
+        finally:
+            # the pass ended, or the loop left it (break): the next iteration draws the pass a
+            # plain loader would (it drew a mixture's or prioritized pass again after a break)
+            if self._interrupted is None:
+                self.passes = _next_pass(self.loader, self.passes + ended)
 
     def __len__(self) -> int:
         """Batches of the current (or last) pass; the next pass may have more."""
