@@ -1050,7 +1050,7 @@ class Storage(ABC):
     def clear_log(self, name: str) -> None:
         """Delete the step log ``name`` (after its episodes were committed or abandoned)."""
         self._check_writable()
-        self.delete_blobs(f"{LOG_PREFIX}{name}")
+        self.delete_blobs(f"{LOG_PREFIX}{name}/")
 
     def copy_log_aside(self, name: str, keep: int, limit: int) -> tuple[str, int]:
         """Copy the first ``keep`` bytes of the step log ``name`` (read as ``log_pieces`` with
@@ -1457,14 +1457,43 @@ registry = types.MappingProxyType(_registry)
 _markers: dict[str, str] = {"hdf5": "data.h5"}
 
 
+# the entry-point group a package names its backends in (``name = "module:Class"``), so that
+# every process finds them (the ``replaybuf`` command, spawned workers), not only the one that
+# called ``register_backend``
+ENTRY_POINT_GROUP = "replaybuf.backends"
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    """Register the backends installed packages name in ``ENTRY_POINT_GROUP``, once per process
+    (on the first lookup, not at import: reading every package's metadata takes milliseconds).
+    A name already registered keeps its backend: a built-in one, or one this process registered,
+    which wins over what a package says. Importing the class waits for ``backend_class``."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in _registry:
+            continue
+        package = point.dist.name if point.dist is not None else "the package naming it"
+        _registry[point.name] = (point.value, f"reinstall {package} (its entry point {point.name} = {point.value})")
+
+
 def register_backend(
     name: str, target: str, install_hint: str = "", clobber: bool = False, marker: str | None = None
 ) -> None:
-    """Register a backend as ``"module:Class"``; refuses to replace an existing name unless
-    ``clobber``. ``marker``: for a backend of local folders only, a file name inside a buffer
+    """Register a backend as ``"module:Class"`` in this process; refuses to replace an existing
+    name unless ``clobber``. An installed package makes its backend known to every process
+    instead (the ``replaybuf`` command included) with an entry point in the group
+    ``replaybuf.backends``, e.g. ``[project.entry-points."replaybuf.backends"] mine =
+    "mypkg.storage:MyStorage"``. ``marker``: for a backend of local folders only, a file name inside a buffer
     folder that only this backend writes: its buffers are recognised by it without importing
     the backend (which ``detect_backend`` then imports only for a folder holding it), and the
     install hint given when it cannot be imported."""
+    _load_entry_points()
     if name in _registry and not clobber:
         raise ValueError(f"backend {name!r} is already registered as {_registry[name][0]!r}")
     _registry[name] = (target, install_hint)
@@ -1475,6 +1504,7 @@ def register_backend(
 
 def backend_class(name: str) -> type[Storage]:
     """Import and return the Storage class registered as ``name``."""
+    _load_entry_points()
     if name not in _registry:
         raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_registry)}")
     target, hint = _registry[name]
@@ -1492,7 +1522,8 @@ def detect_backend(location: str, storage_options: dict | None = None) -> str | 
     its marker: opening any other buffer need not load, e.g., h5py and the HDF5 library
     (~130 ms, and exit hooks of their own). Raises ImportError with the install hint when the
     buffer there belongs to a registered backend that cannot be imported (its marker is present)."""
-    for name in _registry:
+    _load_entry_points()
+    for name in list(_registry):
         marker = _markers.get(name)
         if marker is not None and not _holds_marker(location, marker):
             continue

@@ -1,0 +1,58 @@
+"""A backend of a third party (``tests/_third_party_backend.py``), installed as a package names
+it, through an entry point in ``replaybuf.backends``: it passes ``StorageTests`` on the
+``Storage`` defaults, and every process finds it, the ``replaybuf`` command included, without
+a ``register_backend`` call of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from replaybuf import ConcatReplayBuffer, ReplayBuffer
+from replaybuf.cli import main
+from replaybuf.storage import base, make_storage
+from replaybuf.testing import StorageFactory, StorageTests
+
+
+@pytest.fixture
+def installed(tmp_path_factory, monkeypatch) -> Iterator[str]:
+    """The backend ``npyfolder``, as an installed package's metadata names it; the registry and
+    ``sys.path`` are restored afterwards."""
+    site = tmp_path_factory.mktemp("site")
+    info = site / "npyfolder_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: npyfolder-backend\nVersion: 1.0\n")
+    target = "tests._third_party_backend:NpyFolderStorage"
+    (info / "entry_points.txt").write_text(f"[replaybuf.backends]\nnpyfolder = {target}\n")
+    monkeypatch.syspath_prepend(str(site))
+    registered = dict(base._registry)
+    monkeypatch.setattr(base, "_entry_points_loaded", False)
+    yield "npyfolder"
+    base._registry.clear()
+    base._registry.update(registered)
+
+
+class TestNpyFolderStorage(StorageTests):
+    fields = {name: StorageTests.fields[name] for name in ("frame", "state")}  # the defaults read row by row
+
+    @pytest.fixture
+    def storage_factory(self, installed, tmp_path) -> StorageFactory:
+        return lambda name="buffer": make_storage(tmp_path / name, backend=installed)
+
+
+def test_every_process_finds_it_the_command_included(installed, tmp_path, capsys):
+    """Created by name, the buffer is found by what was stored (``from_folder``, the command's
+    ``info``, ``verify``, ``convert``) and read beside a zarr buffer in a concatenation."""
+    path, copy = str(tmp_path / "run"), str(tmp_path / "copy")
+    buffer = ReplayBuffer(path, max_episodes=4, max_timesteps=5, fields={"x": "float"}, backend=installed)
+    for length in (3, 5):
+        buffer.store_episode(x=np.arange(length, dtype=np.float32))
+    buffer.close()
+    assert ReplayBuffer.from_folder(path, read_only=True).storage.backend_name == installed
+    assert main(["info", path]) == 0 and f"backend    {installed}" in capsys.readouterr().out
+    assert main(["verify", path]) == 0
+    assert main(["convert", path, copy]) == 0
+    both = ConcatReplayBuffer([path, copy])
+    np.testing.assert_array_equal(np.asarray(both.data["x"][:, :]).sum(axis=1), [3, 10, 0, 0, 3, 10, 0, 0])
