@@ -5,6 +5,7 @@ a ``register_backend`` call of its own."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -56,3 +57,16 @@ def test_every_process_finds_it_the_command_included(installed, tmp_path, capsys
     assert main(["convert", path, copy]) == 0
     both = ConcatReplayBuffer([path, copy])
     np.testing.assert_array_equal(np.asarray(both.data["x"][:, :]).sum(axis=1), [3, 10, 0, 0, 3, 10, 0, 0])
+
+
+def test_a_create_over_another_backends_buffer_is_refused(installed, tmp_path):
+    """The backend leaves ``check_creatable`` to the default: creating its buffer where a zarr
+    buffer lives is refused before anything is written, and the zarr buffer keeps its episode."""
+    path = str(tmp_path / "run")
+    buffer = ReplayBuffer(path, max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    buffer.store_episode(x=np.ones(3, np.float32))
+    buffer.close()
+    with pytest.raises(ValueError, match="holds a 'zarr' buffer.*backend='zarr'"):
+        ReplayBuffer(path, max_episodes=2, max_timesteps=3, fields={"x": "float"}, backend=installed)
+    assert sorted(os.listdir(path)) == ["data", "meta", "replaybuf", "zarr.json"]
+    assert ReplayBuffer.from_folder(path, read_only=True).data["x"][0].tolist() == [1, 1, 1]

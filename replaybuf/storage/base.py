@@ -842,7 +842,10 @@ class Storage(ABC):
         """The top-level entries ``create`` would erase, all owned by a buffer of this backend;
         raise ``ForeignEntriesError`` (or the error for another backend's buffer) when the
         location holds anything else. Reads only: the buffer calls it before taking the writer
-        lease, so a refused create writes nothing at all."""
+        lease, so a refused create writes nothing at all. The default refuses a location where
+        another registered backend finds its buffer (``refuse_another_backends_buffer``), and
+        finds nothing to erase; a backend that overrides it refuses that too."""
+        refuse_another_backends_buffer(self)
         return []
 
     def check_schema(self, schema: Schema) -> None:
@@ -1536,6 +1539,17 @@ def detect_backend(location: str, storage_options: dict | None = None) -> str | 
         if cls.can_open(location, storage_options):
             return name
     return None
+
+
+def refuse_another_backends_buffer(storage: Storage) -> None:
+    """ValueError where another registered backend finds its buffer at ``storage``'s location:
+    creating one there is not this backend's business (its create would erase or mix with
+    files it does not own), and would make the location's backend ambiguous."""
+    other = detect_backend(storage.location, storage.storage_options)
+    if other is not None and other != storage.backend_name:
+        raise ValueError(
+            f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
+        )
 
 
 def _holds_marker(location: str, marker: str) -> bool:
