@@ -356,6 +356,30 @@ class StorageTests:
         assert reader.load_state()["total_episodes"] == 6
         reader.close()
 
+    def test_commit_publishes_what_was_written_before(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        """A reader that loads the counters a commit published sees the rows and meta values
+        written before it, while the writer stays open (nothing held back until ``close``)."""
+        episodes = np.array([3, 1])
+        rows, meta = self.random_rows(2, seed=22), self.random_meta(2, seed=23)
+        writable.plan_generations(episodes, meta["_generation"])
+        for name, values in rows.items():
+            writable.write_rows(name, episodes, 0, values)
+        probe = storage_factory()
+        summed = metasums.summed(probe.open(read_only=True), writable)  # the stored schema: its uuid
+        probe.close()
+        meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, summed)
+        for name, values in meta.items():
+            writable.write_meta(name, episodes, values)
+        writable.commit_state({**empty_state(), "num_episodes": 2, "total_episodes": 2})
+        reader = storage_factory()
+        reader.open(read_only=True)
+        assert reader.load_state()["total_episodes"] == 2
+        for name, values in rows.items():
+            assert_stored(reader.read_rows(name, episodes, 0, self.max_timesteps), values, name)
+        for name, values in meta.items():
+            assert_stored(reader.read_meta_rows(name, episodes), values, f"meta {name}")
+        reader.close()
+
     def test_step_log(self, writable: Storage, storage_factory: StorageFactory) -> None:
         assert writable.log_names() == [] and writable.read_log("a") == b""
         writable.append_log("a", b"x")
@@ -372,6 +396,17 @@ class StorageTests:
         recovering.append_log("a", b"new")
         assert recovering.read_log("a") == b"new"
         recovering.close()
+
+    def test_damaged_step_log_copied_aside(self, writable: Storage) -> None:
+        """Recovery of a damaged step log copies its first bytes aside and is told the bytes it
+        left out (None where the store cannot tell them unread); the log itself stays."""
+        writable.append_log("a", b"0123")
+        writable.append_log("a", b"456789")
+        for keep, left_out in ((10, 0), (6, 4)):
+            key, dropped = writable.copy_log_aside("a", keep, limit=1 << 20)
+            assert writable.read_blob(key) == b"0123456789"[:keep], keep
+            assert dropped in (left_out, None if left_out else 0), (keep, dropped)
+        assert writable.read_log("a") == b"0123456789"
 
     # ---- rows and meta -----------------------------------------------------------------------
 

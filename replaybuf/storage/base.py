@@ -835,7 +835,11 @@ class Storage(ABC):
         Every data and meta array reads as zeros (fill 0), ``episode_lens`` and ``_generation``
         included, and ``load_state()`` returns ``empty_state()``. Only what a buffer of this
         backend owns may be erased: a location holding anything else raises
-        ``ForeignEntriesError`` before anything is deleted or written.
+        ``ForeignEntriesError`` before anything is deleted or written. It stores
+        ``schema.to_json()`` with ``"version": newest_format_version`` and sets
+        ``format_version`` to it: from format ``META_SUMS_FORMAT`` the buffer keeps per-slot
+        meta checksums and sealed counters (``keeps_meta_sums``); without a version it keeps
+        neither and its damage goes unnoticed.
         """
 
     def check_creatable(self) -> list[str]:
@@ -859,7 +863,9 @@ class Storage(ABC):
     def open(self, read_only: bool) -> Schema:
         """Open an existing buffer and return its stored schema; raise BufferNotFoundError if none.
 
-        ``read_only=True`` writes nothing, then or later (see the module docstring)."""
+        ``read_only=True`` writes nothing, then or later (see the module docstring). The stored
+        config is read back through ``_schema_from_config``, which checks it and its version
+        and sets ``format_version``."""
 
     @abstractmethod
     def array(self, name: str, meta: bool = False) -> ArrayLike:
@@ -1055,31 +1061,38 @@ class Storage(ABC):
         self._check_writable()
         self.delete_blobs(f"{LOG_PREFIX}{name}/")
 
-    def copy_log_aside(self, name: str, keep: int, limit: int) -> tuple[str, int]:
+    def copy_log_aside(self, name: str, keep: int, limit: int) -> tuple[str, int | None]:
         """Copy the first ``keep`` bytes of the step log ``name`` (read as ``log_pieces`` with
         ``limit``) to ``replaybuf/steplog-damaged-<UTC time>-<pid>/<name>``, out of recovery's
         way: a damaged log is kept for inspection. Returns that key and the bytes left out
         (``log_size``, unread: a log of absurd size is neither copied nor read whole; a
-        segment refused by its size is left out with what follows)."""
+        segment refused by its size is left out with what follows), None when the store cannot
+        tell them and the copy may have left some out."""
         self._check_writable()
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/{name}"
         kept: list[bytes] = []
-        size = 0
+        size, more = 0, False  # more: bytes past the copy, unless the store tells how many
+        pieces = self.log_pieces(name, limit)
         try:
-            for piece in self.log_pieces(name, limit):
+            for piece in pieces:
                 kept.append(piece[: keep - size])
                 size += len(kept[-1])
                 if size == keep:
+                    more = len(piece) > len(kept[-1]) or any(pieces)
                     break
         except BufferDamagedError:  # a segment over the limit (the damage reported names it)
-            pass
+            more = True
         self.write_blob(key, b"".join(kept))
-        return key, max(self.log_size(name) - size, 0)
+        total = self.log_size(name)
+        if total is None:
+            return key, None if more else 0
+        return key, max(total - size, 0)
 
-    def log_size(self, name: str) -> int:
-        """The bytes of the step log ``name``, as the store tells them (not read)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no step log")
+    def log_size(self, name: str) -> int | None:
+        """The bytes of the step log ``name``, as the store tells them (not read); None where
+        it cannot tell them without reading the log (the default's segments)."""
+        return None
 
     # ---- batched reads and writes ----------------------------------------------------------
 
