@@ -17,22 +17,31 @@ from replaybuf.storage import base, make_storage
 from replaybuf.testing import StorageFactory, StorageTests
 
 
-@pytest.fixture
-def installed(tmp_path_factory, monkeypatch) -> Iterator[str]:
-    """The backend ``npyfolder``, as an installed package's metadata names it; the registry and
-    ``sys.path`` are restored afterwards."""
-    site = tmp_path_factory.mktemp("site")
+def install(site, monkeypatch, entry_points: str) -> None:
+    """A package in folder ``site`` naming ``entry_points`` (lines ``name = module:Class``) in
+    ``replaybuf.backends``, on ``sys.path``."""
     info = site / "npyfolder_backend-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: npyfolder-backend\nVersion: 1.0\n")
-    target = "tests._third_party_backend:NpyFolderStorage"
-    (info / "entry_points.txt").write_text(f"[replaybuf.backends]\nnpyfolder = {target}\n")
+    (info / "entry_points.txt").write_text(f"[replaybuf.backends]\n{entry_points}\n")
     monkeypatch.syspath_prepend(str(site))
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch) -> Iterator[None]:
+    """Entry points read again at the next lookup; the registry as it was afterwards."""
     registered = dict(base._registry)
     monkeypatch.setattr(base, "_entry_points_loaded", False)
-    yield "npyfolder"
+    yield
     base._registry.clear()
     base._registry.update(registered)
+
+
+@pytest.fixture
+def installed(fresh_registry, tmp_path_factory, monkeypatch) -> str:
+    """The backend ``npyfolder``, as an installed package's metadata names it."""
+    install(tmp_path_factory.mktemp("site"), monkeypatch, "npyfolder = tests._third_party_backend:NpyFolderStorage")
+    return "npyfolder"
 
 
 class TestNpyFolderStorage(StorageTests):
@@ -70,3 +79,13 @@ def test_a_create_over_another_backends_buffer_is_refused(installed, tmp_path):
         ReplayBuffer(path, max_episodes=2, max_timesteps=3, fields={"x": "float"}, backend=installed)
     assert sorted(os.listdir(path)) == ["data", "meta", "replaybuf", "zarr.json"]
     assert ReplayBuffer.from_folder(path, read_only=True).data["x"][0].tolist() == [1, 1, 1]
+
+
+def test_a_stale_entry_point_is_named_and_others_still_open(fresh_registry, tmp_path, monkeypatch):
+    """An entry point naming a class its package no longer has is an ImportError naming it;
+    buffers of every other backend are still detected and created."""
+    install(tmp_path, monkeypatch, "gone = tests._third_party_backend:RenamedStorage")
+    with pytest.raises(ImportError, match="'tests._third_party_backend:RenamedStorage' names no Storage subclass"):
+        make_storage(tmp_path / "a", backend="gone")
+    ReplayBuffer(str(tmp_path / "b"), max_episodes=1, max_timesteps=2, fields={"x": "float"}).close()
+    assert ReplayBuffer.from_folder(str(tmp_path / "b")).storage.backend_name == "zarr"

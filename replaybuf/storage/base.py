@@ -1529,7 +1529,10 @@ def backend_class(name: str) -> type[Storage]:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ImportError(f"backend {name!r} is not available: {hint} ({e})") from e
-    return getattr(module, class_name)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Storage)):  # a package's entry point gone stale
+        raise ImportError(f"backend {name!r} is not available: {target!r} names no Storage subclass; {hint}")
+    return cls
 
 
 def detect_backend(location: str, storage_options: dict | None = None) -> str | None:
