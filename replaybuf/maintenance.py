@@ -1053,7 +1053,8 @@ def format_info(facts: dict) -> str:
     ratio = "n/a" if facts["ratio"] is None else f"{facts['ratio']:.2f}x"
     lines = [
         f"buffer     {facts['location']}",
-        f"backend    {facts['backend']} ({facts['format']})",
+        f"backend    {facts['backend']}"
+        + (f" ({facts['format']})" if facts["format"] else ""),  # a backend may name none
         *(
             [
                 f"format     {facts['format_version']}, written by an earlier replaybuf: `replaybuf upgrade` "
