@@ -13,7 +13,7 @@ import pytest
 
 from replaybuf import ConcatReplayBuffer, ReplayBuffer
 from replaybuf.cli import main
-from replaybuf.storage import base, make_storage
+from replaybuf.storage import base, make_storage, registry
 from replaybuf.testing import StorageFactory, StorageTests
 
 
@@ -55,6 +55,7 @@ class TestNpyFolderStorage(StorageTests):
 def test_every_process_finds_it_the_command_included(installed, tmp_path, capsys):
     """Created by name, the buffer is found by what was stored (``from_folder``, the command's
     ``info``, ``verify``, ``convert``) and read beside a zarr buffer in a concatenation."""
+    assert registry[installed][0] == "tests._third_party_backend:NpyFolderStorage"
     path, copy = str(tmp_path / "run"), str(tmp_path / "copy")
     buffer = ReplayBuffer(path, max_episodes=4, max_timesteps=5, fields={"x": "float"}, backend=installed)
     for length in (3, 5):

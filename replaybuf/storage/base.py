@@ -80,7 +80,6 @@ import importlib
 import json
 import os
 import time
-import types
 import warnings
 import weakref
 from abc import ABC, abstractmethod
@@ -1467,7 +1466,26 @@ _registry: dict[str, tuple[str, str]] = {
     "memmap": ("replaybuf.storage._memmap:MemmapStorage", "reinstall replaybuf"),
     "hdf5": ("replaybuf.storage._hdf5:HDF5Storage", "install h5py: pip install 'replaybuf[h5py]'"),
 }
-registry = types.MappingProxyType(_registry)
+
+
+class _Registry(Mapping[str, tuple[str, str]]):
+    """The registered backends, name -> ("module:Class", install hint), read-only: those of
+    installed packages' entry points included, read on first use (``_load_entry_points``)."""
+
+    def __getitem__(self, name: str) -> tuple[str, str]:
+        _load_entry_points()
+        return _registry[name]
+
+    def __iter__(self) -> Iterator[str]:
+        _load_entry_points()
+        return iter(dict(_registry))
+
+    def __len__(self) -> int:
+        _load_entry_points()
+        return len(_registry)
+
+
+registry = _Registry()
 # a file whose presence in a local folder says which backend wrote it, known without importing
 # the backend: a buffer of a backend that cannot be imported is named, not reported missing
 _markers: dict[str, str] = {"hdf5": "data.h5"}
