@@ -1506,7 +1506,6 @@ def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
     from importlib.metadata import entry_points
 
     for point in entry_points(group=ENTRY_POINT_GROUP):
@@ -1514,6 +1513,7 @@ def _load_entry_points() -> None:
             continue
         package = point.dist.name if point.dist is not None else "the package naming it"
         _registry[point.name] = (point.value, f"reinstall {package} (its entry point {point.name} = {point.value})")
+    _entry_points_loaded = True  # after: a thread looking up meanwhile reads them too, never a partial registry
 
 
 def register_backend(
