@@ -800,7 +800,13 @@ class Committer:
             # no more than a valid log holds without rewinds (its memory is bounded too)
             keep = min(log.end + self.step_log.record_bound(log.header, self.max_timesteps), limit)
             aside, dropped = self.storage.copy_log_aside(LOG_NAME, keep, limit)
-            left_out = f" (its last {dropped:,} bytes, past what a valid log could hold, left out)" if dropped else ""
+            left_out = (
+                f" (its last {dropped:,} bytes, past what a valid log could hold, left out)"
+                if dropped
+                else " (what may follow that, past what a valid log could hold, left out)"
+                if dropped is None
+                else ""
+            )
             warnings.warn(
                 f"the step log of an unfinished episode in {self.storage.location!r} is damaged ({log.damage}); "
                 f"it was copied to {aside!r}{left_out} and {len(log.steps)} valid step(s) before the damage are "

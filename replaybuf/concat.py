@@ -33,6 +33,7 @@ from .storage import (
     Spans,
     Storage,
     UnfinishedCreateError,
+    WrappedArray,
     is_url,
 )
 from .view import CommittedViews, FieldViews, read_only_message
@@ -88,6 +89,26 @@ class ConcatArray(ArrayBase):
     def __setitem__(self, key: Any, value: Any) -> None:
         raise NotImplementedError(
             f"data/{self._name} of a ConcatReplayBuffer is read-only: write to its member buffers"
+        )
+
+
+class ConcatMetaArray(WrappedArray):
+    """The stored array of a meta field over the concatenated episodes: reads of the members'
+    values now; writes refused, as every write to the concatenation is (a plain copy took
+    them and dropped them)."""
+
+    def __init__(self, storage: ConcatStorage, name: str):
+        self._storage, self._name = storage, name
+
+    def _wrapped(self) -> np.ndarray:
+        return self._storage.read_meta(self._name)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return self._wrapped()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise NotImplementedError(
+            f"meta/{self._name} of a ConcatReplayBuffer is read-only: write to its member buffers"
         )
 
 
@@ -168,10 +189,10 @@ class ConcatStorage(Storage):
             raise NotImplementedError(_read_only_message("open(read_only=False)"))
         return self.schema
 
-    def array(self, name: str, meta: bool = False) -> ConcatArray | np.ndarray:
+    def array(self, name: str, meta: bool = False) -> ConcatArray | ConcatMetaArray:
         # docstring inherited
         if meta:
-            return self.read_meta(name)
+            return ConcatMetaArray(self, name)
         field = self.schema.fields[name]
         return ConcatArray(self, name, (int(self.offsets[-1]), self.schema.max_timesteps, *field.shape), field.dtype)
 

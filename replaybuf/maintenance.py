@@ -1053,7 +1053,8 @@ def format_info(facts: dict) -> str:
     ratio = "n/a" if facts["ratio"] is None else f"{facts['ratio']:.2f}x"
     lines = [
         f"buffer     {facts['location']}",
-        f"backend    {facts['backend']} ({facts['format']})",
+        f"backend    {facts['backend']}"
+        + (f" ({facts['format']})" if facts["format"] else ""),  # a backend may name none
         *(
             [
                 f"format     {facts['format_version']}, written by an earlier replaybuf: `replaybuf upgrade` "
@@ -1819,7 +1820,11 @@ def add_store_arguments(parser: argparse.ArgumentParser, prefix: str = "", what:
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="source buffer: folder or URL (any backend, or a memmap-replay-buffer folder)")
     parser.add_argument("dst", help="destination folder or URL")
-    parser.add_argument("--backend", default="zarr", help="destination backend: zarr (default), memmap or hdf5")
+    parser.add_argument(
+        "--backend",
+        default="zarr",
+        help="destination backend: zarr (default), memmap, hdf5 or one an installed package names",
+    )
     parser.add_argument(
         "--chunks",
         action="append",

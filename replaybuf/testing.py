@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -76,6 +77,15 @@ def snapshot(location: str | os.PathLike) -> dict[str, tuple]:
     return out
 
 
+def assert_stored(got: np.ndarray, expected: np.ndarray, name: str) -> None:
+    """``got`` is an ndarray of ``expected``'s dtype, shape and values: a read returning
+    another dtype (float64 for a float32 field) passes ``assert_array_equal`` but is not
+    what was stored."""
+    assert isinstance(got, np.ndarray), f"{name}: a read returned {type(got).__name__}, not an ndarray"
+    assert got.dtype == expected.dtype, f"{name}: read as {got.dtype}, stored as {expected.dtype}"
+    np.testing.assert_array_equal(got, expected, err_msg=name, strict=True)
+
+
 class StorageTests:
     """The Storage contract as tests; subclass it and define the ``storage_factory`` fixture.
 
@@ -94,6 +104,8 @@ class StorageTests:
     meta_fields: dict = {"task": "int", "score": ("float64", 2)}
     max_episodes = 6
     max_timesteps = 10
+    #: the size of the side object ``test_blob_readers_never_see_a_torn_write`` replaces
+    torn_blob_bytes = 1 << 18
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -136,13 +148,15 @@ class StorageTests:
 
     @contextlib.contextmanager
     def no_writes(self, storage: Storage) -> Iterator[None]:
-        """Fail unless nothing at ``storage``'s location changed inside the block."""
+        """Fail unless nothing at ``storage``'s location, nor beside it (a lock file next to
+        the folder), changed inside the block: the folder holding the factory's locations."""
         location = storage.location
         if "://" in location and not location.startswith(("memory://", "file://")):
             raise NotImplementedError(f"{type(self).__name__} must override no_writes for {location!r}")
-        before = snapshot(location)
+        around = location.rstrip("/").rpartition("/")[0]
+        before = snapshot(around)
         yield
-        assert snapshot(location) == before, f"a read-only storage wrote at {location!r}"
+        assert snapshot(around) == before, f"a read-only storage wrote at or beside {location!r}"
 
     # ---- data -------------------------------------------------------------------------------
 
@@ -210,13 +224,9 @@ class StorageTests:
         lengths = np.minimum(lengths, t - starts)
         named = None if generations is None else np.asarray(generations)[episodes]
         for name, expected in rows.items():
-            np.testing.assert_array_equal(
-                storage.gather(name, episodes, timesteps, named), expected[episodes, timesteps], err_msg=name
-            )
+            assert_stored(storage.gather(name, episodes, timesteps, named), expected[episodes, timesteps], name)
             for t0, t1 in ((0, t), (t // 3, 2 * t // 3 + 1), (t // 2, t // 2)):
-                np.testing.assert_array_equal(
-                    storage.read_rows(name, episodes, t0, t1, named), expected[episodes, t0:t1], err_msg=name
-                )
+                assert_stored(storage.read_rows(name, episodes, t0, t1, named), expected[episodes, t0:t1], name)
             for parallel in (True, False):
                 sentinel = np.array(7, expected.dtype)
                 out = np.full((len(episodes), t, *expected.shape[2:]), sentinel)
@@ -226,7 +236,7 @@ class StorageTests:
                     assert (out[i, k:] == sentinel).all(), f"read_spans wrote {name} past the span of row {i}"
             array = storage.array(name)
             assert tuple(array.shape) == expected.shape and np.dtype(array.dtype) == expected.dtype
-            np.testing.assert_array_equal(array[int(episodes[0]), 2:6], expected[episodes[0], 2:6])
+            assert_stored(np.asarray(array[int(episodes[0]), 2:6]), expected[episodes[0], 2:6], name)
 
     # ---- create / open ----------------------------------------------------------------------
 
@@ -282,6 +292,26 @@ class StorageTests:
         writable.write_blob(key, b"")
         assert writable.read_blob(key) == b""
 
+    def test_blob_readers_never_see_a_torn_write(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        """A reader polling a side object while the writer replaces it again and again reads
+        one whole version each time, never a mix, a truncated or an empty object (a write in
+        place, truncating first, shows those)."""
+        key = "replaybuf/extra/replaced"
+        versions = [bytes([ord("a") + k]) * self.torn_blob_bytes for k in range(2)]
+        writable.write_blob(key, versions[0])
+        reader = storage_factory()  # another object, as another process would read
+        reader.open(read_only=True)
+        writes = threading.Thread(target=lambda: [writable.write_blob(key, versions[k % 2]) for k in range(1, 9)])
+        writes.start()
+        try:
+            while writes.is_alive():
+                raw = reader.read_blob(key)
+                assert raw in versions, f"read {len(raw or b'')} bytes, not one whole version of {self.torn_blob_bytes}"
+        finally:
+            writes.join()
+            reader.close()
+        assert reader.read_blob(key) == versions[0]
+
     def test_blob_head_reads_only_the_start(self, writable: Storage) -> None:
         key = "replaybuf/extra/head"
         assert writable.read_blob_head(key, 4) is None
@@ -328,6 +358,30 @@ class StorageTests:
         assert reader.load_state()["total_episodes"] == 6
         reader.close()
 
+    def test_commit_publishes_what_was_written_before(self, writable: Storage, storage_factory: StorageFactory) -> None:
+        """A reader that loads the counters a commit published sees the rows and meta values
+        written before it, while the writer stays open (nothing held back until ``close``)."""
+        episodes = np.array([3, 1])
+        rows, meta = self.random_rows(2, seed=22), self.random_meta(2, seed=23)
+        writable.plan_generations(episodes, meta["_generation"])
+        for name, values in rows.items():
+            writable.write_rows(name, episodes, 0, values)
+        probe = storage_factory()
+        summed = metasums.summed(probe.open(read_only=True), writable)  # the stored schema: its uuid
+        probe.close()
+        meta[META_SUM] = metasums.entries(episodes, meta["_generation"], meta, summed)
+        for name, values in meta.items():
+            writable.write_meta(name, episodes, values)
+        writable.commit_state({**empty_state(), "num_episodes": 2, "total_episodes": 2})
+        reader = storage_factory()
+        reader.open(read_only=True)
+        assert reader.load_state()["total_episodes"] == 2
+        for name, values in rows.items():
+            assert_stored(reader.read_rows(name, episodes, 0, self.max_timesteps), values, name)
+        for name, values in meta.items():
+            assert_stored(reader.read_meta_rows(name, episodes), values, f"meta {name}")
+        reader.close()
+
     def test_step_log(self, writable: Storage, storage_factory: StorageFactory) -> None:
         assert writable.log_names() == [] and writable.read_log("a") == b""
         writable.append_log("a", b"x")
@@ -344,6 +398,17 @@ class StorageTests:
         recovering.append_log("a", b"new")
         assert recovering.read_log("a") == b"new"
         recovering.close()
+
+    def test_damaged_step_log_copied_aside(self, writable: Storage) -> None:
+        """Recovery of a damaged step log copies its first bytes aside and is told the bytes it
+        left out (None where the store cannot tell them unread); the log itself stays."""
+        writable.append_log("a", b"0123")
+        writable.append_log("a", b"456789")
+        for keep, left_out in ((10, 0), (6, 4)):
+            key, dropped = writable.copy_log_aside("a", keep, limit=1 << 20)
+            assert writable.read_blob(key) == b"0123456789"[:keep], keep
+            assert dropped in (left_out, None if left_out else 0), (keep, dropped)
+        assert writable.read_log("a") == b"0123456789"
 
     # ---- rows and meta -----------------------------------------------------------------------
 
@@ -400,8 +465,8 @@ class StorageTests:
         self.assert_reads(reader, rows, seed=1)
         picked = np.r_[np.random.default_rng(2).permutation(self.max_episodes), 0, 0]  # unsorted, repeated
         for name, values in meta.items():
-            np.testing.assert_array_equal(reader.read_meta(name), values, err_msg=name)
-            np.testing.assert_array_equal(reader.read_meta_rows(name, picked), values[picked], err_msg=name)
+            assert_stored(reader.read_meta(name), values, f"meta {name}")
+            assert_stored(reader.read_meta_rows(name, picked), values[picked], f"meta {name}")
             assert reader.read_meta_rows(name, np.zeros(0, np.int64)).shape == (0, *values.shape[1:]), name
 
     def test_generations(self, filled: tuple) -> None:
@@ -593,7 +658,12 @@ class StorageTests:
                 "write_rows": lambda: reader.write_rows(name, one, 0, row),
                 "update_rows": lambda: reader.update_rows(name, one, 0, row),
                 "write_meta": lambda: reader.write_meta("task", one, meta["task"][:1]),
+                "write_tail_rows": lambda: reader.write_tail_rows(name, one, 0, row, 1),
+                "update_steps": lambda: reader.update_steps(name, one, one * 0, row[:, 0]),
+                "write_record": lambda: reader.write_record("replaybuf/extra/x", b"x"),
+                "mark_writing": lambda: reader.mark_writing([0]),
                 "array(...)[...] =": lambda: reader.array(name).__setitem__((0, 0), 1),
+                "array(meta)[...] =": lambda: reader.array("task", meta=True).__setitem__(0, 1),
             }
             for call, attempt in attempts.items():
                 with pytest.raises(refusal):
@@ -601,6 +671,43 @@ class StorageTests:
                     pytest.fail(f"{call} on a read-only storage did not raise {refusal.__name__}")
             reader.flush()
         self.assert_reads(reader, rows, seed=3)
+
+    def test_reads_share_no_memory(self, filled: tuple) -> None:
+        """What a read returns is the caller's: changing it in place changes no later read (no
+        view of a cache or of the stored bytes)."""
+        reader, rows, meta = filled
+        one, t = np.array([1]), self.max_timesteps
+        reads = {}
+        for name in rows:
+            reads[f"{name}: read_rows"] = reader.read_rows(name, one, 0, t)
+            reads[f"{name}: gather"] = reader.gather(name, one, np.array([2]))
+            reads[f"{name}: array[...]"] = np.asarray(reader.array(name)[1, 2:6])
+        for name in meta:
+            reads[f"meta {name}: read_meta"] = reader.read_meta(name)
+            reads[f"meta {name}: read_meta_rows"] = reader.read_meta_rows(name, one)
+            reads[f"meta {name}: array[...]"] = np.asarray(reader.array(name, meta=True)[0:2])
+        for read in reads.values():
+            if read.flags.writeable:  # a read-only result cannot be changed, so shares nothing that can
+                read[...] = 3
+        self.assert_reads(reader, rows, seed=10)
+        for name, values in meta.items():
+            assert_stored(reader.read_meta(name), values, f"meta {name} after changing what a read returned")
+
+    def test_writes_keep_no_reference(self, writable: Storage) -> None:
+        """What a write was given stays the caller's: changing it after the call changes
+        nothing stored (no reference kept in a cache or a pending write)."""
+        one, t = np.array([1]), self.max_timesteps
+        given = self.random_rows(1, seed=18)
+        kept = {name: values.copy() for name, values in given.items()}
+        task = np.array([41], dtype=self.schema().meta_fields["task"].dtype)
+        for name, values in given.items():
+            writable.write_rows(name, one, 0, values)
+            values[...] = 5
+        writable.write_meta("task", one, task)
+        task[...] = 5
+        for name, values in kept.items():
+            assert_stored(writable.read_rows(name, one, 0, t), values, f"{name}: changed with the array it was given")
+        assert writable.read_meta("task")[1] == 41, "meta task: changed with the array it was given"
 
     # ---- processes and caches ---------------------------------------------------------------
 

@@ -18,7 +18,11 @@ def _add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("format", choices=IMPORT_FORMATS, help="the source's format")
     parser.add_argument("src", help="source dataset: folder or file")
     parser.add_argument("dst", help="destination buffer folder or URL (an existing one resumes the import)")
-    parser.add_argument("--backend", default=None, help="destination backend: zarr (default), memmap or hdf5")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="destination backend: zarr (default), memmap, hdf5 or one an installed package names",
+    )
     parser.add_argument("--verify", action="store_true", help="read every imported episode back and compare")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal by default)")
     add_store_arguments(parser, what="the destination's")

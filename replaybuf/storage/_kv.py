@@ -1356,7 +1356,7 @@ class KVBlobs(_StorageMixin):
                 yield piece
                 pos += len(piece)
 
-    def log_size(self, name: str) -> int:
+    def log_size(self, name: str) -> int | None:
         # docstring inherited
         return sum(self.kv.size(k) or 0 for k in self.list_blobs(f"{LOG_PREFIX}{name}/"))
 

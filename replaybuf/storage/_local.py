@@ -38,6 +38,7 @@ from .base import (
     StorageError,
     detect_backend,
     edited_rows,
+    refuse_another_backends_buffer,
     state_body,
 )
 
@@ -74,11 +75,7 @@ def refuse_foreign_buffer(storage: Storage) -> None:
     hint = seed_h5_hint(storage.location)
     if hint:
         raise ValueError(f"cannot create a buffer at {storage.location!r}, nothing was deleted{hint}")
-    other = detect_backend(storage.location)
-    if other is not None and other != storage.backend_name:
-        raise ValueError(
-            f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
-        )
+    refuse_another_backends_buffer(storage)
     refuse_enclosing_buffer(storage)
 
 

@@ -80,7 +80,6 @@ import importlib
 import json
 import os
 import time
-import types
 import warnings
 import weakref
 from abc import ABC, abstractmethod
@@ -835,14 +834,21 @@ class Storage(ABC):
         Every data and meta array reads as zeros (fill 0), ``episode_lens`` and ``_generation``
         included, and ``load_state()`` returns ``empty_state()``. Only what a buffer of this
         backend owns may be erased: a location holding anything else raises
-        ``ForeignEntriesError`` before anything is deleted or written.
+        ``ForeignEntriesError`` before anything is deleted or written. It stores
+        ``schema.to_json()`` with ``"version": newest_format_version`` and sets
+        ``format_version`` to it: from format ``META_SUMS_FORMAT`` the buffer keeps per-slot
+        meta checksums and sealed counters (``keeps_meta_sums``); without a version it keeps
+        neither and its damage goes unnoticed.
         """
 
     def check_creatable(self) -> list[str]:
         """The top-level entries ``create`` would erase, all owned by a buffer of this backend;
         raise ``ForeignEntriesError`` (or the error for another backend's buffer) when the
         location holds anything else. Reads only: the buffer calls it before taking the writer
-        lease, so a refused create writes nothing at all."""
+        lease, so a refused create writes nothing at all. The default refuses a location where
+        another registered backend finds its buffer (``refuse_another_backends_buffer``), and
+        finds nothing to erase; a backend that overrides it refuses that too."""
+        refuse_another_backends_buffer(self)
         return []
 
     def check_schema(self, schema: Schema) -> None:
@@ -856,7 +862,9 @@ class Storage(ABC):
     def open(self, read_only: bool) -> Schema:
         """Open an existing buffer and return its stored schema; raise BufferNotFoundError if none.
 
-        ``read_only=True`` writes nothing, then or later (see the module docstring)."""
+        ``read_only=True`` writes nothing, then or later (see the module docstring). The stored
+        config is read back through ``_schema_from_config``, which checks it and its version
+        and sets ``format_version``."""
 
     @abstractmethod
     def array(self, name: str, meta: bool = False) -> ArrayLike:
@@ -1050,33 +1058,40 @@ class Storage(ABC):
     def clear_log(self, name: str) -> None:
         """Delete the step log ``name`` (after its episodes were committed or abandoned)."""
         self._check_writable()
-        self.delete_blobs(f"{LOG_PREFIX}{name}")
+        self.delete_blobs(f"{LOG_PREFIX}{name}/")
 
-    def copy_log_aside(self, name: str, keep: int, limit: int) -> tuple[str, int]:
+    def copy_log_aside(self, name: str, keep: int, limit: int) -> tuple[str, int | None]:
         """Copy the first ``keep`` bytes of the step log ``name`` (read as ``log_pieces`` with
         ``limit``) to ``replaybuf/steplog-damaged-<UTC time>-<pid>/<name>``, out of recovery's
         way: a damaged log is kept for inspection. Returns that key and the bytes left out
         (``log_size``, unread: a log of absurd size is neither copied nor read whole; a
-        segment refused by its size is left out with what follows)."""
+        segment refused by its size is left out with what follows), None when the store cannot
+        tell them and the copy may have left some out."""
         self._check_writable()
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         key = f"{LOG_PREFIX.rstrip('/')}-damaged-{stamp}-{os.getpid()}/{name}"
         kept: list[bytes] = []
-        size = 0
+        size, more = 0, False  # more: bytes past the copy, unless the store tells how many
+        pieces = self.log_pieces(name, limit)
         try:
-            for piece in self.log_pieces(name, limit):
+            for piece in pieces:
                 kept.append(piece[: keep - size])
                 size += len(kept[-1])
                 if size == keep:
+                    more = len(piece) > len(kept[-1]) or any(pieces)
                     break
         except BufferDamagedError:  # a segment over the limit (the damage reported names it)
-            pass
+            more = True
         self.write_blob(key, b"".join(kept))
-        return key, max(self.log_size(name) - size, 0)
+        total = self.log_size(name)
+        if total is None:
+            return key, None if more else 0
+        return key, max(total - size, 0)
 
-    def log_size(self, name: str) -> int:
-        """The bytes of the step log ``name``, as the store tells them (not read)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no step log")
+    def log_size(self, name: str) -> int | None:
+        """The bytes of the step log ``name``, as the store tells them (not read); None where
+        it cannot tell them without reading the log (the default's segments)."""
+        return None
 
     # ---- batched reads and writes ----------------------------------------------------------
 
@@ -1451,20 +1466,68 @@ _registry: dict[str, tuple[str, str]] = {
     "memmap": ("replaybuf.storage._memmap:MemmapStorage", "reinstall replaybuf"),
     "hdf5": ("replaybuf.storage._hdf5:HDF5Storage", "install h5py: pip install 'replaybuf[h5py]'"),
 }
-registry = types.MappingProxyType(_registry)
+
+
+class _Registry(Mapping[str, tuple[str, str]]):
+    """The registered backends, name -> ("module:Class", install hint), read-only: those of
+    installed packages' entry points included, read on first use (``_load_entry_points``)."""
+
+    def __getitem__(self, name: str) -> tuple[str, str]:
+        _load_entry_points()
+        return _registry[name]
+
+    def __iter__(self) -> Iterator[str]:
+        _load_entry_points()
+        return iter(dict(_registry))
+
+    def __len__(self) -> int:
+        _load_entry_points()
+        return len(_registry)
+
+
+registry = _Registry()
 # a file whose presence in a local folder says which backend wrote it, known without importing
 # the backend: a buffer of a backend that cannot be imported is named, not reported missing
 _markers: dict[str, str] = {"hdf5": "data.h5"}
 
 
+# the entry-point group a package names its backends in (``name = "module:Class"``), so that
+# every process finds them (the ``replaybuf`` command, spawned workers), not only the one that
+# called ``register_backend``
+ENTRY_POINT_GROUP = "replaybuf.backends"
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    """Register the backends installed packages name in ``ENTRY_POINT_GROUP``, once per process
+    (on the first lookup, not at import: reading every package's metadata takes milliseconds).
+    A name already registered keeps its backend: a built-in one, or one this process registered,
+    which wins over what a package says. Importing the class waits for ``backend_class``."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in _registry:
+            continue
+        package = point.dist.name if point.dist is not None else "the package naming it"
+        _registry[point.name] = (point.value, f"reinstall {package} (its entry point {point.name} = {point.value})")
+    _entry_points_loaded = True  # after: a thread looking up meanwhile reads them too, never a partial registry
+
+
 def register_backend(
     name: str, target: str, install_hint: str = "", clobber: bool = False, marker: str | None = None
 ) -> None:
-    """Register a backend as ``"module:Class"``; refuses to replace an existing name unless
-    ``clobber``. ``marker``: for a backend of local folders only, a file name inside a buffer
+    """Register a backend as ``"module:Class"`` in this process; refuses to replace an existing
+    name unless ``clobber``. An installed package makes its backend known to every process
+    instead (the ``replaybuf`` command included) with an entry point in the group
+    ``replaybuf.backends``, e.g. ``[project.entry-points."replaybuf.backends"] mine =
+    "mypkg.storage:MyStorage"``. ``marker``: for a backend of local folders only, a file name inside a buffer
     folder that only this backend writes: its buffers are recognised by it without importing
     the backend (which ``detect_backend`` then imports only for a folder holding it), and the
     install hint given when it cannot be imported."""
+    _load_entry_points()
     if name in _registry and not clobber:
         raise ValueError(f"backend {name!r} is already registered as {_registry[name][0]!r}")
     _registry[name] = (target, install_hint)
@@ -1475,6 +1538,7 @@ def register_backend(
 
 def backend_class(name: str) -> type[Storage]:
     """Import and return the Storage class registered as ``name``."""
+    _load_entry_points()
     if name not in _registry:
         raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_registry)}")
     target, hint = _registry[name]
@@ -1483,7 +1547,10 @@ def backend_class(name: str) -> type[Storage]:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ImportError(f"backend {name!r} is not available: {hint} ({e})") from e
-    return getattr(module, class_name)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Storage)):  # a package's entry point gone stale
+        raise ImportError(f"backend {name!r} is not available: {target!r} names no Storage subclass; {hint}")
+    return cls
 
 
 def detect_backend(location: str, storage_options: dict | None = None) -> str | None:
@@ -1492,7 +1559,8 @@ def detect_backend(location: str, storage_options: dict | None = None) -> str | 
     its marker: opening any other buffer need not load, e.g., h5py and the HDF5 library
     (~130 ms, and exit hooks of their own). Raises ImportError with the install hint when the
     buffer there belongs to a registered backend that cannot be imported (its marker is present)."""
-    for name in _registry:
+    _load_entry_points()
+    for name in list(_registry):
         marker = _markers.get(name)
         if marker is not None and not _holds_marker(location, marker):
             continue
@@ -1505,6 +1573,17 @@ def detect_backend(location: str, storage_options: dict | None = None) -> str | 
         if cls.can_open(location, storage_options):
             return name
     return None
+
+
+def refuse_another_backends_buffer(storage: Storage) -> None:
+    """ValueError where another registered backend finds its buffer at ``storage``'s location:
+    creating one there is not this backend's business (its create would erase or mix with
+    files it does not own), and would make the location's backend ambiguous."""
+    other = detect_backend(storage.location, storage.storage_options)
+    if other is not None and other != storage.backend_name:
+        raise ValueError(
+            f"{storage.location!r} holds a {other!r} buffer; delete it first, or open it with backend={other!r}"
+        )
 
 
 def _holds_marker(location: str, marker: str) -> bool:
