@@ -165,6 +165,10 @@ class WriterLease(ABC):
         """In a forked child of the holder: the child holds no lease and must not write."""
         self.lost = "this process is a fork of the writer; it holds no writer lease"
 
+    def check_held(self) -> None:
+        """Set ``lost`` where the lease no longer guards the buffer at its location; a no-op for
+        leases that notice it otherwise (an object store's renewal)."""
+
     def release_soon(self) -> None:
         """``release`` for a garbage-collection finalizer, which may run in any thread at any
         allocation (inside a thread pool's or an event loop's lock): it must not wait for I/O."""
@@ -311,6 +315,27 @@ class FileLease(WriterLease):
                     os.unlink(self.path)
             self._remove_created()
         os.close(fd)  # closing the last descriptor of the open file drops the flock
+
+    def check_held(self) -> None:
+        # docstring inherited: the path must still name the file this lease locks. A folder
+        # moved away (renamed, replaced by another buffer or a link to one) would send the
+        # writes that go by path into whatever is there now, and a lock file deleted lets
+        # another writer lock a new one: either way this writer stops writing
+        fd = self._fd
+        if fd is None or self.lost is not None or self._pid != os.getpid():
+            return
+        try:
+            named = os.stat(self.path)
+        except OSError:
+            named = None
+        locked = os.fstat(fd)
+        if named is None or (named.st_dev, named.st_ino) != (locked.st_dev, locked.st_ino):
+            self.lost = (
+                f"its writer lease {self.path!r} is no longer the one this writer locked (the folder was "
+                "moved, renamed or replaced, or its writer.lock deleted, since it was opened), so it writes "
+                "nothing more there: another writer may hold that folder now. Open the buffer again to write"
+            )
+            logger.error("%s; this writer stops writing", self.lost)
 
     def _refuse_link(self, path: str) -> NoReturn:
         from .base import StorageError  # base imports this module
