@@ -222,6 +222,7 @@ class FileLease(WriterLease):
         super().__init__(root)
         self.path = os.path.join(root, *LEASE_KEY.split("/"))
         self._fd: int | None = None
+        self._locked: tuple[int, int] = (0, 0)
         self._created: list[str] = []
 
     @property
@@ -298,6 +299,8 @@ class FileLease(WriterLease):
 
             raise StorageError(f"cannot write the writer lease {self.path!r}: {e.strerror or e}") from e
         self._fd, self._pid, self.inherited = fd, os.getpid(), found
+        locked = os.fstat(fd)
+        self._locked = (locked.st_dev, locked.st_ino)  # the file locked, for ``check_held``
         _held.add(self)
 
     def release(self) -> None:
@@ -321,15 +324,13 @@ class FileLease(WriterLease):
         # moved away (renamed, replaced by another buffer or a link to one) would send the
         # writes that go by path into whatever is there now, and a lock file deleted lets
         # another writer lock a new one: either way this writer stops writing
-        fd = self._fd
-        if fd is None or self.lost is not None or self._pid != os.getpid():
+        if self._fd is None or self.lost is not None or self._pid != os.getpid():
             return
         try:
             named = os.stat(self.path)
         except OSError:
             named = None
-        locked = os.fstat(fd)
-        if named is None or (named.st_dev, named.st_ino) != (locked.st_dev, locked.st_ino):
+        if named is None or (named.st_dev, named.st_ino) != self._locked:
             self.lost = (
                 f"its writer lease {self.path!r} is no longer the one this writer locked (the folder was "
                 "moved, renamed or replaced, or its writer.lock deleted, since it was opened), so it writes "
