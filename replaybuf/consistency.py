@@ -170,7 +170,12 @@ def stored_bookkeeping(
     under ``"moved"`` the mask of slots whose generation moved during the reads."""
 
     def read(name: str) -> np.ndarray:
-        return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
+        try:
+            return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
+        except Exception as error:  # another buffer's array in place of the one opened, not damage
+            if storage.replaced():
+                raise BufferReplacedError(storage.location) from error
+            raise
 
     before = np.asarray(read("_generation"), dtype=np.int64)
     if as_read is not None:
