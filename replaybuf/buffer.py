@@ -992,6 +992,13 @@ class ReplayBuffer(CommittedViews):
 
     def _refuse_unwritable(self, call: str) -> None:
         """ValueError for ``call`` on a read-only or closed object."""
+        if self.read_only and self.__dict__.get("_unpickled_writer"):
+            raise ValueError(
+                f"cannot call `{call}` on {self.storage.location!r}: this is a pickled copy of a writable buffer "
+                "(sent to another process, e.g. a spawned one or a DataLoader worker), which is read-only; the "
+                "buffer takes one writer at a time: write from the process that opened it, or close it there "
+                "and open it with ReplayBuffer.from_folder here"
+            )
         if self.read_only:
             raise ValueError(f"cannot call `{call}` on a buffer opened read-only ({self.storage.location!r})")
         if self._closed:
@@ -1920,7 +1927,12 @@ class ReplayBuffer(CommittedViews):
         state = dict(self.__dict__)
         # the copy checks every committed slot's meta checksum at its first refresh (a few ms a
         # million slots) rather than carrying the values this one checked
-        state.update(_group=None, read_only=True, _verified=None)
+        state.update(
+            _group=None,
+            read_only=True,
+            _verified=None,
+            _unpickled_writer=not self.read_only or self.__dict__.get("_unpickled_writer", False),
+        )
         state.pop("memory_namedtuple", None)
         state.pop("_rlock", None)
         return state

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
@@ -117,13 +117,23 @@ def _storage(source: Any) -> Storage:
     return source if not hasattr(source, "storage") else source.storage
 
 
+def _writing_here(source: Any) -> TypeGuard[ReplayBuffer]:
+    """Whether ``source`` is a writable buffer that writes in this process, whose mirror holds
+    what it committed. A forked child's copy (a DataLoader worker of the writer) holds the
+    mirror as of the fork while the writer goes on committing: it reads what is stored."""
+    if getattr(source, "read_only", True) is not False or not hasattr(source, "generations"):
+        return False
+    lease = getattr(getattr(source, "storage", None), "held_lease", None)
+    return lease is not None and lease.lost is None
+
+
 def committed_generations(source: ReplayBuffer | Storage | Any, slots: np.ndarray) -> np.ndarray:
     """The generation each of ``slots`` holds now (0: empty or being written).
 
-    ``source`` is a buffer (a writable one answers from its own mirror: it is the writer) or a
+    ``source`` is a buffer (the writer answers from its own mirror, ``_writing_here``) or a
     storage; only the entries of ``slots`` are read, not the whole array."""
     slots = np.asarray(slots, dtype=np.int64)
-    if getattr(source, "read_only", True) is False and hasattr(source, "generations"):
+    if _writing_here(source):
         return source.generations[slots]
     storage = _storage(source)
     try:
@@ -160,7 +170,12 @@ def stored_bookkeeping(
     under ``"moved"`` the mask of slots whose generation moved during the reads."""
 
     def read(name: str) -> np.ndarray:
-        return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
+        try:
+            return storage.read_meta(name) if slots is None else storage.read_meta_rows(name, slots)
+        except Exception as error:  # another buffer's array in place of the one opened, not damage
+            if storage.replaced():
+                raise BufferReplacedError(storage.location) from error
+            raise
 
     before = np.asarray(read("_generation"), dtype=np.int64)
     if as_read is not None:

@@ -102,9 +102,9 @@ def test_read_only_buffers_refuse_every_change(tmp_path):
         "attrs.update": lambda attrs: attrs.update(fps=1),
         "attrs.clear": lambda attrs: attrs.clear(),
     }
-    for target in (reader, pickled):
+    for target, why in ((reader, "a buffer opened read-only"), (pickled, ".* a pickled copy of a writable buffer")):
         for call, change in changes.items():
-            with pytest.raises(ValueError, match=f"cannot call `{call}` on a buffer opened read-only"):
+            with pytest.raises(ValueError, match=f"cannot call `{call}` on {why}"):
                 change(target.attrs)
     assert stored(tmp_path / "b") == {"fps": 10}
     assert dict(pickled.attrs) == {}

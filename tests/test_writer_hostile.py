@@ -24,6 +24,7 @@ from hypothesis.extra import numpy as hnp
 from replaybuf import BufferLockedError, ForeignEntriesError, ReplayBuffer, StorageError, verify
 from replaybuf.storage._codecs import crc32c
 from replaybuf.storage._zarr import ZarrStorage
+from replaybuf.storage.lease import FileLease
 
 from ._backends import LOCAL_BACKENDS as LOCAL
 from ._backends import snapshot
@@ -79,6 +80,48 @@ def test_a_linked_blob_folder_is_refused_before_the_lease_writes_into_it(tmp_pat
     with pytest.raises(StorageError, match="replaybuf' is a symbolic link"):
         ReplayBuffer.from_folder(tmp_path / "buf")
     assert snapshot(str(target)) == before  # the old lease deleted the user's writer.lock here
+
+
+# ---- a writer whose folder moved writes nothing where it was ------------------------------------
+
+
+@pytest.mark.parametrize("replaced_by", ["rename", "symlink"])
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_writer_whose_folder_was_moved_and_replaced_writes_nothing_into_the_new_one(tmp_path, backend, replaced_by):
+    stored_buffer(tmp_path / "other", backend)  # another buffer: put where the writer's was
+    writer = new(tmp_path / "buf", backend)
+    store(writer, 2.0)
+    os.rename(tmp_path / "buf", tmp_path / "moved")
+    if replaced_by == "rename":
+        os.rename(tmp_path / "other", tmp_path / "buf")
+    else:
+        os.symlink(tmp_path / "other", tmp_path / "buf")
+    before = snapshot(str(tmp_path / "buf"))
+    with pytest.raises(BufferLockedError, match="moved, renamed or replaced"):
+        store(writer, 3.0)  # zarr wrote this episode into the other buffer, damaging it
+    with contextlib.suppress(BufferLockedError):  # raised where counters were left to write
+        writer.close()  # gives the lease back all the same
+    assert snapshot(str(tmp_path / "buf")) == before
+    moved = ReplayBuffer.from_folder(tmp_path / "moved")  # its own writer now
+    assert len(moved) == 1 and float(moved.get_all_data()["state"][0, 0, 0]) == 2.0
+    moved.close()
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_lock_file_deleted_under_a_live_writer_lets_no_second_writer_in(tmp_path, backend):
+    writer = new(tmp_path / "buf", backend)
+    store(writer, 2.0)
+    os.remove(tmp_path / "buf" / "replaybuf" / "writer.lock")  # "a stale lock", thought the user
+    second = FileLease(str(tmp_path / "buf"))  # another process's open: it locked a new lock file
+    with pytest.raises(BufferLockedError, match="its writer.lock is gone"):
+        second.acquire()
+    assert FileLease(str(tmp_path / "buf")).live_holder() == {}  # a writer, unknown: verify --repair waits
+    store(writer, 3.0)  # the writer still holds the buffer alone
+    writer.close()
+    second.acquire()  # free once the writer closed
+    second.release()
+    reader = ReplayBuffer.from_folder(tmp_path / "buf", read_only=True)
+    assert sorted(np.asarray(reader.get_all_data()["state"])[:, 0, 0].tolist()) == [2.0, 3.0]
 
 
 # ---- a user's own replaybuf/ folder is not a buffer's -------------------------------------------

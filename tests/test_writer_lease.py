@@ -346,6 +346,8 @@ def test_pickled_buffer_is_read_only_and_carries_no_lease(location, backend):
     _store(writer, 2)
     copy = pickle.loads(pickle.dumps(writer))
     assert copy.read_only and copy.storage._lease is None
+    with pytest.raises(ValueError, match="pickled copy of a writable buffer"):  # not "opened read-only"
+        _store(pickle.loads(pickle.dumps(copy)), 3)
     copy.close()
     del copy
     gc.collect()

@@ -1447,6 +1447,8 @@ class Storage(ABC):
     def _check_writable(self) -> None:
         if self.read_only:
             raise PermissionError(f"buffer at {self.location!r} was opened read-only; writing is not allowed")
+        if self._lease is not None:
+            self._lease.check_held()
         if self._lease is not None and self._lease.lost is not None:
             raise BufferLockedError(f"cannot write to {self.location!r}: {self._lease.lost}")
         if self._lease is not None and self._lease.epoch != self._lease_epoch:

@@ -6,8 +6,9 @@ it. Writable opens of one buffer within one process share the lease (``take``). 
 the lease under the key ``replaybuf/writer.lock`` of the buffer, holding JSON ``{host, pid,
 since, ...}`` that names the holder for the error a second writer gets.
 
-- ``FileLease`` (local folders, every backend): ``fcntl.flock`` on that file. The kernel drops
-  the lock when the holding process dies, however it dies, so a local lock is never stale.
+- ``FileLease`` (local folders, every backend): ``fcntl.flock`` on that file and on the
+  buffer's folder (so deleting the file lets no second writer in). The kernel drops the locks
+  when the holding process dies, however it dies, so a local lock is never stale.
 - ``ProcessLease`` (``memory://``, which lives in one process): held by this process alone.
 - ``ObjectLease`` (zarr on ``s3://``, ``gs://``): an object created with a
   conditional write (``If-None-Match: *``) that a daemon thread renews every quarter of its
@@ -165,6 +166,10 @@ class WriterLease(ABC):
         """In a forked child of the holder: the child holds no lease and must not write."""
         self.lost = "this process is a fork of the writer; it holds no writer lease"
 
+    def check_held(self) -> None:
+        """Set ``lost`` where the lease no longer guards the buffer at its location; a no-op for
+        leases that notice it otherwise (an object store's renewal)."""
+
     def release_soon(self) -> None:
         """``release`` for a garbage-collection finalizer, which may run in any thread at any
         allocation (inside a thread pool's or an event loop's lock): it must not wait for I/O."""
@@ -218,6 +223,9 @@ class FileLease(WriterLease):
         super().__init__(root)
         self.path = os.path.join(root, *LEASE_KEY.split("/"))
         self._fd: int | None = None
+        self._folder_fd: int | None = None  # the folder, locked too (``_lock_folder``)
+        self._locked: tuple[int, int] = (0, 0)
+        self._folder: tuple[int, int] = (0, 0)
         self._created: list[str] = []
 
     @property
@@ -293,7 +301,23 @@ class FileLease(WriterLease):
             from .base import StorageError  # base imports this module
 
             raise StorageError(f"cannot write the writer lease {self.path!r}: {e.strerror or e}") from e
+        try:
+            self._folder_fd = self._lock_folder()
+        except BlockingIOError:
+            self._unlink_own(fd)  # the file this open made: the holder's was deleted
+            os.close(fd)
+            self._remove_created()
+            raise self._locked_error(
+                {},
+                "That writer holds the buffer's folder though its writer.lock is gone (deleted while it "
+                "wrote); it cannot be stale: close() that writer, or stop its process, to take over.",
+            ) from None
         self._fd, self._pid, self.inherited = fd, os.getpid(), found
+        locked = os.fstat(fd)
+        self._locked = (locked.st_dev, locked.st_ino)  # the file locked, for ``check_held``
+        if self._folder_fd is not None:
+            folder = os.fstat(self._folder_fd)
+            self._folder = (folder.st_dev, folder.st_ino)
         _held.add(self)
 
     def release(self) -> None:
@@ -303,14 +327,60 @@ class FileLease(WriterLease):
         if fd is None:
             return
         if self._pid == os.getpid():
-            with contextlib.suppress(FileNotFoundError):
-                # only the file it locked: the folder may have moved (``upgrade`` swaps another
-                # in), and the path then names the lock file of a writer of that folder
-                locked, named = os.fstat(fd), os.stat(self.path)
-                if (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino):
-                    os.unlink(self.path)
+            self._unlink_own(fd)
             self._remove_created()
         os.close(fd)  # closing the last descriptor of the open file drops the flock
+        folder_fd, self._folder_fd = self._folder_fd, None
+        if folder_fd is not None:
+            os.close(folder_fd)
+
+    def _unlink_own(self, fd: int) -> None:
+        """Delete the lock file ``fd`` locks, only where the path still names it: the folder may
+        have moved (``upgrade`` swaps another in), and the path then names the lock file of a
+        writer of that folder."""
+        with contextlib.suppress(FileNotFoundError):
+            locked, named = os.fstat(fd), os.stat(self.path)
+            if (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino):
+                os.unlink(self.path)
+
+    def _lock_folder(self) -> int | None:
+        """A descriptor of the buffer's folder holding an exclusive flock, which the holder keeps
+        with its lock file's: deleting ``writer.lock`` ("a stale lock") under a live writer lets
+        no second writer in. None where the file system locks no folder; BlockingIOError when
+        another open holds it."""
+        try:
+            fd = os.open(self.location, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise
+        except OSError:  # no flock on folders here (some network file systems)
+            os.close(fd)
+            return None
+        return fd
+
+    def check_held(self) -> None:
+        # docstring inherited: the path must still name the folder this lease locks (or, where
+        # folders take no lock, its lock file). A folder moved away (renamed, replaced by another
+        # buffer or a link to one) would send the writes that go by path into whatever is there
+        # now, where another writer may hold the lease: this writer stops writing
+        if self._fd is None or self.lost is not None or self._pid != os.getpid():
+            return
+        path, identity = (self.location, self._folder) if self._folder_fd is not None else (self.path, self._locked)
+        try:
+            named = os.stat(path)
+        except OSError:
+            named = None
+        if named is None or (named.st_dev, named.st_ino) != identity:
+            self.lost = (
+                f"{path!r} is no longer the one this writer locked (the buffer's folder was moved, renamed or "
+                "replaced since it was opened), so it writes nothing more there: another writer may hold "
+                "the folder there now. Open the buffer again to write"
+            )
+            logger.error("%s; this writer stops writing", self.lost)
 
     def _refuse_link(self, path: str) -> NoReturn:
         from .base import StorageError  # base imports this module
@@ -338,10 +408,11 @@ class FileLease(WriterLease):
 
     def _after_fork(self) -> None:
         # docstring inherited: close the child's copy, so the lock still dies with the holder
-        fd, self._fd = self._fd, None
+        for fd in (self._fd, self._folder_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._folder_fd = None
         _held.discard(self)
-        if fd is not None:
-            os.close(fd)
         super()._after_fork()
 
     def stopped(self) -> bool:
@@ -357,11 +428,27 @@ class FileLease(WriterLease):
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return None
+            return self._folder_holder()
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return self._read_record() or {}
+        finally:
+            os.close(fd)
+        return self._folder_holder()
+
+    def _folder_holder(self) -> dict | None:
+        """{} (a writer, unknown) when a writer whose lock file was deleted holds the folder."""
+        try:
+            fd = os.open(self.location, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return {}
+        except OSError:
+            return None
         finally:
             os.close(fd)
         return None
