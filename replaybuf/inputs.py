@@ -6,7 +6,6 @@ was expected.
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
@@ -71,7 +70,8 @@ def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
         lo, hi = array.min().item(), array.max().item()
         # the cast truncates floats toward zero, as the seed's does: 255.9 is stored as 255 in a
         # uint8 field and -0.5 as 0, so the truncated values are the ones that must fit
-        low, high = (math.trunc(lo), math.trunc(hi)) if array.dtype.kind == "f" else (lo, hi)
+        # (int(), not math.trunc: a long double's item() stays a NumPy scalar, which has no __trunc__)
+        low, high = (int(lo), int(hi)) if array.dtype.kind == "f" else (lo, hi)
         if low < info.min or high > info.max:
             raise ValueError(
                 f"field {f.name!r}: values in [{lo}, {hi}] do not fit dtype {target} (range [{info.min}, {info.max}])"
