@@ -299,26 +299,49 @@ class Committer:
         ordinals = self.ordinals(len(slots), length)
         if self.storage.keeps_meta_sums:  # the checksum of what is about to be published, before it publishes
             self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals, length))
-        self.write_meta("_generation", slots, ordinals)
-        self.write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         previous = self.state
         empties = set(previous.get(EMPTY_EPISODES, ())) - set(slots.tolist())
         if not length:
             empties |= set(slots.tolist())
-        self.state = {
+        state = {
             "episode_index": int((slots[-1] + 1) % self.max_episodes),
             "total_episodes": base + len(slots),
+            # counted as the seed counts commits (an episode_index moved back overwrites and counts)
+            "num_episodes": min(int(previous["num_episodes"]) + len(slots), self.max_episodes),
             **({"cleared": True} if previous.get("cleared") else {}),
             **({EMPTY_EPISODES: sorted(empties)} if empties else {}),
         }
-        # counted as the seed counts commits (an episode_index moved back overwrites and counts)
-        self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
+        lens = np.full(len(slots), length, np.int32)
+        try:
+            self.write_meta("_generation", slots, ordinals)
+            self.write_meta("episode_lens", slots, lens)
+            self.state = state
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self._follow_interrupted_publish(slots, ordinals, lens, state)
+            raise
         self.dirty_slots.difference_update(slots.tolist())
         batch_counters = batch_counters and length > 0
         if batch_counters and time.monotonic() - self.batched_at < COUNTERS_INTERVAL:
             self.counters_pending = True
         else:
             self.store_state(self.state, batched=batch_counters)
+
+    def _follow_interrupted_publish(
+        self, slots: np.ndarray, ordinals: np.ndarray, lens: np.ndarray, state: dict[str, Any]
+    ) -> None:
+        """A publish interrupted (a KeyboardInterrupt) around its generation and length writes:
+        where storage holds both, the episodes are published, so the mirror and the counters
+        follow (written by the next commit, flush() or close()). Left behind, the next commit
+        took the same slot and generation (a reader's cache keyed by it served the old rows),
+        or, interrupted between the counters' two assignments, failed on every later commit."""
+        stored_lens = self.storage.read_meta_rows("episode_lens", slots)
+        stored_generations = self.storage.read_meta_rows("_generation", slots)
+        if (stored_lens == lens).all() and (stored_generations == ordinals).all():
+            self.meta["_generation"][slots] = ordinals
+            self.meta["episode_lens"][slots] = lens
+            self.state = state
+            self.counters_pending = True
 
     def stamp_revisions(self, slots: np.ndarray) -> None:
         """Give ``slots``, before they publish, this session's revision where they hold another
