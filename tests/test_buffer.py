@@ -461,3 +461,18 @@ def test_rows_edited_past_an_episode_end_do_not_show_under_the_next_episode(make
     fill_episode(buffer, 2, task=3)  # slot 0 reused
     reader = ReplayBuffer.from_folder(buffer.storage.location, read_only=True, backend=buffer.storage.backend_name)
     assert reader.data["reward"][:, :6].tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]] * 2
+
+
+def test_the_writer_reads_its_episode_in_progress_alone_in_a_reused_slot(make_location):
+    # past its steps, the view showed the rows of the episode the slot still holds (committed
+    # until this one commits): one read of two episodes
+    buffer, _, _ = make(make_location, max_episodes=2, circular=True)
+    for task in (1, 2):
+        fill_episode(buffer, 7, task=task)
+    buffer.store(action=np.array([9, 9]), reward=9.0, done=True)
+    assert buffer.data["reward"][0, :7].tolist() == [9.0] + [0.0] * 6
+    assert buffer.data["action"][0, :3].tolist() == [[9, 9], [0, 0], [0, 0]]
+    assert buffer.data["done"][0].tolist() == [True] + [False] * 11
+    assert buffer.get_all_data()["reward"][0].tolist() == [float(t) for t in range(7)]  # committed: still there
+    buffer.advance_episode()
+    assert buffer.data["reward"][0, :3].tolist() == [9.0, 0.0, 0.0] and buffer.episode_lens[0] == 1
