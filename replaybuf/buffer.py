@@ -1308,9 +1308,12 @@ class ReplayBuffer(CommittedViews):
         sizes = {n: int(v.shape[0]) if v.ndim else None for n, v in data.items()}
         if batch is None:
             known = [s for s in sizes.values() if s is not None]
-            if not known:
+            if known:
+                batch = known[0]
+            elif group is not None:  # scalars only: one for every episode of ``batched_episode``'s group
+                batch = group.batch_size
+            else:
                 raise ValueError("store_batch: values need a leading batch dimension")
-            batch = known[0]
             if batch < 1:
                 raise ValueError(f"store_batch: values have batch size 0 ({sizes}), expected at least 1 episode")
         for name, size in sizes.items():

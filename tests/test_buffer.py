@@ -130,6 +130,11 @@ def test_batched_episode_and_store_batch(make_location):
         buffer.store_batch(reward=np.array([1.0, 2.0]))
     assert buffer.meta_data["task_id"][3:5].tolist() == [7, 8]
     assert buffer.data["reward"][4, 0] == 2.0
+    # scalars only, at the group's first step too (refused there: "need a leading batch dimension")
+    with buffer.batched_episode(batch_size=1):
+        buffer.store_batch(reward=1.5, done=True)
+        buffer.store_batch(reward=np.float32(2.5))
+    assert buffer.data["reward"][5, :2].tolist() == [1.5, 2.5] and buffer.data["done"][5, :2].tolist() == [True, False]
 
 
 def test_store_datapoint_and_meta_datapoint(make_location):
