@@ -40,6 +40,7 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     """A numpy view of a tensor / array / list / scalar; rejects strings and objects."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         value = tensor_to_numpy(value, name)
+    check_unmasked(value, name)
     try:
         array = np.asarray(value)
     except (ValueError, TypeError) as e:
@@ -52,6 +53,16 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     if array.dtype.kind not in "biuf":
         raise TypeError(f"field {name!r}: expected numbers or bools, got dtype {array.dtype} ({type(value).__name__})")
     return array
+
+
+def check_unmasked(value: Any, name: str) -> None:
+    """ValueError for a masked array holding masked items: they hold no value to store, and
+    ``np.asarray`` kept (and stored, silently) whatever their memory held."""
+    if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+        raise ValueError(
+            f"field {name!r}: a masked array with {int(np.ma.count_masked(value))} masked value(s), which hold "
+            "no value to store; expected plain values (value.filled(x) fills them, value.data keeps what they hold)"
+        )
 
 
 def cast_values(array: np.ndarray, f: Field) -> np.ndarray:

@@ -553,3 +553,26 @@ def test_an_open_where_no_buffer_is_raises_buffer_not_found_and_creates_nothing(
     with pytest.raises(BufferNotFoundError, match="no 'hdf5' buffer at .*: it holds a 'zarr' buffer; open it with"):
         ReplayBuffer(zarr, overwrite=False, backend="hdf5")
     assert {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()} == before
+
+
+def test_a_masked_array_with_masked_items_is_refused_on_every_write(make_location):
+    # np.asarray kept whatever the masked items' memory held, and stored it without a word
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 3, task=1)
+    before = snapshot(buffer)
+    rewards = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    writes = {
+        "store_episode": lambda: buffer.store_episode(reward=rewards, task_id=2),
+        "update": lambda: buffer.update(0, reward=rewards),
+        "data": lambda: buffer.data["reward"].__setitem__((0, slice(0, 3)), rewards),
+        "meta": lambda: buffer.meta_data["task_id"].__setitem__(0, np.ma.masked_array(4, mask=True)),
+        "store": lambda: buffer.store(reward=np.ma.masked_array(1.0, mask=True)),
+        "collector": lambda: buffer.create_collector(3).append(reward=rewards),
+    }
+    for call, write in writes.items():
+        with pytest.raises(ValueError, match=r"field '(reward|task_id)': a masked array with 1 masked value"):
+            write()
+        assert buffer.timestep_index == 0, call
+    assert_same_snapshot(snapshot(buffer), before)
+    buffer.update(0, reward=np.ma.masked_array([5.0, 6.0, 7.0], mask=False))  # nothing masked: its values
+    assert buffer.data["reward"][0, :3].tolist() == [5.0, 6.0, 7.0]
