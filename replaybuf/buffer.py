@@ -1686,7 +1686,7 @@ class ReplayBuffer(CommittedViews):
         writer sees its episode in progress (and ``data[...] = ...`` keeps the staged steps it
         does not assign)."""
         group = self._group
-        if group is None:
+        if group is None or not group.length:  # no step yet: meta waiting for the next episode
             return
         start, staged = group.staged(name)
         lo, hi = max(t0, start), min(t0 + rows.shape[1], start + staged.shape[1])

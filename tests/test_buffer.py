@@ -474,6 +474,8 @@ def test_the_writer_reads_its_episode_in_progress_alone_in_a_reused_slot(make_lo
     buffer, _, _ = make(make_location, max_episodes=2, circular=True)
     for task in (1, 2):
         fill_episode(buffer, 7, task=task)
+    with buffer.one_episode(task_id=5):  # no step yet: the slot shows its committed episode
+        assert buffer.data["reward"][0, :3].tolist() == [0.0, 1.0, 2.0]
     buffer.store(action=np.array([9, 9]), reward=9.0, done=True)
     assert buffer.data["reward"][0, :7].tolist() == [9.0] + [0.0] * 6
     assert buffer.data["action"][0, :3].tolist() == [[9, 9], [0, 0], [0, 0]]
