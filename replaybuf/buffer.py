@@ -1315,9 +1315,12 @@ class ReplayBuffer(CommittedViews):
         sizes = {n: int(v.shape[0]) if v.ndim else None for n, v in data.items()}
         if batch is None:
             known = [s for s in sizes.values() if s is not None]
-            if not known:
+            if known:
+                batch = known[0]
+            elif group is not None:  # scalars only: one for every episode of ``batched_episode``'s group
+                batch = group.batch_size
+            else:
                 raise ValueError("store_batch: values need a leading batch dimension")
-            batch = known[0]
             if batch < 1:
                 raise ValueError(f"store_batch: values have batch size 0 ({sizes}), expected at least 1 episode")
         for name, size in sizes.items():
@@ -1686,18 +1689,22 @@ class ReplayBuffer(CommittedViews):
 
     def _overlay_staged(self, name: str, episodes: np.ndarray, t0: int, rows: np.ndarray) -> None:
         """Put into ``rows`` (of ``episodes`` from step ``t0``, as read from storage) the steps of
-        the episodes in progress still staged in RAM: the writer sees its episode in progress
-        (and ``data[...] = ...`` keeps the staged steps it does not assign)."""
+        the episodes in progress still staged in RAM, and the default past their steps: the
+        writer sees its episode in progress (and ``data[...] = ...`` keeps the staged steps it
+        does not assign)."""
         group = self._group
-        if group is None:
+        if group is None or not group.length:  # no step yet: meta waiting for the next episode
             return
         start, staged = group.staged(name)
         lo, hi = max(t0, start), min(t0 + rows.shape[1], start + staged.shape[1])
-        if lo >= hi:
-            return
+        fill = self.schema.fields[name].fill
         for i in np.flatnonzero(np.isin(episodes, group.slots)):
-            row = int(np.flatnonzero(group.slots == episodes[i])[0])
-            rows[i, lo - t0 : hi - t0] = staged[row, lo - start : hi - start]
+            # past its steps, the default: not the rows of the episode the slot still holds
+            # (committed until this one commits), which made one read of two episodes
+            rows[i, max(group.length - t0, 0) :] = fill
+            if lo < hi:
+                row = int(np.flatnonzero(group.slots == episodes[i])[0])
+                rows[i, lo - t0 : hi - t0] = staged[row, lo - start : hi - start]
 
     def _edit_staged(
         self,

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from replaybuf.inputs import tensor_to_numpy
+from replaybuf.inputs import check_unmasked, tensor_to_numpy
 from replaybuf.sampling.collate import named_batch_class
 from replaybuf.schema import RESERVED_META_FIELDS
 
@@ -77,12 +77,13 @@ def _shape(value: Any) -> tuple[int, ...]:
 
 
 def _check_numeric(name: str, value: ArrayLike) -> None:
-    """Reject strings, objects and complex numbers (which no field stores) before they reach
-    the rollout."""
+    """Reject strings, objects, complex numbers (which no field stores) and masked items before
+    they reach the rollout."""
     if isinstance(value, torch.Tensor) and value.is_complex():
         raise TypeError(f"field {name!r}: got a tensor of dtype {value.dtype}; expected numbers or bools")
     if isinstance(value, np.ndarray) and value.dtype.kind not in "biuf":
         raise TypeError(f"field {name!r}: got values of dtype {value.dtype}; expected numbers or bools")
+    check_unmasked(value, name)
 
 
 def _cast_singleton(value: Any, target: tuple[int, ...], leading: int) -> Any:

@@ -299,26 +299,49 @@ class Committer:
         ordinals = self.ordinals(len(slots), length)
         if self.storage.keeps_meta_sums:  # the checksum of what is about to be published, before it publishes
             self.write_meta(META_SUM, slots, self.meta_entries(slots, ordinals, length))
-        self.write_meta("_generation", slots, ordinals)
-        self.write_meta("episode_lens", slots, np.full(len(slots), length, np.int32))
         previous = self.state
         empties = set(previous.get(EMPTY_EPISODES, ())) - set(slots.tolist())
         if not length:
             empties |= set(slots.tolist())
-        self.state = {
+        state = {
             "episode_index": int((slots[-1] + 1) % self.max_episodes),
             "total_episodes": base + len(slots),
+            # counted as the seed counts commits (an episode_index moved back overwrites and counts)
+            "num_episodes": min(int(previous["num_episodes"]) + len(slots), self.max_episodes),
             **({"cleared": True} if previous.get("cleared") else {}),
             **({EMPTY_EPISODES: sorted(empties)} if empties else {}),
         }
-        # counted as the seed counts commits (an episode_index moved back overwrites and counts)
-        self.state["num_episodes"] = min(int(previous["num_episodes"]) + len(slots), self.max_episodes)
+        lens = np.full(len(slots), length, np.int32)
+        try:
+            self.write_meta("_generation", slots, ordinals)
+            self.write_meta("episode_lens", slots, lens)
+            self.state = state
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self._follow_interrupted_publish(slots, ordinals, lens, state)
+            raise
         self.dirty_slots.difference_update(slots.tolist())
         batch_counters = batch_counters and length > 0
         if batch_counters and time.monotonic() - self.batched_at < COUNTERS_INTERVAL:
             self.counters_pending = True
         else:
             self.store_state(self.state, batched=batch_counters)
+
+    def _follow_interrupted_publish(
+        self, slots: np.ndarray, ordinals: np.ndarray, lens: np.ndarray, state: dict[str, Any]
+    ) -> None:
+        """A publish interrupted (a KeyboardInterrupt) around its generation and length writes:
+        where storage holds both, the episodes are published, so the mirror and the counters
+        follow (written by the next commit, flush() or close()). Left behind, the next commit
+        took the same slot and generation (a reader's cache keyed by it served the old rows),
+        or, interrupted between the counters' two assignments, failed on every later commit."""
+        stored_lens = self.storage.read_meta_rows("episode_lens", slots)
+        stored_generations = self.storage.read_meta_rows("_generation", slots)
+        if (stored_lens == lens).all() and (stored_generations == ordinals).all():
+            self.meta["_generation"][slots] = ordinals
+            self.meta["episode_lens"][slots] = lens
+            self.state = state
+            self.counters_pending = True
 
     def stamp_revisions(self, slots: np.ndarray) -> None:
         """Give ``slots``, before they publish, this session's revision where they hold another
@@ -388,8 +411,9 @@ class Committer:
         keyed by (generation, revision) and none is taken at an odd revision, so no reader is
         served the rows from before (or halfway through) the edit once it has refreshed. A
         writer killed once the record is written has the edit applied again by the next writable open
-        (``finish_edits``); one interrupted in this process (a KeyboardInterrupt) by its next
-        edit, commit or ``flush()`` (``finish_interrupted_edit``). A write that raises (a
+        (``finish_edits``); one interrupted in this process (a KeyboardInterrupt) before the
+        interrupt leaves this call, or (interrupted again) by its next edit, commit or
+        ``flush()`` (``finish_interrupted_edit``). A write that raises (a
         damaged row refused, a failed write) ends the edit there, as applying it again would
         fail again. An edit the disk may have no room for is refused first
         (``check_edit_room``)."""
@@ -416,30 +440,38 @@ class Committer:
             Edit(slots, self.meta["_generation"][slots].copy(), revisions, list(writes)), self.schema
         )
         # from here until done, a BaseException (a KeyboardInterrupt) leaves the edit to be
-        # finished from the log, or the log cleared (``finish_interrupted_edit``)
+        # finished from the log, or the log cleared (``finish_interrupted_edit``): at once, as
+        # the object's reads finish nothing (they showed the edit half applied, or on zarr
+        # raised CorruptChunkError for its odd slots), else (interrupted again) by the next
+        # edit, commit or flush()
         self.edit_interrupted = True
         try:
-            editlog.write(self.storage, record)
-        except StorageError as e:  # nothing applied: the record, whole or cut short, is emptied
-            self._clear_edit_log()
+            try:
+                editlog.write(self.storage, record)
+            except StorageError as e:  # nothing applied: the record, whole or cut short, is emptied
+                self._clear_edit_log()
+                self.edit_interrupted = False
+                raise StorageError(
+                    f"{e}; nothing was written: the edit was not made, the episodes keep their values"
+                ) from e
+            self.dirty_slots.update(past)  # rows past a slot's committed end: zeroed when its next episode commits
+            try:
+                self.write_meta("_revision", slots, revisions)
+                self.apply(writes)
+            except Exception:
+                # a write refused (a damaged row) or failed (a full disk): applying it again would
+                # fail again, so the log goes, and the slots stay odd, uncached, each step old or
+                # new, until the next edit of them or writable open seals them as they are
+                self.edit_interrupted = False
+                self._clear_edit_log()
+                raise
+            self.write_meta("_revision", slots, np.full(len(slots), new_revision(revisions - 1), np.int64))
             self.edit_interrupted = False
-            raise StorageError(
-                f"{e}; nothing was written: the edit was not made, the episodes keep their values"
-            ) from e
-        self.dirty_slots.update(past)  # rows past a slot's committed end: zeroed when its next episode commits
-        try:
-            self.write_meta("_revision", slots, revisions)
-            self.apply(writes)
-        except Exception:
-            # a write refused (a damaged row) or failed (a full disk): applying it again would
-            # fail again, so the log goes, and the slots stay odd, uncached, each step old or
-            # new, until the next edit of them or writable open seals them as they are
-            self.edit_interrupted = False
             self._clear_edit_log()
+        except BaseException as e:
+            if self.edit_interrupted and not isinstance(e, Exception):
+                self.finish_interrupted_edit()
             raise
-        self.write_meta("_revision", slots, np.full(len(slots), new_revision(revisions - 1), np.int64))
-        self.edit_interrupted = False
-        self._clear_edit_log()
 
     def apply(self, writes: Sequence[Write]) -> None:
         """Apply an edit's writes in order, then reseal the meta checksums of the slots whose
@@ -459,14 +491,14 @@ class Committer:
         """Finish an edit of this session interrupted (a KeyboardInterrupt) once its record may
         have been written: its writes are applied again from the log and its slots sealed
         (``finish_edits``), or a record cut short is dropped. Run before the next edit and commit and by
-        ``flush()`` (so ``close()``)."""
+        ``flush()`` (so ``close()``), and by the edit itself when interrupted (``edit``)."""
         if self.edit_interrupted:
-            if self.storage.writer_shared:
-                # another open sharing the lease may have committed to or edited the slots since
-                # (a reused slot holds its new episode, with its length and checksums): the edit
-                # is finished from what is stored, never from this open's mirror of before
-                for name, values in self.meta.items():
-                    values[...] = self.storage.read_meta(name)
+            # the edit is finished from what is stored, never from this open's mirror: the
+            # interrupt may have fallen between a meta write and its mirror (a slot odd on disk,
+            # even here, was left odd), and another open sharing the lease may have committed to
+            # or edited the slots since (a reused slot holds its new episode and checksums)
+            for name, values in self.meta.items():
+                values[...] = self.storage.read_meta(name)
             self.finish_edits()
             self.edit_interrupted = False
 

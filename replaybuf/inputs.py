@@ -6,7 +6,6 @@ was expected.
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
@@ -41,6 +40,7 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     """A numpy view of a tensor / array / list / scalar; rejects strings and objects."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         value = tensor_to_numpy(value, name)
+    check_unmasked(value, name)
     try:
         array = np.asarray(value)
     except (ValueError, TypeError) as e:
@@ -53,6 +53,16 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     if array.dtype.kind not in "biuf":
         raise TypeError(f"field {name!r}: expected numbers or bools, got dtype {array.dtype} ({type(value).__name__})")
     return array
+
+
+def check_unmasked(value: Any, name: str) -> None:
+    """ValueError for a masked array holding masked items: they hold no value to store, and
+    ``np.asarray`` kept (and stored, silently) whatever their memory held."""
+    if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+        raise ValueError(
+            f"field {name!r}: a masked array with {int(np.ma.count_masked(value))} masked value(s), which hold "
+            "no value to store; expected plain values (value.filled(x) fills them, value.data keeps what they hold)"
+        )
 
 
 def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
@@ -71,7 +81,8 @@ def cast_values(array: np.ndarray, f: Field) -> np.ndarray:
         lo, hi = array.min().item(), array.max().item()
         # the cast truncates floats toward zero, as the seed's does: 255.9 is stored as 255 in a
         # uint8 field and -0.5 as 0, so the truncated values are the ones that must fit
-        low, high = (math.trunc(lo), math.trunc(hi)) if array.dtype.kind == "f" else (lo, hi)
+        # (int(), not math.trunc: a long double's item() stays a NumPy scalar, which has no __trunc__)
+        low, high = (int(lo), int(hi)) if array.dtype.kind == "f" else (lo, hi)
         if low < info.min or high > info.max:
             raise ValueError(
                 f"field {f.name!r}: values in [{lo}, {hi}] do not fit dtype {target} (range [{info.min}, {info.max}])"

@@ -196,15 +196,30 @@ def parse_field(name: str, spec: Any, meta: bool = False) -> Field:
     dtype = parse_dtype(name, dtype_spec)
     shape = _parse_shape(name, shape)
     if default is not None:
-        if isinstance(default, (bool, int, float, np.generic)):
-            default = default.item() if isinstance(default, np.generic) else default
-        else:
-            raise TypeError(f"field {name!r}: default must be a number or bool, got {default!r}")
+        default = _parse_default(name, default)
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"field {name!r}: chunks must be a positive number of timesteps, got {chunks!r}")
     if compressor is not None:
         parse_compressor(compressor, name)
     return Field(name, dtype, shape, default, chunks, compressor, spec)
+
+
+def _parse_default(name: str, default: Any) -> bool | int | float:
+    """A field default as the Python bool, int or float the JSON config holds. NumPy's other
+    scalars (``np.complex128``, ``np.str_``, ``np.datetime64``, ...) are refused as their Python
+    types are: they were taken, then failed writing the config after an overwrite had erased the
+    buffer it replaced, or made a config that no longer opened."""
+    if isinstance(default, (np.bool_, np.integer, np.floating)):
+        number = default.item()
+        if not isinstance(number, (bool, int, float)):  # a long double stays a NumPy scalar
+            with np.errstate(over="ignore"):
+                number = float(default)
+            if math.isinf(number) and np.isfinite(default):
+                raise ValueError(f"field {name!r}: default {default!r} does not fit a 64-bit float")
+        return number
+    if isinstance(default, (bool, int, float)):
+        return default
+    raise TypeError(f"field {name!r}: default must be a number or bool, got {default!r} ({type(default).__name__})")
 
 
 COMPRESSORS = ("zstd", "blosc-lz4", "blosc-zstd", "gzip", "none")

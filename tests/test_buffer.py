@@ -130,6 +130,11 @@ def test_batched_episode_and_store_batch(make_location):
         buffer.store_batch(reward=np.array([1.0, 2.0]))
     assert buffer.meta_data["task_id"][3:5].tolist() == [7, 8]
     assert buffer.data["reward"][4, 0] == 2.0
+    # scalars only, at the group's first step too (refused there: "need a leading batch dimension")
+    with buffer.batched_episode(batch_size=1):
+        buffer.store_batch(reward=1.5, done=True)
+        buffer.store_batch(reward=np.float32(2.5))
+    assert buffer.data["reward"][5, :2].tolist() == [1.5, 2.5] and buffer.data["done"][5, :2].tolist() == [True, False]
 
 
 def test_store_datapoint_and_meta_datapoint(make_location):
@@ -461,3 +466,20 @@ def test_rows_edited_past_an_episode_end_do_not_show_under_the_next_episode(make
     fill_episode(buffer, 2, task=3)  # slot 0 reused
     reader = ReplayBuffer.from_folder(buffer.storage.location, read_only=True, backend=buffer.storage.backend_name)
     assert reader.data["reward"][:, :6].tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]] * 2
+
+
+def test_the_writer_reads_its_episode_in_progress_alone_in_a_reused_slot(make_location):
+    # past its steps, the view showed the rows of the episode the slot still holds (committed
+    # until this one commits): one read of two episodes
+    buffer, _, _ = make(make_location, max_episodes=2, circular=True)
+    for task in (1, 2):
+        fill_episode(buffer, 7, task=task)
+    with buffer.one_episode(task_id=5):  # no step yet: the slot shows its committed episode
+        assert buffer.data["reward"][0, :3].tolist() == [0.0, 1.0, 2.0]
+    buffer.store(action=np.array([9, 9]), reward=9.0, done=True)
+    assert buffer.data["reward"][0, :7].tolist() == [9.0] + [0.0] * 6
+    assert buffer.data["action"][0, :3].tolist() == [[9, 9], [0, 0], [0, 0]]
+    assert buffer.data["done"][0].tolist() == [True] + [False] * 11
+    assert buffer.episode_lens[0] == 7 and buffer.meta_data["task_id"][0] == 1  # committed: still there
+    buffer.advance_episode()
+    assert buffer.data["reward"][0, :3].tolist() == [9.0, 0.0, 0.0] and buffer.episode_lens[0] == 1

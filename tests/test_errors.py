@@ -238,6 +238,34 @@ def test_a_buffer_its_backend_cannot_create_is_refused_before_the_overwrite(
     assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
 
 
+@pytest.mark.parametrize("backend", ["zarr", "memmap"])
+@pytest.mark.parametrize(
+    "default", [np.complex128(1), np.bytes_(b"1"), np.str_("1.5"), np.datetime64("2020-01-01")], ids=repr
+)
+def test_a_numpy_scalar_default_that_is_no_number_is_refused_before_the_overwrite(tmp_path, backend, default):
+    # taken as a NumPy scalar: complex and bytes then failed writing the JSON config after the
+    # overwrite had erased the buffer; np.str_ made a config that no longer opened
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=dict(x="float"), backend=backend) as buffer:
+        buffer.store_episode(x=np.ones(2))
+    before = snapshot_of_folder(tmp_path / "b")
+    fields = dict(x="float", y=("float", (), default))
+    with pytest.raises(TypeError, match=f"field 'y': default must be a number or bool, got .*{type(default).__name__}"):
+        ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=fields, backend=backend)
+    assert snapshot_of_folder(tmp_path / "b") == before
+    assert len(ReplayBuffer.from_folder(str(tmp_path / "b"), read_only=True)) == 1
+
+
+def test_long_double_values_and_defaults_are_numbers(tmp_path):
+    # np.longdouble's item() is no Python number: math.trunc raised a TypeError naming no field
+    fields = dict(x=("uint8", (), np.longdouble(2.5)))
+    with ReplayBuffer(str(tmp_path / "b"), 2, 3, fields=fields, meta_fields=dict(m="int")) as buffer:
+        buffer.store_episode(x=np.array([np.longdouble(255.9), 1]), m=np.longdouble(-7.5))
+        with pytest.raises(ValueError, match=r"field 'x': values in \[256.5, 256.5\] do not fit dtype uint8"):
+            buffer.data["x"][0, 1] = np.longdouble(256.5)
+        assert buffer.data["x"][0, :2].tolist() == [255, 1] and buffer.meta_data["m"][0] == -7
+    assert ReplayBuffer.from_folder(str(tmp_path / "b")).schema.fields["x"].default == 2.5
+
+
 @pytest.mark.parametrize("folder", ["data", "data/x"])
 def test_an_overwrite_that_cannot_erase_a_folder_is_refused_before_erasing(tmp_path, folder):
     # the erase skipped the files it could not delete, then deleted the rest: zarr's root
@@ -525,3 +553,26 @@ def test_an_open_where_no_buffer_is_raises_buffer_not_found_and_creates_nothing(
     with pytest.raises(BufferNotFoundError, match="no 'hdf5' buffer at .*: it holds a 'zarr' buffer; open it with"):
         ReplayBuffer(zarr, overwrite=False, backend="hdf5")
     assert {p: p.read_bytes() for p in zarr.rglob("*") if p.is_file()} == before
+
+
+def test_a_masked_array_with_masked_items_is_refused_on_every_write(make_location):
+    # np.asarray kept whatever the masked items' memory held, and stored it without a word
+    buffer, *_ = make(make_location)
+    fill_episode(buffer, 3, task=1)
+    before = snapshot(buffer)
+    rewards = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    writes = {
+        "store_episode": lambda: buffer.store_episode(reward=rewards, task_id=2),
+        "update": lambda: buffer.update(0, reward=rewards),
+        "data": lambda: buffer.data["reward"].__setitem__((0, slice(0, 3)), rewards),
+        "meta": lambda: buffer.meta_data["task_id"].__setitem__(0, np.ma.masked_array(4, mask=True)),
+        "store": lambda: buffer.store(reward=np.ma.masked_array(1.0, mask=True)),
+        "collector": lambda: buffer.create_collector(3).append(reward=rewards),
+    }
+    for call, write in writes.items():
+        with pytest.raises(ValueError, match=r"field '(reward|task_id)': a masked array with 1 masked value"):
+            write()
+        assert buffer.timestep_index == 0, call
+    assert_same_snapshot(snapshot(buffer), before)
+    buffer.update(0, reward=np.ma.masked_array([5.0, 6.0, 7.0], mask=False))  # nothing masked: its values
+    assert buffer.data["reward"][0, :3].tolist() == [5.0, 6.0, 7.0]
