@@ -74,6 +74,7 @@ from .storage import (
     empty_state,
     fill_beyond,
     make_storage,
+    missing_folder_hint,
     new_uuid,
     seed_h5_hint,
     unpublished_slots,
@@ -374,6 +375,7 @@ def _no_buffer_error(
 
     return BufferNotFoundError(
         f"no replaybuf buffer found at {shown!r}{detail}"
+        + missing_folder_hint(storage.location)
         + seed_h5_hint(storage.location)
         + shards_hint(shown)
         + _unlistable_hint(storage)

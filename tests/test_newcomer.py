@@ -504,3 +504,26 @@ def test_every_command_on_a_buffer_of_a_newer_format_exits_2_with_the_same_messa
     with pytest.raises(NewerFormatError, match="has format version 99"):
         verify(path)
     assert contents(path) == before
+
+
+def test_a_misspelt_path_says_there_is_no_such_folder_and_names_the_close_ones(tmp_path, monkeypatch, capsys):
+    """``from_folder('./replay_dat')`` and ``replaybuf info replay_dat`` said only "no replaybuf
+    buffer found at './replay_dat'": not that the folder is missing, where a relative path was
+    looked for, nor the ``./replay_data`` beside it."""
+    from replaybuf import BufferNotFoundError, ReplayBuffer
+    from replaybuf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ReplayBuffer("replay_data", max_episodes=2, max_timesteps=2, fields={"x": "float"}).close()
+    missing = f": there is no such folder (looked for in the current folder {str(tmp_path)!r})"
+    with pytest.raises(BufferNotFoundError, match="at './replay_dat'") as error:
+        ReplayBuffer.from_folder("./replay_dat", read_only=True)
+    assert str(error.value).endswith(missing + "; did you mean './replay_data'?")
+    with pytest.raises(SystemExit):
+        main(["info", "replay_dta"])
+    assert capsys.readouterr().err.rstrip().endswith(missing + "; did you mean 'replay_data'?")
+    with pytest.raises(BufferNotFoundError, match=r"there is no such folder \('~' is not expanded here"):
+        ReplayBuffer.from_folder("~/replay_data")  # a folder named "~" would be created here
+    with pytest.raises(BufferNotFoundError, match=r"at 'replay_data/sub'$"):  # it exists: not "no such folder"
+        (tmp_path / "replay_data" / "sub").mkdir() or ReplayBuffer.from_folder("replay_data/sub")
+    assert not (tmp_path / "~").exists() and sorted(os.listdir(tmp_path)) == ["replay_data"]
