@@ -253,3 +253,18 @@ def test_dataset_kwargs_must_be_a_dict(buffer):
             match=re.escape(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {given!r}"),
         ):
             make_dataloader(buffer, 2, dataset_kwargs=given)
+
+
+def test_a_misspelt_loader_keyword_is_refused_by_name_before_anything_is_read(buffer, tmp_path):
+    """``dataloader(timestep_levl=True)`` reached torch after the dataset was made, as
+    "DataLoader.__init__() got an unexpected keyword argument 'timestep_levl'" (naming neither
+    dataloader() nor timestep_level); rate-limited on an empty buffer, only after waiting for
+    ``min_size`` steps. Every keyword torch's DataLoader takes still goes through."""
+    for keywords, close in (({"timestep_levl": True}, "'timestep_level'"), ({"num_worker": 2}, "'num_workers'")):
+        with pytest.raises(TypeError, match=rf"^dataloader\(\) got unexpected keyword .*did you mean {close}\?"):
+            buffer.dataloader(batch_size=2, **keywords)
+    empty = ReplayBuffer(str(tmp_path / "empty"), max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    with pytest.raises(TypeError, match=r"\['zzz'\] \(it takes"):
+        empty.dataloader(batch_size=2, samples_per_insert=1, zzz=1)
+    loader = buffer.dataloader(batch_size=2, num_workers=0, drop_last=True, pin_memory=False, timeout=0)
+    assert loader.drop_last and len(next(iter(loader))["ident"]) == 2
