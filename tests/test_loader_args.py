@@ -268,3 +268,7 @@ def test_a_misspelt_loader_keyword_is_refused_by_name_before_anything_is_read(bu
         empty.dataloader(batch_size=2, samples_per_insert=1, zzz=1)
     loader = buffer.dataloader(batch_size=2, num_workers=0, drop_last=True, pin_memory=False, timeout=0)
     assert loader.drop_last and len(next(iter(loader))["ident"]) == 2
+    with pytest.raises(TypeError, match=r"takes no window_length: windows of steps are ReplayDatasetTimeWindow\("):
+        buffer.dataset(window_length=2)  # said "ReplayDatasetTrajectory.__init__() got an unexpected keyword"
+    windows = buffer.dataloader(batch_size=2, dataset=ReplayDatasetTimeWindow(buffer, window_length=2))
+    assert next(iter(windows))["ident"].shape == (2, 2)  # as the README's "What `replaybuf` exports" says

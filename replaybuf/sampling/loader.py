@@ -126,6 +126,11 @@ def make_dataset(
         raise empty_buffer_error(buffer)
     if n_steps is not None and timestep_level:
         raise ValueError("cannot specify both n_steps and timestep_level")
+    if "window_length" in kwargs:  # the seed's dataset() swallowed it, giving whole trajectories
+        raise TypeError(
+            "dataset() takes no window_length: windows of steps are "
+            "ReplayDatasetTimeWindow(buffer, window_length=...) (a loader: buffer.dataloader(batch_size, dataset=...))"
+        )
     common = dict(filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
     if n_steps is not None:
         check_names(fields, buffer.fieldnames, "fields")
