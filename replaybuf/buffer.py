@@ -107,10 +107,16 @@ def _serialized(method: _Method) -> _Method:
     return cast(_Method, locked)
 
 
-def _given_settings(max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool) -> dict[str, Any]:
-    """The config settings a call passed without ``fields`` (None and ``circular=False`` are
-    the defaults), as ``Schema`` attributes."""
+def _given_settings(
+    max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool, fields: Any = None
+) -> dict[str, Any]:
+    """The config settings a reopen passed without a whole config (None and ``circular=False``
+    are the defaults), as ``Schema`` attributes."""
     given: dict[str, Any] = {}
+    if fields is not None:
+        if not isinstance(fields, dict):
+            raise TypeError(f"fields must be a dict of name -> spec, got {fields!r}")
+        given["fields"] = {n: parse_field(n, s) for n, s in fields.items()}
     if max_episodes is not None:
         given["max_episodes"] = max_episodes
     if max_timesteps is not None:
@@ -480,12 +486,21 @@ class ReplayBuffer(CommittedViews):
         )
         location = self.storage.location
         self.folder = location if "://" in location else Path(location)
-        # Schema.build refuses a missing max_episodes / max_timesteps with a message naming it
+        # fields without max_episodes or max_timesteps, to a reopen (``from_folder(path, fields=...)``):
+        # settings to check against the stored config, as those given without fields; to a create,
+        # Schema.build refuses the missing one with a message naming it
+        partial = fields is not None and None in (max_episodes, max_timesteps) and (self.read_only or not overwrite)
         wanted = (
-            None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
+            None
+            if fields is None or partial
+            else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
         )
-        # settings passed without fields (a reopen) must be the stored ones, not silently ignored
-        self._given = {} if fields is not None else _given_settings(max_episodes, max_timesteps, meta_fields, circular)
+        # settings passed without a whole config (a reopen) must be the stored ones, not silently ignored
+        self._given = (
+            {}
+            if wanted is not None
+            else _given_settings(max_episodes, max_timesteps, meta_fields, circular, fields if partial else None)
+        )
 
         if self.read_only:
             if not self.storage.exists():
@@ -644,6 +659,12 @@ class ReplayBuffer(CommittedViews):
     ) -> Self:
         """Reopen the buffer stored at ``folder`` with its stored config; ``snapshot='name'`` opens
         a read-only view of exactly the episodes that snapshot recorded."""
+        if "overwrite" in kwargs:  # said "ReplayBuffer() got multiple values for keyword argument 'overwrite'"
+            raise TypeError(
+                f"from_folder() opens the buffer stored at {os.fspath(folder)!r} and takes no overwrite "
+                f"(got overwrite={kwargs['overwrite']!r}); to erase it and create another: "
+                "ReplayBuffer(folder, max_episodes=..., max_timesteps=..., fields=..., overwrite=True)"
+            )
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
             raise _no_buffer_error(storage, os.fspath(folder), backend, storage_options)

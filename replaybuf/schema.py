@@ -378,8 +378,8 @@ class Schema:
             raise ValueError(
                 f"buffer at {location!r} was created with a different config:\n"
                 + "\n".join(lines)
-                + "\nOpen it with ReplayBuffer.from_folder(...) to use the stored config, "
-                "or pass overwrite=True to recreate it (erasing its episodes)."
+                + f"\nOpen it with ReplayBuffer.from_folder({location!r}) and no settings to use the stored config, "
+                "or create it anew with ReplayBuffer(folder, ..., overwrite=True) (erasing its episodes)."
             )
 
     def field(self, name: str) -> Field:

@@ -527,3 +527,26 @@ def test_a_misspelt_path_says_there_is_no_such_folder_and_names_the_close_ones(t
     with pytest.raises(BufferNotFoundError, match=r"at 'replay_data/sub'$"):  # it exists: not "no such folder"
         (tmp_path / "replay_data" / "sub").mkdir() or ReplayBuffer.from_folder("replay_data/sub")
     assert not (tmp_path / "~").exists() and sorted(os.listdir(tmp_path)) == ["replay_data"]
+
+
+def test_from_folder_with_part_of_a_config_checks_it_and_says_how_to_open_or_recreate(tmp_path):
+    """``from_folder(path, fields=...)`` said "max_episodes must be a positive int, got None",
+    ``from_folder(path, overwrite=True)`` "ReplayBuffer() got multiple values for keyword argument
+    'overwrite'", and a config that differs "Open it with ReplayBuffer.from_folder(...)" to a
+    caller of from_folder. Nothing is written by any of them."""
+    from replaybuf import ReplayBuffer
+
+    folder = tmp_path / "buf"
+    with ReplayBuffer(folder, max_episodes=2, max_timesteps=3, fields={"x": "float"}) as buffer:
+        buffer.store_episode(x=np.ones(3))
+    before = contents(folder)
+    how = f"Open it with ReplayBuffer.from_folder({str(folder)!r}) and no settings to use the stored config"
+    for read_only in (False, True):
+        with pytest.raises(ValueError, match=r"fields.x: stored .*float32.* vs passed .*int32") as error:
+            ReplayBuffer.from_folder(folder, read_only=read_only, fields={"x": "int"})
+        assert how in str(error.value) and "ReplayBuffer(folder, ..., overwrite=True)" in str(error.value)
+        with pytest.raises(TypeError, match=r"from_folder\(\) opens the buffer .* takes no overwrite"):
+            ReplayBuffer.from_folder(folder, read_only=read_only, overwrite=True)
+    assert contents(folder) == before
+    with ReplayBuffer.from_folder(folder, fields={"x": "float"}) as same:  # the stored fields: opened
+        assert same.num_episodes == 1
