@@ -272,3 +272,15 @@ def test_a_misspelt_loader_keyword_is_refused_by_name_before_anything_is_read(bu
         buffer.dataset(window_length=2)  # said "ReplayDatasetTrajectory.__init__() got an unexpected keyword"
     windows = buffer.dataloader(batch_size=2, dataset=ReplayDatasetTimeWindow(buffer, window_length=2))
     assert next(iter(windows))["ident"].shape == (2, 2)  # as the README's "What `replaybuf` exports" says
+
+
+def test_drop_last_with_fewer_samples_than_a_batch_is_refused_not_an_empty_loader(buffer):
+    """``dataloader(batch_size=256, drop_last=True)`` over a small buffer yielded no batch, so a
+    training loop over it ran no step without a word (the seed's does the same)."""
+    steps = sum(LENGTHS)
+    with pytest.raises(ValueError, match=rf"batch_size=256 with drop_last=True: the loader has {steps} samples, so"):
+        buffer.dataloader(batch_size=256, timestep_level=True, drop_last=True)
+    with pytest.raises(ValueError, match=r"has 1 samples on this rank, so it would yield no batch"):
+        buffer.dataloader(batch_size=2, drop_last=True, rank=0, world_size=3)  # 3 episodes, one a rank
+    assert len(list(buffer.dataloader(batch_size=steps, timestep_level=True, drop_last=True, shuffle=True))) == 1
+    assert len(list(buffer.dataloader(batch_size=256, timestep_level=True))) == 1  # without drop_last: one short batch

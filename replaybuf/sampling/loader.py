@@ -38,6 +38,25 @@ _PASSED_ON = {"slice_by_episode_len", "return_episode_lens", "cache", "num_batch
 )
 
 
+def check_yields_a_batch(loader: Any) -> None:
+    """ValueError for a loader of ``buffer.dataloader`` that would yield no batch: ``drop_last``
+    with fewer samples (on this rank) than ``batch_size``, which torch's loader ends at once, so a
+    training loop over it ran no step without a word. (Not for a rate-limited loader, whose later
+    passes hold more, nor for samplers that draw their batches.)"""
+    if not isinstance(loader, DataLoader) or not loader.drop_last or loader.batch_size is None:
+        return
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]  # a custom sampler may have no length
+    except TypeError:
+        return
+    if samples < loader.batch_size:
+        rank = " on this rank" if isinstance(loader.sampler, ResumableDistributedSampler) else ""
+        raise ValueError(
+            f"batch_size={loader.batch_size} with drop_last=True: the loader has {samples} samples{rank}, so it "
+            f"would yield no batch; pass a batch_size of at most {samples}, or leave drop_last out"
+        )
+
+
 def _check_keywords(kwargs: dict[str, Any]) -> None:
     """Refuse a keyword neither make_dataloader nor what it passes keywords on to takes (a
     misspelt ``timestep_levl``), naming the close ones: torch's "DataLoader.__init__() got an
