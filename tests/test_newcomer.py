@@ -550,3 +550,15 @@ def test_from_folder_with_part_of_a_config_checks_it_and_says_how_to_open_or_rec
     assert contents(folder) == before
     with ReplayBuffer.from_folder(folder, fields={"x": "float"}) as same:  # the stored fields: opened
         assert same.num_episodes == 1
+
+
+def test_an_image_shape_given_without_its_parentheses_is_named_with_the_spec_meant(tmp_path):
+    """``fields={'frame': ('uint8', 64, 64, 3)}``, the shape's parentheses forgotten, said only
+    "spec must be 'dtype', (dtype, shape) or (dtype, shape, default)"; nothing is created."""
+    from replaybuf import ReplayBuffer
+
+    with pytest.raises(TypeError, match=r"; the shape is one tuple: \('uint8', \(64, 64, 3\)\)$"):
+        ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"frame": ("uint8", 64, 64, 3)})
+    with pytest.raises(TypeError, match=r"got \('float', \(3,\), 0.0, 'x'\)$"):  # no shape to name there
+        ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"x": ("float", (3,), 0.0, "x")})
+    assert not (tmp_path / "b").exists()
