@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
@@ -90,6 +90,24 @@ _HIDDEN_META = ("_generation", "_revision", "_meta_sum")
 _SUMMED = ("_generation", "episode_lens", META_SUM)
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _fields_as_keywords(method: _Method) -> _Method:
+    """``method`` takes its fields as keywords only: a dict passed as such (``store_episode(episode)``)
+    is refused naming the ``**`` it needs, where Python said only "takes 1 positional argument
+    but 2 were given"."""
+
+    @functools.wraps(method)
+    def checked(self: ReplayBuffer, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            given = "a dict" if len(args) == 1 and isinstance(args[0], Mapping) else f"{len(args)} positional value(s)"
+            raise TypeError(
+                f"{method.__name__}() takes the fields as keywords ({method.__name__}(state=..., action=...)), "
+                f"got {given}: pass a dict of them as {method.__name__}(**values)"
+            )
+        return method(self, **kwargs)
+
+    return cast(_Method, checked)
 
 
 def _serialized(method: _Method) -> _Method:
@@ -1286,6 +1304,7 @@ class ReplayBuffer(CommittedViews):
             self.flush_every_store_step = every
 
     @_serialized
+    @_fields_as_keywords
     def store(self, **data: Any):
         """Store one timestep of the episode in progress; missing fields (and fields given as
         None, as in the seed) get their default.
@@ -1318,6 +1337,7 @@ class ReplayBuffer(CommittedViews):
         return stored
 
     @_serialized
+    @_fields_as_keywords
     def store_batch(self, **data: Any) -> None:
         """Store one timestep for every episode of the batched group in progress."""
         self._check_writable("store_batch")
@@ -1363,6 +1383,7 @@ class ReplayBuffer(CommittedViews):
         }
 
     @_serialized
+    @_fields_as_keywords
     def store_meta_batch(self, **data: Any) -> None:
         """Set meta fields for every episode of the group in progress (or the next group)."""
         self._check_writable("store_meta_batch")
@@ -1388,6 +1409,7 @@ class ReplayBuffer(CommittedViews):
         self._edit_staged(meta=[(name, group.slots, value) for name, value in values.items()])
 
     @_serialized
+    @_fields_as_keywords
     def store_episode(self, **data: Any) -> None:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")

@@ -562,3 +562,20 @@ def test_an_image_shape_given_without_its_parentheses_is_named_with_the_spec_mea
     with pytest.raises(TypeError, match=r"got \('float', \(3,\), 0.0, 'x'\)$"):  # no shape to name there
         ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"x": ("float", (3,), 0.0, "x")})
     assert not (tmp_path / "b").exists()
+
+
+def test_a_dict_passed_to_store_episode_names_the_keywords_it_needs(tmp_path):
+    """``store_episode(episode)`` with the episode's dict: Python said "takes 1 positional argument
+    but 2 were given"; each store method now names ``**``. Nothing is stored."""
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    episode = {"x": np.ones(3, np.float32)}
+    for method in ("store_episode", "store", "store_batch", "store_meta_batch"):
+        with pytest.raises(
+            TypeError, match=rf"^{method}\(\) takes the fields as keywords .* got a dict: .*\(\*\*values\)"
+        ):
+            getattr(buffer, method)(episode)
+    assert buffer.num_episodes == 0 and buffer.timestep_index == 0
+    buffer.store_episode(**episode)
+    assert buffer.num_episodes == 1 and buffer.data["x"][0, :3].tolist() == [1.0, 1.0, 1.0]
