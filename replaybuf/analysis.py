@@ -584,6 +584,11 @@ class FieldStats:
         from the merged sketches, within their rank error (``rank_error``); 0 and 1 give the
         exact ``min`` and ``max``; NaN for a feature holding NaN. float64 for float64 fields and
         ints of 4 bytes or more, float32 otherwise."""
+        if not self.sketches and not sketches.available():  # said only "carry no sketches", no install
+            raise ImportError(
+                "quantile needs Apache DataSketches, which is not installed: pip install 'replaybuf[sketches]', "
+                "then call stats() again"
+            )
         if not self.sketches:
             raise ValueError(
                 "quantile: these statistics carry no quantile sketches (stats(exact=True), or a field "

@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
@@ -74,6 +74,7 @@ from .storage import (
     empty_state,
     fill_beyond,
     make_storage,
+    missing_folder_hint,
     new_uuid,
     seed_h5_hint,
     unpublished_slots,
@@ -91,6 +92,24 @@ _SUMMED = ("_generation", "episode_lens", META_SUM)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
+def _fields_as_keywords(method: _Method) -> _Method:
+    """``method`` takes its fields as keywords only: a dict passed as such (``store_episode(episode)``)
+    is refused naming the ``**`` it needs, where Python said only "takes 1 positional argument
+    but 2 were given"."""
+
+    @functools.wraps(method)
+    def checked(self: ReplayBuffer, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            given = "a dict" if len(args) == 1 and isinstance(args[0], Mapping) else f"{len(args)} positional value(s)"
+            raise TypeError(
+                f"{method.__name__}() takes the fields as keywords ({method.__name__}(state=..., action=...)), "
+                f"got {given}: pass a dict of them as {method.__name__}(**values)"
+            )
+        return method(self, **kwargs)
+
+    return cast(_Method, checked)
+
+
 def _serialized(method: _Method) -> _Method:
     """``method`` runs holding its object's lock (``ReplayBuffer._lock``): one object shared by
     threads (an actor storing, a learner sampling, updating priorities or closing it) runs one
@@ -106,10 +125,16 @@ def _serialized(method: _Method) -> _Method:
     return cast(_Method, locked)
 
 
-def _given_settings(max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool) -> dict[str, Any]:
-    """The config settings a call passed without ``fields`` (None and ``circular=False`` are
-    the defaults), as ``Schema`` attributes."""
+def _given_settings(
+    max_episodes: Any, max_timesteps: Any, meta_fields: Any, circular: bool, fields: Any = None
+) -> dict[str, Any]:
+    """The config settings a reopen passed without a whole config (None and ``circular=False``
+    are the defaults), as ``Schema`` attributes."""
     given: dict[str, Any] = {}
+    if fields is not None:
+        if not isinstance(fields, dict):
+            raise TypeError(f"fields must be a dict of name -> spec, got {fields!r}")
+        given["fields"] = {n: parse_field(n, s) for n, s in fields.items()}
     if max_episodes is not None:
         given["max_episodes"] = max_episodes
     if max_timesteps is not None:
@@ -374,6 +399,7 @@ def _no_buffer_error(
 
     return BufferNotFoundError(
         f"no replaybuf buffer found at {shown!r}{detail}"
+        + missing_folder_hint(storage.location)
         + seed_h5_hint(storage.location)
         + shards_hint(shown)
         + _unlistable_hint(storage)
@@ -478,12 +504,21 @@ class ReplayBuffer(CommittedViews):
         )
         location = self.storage.location
         self.folder = location if "://" in location else Path(location)
-        # Schema.build refuses a missing max_episodes / max_timesteps with a message naming it
+        # fields without max_episodes or max_timesteps, to a reopen (``from_folder(path, fields=...)``):
+        # settings to check against the stored config, as those given without fields; to a create,
+        # Schema.build refuses the missing one with a message naming it
+        partial = fields is not None and None in (max_episodes, max_timesteps) and (self.read_only or not overwrite)
         wanted = (
-            None if fields is None else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
+            None
+            if fields is None or partial
+            else Schema.build(fields, meta_fields, max_episodes, max_timesteps, circular)  # type: ignore[arg-type]
         )
-        # settings passed without fields (a reopen) must be the stored ones, not silently ignored
-        self._given = {} if fields is not None else _given_settings(max_episodes, max_timesteps, meta_fields, circular)
+        # settings passed without a whole config (a reopen) must be the stored ones, not silently ignored
+        self._given = (
+            {}
+            if wanted is not None
+            else _given_settings(max_episodes, max_timesteps, meta_fields, circular, fields if partial else None)
+        )
 
         if self.read_only:
             if not self.storage.exists():
@@ -642,6 +677,12 @@ class ReplayBuffer(CommittedViews):
     ) -> Self:
         """Reopen the buffer stored at ``folder`` with its stored config; ``snapshot='name'`` opens
         a read-only view of exactly the episodes that snapshot recorded."""
+        if "overwrite" in kwargs:  # said "ReplayBuffer() got multiple values for keyword argument 'overwrite'"
+            raise TypeError(
+                f"from_folder() opens the buffer stored at {os.fspath(folder)!r} and takes no overwrite "
+                f"(got overwrite={kwargs['overwrite']!r}); to erase it and create another: "
+                "ReplayBuffer(folder, max_episodes=..., max_timesteps=..., fields=..., overwrite=True)"
+            )
         storage = make_storage(folder, backend, storage_options, fsync=kwargs.pop("fsync", False))
         if not storage.exists():
             raise _no_buffer_error(storage, os.fspath(folder), backend, storage_options)
@@ -1270,6 +1311,7 @@ class ReplayBuffer(CommittedViews):
             self.flush_every_store_step = every
 
     @_serialized
+    @_fields_as_keywords
     def store(self, **data: Any):
         """Store one timestep of the episode in progress; missing fields (and fields given as
         None, as in the seed) get their default.
@@ -1302,6 +1344,7 @@ class ReplayBuffer(CommittedViews):
         return stored
 
     @_serialized
+    @_fields_as_keywords
     def store_batch(self, **data: Any) -> None:
         """Store one timestep for every episode of the batched group in progress."""
         self._check_writable("store_batch")
@@ -1350,6 +1393,7 @@ class ReplayBuffer(CommittedViews):
         }
 
     @_serialized
+    @_fields_as_keywords
     def store_meta_batch(self, **data: Any) -> None:
         """Set meta fields for every episode of the group in progress (or the next group)."""
         self._check_writable("store_meta_batch")
@@ -1375,6 +1419,7 @@ class ReplayBuffer(CommittedViews):
         self._edit_staged(meta=[(name, group.slots, value) for name, value in values.items()])
 
     @_serialized
+    @_fields_as_keywords
     def store_episode(self, **data: Any) -> None:
         """Store a whole episode: one (T, *shape) array per field, meta fields as values."""
         self._check_writable("store_episode")

@@ -100,6 +100,28 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     name = parse_arguments(argv).folder
+    try:
+        status = _write_and_sample(name)
+        sys.stdout.flush()  # here, so that a reader that stopped early is seen below, not at exit
+    except KeyboardInterrupt:  # Ctrl-C: a line saying what is left, not a traceback from numpy or zarr
+        print(
+            f"\nreplaybuf.demo: interrupted; {name!r} keeps the episodes committed before it (one in "
+            f"progress is dropped). Run it again to start over: python -m replaybuf.demo {shlex.quote(name)}",
+            file=sys.stderr,
+        )
+        return 130
+    except BrokenPipeError:
+        from replaybuf.cli import _discard_stdout, _stdout_reader_gone
+
+        if not _stdout_reader_gone():
+            raise
+        _discard_stdout()  # `python -m replaybuf.demo | head`: the reader stopped, as the CLI's
+        return 141
+    return status
+
+
+def _write_and_sample(name: str) -> int:
+    """The demo itself: refuse a folder holding anything else, write, reopen, sample, report."""
     folder = Path(name)
     problem = foreign_content(folder)
     if problem is not None:

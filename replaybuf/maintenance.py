@@ -33,7 +33,7 @@ from .commit import catch_up
 from .inputs import check_flag
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
-from .storage import new_uuid, seed_h5_hint
+from .storage import missing_folder_hint, new_uuid, seed_h5_hint
 from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
@@ -107,7 +107,12 @@ def _not_found_hint(storage: Storage) -> str:
     original of a buffer an upgrade left, or a folder of the seed's ReplayBufferH5PY."""
     from .actors import shards_hint  # actors imports the buffer, which imports this module
 
-    return _stranded_hint(storage) + seed_h5_hint(storage.location) + shards_hint(storage.location)
+    return (
+        missing_folder_hint(storage.location)
+        + _stranded_hint(storage)
+        + seed_h5_hint(storage.location)
+        + shards_hint(storage.location)
+    )
 
 
 def _stranded_hint(storage: Storage) -> str:

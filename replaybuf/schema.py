@@ -190,8 +190,10 @@ def parse_field(name: str, spec: Any, meta: bool = False) -> Field:
         dtype_spec, shape = spec[0], spec[1]
         default = spec[2] if len(spec) == 3 else None
     else:
+        loose_shape = isinstance(spec, (tuple, list)) and len(spec) > 3 and all(type(n) is int for n in spec[1:])
         raise TypeError(
             f"field {name!r}: spec must be 'dtype', (dtype, shape) or (dtype, shape, default), got {spec!r}"
+            + (f"; the shape is one tuple: ({spec[0]!r}, {tuple(spec[1:])!r})" if loose_shape else "")
         )
     dtype = parse_dtype(name, dtype_spec)
     shape = _parse_shape(name, shape)
@@ -393,8 +395,8 @@ class Schema:
             raise ValueError(
                 f"buffer at {location!r} was created with a different config:\n"
                 + "\n".join(lines)
-                + "\nOpen it with ReplayBuffer.from_folder(...) to use the stored config, "
-                "or pass overwrite=True to recreate it (erasing its episodes)."
+                + f"\nOpen it with ReplayBuffer.from_folder({location!r}) and no settings to use the stored config, "
+                "or create it anew with ReplayBuffer(folder, ..., overwrite=True) (erasing its episodes)."
             )
 
     def field(self, name: str) -> Field:

@@ -333,9 +333,11 @@ class CommittedViews(SchemaAttributes):
             prioritized timesteps; over all members of a ConcatReplayBuffer):
             ``replaybuf.sampling.make_dataloader`` of this buffer."""
             with feature_imports("dataloader"):
-                from .sampling import make_dataloader
+                from .sampling.loader import check_yields_a_batch, make_dataloader
 
-            return make_dataloader(self, batch_size, *args, **kwargs)
+            loader = make_dataloader(self, batch_size, *args, **kwargs)
+            check_yields_a_batch(loader)
+            return loader
 
     def meta_values(self, name: str) -> np.ndarray:
         """Values of meta field ``name`` for every slot, as committed; read-only view."""

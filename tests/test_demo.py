@@ -98,3 +98,45 @@ def test_demo_names_a_folder_it_cannot_create_without_a_traceback(tmp_path, caps
     err = capsys.readouterr().err
     assert f"cannot write to {str(above / 'demo')!r}" in err and "above it is a file" in err
     assert "Name another folder" in err and above.read_text() == "mine"
+
+
+def test_ctrl_c_in_the_demo_says_what_is_left_and_a_rerun_starts_over(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the demo writes: a line saying what the folder keeps and how to start over,
+    status 130, where a KeyboardInterrupt traceback from inside numpy or zarr was printed."""
+    import replaybuf.demo as demo
+
+    frames = []
+
+    def interrupted_frame(t: int, episode: int) -> np.ndarray:
+        if episode == 2:
+            raise KeyboardInterrupt
+        frames.append(t)
+        return np.zeros((64, 64, 3), np.uint8)
+
+    monkeypatch.setattr(demo, "rendered_frame", interrupted_frame)
+    folder = str(tmp_path / "my demo")
+    assert main([folder]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"interrupted; {folder!r} keeps the episodes committed before it" in err
+    assert f"python -m replaybuf.demo '{folder}'" in err
+    reader = ReplayBuffer.from_folder(folder, read_only=True)
+    assert reader.num_episodes == 2 and reader.episode_lens[:2].sum() == len(frames)
+    assert demo.foreign_content(tmp_path / "my demo") is None  # a rerun takes the folder over
+
+
+def test_the_demo_piped_into_a_reader_that_stops_early_ends_quietly(monkeypatch, capsys):
+    """``python -m replaybuf.demo | head -1``: status 141 and nothing said, as the CLI's commands
+    (a BrokenPipeError traceback before)."""
+    import replaybuf.demo as demo
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed_pipe = os.fdopen(write_end, "w")
+    monkeypatch.setattr(demo, "_write_and_sample", lambda name: print("wrote 16 episodes") or 0)
+    monkeypatch.setattr(sys, "stdout", closed_pipe)
+    try:
+        assert main(["unused"]) == 141
+    finally:
+        monkeypatch.undo()
+        closed_pipe.close()
+    assert capsys.readouterr().err == ""

@@ -253,3 +253,34 @@ def test_dataset_kwargs_must_be_a_dict(buffer):
             match=re.escape(f"dataset_kwargs must be a dict of the dataset's keyword arguments, got {given!r}"),
         ):
             make_dataloader(buffer, 2, dataset_kwargs=given)
+
+
+def test_a_misspelt_loader_keyword_is_refused_by_name_before_anything_is_read(buffer, tmp_path):
+    """``dataloader(timestep_levl=True)`` reached torch after the dataset was made, as
+    "DataLoader.__init__() got an unexpected keyword argument 'timestep_levl'" (naming neither
+    dataloader() nor timestep_level); rate-limited on an empty buffer, only after waiting for
+    ``min_size`` steps. Every keyword torch's DataLoader takes still goes through."""
+    for keywords, close in (({"timestep_levl": True}, "'timestep_level'"), ({"num_worker": 2}, "'num_workers'")):
+        with pytest.raises(TypeError, match=rf"^dataloader\(\) got unexpected keyword .*did you mean {close}\?"):
+            buffer.dataloader(batch_size=2, **keywords)
+    empty = ReplayBuffer(str(tmp_path / "empty"), max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    with pytest.raises(TypeError, match=r"\['zzz'\] \(it takes"):
+        empty.dataloader(batch_size=2, samples_per_insert=1, zzz=1)
+    loader = buffer.dataloader(batch_size=2, num_workers=0, drop_last=True, pin_memory=False, timeout=0)
+    assert loader.drop_last and len(next(iter(loader))["ident"]) == 2
+    with pytest.raises(TypeError, match=r"takes no window_length: windows of steps are ReplayDatasetTimeWindow\("):
+        buffer.dataset(window_length=2)  # said "ReplayDatasetTrajectory.__init__() got an unexpected keyword"
+    windows = buffer.dataloader(batch_size=2, dataset=ReplayDatasetTimeWindow(buffer, window_length=2))
+    assert next(iter(windows))["ident"].shape == (2, 2)  # as the README's "What `replaybuf` exports" says
+
+
+def test_drop_last_with_fewer_samples_than_a_batch_is_refused_not_an_empty_loader(buffer):
+    """``dataloader(batch_size=256, drop_last=True)`` over a small buffer yielded no batch, so a
+    training loop over it ran no step without a word (the seed's does the same)."""
+    steps = sum(LENGTHS)
+    with pytest.raises(ValueError, match=rf"batch_size=256 with drop_last=True: the loader has {steps} samples, so"):
+        buffer.dataloader(batch_size=256, timestep_level=True, drop_last=True)
+    with pytest.raises(ValueError, match=r"has 1 samples on this rank, so it would yield no batch"):
+        buffer.dataloader(batch_size=2, drop_last=True, rank=0, world_size=3)  # 3 episodes, one a rank
+    assert len(list(buffer.dataloader(batch_size=steps, timestep_level=True, drop_last=True, shuffle=True))) == 1
+    assert len(list(buffer.dataloader(batch_size=256, timestep_level=True))) == 1  # without drop_last: one short batch

@@ -380,7 +380,7 @@ def test_a_buffer_of_empty_episodes_says_what_it_holds(tmp_path):
         ):
             make_dataloader(source, 2)
     empty = ReplayBuffer(str(tmp_path / "empty"), max_episodes=2, max_timesteps=3, fields=FIELDS)
-    with pytest.raises(ValueError, match=r"^replay buffer is empty$"):
+    with pytest.raises(ValueError, match=r"^replay buffer is empty: .* holds no committed episode; store episodes"):
         make_dataloader(empty, 2)
     writer.close()
 

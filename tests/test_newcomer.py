@@ -504,3 +504,78 @@ def test_every_command_on_a_buffer_of_a_newer_format_exits_2_with_the_same_messa
     with pytest.raises(NewerFormatError, match="has format version 99"):
         verify(path)
     assert contents(path) == before
+
+
+def test_a_misspelt_path_says_there_is_no_such_folder_and_names_the_close_ones(tmp_path, monkeypatch, capsys):
+    """``from_folder('./replay_dat')`` and ``replaybuf info replay_dat`` said only "no replaybuf
+    buffer found at './replay_dat'": not that the folder is missing, where a relative path was
+    looked for, nor the ``./replay_data`` beside it."""
+    from replaybuf import BufferNotFoundError, ReplayBuffer
+    from replaybuf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ReplayBuffer("replay_data", max_episodes=2, max_timesteps=2, fields={"x": "float"}).close()
+    missing = f": there is no such folder (looked for in the current folder {str(tmp_path)!r})"
+    with pytest.raises(BufferNotFoundError, match="at './replay_dat'") as error:
+        ReplayBuffer.from_folder("./replay_dat", read_only=True)
+    assert str(error.value).endswith(missing + "; did you mean './replay_data'?")
+    with pytest.raises(SystemExit):
+        main(["info", "replay_dta"])
+    assert capsys.readouterr().err.rstrip().endswith(missing + "; did you mean 'replay_data'?")
+    with pytest.raises(BufferNotFoundError, match=r"there is no such folder \('~' is not expanded here"):
+        ReplayBuffer.from_folder("~/replay_data")  # a folder named "~" would be created here
+    with pytest.raises(BufferNotFoundError, match=r"at 'replay_data/sub'$"):  # it exists: not "no such folder"
+        (tmp_path / "replay_data" / "sub").mkdir() or ReplayBuffer.from_folder("replay_data/sub")
+    assert not (tmp_path / "~").exists() and sorted(os.listdir(tmp_path)) == ["replay_data"]
+
+
+def test_from_folder_with_part_of_a_config_checks_it_and_says_how_to_open_or_recreate(tmp_path):
+    """``from_folder(path, fields=...)`` said "max_episodes must be a positive int, got None",
+    ``from_folder(path, overwrite=True)`` "ReplayBuffer() got multiple values for keyword argument
+    'overwrite'", and a config that differs "Open it with ReplayBuffer.from_folder(...)" to a
+    caller of from_folder. Nothing is written by any of them."""
+    from replaybuf import ReplayBuffer
+
+    folder = tmp_path / "buf"
+    with ReplayBuffer(folder, max_episodes=2, max_timesteps=3, fields={"x": "float"}) as buffer:
+        buffer.store_episode(x=np.ones(3))
+    before = contents(folder)
+    how = f"Open it with ReplayBuffer.from_folder({str(folder)!r}) and no settings to use the stored config"
+    for read_only in (False, True):
+        with pytest.raises(ValueError, match=r"fields.x: stored .*float32.* vs passed .*int32") as error:
+            ReplayBuffer.from_folder(folder, read_only=read_only, fields={"x": "int"})
+        assert how in str(error.value) and "ReplayBuffer(folder, ..., overwrite=True)" in str(error.value)
+        with pytest.raises(TypeError, match=r"from_folder\(\) opens the buffer .* takes no overwrite"):
+            ReplayBuffer.from_folder(folder, read_only=read_only, overwrite=True)
+    assert contents(folder) == before
+    with ReplayBuffer.from_folder(folder, fields={"x": "float"}) as same:  # the stored fields: opened
+        assert same.num_episodes == 1
+
+
+def test_an_image_shape_given_without_its_parentheses_is_named_with_the_spec_meant(tmp_path):
+    """``fields={'frame': ('uint8', 64, 64, 3)}``, the shape's parentheses forgotten, said only
+    "spec must be 'dtype', (dtype, shape) or (dtype, shape, default)"; nothing is created."""
+    from replaybuf import ReplayBuffer
+
+    with pytest.raises(TypeError, match=r"; the shape is one tuple: \('uint8', \(64, 64, 3\)\)$"):
+        ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"frame": ("uint8", 64, 64, 3)})
+    with pytest.raises(TypeError, match=r"got \('float', \(3,\), 0.0, 'x'\)$"):  # no shape to name there
+        ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"x": ("float", (3,), 0.0, "x")})
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_dict_passed_to_store_episode_names_the_keywords_it_needs(tmp_path):
+    """``store_episode(episode)`` with the episode's dict: Python said "takes 1 positional argument
+    but 2 were given"; each store method now names ``**``. Nothing is stored."""
+    from replaybuf import ReplayBuffer
+
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=2, max_timesteps=3, fields={"x": "float"})
+    episode = {"x": np.ones(3, np.float32)}
+    for method in ("store_episode", "store", "store_batch", "store_meta_batch"):
+        with pytest.raises(
+            TypeError, match=rf"^{method}\(\) takes the fields as keywords .* got a dict: .*\(\*\*values\)"
+        ):
+            getattr(buffer, method)(episode)
+    assert buffer.num_episodes == 0 and buffer.timestep_index == 0
+    buffer.store_episode(**episode)
+    assert buffer.num_episodes == 1 and buffer.data["x"][0, :3].tolist() == [1.0, 1.0, 1.0]

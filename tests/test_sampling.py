@@ -452,3 +452,29 @@ def test_reader_beside_a_writer_process_sees_only_whole_episodes(tmp_path):
     assert sorted(
         make_dataset(reader).__getitems__(range(MAX_EPISODES)).batch["ident"][:, 0].floor_divide(1000).tolist()
     ) == list(range(40, 40 + MAX_EPISODES))
+
+
+def test_an_empty_buffer_says_what_to_do_to_every_loader(tmp_path):
+    """Every loader and dataset of an empty buffer, and of a writer whose steps were stored but
+    never ended (a newcomer's first loop without advance_episode): the seed's "replay buffer is
+    empty", then which buffer and what to do (it said no more)."""
+    buffer = ReplayBuffer(str(tmp_path / "b"), max_episodes=2, max_timesteps=4, fields={"x": "float"})
+    kinds = {
+        "trajectory": lambda: buffer.dataloader(batch_size=2),
+        "timestep": lambda: buffer.dataloader(batch_size=2, timestep_level=True),
+        "n-step": lambda: buffer.dataloader(batch_size=2, n_steps=2),
+        "prioritized": lambda: buffer.dataloader(batch_size=2, sampler="prioritized", priority_field="x"),
+        "dataset": lambda: ReplayDataset(buffer),
+        "n-step dataset": lambda: ReplayDatasetNStep(buffer, n_steps=2),
+        "window dataset": lambda: ReplayDatasetTimeWindow(buffer, window_length=2),
+    }
+    for steps, what in ((0, "store episodes first (store_episode, or store() steps and advance_episode())"), (3, "")):
+        for _ in range(steps):
+            buffer.store(x=1.0)
+        what = what or "its 3 steps stored are an episode in progress: end it with advance_episode()"
+        for kind, make in kinds.items():
+            with pytest.raises(ValueError, match=r"^replay buffer is empty: ReplayBuffer\('.*/b'.* holds no") as error:
+                make()
+            assert what in str(error.value), kind
+    buffer.advance_episode()
+    assert len(next(iter(buffer.dataloader(batch_size=2)))["x"]) == 1

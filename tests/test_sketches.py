@@ -527,3 +527,15 @@ def test_a_writer_reads_every_sketched_field_only_for_the_blobs_it_stores(tmp_pa
         values = np.concatenate([short["reward"], long["reward"]])
         np.testing.assert_allclose(float(stats.mean), values.mean(), rtol=1e-5)
         assert_within_rank_error(stats, values)
+
+
+def test_quantiles_without_datasketches_name_the_install(tmp_path, monkeypatch):
+    """The README's stats block in an install without the ``sketches`` extra: ``quantile`` said
+    "these statistics carry no quantile sketches (stats(exact=True), or a field that is not
+    sketched ...)", none of which the user did, and not what to install."""
+    buffer = make(tmp_path / "b", 1)
+    monkeypatch.setattr(sketches, "available", lambda: False)  # as where datasketches is not installed
+    stats = buffer.stats(["state"])
+    assert stats["state"].count == 200  # mean, std, min and max need no sketches
+    with pytest.raises(ImportError, match=r"quantile needs Apache DataSketches.*pip install 'replaybuf\[sketches\]'"):
+        stats["state"].quantile([0.01, 0.99])

@@ -124,7 +124,17 @@ def empty_buffer_error(buffer: BufferView) -> ValueError:
     (retryable, ``check_settled``) instead: it is not empty."""
     check_settled(buffer)
     if not buffer.num_episodes:
-        return ValueError("replay buffer is empty")
+        in_progress = getattr(buffer, "timestep_index", 0)  # a writer's steps not yet ended
+        return ValueError(
+            f"replay buffer is empty: {buffer!r} holds no committed episode; "
+            + (
+                f"its {in_progress} steps stored are an episode in progress: end it with advance_episode() "
+                "(or store steps inside `with buffer.one_episode():`) before sampling"
+                if in_progress
+                else "store episodes first (store_episode, or store() steps and advance_episode()), or open "
+                "the folder that holds them"
+            )
+        )
     return ValueError(
         f"replay buffer is empty: of its {buffer.num_episodes} committed episodes none has a step "
         + (

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,48 @@ from .ratelimit import RateLimitedLoader, RateLimiter
 SAMPLERS = ("uniform", "prioritized")
 # make_dataloader's arguments that configure the rate limiter, not each pass's loader
 _RATE_ARGUMENTS = ("samples_per_insert", "min_size", "error_buffer", "rate_timeout")
+# keywords make_dataloader passes on: to the dataset, to a mixture's or prioritized sampler, to torch's DataLoader
+_PASSED_ON = {"slice_by_episode_len", "return_episode_lens", "cache", "num_batches"} | (
+    set(inspect.signature(DataLoader.__init__).parameters) - {"self", "dataset"}
+)
+
+
+def check_yields_a_batch(loader: Any) -> None:
+    """ValueError for a loader of ``buffer.dataloader`` that would yield no batch: ``drop_last``
+    with fewer samples (on this rank) than ``batch_size``, which torch's loader ends at once, so a
+    training loop over it ran no step without a word. (Not for a rate-limited loader, whose later
+    passes hold more, nor for samplers that draw their batches.)"""
+    if not isinstance(loader, DataLoader) or not loader.drop_last or loader.batch_size is None:
+        return
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]  # a custom sampler may have no length
+    except TypeError:
+        return
+    if samples < loader.batch_size:
+        rank = " on this rank" if isinstance(loader.sampler, ResumableDistributedSampler) else ""
+        raise ValueError(
+            f"batch_size={loader.batch_size} with drop_last=True: the loader has {samples} samples{rank}, so it "
+            f"would yield no batch; pass a batch_size of at most {samples}, or leave drop_last out"
+        )
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword neither make_dataloader nor what it passes keywords on to takes (a
+    misspelt ``timestep_levl``), naming the close ones: torch's "DataLoader.__init__() got an
+    unexpected keyword argument" named neither, and came only after the dataset was made (or,
+    rate-limited on an empty buffer, after waiting for ``min_size`` steps)."""
+    unknown = sorted(set(kwargs) - _PASSED_ON)
+    if not unknown:
+        return
+    known = _PASSED_ON | (set(inspect.signature(make_dataloader).parameters) - {"buffer", "kwargs"})
+    close = [name for key in unknown for name in difflib.get_close_matches(key, known, n=1, cutoff=0.7)]
+    raise TypeError(
+        f"dataloader() got unexpected keyword argument(s) {unknown}"
+        + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+        + " (it takes the dataset's and the sampler's arguments and torch DataLoader's)"
+    )
+
+
 # indices a shuffled pass turns into Python ints at a time (ShuffledSampler)
 _ORDER_PIECE = 4096
 
@@ -101,6 +145,11 @@ def make_dataset(
         raise empty_buffer_error(buffer)
     if n_steps is not None and timestep_level:
         raise ValueError("cannot specify both n_steps and timestep_level")
+    if "window_length" in kwargs:  # the seed's dataset() swallowed it, giving whole trajectories
+        raise TypeError(
+            "dataset() takes no window_length: windows of steps are "
+            "ReplayDatasetTimeWindow(buffer, window_length=...) (a loader: buffer.dataloader(batch_size, dataset=...))"
+        )
     common = dict(filter_meta=filter_meta, filter_fields=filter_fields, fieldname_map=fieldname_map, **kwargs)
     if n_steps is not None:
         check_names(fields, buffer.fieldnames, "fields")
@@ -214,6 +263,7 @@ def make_dataloader(
                 "pass samples_per_insert=R too (samples_per_insert=float('inf') waits for min_size steps, "
                 "then samples freely)"
             )
+    _check_keywords(kwargs)
     _check_sharding(sampler, rank, world_size, seed)  # here: a rate-limited loader makes its loaders later
     check_flag("return_mask", return_mask)  # the seed's beartype refuses a non-bool too
     return_mask = bool(return_mask)

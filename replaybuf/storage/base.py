@@ -76,6 +76,7 @@ The contract (``replaybuf.testing.StorageTests`` checks it on every backend):
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import json
 import os
@@ -1602,6 +1603,28 @@ def is_url(location: str) -> bool:
     """Whether ``location`` names an object store or other fsspec URL, not local files
     (``file://`` paths are local)."""
     return "://" in location and not location.startswith("file://")
+
+
+def missing_folder_hint(location: str) -> str:
+    """The end of a "no buffer at" message for a local ``location`` that does not exist: where
+    a relative path was looked for, and the names beside it close to it (a misspelt path);
+    else ''."""
+    local = location.removeprefix("file://")
+    if "://" in local or os.path.lexists(local):
+        return ""
+    hint = ": there is no such folder"
+    if local.startswith("~"):
+        return hint + " ('~' is not expanded here: pass os.path.expanduser(path))"
+    if not os.path.isabs(local):
+        hint += f" (looked for in the current folder {os.getcwd()!r})"
+    try:
+        entries = os.listdir(os.path.dirname(os.path.abspath(local)))
+    except OSError:  # its parent is missing too, or unreadable
+        return hint
+    near = difflib.get_close_matches(os.path.basename(os.path.normpath(local)), entries, n=3, cutoff=0.75)
+    if near:
+        hint += "; did you mean " + " or ".join(repr(os.path.join(os.path.dirname(local), name)) for name in near) + "?"
+    return hint
 
 
 #: the URL schemes of object stores (lowercase), each with the one name of its store

@@ -34,6 +34,7 @@ when the lease is taken; an object-store writer must renew within that time or l
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import errno
 import fcntl
@@ -786,22 +787,22 @@ def give_back_dropped(lease: WriterLease) -> None:
     give_back(lease, soon=collecting())
 
 
-# the threads running a garbage collection now (``gc.callbacks``): a finalizer or ``__del__``
-# run by one may be inside any lock (an event loop's, a thread pool's, a map pool's), so what it
-# releases must wait on none
-_collecting: set[int] = set()
-
-
-def _note_collection(phase: str, info: dict) -> None:
-    (_collecting.add if phase == "start" else _collecting.discard)(threading.get_ident())
-
-
-gc.callbacks.append(_note_collection)
+# whether a garbage collection is running: a finalizer or ``__del__`` it runs may be inside any
+# lock (an event loop's, a thread pool's, a map pool's), so what it releases must wait on none.
+# gc calls ``move_to_end(phase, info)`` ("start" or "stop"; ``info`` a non-empty dict, so true:
+# to the end), a C method: the phase seen last is last. A Python function there would run
+# bytecode in every collection, where a pending Ctrl-C raises KeyboardInterrupt that gc drops
+# ("Exception ignored in"): the interrupt lost, and a "stop" missed left "collecting" for good.
+_gc_phases = collections.OrderedDict(start=None, stop=None)
+_NOT_COLLECTING = collections.OrderedDict(start=None, stop=None)
+gc.callbacks.append(_gc_phases.move_to_end)  # type: ignore[arg-type]  # info: a true `last`
 
 
 def collecting() -> bool:
-    """Whether this thread is running a garbage collection."""
-    return threading.get_ident() in _collecting
+    """Whether a garbage collection is running: in this thread, or in another one while a
+    finalizer it runs waits (CPython runs one at a time), where the cautious path costs little.
+    (An order-sensitive comparison: it iterates nothing a collection could change under it.)"""
+    return _gc_phases != _NOT_COLLECTING
 
 
 _held: weakref.WeakSet[WriterLease] = weakref.WeakSet()
