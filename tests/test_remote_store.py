@@ -18,6 +18,7 @@ from zarr.storage import FsspecStore, LocalStore, ObjectStore
 
 from replaybuf.storage._remote import ProcessLocalStore, RemoteStoreError, open_store, store_key
 from tests._remote_rows import RemoteRows
+from tests._servers import free_port
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server, gcs_server, s3_outage
 
@@ -148,6 +149,27 @@ def test_profile_credentials_come_from_aws_files_like_s3fs(s3_server, tmp_path, 
     written = _write_group(store)
     np.testing.assert_array_equal(zarr.open_group(store, mode="r")["data/obs"][:], written["data/obs"])
     assert pickle.loads(pickle.dumps(provider)).profile == provider.profile
+
+
+def test_an_http_endpoint_from_the_environment_is_reached_through_obstore(s3_server, monkeypatch):
+    """A buffer whose endpoint and keys come from the environment alone (a local MinIO): obstore
+    reached none (an ``http://`` endpoint needs ``AWS_ALLOW_HTTP`` there: "builder error") while
+    s3fs did; obstore now reaches it too, ``AWS_ENDPOINT_URL_S3`` first as botocore does
+    (``AWS_ENDPOINT_URL`` is a closed port here)."""
+    from replaybuf import ReplayBuffer
+
+    for name in ("AWS_ALLOW_HTTP", "AWS_ENDPOINT", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    location = s3_server.url(_unique("env-endpoint"))
+    assert isinstance(open_store(location)._store, ObjectStore)
+    with ReplayBuffer(location, 2, 3, fields={"x": "int"}) as writer:
+        writer.store_episode(x=np.array([7, 8]))
+    assert ReplayBuffer.from_folder(location, read_only=True, cache=False).data["x"][0, :2].tolist() == [7, 8]
 
 
 def test_untranslatable_option_falls_back_to_s3fs_without_logging_secrets(s3_server, caplog):

@@ -361,14 +361,20 @@ def owner_record(location: str, storage_options: dict, schema: Schema) -> dict:
     the location as the cache keys it, the buffer's uuid, and the store the location is one
     of: the host for a local path (the same path on another machine sharing ``cache_dir``, a
     home folder on NFS, is another buffer), the endpoint for an object store (the same URL on
-    another S3-compatible server is another bucket); None for other URLs (``memory://``: one
+    another S3-compatible server is another bucket; on S3 also one named by the environment,
+    ``AWS_ENDPOINT_URL``); None for other URLs (``memory://``: one
     per process), whose folders are never taken for replaced ones."""
     scope: str | None = None
-    if object_store_url(location) is not None:
+    url = object_store_url(location)
+    if url is not None:
         client = storage_options.get("client_kwargs")
         endpoint = storage_options.get("endpoint_url") or (
             client.get("endpoint_url") if isinstance(client, Mapping) else None
         )
+        if endpoint is None and url.startswith("s3://"):
+            from ._remote import environment_endpoint  # zarr's stores: imported where S3 is read
+
+            endpoint = environment_endpoint()
         scope = f"endpoint {endpoint}" if endpoint else "endpoint default"
     elif not is_url(location):
         scope = f"host {socket.gethostname()}"

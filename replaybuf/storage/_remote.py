@@ -33,7 +33,8 @@ s3fs-style ``storage_options`` -> obstore ``S3Store``
 s3fs / botocore option                               obstore
 ===================================================  ============================================
 ``endpoint_url``, ``client_kwargs['endpoint_url']``  ``endpoint``; ``http://`` also sets
-                                                     ``client_options['allow_http'] = True``
+or, as botocore, ``AWS_ENDPOINT_URL_S3`` or          ``client_options['allow_http'] = True``
+``AWS_ENDPOINT_URL`` in the environment
 ``key``, ``aws_access_key_id``                       ``access_key_id``
 ``secret``, ``aws_secret_access_key``                ``secret_access_key``
 ``token``, ``aws_session_token``                     ``session_token``
@@ -355,6 +356,8 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
         config["skip_signature"] = True
     if options.get("requester_pays"):
         config["request_payer"] = True
+    if "endpoint" not in config and environment_endpoint() is not None:
+        config["endpoint"] = environment_endpoint()
     client_options = dict(options.get("client_options") or {})
     if str(config.get("endpoint", "")).startswith("http://"):
         client_options.setdefault("allow_http", True)
@@ -364,6 +367,15 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
         "retry_config": options.get("retry_config") or DEFAULT_RETRY_CONFIG,
         "credential_provider": _profile_credentials(options, config),
     }
+
+
+def environment_endpoint() -> str | None:
+    """The S3 endpoint botocore (so s3fs) takes from the environment where no option names one:
+    ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``. obstore is given it as an option, so it
+    gets ``allow_http`` as an ``endpoint_url`` option does: from the environment alone obstore
+    refused an ``http://`` endpoint ("HTTP error: builder error") unless ``AWS_ALLOW_HTTP`` was
+    set, so a local MinIO or moto named there failed through obstore while s3fs reached it."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 def _profile_credentials(options: Mapping[str, Any], config: Mapping[str, Any]) -> BotocoreCredentials | None:

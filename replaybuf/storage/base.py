@@ -1529,10 +1529,11 @@ OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
 
 def object_store_url(location: str) -> str | None:
     """``location`` spelled one way when it names an object store (``S3://``, ``s3a://`` ->
-    ``s3://``; ``gcs://`` -> ``gs://``: the same objects), else None."""
+    ``s3://``; ``gcs://`` -> ``gs://``; trailing slashes dropped: ``s3://b/run/`` is
+    ``s3://b/run``, ``s3://b/`` is ``s3://b``: the same objects), else None."""
     scheme, separator, rest = location.partition("://")
     store = OBJECT_STORE_SCHEMES.get(scheme.lower()) if separator else None
-    return None if store is None else f"{store}://{rest}"
+    return None if store is None else f"{store}://{rest.rstrip('/')}"
 
 
 def warn_local_options(location: str, storage_options: dict, backend: str) -> None:
