@@ -276,6 +276,20 @@ def test_stopped_server_raises_clear_error_then_recovers(s3_server, s3_outage):
         ("s3://bucket/x", ["endpoint"], False, TypeError, "storage_options must be a dict"),
         ("s3://bucket/x", {"endpoint_url": "localhost:9000"}, False, ValueError, "endpoint_url'] must be an http"),
         ("s3://bucket/x", {"anon": "yes"}, False, TypeError, r"storage_options\['anon'\]"),
+        (
+            "s3://bucket/x",
+            {"endpoint_url": "http://127.0.0.1:1", "client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}},
+            False,
+            ValueError,
+            "'endpoint_url' .'http://127.0.0.1:1'. and client_kwargs gives 'endpoint_url' .'http://127.0.0.1:2'.",
+        ),
+        (
+            "s3://bucket/x",
+            {"secret": "s1", "client_kwargs": {"aws_secret_access_key": "s2"}},
+            False,
+            ValueError,
+            r"'secret' \('\*\*\*'\) and client_kwargs gives 'aws_secret_access_key' \('\*\*\*'\)",
+        ),
         ("s3://bucket/x", None, "no", TypeError, "read_only must be True or False"),
     ],
 )

@@ -150,6 +150,13 @@ _CLIENT_KWARGS_TO_OBSTORE = {
     "aws_secret_access_key": "secret_access_key",
     "aws_session_token": "session_token",
 }
+# s3fs options it passes to botocore's client as the argument named here, beside client_kwargs
+_S3FS_CLIENT_ARGUMENTS = {
+    "endpoint_url": "endpoint_url",
+    "key": "aws_access_key_id",
+    "secret": "aws_secret_access_key",
+    "token": "aws_session_token",
+}
 _OBSTORE_ONLY = frozenset({"client_options", "retry_config"})
 _EXPLICIT_CREDENTIALS = frozenset(
     {"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
@@ -293,8 +300,29 @@ def _check_object_path(url: str) -> None:
     )
 
 
+def _refuse_options_given_twice(options: Mapping[str, Any]) -> None:
+    """ValueError for an endpoint or credential given as an option and, with another value, in
+    ``client_kwargs`` (``endpoint_url`` in each, ``key`` and ``aws_access_key_id``, ...): s3fs
+    refuses such options at its first request (a ``TypeError`` from aiobotocore, "multiple
+    values") while obstore took the one in ``client_kwargs``, so a buffer went to a server the
+    other option named not, and its forked DataLoader workers (served by s3fs) failed."""
+    client_kwargs = options.get("client_kwargs")
+    if not isinstance(client_kwargs, Mapping):
+        return
+    for name, botocore_name in _S3FS_CLIENT_ARGUMENTS.items():
+        if name in options and botocore_name in client_kwargs and options[name] != client_kwargs[botocore_name]:
+            given = redact_options({name: options[name]})[name]
+            in_client = redact_options({botocore_name: client_kwargs[botocore_name]})[botocore_name]
+            raise ValueError(
+                f"storage_options gives {name!r} ({given!r}) and client_kwargs gives {botocore_name!r} "
+                f"({in_client!r}), two values of one botocore argument (s3fs refuses them, obstore "
+                "took one); give it once"
+            )
+
+
 def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
     global _obstore_opened_in_pid
+    _refuse_options_given_twice(options)
     untranslatable = sorted(set(options) - _translatable_s3_keys(options))
     reason = _obstore_unavailable_reason() or (
         f"storage_options {untranslatable} have no obstore equivalent" if untranslatable else None
