@@ -172,6 +172,23 @@ def test_an_http_endpoint_from_the_environment_is_reached_through_obstore(s3_ser
     assert ReplayBuffer.from_folder(location, read_only=True, cache=False).data["x"][0, :2].tolist() == [7, 8]
 
 
+def test_option_spellings_obstore_takes_open_through_s3fs_too(s3_server):
+    """Top-level ``region``/``region_name`` and ``aws_*`` key names, which obstore's translation
+    takes, reach s3fs (forked DataLoader workers' client) as it spells them: they raised
+    "AioSession.__init__() got an unexpected keyword argument" there."""
+    options = {
+        "endpoint_url": s3_server.endpoint_url,
+        "aws_access_key_id": s3_server.access_key,
+        "aws_secret_access_key": s3_server.secret_key,
+        "region": "us-east-1",
+    }
+    url = s3_server.url(_unique("spelled"))
+    written = _write_group(open_store(url, options))
+    through_s3fs = open_store(url, {**options, "config_kwargs": {}})  # as in a forked worker
+    assert type(through_s3fs._store.fs).__name__ == "S3FileSystem"
+    np.testing.assert_array_equal(zarr.open_group(through_s3fs, mode="r")["data/obs"][:], written["data/obs"])
+
+
 def test_untranslatable_option_falls_back_to_s3fs_without_logging_secrets(s3_server, caplog):
     options = {**s3_server.storage_options, "config_kwargs": {"connect_timeout": 5}}
     with caplog.at_level(logging.DEBUG):
@@ -281,14 +298,15 @@ def test_stopped_server_raises_clear_error_then_recovers(s3_server, s3_outage):
             {"endpoint_url": "http://127.0.0.1:1", "client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}},
             False,
             ValueError,
-            "'endpoint_url' .'http://127.0.0.1:1'. and client_kwargs gives 'endpoint_url' .'http://127.0.0.1:2'.",
+            r"'endpoint_url' twice with two values \(endpoint_url='http://127.0.0.1:1', "
+            r"client_kwargs\['endpoint_url'\]='http://127.0.0.1:2'\)",
         ),
         (
             "s3://bucket/x",
-            {"secret": "s1", "client_kwargs": {"aws_secret_access_key": "s2"}},
+            {"secret": "s1", "aws_secret_access_key": "s2"},
             False,
             ValueError,
-            r"'secret' \('\*\*\*'\) and client_kwargs gives 'aws_secret_access_key' \('\*\*\*'\)",
+            r"'aws_secret_access_key' twice with two values \(secret='\*\*\*', aws_secret_access_key='\*\*\*'\)",
         ),
         ("s3://bucket/x", None, "no", TypeError, "read_only must be True or False"),
     ],

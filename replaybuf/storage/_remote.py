@@ -150,12 +150,14 @@ _CLIENT_KWARGS_TO_OBSTORE = {
     "aws_secret_access_key": "secret_access_key",
     "aws_session_token": "session_token",
 }
-# s3fs options it passes to botocore's client as the argument named here, beside client_kwargs
-_S3FS_CLIENT_ARGUMENTS = {
-    "endpoint_url": "endpoint_url",
-    "key": "aws_access_key_id",
-    "secret": "aws_secret_access_key",
-    "token": "aws_session_token",
+# botocore client argument -> (the s3fs option for it, or None where s3fs takes it in client_kwargs
+# only; the other top-level spellings obstore's translation takes)
+_S3_ARGUMENTS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "endpoint_url": ("endpoint_url", ()),
+    "aws_access_key_id": ("key", ("aws_access_key_id",)),
+    "aws_secret_access_key": ("secret", ("aws_secret_access_key",)),
+    "aws_session_token": ("token", ("aws_session_token",)),
+    "region_name": (None, ("region", "region_name")),
 }
 _OBSTORE_ONLY = frozenset({"client_options", "retry_config"})
 _EXPLICIT_CREDENTIALS = frozenset(
@@ -300,29 +302,43 @@ def _check_object_path(url: str) -> None:
     )
 
 
-def _refuse_options_given_twice(options: Mapping[str, Any]) -> None:
-    """ValueError for an endpoint or credential given as an option and, with another value, in
-    ``client_kwargs`` (``endpoint_url`` in each, ``key`` and ``aws_access_key_id``, ...): s3fs
-    refuses such options at its first request (a ``TypeError`` from aiobotocore, "multiple
-    values") while obstore took the one in ``client_kwargs``, so a buffer went to a server the
-    other option named not, and its forked DataLoader workers (served by s3fs) failed."""
-    client_kwargs = options.get("client_kwargs")
-    if not isinstance(client_kwargs, Mapping):
-        return
-    for name, botocore_name in _S3FS_CLIENT_ARGUMENTS.items():
-        if name in options and botocore_name in client_kwargs and options[name] != client_kwargs[botocore_name]:
-            given = redact_options({name: options[name]})[name]
-            in_client = redact_options({botocore_name: client_kwargs[botocore_name]})[botocore_name]
-            raise ValueError(
-                f"storage_options gives {name!r} ({given!r}) and client_kwargs gives {botocore_name!r} "
-                f"({in_client!r}), two values of one botocore argument (s3fs refuses them, obstore "
-                "took one); give it once"
+def _s3fs_spelling(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with each botocore client argument spelled as s3fs takes it (`_S3_ARGUMENTS`):
+    obstore's translation took ``region``, ``region_name`` or ``aws_access_key_id`` at the top
+    level, which s3fs refuses ("AioSession.__init__() got an unexpected keyword argument"), so a
+    buffer opened through obstore failed in its forked DataLoader workers (served by s3fs).
+
+    Raises ValueError for an argument given twice with two values (``endpoint_url`` and
+    ``client_kwargs['endpoint_url']``, ``key`` and ``aws_access_key_id``): s3fs refuses those
+    ("multiple values") while obstore took one, so the buffer could go to a server the other
+    value named."""
+    spelled = dict(options)
+    client = spelled.get("client_kwargs")
+    client = dict(client) if isinstance(client, Mapping) else None
+    for argument, (s3fs_name, aliases) in _S3_ARGUMENTS.items():
+        given = {name: spelled.pop(name) for name in (s3fs_name, *aliases) if name and name in spelled}
+        if client is not None and argument in client:
+            given[f"client_kwargs['{argument}']"] = client.pop(argument)
+        given = {name: value for name, value in given.items() if value is not None}
+        if len({repr(value) for value in given.values()}) > 1:
+            shown = ", ".join(
+                f"{name}={redact_options({argument: value})[argument]!r}" for name, value in given.items()
             )
+            raise ValueError(
+                f"storage_options give the S3 client's {argument!r} twice with two values ({shown}); give it once"
+            )
+        if given and s3fs_name:
+            spelled[s3fs_name] = next(iter(given.values()))
+        elif given:
+            client = {**(client or {}), argument: next(iter(given.values()))}
+    if client is not None:
+        spelled["client_kwargs"] = client
+    return spelled
 
 
 def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
     global _obstore_opened_in_pid
-    _refuse_options_given_twice(options)
+    options = _s3fs_spelling(options)
     untranslatable = sorted(set(options) - _translatable_s3_keys(options))
     reason = _obstore_unavailable_reason() or (
         f"storage_options {untranslatable} have no obstore equivalent" if untranslatable else None
