@@ -86,7 +86,7 @@ import time
 import uuid as uuid_module
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
@@ -106,6 +106,7 @@ from .base import (
     Storage,
     StorageError,
     is_url,
+    object_store_endpoint,
     object_store_url,
 )
 from .spans import Spans
@@ -365,16 +366,8 @@ def owner_record(location: str, storage_options: dict, schema: Schema) -> dict:
     ``AWS_ENDPOINT_URL``); None for other URLs (``memory://``: one
     per process), whose folders are never taken for replaced ones."""
     scope: str | None = None
-    url = object_store_url(location)
-    if url is not None:
-        client = storage_options.get("client_kwargs")
-        endpoint = storage_options.get("endpoint_url") or (
-            client.get("endpoint_url") if isinstance(client, Mapping) else None
-        )
-        if endpoint is None and url.startswith("s3://"):
-            from ._remote import environment_endpoint  # zarr's stores: imported where S3 is read
-
-            endpoint = environment_endpoint()
+    if object_store_url(location) is not None:
+        endpoint = object_store_endpoint(location, storage_options)
         scope = f"endpoint {endpoint}" if endpoint else "endpoint default"
     elif not is_url(location):
         scope = f"host {socket.gethostname()}"

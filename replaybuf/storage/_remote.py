@@ -85,7 +85,7 @@ from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, ObjectStore, WrapperStore
 
 from ._settle import guarded_loop
-from .base import OBJECT_STORE_SCHEMES
+from .base import OBJECT_STORE_SCHEMES, environment_endpoint
 
 if TYPE_CHECKING:
     from zarr.abc.store import ByteRequest
@@ -401,6 +401,8 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
     if options.get("requester_pays"):
         config["request_payer"] = True
     if "endpoint" not in config and environment_endpoint() is not None:
+        # as an option, so an http:// one gets allow_http below: from the environment alone
+        # obstore refused it ("builder error") unless AWS_ALLOW_HTTP was set, where s3fs reached it
         config["endpoint"] = environment_endpoint()
     client_options = dict(options.get("client_options") or {})
     if str(config.get("endpoint", "")).startswith("http://"):
@@ -411,15 +413,6 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
         "retry_config": options.get("retry_config") or DEFAULT_RETRY_CONFIG,
         "credential_provider": _profile_credentials(options, config),
     }
-
-
-def environment_endpoint() -> str | None:
-    """The S3 endpoint botocore (so s3fs) takes from the environment where no option names one:
-    ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``. obstore is given it as an option, so it
-    gets ``allow_http`` as an ``endpoint_url`` option does: from the environment alone obstore
-    refused an ``http://`` endpoint ("HTTP error: builder error") unless ``AWS_ALLOW_HTTP`` was
-    set, so a local MinIO or moto named there failed through obstore while s3fs reached it."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 def _profile_credentials(options: Mapping[str, Any], config: Mapping[str, Any]) -> BotocoreCredentials | None:

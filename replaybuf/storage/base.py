@@ -86,6 +86,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -1534,6 +1535,32 @@ def object_store_url(location: str) -> str | None:
     scheme, separator, rest = location.partition("://")
     store = OBJECT_STORE_SCHEMES.get(scheme.lower()) if separator else None
     return None if store is None else f"{store}://{rest.rstrip('/')}"
+
+
+def environment_endpoint() -> str | None:
+    """The S3 endpoint botocore (so s3fs) takes from the environment where no option names one:
+    ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def object_store_endpoint(location: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The server an object-store ``location`` is read from, spelled one way (scheme and host
+    lowercase, no trailing ``/``): ``endpoint_url``, or ``client_kwargs['endpoint_url']``, or on
+    S3 the environment's (`environment_endpoint`); None for the client's default server or
+    another location. Two spellings of one endpoint name one store (``convert`` refusing to
+    copy a buffer onto itself, the read cache's owner records)."""
+    url = object_store_url(location)
+    if url is None:
+        return None
+    options = storage_options or {}
+    client = options.get("client_kwargs")
+    endpoint = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
+    if endpoint is None and url.startswith("s3://"):
+        endpoint = environment_endpoint()
+    if not isinstance(endpoint, str) or not endpoint:
+        return None
+    parts = urlsplit(endpoint)
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
 
 
 def warn_local_options(location: str, storage_options: dict, backend: str) -> None:
