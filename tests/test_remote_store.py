@@ -295,6 +295,13 @@ def test_stopped_server_raises_clear_error_then_recovers(s3_server, s3_outage):
         ("s3://bucket/x", {"anon": "yes"}, False, TypeError, r"storage_options\['anon'\]"),
         (
             "s3://bucket/x",
+            {"region": "r", "client_kwargs": "x"},
+            False,
+            TypeError,
+            r"\['client_kwargs'\] must be a dict",
+        ),
+        (
+            "s3://bucket/x",
             {"endpoint_url": "http://127.0.0.1:1", "client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}},
             False,
             ValueError,

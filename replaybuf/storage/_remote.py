@@ -314,7 +314,9 @@ def _s3fs_spelling(options: Mapping[str, Any]) -> dict[str, Any]:
     value named."""
     spelled = dict(options)
     client = spelled.get("client_kwargs")
-    client = dict(client) if isinstance(client, Mapping) else None
+    if client is not None and not isinstance(client, Mapping):
+        raise TypeError(f"storage_options['client_kwargs'] must be a dict, got {type(client).__name__}: {client!r}")
+    client = None if client is None else dict(client)
     for argument, (s3fs_name, aliases) in _S3_ARGUMENTS.items():
         given = {name: spelled.pop(name) for name in (s3fs_name, *aliases) if name and name in spelled}
         if client is not None and argument in client:
