@@ -17,7 +17,8 @@ URL                           store
 ``gs://``, ``gcs://``         ``FsspecStore`` over gcsfs. obstore's GCSStore cannot be tested here:
                               against gcp-storage-emulator its GET/PUT fail ("ETag"/"Last-Modified
                               header missing"), HEAD and XML listing answer 501. With an
-                              ``endpoint_url`` the core ``gcsfs.GCSFileSystem`` is used, whatever
+                              ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``, which gcsfs reads)
+                              the core ``gcsfs.GCSFileSystem`` is used, whatever
                               ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` says, because the experimental
                               class probes each bucket over gRPC (60 s against an emulator).
                               gcsfs retries a refused connection 6 times (~34 s) before failing;
@@ -480,7 +481,7 @@ def _without_obstore_only(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _open_gcs(url: str, options: dict[str, Any], read_only: bool) -> Store:
-    if "endpoint_url" not in options:
+    if "endpoint_url" not in options and environment_endpoint("gs") is None:
         return _open_fsspec(url, options, read_only)
     try:
         from gcsfs.core import GCSFileSystem

@@ -1537,17 +1537,23 @@ def object_store_url(location: str) -> str | None:
     return None if store is None else f"{store}://{rest.rstrip('/')}"
 
 
-def environment_endpoint() -> str | None:
-    """The S3 endpoint botocore (so s3fs) takes from the environment where no option names one:
-    ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
+def environment_endpoint(store: str = "s3") -> str | None:
+    """The endpoint the client of ``store`` ('s3' or 'gs') takes from the environment where no
+    option names one: botocore's (so s3fs's) ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``;
+    gcsfs's ``STORAGE_EMULATOR_HOST`` (``http://`` when it names no scheme)."""
+    if store == "gs":
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if emulator in ("", "default"):
+            return None
+        return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 def object_store_endpoint(location: str, storage_options: Mapping[str, Any] | None) -> str | None:
     """The server an object-store ``location`` is read from, spelled one way (scheme and host
-    lowercase, no trailing ``/``): ``endpoint_url``, or ``client_kwargs['endpoint_url']``, or on
-    S3 the environment's (`environment_endpoint`); None for the client's default server or
-    another location. Two spellings of one endpoint name one store (``convert`` refusing to
+    lowercase, no trailing ``/``): ``endpoint_url``, or ``client_kwargs['endpoint_url']``, or the
+    environment's (`environment_endpoint`); None for the client's default server or another
+    location. Two spellings of one endpoint name one store (``convert`` refusing to
     copy a buffer onto itself, the read cache's owner records)."""
     url = object_store_url(location)
     if url is None:
@@ -1555,8 +1561,8 @@ def object_store_endpoint(location: str, storage_options: Mapping[str, Any] | No
     options = storage_options or {}
     client = options.get("client_kwargs")
     endpoint = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
-    if endpoint is None and url.startswith("s3://"):
-        endpoint = environment_endpoint()
+    if endpoint is None:
+        endpoint = environment_endpoint(url.partition("://")[0])
     if not isinstance(endpoint, str) or not endpoint:
         return None
     parts = urlsplit(endpoint)
