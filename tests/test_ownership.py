@@ -395,18 +395,12 @@ def test_convert_refuses_the_same_s3_prefix_spelled_twice(s3_server, monkeypatch
 
 def test_convert_refuses_the_same_gcs_prefix_with_its_emulator_named_by_the_environment(gcs_server, monkeypatch):
     """gcsfs reads ``STORAGE_EMULATOR_HOST`` (host:port) where ``endpoint_url`` is not given: the
-    same bucket and prefix, as a convert onto itself once erased it."""
-    options = gcs_server.storage_options
+    same bucket and prefix, refused before any request (a convert onto itself erased the source)."""
     url = gcs_server.url(f"convert-{uuid.uuid4().hex[:8]}")
-    store(new(url, storage_options=options))
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint_url.removeprefix("http://"))
-    with pytest.raises(ValueError, match="same location"):
-        convert(
-            url, url, storage_options=options, dst_storage_options={"token": "anon"}, progress=False, overwrite=True
-        )
-    assert (
-        ReplayBuffer.from_folder(url, read_only=True, storage_options={"token": "anon"}).data["state"][0, 0, 0] == 1.0
-    )
+    with gcs_server.record() as requests, pytest.raises(ValueError, match="same location"):
+        convert(url, url, storage_options=gcs_server.storage_options, dst_storage_options={"token": "anon"})
+    assert requests.requests == []
 
 
 def test_convert_to_another_endpoint_or_a_sibling_is_allowed(tmp_path, source):
