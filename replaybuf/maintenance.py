@@ -57,6 +57,7 @@ from .storage.base import (
     check_state,
     committed_without_length,
     make_storage,
+    object_store_endpoint,
     refuse_empty_location,
     unpublished_slots,
 )
@@ -243,7 +244,7 @@ def _resolved(location: str | os.PathLike, options: dict | None) -> str:
     """One spelling of a location, so that two spellings of one place compare equal: a local
     path (``file://`` or not) as its real path, links and ``..`` resolved; a URL with its
     scheme's usual name (``s3a`` is ``s3``), no empty path parts (trailing or doubled ``/``),
-    led by its endpoint when one is given."""
+    led by its endpoint when one is given (spelled one way: ``object_store_endpoint``)."""
     if not isinstance(location, str | bytes | os.PathLike):  # os.fspath names neither the argument nor a path
         raise TypeError(
             f"expected a folder path or URL (a str or os.PathLike) for source and destination, got "
@@ -255,7 +256,7 @@ def _resolved(location: str | os.PathLike, options: dict | None) -> str:
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if sep else ""
     if not scheme:
         return os.path.realpath(rest if sep else text)
-    endpoint = (options or {}).get("endpoint_url")
+    endpoint = object_store_endpoint(text, options)  # endpoint_url or client_kwargs' or the environment's
     parts = [f"[{endpoint}]"] if endpoint else []
     return f"{scheme}://" + "/".join(parts + [part for part in rest.split("/") if part])
 

@@ -672,8 +672,9 @@ def test_s3_second_epoch_reads_no_data_and_first_epoch_is_concurrent(s3_server, 
 
 
 def test_every_spelling_of_an_object_store_url_is_cached_by_default_in_one_folder(s3_server, tmp_path):
-    """``s3a://`` and ``S3://`` name the objects ``s3://`` does: a read-only open through any of
-    them is cached by default, in the one folder, so what one filled the others serve with no GET."""
+    """``s3a://``, ``S3://`` and a trailing ``/`` name the objects ``s3://`` does: a read-only open
+    through any of them is cached by default, in the one folder, so what one filled the others
+    serve with no GET (a second folder would hold a second decoded copy of every episode)."""
     location = s3_server.url(f"spelled-{uuid.uuid4().hex[:8]}")
     writer = ReplayBuffer(
         location, max_episodes=2, max_timesteps=3, fields={"ident": "int"}, storage_options=s3_server.storage_options
@@ -682,9 +683,9 @@ def test_every_spelling_of_an_object_store_url_is_cached_by_default_in_one_folde
     writer.close()
     readers = [
         ReplayBuffer.from_folder(
-            scheme + location.split("://", 1)[1], read_only=True, storage_options=s3_server.storage_options
+            scheme + location.split("://", 1)[1] + tail, read_only=True, storage_options=s3_server.storage_options
         )
-        for scheme in ("s3a://", "S3://", "s3://")
+        for scheme, tail in (("s3a://", ""), ("S3://", "/"), ("s3://", ""), ("s3://", "/"))
     ]
     assert all(isinstance(reader.storage, CachedStorage) for reader in readers)
     assert len({reader.storage.root for reader in readers}) == 1

@@ -363,16 +363,44 @@ def test_convert_refuses_other_spellings_of_its_source(source, spelling, message
     assert len(ReplayBuffer.from_folder(source, read_only=True)) == 2
 
 
-def test_convert_refuses_the_same_s3_prefix_spelled_twice(s3_server):
+def test_convert_refuses_the_same_s3_prefix_spelled_twice(s3_server, monkeypatch):
+    """Whatever the spelling of the prefix or of its endpoint (``client_kwargs['endpoint_url']``,
+    a trailing ``/``, the environment's ``AWS_ENDPOINT_URL``): a convert onto itself with
+    ``--overwrite`` once erased the source and copied its zeros back."""
     options = s3_server.storage_options
     url = s3_server.url(f"convert-{uuid.uuid4().hex[:8]}")
     store(new(url, storage_options=options))
-    for dst in (url + "/", url.replace("s3://", "s3a://") + "//", url + "/copy"):
+    endpoint = options["endpoint_url"]
+    in_client = {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": endpoint}}
+    del in_client["endpoint_url"]
+    from_environment = {name: value for name, value in options.items() if name != "endpoint_url"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    for dst, dst_options in (
+        (url + "/", options),
+        (url.replace("s3://", "s3a://") + "//", options),
+        (url + "/copy", options),
+        (url, in_client),
+        (url, {**options, "endpoint_url": endpoint + "/"}),
+        (url, from_environment),
+    ):
         with s3_server.record() as requests:
             with pytest.raises(ValueError, match="same location|inside the source"):
-                convert(url, dst, storage_options=options, dst_storage_options=options, progress=False, overwrite=True)
+                convert(
+                    url, dst, storage_options=options, dst_storage_options=dst_options, progress=False, overwrite=True
+                )
         assert requests.writes() == []
-    assert len(ReplayBuffer.from_folder(url, read_only=True, storage_options=options)) == 1
+    assert ReplayBuffer.from_folder(url, read_only=True, storage_options=options).data["state"][0, 0, 0] == 1.0
+
+
+def test_convert_refuses_the_same_gcs_prefix_with_its_emulator_named_by_the_environment(gcs_server, monkeypatch):
+    """gcsfs reads ``STORAGE_EMULATOR_HOST`` (host:port) where ``endpoint_url`` is not given: the
+    same bucket and prefix, refused before any request (a convert onto itself erased the source)."""
+    url = gcs_server.url(f"convert-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint_url.removeprefix("http://"))
+    with gcs_server.record() as requests, pytest.raises(ValueError, match="same location"):
+        convert(url, url, storage_options=gcs_server.storage_options, dst_storage_options={"token": "anon"})
+    assert requests.requests == []
 
 
 def test_convert_to_another_endpoint_or_a_sibling_is_allowed(tmp_path, source):

@@ -18,6 +18,7 @@ from zarr.storage import FsspecStore, LocalStore, ObjectStore
 
 from replaybuf.storage._remote import ProcessLocalStore, RemoteStoreError, open_store, store_key
 from tests._remote_rows import RemoteRows
+from tests._servers import free_port
 
 pytest_plugins = ["tests._servers"]  # fixtures: s3_server, gcs_server, s3_outage
 
@@ -150,6 +151,44 @@ def test_profile_credentials_come_from_aws_files_like_s3fs(s3_server, tmp_path, 
     assert pickle.loads(pickle.dumps(provider)).profile == provider.profile
 
 
+def test_an_http_endpoint_from_the_environment_is_reached_through_obstore(s3_server, monkeypatch):
+    """A buffer whose endpoint and keys come from the environment alone (a local MinIO): obstore
+    reached none (an ``http://`` endpoint needs ``AWS_ALLOW_HTTP`` there: "builder error") while
+    s3fs did; obstore now reaches it too, ``AWS_ENDPOINT_URL_S3`` first as botocore does
+    (``AWS_ENDPOINT_URL`` is a closed port here)."""
+    from replaybuf import ReplayBuffer
+
+    for name in ("AWS_ALLOW_HTTP", "AWS_ENDPOINT", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    location = s3_server.url(_unique("env-endpoint"))
+    assert isinstance(open_store(location)._store, ObjectStore)
+    with ReplayBuffer(location, 2, 3, fields={"x": "int"}) as writer:
+        writer.store_episode(x=np.array([7, 8]))
+    assert ReplayBuffer.from_folder(location, read_only=True, cache=False).data["x"][0, :2].tolist() == [7, 8]
+
+
+def test_option_spellings_obstore_takes_open_through_s3fs_too(s3_server):
+    """Top-level ``region``/``region_name`` and ``aws_*`` key names, which obstore's translation
+    takes, reach s3fs (forked DataLoader workers' client) as it spells them: they raised
+    "AioSession.__init__() got an unexpected keyword argument" there."""
+    options = {
+        "endpoint_url": s3_server.endpoint_url,
+        "aws_access_key_id": s3_server.access_key,
+        "aws_secret_access_key": s3_server.secret_key,
+        "region": "us-east-1",
+    }
+    url = s3_server.url(_unique("spelled"))
+    written = _write_group(open_store(url, options))
+    through_s3fs = open_store(url, {**options, "config_kwargs": {}})  # as in a forked worker
+    assert type(through_s3fs._store.fs).__name__ == "S3FileSystem"
+    np.testing.assert_array_equal(zarr.open_group(through_s3fs, mode="r")["data/obs"][:], written["data/obs"])
+
+
 def test_untranslatable_option_falls_back_to_s3fs_without_logging_secrets(s3_server, caplog):
     options = {**s3_server.storage_options, "config_kwargs": {"connect_timeout": 5}}
     with caplog.at_level(logging.DEBUG):
@@ -254,6 +293,28 @@ def test_stopped_server_raises_clear_error_then_recovers(s3_server, s3_outage):
         ("s3://bucket/x", ["endpoint"], False, TypeError, "storage_options must be a dict"),
         ("s3://bucket/x", {"endpoint_url": "localhost:9000"}, False, ValueError, "endpoint_url'] must be an http"),
         ("s3://bucket/x", {"anon": "yes"}, False, TypeError, r"storage_options\['anon'\]"),
+        (
+            "s3://bucket/x",
+            {"region": "r", "client_kwargs": "x"},
+            False,
+            TypeError,
+            r"\['client_kwargs'\] must be a dict",
+        ),
+        (
+            "s3://bucket/x",
+            {"endpoint_url": "http://127.0.0.1:1", "client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}},
+            False,
+            ValueError,
+            r"'endpoint_url' twice with two values \(endpoint_url='http://127.0.0.1:1', "
+            r"client_kwargs\['endpoint_url'\]='http://127.0.0.1:2'\)",
+        ),
+        (
+            "s3://bucket/x",
+            {"secret": "s1", "aws_secret_access_key": "s2"},
+            False,
+            ValueError,
+            r"'aws_secret_access_key' twice with two values \(secret='\*\*\*', aws_secret_access_key='\*\*\*'\)",
+        ),
         ("s3://bucket/x", None, "no", TypeError, "read_only must be True or False"),
     ],
 )

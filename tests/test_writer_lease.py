@@ -204,6 +204,22 @@ def test_writers_in_one_process_share_the_lease_as_the_seed_readme_does(location
     assert not _held(location)
 
 
+def test_one_process_shares_an_object_lease_across_spellings_and_takes_one_per_endpoint(s3_location):
+    """``s3a://b/x/`` is the buffer at ``s3://b/x``: a second open in the
+    process shares its lease (they were refused, naming this process). ``s3://b/x`` on another
+    endpoint is another buffer: it shared the first one's lease, so its own server got no lease
+    object (a second writer process opened it) and its ``overwrite=True`` stopped the first."""
+    url, options = s3_location
+    first = _open(url, storage_options=options)
+    again = ReplayBuffer.from_folder(url.replace("s3://", "s3a://") + "/", storage_options=options)
+    assert again.storage.writer_lease().key == first.storage.writer_lease().key
+    _store(again, 1)
+    elsewhere = make_storage(url, storage_options={**options, "endpoint_url": "http://127.0.0.1:9"})
+    assert elsewhere.writer_lease().key != first.storage.writer_lease().key
+    assert first.refresh().meta_data["uid"][first.valid_episodes()].tolist() == [1]
+    first.close()
+
+
 def test_a_closed_writer_refuses_writes_and_leaves_the_buffer_to_the_next(location, backend):
     """close() gives the lease back: writes through the closed object would run beside the next
     writer (both once wrote the same slots), so each is refused, naming the buffer, and changes

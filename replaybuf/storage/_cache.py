@@ -86,7 +86,7 @@ import time
 import uuid as uuid_module
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
@@ -106,6 +106,7 @@ from .base import (
     Storage,
     StorageError,
     is_url,
+    object_store_endpoint,
     object_store_url,
 )
 from .spans import Spans
@@ -361,14 +362,12 @@ def owner_record(location: str, storage_options: dict, schema: Schema) -> dict:
     the location as the cache keys it, the buffer's uuid, and the store the location is one
     of: the host for a local path (the same path on another machine sharing ``cache_dir``, a
     home folder on NFS, is another buffer), the endpoint for an object store (the same URL on
-    another S3-compatible server is another bucket); None for other URLs (``memory://``: one
+    another S3-compatible server is another bucket; on S3 also one named by the environment,
+    ``AWS_ENDPOINT_URL``); None for other URLs (``memory://``: one
     per process), whose folders are never taken for replaced ones."""
     scope: str | None = None
     if object_store_url(location) is not None:
-        client = storage_options.get("client_kwargs")
-        endpoint = storage_options.get("endpoint_url") or (
-            client.get("endpoint_url") if isinstance(client, Mapping) else None
-        )
+        endpoint = object_store_endpoint(location, storage_options)
         scope = f"endpoint {endpoint}" if endpoint else "endpoint default"
     elif not is_url(location):
         scope = f"host {socket.gethostname()}"

@@ -17,7 +17,8 @@ URL                           store
 ``gs://``, ``gcs://``         ``FsspecStore`` over gcsfs. obstore's GCSStore cannot be tested here:
                               against gcp-storage-emulator its GET/PUT fail ("ETag"/"Last-Modified
                               header missing"), HEAD and XML listing answer 501. With an
-                              ``endpoint_url`` the core ``gcsfs.GCSFileSystem`` is used, whatever
+                              ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``, which gcsfs reads)
+                              the core ``gcsfs.GCSFileSystem`` is used, whatever
                               ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` says, because the experimental
                               class probes each bucket over gRPC (60 s against an emulator).
                               gcsfs retries a refused connection 6 times (~34 s) before failing;
@@ -33,7 +34,8 @@ s3fs-style ``storage_options`` -> obstore ``S3Store``
 s3fs / botocore option                               obstore
 ===================================================  ============================================
 ``endpoint_url``, ``client_kwargs['endpoint_url']``  ``endpoint``; ``http://`` also sets
-                                                     ``client_options['allow_http'] = True``
+or, as botocore, ``AWS_ENDPOINT_URL_S3`` or          ``client_options['allow_http'] = True``
+``AWS_ENDPOINT_URL`` in the environment
 ``key``, ``aws_access_key_id``                       ``access_key_id``
 ``secret``, ``aws_secret_access_key``                ``secret_access_key``
 ``token``, ``aws_session_token``                     ``session_token``
@@ -84,7 +86,7 @@ from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, ObjectStore, WrapperStore
 
 from ._settle import guarded_loop
-from .base import OBJECT_STORE_SCHEMES
+from .base import OBJECT_STORE_SCHEMES, environment_endpoint
 
 if TYPE_CHECKING:
     from zarr.abc.store import ByteRequest
@@ -148,6 +150,15 @@ _CLIENT_KWARGS_TO_OBSTORE = {
     "aws_access_key_id": "access_key_id",
     "aws_secret_access_key": "secret_access_key",
     "aws_session_token": "session_token",
+}
+# botocore client argument -> (the s3fs option for it, or None where s3fs takes it in client_kwargs
+# only; the other top-level spellings obstore's translation takes)
+_S3_ARGUMENTS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "endpoint_url": ("endpoint_url", ()),
+    "aws_access_key_id": ("key", ("aws_access_key_id",)),
+    "aws_secret_access_key": ("secret", ("aws_secret_access_key",)),
+    "aws_session_token": ("token", ("aws_session_token",)),
+    "region_name": (None, ("region", "region_name")),
 }
 _OBSTORE_ONLY = frozenset({"client_options", "retry_config"})
 _EXPLICIT_CREDENTIALS = frozenset(
@@ -292,8 +303,45 @@ def _check_object_path(url: str) -> None:
     )
 
 
+def _s3fs_spelling(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with each botocore client argument spelled as s3fs takes it (`_S3_ARGUMENTS`):
+    obstore's translation took ``region``, ``region_name`` or ``aws_access_key_id`` at the top
+    level, which s3fs refuses ("AioSession.__init__() got an unexpected keyword argument"), so a
+    buffer opened through obstore failed in its forked DataLoader workers (served by s3fs).
+
+    Raises ValueError for an argument given twice with two values (``endpoint_url`` and
+    ``client_kwargs['endpoint_url']``, ``key`` and ``aws_access_key_id``): s3fs refuses those
+    ("multiple values") while obstore took one, so the buffer could go to a server the other
+    value named."""
+    spelled = dict(options)
+    client = spelled.get("client_kwargs")
+    if client is not None and not isinstance(client, Mapping):
+        raise TypeError(f"storage_options['client_kwargs'] must be a dict, got {type(client).__name__}: {client!r}")
+    client = None if client is None else dict(client)
+    for argument, (s3fs_name, aliases) in _S3_ARGUMENTS.items():
+        given = {name: spelled.pop(name) for name in (s3fs_name, *aliases) if name and name in spelled}
+        if client is not None and argument in client:
+            given[f"client_kwargs['{argument}']"] = client.pop(argument)
+        given = {name: value for name, value in given.items() if value is not None}
+        if len({repr(value) for value in given.values()}) > 1:
+            shown = ", ".join(
+                f"{name}={redact_options({argument: value})[argument]!r}" for name, value in given.items()
+            )
+            raise ValueError(
+                f"storage_options give the S3 client's {argument!r} twice with two values ({shown}); give it once"
+            )
+        if given and s3fs_name:
+            spelled[s3fs_name] = next(iter(given.values()))
+        elif given:
+            client = {**(client or {}), argument: next(iter(given.values()))}
+    if client is not None:
+        spelled["client_kwargs"] = client
+    return spelled
+
+
 def _open_s3(url: str, options: dict[str, Any], read_only: bool) -> Store:
     global _obstore_opened_in_pid
+    options = _s3fs_spelling(options)
     untranslatable = sorted(set(options) - _translatable_s3_keys(options))
     reason = _obstore_unavailable_reason() or (
         f"storage_options {untranslatable} have no obstore equivalent" if untranslatable else None
@@ -355,6 +403,10 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
         config["skip_signature"] = True
     if options.get("requester_pays"):
         config["request_payer"] = True
+    if "endpoint" not in config and environment_endpoint() is not None:
+        # as an option, so an http:// one gets allow_http below: from the environment alone
+        # obstore refused it ("builder error") unless AWS_ALLOW_HTTP was set, where s3fs reached it
+        config["endpoint"] = environment_endpoint()
     client_options = dict(options.get("client_options") or {})
     if str(config.get("endpoint", "")).startswith("http://"):
         client_options.setdefault("allow_http", True)
@@ -429,7 +481,7 @@ def _without_obstore_only(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _open_gcs(url: str, options: dict[str, Any], read_only: bool) -> Store:
-    if "endpoint_url" not in options:
+    if "endpoint_url" not in options and environment_endpoint("gs") is None:
         return _open_fsspec(url, options, read_only)
     try:
         from gcsfs.core import GCSFileSystem

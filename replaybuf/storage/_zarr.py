@@ -70,6 +70,8 @@ from .base import (
     empty_state,
     is_url,
     last_occurrences,
+    object_store_endpoint,
+    object_store_url,
     parse_json,
     warn_local_options,
 )
@@ -270,7 +272,13 @@ class ZarrStorage(KVBlobs, Storage):
         # docstring inherited
         if self.location.startswith("memory://"):
             return ProcessLease(self.location)
-        return ObjectLease(self.kv, self.location) if isinstance(self.kv, StoreKV) else super().writer_lease()
+        if not isinstance(self.kv, StoreKV):
+            return super().writer_lease()
+        # one buffer whatever its spelling (s3a://, a trailing /), and one per server: a URL on
+        # two endpoints shared one lease in a process, so the second took none on its server
+        url = object_store_url(self.location) or self.location
+        identity = f"{url} [endpoint {object_store_endpoint(self.location, self.storage_options) or 'default'}]"
+        return ObjectLease(self.kv, self.location, identity=identity)
 
     def _zarr_store(self, read_only: bool):
         if not is_url(self.location):

@@ -86,6 +86,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -1633,10 +1634,43 @@ OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
 
 def object_store_url(location: str) -> str | None:
     """``location`` spelled one way when it names an object store (``S3://``, ``s3a://`` ->
-    ``s3://``; ``gcs://`` -> ``gs://``: the same objects), else None."""
+    ``s3://``; ``gcs://`` -> ``gs://``; trailing slashes dropped: ``s3://b/run/`` is
+    ``s3://b/run``, ``s3://b/`` is ``s3://b``: the same objects), else None."""
     scheme, separator, rest = location.partition("://")
     store = OBJECT_STORE_SCHEMES.get(scheme.lower()) if separator else None
-    return None if store is None else f"{store}://{rest}"
+    return None if store is None else f"{store}://{rest.rstrip('/')}"
+
+
+def environment_endpoint(store: str = "s3") -> str | None:
+    """The endpoint the client of ``store`` ('s3' or 'gs') takes from the environment where no
+    option names one: botocore's (so s3fs's) ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``;
+    gcsfs's ``STORAGE_EMULATOR_HOST`` (``http://`` when it names no scheme)."""
+    if store == "gs":
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if emulator in ("", "default"):
+            return None
+        return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def object_store_endpoint(location: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The server an object-store ``location`` is read from, spelled one way (scheme and host
+    lowercase, no trailing ``/``): ``endpoint_url``, or ``client_kwargs['endpoint_url']``, or the
+    environment's (`environment_endpoint`); None for the client's default server or another
+    location. Two spellings of one endpoint name one store (``convert`` refusing to
+    copy a buffer onto itself, the read cache's owner records)."""
+    url = object_store_url(location)
+    if url is None:
+        return None
+    options = storage_options or {}
+    client = options.get("client_kwargs")
+    endpoint = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
+    if endpoint is None:
+        endpoint = environment_endpoint(url.partition("://")[0])
+    if not isinstance(endpoint, str) or not endpoint:
+        return None
+    parts = urlsplit(endpoint)
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
 
 
 def warn_local_options(location: str, storage_options: dict, backend: str) -> None:

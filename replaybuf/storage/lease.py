@@ -535,10 +535,15 @@ class ObjectLease(WriterLease):
         The buffer's URL, for messages.
     seconds
         How long the lease lasts without renewal; ``lease_seconds()`` when None.
+    identity
+        The buffer as this process tells it from others (``key``): its URL in one spelling and
+        its endpoint, so that two spellings of one buffer share one lease and one URL on two
+        servers takes two; ``location`` when None.
     """
 
-    def __init__(self, kv: StoreKV, location: str, seconds: float | None = None):
+    def __init__(self, kv: StoreKV, location: str, seconds: float | None = None, identity: str | None = None):
         super().__init__(location)
+        self.identity = location if identity is None else identity
         self.kv = kv
         self.seconds = lease_seconds() if seconds is None else seconds
         self.token: str | None = None
@@ -546,6 +551,11 @@ class ObjectLease(WriterLease):
         self._release_requested = False
         self._release_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        # docstring inherited
+        return f"{type(self).__name__}:{self.identity}"
 
     def _read_record(self) -> dict | None:
         try:  # a record is ~100 bytes: a larger object is damage, refused unread (a ValueError)
