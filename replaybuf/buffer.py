@@ -757,8 +757,10 @@ class ReplayBuffer(CommittedViews):
             self._state = self._commit.caught_up(self._state)
         return self
 
-    def _load_bookkeeping(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The counters and per-episode arrays as stored now, checked (``refresh``)."""
+    def _load_bookkeeping(self, again: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The counters and per-episode arrays as stored now, checked (``refresh``). A reader
+        that finds slots mid-change and no live writer reads everything ``again`` once: the
+        writer may have finished them and let go after the reads (its close)."""
         # the counters first: a commit publishes its length before it counts its generation
         state = check_state(self.storage.load_state(), self.schema, self.storage.describe_key(STATE_KEY))
         self.storage.drop_caches()
@@ -798,6 +800,8 @@ class ReplayBuffer(CommittedViews):
             and bool(len(unpublished) or len(unsettled))
             and self.storage.writer_lease().live_holder() is not None
         )
+        if self.read_only and again and (len(unpublished) or len(unsettled)) and not beside_writer:
+            return self._load_bookkeeping(again=False)
         if len(unpublished) and beside_writer:
             # a live writer between a reuse's (or a drop's) two writes, slower than the re-reads
             # (an hdf5 flush on a loaded machine): those slots read as empty, as a slot changed

@@ -547,6 +547,43 @@ def test_a_committed_length_flipped_to_zero_is_damage_not_an_empty_slot(tmp_path
     assert any("slots [1] hold length 0" in line for line in verify(location))
 
 
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_drop_finished_by_a_writer_that_let_go_before_the_reader_looked_is_no_damage(tmp_path, backend, monkeypatch):
+    """Before: a reader whose reads all fell between a drop's two writes (a slow flush) and
+    whose look for a live writer came after the writer closed called the slot's length lost."""
+    import threading
+
+    location = str(tmp_path / "buffer")
+    _committed(location, backend, [6, 4, 7])
+    reader = _open(location)
+    writer = ReplayBuffer.from_folder(location)
+    commit, mid, go = writer._commit, threading.Event(), threading.Event()
+    write_meta = commit.write_meta
+
+    def slow_generation_write(name, *args):
+        if name == "_generation":  # the length is cleared: the reader reads now
+            mid.set()
+            go.wait(30)
+        write_meta(name, *args)
+
+    monkeypatch.setattr(commit, "write_meta", slow_generation_write)
+    dropping = threading.Thread(target=lambda: (writer.drop_episodes([1]), writer.close()))
+    dropping.start()
+    assert mid.wait(30)
+    lease = type(reader.storage.writer_lease())
+    live_holder = lease.live_holder
+
+    def holder_looked_up_after_the_writer_closed(self):
+        go.set()
+        dropping.join(30)
+        return live_holder(self)
+
+    monkeypatch.setattr(lease, "live_holder", holder_looked_up_after_the_writer_closed)
+    reader.refresh()
+    assert reader.episode_lens[:3].tolist() == [6, 0, 7]
+    assert not dropping.is_alive()
+
+
 def _zero_lengths(location: str, backend: str) -> None:
     """Overwrite every stored length with 0, in place."""
     if backend == "zarr":
