@@ -11,7 +11,7 @@ from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY, copy_seed_h5
 from .maintenance import convert, info, verify
 from .metasums import MetaChecksumError
-from .schema import Field, Schema
+from .schema import Field, Schema, UnknownFieldError
 from .snapshots import SnapshotError, SnapshotHeldError
 from .storage import (
     BufferDamagedError,
@@ -73,6 +73,7 @@ __all__ = [
     "EpisodeLengthError",
     "LostLengthError",
     "MetaChecksumError",
+    "UnknownFieldError",
     "make_storage",
     "frames_to_sheet",
     "trajectory_to_video",

@@ -40,7 +40,7 @@ from .consistency import (
     replanner,
 )
 from .progress import dask_progress, progress_bar
-from .schema import Field
+from .schema import Field, UnknownFieldError
 from .storage import (
     BufferReplacedError,
     GenerationMismatchError,
@@ -103,7 +103,7 @@ def _names(names: Sequence[str] | str | None, argument: str, call: str) -> list[
 def _check_known(names: Sequence[str], allowed: set[str], what: str, call: str) -> None:
     unknown = sorted(set(names) - allowed)
     if unknown:
-        raise ValueError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
+        raise UnknownFieldError(f"{call}: invalid {what} names {unknown} - must be among {sorted(allowed)}")
 
 
 # ---- dask arrays over the storage ------------------------------------------------------------

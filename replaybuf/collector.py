@@ -28,20 +28,11 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from replaybuf.inputs import check_unmasked, tensor_to_numpy
 from replaybuf.sampling.collate import named_batch_class
-from replaybuf.schema import RESERVED_META_FIELDS
+from replaybuf.schema import RESERVED_META_FIELDS, UnknownFieldError
 
 __all__ = ["EpisodeCollector", "UnknownFieldError"]
 
 ArrayLike = torch.Tensor | np.ndarray
-
-
-class UnknownFieldError(ValueError, KeyError):
-    """A field name the collector does not collect.
-
-    A ValueError as every bad input in replaybuf, and a KeyError as memmap-replay-buffer raised.
-    """
-
-    __str__ = ValueError.__str__
 
 
 def _is_array(value: Any) -> bool:

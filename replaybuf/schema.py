@@ -75,6 +75,17 @@ def parse_dtype(name: str, spec: Any) -> np.dtype:
     return np.dtype(dtype.name)
 
 
+class UnknownFieldError(ValueError, KeyError):
+    """A field name the buffer (or a collector, or a batch) does not have.
+
+    A ValueError as every bad input in replaybuf, and a KeyError as memmap-replay-buffer raises
+    when it looks the name up (``get_all_data(fields=...)``, a dataset's ``fields``, ``filter_meta``,
+    ``filter_fields``, a loader's ``return_mask`` without ``_lens``), so either ``except`` catches it.
+    """
+
+    __str__ = ValueError.__str__
+
+
 class ShapeValueError(TypeError, ValueError):
     """A field shape of ints not all positive: a malformed spec (``TypeError``, as every other
     one here) and a bad value (``ValueError``, what the seed's numpy raises for a negative one)."""

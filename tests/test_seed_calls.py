@@ -515,3 +515,27 @@ def test_copy_seed_h5_refuses_damaged_lengths_shapes_and_counters_before_creatin
     with pytest.raises(replaybuf.BufferDamagedError, match=r"data\.h5: " + complaint):
         replaybuf.copy_seed_h5(tmp_path / "seed", tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda b: b.get_all_data(fields=("nope",)),
+        lambda b: b.get_all_data(meta_fields=("obs",)),
+        lambda b: b.dataset(fields=("nope",))[0],
+        lambda b: b.dataset(filter_meta={"nope": 1}),
+        lambda b: b.dataset(timestep_level=True, filter_fields={"nope": 1}),
+        lambda b: next(iter(b.dataloader(2, return_mask=True, dataset_kwargs={"return_episode_lens": False}))),
+    ],
+    ids=["get_all_data-fields", "get_all_data-meta_fields", "fields", "filter_meta", "filter_fields", "mask-no-lens"],
+)
+def test_an_unknown_field_name_raises_the_seeds_key_error_and_a_value_error(tmp_path, call):
+    """The seed's lookups raise KeyError for an unknown name: a user's ``except KeyError`` (and
+    replaybuf's ``except ValueError``) must catch ours."""
+    theirs, ours = pair(tmp_path)
+    with pytest.raises(KeyError):
+        call(theirs)
+    with pytest.raises(KeyError) as caught:
+        call(ours)
+    assert isinstance(caught.value, replaybuf.UnknownFieldError) and isinstance(caught.value, ValueError)
+    assert "nope" in str(caught.value) or "obs" in str(caught.value) or "_lens" in str(caught.value)

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from ..consistency import RETRIES, check_settled, read_consistent
 from ..inputs import check_flag
+from ..schema import UnknownFieldError
 from ..storage import BufferReplacedError, GenerationMismatchError, fill_beyond
 from ..view import BufferView, mirror_lock
 from .collate import CollatedSamples
@@ -52,7 +53,8 @@ def as_buffer(replay_buffer: BufferView | str | os.PathLike) -> BufferView:
 
 
 def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: str) -> tuple[str, ...] | None:
-    """``names`` as a tuple, or a ValueError naming the unknown ones and the valid choices."""
+    """``names`` as a tuple, or an ``UnknownFieldError`` (a ValueError and, as the seed's lookups
+    raise, a KeyError) naming the unknown ones and the valid choices."""
     if names is None:
         return None
     if isinstance(names, str):
@@ -60,7 +62,7 @@ def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: s
     names = tuple(names)
     unknown = [n for n in names if n not in allowed]
     if unknown:
-        raise ValueError(f"{argument}: invalid field names {unknown} - must be among {sorted(allowed)}")
+        raise UnknownFieldError(f"{argument}: invalid field names {unknown} - must be among {sorted(allowed)}")
     return names
 
 

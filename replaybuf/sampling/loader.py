@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from ..inputs import check_flag
+from ..schema import UnknownFieldError
 from ..view import BufferView
 from .collate import Collator, named_batch_class, named_tuple_fields
 from .datasets import (
@@ -354,7 +355,7 @@ def make_dataloader(
         )
     if return_mask and hasattr(dataset, "output_keys") and "_lens" not in dataset.output_keys():
         kind = type(dataset).__name__ + (", return_episode_lens=False" * hasattr(dataset, "return_episode_lens"))
-        raise ValueError(
+        raise UnknownFieldError(
             f"return_mask builds _mask from each sample's length, and this dataset returns no _lens ({kind}); "
             "return_mask is only supported for trajectory-level data with episode lengths"
         )
