@@ -33,7 +33,7 @@ from .commit import catch_up
 from .inputs import check_flag
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
-from .storage import missing_folder_hint, new_uuid, seed_h5_hint
+from .storage import missing_folder_hint, new_uuid, object_store_endpoint, seed_h5_hint
 from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
@@ -57,7 +57,6 @@ from .storage.base import (
     check_state,
     committed_without_length,
     make_storage,
-    object_store_endpoint,
     refuse_empty_location,
     unpublished_slots,
 )

@@ -107,29 +107,35 @@ def test_the_convert_command_refuses_an_unfinished_edit_naming_it(tmp_path, caps
 
 
 def test_convert_waits_out_a_live_writers_edit_and_copies_nothing_half_applied(tmp_path, monkeypatch):
-    """A live writer (this process) whose edit was interrupted part way (a KeyboardInterrupt
-    after its first field): convert copies no half-applied edit, it raises WriterOutpacedError
-    naming the slots being edited (it copied them half applied, as whole); once the writer
-    finishes the edit (its flush), convert copies it whole."""
+    """A live writer (a thread of this process) part way through an edit (its first field
+    written, the rest not yet): convert copies no half-applied edit, it raises
+    WriterOutpacedError naming the slots being edited (it copied them half applied, as whole);
+    once the writer finishes the edit, convert copies it whole."""
+    import threading
+
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     make_buffer(src, "zarr")
     writer = ReplayBuffer.from_folder(src)
-    storage, seen = writer.storage, []
+    storage, seen, mid, go = writer.storage, [], threading.Event(), threading.Event()
     update_rows = storage.update_rows
 
-    def interrupted(name, *args):
+    def paused(name, *args):
         seen.append(name)
         if len(seen) == 2:
-            raise KeyboardInterrupt
+            mid.set()
+            go.wait(30)
         return update_rows(name, *args)
 
-    monkeypatch.setattr(storage, "update_rows", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        writer.update(EDITED, **update_values())
-    monkeypatch.setattr(storage, "update_rows", update_rows)
-    with pytest.raises(WriterOutpacedError, match=r"slots \[0, 2, 3\] were in the middle of an in-place edit"):
-        convert(src, dst)
-    writer.flush()  # finishes the interrupted edit
+    monkeypatch.setattr(storage, "update_rows", paused)
+    editing = threading.Thread(target=writer.update, args=(EDITED,), kwargs=update_values())
+    editing.start()
+    try:
+        assert mid.wait(30)
+        with pytest.raises(WriterOutpacedError, match=r"slots \[0, 2, 3\] were in the middle of an in-place edit"):
+            convert(src, dst)
+    finally:
+        go.set()
+        editing.join(30)
     convert(src, dst)
     writer.close()
     assert_whole_new(dst)
