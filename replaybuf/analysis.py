@@ -640,8 +640,9 @@ class BufferStats:
 def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
     """(count, mean, M2, min, max) over the valid steps of one block, per feature dimension.
 
-    Moments are shifted by the block's first valid step, which keeps the float64 sums exact
-    enough where values sit far from zero; blocks are merged with Chan's parallel update.
+    Moments are shifted by the block's first valid step (its finite values: an infinite shift
+    would turn an infinite mean into NaN), which keeps the float64 sums exact enough where
+    values sit far from zero; blocks are merged with Chan's parallel update.
     """
     if block.dtype.itemsize == 1:
         return _byte_moments(block, lens)
@@ -652,6 +653,7 @@ def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
     if count == 0:
         return 0, None, None, None, None
     shift = steps[0].astype(np.float64)
+    shift[~np.isfinite(shift)] = 0.0
     total = np.zeros(steps.shape[1])
     squares = np.zeros(steps.shape[1])
     for start in range(0, count, _MOMENT_ROWS):
@@ -660,7 +662,8 @@ def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:
         total += part.sum(axis=0)
         squares += np.einsum("ij,ij->j", part, part)
     mean = shift + total / count
-    m2 = np.maximum(squares - total * total / count, 0.0)
+    with np.errstate(invalid="ignore"):  # inf - inf: the m2 of values holding inf is NaN, as np.std
+        m2 = np.maximum(squares - total * total / count, 0.0)
     return count, mean, m2, steps.min(axis=0), steps.max(axis=0)
 
 
@@ -699,11 +702,8 @@ def _merge_moments(parts: list[tuple]) -> tuple:
         if count == 0:
             count, mean, m2, low, high = n, m, s, lo, hi
             continue
-        delta = m - mean
-        total = count + n
-        mean = mean + delta * (n / total)
-        m2 = m2 + s + delta * delta * (count * n / total)
-        low, high, count = np.minimum(low, lo), np.maximum(high, hi), total
+        mean, m2 = sketches.chan_merge(count, mean, m2, n, m, s)
+        low, high, count = np.minimum(low, lo), np.maximum(high, hi), count + n
     return count, mean, m2, low, high
 
 
@@ -752,18 +752,11 @@ def _block_stats(
     valid = np.arange(length)[None, :] < lens[:, None]
     moments = {n: _block_moments(block, lens) for n, block in blocks.items()}
     sums = {
-        n: np.where(valid, block, 0).sum(axis=1, dtype=_sum_dtype(block.dtype))
+        n: np.where(valid, block, 0).sum(axis=1, dtype=sketches.episode_sum_dtype(block.dtype))
         for n, block in blocks.items()
         if fields[n].shape == ()
     }
     return kept, moments, sums
-
-
-def _sum_dtype(dtype: np.dtype) -> type[np.number]:
-    """The dtype of an episode's sum of ``dtype`` values: int64 for ints of up to 4 bytes (exact,
-    and 2**32 values of any length fit), float64 for floats and for 8-byte ints (an int64 sum of
-    nanosecond timestamps wraps past 5 steps; float64 is what the sketches sum in)."""
-    return np.int64 if dtype.kind in "iub" and dtype.itemsize <= 4 else np.float64
 
 
 def _merge_stats(parts: list[tuple]) -> tuple:

@@ -90,6 +90,31 @@ def available() -> bool:
     return True
 
 
+def chan_merge(
+    count: int, mean: np.ndarray, m2: np.ndarray, other_count: int, other_mean: np.ndarray, other_m2: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, m2) of two parts merged with Chan's parallel update, per feature. Where a part's
+    mean is infinite the update's difference is not finite: the mean is then the weighted sum
+    (inf, or NaN for inf and -inf, as ``np.mean``) and m2 NaN (``np.std`` of values holding inf)."""
+    total = count + other_count
+    with np.errstate(invalid="ignore", over="ignore"):
+        delta = other_mean - mean
+        finite = np.isfinite(delta)
+        merged_mean = np.where(
+            finite, mean + delta * (other_count / total), (mean * count + other_mean * other_count) / total
+        )
+        merged_m2 = np.where(finite, m2 + other_m2 + delta * delta * (count * other_count / total), np.nan)
+    return merged_mean, merged_m2
+
+
+def episode_sum_dtype(dtype: np.dtype) -> type[np.number]:
+    """The dtype of an episode's sum of ``dtype`` values, from the data or from sketches alike:
+    int64 for ints and bools of up to 4 bytes (exact, and 2**32 values of any length fit),
+    float64 for floats and for 8-byte ints (an int64 sum of nanosecond timestamps wraps past 5
+    steps; float64 is what the sketches sum in)."""
+    return np.int64 if dtype.kind in "iub" and dtype.itemsize <= 4 else np.float64
+
+
 def sketched_fields(schema: Any) -> list[str]:
     """The fields that get sketches: numeric, at most ``MAX_FEATURES`` values per step."""
     return [
@@ -117,7 +142,8 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
     count = ordered.shape[1]
     total = ordered.sum(axis=1, dtype=np.float64)
     deviations = ordered.astype(np.float64)
-    deviations -= (total / count)[:, None]
+    with np.errstate(invalid="ignore"):  # inf - inf: the m2 of values holding inf is NaN, as np.std
+        deviations -= (total / count)[:, None]
     low, high = ordered[:, 0], ordered[:, -1]  # in the field's dtype: int64 beyond 2**53 stays exact
     if ordered.dtype.kind == "f":  # NaN sorts last: NaN in a column, as np.min and np.max
         low = np.where(np.isnan(high), high, low)
@@ -209,11 +235,8 @@ class _Accumulator:
     def add(self, field: dict[str, Any]) -> None:
         count = field["count"]
         mean = np.asarray(field["sum"]) / count
-        total = self.count + count
-        delta = mean - self.mean
-        self.m2 = self.m2 + np.asarray(field["m2"]) + delta * delta * (self.count * count / total)
-        self.mean = self.mean + delta * (count / total)
-        self.count = total
+        self.mean, self.m2 = chan_merge(self.count, self.mean, self.m2, count, mean, np.asarray(field["m2"]))
+        self.count += count
         self.lows.append(field["min"])
         self.highs.append(field["max"])
         for parts, part in zip(self.parts, field["kll"]):
@@ -358,7 +381,7 @@ def merge(buffer: Any, names: list[str], slots: np.ndarray) -> tuple[np.ndarray,
             for name in names:
                 totals[name].add(header["fields"][name])
     sums = {
-        n: np.array([h["fields"][n]["sum"][0] for h in headers if h is not None])
+        n: np.array([h["fields"][n]["sum"][0] for h in headers if h is not None]).astype(episode_sum_dtype(f.dtype))
         for n, f in fields.items()
         if f.shape == ()
     }

@@ -237,6 +237,24 @@ def test_stats_std_is_accurate_far_from_zero(tmp_path):
     np.testing.assert_allclose(result.std.numpy(), np.concatenate(values).astype(np.float64).std(), rtol=1e-3)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_stats_of_infinite_values_match_numpy_from_data_and_from_sketches(tmp_path, exact):
+    """An infinite first step or an infinite episode mean merged with another part gives numpy's
+    inf mean (not NaN); episode sums of an int field are int64 from data and sketches alike."""
+    buffer = ReplayBuffer(tmp_path / "inf", max_episodes=3, max_timesteps=4, fields={"x": ("float", 3), "n": "int"})
+    inf = np.inf
+    episodes = [np.array([[inf, 1, inf], [1, 2, 3]], np.float32), np.array([[5, inf, -inf], [1, 2, 3]], np.float32)]
+    for values in episodes:
+        buffer.store_episode(x=values, n=np.array([1, 2], np.int32))
+    with dask.config.set({"array.chunk-size": "16B"}):  # one task per episode: blocks are merged
+        result = stats(buffer, exact=exact)
+    steps = np.concatenate(episodes).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(result["x"].mean.numpy(), steps.mean(0).astype(np.float32))
+        np.testing.assert_array_equal(result["x"].std.numpy(), steps.std(0).astype(np.float32))
+    assert result.episode_sums["n"].dtype == torch.int64 and result.episode_sums["n"].tolist() == [3, 3]
+
+
 def test_padding_is_the_field_default_as_the_seed_and_stats_skip_it(tmp_path):
     from memmap_replay_buffer import ReplayBuffer as SeedBuffer
 
