@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,9 +95,10 @@ def _names(names: Sequence[str] | str | None, argument: str, call: str) -> list[
         return []
     if isinstance(names, str):
         return [names]
-    if not all(isinstance(n, str) for n in names):
+    chosen = list(names) if isinstance(names, Iterable) else None  # 5: "'int' object is not iterable"
+    if chosen is None or not all(isinstance(n, str) for n in chosen):
         raise TypeError(f"{call}: {argument} must be field names (str), got {names!r}")
-    return list(names)
+    return chosen
 
 
 def _check_known(names: Sequence[str], allowed: set[str], what: str, call: str) -> None:

@@ -153,6 +153,17 @@ def test_unknown_field_names_are_refused(circular, call):
         call(buffer, fields=[1])
 
 
+def test_field_names_that_are_not_a_list_of_str_are_refused_naming_the_call(tmp_path):
+    buffer = ReplayBuffer(tmp_path / "names", max_episodes=2, max_timesteps=3, fields={"obs": "float"})
+    buffer.store_episode(obs=np.ones(2))
+    for call in (to_dask, get_all_data, stats):
+        for names in (5, [5], b"obs"):
+            with pytest.raises(TypeError, match=rf"{call.__name__}: fields must be field names \(str\), got"):
+                call(buffer, fields=names)
+    with pytest.raises(TypeError, match=r"to_dask: meta_fields must be field names \(str\), got 5"):
+        to_dask(buffer, meta_fields=5)
+
+
 def test_episodes_per_chunk_must_be_positive(circular):
     with pytest.raises(ValueError, match="episodes_per_chunk must be a positive int, got 0"):
         to_dask(circular[0], episodes_per_chunk=0)
