@@ -272,6 +272,15 @@ def test_bad_arguments(tmp_path):
         ConcatReplayBuffer([tmp_path / "x", tmp_path / "missing"])
 
 
+def test_field_names_that_are_not_a_sequence_are_refused_naming_the_argument(concat):
+    buffer, _ = concat
+    for make in (buffer.dataset, lambda **names: buffer.dataloader(batch_size=2, **names)):
+        with pytest.raises(TypeError, match="fields must be a sequence of field names, got 5"):
+            make(fields=5)
+    with pytest.raises(TypeError, match="stats: fields must be field names"):
+        buffer.stats(fields=5)
+
+
 def test_refresh_sees_new_episodes(tmp_path):
     writer = ReplayBuffer(tmp_path / "w", max_episodes=4, max_timesteps=5, fields=FIELDS)
     writer.store_episode(**episode(0, 2))

@@ -59,6 +59,8 @@ def check_names(names: Iterable[str] | None, allowed: Iterable[str], argument: s
         return None
     if isinstance(names, str):
         raise TypeError(f"{argument} must be a sequence of field names, got the string {names!r}")
+    if not isinstance(names, Iterable):  # 5: "'int' object is not iterable", naming no argument
+        raise TypeError(f"{argument} must be a sequence of field names, got {names!r}")
     names = tuple(names)
     unknown = [n for n in names if n not in allowed]
     if unknown:
