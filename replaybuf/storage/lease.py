@@ -68,8 +68,27 @@ TAKE_OVER_TRIES = 3
 # the pause between those tries on stores without a conditional write
 TAKE_OVER_PAUSE_S = 0.05
 LEASE_SECONDS_ENV = "REPLAYBUF_LEASE_SECONDS"
+# how long a writer's open waits for a contended flock before calling the buffer locked: a
+# process asking who writes (``holder()``: info, verify, a reader mid-edit) holds a shared one
+# for a moment, which is no writer
+PROBE_WAIT_S = 0.05
 
 logger = logging.getLogger(__name__)
+
+
+def _flock_exclusive(fd: int) -> None:
+    """An exclusive flock on ``fd``; BlockingIOError when another holds one for longer than a
+    probe does (``PROBE_WAIT_S``)."""
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
+
 
 _SHARDS_HINT = (
     "A buffer takes one writer at a time. To write in parallel, give each writer its own shard "
@@ -256,7 +275,7 @@ class FileLease(WriterLease):
                     self._refuse_link(self.path)
                 raise
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_exclusive(fd)
                 with contextlib.suppress(FileNotFoundError):  # deleted by the holder releasing it
                     if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                         return fd
@@ -354,7 +373,7 @@ class FileLease(WriterLease):
         except OSError:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_exclusive(fd)
         except BlockingIOError:
             os.close(fd)
             raise
