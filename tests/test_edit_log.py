@@ -117,8 +117,6 @@ def test_an_update_interrupted_at_any_line_lands_whole_or_not_at_all(place):
         outcomes.add(frozenset(seen))
         if not interrupt.fired:
             break
-        buffer = None
-        ReplayBuffer(place.location, overwrite=True, max_episodes=1, max_timesteps=1, fields={"x": "float"}).close()
         n += 3  # every third line: the lines between are like their neighbours
     assert outcomes == {frozenset(OLD), frozenset(NEW)}  # both ends were reached
 
