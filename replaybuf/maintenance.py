@@ -1303,7 +1303,15 @@ def verify(
         # counters: Committer.suspect)
         with metasums.unchecked(), ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
             # what was checked is repaired only as it was: a slot a writer replaced since is not
-            moved = _changed_slots(buffer.storage, meta) - set(unsealed)  # sealed by the open itself
+            # (one it filled or replaced that had nothing to repair is no finding)
+            to_repair = {
+                *damaged,
+                *values,
+                *restore,
+                *untold,
+                *(slot for held in (*stray.values(), *entries.values(), *chunks.values()) for slot in held),
+            }
+            moved = (_changed_slots(buffer.storage, meta) - set(unsealed)) & to_repair  # sealed by the open itself
             if unsealed:
                 problems.append(
                     f"repaired: the writable open finished the unfinished edit of slots {unsealed} (applied again "

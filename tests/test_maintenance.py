@@ -293,6 +293,31 @@ def test_verify_repair_leaves_a_slot_a_writer_replaced_after_the_check(tmp_path,
         assert after.valid_episodes().tolist() == [0, 2, 1] and int(after.meta_data["task_id"][1]) == 99
 
 
+def test_verify_repair_says_nothing_of_slots_a_writer_filled_after_the_check(tmp_path, monkeypatch):
+    """Before: episodes a writer committed between the check and the repair were reported as
+    "not repaired: slots [3, 4] changed since they were checked", though nothing was found there."""
+    folder = tmp_path / "memmap"
+    filled(folder, "memmap", circular=False, max_episodes=6, lengths=(5, 7, 3))
+    state = np.load(folder / "state.data.npy", mmap_mode="r+")
+    state[1, 0] += 1.0  # slot 1's episode no longer matches its checksum
+    state.flush()
+    del state
+    opened = ReplayBuffer.from_folder.__func__
+
+    def after_a_writer_committed_two_episodes(cls, *args, **kwargs):  # between the check and the repair
+        with opened(cls, folder) as writer:
+            for task_id in (98, 99):
+                writer.store_episode(**episode(4, task_id), task_id=task_id)
+        return opened(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ReplayBuffer, "from_folder", classmethod(after_a_writer_committed_two_episodes))
+    said = verify(folder, repair=True)
+    assert not any("not repaired" in line for line in said)
+    assert said[-1].startswith("repaired: dropped the damaged episodes in slots [1]")
+    monkeypatch.undo()
+    assert verify(folder) == []
+
+
 def test_a_converted_copy_is_a_buffer_of_its_own_whose_shards_its_source_refuses(tmp_path):
     """Before: the copy kept its source's uuid, so each read the other's frame shards as its own
     (the same slot and field). Now the copy has a uuid of its own, which its shards are bound to."""
