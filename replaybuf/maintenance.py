@@ -1133,8 +1133,9 @@ def verify(
     ``max_timesteps``, the counters agree with the published lengths and the episode order,
     every committed episode reads back whole (checksums, codecs, no missing chunk: one line per
     damaged field and slot, naming its timesteps and file), committed episodes hold only zeros
-    or their field's default beyond their length, no step log of an unfinished episode is
-    left, and no symbolic link is inside the folder. On memmap and hdf5 (and zarr's packed
+    or their field's default beyond their length, no step log of an unfinished episode or
+    in-place edit is left by a writer that stopped (a live writer's are its work in progress),
+    and no symbolic link is inside the folder. On memmap and hdf5 (and zarr's packed
     small fields), a damaged checksum entry (``ChecksumEntryError``) or a damaged length
     (``EpisodeLengthError``: the data matches its checksum at another length) is reported as
     such, not as damaged data, and so
@@ -1277,15 +1278,21 @@ def verify(
     unfinished = _unfinished_copy(storage)
     if unfinished is not None:
         problems.append(unfinished)
+    # beside a live writer its edit log entry and its step log are its work in progress, not problems
     logged, _ = editlog.read(storage, schema)
-    if logged is not None and "_revision" in meta and logged.running(meta["_generation"], meta["_revision"]):
+    if (
+        logged is not None
+        and "_revision" in meta
+        and logged.running(meta["_generation"], meta["_revision"])
+        and storage.writer_lease().live_holder() is None
+    ):
         problems.append(
-            "an in-place edit is in the edit log (a writer is running it, or was killed part way through it); "
+            "an in-place edit is in the edit log (a writer was killed part way through it); "
             "opening the buffer for writing applies it again whole"
         )
-    if storage.list_blobs(LOG_PREFIX):
+    if _step_log_left(storage):
         problems.append(
-            "an unfinished episode is in the step log (a writer is running or was killed); "
+            "an unfinished episode is in the step log (its writer stopped before committing it); "
             "opening the buffer for writing commits what it holds"
         )
     storage.close()
@@ -1296,7 +1303,15 @@ def verify(
         # counters: Committer.suspect)
         with metasums.unchecked(), ReplayBuffer.from_folder(path, storage_options=storage_options) as buffer:
             # what was checked is repaired only as it was: a slot a writer replaced since is not
-            moved = _changed_slots(buffer.storage, meta) - set(unsealed)  # sealed by the open itself
+            # (one it filled or replaced that had nothing to repair is no finding)
+            to_repair = {
+                *damaged,
+                *values,
+                *restore,
+                *untold,
+                *(slot for held in (*stray.values(), *entries.values(), *chunks.values()) for slot in held),
+            }
+            moved = (_changed_slots(buffer.storage, meta) - set(unsealed)) & to_repair  # sealed by the open itself
             if unsealed:
                 problems.append(
                     f"repaired: the writable open finished the unfinished edit of slots {unsealed} (applied again "
@@ -1444,7 +1459,9 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         damaged = _damaged_meta(meta, schema, flux, metasums.summed(schema, storage))
         if not flux and (
             not (len(damaged) or (lens is not None and generations is not None and _midway(lens, generations)))
-            or storage.writer_lease().live_holder() is None  # no writer to finish what reads damaged
+            # no writer to finish what reads damaged; one that finished it and closed since the
+            # read moved the slots' keys, and they are read again
+            or (storage.writer_lease().live_holder() is None and not _changed_slots(storage, meta))
         ):
             break
         time.sleep(0.01)
@@ -1470,6 +1487,17 @@ def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], s
         settled &= meta["_revision"] % 2 == 0
     slots = np.setdiff1d(np.flatnonzero(settled), np.fromiter(flux, np.int64, len(flux)))
     return metasums.damaged(meta, summed, slots)
+
+
+def _step_log_left(storage: Storage) -> bool:
+    """Whether the step log holds an unfinished episode no live writer is collecting (one
+    that stopped left it). Listed again after asking who writes: a writer that committed its
+    episode and closed in between removed its log."""
+    return (
+        bool(storage.list_blobs(LOG_PREFIX))
+        and storage.writer_lease().live_holder() is None
+        and bool(storage.list_blobs(LOG_PREFIX))
+    )
 
 
 def _midway(lens: np.ndarray, generations: np.ndarray) -> bool:
