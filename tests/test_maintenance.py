@@ -268,13 +268,19 @@ def test_verify_repair_resets_data_beyond_an_episodes_length(tmp_path, backend):
     assert (np.asarray(after.data["state"][2, 3:]) == after.schema.fields["state"].fill).all()
 
 
-def test_verify_repair_leaves_a_slot_a_writer_replaced_after_the_check(tmp_path, monkeypatch):
+def memmap_with_slot_1_damaged(tmp_path):
+    """A memmap buffer of three episodes whose slot 1 no longer matches its checksum."""
     folder = tmp_path / "memmap"
     filled(folder, "memmap", circular=False, max_episodes=6, lengths=(5, 7, 3))
     state = np.load(folder / "state.data.npy", mmap_mode="r+")
-    state[1, 0] += 1.0  # slot 1's episode no longer matches its checksum
+    state[1, 0] += 1.0
     state.flush()
     del state
+    return folder
+
+
+def test_verify_repair_leaves_a_slot_a_writer_replaced_after_the_check(tmp_path, monkeypatch):
+    folder = memmap_with_slot_1_damaged(tmp_path)
     assert any("slot 1" in p for p in verify(folder))
     opened = ReplayBuffer.from_folder.__func__
 
@@ -296,12 +302,7 @@ def test_verify_repair_leaves_a_slot_a_writer_replaced_after_the_check(tmp_path,
 def test_verify_repair_says_nothing_of_slots_a_writer_filled_after_the_check(tmp_path, monkeypatch):
     """Before: episodes a writer committed between the check and the repair were reported as
     "not repaired: slots [3, 4] changed since they were checked", though nothing was found there."""
-    folder = tmp_path / "memmap"
-    filled(folder, "memmap", circular=False, max_episodes=6, lengths=(5, 7, 3))
-    state = np.load(folder / "state.data.npy", mmap_mode="r+")
-    state[1, 0] += 1.0  # slot 1's episode no longer matches its checksum
-    state.flush()
-    del state
+    folder = memmap_with_slot_1_damaged(tmp_path)
     opened = ReplayBuffer.from_folder.__func__
 
     def after_a_writer_committed_two_episodes(cls, *args, **kwargs):  # between the check and the repair
