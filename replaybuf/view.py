@@ -333,10 +333,10 @@ class CommittedViews(SchemaAttributes):
             prioritized timesteps; over all members of a ConcatReplayBuffer):
             ``replaybuf.sampling.make_dataloader`` of this buffer."""
             with feature_imports("dataloader"):
-                from .sampling.loader import check_yields_a_batch, make_dataloader
+                from .sampling.loader import make_dataloader, warn_if_no_batch
 
             loader = make_dataloader(self, batch_size, *args, **kwargs)
-            check_yields_a_batch(loader)
+            warn_if_no_batch(loader)
             return loader
 
     def meta_values(self, name: str) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,11 +40,12 @@ _PASSED_ON = {"slice_by_episode_len", "return_episode_lens", "cache", "num_batch
 )
 
 
-def check_yields_a_batch(loader: Any) -> None:
-    """ValueError for a loader of ``buffer.dataloader`` that would yield no batch: ``drop_last``
-    with fewer samples (on this rank) than ``batch_size``, which torch's loader ends at once, so a
-    training loop over it ran no step without a word. (Not for a rate-limited loader, whose later
-    passes hold more, nor for samplers that draw their batches.)"""
+def warn_if_no_batch(loader: Any) -> None:
+    """Warn where a loader of ``buffer.dataloader`` yields no batch: ``drop_last`` with fewer
+    samples (on this rank) than ``batch_size``, which torch's loader ends at once, so a training
+    loop over it runs no step. A warning, not an error: the seed's loader is empty there too, and
+    a loop written for it (made while the buffer is small) must run as it did. (Not for a
+    rate-limited loader, whose later passes hold more, nor for samplers that draw their batches.)"""
     if not isinstance(loader, DataLoader) or not loader.drop_last or loader.batch_size is None:
         return
     try:
@@ -52,9 +54,10 @@ def check_yields_a_batch(loader: Any) -> None:
         return
     if samples < loader.batch_size:
         rank = " on this rank" if isinstance(loader.sampler, ResumableDistributedSampler) else ""
-        raise ValueError(
+        warnings.warn(
             f"batch_size={loader.batch_size} with drop_last=True: the loader has {samples} samples{rank}, so it "
-            f"would yield no batch; pass a batch_size of at most {samples}, or leave drop_last out"
+            f"yields no batch; pass a batch_size of at most {samples}, or leave drop_last out",
+            stacklevel=3,
         )
 
 
