@@ -403,10 +403,11 @@ def _s3_options_to_obstore(options: Mapping[str, Any]) -> dict[str, Any]:
         config["skip_signature"] = True
     if options.get("requester_pays"):
         config["request_payer"] = True
-    if "endpoint" not in config and environment_endpoint() is not None:
+    from_environment = environment_endpoint()
+    if "endpoint" not in config and from_environment is not None:
         # as an option, so an http:// one gets allow_http below: from the environment alone
         # obstore refused it ("builder error") unless AWS_ALLOW_HTTP was set, where s3fs reached it
-        config["endpoint"] = environment_endpoint()
+        config["endpoint"] = from_environment
     client_options = dict(options.get("client_options") or {})
     if str(config.get("endpoint", "")).startswith("http://"):
         client_options.setdefault("allow_http", True)
