@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -213,7 +214,9 @@ def test_episode_series_and_video_links(browse_server):
     assert np.allclose(episode["series"]["reward"], [reward_value(1, t) for t in range(STEPS[1])], atol=1e-6)
     assert np.asarray(episode["series"]["action"]).shape == (STEPS[1], 4)
     assert episode["series"]["done"] == [False] * (STEPS[1] - 1) + [True]
-    assert episode["videos"] == {name: f"/video/episodes/1/{name}.mp4" for name in ("front", "wrist", "depth")}
+    assert list(episode["videos"]) == ["front", "wrist", "depth"]
+    for name, link in episode["videos"].items():
+        assert re.fullmatch(rf"/video/episodes/1/gen-[0-9]+-rev-[0-9]+-open-0/{name}\.mp4", link)
     assert get_json(browse_server, "/api/episodes/3")[0] == 404
 
 
@@ -351,6 +354,31 @@ def test_a_slot_a_writer_reused_is_rendered_again_not_served_from_the_cache(tmp_
         writer.store_episode(img=np.full((2, 8, 8, 3), 200, np.uint8))  # into slot 0, the reader not refreshed
         status, _, video = request(server, "/video/episodes/0/img.mp4")
         assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [200] * 2
+    writer.close()
+
+
+def test_an_episodes_video_link_shows_that_episode_never_the_one_a_writer_put_in_its_slot_after(tmp_path):
+    """The page shows an episode's length, meta and plots from /api/episodes/N, then asks for its
+    videos: a writer reusing the slot in between made the link play the new episode's frames
+    under the old one's label (and a <video> reading byte ranges of it could get parts of two
+    files). A link names its episode: served while that video is kept, else 404 saying so."""
+    writer = ReplayBuffer(
+        tmp_path / "b", max_episodes=2, max_timesteps=4, fields={"img": ("uint8", (8, 8, 3))}, circular=True
+    )
+    for level in (50, 100):
+        writer.store_episode(img=np.full((4, 8, 8, 3), level, np.uint8))
+    with ViewerServer(BufferApp(ReplayBuffer.from_folder(tmp_path / "b", read_only=True))) as server:
+        shown, unseen = (get_json(server, f"/api/episodes/{index}")[1]["videos"]["img"] for index in (0, 1))
+        assert request(server, shown)[0] == 200  # rendered while the slot held it
+        for level in (200, 250):  # into slots 0 and 1, the reader not refreshed
+            writer.store_episode(img=np.full((2, 8, 8, 3), level, np.uint8))
+        status, _, video = request(server, shown, headers={"Range": "bytes=0-"})
+        assert status == 206 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [50] * 4
+        status, _, body = request(server, unseen)
+        assert status == 404 and "episode 1 as shown" in json.loads(body)["error"]
+        assert not list(server.app.cache_dir.glob("episode-1-*"))  # nothing rendered for it
+        status, _, video = request(server, get_json(server, "/api/episodes/1")[1]["videos"]["img"])
+        assert status == 200 and iio.imread(video, extension=".mp4")[:, 4, 4, 0].tolist() == [250] * 2
     writer.close()
 
 

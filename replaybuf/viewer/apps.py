@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,7 +52,11 @@ RENDER_LOCKS = 64
 
 # indices in ASCII digits only, up to 18 of them (``\d`` takes any script's digits, ``$`` a newline)
 _EPISODE_PATH = re.compile(r"/api/episodes/([0-9]{1,18})")
-_EPISODE_VIDEO_PATH = re.compile(r"/video/episodes/([0-9]{1,18})/([^/]+)\.mp4")
+# an episode's video: of the episode the slot holds now, or (as the page asks, from the link its
+# episode came with) of exactly the episode shown, named by generation, revision and buffer opened
+_EPISODE_VIDEO_PATH = re.compile(
+    r"/video/episodes/([0-9]{1,18})/(?:gen-([0-9]{1,20})-rev-([0-9]{1,20})-open-([0-9]{1,20})/)?([^/]+)\.mp4"
+)
 
 
 def _json_values(values: np.ndarray) -> Any:
@@ -132,6 +136,14 @@ class ReplayApp:
         self._temp_dir = None
 
 
+class EpisodeVersion(NamedTuple):
+    """Which episode a slot held and how its rows stood: what names one video of it."""
+
+    generation: int  # a slot a writer reused holds another generation
+    revision: int  # an episode edited in place (``update``, ``data[...] = ...``) another revision
+    opened: int  # a buffer created again at the location numbers its generations from 1 again
+
+
 class BufferApp:
     """Browses a buffer: episode list, per-episode series and on-demand mp4 renders, of which
     at most ``cache_bytes`` are kept (least recently served deleted first)."""
@@ -178,7 +190,8 @@ class BufferApp:
             return JsonResponse(self.episode(int(match[1])))
         match = _EPISODE_VIDEO_PATH.fullmatch(path)
         if match:
-            video = self._pinned_video(int(match[1]), match[2])
+            version = EpisodeVersion(*map(int, match.group(2, 3, 4))) if match[2] is not None else None
+            video = self._pinned_video(int(match[1]), match[5], version)
             return FileResponse(video, release=partial(self._cache.release, video))
         raise NotFound(path)
 
@@ -223,7 +236,9 @@ class BufferApp:
         with self._read_lock:
             buffer = self._current()
             self._length(index)
+            revision = self._revision(index)  # before the rows: an edit meanwhile names them older
             got = read_episodes_consistent(buffer, [index], self.series_fields)
+            opened = self._reopened
         length = int(got.lens[0]) if len(got) else 0
         meta = {
             name: _json_values(got.meta[name][0] if len(got) else self._meta_fill(name)) for name in self.meta_columns
@@ -241,8 +256,17 @@ class BufferApp:
             "meta": meta,
             "series": series,
             "series_stride": stride,
-            "videos": {name: f"/video/episodes/{index}/{name}.mp4" for name in self.image_fields} if length else {},
+            # links to the videos of exactly this episode: a writer reusing the slot meanwhile
+            # must not show its new episode's frames under this one's length, meta and plots
+            "videos": self._video_links(index, EpisodeVersion(int(got.generations[0]), revision, opened))
+            if length
+            else {},
         }
+
+    def _video_links(self, index: int, version: EpisodeVersion) -> dict[str, str]:
+        """The URL of each image field's video of episode ``version`` of slot ``index``."""
+        folder = f"gen-{version.generation}-rev-{version.revision}-open-{version.opened}"
+        return {name: f"/video/episodes/{index}/{folder}/{name}.mp4" for name in self.image_fields}
 
     def render(self, index: int, field: str) -> Path:
         """The mp4 of one episode's image field, rendered on first request and cached (until
@@ -251,13 +275,15 @@ class BufferApp:
         self._cache.release(path)
         return path
 
-    def _pinned_video(self, index: int, field: str) -> Path:
-        """``render``'s video, kept from deletion until ``self._cache.release(path)``."""
+    def _pinned_video(self, index: int, field: str, version: EpisodeVersion | None = None) -> Path:
+        """``render``'s video, kept from deletion until ``self._cache.release(path)``; with
+        ``version``, the video of exactly that episode (``NotFound`` once the slot holds another
+        and that one's video is no longer kept)."""
         if field not in self.image_fields:
             raise NotFound(f"no image field {field!r} (image fields: {self.image_fields})")
         height, width = frame_size(self.buffer.schema.fields[field].shape)
         check_encodable(-(-height // self.scale), -(-width // self.scale), ".mp4", what=f"field {field!r}")
-        cached = self._rendered(index, field)
+        cached = self._rendered(index, field, version)
         if cached is not None:
             return cached
         step = min(
@@ -271,8 +297,18 @@ class BufferApp:
                 self._length(index)
                 opened = self._reopened
                 revision = self._revision(index)  # before the frames: an edit meanwhile keys them older
-                first = read_episodes_consistent(buffer, [index], [field], t1=step, with_meta=False)
-                path = self._video_path(index, int(first.generations[0]) if len(first) else 0, revision, field)
+                first = read_episodes_consistent(
+                    buffer,
+                    [index],
+                    [field],
+                    None if version is None else [version.generation],
+                    t1=step,
+                    with_meta=False,
+                )
+                now = EpisodeVersion(int(first.generations[0]) if len(first) else 0, revision, opened)
+                path = self._video_path(index, now, field)
+            if version is not None and now != version:
+                raise self._gone(index, version)
             if len(first) == 0:
                 raise ValueError(f"episode {index} is empty or being rewritten, nothing to render")
             with self._render_locks[hash(path) % RENDER_LOCKS]:
@@ -341,32 +377,43 @@ class BufferApp:
             raise NotFound(f"episode {index} (the buffer has {count} episodes)")
         return int(self.buffer.episode_lens[index])
 
-    def _rendered(self, index: int, field: str) -> Path | None:
-        """The video already rendered from the episode slot ``index`` holds now, if any (pinned
-        in the cache): served without reading the episode's frames again (a <video> asks for
-        many byte ranges of it)."""
+    def _rendered(self, index: int, field: str, version: EpisodeVersion | None = None) -> Path | None:
+        """The video already rendered from the episode slot ``index`` holds now (or from episode
+        ``version`` of it, whatever it holds now), if any (pinned in the cache): served without
+        reading the episode's frames again (a <video> asks for many byte ranges of it). Raises
+        ``NotFound`` for a ``version`` no longer kept that the slot no longer holds."""
         with self._read_lock:
             buffer = self._current()
             self._length(index)
             generation = int(buffer.storage.read_meta_rows("_generation", np.array([index]))[0])
-            path = self._video_path(index, generation, self._revision(index), field)
-        return path if generation and self._cache.acquire(path) else None
+            now = EpisodeVersion(generation, self._revision(index), self._reopened)
+        path = self._video_path(index, version or now, field)
+        if (version or now).generation and self._cache.acquire(path):
+            return path
+        if version is not None and version != now:
+            raise self._gone(index, version)
+        return None
+
+    @staticmethod
+    def _gone(index: int, version: EpisodeVersion) -> NotFound:
+        """The error for a video of an episode that slot ``index`` no longer holds as it was."""
+        return NotFound(
+            f"episode {index} as shown (generation {version.generation}, revision {version.revision}) is no "
+            "longer stored: a writer replaced or edited it since; pick the episode again to see what it holds now"
+        )
 
     def _revision(self, index: int) -> int:
         """Slot ``index``'s ``_revision`` as stored now: a new one with each in-place edit of its
         rows (``update``, ``data[...] = ...``). Called under the read lock."""
         return int(self.buffer.storage.read_meta_rows("_revision", np.array([index]))[0])
 
-    def _video_path(self, index: int, generation: int, revision: int, field: str) -> Path:
+    def _video_path(self, index: int, version: EpisodeVersion, field: str) -> Path:
         """Where the video of ``field`` of episode ``generation`` of slot ``index`` is cached:
         keyed by the generation (a slot a writer reused renders its new episode), the revision
         (an episode edited in place renders its new frames) and the buffer opened (a buffer
         created again at the location counts generations from 1 again). The field goes by its
         position among the image fields, not its name: a name of up to 200 bytes, which a buffer
-        takes, made the file's name longer than the 255 bytes a file system takes. Called under
-        the read lock."""
+        takes, made the file's name longer than the 255 bytes a file system takes."""
         position = self.image_fields.index(field)
-        return (
-            self.cache_dir
-            / f"episode-{index}-gen-{generation}-rev-{revision}-open-{self._reopened}.field-{position}.mp4"
-        )
+        generation, revision, opened = version
+        return self.cache_dir / f"episode-{index}-gen-{generation}-rev-{revision}-open-{opened}.field-{position}.mp4"
