@@ -39,7 +39,7 @@ from replaybuf.video import (
     check_fps,
     check_output_path,
     check_sheet_size,
-    episode_frames,
+    episode_frames_by_field,
     episode_slots,
     frame_size,
     frames_to_sheet,
@@ -346,9 +346,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
     sheets: list[tuple[Path, np.ndarray]] = []  # written after every video, in the seed's order
+    # every field from the same episodes (one read), each converted once its turn comes
+    stored_frames = episode_frames_by_field(buffer, args.episode, fields)
     try:
         for field in fields:
-            frames = to_rgb_uint8(episode_frames(buffer, args.episode, field))[:, :: args.scale, :: args.scale]
+            frames = to_rgb_uint8(stored_frames.pop(field))[:, :: args.scale, :: args.scale]
             frame_count = len(frames)
             written = []
             if base is not None:

@@ -38,6 +38,7 @@ __all__ = [
     "check_output_path",
     "default_image_field",
     "episode_frames",
+    "episode_frames_by_field",
     "episode_slots",
     "frames_to_sheet",
     "image_fields",
@@ -525,22 +526,34 @@ def episode_frames(buffer: Any, episode_index: int | Sequence[int] = 0, field: s
     """
     if field is None:
         field = default_image_field(buffer)
-    if field not in buffer.fieldnames:
+    return episode_frames_by_field(buffer, episode_index, [field])[field]
+
+
+def episode_frames_by_field(
+    buffer: Any, episode_index: int | Sequence[int], fields: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """``episode_frames`` of several fields, read in one consistent read: every field's frames
+    come from the same episodes (fields read one by one beside a writer reusing the slot showed
+    one camera of the old episode beside another of the new one under one label)."""
+    unknown = [field for field in fields if field not in buffer.fieldnames]
+    if unknown:
         raise ValueError(
-            f"field: unknown field {field!r}, expected one of {_data_fields(buffer)} (image-like: {image_fields(buffer)})"
+            f"field: unknown field {unknown[0]!r}, expected one of {_data_fields(buffer)} "
+            f"(image-like: {image_fields(buffer)})"
         )
     episodes = _episode_list(buffer, episode_index)
-    got = read_episodes_consistent(buffer, np.unique(episodes), [field], with_meta=False)
+    got = read_episodes_consistent(buffer, np.unique(episodes), list(fields), with_meta=False)
     rows = {int(slot): row for slot, row in zip(got.slots, range(len(got)))}
-    slabs = []
     for episode in episodes:
         if episode not in rows:
             raise ValueError(
                 f"episode_index: episode {episode} is empty (length 0) or being rewritten, nothing to render"
             )
-        row = rows[episode]
-        slabs.append(got.data[field][row, : int(got.lens[row])])
-    return slabs[0] if len(slabs) == 1 else np.concatenate(slabs, axis=0)
+    frames = {}
+    for field in fields:
+        slabs = [got.data[field][rows[episode], : int(got.lens[rows[episode]])] for episode in episodes]
+        frames[field] = slabs[0] if len(slabs) == 1 else np.concatenate(slabs, axis=0)
+    return frames
 
 
 def save_video(

@@ -59,6 +59,33 @@ def test_default_output_is_named_after_the_buffer_and_episodes(buffer_folder, wo
     assert np.abs(decoded[:, 16, 16, 0].astype(int) - expected).max() <= 4
 
 
+def test_inspect_renders_every_field_from_the_same_episode_while_a_writer_reuses_its_slot(tmp_path, monkeypatch):
+    """Each field was read just before its video was rendered: a writer reusing the slot after
+    the first field's read made ``front`` show the old episode and ``wrist`` the new one, written
+    (and served side by side) as one episode's cameras."""
+    import replaybuf.cli
+    from replaybuf import ReplayBuffer
+
+    fields = {"front": ("uint8", (8, 8, 3)), "wrist": ("uint8", (8, 8, 3))}
+    writer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=4, fields=fields, circular=True)
+    writer.store_episode(front=np.full((4, 8, 8, 3), 50, np.uint8), wrist=np.full((4, 8, 8, 3), 50, np.uint8))
+    writer.flush()
+    convert, written = replaybuf.cli.to_rgb_uint8, []
+
+    def convert_then_write(frames):  # the writer reuses the slot once the first field is converted
+        if not written:
+            new = np.full((4, 8, 8, 3), 200, np.uint8)
+            written.append(writer.store_episode(front=new, wrist=new))
+            writer.flush()
+        return convert(frames)
+
+    monkeypatch.setattr(replaybuf.cli, "to_rgb_uint8", convert_then_write)
+    out = tmp_path / "out.gif"
+    assert inspect_main([str(tmp_path / "b"), "-f", "front,wrist", "-o", str(out)]) == 0
+    assert [iio.imread(tmp_path / f"out.{field}.gif")[0, 4, 4, 0] for field in fields] == [50, 50]
+    writer.close()
+
+
 @pytest.mark.parametrize(
     "shape, scale, reported",
     [((8, 6, 3), 2, (4, 3, 3)), ((8, 6), 2, (4, 3)), ((8, 6, 4), 2, (4, 3, 4)), ((3, 8, 6), 1, (3, 8, 6))],
