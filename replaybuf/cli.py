@@ -34,6 +34,7 @@ from replaybuf.storage.base import (
 )
 from replaybuf.storage.lease import BufferLockedError
 from replaybuf.video import (
+    IMAGE_FIELD_RULE,
     VIDEO_SUFFIXES,
     check_encodable,
     check_fps,
@@ -294,7 +295,13 @@ def _check_selection(buffer: Any, episodes: Sequence[int], fields: Sequence[str]
         raise ValueError(f"--field: unknown field(s) {unknown}, image-like fields are {candidates}")
     not_images = [field for field in fields if field not in candidates]
     if not_images:
-        raise ValueError(f"--field: {not_images} do not hold image frames, image-like fields are {candidates}")
+        held = ", ".join(
+            f"{field}: {np.dtype(buffer.dtypes[field])} {tuple(buffer.shapes[field])}" for field in not_images
+        )
+        raise ValueError(
+            f"--field: {not_images} do not hold image frames ({held} per step; frames are {IMAGE_FIELD_RULE}), "
+            f"image-like fields are {candidates}"
+        )
 
 
 def run_inspect(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from .consistency import read_episodes_consistent
 __all__ = [
     "ANIMATED_IMAGE_FORMATS",
     "FFMPEG_SUFFIXES",
+    "IMAGE_FIELD_RULE",
     "MAX_SHEET_PIXELS",
     "VIDEO_SUFFIXES",
     "blocks_to_video",
@@ -58,6 +59,8 @@ __all__ = [
 ]
 
 CHANNEL_COUNTS = (1, 3, 4)
+# what makes a field's per-step values frames (``is_image_field``), said where a field is refused
+IMAGE_FIELD_RULE = f"uint8, bool or float values of shape (H, W), (H, W, C) or (C, H, W) with C in {CHANNEL_COUNTS}"
 FFMPEG_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 FFMPEG_MAX_RATE = 2**31 - 1  # ffmpeg's AVRational holds ints
 # animated images Pillow writes whole, as the seed's imageio call did: suffix -> Pillow format
@@ -571,7 +574,7 @@ def save_video(
     if field is not None and field in buffer.fieldnames and field not in candidates:  # before reading it
         raise ValueError(
             f"field: {field!r} holds values of shape {tuple(buffer.shapes[field])} per step, not image frames; "
-            f"image-like fields: {candidates}"
+            f"its dtype is {np.dtype(buffer.dtypes[field])}, frames are {IMAGE_FIELD_RULE}; image-like fields: {candidates}"
         )
     return trajectory_to_video(episode_frames(buffer, episode_index, field), path, fps=fps, **kwargs)
 

@@ -6,7 +6,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from replaybuf import video
+from replaybuf import ReplayBuffer, video
 from replaybuf.video import (
     check_sheet_size,
     default_image_field,
@@ -330,6 +330,16 @@ def test_save_video_of_a_field_without_frames_names_the_image_fields(buffer, tmp
     with pytest.raises(ValueError, match=r"'action' holds values of shape \(4,\) per step, not image frames; "):
         save_video(buffer, tmp_path / "a.mp4", field="action")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_video_of_frames_of_a_dtype_that_is_no_image_names_the_dtype(tmp_path):
+    """A uint16 depth camera of (H, W) frames was refused as 'holds values of shape (8, 8) per
+    step, not image frames': its shape is a frame's, its dtype is what is refused."""
+    depth = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=2, fields={"depth": ("uint16", (8, 8))})
+    depth.store_episode(depth=np.zeros((2, 8, 8), np.uint16))
+    with pytest.raises(ValueError, match=r"'depth' .* its dtype is uint16, frames are uint8, bool or float values"):
+        save_video(depth, tmp_path / "a.mp4", field="depth")
+    assert not (tmp_path / "a.mp4").exists()
 
 
 def test_save_video_checks_the_suffix_before_reading(buffer, tmp_path):
