@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tqdm import tqdm  # not tqdm.auto: it warns in every Jupyter kernel without ipywidgets
@@ -484,14 +484,30 @@ def default_image_field(buffer: Any) -> str:
     raise ValueError(f"field: several image-like fields {candidates}; pass field= one of them")
 
 
+def _as_episode(index: Any) -> int | None:
+    """``index`` as an episode index: an int, a numpy integer or a 0-d integer array or tensor
+    (what iterating ``torch.tensor([0, 3])`` gives, which the seed takes); None for anything
+    else (bools, floats, strings)."""
+    if isinstance(index, bool | np.bool_):
+        return None
+    if isinstance(index, int | np.integer):
+        return int(index)
+    if hasattr(index, "__array__") and getattr(index, "ndim", None) == 0:
+        array = np.asarray(index)
+        if array.dtype.kind in "iu":
+            return int(array)
+    return None
+
+
 def _episode_list(buffer: Any, episode_index: int | Sequence[int]) -> list[int]:
-    if isinstance(episode_index, bool):
+    single = _as_episode(episode_index)
+    if single is not None:
+        indices: list[Any] = [single]
+    elif isinstance(episode_index, bool | np.bool_) or getattr(episode_index, "ndim", None) == 0:
         raise TypeError(f"episode_index: expected an int or a sequence of ints, got {episode_index!r}")
-    if isinstance(episode_index, int | np.integer):
-        indices = [episode_index]
     else:
         try:
-            indices = list(episode_index)
+            indices = list(cast(Iterable[Any], episode_index))  # an int was taken above
         except TypeError:
             raise TypeError(
                 f"episode_index: expected an int or a sequence of ints, got {type(episode_index).__name__}"
@@ -499,9 +515,11 @@ def _episode_list(buffer: Any, episode_index: int | Sequence[int]) -> list[int]:
     if not indices:
         raise ValueError("episode_index: got an empty list, expected at least one episode")
     slots = episode_slots(buffer)
-    for index in indices:
-        if isinstance(index, bool) or not isinstance(index, int | np.integer):
-            raise TypeError(f"episode_index: expected ints, got {index!r} ({type(index).__name__})")
+    for position, given in enumerate(indices):
+        index = _as_episode(given)
+        if index is None:
+            raise TypeError(f"episode_index: expected ints, got {given!r} ({type(given).__name__})")
+        indices[position] = index
         if not 0 <= index < slots:
             raise ValueError(
                 f"episode_index: episode {index} is out of range, the buffer has {buffer.num_episodes} episodes "

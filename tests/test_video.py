@@ -301,6 +301,19 @@ def test_episode_frames_of_a_slot_rewritten_shorter_during_the_read_are_its_new_
     assert frames[:, 0, 0, 0].tolist() == [20, 21, 22, 23, 30, 30, 20, 21, 22, 23]
 
 
+def test_episode_indices_may_be_integer_tensors_and_arrays_as_the_seeds_are(buffer):
+    """``save_video(path, episode_index=torch.tensor([0, 2]))`` renders in memmap-replay-buffer
+    (a loop over the ids a sampler returned); replaybuf refused it: 'expected ints, got tensor(0)'."""
+    torch = pytest.importorskip("torch")
+    expected = episode_frames(buffer, [0, 2], "front")
+    for given in (torch.tensor([0, 2]), np.array([0, 2], np.uint8), [torch.tensor(0), np.int64(2)]):
+        assert np.array_equal(episode_frames(buffer, given, "front"), expected)
+    assert np.array_equal(episode_frames(buffer, torch.tensor(2), "front"), episode_frames(buffer, 2, "front"))
+    for refused in (torch.tensor([True]), torch.tensor([0.0]), np.array([1.0]), torch.tensor(1.0), np.bool_(True)):
+        with pytest.raises(TypeError, match="episode_index: expected"):
+            episode_frames(buffer, refused, "front")
+
+
 @pytest.mark.parametrize(
     ("episodes", "field", "error", "message"),
     [
