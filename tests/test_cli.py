@@ -81,8 +81,9 @@ def test_inspect_renders_every_field_from_the_same_episode_while_a_writer_reuses
 
     monkeypatch.setattr(replaybuf.cli, "to_rgb_uint8", convert_then_write)
     out = tmp_path / "out.gif"
-    assert inspect_main([str(tmp_path / "b"), "-f", "front,wrist", "-o", str(out)]) == 0
+    assert inspect_main([str(tmp_path / "b"), "-f", "front,wrist,front", "-o", str(out)]) == 0
     assert [iio.imread(tmp_path / f"out.{field}.gif")[0, 4, 4, 0] for field in fields] == [50, 50]
+    assert sorted(path.name for path in tmp_path.glob("out*")) == ["out.front.gif", "out.wrist.gif"]
     writer.close()
 
 
