@@ -100,8 +100,11 @@ def open_buffer(location: str, storage_options: dict[str, Any] | None = None) ->
 
 
 def _location_name(location: str) -> str:
-    """The last path component of a folder or URL, for default output names."""
-    return Path(location.rstrip("/")).name or "replay"
+    """The last path component of a folder (resolved, as the seed names it: ``.`` is the current
+    folder's name) or URL, for default output names."""
+    if "://" in location:
+        return Path(location.rstrip("/")).name or "replay"
+    return Path(location).resolve().name or "replay"
 
 
 # argument types

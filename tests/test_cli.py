@@ -59,6 +59,16 @@ def test_default_output_is_named_after_the_buffer_and_episodes(buffer_folder, wo
     assert np.abs(decoded[:, 16, 16, 0].astype(int) - expected).max() <= 4
 
 
+def test_default_output_of_the_current_folder_is_named_after_it_as_the_seeds(tmp_path, monkeypatch, capsys):
+    """``inspect-replay-buffer .`` inside a buffer: the seed names the output after the folder
+    (``Path(folder).resolve().name``); replaybuf wrote ``replay-episode-0.mp4``."""
+    make_image_buffer(tmp_path / "demos", steps=(2,)).close()
+    monkeypatch.chdir(tmp_path / "demos")
+    assert inspect_main([".", "--field", "front"]) == 0
+    assert "wrote demos-episode-0.mp4" in capsys.readouterr().out
+    assert (tmp_path / "demos" / "demos-episode-0.mp4").is_file()
+
+
 def test_inspect_renders_every_field_from_the_same_episode_while_a_writer_reuses_its_slot(tmp_path, monkeypatch):
     """Each field was read just before its video was rendered: a writer reusing the slot after
     the first field's read made ``front`` show the old episode and ``wrist`` the new one, written
