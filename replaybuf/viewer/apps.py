@@ -41,6 +41,7 @@ MAX_PLOT_DIMS = 32
 # JSON, built in 0.5 GB and 5 s per request
 MAX_SERIES_POINTS = 10_000
 # meta values with up to this many elements are shown in the episode list
+MAX_EXACT_PAGE_INT = 2**53  # JavaScript's numbers hold integers up to this exactly
 MAX_META_ELEMENTS = 8
 # videos rendered at once: each holds a block of its episode's frames and runs an encoder
 MAX_RENDERS = 4
@@ -59,11 +60,20 @@ _EPISODE_VIDEO_PATH = re.compile(
 )
 
 
-def _json_values(values: np.ndarray) -> Any:
-    """A numeric array as nested lists with NaN / inf as None (JSON has no NaN)."""
+def _json_values(values: np.ndarray, exact: bool = False) -> Any:
+    """A numeric array as nested lists with NaN / inf as None (JSON has no NaN); with ``exact``
+    (meta values, shown as text: ids, seeds), integers a page's numbers cannot hold exactly
+    (beyond 2**53) as their decimal text. Plotted series stay numbers (a ns timestamp plots)."""
     values = np.asarray(values)
     if values.dtype == np.bool_ or np.issubdtype(values.dtype, np.integer):
-        return values.tolist()
+        inexact = (values > MAX_EXACT_PAGE_INT) | (values < -MAX_EXACT_PAGE_INT)
+        if not (exact and inexact.any()):
+            return values.tolist()
+        if values.ndim == 0:
+            return str(values.item())
+        boxed = values.astype(object)
+        boxed[inexact] = [str(value) for value in boxed[inexact]]
+        return boxed.tolist()
     values = values.astype(np.float64)
     finite = np.isfinite(values)
     if finite.all():
@@ -226,7 +236,7 @@ class BufferApp:
             "slots": count,
             "columns": self.meta_columns,
             "lengths": _json_values(lengths),
-            "meta": {name: _json_values(values) for name, values in meta.items()},
+            "meta": {name: _json_values(values, exact=True) for name, values in meta.items()},
         }
 
     def episode(self, index: int) -> dict[str, Any]:
@@ -241,7 +251,8 @@ class BufferApp:
             opened = self._reopened
         length = int(got.lens[0]) if len(got) else 0
         meta = {
-            name: _json_values(got.meta[name][0] if len(got) else self._meta_fill(name)) for name in self.meta_columns
+            name: _json_values(got.meta[name][0] if len(got) else self._meta_fill(name), exact=True)
+            for name in self.meta_columns
         }
         stride = max(1, -(-length // MAX_SERIES_POINTS))
         series = {
