@@ -202,8 +202,8 @@ def test_inspect_refuses_frames_too_large_for_mp4_before_reading_and_renders_the
     from replaybuf import cli
     from replaybuf.cli import inspect_main
 
-    read, episodes_read = cli.episode_frames, []
-    monkeypatch.setattr(cli, "episode_frames", lambda *args: episodes_read.append(args[1]) or read(*args))
+    read, episodes_read = cli.episode_frames_by_field, []
+    monkeypatch.setattr(cli, "episode_frames_by_field", lambda *args: episodes_read.append(args[1]) or read(*args))
     buffer = ReplayBuffer(tmp_path / "b", max_episodes=1, max_timesteps=2, fields={"strip": ("uint8", (2, 16385))})
     buffer.store_episode(strip=np.full((2, 2, 16385), 9, np.uint8))
     buffer.close()
