@@ -211,6 +211,17 @@ def test_a_failed_render_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, 
     assert len(iio.imread(path)) == 3
 
 
+def test_an_output_that_is_a_symlink_is_replaced_never_written_through(tmp_path):
+    """A link at the output path (one planted in a shared folder, aimed at a file of the user's)
+    is replaced by the video; the file it points to is left as it was."""
+    elsewhere = tmp_path / "elsewhere.gif"
+    elsewhere.write_bytes(b"the user's file")
+    (tmp_path / "clip.gif").symlink_to(elsewhere)
+    trajectory_to_video(gray_frames([0, 50]), tmp_path / "clip.gif")
+    assert not (tmp_path / "clip.gif").is_symlink() and len(iio.imread(tmp_path / "clip.gif")) == 2
+    assert elsewhere.read_bytes() == b"the user's file"
+
+
 def test_long_renders_show_progress(tmp_path, capsys):
     trajectory_to_video(gray_frames([0] * 5), tmp_path / "short.gif", progress=True)
     assert "rendering short.gif" in capsys.readouterr().err
