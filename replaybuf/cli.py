@@ -356,10 +356,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     field_info: dict[str, dict[str, str]] = {}
     frame_count = 0
     sheets: list[tuple[Path, np.ndarray]] = []  # written after every video, in the seed's order
-    # every field from the same episodes (one read), each converted once its turn comes; a field
-    # named twice is rendered once, as the seed's
-    stored_frames = episode_frames_by_field(buffer, args.episode, list(dict.fromkeys(fields)))
     try:
+        # every field from the same episodes (one read), each converted once its turn comes; a
+        # field named twice is rendered once, as the seed's
+        stored_frames = episode_frames_by_field(buffer, args.episode, list(dict.fromkeys(fields)))
         for field in list(stored_frames):
             frames = to_rgb_uint8(stored_frames.pop(field))[:, :: args.scale, :: args.scale]
             frame_count = len(frames)
