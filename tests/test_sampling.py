@@ -163,6 +163,38 @@ def test_time_windows(buffer):
     assert batches[0]["_mask"].shape == (4, 4)
 
 
+def window_draws(loader) -> list[tuple[list[int], list[int]]]:
+    return [(batch["_index"].tolist(), batch["_start"].tolist()) for batch in loader]
+
+
+def test_a_seeded_loader_s_windows_repeat_with_workers_and_after_a_resume(tmp_path):
+    """A loader given ``seed`` (or a rank) draws each window's start from its seed, epoch and
+    the sample: torch's generator gave other windows to each loader of one seed, to workers, and
+    to a loader resumed from ``state_dict()``."""
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=6, max_timesteps=20, fields={"ident": "int"})
+    for e in range(6):
+        buffer.store_episode(ident=np.arange(20) + 100 * e)
+
+    def loader(**kwargs):
+        windows = ReplayDatasetTimeWindow(buffer, 5, return_indices=True)
+        return make_dataloader(buffer, 2, dataset=windows, seed=3, shuffle=True, **kwargs)
+
+    first, second = loader(), loader()
+    epochs = [window_draws(first), window_draws(first)]
+    assert window_draws(second) == epochs[0] and window_draws(second) == epochs[1]
+    assert epochs[0] != epochs[1]  # each epoch draws anew
+    assert window_draws(loader(num_workers=1, multiprocessing_context="fork")) == epochs[0]
+    interrupted = loader()
+    received = next(iter(interrupted))
+    resumed = loader()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert [(received["_index"].tolist(), received["_start"].tolist())] + window_draws(resumed) == epochs[0]
+    for batch in loader(rank=1, world_size=2):  # still the windows the texts define
+        for index, start, ident in zip(batch["_index"].tolist(), batch["_start"].tolist(), batch["ident"]):
+            assert 0 <= start <= 15 and ident.tolist() == list(range(100 * index + start, 100 * index + start + 5))
+    buffer.close()
+
+
 @pytest.mark.parametrize("cache", ["ram", "memmap"])
 def test_decoded_caches_give_the_same_batches(buffer, cache):
     for case in ({}, {"timestep_level": True}, {"n_steps": 3, "sequence_fields": ("image",)}):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .distributed import check_int
+from .distributed import check_int, keyed_uniforms
 
 
 def check_weights(weights: Any, sources: int) -> np.ndarray | None:
@@ -43,6 +43,22 @@ def check_weights(weights: Any, sources: int) -> np.ndarray | None:
         raise ValueError(f"weights are all 0: no buffer could be sampled, got {list(weights)}")
     values = values / values.max()  # weights near the float64 maximum would sum to inf
     return values / values.sum()
+
+
+class MixtureIndices(list):
+    """Batch ``batch`` of pass ``pass_index``'s dataset positions, with what keys its random draws."""
+
+    def __init__(self, positions: list[int], key: tuple[int, ...]):
+        super().__init__(positions)
+        self.key = key  # (seed, rank, pass, batch)
+
+    def __reduce__(self):
+        return MixtureIndices, (list(self), self.key)
+
+    def uniforms(self, positions: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """The batch's random draws for ``positions[items]``, keyed by the batch and each sample's
+        place in it (a position may be drawn twice in a batch: each gets its own draw)."""
+        return keyed_uniforms(self.key, items)
 
 
 class MixtureBatchSampler(Sampler[list[int]]):
@@ -87,15 +103,16 @@ class MixtureBatchSampler(Sampler[list[int]]):
         one is, would otherwise draw pass 0 each time)."""
         self.next_pass, self.start = int(epoch), 0
 
-    def draw(self, pass_index: int, batch: int) -> list[int]:
+    def draw(self, pass_index: int, batch: int) -> MixtureIndices:
         """Positions of batch ``batch`` of pass ``pass_index``."""
-        rng = np.random.default_rng([self.seed, self.rank, pass_index, batch])
+        key = (self.seed, self.rank, pass_index, batch)
+        rng = np.random.default_rng(key)
         sources = rng.choice(len(self.probabilities), size=self.batch_size, p=self.probabilities)
         out = np.empty(self.batch_size, np.int64)
         for k in np.unique(sources):
             picked = np.flatnonzero(sources == k)
             out[picked] = self.positions[k][rng.integers(0, len(self.positions[k]), len(picked))]
-        return out.tolist()
+        return MixtureIndices(out.tolist(), key)
 
     def __iter__(self) -> Iterator[list[int]]:
         pass_index, start = self.next_pass, self.start
