@@ -178,9 +178,9 @@ def test_a_seeded_loader_s_windows_repeat_with_workers_and_after_a_resume(tmp_pa
     for e in range(6):
         buffer.store_episode(ident=np.arange(20) + 100 * e)
 
-    def loader(**kwargs):
+    def loader(seed=3, **kwargs):
         windows = ReplayDatasetTimeWindow(buffer, 5, return_indices=True)
-        return make_dataloader(buffer, 2, dataset=windows, seed=3, shuffle=True, **kwargs)
+        return make_dataloader(buffer, 2, dataset=windows, seed=seed, shuffle=True, **kwargs)
 
     first, second = loader(), loader()
     epochs = [window_draws(first), window_draws(first)]
@@ -192,6 +192,7 @@ def test_a_seeded_loader_s_windows_repeat_with_workers_and_after_a_resume(tmp_pa
     resumed = loader()
     resumed.load_state_dict(interrupted.state_dict())
     assert [(received["_index"].tolist(), received["_start"].tolist())] + window_draws(resumed) == epochs[0]
+    assert window_draws(loader(seed=2**70)) == window_draws(loader(seed=2**70))  # any int, as numpy takes
     for batch in loader(rank=1, world_size=2):  # still the windows the texts define
         for index, start, ident in zip(batch["_index"].tolist(), batch["_start"].tolist(), batch["ident"]):
             assert 0 <= start <= 15 and ident.tolist() == list(range(100 * index + start, 100 * index + start + 5))

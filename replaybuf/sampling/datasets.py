@@ -201,6 +201,7 @@ class _SnapshotDataset(Dataset):
     """What all replaybuf datasets share: the snapshot, names, meta per sample, batched reads."""
 
     time_keys: frozenset[str] = frozenset()
+    draws_at_random = False  # whether ``_read`` draws at random (takes ``uniforms``)
 
     def __init__(
         self,
@@ -303,7 +304,7 @@ class _SnapshotDataset(Dataset):
         rechecked = self.replay_buffer.storage if self.replay_buffer.read_only else None
 
         # a seeded loader's batch keys its random draws (window starts): the same in any worker and on resume
-        keyed = getattr(indices, "uniforms", None)
+        keyed = getattr(indices, "uniforms", None) if self.draws_at_random else None
 
         def read(items: np.ndarray) -> None:
             # ``last`` holds the last read that succeeded: a read that raises (a slot being
@@ -560,6 +561,8 @@ class ReplayDatasetTimeWindow(_SnapshotDataset):
     whole length), zero-padded, with ``_lens`` and ``_reaches_episode_end`` (and ``_index``,
     ``_start`` with ``return_indices``). Starts come from ``rng()``, or from the batch's keyed
     draws under a seeded loader (``ShardIndices``, ``MixtureIndices``), so those repeat."""
+
+    draws_at_random = True
 
     def __init__(
         self,

@@ -98,7 +98,11 @@ def keyed_uniforms(key: tuple[int, ...], counters: np.ndarray) -> np.ndarray:
     same in any process, with any number of DataLoader workers, and after a resume."""
     state = np.zeros(1, np.uint64)
     for word in key:
-        state = _splitmix64(state ^ np.uint64(word))
+        while True:  # 64 bits at a time: a seed may be any int >= 0, as numpy's generators take
+            state = _splitmix64(state ^ np.uint64(word & 0xFFFFFFFFFFFFFFFF))
+            word >>= 64
+            if not word:
+                break
     mixed = _splitmix64(state ^ np.asarray(counters, dtype=np.int64).astype(np.uint64))
     return (mixed >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
