@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from replaybuf import ReplayBuffer
 from replaybuf.concat import ConcatReplayBuffer
-from replaybuf.sampling import SnapshotOverwrittenError
+from replaybuf.sampling import ReplayDatasetTimeWindow, SnapshotOverwrittenError
 
 FIELDS = {"obs": ("float", (2,)), "source": "int", "priority": "float"}
 META = {"task": "int"}
@@ -157,6 +157,30 @@ def test_resume_from_state_dict(members):
     resumed.load_state_dict(state)
     assert as_lists(resumed) == full[4:]
     assert as_lists(resumed) == second_pass
+
+
+def test_time_windows_of_a_seeded_mixture_repeat_and_resume(tmp_path):
+    """The same seed gives the same batches, windows included (their starts came from torch's
+    generator: another window in every loader, and in a resumed one)."""
+    for k in range(2):
+        member = ReplayBuffer(tmp_path / f"m{k}", max_episodes=3, max_timesteps=12, fields={"ident": "int"})
+        for e in range(3):
+            member.store_episode(ident=np.arange(12) + 100 * e + 1000 * k)
+        member.close()
+    mixture = ConcatReplayBuffer([tmp_path / "m0", tmp_path / "m1"], weights=[1, 1])
+
+    def loader():
+        return mixture.dataloader(4, dataset=ReplayDatasetTimeWindow(mixture, 4), num_batches=3, seed=2)
+
+    def windows(loader):
+        return [batch["ident"][:, 0].tolist() for batch in loader]
+
+    full = windows(loader())
+    assert windows(loader()) == full
+    interrupted, resumed = loader(), loader()
+    next(iter(interrupted))
+    resumed.load_state_dict(interrupted.state_dict())
+    assert windows(resumed) == full[1:]
 
 
 def test_filter_meta_per_source(members):

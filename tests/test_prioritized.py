@@ -82,6 +82,26 @@ def test_update_priorities_writes_back_and_steers_the_next_batch(buffer):
     assert set(drawn(fresh)) == {(2, 3)}
 
 
+@pytest.mark.parametrize("rate", [{}, {"samples_per_insert": float("inf")}], ids=["plain", "rate-limited"])
+def test_a_prioritized_loader_resumes_its_pass_with_the_next_batch_not_received(buffer, rate):
+    """``state_dict()`` / ``load_state_dict()`` as for every other seeded loader: the plain one
+    had neither, and a rate-limited one's state drew the whole pass again."""
+    set_priorities(buffer, {(0, 1): 1.0, (1, 2): 2.0, (2, 4): 3.0, (2, 5): 0.5})
+
+    def loader():
+        return make_dataloader(buffer, 4, timestep_level=True, sampler="prioritized", seed=7, num_batches=5, **rate)
+
+    uninterrupted = loader()
+    full = [batch["_indices"].tolist() for batch in uninterrupted]
+    second_pass = [batch["_indices"].tolist() for batch in uninterrupted]
+    interrupted, resumed = loader(), loader()
+    batches = iter(interrupted)
+    received = [next(batches)["_indices"].tolist() for _ in range(2)]
+    resumed.load_state_dict(interrupted.state_dict())
+    assert received + [batch["_indices"].tolist() for batch in resumed] == full
+    assert [batch["_indices"].tolist() for batch in resumed] == second_pass
+
+
 def test_prioritized_with_workers(buffer):
     if buffer.storage.location.startswith("memory://"):
         pytest.skip("fork workers of a memory:// store are covered in test_sampling")

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import warnings
 
 import memmap_replay_buffer as seed
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from replaybuf import ReplayBuffer, StorageError
 from replaybuf.sampling import (
@@ -161,6 +164,96 @@ def test_time_windows(buffer):
     assert first["_lens"].dtype == torch.long and first["_reaches_episode_end"].dtype == torch.bool
     batches = list(make_dataloader(buffer, 4, dataset=dataset, return_mask=True))
     assert batches[0]["_mask"].shape == (4, 4)
+
+
+def window_draws(loader) -> list[tuple[list[int], list[int]]]:
+    return [(batch["_index"].tolist(), batch["_start"].tolist()) for batch in loader]
+
+
+def test_a_seeded_loader_s_windows_repeat_with_workers_and_after_a_resume(tmp_path):
+    """A loader given ``seed`` (or a rank) draws each window's start from its seed, epoch and
+    the sample: torch's generator gave other windows to each loader of one seed, to workers, and
+    to a loader resumed from ``state_dict()``."""
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=6, max_timesteps=20, fields={"ident": "int"})
+    for e in range(6):
+        buffer.store_episode(ident=np.arange(20) + 100 * e)
+
+    def loader(seed=3, **kwargs):
+        windows = ReplayDatasetTimeWindow(buffer, 5, return_indices=True)
+        return make_dataloader(buffer, 2, dataset=windows, seed=seed, shuffle=True, **kwargs)
+
+    first, second = loader(), loader()
+    epochs = [window_draws(first), window_draws(first)]
+    assert window_draws(second) == epochs[0] and window_draws(second) == epochs[1]
+    assert epochs[0] != epochs[1]  # each epoch draws anew
+    assert window_draws(loader(num_workers=1, multiprocessing_context="fork")) == epochs[0]
+    interrupted = loader()
+    received = next(iter(interrupted))
+    resumed = loader()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert [(received["_index"].tolist(), received["_start"].tolist())] + window_draws(resumed) == epochs[0]
+    assert window_draws(loader(seed=2**70)) == window_draws(loader(seed=2**70))  # any int, as numpy takes
+    for batch in loader(rank=1, world_size=2):  # still the windows the texts define
+        for index, start, ident in zip(batch["_index"].tolist(), batch["_start"].tolist(), batch["ident"]):
+            assert 0 <= start <= 15 and ident.tolist() == list(range(100 * index + start, 100 * index + start + 5))
+    buffer.close()
+
+
+def reference_window(length: int, width: int, start: int, episode: int) -> dict[str, list]:
+    """The README's window of ``episode`` (ident 100 * episode + t) from ``start``: ``min(width,
+    length)`` steps, zero-padded to ``width``."""
+    actual = min(width, length)
+    assert 0 <= start <= length - actual
+    ident = [100 * episode + t for t in range(start, start + actual)] + [0] * (width - actual)
+    return {"ident": ident, "_lens": actual, "_reaches_episode_end": start + actual >= length}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    width=st.integers(1, 8),
+    batch_size=st.integers(1, 3),
+    world_size=st.integers(1, 3),
+    drop_last=st.booleans(),
+    received=st.integers(1, 3),
+)
+def test_seeded_window_shares_match_the_reference_cover_the_ranks_and_resume(
+    tmp_path_factory, lengths, width, batch_size, world_size, drop_last, received
+):
+    """Windows over episodes of any length (1 and max_timesteps included, windows longer than
+    them), sharded across ranks that do not divide them: each sample is the reference's window at
+    its ``_start``; ranks are disjoint (``drop_last``) or cover every episode; a loader resumed
+    after ``received`` batches gives exactly the rest of the epoch."""
+    buffer = ReplayBuffer(tmp_path_factory.mktemp("w") / "b", max_episodes=5, max_timesteps=6, fields={"ident": "int"})
+    for e, length in enumerate(lengths):
+        buffer.store_episode(ident=np.arange(length) + 100 * e)
+
+    def loader(rank):
+        windows = ReplayDatasetTimeWindow(buffer, width, return_indices=True)
+        options = dict(seed=1, shuffle=True, drop_last=drop_last, rank=rank, world_size=world_size)
+        with warnings.catch_warnings():  # drop_last with fewer samples than a batch: no batch, a warning
+            warnings.simplefilter("ignore")
+            return make_dataloader(buffer, batch_size, dataset=windows, **options)
+
+    seen = []
+    for rank in range(world_size):
+        epoch = [{k: v.tolist() for k, v in batch.items()} for batch in loader(rank)]
+        for batch in epoch:
+            for i, e in enumerate(batch["_index"]):
+                sample = {k: batch[k][i] for k in ("ident", "_lens", "_reaches_episode_end")}
+                assert sample == reference_window(lengths[e], width, batch["_start"][i], e)
+                seen.append(e)
+        interrupted, resumed = loader(rank), loader(rank)
+        batches = iter(interrupted)
+        head = [{k: v.tolist() for k, v in next(batches).items()} for _ in range(min(received, len(epoch)))]
+        resumed.load_state_dict(interrupted.state_dict())
+        rest = [{k: v.tolist() for k, v in batch.items()} for batch in resumed]
+        assert head + (rest if len(head) < len(epoch) else []) == epoch
+    if drop_last:
+        assert len(seen) == len(set(seen))
+    else:
+        assert set(seen) == set(range(len(lengths)))
+    buffer.close()
 
 
 @pytest.mark.parametrize("cache", ["ram", "memmap"])

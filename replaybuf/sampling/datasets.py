@@ -201,6 +201,7 @@ class _SnapshotDataset(Dataset):
     """What all replaybuf datasets share: the snapshot, names, meta per sample, batched reads."""
 
     time_keys: frozenset[str] = frozenset()
+    draws_at_random = False  # whether ``_read`` draws at random (takes ``uniforms``)
 
     def __init__(
         self,
@@ -302,10 +303,13 @@ class _SnapshotDataset(Dataset):
         # whether the buffer was replaced; a storage of its own (the read cache) is asked here
         rechecked = self.replay_buffer.storage if self.replay_buffer.read_only else None
 
+        # a seeded loader's batch keys its random draws (window starts): the same in any worker and on resume
+        keyed = getattr(indices, "uniforms", None) if self.draws_at_random else None
+
         def read(items: np.ndarray) -> None:
             # ``last`` holds the last read that succeeded: a read that raises (a slot being
             # rewritten) is retried or dropped, and must not leave its items without columns
-            columns, lens = self._read(positions[items])
+            columns, lens = self._read(positions[items], None if keyed is None else keyed(positions, items))
             if rechecked is not self.fetcher.storage and self.fetcher.storage.replaced(cheap_only=True):
                 # the planned buffer is gone: one created again counts the same generations
                 raise BufferReplacedError(self.fetcher.storage.location)
@@ -465,7 +469,7 @@ class _SnapshotDataset(Dataset):
 
     def rng(self) -> np.random.Generator:
         """A generator seeded from torch's: DataLoader workers differ, and ``torch.manual_seed``
-        makes random windows and redraws reproducible."""
+        makes random windows (those of a loader without ``seed``) and redraws reproducible."""
         return np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
 
     def _meta_columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
@@ -483,8 +487,12 @@ class _SnapshotDataset(Dataset):
     def _slots_of(self, positions: np.ndarray) -> np.ndarray:
         return self._slots[positions]
 
-    def _read(self, positions: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-        """Columns of the batch (name -> stacked array) and, for padded batches, sample lengths."""
+    def _read(
+        self, positions: np.ndarray, uniforms: np.ndarray | None = None
+    ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """Columns of the batch (name -> stacked array) and, for padded batches, sample lengths;
+        ``uniforms`` (one float in [0, 1) per sample, from a seeded loader's batch) make the
+        random draws of a dataset that makes any (window starts) instead of ``rng()``."""
         raise NotImplementedError
 
     def output_keys(self) -> list[str]:
@@ -524,7 +532,7 @@ class ReplayDatasetTrajectory(_SnapshotDataset):
         self.time_keys = frozenset(self.out_name(f) for f in self.fields) if slice_by_episode_len else frozenset()
         self._make_fetcher(self.fields)
 
-    def _read(self, positions):
+    def _read(self, positions, uniforms=None):
         slots = self._slots[positions]
         lens = self._lens[slots]
         width = (int(lens.max()) if len(lens) else 0) if self.slice_by_episode_len else self.replay_buffer.max_timesteps
@@ -551,7 +559,10 @@ ReplayDataset = ReplayDatasetTrajectory
 class ReplayDatasetTimeWindow(_SnapshotDataset):
     """One random window of ``window_length`` steps per episode (shorter episodes give their
     whole length), zero-padded, with ``_lens`` and ``_reaches_episode_end`` (and ``_index``,
-    ``_start`` with ``return_indices``)."""
+    ``_start`` with ``return_indices``). Starts come from ``rng()``, or from the batch's keyed
+    draws under a seeded loader (``ShardIndices``, ``MixtureIndices``), so those repeat."""
+
+    draws_at_random = True
 
     def __init__(
         self,
@@ -573,11 +584,14 @@ class ReplayDatasetTimeWindow(_SnapshotDataset):
         self.window_length = int(window_length)
         self._make_fetcher(self.fields)
 
-    def _read(self, positions):
+    def _read(self, positions, uniforms=None):
         slots = self._slots[positions]
         lens = self._lens[slots]
         actual = np.minimum(self.window_length, lens)
-        starts = self.rng().integers(0, lens - actual + 1)
+        if uniforms is None:
+            starts = self.rng().integers(0, lens - actual + 1)
+        else:
+            starts = (uniforms * (lens - actual + 1)).astype(np.int64)
         columns = {
             self.out_name(f): self.fetcher.windows(f, slots, starts, actual, self.window_length) for f in self.fields
         }
@@ -750,7 +764,7 @@ class ReplayDatasetTimestep(_TimepointDataset):
 
     reads_by_gather = True
 
-    def _read(self, positions):
+    def _read(self, positions, uniforms=None):
         episodes, timesteps = self._index.pairs(positions)
         columns = {self.out_name(f): self.fetcher.gather(f, episodes, timesteps) for f in self.fields}
         columns.update(self._meta_columns(episodes))
@@ -805,7 +819,7 @@ class ReplayDatasetNStep(_TimepointDataset):
     def reads_by_gather(self) -> bool:
         return not self.sequence_fields or self.fetcher.gathers_windows(self.n_steps)
 
-    def _read(self, positions):
+    def _read(self, positions, uniforms=None):
         episodes, timesteps = self._index.pairs(positions)
         actual = np.minimum(self.n_steps, self._lens[episodes] - timesteps - 1)
         later = timesteps + actual

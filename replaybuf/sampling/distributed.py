@@ -84,6 +84,29 @@ class Shard:
         return order[self.rank : total : self.world_size]
 
 
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer over uint64 arrays (arrays wrap silently where scalars warn)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_uniforms(key: tuple[int, ...], counters: np.ndarray) -> np.ndarray:
+    """Floats in [0, 1), one per counter, each a function of ``key`` (non-negative ints: a seed,
+    an epoch, ...) and its counter alone: a batch's random draws (window starts) come out the
+    same in any process, with any number of DataLoader workers, and after a resume."""
+    state = np.zeros(1, np.uint64)
+    for word in key:
+        while True:  # 64 bits at a time: a seed may be any int >= 0, as numpy's generators take
+            state = _splitmix64(state ^ np.uint64(word & 0xFFFFFFFFFFFFFFFF))
+            word >>= 64
+            if not word:
+                break
+    mixed = _splitmix64(state ^ np.asarray(counters, dtype=np.int64).astype(np.uint64))
+    return (mixed >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 class ShardIndices(list):
     """A batch of dataset positions with the ``Shard`` they were drawn from (what
     ``__getitems__`` gets from a ``ResumableDataLoader``)."""
@@ -94,6 +117,11 @@ class ShardIndices(list):
 
     def __reduce__(self):
         return ShardIndices, (list(self), self.shard)
+
+    def uniforms(self, positions: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """The batch's random draws for ``positions[items]``, keyed by seed, epoch and each
+        sample's position (unique within a rank's share of an epoch, and across ranks)."""
+        return keyed_uniforms((self.shard.seed, self.shard.epoch), positions[items])
 
 
 class ResumableDistributedSampler(Sampler[int]):

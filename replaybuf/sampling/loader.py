@@ -27,7 +27,7 @@ from .datasets import (
     refresh_for_snapshot,
 )
 from .distributed import ResumableDataLoader, ResumableDistributedSampler, check_int, resolve_rank
-from .mixture import MixtureBatchSampler, MixtureDataLoader
+from .mixture import MixtureBatchSampler, PassDataLoader
 from .prioritized import PrioritizedBatchSampler
 from .ratelimit import RateLimitedLoader, RateLimiter
 
@@ -395,7 +395,7 @@ def make_dataloader(
             seed=seed,
             rank=resolve_rank(rank, world_size)[0],
         )
-        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **kwargs)
+        return PassDataLoader(dataset, batches, collate_fn=collate, **kwargs)
     if weighted is not None:
         for name in ("batch_sampler", "drop_last"):
             if name in kwargs:
@@ -408,7 +408,7 @@ def make_dataloader(
             seed=seed,
             rank=resolve_rank(rank, world_size)[0],
         )
-        return MixtureDataLoader(dataset, mixture, collate_fn=collate, **kwargs)
+        return PassDataLoader(dataset, mixture, collate_fn=collate, **kwargs)
     if "num_batches" in kwargs:  # torch would say only "unexpected keyword argument"
         raise ValueError(
             f"num_batches={kwargs['num_batches']!r} applies only to sampler='prioritized' or a ConcatReplayBuffer "

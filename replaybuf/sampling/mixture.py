@@ -12,13 +12,13 @@ fixes it), differ between DDP ranks, and a resumed loader continues with the nex
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .distributed import check_int
+from .distributed import check_int, keyed_uniforms
 
 
 def check_weights(weights: Any, sources: int) -> np.ndarray | None:
@@ -45,12 +45,30 @@ def check_weights(weights: Any, sources: int) -> np.ndarray | None:
     return values / values.sum()
 
 
+class MixtureIndices(list):
+    """Batch ``batch`` of pass ``pass_index``'s dataset positions, with what keys its random draws."""
+
+    def __init__(self, positions: list[int], key: tuple[int, ...]):
+        super().__init__(positions)
+        self.key = key  # (seed, rank, pass, batch)
+
+    def __reduce__(self):
+        return MixtureIndices, (list(self), self.key)
+
+    def uniforms(self, positions: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """The batch's random draws for ``positions[items]``, keyed by the batch and each sample's
+        place in it (a position may be drawn twice in a batch: each gets its own draw)."""
+        return keyed_uniforms(self.key, items)
+
+
 class MixtureBatchSampler(Sampler[list[int]]):
     """Batches of dataset positions drawn source by source with ``probabilities``.
 
     ``offsets`` are the sources' first global slots (``ConcatStorage.offsets``); ``num_batches``
     per pass defaults to one dataset's worth.
     """
+
+    kind = "mixture"
 
     def __init__(
         self,
@@ -87,15 +105,16 @@ class MixtureBatchSampler(Sampler[list[int]]):
         one is, would otherwise draw pass 0 each time)."""
         self.next_pass, self.start = int(epoch), 0
 
-    def draw(self, pass_index: int, batch: int) -> list[int]:
+    def draw(self, pass_index: int, batch: int) -> MixtureIndices:
         """Positions of batch ``batch`` of pass ``pass_index``."""
-        rng = np.random.default_rng([self.seed, self.rank, pass_index, batch])
+        key = (self.seed, self.rank, pass_index, batch)
+        rng = np.random.default_rng(key)
         sources = rng.choice(len(self.probabilities), size=self.batch_size, p=self.probabilities)
         out = np.empty(self.batch_size, np.int64)
         for k in np.unique(sources):
             picked = np.flatnonzero(sources == k)
             out[picked] = self.positions[k][rng.integers(0, len(self.positions[k]), len(picked))]
-        return out.tolist()
+        return MixtureIndices(out.tolist(), key)
 
     def __iter__(self) -> Iterator[list[int]]:
         pass_index, start = self.next_pass, self.start
@@ -104,18 +123,32 @@ class MixtureBatchSampler(Sampler[list[int]]):
             yield self.draw(pass_index, batch)
 
 
-class MixtureDataLoader(DataLoader):
-    """A DataLoader over a ``MixtureBatchSampler`` whose ``state_dict()`` records the batches the
-    training loop received (not those prefetched by workers)."""
+class SeededPasses(Protocol):
+    """A batch sampler drawing ``num_batches`` batches a pass, pass ``next_pass`` from batch
+    ``start`` on, each a function of ``seed`` and its place (``MixtureBatchSampler``,
+    ``PrioritizedBatchSampler``)."""
 
-    def __init__(self, dataset: Any, batch_sampler: MixtureBatchSampler, **kwargs: Any):
-        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self._mixture = batch_sampler  # ``self.batch_sampler`` typed as the mixture sampler
+    kind: str  # what error messages call its loader: "mixture", "prioritized"
+    seed: int
+    next_pass: int
+    start: int
+    num_batches: int
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+class PassDataLoader(DataLoader):
+    """A DataLoader over a ``SeededPasses`` batch sampler whose ``state_dict()`` records the
+    batches the training loop received (not those prefetched by workers)."""
+
+    def __init__(self, dataset: Any, batch_sampler: SeededPasses, **kwargs: Any):
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)  # type: ignore[arg-type]
+        self._passes = batch_sampler  # ``self.batch_sampler`` typed as what it is
         self._delivered = (batch_sampler.next_pass, batch_sampler.start)
 
     # a generator over the base iterator, to record each batch as it is handed out
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        sampler = self._mixture
+        sampler = self._passes
         pass_index, batch = sampler.next_pass, sampler.start
         for item in super().__iter__():
             batch += 1
@@ -124,24 +157,24 @@ class MixtureDataLoader(DataLoader):
         self._delivered = (pass_index + 1, 0)
 
     def set_epoch(self, epoch: int) -> None:
-        """The next pass is pass ``epoch`` (``MixtureBatchSampler.set_epoch``)."""
-        self._mixture.set_epoch(epoch)
-        self._delivered = (self._mixture.next_pass, 0)
+        """The next pass is pass ``epoch`` (the batch sampler's ``set_epoch``)."""
+        self._passes.set_epoch(epoch)
+        self._delivered = (self._passes.next_pass, 0)
 
     def state_dict(self) -> dict[str, int]:
         """Seed, pass and batch to continue from."""
         pass_index, batch = self._delivered
-        if batch >= self._mixture.num_batches:
+        if batch >= self._passes.num_batches:
             pass_index, batch = pass_index + 1, 0
-        return {"seed": self._mixture.seed, "pass": pass_index, "batch": batch}
+        return {"seed": self._passes.seed, "pass": pass_index, "batch": batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a state saved by ``state_dict()``: the next pass starts at its batch."""
         if not isinstance(state, dict):  # set(None) would fail with "'NoneType' object is not iterable"
-            raise TypeError(f"state must be a mixture loader's state_dict() (a dict), got {state!r}")
+            raise TypeError(f"state must be a {self._passes.kind} loader's state_dict() (a dict), got {state!r}")
         missing = sorted({"seed", "pass", "batch"} - set(state))
         if missing:
-            raise ValueError(f"mixture loader state is missing keys {missing}")
-        sampler = self._mixture
+            raise ValueError(f"{self._passes.kind} loader state is missing keys {missing}")
+        sampler = self._passes
         sampler.seed, sampler.next_pass, sampler.start = (check_int(k, state[k], 0) for k in ("seed", "pass", "batch"))
         self._delivered = (sampler.next_pass, sampler.start)

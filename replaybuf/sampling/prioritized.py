@@ -67,8 +67,11 @@ class PrioritizedBatchSampler(Sampler):
     seed, rank
         Pass ``p``'s draws come from a generator seeded by ``(seed, rank, p)``: reproducible from ``seed``
         (default: drawn from torch's generator, so ``torch.manual_seed`` fixes it) and different
-        on each DDP rank, even when every rank seeds torch the same.
+        on each DDP rank, even when every rank seeds torch the same; its ``PassDataLoader``
+        resumes a pass at a batch (``state_dict()``).
     """
+
+    kind = "prioritized"
 
     def __init__(
         self,
@@ -112,13 +115,16 @@ class PrioritizedBatchSampler(Sampler):
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self.seed, self.rank = check_int("seed", seed, 0), check_int("rank", rank, 0)
-        self.epoch = 0  # the next pass's: its draws come from a generator seeded (seed, rank, epoch)
+        # the next pass, and its first batch (a resumed loader's): pass ``p``'s draws come from a
+        # generator seeded (seed, rank, p), each batch taking ``batch_size`` of its numbers
+        self.next_pass = 0
+        self.start = 0
         _samplers.setdefault(dataset.replay_buffer, weakref.WeakSet()).add(self)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass pass ``epoch`` (a loader made anew for each pass, as a rate-limited
-        one is, would otherwise draw pass 0 each time)."""
-        self.epoch = check_int("epoch", epoch, 0)
+        """Make the next pass pass ``epoch``, from its first batch (a loader made anew for each
+        pass, as a rate-limited one is, would otherwise draw pass 0 each time)."""
+        self.next_pass, self.start = check_int("epoch", epoch, 0), 0
 
     def __len__(self) -> int:
         return self.num_batches
@@ -173,15 +179,18 @@ class PrioritizedBatchSampler(Sampler):
         return scaled / scaled.sum()
 
     def __iter__(self) -> Iterator[WeightedIndices]:
-        self._generator = np.random.default_rng([self.seed, self.rank, self.epoch])
-        self.epoch += 1
+        pass_index, start = self.next_pass, self.start
+        self.next_pass, self.start = pass_index + 1, 0
+        bits = np.random.PCG64([self.seed, self.rank, pass_index])  # default_rng's
+        bits.advance(start * self.batch_size)  # past the numbers of the batches before
+        self._generator = np.random.Generator(bits)
         self.load()
         if not self.dataset.in_snapshot(self.dataset.pairs()[0]).any():
             # a writer reused or dropped every slot of the snapshot: SnapshotOverwrittenError, as a
             # uniform loader's batch raises (not "every priority is 0"; it yielded batches of no
             # samples for every pass, forever)
             raise self.dataset.overwritten_error()
-        for _ in range(self.num_batches):
+        for _ in range(start, self.num_batches):
             yield self._draw()
 
     def _draw(self) -> WeightedIndices:

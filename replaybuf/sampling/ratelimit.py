@@ -218,9 +218,9 @@ def _next_pass(loader: Any, default: int) -> int:
     breaks out of one moves on), a shuffled one's epoch with a whole pass (as torch's
     DistributedSampler); ``default`` for any other loader."""
     for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
-        if isinstance(sampler, MixtureBatchSampler):
+        if isinstance(sampler, (MixtureBatchSampler, PrioritizedBatchSampler)):
             return sampler.next_pass
-        if isinstance(sampler, (PrioritizedBatchSampler, ResumableDistributedSampler)):
+        if isinstance(sampler, ResumableDistributedSampler):
             return sampler.epoch
     return default
 
