@@ -2047,14 +2047,18 @@ class ReplayBuffer(CommittedViews):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
+    def __del__(
+        self, _suppress: Any = contextlib.suppress, _collecting: Any = collecting, _finalizing: Any = sys.is_finalizing
+    ) -> None:
         # dropped without close() (``del``, a function returning, a name bound again): no
         # reference cycle holds a buffer (``storage/_owner.py``), so this runs at once and gives
-        # back what close() does, compacting nothing (README, Durability)
+        # back what close() does, compacting nothing (README, Durability). What it calls is bound
+        # here: a buffer held by a module's globals is freed at exit after other modules' globals
+        # were set to None ("'NoneType' object has no attribute 'suppress'")
         if getattr(self, "_closed", True):
             return
-        with contextlib.suppress(Exception):  # a failed open may not have made its storage
-            if collecting() or sys.is_finalizing():
+        with _suppress(Exception):  # a failed open may not have made its storage
+            if _collecting() or _finalizing():
                 # freed by a garbage collection (a cycle of the user's held it), which may run at
                 # any allocation, inside a lock close() takes (a map pool's, an event loop's), or
                 # at exit, whose hook gave the lease back (daemon threads frozen): only what is

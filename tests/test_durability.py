@@ -115,3 +115,29 @@ def test_partial_temp_files_are_cleaned_on_open(tmp_path):
     assert stray.exists(), "read-only opens change nothing"
     ReplayBuffer.from_folder(str(path))
     assert not stray.exists()
+
+
+LEFT_OPEN_AT_EXIT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import replaybuf.buffer
+    from replaybuf import ReplayBuffer
+    buffer = ReplayBuffer(sys.argv[1], 4, 5, fields=dict(x="int"), overwrite=True)
+    buffer.store_episode(x=np.arange(3))
+    # what interpreter exit does to a module's globals before a buffer it holds is freed
+    for name in ("contextlib", "collecting", "sys"):
+        setattr(replaybuf.buffer, name, None)
+    del buffer
+""")
+
+
+def test_a_buffer_freed_after_its_modules_globals_at_exit_closes_quietly(tmp_path):
+    """A buffer left open in a module's globals is freed at exit, possibly after replaybuf's own
+    module globals were set to None: ``__del__`` printed "Exception ignored in ... 'NoneType'
+    object has no attribute 'suppress'" and gave nothing back."""
+    path = tmp_path / "left-open"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = subprocess.run([sys.executable, "-c", LEFT_OPEN_AT_EXIT, str(path)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "Exception ignored" not in run.stderr, run.stderr
+    with ReplayBuffer.from_folder(str(path), read_only=True) as reopened:
+        assert reopened.num_episodes == 1 and reopened.data["x"][0, :3].tolist() == [0, 1, 2]
