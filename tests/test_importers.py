@@ -434,9 +434,26 @@ def test_lerobot_truncated_video_names_file_and_episode(tmp_path):
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1]
 
 
-def lerobot_with_info(source, change) -> None:
+def test_lerobot_video_of_another_resolution_is_refused_before_its_frames_are_decoded(tmp_path, monkeypatch):
+    """A crafted mp4 of another size than its feature declares was decoded whole, an episode's
+    frames at the video's size (gigabytes for 4K frames), before the episode's shape check."""
+    import av
+
+    from replaybuf.importers import _lerobot
+
+    write_lerobot(tmp_path / "src", video=True)
+    path = tmp_path / "src" / "videos" / "observation.images.top" / "chunk-000" / "file-000.mp4"
+    _lerobot.encode_frames(path, np.zeros((15, 32, 48, 3), np.uint8), 10)
+    decoded = []
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", lambda frame, **kwargs: decoded.append(frame))
+    with pytest.raises(imp.ImportSourceError, match=r"episode 0: .*file-000\.mp4 holds frames of 48 x 32 pixels"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert decoded == [] and not (tmp_path / "dst").exists()
+
+
+def lerobot_with_info(source, change, video: bool = False) -> None:
     """A small LeRobot dataset at ``source`` whose meta/info.json ``change`` edited."""
-    write_lerobot(source, video=False)
+    write_lerobot(source, video=video)
     info_path = source / "meta" / "info.json"
     info = json.loads(info_path.read_text())
     change(info)
@@ -456,15 +473,25 @@ def test_lerobot_refuses_other_versions(tmp_path):
     [
         (lambda info: info.pop("features"), r"malformed LeRobot info \(missing key 'features'\)"),
         (lambda info: info.pop("fps"), r"malformed LeRobot info \(missing key 'fps'\)"),
-        (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be > 0"),
-        (lambda info: info.update(fps="inf"), r"malformed LeRobot info \(ValueError: fps must be > 0 and finite"),
+        (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be a number > 0"),
+        (lambda info: info.update(fps="inf"), r"malformed LeRobot info \(ValueError: fps must be a number > 0"),
+        # a str or a bool was read as a frame rate (and LeRobot's reader fails on a str)
+        (lambda info: info.update(fps="10"), r".*fps must be a number > 0 and finite, got '10'"),
+        (lambda info: info.update(fps=True), r".*fps must be a number > 0 and finite, got True"),
+        # path patterns raised a bare AttributeError, IndexError or KeyError naming no file
+        (lambda info: info.update(data_path=5), r".*data_path must be a path pattern such as 'data/chunk-.*got 5"),
+        (lambda info: info.update(data_path="{0}"), r".*data_path '\{0\}' is no path pattern .*IndexError"),
+        (
+            lambda info: info.update(video_path="{camera}.mp4"),
+            r".*video_path '\{camera\}.mp4' is no path pattern .*KeyError",
+        ),
         (lambda info: info["features"]["action"].pop("dtype"), r"malformed LeRobot info \(missing key 'dtype'\)"),
         (lambda info: info.update(features=[1, 2]), r"malformed LeRobot info \(AttributeError"),
     ],
 )
 def test_lerobot_malformed_info_names_the_file(tmp_path, change, message):
     """A malformed info.json raised a bare KeyError ('features'), which the CLI printed alone."""
-    lerobot_with_info(tmp_path / "src", change)
+    lerobot_with_info(tmp_path / "src", change, video="video_path" in message)
     with pytest.raises(imp.ImportSourceError, match=r"info\.json: " + message):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()

@@ -160,16 +160,29 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     return values.reshape(len(table), *shape)
 
 
-def decode_frames(path: Path, start_s: float, count: int, fps: float) -> np.ndarray:
-    """``count`` RGB frames of the video at ``path`` from time ``start_s`` on, as (count, H, W, 3)."""
+def _check_frame_size(path: Path, width: int, height: int, shape: tuple[int, ...]) -> None:
+    """ValueError naming ``path`` where its frames are not of the feature's (H, W, 3) ``shape``,
+    checked before a frame is decoded: a crafted video of another resolution was decoded whole
+    (an episode's frames at its size: gigabytes for a 4K video) before the episode's check."""
+    if (height, width, 3) != tuple(shape):
+        raise ValueError(
+            f"{path} holds frames of {width} x {height} pixels (decoded as RGB), the feature's shape is {tuple(shape)}"
+        )
+
+
+def decode_frames(path: Path, start_s: float, count: int, fps: float, shape: tuple[int, ...]) -> np.ndarray:
+    """``count`` RGB frames of the video at ``path`` from time ``start_s`` on, as (count, *shape);
+    ValueError before decoding where the video's frames are of another size than ``shape``."""
     av = _av()
     frames = []
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
+        _check_frame_size(path, stream.codec_context.width, stream.codec_context.height, shape)
         container.seek(int(start_s / stream.time_base), stream=stream, backward=True)
         for frame in container.decode(stream):
             if frame.time is not None and frame.time < start_s - 0.5 / fps:
                 continue
+            _check_frame_size(path, frame.width, frame.height, shape)  # a stream may change resolution
             frames.append(frame.to_ndarray(format="rgb24"))
             if len(frames) == count:
                 break
@@ -194,9 +207,10 @@ def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...
         raise ValueError("an image cell is empty")
     source = cell.get("bytes")
     with Image.open(io.BytesIO(source) if source else _inside(root, cell["path"], "image path")) as image:
+        width, height = image.size  # from the header: another size is refused before it is decoded
+        if len(shape) != 3 or shape[-1] not in (1, 3) or (height, width) != tuple(shape[:2]):
+            raise ValueError(f"an image of {width} x {height} pixels, the feature's shape is {shape}")
         array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
-    if array.reshape(*array.shape[:2], -1).shape != tuple(shape):  # a reshape would scramble another H x W
-        raise ValueError(f"an image of {array.shape[1]} x {array.shape[0]} pixels, the feature's shape is {shape}")
     return array.reshape(shape)
 
 
@@ -233,9 +247,10 @@ class LeRobotSource(Source):
 
     def _read_features(self, info_path: Path) -> None:
         """The fields of ``info.json``'s features (KeyError, TypeError, ValueError where malformed)."""
+        if not _is_fps(self.info["fps"]):  # "10" or true read as a frame rate, and a string failed LeRobot's reader
+            raise ValueError(f"fps must be a number > 0 and finite, got {self.info['fps']!r}")
         self.fps = float(self.info["fps"])
-        if not 0 < self.fps < math.inf:
-            raise ValueError(f"fps must be > 0 and finite, got {self.info['fps']!r}")
+        self._data_pattern = self._path_pattern("data_path", DATA_PATH, chunk_index=0, file_index=0)
         self._fields: dict[str, dict[str, Any]] = {}
         self._features: dict[str, str] = {}  # field -> feature
         for feature, spec in self.info["features"].items():
@@ -257,6 +272,26 @@ class LeRobotSource(Source):
             else:
                 continue  # text features: a buffer stores numbers only
             self._features[name] = feature
+        if any(spec["dtype"] == "video" for spec in self.info["features"].values()):  # null in image datasets
+            self._video_pattern = self._path_pattern(
+                "video_path", VIDEO_PATH, video_key="key", chunk_index=0, file_index=0
+            )
+
+    def _path_pattern(self, key: str, default: str, **sample: Any) -> str:
+        """``info.json``'s ``key`` (``default`` where absent), a pattern of the names given in
+        ``sample``; ValueError where it is not (a number, or ``{0}``, or another name, raised a
+        bare AttributeError, IndexError or KeyError that named no file)."""
+        pattern = self.info.get(key) or default
+        if not isinstance(pattern, str):
+            raise ValueError(f"{key} must be a path pattern such as {default!r}, got {pattern!r}")
+        try:
+            pattern.format(**sample)
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as error:
+            raise ValueError(
+                f"{key} {pattern!r} is no path pattern of {sorted(sample)} ({type(error).__name__}: {error}), "
+                f"such as {default!r}"
+            ) from error
+        return pattern
 
     def _read_episodes(self) -> list[dict[str, Any]]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
@@ -388,15 +423,13 @@ class LeRobotSource(Source):
         return [int(row["length"]) for row in self._episodes]
 
     def _data_path(self, row: dict[str, Any]) -> str:
-        pattern = self.info.get("data_path") or DATA_PATH
-        return pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
+        return self._data_pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
 
     def _data_file(self, row: dict[str, Any]) -> Path:
         return _inside(self.root, self._data_path(row), "data file")
 
     def _video_file(self, row: dict[str, Any], feature: str) -> Path:
-        pattern = self.info.get("video_path") or VIDEO_PATH
-        relative = pattern.format(
+        relative = self._video_pattern.format(
             video_key=feature,
             chunk_index=row[f"videos/{feature}/chunk_index"],
             file_index=row[f"videos/{feature}/file_index"],
@@ -444,7 +477,9 @@ class LeRobotSource(Source):
             kind = self.info["features"][feature]["dtype"]
             if kind == "video":
                 path = self._video_file(row, feature)
-                data[name] = decode_frames(path, float(row[f"videos/{feature}/from_timestamp"]), length, self.fps)
+                data[name] = decode_frames(
+                    path, float(row[f"videos/{feature}/from_timestamp"]), length, self.fps, spec["shape"]
+                )
             elif kind == "image":
                 cells = table.column(feature).to_pylist()
                 data[name] = np.stack([_decode_image(cell, self.root, spec["shape"]) for cell in cells])
