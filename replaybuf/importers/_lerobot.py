@@ -358,27 +358,31 @@ class LeRobotSource(Source):
 
     def _check_lengths(self) -> None:
         """Refuse an episode whose length is more than its data file's rows (read from the
-        parquet footer) before a destination is sized from it: a lying length would reserve its
-        size there. A data file that cannot be read fails its episodes when they are read."""
-        rows: dict[Path, int | None] = {}
+        parquet footer), or whose data file cannot be read (its rows cannot be counted), before a
+        destination is sized from it: a lying length would reserve its size there (the memmap and
+        hdf5 backends reserved gigabytes on disk for a length whose data file was missing)."""
+        rows: dict[Path, int] = {}
         self._columns: set[str] = set()  # of every data file: the columns no field holds are listed
         for row in self._episodes:
             try:
                 file = self._data_file(row)
-            except (KeyError, ValueError):  # a malformed or escaping data_path: named when read
+            except ValueError:  # an escaping data_path: every episode's, named when the first is read
                 continue
             if file not in rows:
                 try:
                     footer = self._pa.parquet.read_metadata(file)
-                    rows[file] = footer.num_rows
-                    self._columns.update(footer.schema.to_arrow_schema().names)
-                except (OSError, self._pa.ArrowException):
-                    rows[file] = None
-            held = rows[file]
-            if held is not None and int(row["length"]) > held:
+                except (OSError, self._pa.ArrowException) as error:
+                    why = f"no such file {str(file)!r}" if isinstance(error, FileNotFoundError) else str(error)
+                    raise ImportSourceError(
+                        f"{file}: episode {row['episode_index']}: cannot read its frames: {why} (so its length "
+                        f"{row['length']} cannot be checked against the file's rows; nothing was imported)"
+                    ) from error
+                rows[file] = footer.num_rows
+                self._columns.update(footer.schema.to_arrow_schema().names)
+            if int(row["length"]) > rows[file]:
                 raise ImportSourceError(
                     f"{self.root / 'meta' / 'episodes'}: episode {row['episode_index']} has length {row['length']}, "
-                    f"more than the {held} rows of its data file {str(file)!r}"
+                    f"more than the {rows[file]} rows of its data file {str(file)!r}"
                 )
 
     def _read_tasks(self) -> dict[str, str]:
