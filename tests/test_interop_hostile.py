@@ -623,6 +623,35 @@ def test_hdf5_datasets_kept_in_other_files_are_refused(tmp_path, format, how):
     assert open(outside, "rb").read() == before
 
 
+def test_minari_datasets_kept_in_other_files_are_refused(tmp_path, monkeypatch):
+    """minari reads its HDF5 file through h5py, which followed an external link, a virtual dataset
+    or external storage: a crafted dataset imported another file of this machine into the buffer
+    (robomimic and D4RL files were refused); a dangling soft link raised minari's bare KeyError."""
+    import shutil
+
+    from ._h5outside import KINDS, replace_with_outside
+
+    _, dataset = cartpole_dataset(tmp_path, monkeypatch, "cartpole/linked-v0", 1)
+    folder = Path(dataset.storage.data_path).parent
+    messages = {
+        "external storage": "keeps its data in other files \\(external storage\\)",
+        "virtual": "keeps its data in other files \\(a virtual dataset\\)",
+        "external link": "is an external link to .*outside-external link:v",
+        "soft link": "is a link to nothing \\(elsewhere/rewards\\)",
+    }
+    for how in KINDS:
+        source = tmp_path / how
+        shutil.copytree(folder, source)
+        main = source / "data" / "main_data.hdf5"
+        with require("h5py").File(main, "r") as file:
+            shape = file["episode_0/rewards"].shape
+        outside = tmp_path / f"outside-{how}"
+        before = replace_with_outside(main, "episode_0/rewards", how, outside, shape, 42.0, "elsewhere/rewards")
+        with pytest.raises(imp.ImportSourceError, match=f"main_data\\.hdf5: episode_0/rewards {messages[how]}"):
+            imp.minari(source, tmp_path / "dst", progress=False)
+        assert not (tmp_path / "dst").exists() and outside.read_bytes() == before
+
+
 def test_robomimic_soft_links_inside_the_file_are_read(tmp_path):
     """A soft link to a dataset of the same file is that dataset (visiting groups skipped them)."""
     h5py = require("h5py")

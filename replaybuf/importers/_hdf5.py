@@ -27,7 +27,7 @@ import numpy as np
 
 from ._engine import ImportSourceError, Source, is_plain_json
 
-__all__ = ["D4RLSource", "RobomimicSource"]
+__all__ = ["D4RLSource", "RobomimicSource", "check_links_inside"]
 
 INSTALL_HINT = "robomimic and D4RL datasets (HDF5) need h5py: pip install 'replaybuf[h5py]'"
 # the most dataset paths ``buffer.attrs["d4rl"]["left_out"]`` lists (attributes hold 1 MiB)
@@ -87,6 +87,21 @@ def _resolved(group: Any, name: str, link: Any, prefix: str = "") -> Any:
                 f"{prefix}{name} keeps its data in other files ({elsewhere}); an import reads only the source file"
             )
     return item
+
+
+def check_links_inside(path: str | os.PathLike) -> None:
+    """ImportSourceError naming the HDF5 file at ``path`` where one of its links leads nowhere or
+    to another file (``_resolved``): for sources whose HDF5 files a package reads (Minari), which
+    followed them and imported another file of this machine into the buffer."""
+    file = _open(os.fspath(path))
+    with file:
+        links: list[tuple[str, Any]] = []
+        file.visititems_links(lambda name, link: links.append((name, link)))  # raised in it: SystemError
+        try:
+            for name, link in links:
+                _resolved(file, name, link)
+        except ValueError as error:
+            raise ImportSourceError(f"{os.fspath(path)}: {error}") from error
 
 
 def _unique(found: list[tuple[str, str]], prefix: str = "") -> dict[str, str]:
