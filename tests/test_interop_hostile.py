@@ -734,6 +734,19 @@ def test_export_to_an_empty_destination_is_refused_and_erases_nothing(tmp_path, 
     assert ReplayBuffer.from_folder("buf", read_only=True).num_episodes == 1
 
 
+def test_export_into_a_link_to_an_empty_folder_writes_there_and_keeps_the_link(tmp_path):
+    """The diffusion_policy export opened its zarr group with mode "w", which erases the folder
+    first: through a link to an empty folder that failed ("Cannot call rmtree on a symbolic link")."""
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=2, max_timesteps=3, fields={"x": "float"}) as buffer:
+        buffer.store_episode(x=np.arange(3, dtype=np.float32))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "target")
+    assert imp.export_diffusion_policy(tmp_path / "buf", tmp_path / "out") == 1
+    assert (tmp_path / "out").is_symlink()
+    imp.diffusion_policy(tmp_path / "target", tmp_path / "back", progress=False)
+    np.testing.assert_array_equal(episodes_by_source(tmp_path / "back")[0]["x"], np.arange(3, dtype=np.float32))
+
+
 def test_import_into_s3_resumes_and_refuses_another_config(tmp_path, s3_server):
     """The config check before a resume opens the destination a second time: on an object store
     too (moto on 127.0.0.1)."""
