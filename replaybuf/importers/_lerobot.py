@@ -210,8 +210,31 @@ def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...
         width, height = image.size  # from the header: another size is refused before it is decoded
         if len(shape) != 3 or shape[-1] not in (1, 3) or (height, width) != tuple(shape[:2]):
             raise ValueError(f"an image of {width} x {height} pixels, the feature's shape is {shape}")
-        array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
-    return array.reshape(shape)
+        return _pixels(image, shape[-1]).reshape(shape)
+
+
+# PIL modes of 8-bit channels, which a uint8 image feature holds as they are (palette: its colours)
+EIGHT_BIT_MODES = ("1", "L", "P", "RGB", "RGBA", "LA", "PA")
+
+
+def _pixels(image: Any, channels: int) -> np.ndarray:
+    """The pixels of PIL ``image`` as (H, W, ``channels``) uint8; ValueError where that would
+    change them, as PIL's ``convert`` did without a word: a 16-bit or float image (a depth
+    camera's) clipped to 255, colours into one channel read as their luminance, an alpha channel
+    that is not opaque dropped."""
+    if image.mode == ("L" if channels == 1 else "RGB"):  # what LeRobot (and the exporter) write
+        return np.asarray(image).reshape(*image.size[::-1], channels)
+    if image.mode not in EIGHT_BIT_MODES:
+        raise ValueError(
+            f"an image of mode {image.mode!r}: a uint8 image feature holds 8-bit channels "
+            f"({', '.join(EIGHT_BIT_MODES)}), which it would not hold as they are"
+        )
+    rgba = np.asarray(image.convert("RGBA"))
+    if (rgba[..., 3] != 255).any():
+        raise ValueError(f"an image of mode {image.mode!r} with transparent pixels; the feature's channels drop alpha")
+    if channels == 1 and ((rgba[..., 0] != rgba[..., 1]) | (rgba[..., 1] != rgba[..., 2])).any():
+        raise ValueError(f"an image of mode {image.mode!r} in colour; the feature's shape holds one channel")
+    return rgba[..., :channels]
 
 
 class LeRobotSource(Source):
