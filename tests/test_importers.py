@@ -391,6 +391,39 @@ def test_lerobot_export_without_attrs_names_tasks_by_index(tmp_path):
     assert pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet").index.tolist() == ["task_4"]
 
 
+def test_lerobot_export_numbers_tasks_as_rows_of_the_tasks_file(tmp_path):
+    """LeRobot's reader takes a frame's task as ``tasks.iloc[task_index]``: task indices with gaps
+    (a buffer holding episodes of tasks 1 and 3 only) read as another task's text, or failed;
+    they are written as 0 .. N - 1 in their order, each episode keeping its text. A task_index of
+    2.7 was written as 2."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    fields, meta = {"action": ("float", 2)}, {"task_index": "float"}
+    with ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=2, fields=fields, meta_fields=meta) as buffer:
+        buffer.attrs["lerobot"] = {"tasks": {"1": "open", "3": "close"}}
+        for task in (3, 1, 3):
+            buffer.store_episode(action=np.zeros((2, 2), np.float32), task_index=task)
+    imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    tasks = pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet")
+    frames = pq.read_table(tmp_path / "out" / "data" / "chunk-000" / "file-000.parquet").to_pandas()
+    assert [tasks.iloc[index].name for index in frames["task_index"]] == ["close"] * 2 + ["open"] * 2 + ["close"] * 2
+    assert tasks["task_index"].tolist() == [0, 1]
+    imp.lerobot(tmp_path / "out", tmp_path / "back", progress=False)
+    with ReplayBuffer.from_folder(tmp_path / "back", read_only=True) as back:
+        texts = back.attrs["lerobot"]["tasks"]
+        assert [texts[str(back.meta_data["task_index"][slot])] for slot in back.valid_episodes()] == [
+            "close",
+            "open",
+            "close",
+        ]
+    with ReplayBuffer.from_folder(tmp_path / "buf") as buffer:
+        buffer.store_episode(action=np.zeros((2, 2), np.float32), task_index=2.7)
+    with pytest.raises(ValueError, match=r"meta field 'task_index' of slot 3 holds 2\.7\d*, which is no task index"):
+        imp.export_lerobot(tmp_path / "buf", tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
 def test_lerobot_tasks_file_without_task_texts_is_named(tmp_path):
     write_lerobot(tmp_path / "src", video=False)
     import pandas as pd

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..storage.base import ConcurrentWriteError
 from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["LeRobotSource", "export_lerobot"]
@@ -689,12 +690,14 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
         )
         data_path = root / DATA_PATH.format(chunk_index=0, file_index=0)
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        rows, tasks, total = [], set(), 0
+        numbers = _task_numbers(buffer)
+        rows, total = [], 0
         with pq.ParquetWriter(data_path, schema) as writer:
-            for episode, (_slot, data, meta) in enumerate(episodes):
+            for episode, (slot, data, meta) in enumerate(episodes):
                 length = len(next(iter(data.values())))
                 task = int(meta.get("task_index", 0))
-                tasks.add(task)
+                if task not in numbers:  # its value edited in place since the buffer was opened
+                    raise ConcurrentWriteError(buffer.storage.location, [slot], 0)
                 steps = np.arange(length, dtype=np.int64)
                 values = {}
                 for name in fields:
@@ -711,7 +714,7 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
                     frame_index=pa.array(steps),
                     episode_index=pa.array(np.full(length, episode, np.int64)),
                     index=pa.array(total + steps),
-                    task_index=pa.array(np.full(length, task, np.int64)),
+                    task_index=pa.array(np.full(length, numbers[task], np.int64)),
                 )
                 writer.write_table(pa.table(values, schema=schema))
                 row = {
@@ -739,8 +742,28 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
                     )
                 rows.append(row)
                 total += length
-        _write_meta(root, buffer, names, images, rows, sorted(tasks), total, fps)
+        _write_meta(root, buffer, names, images, rows, list(numbers), total, fps)
     return len(rows)
+
+
+def _task_numbers(buffer: Any) -> dict[int, int]:
+    """Each ``task_index`` of the buffer's committed episodes -> the one an export writes: its
+    position among them, sorted. LeRobot's reader takes ``task_index`` as a row of
+    ``meta/tasks.parquet`` (``tasks.iloc[task_index]``), so indices with gaps (a buffer holding
+    some tasks' episodes only, or ids of the user's own) read as another task's text, or failed.
+    ValueError naming the slot where one is no integer (2.7 was written as 2)."""
+    if "task_index" not in buffer.schema.meta_fields:
+        return {0: 0}
+    slots = buffer.valid_episodes()
+    values = np.asarray(buffer.meta_data["task_index"][:])[slots]
+    if values.dtype.kind == "f":
+        other = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
+        if len(other):
+            raise ValueError(
+                f"meta field 'task_index' of slot {int(slots[other[0]])} holds {values[other[0]]}, which is no "
+                "task index (an integer): LeRobot keeps one task per episode by its index"
+            )
+    return {task: number for number, task in enumerate(sorted({int(value) for value in values.tolist()}))}
 
 
 def _is_fps(value: Any) -> bool:
@@ -769,8 +792,9 @@ def _write_meta(
     total: int,
     fps: float,
 ) -> None:
-    """The episodes file, ``meta/tasks.parquet`` and, last (an export killed before it is no
-    LeRobot dataset), ``meta/info.json`` of an export."""
+    """The episodes file, ``meta/tasks.parquet`` (``tasks``: the buffer's task indices, in the
+    order of those written, 0, 1, ...) and, last (an export killed before it is no LeRobot
+    dataset), ``meta/info.json`` of an export."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
@@ -809,6 +833,6 @@ def _write_meta(
     # pandas' layout, as LeRobot's write_tasks: the task text is the index, task_index a column
     import pandas as pd
 
-    frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([names.task(t) for t in tasks], name="task"))
+    frame = pd.DataFrame({"task_index": range(len(tasks))}, index=pd.Index([names.task(t) for t in tasks], name="task"))
     frame.to_parquet(meta / "tasks.parquet")
     (meta / "info.json").write_text(json.dumps(info, indent=4))
