@@ -840,24 +840,41 @@ def test_robomimic_num_samples_its_datasets_do_not_hold_is_refused_before_a_dest
     assert not (tmp_path / "dst").exists()
 
 
+def _episodes_claiming(rows: list[dict], case: str) -> list[dict]:
+    """The fixture's episode rows with one claiming more frames than its data file holds."""
+    if case == "many":  # 1000 episodes, each of a length the 15-row file holds
+        return [dict(rows[0], episode_index=episode, length=6) for episode in range(1000)]
+    # 10**8 steps of 16 x 16 x 3 frames are over what an episode may hold: the file's rows must refuse 10**6
+    rows[1].update(
+        {"length": 10**8, "data/file_index": 0} if case == "long" else {"length": 10**6, "data/file_index": 7}
+    )
+    return rows
+
+
 @pytest.mark.parametrize(
-    ("file_index", "message"),
+    ("case", "message"),
     [
-        (0, rf"episode 1 has length 100000000, more than the {sum(LENGTHS)} rows"),
+        ("long", rf"episode 1 has length 100000000, more than the {sum(LENGTHS)} rows"),
         # a data file that cannot be read was left to fail when its episode came: the memmap
         # destination had been sized (gigabytes reserved on disk) from the length it could not check
-        (7, r"file-007\.parquet: episode 1: cannot read its frames: no such file .*its length 1000000 cannot be"),
+        (
+            "unread",
+            r"file-007\.parquet: episode 1: cannot read its frames: no such file .*its length 1000000 cannot be",
+        ),
+        # each episode fit the file, all of them did not: a slot was reserved for each (463 MB for 10**5)
+        (
+            "many",
+            rf"its 1000 episodes in data file .*file-000\.parquet' have 6000 frames in all, more than .* {sum(LENGTHS)} rows",
+        ),
     ],
 )
-def test_lerobot_episode_longer_than_its_data_file_is_refused_before_a_destination(tmp_path, file_index, message):
+def test_lerobot_episode_longer_than_its_data_file_is_refused_before_a_destination(tmp_path, case, message):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     write_lerobot(tmp_path / "src", video=False)
     path = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
-    rows = pq.read_table(path).to_pylist()
-    # 10**8 steps of 16 x 16 x 3 frames are over what an episode may hold: the file's rows must refuse 10**6
-    rows[1].update({"length": 10**8 if file_index == 0 else 10**6, "data/file_index": file_index})
+    rows = _episodes_claiming(pq.read_table(path).to_pylist(), case)
     pq.write_table(pa.Table.from_pylist(rows), path)
     with pytest.raises(imp.ImportSourceError, match=message):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", backend="memmap", progress=False)

@@ -384,8 +384,11 @@ class LeRobotSource(Source):
         """Refuse an episode whose length is more than its data file's rows (read from the
         parquet footer), or whose data file cannot be read (its rows cannot be counted), before a
         destination is sized from it: a lying length would reserve its size there (the memmap and
-        hdf5 backends reserved gigabytes on disk for a length whose data file was missing)."""
+        hdf5 backends reserved gigabytes on disk for a length whose data file was missing). So are
+        episodes claiming more frames in all than their data file's rows (a crafted episodes file
+        of 10**6 episodes, each of a 15-row file's length, reserved a slot for each)."""
         rows: dict[Path, int] = {}
+        claimed: dict[Path, list[int]] = {}  # data file -> lengths of the episodes in it
         self._columns: set[str] = set()  # of every data file: the columns no field holds are listed
         for row in self._episodes:
             try:
@@ -407,6 +410,13 @@ class LeRobotSource(Source):
                 raise ImportSourceError(
                     f"{self.root / 'meta' / 'episodes'}: episode {row['episode_index']} has length {row['length']}, "
                     f"more than the {rows[file]} rows of its data file {str(file)!r}"
+                )
+            claimed.setdefault(file, []).append(int(row["length"]))
+        for file, lengths in claimed.items():
+            if sum(lengths) > rows[file]:
+                raise ImportSourceError(
+                    f"{self.root / 'meta' / 'episodes'}: its {len(lengths)} episodes in data file {str(file)!r} "
+                    f"have {sum(lengths)} frames in all, more than the file's {rows[file]} rows"
                 )
 
     def _read_tasks(self) -> dict[str, str]:
