@@ -976,6 +976,9 @@ def test_source_episodes_without_steps_are_left_out_and_counted(tmp_path, capsys
     assert main(["import", "diffusion_policy", str(tmp_path / "dp.zarr"), str(tmp_path / "dst"), "--quiet"]) == 0
     assert "1 source episodes have no steps and were left out" in capsys.readouterr().out
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 2, 3]
+    # no slot for the empty one: a slot each made 10**5 of them reserve gigabytes (memmap, hdf5)
+    with ReplayBuffer.from_folder(tmp_path / "dst", read_only=True) as imported:
+        assert imported.max_episodes == 3
     (tmp_path / "dp.zarr" / "data" / "state" / "4.0").write_bytes(b"\0" * 5)  # the newest: not read again
     result = imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
     assert result == imp.ImportResult(imported=0, skipped=3, frames=0, empty=1)
