@@ -467,6 +467,25 @@ def test_lerobot_truncated_video_names_file_and_episode(tmp_path):
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1]
 
 
+def test_lerobot_video_frames_away_from_the_episode_s_timestamps_are_refused(tmp_path):
+    """A negative from_timestamp took the video's first frames (episode 0's) as episode 1's,
+    without a word; LeRobot's reader refuses frames away from the timestamps it queries."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=True)
+    episodes = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(episodes).to_pylist()
+    table[1]["videos/observation.images.top/from_timestamp"] = -1.0
+    pq.write_table(pa.Table.from_pylist(table), episodes)
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"episode 1: .*file-000\.mp4: frame 0 of the episode is at 0\.000 s, expected -1\.000 s",
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
+
+
 def test_lerobot_video_of_another_resolution_is_refused_before_its_frames_are_decoded(tmp_path, monkeypatch):
     """A crafted mp4 of another size than its feature declares was decoded whole, an episode's
     frames at the video's size (gigabytes for 4K frames), before the episode's shape check."""

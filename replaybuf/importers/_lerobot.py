@@ -173,9 +173,12 @@ def _check_frame_size(path: Path, width: int, height: int, shape: tuple[int, ...
 
 def decode_frames(path: Path, start_s: float, count: int, fps: float, shape: tuple[int, ...]) -> np.ndarray:
     """``count`` RGB frames of the video at ``path`` from time ``start_s`` on, as (count, *shape);
-    ValueError before decoding where the video's frames are of another size than ``shape``."""
+    ValueError before decoding where the video's frames are of another size than ``shape``, and
+    where frame i is not at ``start_s + i / fps`` (within half a frame, as LeRobot's reader
+    checks its queries): a negative ``from_timestamp`` took the video's first frames, another
+    episode's, and a gap in the frames' times took the frames after it."""
     av = _av()
-    frames = []
+    frames: list[np.ndarray] = []
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         _check_frame_size(path, stream.codec_context.width, stream.codec_context.height, shape)
@@ -184,6 +187,12 @@ def decode_frames(path: Path, start_s: float, count: int, fps: float, shape: tup
             if frame.time is not None and frame.time < start_s - 0.5 / fps:
                 continue
             _check_frame_size(path, frame.width, frame.height, shape)  # a stream may change resolution
+            expected = start_s + len(frames) / fps
+            if frame.time is not None and abs(frame.time - expected) > 0.5 / fps:
+                raise ValueError(
+                    f"{path}: frame {len(frames)} of the episode is at {frame.time:.3f} s, expected {expected:.3f} s "
+                    f"(from_timestamp {start_s:.3f} s at {fps:g} fps): a frame missing, or the episode outside the video"
+                )
             frames.append(frame.to_ndarray(format="rgb24"))
             if len(frames) == count:
                 break
