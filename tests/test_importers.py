@@ -391,6 +391,39 @@ def test_lerobot_export_without_attrs_names_tasks_by_index(tmp_path):
     assert pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet").index.tolist() == ["task_4"]
 
 
+def test_lerobot_export_numbers_tasks_as_rows_of_the_tasks_file(tmp_path):
+    """LeRobot's reader takes a frame's task as ``tasks.iloc[task_index]``: task indices with gaps
+    (a buffer holding episodes of tasks 1 and 3 only) read as another task's text, or failed;
+    they are written as 0 .. N - 1 in their order, each episode keeping its text. A task_index of
+    2.7 was written as 2."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    fields, meta = {"action": ("float", 2)}, {"task_index": "float"}
+    with ReplayBuffer(tmp_path / "buf", max_episodes=4, max_timesteps=2, fields=fields, meta_fields=meta) as buffer:
+        buffer.attrs["lerobot"] = {"tasks": {"1": "open", "3": "close"}}
+        for task in (3, 1, 3):
+            buffer.store_episode(action=np.zeros((2, 2), np.float32), task_index=task)
+    imp.export_lerobot(tmp_path / "buf", tmp_path / "out")
+    tasks = pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet")
+    frames = pq.read_table(tmp_path / "out" / "data" / "chunk-000" / "file-000.parquet").to_pandas()
+    assert [tasks.iloc[index].name for index in frames["task_index"]] == ["close"] * 2 + ["open"] * 2 + ["close"] * 2
+    assert tasks["task_index"].tolist() == [0, 1]
+    imp.lerobot(tmp_path / "out", tmp_path / "back", progress=False)
+    with ReplayBuffer.from_folder(tmp_path / "back", read_only=True) as back:
+        texts = back.attrs["lerobot"]["tasks"]
+        assert [texts[str(back.meta_data["task_index"][slot])] for slot in back.valid_episodes()] == [
+            "close",
+            "open",
+            "close",
+        ]
+    with ReplayBuffer.from_folder(tmp_path / "buf") as buffer:
+        buffer.store_episode(action=np.zeros((2, 2), np.float32), task_index=2.7)
+    with pytest.raises(ValueError, match=r"meta field 'task_index' of slot 3 holds 2\.7\d*, which is no task index"):
+        imp.export_lerobot(tmp_path / "buf", tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
 def test_lerobot_tasks_file_without_task_texts_is_named(tmp_path):
     write_lerobot(tmp_path / "src", video=False)
     import pandas as pd
@@ -434,9 +467,45 @@ def test_lerobot_truncated_video_names_file_and_episode(tmp_path):
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 1]
 
 
-def lerobot_with_info(source, change) -> None:
+def test_lerobot_video_frames_away_from_the_episode_s_timestamps_are_refused(tmp_path):
+    """A negative from_timestamp took the video's first frames (episode 0's) as episode 1's,
+    without a word; LeRobot's reader refuses frames away from the timestamps it queries."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_lerobot(tmp_path / "src", video=True)
+    episodes = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(episodes).to_pylist()
+    table[1]["videos/observation.images.top/from_timestamp"] = -1.0
+    pq.write_table(pa.Table.from_pylist(table), episodes)
+    with pytest.raises(
+        imp.ImportSourceError,
+        match=r"episode 1: .*file-000\.mp4: frame 0 of the episode is at 0\.000 s, expected -1\.000 s",
+    ):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert sorted(episodes_by_source(tmp_path / "dst")) == [0]
+
+
+def test_lerobot_video_of_another_resolution_is_refused_before_its_frames_are_decoded(tmp_path, monkeypatch):
+    """A crafted mp4 of another size than its feature declares was decoded whole, an episode's
+    frames at the video's size (gigabytes for 4K frames), before the episode's shape check."""
+    import av
+
+    from replaybuf.importers import _lerobot
+
+    write_lerobot(tmp_path / "src", video=True)
+    path = tmp_path / "src" / "videos" / "observation.images.top" / "chunk-000" / "file-000.mp4"
+    _lerobot.encode_frames(path, np.zeros((15, 32, 48, 3), np.uint8), 10)
+    decoded = []
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", lambda frame, **kwargs: decoded.append(frame))
+    with pytest.raises(imp.ImportSourceError, match=r"episode 0: .*file-000\.mp4 holds frames of 48 x 32 pixels"):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert decoded == [] and not (tmp_path / "dst").exists()
+
+
+def lerobot_with_info(source, change, video: bool = False) -> None:
     """A small LeRobot dataset at ``source`` whose meta/info.json ``change`` edited."""
-    write_lerobot(source, video=False)
+    write_lerobot(source, video=video)
     info_path = source / "meta" / "info.json"
     info = json.loads(info_path.read_text())
     change(info)
@@ -456,15 +525,25 @@ def test_lerobot_refuses_other_versions(tmp_path):
     [
         (lambda info: info.pop("features"), r"malformed LeRobot info \(missing key 'features'\)"),
         (lambda info: info.pop("fps"), r"malformed LeRobot info \(missing key 'fps'\)"),
-        (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be > 0"),
-        (lambda info: info.update(fps="inf"), r"malformed LeRobot info \(ValueError: fps must be > 0 and finite"),
+        (lambda info: info.update(fps=0), r"malformed LeRobot info \(ValueError: fps must be a number > 0"),
+        (lambda info: info.update(fps="inf"), r"malformed LeRobot info \(ValueError: fps must be a number > 0"),
+        # a str or a bool was read as a frame rate (and LeRobot's reader fails on a str)
+        (lambda info: info.update(fps="10"), r".*fps must be a number > 0 and finite, got '10'"),
+        (lambda info: info.update(fps=True), r".*fps must be a number > 0 and finite, got True"),
+        # path patterns raised a bare AttributeError, IndexError or KeyError naming no file
+        (lambda info: info.update(data_path=5), r".*data_path must be a path pattern such as 'data/chunk-.*got 5"),
+        (lambda info: info.update(data_path="{0}"), r".*data_path '\{0\}' is no path pattern .*IndexError"),
+        (
+            lambda info: info.update(video_path="{camera}.mp4"),
+            r".*video_path '\{camera\}.mp4' is no path pattern .*KeyError",
+        ),
         (lambda info: info["features"]["action"].pop("dtype"), r"malformed LeRobot info \(missing key 'dtype'\)"),
         (lambda info: info.update(features=[1, 2]), r"malformed LeRobot info \(AttributeError"),
     ],
 )
 def test_lerobot_malformed_info_names_the_file(tmp_path, change, message):
     """A malformed info.json raised a bare KeyError ('features'), which the CLI printed alone."""
-    lerobot_with_info(tmp_path / "src", change)
+    lerobot_with_info(tmp_path / "src", change, video="video_path" in message)
     with pytest.raises(imp.ImportSourceError, match=r"info\.json: " + message):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
     assert not (tmp_path / "dst").exists()
@@ -780,18 +859,43 @@ def test_robomimic_num_samples_its_datasets_do_not_hold_is_refused_before_a_dest
     assert not (tmp_path / "dst").exists()
 
 
-def test_lerobot_episode_longer_than_its_data_file_is_refused_before_a_destination(tmp_path):
+def _episodes_claiming(rows: list[dict], case: str) -> list[dict]:
+    """The fixture's episode rows with one claiming more frames than its data file holds."""
+    if case == "many":  # 1000 episodes, each of a length the 15-row file holds
+        return [dict(rows[0], episode_index=episode, length=6) for episode in range(1000)]
+    # 10**8 steps of 16 x 16 x 3 frames are over what an episode may hold: the file's rows must refuse 10**6
+    rows[1].update(
+        {"length": 10**8, "data/file_index": 0} if case == "long" else {"length": 10**6, "data/file_index": 7}
+    )
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("long", rf"episode 1 has length 100000000, more than the {sum(LENGTHS)} rows"),
+        # a data file that cannot be read was left to fail when its episode came: the memmap
+        # destination had been sized (gigabytes reserved on disk) from the length it could not check
+        (
+            "unread",
+            r"file-007\.parquet: episode 1: cannot read its frames: no such file .*its length 1000000 cannot be",
+        ),
+        # each episode fit the file, all of them did not: a slot was reserved for each (463 MB for 10**5)
+        (
+            "many",
+            rf"its 1000 episodes in data file .*file-000\.parquet' have 6000 frames in all, more than .* {sum(LENGTHS)} rows",
+        ),
+    ],
+)
+def test_lerobot_episode_longer_than_its_data_file_is_refused_before_a_destination(tmp_path, case, message):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     write_lerobot(tmp_path / "src", video=False)
     path = tmp_path / "src" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
-    rows = pq.read_table(path).to_pylist()
-    rows[1]["length"] = 10**8
+    rows = _episodes_claiming(pq.read_table(path).to_pylist(), case)
     pq.write_table(pa.Table.from_pylist(rows), path)
-    with pytest.raises(
-        imp.ImportSourceError, match=rf"episode 1 has length 100000000, more than the {sum(LENGTHS)} rows"
-    ):
+    with pytest.raises(imp.ImportSourceError, match=message):
         imp.lerobot(tmp_path / "src", tmp_path / "dst", backend="memmap", progress=False)
     assert not (tmp_path / "dst").exists()
 
@@ -891,6 +995,9 @@ def test_source_episodes_without_steps_are_left_out_and_counted(tmp_path, capsys
     assert main(["import", "diffusion_policy", str(tmp_path / "dp.zarr"), str(tmp_path / "dst"), "--quiet"]) == 0
     assert "1 source episodes have no steps and were left out" in capsys.readouterr().out
     assert sorted(episodes_by_source(tmp_path / "dst")) == [0, 2, 3]
+    # no slot for the empty one: a slot each made 10**5 of them reserve gigabytes (memmap, hdf5)
+    with ReplayBuffer.from_folder(tmp_path / "dst", read_only=True) as imported:
+        assert imported.max_episodes == 3
     (tmp_path / "dp.zarr" / "data" / "state" / "4.0").write_bytes(b"\0" * 5)  # the newest: not read again
     result = imp.diffusion_policy(tmp_path / "dp.zarr", tmp_path / "dst", progress=False)
     assert result == imp.ImportResult(imported=0, skipped=3, frames=0, empty=1)

@@ -4,6 +4,7 @@ sizes no import can read, and an import killed at a random moment."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -477,6 +478,70 @@ def test_robomimic_demo_holding_more_rows_than_num_samples_is_not_called_truncat
         imp.robomimic(tmp_path / "demo.hdf5", tmp_path / "dst", progress=False)
 
 
+def _lerobot_with_images(root, images: list, channels: int = 3) -> None:
+    """The fixture dataset (image mode) with the first frames of episode 0 replaced by PNGs of
+    ``images`` (PIL images) and, for ``channels`` 1, the camera feature of shape (16, 16, 1)."""
+    pa = require("pyarrow")
+    import pyarrow.parquet as pq
+
+    write_lerobot(root, video=False)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.images.top"]["shape"] = [16, 16, channels]
+    info_path.write_text(json.dumps(info))
+    data = root / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(data)
+    column = table.column_names.index("observation.images.top")
+    cells = table.column(column).to_pylist()
+    for frame, image in enumerate(images):
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        cells[frame] = {"bytes": out.getvalue(), "path": None}
+    pq.write_table(table.set_column(column, "observation.images.top", pa.array(cells, table.column(column).type)), data)
+
+
+def _image(mode: str, values: np.ndarray):
+    from PIL import Image
+
+    image = Image.fromarray(values)  # uint16: 'I;16'; (H, W, 4): 'RGBA'
+    return image.convert(mode) if mode in ("P", "LA") else image
+
+
+@pytest.mark.parametrize(
+    ("mode", "channels", "message"),
+    [
+        ("I;16", 3, r"an image of mode 'I;16': a uint8 image feature holds 8-bit channels"),
+        ("RGBA", 3, r"an image of mode 'RGBA' with transparent pixels"),
+        ("RGB", 1, r"an image of mode 'RGB' in colour; the feature's shape holds one channel"),
+    ],
+)
+def test_lerobot_images_the_feature_would_change_are_refused(tmp_path, mode, channels, message):
+    """PIL's convert clipped a 16-bit (depth) image to 255, dropped a transparent alpha channel,
+    and read colours as their luminance for a one-channel feature, without a word."""
+    rng = np.random.default_rng(5)
+    values = {
+        "I;16": rng.integers(0, 4000, (16, 16), dtype=np.uint16),
+        "RGBA": np.dstack([rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), np.full((16, 16), 7, np.uint8)]),
+        "RGB": rng.integers(0, 256, (16, 16, 3), dtype=np.uint8),
+    }[mode]
+    _lerobot_with_images(tmp_path / "src", [_image(mode, values)], channels)
+    with pytest.raises(imp.ImportSourceError, match=r"file-000\.parquet: episode 0: " + message):
+        imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_lerobot_images_of_other_8_bit_modes_are_imported_as_they_are(tmp_path, channels):
+    """Palette, grey, grey with an opaque alpha and grey RGB images hold the same pixels in
+    either feature: they are imported exactly."""
+    grey = np.random.default_rng(6).integers(0, 256, (16, 16), dtype=np.uint8)
+    images = [_image(mode, grey) for mode in ("L", "LA", "P")] + [_image("RGB", np.dstack([grey] * 3))]
+    _lerobot_with_images(tmp_path / "src", images, channels)
+    imp.lerobot(tmp_path / "src", tmp_path / "dst", progress=False)
+    frames = episodes_by_source(tmp_path / "dst")[0]["observation_images_top"][: len(images)]
+    np.testing.assert_array_equal(frames, np.broadcast_to(grey[..., None], (len(images), 16, 16, channels)))
+
+
 def test_lerobot_columns_no_field_holds_are_listed(tmp_path):
     """A data file's column that info.json does not declare (or a text feature) was left out
     without a word."""
@@ -623,6 +688,35 @@ def test_hdf5_datasets_kept_in_other_files_are_refused(tmp_path, format, how):
     assert open(outside, "rb").read() == before
 
 
+def test_minari_datasets_kept_in_other_files_are_refused(tmp_path, monkeypatch):
+    """minari reads its HDF5 file through h5py, which followed an external link, a virtual dataset
+    or external storage: a crafted dataset imported another file of this machine into the buffer
+    (robomimic and D4RL files were refused); a dangling soft link raised minari's bare KeyError."""
+    import shutil
+
+    from ._h5outside import KINDS, replace_with_outside
+
+    _, dataset = cartpole_dataset(tmp_path, monkeypatch, "cartpole/linked-v0", 1)
+    folder = Path(dataset.storage.data_path).parent
+    messages = {
+        "external storage": "keeps its data in other files \\(external storage\\)",
+        "virtual": "keeps its data in other files \\(a virtual dataset\\)",
+        "external link": "is an external link to .*outside-external link:v",
+        "soft link": "is a link to nothing \\(elsewhere/rewards\\)",
+    }
+    for how in KINDS:
+        source = tmp_path / how
+        shutil.copytree(folder, source)
+        main = source / "data" / "main_data.hdf5"
+        with require("h5py").File(main, "r") as file:
+            shape = file["episode_0/rewards"].shape
+        outside = tmp_path / f"outside-{how}"
+        before = replace_with_outside(main, "episode_0/rewards", how, outside, shape, 42.0, "elsewhere/rewards")
+        with pytest.raises(imp.ImportSourceError, match=f"main_data\\.hdf5: episode_0/rewards {messages[how]}"):
+            imp.minari(source, tmp_path / "dst", progress=False)
+        assert not (tmp_path / "dst").exists() and outside.read_bytes() == before
+
+
 def test_robomimic_soft_links_inside_the_file_are_read(tmp_path):
     """A soft link to a dataset of the same file is that dataset (visiting groups skipped them)."""
     h5py = require("h5py")
@@ -703,6 +797,19 @@ def test_export_to_an_empty_destination_is_refused_and_erases_nothing(tmp_path, 
             imp.export(format, "buf", empty)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["buf", "mine.txt"]
     assert ReplayBuffer.from_folder("buf", read_only=True).num_episodes == 1
+
+
+def test_export_into_a_link_to_an_empty_folder_writes_there_and_keeps_the_link(tmp_path):
+    """The diffusion_policy export opened its zarr group with mode "w", which erases the folder
+    first: through a link to an empty folder that failed ("Cannot call rmtree on a symbolic link")."""
+    with ReplayBuffer(str(tmp_path / "buf"), max_episodes=2, max_timesteps=3, fields={"x": "float"}) as buffer:
+        buffer.store_episode(x=np.arange(3, dtype=np.float32))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "target")
+    assert imp.export_diffusion_policy(tmp_path / "buf", tmp_path / "out") == 1
+    assert (tmp_path / "out").is_symlink()
+    imp.diffusion_policy(tmp_path / "target", tmp_path / "back", progress=False)
+    np.testing.assert_array_equal(episodes_by_source(tmp_path / "back")[0]["x"], np.arange(3, dtype=np.float32))
 
 
 def test_import_into_s3_resumes_and_refuses_another_config(tmp_path, s3_server):

@@ -139,7 +139,9 @@ def _write_diffusion_policy(src: Any, dst: str | os.PathLike, storage_options: d
     buffer, lengths, episodes = exported_episodes(src, storage_options)
     with buffer:
         total = int(lengths.sum())
-        root = zarr.open_group(os.fspath(dst), mode="w", zarr_format=2, attributes=dict(buffer.attrs))
+        # "w-": the folder is empty (checked), and mode "w" erased it first, which failed on a link
+        # to an empty folder (rmtree of a link) and would erase what appeared there since the check
+        root = zarr.open_group(os.fspath(dst), mode="w-", zarr_format=2, attributes=dict(buffer.attrs))
         arrays = {
             name: root.create_array(
                 f"data/{name}",

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..storage.base import ConcurrentWriteError
 from ._engine import ImportSourceError, Source, exported_episodes, new_folder
 
 __all__ = ["LeRobotSource", "export_lerobot"]
@@ -160,16 +161,38 @@ def _column(table: Any, name: str, shape: tuple[int, ...], dtype: str) -> np.nda
     return values.reshape(len(table), *shape)
 
 
-def decode_frames(path: Path, start_s: float, count: int, fps: float) -> np.ndarray:
-    """``count`` RGB frames of the video at ``path`` from time ``start_s`` on, as (count, H, W, 3)."""
+def _check_frame_size(path: Path, width: int, height: int, shape: tuple[int, ...]) -> None:
+    """ValueError naming ``path`` where its frames are not of the feature's (H, W, 3) ``shape``,
+    checked before a frame is decoded: a crafted video of another resolution was decoded whole
+    (an episode's frames at its size: gigabytes for a 4K video) before the episode's check."""
+    if (height, width, 3) != tuple(shape):
+        raise ValueError(
+            f"{path} holds frames of {width} x {height} pixels (decoded as RGB), the feature's shape is {tuple(shape)}"
+        )
+
+
+def decode_frames(path: Path, start_s: float, count: int, fps: float, shape: tuple[int, ...]) -> np.ndarray:
+    """``count`` RGB frames of the video at ``path`` from time ``start_s`` on, as (count, *shape);
+    ValueError before decoding where the video's frames are of another size than ``shape``, and
+    where frame i is not at ``start_s + i / fps`` (within half a frame, as LeRobot's reader
+    checks its queries): a negative ``from_timestamp`` took the video's first frames, another
+    episode's, and a gap in the frames' times took the frames after it."""
     av = _av()
-    frames = []
+    frames: list[np.ndarray] = []
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
+        _check_frame_size(path, stream.codec_context.width, stream.codec_context.height, shape)
         container.seek(int(start_s / stream.time_base), stream=stream, backward=True)
         for frame in container.decode(stream):
             if frame.time is not None and frame.time < start_s - 0.5 / fps:
                 continue
+            _check_frame_size(path, frame.width, frame.height, shape)  # a stream may change resolution
+            expected = start_s + len(frames) / fps
+            if frame.time is not None and abs(frame.time - expected) > 0.5 / fps:
+                raise ValueError(
+                    f"{path}: frame {len(frames)} of the episode is at {frame.time:.3f} s, expected {expected:.3f} s "
+                    f"(from_timestamp {start_s:.3f} s at {fps:g} fps): a frame missing, or the episode outside the video"
+                )
             frames.append(frame.to_ndarray(format="rgb24"))
             if len(frames) == count:
                 break
@@ -194,10 +217,34 @@ def _decode_image(cell: dict[str, Any] | None, root: Path, shape: tuple[int, ...
         raise ValueError("an image cell is empty")
     source = cell.get("bytes")
     with Image.open(io.BytesIO(source) if source else _inside(root, cell["path"], "image path")) as image:
-        array = np.asarray(image.convert("L" if shape[-1] == 1 else "RGB"))
-    if array.reshape(*array.shape[:2], -1).shape != tuple(shape):  # a reshape would scramble another H x W
-        raise ValueError(f"an image of {array.shape[1]} x {array.shape[0]} pixels, the feature's shape is {shape}")
-    return array.reshape(shape)
+        width, height = image.size  # from the header: another size is refused before it is decoded
+        if len(shape) != 3 or shape[-1] not in (1, 3) or (height, width) != tuple(shape[:2]):
+            raise ValueError(f"an image of {width} x {height} pixels, the feature's shape is {shape}")
+        return _pixels(image, shape[-1]).reshape(shape)
+
+
+# PIL modes of 8-bit channels, which a uint8 image feature holds as they are (palette: its colours)
+EIGHT_BIT_MODES = ("1", "L", "P", "RGB", "RGBA", "LA", "PA")
+
+
+def _pixels(image: Any, channels: int) -> np.ndarray:
+    """The pixels of PIL ``image`` as (H, W, ``channels``) uint8; ValueError where that would
+    change them, as PIL's ``convert`` did without a word: a 16-bit or float image (a depth
+    camera's) clipped to 255, colours into one channel read as their luminance, an alpha channel
+    that is not opaque dropped."""
+    if image.mode == ("L" if channels == 1 else "RGB"):  # what LeRobot (and the exporter) write
+        return np.asarray(image).reshape(*image.size[::-1], channels)
+    if image.mode not in EIGHT_BIT_MODES:
+        raise ValueError(
+            f"an image of mode {image.mode!r}: a uint8 image feature holds 8-bit channels "
+            f"({', '.join(EIGHT_BIT_MODES)}), which it would not hold as they are"
+        )
+    rgba = np.asarray(image.convert("RGBA"))
+    if (rgba[..., 3] != 255).any():
+        raise ValueError(f"an image of mode {image.mode!r} with transparent pixels; the feature's channels drop alpha")
+    if channels == 1 and ((rgba[..., 0] != rgba[..., 1]) | (rgba[..., 1] != rgba[..., 2])).any():
+        raise ValueError(f"an image of mode {image.mode!r} in colour; the feature's shape holds one channel")
+    return rgba[..., :channels]
 
 
 class LeRobotSource(Source):
@@ -233,9 +280,10 @@ class LeRobotSource(Source):
 
     def _read_features(self, info_path: Path) -> None:
         """The fields of ``info.json``'s features (KeyError, TypeError, ValueError where malformed)."""
+        if not _is_fps(self.info["fps"]):  # "10" or true read as a frame rate, and a string failed LeRobot's reader
+            raise ValueError(f"fps must be a number > 0 and finite, got {self.info['fps']!r}")
         self.fps = float(self.info["fps"])
-        if not 0 < self.fps < math.inf:
-            raise ValueError(f"fps must be > 0 and finite, got {self.info['fps']!r}")
+        self._data_pattern = self._path_pattern("data_path", DATA_PATH, chunk_index=0, file_index=0)
         self._fields: dict[str, dict[str, Any]] = {}
         self._features: dict[str, str] = {}  # field -> feature
         for feature, spec in self.info["features"].items():
@@ -257,6 +305,26 @@ class LeRobotSource(Source):
             else:
                 continue  # text features: a buffer stores numbers only
             self._features[name] = feature
+        if any(spec["dtype"] == "video" for spec in self.info["features"].values()):  # null in image datasets
+            self._video_pattern = self._path_pattern(
+                "video_path", VIDEO_PATH, video_key="key", chunk_index=0, file_index=0
+            )
+
+    def _path_pattern(self, key: str, default: str, **sample: Any) -> str:
+        """``info.json``'s ``key`` (``default`` where absent), a pattern of the names given in
+        ``sample``; ValueError where it is not (a number, or ``{0}``, or another name, raised a
+        bare AttributeError, IndexError or KeyError that named no file)."""
+        pattern = self.info.get(key) or default
+        if not isinstance(pattern, str):
+            raise ValueError(f"{key} must be a path pattern such as {default!r}, got {pattern!r}")
+        try:
+            pattern.format(**sample)
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as error:
+            raise ValueError(
+                f"{key} {pattern!r} is no path pattern of {sorted(sample)} ({type(error).__name__}: {error}), "
+                f"such as {default!r}"
+            ) from error
+        return pattern
 
     def _read_episodes(self) -> list[dict[str, Any]]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
@@ -323,27 +391,41 @@ class LeRobotSource(Source):
 
     def _check_lengths(self) -> None:
         """Refuse an episode whose length is more than its data file's rows (read from the
-        parquet footer) before a destination is sized from it: a lying length would reserve its
-        size there. A data file that cannot be read fails its episodes when they are read."""
-        rows: dict[Path, int | None] = {}
+        parquet footer), or whose data file cannot be read (its rows cannot be counted), before a
+        destination is sized from it: a lying length would reserve its size there (the memmap and
+        hdf5 backends reserved gigabytes on disk for a length whose data file was missing). So are
+        episodes claiming more frames in all than their data file's rows (a crafted episodes file
+        of 10**6 episodes, each of a 15-row file's length, reserved a slot for each)."""
+        rows: dict[Path, int] = {}
+        claimed: dict[Path, list[int]] = {}  # data file -> lengths of the episodes in it
         self._columns: set[str] = set()  # of every data file: the columns no field holds are listed
         for row in self._episodes:
             try:
                 file = self._data_file(row)
-            except (KeyError, ValueError):  # a malformed or escaping data_path: named when read
+            except ValueError:  # an escaping data_path: every episode's, named when the first is read
                 continue
             if file not in rows:
                 try:
                     footer = self._pa.parquet.read_metadata(file)
-                    rows[file] = footer.num_rows
-                    self._columns.update(footer.schema.to_arrow_schema().names)
-                except (OSError, self._pa.ArrowException):
-                    rows[file] = None
-            held = rows[file]
-            if held is not None and int(row["length"]) > held:
+                except (OSError, self._pa.ArrowException) as error:
+                    why = f"no such file {str(file)!r}" if isinstance(error, FileNotFoundError) else str(error)
+                    raise ImportSourceError(
+                        f"{file}: episode {row['episode_index']}: cannot read its frames: {why} (so its length "
+                        f"{row['length']} cannot be checked against the file's rows; nothing was imported)"
+                    ) from error
+                rows[file] = footer.num_rows
+                self._columns.update(footer.schema.to_arrow_schema().names)
+            if int(row["length"]) > rows[file]:
                 raise ImportSourceError(
                     f"{self.root / 'meta' / 'episodes'}: episode {row['episode_index']} has length {row['length']}, "
-                    f"more than the {held} rows of its data file {str(file)!r}"
+                    f"more than the {rows[file]} rows of its data file {str(file)!r}"
+                )
+            claimed.setdefault(file, []).append(int(row["length"]))
+        for file, lengths in claimed.items():
+            if sum(lengths) > rows[file]:
+                raise ImportSourceError(
+                    f"{self.root / 'meta' / 'episodes'}: its {len(lengths)} episodes in data file {str(file)!r} "
+                    f"have {sum(lengths)} frames in all, more than the file's {rows[file]} rows"
                 )
 
     def _read_tasks(self) -> dict[str, str]:
@@ -388,15 +470,13 @@ class LeRobotSource(Source):
         return [int(row["length"]) for row in self._episodes]
 
     def _data_path(self, row: dict[str, Any]) -> str:
-        pattern = self.info.get("data_path") or DATA_PATH
-        return pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
+        return self._data_pattern.format(chunk_index=row["data/chunk_index"], file_index=row["data/file_index"])
 
     def _data_file(self, row: dict[str, Any]) -> Path:
         return _inside(self.root, self._data_path(row), "data file")
 
     def _video_file(self, row: dict[str, Any], feature: str) -> Path:
-        pattern = self.info.get("video_path") or VIDEO_PATH
-        relative = pattern.format(
+        relative = self._video_pattern.format(
             video_key=feature,
             chunk_index=row[f"videos/{feature}/chunk_index"],
             file_index=row[f"videos/{feature}/file_index"],
@@ -444,7 +524,9 @@ class LeRobotSource(Source):
             kind = self.info["features"][feature]["dtype"]
             if kind == "video":
                 path = self._video_file(row, feature)
-                data[name] = decode_frames(path, float(row[f"videos/{feature}/from_timestamp"]), length, self.fps)
+                data[name] = decode_frames(
+                    path, float(row[f"videos/{feature}/from_timestamp"]), length, self.fps, spec["shape"]
+                )
             elif kind == "image":
                 cells = table.column(feature).to_pylist()
                 data[name] = np.stack([_decode_image(cell, self.root, spec["shape"]) for cell in cells])
@@ -627,12 +709,14 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
         )
         data_path = root / DATA_PATH.format(chunk_index=0, file_index=0)
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        rows, tasks, total = [], set(), 0
+        numbers = _task_numbers(buffer)
+        rows, total = [], 0
         with pq.ParquetWriter(data_path, schema) as writer:
-            for episode, (_slot, data, meta) in enumerate(episodes):
+            for episode, (slot, data, meta) in enumerate(episodes):
                 length = len(next(iter(data.values())))
                 task = int(meta.get("task_index", 0))
-                tasks.add(task)
+                if task not in numbers:  # its value edited in place since the buffer was opened
+                    raise ConcurrentWriteError(buffer.storage.location, [slot], 0)
                 steps = np.arange(length, dtype=np.int64)
                 values = {}
                 for name in fields:
@@ -649,7 +733,7 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
                     frame_index=pa.array(steps),
                     episode_index=pa.array(np.full(length, episode, np.int64)),
                     index=pa.array(total + steps),
-                    task_index=pa.array(np.full(length, task, np.int64)),
+                    task_index=pa.array(np.full(length, numbers[task], np.int64)),
                 )
                 writer.write_table(pa.table(values, schema=schema))
                 row = {
@@ -677,8 +761,28 @@ def _write_lerobot(src: Any, root: Path, video: bool, fps: float | None, storage
                     )
                 rows.append(row)
                 total += length
-        _write_meta(root, buffer, names, images, rows, sorted(tasks), total, fps)
+        _write_meta(root, buffer, names, images, rows, list(numbers), total, fps)
     return len(rows)
+
+
+def _task_numbers(buffer: Any) -> dict[int, int]:
+    """Each ``task_index`` of the buffer's committed episodes -> the one an export writes: its
+    position among them, sorted. LeRobot's reader takes ``task_index`` as a row of
+    ``meta/tasks.parquet`` (``tasks.iloc[task_index]``), so indices with gaps (a buffer holding
+    some tasks' episodes only, or ids of the user's own) read as another task's text, or failed.
+    ValueError naming the slot where one is no integer (2.7 was written as 2)."""
+    if "task_index" not in buffer.schema.meta_fields:
+        return {0: 0}
+    slots = buffer.valid_episodes()
+    values = np.asarray(buffer.meta_data["task_index"][:])[slots]
+    if values.dtype.kind == "f":
+        other = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
+        if len(other):
+            raise ValueError(
+                f"meta field 'task_index' of slot {int(slots[other[0]])} holds {values[other[0]]}, which is no "
+                "task index (an integer): LeRobot keeps one task per episode by its index"
+            )
+    return {task: number for number, task in enumerate(sorted({int(value) for value in values.tolist()}))}
 
 
 def _is_fps(value: Any) -> bool:
@@ -707,8 +811,9 @@ def _write_meta(
     total: int,
     fps: float,
 ) -> None:
-    """The episodes file, ``meta/tasks.parquet`` and, last (an export killed before it is no
-    LeRobot dataset), ``meta/info.json`` of an export."""
+    """The episodes file, ``meta/tasks.parquet`` (``tasks``: the buffer's task indices, in the
+    order of those written, 0, 1, ...) and, last (an export killed before it is no LeRobot
+    dataset), ``meta/info.json`` of an export."""
     pa = _pyarrow()
     import pyarrow.parquet as pq
 
@@ -747,6 +852,6 @@ def _write_meta(
     # pandas' layout, as LeRobot's write_tasks: the task text is the index, task_index a column
     import pandas as pd
 
-    frame = pd.DataFrame({"task_index": tasks}, index=pd.Index([names.task(t) for t in tasks], name="task"))
+    frame = pd.DataFrame({"task_index": range(len(tasks))}, index=pd.Index([names.task(t) for t in tasks], name="task"))
     frame.to_parquet(meta / "tasks.parquet")
     (meta / "info.json").write_text(json.dumps(info, indent=4))

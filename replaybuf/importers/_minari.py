@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._engine import ImportSourceError, Source, is_plain_json
+from ._hdf5 import check_links_inside
 
 __all__ = ["MinariSource"]
 
@@ -72,6 +73,8 @@ class MinariSource(Source):
             # minari's own advice (download=True) is no argument of ours: imports read local data only
             hint = "" if folder.is_dir() else f" (imports read local datasets: `minari download {self.path}` first)"
             raise ImportSourceError(f"{self.path}: cannot open as a Minari dataset: {error}{hint}") from error
+        for file in sorted(Path(self._dataset.storage.data_path).glob("*.hdf5")):  # its HDF5 storage's
+            check_links_inside(file)
         self._ids = [int(i) for i in self._dataset.episode_indices]
         metadata = self._dataset.storage.get_episode_metadata(self._ids)
         self._lengths = [int(row["total_steps"]) for row in metadata]
