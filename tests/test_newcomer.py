@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replaybuf import StorageError, verify
+from replaybuf import ReplayBuffer, StorageError, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -148,6 +148,40 @@ def test_without_the_packages_only_some_features_use_the_core_works_and_each_fea
     for use in ("d4rl", "robomimic"):  # said "No module named 'h5py'"
         assert "pip install 'replaybuf[h5py]'" in said[use], said[use]
     assert not any((tmp_path / name).exists() for name in ("episode.mp4", "h5", "d4rl", "robomimic"))
+
+
+# runs each argv of sys.argv[1] (JSON) through the CLI's main in this process, then prints the statuses
+CLI_RUNS = """
+import json, sys
+from replaybuf.cli import main
+statuses = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        statuses.append(main(argv))
+    except SystemExit as end:
+        statuses.append(end.code)
+print(statuses, file=sys.stderr)
+"""
+
+
+def test_commands_report_non_ascii_names_where_the_output_encoding_cannot_write_them(tmp_path):
+    """With an ASCII stdout (``PYTHONIOENCODING=ascii``, a Latin-1 or C locale without UTF-8
+    mode) a name it cannot encode is escaped: ``convert`` reported "error: 'ascii' codec can't
+    encode" with exit status 2 after making the copy, ``info`` and ``verify`` the same."""
+    source, copy = tmp_path / "données", tmp_path / "copie-été"
+    buffer = ReplayBuffer(
+        str(source), max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"réussi": "bool"}
+    )
+    buffer.store_episode(x=np.zeros(3, np.float32), réussi=True)
+    buffer.close()
+    runs = [["convert", str(source), str(copy)], ["verify", str(copy)], ["info", str(copy)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-c", CLI_RUNS, json.dumps(runs)], env=env, capture_output=True, timeout=300)
+    assert done.stderr.decode().splitlines()[-1] == "[0, 0, 0]", done.stderr.decode()
+    said = done.stdout.decode("ascii")
+    assert "copie-\\xe9t\\xe9 [zarr], verified" in said and "copie-\\xe9t\\xe9: consistent" in said, said
+    assert "meta/r\\xe9ussi" in said, said
+    assert ReplayBuffer.from_folder(str(copy), read_only=True).num_episodes == 1
 
 
 # ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------
