@@ -184,6 +184,20 @@ def test_commands_report_non_ascii_names_where_the_output_encoding_cannot_write_
     assert ReplayBuffer.from_folder(str(copy), read_only=True).num_episodes == 1
 
 
+def test_a_buffer_in_a_folder_whose_name_is_not_utf8_is_read_through_the_read_cache(tmp_path):
+    """A folder named in Latin-1 bytes (an old archive's, a Windows share's) opens as a path with
+    surrogate escapes; the read cache hashed it as UTF-8 and failed every read with
+    "UnicodeEncodeError: surrogates not allowed"."""
+    path = str(tmp_path / os.fsdecode(b"caf\xe9"))
+    buffer = ReplayBuffer(path, max_episodes=2, max_timesteps=4, fields={"x": "float"})
+    buffer.store_episode(x=np.arange(4, dtype=np.float32))
+    buffer.close()
+    reader = ReplayBuffer.from_folder(path, read_only=True, cache="disk", cache_dir=str(tmp_path / "cache"))
+    reader.warm_cache()
+    assert reader.data["x"][0, :4].tolist() == [0, 1, 2, 3]
+    assert len(os.listdir(tmp_path / "cache")) == 1
+
+
 # ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------
 
 OLDER_FORMATS = [(version, backend) for version in ("format-v1", "format-v3") for backend in ("zarr", "memmap", "hdf5")]
