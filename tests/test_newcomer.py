@@ -198,6 +198,42 @@ def test_a_buffer_in_a_folder_whose_name_is_not_utf8_is_read_through_the_read_ca
     assert len(os.listdir(tmp_path / "cache")) == 1
 
 
+# creates a buffer per backend named in sys.argv[1] with a non-ASCII meta field; prints each outcome
+CREATE_NON_ASCII_FIELD = """
+import os, sys
+from replaybuf import ReplayBuffer
+for backend in sys.argv[1].split(","):
+    try:
+        ReplayBuffer(backend, max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"r\\u00e9ussi": "bool"},
+                     backend=backend).close()
+    except ValueError as error:
+        print(backend, ascii(str(error)), os.path.exists(backend))
+    else:
+        print(backend, "created", os.path.exists(backend))
+"""
+
+
+def test_a_field_name_the_locales_file_names_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    """Without UTF-8 mode in an ASCII locale (``PYTHONUTF8=0 LC_ALL=C``), the zarr and memmap
+    backends, whose files are named by their fields, stopped at the first such file with a
+    UnicodeEncodeError, leaving a half-made buffer; hdf5 keeps names inside its file."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
+    done = subprocess.run(
+        [sys.executable, "-c", CREATE_NON_ASCII_FIELD, "zarr,memmap,hdf5"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert set(said) == {"zarr", "memmap", "hdf5"}, done.stderr
+    for backend in ("zarr", "memmap"):
+        assert "field 'r\\xe9ussi' names a file" in said[backend] and "PYTHONUTF8=1" in said[backend], said[backend]
+        assert said[backend].endswith('nothing was written" False'), said[backend]
+    assert said["hdf5"] == "created True"
+
+
 # ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------
 
 OLDER_FORMATS = [(version, backend) for version in ("format-v1", "format-v3") for backend in ("zarr", "memmap", "hdf5")]

@@ -52,6 +52,7 @@ from .base import (
     empty_state,
     expected_layouts,
     parse_json,
+    refuse_unencodable_names,
     warn_local_options,
 )
 from .spans import Spans
@@ -227,6 +228,11 @@ class MemmapStorage(LocalFolderStorage):
     def reserved_layouts(self, schema: Schema) -> dict[tuple[str, bool], tuple[tuple[int, ...], np.dtype]]:
         # docstring inherited: every array, allocated whole (``_allocate``)
         return expected_layouts(schema)
+
+    def check_schema(self, schema: Schema) -> None:
+        # docstring inherited: and each field names a file (``<name>.data.npy``)
+        refuse_unencodable_names(schema, f"creating the memmap buffer at {self.location!r}")
+        super().check_schema(schema)
 
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
