@@ -198,28 +198,49 @@ def test_a_buffer_in_a_folder_whose_name_is_not_utf8_is_read_through_the_read_ca
     assert len(os.listdir(tmp_path / "cache")) == 1
 
 
-# creates a buffer per backend named in sys.argv[1] with a non-ASCII meta field; prints each outcome
-CREATE_NON_ASCII_FIELD = """
+# creates a buffer per backend named in sys.argv[1] with a non-ASCII meta field, then opens the
+# one of each backend made under UTF-8 (``made-<backend>``), read-only and writable; prints each outcome
+NON_ASCII_FIELD_IN_AN_ASCII_LOCALE = """
 import os, sys
 from replaybuf import ReplayBuffer
+calls = {}
 for backend in sys.argv[1].split(","):
+    calls[f"create-{backend}"] = lambda backend=backend: ReplayBuffer(
+        backend, max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"r\\u00e9ussi": "bool"}, backend=backend
+    )
+    for read_only in (True, False):
+        calls[f"open-{backend}-{read_only}"] = lambda backend=backend, ro=read_only: ReplayBuffer.from_folder(
+            f"made-{backend}", read_only=ro
+        )
+for name, call in calls.items():
     try:
-        ReplayBuffer(backend, max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"r\\u00e9ussi": "bool"},
-                     backend=backend).close()
+        call().close()
     except ValueError as error:
-        print(backend, ascii(str(error)), os.path.exists(backend))
+        print(name, ascii(str(error)), os.path.exists(name.removeprefix("create-")))
     else:
-        print(backend, "created", os.path.exists(backend))
+        print(name, "ran")
 """
 
 
 def test_a_field_name_the_locales_file_names_cannot_hold_is_refused_before_anything_is_written(tmp_path):
     """Without UTF-8 mode in an ASCII locale (``PYTHONUTF8=0 LC_ALL=C``), the zarr and memmap
-    backends, whose files are named by their fields, stopped at the first such file with a
-    UnicodeEncodeError, leaving a half-made buffer; hdf5 keeps names inside its file."""
+    backends, whose files are named by their fields, stopped creating at the first such file with
+    a UnicodeEncodeError, leaving a half-made buffer, and failed opening one with it; hdf5 keeps
+    names inside its file."""
+    for backend in ("zarr", "memmap", "hdf5"):
+        made = ReplayBuffer(
+            str(tmp_path / f"made-{backend}"),
+            max_episodes=2,
+            max_timesteps=3,
+            fields={"x": "float"},
+            meta_fields={"réussi": "bool"},
+            backend=backend,
+        )
+        made.store_episode(x=np.zeros(3, np.float32), réussi=True)
+        made.close()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
     done = subprocess.run(
-        [sys.executable, "-c", CREATE_NON_ASCII_FIELD, "zarr,memmap,hdf5"],
+        [sys.executable, "-c", NON_ASCII_FIELD_IN_AN_ASCII_LOCALE, "zarr,memmap,hdf5"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -227,11 +248,16 @@ def test_a_field_name_the_locales_file_names_cannot_hold_is_refused_before_anyth
         timeout=300,
     )
     said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    assert set(said) == {"zarr", "memmap", "hdf5"}, done.stderr
+    assert len(said) == 9, done.stderr
     for backend in ("zarr", "memmap"):
-        assert "field 'r\\xe9ussi' names a file" in said[backend] and "PYTHONUTF8=1" in said[backend], said[backend]
-        assert said[backend].endswith('nothing was written" False'), said[backend]
-    assert said["hdf5"] == "created True"
+        for call in (f"create-{backend}", f"open-{backend}-True", f"open-{backend}-False"):
+            assert f"the {backend} buffer at " in said[call] and "field 'r\\xe9ussi' names a file" in said[call], said[
+                call
+            ]
+            assert "PYTHONUTF8=1" in said[call] and said[call].endswith('nothing was written" False'), said[call]
+    assert [said[f"{call}hdf5{end}"] for call, end in (("create-", ""), ("open-", "-True"), ("open-", "-False"))] == [
+        "ran"
+    ] * 3
 
 
 # ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------

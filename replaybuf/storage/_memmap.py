@@ -318,6 +318,7 @@ class MemmapStorage(LocalFolderStorage):
                 f"no replaybuf memmap buffer at {self.location!r} "
                 f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
             )
+        refuse_unencodable_names(schema, f"opening the memmap buffer at {self.location!r}")
         self._seed_limits = (schema.max_episodes, schema.max_timesteps)
         if not read_only and self._seed_origin:
             self._check_seed_flags()

@@ -461,6 +461,8 @@ class ZarrStorage(KVBlobs, Storage):
             )
         where = self.describe_key("zarr.json")
         schema = self._schema_from_config(attributes, where)
+        if not is_url(self.location):
+            refuse_unencodable_names(schema, f"opening the zarr buffer at {self.location!r}")
         if self.binds_buffer and schema.uuid is None:
             raise BufferDamagedError(
                 f"{where}: invalid buffer config: format {self.format_version} binds each shard to the buffer's "

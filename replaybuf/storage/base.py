@@ -1603,16 +1603,17 @@ def _holds_marker(location: str, marker: str) -> bool:
 
 def refuse_unencodable_names(schema: Schema, where: str) -> None:
     """ValueError naming the first field whose name the file system encoding cannot write, for
-    a backend whose files are named by their fields: in an ASCII or Latin-1 locale without
-    Python's UTF-8 mode, the create stopped at that field's file, half written. Reads nothing."""
+    the backends whose files are named by their fields (local zarr, memmap): in an ASCII or
+    Latin-1 locale without Python's UTF-8 mode, a create stopped at that field's file, half
+    written, and an open failed with a bare UnicodeEncodeError. Reads nothing."""
     for field in (*schema.fields.values(), *schema.meta_fields.values()):
         try:
             os.fsencode(field.name)
         except UnicodeEncodeError:
             raise ValueError(
                 f"{where}: field {field.name!r} names a file, which this process's file system encoding "
-                f"({sys.getfilesystemencoding()}, from the locale) cannot write; run Python in UTF-8 mode "
-                "(PYTHONUTF8=1 or python -X utf8) or a UTF-8 locale, or use backend='hdf5'; nothing was written"
+                f"({sys.getfilesystemencoding()}, from the locale) cannot name; run Python in UTF-8 mode "
+                "(PYTHONUTF8=1 or python -X utf8) or in a UTF-8 locale; nothing was written"
             ) from None
 
 
