@@ -40,8 +40,8 @@ from replaybuf.video import (
     VIDEO_SUFFIXES,
     check_encodable,
     check_fps,
-    check_output_path,
     check_sheet_size,
+    check_writable,
     episode_frames,
     episode_slots,
     frame_size,
@@ -341,8 +341,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     outputs = [_suffixed(base, field, several) for field in fields] if base is not None else []
     if args.sheet is not None:
         outputs += [_suffixed(args.sheet, field, several) for field in fields]
-    for output in outputs:  # a bad output path fails before anything is rendered or written
-        check_output_path(output)
+    for output in outputs:  # a bad output path or a folder it may not write in fails before anything is written
+        check_writable(output)
     temp_dir = VideoCache() if serve_copies else None  # a folder a later viewer cleans if this one is killed
 
     videos: dict[str, Path] = {}

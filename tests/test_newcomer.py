@@ -451,15 +451,18 @@ def test_the_demo_takes_its_options_as_options_not_as_a_folder(tmp_path, argv):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_rendering(tmp_path, capsys):
+def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_rendering(tmp_path, capsys, monkeypatch):
     """``inspect --output`` / ``--sheet`` into a read-only folder: one line naming the file asked
-    for (it named the hidden temp file beside it, after rendering every frame)."""
+    for (it named the hidden temp file beside it, after rendering every frame), and nothing
+    written: with ``--sheet`` alone the video went to the current folder before the sheet failed."""
     from replaybuf.cli import main
 
     from ._backends import tmpfs
 
-    folder = tmp_path / "read-only"
+    folder, current = tmp_path / "read-only", tmp_path / "current"
     folder.mkdir()
+    current.mkdir()
+    monkeypatch.chdir(current)
     with tmpfs(folder, "1m"):
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
         for option, name in (("--output", "episode.gif"), ("--sheet", "sheet.png")):
@@ -469,6 +472,7 @@ def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_renderin
             assert exit_info.value.code == 2
             assert f"cannot write {str(folder / name)!r}: Read-only file system" in said, said
             assert ".partial" not in said
+            assert os.listdir(current) == []
 
 
 def without_file_permission_override() -> list[str]:
