@@ -10,11 +10,14 @@ replaced or kept changing faster than it could be read with status 1, never a tr
 from __future__ import annotations
 
 import argparse
+import codecs
+import io
 import json
 import os
 import select
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,8 +41,8 @@ from replaybuf.video import (
     VIDEO_SUFFIXES,
     check_encodable,
     check_fps,
-    check_output_path,
     check_sheet_size,
+    check_writable,
     episode_frames_by_field,
     episode_slots,
     frame_size,
@@ -348,8 +351,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     outputs = [_suffixed(base, field, several) for field in fields] if base is not None else []
     if args.sheet is not None:
         outputs += [_suffixed(args.sheet, field, several) for field in fields]
-    for output in outputs:  # a bad output path fails before anything is rendered or written
-        check_output_path(output)
+    for output in outputs:  # a bad output path or a folder it may not write in fails before anything is written
+        check_writable(output)
     temp_dir = VideoCache() if serve_copies else None  # a folder a later viewer cleans if this one is killed
 
     videos: dict[str, Path] = {}
@@ -461,7 +464,42 @@ for _spec in (*CLI_COMMANDS, *IMPORT_COMMANDS):
 # entry points
 
 
+def _escape_unencodable(error: UnicodeError) -> tuple[str | bytes, int]:
+    """Codec error handler of the commands' output: the bytes of a name Python read from the
+    system (a path in argv, undecodable in the locale: surrogateescape), else a backslash
+    escape, so that a name the terminal's encoding cannot show never fails a command."""
+    try:
+        return codecs.lookup_error("surrogateescape")(error)
+    except UnicodeError:
+        return codecs.lookup_error("backslashreplace")(error)
+
+
+codecs.register_error("replaybuf.escape", _escape_unencodable)
+
+
+@contextmanager
+def output_never_fails_to_encode() -> Iterator[None]:
+    """Within it, stdout and stderr escape what their encoding cannot write (an ASCII or
+    Latin-1 locale, ``PYTHONIOENCODING=ascii``) rather than raise: ``info`` of a buffer with a
+    non-ASCII field name, or ``convert``'s report after a copy to ``données/``, said "error"
+    with exit status 2 (the copy made)."""
+    streams = [stream for stream in (sys.stdout, sys.stderr) if isinstance(stream, io.TextIOWrapper)]
+    handlers = [stream.errors for stream in streams]
+    for stream in streams:
+        stream.reconfigure(errors="replaybuf.escape")
+    try:
+        yield
+    finally:
+        for stream, handler in zip(streams, handlers):
+            stream.reconfigure(errors=handler)
+
+
 def _run(command: Command, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with output_never_fails_to_encode():
+        return _run_reporting_errors(command, args, parser)
+
+
+def _run_reporting_errors(command: Command, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         status = command.run(args)
         sys.stdout.flush()  # here, so that a reader that stopped early is seen below, not at exit

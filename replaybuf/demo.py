@@ -99,9 +99,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from replaybuf.cli import output_never_fails_to_encode
+
     name = parse_arguments(argv).folder
     try:
-        status = _write_and_sample(name)
+        with output_never_fails_to_encode():
+            status = _write_and_sample(name)
         sys.stdout.flush()  # here, so that a reader that stopped early is seen below, not at exit
     except KeyboardInterrupt:  # Ctrl-C: a line saying what is left, not a traceback from numpy or zarr
         print(

@@ -37,6 +37,7 @@ __all__ = [
     "check_fps",
     "check_sheet_size",
     "check_output_path",
+    "check_writable",
     "default_image_field",
     "episode_frames",
     "episode_frames_by_field",
@@ -217,18 +218,32 @@ def check_encodable(height: int, width: int, suffix: str, codec: str | None = No
         )
 
 
+def _partial_path(path: Path) -> Path:
+    """A temp file's path beside ``path``, hidden, with its suffix (``write_atomically``)."""
+    return path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """``check_output_path``, then a file made and removed beside ``path``: a folder it may not
+    write in (permissions, a read-only file system) is refused naming the output, before
+    anything is rendered, by every output of a command before the first is written."""
+    path = check_output_path(path)
+    probe = _partial_path(path)
+    try:
+        probe.open("xb").close()
+        probe.unlink()
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write {str(path)!r}: {error.strerror}") from None
+    return path
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write`` on a temp file beside ``path`` (same suffix, so that writers pick the same
     format) and rename it over ``path`` once complete: a failed or interrupted write leaves no
     partial file and keeps a file already at ``path``; a writer that silently wrote nothing (an
     encoder that could not open its output) is an error, not a success."""
-    path = check_output_path(path)
-    temp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
-    try:  # before rendering: a folder it may not write in is refused naming the output
-        temp.open("xb").close()
-        temp.unlink()
-    except OSError as error:
-        raise OSError(error.errno, f"cannot write {str(path)!r}: {error.strerror}") from None
+    path = check_writable(path)
+    temp = _partial_path(path)
     try:
         write(temp)
         if not temp.is_file() or temp.stat().st_size == 0:

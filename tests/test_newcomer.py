@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replaybuf import StorageError, verify
+from replaybuf import ReplayBuffer, StorageError, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -148,6 +148,116 @@ def test_without_the_packages_only_some_features_use_the_core_works_and_each_fea
     for use in ("d4rl", "robomimic"):  # said "No module named 'h5py'"
         assert "pip install 'replaybuf[h5py]'" in said[use], said[use]
     assert not any((tmp_path / name).exists() for name in ("episode.mp4", "h5", "d4rl", "robomimic"))
+
+
+# runs each argv of sys.argv[1] (JSON) through the CLI's main in this process, then prints the statuses
+CLI_RUNS = """
+import json, sys
+from replaybuf.cli import main
+statuses = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        statuses.append(main(argv))
+    except SystemExit as end:
+        statuses.append(end.code)
+print(statuses, file=sys.stderr)
+"""
+
+
+def test_commands_report_non_ascii_names_where_the_output_encoding_cannot_write_them(tmp_path):
+    """With an ASCII stdout (``PYTHONIOENCODING=ascii``, a Latin-1 or C locale without UTF-8
+    mode) a name it cannot encode is escaped: ``convert`` reported "error: 'ascii' codec can't
+    encode" with exit status 2 after making the copy, ``info`` and ``verify`` the same."""
+    source, copy = tmp_path / "données", tmp_path / "copie-été"
+    buffer = ReplayBuffer(
+        str(source), max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"réussi": "bool"}
+    )
+    buffer.store_episode(x=np.zeros(3, np.float32), réussi=True)
+    buffer.close()
+    runs = [["convert", str(source), str(copy)], ["verify", str(copy)], ["info", str(copy)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-c", CLI_RUNS, json.dumps(runs)], env=env, capture_output=True, timeout=300)
+    assert done.stderr.decode().splitlines()[-1] == "[0, 0, 0]", done.stderr.decode()
+    said = done.stdout.decode("ascii")
+    assert "copie-\\xe9t\\xe9 [zarr], verified" in said and "copie-\\xe9t\\xe9: consistent" in said, said
+    assert "meta/r\\xe9ussi" in said, said
+    assert ReplayBuffer.from_folder(str(copy), read_only=True).num_episodes == 1
+
+
+def test_a_buffer_in_a_folder_whose_name_is_not_utf8_is_read_through_the_read_cache(tmp_path):
+    """A folder named in Latin-1 bytes (an old archive's, a Windows share's) opens as a path with
+    surrogate escapes; the read cache hashed it as UTF-8 and failed every read with
+    "UnicodeEncodeError: surrogates not allowed"."""
+    path = str(tmp_path / os.fsdecode(b"caf\xe9"))
+    buffer = ReplayBuffer(path, max_episodes=2, max_timesteps=4, fields={"x": "float"})
+    buffer.store_episode(x=np.arange(4, dtype=np.float32))
+    buffer.close()
+    reader = ReplayBuffer.from_folder(path, read_only=True, cache="disk", cache_dir=str(tmp_path / "cache"))
+    reader.warm_cache()
+    assert reader.data["x"][0, :4].tolist() == [0, 1, 2, 3]
+    assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+# creates a buffer per backend named in sys.argv[1] with a non-ASCII meta field, then opens the
+# one of each backend made under UTF-8 (``made-<backend>``), read-only and writable; prints each outcome
+NON_ASCII_FIELD_IN_AN_ASCII_LOCALE = """
+import os, sys
+from replaybuf import ReplayBuffer
+calls = {}
+for backend in sys.argv[1].split(","):
+    calls[f"create-{backend}"] = lambda backend=backend: ReplayBuffer(
+        backend, max_episodes=2, max_timesteps=3, fields={"x": "float"}, meta_fields={"r\\u00e9ussi": "bool"}, backend=backend
+    )
+    for read_only in (True, False):
+        calls[f"open-{backend}-{read_only}"] = lambda backend=backend, ro=read_only: ReplayBuffer.from_folder(
+            f"made-{backend}", read_only=ro
+        )
+for name, call in calls.items():
+    try:
+        call().close()
+    except ValueError as error:
+        print(name, ascii(str(error)), os.path.exists(name.removeprefix("create-")))
+    else:
+        print(name, "ran")
+"""
+
+
+def test_a_field_name_the_locales_file_names_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    """Without UTF-8 mode in an ASCII locale (``PYTHONUTF8=0 LC_ALL=C``), the zarr and memmap
+    backends, whose files are named by their fields, stopped creating at the first such file with
+    a UnicodeEncodeError, leaving a half-made buffer, and failed opening one with it; hdf5 keeps
+    names inside its file."""
+    for backend in ("zarr", "memmap", "hdf5"):
+        made = ReplayBuffer(
+            str(tmp_path / f"made-{backend}"),
+            max_episodes=2,
+            max_timesteps=3,
+            fields={"x": "float"},
+            meta_fields={"réussi": "bool"},
+            backend=backend,
+        )
+        made.store_episode(x=np.zeros(3, np.float32), réussi=True)
+        made.close()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
+    done = subprocess.run(
+        [sys.executable, "-c", NON_ASCII_FIELD_IN_AN_ASCII_LOCALE, "zarr,memmap,hdf5"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert len(said) == 9, done.stderr
+    for backend in ("zarr", "memmap"):
+        for call in (f"create-{backend}", f"open-{backend}-True", f"open-{backend}-False"):
+            assert f"the {backend} buffer at " in said[call] and "field 'r\\xe9ussi' names a file" in said[call], said[
+                call
+            ]
+            assert "PYTHONUTF8=1" in said[call] and said[call].endswith('nothing was written" False'), said[call]
+    assert [said[f"{call}hdf5{end}"] for call, end in (("create-", ""), ("open-", "-True"), ("open-", "-False"))] == [
+        "ran"
+    ] * 3
 
 
 # ---- replaybuf upgrade of the released formats: damage, a full disk, a second run -------------------
@@ -341,15 +451,18 @@ def test_the_demo_takes_its_options_as_options_not_as_a_folder(tmp_path, argv):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_rendering(tmp_path, capsys):
+def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_rendering(tmp_path, capsys, monkeypatch):
     """``inspect --output`` / ``--sheet`` into a read-only folder: one line naming the file asked
-    for (it named the hidden temp file beside it, after rendering every frame)."""
+    for (it named the hidden temp file beside it, after rendering every frame), and nothing
+    written: with ``--sheet`` alone the video went to the current folder before the sheet failed."""
     from replaybuf.cli import main
 
     from ._backends import tmpfs
 
-    folder = tmp_path / "read-only"
+    folder, current = tmp_path / "read-only", tmp_path / "current"
     folder.mkdir()
+    current.mkdir()
+    monkeypatch.chdir(current)
     with tmpfs(folder, "1m"):
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
         for option, name in (("--output", "episode.gif"), ("--sheet", "sheet.png")):
@@ -359,6 +472,7 @@ def test_a_video_into_a_folder_it_may_not_write_names_the_output_before_renderin
             assert exit_info.value.code == 2
             assert f"cannot write {str(folder / name)!r}: Read-only file system" in said, said
             assert ".partial" not in said
+            assert os.listdir(current) == []
 
 
 def without_file_permission_override() -> list[str]:

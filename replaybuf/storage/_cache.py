@@ -352,9 +352,11 @@ def cache_location(location: str) -> str:
 
 def buffer_identity(location: str, schema: Schema) -> str:
     """The name of a buffer's cache folder: a hash of its resolved location and its uuid (or,
-    for a buffer created before uuids were stored, its whole config)."""
+    for a buffer created before uuids were stored, its whole config). A path's bytes as the file
+    system holds them: a folder name that is not UTF-8 (Python's surrogate escapes) hashes too."""
     what = schema.uuid if schema.uuid is not None else json.dumps(schema.to_json(), sort_keys=True)
-    return hashlib.sha256(f"{cache_location(location)}\0{what}".encode()).hexdigest()[:24]
+    key = f"{cache_location(location)}\0{what}".encode(errors="surrogateescape")
+    return hashlib.sha256(key).hexdigest()[:24]
 
 
 def owner_record(location: str, storage_options: dict, schema: Schema) -> dict:

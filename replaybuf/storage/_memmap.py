@@ -52,6 +52,7 @@ from .base import (
     empty_state,
     expected_layouts,
     parse_json,
+    refuse_unencodable_names,
     warn_local_options,
 )
 from .spans import Spans
@@ -228,6 +229,11 @@ class MemmapStorage(LocalFolderStorage):
         # docstring inherited: every array, allocated whole (``_allocate``)
         return expected_layouts(schema)
 
+    def check_schema(self, schema: Schema) -> None:
+        # docstring inherited: and each field names a file (``<name>.data.npy``)
+        refuse_unencodable_names(schema, f"creating the memmap buffer at {self.location!r}")
+        super().check_schema(schema)
+
     def create(self, schema: Schema, overwrite: bool) -> None:
         # docstring inherited
         entries = self.check_creatable()
@@ -312,6 +318,7 @@ class MemmapStorage(LocalFolderStorage):
                 f"no replaybuf memmap buffer at {self.location!r} "
                 f"(neither {CONFIG_FILE} nor a memmap-replay-buffer metadata.pkl)"
             )
+        refuse_unencodable_names(schema, f"opening the memmap buffer at {self.location!r}")
         self._seed_limits = (schema.max_episodes, schema.max_timesteps)
         if not read_only and self._seed_origin:
             self._check_seed_flags()

@@ -73,6 +73,7 @@ from .base import (
     object_store_endpoint,
     object_store_url,
     parse_json,
+    refuse_unencodable_names,
     warn_local_options,
 )
 from .lease import ObjectLease, ProcessLease, WriterLease
@@ -350,9 +351,12 @@ class ZarrStorage(KVBlobs, Storage):
                 )
 
     def check_schema(self, schema: Schema) -> None:
-        # docstring inherited: a dtype zarr has no data type for (float128, numpy's long double)
+        # docstring inherited: a dtype zarr has no data type for (float128, numpy's long double),
+        # a field name a local folder's encoding cannot write
         from zarr.core.dtype import get_data_type_from_native_dtype
 
+        if not is_url(self.location):
+            refuse_unencodable_names(schema, f"creating the zarr buffer at {self.location!r}")
         for field in (*schema.fields.values(), *schema.meta_fields.values()):
             try:
                 get_data_type_from_native_dtype(field.dtype)
@@ -457,6 +461,8 @@ class ZarrStorage(KVBlobs, Storage):
             )
         where = self.describe_key("zarr.json")
         schema = self._schema_from_config(attributes, where)
+        if not is_url(self.location):
+            refuse_unencodable_names(schema, f"opening the zarr buffer at {self.location!r}")
         if self.binds_buffer and schema.uuid is None:
             raise BufferDamagedError(
                 f"{where}: invalid buffer config: format {self.format_version} binds each shard to the buffer's "

@@ -80,6 +80,7 @@ import difflib
 import importlib
 import json
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -1598,6 +1599,22 @@ def _holds_marker(location: str, marker: str) -> bool:
     elif "://" in location:
         return False
     return os.path.lexists(os.path.join(location, marker))
+
+
+def refuse_unencodable_names(schema: Schema, where: str) -> None:
+    """ValueError naming the first field whose name the file system encoding cannot write, for
+    the backends whose files are named by their fields (local zarr, memmap): in an ASCII or
+    Latin-1 locale without Python's UTF-8 mode, a create stopped at that field's file, half
+    written, and an open failed with a bare UnicodeEncodeError. Reads nothing."""
+    for field in (*schema.fields.values(), *schema.meta_fields.values()):
+        try:
+            os.fsencode(field.name)
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"{where}: field {field.name!r} names a file, which this process's file system encoding "
+                f"({sys.getfilesystemencoding()}, from the locale) cannot name; run Python in UTF-8 mode "
+                "(PYTHONUTF8=1 or python -X utf8) or in a UTF-8 locale; nothing was written"
+            ) from None
 
 
 def is_url(location: str) -> bool:
