@@ -162,3 +162,28 @@ def test_short_episodes_store_only_their_own_frames_and_are_measured_on_them(tmp
             assert np.array_equal(stored[:STEPS], values) and not stored[STEPS:].any(), (slot, name)
     buffer.close()
     assert verify(str(path)) == []
+
+
+@pytest.mark.parametrize("noise_first", [True, False])
+def test_two_objects_sharing_the_lease_measure_a_field_once(tmp_path, noise_first):
+    """Two writable objects of one process take turns: the second to write a field keeps the
+    first's choice rather than measuring its own rows, which would leave chunks of both codecs
+    under one array's metadata (every episode of the other codec unreadable)."""
+    path = tmp_path / "b"
+    first = ReplayBuffer(str(path), 3, STEPS, FIELDS)
+    second = ReplayBuffer.from_folder(str(path))
+    noisy, smooth = _episode(0), _episode(1)
+    smooth["noise"] = smooth["smooth"]  # frames that compress well, in the field measured
+    episodes = [noisy, smooth] if noise_first else [smooth, noisy]
+    first.store_episode(**episodes[0])
+    second.store_episode(**episodes[1])
+    chosen = "none" if noise_first else "blosc-lz4:9"
+    assert _attributes(path)[MEASURED_CODECS]["noise"]["compressor"] == chosen
+    assert second.storage.array("noise").codec.label == chosen
+    second.close()
+    first.close()
+    data = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()
+    group = zarr.open_group(str(path), mode="r", use_consolidated=True)
+    for slot, episode in enumerate(episodes):
+        np.testing.assert_array_equal(np.asarray(data["noise"][slot]), episode["noise"])
+        np.testing.assert_array_equal(group["data/noise"][slot], episode["noise"])

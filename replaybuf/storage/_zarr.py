@@ -1106,10 +1106,15 @@ class ZarrStorage(KVBlobs, Storage):
         """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it
         or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no chunk of
         it exists yet, so a kill before the root document leaves a field measured again at its
-        next write), then the root attributes and zarr's consolidated copy in one write."""
+        next write), then the root attributes and zarr's consolidated copy in one write. A field
+        another object of this process (sharing the writer lease) measured first keeps its choice:
+        a second measurement would leave chunks of two codecs under one array's metadata."""
+        root = parse_json(self.kv.get_document(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
+        attributes = self._root_attributes(root)
+        if attributes is not None and name in self._reload_measured(attributes):
+            return
         array = self.array(name)
         ratio = compression_ratio(array.codec, values.reshape(-1, *array.chunks[2:]))
-        root = parse_json(self.kv.get_document(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
         if ratio < MIN_COMPRESSION_RATIO:
             key = f"{array.path}/zarr.json"
             doc = parse_json(self.kv.get_document(key) or b"{}", self.describe_key(key))
@@ -1253,16 +1258,18 @@ class ZarrStorage(KVBlobs, Storage):
             document["attributes"] = {**attributes, REPLACING: True}  # type: ignore[index]
             self.kv.set(ROOT_DOCUMENT, json.dumps(document).encode())
 
-    def _reload_measured(self) -> None:
+    def _reload_measured(self, attributes: dict | None = None) -> set[str]:
         """A reader opened before a field's codec was chosen takes the choice the writer made
-        since (the array's metadata): its chunks are decoded by it from the first one."""
-        attributes = self._root_attributes() or {}
+        since (the array's metadata): its chunks are decoded by it from the first one. Returns
+        the fields so taken (``attributes``: the root attributes, None: read them now)."""
+        attributes = (self._root_attributes() or {}) if attributes is None else attributes
         chosen = self._unmeasured - _unmeasured(attributes, None, self.describe_key(ROOT_DOCUMENT))
         for name in chosen:
             path = f"data/{name}"
             doc = parse_json(self.kv.get_document(f"{path}/zarr.json") or b"{}", self.describe_key(f"{path}/zarr.json"))
             self.array(name).codec = self._chunked_array(path, doc, 2).codec
         self._unmeasured -= chosen
+        return chosen
 
     def describe(self) -> dict:
         # docstring inherited
