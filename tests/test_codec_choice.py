@@ -187,3 +187,16 @@ def test_two_objects_sharing_the_lease_measure_a_field_once(tmp_path, noise_firs
     for slot, episode in enumerate(episodes):
         np.testing.assert_array_equal(np.asarray(data["noise"][slot]), episode["noise"])
         np.testing.assert_array_equal(group["data/noise"][slot], episode["noise"])
+
+
+def test_a_reader_opened_before_the_choice_reads_raw_rows_without_refresh(tmp_path):
+    """``data[...]`` reads the store as it is now, refreshed or not: a reader opened on the
+    empty buffer takes the codec chosen since rather than report the raw chunks as damage."""
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 2, STEPS, FIELDS)
+    reader = ReplayBuffer.from_folder(str(path), read_only=True)
+    episode = _episode(0)
+    buffer.store_episode(**episode)
+    np.testing.assert_array_equal(np.asarray(reader.data["noise"][0]), episode["noise"])
+    assert reader.storage.array("noise").codec.label == "none"
+    buffer.close()

@@ -1005,7 +1005,11 @@ class ZarrStorage(KVBlobs, Storage):
     # ---- primitives --------------------------------------------------------------------------
 
     def array(self, name: str, meta: bool = False) -> ChunkedArray:
-        # docstring inherited
+        # docstring inherited: a reader opened before a field's codec was chosen takes the
+        # choice before any read of it, refreshed or not (one read of the root document while
+        # the field has no rows; a raw chunk decoded by blosc would be reported as damage)
+        if self._unmeasured and self.read_only and not meta and name in self._unmeasured:
+            self._reload_measured()
         return self._array_named(self._arrays, name, meta)
 
     @property
@@ -1267,7 +1271,7 @@ class ZarrStorage(KVBlobs, Storage):
         for name in chosen:
             path = f"data/{name}"
             doc = parse_json(self.kv.get_document(f"{path}/zarr.json") or b"{}", self.describe_key(f"{path}/zarr.json"))
-            self.array(name).codec = self._chunked_array(path, doc, 2).codec
+            self._array_named(self._arrays, name, False).codec = self._chunked_array(path, doc, 2).codec
         self._unmeasured -= chosen
         return chosen
 
