@@ -200,3 +200,29 @@ def test_a_reader_opened_before_the_choice_reads_raw_rows_without_refresh(tmp_pa
     np.testing.assert_array_equal(np.asarray(reader.data["noise"][0]), episode["noise"])
     assert reader.storage.array("noise").codec.label == "none"
     buffer.close()
+
+
+def test_a_measurement_killed_before_the_root_document_is_made_again_by_the_default_codec(tmp_path):
+    """A kill between the array's metadata (raw) and the root attributes leaves the field
+    unmeasured: the next writer measures its frames by blosc-lz4 again, not by the raw stack the
+    kill left, so frames that compress are stored compressed and the record is a true ratio."""
+    path = tmp_path / "b"
+    ReplayBuffer(str(path), 2, STEPS, FIELDS).close()
+    array_document = path / "data" / "smooth" / "zarr.json"
+    document = json.loads(array_document.read_text())
+    inner = document["codecs"][0]["configuration"]
+    inner["codecs"] = [c for c in inner["codecs"] if c["name"] != "blosc"]  # as the killed writer left it
+    array_document.write_text(json.dumps(document))
+    buffer = ReplayBuffer.from_folder(str(path))
+    episode = _episode(0)
+    buffer.store_episode(**episode)
+    buffer.close()
+    measured = _attributes(path)[MEASURED_CODECS]["smooth"]
+    assert measured["compressor"] == "blosc-lz4:9" and measured["ratio"] > 5
+    root = json.loads((path / "zarr.json").read_text())
+    assert _stack(json.loads(array_document.read_text())) == ["bytes", "blosc", "crc32c"]
+    assert _stack(root["consolidated_metadata"]["metadata"]["data/smooth"]) == ["bytes", "blosc", "crc32c"]
+    group = zarr.open_group(str(path), mode="r", use_consolidated=True)
+    np.testing.assert_array_equal(group["data/smooth"][0], episode["smooth"])
+    stored = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()["smooth"][0]
+    np.testing.assert_array_equal(np.asarray(stored), episode["smooth"])

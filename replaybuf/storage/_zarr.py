@@ -1118,17 +1118,24 @@ class ZarrStorage(KVBlobs, Storage):
         if attributes is not None and name in self._reload_measured(attributes):
             return
         array = self.array(name)
-        ratio = compression_ratio(array.codec, values.reshape(-1, *array.chunks[2:]))
-        if ratio < MIN_COMPRESSION_RATIO:
+        # measured by the default codec: a measurement killed before the root document left the
+        # array raw, and its field compressed again when its frames compress
+        default = compressor_codec(DEFAULT_IMAGE_COMPRESSOR, array.dtype, DEFAULT_ZSTD_LEVEL).to_dict()
+        measuring = ChunkCodec(array.dtype, default, checksum=array.codec.checksum)
+        ratio = compression_ratio(measuring, values.reshape(-1, *array.chunks[2:]))
+        chosen = None if ratio < MIN_COMPRESSION_RATIO else default
+        if chosen != array.codec.compressor:
             key = f"{array.path}/zarr.json"
             doc = parse_json(self.kv.get_document(key) or b"{}", self.describe_key(key))
             stack = doc["codecs"][0]["configuration"] if doc["codecs"][0]["name"] == "sharding_indexed" else doc
             stack["codecs"] = [c for c in stack["codecs"] if c["name"] not in _COMPRESSOR_CODECS]
+            if chosen is not None:
+                stack["codecs"].insert(1, chosen)  # after "bytes", before "crc32c"
             self.kv.set(key, json.dumps(doc, indent=2).encode())
             consolidated = root.get("consolidated_metadata") or {}
             if array.path in consolidated.get("metadata", {}):
                 consolidated["metadata"][array.path] = doc
-            array.codec = ChunkCodec(array.dtype, None, checksum=array.codec.checksum)
+            array.codec = ChunkCodec(array.dtype, chosen, checksum=array.codec.checksum)
         measured = root["attributes"].setdefault(MEASURED_CODECS, {})
         measured[name] = {"compressor": array.codec.label, "ratio": round(ratio, 3) if np.isfinite(ratio) else None}
         self.kv.set(ROOT_DOCUMENT, json.dumps(root, indent=2).encode())
