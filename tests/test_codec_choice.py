@@ -226,3 +226,25 @@ def test_a_measurement_killed_before_the_root_document_is_made_again_by_the_defa
     np.testing.assert_array_equal(group["data/smooth"][0], episode["smooth"])
     stored = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()["smooth"][0]
     np.testing.assert_array_equal(np.asarray(stored), episode["smooth"])
+
+
+def test_a_field_whose_chunks_exist_keeps_their_codec_when_its_record_is_lost(tmp_path):
+    """A choice record reading null beside chunks already written (a damaged or hand-edited root
+    document) is not measured again: the chunks keep the codec they were written by."""
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 3, STEPS, FIELDS)
+    noisy = _episode(0)
+    buffer.store_episode(**noisy)  # noise: stored raw
+    buffer.close()
+    document = json.loads((path / "zarr.json").read_text())
+    document["attributes"][MEASURED_CODECS]["noise"] = None
+    (path / "zarr.json").write_text(json.dumps(document))
+    buffer = ReplayBuffer.from_folder(str(path))
+    smooth = _episode(1)
+    smooth["noise"] = smooth["smooth"]  # frames that would be measured compressed
+    buffer.store_episode(**smooth)
+    buffer.close()
+    assert _attributes(path)[MEASURED_CODECS]["noise"] == {"compressor": "none", "ratio": None}
+    data = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()
+    for slot, episode in enumerate((noisy, smooth)):
+        np.testing.assert_array_equal(np.asarray(data["noise"][slot]), episode["noise"])

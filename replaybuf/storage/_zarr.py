@@ -1107,23 +1107,29 @@ class ZarrStorage(KVBlobs, Storage):
             super()._update_steps(name, episodes, timesteps, values)
 
     def _choose_codec(self, name: str, values: np.ndarray) -> None:
-        """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it
-        or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no chunk of
-        it exists yet, so a kill before the root document leaves a field measured again at its
-        next write), then the root attributes and zarr's consolidated copy in one write. A field
-        another object of this process (sharing the writer lease) measured first keeps its choice:
-        a second measurement would leave chunks of two codecs under one array's metadata."""
+        """Measure the field's default codec on its first rows (``values``: episodes x steps) and
+        keep it or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no
+        chunk of it exists yet, so a kill before the root document leaves a field measured again
+        at its next write), then the root attributes and zarr's consolidated copy in one write.
+        A field another object of this process (sharing the writer lease) measured first keeps
+        its choice: a second measurement would leave chunks of two codecs under one array's
+        metadata."""
         root = parse_json(self.kv.get_document(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
         attributes = self._root_attributes(root)
         if attributes is not None and name in self._reload_measured(attributes):
             return
         array = self.array(name)
-        # measured by the default codec: a measurement killed before the root document left the
-        # array raw, and its field compressed again when its frames compress
-        default = compressor_codec(DEFAULT_IMAGE_COMPRESSOR, array.dtype, DEFAULT_ZSTD_LEVEL).to_dict()
-        measuring = ChunkCodec(array.dtype, default, checksum=array.codec.checksum)
-        ratio = compression_ratio(measuring, values.reshape(-1, *array.chunks[2:]))
-        chosen = None if ratio < MIN_COMPRESSION_RATIO else default
+        if any(not key.endswith("zarr.json") for key in self.kv.list_prefix(f"{array.path}/")):
+            # chunks beside a record reading null (a damaged root document): they keep the
+            # codec they were written by
+            ratio, chosen = float("nan"), array.codec.compressor
+        else:
+            # measured by the default codec: a measurement killed before the root document left
+            # the array raw, and its field is compressed again when its frames compress
+            default = compressor_codec(DEFAULT_IMAGE_COMPRESSOR, array.dtype, DEFAULT_ZSTD_LEVEL).to_dict()
+            measuring = ChunkCodec(array.dtype, default, checksum=array.codec.checksum)
+            ratio = compression_ratio(measuring, values.reshape(-1, *array.chunks[2:]))
+            chosen = None if ratio < MIN_COMPRESSION_RATIO else default
         if chosen != array.codec.compressor:
             key = f"{array.path}/zarr.json"
             doc = parse_json(self.kv.get_document(key) or b"{}", self.describe_key(key))
