@@ -189,16 +189,20 @@ def test_two_objects_sharing_the_lease_measure_a_field_once(tmp_path, noise_firs
         np.testing.assert_array_equal(group["data/noise"][slot], episode["noise"])
 
 
-def test_a_reader_opened_before_the_choice_reads_raw_rows_without_refresh(tmp_path):
-    """``data[...]`` reads the store as it is now, refreshed or not: a reader opened on the
-    empty buffer takes the codec chosen since rather than report the raw chunks as damage."""
+@pytest.mark.parametrize("read_only", [True, False])
+def test_an_object_opened_before_the_choice_reads_raw_rows(tmp_path, read_only):
+    """``data[...]`` reads the store as it is now, refreshed or not, and so does every read of a
+    second writable object that never wrote: an object opened on the empty buffer takes the codec
+    chosen since rather than report the raw chunks as damage."""
     path = tmp_path / "b"
     buffer = ReplayBuffer(str(path), 2, STEPS, FIELDS)
-    reader = ReplayBuffer.from_folder(str(path), read_only=True)
+    other = ReplayBuffer.from_folder(str(path), read_only=read_only)
     episode = _episode(0)
     buffer.store_episode(**episode)
-    np.testing.assert_array_equal(np.asarray(reader.data["noise"][0]), episode["noise"])
-    assert reader.storage.array("noise").codec.label == "none"
+    np.testing.assert_array_equal(np.asarray(other.data["noise"][0]), episode["noise"])
+    assert other.storage.array("noise").codec.label == "none"
+    np.testing.assert_array_equal(np.asarray(other.refresh().get_all_data()["noise"][0]), episode["noise"])
+    other.close()
     buffer.close()
 
 

@@ -1005,10 +1005,11 @@ class ZarrStorage(KVBlobs, Storage):
     # ---- primitives --------------------------------------------------------------------------
 
     def array(self, name: str, meta: bool = False) -> ChunkedArray:
-        # docstring inherited: a reader opened before a field's codec was chosen takes the
-        # choice before any read of it, refreshed or not (one read of the root document while
-        # the field has no rows; a raw chunk decoded by blosc would be reported as damage)
-        if self._unmeasured and self.read_only and not meta and name in self._unmeasured:
+        # docstring inherited: an object opened before a field's codec was chosen (a reader, or
+        # a writer another object of the process wrote through) takes the choice before any use
+        # of it, refreshed or not (one read of the root document while the field has no rows; a
+        # raw chunk decoded by blosc would be reported as damage)
+        if self._unmeasured and not meta and name in self._unmeasured:
             self._reload_measured()
         return self._array_named(self._arrays, name, meta)
 
