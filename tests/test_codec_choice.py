@@ -162,3 +162,93 @@ def test_short_episodes_store_only_their_own_frames_and_are_measured_on_them(tmp
             assert np.array_equal(stored[:STEPS], values) and not stored[STEPS:].any(), (slot, name)
     buffer.close()
     assert verify(str(path)) == []
+
+
+@pytest.mark.parametrize("noise_first", [True, False])
+def test_two_objects_sharing_the_lease_measure_a_field_once(tmp_path, noise_first):
+    """Two writable objects of one process take turns: the second to write a field keeps the
+    first's choice rather than measuring its own rows, which would leave chunks of both codecs
+    under one array's metadata (every episode of the other codec unreadable)."""
+    path = tmp_path / "b"
+    first = ReplayBuffer(str(path), 3, STEPS, FIELDS)
+    second = ReplayBuffer.from_folder(str(path))
+    noisy, smooth = _episode(0), _episode(1)
+    smooth["noise"] = smooth["smooth"]  # frames that compress well, in the field measured
+    episodes = [noisy, smooth] if noise_first else [smooth, noisy]
+    first.store_episode(**episodes[0])
+    second.store_episode(**episodes[1])
+    chosen = "none" if noise_first else "blosc-lz4:9"
+    assert _attributes(path)[MEASURED_CODECS]["noise"]["compressor"] == chosen
+    assert second.storage.array("noise").codec.label == chosen
+    second.close()
+    first.close()
+    data = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()
+    group = zarr.open_group(str(path), mode="r", use_consolidated=True)
+    for slot, episode in enumerate(episodes):
+        np.testing.assert_array_equal(np.asarray(data["noise"][slot]), episode["noise"])
+        np.testing.assert_array_equal(group["data/noise"][slot], episode["noise"])
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_an_object_opened_before_the_choice_reads_raw_rows(tmp_path, read_only):
+    """``data[...]`` reads the store as it is now, refreshed or not, and so does every read of a
+    second writable object that never wrote: an object opened on the empty buffer takes the codec
+    chosen since rather than report the raw chunks as damage."""
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 2, STEPS, FIELDS)
+    other = ReplayBuffer.from_folder(str(path), read_only=read_only)
+    episode = _episode(0)
+    buffer.store_episode(**episode)
+    np.testing.assert_array_equal(np.asarray(other.data["noise"][0]), episode["noise"])
+    assert other.storage.array("noise").codec.label == "none"
+    np.testing.assert_array_equal(np.asarray(other.refresh().get_all_data()["noise"][0]), episode["noise"])
+    other.close()
+    buffer.close()
+
+
+def test_a_measurement_killed_before_the_root_document_is_made_again_by_the_default_codec(tmp_path):
+    """A kill between the array's metadata (raw) and the root attributes leaves the field
+    unmeasured: the next writer measures its frames by blosc-lz4 again, not by the raw stack the
+    kill left, so frames that compress are stored compressed and the record is a true ratio."""
+    path = tmp_path / "b"
+    ReplayBuffer(str(path), 2, STEPS, FIELDS).close()
+    array_document = path / "data" / "smooth" / "zarr.json"
+    document = json.loads(array_document.read_text())
+    inner = document["codecs"][0]["configuration"]
+    inner["codecs"] = [c for c in inner["codecs"] if c["name"] != "blosc"]  # as the killed writer left it
+    array_document.write_text(json.dumps(document))
+    buffer = ReplayBuffer.from_folder(str(path))
+    episode = _episode(0)
+    buffer.store_episode(**episode)
+    buffer.close()
+    measured = _attributes(path)[MEASURED_CODECS]["smooth"]
+    assert measured["compressor"] == "blosc-lz4:9" and measured["ratio"] > 5
+    root = json.loads((path / "zarr.json").read_text())
+    assert _stack(json.loads(array_document.read_text())) == ["bytes", "blosc", "crc32c"]
+    assert _stack(root["consolidated_metadata"]["metadata"]["data/smooth"]) == ["bytes", "blosc", "crc32c"]
+    group = zarr.open_group(str(path), mode="r", use_consolidated=True)
+    np.testing.assert_array_equal(group["data/smooth"][0], episode["smooth"])
+    stored = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()["smooth"][0]
+    np.testing.assert_array_equal(np.asarray(stored), episode["smooth"])
+
+
+def test_a_field_whose_chunks_exist_keeps_their_codec_when_its_record_is_lost(tmp_path):
+    """A choice record reading null beside chunks already written (a damaged or hand-edited root
+    document) is not measured again: the chunks keep the codec they were written by."""
+    path = tmp_path / "b"
+    buffer = ReplayBuffer(str(path), 3, STEPS, FIELDS)
+    noisy = _episode(0)
+    buffer.store_episode(**noisy)  # noise: stored raw
+    buffer.close()
+    document = json.loads((path / "zarr.json").read_text())
+    document["attributes"][MEASURED_CODECS]["noise"] = None
+    (path / "zarr.json").write_text(json.dumps(document))
+    buffer = ReplayBuffer.from_folder(str(path))
+    smooth = _episode(1)
+    smooth["noise"] = smooth["smooth"]  # frames that would be measured compressed
+    buffer.store_episode(**smooth)
+    buffer.close()
+    assert _attributes(path)[MEASURED_CODECS]["noise"] == {"compressor": "none", "ratio": None}
+    data = ReplayBuffer.from_folder(str(path), read_only=True).get_all_data()
+    for slot, episode in enumerate((noisy, smooth)):
+        np.testing.assert_array_equal(np.asarray(data["noise"][slot]), episode["noise"])

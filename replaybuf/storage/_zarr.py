@@ -1011,7 +1011,12 @@ class ZarrStorage(KVBlobs, Storage):
     # ---- primitives --------------------------------------------------------------------------
 
     def array(self, name: str, meta: bool = False) -> ChunkedArray:
-        # docstring inherited
+        # docstring inherited: an object opened before a field's codec was chosen (a reader, or
+        # a writer another object of the process wrote through) takes the choice before any use
+        # of it, refreshed or not (one read of the root document while the field has no rows; a
+        # raw chunk decoded by blosc would be reported as damage)
+        if self._unmeasured and not meta and name in self._unmeasured:
+            self._reload_measured()
         return self._array_named(self._arrays, name, meta)
 
     @property
@@ -1109,23 +1114,41 @@ class ZarrStorage(KVBlobs, Storage):
             super()._update_steps(name, episodes, timesteps, values)
 
     def _choose_codec(self, name: str, values: np.ndarray) -> None:
-        """Measure the field's codec on its first rows (``values``: episodes x steps) and keep it
-        or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no chunk of
-        it exists yet, so a kill before the root document leaves a field measured again at its
-        next write), then the root attributes and zarr's consolidated copy in one write."""
-        array = self.array(name)
-        ratio = compression_ratio(array.codec, values.reshape(-1, *array.chunks[2:]))
+        """Measure the field's default codec on its first rows (``values``: episodes x steps) and
+        keep it or store the field raw (MIN_COMPRESSION_RATIO): the array's metadata first (no
+        chunk of it exists yet, so a kill before the root document leaves a field measured again
+        at its next write), then the root attributes and zarr's consolidated copy in one write.
+        A field another object of this process (sharing the writer lease) measured first keeps
+        its choice: a second measurement would leave chunks of two codecs under one array's
+        metadata."""
         root = parse_json(self.kv.get_document(ROOT_DOCUMENT) or b"{}", self.describe_key(ROOT_DOCUMENT))
-        if ratio < MIN_COMPRESSION_RATIO:
+        attributes = self._root_attributes(root)
+        if attributes is not None and name in self._reload_measured(attributes):
+            return
+        array = self.array(name)
+        if any(not key.endswith("zarr.json") for key in self.kv.list_prefix(f"{array.path}/")):
+            # chunks beside a record reading null (a damaged root document): they keep the
+            # codec they were written by
+            ratio, chosen = float("nan"), array.codec.compressor
+        else:
+            # measured by the default codec: a measurement killed before the root document left
+            # the array raw, and its field is compressed again when its frames compress
+            default = compressor_codec(DEFAULT_IMAGE_COMPRESSOR, array.dtype, DEFAULT_ZSTD_LEVEL).to_dict()
+            measuring = ChunkCodec(array.dtype, default, checksum=array.codec.checksum)
+            ratio = compression_ratio(measuring, values.reshape(-1, *array.chunks[2:]))
+            chosen = None if ratio < MIN_COMPRESSION_RATIO else default
+        if chosen != array.codec.compressor:
             key = f"{array.path}/zarr.json"
             doc = parse_json(self.kv.get_document(key) or b"{}", self.describe_key(key))
             stack = doc["codecs"][0]["configuration"] if doc["codecs"][0]["name"] == "sharding_indexed" else doc
             stack["codecs"] = [c for c in stack["codecs"] if c["name"] not in _COMPRESSOR_CODECS]
+            if chosen is not None:
+                stack["codecs"].insert(1, chosen)  # after "bytes", before "crc32c"
             self.kv.set(key, json.dumps(doc, indent=2).encode())
             consolidated = root.get("consolidated_metadata") or {}
             if array.path in consolidated.get("metadata", {}):
                 consolidated["metadata"][array.path] = doc
-            array.codec = ChunkCodec(array.dtype, None, checksum=array.codec.checksum)
+            array.codec = ChunkCodec(array.dtype, chosen, checksum=array.codec.checksum)
         measured = root["attributes"].setdefault(MEASURED_CODECS, {})
         measured[name] = {"compressor": array.codec.label, "ratio": round(ratio, 3) if np.isfinite(ratio) else None}
         self.kv.set(ROOT_DOCUMENT, json.dumps(root, indent=2).encode())
@@ -1259,16 +1282,18 @@ class ZarrStorage(KVBlobs, Storage):
             document["attributes"] = {**attributes, REPLACING: True}  # type: ignore[index]
             self.kv.set(ROOT_DOCUMENT, json.dumps(document).encode())
 
-    def _reload_measured(self) -> None:
+    def _reload_measured(self, attributes: dict | None = None) -> set[str]:
         """A reader opened before a field's codec was chosen takes the choice the writer made
-        since (the array's metadata): its chunks are decoded by it from the first one."""
-        attributes = self._root_attributes() or {}
+        since (the array's metadata): its chunks are decoded by it from the first one. Returns
+        the fields so taken (``attributes``: the root attributes, None: read them now)."""
+        attributes = (self._root_attributes() or {}) if attributes is None else attributes
         chosen = self._unmeasured - _unmeasured(attributes, None, self.describe_key(ROOT_DOCUMENT))
         for name in chosen:
             path = f"data/{name}"
             doc = parse_json(self.kv.get_document(f"{path}/zarr.json") or b"{}", self.describe_key(f"{path}/zarr.json"))
-            self.array(name).codec = self._chunked_array(path, doc, 2).codec
+            self._array_named(self._arrays, name, False).codec = self._chunked_array(path, doc, 2).codec
         self._unmeasured -= chosen
+        return chosen
 
     def describe(self) -> dict:
         # docstring inherited
