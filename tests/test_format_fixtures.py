@@ -41,6 +41,10 @@ FORMATS = [
     ("format-v6", "zarr"),  # format 6 binds zarr shards to their buffer: memmap and hdf5 stay format 5
     ("format-v7", "zarr"),  # format 7 binds zarr shards to their episode's generation too
 ]
+# buffers of main's first commits of a format, which already wrote its version but hashed the meta
+# checksums as the format before: format 5's without the lengths (7eeb1c3), zarr format 6's bound to
+# no buffer, its shards' documents naming their uuid `shards_bound_to` (8dde15c)
+EARLY_FORMATS = [("format-v5-early", backend) for backend in ("zarr", "memmap", "hdf5")] + [("format-v6-early", "zarr")]
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -57,7 +61,7 @@ def _check_contents(buffer: ReplayBuffer) -> None:
         assert int(buffer.meta_data["task"][slot]) == int(expected["task"])
 
 
-@pytest.mark.parametrize(("version", "backend"), FORMATS)
+@pytest.mark.parametrize(("version", "backend"), FORMATS + EARLY_FORMATS)
 def test_released_format_reads(version, backend):
     buffer = ReplayBuffer.from_folder(os.path.join(DATA, version, backend), read_only=True)
     _check_contents(buffer)
@@ -80,7 +84,7 @@ def test_released_format_writes(version, backend, tmp_path):
     np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
     assert verify(path) == []
     # a buffer keeps its format: format 1 gets no checksums it never had, format 3 no meta checksums
-    stored = int(version.rsplit("v", 1)[1])
+    stored = _format_number(version)
     assert _stored_version(path, backend) == stored
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
     assert _keeps_meta_sums(path) == (stored >= 4)
@@ -95,6 +99,35 @@ def test_released_format_writes(version, backend, tmp_path):
         if backend == "zarr":
             document = json.loads((path / "meta" / META_SUM / "zarr.json").read_text())
             assert ("bound_to" in document["attributes"]) == bound
+
+
+@pytest.mark.parametrize(("version", "backend"), EARLY_FORMATS)
+def test_a_format_its_first_main_commits_wrote_writes_as_written_and_catches_damage(version, backend, tmp_path):
+    """Such a buffer's slots tell how its meta checksums were hashed: it opens, takes new
+    episodes hashed as its others, and a flipped meta value is still found and restored."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, version, backend), path)
+    writer = ReplayBuffer.from_folder(path)
+    _check_contents(writer)
+    extra = expected_episode(0)
+    writer.store_episode(**extra)  # slot 1, the oldest
+    writer.close()
+    again = ReplayBuffer.from_folder(path, read_only=True)
+    assert again.valid_episodes().tolist() == [2, 0, 1]
+    np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
+    assert _stored_version(path, backend) == _format_number(version)
+    assert verify(path) == []
+    for slot, task in ((1, 10), (2, 12)):  # the new episode's entry, and one the early commit wrote
+        _write_meta(path, "task", slot, task ^ 8)
+        with pytest.raises(MetaChecksumError, match=rf"meta/task: slot {slot}: holds {task ^ 8}, .* matches {task}"):
+            ReplayBuffer.from_folder(path, read_only=True)
+        assert any(f"restored meta/task of slot {slot} to {task}" in line for line in verify(path, repair=True))
+    assert verify(path) == []
+
+
+def _format_number(version: str) -> int:
+    """The format version of fixture folder ``version`` (``format-v5``, ``format-v5-early``)."""
+    return int(re.fullmatch(r"format-v(\d+)(-early)?", version)[1])
 
 
 def _meta_sums_match(path: Path, to_buffer: bool) -> bool:
@@ -209,13 +242,13 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 NEWEST = {"zarr": 7, "memmap": 5, "hdf5": 5}
 
 
-@pytest.mark.parametrize(("version", "backend"), FORMATS)
+@pytest.mark.parametrize(("version", "backend"), FORMATS + EARLY_FORMATS)
 def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_path, capsys):
     path = tmp_path / backend
     shutil.copytree(os.path.join(DATA, version, backend), path)
     before = ReplayBuffer.from_folder(path, read_only=True).get_all_data()
     assert cli_main(["upgrade", str(path), "--quiet"]) == 0
-    stored = int(version.rsplit("v", 1)[1])
+    stored = _format_number(version)
     said = capsys.readouterr().out
     assert (f"upgraded from format {stored} to {NEWEST[backend]}" in said) == (stored < NEWEST[backend])
     assert _stored_version(path, backend) == NEWEST[backend]

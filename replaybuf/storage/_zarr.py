@@ -124,6 +124,10 @@ GENERATION_BINDING_FORMAT = 7
 # copied in whole) is refused by name at the open, never every shard read as another buffer's
 # or every slot's meta values as damaged (which ``verify --repair`` would drop)
 BOUND_TO = "bound_to"
+# the name the documents of sharded arrays gave ``BOUND_TO`` in main's first format-6 commits,
+# whose ``meta/_meta_sum`` kept none and whose entries were hashed as format 5's, bound to no
+# buffer (``ZarrStorage.early_hashed_formats``)
+EARLY_BOUND_TO = "shards_bound_to"
 # the attribute (true) of a sharded array's document from format 7: its shards' bindings name their
 # episodes' generations, so a config whose version says otherwise (edited down to 6, or up to 7
 # over a format-6 buffer) is refused by name, never every shard read as damage
@@ -239,6 +243,8 @@ class ZarrStorage(KVBlobs, Storage):
 
     backend_name = "zarr"
     newest_format_version = ZARR_FORMAT_VERSION
+    # docstring inherited: format 5's first commits, and format 6's (their entries bound to no buffer)
+    early_hashed_formats = frozenset({*Storage.early_hashed_formats, BUFFER_BINDING_FORMAT})
     supports_remote = True
     supports_field_codecs = True  # honours per-field ``compressor`` specs
 
@@ -378,6 +384,7 @@ class ZarrStorage(KVBlobs, Storage):
         self.read_only = False
         self._reading = None
         self.format_version = ZARR_FORMAT_VERSION
+        self.meta_sums_as_earlier = False
         if overwrite:
             self._retire()
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
@@ -532,8 +539,8 @@ class ZarrStorage(KVBlobs, Storage):
 
     @property
     def binds_meta_sums(self) -> bool:
-        # docstring inherited: from format 6, as the shards
-        return self.binds_buffer
+        # docstring inherited: from format 6, as the shards (but in its first commits' buffers)
+        return self.binds_buffer and not (self.meta_sums_as_earlier and self.format_version == BUFFER_BINDING_FORMAT)
 
     def _load_arrays(self, schema: Schema, recorded: dict | None = None) -> None:
         """Open and check every array of ``schema``; ``recorded``: the root document's copies of
@@ -570,6 +577,9 @@ class ZarrStorage(KVBlobs, Storage):
         try:
             parsed = parse_json(doc, where)
             _check_document(where, parsed)
+            if path == f"meta/{META_SUM}" and self.format_version == BUFFER_BINDING_FORMAT:
+                # main's first format-6 commits bound the shards alone (``EARLY_BOUND_TO``)
+                self.meta_sums_as_earlier = BOUND_TO not in (parsed.get("attributes") or {})
             array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2, schema)
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
@@ -1321,6 +1331,8 @@ def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: s
     would fail (``verify --repair`` dropping every episode)."""
     attributes = doc.get("attributes")
     held = attributes.get(BOUND_TO) if isinstance(attributes, dict) else None
+    if held is None and isinstance(attributes, dict) and version == BUFFER_BINDING_FORMAT:
+        held = attributes.get(EARLY_BOUND_TO)
     if bound is None:
         if held is not None and (version or 0) < BUFFER_BINDING_FORMAT:
             raise BufferDamagedError(

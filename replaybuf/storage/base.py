@@ -771,6 +771,13 @@ class Storage(ABC):
     #: the format version in the opened buffer's stored config, or the one ``create`` wrote
     #: (None: neither yet, or a memmap-replay-buffer folder, which stores none)
     format_version: int | None = None
+    #: formats whose first commits on main (minutes each, until the next merge) already wrote
+    #: their version but still hashed the ``_meta_sum`` entries as the format before (format 5
+    #: without the lengths); a buffer of one opens, reads and writes as written (``metasums.settle``)
+    early_hashed_formats: ClassVar[frozenset[int]] = frozenset({LENGTH_SUMS_FORMAT})
+    #: the opened buffer's entries are hashed as the format before its ``format_version`` did
+    #: (``early_hashed_formats``): found by ``metasums.settle`` from its committed slots
+    meta_sums_as_earlier: bool = False
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
     _lease_epoch = 0
@@ -805,7 +812,19 @@ class Storage(ABC):
     def sums_lengths(self) -> bool:
         """Whether ``_meta_sum`` covers each slot's length too (format ``LENGTH_SUMS_FORMAT``
         and later): a damaged length is then found by every open, before any data is read."""
-        return self.keeps_meta_sums and self.format_version is not None and self.format_version >= LENGTH_SUMS_FORMAT
+        version = self.format_version
+        return (
+            self.keeps_meta_sums
+            and version is not None
+            and version >= LENGTH_SUMS_FORMAT
+            and not (self.meta_sums_as_earlier and version == LENGTH_SUMS_FORMAT)
+        )
+
+    @property
+    def early_hashed(self) -> bool:
+        """Whether the opened buffer's format is one whose first commits on main hashed the
+        ``_meta_sum`` entries as the format before (``early_hashed_formats``)."""
+        return self.format_version in self.early_hashed_formats
 
     @property
     def binds_meta_sums(self) -> bool:
@@ -938,6 +957,7 @@ class Storage(ABC):
                 "(`pip install --upgrade replaybuf`) to open it; `replaybuf upgrade` only rewrites earlier formats"
             )
         self.format_version = version
+        self.meta_sums_as_earlier = False  # until ``metasums.settle`` finds otherwise
         try:
             return Schema.from_json(config)
         except (KeyError, TypeError, ValueError) as e:
