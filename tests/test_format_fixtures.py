@@ -41,10 +41,15 @@ FORMATS = [
     ("format-v6", "zarr"),  # format 6 binds zarr shards to their buffer: memmap and hdf5 stay format 5
     ("format-v7", "zarr"),  # format 7 binds zarr shards to their episode's generation too
 ]
-# buffers of main's first commits of a format, which already wrote its version but hashed the meta
-# checksums as the format before: format 5's without the lengths (7eeb1c3), zarr format 6's bound to
-# no buffer, its shards' documents naming their uuid `shards_bound_to` (8dde15c)
-EARLY_FORMATS = [("format-v5-early", backend) for backend in ("zarr", "memmap", "hdf5")] + [("format-v6-early", "zarr")]
+# buffers of main's first commits of a format, which already wrote its version but not yet its
+# layout: zarr format 1 with zarr's default chunk keys (`c/0/0`, 4a115de), format 5 with meta
+# checksums hashed as format 4's, without the lengths (7eeb1c3), zarr format 6 with them bound to no
+# buffer, its shards' documents naming their uuid `shards_bound_to` (8dde15c)
+EARLY_FORMATS = (
+    [("format-v1-early", "zarr")]
+    + [("format-v5-early", backend) for backend in ("zarr", "memmap", "hdf5")]
+    + [("format-v6-early", "zarr")]
+)
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -103,8 +108,9 @@ def test_released_format_writes(version, backend, tmp_path):
 
 @pytest.mark.parametrize(("version", "backend"), EARLY_FORMATS)
 def test_a_format_its_first_main_commits_wrote_writes_as_written_and_catches_damage(version, backend, tmp_path):
-    """Such a buffer's slots tell how its meta checksums were hashed: it opens, takes new
-    episodes hashed as its others, and a flipped meta value is still found and restored."""
+    """Such a buffer opens and takes new episodes as it was written; its slots tell how its meta
+    checksums were hashed, new ones are hashed so, and a flipped meta value is still found and
+    restored."""
     path = tmp_path / backend
     shutil.copytree(os.path.join(DATA, version, backend), path)
     writer = ReplayBuffer.from_folder(path)
@@ -117,12 +123,28 @@ def test_a_format_its_first_main_commits_wrote_writes_as_written_and_catches_dam
     np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
     assert _stored_version(path, backend) == _format_number(version)
     assert verify(path) == []
+    if _format_number(version) < 4:
+        return  # no meta checksums
     for slot, task in ((1, 10), (2, 12)):  # the new episode's entry, and one the early commit wrote
         _write_meta(path, "task", slot, task ^ 8)
         with pytest.raises(MetaChecksumError, match=rf"meta/task: slot {slot}: holds {task ^ 8}, .* matches {task}"):
             ReplayBuffer.from_folder(path, read_only=True)
         assert any(f"restored meta/task of slot {slot} to {task}" in line for line in verify(path, repair=True))
     assert verify(path) == []
+
+
+def test_a_flat_keyed_format_1_document_naming_zarr_s_default_keys_is_refused_by_name(tmp_path):
+    """Only main's first buffers name zarr's default chunk keys: in one of flat keys that name is a
+    flipped bit ('.' to '/'), which would read every chunk as missing (zeros: format 1 keeps no
+    checksums)."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
+    document = path / "data" / "state" / "zarr.json"
+    document.write_text(document.read_text().replace('"separator": "."', '"separator": "/"'))
+    with pytest.raises(
+        BufferDamagedError, match=r"data/state/zarr\.json .*stored under flat keys \(data/state/c\.0\.0\.0"
+    ):
+        ReplayBuffer.from_folder(path, read_only=True)
 
 
 def _format_number(version: str) -> int:

@@ -576,7 +576,9 @@ class ZarrStorage(KVBlobs, Storage):
         where = self.describe_key(f"{path}/zarr.json")
         try:
             parsed = parse_json(doc, where)
-            _check_document(where, parsed)
+            _check_document(where, parsed, self.format_version)
+            if parsed["chunk_key_encoding"] == _EARLY_KEY_ENCODING:
+                self._check_early_keys(path, where, parsed)
             if path == f"meta/{META_SUM}" and self.format_version == BUFFER_BINDING_FORMAT:
                 # main's first format-6 commits bound the shards alone (``EARLY_BOUND_TO``)
                 self.meta_sums_as_earlier = BOUND_TO not in (parsed.get("attributes") or {})
@@ -603,6 +605,19 @@ class ZarrStorage(KVBlobs, Storage):
                 "hold: the array document was edited or damaged; restore its chunk shape"
             )
         return array
+
+    def _check_early_keys(self, path: str, where: str, doc: dict) -> None:
+        """Refuse a format-1 document ``doc`` (``where``) naming zarr's default ``/`` chunk keys
+        (``_EARLY_KEY_ENCODING``) whose array at ``path`` holds its first chunk under a flat key:
+        one flipped bit (``.`` to ``/``) would read every chunk as missing, zeros in a format
+        that keeps no checksums. One lookup, made only for such documents."""
+        flat = f"{path}/c" + ".0" * len(doc["shape"])
+        if self.kv.size(flat) is not None:
+            raise BufferDamagedError(
+                f"{where}: chunk_key_encoding is {doc['chunk_key_encoding']!r}, but the array's chunks are stored "
+                f"under flat keys ({self.describe_key(flat)}): the document was damaged or edited; restore its "
+                "separator '.'"
+            )
 
     def _bound_to(self, path: str, array: ChunkedArray, schema: Schema | None) -> str | None:
         """The uuid the contents of the array at ``path`` are bound to, which its document keeps a
@@ -1318,6 +1333,9 @@ def _unmeasured(attributes: dict, schema: Schema | None, where: str) -> set[str]
 
 # the chunk key encoding replaybuf writes (``FLAT_KEYS``) as a zarr v3 document holds it
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
+# the chunk key encoding of the buffers main's first commits wrote (format 1, before flat keys):
+# zarr's default, chunks under ``<array>/c/0/0``
+_EARLY_KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
 _LITTLE_ENDIAN = {"endian": "little"}
 
 
@@ -1385,11 +1403,12 @@ def _check_binds_generations(where: str, doc: dict, binds: bool, root: str) -> N
     )
 
 
-def _check_document(where: str, doc: dict) -> None:
+def _check_document(where: str, doc: dict, version: int | None) -> None:
     """Refuse an array document that says what no replaybuf writer writes (the layout and
     codecs are checked as they are read): a flipped byte in the key encoding would read every
     chunk as missing, in the fill value or the byte order would change what other zarr
-    readers see."""
+    readers see. A buffer of format ``version`` 1 may name zarr's default chunk keys, which
+    main's first commits wrote (``_EARLY_KEY_ENCODING``)."""
 
     def bytes_codec_ok(codec: dict) -> bool:
         return codec.get("name") != "bytes" or codec.get("configuration", _LITTLE_ENDIAN) == _LITTLE_ENDIAN
@@ -1401,6 +1420,7 @@ def _check_document(where: str, doc: dict) -> None:
         f"{key} is {doc.get(key)!r}, expected {value!r}"
         for key, value in (("zarr_format", 3), ("node_type", "array"), ("chunk_key_encoding", _KEY_ENCODING))
         if doc.get(key) != value
+        and not (key == "chunk_key_encoding" and version == 1 and doc.get(key) == _EARLY_KEY_ENCODING)
     ]
     if doc["chunk_grid"].get("name") != "regular":
         problems.append(f"chunk_grid is {doc['chunk_grid']!r}, expected a regular grid")
