@@ -133,6 +133,19 @@ def test_a_format_its_first_main_commits_wrote_writes_as_written_and_catches_dam
     assert verify(path) == []
 
 
+def test_a_format_6_meta_folder_without_its_uuid_beside_shards_keeping_theirs_is_refused_by_name(tmp_path):
+    """Only main's first format-6 buffers keep no uuid in any array document: one whose shards'
+    documents keep it has a meta folder copied in from such a buffer, or a damaged document."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v6", "zarr"), path)
+    document = path / "meta" / META_SUM / "zarr.json"
+    stored = json.loads(document.read_text())
+    del stored["attributes"]["bound_to"]
+    document.write_text(json.dumps(stored))
+    with pytest.raises(BufferDamagedError, match=r"meta/_meta_sum/zarr\.json .*bound to the buffer uuid None"):
+        ReplayBuffer.from_folder(path, read_only=True)
+
+
 def test_a_flat_keyed_format_1_document_naming_zarr_s_default_keys_is_refused_by_name(tmp_path):
     """Only main's first buffers name zarr's default chunk keys: in one of flat keys that name is a
     flipped bit ('.' to '/'), which would read every chunk as missing (zeros: format 1 keeps no

@@ -548,6 +548,8 @@ class ZarrStorage(KVBlobs, Storage):
         layouts = self.stored_layouts(schema)
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in layouts]
         documents = self.kv.get_documents([f"{p}/zarr.json" for p in paths])
+        if self.format_version == BUFFER_BINDING_FORMAT:
+            self.meta_sums_as_earlier = _early_format_6(documents)
         self._arrays = {}
         for (name, meta), path, doc in zip(layouts, paths, documents):
             if doc is None and meta and name in OPTIONAL_META:
@@ -579,9 +581,6 @@ class ZarrStorage(KVBlobs, Storage):
             _check_document(where, parsed, self.format_version)
             if parsed["chunk_key_encoding"] == _EARLY_KEY_ENCODING:
                 self._check_early_keys(path, where, parsed)
-            if path == f"meta/{META_SUM}" and self.format_version == BUFFER_BINDING_FORMAT:
-                # main's first format-6 commits bound the shards alone (``EARLY_BOUND_TO``)
-                self.meta_sums_as_earlier = BOUND_TO not in (parsed.get("attributes") or {})
             array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2, schema)
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
@@ -1337,6 +1336,23 @@ _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
 # zarr's default, chunks under ``<array>/c/0/0``
 _EARLY_KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
 _LITTLE_ENDIAN = {"endian": "little"}
+
+
+def _early_format_6(documents: list[bytes | None]) -> bool:
+    """Whether the array ``documents`` of a format-6 buffer are those main's first format-6
+    commits wrote, which bound the shards alone (``EARLY_BOUND_TO``): none keeps ``BOUND_TO``
+    (``meta/_meta_sum``'s included), where later ones all do. A buffer whose meta folder lacks it
+    but whose shards' documents keep it (another buffer's meta folder copied in) is not: its
+    ``meta/_meta_sum`` is refused by name (``_check_bound_to``). An unreadable document counts as
+    keeping none: its own check names it."""
+    for doc in documents:
+        try:
+            attributes = json.loads(doc or b"{}").get("attributes")
+        except (ValueError, AttributeError, RecursionError):
+            continue
+        if isinstance(attributes, dict) and BOUND_TO in attributes:
+            return False
+    return True
 
 
 def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: str, version: int | None) -> None:
