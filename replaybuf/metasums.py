@@ -213,22 +213,28 @@ def settle(
 ) -> np.ndarray:
     """``damaged`` for ``storage``'s entries, after settling how they are hashed. A buffer of a
     format whose first commits on main hashed them as the format before
-    (``Storage.early_hashed_formats``: format 5 without the lengths, zarr format 6 bound to no
-    buffer) is told by its slots: where every slot checked fails the format's hashing and fewer
-    fail the other, ``storage.meta_sums_as_earlier`` is flipped for good (its writer goes on
-    hashing so, keeping the buffer as written) and the slots failing that are returned. A slot
-    matching one hashing by chance where it was written under the other is ~2**-63, so a
+    (``Storage.early_hashing``: format 5 without the lengths, zarr format 6 bound to no buffer)
+    is told by its slots: where every slot checked fails the hashing the storage follows and
+    fewer fail the other, ``storage.meta_sums_as_earlier`` is flipped for good (its writer goes
+    on hashing so, keeping the buffer as written) and the slots failing that are returned. A
+    slot matching one hashing by chance where it was written under the other is ~2**-63, so a
     damaged slot stays damaged either way. Costs nothing while every slot passes."""
-    found = damaged(meta, summed(schema, storage), slots)
-    checked = _checked(meta, slots)
-    if not len(found) or len(found) < len(checked) or not storage.early_hashed:
+    current = summed(schema, storage)
+    found = damaged(meta, current, slots)
+    aspect = storage.early_hashing
+    if not len(found) or len(found) < len(_checked(meta, slots)) or aspect is None:
+        return found
+    if aspect == "lengths":
+        lengths = "episode_lens" not in current.fields
+        other = Summed({**schema.meta_fields, **({"episode_lens": _LENGTH} if lengths else {})}, current.buffer)
+    else:
+        assert schema.uuid is not None, "a format that binds its entries refuses a config without a uuid at the open"
+        other = Summed(current.fields, 0 if current.buffer else buffer_word(schema.uuid))
+    still = damaged(meta, other, found)
+    if len(still) >= len(found):
         return found
     storage.meta_sums_as_earlier = not storage.meta_sums_as_earlier
-    other = damaged(meta, summed(schema, storage), found)
-    if len(other) < len(found):
-        return other
-    storage.meta_sums_as_earlier = not storage.meta_sums_as_earlier
-    return found
+    return still
 
 
 def diagnose(

@@ -506,9 +506,9 @@ class CachedStorage(Storage):
         return self.inner.binds_meta_sums
 
     @property
-    def early_hashed(self) -> bool:
+    def early_hashing(self) -> str | None:
         # docstring inherited: the wrapped storage's
-        return self.inner.early_hashed
+        return self.inner.early_hashing
 
     @property
     def meta_sums_as_earlier(self) -> bool:

@@ -126,7 +126,7 @@ GENERATION_BINDING_FORMAT = 7
 BOUND_TO = "bound_to"
 # the name the documents of sharded arrays gave ``BOUND_TO`` in main's first format-6 commits,
 # whose ``meta/_meta_sum`` kept none and whose entries were hashed as format 5's, bound to no
-# buffer (``ZarrStorage.early_hashed_formats``)
+# buffer (``ZarrStorage.early_hashing``)
 EARLY_BOUND_TO = "shards_bound_to"
 # the attribute (true) of a sharded array's document from format 7: its shards' bindings name their
 # episodes' generations, so a config whose version says otherwise (edited down to 6, or up to 7
@@ -243,8 +243,6 @@ class ZarrStorage(KVBlobs, Storage):
 
     backend_name = "zarr"
     newest_format_version = ZARR_FORMAT_VERSION
-    # docstring inherited: format 5's first commits, and format 6's (their entries bound to no buffer)
-    early_hashed_formats = frozenset({*Storage.early_hashed_formats, BUFFER_BINDING_FORMAT})
     supports_remote = True
     supports_field_codecs = True  # honours per-field ``compressor`` specs
 
@@ -536,6 +534,11 @@ class ZarrStorage(KVBlobs, Storage):
     def binds_generations(self) -> bool:
         """Whether each shard's binding names its episode's generation (format 7 and later)."""
         return self.format_version is not None and self.format_version >= GENERATION_BINDING_FORMAT
+
+    @property
+    def early_hashing(self) -> str | None:
+        # docstring inherited: format 6's first commits bound the entries to no buffer
+        return "buffer" if self.format_version == BUFFER_BINDING_FORMAT else super().early_hashing
 
     @property
     def binds_meta_sums(self) -> bool:

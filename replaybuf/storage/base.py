@@ -771,12 +771,8 @@ class Storage(ABC):
     #: the format version in the opened buffer's stored config, or the one ``create`` wrote
     #: (None: neither yet, or a memmap-replay-buffer folder, which stores none)
     format_version: int | None = None
-    #: formats whose first commits on main (minutes each, until the next merge) already wrote
-    #: their version but still hashed the ``_meta_sum`` entries as the format before (format 5
-    #: without the lengths); a buffer of one opens, reads and writes as written (``metasums.settle``)
-    early_hashed_formats: ClassVar[frozenset[int]] = frozenset({LENGTH_SUMS_FORMAT})
-    #: the opened buffer's entries are hashed as the format before its ``format_version`` did
-    #: (``early_hashed_formats``): found by ``metasums.settle`` from its committed slots
+    #: the opened buffer's ``_meta_sum`` entries are hashed as its format's first commits on
+    #: main hashed them (``early_hashing``): found by ``metasums.settle`` from its committed slots
     meta_sums_as_earlier: bool = False
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
@@ -821,10 +817,13 @@ class Storage(ABC):
         )
 
     @property
-    def early_hashed(self) -> bool:
-        """Whether the opened buffer's format is one whose first commits on main hashed the
-        ``_meta_sum`` entries as the format before (``early_hashed_formats``)."""
-        return self.format_version in self.early_hashed_formats
+    def early_hashing(self) -> str | None:
+        """What the first commits on main of the opened buffer's format (minutes each, until
+        the next merge) left out of its ``_meta_sum`` entries, hashing them as the format
+        before though they wrote its version: ``"lengths"`` (format 5), ``"buffer"`` (zarr
+        format 6); None for the other formats. A buffer they wrote opens, reads and writes as
+        written (``metasums.settle``)."""
+        return "lengths" if self.keeps_meta_sums and self.format_version == LENGTH_SUMS_FORMAT else None
 
     @property
     def binds_meta_sums(self) -> bool:
