@@ -20,6 +20,7 @@ from replaybuf import (
     ForeignEntriesError,
     MetaChecksumError,
     ReplayBuffer,
+    UnfinishedEditError,
     metasums,
     verify,
 )
@@ -158,6 +159,31 @@ def test_a_flat_keyed_format_1_document_naming_zarr_s_default_keys_is_refused_by
         BufferDamagedError, match=r"data/state/zarr\.json .*stored under flat keys \(data/state/c\.0\.0\.0"
     ):
         ReplayBuffer.from_folder(path, read_only=True)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "zarr"])
+def test_an_edit_killed_part_way_by_main_s_first_edit_log_commit_is_finished_whole(backend, tmp_path):
+    """main at 8e0c9c1 appended the edit log to the step log's log ``edit`` (later ones keep one
+    record at replaybuf/edit). Its writer killed between the two fields of ``update([1],
+    state=7.0, reward=9.0)`` (tests/data/killed-edit-8e0c9c1) left state new and reward old: a
+    reader refuses the half-applied episode whole, and the next writable open applies the edit
+    again from that log, whole, and removes it."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "killed-edit-8e0c9c1", backend), path)
+    legacy = path / "replaybuf" / "steplog" / "edit"
+    assert legacy.exists()
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    assert np.asarray(reader.data["state"][1, :3]).tolist() == [[7.0] * 3] * 3
+    assert np.asarray(reader.data["reward"][1, :3]).tolist() != [9.0] * 3
+    with pytest.raises(UnfinishedEditError, match=r"slots \[1\]"):
+        reader.get_all_data()
+    ReplayBuffer.from_folder(path).close()
+    after = ReplayBuffer.from_folder(path, read_only=True)
+    assert np.asarray(after.data["reward"][1, :3]).tolist() == [9.0] * 3
+    assert np.asarray(after.data["state"][1, :3]).tolist() == [[7.0] * 3] * 3
+    np.testing.assert_array_equal(np.asarray(after.data["state"][2, :6]), expected_episode(2)["state"])
+    assert not legacy.exists()
+    assert verify(path) == []
 
 
 def _format_number(version: str) -> int:
