@@ -790,7 +790,7 @@ class ReplayBuffer(CommittedViews):
                 continue  # a writer changed every slot it holds while they were read
             checked = (meta["episode_lens"] > 0) & ~edited
             if summed:
-                damaged = metasums.damaged(meta, self._commit.summed, self._unverified(meta, checked))
+                damaged = metasums.settle(self.storage, self.schema, meta, self._unverified(meta, checked))
             if not len(damaged):
                 break
         unpublished = unpublished_slots(meta["episode_lens"], meta["_generation"])

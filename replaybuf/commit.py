@@ -795,6 +795,7 @@ class Committer:
         if edit is None:
             if damage is not None:
                 self._clear_edit_log()
+            editlog.clear_legacy(self.storage)
             return
         if edit.running(self.meta["_generation"], self.meta["_revision"]):
             kept = edit.kept(self.meta["_generation"])
@@ -808,6 +809,7 @@ class Committer:
                     stacklevel=4,
                 )
         self._clear_edit_log()
+        editlog.clear_legacy(self.storage)
 
     def recover_step_log(self) -> None:
         """Commit, truncated, the episodes a killed writer left in its step log; then clear it.

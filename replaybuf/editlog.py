@@ -35,6 +35,9 @@ from .storage import EDIT_KEY, LOG_PREFIX, MAX_DOCUMENT_BYTES, Storage
 
 #: where the record is kept: beside the step log's records, erased with the buffer
 KEY = EDIT_KEY
+#: the step log's log main's first edit-log commit (8e0c9c1) appended its records to (records
+#: back to back, the running edit's last), where a writer it ran may have left an edit running
+LEGACY_LOG = "edit"
 _RECORD = struct.Struct("<4sQI")
 _MAGIC = b"RBE1"
 _HEADER_SIZE = struct.Struct("<I")
@@ -181,12 +184,41 @@ def _record_bytes(storage: Storage, schema: Schema) -> bytes | None:
     bytes as that size says when it says at most ``bound``; only those first bytes otherwise
     (no record: another magic, or a size no record has)."""
     head = storage.read_blob_head(KEY, _RECORD.size)
-    if head is None or len(head) < _RECORD.size:
+    if head is None:
+        return _legacy_record_bytes(storage, schema)
+    if len(head) < _RECORD.size:
         return head
     magic, size, _ = _RECORD.unpack(head)
     if magic != _MAGIC or _RECORD.size + size > bound(schema):
         return head
     return storage.read_blob_head(KEY, _RECORD.size + size)
+
+
+def _legacy_record_bytes(storage: Storage, schema: Schema) -> bytes | None:
+    """The last record of the ``LEGACY_LOG`` a writer of main's first edit-log commit left (its
+    bytes from there on where it is torn or damaged, for ``parse`` to name); None where there is
+    none. Read as the step log is, in pieces, up to twice ``bound``."""
+    if LEGACY_LOG not in storage.log_names():
+        return None
+    data = b""
+    for piece in storage.log_pieces(LEGACY_LOG, 2 * bound(schema)):
+        data += piece
+        if len(data) > 2 * bound(schema):
+            return data[: _RECORD.size]  # no record is that long: ``read`` names its size
+    at = 0
+    while len(data) - at >= _RECORD.size:
+        magic, size, _ = _RECORD.unpack_from(data, at)
+        end = at + _RECORD.size + size
+        if magic != _MAGIC or end >= len(data):
+            break
+        at = end  # a finished edit's record, left beside the running one
+    return data[at:]
+
+
+def clear_legacy(storage: Storage) -> None:
+    """Delete the ``LEGACY_LOG`` (once its edit was applied again, or none was running)."""
+    if LEGACY_LOG in storage.log_names():
+        storage.clear_log(LEGACY_LOG)
 
 
 def parse(raw: bytes, schema: Schema) -> tuple[Edit | None, str | None]:

@@ -1228,7 +1228,7 @@ def verify(
     summed = metasums.summed(schema, storage)
     diagnosed = {
         int(s): metasums.diagnose(meta, summed, int(s), schema.max_timesteps)
-        for s in _damaged_meta(meta, schema, set(), summed)
+        for s in _damaged_meta(meta, schema, set(), storage)
     }
     damaged = sorted({*damaged, *(slot for slot, found in diagnosed.items() if found is None)})
     if "_generation" in meta:  # a lost generation (read as 0): the episode's order is unknown
@@ -1456,7 +1456,7 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
         lens, generations = meta.get("episode_lens"), meta.get("_generation")
         # values that fail their checksum are read again too: an edit of them may have landed
         # between the reads of the values and of their checksums
-        damaged = _damaged_meta(meta, schema, flux, metasums.summed(schema, storage))
+        damaged = _damaged_meta(meta, schema, flux, storage)
         if not flux and (
             not (len(damaged) or (lens is not None and generations is not None and _midway(lens, generations)))
             # no writer to finish what reads damaged; one that finished it and closed since the
@@ -1475,7 +1475,7 @@ def _read_bookkeeping(storage: Storage, schema: Schema) -> tuple[dict[str, np.nd
     return meta, problems, flux
 
 
-def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], summed: metasums.Summed) -> np.ndarray:
+def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], storage: Storage) -> np.ndarray:
     """The committed slots, not in ``flux`` nor being edited (an odd ``_revision``: a writer's
     edit, or one a killed writer left for the next writable open to close), whose meta values
     fail their ``_meta_sum`` entry (``metasums.damaged``); none when an array did not read."""
@@ -1486,7 +1486,7 @@ def _damaged_meta(meta: dict[str, np.ndarray], schema: Schema, flux: set[int], s
     if "_revision" in meta:
         settled &= meta["_revision"] % 2 == 0
     slots = np.setdiff1d(np.flatnonzero(settled), np.fromiter(flux, np.int64, len(flux)))
-    return metasums.damaged(meta, summed, slots)
+    return metasums.settle(storage, schema, meta, slots)
 
 
 def _step_log_left(storage: Storage) -> bool:

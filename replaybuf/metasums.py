@@ -178,6 +178,16 @@ class MetaChecksumError(CorruptChunkError, BufferDamagedError):
         self.restore = restore
 
 
+def _checked(meta: Mapping[str, np.ndarray], slots: np.ndarray | None) -> np.ndarray:
+    """The slots among ``slots`` (None: those with a published length) whose revision is even
+    (no edit in progress): those ``damaged`` checks."""
+    if slots is None:
+        slots = np.flatnonzero(np.asarray(meta["episode_lens"]) > 0)
+    slots = np.asarray(slots, dtype=np.int64)
+    revisions = meta.get("_revision")
+    return slots if revisions is None else slots[np.asarray(revisions)[slots] % 2 == 0]
+
+
 def damaged(meta: Mapping[str, np.ndarray], summed: Summed, slots: np.ndarray | None = None) -> np.ndarray:
     """The slots among ``slots`` (None: those with a published length), their revision even
     (no edit in progress), whose ``_meta_sum`` entry (0 too: lost) does not match the values in
@@ -186,13 +196,7 @@ def damaged(meta: Mapping[str, np.ndarray], summed: Summed, slots: np.ndarray | 
     sums = meta.get(META_SUM)
     if sums is None:
         return np.zeros(0, np.int64)
-    lens = np.asarray(meta["episode_lens"])
-    if slots is None:
-        slots = np.flatnonzero(lens > 0)
-    slots = np.asarray(slots, dtype=np.int64)
-    revisions = meta.get("_revision")
-    if revisions is not None:
-        slots = slots[np.asarray(revisions)[slots] % 2 == 0]
+    slots = _checked(meta, slots)
     if not len(slots):
         return slots
     expected = entries(
@@ -202,6 +206,35 @@ def damaged(meta: Mapping[str, np.ndarray], summed: Summed, slots: np.ndarray | 
         summed,
     )
     return slots[expected != np.asarray(sums)[slots].astype(np.uint64)]
+
+
+def settle(
+    storage: Storage, schema: Schema, meta: Mapping[str, np.ndarray], slots: np.ndarray | None = None
+) -> np.ndarray:
+    """``damaged`` for ``storage``'s entries, after settling how they are hashed. A buffer of a
+    format whose first commits on main hashed them as the format before
+    (``Storage.early_hashing``: format 5 without the lengths, zarr format 6 bound to no buffer)
+    is told by its slots: where every slot checked fails the hashing the storage follows and
+    fewer fail the other, ``storage.meta_sums_as_earlier`` is flipped for good (its writer goes
+    on hashing so, keeping the buffer as written) and the slots failing that are returned. A
+    slot matching one hashing by chance where it was written under the other is ~2**-63, so a
+    damaged slot stays damaged either way. Costs nothing while every slot passes."""
+    current = summed(schema, storage)
+    found = damaged(meta, current, slots)
+    aspect = storage.early_hashing
+    if not len(found) or len(found) < len(_checked(meta, slots)) or aspect is None:
+        return found
+    if aspect == "lengths":
+        lengths = "episode_lens" not in current.fields
+        other = Summed({**schema.meta_fields, **({"episode_lens": _LENGTH} if lengths else {})}, current.buffer)
+    else:
+        assert schema.uuid is not None, "a format that binds its entries refuses a config without a uuid at the open"
+        other = Summed(current.fields, 0 if current.buffer else buffer_word(schema.uuid))
+    still = damaged(meta, other, found)
+    if len(still) >= len(found):
+        return found
+    storage.meta_sums_as_earlier = not storage.meta_sums_as_earlier
+    return still
 
 
 def diagnose(

@@ -20,6 +20,7 @@ from replaybuf import (
     ForeignEntriesError,
     MetaChecksumError,
     ReplayBuffer,
+    UnfinishedEditError,
     metasums,
     verify,
 )
@@ -41,6 +42,15 @@ FORMATS = [
     ("format-v6", "zarr"),  # format 6 binds zarr shards to their buffer: memmap and hdf5 stay format 5
     ("format-v7", "zarr"),  # format 7 binds zarr shards to their episode's generation too
 ]
+# buffers of main's first commits of a format, which already wrote its version but not yet its
+# layout: zarr format 1 with zarr's default chunk keys (`c/0/0`, 4a115de), format 5 with meta
+# checksums hashed as format 4's, without the lengths (7eeb1c3), zarr format 6 with them bound to no
+# buffer, its shards' documents naming their uuid `shards_bound_to` (8dde15c)
+EARLY_FORMATS = (
+    [("format-v1-early", "zarr")]
+    + [("format-v5-early", backend) for backend in ("zarr", "memmap", "hdf5")]
+    + [("format-v6-early", "zarr")]
+)
 # slot -> commit ordinal: 4 episodes stored circularly into 3 slots
 SLOT_EPISODES = {0: 3, 1: 1, 2: 2}
 
@@ -57,7 +67,7 @@ def _check_contents(buffer: ReplayBuffer) -> None:
         assert int(buffer.meta_data["task"][slot]) == int(expected["task"])
 
 
-@pytest.mark.parametrize(("version", "backend"), FORMATS)
+@pytest.mark.parametrize(("version", "backend"), FORMATS + EARLY_FORMATS)
 def test_released_format_reads(version, backend):
     buffer = ReplayBuffer.from_folder(os.path.join(DATA, version, backend), read_only=True)
     _check_contents(buffer)
@@ -80,7 +90,7 @@ def test_released_format_writes(version, backend, tmp_path):
     np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
     assert verify(path) == []
     # a buffer keeps its format: format 1 gets no checksums it never had, format 3 no meta checksums
-    stored = int(version.rsplit("v", 1)[1])
+    stored = _format_number(version)
     assert _stored_version(path, backend) == stored
     assert os.path.exists(path / "replaybuf" / "checksums.npy") == (version != "format-v1" and backend != "zarr")
     assert _keeps_meta_sums(path) == (stored >= 4)
@@ -95,6 +105,90 @@ def test_released_format_writes(version, backend, tmp_path):
         if backend == "zarr":
             document = json.loads((path / "meta" / META_SUM / "zarr.json").read_text())
             assert ("bound_to" in document["attributes"]) == bound
+
+
+@pytest.mark.parametrize(("version", "backend"), EARLY_FORMATS)
+def test_a_format_its_first_main_commits_wrote_writes_as_written_and_catches_damage(version, backend, tmp_path):
+    """Such a buffer opens and takes new episodes as it was written; its slots tell how its meta
+    checksums were hashed, new ones are hashed so, and a flipped meta value is still found and
+    restored."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, version, backend), path)
+    writer = ReplayBuffer.from_folder(path)
+    _check_contents(writer)
+    extra = expected_episode(0)
+    writer.store_episode(**extra)  # slot 1, the oldest
+    writer.close()
+    again = ReplayBuffer.from_folder(path, read_only=True)
+    assert again.valid_episodes().tolist() == [2, 0, 1]
+    np.testing.assert_array_equal(np.asarray(again.data["state"][1, :5]), extra["state"])
+    assert _stored_version(path, backend) == _format_number(version)
+    assert verify(path) == []
+    if _format_number(version) < 4:
+        return  # no meta checksums
+    for slot, task in ((1, 10), (2, 12)):  # the new episode's entry, and one the early commit wrote
+        _write_meta(path, "task", slot, task ^ 8)
+        with pytest.raises(MetaChecksumError, match=rf"meta/task: slot {slot}: holds {task ^ 8}, .* matches {task}"):
+            ReplayBuffer.from_folder(path, read_only=True)
+        assert any(f"restored meta/task of slot {slot} to {task}" in line for line in verify(path, repair=True))
+    assert verify(path) == []
+
+
+def test_a_format_6_meta_folder_without_its_uuid_beside_shards_keeping_theirs_is_refused_by_name(tmp_path):
+    """Only main's first format-6 buffers keep no uuid in any array document: one whose shards'
+    documents keep it has a meta folder copied in from such a buffer, or a damaged document."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v6", "zarr"), path)
+    document = path / "meta" / META_SUM / "zarr.json"
+    stored = json.loads(document.read_text())
+    del stored["attributes"]["bound_to"]
+    document.write_text(json.dumps(stored))
+    with pytest.raises(BufferDamagedError, match=r"meta/_meta_sum/zarr\.json .*bound to the buffer uuid None"):
+        ReplayBuffer.from_folder(path, read_only=True)
+
+
+def test_a_flat_keyed_format_1_document_naming_zarr_s_default_keys_is_refused_by_name(tmp_path):
+    """Only main's first buffers name zarr's default chunk keys: in one of flat keys that name is a
+    flipped bit ('.' to '/'), which would read every chunk as missing (zeros: format 1 keeps no
+    checksums)."""
+    path = tmp_path / "zarr"
+    shutil.copytree(os.path.join(DATA, "format-v1", "zarr"), path)
+    document = path / "data" / "state" / "zarr.json"
+    document.write_text(document.read_text().replace('"separator": "."', '"separator": "/"'))
+    with pytest.raises(
+        BufferDamagedError, match=r"data/state/zarr\.json .*stored under flat keys \(data/state/c\.0\.0\.0"
+    ):
+        ReplayBuffer.from_folder(path, read_only=True)
+
+
+@pytest.mark.parametrize("backend", ["memmap", "zarr"])
+def test_an_edit_killed_part_way_by_main_s_first_edit_log_commit_is_finished_whole(backend, tmp_path):
+    """main at 8e0c9c1 appended the edit log to the step log's log ``edit`` (later ones keep one
+    record at replaybuf/edit). Its writer killed between the two fields of ``update([1],
+    state=7.0, reward=9.0)`` (tests/data/killed-edit-8e0c9c1) left state new and reward old: a
+    reader refuses the half-applied episode whole, and the next writable open applies the edit
+    again from that log, whole, and removes it."""
+    path = tmp_path / backend
+    shutil.copytree(os.path.join(DATA, "killed-edit-8e0c9c1", backend), path)
+    legacy = path / "replaybuf" / "steplog" / "edit"
+    assert legacy.exists()
+    reader = ReplayBuffer.from_folder(path, read_only=True)
+    assert np.asarray(reader.data["state"][1, :3]).tolist() == [[7.0] * 3] * 3
+    assert np.asarray(reader.data["reward"][1, :3]).tolist() != [9.0] * 3
+    with pytest.raises(UnfinishedEditError, match=r"slots \[1\]"):
+        reader.get_all_data()
+    ReplayBuffer.from_folder(path).close()
+    after = ReplayBuffer.from_folder(path, read_only=True)
+    assert np.asarray(after.data["reward"][1, :3]).tolist() == [9.0] * 3
+    assert np.asarray(after.data["state"][1, :3]).tolist() == [[7.0] * 3] * 3
+    np.testing.assert_array_equal(np.asarray(after.data["state"][2, :6]), expected_episode(2)["state"])
+    assert not legacy.exists()
+    assert verify(path) == []
+
+
+def _format_number(version: str) -> int:
+    """The format version of fixture folder ``version`` (``format-v5``, ``format-v5-early``)."""
+    return int(re.fullmatch(r"format-v(\d+)(-early)?", version)[1])
 
 
 def _meta_sums_match(path: Path, to_buffer: bool) -> bool:
@@ -209,13 +303,13 @@ def test_released_format_gets_revisions_on_its_first_writable_open(backend, tmp_
 NEWEST = {"zarr": 7, "memmap": 5, "hdf5": 5}
 
 
-@pytest.mark.parametrize(("version", "backend"), FORMATS)
+@pytest.mark.parametrize(("version", "backend"), FORMATS + EARLY_FORMATS)
 def test_upgrade_rewrites_a_released_format_in_the_newest(version, backend, tmp_path, capsys):
     path = tmp_path / backend
     shutil.copytree(os.path.join(DATA, version, backend), path)
     before = ReplayBuffer.from_folder(path, read_only=True).get_all_data()
     assert cli_main(["upgrade", str(path), "--quiet"]) == 0
-    stored = int(version.rsplit("v", 1)[1])
+    stored = _format_number(version)
     said = capsys.readouterr().out
     assert (f"upgraded from format {stored} to {NEWEST[backend]}" in said) == (stored < NEWEST[backend])
     assert _stored_version(path, backend) == NEWEST[backend]

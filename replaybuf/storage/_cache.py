@@ -508,6 +508,20 @@ class CachedStorage(Storage):
         return self.inner.binds_meta_sums
 
     @property
+    def early_hashing(self) -> str | None:
+        # docstring inherited: the wrapped storage's
+        return self.inner.early_hashing
+
+    @property
+    def meta_sums_as_earlier(self) -> bool:
+        """The wrapped storage's (``Storage.meta_sums_as_earlier``): its checks and writes follow it."""
+        return self.inner.meta_sums_as_earlier
+
+    @meta_sums_as_earlier.setter
+    def meta_sums_as_earlier(self, value: bool) -> None:
+        self.inner.meta_sums_as_earlier = value
+
+    @property
     def root(self) -> str:
         """This buffer's cache folder (known once the storage is opened)."""
         schema = self.schema

@@ -240,6 +240,7 @@ class MemmapStorage(LocalFolderStorage):
         self.check_schema(schema)
         self.read_only = False
         self.format_version = FORMAT_VERSION
+        self.meta_sums_as_earlier = False
         self.pin_identity(read_only=False)
         if overwrite:
             erase_owned(

@@ -125,6 +125,10 @@ GENERATION_BINDING_FORMAT = 7
 # copied in whole) is refused by name at the open, never every shard read as another buffer's
 # or every slot's meta values as damaged (which ``verify --repair`` would drop)
 BOUND_TO = "bound_to"
+# the name the documents of sharded arrays gave ``BOUND_TO`` in main's first format-6 commits,
+# whose ``meta/_meta_sum`` kept none and whose entries were hashed as format 5's, bound to no
+# buffer (``ZarrStorage.early_hashing``)
+EARLY_BOUND_TO = "shards_bound_to"
 # the attribute (true) of a sharded array's document from format 7: its shards' bindings name their
 # episodes' generations, so a config whose version says otherwise (edited down to 6, or up to 7
 # over a format-6 buffer) is refused by name, never every shard read as damage
@@ -382,6 +386,7 @@ class ZarrStorage(KVBlobs, Storage):
         self.read_only = False
         self._reading = None
         self.format_version = ZARR_FORMAT_VERSION
+        self.meta_sums_as_earlier = False
         if overwrite:
             self._retire()
             erase_owned(self.kv, entries, markers=(ROOT_DOCUMENT,))
@@ -537,9 +542,14 @@ class ZarrStorage(KVBlobs, Storage):
         return self.format_version is not None and self.format_version >= GENERATION_BINDING_FORMAT
 
     @property
+    def early_hashing(self) -> str | None:
+        # docstring inherited: format 6's first commits bound the entries to no buffer
+        return "buffer" if self.format_version == BUFFER_BINDING_FORMAT else super().early_hashing
+
+    @property
     def binds_meta_sums(self) -> bool:
-        # docstring inherited: from format 6, as the shards
-        return self.binds_buffer
+        # docstring inherited: from format 6, as the shards (but in its first commits' buffers)
+        return self.binds_buffer and not (self.meta_sums_as_earlier and self.format_version == BUFFER_BINDING_FORMAT)
 
     def _load_arrays(self, schema: Schema, recorded: dict | None = None) -> None:
         """Open and check every array of ``schema``; ``recorded``: the root document's copies of
@@ -547,6 +557,8 @@ class ZarrStorage(KVBlobs, Storage):
         layouts = self.stored_layouts(schema)
         paths = [f"{'meta' if meta else 'data'}/{n}" for n, meta in layouts]
         documents = self.kv.get_documents([f"{p}/zarr.json" for p in paths])
+        if self.format_version == BUFFER_BINDING_FORMAT:
+            self.meta_sums_as_earlier = _early_format_6(documents)
         self._arrays = {}
         for (name, meta), path, doc in zip(layouts, paths, documents):
             if doc is None and meta and name in OPTIONAL_META:
@@ -575,7 +587,9 @@ class ZarrStorage(KVBlobs, Storage):
         where = self.describe_key(f"{path}/zarr.json")
         try:
             parsed = parse_json(doc, where)
-            _check_document(where, parsed)
+            _check_document(where, parsed, self.format_version)
+            if parsed["chunk_key_encoding"] == _EARLY_KEY_ENCODING:
+                self._check_early_keys(path, where, parsed)
             array = self._chunked_array(path, parsed, 1 if path.startswith("meta/") else 2, schema)
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise BufferDamagedError(f"{where}: not a zarr v3 array document ({type(e).__name__}: {e})") from None
@@ -599,6 +613,19 @@ class ZarrStorage(KVBlobs, Storage):
                 "hold: the array document was edited or damaged; restore its chunk shape"
             )
         return array
+
+    def _check_early_keys(self, path: str, where: str, doc: dict) -> None:
+        """Refuse a format-1 document ``doc`` (``where``) naming zarr's default ``/`` chunk keys
+        (``_EARLY_KEY_ENCODING``) whose array at ``path`` holds its first chunk under a flat key:
+        one flipped bit (``.`` to ``/``) would read every chunk as missing, zeros in a format
+        that keeps no checksums. One lookup, made only for such documents."""
+        flat = f"{path}/c" + ".0" * len(doc["shape"])
+        if self.kv.size(flat) is not None:
+            raise BufferDamagedError(
+                f"{where}: chunk_key_encoding is {doc['chunk_key_encoding']!r}, but the array's chunks are stored "
+                f"under flat keys ({self.describe_key(flat)}): the document was damaged or edited; restore its "
+                "separator '.'"
+            )
 
     def _bound_to(self, path: str, array: ChunkedArray, schema: Schema | None) -> str | None:
         """The uuid the contents of the array at ``path`` are bound to, which its document keeps a
@@ -1339,7 +1366,27 @@ def _unmeasured(attributes: dict, schema: Schema | None, where: str) -> set[str]
 
 # the chunk key encoding replaybuf writes (``FLAT_KEYS``) as a zarr v3 document holds it
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
+# the chunk key encoding of the buffers main's first commits wrote (format 1, before flat keys):
+# zarr's default, chunks under ``<array>/c/0/0``
+_EARLY_KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
 _LITTLE_ENDIAN = {"endian": "little"}
+
+
+def _early_format_6(documents: list[bytes | None]) -> bool:
+    """Whether the array ``documents`` of a format-6 buffer are those main's first format-6
+    commits wrote, which bound the shards alone (``EARLY_BOUND_TO``): none keeps ``BOUND_TO``
+    (``meta/_meta_sum``'s included), where later ones all do. A buffer whose meta folder lacks it
+    but whose shards' documents keep it (another buffer's meta folder copied in) is not: its
+    ``meta/_meta_sum`` is refused by name (``_check_bound_to``). An unreadable document counts as
+    keeping none: its own check names it."""
+    for doc in documents:
+        try:
+            attributes = json.loads(doc or b"{}").get("attributes")
+        except (ValueError, AttributeError, RecursionError):
+            continue
+        if isinstance(attributes, dict) and BOUND_TO in attributes:
+            return False
+    return True
 
 
 def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: str, version: int | None) -> None:
@@ -1352,6 +1399,8 @@ def _check_bound_to(path: str, where: str, doc: dict, bound: str | None, root: s
     would fail (``verify --repair`` dropping every episode)."""
     attributes = doc.get("attributes")
     held = attributes.get(BOUND_TO) if isinstance(attributes, dict) else None
+    if held is None and isinstance(attributes, dict) and version == BUFFER_BINDING_FORMAT:
+        held = attributes.get(EARLY_BOUND_TO)
     if bound is None:
         if held is not None and (version or 0) < BUFFER_BINDING_FORMAT:
             raise BufferDamagedError(
@@ -1404,11 +1453,12 @@ def _check_binds_generations(where: str, doc: dict, binds: bool, root: str) -> N
     )
 
 
-def _check_document(where: str, doc: dict) -> None:
+def _check_document(where: str, doc: dict, version: int | None) -> None:
     """Refuse an array document that says what no replaybuf writer writes (the layout and
     codecs are checked as they are read): a flipped byte in the key encoding would read every
     chunk as missing, in the fill value or the byte order would change what other zarr
-    readers see."""
+    readers see. A buffer of format ``version`` 1 may name zarr's default chunk keys, which
+    main's first commits wrote (``_EARLY_KEY_ENCODING``)."""
 
     def bytes_codec_ok(codec: dict) -> bool:
         return codec.get("name") != "bytes" or codec.get("configuration", _LITTLE_ENDIAN) == _LITTLE_ENDIAN
@@ -1420,6 +1470,7 @@ def _check_document(where: str, doc: dict) -> None:
         f"{key} is {doc.get(key)!r}, expected {value!r}"
         for key, value in (("zarr_format", 3), ("node_type", "array"), ("chunk_key_encoding", _KEY_ENCODING))
         if doc.get(key) != value
+        and not (key == "chunk_key_encoding" and version == 1 and doc.get(key) == _EARLY_KEY_ENCODING)
     ]
     if doc["chunk_grid"].get("name") != "regular":
         problems.append(f"chunk_grid is {doc['chunk_grid']!r}, expected a regular grid")

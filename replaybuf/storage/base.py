@@ -772,6 +772,9 @@ class Storage(ABC):
     #: the format version in the opened buffer's stored config, or the one ``create`` wrote
     #: (None: neither yet, or a memmap-replay-buffer folder, which stores none)
     format_version: int | None = None
+    #: the opened buffer's ``_meta_sum`` entries are hashed as its format's first commits on
+    #: main hashed them (``early_hashing``): found by ``metasums.settle`` from its committed slots
+    meta_sums_as_earlier: bool = False
     _lease: WriterLease | None = None
     _lease_finalizer: weakref.finalize | None = None
     _lease_epoch = 0
@@ -806,7 +809,22 @@ class Storage(ABC):
     def sums_lengths(self) -> bool:
         """Whether ``_meta_sum`` covers each slot's length too (format ``LENGTH_SUMS_FORMAT``
         and later): a damaged length is then found by every open, before any data is read."""
-        return self.keeps_meta_sums and self.format_version is not None and self.format_version >= LENGTH_SUMS_FORMAT
+        version = self.format_version
+        return (
+            self.keeps_meta_sums
+            and version is not None
+            and version >= LENGTH_SUMS_FORMAT
+            and not (self.meta_sums_as_earlier and version == LENGTH_SUMS_FORMAT)
+        )
+
+    @property
+    def early_hashing(self) -> str | None:
+        """What the first commits on main of the opened buffer's format (minutes each, until
+        the next merge) left out of its ``_meta_sum`` entries, hashing them as the format
+        before though they wrote its version: ``"lengths"`` (format 5), ``"buffer"`` (zarr
+        format 6); None for the other formats. A buffer they wrote opens, reads and writes as
+        written (``metasums.settle``)."""
+        return "lengths" if self.keeps_meta_sums and self.format_version == LENGTH_SUMS_FORMAT else None
 
     @property
     def binds_meta_sums(self) -> bool:
@@ -939,6 +957,7 @@ class Storage(ABC):
                 "(`pip install --upgrade replaybuf`) to open it; `replaybuf upgrade` only rewrites earlier formats"
             )
         self.format_version = version
+        self.meta_sums_as_earlier = False  # until ``metasums.settle`` finds otherwise
         try:
             return Schema.from_json(config)
         except (KeyError, TypeError, ValueError) as e:

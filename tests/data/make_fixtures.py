@@ -9,7 +9,11 @@ written first), then memmap and hdf5 whose checksum entries carry a tag that che
 shard bound to its field and slot (16 bytes before its index), and each slot's length under its
 meta checksum; format-v6 (zarr only: memmap and hdf5 stay format 5): each zarr shard's
 binding and each slot's meta checksum name its buffer (the uuid in its config) too; format-v7
-(zarr only): each zarr shard's binding names its episode's generation too. Run with the worktree's
+(zarr only): each zarr shard's binding names its episode's generation too; format-v1-early (zarr,
+main at 4a115de: format 1 with zarr's default chunk keys, image frames one chunk each); format-v5-early (main at
+7eeb1c3: format 5 whose meta checksums leave lengths out) and format-v6-early (zarr, main at
+8dde15c: meta checksums bound to no buffer, ``shards_bound_to`` in the shards' documents), run with
+those commits' replaybuf. Run with the worktree's
 replaybuf first on the path (``PYTHONPATH=.``). Kept to show how the fixtures were made; the
 tests only read them. Expected values come from ``expected_episode``."""
 
