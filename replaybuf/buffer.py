@@ -750,10 +750,12 @@ class ReplayBuffer(CommittedViews):
             raise
         if self.read_only and self.storage.replaced():  # what was loaded may be the new one's
             return self._reopen()
-        self._state, self._meta = state, meta
         if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
-            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, self.storage)
-        elif self.read_only:  # the counters of a live writer's last episodes may still wait
+            # built before it is kept: a view refused (SnapshotError) keeps its snapshot's
+            # bookkeeping, never the episodes that overwrote it
+            meta, state = snapshots.view(self._snapshot, self.schema, meta, self.storage)
+        self._state, self._meta = state, meta
+        if self._snapshot is None and self.read_only:  # the counters of a live writer's last episodes may still wait
             self._state = self._commit.caught_up(self._state)
         return self
 
