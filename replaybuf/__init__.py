@@ -9,7 +9,7 @@ from .actors import discover_shards, open_shard
 from .buffer import ReplayBuffer
 from .consistency import ConcurrentWriteError, read_episodes_consistent
 from .h5py_buffer import ReplayBufferH5PY, copy_seed_h5
-from .maintenance import convert, info, verify
+from .maintenance import WriterOutpacedError, convert, info, verify
 from .metasums import MetaChecksumError
 from .schema import Field, Schema, UnknownFieldError
 from .snapshots import SnapshotError, SnapshotHeldError
@@ -23,6 +23,7 @@ from .storage import (
     CorruptChunkError,
     EpisodeLengthError,
     ForeignEntriesError,
+    GenerationMismatchError,
     LostLengthError,
     NewerFormatError,
     StalePlanError,
@@ -42,6 +43,7 @@ _LAZY = {
     "ReplayDatasetTimestep": ".sampling",
     "ReplayDatasetTimeWindow": ".sampling",
     "ReplayDatasetTrajectory": ".sampling",
+    "SnapshotOverwrittenError": ".sampling",
 }
 
 
@@ -95,5 +97,8 @@ __all__ = [
     "BufferReplacedError",
     "SnapshotError",
     "SnapshotHeldError",
+    "SnapshotOverwrittenError",
+    "GenerationMismatchError",
+    "WriterOutpacedError",
 ]
 __version__ = "0.1.0"

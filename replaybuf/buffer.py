@@ -750,10 +750,12 @@ class ReplayBuffer(CommittedViews):
             raise
         if self.read_only and self.storage.replaced():  # what was loaded may be the new one's
             return self._reopen()
-        self._state, self._meta = state, meta
         if self._snapshot is not None:  # a snapshot view: only its episodes, its counters
-            self._meta, self._state = snapshots.view(self._snapshot, self.schema, meta, self.storage)
-        elif self.read_only:  # the counters of a live writer's last episodes may still wait
+            # built before it is kept: a view refused (SnapshotError) keeps its snapshot's
+            # bookkeeping, never the episodes that overwrote it
+            meta, state = snapshots.view(self._snapshot, self.schema, meta, self.storage)
+        self._state, self._meta = state, meta
+        if self._snapshot is None and self.read_only:  # the counters of a live writer's last episodes may still wait
             self._state = self._commit.caught_up(self._state)
         return self
 
@@ -1033,6 +1035,7 @@ class ReplayBuffer(CommittedViews):
 
     def _check_writable(self, call: str) -> None:
         self._refuse_unwritable(call)
+        self.storage.check_lease_current()
         self._take_turn(call)
 
     def _refuse_unwritable(self, call: str) -> None:
@@ -2030,9 +2033,10 @@ class ReplayBuffer(CommittedViews):
             return
         try:
             try:
-                self.flush()
-                if compact and not self.read_only:
-                    self.storage.compact()
+                if not self._superseded():
+                    self.flush()
+                    if compact and not self.read_only:
+                        self.storage.compact()
             finally:
                 # closed even when the flush failed (a full disk): nothing committed needs the
                 # counters it could not write, the next writable open derives them
@@ -2040,6 +2044,16 @@ class ReplayBuffer(CommittedViews):
         finally:
             self._closed = True
             self.storage.release_writer()
+
+    def _superseded(self) -> bool:
+        """Whether a later ``overwrite=True`` open in this process erased the buffer this object
+        wrote to (or its lease was taken over): what it has pending belongs to a buffer gone, so
+        closing it writes nothing there and refuses nothing."""
+        try:
+            self.storage.check_lease_current()
+        except BufferLockedError:
+            return True
+        return False
 
     def __enter__(self) -> ReplayBuffer:
         return self

@@ -130,13 +130,25 @@ class ReplayBufferH5PY(ReplayBuffer):
         backend: str | None = None,
         **kwargs: Any,
     ) -> Self:
-        """Reopen the HDF5 buffer stored at ``folder`` with its stored config."""
+        """Reopen the HDF5 buffer stored at ``folder`` with its stored config. ``h5py_compression``
+        and ``h5py_compression_opts`` are taken as the storage options they stand for, so one that
+        differs from the stored compression is warned of (the stored one wins), never ignored
+        without a word."""
         _require_h5py()
         if backend not in (None, "hdf5"):
             raise ValueError(f"ReplayBufferH5PY reads the 'hdf5' backend only, got backend={backend!r}")
-        return super().from_folder(
-            folder, read_only=read_only, storage_options=storage_options, backend="hdf5", **kwargs
-        )
+        options = dict(storage_options or {})
+        for argument, key in (("h5py_compression", "compression"), ("h5py_compression_opts", "compression_opts")):
+            if argument not in kwargs:
+                continue
+            value = kwargs.pop(argument)
+            if key in options and options[key] != value:
+                raise ValueError(
+                    f"{argument}={value!r} and storage_options[{key!r}]={options[key]!r} name two "
+                    "compressions; give one"
+                )
+            options[key] = value
+        return super().from_folder(folder, read_only=read_only, storage_options=options, backend="hdf5", **kwargs)
 
     @property
     def h5_path(self) -> Path:

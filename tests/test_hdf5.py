@@ -63,6 +63,11 @@ def test_a_reopen_with_another_compression_keeps_the_stored_one_and_says_so(tmp_
         lambda: ReplayBuffer.from_folder(
             tmp_path / "b", read_only=True, storage_options={"compression": "gzip", "compression_opts": 9}
         ),
+        # the seed's spelling: its from_folder refused it; taken, then ignored without a word
+        lambda: ReplayBufferH5PY.from_folder(tmp_path / "b", h5py_compression="lzf"),
+        lambda: ReplayBufferH5PY.from_folder(
+            tmp_path / "b", read_only=True, h5py_compression="gzip", h5py_compression_opts=9
+        ),
     ):
         with pytest.warns(UserWarning, match=r"created with compression='gzip', compression_opts=4; the .* ignored"):
             buffer = reopen()
@@ -72,6 +77,9 @@ def test_a_reopen_with_another_compression_keeps_the_stored_one_and_says_so(tmp_
         warnings.simplefilter("error")
         ReplayBuffer.from_folder(tmp_path / "b", storage_options={"compression": "gzip"}).close()
         ReplayBufferH5PY.from_folder(tmp_path / "b", read_only=True).close()
+        ReplayBufferH5PY.from_folder(tmp_path / "b", h5py_compression="gzip", h5py_compression_opts=4).close()
+    with pytest.raises(ValueError, match="h5py_compression='lzf' and storage_options"):
+        ReplayBufferH5PY.from_folder(tmp_path / "b", storage_options={"compression": "gzip"}, h5py_compression="lzf")
 
 
 def test_other_buffers_open_without_loading_h5py(tmp_path):

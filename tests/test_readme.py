@@ -185,3 +185,16 @@ def test_every_python_block_is_accounted_for():
         "Named snapshots",
     }
     assert set(python_blocks()) == run_here | set(covered_elsewhere)
+
+
+def test_every_error_the_readme_names_without_a_module_is_importable_from_replaybuf():
+    """README (What `replaybuf` exports): each error the text names without a module is importable
+    from ``replaybuf``; ``GenerationMismatchError``, ``WriterOutpacedError`` and
+    ``SnapshotOverwrittenError`` were named so but lived in submodules only."""
+    import builtins
+
+    import replaybuf
+
+    named = set(re.findall(r"`([A-Z]\w*Error)`", README.read_text())) - set(dir(builtins))
+    assert named and not [name for name in sorted(named) if name not in replaybuf.__all__]
+    assert all(isinstance(getattr(replaybuf, name), type) for name in named)

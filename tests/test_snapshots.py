@@ -463,3 +463,24 @@ def test_info_lists_the_snapshots(tmp_path):
     facts = info(tmp_path / "b")
     assert facts["snapshots"] == ["run-1", "run-2"]
     assert "snapshots  run-1, run-2" in format_info(facts)
+
+
+def test_a_view_refused_by_refresh_keeps_its_snapshot_never_the_new_episodes(tmp_path):
+    """README (Named snapshots): a view whose episodes were overwritten raises SnapshotError on
+    its next read, never returning the new episodes. A refused ``refresh()`` (also run by
+    ``dataloader()``) kept the bookkeeping it had loaded, so the next ``get_all_data`` and
+    ``stats`` returned the episode that overwrote the snapshot's."""
+    writer = ReplayBuffer(tmp_path / "b", 2, 3, fields={"x": "float"}, circular=True)
+    writer.store_episode(x=np.ones(2))
+    writer.store_episode(x=np.full(2, 2.0))
+    writer.snapshot("s")
+    view = ReplayBuffer.from_folder(tmp_path / "b", snapshot="s")
+    writer.drop_snapshot("s")
+    writer.store_episode(x=np.full(2, 3.0))  # slot 0's episode of the snapshot overwritten
+    with pytest.raises(SnapshotError):
+        view.refresh()
+    assert np.asarray(view.generations).tolist() == [1, 2]
+    for read in (view.get_all_data, view.stats):
+        with pytest.raises(SnapshotError):
+            read()
+    writer.close()

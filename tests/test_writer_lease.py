@@ -317,6 +317,23 @@ def test_overwrite_in_the_same_process_replaces_the_buffer_and_stops_the_old_wri
     assert not _held(location)
 
 
+def test_a_full_old_writer_is_told_it_was_replaced_not_that_the_buffer_is_full(location, backend):
+    """README (One writer per buffer): after ``overwrite=True`` in the same process the older
+    objects refuse every further write with BufferLockedError. An older object that had filled
+    its (not circular) buffer answered "the replay buffer is full ... clear() it" from the erased
+    buffer's counters instead, though the new buffer is empty."""
+    writer = ReplayBuffer(location, 2, 3, fields=FIELDS, meta_fields=META, **_kwargs(backend))
+    _store(writer, 1)
+    _store(writer, 2)
+    again = ReplayBuffer(location, 2, 3, fields=FIELDS, meta_fields=META, overwrite=True, **_kwargs(backend))
+    for write in (lambda: _store(writer, 3), lambda: writer.store(x=np.zeros(4, np.float32)), writer.clear):
+        with pytest.raises(BufferLockedError, match="later open of it with overwrite=True"):
+            write()
+    assert again.num_episodes == 0
+    writer.close()
+    again.close()
+
+
 def test_lock_survives_overwriting_an_existing_buffer(location, backend):
     _open(location, **_kwargs(backend)).close()
     writer = _open(location, overwrite=True, **_kwargs(backend))  # erases the old buffer, not the lock

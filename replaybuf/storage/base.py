@@ -1471,6 +1471,12 @@ class Storage(ABC):
             raise PermissionError(f"buffer at {self.location!r} was opened read-only; writing is not allowed")
         if self._lease is not None:
             self._lease.check_held()
+        self.check_lease_current()
+
+    def check_lease_current(self) -> None:
+        """BufferLockedError where this storage's writer lease was taken over, or where a later
+        ``overwrite=True`` open in this process erased the buffer it wrote to; checked before a
+        write's own checks, which would answer from the erased buffer's counters ("full")."""
         if self._lease is not None and self._lease.lost is not None:
             raise BufferLockedError(f"cannot write to {self.location!r}: {self._lease.lost}")
         if self._lease is not None and self._lease.epoch != self._lease_epoch:
