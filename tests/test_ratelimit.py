@@ -80,6 +80,10 @@ def test_state_dict_keeps_the_count(tmp_path):
         ({"samples_per_insert": float("nan")}, "samples_per_insert must be a number > 0"),
         ({"min_size": 10}, r"min_size=10: applies only to a rate-limited loader; pass samples_per_insert=R"),
         ({"error_buffer": 4, "rate_timeout": 5}, r"error_buffer=4, rate_timeout=5: apply only to a rate-limited"),
+        # the defaults' own values, passed: refused as well (they were taken as omitted)
+        ({"min_size": 1}, r"min_size=1: applies only to a rate-limited loader"),
+        ({"rate_timeout": 60}, r"rate_timeout=60: applies only to a rate-limited loader"),
+        ({"rate_timeout": None}, r"rate_timeout=None: applies only to a rate-limited loader"),
         ({"samples_per_insert": "2"}, "samples_per_insert must be a number"),
         ({"samples_per_insert": 1, "min_size": 0}, "min_size must be an int >= 1"),
         ({"samples_per_insert": 1, "min_size": 2.5}, "min_size must be an int"),

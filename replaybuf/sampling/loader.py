@@ -34,6 +34,20 @@ from .ratelimit import RateLimitedLoader, RateLimiter
 SAMPLERS = ("uniform", "prioritized")
 # make_dataloader's arguments that configure the rate limiter, not each pass's loader
 _RATE_ARGUMENTS = ("samples_per_insert", "min_size", "error_buffer", "rate_timeout")
+
+
+class _Default:
+    """A parameter's default value, told apart from the same value passed: the rate limiter's
+    arguments passed without ``samples_per_insert`` are refused even when they equal it."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:  # help() shows the value
+        return repr(self.value)
+
+
+_MIN_SIZE, _RATE_TIMEOUT = _Default(1), _Default(60.0)
 # keywords make_dataloader passes on: to the dataset, to a mixture's or prioritized sampler, to torch's DataLoader
 _PASSED_ON = {"slice_by_episode_len", "return_episode_lens", "cache", "num_batches"} | (
     set(inspect.signature(DataLoader.__init__).parameters) - {"self", "dataset"}
@@ -222,9 +236,9 @@ def make_dataloader(
     world_size: int | None = None,
     seed: int | None = None,
     samples_per_insert: float | None = None,
-    min_size: int = 1,
+    min_size: int = _MIN_SIZE,  # type: ignore[assignment]  # 1, told from a 1 passed
     error_buffer: float | None = None,
-    rate_timeout: float | None = 60.0,
+    rate_timeout: float | None = _RATE_TIMEOUT,  # type: ignore[assignment]  # 60 s, told from a 60 passed
     **kwargs: Any,
 ) -> DataLoader | RateLimitedLoader:
     """A DataLoader over ``buffer`` (or over ``dataset``), batches assembled by the dataset.
@@ -258,9 +272,9 @@ def make_dataloader(
     if samples_per_insert is None:
         given = [
             f"{name}={value!r}"
-            for name, value, default in (("min_size", min_size, 1), ("error_buffer", error_buffer, None))
-            if value != default
-        ] + ([f"rate_timeout={rate_timeout!r}"] if rate_timeout != 60.0 else [])
+            for name, value in (("min_size", min_size), ("error_buffer", error_buffer), ("rate_timeout", rate_timeout))
+            if not isinstance(value, _Default) and not (name == "error_buffer" and value is None)
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)}: {'applies' if len(given) == 1 else 'apply'} only to a rate-limited loader; "
@@ -271,6 +285,8 @@ def make_dataloader(
     _check_sharding(sampler, rank, world_size, seed)  # here: a rate-limited loader makes its loaders later
     check_flag("return_mask", return_mask)  # the seed's beartype refuses a non-bool too
     return_mask = bool(return_mask)
+    min_size = min_size.value if isinstance(min_size, _Default) else min_size
+    rate_timeout = rate_timeout.value if isinstance(rate_timeout, _Default) else rate_timeout
     if samples_per_insert is not None:
         # every argument but the rate's, for the loader of each pass (locals(): the parameters only, here)
         options = {name: value for name, value in locals().items() if name not in _RATE_ARGUMENTS}
