@@ -503,6 +503,31 @@ def test_breaking_an_object_store_lease_stops_the_old_writer(s3_location, monkey
         assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1, 0]
 
 
+def test_a_writer_paused_past_its_lease_writes_nothing_once_it_was_taken_over(s3_location, monkeypatch):
+    """A writer paused longer than its lease's expiry (SIGSTOP, a suspended machine: its
+    heartbeat paused with it) renews before its next write: taken over meanwhile by another
+    writer, it refuses and writes nothing (it wrote its episode into the buffer the new holder
+    writes)."""
+    monkeypatch.setenv(LEASE_SECONDS_ENV, "0.5")
+    url, options = s3_location
+    old = _open(url, storage_options=options)
+    _store(old, 1)
+    lease = old.storage._lease
+    lease._stop.set()  # the heartbeat stops, as a paused process's does
+    lease._thread.join()
+    time.sleep(0.6)  # past the expiry
+    taker = ObjectLease(old.storage.kv, url)  # another writer's lease (not this process's shared one)
+    taker.acquire()  # takes the expired lease over
+    try:
+        with pytest.raises(BufferLockedError, match="taken over by pid"):
+            _store(old, 2)
+    finally:
+        taker.release()
+    old.close()
+    with ReplayBuffer.from_folder(url, storage_options=options, read_only=True) as reader:
+        assert reader.meta_data["uid"][reader.valid_episodes()].tolist() == [1]
+
+
 # ---- maintenance beside a live writer in another process ---------------------------------------------
 
 

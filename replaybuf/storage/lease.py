@@ -570,6 +570,9 @@ class ObjectLease(WriterLease):
         self._release_requested = False
         self._release_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # until when the lease is surely ours: the expiry it was last taken or renewed with,
+        # counted from before that request (``check_held``)
+        self._valid_until = 0.0
 
     @property
     def key(self) -> str:
@@ -601,6 +604,7 @@ class ObjectLease(WriterLease):
         if self.token is not None:
             return
         self.token = uuid.uuid4().hex
+        started = time.time()
         try:
             if not self.kv.create(LEASE_KEY, self._new_record()):
                 self._take_over(break_lock)
@@ -609,6 +613,7 @@ class ObjectLease(WriterLease):
             self.token = None
             raise
         self.lost, self._pid, self._release_requested = None, os.getpid(), False
+        self._valid_until = started + self.seconds
         self._stop.clear()
         self._thread = threading.Thread(target=self._heartbeat, name=f"replaybuf-lease-{self.location}", daemon=True)
         self._thread.start()
@@ -692,23 +697,43 @@ class ObjectLease(WriterLease):
         """Extend the lease, or mark it ``lost`` when another writer holds it now. Where the store
         replaces conditionally, the extension is written over the record read only, so a
         take-over landing in between refuses it instead of being overwritten."""
+        started = time.time()
         if not self.kv.replaces_conditionally:
             record = self._read_record()
             if self._ours(record):
                 self.kv.set(LEASE_KEY, self._extended(record))
+                self._valid_until = started + self.seconds
             else:
                 self._lose(record)
             return
         got = self._read_versioned()
         if got is not None and self._ours(got[0]):
             if self.kv.replace_if(LEASE_KEY, self._extended(got[0]), got[1]):
+                self._valid_until = started + self.seconds
                 return
             # refused, so changed since read: taken over, or our PUT landed and the client's
             # retry of it (its answer lost) was refused, which leaves ours extended
             got = self._read_versioned()
             if got is not None and self._ours(got[0]):
+                self._valid_until = started + self.seconds
                 return
         self._lose(None if got is None else got[0])
+
+    def check_held(self) -> None:
+        # docstring inherited: a writer whose heartbeat has not renewed the lease for half its
+        # expiry (a paused process: SIGSTOP, a suspended machine, a starved thread) renews it
+        # here, before its next write: its lease may have expired and been taken over meanwhile,
+        # and the writes that follow would land in the buffer the new holder writes
+        if self.token is None or self.lost is not None or self._pid != os.getpid():
+            return
+        if time.time() < self._valid_until - self.seconds / 2:
+            return
+        try:
+            self.renew()
+        except Exception as error:  # the store unreachable: the lease is ours until it expires
+            if time.time() >= self._valid_until:
+                self.lost = f"the writer lease of {self.location!r} expired unrenewed ({error})"
+                logger.error("%s; this writer stops writing", self.lost)
 
     def _extended(self, record: dict) -> bytes:
         return json.dumps({**record, "expires": time.time() + self.seconds}).encode()
