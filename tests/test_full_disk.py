@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import resource
 import shutil
 import subprocess
 import warnings
@@ -490,3 +491,51 @@ def test_a_convert_overwrite_that_fits_only_in_place_of_the_old_buffer_is_refuse
     assert snapshot_of_folder(disk / "dst") == before and os.listdir(disk) == ["dst"]
     with ReplayBuffer.from_folder(disk / "dst", read_only=True) as kept:
         assert_holds(kept, [episode(2)])
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """``folder`` read-only for the block, as a file system remounted so after an error: a
+    read-only bind mount over it (what this process opened before keeps its descriptors).
+    Skips the test where a mount is refused."""
+    if subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_writer_whose_folder_turned_read_only_still_gives_its_lease_back(tmp_path, backend):
+    """close() deleted the lease's lock file before closing the descriptor holding its flock: a
+    folder turned read-only made the delete raise, the flock was kept, and no writer (this
+    process's included) could open the buffer until the process ended."""
+    folder = tmp_path / "buf"
+    buffer = new(folder, backend)
+    buffer.store_episode(**episode(1))
+    with read_only(folder / "replaybuf"):
+        with pytest.raises(StorageError, match="Read-only file system") as error:
+            buffer.store_episode(**episode(2))
+        assert ".partial" not in str(error.value)  # the object, not the temp file it could not make
+        buffer.close()
+    with new(folder, backend, overwrite=False) as again:
+        assert_holds(again, [episode(1)])
+        again.store_episode(**episode(3))
+    assert verify(folder) == []
+
+
+def test_a_short_write_in_place_is_an_error(tmp_path):
+    """A write in place that the disk (or a file size limit) takes only part of returns a short
+    count, not an error: it was taken for whole, the rest of the bytes silently unwritten."""
+    kv = LocalKV(str(tmp_path / "kv"))
+    kv.set("table", bytes(8192))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(StorageError, match=r"kv/table.*96 of 200 bytes written: no space left"):
+            kv.write_at("table", 4000, b"x" * 200)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    kv.close()
