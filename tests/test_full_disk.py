@@ -9,6 +9,7 @@ is refused); a ballast file fills it at the moment a test chooses.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import resource
@@ -23,6 +24,7 @@ from replaybuf import ReplayBuffer, StorageError, convert, verify
 from replaybuf.storage import _kv
 from replaybuf.storage._hotmap import shard_maps
 from replaybuf.storage._kv import LocalKV
+from replaybuf.video import blocks_to_video
 
 from ._backends import LOCAL_BACKENDS as LOCAL
 from ._backends import holds_files_under, tmpfs
@@ -539,3 +541,17 @@ def test_a_short_write_in_place_is_an_error(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     kv.close()
+
+
+@pytest.mark.parametrize("room", [0, 24 << 10])
+def test_a_video_the_disk_has_no_room_for_is_an_error_and_leaves_nothing(disk, room):
+    """ffmpeg failing to write a video's end exits with an error that imageio-ffmpeg does not
+    check: the truncated file (no player opens it) was kept as rendered, and the viewer's
+    cache served it."""
+    frames = np.random.default_rng(0).integers(0, 255, (40, 64, 64, 3), dtype=np.uint8)  # ~150 KB of mp4
+    fill(disk)
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
+    with pytest.raises(OSError, match="ffmpeg did not finish the video") as error:
+        blocks_to_video([frames[:20], frames[20:]], disk / "episode.mp4")
+    assert error.value.errno == errno.ENOSPC and str(disk / "episode.mp4") in str(error.value)
+    assert os.listdir(disk) == ["ballast"]
