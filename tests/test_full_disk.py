@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer, StorageError, convert, verify
+from replaybuf.importers import export_diffusion_policy, export_lerobot
 from replaybuf.storage import _kv
 from replaybuf.storage._hotmap import shard_maps
 from replaybuf.storage._kv import LocalKV
@@ -554,4 +555,15 @@ def test_a_video_the_disk_has_no_room_for_is_an_error_and_leaves_nothing(disk, r
     with pytest.raises(OSError, match="ffmpeg did not finish the video") as error:
         blocks_to_video([frames[:20], frames[20:]], disk / "episode.mp4")
     assert error.value.errno == errno.ENOSPC and str(disk / "episode.mp4") in str(error.value)
+    assert os.listdir(disk) == ["ballast"]
+
+
+@pytest.mark.parametrize("export", [export_diffusion_policy, export_lerobot])
+def test_an_export_into_a_full_disk_names_its_folder_and_leaves_nothing(disk, tmp_path, export):
+    with new(tmp_path / "src", "zarr") as buffer:
+        buffer.store_episode(**episode(1))
+    fill(disk)
+    with pytest.raises(OSError, match="(?i)no space left") as error:
+        export(tmp_path / "src", disk / "dst")
+    assert str(disk / "dst") in str(error.value)
     assert os.listdir(disk) == ["ballast"]
