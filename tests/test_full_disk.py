@@ -567,3 +567,25 @@ def test_an_export_into_a_full_disk_names_its_folder_and_leaves_nothing(disk, tm
         export(tmp_path / "src", disk / "dst")
     assert str(disk / "dst") in str(error.value)
     assert os.listdir(disk) == ["ballast"]
+
+
+def test_a_compaction_the_disk_has_no_room_for_says_the_episodes_are_kept(disk):
+    """compact() and close() on a full disk raised "writing to .../c.0.0.0.0.0 failed": read as
+    the loss of episode 0, whose hot shard is in fact untouched."""
+    folder = disk / "buf"
+    buffer = new(folder, "zarr")
+    kept = [episode(seed) for seed in range(3)]
+    for values in kept:
+        buffer.store_episode(**values)
+    buffer.flush()
+    fill(disk)
+    for call in (buffer.compact, buffer.close):
+        with pytest.raises(
+            StorageError, match=r"compacting slot 0 of .*stays uncompressed and reads back the same"
+        ) as e:
+            call()
+        assert_disk_full(e, folder)
+    free(disk)
+    with new(folder, "zarr", overwrite=False) as again:  # closed: the lease was given back
+        assert_holds(again, kept)
+    assert verify(folder) == []
