@@ -589,3 +589,24 @@ def test_a_compaction_the_disk_has_no_room_for_says_the_episodes_are_kept(disk):
     with new(folder, "zarr", overwrite=False) as again:  # closed: the lease was given back
         assert_holds(again, kept)
     assert verify(folder) == []
+
+
+def test_a_compressed_hdf5_file_refuses_a_write_past_the_file_size_limit(tmp_path):
+    """A file size limit (``ulimit -f``; a quota acts alike) cut HDF5's write of a new chunk
+    short: data.h5 then named an end past its own and could not be opened, every episode lost."""
+    folder = tmp_path / "buf"
+    buffer = new(folder, "hdf5", storage_options={"compression": "gzip"})
+    buffer.store_episode(**episode(1))
+    buffer.flush()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(folder / "data.h5") + 4096, hard))
+    try:
+        with pytest.raises(StorageError, match=r"data\.h5' may grow to .*file size limit.*nothing was written"):
+            buffer.store_episode(**episode(2))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    buffer.store_episode(**episode(3))
+    buffer.close()
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+        assert_holds(reader, [episode(1), episode(3)])
+    assert verify(folder) == []
