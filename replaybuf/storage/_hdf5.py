@@ -654,8 +654,8 @@ class HDF5Storage(LocalFolderStorage):
         grown = os.path.getsize(self.path) + nbytes + WRITE_HEADROOM
         if limit != resource.RLIM_INFINITY and grown > limit:
             raise StorageError(
-                f"{self.path!r} may grow to {grown} bytes writing {what}, over this process's file size limit "
-                f"(RLIMIT_FSIZE, `ulimit -f`) of {limit} bytes; nothing was written"
+                f"{self.path!r} may grow to {grown:,} bytes writing {what}, over this process's file size limit "
+                f"(RLIMIT_FSIZE, `ulimit -f`) of {limit:,} bytes; nothing was written"
             )
 
     def check_room(self, names: Sequence[str], steps: int, what: str) -> None:
