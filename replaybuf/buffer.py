@@ -2044,8 +2044,16 @@ class ReplayBuffer(CommittedViews):
     def __enter__(self) -> ReplayBuffer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()  # closes and gives the lease back even when it raises
+        except Exception as error:
+            # the block's error, the first cause (a store a full disk refused), goes on: a failed
+            # close (the compaction the same full disk refused) replaced it, hiding what was lost
+            exc.add_note(f"then close() failed too: {error}")
 
     def __del__(self) -> None:
         # dropped without close() (``del``, a function returning, a name bound again): no

@@ -610,3 +610,19 @@ def test_a_compressed_hdf5_file_refuses_a_write_past_the_file_size_limit(tmp_pat
     with ReplayBuffer.from_folder(folder, read_only=True) as reader:
         assert_holds(reader, [episode(1), episode(3)])
     assert verify(folder) == []
+
+
+def test_a_with_block_a_full_disk_stopped_raises_its_own_error_not_the_close(disk):
+    """The error of a ``with`` block's store was replaced by that of the close() at its exit
+    (its compaction refused by the same full disk): ``replaybuf import`` reported a compaction,
+    not the episode it could not store."""
+    folder = disk / "buf"
+    with pytest.raises(StorageError, match=r"slots \[1\] .*No space left on device") as error:  # noqa: PT012
+        with new(folder, "zarr") as buffer:
+            buffer.store_episode(**episode(1))
+            fill(disk)
+            buffer.store_episode(**episode(2))
+    assert "then close() failed too" in error.value.__notes__[0] and "stays uncompressed" in error.value.__notes__[0]
+    free(disk)
+    with new(folder, "zarr", overwrite=False) as again:  # closed all the same
+        assert_holds(again, [episode(1)])
