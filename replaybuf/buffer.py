@@ -1442,7 +1442,12 @@ class ReplayBuffer(CommittedViews):
         if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
             meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
         self._abort_group()
-        self._commit.commit_episode(steps, meta_values, length)
+        try:
+            self._commit.commit_episode(steps, meta_values, length)
+        except StorageError as e:
+            if type(e) is not StorageError:  # CountersNotWritten: committed; others say what they are
+                raise
+            raise StorageError(f"{e}; the episode was not stored: store it again once the store can be written") from e
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
         """Checked (steps, meta values, length) of one whole episode given as ``data``; the

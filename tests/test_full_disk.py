@@ -121,6 +121,8 @@ def test_store_episode_on_a_full_disk(disk, backend):
     assert_disk_full(error, folder)
     if "counters are written again" in str(error.value):  # the episode is committed, and says so
         kept.append(episode(seed))
+    else:
+        assert "the episode was not stored" in str(error.value)
     assert_holds(buffer, kept)
     free(disk)
     buffer.store_episode(**episode(20))
