@@ -36,7 +36,7 @@ import numpy as np
 
 from ._kv import KeyValue
 from ._shards import ShardedArray
-from .base import CompactionSummary, CorruptChunkError, StorageError
+from .base import CompactionSummary, CorruptChunkError
 
 
 def find_hot(arrays: Iterable[ShardedArray], slots: list[int]) -> dict[tuple[int, str], int]:
@@ -191,13 +191,7 @@ class HotTier:
                     if shard is not None:
                         if array.check_writable is not None:
                             array.check_writable()
-                        try:
-                            self.kv.set_many({key: shard}, atomic=True)
-                        except StorageError as e:  # a full disk: the hot shard is still in place
-                            raise StorageError(
-                                f"compacting slot {slot} of {path!r} failed: {e}; the episode stays uncompressed "
-                                "and reads back the same (the next compact(), close() or writer compresses it)"
-                            ) from e
+                        self.kv.set_many({key: shard}, atomic=True)
                         array._forget_indexes([slot])
                         before, after = before + len(data or b""), after + len(shard)
                     self.hot[slot].pop(path, None)
