@@ -1445,7 +1445,12 @@ class ReplayBuffer(CommittedViews):
         if self._group is not None:  # the meta of the episode in progress is kept, as in the seed
             meta_values = {n: self._group.meta[n][:1] for n in self._group.meta} | meta_values
         self._abort_group()
-        self._commit.commit_episode(steps, meta_values, length)
+        try:
+            self._commit.commit_episode(steps, meta_values, length)
+        except StorageError as e:
+            if type(e) is not StorageError:  # CountersNotWritten: committed; others say what they are
+                raise
+            raise StorageError(f"{e}; the episode was not stored: store it again once the store can be written") from e
 
     def _episode_values(self, data: dict[str, Any], call: str) -> tuple[dict[str, np.ndarray], dict, int]:
         """Checked (steps, meta values, length) of one whole episode given as ``data``; the
@@ -2058,8 +2063,16 @@ class ReplayBuffer(CommittedViews):
     def __enter__(self) -> ReplayBuffer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()  # closes and gives the lease back even when it raises
+        except Exception as error:
+            # the block's error, the first cause (a store a full disk refused), goes on: a failed
+            # close (the compaction the same full disk refused) replaced it, hiding what was lost
+            exc.add_note(f"then close() failed too: {error}")
 
     def __del__(
         self, _suppress: Any = contextlib.suppress, _collecting: Any = collecting, _finalizing: Any = sys.is_finalizing

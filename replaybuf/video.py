@@ -11,9 +11,11 @@ need the ffmpeg plugin (``pip install replaybuf[video]``); ``.gif`` and the anim
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import secrets
+import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -249,6 +251,10 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
         if not temp.is_file() or temp.stat().st_size == 0:
             raise OSError(f"writing {str(path)!r}: the encoder wrote nothing")
         os.replace(temp, path)
+    except OSError as error:
+        if error.filename is None and error.errno is not None:  # a writer's reason naming no file
+            raise OSError(error.errno, f"writing {str(path)!r} failed: {error.strerror}") from error
+        raise
     finally:
         temp.unlink(missing_ok=True)
     return path
@@ -348,11 +354,47 @@ def _write_ffmpeg(
     if suffix == ".webm":
         kwargs.setdefault("codec", "libvpx-vp9")
     writer = imageio.get_writer(str(path), format="FFMPEG", mode="I", **kwargs)
+    written, stopped, process = 0, None, None
     try:
         for frame in tqdm(frames, desc=bar, unit="frame", disable=bar is None, leave=False):
-            writer.append_data(frame)
+            try:
+                writer.append_data(frame)
+            except OSError as error:  # ffmpeg stopped reading frames ("Broken pipe"): why, below
+                stopped = error
+                break
+            written += 1
+            process = process or _ffmpeg_process(writer)
     finally:
         writer.close()
+    if stopped is None and (process.returncode == 0 if process is not None else _reads_back(path, written)):
+        return  # (no frame: no process, no file; ``write_atomically`` says the encoder wrote nothing)
+    full = os.statvfs(path.parent).f_bavail == 0
+    raise OSError(
+        errno.ENOSPC if full else errno.EIO,
+        f"ffmpeg did not finish the video ({written} frames sent"
+        f"{', then it stopped taking more' if stopped else ''}){': no space left on device' if full else ''}",
+    ) from stopped
+
+
+def _ffmpeg_process(writer: Any) -> subprocess.Popen | None:
+    """The ffmpeg process of imageio's ``writer`` (started by its first frame), whose exit status
+    imageio-ffmpeg never checks: ffmpeg failing to write a file's end (a full disk, a file size
+    limit, a quota) left a file no player opens, which passed for a finished render (and the
+    viewer's cache served it). None where imageio keeps it elsewhere than this version."""
+    frame = getattr(getattr(writer, "_write_gen", None), "gi_frame", None)
+    process = frame.f_locals.get("p") if frame is not None else None
+    return process if isinstance(process, subprocess.Popen) else None
+
+
+def _reads_back(path: Path, frames: int) -> bool:
+    """Whether the video at ``path`` reads back with its ``frames`` frames (~60 ms: where the
+    ffmpeg process that wrote it is unknown)."""
+    import imageio_ffmpeg
+
+    try:
+        return frames == 0 or imageio_ffmpeg.count_frames_and_secs(str(path))[0] == frames
+    except RuntimeError:  # ffmpeg cannot open it at all (an mp4 without its index)
+        return False
 
 
 def trajectory_to_video(

@@ -9,8 +9,10 @@ is refused); a ballast file fills it at the moment a test chooses.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
+import resource
 import shutil
 import subprocess
 import warnings
@@ -19,9 +21,11 @@ import numpy as np
 import pytest
 
 from replaybuf import ReplayBuffer, StorageError, convert, verify
+from replaybuf.importers import export_diffusion_policy, export_lerobot
 from replaybuf.storage import _kv
 from replaybuf.storage._hotmap import shard_maps
 from replaybuf.storage._kv import LocalKV
+from replaybuf.video import blocks_to_video
 
 from ._backends import LOCAL_BACKENDS as LOCAL
 from ._backends import holds_files_under, tmpfs
@@ -117,6 +121,8 @@ def test_store_episode_on_a_full_disk(disk, backend):
     assert_disk_full(error, folder)
     if "counters are written again" in str(error.value):  # the episode is committed, and says so
         kept.append(episode(seed))
+    else:
+        assert "the episode was not stored" in str(error.value)
     assert_holds(buffer, kept)
     free(disk)
     buffer.store_episode(**episode(20))
@@ -490,3 +496,113 @@ def test_a_convert_overwrite_that_fits_only_in_place_of_the_old_buffer_is_refuse
     assert snapshot_of_folder(disk / "dst") == before and os.listdir(disk) == ["dst"]
     with ReplayBuffer.from_folder(disk / "dst", read_only=True) as kept:
         assert_holds(kept, [episode(2)])
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """``folder`` read-only for the block, as a file system remounted so after an error: a
+    read-only bind mount over it (what this process opened before keeps its descriptors).
+    Skips the test where a mount is refused."""
+    if subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_a_writer_whose_folder_turned_read_only_still_gives_its_lease_back(tmp_path, backend):
+    """close() deleted the lease's lock file before closing the descriptor holding its flock: a
+    folder turned read-only made the delete raise, the flock was kept, and no writer (this
+    process's included) could open the buffer until the process ended."""
+    folder = tmp_path / "buf"
+    buffer = new(folder, backend)
+    buffer.store_episode(**episode(1))
+    with read_only(folder / "replaybuf"):
+        with pytest.raises(StorageError, match="Read-only file system") as error:
+            buffer.store_episode(**episode(2))
+        assert ".partial" not in str(error.value)  # the object, not the temp file it could not make
+        buffer.close()
+    with new(folder, backend, overwrite=False) as again:
+        assert_holds(again, [episode(1)])
+        again.store_episode(**episode(3))
+    assert verify(folder) == []
+
+
+def test_a_short_write_in_place_is_an_error(tmp_path):
+    """A write in place that the disk (or a file size limit) takes only part of returns a short
+    count, not an error: it was taken for whole, the rest of the bytes silently unwritten."""
+    kv = LocalKV(str(tmp_path / "kv"))
+    kv.set("table", bytes(8192))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(StorageError, match=r"kv/table.*96 of 200 bytes written: no space left"):
+            kv.write_at("table", 4000, b"x" * 200)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    kv.close()
+
+
+@pytest.mark.parametrize("room", [0, 24 << 10])
+def test_a_video_the_disk_has_no_room_for_is_an_error_and_leaves_nothing(disk, room):
+    """ffmpeg failing to write a video's end exits with an error that imageio-ffmpeg does not
+    check: the truncated file (no player opens it) was kept as rendered, and the viewer's
+    cache served it."""
+    frames = np.random.default_rng(0).integers(0, 255, (40, 64, 64, 3), dtype=np.uint8)  # ~150 KB of mp4
+    fill(disk)
+    os.truncate(disk / "ballast", os.path.getsize(disk / "ballast") - room)
+    with pytest.raises(OSError, match="ffmpeg did not finish the video") as error:
+        blocks_to_video([frames[:20], frames[20:]], disk / "episode.mp4")
+    assert error.value.errno == errno.ENOSPC and str(disk / "episode.mp4") in str(error.value)
+    assert os.listdir(disk) == ["ballast"]
+
+
+@pytest.mark.parametrize("export", [export_diffusion_policy, export_lerobot])
+def test_an_export_into_a_full_disk_names_its_folder_and_leaves_nothing(disk, tmp_path, export):
+    with new(tmp_path / "src", "zarr") as buffer:
+        buffer.store_episode(**episode(1))
+    fill(disk)
+    with pytest.raises(OSError, match="(?i)no space left") as error:
+        export(tmp_path / "src", disk / "dst")
+    assert str(disk / "dst") in str(error.value)
+    assert os.listdir(disk) == ["ballast"]
+
+
+def test_a_compressed_hdf5_file_refuses_a_write_past_the_file_size_limit(tmp_path):
+    """A file size limit (``ulimit -f``; a quota acts alike) cut HDF5's write of a new chunk
+    short: data.h5 then named an end past its own and could not be opened, every episode lost."""
+    folder = tmp_path / "buf"
+    buffer = new(folder, "hdf5", storage_options={"compression": "gzip"})
+    buffer.store_episode(**episode(1))
+    buffer.flush()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(folder / "data.h5") + 4096, hard))
+    try:
+        with pytest.raises(StorageError, match=r"data\.h5' may grow to .*file size limit.*nothing was written"):
+            buffer.store_episode(**episode(2))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    buffer.store_episode(**episode(3))
+    buffer.close()
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+        assert_holds(reader, [episode(1), episode(3)])
+    assert verify(folder) == []
+
+
+def test_a_with_block_a_full_disk_stopped_raises_its_own_error_not_the_close(disk):
+    """The error of a ``with`` block's store was replaced by that of the close() at its exit
+    (its compaction refused by the same full disk): ``replaybuf import`` reported a compaction,
+    not the episode it could not store."""
+    folder = disk / "buf"
+    with pytest.raises(StorageError, match=r"slots \[1\] .*No space left on device") as error:  # noqa: PT012
+        with new(folder, "zarr") as buffer:
+            buffer.store_episode(**episode(1))
+            fill(disk)
+            buffer.store_episode(**episode(2))
+    assert "then close() failed too" in error.value.__notes__[0] and "No space left" in error.value.__notes__[0]
+    free(disk)
+    with new(folder, "zarr", overwrite=False) as again:  # closed all the same
+        assert_holds(again, [episode(1)])

@@ -433,7 +433,7 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
     missing = missing_parents(dst)
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         if not existed:
             shutil.rmtree(dst, ignore_errors=True)
         elif os.path.isdir(dst):  # it was empty: everything in it is the export's
@@ -443,6 +443,11 @@ def new_folder(dst: str | os.PathLike, src: Any = None) -> Iterator[None]:
                 else:
                     os.unlink(entry.path)
         remove_empty(missing)  # the parents the export made (they were left), while still empty
+        if isinstance(error, OSError) and error.errno is not None and error.filename is None:
+            # a writer's error naming no file (zarr's, pyarrow's "No space left on device")
+            raise OSError(
+                error.errno, f"exporting into {os.fspath(dst)!r} failed: {error.strerror}; what it wrote was removed"
+            ) from error
         raise
 
 

@@ -43,6 +43,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import stat
 import uuid
 import warnings
@@ -55,7 +56,7 @@ import h5py
 import numpy as np
 
 from ..schema import FORMAT_NAME, FORMAT_VERSION, Schema
-from ._kv import open_stored, own_file
+from ._kv import WRITE_HEADROOM, open_stored, own_file
 from ._local import EpisodeChecksums, LocalFolderStorage, reserve
 from ._mapping import map_array
 from ._owned import erase_owned
@@ -645,8 +646,18 @@ class HDF5Storage(LocalFolderStorage):
         """Refuse, before HDF5 writes anything, a write the disk may have no room for: h5py
         reports a failed write of data.h5 only as a warning when it frees a handle, so the bytes
         would be lost silently and a read of them through a memmap would kill the process."""
-        if not self._reserved:
-            self.kv.check_room(nbytes, f"writing {what} into {DATA_FILE}")  # the headroom: HDF5's own metadata
+        if self._reserved:
+            return
+        self.kv.check_room(nbytes, f"writing {what} into {DATA_FILE}")  # the headroom: HDF5's own metadata
+        # a file size limit (``ulimit -f``) cut HDF5's write of a new chunk short: its metadata then
+        # named an end past the file's, and data.h5 could no longer be opened, every episode lost
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        grown = os.path.getsize(self.path) + nbytes + WRITE_HEADROOM
+        if limit != resource.RLIM_INFINITY and grown > limit:
+            raise StorageError(
+                f"{self.path!r} may grow to {grown:,} bytes writing {what}, over this process's file size limit "
+                f"(RLIMIT_FSIZE, `ulimit -f`) of {limit:,} bytes; nothing was written"
+            )
 
     def check_room(self, names: Sequence[str], steps: int, what: str) -> None:
         # docstring inherited: a compressed data.h5 may write every step whole

@@ -810,7 +810,11 @@ class LocalKV(KeyValue):
         _read_handles.drop([path])
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".partial")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".partial")
+        except OSError as e:
+            e.filename = path  # the object, not the temp file it could not make
+            raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -935,20 +939,27 @@ class LocalKV(KeyValue):
                 self._maps.pop(path, None)
 
     def write_at(self, key: str, offset: int, data: bytes) -> bool:
+        path = self._path(key)
         try:
-            fd = _open_no_follow(self._path(key), os.O_WRONLY)
+            fd = _open_no_follow(path, os.O_WRONLY)
+            if os.fstat(fd).st_nlink > 1:  # never written through a hard link (``own_file``)
+                os.close(fd)
+                own_file(path)
+                fd = _open_no_follow(path, os.O_WRONLY)
         except FileNotFoundError:
             return False
-        if os.fstat(fd).st_nlink > 1:  # never written through a hard link (``own_file``)
-            os.close(fd)
-            own_file(self._path(key))
-            fd = _open_no_follow(self._path(key), os.O_WRONLY)
+        except OSError as e:  # a folder or file system made read-only: as a failed write
+            raise StorageError(f"writing to {path!r} failed: {e.strerror or e}") from e
         try:
-            os.pwrite(fd, data, offset)
+            written = os.pwrite(fd, data, offset)
+            if written != len(data):  # the disk filled part way (the next write would say so)
+                raise OSError(
+                    errno.ENOSPC, f"{written} of {len(data)} bytes written: no space left (or a file size limit)"
+                )
             if self.fsync:
                 os.fsync(fd)
         except OSError as e:
-            raise StorageError(f"writing to {self._path(key)!r} failed: {e}") from e
+            raise StorageError(f"writing to {path!r} failed: {e.strerror or e}") from e
         finally:
             os.close(fd)
         return True

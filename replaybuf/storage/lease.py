@@ -346,13 +346,19 @@ class FileLease(WriterLease):
         _held.discard(self)
         if fd is None:
             return
-        if self._pid == os.getpid():
-            self._unlink_own(fd)
-            self._remove_created()
-        os.close(fd)  # closing the last descriptor of the open file drops the flock
         folder_fd, self._folder_fd = self._folder_fd, None
-        if folder_fd is not None:
-            os.close(folder_fd)
+        try:
+            if self._pid == os.getpid():
+                # a folder this process may no longer write (made read-only, or its file system
+                # remounted so) keeps the file, unlocked: the next writer takes it over as a
+                # stopped writer's (``inherited``); raising here would keep the flock below
+                with contextlib.suppress(OSError):
+                    self._unlink_own(fd)
+                self._remove_created()
+        finally:
+            os.close(fd)  # closing the last descriptor of the open file drops the flock
+            if folder_fd is not None:
+                os.close(folder_fd)
 
     def _unlink_own(self, fd: int) -> None:
         """Delete the lock file ``fd`` locks, only where the path still names it: the folder may
