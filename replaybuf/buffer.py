@@ -1091,6 +1091,9 @@ class ReplayBuffer(CommittedViews):
                 compacted = previous.storage.compact()
                 previous._commit.flush_counters()
                 previous._commit.log_pending = []  # its group holds only meta: rebuilt on its turn
+            elif lease.orphaned_state is not None:  # collected with counters it could not write
+                self.storage.commit_state(lease.orphaned_state)
+            lease.orphaned_state = None
             self.refresh()
             group = self._group
             if group is not None:  # only meta set: the group moves past the other's episodes
@@ -2094,5 +2097,10 @@ class ReplayBuffer(CommittedViews):
                     self._commit.flush_counters()
                     if self._commit.log_pending:
                         self._commit.flush_log()
+                elif self._commit.counters_pending and (lease := self.storage.held_lease) is not None:
+                    # a remote write could wait on what the collection interrupted: another
+                    # object of this process sharing the lease writes these counters before it
+                    # writes (``_take_turn``), or it would reuse the slots of the episodes they count
+                    lease.orphaned_state = dict(self._commit.state)
             else:
                 self._release(compact=False)

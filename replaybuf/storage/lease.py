@@ -161,6 +161,9 @@ class WriterLease(ABC):
         # the buffer object of this process that wrote last through the lease: another one
         # reloads what it committed before writing (``ReplayBuffer._take_turn``)
         self.turn: weakref.ref | None = None
+        # the counters of that object when a garbage collection freed it before it could write
+        # them to a remote store (``ReplayBuffer.__del__``): the next one to write writes them
+        self.orphaned_state: dict[str, Any] | None = None
         # held by every write of the buffer objects of this process sharing the lease (their
         # ``ReplayBuffer._lock``): taking turns reloads what the other committed, which two
         # objects writing at once from two threads cannot (both took the same slots)
