@@ -124,21 +124,28 @@ def sketched_fields(schema: Any) -> list[str]:
     ]
 
 
-def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
-    """Moments and per-feature KLL bytes of ``values`` (steps, features); ``m2`` is the sum of
-    squared deviations from the episode's mean (merged with Chan's update: exact where values
-    sit far from zero, unlike a sum of squares)."""
-    # each feature's values in a sorted row: KLL's rank error holds for any order of the
-    # input and sorted values compact ~3x faster; moments along rows are faster too
-    # (1,000 steps x 32 float32 features: 1.6 -> 0.64 ms)
-    ordered = np.sort(np.asarray(values).T, axis=1)
-    kind = sketch_kind(ordered.dtype)
+def _kll_blobs(ordered: np.ndarray, kind: str) -> list[bytes]:
+    """One serialized KLL sketch of ``kind`` per row of ``ordered`` (features, values)."""
     sketch = _kll(kind)
     blobs = []
     for column in np.asarray(ordered, np.float64 if kind == "kll_doubles" else np.float32):
         kll = sketch(KLL_K)
         kll.update(column)
         blobs.append(kll.serialize())
+    return blobs
+
+
+def _sorted_features(values: np.ndarray) -> np.ndarray:
+    """``values`` (steps, features) as each feature's values in a sorted row: KLL's rank error
+    holds for any order of the input and sorted values compact ~3x faster; moments along rows are
+    faster too (1,000 steps x 32 float32 features: 1.6 -> 0.64 ms)."""
+    return np.sort(np.asarray(values).T, axis=1)
+
+
+def _field_moments(ordered: np.ndarray) -> dict[str, Any]:
+    """Count, sum, m2, min and max per feature of ``ordered`` (``_sorted_features``); ``m2`` is
+    the sum of squared deviations from the episode's mean (merged with Chan's update: exact
+    where values sit far from zero, unlike a sum of squares)."""
     count = ordered.shape[1]
     total = ordered.sum(axis=1, dtype=np.float64)
     deviations = ordered.astype(np.float64)
@@ -147,16 +154,38 @@ def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
     low, high = ordered[:, 0], ordered[:, -1]  # in the field's dtype: int64 beyond 2**53 stays exact
     if ordered.dtype.kind == "f":  # NaN sorts last: NaN in a column, as np.min and np.max
         low = np.where(np.isnan(high), high, low)
-    header = {
+    return {
         "count": count,
         "sum": total.tolist(),
         "m2": np.einsum("ij,ij->i", deviations, deviations).tolist(),
         "min": low.tolist(),
         "max": high.tolist(),
-        "kll": [len(b) for b in blobs],
-        "sketch": kind,
+        "sketch": sketch_kind(ordered.dtype),
     }
-    return header, blobs
+
+
+def _field_sketch(values: np.ndarray) -> tuple[dict[str, Any], list[bytes]]:
+    """Moments (``_field_moments``) and per-feature KLL bytes of ``values`` (steps, features)."""
+    ordered = _sorted_features(values)
+    header = _field_moments(ordered)
+    blobs = _kll_blobs(ordered, header["sketch"])
+    return header | {"kll": [len(b) for b in blobs]}, blobs
+
+
+def _unstored_headers(episodes: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+    """The decoded headers (``decode``'s form) of ``episodes`` (each: field -> (T, *shape)
+    committed steps) whose blobs are not stored: each episode's moments, and one KLL sketch per
+    feature of all their values, held by the first header (the others hold none). Merging the
+    same values, at a fraction of the cost of a sketch per episode that is serialized, parsed
+    and merged (stats() of 100,000 read-only 5-step episodes: 76 s and 830 MB)."""
+    headers: list[dict[str, Any]] = [{"fields": {}} for _ in episodes]
+    for name in episodes[0] if episodes else ():
+        rows = [np.asarray(episode[name]).reshape(len(episode[name]), -1) for episode in episodes]
+        for header, values in zip(headers, rows):
+            header["fields"][name] = _field_moments(_sorted_features(values)) | {"kll": []}
+        every = _sorted_features(np.concatenate(rows))
+        headers[0]["fields"][name]["kll"] = _kll_blobs(every, sketch_kind(every.dtype))
+    return headers
 
 
 def encode(generation: int, revision: int, episode: dict[str, np.ndarray]) -> bytes:
@@ -341,12 +370,15 @@ def _sketch_from_data(
             batch = rows[lo : lo + per_read]
             got = read_episodes_consistent(buffer, slots[batch], fields, generations[batch], with_meta=False)
             read = {slot: i for i, slot in enumerate(got.slots.tolist())}
-            for row in batch.tolist():
-                i = read.get(int(slots[row]))
-                if i is None:
-                    continue  # rewritten meanwhile
-                blob = encode(generations[row], revisions[row], {n: got.data[n][i, : int(got.lens[i])] for n in fields})
-                if store and storing:
+            found = [(row, read[int(slots[row])]) for row in batch.tolist() if int(slots[row]) in read]
+            episodes = [{n: got.data[n][i, : int(got.lens[i])] for n in fields} for _, i in found]
+            if not store:  # rewritten ones (not read) are left None
+                for (row, _), header in zip(found, _unstored_headers(episodes)):
+                    headers[row] = header
+                continue
+            for (row, _), episode in zip(found, episodes):
+                blob = encode(generations[row], revisions[row], episode)
+                if storing:
                     storing = _store(buffer.storage, int(slots[row]), blob)
                 headers[row] = decode(blob)
     return headers

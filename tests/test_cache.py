@@ -545,6 +545,33 @@ def test_a_smaller_cache_size_bounds_a_folder_whose_episodes_are_all_cached(writ
         np.testing.assert_array_equal(got[name], expected[name][:])
 
 
+def test_fills_of_a_full_cache_scan_the_folder_once_per_tenth_of_cache_size(tmp_path, monkeypatch):
+    # a scan evicted only down to cache_size, so every later fill found the folder over it and
+    # scanned (and stat'ed) every file again: a cost per batch growing with the episodes cached
+    buffer = ReplayBuffer(
+        tmp_path / "buffer",
+        max_episodes=200,
+        max_timesteps=2,
+        fields={"state": {"dtype": "float", "compressor": "zstd"}},
+    )
+    for slot in range(200):
+        buffer.store_episode(state=np.full(1, slot, np.float32))
+    buffer.close()
+    file_bytes = 4 + CHECK_BYTES
+    reader = ReplayBuffer.from_folder(
+        tmp_path / "buffer", read_only=True, cache="disk", cache_dir=tmp_path / "cache", cache_size=50 * file_bytes
+    )
+    scans = []
+    evict = CachedStorage._evict
+    monkeypatch.setattr(CachedStorage, "_evict", lambda self: scans.append(1) or evict(self))
+    for slot in range(200):
+        assert reader.storage.read_rows("state", np.array([slot]), 0, 1)[0, 0] == slot
+        assert sum(cache_files(tmp_path / "cache").values()) <= 50 * file_bytes
+    # the first fill's scan, then one per 5 files filled past a full folder (was one per fill)
+    assert len(scans) <= 1 + 150 // 5 + 1, len(scans)
+    assert len(cache_files(tmp_path / "cache")) >= 45, "evicted down to 90% of cache_size, no further"
+
+
 def test_fillers_in_several_processes_keep_the_folder_within_cache_size(written, tmp_path):
     # each process counted only its own writes since its last scan: two processes filling in
     # turns left ~2x cache_size on disk (N processes or loader workers, ~N x)

@@ -481,6 +481,30 @@ def test_sketching_from_data_reads_a_bounded_batch_at_a_time(tmp_path, monkeypat
     assert_within_rank_error(stats, values)
 
 
+def test_short_episodes_sketched_from_data_share_one_sketch_per_read(tmp_path, monkeypatch):
+    """Episodes whose blobs are not stored (shorter than KLL_K steps, or a read-only buffer) are
+    sketched together, one KLL sketch per feature per read of READ_BYTES, not one per episode
+    serialized, parsed and merged (stats() of 100,000 5-step episodes took 76 s and 830 MB);
+    moments, returns and quantiles stay those of the values."""
+    buffer = ReplayBuffer(tmp_path / "b", max_episodes=40, max_timesteps=KLL_K, fields=FIELDS)
+    episodes = [episode(i, 3 + i % 5) for i in range(40)]
+    for one in episodes:
+        buffer.store_episode(**one)
+    monkeypatch.setattr(sketches, "READ_BYTES", 16 * KLL_K * 16)  # 16 episodes a read: 3 reads
+    for reader in (buffer, ReplayBuffer.from_folder(tmp_path / "b", read_only=True)):
+        stats = reader.stats(["state", "reward"])
+        assert [len(parts) for parts in stats["state"].sketches._parts] == [3, 3, 3]
+        assert buffer.storage.list_blobs(PREFIX) == [], "no blob of a short episode is stored"
+        for name in ("state", "reward"):
+            values = np.concatenate([one[name] for one in episodes]).astype(np.float64)
+            flat = values.reshape(len(values), -1)
+            np.testing.assert_allclose(stats[name].mean.reshape(-1), flat.mean(0), rtol=1e-5)
+            np.testing.assert_allclose(stats[name].std.reshape(-1), flat.std(0), rtol=1e-4)
+            assert_within_rank_error(stats[name], values)
+        returns = [one["reward"].astype(np.float64).sum() for one in episodes]
+        np.testing.assert_allclose(stats.episode_sums["reward"].numpy(), returns, rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "values",
     [
