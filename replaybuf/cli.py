@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import errno
 import io
 import json
 import os
@@ -71,6 +72,9 @@ BROWSER_VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov")
 
 # the errors a command turns into a usage message: bad values, missing files, unreachable stores
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, StorageError)
+# what the disk answered midway (full, over a quota or size limit, read-only, failing): no usage
+# mistake, so no usage text; exit status 1, as a damaged or locked buffer
+DISK_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 
 
 @dataclass(frozen=True)
@@ -518,9 +522,22 @@ def _run_reporting_errors(command: Command, args: argparse.Namespace, parser: ar
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1
     except USER_ERRORS as error:
+        if _disk_failed(error):
+            print(f"{parser.prog}: {error}", file=sys.stderr)
+            return 1
         message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
         parser.error(message or type(error).__name__)
     return 0 if status is None else int(status)
+
+
+def _disk_failed(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it) is the disk failing a write: full, read-only, ..."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, OSError) and error.errno in DISK_FAILURES:
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _stdout_reader_gone() -> bool:

@@ -283,6 +283,21 @@ def test_convert_into_a_full_destination_leaves_no_half_buffer(disk, tmp_path):
     assert verify(tmp_path / "src") == []
 
 
+def test_the_command_line_reports_a_full_disk_as_a_failure_not_a_usage_error(disk, tmp_path, capsys):
+    """``replaybuf convert`` into a full disk printed the whole usage text and exited 2, as for
+    a mistyped argument; the disk's answer is a failure of the command (status 1)."""
+    from replaybuf.cli import main
+
+    with new(tmp_path / "src", "zarr") as buffer:
+        buffer.store_episode(**episode(0, length=8))
+    fill(disk)
+    assert main(["convert", str(tmp_path / "src"), str(disk / "dst")]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("replaybuf convert: ") and "no space left" in error.lower(), error
+    assert "usage:" not in error
+    assert not (disk / "dst").exists()
+
+
 def test_a_sparse_hdf5_file_of_an_earlier_release_is_reserved_at_a_writable_open(disk):
     folder = disk / "buf"
     new(folder, "hdf5").close()
