@@ -558,6 +558,19 @@ def test_a_fifo_folder_or_broken_link_at_a_raw_backends_data_file_is_named_as_da
     assert os.path.lexists(path)
 
 
+@pytest.mark.parametrize("kind", ["folder", "link to a folder"])
+def test_a_folder_at_memmap_s_lengths_file_is_named_as_damage(tmp_path, capsys, kind):
+    """Before: a read-only open mapped the folder to pin the buffer's identity (memmap's lengths
+    file) and failed with 'mmap of 1 bytes failed: No such device', naming no file."""
+    location = filled(tmp_path / "b", "memmap")
+    path = os.path.join(location, "episode_lens.data.meta.npy")
+    os.unlink(path)
+    os.mkdir(path) if kind == "folder" else os.symlink(str(tmp_path), path)
+    with pytest.raises(BufferDamagedError, match=f"{re.escape(path)}: not a regular file"):
+        ReplayBuffer.from_folder(location, read_only=True)
+    assert main(["verify", location]) == 1 and path in capsys.readouterr().err
+
+
 def stat_is_fifo(path: str) -> bool:
     return stat.S_ISFIFO(os.lstat(path).st_mode)
 
