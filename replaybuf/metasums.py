@@ -251,9 +251,10 @@ def diagnose(
     computed = int(entries(np.array([slot]), np.array([generation]), values, summed)[0])
     if stored == 0 or bin(stored ^ computed).count("1") == 1:
         return META_SUM, computed
-    bits = np.uint64(1) << np.arange(63, dtype=np.uint64)
-    candidates = (np.uint64(generation) ^ bits).astype(np.int64)
-    found = _matching(slot, stored, candidates, {n: np.repeat(v, 63, axis=0) for n, v in values.items()}, summed)
+    # every bit of the int64 generation, its sign bit too (a flip there reads as a negative one)
+    bits = np.uint64(1) << np.arange(64, dtype=np.uint64)
+    candidates = (np.array(generation, np.int64).view(np.uint64) ^ bits).view(np.int64)
+    found = _matching(slot, stored, candidates, {n: np.repeat(v, 64, axis=0) for n, v in values.items()}, summed)
     if found is not None:
         return "_generation", int(candidates[found])
     for name, field in summed.fields.items():

@@ -261,6 +261,26 @@ def test_verify_reports_damaged_meta_values_and_repair_restores_one_flipped_bit_
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_a_generation_s_flipped_sign_bit_is_reported_and_restored_by_repair(tmp_path, backend):
+    """Before: a flipped sign bit in slot 1's generation (which then reads negative) made
+    ``verify`` and ``verify --repair`` crash with an OverflowError (their diagnosis tried the
+    flips as uint64 and only 63 bits of them), and the repair's writable open refused the
+    negative generation its own report said the repair restores."""
+    if backend == "hdf5":
+        require("h5py")
+    path = build(tmp_path / "b", backend)
+    before = read(path)
+    write_raw(path, "_generation", [1], [2 - (1 << 63)])  # generation 2, its sign bit flipped
+    with pytest.raises(BufferDamagedError, match="meta/_generation"):
+        read(path)
+    problems = verify(path)
+    assert "meta/_generation: slot 1: holds -9223372036854775806" in problems[0] and "matches 2" in problems[0]
+    assert "repaired: restored meta/_generation of slot 1 to 2, which its checksum matches" in verify(path, repair=True)
+    assert verify(path) == []
+    assert same(read(path), before)
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_convert_refuses_damaged_meta_and_seals_what_it_copies(tmp_path, backend):
     if backend == "hdf5":
         require("h5py")

@@ -202,13 +202,20 @@ class LocalFolderStorage(KVBlobs, Storage):
         self._identity = self._pin = None
         if not read_only:
             return
+        path = self.identity_file()
         try:
-            fd = open_stored(self.identity_file())  # a FIFO there is refused, never waited on
+            fd = open_stored(path)  # a FIFO there is refused, never waited on
         except FileNotFoundError:
             # no buffer (the open says so), or one created since: read as replaced
             self._identity = _NO_FILE
             return
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):  # a folder (or a link to one) cannot be mapped: named, as the arrays are
+            os.close(fd)
+            raise BufferDamagedError(
+                f"{path}: not a regular file (a FIFO, a device, a folder or a broken link) where the buffer's "
+                "array belongs"
+            )
         self._identity = (st.st_dev, st.st_ino)
         if st.st_size:  # a map of its first byte pins the inode without a descriptor (``map_file``)
             try:

@@ -198,6 +198,11 @@ class MemmapStorage(LocalFolderStorage):
                 raw = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             return None
+        except IsADirectoryError:  # the read names the descriptor, not the file
+            raise BufferDamagedError(
+                f"{path}: not a regular file (a FIFO, a device, a folder or a broken link) where the buffer's "
+                "config belongs"
+            ) from None
         if len(raw) > MAX_CONFIG_BYTES:
             raise BufferDamagedError(f"{path}: over {MAX_CONFIG_BYTES} bytes, not a buffer config")
         config = parse_json(raw, path)
