@@ -416,9 +416,9 @@ def test_a_trajectory_batch_whose_reads_fail_under_a_rewriting_writer_drops_thos
     dataset, uids = loader.dataset, iter(range(10, 100))
     read = dataset._read
 
-    def rewritten_under_every_read(positions):
+    def rewritten_under_every_read(positions, *rest):
         if not len(positions):
-            return read(positions)
+            return read(positions, *rest)
         write_episode(writer, next(uids), "whole")
         raise CorruptChunkError("data/obs: slot 0 damaged while rewritten")
 

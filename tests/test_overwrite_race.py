@@ -294,6 +294,7 @@ def stale_member_rows(dataset, backend: str) -> None:
 def test_a_concat_refresh_reopens_a_replaced_member_and_names_one_of_another_config(tmp_path, backend):
     from replaybuf import ConcatReplayBuffer
     from replaybuf.viewer import BufferApp
+    from replaybuf.viewer.apps import EpisodeVersion
 
     create(tmp_path / "a", backend, 5).close()
     create(tmp_path / "b", backend, 1).close()
@@ -301,7 +302,7 @@ def test_a_concat_refresh_reopens_a_replaced_member_and_names_one_of_another_con
     old_dataset, old_storage = concat.dataset(return_episode_lens=True), concat.storage
     app = BufferApp(concat)
     app.image_fields = ["obs"]  # a video's cache key (this buffer has no image field)
-    old_key = app._video_path(SLOTS, 1, 0, "obs")
+    old_key = app._video_path(SLOTS, EpisodeVersion(1, 0, app._reopened), "obs")
     create(tmp_path / "b", backend, 2).close()  # overwrite=True by another writer object
     assert concat.storage.replaced()
     with pytest.raises(BufferReplacedError, match="replaced by another process"):
@@ -310,7 +311,10 @@ def test_a_concat_refresh_reopens_a_replaced_member_and_names_one_of_another_con
     assert concat_rows(concat.refresh()) == {5, 2}
     assert concat.storage is not old_storage and not concat.storage.replaced()
     stale_member_rows(old_dataset, backend)  # planned before the refresh: never the new member's rows
-    assert app.episodes()["num_episodes"] == 2 * SLOTS and app._video_path(SLOTS, 1, 0, "obs") != old_key
+    assert (
+        app.episodes()["num_episodes"] == 2 * SLOTS
+        and app._video_path(SLOTS, EpisodeVersion(1, 0, app._reopened), "obs") != old_key
+    )
     app.close()
 
     create(tmp_path / "b", backend, 3, max_episodes=SLOTS + 2).close()
