@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -636,6 +636,13 @@ class BufferStats:
 
     def __getitem__(self, name: str) -> FieldStats:
         return self.fields[name]
+
+    def __iter__(self) -> Iterator[str]:
+        """The field names, as a dict's keys (``list(stats)`` asked for ``stats[0]``: KeyError)."""
+        return iter(self.fields)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fields
 
 
 def _block_moments(block: np.ndarray, lens: np.ndarray) -> tuple:

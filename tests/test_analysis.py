@@ -229,7 +229,9 @@ def test_stats_over_valid_steps_only(circular):
 
 def test_stats_normalizes_observations(circular):
     buffer, _ = circular
-    obs_stats = stats(buffer, ["obs"])["obs"]
+    result = stats(buffer, ["obs"])
+    assert list(result) == ["obs"] and "obs" in result and "act" not in result  # its fields, as a dict's keys
+    obs_stats = result["obs"]
     obs, mask = torch.from_numpy(to_dask(buffer, ["obs"])["obs"].compute()), episode_mask(buffer).compute()
     normalized = ((obs - obs_stats.mean) / obs_stats.std)[torch.from_numpy(mask)]
     assert obs_stats.mean.dtype == torch.float32
