@@ -33,7 +33,7 @@ from .commit import catch_up
 from .inputs import check_flag
 from .metasums import META_SUM
 from .schema import Field, Schema, parse_compressor
-from .storage import missing_folder_hint, new_uuid, object_store_endpoint, seed_h5_hint
+from .storage import detect_backend, missing_folder_hint, new_uuid, object_store_endpoint, seed_h5_hint
 from .storage.base import (
     ATTRS_KEY,
     LOG_PREFIX,
@@ -340,6 +340,13 @@ def convert(
     # neither the source's shards nor those of another copy of it read as the copy's
     target_schema = dataclasses.replace(target_schema, uuid=new_uuid())
     target = make_storage(dst, backend, dst_storage_options)
+    other = detect_backend(target.location, dst_storage_options)
+    if other is not None and other != target.backend_name:  # "open it with backend=...", said below
+        raise FileExistsError(
+            f"convert: {target.location!r} holds a {other!r} buffer, and a copy of backend {backend!r} replaces "
+            f"only a buffer of its own backend; delete that buffer first, or convert to backend {other!r} "
+            f"(--backend {other})"
+        )
     if not overwrite and target.exists():
         raise FileExistsError(
             f"convert: a buffer already exists at {target.location!r}; pass overwrite=True (--overwrite) to replace it"

@@ -280,3 +280,14 @@ def test_a_convert_overwrite_lets_go_of_the_old_buffer_s_files_this_process_mapp
     with ReplayBuffer.from_folder(tmp_path / "dst", read_only=True) as copy:
         assert np.unique(copy.data["image"][0, :5]).tolist() == [7]
     reader.close()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_copy_onto_another_backends_buffer_names_the_backend_to_convert_to(tmp_path, overwrite):
+    """It said "open it with backend='memmap'", advice for ReplayBuffer that convert takes none of."""
+    filled(tmp_path / "src", "zarr")
+    filled(tmp_path / "dst", "memmap", lengths=(2, 3))
+    before = tree(tmp_path / "dst")
+    with pytest.raises(FileExistsError, match=r"holds a 'memmap' buffer.*--backend memmap\)$"):
+        convert(tmp_path / "src", tmp_path / "dst", progress=False, overwrite=overwrite)
+    assert tree(tmp_path / "dst") == before
