@@ -2025,7 +2025,7 @@ class ReplayBuffer(CommittedViews):
         started = time.perf_counter()
         self._refuse_unwritable("compact")
         handed = self._take_turn("compact")
-        summary = self.storage.compact()
+        summary = self._compact()
         if handed is not None:
             summary.episodes += handed.episodes
             summary.bytes_before += handed.bytes_before
@@ -2040,6 +2040,18 @@ class ReplayBuffer(CommittedViews):
         the buffer again to write). Closing again does nothing."""
         self._release(compact=True)
 
+    def _compact(self) -> CompactionSummary:
+        """``storage.compact()``; a failure (a full disk) says what it means for the episodes: its
+        message names the compressed shard it could not write, which read as damage to them."""
+        try:
+            return self.storage.compact()
+        except (OSError, StorageError) as error:
+            error.add_note(
+                "compaction stopped; every episode it had not compacted stays stored uncompressed (hot) and reads "
+                "back the same: compact() or close() again once the cause is gone"
+            )
+            raise
+
     def _release(self, compact: bool) -> None:
         """``close()``; ``compact`` False leaves the hot episodes hot (for the next writer's
         compactor), as a dropped buffer does."""
@@ -2050,7 +2062,7 @@ class ReplayBuffer(CommittedViews):
                 if not self._superseded():
                     self.flush()
                     if compact and not self.read_only:
-                        self.storage.compact()
+                        self._compact()
             finally:
                 # closed even when the flush failed (a full disk): nothing committed needs the
                 # counters it could not write, the next writable open derives them

@@ -621,3 +621,24 @@ def test_a_with_block_a_full_disk_stopped_raises_its_own_error_not_the_close(dis
     free(disk)
     with new(folder, "zarr", overwrite=False) as again:  # closed all the same
         assert_holds(again, [episode(1)])
+
+
+def test_a_compaction_the_disk_has_no_room_for_says_the_episodes_stay_hot_and_whole(disk):
+    """Its message named the shard it could not write (``.../c.0.0.0.0.0``), which read as damage
+    to episode 0; the episodes stay hot and read back the same."""
+    folder = disk / "buf"
+    buffer = new(folder, "zarr")
+    stored = [episode(1), episode(2)]
+    for values in stored:
+        buffer.store_episode(**values)
+    buffer.flush()
+    fill(disk)
+    with pytest.raises((OSError, StorageError), match="No space left") as error:
+        buffer.compact()
+    assert "stays stored uncompressed (hot) and reads back the same" in " ".join(error.value.__notes__)
+    assert_holds(buffer, stored)
+    free(disk)
+    buffer.close()  # compacted now
+    with ReplayBuffer.from_folder(folder, read_only=True) as reader:
+        assert_holds(reader, stored)
+    assert verify(folder) == []
